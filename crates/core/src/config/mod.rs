@@ -1,0 +1,72 @@
+//! Config in two phases (`STYLE.md` habit 8): TOML → [`raw::RawConfig`] (serde, unknown keys
+//! refused, defaults filled) → [`RawConfig::validate`] → [`Config`] (typed, ranges checked).
+//!
+//! `--set key.path=value` overrides are applied to the parsed TOML tree *before* phase one, so an
+//! override is checked exactly like the file, and an error caused by one says so. Every error is
+//! one line naming the file, the key and what was expected; an unknown key suggests the closest
+//! valid one.
+
+mod error;
+mod overrides;
+pub mod raw;
+mod typed;
+mod validate;
+
+use std::collections::BTreeSet;
+use std::path::Path;
+
+pub use error::{ConfigError, ConfigErrorKind};
+pub use overrides::Override;
+pub use raw::RawConfig;
+pub use typed::*;
+
+/// The environment variable that supplies `admin.token` when the file does not.
+pub const ADMIN_TOKEN_ENV: &str = "SLUICE_ADMIN_TOKEN";
+
+/// Reads, overrides and validates the config at `path`, taking the admin token from the process
+/// environment when the file has none.
+pub fn load(path: &Path, overrides: &[Override]) -> Result<Config, ConfigError> {
+    let file = path.display().to_string();
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        ConfigError::file(
+            &file,
+            ConfigErrorKind::Io,
+            format!("cannot read config: {e}"),
+        )
+    })?;
+    parse(&text, &file, overrides, &|k| std::env::var(k).ok())
+}
+
+/// Parses config text. `file` names the source in errors; `env` looks environment variables up
+/// (injected so tests do not touch the process environment).
+pub fn parse(
+    text: &str,
+    file: &str,
+    overrides: &[Override],
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<Config, ConfigError> {
+    let mut tree: toml::Table = text.parse().map_err(|e: toml::de::Error| {
+        ConfigError::file(file, ConfigErrorKind::Syntax, format!("invalid TOML: {e}"))
+    })?;
+    let mut overridden = BTreeSet::new();
+    for o in overrides {
+        o.apply(&mut tree).map_err(|msg| {
+            ConfigError::key(file, &o.key, ConfigErrorKind::Override, msg).via("--set")
+        })?;
+        overridden.insert(o.key.clone());
+    }
+    let ctx = validate::Ctx {
+        file,
+        overridden: &overridden,
+        env,
+    };
+    let raw = validate::deserialize(toml::Value::Table(tree), &ctx)?;
+    raw.validate(&ctx)
+}
+
+impl Config {
+    /// The resolved config as TOML, in the file's own shape (secrets redacted).
+    pub fn to_toml(&self) -> String {
+        toml::to_string(self).unwrap_or_else(|e| format!("# cannot render config: {e}\n"))
+    }
+}

@@ -1,0 +1,307 @@
+//! Phase one: the TOML file as serde sees it. Every section denies unknown keys and has defaults,
+//! so a minimal file is valid. Numbers are read wide (`i64`, `f64`) and enums as strings, so that
+//! phase two can say "expected an integer ≥ 1, got -3" instead of a serde type error.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+/// The whole file.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawConfig {
+    /// `[run]`
+    pub run: RawRun,
+    /// `[model]`
+    pub model: RawModel,
+    /// `[engine]`
+    pub engine: RawEngine,
+    /// `[trainer]`
+    pub trainer: RawTrainer,
+    /// `[rollout]`
+    pub rollout: RawRollout,
+    /// `[data]`
+    pub data: RawData,
+    /// `[replay]`
+    pub replay: RawReplay,
+    /// `[metrics]`
+    pub metrics: RawMetrics,
+    /// `[admin]`
+    pub admin: RawAdmin,
+}
+
+/// `[run]`: identity and length of the run.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawRun {
+    /// Run name; also seeds the run id and the default output dir.
+    pub name: String,
+    /// Where checkpoints, the replay store and metrics go (default `runs/<name>`).
+    pub output_dir: Option<String>,
+    /// Master seed; every component derives its own seed from it.
+    pub seed: i64,
+    /// Training steps to run.
+    pub max_steps: i64,
+}
+
+impl Default for RawRun {
+    fn default() -> Self {
+        Self {
+            name: "sluice".into(),
+            output_dir: None,
+            seed: 0,
+            max_steps: 100,
+        }
+    }
+}
+
+/// `[model]`: the policy checkpoint.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawModel {
+    /// Hugging Face model directory (default `<output_dir>/model`).
+    pub path: Option<String>,
+    /// Create the directory from a built-in preset when it does not exist (`tiny`, `small`).
+    pub init_preset: Option<String>,
+    /// `f32`, `bf16` or `f16`.
+    pub dtype: String,
+    /// `cpu`, `cuda` or `cuda:N`.
+    pub device: String,
+}
+
+impl Default for RawModel {
+    fn default() -> Self {
+        Self {
+            path: None,
+            init_preset: None,
+            dtype: "f32".into(),
+            device: "cpu".into(),
+        }
+    }
+}
+
+/// `[engine]`: rollout generation.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawEngine {
+    /// `native`, `remote` or `simulated`.
+    pub backend: String,
+    /// Engine replicas on this node.
+    pub replicas: i64,
+    /// Cap on sequences decoded together per replica.
+    pub max_running_sequences: i64,
+    /// Token budget of one scheduler step (prefill + decode).
+    pub max_step_tokens: i64,
+    /// Base URLs of remote servers (`backend = "remote"`).
+    pub remote_urls: Vec<String>,
+    /// Per-request timeout of the remote backend, seconds.
+    pub request_timeout_s: f64,
+}
+
+impl Default for RawEngine {
+    fn default() -> Self {
+        Self {
+            backend: "native".into(),
+            replicas: 1,
+            max_running_sequences: 64,
+            max_step_tokens: 4096,
+            remote_urls: Vec::new(),
+            request_timeout_s: 120.0,
+        }
+    }
+}
+
+/// `[trainer]`: optimisation and loss.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawTrainer {
+    /// `ppo`, `tis` or `decoupled_ppo`.
+    pub loss: String,
+    /// Peak learning rate.
+    pub learning_rate: f64,
+    /// `constant` or `cosine` (after warmup).
+    pub lr_schedule: String,
+    /// Linear warmup steps.
+    pub warmup_steps: i64,
+    /// AdamW decoupled weight decay.
+    pub weight_decay: f64,
+    /// Global gradient-norm clip.
+    pub max_grad_norm: f64,
+    /// Lower clip ε of the ratio (`1 − ε`).
+    pub clip_low: f64,
+    /// Upper clip ε of the ratio (`1 + ε`).
+    pub clip_high: f64,
+    /// KL penalty coefficient against the reference policy (0 disables it).
+    pub kl_coef: f64,
+    /// Rows `B` of one packed micro-batch.
+    pub micro_batch_size: i64,
+    /// Row length `L` of one packed micro-batch, tokens.
+    pub max_seq_len: i64,
+    /// `group` or `situational`.
+    pub advantage: String,
+    /// Divide group advantages by the group's reward std.
+    pub normalize_advantage_std: bool,
+}
+
+impl Default for RawTrainer {
+    fn default() -> Self {
+        Self {
+            loss: "ppo".into(),
+            learning_rate: 1e-5,
+            lr_schedule: "constant".into(),
+            warmup_steps: 0,
+            weight_decay: 0.0,
+            max_grad_norm: 1.0,
+            clip_low: 0.2,
+            clip_high: 0.2,
+            kl_coef: 0.0,
+            micro_batch_size: 4,
+            max_seq_len: 2048,
+            advantage: "group".into(),
+            normalize_advantage_std: true,
+        }
+    }
+}
+
+/// `[rollout]`: group shape, sampling and the initial runtime knobs.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawRollout {
+    /// Rollouts per data sample.
+    pub group_size: i64,
+    /// Groups per training step (the global batch, in groups).
+    pub groups_per_step: i64,
+    /// Model turns per episode, at most.
+    pub max_turns: i64,
+    /// Tokens per model turn, at most.
+    pub max_new_tokens: i64,
+    /// Sampling temperature (0 = greedy).
+    pub temperature: f64,
+    /// Nucleus sampling mass, in (0, 1].
+    pub top_p: f64,
+    /// Top-k cut-off (0 = off).
+    pub top_k: i64,
+    /// Knob: over-sending factor s ≥ 0.
+    pub staleness_threshold: f64,
+    /// Knob: η, the largest version lag a trained token may have.
+    pub max_version_lag: i64,
+    /// Knob: resume aborted turns from their partial output.
+    pub enable_partial_rollout: bool,
+    /// Knob: aborts before a rollout becomes a tail candidate, minus one (0 = no tail batch).
+    pub tail_batch_candidate_steps: i64,
+    /// Knob: candidates that trigger a tail round (0 = `groups_per_step`).
+    pub tail_batch_trigger_size: i64,
+    /// Knob: `abort_resume`, `in_flight` or `drain`.
+    pub weight_update_mode: String,
+    /// Knob: cap on concurrently generating rollouts (0 = the admission bound).
+    pub max_concurrent_rollouts: i64,
+    /// Knob: start paused.
+    pub paused: bool,
+    /// Knob: target weight per domain.
+    pub domain_mix: BTreeMap<String, f64>,
+}
+
+impl Default for RawRollout {
+    fn default() -> Self {
+        Self {
+            group_size: 8,
+            groups_per_step: 8,
+            max_turns: 1,
+            max_new_tokens: 512,
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            staleness_threshold: 0.0,
+            max_version_lag: 1,
+            enable_partial_rollout: true,
+            tail_batch_candidate_steps: 0,
+            tail_batch_trigger_size: 0,
+            weight_update_mode: "abort_resume".into(),
+            max_concurrent_rollouts: 0,
+            paused: false,
+            domain_mix: BTreeMap::new(),
+        }
+    }
+}
+
+/// `[data]`: datasets.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawData {
+    /// Dataset specs, `domain::name[@split]`.
+    pub datasets: Vec<String>,
+    /// Directory holding `<domain>/<name>[.<split>].jsonl` files.
+    pub data_dir: String,
+    /// `skip` or `fail` on a line that does not parse.
+    pub on_bad_line: String,
+}
+
+impl Default for RawData {
+    fn default() -> Self {
+        Self {
+            datasets: Vec::new(),
+            data_dir: "data".into(),
+            on_bad_line: "skip".into(),
+        }
+    }
+}
+
+/// `[replay]`: the replay store.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawReplay {
+    /// Database directory (default `<output_dir>/replay`).
+    pub path: Option<String>,
+    /// What happens to expired rollouts: `regenerate` or `drop`.
+    pub expired: String,
+    /// Move groups whose rewards are all equal to the `Filtered` bucket.
+    pub filter_zero_advantage: bool,
+}
+
+impl Default for RawReplay {
+    fn default() -> Self {
+        Self {
+            path: None,
+            expired: "regenerate".into(),
+            filter_zero_advantage: true,
+        }
+    }
+}
+
+/// `[metrics]`: the Prometheus endpoint.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawMetrics {
+    /// Serve `/metrics`.
+    pub enabled: bool,
+    /// Listen address.
+    pub listen: String,
+}
+
+impl Default for RawMetrics {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            listen: "127.0.0.1:9400".into(),
+        }
+    }
+}
+
+/// `[admin]`: the admin HTTP API.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawAdmin {
+    /// Listen address.
+    pub listen: String,
+    /// Bearer token for mutating calls (falls back to `$SLUICE_ADMIN_TOKEN`).
+    pub token: Option<String>,
+}
+
+impl Default for RawAdmin {
+    fn default() -> Self {
+        Self {
+            listen: "127.0.0.1:9401".into(),
+            token: None,
+        }
+    }
+}

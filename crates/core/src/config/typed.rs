@@ -1,0 +1,401 @@
+//! Phase two: the validated config every component receives. Types say what was checked
+//! (`NonZeroU32`, `SocketAddr`, enums, `Duration`), so consumers never re-validate.
+//!
+//! `Serialize` writes the resolved config back in the file's own shape: `sluice check` prints it,
+//! and what it prints loads again to the same config.
+
+use std::fmt;
+use std::net::SocketAddr;
+use std::num::{NonZeroU32, NonZeroU64};
+use std::path::PathBuf;
+use std::str::FromStr;
+use std::time::Duration;
+
+use serde::{Serialize, Serializer};
+
+use crate::knobs::Knobs;
+
+/// The validated config.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Config {
+    /// `[run]`
+    pub run: RunConfig,
+    /// `[model]`
+    pub model: ModelConfig,
+    /// `[engine]`
+    pub engine: EngineConfig,
+    /// `[trainer]`
+    pub trainer: TrainerConfig,
+    /// `[rollout]`
+    pub rollout: RolloutConfig,
+    /// `[data]`
+    pub data: DataConfig,
+    /// `[replay]`
+    pub replay: ReplayConfig,
+    /// `[metrics]`
+    pub metrics: MetricsConfig,
+    /// `[admin]`
+    pub admin: AdminConfig,
+}
+
+/// `[run]`
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RunConfig {
+    /// Run name (`[A-Za-z0-9._-]+`).
+    pub name: String,
+    /// Output directory.
+    pub output_dir: PathBuf,
+    /// Master seed.
+    pub seed: u64,
+    /// Training steps to run.
+    pub max_steps: NonZeroU64,
+}
+
+/// Built-in model presets that `sluice model init` can write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ModelPreset {
+    /// A few hundred thousand parameters: tests and the quickstart.
+    Tiny,
+    /// Roughly 50–100M parameters: benchmarks.
+    Small,
+}
+
+/// Element type of model weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DType {
+    /// 32-bit float.
+    F32,
+    /// bfloat16.
+    Bf16,
+    /// IEEE half.
+    F16,
+}
+
+/// Where tensors live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Device {
+    /// Host CPU.
+    Cpu,
+    /// CUDA device by ordinal.
+    Cuda(u32),
+}
+
+impl fmt::Display for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Device::Cpu => f.write_str("cpu"),
+            Device::Cuda(i) => write!(f, "cuda:{i}"),
+        }
+    }
+}
+
+impl FromStr for Device {
+    type Err = ();
+    fn from_str(s: &str) -> Result<Self, ()> {
+        match s {
+            "cpu" => Ok(Self::Cpu),
+            "cuda" => Ok(Self::Cuda(0)),
+            _ => s
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse().ok())
+                .map(Self::Cuda)
+                .ok_or(()),
+        }
+    }
+}
+
+impl Serialize for Device {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+/// `[model]`
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ModelConfig {
+    /// Hugging Face model directory.
+    pub path: PathBuf,
+    /// Preset to create the directory from when it is absent.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub init_preset: Option<ModelPreset>,
+    /// Weight dtype.
+    pub dtype: DType,
+    /// Device.
+    pub device: Device,
+}
+
+/// Which inference backend drives rollouts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EngineBackend {
+    /// Sluice's own candle engine.
+    Native,
+    /// OpenAI-compatible servers over HTTP.
+    Remote,
+    /// A timing model, for tests, benchmarks and capacity planning.
+    Simulated,
+}
+
+/// `[engine]`
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct EngineConfig {
+    /// Backend.
+    pub backend: EngineBackend,
+    /// Replicas on this node.
+    pub replicas: NonZeroU32,
+    /// Cap on sequences decoded together per replica.
+    pub max_running_sequences: NonZeroU32,
+    /// Token budget of one scheduler step.
+    pub max_step_tokens: NonZeroU32,
+    /// Remote server base URLs.
+    pub remote_urls: Vec<String>,
+    /// Remote request timeout.
+    #[serde(rename = "request_timeout_s", serialize_with = "as_seconds")]
+    pub request_timeout: Duration,
+}
+
+fn as_seconds<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_f64(d.as_secs_f64())
+}
+
+/// Policy-gradient loss.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LossKind {
+    /// Clipped ratio against the behaviour log-probs (PPO / GRPO).
+    Ppo,
+    /// Truncated importance sampling.
+    Tis,
+    /// AReaL's decoupled objective: clip against a recomputed proximal policy.
+    DecoupledPpo,
+}
+
+/// Learning-rate schedule after warmup.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LrSchedule {
+    /// Constant at the peak.
+    Constant,
+    /// Cosine decay to zero at `max_steps`.
+    Cosine,
+}
+
+/// How advantages are baselined.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AdvantageKind {
+    /// GRPO: reward minus the group mean.
+    Group,
+    /// Baseline within (group × situation label).
+    Situational,
+}
+
+/// `[trainer]`
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TrainerConfig {
+    /// Loss.
+    pub loss: LossKind,
+    /// Peak learning rate (> 0).
+    pub learning_rate: f64,
+    /// Schedule after warmup.
+    pub lr_schedule: LrSchedule,
+    /// Warmup steps.
+    pub warmup_steps: u64,
+    /// AdamW weight decay (≥ 0).
+    pub weight_decay: f64,
+    /// Global gradient-norm clip (> 0).
+    pub max_grad_norm: f64,
+    /// Lower clip ε, in [0, 1).
+    pub clip_low: f64,
+    /// Upper clip ε (≥ 0).
+    pub clip_high: f64,
+    /// KL coefficient (≥ 0).
+    pub kl_coef: f64,
+    /// Micro-batch rows `B`.
+    pub micro_batch_size: NonZeroU32,
+    /// Micro-batch row length `L`.
+    pub max_seq_len: NonZeroU32,
+    /// Advantage baseline.
+    pub advantage: AdvantageKind,
+    /// Divide by group std.
+    pub normalize_advantage_std: bool,
+}
+
+/// `[rollout]`
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RolloutConfig {
+    /// Rollouts per sample.
+    pub group_size: NonZeroU32,
+    /// Groups per training step.
+    pub groups_per_step: NonZeroU32,
+    /// Model turns per episode.
+    pub max_turns: NonZeroU32,
+    /// Tokens per turn.
+    pub max_new_tokens: NonZeroU32,
+    /// Sampling temperature (≥ 0).
+    pub temperature: f64,
+    /// Nucleus mass in (0, 1].
+    pub top_p: f64,
+    /// Top-k (0 = off).
+    pub top_k: u32,
+    /// Initial runtime knobs (resolved: no zeros meaning "default").
+    #[serde(flatten)]
+    pub knobs: Knobs,
+}
+
+/// A dataset reference, `domain::name[@split]`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct DatasetSpec {
+    /// Domain.
+    pub domain: String,
+    /// Dataset name.
+    pub name: String,
+    /// Split, if given.
+    pub split: Option<String>,
+}
+
+impl fmt::Display for DatasetSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}::{}", self.domain, self.name)?;
+        if let Some(split) = &self.split {
+            write!(f, "@{split}")?;
+        }
+        Ok(())
+    }
+}
+
+impl FromStr for DatasetSpec {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let err =
+            || format!("expected `domain::name[@split]` with parts of [A-Za-z0-9_.-], got `{s}`");
+        let ok = |p: &str| {
+            !p.is_empty()
+                && p.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'))
+        };
+        let (domain, rest) = s.split_once("::").ok_or_else(err)?;
+        let (name, split) = match rest.split_once('@') {
+            Some((n, sp)) => (n, Some(sp)),
+            None => (rest, None),
+        };
+        if !ok(domain) || !ok(name) || split.is_some_and(|sp| !ok(sp)) {
+            return Err(err());
+        }
+        Ok(Self {
+            domain: domain.to_owned(),
+            name: name.to_owned(),
+            split: split.map(str::to_owned),
+        })
+    }
+}
+
+impl Serialize for DatasetSpec {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+/// What to do with a dataset line that does not parse.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BadLinePolicy {
+    /// Report it with file and line, count it, go on.
+    Skip,
+    /// Report it and stop.
+    Fail,
+}
+
+/// `[data]`
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct DataConfig {
+    /// Datasets.
+    pub datasets: Vec<DatasetSpec>,
+    /// Where JSONL files live.
+    pub data_dir: PathBuf,
+    /// Bad-line policy.
+    pub on_bad_line: BadLinePolicy,
+}
+
+impl DataConfig {
+    /// The distinct domains, in first-mention order.
+    pub fn domains(&self) -> Vec<String> {
+        let mut out: Vec<String> = Vec::new();
+        for d in &self.datasets {
+            if !out.contains(&d.domain) {
+                out.push(d.domain.clone());
+            }
+        }
+        out
+    }
+}
+
+/// What happens to rollouts whose oldest token fell past η.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ExpiredPolicy {
+    /// Regenerate from the prompt.
+    Regenerate,
+    /// Drop the group.
+    Drop,
+}
+
+/// `[replay]`
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ReplayConfig {
+    /// Database directory.
+    pub path: PathBuf,
+    /// Expired policy.
+    pub expired: ExpiredPolicy,
+    /// Filter zero-advantage groups.
+    pub filter_zero_advantage: bool,
+}
+
+/// `[metrics]`
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct MetricsConfig {
+    /// Serve `/metrics`.
+    pub enabled: bool,
+    /// Listen address.
+    pub listen: SocketAddr,
+}
+
+/// A secret that never prints.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(String);
+
+impl Secret {
+    /// Wraps a secret.
+    pub fn new(s: impl Into<String>) -> Self {
+        Self(s.into())
+    }
+
+    /// The secret itself; call only where it is compared or sent.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Secret(<redacted>)")
+    }
+}
+
+impl Serialize for Secret {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str("<redacted>")
+    }
+}
+
+/// `[admin]`
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct AdminConfig {
+    /// Listen address.
+    pub listen: SocketAddr,
+    /// Bearer token for mutating calls.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub token: Option<Secret>,
+}

@@ -1,0 +1,601 @@
+//! Runtime knobs (`DESIGN.md` §4.5): the values an operator may change while a run is live.
+//!
+//! [`Knobs`] is one validated snapshot. A [`KnobPatch`] names the knobs to change; applying it
+//! validates the *result*, so a patch either takes effect whole or changes nothing. The
+//! [`KnobsHandle`] shares the current snapshot through a `tokio::sync::watch` channel: every actor
+//! reads `handle.current()` (or its own receiver) at each decision, so a change is seen at the next
+//! scheduling decision or training step without any actor being told.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::str::FromStr;
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
+
+/// How the inference engine treats in-flight requests when new weights are published (§4.2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WeightUpdateMode {
+    /// Abort every in-flight request (saving partials), swap, resume later.
+    AbortResume,
+    /// Swap between two decoding steps and continue; later tokens carry the new version.
+    InFlight,
+    /// Stop admitting, let in-flight requests finish, then swap (synchronous behaviour).
+    Drain,
+}
+
+impl WeightUpdateMode {
+    /// All modes, in documentation order.
+    pub const ALL: [Self; 3] = [Self::AbortResume, Self::InFlight, Self::Drain];
+
+    /// The config / API spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::AbortResume => "abort_resume",
+            Self::InFlight => "in_flight",
+            Self::Drain => "drain",
+        }
+    }
+}
+
+impl fmt::Display for WeightUpdateMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for WeightUpdateMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Self::ALL
+            .into_iter()
+            .find(|m| m.as_str() == s)
+            .ok_or_else(|| format!("expected one of abort_resume, in_flight, drain, got `{s}`"))
+    }
+}
+
+/// One validated snapshot of every runtime knob.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Knobs {
+    /// Over-sending: keep `ceil((1 + s) · remaining)` groups in flight per step (s ≥ 0).
+    pub staleness_threshold: f64,
+    /// η: no token older than η versions is ever trained on (0 = on-policy).
+    pub max_version_lag: u64,
+    /// Resume aborted turns from their partial output (true) or regenerate them (false).
+    pub enable_partial_rollout: bool,
+    /// A rollout aborted `k + 1` times becomes a tail-batch candidate; 0 disables the tail batch.
+    pub tail_batch_candidate_steps: u32,
+    /// Number of candidates that triggers a tail-batch round (≥ 1).
+    pub tail_batch_trigger_size: u32,
+    /// What a weight publish does to in-flight requests.
+    pub weight_update_mode: WeightUpdateMode,
+    /// Target share of each domain (relative weights, normalized when used).
+    pub domain_mix: BTreeMap<String, f64>,
+    /// Cap on rollouts generating at once (≥ 1), on top of admission control.
+    pub max_concurrent_rollouts: u32,
+    /// Admit no new groups while true (in-flight work continues).
+    pub paused: bool,
+}
+
+/// The names of every knob, as the API, the CLI and the gauges spell them.
+pub const KNOB_NAMES: [&str; 9] = [
+    "staleness_threshold",
+    "max_version_lag",
+    "enable_partial_rollout",
+    "tail_batch_candidate_steps",
+    "tail_batch_trigger_size",
+    "weight_update_mode",
+    "domain_mix",
+    "max_concurrent_rollouts",
+    "paused",
+];
+
+/// A knob value was refused; nothing changed.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("{knob}: {reason}")]
+pub struct KnobError {
+    /// The knob (or `domain_mix.<domain>`) that was refused.
+    pub knob: String,
+    /// What was expected, and what was given.
+    pub reason: String,
+}
+
+impl KnobError {
+    fn new(knob: impl Into<String>, reason: impl Into<String>) -> Self {
+        Self {
+            knob: knob.into(),
+            reason: reason.into(),
+        }
+    }
+}
+
+impl Knobs {
+    /// Checks every value; the first problem is returned.
+    pub fn validate(&self, known_domains: &[String]) -> Result<(), KnobError> {
+        if !self.staleness_threshold.is_finite() || self.staleness_threshold < 0.0 {
+            return Err(KnobError::new(
+                "staleness_threshold",
+                format!(
+                    "expected a finite number ≥ 0, got {}",
+                    self.staleness_threshold
+                ),
+            ));
+        }
+        if self.tail_batch_trigger_size == 0 {
+            return Err(KnobError::new(
+                "tail_batch_trigger_size",
+                "expected an integer ≥ 1, got 0",
+            ));
+        }
+        if self.max_concurrent_rollouts == 0 {
+            return Err(KnobError::new(
+                "max_concurrent_rollouts",
+                "expected an integer ≥ 1, got 0",
+            ));
+        }
+        for (domain, &w) in &self.domain_mix {
+            if !known_domains.is_empty() && !known_domains.contains(domain) {
+                return Err(KnobError::new(
+                    format!("domain_mix.{domain}"),
+                    format!(
+                        "unknown domain; the configured domains are: {}",
+                        known_domains.join(", ")
+                    ),
+                ));
+            }
+            if !w.is_finite() || w < 0.0 {
+                return Err(KnobError::new(
+                    format!("domain_mix.{domain}"),
+                    format!("expected a finite weight ≥ 0, got {w}"),
+                ));
+            }
+        }
+        if !self.domain_mix.is_empty() && self.domain_mix.values().sum::<f64>() <= 0.0 {
+            return Err(KnobError::new(
+                "domain_mix",
+                "expected at least one weight > 0, all are 0",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Numeric view of every scalar knob, for the `sluice_node_knob_value{knob}` gauge.
+    /// Booleans are 0/1; `weight_update_mode` is exported separately as an info gauge and
+    /// `domain_mix` as `sluice_domain_mix_target`.
+    pub fn gauge_values(&self) -> [(&'static str, f64); 7] {
+        [
+            ("staleness_threshold", self.staleness_threshold),
+            ("max_version_lag", self.max_version_lag as f64),
+            (
+                "enable_partial_rollout",
+                f64::from(u8::from(self.enable_partial_rollout)),
+            ),
+            (
+                "tail_batch_candidate_steps",
+                f64::from(self.tail_batch_candidate_steps),
+            ),
+            (
+                "tail_batch_trigger_size",
+                f64::from(self.tail_batch_trigger_size),
+            ),
+            (
+                "max_concurrent_rollouts",
+                f64::from(self.max_concurrent_rollouts),
+            ),
+            ("paused", f64::from(u8::from(self.paused))),
+        ]
+    }
+
+    /// `domain_mix` normalized to shares summing to 1 (empty when no mix is set).
+    pub fn domain_shares(&self) -> BTreeMap<String, f64> {
+        let total: f64 = self.domain_mix.values().sum();
+        self.domain_mix
+            .iter()
+            .map(|(d, w)| (d.clone(), if total > 0.0 { w / total } else { 0.0 }))
+            .collect()
+    }
+}
+
+/// A partial update of the knobs (the body of `PATCH /v1/knobs`). Unset fields keep their value;
+/// `domain_mix` entries are merged per domain (set a weight to 0 to turn a domain off).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KnobPatch {
+    /// See [`Knobs::staleness_threshold`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub staleness_threshold: Option<f64>,
+    /// See [`Knobs::max_version_lag`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_version_lag: Option<u64>,
+    /// See [`Knobs::enable_partial_rollout`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub enable_partial_rollout: Option<bool>,
+    /// See [`Knobs::tail_batch_candidate_steps`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tail_batch_candidate_steps: Option<u32>,
+    /// See [`Knobs::tail_batch_trigger_size`]; 0 means "the global batch size in groups", as in the
+    /// config file.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tail_batch_trigger_size: Option<u32>,
+    /// See [`Knobs::weight_update_mode`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weight_update_mode: Option<WeightUpdateMode>,
+    /// See [`Knobs::domain_mix`]; merged per domain.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub domain_mix: Option<BTreeMap<String, f64>>,
+    /// See [`Knobs::max_concurrent_rollouts`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_concurrent_rollouts: Option<u32>,
+    /// See [`Knobs::paused`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub paused: Option<bool>,
+}
+
+fn parse_value<T: FromStr>(knob: &str, value: &str, expected: &str) -> Result<T, KnobError> {
+    value
+        .trim()
+        .parse()
+        .map_err(|_| KnobError::new(knob, format!("expected {expected}, got `{value}`")))
+}
+
+impl KnobPatch {
+    /// Builds a patch from `key=value` assignments, as `sluice knobs set` takes them
+    /// (`domain_mix.math=0.4` sets one domain's weight).
+    pub fn from_assignments<S: AsRef<str>>(assignments: &[S]) -> Result<Self, KnobError> {
+        let mut patch = Self::default();
+        for assignment in assignments {
+            let assignment = assignment.as_ref();
+            let (key, value) = assignment
+                .split_once('=')
+                .ok_or_else(|| KnobError::new(assignment, "expected `knob=value`, found no `=`"))?;
+            let key = key.trim();
+            match key {
+                "staleness_threshold" => {
+                    patch.staleness_threshold = Some(parse_value(key, value, "a number ≥ 0")?)
+                }
+                "max_version_lag" => {
+                    patch.max_version_lag = Some(parse_value(key, value, "an integer ≥ 0")?)
+                }
+                "enable_partial_rollout" => {
+                    patch.enable_partial_rollout = Some(parse_value(key, value, "true or false")?)
+                }
+                "tail_batch_candidate_steps" => {
+                    patch.tail_batch_candidate_steps =
+                        Some(parse_value(key, value, "an integer ≥ 0")?)
+                }
+                "tail_batch_trigger_size" => {
+                    patch.tail_batch_trigger_size = Some(parse_value(key, value, "an integer ≥ 0")?)
+                }
+                "weight_update_mode" => {
+                    patch.weight_update_mode = Some(
+                        value
+                            .trim()
+                            .parse()
+                            .map_err(|reason| KnobError::new(key, reason))?,
+                    )
+                }
+                "max_concurrent_rollouts" => {
+                    patch.max_concurrent_rollouts = Some(parse_value(key, value, "an integer ≥ 1")?)
+                }
+                "paused" => patch.paused = Some(parse_value(key, value, "true or false")?),
+                _ => match key.strip_prefix("domain_mix.") {
+                    Some(domain) if !domain.is_empty() => {
+                        let w = parse_value(key, value, "a weight ≥ 0")?;
+                        patch
+                            .domain_mix
+                            .get_or_insert_with(BTreeMap::new)
+                            .insert(domain.to_owned(), w);
+                    }
+                    _ => {
+                        return Err(KnobError::new(
+                            key,
+                            format!("unknown knob; knobs are: {}", KNOB_NAMES.join(", ")),
+                        ));
+                    }
+                },
+            }
+        }
+        Ok(patch)
+    }
+
+    /// True when the patch changes nothing.
+    pub fn is_empty(&self) -> bool {
+        *self == Self::default()
+    }
+
+    /// The knobs after this patch, validated. `default_trigger_size` resolves a trigger size of 0.
+    pub fn apply(
+        &self,
+        current: &Knobs,
+        default_trigger_size: u32,
+        known_domains: &[String],
+    ) -> Result<Knobs, KnobError> {
+        let Self {
+            staleness_threshold,
+            max_version_lag,
+            enable_partial_rollout,
+            tail_batch_candidate_steps,
+            tail_batch_trigger_size,
+            weight_update_mode,
+            domain_mix,
+            max_concurrent_rollouts,
+            paused,
+        } = self;
+        let mut next = current.clone();
+        if let Some(v) = staleness_threshold {
+            next.staleness_threshold = *v;
+        }
+        if let Some(v) = max_version_lag {
+            next.max_version_lag = *v;
+        }
+        if let Some(v) = enable_partial_rollout {
+            next.enable_partial_rollout = *v;
+        }
+        if let Some(v) = tail_batch_candidate_steps {
+            next.tail_batch_candidate_steps = *v;
+        }
+        if let Some(v) = tail_batch_trigger_size {
+            next.tail_batch_trigger_size = if *v == 0 { default_trigger_size } else { *v };
+        }
+        if let Some(v) = weight_update_mode {
+            next.weight_update_mode = *v;
+        }
+        if let Some(mix) = domain_mix {
+            for (domain, w) in mix {
+                next.domain_mix.insert(domain.clone(), *w);
+            }
+        }
+        if let Some(v) = max_concurrent_rollouts {
+            next.max_concurrent_rollouts = *v;
+        }
+        if let Some(v) = paused {
+            next.paused = *v;
+        }
+        next.validate(known_domains)?;
+        Ok(next)
+    }
+}
+
+/// One knob that a patch changed, for logs and API replies.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct KnobChange {
+    /// Knob name.
+    pub knob: &'static str,
+    /// Value before, as JSON.
+    pub old: serde_json::Value,
+    /// Value after, as JSON.
+    pub new: serde_json::Value,
+}
+
+/// Lists the knobs whose values differ between two snapshots.
+pub fn diff(old: &Knobs, new: &Knobs) -> Vec<KnobChange> {
+    let (old_v, new_v) = (
+        serde_json::to_value(old).unwrap_or_default(),
+        serde_json::to_value(new).unwrap_or_default(),
+    );
+    KNOB_NAMES
+        .iter()
+        .filter_map(|&knob| {
+            let (o, n) = (&old_v[knob], &new_v[knob]);
+            (o != n).then(|| KnobChange {
+                knob,
+                old: o.clone(),
+                new: n.clone(),
+            })
+        })
+        .collect()
+}
+
+/// Shared, validated access to the live knobs. Cloning is shallow: clones see the same knobs.
+#[derive(Debug, Clone)]
+pub struct KnobsHandle {
+    inner: Arc<KnobsShared>,
+}
+
+#[derive(Debug)]
+struct KnobsShared {
+    tx: watch::Sender<Knobs>,
+    /// What a `tail_batch_trigger_size` of 0 resolves to: the global batch size in groups.
+    default_trigger_size: u32,
+    /// Domains the data config declares; `domain_mix` may only name these (empty: unchecked).
+    known_domains: Vec<String>,
+}
+
+impl KnobsHandle {
+    /// Shares `initial` after validating it.
+    pub fn new(
+        initial: Knobs,
+        default_trigger_size: u32,
+        known_domains: Vec<String>,
+    ) -> Result<Self, KnobError> {
+        initial.validate(&known_domains)?;
+        let (tx, _rx) = watch::channel(initial);
+        Ok(Self {
+            inner: Arc::new(KnobsShared {
+                tx,
+                default_trigger_size: default_trigger_size.max(1),
+                known_domains,
+            }),
+        })
+    }
+
+    /// A copy of the current knobs.
+    pub fn current(&self) -> Knobs {
+        self.inner.tx.borrow().clone()
+    }
+
+    /// A receiver that is notified of every change (for actors that must react, not just read).
+    pub fn subscribe(&self) -> watch::Receiver<Knobs> {
+        self.inner.tx.subscribe()
+    }
+
+    /// Applies `patch` atomically: validated against the current value under the channel's lock,
+    /// so two concurrent patches cannot interleave. On error nothing changes. Every change is
+    /// logged as `old → new`.
+    pub fn update(&self, patch: &KnobPatch) -> Result<Vec<KnobChange>, KnobError> {
+        let shared = &self.inner;
+        let mut outcome = Ok(Vec::new());
+        shared.tx.send_if_modified(|knobs| {
+            match patch.apply(knobs, shared.default_trigger_size, &shared.known_domains) {
+                Ok(next) => {
+                    let changes = diff(knobs, &next);
+                    let modified = !changes.is_empty();
+                    *knobs = next;
+                    outcome = Ok(changes);
+                    modified
+                }
+                Err(e) => {
+                    outcome = Err(e);
+                    false
+                }
+            }
+        });
+        if let Ok(changes) = &outcome {
+            for c in changes {
+                tracing::info!(knob = c.knob, old = %c.old, new = %c.new, "knob changed");
+            }
+        }
+        outcome
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn knobs() -> Knobs {
+        Knobs {
+            staleness_threshold: 0.0,
+            max_version_lag: 1,
+            enable_partial_rollout: true,
+            tail_batch_candidate_steps: 0,
+            tail_batch_trigger_size: 8,
+            weight_update_mode: WeightUpdateMode::AbortResume,
+            domain_mix: BTreeMap::from([("math".into(), 1.0), ("code".into(), 1.0)]),
+            max_concurrent_rollouts: 64,
+            paused: false,
+        }
+    }
+
+    fn domains() -> Vec<String> {
+        vec!["math".into(), "code".into()]
+    }
+
+    #[test]
+    fn assignments_parse_and_apply() {
+        let patch = KnobPatch::from_assignments(&[
+            "staleness_threshold=0.2",
+            "weight_update_mode=in_flight",
+            "domain_mix.math=3",
+            "paused=true",
+            "tail_batch_trigger_size=0",
+        ])
+        .unwrap();
+        let next = patch.apply(&knobs(), 16, &domains()).unwrap();
+        assert_eq!(next.staleness_threshold, 0.2);
+        assert_eq!(next.weight_update_mode, WeightUpdateMode::InFlight);
+        assert_eq!(next.domain_mix["math"], 3.0);
+        assert_eq!(next.domain_mix["code"], 1.0, "domain_mix merges per domain");
+        assert!(next.paused);
+        assert_eq!(
+            next.tail_batch_trigger_size, 16,
+            "0 resolves to the default"
+        );
+        assert_eq!(next.domain_shares()["math"], 0.75);
+    }
+
+    #[test]
+    fn bad_values_are_refused_with_the_knob_name() {
+        let cases: &[(&[&str], &str)] = &[
+            (
+                &["staleness_threshold=-1"],
+                "staleness_threshold: expected a finite number ≥ 0, got -1",
+            ),
+            (
+                &["staleness_threshold=NaN"],
+                "staleness_threshold: expected a finite number ≥ 0, got NaN",
+            ),
+            (
+                &["max_version_lag=-1"],
+                "max_version_lag: expected an integer ≥ 0, got `-1`",
+            ),
+            (
+                &["weight_update_mode=sometimes"],
+                "weight_update_mode: expected one of abort_resume, in_flight, drain, got `sometimes`",
+            ),
+            (
+                &["max_concurrent_rollouts=0"],
+                "max_concurrent_rollouts: expected an integer ≥ 1, got 0",
+            ),
+            (&["paused=yes"], "paused: expected true or false, got `yes`"),
+            (
+                &["domain_mix.chess=1"],
+                "domain_mix.chess: unknown domain; the configured domains are: math, code",
+            ),
+            (
+                &["domain_mix.math=-2"],
+                "domain_mix.math: expected a finite weight ≥ 0, got -2",
+            ),
+            (
+                &["domain_mix.math=0", "domain_mix.code=0"],
+                "domain_mix: expected at least one weight > 0, all are 0",
+            ),
+            (
+                &["stalenes_threshold=1"],
+                "stalenes_threshold: unknown knob; knobs are: staleness_threshold, max_version_lag, enable_partial_rollout, tail_batch_candidate_steps, tail_batch_trigger_size, weight_update_mode, domain_mix, max_concurrent_rollouts, paused",
+            ),
+            (&["paused"], "paused: expected `knob=value`, found no `=`"),
+        ];
+        for (input, expected) in cases {
+            let err = KnobPatch::from_assignments(input)
+                .and_then(|p| p.apply(&knobs(), 8, &domains()))
+                .unwrap_err();
+            assert_eq!(err.to_string(), *expected, "input {input:?}");
+        }
+    }
+
+    #[test]
+    fn handle_is_atomic_and_visible_to_subscribers() {
+        let handle = KnobsHandle::new(knobs(), 8, domains()).unwrap();
+        let mut rx = handle.subscribe();
+        let bad = KnobPatch {
+            max_version_lag: Some(4),
+            staleness_threshold: Some(-0.5),
+            ..KnobPatch::default()
+        };
+        assert!(handle.update(&bad).is_err());
+        assert_eq!(handle.current(), knobs(), "a refused patch changes nothing");
+        assert!(!rx.has_changed().unwrap());
+
+        let good = KnobPatch {
+            max_version_lag: Some(4),
+            ..KnobPatch::default()
+        };
+        let changes = handle.update(&good).unwrap();
+        assert_eq!(changes.len(), 1);
+        assert_eq!(changes[0].knob, "max_version_lag");
+        assert_eq!(
+            (changes[0].old.clone(), changes[0].new.clone()),
+            (1.into(), 4.into())
+        );
+        assert!(rx.has_changed().unwrap());
+        assert_eq!(rx.borrow_and_update().max_version_lag, 4);
+        assert!(
+            handle.update(&good).unwrap().is_empty(),
+            "a no-op patch reports no change"
+        );
+        assert!(!rx.has_changed().unwrap(), "and does not wake subscribers");
+    }
+
+    #[test]
+    fn patch_json_refuses_unknown_fields() {
+        let err = serde_json::from_str::<KnobPatch>(r#"{"max_version_lagg": 2}"#).unwrap_err();
+        assert!(
+            err.to_string().contains("unknown field `max_version_lagg`"),
+            "{err}"
+        );
+    }
+}

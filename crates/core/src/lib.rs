@@ -1,0 +1,28 @@
+//! Shared vocabulary of Sluice: every other crate speaks in these types.
+//!
+//! | module | what it holds |
+//! |---|---|
+//! | [`ids`] | [`RunId`], [`NodeId`], [`GroupId`], [`RolloutId`], [`RequestId`], [`PolicyVersion`] and the group-id generator |
+//! | [`message`] | [`Message`] in the OpenAI chat shape, tool calls and tool specs |
+//! | [`rollout`] | [`DataSample`], [`RolloutTurn`], [`Rollout`], [`RolloutGroup`], [`RolloutStatus`] |
+//! | [`knobs`] | the runtime [`Knobs`], patches to them and the shared [`KnobsHandle`] |
+//! | [`config`] | TOML config: raw serde structs → `validate()` → typed [`Config`] |
+//! | [`metrics`] | the one catalog of Prometheus metric names, with help text |
+//! | [`error`] | the crate's error type and its stable `kind()` names |
+//!
+//! This crate depends on nothing else of Sluice (see `DESIGN.md` §1): it is the bottom of the graph.
+
+pub mod config;
+pub mod error;
+pub mod ids;
+pub mod knobs;
+pub mod message;
+pub mod metrics;
+pub mod rollout;
+
+pub use config::{Config, ConfigError};
+pub use error::Error;
+pub use ids::{GroupId, GroupIdGenerator, NodeId, PolicyVersion, RequestId, RolloutId, RunId};
+pub use knobs::{KnobError, KnobPatch, Knobs, KnobsHandle, WeightUpdateMode};
+pub use message::{Message, Role, ToolCall, ToolSpec};
+pub use rollout::{DataSample, Rollout, RolloutGroup, RolloutStatus, RolloutTurn};

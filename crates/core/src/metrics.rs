@@ -1,0 +1,318 @@
+//! The one catalog of Prometheus metric names (`DESIGN.md` §8).
+//!
+//! Names follow `sluice_<subsystem>_[<name>_]<unit>[_total]`: counters end in `_total`, every name
+//! ends in its unit, and labels are bounded (never a sample or request id). Code records metrics only
+//! through the constants below, so a name is spelled once; [`describe_all`] registers the help text
+//! with whatever `metrics` recorder is installed.
+//!
+//! Renaming a metric breaks dashboards and alerts: treat every name here as public interface.
+
+/// What kind of Prometheus series a metric is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MetricKind {
+    /// Monotonic counter (`_total`).
+    Counter,
+    /// Value that goes up and down.
+    Gauge,
+    /// Distribution with explicit buckets.
+    Histogram,
+}
+
+/// One catalog entry.
+#[derive(Debug, Clone, Copy)]
+pub struct MetricDef {
+    /// Full Prometheus name.
+    pub name: &'static str,
+    /// Counter, gauge or histogram.
+    pub kind: MetricKind,
+    /// HELP text.
+    pub help: &'static str,
+    /// Label names; each has a bounded value set.
+    pub labels: &'static [&'static str],
+    /// Bucket upper bounds for histograms.
+    pub buckets: &'static [f64],
+}
+
+/// Subsystems a metric name may start with (after `sluice_`).
+pub const SUBSYSTEMS: &[&str] = &[
+    "node", "actor", "data", "rollout", "engine", "env", "replay", "trainer", "domain",
+];
+
+/// Units a metric name may end with (before `_total`).
+pub const UNITS: &[&str] = &[
+    "seconds",
+    "bytes",
+    "tokens",
+    "groups",
+    "rollouts",
+    "samples",
+    "requests",
+    "sequences",
+    "steps",
+    "ratio",
+    "version",
+    "versions",
+    "value",
+    "reward",
+    "nats",
+    "lines",
+    "messages",
+    "errors",
+    "restarts",
+    "transitions",
+    "failures",
+    "tokens_per_second",
+    "info",
+];
+
+/// Names fixed verbatim by `DESIGN.md` / the issues that predate the unit rule; they are checked
+/// for prefix and subsystem but not for a unit suffix.
+pub const FIXED_NAMES: &[&str] = &[DOMAIN_MIX_ACTUAL, DOMAIN_MIX_TARGET, DOMAIN_MIX_COUNT];
+
+macro_rules! catalog {
+    ($($(#[$doc:meta])* $konst:ident = $name:literal, $kind:ident, [$($label:literal),*], $buckets:expr, $help:literal;)*) => {
+        $( $(#[$doc])* #[doc = concat!("`", $name, "`: ", $help)] pub const $konst: &str = $name; )*
+        /// Every metric Sluice exports, in one list.
+        pub const CATALOG: &[MetricDef] = &[
+            $( MetricDef { name: $name, kind: MetricKind::$kind, help: $help, labels: &[$($label),*], buckets: $buckets }, )*
+        ];
+    };
+}
+
+/// Buckets for durations from a millisecond to ten minutes.
+pub const SECONDS_BUCKETS: &[f64] = &[
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+    60.0, 120.0, 300.0, 600.0,
+];
+/// Buckets for version lags (integers; η is small in practice).
+pub const LAG_BUCKETS: &[f64] = &[0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0];
+const NONE: &[f64] = &[];
+
+catalog! {
+    NODE_UP_INFO = "sluice_node_up_info", Gauge, ["version"], NONE,
+        "1 while the node runs; the label carries the Sluice version.";
+    NODE_KNOB_VALUE = "sluice_node_knob_value", Gauge, ["knob"], NONE,
+        "Current value of each scalar runtime knob (booleans as 0/1).";
+    NODE_WEIGHT_UPDATE_MODE_INFO = "sluice_node_weight_update_mode_info", Gauge, ["mode"], NONE,
+        "1 for the active weight_update_mode, 0 for the others.";
+    ACTOR_RESTARTS = "sluice_actor_restarts_total", Counter, ["actor"], NONE,
+        "Times the supervisor restarted an actor.";
+    ACTOR_RECEIVED = "sluice_actor_received_messages_total", Counter, ["actor"], NONE,
+        "Messages an actor received.";
+    ACTOR_SENT = "sluice_actor_sent_messages_total", Counter, ["actor"], NONE,
+        "Messages an actor sent downstream.";
+    ACTOR_DROPPED = "sluice_actor_dropped_messages_total", Counter, ["actor"], NONE,
+        "Messages an actor dropped (e.g. results for a request that was already aborted).";
+    ACTOR_ERRORS = "sluice_actor_errors_total", Counter, ["actor", "kind"], NONE,
+        "Errors by actor and stable error kind.";
+    DATA_SAMPLES = "sluice_data_samples_total", Counter, ["domain"], NONE,
+        "Dataset rows handed to the rollout controller.";
+    DATA_BAD_LINES = "sluice_data_bad_lines_total", Counter, ["dataset"], NONE,
+        "Dataset lines that could not be parsed (skipped or fatal per config).";
+    DOMAIN_MIX_ACTUAL = "sluice_domain_mix_actual", Gauge, ["domain"], NONE,
+        "Share of completed rollouts per domain since the start of the run.";
+    DOMAIN_MIX_TARGET = "sluice_domain_mix_target", Gauge, ["domain"], NONE,
+        "Target share per domain (the domain_mix knob, normalized).";
+    DOMAIN_MIX_COUNT = "sluice_domain_mix_count", Gauge, ["domain"], NONE,
+        "Completed rollouts per domain since the start of the run.";
+    ROLLOUT_ADMITTED_GROUPS = "sluice_rollout_admitted_groups_total", Counter, [], NONE,
+        "Groups admitted by the controller (running + completed + trained, since the start).";
+    ROLLOUT_IN_FLIGHT_GROUPS = "sluice_rollout_in_flight_groups", Gauge, [], NONE,
+        "Groups currently generating.";
+    ROLLOUT_FINISHED_ROLLOUTS = "sluice_rollout_finished_rollouts_total", Counter, ["status"], NONE,
+        "Rollout attempts that ended, by final status.";
+    ROLLOUT_MEAN_REWARD = "sluice_rollout_mean_reward", Gauge, ["domain"], NONE,
+        "Mean reward of the most recently completed groups, per domain.";
+    ROLLOUT_OUTCOME_EMA_REWARD = "sluice_rollout_outcome_ema_reward", Gauge, [], NONE,
+        "Exponential moving average of outcome rewards.";
+    ROLLOUT_BELOW_BALANCE_RATIO = "sluice_rollout_below_balance_ratio", Gauge, [], NONE,
+        "Fraction of recent groups whose mean reward is below the balance threshold.";
+    ROLLOUT_ABOVE_BALANCE_RATIO = "sluice_rollout_above_balance_ratio", Gauge, [], NONE,
+        "Fraction of recent groups whose mean reward is above the balance threshold.";
+    ROLLOUT_TAIL_CANDIDATE_ROLLOUTS = "sluice_rollout_tail_candidate_rollouts", Gauge, [], NONE,
+        "Rollouts waiting as tail-batch candidates.";
+    ENGINE_GENERATED_TOKENS = "sluice_engine_generated_tokens_total", Counter, ["replica"], NONE,
+        "Tokens decoded by each engine replica.";
+    ENGINE_DECODE_TOKENS_PER_SECOND = "sluice_engine_decode_tokens_per_second", Gauge, ["replica"], NONE,
+        "Recent decode throughput of each engine replica.";
+    ENGINE_BUSY_RATIO = "sluice_engine_busy_ratio", Gauge, ["replica"], NONE,
+        "Fraction of recent wall time each engine replica spent computing.";
+    ENGINE_RUNNING_SEQUENCES = "sluice_engine_running_sequences", Gauge, ["replica"], NONE,
+        "Sequences in the running batch.";
+    ENGINE_WAITING_REQUESTS = "sluice_engine_waiting_requests", Gauge, ["replica"], NONE,
+        "Requests queued but not yet admitted to the batch.";
+    ENGINE_FINISHED_REQUESTS = "sluice_engine_finished_requests_total", Counter, ["reason"], NONE,
+        "Requests that left the engine, by reason (stop, length, abort, error).";
+    ENGINE_DISCARDED_TOKENS = "sluice_engine_discarded_tokens_total", Counter, [], NONE,
+        "Generated tokens thrown away (regenerated or expired partials).";
+    ENGINE_WEIGHT_SYNC_PAUSE_SECONDS = "sluice_engine_weight_sync_pause_seconds", Histogram, ["mode"], SECONDS_BUCKETS,
+        "Time from a weight-update request to the first step on the new weights.";
+    ENV_STEP_SECONDS = "sluice_env_step_seconds", Histogram, ["domain"], SECONDS_BUCKETS,
+        "Time an environment step (or init) took.";
+    ENV_FAILURES = "sluice_env_failures_total", Counter, ["kind"], NONE,
+        "Environment or reward-function failures (panic, timeout, error) by kind.";
+    REPLAY_BUCKET_GROUPS = "sluice_replay_bucket_groups", Gauge, ["bucket"], NONE,
+        "Groups currently in each replay-store bucket.";
+    REPLAY_TRANSITIONS = "sluice_replay_transitions_total", Counter, ["from", "to"], NONE,
+        "Bucket transitions of groups in the replay store.";
+    REPLAY_PERSIST_SECONDS = "sluice_replay_persist_seconds", Histogram, [], SECONDS_BUCKETS,
+        "Time to durably write a group before acknowledging it.";
+    TRAINER_POLICY_VERSION = "sluice_trainer_policy_version", Gauge, [], NONE,
+        "Version of the most recently published weights.";
+    TRAINER_STEPS = "sluice_trainer_steps_total", Counter, [], NONE,
+        "Optimizer steps taken.";
+    TRAINER_TRAINED_TOKENS = "sluice_trainer_trained_tokens_total", Counter, [], NONE,
+        "Completion tokens trained on.";
+    TRAINER_TOKEN_VERSION_LAG_VERSIONS = "sluice_trainer_token_version_lag_versions", Histogram, [], LAG_BUCKETS,
+        "Version lag of each trained token at training time (never above max_version_lag).";
+    TRAINER_IDLE_RATIO = "sluice_trainer_idle_ratio", Gauge, [], NONE,
+        "Fraction of recent wall time the trainer waited for data.";
+    TRAINER_STEP_SECONDS = "sluice_trainer_step_seconds", Histogram, [], SECONDS_BUCKETS,
+        "Wall time of one training step.";
+    TRAINER_LOSS_VALUE = "sluice_trainer_loss_value", Gauge, [], NONE,
+        "Policy loss of the last step.";
+    TRAINER_CLIP_RATIO = "sluice_trainer_clip_ratio", Gauge, [], NONE,
+        "Fraction of tokens whose ratio was clipped in the last step.";
+    TRAINER_ENTROPY_NATS = "sluice_trainer_entropy_nats", Gauge, [], NONE,
+        "Mean per-token entropy of the policy in the last step.";
+    TRAINER_KL_NATS = "sluice_trainer_kl_nats", Gauge, [], NONE,
+        "Mean per-token KL to the reference policy in the last step.";
+    TRAINER_IMPORTANCE_WEIGHT_MEAN_RATIO = "sluice_trainer_importance_weight_mean_ratio", Gauge, [], NONE,
+        "Mean importance weight of the last step.";
+    TRAINER_IMPORTANCE_WEIGHT_MAX_RATIO = "sluice_trainer_importance_weight_max_ratio", Gauge, [], NONE,
+        "Largest importance weight of the last step.";
+    TRAINER_EFFECTIVE_SAMPLE_SIZE_RATIO = "sluice_trainer_effective_sample_size_ratio", Gauge, [], NONE,
+        "Effective sample size of the importance weights, as a fraction of the tokens.";
+    TRAINER_GRAD_NORM_VALUE = "sluice_trainer_grad_norm_value", Gauge, [], NONE,
+        "Global gradient norm before clipping, last step.";
+    TRAINER_TOKENS_PER_SECOND = "sluice_trainer_tokens_per_second", Gauge, [], NONE,
+        "Training throughput of the last step.";
+}
+
+/// Looks a metric up by name.
+pub fn find(name: &str) -> Option<&'static MetricDef> {
+    CATALOG.iter().find(|m| m.name == name)
+}
+
+/// Registers the help text of every catalog entry with the installed `metrics` recorder.
+/// Call once after installing the exporter, before any metric is recorded.
+pub fn describe_all() {
+    for m in CATALOG {
+        match m.kind {
+            MetricKind::Counter => metrics::describe_counter!(m.name, m.help),
+            MetricKind::Gauge => metrics::describe_gauge!(m.name, m.help),
+            MetricKind::Histogram => metrics::describe_histogram!(m.name, m.help),
+        }
+    }
+}
+
+/// Checks one name against the convention; returns what is wrong.
+pub fn check_name(def: &MetricDef) -> Result<(), String> {
+    let name = def.name;
+    let rest = name
+        .strip_prefix("sluice_")
+        .ok_or_else(|| format!("{name}: must start with `sluice_`"))?;
+    if !name
+        .bytes()
+        .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+    {
+        return Err(format!("{name}: only [a-z0-9_] allowed"));
+    }
+    let subsystem = rest.split('_').next().unwrap_or_default();
+    if !SUBSYSTEMS.contains(&subsystem) {
+        return Err(format!("{name}: unknown subsystem `{subsystem}`"));
+    }
+    let is_total = name.ends_with("_total");
+    if (def.kind == MetricKind::Counter) != is_total {
+        return Err(format!(
+            "{name}: counters and only counters end in `_total`"
+        ));
+    }
+    if FIXED_NAMES.contains(&name) {
+        return Ok(());
+    }
+    let stem = rest.strip_suffix("_total").unwrap_or(rest);
+    let after_subsystem = &stem[subsystem.len()..];
+    if !UNITS
+        .iter()
+        .any(|u| after_subsystem.ends_with(&format!("_{u}")))
+    {
+        return Err(format!("{name}: must end in a unit ({})", UNITS.join(", ")));
+    }
+    if (def.kind == MetricKind::Histogram) == def.buckets.is_empty() {
+        return Err(format!(
+            "{name}: histograms and only histograms have buckets"
+        ));
+    }
+    if !def.buckets.windows(2).all(|w| w[0] < w[1]) {
+        return Err(format!("{name}: buckets must increase"));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashSet;
+
+    #[test]
+    fn every_name_follows_the_convention() {
+        for m in CATALOG {
+            check_name(m).unwrap();
+            assert!(!m.help.is_empty(), "{} has no help", m.name);
+        }
+    }
+
+    #[test]
+    fn names_are_unique() {
+        let mut seen = HashSet::new();
+        for m in CATALOG {
+            assert!(seen.insert(m.name), "{} declared twice", m.name);
+        }
+    }
+
+    #[test]
+    fn the_checker_rejects_bad_names() {
+        let bad = |name, kind, buckets| MetricDef {
+            name,
+            kind,
+            help: "x",
+            labels: &[],
+            buckets,
+        };
+        assert!(check_name(&bad("engine_busy_ratio", MetricKind::Gauge, NONE)).is_err());
+        assert!(check_name(&bad("sluice_gpu_busy_ratio", MetricKind::Gauge, NONE)).is_err());
+        assert!(check_name(&bad("sluice_engine_busy", MetricKind::Gauge, NONE)).is_err());
+        assert!(check_name(&bad("sluice_engine_tokens", MetricKind::Counter, NONE)).is_err());
+        assert!(
+            check_name(&bad(
+                "sluice_engine_x_tokens_total",
+                MetricKind::Gauge,
+                NONE
+            ))
+            .is_err()
+        );
+        assert!(check_name(&bad("sluice_engine_x_seconds", MetricKind::Histogram, NONE)).is_err());
+        assert!(
+            check_name(&bad(
+                "sluice_engine_x_seconds",
+                MetricKind::Histogram,
+                &[2.0, 1.0]
+            ))
+            .is_err()
+        );
+    }
+
+    #[test]
+    fn design_mandated_names_exist() {
+        for name in [
+            "sluice_replay_transitions_total",
+            "sluice_actor_restarts_total",
+            "sluice_domain_mix_actual",
+            "sluice_domain_mix_target",
+            "sluice_domain_mix_count",
+        ] {
+            assert!(find(name).is_some(), "{name}");
+        }
+    }
+}

@@ -1,0 +1,14 @@
+//! One module per subcommand; each takes its parsed arguments and returns an exit code.
+
+mod check;
+
+use std::process::ExitCode;
+
+use crate::cli::Command;
+
+/// Runs one command.
+pub fn run(command: Command) -> anyhow::Result<ExitCode> {
+    match command {
+        Command::Check(args) => check::run(&args),
+    }
+}
