@@ -45,9 +45,9 @@ pub fn parse(
     overrides: &[Override],
     env: &dyn Fn(&str) -> Option<String>,
 ) -> Result<Config, ConfigError> {
-    let mut tree: toml::Table = text.parse().map_err(|e: toml::de::Error| {
-        ConfigError::file(file, ConfigErrorKind::Syntax, format!("invalid TOML: {e}"))
-    })?;
+    let mut tree: toml::Table = text
+        .parse()
+        .map_err(|e: toml::de::Error| syntax_error(file, text, &e))?;
     let mut overridden = BTreeSet::new();
     for o in overrides {
         o.apply(&mut tree).map_err(|msg| {
@@ -62,6 +62,23 @@ pub fn parse(
     };
     let raw = validate::deserialize(toml::Value::Table(tree), &ctx)?;
     raw.validate(&ctx)
+}
+
+/// A TOML syntax error as `file: line L, column C: invalid TOML: what`.
+fn syntax_error(file: &str, text: &str, e: &toml::de::Error) -> ConfigError {
+    let message = match e.span() {
+        Some(span) => {
+            let before = &text[..span.start.min(text.len())];
+            let line = before.matches('\n').count() + 1;
+            let column = before.rsplit('\n').next().unwrap_or("").chars().count() + 1;
+            format!(
+                "line {line}, column {column}: invalid TOML: {}",
+                e.message()
+            )
+        }
+        None => format!("invalid TOML: {}", e.message()),
+    };
+    ConfigError::file(file, ConfigErrorKind::Syntax, message)
 }
 
 impl Config {

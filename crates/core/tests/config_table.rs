@@ -1,0 +1,384 @@
+//! Config parse → validate on good and bad files. Each bad case asserts the whole one-line message:
+//! file, key and expectation are the contract with users.
+
+use sluice_core::WeightUpdateMode;
+use sluice_core::config::{self, ConfigErrorKind, Override};
+
+const FILE: &str = "test.toml";
+
+fn no_env(_: &str) -> Option<String> {
+    None
+}
+
+fn parse(text: &str, sets: &[&str]) -> Result<config::Config, config::ConfigError> {
+    let overrides: Vec<Override> = sets.iter().map(|s| s.parse().unwrap()).collect();
+    config::parse(text, FILE, &overrides, &no_env)
+}
+
+#[test]
+fn an_empty_file_is_a_valid_config_with_defaults() {
+    let c = parse("", &[]).unwrap();
+    assert_eq!(c.run.name, "sluice");
+    assert_eq!(c.run.output_dir, std::path::PathBuf::from("runs/sluice"));
+    assert_eq!(c.model.path, std::path::PathBuf::from("runs/sluice/model"));
+    assert_eq!(
+        c.replay.path,
+        std::path::PathBuf::from("runs/sluice/replay")
+    );
+    assert_eq!(c.metrics.listen.to_string(), "127.0.0.1:9400");
+    assert_eq!(c.admin.listen.to_string(), "127.0.0.1:9401");
+    assert_eq!(c.rollout.knobs.max_version_lag, 1);
+    assert_eq!(c.rollout.knobs.staleness_threshold, 0.0);
+    // trigger size 0 resolves to the global batch size in groups.
+    assert_eq!(c.rollout.knobs.tail_batch_trigger_size, 8);
+    // no concurrency cap beyond admission: (η + 1) · groups_per_step · group_size.
+    assert_eq!(c.rollout.knobs.max_concurrent_rollouts, 2 * 8 * 8);
+}
+
+#[test]
+fn a_full_file_resolves() {
+    let text = r#"
+        [run]
+        name = "exp-1"
+        output_dir = "/tmp/exp"
+        seed = 7
+        max_steps = 3
+        [model]
+        path = "/models/qwen"
+        dtype = "bf16"
+        device = "cuda:1"
+        [engine]
+        backend = "remote"
+        remote_urls = ["http://10.0.0.1:30000", "https://gpu-2/"]
+        request_timeout_s = 5
+        [trainer]
+        loss = "decoupled_ppo"
+        lr_schedule = "cosine"
+        [rollout]
+        group_size = 4
+        groups_per_step = 16
+        staleness_threshold = 0.2
+        weight_update_mode = "drain"
+        tail_batch_candidate_steps = 1
+        domain_mix = { math = 0.4, code = 0.3, chat = 0.3 }
+        [data]
+        datasets = ["math::gsm8k@train", "code::mbpp", "chat::ultra@test"]
+        on_bad_line = "fail"
+        [admin]
+        listen = "0.0.0.0:9401"
+        token = "s3cret"
+    "#;
+    let c = parse(text, &[]).unwrap();
+    assert_eq!(c.run.seed, 7);
+    assert_eq!(c.model.path, std::path::PathBuf::from("/models/qwen"));
+    assert_eq!(c.model.device, config::Device::Cuda(1));
+    assert_eq!(c.engine.remote_urls.len(), 2);
+    assert_eq!(c.engine.request_timeout.as_secs(), 5);
+    assert_eq!(c.trainer.loss, config::LossKind::DecoupledPpo);
+    assert_eq!(c.rollout.knobs.weight_update_mode, WeightUpdateMode::Drain);
+    assert_eq!(c.rollout.knobs.tail_batch_trigger_size, 16);
+    assert_eq!(c.data.domains(), ["math", "code", "chat"]);
+    assert_eq!(c.data.datasets[0].split.as_deref(), Some("train"));
+    assert_eq!(c.admin.token.as_ref().unwrap().expose(), "s3cret");
+    let printed = c.to_toml();
+    assert!(printed.contains("token = \"<redacted>\""), "{printed}");
+    assert!(!printed.contains("s3cret"));
+}
+
+#[test]
+fn the_printed_config_loads_back_to_the_same_config() {
+    let c = parse(
+        "[rollout]\ngroup_size = 3\ndomain_mix = { a = 1.0 }\n[data]\ndatasets = [\"a::x\"]",
+        &["run.name=rt"],
+    )
+    .unwrap();
+    let again = parse(&c.to_toml(), &[]).unwrap();
+    assert_eq!(again, c);
+}
+
+#[test]
+fn overrides_apply_before_validation() {
+    let c = parse(
+        "[rollout]\ngroup_size = 8",
+        &[
+            "rollout.group_size=2",
+            "rollout.weight_update_mode=in_flight",
+            "run.name=from-cli",
+            "data.datasets=[\"m::a\", \"n::b\"]",
+        ],
+    )
+    .unwrap();
+    assert_eq!(c.rollout.group_size.get(), 2);
+    assert_eq!(
+        c.rollout.knobs.weight_update_mode,
+        WeightUpdateMode::InFlight
+    );
+    // Derived defaults see the overridden value.
+    assert_eq!(c.run.output_dir, std::path::PathBuf::from("runs/from-cli"));
+    assert_eq!(c.data.domains(), ["m", "n"]);
+}
+
+#[test]
+fn the_admin_token_may_come_from_the_environment() {
+    let env = |k: &str| (k == config::ADMIN_TOKEN_ENV).then(|| "from-env".to_owned());
+    let c = config::parse("[admin]\nlisten = \"0.0.0.0:1\"", FILE, &[], &env).unwrap();
+    assert_eq!(c.admin.token.unwrap().expose(), "from-env");
+    // The file wins over the environment.
+    let c = config::parse("[admin]\ntoken = \"file\"", FILE, &[], &env).unwrap();
+    assert_eq!(c.admin.token.unwrap().expose(), "file");
+    let empty = |_: &str| Some(String::new());
+    let err = config::parse("", FILE, &[], &empty).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "test.toml: $SLUICE_ADMIN_TOKEN admin.token: expected a non-empty token, got an empty string"
+    );
+}
+
+/// (TOML text, `--set` overrides, expected message, expected kind)
+const BAD: &[(&str, &[&str], &str, ConfigErrorKind)] = &[
+    (
+        "[rollout]\ngrop_size = 4",
+        &[],
+        "test.toml: rollout.grop_size: unknown key; did you mean `group_size`?",
+        ConfigErrorKind::UnknownKey,
+    ),
+    (
+        "[rolout]\ngroup_size = 4",
+        &[],
+        "test.toml: rolout: unknown key; did you mean `rollout`?",
+        ConfigErrorKind::UnknownKey,
+    ),
+    (
+        "[engine]\nzzz = 1",
+        &[],
+        "test.toml: engine.zzz: unknown key; expected one of: backend, replicas, max_running_sequences, max_step_tokens, remote_urls, request_timeout_s",
+        ConfigErrorKind::UnknownKey,
+    ),
+    (
+        "[rollout]\ngroup_size = \"eight\"",
+        &[],
+        "test.toml: rollout.group_size: invalid type: string \"eight\", expected an integer",
+        ConfigErrorKind::Type,
+    ),
+    (
+        "[rollout]\nenable_partial_rollout = 1",
+        &[],
+        "test.toml: rollout.enable_partial_rollout: invalid type: integer `1`, expected true or false",
+        ConfigErrorKind::Type,
+    ),
+    (
+        "[data]\ndatasets = \"math::x\"",
+        &[],
+        "test.toml: data.datasets: invalid type: string \"math::x\", expected a sequence",
+        ConfigErrorKind::Type,
+    ),
+    (
+        "[rollout]\ngroup_size = 0",
+        &[],
+        "test.toml: rollout.group_size: expected an integer ≥ 1, got 0",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[rollout]\nstaleness_threshold = -0.5",
+        &[],
+        "test.toml: rollout.staleness_threshold: expected a number ≥ 0, got -0.5",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[rollout]\nstaleness_threshold = nan",
+        &[],
+        "test.toml: rollout.staleness_threshold: expected a number ≥ 0, got NaN",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[rollout]\nweight_update_mode = \"sometimes\"",
+        &[],
+        "test.toml: rollout.weight_update_mode: expected one of abort_resume, in_flight, drain, got `sometimes`",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[rollout]\nmax_version_lag = -1",
+        &[],
+        "test.toml: rollout.max_version_lag: expected an integer ≥ 0, got -1",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[rollout]\ntop_p = 0",
+        &[],
+        "test.toml: rollout.top_p: expected a number in (0, 1], got 0",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[rollout]\ngroups_per_step = 5000000000",
+        &[],
+        "test.toml: rollout.groups_per_step: expected an integer ≤ 4294967295, got 5000000000",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[rollout]\ndomain_mix = { chess = 1.0 }\n[data]\ndatasets = [\"math::a\"]",
+        &[],
+        "test.toml: rollout.domain_mix.chess: unknown domain; data.datasets declares: math",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[rollout]\ndomain_mix = { math = 0.0 }",
+        &[],
+        "test.toml: rollout.domain_mix: expected at least one weight > 0, all are 0",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[trainer]\nloss = \"dpo\"",
+        &[],
+        "test.toml: trainer.loss: expected one of ppo, tis, decoupled_ppo, got `dpo`",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[trainer]\nclip_low = 1.5",
+        &[],
+        "test.toml: trainer.clip_low: expected a number in [0, 1), got 1.5",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[trainer]\nlearning_rate = 0",
+        &[],
+        "test.toml: trainer.learning_rate: expected a number > 0, got 0",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[model]\ndtype = \"f64\"",
+        &[],
+        "test.toml: model.dtype: expected one of f32, bf16, f16, got `f64`",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[model]\ndevice = \"tpu\"",
+        &[],
+        "test.toml: model.device: expected cpu, cuda or cuda:N, got `tpu`",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[engine]\nbackend = \"remote\"",
+        &[],
+        "test.toml: engine.remote_urls: backend `remote` needs at least one base URL",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[engine]\nremote_urls = [\"localhost:3000\"]",
+        &[],
+        "test.toml: engine.remote_urls[0]: expected an http:// or https:// base URL, got `localhost:3000`",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[data]\ndatasets = [\"gsm8k\"]",
+        &[],
+        "test.toml: data.datasets[0]: expected `domain::name[@split]` with parts of [A-Za-z0-9_.-], got `gsm8k`",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[data]\ndatasets = [\"m::a\", \"m::a\"]",
+        &[],
+        "test.toml: data.datasets[1]: `m::a` is listed twice",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[run]\nname = \"my run\"",
+        &[],
+        "test.toml: run.name: expected a non-empty name of [A-Za-z0-9._-], got `my run`",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[run]\nmax_steps = 0",
+        &[],
+        "test.toml: run.max_steps: expected an integer ≥ 1, got 0",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[metrics]\nlisten = \"localhost\"",
+        &[],
+        "test.toml: metrics.listen: expected an address like 127.0.0.1:9400, got `localhost`",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[admin]\nlisten = \"0.0.0.0:9401\"",
+        &[],
+        "test.toml: admin.listen: 0.0.0.0:9401 is not a loopback address; set admin.token or $SLUICE_ADMIN_TOKEN to expose the admin API",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[admin]\nlisten = \"127.0.0.1:9400\"",
+        &[],
+        "test.toml: admin.listen: 127.0.0.1:9400 is also metrics.listen; give them different ports",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[rollout\ngroup_size = 4",
+        &[],
+        "test.toml: line 1, column 9: invalid TOML: unclosed table, expected `]`",
+        ConfigErrorKind::Syntax,
+    ),
+    // Overrides are checked like the file, and errors say the value came from --set.
+    (
+        "[run]\nname = \"a\"\nname = \"b\"",
+        &[],
+        "test.toml: line 3, column 1: invalid TOML: duplicate key",
+        ConfigErrorKind::Syntax,
+    ),
+    (
+        "",
+        &["rollout.group_size=0"],
+        "test.toml: --set rollout.group_size: expected an integer ≥ 1, got 0",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "",
+        &["rollout.grop_size=3"],
+        "test.toml: --set rollout.grop_size: unknown key; did you mean `group_size`?",
+        ConfigErrorKind::UnknownKey,
+    ),
+    (
+        "",
+        &["rollout.weight_update_mode=later"],
+        "test.toml: --set rollout.weight_update_mode: expected one of abort_resume, in_flight, drain, got `later`",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[run]\nname = \"x\"",
+        &["run.name.first=3"],
+        "test.toml: --set run.name.first: `run.name` is not a table (found string), so it has no key `first`",
+        ConfigErrorKind::Override,
+    ),
+];
+
+#[test]
+fn bad_configs_name_file_key_and_expectation() {
+    assert!(BAD.len() >= 15);
+    let mut failures = Vec::new();
+    for (text, sets, expected, kind) in BAD {
+        match parse(text, sets) {
+            Ok(_) => failures.push(format!("accepted: {text:?} {sets:?}")),
+            Err(e) => {
+                let got = e.to_string();
+                if got != *expected || e.kind != *kind {
+                    failures.push(format!(
+                        "input {text:?} {sets:?}\n  expected [{}] {expected}\n  got      [{}] {got}",
+                        kind.as_str(),
+                        e.kind()
+                    ));
+                }
+                assert!(!got.contains('\n'), "message must be one line: {got}");
+            }
+        }
+    }
+    assert!(failures.is_empty(), "\n{}", failures.join("\n"));
+}
+
+#[test]
+fn a_missing_file_names_the_file() {
+    let err = config::load(std::path::Path::new("/nonexistent/sluice.toml"), &[]).unwrap_err();
+    assert_eq!(err.kind, ConfigErrorKind::Io);
+    assert!(
+        err.to_string()
+            .starts_with("/nonexistent/sluice.toml: cannot read config: "),
+        "{err}"
+    );
+}

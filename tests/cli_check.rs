@@ -1,0 +1,128 @@
+//! `sluice check`: the shipped configs validate, bad input exits non-zero with one line naming
+//! file, key and expectation, and nothing is started or written.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+fn sluice(args: &[&str], dir: &Path) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(args)
+        .current_dir(dir)
+        .env_remove("SLUICE_ADMIN_TOKEN")
+        .output()
+        .expect("run sluice")
+}
+
+fn repo() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+#[test]
+fn every_shipped_config_validates() {
+    let mut checked = 0;
+    for entry in std::fs::read_dir(repo().join("configs")).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "toml") {
+            let out = sluice(&["check", path.to_str().unwrap()], repo());
+            assert!(
+                out.status.success(),
+                "{}: {}",
+                path.display(),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            checked += 1;
+        }
+    }
+    assert!(checked >= 1);
+}
+
+#[test]
+fn check_prints_the_resolved_config_and_applies_overrides() {
+    let out = sluice(
+        &[
+            "check",
+            "configs/quickstart.toml",
+            "--set",
+            "rollout.group_size=3",
+            "--set",
+            "run.name=cli-test",
+        ],
+        repo(),
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let printed: toml::Table = String::from_utf8(out.stdout).unwrap().parse().unwrap();
+    assert_eq!(printed["rollout"]["group_size"].as_integer(), Some(3));
+    // Defaults are resolved and shown.
+    assert_eq!(printed["run"]["output_dir"].as_str(), Some("runs/cli-test"));
+    assert_eq!(
+        printed["metrics"]["listen"].as_str(),
+        Some("127.0.0.1:9400")
+    );
+}
+
+#[test]
+fn bad_input_exits_non_zero_with_one_line_and_starts_nothing() {
+    let dir = tempdir();
+    std::fs::write(
+        dir.join("bad.toml"),
+        "[run]\nname = \"bad\"\noutput_dir = \"out\"\n[rollout]\nweight_update_mode = \"eventually\"\n",
+    )
+    .unwrap();
+    let cases: &[(&[&str], &str)] = &[
+        (
+            &["check", "bad.toml"],
+            "error: bad.toml: rollout.weight_update_mode: expected one of abort_resume, in_flight, drain, got `eventually`\n",
+        ),
+        (
+            &["check", "missing.toml"],
+            "error: missing.toml: cannot read config: No such file or directory (os error 2)\n",
+        ),
+        (
+            &[
+                "check",
+                "bad.toml",
+                "--set",
+                "rollout.weight_update_mode=drain",
+                "--set",
+                "rollout.group_size=-2",
+            ],
+            "error: bad.toml: --set rollout.group_size: expected an integer ≥ 1, got -2\n",
+        ),
+    ];
+    for (args, expected) in cases {
+        let out = sluice(args, &dir);
+        assert_eq!(out.status.code(), Some(1), "{args:?}");
+        assert_eq!(String::from_utf8_lossy(&out.stderr), *expected, "{args:?}");
+        assert!(out.stdout.is_empty());
+    }
+    let out = sluice(&["check", "bad.toml", "--set", "nonsense"], &dir);
+    assert_eq!(out.status.code(), Some(2), "clap usage errors exit 2");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("expected `key.path=value`"));
+    assert!(
+        !dir.join("out").exists(),
+        "check never creates the output dir"
+    );
+}
+
+#[test]
+fn version_flag() {
+    let out = sluice(&["--version"], repo());
+    assert!(out.status.success());
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        format!("sluice {}", env!("CARGO_PKG_VERSION"))
+    );
+}
+
+/// A fresh directory under the target dir (no extra dependency for one temp dir).
+fn tempdir() -> std::path::PathBuf {
+    let dir =
+        Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("cli-check-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
