@@ -1,0 +1,315 @@
+//! JSONL datasets named `domain::name[@split]`.
+//!
+//! A spec resolves to a file under the configured `data_dir`:
+//! `<data_dir>/<domain>/<name>.jsonl` without a split, `<data_dir>/<domain>/<name>/<split>.jsonl`
+//! with one. Each non-blank line is one JSON object, one [`DataSample`]:
+//!
+//! - `id` (string or integer, optional): the row id; the 1-based line number when absent;
+//! - `system_prompt` (string, optional): overrides the domain's system prompt for this row;
+//! - `input` (any JSON, optional): what the environment receives; when absent, the whole object
+//!   minus `id` and `system_prompt` is the input.
+//!
+//! A line that is not such an object is reported with its file and line number, counted in
+//! `sluice_data_bad_lines_total{dataset}`, and then skipped or made fatal per `data.on_bad_line`.
+
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+use sluice_core::DataSample;
+use sluice_core::config::{BadLinePolicy, DatasetSpec};
+use sluice_core::metrics::DATA_BAD_LINES;
+
+use crate::error::DataError;
+
+/// A line that could not be turned into a sample.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BadLine {
+    /// The file it is in.
+    pub path: PathBuf,
+    /// 1-based line number.
+    pub line: usize,
+    /// What was wrong.
+    pub reason: String,
+}
+
+/// The rows of one `domain::name[@split]`, in file order.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Dataset {
+    spec: DatasetSpec,
+    samples: Vec<DataSample>,
+    bad_lines: Vec<BadLine>,
+}
+
+/// Where the file of `spec` lives under `data_dir`.
+pub fn dataset_path(data_dir: &Path, spec: &DatasetSpec) -> PathBuf {
+    let domain_dir = data_dir.join(&spec.domain);
+    match &spec.split {
+        Some(split) => domain_dir.join(&spec.name).join(format!("{split}.jsonl")),
+        None => domain_dir.join(format!("{}.jsonl", spec.name)),
+    }
+}
+
+/// The `dataset` field of a sample: the spec without its domain.
+fn dataset_field(spec: &DatasetSpec) -> String {
+    match &spec.split {
+        Some(split) => format!("{}@{split}", spec.name),
+        None => spec.name.clone(),
+    }
+}
+
+impl Dataset {
+    /// A dataset from samples produced elsewhere (a built-in task's generator). Each sample's
+    /// `domain` and `dataset` are set from `spec`.
+    pub fn from_samples(spec: DatasetSpec, samples: Vec<DataSample>) -> Self {
+        let dataset = dataset_field(&spec);
+        let samples = samples
+            .into_iter()
+            .map(|mut s| {
+                s.domain = spec.domain.clone();
+                s.dataset = dataset.clone();
+                s
+            })
+            .collect();
+        Self {
+            spec,
+            samples,
+            bad_lines: Vec::new(),
+        }
+    }
+
+    /// Loads `spec` from its file under `data_dir` (see [`dataset_path`]).
+    pub fn load(
+        data_dir: &Path,
+        spec: &DatasetSpec,
+        on_bad_line: BadLinePolicy,
+    ) -> Result<Self, DataError> {
+        let path = dataset_path(data_dir, spec);
+        let text = std::fs::read_to_string(&path).map_err(|source| DataError::Io {
+            dataset: spec.to_string(),
+            path: path.clone(),
+            source,
+        })?;
+        Self::parse(&text, &path, spec, on_bad_line)
+    }
+
+    /// Parses JSONL `text` as if read from `path` (which only names the source in reports).
+    pub fn parse(
+        text: &str,
+        path: &Path,
+        spec: &DatasetSpec,
+        on_bad_line: BadLinePolicy,
+    ) -> Result<Self, DataError> {
+        let dataset = dataset_field(spec);
+        let label = spec.to_string();
+        let mut samples = Vec::new();
+        let mut bad_lines = Vec::new();
+        for (idx, line) in text.lines().enumerate() {
+            let line_no = idx + 1;
+            if line.trim().is_empty() {
+                continue;
+            }
+            match parse_row(line, line_no) {
+                Ok(row) => samples.push(DataSample {
+                    id: row.id,
+                    domain: spec.domain.clone(),
+                    dataset: dataset.clone(),
+                    input: row.input,
+                    system_prompt: row.system_prompt,
+                }),
+                Err(reason) => {
+                    metrics::counter!(DATA_BAD_LINES, "dataset" => label.clone()).increment(1);
+                    tracing::warn!(dataset = %label, file = %path.display(), line = line_no, %reason, "bad dataset line");
+                    if on_bad_line == BadLinePolicy::Fail {
+                        return Err(DataError::BadLine {
+                            dataset: label,
+                            path: path.to_path_buf(),
+                            line: line_no,
+                            reason,
+                        });
+                    }
+                    bad_lines.push(BadLine {
+                        path: path.to_path_buf(),
+                        line: line_no,
+                        reason,
+                    });
+                }
+            }
+        }
+        Ok(Self {
+            spec: spec.clone(),
+            samples,
+            bad_lines,
+        })
+    }
+
+    /// The spec this dataset was loaded for.
+    pub fn spec(&self) -> &DatasetSpec {
+        &self.spec
+    }
+
+    /// The rows, in file order.
+    pub fn samples(&self) -> &[DataSample] {
+        &self.samples
+    }
+
+    /// Number of rows.
+    pub fn len(&self) -> usize {
+        self.samples.len()
+    }
+
+    /// True when no row was loaded.
+    pub fn is_empty(&self) -> bool {
+        self.samples.is_empty()
+    }
+
+    /// Lines that were skipped (empty under `on_bad_line = "fail"`, which stops at the first).
+    pub fn bad_lines(&self) -> &[BadLine] {
+        &self.bad_lines
+    }
+}
+
+struct Row {
+    id: String,
+    input: Value,
+    system_prompt: Option<String>,
+}
+
+fn parse_row(line: &str, line_no: usize) -> Result<Row, String> {
+    let value: Value = serde_json::from_str(line).map_err(|e| format!("invalid JSON: {e}"))?;
+    let Value::Object(mut obj) = value else {
+        return Err(format!("expected a JSON object, got {}", json_kind(&value)));
+    };
+    let id = match obj.remove("id") {
+        None | Some(Value::Null) => line_no.to_string(),
+        Some(Value::String(s)) => s,
+        Some(Value::Number(n)) => n.to_string(),
+        Some(other) => {
+            return Err(format!(
+                "`id` must be a string or an integer, got {}",
+                json_kind(&other)
+            ));
+        }
+    };
+    let system_prompt = match obj.remove("system_prompt") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) => Some(s),
+        Some(other) => {
+            return Err(format!(
+                "`system_prompt` must be a string, got {}",
+                json_kind(&other)
+            ));
+        }
+    };
+    let input = match obj.remove("input") {
+        Some(input) => input,
+        None => Value::Object(obj),
+    };
+    Ok(Row {
+        id,
+        input,
+        system_prompt,
+    })
+}
+
+fn json_kind(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(s: &str) -> DatasetSpec {
+        s.parse().unwrap()
+    }
+
+    #[test]
+    fn paths_follow_the_spec() {
+        let dir = Path::new("/data");
+        assert_eq!(
+            dataset_path(dir, &spec("math::gsm8k")),
+            Path::new("/data/math/gsm8k.jsonl")
+        );
+        assert_eq!(
+            dataset_path(dir, &spec("math::gsm8k@test")),
+            Path::new("/data/math/gsm8k/test.jsonl")
+        );
+    }
+
+    #[test]
+    fn rows_become_samples() {
+        let text = r#"{"id": "a", "input": {"q": "1+1"}, "system_prompt": "be terse"}
+
+{"question": "2+2", "answer": 4}
+{"id": 17, "input": [1, 2]}
+"#;
+        let ds = Dataset::parse(
+            text,
+            Path::new("f.jsonl"),
+            &spec("math::toy@train"),
+            BadLinePolicy::Fail,
+        )
+        .unwrap();
+        let s = ds.samples();
+        assert_eq!(s.len(), 3);
+        assert_eq!(s[0].id, "a");
+        assert_eq!(s[0].input, serde_json::json!({"q": "1+1"}));
+        assert_eq!(s[0].system_prompt.as_deref(), Some("be terse"));
+        assert_eq!(
+            (s[0].domain.as_str(), s[0].dataset.as_str()),
+            ("math", "toy@train")
+        );
+        assert_eq!(
+            s[1].id, "3",
+            "line number when no id; blank lines still count"
+        );
+        assert_eq!(
+            s[1].input,
+            serde_json::json!({"question": "2+2", "answer": 4})
+        );
+        assert_eq!(s[2].id, "17");
+    }
+
+    #[test]
+    fn bad_lines_are_reported_with_file_and_line() {
+        let text = "{\"input\": 1}\nnot json\n[1,2]\n{\"id\": true}\n{\"input\": 2}\n";
+        let path = Path::new("data/math/toy.jsonl");
+        let ds = Dataset::parse(text, path, &spec("math::toy"), BadLinePolicy::Skip).unwrap();
+        assert_eq!(ds.len(), 2);
+        let lines: Vec<usize> = ds.bad_lines().iter().map(|b| b.line).collect();
+        assert_eq!(lines, [2, 3, 4]);
+        assert!(
+            ds.bad_lines()[1]
+                .reason
+                .contains("expected a JSON object, got an array")
+        );
+        assert_eq!(ds.bad_lines()[0].path, path);
+
+        let err = Dataset::parse(text, path, &spec("math::toy"), BadLinePolicy::Fail).unwrap_err();
+        assert_eq!(err.kind(), "data_bad_line");
+        let msg = err.to_string();
+        assert!(
+            msg.starts_with("dataset `math::toy`: data/math/toy.jsonl:2: invalid JSON"),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn missing_file_names_the_path() {
+        let err = Dataset::load(
+            Path::new("/nonexistent"),
+            &spec("a::b"),
+            BadLinePolicy::Skip,
+        )
+        .unwrap_err();
+        assert_eq!(err.kind(), "data_io");
+        assert!(err.to_string().contains("/nonexistent/a/b.jsonl"), "{err}");
+    }
+}

@@ -1,0 +1,48 @@
+//! Errors of the data crate; each names the file, line or domain at fault.
+
+use std::path::PathBuf;
+
+/// Anything loading or sampling data can refuse.
+#[derive(Debug, thiserror::Error)]
+pub enum DataError {
+    /// A dataset file could not be read.
+    #[error("dataset `{dataset}`: cannot read {}: {source}", path.display())]
+    Io {
+        /// The dataset spec.
+        dataset: String,
+        /// The file.
+        path: PathBuf,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// A line did not parse and `data.on_bad_line = "fail"`.
+    #[error("dataset `{dataset}`: {}:{line}: {reason}", path.display())]
+    BadLine {
+        /// The dataset spec.
+        dataset: String,
+        /// The file.
+        path: PathBuf,
+        /// 1-based line number.
+        line: usize,
+        /// What was wrong with it.
+        reason: String,
+    },
+    /// The sampler was configured inconsistently (unknown domain, no data, …).
+    #[error("sampler: {0}")]
+    Config(String),
+    /// A checkpointed sampler state does not fit the datasets it is restored onto.
+    #[error("sampler state does not match the datasets: {0}")]
+    StateMismatch(String),
+}
+
+impl DataError {
+    /// Short stable name, used as a metric label.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            DataError::Io { .. } => "data_io",
+            DataError::BadLine { .. } => "data_bad_line",
+            DataError::Config(_) => "sampler_config",
+            DataError::StateMismatch(_) => "sampler_state_mismatch",
+        }
+    }
+}
