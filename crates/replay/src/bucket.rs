@@ -1,0 +1,126 @@
+//! The per-group state machine of §4.4.
+//!
+//! ```text
+//! Pending → InFlight → Completed → Consumed
+//!              │    ↘ Failed | Filtered            (final)
+//!              ├──→ Aborted ──→ InFlight           (resume / regenerate)
+//!              │       └─────→ Expired
+//!              └──→ Expired ──→ InFlight           (regenerate policy) — or stays (drop policy)
+//! Completed → Expired                              (fell past η before it was taken)
+//! ```
+//! A group's *final* buckets are `Consumed`, `Failed`, `Filtered` and `Expired` when the expired
+//! policy is `drop`; every admitted group ends in exactly one of them or is still live.
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+/// Where a group stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Bucket {
+    /// Admitted, not yet submitted to an engine.
+    Pending,
+    /// Generating (or waiting for its environment).
+    InFlight,
+    /// Every rollout ended; trainable, waiting for `take_batch`.
+    Completed,
+    /// Interrupted by a weight update; partial output saved, resumable.
+    Aborted,
+    /// Its oldest token fell more than η versions behind.
+    Expired,
+    /// Nothing trainable came out (every rollout failed).
+    Failed,
+    /// All rewards equal: zero advantage, filtered out.
+    Filtered,
+    /// Handed to the trainer.
+    Consumed,
+}
+
+impl Bucket {
+    /// Every bucket, in state-machine order.
+    pub const ALL: [Self; 8] = [
+        Self::Pending,
+        Self::InFlight,
+        Self::Completed,
+        Self::Aborted,
+        Self::Expired,
+        Self::Failed,
+        Self::Filtered,
+        Self::Consumed,
+    ];
+
+    /// Short stable name (metric label, API).
+    pub fn as_label(self) -> &'static str {
+        match self {
+            Self::Pending => "pending",
+            Self::InFlight => "in_flight",
+            Self::Completed => "completed",
+            Self::Aborted => "aborted",
+            Self::Expired => "expired",
+            Self::Failed => "failed",
+            Self::Filtered => "filtered",
+            Self::Consumed => "consumed",
+        }
+    }
+
+    /// Index into per-bucket arrays.
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
+    /// Whether the state machine allows `self → to`.
+    pub fn can_move_to(self, to: Self) -> bool {
+        use Bucket::*;
+        matches!(
+            (self, to),
+            (Pending, InFlight)
+                | (InFlight, Completed | Aborted | Expired | Failed | Filtered)
+                | (Aborted, InFlight | Expired)
+                | (Expired, InFlight)
+                | (Completed, Consumed | Expired)
+        )
+    }
+
+    /// The group's generated tokens must survive a crash in this bucket.
+    pub fn is_persisted(self) -> bool {
+        matches!(
+            self,
+            Self::Pending | Self::InFlight | Self::Completed | Self::Aborted | Self::Expired
+        )
+    }
+}
+
+impl fmt::Display for Bucket {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_label())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn consumed_is_reached_only_from_completed() {
+        for b in Bucket::ALL {
+            assert_eq!(
+                b.can_move_to(Bucket::Consumed),
+                b == Bucket::Completed,
+                "{b}"
+            );
+        }
+        for b in Bucket::ALL {
+            assert!(!Bucket::Consumed.can_move_to(b), "consumed is final");
+            assert!(!Bucket::Filtered.can_move_to(b), "filtered is final");
+            assert!(!Bucket::Failed.can_move_to(b), "failed is final");
+        }
+    }
+
+    #[test]
+    fn labels_are_distinct() {
+        let labels: std::collections::HashSet<_> =
+            Bucket::ALL.iter().map(|b| b.as_label()).collect();
+        assert_eq!(labels.len(), Bucket::ALL.len());
+    }
+}

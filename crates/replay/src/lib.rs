@@ -1,0 +1,23 @@
+//! The versioned replay store (`DESIGN.md` §4.1, §4.4): pure logic plus crash-safe persistence.
+//!
+//! | module | what it holds |
+//! |---|---|
+//! | [`bucket`] | the per-group state machine `Pending → InFlight → Completed \| Aborted \| Expired \| Failed \| Filtered → Consumed` |
+//! | [`store`] | [`ReplayStore`]: groups by bucket, transition counters, admission accounting, `take_batch` |
+//! | [`admission`] | the admission bound and the over-sending target, as pure functions |
+//! | [`persist`] | [`Persister`]: the redb database under the run's output dir |
+//! | [`error`] | [`ReplayError`] with stable `kind()` names |
+//!
+//! No threads, no actors: the replay actor wraps this crate and decides when to flush.
+
+pub mod admission;
+pub mod bucket;
+pub mod error;
+pub mod persist;
+pub mod store;
+
+pub use admission::{admission_allows, in_flight_target, remaining_for_step};
+pub use bucket::Bucket;
+pub use error::ReplayError;
+pub use persist::{PersistOp, Persister, Recovered};
+pub use store::{Counters, FinishOutcome, ReplayStore, StoreSnapshot, TakeOutcome};

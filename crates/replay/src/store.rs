@@ -1,0 +1,487 @@
+//! [`ReplayStore`]: every admitted group, the bucket it is in, and the counters that admission and
+//! the metrics need. Pure logic: each mutation appends [`PersistOp`]s to an outbox that the owner
+//! flushes to the [`crate::Persister`] before acknowledging.
+//!
+//! Ordering: "oldest" means lowest admission counter (`GroupId` order), so `take_batch` serves
+//! groups in the order they were admitted.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+use serde::{Deserialize, Serialize};
+use sluice_core::{GroupId, PolicyVersion, RolloutGroup, RolloutStatus};
+
+use crate::bucket::Bucket;
+use crate::error::ReplayError;
+use crate::persist::PersistOp;
+
+/// Run-level counters, persisted with the groups.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Counters {
+    /// Groups ever admitted.
+    pub admitted_total: u64,
+    /// Groups given back to admission: they ended filtered, failed or expired-and-dropped.
+    pub released_total: u64,
+    /// Groups handed to the trainer.
+    pub consumed_total: u64,
+    /// The counter the next group id should carry (so a restarted run never reuses an id).
+    pub next_group_counter: u64,
+    /// The newest published policy version the store has seen.
+    pub policy_version: u64,
+    /// Generated tokens thrown away (regenerated partials, regenerated expired groups).
+    pub discarded_tokens: u64,
+    /// Transition counts, keyed `from->to`.
+    pub transitions: BTreeMap<String, u64>,
+}
+
+impl Counters {
+    /// Groups that count against the admission bound: running + completed + trained.
+    pub fn admitted_load(&self) -> u64 {
+        self.admitted_total - self.released_total
+    }
+}
+
+/// What `finish` decided for a group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FinishOutcome {
+    /// The bucket the group went to.
+    pub bucket: Bucket,
+}
+
+/// What `take_batch` returned.
+#[derive(Debug, Clone, PartialEq)]
+pub enum TakeOutcome {
+    /// `n` groups, oldest first, now `Consumed`.
+    Batch(Vec<RolloutGroup>),
+    /// Fewer than `n` eligible groups; nothing was consumed.
+    NotEnough {
+        /// Eligible completed groups.
+        available: u64,
+    },
+}
+
+/// Counts per bucket plus the counters: what the metrics and `/v1/status` show.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct StoreSnapshot {
+    /// Groups per bucket, by label.
+    pub buckets: BTreeMap<&'static str, u64>,
+    /// The counters.
+    pub counters: Counters,
+}
+
+struct Entry {
+    bucket: Bucket,
+    /// The group's data; dropped once the group is final (only its id is kept, for accounting).
+    group: Option<RolloutGroup>,
+}
+
+/// The in-memory replay store.
+pub struct ReplayStore {
+    entries: HashMap<GroupId, Entry>,
+    by_bucket: [BTreeSet<GroupId>; 8],
+    counters: Counters,
+    drop_expired: bool,
+    filter_zero_advantage: bool,
+    outbox: Vec<PersistOp>,
+}
+
+impl ReplayStore {
+    /// An empty store. `drop_expired`: expired groups are final (else they wait for regeneration);
+    /// `filter_zero_advantage`: groups with equal rewards go to `Filtered`.
+    pub fn new(drop_expired: bool, filter_zero_advantage: bool) -> Self {
+        Self {
+            entries: HashMap::new(),
+            by_bucket: Default::default(),
+            counters: Counters::default(),
+            drop_expired,
+            filter_zero_advantage,
+            outbox: Vec::new(),
+        }
+    }
+
+    /// Rebuilds a store from persisted records. Groups that were pending or in flight when the
+    /// process died come back `Aborted` (their last saved partials resume); their ongoing rollouts
+    /// are marked aborted so the controller resubmits them.
+    pub fn recover(
+        drop_expired: bool,
+        filter_zero_advantage: bool,
+        counters: Counters,
+        records: Vec<(Bucket, RolloutGroup)>,
+    ) -> Self {
+        let mut store = Self::new(drop_expired, filter_zero_advantage);
+        store.counters = counters;
+        for (bucket, mut group) in records {
+            let id = group.id;
+            let bucket = match bucket {
+                Bucket::Pending | Bucket::InFlight => {
+                    for r in &mut group.rollouts {
+                        if r.status == RolloutStatus::Ongoing {
+                            r.status = RolloutStatus::Aborted;
+                        }
+                    }
+                    store.count_transition(bucket, Bucket::Aborted);
+                    store.outbox.push(PersistOp::put(Bucket::Aborted, &group));
+                    Bucket::Aborted
+                }
+                b => b,
+            };
+            store.by_bucket[bucket.index()].insert(id);
+            store.entries.insert(
+                id,
+                Entry {
+                    bucket,
+                    group: Some(group),
+                },
+            );
+        }
+        store.push_counters();
+        store
+    }
+
+    /// The counters.
+    pub fn counters(&self) -> &Counters {
+        &self.counters
+    }
+
+    /// Groups currently in `bucket`. Final buckets keep no data, only their count (derived from
+    /// the persisted transition counters, so it survives restarts).
+    pub fn count(&self, bucket: Bucket) -> u64 {
+        if self.is_final(bucket) {
+            let suffix = format!("->{bucket}");
+            self.counters
+                .transitions
+                .iter()
+                .filter(|(k, _)| k.ends_with(&suffix))
+                .map(|(_, v)| *v)
+                .sum()
+        } else {
+            self.by_bucket[bucket.index()].len() as u64
+        }
+    }
+
+    /// Whether a group in `bucket` is done for good (its data and id are forgotten).
+    pub fn is_final(&self, bucket: Bucket) -> bool {
+        matches!(bucket, Bucket::Consumed | Bucket::Failed | Bucket::Filtered)
+            || (bucket == Bucket::Expired && self.drop_expired)
+    }
+
+    /// Ids in `bucket`, oldest first.
+    pub fn ids(&self, bucket: Bucket) -> impl Iterator<Item = GroupId> + '_ {
+        self.by_bucket[bucket.index()].iter().copied()
+    }
+
+    /// The bucket a group is in.
+    pub fn bucket_of(&self, id: GroupId) -> Option<Bucket> {
+        self.entries.get(&id).map(|e| e.bucket)
+    }
+
+    /// The group's data (absent once final).
+    pub fn group(&self, id: GroupId) -> Option<&RolloutGroup> {
+        self.entries.get(&id).and_then(|e| e.group.as_ref())
+    }
+
+    /// Per-bucket counts and counters.
+    pub fn snapshot(&self) -> StoreSnapshot {
+        StoreSnapshot {
+            buckets: Bucket::ALL
+                .iter()
+                .map(|b| (b.as_label(), self.count(*b)))
+                .collect(),
+            counters: self.counters.clone(),
+        }
+    }
+
+    /// Takes the persistence ops accumulated since the last call (flush them before acknowledging).
+    pub fn drain_outbox(&mut self) -> Vec<PersistOp> {
+        std::mem::take(&mut self.outbox)
+    }
+
+    /// Records a newly published version.
+    pub fn set_policy_version(&mut self, version: PolicyVersion) {
+        if version.0 > self.counters.policy_version {
+            self.counters.policy_version = version.0;
+            self.push_counters();
+        }
+    }
+
+    /// Admits a new group and marks it in flight (admission and submission are one decision):
+    /// `Pending → InFlight`, both transitions counted.
+    pub fn admit(&mut self, group: RolloutGroup) -> Result<(), ReplayError> {
+        let id = group.id;
+        if self.entries.contains_key(&id) {
+            return Err(ReplayError::Duplicate { group: id });
+        }
+        self.counters.admitted_total += 1;
+        self.counters.next_group_counter = self.counters.next_group_counter.max(id.counter + 1);
+        self.entries.insert(
+            id,
+            Entry {
+                bucket: Bucket::Pending,
+                group: None,
+            },
+        );
+        self.by_bucket[Bucket::Pending.index()].insert(id);
+        self.set_bucket(id, Bucket::InFlight, Some(group))?;
+        self.push_counters();
+        Ok(())
+    }
+
+    /// A group whose rollouts all ended: `InFlight → Completed | Failed | Filtered | Expired`.
+    /// `current` and `max_version_lag` decide expiry; see the module docs of [`crate::bucket`].
+    pub fn finish(
+        &mut self,
+        group: RolloutGroup,
+        current: PolicyVersion,
+        max_version_lag: u64,
+    ) -> Result<FinishOutcome, ReplayError> {
+        let trainable = group.rollouts.iter().any(|r| r.status.is_trainable());
+        let bucket = if !trainable {
+            Bucket::Failed
+        } else if is_expired(&group, current, max_version_lag) {
+            Bucket::Expired
+        } else if self.filter_zero_advantage && group.has_uniform_reward() {
+            Bucket::Filtered
+        } else {
+            Bucket::Completed
+        };
+        self.set_bucket(group.id, bucket, Some(group))?;
+        self.push_counters();
+        Ok(FinishOutcome { bucket })
+    }
+
+    /// A group interrupted by a weight update, with its partials: `InFlight → Aborted`.
+    pub fn abort(&mut self, group: RolloutGroup) -> Result<(), ReplayError> {
+        self.set_bucket(group.id, Bucket::Aborted, Some(group))?;
+        self.push_counters();
+        Ok(())
+    }
+
+    /// Takes an aborted or expired group back in flight and returns what to submit.
+    ///
+    /// - Aborted, tokens still within η of `current`, partials on: resumed as saved.
+    /// - Aborted, partials off: the interrupted turns lose their partial completion.
+    /// - Aborted but some token already older than `current − η`: it could never be trained, so
+    ///   it expires and is regenerated from its prompts (or dropped under the drop policy).
+    /// - Expired: regenerated from the prompts.
+    ///
+    /// Returns `None` when the group was dropped instead.
+    pub fn resume(
+        &mut self,
+        id: GroupId,
+        current: PolicyVersion,
+        max_version_lag: u64,
+        enable_partial_rollout: bool,
+    ) -> Result<Option<RolloutGroup>, ReplayError> {
+        let entry = self
+            .entries
+            .get_mut(&id)
+            .ok_or(ReplayError::UnknownGroup { group: id })?;
+        let from = entry.bucket;
+        if !matches!(from, Bucket::Aborted | Bucket::Expired) {
+            return Err(ReplayError::IllegalTransition {
+                group: id,
+                from,
+                to: Bucket::InFlight,
+            });
+        }
+        let mut group = entry
+            .group
+            .take()
+            .ok_or(ReplayError::UnknownGroup { group: id })?;
+        if from == Bucket::Aborted && is_expired(&group, current, max_version_lag) {
+            self.set_bucket(id, Bucket::Expired, Some(group))?;
+            if self.drop_expired {
+                self.push_counters();
+                return Ok(None);
+            }
+            group = self
+                .entries
+                .get_mut(&id)
+                .and_then(|e| e.group.take())
+                .expect("just stored");
+            self.counters.discarded_tokens += regenerate(&mut group);
+        } else if from == Bucket::Expired {
+            self.counters.discarded_tokens += regenerate(&mut group);
+        } else if !enable_partial_rollout {
+            for r in &mut group.rollouts {
+                if r.status == RolloutStatus::Aborted
+                    && let Some(turn) = r.turns.last_mut()
+                {
+                    self.counters.discarded_tokens += turn.discard_completion() as u64;
+                }
+            }
+        }
+        self.set_bucket(id, Bucket::InFlight, Some(group.clone()))?;
+        self.push_counters();
+        Ok(Some(group))
+    }
+
+    /// Moves completed groups with a token older than `current − η` to `Expired` and returns their
+    /// ids (the controller regenerates them unless the policy drops them).
+    pub fn expire_stale(&mut self, current: PolicyVersion, max_version_lag: u64) -> Vec<GroupId> {
+        let stale: Vec<GroupId> = self.by_bucket[Bucket::Completed.index()]
+            .iter()
+            .copied()
+            .filter(|id| {
+                self.group(*id)
+                    .is_some_and(|g| is_expired(g, current, max_version_lag))
+            })
+            .collect();
+        for id in &stale {
+            let group = self.entries.get_mut(id).and_then(|e| e.group.take());
+            // The group is in Completed, so the transition is legal and cannot fail.
+            let _ = self.set_bucket(*id, Bucket::Expired, group);
+        }
+        if !stale.is_empty() {
+            self.push_counters();
+        }
+        stale
+    }
+
+    /// The trainer, holding weights `current`, asks for `n` groups. Stale completed groups expire
+    /// first, so every returned token has version ≥ `current − η`; then the `n` oldest are taken
+    /// (`Completed → Consumed`), or nothing when fewer than `n` are eligible.
+    pub fn take_batch(
+        &mut self,
+        n: usize,
+        current: PolicyVersion,
+        max_version_lag: u64,
+    ) -> (TakeOutcome, Vec<GroupId>) {
+        let expired = self.expire_stale(current, max_version_lag);
+        let available = self.count(Bucket::Completed);
+        if (available as usize) < n || n == 0 {
+            return (TakeOutcome::NotEnough { available }, expired);
+        }
+        let ids: Vec<GroupId> = self.by_bucket[Bucket::Completed.index()]
+            .iter()
+            .take(n)
+            .copied()
+            .collect();
+        let mut batch = Vec::with_capacity(n);
+        for id in ids {
+            let group = self.entries.get_mut(&id).and_then(|e| e.group.take());
+            if let Some(g) = group {
+                batch.push(g);
+            }
+            let _ = self.set_bucket(id, Bucket::Consumed, None);
+        }
+        self.counters.consumed_total += batch.len() as u64;
+        self.push_counters();
+        (TakeOutcome::Batch(batch), expired)
+    }
+
+    /// Checks that every admitted group is in exactly one bucket; returns what is off.
+    pub fn reconcile(&self) -> Result<(), String> {
+        let in_buckets: u64 = Bucket::ALL.iter().map(|b| self.count(*b)).sum();
+        let live: u64 = Bucket::ALL
+            .iter()
+            .filter(|b| !self.is_final(**b))
+            .map(|b| self.count(*b))
+            .sum();
+        if in_buckets != self.counters.admitted_total || self.entries.len() as u64 != live {
+            return Err(format!(
+                "admitted {} but {} in buckets and {} live entries for {} live",
+                self.counters.admitted_total,
+                in_buckets,
+                self.entries.len(),
+                live
+            ));
+        }
+        let released = self.count(Bucket::Failed)
+            + self.count(Bucket::Filtered)
+            + if self.drop_expired {
+                self.count(Bucket::Expired)
+            } else {
+                0
+            };
+        if released != self.counters.released_total {
+            return Err(format!(
+                "released {} but counter says {}",
+                released, self.counters.released_total
+            ));
+        }
+        if self.count(Bucket::Consumed) != self.counters.consumed_total {
+            return Err("consumed bucket and counter disagree".into());
+        }
+        Ok(())
+    }
+
+    fn set_bucket(
+        &mut self,
+        id: GroupId,
+        to: Bucket,
+        group: Option<RolloutGroup>,
+    ) -> Result<(), ReplayError> {
+        let is_final = self.is_final(to);
+        let entry = self
+            .entries
+            .get_mut(&id)
+            .ok_or(ReplayError::UnknownGroup { group: id })?;
+        let from = entry.bucket;
+        if !from.can_move_to(to) {
+            // Put back whatever data the caller handed over, so a refused move changes nothing.
+            if entry.group.is_none() {
+                entry.group = group;
+            }
+            return Err(ReplayError::IllegalTransition {
+                group: id,
+                from,
+                to,
+            });
+        }
+        self.by_bucket[from.index()].remove(&id);
+        if is_final {
+            self.entries.remove(&id);
+            if to != Bucket::Consumed {
+                self.counters.released_total += 1;
+            }
+            self.outbox.push(PersistOp::Delete(id));
+        } else {
+            entry.bucket = to;
+            entry.group = group;
+            self.by_bucket[to.index()].insert(id);
+            match &entry.group {
+                Some(g) if to.is_persisted() => self.outbox.push(PersistOp::put(to, g)),
+                _ => self.outbox.push(PersistOp::Delete(id)),
+            }
+        }
+        self.count_transition(from, to);
+        Ok(())
+    }
+
+    fn count_transition(&mut self, from: Bucket, to: Bucket) {
+        *self
+            .counters
+            .transitions
+            .entry(format!("{from}->{to}"))
+            .or_default() += 1;
+    }
+
+    fn push_counters(&mut self) {
+        self.outbox.push(PersistOp::Counters(self.counters.clone()));
+    }
+}
+
+/// Some generated token is older than `current − η`.
+fn is_expired(group: &RolloutGroup, current: PolicyVersion, max_version_lag: u64) -> bool {
+    group
+        .min_version()
+        .is_some_and(|v| v.lag_behind(current) > max_version_lag)
+}
+
+/// Resets every rollout to its first prompt; returns the tokens thrown away.
+fn regenerate(group: &mut RolloutGroup) -> u64 {
+    let mut discarded = 0;
+    for r in &mut group.rollouts {
+        discarded += r.completion_tokens() as u64;
+        r.turns.truncate(1);
+        if let Some(t) = r.turns.first_mut() {
+            t.discard_completion();
+            t.env_messages.clear();
+            t.env_reward = None;
+        }
+        r.status = RolloutStatus::Aborted;
+        r.reward = 0.0;
+        r.reward_components.clear();
+    }
+    discarded
+}

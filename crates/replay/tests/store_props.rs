@@ -1,0 +1,250 @@
+//! Property tests of the replay store: random workloads with η changing mid-run, restarts
+//! through the database included. Invariants: no trained token older than `t − η`, no group
+//! trained twice, every admitted group in exactly one bucket, counters reconcile, and a restart
+//! keeps every completed and aborted group.
+
+use std::collections::{BTreeSet, HashSet};
+
+use proptest::prelude::*;
+use sluice_core::{
+    DataSample, GroupId, NodeId, PolicyVersion, RolloutGroup, RolloutStatus, RolloutTurn, RunId,
+};
+use sluice_replay::{Bucket, Persister, ReplayStore, TakeOutcome};
+
+#[derive(Debug, Clone)]
+enum Op {
+    Admit,
+    Finish {
+        pick: usize,
+        lag: u64,
+        uniform: bool,
+        failed: bool,
+    },
+    Abort {
+        pick: usize,
+    },
+    Resume {
+        pick: usize,
+        partial: bool,
+    },
+    TrainStep,
+    SetEta(u64),
+    Restart,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => Just(Op::Admit),
+        4 => (any::<usize>(), 0u64..4, proptest::bool::weighted(0.2), proptest::bool::weighted(0.1))
+            .prop_map(|(pick, lag, uniform, failed)| Op::Finish { pick, lag, uniform, failed }),
+        2 => any::<usize>().prop_map(|pick| Op::Abort { pick }),
+        2 => (any::<usize>(), any::<bool>()).prop_map(|(pick, partial)| Op::Resume { pick, partial }),
+        2 => Just(Op::TrainStep),
+        1 => (0u64..4).prop_map(Op::SetEta),
+        1 => Just(Op::Restart),
+    ]
+}
+
+fn sample() -> DataSample {
+    DataSample {
+        id: "0".into(),
+        domain: "sim".into(),
+        dataset: "sim".into(),
+        input: serde_json::Value::Null,
+        system_prompt: None,
+    }
+}
+
+/// Gives every rollout of `group` tokens generated at `version`, with the given status.
+fn generate(
+    group: &mut RolloutGroup,
+    version: PolicyVersion,
+    status: RolloutStatus,
+    uniform: bool,
+) {
+    for (i, r) in group.rollouts.iter_mut().enumerate() {
+        if r.status.is_terminal() {
+            continue;
+        }
+        if r.turns.is_empty() {
+            r.turns.push(RolloutTurn::new(vec![1, 2, 3]));
+        }
+        let turn = r.turns.last_mut().unwrap();
+        turn.append_tokens(&[7, 8], &[-0.5, -0.5], &[version, version])
+            .unwrap();
+        r.status = status.clone();
+        r.reward = if uniform { 1.0 } else { i as f64 };
+    }
+}
+
+fn pick(ids: &[GroupId], k: usize) -> Option<GroupId> {
+    (!ids.is_empty()).then(|| ids[k % ids.len()])
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+    #[test]
+    fn random_workloads_keep_every_invariant(ops in proptest::collection::vec(op(), 1..80), drop_expired: bool) {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut db, _) = Persister::open(dir.path()).unwrap();
+        let mut store = ReplayStore::new(drop_expired, true);
+        let run = RunId::from_name("prop");
+        let (batch, group_size) = (2usize, 3u32);
+        let mut version = PolicyVersion(0);
+        let mut eta = 1u64;
+        let mut in_flight: Vec<RolloutGroup> = Vec::new();
+        let mut trained: HashSet<GroupId> = HashSet::new();
+        let mut next = 0u64;
+
+        for op in ops {
+            match op {
+                Op::Admit => {
+                    let id = GroupId { run, node: NodeId(0), counter: next };
+                    next += 1;
+                    let g = RolloutGroup::new(id, sample(), group_size, version);
+                    store.admit(g.clone()).unwrap();
+                    in_flight.push(g);
+                }
+                Op::Finish { pick: k, lag, uniform, failed } => {
+                    if in_flight.is_empty() { continue; }
+                    let mut g = in_flight.remove(k % in_flight.len());
+                    let v = PolicyVersion(version.0.saturating_sub(lag));
+                    let status = if failed { RolloutStatus::Error("x".into()) } else { RolloutStatus::Completed };
+                    generate(&mut g, v, status, uniform);
+                    store.finish(g, version, eta).unwrap();
+                }
+                Op::Abort { pick: k } => {
+                    if in_flight.is_empty() { continue; }
+                    let mut g = in_flight.remove(k % in_flight.len());
+                    generate(&mut g, version, RolloutStatus::Aborted, false);
+                    store.abort(g).unwrap();
+                }
+                Op::Resume { pick: k, partial } => {
+                    let ids: Vec<GroupId> = store.ids(Bucket::Aborted)
+                        .chain(if drop_expired { None } else { Some(store.ids(Bucket::Expired)) }.into_iter().flatten())
+                        .collect();
+                    let Some(id) = pick(&ids, k) else { continue };
+                    if let Some(g) = store.resume(id, version, eta, partial).unwrap() {
+                        if !partial {
+                            // Regenerated turns start from their prompt.
+                            for r in &g.rollouts {
+                                if r.status == RolloutStatus::Aborted {
+                                    prop_assert_eq!(r.turns.last().map_or(0, |t| t.completion_tokens()), 0);
+                                }
+                            }
+                        }
+                        prop_assert!(g.min_version().is_none_or(|m| m.lag_behind(version) <= eta));
+                        in_flight.push(g);
+                    }
+                }
+                Op::TrainStep => {
+                    let (outcome, _expired) = store.take_batch(batch, version, eta);
+                    if let TakeOutcome::Batch(groups) = outcome {
+                        prop_assert_eq!(groups.len(), batch);
+                        for g in &groups {
+                            // The hard invariant: building the batch for version+1 from weights
+                            // `version`, every token has version ≥ version − η.
+                            for r in &g.rollouts {
+                                for t in &r.turns {
+                                    for v in &t.token_versions {
+                                        prop_assert!(v.lag_behind(version) <= eta, "token {v} trained at {version} with η={eta}");
+                                    }
+                                }
+                            }
+                            prop_assert!(trained.insert(g.id), "group {} trained twice", g.id);
+                        }
+                        version = version.next();
+                        store.set_policy_version(version);
+                    }
+                }
+                Op::SetEta(e) => eta = e,
+                Op::Restart => {
+                    db.apply(&store.drain_outbox()).unwrap();
+                    let before: BTreeSet<GroupId> = store.ids(Bucket::Completed)
+                        .chain(store.ids(Bucket::Aborted))
+                        .chain(store.ids(Bucket::InFlight))
+                        .collect();
+                    let completed_before: BTreeSet<GroupId> = store.ids(Bucket::Completed).collect();
+                    drop(db);
+                    let (reopened, recovered) = Persister::open(dir.path()).unwrap();
+                    db = reopened;
+                    let counters = recovered.counters.clone();
+                    let old_counters = store.counters().clone();
+                    store = ReplayStore::recover(drop_expired, true, recovered.counters, recovered.groups);
+                    prop_assert_eq!(counters.admitted_total, old_counters.admitted_total);
+                    prop_assert_eq!(counters.consumed_total, old_counters.consumed_total);
+                    let after: BTreeSet<GroupId> = store.ids(Bucket::Completed).chain(store.ids(Bucket::Aborted)).collect();
+                    prop_assert_eq!(&before, &after, "no completed, aborted or in-flight group lost");
+                    let completed_after: BTreeSet<GroupId> = store.ids(Bucket::Completed).collect();
+                    prop_assert_eq!(completed_before, completed_after);
+                    // In-flight work resumes from the aborted bucket after a restart.
+                    in_flight.clear();
+                    for id in &trained {
+                        prop_assert!(store.bucket_of(*id).is_none(), "trained group {} came back", id);
+                    }
+                }
+            }
+            prop_assert_eq!(store.counters().admitted_total, next);
+            store.reconcile().map_err(TestCaseError::fail)?;
+        }
+    }
+}
+
+#[test]
+fn take_batch_serves_oldest_first_and_refuses_partial_batches() {
+    let mut store = ReplayStore::new(false, false);
+    let run = RunId::from_name("order");
+    let ids: Vec<GroupId> = (0..3)
+        .map(|c| GroupId {
+            run,
+            node: NodeId(0),
+            counter: c,
+        })
+        .collect();
+    for id in &ids {
+        store
+            .admit(RolloutGroup::new(*id, sample(), 2, PolicyVersion(0)))
+            .unwrap();
+    }
+    for id in ids.iter().rev() {
+        let mut g = RolloutGroup::new(*id, sample(), 2, PolicyVersion(0));
+        generate(&mut g, PolicyVersion(0), RolloutStatus::Completed, false);
+        store.finish(g, PolicyVersion(0), 1).unwrap();
+    }
+    let (out, _) = store.take_batch(4, PolicyVersion(0), 1);
+    assert_eq!(out, TakeOutcome::NotEnough { available: 3 });
+    let (out, _) = store.take_batch(2, PolicyVersion(0), 1);
+    let TakeOutcome::Batch(groups) = out else {
+        panic!("expected a batch")
+    };
+    assert_eq!(groups.iter().map(|g| g.id).collect::<Vec<_>>(), ids[..2]);
+    assert_eq!(store.counters().transitions["completed->consumed"], 2);
+    // The remaining group is now too old for weights v2 with η = 1: it expires instead.
+    let (out, expired) = store.take_batch(1, PolicyVersion(2), 1);
+    assert_eq!(out, TakeOutcome::NotEnough { available: 0 });
+    assert_eq!(expired, vec![ids[2]]);
+    assert_eq!(store.bucket_of(ids[2]), Some(Bucket::Expired));
+    store.reconcile().unwrap();
+}
+
+#[test]
+fn illegal_transitions_are_refused_and_change_nothing() {
+    let mut store = ReplayStore::new(false, false);
+    let id = GroupId {
+        run: RunId::from_name("x"),
+        node: NodeId(0),
+        counter: 0,
+    };
+    store
+        .admit(RolloutGroup::new(id, sample(), 1, PolicyVersion(0)))
+        .unwrap();
+    let err = store.resume(id, PolicyVersion(0), 1, true).unwrap_err();
+    assert_eq!(err.kind(), "replay_illegal_transition");
+    assert_eq!(store.bucket_of(id), Some(Bucket::InFlight));
+    assert!(
+        store
+            .admit(RolloutGroup::new(id, sample(), 1, PolicyVersion(0)))
+            .is_err()
+    );
+    store.reconcile().unwrap();
+}
