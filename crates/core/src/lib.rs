@@ -2,6 +2,7 @@
 //!
 //! | module | what it holds |
 //! |---|---|
+//! | [`backend`] | [`WeightSnapshot`] and the [`TrainerBackend`] trait the trainer actor drives |
 //! | [`ids`] | [`RunId`], [`NodeId`], [`GroupId`], [`RolloutId`], [`RequestId`], [`PolicyVersion`] and the group-id generator |
 //! | [`message`] | [`Message`] in the OpenAI chat shape, tool calls and tool specs |
 //! | [`rollout`] | [`DataSample`], [`RolloutTurn`], [`Rollout`], [`RolloutGroup`], [`RolloutStatus`] |
@@ -12,6 +13,7 @@
 //!
 //! This crate depends on nothing else of Sluice (see `DESIGN.md` §1): it is the bottom of the graph.
 
+pub mod backend;
 pub mod config;
 pub mod error;
 pub mod ids;
@@ -20,6 +22,7 @@ pub mod message;
 pub mod metrics;
 pub mod rollout;
 
+pub use backend::{BackendError, TrainStepOutput, TrainerBackend, WeightSnapshot};
 pub use config::{Config, ConfigError};
 pub use error::Error;
 pub use ids::{GroupId, GroupIdGenerator, NodeId, PolicyVersion, RequestId, RolloutId, RunId};

@@ -151,7 +151,7 @@ const BAD: &[(&str, &[&str], &str, ConfigErrorKind)] = &[
     (
         "[engine]\nzzz = 1",
         &[],
-        "test.toml: engine.zzz: unknown key; expected one of: backend, replicas, max_running_sequences, max_step_tokens, remote_urls, request_timeout_s",
+        "test.toml: engine.zzz: unknown key; expected one of: backend, replicas, max_running_sequences, max_step_tokens, remote_urls, request_timeout_s, simulated",
         ConfigErrorKind::UnknownKey,
     ),
     (

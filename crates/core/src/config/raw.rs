@@ -96,6 +96,77 @@ pub struct RawEngine {
     pub remote_urls: Vec<String>,
     /// Per-request timeout of the remote backend, seconds.
     pub request_timeout_s: f64,
+    /// `[engine.simulated]`: the timing model of `backend = "simulated"`.
+    pub simulated: RawSimEngine,
+}
+
+/// `[engine.simulated]`: a timing model run in scaled real time, plus the simulated task's shape.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawSimEngine {
+    /// Real seconds per simulated second (0 = as fast as possible).
+    pub time_scale: f64,
+    /// Prefill cost per prompt token, simulated seconds.
+    pub prefill_seconds_per_token: f64,
+    /// Decode step cost `a` in `a + b · running_sequences`, simulated seconds.
+    pub decode_step_base_seconds: f64,
+    /// Decode step cost `b` per running sequence, simulated seconds.
+    pub decode_step_per_sequence_seconds: f64,
+    /// Prompt length of a simulated task's first turn, tokens.
+    pub prompt_tokens: i64,
+    /// Tokens the simulated environment appends per reply (multi-turn).
+    pub env_reply_tokens: i64,
+    /// Completion-length distribution per domain; the key `default` covers the others.
+    pub lengths: BTreeMap<String, RawLengthDistribution>,
+    /// Seed of the simulated task and lengths (default: `run.seed`).
+    pub seed: Option<i64>,
+}
+
+impl Default for RawSimEngine {
+    fn default() -> Self {
+        Self {
+            time_scale: 1.0,
+            prefill_seconds_per_token: 0.000_02,
+            decode_step_base_seconds: 0.01,
+            decode_step_per_sequence_seconds: 0.000_2,
+            prompt_tokens: 128,
+            env_reply_tokens: 32,
+            lengths: BTreeMap::new(),
+            seed: None,
+        }
+    }
+}
+
+/// One completion-length distribution: `fixed` (tokens), `uniform` (min, max) or `lognormal`
+/// (median, sigma). Lengths are clamped to `[1, rollout.max_new_tokens]`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawLengthDistribution {
+    /// `fixed`, `uniform` or `lognormal`.
+    pub distribution: String,
+    /// `fixed`: the length.
+    pub tokens: i64,
+    /// `uniform`: smallest length.
+    pub min: i64,
+    /// `uniform`: largest length.
+    pub max: i64,
+    /// `lognormal`: the median length.
+    pub median: f64,
+    /// `lognormal`: σ of the underlying normal (1.0 puts p99 near 10× the median).
+    pub sigma: f64,
+}
+
+impl Default for RawLengthDistribution {
+    fn default() -> Self {
+        Self {
+            distribution: "lognormal".into(),
+            tokens: 256,
+            min: 1,
+            max: 512,
+            median: 128.0,
+            sigma: 1.0,
+        }
+    }
 }
 
 impl Default for RawEngine {
@@ -107,6 +178,7 @@ impl Default for RawEngine {
             max_step_tokens: 4096,
             remote_urls: Vec::new(),
             request_timeout_s: 120.0,
+            simulated: RawSimEngine::default(),
         }
     }
 }
@@ -141,6 +213,31 @@ pub struct RawTrainer {
     pub advantage: String,
     /// Divide group advantages by the group's reward std.
     pub normalize_advantage_std: bool,
+    /// `[trainer.simulated]`: the step-time model of the simulated trainer.
+    pub simulated: RawSimTrainer,
+}
+
+/// `[trainer.simulated]`: step time `c + d · tokens`, simulated seconds (scaled by
+/// `engine.simulated.time_scale`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawSimTrainer {
+    /// Use the simulated trainer (default: when `engine.backend = "simulated"`).
+    pub enabled: Option<bool>,
+    /// `c`: fixed cost of a step.
+    pub step_base_seconds: f64,
+    /// `d`: cost per trained token.
+    pub step_seconds_per_token: f64,
+}
+
+impl Default for RawSimTrainer {
+    fn default() -> Self {
+        Self {
+            enabled: None,
+            step_base_seconds: 0.5,
+            step_seconds_per_token: 0.000_01,
+        }
+    }
 }
 
 impl Default for RawTrainer {
@@ -159,6 +256,7 @@ impl Default for RawTrainer {
             max_seq_len: 2048,
             advantage: "group".into(),
             normalize_advantage_std: true,
+            simulated: RawSimTrainer::default(),
         }
     }
 }

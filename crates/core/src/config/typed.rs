@@ -154,6 +154,54 @@ pub struct EngineConfig {
     /// Remote request timeout.
     #[serde(rename = "request_timeout_s", serialize_with = "as_seconds")]
     pub request_timeout: Duration,
+    /// `[engine.simulated]`
+    pub simulated: SimEngineConfig,
+}
+
+/// A completion-length distribution of the simulated engine.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(tag = "distribution", rename_all = "snake_case")]
+pub enum LengthDistribution {
+    /// Always `tokens`.
+    Fixed {
+        /// The length.
+        tokens: u32,
+    },
+    /// Uniform in `[min, max]`.
+    Uniform {
+        /// Smallest.
+        min: u32,
+        /// Largest.
+        max: u32,
+    },
+    /// Log-normal with the given median and σ (a long tail).
+    Lognormal {
+        /// Median length.
+        median: f64,
+        /// σ of the underlying normal.
+        sigma: f64,
+    },
+}
+
+/// `[engine.simulated]`
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SimEngineConfig {
+    /// Real seconds per simulated second (0 = as fast as possible).
+    pub time_scale: f64,
+    /// Prefill cost per prompt token, simulated seconds.
+    pub prefill_seconds_per_token: f64,
+    /// Decode step cost `a`.
+    pub decode_step_base_seconds: f64,
+    /// Decode step cost `b` per running sequence.
+    pub decode_step_per_sequence_seconds: f64,
+    /// First-turn prompt length, tokens.
+    pub prompt_tokens: NonZeroU32,
+    /// Tokens per environment reply.
+    pub env_reply_tokens: u32,
+    /// Length distribution per domain (`default` for the rest; always present).
+    pub lengths: std::collections::BTreeMap<String, LengthDistribution>,
+    /// Seed of lengths and rewards.
+    pub seed: u64,
 }
 
 fn as_seconds<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
@@ -221,6 +269,19 @@ pub struct TrainerConfig {
     pub advantage: AdvantageKind,
     /// Divide by group std.
     pub normalize_advantage_std: bool,
+    /// `[trainer.simulated]`
+    pub simulated: SimTrainerConfig,
+}
+
+/// `[trainer.simulated]`
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SimTrainerConfig {
+    /// Whether the simulated trainer runs instead of the real one.
+    pub enabled: bool,
+    /// `c` in `c + d · tokens`, simulated seconds.
+    pub step_base_seconds: f64,
+    /// `d` in `c + d · tokens`, simulated seconds per token.
+    pub step_seconds_per_token: f64,
 }
 
 /// `[rollout]`

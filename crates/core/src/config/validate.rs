@@ -166,8 +166,8 @@ impl RawConfig {
         } = self;
         let run = validate_run(run, ctx)?;
         let model = validate_model(model, &run, ctx)?;
-        let engine = validate_engine(engine, ctx)?;
-        let trainer = validate_trainer(trainer, ctx)?;
+        let engine = validate_engine(engine, &run, ctx)?;
+        let trainer = validate_trainer(trainer, &engine, ctx)?;
         let data = validate_data(data, ctx)?;
         let rollout = validate_rollout(rollout, &data, ctx)?;
         let replay = validate_replay(replay, &run, ctx)?;
@@ -293,7 +293,11 @@ fn validate_model(
     })
 }
 
-fn validate_engine(raw: RawEngine, ctx: &Ctx<'_>) -> Result<EngineConfig, ConfigError> {
+fn validate_engine(
+    raw: RawEngine,
+    run: &RunConfig,
+    ctx: &Ctx<'_>,
+) -> Result<EngineConfig, ConfigError> {
     let backend = choice(
         ctx,
         "engine.backend",
@@ -339,11 +343,121 @@ fn validate_engine(raw: RawEngine, ctx: &Ctx<'_>) -> Result<EngineConfig, Config
         max_step_tokens: non_zero_u32(ctx, "engine.max_step_tokens", raw.max_step_tokens)?,
         remote_urls: raw.remote_urls,
         request_timeout: Duration::from_secs_f64(timeout),
+        simulated: validate_sim_engine(raw.simulated, run, ctx)?,
     })
 }
 
-fn validate_trainer(raw: RawTrainer, ctx: &Ctx<'_>) -> Result<TrainerConfig, ConfigError> {
+fn validate_sim_engine(
+    raw: RawSimEngine,
+    run: &RunConfig,
+    ctx: &Ctx<'_>,
+) -> Result<SimEngineConfig, ConfigError> {
+    let k = |name: &str| format!("engine.simulated.{name}");
+    let seconds =
+        |name: &str, v: f64| number(ctx, &k(name), v, "a number of seconds ≥ 0", |v| v >= 0.0);
+    let mut lengths = std::collections::BTreeMap::new();
+    for (domain, d) in raw.lengths {
+        let key = k(&format!("lengths.{domain}"));
+        let dist = match d.distribution.as_str() {
+            "fixed" => LengthDistribution::Fixed {
+                tokens: non_zero_u32(ctx, &format!("{key}.tokens"), d.tokens)?.get(),
+            },
+            "uniform" => {
+                let min = non_zero_u32(ctx, &format!("{key}.min"), d.min)?.get();
+                let max = non_zero_u32(ctx, &format!("{key}.max"), d.max)?.get();
+                if max < min {
+                    return Err(ctx.value(
+                        &format!("{key}.max"),
+                        format!("expected an integer ≥ min ({min}), got {max}"),
+                    ));
+                }
+                LengthDistribution::Uniform { min, max }
+            }
+            "lognormal" => LengthDistribution::Lognormal {
+                median: number(
+                    ctx,
+                    &format!("{key}.median"),
+                    d.median,
+                    "a number ≥ 1",
+                    |v| v >= 1.0,
+                )?,
+                sigma: number(
+                    ctx,
+                    &format!("{key}.sigma"),
+                    d.sigma,
+                    "a number ≥ 0",
+                    |v| v >= 0.0,
+                )?,
+            },
+            other => {
+                return Err(ctx.value(
+                    &format!("{key}.distribution"),
+                    format!("expected one of fixed, uniform, lognormal, got `{other}`"),
+                ));
+            }
+        };
+        lengths.insert(domain, dist);
+    }
+    lengths
+        .entry("default".to_owned())
+        .or_insert(LengthDistribution::Lognormal {
+            median: 128.0,
+            sigma: 1.0,
+        });
+    Ok(SimEngineConfig {
+        time_scale: seconds("time_scale", raw.time_scale)?,
+        prefill_seconds_per_token: seconds(
+            "prefill_seconds_per_token",
+            raw.prefill_seconds_per_token,
+        )?,
+        decode_step_base_seconds: seconds(
+            "decode_step_base_seconds",
+            raw.decode_step_base_seconds,
+        )?,
+        decode_step_per_sequence_seconds: seconds(
+            "decode_step_per_sequence_seconds",
+            raw.decode_step_per_sequence_seconds,
+        )?,
+        prompt_tokens: non_zero_u32(ctx, &k("prompt_tokens"), raw.prompt_tokens)?,
+        env_reply_tokens: u32_incl_zero(ctx, &k("env_reply_tokens"), raw.env_reply_tokens)?,
+        lengths,
+        seed: match raw.seed {
+            Some(s) => u64_incl_zero(ctx, &k("seed"), s)?,
+            None => run.seed,
+        },
+    })
+}
+
+fn validate_sim_trainer(
+    raw: RawSimTrainer,
+    engine: &EngineConfig,
+    ctx: &Ctx<'_>,
+) -> Result<SimTrainerConfig, ConfigError> {
+    let seconds = |name: &str, v: f64| {
+        number(
+            ctx,
+            &format!("trainer.simulated.{name}"),
+            v,
+            "a number of seconds ≥ 0",
+            |v| v >= 0.0,
+        )
+    };
+    Ok(SimTrainerConfig {
+        enabled: raw
+            .enabled
+            .unwrap_or(engine.backend == EngineBackend::Simulated),
+        step_base_seconds: seconds("step_base_seconds", raw.step_base_seconds)?,
+        step_seconds_per_token: seconds("step_seconds_per_token", raw.step_seconds_per_token)?,
+    })
+}
+
+fn validate_trainer(
+    raw: RawTrainer,
+    engine: &EngineConfig,
+    ctx: &Ctx<'_>,
+) -> Result<TrainerConfig, ConfigError> {
     Ok(TrainerConfig {
+        simulated: validate_sim_trainer(raw.simulated, engine, ctx)?,
         loss: choice(
             ctx,
             "trainer.loss",

@@ -1,0 +1,125 @@
+//! Contracts between the actors and the compute backends that live in other crates: the weight
+//! snapshot that travels from trainer to engines, and the trainer backend trait.
+//!
+//! They sit here, at the bottom of the graph, so that `sluice-trainer` can implement
+//! [`TrainerBackend`] and `sluice-engine` can consume a [`WeightSnapshot`] without either
+//! depending on the actors that drive them.
+
+use std::any::Any;
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::Path;
+use std::sync::Arc;
+
+use crate::ids::PolicyVersion;
+use crate::rollout::RolloutGroup;
+
+/// Published weights: a version plus an opaque, shared payload (the model crate's parameters for
+/// the native backends, nothing for the simulated ones). Cloning is shallow, so an engine in the
+/// trainer's process swaps to new weights without a copy.
+#[derive(Clone)]
+pub struct WeightSnapshot {
+    /// The version these weights are.
+    pub version: PolicyVersion,
+    payload: Option<Arc<dyn Any + Send + Sync>>,
+}
+
+impl WeightSnapshot {
+    /// A snapshot carrying `payload`.
+    pub fn new<T: Any + Send + Sync>(version: PolicyVersion, payload: Arc<T>) -> Self {
+        Self {
+            version,
+            payload: Some(payload),
+        }
+    }
+
+    /// A snapshot that is only a version number (simulated backends).
+    pub fn version_only(version: PolicyVersion) -> Self {
+        Self {
+            version,
+            payload: None,
+        }
+    }
+
+    /// The payload as `T`, when it is one.
+    pub fn payload<T: Any + Send + Sync>(&self) -> Option<Arc<T>> {
+        self.payload.clone()?.downcast::<T>().ok()
+    }
+}
+
+impl fmt::Debug for WeightSnapshot {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("WeightSnapshot")
+            .field("version", &self.version)
+            .field("has_payload", &self.payload.is_some())
+            .finish()
+    }
+}
+
+/// A backend failed; `kind` is short and stable (a metric label).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{kind}: {message}")]
+pub struct BackendError {
+    /// Short stable name.
+    pub kind: &'static str,
+    /// What happened, with context.
+    pub message: String,
+}
+
+impl BackendError {
+    /// An error of `kind`.
+    pub fn new(kind: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            kind,
+            message: message.into(),
+        }
+    }
+}
+
+/// What one training step produced.
+#[derive(Debug, Clone)]
+pub struct TrainStepOutput {
+    /// Named scalar metrics (loss, clip fraction, …).
+    pub metrics: BTreeMap<String, f64>,
+    /// The new weights (`version + 1`), or `None` when the batch was skipped (e.g. every group had
+    /// zero advantage): nothing is published then.
+    pub weights: Option<WeightSnapshot>,
+    /// Completion tokens trained on.
+    pub trained_tokens: u64,
+}
+
+/// A trainer the trainer actor drives from its dedicated thread. Calls block; they never run on
+/// the async runtime.
+pub trait TrainerBackend: Send + 'static {
+    /// The version of the weights the next step starts from.
+    fn version(&self) -> PolicyVersion;
+
+    /// One optimizer step on `batch`, built by the caller from weights [`Self::version`].
+    fn train_step(&mut self, batch: &[RolloutGroup]) -> Result<TrainStepOutput, BackendError>;
+
+    /// The current weights, for an engine that joins late.
+    fn snapshot(&self) -> WeightSnapshot;
+
+    /// Writes everything needed to resume under `dir`.
+    fn checkpoint(&mut self, dir: &Path) -> Result<(), BackendError>;
+
+    /// Restores from a checkpoint written by [`Self::checkpoint`].
+    fn restore(&mut self, dir: &Path) -> Result<(), BackendError>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn snapshot_payload_downcasts_only_to_its_type() {
+        let s = WeightSnapshot::new(PolicyVersion(3), Arc::new(vec![1.0f32, 2.0]));
+        assert_eq!(s.payload::<Vec<f32>>().unwrap().len(), 2);
+        assert!(s.payload::<String>().is_none());
+        assert!(
+            WeightSnapshot::version_only(PolicyVersion(1))
+                .payload::<Vec<f32>>()
+                .is_none()
+        );
+    }
+}
