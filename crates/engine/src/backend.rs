@@ -1,0 +1,205 @@
+//! The contract between the engine actor and an inference backend.
+//!
+//! A backend owns its compute thread(s). Calls are cheap and non-blocking: they enqueue a command
+//! on a bounded channel. Results come back as [`EngineEvent`]s through the [`EventSink`] given at
+//! construction. Every submitted request produces exactly one [`EngineEvent::Finished`], whether
+//! it stopped, hit its length, was aborted (then the output is the partial completion) or failed.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::Serialize;
+use sluice_core::{PolicyVersion, RequestId, WeightSnapshot, WeightUpdateMode};
+
+/// Sampling parameters of one request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingParams {
+    /// Temperature (0 = greedy).
+    pub temperature: f64,
+    /// Nucleus mass in (0, 1].
+    pub top_p: f64,
+    /// Top-k (0 = off).
+    pub top_k: u32,
+    /// Most tokens the *whole* completion may have (resumed tokens included).
+    pub max_tokens: u32,
+    /// Per-request seed.
+    pub seed: Option<u64>,
+    /// Token ids that end the completion.
+    pub stop_token_ids: Vec<u32>,
+}
+
+/// Generated tokens with their behaviour log-probabilities and the version that produced each.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct TokenOutput {
+    /// Token ids.
+    pub token_ids: Vec<u32>,
+    /// Log-probability of each token under the sampling distribution.
+    pub logprobs: Vec<f32>,
+    /// Policy version of the weights that produced each token.
+    pub versions: Vec<PolicyVersion>,
+}
+
+impl TokenOutput {
+    /// Number of tokens.
+    pub fn len(&self) -> usize {
+        self.token_ids.len()
+    }
+
+    /// No tokens.
+    pub fn is_empty(&self) -> bool {
+        self.token_ids.is_empty()
+    }
+
+    fn push(&mut self, token: u32, logprob: f32, version: PolicyVersion) {
+        self.token_ids.push(token);
+        self.logprobs.push(logprob);
+        self.versions.push(version);
+    }
+}
+
+/// One generation request.
+#[derive(Debug, Clone)]
+pub struct GenerateRequest {
+    /// Unique id (a resumed turn gets a new attempt number).
+    pub id: RequestId,
+    /// Prompt token ids.
+    pub prompt_token_ids: Vec<u32>,
+    /// A partial completion to continue from: the backend prefills prompt + these tokens and its
+    /// reported completion is the whole thing (these tokens first, versions kept).
+    pub resume: Option<TokenOutput>,
+    /// Sampling parameters.
+    pub params: SamplingParams,
+    /// Workload hint (the sample's domain): the simulated backend draws lengths from it; real
+    /// backends ignore it.
+    pub domain: Option<String>,
+}
+
+/// Why a request left the engine.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    /// End of sequence or a stop token.
+    Stop,
+    /// `max_tokens` reached.
+    Length,
+    /// Aborted (by `abort`, `abort_all` or an `abort_resume` weight update): the output is the
+    /// partial completion.
+    Abort,
+    /// The backend failed this request; the payload is a short stable kind.
+    Error(String),
+}
+
+impl FinishReason {
+    /// Short stable label.
+    pub fn as_label(&self) -> &'static str {
+        match self {
+            Self::Stop => "stop",
+            Self::Length => "length",
+            Self::Abort => "abort",
+            Self::Error(_) => "error",
+        }
+    }
+}
+
+/// A request that left the engine.
+#[derive(Debug, Clone)]
+pub struct Completion {
+    /// The request.
+    pub id: RequestId,
+    /// The whole completion (resumed tokens first).
+    pub output: TokenOutput,
+    /// Why it ended.
+    pub finish: FinishReason,
+}
+
+/// What a backend reports.
+#[derive(Debug, Clone)]
+pub enum EngineEvent {
+    /// A request finished (or was aborted with its partial output).
+    Finished(Completion),
+    /// New weights are in use.
+    WeightsUpdated {
+        /// The version now in use.
+        version: PolicyVersion,
+        /// Time from the update request to the first step on the new weights.
+        pause: Duration,
+        /// The mode the update used.
+        mode: WeightUpdateMode,
+    },
+}
+
+/// Where a backend delivers events; called from the backend's thread, so it must not block.
+pub type EventSink = Arc<dyn Fn(EngineEvent) + Send + Sync>;
+
+/// A point-in-time view of a backend.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct EngineStats {
+    /// Weights version in use.
+    pub version: PolicyVersion,
+    /// Sequences in the running batch.
+    pub running: u64,
+    /// Requests queued, not yet admitted.
+    pub waiting: u64,
+    /// Tokens decoded since start.
+    pub generated_tokens: u64,
+    /// Wall seconds spent computing since start.
+    pub busy_seconds: f64,
+    /// Wall seconds since start.
+    pub uptime_seconds: f64,
+}
+
+/// A backend refused a call.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EngineError {
+    /// The backend's thread is gone.
+    #[error("engine backend `{backend}` has stopped")]
+    Stopped {
+        /// Which backend.
+        backend: String,
+    },
+    /// The request is malformed.
+    #[error("request {id}: {reason}")]
+    BadRequest {
+        /// The request.
+        id: String,
+        /// Why.
+        reason: String,
+    },
+}
+
+impl EngineError {
+    /// Short stable name, used as a metric label.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Stopped { .. } => "engine_stopped",
+            Self::BadRequest { .. } => "engine_bad_request",
+        }
+    }
+}
+
+/// An inference backend. All calls enqueue and return at once; outcomes arrive as events.
+pub trait InferenceBackend: Send {
+    /// Queues a request.
+    fn submit(&self, request: GenerateRequest) -> Result<(), EngineError>;
+    /// Aborts one request; its partial output arrives as a `Finished` event with
+    /// [`FinishReason::Abort`] (nothing happens if it already finished).
+    fn abort(&self, id: RequestId) -> Result<(), EngineError>;
+    /// Aborts every queued and running request, each reported with its partial output.
+    fn abort_all(&self) -> Result<(), EngineError>;
+    /// Installs new weights per `mode` (§4.2): `abort_resume` aborts everything then swaps,
+    /// `in_flight` swaps between two steps and continues, `drain` stops admitting, lets running
+    /// requests finish, then swaps.
+    fn update_weights(
+        &self,
+        weights: WeightSnapshot,
+        mode: WeightUpdateMode,
+    ) -> Result<(), EngineError>;
+    /// Current statistics (lock-free read).
+    fn stats(&self) -> EngineStats;
+    /// Stops the compute thread and joins it. Requests still queued are dropped.
+    fn shutdown(&mut self);
+}
+
+pub(crate) fn push_token(out: &mut TokenOutput, token: u32, logprob: f32, version: PolicyVersion) {
+    out.push(token, logprob, version);
+}

@@ -1,0 +1,19 @@
+//! Inference backends: the [`InferenceBackend`] trait the engine actor drives, and the simulated
+//! backends used by tests, benchmarks and capacity planning.
+//!
+//! | module | what it holds |
+//! |---|---|
+//! | [`backend`] | the trait, requests, outputs, events and stats every backend speaks |
+//! | [`simulated`] | [`SimEngine`] (timing model on its own thread), [`SimTrainer`], the simulated task |
+//!
+//! The native candle engine and the remote HTTP backend implement the same trait, so the actors
+//! never change when a backend is added.
+
+pub mod backend;
+pub mod simulated;
+
+pub use backend::{
+    Completion, EngineError, EngineEvent, EngineStats, EventSink, FinishReason, GenerateRequest,
+    InferenceBackend, SamplingParams, TokenOutput,
+};
+pub use simulated::{SimEngine, SimTask, SimTrainer};

@@ -1,0 +1,201 @@
+//! The simulated engine's contract: honest aborts with partials, resume continues to the same
+//! length, `in_flight` tags later tokens with the new version, `drain` never lets a request span
+//! two versions.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use sluice_core::config::{LengthDistribution, SimEngineConfig};
+use sluice_core::{
+    GroupId, NodeId, PolicyVersion, RequestId, RunId, WeightSnapshot, WeightUpdateMode,
+};
+use sluice_engine::simulated::SimEngineParams;
+use sluice_engine::{
+    Completion, EngineEvent, FinishReason, GenerateRequest, InferenceBackend, SamplingParams,
+    SimEngine,
+};
+
+fn params(tokens: u32, time_scale: f64) -> SimEngineParams {
+    SimEngineParams {
+        replica: 0,
+        max_running_sequences: 4,
+        sim: SimEngineConfig {
+            time_scale,
+            prefill_seconds_per_token: 0.0,
+            decode_step_base_seconds: 0.001,
+            decode_step_per_sequence_seconds: 0.0,
+            prompt_tokens: std::num::NonZeroU32::new(4).unwrap(),
+            env_reply_tokens: 0,
+            lengths: BTreeMap::from([("default".to_owned(), LengthDistribution::Fixed { tokens })]),
+            seed: 1,
+        },
+    }
+}
+
+fn req_id(counter: u64, attempt: u32) -> RequestId {
+    GroupId {
+        run: RunId::from_name("e"),
+        node: NodeId(0),
+        counter,
+    }
+    .rollout(0)
+    .request(0, attempt)
+}
+
+fn request(id: RequestId, resume: Option<sluice_engine::TokenOutput>) -> GenerateRequest {
+    GenerateRequest {
+        id,
+        prompt_token_ids: vec![1, 2, 3],
+        resume,
+        params: SamplingParams {
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            max_tokens: 1000,
+            seed: None,
+            stop_token_ids: vec![],
+        },
+        domain: None,
+    }
+}
+
+type Events = Arc<Mutex<Vec<EngineEvent>>>;
+
+fn start(p: SimEngineParams) -> (SimEngine, Events) {
+    let events: Events = Arc::default();
+    let sink = Arc::clone(&events);
+    let engine = SimEngine::start(
+        p,
+        PolicyVersion(0),
+        Arc::new(move |e| sink.lock().unwrap().push(e)),
+    );
+    (engine, events)
+}
+
+fn wait_finished(events: &Events, n: usize) -> Vec<Completion> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let done: Vec<Completion> = events
+            .lock()
+            .unwrap()
+            .iter()
+            .filter_map(|e| match e {
+                EngineEvent::Finished(c) => Some(c.clone()),
+                _ => None,
+            })
+            .collect();
+        if done.len() >= n || Instant::now() > deadline {
+            return done;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+#[test]
+fn abort_returns_the_partial_and_resume_reaches_the_same_length() {
+    let (mut engine, events) = start(params(200, 1.0));
+    engine.submit(request(req_id(0, 0), None)).unwrap();
+    std::thread::sleep(Duration::from_millis(30));
+    engine.abort(req_id(0, 0)).unwrap();
+    let done = wait_finished(&events, 1);
+    assert_eq!(done[0].finish, FinishReason::Abort);
+    let partial = done[0].output.clone();
+    assert!(
+        !partial.is_empty() && partial.len() < 200,
+        "partial of {} tokens",
+        partial.len()
+    );
+    engine
+        .update_weights(
+            WeightSnapshot::version_only(PolicyVersion(1)),
+            WeightUpdateMode::AbortResume,
+        )
+        .unwrap();
+    engine
+        .submit(request(req_id(0, 1), Some(partial.clone())))
+        .unwrap();
+    let done = wait_finished(&events, 2);
+    let whole = &done[1].output;
+    assert_eq!(done[1].finish, FinishReason::Stop);
+    assert_eq!(
+        whole.len(),
+        200,
+        "resumed to the length the turn was drawn with"
+    );
+    assert_eq!(
+        &whole.token_ids[..partial.len()],
+        &partial.token_ids[..],
+        "partial first"
+    );
+    assert_eq!(
+        &whole.versions[..partial.len()],
+        &partial.versions[..],
+        "versions kept"
+    );
+    assert!(
+        whole.versions[partial.len()..]
+            .iter()
+            .all(|v| *v == PolicyVersion(1))
+    );
+    engine.shutdown();
+}
+
+#[test]
+fn in_flight_swap_tags_later_tokens_with_the_new_version() {
+    let (mut engine, events) = start(params(300, 1.0));
+    engine.submit(request(req_id(1, 0), None)).unwrap();
+    std::thread::sleep(Duration::from_millis(40));
+    engine
+        .update_weights(
+            WeightSnapshot::version_only(PolicyVersion(1)),
+            WeightUpdateMode::InFlight,
+        )
+        .unwrap();
+    let done = wait_finished(&events, 1);
+    let v = &done[0].output.versions;
+    assert_eq!(done[0].finish, FinishReason::Stop, "not aborted");
+    let first_new = v
+        .iter()
+        .position(|x| *x == PolicyVersion(1))
+        .expect("some tokens after the swap");
+    assert!(first_new > 0, "some tokens before the swap");
+    assert!(
+        v[first_new..].iter().all(|x| *x == PolicyVersion(1)),
+        "every later token is v1"
+    );
+    engine.shutdown();
+}
+
+#[test]
+fn drain_never_lets_a_request_span_two_versions() {
+    let (mut engine, events) = start(params(60, 1.0));
+    for c in 0..8 {
+        engine.submit(request(req_id(10 + c, 0), None)).unwrap();
+    }
+    std::thread::sleep(Duration::from_millis(20));
+    engine
+        .update_weights(
+            WeightSnapshot::version_only(PolicyVersion(1)),
+            WeightUpdateMode::Drain,
+        )
+        .unwrap();
+    let done = wait_finished(&events, 8);
+    assert_eq!(done.len(), 8);
+    let mut saw_new = false;
+    for c in &done {
+        assert_eq!(c.finish, FinishReason::Stop);
+        let first = c.output.versions[0];
+        assert!(
+            c.output.versions.iter().all(|v| *v == first),
+            "{} spans versions",
+            c.id
+        );
+        saw_new |= first == PolicyVersion(1);
+    }
+    assert!(
+        saw_new,
+        "requests queued behind the drain ran on the new weights"
+    );
+    engine.shutdown();
+}
