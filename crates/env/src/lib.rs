@@ -1,0 +1,41 @@
+//! Environments, rubrics and tasks of Sluice (`DESIGN.md` §1, §5; seeds 001 and 003).
+//!
+//! | module | what it holds |
+//! |---|---|
+//! | [`protocol`] | [`MessageEnv`]: `init` → opening messages + tools; `step(assistant message)` → replies, reward, done, situation |
+//! | [`renderer`] | [`Renderer`]: messages ↔ token ids; [`ByteRenderer`] (dependency-free ChatML over bytes); completion parsing |
+//! | [`token_env`] | [`TokenEnv`]: a `MessageEnv` at the token level, owning prompt-length, max-turn and timeout checks and the rollout status |
+//! | [`rubric`] | [`Rubric`]: weighted reward functions, truncation/error overrides, concurrent group scoring |
+//! | [`task`] | [`Task`] = datasets + env + rubric + system prompt; [`TaskRegistry`] |
+//! | [`tasks`] | built-in tasks: `arithmetic`, `sum_digits`, `calculator_tool`, `episodic` |
+//! | [`discount`] | episode-aware discounting of outcome rewards (seed 001) |
+//! | [`stats`] | running outcome EMA and balance fractions (seed 001) |
+//! | [`episode`] | a minimal driver: one episode from a [`Generate`] implementation into a `Rollout` |
+//! | `remote` | the JSON-over-HTTP env protocol: server (axum) and client env (next) |
+//! | [`guard`] | panic/timeout containment for user code |
+//! | [`error`] | [`EnvError`] and its stable `kind()` names |
+//!
+//! A panicking, failing or hanging env or reward function fails its rollout (`Error(kind)` or
+//! `Timeout`), never the caller.
+
+pub mod discount;
+pub mod episode;
+pub mod error;
+pub mod guard;
+pub mod protocol;
+pub mod renderer;
+pub mod rubric;
+pub mod stats;
+pub mod task;
+pub mod tasks;
+pub mod token_env;
+
+pub use discount::EpisodeDiscount;
+pub use episode::{Generate, Generated, run_episode};
+pub use error::EnvError;
+pub use protocol::{BoxFuture, EnvInit, EnvStep, MessageEnv};
+pub use renderer::{ByteRenderer, ParseError, Renderer};
+pub use rubric::{RewardFn, Rubric, RubricConfig, Score, ScoreInput};
+pub use stats::OutcomeStats;
+pub use task::{DataGenerator, EnvFactory, Task, TaskRegistry};
+pub use token_env::{FinishReason, Next, TokenEnv, TokenEnvLimits, TurnOutcome, TurnPrompt};

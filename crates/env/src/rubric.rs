@@ -1,0 +1,350 @@
+//! [`Rubric`]: weighted reward functions scored after an episode ends (seed 003).
+//!
+//! - Weights are normalized to sum to 1 when the rubric is built; the reward is
+//!   `Σ wᵢ · fᵢ(rollout)`, and every `fᵢ` is kept in `Rollout::reward_components` under its name.
+//! - Env-provided per-turn rewards are kept as the component `env` (their sum). They count toward
+//!   the reward only through a function that reads them, e.g. [`RewardFn::env_reward`].
+//! - `truncation_reward` / `error_reward`, when set, replace the score of truncated / failed
+//!   rollouts (`Error`, `Timeout`, `PromptTooLong`, `Expired`) without running the functions; when
+//!   unset the functions score whatever partial output exists.
+//! - Scoring a group runs every (rollout, function) pair concurrently, each on its own task under
+//!   a deadline: a function that panics fails its rollout with `Error("env_panic")`, one that
+//!   hangs with `Timeout`; such a rollout gets `error_reward` (or 0). The group and the pipeline go
+//!   on.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::future::join_all;
+use serde::{Deserialize, Serialize};
+use sluice_core::{DataSample, Rollout, RolloutGroup, RolloutStatus};
+
+use crate::error::EnvError;
+use crate::guard::{run_blocking_guarded, run_guarded};
+use crate::protocol::BoxFuture;
+
+/// What a reward function sees: the data sample and the finished rollout.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ScoreInput {
+    /// The dataset row.
+    pub sample: DataSample,
+    /// The rollout, with its turns and status.
+    pub rollout: Rollout,
+}
+
+impl ScoreInput {
+    /// Content of the last assistant message (`None` when there is none).
+    pub fn final_text(&self) -> Option<&str> {
+        self.rollout
+            .turns
+            .iter()
+            .rev()
+            .find_map(|t| t.completion_message.as_ref())
+            .and_then(|m| m.content.as_deref())
+    }
+
+    /// Sum of the env's per-turn rewards (`None` when no turn has one).
+    pub fn env_reward_sum(&self) -> Option<f64> {
+        let rewards: Vec<f64> = self
+            .rollout
+            .turns
+            .iter()
+            .filter_map(|t| t.env_reward)
+            .collect();
+        (!rewards.is_empty()).then(|| rewards.iter().sum())
+    }
+}
+
+type SyncScorer = Arc<dyn Fn(&ScoreInput) -> Result<f64, String> + Send + Sync>;
+type AsyncScorer =
+    Arc<dyn Fn(Arc<ScoreInput>) -> BoxFuture<'static, Result<f64, String>> + Send + Sync>;
+
+#[derive(Clone)]
+enum Scorer {
+    Sync(SyncScorer),
+    Async(AsyncScorer),
+}
+
+/// One named, weighted reward function.
+#[derive(Clone)]
+pub struct RewardFn {
+    name: String,
+    weight: f64,
+    scorer: Scorer,
+}
+
+impl std::fmt::Debug for RewardFn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RewardFn")
+            .field("name", &self.name)
+            .field("weight", &self.weight)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RewardFn {
+    /// A synchronous reward function (run on the blocking pool).
+    pub fn new(
+        name: impl Into<String>,
+        weight: f64,
+        f: impl Fn(&ScoreInput) -> f64 + Send + Sync + 'static,
+    ) -> Self {
+        Self::fallible(name, weight, move |input| Ok(f(input)))
+    }
+
+    /// A synchronous reward function that may refuse (its error fails the rollout).
+    pub fn fallible(
+        name: impl Into<String>,
+        weight: f64,
+        f: impl Fn(&ScoreInput) -> Result<f64, String> + Send + Sync + 'static,
+    ) -> Self {
+        Self {
+            name: name.into(),
+            weight,
+            scorer: Scorer::Sync(Arc::new(f)),
+        }
+    }
+
+    /// An asynchronous reward function (an LLM judge, a sandbox call).
+    pub fn new_async<F, Fut>(name: impl Into<String>, weight: f64, f: F) -> Self
+    where
+        F: Fn(Arc<ScoreInput>) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<f64, String>> + Send + 'static,
+    {
+        Self {
+            name: name.into(),
+            weight,
+            scorer: Scorer::Async(Arc::new(move |input| Box::pin(f(input)))),
+        }
+    }
+
+    /// Counts the env's per-turn rewards (their sum, 0 when there are none) with `weight`.
+    pub fn env_reward(weight: f64) -> Self {
+        Self::new("env", weight, |input| input.env_reward_sum().unwrap_or(0.0))
+    }
+
+    /// The function's name (its component key).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    async fn score(&self, input: Arc<ScoreInput>, timeout: Duration) -> Result<f64, EnvError> {
+        let name = self.name.clone();
+        let value = match &self.scorer {
+            Scorer::Sync(f) => {
+                let f = f.clone();
+                let n = name.clone();
+                run_blocking_guarded(&name, timeout, move || {
+                    f(&input).map_err(|e| EnvError::Failed(format!("reward `{n}`: {e}")))
+                })
+                .await?
+            }
+            Scorer::Async(f) => {
+                let fut = f(input);
+                let n = name.clone();
+                run_guarded(&name, timeout, async move {
+                    fut.await
+                        .map_err(|e| EnvError::Failed(format!("reward `{n}`: {e}")))
+                })
+                .await?
+            }
+        };
+        if value.is_finite() {
+            Ok(value)
+        } else {
+            Err(EnvError::Failed(format!(
+                "reward `{name}` returned {value}"
+            )))
+        }
+    }
+}
+
+/// Overrides and limits of a rubric.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RubricConfig {
+    /// Reward of truncated rollouts, replacing the functions' score.
+    #[serde(default)]
+    pub truncation_reward: Option<f64>,
+    /// Reward of failed rollouts (and of rollouts whose scoring failed).
+    #[serde(default)]
+    pub error_reward: Option<f64>,
+    /// Deadline of each reward function call, in seconds.
+    #[serde(default = "default_timeout_s")]
+    pub timeout_s: f64,
+}
+
+fn default_timeout_s() -> f64 {
+    30.0
+}
+
+impl Default for RubricConfig {
+    fn default() -> Self {
+        Self {
+            truncation_reward: None,
+            error_reward: None,
+            timeout_s: default_timeout_s(),
+        }
+    }
+}
+
+/// The score of one rollout.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Score {
+    /// Final scalar reward.
+    pub reward: f64,
+    /// Per-function scores and the `env` component.
+    pub components: BTreeMap<String, f64>,
+    /// Set when scoring itself failed: the rollout's new status.
+    pub failed: Option<RolloutStatus>,
+}
+
+impl Score {
+    /// Writes reward, components and (on scoring failure) the status into `rollout`.
+    pub fn apply_to(self, rollout: &mut Rollout) {
+        rollout.reward = self.reward;
+        rollout.reward_components = self.components;
+        if let Some(status) = self.failed {
+            rollout.status = status;
+        }
+    }
+}
+
+/// Weighted reward functions with overrides. Cheap to share behind an `Arc`.
+#[derive(Debug, Clone)]
+pub struct Rubric {
+    fns: Vec<RewardFn>,
+    config: RubricConfig,
+    timeout: Duration,
+}
+
+impl Rubric {
+    /// Builds a rubric; weights must be finite and ≥ 0 with a positive sum, names unique.
+    pub fn new(mut fns: Vec<RewardFn>, config: RubricConfig) -> Result<Self, EnvError> {
+        if fns.is_empty() {
+            return Err(EnvError::Config(
+                "a rubric needs at least one reward function".into(),
+            ));
+        }
+        for (i, f) in fns.iter().enumerate() {
+            if !f.weight.is_finite() || f.weight < 0.0 {
+                return Err(EnvError::Config(format!(
+                    "reward `{}`: weight must be finite and ≥ 0, got {}",
+                    f.name, f.weight
+                )));
+            }
+            if fns[..i].iter().any(|g| g.name == f.name) {
+                return Err(EnvError::Config(format!(
+                    "reward `{}` appears twice",
+                    f.name
+                )));
+            }
+        }
+        let total: f64 = fns.iter().map(|f| f.weight).sum();
+        if total <= 0.0 {
+            return Err(EnvError::Config("reward weights sum to 0".into()));
+        }
+        for f in &mut fns {
+            f.weight /= total;
+        }
+        let timeout = Duration::try_from_secs_f64(config.timeout_s)
+            .ok()
+            .filter(|d| !d.is_zero())
+            .ok_or_else(|| {
+                EnvError::Config(format!("timeout_s must be > 0, got {}", config.timeout_s))
+            })?;
+        Ok(Self {
+            fns,
+            config,
+            timeout,
+        })
+    }
+
+    /// (name, normalized weight) of each function.
+    pub fn weights(&self) -> Vec<(&str, f64)> {
+        self.fns
+            .iter()
+            .map(|f| (f.name.as_str(), f.weight))
+            .collect()
+    }
+
+    /// The overrides and limits.
+    pub fn config(&self) -> &RubricConfig {
+        &self.config
+    }
+
+    /// Scores one finished rollout (non-terminal rollouts score 0 with no components).
+    pub async fn score(&self, sample: &DataSample, rollout: &Rollout) -> Score {
+        let input = Arc::new(ScoreInput {
+            sample: sample.clone(),
+            rollout: rollout.clone(),
+        });
+        let mut components = BTreeMap::new();
+        if let Some(env) = input.env_reward_sum() {
+            components.insert("env".to_owned(), env);
+        }
+        let override_reward = match &rollout.status {
+            RolloutStatus::Ongoing | RolloutStatus::Aborted => {
+                return Score {
+                    reward: 0.0,
+                    components,
+                    failed: None,
+                };
+            }
+            RolloutStatus::Completed => None,
+            RolloutStatus::Truncated => self.config.truncation_reward,
+            RolloutStatus::PromptTooLong
+            | RolloutStatus::Expired
+            | RolloutStatus::Timeout
+            | RolloutStatus::Error(_) => self.config.error_reward,
+        };
+        if let Some(reward) = override_reward {
+            return Score {
+                reward,
+                components,
+                failed: None,
+            };
+        }
+        let results = join_all(
+            self.fns
+                .iter()
+                .map(|f| f.score(input.clone(), self.timeout)),
+        )
+        .await;
+        let mut reward = 0.0;
+        let mut failed = None;
+        for (f, result) in self.fns.iter().zip(results) {
+            match result {
+                Ok(v) => {
+                    reward += f.weight * v;
+                    components.insert(f.name.clone(), v);
+                }
+                Err(e) => {
+                    tracing::warn!(reward_fn = %f.name, error = %e, "reward function failed");
+                    failed.get_or_insert(match e {
+                        EnvError::Timeout { .. } => RolloutStatus::Timeout,
+                        other => RolloutStatus::Error(other.kind().to_owned()),
+                    });
+                }
+            }
+        }
+        if failed.is_some() {
+            reward = self.config.error_reward.unwrap_or(0.0);
+        }
+        Score {
+            reward,
+            components,
+            failed,
+        }
+    }
+
+    /// Scores every rollout of `group` concurrently and writes the results into it.
+    pub async fn score_group(&self, group: &mut RolloutGroup) {
+        let sample = &group.sample;
+        let scores = join_all(group.rollouts.iter().map(|r| self.score(sample, r))).await;
+        for (rollout, score) in group.rollouts.iter_mut().zip(scores) {
+            score.apply_to(rollout);
+        }
+    }
+}

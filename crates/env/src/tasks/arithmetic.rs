@@ -1,0 +1,112 @@
+//! `arithmetic`: single-turn small-integer arithmetic (`a + b`, `a - b` with operands 0–20,
+//! `a * b` with operands 0–9). The model answers with the number alone. Rewards: `correct`
+//! (exact integer match, weight 1) and `format` (the reply is one integer, weight 0.1).
+//!
+//! The problem space is small (982 problems); about a tenth is held out as the `eval` split and
+//! never appears in `train`, so evaluation measures generalization, not recall.
+
+use serde_json::json;
+use sluice_core::DataSample;
+use sluice_data::rng::Rng;
+
+use crate::error::EnvError;
+use crate::protocol::MessageEnv;
+use crate::rubric::{RewardFn, Rubric, RubricConfig, ScoreInput};
+use crate::task::{DataGenerator, Task};
+use crate::tasks::{SingleTurnEnv, draw, field};
+
+/// Registered name.
+pub const NAME: &str = "arithmetic";
+
+/// System prompt of the task.
+pub const SYSTEM_PROMPT: &str = "Answer with the number only.";
+
+/// One problem: `(a, op, b)` and its answer.
+pub fn answer(a: i64, op: char, b: i64) -> i64 {
+    match op {
+        '+' => a + b,
+        '-' => a - b,
+        _ => a * b,
+    }
+}
+
+/// Every problem of the task, in a fixed order (for exhaustive evaluation).
+pub fn all_problems() -> Vec<(i64, char, i64)> {
+    let mut out = Vec::new();
+    for op in ['+', '-'] {
+        for a in 0..=20 {
+            for b in 0..=20 {
+                out.push((a, op, b));
+            }
+        }
+    }
+    for a in 0..=9 {
+        for b in 0..=9 {
+            out.push((a, '*', b));
+        }
+    }
+    out
+}
+
+/// The input JSON of a problem.
+pub fn problem_input(a: i64, op: char, b: i64) -> serde_json::Value {
+    json!({"question": format!("What is {a} {op} {b}?"), "answer": answer(a, op, b)})
+}
+
+/// Generates problems of the `train` / `eval` split.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Generator;
+
+impl DataGenerator for Generator {
+    fn generate(&self, split: &str, seed: u64, count: usize) -> Result<Vec<DataSample>, EnvError> {
+        let problems = all_problems();
+        draw(NAME, split, seed, count, |rng: &mut Rng| {
+            let (a, op, b) = problems[rng.below(problems.len() as u64) as usize];
+            (format!("{a}{op}{b}"), problem_input(a, op, b))
+        })
+    }
+}
+
+/// The reply parsed as one integer.
+pub fn parse_reply(text: &str) -> Option<i64> {
+    text.trim().parse().ok()
+}
+
+fn env(sample: &DataSample) -> Result<Box<dyn MessageEnv>, EnvError> {
+    let question: String = field(sample, "question")?;
+    let _: i64 = field(sample, "answer")?;
+    Ok(Box::new(SingleTurnEnv { prompt: question }))
+}
+
+fn correct(input: &ScoreInput) -> f64 {
+    let expected: Option<i64> = field(&input.sample, "answer").ok();
+    let got = input.final_text().and_then(parse_reply);
+    f64::from(u8::from(got.is_some() && got == expected))
+}
+
+fn format(input: &ScoreInput) -> f64 {
+    f64::from(u8::from(input.final_text().and_then(parse_reply).is_some()))
+}
+
+/// The task.
+pub fn task() -> Task {
+    let rubric = Rubric::new(
+        vec![
+            RewardFn::new("correct", 1.0, correct),
+            RewardFn::new("format", 0.1, format),
+        ],
+        RubricConfig {
+            truncation_reward: Some(0.0),
+            error_reward: Some(0.0),
+            ..RubricConfig::default()
+        },
+    )
+    .expect("static rubric is valid");
+    Task::new(NAME, env, rubric)
+        .with_system_prompt(SYSTEM_PROMPT)
+        .with_datasets(vec![
+            "math::arithmetic@train".parse().expect("valid spec"),
+            "math::arithmetic@eval".parse().expect("valid spec"),
+        ])
+        .with_generator(Generator)
+}

@@ -1,0 +1,292 @@
+//! `calculator_tool`: multi-turn tool use. The model is asked to compute an expression such as
+//! `(37 * 12) - 5`; it may call the `calc` tool with
+//! `<tool_call>{"name": "calc", "arguments": {"expression": "37 * 12"}}</tool_call>`, the env
+//! evaluates it and replies with a tool message, and the episode ends at the first reply without a
+//! tool call, which must carry `[ANSWER] n`. At most [`MAX_TOOL_CALLS`] calls are answered.
+//!
+//! Situation labels per stage: `tool_call` (a call was answered), `tool_error` (unknown tool, bad
+//! arguments, bad expression), `answer` (final reply), `tool_budget` (too many calls; episode
+//! ends). Rewards: `correct` on the final answer (weight 1), `format` (weight 0.1).
+
+use serde_json::{Value, json};
+use sluice_core::message::FunctionSpec;
+use sluice_core::{DataSample, Message, ToolSpec};
+use sluice_data::rng::Rng;
+
+use crate::error::EnvError;
+use crate::protocol::{BoxFuture, EnvInit, EnvStep, MessageEnv};
+use crate::rubric::{RewardFn, Rubric, RubricConfig, ScoreInput};
+use crate::task::{DataGenerator, Task};
+use crate::tasks::{draw, field, parse_answer_tag};
+
+/// Registered name.
+pub const NAME: &str = "calculator_tool";
+
+/// Tool calls answered per episode.
+pub const MAX_TOOL_CALLS: u32 = 4;
+
+/// System prompt of the task.
+pub const SYSTEM_PROMPT: &str = "You can use the calc tool. End with `[ANSWER] <number>`.";
+
+/// The `calc` tool's declaration.
+pub fn calc_tool() -> ToolSpec {
+    ToolSpec {
+        kind: "function".into(),
+        function: FunctionSpec {
+            name: "calc".into(),
+            description: "Evaluates an integer expression with + - * / and parentheses.".into(),
+            parameters: json!({
+                "type": "object",
+                "properties": {"expression": {"type": "string"}},
+                "required": ["expression"]
+            }),
+        },
+    }
+}
+
+/// Evaluates an integer expression (`+ - * /`, parentheses, unary minus; `/` truncates).
+pub fn evaluate(expr: &str) -> Result<i64, String> {
+    let tokens: Vec<char> = expr.chars().filter(|c| !c.is_whitespace()).collect();
+    let mut p = Parser { t: &tokens, i: 0 };
+    let v = p.sum()?;
+    if p.i != tokens.len() {
+        return Err(format!("unexpected `{}` at position {}", tokens[p.i], p.i));
+    }
+    Ok(v)
+}
+
+struct Parser<'a> {
+    t: &'a [char],
+    i: usize,
+}
+
+impl Parser<'_> {
+    fn peek(&self) -> Option<char> {
+        self.t.get(self.i).copied()
+    }
+
+    fn sum(&mut self) -> Result<i64, String> {
+        let mut v = self.product()?;
+        while let Some(op @ ('+' | '-')) = self.peek() {
+            self.i += 1;
+            let r = self.product()?;
+            v = if op == '+' {
+                v.checked_add(r)
+            } else {
+                v.checked_sub(r)
+            }
+            .ok_or("overflow")?;
+        }
+        Ok(v)
+    }
+
+    fn product(&mut self) -> Result<i64, String> {
+        let mut v = self.atom()?;
+        while let Some(op @ ('*' | '/')) = self.peek() {
+            self.i += 1;
+            let r = self.atom()?;
+            v = if op == '*' {
+                v.checked_mul(r).ok_or("overflow")?
+            } else if r == 0 {
+                return Err("division by zero".into());
+            } else {
+                v.checked_div(r).ok_or("overflow")?
+            };
+        }
+        Ok(v)
+    }
+
+    fn atom(&mut self) -> Result<i64, String> {
+        match self.peek() {
+            Some('-') => {
+                self.i += 1;
+                self.atom()?.checked_neg().ok_or_else(|| "overflow".into())
+            }
+            Some('(') => {
+                self.i += 1;
+                let v = self.sum()?;
+                if self.peek() != Some(')') {
+                    return Err("missing `)`".into());
+                }
+                self.i += 1;
+                Ok(v)
+            }
+            Some(c) if c.is_ascii_digit() => {
+                let start = self.i;
+                while self.peek().is_some_and(|c| c.is_ascii_digit()) {
+                    self.i += 1;
+                }
+                let s: String = self.t[start..self.i].iter().collect();
+                s.parse().map_err(|_| format!("number `{s}` too large"))
+            }
+            Some(c) => Err(format!("unexpected `{c}` at position {}", self.i)),
+            None => Err("unexpected end of expression".into()),
+        }
+    }
+}
+
+/// Generates `(a op b) op c` problems of the `train` / `eval` split.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Generator;
+
+impl DataGenerator for Generator {
+    fn generate(&self, split: &str, seed: u64, count: usize) -> Result<Vec<DataSample>, EnvError> {
+        draw(NAME, split, seed, count, |rng: &mut Rng| {
+            let ops = ['+', '-', '*'];
+            let a = 2 + rng.below(98) as i64;
+            let b = 2 + rng.below(98) as i64;
+            let c = 2 + rng.below(98) as i64;
+            let o1 = ops[rng.below(3) as usize];
+            let o2 = ops[rng.below(3) as usize];
+            let expression = format!("({a} {o1} {b}) {o2} {c}");
+            let answer = evaluate(&expression).unwrap_or_default();
+            (
+                expression.clone(),
+                json!({"expression": expression, "answer": answer}),
+            )
+        })
+    }
+}
+
+/// The env of one episode.
+#[derive(Debug)]
+pub struct CalculatorEnv {
+    expression: String,
+    calls: u32,
+}
+
+impl CalculatorEnv {
+    /// An episode asking for `expression`.
+    pub fn new(expression: impl Into<String>) -> Self {
+        Self {
+            expression: expression.into(),
+            calls: 0,
+        }
+    }
+
+    fn answer_call(&self, name: &str, arguments: &str) -> Result<String, String> {
+        if name != "calc" {
+            return Err(format!("unknown tool `{name}`; the only tool is `calc`"));
+        }
+        let args: Value =
+            serde_json::from_str(arguments).map_err(|e| format!("arguments are not JSON: {e}"))?;
+        let expr = args
+            .get("expression")
+            .and_then(Value::as_str)
+            .ok_or("missing string argument `expression`")?;
+        evaluate(expr).map(|v| v.to_string())
+    }
+}
+
+impl MessageEnv for CalculatorEnv {
+    fn init(&mut self) -> BoxFuture<'_, Result<EnvInit, EnvError>> {
+        let prompt = format!("Compute {}.", self.expression);
+        Box::pin(async move {
+            Ok(EnvInit {
+                messages: vec![Message::user(prompt)],
+                tools: vec![calc_tool()],
+            })
+        })
+    }
+
+    fn step(&mut self, assistant: Message) -> BoxFuture<'_, Result<EnvStep, EnvError>> {
+        Box::pin(async move {
+            if assistant.tool_calls.is_empty() {
+                return Ok(EnvStep::done().with_situation("answer"));
+            }
+            let mut replies = Vec::new();
+            let mut any_error = false;
+            for call in &assistant.tool_calls {
+                if self.calls >= MAX_TOOL_CALLS {
+                    return Ok(EnvStep {
+                        messages: replies,
+                        done: true,
+                        ..EnvStep::default()
+                    }
+                    .with_situation("tool_budget"));
+                }
+                self.calls += 1;
+                let text = match self.answer_call(&call.function.name, &call.function.arguments) {
+                    Ok(v) => v,
+                    Err(e) => {
+                        any_error = true;
+                        format!("error: {e}")
+                    }
+                };
+                let mut reply = Message::tool(call.id.clone(), text);
+                reply.name = Some(call.function.name.clone());
+                replies.push(reply);
+            }
+            let situation = if any_error { "tool_error" } else { "tool_call" };
+            Ok(EnvStep::reply(replies).with_situation(situation))
+        })
+    }
+}
+
+fn env(sample: &DataSample) -> Result<Box<dyn MessageEnv>, EnvError> {
+    let expression: String = field(sample, "expression")?;
+    Ok(Box::new(CalculatorEnv::new(expression)))
+}
+
+fn correct(input: &ScoreInput) -> f64 {
+    if !matches!(
+        input
+            .rollout
+            .turns
+            .last()
+            .and_then(|t| t.situation.as_deref()),
+        Some("answer")
+    ) {
+        return 0.0;
+    }
+    let expected: Option<i64> = field(&input.sample, "answer").ok();
+    let got = input.final_text().and_then(parse_answer_tag);
+    f64::from(u8::from(got.is_some() && got == expected))
+}
+
+fn format(input: &ScoreInput) -> f64 {
+    f64::from(u8::from(
+        input.final_text().and_then(parse_answer_tag).is_some(),
+    ))
+}
+
+/// The task.
+pub fn task() -> Task {
+    let rubric = Rubric::new(
+        vec![
+            RewardFn::new("correct", 1.0, correct),
+            RewardFn::new("format", 0.1, format),
+        ],
+        RubricConfig {
+            truncation_reward: Some(0.0),
+            error_reward: Some(0.0),
+            ..RubricConfig::default()
+        },
+    )
+    .expect("static rubric is valid");
+    Task::new(NAME, env, rubric)
+        .with_system_prompt(SYSTEM_PROMPT)
+        .with_datasets(vec![
+            "tools::calculator_tool@train".parse().expect("valid spec"),
+            "tools::calculator_tool@eval".parse().expect("valid spec"),
+        ])
+        .with_generator(Generator)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn evaluates_integer_expressions() {
+        assert_eq!(evaluate("(37 * 12) - 5"), Ok(439));
+        assert_eq!(evaluate("2+3*4"), Ok(14));
+        assert_eq!(evaluate("-(2+3)*-2"), Ok(10));
+        assert_eq!(evaluate("7/2"), Ok(3));
+        assert_eq!(evaluate("1/0"), Err("division by zero".into()));
+        assert!(evaluate("2+").is_err());
+        assert!(evaluate("(2").is_err());
+        assert!(evaluate("2 x 3").is_err());
+        assert!(evaluate("9223372036854775807+1").is_err());
+    }
+}

@@ -1,0 +1,199 @@
+//! `episodic`: a multi-step walk on the number line (seed 001's multi-turn env with action
+//! parsing). The model starts at `start` and must stop exactly on `target`; every turn it writes
+//! one action between `<|action_start|>` and `<|action_end|>`: `inc()`, `dec()` or `done()`. The
+//! env replies with the new position. The episode ends at `done()` (outcome reward 1 on target,
+//! else 0) or after `max_steps` actions (reward 0). The outcome is discounted backwards with
+//! `gamma` (step i of n gets `gamma^(n−1−i) · R`; [`EpisodeDiscount`]).
+//!
+//! Situation labels: `move`, `invalid` (no or unknown action; position unchanged), `done`,
+//! `out_of_steps`.
+
+use serde_json::json;
+use sluice_core::{DataSample, Message};
+use sluice_data::rng::Rng;
+
+use crate::discount::EpisodeDiscount;
+use crate::error::EnvError;
+use crate::protocol::{BoxFuture, EnvInit, EnvStep, MessageEnv};
+use crate::rubric::{RewardFn, Rubric, RubricConfig};
+use crate::task::{DataGenerator, Task};
+use crate::tasks::{draw, field};
+
+/// Registered name.
+pub const NAME: &str = "episodic";
+
+/// Discount of the built-in task.
+pub const DISCOUNT: EpisodeDiscount = EpisodeDiscount {
+    gamma: 0.9,
+    only_keep_outcome: false,
+};
+
+/// Opening tag of an action.
+pub const ACTION_START: &str = "<|action_start|>";
+/// Closing tag of an action.
+pub const ACTION_END: &str = "<|action_end|>";
+
+/// One action.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    /// Move +1.
+    Inc,
+    /// Move −1.
+    Dec,
+    /// Stop here.
+    Done,
+}
+
+/// The last well-formed action in `text`.
+pub fn parse_action(text: &str) -> Option<Action> {
+    let (_, after) = text.rsplit_once(ACTION_START)?;
+    let (body, _) = after.split_once(ACTION_END)?;
+    match body.trim() {
+        "inc()" => Some(Action::Inc),
+        "dec()" => Some(Action::Dec),
+        "done()" => Some(Action::Done),
+        _ => None,
+    }
+}
+
+/// Generates walks of the `train` / `eval` split.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Generator;
+
+impl DataGenerator for Generator {
+    fn generate(&self, split: &str, seed: u64, count: usize) -> Result<Vec<DataSample>, EnvError> {
+        draw(NAME, split, seed, count, |rng: &mut Rng| {
+            let start = rng.below(10) as i64;
+            let target = rng.below(10) as i64;
+            let max_steps = (start - target).abs() + 3;
+            (
+                format!("{start}->{target}"),
+                json!({"start": start, "target": target, "max_steps": max_steps}),
+            )
+        })
+    }
+}
+
+/// The env of one walk.
+#[derive(Debug)]
+pub struct WalkEnv {
+    position: i64,
+    target: i64,
+    max_steps: i64,
+    steps: i64,
+}
+
+impl WalkEnv {
+    /// A walk from `start` to `target` with at most `max_steps` actions.
+    pub fn new(start: i64, target: i64, max_steps: i64) -> Self {
+        Self {
+            position: start,
+            target,
+            max_steps,
+            steps: 0,
+        }
+    }
+}
+
+impl MessageEnv for WalkEnv {
+    fn init(&mut self) -> BoxFuture<'_, Result<EnvInit, EnvError>> {
+        let prompt = format!(
+            "You are at {}. Stop exactly at {}. Each turn write one action: \
+             {ACTION_START}inc(){ACTION_END}, {ACTION_START}dec(){ACTION_END} or \
+             {ACTION_START}done(){ACTION_END}.",
+            self.position, self.target
+        );
+        Box::pin(async move {
+            Ok(EnvInit {
+                messages: vec![Message::user(prompt)],
+                tools: Vec::new(),
+            })
+        })
+    }
+
+    fn step(&mut self, assistant: Message) -> BoxFuture<'_, Result<EnvStep, EnvError>> {
+        Box::pin(async move {
+            self.steps += 1;
+            let action = assistant.content.as_deref().and_then(parse_action);
+            let (reply, situation) = match action {
+                Some(Action::Done) => {
+                    let r = f64::from(u8::from(self.position == self.target));
+                    return Ok(EnvStep::done().with_reward(r).with_situation("done"));
+                }
+                Some(Action::Inc) => {
+                    self.position += 1;
+                    (format!("You are at {}.", self.position), "move")
+                }
+                Some(Action::Dec) => {
+                    self.position -= 1;
+                    (format!("You are at {}.", self.position), "move")
+                }
+                None => (
+                    format!("Invalid action. You are at {}.", self.position),
+                    "invalid",
+                ),
+            };
+            if self.steps >= self.max_steps {
+                return Ok(EnvStep::done()
+                    .with_reward(0.0)
+                    .with_situation("out_of_steps"));
+            }
+            Ok(EnvStep::reply(vec![Message::user(reply)]).with_situation(situation))
+        })
+    }
+}
+
+fn env(sample: &DataSample) -> Result<Box<dyn MessageEnv>, EnvError> {
+    let start: i64 = field(sample, "start")?;
+    let target: i64 = field(sample, "target")?;
+    let max_steps: i64 = field(sample, "max_steps")?;
+    if max_steps < 1 {
+        return Err(EnvError::BadInput(format!(
+            "sample `{}`: max_steps must be ≥ 1",
+            sample.id
+        )));
+    }
+    Ok(Box::new(WalkEnv::new(start, target, max_steps)))
+}
+
+/// The task.
+pub fn task() -> Task {
+    let rubric = Rubric::new(
+        vec![RewardFn::env_reward(1.0)],
+        RubricConfig {
+            truncation_reward: Some(0.0),
+            error_reward: Some(0.0),
+            ..RubricConfig::default()
+        },
+    )
+    .expect("static rubric is valid");
+    Task::new(NAME, env, rubric)
+        .with_datasets(vec![
+            "agent::episodic@train".parse().expect("valid spec"),
+            "agent::episodic@eval".parse().expect("valid spec"),
+        ])
+        .with_generator(Generator)
+        .with_discount(DISCOUNT)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn actions_parse() {
+        assert_eq!(
+            parse_action("go <|action_start|>inc()<|action_end|>"),
+            Some(Action::Inc)
+        );
+        assert_eq!(
+            parse_action(
+                "<|action_start|>inc()<|action_end|><|action_start|> done() <|action_end|>"
+            ),
+            Some(Action::Done)
+        );
+        assert_eq!(parse_action("<|action_start|>jump()<|action_end|>"), None);
+        assert_eq!(parse_action("<|action_start|>inc()"), None);
+        assert_eq!(parse_action("inc()"), None);
+    }
+}

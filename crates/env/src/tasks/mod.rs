@@ -1,0 +1,133 @@
+//! Built-in tasks. Each generates its own data (no downloads), with a `train` and a disjoint
+//! held-out `eval` split:
+//!
+//! | task | episode | reward |
+//! |---|---|---|
+//! | [`arithmetic`] | one turn: `What is 7 + 5?` | exact match of the number (+ format) |
+//! | [`sum_digits`] | one turn, answer as `[ANSWER] n` | exact match (+ format) |
+//! | [`calculator`] (`calculator_tool`) | multi-turn, may call `calc` via `<tool_call>` | final answer |
+//! | [`episodic`] | multi-step walk, actions in `<|action_start|>…<|action_end|>` | outcome, discounted by γ |
+
+pub mod arithmetic;
+pub mod calculator;
+pub mod episodic;
+pub mod sum_digits;
+
+use serde::de::DeserializeOwned;
+use serde_json::Value;
+use sluice_core::{DataSample, Message};
+use sluice_data::rng::{Rng, derive_seed, hash_str};
+
+use crate::error::EnvError;
+use crate::protocol::{BoxFuture, EnvInit, EnvStep, MessageEnv};
+use crate::task::Task;
+
+/// Every built-in task, freshly built.
+pub fn builtin_tasks() -> Vec<Task> {
+    vec![
+        arithmetic::task(),
+        sum_digits::task(),
+        calculator::task(),
+        episodic::task(),
+    ]
+}
+
+/// Reads field `key` of a sample's input.
+pub(crate) fn field<T: DeserializeOwned>(sample: &DataSample, key: &str) -> Result<T, EnvError> {
+    let v = sample
+        .input
+        .get(key)
+        .ok_or_else(|| EnvError::BadInput(format!("sample `{}` has no `{key}`", sample.id)))?;
+    serde_json::from_value(v.clone())
+        .map_err(|e| EnvError::BadInput(format!("sample `{}`: `{key}`: {e}", sample.id)))
+}
+
+/// The integer after the last `[ANSWER]` tag.
+pub fn parse_answer_tag(text: &str) -> Option<i64> {
+    let (_, after) = text.rsplit_once("[ANSWER]")?;
+    let digits: String = after
+        .trim_start()
+        .chars()
+        .enumerate()
+        .take_while(|&(i, c)| c.is_ascii_digit() || (i == 0 && c == '-'))
+        .map(|(_, c)| c)
+        .collect();
+    digits.parse().ok()
+}
+
+/// A problem belongs to the held-out split when its key hashes to 0 mod 10 (about a tenth).
+pub(crate) fn is_heldout(key: &str) -> bool {
+    hash_str(key).is_multiple_of(10)
+}
+
+/// Draws `count` problems of `split` from `make` (called with a fresh RNG until a problem of the
+/// right split comes up). Deterministic in (`task`, `split`, `seed`).
+pub(crate) fn draw<F>(
+    task: &str,
+    split: &str,
+    seed: u64,
+    count: usize,
+    mut make: F,
+) -> Result<Vec<DataSample>, EnvError>
+where
+    F: FnMut(&mut Rng) -> (String, Value),
+{
+    let want_heldout = match split {
+        "train" => false,
+        "eval" | "test" => true,
+        other => {
+            return Err(EnvError::Config(format!(
+                "task `{task}` has splits `train` and `eval`, not `{other}`"
+            )));
+        }
+    };
+    let mut rng = Rng::new(derive_seed(&[seed, hash_str(task), hash_str(split)]));
+    let mut out = Vec::with_capacity(count);
+    while out.len() < count {
+        let (key, input) = make(&mut rng);
+        if is_heldout(&key) == want_heldout {
+            out.push(DataSample {
+                id: format!("{split}-{}", out.len()),
+                domain: String::new(),
+                dataset: String::new(),
+                input,
+                system_prompt: None,
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// A one-turn env: opens with one user message, ends after the first answer.
+pub(crate) struct SingleTurnEnv {
+    pub(crate) prompt: String,
+}
+
+impl MessageEnv for SingleTurnEnv {
+    fn init(&mut self) -> BoxFuture<'_, Result<EnvInit, EnvError>> {
+        let messages = vec![Message::user(self.prompt.clone())];
+        Box::pin(async move {
+            Ok(EnvInit {
+                messages,
+                tools: Vec::new(),
+            })
+        })
+    }
+
+    fn step(&mut self, _assistant: Message) -> BoxFuture<'_, Result<EnvStep, EnvError>> {
+        Box::pin(async { Ok(EnvStep::done().with_situation("answer")) })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn answer_tags() {
+        assert_eq!(parse_answer_tag("so [ANSWER] 18"), Some(18));
+        assert_eq!(parse_answer_tag("[ANSWER] 3 then [ANSWER]-7."), Some(-7));
+        assert_eq!(parse_answer_tag("[ANSWER] x"), None);
+        assert_eq!(parse_answer_tag("18"), None);
+    }
+}

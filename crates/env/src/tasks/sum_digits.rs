@@ -1,0 +1,87 @@
+//! `sum_digits`: single turn; sum the digits of a 2–6 digit number and end with `[ANSWER] n`.
+//! Rewards: `correct` (the last `[ANSWER]` equals the digit sum, weight 1) and `format` (an
+//! `[ANSWER]` tag with an integer is present, weight 0.1).
+
+use serde_json::json;
+use sluice_core::DataSample;
+use sluice_data::rng::Rng;
+
+use crate::error::EnvError;
+use crate::protocol::MessageEnv;
+use crate::rubric::{RewardFn, Rubric, RubricConfig, ScoreInput};
+use crate::task::{DataGenerator, Task};
+use crate::tasks::{SingleTurnEnv, draw, field, parse_answer_tag};
+
+/// Registered name.
+pub const NAME: &str = "sum_digits";
+
+/// System prompt of the task.
+pub const SYSTEM_PROMPT: &str = "Think briefly, then end your reply with `[ANSWER] <number>`.";
+
+/// Digit sum of a decimal string.
+pub fn digit_sum(number: &str) -> i64 {
+    number
+        .bytes()
+        .filter(u8::is_ascii_digit)
+        .map(|b| i64::from(b - b'0'))
+        .sum()
+}
+
+/// Generates numbers of the `train` / `eval` split.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Generator;
+
+impl DataGenerator for Generator {
+    fn generate(&self, split: &str, seed: u64, count: usize) -> Result<Vec<DataSample>, EnvError> {
+        draw(NAME, split, seed, count, |rng: &mut Rng| {
+            let digits = 2 + rng.below(5) as u32;
+            let lo = 10u64.pow(digits - 1);
+            let n = lo + rng.below(9 * lo);
+            let number = n.to_string();
+            let input = json!({"number": number, "answer": digit_sum(&number)});
+            (number, input)
+        })
+    }
+}
+
+fn env(sample: &DataSample) -> Result<Box<dyn MessageEnv>, EnvError> {
+    let number: String = field(sample, "number")?;
+    Ok(Box::new(SingleTurnEnv {
+        prompt: format!("What is the sum of the digits of {number}?"),
+    }))
+}
+
+fn correct(input: &ScoreInput) -> f64 {
+    let expected: Option<i64> = field(&input.sample, "answer").ok();
+    let got = input.final_text().and_then(parse_answer_tag);
+    f64::from(u8::from(got.is_some() && got == expected))
+}
+
+fn format(input: &ScoreInput) -> f64 {
+    f64::from(u8::from(
+        input.final_text().and_then(parse_answer_tag).is_some(),
+    ))
+}
+
+/// The task.
+pub fn task() -> Task {
+    let rubric = Rubric::new(
+        vec![
+            RewardFn::new("correct", 1.0, correct),
+            RewardFn::new("format", 0.1, format),
+        ],
+        RubricConfig {
+            truncation_reward: None,
+            error_reward: Some(0.0),
+            ..RubricConfig::default()
+        },
+    )
+    .expect("static rubric is valid");
+    Task::new(NAME, env, rubric)
+        .with_system_prompt(SYSTEM_PROMPT)
+        .with_datasets(vec![
+            "math::sum_digits@train".parse().expect("valid spec"),
+            "math::sum_digits@eval".parse().expect("valid spec"),
+        ])
+        .with_generator(Generator)
+}

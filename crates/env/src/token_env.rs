@@ -1,0 +1,323 @@
+//! [`TokenEnv`]: a [`MessageEnv`] seen through a [`Renderer`]. It keeps the message history,
+//! renders each prompt to token ids, parses completions back into assistant messages, and owns the
+//! limits that end an episode early — prompt too long, too many turns, an env call that panics,
+//! fails or exceeds its deadline — setting the [`RolloutStatus`] accordingly:
+//!
+//! | what happened | status |
+//! |---|---|
+//! | the env said `done` | `Completed` |
+//! | the completion hit `max_tokens` (finish reason `Length`) | `Truncated` (env not stepped) |
+//! | `max_turns` assistant turns without `done` | `Truncated` |
+//! | the next prompt exceeds `max_prompt_tokens` | `PromptTooLong` |
+//! | an env call exceeded `call_timeout` | `Timeout` |
+//! | an env call panicked or failed; rendering failed | `Error(kind)` |
+//!
+//! A completion whose structure does not parse (bad tool-call JSON) is *not* an error: the env
+//! receives the raw text as a plain assistant message and decides (that is a training signal).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use sluice_core::{Message, RolloutStatus, RolloutTurn, ToolSpec};
+use tokio::sync::Mutex;
+
+use crate::error::EnvError;
+use crate::guard::run_guarded;
+use crate::protocol::{EnvInit, EnvStep, MessageEnv};
+use crate::renderer::{ParseError, Renderer};
+
+/// Limits one episode runs under.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TokenEnvLimits {
+    /// Longest prompt (in tokens) that may be sent to the engine.
+    pub max_prompt_tokens: usize,
+    /// Assistant turns before the episode is cut (`Truncated`).
+    pub max_turns: u32,
+    /// Deadline of each env call (`init`, `step`, `close`).
+    #[serde(with = "seconds")]
+    pub call_timeout: Duration,
+}
+
+mod seconds {
+    use serde::{Deserialize, Deserializer, Serializer};
+    use std::time::Duration;
+    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_f64(d.as_secs_f64())
+    }
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        let secs = f64::deserialize(d)?;
+        Duration::try_from_secs_f64(secs).map_err(serde::de::Error::custom)
+    }
+}
+
+impl Default for TokenEnvLimits {
+    fn default() -> Self {
+        Self {
+            max_prompt_tokens: 4096,
+            max_turns: 8,
+            call_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// The prompt of the next assistant turn.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TurnPrompt {
+    /// Rendered prompt, ending with the generation prompt.
+    pub prompt_token_ids: Vec<u32>,
+    /// The history it was rendered from.
+    pub prompt_messages: Vec<Message>,
+}
+
+/// What comes after `start` or a `step`.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Next {
+    /// Generate the next assistant turn from this prompt.
+    Generate(TurnPrompt),
+    /// The episode is over with this (terminal) status.
+    Done(RolloutStatus),
+}
+
+/// Why the engine stopped generating a completion.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    /// A stop token or stop sequence: the turn is complete.
+    Stop,
+    /// `max_tokens` or the context ran out: the turn is cut.
+    Length,
+}
+
+/// The result of one assistant turn.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TurnOutcome {
+    /// The parsed completion (the raw text as content when it did not parse).
+    pub assistant: Message,
+    /// Set when the completion's structure did not parse.
+    pub parse_error: Option<ParseError>,
+    /// The env's reply messages.
+    pub env_messages: Vec<Message>,
+    /// The env's reward for this turn.
+    pub env_reward: Option<f64>,
+    /// The env's situation label for this turn.
+    pub situation: Option<String>,
+    /// What to do next.
+    pub next: Next,
+}
+
+impl TurnOutcome {
+    /// Copies the message-level results into the turn that produced the completion.
+    pub fn apply_to(&self, turn: &mut RolloutTurn) {
+        turn.completion_message = Some(self.assistant.clone());
+        turn.env_messages = self.env_messages.clone();
+        turn.env_reward = self.env_reward;
+        turn.situation = self.situation.clone();
+    }
+}
+
+/// A message environment driven at the token level. One per rollout.
+pub struct TokenEnv {
+    env: Arc<Mutex<Box<dyn MessageEnv>>>,
+    renderer: Arc<dyn Renderer>,
+    limits: TokenEnvLimits,
+    system_prompt: Option<String>,
+    history: Vec<Message>,
+    tools: Vec<ToolSpec>,
+    turns: u32,
+    parse_errors: u32,
+    status: RolloutStatus,
+    started: bool,
+    closed: bool,
+}
+
+impl std::fmt::Debug for TokenEnv {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TokenEnv")
+            .field("limits", &self.limits)
+            .field("turns", &self.turns)
+            .field("status", &self.status)
+            .finish_non_exhaustive()
+    }
+}
+
+impl TokenEnv {
+    /// Wraps `env`. `system_prompt` is prepended to the opening messages unless they already
+    /// start with a system message.
+    pub fn new(
+        env: Box<dyn MessageEnv>,
+        renderer: Arc<dyn Renderer>,
+        limits: TokenEnvLimits,
+        system_prompt: Option<String>,
+    ) -> Self {
+        Self {
+            env: Arc::new(Mutex::new(env)),
+            renderer,
+            limits,
+            system_prompt,
+            history: Vec::new(),
+            tools: Vec::new(),
+            turns: 0,
+            parse_errors: 0,
+            status: RolloutStatus::Ongoing,
+            started: false,
+            closed: false,
+        }
+    }
+
+    /// The status so far (`Ongoing` until the episode ends).
+    pub fn status(&self) -> &RolloutStatus {
+        &self.status
+    }
+
+    /// The full message history.
+    pub fn history(&self) -> &[Message] {
+        &self.history
+    }
+
+    /// The tools the env declared.
+    pub fn tools(&self) -> &[ToolSpec] {
+        &self.tools
+    }
+
+    /// Assistant turns taken.
+    pub fn turns(&self) -> u32 {
+        self.turns
+    }
+
+    /// Completions whose structure did not parse.
+    pub fn parse_errors(&self) -> u32 {
+        self.parse_errors
+    }
+
+    fn finish(&mut self, status: RolloutStatus) -> Next {
+        self.status = status.clone();
+        Next::Done(status)
+    }
+
+    fn fail(&mut self, err: &EnvError) -> Next {
+        tracing::debug!(error = %err, "episode failed");
+        self.finish(match err {
+            EnvError::Timeout { .. } => RolloutStatus::Timeout,
+            other => RolloutStatus::Error(other.kind().to_owned()),
+        })
+    }
+
+    /// Renders the history as the next prompt, unless it is too long.
+    fn next_prompt(&mut self) -> Next {
+        match self.renderer.render_prompt(&self.history, &self.tools) {
+            Ok(ids) if ids.len() > self.limits.max_prompt_tokens => {
+                self.finish(RolloutStatus::PromptTooLong)
+            }
+            Ok(prompt_token_ids) => Next::Generate(TurnPrompt {
+                prompt_token_ids,
+                prompt_messages: self.history.clone(),
+            }),
+            Err(e) => self.fail(&e),
+        }
+    }
+
+    /// Calls `init` and returns the first prompt.
+    pub async fn start(&mut self) -> Next {
+        if self.started {
+            return self.fail(&EnvError::Protocol("start called twice".into()));
+        }
+        self.started = true;
+        let env = self.env.clone();
+        let init = run_guarded("init", self.limits.call_timeout, async move {
+            env.lock().await.init().await
+        })
+        .await;
+        let EnvInit { messages, tools } = match init {
+            Ok(init) => init,
+            Err(e) => return self.fail(&e),
+        };
+        let starts_with_system = messages
+            .first()
+            .is_some_and(|m| m.role == sluice_core::Role::System);
+        if let (Some(prompt), false) = (&self.system_prompt, starts_with_system) {
+            self.history.push(Message::system(prompt.clone()));
+        }
+        self.history.extend(messages);
+        self.tools = tools;
+        self.next_prompt()
+    }
+
+    /// Feeds one completion (token ids as generated, stop tokens included or not) and returns
+    /// what the env made of it.
+    pub async fn step(&mut self, completion: &[u32], finish: FinishReason) -> TurnOutcome {
+        let (assistant, parse_error) = match self.renderer.parse_completion(completion) {
+            Ok(m) => (m, None),
+            Err(e) => {
+                self.parse_errors += 1;
+                (Message::assistant(e.raw_text.clone()), Some(e))
+            }
+        };
+        let mut outcome = TurnOutcome {
+            assistant: assistant.clone(),
+            parse_error,
+            env_messages: Vec::new(),
+            env_reward: None,
+            situation: None,
+            next: Next::Done(self.status.clone()),
+        };
+        if !self.started || self.status.is_terminal() {
+            outcome.next = self.fail(&EnvError::Protocol(
+                "step called before start or after the episode ended".into(),
+            ));
+            return outcome;
+        }
+        self.turns += 1;
+        self.history.push(assistant.clone());
+        if finish == FinishReason::Length {
+            outcome.next = self.finish(RolloutStatus::Truncated);
+            return outcome;
+        }
+        let env = self.env.clone();
+        let step = run_guarded("step", self.limits.call_timeout, async move {
+            env.lock().await.step(assistant).await
+        })
+        .await;
+        let EnvStep {
+            messages,
+            reward,
+            done,
+            situation,
+        } = match step {
+            Ok(s) => s,
+            Err(e) => {
+                outcome.next = self.fail(&e);
+                return outcome;
+            }
+        };
+        self.history.extend(messages.iter().cloned());
+        outcome.env_messages = messages;
+        outcome.env_reward = reward;
+        outcome.situation = situation;
+        outcome.next = if done {
+            self.finish(RolloutStatus::Completed)
+        } else if self.turns >= self.limits.max_turns {
+            self.finish(RolloutStatus::Truncated)
+        } else {
+            self.next_prompt()
+        };
+        outcome
+    }
+
+    /// Calls the env's `close` (once; errors are logged, never raised: the episode's status is
+    /// already decided).
+    pub async fn close(&mut self) {
+        if self.closed {
+            return;
+        }
+        self.closed = true;
+        let env = self.env.clone();
+        if let Err(e) = run_guarded("close", self.limits.call_timeout, async move {
+            env.lock().await.close().await
+        })
+        .await
+        {
+            tracing::warn!(error = %e, "env close failed");
+        }
+    }
+}

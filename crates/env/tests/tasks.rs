@@ -1,0 +1,187 @@
+//! Built-in tasks: data generation (deterministic, disjoint held-out split) and env logic, played
+//! through the whole TokenEnv → rubric path with scripted replies.
+
+mod common;
+
+use std::collections::BTreeSet;
+
+use common::{play, sample};
+use sluice_core::RolloutStatus;
+use sluice_core::config::DatasetSpec;
+use sluice_env::TaskRegistry;
+
+fn registry() -> TaskRegistry {
+    TaskRegistry::builtin()
+}
+
+#[test]
+fn registry_holds_the_builtins_and_refuses_duplicates() {
+    let mut r = registry();
+    assert_eq!(
+        r.names(),
+        ["arithmetic", "calculator_tool", "episodic", "sum_digits"]
+    );
+    let again = sluice_env::tasks::arithmetic::task();
+    assert!(r.register(again).is_err());
+    let err = r.get("chess").unwrap_err();
+    assert_eq!(err.kind(), "unknown_task");
+    assert!(
+        err.to_string().contains("arithmetic, calculator_tool"),
+        "{err}"
+    );
+}
+
+#[test]
+fn generated_data_is_deterministic_and_eval_is_held_out() {
+    let r = registry();
+    for name in r.names() {
+        let task = r.get(&name).unwrap();
+        let train_spec: DatasetSpec = format!("d::{name}@train").parse().unwrap();
+        let eval_spec: DatasetSpec = format!("d::{name}@eval").parse().unwrap();
+        let a = task.generate_dataset(&train_spec, 1, 300).unwrap();
+        let b = task.generate_dataset(&train_spec, 1, 300).unwrap();
+        let c = task.generate_dataset(&train_spec, 2, 300).unwrap();
+        assert_eq!(a, b, "{name}: same seed, same data");
+        assert_ne!(a, c, "{name}: other seed, other data");
+        assert_eq!(a.samples()[0].domain, "d");
+        assert_eq!(a.samples()[0].dataset, format!("{name}@train"));
+        let eval = task.generate_dataset(&eval_spec, 1, 50).unwrap();
+        let train_inputs: BTreeSet<String> =
+            a.samples().iter().map(|s| s.input.to_string()).collect();
+        for s in eval.samples() {
+            assert!(
+                !train_inputs.contains(&s.input.to_string()),
+                "{name}: {s:?} leaked"
+            );
+        }
+        // Every generated sample makes a working env.
+        for s in a.samples().iter().take(20) {
+            task.make_env(s).unwrap();
+        }
+        assert!(
+            task.generate_dataset(&format!("d::{name}@dev").parse().unwrap(), 1, 1)
+                .is_err()
+        );
+    }
+    let bad = sample(serde_json::json!({"nothing": 1}));
+    for name in r.names() {
+        let err = r.get(&name).unwrap().make_env(&bad).err().unwrap();
+        assert_eq!(err.kind(), "env_bad_input", "{name}");
+    }
+}
+
+#[tokio::test]
+async fn arithmetic_rewards_exact_answers_and_format() {
+    let task = registry().get("arithmetic").unwrap();
+    let s = sample(sluice_env::tasks::arithmetic::problem_input(7, '+', 5));
+    let right = play(&task, &s, &["12"]).await;
+    assert_eq!(right.status, RolloutStatus::Completed);
+    assert_eq!(right.reward_components["correct"], 1.0);
+    assert!((right.reward - 1.0).abs() < 1e-12, "1/1.1 + 0.1/1.1");
+    let prompt = &right.turns[0].prompt_messages;
+    assert_eq!(
+        prompt[0].content.as_deref(),
+        Some("Answer with the number only.")
+    );
+    assert_eq!(prompt[1].content.as_deref(), Some("What is 7 + 5?"));
+    let wrong = play(&task, &s, &["13"]).await;
+    assert!((wrong.reward - 0.1 / 1.1).abs() < 1e-12, "format only");
+    let chatty = play(&task, &s, &["It is 12"]).await;
+    assert_eq!(chatty.reward, 0.0);
+    let cut = play(&task, &s, &["LEN:1"]).await;
+    assert_eq!(cut.status, RolloutStatus::Truncated);
+    assert_eq!(cut.reward, 0.0, "truncation_reward = 0");
+}
+
+#[tokio::test]
+async fn sum_digits_reads_the_answer_tag() {
+    let task = registry().get("sum_digits").unwrap();
+    let s = sample(serde_json::json!({"number": "48213", "answer": 18}));
+    let r = play(&task, &s, &["4+8+2+1+3 = 18. [ANSWER] 18"]).await;
+    assert_eq!(r.reward_components["correct"], 1.0);
+    assert_eq!(r.reward_components["format"], 1.0);
+    let r = play(&task, &s, &["18"]).await;
+    assert_eq!(r.reward, 0.0, "no tag, no reward");
+    let r = play(&task, &s, &["[ANSWER] 17"]).await;
+    assert_eq!(r.reward_components["correct"], 0.0);
+    assert_eq!(r.reward_components["format"], 1.0);
+}
+
+#[tokio::test]
+async fn calculator_tool_executes_calls_and_labels_stages() {
+    let task = registry().get("calculator_tool").unwrap();
+    let s = sample(serde_json::json!({"expression": "(37 * 12) - 5", "answer": 439}));
+    let call = r#"<tool_call>{"name": "calc", "arguments": {"expression": "37 * 12"}}</tool_call>"#;
+    let bad = r#"<tool_call>{"name": "search", "arguments": {}}</tool_call>"#;
+    let r = play(&task, &s, &[bad, call, "444 - 5 = 439. [ANSWER] 439"]).await;
+    assert_eq!(r.status, RolloutStatus::Completed);
+    let situations: Vec<_> = r
+        .turns
+        .iter()
+        .map(|t| t.situation.as_deref().unwrap())
+        .collect();
+    assert_eq!(situations, ["tool_error", "tool_call", "answer"]);
+    let reply = &r.turns[1].env_messages[0];
+    assert_eq!(reply.role, sluice_core::Role::Tool);
+    assert_eq!(reply.content.as_deref(), Some("444"));
+    assert_eq!(reply.tool_call_id.as_deref(), Some("call_0"));
+    assert!(
+        r.turns[0].env_messages[0]
+            .content
+            .as_deref()
+            .unwrap()
+            .starts_with("error: unknown tool"),
+    );
+    assert_eq!(r.reward_components["correct"], 1.0);
+    // The tool is declared in the prompt.
+    let first_prompt: String = r.turns[0]
+        .prompt_token_ids
+        .iter()
+        .map(|&t| t as u8 as char)
+        .collect();
+    assert!(first_prompt.contains("\"name\":\"calc\""), "{first_prompt}");
+
+    let r = play(&task, &s, &["[ANSWER] 400"]).await;
+    assert_eq!(r.reward_components["correct"], 0.0);
+    // The call budget ends the episode without an answer.
+    let many = [call, call, call, call, call];
+    let r = play(&task, &s, &many).await;
+    assert_eq!(
+        r.turns.last().unwrap().situation.as_deref(),
+        Some("tool_budget")
+    );
+    assert_eq!(r.reward_components["correct"], 0.0);
+}
+
+#[tokio::test]
+async fn episodic_discounts_the_outcome_backwards() {
+    let task = registry().get("episodic").unwrap();
+    let s = sample(serde_json::json!({"start": 3, "target": 5, "max_steps": 5}));
+    let act = |a: &str| format!("<|action_start|>{a}<|action_end|>");
+    let (inc, done) = (act("inc()"), act("done()"));
+    let r = play(&task, &s, &[&inc, "hmm", &inc, &done]).await;
+    assert_eq!(r.status, RolloutStatus::Completed);
+    assert_eq!(r.reward, 1.0);
+    let situations: Vec<_> = r
+        .turns
+        .iter()
+        .map(|t| t.situation.as_deref().unwrap())
+        .collect();
+    assert_eq!(situations, ["move", "invalid", "move", "done"]);
+    let rewards: Vec<f64> = r.turns.iter().map(|t| t.env_reward.unwrap()).collect();
+    let expected = [0.9f64.powi(3), 0.9f64.powi(2), 0.9, 1.0];
+    for (got, want) in rewards.iter().zip(expected) {
+        assert!((got - want).abs() < 1e-12, "{rewards:?}");
+    }
+    // Stopping off target: outcome 0 everywhere.
+    let r = play(&task, &s, &[&inc, &done]).await;
+    assert_eq!(r.reward, 0.0);
+    assert!(r.turns.iter().all(|t| t.env_reward == Some(0.0)));
+    // Running out of steps ends the episode with 0.
+    let r = play(&task, &s, &[&inc, &inc, &inc, &inc, &inc]).await;
+    assert_eq!(
+        r.turns.last().unwrap().situation.as_deref(),
+        Some("out_of_steps")
+    );
+    assert_eq!(r.reward, 0.0);
+}

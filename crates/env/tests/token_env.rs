@@ -1,0 +1,214 @@
+//! TokenEnv: statuses for every way an episode can end, history and rendering, system prompts.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{Scripted, renderer, rollout};
+use sluice_core::{Message, RolloutStatus};
+use sluice_env::{
+    BoxFuture, ByteRenderer, EnvError, EnvInit, EnvStep, FinishReason, MessageEnv, Next, TokenEnv,
+    TokenEnvLimits, run_episode,
+};
+
+/// Replies "again" until the assistant says "stop"; misbehaves on demand.
+struct Echo {
+    mode: &'static str,
+}
+
+impl MessageEnv for Echo {
+    fn init(&mut self) -> BoxFuture<'_, Result<EnvInit, EnvError>> {
+        let mode = self.mode;
+        Box::pin(async move {
+            match mode {
+                "init_panic" => panic!("init exploded"),
+                "init_hang" => {
+                    tokio::time::sleep(Duration::from_secs(3600)).await;
+                    unreachable!()
+                }
+                "huge" => Ok(EnvInit {
+                    messages: vec![Message::user("x".repeat(500))],
+                    tools: vec![],
+                }),
+                "with_system" => Ok(EnvInit {
+                    messages: vec![Message::system("env system"), Message::user("go")],
+                    tools: vec![],
+                }),
+                _ => Ok(EnvInit {
+                    messages: vec![Message::user("go")],
+                    tools: vec![],
+                }),
+            }
+        })
+    }
+
+    fn step(&mut self, assistant: Message) -> BoxFuture<'_, Result<EnvStep, EnvError>> {
+        let mode = self.mode;
+        Box::pin(async move {
+            let text = assistant.content.unwrap_or_default();
+            match (mode, text.as_str()) {
+                ("step_panic", _) => panic!("step exploded"),
+                ("step_hang", _) => {
+                    tokio::time::sleep(Duration::from_secs(3600)).await;
+                    unreachable!()
+                }
+                ("step_error", _) => Err(EnvError::Failed("sandbox crashed".into())),
+                ("grow", _) => Ok(EnvStep::reply(vec![Message::user("y".repeat(200))])),
+                (_, "stop") => Ok(EnvStep::done().with_reward(1.0).with_situation("end")),
+                _ => Ok(EnvStep::reply(vec![Message::user("again")])
+                    .with_reward(0.25)
+                    .with_situation("mid")),
+            }
+        })
+    }
+}
+
+fn limits() -> TokenEnvLimits {
+    TokenEnvLimits {
+        max_prompt_tokens: 400,
+        max_turns: 3,
+        call_timeout: Duration::from_secs(5),
+    }
+}
+
+async fn run(mode: &'static str, replies: &[&str]) -> (sluice_core::Rollout, TokenEnv) {
+    let mut env = TokenEnv::new(
+        Box::new(Echo { mode }),
+        renderer(),
+        limits(),
+        Some("sys".into()),
+    );
+    let mut r = rollout(0);
+    run_episode(&mut env, &mut Scripted::new(replies), &mut r)
+        .await
+        .unwrap();
+    (r, env)
+}
+
+#[tokio::test]
+async fn completed_episode_records_turns_rewards_and_situations() {
+    let (r, env) = run("ok", &["hello", "stop"]).await;
+    assert_eq!(r.status, RolloutStatus::Completed);
+    assert_eq!(r.turns.len(), 2);
+    assert_eq!(r.turns[0].env_reward, Some(0.25));
+    assert_eq!(r.turns[0].situation.as_deref(), Some("mid"));
+    assert_eq!(r.turns[0].env_messages, vec![Message::user("again")]);
+    assert_eq!(r.turns[1].env_reward, Some(1.0));
+    assert_eq!(
+        r.turns[1]
+            .completion_message
+            .as_ref()
+            .unwrap()
+            .content
+            .as_deref(),
+        Some("stop")
+    );
+    // The second prompt is the full history, rendered, with the system prompt first.
+    let second = &r.turns[1].prompt_messages;
+    assert_eq!(second[0], Message::system("sys"));
+    assert_eq!(second.len(), 4, "system, user, assistant, env reply");
+    assert_eq!(
+        r.turns[1].prompt_token_ids,
+        ByteRenderer::encode(&ByteRenderer::render_text(second, &[]))
+    );
+    assert_eq!(env.history().len(), 5);
+    for t in &r.turns {
+        t.check().unwrap();
+    }
+}
+
+#[tokio::test]
+async fn env_system_message_wins_over_task_prompt() {
+    let (r, _) = run("with_system", &["stop"]).await;
+    let msgs = &r.turns[0].prompt_messages;
+    assert_eq!(msgs[0], Message::system("env system"));
+    assert_eq!(
+        msgs.iter()
+            .filter(|m| m.role == sluice_core::Role::System)
+            .count(),
+        1
+    );
+}
+
+#[tokio::test]
+async fn limits_set_the_status() {
+    let (r, _) = run("ok", &["a", "b", "c", "d"]).await;
+    assert_eq!(r.status, RolloutStatus::Truncated, "max_turns = 3");
+    assert_eq!(r.turns.len(), 3);
+
+    let (r, _) = run("ok", &["a", "LEN:partial ans"]).await;
+    assert_eq!(r.status, RolloutStatus::Truncated, "finish reason length");
+    assert_eq!(
+        r.turns[1]
+            .completion_message
+            .as_ref()
+            .unwrap()
+            .content
+            .as_deref(),
+        Some("partial ans"),
+        "a cut turn keeps what it parsed"
+    );
+    assert!(r.turns[1].env_messages.is_empty(), "the env is not stepped");
+
+    let (r, _) = run("huge", &[]).await;
+    assert_eq!(r.status, RolloutStatus::PromptTooLong);
+    assert!(r.turns.is_empty());
+
+    let (r, _) = run("grow", &["a", "b"]).await;
+    assert_eq!(
+        r.status,
+        RolloutStatus::PromptTooLong,
+        "the history outgrew the limit"
+    );
+    assert_eq!(r.turns.len(), 2);
+}
+
+#[tokio::test]
+async fn panics_errors_and_hangs_fail_only_the_rollout() {
+    let (r, _) = run("init_panic", &[]).await;
+    assert_eq!(r.status, RolloutStatus::Error("env_panic".into()));
+    let (r, _) = run("step_panic", &["a"]).await;
+    assert_eq!(r.status, RolloutStatus::Error("env_panic".into()));
+    assert_eq!(r.turns.len(), 1, "the generated turn is kept");
+    let (r, _) = run("step_error", &["a"]).await;
+    assert_eq!(r.status, RolloutStatus::Error("env_failed".into()));
+}
+
+#[tokio::test(start_paused = true)]
+async fn hanging_calls_time_out() {
+    let (r, _) = run("init_hang", &[]).await;
+    assert_eq!(r.status, RolloutStatus::Timeout);
+    let (r, _) = run("step_hang", &["a"]).await;
+    assert_eq!(r.status, RolloutStatus::Timeout);
+}
+
+#[tokio::test]
+async fn misuse_is_an_error_not_a_panic() {
+    let mut env = TokenEnv::new(Box::new(Echo { mode: "ok" }), renderer(), limits(), None);
+    let out = env
+        .step(&ByteRenderer::encode("x"), FinishReason::Stop)
+        .await;
+    assert_eq!(
+        out.next,
+        Next::Done(RolloutStatus::Error("env_protocol".into()))
+    );
+}
+
+#[tokio::test]
+async fn unparsable_completion_reaches_the_env_as_text() {
+    let mut env = TokenEnv::new(Box::new(Echo { mode: "ok" }), renderer(), limits(), None);
+    assert!(matches!(env.start().await, Next::Generate(_)));
+    let out = env
+        .step(
+            &ByteRenderer::encode("<tool_call>{bad</tool_call>"),
+            FinishReason::Stop,
+        )
+        .await;
+    assert!(out.parse_error.is_some());
+    assert_eq!(
+        out.assistant.content.as_deref(),
+        Some("<tool_call>{bad</tool_call>")
+    );
+    assert_eq!(env.parse_errors(), 1);
+    assert!(matches!(out.next, Next::Generate(_)));
+}
