@@ -11,7 +11,7 @@
 //! | [`discount`] | episode-aware discounting of outcome rewards (seed 001) |
 //! | [`stats`] | running outcome EMA and balance fractions (seed 001) |
 //! | [`episode`] | a minimal driver: one episode from a [`Generate`] implementation into a `Rollout` |
-//! | `remote` | the JSON-over-HTTP env protocol: server (axum) and client env (next) |
+//! | [`remote`] | the JSON-over-HTTP env protocol: server (axum) and client env |
 //! | [`guard`] | panic/timeout containment for user code |
 //! | [`error`] | [`EnvError`] and its stable `kind()` names |
 //!
@@ -23,6 +23,7 @@ pub mod episode;
 pub mod error;
 pub mod guard;
 pub mod protocol;
+pub mod remote;
 pub mod renderer;
 pub mod rubric;
 pub mod stats;

@@ -94,6 +94,13 @@ impl Task {
         self
     }
 
+    /// Replaces the env factory, keeping rubric, prompt and data (e.g. to run the same task's
+    /// envs on an env server through [`crate::remote::RemoteEnvFactory`]).
+    pub fn with_env(mut self, env: impl EnvFactory + 'static) -> Self {
+        self.env = Arc::new(env);
+        self
+    }
+
     /// Discounts the outcome reward over the episode's turns after scoring (seed 001).
     pub fn with_discount(mut self, discount: EpisodeDiscount) -> Self {
         self.discount = Some(discount);

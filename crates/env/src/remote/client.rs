@@ -1,0 +1,198 @@
+//! The client side: [`RemoteEnv`] is a [`MessageEnv`] whose calls go to an env server, and
+//! [`RemoteEnvFactory`] makes one per rollout, so a local [`Task`](crate::Task) (rubric, system
+//! prompt, data) can run its envs elsewhere with [`Task::with_env`](crate::Task::with_env).
+//!
+//! The remote env is created lazily in `init` (env factories are synchronous), and deleted in
+//! `close`.
+
+use std::time::Duration;
+
+use hyper::{Method, StatusCode};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use sluice_core::{DataSample, Message};
+
+use super::http::HttpClient;
+use super::{CreateRequest, CreateResponse, ErrorBody, StepRequest};
+use crate::error::EnvError;
+use crate::protocol::{BoxFuture, EnvInit, EnvStep, MessageEnv};
+use crate::task::EnvFactory;
+
+/// An env living on an env server.
+#[derive(Debug)]
+pub struct RemoteEnv {
+    http: HttpClient,
+    task: String,
+    sample: DataSample,
+    env_id: Option<String>,
+}
+
+impl RemoteEnv {
+    /// An env of `task` for `sample` on the server at `base_url` (`http://host:port`); every call
+    /// has `timeout`.
+    pub fn new(
+        base_url: &str,
+        task: impl Into<String>,
+        sample: DataSample,
+        timeout: Duration,
+    ) -> Result<Self, EnvError> {
+        Ok(Self {
+            http: HttpClient::new(base_url, timeout)?,
+            task: task.into(),
+            sample,
+            env_id: None,
+        })
+    }
+
+    /// The server-side id, once created.
+    pub fn env_id(&self) -> Option<&str> {
+        self.env_id.as_deref()
+    }
+
+    async fn json<B: Serialize, T: DeserializeOwned>(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<&B>,
+    ) -> Result<(StatusCode, Option<T>), EnvError> {
+        let body = body
+            .map(serde_json::to_vec)
+            .transpose()
+            .map_err(|e| EnvError::Failed(format!("cannot encode request: {e}")))?;
+        let (status, bytes) = self.http.call(method, path, body).await?;
+        if status.is_success() {
+            if bytes.is_empty() {
+                return Ok((status, None));
+            }
+            let value = serde_json::from_slice(&bytes).map_err(|e| EnvError::Remote {
+                url: path.to_owned(),
+                message: format!("bad response body: {e}"),
+            })?;
+            return Ok((status, Some(value)));
+        }
+        Err(server_error(path, status, &bytes))
+    }
+
+    fn id(&self) -> Result<&str, EnvError> {
+        self.env_id
+            .as_deref()
+            .ok_or_else(|| EnvError::Protocol("remote env used before init".into()))
+    }
+}
+
+/// Maps an error answer back to an [`EnvError`] of the same kind where one exists, so a remote
+/// env's panic or timeout reads like a local one.
+fn server_error(path: &str, status: StatusCode, bytes: &[u8]) -> EnvError {
+    let detail = serde_json::from_slice::<ErrorBody>(bytes)
+        .ok()
+        .map(|b| b.error);
+    let message = detail.as_ref().map_or_else(
+        || String::from_utf8_lossy(bytes).into_owned(),
+        |d| d.message.clone(),
+    );
+    match detail.as_ref().map(|d| d.kind.as_str()) {
+        Some("env_panic") => EnvError::Panic(message),
+        Some("env_failed") => EnvError::Failed(message),
+        Some("env_bad_input") => EnvError::BadInput(message),
+        Some("env_timeout") => EnvError::Timeout {
+            call: format!("remote {path}"),
+            after: Duration::ZERO,
+        },
+        _ => EnvError::Remote {
+            url: path.to_owned(),
+            message: format!("HTTP {status}: {message}"),
+        },
+    }
+}
+
+impl MessageEnv for RemoteEnv {
+    fn init(&mut self) -> BoxFuture<'_, Result<EnvInit, EnvError>> {
+        Box::pin(async move {
+            if self.env_id.is_some() {
+                return Err(EnvError::Protocol("remote env initialised twice".into()));
+            }
+            let req = CreateRequest {
+                task: self.task.clone(),
+                sample: self.sample.clone(),
+            };
+            let (_, created) = self
+                .json::<_, CreateResponse>(Method::POST, "/v1/envs", Some(&req))
+                .await?;
+            let created = created.ok_or_else(|| EnvError::Remote {
+                url: "/v1/envs".into(),
+                message: "empty create response".into(),
+            })?;
+            self.env_id = Some(created.env_id);
+            let path = format!("/v1/envs/{}/init", self.id()?);
+            let (_, init) = self
+                .json::<_, EnvInit>(Method::POST, &path, Some(&serde_json::json!({})))
+                .await?;
+            init.ok_or_else(|| EnvError::Remote {
+                url: path,
+                message: "empty init response".into(),
+            })
+        })
+    }
+
+    fn step(&mut self, assistant: Message) -> BoxFuture<'_, Result<EnvStep, EnvError>> {
+        Box::pin(async move {
+            let path = format!("/v1/envs/{}/step", self.id()?);
+            let req = StepRequest { message: assistant };
+            let (_, step) = self
+                .json::<_, EnvStep>(Method::POST, &path, Some(&req))
+                .await?;
+            step.ok_or_else(|| EnvError::Remote {
+                url: path,
+                message: "empty step response".into(),
+            })
+        })
+    }
+
+    fn close(&mut self) -> BoxFuture<'_, Result<(), EnvError>> {
+        Box::pin(async move {
+            let Some(id) = self.env_id.take() else {
+                return Ok(());
+            };
+            let path = format!("/v1/envs/{id}");
+            self.json::<(), serde_json::Value>(Method::DELETE, &path, None)
+                .await
+                .map(|_| ())
+        })
+    }
+}
+
+/// Makes a [`RemoteEnv`] of one task per rollout.
+#[derive(Debug, Clone)]
+pub struct RemoteEnvFactory {
+    base_url: String,
+    task: String,
+    timeout: Duration,
+}
+
+impl RemoteEnvFactory {
+    /// Envs of `task` on the server at `base_url`, each call with `timeout`. The URL is checked
+    /// here, so a typo fails at setup, not at the first rollout.
+    pub fn new(
+        base_url: &str,
+        task: impl Into<String>,
+        timeout: Duration,
+    ) -> Result<Self, EnvError> {
+        HttpClient::new(base_url, timeout)?;
+        Ok(Self {
+            base_url: base_url.to_owned(),
+            task: task.into(),
+            timeout,
+        })
+    }
+}
+
+impl EnvFactory for RemoteEnvFactory {
+    fn make_env(&self, sample: &DataSample) -> Result<Box<dyn MessageEnv>, EnvError> {
+        Ok(Box::new(RemoteEnv::new(
+            &self.base_url,
+            self.task.clone(),
+            sample.clone(),
+            self.timeout,
+        )?))
+    }
+}

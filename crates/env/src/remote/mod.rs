@@ -1,0 +1,85 @@
+//! The remote env protocol: environments served by another process or machine (a code sandbox, a
+//! desktop worker) over JSON/HTTP, so env workers need not live in the trainer's process.
+//!
+//! | call | request body | response |
+//! |---|---|---|
+//! | `GET /v1/health` | — | `{"status": "ok", "envs": <open envs>}` |
+//! | `GET /v1/tasks` | — | `{"tasks": ["arithmetic", …]}` |
+//! | `POST /v1/envs` | `{"task": "<name>", "sample": <DataSample>}` | `201 {"env_id": "e1"}` |
+//! | `POST /v1/envs/{id}/init` | `{}` | [`EnvInit`](crate::EnvInit) |
+//! | `POST /v1/envs/{id}/step` | `{"message": <assistant Message>}` | [`EnvStep`](crate::EnvStep) |
+//! | `DELETE /v1/envs/{id}` | — | `204` |
+//!
+//! Errors answer with a status code and `{"error": {"kind": "<stable kind>", "message": "…"}}`:
+//! 400 `env_bad_input`, 404 `unknown_task` / `unknown_env`, 409 `env_protocol`, 500 `env_panic` /
+//! `env_failed`, 503 `server_full`, 504 `env_timeout`.
+//!
+//! The client ([`RemoteEnv`]) puts a deadline on every call; an unreachable or dead server fails
+//! the rollout with `Error("env_remote")`, and the caller goes on.
+
+mod client;
+mod http;
+mod server;
+
+use serde::{Deserialize, Serialize};
+use sluice_core::{DataSample, Message};
+
+pub use client::{RemoteEnv, RemoteEnvFactory};
+pub use server::{ServerConfig, router, serve};
+
+/// `POST /v1/envs` body.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CreateRequest {
+    /// Registered task whose env to create.
+    pub task: String,
+    /// The sample the episode is about.
+    pub sample: DataSample,
+}
+
+/// `POST /v1/envs` answer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CreateResponse {
+    /// Id to use in the env's other calls.
+    pub env_id: String,
+}
+
+/// `POST /v1/envs/{id}/step` body.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StepRequest {
+    /// The parsed assistant message.
+    pub message: Message,
+}
+
+/// `GET /v1/tasks` answer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TasksResponse {
+    /// Registered task names.
+    pub tasks: Vec<String>,
+}
+
+/// `GET /v1/health` answer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HealthResponse {
+    /// Always `ok` when the server answers.
+    pub status: String,
+    /// Envs currently open.
+    pub envs: usize,
+}
+
+/// Error body of every failed call.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorBody {
+    /// What failed.
+    pub error: ErrorDetail,
+}
+
+/// The `error` object.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorDetail {
+    /// Stable kind ([`crate::EnvError::kind`] or `unknown_env`, `server_full`, `bad_request`).
+    pub kind: String,
+    /// Human-readable cause.
+    pub message: String,
+}
