@@ -245,6 +245,42 @@ const BAD: &[(&str, &[&str], &str, ConfigErrorKind)] = &[
         ConfigErrorKind::Value,
     ),
     (
+        "[trainer]\ngamma = 1.5",
+        &[],
+        "test.toml: trainer.gamma: expected a number in (0, 1], got 1.5",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[trainer]\nloss_aggregation = \"mean\"",
+        &[],
+        "test.toml: trainer.loss_aggregation: expected one of token_mean, sequence_mean, rollout_normalized, got `mean`",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[trainer]\ntis_level = \"turn\"",
+        &[],
+        "test.toml: trainer.tis_level: expected one of token, sequence, got `turn`",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[trainer]\ntis_mode = \"clip\"",
+        &[],
+        "test.toml: trainer.tis_mode: expected one of truncate, mask, got `clip`",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[trainer]\nis_cap = 0",
+        &[],
+        "test.toml: trainer.is_cap: expected a number > 0, got 0",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[trainer]\noversized_text = \"truncate\"",
+        &[],
+        "test.toml: trainer.oversized_text: expected one of split, reject, got `truncate`",
+        ConfigErrorKind::Value,
+    ),
+    (
         "[model]\ndtype = \"f64\"",
         &[],
         "test.toml: model.dtype: expected one of f32, bf16, f16, got `f64`",

@@ -213,6 +213,22 @@ pub struct RawTrainer {
     pub advantage: String,
     /// Divide group advantages by the group's reward std.
     pub normalize_advantage_std: bool,
+    /// Discount of the final reward per turn back from the end of an episode, in (0, 1].
+    pub gamma: f64,
+    /// Train only on the last turn of each rollout.
+    pub only_keep_outcome: bool,
+    /// Situational advantages: pad shorter rollouts into every situation baseline.
+    pub pad_situations: bool,
+    /// `token_mean`, `sequence_mean` or `rollout_normalized`.
+    pub loss_aggregation: String,
+    /// `token` or `sequence` importance weights (`tis`).
+    pub tis_level: String,
+    /// `truncate` or `mask` importance weights above `is_cap`.
+    pub tis_mode: String,
+    /// Importance-weight cap (`tis`, `decoupled_ppo`).
+    pub is_cap: f64,
+    /// `split` or `reject` a training text longer than `max_seq_len`.
+    pub oversized_text: String,
     /// `[trainer.simulated]`: the step-time model of the simulated trainer.
     pub simulated: RawSimTrainer,
 }
@@ -256,6 +272,14 @@ impl Default for RawTrainer {
             max_seq_len: 2048,
             advantage: "group".into(),
             normalize_advantage_std: true,
+            gamma: 1.0,
+            only_keep_outcome: false,
+            pad_situations: false,
+            loss_aggregation: "token_mean".into(),
+            tis_level: "token".into(),
+            tis_mode: "truncate".into(),
+            is_cap: 2.0,
+            oversized_text: "split".into(),
             simulated: RawSimTrainer::default(),
         }
     }

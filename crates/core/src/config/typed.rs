@@ -240,6 +240,48 @@ pub enum AdvantageKind {
     Situational,
 }
 
+/// How per-token losses are averaged over the global batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LossAggregation {
+    /// Every completion token counts the same.
+    TokenMean,
+    /// Every training text counts once.
+    SequenceMean,
+    /// Every rollout counts once, however many texts it has.
+    RolloutNormalized,
+}
+
+/// Granularity of truncated importance weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TisLevel {
+    /// One weight per token.
+    Token,
+    /// One weight per training text (product of its token ratios).
+    Sequence,
+}
+
+/// What happens to an importance weight above the cap.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TisMode {
+    /// Use the cap instead.
+    Truncate,
+    /// Drop the token (or sequence) from the loss.
+    Mask,
+}
+
+/// What happens to a training text longer than `max_seq_len`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OversizedText {
+    /// Cut into row-sized pieces (later pieces lose the context before them).
+    Split,
+    /// Leave it out of the batch (counted).
+    Reject,
+}
+
 /// `[trainer]`
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct TrainerConfig {
@@ -269,6 +311,22 @@ pub struct TrainerConfig {
     pub advantage: AdvantageKind,
     /// Divide by group std.
     pub normalize_advantage_std: bool,
+    /// Per-turn discount of the final reward, in (0, 1].
+    pub gamma: f64,
+    /// Train only on the last turn of each rollout.
+    pub only_keep_outcome: bool,
+    /// Pad shorter rollouts into situation baselines.
+    pub pad_situations: bool,
+    /// Loss aggregation.
+    pub loss_aggregation: LossAggregation,
+    /// Importance-weight granularity.
+    pub tis_level: TisLevel,
+    /// Importance weights above the cap.
+    pub tis_mode: TisMode,
+    /// Importance-weight cap (> 0).
+    pub is_cap: f64,
+    /// Texts longer than `max_seq_len`.
+    pub oversized_text: OversizedText,
     /// `[trainer.simulated]`
     pub simulated: SimTrainerConfig,
 }

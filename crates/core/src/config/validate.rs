@@ -528,6 +528,45 @@ fn validate_trainer(
             ],
         )?,
         normalize_advantage_std: raw.normalize_advantage_std,
+        gamma: number(ctx, "trainer.gamma", raw.gamma, "a number in (0, 1]", |v| {
+            v > 0.0 && v <= 1.0
+        })?,
+        only_keep_outcome: raw.only_keep_outcome,
+        pad_situations: raw.pad_situations,
+        loss_aggregation: choice(
+            ctx,
+            "trainer.loss_aggregation",
+            &raw.loss_aggregation,
+            &[
+                ("token_mean", LossAggregation::TokenMean),
+                ("sequence_mean", LossAggregation::SequenceMean),
+                ("rollout_normalized", LossAggregation::RolloutNormalized),
+            ],
+        )?,
+        tis_level: choice(
+            ctx,
+            "trainer.tis_level",
+            &raw.tis_level,
+            &[("token", TisLevel::Token), ("sequence", TisLevel::Sequence)],
+        )?,
+        tis_mode: choice(
+            ctx,
+            "trainer.tis_mode",
+            &raw.tis_mode,
+            &[("truncate", TisMode::Truncate), ("mask", TisMode::Mask)],
+        )?,
+        is_cap: number(ctx, "trainer.is_cap", raw.is_cap, "a number > 0", |v| {
+            v > 0.0
+        })?,
+        oversized_text: choice(
+            ctx,
+            "trainer.oversized_text",
+            &raw.oversized_text,
+            &[
+                ("split", OversizedText::Split),
+                ("reject", OversizedText::Reject),
+            ],
+        )?,
     })
 }
 
