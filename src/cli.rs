@@ -21,6 +21,8 @@ pub struct Cli {
 pub enum Command {
     /// Validate a config file and print the resolved config as TOML.
     Check(ConfigArgs),
+    /// Serve the built-in tasks' environments over the remote env protocol (JSON over HTTP).
+    EnvServer(EnvServerArgs),
 }
 
 /// A config file plus `--set` overrides.
@@ -35,4 +37,22 @@ pub struct ConfigArgs {
 
 fn parse_override(s: &str) -> Result<Override, String> {
     s.parse()
+}
+
+/// `sluice env-server`
+#[derive(Debug, clap::Args)]
+pub struct EnvServerArgs {
+    /// Address to bind. The protocol has no authentication: bind beyond loopback only on a
+    /// trusted network.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: std::net::IpAddr,
+    /// Port; 0 picks a free one (the bound address is printed).
+    #[arg(long, default_value_t = 8071)]
+    pub port: u16,
+    /// Envs open at once; more are refused with 503 until some close.
+    #[arg(long, default_value_t = 1024)]
+    pub max_envs: usize,
+    /// Deadline of each env call, in seconds.
+    #[arg(long, default_value_t = 30.0)]
+    pub call_timeout_s: f64,
 }

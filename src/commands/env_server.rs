@@ -1,0 +1,86 @@
+//! `sluice env-server`: serves the environments of the built-in tasks over the remote env
+//! protocol (`docs/envs.md`), so env workers can run in another process or on another machine.
+//! Runs until SIGINT or SIGTERM, then stops accepting and exits 0.
+
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use sluice_env::TaskRegistry;
+use sluice_env::remote::{ServerConfig, serve};
+
+use crate::cli::EnvServerArgs;
+
+/// Runs the server.
+pub fn run(args: &EnvServerArgs) -> anyhow::Result<ExitCode> {
+    let call_timeout = Duration::try_from_secs_f64(args.call_timeout_s)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .with_context(|| {
+            format!(
+                "--call-timeout-s: expected a number of seconds > 0, got {}",
+                args.call_timeout_s
+            )
+        })?;
+    if args.max_envs == 0 {
+        bail!("--max-envs: expected an integer ≥ 1, got 0");
+    }
+    if !args.host.is_loopback() {
+        tracing::warn!(host = %args.host, "env server bound beyond loopback; the protocol has no authentication");
+    }
+    let config = ServerConfig {
+        max_envs: args.max_envs,
+        call_timeout,
+    };
+    // Env calls are light (parsing, tiny simulations); two workers keep a 2-core machine usable.
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    runtime.block_on(async {
+        let listener = tokio::net::TcpListener::bind((args.host, args.port))
+            .await
+            .with_context(|| format!("cannot bind {}:{}", args.host, args.port))?;
+        let addr = listener.local_addr()?;
+        let registry = Arc::new(TaskRegistry::builtin());
+        println!(
+            "sluice env-server listening on http://{addr} (tasks: {})",
+            registry.names().join(", ")
+        );
+        serve(listener, registry, config, shutdown_signal())
+            .await
+            .context("env server failed")?;
+        tracing::info!("env server stopped");
+        Ok(ExitCode::SUCCESS)
+    })
+}
+
+/// Resolves at the first SIGINT or SIGTERM.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        if let Err(e) = tokio::signal::ctrl_c().await {
+            tracing::warn!(error = %e, "cannot listen for SIGINT");
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot listen for SIGTERM");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    #[cfg(not(unix))]
+    let terminate = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {},
+        () = terminate => {},
+    }
+}
