@@ -33,7 +33,10 @@ fn assert_known(file: &str) -> usize {
                     .filter(|b| metrics::find(b).is_some_and(|m| m.kind == MetricKind::Histogram))
             })
             .unwrap_or(r);
-        assert!(metrics::find(base).is_some(), "{file} uses {r}, which the catalog lacks");
+        assert!(
+            metrics::find(base).is_some(),
+            "{file} uses {r}, which the catalog lacks"
+        );
     }
     refs.len()
 }
