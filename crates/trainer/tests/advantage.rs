@@ -1,0 +1,190 @@
+//! Advantage modes on hand-computed groups: GRPO with and without std, discounting, outcome-only,
+//! situations with and without padding, zero-advantage filtering.
+
+mod common;
+
+use common::{close, group, single_turn_group, turn};
+use sluice_core::RolloutStatus;
+use sluice_core::config::AdvantageKind;
+use sluice_trainer::advantage::{AdvantageConfig, compute_advantages, discounted, mean_std};
+
+fn config(kind: AdvantageKind, normalize_std: bool) -> AdvantageConfig {
+    AdvantageConfig {
+        kind,
+        normalize_std,
+        ..AdvantageConfig::default()
+    }
+}
+
+fn advantages(batch: &sluice_trainer::AdvantageBatch<'_>) -> Vec<f64> {
+    batch.texts.iter().map(|t| f64::from(t.advantage)).collect()
+}
+
+#[test]
+fn gamma_discounts_the_final_reward_back_over_the_steps() {
+    let d = discounted(1.0, 3, 0.9);
+    for (got, want) in d.iter().zip([0.81, 0.9, 1.0]) {
+        close(*got, want, 1e-12, "gamma = 0.9");
+    }
+    assert_eq!(discounted(2.0, 1, 0.5), [2.0]);
+    assert!(discounted(1.0, 0, 0.9).is_empty());
+}
+
+#[test]
+fn group_advantage_is_reward_minus_mean_optionally_over_std() {
+    let groups = [single_turn_group(1, &[1.0, 0.0, 0.0, 1.0])];
+    let plain = compute_advantages(&groups, &config(AdvantageKind::Group, false));
+    assert_eq!(advantages(&plain), [0.5, -0.5, -0.5, 0.5]);
+    let scaled = compute_advantages(&groups, &config(AdvantageKind::Group, true));
+    // mean 0.5, population std 0.5 → ±1 (up to the epsilon).
+    for (a, want) in advantages(&scaled).iter().zip([1.0, -1.0, -1.0, 1.0]) {
+        close(*a, want, 1e-5, "normalized");
+    }
+    assert_eq!(mean_std(&[1.0, 0.0, 0.0, 1.0]), (0.5, 0.5));
+}
+
+#[test]
+fn multi_turn_rollouts_are_discounted_and_outcome_only_keeps_the_last_turn() {
+    let three = vec![
+        turn(&[1], &[2], -1.0, 0, None),
+        turn(&[1, 2, 3], &[4], -1.0, 0, None),
+        turn(&[1, 2, 3, 4, 5], &[6], -1.0, 0, None),
+    ];
+    let one = vec![turn(&[1], &[9], -1.0, 0, None)];
+    let groups = [group(1, &[1.0, 0.0], vec![three, one])];
+    let mut c = config(AdvantageKind::Group, false);
+    c.gamma = 0.9;
+    let batch = compute_advantages(&groups, &c);
+    let want = [0.81 * 0.5, 0.9 * 0.5, 0.5, -0.5];
+    for (a, w) in advantages(&batch).iter().zip(want) {
+        close(*a, w, 1e-6, "discounted group advantage");
+    }
+    assert_eq!(
+        batch
+            .texts
+            .iter()
+            .map(|t| (t.rollout, t.turn))
+            .collect::<Vec<_>>(),
+        [(0, 0), (0, 1), (0, 2), (1, 0)]
+    );
+    c.only_keep_outcome = true;
+    let outcome = compute_advantages(&groups, &c);
+    assert_eq!(
+        outcome
+            .texts
+            .iter()
+            .map(|t| (t.rollout, t.turn))
+            .collect::<Vec<_>>(),
+        [(0, 2), (1, 0)]
+    );
+    assert_eq!(advantages(&outcome), [0.5, -0.5]);
+}
+
+#[test]
+fn zero_advantage_groups_are_filtered_and_an_all_zero_batch_is_empty() {
+    let groups = [
+        single_turn_group(1, &[1.0, 1.0, 1.0]),
+        single_turn_group(2, &[0.0, 1.0]),
+    ];
+    let c = config(AdvantageKind::Group, true);
+    let batch = compute_advantages(&groups, &c);
+    assert_eq!((batch.groups_kept, batch.groups_filtered), (1, 1));
+    assert!(batch.texts.iter().all(|t| t.group == 1));
+    let only_uniform = compute_advantages(&groups[..1], &c);
+    assert!(
+        only_uniform.is_empty(),
+        "nothing to train on: skip, publish nothing"
+    );
+    let keep = AdvantageConfig {
+        filter_zero_advantage: false,
+        ..c
+    };
+    let kept = compute_advantages(&groups[..1], &keep);
+    assert_eq!(kept.texts.len(), 3);
+    assert!(kept.texts.iter().all(|t| t.advantage == 0.0));
+}
+
+#[test]
+fn failed_rollouts_and_empty_turns_take_no_part() {
+    let mut g = single_turn_group(1, &[1.0, 0.0, 5.0]);
+    g.rollouts[2].status = RolloutStatus::Error("env_panic".into());
+    g.rollouts[0].turns.push(turn(&[1], &[], 0.0, 0, None));
+    let groups = [g];
+    let batch = compute_advantages(&groups, &config(AdvantageKind::Group, false));
+    // The failed rollout's reward 5 is not in the baseline: mean of {1, 0}.
+    assert_eq!(advantages(&batch), [0.5, -0.5]);
+    assert_eq!(batch.texts.len(), 2, "the empty turn makes no text");
+}
+
+#[test]
+fn situational_baseline_is_per_situation_within_the_group() {
+    // Rollout 0 (reward 1): situations a, b. Rollout 1 (reward 0): a. Rollout 2 (reward 0.5): a, b.
+    let turns = vec![
+        vec![
+            turn(&[1], &[2], -1.0, 0, Some("a")),
+            turn(&[1, 2], &[3], -1.0, 0, Some("b")),
+        ],
+        vec![turn(&[1], &[4], -1.0, 0, Some("a"))],
+        vec![
+            turn(&[1], &[5], -1.0, 0, Some("a")),
+            turn(&[1, 5], &[6], -1.0, 0, Some("b")),
+        ],
+    ];
+    let groups = [group(1, &[1.0, 0.0, 0.5], turns)];
+    let batch = compute_advantages(&groups, &config(AdvantageKind::Situational, false));
+    let by_text: Vec<(usize, usize, f64)> = batch
+        .texts
+        .iter()
+        .map(|t| (t.rollout, t.turn, f64::from(t.advantage)))
+        .collect();
+    // a: {1, 0, 0.5}, mean 0.5. b: {1, 0.5}, mean 0.75.
+    assert_eq!(
+        by_text,
+        [
+            (0, 0, 0.5),
+            (0, 1, 0.25),
+            (1, 0, -0.5),
+            (2, 0, 0.0),
+            (2, 1, -0.25)
+        ]
+    );
+}
+
+#[test]
+fn situation_padding_holds_missing_rows_at_the_rollout_reward() {
+    // Rollout 0 (reward 1) visits situation `s` twice; rollout 1 (reward 0) once; rollout 2
+    // (reward 0) never (it has one text in `t`).
+    let turns = vec![
+        vec![
+            turn(&[1], &[2], -1.0, 0, Some("s")),
+            turn(&[1], &[3], -1.0, 0, Some("s")),
+        ],
+        vec![turn(&[1], &[4], -1.0, 0, Some("s"))],
+        vec![turn(&[1], &[5], -1.0, 0, Some("t"))],
+    ];
+    let groups = [group(1, &[1.0, 0.0, 0.0], turns)];
+    let mut c = config(AdvantageKind::Situational, false);
+    let unpadded = compute_advantages(&groups, &c);
+    // s: {1, 1, 0} mean 2/3; t: {0} mean 0.
+    let want = [1.0 / 3.0, 1.0 / 3.0, -2.0 / 3.0, 0.0];
+    for (a, w) in advantages(&unpadded).iter().zip(want) {
+        close(*a, w, 1e-6, "unpadded");
+    }
+    c.pad_situations = true;
+    let padded = compute_advantages(&groups, &c);
+    // s padded to 2 rows each: {1, 1} ∪ {0, 0 (pad)} ∪ {0 (pad), 0 (pad)} → mean 1/3.
+    // t padded to 1 row each: {0} ∪ {1 (pad)} ∪ {0 (pad)} → mean 1/3.
+    let want = [2.0 / 3.0, 2.0 / 3.0, -1.0 / 3.0, -1.0 / 3.0];
+    for (a, w) in advantages(&padded).iter().zip(want) {
+        close(*a, w, 1e-6, "padded");
+    }
+    assert_eq!(padded.texts.len(), 4, "pad rows shape the baseline only");
+}
+
+#[test]
+fn without_labels_situational_equals_group() {
+    let groups = [single_turn_group(1, &[0.2, 0.9, 0.4])];
+    let g = compute_advantages(&groups, &config(AdvantageKind::Group, true));
+    let s = compute_advantages(&groups, &config(AdvantageKind::Situational, true));
+    assert_eq!(advantages(&g), advantages(&s));
+}
