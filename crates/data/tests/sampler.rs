@@ -277,3 +277,35 @@ fn empty_mix_follows_row_counts() {
     let r = s.mix_report(&BTreeMap::new());
     assert!((r[1].target - 500.0 / 570.0).abs() < 1e-12);
 }
+
+#[test]
+fn live_domain_mix_knob_steers_the_next_draws() {
+    use sluice_core::{KnobPatch, Knobs, KnobsHandle, WeightUpdateMode};
+    let knobs = Knobs {
+        staleness_threshold: 0.0,
+        max_version_lag: 1,
+        enable_partial_rollout: true,
+        tail_batch_candidate_steps: 0,
+        tail_batch_trigger_size: 1,
+        weight_update_mode: WeightUpdateMode::AbortResume,
+        domain_mix: mix(),
+        max_concurrent_rollouts: 8,
+        paused: false,
+    };
+    let domains = vec!["math".to_owned(), "code".to_owned(), "tools".to_owned()];
+    let handle = KnobsHandle::new(knobs, 1, domains).unwrap();
+    let mut s = DomainSampler::new(SamplerConfig::new(4), three_domains()).unwrap();
+    let count = |s: &mut DomainSampler, d: &str| {
+        (0..300)
+            .filter(|_| s.next_from_knobs(&handle).unwrap().domain == d)
+            .count()
+    };
+    assert!(count(&mut s, "tools") > 50, "tools is 30 % of the mix");
+    let patch = KnobPatch::from_assignments(&["domain_mix.tools=0"]).unwrap();
+    handle.update(&patch).unwrap();
+    assert_eq!(
+        count(&mut s, "tools"),
+        0,
+        "a domain turned off is no longer drawn"
+    );
+}

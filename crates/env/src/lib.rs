@@ -8,6 +8,7 @@
 //! | [`rubric`] | [`Rubric`]: weighted reward functions, truncation/error overrides, concurrent group scoring |
 //! | [`task`] | [`Task`] = datasets + env + rubric + system prompt; [`TaskRegistry`] |
 //! | [`tasks`] | built-in tasks: `arithmetic`, `sum_digits`, `calculator_tool`, `episodic` |
+//! | [`datasets`] | `[data] datasets` → rows: JSONL under `data_dir`, or a built-in task's generator |
 //! | [`discount`] | episode-aware discounting of outcome rewards (seed 001) |
 //! | [`stats`] | running outcome EMA and balance fractions (seed 001) |
 //! | [`episode`] | a minimal driver: one episode from a [`Generate`] implementation into a `Rollout` |
@@ -18,6 +19,7 @@
 //! A panicking, failing or hanging env or reward function fails its rollout (`Error(kind)` or
 //! `Timeout`), never the caller.
 
+pub mod datasets;
 pub mod discount;
 pub mod episode;
 pub mod error;

@@ -138,7 +138,7 @@ impl Task {
     }
 
     /// A token env for one rollout of `sample`. The system prompt is the sample's, else the
-    /// task's.
+    /// task's; env call durations are recorded under the sample's domain.
     pub fn token_env(
         &self,
         sample: &DataSample,

@@ -19,6 +19,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
+use sluice_core::metrics::ENV_STEP_SECONDS;
 use sluice_core::{Message, RolloutStatus, RolloutTurn, ToolSpec};
 use tokio::sync::Mutex;
 
@@ -129,6 +130,8 @@ pub struct TokenEnv {
     status: RolloutStatus,
     started: bool,
     closed: bool,
+    /// `domain` label of `sluice_env_step_seconds`; no timing is recorded without one.
+    metrics_domain: Option<String>,
 }
 
 impl std::fmt::Debug for TokenEnv {
@@ -162,6 +165,20 @@ impl TokenEnv {
             status: RolloutStatus::Ongoing,
             started: false,
             closed: false,
+            metrics_domain: None,
+        }
+    }
+
+    /// Records the duration of every `init` and `step` in `sluice_env_step_seconds{domain}`.
+    pub fn with_metrics_domain(mut self, domain: impl Into<String>) -> Self {
+        self.metrics_domain = Some(domain.into());
+        self
+    }
+
+    fn observe(&self, started: std::time::Instant) {
+        if let Some(domain) = &self.metrics_domain {
+            metrics::histogram!(ENV_STEP_SECONDS, "domain" => domain.clone())
+                .record(started.elapsed().as_secs_f64());
         }
     }
 
@@ -224,10 +241,12 @@ impl TokenEnv {
         }
         self.started = true;
         let env = self.env.clone();
+        let t0 = std::time::Instant::now();
         let init = run_guarded("init", self.limits.call_timeout, async move {
             env.lock().await.init().await
         })
         .await;
+        self.observe(t0);
         let EnvInit { messages, tools } = match init {
             Ok(init) => init,
             Err(e) => return self.fail(&e),
@@ -274,10 +293,12 @@ impl TokenEnv {
             return outcome;
         }
         let env = self.env.clone();
+        let t0 = std::time::Instant::now();
         let step = run_guarded("step", self.limits.call_timeout, async move {
             env.lock().await.step(assistant).await
         })
         .await;
+        self.observe(t0);
         let EnvStep {
             messages,
             reward,

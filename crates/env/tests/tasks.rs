@@ -185,3 +185,41 @@ async fn episodic_discounts_the_outcome_backwards() {
     );
     assert_eq!(r.reward, 0.0);
 }
+
+#[test]
+fn configured_datasets_come_from_files_or_generators() {
+    use sluice_core::config::{BadLinePolicy, DataConfig};
+    use sluice_env::datasets::{GeneratedRows, load_datasets};
+    let dir = std::env::temp_dir().join(format!("sluice-env-ds-{}", std::process::id()));
+    std::fs::create_dir_all(dir.join("code")).unwrap();
+    std::fs::write(
+        dir.join("code/snippets.jsonl"),
+        "{\"input\": 1}\n{\"input\": 2}\n",
+    )
+    .unwrap();
+    let data = DataConfig {
+        datasets: vec![
+            "math::arithmetic@train".parse().unwrap(),
+            "math::arithmetic@eval".parse().unwrap(),
+            "code::snippets".parse().unwrap(),
+        ],
+        data_dir: dir.clone(),
+        on_bad_line: BadLinePolicy::Fail,
+    };
+    let rows = GeneratedRows {
+        seed: 3,
+        train: 40,
+        eval: 7,
+    };
+    let sets = load_datasets(&data, &registry(), rows).unwrap();
+    assert_eq!(sets.iter().map(|d| d.len()).collect::<Vec<_>>(), [40, 7, 2]);
+    assert_eq!(sets[2].samples()[1].input, serde_json::json!(2));
+
+    let missing = DataConfig {
+        datasets: vec!["code::nowhere".parse().unwrap()],
+        ..data
+    };
+    let err = load_datasets(&missing, &registry(), rows).unwrap_err();
+    assert!(err.to_string().contains("nowhere.jsonl"), "{err}");
+    std::fs::remove_dir_all(dir).unwrap();
+}
