@@ -55,4 +55,8 @@ pub struct EnvServerArgs {
     /// Deadline of each env call, in seconds.
     #[arg(long, default_value_t = 30.0)]
     pub call_timeout_s: f64,
+    /// Envs unused for this many seconds are dropped when a new env is created (clients that
+    /// died without closing); must exceed the call timeout.
+    #[arg(long, default_value_t = 600.0)]
+    pub idle_timeout_s: f64,
 }

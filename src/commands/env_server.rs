@@ -23,6 +23,15 @@ pub fn run(args: &EnvServerArgs) -> anyhow::Result<ExitCode> {
                 args.call_timeout_s
             )
         })?;
+    let idle_timeout = Duration::try_from_secs_f64(args.idle_timeout_s)
+        .ok()
+        .filter(|d| *d > call_timeout)
+        .with_context(|| {
+            format!(
+                "--idle-timeout-s: expected more seconds than --call-timeout-s ({}), got {}",
+                args.call_timeout_s, args.idle_timeout_s
+            )
+        })?;
     if args.max_envs == 0 {
         bail!("--max-envs: expected an integer ≥ 1, got 0");
     }
@@ -32,6 +41,7 @@ pub fn run(args: &EnvServerArgs) -> anyhow::Result<ExitCode> {
     let config = ServerConfig {
         max_envs: args.max_envs,
         call_timeout,
+        idle_timeout,
     };
     // Env calls are light (parsing, tiny simulations); two workers keep a 2-core machine usable.
     let runtime = tokio::runtime::Builder::new_multi_thread()

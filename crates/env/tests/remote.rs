@@ -69,13 +69,18 @@ struct Server {
 
 impl Server {
     async fn start() -> Self {
+        Self::start_with(ServerConfig {
+            max_envs: 4,
+            call_timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(600),
+        })
+        .await
+    }
+
+    async fn start_with(config: ServerConfig) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
         let (tx, rx) = oneshot::channel();
-        let config = ServerConfig {
-            max_envs: 4,
-            call_timeout: Duration::from_secs(10),
-        };
         let handle = tokio::spawn(serve(
             listener,
             Arc::new(server_registry()),
@@ -252,4 +257,39 @@ async fn a_dead_server_fails_its_rollouts_and_callers_continue() {
         .collect();
     assert_eq!(situations, ["invalid", "out_of_steps"]);
     second.kill().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn open_envs_are_capped_and_idle_ones_dropped() {
+    let mut server = Server::start_with(ServerConfig {
+        max_envs: 2,
+        call_timeout: Duration::from_secs(5),
+        idle_timeout: Duration::from_millis(300),
+    })
+    .await;
+    let factory = server.remote("arithmetic", Duration::from_secs(5));
+    let input = sluice_env::tasks::arithmetic::problem_input(2, '+', 2);
+    let mut open = Vec::new();
+    for _ in 0..2 {
+        let mut env = sluice_env::EnvFactory::make_env(&factory, &sample(input.clone())).unwrap();
+        env.init().await.unwrap();
+        open.push(env); // never closed: a client that died
+    }
+    let mut third = sluice_env::EnvFactory::make_env(&factory, &sample(input.clone())).unwrap();
+    let err = third.init().await.unwrap_err();
+    assert_eq!(err.kind(), "env_remote");
+    assert!(
+        err.to_string().contains("server_full") || err.to_string().contains("503"),
+        "{err}"
+    );
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let mut fourth = sluice_env::EnvFactory::make_env(&factory, &sample(input)).unwrap();
+    fourth.init().await.unwrap();
+    let health = http_get(&server.url, "/v1/health").await;
+    assert!(
+        health.contains("\"envs\":1"),
+        "idle envs were dropped: {health}"
+    );
+    fourth.close().await.unwrap();
+    server.kill().await;
 }

@@ -1,12 +1,13 @@
 //! The env server: hosts envs of registered tasks behind the remote protocol (see the module
 //! docs of [`crate::remote`]). Env calls run guarded (own task, deadline), so a panicking or
-//! hanging env answers 500 / 504 and the server keeps serving. Open envs are capped.
+//! hanging env answers 500 / 504 and the server keeps serving. Open envs are capped, and envs
+//! left idle (a client that died without closing) are dropped after `idle_timeout`.
 
 use std::collections::HashMap;
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
@@ -31,6 +32,9 @@ pub struct ServerConfig {
     pub max_envs: usize,
     /// Deadline of each env call on the server side.
     pub call_timeout: Duration,
+    /// An env unused for this long is dropped (without `close`) when the next env is created, so
+    /// clients that died without closing do not leak envs until the cap.
+    pub idle_timeout: Duration,
 }
 
 impl Default for ServerConfig {
@@ -38,32 +42,50 @@ impl Default for ServerConfig {
         Self {
             max_envs: 1024,
             call_timeout: Duration::from_secs(30),
+            idle_timeout: Duration::from_secs(600),
         }
     }
 }
 
 type SharedEnv = Arc<tokio::sync::Mutex<Box<dyn MessageEnv>>>;
 
+struct Slot {
+    env: SharedEnv,
+    last_used: Instant,
+}
+
 struct ServerState {
     registry: Arc<TaskRegistry>,
     config: ServerConfig,
-    envs: Mutex<HashMap<String, SharedEnv>>,
+    envs: Mutex<HashMap<String, Slot>>,
     next_id: AtomicU64,
 }
 
 impl ServerState {
-    fn envs(&self) -> std::sync::MutexGuard<'_, HashMap<String, SharedEnv>> {
+    fn envs(&self) -> std::sync::MutexGuard<'_, HashMap<String, Slot>> {
         // A poisoned map only means a handler panicked between two statements; the map itself
         // is still consistent (every mutation is a single insert/remove).
         self.envs.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     fn env(&self, id: &str) -> Result<SharedEnv, ApiError> {
-        self.envs().get(id).cloned().ok_or_else(|| ApiError {
+        let mut envs = self.envs();
+        let slot = envs.get_mut(id).ok_or_else(|| ApiError {
             status: StatusCode::NOT_FOUND,
             kind: "unknown_env".into(),
             message: format!("no open env `{id}`"),
-        })
+        })?;
+        slot.last_used = Instant::now();
+        Ok(slot.env.clone())
+    }
+
+    /// Drops envs idle past the timeout; returns how many.
+    fn evict_idle(&self) -> usize {
+        let idle = self.config.idle_timeout;
+        let mut envs = self.envs();
+        let before = envs.len();
+        envs.retain(|_, slot| slot.last_used.elapsed() < idle);
+        before - envs.len()
     }
 }
 
@@ -152,6 +174,10 @@ async fn create(
     Json(req): Json<CreateRequest>,
 ) -> Result<(StatusCode, Json<CreateResponse>), ApiError> {
     let task = s.registry.get(&req.task)?;
+    let evicted = s.evict_idle();
+    if evicted > 0 {
+        tracing::info!(evicted, "dropped idle envs");
+    }
     if s.envs().len() >= s.config.max_envs {
         return Err(ApiError {
             status: StatusCode::SERVICE_UNAVAILABLE,
@@ -161,8 +187,11 @@ async fn create(
     }
     let env = task.make_env(&req.sample)?;
     let id = format!("e{}", s.next_id.fetch_add(1, Ordering::Relaxed));
-    s.envs()
-        .insert(id.clone(), Arc::new(tokio::sync::Mutex::new(env)));
+    let slot = Slot {
+        env: Arc::new(tokio::sync::Mutex::new(env)),
+        last_used: Instant::now(),
+    };
+    s.envs().insert(id.clone(), slot);
     Ok((StatusCode::CREATED, Json(CreateResponse { env_id: id })))
 }
 
@@ -189,11 +218,12 @@ async fn step(
 }
 
 async fn close(State(s): Shared, Path(id): Path<String>) -> Result<StatusCode, ApiError> {
-    let env = s.envs().remove(&id).ok_or_else(|| ApiError {
+    let slot = s.envs().remove(&id).ok_or_else(|| ApiError {
         status: StatusCode::NOT_FOUND,
         kind: "unknown_env".into(),
         message: format!("no open env `{id}`"),
     })?;
+    let env = slot.env;
     run_guarded("close", s.config.call_timeout, async move {
         env.lock().await.close().await
     })
