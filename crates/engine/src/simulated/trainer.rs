@@ -30,6 +30,12 @@ impl SimTrainer {
         }
     }
 
+    /// The same trainer, continuing from `version` (a restarted run).
+    pub fn with_version(mut self, version: PolicyVersion) -> Self {
+        self.version = version;
+        self
+    }
+
     /// Simulated seconds one step on `tokens` tokens takes.
     pub fn step_seconds(&self, tokens: u64) -> f64 {
         self.step_base_seconds + self.step_seconds_per_token * tokens as f64

@@ -1,0 +1,68 @@
+//! The actors of a Sluice node (`DESIGN.md` §3), one file each, each behind a typed handle that
+//! hides its `ActorRef` and reply ports.
+//!
+//! | module | actor / part | role |
+//! |---|---|---|
+//! | [`sampler`] | DatasetSampler | hands data samples to the controller on request (credits) |
+//! | [`controller`] | RolloutController | admission, over-sending, resume priority, tail batch |
+//! | [`engine`] | InferenceEngine | drives [`sluice_engine::InferenceBackend`] replicas, routes resumes |
+//! | [`env_worker`] | EnvWorker pool | environment steps and rewards |
+//! | [`replay`] | ReplayStore | the bucket state machine on a dedicated thread, persisted |
+//! | [`trainer`] | Trainer | pulls batches, trains on a dedicated thread, publishes weights |
+//! | [`node`] | NodeSupervisor | builds and supervises the pipeline, serves admin API and metrics |
+//! | [`admin`] | admin HTTP API | `GET/PATCH /v1/knobs`, `GET /v1/status`, `GET /metrics` |
+//! | [`telemetry`] | metrics | exporter install, periodic gauges and upkeep |
+//!
+//! Flow control: ractor mailboxes are unbounded, so every producer is bounded by the controller's
+//! admission and in-flight target: the engine never holds more requests than rollouts in flight,
+//! the env pool never more steps, the sampler never more samples than the controller asked for.
+
+pub mod admin;
+pub mod controller;
+pub mod engine;
+pub mod env_worker;
+pub mod node;
+pub mod replay;
+pub mod sampler;
+pub mod telemetry;
+pub mod trainer;
+
+use std::sync::Arc;
+
+pub use node::{Node, NodeOptions, NodeStatus};
+
+/// A callback into another actor's mailbox: calling it casts a message and never blocks.
+pub type Sink<T> = Arc<dyn Fn(T) + Send + Sync>;
+
+/// An actor could not be reached or started.
+#[derive(Debug, thiserror::Error)]
+pub enum ActorError {
+    /// The actor is gone (stopped or crashed).
+    #[error("actor `{actor}` is not running")]
+    Gone {
+        /// Which actor.
+        actor: &'static str,
+    },
+    /// Spawning failed.
+    #[error("cannot start actor `{actor}`: {message}")]
+    Spawn {
+        /// Which actor.
+        actor: &'static str,
+        /// Why.
+        message: String,
+    },
+    /// Setting the node up failed (replay database, listeners, config).
+    #[error("node setup: {0}")]
+    Setup(String),
+}
+
+impl ActorError {
+    /// Short stable name, used as a metric label.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Gone { .. } => "actor_gone",
+            Self::Spawn { .. } => "actor_spawn",
+            Self::Setup(_) => "node_setup",
+        }
+    }
+}

@@ -1,0 +1,404 @@
+//! The NodeSupervisor: builds a node's pipeline from a [`Config`], supervises it, serves the admin
+//! API and `/metrics`, and shuts it down in order.
+//!
+//! Restart policy, per actor (ractor's default would stop everything on any child exit):
+//!
+//! | actor | on failure |
+//! |---|---|
+//! | engine replica | restarted by the engine actor; its requests return aborted with their last partial |
+//! | env worker | a panicking env fails that rollout (`Error("env_panic")`); the worker lives on |
+//! | sampler, controller, replay, trainer | the node stops with an error; restarting the process recovers from the replay store |
+//!
+//! The last row is deliberate: those actors hold the run's accounting, and the replay store on
+//! disk is the one place it survives. [`Node::failure`] reports which actor ended unexpectedly.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use sluice_core::config::{Config, ExpiredPolicy};
+use sluice_core::{Knobs, KnobsHandle, NodeId, RunId, TrainerBackend};
+use sluice_engine::simulated::{SimEngineParams, SimTask};
+use sluice_engine::{EngineStats, InferenceBackend, SamplingParams, SimEngine, SimTrainer};
+use sluice_replay::StoreSnapshot;
+
+use crate::admin::{self, AdminState, Server};
+use crate::controller::{ControllerConfig, ControllerHandle, ControllerStatus, Peers};
+use crate::engine::{BackendFactory, EngineHandle};
+use crate::env_worker::{EnvPoolHandle, RolloutEnv};
+use crate::replay::{ReplayHandle, ReplayOptions, ReplayStatus};
+use crate::sampler::{SampleSource, SamplerHandle, SimSource};
+use crate::trainer::{TrainerHandle, TrainerOptions, TrainerStatus};
+use crate::{ActorError, telemetry};
+
+/// What a node is built with beyond the config. `Default` gives the simulated pipeline.
+pub struct NodeOptions {
+    /// Replay database directory; `None` keeps the store in memory.
+    pub replay_dir: Option<PathBuf>,
+    /// Serve the admin API on `admin.listen`.
+    pub serve_admin: bool,
+    /// Install the Prometheus recorder and serve `/metrics` on `metrics.listen` (when enabled).
+    pub serve_metrics: bool,
+    /// Record trained group ids (tests).
+    pub track_ids: bool,
+    /// Environment workers.
+    pub env_workers: usize,
+    /// Inference backends (default: the simulated engine from `[engine.simulated]`).
+    pub backend: Option<BackendFactory>,
+    /// Trainer backend (default: the simulated trainer from `[trainer.simulated]`).
+    pub trainer: Option<Box<dyn TrainerBackend>>,
+    /// Sample source (default: synthetic samples over the configured domains).
+    pub source: Option<Box<dyn SampleSource>>,
+    /// Environment (default: the simulated task).
+    pub env: Option<Arc<dyn RolloutEnv>>,
+}
+
+impl Default for NodeOptions {
+    fn default() -> Self {
+        Self {
+            replay_dir: None,
+            serve_admin: false,
+            serve_metrics: false,
+            track_ids: false,
+            env_workers: 2,
+            backend: None,
+            trainer: None,
+            source: None,
+            env: None,
+        }
+    }
+}
+
+/// Everything `/v1/status` shows.
+#[derive(Debug, Clone, Serialize)]
+pub struct NodeStatus {
+    /// Seconds since the node started.
+    pub uptime_seconds: f64,
+    /// Live knobs.
+    pub knobs: Knobs,
+    /// Controller view.
+    pub controller: ControllerStatus,
+    /// Trainer view.
+    pub trainer: TrainerStatus,
+    /// Replay buckets and counters.
+    pub replay: StoreSnapshot,
+    /// Engine replicas.
+    pub engines: Vec<EngineStats>,
+}
+
+impl NodeStatus {
+    /// Busy fraction of the engine replicas since start (mean over replicas).
+    pub fn engine_busy_ratio(&self) -> f64 {
+        let n = self.engines.len().max(1) as f64;
+        self.engines
+            .iter()
+            .map(|e| {
+                if e.uptime_seconds > 0.0 {
+                    e.busy_seconds / e.uptime_seconds
+                } else {
+                    0.0
+                }
+            })
+            .sum::<f64>()
+            / n
+    }
+}
+
+/// Cheap clones of the node's handles (what the admin API needs).
+#[derive(Clone)]
+pub struct NodeHandles {
+    /// Live knobs.
+    pub knobs: KnobsHandle,
+    /// Controller.
+    pub controller: ControllerHandle,
+    /// Engine.
+    pub engine: EngineHandle,
+    /// Replay store.
+    pub replay: ReplayHandle,
+    /// Trainer.
+    pub trainer: TrainerHandle,
+    started: Instant,
+}
+
+impl NodeHandles {
+    /// Gathers every actor's view.
+    pub async fn status(&self) -> Result<NodeStatus, ActorError> {
+        let ReplayStatus { store, .. } = self.replay.status().await?;
+        Ok(NodeStatus {
+            uptime_seconds: self.started.elapsed().as_secs_f64(),
+            knobs: self.knobs.current(),
+            controller: self.controller.status().await?,
+            trainer: self.trainer.status(),
+            replay: store,
+            engines: self.engine.stats().await?,
+        })
+    }
+}
+
+/// A running node.
+pub struct Node {
+    /// Handles to every actor.
+    pub handles: NodeHandles,
+    sampler: SamplerHandle,
+    env: EnvPoolHandle,
+    joins: Vec<(&'static str, tokio::task::JoinHandle<()>)>,
+    admin: Option<Server>,
+    metrics: Option<Server>,
+    telemetry: Option<tokio::task::JoinHandle<()>>,
+}
+
+fn sim_backend(config: &Config) -> BackendFactory {
+    let sim = config.engine.simulated.clone();
+    let cap = config.engine.max_running_sequences.get();
+    Arc::new(move |replica, version, sink| {
+        let params = SimEngineParams {
+            replica,
+            max_running_sequences: cap,
+            sim: sim.clone(),
+        };
+        Box::new(SimEngine::start(params, version, sink)) as Box<dyn InferenceBackend>
+    })
+}
+
+fn sim_domains(config: &Config) -> Vec<String> {
+    let from_data = config.data.domains();
+    if !from_data.is_empty() {
+        return from_data;
+    }
+    config
+        .engine
+        .simulated
+        .lengths
+        .keys()
+        .filter(|k| *k != "default")
+        .cloned()
+        .collect()
+}
+
+impl Node {
+    /// Builds and starts the pipeline. Nothing is generated until every actor is up.
+    pub async fn start(config: &Config, options: NodeOptions) -> Result<Self, ActorError> {
+        let started = Instant::now();
+        let NodeOptions {
+            replay_dir,
+            serve_admin,
+            serve_metrics,
+            track_ids,
+            env_workers,
+            backend,
+            trainer,
+            source,
+            env,
+        } = options;
+        let knobs = KnobsHandle::new(
+            config.rollout.knobs.clone(),
+            config.rollout.groups_per_step.get(),
+            config.data.domains(),
+        )
+        .map_err(|e| ActorError::Setup(format!("rollout knobs: {e}")))?;
+        let prom = if serve_metrics {
+            telemetry::install()
+        } else {
+            None
+        };
+        let b = config.rollout.groups_per_step.get();
+        let sim = &config.engine.simulated;
+        let controller_config = ControllerConfig {
+            run: RunId::from_name(&config.run.name),
+            node: NodeId(0),
+            group_size: config.rollout.group_size.get(),
+            groups_per_step: b,
+            sampling: SamplingParams {
+                temperature: config.rollout.temperature,
+                top_p: config.rollout.top_p,
+                top_k: config.rollout.top_k,
+                max_tokens: config.rollout.max_new_tokens.get(),
+                seed: None,
+                stop_token_ids: Vec::new(),
+            },
+        };
+        let mut joins = Vec::new();
+        let (controller, j) = ControllerHandle::spawn(controller_config, knobs.clone()).await?;
+        joins.push(("controller", j));
+        let replay_options = ReplayOptions {
+            dir: replay_dir,
+            drop_expired: config.replay.expired == ExpiredPolicy::Drop,
+            filter_zero_advantage: config.replay.filter_zero_advantage,
+        };
+        let (replay, recovery, j) =
+            ReplayHandle::spawn(replay_options, controller.replay_sink()).await?;
+        joins.push(("replay", j));
+        let version = recovery.policy_version;
+        let factory = backend.unwrap_or_else(|| sim_backend(config));
+        let (engine, j) = EngineHandle::spawn(
+            config.engine.replicas.get(),
+            version,
+            factory,
+            controller.engine_sink(),
+        )
+        .await?;
+        joins.push(("engine", j));
+        let env_impl: Arc<dyn RolloutEnv> = env.unwrap_or_else(|| {
+            Arc::new(SimTask {
+                prompt_tokens: sim.prompt_tokens.get(),
+                env_reply_tokens: sim.env_reply_tokens,
+                turns: config.rollout.max_turns.get(),
+                seed: sim.seed,
+            })
+        });
+        let (env_pool, env_joins) =
+            EnvPoolHandle::spawn(env_workers, Arc::clone(&env_impl), controller.env_sink()).await?;
+        joins.extend(env_joins.into_iter().map(|j| ("env", j)));
+        let source =
+            source.unwrap_or_else(|| Box::new(SimSource::new(sim_domains(config), sim.seed)));
+        let (sampler, j) =
+            SamplerHandle::spawn(source, knobs.clone(), controller.sample_sink()).await?;
+        joins.push(("sampler", j));
+        let backend = match trainer {
+            Some(t) => t,
+            None if config.trainer.simulated.enabled => Box::new(
+                SimTrainer::new(&config.trainer.simulated, sim.time_scale).with_version(version),
+            ),
+            None => {
+                return Err(ActorError::Setup(
+                    "no trainer backend: set trainer.simulated.enabled = true or pass a trainer"
+                        .into(),
+                ));
+            }
+        };
+        let trainer_options = TrainerOptions {
+            groups_per_step: b as usize,
+            max_steps: config.run.max_steps.get(),
+            track_ids,
+        };
+        let (trainer, j) = TrainerHandle::spawn(
+            backend,
+            replay.clone(),
+            knobs.clone(),
+            controller.publish_sink(),
+            trainer_options,
+        )
+        .await?;
+        joins.push(("trainer", j));
+        controller.connect(Peers {
+            sampler: sampler.clone(),
+            engine: engine.clone(),
+            env: env_pool.clone(),
+            env_impl,
+            replay: replay.clone(),
+            recovery,
+        });
+        let handles = NodeHandles {
+            knobs: knobs.clone(),
+            controller,
+            engine: engine.clone(),
+            replay,
+            trainer,
+            started,
+        };
+        let admin = if serve_admin {
+            let state = AdminState {
+                node: handles.clone(),
+                token: config.admin.token.clone(),
+            };
+            Some(Server::start(config.admin.listen, admin::router(state)).await?)
+        } else {
+            None
+        };
+        let metrics = match (&prom, config.metrics.enabled) {
+            (Some(h), true) => {
+                Some(Server::start(config.metrics.listen, admin::metrics_router(h.clone())).await?)
+            }
+            _ => None,
+        };
+        let telemetry = Some(tokio::spawn(telemetry::run(
+            engine,
+            knobs,
+            prom,
+            Duration::from_millis(250),
+        )));
+        Ok(Self {
+            handles,
+            sampler,
+            env: env_pool,
+            joins,
+            admin,
+            metrics,
+            telemetry,
+        })
+    }
+
+    /// The admin API's bound address.
+    pub fn admin_addr(&self) -> Option<std::net::SocketAddr> {
+        self.admin.as_ref().map(|s| s.addr)
+    }
+
+    /// The metrics endpoint's bound address.
+    pub fn metrics_addr(&self) -> Option<std::net::SocketAddr> {
+        self.metrics.as_ref().map(|s| s.addr)
+    }
+
+    /// Every actor's view.
+    pub async fn status(&self) -> Result<NodeStatus, ActorError> {
+        self.handles.status().await
+    }
+
+    /// The first actor that ended while the node was running, if any.
+    pub fn failure(&self) -> Option<&'static str> {
+        self.joins
+            .iter()
+            .find(|(_, j)| j.is_finished())
+            .map(|(name, _)| *name)
+    }
+
+    /// Polls until the trainer used its step budget, an actor failed, or `timeout` passed.
+    pub async fn wait_done(
+        &self,
+        timeout: Duration,
+        mut progress: impl FnMut(&NodeStatus),
+    ) -> Result<NodeStatus, ActorError> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let status = self.status().await?;
+            progress(&status);
+            if status.trainer.done || status.trainer.error.is_some() {
+                return Ok(status);
+            }
+            if let Some(actor) = self.failure() {
+                return Err(ActorError::Gone { actor });
+            }
+            if Instant::now() > deadline {
+                return Err(ActorError::Setup(format!(
+                    "run did not finish within {timeout:?}"
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Stops everything, upstream first so nothing new is produced: trainer, sampler,
+    /// controller, engine, env workers, then the replay store (which commits what is queued).
+    pub async fn shutdown(mut self) {
+        if let Some(t) = self.telemetry.take() {
+            t.abort();
+            let _ = t.await;
+        }
+        for server in [self.admin.take(), self.metrics.take()]
+            .into_iter()
+            .flatten()
+        {
+            server.shutdown().await;
+        }
+        let h = &self.handles;
+        h.trainer.stop().await;
+        self.sampler.stop().await;
+        h.controller.stop().await;
+        h.engine.stop().await;
+        self.env.stop().await;
+        h.replay.stop().await;
+        for (_, j) in self.joins.drain(..) {
+            let _ = j.await;
+        }
+    }
+}
