@@ -11,7 +11,11 @@
 //! async pipeline.
 
 pub mod advantage;
+pub mod batcher;
 pub mod loss;
+pub mod optim;
 
 pub use advantage::{AdvantageBatch, AdvantageConfig, ScoredText, compute_advantages};
+pub use batcher::{BatcherConfig, MicroBatch, Packing, PackingStats, TrainingText, pack};
 pub use loss::{LossConfig, LossStats, LossSummary, LossTerms, TokenInputs, token_terms};
+pub use optim::{AdamW, GradAccumulator, OptimConfig, OptimError, StepReport};

@@ -1,0 +1,319 @@
+//! The packing batcher: training texts (one per model turn: prompt + completion) packed into
+//! fixed `(B, L)` micro-batches.
+//!
+//! A text of `n` tokens occupies `n − 1` slots: slot `j` holds input token `j` and scores target
+//! token `j + 1`, and the loss mask is on exactly the slots whose target is a completion token.
+//! Every packed piece gets its own segment id in its row and position ids counted from its place
+//! in the text, so attention (same segment, causal) never crosses texts. Behaviour log-probs,
+//! token versions, advantages and aggregation weights travel with each target.
+//!
+//! A text needing more than `L` slots is, per `trainer.oversized_text`, either rejected (counted,
+//! with a warning) or split into row-sized pieces; a later piece then sees only its own tokens as
+//! context, and pieces holding no completion token are left out. Never is a completion silently
+//! cut. All pieces of a text land in the same micro-batch (so sequence-level weights see the
+//! whole text), which bounds a split text to `B` rows.
+//!
+//! Packing is first-fit decreasing over texts (ties in input order): deterministic for a given
+//! input, which exact resumption relies on.
+
+use sluice_core::config::OversizedText;
+
+/// Micro-batch shape and the oversized-text policy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BatcherConfig {
+    /// Rows `B` of a micro-batch.
+    pub rows: usize,
+    /// Slots `L` per row.
+    pub row_len: usize,
+    /// What to do with a text longer than a row.
+    pub oversized: OversizedText,
+    /// Token id written into padding slots.
+    pub pad_id: u32,
+}
+
+/// One training text to pack. Slices `completion`, `behaviour`, `versions` align.
+#[derive(Debug, Clone, Copy)]
+pub struct TrainingText<'a> {
+    /// Prompt token ids.
+    pub prompt: &'a [u32],
+    /// Completion token ids (the loss tokens).
+    pub completion: &'a [u32],
+    /// Behaviour log-prob of each completion token.
+    pub behaviour: &'a [f32],
+    /// Policy version that generated each completion token.
+    pub versions: &'a [u64],
+    /// Advantage of every completion token.
+    pub advantage: f32,
+    /// Aggregation weight of every completion token.
+    pub weight: f32,
+}
+
+impl TrainingText<'_> {
+    fn len(&self) -> usize {
+        self.prompt.len() + self.completion.len()
+    }
+
+    fn token(&self, i: usize) -> u32 {
+        match i.checked_sub(self.prompt.len()) {
+            None => self.prompt[i],
+            Some(c) => self.completion[c],
+        }
+    }
+}
+
+/// One packed `(B, L)` micro-batch; every vector is row-major with `B · L` entries.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MicroBatch {
+    /// Rows `B`.
+    pub rows: usize,
+    /// Slots per row `L`.
+    pub row_len: usize,
+    /// Input token ids.
+    pub input_ids: Vec<u32>,
+    /// Position of each slot within its text.
+    pub position_ids: Vec<u32>,
+    /// Piece number within the row, from 1 (0 = padding).
+    pub segment_ids: Vec<u32>,
+    /// Token scored at each slot (the next token of the same text).
+    pub target_ids: Vec<u32>,
+    /// The slot has a real next token (padding has none).
+    pub target_mask: Vec<bool>,
+    /// The target is a completion token: the loss is taken here.
+    pub loss_mask: Vec<bool>,
+    /// Behaviour log-prob of the target (0 where not a loss slot).
+    pub behaviour: Vec<f32>,
+    /// Policy version of the target (0 where not a loss slot).
+    pub versions: Vec<u64>,
+    /// Advantage of the target.
+    pub advantages: Vec<f32>,
+    /// Aggregation weight of the target.
+    pub weights: Vec<f32>,
+    /// Index of the text (in the input list) each slot belongs to (`u32::MAX` for padding).
+    pub text_ids: Vec<u32>,
+}
+
+impl MicroBatch {
+    fn empty(rows: usize, row_len: usize, pad_id: u32) -> Self {
+        let n = rows * row_len;
+        Self {
+            rows,
+            row_len,
+            input_ids: vec![pad_id; n],
+            position_ids: vec![0; n],
+            segment_ids: vec![0; n],
+            target_ids: vec![pad_id; n],
+            target_mask: vec![false; n],
+            loss_mask: vec![false; n],
+            behaviour: vec![0.0; n],
+            versions: vec![0; n],
+            advantages: vec![0.0; n],
+            weights: vec![0.0; n],
+            text_ids: vec![u32::MAX; n],
+        }
+    }
+
+    /// Indices of the loss slots, in order.
+    pub fn loss_slots(&self) -> Vec<usize> {
+        (0..self.loss_mask.len())
+            .filter(|&i| self.loss_mask[i])
+            .collect()
+    }
+
+    /// Non-padding slots.
+    pub fn used_slots(&self) -> usize {
+        self.segment_ids.iter().filter(|&&s| s != 0).count()
+    }
+}
+
+/// Counts of one packing.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PackingStats {
+    /// Texts packed (whole or split).
+    pub texts: usize,
+    /// Texts that were split into pieces.
+    pub split_texts: usize,
+    /// Texts left out: longer than a row under `reject`, needing more than `B` rows, or without
+    /// a prompt token to condition their first completion token on.
+    pub rejected_texts: usize,
+    /// Completion tokens of the rejected texts.
+    pub rejected_tokens: usize,
+    /// Slots holding a token.
+    pub used_slots: usize,
+    /// `B · L` summed over the micro-batches.
+    pub total_slots: usize,
+    /// Loss slots (completion tokens trained on).
+    pub loss_tokens: usize,
+}
+
+impl PackingStats {
+    /// `used_slots / total_slots` (1 when nothing was packed).
+    pub fn efficiency(&self) -> f64 {
+        if self.total_slots == 0 {
+            1.0
+        } else {
+            self.used_slots as f64 / self.total_slots as f64
+        }
+    }
+}
+
+/// The micro-batches of one global batch and what packing them cost.
+#[derive(Debug, Clone, Default)]
+pub struct Packing {
+    /// Micro-batches, to be accumulated into one optimizer step.
+    pub micro_batches: Vec<MicroBatch>,
+    /// Counts.
+    pub stats: PackingStats,
+}
+
+/// A contiguous span `[start, end)` of one text's input slots.
+#[derive(Debug, Clone, Copy)]
+struct Piece {
+    text: usize,
+    start: usize,
+    end: usize,
+}
+
+/// Pieces of text `i`, or `None` when it must be rejected.
+fn pieces(i: usize, text: &TrainingText<'_>, config: &BatcherConfig) -> Option<Vec<Piece>> {
+    let slots = text.len().saturating_sub(1);
+    if text.prompt.is_empty() && !text.completion.is_empty() {
+        return None;
+    }
+    if slots <= config.row_len {
+        return Some(vec![Piece {
+            text: i,
+            start: 0,
+            end: slots,
+        }]);
+    }
+    if config.oversized == OversizedText::Reject {
+        return None;
+    }
+    // Slot j scores token j + 1: keep only pieces whose targets reach the completion.
+    let first_loss_slot = text.prompt.len() - 1;
+    let out: Vec<Piece> = (0..slots)
+        .step_by(config.row_len)
+        .map(|start| Piece {
+            text: i,
+            start,
+            end: (start + config.row_len).min(slots),
+        })
+        .filter(|p| p.end > first_loss_slot)
+        .collect();
+    (out.len() <= config.rows).then_some(out)
+}
+
+/// Packs `texts` into micro-batches (see the module docs).
+pub fn pack(texts: &[TrainingText<'_>], config: &BatcherConfig) -> Packing {
+    let mut stats = PackingStats::default();
+    let mut units: Vec<Vec<Piece>> = Vec::with_capacity(texts.len());
+    for (i, text) in texts.iter().enumerate() {
+        if text.completion.is_empty() {
+            continue;
+        }
+        match pieces(i, text, config) {
+            Some(p) => {
+                stats.texts += 1;
+                stats.split_texts += usize::from(p.len() > 1);
+                units.push(p);
+            }
+            None => {
+                stats.rejected_texts += 1;
+                stats.rejected_tokens += text.completion.len();
+                tracing::warn!(
+                    text = i,
+                    tokens = text.len(),
+                    row_len = config.row_len,
+                    rows = config.rows,
+                    "training text left out of the batch (too long for the packing policy, or no prompt)"
+                );
+            }
+        }
+    }
+    let size = |u: &Vec<Piece>| u.iter().map(|p| p.end - p.start).sum::<usize>();
+    units.sort_by_key(|u| std::cmp::Reverse(size(u)));
+
+    // Remaining capacity of each row of each micro-batch, and what goes where.
+    let mut free: Vec<Vec<usize>> = Vec::new();
+    let mut placed: Vec<Vec<Vec<Piece>>> = Vec::new();
+    for unit in units {
+        let fit = |rows: &[usize]| -> Option<Vec<usize>> {
+            let mut rows = rows.to_vec();
+            let mut chosen = Vec::with_capacity(unit.len());
+            for p in &unit {
+                let len = p.end - p.start;
+                // Pieces of one text go to distinct rows (a row holds at most one piece of it).
+                let r = (0..rows.len()).find(|&r| rows[r] >= len && !chosen.contains(&r))?;
+                rows[r] -= len;
+                chosen.push(r);
+            }
+            Some(chosen)
+        };
+        let (mb, rows) = match free
+            .iter()
+            .enumerate()
+            .find_map(|(m, f)| fit(f).map(|r| (m, r)))
+        {
+            Some(found) => found,
+            None => {
+                free.push(vec![config.row_len; config.rows]);
+                placed.push(vec![Vec::new(); config.rows]);
+                let m = free.len() - 1;
+                let rows = fit(&free[m])
+                    .expect("a text of at most B row-sized pieces fits an empty micro-batch");
+                (m, rows)
+            }
+        };
+        for (p, r) in unit.into_iter().zip(rows) {
+            free[mb][r] -= p.end - p.start;
+            placed[mb][r].push(p);
+        }
+    }
+
+    let micro_batches: Vec<MicroBatch> = placed
+        .into_iter()
+        .map(|rows| materialize(&rows, texts, config))
+        .collect();
+    for mb in &micro_batches {
+        stats.used_slots += mb.used_slots();
+        stats.total_slots += mb.rows * mb.row_len;
+        stats.loss_tokens += mb.loss_mask.iter().filter(|&&m| m).count();
+    }
+    Packing {
+        micro_batches,
+        stats,
+    }
+}
+
+/// Writes the pieces of each row into a micro-batch.
+fn materialize(
+    rows: &[Vec<Piece>],
+    texts: &[TrainingText<'_>],
+    config: &BatcherConfig,
+) -> MicroBatch {
+    let mut mb = MicroBatch::empty(config.rows, config.row_len, config.pad_id);
+    for (r, row) in rows.iter().enumerate() {
+        let mut at = r * config.row_len;
+        for (s, piece) in row.iter().enumerate() {
+            let text = &texts[piece.text];
+            let prompt_len = text.prompt.len();
+            for j in piece.start..piece.end {
+                mb.input_ids[at] = text.token(j);
+                mb.position_ids[at] = j as u32;
+                mb.segment_ids[at] = s as u32 + 1;
+                mb.target_ids[at] = text.token(j + 1);
+                mb.target_mask[at] = true;
+                mb.text_ids[at] = piece.text as u32;
+                if let Some(c) = (j + 1).checked_sub(prompt_len) {
+                    mb.loss_mask[at] = true;
+                    mb.behaviour[at] = text.behaviour[c];
+                    mb.versions[at] = text.versions[c];
+                    mb.advantages[at] = text.advantage;
+                    mb.weights[at] = text.weight;
+                }
+                at += 1;
+            }
+        }
+    }
+    mb
+}

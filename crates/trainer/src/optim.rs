@@ -1,0 +1,333 @@
+//! AdamW with f32 master weights and moments, global-norm gradient clipping, and the
+//! warmup + constant/cosine learning-rate schedule.
+//!
+//! Whatever the dtype of a model parameter, the optimizer keeps an f32 master copy (the parameter
+//! itself when it already is f32), f32 first and second moments, and writes the updated master
+//! back into the parameter (converted) after each step. Updates follow Loshchilov & Hutter:
+//! `m ← β₁m + (1−β₁)g`, `v ← β₂v + (1−β₂)g²`, `p ← p − lr·(m̂/(√v̂ + ε) + λp)` with bias-corrected
+//! `m̂ = m/(1−β₁ᵗ)`, `v̂ = v/(1−β₂ᵗ)`. Gradients are first scaled by `min(1, max_norm/‖g‖)`, the
+//! norm taken over all parameters together.
+
+use std::collections::HashMap;
+
+use candle_core::{DType, Tensor, Var, backprop::GradStore};
+use sluice_core::config::LrSchedule;
+
+/// Optimizer and schedule constants; built from `[trainer]` and `run.max_steps`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct OptimConfig {
+    /// Peak learning rate.
+    pub learning_rate: f64,
+    /// Shape after warmup.
+    pub schedule: LrSchedule,
+    /// Linear warmup steps (step `s < warmup` uses `lr·(s+1)/warmup`).
+    pub warmup_steps: u64,
+    /// Steps of the whole run (the cosine reaches zero there).
+    pub total_steps: u64,
+    /// β₁.
+    pub beta1: f64,
+    /// β₂.
+    pub beta2: f64,
+    /// ε.
+    pub eps: f64,
+    /// Decoupled weight decay λ.
+    pub weight_decay: f64,
+    /// Global gradient-norm clip.
+    pub max_grad_norm: f64,
+}
+
+impl Default for OptimConfig {
+    fn default() -> Self {
+        Self {
+            learning_rate: 1e-5,
+            schedule: LrSchedule::Constant,
+            warmup_steps: 0,
+            total_steps: 100,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+            max_grad_norm: 1.0,
+        }
+    }
+}
+
+impl OptimConfig {
+    /// Learning rate of step `step` (0-based).
+    pub fn learning_rate_at(&self, step: u64) -> f64 {
+        let peak = self.learning_rate;
+        if step < self.warmup_steps {
+            return peak * (step + 1) as f64 / self.warmup_steps as f64;
+        }
+        match self.schedule {
+            LrSchedule::Constant => peak,
+            LrSchedule::Cosine => {
+                let span = self.total_steps.saturating_sub(self.warmup_steps).max(1) as f64;
+                let progress = ((step - self.warmup_steps) as f64 / span).min(1.0);
+                peak * 0.5 * (1.0 + (std::f64::consts::PI * progress).cos())
+            }
+        }
+    }
+}
+
+/// An optimizer or gradient operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum OptimError {
+    /// A tensor operation failed.
+    #[error("optimizer: {context}: {source}")]
+    Tensor {
+        /// What was being done.
+        context: String,
+        /// The candle error.
+        source: candle_core::Error,
+    },
+    /// Restored state does not match the parameters.
+    #[error("optimizer state: {0}")]
+    State(String),
+}
+
+impl OptimError {
+    /// Short stable name.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Tensor { .. } => "optim_tensor",
+            Self::State(_) => "optim_state",
+        }
+    }
+}
+
+trait Ctx<T> {
+    fn ctx(self, context: impl FnOnce() -> String) -> Result<T, OptimError>;
+}
+
+impl<T> Ctx<T> for candle_core::Result<T> {
+    fn ctx(self, context: impl FnOnce() -> String) -> Result<T, OptimError> {
+        self.map_err(|source| OptimError::Tensor {
+            context: context(),
+            source,
+        })
+    }
+}
+
+/// Gradients summed over the micro-batches of one step, in f32, one slot per parameter.
+#[derive(Debug)]
+pub struct GradAccumulator {
+    grads: Vec<Option<Tensor>>,
+}
+
+impl GradAccumulator {
+    /// An empty accumulator for `n` parameters.
+    pub fn new(n: usize) -> Self {
+        Self {
+            grads: vec![None; n],
+        }
+    }
+
+    /// Adds the gradients of `vars` found in `store`.
+    pub fn add(&mut self, vars: &[&Var], store: &GradStore) -> Result<(), OptimError> {
+        for (i, var) in vars.iter().enumerate() {
+            let Some(g) = store.get(var.as_tensor()) else {
+                continue;
+            };
+            let g = g
+                .to_dtype(DType::F32)
+                .ctx(|| format!("gradient {i} to f32"))?;
+            self.grads[i] = Some(match self.grads[i].take() {
+                None => g,
+                Some(acc) => (acc + g).ctx(|| format!("accumulating gradient {i}"))?,
+            });
+        }
+        Ok(())
+    }
+
+    /// The accumulated gradient of parameter `i`.
+    pub fn get(&self, i: usize) -> Option<&Tensor> {
+        self.grads.get(i).and_then(Option::as_ref)
+    }
+
+    /// `√Σ g²` over every accumulated gradient.
+    pub fn global_norm(&self) -> Result<f64, OptimError> {
+        let mut sq = 0.0f64;
+        for (i, g) in self.grads.iter().enumerate() {
+            if let Some(g) = g {
+                let s = g
+                    .sqr()
+                    .and_then(|s| s.sum_all())
+                    .and_then(|s| s.to_scalar::<f32>())
+                    .ctx(|| format!("norm of gradient {i}"))?;
+                sq += f64::from(s);
+            }
+        }
+        Ok(sq.sqrt())
+    }
+}
+
+/// What one optimizer step did.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepReport {
+    /// Global gradient norm before clipping.
+    pub grad_norm: f64,
+    /// The factor gradients were scaled by (1 when not clipped).
+    pub clip_scale: f64,
+    /// Learning rate used.
+    pub learning_rate: f64,
+}
+
+struct Slot {
+    param: Var,
+    /// f32 copy of a non-f32 parameter; `None` when `param` is f32 and is its own master.
+    master: Option<Var>,
+    m: Tensor,
+    v: Tensor,
+}
+
+/// AdamW over a fixed list of parameters (see the module docs).
+pub struct AdamW {
+    config: OptimConfig,
+    slots: Vec<Slot>,
+    step: u64,
+}
+
+impl std::fmt::Debug for AdamW {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AdamW")
+            .field("config", &self.config)
+            .field("params", &self.slots.len())
+            .field("step", &self.step)
+            .finish()
+    }
+}
+
+impl AdamW {
+    /// An optimizer at step 0 for `params`, with zero moments.
+    pub fn new(params: Vec<Var>, config: OptimConfig) -> Result<Self, OptimError> {
+        let mut slots = Vec::with_capacity(params.len());
+        for (i, param) in params.into_iter().enumerate() {
+            let master = if param.dtype() == DType::F32 {
+                None
+            } else {
+                let t = param
+                    .as_tensor()
+                    .to_dtype(DType::F32)
+                    .ctx(|| format!("master copy of parameter {i}"))?;
+                Some(Var::from_tensor(&t).ctx(|| format!("master copy of parameter {i}"))?)
+            };
+            let zeros = || Tensor::zeros(param.shape(), DType::F32, param.device());
+            let m = zeros().ctx(|| format!("moments of parameter {i}"))?;
+            let v = zeros().ctx(|| format!("moments of parameter {i}"))?;
+            slots.push(Slot {
+                param,
+                master,
+                m,
+                v,
+            });
+        }
+        Ok(Self {
+            config,
+            slots,
+            step: 0,
+        })
+    }
+
+    /// Steps taken so far (the next step is this one, 0-based).
+    pub fn step_count(&self) -> u64 {
+        self.step
+    }
+
+    /// The constants.
+    pub fn config(&self) -> &OptimConfig {
+        &self.config
+    }
+
+    /// Clips `grads` to the global norm, takes one AdamW step and writes the parameters.
+    /// Parameters without a gradient are left as they are (moments too).
+    pub fn step(&mut self, grads: &GradAccumulator) -> Result<StepReport, OptimError> {
+        let c = self.config;
+        let grad_norm = grads.global_norm()?;
+        let clip_scale = if grad_norm > c.max_grad_norm {
+            c.max_grad_norm / (grad_norm + 1e-6)
+        } else {
+            1.0
+        };
+        let lr = c.learning_rate_at(self.step);
+        let t = (self.step + 1) as i32;
+        let (bc1, bc2) = (1.0 - c.beta1.powi(t), 1.0 - c.beta2.powi(t));
+        for (i, slot) in self.slots.iter_mut().enumerate() {
+            let Some(g) = grads.get(i) else { continue };
+            let mut update = || -> candle_core::Result<()> {
+                let g = g.affine(clip_scale, 0.0)?;
+                slot.m = (slot.m.affine(c.beta1, 0.0)? + g.affine(1.0 - c.beta1, 0.0)?)?;
+                slot.v = (slot.v.affine(c.beta2, 0.0)? + g.sqr()?.affine(1.0 - c.beta2, 0.0)?)?;
+                let m_hat = slot.m.affine(1.0 / bc1, 0.0)?;
+                let v_hat = slot.v.affine(1.0 / bc2, 0.0)?;
+                let adam = (m_hat / (v_hat.sqrt()? + c.eps)?)?;
+                let master = slot.master.as_ref().unwrap_or(&slot.param);
+                let p = master.as_tensor();
+                let next =
+                    ((p.affine(1.0 - lr * c.weight_decay, 0.0)? - adam.affine(lr, 0.0)?)?).detach();
+                master.set(&next)?;
+                if slot.master.is_some() {
+                    slot.param.set(&next.to_dtype(slot.param.dtype())?)?;
+                }
+                Ok(())
+            };
+            update().ctx(|| format!("AdamW update of parameter {i}"))?;
+        }
+        self.step += 1;
+        Ok(StepReport {
+            grad_norm,
+            clip_scale,
+            learning_rate: lr,
+        })
+    }
+
+    /// Moments (and master copies) as named tensors, for `safetensors`: `m.{i}`, `v.{i}`,
+    /// `master.{i}`.
+    pub fn state_tensors(&self) -> HashMap<String, Tensor> {
+        let mut out = HashMap::new();
+        for (i, s) in self.slots.iter().enumerate() {
+            out.insert(format!("m.{i}"), s.m.clone());
+            out.insert(format!("v.{i}"), s.v.clone());
+            if let Some(master) = &s.master {
+                out.insert(format!("master.{i}"), master.as_tensor().clone());
+            }
+        }
+        out
+    }
+
+    /// Restores what [`Self::state_tensors`] produced, and the step count.
+    pub fn load_state(
+        &mut self,
+        mut tensors: HashMap<String, Tensor>,
+        step: u64,
+    ) -> Result<(), OptimError> {
+        for (i, s) in self.slots.iter_mut().enumerate() {
+            let mut take = |name: String| -> Result<Tensor, OptimError> {
+                let t = tensors
+                    .remove(&name)
+                    .ok_or_else(|| OptimError::State(format!("missing tensor `{name}`")))?;
+                if t.dims() != s.param.dims() {
+                    return Err(OptimError::State(format!(
+                        "`{name}` has shape {:?}, the parameter {:?}",
+                        t.dims(),
+                        s.param.dims()
+                    )));
+                }
+                t.to_dtype(DType::F32)
+                    .and_then(|t| t.to_device(s.param.device()))
+                    .ctx(|| format!("loading `{name}`"))
+            };
+            s.m = take(format!("m.{i}"))?;
+            s.v = take(format!("v.{i}"))?;
+            if let Some(master) = &s.master {
+                let t = take(format!("master.{i}"))?;
+                master.set(&t).ctx(|| format!("loading master {i}"))?;
+            }
+        }
+        if let Some(extra) = tensors.keys().next() {
+            return Err(OptimError::State(format!("unexpected tensor `{extra}`")));
+        }
+        self.step = step;
+        Ok(())
+    }
+}
