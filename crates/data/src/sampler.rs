@@ -21,6 +21,7 @@
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
+use sluice_core::config::DataConfig;
 use sluice_core::metrics::{DATA_SAMPLES, DOMAIN_MIX_ACTUAL, DOMAIN_MIX_COUNT, DOMAIN_MIX_TARGET};
 use sluice_core::{DataSample, KnobsHandle};
 
@@ -64,6 +65,26 @@ impl SamplerConfig {
             min_ratio: 0.1,
             max_ratio: 10.0,
             domains: BTreeMap::new(),
+        }
+    }
+
+    /// The sampler settings of a run's `[data]` config (`adaptive_mix`, `[data.domains.*]`),
+    /// seeded with `seed` (derive it from the run seed).
+    pub fn from_data_config(data: &DataConfig, seed: u64) -> Self {
+        Self {
+            adaptive: data.adaptive_mix,
+            domains: data
+                .domain_options
+                .iter()
+                .map(|(name, d)| {
+                    let options = DomainOptions {
+                        system_prompt: d.system_prompt.clone(),
+                        task: d.task.clone(),
+                    };
+                    (name.clone(), options)
+                })
+                .collect(),
+            ..Self::new(seed)
         }
     }
 }

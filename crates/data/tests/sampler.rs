@@ -309,3 +309,27 @@ fn live_domain_mix_knob_steers_the_next_draws() {
         "a domain turned off is no longer drawn"
     );
 }
+
+#[test]
+fn settings_come_from_the_data_config() {
+    let text = r#"
+        [data]
+        datasets = ["math::a", "code::b", "tools::c"]
+        adaptive_mix = false
+        [data.domains.code]
+        system_prompt = "You write Rust."
+        task = "sandbox"
+    "#;
+    let config = sluice_core::config::parse(text, "t.toml", &[], &|_| None).unwrap();
+    let sc = SamplerConfig::from_data_config(&config.data, 5);
+    assert!(!sc.adaptive);
+    assert_eq!((sc.min_ratio, sc.max_ratio, sc.seed), (0.1, 10.0, 5));
+    assert_eq!(sc.domains["code"].task.as_deref(), Some("sandbox"));
+    let mut s = DomainSampler::new(sc, three_domains()).unwrap();
+    s.record_completed("math", 100);
+    let r = s.mix_report(&mix());
+    assert!(
+        (r[0].draw_probability - 0.4).abs() < 1e-12,
+        "no adaptation: {r:?}"
+    );
+}

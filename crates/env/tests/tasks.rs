@@ -205,6 +205,8 @@ fn configured_datasets_come_from_files_or_generators() {
         ],
         data_dir: dir.clone(),
         on_bad_line: BadLinePolicy::Fail,
+        adaptive_mix: true,
+        domain_options: Default::default(),
     };
     let rows = GeneratedRows {
         seed: 3,

@@ -356,6 +356,10 @@ pub struct RawData {
     pub data_dir: String,
     /// `skip` or `fail` on a line that does not parse.
     pub on_bad_line: String,
+    /// Correct domain weights by completed/target ratios (seed 000's adaptive sampling).
+    pub adaptive_mix: bool,
+    /// Per-domain options, `[data.domains.<domain>]`.
+    pub domains: BTreeMap<String, RawDomain>,
 }
 
 impl Default for RawData {
@@ -364,8 +368,20 @@ impl Default for RawData {
             datasets: Vec::new(),
             data_dir: "data".into(),
             on_bad_line: "skip".into(),
+            adaptive_mix: true,
+            domains: BTreeMap::new(),
         }
     }
+}
+
+/// `[data.domains.<domain>]`: options of one domain.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawDomain {
+    /// System prompt for the domain's rows that have none of their own.
+    pub system_prompt: Option<String>,
+    /// Registered task that runs the domain's rows (default: the task named like the dataset).
+    pub task: Option<String>,
 }
 
 /// `[replay]`: the replay store.

@@ -436,6 +436,25 @@ pub struct DataConfig {
     pub data_dir: PathBuf,
     /// Bad-line policy.
     pub on_bad_line: BadLinePolicy,
+    /// Adaptive domain mix (completed/target correction, clamped to [0.1, 10]).
+    pub adaptive_mix: bool,
+    /// Per-domain options (`[data.domains.<domain>]`), only for domains some dataset belongs to.
+    #[serde(
+        rename = "domains",
+        skip_serializing_if = "std::collections::BTreeMap::is_empty"
+    )]
+    pub domain_options: std::collections::BTreeMap<String, DomainConfig>,
+}
+
+/// `[data.domains.<domain>]`
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct DomainConfig {
+    /// System prompt for rows without their own.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub system_prompt: Option<String>,
+    /// Task that runs the domain's rows.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub task: Option<String>,
 }
 
 impl DataConfig {

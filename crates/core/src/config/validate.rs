@@ -580,9 +580,44 @@ fn validate_data(raw: RawData, ctx: &Ctx<'_>) -> Result<DataConfig, ConfigError>
         }
         datasets.push(parsed);
     }
+    let mut domains = std::collections::BTreeMap::new();
+    for (name, d) in raw.domains {
+        let key = format!("data.domains.{name}");
+        if !datasets.iter().any(|spec| spec.domain == name) {
+            let known: Vec<&str> = datasets.iter().map(|spec| spec.domain.as_str()).collect();
+            return Err(ctx.value(
+                &key,
+                format!(
+                    "no dataset belongs to domain `{name}`; the datasets' domains are: {}",
+                    known.join(", ")
+                ),
+            ));
+        }
+        if let Some(task) = &d.task {
+            let ok = !task.is_empty()
+                && task
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'));
+            if !ok {
+                return Err(ctx.value(
+                    &format!("{key}.task"),
+                    format!("expected a task name of [A-Za-z0-9_.-], got `{task}`"),
+                ));
+            }
+        }
+        domains.insert(
+            name,
+            DomainConfig {
+                system_prompt: d.system_prompt,
+                task: d.task,
+            },
+        );
+    }
     Ok(DataConfig {
         datasets,
         data_dir: PathBuf::from(raw.data_dir),
+        adaptive_mix: raw.adaptive_mix,
+        domain_options: domains,
         on_bad_line: choice(
             ctx,
             "data.on_bad_line",

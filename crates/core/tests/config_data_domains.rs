@@ -1,0 +1,51 @@
+//! `[data]` adaptive mix and per-domain options: parsed, validated against the datasets'
+//! domains, and printed back in a shape that loads again.
+
+use sluice_core::config::{self, parse};
+
+fn load(text: &str) -> Result<config::Config, config::ConfigError> {
+    parse(text, "t.toml", &[], &|_| None)
+}
+
+#[test]
+fn domain_options_parse_and_round_trip() {
+    let text = r#"
+        [data]
+        datasets = ["math::arithmetic@train", "code::mbpp"]
+        adaptive_mix = false
+        [data.domains.code]
+        system_prompt = "You write Python."
+        task = "sandbox"
+    "#;
+    let c = load(text).unwrap();
+    assert!(!c.data.adaptive_mix);
+    let code = &c.data.domain_options["code"];
+    assert_eq!(code.system_prompt.as_deref(), Some("You write Python."));
+    assert_eq!(code.task.as_deref(), Some("sandbox"));
+    let printed = toml::to_string(&c).unwrap();
+    assert_eq!(load(&printed).unwrap(), c);
+
+    let defaults = load("[data]\ndatasets = [\"math::arithmetic\"]\n").unwrap();
+    assert!(defaults.data.adaptive_mix, "adaptation is on by default");
+    assert!(defaults.data.domain_options.is_empty());
+}
+
+#[test]
+fn domain_options_name_declared_domains_and_valid_tasks() {
+    let err =
+        load("[data]\ndatasets = [\"math::a\"]\n[data.domains.chess]\nsystem_prompt = \"x\"\n")
+            .unwrap_err()
+            .to_string();
+    assert!(
+        err.contains("data.domains.chess") && err.contains("the datasets' domains are: math"),
+        "{err}"
+    );
+    let err = load("[data]\ndatasets = [\"math::a\"]\n[data.domains.math]\ntask = \"a b\"\n")
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("data.domains.math.task"), "{err}");
+    let err = load("[data]\ndatasets = [\"math::a\"]\n[data.domains.math]\nprompt = \"x\"\n")
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("prompt"), "{err}");
+}
