@@ -187,6 +187,16 @@ catalog! {
         "Global gradient norm before clipping, last step.";
     TRAINER_TOKENS_PER_SECOND = "sluice_trainer_tokens_per_second", Gauge, [], NONE,
         "Training throughput of the last step.";
+    TRAINER_CLIP_LOW_RATIO = "sluice_trainer_clip_low_ratio", Gauge, [], NONE,
+        "Fraction of tokens clipped below 1 - clip_low (negative advantage) in the last step.";
+    TRAINER_CLIP_HIGH_RATIO = "sluice_trainer_clip_high_ratio", Gauge, [], NONE,
+        "Fraction of tokens clipped above 1 + clip_high (positive advantage) in the last step.";
+    TRAINER_LEARNING_RATE_VALUE = "sluice_trainer_learning_rate_value", Gauge, [], NONE,
+        "Learning rate of the last optimizer step.";
+    TRAINER_PACKING_EFFICIENCY_RATIO = "sluice_trainer_packing_efficiency_ratio", Gauge, [], NONE,
+        "Fraction of micro-batch slots holding tokens in the last step.";
+    TRAINER_SKIPPED_STEPS = "sluice_trainer_skipped_steps_total", Counter, [], NONE,
+        "Training steps skipped because every group had zero advantage (nothing published).";
 }
 
 /// Looks a metric up by name.
