@@ -225,3 +225,30 @@ fn configured_datasets_come_from_files_or_generators() {
     assert!(err.to_string().contains("nowhere.jsonl"), "{err}");
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+#[test]
+fn arithmetic_heldout_set_is_fixed_and_never_trained_on() {
+    use sluice_env::tasks::arithmetic::{all_problems, heldout_samples};
+    let heldout = heldout_samples();
+    assert_eq!(heldout, heldout_samples());
+    let n = heldout.len();
+    assert!(
+        (50..=150).contains(&n),
+        "about a tenth of {}: {n}",
+        all_problems().len()
+    );
+    let held: BTreeSet<String> = heldout.iter().map(|s| s.input.to_string()).collect();
+    assert_eq!(held.len(), n, "each problem once");
+    let task = registry().get("arithmetic").unwrap();
+    for seed in 0..3 {
+        let train = task
+            .generate_dataset(&"math::arithmetic@train".parse().unwrap(), seed, 2000)
+            .unwrap();
+        assert!(
+            train
+                .samples()
+                .iter()
+                .all(|s| !held.contains(&s.input.to_string()))
+        );
+    }
+}

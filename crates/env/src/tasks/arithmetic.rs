@@ -13,7 +13,7 @@ use crate::error::EnvError;
 use crate::protocol::MessageEnv;
 use crate::rubric::{RewardFn, Rubric, RubricConfig, ScoreInput};
 use crate::task::{DataGenerator, Task};
-use crate::tasks::{SingleTurnEnv, draw, field};
+use crate::tasks::{SingleTurnEnv, draw, field, is_heldout};
 
 /// Registered name.
 pub const NAME: &str = "arithmetic";
@@ -51,6 +51,23 @@ pub fn all_problems() -> Vec<(i64, char, i64)> {
 /// The input JSON of a problem.
 pub fn problem_input(a: i64, op: char, b: i64) -> serde_json::Value {
     json!({"question": format!("What is {a} {op} {b}?"), "answer": answer(a, op, b)})
+}
+
+/// The whole held-out split, each problem once, in a fixed order: the evaluation set whose
+/// accuracy a run reports (it never appears in `train`, whatever the seed).
+pub fn heldout_samples() -> Vec<DataSample> {
+    all_problems()
+        .into_iter()
+        .filter(|&(a, op, b)| is_heldout(&format!("{a}{op}{b}")))
+        .enumerate()
+        .map(|(i, (a, op, b))| DataSample {
+            id: format!("heldout-{i}"),
+            domain: "math".into(),
+            dataset: "arithmetic@eval".into(),
+            input: problem_input(a, op, b),
+            system_prompt: None,
+        })
+        .collect()
 }
 
 /// Generates problems of the `train` / `eval` split.
