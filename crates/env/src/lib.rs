@@ -12,6 +12,7 @@
 //! | [`discount`] | episode-aware discounting of outcome rewards (seed 001) |
 //! | [`stats`] | running outcome EMA and balance fractions (seed 001) |
 //! | [`episode`] | a minimal driver: one episode from a [`Generate`] implementation into a `Rollout` |
+//! | [`eval`] | play a task on a fixed sample set and summarize: mean reward, accuracy, statuses |
 //! | [`remote`] | the JSON-over-HTTP env protocol: server (axum) and client env |
 //! | [`guard`] | panic/timeout containment for user code |
 //! | [`error`] | [`EnvError`] and its stable `kind()` names |
@@ -23,6 +24,7 @@ pub mod datasets;
 pub mod discount;
 pub mod episode;
 pub mod error;
+pub mod eval;
 pub mod guard;
 pub mod protocol;
 pub mod remote;
@@ -36,6 +38,7 @@ pub mod token_env;
 pub use discount::EpisodeDiscount;
 pub use episode::{Generate, Generated, run_episode};
 pub use error::EnvError;
+pub use eval::{EvalReport, evaluate};
 pub use protocol::{BoxFuture, EnvInit, EnvStep, MessageEnv};
 pub use renderer::{ByteRenderer, ParseError, Renderer};
 pub use rubric::{RewardFn, Rubric, RubricConfig, Score, ScoreInput};

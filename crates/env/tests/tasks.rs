@@ -252,3 +252,44 @@ fn arithmetic_heldout_set_is_fixed_and_never_trained_on() {
         );
     }
 }
+
+#[tokio::test]
+async fn evaluation_reports_accuracy_on_the_heldout_set() {
+    use sluice_env::tasks::arithmetic::heldout_samples;
+    use sluice_env::{TokenEnvLimits, evaluate};
+    let task = registry().get("arithmetic").unwrap();
+    let samples: Vec<_> = heldout_samples().into_iter().take(4).collect();
+    // Right on the first two, wrong on the third, chatty on the fourth.
+    let answers: Vec<String> = samples
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            let a = s.input["answer"].as_i64().unwrap();
+            match i {
+                0 | 1 => a.to_string(),
+                2 => (a + 1).to_string(),
+                _ => format!("the answer is {a}"),
+            }
+        })
+        .collect();
+    let refs: Vec<&str> = answers.iter().map(String::as_str).collect();
+    let mut policy = common::Scripted::new(&refs);
+    let (report, rollouts) = evaluate(
+        &task,
+        &samples,
+        common::renderer(),
+        &TokenEnvLimits::default(),
+        &mut policy,
+    )
+    .await
+    .unwrap();
+    assert_eq!(report.episodes, 4);
+    assert_eq!(report.accuracy, Some(0.5));
+    assert_eq!(report.statuses["completed"], 4);
+    let expected_mean = (1.0 + 1.0 + 0.1 / 1.1) / 4.0;
+    assert!(
+        (report.mean_reward - expected_mean).abs() < 1e-12,
+        "{report:?}"
+    );
+    assert_eq!(rollouts.len(), 4);
+}

@@ -1,0 +1,87 @@
+//! Evaluation: play a task on a fixed set of samples and summarize (mean reward, accuracy from the
+//! `correct` component, statuses). [`EvalReport::from_rollouts`] is the pure summary, for callers
+//! that run episodes concurrently through their own engine plumbing; [`evaluate`] plays them one
+//! after another with a [`Generate`] implementation.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use sluice_core::{DataSample, GroupId, NodeId, Rollout, RunId};
+
+use crate::episode::{Generate, run_episode};
+use crate::error::EnvError;
+use crate::renderer::Renderer;
+use crate::task::Task;
+use crate::token_env::TokenEnvLimits;
+
+/// Summary of an evaluation.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EvalReport {
+    /// Episodes played.
+    pub episodes: usize,
+    /// Mean final reward.
+    pub mean_reward: f64,
+    /// Mean of the `correct` reward component over all episodes (an episode without the component
+    /// counts as 0); `None` when no episode has it.
+    pub accuracy: Option<f64>,
+    /// Episodes per final status label.
+    pub statuses: BTreeMap<String, usize>,
+}
+
+impl EvalReport {
+    /// Summarizes scored rollouts.
+    pub fn from_rollouts(rollouts: &[Rollout]) -> Self {
+        let n = rollouts.len();
+        let mut statuses = BTreeMap::new();
+        for r in rollouts {
+            *statuses.entry(r.status.as_label().to_owned()).or_insert(0) += 1;
+        }
+        let any_correct = rollouts
+            .iter()
+            .any(|r| r.reward_components.contains_key("correct"));
+        let mean = |f: &dyn Fn(&Rollout) -> f64| {
+            if n == 0 {
+                0.0
+            } else {
+                rollouts.iter().map(f).sum::<f64>() / n as f64
+            }
+        };
+        Self {
+            episodes: n,
+            mean_reward: mean(&|r| r.reward),
+            accuracy: any_correct
+                .then(|| mean(&|r| r.reward_components.get("correct").copied().unwrap_or(0.0))),
+            statuses,
+        }
+    }
+}
+
+/// Plays `task` once on each sample (in order) with `generator`, scores every episode with the
+/// task's rubric, and summarizes. A generation failure stops the evaluation with that error.
+pub async fn evaluate(
+    task: &Task,
+    samples: &[DataSample],
+    renderer: Arc<dyn Renderer>,
+    limits: &TokenEnvLimits,
+    generator: &mut dyn Generate,
+) -> Result<(EvalReport, Vec<Rollout>), EnvError> {
+    let group = GroupId {
+        run: RunId::from_name("eval"),
+        node: NodeId(0),
+        counter: 0,
+    };
+    let mut rollouts = Vec::with_capacity(samples.len());
+    for (i, sample) in samples.iter().enumerate() {
+        let mut rollout = Rollout::new(group.rollout(i as u32));
+        match task.token_env(sample, renderer.clone(), limits.clone()) {
+            Ok(mut env) => run_episode(&mut env, generator, &mut rollout).await?,
+            Err(e) => rollout.status = sluice_core::RolloutStatus::Error(e.kind().to_owned()),
+        }
+        task.rubric()
+            .score(sample, &rollout)
+            .await
+            .apply_to(&mut rollout);
+        rollouts.push(rollout);
+    }
+    Ok((EvalReport::from_rollouts(&rollouts), rollouts))
+}
