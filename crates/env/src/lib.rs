@@ -6,6 +6,7 @@
 //! | [`renderer`] | [`Renderer`]: messages ↔ token ids; [`ByteRenderer`] (dependency-free ChatML over bytes); completion parsing |
 //! | [`token_env`] | [`TokenEnv`]: a `MessageEnv` at the token level, owning prompt-length, max-turn and timeout checks and the rollout status |
 //! | [`rubric`] | [`Rubric`]: weighted reward functions, truncation/error overrides, concurrent group scoring |
+//! | [`sessions`] | [`EnvSessions`]: the token envs of live rollouts by rollout id — start, step, abandon — for env workers |
 //! | [`task`] | [`Task`] = datasets + env + rubric + system prompt; [`TaskRegistry`] |
 //! | [`tasks`] | built-in tasks: `arithmetic`, `sum_digits`, `calculator_tool`, `episodic` |
 //! | [`datasets`] | `[data] datasets` → rows: JSONL under `data_dir`, or a built-in task's generator |
@@ -30,6 +31,7 @@ pub mod protocol;
 pub mod remote;
 pub mod renderer;
 pub mod rubric;
+pub mod sessions;
 pub mod stats;
 pub mod task;
 pub mod tasks;
@@ -42,6 +44,7 @@ pub use eval::{EvalReport, evaluate};
 pub use protocol::{BoxFuture, EnvInit, EnvStep, MessageEnv};
 pub use renderer::{ByteRenderer, ParseError, Renderer};
 pub use rubric::{RewardFn, Rubric, RubricConfig, Score, ScoreInput};
+pub use sessions::EnvSessions;
 pub use stats::OutcomeStats;
 pub use task::{DataGenerator, EnvFactory, Task, TaskRegistry};
 pub use token_env::{FinishReason, Next, TokenEnv, TokenEnvLimits, TurnOutcome, TurnPrompt};
