@@ -82,6 +82,10 @@ pub struct ControllerStatus {
     pub draining: bool,
     /// Tail rounds started.
     pub tail_rounds: u64,
+    /// Smallest number of candidates a tail round started with (0 before the first round).
+    pub tail_round_min_size: u64,
+    /// Fresh groups admitted while a tail round ran (must stay 0: no over-sending in the tail).
+    pub admitted_during_tail: u64,
     /// Scheduling decisions taken.
     pub decisions: u64,
     /// Largest number of groups in flight seen.
@@ -116,13 +120,12 @@ impl ControllerHandle {
         config: ControllerConfig,
         knobs: KnobsHandle,
     ) -> Result<(Self, tokio::task::JoinHandle<()>), ActorError> {
-        let (actor, join) =
-            Actor::spawn(Some("controller".into()), ControllerActor, (config, knobs))
-                .await
-                .map_err(|e| ActorError::Spawn {
-                    actor: "controller",
-                    message: e.to_string(),
-                })?;
+        let (actor, join) = Actor::spawn(None, ControllerActor, (config, knobs))
+            .await
+            .map_err(|e| ActorError::Spawn {
+                actor: "controller",
+                message: e.to_string(),
+            })?;
         Ok((Self { actor }, join))
     }
 
@@ -386,6 +389,12 @@ impl ControllerState {
                 && self.tail.len() >= knobs.tail_batch_trigger_size as usize
             {
                 self.status.tail_rounds += 1;
+                let size = self.tail.len() as u64;
+                self.status.tail_round_min_size = if self.status.tail_rounds == 1 {
+                    size
+                } else {
+                    self.status.tail_round_min_size.min(size)
+                };
                 resumes.extend(self.tail.drain(..));
                 self.tail_round.extend(resumes.iter().copied());
             } else if self.tail_round.is_empty() {
@@ -448,6 +457,9 @@ impl ControllerState {
         }
         peers.replay.admit(group.clone());
         self.admitted_total += 1;
+        if !self.tail_round.is_empty() {
+            self.status.admitted_during_tail += 1;
+        }
         metrics::counter!(m::ROLLOUT_ADMITTED_GROUPS).increment(1);
         self.start(group, Arc::new(sample));
     }

@@ -66,7 +66,7 @@ impl EngineHandle {
         reports: Sink<EngineReport>,
     ) -> Result<(Self, tokio::task::JoinHandle<()>), ActorError> {
         let (actor, join) = Actor::spawn(
-            Some("engine".into()),
+            None,
             EngineActor,
             Args {
                 replicas,

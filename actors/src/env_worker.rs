@@ -85,17 +85,13 @@ impl EnvPoolHandle {
     ) -> Result<(Self, Vec<tokio::task::JoinHandle<()>>), ActorError> {
         let mut workers = Vec::new();
         let mut joins = Vec::new();
-        for i in 0..size.max(1) {
-            let (w, j) = Actor::spawn(
-                Some(format!("env-{i}")),
-                EnvWorker,
-                (Arc::clone(&env), out.clone()),
-            )
-            .await
-            .map_err(|e| ActorError::Spawn {
-                actor: "env",
-                message: e.to_string(),
-            })?;
+        for _ in 0..size.max(1) {
+            let (w, j) = Actor::spawn(None, EnvWorker, (Arc::clone(&env), out.clone()))
+                .await
+                .map_err(|e| ActorError::Spawn {
+                    actor: "env",
+                    message: e.to_string(),
+                })?;
             workers.push(w);
             joins.push(j);
         }

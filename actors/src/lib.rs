@@ -11,6 +11,7 @@
 //! | [`trainer`] | Trainer | pulls batches, trains on a dedicated thread, publishes weights |
 //! | [`node`] | NodeSupervisor | builds and supervises the pipeline, serves admin API and metrics |
 //! | [`admin`] | admin HTTP API | `GET/PATCH /v1/knobs`, `GET /v1/status`, `GET /metrics` |
+//! | [`client`] | a small blocking HTTP client for the admin API (`sluice knobs`) |
 //! | [`telemetry`] | metrics | exporter install, periodic gauges and upkeep |
 //!
 //! Flow control: ractor mailboxes are unbounded, so every producer is bounded by the controller's
@@ -18,6 +19,7 @@
 //! the env pool never more steps, the sampler never more samples than the controller asked for.
 
 pub mod admin;
+pub mod client;
 pub mod controller;
 pub mod engine;
 pub mod env_worker;

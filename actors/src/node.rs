@@ -379,7 +379,8 @@ impl Node {
 
     /// Stops everything, upstream first so nothing new is produced: trainer, sampler,
     /// controller, engine, env workers, then the replay store (which commits what is queued).
-    pub async fn shutdown(mut self) {
+    /// Returns the replay store's final state, as it is on disk.
+    pub async fn shutdown(mut self) -> Option<ReplayStatus> {
         if let Some(t) = self.telemetry.take() {
             t.abort();
             let _ = t.await;
@@ -396,9 +397,11 @@ impl Node {
         h.controller.stop().await;
         h.engine.stop().await;
         self.env.stop().await;
+        let last = h.replay.status().await.ok();
         h.replay.stop().await;
         for (_, j) in self.joins.drain(..) {
             let _ = j.await;
         }
+        last
     }
 }

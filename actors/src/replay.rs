@@ -141,16 +141,12 @@ impl ReplayHandle {
             .map_err(|e| ActorError::Setup(format!("replay open task: {e}")))??;
         let (store, persister) = opened;
         let recovery = recovery_of(&store);
-        let (actor, join) = Actor::spawn(
-            Some("replay".into()),
-            ReplayActor,
-            (store, persister, notices),
-        )
-        .await
-        .map_err(|e| ActorError::Spawn {
-            actor: "replay",
-            message: e.to_string(),
-        })?;
+        let (actor, join) = Actor::spawn(None, ReplayActor, (store, persister, notices))
+            .await
+            .map_err(|e| ActorError::Spawn {
+                actor: "replay",
+                message: e.to_string(),
+            })?;
         Ok((Self { actor }, recovery, join))
     }
 

@@ -104,13 +104,12 @@ impl SamplerHandle {
         knobs: KnobsHandle,
         out: Sink<Vec<DataSample>>,
     ) -> Result<(Self, tokio::task::JoinHandle<()>), ActorError> {
-        let (actor, join) =
-            Actor::spawn(Some("sampler".into()), SamplerActor, (source, knobs, out))
-                .await
-                .map_err(|e| ActorError::Spawn {
-                    actor: "sampler",
-                    message: e.to_string(),
-                })?;
+        let (actor, join) = Actor::spawn(None, SamplerActor, (source, knobs, out))
+            .await
+            .map_err(|e| ActorError::Spawn {
+                actor: "sampler",
+                message: e.to_string(),
+            })?;
         Ok((Self { actor }, join))
     }
 

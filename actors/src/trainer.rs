@@ -116,7 +116,7 @@ impl TrainerHandle {
             stop: Arc::new(AtomicBool::new(false)),
             rt: tokio::runtime::Handle::current(),
         };
-        let (actor, join) = Actor::spawn(Some("trainer".into()), TrainerActor, (worker, replay))
+        let (actor, join) = Actor::spawn(None, TrainerActor, (worker, replay))
             .await
             .map_err(|e| ActorError::Spawn {
                 actor: "trainer",

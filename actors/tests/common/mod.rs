@@ -2,8 +2,67 @@
 
 #![allow(dead_code)]
 
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
 use sluice_actors::NodeStatus;
-use sluice_core::Config;
+use sluice_core::config::SimTrainerConfig;
+use sluice_core::{
+    BackendError, Config, PolicyVersion, RolloutGroup, TrainStepOutput, TrainerBackend,
+    WeightSnapshot,
+};
+use sluice_engine::SimTrainer;
+
+/// Every batch a [`RecordingTrainer`] trained on, with the version it trained from.
+pub type Batches = Arc<Mutex<Vec<(PolicyVersion, Vec<RolloutGroup>)>>>;
+
+/// A simulated trainer that keeps every batch it trained on, with the version it trained from.
+pub struct RecordingTrainer {
+    inner: SimTrainer,
+    /// (weights version the batch trained from, the batch).
+    pub batches: Batches,
+}
+
+impl RecordingTrainer {
+    /// A recording trainer with a 2 ms step.
+    pub fn new() -> (Self, Batches) {
+        let cfg = SimTrainerConfig {
+            enabled: true,
+            step_base_seconds: 0.002,
+            step_seconds_per_token: 0.0,
+        };
+        let batches = Arc::default();
+        (
+            Self {
+                inner: SimTrainer::new(&cfg, 1.0),
+                batches: Arc::clone(&batches),
+            },
+            batches,
+        )
+    }
+}
+
+impl TrainerBackend for RecordingTrainer {
+    fn version(&self) -> PolicyVersion {
+        self.inner.version()
+    }
+    fn train_step(&mut self, batch: &[RolloutGroup]) -> Result<TrainStepOutput, BackendError> {
+        self.batches
+            .lock()
+            .unwrap()
+            .push((self.inner.version(), batch.to_vec()));
+        self.inner.train_step(batch)
+    }
+    fn snapshot(&self) -> WeightSnapshot {
+        self.inner.snapshot()
+    }
+    fn checkpoint(&mut self, dir: &Path) -> Result<(), BackendError> {
+        self.inner.checkpoint(dir)
+    }
+    fn restore(&mut self, dir: &Path) -> Result<(), BackendError> {
+        self.inner.restore(dir)
+    }
+}
 
 /// A small, fast simulated pipeline; `extra` is appended (later keys win via sections given once).
 pub fn config(rollout_extra: &str, sim_extra: &str) -> Config {
@@ -29,8 +88,8 @@ prefill_seconds_per_token = 0.0
 
 [engine.simulated.lengths.default]
 distribution = "uniform"
-min = 4
-max = 60
+min = 20
+max = 240
 
 [trainer.simulated]
 step_base_seconds = 0.002
