@@ -21,6 +21,12 @@ pub struct Cli {
 pub enum Command {
     /// Validate a config file and print the resolved config as TOML.
     Check(ConfigArgs),
+    /// Create and inspect Hugging Face model directories.
+    #[command(subcommand)]
+    Model(ModelCommand),
+    /// Measure throughput of the parts of Sluice on this machine.
+    #[command(subcommand)]
+    Bench(BenchCommand),
     /// Serve the built-in tasks' environments over the remote env protocol (JSON over HTTP).
     EnvServer(EnvServerArgs),
 }
@@ -59,4 +65,60 @@ pub struct EnvServerArgs {
     /// died without closing); must exceed the call timeout.
     #[arg(long, default_value_t = 600.0)]
     pub idle_timeout_s: f64,
+}
+
+/// `sluice model ...`
+#[derive(Debug, Subcommand)]
+pub enum ModelCommand {
+    /// Write a built-in preset (config, seeded random weights, tokenizer, chat template).
+    Init(ModelInitArgs),
+    /// Print a model directory's architecture, parameter count and tokenizer facts.
+    Info(ModelInfoArgs),
+}
+
+/// `sluice model init`
+#[derive(Debug, clap::Args)]
+pub struct ModelInitArgs {
+    /// Which preset: `tiny` (tests, quickstart) or `small` (~76M parameters, benchmarks).
+    #[arg(long, value_parser = parse_preset)]
+    pub preset: sluice_core::config::ModelPreset,
+    /// Directory to write (created if needed; existing weight files are replaced).
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Seed of the random weights.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}
+
+/// `sluice model info`
+#[derive(Debug, clap::Args)]
+pub struct ModelInfoArgs {
+    /// The model directory.
+    pub dir: PathBuf,
+}
+
+fn parse_preset(s: &str) -> Result<sluice_core::config::ModelPreset, String> {
+    match s {
+        "tiny" => Ok(sluice_core::config::ModelPreset::Tiny),
+        "small" => Ok(sluice_core::config::ModelPreset::Small),
+        other => Err(format!("unknown preset `{other}` (tiny, small)")),
+    }
+}
+
+/// `sluice bench ...`
+#[derive(Debug, Subcommand)]
+pub enum BenchCommand {
+    /// Model: training forward+backward and decode tokens/s next to this machine's bounds.
+    Model(BenchModelArgs),
+}
+
+/// `sluice bench model`
+#[derive(Debug, clap::Args)]
+pub struct BenchModelArgs {
+    /// Presets to measure (repeatable; default: tiny and small).
+    #[arg(long = "preset", value_parser = parse_preset)]
+    pub presets: Vec<sluice_core::config::ModelPreset>,
+    /// Decode batch sizes.
+    #[arg(long = "batch", default_values_t = [1usize, 8, 64])]
+    pub batches: Vec<usize>,
 }

@@ -1,16 +1,20 @@
 //! One module per subcommand; each takes its parsed arguments and returns an exit code.
 
+mod bench_model;
 mod check;
 mod env_server;
+mod model;
 
 use std::process::ExitCode;
 
-use crate::cli::Command;
+use crate::cli::{BenchCommand, Command};
 
 /// Runs one command.
 pub fn run(command: Command) -> anyhow::Result<ExitCode> {
     match command {
         Command::Check(args) => check::run(&args),
+        Command::Model(cmd) => model::run(cmd),
+        Command::Bench(BenchCommand::Model(args)) => bench_model::run(&args),
         Command::EnvServer(args) => env_server::run(&args),
     }
 }

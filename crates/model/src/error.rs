@@ -1,0 +1,140 @@
+//! The model crate's error type: every variant names what failed and where (file, field, tensor),
+//! and `kind()` gives a short stable name for metric labels.
+
+use std::path::PathBuf;
+
+/// Anything the model crate can refuse or fail at.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    /// `config.json` has a field that is missing, malformed or not supported.
+    #[error("model config {path}: field `{field}`: {reason}")]
+    Config {
+        /// The file (or `<memory>` for a config built in code).
+        path: String,
+        /// The offending field.
+        field: String,
+        /// What was expected.
+        reason: String,
+    },
+    /// A file could not be read or written.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// A JSON file could not be parsed or written.
+    #[error("{path}: invalid JSON: {source}")]
+    Json {
+        /// The file.
+        path: PathBuf,
+        /// The parser's error.
+        source: serde_json::Error,
+    },
+    /// A safetensors file could not be parsed or written.
+    #[error("{path}: safetensors: {reason}")]
+    Safetensors {
+        /// The file.
+        path: PathBuf,
+        /// What went wrong.
+        reason: String,
+    },
+    /// A tensor the architecture needs is not in the checkpoint.
+    #[error("tensor `{name}` is missing from the checkpoint in {dir}")]
+    MissingTensor {
+        /// HF tensor name, e.g. `model.layers.0.self_attn.q_proj.weight`.
+        name: String,
+        /// The checkpoint directory.
+        dir: PathBuf,
+    },
+    /// A tensor has the wrong shape for the config.
+    #[error("tensor `{name}` has shape {actual:?}, config implies {expected:?}")]
+    TensorShape {
+        /// HF tensor name.
+        name: String,
+        /// Shape implied by config.json.
+        expected: Vec<usize>,
+        /// Shape found.
+        actual: Vec<usize>,
+    },
+    /// A tensor operation failed (shape mismatch, device error, out of memory).
+    #[error("{context}: {source}")]
+    Tensor {
+        /// What was being computed.
+        context: String,
+        /// candle's error.
+        source: candle_core::Error,
+    },
+    /// `tokenizer.json` or the token configuration could not be used.
+    #[error("tokenizer {path}: {reason}")]
+    Tokenizer {
+        /// The file (or what was being tokenized).
+        path: String,
+        /// What went wrong.
+        reason: String,
+    },
+    /// The chat template could not be compiled or rendered.
+    #[error("chat template: {reason}")]
+    ChatTemplate {
+        /// minijinja's message, with the line when it has one.
+        reason: String,
+    },
+    /// A caller passed inconsistent input (lengths, unknown sequence, token out of vocabulary).
+    #[error("invalid input: {reason}")]
+    Input {
+        /// What was inconsistent.
+        reason: String,
+    },
+}
+
+impl ModelError {
+    /// Short stable name, used as a metric label.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            ModelError::Config { .. } => "invalid_model_config",
+            ModelError::Io { .. } => "model_io",
+            ModelError::Json { .. } => "model_json",
+            ModelError::Safetensors { .. } => "safetensors",
+            ModelError::MissingTensor { .. } => "missing_tensor",
+            ModelError::TensorShape { .. } => "tensor_shape",
+            ModelError::Tensor { .. } => "tensor_op",
+            ModelError::Tokenizer { .. } => "tokenizer",
+            ModelError::ChatTemplate { .. } => "chat_template",
+            ModelError::Input { .. } => "invalid_input",
+        }
+    }
+
+    /// An invalid-input error.
+    pub(crate) fn input(reason: impl Into<String>) -> Self {
+        ModelError::Input {
+            reason: reason.into(),
+        }
+    }
+
+    /// An I/O error on `path`.
+    pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        ModelError::Io {
+            path: path.into(),
+            source,
+        }
+    }
+}
+
+/// Result alias of this crate.
+pub type Result<T, E = ModelError> = std::result::Result<T, E>;
+
+/// Attaches a context string to candle errors (`.ctx("attention layer 3")?`).
+pub(crate) trait TensorContext<T> {
+    /// Wraps the error with `context`.
+    fn ctx(self, context: &str) -> Result<T>;
+}
+
+impl<T> TensorContext<T> for candle_core::Result<T> {
+    fn ctx(self, context: &str) -> Result<T> {
+        self.map_err(|source| ModelError::Tensor {
+            context: context.to_owned(),
+            source,
+        })
+    }
+}

@@ -1,0 +1,158 @@
+//! The decoder's parameters grouped per layer, and the per-token pieces shared by the training
+//! and inference forwards (projections, q/k norm, SwiGLU MLP). Attention itself differs between
+//! the two (packed mask vs KV cache) and lives with each.
+//!
+//! Activations here are flat token matrices `(N, hidden)`: training flattens `(B, L)`, inference
+//! concatenates the new tokens of every sequence in the step.
+
+use candle_core::{Result as CandleResult, Tensor};
+
+use crate::config::ModelConfig;
+use crate::error::Result;
+use crate::names::{EMBED, FINAL_NORM, LM_HEAD, layer_prefix};
+use crate::ops::{Kernels, rms_norm};
+
+/// One decoder layer's tensors.
+#[derive(Debug, Clone)]
+pub(crate) struct LayerWeights {
+    pub input_norm: Tensor,
+    pub q_proj: Tensor,
+    pub k_proj: Tensor,
+    pub v_proj: Tensor,
+    pub q_bias: Option<Tensor>,
+    pub k_bias: Option<Tensor>,
+    pub v_bias: Option<Tensor>,
+    pub o_proj: Tensor,
+    pub q_norm: Option<Tensor>,
+    pub k_norm: Option<Tensor>,
+    pub post_norm: Tensor,
+    pub gate_proj: Tensor,
+    pub up_proj: Tensor,
+    pub down_proj: Tensor,
+}
+
+/// All tensors of the decoder. Clones share storage (candle tensors are `Arc`s).
+#[derive(Debug, Clone)]
+pub(crate) struct DecoderWeights {
+    pub embed: Tensor,
+    pub layers: Vec<LayerWeights>,
+    pub final_norm: Tensor,
+    /// The LM head, `(vocab, hidden)`: the embedding itself when tied.
+    pub lm_head: Tensor,
+}
+
+impl DecoderWeights {
+    /// Gathers the tensors `get` returns by HF name.
+    pub(crate) fn build(
+        config: &ModelConfig,
+        mut get: impl FnMut(&str) -> Result<Tensor>,
+    ) -> Result<Self> {
+        let mut layers = Vec::with_capacity(config.num_layers);
+        for l in 0..config.num_layers {
+            let p = layer_prefix(l);
+            let mut t = |suffix: &str| get(&format!("{p}.{suffix}"));
+            let (q_bias, k_bias, v_bias) = if config.qkv_bias() {
+                (
+                    Some(t("self_attn.q_proj.bias")?),
+                    Some(t("self_attn.k_proj.bias")?),
+                    Some(t("self_attn.v_proj.bias")?),
+                )
+            } else {
+                (None, None, None)
+            };
+            let (q_norm, k_norm) = if config.qk_norm() {
+                (
+                    Some(t("self_attn.q_norm.weight")?),
+                    Some(t("self_attn.k_norm.weight")?),
+                )
+            } else {
+                (None, None)
+            };
+            layers.push(LayerWeights {
+                input_norm: t("input_layernorm.weight")?,
+                q_proj: t("self_attn.q_proj.weight")?,
+                k_proj: t("self_attn.k_proj.weight")?,
+                v_proj: t("self_attn.v_proj.weight")?,
+                q_bias,
+                k_bias,
+                v_bias,
+                o_proj: t("self_attn.o_proj.weight")?,
+                q_norm,
+                k_norm,
+                post_norm: t("post_attention_layernorm.weight")?,
+                gate_proj: t("mlp.gate_proj.weight")?,
+                up_proj: t("mlp.up_proj.weight")?,
+                down_proj: t("mlp.down_proj.weight")?,
+            });
+        }
+        let embed = get(EMBED)?;
+        let lm_head = if config.tie_word_embeddings {
+            embed.clone()
+        } else {
+            get(LM_HEAD)?
+        };
+        Ok(Self {
+            embed,
+            layers,
+            final_norm: get(FINAL_NORM)?,
+            lm_head,
+        })
+    }
+}
+
+/// `x @ w.T + b` for `x: (N, in)`, `w: (out, in)`.
+pub(crate) fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> CandleResult<Tensor> {
+    let y = x.matmul(&w.t()?)?;
+    match b {
+        Some(b) => y.broadcast_add(b),
+        None => Ok(y),
+    }
+}
+
+/// Projected heads of one layer for flat tokens.
+pub(crate) struct Qkv {
+    /// `(N, heads, head_dim)`, q-norm applied, before RoPE.
+    pub q: Tensor,
+    /// `(N, kv_heads, head_dim)`, k-norm applied, before RoPE.
+    pub k: Tensor,
+    /// `(N, kv_heads, head_dim)`.
+    pub v: Tensor,
+}
+
+impl LayerWeights {
+    /// Input norm and q/k/v projections of `x: (N, hidden)`.
+    pub(crate) fn qkv(
+        &self,
+        x: &Tensor,
+        config: &ModelConfig,
+        kernels: Kernels,
+    ) -> CandleResult<Qkv> {
+        let n = x.dim(0)?;
+        let d = config.head_dim;
+        let eps = config.rms_norm_eps;
+        let h = rms_norm(x, &self.input_norm, eps, kernels)?;
+        let q =
+            linear(&h, &self.q_proj, self.q_bias.as_ref())?.reshape((n, config.num_heads, d))?;
+        let k =
+            linear(&h, &self.k_proj, self.k_bias.as_ref())?.reshape((n, config.num_kv_heads, d))?;
+        let v =
+            linear(&h, &self.v_proj, self.v_bias.as_ref())?.reshape((n, config.num_kv_heads, d))?;
+        let q = match &self.q_norm {
+            Some(w) => rms_norm(&q, w, eps, kernels)?,
+            None => q,
+        };
+        let k = match &self.k_norm {
+            Some(w) => rms_norm(&k, w, eps, kernels)?,
+            None => k,
+        };
+        Ok(Qkv { q, k, v })
+    }
+
+    /// Residual MLP block: `x + down(silu(gate(n)) * up(n))` with `n = post_norm(x)`.
+    pub(crate) fn mlp_block(&self, x: &Tensor, eps: f64, kernels: Kernels) -> CandleResult<Tensor> {
+        let h = rms_norm(x, &self.post_norm, eps, kernels)?;
+        let gate = linear(&h, &self.gate_proj, None)?.silu()?;
+        let up = linear(&h, &self.up_proj, None)?;
+        x + linear(&(gate * up)?, &self.down_proj, None)?
+    }
+}

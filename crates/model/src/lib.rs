@@ -1,0 +1,86 @@
+//! Sluice's decoder-only transformer on candle: Llama, Qwen2 and Qwen3 checkpoints from Hugging
+//! Face directories, one implementation serving the trainer (differentiable forward over packed
+//! batches) and the engine (KV-cached prefill and ragged batched decode), tokenizer and chat
+//! templates.
+//!
+//! | module | what it holds |
+//! |---|---|
+//! | [`config`] | [`ModelConfig`] from `config.json` (Llama / Qwen2 / Qwen3, GQA, llama3 RoPE scaling), refused fields |
+//! | [`names`] | HF tensor names and shapes per config: the single list loading, saving, init and training share |
+//! | [`snapshot`] | [`WeightSnapshot`]: immutable, versioned, `Arc`-shared weights the trainer publishes and engines swap in |
+//! | [`checkpoint`] | [`load_checkpoint`] / [`save_checkpoint`]: safetensors (memory-mapped, sharded with index), HF layout |
+//! | [`batch`] | [`PackedBatch`]: sequences packed in `(B, L)` rows with positions, segments, next-token targets |
+//! | [`train`] | [`TrainableModel`]: parameters as `Var`s, [`TrainableModel::token_scores`] (log-probs + entropy, chunked) |
+//! | [`cache`] | [`KvCache`] trait and [`ContiguousKvCache`] |
+//! | [`infer`] | [`InferenceModel`]: [`InferenceModel::step`] for prefill/decode of many sequences, weight swap |
+//! | [`tokenizer`] | [`Tokenizer`]: `tokenizer.json` + special tokens, eos ids, chat template |
+//! | [`chat`] | [`ChatTemplate`] rendering as transformers does, [`CompletionParser`] for reasoning and tool calls |
+//! | [`presets`] | `tiny` / `small` directories: config, seeded weights, char tokenizer, ChatML template |
+//! | [`error`] | [`ModelError`] with stable `kind()` names |
+//!
+//! Typical use:
+//!
+//! ```no_run
+//! # fn main() -> Result<(), sluice_model::ModelError> {
+//! use std::sync::Arc;
+//! use sluice_model::*;
+//! let dir = std::path::Path::new("/tmp/tiny");
+//! presets::write_preset(presets::Preset::Tiny, dir, 0)?;
+//! let snapshot = Arc::new(load_checkpoint(dir, &LoadOptions::default())?);
+//! // Engine side: share the snapshot, decode with a cache.
+//! let model = InferenceModel::new(Arc::clone(&snapshot))?;
+//! let mut cache = ContiguousKvCache::new(model.config(), snapshot.dtype(), snapshot.device());
+//! let logits = model.step(&mut cache, &[StepInput { seq: 1, tokens: &[5, 6, 7] }], LogitsWanted::Last)?;
+//! // Trainer side: own copies as Vars, score packed batches, publish new snapshots.
+//! let trainable = TrainableModel::from_snapshot(&snapshot, candle_core::DType::F32)?;
+//! let batch = PackedBatch::from_rows(&[vec![&[5, 6, 7][..]]], 8, 0)?;
+//! let scores = trainable.token_scores(&batch, ForwardOptions::default())?;
+//! let next = trainable.snapshot(snapshot.version.next(), None)?;
+//! # let _ = (logits, scores, next); Ok(()) }
+//! ```
+//!
+//! Candle's fused `rms_norm`, `rope` and `softmax_last_dim` have no backward rules; they are used
+//! only on the inference path ([`ops::Kernels`]).
+
+pub mod batch;
+pub mod cache;
+pub mod chat;
+pub mod checkpoint;
+pub mod config;
+pub mod error;
+pub mod infer;
+mod layers;
+pub mod names;
+pub mod ops;
+pub mod presets;
+mod scores;
+pub mod snapshot;
+pub mod tokenizer;
+pub mod train;
+
+/// The candle version this crate is built on, for callers that build tensors themselves.
+pub use candle_core as candle;
+
+pub use batch::PackedBatch;
+pub use cache::{ContiguousKvCache, KvCache, SeqId};
+pub use chat::{ChatOptions, ChatTemplate, CompletionParseError, CompletionParser};
+pub use checkpoint::{LoadOptions, SaveOptions, copy_aux_files, load_checkpoint, save_checkpoint};
+pub use config::{Architecture, ModelConfig};
+pub use error::{ModelError, Result};
+pub use infer::{InferenceModel, LogitsWanted, StepInput, argmax_rows};
+pub use snapshot::WeightSnapshot;
+pub use tokenizer::Tokenizer;
+pub use train::{ForwardOptions, TokenScores, TrainableModel};
+
+/// The candle device for a config's `device` value (`cuda:N` needs the `cuda` feature).
+pub fn device(device: sluice_core::config::Device) -> Result<candle_core::Device> {
+    match device {
+        sluice_core::config::Device::Cpu => Ok(candle_core::Device::Cpu),
+        sluice_core::config::Device::Cuda(i) => {
+            candle_core::Device::new_cuda(i as usize).map_err(|source| ModelError::Tensor {
+                context: format!("opening cuda:{i} (is the `cuda` feature on?)"),
+                source,
+            })
+        }
+    }
+}

@@ -1,0 +1,187 @@
+//! The three ops where training and inference part ways: RMSNorm, rotary embeddings and softmax.
+//!
+//! [`Kernels::Differentiable`] builds each from elementary candle ops that have backward rules;
+//! candle-nn's fused `rms_norm`, `rope` and `softmax_last_dim` have none and would silently cut
+//! gradients, so they are only used with [`Kernels::Fused`] (inference). Also here: the RoPE
+//! frequency table, including Llama-3 scaling.
+
+use candle_core::{D, DType, Device, Result, Tensor};
+
+use crate::config::{Llama3RopeScaling, ModelConfig};
+
+/// Which implementation of the shared ops a forward pass uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kernels {
+    /// Elementary ops only: gradients flow (training, and reference computations in tests).
+    Differentiable,
+    /// candle-nn's fused kernels: faster, no gradients (inference).
+    Fused,
+}
+
+/// The dtype norms and rotary tables are computed in: f64 stays f64, the rest goes to f32.
+pub(crate) fn compute_dtype(dtype: DType) -> DType {
+    if dtype == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    }
+}
+
+/// RMSNorm over the last dim: `w * (x / sqrt(mean(x²) + eps))`, statistics in f32 (or f64).
+pub(crate) fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64, kernels: Kernels) -> Result<Tensor> {
+    match kernels {
+        Kernels::Fused => candle_nn::ops::rms_norm(&x.contiguous()?, weight, eps as f32),
+        Kernels::Differentiable => {
+            let dtype = x.dtype();
+            let xf = x.to_dtype(compute_dtype(dtype))?;
+            let inv_rms = (xf.sqr()?.mean_keepdim(D::Minus1)? + eps)?
+                .sqrt()?
+                .recip()?;
+            xf.broadcast_mul(&inv_rms)?
+                .to_dtype(dtype)?
+                .broadcast_mul(weight)
+        }
+    }
+}
+
+/// Softmax over the last dim. The max is subtracted for stability and detached: softmax does
+/// not depend on it, so its gradient is exactly zero and need not be traced.
+pub(crate) fn softmax_last_dim(x: &Tensor, kernels: Kernels) -> Result<Tensor> {
+    match kernels {
+        Kernels::Fused => candle_nn::ops::softmax_last_dim(&x.contiguous()?),
+        Kernels::Differentiable => {
+            let max = x.max_keepdim(D::Minus1)?.detach();
+            let e = x.broadcast_sub(&max)?.exp()?;
+            e.broadcast_div(&e.sum_keepdim(D::Minus1)?)
+        }
+    }
+}
+
+/// Rotates `x` of shape `(B, heads, T, head_dim)` by the angles in `cos`/`sin` of shape
+/// `(B, T, head_dim/2)`, the "rotate half" convention of HF Llama/Qwen.
+pub(crate) fn apply_rope(
+    x: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    kernels: Kernels,
+) -> Result<Tensor> {
+    match kernels {
+        Kernels::Fused => candle_nn::rotary_emb::rope(&x.contiguous()?, cos, sin),
+        Kernels::Differentiable => {
+            let half = x.dim(D::Minus1)? / 2;
+            let x1 = x.narrow(D::Minus1, 0, half)?;
+            let x2 = x.narrow(D::Minus1, half, half)?;
+            // (B, T, d/2) → (B, 1, T, d/2), broadcast over heads.
+            let cos = cos.unsqueeze(1)?;
+            let sin = sin.unsqueeze(1)?;
+            let r1 = (x1.broadcast_mul(&cos)? - x2.broadcast_mul(&sin)?)?;
+            let r2 = (x2.broadcast_mul(&cos)? + x1.broadcast_mul(&sin)?)?;
+            Tensor::cat(&[r1, r2], D::Minus1)
+        }
+    }
+}
+
+/// Inverse frequencies of the rotary embedding, `(head_dim/2,)`.
+#[derive(Debug, Clone)]
+pub(crate) struct Rope {
+    inv_freq: Vec<f64>,
+}
+
+impl Rope {
+    pub(crate) fn new(config: &ModelConfig) -> Self {
+        let d = config.head_dim;
+        let mut inv_freq: Vec<f64> = (0..d / 2)
+            .map(|i| 1.0 / config.rope_theta.powf((2 * i) as f64 / d as f64))
+            .collect();
+        if let Some(s) = config.rope_scaling {
+            llama3_scale(&mut inv_freq, &s);
+        }
+        Self { inv_freq }
+    }
+
+    /// `(cos, sin)` for `positions`, each shaped `(rows, cols, head_dim/2)` in `dtype`, where
+    /// `positions.len() == rows * cols`.
+    pub(crate) fn cos_sin(
+        &self,
+        positions: &[u32],
+        (rows, cols): (usize, usize),
+        dtype: DType,
+        device: &Device,
+    ) -> Result<(Tensor, Tensor)> {
+        let cdt = compute_dtype(dtype);
+        let half = self.inv_freq.len();
+        let pos = Tensor::from_iter(positions.iter().map(|&p| f64::from(p)), device)?
+            .to_dtype(cdt)?
+            .reshape((rows * cols, 1))?;
+        let inv = Tensor::from_slice(&self.inv_freq, (1, half), device)?.to_dtype(cdt)?;
+        let angles = pos.broadcast_mul(&inv)?.reshape((rows, cols, half))?;
+        Ok((
+            angles.cos()?.to_dtype(dtype)?,
+            angles.sin()?.to_dtype(dtype)?,
+        ))
+    }
+}
+
+/// Llama-3 frequency scaling: long wavelengths divided by `factor`, short ones kept, a smooth
+/// blend between (as transformers' `_compute_llama3_parameters`).
+fn llama3_scale(inv_freq: &mut [f64], s: &Llama3RopeScaling) {
+    let old = s.original_max_position_embeddings as f64;
+    let low_wavelen = old / s.low_freq_factor;
+    let high_wavelen = old / s.high_freq_factor;
+    for f in inv_freq.iter_mut() {
+        let wavelen = 2.0 * std::f64::consts::PI / *f;
+        if wavelen > low_wavelen {
+            *f /= s.factor;
+        } else if wavelen >= high_wavelen {
+            let smooth =
+                (old / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
+            *f = (1.0 - smooth) * *f / s.factor + smooth * *f;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn llama3_scaling_divides_long_wavelengths_and_keeps_short_ones() {
+        let s = Llama3RopeScaling {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8192,
+        };
+        // wavelen 2π/1 ≈ 6.3 < 2048: kept; 2π/1e-4 ≈ 62832 > 8192: divided by 8.
+        let mut f = [1.0, 1e-4, 2.0 * std::f64::consts::PI / 4096.0];
+        llama3_scale(&mut f, &s);
+        assert_eq!(f[0], 1.0);
+        assert!((f[1] - 1e-4 / 8.0).abs() < 1e-15);
+        // wavelen 4096 sits between: smooth = (2 - 1) / 3.
+        let base = 2.0 * std::f64::consts::PI / 4096.0;
+        let expected = (2.0 / 3.0) * base / 8.0 + (1.0 / 3.0) * base;
+        assert!((f[2] - expected).abs() < 1e-15);
+    }
+
+    #[test]
+    fn fused_and_differentiable_kernels_agree() -> Result<()> {
+        let dev = Device::Cpu;
+        let x = Tensor::randn(0f32, 1.0, (2, 3, 5, 8), &dev)?;
+        let w = Tensor::randn(0f32, 1.0, 8, &dev)?;
+        let max_diff = |a: Tensor, b: Tensor| -> Result<f32> {
+            (a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()
+        };
+        let a = rms_norm(&x, &w, 1e-6, Kernels::Fused)?;
+        let b = rms_norm(&x, &w, 1e-6, Kernels::Differentiable)?;
+        assert!(max_diff(a, b)? < 1e-5);
+        let a = softmax_last_dim(&x, Kernels::Fused)?;
+        let b = softmax_last_dim(&x, Kernels::Differentiable)?;
+        assert!(max_diff(a, b)? < 1e-6);
+        let cos = Tensor::randn(0f32, 1.0, (2, 5, 4), &dev)?;
+        let sin = Tensor::randn(0f32, 1.0, (2, 5, 4), &dev)?;
+        let a = apply_rope(&x, &cos, &sin, Kernels::Fused)?;
+        let b = apply_rope(&x, &cos, &sin, Kernels::Differentiable)?;
+        assert!(max_diff(a, b)? < 1e-5);
+        Ok(())
+    }
+}

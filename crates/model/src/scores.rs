@@ -1,0 +1,165 @@
+//! Per-token log-probability and entropy from final hidden states, in chunks of rows so the
+//! `(N, vocab)` logits never exist at once — not in the forward pass, and not in the backward
+//! pass either.
+//!
+//! Autograd would keep every chunk's logits alive until `backward`, so the computation is a
+//! custom op: the forward computes the values chunk by chunk on detached tensors, and the
+//! backward recomputes each chunk's logits to form the gradients:
+//!
+//! * `d logp[t] / dz = onehot(t) − p`
+//! * `d H / dz = −p ⊙ (log p + H)` where `H = −Σ p log p`
+//!
+//! and with `G = g_logp · (onehot − p) + g_H · (−p ⊙ (log p + H))` for one chunk,
+//! `dL/dh = G W` and `dL/dW += Gᵀ h`.
+
+use candle_core::{CpuStorage, CustomOp2, D, Layout, Shape, Tensor};
+
+use crate::ops::compute_dtype;
+
+/// Output column 0 is `log p(target)`, column 1 the entropy, both in the compute dtype
+/// (f32, or f64 for f64 models).
+pub(crate) fn token_scores(
+    hidden: &Tensor,
+    head: &Tensor,
+    targets: &Tensor,
+    chunk_rows: usize,
+) -> candle_core::Result<Tensor> {
+    let chunk_rows = chunk_rows.max(1);
+    let values = forward_values(&hidden.detach(), &head.detach(), targets, chunk_rows)?;
+    hidden.apply_op2(
+        head,
+        TokenScoreOp {
+            targets: targets.clone(),
+            chunk_rows,
+            values,
+        },
+    )
+}
+
+fn chunk_values(
+    h: &Tensor,
+    w: &Tensor,
+    targets: &Tensor,
+) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
+    // (c, V) logits in the compute dtype.
+    let logits = h.matmul(&w.t()?)?;
+    let max = logits.max_keepdim(D::Minus1)?;
+    let shifted = logits.broadcast_sub(&max)?;
+    let lse = shifted.exp()?.sum_keepdim(D::Minus1)?.log()?;
+    let logp = shifted.broadcast_sub(&lse)?;
+    let target_logp = logp.gather(&targets.unsqueeze(1)?, 1)?;
+    let p = logp.exp()?;
+    let entropy = (p.mul(&logp)?.sum_keepdim(D::Minus1)? * -1.0)?;
+    Ok((logp, target_logp, entropy))
+}
+
+fn forward_values(
+    hidden: &Tensor,
+    head: &Tensor,
+    targets: &Tensor,
+    chunk_rows: usize,
+) -> candle_core::Result<Tensor> {
+    let cdt = compute_dtype(hidden.dtype());
+    let w = head.to_dtype(cdt)?;
+    let n = hidden.dim(0)?;
+    let mut parts = Vec::with_capacity(n.div_ceil(chunk_rows));
+    for start in (0..n).step_by(chunk_rows) {
+        let len = chunk_rows.min(n - start);
+        let h = hidden.narrow(0, start, len)?.to_dtype(cdt)?;
+        let t = targets.narrow(0, start, len)?;
+        let (_, target_logp, entropy) = chunk_values(&h, &w, &t)?;
+        parts.push(Tensor::cat(&[target_logp, entropy], 1)?);
+    }
+    Tensor::cat(&parts, 0)
+}
+
+/// The stashed values as CPU storage (the op's forward output).
+fn stashed_cpu(t: &Tensor) -> candle_core::Result<(CpuStorage, Shape)> {
+    use candle_core::backend::BackendStorage;
+    let (storage, layout) = t.storage_and_layout();
+    match &*storage {
+        candle_core::Storage::Cpu(s) => Ok((s.try_clone(layout)?, layout.shape().clone())),
+        _ => candle_core::bail!("token scores: values are not on the CPU"),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn stashed_cuda(t: &Tensor) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+    use candle_core::backend::BackendStorage;
+    let (storage, layout) = t.storage_and_layout();
+    match &*storage {
+        candle_core::Storage::Cuda(s) => Ok((s.try_clone(layout)?, layout.shape().clone())),
+        _ => candle_core::bail!("token scores: values are not on the GPU"),
+    }
+}
+
+/// The differentiable node: forward hands back the stashed values, backward recomputes logits
+/// chunk by chunk.
+struct TokenScoreOp {
+    targets: Tensor,
+    chunk_rows: usize,
+    values: Tensor,
+}
+
+impl CustomOp2 for TokenScoreOp {
+    fn name(&self) -> &'static str {
+        "token-scores"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        stashed_cpu(&self.values)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        stashed_cuda(&self.values)
+    }
+
+    fn bwd(
+        &self,
+        hidden: &Tensor,
+        head: &Tensor,
+        _res: &Tensor,
+        grad_res: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let hidden = hidden.detach();
+        let head = head.detach();
+        let cdt = compute_dtype(hidden.dtype());
+        let w = head.to_dtype(cdt)?;
+        let grad_res = grad_res.to_dtype(cdt)?;
+        let n = hidden.dim(0)?;
+        let mut grad_w = Tensor::zeros(w.shape(), cdt, w.device())?;
+        let mut grad_h = Vec::with_capacity(n.div_ceil(self.chunk_rows));
+        for start in (0..n).step_by(self.chunk_rows) {
+            let len = self.chunk_rows.min(n - start);
+            let h = hidden.narrow(0, start, len)?.to_dtype(cdt)?;
+            let t = self.targets.narrow(0, start, len)?;
+            let g = grad_res.narrow(0, start, len)?;
+            let g_logp = g.narrow(1, 0, 1)?.contiguous()?;
+            let g_ent = g.narrow(1, 1, 1)?;
+            let (logp, _, entropy) = chunk_values(&h, &w, &t)?;
+            let p = logp.exp()?;
+            // G = −p ⊙ (g_logp + g_H (log p + H)), then + g_logp at the target column.
+            let inner = logp.broadcast_add(&entropy)?.broadcast_mul(&g_ent)?;
+            let gz = (p.mul(&inner.broadcast_add(&g_logp)?)? * -1.0)?;
+            let gz = gz.scatter_add(&t.unsqueeze(1)?, &g_logp, 1)?;
+            grad_h.push(gz.matmul(&w)?);
+            grad_w = (grad_w + gz.t()?.matmul(&h)?)?;
+        }
+        let grad_h = Tensor::cat(&grad_h, 0)?.to_dtype(hidden.dtype())?;
+        let grad_w = grad_w.to_dtype(head.dtype())?;
+        Ok((Some(grad_h), Some(grad_w)))
+    }
+}

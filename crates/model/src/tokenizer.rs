@@ -1,0 +1,192 @@
+//! [`Tokenizer`]: `tokenizer.json` through the tokenizers crate, plus what the surrounding files
+//! say about special tokens, end-of-sequence ids and the chat template.
+//!
+//! Sources, as transformers reads them: `tokenizer_config.json` (`bos_token`, `eos_token`,
+//! `pad_token`, `unk_token` — strings or `{"content": …}` objects — and `chat_template`, a string
+//! or a list of named templates), `chat_template.jinja` (newer layout, wins when present), and
+//! `generation_config.json` (`eos_token_id`, one id or a list: generation stops on any of them).
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use serde_json::Value;
+use sluice_core::Message;
+
+use crate::chat::{ChatOptions, ChatTemplate};
+use crate::checkpoint::read_json;
+use crate::error::{ModelError, Result};
+
+/// A loaded tokenizer with its special tokens and chat template.
+#[derive(Debug)]
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    special_tokens: BTreeMap<String, String>,
+    eos_token_ids: Vec<u32>,
+    pad_token_id: Option<u32>,
+    chat_template: Option<ChatTemplate>,
+}
+
+impl Tokenizer {
+    /// Loads `dir/tokenizer.json` and the optional config files next to it.
+    pub fn from_dir(dir: &Path) -> Result<Self> {
+        let path = dir.join("tokenizer.json");
+        let inner = tokenizers::Tokenizer::from_file(&path).map_err(|e| ModelError::Tokenizer {
+            path: path.display().to_string(),
+            reason: e.to_string(),
+        })?;
+        let config_path = dir.join("tokenizer_config.json");
+        let config = if config_path.exists() {
+            read_json(&config_path)?
+        } else {
+            Value::Null
+        };
+        let mut special_tokens = BTreeMap::new();
+        for key in ["bos_token", "eos_token", "pad_token", "unk_token"] {
+            if let Some(s) = token_string(config.get(key)) {
+                special_tokens.insert(key.to_owned(), s);
+            }
+        }
+        let jinja_path = dir.join("chat_template.jinja");
+        let source = if jinja_path.exists() {
+            Some(std::fs::read_to_string(&jinja_path).map_err(|e| ModelError::io(&jinja_path, e))?)
+        } else {
+            template_source(config.get("chat_template"))
+        };
+        let chat_template = source
+            .map(|s| ChatTemplate::new(&s, special_tokens.clone()))
+            .transpose()?;
+        let mut eos_token_ids = Vec::new();
+        let gen_path = dir.join("generation_config.json");
+        if gen_path.exists() {
+            eos_token_ids.extend(ids(read_json(&gen_path)?.get("eos_token_id")));
+        }
+        let lookup = |key: &str| special_tokens.get(key).and_then(|t| inner.token_to_id(t));
+        if let Some(id) = lookup("eos_token")
+            && !eos_token_ids.contains(&id)
+        {
+            eos_token_ids.push(id);
+        }
+        let pad_token_id = lookup("pad_token");
+        Ok(Self {
+            inner,
+            special_tokens,
+            eos_token_ids,
+            pad_token_id,
+            chat_template,
+        })
+    }
+
+    /// Token ids of `text`; `add_special_tokens` applies the tokenizer's post-processor (e.g. a
+    /// BOS token). Chat prompts already contain their special tokens: pass false for them.
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
+        self.inner
+            .encode(text, add_special_tokens)
+            .map(|e| e.get_ids().to_vec())
+            .map_err(|e| ModelError::Tokenizer {
+                path: "<encode>".into(),
+                reason: e.to_string(),
+            })
+    }
+
+    /// Text of `ids`; `skip_special_tokens` drops special added tokens (not `<think>`-style
+    /// non-special ones).
+    pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
+        self.inner
+            .decode(ids, skip_special_tokens)
+            .map_err(|e| ModelError::Tokenizer {
+                path: "<decode>".into(),
+                reason: e.to_string(),
+            })
+    }
+
+    /// The id of a token string.
+    pub fn token_to_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    /// The string of a token id.
+    pub fn id_to_token(&self, id: u32) -> Option<String> {
+        self.inner.id_to_token(id)
+    }
+
+    /// Number of token ids, added tokens included.
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    /// Ids that end generation (generation config first, then the tokenizer's `eos_token`).
+    pub fn eos_token_ids(&self) -> &[u32] {
+        &self.eos_token_ids
+    }
+
+    /// The padding id, if the tokenizer config names a pad token.
+    pub fn pad_token_id(&self) -> Option<u32> {
+        self.pad_token_id
+    }
+
+    /// `bos_token`, `eos_token`, `pad_token`, `unk_token` strings that are set.
+    pub fn special_tokens(&self) -> &BTreeMap<String, String> {
+        &self.special_tokens
+    }
+
+    /// The chat template, if the checkpoint has one.
+    pub fn chat_template(&self) -> Option<&ChatTemplate> {
+        self.chat_template.as_ref()
+    }
+
+    /// Renders `messages` with the checkpoint's template.
+    pub fn apply_chat_template(
+        &self,
+        messages: &[Message],
+        options: &ChatOptions,
+    ) -> Result<String> {
+        self.chat_template
+            .as_ref()
+            .ok_or_else(|| ModelError::ChatTemplate {
+                reason: "the checkpoint has no chat_template".into(),
+            })?
+            .render(messages, options)
+    }
+
+    /// The underlying tokenizers object, for what this wrapper does not cover.
+    pub fn inner(&self) -> &tokenizers::Tokenizer {
+        &self.inner
+    }
+}
+
+/// A special token given as `"<s>"` or `{"content": "<s>", …}`.
+fn token_string(v: Option<&Value>) -> Option<String> {
+    match v? {
+        Value::String(s) => Some(s.clone()),
+        Value::Object(m) => m.get("content")?.as_str().map(str::to_owned),
+        _ => None,
+    }
+}
+
+/// `chat_template` as a string, or the `default` entry of a list of `{name, template}`.
+fn template_source(v: Option<&Value>) -> Option<String> {
+    match v? {
+        Value::String(s) => Some(s.clone()),
+        Value::Array(list) => list
+            .iter()
+            .find(|t| t.get("name").and_then(Value::as_str) == Some("default"))
+            .and_then(|t| t.get("template")?.as_str().map(str::to_owned)),
+        _ => None,
+    }
+}
+
+/// One id or a list of ids.
+fn ids(v: Option<&Value>) -> Vec<u32> {
+    match v {
+        Some(Value::Array(a)) => a
+            .iter()
+            .filter_map(|x| x.as_u64().and_then(|n| u32::try_from(n).ok()))
+            .collect(),
+        Some(x) => x
+            .as_u64()
+            .and_then(|n| u32::try_from(n).ok())
+            .into_iter()
+            .collect(),
+        None => Vec::new(),
+    }
+}

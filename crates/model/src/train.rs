@@ -1,0 +1,218 @@
+//! [`TrainableModel`]: parameters as candle `Var`s and the differentiable forward over packed
+//! batches, returning per-token log-probabilities and entropies.
+
+use std::sync::Arc;
+
+use candle_core::{D, DType, Device, Tensor, Var};
+use sluice_core::PolicyVersion;
+
+use crate::batch::PackedBatch;
+use crate::config::ModelConfig;
+use crate::error::{ModelError, Result, TensorContext};
+use crate::layers::{DecoderWeights, linear};
+use crate::ops::{Kernels, Rope, apply_rope, compute_dtype, softmax_last_dim};
+use crate::scores::token_scores;
+use crate::snapshot::WeightSnapshot;
+
+/// Per-slot results of [`TrainableModel::token_scores`], each `(B, L)` in f32 (f64 for an f64
+/// model) and differentiable with respect to every parameter.
+#[derive(Debug, Clone)]
+pub struct TokenScores {
+    /// `log softmax(z)[target]`: natural-log probability of `target_ids` given the prefix of its
+    /// sequence, with `z` the raw logits (temperature 1).
+    pub logprobs: Tensor,
+    /// `−Σ_v p_v log p_v` of the same distribution, in nats.
+    pub entropy: Tensor,
+}
+
+/// Options of the training forward.
+#[derive(Debug, Clone, Copy)]
+pub struct ForwardOptions {
+    /// Rows of the `(B·L, vocab)` logits computed at a time.
+    pub logits_chunk_rows: usize,
+}
+
+impl Default for ForwardOptions {
+    fn default() -> Self {
+        Self {
+            logits_chunk_rows: 1024,
+        }
+    }
+}
+
+/// The trainer's model: owns its parameters as `Var`s (fresh storage, never shared with a
+/// snapshot), so an optimizer may update them in place.
+#[derive(Debug)]
+pub struct TrainableModel {
+    config: Arc<ModelConfig>,
+    vars: Vec<(String, Var)>,
+    weights: DecoderWeights,
+    rope: Rope,
+}
+
+impl TrainableModel {
+    /// Copies `snapshot` into new variables of `dtype` (f32 master weights are the usual choice)
+    /// on the snapshot's device.
+    pub fn from_snapshot(snapshot: &WeightSnapshot, dtype: DType) -> Result<Self> {
+        let mut vars = Vec::with_capacity(snapshot.len());
+        for (name, t) in snapshot.iter() {
+            // `Var::from_tensor` would reuse a tensor that already is a variable: copy always.
+            let fresh = if t.dtype() == dtype {
+                t.copy()
+            } else {
+                t.to_dtype(dtype)
+            };
+            let var = Var::from_tensor(&fresh.ctx(name)?.detach()).ctx(name)?;
+            vars.push((name.to_owned(), var));
+        }
+        let config = Arc::clone(snapshot.config());
+        let weights = DecoderWeights::build(&config, |name| {
+            vars.iter()
+                .find(|(n, _)| n == name)
+                .map(|(_, v)| v.as_tensor().clone())
+                .ok_or_else(|| ModelError::MissingTensor {
+                    name: name.to_owned(),
+                    dir: "<trainable model>".into(),
+                })
+        })?;
+        let rope = Rope::new(&config);
+        Ok(Self {
+            config,
+            vars,
+            weights,
+            rope,
+        })
+    }
+
+    /// The architecture.
+    pub fn config(&self) -> &Arc<ModelConfig> {
+        &self.config
+    }
+
+    /// Every parameter with its HF name, in checkpoint order (a tied LM head appears once, as
+    /// the embedding).
+    pub fn vars(&self) -> &[(String, Var)] {
+        &self.vars
+    }
+
+    /// The parameter called `name`.
+    pub fn var(&self, name: &str) -> Option<&Var> {
+        self.vars.iter().find(|(n, _)| n == name).map(|(_, v)| v)
+    }
+
+    /// The dtype of the parameters.
+    pub fn dtype(&self) -> DType {
+        self.weights.embed.dtype()
+    }
+
+    /// The device of the parameters.
+    pub fn device(&self) -> &Device {
+        self.weights.embed.device()
+    }
+
+    /// Publishes the current parameters as an immutable snapshot: every tensor is copied into
+    /// fresh storage (converted to `dtype` when given), so later optimizer steps cannot reach it.
+    pub fn snapshot(&self, version: PolicyVersion, dtype: Option<DType>) -> Result<WeightSnapshot> {
+        WeightSnapshot::copied_from(
+            Arc::clone(&self.config),
+            version,
+            self.vars.iter().map(|(n, v)| (n.as_str(), v.as_tensor())),
+            dtype,
+        )
+    }
+
+    /// Log-probabilities of `batch.target_ids` and entropies, `(B, L)` each. Logits are formed
+    /// `options.logits_chunk_rows` rows at a time, in the forward and the backward pass.
+    pub fn token_scores(
+        &self,
+        batch: &PackedBatch,
+        options: ForwardOptions,
+    ) -> Result<TokenScores> {
+        let hidden = self.hidden_states(batch)?;
+        let targets = Tensor::new(batch.target_ids.as_slice(), self.device()).ctx("targets")?;
+        let scores = token_scores(
+            &hidden,
+            &self.weights.lm_head,
+            &targets,
+            options.logits_chunk_rows,
+        )
+        .ctx("token scores")?;
+        let shape = (batch.batch, batch.seq_len);
+        let col = |i: usize| scores.narrow(1, i, 1)?.reshape(shape);
+        Ok(TokenScores {
+            logprobs: col(0).ctx("token scores")?,
+            entropy: col(1).ctx("token scores")?,
+        })
+    }
+
+    /// Full logits `(B, L, vocab)` in the compute dtype. Materializes everything: for tests and
+    /// small evaluations, not for training.
+    pub fn logits(&self, batch: &PackedBatch) -> Result<Tensor> {
+        let hidden = self.hidden_states(batch)?;
+        let cdt = compute_dtype(self.dtype());
+        let logits = hidden
+            .to_dtype(cdt)
+            .and_then(|h| linear(&h, &self.weights.lm_head.to_dtype(cdt)?, None))
+            .ctx("logits")?;
+        logits
+            .reshape((batch.batch, batch.seq_len, self.config.vocab_size))
+            .ctx("logits")
+    }
+
+    /// Final-norm hidden states, flat `(B·L, hidden)`.
+    fn hidden_states(&self, batch: &PackedBatch) -> Result<Tensor> {
+        batch.validate(self.config.vocab_size)?;
+        let c = &self.config;
+        let (b, l) = (batch.batch, batch.seq_len);
+        let (dtype, device) = (self.dtype(), self.device().clone());
+        let kernels = Kernels::Differentiable;
+        let ids = Tensor::new(batch.input_ids.as_slice(), &device).ctx("input ids")?;
+        let mut x = self.weights.embed.index_select(&ids, 0).ctx("embedding")?;
+        let (cos, sin) = self
+            .rope
+            .cos_sin(&batch.position_ids, (b, l), dtype, &device)
+            .ctx("rotary tables")?;
+        // (B, 1, 1, L, L): broadcast over kv heads and the query heads of each group.
+        let mask = Tensor::from_vec(batch.attention_mask(), (b, 1, 1, l, l), &device)
+            .and_then(|m| m.to_dtype(dtype))
+            .ctx("attention mask")?;
+        let scale = 1.0 / (c.head_dim as f64).sqrt();
+        for (i, layer) in self.weights.layers.iter().enumerate() {
+            let context = format!("training forward, layer {i}");
+            let step = || -> candle_core::Result<Tensor> {
+                let qkv = layer.qkv(&x, c, kernels)?;
+                // (B·L, heads, d) → (B, heads, L, d)
+                let heads = |t: Tensor, n: usize| t.reshape((b, l, n, c.head_dim))?.transpose(1, 2);
+                let q = apply_rope(&heads(qkv.q, c.num_heads)?, &cos, &sin, kernels)?;
+                let k = apply_rope(&heads(qkv.k, c.num_kv_heads)?, &cos, &sin, kernels)?;
+                let v = heads(qkv.v, c.num_kv_heads)?.contiguous()?;
+                // GQA without copying k/v: group the query heads of each kv head as extra rows.
+                let g = c.kv_groups();
+                let q = q
+                    .contiguous()?
+                    .reshape((b, c.num_kv_heads, g * l, c.head_dim))?;
+                let scores = (q.matmul(&k.contiguous()?.t()?)? * scale)?;
+                let scores = scores
+                    .reshape((b, c.num_kv_heads, g, l, l))?
+                    .broadcast_add(&mask)?
+                    .reshape((b, c.num_kv_heads, g * l, l))?;
+                let att = softmax_last_dim(&scores, kernels)?.matmul(&v)?;
+                // (B, kv, g·L, d) = (B, heads, L, d) → (B·L, heads·d)
+                let att = att
+                    .reshape((b, c.num_heads, l, c.head_dim))?
+                    .transpose(1, 2)?
+                    .reshape((b * l, c.num_heads * c.head_dim))?;
+                let x = (&x + linear(&att, &layer.o_proj, None)?)?;
+                layer.mlp_block(&x, c.rms_norm_eps, kernels)
+            };
+            x = step().ctx(&context)?;
+        }
+        crate::ops::rms_norm(&x, &self.weights.final_norm, c.rms_norm_eps, kernels)
+            .ctx("final norm")
+    }
+}
+
+/// Sums `t` over everything (a scalar loss helper for tests and simple callers).
+pub fn sum_all(t: &Tensor) -> Result<Tensor> {
+    t.flatten_all().and_then(|f| f.sum(D::Minus1)).ctx("sum")
+}

@@ -1,0 +1,241 @@
+//! HF checkpoint directories: bit-exact round trips (single file and sharded, tied and untied,
+//! f32 and bf16), errors that name the broken tensor or config field.
+
+mod common;
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use candle_core::{DType, Tensor};
+use common::{snapshot, tiny_config};
+use serde_json::json;
+use sluice_model::checkpoint::{INDEX_FILE, SINGLE_FILE};
+use sluice_model::{
+    Architecture, LoadOptions, ModelConfig, SaveOptions, WeightSnapshot, load_checkpoint,
+    save_checkpoint,
+};
+
+fn bits(t: &Tensor) -> Vec<u32> {
+    // bf16/f16 → f32 is exact, so equal f32 bits mean equal original bits.
+    let v: Vec<f32> = t
+        .to_dtype(DType::F32)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    v.into_iter().map(f32::to_bits).collect()
+}
+
+fn assert_same(a: &WeightSnapshot, b: &WeightSnapshot) {
+    assert_eq!(a.len(), b.len());
+    assert_eq!(**a.config(), **b.config());
+    for (name, t) in a.iter() {
+        let u = b
+            .get(name)
+            .unwrap_or_else(|| panic!("{name} missing after reload"));
+        assert_eq!(t.dtype(), u.dtype(), "{name}");
+        assert_eq!(bits(t), bits(u), "{name} changed in the round trip");
+    }
+}
+
+#[test]
+fn round_trip_is_bit_exact_single_and_sharded_tied_and_untied() {
+    let cases = [
+        (Architecture::Qwen2, true, DType::F32),
+        (Architecture::Llama, false, DType::BF16),
+        (Architecture::Qwen3, false, DType::F32),
+    ];
+    for (arch, tied, dtype) in cases {
+        let mut config = tiny_config(arch, tied);
+        config.dtype = dtype;
+        let snap = snapshot(config, 7, dtype);
+        for shard in [None, Some(2_000)] {
+            let dir = tempfile::tempdir().unwrap();
+            let options = SaveOptions {
+                max_shard_bytes: shard,
+            };
+            save_checkpoint(&snap, dir.path(), &options).unwrap();
+            let sharded = dir.path().join(INDEX_FILE).exists();
+            assert_eq!(sharded, shard.is_some());
+            assert_eq!(dir.path().join(SINGLE_FILE).exists(), shard.is_none());
+            let loaded = load_checkpoint(dir.path(), &LoadOptions::default()).unwrap();
+            assert_same(&snap, &loaded);
+            if sharded {
+                let index: serde_json::Value = serde_json::from_str(
+                    &std::fs::read_to_string(dir.path().join(INDEX_FILE)).unwrap(),
+                )
+                .unwrap();
+                let files: std::collections::BTreeSet<&str> = index["weight_map"]
+                    .as_object()
+                    .unwrap()
+                    .values()
+                    .map(|v| v.as_str().unwrap())
+                    .collect();
+                assert!(files.len() > 1, "{files:?}");
+                assert!(index["weight_map"].get("lm_head.weight").is_some() != tied);
+            }
+            // Saving again into the same directory with the other layout leaves one layout.
+            let other = SaveOptions {
+                max_shard_bytes: if shard.is_some() { None } else { Some(2_000) },
+            };
+            save_checkpoint(&loaded, dir.path(), &other).unwrap();
+            assert_ne!(
+                dir.path().join(INDEX_FILE).exists(),
+                dir.path().join(SINGLE_FILE).exists()
+            );
+            assert_same(
+                &snap,
+                &load_checkpoint(dir.path(), &LoadOptions::default()).unwrap(),
+            );
+        }
+    }
+}
+
+#[test]
+fn loading_converts_dtype_on_request() {
+    let snap = snapshot(tiny_config(Architecture::Qwen2, true), 8, DType::F32);
+    let dir = tempfile::tempdir().unwrap();
+    save_checkpoint(&snap, dir.path(), &SaveOptions::default()).unwrap();
+    let options = LoadOptions {
+        dtype: Some(DType::BF16),
+        ..LoadOptions::default()
+    };
+    let loaded = load_checkpoint(dir.path(), &options).unwrap();
+    assert_eq!(loaded.dtype(), DType::BF16);
+}
+
+/// Rewrites `dir/model.safetensors` through `edit`.
+fn rewrite(dir: &Path, edit: impl FnOnce(&mut HashMap<String, Tensor>)) {
+    let path = dir.join(SINGLE_FILE);
+    let mut tensors = candle_core::safetensors::load(&path, &candle_core::Device::Cpu).unwrap();
+    edit(&mut tensors);
+    candle_core::safetensors::save(&tensors, &path).unwrap();
+}
+
+#[test]
+fn missing_or_misshaped_tensors_are_named() {
+    let snap = snapshot(tiny_config(Architecture::Qwen2, false), 9, DType::F32);
+    let name = "model.layers.1.self_attn.k_proj.bias";
+    let dir = tempfile::tempdir().unwrap();
+    save_checkpoint(&snap, dir.path(), &SaveOptions::default()).unwrap();
+    rewrite(dir.path(), |t| {
+        t.remove(name);
+    });
+    let err = load_checkpoint(dir.path(), &LoadOptions::default()).unwrap_err();
+    assert_eq!(err.kind(), "missing_tensor");
+    assert!(err.to_string().contains(name), "{err}");
+
+    save_checkpoint(&snap, dir.path(), &SaveOptions::default()).unwrap();
+    let name = "model.layers.0.mlp.down_proj.weight";
+    rewrite(dir.path(), |t| {
+        let w = t[name].t().unwrap().contiguous().unwrap();
+        t.insert(name.to_owned(), w);
+    });
+    let err = load_checkpoint(dir.path(), &LoadOptions::default()).unwrap_err();
+    assert_eq!(err.kind(), "tensor_shape");
+    assert!(err.to_string().contains(name), "{err}");
+
+    save_checkpoint(&snap, dir.path(), &SaveOptions::default()).unwrap();
+    rewrite(dir.path(), |t| {
+        t.remove("lm_head.weight");
+    });
+    let err = load_checkpoint(dir.path(), &LoadOptions::default()).unwrap_err();
+    assert!(
+        err.to_string().contains("lm_head.weight"),
+        "an untied head is required: {err}"
+    );
+}
+
+fn hf_config() -> serde_json::Value {
+    json!({
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": 151936,
+        "hidden_size": 1024,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000,
+        "rope_scaling": null,
+        "max_position_embeddings": 40960,
+        "tie_word_embeddings": true,
+        "torch_dtype": "bfloat16",
+        "attention_bias": false,
+        "attention_dropout": 0.0,
+        "use_sliding_window": false,
+        "sliding_window": null,
+        "max_window_layers": 28,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "use_cache": true,
+        "initializer_range": 0.02,
+        "transformers_version": "4.51.0"
+    })
+}
+
+#[test]
+fn real_configs_parse_and_round_trip() {
+    let c = ModelConfig::from_json(&hf_config(), "qwen3.json").unwrap();
+    assert_eq!(c.architecture, Architecture::Qwen3);
+    assert_eq!((c.head_dim, c.num_kv_heads, c.kv_groups()), (128, 8, 2));
+    assert_eq!(c.dtype, DType::BF16);
+    assert_eq!(c.eos_token_ids, [151645]);
+    assert!(
+        (c.num_parameters() as f64 / 1e6 - 596.0).abs() < 1.0,
+        "{}",
+        c.num_parameters()
+    );
+    let back = ModelConfig::from_json(&c.to_hf_json(), "again").unwrap();
+    assert_eq!(back, c);
+
+    let llama = json!({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 2048,
+        "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "rope_theta": 500000.0, "tie_word_embeddings": true,
+        "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "eos_token_id": [128001, 128008, 128009], "mlp_bias": false, "pretraining_tp": 1
+    });
+    let c = ModelConfig::from_json(&llama, "llama.json").unwrap();
+    assert_eq!(c.head_dim, 64);
+    assert_eq!(c.rope_scaling.unwrap().factor, 32.0);
+    assert_eq!(c.eos_token_ids, [128001, 128008, 128009]);
+    assert_eq!(ModelConfig::from_json(&c.to_hf_json(), "again").unwrap(), c);
+}
+
+#[test]
+fn unsupported_configs_are_refused_naming_the_field() {
+    let cases: Vec<(&str, serde_json::Value)> = vec![
+        ("architectures", json!(["MistralForCausalLM"])),
+        (
+            "rope_scaling.rope_type",
+            json!({"rope_type": "yarn", "factor": 4.0}),
+        ),
+        ("attention_bias", json!(true)),
+        ("hidden_act", json!("gelu")),
+        ("num_key_value_heads", json!(5)),
+        ("torch_dtype", json!("int8")),
+        ("use_sliding_window", json!(true)),
+        ("hidden_size", json!(-3)),
+    ];
+    for (field, value) in cases {
+        let mut config = hf_config();
+        let key = field.split('.').next().unwrap();
+        config[key] = value;
+        let err = ModelConfig::from_json(&config, "c.json").unwrap_err();
+        assert_eq!(err.kind(), "invalid_model_config");
+        assert!(
+            err.to_string().contains(&format!("`{field}`")),
+            "{field}: {err}"
+        );
+    }
+    let mut config = hf_config();
+    config.as_object_mut().unwrap().remove("num_hidden_layers");
+    let err = ModelConfig::from_json(&config, "c.json").unwrap_err();
+    assert!(err.to_string().contains("num_hidden_layers"), "{err}");
+}

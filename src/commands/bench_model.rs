@@ -1,0 +1,238 @@
+//! `sluice bench model`: training forward+backward and decode tokens/s for the presets, next
+//! to what this machine allows (measured memory bandwidth and matmul FLOP/s).
+//!
+//! Bounds: a training token costs at least `6 · P` FLOPs (forward + backward over the `P`
+//! parameters used as matmul weights), a decode step reads every weight once, so decode is
+//! bounded by `min(B · bandwidth / weight_bytes, flops / (2 · P))` tokens/s. Attention is
+//! left out of both (short sequences here), so real numbers sit below the bounds.
+
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Instant;
+
+use sluice_core::config::ModelPreset;
+use sluice_model::candle::{DType, Device, Tensor};
+use sluice_model::presets::{preset_config, random_snapshot};
+use sluice_model::{
+    ContiguousKvCache, ForwardOptions, InferenceModel, LogitsWanted, PackedBatch, StepInput,
+    TrainableModel, WeightSnapshot, argmax_rows,
+};
+
+use crate::cli::BenchModelArgs;
+
+/// Sizes per preset, chosen so the whole run takes a few minutes on 2 cores.
+struct Plan {
+    train_rows: usize,
+    train_len: usize,
+    train_iters: usize,
+    prompt_len: usize,
+    decode_steps: usize,
+}
+
+fn plan(preset: ModelPreset) -> Plan {
+    match preset {
+        ModelPreset::Tiny => Plan {
+            train_rows: 8,
+            train_len: 128,
+            train_iters: 3,
+            prompt_len: 16,
+            decode_steps: 32,
+        },
+        ModelPreset::Small => Plan {
+            train_rows: 1,
+            train_len: 128,
+            train_iters: 1,
+            prompt_len: 16,
+            decode_steps: 6,
+        },
+    }
+}
+
+/// Runs the benchmark and prints a table and the `RESULT model` line.
+pub fn run(args: &BenchModelArgs) -> anyhow::Result<ExitCode> {
+    let presets = if args.presets.is_empty() {
+        vec![ModelPreset::Tiny, ModelPreset::Small]
+    } else {
+        args.presets.clone()
+    };
+    let bandwidth = memory_bandwidth_bytes_per_s();
+    let flops = matmul_flops_per_s()?;
+    println!(
+        "machine: {} threads, memory bandwidth {:.1} GB/s (parallel copy), f32 matmul {:.1} GFLOP/s (1024³)",
+        threads(),
+        bandwidth / 1e9,
+        flops / 1e9
+    );
+    let mut result = vec![
+        format!("mem_bw_gbs={:.1}", bandwidth / 1e9),
+        format!("matmul_gflops={:.1}", flops / 1e9),
+    ];
+    for preset in presets {
+        let name = format!("{preset:?}").to_lowercase();
+        let config = Arc::new(preset_config(preset));
+        let snapshot = Arc::new(random_snapshot(
+            Arc::clone(&config),
+            0,
+            DType::F32,
+            &Device::Cpu,
+        )?);
+        let matmul_params = matmul_params(&config);
+        let p = plan(preset);
+        println!(
+            "\n{name}: {} parameters ({} in matmuls), f32 on CPU",
+            config.num_parameters(),
+            matmul_params
+        );
+        let train = train_tokens_per_s(&snapshot, &p)?;
+        let train_bound = flops / (6.0 * matmul_params as f64);
+        println!(
+            "  train fwd+bwd [{}x{}]  {:>10.0} tok/s   bound {:>10.0} tok/s  ({:.0}%)",
+            p.train_rows,
+            p.train_len,
+            train,
+            train_bound,
+            100.0 * train / train_bound
+        );
+        result.push(format!("{name}_train_tok_s={train:.0}"));
+        for &batch in &args.batches {
+            let decode = decode_tokens_per_s(&snapshot, batch, &p)?;
+            let weight_bytes = (config.num_parameters() * 4) as f64;
+            let bound =
+                (batch as f64 * bandwidth / weight_bytes).min(flops / (2.0 * matmul_params as f64));
+            println!(
+                "  decode batch {batch:>3}        {decode:>10.0} tok/s   bound {bound:>10.0} tok/s  ({:.0}%)",
+                100.0 * decode / bound
+            );
+            result.push(format!("{name}_decode_b{batch}_tok_s={decode:.0}"));
+        }
+    }
+    println!("RESULT model {}", result.join(" "));
+    Ok(ExitCode::SUCCESS)
+}
+
+fn threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// Parameters used as matmul weights per token (the embedding lookup is free; a tied head is a
+/// matmul with the embedding).
+fn matmul_params(config: &sluice_model::ModelConfig) -> usize {
+    let embed = config.vocab_size * config.hidden_size;
+    if config.tie_word_embeddings {
+        config.num_parameters()
+    } else {
+        config.num_parameters() - embed
+    }
+}
+
+/// Copy bandwidth with one thread per core over 256 MiB, counting read + write bytes.
+fn memory_bandwidth_bytes_per_s() -> f64 {
+    const BYTES: usize = 256 << 20;
+    let n = threads();
+    let per = BYTES / 8 / n;
+    let mut src: Vec<Vec<u64>> = (0..n).map(|i| vec![i as u64; per]).collect();
+    let mut dst: Vec<Vec<u64>> = (0..n).map(|_| vec![0u64; per]).collect();
+    let mut best = 0.0f64;
+    for round in 0..4 {
+        for s in &mut src {
+            s[0] = round;
+        }
+        let start = Instant::now();
+        std::thread::scope(|scope| {
+            for (s, d) in src.iter().zip(dst.iter_mut()) {
+                scope.spawn(move || d.copy_from_slice(s));
+            }
+        });
+        let secs = start.elapsed().as_secs_f64();
+        best = best.max((2 * per * 8 * n) as f64 / secs);
+    }
+    std::hint::black_box(&dst);
+    best
+}
+
+/// candle f32 matmul throughput on 1024×1024 operands (all cores).
+fn matmul_flops_per_s() -> anyhow::Result<f64> {
+    const N: usize = 1024;
+    let a = Tensor::randn(0f32, 1.0, (N, N), &Device::Cpu)?;
+    let b = Tensor::randn(0f32, 1.0, (N, N), &Device::Cpu)?;
+    a.matmul(&b)?;
+    let reps = 5;
+    let start = Instant::now();
+    for _ in 0..reps {
+        std::hint::black_box(a.matmul(&b)?);
+    }
+    Ok((2 * N * N * N * reps) as f64 / start.elapsed().as_secs_f64())
+}
+
+fn train_tokens_per_s(snapshot: &WeightSnapshot, p: &Plan) -> anyhow::Result<f64> {
+    let model = TrainableModel::from_snapshot(snapshot, DType::F32)?;
+    let vocab = snapshot.config().vocab_size as u32;
+    let seqs: Vec<Vec<u32>> = (0..p.train_rows)
+        .map(|r| {
+            (0..p.train_len as u32)
+                .map(|i| (i * 7 + r as u32 * 13) % vocab)
+                .collect()
+        })
+        .collect();
+    let rows: Vec<Vec<&[u32]>> = seqs.iter().map(|s| vec![s.as_slice()]).collect();
+    let batch = PackedBatch::from_rows(&rows, p.train_len, 0)?;
+    let mask: Vec<f32> = batch
+        .target_mask
+        .iter()
+        .map(|&m| f32::from(u8::from(m)))
+        .collect();
+    let mask = Tensor::from_vec(mask, (p.train_rows, p.train_len), &Device::Cpu)?;
+    let step = || -> anyhow::Result<()> {
+        let scores = model.token_scores(&batch, ForwardOptions::default())?;
+        let loss = (scores.logprobs * &mask)?.sum_all()?;
+        std::hint::black_box(loss.backward()?);
+        Ok(())
+    };
+    step()?;
+    let start = Instant::now();
+    for _ in 0..p.train_iters {
+        step()?;
+    }
+    let tokens = p.train_iters * p.train_rows * p.train_len;
+    Ok(tokens as f64 / start.elapsed().as_secs_f64())
+}
+
+fn decode_tokens_per_s(
+    snapshot: &Arc<WeightSnapshot>,
+    batch: usize,
+    p: &Plan,
+) -> anyhow::Result<f64> {
+    let model = InferenceModel::new(Arc::clone(snapshot))?;
+    let mut cache = ContiguousKvCache::new(model.config(), snapshot.dtype(), snapshot.device());
+    let vocab = snapshot.config().vocab_size as u32;
+    let prompts: Vec<Vec<u32>> = (0..batch)
+        .map(|s| {
+            (0..p.prompt_len as u32)
+                .map(|i| (i * 5 + s as u32 * 3) % vocab)
+                .collect()
+        })
+        .collect();
+    let inputs: Vec<StepInput<'_>> = prompts
+        .iter()
+        .enumerate()
+        .map(|(s, t)| StepInput {
+            seq: s as u64,
+            tokens: t,
+        })
+        .collect();
+    let mut next = argmax_rows(&model.step(&mut cache, &inputs, LogitsWanted::Last)?)?;
+    let start = Instant::now();
+    for _ in 0..p.decode_steps {
+        let tokens: Vec<[u32; 1]> = next.iter().map(|&t| [t]).collect();
+        let inputs: Vec<StepInput<'_>> = tokens
+            .iter()
+            .enumerate()
+            .map(|(s, t)| StepInput {
+                seq: s as u64,
+                tokens: t,
+            })
+            .collect();
+        next = argmax_rows(&model.step(&mut cache, &inputs, LogitsWanted::Last)?)?;
+    }
+    Ok((batch * p.decode_steps) as f64 / start.elapsed().as_secs_f64())
+}

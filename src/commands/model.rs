@@ -1,0 +1,54 @@
+//! `sluice model init|info`: write a preset model directory, or describe one.
+
+use std::process::ExitCode;
+
+use anyhow::Context;
+use sluice_model::{ModelConfig, Tokenizer, presets};
+
+use crate::cli::{ModelCommand, ModelInfoArgs, ModelInitArgs};
+
+/// Runs one `model` subcommand.
+pub fn run(command: ModelCommand) -> anyhow::Result<ExitCode> {
+    match command {
+        ModelCommand::Init(args) => init(&args),
+        ModelCommand::Info(args) => info(&args),
+    }
+}
+
+fn init(args: &ModelInitArgs) -> anyhow::Result<ExitCode> {
+    presets::write_preset(args.preset, &args.out, args.seed)
+        .with_context(|| format!("writing preset to {}", args.out.display()))?;
+    let config = presets::preset_config(args.preset);
+    println!(
+        "wrote {:?} preset ({} parameters, seed {}) to {}",
+        args.preset,
+        config.num_parameters(),
+        args.seed,
+        args.out.display()
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+fn info(args: &ModelInfoArgs) -> anyhow::Result<ExitCode> {
+    let config = ModelConfig::from_file(&args.dir.join("config.json"))?;
+    println!("architecture      {}", config.architecture.class_name());
+    println!("parameters        {}", config.num_parameters());
+    println!(
+        "layers            {} (hidden {}, intermediate {})",
+        config.num_layers, config.hidden_size, config.intermediate_size
+    );
+    println!(
+        "heads             {} query, {} key/value, head_dim {}",
+        config.num_heads, config.num_kv_heads, config.head_dim
+    );
+    println!("vocab             {}", config.vocab_size);
+    println!("tied embeddings   {}", config.tie_word_embeddings);
+    println!("dtype             {:?}", config.dtype);
+    if args.dir.join("tokenizer.json").exists() {
+        let tok = Tokenizer::from_dir(&args.dir)?;
+        println!("tokenizer vocab   {}", tok.vocab_size());
+        println!("eos ids           {:?}", tok.eos_token_ids());
+        println!("chat template     {}", tok.chat_template().is_some());
+    }
+    Ok(ExitCode::SUCCESS)
+}
