@@ -209,3 +209,25 @@ fn malformed_completions_are_errors_with_kinds() {
         CompletionParseError::UnclosedToolCall { index: 1 }
     );
 }
+
+#[test]
+fn qwen3_style_namespace_and_reverse_iteration_work() {
+    // The "last real user query" scan of Qwen3's template.
+    let source = r#"{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+    {%- set index = (messages|length - 1) - loop.index0 %}
+    {%- if ns.multi_step_tool and message.role == "user" and message.content is string and not(message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}
+        {%- set ns.multi_step_tool = false %}
+        {%- set ns.last_query_index = index %}
+    {%- endif %}
+{%- endfor %}
+{{- ns.last_query_index }}"#;
+    let t = ChatTemplate::new(source, BTreeMap::new()).unwrap();
+    let messages = [
+        Message::user("a"),
+        Message::user("b"),
+        Message::assistant("c"),
+        Message::user("<tool_response>x</tool_response>"),
+    ];
+    assert_eq!(t.render(&messages, &ChatOptions::default()).unwrap(), "1");
+}

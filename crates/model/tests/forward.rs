@@ -342,3 +342,16 @@ fn snapshots_travel_in_the_core_envelope_without_copies() {
         .is_none()
     );
 }
+
+#[test]
+fn model_types_can_move_to_compute_threads() {
+    fn send_sync<T: Send + Sync>() {}
+    fn send<T: Send>() {}
+    send_sync::<sluice_model::WeightSnapshot>();
+    send_sync::<InferenceModel>();
+    send_sync::<sluice_model::Tokenizer>();
+    send_sync::<sluice_model::ChatTemplate>();
+    send::<TrainableModel>();
+    send::<ContiguousKvCache>();
+    send::<Box<dyn KvCache>>();
+}
