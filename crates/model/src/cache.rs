@@ -14,9 +14,10 @@ pub type SeqId = u64;
 /// Keys and values of past tokens, per sequence and layer.
 ///
 /// Protocol of one model step: the model reads [`KvCache::seq_len`] of each sequence once, then
-/// for every layer in order calls [`KvCache::append`] with that step's new keys and values. The
-/// length reported by `seq_len` counts tokens appended to the last layer, so it changes only
-/// once a step has gone through every layer.
+/// for every layer in order (0 first) appends that step's new keys and values, with
+/// [`KvCache::append`] per sequence or [`KvCache::append_decode`] for a batch of one-token
+/// sequences. `seq_len` counts tokens appended to the last layer, so it changes only once a step
+/// has gone through every layer.
 pub trait KvCache: Send {
     /// Tokens cached for `seq` (0 for a sequence the cache has never seen).
     fn seq_len(&self, seq: SeqId) -> usize;
@@ -31,6 +32,52 @@ pub trait KvCache: Send {
         v: &Tensor,
     ) -> Result<(Tensor, Tensor)>;
 
+    /// Appends one token per sequence (`k`, `v`: `(B, kv_heads, head_dim)`, row `b` for
+    /// `seqs[b]`) to `layer` and returns every sequence's keys and values padded to the longest,
+    /// `(B, kv_heads, T_max, head_dim)`; slots past a sequence's own length hold anything and must
+    /// be masked by the caller. The default goes through [`KvCache::append`] one sequence at a
+    /// time; implementations override it to batch.
+    fn append_decode(
+        &mut self,
+        seqs: &[SeqId],
+        layer: usize,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<(Tensor, Tensor)> {
+        let mut ks = Vec::with_capacity(seqs.len());
+        let mut vs = Vec::with_capacity(seqs.len());
+        for (b, &seq) in seqs.iter().enumerate() {
+            let row = |t: &Tensor| t.narrow(0, b, 1)?.transpose(0, 1)?.contiguous();
+            let (k_all, v_all) = self.append(
+                seq,
+                layer,
+                &row(k).ctx("kv cache append")?,
+                &row(v).ctx("kv cache append")?,
+            )?;
+            ks.push(k_all);
+            vs.push(v_all);
+        }
+        let longest = ks.iter().map(|t| t.dim(1).unwrap_or(0)).max().unwrap_or(0);
+        let pad_stack = |ts: Vec<Tensor>| -> candle_core::Result<Tensor> {
+            let padded = ts
+                .into_iter()
+                .map(|t| {
+                    let (h, len, d) = t.dims3()?;
+                    if len == longest {
+                        return Ok(t);
+                    }
+                    let zeros = Tensor::zeros((h, longest - len, d), t.dtype(), t.device())?;
+                    Tensor::cat(&[t, zeros], 1)
+                })
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            Tensor::stack(&padded, 0)
+        };
+        Ok((
+            pad_stack(ks).ctx("kv cache padding")?,
+            pad_stack(vs).ctx("kv cache padding")?,
+        ))
+    }
+
     /// Drops `seq` and frees its memory; false if it was not there.
     fn remove(&mut self, seq: SeqId) -> bool;
 
@@ -41,8 +88,10 @@ pub trait KvCache: Send {
     fn num_tokens(&self) -> usize;
 }
 
-/// One growable `(kv_heads, capacity, head_dim)` buffer pair per sequence and layer; capacity
-/// doubles when full, so appending is amortized O(new tokens).
+/// Every sequence owns a slot of `capacity` positions in one buffer per layer,
+/// `(slots · capacity, kv_heads · head_dim)` for keys and the same for values. Slots and
+/// capacity double when exhausted (a copy of the whole cache, amortized away). One buffer per
+/// layer lets a decode step write and read every sequence with a handful of ops.
 #[derive(Debug)]
 pub struct ContiguousKvCache {
     num_layers: usize,
@@ -50,19 +99,24 @@ pub struct ContiguousKvCache {
     head_dim: usize,
     dtype: DType,
     device: Device,
-    seqs: HashMap<SeqId, Vec<LayerKv>>,
+    /// Per layer: `(keys, values)`, each `(slots · capacity, kv_heads · head_dim)`.
+    buffers: Vec<(Tensor, Tensor)>,
+    slots: usize,
+    capacity: usize,
+    free: Vec<usize>,
+    seqs: HashMap<SeqId, SlotState>,
 }
 
-#[derive(Debug)]
-struct LayerKv {
-    k: Tensor,
-    v: Tensor,
+#[derive(Debug, Clone, Copy)]
+struct SlotState {
+    slot: usize,
+    /// Tokens committed (appended to every layer).
     len: usize,
 }
 
 impl ContiguousKvCache {
     /// An empty cache for `config`'s shapes, holding `dtype` tensors on `device` (use the
-    /// weights' dtype and device).
+    /// weights' dtype and device). Memory is allocated on first use.
     pub fn new(config: &ModelConfig, dtype: DType, device: &Device) -> Self {
         Self {
             num_layers: config.num_layers,
@@ -70,26 +124,97 @@ impl ContiguousKvCache {
             head_dim: config.head_dim,
             dtype,
             device: device.clone(),
+            buffers: Vec::new(),
+            slots: 0,
+            capacity: 0,
+            free: Vec::new(),
             seqs: HashMap::new(),
         }
     }
 
-    fn empty_layer(&self, capacity: usize) -> candle_core::Result<LayerKv> {
-        let shape = (self.kv_heads, capacity, self.head_dim);
-        Ok(LayerKv {
-            k: Tensor::zeros(shape, self.dtype, &self.device)?,
-            v: Tensor::zeros(shape, self.dtype, &self.device)?,
-            len: 0,
-        })
+    fn width(&self) -> usize {
+        self.kv_heads * self.head_dim
     }
+
+    /// Makes room for at least `slots` slots of `capacity` positions, keeping the contents.
+    fn reserve(&mut self, slots: usize, capacity: usize) -> candle_core::Result<()> {
+        if slots <= self.slots && capacity <= self.capacity {
+            return Ok(());
+        }
+        let new_slots = slots.max(self.slots).next_power_of_two().max(4);
+        let new_cap = capacity.max(self.capacity).next_power_of_two().max(16);
+        let width = self.width();
+        let mut buffers = Vec::with_capacity(self.num_layers);
+        for layer in 0..self.num_layers {
+            let fresh = || Tensor::zeros((new_slots, new_cap, width), self.dtype, &self.device);
+            let (k, v) = (fresh()?, fresh()?);
+            if let Some((old_k, old_v)) = self.buffers.get(layer) {
+                let shape = (self.slots, self.capacity, width);
+                // The new buffers are private to this cache: in-place writes are safe.
+                copy_into(&k, &old_k.reshape(shape)?)?;
+                copy_into(&v, &old_v.reshape(shape)?)?;
+            }
+            let flat = (new_slots * new_cap, width);
+            buffers.push((k.reshape(flat)?, v.reshape(flat)?));
+        }
+        self.free.extend((self.slots..new_slots).rev());
+        self.buffers = buffers;
+        self.slots = new_slots;
+        self.capacity = new_cap;
+        Ok(())
+    }
+
+    /// The slot of `seq`, taking a free one for a new sequence.
+    fn slot_of(&mut self, seq: SeqId) -> candle_core::Result<SlotState> {
+        if let Some(s) = self.seqs.get(&seq) {
+            return Ok(*s);
+        }
+        if self.free.is_empty() {
+            self.reserve(self.slots + 1, self.capacity)?;
+        }
+        let slot = self.free.pop().expect("reserve added free slots");
+        let state = SlotState { slot, len: 0 };
+        self.seqs.insert(seq, state);
+        Ok(state)
+    }
+
+    fn check_layer(&self, layer: usize) -> Result<()> {
+        if layer >= self.num_layers {
+            return Err(ModelError::input(format!(
+                "layer {layer} out of range ({} layers)",
+                self.num_layers
+            )));
+        }
+        Ok(())
+    }
+
+    /// After the last layer's append, the step's tokens count.
+    fn commit(&mut self, layer: usize, seq: SeqId, n: usize) {
+        if layer + 1 == self.num_layers
+            && let Some(s) = self.seqs.get_mut(&seq)
+        {
+            s.len += n;
+        }
+    }
+}
+
+/// Copies `src` `(s, c, w)` into the leading corner of `dst` `(S ≥ s, C ≥ c, w)`.
+fn copy_into(dst: &Tensor, src: &Tensor) -> candle_core::Result<()> {
+    let (s, c, w) = src.dims3()?;
+    let dst_cap = dst.dim(1)?;
+    // Pad each slot to the new capacity, then write all slots at once.
+    let padded = if c < dst_cap {
+        let zeros = Tensor::zeros((s, dst_cap - c, w), src.dtype(), src.device())?;
+        Tensor::cat(&[src, &zeros], 1)?
+    } else {
+        src.clone()
+    };
+    dst.slice_set(&padded, 0, 0)
 }
 
 impl KvCache for ContiguousKvCache {
     fn seq_len(&self, seq: SeqId) -> usize {
-        self.seqs
-            .get(&seq)
-            .and_then(|layers| layers.last())
-            .map_or(0, |l| l.len)
+        self.seqs.get(&seq).map_or(0, |s| s.len)
     }
 
     fn append(
@@ -99,59 +224,88 @@ impl KvCache for ContiguousKvCache {
         k: &Tensor,
         v: &Tensor,
     ) -> Result<(Tensor, Tensor)> {
-        if layer >= self.num_layers {
-            return Err(ModelError::input(format!(
-                "layer {layer} out of range ({} layers)",
-                self.num_layers
-            )));
-        }
+        self.check_layer(layer)?;
         let n = k.dim(1).ctx("kv cache append")?;
-        if !self.seqs.contains_key(&seq) {
-            let layers = (0..self.num_layers)
-                .map(|_| self.empty_layer(n.next_power_of_two().max(16)))
-                .collect::<candle_core::Result<Vec<_>>>()
-                .ctx("kv cache allocation")?;
-            self.seqs.insert(seq, layers);
-        }
-        let (kv_heads, head_dim, dtype, device) = (
-            self.kv_heads,
-            self.head_dim,
-            self.dtype,
-            self.device.clone(),
-        );
-        let slot = &mut self.seqs.get_mut(&seq).expect("inserted above")[layer];
-        let mut grow = || -> candle_core::Result<()> {
-            let needed = slot.len + n;
-            let capacity = slot.k.dim(1)?;
-            if needed > capacity {
-                let new_cap = needed.next_power_of_two().max(2 * capacity);
-                let shape = (kv_heads, new_cap, head_dim);
-                let k2 = Tensor::zeros(shape, dtype, &device)?;
-                let v2 = Tensor::zeros(shape, dtype, &device)?;
-                if slot.len > 0 {
-                    k2.slice_set(&slot.k.narrow(1, 0, slot.len)?.contiguous()?, 1, 0)?;
-                    v2.slice_set(&slot.v.narrow(1, 0, slot.len)?.contiguous()?, 1, 0)?;
-                }
-                slot.k = k2;
-                slot.v = v2;
-            }
-            // The buffers are private to this cache: writing in place cannot affect a snapshot
-            // or another sequence.
-            slot.k.slice_set(&k.contiguous()?, 1, slot.len)?;
-            slot.v.slice_set(&v.contiguous()?, 1, slot.len)?;
-            slot.len += n;
-            Ok(())
+        let mut write = || -> candle_core::Result<(Tensor, Tensor)> {
+            let state = self.slot_of(seq)?;
+            self.reserve(self.slots, state.len + n)?;
+            let (kb, vb) = &self.buffers[layer];
+            let row = state.slot * self.capacity + state.len;
+            // (kv, n, d) → (n, kv·d) rows of the slot.
+            let rows = |t: &Tensor| t.transpose(0, 1)?.contiguous()?.reshape((n, ()));
+            kb.slice_set(&rows(k)?, 0, row)?;
+            vb.slice_set(&rows(v)?, 0, row)?;
+            let total = state.len + n;
+            let read = |b: &Tensor| {
+                b.narrow(0, state.slot * self.capacity, total)?
+                    .reshape((total, self.kv_heads, self.head_dim))?
+                    .transpose(0, 1)?
+                    .contiguous()
+            };
+            Ok((read(kb)?, read(vb)?))
         };
-        grow().ctx("kv cache append")?;
-        let read = |t: &Tensor| t.narrow(1, 0, slot.len).and_then(|t| t.contiguous());
-        Ok((
-            read(&slot.k).ctx("kv cache read")?,
-            read(&slot.v).ctx("kv cache read")?,
-        ))
+        let out = write().ctx("kv cache append")?;
+        self.commit(layer, seq, n);
+        Ok(out)
+    }
+
+    fn append_decode(
+        &mut self,
+        seqs: &[SeqId],
+        layer: usize,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<(Tensor, Tensor)> {
+        self.check_layer(layer)?;
+        let mut write = || -> candle_core::Result<(Tensor, Tensor)> {
+            let mut states = Vec::with_capacity(seqs.len());
+            for &seq in seqs {
+                states.push(self.slot_of(seq)?);
+            }
+            let longest = states.iter().map(|s| s.len + 1).max().unwrap_or(1);
+            self.reserve(self.slots, longest)?;
+            let width = self.width();
+            let b = seqs.len();
+            // Row of each new token in the flat buffer, repeated across the row's width
+            // (scatter indexes are per element).
+            let rows: Vec<u32> = states
+                .iter()
+                .flat_map(|s| {
+                    let row = (s.slot * self.capacity + s.len) as u32;
+                    std::iter::repeat_n(row, width)
+                })
+                .collect();
+            let index = Tensor::from_vec(rows, (b, width), &self.device)?;
+            let (kb, vb) = &self.buffers[layer];
+            kb.scatter_set(&index, &k.reshape((b, width))?.contiguous()?, 0)?;
+            vb.scatter_set(&index, &v.reshape((b, width))?.contiguous()?, 0)?;
+            let slots: Vec<u32> = states.iter().map(|s| s.slot as u32).collect();
+            let slots = Tensor::from_vec(slots, b, &self.device)?;
+            let shape = (self.slots, self.capacity, self.kv_heads, self.head_dim);
+            let read = |buf: &Tensor| {
+                buf.reshape(shape)?
+                    .index_select(&slots, 0)?
+                    .narrow(1, 0, longest)?
+                    .transpose(1, 2)?
+                    .contiguous()
+            };
+            Ok((read(kb)?, read(vb)?))
+        };
+        let out = write().ctx("kv cache decode append")?;
+        for &seq in seqs {
+            self.commit(layer, seq, 1);
+        }
+        Ok(out)
     }
 
     fn remove(&mut self, seq: SeqId) -> bool {
-        self.seqs.remove(&seq).is_some()
+        match self.seqs.remove(&seq) {
+            Some(s) => {
+                self.free.push(s.slot);
+                true
+            }
+            None => false,
+        }
     }
 
     fn num_sequences(&self) -> usize {
@@ -159,9 +313,6 @@ impl KvCache for ContiguousKvCache {
     }
 
     fn num_tokens(&self) -> usize {
-        self.seqs
-            .values()
-            .map(|layers| layers.last().map_or(0, |l| l.len))
-            .sum()
+        self.seqs.values().map(|s| s.len).sum()
     }
 }

@@ -129,6 +129,14 @@ impl InferenceModel {
             .cos_sin(&positions, (1, n), dtype, &device)
             .ctx("rotary tables")?;
         let (cos, sin) = (cos.squeeze(0).ctx("rope")?, sin.squeeze(0).ctx("rope")?);
+        // A step of one new token per sequence (the steady state of continuous batching) runs
+        // attention for all sequences at once; anything else goes sequence by sequence.
+        let seqs: Vec<SeqId> = inputs.iter().map(|i| i.seq).collect();
+        let decode_mask = if inputs.iter().all(|i| i.tokens.len() == 1) {
+            Some(decode_mask(&past, dtype, &device).ctx("decode mask")?)
+        } else {
+            None
+        };
         for (li, layer) in self.weights.layers.iter().enumerate() {
             let context = format!("inference step, layer {li}");
             let qkv = layer.qkv(&x, c, kernels).ctx(&context)?;
@@ -137,6 +145,20 @@ impl InferenceModel {
             let rope = |t: &Tensor| apply_rope(&to_heads(t)?, &cos, &sin, kernels)?.squeeze(0);
             let q = rope(&qkv.q).ctx(&context)?;
             let k = rope(&qkv.k).ctx(&context)?;
+            if let Some(mask) = &decode_mask {
+                let heads = DecodeHeads {
+                    seqs: &seqs,
+                    layer: li,
+                    q: &q,
+                    k: &k,
+                    v: &qkv.v,
+                    mask,
+                };
+                let att = self.attend_decode(cache, heads)?;
+                x = (&x + linear(&att, &layer.o_proj, None).ctx(&context)?).ctx(&context)?;
+                x = layer.mlp_block(&x, c.rms_norm_eps, kernels).ctx(&context)?;
+                continue;
+            }
             let v = qkv.v.transpose(0, 1).ctx(&context)?;
             let mut outs = Vec::with_capacity(inputs.len());
             let mut start = 0;
@@ -223,6 +245,36 @@ impl InferenceModel {
         att.reshape((c.num_heads, n, d))
     }
 
+    /// Attention of one new token per sequence, all sequences batched: `q` `(heads, B, d)` and
+    /// `k` `(kv_heads, B, d)` after RoPE, `v` `(B, kv_heads, d)`; returns `(B, heads·d)`.
+    /// (Fields of [`DecodeHeads`].)
+    fn attend_decode(&self, cache: &mut dyn KvCache, heads: DecodeHeads<'_>) -> Result<Tensor> {
+        let DecodeHeads {
+            seqs,
+            layer,
+            q,
+            k,
+            v,
+            mask,
+        } = heads;
+        let c = &*self.config;
+        let (b, d, g) = (seqs.len(), c.head_dim, c.kv_groups());
+        let run = |t: candle_core::Result<Tensor>| t.ctx("batched decode attention");
+        let k_new = run(k.transpose(0, 1).and_then(|t| t.contiguous()))?;
+        let (k_all, v_all) = cache.append_decode(seqs, layer, &k_new, &v.contiguous().ctx("v")?)?;
+        let scale = 1.0 / (d as f64).sqrt();
+        run((|| {
+            // (B, kv, g, d) @ (B, kv, d, T) → (B, kv, g, T), masked per sequence length.
+            let q = q
+                .transpose(0, 1)?
+                .contiguous()?
+                .reshape((b, c.num_kv_heads, g, d))?;
+            let scores = (q.matmul(&k_all.transpose(2, 3)?)? * scale)?.broadcast_add(mask)?;
+            let att = softmax_last_dim(&scores, Kernels::Fused)?.matmul(&v_all)?;
+            att.reshape((b, c.num_heads * d))
+        })())
+    }
+
     /// Past lengths of each input, after checking tokens, duplicates and the context limit.
     fn check_inputs(&self, cache: &dyn KvCache, inputs: &[StepInput<'_>]) -> Result<Vec<usize>> {
         if inputs.is_empty() {
@@ -274,4 +326,29 @@ pub fn argmax_rows(logits: &Tensor) -> Result<Vec<u32>> {
         .argmax(D::Minus1)
         .and_then(|t| t.to_vec1::<u32>())
         .ctx("argmax")
+}
+
+/// One layer's inputs to batched decode attention.
+struct DecodeHeads<'a> {
+    seqs: &'a [SeqId],
+    layer: usize,
+    q: &'a Tensor,
+    k: &'a Tensor,
+    v: &'a Tensor,
+    mask: &'a Tensor,
+}
+
+/// `(B, 1, 1, T)` additive mask for a decode step: the new token of sequence `b` (at position
+/// `past[b]`) sees slots `0..=past[b]`; `T = max(past) + 1`.
+fn decode_mask(
+    past: &[usize],
+    dtype: DType,
+    device: &candle_core::Device,
+) -> candle_core::Result<Tensor> {
+    let t = past.iter().max().map_or(1, |p| p + 1);
+    let mask: Vec<f32> = past
+        .iter()
+        .flat_map(|&p| (0..t).map(move |j| if j <= p { 0.0 } else { f32::NEG_INFINITY }))
+        .collect();
+    Tensor::from_vec(mask, (past.len(), 1, 1, t), device)?.to_dtype(dtype)
 }

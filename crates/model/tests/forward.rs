@@ -26,23 +26,43 @@ fn ragged_incremental_decode_matches_full_forward() {
         let reference = TrainableModel::from_snapshot(&snap, DType::F32).unwrap();
         let model = InferenceModel::new(Arc::clone(&snap)).unwrap();
         let mut cache = ContiguousKvCache::new(model.config(), DType::F32, snap.device());
-        let seqs: [Vec<u32>; 3] = [
-            vec![1, 5, 9, 2, 7, 7, 3, 11, 4],
-            vec![6, 2, 8, 19, 3, 3, 1],
-            vec![22, 0, 4, 13, 5, 9, 10, 2, 2, 8, 14],
-        ];
+        // Six sequences of different lengths (one longer than the cache's first capacity, more
+        // sequences than its first slot count, so both grow mid-run).
+        let lens = [12usize, 10, 21, 5, 14, 18];
+        let seqs: Vec<Vec<u32>> = lens
+            .iter()
+            .enumerate()
+            .map(|(s, &n)| (0..n).map(|i| ((i * 7 + s * 5 + 3) % 23) as u32).collect())
+            .collect();
         // (seq, tokens added) per step: prefills of different lengths mixed with one-token
-        // decodes and multi-token extensions, all at different positions.
-        let schedule: &[&[(usize, usize)]] = &[
-            &[(0, 4), (1, 2)],
-            &[(0, 1), (1, 1), (2, 5)],
-            &[(2, 1), (0, 1)],
-            &[(1, 3), (2, 1), (0, 1)],
-            &[(0, 2), (2, 4), (1, 1)],
+        // decodes and multi-token extensions, all at different positions; then decode-only
+        // steps (the batched path) where sequences drop out as they finish.
+        let mut schedule: Vec<Vec<(usize, usize)>> = vec![
+            vec![(0, 4), (1, 2)],
+            vec![(0, 1), (1, 1), (2, 5)],
+            vec![(2, 1), (0, 1)],
+            vec![(1, 3), (2, 1), (0, 1), (3, 2)],
+            vec![(0, 2), (2, 4), (1, 1), (4, 6), (5, 3)],
         ];
-        let mut done = [0usize; 3];
-        let mut got: [Vec<Tensor>; 3] = Default::default();
-        for step in schedule {
+        let mut planned = [0usize; 6];
+        for step in &schedule {
+            for &(s, n) in step {
+                planned[s] += n;
+            }
+        }
+        while planned.iter().zip(&lens).any(|(p, l)| p < l) {
+            let step: Vec<(usize, usize)> = (0..6)
+                .filter(|&s| planned[s] < lens[s])
+                .map(|s| (s, 1))
+                .collect();
+            for &(s, _) in &step {
+                planned[s] += 1;
+            }
+            schedule.push(step);
+        }
+        let mut done = [0usize; 6];
+        let mut got: [Vec<Tensor>; 6] = Default::default();
+        for step in &schedule {
             let inputs: Vec<StepInput<'_>> = step
                 .iter()
                 .map(|&(s, n)| StepInput {
@@ -58,7 +78,7 @@ fn ragged_incremental_decode_matches_full_forward() {
                 done[s] += n;
             }
         }
-        for s in 0..3 {
+        for s in 0..6 {
             assert_eq!(done[s], seqs[s].len());
             assert_eq!(cache.seq_len(s as u64 + 100), seqs[s].len());
             let incremental = Tensor::cat(&got[s], 0).unwrap();
@@ -354,4 +374,72 @@ fn model_types_can_move_to_compute_threads() {
     send::<TrainableModel>();
     send::<ContiguousKvCache>();
     send::<Box<dyn KvCache>>();
+}
+
+/// A cache that only implements per-sequence appends, so decode steps go through the trait's
+/// default `append_decode` (what a new cache implementation starts from).
+struct PerSequence(ContiguousKvCache);
+
+impl KvCache for PerSequence {
+    fn seq_len(&self, seq: u64) -> usize {
+        self.0.seq_len(seq)
+    }
+    fn append(
+        &mut self,
+        seq: u64,
+        layer: usize,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> sluice_model::Result<(Tensor, Tensor)> {
+        self.0.append(seq, layer, k, v)
+    }
+    fn remove(&mut self, seq: u64) -> bool {
+        self.0.remove(seq)
+    }
+    fn num_sequences(&self) -> usize {
+        self.0.num_sequences()
+    }
+    fn num_tokens(&self) -> usize {
+        self.0.num_tokens()
+    }
+}
+
+#[test]
+fn default_batched_decode_of_the_cache_trait_matches_the_fast_one() {
+    let snap = Arc::new(snapshot(
+        tiny_config(sluice_model::Architecture::Qwen3, false),
+        8,
+        DType::F32,
+    ));
+    let model = InferenceModel::new(Arc::clone(&snap)).unwrap();
+    let mut fast = ContiguousKvCache::new(model.config(), DType::F32, snap.device());
+    let mut slow = PerSequence(ContiguousKvCache::new(
+        model.config(),
+        DType::F32,
+        snap.device(),
+    ));
+    let prompts: [&[u32]; 3] = [&[1, 2, 3], &[4, 5, 6, 7, 8, 9], &[10]];
+    let prefill: Vec<StepInput<'_>> = prompts
+        .iter()
+        .enumerate()
+        .map(|(s, t)| StepInput {
+            seq: s as u64,
+            tokens: t,
+        })
+        .collect();
+    model.step(&mut fast, &prefill, LogitsWanted::Last).unwrap();
+    model.step(&mut slow, &prefill, LogitsWanted::Last).unwrap();
+    for token in [11u32, 12, 13] {
+        let one = [token];
+        let decode: Vec<StepInput<'_>> = (0..3)
+            .map(|s| StepInput {
+                seq: s,
+                tokens: &one,
+            })
+            .collect();
+        let a = model.step(&mut fast, &decode, LogitsWanted::Last).unwrap();
+        let b = model.step(&mut slow, &decode, LogitsWanted::Last).unwrap();
+        assert!(rel_err(&a, &b) <= 1e-6);
+    }
+    assert_eq!(slow.seq_len(1), 9);
 }
