@@ -443,3 +443,57 @@ fn default_batched_decode_of_the_cache_trait_matches_the_fast_one() {
     }
     assert_eq!(slow.seq_len(1), 9);
 }
+
+#[test]
+fn half_precision_paths_track_f32() {
+    for dtype in [DType::BF16, DType::F16] {
+        let config = tiny_config(sluice_model::Architecture::Qwen2, true);
+        let full = Arc::new(snapshot(config.clone(), 9, DType::F32));
+        let half = Arc::new(full.to(&candle_core::Device::Cpu, dtype).unwrap());
+        assert_eq!(half.dtype(), dtype);
+        let tokens = [3u32, 9, 4, 17, 2, 8];
+        let run = |snap: &Arc<sluice_model::WeightSnapshot>| {
+            let model = InferenceModel::new(Arc::clone(snap)).unwrap();
+            let mut cache = ContiguousKvCache::new(model.config(), snap.dtype(), snap.device());
+            let first = model
+                .step(
+                    &mut cache,
+                    &[StepInput {
+                        seq: 0,
+                        tokens: &tokens[..4],
+                    }],
+                    LogitsWanted::All,
+                )
+                .unwrap();
+            let rest = model
+                .step(
+                    &mut cache,
+                    &[
+                        StepInput {
+                            seq: 0,
+                            tokens: &tokens[4..5],
+                        },
+                        StepInput {
+                            seq: 1,
+                            tokens: &tokens[..1],
+                        },
+                    ],
+                    LogitsWanted::Last,
+                )
+                .unwrap();
+            Tensor::cat(&[first, rest], 0).unwrap()
+        };
+        let err = rel_err(&run(&half), &run(&full));
+        assert!(err < 5e-2, "{dtype:?} inference: relative error {err:e}");
+        // Training in half precision: log-probs stay close and finite.
+        let batch = PackedBatch::from_rows(&[vec![&tokens[..]]], 8, 0).unwrap();
+        let score = |snap: &sluice_model::WeightSnapshot, dt| {
+            let m = TrainableModel::from_snapshot(snap, dt).unwrap();
+            m.token_scores(&batch, ForwardOptions::default())
+                .unwrap()
+                .logprobs
+        };
+        let err = rel_err(&score(&half, dtype), &score(&full, DType::F32));
+        assert!(err < 5e-2, "{dtype:?} training: relative error {err:e}");
+    }
+}
