@@ -6,16 +6,29 @@
 //! - `batcher`: training texts packed into fixed `[B, L]` micro-batches with sequence ids.
 //! - `optim`: AdamW with f32 master weights, global-norm clipping, warmup + constant/cosine schedule.
 //! - `checkpoint`: model (HF format), optimizer state (safetensors) and trainer state (JSON).
+//! - `native`: [`NativeTrainer`], the candle trainer implementing `sluice_core::TrainerBackend`:
+//!   RL steps, supervised steps, weight publishing, checkpoints.
+//! - `settings`, `report`: the native trainer's settings and its per-step statistics/metrics.
+//! - `error`: [`TrainerError`] with stable `kind()` names.
 //!
-//! The trainer backend trait and the simulated backend live beside these modules and are owned by the
-//! async pipeline.
+//! The backend trait itself lives in `sluice_core::backend`; the simulated trainer in
+//! `sluice-engine`.
 
 pub mod advantage;
 pub mod batcher;
+pub mod checkpoint;
+pub mod error;
 pub mod loss;
+pub mod native;
 pub mod optim;
+pub mod report;
+pub mod settings;
 
 pub use advantage::{AdvantageBatch, AdvantageConfig, ScoredText, compute_advantages};
 pub use batcher::{BatcherConfig, MicroBatch, Packing, PackingStats, TrainingText, pack};
+pub use error::TrainerError;
 pub use loss::{LossConfig, LossStats, LossSummary, LossTerms, TokenInputs, token_terms};
+pub use native::{NativeTrainer, SupervisedExample};
 pub use optim::{AdamW, GradAccumulator, OptimConfig, OptimError, StepReport};
+pub use report::{StepStats, step_metrics};
+pub use settings::NativeTrainerConfig;

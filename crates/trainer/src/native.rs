@@ -1,0 +1,423 @@
+//! [`NativeTrainer`]: the candle trainer behind [`TrainerBackend`].
+//!
+//! One `train_step` is: advantages over the batch's groups (an all-zero batch is skipped and
+//! publishes nothing) → aggregation weights → packing into `(B, L)` micro-batches → for each
+//! micro-batch, the model's training forward (log-probs + entropy of every target), the loss
+//! coefficients on the host, and the backward pass of `Σ c_t · logπ(t)`, gradients accumulated
+//! over all micro-batches → one AdamW step → a published snapshot `version + 1` copied out of the
+//! parameters (never aliasing them).
+//!
+//! The proximal policy of `decoupled_ppo` is the policy at the start of the step; since one step
+//! takes one optimizer update over the whole batch, its log-probs equal the training forward's
+//! (detached), and no second forward is needed.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Instant;
+
+use candle_core::{DType, Tensor};
+use sluice_core::{
+    BackendError, PolicyVersion, RolloutGroup, TrainStepOutput, TrainerBackend, WeightSnapshot,
+};
+use sluice_model::{ForwardOptions, PackedBatch, TrainableModel};
+
+use crate::advantage::compute_advantages;
+use crate::batcher::{MicroBatch, TrainingText, pack};
+use crate::checkpoint;
+use crate::error::{TrainerError, tensor_ctx};
+use crate::loss::{LossStats, TextTokens, TokenInputs, aggregation_weights, token_terms};
+use crate::optim::{AdamW, GradAccumulator};
+use crate::report::{StepStats, step_metrics};
+use crate::settings::NativeTrainerConfig;
+
+/// Model snapshots as the model crate defines them.
+pub type ModelSnapshot = sluice_model::WeightSnapshot;
+
+/// One supervised example: a prompt and the reference completion to imitate.
+#[derive(Debug, Clone, Copy)]
+pub struct SupervisedExample<'a> {
+    /// Prompt token ids (context only).
+    pub prompt: &'a [u32],
+    /// Completion token ids (the cross-entropy targets).
+    pub completion: &'a [u32],
+}
+
+/// The candle trainer (see the module docs).
+pub struct NativeTrainer {
+    config: NativeTrainerConfig,
+    model: TrainableModel,
+    reference: Option<TrainableModel>,
+    optim: AdamW,
+    version: PolicyVersion,
+    steps: u64,
+    published: Arc<ModelSnapshot>,
+    aux_source: Option<std::path::PathBuf>,
+}
+
+impl std::fmt::Debug for NativeTrainer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NativeTrainer")
+            .field("version", &self.version)
+            .field("steps", &self.steps)
+            .field("optim", &self.optim)
+            .finish()
+    }
+}
+
+impl NativeTrainer {
+    /// A trainer starting from `initial` (f32 master copies on its device). The KL reference,
+    /// when `kl_coef > 0`, is a frozen copy of `initial`. `aux_source` is a model directory whose
+    /// tokenizer and template files checkpoints copy, so each saved model is complete.
+    pub fn new(
+        initial: Arc<ModelSnapshot>,
+        config: NativeTrainerConfig,
+        aux_source: Option<&Path>,
+    ) -> Result<Self, TrainerError> {
+        let model = TrainableModel::from_snapshot(&initial, DType::F32)?;
+        let reference = if config.loss.kl_coef > 0.0 {
+            Some(TrainableModel::from_snapshot(&initial, DType::F32)?)
+        } else {
+            None
+        };
+        let vars = model.vars().iter().map(|(_, v)| v.clone()).collect();
+        let optim = AdamW::new(vars, config.optim)?;
+        let published = Arc::new(model.snapshot(initial.version, Some(config.publish_dtype))?);
+        Ok(Self {
+            version: initial.version,
+            config,
+            model,
+            reference,
+            optim,
+            steps: 0,
+            published,
+            aux_source: aux_source.map(Path::to_path_buf),
+        })
+    }
+
+    /// The trainable model (f32 master parameters).
+    pub fn model(&self) -> &TrainableModel {
+        &self.model
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &NativeTrainerConfig {
+        &self.config
+    }
+
+    /// Optimizer steps taken (RL and supervised).
+    pub fn steps(&self) -> u64 {
+        self.steps
+    }
+
+    /// The most recently published snapshot.
+    pub fn published(&self) -> &Arc<ModelSnapshot> {
+        &self.published
+    }
+
+    /// One RL step on `groups`; `None` when advantage filtering left nothing to train on (no
+    /// update, nothing published).
+    pub fn rl_step(
+        &mut self,
+        groups: &[RolloutGroup],
+    ) -> Result<(StepStats, Option<Arc<ModelSnapshot>>), TrainerError> {
+        let started = Instant::now();
+        let adv = compute_advantages(groups, &self.config.advantage);
+        let mut stats = StepStats {
+            groups_kept: adv.groups_kept,
+            groups_filtered: adv.groups_filtered,
+            ..StepStats::default()
+        };
+        if adv.is_empty() {
+            stats.seconds = started.elapsed().as_secs_f64();
+            return Ok((stats, None));
+        }
+        let keys: Vec<TextTokens> = adv
+            .texts
+            .iter()
+            .map(|t| TextTokens {
+                group: t.group,
+                rollout: t.rollout,
+                tokens: t.text.completion_tokens(),
+            })
+            .collect();
+        let weights = aggregation_weights(&keys, self.config.aggregation);
+        let versions: Vec<Vec<u64>> = adv
+            .texts
+            .iter()
+            .map(|t| t.text.token_versions.iter().map(|v| v.0).collect())
+            .collect();
+        let texts: Vec<TrainingText<'_>> = adv
+            .texts
+            .iter()
+            .zip(&weights)
+            .zip(&versions)
+            .map(|((t, &weight), versions)| TrainingText {
+                prompt: &t.text.prompt_token_ids,
+                completion: &t.text.completion_token_ids,
+                behaviour: &t.text.logprobs,
+                versions,
+                advantage: t.advantage,
+                weight,
+            })
+            .collect();
+        let loss_config = self.config.loss.clone();
+        let temperature = self.config.temperature;
+        self.run(&texts, temperature, &mut stats, |inputs| {
+            token_terms(inputs, &loss_config).map_err(TrainerError::from)
+        })?;
+        stats.seconds = started.elapsed().as_secs_f64();
+        Ok((stats, Some(Arc::clone(&self.published))))
+    }
+
+    /// One supervised step: cross-entropy (token mean) of the reference completions given their
+    /// prompts. Updates the weights, so it publishes a new version like an RL step.
+    pub fn supervised_step(
+        &mut self,
+        examples: &[SupervisedExample<'_>],
+    ) -> Result<(StepStats, Arc<ModelSnapshot>), TrainerError> {
+        let started = Instant::now();
+        let total: usize = examples.iter().map(|e| e.completion.len()).sum();
+        if total == 0 {
+            return Err(TrainerError::Input(
+                "supervised step without completion tokens".into(),
+            ));
+        }
+        let zeros: Vec<Vec<(f32, u64)>> = examples
+            .iter()
+            .map(|e| vec![(0.0, self.version.0); e.completion.len()])
+            .collect();
+        let behaviour: Vec<Vec<f32>> = zeros
+            .iter()
+            .map(|z| z.iter().map(|p| p.0).collect())
+            .collect();
+        let versions: Vec<Vec<u64>> = zeros
+            .iter()
+            .map(|z| z.iter().map(|p| p.1).collect())
+            .collect();
+        let weight = 1.0 / total as f32;
+        let texts: Vec<TrainingText<'_>> = examples
+            .iter()
+            .zip(behaviour.iter().zip(&versions))
+            .map(|(e, (b, v))| TrainingText {
+                prompt: e.prompt,
+                completion: e.completion,
+                behaviour: b,
+                versions: v,
+                advantage: 1.0,
+                weight,
+            })
+            .collect();
+        let mut stats = StepStats::default();
+        // ℓ = −lp, so the coefficient is −w and the value −Σ w·lp.
+        // Cross-entropy of the model's own distribution: temperature 1.
+        self.run(&texts, 1.0, &mut stats, |inputs| {
+            let mut s = LossStats {
+                tokens: inputs.logprobs.len() as u64,
+                ..LossStats::default()
+            };
+            let coefficients = inputs.weights.iter().map(|w| -w).collect();
+            for (lp, w) in inputs.logprobs.iter().zip(inputs.weights) {
+                s.loss -= f64::from(*w) * f64::from(*lp);
+            }
+            if let Some(e) = inputs.entropy {
+                s.entropy_sum = e.iter().map(|&x| f64::from(x)).sum();
+                s.entropy_tokens = e.len() as u64;
+            }
+            Ok(crate::loss::LossTerms {
+                coefficients,
+                stats: s,
+            })
+        })?;
+        stats.seconds = started.elapsed().as_secs_f64();
+        Ok((stats, Arc::clone(&self.published)))
+    }
+
+    /// Packs `texts`, runs forward/backward per micro-batch (log-probs at `temperature`) with
+    /// coefficients from `terms`,
+    /// steps the optimizer and publishes `version + 1`.
+    fn run(
+        &mut self,
+        texts: &[TrainingText<'_>],
+        temperature: f64,
+        stats: &mut StepStats,
+        terms: impl Fn(&TokenInputs<'_>) -> Result<crate::loss::LossTerms, TrainerError>,
+    ) -> Result<(), TrainerError> {
+        let packing = pack(texts, &self.config.batcher);
+        stats.micro_batches = packing.micro_batches.len();
+        stats.packing_efficiency = packing.stats.efficiency();
+        stats.processed_tokens = packing.stats.used_slots;
+        stats.trained_tokens = packing.stats.loss_tokens;
+        stats.rejected_texts = packing.stats.rejected_texts;
+        let vars: Vec<_> = self.model.vars().iter().map(|(_, v)| v).collect();
+        let mut grads = GradAccumulator::new(vars.len());
+        let mut lag_sum = 0u64;
+        for mb in &packing.micro_batches {
+            let slots = mb.loss_slots();
+            if slots.is_empty() {
+                continue;
+            }
+            for &i in &slots {
+                let lag = self.version.0.saturating_sub(mb.versions[i]);
+                lag_sum += lag;
+                stats.max_lag = stats.max_lag.max(lag);
+            }
+            let batch = packed(mb);
+            let options = ForwardOptions {
+                logits_chunk_rows: self.config.logits_chunk_rows,
+                temperature,
+            };
+            let scores = self.model.token_scores(&batch, options)?;
+            let device = self.model.device().clone();
+            let index = Tensor::new(slots.iter().map(|&i| i as u32).collect::<Vec<_>>(), &device)
+                .map_err(tensor_ctx("loss slot index"))?;
+            let pick = |t: &Tensor, what: &str| -> Result<(Tensor, Vec<f32>), TrainerError> {
+                let picked = t
+                    .flatten_all()
+                    .and_then(|f| f.index_select(&index, 0))
+                    .map_err(tensor_ctx(what))?;
+                let host = picked
+                    .to_dtype(DType::F32)
+                    .and_then(|h| h.to_vec1::<f32>())
+                    .map_err(tensor_ctx(what))?;
+                Ok((picked, host))
+            };
+            let (logprobs, lp_host) = pick(&scores.logprobs, "log-probs")?;
+            let (_, entropy) = pick(&scores.entropy, "entropies")?;
+            let reference = match &self.reference {
+                Some(r) => Some(
+                    pick(
+                        &r.token_scores(&batch, options)?.logprobs.detach(),
+                        "reference log-probs",
+                    )?
+                    .1,
+                ),
+                None => None,
+            };
+            let gather = |v: &[f32]| slots.iter().map(|&i| v[i]).collect::<Vec<f32>>();
+            let (behaviour, advantages, weights) = (
+                gather(&mb.behaviour),
+                gather(&mb.advantages),
+                gather(&mb.weights),
+            );
+            let sequence: Vec<u32> = slots.iter().map(|&i| mb.text_ids[i]).collect();
+            let inputs = TokenInputs {
+                logprobs: &lp_host,
+                behaviour: &behaviour,
+                proximal: None,
+                advantages: &advantages,
+                weights: &weights,
+                sequence: &sequence,
+                reference: reference.as_deref(),
+                entropy: Some(&entropy),
+            };
+            let t = terms(&inputs)?;
+            stats.loss.merge(&t.stats);
+            let coefficients = Tensor::new(t.coefficients.as_slice(), &device)
+                .and_then(|c| c.to_dtype(logprobs.dtype()))
+                .map_err(tensor_ctx("loss coefficients"))?;
+            let surrogate = (logprobs * coefficients)
+                .and_then(|s| s.sum_all())
+                .map_err(tensor_ctx("surrogate loss"))?;
+            let store = surrogate.backward().map_err(tensor_ctx("backward"))?;
+            grads.add(&vars, &store)?;
+        }
+        stats.mean_lag = lag_sum as f64 / stats.trained_tokens.max(1) as f64;
+        stats.optim = Some(self.optim.step(&grads)?);
+        self.steps += 1;
+        self.version = self.version.next();
+        self.published = Arc::new(
+            self.model
+                .snapshot(self.version, Some(self.config.publish_dtype))?,
+        );
+        Ok(())
+    }
+
+    /// Writes the checkpoint of the current state under `dir` (see [`checkpoint`]).
+    pub fn save(&self, dir: &Path) -> Result<(), TrainerError> {
+        let state = checkpoint::TrainerState {
+            format: checkpoint::FORMAT_VERSION,
+            step: self.steps,
+            version: self.version.0,
+            optimizer_step: self.optim.step_count(),
+            seed: self.config.seed,
+            learning_rate: self.config.optim.learning_rate,
+            next_learning_rate: self.config.optim.learning_rate_at(self.optim.step_count()),
+            warmup_steps: self.config.optim.warmup_steps,
+            total_steps: self.config.optim.total_steps,
+            schedule: format!("{:?}", self.config.optim.schedule).to_lowercase(),
+        };
+        let master = self.model.snapshot(self.version, None)?;
+        checkpoint::save(
+            dir,
+            &master,
+            self.aux_source.as_deref(),
+            &self.optim.state_tensors(),
+            &state,
+        )
+    }
+
+    /// Replaces the current state with the checkpoint under `dir`.
+    pub fn load(&mut self, dir: &Path) -> Result<(), TrainerError> {
+        let device = self.model.device().clone();
+        let (snapshot, optim_tensors, state) = checkpoint::load(dir, &device)?;
+        let model = TrainableModel::from_snapshot(&snapshot, DType::F32)?;
+        let vars = model.vars().iter().map(|(_, v)| v.clone()).collect();
+        let mut optim = AdamW::new(vars, self.config.optim)?;
+        optim.load_state(optim_tensors, state.optimizer_step)?;
+        self.model = model;
+        self.optim = optim;
+        self.steps = state.step;
+        self.version = PolicyVersion(state.version);
+        self.published = Arc::new(
+            self.model
+                .snapshot(self.version, Some(self.config.publish_dtype))?,
+        );
+        Ok(())
+    }
+}
+
+/// The model crate's view of a micro-batch.
+fn packed(mb: &MicroBatch) -> PackedBatch {
+    PackedBatch {
+        batch: mb.rows,
+        seq_len: mb.row_len,
+        input_ids: mb.input_ids.clone(),
+        position_ids: mb.position_ids.clone(),
+        segment_ids: mb.segment_ids.clone(),
+        target_ids: mb.target_ids.clone(),
+        target_mask: mb.target_mask.clone(),
+    }
+}
+
+impl TrainerBackend for NativeTrainer {
+    fn version(&self) -> PolicyVersion {
+        self.version
+    }
+
+    fn train_step(&mut self, batch: &[RolloutGroup]) -> Result<TrainStepOutput, BackendError> {
+        let (stats, snapshot) = self.rl_step(batch).map_err(TrainerError::into_backend)?;
+        if stats.rejected_texts > 0 {
+            tracing::warn!(
+                rejected = stats.rejected_texts,
+                "training texts left out by the batcher"
+            );
+        }
+        Ok(TrainStepOutput {
+            metrics: step_metrics(&stats, self.version),
+            weights: snapshot.map(|s| s.to_envelope()),
+            trained_tokens: stats.trained_tokens as u64,
+        })
+    }
+
+    fn snapshot(&self) -> WeightSnapshot {
+        self.published.to_envelope()
+    }
+
+    fn checkpoint(&mut self, dir: &Path) -> Result<(), BackendError> {
+        self.save(dir).map_err(TrainerError::into_backend)
+    }
+
+    fn restore(&mut self, dir: &Path) -> Result<(), BackendError> {
+        self.load(dir).map_err(TrainerError::into_backend)
+    }
+}

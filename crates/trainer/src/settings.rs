@@ -1,0 +1,89 @@
+//! [`NativeTrainerConfig`]: the native trainer's settings, gathered from the validated config.
+
+use candle_core::DType;
+use sluice_core::config::{Config, LossAggregation};
+use sluice_model::ForwardOptions;
+
+use crate::advantage::AdvantageConfig;
+use crate::batcher::BatcherConfig;
+use crate::loss::LossConfig;
+use crate::optim::OptimConfig;
+
+/// Everything the native trainer needs to know; [`NativeTrainerConfig::from_config`] builds it
+/// from a validated [`Config`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct NativeTrainerConfig {
+    /// Advantage computation.
+    pub advantage: AdvantageConfig,
+    /// Objective.
+    pub loss: LossConfig,
+    /// Loss aggregation over the global batch.
+    pub aggregation: LossAggregation,
+    /// Micro-batch shape and oversized-text policy.
+    pub batcher: BatcherConfig,
+    /// AdamW and schedule.
+    pub optim: OptimConfig,
+    /// Dtype of published snapshots (the engines' dtype); master weights stay f32.
+    pub publish_dtype: DType,
+    /// Rows of logits formed at a time in the training forward.
+    pub logits_chunk_rows: usize,
+    /// Sampling temperature of the rollouts: RL log-probs are taken of `softmax(z / T)` so they
+    /// match the behaviour log-probs (1 when sampling was greedy, `T = 0`).
+    pub temperature: f64,
+    /// The run's seed (the trainer draws no random numbers; recorded in checkpoints).
+    pub seed: u64,
+}
+
+impl NativeTrainerConfig {
+    /// The trainer settings of `config`.
+    pub fn from_config(config: &Config) -> Self {
+        let t = &config.trainer;
+        Self {
+            advantage: AdvantageConfig {
+                kind: t.advantage,
+                normalize_std: t.normalize_advantage_std,
+                gamma: t.gamma,
+                only_keep_outcome: t.only_keep_outcome,
+                pad_situations: t.pad_situations,
+                filter_zero_advantage: config.replay.filter_zero_advantage,
+            },
+            loss: LossConfig {
+                kind: t.loss,
+                clip_low: t.clip_low,
+                clip_high: t.clip_high,
+                tis_level: t.tis_level,
+                tis_mode: t.tis_mode,
+                is_cap: t.is_cap,
+                kl_coef: t.kl_coef,
+            },
+            aggregation: t.loss_aggregation,
+            batcher: BatcherConfig {
+                rows: t.micro_batch_size.get() as usize,
+                row_len: t.max_seq_len.get() as usize,
+                oversized: t.oversized_text,
+                pad_id: 0,
+            },
+            optim: OptimConfig {
+                learning_rate: t.learning_rate,
+                schedule: t.lr_schedule,
+                warmup_steps: t.warmup_steps,
+                total_steps: config.run.max_steps.get(),
+                weight_decay: t.weight_decay,
+                max_grad_norm: t.max_grad_norm,
+                ..OptimConfig::default()
+            },
+            publish_dtype: match config.model.dtype {
+                sluice_core::config::DType::F32 => DType::F32,
+                sluice_core::config::DType::Bf16 => DType::BF16,
+                sluice_core::config::DType::F16 => DType::F16,
+            },
+            logits_chunk_rows: ForwardOptions::default().logits_chunk_rows,
+            temperature: if config.rollout.temperature > 0.0 {
+                config.rollout.temperature
+            } else {
+                1.0
+            },
+            seed: config.run.seed,
+        }
+    }
+}

@@ -1,0 +1,306 @@
+//! The candle trainer on the tiny preset: a bandit it learns, skipped all-zero batches,
+//! publishing without aliasing, gradient accumulation equal to one big micro-batch, the
+//! supervised step, and exact resumption from a checkpoint.
+
+mod common;
+
+use std::sync::Arc;
+
+use candle_core::{DType, Device};
+use common::{group, turn};
+use sluice_core::config::{AdvantageKind, LossAggregation, LossKind, OversizedText};
+use sluice_core::metrics as m;
+use sluice_core::{PolicyVersion, RolloutGroup, TrainerBackend};
+use sluice_model::presets::{Preset, preset_config, random_snapshot};
+use sluice_model::{PackedBatch, WeightSnapshot};
+use sluice_trainer::advantage::AdvantageConfig;
+use sluice_trainer::batcher::BatcherConfig;
+use sluice_trainer::loss::LossConfig;
+use sluice_trainer::optim::OptimConfig;
+use sluice_trainer::{NativeTrainer, NativeTrainerConfig, SupervisedExample};
+
+fn tiny(seed: u64) -> Arc<WeightSnapshot> {
+    let config = Arc::new(preset_config(Preset::Tiny));
+    Arc::new(random_snapshot(config, seed, DType::F32, &Device::Cpu).unwrap())
+}
+
+fn config(lr: f64, rows: usize) -> NativeTrainerConfig {
+    NativeTrainerConfig {
+        advantage: AdvantageConfig {
+            kind: AdvantageKind::Group,
+            ..AdvantageConfig::default()
+        },
+        loss: LossConfig::default(),
+        aggregation: LossAggregation::TokenMean,
+        batcher: BatcherConfig {
+            rows,
+            row_len: 16,
+            oversized: OversizedText::Split,
+            pad_id: 0,
+        },
+        optim: OptimConfig {
+            learning_rate: lr,
+            total_steps: 100,
+            ..OptimConfig::default()
+        },
+        publish_dtype: DType::F32,
+        logits_chunk_rows: 64,
+        temperature: 1.0,
+        seed: 7,
+    }
+}
+
+/// Next-token distribution after `prompt` under the trainer's current weights.
+fn next_token_probs(trainer: &NativeTrainer, prompt: &[u32]) -> Vec<f32> {
+    let batch = PackedBatch::from_rows(&[vec![prompt]], prompt.len(), 0).unwrap();
+    let logits = trainer.model().logits(&batch).unwrap();
+    let last: Vec<f32> = logits
+        .squeeze(0)
+        .unwrap()
+        .get(prompt.len() - 1)
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    let max = last.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+    let exp: Vec<f32> = last.iter().map(|x| (x - max).exp()).collect();
+    let z: f32 = exp.iter().sum();
+    exp.iter().map(|e| e / z).collect()
+}
+
+/// A fixed batch: two groups of four single-turn rollouts with varied rewards.
+fn fixed_batch() -> Vec<RolloutGroup> {
+    let mk = |c: u64, base: u32| {
+        let turns = (0..4u32)
+            .map(|i| {
+                vec![turn(
+                    &[10, 11, 12 + base],
+                    &[20 + i, 30 + i, 40],
+                    -3.0 - i as f32 * 0.1,
+                    0,
+                    None,
+                )]
+            })
+            .collect();
+        group(c, &[1.0, 0.0, 0.5, 0.2], turns)
+    };
+    vec![mk(1, 0), mk(2, 5)]
+}
+
+fn params(trainer: &NativeTrainer) -> Vec<Vec<f32>> {
+    trainer
+        .model()
+        .vars()
+        .iter()
+        .map(|(_, v)| v.as_tensor().flatten_all().unwrap().to_vec1().unwrap())
+        .collect()
+}
+
+#[test]
+fn a_one_step_bandit_learns_the_rewarded_answer() {
+    let mut trainer = NativeTrainer::new(tiny(1), config(0.01, 4), None).unwrap();
+    let prompt = [40u32, 41, 42, 43];
+    let answers = [5u32, 6, 7, 8];
+    let rewarded = answers[2];
+    let start = next_token_probs(&trainer, &prompt)[rewarded as usize];
+    let mut lcg = 12345u64;
+    let mut skipped = 0;
+    for step in 0..30u64 {
+        let probs = next_token_probs(&trainer, &prompt);
+        // Sample 8 answers from the policy restricted to the four arms.
+        let arm_mass: f32 = answers.iter().map(|&a| probs[a as usize]).sum();
+        let mut groups = Vec::new();
+        let mut turns = Vec::new();
+        let mut rewards = Vec::new();
+        for _ in 0..8 {
+            lcg = lcg
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let u = (lcg >> 40) as f32 / (1u64 << 24) as f32 * arm_mass;
+            let mut acc = 0.0;
+            let mut pick = answers[3];
+            for &a in &answers {
+                acc += probs[a as usize];
+                if u < acc {
+                    pick = a;
+                    break;
+                }
+            }
+            let v = trainer.version().0;
+            turns.push(vec![turn(
+                &prompt,
+                &[pick],
+                probs[pick as usize].ln(),
+                v,
+                None,
+            )]);
+            rewards.push(if pick == rewarded { 1.0 } else { 0.0 });
+        }
+        groups.push(group(step, &rewards, turns));
+        let out = trainer.train_step(&groups).unwrap();
+        if out.weights.is_none() {
+            skipped += 1;
+            assert!(out.metrics.contains_key(m::TRAINER_SKIPPED_STEPS));
+        }
+    }
+    let end = next_token_probs(&trainer, &prompt)[rewarded as usize];
+    assert!(skipped < 30);
+    assert!(
+        end > 0.25 && end > 10.0 * start,
+        "p(rewarded) went from {start} to {end}"
+    );
+}
+
+#[test]
+fn an_all_zero_batch_is_skipped_and_publishes_nothing() {
+    let mut trainer = NativeTrainer::new(tiny(2), config(0.01, 4), None).unwrap();
+    let before = params(&trainer);
+    let mut batch = fixed_batch();
+    for g in &mut batch {
+        for r in &mut g.rollouts {
+            r.reward = 1.0;
+        }
+    }
+    let out = trainer.train_step(&batch).unwrap();
+    assert!(out.weights.is_none());
+    assert_eq!(out.trained_tokens, 0);
+    assert_eq!(trainer.version(), PolicyVersion(0));
+    assert_eq!(params(&trainer), before, "no update");
+    assert_eq!(out.metrics.get(m::TRAINER_SKIPPED_STEPS), Some(&1.0));
+}
+
+#[test]
+fn published_snapshots_are_copies_that_later_steps_cannot_change() {
+    let mut trainer = NativeTrainer::new(tiny(3), config(0.01, 4), None).unwrap();
+    let out = trainer.train_step(&fixed_batch()).unwrap();
+    let envelope = out.weights.expect("published");
+    assert_eq!(envelope.version, PolicyVersion(1));
+    assert_eq!(trainer.version(), PolicyVersion(1));
+    let v1 = WeightSnapshot::from_envelope(&envelope).unwrap();
+    let name = "model.embed_tokens.weight";
+    let frozen: Vec<f32> = v1
+        .require(name)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    for key in [
+        m::TRAINER_LOSS_VALUE,
+        m::TRAINER_GRAD_NORM_VALUE,
+        m::TRAINER_ENTROPY_NATS,
+        m::TRAINER_PACKING_EFFICIENCY_RATIO,
+    ] {
+        assert!(out.metrics[key].is_finite(), "{key}");
+    }
+    assert_eq!(out.trained_tokens, 24);
+    trainer.train_step(&fixed_batch()).unwrap();
+    let after: Vec<f32> = v1
+        .require(name)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    assert_eq!(frozen, after, "version 1 did not move");
+    let live: Vec<f32> = trainer
+        .model()
+        .var(name)
+        .unwrap()
+        .as_tensor()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    assert_ne!(live, frozen, "the parameters did move");
+    assert_eq!(trainer.snapshot().version, PolicyVersion(2));
+}
+
+#[test]
+fn accumulating_micro_batches_equals_one_large_micro_batch() {
+    for kind in [LossKind::Ppo, LossKind::Tis, LossKind::DecoupledPpo] {
+        let mut one = config(0.01, 8);
+        one.loss.kind = kind;
+        one.aggregation = LossAggregation::SequenceMean;
+        let mut many = one.clone();
+        many.batcher.rows = 1;
+        let mut a = NativeTrainer::new(tiny(4), one, None).unwrap();
+        let mut b = NativeTrainer::new(tiny(4), many, None).unwrap();
+        let (sa, _) = a.rl_step(&fixed_batch()).unwrap();
+        let (sb, _) = b.rl_step(&fixed_batch()).unwrap();
+        assert_eq!((sa.micro_batches, sb.micro_batches), (1, 3));
+        let (ga, gb) = (sa.optim.unwrap().grad_norm, sb.optim.unwrap().grad_norm);
+        assert!(
+            (ga - gb).abs() <= 1e-5 * ga.max(1.0),
+            "{kind:?}: grad norm {ga} vs {gb}"
+        );
+        for (pa, pb) in params(&a).iter().zip(params(&b)) {
+            for (x, y) in pa.iter().zip(pb) {
+                assert!((x - y).abs() <= 1e-5, "{kind:?}: {x} vs {y}");
+            }
+        }
+    }
+}
+
+#[test]
+fn supervised_steps_lower_the_cross_entropy() {
+    let mut trainer = NativeTrainer::new(tiny(5), config(0.01, 2), None).unwrap();
+    let (prompt, completion) = ([10u32, 11, 12], [50u32, 51, 52, 53]);
+    let examples = [SupervisedExample {
+        prompt: &prompt,
+        completion: &completion,
+    }];
+    let (first, snap) = trainer.supervised_step(&examples).unwrap();
+    assert_eq!(snap.version, PolicyVersion(1));
+    let mut last = first.loss.loss;
+    for _ in 0..10 {
+        last = trainer.supervised_step(&examples).unwrap().0.loss.loss;
+    }
+    assert!(
+        first.loss.loss > 3.0,
+        "starts near ln(vocab): {}",
+        first.loss.loss
+    );
+    assert!(last < first.loss.loss * 0.5, "{} → {last}", first.loss.loss);
+    assert_eq!(trainer.version(), PolicyVersion(11));
+}
+
+#[test]
+fn resuming_from_a_checkpoint_is_exact() {
+    let mut cfg = config(0.01, 4);
+    cfg.optim.warmup_steps = 2;
+    cfg.optim.weight_decay = 0.01;
+    let mut straight = NativeTrainer::new(tiny(6), cfg.clone(), None).unwrap();
+    for _ in 0..4 {
+        straight.train_step(&fixed_batch()).unwrap();
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("checkpoint");
+    let mut first = NativeTrainer::new(tiny(6), cfg.clone(), None).unwrap();
+    for _ in 0..2 {
+        first.train_step(&fixed_batch()).unwrap();
+    }
+    first.checkpoint(&ckpt).unwrap();
+    drop(first);
+    for f in [
+        "model/config.json",
+        "model/model.safetensors",
+        "optimizer.safetensors",
+        "trainer_state.json",
+    ] {
+        assert!(ckpt.join(f).exists(), "{f}");
+    }
+    // A fresh trainer from different initial weights, restored, continues identically.
+    let mut resumed = NativeTrainer::new(tiny(99), cfg, None).unwrap();
+    resumed.restore(&ckpt).unwrap();
+    assert_eq!(resumed.version(), PolicyVersion(2));
+    for _ in 0..2 {
+        resumed.train_step(&fixed_batch()).unwrap();
+    }
+    assert_eq!(resumed.version(), straight.version());
+    assert_eq!(params(&resumed), params(&straight), "bit-identical weights");
+    let state: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(ckpt.join("trainer_state.json")).unwrap())
+            .unwrap();
+    assert_eq!(state["step"], 2);
+    assert_eq!(state["optimizer_step"], 2);
+}
