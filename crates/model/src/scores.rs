@@ -1,4 +1,5 @@
-//! Per-token log-probability and entropy from final hidden states, in chunks of rows so the
+//! Per-token log-probability and entropy (of the softmax of logits / temperature) from final
+//! hidden states, in chunks of rows so the
 //! `(N, vocab)` logits never exist at once — not in the forward pass, and not in the backward
 //! pass either.
 //!
@@ -23,14 +24,23 @@ pub(crate) fn token_scores(
     head: &Tensor,
     targets: &Tensor,
     chunk_rows: usize,
+    temperature: f64,
 ) -> candle_core::Result<Tensor> {
     let chunk_rows = chunk_rows.max(1);
-    let values = forward_values(&hidden.detach(), &head.detach(), targets, chunk_rows)?;
+    let inv_temperature = 1.0 / temperature;
+    let values = forward_values(
+        &hidden.detach(),
+        &head.detach(),
+        targets,
+        chunk_rows,
+        inv_temperature,
+    )?;
     hidden.apply_op2(
         head,
         TokenScoreOp {
             targets: targets.clone(),
             chunk_rows,
+            inv_temperature,
             values,
         },
     )
@@ -40,9 +50,10 @@ fn chunk_values(
     h: &Tensor,
     w: &Tensor,
     targets: &Tensor,
+    inv_temperature: f64,
 ) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
-    // (c, V) logits in the compute dtype.
-    let logits = h.matmul(&w.t()?)?;
+    // (c, V) logits divided by the temperature, in the compute dtype.
+    let logits = (h.matmul(&w.t()?)? * inv_temperature)?;
     let max = logits.max_keepdim(D::Minus1)?;
     let shifted = logits.broadcast_sub(&max)?;
     let lse = shifted.exp()?.sum_keepdim(D::Minus1)?.log()?;
@@ -58,6 +69,7 @@ fn forward_values(
     head: &Tensor,
     targets: &Tensor,
     chunk_rows: usize,
+    inv_temperature: f64,
 ) -> candle_core::Result<Tensor> {
     let cdt = compute_dtype(hidden.dtype());
     let w = head.to_dtype(cdt)?;
@@ -67,7 +79,7 @@ fn forward_values(
         let len = chunk_rows.min(n - start);
         let h = hidden.narrow(0, start, len)?.to_dtype(cdt)?;
         let t = targets.narrow(0, start, len)?;
-        let (_, target_logp, entropy) = chunk_values(&h, &w, &t)?;
+        let (_, target_logp, entropy) = chunk_values(&h, &w, &t, inv_temperature)?;
         parts.push(Tensor::cat(&[target_logp, entropy], 1)?);
     }
     Tensor::cat(&parts, 0)
@@ -99,6 +111,7 @@ fn stashed_cuda(t: &Tensor) -> candle_core::Result<(candle_core::CudaStorage, Sh
 struct TokenScoreOp {
     targets: Tensor,
     chunk_rows: usize,
+    inv_temperature: f64,
     values: Tensor,
 }
 
@@ -149,12 +162,13 @@ impl CustomOp2 for TokenScoreOp {
             let g = grad_res.narrow(0, start, len)?;
             let g_logp = g.narrow(1, 0, 1)?.contiguous()?;
             let g_ent = g.narrow(1, 1, 1)?;
-            let (logp, _, entropy) = chunk_values(&h, &w, &t)?;
+            let (logp, _, entropy) = chunk_values(&h, &w, &t, self.inv_temperature)?;
             let p = logp.exp()?;
             // G = −p ⊙ (g_logp + g_H (log p + H)), then + g_logp at the target column.
             let inner = logp.broadcast_add(&entropy)?.broadcast_mul(&g_ent)?;
             let gz = (p.mul(&inner.broadcast_add(&g_logp)?)? * -1.0)?;
-            let gz = gz.scatter_add(&t.unsqueeze(1)?, &g_logp, 1)?;
+            // Gradient with respect to the scaled logits, then through the 1/T scaling.
+            let gz = (gz.scatter_add(&t.unsqueeze(1)?, &g_logp, 1)? * self.inv_temperature)?;
             grad_h.push(gz.matmul(&w)?);
             grad_w = (grad_w + gz.t()?.matmul(&h)?)?;
         }

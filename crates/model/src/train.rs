@@ -18,8 +18,8 @@ use crate::snapshot::WeightSnapshot;
 /// model) and differentiable with respect to every parameter.
 #[derive(Debug, Clone)]
 pub struct TokenScores {
-    /// `log softmax(z)[target]`: natural-log probability of `target_ids` given the prefix of its
-    /// sequence, with `z` the raw logits (temperature 1).
+    /// `log softmax(z / T)[target]`: natural-log probability of `target_ids` given the prefix
+    /// of its sequence, with `z` the raw logits and `T` = [`ForwardOptions::temperature`].
     pub logprobs: Tensor,
     /// `−Σ_v p_v log p_v` of the same distribution, in nats.
     pub entropy: Tensor,
@@ -30,12 +30,16 @@ pub struct TokenScores {
 pub struct ForwardOptions {
     /// Rows of the `(B·L, vocab)` logits computed at a time.
     pub logits_chunk_rows: usize,
+    /// Logits are divided by this before the softmax (use the engine's sampling temperature so
+    /// that trainer and behaviour log-probs are of the same distribution). Must be > 0.
+    pub temperature: f64,
 }
 
 impl Default for ForwardOptions {
     fn default() -> Self {
         Self {
             logits_chunk_rows: 1024,
+            temperature: 1.0,
         }
     }
 }
@@ -128,6 +132,12 @@ impl TrainableModel {
         batch: &PackedBatch,
         options: ForwardOptions,
     ) -> Result<TokenScores> {
+        let t = options.temperature;
+        if !(t.is_finite() && t > 0.0) {
+            return Err(ModelError::input(format!(
+                "temperature must be a positive number, got {t}"
+            )));
+        }
         let hidden = self.hidden_states(batch)?;
         let targets = Tensor::new(batch.target_ids.as_slice(), self.device()).ctx("targets")?;
         let scores = token_scores(
@@ -135,6 +145,7 @@ impl TrainableModel {
             &self.weights.lm_head,
             &targets,
             options.logits_chunk_rows,
+            options.temperature,
         )
         .ctx("token scores")?;
         let shape = (batch.batch, batch.seq_len);

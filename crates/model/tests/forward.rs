@@ -225,6 +225,7 @@ fn packed_forward_equals_separate_forwards() {
                 &packed,
                 ForwardOptions {
                     logits_chunk_rows: 4,
+                    ..ForwardOptions::default()
                 },
             )
             .unwrap();
@@ -495,5 +496,40 @@ fn half_precision_paths_track_f32() {
         };
         let err = rel_err(&score(&half, dtype), &score(&full, DType::F32));
         assert!(err < 5e-2, "{dtype:?} training: relative error {err:e}");
+    }
+}
+
+#[test]
+fn temperature_scales_the_scored_distribution() {
+    let snap = snapshot(
+        tiny_config(sluice_model::Architecture::Llama, false),
+        10,
+        DType::F32,
+    );
+    let model = TrainableModel::from_snapshot(&snap, DType::F32).unwrap();
+    let seq = [5u32, 1, 12, 7];
+    let batch = PackedBatch::from_rows(&[vec![&seq[..]]], 4, 0).unwrap();
+    let options = ForwardOptions {
+        temperature: 0.5,
+        ..ForwardOptions::default()
+    };
+    let scores = model.token_scores(&batch, options).unwrap();
+    let scaled = (model.logits(&batch).unwrap() / 0.5).unwrap();
+    let lsm = candle_nn_free_log_softmax(&scaled);
+    for i in 0..3 {
+        let want: f32 = lsm
+            .i((0, i, seq[i + 1] as usize))
+            .unwrap()
+            .to_scalar()
+            .unwrap();
+        let got: f32 = scores.logprobs.i((0, i)).unwrap().to_scalar().unwrap();
+        assert!((want - got).abs() < 1e-5, "slot {i}: {want} vs {got}");
+    }
+    for bad in [0.0, -1.0, f64::NAN] {
+        let options = ForwardOptions {
+            temperature: bad,
+            ..ForwardOptions::default()
+        };
+        assert!(model.token_scores(&batch, options).is_err());
     }
 }

@@ -21,14 +21,16 @@ fn batch() -> PackedBatch {
 /// A loss using both outputs: masked log-likelihood plus an entropy bonus, with chunked logits
 /// (3 rows at a time) so the chunk boundaries are exercised too.
 fn loss(model: &TrainableModel, batch: &PackedBatch) -> Tensor {
-    let scores = model
-        .token_scores(
-            batch,
-            ForwardOptions {
-                logits_chunk_rows: 3,
-            },
-        )
-        .unwrap();
+    loss_at(model, batch, 1.0)
+}
+
+/// The same with logits divided by `temperature`.
+fn loss_at(model: &TrainableModel, batch: &PackedBatch, temperature: f64) -> Tensor {
+    let options = ForwardOptions {
+        logits_chunk_rows: 3,
+        temperature,
+    };
+    let scores = model.token_scores(batch, options).unwrap();
     let dtype = scores.logprobs.dtype();
     let mask: Vec<f64> = batch
         .target_mask
@@ -92,10 +94,12 @@ fn gradients_match_finite_differences_in_f64() {
         let tied = arch != common::ALL_ARCHS[0];
         let snap = snapshot(tiny_config(arch, tied), 2, DType::F64);
         let model = TrainableModel::from_snapshot(&snap, DType::F64).unwrap();
-        let grads = loss(&model, &batch).backward().unwrap();
+        // A temperature other than 1 on one architecture checks the 1/T in the backward.
+        let temperature = if arch == ALL_ARCHS[1] { 0.7 } else { 1.0 };
+        let grads = loss_at(&model, &batch, temperature).backward().unwrap();
         let eval = |s: &WeightSnapshot| {
             let m = TrainableModel::from_snapshot(s, DType::F64).unwrap();
-            loss(&m, &batch).to_scalar::<f64>().unwrap()
+            loss_at(&m, &batch, temperature).to_scalar::<f64>().unwrap()
         };
         let eps = 1e-6;
         for (i, (name, var)) in model.vars().iter().enumerate() {
