@@ -21,6 +21,10 @@ pub struct Cli {
 pub enum Command {
     /// Validate a config file and print the resolved config as TOML.
     Check(ConfigArgs),
+    /// Run a pipeline from a config until `run.max_steps` training steps are done.
+    Run(ConfigArgs),
+    /// Read or change the runtime knobs of a running node (through its admin API).
+    Knobs(KnobsArgs),
     /// Create and inspect Hugging Face model directories.
     #[command(subcommand)]
     Model(ModelCommand),
@@ -108,6 +112,10 @@ fn parse_preset(s: &str) -> Result<sluice_core::config::ModelPreset, String> {
 /// `sluice bench ...`
 #[derive(Debug, Subcommand)]
 pub enum BenchCommand {
+    /// The async pipeline on a long-tail workload: sync vs the XTuner presets vs in_flight.
+    Pipeline(BenchPipelineArgs),
+    /// Actor overhead: samples/s through the pipeline with an instant engine and trainer.
+    Overhead(BenchPipelineArgs),
     /// Model: training forward+backward and decode tokens/s next to this machine's bounds.
     Model(BenchModelArgs),
 }
@@ -121,4 +129,39 @@ pub struct BenchModelArgs {
     /// Decode batch sizes.
     #[arg(long = "batch", default_values_t = [1usize, 8, 64])]
     pub batches: Vec<usize>,
+}
+
+/// `sluice bench pipeline` / `sluice bench overhead`
+#[derive(Debug, clap::Args)]
+pub struct BenchPipelineArgs {
+    /// Training steps per mode (overhead: ×10).
+    #[arg(long, default_value_t = 12)]
+    pub steps: u64,
+    /// Real seconds per simulated second.
+    #[arg(long, default_value_t = 0.1)]
+    pub time_scale: f64,
+}
+
+/// `sluice knobs ...`
+#[derive(Debug, clap::Args)]
+pub struct KnobsArgs {
+    /// Base URL of the node's admin API.
+    #[arg(long, global = true, default_value = "http://127.0.0.1:9401")]
+    pub admin: String,
+    /// What to do.
+    #[command(subcommand)]
+    pub action: KnobsAction,
+}
+
+/// `sluice knobs get|set`
+#[derive(Debug, Subcommand)]
+pub enum KnobsAction {
+    /// Print the live knobs as JSON.
+    Get,
+    /// Change knobs: `key=value` pairs (`domain_mix.math=0.4` for one domain); all or nothing.
+    Set {
+        /// `knob=value` assignments.
+        #[arg(required = true)]
+        assignments: Vec<String>,
+    },
 }

@@ -2,8 +2,9 @@
 //!
 //! At every decision (any event, or a knob change) it reads the live knobs and:
 //! 1. does nothing new while `paused` or while a `drain` weight update is pending;
-//! 2. runs a tail round when enough tail candidates wait: only they are resumed, nothing is
-//!    admitted or over-sent, and weight updates during the round drain instead of aborting;
+//! 2. runs a tail round when enough tail candidates wait: only they are resumed (at most
+//!    `remaining` in flight: no over-sending), nothing is admitted, and weight updates during the
+//!    round drain instead of aborting; the round ends when every candidate is stored;
 //! 3. otherwise keeps `ceil((1 + s) · remaining)` groups in flight (capped by
 //!    `max_concurrent_rollouts / group_size`), taking aborted and expired groups first and
 //!    admitting fresh samples only while `admitted < (v + η + 1) · groups_per_step`.
@@ -220,6 +221,8 @@ pub struct ControllerState {
     expired: VecDeque<GroupId>,
     tail: VecDeque<GroupId>,
     tail_round: HashSet<GroupId>,
+    /// A tail round is running: only candidates are served until none is left.
+    tail_active: bool,
     attempts: HashMap<RolloutId, u32>,
     /// Largest abort count of each group on its way to the aborted bucket.
     abort_counts: HashMap<GroupId, u32>,
@@ -264,6 +267,7 @@ impl Actor for ControllerActor {
             expired: VecDeque::new(),
             tail: VecDeque::new(),
             tail_round: HashSet::new(),
+            tail_active: false,
             attempts: HashMap::new(),
             abort_counts: HashMap::new(),
             samples: VecDeque::new(),
@@ -357,7 +361,7 @@ impl ControllerState {
             aborted_waiting: self.aborted.len() as u64,
             expired_waiting: self.expired.len() as u64,
             tail_candidates: self.tail.len() as u64,
-            tail_round: !self.tail_round.is_empty(),
+            tail_round: self.tail_active,
             draining: self.draining,
             replay: self.counts,
             ..self.status.clone()
@@ -380,14 +384,15 @@ impl ControllerState {
                     || self.storing.contains(id)
             });
             let k = knobs.tail_batch_candidate_steps;
-            if k == 0 && !self.tail.is_empty() {
+            if k == 0 && !self.tail.is_empty() && !self.tail_active {
                 // The tail batch was switched off: candidates are ordinary aborted groups again.
                 self.aborted.extend(self.tail.drain(..));
             }
-            if self.tail_round.is_empty()
+            if !self.tail_active
                 && k > 0
                 && self.tail.len() >= knobs.tail_batch_trigger_size as usize
             {
+                self.tail_active = true;
                 self.status.tail_rounds += 1;
                 let size = self.tail.len() as u64;
                 self.status.tail_round_min_size = if self.status.tail_rounds == 1 {
@@ -395,14 +400,25 @@ impl ControllerState {
                 } else {
                     self.status.tail_round_min_size.min(size)
                 };
-                resumes.extend(self.tail.drain(..));
-                self.tail_round.extend(resumes.iter().copied());
-            } else if self.tail_round.is_empty() {
-                let remaining = remaining_for_step(b, self.counts.completed);
-                let cap =
-                    u64::from((knobs.max_concurrent_rollouts / self.config.group_size).max(1));
+            }
+            if self.tail_active && self.tail.is_empty() && self.tail_round.is_empty() {
+                self.tail_active = false;
+            }
+            let remaining = remaining_for_step(b, self.counts.completed);
+            let cap = u64::from((knobs.max_concurrent_rollouts / self.config.group_size).max(1));
+            let mut active = self.in_flight();
+            if self.tail_active {
+                // A tail round serves only candidates, without over-sending (s = 0).
+                while active < remaining.min(cap) {
+                    let Some(id) = self.tail.pop_front() else {
+                        break;
+                    };
+                    self.tail_round.insert(id);
+                    resumes.push(id);
+                    active += 1;
+                }
+            } else {
                 let target = in_flight_target(knobs.staleness_threshold, remaining).min(cap);
-                let mut active = self.in_flight();
                 while active < target {
                     if let Some(id) = self
                         .aborted
@@ -457,7 +473,7 @@ impl ControllerState {
         }
         peers.replay.admit(group.clone());
         self.admitted_total += 1;
-        if !self.tail_round.is_empty() {
+        if self.tail_active {
             self.status.admitted_during_tail += 1;
         }
         metrics::counter!(m::ROLLOUT_ADMITTED_GROUPS).increment(1);
@@ -666,10 +682,10 @@ impl ControllerState {
         peers.replay.set_version(w.version);
         let knobs = self.knobs.current();
         // A tail round runs without aborts: its updates drain instead.
-        let mode = if self.tail_round.is_empty() {
-            knobs.weight_update_mode
-        } else {
+        let mode = if self.tail_active {
             WeightUpdateMode::Drain
+        } else {
+            knobs.weight_update_mode
         };
         if mode == WeightUpdateMode::Drain {
             self.draining = true;

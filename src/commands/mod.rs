@@ -1,9 +1,12 @@
 //! One module per subcommand; each takes its parsed arguments and returns an exit code.
 
 mod bench_model;
+mod bench_pipeline;
 mod check;
 mod env_server;
+mod knobs;
 mod model;
+mod run;
 
 use std::process::ExitCode;
 
@@ -13,6 +16,10 @@ use crate::cli::{BenchCommand, Command};
 pub fn run(command: Command) -> anyhow::Result<ExitCode> {
     match command {
         Command::Check(args) => check::run(&args),
+        Command::Run(args) => run::run(&args),
+        Command::Knobs(args) => knobs::run(&args),
+        Command::Bench(BenchCommand::Pipeline(args)) => bench_pipeline::pipeline(&args),
+        Command::Bench(BenchCommand::Overhead(args)) => bench_pipeline::overhead(&args),
         Command::Model(cmd) => model::run(cmd),
         Command::Bench(BenchCommand::Model(args)) => bench_model::run(&args),
         Command::EnvServer(args) => env_server::run(&args),

@@ -1,0 +1,125 @@
+//! `sluice run CONFIG [--set k=v]...`: run a whole pipeline from a config, with a progress bar
+//! (step, samples/s, mean lag, buckets) and a summary at the end. Ctrl-C stops it cleanly: the
+//! replay store commits what it holds and the next run on the same output dir resumes.
+
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use indicatif::{ProgressBar, ProgressStyle};
+use sluice_actors::{Node, NodeOptions, NodeStatus};
+use sluice_core::config::{Config, EngineBackend};
+
+use crate::cli::ConfigArgs;
+
+/// Loads the config and runs the node until `run.max_steps` training steps are done.
+pub fn run(args: &ConfigArgs) -> anyhow::Result<ExitCode> {
+    let config = sluice_core::config::load(&args.config, &args.overrides)?;
+    if config.engine.backend != EngineBackend::Simulated || !config.trainer.simulated.enabled {
+        bail!(
+            "{}: this build runs the simulated pipeline only (engine.backend = \"simulated\", trainer.simulated.enabled = true); the native and remote backends plug into the same actors",
+            args.config.display()
+        );
+    }
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    runtime.block_on(run_node(&config))
+}
+
+async fn run_node(config: &Config) -> anyhow::Result<ExitCode> {
+    let options = NodeOptions {
+        replay_dir: Some(config.replay.path.clone()),
+        serve_admin: true,
+        serve_metrics: config.metrics.enabled,
+        ..NodeOptions::default()
+    };
+    let node = Node::start(config, options).await?;
+    if let Some(addr) = node.admin_addr() {
+        tracing::info!(%addr, "admin API listening");
+    }
+    let started = Instant::now();
+    let bar = ProgressBar::new(config.run.max_steps.get());
+    bar.set_style(
+        ProgressStyle::with_template("{bar:30} step {pos}/{len} {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    let wait = node.wait_done(Duration::from_secs(365 * 24 * 3600), |s| {
+        bar.set_position(s.trainer.steps);
+        bar.set_message(progress_line(s, started.elapsed().as_secs_f64()));
+    });
+    let outcome = tokio::select! {
+        r = wait => Some(r),
+        _ = tokio::signal::ctrl_c() => None,
+    };
+    bar.finish_and_clear();
+    let status = node.status().await.ok();
+    node.shutdown().await;
+    match (outcome, status) {
+        (None, Some(s)) => {
+            eprintln!(
+                "interrupted; state saved under {}",
+                config.replay.path.display()
+            );
+            print_summary(&s, started.elapsed().as_secs_f64());
+            Ok(ExitCode::SUCCESS)
+        }
+        (Some(Ok(s)), _) => {
+            print_summary(&s, started.elapsed().as_secs_f64());
+            match &s.trainer.error {
+                Some(e) => bail!("training failed: {e}"),
+                None => Ok(ExitCode::SUCCESS),
+            }
+        }
+        (Some(Err(e)), _) => Err(e.into()),
+        (None, None) => Ok(ExitCode::SUCCESS),
+    }
+}
+
+fn progress_line(s: &NodeStatus, wall: f64) -> String {
+    let b = &s.replay.buckets;
+    format!(
+        "| {:.0} samples/s | mean lag {:.2} | v{} | in flight {} | completed {} aborted {} expired {} filtered {}",
+        s.trainer.trained_samples as f64 / wall.max(1e-9),
+        s.trainer.mean_lag(),
+        s.trainer.version.0,
+        s.controller.in_flight,
+        b["completed"],
+        b["aborted"],
+        b["expired"],
+        b["filtered"],
+    )
+}
+
+fn print_summary(s: &NodeStatus, wall: f64) {
+    let t = &s.trainer;
+    println!("steps                 {}", t.steps);
+    println!("policy version        {}", t.version.0);
+    println!("wall time             {wall:.2} s");
+    println!(
+        "trained samples       {} ({:.1}/s)",
+        t.trained_samples,
+        t.trained_samples as f64 / wall.max(1e-9)
+    );
+    println!("trained tokens        {}", t.trained_tokens);
+    println!(
+        "version lag           mean {:.3}, max {} (violations {})",
+        t.mean_lag(),
+        t.max_lag,
+        t.lag_violations
+    );
+    println!("engine busy ratio     {:.3}", s.engine_busy_ratio());
+    println!("trainer idle ratio    {:.3}", t.idle_ratio());
+    println!(
+        "discarded tokens      {}",
+        s.replay.counters.discarded_tokens
+    );
+    let buckets: Vec<String> = s
+        .replay
+        .buckets
+        .iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect();
+    println!("buckets               {}", buckets.join(" "));
+}

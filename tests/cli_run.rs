@@ -1,0 +1,145 @@
+//! `sluice run` on the long-tail config (shrunk), and `sluice knobs get|set` against a live node.
+
+use std::process::Command;
+use std::time::Duration;
+
+use sluice_actors::{Node, NodeOptions};
+
+fn sluice() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_sluice"))
+}
+
+#[test]
+fn run_finishes_the_long_tail_config_and_prints_a_summary() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = sluice()
+        .args([
+            "run",
+            concat!(env!("CARGO_MANIFEST_DIR"), "/configs/sim_longtail.toml"),
+        ])
+        .args([
+            "--set",
+            "run.max_steps=3",
+            "--set",
+            "engine.simulated.time_scale=0.01",
+        ])
+        .args([
+            "--set",
+            &format!("run.output_dir=\"{}\"", dir.path().display()),
+        ])
+        .args([
+            "--set",
+            "metrics.listen=\"127.0.0.1:0\"",
+            "--set",
+            "admin.listen=\"127.0.0.1:0\"",
+        ])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "stderr: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("steps                 3"), "{stdout}");
+    assert!(stdout.contains("violations 0"), "{stdout}");
+    assert!(
+        dir.path().join("replay").join("replay.redb").exists(),
+        "the replay store lives under the output dir"
+    );
+}
+
+#[test]
+fn run_refuses_a_bad_config_naming_the_key() {
+    let out = sluice()
+        .args([
+            "run",
+            concat!(env!("CARGO_MANIFEST_DIR"), "/configs/sim_longtail.toml"),
+        ])
+        .args(["--set", "rollout.staleness_threshold=-1"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("rollout.staleness_threshold"), "{stderr}");
+}
+
+#[test]
+fn knobs_get_and_set_talk_to_the_admin_api() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let overrides: Vec<_> = [
+        "admin.listen=\"127.0.0.1:0\"",
+        "metrics.enabled=false",
+        "rollout.paused=true",
+    ]
+    .iter()
+    .map(|s| s.parse().unwrap())
+    .collect();
+    let config = sluice_core::config::load(
+        std::path::Path::new(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/configs/sim_longtail.toml"
+        )),
+        &overrides,
+    )
+    .unwrap();
+    let node = rt
+        .block_on(Node::start(
+            &config,
+            NodeOptions {
+                serve_admin: true,
+                ..NodeOptions::default()
+            },
+        ))
+        .unwrap();
+    let admin = format!("http://{}", node.admin_addr().unwrap());
+    let get = sluice()
+        .args(["knobs", "get", "--admin", &admin])
+        .output()
+        .unwrap();
+    assert!(get.status.success());
+    assert!(String::from_utf8_lossy(&get.stdout).contains("\"paused\": true"));
+    let set = sluice()
+        .args([
+            "knobs",
+            "set",
+            "staleness_threshold=0.5",
+            "max_version_lag=3",
+            "--admin",
+            &admin,
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        set.status.success(),
+        "{}",
+        String::from_utf8_lossy(&set.stderr)
+    );
+    let knobs = node.handles.knobs.current();
+    assert_eq!((knobs.staleness_threshold, knobs.max_version_lag), (0.5, 3));
+    let bad = sluice()
+        .args([
+            "knobs",
+            "set",
+            "max_concurrent_rollouts=0",
+            "--admin",
+            &admin,
+        ])
+        .output()
+        .unwrap();
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("max_concurrent_rollouts"));
+    assert_eq!(
+        node.handles.knobs.current().max_concurrent_rollouts,
+        knobs.max_concurrent_rollouts,
+        "refused: unchanged"
+    );
+    rt.block_on(async {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        node.shutdown().await;
+    });
+}
