@@ -4,7 +4,7 @@
 //! lengths, median 64, σ = 1.2 so p99 ≈ 16× the median; 32 concurrent sequences against 64
 //! rollouts per step; step time `0.5 + 0.0001 · tokens` simulated seconds) in one process under:
 //! sync (`max_version_lag = 0`, `staleness_threshold = 0`, `drain`), the five XTuner presets of
-//! `configs/xtuner_*.toml`, and `in_flight` (η = 2, s = 3). It prints a table and a `RESULT` line.
+//! `configs/xtuner_*.toml`, and `in_flight` (η = 4, s = 4). It prints a table and a `RESULT` line.
 //! The ideal is the time the engine would need for the trained tokens at its peak rate
 //! (`max_running / (a + b · max_running)` tokens per simulated second).
 //!

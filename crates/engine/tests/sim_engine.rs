@@ -121,7 +121,7 @@ fn abort_returns_the_partial_and_resume_reaches_the_same_length() {
     assert_eq!(
         whole.len(),
         200,
-        "resumed to the length the turn was drawn with"
+        "a fixed-length turn resumes to the same length"
     );
     assert_eq!(
         &whole.token_ids[..partial.len()],

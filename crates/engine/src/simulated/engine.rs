@@ -5,8 +5,8 @@
 //! pending), then run one step: every running sequence gains one token tagged with the current
 //! version. A step costs `prefill · new_prompt_tokens + a + b · running` simulated seconds; the
 //! thread sleeps that long times `time_scale`, against a running deadline so sleep overshoot does
-//! not accumulate. A request's total length is drawn once per (rollout, turn), so a resumed
-//! request continues to the same length it would have reached uninterrupted.
+//! not accumulate. Each submission draws its length; a resumed one draws conditioned on exceeding
+//! the tokens it already has.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -191,7 +191,11 @@ impl Worker {
                 self.running.is_empty() && self.waiting.is_empty() && self.pending_drain.is_none();
             let first = if idle {
                 match self.rx.recv() {
-                    Ok(c) => Some(c),
+                    Ok(c) => {
+                        // Simulated time does not run while the engine has nothing to do.
+                        self.deadline = Instant::now();
+                        Some(c)
+                    }
                     Err(_) => return,
                 }
             } else {
@@ -278,7 +282,9 @@ impl Worker {
             .cloned()
             .unwrap_or(LengthDistribution::Fixed { tokens: 16 });
         let r = req.id.rollout;
-        // Seeded by (rollout, turn), not attempt: a resumed turn aims at the same total length.
+        // Seeded per submission, so a regenerated turn is a new sample. A resumed turn draws from
+        // the length distribution conditioned on exceeding what it already generated: its
+        // continuation is a fresh sample of the same policy, as on a real engine.
         let mut rng = SplitMix64::new(mix(&[
             self.sim.seed,
             r.group.run.0,
@@ -286,13 +292,19 @@ impl Worker {
             r.group.counter,
             u64::from(r.index),
             u64::from(req.id.turn),
+            u64::from(req.id.attempt),
         ]));
         let max_tokens = req.params.max_tokens.max(1);
         let output = req.resume.unwrap_or_default();
+        let done = output.len() as u32;
+        let target = (0..16)
+            .map(|_| rng.length(&dist, max_tokens))
+            .find(|l| *l > done || done >= max_tokens)
+            .unwrap_or((done + 1).min(max_tokens));
         Seq {
             id: req.id,
             prefill_tokens: (req.prompt_token_ids.len() + output.len()) as u64,
-            target: rng.length(&dist, max_tokens),
+            target,
             max_tokens,
             output,
             prefilled: false,
@@ -324,8 +336,14 @@ impl Worker {
         let real = cost * self.sim.time_scale;
         let start = Instant::now();
         if real > 0.0 {
-            // Sleep to a running deadline: overshoot of one step is absorbed by the next.
-            self.deadline = self.deadline.max(start) + Duration::from_secs_f64(real);
+            // Sleep to a running deadline, so sleep overshoot and this thread's own bookkeeping
+            // are absorbed by later steps instead of stretching simulated time. Only a lag of
+            // more than a few steps (a starved CPU) is given up.
+            let behind = start.saturating_duration_since(self.deadline);
+            if behind > Duration::from_secs_f64(real * 8.0).max(Duration::from_millis(2)) {
+                self.deadline = start;
+            }
+            self.deadline += Duration::from_secs_f64(real);
             let now = Instant::now();
             if self.deadline > now {
                 std::thread::sleep(self.deadline - now);
