@@ -514,6 +514,8 @@ impl Worker {
             metrics::gauge!(m::REPLAY_BUCKET_GROUPS, "bucket" => b.as_label())
                 .set(self.store.count(b) as f64);
         }
+        metrics::counter!(m::ENGINE_DISCARDED_TOKENS)
+            .absolute(self.store.counters().discarded_tokens);
         for (key, n) in &self.store.counters().transitions {
             if let Some((from, to)) = key.split_once("->") {
                 metrics::counter!(m::REPLAY_TRANSITIONS, "from" => from.to_owned(), "to" => to.to_owned()).absolute(*n);

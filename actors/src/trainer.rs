@@ -222,7 +222,10 @@ impl Worker {
                     "batch broke an invariant"
                 );
             }
+            let step_started = Instant::now();
             let outcome = self.backend.train_step(&batch);
+            metrics::histogram!(m::TRAINER_STEP_SECONDS)
+                .record(step_started.elapsed().as_secs_f64());
             steps += 1;
             let mut status = self.status.lock().unwrap_or_else(|e| e.into_inner());
             status.idle_seconds += idle;

@@ -51,7 +51,7 @@ async fn run_node(config: &Config) -> anyhow::Result<ExitCode> {
     });
     let outcome = tokio::select! {
         r = wait => Some(r),
-        _ = tokio::signal::ctrl_c() => None,
+        _ = stop_signal() => None,
     };
     bar.finish_and_clear();
     let status = node.status().await.ok();
@@ -74,6 +74,29 @@ async fn run_node(config: &Config) -> anyhow::Result<ExitCode> {
         }
         (Some(Err(e)), _) => Err(e.into()),
         (None, None) => Ok(ExitCode::SUCCESS),
+    }
+}
+
+/// SIGINT or SIGTERM: stop admitting, let the replay store commit, exit 0.
+async fn stop_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
     }
 }
 
