@@ -73,6 +73,14 @@ fn start(p: SimEngineParams) -> (SimEngine, Events) {
     (engine, events)
 }
 
+/// Waits until the engine has decoded at least `n` tokens (robust to a slow, shared CPU).
+fn wait_tokens(engine: &SimEngine, n: u64) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while engine.stats().generated_tokens < n && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
 fn wait_finished(events: &Events, n: usize) -> Vec<Completion> {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
@@ -96,7 +104,7 @@ fn wait_finished(events: &Events, n: usize) -> Vec<Completion> {
 fn abort_returns_the_partial_and_resume_reaches_the_same_length() {
     let (mut engine, events) = start(params(200, 1.0));
     engine.submit(request(req_id(0, 0), None)).unwrap();
-    std::thread::sleep(Duration::from_millis(30));
+    wait_tokens(&engine, 5);
     engine.abort(req_id(0, 0)).unwrap();
     let done = wait_finished(&events, 1);
     assert_eq!(done[0].finish, FinishReason::Abort);
@@ -145,7 +153,7 @@ fn abort_returns_the_partial_and_resume_reaches_the_same_length() {
 fn in_flight_swap_tags_later_tokens_with_the_new_version() {
     let (mut engine, events) = start(params(300, 1.0));
     engine.submit(request(req_id(1, 0), None)).unwrap();
-    std::thread::sleep(Duration::from_millis(40));
+    wait_tokens(&engine, 5);
     engine
         .update_weights(
             WeightSnapshot::version_only(PolicyVersion(1)),
