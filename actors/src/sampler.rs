@@ -1,6 +1,6 @@
 //! The DatasetSampler actor: hands data samples to the controller when asked (credit-based: it
 //! never sends more than the controller requested). The samples come from a [`SampleSource`], a
-//! small trait so that the domain-weighted dataset sampler of `sluice-data` plugs in unchanged.
+//! small trait; the domain-weighted dataset sampler of `sluice-data` implements it below.
 
 use std::collections::BTreeMap;
 
@@ -85,6 +85,18 @@ impl SampleSource for SimSource {
 
     fn state(&self) -> serde_json::Value {
         serde_json::json!({ "drawn": self.drawn })
+    }
+}
+
+/// The dataset sampler of `sluice-data` (JSONL datasets, adaptive domain weights) is a source as
+/// it is: the knob's shares are its target mix.
+impl SampleSource for sluice_data::DomainSampler {
+    fn next_sample(&mut self, domain_shares: &BTreeMap<String, f64>) -> Option<DataSample> {
+        sluice_data::DomainSampler::next_sample(self, domain_shares)
+    }
+
+    fn state(&self) -> serde_json::Value {
+        serde_json::to_value(sluice_data::DomainSampler::state(self)).unwrap_or_default()
     }
 }
 
