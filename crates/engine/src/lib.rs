@@ -4,16 +4,23 @@
 //! | module | what it holds |
 //! |---|---|
 //! | [`backend`] | the trait, requests, outputs, events and stats every backend speaks |
+//! | [`native`] | [`NativeEngine`]: the candle model behind a continuous-batching scheduler |
+//! | [`remote`] | [`remote::RemoteEngine`]: the trait over OpenAI-compatible servers with RL extensions |
+//! | [`server`] | the OpenAI-compatible HTTP server on the native engine (`sluice serve`) |
 //! | [`simulated`] | [`SimEngine`] (timing model on its own thread), [`SimTrainer`], the simulated task |
 //!
 //! The native candle engine and the remote HTTP backend implement the same trait, so the actors
 //! never change when a backend is added.
 
 pub mod backend;
+pub mod native;
+pub mod remote;
+pub mod server;
 pub mod simulated;
 
 pub use backend::{
     Completion, EngineError, EngineEvent, EngineStats, EventSink, FinishReason, GenerateRequest,
     InferenceBackend, SamplingParams, TokenOutput,
 };
+pub use native::{NativeControl, NativeEngine, NativeEngineParams, NativeRequest};
 pub use simulated::{SimEngine, SimTask, SimTrainer};

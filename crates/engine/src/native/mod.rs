@@ -1,0 +1,439 @@
+//! The native backend: Sluice's candle model behind a continuous-batching scheduler on its own
+//! thread.
+//!
+//! [`NativeEngine`] is the handle: every call enqueues a command on a bounded crossbeam channel
+//! and returns. The compute thread ([`worker`]) applies commands between two steps (so weight
+//! swaps, aborts and pauses take effect at a step boundary), admits waiting requests up to
+//! `max_running_sequences`, and runs one model step over every running sequence: waiting prompt
+//! tokens (chunked to the `max_step_tokens` budget) and one decode token per generating
+//! sequence, in a single ragged batch. The behaviour log-probability definition is in
+//! [`sampler`]; stop conditions in [`stop`].
+//!
+//! Beyond the [`InferenceBackend`] trait, [`NativeEngine::submit_native`] takes a
+//! [`NativeRequest`] with what the OpenAI server needs: stop strings, alternatives per token,
+//! prompt log-probabilities, and an observer that sees each token as it is produced.
+
+mod sampler;
+mod stop;
+mod worker;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use crossbeam_channel::{Sender, TrySendError};
+use sluice_core::{PolicyVersion, RequestId, WeightSnapshot, WeightUpdateMode};
+use sluice_model::{ModelConfig, Tokenizer, WeightSnapshot as ModelWeights};
+
+use crate::backend::{
+    Completion, EngineError, EngineStats, EventSink, GenerateRequest, InferenceBackend,
+};
+pub use stop::{StopHit, truncate_at_stop};
+
+/// Commands queued per engine; a full queue is back-pressure, reported by `submit`.
+const COMMAND_QUEUE: usize = 4096;
+
+/// How the engine is sized and seeded.
+#[derive(Debug, Clone)]
+pub struct NativeEngineParams {
+    /// Replica index (names the thread).
+    pub replica: u32,
+    /// Cap on sequences in the running batch (`engine.max_running_sequences`).
+    pub max_running_sequences: usize,
+    /// Token budget of one step, prompt chunks plus decode tokens (`engine.max_step_tokens`).
+    /// Decode tokens of running sequences are never starved: the budget limits prefill.
+    pub max_step_tokens: usize,
+    /// Seed of requests that carry none (mixed with the request id).
+    pub seed: u64,
+    /// End-of-sequence ids (the tokenizer's, else the model config's); every request stops on
+    /// them unless it asks to ignore them.
+    pub eos_token_ids: Vec<u32>,
+}
+
+impl Default for NativeEngineParams {
+    fn default() -> Self {
+        Self {
+            replica: 0,
+            max_running_sequences: 64,
+            max_step_tokens: 4096,
+            seed: 0,
+            eos_token_ids: Vec::new(),
+        }
+    }
+}
+
+/// A request with the options only the native engine offers.
+#[derive(Clone)]
+pub struct NativeRequest {
+    /// The request as every backend sees it.
+    pub request: GenerateRequest,
+    /// Stop strings (need the engine's tokenizer).
+    pub stop: Vec<String>,
+    /// Do not stop on the end-of-sequence ids.
+    pub ignore_eos: bool,
+    /// Alternatives reported per generated (and, with `prompt_logprobs`, prompt) token.
+    pub top_logprobs: u32,
+    /// Report the log-probability of every prompt token (`echo` with `logprobs`).
+    pub prompt_logprobs: bool,
+    /// Sees this request's tokens as they are produced, and its end.
+    pub observer: Option<RequestObserver>,
+}
+
+impl NativeRequest {
+    /// A plain request: no stop strings, no extra log-probabilities, no observer.
+    pub fn plain(request: GenerateRequest) -> Self {
+        Self {
+            request,
+            stop: Vec::new(),
+            ignore_eos: false,
+            top_logprobs: 0,
+            prompt_logprobs: false,
+            observer: None,
+        }
+    }
+}
+
+/// Called on the compute thread for each update of one request: must not block.
+pub type RequestObserver = Arc<dyn Fn(RequestUpdate) + Send + Sync>;
+
+/// What an observer sees, in order: prompt log-probabilities (when asked), each token, the end.
+#[derive(Debug, Clone)]
+pub enum RequestUpdate {
+    /// One entry per prompt token; the first has no log-probability.
+    PromptLogprobs(Vec<PromptLogprob>),
+    /// A generated token.
+    Token(TokenStep),
+    /// The request left the engine (also delivered to the engine's sink).
+    Finished {
+        /// The whole completion.
+        completion: Completion,
+        /// The stop condition met, when it stopped on one.
+        stop: Option<StopHit>,
+    },
+}
+
+/// The log-probability of one prompt token given the tokens before it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PromptLogprob {
+    /// The token.
+    pub token: u32,
+    /// Its log-probability (`None` for the first token).
+    pub logprob: Option<f32>,
+    /// The most likely tokens at that position.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// One generated token as an observer sees it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenStep {
+    /// The token.
+    pub token: u32,
+    /// Its behaviour log-probability (see [`sampler`]).
+    pub logprob: f32,
+    /// The version of the weights that produced it.
+    pub version: PolicyVersion,
+    /// The most likely tokens at this position, with their log-probabilities.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// The native engine could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum NativeError {
+    /// The model refused the weights.
+    #[error("native engine: {0}")]
+    Model(#[from] sluice_model::ModelError),
+    /// A parameter is out of range.
+    #[error("native engine: {0}")]
+    Params(String),
+}
+
+impl NativeError {
+    /// Short stable name.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Model(e) => e.kind(),
+            Self::Params(_) => "engine_params",
+        }
+    }
+}
+
+pub(crate) enum Command {
+    Submit(Box<NativeRequest>),
+    Abort(RequestId),
+    AbortAll,
+    Update(Arc<ModelWeights>, WeightUpdateMode, Instant),
+    Pause { abort: bool },
+    Continue,
+    Shutdown,
+}
+
+/// Counters the compute thread publishes for lock-free reads.
+#[derive(Default)]
+pub(crate) struct Shared {
+    pub stopped: std::sync::atomic::AtomicBool,
+    pub version: AtomicU64,
+    pub running: AtomicU64,
+    pub waiting: AtomicU64,
+    pub generated_tokens: AtomicU64,
+    pub busy_nanos: AtomicU64,
+}
+
+/// A cheap, cloneable handle for queueing commands (the server's request handlers and request
+/// observers hold one). It does not own the thread: [`NativeEngine`] does.
+#[derive(Clone)]
+pub struct NativeControl {
+    tx: Sender<Command>,
+    shared: Arc<Shared>,
+    started: Instant,
+    name: Arc<str>,
+    config: Arc<ModelConfig>,
+    tokenizer: Option<Arc<Tokenizer>>,
+}
+
+/// See the module docs.
+pub struct NativeEngine {
+    control: NativeControl,
+    thread: Option<JoinHandle<()>>,
+}
+impl NativeEngine {
+    /// Starts the compute thread on `weights`; events go to `sink`. The tokenizer is needed only
+    /// for stop strings.
+    pub fn start(
+        params: NativeEngineParams,
+        weights: Arc<ModelWeights>,
+        tokenizer: Option<Arc<Tokenizer>>,
+        sink: EventSink,
+    ) -> Result<Self, NativeError> {
+        if params.max_running_sequences == 0 || params.max_step_tokens == 0 {
+            return Err(NativeError::Params(
+                "max_running_sequences and max_step_tokens must be at least 1".into(),
+            ));
+        }
+        let model = sluice_model::InferenceModel::new(Arc::clone(&weights))?;
+        let config = Arc::clone(model.config());
+        let (tx, rx) = crossbeam_channel::bounded(COMMAND_QUEUE);
+        let shared = Arc::new(Shared::default());
+        shared.version.store(weights.version.0, Ordering::Relaxed);
+        let name = format!("native-engine-{}", params.replica);
+        let worker = worker::Worker::new(
+            params,
+            model,
+            tokenizer.clone(),
+            rx,
+            sink,
+            Arc::clone(&shared),
+        );
+        let thread = std::thread::Builder::new()
+            .name(name.clone())
+            .spawn({
+                let shared = Arc::clone(&shared);
+                move || {
+                    // Marks the engine stopped however the thread ends (a panic included).
+                    struct Stopped(Arc<Shared>);
+                    impl Drop for Stopped {
+                        fn drop(&mut self) {
+                            self.0.stopped.store(true, Ordering::Relaxed);
+                        }
+                    }
+                    let _stopped = Stopped(shared);
+                    worker.run();
+                }
+            })
+            .map_err(|e| NativeError::Params(format!("spawning the engine thread: {e}")))?;
+        Ok(Self {
+            control: NativeControl {
+                tx,
+                shared,
+                started: Instant::now(),
+                name: name.into(),
+                config,
+                tokenizer,
+            },
+            thread: Some(thread),
+        })
+    }
+
+    /// A cloneable handle for queueing commands.
+    pub fn control(&self) -> NativeControl {
+        self.control.clone()
+    }
+
+    /// See [`NativeControl::submit_native`].
+    pub fn submit_native(&self, request: NativeRequest) -> Result<(), EngineError> {
+        self.control.submit_native(request)
+    }
+
+    /// The model's architecture (vocabulary, context length).
+    pub fn model_config(&self) -> &Arc<ModelConfig> {
+        &self.control.config
+    }
+}
+
+impl NativeControl {
+    /// The model's architecture (vocabulary, context length).
+    pub fn model_config(&self) -> &Arc<ModelConfig> {
+        &self.config
+    }
+
+    /// The tokenizer given at start.
+    pub fn tokenizer(&self) -> Option<&Arc<Tokenizer>> {
+        self.tokenizer.as_ref()
+    }
+
+    /// Queues a request with native options. Refuses empty prompts, out-of-vocabulary ids and
+    /// stop strings without a tokenizer; a prompt too long for the context finishes with
+    /// `Error("prompt_too_long")`.
+    pub fn submit_native(&self, request: NativeRequest) -> Result<(), EngineError> {
+        let r = &request.request;
+        let bad = |reason: String| EngineError::BadRequest {
+            id: r.id.to_string(),
+            reason,
+        };
+        if r.prompt_token_ids.is_empty() {
+            return Err(bad("the prompt is empty".into()));
+        }
+        let vocab = self.config.vocab_size;
+        let resumed = r.resume.iter().flat_map(|o| o.token_ids.iter());
+        if let Some(t) = r
+            .prompt_token_ids
+            .iter()
+            .chain(resumed)
+            .find(|&&t| t as usize >= vocab)
+        {
+            return Err(bad(format!(
+                "token id {t} is outside the vocabulary ({vocab})"
+            )));
+        }
+        if !request.stop.is_empty() && self.tokenizer.is_none() {
+            return Err(bad(
+                "stop strings need a tokenizer; the engine has none".into()
+            ));
+        }
+        if !(r.params.temperature >= 0.0 && r.params.top_p > 0.0 && r.params.top_p <= 1.0) {
+            return Err(bad("temperature must be >= 0 and top_p in (0, 1]".into()));
+        }
+        self.send(Command::Submit(Box::new(request)))
+    }
+
+    /// Stops stepping: with `abort`, every request is aborted (partials returned); without, they
+    /// wait in place until [`Self::continue_generation`].
+    pub fn pause(&self, abort: bool) -> Result<(), EngineError> {
+        self.send(Command::Pause { abort })
+    }
+
+    /// Resumes stepping after [`Self::pause`].
+    pub fn continue_generation(&self) -> Result<(), EngineError> {
+        self.send(Command::Continue)
+    }
+
+    fn send(&self, command: Command) -> Result<(), EngineError> {
+        self.tx.try_send(command).map_err(|e| match e {
+            TrySendError::Full(_) => EngineError::BadRequest {
+                id: self.name.to_string(),
+                reason: format!("command queue full ({COMMAND_QUEUE}); bound the requests"),
+            },
+            TrySendError::Disconnected(_) => EngineError::Stopped {
+                backend: self.name.to_string(),
+            },
+        })
+    }
+
+    /// Whether the compute thread is still running.
+    pub fn is_alive(&self) -> bool {
+        !self.shared.stopped.load(Ordering::Relaxed)
+    }
+
+    /// Current statistics (lock-free read).
+    pub fn stats(&self) -> EngineStats {
+        let s = &self.shared;
+        EngineStats {
+            version: PolicyVersion(s.version.load(Ordering::Relaxed)),
+            running: s.running.load(Ordering::Relaxed),
+            waiting: s.waiting.load(Ordering::Relaxed),
+            generated_tokens: s.generated_tokens.load(Ordering::Relaxed),
+            busy_seconds: s.busy_nanos.load(Ordering::Relaxed) as f64 * 1e-9,
+            uptime_seconds: self.started.elapsed().as_secs_f64(),
+        }
+    }
+
+    /// Aborts one request (its partial output is reported at the next step boundary).
+    pub fn abort(&self, id: RequestId) -> Result<(), EngineError> {
+        self.send(Command::Abort(id))
+    }
+
+    /// Aborts every queued and running request.
+    pub fn abort_all(&self) -> Result<(), EngineError> {
+        self.send(Command::AbortAll)
+    }
+
+    /// Installs new weights per `mode`; see [`InferenceBackend::update_weights`].
+    pub fn update_weights(
+        &self,
+        weights: WeightSnapshot,
+        mode: WeightUpdateMode,
+    ) -> Result<(), EngineError> {
+        let model =
+            ModelWeights::from_envelope(&weights).ok_or_else(|| EngineError::BadRequest {
+                id: self.name.to_string(),
+                reason: format!(
+                    "weight snapshot {} carries no model weights (a simulated trainer's?)",
+                    weights.version
+                ),
+            })?;
+        if **model.config() != *self.config {
+            return Err(EngineError::BadRequest {
+                id: self.name.to_string(),
+                reason: format!(
+                    "weight snapshot {} has another architecture",
+                    weights.version
+                ),
+            });
+        }
+        self.send(Command::Update(model, mode, Instant::now()))
+    }
+}
+
+impl InferenceBackend for NativeEngine {
+    fn submit(&self, request: GenerateRequest) -> Result<(), EngineError> {
+        self.control.submit_native(NativeRequest::plain(request))
+    }
+
+    fn abort(&self, id: RequestId) -> Result<(), EngineError> {
+        self.control.abort(id)
+    }
+
+    fn abort_all(&self) -> Result<(), EngineError> {
+        self.control.abort_all()
+    }
+
+    fn update_weights(
+        &self,
+        weights: WeightSnapshot,
+        mode: WeightUpdateMode,
+    ) -> Result<(), EngineError> {
+        self.control.update_weights(weights, mode)
+    }
+
+    fn stats(&self) -> EngineStats {
+        self.control.stats()
+    }
+
+    fn shutdown(&mut self) {
+        if let Some(t) = self.thread.take() {
+            // Clones of the control may keep the channel open, so the command must get in: wait
+            // for room rather than rely on a disconnect.
+            let _ = self
+                .control
+                .tx
+                .send_timeout(Command::Shutdown, std::time::Duration::from_secs(10));
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for NativeEngine {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}

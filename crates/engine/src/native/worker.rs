@@ -1,0 +1,490 @@
+//! The compute thread: queues, admission, one ragged model step at a time, sampling, finishing.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use crossbeam_channel::Receiver;
+use sluice_core::{PolicyVersion, RequestId, WeightUpdateMode};
+use sluice_model::{
+    ContiguousKvCache, InferenceModel, KvCache, LogitsWanted, StepInput, Tokenizer,
+    WeightSnapshot as ModelWeights,
+};
+
+use super::sampler::{log_softmax, sample, splitmix, top_n};
+use super::stop::{StopHit, StopRule};
+use super::{
+    Command, NativeEngineParams, NativeRequest, PromptLogprob, RequestObserver, RequestUpdate,
+    Shared, TokenStep,
+};
+use crate::backend::{
+    Completion, EngineEvent, EventSink, FinishReason, SamplingParams, TokenOutput, push_token,
+};
+
+/// One request inside the engine.
+struct Seq {
+    id: RequestId,
+    /// Its key in the KV cache (unique for the engine's life).
+    cache_id: u64,
+    prompt_len: usize,
+    /// Tokens not yet in the cache: the prompt (+ resumed tokens) at first, then the last
+    /// sampled token.
+    pending: Vec<u32>,
+    output: TokenOutput,
+    params: SamplingParams,
+    seed: u64,
+    stop: StopRule,
+    top_logprobs: usize,
+    /// Prompt log-probabilities gathered so far (`Some` when asked for).
+    prompt_lps: Option<Vec<PromptLogprob>>,
+    observer: Option<RequestObserver>,
+}
+
+/// A drain update waiting for the running batch to empty.
+struct PendingDrain {
+    weights: Arc<ModelWeights>,
+    asked: Instant,
+}
+
+pub(crate) struct Worker {
+    params: NativeEngineParams,
+    model: InferenceModel,
+    cache: ContiguousKvCache,
+    tokenizer: Option<Arc<Tokenizer>>,
+    rx: Receiver<Command>,
+    sink: EventSink,
+    shared: Arc<Shared>,
+    waiting: VecDeque<Seq>,
+    running: Vec<Seq>,
+    drain: Option<PendingDrain>,
+    paused: bool,
+    next_cache_id: u64,
+    /// An update applied at a step boundary, reported when the first step on it starts.
+    swapped: Option<(PolicyVersion, WeightUpdateMode, Instant)>,
+}
+
+impl Worker {
+    pub(crate) fn new(
+        params: NativeEngineParams,
+        model: InferenceModel,
+        tokenizer: Option<Arc<Tokenizer>>,
+        rx: Receiver<Command>,
+        sink: EventSink,
+        shared: Arc<Shared>,
+    ) -> Self {
+        let snapshot = model.snapshot();
+        let cache = ContiguousKvCache::new(model.config(), snapshot.dtype(), snapshot.device());
+        Self {
+            params,
+            model,
+            cache,
+            tokenizer,
+            rx,
+            sink,
+            shared,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            drain: None,
+            paused: false,
+            next_cache_id: 0,
+            swapped: None,
+        }
+    }
+
+    pub(crate) fn run(mut self) {
+        loop {
+            let idle = self.paused
+                || self.running.is_empty() && self.waiting.is_empty() && self.drain.is_none();
+            let first = if idle {
+                match self.rx.recv() {
+                    Ok(c) => Some(c),
+                    Err(_) => return,
+                }
+            } else {
+                None
+            };
+            let commands: Vec<Command> = first.into_iter().chain(self.rx.try_iter()).collect();
+            for c in commands {
+                if !self.apply(c) {
+                    return;
+                }
+            }
+            if self.paused {
+                // No step is coming: a swap made while paused is reported now.
+                self.report_swap();
+                self.publish_gauges();
+                continue;
+            }
+            if self.drain.is_some() && self.running.is_empty() {
+                let d = self.drain.take().expect("checked above");
+                self.swap(d.weights, WeightUpdateMode::Drain, d.asked);
+            }
+            self.admit();
+            self.publish_gauges();
+            if !self.running.is_empty() {
+                self.step();
+            } else {
+                self.report_swap();
+            }
+        }
+    }
+
+    /// Returns false on shutdown.
+    fn apply(&mut self, command: Command) -> bool {
+        match command {
+            Command::Submit(req) => self.enqueue(*req),
+            Command::Abort(id) => {
+                if let Some(i) = self.running.iter().position(|s| s.id == id) {
+                    let s = self.running.remove(i);
+                    self.finish(s, FinishReason::Abort, None);
+                } else if let Some(i) = self.waiting.iter().position(|s| s.id == id) {
+                    let s = self.waiting.remove(i).expect("index from position");
+                    self.finish(s, FinishReason::Abort, None);
+                }
+            }
+            Command::AbortAll => self.abort_all(),
+            Command::Update(weights, mode, asked) => match mode {
+                WeightUpdateMode::AbortResume => {
+                    self.abort_all();
+                    self.swap(weights, mode, asked);
+                }
+                WeightUpdateMode::InFlight => self.swap(weights, mode, asked),
+                WeightUpdateMode::Drain => {
+                    // A newer drain replaces an older one still waiting: only the last matters.
+                    self.drain = Some(PendingDrain { weights, asked });
+                }
+            },
+            Command::Pause { abort } => {
+                if abort {
+                    self.abort_all();
+                }
+                self.paused = true;
+            }
+            Command::Continue => self.paused = false,
+            Command::Shutdown => return false,
+        }
+        true
+    }
+
+    fn enqueue(&mut self, req: NativeRequest) {
+        let NativeRequest {
+            request,
+            stop,
+            ignore_eos,
+            top_logprobs,
+            prompt_logprobs,
+            observer,
+        } = req;
+        let output = request.resume.unwrap_or_default();
+        let mut pending = request.prompt_token_ids;
+        let prompt_len = pending.len();
+        pending.extend_from_slice(&output.token_ids);
+        let seed = request.params.seed.unwrap_or_else(|| {
+            let id = &request.id;
+            let r = &id.rollout;
+            [
+                r.group.run.0,
+                u64::from(r.group.node.0),
+                r.group.counter,
+                u64::from(r.index),
+            ]
+            .into_iter()
+            .chain([u64::from(id.turn)])
+            .fold(splitmix(self.params.seed), |h, x| splitmix(h ^ x))
+        });
+        let rule = StopRule::new(
+            &self.params.eos_token_ids,
+            ignore_eos,
+            &request.params.stop_token_ids,
+            &stop,
+        );
+        let seq = Seq {
+            id: request.id,
+            cache_id: self.next_cache_id,
+            prompt_len,
+            pending,
+            output,
+            params: request.params,
+            seed,
+            stop: rule,
+            top_logprobs: top_logprobs as usize,
+            prompt_lps: prompt_logprobs.then(Vec::new),
+            observer,
+        };
+        self.next_cache_id += 1;
+        let context = self.model.config().max_position_embeddings;
+        if seq.prompt_len >= context {
+            self.finish(seq, FinishReason::Error("prompt_too_long".into()), None);
+        } else if seq.pending.len() >= context {
+            // Prompt plus resumed tokens fill the context: nothing more can be generated.
+            self.finish(seq, FinishReason::Length, None);
+        } else {
+            self.waiting.push_back(seq);
+        }
+    }
+
+    fn abort_all(&mut self) {
+        let running: Vec<Seq> = self.running.drain(..).collect();
+        let waiting: Vec<Seq> = self.waiting.drain(..).collect();
+        for s in running.into_iter().chain(waiting) {
+            self.finish(s, FinishReason::Abort, None);
+        }
+    }
+
+    fn swap(&mut self, weights: Arc<ModelWeights>, mode: WeightUpdateMode, asked: Instant) {
+        let version = weights.version;
+        if let Err(e) = self.model.swap_weights(weights) {
+            // Checked against the config in `update_weights`; a dtype clash lands here.
+            tracing::error!(error = %e, %version, "weight swap refused; keeping the old weights");
+            return;
+        }
+        self.shared.version.store(version.0, Ordering::Relaxed);
+        self.swapped = Some((version, mode, asked));
+    }
+
+    /// Reports the last swap: its pause ends where the first step on the new weights starts.
+    fn report_swap(&mut self) {
+        if let Some((version, mode, asked)) = self.swapped.take() {
+            (self.sink)(EngineEvent::WeightsUpdated {
+                version,
+                pause: asked.elapsed(),
+                mode,
+            });
+        }
+    }
+
+    fn admit(&mut self) {
+        if self.drain.is_some() {
+            return;
+        }
+        while self.running.len() < self.params.max_running_sequences {
+            match self.waiting.pop_front() {
+                Some(s) => self.running.push(s),
+                None => break,
+            }
+        }
+    }
+
+    /// One model step over the running batch, then sampling for every sequence whose pending
+    /// tokens all went in.
+    fn step(&mut self) {
+        self.report_swap();
+        let started = Instant::now();
+        // Decoding sequences first (one token each, never starved), then prompt chunks in
+        // admission order within what is left of the budget.
+        let decoding = self.running.iter().filter(|s| s.pending.len() == 1).count();
+        let mut budget = self.params.max_step_tokens.max(decoding) - decoding;
+        let mut take = vec![0usize; self.running.len()];
+        for (i, s) in self.running.iter().enumerate() {
+            if s.pending.len() == 1 {
+                take[i] = 1;
+            }
+        }
+        for (i, s) in self.running.iter().enumerate() {
+            if s.pending.len() > 1 && budget > 0 {
+                take[i] = s.pending.len().min(budget);
+                budget -= take[i];
+            }
+        }
+        // Prefills that report prompt log-probabilities need every row; the rest only the last.
+        let wants_all = |s: &Seq| s.prompt_lps.is_some() && s.pending.len() > 1;
+        let mut rows: Vec<Option<Vec<Vec<f32>>>> = vec![None; self.running.len()];
+        for all in [false, true] {
+            let picked: Vec<usize> = (0..self.running.len())
+                .filter(|&i| take[i] > 0 && wants_all(&self.running[i]) == all)
+                .collect();
+            if picked.is_empty() {
+                continue;
+            }
+            let inputs: Vec<StepInput<'_>> = picked
+                .iter()
+                .map(|&i| StepInput {
+                    seq: self.running[i].cache_id,
+                    tokens: &self.running[i].pending[..take[i]],
+                })
+                .collect();
+            let wanted = if all {
+                LogitsWanted::All
+            } else {
+                LogitsWanted::Last
+            };
+            let result = self
+                .model
+                .step(&mut self.cache, &inputs, wanted)
+                .and_then(|t| {
+                    t.to_vec2::<f32>()
+                        .map_err(|source| sluice_model::ModelError::Tensor {
+                            context: "logits to host".into(),
+                            source,
+                        })
+                });
+            match result {
+                Ok(logits) => {
+                    let mut it = logits.into_iter();
+                    for &i in &picked {
+                        let n = if all { take[i] } else { 1 };
+                        rows[i] = Some(it.by_ref().take(n).collect());
+                    }
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, "engine step failed; failing its sequences");
+                    for &i in &picked {
+                        take[i] = 0;
+                        rows[i] = None;
+                    }
+                    let mut failed: Vec<usize> = picked;
+                    failed.sort_unstable();
+                    for i in failed.into_iter().rev() {
+                        let s = self.running.remove(i);
+                        take.remove(i);
+                        rows.remove(i);
+                        self.finish(s, FinishReason::Error("engine_step".into()), None);
+                    }
+                }
+            }
+        }
+        let version = self.model.version();
+        let context = self.model.config().max_position_embeddings;
+        let mut done: Vec<(usize, FinishReason, Option<StopHit>)> = Vec::new();
+        let mut generated = 0u64;
+        for (i, s) in self.running.iter_mut().enumerate() {
+            let Some(rows) = rows[i].take() else { continue };
+            let fed: Vec<u32> = s.pending.drain(..take[i]).collect();
+            if let Some(lps) = &mut s.prompt_lps
+                && rows.len() == fed.len()
+            {
+                let next = s.pending.first().copied();
+                let chunk = PromptChunk {
+                    fed: &fed,
+                    next,
+                    rows: &rows,
+                };
+                collect_prompt_logprobs(s.prompt_len, lps, &chunk, &s.params, s.top_logprobs);
+                if lps.len() >= s.prompt_len
+                    && let Some(obs) = &s.observer
+                {
+                    obs(RequestUpdate::PromptLogprobs(std::mem::take(lps)));
+                    s.prompt_lps = None;
+                }
+            }
+            if !s.pending.is_empty() {
+                continue; // still in prefill
+            }
+            let Some(last) = rows.last() else { continue };
+            if s.output.len() >= s.params.max_tokens as usize {
+                // max_tokens 0 (echo only) or a resumed request already at its length.
+                done.push((i, FinishReason::Length, None));
+                continue;
+            }
+            let position = s.output.len() as u64;
+            let pick = sample(last, &s.params, s.seed, position);
+            push_token(&mut s.output, pick.token, pick.logprob, version);
+            generated += 1;
+            if let Some(obs) = &s.observer {
+                let top = if s.top_logprobs > 0 {
+                    top_n(&log_softmax(last, s.params.temperature), s.top_logprobs)
+                } else {
+                    Vec::new()
+                };
+                obs(RequestUpdate::Token(TokenStep {
+                    token: pick.token,
+                    logprob: pick.logprob,
+                    version,
+                    top,
+                }));
+            }
+            if let Some(hit) = s.stop.check(&s.output.token_ids, self.tokenizer.as_deref()) {
+                done.push((i, FinishReason::Stop, Some(hit)));
+            } else if s.output.len() >= s.params.max_tokens as usize
+                || s.prompt_len + s.output.len() >= context
+            {
+                done.push((i, FinishReason::Length, None));
+            } else {
+                s.pending.push(pick.token);
+            }
+        }
+        self.shared
+            .generated_tokens
+            .fetch_add(generated, Ordering::Relaxed);
+        self.shared
+            .busy_nanos
+            .fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        for (i, reason, hit) in done.into_iter().rev() {
+            let s = self.running.remove(i);
+            self.finish(s, reason, hit);
+        }
+    }
+
+    fn finish(&mut self, s: Seq, finish: FinishReason, stop: Option<StopHit>) {
+        self.cache.remove(s.cache_id);
+        let completion = Completion {
+            id: s.id,
+            output: s.output,
+            finish,
+        };
+        if let Some(obs) = &s.observer {
+            obs(RequestUpdate::Finished {
+                completion: completion.clone(),
+                stop,
+            });
+        }
+        (self.sink)(EngineEvent::Finished(completion));
+    }
+
+    fn publish_gauges(&self) {
+        self.shared
+            .running
+            .store(self.running.len() as u64, Ordering::Relaxed);
+        self.shared
+            .waiting
+            .store(self.waiting.len() as u64, Ordering::Relaxed);
+    }
+}
+
+/// One prefill chunk with every row of logits.
+struct PromptChunk<'a> {
+    /// The tokens the chunk fed.
+    fed: &'a [u32],
+    /// The first token still pending after it (what its last row scores, when any).
+    next: Option<u32>,
+    /// One logits row per fed token.
+    rows: &'a [Vec<f32>],
+}
+
+/// Appends the prompt log-probabilities a prefill chunk yields. Row `j` of a chunk starting at
+/// position `a` scores the token at `a + j + 1`. Invariant: after a chunk ending at `e`, `lps`
+/// covers positions `0..=e`, so the next chunk starts at `lps.len() - 1`. Entries stop at the
+/// prompt's end (resumed tokens are not prompt).
+fn collect_prompt_logprobs(
+    prompt_len: usize,
+    lps: &mut Vec<PromptLogprob>,
+    chunk: &PromptChunk<'_>,
+    params: &SamplingParams,
+    top: usize,
+) {
+    if lps.is_empty()
+        && let Some(&first) = chunk.fed.first()
+    {
+        lps.push(PromptLogprob {
+            token: first,
+            logprob: None,
+            top: Vec::new(),
+        });
+    }
+    let start = lps.len() - 1;
+    for (j, row) in chunk.rows.iter().enumerate() {
+        if start + j + 1 >= prompt_len {
+            break;
+        }
+        let Some(token) = chunk.fed.get(j + 1).copied().or(chunk.next) else {
+            break;
+        };
+        let lp = log_softmax(row, params.temperature);
+        lps.push(PromptLogprob {
+            token,
+            logprob: Some(lp[token as usize]),
+            top: top_n(&lp, top),
+        });
+    }
+}

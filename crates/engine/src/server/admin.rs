@@ -1,0 +1,195 @@
+//! Health, model listing, and the SGLang-style RL extensions: abort by request id, pause and
+//! continue generation, load a new checkpoint from disk as the next policy version.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Json;
+use axum::body::Bytes;
+use axum::extract::State;
+use serde::Deserialize;
+use serde_json::{Value, json};
+use sluice_core::{PolicyVersion, WeightUpdateMode};
+use sluice_model::{LoadOptions, load_checkpoint};
+
+use super::completions::{parse_body, unix_now};
+use super::{ApiError, ServerState};
+
+/// How long `update_weights_from_disk` waits for the swap (a `drain` waits for running requests).
+const SWAP_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// `GET /health`: 200 while the engine thread runs.
+pub async fn health(State(state): State<Arc<ServerState>>) -> Result<Json<Value>, ApiError> {
+    if state.control.is_alive() {
+        Ok(Json(json!({})))
+    } else {
+        Err(ApiError::unavailable("the engine has stopped"))
+    }
+}
+
+/// `GET /v1/models`.
+pub async fn models(State(state): State<Arc<ServerState>>) -> Json<Value> {
+    Json(json!({
+        "object": "list",
+        "data": [{
+            "id": state.model_name(),
+            "object": "model",
+            "created": unix_now(),
+            "owned_by": "sluice",
+            "max_model_len": state.context_len(),
+        }],
+    }))
+}
+
+/// `GET /get_weight_version`: the policy version in use, with engine statistics.
+pub async fn weight_version(State(state): State<Arc<ServerState>>) -> Json<Value> {
+    let s = state.control.stats();
+    Json(json!({
+        "weight_version": s.version.0,
+        "running": s.running,
+        "waiting": s.waiting,
+        "generated_tokens": s.generated_tokens,
+    }))
+}
+
+#[derive(Debug, Deserialize)]
+struct AbortBody {
+    #[serde(default)]
+    rid: Option<String>,
+    #[serde(default)]
+    abort_all: bool,
+}
+
+/// `POST /abort_request` `{"rid": …}` or `{"abort_all": true}`: the aborted requests answer
+/// with what they generated so far and `finish_reason: "abort"`. An unknown rid is not an error
+/// (the request may just have finished).
+pub async fn abort_request(
+    State(state): State<Arc<ServerState>>,
+    body: Bytes,
+) -> Result<Json<Value>, ApiError> {
+    let b: AbortBody = parse_body(&body)?;
+    if b.abort_all {
+        state.control.abort_all()?;
+        return Ok(Json(json!({"success": true})));
+    }
+    let rid = b
+        .rid
+        .ok_or_else(|| ApiError::invalid("rid", "give `rid` or `abort_all: true`"))?;
+    let ids = state.rids.lock().expect("not poisoned").get(&rid).cloned();
+    let found = ids.is_some();
+    for id in ids.into_iter().flatten() {
+        state.control.abort(id)?;
+    }
+    Ok(Json(json!({"success": true, "found": found})))
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct PauseBody {
+    #[serde(default)]
+    mode: Option<String>,
+}
+
+/// `POST /pause_generation` `{"mode": "abort" | "in_place"}` (default `abort`, as SGLang):
+/// `abort` returns every request's partial output; `in_place` keeps them for
+/// `/continue_generation`.
+pub async fn pause(
+    State(state): State<Arc<ServerState>>,
+    body: Bytes,
+) -> Result<Json<Value>, ApiError> {
+    let b: PauseBody = if body.is_empty() {
+        PauseBody::default()
+    } else {
+        parse_body(&body)?
+    };
+    let abort = match b.mode.as_deref() {
+        None | Some("abort") => true,
+        Some("in_place") | Some("retract") => false,
+        Some(other) => {
+            return Err(ApiError::invalid(
+                "mode",
+                format!("unknown pause mode `{other}` (abort, in_place)"),
+            ));
+        }
+    };
+    state.control.pause(abort)?;
+    Ok(Json(json!({"success": true})))
+}
+
+/// `POST /continue_generation`.
+pub async fn continue_generation(
+    State(state): State<Arc<ServerState>>,
+) -> Result<Json<Value>, ApiError> {
+    state.control.continue_generation()?;
+    Ok(Json(json!({"success": true})))
+}
+
+#[derive(Debug, Deserialize)]
+struct UpdateBody {
+    model_path: PathBuf,
+    #[serde(default)]
+    weight_version: Option<Value>,
+    #[serde(default)]
+    mode: Option<String>,
+    #[serde(default)]
+    abort_all_requests: bool,
+}
+
+/// `POST /update_weights_from_disk` `{"model_path", "weight_version"?, "mode"?,
+/// "abort_all_requests"?}`: loads a Hugging Face directory and swaps it in as version
+/// `weight_version` (default: the current one + 1) with `mode` (`in_flight` by default;
+/// `abort_all_requests: true` means `abort_resume`). Answers once the new weights are in use.
+pub async fn update_weights_from_disk(
+    State(state): State<Arc<ServerState>>,
+    body: Bytes,
+) -> Result<Json<Value>, ApiError> {
+    let b: UpdateBody = parse_body(&body)?;
+    let mode = match (b.mode.as_deref(), b.abort_all_requests) {
+        (None, true) => WeightUpdateMode::AbortResume,
+        (None, false) => WeightUpdateMode::InFlight,
+        (Some(m), _) => m
+            .parse::<WeightUpdateMode>()
+            .map_err(|e| ApiError::invalid("mode", e.to_string()))?,
+    };
+    let _one_at_a_time = state.loading.lock().await;
+    let version = match &b.weight_version {
+        None | Some(Value::Null) => state.control.stats().version.next(),
+        Some(v) => v
+            .as_u64()
+            .or_else(|| v.as_str().and_then(|s| s.parse().ok()))
+            .map(PolicyVersion)
+            .ok_or_else(|| {
+                ApiError::invalid("weight_version", format!("`{v}` is not a version number"))
+            })?,
+    };
+    let options = LoadOptions {
+        dtype: Some(state.options.dtype),
+        device: state.options.device.clone(),
+    };
+    let path = b.model_path.clone();
+    // Reading safetensors is blocking I/O: off the runtime, awaited here (not detached).
+    let loaded = tokio::task::spawn_blocking(move || load_checkpoint(&path, &options))
+        .await
+        .map_err(|e| ApiError::internal(format!("loading thread: {e}")))?
+        .map_err(|e| ApiError::invalid("model_path", format!("{}: {e}", b.model_path.display())))?;
+    let weights = Arc::new(loaded.with_version(version));
+    if **weights.config() != **state.control.model_config() {
+        return Err(ApiError::invalid(
+            "model_path",
+            "the checkpoint has another architecture than the served model",
+        ));
+    }
+    let done = state.weights.wait();
+    state.control.update_weights(weights.to_envelope(), mode)?;
+    let (now, pause) = tokio::time::timeout(SWAP_TIMEOUT, done)
+        .await
+        .map_err(|_| ApiError::unavailable("the weight swap did not happen in time"))?
+        .map_err(|_| ApiError::unavailable("the engine stopped before swapping"))?;
+    Ok(Json(json!({
+        "success": true,
+        "message": format!("loaded {} as version {}", b.model_path.display(), now.0),
+        "weight_version": now.0,
+        "mode": mode.as_str(),
+        "pause_seconds": pause.as_secs_f64(),
+    })))
+}

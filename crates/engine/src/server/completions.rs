@@ -1,0 +1,481 @@
+//! `POST /v1/completions`: prompts as text or token ids (one or a batch), `n` choices each,
+//! `logprobs` (with `echo`, the prompt's too, as vLLM does), `stop`, SSE `stream`, and the RL
+//! extensions `return_token_ids` (adds `prompt_token_ids`, `token_ids` and Sluice's per-token
+//! `token_versions` to each choice), `rid`, `top_k`, `stop_token_ids`, `ignore_eos`.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use axum::Json;
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::response::sse::{Event, Sse};
+use axum::response::{IntoResponse, Response};
+use serde::Deserialize;
+use serde::de::DeserializeOwned;
+use serde_json::{Value, json};
+
+use super::generate::{ChoiceOutput, ChoiceSpec, launch};
+use super::text::{Streamer, decode, piece};
+use super::{ApiError, ServerState};
+use crate::backend::{FinishReason, SamplingParams};
+use crate::native::{RequestUpdate, StopHit, truncate_at_stop};
+
+/// Most alternatives per token (OpenAI's limit).
+pub const MAX_LOGPROBS: i64 = 20;
+
+/// Parses a JSON body, answering 400 with the parser's message.
+pub(crate) fn parse_body<T: DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
+    serde_json::from_slice(body).map_err(|e| ApiError::bad_body(format!("invalid JSON body: {e}")))
+}
+
+/// `stop`: one string or a list.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub(crate) enum StopField {
+    One(String),
+    Many(Vec<String>),
+}
+
+/// Sampling fields shared by both generation routes.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub(crate) struct Sampling {
+    pub model: Option<String>,
+    pub max_tokens: Option<i64>,
+    pub max_completion_tokens: Option<i64>,
+    pub temperature: Option<f64>,
+    pub top_p: Option<f64>,
+    pub top_k: Option<i64>,
+    pub seed: Option<i64>,
+    pub stop: Option<StopField>,
+    pub stop_token_ids: Option<Vec<i64>>,
+    pub n: Option<i64>,
+    pub ignore_eos: Option<bool>,
+    #[serde(default)]
+    pub stream: bool,
+    #[serde(default)]
+    pub return_token_ids: bool,
+    pub rid: Option<String>,
+}
+
+impl Sampling {
+    /// Validated choices for one prompt (`n` of them, seeds spread by index).
+    pub(crate) fn choices(
+        &self,
+        state: &ServerState,
+        prompt: &[u32],
+        default_max_tokens: Option<usize>,
+        logprobs: (u32, bool),
+    ) -> Result<Vec<ChoiceSpec>, ApiError> {
+        let context = state.context_len();
+        let vocab = state.control.model_config().vocab_size;
+        if prompt.is_empty() {
+            return Err(ApiError::invalid("prompt", "the prompt is empty"));
+        }
+        if let Some(t) = prompt.iter().find(|&&t| t as usize >= vocab) {
+            return Err(ApiError::invalid(
+                "prompt",
+                format!("token id {t} is outside the vocabulary (0..{vocab})"),
+            ));
+        }
+        if prompt.len() >= context {
+            return Err(ApiError::invalid(
+                "prompt",
+                format!(
+                    "This model's maximum context length is {context} tokens; the prompt has {}.",
+                    prompt.len()
+                ),
+            ));
+        }
+        let room = context - prompt.len();
+        let max_tokens = match self.max_tokens.or(self.max_completion_tokens) {
+            Some(m) if m < 0 => {
+                return Err(ApiError::invalid(
+                    "max_tokens",
+                    format!("max_tokens must be >= 0, got {m}"),
+                ));
+            }
+            Some(m) if m as u64 > room as u64 => {
+                return Err(ApiError::invalid(
+                    "max_tokens",
+                    format!(
+                        "This model's maximum context length is {context} tokens; you requested {} ({} in the prompt, {m} to generate).",
+                        prompt.len() as i64 + m,
+                        prompt.len()
+                    ),
+                ));
+            }
+            Some(m) => m as u32,
+            None => default_max_tokens.unwrap_or(room).min(room) as u32,
+        };
+        let temperature = self.temperature.unwrap_or(1.0);
+        if !(0.0..=100.0).contains(&temperature) {
+            return Err(ApiError::invalid(
+                "temperature",
+                format!("temperature must be in [0, 100], got {temperature}"),
+            ));
+        }
+        let top_p = self.top_p.unwrap_or(1.0);
+        if !(top_p > 0.0 && top_p <= 1.0) {
+            return Err(ApiError::invalid(
+                "top_p",
+                format!("top_p must be in (0, 1], got {top_p}"),
+            ));
+        }
+        let top_k = match self.top_k {
+            None | Some(-1) | Some(0) => 0,
+            Some(k) if k > 0 && k <= u32::MAX as i64 => k as u32,
+            Some(k) => {
+                return Err(ApiError::invalid(
+                    "top_k",
+                    format!("top_k must be -1, 0 or positive, got {k}"),
+                ));
+            }
+        };
+        let n = self.n.unwrap_or(1);
+        if n < 1 || n > state.options.max_n as i64 {
+            return Err(ApiError::invalid(
+                "n",
+                format!("n must be in [1, {}], got {n}", state.options.max_n),
+            ));
+        }
+        let stop = match &self.stop {
+            None => Vec::new(),
+            Some(StopField::One(s)) => vec![s.clone()],
+            Some(StopField::Many(v)) => v.clone(),
+        };
+        if stop.len() > 16 {
+            return Err(ApiError::invalid("stop", "at most 16 stop strings"));
+        }
+        let mut stop_token_ids = Vec::new();
+        for &t in self.stop_token_ids.iter().flatten() {
+            if t < 0 || t as usize >= vocab {
+                return Err(ApiError::invalid(
+                    "stop_token_ids",
+                    format!("token id {t} is outside the vocabulary"),
+                ));
+            }
+            stop_token_ids.push(t as u32);
+        }
+        Ok((0..n as u64)
+            .map(|i| ChoiceSpec {
+                prompt: prompt.to_vec(),
+                params: SamplingParams {
+                    temperature,
+                    top_p,
+                    top_k,
+                    max_tokens,
+                    seed: self.seed.map(|s| (s as u64).wrapping_add(i)),
+                    stop_token_ids: stop_token_ids.clone(),
+                },
+                stop: stop.clone(),
+                ignore_eos: self.ignore_eos.unwrap_or(false),
+                top_logprobs: logprobs.0,
+                prompt_logprobs: logprobs.1,
+            })
+            .collect())
+    }
+}
+
+/// The body of a completions request.
+#[derive(Debug, Deserialize)]
+struct CompletionRequest {
+    prompt: Value,
+    #[serde(flatten)]
+    sampling: Sampling,
+    logprobs: Option<i64>,
+    #[serde(default)]
+    echo: bool,
+}
+
+/// `prompt`: a string, a list of strings, a list of ids or a list of lists of ids.
+fn prompts(state: &ServerState, prompt: &Value) -> Result<Vec<Vec<u32>>, ApiError> {
+    let bad = || {
+        ApiError::invalid(
+            "prompt",
+            "prompt must be a string, a list of strings, a list of token ids or a list of lists of token ids",
+        )
+    };
+    let ids = |v: &Value| -> Result<Vec<u32>, ApiError> {
+        v.as_array()
+            .ok_or_else(bad)?
+            .iter()
+            .map(|x| {
+                x.as_u64()
+                    .and_then(|n| u32::try_from(n).ok())
+                    .ok_or_else(|| ApiError::invalid("prompt", format!("`{x}` is not a token id")))
+            })
+            .collect()
+    };
+    let text = |s: &str| {
+        state
+            .tokenizer
+            .encode(s, true)
+            .map_err(|e| ApiError::invalid("prompt", e.to_string()))
+    };
+    match prompt {
+        Value::String(s) => Ok(vec![text(s)?]),
+        Value::Array(items) if items.is_empty() => Err(bad()),
+        Value::Array(items) => match &items[0] {
+            Value::String(_) => items
+                .iter()
+                .map(|i| i.as_str().ok_or_else(bad).and_then(text))
+                .collect(),
+            Value::Array(_) => items.iter().map(ids).collect(),
+            _ => Ok(vec![ids(prompt)?]),
+        },
+        _ => Err(bad()),
+    }
+}
+
+/// `POST /v1/completions`.
+pub async fn handle(
+    State(state): State<Arc<ServerState>>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let req: CompletionRequest = parse_body(&body)?;
+    state.check_model(req.sampling.model.as_deref())?;
+    let logprobs = match req.logprobs {
+        None => None,
+        Some(n) if (0..=MAX_LOGPROBS).contains(&n) => Some(n as u32),
+        Some(n) => {
+            return Err(ApiError::invalid(
+                "logprobs",
+                format!("logprobs must be in [0, {MAX_LOGPROBS}], got {n}"),
+            ));
+        }
+    };
+    let prompt_ids = prompts(&state, &req.prompt)?;
+    let mut specs = Vec::new();
+    let mut prompt_of = Vec::new();
+    for p in &prompt_ids {
+        let want = (logprobs.unwrap_or(0), req.echo && logprobs.is_some());
+        for spec in req.sampling.choices(&state, p, Some(16), want)? {
+            prompt_of.push(p.clone());
+            specs.push(spec);
+        }
+    }
+    let stops = specs[0].stop.clone();
+    let launched = launch(&state, req.sampling.rid.clone(), specs)?;
+    let id = launched.response_id.clone();
+    let created = unix_now();
+    let model = state.model_name().to_owned();
+    let shape = Shape {
+        logprobs,
+        echo: req.echo,
+        token_ids: req.sampling.return_token_ids,
+        stops,
+    };
+    if req.sampling.stream {
+        return Ok(
+            stream(state, launched, shape, StreamHead { id, created, model }).into_response(),
+        );
+    }
+    let outputs = launched.collect(&prompt_of).await?;
+    let choices: Vec<Value> = outputs
+        .iter()
+        .enumerate()
+        .map(|(i, o)| choice_json(&state, i, o, &shape))
+        .collect();
+    let prompt_tokens: usize = prompt_ids.iter().map(Vec::len).sum();
+    let completion_tokens: usize = outputs.iter().map(|o| o.completion.output.len()).sum();
+    Ok(Json(json!({
+        "id": id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage(prompt_tokens, completion_tokens),
+    }))
+    .into_response())
+}
+
+/// How choices are rendered.
+struct Shape {
+    logprobs: Option<u32>,
+    echo: bool,
+    token_ids: bool,
+    stops: Vec<String>,
+}
+
+pub(crate) fn usage(prompt: usize, completion: usize) -> Value {
+    json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
+}
+
+pub(crate) fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// OpenAI's finish reasons, plus `abort` (SGLang's) and `error`.
+pub(crate) fn finish_reason(f: &FinishReason) -> &'static str {
+    match f {
+        FinishReason::Stop => "stop",
+        FinishReason::Length => "length",
+        FinishReason::Abort => "abort",
+        FinishReason::Error(_) => "error",
+    }
+}
+
+/// The completion text, cut before a stop string that ended it.
+pub(crate) fn completion_text(state: &ServerState, o: &ChoiceOutput, stops: &[String]) -> String {
+    let text = decode(&state.tokenizer, &o.completion.output.token_ids);
+    match &o.stop {
+        Some(StopHit::String(_)) => truncate_at_stop(&text, stops).to_owned(),
+        _ => text,
+    }
+}
+
+fn choice_json(state: &ServerState, index: usize, o: &ChoiceOutput, shape: &Shape) -> Value {
+    let mut text = completion_text(state, o, &shape.stops);
+    let mut lp = LogprobsJson::default();
+    if shape.echo {
+        let prompt_text = decode(&state.tokenizer, &o.prompt);
+        if let Some(plps) = &o.prompt_logprobs {
+            for p in plps {
+                lp.push(state, p.token, p.logprob, &p.top);
+            }
+        }
+        text = prompt_text + &text;
+    }
+    for (i, &t) in o.completion.output.token_ids.iter().enumerate() {
+        let top = o.tokens.get(i).map(|s| s.top.as_slice()).unwrap_or(&[]);
+        lp.push(state, t, Some(o.completion.output.logprobs[i]), top);
+    }
+    let mut choice = json!({
+        "index": index,
+        "text": text,
+        "logprobs": if shape.logprobs.is_some() { lp.to_json() } else { Value::Null },
+        "finish_reason": finish_reason(&o.completion.finish),
+    });
+    if shape.token_ids {
+        choice["prompt_token_ids"] = json!(o.prompt);
+        choice["token_ids"] = json!(o.completion.output.token_ids);
+        choice["token_versions"] = json!(
+            o.completion
+                .output
+                .versions
+                .iter()
+                .map(|v| v.0)
+                .collect::<Vec<_>>()
+        );
+    }
+    if let Some(StopHit::String(s)) = &o.stop {
+        choice["stop_reason"] = json!(s);
+    } else if let Some(StopHit::Token(t)) = &o.stop {
+        choice["stop_reason"] = json!(t);
+    }
+    choice
+}
+
+/// The legacy completions `logprobs` object.
+#[derive(Default)]
+struct LogprobsJson {
+    tokens: Vec<String>,
+    token_logprobs: Vec<Option<f32>>,
+    top: Vec<Value>,
+    offsets: Vec<usize>,
+    at: usize,
+}
+
+impl LogprobsJson {
+    fn push(&mut self, state: &ServerState, token: u32, logprob: Option<f32>, top: &[(u32, f32)]) {
+        let p = piece(&state.tokenizer, token);
+        self.offsets.push(self.at);
+        self.at += p.chars().count();
+        self.tokens.push(p);
+        self.token_logprobs.push(logprob);
+        let map: BTreeMap<String, f32> = top
+            .iter()
+            .map(|&(t, l)| (piece(&state.tokenizer, t), l))
+            .collect();
+        self.top.push(if logprob.is_none() {
+            Value::Null
+        } else {
+            json!(map)
+        });
+    }
+
+    fn to_json(&self) -> Value {
+        json!({
+            "tokens": self.tokens,
+            "token_logprobs": self.token_logprobs,
+            "top_logprobs": self.top,
+            "text_offset": self.offsets,
+        })
+    }
+}
+
+struct StreamHead {
+    id: String,
+    created: u64,
+    model: String,
+}
+
+/// Server-sent events: one chunk per token per choice (text delta, its log-probability and,
+/// with `return_token_ids`, its id and version), a last chunk per choice with the finish
+/// reason, then `[DONE]`.
+fn stream(
+    state: Arc<ServerState>,
+    launched: super::generate::Launched,
+    shape: Shape,
+    head: StreamHead,
+) -> impl IntoResponse {
+    let streamers: Vec<Streamer> = Vec::new();
+    let init = (launched, streamers, false);
+    let events = futures::stream::unfold(init, move |(mut launched, mut streamers, done)| {
+        let state = Arc::clone(&state);
+        let stops = shape.stops.clone();
+        let head_json = json!({"id": head.id, "object": "text_completion", "created": head.created, "model": head.model});
+        let with_lp = shape.logprobs.is_some();
+        let with_ids = shape.token_ids;
+        async move {
+            if done {
+                return None;
+            }
+            loop {
+                let Some((i, update)) = launched.next().await else {
+                    let e = Event::default().data("[DONE]");
+                    return Some((
+                        Ok::<_, std::convert::Infallible>(e),
+                        (launched, streamers, true),
+                    ));
+                };
+                while streamers.len() <= i {
+                    streamers.push(Streamer::new(stops.clone()));
+                }
+                let mut chunk = head_json.clone();
+                match update {
+                    RequestUpdate::PromptLogprobs(_) => continue,
+                    RequestUpdate::Token(t) => {
+                        let text = streamers[i].push(&state.tokenizer, t.token);
+                        let mut c = json!({"index": i, "text": text, "finish_reason": null, "logprobs": null});
+                        if with_lp {
+                            let mut lp = LogprobsJson::default();
+                            lp.push(&state, t.token, Some(t.logprob), &t.top);
+                            c["logprobs"] = lp.to_json();
+                        }
+                        if with_ids {
+                            c["token_ids"] = json!([t.token]);
+                            c["token_versions"] = json!([t.version.0]);
+                        }
+                        chunk["choices"] = json!([c]);
+                    }
+                    RequestUpdate::Finished { completion, .. } => {
+                        let text = streamers[i].finish(&state.tokenizer);
+                        chunk["choices"] = json!([{
+                            "index": i,
+                            "text": text,
+                            "finish_reason": finish_reason(&completion.finish),
+                            "logprobs": null,
+                        }]);
+                    }
+                }
+                let e = Event::default().data(chunk.to_string());
+                return Some((Ok(e), (launched, streamers, false)));
+            }
+        }
+    });
+    Sse::new(events)
+}

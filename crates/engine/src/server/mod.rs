@@ -1,0 +1,162 @@
+//! An OpenAI-compatible HTTP server on the native engine (`sluice serve`).
+//!
+//! | route | module |
+//! |---|---|
+//! | `POST /v1/completions` | [`completions`]: text or token-id prompts, `n`, `logprobs`, `echo`, `stop`, SSE |
+//! | `POST /v1/chat/completions` | [`chat`]: the checkpoint's chat template, `tools` → `tool_calls`, SSE |
+//! | `GET /v1/models`, `GET /health`, `GET /get_weight_version` | [`admin`] |
+//! | `POST /abort_request`, `/pause_generation`, `/continue_generation`, `/update_weights_from_disk` | [`admin`]: the SGLang-style RL extensions |
+//!
+//! Every generation call becomes one engine request per choice; their token updates come back
+//! through a bounded channel per HTTP call ([`generate`]). A client that goes away aborts its
+//! requests. Errors are OpenAI's JSON shape with a 4xx/5xx status ([`error`]).
+
+pub mod admin;
+pub mod chat;
+pub mod completions;
+pub mod error;
+pub mod generate;
+mod text;
+
+use std::collections::HashMap;
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::Router;
+use axum::routing::{get, post};
+use sluice_core::{PolicyVersion, RequestId};
+use sluice_model::{Tokenizer, candle};
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+
+use crate::backend::EngineEvent;
+use crate::native::NativeControl;
+pub use error::ApiError;
+
+/// What the server serves and how it loads new weights.
+#[derive(Debug, Clone)]
+pub struct ServerOptions {
+    /// The model name clients must use (`model` field); by default the directory name.
+    pub model_name: String,
+    /// dtype new checkpoints are loaded in (the running weights').
+    pub dtype: candle::DType,
+    /// Device new checkpoints are loaded on.
+    pub device: candle::Device,
+    /// Most choices one request may ask for.
+    pub max_n: u32,
+}
+
+/// Waiters for `WeightsUpdated` events (the server's engine sink feeds them).
+#[derive(Default)]
+pub struct WeightEvents {
+    waiters: Mutex<Vec<oneshot::Sender<(PolicyVersion, Duration)>>>,
+}
+
+impl WeightEvents {
+    /// The sink to start the engine with: routes weight updates to waiters, ignores the rest
+    /// (request observers carry completions).
+    pub fn sink(self: &Arc<Self>) -> crate::backend::EventSink {
+        let me = Arc::clone(self);
+        Arc::new(move |e| {
+            if let EngineEvent::WeightsUpdated { version, pause, .. } = e {
+                let waiters = std::mem::take(&mut *me.waiters.lock().expect("not poisoned"));
+                for w in waiters {
+                    let _ = w.send((version, pause));
+                }
+            }
+        })
+    }
+
+    fn wait(&self) -> oneshot::Receiver<(PolicyVersion, Duration)> {
+        let (tx, rx) = oneshot::channel();
+        self.waiters.lock().expect("not poisoned").push(tx);
+        rx
+    }
+}
+
+/// Shared by every handler (cheap `Arc` clones).
+pub struct ServerState {
+    control: NativeControl,
+    tokenizer: Arc<Tokenizer>,
+    options: ServerOptions,
+    weights: Arc<WeightEvents>,
+    next_id: AtomicU64,
+    /// Client-visible request ids (`rid` or the response id) → the engine requests they made.
+    rids: Mutex<HashMap<String, Vec<RequestId>>>,
+    /// Serializes weight loads.
+    loading: tokio::sync::Mutex<()>,
+}
+
+impl ServerState {
+    /// State for an engine started with `weights.sink()`.
+    pub fn new(
+        control: NativeControl,
+        tokenizer: Arc<Tokenizer>,
+        options: ServerOptions,
+        weights: Arc<WeightEvents>,
+    ) -> Arc<Self> {
+        Arc::new(Self {
+            control,
+            tokenizer,
+            options,
+            weights,
+            next_id: AtomicU64::new(0),
+            rids: Mutex::new(HashMap::new()),
+            loading: tokio::sync::Mutex::new(()),
+        })
+    }
+
+    /// The served model's name.
+    pub fn model_name(&self) -> &str {
+        &self.options.model_name
+    }
+
+    /// The model's context length.
+    pub fn context_len(&self) -> usize {
+        self.control.model_config().max_position_embeddings
+    }
+
+    fn check_model(&self, model: Option<&str>) -> Result<(), ApiError> {
+        match model {
+            Some(m) if m != self.options.model_name => Err(ApiError::not_found(
+                Some("model"),
+                format!(
+                    "The model `{m}` does not exist; this server serves `{}`.",
+                    self.options.model_name
+                ),
+            )),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// The routes over `state`.
+pub fn router(state: Arc<ServerState>) -> Router {
+    Router::new()
+        .route("/v1/completions", post(completions::handle))
+        .route("/v1/chat/completions", post(chat::handle))
+        .route("/v1/models", get(admin::models))
+        .route("/health", get(admin::health))
+        .route("/get_weight_version", get(admin::weight_version))
+        .route("/abort_request", post(admin::abort_request))
+        .route("/pause_generation", post(admin::pause))
+        .route("/continue_generation", post(admin::continue_generation))
+        .route(
+            "/update_weights_from_disk",
+            post(admin::update_weights_from_disk),
+        )
+        .fallback(|| async { ApiError::not_found(None, "no such route") })
+        .with_state(state)
+}
+
+/// Serves `state` on `listener` until `shutdown` resolves (tests bind `127.0.0.1:0`).
+pub async fn serve(
+    listener: TcpListener,
+    state: Arc<ServerState>,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, router(state))
+        .with_graceful_shutdown(shutdown)
+        .await
+}

@@ -1,0 +1,195 @@
+//! The remote backend against `sluice serve`'s server: generation with ids, logprobs and
+//! versions, resume, abort with the partial, weight updates through a written checkpoint, and a
+//! server that does not answer.
+
+mod server_support;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crossbeam_channel::Receiver;
+use server_support::serve_tiny;
+use sluice_core::{GroupId, NodeId, PolicyVersion, RequestId, RunId, WeightUpdateMode};
+use sluice_engine::remote::{RemoteEngine, RemoteParams};
+use sluice_engine::{
+    Completion, EngineEvent, FinishReason, GenerateRequest, InferenceBackend, SamplingParams,
+};
+use sluice_model::candle::{DType, Device};
+use sluice_model::presets::{Preset, preset_config, random_snapshot};
+
+fn params(urls: Vec<String>, weights_dir: PathBuf) -> RemoteParams {
+    RemoteParams {
+        replica: 0,
+        urls,
+        request_timeout: Duration::from_secs(30),
+        control_timeout: Duration::from_secs(5),
+        health_interval: Duration::from_millis(200),
+        weights_dir,
+        aux_files_from: None,
+        model_name: Some("tiny".into()),
+    }
+}
+
+type Events = (
+    Receiver<Completion>,
+    Receiver<(PolicyVersion, WeightUpdateMode)>,
+);
+
+fn start(p: RemoteParams) -> (RemoteEngine, Events) {
+    let (ftx, frx) = crossbeam_channel::unbounded();
+    let (utx, urx) = crossbeam_channel::unbounded();
+    let engine = RemoteEngine::start(
+        p,
+        PolicyVersion(0),
+        Arc::new(move |e| match e {
+            EngineEvent::Finished(c) => {
+                let _ = ftx.send(c);
+            }
+            EngineEvent::WeightsUpdated { version, mode, .. } => {
+                let _ = utx.send((version, mode));
+            }
+        }),
+    )
+    .unwrap();
+    (engine, (frx, urx))
+}
+
+fn request(counter: u64, max_tokens: u32) -> GenerateRequest {
+    GenerateRequest {
+        id: GroupId {
+            run: RunId::from_name("remote"),
+            node: NodeId(0),
+            counter,
+        }
+        .rollout(0)
+        .request(0, 0),
+        prompt_token_ids: vec![10, 11, 12],
+        resume: None,
+        params: SamplingParams {
+            temperature: 0.0,
+            top_p: 1.0,
+            top_k: 0,
+            max_tokens,
+            seed: None,
+            stop_token_ids: vec![],
+        },
+        domain: None,
+    }
+}
+
+async fn next(rx: &Receiver<Completion>) -> Completion {
+    let rx = rx.clone();
+    tokio::task::spawn_blocking(move || {
+        rx.recv_timeout(Duration::from_secs(30))
+            .expect("a completion")
+    })
+    .await
+    .unwrap()
+}
+
+fn id_of(r: &GenerateRequest) -> RequestId {
+    r.id
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn generates_resumes_aborts_and_updates_through_a_server() {
+    let s = serve_tiny().await;
+    let weights_dir = s.dir.path().join("published");
+    let (engine, (finished, updates)) = start(params(vec![s.url()], weights_dir.clone()));
+
+    let full_req = request(1, 12);
+    engine.submit(full_req.clone()).unwrap();
+    let full = next(&finished).await;
+    assert!(matches!(
+        full.finish,
+        FinishReason::Length | FinishReason::Stop
+    ));
+    assert!(!full.output.is_empty());
+    assert_eq!(full.output.logprobs.len(), full.output.len());
+    assert!(full.output.versions.iter().all(|v| *v == PolicyVersion(0)));
+
+    // Resume from the first 4 tokens: the whole completion comes back, equal to the full one.
+    if full.output.len() > 4 {
+        let mut resumed = request(2, 12);
+        let mut partial = full.output.clone();
+        partial.token_ids.truncate(4);
+        partial.logprobs.truncate(4);
+        partial.versions.truncate(4);
+        resumed.resume = Some(partial);
+        engine.submit(resumed).unwrap();
+        let done = next(&finished).await;
+        assert_eq!(done.output.token_ids, full.output.token_ids);
+    }
+
+    // Abort a long request: its partial comes back as an abort.
+    let long = request(3, 3000);
+    let long_id = id_of(&long);
+    engine.submit(long).unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    engine.abort(long_id).unwrap();
+    let aborted = next(&finished).await;
+    assert_eq!(aborted.id, long_id);
+    // Greedy on the tiny model may hit an end-of-sequence id first; otherwise it is aborted.
+    if aborted.finish != FinishReason::Stop {
+        assert_eq!(aborted.finish, FinishReason::Abort);
+        assert!(aborted.output.len() < 3000);
+    }
+
+    // New weights: written as a checkpoint, loaded by the server, tagged on later tokens.
+    let config = Arc::new(preset_config(Preset::Tiny));
+    let v1 = random_snapshot(config, 1, DType::F32, &Device::Cpu)
+        .unwrap()
+        .with_version(PolicyVersion(1));
+    engine
+        .update_weights(Arc::new(v1).to_envelope(), WeightUpdateMode::InFlight)
+        .unwrap();
+    let (version, mode) =
+        tokio::task::spawn_blocking(move || updates.recv_timeout(Duration::from_secs(30)).unwrap())
+            .await
+            .unwrap();
+    assert_eq!(
+        (version, mode),
+        (PolicyVersion(1), WeightUpdateMode::InFlight)
+    );
+    assert!(weights_dir.join("v000001").join("config.json").exists());
+    engine.submit(request(4, 3)).unwrap();
+    let after = next(&finished).await;
+    assert!(
+        after.output.versions.iter().all(|v| *v == PolicyVersion(1)),
+        "{:?}",
+        after.output.versions
+    );
+    assert_eq!(engine.stats().version, PolicyVersion(1));
+    drop(engine);
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_that_does_not_answer_is_marked_down_and_requests_abort() {
+    // A port with nothing behind it.
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let (engine, (finished, _)) = start(params(
+        vec![format!("http://127.0.0.1:{port}")],
+        dir.path().into(),
+    ));
+    let mut r = request(1, 10);
+    let partial = sluice_engine::TokenOutput {
+        token_ids: vec![5, 6],
+        logprobs: vec![-1.0, -2.0],
+        versions: vec![PolicyVersion(0); 2],
+    };
+    r.resume = Some(partial.clone());
+    engine.submit(r).unwrap();
+    let c = next(&finished).await;
+    assert_eq!(c.finish, FinishReason::Abort);
+    assert_eq!(c.output, partial);
+    assert_eq!(engine.servers_up(), 0);
+    engine.submit(request(2, 10)).unwrap();
+    let c = next(&finished).await;
+    assert_eq!(c.finish, FinishReason::Error("remote_unavailable".into()));
+}

@@ -1,0 +1,274 @@
+//! The OpenAI-compatible server through a real HTTP client on 127.0.0.1:0: completions (text and
+//! ids, echo + logprobs, n, stop, streaming), chat (logprobs, streaming), models and health,
+//! the RL extensions, and the bad-input table.
+
+mod server_support;
+
+use serde_json::{Value, json};
+use server_support::{call, post, serve_tiny, write_tiny};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completions_with_echo_logprobs_and_token_ids() {
+    let s = serve_tiny().await;
+    let r = post(
+        s.addr,
+        "/v1/completions",
+        json!({
+            "model": "tiny", "prompt": "Hello", "max_tokens": 5, "temperature": 0,
+            "logprobs": 2, "echo": true, "ignore_eos": true, "return_token_ids": true,
+        }),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    let c = &v["choices"][0];
+    assert_eq!(c["token_ids"].as_array().unwrap().len(), 5);
+    assert_eq!(c["prompt_token_ids"].as_array().unwrap().len(), 5);
+    assert_eq!(c["token_versions"], json!([0, 0, 0, 0, 0]));
+    assert_eq!(c["finish_reason"], "length");
+    assert!(c["text"].as_str().unwrap().starts_with("Hello"));
+    let lp = &c["logprobs"];
+    assert_eq!(lp["tokens"].as_array().unwrap().len(), 10);
+    assert_eq!(lp["token_logprobs"][0], Value::Null);
+    assert!(lp["token_logprobs"][1].as_f64().unwrap() < 0.0);
+    assert_eq!(lp["top_logprobs"][3].as_object().unwrap().len(), 2);
+    assert_eq!(v["usage"]["completion_tokens"], 5);
+
+    // Token-id prompts, n = 2 with a seed: two choices, reproducible.
+    let body = json!({"prompt": [40, 41, 42], "max_tokens": 6, "n": 2, "seed": 3, "ignore_eos": true, "return_token_ids": true});
+    let a = post(s.addr, "/v1/completions", body.clone()).await.json();
+    let b = post(s.addr, "/v1/completions", body).await.json();
+    assert_eq!(a["choices"].as_array().unwrap().len(), 2);
+    assert_eq!(a["choices"][0]["token_ids"], b["choices"][0]["token_ids"]);
+    assert_eq!(a["choices"][1]["token_ids"], b["choices"][1]["token_ids"]);
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streaming_matches_the_whole_reply() {
+    let s = serve_tiny().await;
+    let body = json!({"prompt": "abc", "max_tokens": 8, "temperature": 0, "ignore_eos": true});
+    let whole = post(s.addr, "/v1/completions", body.clone()).await.json();
+    let mut stream_body = body;
+    stream_body["stream"] = json!(true);
+    let r = post(s.addr, "/v1/completions", stream_body).await;
+    assert_eq!(r.status, 200);
+    let events = r.events();
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    let mut text = String::new();
+    let mut finish = Value::Null;
+    for e in &events[..events.len() - 1] {
+        let v: Value = serde_json::from_str(e).unwrap();
+        text.push_str(v["choices"][0]["text"].as_str().unwrap());
+        if !v["choices"][0]["finish_reason"].is_null() {
+            finish = v["choices"][0]["finish_reason"].clone();
+        }
+    }
+    assert_eq!(text, whole["choices"][0]["text"].as_str().unwrap());
+    assert_eq!(finish, "length");
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stop_strings_cut_the_text() {
+    let s = serve_tiny().await;
+    let body = json!({"prompt": "xy", "max_tokens": 12, "temperature": 0, "ignore_eos": true, "return_token_ids": true});
+    let free = post(s.addr, "/v1/completions", body.clone()).await.json();
+    let text = free["choices"][0]["text"].as_str().unwrap().to_owned();
+    // Stop on the 4th..5th characters of the free completion.
+    let stop: String = text.chars().skip(3).take(2).collect();
+    let mut stopped = body;
+    stopped["stop"] = json!([stop]);
+    let v = post(s.addr, "/v1/completions", stopped).await.json();
+    let c = &v["choices"][0];
+    assert_eq!(c["finish_reason"], "stop");
+    let cut = c["text"].as_str().unwrap();
+    assert!(
+        text.starts_with(cut) && !cut.contains(&stop),
+        "{cut:?} / {text:?} / {stop:?}"
+    );
+    assert_eq!(c["stop_reason"], json!(stop));
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_with_logprobs_and_streaming() {
+    let s = serve_tiny().await;
+    let body = json!({
+        "model": "tiny",
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+        "max_tokens": 6, "temperature": 0, "logprobs": true, "top_logprobs": 3, "ignore_eos": true,
+        "tools": [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}],
+    });
+    let r = post(s.addr, "/v1/chat/completions", body.clone()).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    assert_eq!(v["object"], "chat.completion");
+    let c = &v["choices"][0];
+    assert_eq!(c["message"]["role"], "assistant");
+    let content = c["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(content.len(), 6);
+    assert_eq!(content[0]["top_logprobs"].as_array().unwrap().len(), 3);
+    let mut streamed = body;
+    streamed["stream"] = json!(true);
+    streamed.as_object_mut().unwrap().remove("tools");
+    let r = post(s.addr, "/v1/chat/completions", streamed).await;
+    let events = r.events();
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    let first: Value = serde_json::from_str(&events[0]).unwrap();
+    assert_eq!(first["choices"][0]["delta"]["role"], "assistant");
+    assert_eq!(first["object"], "chat.completion.chunk");
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn models_health_and_the_bad_input_table() {
+    let s = serve_tiny().await;
+    assert_eq!(call(s.addr, "GET", "/health", "").await.status, 200);
+    let m = call(s.addr, "GET", "/v1/models", "").await.json();
+    assert_eq!(m["data"][0]["id"], "tiny");
+    let cases: Vec<(&str, String, u16)> = vec![
+        (
+            "unknown model",
+            json!({"model": "gpt-9", "prompt": "a"}).to_string(),
+            404,
+        ),
+        (
+            "negative max_tokens",
+            json!({"prompt": "a", "max_tokens": -1}).to_string(),
+            400,
+        ),
+        (
+            "huge max_tokens",
+            json!({"prompt": "a", "max_tokens": 100_000_000}).to_string(),
+            400,
+        ),
+        (
+            "prompt too long",
+            json!({"prompt": "a".repeat(5000)}).to_string(),
+            400,
+        ),
+        (
+            "token id out of vocab",
+            json!({"prompt": [1, 2, 999_999]}).to_string(),
+            400,
+        ),
+        ("malformed JSON", "{\"prompt\": ".to_owned(), 400),
+        (
+            "temperature < 0",
+            json!({"prompt": "a", "temperature": -0.5}).to_string(),
+            400,
+        ),
+        ("n = 0", json!({"prompt": "a", "n": 0}).to_string(), 400),
+        ("bad prompt type", json!({"prompt": 5}).to_string(), 400),
+    ];
+    for (what, body, status) in cases {
+        let r = call(s.addr, "POST", "/v1/completions", &body).await;
+        assert_eq!(r.status, status, "{what}: {}", r.body);
+        let e = r.json();
+        assert!(
+            e["error"]["message"].as_str().is_some(),
+            "{what}: {}",
+            r.body
+        );
+        assert!(e["error"]["type"].as_str().is_some());
+    }
+    let chat_bad = post(
+        s.addr,
+        "/v1/chat/completions",
+        json!({"messages": [{"role": "wizard", "content": "x"}]}),
+    )
+    .await;
+    assert_eq!(chat_bad.status, 400);
+    assert_eq!(call(s.addr, "GET", "/nope", "").await.status, 404);
+    // Still serving.
+    let ok = post(
+        s.addr,
+        "/v1/completions",
+        json!({"prompt": "a", "max_tokens": 2}),
+    )
+    .await;
+    assert_eq!(ok.status, 200, "{}", ok.body);
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn abort_pause_continue_and_weights_from_disk() {
+    let s = serve_tiny().await;
+    let addr = s.addr;
+    let long = tokio::spawn(async move {
+        post(addr, "/v1/completions", json!({
+            "prompt": "go", "max_tokens": 3000, "ignore_eos": true, "rid": "long-1", "return_token_ids": true,
+        }))
+        .await
+    });
+    // Wait until it is generating, then abort it by rid.
+    loop {
+        let v = call(addr, "GET", "/get_weight_version", "").await.json();
+        if v["generated_tokens"].as_u64().unwrap() >= 3 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    let a = post(addr, "/abort_request", json!({"rid": "long-1"})).await;
+    assert_eq!(a.status, 200);
+    let r = long.await.unwrap().json();
+    let c = &r["choices"][0];
+    assert_eq!(c["finish_reason"], "abort");
+    let n = c["token_ids"].as_array().unwrap().len();
+    assert!((3..3000).contains(&n), "{n}");
+
+    // Paused in place: a request waits; continuing lets it finish.
+    assert_eq!(
+        post(addr, "/pause_generation", json!({"mode": "in_place"}))
+            .await
+            .status,
+        200
+    );
+    let waiting = tokio::spawn(async move {
+        post(
+            addr,
+            "/v1/completions",
+            json!({"prompt": "p", "max_tokens": 3, "ignore_eos": true}),
+        )
+        .await
+    });
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    assert!(!waiting.is_finished());
+    assert_eq!(
+        post(addr, "/continue_generation", json!({})).await.status,
+        200
+    );
+    assert_eq!(
+        waiting.await.unwrap().json()["choices"][0]["finish_reason"],
+        "length"
+    );
+
+    // New weights from disk become version 1; later tokens carry it.
+    let next = s.dir.path().join("next");
+    write_tiny(&next, 1);
+    let u = post(
+        addr,
+        "/update_weights_from_disk",
+        json!({"model_path": next}),
+    )
+    .await;
+    assert_eq!(u.status, 200, "{}", u.body);
+    assert_eq!(u.json()["weight_version"], 1);
+    let v = post(
+        addr,
+        "/v1/completions",
+        json!({"prompt": "q", "max_tokens": 3, "ignore_eos": true, "return_token_ids": true}),
+    )
+    .await
+    .json();
+    assert_eq!(v["choices"][0]["token_versions"], json!([1, 1, 1]));
+    let missing = post(
+        addr,
+        "/update_weights_from_disk",
+        json!({"model_path": "/nonexistent/x"}),
+    )
+    .await;
+    assert_eq!(missing.status, 400);
+    s.stop().await;
+}

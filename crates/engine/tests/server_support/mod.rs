@@ -1,0 +1,159 @@
+//! A served tiny model on 127.0.0.1:0 and a minimal HTTP/1.1 client (raw TCP, `Connection:
+//! close`, chunked bodies decoded) for the server and remote-backend tests.
+
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use serde_json::Value;
+use sluice_engine::server::{ServerOptions, ServerState, WeightEvents, serve};
+use sluice_engine::{NativeEngine, NativeEngineParams};
+use sluice_model::presets::{Preset, write_preset};
+use sluice_model::{LoadOptions, Tokenizer, load_checkpoint};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::oneshot;
+
+/// A running server; dropping it stops the server and the engine.
+pub struct Served {
+    pub addr: std::net::SocketAddr,
+    pub dir: tempfile::TempDir,
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<tokio::task::JoinHandle<std::io::Result<()>>>,
+    pub engine: NativeEngine,
+}
+
+impl Served {
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    pub fn model_dir(&self) -> PathBuf {
+        self.dir.path().join("model")
+    }
+
+    pub async fn stop(mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        if let Some(t) = self.task.take() {
+            t.await.unwrap().unwrap();
+        }
+    }
+}
+
+/// Writes the tiny preset (seed 0) and serves it as model `tiny`.
+pub async fn serve_tiny() -> Served {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("model");
+    write_preset(Preset::Tiny, &model, 0).unwrap();
+    let weights = Arc::new(load_checkpoint(&model, &LoadOptions::default()).unwrap());
+    let tokenizer = Arc::new(Tokenizer::from_dir(&model).unwrap());
+    let events = Arc::new(WeightEvents::default());
+    let params = NativeEngineParams {
+        max_running_sequences: 8,
+        max_step_tokens: 512,
+        eos_token_ids: tokenizer.eos_token_ids().to_vec(),
+        ..NativeEngineParams::default()
+    };
+    let engine = NativeEngine::start(
+        params,
+        Arc::clone(&weights),
+        Some(Arc::clone(&tokenizer)),
+        events.sink(),
+    )
+    .unwrap();
+    let state = ServerState::new(
+        engine.control(),
+        tokenizer,
+        ServerOptions {
+            model_name: "tiny".into(),
+            dtype: weights.dtype(),
+            device: weights.device().clone(),
+            max_n: 8,
+        },
+        events,
+    );
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (tx, rx) = oneshot::channel::<()>();
+    let task = tokio::spawn(serve(listener, state, async move {
+        let _ = rx.await;
+    }));
+    Served {
+        addr,
+        dir,
+        stop: Some(tx),
+        task: Some(task),
+        engine,
+    }
+}
+
+/// Writes the tiny preset with `seed` into `dir` (weights for `update_weights_from_disk`).
+pub fn write_tiny(dir: &Path, seed: u64) {
+    write_preset(Preset::Tiny, dir, seed).unwrap();
+}
+
+/// A reply: status and body (chunked encoding removed).
+pub struct Reply {
+    pub status: u16,
+    pub body: String,
+}
+
+impl Reply {
+    pub fn json(&self) -> Value {
+        serde_json::from_str(&self.body).unwrap_or_else(|e| panic!("{e}: {}", self.body))
+    }
+
+    /// The `data:` payloads of a server-sent-events body.
+    pub fn events(&self) -> Vec<String> {
+        self.body
+            .lines()
+            .filter_map(|l| l.strip_prefix("data:"))
+            .map(|d| d.trim_start().to_owned())
+            .collect()
+    }
+}
+
+/// One request over a fresh connection.
+pub async fn call(addr: std::net::SocketAddr, method: &str, path: &str, body: &str) -> Reply {
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    let head = format!(
+        "{method} {path} HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+        body.len()
+    );
+    s.write_all(head.as_bytes()).await.unwrap();
+    s.write_all(body.as_bytes()).await.unwrap();
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).await.unwrap();
+    let raw = String::from_utf8(raw).unwrap();
+    let (head, rest) = raw.split_once("\r\n\r\n").unwrap();
+    let status: u16 = head.split(' ').nth(1).unwrap().parse().unwrap();
+    let chunked = head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked");
+    let body = if chunked {
+        dechunk(rest)
+    } else {
+        rest.to_owned()
+    };
+    Reply { status, body }
+}
+
+pub async fn post(addr: std::net::SocketAddr, path: &str, body: Value) -> Reply {
+    call(addr, "POST", path, &body.to_string()).await
+}
+
+fn dechunk(mut s: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, rest)) = s.split_once("\r\n") {
+        let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
+        if n == 0 {
+            break;
+        }
+        out.push_str(&rest[..n]);
+        s = &rest[n + 2..];
+    }
+    out
+}
