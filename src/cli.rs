@@ -118,6 +118,28 @@ pub enum BenchCommand {
     Overhead(BenchPipelineArgs),
     /// Model: training forward+backward and decode tokens/s next to this machine's bounds.
     Model(BenchModelArgs),
+    /// Trainer: whole RL steps in tokens/s at several [B, L], and packing efficiency.
+    Trainer(BenchTrainerArgs),
+}
+
+/// `sluice bench trainer`
+#[derive(Debug, clap::Args)]
+pub struct BenchTrainerArgs {
+    /// Presets to measure (repeatable; default: tiny and small).
+    #[arg(long = "preset", value_parser = parse_preset)]
+    pub presets: Vec<sluice_core::config::ModelPreset>,
+    /// Micro-batch shapes `BxL` (repeatable; default: a few per preset).
+    #[arg(long = "shape", value_parser = parse_shape)]
+    pub shapes: Vec<(usize, usize)>,
+}
+
+fn parse_shape(s: &str) -> Result<(usize, usize), String> {
+    let bad = || format!("expected a shape BxL such as 8x512, got `{s}`");
+    let (b, l) = s.split_once('x').ok_or_else(bad)?;
+    match (b.parse::<usize>(), l.parse::<usize>()) {
+        (Ok(b), Ok(l)) if b > 0 && l > 0 => Ok((b, l)),
+        _ => Err(bad()),
+    }
 }
 
 /// `sluice bench model`

@@ -2,6 +2,7 @@
 
 mod bench_model;
 mod bench_pipeline;
+mod bench_trainer;
 mod check;
 mod env_server;
 mod knobs;
@@ -22,6 +23,7 @@ pub fn run(command: Command) -> anyhow::Result<ExitCode> {
         Command::Bench(BenchCommand::Overhead(args)) => bench_pipeline::overhead(&args),
         Command::Model(cmd) => model::run(cmd),
         Command::Bench(BenchCommand::Model(args)) => bench_model::run(&args),
+        Command::Bench(BenchCommand::Trainer(args)) => bench_trainer::run(&args),
         Command::EnvServer(args) => env_server::run(&args),
     }
 }

@@ -1,0 +1,203 @@
+//! `sluice bench trainer`: whole RL training steps (advantages, packing, forward + backward,
+//! AdamW, snapshot publish) in tokens/s for the presets at several `[B, L]`, and the packing
+//! efficiency of the batcher on a realistic mix of prompt and completion lengths.
+//!
+//! Step throughput counts every non-padding token through forward and backward; each step here is
+//! one micro-batch filled exactly (one text per row), so the optimizer and the publish copy are
+//! paid once per `B · L` tokens, as in a run whose global batch is one micro-batch.
+
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Instant;
+
+use sluice_core::config::{AdvantageKind, LossAggregation, ModelPreset, OversizedText};
+use sluice_core::{
+    DataSample, GroupId, NodeId, PolicyVersion, RolloutGroup, RolloutStatus, RolloutTurn, RunId,
+};
+use sluice_model::candle::{DType, Device};
+use sluice_model::presets::{preset_config, random_snapshot};
+use sluice_trainer::advantage::AdvantageConfig;
+use sluice_trainer::batcher::{BatcherConfig, TrainingText, pack};
+use sluice_trainer::loss::LossConfig;
+use sluice_trainer::optim::OptimConfig;
+use sluice_trainer::{NativeTrainer, NativeTrainerConfig};
+
+use crate::cli::BenchTrainerArgs;
+
+const PROMPT_TOKENS: usize = 16;
+
+/// Default shapes and timed steps per preset, sized for a few minutes on 2 cores.
+fn default_plan(preset: ModelPreset) -> (Vec<(usize, usize)>, usize) {
+    match preset {
+        ModelPreset::Tiny => (vec![(4, 64), (8, 128), (8, 512)], 3),
+        ModelPreset::Small => (vec![(1, 128), (2, 256)], 1),
+    }
+}
+
+/// Runs the benchmark and prints a table and the `RESULT trainer` line.
+pub fn run(args: &BenchTrainerArgs) -> anyhow::Result<ExitCode> {
+    let presets = if args.presets.is_empty() {
+        vec![ModelPreset::Tiny, ModelPreset::Small]
+    } else {
+        args.presets.clone()
+    };
+    let mut result = Vec::new();
+    for preset in presets {
+        let name = format!("{preset:?}").to_lowercase();
+        let (default_shapes, steps) = default_plan(preset);
+        let shapes = if args.shapes.is_empty() {
+            default_shapes
+        } else {
+            args.shapes.clone()
+        };
+        let config = Arc::new(preset_config(preset));
+        println!(
+            "{name}: {} parameters, f32 master weights on CPU, ppo, {steps} timed step(s) per shape",
+            config.num_parameters()
+        );
+        let snapshot = Arc::new(random_snapshot(config, 0, DType::F32, &Device::Cpu)?);
+        for (rows, len) in shapes {
+            let mut trainer =
+                NativeTrainer::new(Arc::clone(&snapshot), trainer_config(rows, len), None)?;
+            let vocab = snapshot.config().vocab_size as u32;
+            let batch = [filled_group(rows, len, vocab)?];
+            trainer.rl_step(&batch)?;
+            let (mut tokens, mut seconds) = (0usize, 0.0f64);
+            for _ in 0..steps {
+                let start = Instant::now();
+                let (stats, _) = trainer.rl_step(&batch)?;
+                seconds += start.elapsed().as_secs_f64();
+                tokens += stats.processed_tokens;
+            }
+            let tok_s = tokens as f64 / seconds;
+            println!(
+                "  step [{rows}x{len}]  {tok_s:>10.0} tok/s   {:>8.3} s/step",
+                seconds / steps as f64
+            );
+            result.push(format!("{name}_b{rows}_l{len}_tok_s={tok_s:.0}"));
+        }
+    }
+    println!(
+        "\npacking, 512 texts: prompts uniform 64..512, completions lognormal (median 400, sigma 1) capped at 8192"
+    );
+    for (rows, len) in [(4usize, 2048usize), (4, 4096), (4, 8192)] {
+        let (packed, naive, split) = packing_mix(rows, len);
+        println!(
+            "  [{rows}x{len}]  packed {:>5.1}%   one text per row {:>5.1}%   split texts {split}",
+            100.0 * packed,
+            100.0 * naive
+        );
+        result.push(format!("packing_l{len}={packed:.3}"));
+    }
+    println!("RESULT trainer {}", result.join(" "));
+    Ok(ExitCode::SUCCESS)
+}
+
+fn trainer_config(rows: usize, len: usize) -> NativeTrainerConfig {
+    NativeTrainerConfig {
+        advantage: AdvantageConfig {
+            kind: AdvantageKind::Group,
+            ..AdvantageConfig::default()
+        },
+        loss: LossConfig::default(),
+        aggregation: LossAggregation::TokenMean,
+        batcher: BatcherConfig {
+            rows,
+            row_len: len,
+            oversized: OversizedText::Split,
+            pad_id: 0,
+        },
+        optim: OptimConfig {
+            learning_rate: 1e-5,
+            ..OptimConfig::default()
+        },
+        publish_dtype: DType::F32,
+        logits_chunk_rows: 1024,
+        temperature: 1.0,
+        seed: 0,
+    }
+}
+
+/// One group whose first `rows` rollouts are single turns of exactly `len` slots, rewards
+/// alternating. A 1-row shape gets a second rollout without completion tokens: it enters the
+/// baseline (so the advantage is not zero) but makes no training text.
+fn filled_group(rows: usize, len: usize, vocab: u32) -> anyhow::Result<RolloutGroup> {
+    let id = GroupId {
+        run: RunId::from_name("bench"),
+        node: NodeId(0),
+        counter: 0,
+    };
+    let sample = DataSample {
+        id: "0".into(),
+        domain: "bench".into(),
+        dataset: "synthetic".into(),
+        input: serde_json::Value::Null,
+        system_prompt: None,
+    };
+    let mut group = RolloutGroup::new(id, sample, rows.max(2) as u32, PolicyVersion::INITIAL);
+    let completion_len = (len + 1).saturating_sub(PROMPT_TOKENS).max(1);
+    for (r, rollout) in group.rollouts.iter_mut().enumerate() {
+        let tok = |i: usize| ((i * 7 + r * 13) as u32) % vocab;
+        let mut turn = RolloutTurn::new((0..PROMPT_TOKENS).map(tok).collect());
+        if r < rows {
+            let completion: Vec<u32> = (PROMPT_TOKENS..PROMPT_TOKENS + completion_len)
+                .map(tok)
+                .collect();
+            let n = completion.len();
+            turn.append_tokens(
+                &completion,
+                &vec![-4.0; n],
+                &vec![PolicyVersion::INITIAL; n],
+            )?;
+        }
+        rollout.turns.push(turn);
+        rollout.status = RolloutStatus::Completed;
+        rollout.reward = (r % 2) as f64;
+    }
+    Ok(group)
+}
+
+/// Packing efficiency of the batcher and of one text per row on a synthetic length mix.
+fn packing_mix(rows: usize, len: usize) -> (f64, f64, usize) {
+    let mut state = 0x9E37_79B9_7F4A_7C15u64;
+    let mut uniform = || {
+        state = state
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        ((state >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+    };
+    let mut lens = Vec::new();
+    for _ in 0..512 {
+        let prompt = 64 + (uniform() * 448.0) as usize;
+        // Box–Muller normal → lognormal.
+        let z = (-2.0 * uniform().ln()).sqrt() * (2.0 * std::f64::consts::PI * uniform()).cos();
+        let completion = ((400.0 * z.exp()) as usize).clamp(1, 8192);
+        lens.push((prompt, completion));
+    }
+    let tokens: Vec<(Vec<u32>, Vec<u32>, Vec<f32>, Vec<u64>)> = lens
+        .iter()
+        .map(|&(p, c)| (vec![1; p], vec![2; c], vec![0.0; c], vec![0; c]))
+        .collect();
+    let texts: Vec<TrainingText<'_>> = tokens
+        .iter()
+        .map(|(p, c, b, v)| TrainingText {
+            prompt: p,
+            completion: c,
+            behaviour: b,
+            versions: v,
+            advantage: 1.0,
+            weight: 1.0,
+        })
+        .collect();
+    let config = BatcherConfig {
+        rows,
+        row_len: len,
+        oversized: OversizedText::Split,
+        pad_id: 0,
+    };
+    let packing = pack(&texts, &config);
+    let naive_rows: usize = lens.iter().map(|&(p, c)| (p + c - 1).div_ceil(len)).sum();
+    let slots: usize = lens.iter().map(|&(p, c)| p + c - 1).sum();
+    let naive = slots as f64 / (naive_rows.div_ceil(rows) * rows * len) as f64;
+    (packing.stats.efficiency(), naive, packing.stats.split_texts)
+}
