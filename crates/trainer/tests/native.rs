@@ -304,3 +304,20 @@ fn resuming_from_a_checkpoint_is_exact() {
     assert_eq!(state["step"], 2);
     assert_eq!(state["optimizer_step"], 2);
 }
+
+#[test]
+fn the_kl_penalty_is_measured_against_the_frozen_initial_weights() {
+    let mut cfg = config(0.01, 4);
+    cfg.loss.kl_coef = 0.1;
+    let mut trainer = NativeTrainer::new(tiny(8), cfg, None).unwrap();
+    let first = trainer.train_step(&fixed_batch()).unwrap();
+    // The first step starts from the reference itself.
+    assert!(first.metrics[m::TRAINER_KL_NATS].abs() < 1e-6);
+    let second = trainer.train_step(&fixed_batch()).unwrap();
+    assert!(
+        second.metrics[m::TRAINER_KL_NATS] > 1e-6,
+        "the policy moved away from the reference"
+    );
+    let plain = trainer.train_step(&fixed_batch()).unwrap();
+    assert!(plain.metrics.contains_key(m::TRAINER_KL_NATS));
+}
