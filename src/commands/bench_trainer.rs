@@ -174,7 +174,9 @@ fn packing_mix(rows: usize, len: usize) -> (f64, f64, usize) {
         let completion = ((400.0 * z.exp()) as usize).clamp(1, 8192);
         lens.push((prompt, completion));
     }
-    let tokens: Vec<(Vec<u32>, Vec<u32>, Vec<f32>, Vec<u64>)> = lens
+    // (prompt ids, completion ids, behaviour logprobs, versions) per text; the batcher borrows them.
+    type TextBuffers = (Vec<u32>, Vec<u32>, Vec<f32>, Vec<u64>);
+    let tokens: Vec<TextBuffers> = lens
         .iter()
         .map(|&(p, c)| (vec![1; p], vec![2; c], vec![0.0; c], vec![0; c]))
         .collect();
