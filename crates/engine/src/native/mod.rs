@@ -63,6 +63,26 @@ impl Default for NativeEngineParams {
     }
 }
 
+impl NativeEngineParams {
+    /// Replica `replica` of `[engine]` (`max_running_sequences`, `max_step_tokens`), seeded
+    /// with `seed` (the same on every replica: a request's draws depend on its id, not on where
+    /// it runs), stopping on `eos_token_ids`.
+    pub fn from_config(
+        engine: &sluice_core::config::EngineConfig,
+        replica: u32,
+        seed: u64,
+        eos_token_ids: Vec<u32>,
+    ) -> Self {
+        Self {
+            replica,
+            max_running_sequences: engine.max_running_sequences.get() as usize,
+            max_step_tokens: engine.max_step_tokens.get() as usize,
+            seed,
+            eos_token_ids,
+        }
+    }
+}
+
 /// A request with the options only the native engine offers.
 #[derive(Clone)]
 pub struct NativeRequest {

@@ -57,6 +57,27 @@ pub struct RemoteParams {
     pub model_name: Option<String>,
 }
 
+impl RemoteParams {
+    /// Replica `replica` of `[engine]` (`remote_urls`, `request_timeout_s`), writing weights
+    /// under `weights_dir`; 5 s control calls, `/health` polled every 2 s.
+    pub fn from_config(
+        engine: &sluice_core::config::EngineConfig,
+        replica: u32,
+        weights_dir: PathBuf,
+    ) -> Self {
+        Self {
+            replica,
+            urls: engine.remote_urls.clone(),
+            request_timeout: engine.request_timeout,
+            control_timeout: Duration::from_secs(5),
+            health_interval: Duration::from_secs(2),
+            weights_dir,
+            aux_files_from: None,
+            model_name: None,
+        }
+    }
+}
+
 enum Command {
     Submit(GenerateRequest),
     Abort(RequestId),

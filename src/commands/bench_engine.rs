@@ -1,0 +1,212 @@
+//! `sluice bench engine`: the native engine's continuous batching on the presets.
+//!
+//! For each preset: decode tokens/s with 1, 8, 32 and 64 requests in flight against the same
+//! requests run one at a time; p50/p99 inter-token latency per concurrency; and the weight-swap
+//! pause of each update mode with a batch running. Greedy, `ignore_eos`, fixed lengths, so every
+//! configuration generates the same number of tokens.
+
+use std::process::ExitCode;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use sluice_core::config::ModelPreset;
+use sluice_core::{GroupId, NodeId, PolicyVersion, RunId, WeightUpdateMode};
+use sluice_engine::native::RequestUpdate;
+use sluice_engine::{
+    EngineEvent, GenerateRequest, InferenceBackend, NativeEngine, NativeEngineParams,
+    NativeRequest, SamplingParams,
+};
+use sluice_model::WeightSnapshot;
+use sluice_model::candle::{DType, Device};
+use sluice_model::presets::{preset_config, random_snapshot};
+
+use crate::cli::BenchEngineArgs;
+
+/// Completion length and prompt length per preset, sized for a few minutes on 2 cores.
+fn lengths(preset: ModelPreset) -> (u32, usize) {
+    match preset {
+        ModelPreset::Tiny => (64, 16),
+        ModelPreset::Small => (16, 16),
+    }
+}
+
+/// What one configuration measured.
+struct Measured {
+    tokens_per_s: f64,
+    itl_p50_ms: f64,
+    itl_p99_ms: f64,
+}
+
+/// Runs the benchmark and prints a table and the `RESULT engine` line.
+pub fn run(args: &BenchEngineArgs) -> anyhow::Result<ExitCode> {
+    let presets = if args.presets.is_empty() {
+        vec![ModelPreset::Tiny, ModelPreset::Small]
+    } else {
+        args.presets.clone()
+    };
+    let mut speedup_tiny = None;
+    let mut pause_tiny = None;
+    for preset in presets {
+        let config = Arc::new(preset_config(preset));
+        let w0 = Arc::new(random_snapshot(Arc::clone(&config), 0, DType::F32, &Device::Cpu)?);
+        let w1 = Arc::new(
+            random_snapshot(config, 1, DType::F32, &Device::Cpu)?.with_version(PolicyVersion(1)),
+        );
+        let (max_tokens, prompt_len) = lengths(preset);
+        println!("preset {preset:?}: {max_tokens} tokens per request, prompts of {prompt_len}");
+        println!("{:>12} {:>12} {:>12} {:>12} {:>9}", "concurrency", "tokens/s", "itl_p50_ms", "itl_p99_ms", "speedup");
+        let max_c = *args.concurrency.iter().max().unwrap_or(&64);
+        let serial = measure(&w0, max_c.min(8), 1, max_tokens, prompt_len)?;
+        println!(
+            "{:>12} {:>12.1} {:>12.2} {:>12.2} {:>9}",
+            "one-by-one", serial.tokens_per_s, serial.itl_p50_ms, serial.itl_p99_ms, "1.0"
+        );
+        for &c in &args.concurrency {
+            let m = measure(&w0, c, c, max_tokens, prompt_len)?;
+            let speedup = m.tokens_per_s / serial.tokens_per_s;
+            println!(
+                "{c:>12} {:>12.1} {:>12.2} {:>12.2} {speedup:>9.1}",
+                m.tokens_per_s, m.itl_p50_ms, m.itl_p99_ms
+            );
+            if preset == ModelPreset::Tiny && c == 64 {
+                speedup_tiny = Some(speedup);
+            }
+        }
+        for mode in WeightUpdateMode::ALL {
+            let pause = swap_pause(&w0, &w1, mode, prompt_len)?;
+            println!("swap pause {:<13} {:>9.3} ms", mode.as_str(), pause.as_secs_f64() * 1e3);
+            if preset == ModelPreset::Tiny && mode == WeightUpdateMode::InFlight {
+                pause_tiny = Some(pause.as_secs_f64() * 1e3);
+            }
+        }
+        println!();
+    }
+    println!(
+        "RESULT engine batching_speedup_64={} swap_pause_ms_in_flight={}",
+        speedup_tiny.map_or("n/a".into(), |x| format!("{x:.1}")),
+        pause_tiny.map_or("n/a".into(), |x| format!("{x:.3}")),
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+fn request(i: u64, max_tokens: u32, prompt_len: usize) -> GenerateRequest {
+    GenerateRequest {
+        id: GroupId { run: RunId::from_name("bench"), node: NodeId(0), counter: i }.rollout(0).request(0, 0),
+        prompt_token_ids: (0..prompt_len as u64).map(|j| ((i * 13 + j * 7) % 90) as u32).collect(),
+        resume: None,
+        params: SamplingParams {
+            temperature: 0.0,
+            top_p: 1.0,
+            top_k: 0,
+            max_tokens,
+            seed: None,
+            stop_token_ids: Vec::new(),
+        },
+        domain: None,
+    }
+}
+
+/// `total` requests with at most `concurrency` in flight (the engine's cap); tokens/s over the
+/// whole run and the gaps between consecutive tokens of each request.
+fn measure(
+    w: &Arc<WeightSnapshot>,
+    total: usize,
+    concurrency: usize,
+    max_tokens: u32,
+    prompt_len: usize,
+) -> anyhow::Result<Measured> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let params = NativeEngineParams {
+        max_running_sequences: concurrency,
+        ..NativeEngineParams::default()
+    };
+    let mut engine = NativeEngine::start(
+        params,
+        Arc::clone(w),
+        None,
+        Arc::new(move |e| {
+            if let EngineEvent::Finished(c) = e {
+                let _ = tx.send(c);
+            }
+        }),
+    )?;
+    let gaps = Arc::new(Mutex::new(Vec::new()));
+    let started = Instant::now();
+    for i in 0..total {
+        let gaps = Arc::clone(&gaps);
+        let last = Mutex::new(None::<Instant>);
+        let r = NativeRequest {
+            ignore_eos: true,
+            observer: Some(Arc::new(move |u| {
+                if let RequestUpdate::Token(_) = u {
+                    let now = Instant::now();
+                    let mut l = last.lock().expect("not poisoned");
+                    if let Some(prev) = *l {
+                        gaps.lock().expect("not poisoned").push(now - prev);
+                    }
+                    *l = Some(now);
+                }
+            })),
+            ..NativeRequest::plain(request(i as u64, max_tokens, prompt_len))
+        };
+        engine.submit_native(r)?;
+    }
+    let mut tokens = 0usize;
+    for _ in 0..total {
+        let c = rx
+            .recv_timeout(Duration::from_secs(1800))
+            .context("the engine stopped answering")?;
+        tokens += c.output.len();
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    engine.shutdown();
+    let mut gaps = std::mem::take(&mut *gaps.lock().expect("not poisoned"));
+    gaps.sort_unstable();
+    let pct = |p: f64| {
+        gaps.get(((gaps.len() as f64 - 1.0) * p).round() as usize)
+            .map_or(0.0, |d| d.as_secs_f64() * 1e3)
+    };
+    Ok(Measured {
+        tokens_per_s: tokens as f64 / elapsed,
+        itl_p50_ms: pct(0.5),
+        itl_p99_ms: pct(0.99),
+    })
+}
+
+/// The pause one update in `mode` reports while 8 requests decode.
+fn swap_pause(
+    w0: &Arc<WeightSnapshot>,
+    w1: &Arc<WeightSnapshot>,
+    mode: WeightUpdateMode,
+    prompt_len: usize,
+) -> anyhow::Result<Duration> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let mut engine = NativeEngine::start(
+        NativeEngineParams::default(),
+        Arc::clone(w0),
+        None,
+        Arc::new(move |e| {
+            if let EngineEvent::WeightsUpdated { pause, .. } = e {
+                let _ = tx.send(pause);
+            }
+        }),
+    )?;
+    for i in 0..8 {
+        engine.submit_native(NativeRequest {
+            ignore_eos: true,
+            ..NativeRequest::plain(request(i, 24, prompt_len))
+        })?;
+    }
+    // Let decoding get going so the update lands mid-batch.
+    let t0 = Instant::now();
+    while engine.stats().generated_tokens < 16 && t0.elapsed() < Duration::from_secs(600) {
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    engine.update_weights(w1.to_envelope(), mode)?;
+    let pause = rx
+        .recv_timeout(Duration::from_secs(1800))
+        .context("no WeightsUpdated event")?;
+    engine.shutdown();
+    Ok(pause)
+}

@@ -1,0 +1,117 @@
+//! `sluice serve`: the native engine behind the OpenAI-compatible server (`docs/engine.md`).
+//! Loads the model directory, starts the engine thread, binds, and serves until SIGINT or
+//! SIGTERM; then stops accepting, joins the engine thread and exits 0.
+
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use anyhow::{Context, bail};
+use sluice_engine::server::{ServerOptions, ServerState, WeightEvents, serve};
+use sluice_engine::{InferenceBackend, NativeEngine, NativeEngineParams};
+use sluice_model::{LoadOptions, Tokenizer, load_checkpoint};
+
+use crate::cli::ServeArgs;
+
+/// Runs the server.
+pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
+    if args.max_running_sequences == 0 || args.max_step_tokens == 0 {
+        bail!("--max-running-sequences and --max-step-tokens: expected integers ≥ 1");
+    }
+    if !args.host.is_loopback() {
+        tracing::warn!(host = %args.host, "serving beyond loopback; the API has no authentication");
+    }
+    let device = sluice_model::device(args.device)?;
+    let options = LoadOptions {
+        dtype: None,
+        device,
+    };
+    let weights = Arc::new(
+        load_checkpoint(&args.model, &options)
+            .with_context(|| format!("--model {}", args.model.display()))?,
+    );
+    let tokenizer = Arc::new(
+        Tokenizer::from_dir(&args.model)
+            .with_context(|| format!("--model {}: tokenizer", args.model.display()))?,
+    );
+    let mut eos = tokenizer.eos_token_ids().to_vec();
+    eos.extend(&weights.config().eos_token_ids);
+    let events = Arc::new(WeightEvents::default());
+    let params = NativeEngineParams {
+        replica: 0,
+        max_running_sequences: args.max_running_sequences,
+        max_step_tokens: args.max_step_tokens,
+        seed: args.seed,
+        eos_token_ids: eos,
+    };
+    let mut engine = NativeEngine::start(
+        params,
+        Arc::clone(&weights),
+        Some(Arc::clone(&tokenizer)),
+        events.sink(),
+    )?;
+    let model_name = args.served_model_name.clone().unwrap_or_else(|| {
+        args.model
+            .file_name()
+            .map_or_else(|| "model".to_owned(), |n| n.to_string_lossy().into_owned())
+    });
+    let state = ServerState::new(
+        engine.control(),
+        tokenizer,
+        ServerOptions {
+            model_name: model_name.clone(),
+            dtype: weights.dtype(),
+            device: weights.device().clone(),
+            max_n: 64,
+        },
+        events,
+    );
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    let served = runtime.block_on(async {
+        let listener = tokio::net::TcpListener::bind((args.host, args.port))
+            .await
+            .with_context(|| format!("cannot bind {}:{}", args.host, args.port))?;
+        println!(
+            "sluice serve: model `{model_name}` on http://{}",
+            listener.local_addr()?
+        );
+        serve(listener, state, shutdown_signal())
+            .await
+            .context("server failed")
+    });
+    engine.shutdown();
+    served?;
+    tracing::info!("server stopped");
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Resolves at the first SIGINT or SIGTERM.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        if let Err(e) = tokio::signal::ctrl_c().await {
+            tracing::warn!(error = %e, "cannot listen for SIGINT");
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot listen for SIGTERM");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    #[cfg(not(unix))]
+    let terminate = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {},
+        () = terminate => {},
+    }
+}
