@@ -49,13 +49,21 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<ExitCode> {
     let mut pause_tiny = None;
     for preset in presets {
         let config = Arc::new(preset_config(preset));
-        let w0 = Arc::new(random_snapshot(Arc::clone(&config), 0, DType::F32, &Device::Cpu)?);
+        let w0 = Arc::new(random_snapshot(
+            Arc::clone(&config),
+            0,
+            DType::F32,
+            &Device::Cpu,
+        )?);
         let w1 = Arc::new(
             random_snapshot(config, 1, DType::F32, &Device::Cpu)?.with_version(PolicyVersion(1)),
         );
         let (max_tokens, prompt_len) = lengths(preset);
         println!("preset {preset:?}: {max_tokens} tokens per request, prompts of {prompt_len}");
-        println!("{:>12} {:>12} {:>12} {:>12} {:>9}", "concurrency", "tokens/s", "itl_p50_ms", "itl_p99_ms", "speedup");
+        println!(
+            "{:>12} {:>12} {:>12} {:>12} {:>9}",
+            "concurrency", "tokens/s", "itl_p50_ms", "itl_p99_ms", "speedup"
+        );
         let max_c = *args.concurrency.iter().max().unwrap_or(&64);
         let serial = measure(&w0, max_c.min(8), 1, max_tokens, prompt_len)?;
         println!(
@@ -75,7 +83,11 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<ExitCode> {
         }
         for mode in WeightUpdateMode::ALL {
             let pause = swap_pause(&w0, &w1, mode, prompt_len)?;
-            println!("swap pause {:<13} {:>9.3} ms", mode.as_str(), pause.as_secs_f64() * 1e3);
+            println!(
+                "swap pause {:<13} {:>9.3} ms",
+                mode.as_str(),
+                pause.as_secs_f64() * 1e3
+            );
             if preset == ModelPreset::Tiny && mode == WeightUpdateMode::InFlight {
                 pause_tiny = Some(pause.as_secs_f64() * 1e3);
             }
@@ -92,8 +104,16 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<ExitCode> {
 
 fn request(i: u64, max_tokens: u32, prompt_len: usize) -> GenerateRequest {
     GenerateRequest {
-        id: GroupId { run: RunId::from_name("bench"), node: NodeId(0), counter: i }.rollout(0).request(0, 0),
-        prompt_token_ids: (0..prompt_len as u64).map(|j| ((i * 13 + j * 7) % 90) as u32).collect(),
+        id: GroupId {
+            run: RunId::from_name("bench"),
+            node: NodeId(0),
+            counter: i,
+        }
+        .rollout(0)
+        .request(0, 0),
+        prompt_token_ids: (0..prompt_len as u64)
+            .map(|j| ((i * 13 + j * 7) % 90) as u32)
+            .collect(),
         resume: None,
         params: SamplingParams {
             temperature: 0.0,
