@@ -33,6 +33,38 @@ pub enum Command {
     Bench(BenchCommand),
     /// Serve the built-in tasks' environments over the remote env protocol (JSON over HTTP).
     EnvServer(EnvServerArgs),
+    /// Serve a model directory with the native engine behind an OpenAI-compatible API.
+    Serve(ServeArgs),
+}
+
+/// `sluice serve`
+#[derive(Debug, clap::Args)]
+pub struct ServeArgs {
+    /// The Hugging Face model directory.
+    #[arg(long)]
+    pub model: PathBuf,
+    /// Address to bind. The API has no authentication: bind beyond loopback only on a trusted
+    /// network.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: std::net::IpAddr,
+    /// Port; 0 picks a free one (the bound address is printed).
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// `cpu`, `cuda` or `cuda:N`.
+    #[arg(long, default_value = "cpu", value_parser = parse_device)]
+    pub device: sluice_core::config::Device,
+    /// Seed of sampling for requests without their own.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Sequences decoded together at most.
+    #[arg(long, default_value_t = 64)]
+    pub max_running_sequences: usize,
+    /// Tokens (prefill + decode) per engine step at most.
+    #[arg(long, default_value_t = 2048)]
+    pub max_step_tokens: usize,
+    /// Model name reported by the API (default: the directory's name).
+    #[arg(long)]
+    pub served_model_name: Option<String>,
 }
 
 /// A config file plus `--set` overrides.
@@ -47,6 +79,11 @@ pub struct ConfigArgs {
 
 fn parse_override(s: &str) -> Result<Override, String> {
     s.parse()
+}
+
+fn parse_device(s: &str) -> Result<sluice_core::config::Device, String> {
+    s.parse()
+        .map_err(|()| format!("expected cpu, cuda or cuda:N, got `{s}`"))
 }
 
 /// `sluice env-server`
@@ -120,6 +157,19 @@ pub enum BenchCommand {
     Model(BenchModelArgs),
     /// Trainer: whole RL steps in tokens/s at several [B, L], and packing efficiency.
     Trainer(BenchTrainerArgs),
+    /// Native engine: continuous-batching speed-up, inter-token latency, weight-swap pauses.
+    Engine(BenchEngineArgs),
+}
+
+/// `sluice bench engine`
+#[derive(Debug, clap::Args)]
+pub struct BenchEngineArgs {
+    /// Presets to measure (repeatable; default: tiny and small).
+    #[arg(long = "preset", value_parser = parse_preset)]
+    pub presets: Vec<sluice_core::config::ModelPreset>,
+    /// Requests in flight.
+    #[arg(long = "concurrency", default_values_t = [1usize, 8, 32, 64])]
+    pub concurrency: Vec<usize>,
 }
 
 /// `sluice bench trainer`

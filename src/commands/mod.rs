@@ -1,5 +1,6 @@
 //! One module per subcommand; each takes its parsed arguments and returns an exit code.
 
+mod bench_engine;
 mod bench_model;
 mod bench_pipeline;
 mod bench_trainer;
@@ -8,6 +9,7 @@ mod env_server;
 mod knobs;
 mod model;
 mod run;
+mod serve;
 
 use std::process::ExitCode;
 
@@ -25,5 +27,7 @@ pub fn run(command: Command) -> anyhow::Result<ExitCode> {
         Command::Bench(BenchCommand::Model(args)) => bench_model::run(&args),
         Command::Bench(BenchCommand::Trainer(args)) => bench_trainer::run(&args),
         Command::EnvServer(args) => env_server::run(&args),
+        Command::Serve(args) => serve::run(&args),
+        Command::Bench(BenchCommand::Engine(args)) => bench_engine::run(&args),
     }
 }
