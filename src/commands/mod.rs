@@ -10,8 +10,11 @@ mod knobs;
 mod model;
 mod run;
 mod serve;
+mod signals;
 
 use std::process::ExitCode;
+
+use signals::shutdown_signal;
 
 use crate::cli::{BenchCommand, Command};
 

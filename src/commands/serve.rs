@@ -78,7 +78,7 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
             "sluice serve: model `{model_name}` on http://{}",
             listener.local_addr()?
         );
-        serve(listener, state, shutdown_signal())
+        serve(listener, state, super::shutdown_signal())
             .await
             .context("server failed")
     });
@@ -86,32 +86,4 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
     served?;
     tracing::info!("server stopped");
     Ok(ExitCode::SUCCESS)
-}
-
-/// Resolves at the first SIGINT or SIGTERM.
-async fn shutdown_signal() {
-    let ctrl_c = async {
-        if let Err(e) = tokio::signal::ctrl_c().await {
-            tracing::warn!(error = %e, "cannot listen for SIGINT");
-            std::future::pending::<()>().await;
-        }
-    };
-    #[cfg(unix)]
-    let terminate = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot listen for SIGTERM");
-                std::future::pending::<()>().await;
-            }
-        }
-    };
-    #[cfg(not(unix))]
-    let terminate = std::future::pending::<()>();
-    tokio::select! {
-        () = ctrl_c => {},
-        () = terminate => {},
-    }
 }
