@@ -11,9 +11,12 @@ use sluice_data::rng::Rng;
 
 use crate::error::EnvError;
 use crate::protocol::MessageEnv;
-use crate::rubric::{RewardFn, Rubric, RubricConfig, ScoreInput};
+use crate::rubric::ScoreInput;
 use crate::task::{DataGenerator, Task};
-use crate::tasks::{SingleTurnEnv, draw, field, is_heldout};
+use crate::tasks::{
+    SingleTurnEnv, answer_matches, answer_rubric, draw, field, has_answer, is_heldout,
+    train_eval_specs,
+};
 
 /// Registered name.
 pub const NAME: &str = "arithmetic";
@@ -96,34 +99,17 @@ fn env(sample: &DataSample) -> Result<Box<dyn MessageEnv>, EnvError> {
 }
 
 fn correct(input: &ScoreInput) -> f64 {
-    let expected: Option<i64> = field(&input.sample, "answer").ok();
-    let got = input.final_text().and_then(parse_reply);
-    f64::from(u8::from(got.is_some() && got == expected))
+    answer_matches(input, parse_reply)
 }
 
 fn format(input: &ScoreInput) -> f64 {
-    f64::from(u8::from(input.final_text().and_then(parse_reply).is_some()))
+    has_answer(input, parse_reply)
 }
 
 /// The task.
 pub fn task() -> Task {
-    let rubric = Rubric::new(
-        vec![
-            RewardFn::new("correct", 1.0, correct),
-            RewardFn::new("format", 0.1, format),
-        ],
-        RubricConfig {
-            truncation_reward: Some(0.0),
-            error_reward: Some(0.0),
-            ..RubricConfig::default()
-        },
-    )
-    .expect("static rubric is valid");
-    Task::new(NAME, env, rubric)
+    Task::new(NAME, env, answer_rubric(correct, format, Some(0.0)))
         .with_system_prompt(SYSTEM_PROMPT)
-        .with_datasets(vec![
-            "math::arithmetic@train".parse().expect("valid spec"),
-            "math::arithmetic@eval".parse().expect("valid spec"),
-        ])
+        .with_datasets(train_eval_specs("math", "arithmetic"))
         .with_generator(Generator)
 }

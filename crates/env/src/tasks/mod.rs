@@ -20,6 +20,7 @@ use sluice_data::rng::{Rng, derive_seed, hash_str};
 
 use crate::error::EnvError;
 use crate::protocol::{BoxFuture, EnvInit, EnvStep, MessageEnv};
+use crate::rubric::{RewardFn, Rubric, RubricConfig, ScoreInput};
 use crate::task::Task;
 
 /// Every built-in task, freshly built.
@@ -30,6 +31,51 @@ pub fn builtin_tasks() -> Vec<Task> {
         calculator::task(),
         episodic::task(),
     ]
+}
+
+/// The rubric the answer-checking tasks share: `correct` (weight 1) plus a small `format` bonus
+/// (weight 0.1); failed rollouts score 0, truncated ones `truncation_reward`.
+pub(crate) fn answer_rubric(
+    correct: fn(&ScoreInput) -> f64,
+    format: fn(&ScoreInput) -> f64,
+    truncation_reward: Option<f64>,
+) -> Rubric {
+    Rubric::new(
+        vec![
+            RewardFn::new("correct", 1.0, correct),
+            RewardFn::new("format", 0.1, format),
+        ],
+        RubricConfig {
+            truncation_reward,
+            error_reward: Some(0.0),
+            ..RubricConfig::default()
+        },
+    )
+    .expect("static rubric is valid")
+}
+
+/// The `train` and held-out `eval` dataset specs of a built-in task.
+pub(crate) fn train_eval_specs(domain: &str, name: &str) -> Vec<sluice_core::config::DatasetSpec> {
+    ["train", "eval"]
+        .into_iter()
+        .map(|split| {
+            format!("{domain}::{name}@{split}")
+                .parse()
+                .expect("built-in dataset specs are valid")
+        })
+        .collect()
+}
+
+/// 1 when `parse` finds an answer in the final reply, else 0.
+pub(crate) fn has_answer(input: &ScoreInput, parse: fn(&str) -> Option<i64>) -> f64 {
+    f64::from(u8::from(input.final_text().and_then(parse).is_some()))
+}
+
+/// 1 when `parse` finds the sample's `answer` in the final reply, else 0.
+pub(crate) fn answer_matches(input: &ScoreInput, parse: fn(&str) -> Option<i64>) -> f64 {
+    let expected: Option<i64> = field(&input.sample, "answer").ok();
+    let got = input.final_text().and_then(parse);
+    f64::from(u8::from(got.is_some() && got == expected))
 }
 
 /// Reads field `key` of a sample's input.
