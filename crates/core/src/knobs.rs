@@ -93,6 +93,10 @@ pub const KNOB_NAMES: [&str; 9] = [
     "paused",
 ];
 
+/// Most domains `domain_mix` may name: the `domain` label of the metrics stays bounded even when
+/// no datasets are configured (simulated runs), where any name is accepted.
+pub const MAX_DOMAINS: usize = 256;
+
 /// A knob value was refused; nothing changed.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 #[error("{knob}: {reason}")]
@@ -134,6 +138,15 @@ impl Knobs {
             return Err(KnobError::new(
                 "max_concurrent_rollouts",
                 "expected an integer ≥ 1, got 0",
+            ));
+        }
+        if self.domain_mix.len() > MAX_DOMAINS {
+            return Err(KnobError::new(
+                "domain_mix",
+                format!(
+                    "expected at most {MAX_DOMAINS} domains, got {}",
+                    self.domain_mix.len()
+                ),
             ));
         }
         for (domain, &w) in &self.domain_mix {
@@ -555,6 +568,22 @@ mod tests {
                 .unwrap_err();
             assert_eq!(err.to_string(), *expected, "input {input:?}");
         }
+    }
+
+    #[test]
+    fn domain_mix_names_a_bounded_number_of_domains() {
+        let mut k = knobs();
+        k.domain_mix = (0..=MAX_DOMAINS).map(|i| (format!("d{i}"), 1.0)).collect();
+        let err = k.validate(&[]).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "domain_mix: expected at most {MAX_DOMAINS} domains, got {}",
+                MAX_DOMAINS + 1
+            )
+        );
+        k.domain_mix.pop_last();
+        assert!(k.validate(&[]).is_ok());
     }
 
     #[test]

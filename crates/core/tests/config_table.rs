@@ -418,3 +418,20 @@ fn a_missing_file_names_the_file() {
         "{err}"
     );
 }
+
+#[test]
+fn domain_mix_names_a_bounded_number_of_domains() {
+    let mix: Vec<String> = (0..=sluice_core::knobs::MAX_DOMAINS)
+        .map(|i| format!("d{i} = 1.0"))
+        .collect();
+    let text = format!("[rollout]\ndomain_mix = {{ {} }}", mix.join(", "));
+    let err = parse(&text, &[]).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "test.toml: rollout.domain_mix: expected at most {} domains, got {}",
+            sluice_core::knobs::MAX_DOMAINS,
+            sluice_core::knobs::MAX_DOMAINS + 1
+        )
+    );
+}

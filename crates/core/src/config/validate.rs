@@ -677,6 +677,16 @@ fn validate_rollout(
         }
         number(ctx, &key, w, "a weight ≥ 0", |v| v >= 0.0)?;
     }
+    if raw.domain_mix.len() > crate::knobs::MAX_DOMAINS {
+        return Err(ctx.value(
+            "rollout.domain_mix",
+            format!(
+                "expected at most {} domains, got {}",
+                crate::knobs::MAX_DOMAINS,
+                raw.domain_mix.len()
+            ),
+        ));
+    }
     if !raw.domain_mix.is_empty() && raw.domain_mix.values().sum::<f64>() <= 0.0 {
         return Err(ctx.value(
             "rollout.domain_mix",
