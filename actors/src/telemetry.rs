@@ -1,22 +1,50 @@
-//! Metrics plumbing: installing the Prometheus recorder once per process, and the periodic task
-//! that exports gauges sampled from the actors (engine busy ratio, throughput, knobs) and runs the
-//! exporter's upkeep.
+//! Metrics plumbing: installing the Prometheus recorder once per process (every catalog name
+//! described with help text and unit, histograms with the catalog's buckets, every name seeded so a
+//! scrape shows it from the start), the periodic task that exports gauges sampled from the actors
+//! (engine busy ratio, throughput, knobs) and runs the exporter's upkeep, and the typed helpers
+//! actors report through ([`ActorCounters`], [`record_step_metrics`]).
+//!
+//! Seeding: a series is registered at zero for every label value known up front (actor names,
+//! rollout statuses, finish reasons, buckets, weight-update modes, knob names, and, once the node
+//! runs, replicas and domains). A metric whose label values only appear with events (error kinds,
+//! bucket transitions, dataset names) is seeded with one series without labels, so every catalog
+//! name is present with `# HELP` and `# TYPE` on the first scrape.
 
+use std::collections::BTreeMap;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
+use metrics::{Counter, Unit};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
-use sluice_core::WeightUpdateMode;
 use sluice_core::knobs::KnobsHandle;
-use sluice_core::metrics as m;
+use sluice_core::metrics::{self as m, MetricDef, MetricKind};
+use sluice_core::{RolloutStatus, WeightUpdateMode};
+use sluice_engine::FinishReason;
+use sluice_replay::Bucket;
 
 use crate::engine::EngineHandle;
 
 static HANDLE: OnceLock<Option<PrometheusHandle>> = OnceLock::new();
 
+/// How often the exporter's upkeep (histogram compaction) runs.
+const UPKEEP_PERIOD: Duration = Duration::from_secs(5);
+
+/// Every value of the `actor` label: the actors of `DESIGN.md` §3.
+pub const ACTORS: [&str; 6] = [
+    "sampler",
+    "controller",
+    "engine",
+    "env",
+    "replay",
+    "trainer",
+];
+
+/// Kinds of environment failure (`sluice_env_failures_total{kind}`) known up front.
+const ENV_FAILURE_KINDS: [&str; 3] = ["panic", "timeout", "error"];
+
 /// Installs the Prometheus recorder (first call in the process) with the catalog's histogram
-/// buckets and help text; later calls return the same handle. `None` if another recorder was
-/// installed first.
+/// buckets, help text and units, and seeds every catalog name; later calls return the same handle.
+/// `None` if another recorder was installed first.
 pub fn install() -> Option<PrometheusHandle> {
     HANDLE
         .get_or_init(|| {
@@ -27,11 +55,138 @@ pub fn install() -> Option<PrometheusHandle> {
                     .ok()?;
             }
             let handle = builder.install_recorder().ok()?;
-            m::describe_all();
+            describe_catalog();
+            seed_catalog();
             metrics::gauge!(m::NODE_UP_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
             Some(handle)
         })
         .clone()
+}
+
+/// The unit a catalog name ends in, as the `metrics` crate spells it (`None` for units it has no
+/// word for, such as ratios and versions; the name still carries them).
+pub fn unit_of(def: &MetricDef) -> Option<Unit> {
+    let stem = def.name.strip_suffix("_total").unwrap_or(def.name);
+    let unit = m::UNITS
+        .iter()
+        .filter(|u| stem.ends_with(&format!("_{u}")))
+        .max_by_key(|u| u.len())?;
+    match *unit {
+        "seconds" => Some(Unit::Seconds),
+        "bytes" => Some(Unit::Bytes),
+        "tokens_per_second" => Some(Unit::CountPerSecond),
+        "ratio" | "version" | "versions" | "value" | "reward" | "nats" | "info" => None,
+        _ => Some(Unit::Count),
+    }
+}
+
+/// Registers help text and unit of every catalog entry with the installed recorder.
+fn describe_catalog() {
+    for def in m::CATALOG {
+        let (name, help) = (def.name, def.help);
+        match (def.kind, unit_of(def)) {
+            (MetricKind::Counter, Some(u)) => metrics::describe_counter!(name, u, help),
+            (MetricKind::Counter, None) => metrics::describe_counter!(name, help),
+            (MetricKind::Gauge, Some(u)) => metrics::describe_gauge!(name, u, help),
+            (MetricKind::Gauge, None) => metrics::describe_gauge!(name, help),
+            (MetricKind::Histogram, Some(u)) => metrics::describe_histogram!(name, u, help),
+            (MetricKind::Histogram, None) => metrics::describe_histogram!(name, help),
+        }
+    }
+}
+
+/// The label values known before anything happens, for a label name.
+fn static_values(label: &str) -> Option<Vec<&'static str>> {
+    let values = match label {
+        "actor" => ACTORS.to_vec(),
+        "bucket" => Bucket::ALL.iter().map(|b| b.as_label()).collect(),
+        "mode" => WeightUpdateMode::ALL.iter().map(|w| w.as_str()).collect(),
+        "knob" => KNOB_GAUGES.to_vec(),
+        "reason" => [
+            FinishReason::Stop,
+            FinishReason::Length,
+            FinishReason::Abort,
+            FinishReason::Error(String::new()),
+        ]
+        .iter()
+        .map(FinishReason::as_label)
+        .collect(),
+        "status" => [
+            RolloutStatus::Completed,
+            RolloutStatus::Truncated,
+            RolloutStatus::PromptTooLong,
+            RolloutStatus::Aborted,
+            RolloutStatus::Expired,
+            RolloutStatus::Timeout,
+            RolloutStatus::Error(String::new()),
+        ]
+        .iter()
+        .map(RolloutStatus::as_label)
+        .collect(),
+        "kind" => ENV_FAILURE_KINDS.to_vec(),
+        "version" => vec![env!("CARGO_PKG_VERSION")],
+        _ => return None,
+    };
+    Some(values)
+}
+
+/// Names of the scalar knobs exported as `sluice_node_knob_value{knob}`.
+const KNOB_GAUGES: [&str; 7] = [
+    "staleness_threshold",
+    "max_version_lag",
+    "enable_partial_rollout",
+    "tail_batch_candidate_steps",
+    "tail_batch_trigger_size",
+    "max_concurrent_rollouts",
+    "paused",
+];
+
+/// Registers one series of `def` (value untouched: zero when new).
+fn register(def: &MetricDef, labels: Vec<(&'static str, String)>) {
+    let labels: Vec<metrics::Label> = labels
+        .into_iter()
+        .map(|(k, v)| metrics::Label::new(k, v))
+        .collect();
+    match def.kind {
+        MetricKind::Counter => drop(metrics::counter!(def.name, labels)),
+        MetricKind::Gauge => drop(metrics::gauge!(def.name, labels)),
+        MetricKind::Histogram => drop(metrics::histogram!(def.name, labels)),
+    }
+}
+
+/// Seeds every catalog name: one series per statically known label value, or one series
+/// without labels when a label's values are only known at run time (or when there are several
+/// labels, as in `sluice_actor_errors_total{actor, kind}`).
+fn seed_catalog() {
+    for def in m::CATALOG {
+        match def.labels {
+            [] => register(def, Vec::new()),
+            [label] => match static_values(label) {
+                Some(values) => {
+                    for v in values {
+                        register(def, vec![(*label, v.to_owned())]);
+                    }
+                }
+                None => register(def, Vec::new()),
+            },
+            _ => register(def, Vec::new()),
+        }
+    }
+}
+
+/// Seeds the series whose label values come from the running node: one per engine replica and
+/// one per configured domain.
+fn seed_node(replicas: usize, domains: &[String]) {
+    for def in m::CATALOG {
+        let values: Vec<String> = match def.labels {
+            ["replica"] => (0..replicas).map(|r| r.to_string()).collect(),
+            ["domain"] => domains.to_vec(),
+            _ => continue,
+        };
+        for v in values {
+            register(def, vec![(def.labels[0], v)]);
+        }
+    }
 }
 
 /// Samples the engine and the knobs every `period`, exports gauges, and runs the exporter's
@@ -44,10 +199,16 @@ pub async fn run(
 ) {
     let mut last: Vec<(f64, f64, u64)> = Vec::new();
     let mut last_upkeep = Instant::now();
+    let mut seeded = false;
     let mut tick = tokio::time::interval(period);
     loop {
         tick.tick().await;
         if let Ok(stats) = engine.stats().await {
+            if !seeded && handle.is_some() {
+                let domains: Vec<String> = knobs.current().domain_mix.into_keys().collect();
+                seed_node(stats.len(), &domains);
+                seeded = true;
+            }
             for (i, s) in stats.iter().enumerate() {
                 let replica = i.to_string();
                 let prev = last.get(i).copied().unwrap_or((0.0, 0.0, 0));
@@ -72,7 +233,7 @@ pub async fn run(
         }
         export_knobs(&knobs);
         if let Some(h) = &handle
-            && last_upkeep.elapsed() > Duration::from_secs(5)
+            && last_upkeep.elapsed() > UPKEEP_PERIOD
         {
             h.run_upkeep();
             last_upkeep = Instant::now();
@@ -96,5 +257,115 @@ pub fn export_knobs(knobs: &KnobsHandle) {
     }
     for (domain, share) in k.domain_shares() {
         metrics::gauge!(m::DOMAIN_MIX_TARGET, "domain" => domain).set(share);
+    }
+}
+
+/// The four counters every actor reports (`DESIGN.md` §8, after vector's component contract):
+/// messages received, sent downstream and dropped, and errors by stable kind. Handles are resolved
+/// once, so counting costs an atomic add. Cloning is cheap.
+#[derive(Clone)]
+pub struct ActorCounters {
+    actor: &'static str,
+    received: Counter,
+    sent: Counter,
+    dropped: Counter,
+}
+
+impl ActorCounters {
+    /// Counters of `actor`, one of [`ACTORS`] (a fixed set keeps the label bounded).
+    pub fn new(actor: &'static str) -> Self {
+        debug_assert!(ACTORS.contains(&actor), "unknown actor label `{actor}`");
+        Self {
+            actor,
+            received: metrics::counter!(m::ACTOR_RECEIVED, "actor" => actor),
+            sent: metrics::counter!(m::ACTOR_SENT, "actor" => actor),
+            dropped: metrics::counter!(m::ACTOR_DROPPED, "actor" => actor),
+        }
+    }
+
+    /// `n` messages arrived in the mailbox.
+    pub fn received(&self, n: u64) {
+        self.received.increment(n);
+    }
+
+    /// `n` messages went downstream.
+    pub fn sent(&self, n: u64) {
+        self.sent.increment(n);
+    }
+
+    /// `n` messages were thrown away (stale results, a peer that is gone).
+    pub fn dropped(&self, n: u64) {
+        self.dropped.increment(n);
+    }
+
+    /// One error of a stable `kind` (an error type's `kind()`, never a message).
+    pub fn error(&self, kind: &'static str) {
+        metrics::counter!(m::ACTOR_ERRORS, "actor" => self.actor, "kind" => kind).increment(1);
+    }
+}
+
+/// Exports a training step's catalog-named scalars (`TrainStepOutput::metrics`): gauges are set
+/// and counters incremented by the value. Histograms are skipped: the trainer actor records those
+/// per step and per token itself, and a step's mean would count twice. Names outside the catalog
+/// are ignored (an ad-hoc name would be an unbounded, undocumented series); returns how many were.
+pub fn record_step_metrics(values: &BTreeMap<String, f64>) -> usize {
+    let mut unknown = 0;
+    for (name, &v) in values {
+        let Some(def) = m::find(name) else {
+            unknown += 1;
+            continue;
+        };
+        if !def.labels.is_empty() || !v.is_finite() {
+            continue;
+        }
+        match def.kind {
+            MetricKind::Gauge => metrics::gauge!(def.name).set(v),
+            MetricKind::Counter if v >= 0.0 => metrics::counter!(def.name).increment(v as u64),
+            MetricKind::Counter | MetricKind::Histogram => {}
+        }
+    }
+    unknown
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_catalog_name_gets_a_unit_or_a_documented_none() {
+        let seconds = m::find(m::TRAINER_STEP_SECONDS).unwrap();
+        assert_eq!(unit_of(seconds), Some(Unit::Seconds));
+        let tps = m::find(m::ENGINE_DECODE_TOKENS_PER_SECOND).unwrap();
+        assert_eq!(unit_of(tps), Some(Unit::CountPerSecond));
+        let tokens = m::find(m::ENGINE_GENERATED_TOKENS).unwrap();
+        assert_eq!(unit_of(tokens), Some(Unit::Count));
+        assert_eq!(unit_of(m::find(m::ENGINE_BUSY_RATIO).unwrap()), None);
+    }
+
+    #[test]
+    fn static_label_values_cover_the_knob_gauges() {
+        let k = sluice_core::Knobs {
+            staleness_threshold: 0.0,
+            max_version_lag: 1,
+            enable_partial_rollout: true,
+            tail_batch_candidate_steps: 0,
+            tail_batch_trigger_size: 1,
+            weight_update_mode: WeightUpdateMode::Drain,
+            domain_mix: BTreeMap::new(),
+            max_concurrent_rollouts: 1,
+            paused: false,
+        };
+        let names: Vec<&str> = k.gauge_values().iter().map(|(n, _)| *n).collect();
+        assert_eq!(names, KNOB_GAUGES);
+        for def in m::CATALOG {
+            for label in def.labels {
+                assert!(
+                    static_values(label).is_some()
+                        || ["replica", "domain", "dataset", "from", "to"].contains(label),
+                    "{}: label `{label}` has no seeding rule",
+                    def.name
+                );
+            }
+        }
     }
 }
