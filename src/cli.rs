@@ -25,6 +25,12 @@ pub enum Command {
     Run(ConfigArgs),
     /// Read or change the runtime knobs of a running node (through its admin API).
     Knobs(KnobsArgs),
+    /// Show a running node's status: version, step, buckets, rates, knobs, actor health.
+    Status(StatusArgs),
+    /// Stop admitting new groups on a running node (in-flight work continues).
+    Pause(AdminArgs),
+    /// Start admitting new groups again on a paused node.
+    Resume(AdminArgs),
     /// Create and inspect Hugging Face model directories.
     #[command(subcommand)]
     Model(ModelCommand),
@@ -217,9 +223,9 @@ pub struct BenchPipelineArgs {
 /// `sluice knobs ...`
 #[derive(Debug, clap::Args)]
 pub struct KnobsArgs {
-    /// Base URL of the node's admin API.
-    #[arg(long, global = true, default_value = "http://127.0.0.1:9401")]
-    pub admin: String,
+    /// Where the node's admin API is.
+    #[command(flatten)]
+    pub target: AdminArgs,
     /// What to do.
     #[command(subcommand)]
     pub action: KnobsAction,
@@ -236,4 +242,37 @@ pub enum KnobsAction {
         #[arg(required = true)]
         assignments: Vec<String>,
     },
+}
+
+/// Where a running node's admin API is, and its token. Flags win over `$SLUICE_ADMIN_TOKEN`,
+/// which wins over `--config`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct AdminArgs {
+    /// Base URL of the admin API [default: `admin.listen` of --config, else
+    /// http://127.0.0.1:9401].
+    #[arg(
+        long = "url",
+        visible_alias = "admin",
+        global = true,
+        value_name = "URL"
+    )]
+    pub url: Option<String>,
+    /// Bearer token for mutating calls [default: $SLUICE_ADMIN_TOKEN, else `admin.token` of
+    /// --config]. Prefer the variable: a flag shows in the process list.
+    #[arg(long, global = true, value_name = "TOKEN")]
+    pub token: Option<String>,
+    /// The node's config file, to take `admin.listen` and `admin.token` from.
+    #[arg(long, global = true, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+}
+
+/// `sluice status`
+#[derive(Debug, clap::Args)]
+pub struct StatusArgs {
+    /// Where the node's admin API is.
+    #[command(flatten)]
+    pub target: AdminArgs,
+    /// Print the raw JSON of `GET /v1/status` instead of the summary.
+    #[arg(long)]
+    pub json: bool,
 }

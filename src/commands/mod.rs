@@ -11,6 +11,7 @@ mod model;
 mod run;
 mod serve;
 mod signals;
+mod status;
 
 use std::process::ExitCode;
 
@@ -24,6 +25,9 @@ pub fn run(command: Command) -> anyhow::Result<ExitCode> {
         Command::Check(args) => check::run(&args),
         Command::Run(args) => run::run(&args),
         Command::Knobs(args) => knobs::run(&args),
+        Command::Status(args) => status::run(&args),
+        Command::Pause(args) => status::set_paused(&args, true),
+        Command::Resume(args) => status::set_paused(&args, false),
         Command::Bench(BenchCommand::Pipeline(args)) => bench_pipeline::pipeline(&args),
         Command::Bench(BenchCommand::Overhead(args)) => bench_pipeline::overhead(&args),
         Command::Model(cmd) => model::run(cmd),

@@ -1,0 +1,494 @@
+//! One table of bad inputs across the surfaces an operator touches (`DESIGN.md` §9): config files
+//! (`sluice check`), dataset lines (JSONL, `on_bad_line = "fail"`), the CLI's admin commands, and
+//! the admin API of a running node. Each row states the expected outcome (exit code or HTTP
+//! status, and the error type for the API) and a substring of the message the user sees; every
+//! refused admin call must also leave the knobs as they were. All rows run; failures are listed
+//! together.
+
+use std::path::Path;
+use std::process::Command;
+
+use serde_json::Value;
+use sluice_actors::client::{Call, send};
+use sluice_actors::{Node, NodeOptions};
+use sluice_core::config::{BadLinePolicy, DatasetSpec};
+
+const TOKEN: &str = "bad-inputs-token";
+
+/// Where a row's input goes.
+enum Input {
+    /// `sluice check FILE` on a file with this text.
+    Config(&'static str),
+    /// `sluice ARGS...` (admin commands; `{url}` is replaced by the test node's admin URL).
+    Cli(&'static [&'static str]),
+    /// A JSONL dataset file `math/toy.jsonl` with this text, loaded with `on_bad_line = "fail"`.
+    Dataset(&'static str),
+    /// An admin API call.
+    Admin(Admin),
+}
+
+struct Admin {
+    method: &'static str,
+    path: &'static str,
+    body: Body,
+    token: Option<&'static str>,
+    content_type: Option<&'static str>,
+}
+
+enum Body {
+    Text(&'static str),
+    /// This many bytes of JSON-ish filler.
+    Huge(usize),
+}
+
+/// PATCH /v1/knobs with the token and a JSON body.
+const fn patch(body: &'static str) -> Input {
+    Input::Admin(Admin {
+        method: "PATCH",
+        path: "/v1/knobs",
+        body: Body::Text(body),
+        token: Some(TOKEN),
+        content_type: Some("application/json"),
+    })
+}
+
+/// What must come back: an exit code (CLI, config, dataset: 1 = refused) or an HTTP status and
+/// error type.
+enum Expect {
+    Exit(i32),
+    Http(u16, &'static str),
+}
+
+struct Row {
+    input: Input,
+    expect: Expect,
+    message: &'static str,
+}
+
+fn rows() -> Vec<Row> {
+    use Expect::{Exit, Http};
+    use Input::{Cli, Config, Dataset};
+    let row = |input, expect, message| Row {
+        input,
+        expect,
+        message,
+    };
+    vec![
+        // Config files: one line naming the file, the key and what was expected.
+        row(
+            Config("[rollout]\ngroup_sise = 4"),
+            Exit(1),
+            "rollout.group_sise: unknown key",
+        ),
+        row(
+            Config("[rollout]\ngroup_size = \"four\""),
+            Exit(1),
+            "rollout.group_size",
+        ),
+        row(
+            Config("[rollout]\ngroup_size = 0"),
+            Exit(1),
+            "rollout.group_size: expected an integer ≥ 1, got 0",
+        ),
+        row(
+            Config("[rollout\ngroup_size = 4"),
+            Exit(1),
+            "line 1, column 9: invalid TOML",
+        ),
+        row(
+            Config("[rollout]\nweight_update_mode = \"sometimes\""),
+            Exit(1),
+            "rollout.weight_update_mode",
+        ),
+        row(
+            Config("[rollout]\nstaleness_threshold = -1.0"),
+            Exit(1),
+            "rollout.staleness_threshold",
+        ),
+        row(
+            Config("[admin]\nlisten = \"0.0.0.0:9401\""),
+            Exit(1),
+            "admin.listen: 0.0.0.0:9401 is not a loopback address; set admin.token",
+        ),
+        row(
+            Config("[admin]\nlisten = \"127.0.0.1:9400\""),
+            Exit(1),
+            "is also metrics.listen",
+        ),
+        row(
+            Config("[admin]\ntoken = \"  \""),
+            Exit(1),
+            "admin.token: expected a non-empty token",
+        ),
+        // Dataset lines: file and line number, and what was wrong.
+        row(
+            Dataset("{\"q\": 1}\n{\"q\": "),
+            Exit(1),
+            "toy.jsonl:2: invalid JSON",
+        ),
+        row(
+            Dataset("[1, 2]"),
+            Exit(1),
+            "toy.jsonl:1: expected a JSON object, got an array",
+        ),
+        row(
+            Dataset("{\"id\": [1]}"),
+            Exit(1),
+            "`id` must be a string or an integer, got an array",
+        ),
+        row(
+            Dataset("\n\n{\"system_prompt\": 3}"),
+            Exit(1),
+            "toy.jsonl:3: `system_prompt` must be a string, got a number",
+        ),
+        // The CLI refuses what it can before calling, and says when it cannot reach the node.
+        row(
+            Cli(&["knobs", "--url", "{url}", "set", "paused=yes"]),
+            Exit(1),
+            "paused: expected true or false, got `yes`",
+        ),
+        row(
+            Cli(&["knobs", "--url", "{url}", "set", "stalenes_threshold=1"]),
+            Exit(1),
+            "stalenes_threshold: unknown knob",
+        ),
+        row(
+            Cli(&[
+                "knobs",
+                "--url",
+                "{url}",
+                "--token",
+                "nope",
+                "set",
+                "paused=false",
+            ]),
+            Exit(1),
+            "admin API answered 401: wrong bearer token",
+        ),
+        row(
+            Cli(&["pause", "--url", "{url}"]),
+            Exit(1),
+            "admin API answered 401: missing bearer token",
+        ),
+        row(
+            Cli(&["status", "--url", "http://127.0.0.1:1"]),
+            Exit(1),
+            "cannot connect",
+        ),
+        row(
+            Cli(&["status", "--url", "https://{url}"]),
+            Exit(1),
+            "only http:// URLs are supported",
+        ),
+        // The admin API: 4xx, a JSON reason, and nothing changed.
+        row(
+            patch("{\"paused\": tru"),
+            Http(400, "invalid_json"),
+            "invalid JSON: EOF while parsing a value at line 1 column 14",
+        ),
+        row(
+            patch("[1, 2]"),
+            Http(400, "invalid_json"),
+            "invalid knob patch: expected a JSON object of knobs, got an array",
+        ),
+        row(
+            patch("{\"no_such_knob\": 1}"),
+            Http(400, "invalid_json"),
+            "unknown field `no_such_knob`",
+        ),
+        row(
+            patch("{\"paused\": \"yes\"}"),
+            Http(400, "invalid_json"),
+            "invalid type: string \"yes\", expected a boolean",
+        ),
+        row(
+            patch("{\"max_version_lag\": -1}"),
+            Http(400, "invalid_json"),
+            "invalid value: integer `-1`",
+        ),
+        row(
+            patch("{\"weight_update_mode\": \"sometimes\"}"),
+            Http(400, "invalid_json"),
+            "unknown variant `sometimes`",
+        ),
+        row(
+            patch("{\"max_concurrent_rollouts\": 0}"),
+            Http(400, "invalid_knob"),
+            "max_concurrent_rollouts: expected an integer ≥ 1, got 0",
+        ),
+        row(
+            patch("{\"paused\": false, \"staleness_threshold\": -0.5}"),
+            Http(400, "invalid_knob"),
+            "staleness_threshold: expected a finite number ≥ 0, got -0.5",
+        ),
+        row(
+            patch("{\"domain_mix\": {\"math\": 0.0}}"),
+            Http(400, "invalid_knob"),
+            "domain_mix: expected at least one weight > 0",
+        ),
+        row(
+            Input::Admin(Admin {
+                method: "PATCH",
+                path: "/v1/knobs",
+                body: Body::Text("{\"paused\": false}"),
+                token: None,
+                content_type: Some("application/json"),
+            }),
+            Http(401, "unauthorized"),
+            "missing bearer token",
+        ),
+        row(
+            Input::Admin(Admin {
+                method: "PATCH",
+                path: "/v1/knobs",
+                body: Body::Text("{\"paused\": false}"),
+                token: Some("guess"),
+                content_type: Some("application/json"),
+            }),
+            Http(401, "unauthorized"),
+            "wrong bearer token",
+        ),
+        row(
+            Input::Admin(Admin {
+                method: "POST",
+                path: "/v1/resume",
+                body: Body::Text(""),
+                token: Some("guess"),
+                content_type: None,
+            }),
+            Http(401, "unauthorized"),
+            "wrong bearer token",
+        ),
+        row(
+            Input::Admin(Admin {
+                method: "PATCH",
+                path: "/v1/knobs",
+                body: Body::Huge(200_000),
+                token: Some(TOKEN),
+                content_type: Some("application/json"),
+            }),
+            Http(413, "payload_too_large"),
+            "request body over 65536 bytes",
+        ),
+        row(
+            Input::Admin(Admin {
+                method: "PATCH",
+                path: "/v1/knobs",
+                body: Body::Text("paused=false"),
+                token: Some(TOKEN),
+                content_type: Some("application/x-www-form-urlencoded"),
+            }),
+            Http(415, "unsupported_media_type"),
+            "expected Content-Type: application/json, got `application/x-www-form-urlencoded`",
+        ),
+        row(
+            Input::Admin(Admin {
+                method: "PATCH",
+                path: "/v1/knobs",
+                body: Body::Text("{\"paused\": false}"),
+                token: Some(TOKEN),
+                content_type: None,
+            }),
+            Http(415, "unsupported_media_type"),
+            "got `none`",
+        ),
+        row(
+            Input::Admin(Admin {
+                method: "POST",
+                path: "/v1/resume",
+                body: Body::Text("{\"now\": true}"),
+                token: Some(TOKEN),
+                content_type: Some("application/json"),
+            }),
+            Http(400, "invalid_body"),
+            "POST /v1/resume takes no body",
+        ),
+        row(
+            Input::Admin(Admin {
+                method: "GET",
+                path: "/v1/knobz",
+                body: Body::Text(""),
+                token: None,
+                content_type: None,
+            }),
+            Http(404, "not_found"),
+            "no route GET /v1/knobz",
+        ),
+        row(
+            Input::Admin(Admin {
+                method: "DELETE",
+                path: "/v1/knobs",
+                body: Body::Text(""),
+                token: Some(TOKEN),
+                content_type: None,
+            }),
+            Http(405, "method_not_allowed"),
+            "DELETE is not allowed on /v1/knobs",
+        ),
+    ]
+}
+
+fn sluice(args: &[String], dir: &Path) -> (i32, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(args)
+        .current_dir(dir)
+        .env_remove("SLUICE_ADMIN_TOKEN")
+        .output()
+        .expect("run sluice");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stderr),
+        String::from_utf8_lossy(&out.stdout)
+    );
+    (out.status.code().unwrap_or(-1), text)
+}
+
+/// Runs one row; returns what came back (code, message) or why the row is wrong.
+fn run_row(row: &Row, url: &str, dir: &Path, knobs_now: &dyn Fn() -> Value) -> Result<(), String> {
+    let (code, text, kind) = match &row.input {
+        Input::Config(text) => {
+            let path = dir.join("bad.toml");
+            std::fs::write(&path, text).unwrap();
+            let (code, out) = sluice(&["check".into(), path.display().to_string()], dir);
+            if !out.contains("bad.toml") {
+                return Err(format!("the message does not name the file: {out}"));
+            }
+            (code, out, None)
+        }
+        Input::Cli(args) => {
+            let host = url.trim_start_matches("http://");
+            let args: Vec<String> = args
+                .iter()
+                .map(|a| {
+                    a.replace("https://{url}", &format!("https://{host}"))
+                        .replace("{url}", url)
+                })
+                .collect();
+            let (code, out) = sluice(&args, dir);
+            (code, out, None)
+        }
+        Input::Dataset(text) => {
+            std::fs::create_dir_all(dir.join("data/math")).unwrap();
+            std::fs::write(dir.join("data/math/toy.jsonl"), text).unwrap();
+            let spec: DatasetSpec = "math::toy".parse().unwrap();
+            match sluice_data::Dataset::load(&dir.join("data"), &spec, BadLinePolicy::Fail) {
+                Ok(d) => (0, format!("loaded {} rows", d.len()), None),
+                Err(e) => (1, e.to_string(), None),
+            }
+        }
+        Input::Admin(a) => {
+            let before = knobs_now();
+            let huge;
+            let body: &[u8] = match a.body {
+                Body::Text(t) => t.as_bytes(),
+                Body::Huge(n) => {
+                    huge = format!("{{\"paused\": false, \"pad\": \"{}\"}}", "x".repeat(n));
+                    huge.as_bytes()
+                }
+            };
+            let call = Call {
+                method: a.method,
+                path: a.path,
+                body,
+                token: a.token,
+                content_type: a.content_type,
+            };
+            let (code, answer) = send(url, &call).map_err(|e| e.to_string())?;
+            if knobs_now() != before {
+                return Err(format!("the knobs changed: {before} → {}", knobs_now()));
+            }
+            let json: Value = serde_json::from_str(&answer)
+                .map_err(|e| format!("answer is not JSON ({e}): {answer}"))?;
+            let message = json["error"]["message"].as_str().unwrap_or("").to_owned();
+            let kind = json["error"]["type"].as_str().unwrap_or("").to_owned();
+            (i32::from(code), message, Some(kind))
+        }
+    };
+    let ok = match row.expect {
+        Expect::Exit(want) => code == want,
+        Expect::Http(status, want_kind) => {
+            code == i32::from(status) && kind.as_deref() == Some(want_kind)
+        }
+    };
+    if !ok || !text.contains(row.message) {
+        return Err(format!(
+            "got code {code} type {kind:?} message {:?}; want {:?} and {:?}",
+            text.trim(),
+            match row.expect {
+                Expect::Exit(c) => format!("exit {c}"),
+                Expect::Http(s, k) => format!("{s} {k}"),
+            },
+            row.message
+        ));
+    }
+    Ok(())
+}
+
+#[test]
+fn every_bad_input_is_refused_with_its_message_and_changes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let config = sluice_core::config::parse(
+        r#"
+[run]
+name = "bad-inputs"
+max_steps = 1000000
+[engine]
+backend = "simulated"
+replicas = 1
+[engine.simulated]
+decode_step_base_seconds = 0.001
+[admin]
+listen = "127.0.0.1:0"
+[metrics]
+enabled = false
+[rollout]
+paused = true
+group_size = 2
+groups_per_step = 2
+max_new_tokens = 32
+"#,
+        "bad_inputs.toml",
+        &[],
+        &|k| (k == "SLUICE_ADMIN_TOKEN").then(|| TOKEN.to_owned()),
+    )
+    .expect("the test config is valid");
+    let options = NodeOptions {
+        serve_admin: true,
+        ..NodeOptions::default()
+    };
+    let node = runtime.block_on(Node::start(&config, options)).unwrap();
+    let url = format!("http://{}", node.admin_addr().unwrap());
+    let knobs_now = || -> Value {
+        let (code, body) = sluice_actors::client::request(&url, "GET", "/v1/knobs", None, None)
+            .expect("GET /v1/knobs");
+        assert_eq!(code, 200);
+        serde_json::from_str(&body).unwrap()
+    };
+
+    let rows = rows();
+    assert!(rows.len() >= 20);
+    let failures: Vec<String> = rows
+        .iter()
+        .enumerate()
+        .filter_map(|(i, row)| {
+            run_row(row, &url, dir.path(), &knobs_now)
+                .err()
+                .map(|e| format!("row {i} ({:?}): {e}", row.message))
+        })
+        .collect();
+    let still_serving = sluice_actors::client::request(&url, "GET", "/v1/status", None, None);
+    runtime.block_on(node.shutdown());
+    assert!(
+        failures.is_empty(),
+        "{} of {} rows failed:\n{}",
+        failures.len(),
+        rows.len(),
+        failures.join("\n")
+    );
+    assert_eq!(still_serving.expect("status after the table").0, 200);
+}
