@@ -70,7 +70,7 @@ impl RemoteEnv {
             })?;
             return Ok((status, Some(value)));
         }
-        Err(server_error(path, status, &bytes))
+        Err(server_error(path, status, &bytes, self.http.timeout()))
     }
 
     fn id(&self) -> Result<&str, EnvError> {
@@ -81,8 +81,15 @@ impl RemoteEnv {
 }
 
 /// Maps an error answer back to an [`EnvError`] of the same kind where one exists, so a remote
-/// env's panic or timeout reads like a local one.
-fn server_error(path: &str, status: StatusCode, bytes: &[u8]) -> EnvError {
+/// env's panic or timeout reads like a local one. A timeout carries the server's deadline
+/// (`deadline_ms`); from a server that does not send it, `client_deadline`, the longest the
+/// call can have run.
+fn server_error(
+    path: &str,
+    status: StatusCode,
+    bytes: &[u8],
+    client_deadline: Duration,
+) -> EnvError {
     let detail = serde_json::from_slice::<ErrorBody>(bytes)
         .ok()
         .map(|b| b.error);
@@ -96,7 +103,10 @@ fn server_error(path: &str, status: StatusCode, bytes: &[u8]) -> EnvError {
         Some("env_bad_input") => EnvError::BadInput(message),
         Some("env_timeout") => EnvError::Timeout {
             call: format!("remote {path}"),
-            after: Duration::ZERO,
+            after: detail
+                .as_ref()
+                .and_then(|d| d.deadline_ms)
+                .map_or(client_deadline, Duration::from_millis),
         },
         _ => EnvError::Remote {
             url: path.to_owned(),
@@ -194,5 +204,74 @@ impl EnvFactory for RemoteEnvFactory {
             sample.clone(),
             self.timeout,
         )?))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::remote::{ServerConfig, serve};
+    use crate::{RewardFn, Rubric, RubricConfig, Task, TaskRegistry};
+
+    /// Answers `init`, then never answers `step`.
+    struct Hang;
+
+    impl MessageEnv for Hang {
+        fn init(&mut self) -> BoxFuture<'_, Result<EnvInit, EnvError>> {
+            Box::pin(async {
+                Ok(EnvInit {
+                    messages: vec![Message::user("go")],
+                    tools: vec![],
+                })
+            })
+        }
+        fn step(&mut self, _m: Message) -> BoxFuture<'_, Result<EnvStep, EnvError>> {
+            Box::pin(async {
+                tokio::time::sleep(Duration::from_secs(3600)).await;
+                Ok(EnvStep::done())
+            })
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_server_side_timeout_names_the_servers_deadline() {
+        let rubric = Rubric::new(
+            vec![RewardFn::new("zero", 1.0, |_| 0.0)],
+            RubricConfig::default(),
+        )
+        .unwrap();
+        let mut registry = TaskRegistry::default();
+        let hang = |_: &DataSample| -> Result<Box<dyn MessageEnv>, EnvError> { Ok(Box::new(Hang)) };
+        registry.register(Task::new("hang", hang, rubric)).unwrap();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let config = ServerConfig {
+            call_timeout: Duration::from_millis(250),
+            ..ServerConfig::default()
+        };
+        let server = tokio::spawn(serve(listener, Arc::new(registry), config, async {
+            let _ = stopped.await;
+        }));
+        let sample = DataSample {
+            id: "s0".into(),
+            domain: "test".into(),
+            dataset: "t".into(),
+            input: serde_json::json!({}),
+            system_prompt: None,
+        };
+        // The client waits longer than the server: the server's deadline is what passes.
+        let mut env = RemoteEnv::new(&url, "hang", sample, Duration::from_secs(30)).unwrap();
+        env.init().await.unwrap();
+        let err = env.step(Message::user("x")).await.unwrap_err();
+        match &err {
+            EnvError::Timeout { after, .. } => assert_eq!(*after, Duration::from_millis(250)),
+            other => panic!("expected a timeout, got {other:?}"),
+        }
+        assert!(err.to_string().contains("after 250ms"), "{err}");
+        let _ = stop.send(());
+        server.await.unwrap().unwrap();
     }
 }

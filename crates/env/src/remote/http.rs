@@ -46,6 +46,11 @@ impl HttpClient {
         })
     }
 
+    /// The deadline of every call.
+    pub(crate) fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
     fn remote_error(&self, message: String) -> EnvError {
         EnvError::Remote {
             url: self.url.clone(),

@@ -12,7 +12,8 @@
 //!
 //! Errors answer with a status code and `{"error": {"kind": "<stable kind>", "message": "…"}}`:
 //! 400 `env_bad_input`, 404 `unknown_task` / `unknown_env`, 409 `env_protocol`, 500 `env_panic` /
-//! `env_failed`, 503 `server_full`, 504 `env_timeout`.
+//! `env_failed`, 503 `server_full`, 504 `env_timeout` (with `deadline_ms`, the deadline that
+//! passed, so the client's [`crate::EnvError::Timeout`] names it).
 //!
 //! The client ([`RemoteEnv`]) puts a deadline on every call; an unreachable or dead server fails
 //! the rollout with `Error("env_remote")`, and the caller goes on.
@@ -82,4 +83,7 @@ pub struct ErrorDetail {
     pub kind: String,
     /// Human-readable cause.
     pub message: String,
+    /// With `env_timeout`: the server's deadline that passed, in milliseconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deadline_ms: Option<u64>,
 }

@@ -74,6 +74,7 @@ impl ServerState {
             status: StatusCode::NOT_FOUND,
             kind: "unknown_env".into(),
             message: format!("no open env `{id}`"),
+            deadline_ms: None,
         })?;
         slot.last_used = Instant::now();
         Ok(slot.env.clone())
@@ -93,6 +94,7 @@ struct ApiError {
     status: StatusCode,
     kind: String,
     message: String,
+    deadline_ms: Option<u64>,
 }
 
 impl From<EnvError> for ApiError {
@@ -104,10 +106,15 @@ impl From<EnvError> for ApiError {
             EnvError::Timeout { .. } => StatusCode::GATEWAY_TIMEOUT,
             _ => StatusCode::INTERNAL_SERVER_ERROR,
         };
+        let deadline_ms = match &e {
+            EnvError::Timeout { after, .. } => Some(after.as_millis() as u64),
+            _ => None,
+        };
         Self {
             status,
             kind: e.kind().to_owned(),
             message: e.to_string(),
+            deadline_ms,
         }
     }
 }
@@ -118,6 +125,7 @@ impl IntoResponse for ApiError {
             error: ErrorDetail {
                 kind: self.kind,
                 message: self.message,
+                deadline_ms: self.deadline_ms,
             },
         };
         (self.status, Json(body)).into_response()
@@ -183,6 +191,7 @@ async fn create(
             status: StatusCode::SERVICE_UNAVAILABLE,
             kind: "server_full".into(),
             message: format!("{} envs are open; close some first", s.config.max_envs),
+            deadline_ms: None,
         });
     }
     let env = task.make_env(&req.sample)?;
@@ -222,6 +231,7 @@ async fn close(State(s): Shared, Path(id): Path<String>) -> Result<StatusCode, A
         status: StatusCode::NOT_FOUND,
         kind: "unknown_env".into(),
         message: format!("no open env `{id}`"),
+        deadline_ms: None,
     })?;
     let env = slot.env;
     run_guarded("close", s.config.call_timeout, async move {
