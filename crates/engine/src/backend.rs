@@ -200,6 +200,66 @@ pub trait InferenceBackend: Send {
     fn shutdown(&mut self);
 }
 
+/// Why a command did not get onto a backend's bounded command queue.
+pub(crate) enum QueueRefusal {
+    /// The queue is at capacity: the caller must bound its requests.
+    Full,
+    /// The backend's thread is gone.
+    Closed,
+}
+
+impl<T> From<crossbeam_channel::TrySendError<T>> for QueueRefusal {
+    fn from(e: crossbeam_channel::TrySendError<T>) -> Self {
+        match e {
+            crossbeam_channel::TrySendError::Full(_) => Self::Full,
+            crossbeam_channel::TrySendError::Disconnected(_) => Self::Closed,
+        }
+    }
+}
+
+impl<T> From<tokio::sync::mpsc::error::TrySendError<T>> for QueueRefusal {
+    fn from(e: tokio::sync::mpsc::error::TrySendError<T>) -> Self {
+        match e {
+            tokio::sync::mpsc::error::TrySendError::Full(_) => Self::Full,
+            tokio::sync::mpsc::error::TrySendError::Closed(_) => Self::Closed,
+        }
+    }
+}
+
+/// The outcome of `try_send` on backend `backend`'s command queue of `capacity`, as the trait
+/// reports it: a full queue is a bad request (back-pressure the caller must respect), a closed
+/// one means the backend stopped.
+pub(crate) fn enqueued<E: Into<QueueRefusal>>(
+    sent: Result<(), E>,
+    backend: &str,
+    capacity: usize,
+) -> Result<(), EngineError> {
+    sent.map_err(|e| match e.into() {
+        QueueRefusal::Full => EngineError::BadRequest {
+            id: backend.to_owned(),
+            reason: format!("command queue full ({capacity}); the caller must bound its requests"),
+        },
+        QueueRefusal::Closed => EngineError::Stopped {
+            backend: backend.to_owned(),
+        },
+    })
+}
+
+/// The model weights inside a weight-update envelope; a snapshot without them (a simulated
+/// trainer's) is refused, naming `backend`.
+pub(crate) fn model_weights(
+    weights: &WeightSnapshot,
+    backend: &str,
+) -> Result<Arc<sluice_model::WeightSnapshot>, EngineError> {
+    sluice_model::WeightSnapshot::from_envelope(weights).ok_or_else(|| EngineError::BadRequest {
+        id: backend.to_owned(),
+        reason: format!(
+            "weight snapshot {} carries no model weights (a simulated trainer's?)",
+            weights.version
+        ),
+    })
+}
+
 pub(crate) fn push_token(out: &mut TokenOutput, token: u32, logprob: f32, version: PolicyVersion) {
     out.push(token, logprob, version);
 }

@@ -22,12 +22,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use crossbeam_channel::{Sender, TrySendError};
+use crossbeam_channel::Sender;
 use sluice_core::{PolicyVersion, RequestId, WeightSnapshot, WeightUpdateMode};
 use sluice_model::{ModelConfig, Tokenizer, WeightSnapshot as ModelWeights};
 
 use crate::backend::{
-    Completion, EngineError, EngineStats, EventSink, GenerateRequest, InferenceBackend,
+    Completion, EngineError, EngineStats, EventSink, GenerateRequest, InferenceBackend, enqueued,
+    model_weights,
 };
 pub use stop::{StopHit, truncate_at_stop};
 
@@ -348,15 +349,7 @@ impl NativeControl {
     }
 
     fn send(&self, command: Command) -> Result<(), EngineError> {
-        self.tx.try_send(command).map_err(|e| match e {
-            TrySendError::Full(_) => EngineError::BadRequest {
-                id: self.name.to_string(),
-                reason: format!("command queue full ({COMMAND_QUEUE}); bound the requests"),
-            },
-            TrySendError::Disconnected(_) => EngineError::Stopped {
-                backend: self.name.to_string(),
-            },
-        })
+        enqueued(self.tx.try_send(command), &self.name, COMMAND_QUEUE)
     }
 
     /// Whether the compute thread is still running.
@@ -393,14 +386,7 @@ impl NativeControl {
         weights: WeightSnapshot,
         mode: WeightUpdateMode,
     ) -> Result<(), EngineError> {
-        let model =
-            ModelWeights::from_envelope(&weights).ok_or_else(|| EngineError::BadRequest {
-                id: self.name.to_string(),
-                reason: format!(
-                    "weight snapshot {} carries no model weights (a simulated trainer's?)",
-                    weights.version
-                ),
-            })?;
+        let model = model_weights(&weights, &self.name)?;
         if **model.config() != *self.config {
             return Err(EngineError::BadRequest {
                 id: self.name.to_string(),

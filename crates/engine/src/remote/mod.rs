@@ -27,7 +27,9 @@ use sluice_core::{PolicyVersion, RequestId, WeightSnapshot, WeightUpdateMode};
 use sluice_model::WeightSnapshot as ModelWeights;
 use tokio::sync::mpsc;
 
-use crate::backend::{EngineError, EngineStats, EventSink, GenerateRequest, InferenceBackend};
+use crate::backend::{
+    EngineError, EngineStats, EventSink, GenerateRequest, InferenceBackend, enqueued, model_weights,
+};
 use http::HttpClient;
 pub use http::TransportError;
 use worker::{Server, Worker};
@@ -162,15 +164,7 @@ impl RemoteEngine {
     }
 
     fn send(&self, command: Command) -> Result<(), EngineError> {
-        self.tx.try_send(command).map_err(|e| match e {
-            mpsc::error::TrySendError::Full(_) => EngineError::BadRequest {
-                id: self.name.clone(),
-                reason: format!("command queue full ({COMMAND_QUEUE}); bound the requests"),
-            },
-            mpsc::error::TrySendError::Closed(_) => EngineError::Stopped {
-                backend: self.name.clone(),
-            },
-        })
+        enqueued(self.tx.try_send(command), &self.name, COMMAND_QUEUE)
     }
 }
 
@@ -192,14 +186,7 @@ impl InferenceBackend for RemoteEngine {
         weights: WeightSnapshot,
         mode: WeightUpdateMode,
     ) -> Result<(), EngineError> {
-        let model =
-            ModelWeights::from_envelope(&weights).ok_or_else(|| EngineError::BadRequest {
-                id: self.name.clone(),
-                reason: format!(
-                    "weight snapshot {} carries no model weights to write",
-                    weights.version
-                ),
-            })?;
+        let model = model_weights(&weights, &self.name)?;
         self.send(Command::Update(model, mode, Instant::now()))
     }
 

@@ -14,14 +14,14 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{Receiver, Sender, TrySendError};
+use crossbeam_channel::{Receiver, Sender};
 use sluice_core::config::{LengthDistribution, SimEngineConfig};
 use sluice_core::{PolicyVersion, RequestId, WeightSnapshot, WeightUpdateMode};
 
 use super::rng::{SplitMix64, mix};
 use crate::backend::{
     Completion, EngineError, EngineEvent, EngineStats, EventSink, FinishReason, GenerateRequest,
-    InferenceBackend, TokenOutput, push_token,
+    InferenceBackend, TokenOutput, enqueued, push_token,
 };
 
 /// Commands queued per replica; a full queue is back-pressure, reported as an error by `submit`.
@@ -97,17 +97,7 @@ impl SimEngine {
     }
 
     fn send(&self, command: Command) -> Result<(), EngineError> {
-        self.tx.try_send(command).map_err(|e| match e {
-            TrySendError::Full(_) => EngineError::BadRequest {
-                id: self.name.clone(),
-                reason: format!(
-                    "command queue full ({COMMAND_QUEUE}); the caller must bound its requests"
-                ),
-            },
-            TrySendError::Disconnected(_) => EngineError::Stopped {
-                backend: self.name.clone(),
-            },
-        })
+        enqueued(self.tx.try_send(command), &self.name, COMMAND_QUEUE)
     }
 }
 
