@@ -193,3 +193,80 @@ async fn a_server_that_does_not_answer_is_marked_down_and_requests_abort() {
     let c = next(&finished).await;
     assert_eq!(c.finish, FinishReason::Error("remote_unavailable".into()));
 }
+
+/// A server that takes one generation call and holds it until killed, then vanishes: the
+/// connection closes unanswered and the port refuses from then on.
+async fn doomed_server() -> (
+    String,
+    tokio::sync::oneshot::Receiver<()>,
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<()>,
+) {
+    use tokio::io::AsyncReadExt;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let (got_tx, got_rx) = tokio::sync::oneshot::channel();
+    let (kill_tx, kill_rx) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        let (mut conn, _) = listener.accept().await.unwrap();
+        let mut buf = vec![0u8; 64 * 1024];
+        let n = conn.read(&mut buf).await.unwrap();
+        assert!(String::from_utf8_lossy(&buf[..n]).starts_with("POST /v1/completions"));
+        let _ = got_tx.send(());
+        let _ = kill_rx.await;
+        drop(conn);
+        drop(listener);
+    });
+    (url, got_rx, kill_tx, task)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_several_servers_a_dead_one_is_marked_down_and_its_requests_abort_with_partials() {
+    let live = serve_tiny().await;
+    let (doomed_url, got_call, kill, doomed) = doomed_server().await;
+    let dir = tempfile::tempdir().unwrap();
+    // The doomed server first: with nothing in flight anywhere, the first request goes there.
+    let (engine, (finished, _)) = start(params(vec![doomed_url, live.url()], dir.path().into()));
+    assert_eq!(engine.servers_up(), 2);
+    let mut held = request(1, 10);
+    let partial = sluice_engine::TokenOutput {
+        token_ids: vec![5, 6, 7],
+        logprobs: vec![-1.0, -2.0, -0.5],
+        versions: vec![PolicyVersion(0); 3],
+    };
+    held.resume = Some(partial.clone());
+    engine.submit(held.clone()).unwrap();
+    got_call.await.unwrap();
+    // The doomed server has one in flight: the next request goes to the live one.
+    engine.submit(request(2, 4)).unwrap();
+    let served = next(&finished).await;
+    assert_eq!(served.id, id_of(&request(2, 4)));
+    assert!(matches!(
+        served.finish,
+        FinishReason::Length | FinishReason::Stop
+    ));
+    // The doomed server dies: its request comes back aborted with the partial it came with.
+    kill.send(()).unwrap();
+    doomed.await.unwrap();
+    let aborted = next(&finished).await;
+    assert_eq!(aborted.id, held.id);
+    assert_eq!(aborted.finish, FinishReason::Abort);
+    assert_eq!(aborted.output, partial);
+    assert_eq!(engine.servers_up(), 1);
+    // Resubmitted (as the controller resumes it), it runs on the live server, partial first.
+    let mut resumed = held.clone();
+    resumed.id = request(3, 10).id;
+    engine.submit(resumed).unwrap();
+    let done = next(&finished).await;
+    assert!(matches!(
+        done.finish,
+        FinishReason::Length | FinishReason::Stop
+    ));
+    assert_eq!(done.output.token_ids[..3], partial.token_ids[..]);
+    assert_eq!(done.output.versions.len(), done.output.len());
+    // Health polls find nothing behind the dead port: it stays down.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert_eq!(engine.servers_up(), 1);
+    drop(engine);
+    live.stop().await;
+}
