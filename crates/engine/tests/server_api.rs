@@ -5,7 +5,7 @@
 mod server_support;
 
 use serde_json::{Value, json};
-use server_support::{call, post, serve_tiny, write_tiny};
+use server_support::{call, post, serve_scripted, serve_tiny, write_tiny};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn completions_with_echo_logprobs_and_token_ids() {
@@ -270,5 +270,80 @@ async fn abort_pause_continue_and_weights_from_disk() {
     )
     .await;
     assert_eq!(missing.status, 400);
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streamed_tool_calls_come_as_openai_deltas_and_reassemble_to_the_whole_reply() {
+    let pieces = [
+        "Let me check.",
+        "<tool_call>",
+        "{\"name\": \"get_",
+        "weather\", \"arguments\": {\"city\": \"",
+        "Paris",
+        "\", \"days\": 3",
+        "}}",
+        "</tool_call>",
+    ];
+    let s = serve_scripted(&pieces).await;
+    let body = json!({
+        "model": "tiny", "max_tokens": 32, "temperature": 0,
+        "messages": [{"role": "user", "content": "Weather in Paris?"}],
+        "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}],
+    });
+    let whole = post(s.addr, "/v1/chat/completions", body.clone())
+        .await
+        .json();
+    let choice = &whole["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls", "{whole}");
+    let message = &choice["message"];
+    assert_eq!(message["content"], "Let me check.");
+    let call = &message["tool_calls"][0];
+    assert_eq!(call["type"], "function");
+    assert_eq!(call["function"]["name"], "get_weather");
+    assert_eq!(
+        call["function"]["arguments"],
+        r#"{"city":"Paris","days":3}"#
+    );
+
+    let mut streamed = body;
+    streamed["stream"] = json!(true);
+    let r = post(s.addr, "/v1/chat/completions", streamed).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let events = r.events();
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    let (mut content, mut finish) = (String::new(), Value::Null);
+    let (mut header, mut arguments, mut fragments) = (Value::Null, String::new(), 0);
+    for e in &events[..events.len() - 1] {
+        let v: Value = serde_json::from_str(e).unwrap();
+        let c = &v["choices"][0];
+        if let Some(t) = c["delta"]["content"].as_str() {
+            assert!(header.is_null(), "content after the tool call: {t:?}");
+            content.push_str(t);
+        }
+        for call in c["delta"]["tool_calls"].as_array().into_iter().flatten() {
+            assert_eq!(call["index"], 0);
+            if header.is_null() {
+                // The first tool-call delta carries the header, arguments still empty.
+                assert!(call["id"].as_str().unwrap().starts_with("call_"));
+                assert_eq!(call["type"], "function");
+                assert_eq!(call["function"]["arguments"], "");
+                header = call.clone();
+            } else {
+                assert!(call.get("id").is_none() && call["function"].get("name").is_none());
+                arguments.push_str(call["function"]["arguments"].as_str().unwrap());
+                fragments += 1;
+            }
+        }
+        if !c["finish_reason"].is_null() {
+            finish = c["finish_reason"].clone();
+        }
+    }
+    assert_eq!(content, message["content"].as_str().unwrap());
+    assert_eq!(header["function"]["name"], call["function"]["name"]);
+    assert_eq!(arguments, call["function"]["arguments"].as_str().unwrap());
+    // The arguments came as they were generated: one fragment per token of them at least.
+    assert!(fragments >= 3, "{fragments} fragments");
+    assert_eq!(finish, "tool_calls");
     s.stop().await;
 }

@@ -1,7 +1,8 @@
 //! `POST /v1/chat/completions`: messages rendered with the checkpoint's chat template (with
 //! `tools`), the reply parsed back into content, reasoning and `tool_calls`; `logprobs` /
-//! `top_logprobs`; SSE `stream`. With tools offered, a streamed reply is sent whole at the end
-//! (tool-call markup cannot be parsed from a prefix); without, content streams token by token.
+//! `top_logprobs`; SSE `stream`, where reasoning, content and tool calls (header, then argument
+//! fragments) stream as they are generated and reassemble to the non-streamed reply
+//! ([`super::reply_stream`]).
 
 use std::sync::Arc;
 
@@ -10,16 +11,18 @@ use axum::body::Bytes;
 use axum::extract::State;
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
+use futures::StreamExt;
 use serde::Deserialize;
 use serde_json::{Value, json};
 use sluice_core::message::FunctionCall;
 use sluice_core::{Message, Role, ToolCall, ToolSpec};
-use sluice_model::{ChatOptions, CompletionParser};
+use sluice_model::ChatOptions;
 
 use super::completions::{
     MAX_LOGPROBS, Sampling, completion_text, finish_reason, parse_body, unix_now, usage,
 };
 use super::generate::{ChoiceOutput, launch};
+use super::reply_stream::{ReplyStream, delta_chunks, parse_reply};
 use super::text::{Streamer, piece};
 use super::{ApiError, ServerState};
 use crate::native::RequestUpdate;
@@ -167,7 +170,7 @@ pub async fn handle(
     };
     let options = ChatOptions {
         add_generation_prompt: true,
-        tools: tools.clone(),
+        tools,
         extra: req.chat_template_kwargs,
     };
     let rendered = state
@@ -187,12 +190,14 @@ pub async fn handle(
     let ctx = Render {
         logprobs: req.logprobs,
         token_ids: req.sampling.return_token_ids,
-        tools: tools.is_some(),
         stops,
     };
     if req.sampling.stream {
         let head = json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": model});
-        return Ok(stream(state, launched, ctx, head).into_response());
+        let replies = (0..launched.len())
+            .map(|i| ReplyStream::new(&rendered, call_prefix(&id, i)))
+            .collect();
+        return Ok(stream(state, launched, ctx, head, replies).into_response());
     }
     let n = launched_len(&launched);
     let outputs = launched.collect(&vec![prompt.clone(); n]).await?;
@@ -220,27 +225,26 @@ fn launched_len(l: &super::generate::Launched) -> usize {
 struct Render {
     logprobs: bool,
     token_ids: bool,
-    tools: bool,
     stops: Vec<String>,
 }
 
-/// The assistant message of a completion: parsed for reasoning and tool calls when it parses,
-/// the raw text as content when it does not (as vLLM does).
+/// Tool-call ids of choice `index`: `call_{id}_{index}_{k}`.
+fn call_prefix(id: &str, index: usize) -> String {
+    format!("call_{id}_{index}_")
+}
+
+/// The assistant message of a completion (see [`parse_reply`]) and whether it has tool calls.
 fn reply(id: &str, index: usize, text: &str) -> (Value, bool) {
-    match CompletionParser::default().parse(text, &format!("call_{id}_{index}_")) {
-        Ok(m) => {
-            let calls = !m.tool_calls.is_empty();
-            let mut v = json!({"role": "assistant", "content": m.content});
-            if let Some(r) = m.reasoning_content {
-                v["reasoning_content"] = json!(r);
-            }
-            if calls {
-                v["tool_calls"] = json!(m.tool_calls);
-            }
-            (v, calls)
-        }
-        Err(_) => (json!({"role": "assistant", "content": text}), false),
+    let m = parse_reply(text, &call_prefix(id, index));
+    let calls = !m.tool_calls.is_empty();
+    let mut v = json!({"role": "assistant", "content": m.content});
+    if let Some(r) = m.reasoning {
+        v["reasoning_content"] = json!(r);
     }
+    if calls {
+        v["tool_calls"] = json!(m.tool_calls);
+    }
+    (v, calls)
 }
 
 fn logprob_entry(state: &ServerState, token: u32, logprob: f32, top: &[(u32, f32)]) -> Value {
@@ -292,29 +296,31 @@ fn choice_json(
     choice
 }
 
-/// SSE chunks: a role delta, content deltas (or, with tools, the whole parsed reply at the
-/// end), a finish chunk per choice, then `[DONE]`.
+/// SSE chunks: per token, the deltas that are now certain (the first chunk of a choice with the
+/// role; a tool call's header alone in its chunk), the token's log-probabilities and ids on the
+/// first of them; per choice, the chunks completing the reply, the last with the finish reason;
+/// then `[DONE]`.
 fn stream(
     state: Arc<ServerState>,
     launched: super::generate::Launched,
     ctx: Render,
     head: Value,
+    replies: Vec<ReplyStream>,
 ) -> impl IntoResponse {
     let n = launched.len();
     let init = (
         launched,
-        Vec::<Option<Streamer>>::new(),
-        vec![String::new(); n],
+        (0..n).map(|_| None).collect::<Vec<Option<Streamer>>>(),
+        replies,
         false,
     );
     let ctx = Arc::new(ctx);
-    let events = futures::stream::unfold(
+    let batches = futures::stream::unfold(
         init,
-        move |(mut launched, mut streamers, mut texts, done)| {
+        move |(mut launched, mut streamers, mut replies, done)| {
             let state = Arc::clone(&state);
             let ctx = Arc::clone(&ctx);
             let head = head.clone();
-            let mut chunk = head.clone();
             async move {
                 if done {
                     return None;
@@ -322,30 +328,19 @@ fn stream(
                 loop {
                     let Some((i, update)) = launched.next().await else {
                         let e = Event::default().data("[DONE]");
-                        return Some((
-                            Ok::<_, std::convert::Infallible>(e),
-                            (launched, streamers, texts, true),
-                        ));
+                        return Some((vec![e], (launched, streamers, replies, true)));
                     };
-                    while streamers.len() <= i {
-                        streamers.push(None);
-                    }
                     let first = streamers[i].is_none();
                     let s = streamers[i].get_or_insert_with(|| Streamer::new(ctx.stops.clone()));
-                    let c = match update {
+                    let mut choices = match update {
                         RequestUpdate::PromptLogprobs(_) => continue,
                         RequestUpdate::Token(t) => {
                             let piece_text = s.push(&state.tokenizer, t.token);
-                            let mut delta = json!({});
-                            if first {
-                                delta["role"] = json!("assistant");
-                            }
-                            if ctx.tools {
-                                texts[i].push_str(&piece_text);
-                            } else {
-                                delta["content"] = json!(piece_text);
-                            }
-                            let mut c = json!({"index": i, "delta": delta, "finish_reason": null, "logprobs": null});
+                            let mut choices: Vec<Value> = delta_chunks(&replies[i].push(&piece_text))
+                                .into_iter()
+                                .map(|delta| json!({"index": i, "delta": delta, "finish_reason": null, "logprobs": null}))
+                                .collect();
+                            let c = &mut choices[0];
                             if ctx.logprobs {
                                 c["logprobs"] = json!({"content": [logprob_entry(&state, t.token, t.logprob, &t.top)]});
                             }
@@ -353,38 +348,43 @@ fn stream(
                                 c["token_ids"] = json!([t.token]);
                                 c["token_versions"] = json!([t.version.0]);
                             }
-                            c
+                            choices
                         }
                         RequestUpdate::Finished { completion, .. } => {
                             let rest = s.finish(&state.tokenizer);
+                            let (deltas, parsed) = replies[i].finish(&rest);
                             let mut reason = finish_reason(&completion.finish);
-                            let delta = if ctx.tools {
-                                texts[i].push_str(&rest);
-                                let id = head["id"].as_str().unwrap_or_default().to_owned();
-                                let (mut m, calls) = reply(&id, i, &texts[i]);
-                                if calls && reason == "stop" {
-                                    reason = "tool_calls";
-                                }
-                                if let Some(calls) =
-                                    m.get_mut("tool_calls").and_then(Value::as_array_mut)
-                                {
-                                    for (k, call) in calls.iter_mut().enumerate() {
-                                        call["index"] = json!(k);
-                                    }
-                                }
-                                m
-                            } else {
-                                json!({"content": rest})
-                            };
-                            json!({"index": i, "delta": delta, "finish_reason": reason, "logprobs": null})
+                            if !parsed.tool_calls.is_empty() && reason == "stop" {
+                                reason = "tool_calls";
+                            }
+                            let mut choices: Vec<Value> = delta_chunks(&deltas)
+                                .into_iter()
+                                .map(|delta| json!({"index": i, "delta": delta, "finish_reason": null, "logprobs": null}))
+                                .collect();
+                            if let Some(last) = choices.last_mut() {
+                                last["finish_reason"] = json!(reason);
+                            }
+                            choices
                         }
                     };
-                    chunk["choices"] = json!([c]);
-                    let e = Event::default().data(chunk.to_string());
-                    return Some((Ok(e), (launched, streamers, texts, false)));
+                    if first {
+                        choices[0]["delta"]["role"] = json!("assistant");
+                    }
+                    let events = choices
+                        .into_iter()
+                        .map(|c| {
+                            let mut chunk = head.clone();
+                            chunk["choices"] = json!([c]);
+                            Event::default().data(chunk.to_string())
+                        })
+                        .collect();
+                    return Some((events, (launched, streamers, replies, false)));
                 }
             }
         },
     );
+    let events = batches.flat_map(|events| {
+        futures::stream::iter(events.into_iter().map(Ok::<_, std::convert::Infallible>))
+    });
     Sse::new(events)
 }

@@ -16,6 +16,7 @@ pub mod chat;
 pub mod completions;
 pub mod error;
 pub mod generate;
+mod reply_stream;
 mod text;
 
 use std::collections::HashMap;

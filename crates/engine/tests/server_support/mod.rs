@@ -3,14 +3,21 @@
 
 #![allow(dead_code)]
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use serde_json::Value;
+use sluice_core::PolicyVersion;
 use sluice_engine::server::{ServerOptions, ServerState, WeightEvents, serve};
 use sluice_engine::{NativeEngine, NativeEngineParams};
-use sluice_model::presets::{Preset, write_preset};
-use sluice_model::{LoadOptions, Tokenizer, load_checkpoint};
+use sluice_model::candle::{DType, Device, Tensor};
+use sluice_model::names;
+use sluice_model::presets::{Preset, preset_config, random_snapshot, write_preset};
+use sluice_model::{
+    LoadOptions, ModelConfig, SaveOptions, Tokenizer, WeightSnapshot, load_checkpoint,
+    save_checkpoint,
+};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::oneshot;
@@ -46,8 +53,84 @@ impl Served {
 /// Writes the tiny preset (seed 0) and serves it as model `tiny`.
 pub async fn serve_tiny() -> Served {
     let dir = tempfile::tempdir().unwrap();
+    write_preset(Preset::Tiny, &dir.path().join("model"), 0).unwrap();
+    serve_dir(dir).await
+}
+
+/// Serves a model that, greedily, answers every chat with exactly `pieces` and then
+/// `<|im_end|>`. Each piece becomes one token (added to the preset tokenizer when it is not one
+/// already), and the weights are a bigram model: attention and MLP write nothing to the
+/// residual stream, so the logits depend on the last token only, and an untied head maps each
+/// token of the chain `\n` (the end of the generation prompt), pieces…, `<|im_end|>` to the next.
+pub async fn serve_scripted(pieces: &[&str]) -> Served {
+    let dir = tempfile::tempdir().unwrap();
     let model = dir.path().join("model");
     write_preset(Preset::Tiny, &model, 0).unwrap();
+    let base = preset_config(Preset::Tiny);
+    let path = model.join("tokenizer.json");
+    let mut doc: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let added = doc["added_tokens"].as_array_mut().unwrap();
+    let mut vocab = base.vocab_size;
+    for p in pieces {
+        let known = p.chars().count() == 1 || added.iter().any(|t| t["content"] == *p);
+        if !known {
+            added.push(serde_json::json!({
+                "id": vocab, "content": p, "single_word": false, "lstrip": false,
+                "rstrip": false, "normalized": false, "special": false,
+            }));
+            vocab += 1;
+        }
+    }
+    std::fs::write(&path, doc.to_string()).unwrap();
+    let tokenizer = Tokenizer::from_dir(&model).unwrap();
+    let chain: Vec<u32> = std::iter::once("\n")
+        .chain(pieces.iter().copied())
+        .chain(std::iter::once("<|im_end|>"))
+        .map(|p| {
+            let ids = tokenizer.encode(p, false).unwrap();
+            assert_eq!(ids.len(), 1, "{p:?} is not one token: {ids:?}");
+            ids[0]
+        })
+        .collect();
+    let config = Arc::new(ModelConfig {
+        vocab_size: vocab,
+        tie_word_embeddings: false,
+        ..base
+    });
+    let random = random_snapshot(Arc::clone(&config), 0, DType::F32, &Device::Cpu).unwrap();
+    let mut tensors: HashMap<String, Tensor> = random
+        .iter()
+        .map(|(n, t)| (n.to_owned(), t.clone()))
+        .collect();
+    for (name, t) in tensors.iter_mut() {
+        if name.ends_with("o_proj.weight") || name.ends_with("down_proj.weight") {
+            *t = t.zeros_like().unwrap();
+        }
+    }
+    // Row `b` of the head is the normalized embedding of every token whose successor is `b`.
+    let embed = tensors[names::EMBED].to_vec2::<f32>().unwrap();
+    let hidden = config.hidden_size;
+    let mut head = vec![0f32; vocab * hidden];
+    for pair in chain.windows(2) {
+        let e = &embed[pair[0] as usize];
+        let rms = (e.iter().map(|x| x * x).sum::<f32>() / hidden as f32).sqrt();
+        let row = &mut head[pair[1] as usize * hidden..][..hidden];
+        for (h, x) in row.iter_mut().zip(e) {
+            *h += x / rms;
+        }
+    }
+    tensors.insert(
+        names::LM_HEAD.into(),
+        Tensor::from_vec(head, (vocab, hidden), &Device::Cpu).unwrap(),
+    );
+    let snapshot = WeightSnapshot::new(config, PolicyVersion(0), tensors).unwrap();
+    save_checkpoint(&snapshot, &model, &SaveOptions::default()).unwrap();
+    serve_dir(dir).await
+}
+
+/// Serves `dir/model` as model `tiny`.
+async fn serve_dir(dir: tempfile::TempDir) -> Served {
+    let model = dir.path().join("model");
     let weights = Arc::new(load_checkpoint(&model, &LoadOptions::default()).unwrap());
     let tokenizer = Arc::new(Tokenizer::from_dir(&model).unwrap());
     let events = Arc::new(WeightEvents::default());

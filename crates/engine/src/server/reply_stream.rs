@@ -1,0 +1,742 @@
+//! A streamed chat reply as OpenAI deltas: reasoning, content and tool calls parsed from the text
+//! as it arrives, so that the deltas reassemble to the non-streamed reply.
+//!
+//! The non-streamed reply is [`parse_reply`] of the whole text. While streaming, [`ReplyStream`]
+//! only ever sends what is certain to be a prefix of that final parse:
+//! - content is trimmed as the parser trims it (leading whitespace dropped, whitespace held back
+//!   until something follows it), and a suffix that could still become `<tool_call>` is held;
+//! - reasoning (after `<think>`, or from the start when the prompt ends inside `<think>`) streams
+//!   as `reasoning_content` until `</think>`;
+//! - a tool call is announced (`index`, `id`, `type`, `function.name`) as soon as its name is
+//!   complete; its `arguments` object then streams as fragments of the model's text without
+//!   whitespace, which is what the non-streamed reply carries too (key order, escapes and
+//!   number forms as generated). A body that does not start `{"name": …, "arguments": {…`
+//!   is sent when it closes.
+//!
+//! [`ReplyStream::finish`] parses the whole text and sends whatever the final reply has beyond
+//! what was streamed. A malformed reply (the non-streamed answer is then the raw text as
+//! content) can contradict what was already sent; that is logged, and the rest of the raw text
+//! follows as content.
+
+use serde_json::{Value, json};
+use sluice_core::ToolCall;
+use sluice_model::CompletionParser;
+
+/// What the non-streamed reply holds for one completion.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub(crate) struct ParsedReply {
+    /// Content (`None` when empty and there are tool calls).
+    pub content: Option<String>,
+    /// Reasoning, when the text had `</think>`.
+    pub reasoning: Option<String>,
+    /// Parsed tool calls.
+    pub tool_calls: Vec<ToolCall>,
+}
+
+/// The assistant message of a completion: parsed for reasoning and tool calls when it parses,
+/// the raw text as content when it does not (as vLLM does). Call ids are `{call_prefix}{k}`.
+/// A call's `arguments` object is the model's own text without whitespace (key order and
+/// number forms kept, as vLLM keeps them), so that it can stream as it is generated.
+pub(crate) fn parse_reply(text: &str, call_prefix: &str) -> ParsedReply {
+    let tags = CompletionParser::default();
+    match tags.parse(text, call_prefix) {
+        Ok(m) => {
+            let after_think = text
+                .find(&tags.think_close)
+                .map_or(text, |at| &text[at + tags.think_close.len()..]);
+            let mut bodies = tool_call_bodies(&tags, after_think).into_iter();
+            let tool_calls = m
+                .tool_calls
+                .into_iter()
+                .map(|mut call| {
+                    if let Some(args) = bodies.next().and_then(raw_arguments) {
+                        call.function.arguments = args;
+                    }
+                    call
+                })
+                .collect();
+            ParsedReply {
+                content: m.content,
+                reasoning: m.reasoning_content,
+                tool_calls,
+            }
+        }
+        Err(_) => ParsedReply {
+            content: Some(text.to_owned()),
+            ..ParsedReply::default()
+        },
+    }
+}
+
+/// The bodies between the tool-call tags of a well-formed text, in order.
+fn tool_call_bodies<'t>(tags: &CompletionParser, mut text: &'t str) -> Vec<&'t str> {
+    let mut bodies = Vec::new();
+    while let Some(open) = text.find(&tags.tool_open) {
+        let body = &text[open + tags.tool_open.len()..];
+        let Some(close) = body.find(&tags.tool_close) else {
+            break;
+        };
+        bodies.push(&body[..close]);
+        text = &body[close + tags.tool_close.len()..];
+    }
+    bodies
+}
+
+/// One delta of a streamed choice; merge several with [`delta_json`].
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Delta {
+    /// More reasoning text.
+    Reasoning(String),
+    /// More content text.
+    Content(String),
+    /// A new tool call: its header, with empty arguments.
+    CallStart {
+        /// Position of the call in the reply.
+        index: usize,
+        /// Call id.
+        id: String,
+        /// Function name.
+        name: String,
+    },
+    /// More of a call's arguments.
+    CallArgs {
+        /// Position of the call in the reply.
+        index: usize,
+        /// The fragment.
+        fragment: String,
+    },
+}
+
+/// The `delta` objects of the chunks that carry `deltas`, in order: a tool call's header goes
+/// in a chunk of its own, as OpenAI sends it (arguments empty), its fragments in later chunks.
+/// Always at least one (empty) delta.
+pub(crate) fn delta_chunks(deltas: &[Delta]) -> Vec<Value> {
+    let mut chunks = Vec::new();
+    let mut group: Vec<Delta> = Vec::new();
+    for d in deltas {
+        if matches!(d, Delta::CallStart { .. }) {
+            if !group.is_empty() {
+                chunks.push(delta_json(&std::mem::take(&mut group)));
+            }
+            chunks.push(delta_json(std::slice::from_ref(d)));
+        } else {
+            group.push(d.clone());
+        }
+    }
+    if !group.is_empty() || chunks.is_empty() {
+        chunks.push(delta_json(&group));
+    }
+    chunks
+}
+
+/// The `delta` object of one chunk carrying `deltas`.
+fn delta_json(deltas: &[Delta]) -> Value {
+    let mut reasoning = String::new();
+    let mut content = String::new();
+    let mut calls: Vec<Value> = Vec::new();
+    for d in deltas {
+        match d {
+            Delta::Reasoning(s) => reasoning.push_str(s),
+            Delta::Content(s) => content.push_str(s),
+            Delta::CallStart { index, id, name } => calls.push(json!({
+                "index": index, "id": id, "type": "function",
+                "function": {"name": name, "arguments": ""},
+            })),
+            Delta::CallArgs { index, fragment } => {
+                let same = calls.last_mut().filter(|c| c["index"] == json!(index));
+                match same {
+                    Some(c) => {
+                        let had = c["function"]["arguments"].as_str().unwrap_or_default();
+                        c["function"]["arguments"] = json!(format!("{had}{fragment}"));
+                    }
+                    None => {
+                        calls.push(json!({"index": index, "function": {"arguments": fragment}}))
+                    }
+                }
+            }
+        }
+    }
+    let mut delta = json!({});
+    if !reasoning.is_empty() {
+        delta["reasoning_content"] = json!(reasoning);
+    }
+    if !content.is_empty() {
+        delta["content"] = json!(content);
+    }
+    if !calls.is_empty() {
+        delta["tool_calls"] = json!(calls);
+    }
+    delta
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Reasoning,
+    Content,
+    Call,
+}
+
+/// What has been sent of one tool call.
+#[derive(Debug, Default)]
+struct SentCall {
+    header: bool,
+    args: String,
+}
+
+/// Incremental parser of one streamed choice. See the module docs.
+pub(crate) struct ReplyStream {
+    tags: CompletionParser,
+    call_prefix: String,
+    mode: Mode,
+    /// Text received and not yet consumed by the current mode.
+    buf: String,
+    /// Everything received (what [`Self::finish`] parses).
+    raw: String,
+    /// Leading `<think>` of the reply dealt with (or ruled out).
+    think_checked: bool,
+    /// Content, trimmed of whitespace at both ends.
+    content: Trimmed,
+    /// Reasoning, trimmed of newlines at both ends.
+    reasoning: Trimmed,
+    calls: Vec<SentCall>,
+    /// A tool call did not parse: nothing more is streamed until the end.
+    broken: bool,
+}
+
+impl ReplyStream {
+    /// A choice whose prompt is `prompt_text`: when it ends inside an open `<think>`, the reply
+    /// starts with reasoning. Call ids are `{call_prefix}{k}`.
+    pub(crate) fn new(prompt_text: &str, call_prefix: String) -> Self {
+        let tags = CompletionParser::default();
+        let mode = if prompt_text.trim_end().ends_with(&tags.think_open) {
+            Mode::Reasoning
+        } else {
+            Mode::Content
+        };
+        Self {
+            tags,
+            call_prefix,
+            mode,
+            buf: String::new(),
+            raw: String::new(),
+            think_checked: false,
+            content: Trimmed::default(),
+            reasoning: Trimmed::default(),
+            calls: Vec::new(),
+            broken: false,
+        }
+    }
+
+    /// Adds text; returns the deltas that are now certain.
+    pub(crate) fn push(&mut self, text: &str) -> Vec<Delta> {
+        self.raw.push_str(text);
+        if self.broken {
+            return Vec::new();
+        }
+        self.buf.push_str(text);
+        let mut out = Vec::new();
+        while self.step(&mut out) {}
+        out
+    }
+
+    /// The end of the text (`rest`, if any): the deltas that complete the final reply.
+    pub(crate) fn finish(&mut self, rest: &str) -> (Vec<Delta>, ParsedReply) {
+        self.raw.push_str(rest);
+        let parsed = parse_reply(&self.raw, &self.call_prefix);
+        let mut out = Vec::new();
+        let reasoning = parsed.reasoning.as_deref().unwrap_or_default();
+        if let Some(more) = self.remainder(reasoning, &self.reasoning.sent, "reasoning") {
+            out.push(Delta::Reasoning(more));
+        }
+        let content = parsed.content.as_deref().unwrap_or_default();
+        if let Some(more) = self.remainder(content, &self.content.sent, "content") {
+            out.push(Delta::Content(more));
+        }
+        for (index, call) in parsed.tool_calls.iter().enumerate() {
+            let sent = self.calls.get(index);
+            if !sent.is_some_and(|s| s.header) {
+                out.push(Delta::CallStart {
+                    index,
+                    id: call.id.clone(),
+                    name: call.function.name.clone(),
+                });
+            }
+            let had = sent.map_or("", |s| s.args.as_str());
+            if let Some(fragment) = self.remainder(&call.function.arguments, had, "arguments") {
+                out.push(Delta::CallArgs { index, fragment });
+            }
+        }
+        if self.calls.iter().filter(|c| c.header).count() > parsed.tool_calls.len() {
+            tracing::warn!("streamed tool call header has no call in the parsed reply");
+        }
+        (out, parsed)
+    }
+
+    /// `whole` minus what was sent, when what was sent is a prefix of it.
+    fn remainder(&self, whole: &str, sent: &str, what: &str) -> Option<String> {
+        match whole.strip_prefix(sent) {
+            Some("") => None,
+            Some(rest) => Some(rest.to_owned()),
+            None => {
+                tracing::warn!(what, "the streamed reply contradicts its final parse");
+                None
+            }
+        }
+    }
+
+    /// Consumes what it can of `buf` in the current mode; true when the mode changed and the
+    /// rest should be looked at again.
+    fn step(&mut self, out: &mut Vec<Delta>) -> bool {
+        if !self.think_checked {
+            // `<think>` opening the reply (after whitespace only) is reasoning.
+            let trimmed = self.buf.trim_start();
+            let open = self.tags.think_open.clone();
+            if trimmed.is_empty() || open.starts_with(trimmed) && trimmed.len() < open.len() {
+                return false;
+            }
+            self.think_checked = true;
+            if let Some(after) = trimmed.strip_prefix(open.as_str()) {
+                self.buf = after.to_owned();
+                self.mode = Mode::Reasoning;
+            }
+        }
+        match self.mode {
+            Mode::Reasoning => {
+                let close = self.tags.think_close.clone();
+                let (text, found) = split_at_tag(&self.buf, &close);
+                let more = self.reasoning.push(&text, |c| c == '\n');
+                if !more.is_empty() {
+                    out.push(Delta::Reasoning(more));
+                }
+                if found {
+                    self.buf = self.buf[text.len() + close.len()..].to_owned();
+                    self.mode = Mode::Content;
+                    return true;
+                }
+                self.buf.drain(..text.len());
+                false
+            }
+            Mode::Content => {
+                let open = self.tags.tool_open.clone();
+                let (text, found) = split_at_tag(&self.buf, &open);
+                let more = self.content.push(&text, char::is_whitespace);
+                if !more.is_empty() {
+                    out.push(Delta::Content(more));
+                }
+                if found {
+                    self.buf = self.buf[text.len() + open.len()..].to_owned();
+                    self.calls.push(SentCall::default());
+                    self.mode = Mode::Call;
+                    return true;
+                }
+                self.buf.drain(..text.len());
+                false
+            }
+            Mode::Call => self.step_call(out),
+        }
+    }
+
+    fn step_call(&mut self, out: &mut Vec<Delta>) -> bool {
+        let index = self.calls.len() - 1;
+        let close = self.tags.tool_close.clone();
+        if let Some(end) = self.buf.find(&close) {
+            let body = self.buf[..end].to_owned();
+            self.buf = self.buf[end + close.len()..].to_owned();
+            self.mode = Mode::Content;
+            let whole = format!("{}{body}{close}", self.tags.tool_open);
+            let parsed = parse_reply(&whole, "").tool_calls.into_iter().next();
+            let Some(call) = parsed else {
+                // The final reply will be the raw text: stop guessing.
+                self.broken = true;
+                return false;
+            };
+            self.announce(index, &call.function.name, out);
+            let sent = &mut self.calls[index];
+            match call.function.arguments.strip_prefix(sent.args.as_str()) {
+                Some(rest) => {
+                    if !rest.is_empty() {
+                        out.push(Delta::CallArgs {
+                            index,
+                            fragment: rest.to_owned(),
+                        });
+                    }
+                    sent.args = call.function.arguments;
+                }
+                None => {
+                    tracing::warn!("streamed tool call arguments contradict the parsed call");
+                    self.broken = true;
+                    return false;
+                }
+            }
+            return true;
+        }
+        let Some(head) = scan_header(&self.buf) else {
+            return false;
+        };
+        self.announce(index, &head.name, out);
+        if let Some(args_at) = head.args_at.filter(|&a| self.buf[a..].starts_with('{')) {
+            let (safe, _) = minify_prefix(&self.buf[args_at..]);
+            let sent = &mut self.calls[index];
+            if let Some(rest) = safe.strip_prefix(sent.args.as_str())
+                && !rest.is_empty()
+            {
+                out.push(Delta::CallArgs {
+                    index,
+                    fragment: rest.to_owned(),
+                });
+                sent.args = safe;
+            }
+        }
+        false
+    }
+
+    fn announce(&mut self, index: usize, name: &str, out: &mut Vec<Delta>) {
+        if !self.calls[index].header {
+            self.calls[index].header = true;
+            out.push(Delta::CallStart {
+                index,
+                id: format!("{}{index}", self.call_prefix),
+                name: name.to_owned(),
+            });
+        }
+    }
+}
+
+/// Text sent with the trimming the parser applies at both ends: leading trimmed characters are
+/// dropped, inner ones held until something else follows them.
+#[derive(Debug, Default)]
+struct Trimmed {
+    held: String,
+    sent: String,
+}
+
+impl Trimmed {
+    /// Adds `text`; returns what can be sent now.
+    fn push(&mut self, text: &str, trimmed: impl Fn(char) -> bool) -> String {
+        let mut out = String::new();
+        for c in text.chars() {
+            if !trimmed(c) {
+                out.push_str(&std::mem::take(&mut self.held));
+                out.push(c);
+            } else if !self.sent.is_empty() || !out.is_empty() {
+                self.held.push(c);
+            }
+        }
+        self.sent.push_str(&out);
+        out
+    }
+}
+
+/// The text before `tag`, and whether `tag` was found; when it was not, a suffix that could
+/// still become `tag` is left out.
+fn split_at_tag(buf: &str, tag: &str) -> (String, bool) {
+    if let Some(at) = buf.find(tag) {
+        return (buf[..at].to_owned(), true);
+    }
+    let keep = (1..tag.len().min(buf.len() + 1))
+        .rev()
+        .find(|&n| buf.is_char_boundary(buf.len() - n) && tag.starts_with(&buf[buf.len() - n..]))
+        .unwrap_or(0);
+    (buf[..buf.len() - keep].to_owned(), false)
+}
+
+/// The start of a tool-call body: its name, once complete, and where the value of `arguments`
+/// starts, when the body reads `{"name": "…", "arguments": …` (a body in another order is
+/// announced when it closes).
+struct Header {
+    name: String,
+    args_at: Option<usize>,
+}
+
+fn scan_header(body: &str) -> Option<Header> {
+    let mut at = skip_ws(body, 0);
+    at = expect(body, at, "{")?;
+    at = skip_ws(body, at);
+    let (key, next) = json_string(body, at)?;
+    if key != "name" {
+        return None;
+    }
+    at = expect(body, skip_ws(body, next), ":")?;
+    let (name, next) = json_string(body, skip_ws(body, at))?;
+    if name.is_empty() {
+        return None;
+    }
+    let args_at = (|| {
+        let at = expect(body, skip_ws(body, next), ",")?;
+        let (key, next) = json_string(body, skip_ws(body, at))?;
+        (key == "arguments").then_some(())?;
+        let at = expect(body, skip_ws(body, next), ":")?;
+        Some(skip_ws(body, at))
+    })();
+    Some(Header { name, args_at })
+}
+
+fn skip_ws(s: &str, at: usize) -> usize {
+    at + s[at..].len() - s[at..].trim_start().len()
+}
+
+fn expect(s: &str, at: usize, token: &str) -> Option<usize> {
+    s[at..].starts_with(token).then_some(at + token.len())
+}
+
+/// A complete JSON string literal at `at`: its value and the position after it.
+fn json_string(s: &str, at: usize) -> Option<(String, usize)> {
+    let rest = s[at..].strip_prefix('"')?;
+    let mut escaped = false;
+    for (i, c) in rest.char_indices() {
+        match (escaped, c) {
+            (true, _) => escaped = false,
+            (false, '\\') => escaped = true,
+            (false, '"') => {
+                let end = at + 1 + i + 1;
+                let value = serde_json::from_str::<String>(&s[at..end]).ok()?;
+                return Some((value, end));
+            }
+            _ => {}
+        }
+    }
+    None
+}
+
+/// A JSON value starting at `raw`'s first character, with whitespace outside strings dropped and
+/// everything else copied as written (key order, escapes, numbers): as much of it as `raw`
+/// holds, and where it ends in `raw` once complete. Any prefix of a value maps to a prefix of
+/// its whole form.
+fn minify_prefix(raw: &str) -> (String, Option<usize>) {
+    let mut out = String::new();
+    let (mut depth, mut in_string, mut escaped) = (0usize, false, false);
+    for (i, c) in raw.char_indices() {
+        if in_string {
+            out.push(c);
+            if escaped {
+                escaped = false;
+            } else if c == '\\' {
+                escaped = true;
+            } else if c == '"' {
+                in_string = false;
+                if depth == 0 {
+                    return (out, Some(i + 1));
+                }
+            }
+            continue;
+        }
+        match c {
+            c if c.is_whitespace() => {}
+            '"' => {
+                in_string = true;
+                out.push(c);
+            }
+            '{' | '[' => {
+                depth += 1;
+                out.push(c);
+            }
+            // The end of a scalar.
+            '}' | ']' | ',' if depth == 0 => return (out, Some(i)),
+            '}' | ']' => {
+                depth -= 1;
+                out.push(c);
+                if depth == 0 {
+                    return (out, Some(i + 1));
+                }
+            }
+            _ => out.push(c),
+        }
+    }
+    (out, None)
+}
+
+/// The `arguments` (else `parameters`) object of a tool-call body as the model wrote it, minus
+/// whitespace (`None` when it is not an object: the parser's value stands). The last of
+/// duplicate keys wins, as in serde_json.
+fn raw_arguments(body: &str) -> Option<String> {
+    let mut at = expect(body, skip_ws(body, 0), "{")?;
+    let (mut arguments, mut parameters) = (None, None);
+    loop {
+        at = skip_ws(body, at);
+        if body[at..].starts_with('}') {
+            break;
+        }
+        let (key, next) = json_string(body, at)?;
+        at = skip_ws(body, expect(body, skip_ws(body, next), ":")?);
+        let (value, end) = minify_prefix(&body[at..]);
+        at += end?;
+        match key.as_str() {
+            "arguments" => arguments = Some(value),
+            "parameters" => parameters = Some(value),
+            _ => {}
+        }
+        at = skip_ws(body, at);
+        match body[at..].chars().next()? {
+            ',' => at += 1,
+            '}' => break,
+            _ => return None,
+        }
+    }
+    arguments.or(parameters).filter(|v| v.starts_with('{'))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Feeds `pieces`, then reassembles the deltas as a client would.
+    fn reassemble(prompt: &str, pieces: &[&str]) -> (ParsedReply, ParsedReply, Vec<Vec<Delta>>) {
+        let mut s = ReplyStream::new(prompt, "call_x_0_".into());
+        let mut all = Vec::new();
+        for p in pieces {
+            all.push(s.push(p));
+        }
+        let (last, parsed) = s.finish("");
+        all.push(last);
+        let mut got = ParsedReply::default();
+        let (mut content, mut reasoning) = (String::new(), String::new());
+        for d in all.iter().flatten() {
+            match d {
+                Delta::Reasoning(t) => reasoning.push_str(t),
+                Delta::Content(t) => content.push_str(t),
+                Delta::CallStart { index, id, name } => {
+                    assert_eq!(*index, got.tool_calls.len(), "headers in order");
+                    got.tool_calls.push(ToolCall {
+                        id: id.clone(),
+                        kind: "function".into(),
+                        function: sluice_core::message::FunctionCall {
+                            name: name.clone(),
+                            arguments: String::new(),
+                        },
+                    });
+                }
+                Delta::CallArgs { index, fragment } => {
+                    got.tool_calls[*index].function.arguments.push_str(fragment)
+                }
+            }
+        }
+        got.content = (!content.is_empty() || got.tool_calls.is_empty()).then_some(content);
+        got.reasoning = (!reasoning.is_empty() || parsed.reasoning.is_some()).then_some(reasoning);
+        (got, parsed, all)
+    }
+
+    #[test]
+    fn content_then_a_call_streams_header_first_then_argument_fragments() {
+        let pieces = [
+            "  Let me ",
+            "check. ",
+            "<tool",
+            "_call>",
+            "{\"name\": \"get_",
+            "weather\", \"arguments\": {\"city\": \"Pa",
+            "ris\", \"days\": 3",
+            "}}</tool_call>",
+        ];
+        let (got, parsed, all) = reassemble("", &pieces);
+        assert_eq!(got, parsed);
+        assert_eq!(
+            parsed.tool_calls[0].function.arguments,
+            r#"{"city":"Paris","days":3}"#
+        );
+        assert_eq!(parsed.content.as_deref(), Some("Let me check."));
+        assert_eq!(parsed.tool_calls[0].function.name, "get_weather");
+        // The header arrives with the piece that completes the name, before the arguments.
+        assert!(matches!(&all[5][0], Delta::CallStart { name, .. } if name == "get_weather"));
+        let fragments = all
+            .iter()
+            .flatten()
+            .filter(|d| matches!(d, Delta::CallArgs { .. }))
+            .count();
+        assert!(fragments >= 3, "{all:?}");
+        // No markup leaked into the content.
+        assert!(all.iter().flatten().all(|d| match d {
+            Delta::Content(t) => !t.contains('<'),
+            _ => true,
+        }));
+    }
+
+    #[test]
+    fn reasoning_calls_in_any_order_and_odd_pieces_reassemble_exactly() {
+        let cases: Vec<(&str, Vec<&str>)> = vec![
+            (
+                "",
+                vec![
+                    "<think>\nhm",
+                    "m\n</think>\n\nOK",
+                    "<tool_call>{\"name\":\"a\",\"arguments\":{\"z\":1,\"b\":2.50}}</tool_call>",
+                    "<tool_call>{\"arguments\":{},\"name\":\"b\"}</tool_call> bye \n",
+                ],
+            ),
+            (
+                "<|im_start|>assistant\n<think>\n",
+                vec!["why", "\n</think>", "x"],
+            ),
+            ("", vec!["plain ", "text ", " "]),
+            (
+                "",
+                vec![
+                    "esc<tool_call>{\"name\": \"e\", \"arguments\": {\"s\": \"a\\u0041\", \"t\": [1, true, null]}}",
+                    "</tool_call>",
+                ],
+            ),
+            ("", vec!["bad <tool_call>{\"nam", "e\": 1}</tool_call>"]),
+            (
+                "",
+                vec![
+                    "<",
+                    "tool",
+                    "_call",
+                    ">{\"name\":\"n\",\"arguments\":\"{\\\"k\\\": 1}\"}</tool_call>",
+                ],
+            ),
+        ];
+        for (prompt, pieces) in cases {
+            let (got, parsed, _) = reassemble(prompt, &pieces);
+            assert_eq!(got, parsed, "pieces {pieces:?}");
+        }
+        // A call left open: the final reply is the raw text, and the header already sent
+        // has no call behind it (documented); the content still reassembles.
+        let pieces = ["open <tool_call>{\"name\": \"x\"", ", \"arguments\": {"];
+        let (got, parsed, _) = reassemble("", &pieces);
+        assert_eq!(parsed.content.as_deref(), Some(pieces.concat().as_str()));
+        assert!(parsed.tool_calls.is_empty());
+        assert_eq!(got.content, parsed.content);
+    }
+
+    #[test]
+    fn arguments_keep_the_models_text_without_whitespace() {
+        assert_eq!(
+            minify_prefix(r#"{ "a": "x y", "b": [1, -2"#),
+            (r#"{"a":"x y","b":[1,-2"#.into(), None)
+        );
+        assert_eq!(
+            minify_prefix(r#"{"a": {"c": true}} trailing"#),
+            (r#"{"a":{"c":true}}"#.into(), Some(18))
+        );
+        assert_eq!(
+            minify_prefix(r#"{"a": "}\" "}, x"#),
+            (r#"{"a":"}\" "}"#.into(), Some(13))
+        );
+        assert_eq!(minify_prefix("12 , x"), ("12".into(), Some(3)));
+        let body =
+            r#" {"name": "f", "parameters": {"q": 1}, "arguments": {"z": 2.50, "b": "\u0041"} } "#;
+        assert_eq!(
+            raw_arguments(body).as_deref(),
+            Some(r#"{"z":2.50,"b":"\u0041"}"#)
+        );
+        assert_eq!(
+            raw_arguments(r#"{"name": "f", "parameters": {"q": 1}}"#).as_deref(),
+            Some(r#"{"q":1}"#)
+        );
+        assert_eq!(raw_arguments(r#"{"name": "f", "arguments": "{}"}"#), None);
+        assert_eq!(raw_arguments(r#"{"name": "f"}"#), None);
+        // The text is valid JSON with the same meaning as what the parser read.
+        let v: Value = serde_json::from_str(&raw_arguments(body).unwrap()).unwrap();
+        assert_eq!(v, json!({"b": "A", "z": 2.5}));
+    }
+
+    #[test]
+    fn split_at_tag_holds_back_a_possible_tag_start() {
+        assert_eq!(split_at_tag("ab<to", "<tool_call>"), ("ab".into(), false));
+        assert_eq!(split_at_tag("ab<x", "<tool_call>"), ("ab<x".into(), false));
+        assert_eq!(
+            split_at_tag("a<tool_call>b", "<tool_call>"),
+            ("a".into(), true)
+        );
+    }
+}
