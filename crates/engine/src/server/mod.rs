@@ -18,6 +18,7 @@ pub mod error;
 pub mod generate;
 mod reply_stream;
 mod text;
+mod tool_json;
 
 use std::collections::HashMap;
 use std::sync::atomic::AtomicU64;
