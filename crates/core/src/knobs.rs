@@ -93,6 +93,10 @@ pub const KNOB_NAMES: [&str; 9] = [
     "paused",
 ];
 
+/// Largest `staleness_threshold`: over-sending beyond 100× the missing groups only floods the
+/// sampler and the engine (the controller asks for `(1 + s) · remaining` samples at once).
+pub const MAX_STALENESS_THRESHOLD: f64 = 100.0;
+
 /// Most domains `domain_mix` may name: the `domain` label of the metrics stays bounded even when
 /// no datasets are configured (simulated runs), where any name is accepted.
 pub const MAX_DOMAINS: usize = 256;
@@ -124,6 +128,15 @@ impl Knobs {
                 "staleness_threshold",
                 format!(
                     "expected a finite number ≥ 0, got {}",
+                    self.staleness_threshold
+                ),
+            ));
+        }
+        if self.staleness_threshold > MAX_STALENESS_THRESHOLD {
+            return Err(KnobError::new(
+                "staleness_threshold",
+                format!(
+                    "expected a number ≤ {MAX_STALENESS_THRESHOLD}, got {}",
                     self.staleness_threshold
                 ),
             ));
@@ -530,6 +543,10 @@ mod tests {
             (
                 &["staleness_threshold=NaN"],
                 "staleness_threshold: expected a finite number ≥ 0, got NaN",
+            ),
+            (
+                &["staleness_threshold=1000"],
+                "staleness_threshold: expected a number ≤ 100, got 1000",
             ),
             (
                 &["max_version_lag=-1"],

@@ -185,6 +185,12 @@ const BAD: &[(&str, &[&str], &str, ConfigErrorKind)] = &[
         ConfigErrorKind::Value,
     ),
     (
+        "[rollout]\nstaleness_threshold = 101.0",
+        &[],
+        "test.toml: rollout.staleness_threshold: expected a number ≤ 100, got 101",
+        ConfigErrorKind::Value,
+    ),
+    (
         "[rollout]\nstaleness_threshold = nan",
         &[],
         "test.toml: rollout.staleness_threshold: expected a number ≥ 0, got NaN",

@@ -642,6 +642,15 @@ fn validate_rollout(
         "a number ≥ 0",
         |v| v >= 0.0,
     )?;
+    if staleness_threshold > crate::knobs::MAX_STALENESS_THRESHOLD {
+        return Err(ctx.value(
+            "rollout.staleness_threshold",
+            format!(
+                "expected a number ≤ {}, got {staleness_threshold}",
+                crate::knobs::MAX_STALENESS_THRESHOLD
+            ),
+        ));
+    }
     let weight_update_mode = WeightUpdateMode::from_str(&raw.weight_update_mode)
         .map_err(|m| ctx.value("rollout.weight_update_mode", m))?;
     let trigger = u32_incl_zero(
