@@ -1,5 +1,8 @@
 //! Errors of the run report: a file that cannot be read or written, or a log line that does
 //! not parse.
+//!
+//! Each message already ends with its cause, so causes are fields rather than `source()`s: an
+//! error chain printed with `{:#}` would say them twice.
 
 use std::path::PathBuf;
 
@@ -7,24 +10,22 @@ use std::path::PathBuf;
 #[derive(Debug, thiserror::Error)]
 pub enum ReportError {
     /// Reading or writing a file failed.
-    #[error("{}: {source}", path.display())]
+    #[error("{}: {cause}", path.display())]
     Io {
         /// The file.
         path: PathBuf,
         /// What the OS said.
-        #[source]
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     /// A line of a metrics log is not a step record.
-    #[error("{}:{line}: not a step record: {source}", path.display())]
+    #[error("{}:{line}: not a step record: {cause}", path.display())]
     BadLine {
         /// The log file.
         path: PathBuf,
         /// 1-based line number.
         line: usize,
         /// What the JSON parser said.
-        #[source]
-        source: serde_json::Error,
+        cause: serde_json::Error,
     },
     /// A record's `extra` map uses the name of one of its own fields, which would write the
     /// key twice on one line.
@@ -36,13 +37,12 @@ pub enum ReportError {
         key: String,
     },
     /// A record could not be serialized.
-    #[error("step {step}: cannot serialize the record: {source}")]
+    #[error("step {step}: cannot serialize the record: {cause}")]
     Serialize {
         /// The record's step.
         step: u64,
         /// What serde_json said.
-        #[source]
-        source: serde_json::Error,
+        cause: serde_json::Error,
     },
 }
 
@@ -57,10 +57,10 @@ impl ReportError {
         }
     }
 
-    pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+    pub(crate) fn io(path: impl Into<PathBuf>, cause: std::io::Error) -> Self {
         Self::Io {
             path: path.into(),
-            source,
+            cause,
         }
     }
 }

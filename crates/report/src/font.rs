@@ -1,6 +1,7 @@
 //! A 5×7 bitmap font: digits, ASCII letters and the punctuation of axis labels.
 //!
-//! Each glyph is seven rows, top first; bit 4 of a row is its leftmost pixel. The shapes follow
+//! Each glyph is seven rows, top first; bit 4 of a row is its leftmost pixel. Letters with a
+//! tail are drawn one row lower (see [`DESCENT`]). The shapes follow
 //! the classic character-LCD set, which stays legible when scaled by whole pixels.
 
 /// Glyph width in font pixels.
@@ -10,12 +11,21 @@ pub const GLYPH_HEIGHT: u32 = 7;
 /// Horizontal distance between the left edges of neighbouring glyphs, in font pixels.
 pub const ADVANCE: u32 = 6;
 
+/// How far descending letters (g, j, p, q, y) are drawn below the others, in font pixels: their
+/// tails hang under the baseline, so their rows are stored one higher.
+pub const DESCENT: u32 = 1;
+
 /// Drawn for characters the font lacks: an empty box, so a missing glyph is visible.
 const MISSING: [u8; 7] = [0x1f, 0x11, 0x11, 0x11, 0x11, 0x11, 0x1f];
 
 /// The rows of `c`'s glyph (top first, bit 4 leftmost); lacking glyphs get a box.
 pub fn glyph(c: char) -> [u8; 7] {
     lookup(c).unwrap_or(MISSING)
+}
+
+/// Whether `c` is drawn [`DESCENT`] font pixels lower than other glyphs.
+pub fn descends(c: char) -> bool {
+    matches!(c, 'g' | 'j' | 'p' | 'q' | 'y')
 }
 
 /// Whether the font has a glyph for `c`.
@@ -84,8 +94,8 @@ fn lookup(c: char) -> Option<[u8; 7]> {
         'm' => [0b00000, 0b00000, 0b11010, 0b10101, 0b10101, 0b10001, 0b10001],
         'n' => [0b00000, 0b00000, 0b10110, 0b11001, 0b10001, 0b10001, 0b10001],
         'o' => [0b00000, 0b00000, 0b01110, 0b10001, 0b10001, 0b10001, 0b01110],
-        'p' => [0b00000, 0b00000, 0b11110, 0b10001, 0b11110, 0b10000, 0b10000],
-        'q' => [0b00000, 0b00000, 0b01101, 0b10011, 0b01111, 0b00001, 0b00001],
+        'p' => [0b00000, 0b11110, 0b10001, 0b10001, 0b11110, 0b10000, 0b10000],
+        'q' => [0b00000, 0b01111, 0b10001, 0b10001, 0b01111, 0b00001, 0b00001],
         'r' => [0b00000, 0b00000, 0b10110, 0b11001, 0b10000, 0b10000, 0b10000],
         's' => [0b00000, 0b00000, 0b01110, 0b10000, 0b01110, 0b00001, 0b11110],
         't' => [0b01000, 0b01000, 0b11100, 0b01000, 0b01000, 0b01001, 0b00110],
@@ -93,7 +103,7 @@ fn lookup(c: char) -> Option<[u8; 7]> {
         'v' => [0b00000, 0b00000, 0b10001, 0b10001, 0b10001, 0b01010, 0b00100],
         'w' => [0b00000, 0b00000, 0b10001, 0b10001, 0b10101, 0b10101, 0b01010],
         'x' => [0b00000, 0b00000, 0b10001, 0b01010, 0b00100, 0b01010, 0b10001],
-        'y' => [0b00000, 0b00000, 0b10001, 0b10001, 0b01111, 0b00001, 0b01110],
+        'y' => [0b00000, 0b10001, 0b10001, 0b10001, 0b01111, 0b00001, 0b01110],
         'z' => [0b00000, 0b00000, 0b11111, 0b00010, 0b00100, 0b01000, 0b11111],
         '.' => [0b00000, 0b00000, 0b00000, 0b00000, 0b00000, 0b01100, 0b01100],
         ',' => [0b00000, 0b00000, 0b00000, 0b00000, 0b01100, 0b00100, 0b01000],

@@ -140,15 +140,21 @@ impl Image {
     }
 
     /// Writes `text` with its top-left corner at (x, y), each font pixel drawn as a
-    /// `scale` × `scale` square; returns the width drawn in pixels.
+    /// `scale` × `scale` square; returns the width drawn in pixels. Tails of g, j, p, q, y reach
+    /// one font pixel below the [`text_height`] box.
     pub fn text(&mut self, (x, y): (i32, i32), text: &str, colour: Rgb, scale: u32) -> i32 {
         let s = scale.max(1) as i32;
         for (i, c) in text.chars().enumerate() {
             let left = x + i as i32 * font::ADVANCE as i32 * s;
+            let top = if font::descends(c) {
+                y + font::DESCENT as i32 * s
+            } else {
+                y
+            };
             for (row, bits) in font::glyph(c).iter().enumerate() {
                 for col in 0..font::GLYPH_WIDTH as i32 {
                     if bits & (1 << (font::GLYPH_WIDTH as i32 - 1 - col)) != 0 {
-                        self.fill_rect(left + col * s, y + row as i32 * s, s, s, colour);
+                        self.fill_rect(left + col * s, top + row as i32 * s, s, s, colour);
                     }
                 }
             }
@@ -166,7 +172,8 @@ impl Image {
     pub fn write_png(&self, path: impl AsRef<Path>) -> Result<(), ReportError> {
         let path = path.as_ref();
         let tmp = path.with_extension("png.tmp");
-        std::fs::write(&tmp, self.to_png()).map_err(|e| ReportError::io(&tmp, e))?;
+        // Errors name the file the caller asked for; the temporary name would only puzzle.
+        std::fs::write(&tmp, self.to_png()).map_err(|e| ReportError::io(path, e))?;
         std::fs::rename(&tmp, path).map_err(|e| ReportError::io(path, e))
     }
 }

@@ -168,9 +168,9 @@ impl MetricsLog {
             });
         }
         self.line.clear();
-        serde_json::to_writer(&mut self.line, record).map_err(|source| ReportError::Serialize {
+        serde_json::to_writer(&mut self.line, record).map_err(|cause| ReportError::Serialize {
             step: record.step,
-            source,
+            cause,
         })?;
         self.line.push(b'\n');
         // One write of the whole line, then a flush: a kill tears at most this line.
@@ -231,11 +231,11 @@ fn parse_lines<'a>(path: &Path, text: &'a str) -> Result<ParsedLines<'a>, Report
             Err(_) if index + 1 == line_count && !text.ends_with('\n') => {
                 parsed.dropped_torn_tail = true;
             }
-            Err(source) => {
+            Err(cause) => {
                 return Err(ReportError::BadLine {
                     path: path.to_path_buf(),
                     line: index + 1,
-                    source,
+                    cause,
                 });
             }
         }

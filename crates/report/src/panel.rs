@@ -198,8 +198,13 @@ impl Panel {
     pub fn draw_series(&self, image: &mut Image, records: &[StepRecord]) {
         let s = self.scale;
         let Frame {
-            left, top, bottom, ..
+            left,
+            top,
+            right,
+            bottom,
         } = self.frame;
+        let si = s as i32;
+        let mut label_free_x = [i32::MIN; 3];
         let mut previous: Option<&str> = None;
         for record in records {
             let phase = record.phase.as_deref();
@@ -209,12 +214,16 @@ impl Panel {
                     if previous.is_some() {
                         image.dashed_vline(px, (top + 1, bottom - 1), (3 * s, 3 * s), PHASE);
                     }
-                    image.text(
-                        (px.max(left) + 2 * s as i32, top + 2 * s as i32),
-                        name,
-                        PHASE,
-                        s,
-                    );
+                    let label_x = px.max(left) + 2 * si;
+                    let width = text_width(name, s);
+                    // A short phase would put its neighbour's label on top of its own: use the
+                    // first row with room, or leave the label out.
+                    let row = label_free_x.iter().position(|&free| label_x >= free);
+                    if let Some(row) = row.filter(|_| label_x + width < right) {
+                        let y = top + 2 * si + row as i32 * (text_height(s) + 3 * si);
+                        image.text((label_x, y), name, PHASE, s);
+                        label_free_x[row] = label_x + width + 3 * si;
+                    }
                 }
                 previous = phase;
             }
