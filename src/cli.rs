@@ -41,6 +41,18 @@ pub enum Command {
     EnvServer(EnvServerArgs),
     /// Serve a model directory with the native engine behind an OpenAI-compatible API.
     Serve(ServeArgs),
+    /// Draw a run's progress plot (reward and eval accuracy by step and wall time) as PNG.
+    Plot(PlotArgs),
+}
+
+/// `sluice plot`
+#[derive(Debug, clap::Args)]
+pub struct PlotArgs {
+    /// A run's output dir (its metrics.jsonl is read) or a metrics.jsonl file.
+    pub input: PathBuf,
+    /// Where to write the PNG [default: progress.png beside the log].
+    #[arg(short = 'o', long = "out", value_name = "PNG")]
+    pub out: Option<PathBuf>,
 }
 
 /// `sluice serve`

@@ -8,6 +8,7 @@ mod check;
 mod env_server;
 mod knobs;
 mod model;
+mod plot;
 mod run;
 mod serve;
 mod signals;
@@ -36,5 +37,6 @@ pub fn run(command: Command) -> anyhow::Result<ExitCode> {
         Command::EnvServer(args) => env_server::run(&args),
         Command::Serve(args) => serve::run(&args),
         Command::Bench(BenchCommand::Engine(args)) => bench_engine::run(&args),
+        Command::Plot(args) => plot::run(&args),
     }
 }
