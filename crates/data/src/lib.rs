@@ -3,18 +3,24 @@
 //! | module | what it holds |
 //! |---|---|
 //! | [`dataset`] | [`Dataset`]: JSONL files named `domain::name[@split]` → [`sluice_core::DataSample`]s, bad lines reported and counted |
-//! | [`sampler`] | [`DomainSampler`]: adaptive domain-weighted sampling toward the live `domain_mix`, per-domain system prompts and task dispatch, checkpointable |
+//! | [`sampler`] | [`MixSampler`]: adaptive domain-weighted sampling toward the live `domain_mix` over any [`DomainRows`], per-domain system prompts and task dispatch, checkpointable; [`DomainSampler`] is it over datasets |
+//! | [`rows`] | row sources: [`DatasetRows`] (shuffled per epoch) and [`GeneratorRows`] (made on demand, e.g. synthetic) |
 //! | [`rng`] | [`rng::Rng`]: a small seeded generator whose whole state serializes, so a restored sampler continues exactly |
 //! | [`error`] | [`DataError`] and its stable `kind()` names |
 //!
 //! Pure logic: no actors, no threads, no clocks. The pipeline's `DatasetSampler` actor wraps
-//! [`DomainSampler`] and feeds it completions.
+//! a [`MixSampler`] and feeds it completions.
 
 pub mod dataset;
 pub mod error;
 pub mod rng;
+pub mod rows;
 pub mod sampler;
 
 pub use dataset::{BadLine, Dataset, dataset_path};
 pub use error::DataError;
-pub use sampler::{DomainMixEntry, DomainOptions, DomainSampler, SamplerConfig, SamplerState};
+pub use rows::{DatasetRows, DomainCursor, GeneratorRows, RowGenerator};
+pub use sampler::{
+    DomainCounts, DomainMixEntry, DomainOptions, DomainRows, DomainSampler, MixSampler,
+    SamplerConfig, SamplerState,
+};

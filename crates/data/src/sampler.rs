@@ -1,8 +1,8 @@
-//! The adaptive domain-weighted sampler (seed 000).
+//! The adaptive domain-weighted sampler (seed 000), over any per-domain row source.
 //!
-//! Every draw first picks a domain, then the next row of that domain. Domain weights start from
-//! the target shares of the live `domain_mix` knob and, when adaptation is on, are corrected by how
-//! far the *completed* rollouts lag behind the target:
+//! Every draw first picks a domain, then asks the [`DomainRows`] for that domain's next row.
+//! Domain weights start from the target shares of the live `domain_mix` knob and, when
+//! adaptation is on, are corrected by how far the *completed* rollouts lag behind the target:
 //!
 //! ```text
 //! adjusted_d = target_d × clamp(target_d / actual_d, min_ratio, max_ratio)
@@ -12,22 +12,27 @@
 //! A domain whose rollouts are slow (a code sandbox) or fail more often completes less than it is
 //! sampled; boosting its weight keeps the *output* stream at the configured mix. Before any
 //! completion the ratio is 1; a domain with targets but no completion yet gets `max_ratio`.
-//! With an empty `domain_mix` domains are weighted by their row counts (plain concatenation).
+//! With an empty `domain_mix` domains are weighted by [`DomainRows::size_hint`] (row counts for
+//! datasets: plain concatenation).
 //!
-//! Rows within a domain are served in a shuffled order, reshuffled each epoch. The order of epoch
-//! `e` is derived from `(seed, domain, e)`, so the checkpoint ([`SamplerState`]) only holds the
-//! domain-choice RNG, each domain's epoch and cursor, and the counters — and restores exactly.
+//! Where rows come from is the [`DomainRows`]' business: shuffled dataset rows
+//! ([`DatasetRows`](crate::rows::DatasetRows), which makes [`DomainSampler`]) or rows made on
+//! demand ([`GeneratorRows`](crate::rows::GeneratorRows), e.g. synthetic samples for simulated
+//! runs). The checkpoint ([`SamplerState`]) holds the domain-choice RNG, the counters and the
+//! row source's own state, and restores exactly.
 
 use std::collections::BTreeMap;
+use std::fmt::Debug;
 
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use sluice_core::config::DataConfig;
-use sluice_core::metrics::{DATA_SAMPLES, DOMAIN_MIX_ACTUAL, DOMAIN_MIX_COUNT, DOMAIN_MIX_TARGET};
+use sluice_core::metrics::{DOMAIN_MIX_ACTUAL, DOMAIN_MIX_COUNT, DOMAIN_MIX_TARGET};
 use sluice_core::{DataSample, KnobsHandle};
 
-use crate::dataset::Dataset;
 use crate::error::DataError;
 use crate::rng::{Rng, derive_seed, hash_str};
+use crate::rows::DatasetRows;
 
 /// Per-domain settings (seed 000's `domain_system_prompts` and `domain_rollouts`).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -44,7 +49,7 @@ pub struct DomainOptions {
 /// How the sampler behaves; fixed for a run.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SamplerConfig {
-    /// Seed of the domain choice and of every epoch's shuffle.
+    /// Seed of the domain choice (and of a dataset's epoch shuffles).
     pub seed: u64,
     /// Correct weights by completed/target ratios (true) or sample the target mix as is.
     pub adaptive: bool,
@@ -52,7 +57,7 @@ pub struct SamplerConfig {
     pub min_ratio: f64,
     /// Upper clamp of the correction ratio (seed 000: 10).
     pub max_ratio: f64,
-    /// Options per domain; every key must be a domain some dataset belongs to.
+    /// Options per domain; every key must be a domain the rows serve.
     pub domains: BTreeMap<String, DomainOptions>,
 }
 
@@ -89,28 +94,48 @@ impl SamplerConfig {
     }
 }
 
-/// Checkpointable position of one domain.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct DomainCursor {
-    /// Rows in the domain when the state was taken (checked on restore).
-    pub rows: u64,
-    /// Completed passes over the domain.
-    pub epoch: u64,
-    /// Position within the current epoch's order.
-    pub cursor: u64,
-    /// Rows handed out since the start of the run.
+/// Where the rows of each domain come from. Domains are addressed by their index in
+/// [`domains`](Self::domains), which must not change over the source's life.
+pub trait DomainRows: Send + 'static {
+    /// The source's checkpointable position.
+    type State: Serialize + DeserializeOwned + Clone + PartialEq + Debug + Send;
+
+    /// The domains served, in a fixed order.
+    fn domains(&self) -> &[String];
+
+    /// Relative size of domain `i`, its weight when the mix is empty (row count of a dataset);
+    /// 0 means the domain has no rows and is never drawn.
+    fn size_hint(&self, i: usize) -> f64;
+
+    /// The next row of domain `i`; only called when `size_hint(i) > 0`. `None`: the domain has
+    /// run dry (the draw returns nothing).
+    fn next_row(&mut self, i: usize) -> Option<DataSample>;
+
+    /// The current position.
+    fn state(&self) -> Self::State;
+
+    /// Continues from `state`. Refused, with nothing changed, when it does not fit.
+    fn restore(&mut self, state: Self::State) -> Result<(), DataError>;
+}
+
+/// Counters of one domain since the start of the run.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DomainCounts {
+    /// Rows handed out.
     pub sampled: u64,
-    /// Rollouts reported completed since the start of the run.
+    /// Rollouts reported completed (what adaptation steers by).
     pub completed: u64,
 }
 
 /// Everything needed to continue sampling exactly where a checkpoint left off.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct SamplerState {
+pub struct SamplerState<S> {
     /// The domain-choice generator.
     pub rng: Rng,
-    /// Per domain, by name.
-    pub domains: BTreeMap<String, DomainCursor>,
+    /// Counters per domain, by name.
+    pub domains: BTreeMap<String, DomainCounts>,
+    /// The row source's position.
+    pub rows: S,
 }
 
 /// One line of the domain-mix report (also what the gauges export).
@@ -118,7 +143,7 @@ pub struct SamplerState {
 pub struct DomainMixEntry {
     /// Domain name.
     pub domain: String,
-    /// Target share (normalized `domain_mix`; row share when the mix is empty).
+    /// Target share (normalized `domain_mix`; size share when the mix is empty).
     pub target: f64,
     /// Share of completed rollouts since the start.
     pub actual: f64,
@@ -130,36 +155,39 @@ pub struct DomainMixEntry {
     pub draw_probability: f64,
 }
 
-struct Domain {
-    name: String,
-    options: DomainOptions,
-    /// (dataset index, row index) of the domain's rows, concatenated in dataset order.
-    rows: Vec<(u32, u32)>,
-    /// Permutation of `0..rows.len()` for the current epoch.
-    order: Vec<u32>,
-    pos: DomainCursor,
-}
-
-/// Draws [`DataSample`]s across domains toward the target mix. See the module docs.
-pub struct DomainSampler {
+/// Draws [`DataSample`]s across the domains of `R` toward the target mix. See the module docs.
+pub struct MixSampler<R: DomainRows> {
     config: SamplerConfig,
-    datasets: Vec<Dataset>,
-    domains: Vec<Domain>,
+    rows: R,
+    /// Options per domain, index-aligned with `rows.domains()`.
+    options: Vec<DomainOptions>,
+    counts: Vec<DomainCounts>,
     rng: Rng,
 }
 
-impl std::fmt::Debug for DomainSampler {
+/// The sampler over JSONL (or generated) datasets: rows shuffled per epoch.
+pub type DomainSampler = MixSampler<DatasetRows>;
+
+impl<R: DomainRows> Debug for MixSampler<R> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DomainSampler")
+        f.debug_struct("MixSampler")
             .field("config", &self.config)
             .field("state", &self.state())
             .finish_non_exhaustive()
     }
 }
 
-impl DomainSampler {
+impl MixSampler<DatasetRows> {
     /// A sampler over `datasets`; domains appear in first-mention order.
-    pub fn new(config: SamplerConfig, datasets: Vec<Dataset>) -> Result<Self, DataError> {
+    pub fn new(config: SamplerConfig, datasets: Vec<crate::Dataset>) -> Result<Self, DataError> {
+        let rows = DatasetRows::new(datasets, config.seed);
+        Self::with_rows(config, rows)
+    }
+}
+
+impl<R: DomainRows> MixSampler<R> {
+    /// A sampler over the domains of `rows`.
+    pub fn with_rows(config: SamplerConfig, rows: R) -> Result<Self, DataError> {
         let clamp_ok = config.min_ratio > 0.0
             && config.min_ratio <= 1.0
             && config.max_ratio >= 1.0
@@ -170,77 +198,55 @@ impl DomainSampler {
                 config.min_ratio, config.max_ratio
             )));
         }
-        let mut domains: Vec<Domain> = Vec::new();
-        for (di, ds) in datasets.iter().enumerate() {
-            let name = &ds.spec().domain;
-            let idx = match domains.iter().position(|d| &d.name == name) {
-                Some(i) => i,
-                None => {
-                    domains.push(Domain {
-                        name: name.clone(),
-                        options: config.domains.get(name).cloned().unwrap_or_default(),
-                        rows: Vec::new(),
-                        order: Vec::new(),
-                        pos: DomainCursor {
-                            rows: 0,
-                            epoch: 0,
-                            cursor: 0,
-                            sampled: 0,
-                            completed: 0,
-                        },
-                    });
-                    domains.len() - 1
-                }
-            };
-            let rows = &mut domains[idx].rows;
-            rows.extend((0..ds.len()).map(|r| (di as u32, r as u32)));
-        }
-        if let Some(unknown) = config
-            .domains
-            .keys()
-            .find(|k| !domains.iter().any(|d| &d.name == *k))
-        {
+        let names = rows.domains();
+        if let Some(unknown) = config.domains.keys().find(|k| !names.contains(k)) {
             return Err(DataError::Config(format!(
                 "options given for domain `{unknown}`, but no dataset belongs to it"
             )));
         }
-        if domains.iter().all(|d| d.rows.is_empty()) {
-            return Err(DataError::Config("no dataset has any row".into()));
+        if (0..names.len()).all(|i| rows.size_hint(i) <= 0.0) {
+            return Err(DataError::Config("no domain has any row".into()));
         }
-        let mut sampler = Self {
+        let options = names
+            .iter()
+            .map(|n| config.domains.get(n).cloned().unwrap_or_default())
+            .collect();
+        Ok(Self {
             rng: Rng::new(derive_seed(&[config.seed, hash_str("domain-choice")])),
+            counts: vec![DomainCounts::default(); names.len()],
+            options,
             config,
-            datasets,
-            domains,
-        };
-        for i in 0..sampler.domains.len() {
-            sampler.domains[i].pos.rows = sampler.domains[i].rows.len() as u64;
-            sampler.reshuffle(i);
-        }
-        Ok(sampler)
+            rows,
+        })
     }
 
-    /// The domains, in first-mention order.
+    /// The domains, in the row source's order.
     pub fn domain_names(&self) -> Vec<String> {
-        self.domains.iter().map(|d| d.name.clone()).collect()
+        self.rows.domains().to_vec()
     }
 
-    fn reshuffle(&mut self, i: usize) {
-        let seed = self.config.seed;
-        let d = &mut self.domains[i];
-        d.order = (0..d.rows.len() as u32).collect();
-        Rng::new(derive_seed(&[seed, hash_str(&d.name), d.pos.epoch])).shuffle(&mut d.order);
+    /// The row source.
+    pub fn rows(&self) -> &R {
+        &self.rows
+    }
+
+    /// Whether weights are corrected by completions.
+    pub fn is_adaptive(&self) -> bool {
+        self.config.adaptive
     }
 
     /// Target shares per domain (index-aligned with the domains), from a `domain_mix` map.
     fn targets(&self, mix: &BTreeMap<String, f64>) -> Vec<f64> {
+        let names = self.rows.domains();
         let raw: Vec<f64> = if mix.is_empty() {
-            self.domains.iter().map(|d| d.rows.len() as f64).collect()
+            (0..names.len())
+                .map(|i| self.rows.size_hint(i).max(0.0))
+                .collect()
         } else {
-            self.domains
+            names
                 .iter()
                 .map(|d| {
-                    mix.get(&d.name)
+                    mix.get(d)
                         .copied()
                         .filter(|w| w.is_finite() && *w > 0.0)
                         .unwrap_or(0.0)
@@ -255,19 +261,18 @@ impl DomainSampler {
 
     /// Normalized draw probabilities for the next pick (zero for domains without rows).
     fn draw_probabilities(&self, targets: &[f64]) -> Vec<f64> {
-        let total_completed: u64 = self.domains.iter().map(|d| d.pos.completed).sum();
-        let weights: Vec<f64> = self
-            .domains
+        let total_completed: u64 = self.counts.iter().map(|c| c.completed).sum();
+        let weights: Vec<f64> = targets
             .iter()
-            .zip(targets)
-            .map(|(d, &target)| {
-                if d.rows.is_empty() || target <= 0.0 {
+            .enumerate()
+            .map(|(i, &target)| {
+                if self.rows.size_hint(i) <= 0.0 || target <= 0.0 {
                     return 0.0;
                 }
                 if !self.config.adaptive || total_completed == 0 {
                     return target;
                 }
-                let actual = d.pos.completed as f64 / total_completed as f64;
+                let actual = self.counts[i].completed as f64 / total_completed as f64;
                 let ratio = if actual > 0.0 {
                     target / actual
                 } else {
@@ -284,7 +289,7 @@ impl DomainSampler {
     }
 
     /// The next row, toward the mix `domain_mix` (raw weights, normalized here). `None` when
-    /// every domain with rows has weight 0.
+    /// every domain with rows has weight 0, or the drawn domain ran dry.
     pub fn next_sample(&mut self, domain_mix: &BTreeMap<String, f64>) -> Option<DataSample> {
         let probs = self.draw_probabilities(&self.targets(domain_mix));
         if probs.iter().all(|&p| p <= 0.0) {
@@ -301,7 +306,12 @@ impl DomainSampler {
                 break;
             }
         }
-        Some(self.take_row(pick))
+        let mut sample = self.rows.next_row(pick)?;
+        self.counts[pick].sampled += 1;
+        if sample.system_prompt.is_none() {
+            sample.system_prompt = self.options[pick].system_prompt.clone();
+        }
+        Some(sample)
     }
 
     /// [`next_sample`](Self::next_sample) with the mix read from the live knobs.
@@ -309,29 +319,11 @@ impl DomainSampler {
         self.next_sample(&knobs.current().domain_mix)
     }
 
-    fn take_row(&mut self, i: usize) -> DataSample {
-        if self.domains[i].pos.cursor as usize >= self.domains[i].order.len() {
-            self.domains[i].pos.epoch += 1;
-            self.domains[i].pos.cursor = 0;
-            self.reshuffle(i);
-        }
-        let d = &mut self.domains[i];
-        let (ds, row) = d.rows[d.order[d.pos.cursor as usize] as usize];
-        d.pos.cursor += 1;
-        d.pos.sampled += 1;
-        let mut sample = self.datasets[ds as usize].samples()[row as usize].clone();
-        if sample.system_prompt.is_none() {
-            sample.system_prompt = d.options.system_prompt.clone();
-        }
-        metrics::counter!(DATA_SAMPLES, "domain" => d.name.clone()).increment(1);
-        sample
-    }
-
     /// Records `rollouts` completed rollouts of `domain` (what adaptation steers by). Unknown
     /// domains are ignored with a warning: a checkpoint from an older config may name them.
     pub fn record_completed(&mut self, domain: &str, rollouts: u64) {
-        match self.domains.iter_mut().find(|d| d.name == domain) {
-            Some(d) => d.pos.completed += rollouts,
+        match self.rows.domains().iter().position(|d| d == domain) {
+            Some(i) => self.counts[i].completed += rollouts,
             None => tracing::warn!(domain, "completion reported for an unknown domain"),
         }
     }
@@ -339,10 +331,11 @@ impl DomainSampler {
     /// Name of the task that runs `sample`: its domain's configured task, else its dataset name
     /// without the split.
     pub fn task_for<'a>(&'a self, sample: &'a DataSample) -> &'a str {
-        self.domains
+        self.rows
+            .domains()
             .iter()
-            .find(|d| d.name == sample.domain)
-            .and_then(|d| d.options.task.as_deref())
+            .position(|d| *d == sample.domain)
+            .and_then(|i| self.options[i].task.as_deref())
             .unwrap_or_else(|| {
                 sample
                     .dataset
@@ -355,20 +348,22 @@ impl DomainSampler {
     pub fn mix_report(&self, domain_mix: &BTreeMap<String, f64>) -> Vec<DomainMixEntry> {
         let targets = self.targets(domain_mix);
         let probs = self.draw_probabilities(&targets);
-        let total: u64 = self.domains.iter().map(|d| d.pos.completed).sum();
-        self.domains
+        let total: u64 = self.counts.iter().map(|c| c.completed).sum();
+        self.rows
+            .domains()
             .iter()
+            .zip(&self.counts)
             .enumerate()
-            .map(|(i, d)| DomainMixEntry {
-                domain: d.name.clone(),
+            .map(|(i, (name, c))| DomainMixEntry {
+                domain: name.clone(),
                 target: targets[i],
                 actual: if total > 0 {
-                    d.pos.completed as f64 / total as f64
+                    c.completed as f64 / total as f64
                 } else {
                     0.0
                 },
-                completed: d.pos.completed,
-                sampled: d.pos.sampled,
+                completed: c.completed,
+                sampled: c.sampled,
                 draw_probability: probs[i],
             })
             .collect()
@@ -384,45 +379,39 @@ impl DomainSampler {
     }
 
     /// The checkpointable state.
-    pub fn state(&self) -> SamplerState {
+    pub fn state(&self) -> SamplerState<R::State> {
         SamplerState {
             rng: self.rng.clone(),
             domains: self
-                .domains
+                .rows
+                .domains()
                 .iter()
-                .map(|d| (d.name.clone(), d.pos.clone()))
+                .cloned()
+                .zip(self.counts.iter().copied())
                 .collect(),
+            rows: self.rows.state(),
         }
     }
 
-    /// Continues from `state`. Refused (nothing changes) when it names other domains or other
-    /// row counts than the datasets this sampler holds.
-    pub fn restore(&mut self, state: SamplerState) -> Result<(), DataError> {
+    /// Continues from `state`. Refused (nothing changes) when it names other domains than the
+    /// rows serve, or when the row source refuses its part.
+    pub fn restore(&mut self, state: SamplerState<R::State>) -> Result<(), DataError> {
         let names: Vec<&String> = state.domains.keys().collect();
-        let mut ours: Vec<&String> = self.domains.iter().map(|d| &d.name).collect();
+        let mut ours: Vec<&String> = self.rows.domains().iter().collect();
         ours.sort();
         if names != ours {
             return Err(DataError::StateMismatch(format!(
-                "state has domains {names:?}, the datasets have {ours:?}"
+                "state has domains {names:?}, the sampler has {ours:?}"
             )));
         }
-        for d in &self.domains {
-            let s = &state.domains[&d.name];
-            if s.rows != d.rows.len() as u64 || s.cursor > s.rows {
-                return Err(DataError::StateMismatch(format!(
-                    "domain `{}`: state has {} rows (cursor {}), the datasets have {}",
-                    d.name,
-                    s.rows,
-                    s.cursor,
-                    d.rows.len()
-                )));
-            }
-        }
+        self.rows.restore(state.rows)?;
         self.rng = state.rng;
-        for i in 0..self.domains.len() {
-            self.domains[i].pos = state.domains[&self.domains[i].name].clone();
-            self.reshuffle(i);
-        }
+        self.counts = self
+            .rows
+            .domains()
+            .iter()
+            .map(|d| state.domains[d])
+            .collect();
         Ok(())
     }
 }

@@ -201,7 +201,7 @@ fn every_row_once_per_epoch() {
     assert_eq!(first, second_sorted);
     first.dedup();
     assert_eq!(first.len(), 12);
-    assert_eq!(s.state().domains["m"].epoch, 1);
+    assert_eq!(s.state().rows["m"].epoch, 1);
 }
 
 #[test]
