@@ -633,6 +633,7 @@ impl ControllerState {
                 self.attempts.remove(&r.id);
             }
             let eta = self.knobs.current().max_version_lag;
+            peers.sampler.group_finished(&group, self.version, eta);
             peers.replay.finish(group, self.version, eta);
         }
     }

@@ -1,13 +1,22 @@
 //! The DatasetSampler actor: hands data samples to the controller when asked (credit-based: it
-//! never sends more than the controller requested). The samples come from a [`SampleSource`], a
-//! small trait; the domain-weighted dataset sampler of `sluice-data` implements it below.
+//! never sends more than the controller requested), and hears back how many rollouts of each
+//! domain completed, which the adaptive mix steers by (seed 000).
+//!
+//! The samples come from a [`SampleSource`], a small trait. Any `sluice-data`
+//! [`MixSampler`] is one — over datasets ([`sluice_data::DomainSampler`]) or over rows made on
+//! demand per domain ([`GeneratorRows`]); [`SimSource`] is the synthetic one of simulated runs.
+//! After each request and each completion report the actor exports
+//! `sluice_domain_mix_{actual,target,count}{domain}`.
 
 use std::collections::BTreeMap;
 
-use ractor::{Actor, ActorProcessingErr, ActorRef};
+use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
+use serde_json::Value;
+use sluice_core::config::Config;
 use sluice_core::metrics as m;
-use sluice_core::{DataSample, KnobsHandle};
-use sluice_engine::simulated::{SplitMix64, mix};
+use sluice_core::{DataSample, KnobsHandle, PolicyVersion, RolloutGroup, RolloutStatus};
+use sluice_data::rng::{derive_seed, hash_str};
+use sluice_data::{DomainRows, GeneratorRows, MixSampler, SamplerConfig};
 
 use crate::{ActorError, Sink};
 
@@ -16,92 +25,167 @@ pub trait SampleSource: Send + 'static {
     /// The next sample, drawn toward `domain_shares` (normalized target shares; empty = no
     /// preference). `None` when the source is exhausted.
     fn next_sample(&mut self, domain_shares: &BTreeMap<String, f64>) -> Option<DataSample>;
+
+    /// `rollouts` rollouts of `domain` completed (feedback for adaptive sources).
+    fn record_completed(&mut self, _domain: &str, _rollouts: u64) {}
+
+    /// Exports the source's gauges toward `domain_shares` (the domain-mix gauges for mixes).
+    fn publish_metrics(&self, _domain_shares: &BTreeMap<String, f64>) {}
+
     /// Resumable state (for checkpoints).
-    fn state(&self) -> serde_json::Value;
+    fn state(&self) -> Value;
+
+    /// Continues from a [`state`](Self::state) taken earlier. Refused, with nothing changed, when
+    /// it does not fit this source; the reason names what did not fit.
+    fn restore(&mut self, state: Value) -> Result<(), String>;
 }
 
-/// Endless synthetic samples over a list of domains (the simulated workload).
-#[derive(Debug, Clone)]
-pub struct SimSource {
-    domains: Vec<String>,
-    rng: SplitMix64,
-    drawn: u64,
+/// Every `sluice-data` mix sampler is a source: the knob's shares are its target mix.
+impl<R: DomainRows> SampleSource for MixSampler<R> {
+    fn next_sample(&mut self, domain_shares: &BTreeMap<String, f64>) -> Option<DataSample> {
+        MixSampler::next_sample(self, domain_shares)
+    }
+
+    fn record_completed(&mut self, domain: &str, rollouts: u64) {
+        MixSampler::record_completed(self, domain, rollouts);
+    }
+
+    fn publish_metrics(&self, domain_shares: &BTreeMap<String, f64>) {
+        MixSampler::publish_metrics(self, domain_shares);
+    }
+
+    fn state(&self) -> Value {
+        // The state is plain data (maps with string keys, integers): serializing cannot fail.
+        serde_json::to_value(MixSampler::state(self)).unwrap_or_default()
+    }
+
+    fn restore(&mut self, state: Value) -> Result<(), String> {
+        let state = serde_json::from_value(state).map_err(|e| format!("sampler state: {e}"))?;
+        MixSampler::restore(self, state).map_err(|e| e.to_string())
+    }
 }
+
+/// Endless synthetic samples over a list of domains (the simulated workload): the adaptive mix
+/// over [`GeneratorRows::synthetic`].
+#[derive(Debug)]
+pub struct SimSource(MixSampler<GeneratorRows>);
 
 impl SimSource {
-    /// Samples spread over `domains` (at least one; `sim` when empty), seeded.
+    /// Samples spread over `domains` (`sim` when empty) by the target shares as they are
+    /// (no adaptation), seeded.
     pub fn new(domains: Vec<String>, seed: u64) -> Self {
+        let mut config = SamplerConfig::new(seed);
+        config.adaptive = false;
+        Self::build(domains, config)
+    }
+
+    /// The source of a simulated run of `config`: the domains of `data.datasets`, else those
+    /// with a `[engine.simulated.lengths.<domain>]`, else those of `rollout.domain_mix` (`sim`
+    /// when none); adaptive per `data.adaptive_mix`, with the `[data.domains.*]` system prompts;
+    /// seeded from `run.seed`.
+    pub fn from_config(config: &Config) -> Self {
+        let mut domains = config.data.domains();
+        if domains.is_empty() {
+            domains = config
+                .engine
+                .simulated
+                .lengths
+                .keys()
+                .filter(|k| *k != "default")
+                .cloned()
+                .collect();
+        }
+        if domains.is_empty() {
+            domains = config.rollout.knobs.domain_mix.keys().cloned().collect();
+        }
+        let seed = derive_seed(&[config.run.seed, hash_str("sampler")]);
+        Self::build(domains, SamplerConfig::from_data_config(&config.data, seed))
+    }
+
+    fn build(domains: Vec<String>, mut config: SamplerConfig) -> Self {
         let domains = if domains.is_empty() {
             vec!["sim".to_owned()]
         } else {
             domains
         };
-        Self {
-            domains,
-            rng: SplitMix64::new(mix(&[seed, 0xda7a])),
-            drawn: 0,
+        // Options only for domains this source serves (a config validates them against its
+        // datasets, which are the domains here whenever there are any).
+        config.domains.retain(|d, _| domains.contains(d));
+        let rows = GeneratorRows::synthetic(domains);
+        match MixSampler::with_rows(config.clone(), rows) {
+            Ok(s) => Self(s),
+            // Unreachable with a valid clamp and at least one domain, both ensured above; fall
+            // back to the defaults rather than fail a simulated run.
+            Err(_) => Self(
+                MixSampler::with_rows(
+                    SamplerConfig::new(config.seed),
+                    GeneratorRows::synthetic(["sim".to_owned()]),
+                )
+                .expect("one synthetic domain with the default clamp is a valid sampler"),
+            ),
         }
+    }
+
+    /// The mix sampler inside.
+    pub fn sampler(&self) -> &MixSampler<GeneratorRows> {
+        &self.0
     }
 }
 
 impl SampleSource for SimSource {
-    fn next_sample(&mut self, shares: &BTreeMap<String, f64>) -> Option<DataSample> {
-        let weights: Vec<f64> = self
-            .domains
-            .iter()
-            .map(|d| {
-                if shares.is_empty() {
-                    1.0
-                } else {
-                    shares.get(d).copied().unwrap_or(0.0)
-                }
-            })
-            .collect();
-        let total: f64 = weights.iter().sum();
-        let mut x = self.rng.next_f64()
-            * if total > 0.0 {
-                total
-            } else {
-                weights.len() as f64
-            };
-        let mut domain = &self.domains[0];
-        for (d, w) in self.domains.iter().zip(&weights) {
-            let w = if total > 0.0 { *w } else { 1.0 };
-            if x < w {
-                domain = d;
-                break;
-            }
-            x -= w;
-        }
-        self.drawn += 1;
-        Some(DataSample {
-            id: self.drawn.to_string(),
-            domain: domain.clone(),
-            dataset: "simulated".into(),
-            input: serde_json::Value::Null,
-            system_prompt: None,
-        })
+    fn next_sample(&mut self, domain_shares: &BTreeMap<String, f64>) -> Option<DataSample> {
+        SampleSource::next_sample(&mut self.0, domain_shares)
     }
-
-    fn state(&self) -> serde_json::Value {
-        serde_json::json!({ "drawn": self.drawn })
+    fn record_completed(&mut self, domain: &str, rollouts: u64) {
+        SampleSource::record_completed(&mut self.0, domain, rollouts);
+    }
+    fn publish_metrics(&self, domain_shares: &BTreeMap<String, f64>) {
+        SampleSource::publish_metrics(&self.0, domain_shares);
+    }
+    fn state(&self) -> Value {
+        SampleSource::state(&self.0)
+    }
+    fn restore(&mut self, state: Value) -> Result<(), String> {
+        SampleSource::restore(&mut self.0, state)
     }
 }
 
-/// The dataset sampler of `sluice-data` (JSONL datasets, adaptive domain weights) is a source as
-/// it is: the knob's shares are its target mix.
-impl SampleSource for sluice_data::DomainSampler {
-    fn next_sample(&mut self, domain_shares: &BTreeMap<String, f64>) -> Option<DataSample> {
-        sluice_data::DomainSampler::next_sample(self, domain_shares)
+/// Rollouts of a finished group that count as completed for the mix: those that produced a
+/// trainable answer (`Completed` or `Truncated`), not failed ones — and none when the group is
+/// already stale on arrival (a token older than `current − η`): the replay store expires it, and
+/// it counts when it completes in time after regeneration, or never when expired groups are
+/// dropped.
+pub fn completed_rollouts(
+    group: &RolloutGroup,
+    current: PolicyVersion,
+    max_version_lag: u64,
+) -> u64 {
+    let stale = group
+        .min_version()
+        .is_some_and(|v| v.lag_behind(current) > max_version_lag);
+    if stale {
+        return 0;
     }
+    group
+        .rollouts
+        .iter()
+        .filter(|r| {
+            matches!(
+                r.status,
+                RolloutStatus::Completed | RolloutStatus::Truncated
+            )
+        })
+        .count() as u64
+}
 
-    fn state(&self) -> serde_json::Value {
-        serde_json::to_value(sluice_data::DomainSampler::state(self)).unwrap_or_default()
-    }
+enum Cmd {
+    Request(usize),
+    Completed { domain: String, rollouts: u64 },
+    State(RpcReplyPort<Value>),
 }
 
 /// The actor's messages (private: use [`SamplerHandle`]).
-pub struct SamplerMsg(usize);
+pub struct SamplerMsg(Cmd);
 
 /// Typed handle; cloning is shallow.
 #[derive(Clone)]
@@ -116,6 +200,23 @@ impl SamplerHandle {
         knobs: KnobsHandle,
         out: Sink<Vec<DataSample>>,
     ) -> Result<(Self, tokio::task::JoinHandle<()>), ActorError> {
+        Self::spawn_from(source, knobs, out, None).await
+    }
+
+    /// Starts the sampler, first restoring `state` (a [`SamplerHandle::state`] taken earlier)
+    /// into `source` when given; a state the source refuses fails the start.
+    pub async fn spawn_from(
+        mut source: Box<dyn SampleSource>,
+        knobs: KnobsHandle,
+        out: Sink<Vec<DataSample>>,
+        state: Option<Value>,
+    ) -> Result<(Self, tokio::task::JoinHandle<()>), ActorError> {
+        if let Some(state) = state {
+            source.restore(state).map_err(|message| ActorError::Spawn {
+                actor: "sampler",
+                message,
+            })?;
+        }
         let (actor, join) = Actor::spawn(None, SamplerActor, (source, knobs, out))
             .await
             .map_err(|e| ActorError::Spawn {
@@ -127,7 +228,38 @@ impl SamplerHandle {
 
     /// Asks for `n` samples (the answer may hold fewer when the source runs dry).
     pub fn request(&self, n: usize) {
-        let _ = self.actor.cast(SamplerMsg(n));
+        let _ = self.actor.cast(SamplerMsg(Cmd::Request(n)));
+    }
+
+    /// Reports `rollouts` completed rollouts of `domain`.
+    pub fn completed(&self, domain: &str, rollouts: u64) {
+        let _ = self.actor.cast(SamplerMsg(Cmd::Completed {
+            domain: domain.to_owned(),
+            rollouts,
+        }));
+    }
+
+    /// Reports a finished (not aborted) group, finished while the policy is at `current` with lag
+    /// bound `max_version_lag`: its [`completed_rollouts`] under its domain.
+    pub fn group_finished(
+        &self,
+        group: &RolloutGroup,
+        current: PolicyVersion,
+        max_version_lag: u64,
+    ) {
+        let n = completed_rollouts(group, current, max_version_lag);
+        if n > 0 {
+            self.completed(&group.sample.domain, n);
+        }
+    }
+
+    /// The source's checkpointable state, after every message sent before this call.
+    pub async fn state(&self) -> Result<Value, ActorError> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.actor
+            .cast(SamplerMsg(Cmd::State(tx.into())))
+            .map_err(|_| ActorError::Gone { actor: "sampler" })?;
+        rx.await.map_err(|_| ActorError::Gone { actor: "sampler" })
     }
 
     /// Stops the actor.
@@ -148,21 +280,186 @@ impl Actor for SamplerActor {
         _me: ActorRef<SamplerMsg>,
         args: Self::State,
     ) -> Result<Self::State, ActorProcessingErr> {
+        args.0.publish_metrics(&args.1.current().domain_shares());
         Ok(args)
     }
 
     async fn handle(
         &self,
         _me: ActorRef<SamplerMsg>,
-        SamplerMsg(n): SamplerMsg,
+        SamplerMsg(cmd): SamplerMsg,
         (source, knobs, out): &mut Self::State,
     ) -> Result<(), ActorProcessingErr> {
+        metrics::counter!(m::ACTOR_RECEIVED, "actor" => "sampler").increment(1);
         let shares = knobs.current().domain_shares();
-        let samples: Vec<DataSample> = (0..n).map_while(|_| source.next_sample(&shares)).collect();
-        for s in &samples {
-            metrics::counter!(m::DATA_SAMPLES, "domain" => s.domain.clone()).increment(1);
+        match cmd {
+            Cmd::Request(n) => {
+                let samples: Vec<DataSample> =
+                    (0..n).map_while(|_| source.next_sample(&shares)).collect();
+                for s in &samples {
+                    metrics::counter!(m::DATA_SAMPLES, "domain" => s.domain.clone()).increment(1);
+                }
+                out(samples);
+            }
+            Cmd::Completed { domain, rollouts } => source.record_completed(&domain, rollouts),
+            Cmd::State(reply) => {
+                let _ = reply.send(source.state());
+                return Ok(());
+            }
         }
-        out(samples);
+        source.publish_metrics(&shares);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::{Arc, Mutex};
+    use std::time::Duration;
+
+    use sluice_core::{Knobs, WeightUpdateMode};
+
+    fn knobs(mix: &[(&str, f64)]) -> KnobsHandle {
+        let knobs = Knobs {
+            staleness_threshold: 0.0,
+            max_version_lag: 1,
+            enable_partial_rollout: true,
+            tail_batch_candidate_steps: 0,
+            tail_batch_trigger_size: 1,
+            weight_update_mode: WeightUpdateMode::AbortResume,
+            domain_mix: mix.iter().map(|(d, w)| ((*d).to_owned(), *w)).collect(),
+            max_concurrent_rollouts: 8,
+            paused: false,
+        };
+        KnobsHandle::new(knobs, 1, Vec::new()).unwrap()
+    }
+
+    fn adaptive(domains: &[&str]) -> Box<dyn SampleSource> {
+        let rows = GeneratorRows::synthetic(domains.iter().map(|d| (*d).to_owned()));
+        Box::new(MixSampler::with_rows(SamplerConfig::new(5), rows).unwrap())
+    }
+
+    type Got = Arc<Mutex<Vec<DataSample>>>;
+
+    fn sink() -> (Sink<Vec<DataSample>>, Got) {
+        let got: Got = Arc::default();
+        let g = Arc::clone(&got);
+        (Arc::new(move |s| g.lock().unwrap().extend(s)), got)
+    }
+
+    async fn take(got: &Got, n: usize) -> Vec<String> {
+        for _ in 0..500 {
+            if got.lock().unwrap().len() >= n {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        let mut g = got.lock().unwrap();
+        assert_eq!(
+            g.len(),
+            n,
+            "the sampler answers a request with exactly n samples"
+        );
+        g.drain(..).map(|s| s.id).collect()
+    }
+
+    #[tokio::test]
+    async fn feedback_steers_and_state_restores_at_spawn() {
+        let k = knobs(&[("a", 1.0), ("b", 1.0)]);
+        let (out, got) = sink();
+        let (h, j) = SamplerHandle::spawn(adaptive(&["a", "b"]), k.clone(), out)
+            .await
+            .unwrap();
+        h.request(10);
+        take(&got, 10).await;
+        // `a` completed plenty, `b` nothing: `b` gets 10× its weight, `a` half of it.
+        h.completed("a", 100);
+        let state = h.state().await.unwrap();
+        assert_eq!(state["domains"]["a"]["completed"], 100);
+        h.request(200);
+        let ids = take(&got, 200).await;
+        let b = ids.iter().filter(|id| id.starts_with("b-")).count();
+        assert!(b > 170, "b should be drawn ~95 % of the time, got {b}/200");
+
+        // A second sampler restored from the state draws exactly what the first drew.
+        let (out2, got2) = sink();
+        let (h2, j2) =
+            SamplerHandle::spawn_from(adaptive(&["a", "b"]), k.clone(), out2, Some(state))
+                .await
+                .unwrap();
+        h2.request(200);
+        assert_eq!(take(&got2, 200).await, ids);
+
+        // A state for other domains fails the start.
+        let (out3, _) = sink();
+        let bad = h.state().await.unwrap();
+        let err = SamplerHandle::spawn_from(adaptive(&["a", "c"]), k, out3, Some(bad))
+            .await
+            .err()
+            .expect("mismatched state is refused");
+        assert_eq!(err.kind(), "actor_spawn");
+        assert!(err.to_string().contains("domains"), "{err}");
+        for (h, j) in [(h, j), (h2, j2)] {
+            h.stop().await;
+            j.await.unwrap();
+        }
+    }
+
+    #[test]
+    fn only_answered_rollouts_count_as_completed() {
+        use sluice_core::{GroupId, NodeId, RunId};
+        let id = GroupId {
+            run: RunId::from_name("t"),
+            node: NodeId(0),
+            counter: 1,
+        };
+        let sample = DataSample {
+            id: "1".into(),
+            domain: "code".into(),
+            dataset: "x".into(),
+            input: Value::Null,
+            system_prompt: None,
+        };
+        let mut g = RolloutGroup::new(id, sample, 4, PolicyVersion::INITIAL);
+        g.rollouts[0].status = RolloutStatus::Completed;
+        g.rollouts[1].status = RolloutStatus::Truncated;
+        g.rollouts[2].status = RolloutStatus::Error("env_panic".into());
+        g.rollouts[3].status = RolloutStatus::Timeout;
+        assert_eq!(completed_rollouts(&g, PolicyVersion(0), 0), 2);
+        // A token of version 0 is 3 versions behind v3: stale for η = 2, fine for η = 3.
+        for r in &mut g.rollouts {
+            let mut t = sluice_core::RolloutTurn::new(vec![1]);
+            t.completion_token_ids = vec![5];
+            t.logprobs = vec![-0.5];
+            t.token_versions = vec![PolicyVersion(0)];
+            r.turns.push(t);
+        }
+        assert_eq!(completed_rollouts(&g, PolicyVersion(3), 2), 0);
+        assert_eq!(completed_rollouts(&g, PolicyVersion(3), 3), 2);
+    }
+
+    #[test]
+    fn sim_source_from_config_follows_data_and_lengths() {
+        let text = r#"
+            [run]
+            seed = 3
+            [data]
+            adaptive_mix = false
+            [engine.simulated.lengths.slow]
+            distribution = "fixed"
+            tokens = 100
+            [engine.simulated.lengths.fast]
+            distribution = "fixed"
+            tokens = 10
+        "#;
+        let config = sluice_core::config::parse(text, "t.toml", &[], &|_| None).unwrap();
+        let s = SimSource::from_config(&config);
+        let mut names = s.sampler().domain_names();
+        names.sort();
+        assert_eq!(names, ["fast", "slow"]);
+        assert!(!s.sampler().is_adaptive());
+        let plain = SimSource::new(Vec::new(), 1);
+        assert_eq!(plain.sampler().domain_names(), ["sim"]);
     }
 }
