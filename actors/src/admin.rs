@@ -7,6 +7,7 @@
 //! | `PATCH /v1/knobs` | yes | a JSON [`KnobPatch`]; all or nothing |
 //! | `POST /v1/pause` | yes | sets the `paused` knob (admission stops, in-flight work goes on) |
 //! | `POST /v1/resume` | yes | clears the `paused` knob |
+//! | `POST /v1/checkpoint` | yes | writes a checkpoint now; answers `{"checkpoint": manifest}` (409 without a checkpoint directory) |
 //!
 //! "Token" means `Authorization: Bearer <token>` when `admin.token` is configured (the config
 //! refuses a non-loopback `admin.listen` without one). A mutating call answers
@@ -75,6 +76,7 @@ fn routes() -> Router<Shared> {
         .route("/v1/knobs", get(get_knobs).patch(patch_knobs))
         .route("/v1/pause", post(pause))
         .route("/v1/resume", post(resume))
+        .route("/v1/checkpoint", post(checkpoint))
 }
 
 /// The admin routes with their JSON fallbacks (404, 405) and body limit.
@@ -368,12 +370,33 @@ async fn resume(
     set_paused(&s, &headers, body, false).await
 }
 
+async fn checkpoint(
+    State(s): State<AdminState>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<Value>, ApiError> {
+    authorize(&s, &headers)?;
+    let body = read_body(body)?;
+    no_body("/v1/checkpoint", &headers, &body)?;
+    match s.node.checkpoint().await {
+        Ok(manifest) => Ok(Json(json!({ "checkpoint": manifest }))),
+        Err(e @ crate::checkpoint::CheckpointError::Unavailable(_)) => {
+            Err(ApiError::new(StatusCode::CONFLICT, e.kind(), e.to_string()))
+        }
+        Err(e) => Err(ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            e.kind(),
+            e.to_string(),
+        )),
+    }
+}
+
 async fn not_found(method: Method, uri: Uri) -> ApiError {
     ApiError::new(
         StatusCode::NOT_FOUND,
         "not_found",
         format!(
-            "no route {method} {}; routes: GET /v1/status, GET|PATCH /v1/knobs, POST /v1/pause, POST /v1/resume, GET /metrics (metrics listener)",
+            "no route {method} {}; routes: GET /v1/status, GET|PATCH /v1/knobs, POST /v1/pause, POST /v1/resume, POST /v1/checkpoint, GET /metrics (metrics listener)",
             uri.path()
         ),
     )

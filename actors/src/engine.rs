@@ -1,15 +1,30 @@
-//! The InferenceEngine actor: owns the backend replicas, routes requests, relays completions.
+//! The InferenceEngine actor: owns the backend replicas, routes requests, relays completions, and
+//! supervises the replicas.
 //!
 //! Routing: a request carrying a preferred replica (a resumed turn goes back to the replica that
-//! served it, for its prefix cache) goes there when that replica is alive; otherwise to the
-//! replica with the fewest requests. A replica whose backend stopped is restarted from the
-//! factory; its requests come back as aborted with an empty output (the controller keeps the
-//! partial it last saw, per §9).
+//! served it, for its prefix cache) goes there when that replica is alive; otherwise to the live
+//! replica with the fewest requests. While no replica is alive, requests wait here (their number
+//! is bounded by the controller's admission) and go out when one is back.
+//!
+//! Supervision (`[supervision]`): a replica fails when a call into it errors, when the fault
+//! injector crashes it, or when the watchdog sees it hold requests without progress (no token
+//! generated, nothing finished) for `engine_watchdog_s`. Its requests come back at once as
+//! aborted with the output they were resumed from (the last partial the controller saw, §9), so
+//! the controller parks them in the aborted bucket and resumes them. The replica is rebuilt from
+//! the factory after an exponential [`Backoff`]; events of the dead incarnation still in flight are
+//! recognised by their generation and dropped. The old backend is shut down off the actor (a hung
+//! thread must not hang the mailbox).
+//!
+//! Graceful stop: [`EngineHandle::close`] aborts everything in flight and answers every later
+//! request as aborted at once, so the controller can store every partial before the checkpoint.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
-use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
+use ractor::{Actor, ActorProcessingErr, ActorRef, MessagingErr, RpcReplyPort};
+use serde::Serialize;
+use sluice_core::config::{FaultsConfig, SupervisionConfig};
 use sluice_core::metrics as m;
 use sluice_core::{PolicyVersion, RequestId, WeightSnapshot, WeightUpdateMode};
 use sluice_engine::{
@@ -17,6 +32,8 @@ use sluice_engine::{
     InferenceBackend, TokenOutput,
 };
 
+use crate::faults::{EngineFaults, FaultyBackend};
+use crate::supervise::{Backoff, Watchdog};
 use crate::{ActorError, Sink};
 
 /// Builds the backend of replica `index`, starting at `version`, reporting to the sink.
@@ -40,12 +57,68 @@ pub enum EngineReport {
     },
 }
 
+/// How the engine supervises its replicas.
+#[derive(Debug, Clone)]
+pub struct EngineSupervision {
+    /// First restart delay (doubles per consecutive failure of a replica).
+    pub backoff_initial: Duration,
+    /// Longest restart delay.
+    pub backoff_max: Duration,
+    /// Restart a replica that holds requests without progress this long (`None` = off).
+    pub watchdog: Option<Duration>,
+    /// Injected faults (tests and drills).
+    pub faults: EngineFaults,
+}
+
+impl Default for EngineSupervision {
+    fn default() -> Self {
+        Self {
+            backoff_initial: Duration::from_millis(100),
+            backoff_max: Duration::from_secs(30),
+            watchdog: None,
+            faults: EngineFaults::default(),
+        }
+    }
+}
+
+impl EngineSupervision {
+    /// The policy of `[supervision]` with the engine faults of `[faults]`.
+    pub fn from_config(supervision: &SupervisionConfig, faults: &FaultsConfig) -> Self {
+        Self {
+            backoff_initial: supervision.restart_backoff_initial,
+            backoff_max: supervision.restart_backoff_max,
+            watchdog: supervision.engine_watchdog,
+            faults: EngineFaults::from_config(faults),
+        }
+    }
+}
+
+/// A replica's supervision record, for `/v1/status` and the tests.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct ReplicaHealth {
+    /// A backend is running (false while waiting out a restart backoff).
+    pub alive: bool,
+    /// Times the replica was rebuilt.
+    pub restarts: u64,
+    /// Failures by cause: `error` (a call failed), `crash` (injected), `watchdog`.
+    pub failures: std::collections::BTreeMap<String, u64>,
+    /// Seconds from the last failure to the rebuilt backend taking requests.
+    pub last_restart_seconds: Option<f64>,
+    /// Requests handed back as aborted because the replica died.
+    pub requests_returned: u64,
+}
+
 enum Cmd {
     Generate(GenerateRequest, Option<u32>),
     Abort(RequestId),
     Update(WeightSnapshot, WeightUpdateMode),
-    Event(u32, EngineEvent),
+    Event(u32, u64, EngineEvent),
+    Died(u32, u64, &'static str),
+    Restart(u32, u64),
+    Tick,
+    Close(RpcReplyPort<()>),
     Stats(RpcReplyPort<Vec<EngineStats>>),
+    Health(RpcReplyPort<Vec<ReplicaHealth>>),
 }
 
 /// The actor's messages (private: use [`EngineHandle`]).
@@ -58,12 +131,31 @@ pub struct EngineHandle {
 }
 
 impl EngineHandle {
-    /// Starts `replicas` backends from `factory` at `version`; reports go to `reports`.
+    /// Starts `replicas` backends from `factory` at `version`; reports go to `reports`. Default
+    /// supervision: backoff from 100 ms to 30 s, no watchdog, no faults.
     pub async fn spawn(
         replicas: u32,
         version: PolicyVersion,
         factory: BackendFactory,
         reports: Sink<EngineReport>,
+    ) -> Result<(Self, tokio::task::JoinHandle<()>), ActorError> {
+        Self::spawn_supervised(
+            replicas,
+            version,
+            factory,
+            reports,
+            EngineSupervision::default(),
+        )
+        .await
+    }
+
+    /// [`Self::spawn`] with an explicit supervision policy.
+    pub async fn spawn_supervised(
+        replicas: u32,
+        version: PolicyVersion,
+        factory: BackendFactory,
+        reports: Sink<EngineReport>,
+        supervision: EngineSupervision,
     ) -> Result<(Self, tokio::task::JoinHandle<()>), ActorError> {
         let (actor, join) = Actor::spawn(
             None,
@@ -73,6 +165,7 @@ impl EngineHandle {
                 version,
                 factory,
                 reports,
+                supervision,
             },
         )
         .await
@@ -102,11 +195,30 @@ impl EngineHandle {
         self.cast(Cmd::Update(weights, mode));
     }
 
-    /// Statistics of every replica.
+    /// Graceful stop: aborts every request in flight (each reported with its partial output) and
+    /// answers every later request as aborted at once. Returns when the aborts are sent.
+    pub async fn close(&self) -> Result<(), ActorError> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.actor
+            .cast(EngineMsg(Cmd::Close(tx.into())))
+            .map_err(|_| ActorError::Gone { actor: "engine" })?;
+        rx.await.map_err(|_| ActorError::Gone { actor: "engine" })
+    }
+
+    /// Statistics of every replica (a replica waiting to restart shows zeros).
     pub async fn stats(&self) -> Result<Vec<EngineStats>, ActorError> {
         let (tx, rx) = tokio::sync::oneshot::channel();
         self.actor
             .cast(EngineMsg(Cmd::Stats(tx.into())))
+            .map_err(|_| ActorError::Gone { actor: "engine" })?;
+        rx.await.map_err(|_| ActorError::Gone { actor: "engine" })
+    }
+
+    /// Supervision record of every replica.
+    pub async fn health(&self) -> Result<Vec<ReplicaHealth>, ActorError> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.actor
+            .cast(EngineMsg(Cmd::Health(tx.into())))
             .map_err(|_| ActorError::Gone { actor: "engine" })?;
         rx.await.map_err(|_| ActorError::Gone { actor: "engine" })
     }
@@ -124,24 +236,78 @@ struct Args {
     version: PolicyVersion,
     factory: BackendFactory,
     reports: Sink<EngineReport>,
+    supervision: EngineSupervision,
+}
+
+/// One replica slot: the backend (absent while a restart is pending) and its supervision.
+struct Replica {
+    backend: Option<Box<dyn InferenceBackend>>,
+    /// Bumped at every failure; events and timers of older incarnations are ignored.
+    generation: u64,
+    version: PolicyVersion,
+    load: usize,
+    backoff: Backoff,
+    watchdog: Option<Watchdog>,
+    failed_at: Option<Instant>,
+    health: ReplicaHealth,
 }
 
 /// The actor's state.
 pub struct EngineState {
-    backends: Vec<Option<Box<dyn InferenceBackend>>>,
-    versions: Vec<PolicyVersion>,
+    replicas: Vec<Replica>,
     owner: HashMap<RequestId, (u32, Option<TokenOutput>)>,
-    load: Vec<usize>,
+    /// Requests that arrived while no replica was alive.
+    parked: VecDeque<(GenerateRequest, Option<u32>)>,
     target: PolicyVersion,
+    closed: bool,
     args: Args,
     me: ActorRef<EngineMsg>,
+    /// The watchdog ticker and shutdowns of failed backends: owned, aborted or joined at stop.
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+    /// Pending restarts.
+    timers: Vec<tokio::task::JoinHandle<Result<(), MessagingErr<EngineMsg>>>>,
 }
 
-fn sink_for(me: &ActorRef<EngineMsg>, replica: u32) -> EventSink {
+fn sink_for(me: &ActorRef<EngineMsg>, replica: u32, generation: u64) -> EventSink {
     let me = me.clone();
     Arc::new(move |e| {
-        let _ = me.cast(EngineMsg(Cmd::Event(replica, e)));
+        let _ = me.cast(EngineMsg(Cmd::Event(replica, generation, e)));
     })
+}
+
+impl EngineState {
+    /// Builds replica `i`'s backend for its current generation (wrapped by the fault injector).
+    fn build(&mut self, i: usize) {
+        let generation = self.replicas[i].generation;
+        let sink = sink_for(&self.me, i as u32, generation);
+        let faults = &self.args.supervision.faults;
+        let backend: Box<dyn InferenceBackend> = if faults.any() {
+            let me = self.me.clone();
+            let replica = i as u32;
+            let on_crash = Box::new(move || {
+                let _ = me.cast(EngineMsg(Cmd::Died(replica, generation, "crash")));
+            });
+            let factory = Arc::clone(&self.args.factory);
+            let target = self.target;
+            Box::new(FaultyBackend::new(
+                move |gated| factory(replica, target, gated),
+                sink,
+                faults.clone(),
+                on_crash,
+            ))
+        } else {
+            (self.args.factory)(i as u32, self.target, sink)
+        };
+        let r = &mut self.replicas[i];
+        let counter = backend.stats().generated_tokens;
+        r.backend = Some(backend);
+        r.version = self.target;
+        r.load = 0;
+        r.backoff.started(Instant::now());
+        if let Some(w) = &mut r.watchdog {
+            w.reset(counter);
+        }
+    }
 }
 
 impl Actor for EngineActor {
@@ -154,18 +320,40 @@ impl Actor for EngineActor {
         me: ActorRef<EngineMsg>,
         args: Args,
     ) -> Result<EngineState, ActorProcessingErr> {
-        let backends = (0..args.replicas)
-            .map(|i| Some((args.factory)(i, args.version, sink_for(&me, i))))
+        let sup = &args.supervision;
+        let replicas = (0..args.replicas)
+            .map(|_| Replica {
+                backend: None,
+                generation: 0,
+                version: args.version,
+                load: 0,
+                backoff: Backoff::new(sup.backoff_initial, sup.backoff_max),
+                watchdog: sup.watchdog.map(Watchdog::new),
+                failed_at: None,
+                health: ReplicaHealth::default(),
+            })
             .collect();
-        Ok(EngineState {
-            backends,
-            versions: vec![args.version; args.replicas as usize],
+        let mut tasks = Vec::new();
+        if let Some(limit) = sup.watchdog {
+            let period = (limit / 4).clamp(Duration::from_millis(10), Duration::from_secs(1));
+            tasks.push(me.send_interval(period, || EngineMsg(Cmd::Tick)));
+        }
+        let mut s = EngineState {
+            replicas,
             owner: HashMap::new(),
-            load: vec![0; args.replicas as usize],
+            parked: VecDeque::new(),
             target: args.version,
+            closed: false,
             args,
             me,
-        })
+            tasks,
+            timers: Vec::new(),
+        };
+        for i in 0..s.replicas.len() {
+            s.build(i);
+            s.replicas[i].health.alive = true;
+        }
+        Ok(s)
     }
 
     async fn handle(
@@ -176,77 +364,66 @@ impl Actor for EngineActor {
     ) -> Result<(), ActorProcessingErr> {
         metrics::counter!(m::ACTOR_RECEIVED, "actor" => "engine").increment(1);
         match cmd {
-            Cmd::Generate(req, preferred) => {
-                let n = s.backends.len();
-                let replica = match preferred {
-                    Some(r) if (r as usize) < n && s.backends[r as usize].is_some() => r as usize,
-                    _ => (0..n).min_by_key(|i| s.load[*i]).unwrap_or(0),
-                };
-                s.owner.insert(req.id, (replica as u32, req.resume.clone()));
-                s.load[replica] += 1;
-                let result = match &s.backends[replica] {
-                    Some(b) => b.submit(req),
-                    None => Err(EngineError::Stopped {
-                        backend: format!("replica {replica}"),
-                    }),
-                };
-                if let Err(e) = result {
-                    s.fail_replica(replica as u32, &e);
-                }
-            }
+            Cmd::Generate(req, preferred) => s.route(req, preferred),
             Cmd::Abort(id) => {
-                if let Some((r, _)) = s.owner.get(&id)
-                    && let Some(b) = &s.backends[*r as usize]
-                    && let Err(e) = b.abort(id)
-                {
-                    s.fail_replica(*r, &e);
+                if let Some((r, _)) = s.owner.get(&id) {
+                    let r = *r;
+                    let result = s.replicas[r as usize].backend.as_ref().map(|b| b.abort(id));
+                    if let Some(Err(e)) = result {
+                        s.fail_replica(r, "error", Some(&e));
+                    }
                 }
             }
             Cmd::Update(w, mode) => {
                 s.target = s.target.max(w.version);
-                for i in 0..s.backends.len() {
-                    let result = match &s.backends[i] {
-                        Some(b) => b.update_weights(w.clone(), mode),
-                        None => Ok(()),
-                    };
-                    if let Err(e) = result {
-                        s.fail_replica(i as u32, &e);
+                for i in 0..s.replicas.len() {
+                    let result = s.replicas[i]
+                        .backend
+                        .as_ref()
+                        .map(|b| b.update_weights(w.clone(), mode));
+                    if let Some(Err(e)) = result {
+                        s.fail_replica(i as u32, "error", Some(&e));
                     }
                 }
             }
-            Cmd::Event(replica, EngineEvent::Finished(c)) => {
-                metrics::counter!(m::ENGINE_FINISHED_REQUESTS, "reason" => c.finish.as_label())
-                    .increment(1);
-                if s.owner.remove(&c.id).is_some() {
-                    s.load[replica as usize] = s.load[replica as usize].saturating_sub(1);
+            Cmd::Event(replica, generation, event) => {
+                if s.replicas[replica as usize].generation != generation {
+                    // A dead incarnation's last words: its requests were already handed back.
+                    metrics::counter!(m::ACTOR_DROPPED, "actor" => "engine").increment(1);
+                    return Ok(());
                 }
-                (s.args.reports)(EngineReport::Finished {
-                    completion: c,
-                    replica,
-                });
+                s.on_event(replica, event);
             }
-            Cmd::Event(
-                replica,
-                EngineEvent::WeightsUpdated {
-                    version,
-                    pause,
-                    mode,
-                },
-            ) => {
-                metrics::histogram!(m::ENGINE_WEIGHT_SYNC_PAUSE_SECONDS, "mode" => mode.as_str())
-                    .record(pause.as_secs_f64());
-                s.versions[replica as usize] = version;
-                if version >= s.target && s.versions.iter().all(|v| *v >= s.target) {
-                    (s.args.reports)(EngineReport::WeightsUpdated { version: s.target });
+            Cmd::Died(replica, generation, cause) => {
+                if s.replicas[replica as usize].generation == generation {
+                    s.fail_replica(replica, cause, None);
                 }
+            }
+            Cmd::Restart(replica, generation) => s.restart(replica, generation),
+            Cmd::Tick => s.watch(),
+            Cmd::Close(reply) => {
+                s.closed = true;
+                for i in 0..s.replicas.len() {
+                    let result = s.replicas[i].backend.as_ref().map(|b| b.abort_all());
+                    if let Some(Err(e)) = result {
+                        s.fail_replica(i as u32, "error", Some(&e));
+                    }
+                }
+                while let Some((req, _)) = s.parked.pop_front() {
+                    s.refuse(req);
+                }
+                let _ = reply.send(());
             }
             Cmd::Stats(reply) => {
                 let stats = s
-                    .backends
+                    .replicas
                     .iter()
-                    .map(|b| b.as_ref().map(|b| b.stats()).unwrap_or_default())
+                    .map(|r| r.backend.as_ref().map(|b| b.stats()).unwrap_or_default())
                     .collect();
                 let _ = reply.send(stats);
+            }
+            Cmd::Health(reply) => {
+                let _ = reply.send(s.replicas.iter().map(|r| r.health.clone()).collect());
             }
         }
         Ok(())
@@ -257,7 +434,11 @@ impl Actor for EngineActor {
         _me: ActorRef<EngineMsg>,
         s: &mut EngineState,
     ) -> Result<(), ActorProcessingErr> {
-        let backends: Vec<_> = s.backends.iter_mut().filter_map(Option::take).collect();
+        let backends: Vec<_> = s
+            .replicas
+            .iter_mut()
+            .filter_map(|r| r.backend.take())
+            .collect();
         tokio::task::spawn_blocking(move || {
             for mut b in backends {
                 b.shutdown();
@@ -265,42 +446,201 @@ impl Actor for EngineActor {
         })
         .await
         .ok();
+        for t in s.timers.drain(..) {
+            t.abort();
+        }
+        for t in s.tasks.drain(..) {
+            t.abort();
+            // A failed backend whose thread hangs never joins; do not hang the stop with it.
+            let _ = tokio::time::timeout(Duration::from_secs(2), t).await;
+        }
         Ok(())
     }
 }
 
 impl EngineState {
-    /// Restarts a replica whose backend failed; its requests return as aborted with the output
-    /// they were resumed from (nothing newer was reported).
-    fn fail_replica(&mut self, replica: u32, error: &EngineError) {
-        tracing::warn!(replica, error = %error, "engine replica failed; restarting it");
-        metrics::counter!(m::ACTOR_ERRORS, "actor" => "engine", "kind" => error.kind())
-            .increment(1);
-        metrics::counter!(m::ACTOR_RESTARTS, "actor" => "engine").increment(1);
-        if let Some(mut old) = self.backends[replica as usize].take() {
-            old.shutdown();
+    fn route(&mut self, req: GenerateRequest, preferred: Option<u32>) {
+        if self.closed {
+            self.refuse(req);
+            return;
         }
+        let alive = |i: usize| self.replicas[i].backend.is_some();
+        let n = self.replicas.len();
+        let replica = match preferred {
+            Some(r) if (r as usize) < n && alive(r as usize) => Some(r as usize),
+            _ => (0..n)
+                .filter(|i| alive(*i))
+                .min_by_key(|i| self.replicas[*i].load),
+        };
+        let Some(replica) = replica else {
+            self.parked.push_back((req, preferred));
+            return;
+        };
+        self.owner
+            .insert(req.id, (replica as u32, req.resume.clone()));
+        let r = &mut self.replicas[replica];
+        r.load += 1;
+        let result = r.backend.as_ref().map(|b| b.submit(req));
+        if let Some(Err(e)) = result {
+            self.fail_replica(replica as u32, "error", Some(&e));
+        }
+    }
+
+    /// Answers a request as aborted without running it (graceful stop).
+    fn refuse(&self, req: GenerateRequest) {
+        (self.args.reports)(EngineReport::Finished {
+            completion: Completion {
+                id: req.id,
+                output: req.resume.unwrap_or_default(),
+                finish: FinishReason::Abort,
+            },
+            replica: 0,
+        });
+    }
+
+    fn on_event(&mut self, replica: u32, event: EngineEvent) {
+        let r = &mut self.replicas[replica as usize];
+        match event {
+            EngineEvent::Finished(c) => {
+                metrics::counter!(m::ENGINE_FINISHED_REQUESTS, "reason" => c.finish.as_label())
+                    .increment(1);
+                if self.owner.remove(&c.id).is_some() {
+                    r.load = r.load.saturating_sub(1);
+                }
+                if let Some(w) = &mut r.watchdog {
+                    w.progressed();
+                }
+                (self.args.reports)(EngineReport::Finished {
+                    completion: c,
+                    replica,
+                });
+            }
+            EngineEvent::WeightsUpdated {
+                version,
+                pause,
+                mode,
+            } => {
+                metrics::histogram!(m::ENGINE_WEIGHT_SYNC_PAUSE_SECONDS, "mode" => mode.as_str())
+                    .record(pause.as_secs_f64());
+                r.version = version;
+                self.report_versions();
+            }
+        }
+    }
+
+    /// Reports when every live replica runs the target version.
+    fn report_versions(&self) {
+        let live = self.replicas.iter().filter(|r| r.backend.is_some());
+        if live.clone().all(|r| r.version >= self.target) && live.count() > 0 {
+            (self.args.reports)(EngineReport::WeightsUpdated {
+                version: self.target,
+            });
+        }
+    }
+
+    /// The watchdog: a replica holding requests without progress for the limit is failed.
+    fn watch(&mut self) {
+        let now = Instant::now();
+        let stuck: Vec<u32> = self
+            .replicas
+            .iter_mut()
+            .enumerate()
+            .filter_map(|(i, r)| {
+                let b = r.backend.as_ref()?;
+                let w = r.watchdog.as_mut()?;
+                let counter = b.stats().generated_tokens;
+                w.check(now, r.load > 0, counter).then_some(i as u32)
+            })
+            .collect();
+        for i in stuck {
+            tracing::warn!(
+                replica = i,
+                "engine replica made no progress; the watchdog restarts it"
+            );
+            self.fail_replica(i, "watchdog", None);
+        }
+    }
+
+    /// A replica failed: hand its requests back as aborted (with the output they were resumed
+    /// from: nothing newer was reported), shut the backend down off the actor, and schedule the
+    /// restart after the backoff.
+    fn fail_replica(&mut self, replica: u32, cause: &'static str, error: Option<&EngineError>) {
+        let kind = error.map_or(
+            match cause {
+                "watchdog" => "engine_watchdog",
+                "crash" => "engine_crash",
+                _ => "engine_failure",
+            },
+            EngineError::kind,
+        );
+        match error {
+            Some(e) => tracing::warn!(replica, error = %e, "engine replica failed; restarting it"),
+            None => tracing::warn!(replica, cause, "engine replica failed; restarting it"),
+        }
+        metrics::counter!(m::ACTOR_ERRORS, "actor" => "engine", "kind" => kind).increment(1);
+        let now = Instant::now();
+        let r = &mut self.replicas[replica as usize];
+        if let Some(mut old) = r.backend.take() {
+            self.tasks
+                .push(tokio::task::spawn_blocking(move || old.shutdown()));
+        }
+        r.generation += 1;
+        r.load = 0;
+        r.failed_at = Some(now);
+        r.health.alive = false;
+        *r.health.failures.entry(cause.to_owned()).or_default() += 1;
+        let generation = r.generation;
+        let delay = r.backoff.failed(now);
         let lost: Vec<(RequestId, Option<TokenOutput>)> = self
             .owner
             .iter()
-            .filter(|(_, (r, _))| *r == replica)
+            .filter(|(_, (rep, _))| *rep == replica)
             .map(|(id, (_, resume))| (*id, resume.clone()))
             .collect();
+        self.replicas[replica as usize].health.requests_returned += lost.len() as u64;
         for (id, resume) in lost {
             self.owner.remove(&id);
-            let completion = Completion {
-                id,
-                output: resume.unwrap_or_default(),
-                finish: FinishReason::Abort,
-            };
             (self.args.reports)(EngineReport::Finished {
-                completion,
+                completion: Completion {
+                    id,
+                    output: resume.unwrap_or_default(),
+                    finish: FinishReason::Abort,
+                },
                 replica,
             });
         }
-        self.load[replica as usize] = 0;
-        let fresh = (self.args.factory)(replica, self.target, sink_for(&self.me, replica));
-        self.backends[replica as usize] = Some(fresh);
-        self.versions[replica as usize] = self.target;
+        metrics::gauge!(m::ACTOR_RESTART_BACKOFF_SECONDS, "actor" => "engine")
+            .set(delay.as_secs_f64());
+        self.tasks.retain(|t| !t.is_finished());
+        self.timers.retain(|t| !t.is_finished());
+        self.timers.push(
+            self.me
+                .send_after(delay, move || EngineMsg(Cmd::Restart(replica, generation))),
+        );
+    }
+
+    fn restart(&mut self, replica: u32, generation: u64) {
+        let i = replica as usize;
+        if self.replicas[i].generation != generation || self.replicas[i].backend.is_some() {
+            return;
+        }
+        self.build(i);
+        let r = &mut self.replicas[i];
+        r.health.alive = true;
+        r.health.restarts += 1;
+        r.health.last_restart_seconds = r.failed_at.take().map(|t| t.elapsed().as_secs_f64());
+        metrics::counter!(m::ACTOR_RESTARTS, "actor" => "engine").increment(1);
+        metrics::gauge!(m::ACTOR_RESTART_BACKOFF_SECONDS, "actor" => "engine").set(0.0);
+        tracing::info!(
+            replica,
+            restarts = r.health.restarts,
+            "engine replica restarted"
+        );
+        // Weights published while it was down: it starts at the target already.
+        self.report_versions();
+        let parked: Vec<_> = self.parked.drain(..).collect();
+        for (req, preferred) in parked {
+            self.route(req, preferred);
+        }
     }
 }

@@ -10,6 +10,10 @@
 //! | [`replay`] | ReplayStore | the bucket state machine on a dedicated thread, persisted |
 //! | [`trainer`] | Trainer | pulls batches, trains on a dedicated thread, publishes weights |
 //! | [`node`] | NodeSupervisor | builds and supervises the pipeline, serves admin API and metrics |
+//! | [`supervise_node`] | NodeSupervisor | restore at start, checkpoints, the graceful stop |
+//! | [`supervise`] | restart backoff and progress watchdog, as pure policies |
+//! | [`checkpoint`] | the checkpoint directory: manifest, atomic swap, load |
+//! | [`faults`] | fault injection decorators (`[faults]`, off by default) |
 //! | [`admin`] | admin HTTP API | `GET/PATCH /v1/knobs`, `GET /v1/status`, `GET /metrics` |
 //! | [`client`] | a small blocking HTTP client for the admin API (`sluice knobs`) |
 //! | [`telemetry`] | metrics | exporter install, periodic gauges and upkeep |
@@ -19,13 +23,17 @@
 //! the env pool never more steps, the sampler never more samples than the controller asked for.
 
 pub mod admin;
+pub mod checkpoint;
 pub mod client;
 pub mod controller;
 pub mod engine;
 pub mod env_worker;
+pub mod faults;
 pub mod node;
 pub mod replay;
 pub mod sampler;
+pub mod supervise;
+pub mod supervise_node;
 pub mod telemetry;
 pub mod trainer;
 

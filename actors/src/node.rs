@@ -5,12 +5,15 @@
 //!
 //! | actor | on failure |
 //! |---|---|
-//! | engine replica | restarted by the engine actor; its requests return aborted with their last partial |
+//! | engine replica | rebuilt by the engine actor after an exponential backoff (`[supervision]`); its requests return aborted with their last partial; a watchdog fails a replica that holds requests without progress |
 //! | env worker | a panicking env fails that rollout (`Error("env_panic")`); the worker lives on |
-//! | sampler, controller, replay, trainer | the node stops with an error; restarting the process recovers from the replay store |
+//! | trainer step | a failed step stops training; the run ends with a checkpoint instead of looping |
+//! | sampler, controller, replay, trainer | the node stops with an error; restarting the process recovers from the last checkpoint plus the replay store |
 //!
 //! The last row is deliberate: those actors hold the run's accounting, and the replay store on
 //! disk is the one place it survives. [`Node::failure`] reports which actor ended unexpectedly.
+//!
+//! Checkpoints, restore at start and the graceful stop live in [`crate::supervise_node`].
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -18,17 +21,20 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 use sluice_core::config::{Config, ExpiredPolicy};
+use sluice_core::metrics as m;
 use sluice_core::{Knobs, KnobsHandle, NodeId, RunId, TrainerBackend};
 use sluice_engine::simulated::{SimEngineParams, SimTask};
 use sluice_engine::{EngineStats, InferenceBackend, SamplingParams, SimEngine, SimTrainer};
 use sluice_replay::StoreSnapshot;
 
 use crate::admin::{self, AdminState, Server};
+use crate::checkpoint::{CheckpointDir, CheckpointError, Manifest};
 use crate::controller::{ControllerConfig, ControllerHandle, ControllerStatus, Peers};
-use crate::engine::{BackendFactory, EngineHandle};
+use crate::engine::{BackendFactory, EngineHandle, EngineSupervision, ReplicaHealth};
 use crate::env_worker::{EnvPoolHandle, RolloutEnv};
 use crate::replay::{ReplayHandle, ReplayOptions, ReplayStatus};
 use crate::sampler::{SampleSource, SamplerHandle, SimSource};
+use crate::supervise_node::{self, Restored, SimBackend};
 use crate::trainer::{TrainerHandle, TrainerOptions, TrainerStatus};
 use crate::{ActorError, telemetry};
 
@@ -52,6 +58,10 @@ pub struct NodeOptions {
     pub source: Option<Box<dyn SampleSource>>,
     /// Environment (default: the simulated task).
     pub env: Option<Arc<dyn RolloutEnv>>,
+    /// Checkpoint directory. `None`: `<run.output_dir>/checkpoint` when the replay store is the
+    /// config's own (`replay_dir == replay.path`, as `sluice run` sets it), else no checkpoints
+    /// (tests that point the store elsewhere never touch the run's output dir).
+    pub checkpoint_dir: Option<PathBuf>,
 }
 
 impl Default for NodeOptions {
@@ -66,6 +76,7 @@ impl Default for NodeOptions {
             trainer: None,
             source: None,
             env: None,
+            checkpoint_dir: None,
         }
     }
 }
@@ -85,6 +96,10 @@ pub struct NodeStatus {
     pub replay: StoreSnapshot,
     /// Engine replicas.
     pub engines: Vec<EngineStats>,
+    /// Supervision record of each engine replica (restarts, failures by cause).
+    pub engine_health: Vec<ReplicaHealth>,
+    /// The newest checkpoint written or restored by this process.
+    pub checkpoint: Option<Manifest>,
 }
 
 impl NodeStatus {
@@ -118,7 +133,11 @@ pub struct NodeHandles {
     pub replay: ReplayHandle,
     /// Trainer.
     pub trainer: TrainerHandle,
-    started: Instant,
+    pub(crate) started: Instant,
+    /// Where checkpoints go (`None`: checkpoints are refused).
+    pub(crate) checkpoint_dir: Option<CheckpointDir>,
+    /// One checkpoint at a time; holds the newest manifest.
+    pub(crate) last_checkpoint: Arc<tokio::sync::Mutex<Option<Manifest>>>,
 }
 
 impl NodeHandles {
@@ -132,7 +151,16 @@ impl NodeHandles {
             trainer: self.trainer.status(),
             replay: store,
             engines: self.engine.stats().await?,
+            engine_health: self.engine.health().await?,
+            checkpoint: self.last_checkpoint.lock().await.clone(),
         })
+    }
+
+    /// Writes a checkpoint now (between two training steps): trainer state, a replay-store commit
+    /// and the manifest, atomically under the checkpoint directory. See
+    /// [`crate::supervise_node`].
+    pub async fn checkpoint(&self) -> Result<Manifest, CheckpointError> {
+        supervise_node::checkpoint(self, "request").await
     }
 }
 
@@ -146,6 +174,9 @@ pub struct Node {
     admin: Option<Server>,
     metrics: Option<Server>,
     telemetry: Option<tokio::task::JoinHandle<()>>,
+    /// Periodic checkpoints (`supervision.checkpoint_every_steps`).
+    checkpointer: Option<tokio::task::JoinHandle<()>>,
+    pub(crate) shutdown_timeout: Duration,
 }
 
 fn sim_backend(config: &Config) -> BackendFactory {
@@ -190,6 +221,7 @@ impl Node {
             trainer,
             source,
             env,
+            checkpoint_dir,
         } = options;
         let knobs = KnobsHandle::new(
             config.rollout.knobs.clone(),
@@ -197,6 +229,32 @@ impl Node {
             config.data.domains(),
         )
         .map_err(|e| ActorError::Setup(format!("rollout knobs: {e}")))?;
+        let checkpoint_dir = checkpoint_dir
+            .or_else(|| {
+                (replay_dir.as_ref() == Some(&config.replay.path))
+                    .then(|| config.run.output_dir.join("checkpoint"))
+            })
+            .map(CheckpointDir::new);
+        // The trainer and its checkpoint come first: a bad checkpoint stops the start before
+        // any actor runs.
+        let trainer = match trainer {
+            Some(t) => Some(t),
+            None if config.trainer.simulated.enabled => Some(Box::new(SimBackend(SimTrainer::new(
+                &config.trainer.simulated,
+                config.engine.simulated.time_scale,
+            )))
+                as Box<dyn TrainerBackend>),
+            None => None,
+        }
+        .ok_or_else(|| {
+            ActorError::Setup(
+                "no trainer backend: set trainer.simulated.enabled = true or pass a trainer".into(),
+            )
+        })?;
+        let Restored {
+            trainer: backend_trainer,
+            manifest,
+        } = supervise_node::restore(trainer, checkpoint_dir.as_ref(), &config.faults)?;
         let prom = if serve_metrics {
             telemetry::install()
         } else {
@@ -226,16 +284,35 @@ impl Node {
             drop_expired: config.replay.expired == ExpiredPolicy::Drop,
             filter_zero_advantage: config.replay.filter_zero_advantage,
         };
-        let (replay, recovery, j) =
-            ReplayHandle::spawn(replay_options, controller.replay_sink()).await?;
+        let (replay, mut recovery, j) =
+            match ReplayHandle::spawn(replay_options, controller.replay_sink()).await {
+                Ok(r) => r,
+                Err(e) => {
+                    controller.stop().await;
+                    return Err(e);
+                }
+            };
         joins.push(("replay", j));
-        let version = recovery.policy_version;
+        // Versions never go backwards: the run continues from the newer of the replay store's
+        // and the trainer's.
+        let backend_trainer =
+            match supervise_node::align_version(backend_trainer, recovery.policy_version) {
+                Ok(t) => t,
+                Err(e) => {
+                    replay.stop().await;
+                    controller.stop().await;
+                    return Err(e);
+                }
+            };
+        let version = backend_trainer.version().max(recovery.policy_version);
+        recovery.policy_version = version;
         let factory = backend.unwrap_or_else(|| sim_backend(config));
-        let (engine, j) = EngineHandle::spawn(
+        let (engine, j) = EngineHandle::spawn_supervised(
             config.engine.replicas.get(),
             version,
             factory,
             controller.engine_sink(),
+            EngineSupervision::from_config(&config.supervision, &config.faults),
         )
         .await?;
         joins.push(("engine", j));
@@ -255,25 +332,15 @@ impl Node {
         let (sampler, j) =
             SamplerHandle::spawn(source, knobs.clone(), controller.sample_sink()).await?;
         joins.push(("sampler", j));
-        let backend = match trainer {
-            Some(t) => t,
-            None if config.trainer.simulated.enabled => Box::new(
-                SimTrainer::new(&config.trainer.simulated, sim.time_scale).with_version(version),
-            ),
-            None => {
-                return Err(ActorError::Setup(
-                    "no trainer backend: set trainer.simulated.enabled = true or pass a trainer"
-                        .into(),
-                ));
-            }
-        };
         let trainer_options = TrainerOptions {
             groups_per_step: b as usize,
             max_steps: config.run.max_steps.get(),
+            start_step: manifest.as_ref().map_or(0, |m| m.steps),
+            start_trained_groups: manifest.as_ref().map_or(0, |m| m.trained_groups),
             track_ids,
         };
         let (trainer, j) = TrainerHandle::spawn(
-            backend,
+            backend_trainer,
             replay.clone(),
             knobs.clone(),
             controller.publish_sink(),
@@ -289,6 +356,9 @@ impl Node {
             replay: replay.clone(),
             recovery,
         });
+        if let Some(m) = &manifest {
+            metrics::gauge!(m::NODE_CHECKPOINT_VERSION).set(m.version as f64);
+        }
         let handles = NodeHandles {
             knobs: knobs.clone(),
             controller,
@@ -296,7 +366,11 @@ impl Node {
             replay,
             trainer,
             started,
+            checkpoint_dir,
+            last_checkpoint: Arc::new(tokio::sync::Mutex::new(manifest)),
         };
+        let checkpointer =
+            supervise_node::spawn_periodic(&handles, config.supervision.checkpoint_every_steps);
         let admin = if serve_admin {
             let state = AdminState {
                 node: handles.clone(),
@@ -326,6 +400,8 @@ impl Node {
             admin,
             metrics,
             telemetry,
+            checkpointer,
+            shutdown_timeout: config.supervision.shutdown_timeout,
         })
     }
 
@@ -352,7 +428,10 @@ impl Node {
             .map(|(name, _)| *name)
     }
 
-    /// Polls until the trainer used its step budget, an actor failed, or `timeout` passed.
+    /// Polls until the trainer used its step budget, a training step failed, an actor failed, or
+    /// `timeout` passed. When training ended (done or failed) and checkpoints are on, writes the
+    /// final checkpoint (reason `done` or `trainer_error`) before returning: a failed step stops
+    /// the run with a checkpoint instead of looping.
     pub async fn wait_done(
         &self,
         timeout: Duration,
@@ -363,7 +442,18 @@ impl Node {
             let status = self.status().await?;
             progress(&status);
             if status.trainer.done || status.trainer.error.is_some() {
-                return Ok(status);
+                if self.handles.checkpoint_dir.is_none() {
+                    return Ok(status);
+                }
+                let reason = if status.trainer.error.is_some() {
+                    "trainer_error"
+                } else {
+                    "done"
+                };
+                if let Err(e) = supervise_node::checkpoint(&self.handles, reason).await {
+                    tracing::error!(error = %e, reason, "final checkpoint failed");
+                }
+                return self.status().await;
             }
             if let Some(actor) = self.failure() {
                 return Err(ActorError::Gone { actor });
@@ -377,11 +467,27 @@ impl Node {
         }
     }
 
+    /// Graceful stop (SIGTERM/SIGINT, `DESIGN.md` §9): stops admitting, aborts every request in
+    /// flight and stores its partial in the aborted bucket, writes a checkpoint, then shuts down,
+    /// all within `supervision.shutdown_timeout_s` (past it, the steps left are skipped and the
+    /// report says so). A restart with the same config resumes from there.
+    pub async fn stop_gracefully(self) -> supervise_node::StopReport {
+        let started = Instant::now();
+        let mut report =
+            supervise_node::drain_and_checkpoint(&self.handles, self.shutdown_timeout).await;
+        report.final_replay = self.shutdown().await.map(|r| r.store);
+        report.seconds = started.elapsed().as_secs_f64();
+        report
+    }
+
     /// Stops everything, upstream first so nothing new is produced: trainer, sampler,
     /// controller, engine, env workers, then the replay store (which commits what is queued).
     /// Returns the replay store's final state, as it is on disk.
     pub async fn shutdown(mut self) -> Option<ReplayStatus> {
-        if let Some(t) = self.telemetry.take() {
+        for t in [self.telemetry.take(), self.checkpointer.take()]
+            .into_iter()
+            .flatten()
+        {
             t.abort();
             let _ = t.await;
         }

@@ -16,7 +16,7 @@ use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use serde::Serialize;
 use sluice_core::metrics as m;
 use sluice_core::{GroupId, PolicyVersion, RolloutGroup};
-use sluice_replay::{Bucket, Persister, ReplayStore, StoreSnapshot, TakeOutcome};
+use sluice_replay::{Bucket, Counters, Persister, ReplayStore, StoreSnapshot, TakeOutcome};
 
 use crate::{ActorError, Sink};
 
@@ -123,6 +123,31 @@ enum Cmd {
 /// The actor's messages (private: use [`ReplayHandle`]).
 pub struct ReplayMsg(Cmd);
 
+/// A batch asked for with [`ReplayHandle::begin_take`].
+pub struct PendingTake {
+    rx: Option<tokio::sync::oneshot::Receiver<Vec<RolloutGroup>>>,
+    replay: ReplayHandle,
+}
+
+impl PendingTake {
+    /// Waits for the batch; `None` if the store stopped (or the take was cancelled).
+    pub async fn wait(&mut self) -> Option<Vec<RolloutGroup>> {
+        let rx = self.rx.as_mut()?;
+        let batch = rx.await.ok();
+        self.rx = None;
+        batch
+    }
+
+    /// Withdraws the request. The store applies commands in order, so after the cancel is
+    /// through, the reply is either the batch it had already taken (consumed on disk: the caller
+    /// must train it) or nothing. Returns that batch, if any.
+    pub async fn cancel(mut self) -> Option<Vec<RolloutGroup>> {
+        let rx = self.rx.take()?;
+        self.replay.cast(Cmd::CancelTake);
+        rx.await.ok()
+    }
+}
+
 /// Typed handle; cloning is shallow.
 #[derive(Clone)]
 pub struct ReplayHandle {
@@ -192,29 +217,45 @@ impl ReplayHandle {
     }
 
     /// Waits until `n` eligible groups exist, takes the oldest (`Completed → Consumed`, on disk)
-    /// and returns them. Returns `None` if the store stopped or the wait was cancelled.
+    /// and returns them. Returns `None` if the store stopped.
     pub async fn take_batch(
         &self,
         n: usize,
         current: PolicyVersion,
         max_version_lag: u64,
     ) -> Option<Vec<RolloutGroup>> {
+        self.begin_take(n, current, max_version_lag).wait().await
+    }
+
+    /// Asks for a batch as [`Self::take_batch`] does, returning a ticket that can be waited on or
+    /// cancelled without losing a batch the store already handed out.
+    pub fn begin_take(
+        &self,
+        n: usize,
+        current: PolicyVersion,
+        max_version_lag: u64,
+    ) -> PendingTake {
         let (tx, rx) = tokio::sync::oneshot::channel();
         let reply: RpcReplyPort<Vec<RolloutGroup>> = tx.into();
-        self.actor
+        let sent = self
+            .actor
             .cast(ReplayMsg(Cmd::Take {
                 n,
                 version: current,
                 eta: max_version_lag,
                 reply,
             }))
-            .ok()?;
-        rx.await.ok()
+            .is_ok();
+        PendingTake {
+            rx: sent.then_some(rx),
+            replay: self.clone(),
+        }
     }
 
-    /// Drops a pending `take_batch` (the trainer is stopping).
-    pub fn cancel_take(&self) {
-        self.cast(Cmd::CancelTake);
+    /// Waits until everything sent before is applied and committed to disk; returns the counters
+    /// as they are on disk.
+    pub async fn flush(&self) -> Result<Counters, ActorError> {
+        Ok(self.status().await?.store.counters)
     }
 
     /// Buckets, counters and live ids.
@@ -271,10 +312,19 @@ fn recovery_of(store: &ReplayStore) -> Recovery {
             g.rollouts.iter().map(|r| r.abort_count).max().unwrap_or(0)
         })
     };
+    // A token can carry a version the store never heard published (the process died between
+    // the publish and its relay here); the run continues past it, never below.
+    let newest_token = Bucket::ALL
+        .iter()
+        .filter(|b| !store.is_final(**b))
+        .flat_map(|b| store.ids(*b))
+        .filter_map(|id| store.group(id).and_then(RolloutGroup::max_version))
+        .max()
+        .unwrap_or_default();
     Recovery {
         admitted_total: c.admitted_total,
         next_group_counter: c.next_group_counter,
-        policy_version: PolicyVersion(c.policy_version),
+        policy_version: PolicyVersion(c.policy_version).max(newest_token),
         aborted: store
             .ids(Bucket::Aborted)
             .map(|id| (id, max_aborts(id)))

@@ -1,23 +1,36 @@
 //! The Trainer actor: a dedicated thread pulls `groups_per_step` groups from the replay store
 //! (holding weights `t`, with the live η), checks the staleness invariant on every token, trains,
-//! and publishes version `t + 1`. The actor owns the thread; its handle reads the status.
+//! and publishes version `t + 1`. The actor owns the thread; its handle reads the status and sends
+//! control requests (checkpoint, halt) that the thread serves between steps.
 //!
 //! The invariant check is a guard, not the mechanism: the replay store never hands out a group
 //! with a token older than `t − η`; a violation here would be a bug, counted and logged.
+//!
+//! Control between steps: a request arriving while the thread waits for a batch withdraws the
+//! wait ([`crate::replay::PendingTake::cancel`]); a batch the store had already handed out is
+//! consumed on disk, so it is trained before the request is served, never dropped. A step that
+//! fails leaves the trainer idle (serving checkpoints and halt) with the error in its status: the
+//! node then stops the run with a checkpoint instead of looping.
+//!
+//! Step metrics: every catalog-named scalar of a [`sluice_core::TrainStepOutput`] becomes its
+//! gauge (or counter), see [`export_step_metrics`]; the actor itself records step time, the
+//! per-token lag histogram, mean and max lag, and tokens/s when the backend does not.
 
-use std::collections::HashSet;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::collections::{BTreeMap, HashSet};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use serde::Serialize;
-use sluice_core::metrics as m;
+use sluice_core::metrics::{self as m, MetricKind};
 use sluice_core::{
-    GroupId, KnobsHandle, PolicyVersion, RolloutGroup, TrainerBackend, WeightSnapshot,
+    BackendError, GroupId, KnobsHandle, PolicyVersion, RolloutGroup, TrainerBackend, WeightSnapshot,
 };
+use tokio::sync::{mpsc, oneshot, watch};
 
+use crate::checkpoint::CheckpointError;
 use crate::replay::ReplayHandle;
 use crate::{ActorError, Sink};
 
@@ -26,10 +39,12 @@ use crate::{ActorError, Sink};
 pub struct TrainerStatus {
     /// Version of the weights the next step starts from.
     pub version: PolicyVersion,
-    /// Steps taken.
+    /// Steps the run has taken (restarts included).
     pub steps: u64,
-    /// Groups trained on.
+    /// Groups trained on (the run's, restarts included).
     pub trained_groups: u64,
+    /// Groups consumed by a step that failed (their training is lost; they are never retried).
+    pub failed_groups: u64,
     /// Rollouts trained on.
     pub trained_samples: u64,
     /// Completion tokens trained on.
@@ -77,18 +92,47 @@ impl TrainerStatus {
 pub struct TrainerOptions {
     /// Groups per step.
     pub groups_per_step: usize,
-    /// Stop after this many steps (counted from this start).
+    /// Stop once the run has this many steps (counted from the start of the run, restarts
+    /// included).
     pub max_steps: u64,
+    /// Steps the run had already taken (restored from a checkpoint; 0 for a fresh run).
+    pub start_step: u64,
+    /// Groups the run had already trained on (restored from a checkpoint).
+    pub start_trained_groups: u64,
     /// Record trained group ids to detect duplicates (tests and benchmarks).
     pub track_ids: bool,
 }
+
+/// Where the trainer stood when it wrote a checkpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TrainerMark {
+    /// Version of the saved weights.
+    pub version: PolicyVersion,
+    /// Steps of the run.
+    pub steps: u64,
+    /// Groups trained in the run.
+    pub trained_groups: u64,
+}
+
+enum Control {
+    Checkpoint {
+        dir: PathBuf,
+        reply: oneshot::Sender<Result<TrainerMark, BackendError>>,
+    },
+    Halt,
+}
+
+/// Control requests waiting for the thread; it serves one between steps.
+const CONTROL_QUEUE: usize = 8;
 
 /// Typed handle; cloning is shallow.
 #[derive(Clone)]
 pub struct TrainerHandle {
     actor: ActorRef<()>,
+    control: mpsc::Sender<Control>,
     status: Arc<Mutex<TrainerStatus>>,
     ids: Arc<Mutex<Vec<GroupId>>>,
+    steps: watch::Receiver<u64>,
 }
 
 impl TrainerHandle {
@@ -102,27 +146,44 @@ impl TrainerHandle {
     ) -> Result<(Self, tokio::task::JoinHandle<()>), ActorError> {
         let status = Arc::new(Mutex::new(TrainerStatus {
             version: backend.version(),
+            steps: options.start_step,
+            trained_groups: options.start_trained_groups,
+            done: options.start_step >= options.max_steps,
             ..TrainerStatus::default()
         }));
         let ids = Arc::new(Mutex::new(Vec::new()));
+        let (control, control_rx) = mpsc::channel(CONTROL_QUEUE);
+        let (steps_tx, steps) = watch::channel(options.start_step);
         let worker = Worker {
             backend,
-            replay: replay.clone(),
+            replay,
             knobs,
             publish,
             options,
             status: Arc::clone(&status),
             ids: Arc::clone(&ids),
-            stop: Arc::new(AtomicBool::new(false)),
+            control: control_rx,
+            steps: steps_tx,
+            trained: HashSet::new(),
+            started: Instant::now(),
             rt: tokio::runtime::Handle::current(),
         };
-        let (actor, join) = Actor::spawn(None, TrainerActor, (worker, replay))
+        let (actor, join) = Actor::spawn(None, TrainerActor, (worker, control.clone()))
             .await
             .map_err(|e| ActorError::Spawn {
                 actor: "trainer",
                 message: e.to_string(),
             })?;
-        Ok((Self { actor, status, ids }, join))
+        Ok((
+            Self {
+                actor,
+                control,
+                status,
+                ids,
+                steps,
+            },
+            join,
+        ))
     }
 
     /// The trainer's view.
@@ -135,38 +196,53 @@ impl TrainerHandle {
         self.ids.lock().map(|v| v.clone()).unwrap_or_default()
     }
 
-    /// Stops the thread (after its current step) and the actor.
+    /// The run's step count, updated after every step.
+    pub fn steps(&self) -> watch::Receiver<u64> {
+        self.steps.clone()
+    }
+
+    /// Has the backend write its state under `dir` between two steps (a batch already taken is
+    /// trained first) and says where the trainer stood.
+    pub async fn checkpoint(&self, dir: PathBuf) -> Result<TrainerMark, CheckpointError> {
+        let gone = || CheckpointError::Unavailable("the trainer is not running".into());
+        let (reply, rx) = oneshot::channel();
+        self.control
+            .send(Control::Checkpoint { dir, reply })
+            .await
+            .map_err(|_| gone())?;
+        Ok(rx.await.map_err(|_| gone())??)
+    }
+
+    /// Stops the thread (after its current step; a batch already taken is trained) and the actor.
     pub async fn stop(&self) {
+        let _ = self.control.send(Control::Halt).await;
         let _ = self.actor.stop_and_wait(None, None).await;
     }
 }
 
 struct TrainerActor;
 
-/// The actor's state: the thread and how to stop it.
+/// The actor's state: the thread and how to halt it.
 pub struct TrainerState {
-    stop: Arc<AtomicBool>,
-    replay: ReplayHandle,
+    control: mpsc::Sender<Control>,
     thread: Option<JoinHandle<()>>,
 }
 
 impl Actor for TrainerActor {
     type Msg = ();
     type State = TrainerState;
-    type Arguments = (Worker, ReplayHandle);
+    type Arguments = (Worker, mpsc::Sender<Control>);
 
     async fn pre_start(
         &self,
         _me: ActorRef<()>,
-        (worker, replay): Self::Arguments,
+        (worker, control): Self::Arguments,
     ) -> Result<TrainerState, ActorProcessingErr> {
-        let stop = Arc::clone(&worker.stop);
         let thread = std::thread::Builder::new()
             .name("trainer".into())
             .spawn(move || worker.run())?;
         Ok(TrainerState {
-            stop,
-            replay,
+            control,
             thread: Some(thread),
         })
     }
@@ -176,8 +252,9 @@ impl Actor for TrainerActor {
         _me: ActorRef<()>,
         s: &mut TrainerState,
     ) -> Result<(), ActorProcessingErr> {
-        s.stop.store(true, Ordering::SeqCst);
-        s.replay.cancel_take();
+        // A full queue means a halt or checkpoint is already pending; the thread exits either way
+        // once every sender is gone or a halt arrives.
+        let _ = s.control.try_send(Control::Halt);
         if let Some(t) = s.thread.take() {
             tokio::task::spawn_blocking(move || t.join()).await.ok();
         }
@@ -194,80 +271,197 @@ pub struct Worker {
     options: TrainerOptions,
     status: Arc<Mutex<TrainerStatus>>,
     ids: Arc<Mutex<Vec<GroupId>>>,
-    stop: Arc<AtomicBool>,
+    control: mpsc::Receiver<Control>,
+    steps: watch::Sender<u64>,
+    trained: HashSet<GroupId>,
+    started: Instant,
     rt: tokio::runtime::Handle,
+}
+
+/// What the thread does next.
+enum Flow {
+    Continue,
+    Halt,
+}
+
+enum Woke {
+    Batch(Option<Vec<RolloutGroup>>),
+    Control(Option<Control>),
 }
 
 impl Worker {
     fn run(mut self) {
-        let started = Instant::now();
-        let mut trained: HashSet<GroupId> = HashSet::new();
-        let mut steps = 0u64;
-        while !self.stop.load(Ordering::SeqCst) && steps < self.options.max_steps {
+        let rt = self.rt.clone();
+        loop {
+            match self.control.try_recv() {
+                Ok(c) => match self.serve(c) {
+                    Flow::Continue => continue,
+                    Flow::Halt => break,
+                },
+                Err(mpsc::error::TryRecvError::Disconnected) => break,
+                Err(mpsc::error::TryRecvError::Empty) => {}
+            }
+            if !self.can_train() {
+                // Done or failed: stay around for checkpoints until halted.
+                match self.control.blocking_recv() {
+                    Some(c) => match self.serve(c) {
+                        Flow::Continue => continue,
+                        Flow::Halt => break,
+                    },
+                    None => break,
+                }
+            }
             let version = self.backend.version();
             let eta = self.knobs.current().max_version_lag;
             let wait = Instant::now();
-            let batch = self.rt.block_on(self.replay.take_batch(
-                self.options.groups_per_step,
-                version,
-                eta,
-            ));
-            let idle = wait.elapsed().as_secs_f64();
-            let Some(batch) = batch else { break };
-            let check = check_batch(&batch, version, eta, &mut trained);
-            if check.violations > 0 || check.duplicates > 0 {
-                tracing::error!(
-                    violations = check.violations,
-                    duplicates = check.duplicates,
-                    "batch broke an invariant"
-                );
-            }
-            let step_started = Instant::now();
-            let outcome = self.backend.train_step(&batch);
-            metrics::histogram!(m::TRAINER_STEP_SECONDS)
-                .record(step_started.elapsed().as_secs_f64());
-            steps += 1;
-            let mut status = self.status.lock().unwrap_or_else(|e| e.into_inner());
-            status.idle_seconds += idle;
-            status.uptime_seconds = started.elapsed().as_secs_f64();
-            status.trained_groups += batch.len() as u64;
-            status.trained_samples += batch.iter().map(|g| g.rollouts.len() as u64).sum::<u64>();
-            status.trained_tokens += check.tokens;
-            status.lag_sum += check.lag_sum;
-            status.max_lag = status.max_lag.max(check.max_lag);
-            status.lag_violations += check.violations;
-            status.duplicate_groups += check.duplicates;
-            status.steps = steps;
-            if self.options.track_ids
-                && let Ok(mut ids) = self.ids.lock()
-            {
-                ids.extend(batch.iter().map(|g| g.id));
-            }
-            metrics::counter!(m::TRAINER_STEPS).increment(1);
-            metrics::counter!(m::TRAINER_TRAINED_TOKENS).increment(check.tokens);
-            metrics::gauge!(m::TRAINER_IDLE_RATIO).set(status.idle_ratio());
-            match outcome {
-                Ok(out) => {
-                    if let Some(w) = out.weights {
-                        status.version = w.version;
-                        metrics::gauge!(m::TRAINER_POLICY_VERSION).set(w.version.0 as f64);
-                        drop(status);
-                        (self.publish)(w);
-                    }
+            let mut take = self
+                .replay
+                .begin_take(self.options.groups_per_step, version, eta);
+            let control = &mut self.control;
+            let woke = rt.block_on(async {
+                tokio::select! {
+                    b = take.wait() => Woke::Batch(b),
+                    c = control.recv() => Woke::Control(c),
                 }
-                Err(e) => {
-                    tracing::error!(error = %e, "training step failed; the trainer stops");
-                    metrics::counter!(m::ACTOR_ERRORS, "actor" => "trainer", "kind" => e.kind)
-                        .increment(1);
-                    status.error = Some(e.to_string());
-                    break;
+            });
+            let idle = wait.elapsed().as_secs_f64();
+            match woke {
+                Woke::Batch(Some(batch)) => self.train(batch, version, eta, idle),
+                Woke::Batch(None) => break,
+                Woke::Control(c) => {
+                    if let Some(batch) = rt.block_on(take.cancel()) {
+                        self.train(batch, version, eta, idle);
+                    }
+                    let Some(c) = c else { break };
+                    if let Flow::Halt = self.serve(c) {
+                        break;
+                    }
                 }
             }
         }
         let mut status = self.status.lock().unwrap_or_else(|e| e.into_inner());
-        status.uptime_seconds = started.elapsed().as_secs_f64();
-        status.done = steps >= self.options.max_steps;
+        status.uptime_seconds = self.started.elapsed().as_secs_f64();
     }
+
+    fn can_train(&self) -> bool {
+        let s = self.status.lock().unwrap_or_else(|e| e.into_inner());
+        s.steps < self.options.max_steps && s.error.is_none()
+    }
+
+    fn serve(&mut self, control: Control) -> Flow {
+        match control {
+            Control::Halt => Flow::Halt,
+            Control::Checkpoint { dir, reply } => {
+                let result = self.backend.checkpoint(&dir).map(|()| {
+                    let s = self.status.lock().unwrap_or_else(|e| e.into_inner());
+                    TrainerMark {
+                        version: self.backend.version(),
+                        steps: s.steps,
+                        trained_groups: s.trained_groups,
+                    }
+                });
+                if let Err(e) = &result {
+                    tracing::error!(error = %e, dir = %dir.display(), "trainer checkpoint failed");
+                    metrics::counter!(m::ACTOR_ERRORS, "actor" => "trainer", "kind" => e.kind)
+                        .increment(1);
+                }
+                let _ = reply.send(result);
+                Flow::Continue
+            }
+        }
+    }
+
+    /// One step on `batch`, taken from weights `version` under lag bound `eta`.
+    fn train(&mut self, batch: Vec<RolloutGroup>, version: PolicyVersion, eta: u64, idle: f64) {
+        let check = check_batch(&batch, version, eta, &mut self.trained);
+        if check.violations > 0 || check.duplicates > 0 {
+            tracing::error!(
+                violations = check.violations,
+                duplicates = check.duplicates,
+                "batch broke an invariant"
+            );
+        }
+        let step_started = Instant::now();
+        let outcome = self.backend.train_step(&batch);
+        let seconds = step_started.elapsed().as_secs_f64();
+        metrics::histogram!(m::TRAINER_STEP_SECONDS).record(seconds);
+        let groups = batch.len() as u64;
+        let mut status = self.status.lock().unwrap_or_else(|e| e.into_inner());
+        status.idle_seconds += idle;
+        status.uptime_seconds = self.started.elapsed().as_secs_f64();
+        status.lag_violations += check.violations;
+        status.duplicate_groups += check.duplicates;
+        let out = match outcome {
+            Ok(out) => out,
+            Err(e) => {
+                // The batch is consumed on disk and this step is lost; nothing is retried, so
+                // nothing is trained twice.
+                tracing::error!(error = %e, step = status.steps + 1, "training step failed; the trainer stops");
+                metrics::counter!(m::ACTOR_ERRORS, "actor" => "trainer", "kind" => e.kind)
+                    .increment(1);
+                status.failed_groups += groups;
+                status.error = Some(e.to_string());
+                return;
+            }
+        };
+        status.steps += 1;
+        status.trained_groups += groups;
+        status.trained_samples += batch.iter().map(|g| g.rollouts.len() as u64).sum::<u64>();
+        status.trained_tokens += check.tokens;
+        status.lag_sum += check.lag_sum;
+        status.max_lag = status.max_lag.max(check.max_lag);
+        status.done = status.steps >= self.options.max_steps;
+        let steps = status.steps;
+        if self.options.track_ids
+            && let Ok(mut ids) = self.ids.lock()
+        {
+            ids.extend(batch.iter().map(|g| g.id));
+        }
+        metrics::counter!(m::TRAINER_STEPS).increment(1);
+        metrics::counter!(m::TRAINER_TRAINED_TOKENS).increment(check.tokens);
+        metrics::gauge!(m::TRAINER_IDLE_RATIO).set(status.idle_ratio());
+        if check.tokens > 0 {
+            metrics::gauge!(m::TRAINER_MEAN_VERSION_LAG_VERSIONS)
+                .set(check.lag_sum as f64 / check.tokens as f64);
+            metrics::gauge!(m::TRAINER_MAX_VERSION_LAG_VERSIONS).set(check.max_lag as f64);
+        }
+        if !out.metrics.contains_key(m::TRAINER_TOKENS_PER_SECOND) && seconds > 0.0 {
+            metrics::gauge!(m::TRAINER_TOKENS_PER_SECOND).set(check.tokens as f64 / seconds);
+        }
+        export_step_metrics(&out.metrics);
+        let published = out.weights.inspect(|w| status.version = w.version);
+        drop(status);
+        if let Some(w) = published {
+            metrics::gauge!(m::TRAINER_POLICY_VERSION).set(w.version.0 as f64);
+            (self.publish)(w);
+        }
+        self.steps.send_replace(steps);
+    }
+}
+
+/// Exports a step's catalog-named scalars: gauges are set, counters incremented by the value.
+/// Histograms the actor records itself (step time, per-token lag) are skipped, so a step's mean
+/// does not count twice; names outside the catalog are ignored (an ad-hoc name would be an
+/// undocumented series). Returns how many names were ignored.
+pub fn export_step_metrics(values: &BTreeMap<String, f64>) -> usize {
+    let mut ignored = 0;
+    for (name, v) in values {
+        match m::find(name).map(|d| d.kind) {
+            Some(MetricKind::Gauge) => metrics::gauge!(name.clone()).set(*v),
+            Some(MetricKind::Counter) if *v >= 0.0 => {
+                metrics::counter!(name.clone()).increment(v.round() as u64)
+            }
+            Some(MetricKind::Histogram)
+                if name != m::TRAINER_STEP_SECONDS
+                    && name != m::TRAINER_TOKEN_VERSION_LAG_VERSIONS =>
+            {
+                metrics::histogram!(name.clone()).record(*v)
+            }
+            Some(_) => {}
+            None => ignored += 1,
+        }
+    }
+    ignored
 }
 
 struct BatchCheck {

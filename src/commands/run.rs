@@ -54,26 +54,64 @@ async fn run_node(config: &Config) -> anyhow::Result<ExitCode> {
         _ = stop_signal() => None,
     };
     bar.finish_and_clear();
-    let status = node.status().await.ok();
+    let Some(outcome) = outcome else {
+        return interrupted(node, config, started).await;
+    };
     node.shutdown().await;
-    match (outcome, status) {
-        (None, Some(s)) => {
-            eprintln!(
-                "interrupted; state saved under {}",
-                config.replay.path.display()
-            );
-            print_summary(&s, started.elapsed().as_secs_f64());
-            Ok(ExitCode::SUCCESS)
-        }
-        (Some(Ok(s)), _) => {
+    match outcome {
+        Ok(s) => {
             print_summary(&s, started.elapsed().as_secs_f64());
             match &s.trainer.error {
                 Some(e) => bail!("training failed: {e}"),
                 None => Ok(ExitCode::SUCCESS),
             }
         }
-        (Some(Err(e)), _) => Err(e.into()),
-        (None, None) => Ok(ExitCode::SUCCESS),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// SIGINT/SIGTERM: the graceful stop (stop admitting, store in-flight partials as aborted,
+/// checkpoint), bounded by `supervision.shutdown_timeout_s`; a second signal exits at once (the
+/// replay store keeps every acknowledged group either way).
+async fn interrupted(node: Node, config: &Config, started: Instant) -> anyhow::Result<ExitCode> {
+    eprintln!(
+        "stopping: storing in-flight rollouts and writing a checkpoint (signal again to exit now)"
+    );
+    let status = node.status().await.ok();
+    let bound = config.supervision.shutdown_timeout + Duration::from_secs(5);
+    let report = tokio::select! {
+        r = tokio::time::timeout(bound, node.stop_gracefully()) => r,
+        _ = stop_signal() => {
+            eprintln!("second signal: exiting without a checkpoint");
+            return Ok(ExitCode::from(130));
+        }
+    };
+    let Ok(report) = report else {
+        bail!("the graceful stop did not finish within {bound:?}");
+    };
+    if let Some(mut s) = status {
+        if let Some(replay) = report.final_replay.clone() {
+            s.replay = replay;
+        }
+        print_summary(&s, started.elapsed().as_secs_f64());
+    }
+    match (&report.checkpoint, &report.checkpoint_dir) {
+        (Some(m), Some(dir)) => eprintln!(
+            "stopped in {:.2} s: checkpoint v{} at step {} under {}; restart with the same config to resume",
+            report.seconds,
+            m.version,
+            m.steps,
+            dir.display()
+        ),
+        _ => eprintln!(
+            "stopped in {:.2} s; replay store under {}",
+            report.seconds,
+            config.replay.path.display()
+        ),
+    }
+    match report.error {
+        Some(e) => bail!("the graceful stop was incomplete: {e}"),
+        None => Ok(ExitCode::SUCCESS),
     }
 }
 

@@ -105,6 +105,21 @@ pub trait TrainerBackend: Send + 'static {
 
     /// Restores from a checkpoint written by [`Self::checkpoint`].
     fn restore(&mut self, dir: &Path) -> Result<(), BackendError>;
+
+    /// Relabels the current weights as `version` (newer than [`Self::version`]) without changing
+    /// them. A run restarted after a crash needs it when the replay store saw versions newer than
+    /// the last checkpoint: those weights died with the process, and versions never go backwards,
+    /// so training continues from the checkpoint's weights under the next free number. Backends
+    /// whose published snapshots carry their version must relabel those too. Default: refused.
+    fn set_version(&mut self, version: PolicyVersion) -> Result<(), BackendError> {
+        Err(BackendError::new(
+            "unsupported",
+            format!(
+                "this trainer backend cannot relabel its weights {} as {version}",
+                self.version()
+            ),
+        ))
+    }
 }
 
 #[cfg(test)]

@@ -197,6 +197,18 @@ catalog! {
         "Fraction of micro-batch slots holding tokens in the last step.";
     TRAINER_SKIPPED_STEPS = "sluice_trainer_skipped_steps_total", Counter, [], NONE,
         "Training steps skipped because every group had zero advantage (nothing published).";
+    TRAINER_MEAN_VERSION_LAG_VERSIONS = "sluice_trainer_mean_version_lag_versions", Gauge, [], NONE,
+        "Mean version lag of the tokens trained in the last step.";
+    TRAINER_MAX_VERSION_LAG_VERSIONS = "sluice_trainer_max_version_lag_versions", Gauge, [], NONE,
+        "Largest version lag of a token trained in the last step (never above max_version_lag).";
+    ACTOR_RESTART_BACKOFF_SECONDS = "sluice_actor_restart_backoff_seconds", Gauge, ["actor"], NONE,
+        "Delay before the supervisor's next restart of an actor (0 when healthy).";
+    NODE_CHECKPOINT_SECONDS = "sluice_node_checkpoint_seconds", Histogram, [], SECONDS_BUCKETS,
+        "Time to write a checkpoint (trainer state, replay commit, manifest).";
+    NODE_CHECKPOINT_VERSION = "sluice_node_checkpoint_version", Gauge, [], NONE,
+        "Policy version of the newest checkpoint on disk.";
+    NODE_INJECTED_FAILURES = "sluice_node_injected_failures_total", Counter, [], NONE,
+        "Faults injected by the [faults] config (engine crash or hang, trainer error; the log names each).";
 }
 
 /// Looks a metric up by name.

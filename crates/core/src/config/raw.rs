@@ -28,6 +28,10 @@ pub struct RawConfig {
     pub metrics: RawMetrics,
     /// `[admin]`
     pub admin: RawAdmin,
+    /// `[supervision]`
+    pub supervision: RawSupervision,
+    /// `[faults]`
+    pub faults: RawFaults,
 }
 
 /// `[run]`: identity and length of the run.
@@ -442,4 +446,44 @@ impl Default for RawAdmin {
             token: None,
         }
     }
+}
+
+/// `[supervision]`: actor restarts, the engine watchdog, checkpoints and the graceful stop.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawSupervision {
+    /// First delay before restarting a failed actor, seconds; doubles per consecutive failure.
+    pub restart_backoff_initial_s: f64,
+    /// Longest restart delay, seconds; a restarted actor that stays up this long is healthy again.
+    pub restart_backoff_max_s: f64,
+    /// Restart an engine replica that has requests but made no progress for this long (0 = off).
+    pub engine_watchdog_s: f64,
+    /// Write a checkpoint every this many training steps (0 = only on stop and on request).
+    pub checkpoint_every_steps: i64,
+    /// Bound on a graceful stop (abort, store partials, checkpoint), seconds.
+    pub shutdown_timeout_s: f64,
+}
+
+impl Default for RawSupervision {
+    fn default() -> Self {
+        Self {
+            restart_backoff_initial_s: 0.1,
+            restart_backoff_max_s: 30.0,
+            engine_watchdog_s: 300.0,
+            checkpoint_every_steps: 0,
+            shutdown_timeout_s: 60.0,
+        }
+    }
+}
+
+/// `[faults]`: fault injection for tests and drills. Every key is a period (0 = off, the default).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawFaults {
+    /// Each engine replica crashes at every N-th request it receives.
+    pub engine_crash_every_requests: i64,
+    /// Each engine replica stops making progress at every N-th request (the watchdog's case).
+    pub engine_hang_every_requests: i64,
+    /// The N-th training step of the process fails.
+    pub trainer_error_at_step: i64,
 }

@@ -36,6 +36,10 @@ pub struct Config {
     pub metrics: MetricsConfig,
     /// `[admin]`
     pub admin: AdminConfig,
+    /// `[supervision]`
+    pub supervision: SupervisionConfig,
+    /// `[faults]`
+    pub faults: FaultsConfig,
 }
 
 /// `[run]`
@@ -536,4 +540,45 @@ pub struct AdminConfig {
     /// Bearer token for mutating calls.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub token: Option<Secret>,
+}
+
+fn as_seconds_or_zero<S: Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_f64(d.map_or(0.0, |d| d.as_secs_f64()))
+}
+
+/// `[supervision]`
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SupervisionConfig {
+    /// First restart delay; doubles per consecutive failure.
+    #[serde(rename = "restart_backoff_initial_s", serialize_with = "as_seconds")]
+    pub restart_backoff_initial: Duration,
+    /// Longest restart delay (and the uptime after which an actor counts as healthy again).
+    #[serde(rename = "restart_backoff_max_s", serialize_with = "as_seconds")]
+    pub restart_backoff_max: Duration,
+    /// Engine replica watchdog (`None` = off).
+    #[serde(rename = "engine_watchdog_s", serialize_with = "as_seconds_or_zero")]
+    pub engine_watchdog: Option<Duration>,
+    /// Checkpoint every this many training steps (0 = only on stop and on request).
+    pub checkpoint_every_steps: u64,
+    /// Bound on a graceful stop.
+    #[serde(rename = "shutdown_timeout_s", serialize_with = "as_seconds")]
+    pub shutdown_timeout: Duration,
+}
+
+/// `[faults]`: injection periods, 0 = off.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct FaultsConfig {
+    /// Engine replica crash period, in requests per replica.
+    pub engine_crash_every_requests: u64,
+    /// Engine replica hang period, in requests per replica.
+    pub engine_hang_every_requests: u64,
+    /// The training step (1-based, of this process) that fails.
+    pub trainer_error_at_step: u64,
+}
+
+impl FaultsConfig {
+    /// Any fault is switched on.
+    pub fn any(&self) -> bool {
+        *self != Self::default()
+    }
 }

@@ -13,6 +13,8 @@ use super::raw::*;
 use super::typed::*;
 use crate::knobs::{Knobs, WeightUpdateMode};
 
+mod supervision;
+
 /// What validation needs to know besides the raw values.
 pub(crate) struct Ctx<'a> {
     pub file: &'a str,
@@ -163,6 +165,8 @@ impl RawConfig {
             replay,
             metrics,
             admin,
+            supervision,
+            faults,
         } = self;
         let run = validate_run(run, ctx)?;
         let model = validate_model(model, &run, ctx)?;
@@ -195,6 +199,8 @@ impl RawConfig {
             replay,
             metrics,
             admin,
+            supervision: supervision::validate_supervision(supervision, ctx)?,
+            faults: supervision::validate_faults(faults, ctx)?,
         })
     }
 }

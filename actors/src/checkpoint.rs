@@ -1,0 +1,294 @@
+//! Node checkpoints on disk: what a restarted run resumes from, beside the replay store.
+//!
+//! Layout of `<output_dir>/checkpoint/`:
+//! - `manifest.json`: [`Manifest`] (version, step, replay counters at the time, sampler state);
+//! - `trainer/`: whatever the [`sluice_core::TrainerBackend`] writes (the native trainer: HF
+//!   model, optimizer, trainer state; the simulated one: its version).
+//!
+//! Writes are atomic at the directory level: everything goes into `checkpoint.partial/`, which is
+//! renamed into place (the previous checkpoint moved to `checkpoint.old/` first and removed after).
+//! A crash at any point leaves either the old or the new checkpoint readable; [`CheckpointDir::load`]
+//! falls back to `checkpoint.old/` when the rename was cut in between.
+//!
+//! The replay store is not copied: it is durable by itself (every acknowledged group is committed),
+//! and consumed groups are final there, so "trained once" holds across any restart. The manifest
+//! records its counters for the operator and the tests.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+/// Version of the manifest layout.
+pub const FORMAT: u32 = 1;
+/// The manifest file.
+pub const MANIFEST: &str = "manifest.json";
+/// The trainer backend's subdirectory.
+pub const TRAINER_DIR: &str = "trainer";
+
+/// What a checkpoint holds besides the trainer's own files.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Manifest {
+    /// Layout version ([`FORMAT`]).
+    pub format: u32,
+    /// Policy version of the trainer's weights.
+    pub version: u64,
+    /// Training steps taken since the start of the run (across restarts).
+    pub steps: u64,
+    /// Groups trained since the start of the run.
+    pub trained_groups: u64,
+    /// Replay counters at checkpoint time.
+    pub replay: ReplayMark,
+    /// The sampler's resumable state, when the sampler exposes it.
+    pub sampler: Option<serde_json::Value>,
+    /// Why it was written: `stop`, `periodic`, `request`, `done`, `trainer_error`.
+    pub reason: String,
+    /// Wall-clock time of the write, seconds since the Unix epoch (for operators).
+    pub written_unix_seconds: f64,
+}
+
+/// Replay counters recorded in a manifest.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReplayMark {
+    /// Groups ever admitted.
+    pub admitted_total: u64,
+    /// Groups handed to the trainer.
+    pub consumed_total: u64,
+    /// Newest version the store had seen published.
+    pub policy_version: u64,
+}
+
+/// A checkpoint could not be written or read.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointError {
+    /// File system trouble.
+    #[error("checkpoint {path}: {message}")]
+    Io {
+        /// The path involved.
+        path: String,
+        /// What failed.
+        message: String,
+    },
+    /// The manifest did not decode or has another layout.
+    #[error("checkpoint {path}: corrupt manifest: {message}")]
+    Corrupt {
+        /// The manifest.
+        path: String,
+        /// What is wrong.
+        message: String,
+    },
+    /// The trainer backend refused to save or restore.
+    #[error("checkpoint trainer state: {0}")]
+    Trainer(#[from] sluice_core::BackendError),
+    /// An actor needed for the checkpoint is gone, or no checkpoint directory is configured.
+    #[error("checkpoint: {0}")]
+    Unavailable(String),
+}
+
+impl CheckpointError {
+    /// Short stable name, used as a metric label.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Io { .. } => "checkpoint_io",
+            Self::Corrupt { .. } => "checkpoint_corrupt",
+            Self::Trainer(_) => "checkpoint_trainer",
+            Self::Unavailable(_) => "checkpoint_unavailable",
+        }
+    }
+}
+
+fn io(path: &Path, e: impl std::fmt::Display) -> CheckpointError {
+    CheckpointError::Io {
+        path: path.display().to_string(),
+        message: e.to_string(),
+    }
+}
+
+/// A checkpoint location (`<output_dir>/checkpoint`) and its staging siblings.
+#[derive(Debug, Clone)]
+pub struct CheckpointDir {
+    root: PathBuf,
+}
+
+fn sibling(root: &Path, suffix: &str) -> PathBuf {
+    let mut name = root
+        .file_name()
+        .map(|n| n.to_os_string())
+        .unwrap_or_default();
+    name.push(suffix);
+    root.with_file_name(name)
+}
+
+/// Flushes a directory entry to disk (renames are durable only then).
+fn sync_dir(dir: &Path) {
+    if let Ok(f) = std::fs::File::open(dir) {
+        let _ = f.sync_all();
+    }
+}
+
+impl CheckpointDir {
+    /// The checkpoint at `root`.
+    pub fn new(root: impl Into<PathBuf>) -> Self {
+        Self { root: root.into() }
+    }
+
+    /// The committed checkpoint's directory.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    fn staging(&self) -> PathBuf {
+        sibling(&self.root, ".partial")
+    }
+
+    fn previous(&self) -> PathBuf {
+        sibling(&self.root, ".old")
+    }
+
+    /// Starts a write: an empty staging directory (a leftover from a cut write is removed).
+    /// Returns it; the trainer writes into `<staging>/trainer`.
+    pub fn begin(&self) -> Result<PathBuf, CheckpointError> {
+        let staging = self.staging();
+        if staging.exists() {
+            std::fs::remove_dir_all(&staging).map_err(|e| io(&staging, e))?;
+        }
+        std::fs::create_dir_all(&staging).map_err(|e| io(&staging, e))?;
+        Ok(staging)
+    }
+
+    /// Finishes a write begun with [`Self::begin`]: writes the manifest, then swaps the staging
+    /// directory into place.
+    pub fn commit(&self, manifest: &Manifest) -> Result<(), CheckpointError> {
+        let staging = self.staging();
+        let path = staging.join(MANIFEST);
+        let body = serde_json::to_vec_pretty(manifest).map_err(|e| io(&path, e))?;
+        let mut f = std::fs::File::create(&path).map_err(|e| io(&path, e))?;
+        f.write_all(&body).map_err(|e| io(&path, e))?;
+        f.sync_all().map_err(|e| io(&path, e))?;
+        drop(f);
+        sync_dir(&staging);
+        let previous = self.previous();
+        if previous.exists() {
+            std::fs::remove_dir_all(&previous).map_err(|e| io(&previous, e))?;
+        }
+        if self.root.exists() {
+            std::fs::rename(&self.root, &previous).map_err(|e| io(&self.root, e))?;
+        }
+        std::fs::rename(&staging, &self.root).map_err(|e| io(&staging, e))?;
+        if let Some(parent) = self.root.parent() {
+            sync_dir(parent);
+        }
+        if previous.exists() {
+            std::fs::remove_dir_all(&previous).map_err(|e| io(&previous, e))?;
+        }
+        Ok(())
+    }
+
+    /// The newest complete checkpoint: its directory and manifest, or `None` when there is none.
+    pub fn load(&self) -> Result<Option<(PathBuf, Manifest)>, CheckpointError> {
+        for dir in [self.root.clone(), self.previous()] {
+            let path = dir.join(MANIFEST);
+            let text = match std::fs::read_to_string(&path) {
+                Ok(t) => t,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                Err(e) => return Err(io(&path, e)),
+            };
+            let manifest: Manifest =
+                serde_json::from_str(&text).map_err(|e| CheckpointError::Corrupt {
+                    path: path.display().to_string(),
+                    message: e.to_string(),
+                })?;
+            if manifest.format != FORMAT {
+                return Err(CheckpointError::Corrupt {
+                    path: path.display().to_string(),
+                    message: format!(
+                        "layout version {} (this build reads {FORMAT})",
+                        manifest.format
+                    ),
+                });
+            }
+            return Ok(Some((dir, manifest)));
+        }
+        Ok(None)
+    }
+}
+
+/// Seconds since the Unix epoch, now.
+pub fn unix_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn manifest(version: u64) -> Manifest {
+        Manifest {
+            format: FORMAT,
+            version,
+            steps: version,
+            trained_groups: 4 * version,
+            replay: ReplayMark::default(),
+            sampler: None,
+            reason: "request".into(),
+            written_unix_seconds: unix_now(),
+        }
+    }
+
+    #[test]
+    fn a_commit_replaces_the_previous_checkpoint_atomically() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = CheckpointDir::new(tmp.path().join("checkpoint"));
+        assert!(dir.load().unwrap().is_none());
+        let staging = dir.begin().unwrap();
+        std::fs::create_dir_all(staging.join(TRAINER_DIR)).unwrap();
+        std::fs::write(staging.join(TRAINER_DIR).join("w"), "1").unwrap();
+        dir.commit(&manifest(1)).unwrap();
+        let (root, m) = dir.load().unwrap().unwrap();
+        assert_eq!(m.version, 1);
+        assert_eq!(
+            std::fs::read_to_string(root.join(TRAINER_DIR).join("w")).unwrap(),
+            "1"
+        );
+
+        // A cut write (staging left behind) does not disturb the committed checkpoint.
+        let staging = dir.begin().unwrap();
+        std::fs::write(staging.join("junk"), "x").unwrap();
+        assert_eq!(dir.load().unwrap().unwrap().1.version, 1);
+        dir.begin().unwrap();
+        dir.commit(&manifest(2)).unwrap();
+        let (root, m) = dir.load().unwrap().unwrap();
+        assert_eq!(m.version, 2);
+        assert!(!root.join(TRAINER_DIR).exists(), "the old files are gone");
+        assert!(!tmp.path().join("checkpoint.old").exists());
+        assert!(!tmp.path().join("checkpoint.partial").exists());
+    }
+
+    #[test]
+    fn a_rename_cut_in_between_falls_back_to_the_previous_checkpoint() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = CheckpointDir::new(tmp.path().join("checkpoint"));
+        dir.begin().unwrap();
+        dir.commit(&manifest(3)).unwrap();
+        // As if the process died after moving the old one aside.
+        std::fs::rename(
+            tmp.path().join("checkpoint"),
+            tmp.path().join("checkpoint.old"),
+        )
+        .unwrap();
+        assert_eq!(dir.load().unwrap().unwrap().1.version, 3);
+    }
+
+    #[test]
+    fn a_corrupt_manifest_is_named() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().join("checkpoint");
+        std::fs::create_dir_all(&root).unwrap();
+        std::fs::write(root.join(MANIFEST), "{").unwrap();
+        let err = CheckpointDir::new(&root).load().unwrap_err();
+        assert_eq!(err.kind(), "checkpoint_corrupt");
+        assert!(err.to_string().contains("manifest.json"), "{err}");
+    }
+}

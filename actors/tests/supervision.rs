@@ -1,0 +1,242 @@
+//! Engine replica supervision with stub backends: a replica whose calls fail, or that holds
+//! requests without progress, is rebuilt after a backoff; its requests come back aborted with the
+//! partial they were resumed from; requests that arrive while no replica is alive wait for one;
+//! after `close`, every request is answered as aborted at once.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use sluice_actors::engine::{BackendFactory, EngineHandle, EngineReport, EngineSupervision};
+use sluice_core::{
+    GroupId, NodeId, PolicyVersion, RequestId, RunId, WeightSnapshot, WeightUpdateMode,
+};
+use sluice_engine::{
+    EngineError, EngineStats, FinishReason, GenerateRequest, InferenceBackend, SamplingParams,
+    TokenOutput,
+};
+
+/// What a stub replica does with a submission.
+#[derive(Clone, Copy, PartialEq)]
+enum Mode {
+    /// Accepts and never answers (its stats never move).
+    Silent,
+    /// Refuses every call after the first submission.
+    FailAfterOne,
+}
+
+struct Stub {
+    mode: Mode,
+    submitted: AtomicU32,
+    log: Arc<Mutex<Vec<(u32, u32, RequestId)>>>,
+    replica: u32,
+    incarnation: u32,
+}
+
+impl InferenceBackend for Stub {
+    fn submit(&self, request: GenerateRequest) -> Result<(), EngineError> {
+        let n = self.submitted.fetch_add(1, Ordering::SeqCst);
+        if self.mode == Mode::FailAfterOne && n >= 1 {
+            return Err(EngineError::Stopped {
+                backend: "stub".into(),
+            });
+        }
+        self.log
+            .lock()
+            .unwrap()
+            .push((self.replica, self.incarnation, request.id));
+        Ok(())
+    }
+    fn abort(&self, _id: RequestId) -> Result<(), EngineError> {
+        Ok(())
+    }
+    fn abort_all(&self) -> Result<(), EngineError> {
+        Ok(())
+    }
+    fn update_weights(&self, _w: WeightSnapshot, _m: WeightUpdateMode) -> Result<(), EngineError> {
+        Ok(())
+    }
+    fn stats(&self) -> EngineStats {
+        EngineStats::default()
+    }
+    fn shutdown(&mut self) {}
+}
+
+type Log = Arc<Mutex<Vec<(u32, u32, RequestId)>>>;
+type Reports = Arc<Mutex<Vec<EngineReport>>>;
+
+fn factory(mode: Mode, log: Log) -> BackendFactory {
+    let incarnations = Arc::new(AtomicU32::new(0));
+    Arc::new(move |replica, _v, _sink| {
+        Box::new(Stub {
+            mode,
+            submitted: AtomicU32::new(0),
+            log: Arc::clone(&log),
+            replica,
+            incarnation: incarnations.fetch_add(1, Ordering::SeqCst),
+        }) as Box<dyn InferenceBackend>
+    })
+}
+
+fn request(counter: u64, resumed_tokens: usize) -> GenerateRequest {
+    let resume = (resumed_tokens > 0).then(|| TokenOutput {
+        token_ids: vec![7; resumed_tokens],
+        logprobs: vec![-0.5; resumed_tokens],
+        versions: vec![PolicyVersion(0); resumed_tokens],
+    });
+    GenerateRequest {
+        id: GroupId {
+            run: RunId::from_name("r"),
+            node: NodeId(0),
+            counter,
+        }
+        .rollout(0)
+        .request(0, 0),
+        prompt_token_ids: vec![1, 2],
+        resume,
+        params: SamplingParams {
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            max_tokens: 64,
+            seed: None,
+            stop_token_ids: vec![],
+        },
+        domain: None,
+    }
+}
+
+fn aborted(reports: &Reports) -> Vec<(RequestId, usize)> {
+    reports
+        .lock()
+        .unwrap()
+        .iter()
+        .filter_map(|r| match r {
+            EngineReport::Finished { completion, .. }
+                if completion.finish == FinishReason::Abort =>
+            {
+                Some((completion.id, completion.output.len()))
+            }
+            _ => None,
+        })
+        .collect()
+}
+
+async fn until(what: &str, mut ok: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !ok() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+async fn spawn(
+    mode: Mode,
+    sup: EngineSupervision,
+) -> (EngineHandle, Log, Reports, tokio::task::JoinHandle<()>) {
+    let log: Log = Arc::default();
+    let reports: Reports = Arc::default();
+    let sink = Arc::clone(&reports);
+    let (engine, join) = EngineHandle::spawn_supervised(
+        1,
+        PolicyVersion(0),
+        factory(mode, Arc::clone(&log)),
+        Arc::new(move |r| sink.lock().unwrap().push(r)),
+        sup,
+    )
+    .await
+    .unwrap();
+    (engine, log, reports, join)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_replica_returns_its_partials_waits_out_the_backoff_and_comes_back() {
+    let sup = EngineSupervision {
+        backoff_initial: Duration::from_millis(150),
+        backoff_max: Duration::from_secs(1),
+        ..EngineSupervision::default()
+    };
+    let (engine, log, reports, join) = spawn(Mode::FailAfterOne, sup).await;
+    engine.generate(request(1, 5), None); // accepted
+    engine.generate(request(2, 0), None); // refused: the replica fails
+    until("both requests back as aborted", || {
+        aborted(&reports).len() == 2
+    })
+    .await;
+    let mut back = aborted(&reports);
+    back.sort();
+    assert_eq!(back[0].1, 5, "the resumed request keeps its partial");
+    assert_eq!(back[1].1, 0);
+    let health = engine.health().await.unwrap();
+    assert!(!health[0].alive, "waiting out the backoff");
+    assert_eq!(health[0].failures.get("error"), Some(&1));
+    // Sent while no replica is alive: it waits, then goes to the rebuilt replica.
+    engine.generate(request(3, 0), None);
+    until("the restart", || {
+        log.lock().unwrap().iter().any(|(_, inc, _)| *inc == 1)
+    })
+    .await;
+    let health = engine.health().await.unwrap();
+    assert!(health[0].alive);
+    assert_eq!(health[0].restarts, 1);
+    assert!(
+        health[0].last_restart_seconds.unwrap() >= 0.14,
+        "{health:?}"
+    );
+    assert_eq!(log.lock().unwrap().last().unwrap().2, request(3, 0).id);
+    assert_eq!(
+        aborted(&reports).len(),
+        2,
+        "the waiting request was not aborted"
+    );
+    engine.stop().await;
+    join.await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_watchdog_fails_a_replica_that_holds_requests_without_progress() {
+    let sup = EngineSupervision {
+        backoff_initial: Duration::from_millis(1),
+        backoff_max: Duration::from_millis(10),
+        watchdog: Some(Duration::from_millis(200)),
+        ..EngineSupervision::default()
+    };
+    let (engine, log, reports, join) = spawn(Mode::Silent, sup).await;
+    // Idle time never counts.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert_eq!(engine.health().await.unwrap()[0].failures.len(), 0);
+    let asked = Instant::now();
+    engine.generate(request(1, 3), None);
+    until("the watchdog", || aborted(&reports).len() == 1).await;
+    assert!(asked.elapsed() >= Duration::from_millis(200));
+    assert_eq!(aborted(&reports)[0].1, 3);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let health = loop {
+        let h = engine.health().await.unwrap();
+        if h[0].restarts == 1 {
+            break h;
+        }
+        assert!(Instant::now() < deadline, "no restart: {h:?}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    assert_eq!(health[0].failures.get("watchdog"), Some(&1));
+    assert_eq!(log.lock().unwrap().len(), 1);
+    engine.stop().await;
+    join.await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_close_every_request_is_answered_as_aborted() {
+    let (engine, log, reports, join) = spawn(Mode::Silent, EngineSupervision::default()).await;
+    engine.close().await.unwrap();
+    engine.generate(request(1, 4), None);
+    until("the refusal", || aborted(&reports).len() == 1).await;
+    assert_eq!(
+        aborted(&reports)[0].1,
+        4,
+        "the partial comes back as it was"
+    );
+    assert!(log.lock().unwrap().is_empty(), "nothing reached a backend");
+    engine.stop().await;
+    join.await.unwrap();
+}
