@@ -28,6 +28,16 @@ pub struct DataSample {
     pub system_prompt: Option<String>,
 }
 
+impl DataSample {
+    /// The dataset's name without its split (`arithmetic@train` → `arithmetic`): the task that
+    /// serves the sample unless its domain names another.
+    pub fn dataset_name(&self) -> &str {
+        self.dataset
+            .split_once('@')
+            .map_or(self.dataset.as_str(), |(name, _)| name)
+    }
+}
+
 /// Where a rollout stands. Only `Ongoing` and `Aborted` can still produce tokens.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]

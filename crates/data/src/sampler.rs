@@ -336,12 +336,7 @@ impl<R: DomainRows> MixSampler<R> {
             .iter()
             .position(|d| *d == sample.domain)
             .and_then(|i| self.options[i].task.as_deref())
-            .unwrap_or_else(|| {
-                sample
-                    .dataset
-                    .split_once('@')
-                    .map_or(sample.dataset.as_str(), |(name, _)| name)
-            })
+            .unwrap_or_else(|| sample.dataset_name())
     }
 
     /// Target, actual, counts and draw probability per domain, toward `domain_mix`.

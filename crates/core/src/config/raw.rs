@@ -28,6 +28,10 @@ pub struct RawConfig {
     pub metrics: RawMetrics,
     /// `[admin]`
     pub admin: RawAdmin,
+    /// `[warmup]`
+    pub warmup: RawWarmup,
+    /// `[eval]`
+    pub eval: RawEval,
     /// `[supervision]`
     pub supervision: RawSupervision,
     /// `[faults]`
@@ -444,6 +448,68 @@ impl Default for RawAdmin {
         Self {
             listen: "127.0.0.1:9401".into(),
             token: None,
+        }
+    }
+}
+
+/// `[warmup]`: a supervised warm-start on the task's reference replies before RL (native runs).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawWarmup {
+    /// Run the warm-start when the run starts fresh.
+    pub enabled: bool,
+    /// Most supervised steps.
+    pub max_steps: i64,
+    /// Demonstrations per step.
+    pub batch_size: i64,
+    /// Learning rate of the warm-start (its own constant schedule).
+    pub learning_rate: f64,
+    /// Stop once greedy accuracy on a probe of training problems reaches this.
+    pub target_accuracy: f64,
+    /// Probe every this many steps.
+    pub check_every: i64,
+    /// Training problems in the probe.
+    pub probe_samples: i64,
+}
+
+impl Default for RawWarmup {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            max_steps: 300,
+            batch_size: 64,
+            learning_rate: 3e-3,
+            target_accuracy: 0.3,
+            check_every: 10,
+            probe_samples: 128,
+        }
+    }
+}
+
+/// `[eval]`: periodic held-out evaluation (native runs).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawEval {
+    /// Evaluate every this many training steps (0: only before and after training).
+    pub every_steps: i64,
+    /// Held-out samples (tasks that enumerate their held-out split use all of it).
+    pub samples: i64,
+    /// Sampling temperature of evaluation (0: greedy).
+    pub temperature: f64,
+    /// Stop training once held-out accuracy reaches this (absent: run all steps).
+    pub stop_at_accuracy: Option<f64>,
+    /// Task to evaluate (default: the task of the first dataset).
+    pub task: Option<String>,
+}
+
+impl Default for RawEval {
+    fn default() -> Self {
+        Self {
+            every_steps: 10,
+            samples: 256,
+            temperature: 0.0,
+            stop_at_accuracy: None,
+            task: None,
         }
     }
 }

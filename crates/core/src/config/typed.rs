@@ -36,6 +36,10 @@ pub struct Config {
     pub metrics: MetricsConfig,
     /// `[admin]`
     pub admin: AdminConfig,
+    /// `[warmup]`
+    pub warmup: WarmupConfig,
+    /// `[eval]`
+    pub eval: EvalConfig,
     /// `[supervision]`
     pub supervision: SupervisionConfig,
     /// `[faults]`
@@ -540,6 +544,42 @@ pub struct AdminConfig {
     /// Bearer token for mutating calls.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub token: Option<Secret>,
+}
+
+/// `[warmup]`: supervised warm-start before RL.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct WarmupConfig {
+    /// Run the warm-start when the run starts fresh.
+    pub enabled: bool,
+    /// Most supervised steps.
+    pub max_steps: NonZeroU64,
+    /// Demonstrations per step.
+    pub batch_size: NonZeroU32,
+    /// Learning rate (constant).
+    pub learning_rate: f64,
+    /// Stop once probe accuracy reaches this.
+    pub target_accuracy: f64,
+    /// Probe every this many steps.
+    pub check_every: NonZeroU64,
+    /// Training problems in the probe.
+    pub probe_samples: NonZeroU32,
+}
+
+/// `[eval]`: periodic held-out evaluation.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct EvalConfig {
+    /// Evaluate every this many steps (0: only before and after training).
+    pub every_steps: u64,
+    /// Held-out samples.
+    pub samples: NonZeroU32,
+    /// Sampling temperature (0: greedy).
+    pub temperature: f64,
+    /// Stop training once held-out accuracy reaches this.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stop_at_accuracy: Option<f64>,
+    /// Task to evaluate (default: the first dataset's).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub task: Option<String>,
 }
 
 fn as_seconds_or_zero<S: Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {

@@ -13,6 +13,7 @@ use super::raw::*;
 use super::typed::*;
 use crate::knobs::{Knobs, WeightUpdateMode};
 
+mod quickstart;
 mod supervision;
 
 /// What validation needs to know besides the raw values.
@@ -165,6 +166,8 @@ impl RawConfig {
             replay,
             metrics,
             admin,
+            warmup,
+            eval,
             supervision,
             faults,
         } = self;
@@ -199,6 +202,8 @@ impl RawConfig {
             replay,
             metrics,
             admin,
+            warmup: quickstart::validate_warmup(warmup, ctx)?,
+            eval: quickstart::validate_eval(eval, ctx)?,
             supervision: supervision::validate_supervision(supervision, ctx)?,
             faults: supervision::validate_faults(faults, ctx)?,
         })
