@@ -11,6 +11,7 @@ use sluice_core::{DataSample, GroupId, NodeId, Rollout, RunId};
 use crate::episode::{Generate, run_episode};
 use crate::error::EnvError;
 use crate::renderer::Renderer;
+use crate::rubric::Rubric;
 use crate::task::Task;
 use crate::token_env::TokenEnvLimits;
 
@@ -21,24 +22,22 @@ pub struct EvalReport {
     pub episodes: usize,
     /// Mean final reward.
     pub mean_reward: f64,
-    /// Mean of the `correct` reward component over all episodes (an episode without the component
-    /// counts as 0); `None` when no episode has it.
+    /// Mean of the `correct` reward component over all episodes (an episode without the component,
+    /// such as a truncated one, counts as 0); `None` when the rubric has no `correct` function.
     pub accuracy: Option<f64>,
     /// Episodes per final status label.
     pub statuses: BTreeMap<String, usize>,
 }
 
 impl EvalReport {
-    /// Summarizes scored rollouts.
-    pub fn from_rollouts(rollouts: &[Rollout]) -> Self {
+    /// Summarizes rollouts scored by `rubric`.
+    pub fn from_rollouts(rubric: &Rubric, rollouts: &[Rollout]) -> Self {
         let n = rollouts.len();
         let mut statuses = BTreeMap::new();
         for r in rollouts {
             *statuses.entry(r.status.as_label().to_owned()).or_insert(0) += 1;
         }
-        let any_correct = rollouts
-            .iter()
-            .any(|r| r.reward_components.contains_key("correct"));
+        let scores_correctness = rubric.weights().iter().any(|(name, _)| *name == "correct");
         let mean = |f: &dyn Fn(&Rollout) -> f64| {
             if n == 0 {
                 0.0
@@ -49,7 +48,7 @@ impl EvalReport {
         Self {
             episodes: n,
             mean_reward: mean(&|r| r.reward),
-            accuracy: any_correct
+            accuracy: scores_correctness
                 .then(|| mean(&|r| r.reward_components.get("correct").copied().unwrap_or(0.0))),
             statuses,
         }
@@ -83,5 +82,5 @@ pub async fn evaluate(
             .apply_to(&mut rollout);
         rollouts.push(rollout);
     }
-    Ok((EvalReport::from_rollouts(&rollouts), rollouts))
+    Ok((EvalReport::from_rollouts(task.rubric(), &rollouts), rollouts))
 }

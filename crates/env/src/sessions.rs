@@ -64,6 +64,11 @@ impl EnvSessions {
         self.map().len()
     }
 
+    /// Whether rollout `id` has an open session.
+    pub fn contains(&self, id: RolloutId) -> bool {
+        self.map().contains_key(&id)
+    }
+
     /// Starts rollout `id` of `sample` on the task named `task` and returns its first prompt, or
     /// `Done` with the status when it cannot start (unknown task → `Error("unknown_task")`, bad
     /// input, init failure, prompt too long, too many sessions → `Error("env_sessions_full")`).

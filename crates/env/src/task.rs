@@ -35,7 +35,17 @@ pub trait DataGenerator: Send + Sync {
     /// `count` samples of `split` (`train` or `eval`; the two never share a problem),
     /// deterministic in `seed`. `domain` and `dataset` are filled in by the caller.
     fn generate(&self, split: &str, seed: u64, count: usize) -> Result<Vec<DataSample>, EnvError>;
+
+    /// Every problem of the held-out split, each once, in a fixed order, when the split is small
+    /// enough to enumerate (evaluations then measure the whole split, not a draw from it).
+    fn heldout(&self) -> Option<Vec<DataSample>> {
+        None
+    }
 }
+
+/// The reply a competent model gives to a sample: what supervised warm-starts imitate. `None`
+/// when the sample has no single reference reply.
+pub type ReferenceReply = fn(&DataSample) -> Option<String>;
 
 /// One registered task.
 #[derive(Clone)]
@@ -47,6 +57,7 @@ pub struct Task {
     datasets: Vec<DatasetSpec>,
     generator: Option<Arc<dyn DataGenerator>>,
     discount: Option<EpisodeDiscount>,
+    reference: Option<ReferenceReply>,
 }
 
 impl std::fmt::Debug for Task {
@@ -73,6 +84,30 @@ impl Task {
             datasets: Vec::new(),
             generator: None,
             discount: None,
+            reference: None,
+        }
+    }
+
+    /// Declares how to write a sample's reference reply (single-turn tasks with a known answer).
+    pub fn with_reference(mut self, reference: ReferenceReply) -> Self {
+        self.reference = Some(reference);
+        self
+    }
+
+    /// The reference reply to `sample`, when the task declares one.
+    pub fn reference_reply(&self, sample: &DataSample) -> Option<String> {
+        self.reference.and_then(|f| f(sample))
+    }
+
+    /// The held-out evaluation set: the whole `eval` split when the task can enumerate it,
+    /// else `count` samples drawn from it with `seed`.
+    pub fn eval_samples(&self, seed: u64, count: usize) -> Result<Vec<DataSample>, EnvError> {
+        let generator = self.generator.as_ref().ok_or_else(|| {
+            EnvError::Config(format!("task `{}` does not generate data", self.name))
+        })?;
+        match generator.heldout() {
+            Some(all) => Ok(all),
+            None => generator.generate("eval", seed, count),
         }
     }
 

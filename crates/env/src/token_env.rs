@@ -146,7 +146,8 @@ impl std::fmt::Debug for TokenEnv {
 
 impl TokenEnv {
     /// Wraps `env`. `system_prompt` is prepended to the opening messages unless they already
-    /// start with a system message.
+    /// start with a system message or it is empty (an empty per-domain prompt removes the
+    /// task's).
     pub fn new(
         env: Box<dyn MessageEnv>,
         renderer: Arc<dyn Renderer>,
@@ -254,8 +255,9 @@ impl TokenEnv {
         let starts_with_system = messages
             .first()
             .is_some_and(|m| m.role == sluice_core::Role::System);
-        if let (Some(prompt), false) = (&self.system_prompt, starts_with_system) {
-            self.history.push(Message::system(prompt.clone()));
+        let prompt = self.system_prompt.as_deref().filter(|p| !p.is_empty());
+        if let (Some(prompt), false) = (prompt, starts_with_system) {
+            self.history.push(Message::system(prompt));
         }
         self.history.extend(messages);
         self.tools = tools;

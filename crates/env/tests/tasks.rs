@@ -83,7 +83,7 @@ async fn arithmetic_rewards_exact_answers_and_format() {
         prompt[0].content.as_deref(),
         Some("Answer with the number only.")
     );
-    assert_eq!(prompt[1].content.as_deref(), Some("What is 7 + 5?"));
+    assert_eq!(prompt[1].content.as_deref(), Some("7+5="));
     let wrong = play(&task, &s, &["13"]).await;
     assert!((wrong.reward - 0.1 / 1.1).abs() < 1e-12, "format only");
     let chatty = play(&task, &s, &["It is 12"]).await;
@@ -232,10 +232,10 @@ fn arithmetic_heldout_set_is_fixed_and_never_trained_on() {
     let heldout = heldout_samples();
     assert_eq!(heldout, heldout_samples());
     let n = heldout.len();
+    let all = all_problems().len();
     assert!(
-        (50..=150).contains(&n),
-        "about a tenth of {}: {n}",
-        all_problems().len()
+        (all / 20..=all / 5).contains(&n),
+        "about a tenth of {all}: {n}"
     );
     let held: BTreeSet<String> = heldout.iter().map(|s| s.input.to_string()).collect();
     assert_eq!(held.len(), n, "each problem once");

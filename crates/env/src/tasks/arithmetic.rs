@@ -1,9 +1,11 @@
-//! `arithmetic`: single-turn small-integer arithmetic (`a + b`, `a - b` with operands 0–20,
-//! `a * b` with operands 0–9). The model answers with the number alone. Rewards: `correct`
-//! (exact integer match, weight 1) and `format` (the reply is one integer, weight 0.1).
+//! `arithmetic`: single-turn small-integer arithmetic (`a+b=` and `a-b=` with operands 0–9,
+//! written compactly so a character-level model reads it in a few tokens). The model answers
+//! with the number alone. Rewards: `correct` (exact integer match, weight 1) and `format` (the
+//! reply is one integer, weight 0.1).
 //!
-//! The problem space is small (982 problems); about a tenth is held out as the `eval` split and
-//! never appears in `train`, so evaluation measures generalization, not recall.
+//! The problem space is small (200 problems) so a tiny model learns it in minutes on a CPU;
+//! about a tenth is held out as the `eval` split and never appears in `train`, so evaluation
+//! measures generalization, not recall.
 
 use serde_json::json;
 use sluice_core::DataSample;
@@ -37,15 +39,10 @@ pub fn answer(a: i64, op: char, b: i64) -> i64 {
 pub fn all_problems() -> Vec<(i64, char, i64)> {
     let mut out = Vec::new();
     for op in ['+', '-'] {
-        for a in 0..=20 {
-            for b in 0..=20 {
+        for a in 0..=9 {
+            for b in 0..=9 {
                 out.push((a, op, b));
             }
-        }
-    }
-    for a in 0..=9 {
-        for b in 0..=9 {
-            out.push((a, '*', b));
         }
     }
     out
@@ -53,7 +50,7 @@ pub fn all_problems() -> Vec<(i64, char, i64)> {
 
 /// The input JSON of a problem.
 pub fn problem_input(a: i64, op: char, b: i64) -> serde_json::Value {
-    json!({"question": format!("What is {a} {op} {b}?"), "answer": answer(a, op, b)})
+    json!({"question": format!("{a}{op}{b}="), "answer": answer(a, op, b)})
 }
 
 /// The whole held-out split, each problem once, in a fixed order: the evaluation set whose
@@ -85,6 +82,15 @@ impl DataGenerator for Generator {
             (format!("{a}{op}{b}"), problem_input(a, op, b))
         })
     }
+
+    fn heldout(&self) -> Option<Vec<DataSample>> {
+        Some(heldout_samples())
+    }
+}
+
+/// The reference reply: the answer alone.
+fn reference(sample: &DataSample) -> Option<String> {
+    field::<i64>(sample, "answer").ok().map(|a| a.to_string())
 }
 
 /// The reply parsed as one integer.
@@ -112,4 +118,5 @@ pub fn task() -> Task {
         .with_system_prompt(SYSTEM_PROMPT)
         .with_datasets(train_eval_specs("math", "arithmetic"))
         .with_generator(Generator)
+        .with_reference(reference)
 }

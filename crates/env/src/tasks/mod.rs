@@ -3,7 +3,7 @@
 //!
 //! | task | episode | reward |
 //! |---|---|---|
-//! | [`arithmetic`] | one turn: `What is 7 + 5?` | exact match of the number (+ format) |
+//! | [`arithmetic`] | one turn: `7+5=` | exact match of the number (+ format) |
 //! | [`sum_digits`] | one turn, answer as `[ANSWER] n` | exact match (+ format) |
 //! | [`calculator`] (`calculator_tool`) | multi-turn, may call `calc` via `<tool_call>` | final answer |
 //! | [`episodic`] | multi-step walk, actions in `<|action_start|>…<|action_end|>` | outcome, discounted by γ |

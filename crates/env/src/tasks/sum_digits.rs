@@ -62,10 +62,18 @@ fn format(input: &ScoreInput) -> f64 {
     has_answer(input, parse_answer_tag)
 }
 
+/// The reference reply: the digits added up, then the tag.
+fn reference(sample: &DataSample) -> Option<String> {
+    let number: String = field(sample, "number").ok()?;
+    let digits: Vec<String> = number.chars().map(String::from).collect();
+    Some(format!("{} = {}\n[ANSWER] {}", digits.join(" + "), digit_sum(&number), digit_sum(&number)))
+}
+
 /// The task.
 pub fn task() -> Task {
     Task::new(NAME, env, answer_rubric(correct, format, None))
         .with_system_prompt(SYSTEM_PROMPT)
         .with_datasets(train_eval_specs("math", "sum_digits"))
         .with_generator(Generator)
+        .with_reference(reference)
 }
