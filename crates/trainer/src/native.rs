@@ -420,4 +420,20 @@ impl TrainerBackend for NativeTrainer {
     fn restore(&mut self, dir: &Path) -> Result<(), BackendError> {
         self.load(dir).map_err(TrainerError::into_backend)
     }
+
+    fn set_version(&mut self, version: PolicyVersion) -> Result<(), BackendError> {
+        if version < self.version {
+            return Err(BackendError::new(
+                "version_backwards",
+                format!("cannot relabel weights {} as older {version}", self.version),
+            ));
+        }
+        let published = self
+            .model
+            .snapshot(version, Some(self.config.publish_dtype))
+            .map_err(|e| TrainerError::from(e).into_backend())?;
+        self.version = version;
+        self.published = Arc::new(published);
+        Ok(())
+    }
 }
