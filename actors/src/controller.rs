@@ -23,13 +23,21 @@ use sluice_core::{
     RolloutGroup, RolloutId, RolloutStatus, RolloutTurn, RunId, WeightSnapshot, WeightUpdateMode,
 };
 use sluice_engine::{FinishReason, GenerateRequest, SamplingParams, TokenOutput};
+use sluice_env::OutcomeStats;
 use sluice_replay::{Bucket, admission_allows, in_flight_target, remaining_for_step};
 
 use crate::engine::{EngineHandle, EngineReport};
-use crate::env_worker::{EnvPoolHandle, EnvResult, EnvStep, RolloutEnv};
+use crate::env_worker::{EnvPoolHandle, EnvResult, EnvStep};
 use crate::replay::{Recovery, ReplayCounts, ReplayHandle, ReplayNotice};
 use crate::sampler::SamplerHandle;
 use crate::{ActorError, Sink};
+
+/// Weight of a new reward in the outcome EMA.
+const OUTCOME_EMA_ALPHA: f64 = 0.05;
+/// Group mean reward below / above which a group counts as too hard / too easy.
+const BALANCE_THRESHOLD: f64 = 0.5;
+/// Groups kept for the balance fractions.
+const BALANCE_WINDOW: usize = 256;
 
 /// The controller's fixed configuration (what changes lives in the knobs).
 #[derive(Debug, Clone)]
@@ -52,10 +60,8 @@ pub struct Peers {
     pub sampler: SamplerHandle,
     /// Inference engine.
     pub engine: EngineHandle,
-    /// Environment pool.
+    /// Environment pool (first prompts, steps, rewards).
     pub env: EnvPoolHandle,
-    /// The environment itself (first prompts are rendered here).
-    pub env_impl: Arc<dyn RolloutEnv>,
     /// Replay store.
     pub replay: ReplayHandle,
     /// What the replay store recovered.
@@ -93,6 +99,10 @@ pub struct ControllerStatus {
     pub max_in_flight: u64,
     /// Replay counts last heard.
     pub replay: ReplayCounts,
+    /// Rollouts of finished (not aborted) groups.
+    pub finished_rollouts: u64,
+    /// Sum of their final rewards (mean reward over an interval = Δsum / Δcount).
+    pub reward_sum: f64,
 }
 
 enum Cmd {
@@ -230,6 +240,8 @@ pub struct ControllerState {
     samples_requested: usize,
     draining: bool,
     status: ControllerStatus,
+    /// Outcome EMA and balance fractions (seed 001).
+    outcomes: OutcomeStats,
     knob_watch: Option<tokio::task::JoinHandle<()>>,
 }
 
@@ -274,6 +286,7 @@ impl Actor for ControllerActor {
             samples_requested: 0,
             draining: false,
             status: ControllerStatus::default(),
+            outcomes: OutcomeStats::new(OUTCOME_EMA_ALPHA, BALANCE_THRESHOLD, BALANCE_WINDOW),
             knob_watch: Some(knob_watch),
         })
     }
@@ -466,11 +479,8 @@ impl ControllerState {
             return;
         };
         let id = ids.next_id();
-        let mut group = RolloutGroup::new(id, sample.clone(), self.config.group_size, self.version);
-        for r in &mut group.rollouts {
-            r.turns
-                .push(RolloutTurn::new(peers.env_impl.first_prompt(&sample, r.id)));
-        }
+        // Rollouts start without turns: the env renders their first prompts (in `start`).
+        let group = RolloutGroup::new(id, sample.clone(), self.config.group_size, self.version);
         peers.replay.admit(group.clone());
         self.admitted_total += 1;
         if self.tail_active {
@@ -491,17 +501,16 @@ impl ControllerState {
             replica: vec![None; n],
         };
         for i in 0..n {
-            let r = &mut w.group.rollouts[i];
+            let r = &w.group.rollouts[i];
             if matches!(r.status, RolloutStatus::Ongoing | RolloutStatus::Aborted) {
                 if r.turns.is_empty() {
-                    let prompt = self
-                        .peers
-                        .as_ref()
-                        .map(|p| p.env_impl.first_prompt(&w.sample, r.id))
-                        .unwrap_or_default();
-                    r.turns.push(RolloutTurn::new(prompt));
+                    if let Some(p) = &self.peers {
+                        w.waiting.insert(i as u32, Waiting::Env);
+                        p.env.start(Arc::clone(&w.sample), r.id);
+                    }
+                } else {
+                    self.submit(&mut w, i);
                 }
-                self.submit(&mut w, i);
             }
         }
         self.work.insert(id, w);
@@ -561,11 +570,12 @@ impl ControllerState {
                 r.status = RolloutStatus::Aborted;
                 r.abort_count += 1;
             }
-            FinishReason::Length => r.status = RolloutStatus::Truncated,
-            FinishReason::Stop => {
+            // A truncated turn still goes to the env: it ends the episode and scores it.
+            FinishReason::Stop | FinishReason::Length => {
                 w.waiting.insert(i, Waiting::Env);
                 if let Some(p) = &self.peers {
-                    p.env.step(Arc::clone(&w.sample), r.clone());
+                    let truncated = c.finish == FinishReason::Length;
+                    p.env.step(Arc::clone(&w.sample), r.clone(), truncated);
                 }
             }
             FinishReason::Error(kind) => r.status = RolloutStatus::Error(kind),
@@ -585,14 +595,25 @@ impl ControllerState {
             return;
         }
         let r = &mut w.group.rollouts[i as usize];
+        if let (Some(note), Some(turn)) = (result.note, r.turns.last_mut()) {
+            turn.completion_message = note.completion_message;
+            turn.env_messages = note.env_messages;
+            turn.env_reward = note.env_reward;
+            turn.situation = note.situation;
+        }
         match result.step {
             EnvStep::Continue { next_prompt } => {
                 r.turns.push(RolloutTurn::new(next_prompt));
                 self.submit(&mut w, i as usize);
             }
-            EnvStep::Done { reward } => {
-                r.status = RolloutStatus::Completed;
+            EnvStep::Done {
+                reward,
+                status,
+                components,
+            } => {
+                r.status = status;
                 r.reward = reward;
+                r.reward_components = components;
             }
             EnvStep::Failed { kind } => r.status = RolloutStatus::Error(kind),
         }
@@ -610,14 +631,17 @@ impl ControllerState {
         let Some(w) = self.work.remove(&gid) else {
             return;
         };
-        let Some(peers) = &self.peers else { return };
         let group = w.group;
-        self.storing.insert(gid);
-        if group
+        let aborted = group
             .rollouts
             .iter()
-            .any(|r| r.status == RolloutStatus::Aborted)
-        {
+            .any(|r| r.status == RolloutStatus::Aborted);
+        if !aborted {
+            self.record_outcome(&group, &w.sample.domain);
+        }
+        let Some(peers) = &self.peers else { return };
+        self.storing.insert(gid);
+        if aborted {
             let max_aborts = group
                 .rollouts
                 .iter()
@@ -638,6 +662,20 @@ impl ControllerState {
         }
     }
 
+    /// Reward statistics of a finished group: per-domain mean, outcome EMA and balance.
+    fn record_outcome(&mut self, group: &RolloutGroup, domain: &str) {
+        let n = group.rollouts.len();
+        if n == 0 {
+            return;
+        }
+        let sum: f64 = group.rollouts.iter().map(|r| r.reward).sum();
+        self.status.finished_rollouts += n as u64;
+        self.status.reward_sum += sum;
+        metrics::gauge!(m::ROLLOUT_MEAN_REWARD, "domain" => domain.to_owned()).set(sum / n as f64);
+        self.outcomes.record_group(group);
+        self.outcomes.publish_metrics();
+    }
+
     fn on_replay(&mut self, notice: ReplayNotice) {
         match notice {
             ReplayNotice::Stored { id, bucket, counts } => {
@@ -653,6 +691,11 @@ impl ControllerState {
                 self.start(group, sample);
             }
             ReplayNotice::Dropped { id, counts } => {
+                if let Some(p) = &self.peers {
+                    for i in 0..self.config.group_size {
+                        p.env.abandon(id.rollout(i));
+                    }
+                }
                 self.resuming.remove(&id);
                 self.tail_round.remove(&id);
                 self.counts = counts;

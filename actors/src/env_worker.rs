@@ -1,22 +1,26 @@
 //! The EnvWorker pool: environment steps and rewards for rollouts, on a pool of worker actors.
 //! An environment that panics fails that rollout (`Error("env_panic")`), never the pipeline.
 //!
-//! [`RolloutEnv`] is token-level: it gets the rollout so far and answers with the next prompt or
-//! the final reward. The simulated task implements it here; the renderer-based environments of
-//! `sluice-env` plug in through the same trait.
+//! [`RolloutEnv`] is token-level and asynchronous: `start` renders a rollout's first prompt,
+//! `step` answers its last turn with the next prompt or the final reward. The simulated task
+//! implements it here; [`crate::native::TaskEnv`] runs the registered tasks of `sluice-env`
+//! through it.
 
+use std::collections::BTreeMap;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use futures::FutureExt;
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use sluice_core::metrics as m;
-use sluice_core::{DataSample, Rollout, RolloutId};
+use sluice_core::{DataSample, Message, Rollout, RolloutId, RolloutStatus};
 use sluice_engine::simulated::{SimTask, TaskStep};
+pub use sluice_env::BoxFuture;
 
 use crate::{ActorError, Sink};
 
-/// What the environment answers after a model turn.
+/// What the environment answers.
 #[derive(Debug, Clone, PartialEq)]
 pub enum EnvStep {
     /// Another model turn with this full prompt.
@@ -28,6 +32,10 @@ pub enum EnvStep {
     Done {
         /// Final reward.
         reward: f64,
+        /// Final status (`Completed`, `Truncated`, `PromptTooLong`, `Timeout`, …).
+        status: RolloutStatus,
+        /// The reward's named components (e.g. `correct`, `format`).
+        components: BTreeMap<String, f64>,
     },
     /// The environment failed; the payload is a short stable kind.
     Failed {
@@ -36,38 +44,97 @@ pub enum EnvStep {
     },
 }
 
-/// An environment at the token level.
-pub trait RolloutEnv: Send + Sync + 'static {
-    /// The first prompt of rollout `id` for `sample`.
-    fn first_prompt(&self, sample: &DataSample, id: RolloutId) -> Vec<u32>;
-    /// The answer to the rollout's last turn.
-    fn step(&self, sample: &DataSample, rollout: &Rollout) -> EnvStep;
-}
-
-impl RolloutEnv for SimTask {
-    fn first_prompt(&self, _sample: &DataSample, id: RolloutId) -> Vec<u32> {
-        SimTask::first_prompt(self, id)
-    }
-
-    fn step(&self, _sample: &DataSample, rollout: &Rollout) -> EnvStep {
-        match SimTask::step(self, rollout) {
-            TaskStep::Continue { next_prompt } => EnvStep::Continue { next_prompt },
-            TaskStep::Done { reward } => EnvStep::Done { reward },
+impl EnvStep {
+    /// A completed episode with `reward` and no components.
+    pub fn done(reward: f64) -> Self {
+        Self::Done {
+            reward,
+            status: RolloutStatus::Completed,
+            components: BTreeMap::new(),
         }
     }
 }
 
-/// One step's outcome, as the controller receives it.
+/// What the env learned about the turn it just answered (recorded on the rollout's last turn).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct TurnNote {
+    /// The completion parsed into a message.
+    pub completion_message: Option<Message>,
+    /// The env's reply messages.
+    pub env_messages: Vec<Message>,
+    /// Per-turn reward.
+    pub env_reward: Option<f64>,
+    /// Situation label of the turn.
+    pub situation: Option<String>,
+}
+
+/// An environment at the token level.
+pub trait RolloutEnv: Send + Sync + 'static {
+    /// Starts rollout `id` of `sample`: its first prompt as `Continue`, or why it cannot start.
+    fn start<'a>(&'a self, sample: &'a DataSample, id: RolloutId) -> BoxFuture<'a, EnvStep>;
+
+    /// Answers the rollout's last turn. `truncated`: the completion hit `max_tokens`, so the
+    /// episode ends as `Truncated` (the env scores it without stepping).
+    fn step<'a>(
+        &'a self,
+        sample: &'a DataSample,
+        rollout: &'a Rollout,
+        truncated: bool,
+    ) -> BoxFuture<'a, (EnvStep, TurnNote)>;
+
+    /// Forgets rollout `id` (its group was dropped). Default: nothing to forget.
+    fn abandon(&self, _id: RolloutId) -> BoxFuture<'_, ()> {
+        Box::pin(async {})
+    }
+}
+
+impl RolloutEnv for SimTask {
+    fn start<'a>(&'a self, _sample: &'a DataSample, id: RolloutId) -> BoxFuture<'a, EnvStep> {
+        let next_prompt = SimTask::first_prompt(self, id);
+        Box::pin(async move { EnvStep::Continue { next_prompt } })
+    }
+
+    fn step<'a>(
+        &'a self,
+        _sample: &'a DataSample,
+        rollout: &'a Rollout,
+        truncated: bool,
+    ) -> BoxFuture<'a, (EnvStep, TurnNote)> {
+        let step = if truncated {
+            EnvStep::Done {
+                reward: 0.0,
+                status: RolloutStatus::Truncated,
+                components: BTreeMap::new(),
+            }
+        } else {
+            match SimTask::step(self, rollout) {
+                TaskStep::Continue { next_prompt } => EnvStep::Continue { next_prompt },
+                TaskStep::Done { reward } => EnvStep::done(reward),
+            }
+        };
+        Box::pin(async move { (step, TurnNote::default()) })
+    }
+}
+
+/// One env answer, as the controller receives it.
 #[derive(Debug, Clone)]
 pub struct EnvResult {
     /// The rollout.
     pub rollout: RolloutId,
     /// The answer.
     pub step: EnvStep,
+    /// What the env noted about the turn it answered (`None` for a start).
+    pub note: Option<TurnNote>,
 }
 
 /// A worker's message (private: use [`EnvPoolHandle`]).
-pub struct EnvMsg(Arc<DataSample>, Rollout);
+pub struct EnvMsg(Job);
+
+enum Job {
+    Start(Arc<DataSample>, RolloutId),
+    Step(Arc<DataSample>, Rollout, bool),
+    Abandon(RolloutId),
+}
 
 /// Typed handle over the pool; cloning is shallow.
 #[derive(Clone)]
@@ -104,10 +171,26 @@ impl EnvPoolHandle {
         ))
     }
 
-    /// Steps `rollout`'s environment on the next worker.
-    pub fn step(&self, sample: Arc<DataSample>, rollout: Rollout) {
+    fn send(&self, job: Job) {
         let i = self.next.fetch_add(1, Ordering::Relaxed) % self.workers.len();
-        let _ = self.workers[i].cast(EnvMsg(sample, rollout));
+        if self.workers[i].cast(EnvMsg(job)).is_err() {
+            metrics::counter!(m::ACTOR_DROPPED, "actor" => "env").increment(1);
+        }
+    }
+
+    /// Starts rollout `id` of `sample` on the next worker.
+    pub fn start(&self, sample: Arc<DataSample>, id: RolloutId) {
+        self.send(Job::Start(sample, id));
+    }
+
+    /// Steps `rollout`'s environment on the next worker.
+    pub fn step(&self, sample: Arc<DataSample>, rollout: Rollout, truncated: bool) {
+        self.send(Job::Step(sample, rollout, truncated));
+    }
+
+    /// Tells the environment to forget rollout `id`.
+    pub fn abandon(&self, id: RolloutId) {
+        self.send(Job::Abandon(id));
     }
 
     /// Stops every worker.
@@ -119,6 +202,13 @@ impl EnvPoolHandle {
 }
 
 struct EnvWorker;
+
+fn panicked() -> EnvStep {
+    metrics::counter!(m::ENV_FAILURES, "kind" => "panic").increment(1);
+    EnvStep::Failed {
+        kind: "env_panic".into(),
+    }
+}
 
 impl Actor for EnvWorker {
     type Msg = EnvMsg;
@@ -136,20 +226,47 @@ impl Actor for EnvWorker {
     async fn handle(
         &self,
         _me: ActorRef<EnvMsg>,
-        EnvMsg(sample, rollout): EnvMsg,
+        EnvMsg(job): EnvMsg,
         (env, out): &mut Self::State,
     ) -> Result<(), ActorProcessingErr> {
-        let step = std::panic::catch_unwind(AssertUnwindSafe(|| env.step(&sample, &rollout)))
-            .unwrap_or_else(|_| {
-                metrics::counter!(m::ENV_FAILURES, "kind" => "panic").increment(1);
-                EnvStep::Failed {
-                    kind: "env_panic".into(),
+        metrics::counter!(m::ACTOR_RECEIVED, "actor" => "env").increment(1);
+        // A panicking env fails its rollout; the worker lives on.
+        let result = match job {
+            Job::Start(sample, id) => {
+                let step = AssertUnwindSafe(env.start(&sample, id))
+                    .catch_unwind()
+                    .await
+                    .unwrap_or_else(|_| panicked());
+                EnvResult {
+                    rollout: id,
+                    step,
+                    note: None,
                 }
-            });
-        out(EnvResult {
-            rollout: rollout.id,
-            step,
-        });
+            }
+            Job::Step(sample, rollout, truncated) => {
+                let (step, note) = AssertUnwindSafe(env.step(&sample, &rollout, truncated))
+                    .catch_unwind()
+                    .await
+                    .unwrap_or_else(|_| (panicked(), TurnNote::default()));
+                EnvResult {
+                    rollout: rollout.id,
+                    step,
+                    note: Some(note),
+                }
+            }
+            Job::Abandon(id) => {
+                if AssertUnwindSafe(env.abandon(id))
+                    .catch_unwind()
+                    .await
+                    .is_err()
+                {
+                    metrics::counter!(m::ENV_FAILURES, "kind" => "panic").increment(1);
+                }
+                return Ok(());
+            }
+        };
+        out(result);
+        metrics::counter!(m::ACTOR_SENT, "actor" => "env").increment(1);
         Ok(())
     }
 }

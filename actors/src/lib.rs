@@ -28,6 +28,7 @@ pub mod client;
 pub mod controller;
 pub mod engine;
 pub mod env_worker;
+pub mod native;
 pub mod faults;
 pub mod node;
 pub mod replay;

@@ -192,21 +192,6 @@ fn sim_backend(config: &Config) -> BackendFactory {
     })
 }
 
-fn sim_domains(config: &Config) -> Vec<String> {
-    let from_data = config.data.domains();
-    if !from_data.is_empty() {
-        return from_data;
-    }
-    config
-        .engine
-        .simulated
-        .lengths
-        .keys()
-        .filter(|k| *k != "default")
-        .cloned()
-        .collect()
-}
-
 impl Node {
     /// Builds and starts the pipeline. Nothing is generated until every actor is up.
     pub async fn start(config: &Config, options: NodeOptions) -> Result<Self, ActorError> {
@@ -327,8 +312,7 @@ impl Node {
         let (env_pool, env_joins) =
             EnvPoolHandle::spawn(env_workers, Arc::clone(&env_impl), controller.env_sink()).await?;
         joins.extend(env_joins.into_iter().map(|j| ("env", j)));
-        let source =
-            source.unwrap_or_else(|| Box::new(SimSource::new(sim_domains(config), sim.seed)));
+        let source = source.unwrap_or_else(|| Box::new(SimSource::from_config(config)));
         let (sampler, j) =
             SamplerHandle::spawn(source, knobs.clone(), controller.sample_sink()).await?;
         joins.push(("sampler", j));
@@ -352,7 +336,6 @@ impl Node {
             sampler: sampler.clone(),
             engine: engine.clone(),
             env: env_pool.clone(),
-            env_impl,
             replay: replay.clone(),
             recovery,
         });

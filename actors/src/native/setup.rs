@@ -1,0 +1,294 @@
+//! [`NativeSetup`]: everything a node needs to run a real model, built from the config — the
+//! checkpoint (created from `model.init_preset` when absent), tokenizer and renderer, the task
+//! registry, engine replicas (native or remote), the candle trainer and the task environment.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use sluice_core::config::{Config, EngineBackend};
+use sluice_core::{PolicyVersion, RequestId, TrainerBackend, WeightSnapshot, WeightUpdateMode};
+use sluice_engine::native::{NativeEngine, NativeEngineParams};
+use sluice_engine::remote::{RemoteEngine, RemoteParams};
+use sluice_engine::{EngineError, EngineStats, EventSink, GenerateRequest, InferenceBackend};
+use sluice_env::{EnvSessions, TaskRegistry, TokenEnvLimits};
+use sluice_model::{LoadOptions, Tokenizer, WeightSnapshot as ModelWeights, load_checkpoint};
+use sluice_trainer::{NativeTrainer, NativeTrainerConfig};
+
+use super::renderer::ModelRenderer;
+use super::task_env::TaskEnv;
+use crate::ActorError;
+use crate::engine::BackendFactory;
+
+/// The loaded model and what is derived from it.
+pub struct NativeSetup {
+    /// The model directory.
+    pub model_dir: PathBuf,
+    /// Its tokenizer.
+    pub tokenizer: Arc<Tokenizer>,
+    /// Its chat template as the environments' renderer.
+    pub renderer: Arc<ModelRenderer>,
+    /// The tasks.
+    pub registry: Arc<TaskRegistry>,
+    /// The weights the run starts from (version 0).
+    pub weights: Arc<ModelWeights>,
+}
+
+impl std::fmt::Debug for NativeSetup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NativeSetup")
+            .field("model_dir", &self.model_dir)
+            .finish_non_exhaustive()
+    }
+}
+
+fn setup_err(what: impl std::fmt::Display) -> ActorError {
+    ActorError::Setup(what.to_string())
+}
+
+/// Creates `config.model.path` from `model.init_preset` when the directory has no
+/// `config.json`; returns whether it did.
+pub fn ensure_model_dir(config: &Config) -> Result<bool, ActorError> {
+    let dir = &config.model.path;
+    if dir.join("config.json").exists() {
+        return Ok(false);
+    }
+    let Some(preset) = config.model.init_preset else {
+        return Err(setup_err(format!(
+            "model.path: {} has no config.json (set model.init_preset to create a model there)",
+            dir.display()
+        )));
+    };
+    sluice_model::presets::write_preset(preset, dir, config.run.seed)
+        .map_err(|e| setup_err(format!("model.init_preset: writing {}: {e}", dir.display())))?;
+    Ok(true)
+}
+
+impl NativeSetup {
+    /// Loads the model of `config` (from `weights_dir` instead of `model.path` when given, e.g.
+    /// a warm-started copy), on the configured device and dtype.
+    pub fn load(config: &Config, weights_dir: Option<&Path>) -> Result<Self, ActorError> {
+        let model_dir = config.model.path.clone();
+        let tokenizer = Arc::new(
+            Tokenizer::from_dir(&model_dir)
+                .map_err(|e| setup_err(format!("model.path {}: {e}", model_dir.display())))?,
+        );
+        let renderer = Arc::new(
+            ModelRenderer::new(Arc::clone(&tokenizer))
+                .map_err(|e| setup_err(format!("model.path {}: {e}", model_dir.display())))?,
+        );
+        let device = sluice_model::device(config.model.device).map_err(setup_err)?;
+        let dir = weights_dir.unwrap_or(&model_dir);
+        let weights = load_checkpoint(
+            dir,
+            &LoadOptions {
+                dtype: Some(NativeTrainerConfig::from_config(config).publish_dtype),
+                device,
+            },
+        )
+        .map_err(|e| setup_err(format!("loading {}: {e}", dir.display())))?;
+        Ok(Self {
+            model_dir,
+            tokenizer,
+            renderer,
+            registry: Arc::new(TaskRegistry::builtin()),
+            weights: Arc::new(weights),
+        })
+    }
+
+    /// Episode limits of the config: prompt length bound by the model's context minus the
+    /// completion budget, turns from `rollout.max_turns`.
+    pub fn limits(&self, config: &Config) -> TokenEnvLimits {
+        let context = self.weights.config().max_position_embeddings;
+        TokenEnvLimits {
+            max_prompt_tokens: context.saturating_sub(config.rollout.max_new_tokens.get() as usize),
+            max_turns: config.rollout.max_turns.get(),
+            ..TokenEnvLimits::default()
+        }
+    }
+
+    /// The task environment: sessions over the registry, at most `max_sessions` open.
+    pub fn env(&self, config: &Config, max_sessions: usize) -> TaskEnv {
+        let domain_tasks: BTreeMap<String, String> = config
+            .data
+            .domain_options
+            .iter()
+            .filter_map(|(d, o)| o.task.clone().map(|t| (d.clone(), t)))
+            .collect();
+        let sessions = EnvSessions::new(
+            Arc::clone(&self.registry),
+            self.renderer.clone(),
+            self.limits(config),
+            max_sessions,
+        );
+        TaskEnv::new(Arc::clone(&self.registry), sessions, domain_tasks)
+    }
+
+    /// The candle trainer, starting from `initial` (default: the loaded weights).
+    pub fn trainer(
+        &self,
+        config: &Config,
+        initial: Option<Arc<ModelWeights>>,
+    ) -> Result<NativeTrainer, ActorError> {
+        let initial = initial.unwrap_or_else(|| Arc::clone(&self.weights));
+        NativeTrainer::new(
+            initial,
+            NativeTrainerConfig::from_config(config),
+            Some(&self.model_dir),
+        )
+        .map_err(|e| setup_err(format!("trainer: {e}")))
+    }
+
+    /// The trainer as the node's backend.
+    pub fn trainer_backend(
+        &self,
+        config: &Config,
+        initial: Option<Arc<ModelWeights>>,
+    ) -> Result<Box<dyn TrainerBackend>, ActorError> {
+        Ok(Box::new(self.trainer(config, initial)?))
+    }
+
+    /// Engine replicas per `engine.backend`: native replicas share the newest weights (a
+    /// restarted replica starts on them, not on the initial ones); remote replicas drive the
+    /// configured servers, handing them checkpoints under `<output_dir>/weights`.
+    pub fn backend_factory(
+        &self,
+        config: &Config,
+        initial: Option<Arc<ModelWeights>>,
+    ) -> Result<BackendFactory, ActorError> {
+        match config.engine.backend {
+            EngineBackend::Native => {
+                let latest = Arc::new(Mutex::new(
+                    initial.unwrap_or_else(|| Arc::clone(&self.weights)),
+                ));
+                let tokenizer = Arc::clone(&self.tokenizer);
+                let engine = config.engine.clone();
+                let seed = config.run.seed;
+                let eos = self.tokenizer.eos_token_ids().to_vec();
+                Ok(Arc::new(move |replica, _version, sink: EventSink| {
+                    let params =
+                        NativeEngineParams::from_config(&engine, replica, seed, eos.clone());
+                    let weights = Arc::clone(&lock(&latest));
+                    match NativeEngine::start(params, weights, Some(Arc::clone(&tokenizer)), sink) {
+                        Ok(inner) => Box::new(NativeReplica {
+                            inner,
+                            latest: Arc::clone(&latest),
+                        }) as Box<dyn InferenceBackend>,
+                        Err(e) => Box::new(DeadReplica {
+                            reason: e.to_string(),
+                        }),
+                    }
+                }))
+            }
+            EngineBackend::Remote => {
+                let engine = config.engine.clone();
+                let dir = config.run.output_dir.join("weights");
+                let model_dir = self.model_dir.clone();
+                Ok(Arc::new(move |replica, version, sink: EventSink| {
+                    let mut params = RemoteParams::from_config(&engine, replica, dir.clone());
+                    params.aux_files_from = Some(model_dir.clone());
+                    match RemoteEngine::start(params, version, sink) {
+                        Ok(inner) => Box::new(inner) as Box<dyn InferenceBackend>,
+                        Err(e) => Box::new(DeadReplica {
+                            reason: e.to_string(),
+                        }),
+                    }
+                }))
+            }
+            EngineBackend::Simulated => Err(setup_err(
+                "engine.backend = \"simulated\" has no native engine (the node builds the simulated one itself)",
+            )),
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A native replica that records each new snapshot, so a replica restarted later starts on it.
+struct NativeReplica {
+    inner: NativeEngine,
+    latest: Arc<Mutex<Arc<ModelWeights>>>,
+}
+
+impl InferenceBackend for NativeReplica {
+    fn submit(&self, request: GenerateRequest) -> Result<(), EngineError> {
+        self.inner.submit(request)
+    }
+
+    fn abort(&self, id: RequestId) -> Result<(), EngineError> {
+        self.inner.abort(id)
+    }
+
+    fn abort_all(&self) -> Result<(), EngineError> {
+        self.inner.abort_all()
+    }
+
+    fn update_weights(
+        &self,
+        weights: WeightSnapshot,
+        mode: WeightUpdateMode,
+    ) -> Result<(), EngineError> {
+        if let Some(w) = ModelWeights::from_envelope(&weights) {
+            let mut latest = lock(&self.latest);
+            if w.version > latest.version {
+                *latest = w;
+            }
+        }
+        self.inner.update_weights(weights, mode)
+    }
+
+    fn stats(&self) -> EngineStats {
+        self.inner.stats()
+    }
+
+    fn shutdown(&mut self) {
+        self.inner.shutdown();
+    }
+}
+
+/// A replica whose engine could not start: every call fails, so the engine actor restarts it
+/// (with backoff) and its requests come back aborted instead of hanging.
+struct DeadReplica {
+    reason: String,
+}
+
+impl InferenceBackend for DeadReplica {
+    fn submit(&self, _request: GenerateRequest) -> Result<(), EngineError> {
+        Err(self.stopped())
+    }
+
+    fn abort(&self, _id: RequestId) -> Result<(), EngineError> {
+        Err(self.stopped())
+    }
+
+    fn abort_all(&self) -> Result<(), EngineError> {
+        Err(self.stopped())
+    }
+
+    fn update_weights(
+        &self,
+        _weights: WeightSnapshot,
+        _mode: WeightUpdateMode,
+    ) -> Result<(), EngineError> {
+        Err(self.stopped())
+    }
+
+    fn stats(&self) -> EngineStats {
+        EngineStats {
+            version: PolicyVersion::INITIAL,
+            ..EngineStats::default()
+        }
+    }
+
+    fn shutdown(&mut self) {}
+}
+
+impl DeadReplica {
+    fn stopped(&self) -> EngineError {
+        EngineError::Stopped {
+            backend: format!("native (failed to start: {})", self.reason),
+        }
+    }
+}
