@@ -10,6 +10,7 @@ mod knobs;
 mod model;
 mod plot;
 mod run;
+mod run_native;
 mod serve;
 mod signals;
 mod status;

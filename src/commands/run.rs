@@ -7,17 +7,20 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use indicatif::{ProgressBar, ProgressStyle};
+use sluice_actors::supervise_node::StopReport;
 use sluice_actors::{Node, NodeOptions, NodeStatus};
 use sluice_core::config::{Config, EngineBackend};
 
+use super::shutdown_signal;
 use crate::cli::ConfigArgs;
 
 /// Loads the config and runs the node until `run.max_steps` training steps are done.
 pub fn run(args: &ConfigArgs) -> anyhow::Result<ExitCode> {
     let config = sluice_core::config::load(&args.config, &args.overrides)?;
-    if config.engine.backend != EngineBackend::Simulated || !config.trainer.simulated.enabled {
+    let simulated = config.engine.backend == EngineBackend::Simulated;
+    if simulated != config.trainer.simulated.enabled {
         bail!(
-            "{}: this build runs the simulated pipeline only (engine.backend = \"simulated\", trainer.simulated.enabled = true); the native and remote backends plug into the same actors",
+            "{}: the simulated engine goes with the simulated trainer: set engine.backend = \"simulated\" and trainer.simulated.enabled = true together, or neither",
             args.config.display()
         );
     }
@@ -25,7 +28,11 @@ pub fn run(args: &ConfigArgs) -> anyhow::Result<ExitCode> {
         .enable_all()
         .build()
         .context("starting the async runtime")?;
-    runtime.block_on(run_node(&config))
+    if simulated {
+        runtime.block_on(run_node(&config))
+    } else {
+        runtime.block_on(super::run_native::run(&config))
+    }
 }
 
 async fn run_node(config: &Config) -> anyhow::Result<ExitCode> {
@@ -51,7 +58,7 @@ async fn run_node(config: &Config) -> anyhow::Result<ExitCode> {
     });
     let outcome = tokio::select! {
         r = wait => Some(r),
-        _ = stop_signal() => None,
+        _ = shutdown_signal() => None,
     };
     bar.finish_and_clear();
     let Some(outcome) = outcome else {
@@ -70,24 +77,11 @@ async fn run_node(config: &Config) -> anyhow::Result<ExitCode> {
     }
 }
 
-/// SIGINT/SIGTERM: the graceful stop (stop admitting, store in-flight partials as aborted,
-/// checkpoint), bounded by `supervision.shutdown_timeout_s`; a second signal exits at once (the
-/// replay store keeps every acknowledged group either way).
+/// SIGINT/SIGTERM on a simulated run: the graceful stop, then the summary.
 async fn interrupted(node: Node, config: &Config, started: Instant) -> anyhow::Result<ExitCode> {
-    eprintln!(
-        "stopping: storing in-flight rollouts and writing a checkpoint (signal again to exit now)"
-    );
     let status = node.status().await.ok();
-    let bound = config.supervision.shutdown_timeout + Duration::from_secs(5);
-    let report = tokio::select! {
-        r = tokio::time::timeout(bound, node.stop_gracefully()) => r,
-        _ = stop_signal() => {
-            eprintln!("second signal: exiting without a checkpoint");
-            return Ok(ExitCode::from(130));
-        }
-    };
-    let Ok(report) = report else {
-        bail!("the graceful stop did not finish within {bound:?}");
+    let Some(report) = graceful_stop(node, config).await? else {
+        return Ok(ExitCode::from(130));
     };
     if let Some(mut s) = status {
         if let Some(replay) = report.final_replay.clone() {
@@ -95,6 +89,34 @@ async fn interrupted(node: Node, config: &Config, started: Instant) -> anyhow::R
         }
         print_summary(&s, started.elapsed().as_secs_f64());
     }
+    report_stop(&report, config)
+}
+
+/// The graceful stop after a first SIGINT/SIGTERM: stop admitting, store in-flight partials as
+/// aborted, checkpoint, bounded by `supervision.shutdown_timeout_s`. A second signal exits at
+/// once (`None`; the replay store keeps every acknowledged group either way).
+pub(super) async fn graceful_stop(
+    node: Node,
+    config: &Config,
+) -> anyhow::Result<Option<StopReport>> {
+    eprintln!(
+        "stopping: storing in-flight rollouts and writing a checkpoint (signal again to exit now)"
+    );
+    let bound = config.supervision.shutdown_timeout + Duration::from_secs(5);
+    tokio::select! {
+        r = tokio::time::timeout(bound, node.stop_gracefully()) => match r {
+            Ok(report) => Ok(Some(report)),
+            Err(_) => bail!("the graceful stop did not finish within {bound:?}"),
+        },
+        _ = shutdown_signal() => {
+            eprintln!("second signal: exiting without a checkpoint");
+            Ok(None)
+        }
+    }
+}
+
+/// Says where the stop left the run's state; an incomplete stop is an error.
+pub(super) fn report_stop(report: &StopReport, config: &Config) -> anyhow::Result<ExitCode> {
     match (&report.checkpoint, &report.checkpoint_dir) {
         (Some(m), Some(dir)) => eprintln!(
             "stopped in {:.2} s: checkpoint v{} at step {} under {}; restart with the same config to resume",
@@ -109,32 +131,9 @@ async fn interrupted(node: Node, config: &Config, started: Instant) -> anyhow::R
             config.replay.path.display()
         ),
     }
-    match report.error {
+    match &report.error {
         Some(e) => bail!("the graceful stop was incomplete: {e}"),
         None => Ok(ExitCode::SUCCESS),
-    }
-}
-
-/// SIGINT or SIGTERM: stop admitting, let the replay store commit, exit 0.
-async fn stop_signal() {
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{SignalKind, signal};
-        match signal(SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = tokio::signal::ctrl_c() => {}
-                    _ = term.recv() => {}
-                }
-            }
-            Err(_) => {
-                let _ = tokio::signal::ctrl_c().await;
-            }
-        }
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = tokio::signal::ctrl_c().await;
     }
 }
 
