@@ -3,6 +3,7 @@
 //! async RL through the actors, evaluating on the held-out split as it goes. Writes
 //! `metrics.jsonl` (one line per step) and `progress.png` into the run's output dir.
 
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -10,13 +11,14 @@ use std::time::Instant;
 
 use anyhow::{Context, bail};
 use indicatif::{ProgressBar, ProgressStyle};
-use sluice_actors::native::tap::{TappedTrainer, lock_tap};
+use sluice_actors::native::tap::{TapHandle, TappedTrainer, lock_tap};
 use sluice_actors::native::{
     Evaluator, NativeSetup, WarmupSettings, demonstrations, ensure_model_dir, warm_start,
 };
 use sluice_actors::{Node, NodeOptions, NodeStatus};
-use sluice_core::DataSample;
 use sluice_core::config::{Config, DatasetSpec, LrSchedule};
+use sluice_core::metrics::TRAINER_LOSS_VALUE;
+use sluice_core::{DataSample, PolicyVersion, WeightSnapshot};
 use sluice_data::{DatasetRows, MixSampler, SamplerConfig};
 use sluice_engine::{NativeEngineParams, SamplingParams};
 use sluice_env::Task;
@@ -53,17 +55,15 @@ pub async fn run(config: &Config) -> anyhow::Result<ExitCode> {
     } else {
         base
     };
-    let mut evaluator = evaluator(config, &setup, &task)?;
-    let first = evaluator
-        .evaluate(Arc::clone(&setup.weights))
-        .await
-        .context("held-out evaluation")?;
-    let start_accuracy = first.report.accuracy.unwrap_or(0.0);
+    let mut evaluations = Evaluations::new(config, &setup, &task)?;
+    let (start_accuracy, start_train_accuracy) =
+        evaluations.run(Arc::clone(&setup.weights)).await?;
     println!(
-        "held-out accuracy before RL: {:.1}% ({} problems of `{}`)",
+        "before RL: held-out accuracy {:.1}% ({} problems of `{}`), training problems {:.1}%",
         100.0 * start_accuracy,
-        first.report.episodes,
-        task.name()
+        evaluations.heldout.len(),
+        task.name(),
+        100.0 * start_train_accuracy
     );
     let (trainer, tap) = TappedTrainer::new(setup.trainer_backend(config, None)?);
     let source = sample_source(config, &setup)?;
@@ -75,9 +75,10 @@ pub async fn run(config: &Config) -> anyhow::Result<ExitCode> {
         backend: Some(setup.backend_factory(config, None)?),
         trainer: Some(Box::new(trainer)),
         source: Some(Box::new(source)),
-        env: Some(Arc::new(
-            setup.env(config, config.rollout.knobs.max_concurrent_rollouts as usize * 2),
-        )),
+        env: Some(Arc::new(setup.env(
+            config,
+            config.rollout.knobs.max_concurrent_rollouts as usize * 2,
+        ))),
         ..NodeOptions::default()
     };
     let node = Node::start(config, options).await?;
@@ -88,11 +89,11 @@ pub async fn run(config: &Config) -> anyhow::Result<ExitCode> {
         println!("Prometheus metrics on http://{addr}/metrics");
     }
     let log_path = out.join(METRICS_FILE);
-    let mut log = MetricsLog::open(&log_path)
-        .with_context(|| format!("opening {}", log_path.display()))?;
-    let mut monitor = Monitor::new(config, started, start_accuracy);
+    let mut log =
+        MetricsLog::open(&log_path).with_context(|| format!("opening {}", log_path.display()))?;
+    let mut monitor = Monitor::new(config, started, (start_accuracy, start_train_accuracy));
     let outcome = tokio::select! {
-        r = monitor.watch(&node, &tap, &mut evaluator, &mut log) => Some(r),
+        r = monitor.watch(&node, &tap, &mut evaluations, &mut log) => Some(r),
         _ = shutdown_signal() => None,
     };
     monitor.bar.finish_and_clear();
@@ -182,12 +183,15 @@ fn engine_params(config: &Config, setup: &NativeSetup) -> NativeEngineParams {
     }
 }
 
-fn evaluator(config: &Config, setup: &NativeSetup, task: &Arc<Task>) -> anyhow::Result<Evaluator> {
-    let samples = task
-        .eval_samples(config.run.seed, config.eval.samples.get() as usize)
-        .with_context(|| format!("held-out samples of `{}`", task.name()))?;
-    let samples = in_domain(config, task_domain(config, task), samples);
-    Ok(Evaluator::new(
+/// An evaluator of `task` on `samples` with the run's engine sizing and turn length.
+fn evaluator(
+    config: &Config,
+    setup: &NativeSetup,
+    task: &Arc<Task>,
+    samples: Vec<DataSample>,
+    temperature: f64,
+) -> Evaluator {
+    Evaluator::new(
         Arc::clone(task),
         samples,
         setup.renderer.clone(),
@@ -195,14 +199,79 @@ fn evaluator(config: &Config, setup: &NativeSetup, task: &Arc<Task>) -> anyhow::
         engine_params(config, setup),
         Arc::clone(&setup.tokenizer),
         SamplingParams {
-            temperature: config.eval.temperature,
+            temperature,
             top_p: 1.0,
             top_k: 0,
             max_tokens: config.rollout.max_new_tokens.get(),
             seed: Some(config.run.seed),
             stop_token_ids: Vec::new(),
         },
-    ))
+    )
+}
+
+/// The held-out split of `task`, in the run's domain for it.
+fn heldout_samples(config: &Config, task: &Task) -> anyhow::Result<Vec<DataSample>> {
+    let samples = task
+        .eval_samples(config.run.seed, config.eval.samples.get() as usize)
+        .with_context(|| format!("held-out samples of `{}`", task.name()))?;
+    Ok(in_domain(config, task_domain(config, task), samples))
+}
+
+/// `count` problems of `task`'s training split (a fixed draw: the warm-up's demonstrations and
+/// the training-accuracy probe).
+fn training_samples(config: &Config, task: &Task, count: usize) -> anyhow::Result<Vec<DataSample>> {
+    let domain = task_domain(config, task);
+    let spec: DatasetSpec = format!("{domain}::{}@train", task.name())
+        .parse()
+        .map_err(anyhow::Error::msg)?;
+    let train = task
+        .generate_dataset(&spec, config.run.seed ^ 0x5f7, count)
+        .with_context(|| format!("training problems of `{}`", task.name()))?;
+    Ok(in_domain(config, domain, train.samples().to_vec()))
+}
+
+/// Greedy accuracy on the held-out split and on a fixed probe of training problems.
+struct Evaluations {
+    heldout: Evaluator,
+    train: Evaluator,
+}
+
+impl Evaluations {
+    fn new(config: &Config, setup: &NativeSetup, task: &Arc<Task>) -> anyhow::Result<Self> {
+        let mut probe = training_samples(config, task, 4096)?;
+        probe.truncate(config.warmup.probe_samples.get() as usize);
+        Ok(Self {
+            heldout: evaluator(
+                config,
+                setup,
+                task,
+                heldout_samples(config, task)?,
+                config.eval.temperature,
+            ),
+            train: evaluator(config, setup, task, probe, config.eval.temperature),
+        })
+    }
+
+    /// (held-out accuracy, training-probe accuracy) of `weights`.
+    async fn run(
+        &mut self,
+        weights: Arc<sluice_model::WeightSnapshot>,
+    ) -> anyhow::Result<(f64, f64)> {
+        let heldout = self
+            .heldout
+            .evaluate(Arc::clone(&weights))
+            .await
+            .context("held-out evaluation")?;
+        let train = self
+            .train
+            .evaluate(weights)
+            .await
+            .context("training-probe evaluation")?;
+        Ok((
+            heldout.report.accuracy.unwrap_or(0.0),
+            train.report.accuracy.unwrap_or(0.0),
+        ))
+    }
 }
 
 fn sample_source(config: &Config, setup: &NativeSetup) -> anyhow::Result<MixSampler<DatasetRows>> {
@@ -215,35 +284,18 @@ fn sample_source(config: &Config, setup: &NativeSetup) -> anyhow::Result<MixSamp
 }
 
 /// Supervised warm-start on the task's reference replies; the result goes to `dir`.
-async fn warmup(config: &Config, setup: &NativeSetup, task: &Arc<Task>, dir: &Path) -> anyhow::Result<()> {
+async fn warmup(
+    config: &Config,
+    setup: &NativeSetup,
+    task: &Arc<Task>,
+    dir: &Path,
+) -> anyhow::Result<()> {
     let w = &config.warmup;
-    let domain = task_domain(config, task);
-    let spec: DatasetSpec = format!("{domain}::{}@train", task.name())
-        .parse()
-        .map_err(anyhow::Error::msg)?;
-    let train = task
-        .generate_dataset(&spec, config.run.seed ^ 0x5f7, 4096)
-        .with_context(|| format!("warm-up data of `{}`", task.name()))?;
-    let samples = in_domain(config, domain, train.samples().to_vec());
+    let samples = training_samples(config, task, 4096)?;
     let limits = setup.limits(config);
     let demos = demonstrations(task, &samples, &setup.renderer, &limits).await?;
     let probe_n = (w.probe_samples.get() as usize).min(samples.len());
-    let mut probe = Evaluator::new(
-        Arc::clone(task),
-        samples[..probe_n].to_vec(),
-        setup.renderer.clone(),
-        limits,
-        engine_params(config, setup),
-        Arc::clone(&setup.tokenizer),
-        SamplingParams {
-            temperature: 0.0,
-            top_p: 1.0,
-            top_k: 0,
-            max_tokens: config.rollout.max_new_tokens.get(),
-            seed: None,
-            stop_token_ids: Vec::new(),
-        },
-    );
+    let mut probe = evaluator(config, setup, task, samples[..probe_n].to_vec(), 0.0);
     let mut sft = config.clone();
     sft.trainer.learning_rate = w.learning_rate;
     sft.trainer.lr_schedule = LrSchedule::Constant;
@@ -262,7 +314,11 @@ async fn warmup(config: &Config, setup: &NativeSetup, task: &Arc<Task>, dir: &Pa
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
     let (_, report) = warm_start(trainer, Arc::new(demos), &mut probe, &settings, |p| {
-        let line = format!("loss {:.3} | probe accuracy {:.1}%", p.loss, 100.0 * p.accuracy);
+        let line = format!(
+            "loss {:.3} | probe accuracy {:.1}%",
+            p.loss,
+            100.0 * p.accuracy
+        );
         if bar.is_hidden() {
             println!("warm-up step {}/{} {line}", p.step, settings.max_steps);
         }
@@ -293,20 +349,28 @@ struct Monitor {
     every: u64,
     stop_at: Option<f64>,
     max_steps: u64,
-    start_accuracy: f64,
-    last_accuracy: f64,
+    /// (held-out, training-probe) accuracy before RL, at the last evaluation, and the best.
+    start_accuracy: (f64, f64),
+    last_accuracy: (f64, f64),
     best_accuracy: f64,
     steps: u64,
-    evaluated_at: u64,
     reached_target_at: Option<(u64, f64)>,
+    /// (finished rollouts, their reward sum) at the last poll and at the last record.
+    finished: (u64, f64),
     reward: (u64, f64),
     tokens: (u64, Instant),
     tokens_per_s: f64,
+    /// Mean reward of the rollouts finished since the previous record.
     reward_mean: f64,
+    /// Its moving average over steps, for the progress bar.
+    reward_smoothed: Option<f64>,
 }
 
+/// Weight of the newest step in the progress bar's reward average.
+const REWARD_SMOOTHING: f64 = 0.1;
+
 impl Monitor {
-    fn new(config: &Config, started: Instant, start_accuracy: f64) -> Self {
+    fn new(config: &Config, started: Instant, start_accuracy: (f64, f64)) -> Self {
         let bar = ProgressBar::new(config.run.max_steps.get());
         bar.set_style(
             ProgressStyle::with_template("{bar:30} step {pos}/{len} {msg}")
@@ -320,14 +384,15 @@ impl Monitor {
             max_steps: config.run.max_steps.get(),
             start_accuracy,
             last_accuracy: start_accuracy,
-            best_accuracy: start_accuracy,
+            best_accuracy: start_accuracy.0,
             steps: 0,
-            evaluated_at: 0,
             reached_target_at: None,
+            finished: (0, 0.0),
             reward: (0, 0.0),
             tokens: (0, Instant::now()),
             tokens_per_s: 0.0,
             reward_mean: 0.0,
+            reward_smoothed: None,
         }
     }
 
@@ -335,8 +400,8 @@ impl Monitor {
     async fn watch(
         &mut self,
         node: &Node,
-        tap: &sluice_actors::native::tap::TapHandle,
-        evaluator: &mut Evaluator,
+        tap: &TapHandle,
+        evaluations: &mut Evaluations,
         log: &mut MetricsLog,
     ) -> anyhow::Result<()> {
         loop {
@@ -345,38 +410,47 @@ impl Monitor {
             let steps = lock_tap(tap).drain_steps();
             for s in steps {
                 self.steps += 1;
+                // Rollouts finished since the previous record (a step with none keeps the mean).
+                let ((n, sum), (n0, sum0)) = (self.finished, self.reward);
+                if n > n0 {
+                    self.reward_mean = (sum - sum0) / (n - n0) as f64;
+                    self.reward = self.finished;
+                }
                 let due = self.every > 0 && self.steps.is_multiple_of(self.every);
                 let last = self.steps >= self.max_steps;
-                let eval_accuracy = if due || last {
-                    let weights = lock_tap(tap).latest();
-                    self.evaluate(evaluator, weights).await?
-                } else {
-                    None
+                let accuracy = match lock_tap(tap).latest() {
+                    Some(w) if due || last => self.evaluate(evaluations, &w).await?,
+                    _ => None,
                 };
-                let record = StepRecord {
+                let smoothed = self.reward_smoothed.map_or(s.reward_mean, |r| {
+                    r + REWARD_SMOOTHING * (s.reward_mean - r)
+                });
+                self.reward_smoothed = Some(smoothed);
+                let mut extra = BTreeMap::from([("trained_reward_mean".to_owned(), s.reward_mean)]);
+                if let Some((_, train)) = accuracy {
+                    extra.insert("train_accuracy".to_owned(), train);
+                }
+                log.append(&StepRecord {
                     step: self.steps,
                     wall_s: self.started.elapsed().as_secs_f64(),
                     phase: Some("rl".into()),
                     reward_mean: self.reward_mean,
-                    eval_accuracy,
+                    eval_accuracy: accuracy.map(|a| a.0),
                     version_lag_mean: s.version_lag_mean,
                     tokens_per_s: Some(self.tokens_per_s),
-                    loss: s.metrics.get(sluice_core::metrics::TRAINER_LOSS_VALUE).copied(),
-                    policy_version: Some(sluice_core::PolicyVersion(s.version.0 + 1)),
-                    extra: [("trained_reward_mean".to_owned(), s.reward_mean)]
-                        .into_iter()
-                        .collect(),
-                };
-                log.append(&record)?;
+                    loss: s.metrics.get(TRAINER_LOSS_VALUE).copied(),
+                    policy_version: Some(PolicyVersion(s.version.0 + 1)),
+                    extra,
+                })?;
                 let line = format!(
-                    "| reward {:.2} | eval {:.1}% | lag {:.2} | {:.0} tok/s",
-                    self.reward_mean,
-                    100.0 * self.last_accuracy,
+                    "| reward {smoothed:.2} | eval {:.1}% (train {:.1}%) | lag {:.2} | {:.0} tok/s",
+                    100.0 * self.last_accuracy.0,
+                    100.0 * self.last_accuracy.1,
                     s.version_lag_mean,
                     self.tokens_per_s
                 );
                 // Without a terminal (logs, CI) the bar is hidden: one line per evaluation.
-                if self.bar.is_hidden() && eval_accuracy.is_some() {
+                if self.bar.is_hidden() && accuracy.is_some() {
                     println!(
                         "step {}/{} {:.0}s {line}",
                         self.steps,
@@ -386,10 +460,11 @@ impl Monitor {
                 }
                 self.bar.set_position(self.steps);
                 self.bar.set_message(line);
-                if let (Some(target), Some(acc)) = (self.stop_at, eval_accuracy)
-                    && acc >= target
+                if let (Some(target), Some((heldout, _))) = (self.stop_at, accuracy)
+                    && heldout >= target
                 {
-                    self.reached_target_at.get_or_insert((self.steps, self.started.elapsed().as_secs_f64()));
+                    let at = self.started.elapsed().as_secs_f64();
+                    self.reached_target_at.get_or_insert((self.steps, at));
                     return Ok(());
                 }
             }
@@ -407,12 +482,10 @@ impl Monitor {
     }
 
     fn rates(&mut self, status: &NodeStatus) {
-        let c = &status.controller;
-        let (n0, sum0) = self.reward;
-        if c.finished_rollouts > n0 {
-            self.reward_mean = (c.reward_sum - sum0) / (c.finished_rollouts - n0) as f64;
-            self.reward = (c.finished_rollouts, c.reward_sum);
-        }
+        self.finished = (
+            status.controller.finished_rollouts,
+            status.controller.reward_sum,
+        );
         let tokens: u64 = status.engines.iter().map(|e| e.generated_tokens).sum();
         let (t0, at) = self.tokens;
         let dt = at.elapsed().as_secs_f64();
@@ -424,18 +497,16 @@ impl Monitor {
 
     async fn evaluate(
         &mut self,
-        evaluator: &mut Evaluator,
-        weights: Option<sluice_core::WeightSnapshot>,
-    ) -> anyhow::Result<Option<f64>> {
-        let Some(w) = weights.as_ref().and_then(sluice_model::WeightSnapshot::from_envelope) else {
+        evaluations: &mut Evaluations,
+        weights: &WeightSnapshot,
+    ) -> anyhow::Result<Option<(f64, f64)>> {
+        let Some(w) = sluice_model::WeightSnapshot::from_envelope(weights) else {
             return Ok(None);
         };
-        let e = evaluator.evaluate(w).await.context("held-out evaluation")?;
-        let acc = e.report.accuracy.unwrap_or(0.0);
-        self.last_accuracy = acc;
-        self.best_accuracy = self.best_accuracy.max(acc);
-        self.evaluated_at = self.steps;
-        Ok(Some(acc))
+        let accuracy = evaluations.run(w).await?;
+        self.last_accuracy = accuracy;
+        self.best_accuracy = self.best_accuracy.max(accuracy.0);
+        Ok(Some(accuracy))
     }
 }
 
@@ -445,9 +516,14 @@ fn print_summary(m: &Monitor, status: Option<&NodeStatus>, log: &Path, plot: &Pa
     println!("wall time             {wall:.1} s");
     println!(
         "held-out accuracy     {:.1}% → {:.1}% (best {:.1}%)",
-        100.0 * m.start_accuracy,
-        100.0 * m.last_accuracy,
+        100.0 * m.start_accuracy.0,
+        100.0 * m.last_accuracy.0,
         100.0 * m.best_accuracy
+    );
+    println!(
+        "training problems     {:.1}% → {:.1}%",
+        100.0 * m.start_accuracy.1,
+        100.0 * m.last_accuracy.1
     );
     if let Some((step, at)) = m.reached_target_at {
         println!("target reached        at step {step}, {at:.1} s");
@@ -464,4 +540,3 @@ fn print_summary(m: &Monitor, status: Option<&NodeStatus>, log: &Path, plot: &Pa
     println!("metrics               {}", log.display());
     println!("plot                  {}", plot.display());
 }
-
