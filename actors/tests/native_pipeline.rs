@@ -62,8 +62,7 @@ async fn native_pipeline_trains_scores_and_keeps_the_lag_bound() {
     assert!(ensure_model_dir(&config).unwrap(), "the preset is created");
     assert!(!ensure_model_dir(&config).unwrap(), "and only once");
     let setup = NativeSetup::load(&config, None).unwrap();
-    let datasets =
-        load_datasets(&config.data, &setup.registry, GeneratedRows::new(0)).unwrap();
+    let datasets = load_datasets(&config.data, &setup.registry, GeneratedRows::new(0)).unwrap();
     let source = MixSampler::with_rows(
         SamplerConfig::from_data_config(&config.data, 0),
         DatasetRows::new(datasets, 0),
@@ -81,7 +80,10 @@ async fn native_pipeline_trains_scores_and_keeps_the_lag_bound() {
     let status = node
         .wait_done(Duration::from_secs(60), |s| {
             if std::env::var_os("SLUICE_TEST_TRACE").is_some() {
-                eprintln!("{:?} | {:?} | {:?}", s.controller.admitted_total, s.controller.replay, s.trainer.steps);
+                eprintln!(
+                    "{:?} | {:?} | {:?}",
+                    s.controller.admitted_total, s.controller.replay, s.trainer.steps
+                );
             }
         })
         .await
@@ -94,7 +96,12 @@ async fn native_pipeline_trains_scores_and_keeps_the_lag_bound() {
     let steps = lock_tap(&tap).drain_steps();
     assert_eq!(steps.len(), 4);
     for s in &steps {
-        assert!(s.metrics.contains_key(sluice_core::metrics::TRAINER_LOSS_VALUE), "{:?}", s.metrics);
+        assert!(
+            s.metrics
+                .contains_key(sluice_core::metrics::TRAINER_LOSS_VALUE),
+            "{:?}",
+            s.metrics
+        );
         assert!(s.trained_tokens > 0);
         assert!((0.0..=1.1).contains(&s.reward_mean), "{}", s.reward_mean);
     }
@@ -129,7 +136,10 @@ async fn model_renderer_round_trips_chat_and_the_evaluator_scores_every_sample()
 
     let task = setup.registry.get("arithmetic").unwrap();
     let samples = task.eval_samples(0, 16).unwrap();
-    assert!(samples.len() > 16, "the whole held-out split, not the 16 asked for");
+    assert!(
+        samples.len() > 16,
+        "the whole held-out split, not the 16 asked for"
+    );
     let mut evaluator = Evaluator::new(
         Arc::clone(&task),
         samples.clone(),
@@ -151,7 +161,10 @@ async fn model_renderer_round_trips_chat_and_the_evaluator_scores_every_sample()
             stop_token_ids: Vec::new(),
         },
     );
-    let e = evaluator.evaluate(Arc::clone(&setup.weights)).await.unwrap();
+    let e = evaluator
+        .evaluate(Arc::clone(&setup.weights))
+        .await
+        .unwrap();
     assert_eq!(e.rollouts.len(), samples.len());
     assert_eq!(e.report.episodes, samples.len());
     // A random model rarely answers: accuracy is defined and low, every episode ended.
@@ -174,7 +187,9 @@ async fn task_env_renders_steps_and_scores_with_the_tasks_rubric() {
     let env = setup.env(&config, 8);
     let task = setup.registry.get("arithmetic").unwrap();
     let sample = task.eval_samples(0, 1).unwrap().remove(0);
-    let answer = task.reference_reply(&sample).expect("arithmetic has references");
+    let answer = task
+        .reference_reply(&sample)
+        .expect("arithmetic has references");
     let group = GroupId {
         run: RunId::from_name("t"),
         node: NodeId(0),

@@ -82,5 +82,8 @@ pub async fn evaluate(
             .apply_to(&mut rollout);
         rollouts.push(rollout);
     }
-    Ok((EvalReport::from_rollouts(task.rubric(), &rollouts), rollouts))
+    Ok((
+        EvalReport::from_rollouts(task.rubric(), &rollouts),
+        rollouts,
+    ))
 }

@@ -329,10 +329,18 @@ fn set_version_relabels_the_weights_without_changing_them() {
     let before = params(&trainer);
     trainer.set_version(PolicyVersion(9)).unwrap();
     assert_eq!(trainer.version(), PolicyVersion(9));
-    assert_eq!(trainer.snapshot().version, PolicyVersion(9), "published under the new number");
+    assert_eq!(
+        trainer.snapshot().version,
+        PolicyVersion(9),
+        "published under the new number"
+    );
     assert_eq!(params(&trainer), before, "same weights");
     let err = trainer.set_version(PolicyVersion(3)).unwrap_err();
     assert_eq!(err.kind, "version_backwards");
     trainer.train_step(&fixed_batch()).unwrap();
-    assert_eq!(trainer.version(), PolicyVersion(10), "training continues from the new number");
+    assert_eq!(
+        trainer.version(),
+        PolicyVersion(10),
+        "training continues from the new number"
+    );
 }

@@ -66,7 +66,12 @@ fn format(input: &ScoreInput) -> f64 {
 fn reference(sample: &DataSample) -> Option<String> {
     let number: String = field(sample, "number").ok()?;
     let digits: Vec<String> = number.chars().map(String::from).collect();
-    Some(format!("{} = {}\n[ANSWER] {}", digits.join(" + "), digit_sum(&number), digit_sum(&number)))
+    Some(format!(
+        "{} = {}\n[ANSWER] {}",
+        digits.join(" + "),
+        digit_sum(&number),
+        digit_sum(&number)
+    ))
 }
 
 /// The task.
