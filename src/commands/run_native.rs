@@ -418,7 +418,8 @@ impl Monitor {
                 }
                 let due = self.every > 0 && self.steps.is_multiple_of(self.every);
                 let last = self.steps >= self.max_steps;
-                let accuracy = match lock_tap(tap).latest() {
+                let latest = lock_tap(tap).latest();
+                let accuracy = match latest {
                     Some(w) if due || last => self.evaluate(evaluations, &w).await?,
                     _ => None,
                 };
