@@ -12,7 +12,7 @@
 //! A group counts as in flight from admission (or a resume request) until the replay store has
 //! durably stored it, so an acknowledged completion and the in-flight count never overlap.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
@@ -103,6 +103,8 @@ pub struct ControllerStatus {
     pub finished_rollouts: u64,
     /// Sum of their final rewards (mean reward over an interval = Δsum / Δcount).
     pub reward_sum: f64,
+    /// Those rollouts by final status label (`completed`, `truncated`, `error`, `timeout`, …).
+    pub finished_by_status: BTreeMap<String, u64>,
 }
 
 enum Cmd {
@@ -652,8 +654,13 @@ impl ControllerState {
             peers.replay.abort(group);
         } else {
             for r in &group.rollouts {
-                metrics::counter!(m::ROLLOUT_FINISHED_ROLLOUTS, "status" => r.status.as_label())
-                    .increment(1);
+                let label = r.status.as_label();
+                metrics::counter!(m::ROLLOUT_FINISHED_ROLLOUTS, "status" => label).increment(1);
+                *self
+                    .status
+                    .finished_by_status
+                    .entry(label.to_owned())
+                    .or_insert(0) += 1;
                 self.attempts.remove(&r.id);
             }
             let eta = self.knobs.current().max_version_lag;

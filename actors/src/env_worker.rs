@@ -244,10 +244,19 @@ impl Actor for EnvWorker {
                 }
             }
             Job::Step(sample, rollout, truncated) => {
-                let (step, note) = AssertUnwindSafe(env.step(&sample, &rollout, truncated))
+                let (step, note) = match AssertUnwindSafe(env.step(&sample, &rollout, truncated))
                     .catch_unwind()
                     .await
-                    .unwrap_or_else(|_| (panicked(), TurnNote::default()));
+                {
+                    Ok(done) => done,
+                    Err(_) => {
+                        // The episode is over: close whatever the env still holds for it.
+                        let _ = AssertUnwindSafe(env.abandon(rollout.id))
+                            .catch_unwind()
+                            .await;
+                        (panicked(), TurnNote::default())
+                    }
+                };
                 EnvResult {
                     rollout: rollout.id,
                     step,

@@ -5,6 +5,7 @@
 //! |---|---|---|
 //! | [`FaultyBackend`] | [`InferenceBackend`] (one per replica incarnation) | crash or hang at every N-th request |
 //! | [`FaultyTrainer`] | [`TrainerBackend`] | the N-th training step fails |
+//! | [`crate::env_faults::FaultyEnv`] | the node's env | a step panics or hangs, a reward panics |
 //!
 //! A crashed replica behaves like a backend whose compute thread died and whose death was noticed
 //! (a remote server's connection dropped): it goes silent, refuses every later call, and the
@@ -24,7 +25,7 @@ use sluice_core::{
 };
 use sluice_engine::{EngineError, EngineStats, EventSink, GenerateRequest, InferenceBackend};
 
-fn injected(fault: &'static str) {
+pub(crate) fn injected(fault: &'static str) {
     tracing::warn!(fault, "injecting a fault ([faults] config)");
     metrics::counter!(m::NODE_INJECTED_FAILURES).increment(1);
 }

@@ -27,6 +27,7 @@ pub mod checkpoint;
 pub mod client;
 pub mod controller;
 pub mod engine;
+pub mod env_faults;
 pub mod env_worker;
 pub mod faults;
 pub mod native;

@@ -31,6 +31,7 @@ use crate::admin::{self, AdminState, Server};
 use crate::checkpoint::{CheckpointDir, CheckpointError, Manifest};
 use crate::controller::{ControllerConfig, ControllerHandle, ControllerStatus, Peers};
 use crate::engine::{BackendFactory, EngineHandle, EngineSupervision, ReplicaHealth};
+use crate::env_faults::{EnvFaults, FaultyEnv, TimeoutEnv};
 use crate::env_worker::{EnvPoolHandle, RolloutEnv};
 use crate::replay::{ReplayHandle, ReplayOptions, ReplayStatus};
 use crate::sampler::{SampleSource, SamplerHandle, SimSource};
@@ -301,7 +302,7 @@ impl Node {
         )
         .await?;
         joins.push(("engine", j));
-        let env_impl: Arc<dyn RolloutEnv> = env.unwrap_or_else(|| {
+        let mut env_impl: Arc<dyn RolloutEnv> = env.unwrap_or_else(|| {
             Arc::new(SimTask {
                 prompt_tokens: sim.prompt_tokens.get(),
                 env_reply_tokens: sim.env_reply_tokens,
@@ -309,6 +310,14 @@ impl Node {
                 seed: sim.seed,
             })
         });
+        let env_faults = EnvFaults::from_config(&config.faults);
+        if env_faults.any() {
+            env_impl = Arc::new(FaultyEnv::new(env_impl, env_faults));
+        }
+        let env_impl: Arc<dyn RolloutEnv> = Arc::new(TimeoutEnv::new(
+            env_impl,
+            config.supervision.env_step_timeout,
+        ));
         let (env_pool, env_joins) =
             EnvPoolHandle::spawn(env_workers, Arc::clone(&env_impl), controller.env_sink()).await?;
         joins.extend(env_joins.into_iter().map(|j| ("env", j)));

@@ -151,3 +151,52 @@ async fn a_failing_trainer_step_stops_the_run_with_a_checkpoint() {
         .unwrap();
     assert_eq!((m.steps, m.version), (4, 4));
 }
+
+/// Runs `config` to its step budget and returns the final status with the rollouts that ended
+/// with `status`, after checking the counts reconcile.
+async fn run_env_fault(name: &str, config: &Config, status: &str) -> (NodeStatus, u64) {
+    let node = Node::start(config, NodeOptions::default()).await.unwrap();
+    let s = node
+        .wait_done(Duration::from_secs(120), |_| {})
+        .await
+        .unwrap();
+    assert!(
+        s.trainer.done && s.trainer.error.is_none(),
+        "{name}: {s:#?}"
+    );
+    let last = node.shutdown().await.unwrap();
+    let mut s = s;
+    s.replay = last.store;
+    reconcile(name, &s);
+    let by_status = &s.controller.finished_by_status;
+    println!("{name}: finished rollouts by status {by_status:?}");
+    let n = by_status.get(status).copied().unwrap_or(0);
+    (s, n)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panicking_env_step_fails_its_rollout_and_the_run_goes_on() {
+    let mut config = config(6);
+    config.faults.env_panic_every_steps = 7;
+    let (s, errors) = run_env_fault("env panic", &config, "error").await;
+    assert!(errors > 0, "{:?}", s.controller.finished_by_status);
+    let finished: u64 = s.controller.finished_by_status.values().sum();
+    assert!(errors < finished, "the other rollouts finish normally");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hanging_env_step_times_out_and_the_run_goes_on() {
+    let mut config = config(6);
+    config.faults.env_hang_every_steps = 9;
+    config.supervision.env_step_timeout = Duration::from_millis(200);
+    let (s, timeouts) = run_env_fault("env hang", &config, "timeout").await;
+    assert!(timeouts > 0, "{:?}", s.controller.finished_by_status);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panicking_reward_fails_its_rollout_and_the_run_goes_on() {
+    let mut config = config(6);
+    config.faults.reward_panic_every_episodes = 5;
+    let (s, errors) = run_env_fault("reward panic", &config, "error").await;
+    assert!(errors > 0, "{:?}", s.controller.finished_by_status);
+}

@@ -528,6 +528,8 @@ pub struct RawSupervision {
     pub checkpoint_every_steps: i64,
     /// Bound on a graceful stop (abort, store partials, checkpoint), seconds.
     pub shutdown_timeout_s: f64,
+    /// Bound on one environment call (first prompt or step, reward included), seconds.
+    pub env_step_timeout_s: f64,
 }
 
 impl Default for RawSupervision {
@@ -538,6 +540,7 @@ impl Default for RawSupervision {
             engine_watchdog_s: 300.0,
             checkpoint_every_steps: 0,
             shutdown_timeout_s: 60.0,
+            env_step_timeout_s: 300.0,
         }
     }
 }
@@ -552,4 +555,10 @@ pub struct RawFaults {
     pub engine_hang_every_requests: i64,
     /// The N-th training step of the process fails.
     pub trainer_error_at_step: i64,
+    /// Every N-th environment step panics.
+    pub env_panic_every_steps: i64,
+    /// Every N-th environment step hangs (until `supervision.env_step_timeout_s`).
+    pub env_hang_every_steps: i64,
+    /// The reward of every N-th finished episode panics.
+    pub reward_panic_every_episodes: i64,
 }

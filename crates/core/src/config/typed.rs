@@ -603,6 +603,9 @@ pub struct SupervisionConfig {
     /// Bound on a graceful stop.
     #[serde(rename = "shutdown_timeout_s", serialize_with = "as_seconds")]
     pub shutdown_timeout: Duration,
+    /// Bound on one environment call; a call past it ends the rollout as `Timeout`.
+    #[serde(rename = "env_step_timeout_s", serialize_with = "as_seconds")]
+    pub env_step_timeout: Duration,
 }
 
 /// `[faults]`: injection periods, 0 = off.
@@ -614,6 +617,12 @@ pub struct FaultsConfig {
     pub engine_hang_every_requests: u64,
     /// The training step (1-based, of this process) that fails.
     pub trainer_error_at_step: u64,
+    /// Environment step panic period, in steps of the node.
+    pub env_panic_every_steps: u64,
+    /// Environment step hang period, in steps of the node.
+    pub env_hang_every_steps: u64,
+    /// Reward panic period, in finished episodes of the node.
+    pub reward_panic_every_episodes: u64,
 }
 
 impl FaultsConfig {

@@ -62,6 +62,11 @@ pub(crate) fn validate_supervision(
             "supervision.shutdown_timeout_s",
             raw.shutdown_timeout_s,
         )?,
+        env_step_timeout: positive_seconds(
+            ctx,
+            "supervision.env_step_timeout_s",
+            raw.env_step_timeout_s,
+        )?,
     })
 }
 
@@ -70,6 +75,9 @@ pub(crate) fn validate_faults(raw: RawFaults, ctx: &Ctx<'_>) -> Result<FaultsCon
         engine_crash_every_requests,
         engine_hang_every_requests,
         trainer_error_at_step,
+        env_panic_every_steps,
+        env_hang_every_steps,
+        reward_panic_every_episodes,
     } = raw;
     let period = |key: &str, v: i64| u64_incl_zero(ctx, &format!("faults.{key}"), v);
     Ok(FaultsConfig {
@@ -82,6 +90,12 @@ pub(crate) fn validate_faults(raw: RawFaults, ctx: &Ctx<'_>) -> Result<FaultsCon
             engine_hang_every_requests,
         )?,
         trainer_error_at_step: period("trainer_error_at_step", trainer_error_at_step)?,
+        env_panic_every_steps: period("env_panic_every_steps", env_panic_every_steps)?,
+        env_hang_every_steps: period("env_hang_every_steps", env_hang_every_steps)?,
+        reward_panic_every_episodes: period(
+            "reward_panic_every_episodes",
+            reward_panic_every_episodes,
+        )?,
     })
 }
 
@@ -136,6 +150,18 @@ mod tests {
                 "faults.trainer_error_at_step",
             ),
             (
+                "[supervision]\nenv_step_timeout_s = 0",
+                "supervision.env_step_timeout_s",
+            ),
+            (
+                "[faults]\nenv_hang_every_steps = -1",
+                "faults.env_hang_every_steps",
+            ),
+            (
+                "[faults]\nreward_panic_every_episodes = 1.5",
+                "faults.reward_panic_every_episodes",
+            ),
+            (
                 "[faults]\nengine_crash_every = 3",
                 "faults.engine_crash_every",
             ),
@@ -145,5 +171,12 @@ mod tests {
         }
         let c = load("[faults]\nengine_crash_every_requests = 5").unwrap();
         assert!(c.faults.any());
+        let c = load("[faults]\nenv_panic_every_steps = 7").unwrap();
+        assert_eq!(c.faults.env_panic_every_steps, 7);
+        assert!(c.faults.any());
+        assert_eq!(
+            load("").unwrap().supervision.env_step_timeout,
+            Duration::from_secs(300)
+        );
     }
 }
