@@ -134,6 +134,8 @@ pub struct NodeHandles {
     pub replay: ReplayHandle,
     /// Trainer.
     pub trainer: TrainerHandle,
+    /// Sampler (its state goes into checkpoints).
+    pub sampler: SamplerHandle,
     pub(crate) started: Instant,
     /// Where checkpoints go (`None`: checkpoints are refused).
     pub(crate) checkpoint_dir: Option<CheckpointDir>,
@@ -322,8 +324,16 @@ impl Node {
             EnvPoolHandle::spawn(env_workers, Arc::clone(&env_impl), controller.env_sink()).await?;
         joins.extend(env_joins.into_iter().map(|j| ("env", j)));
         let source = source.unwrap_or_else(|| Box::new(SimSource::from_config(config)));
-        let (sampler, j) =
-            SamplerHandle::spawn(source, knobs.clone(), controller.sample_sink()).await?;
+        // A resumed run draws on from where the checkpoint left the sampler (cursor, RNG,
+        // per-domain counts), so the adaptive mix and the data order carry over.
+        let sampler_state = manifest.as_ref().and_then(|m| m.sampler.clone());
+        let (sampler, j) = SamplerHandle::spawn_from(
+            source,
+            knobs.clone(),
+            controller.sample_sink(),
+            sampler_state,
+        )
+        .await?;
         joins.push(("sampler", j));
         let trainer_options = TrainerOptions {
             groups_per_step: b as usize,
@@ -357,6 +367,7 @@ impl Node {
             engine: engine.clone(),
             replay,
             trainer,
+            sampler: sampler.clone(),
             started,
             checkpoint_dir,
             last_checkpoint: Arc::new(tokio::sync::Mutex::new(manifest)),

@@ -153,6 +153,15 @@ pub async fn checkpoint(h: &NodeHandles, reason: &str) -> Result<Manifest, Check
         .flush()
         .await
         .map_err(|e| CheckpointError::Unavailable(e.to_string()))?;
+    // Taken after the trainer's mark: draws made since are at most a few groups drawn again on
+    // resume (after a graceful stop, which stops admission first, none).
+    let sampler = match h.sampler.state().await {
+        Ok(state) => Some(state),
+        Err(e) => {
+            tracing::warn!(error = %e, "sampler state left out of the checkpoint");
+            None
+        }
+    };
     let manifest = Manifest {
         format: FORMAT,
         version: mark.version.0,
@@ -163,8 +172,7 @@ pub async fn checkpoint(h: &NodeHandles, reason: &str) -> Result<Manifest, Check
             consumed_total: counters.consumed_total,
             policy_version: counters.policy_version,
         },
-        // The sampler actor does not expose its state yet; a restarted run draws afresh.
-        sampler: None,
+        sampler,
         reason: reason.to_owned(),
         written_unix_seconds: unix_now(),
     };

@@ -102,6 +102,29 @@ async fn a_graceful_stop_resumes_version_steps_and_every_group() {
     // Run 2: same directories, a few more steps.
     let config = self::config(manifest.steps + 4);
     let node = Node::start(&config, options(dir.path())).await.unwrap();
+    // The sampler draws on from the checkpoint: its per-domain counts continue, not restart.
+    let saved = manifest
+        .sampler
+        .clone()
+        .expect("the sampler's state is in the checkpoint");
+    let now = node.handles.sampler.state().await.unwrap();
+    let count = |state: &serde_json::Value, what: &str| -> u64 {
+        state["domains"]
+            .as_object()
+            .expect("per-domain counts")
+            .values()
+            .map(|d| d[what].as_u64().unwrap())
+            .sum()
+    };
+    assert!(count(&saved, "sampled") > 0, "{saved}");
+    assert!(
+        count(&now, "sampled") >= count(&saved, "sampled"),
+        "{saved} → {now}"
+    );
+    assert!(
+        count(&now, "completed") >= count(&saved, "completed"),
+        "{saved} → {now}"
+    );
     let s = node.status().await.unwrap();
     assert_eq!(s.trainer.steps, manifest.steps, "the step count continues");
     assert_eq!(
