@@ -2,7 +2,8 @@
 //! described with help text and unit, histograms with the catalog's buckets, every name seeded so a
 //! scrape shows it from the start), the periodic task that exports gauges sampled from the actors
 //! (engine busy ratio, throughput, knobs) and runs the exporter's upkeep, and the typed helpers
-//! actors report through ([`ActorCounters`], [`record_step_metrics`]).
+//! actors report through ([`ActorCounters`]; a training step's own metrics go out through
+//! [`crate::trainer::export_step_metrics`]).
 //!
 //! Seeding: a series is registered at zero for every label value known up front (actor names,
 //! rollout statuses, finish reasons, buckets, weight-update modes, knob names, and, once the node
@@ -10,7 +11,6 @@
 //! bucket transitions, dataset names) is seeded with one series without labels, so every catalog
 //! name is present with `# HELP` and `# TYPE` on the first scrape.
 
-use std::collections::BTreeMap;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
@@ -304,29 +304,6 @@ impl ActorCounters {
     }
 }
 
-/// Exports a training step's catalog-named scalars (`TrainStepOutput::metrics`): gauges are set
-/// and counters incremented by the value. Histograms are skipped: the trainer actor records those
-/// per step and per token itself, and a step's mean would count twice. Names outside the catalog
-/// are ignored (an ad-hoc name would be an unbounded, undocumented series); returns how many were.
-pub fn record_step_metrics(values: &BTreeMap<String, f64>) -> usize {
-    let mut unknown = 0;
-    for (name, &v) in values {
-        let Some(def) = m::find(name) else {
-            unknown += 1;
-            continue;
-        };
-        if !def.labels.is_empty() || !v.is_finite() {
-            continue;
-        }
-        match def.kind {
-            MetricKind::Gauge => metrics::gauge!(def.name).set(v),
-            MetricKind::Counter if v >= 0.0 => metrics::counter!(def.name).increment(v as u64),
-            MetricKind::Counter | MetricKind::Histogram => {}
-        }
-    }
-    unknown
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -351,7 +328,7 @@ mod tests {
             tail_batch_candidate_steps: 0,
             tail_batch_trigger_size: 1,
             weight_update_mode: WeightUpdateMode::Drain,
-            domain_mix: BTreeMap::new(),
+            domain_mix: std::collections::BTreeMap::new(),
             max_concurrent_rollouts: 1,
             paused: false,
         };
