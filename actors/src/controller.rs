@@ -39,6 +39,11 @@ const BALANCE_THRESHOLD: f64 = 0.5;
 /// Groups kept for the balance fractions.
 const BALANCE_WINDOW: usize = 256;
 
+/// Counts one message the controller sent (to the sampler, engine, env pool or replay store).
+fn sent() {
+    metrics::counter!(m::ACTOR_SENT, "actor" => "controller").increment(1);
+}
+
 /// The controller's fixed configuration (what changes lives in the knobs).
 #[derive(Debug, Clone)]
 pub struct ControllerConfig {
@@ -459,6 +464,7 @@ impl ControllerState {
                 if self.samples_requested == 0 && self.samples.len() < want {
                     self.samples_requested = want - self.samples.len();
                     peers.sampler.request(self.samples_requested);
+                    sent();
                 }
             }
         }
@@ -484,6 +490,7 @@ impl ControllerState {
         // Rollouts start without turns: the env renders their first prompts (in `start`).
         let group = RolloutGroup::new(id, sample.clone(), self.config.group_size, self.version);
         peers.replay.admit(group.clone());
+        sent();
         self.admitted_total += 1;
         if self.tail_active {
             self.status.admitted_during_tail += 1;
@@ -509,6 +516,7 @@ impl ControllerState {
                     if let Some(p) = &self.peers {
                         w.waiting.insert(i as u32, Waiting::Env);
                         p.env.start(Arc::clone(&w.sample), r.id);
+                        sent();
                     }
                 } else {
                     self.submit(&mut w, i);
@@ -542,6 +550,7 @@ impl ControllerState {
         };
         w.waiting.insert(i as u32, Waiting::Engine(id));
         peers.engine.generate(request, w.replica[i]);
+        sent();
     }
 
     fn on_completion(&mut self, c: sluice_engine::Completion, replica: u32) {
@@ -578,6 +587,7 @@ impl ControllerState {
                 if let Some(p) = &self.peers {
                     let truncated = c.finish == FinishReason::Length;
                     p.env.step(Arc::clone(&w.sample), r.clone(), truncated);
+                    sent();
                 }
             }
             FinishReason::Error(kind) => r.status = RolloutStatus::Error(kind),
@@ -652,6 +662,7 @@ impl ControllerState {
                 .unwrap_or(0);
             self.abort_counts.insert(gid, max_aborts);
             peers.replay.abort(group);
+            sent();
         } else {
             for r in &group.rollouts {
                 let label = r.status.as_label();
@@ -666,6 +677,7 @@ impl ControllerState {
             let eta = self.knobs.current().max_version_lag;
             peers.sampler.group_finished(&group, self.version, eta);
             peers.replay.finish(group, self.version, eta);
+            sent();
         }
     }
 

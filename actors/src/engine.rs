@@ -459,6 +459,12 @@ impl Actor for EngineActor {
 }
 
 impl EngineState {
+    /// Sends a report to the controller (the engine actor's one outbound flow).
+    fn report(&self, report: EngineReport) {
+        metrics::counter!(m::ACTOR_SENT, "actor" => "engine").increment(1);
+        (self.args.reports)(report);
+    }
+
     fn route(&mut self, req: GenerateRequest, preferred: Option<u32>) {
         if self.closed {
             self.refuse(req);
@@ -488,7 +494,7 @@ impl EngineState {
 
     /// Answers a request as aborted without running it (graceful stop).
     fn refuse(&self, req: GenerateRequest) {
-        (self.args.reports)(EngineReport::Finished {
+        self.report(EngineReport::Finished {
             completion: Completion {
                 id: req.id,
                 output: req.resume.unwrap_or_default(),
@@ -510,7 +516,7 @@ impl EngineState {
                 if let Some(w) = &mut r.watchdog {
                     w.progressed();
                 }
-                (self.args.reports)(EngineReport::Finished {
+                self.report(EngineReport::Finished {
                     completion: c,
                     replica,
                 });
@@ -532,7 +538,7 @@ impl EngineState {
     fn report_versions(&self) {
         let live = self.replicas.iter().filter(|r| r.backend.is_some());
         if live.clone().all(|r| r.version >= self.target) && live.count() > 0 {
-            (self.args.reports)(EngineReport::WeightsUpdated {
+            self.report(EngineReport::WeightsUpdated {
                 version: self.target,
             });
         }
@@ -600,7 +606,7 @@ impl EngineState {
         self.replicas[replica as usize].health.requests_returned += lost.len() as u64;
         for (id, resume) in lost {
             self.owner.remove(&id);
-            (self.args.reports)(EngineReport::Finished {
+            self.report(EngineReport::Finished {
                 completion: Completion {
                     id,
                     output: resume.unwrap_or_default(),

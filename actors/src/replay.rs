@@ -438,6 +438,9 @@ impl Worker {
             }
             self.export();
             for o in out {
+                if matches!(o, Out::Notice(_) | Out::Batch(..)) {
+                    metrics::counter!(m::ACTOR_SENT, "actor" => "replay").increment(1);
+                }
                 match o {
                     Out::Notice(n) => (self.notices)(n),
                     Out::Batch(reply, groups) => {

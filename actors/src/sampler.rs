@@ -300,6 +300,7 @@ impl Actor for SamplerActor {
                     metrics::counter!(m::DATA_SAMPLES, "domain" => s.domain.clone()).increment(1);
                 }
                 out(samples);
+                metrics::counter!(m::ACTOR_SENT, "actor" => "sampler").increment(1);
             }
             Cmd::Completed { domain, rollouts } => source.record_completed(&domain, rollouts),
             Cmd::State(reply) => {

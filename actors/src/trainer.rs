@@ -326,7 +326,10 @@ impl Worker {
             });
             let idle = wait.elapsed().as_secs_f64();
             match woke {
-                Woke::Batch(Some(batch)) => self.train(batch, version, eta, idle),
+                Woke::Batch(Some(batch)) => {
+                    metrics::counter!(m::ACTOR_RECEIVED, "actor" => "trainer").increment(1);
+                    self.train(batch, version, eta, idle)
+                }
                 Woke::Batch(None) => break,
                 Woke::Control(c) => {
                     if let Some(batch) = rt.block_on(take.cancel()) {
@@ -434,6 +437,7 @@ impl Worker {
         if let Some(w) = published {
             metrics::gauge!(m::TRAINER_POLICY_VERSION).set(w.version.0 as f64);
             (self.publish)(w);
+            metrics::counter!(m::ACTOR_SENT, "actor" => "trainer").increment(1);
         }
         self.steps.send_replace(steps);
     }
