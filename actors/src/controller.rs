@@ -30,6 +30,7 @@ use crate::engine::{EngineHandle, EngineReport};
 use crate::env_worker::{EnvPoolHandle, EnvResult, EnvStep};
 use crate::replay::{Recovery, ReplayCounts, ReplayHandle, ReplayNotice};
 use crate::sampler::SamplerHandle;
+use crate::telemetry::ActorCounters;
 use crate::{ActorError, Sink};
 
 /// Weight of a new reward in the outcome EMA.
@@ -38,11 +39,6 @@ const OUTCOME_EMA_ALPHA: f64 = 0.05;
 const BALANCE_THRESHOLD: f64 = 0.5;
 /// Groups kept for the balance fractions.
 const BALANCE_WINDOW: usize = 256;
-
-/// Counts one message the controller sent (to the sampler, engine, env pool or replay store).
-fn sent() {
-    metrics::counter!(m::ACTOR_SENT, "actor" => "controller").increment(1);
-}
 
 /// The controller's fixed configuration (what changes lives in the knobs).
 #[derive(Debug, Clone)]
@@ -250,6 +246,8 @@ pub struct ControllerState {
     /// Outcome EMA and balance fractions (seed 001).
     outcomes: OutcomeStats,
     knob_watch: Option<tokio::task::JoinHandle<()>>,
+    /// Messages handled, sent to the sampler, engine, env pool and replay store, and dropped.
+    counters: ActorCounters,
 }
 
 impl Actor for ControllerActor {
@@ -295,6 +293,7 @@ impl Actor for ControllerActor {
             status: ControllerStatus::default(),
             outcomes: OutcomeStats::new(OUTCOME_EMA_ALPHA, BALANCE_THRESHOLD, BALANCE_WINDOW),
             knob_watch: Some(knob_watch),
+            counters: ActorCounters::new("controller"),
         })
     }
 
@@ -304,7 +303,7 @@ impl Actor for ControllerActor {
         ControllerMsg(cmd): ControllerMsg,
         s: &mut ControllerState,
     ) -> Result<(), ActorProcessingErr> {
-        metrics::counter!(m::ACTOR_RECEIVED, "actor" => "controller").increment(1);
+        s.counters.received(1);
         match cmd {
             Cmd::Connect(peers) => s.connect(*peers),
             Cmd::Samples(samples) => {
@@ -464,7 +463,7 @@ impl ControllerState {
                 if self.samples_requested == 0 && self.samples.len() < want {
                     self.samples_requested = want - self.samples.len();
                     peers.sampler.request(self.samples_requested);
-                    sent();
+                    self.counters.sent(1);
                 }
             }
         }
@@ -473,6 +472,7 @@ impl ControllerState {
             peers
                 .replay
                 .resume(id, self.version, eta, knobs.enable_partial_rollout);
+            self.counters.sent(1);
         }
         for sample in fresh {
             self.admit(sample);
@@ -490,7 +490,7 @@ impl ControllerState {
         // Rollouts start without turns: the env renders their first prompts (in `start`).
         let group = RolloutGroup::new(id, sample.clone(), self.config.group_size, self.version);
         peers.replay.admit(group.clone());
-        sent();
+        self.counters.sent(1);
         self.admitted_total += 1;
         if self.tail_active {
             self.status.admitted_during_tail += 1;
@@ -516,7 +516,7 @@ impl ControllerState {
                     if let Some(p) = &self.peers {
                         w.waiting.insert(i as u32, Waiting::Env);
                         p.env.start(Arc::clone(&w.sample), r.id);
-                        sent();
+                        self.counters.sent(1);
                     }
                 } else {
                     self.submit(&mut w, i);
@@ -550,18 +550,18 @@ impl ControllerState {
         };
         w.waiting.insert(i as u32, Waiting::Engine(id));
         peers.engine.generate(request, w.replica[i]);
-        sent();
+        self.counters.sent(1);
     }
 
     fn on_completion(&mut self, c: sluice_engine::Completion, replica: u32) {
         let gid = c.id.rollout.group;
         let i = c.id.rollout.index;
         let Some(mut w) = self.work.remove(&gid) else {
-            metrics::counter!(m::ACTOR_DROPPED, "actor" => "controller").increment(1);
+            self.counters.dropped(1);
             return;
         };
         if !matches!(w.waiting.get(&i), Some(Waiting::Engine(id)) if *id == c.id) {
-            metrics::counter!(m::ACTOR_DROPPED, "actor" => "controller").increment(1);
+            self.counters.dropped(1);
             self.work.insert(gid, w);
             return;
         }
@@ -587,7 +587,7 @@ impl ControllerState {
                 if let Some(p) = &self.peers {
                     let truncated = c.finish == FinishReason::Length;
                     p.env.step(Arc::clone(&w.sample), r.clone(), truncated);
-                    sent();
+                    self.counters.sent(1);
                 }
             }
             FinishReason::Error(kind) => r.status = RolloutStatus::Error(kind),
@@ -599,10 +599,13 @@ impl ControllerState {
     fn on_env(&mut self, result: EnvResult) {
         let gid = result.rollout.group;
         let i = result.rollout.index;
+        // A result for a group no longer here, or a rollout not waiting on the env, is stale.
         let Some(mut w) = self.work.remove(&gid) else {
+            self.counters.dropped(1);
             return;
         };
         if !matches!(w.waiting.remove(&i), Some(Waiting::Env)) {
+            self.counters.dropped(1);
             self.work.insert(gid, w);
             return;
         }
@@ -662,7 +665,7 @@ impl ControllerState {
                 .unwrap_or(0);
             self.abort_counts.insert(gid, max_aborts);
             peers.replay.abort(group);
-            sent();
+            self.counters.sent(1);
         } else {
             for r in &group.rollouts {
                 let label = r.status.as_label();
@@ -677,7 +680,7 @@ impl ControllerState {
             let eta = self.knobs.current().max_version_lag;
             peers.sampler.group_finished(&group, self.version, eta);
             peers.replay.finish(group, self.version, eta);
-            sent();
+            self.counters.sent(1);
         }
     }
 
@@ -754,5 +757,6 @@ impl ControllerState {
             self.draining = true;
         }
         peers.engine.update_weights(w, mode);
+        self.counters.sent(1);
     }
 }

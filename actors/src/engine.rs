@@ -34,6 +34,7 @@ use sluice_engine::{
 
 use crate::faults::{EngineFaults, FaultyBackend};
 use crate::supervise::{Backoff, Watchdog};
+use crate::telemetry::ActorCounters;
 use crate::{ActorError, Sink};
 
 /// Builds the backend of replica `index`, starting at `version`, reporting to the sink.
@@ -266,6 +267,9 @@ pub struct EngineState {
     tasks: Vec<tokio::task::JoinHandle<()>>,
     /// Pending restarts.
     timers: Vec<tokio::task::JoinHandle<Result<(), MessagingErr<EngineMsg>>>>,
+    /// Messages handled, reports sent to the controller, events of dead replicas dropped, and
+    /// replica failures by kind.
+    counters: ActorCounters,
 }
 
 fn sink_for(me: &ActorRef<EngineMsg>, replica: u32, generation: u64) -> EventSink {
@@ -348,6 +352,7 @@ impl Actor for EngineActor {
             me,
             tasks,
             timers: Vec::new(),
+            counters: ActorCounters::new("engine"),
         };
         for i in 0..s.replicas.len() {
             s.build(i);
@@ -362,7 +367,7 @@ impl Actor for EngineActor {
         EngineMsg(cmd): EngineMsg,
         s: &mut EngineState,
     ) -> Result<(), ActorProcessingErr> {
-        metrics::counter!(m::ACTOR_RECEIVED, "actor" => "engine").increment(1);
+        s.counters.received(1);
         match cmd {
             Cmd::Generate(req, preferred) => s.route(req, preferred),
             Cmd::Abort(id) => {
@@ -389,7 +394,7 @@ impl Actor for EngineActor {
             Cmd::Event(replica, generation, event) => {
                 if s.replicas[replica as usize].generation != generation {
                     // A dead incarnation's last words: its requests were already handed back.
-                    metrics::counter!(m::ACTOR_DROPPED, "actor" => "engine").increment(1);
+                    s.counters.dropped(1);
                     return Ok(());
                 }
                 s.on_event(replica, event);
@@ -461,7 +466,7 @@ impl Actor for EngineActor {
 impl EngineState {
     /// Sends a report to the controller (the engine actor's one outbound flow).
     fn report(&self, report: EngineReport) {
-        metrics::counter!(m::ACTOR_SENT, "actor" => "engine").increment(1);
+        self.counters.sent(1);
         (self.args.reports)(report);
     }
 
@@ -583,7 +588,7 @@ impl EngineState {
             Some(e) => tracing::warn!(replica, error = %e, "engine replica failed; restarting it"),
             None => tracing::warn!(replica, cause, "engine replica failed; restarting it"),
         }
-        metrics::counter!(m::ACTOR_ERRORS, "actor" => "engine", "kind" => kind).increment(1);
+        self.counters.error(kind);
         let now = Instant::now();
         let r = &mut self.replicas[replica as usize];
         if let Some(mut old) = r.backend.take() {

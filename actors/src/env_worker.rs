@@ -18,6 +18,7 @@ use sluice_core::{DataSample, Message, Rollout, RolloutId, RolloutStatus};
 use sluice_engine::simulated::{SimTask, TaskStep};
 pub use sluice_env::BoxFuture;
 
+use crate::telemetry::ActorCounters;
 use crate::{ActorError, Sink};
 
 /// What the environment answers.
@@ -141,6 +142,8 @@ enum Job {
 pub struct EnvPoolHandle {
     workers: Arc<Vec<ActorRef<EnvMsg>>>,
     next: Arc<AtomicUsize>,
+    /// The pool's counters, shared with its workers: a job for a stopped worker is dropped here.
+    counters: ActorCounters,
 }
 
 impl EnvPoolHandle {
@@ -150,15 +153,18 @@ impl EnvPoolHandle {
         env: Arc<dyn RolloutEnv>,
         out: Sink<EnvResult>,
     ) -> Result<(Self, Vec<tokio::task::JoinHandle<()>>), ActorError> {
+        let counters = ActorCounters::new("env");
         let mut workers = Vec::new();
         let mut joins = Vec::new();
         for _ in 0..size.max(1) {
-            let (w, j) = Actor::spawn(None, EnvWorker, (Arc::clone(&env), out.clone()))
-                .await
-                .map_err(|e| ActorError::Spawn {
-                    actor: "env",
-                    message: e.to_string(),
-                })?;
+            let args = (Arc::clone(&env), out.clone(), counters.clone());
+            let (w, j) =
+                Actor::spawn(None, EnvWorker, args)
+                    .await
+                    .map_err(|e| ActorError::Spawn {
+                        actor: "env",
+                        message: e.to_string(),
+                    })?;
             workers.push(w);
             joins.push(j);
         }
@@ -166,6 +172,7 @@ impl EnvPoolHandle {
             Self {
                 workers: Arc::new(workers),
                 next: Arc::default(),
+                counters,
             },
             joins,
         ))
@@ -174,7 +181,7 @@ impl EnvPoolHandle {
     fn send(&self, job: Job) {
         let i = self.next.fetch_add(1, Ordering::Relaxed) % self.workers.len();
         if self.workers[i].cast(EnvMsg(job)).is_err() {
-            metrics::counter!(m::ACTOR_DROPPED, "actor" => "env").increment(1);
+            self.counters.dropped(1);
         }
     }
 
@@ -212,7 +219,7 @@ fn panicked() -> EnvStep {
 
 impl Actor for EnvWorker {
     type Msg = EnvMsg;
-    type State = (Arc<dyn RolloutEnv>, Sink<EnvResult>);
+    type State = (Arc<dyn RolloutEnv>, Sink<EnvResult>, ActorCounters);
     type Arguments = Self::State;
 
     async fn pre_start(
@@ -227,9 +234,9 @@ impl Actor for EnvWorker {
         &self,
         _me: ActorRef<EnvMsg>,
         EnvMsg(job): EnvMsg,
-        (env, out): &mut Self::State,
+        (env, out, counters): &mut Self::State,
     ) -> Result<(), ActorProcessingErr> {
-        metrics::counter!(m::ACTOR_RECEIVED, "actor" => "env").increment(1);
+        counters.received(1);
         // A panicking env fails its rollout; the worker lives on.
         let result = match job {
             Job::Start(sample, id) => {
@@ -275,7 +282,7 @@ impl Actor for EnvWorker {
             }
         };
         out(result);
-        metrics::counter!(m::ACTOR_SENT, "actor" => "env").increment(1);
+        counters.sent(1);
         Ok(())
     }
 }

@@ -18,6 +18,7 @@ use sluice_core::metrics as m;
 use sluice_core::{GroupId, PolicyVersion, RolloutGroup};
 use sluice_replay::{Bucket, Counters, Persister, ReplayStore, StoreSnapshot, TakeOutcome};
 
+use crate::telemetry::ActorCounters;
 use crate::{ActorError, Sink};
 
 /// Replay counts the controller schedules with.
@@ -344,6 +345,8 @@ struct ReplayActor;
 pub struct ReplayState {
     tx: Option<Sender<Cmd>>,
     thread: Option<JoinHandle<()>>,
+    /// Shared with the thread, which sends notices and batches and counts store errors.
+    counters: ActorCounters,
 }
 
 /// Commands are bounded by admission (a handful per group in flight); this bound is a backstop.
@@ -360,11 +363,13 @@ impl Actor for ReplayActor {
         (store, persister, notices): Self::Arguments,
     ) -> Result<ReplayState, ActorProcessingErr> {
         let (tx, rx) = crossbeam_channel::bounded(QUEUE);
+        let counters = ActorCounters::new("replay");
         let worker = Worker {
             store,
             persister,
             notices,
             pending_take: None,
+            counters: counters.clone(),
         };
         let thread = std::thread::Builder::new()
             .name("replay-store".into())
@@ -372,6 +377,7 @@ impl Actor for ReplayActor {
         Ok(ReplayState {
             tx: Some(tx),
             thread: Some(thread),
+            counters,
         })
     }
 
@@ -381,9 +387,12 @@ impl Actor for ReplayActor {
         ReplayMsg(cmd): ReplayMsg,
         state: &mut ReplayState,
     ) -> Result<(), ActorProcessingErr> {
-        metrics::counter!(m::ACTOR_RECEIVED, "actor" => "replay").increment(1);
-        if let Some(tx) = &state.tx {
-            tx.send(cmd).map_err(|_| "replay thread stopped")?;
+        state.counters.received(1);
+        if let Some(tx) = &state.tx
+            && tx.send(cmd).is_err()
+        {
+            state.counters.dropped(1);
+            return Err("replay thread stopped".into());
         }
         Ok(())
     }
@@ -407,6 +416,7 @@ struct Worker {
     persister: Option<Persister>,
     notices: Sink<ReplayNotice>,
     pending_take: Option<(usize, PolicyVersion, u64, RpcReplyPort<Vec<RolloutGroup>>)>,
+    counters: ActorCounters,
 }
 
 enum Out {
@@ -429,8 +439,7 @@ impl Worker {
                 if let Err(e) = p.apply(&ops) {
                     // Nothing was acknowledged; stopping the node is the only safe answer.
                     tracing::error!(error = %e, "replay store cannot persist; stopping");
-                    metrics::counter!(m::ACTOR_ERRORS, "actor" => "replay", "kind" => e.kind())
-                        .increment(1);
+                    self.counters.error(e.kind());
                     return;
                 }
                 metrics::histogram!(m::REPLAY_PERSIST_SECONDS)
@@ -438,15 +447,18 @@ impl Worker {
             }
             self.export();
             for o in out {
-                if matches!(o, Out::Notice(_) | Out::Batch(..)) {
-                    metrics::counter!(m::ACTOR_SENT, "actor" => "replay").increment(1);
-                }
                 match o {
-                    Out::Notice(n) => (self.notices)(n),
+                    Out::Notice(n) => {
+                        (self.notices)(n);
+                        self.counters.sent(1);
+                    }
                     Out::Batch(reply, groups) => {
                         // The trainer may have gone away after we checked; the groups are
                         // consumed on disk either way, so they are never trained twice.
-                        let _ = reply.send(groups);
+                        match reply.send(groups) {
+                            Ok(()) => self.counters.sent(1),
+                            Err(_) => self.counters.dropped(1),
+                        }
                     }
                     Out::Status(reply) => {
                         let _ = reply.send(self.status());
@@ -521,8 +533,7 @@ impl Worker {
         };
         if let Err(e) = result {
             tracing::warn!(error = %e, "replay store refused a command");
-            metrics::counter!(m::ACTOR_ERRORS, "actor" => "replay", "kind" => e.kind())
-                .increment(1);
+            self.counters.error(e.kind());
         }
     }
 
@@ -531,6 +542,8 @@ impl Worker {
             return;
         };
         if reply.is_closed() {
+            // The trainer stopped waiting: its take goes no further.
+            self.counters.dropped(1);
             return;
         }
         let (outcome, expired) = self.store.take_batch(n, version, eta);

@@ -18,6 +18,7 @@ use sluice_core::{DataSample, KnobsHandle, PolicyVersion, RolloutGroup, RolloutS
 use sluice_data::rng::{derive_seed, hash_str};
 use sluice_data::{DomainRows, GeneratorRows, MixSampler, SamplerConfig};
 
+use crate::telemetry::ActorCounters;
 use crate::{ActorError, Sink};
 
 /// Where samples come from.
@@ -272,25 +273,30 @@ struct SamplerActor;
 
 impl Actor for SamplerActor {
     type Msg = SamplerMsg;
-    type State = (Box<dyn SampleSource>, KnobsHandle, Sink<Vec<DataSample>>);
-    type Arguments = Self::State;
+    type State = (
+        Box<dyn SampleSource>,
+        KnobsHandle,
+        Sink<Vec<DataSample>>,
+        ActorCounters,
+    );
+    type Arguments = (Box<dyn SampleSource>, KnobsHandle, Sink<Vec<DataSample>>);
 
     async fn pre_start(
         &self,
         _me: ActorRef<SamplerMsg>,
-        args: Self::State,
+        (source, knobs, out): Self::Arguments,
     ) -> Result<Self::State, ActorProcessingErr> {
-        args.0.publish_metrics(&args.1.current().domain_shares());
-        Ok(args)
+        source.publish_metrics(&knobs.current().domain_shares());
+        Ok((source, knobs, out, ActorCounters::new("sampler")))
     }
 
     async fn handle(
         &self,
         _me: ActorRef<SamplerMsg>,
         SamplerMsg(cmd): SamplerMsg,
-        (source, knobs, out): &mut Self::State,
+        (source, knobs, out, counters): &mut Self::State,
     ) -> Result<(), ActorProcessingErr> {
-        metrics::counter!(m::ACTOR_RECEIVED, "actor" => "sampler").increment(1);
+        counters.received(1);
         let shares = knobs.current().domain_shares();
         match cmd {
             Cmd::Request(n) => {
@@ -300,7 +306,7 @@ impl Actor for SamplerActor {
                     metrics::counter!(m::DATA_SAMPLES, "domain" => s.domain.clone()).increment(1);
                 }
                 out(samples);
-                metrics::counter!(m::ACTOR_SENT, "actor" => "sampler").increment(1);
+                counters.sent(1);
             }
             Cmd::Completed { domain, rollouts } => source.record_completed(&domain, rollouts),
             Cmd::State(reply) => {

@@ -2,8 +2,8 @@
 //! described with help text and unit, histograms with the catalog's buckets, every name seeded so a
 //! scrape shows it from the start), the periodic task that exports gauges sampled from the actors
 //! (engine busy ratio, throughput, knobs) and runs the exporter's upkeep, and the typed helpers
-//! label values actors report under ([`ACTORS`]; a training step's own metrics go out through
-//! [`crate::trainer::export_step_metrics`]).
+//! actors report through ([`ActorCounters`], one per actor of [`ACTORS`]; a training step's own
+//! metrics go out through [`crate::trainer::export_step_metrics`]).
 //!
 //! Seeding: a series is registered at zero for every label value known up front (actor names,
 //! rollout statuses, finish reasons, buckets, weight-update modes, knob names, and, once the node
@@ -14,7 +14,7 @@
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use metrics::Unit;
+use metrics::{Counter, Unit};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use sluice_core::knobs::KnobsHandle;
 use sluice_core::metrics::{self as m, MetricDef, MetricKind};
@@ -257,6 +257,52 @@ pub fn export_knobs(knobs: &KnobsHandle) {
     }
     for (domain, share) in k.domain_shares() {
         metrics::gauge!(m::DOMAIN_MIX_TARGET, "domain" => domain).set(share);
+    }
+}
+
+/// The four counters every actor reports (`DESIGN.md` §8, after vector's component contract):
+/// messages received, sent downstream and dropped, and errors by stable kind. Each actor holds one
+/// in its state; handles are resolved once, so counting costs an atomic add. Cloning is cheap
+/// (an actor whose work runs on a thread, or whose handle routes messages, shares it).
+#[derive(Clone)]
+pub struct ActorCounters {
+    actor: &'static str,
+    received: Counter,
+    sent: Counter,
+    dropped: Counter,
+}
+
+impl ActorCounters {
+    /// Counters of `actor`, one of [`ACTORS`] (a fixed set keeps the label bounded).
+    pub fn new(actor: &'static str) -> Self {
+        debug_assert!(ACTORS.contains(&actor), "unknown actor label `{actor}`");
+        Self {
+            actor,
+            received: metrics::counter!(m::ACTOR_RECEIVED, "actor" => actor),
+            sent: metrics::counter!(m::ACTOR_SENT, "actor" => actor),
+            dropped: metrics::counter!(m::ACTOR_DROPPED, "actor" => actor),
+        }
+    }
+
+    /// `n` messages were handled.
+    pub fn received(&self, n: u64) {
+        self.received.increment(n);
+    }
+
+    /// `n` messages went downstream.
+    pub fn sent(&self, n: u64) {
+        self.sent.increment(n);
+    }
+
+    /// `n` messages were thrown away (stale results, a peer that is gone, a full queue).
+    pub fn dropped(&self, n: u64) {
+        self.dropped.increment(n);
+    }
+
+    /// One error of a stable `kind` (an error type's `kind()`, never a message). Errors are rare,
+    /// so this handle is looked up per call (its `kind` label is only known here).
+    pub fn error(&self, kind: &'static str) {
+        metrics::counter!(m::ACTOR_ERRORS, "actor" => self.actor, "kind" => kind).increment(1);
     }
 }
 

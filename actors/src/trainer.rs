@@ -32,6 +32,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::checkpoint::CheckpointError;
 use crate::replay::ReplayHandle;
+use crate::telemetry::ActorCounters;
 use crate::{ActorError, Sink};
 
 /// A point-in-time view of the trainer.
@@ -167,6 +168,7 @@ impl TrainerHandle {
             trained: HashSet::new(),
             started: Instant::now(),
             rt: tokio::runtime::Handle::current(),
+            counters: ActorCounters::new("trainer"),
         };
         let (actor, join) = Actor::spawn(None, TrainerActor, (worker, control.clone()))
             .await
@@ -276,6 +278,8 @@ pub struct Worker {
     trained: HashSet<GroupId>,
     started: Instant,
     rt: tokio::runtime::Handle,
+    /// Batches and control messages handled, weights published, failures by kind.
+    counters: ActorCounters,
 }
 
 /// What the thread does next.
@@ -326,12 +330,10 @@ impl Worker {
             });
             let idle = wait.elapsed().as_secs_f64();
             match woke {
-                Woke::Batch(Some(batch)) => {
-                    metrics::counter!(m::ACTOR_RECEIVED, "actor" => "trainer").increment(1);
-                    self.train(batch, version, eta, idle)
-                }
+                Woke::Batch(Some(batch)) => self.train(batch, version, eta, idle),
                 Woke::Batch(None) => break,
                 Woke::Control(c) => {
+                    // A batch that arrived while the take was cancelled is trained all the same.
                     if let Some(batch) = rt.block_on(take.cancel()) {
                         self.train(batch, version, eta, idle);
                     }
@@ -352,6 +354,7 @@ impl Worker {
     }
 
     fn serve(&mut self, control: Control) -> Flow {
+        self.counters.received(1);
         match control {
             Control::Halt => Flow::Halt,
             Control::Checkpoint { dir, reply } => {
@@ -365,10 +368,11 @@ impl Worker {
                 });
                 if let Err(e) = &result {
                     tracing::error!(error = %e, dir = %dir.display(), "trainer checkpoint failed");
-                    metrics::counter!(m::ACTOR_ERRORS, "actor" => "trainer", "kind" => e.kind)
-                        .increment(1);
+                    self.counters.error(e.kind);
                 }
-                let _ = reply.send(result);
+                if reply.send(result).is_err() {
+                    self.counters.dropped(1);
+                }
                 Flow::Continue
             }
         }
@@ -376,6 +380,7 @@ impl Worker {
 
     /// One step on `batch`, taken from weights `version` under lag bound `eta`.
     fn train(&mut self, batch: Vec<RolloutGroup>, version: PolicyVersion, eta: u64, idle: f64) {
+        self.counters.received(1);
         let check = check_batch(&batch, version, eta, &mut self.trained);
         if check.violations > 0 || check.duplicates > 0 {
             tracing::error!(
@@ -400,8 +405,7 @@ impl Worker {
                 // The batch is consumed on disk and this step is lost; nothing is retried, so
                 // nothing is trained twice.
                 tracing::error!(error = %e, step = status.steps + 1, "training step failed; the trainer stops");
-                metrics::counter!(m::ACTOR_ERRORS, "actor" => "trainer", "kind" => e.kind)
-                    .increment(1);
+                self.counters.error(e.kind);
                 status.failed_groups += groups;
                 status.error = Some(e.to_string());
                 return;
@@ -437,7 +441,7 @@ impl Worker {
         if let Some(w) = published {
             metrics::gauge!(m::TRAINER_POLICY_VERSION).set(w.version.0 as f64);
             (self.publish)(w);
-            metrics::counter!(m::ACTOR_SENT, "actor" => "trainer").increment(1);
+            self.counters.sent(1);
         }
         self.steps.send_replace(steps);
     }

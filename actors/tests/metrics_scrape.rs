@@ -168,6 +168,10 @@ async fn every_catalog_metric_is_scraped_with_help_type_and_declared_labels() {
             );
         }
     }
+    // The trainer handles one batch per step (and the replay store sent each of them).
+    let trainer_batches = value(m::ACTOR_RECEIVED, Some(("actor", "trainer")));
+    assert!(trainer_batches >= 3.0, "trainer received {trainer_batches}");
+    assert!(value(m::ACTOR_SENT, Some(("actor", "replay"))) >= 3.0);
     for actor in sluice_actors::telemetry::ACTORS {
         for metric in [m::ACTOR_RECEIVED, m::ACTOR_SENT, m::ACTOR_DROPPED] {
             assert!(
