@@ -120,6 +120,16 @@ fn rows() -> Vec<Row> {
             Exit(1),
             "admin.token: expected a non-empty token",
         ),
+        row(
+            Config("[supervision]\nenv_step_timeout_s = 0"),
+            Exit(1),
+            "supervision.env_step_timeout_s: expected a number of seconds > 0, got 0",
+        ),
+        row(
+            Config("[faults]\nenv_hang_every_steps = -1"),
+            Exit(1),
+            "faults.env_hang_every_steps: expected an integer ≥ 0, got -1",
+        ),
         // Dataset lines: file and line number, and what was wrong.
         row(
             Dataset("{\"q\": 1}\n{\"q\": "),

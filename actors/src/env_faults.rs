@@ -108,7 +108,7 @@ impl RolloutEnv for FaultyEnv {
 }
 
 /// Ends an environment call that takes longer than its limit: the rollout ends as `Timeout` and
-/// its session is closed, and the worker moves on.
+/// its session is closed, and the worker moves on. Closing a session is bounded by the same limit.
 pub struct TimeoutEnv {
     inner: Arc<dyn RolloutEnv>,
     limit: Duration,
@@ -120,10 +120,21 @@ impl TimeoutEnv {
         Self { inner, limit }
     }
 
+    /// Abandons rollout `id` within the limit as well: an env that hangs while closing a session
+    /// must not hold its worker forever.
+    async fn close(&self, id: RolloutId) {
+        if tokio::time::timeout(self.limit, self.inner.abandon(id))
+            .await
+            .is_err()
+        {
+            tracing::warn!(rollout = %id, limit = ?self.limit, "closing an environment session timed out");
+        }
+    }
+
     async fn timed_out(&self, id: RolloutId) -> EnvStep {
         tracing::warn!(rollout = %id, limit = ?self.limit, "environment call timed out");
         metrics::counter!(m::ENV_FAILURES, "kind" => "timeout").increment(1);
-        self.inner.abandon(id).await;
+        self.close(id).await;
         EnvStep::Done {
             reward: 0.0,
             status: RolloutStatus::Timeout,
@@ -158,6 +169,146 @@ impl RolloutEnv for TimeoutEnv {
     }
 
     fn abandon(&self, id: RolloutId) -> BoxFuture<'_, ()> {
-        self.inner.abandon(id)
+        Box::pin(self.close(id))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use sluice_core::{GroupId, NodeId, RunId};
+
+    use super::*;
+
+    /// An env whose calls never answer (closing too, when `close_hangs`), recording what it was
+    /// told to abandon.
+    #[derive(Default)]
+    struct Stuck {
+        close_hangs: bool,
+        abandoned: Mutex<Vec<RolloutId>>,
+    }
+
+    impl RolloutEnv for Stuck {
+        fn start<'a>(&'a self, _: &'a DataSample, _: RolloutId) -> BoxFuture<'a, EnvStep> {
+            Box::pin(std::future::pending())
+        }
+
+        fn step<'a>(
+            &'a self,
+            _: &'a DataSample,
+            _: &'a Rollout,
+            _: bool,
+        ) -> BoxFuture<'a, (EnvStep, TurnNote)> {
+            Box::pin(std::future::pending())
+        }
+
+        fn abandon(&self, id: RolloutId) -> BoxFuture<'_, ()> {
+            self.abandoned.lock().unwrap().push(id);
+            if self.close_hangs {
+                Box::pin(std::future::pending())
+            } else {
+                Box::pin(async {})
+            }
+        }
+    }
+
+    fn sample() -> DataSample {
+        DataSample {
+            id: "1".into(),
+            domain: "math".into(),
+            dataset: "toy".into(),
+            input: serde_json::Value::Null,
+            system_prompt: None,
+        }
+    }
+
+    fn id() -> RolloutId {
+        GroupId {
+            run: RunId::from_name("t"),
+            node: NodeId(0),
+            counter: 1,
+        }
+        .rollout(2)
+    }
+
+    /// Short, so the tests run on real time.
+    const LIMIT: Duration = Duration::from_millis(50);
+
+    fn is_timeout(step: &EnvStep) -> bool {
+        matches!(
+            step,
+            EnvStep::Done {
+                status: RolloutStatus::Timeout,
+                ..
+            }
+        )
+    }
+
+    #[tokio::test]
+    async fn a_call_past_the_limit_ends_as_timeout_and_closes_its_session() {
+        let inner = Arc::new(Stuck::default());
+        let env = TimeoutEnv::new(inner.clone(), LIMIT);
+        let t0 = tokio::time::Instant::now();
+        let step = env.start(&sample(), id()).await;
+        assert!(is_timeout(&step), "{step:?}");
+        let (step, _) = env.step(&sample(), &Rollout::new(id()), false).await;
+        assert!(is_timeout(&step), "{step:?}");
+        assert!(t0.elapsed() >= 2 * LIMIT);
+        let abandoned = inner.abandoned.lock().unwrap().clone();
+        assert_eq!(abandoned, vec![id(), id()]);
+    }
+
+    #[tokio::test]
+    async fn closing_a_session_is_bounded_too() {
+        let inner = Arc::new(Stuck {
+            close_hangs: true,
+            ..Stuck::default()
+        });
+        let env = TimeoutEnv::new(inner.clone(), LIMIT);
+        let t0 = tokio::time::Instant::now();
+        let (step, _) = env.step(&sample(), &Rollout::new(id()), false).await;
+        assert!(is_timeout(&step), "{step:?}");
+        env.abandon(id()).await;
+        // The hung call, its hung close, and the hung abandon: each ends at the limit.
+        assert!(t0.elapsed() >= 3 * LIMIT);
+        let abandoned = inner.abandoned.lock().unwrap().len();
+        assert_eq!(abandoned, 2);
+    }
+
+    /// The calls (1-based) out of `calls` steps of a truncated episode that panic.
+    async fn panicking_calls(faults: EnvFaults, calls: u64) -> Vec<u64> {
+        let sim = sluice_engine::simulated::SimTask {
+            prompt_tokens: 4,
+            env_reply_tokens: 2,
+            turns: 1,
+            seed: 1,
+        };
+        let env = FaultyEnv::new(Arc::new(sim), faults);
+        let (sample, rollout) = (sample(), Rollout::new(id()));
+        let mut panicked = Vec::new();
+        for n in 1..=calls {
+            // Truncated: every step ends its episode, so steps and episodes count alike.
+            let call = std::panic::AssertUnwindSafe(env.step(&sample, &rollout, true));
+            if futures::FutureExt::catch_unwind(call).await.is_err() {
+                panicked.push(n);
+            }
+        }
+        panicked
+    }
+
+    #[tokio::test]
+    async fn faults_fire_on_schedule() {
+        let steps = EnvFaults {
+            panic_every_steps: 3,
+            ..EnvFaults::default()
+        };
+        assert_eq!(panicking_calls(steps, 7).await, vec![3, 6]);
+        let rewards = EnvFaults {
+            reward_panic_every_episodes: 2,
+            ..EnvFaults::default()
+        };
+        assert_eq!(panicking_calls(rewards, 5).await, vec![2, 4]);
+        assert!(panicking_calls(EnvFaults::default(), 5).await.is_empty());
     }
 }

@@ -217,6 +217,12 @@ fn panicked() -> EnvStep {
     }
 }
 
+/// Closes rollout `id`'s session after its env call panicked; a panic here is swallowed (the
+/// rollout already fails as `env_panic`).
+async fn close(env: &dyn RolloutEnv, id: RolloutId) {
+    let _ = AssertUnwindSafe(env.abandon(id)).catch_unwind().await;
+}
+
 impl Actor for EnvWorker {
     type Msg = EnvMsg;
     type State = (Arc<dyn RolloutEnv>, Sink<EnvResult>, ActorCounters);
@@ -240,10 +246,17 @@ impl Actor for EnvWorker {
         // A panicking env fails its rollout; the worker lives on.
         let result = match job {
             Job::Start(sample, id) => {
-                let step = AssertUnwindSafe(env.start(&sample, id))
+                let step = match AssertUnwindSafe(env.start(&sample, id))
                     .catch_unwind()
                     .await
-                    .unwrap_or_else(|_| panicked());
+                {
+                    Ok(step) => step,
+                    Err(_) => {
+                        // The start may have opened a session before it panicked.
+                        close(env.as_ref(), id).await;
+                        panicked()
+                    }
+                };
                 EnvResult {
                     rollout: id,
                     step,
@@ -258,9 +271,7 @@ impl Actor for EnvWorker {
                     Ok(done) => done,
                     Err(_) => {
                         // The episode is over: close whatever the env still holds for it.
-                        let _ = AssertUnwindSafe(env.abandon(rollout.id))
-                            .catch_unwind()
-                            .await;
+                        close(env.as_ref(), rollout.id).await;
                         (panicked(), TurnNote::default())
                     }
                 };

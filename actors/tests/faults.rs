@@ -168,8 +168,17 @@ async fn run_env_fault(name: &str, config: &Config, status: &str) -> (NodeStatus
     let mut s = s;
     s.replay = last.store;
     reconcile(name, &s);
+    assert_eq!(s.trainer.steps, config.run.max_steps.get(), "{name}");
     let by_status = &s.controller.finished_by_status;
-    println!("{name}: finished rollouts by status {by_status:?}");
+    println!(
+        "{name}: finished rollouts {} by status {by_status:?}",
+        s.controller.finished_rollouts
+    );
+    assert_eq!(
+        by_status.values().sum::<u64>(),
+        s.controller.finished_rollouts,
+        "{name}: every finished rollout is counted under one status"
+    );
     let n = by_status.get(status).copied().unwrap_or(0);
     (s, n)
 }
