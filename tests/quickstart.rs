@@ -1,25 +1,33 @@
 //! The quickstart, shortened: `sluice run configs/quickstart.toml` as a user runs it (the binary,
-//! the shipped config, the embedded tiny model), with fewer warm-up and RL steps so it fits in CI.
+//! the shipped config, the embedded tiny model), with fewer RL steps so it fits in CI.
 //!
 //! What it checks:
 //! - the model is created, and the supervised warm-start lifts greedy accuracy on training
 //!   problems from a random model's (a few percent) to its target;
 //! - RL then runs through the actors (native engine, candle trainer, replay store) for the step
-//!   budget, within the version-lag bound;
+//!   budget, within the version-lag bound, and greedy accuracy on the held-out problems (never
+//!   trained on) and on training problems rises clearly above the warm-start's;
 //! - `metrics.jsonl` has one record per step with the documented fields, evaluations at the
 //!   configured steps, and `progress.png` is a PNG; the summary says where both are.
 //!
-//! It does not assert that held-out accuracy rises: on this model and budget it does not yet
-//! (see the quickstart section of the README).
+//! The full run reaches its 80 % held-out target in a few hundred steps (README), after a dip
+//! while the learning rate is at its full 5e-4. CI runs the first stretch at 1e-4, which climbs
+//! without the dip (from 30 % to 52–61 % held-out within 30 steps when measured) and then stalls;
+//! the assertion asks for less than that.
 
 use std::path::Path;
 use std::process::Command;
 
 use serde_json::Value;
 
-const RL_STEPS: u64 = 20;
+const RL_STEPS: u64 = 30;
 const EVAL_EVERY: u64 = 10;
-const WARMUP_TARGET: f64 = 0.2;
+/// The shipped warm-up target (training problems).
+const WARMUP_TARGET: f64 = 0.6;
+/// Two of the 23 held-out problems: "clearly above" the warm-start.
+const HELDOUT_GAIN: f64 = 2.0 / 23.0;
+/// The short run's learning rate (see the module docs).
+const LEARNING_RATE: &str = "1e-4";
 
 fn percent_after(text: &str, marker: &str) -> Option<f64> {
     let rest = &text[text.find(marker)? + marker.len()..];
@@ -36,8 +44,8 @@ fn the_quickstart_warm_starts_trains_through_the_actors_and_reports() {
         format!("run.output_dir={}", out_dir.display()),
         format!("run.max_steps={RL_STEPS}"),
         format!("eval.every_steps={EVAL_EVERY}"),
-        "warmup.max_steps=120".to_owned(),
-        format!("warmup.target_accuracy={WARMUP_TARGET}"),
+        format!("trainer.learning_rate={LEARNING_RATE}"),
+        "eval.stop_at_accuracy=1.0".to_owned(),
         "metrics.enabled=false".to_owned(),
         "admin.listen=127.0.0.1:0".to_owned(),
     ];
@@ -73,6 +81,10 @@ fn the_quickstart_warm_starts_trains_through_the_actors_and_reports() {
         "warm-up reached {warm}, target {WARMUP_TARGET}"
     );
 
+    let before = &stdout[stdout.find("before RL:").expect("the start line")..];
+    let start_heldout = percent_after(before, "held-out accuracy").expect("start, held-out");
+    let start_train = percent_after(before, "training problems").expect("start, training");
+
     // RL: one record per step, in order, within the lag bound, evaluated where configured.
     let log = std::fs::read_to_string(out_dir.join("metrics.jsonl")).unwrap();
     let records: Vec<Value> = log
@@ -81,6 +93,7 @@ fn the_quickstart_warm_starts_trains_through_the_actors_and_reports() {
         .collect();
     assert_eq!(records.len() as u64, RL_STEPS, "{log}");
     let mut wall = 0.0;
+    let (mut best_heldout, mut best_train) = (0.0f64, 0.0f64);
     for (i, r) in records.iter().enumerate() {
         let step = i as u64 + 1;
         assert_eq!(r["step"], step, "{r}");
@@ -98,8 +111,19 @@ fn the_quickstart_warm_starts_trains_through_the_actors_and_reports() {
                 let a = r[key].as_f64().unwrap();
                 assert!((0.0..=1.0).contains(&a), "{key}: {r}");
             }
+            best_heldout = best_heldout.max(r["eval_accuracy"].as_f64().unwrap());
+            best_train = best_train.max(r["train_accuracy"].as_f64().unwrap());
         }
     }
+    // RL learns: greedy answers get better on problems it never trained on, and on its own.
+    assert!(
+        best_heldout >= start_heldout + HELDOUT_GAIN - 1e-9,
+        "held-out accuracy {start_heldout} → best {best_heldout} in {RL_STEPS} RL steps\n{log}"
+    );
+    assert!(
+        best_train >= start_train + 0.05,
+        "training-problem accuracy {start_train} → best {best_train}\n{log}"
+    );
     let png = std::fs::read(out_dir.join("progress.png")).unwrap();
     assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
     assert!(stdout.contains(&format!("{}", out_dir.join("metrics.jsonl").display())));
