@@ -12,8 +12,8 @@
 //!
 //! The full run reaches its 80 % held-out target in a few hundred steps (README), after a dip
 //! while the learning rate is at its full 5e-4. CI runs the first stretch at 1e-4, which climbs
-//! without the dip (from 30 % to 52–61 % held-out within 30 steps when measured) and then stalls;
-//! the assertion asks for less than that.
+//! without the dip (from 30 % to 52–61 % held-out within 30 steps when measured) before falling
+//! back; the assertion asks for less than that.
 
 use std::path::Path;
 use std::process::Command;
