@@ -121,6 +121,11 @@ fn rows() -> Vec<Row> {
             "admin.token: expected a non-empty token",
         ),
         row(
+            Config("[trainer]\nminibatches = 0"),
+            Exit(1),
+            "trainer.minibatches: expected an integer ≥ 1, got 0",
+        ),
+        row(
             Config("[supervision]\nenv_step_timeout_s = 0"),
             Exit(1),
             "supervision.env_step_timeout_s: expected a number of seconds > 0, got 0",

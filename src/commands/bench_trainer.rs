@@ -111,6 +111,7 @@ fn trainer_config(rows: usize, len: usize) -> NativeTrainerConfig {
             learning_rate: 1e-5,
             ..OptimConfig::default()
         },
+        minibatches: 1,
         publish_dtype: DType::F32,
         logits_chunk_rows: 1024,
         temperature: 1.0,

@@ -1,28 +1,33 @@
 //! [`NativeTrainer`]: the candle trainer behind [`TrainerBackend`].
 //!
 //! One `train_step` is: advantages over the batch's groups (an all-zero batch is skipped and
-//! publishes nothing) → aggregation weights → packing into `(B, L)` micro-batches → for each
-//! micro-batch, the model's training forward (log-probs + entropy of every target), the loss
+//! publishes nothing) → the kept groups split into `minibatches` contiguous shares → for each
+//! share: aggregation weights over that share, packing into `(B, L)` micro-batches, and for each
+//! micro-batch the model's training forward (log-probs + entropy of every target), the loss
 //! coefficients on the host, and the backward pass of `Σ c_t · logπ(t)`, gradients accumulated
-//! over all micro-batches → one AdamW step → a published snapshot `version + 1` copied out of the
-//! parameters (never aliasing them).
+//! over the share's micro-batches → one AdamW update per share → after the last, one published
+//! snapshot `version + 1` copied out of the parameters (never aliasing them).
 //!
-//! The proximal policy of `decoupled_ppo` is the policy at the start of the step; since one step
-//! takes one optimizer update over the whole batch, its log-probs equal the training forward's
-//! (detached), and no second forward is needed.
+//! The proximal policy of `decoupled_ppo` is the policy at the start of the step. For the first
+//! share its log-probs equal the training forward's (detached), so no second forward is needed;
+//! the later shares' proximal log-probs are taken by a forward pass over them before the first
+//! update. With one share the ratio to the proximal policy is 1 and nothing is clipped: the
+//! objective is the truncated behaviour weight alone. With several, later updates are clipped
+//! against where the step started, AReaL's trust region (its `ppo_n_minibatches`).
 
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
 use candle_core::{DType, Tensor};
+use sluice_core::config::LossKind;
 use sluice_core::{
     BackendError, PolicyVersion, RolloutGroup, TrainStepOutput, TrainerBackend, WeightSnapshot,
 };
 use sluice_model::{ForwardOptions, PackedBatch, TrainableModel};
 
 use crate::advantage::compute_advantages;
-use crate::batcher::{MicroBatch, TrainingText, pack};
+use crate::batcher::{MicroBatch, Packing, TrainingText, pack};
 use crate::checkpoint;
 use crate::error::{TrainerError, tensor_ctx};
 use crate::loss::{LossStats, TextTokens, TokenInputs, aggregation_weights, token_terms};
@@ -104,9 +109,14 @@ impl NativeTrainer {
         &self.config
     }
 
-    /// Optimizer steps taken (RL and supervised).
+    /// Training steps taken (RL and supervised); each may take several optimizer updates.
     pub fn steps(&self) -> u64 {
         self.steps
+    }
+
+    /// Optimizer updates taken (`minibatches` per RL step, one per supervised step).
+    pub fn optimizer_updates(&self) -> u64 {
+        self.optim.step_count()
     }
 
     /// The most recently published snapshot.
@@ -131,40 +141,69 @@ impl NativeTrainer {
             stats.seconds = started.elapsed().as_secs_f64();
             return Ok((stats, None));
         }
-        let keys: Vec<TextTokens> = adv
-            .texts
-            .iter()
-            .map(|t| TextTokens {
-                group: t.group,
-                rollout: t.rollout,
-                tokens: t.text.completion_tokens(),
-            })
-            .collect();
-        let weights = aggregation_weights(&keys, self.config.aggregation);
         let versions: Vec<Vec<u64>> = adv
             .texts
             .iter()
             .map(|t| t.text.token_versions.iter().map(|v| v.0).collect())
             .collect();
-        let texts: Vec<TrainingText<'_>> = adv
-            .texts
+        let aggregation = self.config.aggregation;
+        let group_of_text: Vec<usize> = adv.texts.iter().map(|t| t.group).collect();
+        let shares: Vec<Vec<TrainingText<'_>>> =
+            minibatch_ranges(&group_of_text, self.config.minibatches)
+                .into_iter()
+                .map(|range| {
+                    let texts = &adv.texts[range.clone()];
+                    let keys: Vec<TextTokens> = texts
+                        .iter()
+                        .map(|t| TextTokens {
+                            group: t.group,
+                            rollout: t.rollout,
+                            tokens: t.text.completion_tokens(),
+                        })
+                        .collect();
+                    let weights = aggregation_weights(&keys, aggregation);
+                    texts
+                        .iter()
+                        .zip(weights)
+                        .zip(&versions[range])
+                        .map(|((t, weight), versions)| TrainingText {
+                            prompt: &t.text.prompt_token_ids,
+                            completion: &t.text.completion_token_ids,
+                            behaviour: &t.text.logprobs,
+                            versions,
+                            advantage: t.advantage,
+                            weight,
+                        })
+                        .collect()
+                })
+                .collect();
+        let packings: Vec<Packing> = shares
             .iter()
-            .zip(&weights)
-            .zip(&versions)
-            .map(|((t, &weight), versions)| TrainingText {
-                prompt: &t.text.prompt_token_ids,
-                completion: &t.text.completion_token_ids,
-                behaviour: &t.text.logprobs,
-                versions,
-                advantage: t.advantage,
-                weight,
-            })
+            .map(|texts| pack(texts, &self.config.batcher))
             .collect();
         let loss_config = self.config.loss.clone();
         let temperature = self.config.temperature;
-        self.run(&texts, temperature, &mut stats, |inputs| {
-            token_terms(inputs, &loss_config).map_err(TrainerError::from)
-        })?;
+        // Proximal log-probs of the later shares, under the step's starting weights.
+        let mut proximal: Vec<Option<Vec<Vec<f32>>>> = vec![None; packings.len()];
+        if loss_config.kind == LossKind::DecoupledPpo {
+            for (prox, packing) in proximal.iter_mut().zip(&packings).skip(1) {
+                *prox = Some(self.loss_slot_logprobs(packing, temperature)?);
+            }
+        }
+        let mut lag_sum = 0;
+        for (packing, prox) in packings.iter().zip(&proximal) {
+            lag_sum += self.update(
+                packing,
+                prox.as_deref(),
+                temperature,
+                &mut stats,
+                |inputs| token_terms(inputs, &loss_config).map_err(TrainerError::from),
+            )?;
+        }
+        // Each share's loss is a mean over its own tokens: report their mean, not their sum.
+        stats.loss.loss /= packings.len().max(1) as f64;
+        stats.mean_lag = lag_sum as f64 / stats.trained_tokens.max(1) as f64;
+        self.publish()?;
         stats.seconds = started.elapsed().as_secs_f64();
         Ok((stats, Some(Arc::clone(&self.published))))
     }
@@ -210,7 +249,8 @@ impl NativeTrainer {
         let mut stats = StepStats::default();
         // ℓ = −lp, so the coefficient is −w and the value −Σ w·lp.
         // Cross-entropy of the model's own distribution: temperature 1.
-        self.run(&texts, 1.0, &mut stats, |inputs| {
+        let packing = pack(&texts, &self.config.batcher);
+        let lag_sum = self.update(&packing, None, 1.0, &mut stats, |inputs| {
             let mut s = LossStats {
                 tokens: inputs.logprobs.len() as u64,
                 ..LossStats::default()
@@ -228,30 +268,43 @@ impl NativeTrainer {
                 stats: s,
             })
         })?;
+        stats.mean_lag = lag_sum as f64 / stats.trained_tokens.max(1) as f64;
+        self.publish()?;
         stats.seconds = started.elapsed().as_secs_f64();
         Ok((stats, Arc::clone(&self.published)))
     }
 
-    /// Packs `texts`, runs forward/backward per micro-batch (log-probs at `temperature`) with
-    /// coefficients from `terms`,
-    /// steps the optimizer and publishes `version + 1`.
-    fn run(
+    /// One optimizer update on `packing`: forward and backward per micro-batch (log-probs at
+    /// `temperature`, coefficients from `terms`, `proximal` log-probs per micro-batch when the
+    /// update is not the step's first), gradients accumulated, one AdamW step. Adds to `stats`
+    /// and returns the summed version lag of the trained tokens.
+    fn update(
         &mut self,
-        texts: &[TrainingText<'_>],
+        packing: &Packing,
+        proximal: Option<&[Vec<f32>]>,
         temperature: f64,
         stats: &mut StepStats,
         terms: impl Fn(&TokenInputs<'_>) -> Result<crate::loss::LossTerms, TrainerError>,
-    ) -> Result<(), TrainerError> {
-        let packing = pack(texts, &self.config.batcher);
-        stats.micro_batches = packing.micro_batches.len();
-        stats.packing_efficiency = packing.stats.efficiency();
-        stats.processed_tokens = packing.stats.used_slots;
-        stats.trained_tokens = packing.stats.loss_tokens;
-        stats.rejected_texts = packing.stats.rejected_texts;
+    ) -> Result<u64, TrainerError> {
+        stats.micro_batches += packing.micro_batches.len();
+        stats.processed_tokens += packing.stats.used_slots;
+        stats.trained_tokens += packing.stats.loss_tokens;
+        stats.rejected_texts += packing.stats.rejected_texts;
+        // Efficiency over every share so far: used slots over all slots.
+        stats.packed_slots += packing.stats.total_slots;
+        stats.packing_efficiency = if stats.packed_slots == 0 {
+            1.0
+        } else {
+            stats.processed_tokens as f64 / stats.packed_slots as f64
+        };
         let vars: Vec<_> = self.model.vars().iter().map(|(_, v)| v).collect();
         let mut grads = GradAccumulator::new(vars.len());
         let mut lag_sum = 0u64;
-        for mb in &packing.micro_batches {
+        let options = ForwardOptions {
+            logits_chunk_rows: self.config.logits_chunk_rows,
+            temperature,
+        };
+        for (m, mb) in packing.micro_batches.iter().enumerate() {
             let slots = mb.loss_slots();
             if slots.is_empty() {
                 continue;
@@ -262,31 +315,16 @@ impl NativeTrainer {
                 stats.max_lag = stats.max_lag.max(lag);
             }
             let batch = packed(mb);
-            let options = ForwardOptions {
-                logits_chunk_rows: self.config.logits_chunk_rows,
-                temperature,
-            };
             let scores = self.model.token_scores(&batch, options)?;
             let device = self.model.device().clone();
-            let index = Tensor::new(slots.iter().map(|&i| i as u32).collect::<Vec<_>>(), &device)
-                .map_err(tensor_ctx("loss slot index"))?;
-            let pick = |t: &Tensor, what: &str| -> Result<(Tensor, Vec<f32>), TrainerError> {
-                let picked = t
-                    .flatten_all()
-                    .and_then(|f| f.index_select(&index, 0))
-                    .map_err(tensor_ctx(what))?;
-                let host = picked
-                    .to_dtype(DType::F32)
-                    .and_then(|h| h.to_vec1::<f32>())
-                    .map_err(tensor_ctx(what))?;
-                Ok((picked, host))
-            };
-            let (logprobs, lp_host) = pick(&scores.logprobs, "log-probs")?;
-            let (_, entropy) = pick(&scores.entropy, "entropies")?;
+            let (logprobs, lp_host) = pick(&scores.logprobs, &slots, &device, "log-probs")?;
+            let (_, entropy) = pick(&scores.entropy, &slots, &device, "entropies")?;
             let reference = match &self.reference {
                 Some(r) => Some(
                     pick(
                         &r.token_scores(&batch, options)?.logprobs.detach(),
+                        &slots,
+                        &device,
                         "reference log-probs",
                     )?
                     .1,
@@ -303,7 +341,7 @@ impl NativeTrainer {
             let inputs = TokenInputs {
                 logprobs: &lp_host,
                 behaviour: &behaviour,
-                proximal: None,
+                proximal: proximal.map(|p| p[m].as_slice()),
                 advantages: &advantages,
                 weights: &weights,
                 sequence: &sequence,
@@ -321,8 +359,44 @@ impl NativeTrainer {
             let store = surrogate.backward().map_err(tensor_ctx("backward"))?;
             grads.add(&vars, &store)?;
         }
-        stats.mean_lag = lag_sum as f64 / stats.trained_tokens.max(1) as f64;
         stats.optim = Some(self.optim.step(&grads)?);
+        Ok(lag_sum)
+    }
+
+    /// Log-probs of every loss slot of `packing`, one vector per micro-batch (slots in order),
+    /// under the current weights: the proximal policy of a later minibatch.
+    fn loss_slot_logprobs(
+        &self,
+        packing: &Packing,
+        temperature: f64,
+    ) -> Result<Vec<Vec<f32>>, TrainerError> {
+        let options = ForwardOptions {
+            logits_chunk_rows: self.config.logits_chunk_rows,
+            temperature,
+        };
+        let device = self.model.device().clone();
+        packing
+            .micro_batches
+            .iter()
+            .map(|mb| {
+                let slots = mb.loss_slots();
+                if slots.is_empty() {
+                    return Ok(Vec::new());
+                }
+                let scores = self.model.token_scores(&packed(mb), options)?;
+                Ok(pick(
+                    &scores.logprobs.detach(),
+                    &slots,
+                    &device,
+                    "proximal log-probs",
+                )?
+                .1)
+            })
+            .collect()
+    }
+
+    /// Ends a training step: counts it and publishes `version + 1`.
+    fn publish(&mut self) -> Result<(), TrainerError> {
         self.steps += 1;
         self.version = self.version.next();
         self.published = Arc::new(
@@ -374,6 +448,45 @@ impl NativeTrainer {
         );
         Ok(())
     }
+}
+
+/// The values of `t` at the flat indices `slots`: the tensor (in the graph) and a host copy.
+fn pick(
+    t: &Tensor,
+    slots: &[usize],
+    device: &candle_core::Device,
+    what: &str,
+) -> Result<(Tensor, Vec<f32>), TrainerError> {
+    let index = Tensor::new(slots.iter().map(|&i| i as u32).collect::<Vec<_>>(), device)
+        .map_err(tensor_ctx("loss slot index"))?;
+    let picked = t
+        .flatten_all()
+        .and_then(|f| f.index_select(&index, 0))
+        .map_err(tensor_ctx(what))?;
+    let host = picked
+        .to_dtype(DType::F32)
+        .and_then(|h| h.to_vec1::<f32>())
+        .map_err(tensor_ctx(what))?;
+    Ok((picked, host))
+}
+
+/// Splits texts into at most `n` contiguous ranges of whole groups, as even in group count as
+/// the groups allow, never an empty one. `group_of_text[i]` is text `i`'s group; a group's texts
+/// are adjacent (batch order).
+pub fn minibatch_ranges(group_of_text: &[usize], n: usize) -> Vec<std::ops::Range<usize>> {
+    let len = group_of_text.len();
+    let starts: Vec<usize> = (0..len)
+        .filter(|&i| i == 0 || group_of_text[i - 1] != group_of_text[i])
+        .collect();
+    let groups = starts.len();
+    let n = n.clamp(1, groups.max(1));
+    (0..n)
+        .map(|k| {
+            let at = |g: usize| starts.get(g).copied().unwrap_or(len);
+            at(k * groups / n)..at((k + 1) * groups / n)
+        })
+        .filter(|r| !r.is_empty())
+        .collect()
 }
 
 /// The model crate's view of a micro-batch.
@@ -435,5 +548,23 @@ impl TrainerBackend for NativeTrainer {
         self.version = version;
         self.published = Arc::new(published);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::minibatch_ranges;
+
+    #[test]
+    fn minibatches_hold_whole_groups_and_are_never_empty() {
+        // Texts of groups 0,0 | 1 | 2,2,2 | 3.
+        let groups = [0, 0, 1, 2, 2, 2, 3];
+        assert_eq!(minibatch_ranges(&groups, 1), vec![0..7]);
+        assert_eq!(minibatch_ranges(&groups, 2), vec![0..3, 3..7]);
+        assert_eq!(minibatch_ranges(&groups, 4), vec![0..2, 2..3, 3..6, 6..7]);
+        // More minibatches than groups: one group each.
+        assert_eq!(minibatch_ranges(&groups, 9), vec![0..2, 2..3, 3..6, 6..7]);
+        assert_eq!(minibatch_ranges(&groups, 0), vec![0..7]);
+        assert!(minibatch_ranges(&[], 3).is_empty());
     }
 }

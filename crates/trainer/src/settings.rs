@@ -21,8 +21,10 @@ pub struct NativeTrainerConfig {
     pub aggregation: LossAggregation,
     /// Micro-batch shape and oversized-text policy.
     pub batcher: BatcherConfig,
-    /// AdamW and schedule.
+    /// AdamW and schedule (in optimizer updates: `minibatches` per training step).
     pub optim: OptimConfig,
+    /// Optimizer updates per training step, each on its own share of the step's groups (≥ 1).
+    pub minibatches: usize,
     /// Dtype of published snapshots (the engines' dtype); master weights stay f32.
     pub publish_dtype: DType,
     /// Rows of logits formed at a time in the training forward.
@@ -63,15 +65,17 @@ impl NativeTrainerConfig {
                 oversized: t.oversized_text,
                 pad_id: 0,
             },
+            // The schedule counts optimizer updates; the config counts training steps.
             optim: OptimConfig {
                 learning_rate: t.learning_rate,
                 schedule: t.lr_schedule,
-                warmup_steps: t.warmup_steps,
-                total_steps: config.run.max_steps.get(),
+                warmup_steps: t.warmup_steps * u64::from(t.minibatches.get()),
+                total_steps: config.run.max_steps.get() * u64::from(t.minibatches.get()),
                 weight_decay: t.weight_decay,
                 max_grad_norm: t.max_grad_norm,
                 ..OptimConfig::default()
             },
+            minibatches: t.minibatches.get() as usize,
             publish_dtype: match config.model.dtype {
                 sluice_core::config::DType::F32 => DType::F32,
                 sluice_core::config::DType::Bf16 => DType::BF16,

@@ -43,6 +43,7 @@ fn config(lr: f64, rows: usize) -> NativeTrainerConfig {
             total_steps: 100,
             ..OptimConfig::default()
         },
+        minibatches: 1,
         publish_dtype: DType::F32,
         logits_chunk_rows: 64,
         temperature: 1.0,
@@ -343,4 +344,40 @@ fn set_version_relabels_the_weights_without_changing_them() {
         PolicyVersion(10),
         "training continues from the new number"
     );
+}
+
+#[test]
+fn minibatches_take_an_update_each_and_clip_against_the_step_start() {
+    let mut one = config(0.05, 4);
+    one.loss = LossConfig {
+        kind: LossKind::DecoupledPpo,
+        ..LossConfig::default()
+    };
+    let mut two = one.clone();
+    two.minibatches = 2;
+    let mut single = NativeTrainer::new(tiny(4), one, None).unwrap();
+    let mut split = NativeTrainer::new(tiny(4), two, None).unwrap();
+    let (s1, _) = single.rl_step(&fixed_batch()).unwrap();
+    let (s2, w2) = split.rl_step(&fixed_batch()).unwrap();
+    // Two updates, one published version, the same tokens trained.
+    assert_eq!(
+        (single.optimizer_updates(), split.optimizer_updates()),
+        (1, 2)
+    );
+    assert_eq!(
+        (single.version(), split.version()),
+        (PolicyVersion(1), PolicyVersion(1))
+    );
+    assert_eq!(w2.expect("published").version, PolicyVersion(1));
+    assert_eq!((s1.trained_tokens, s2.trained_tokens), (24, 24));
+    // One update: the proximal policy is the current one, the ratio is 1, nothing is clipped.
+    let clipped = |s: &sluice_trainer::report::StepStats| {
+        let l = s.loss.summary();
+        l.clip_low_fraction + l.clip_high_fraction
+    };
+    assert_eq!(clipped(&s1), 0.0);
+    // Two: the second group is scored after the first update moved the weights, against the
+    // step's starting policy, and the clip engages.
+    assert!(clipped(&s2) > 0.0, "{:?}", s2.loss.summary());
+    assert_ne!(params(&single), params(&split));
 }

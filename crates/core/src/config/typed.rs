@@ -315,6 +315,8 @@ pub struct TrainerConfig {
     pub micro_batch_size: NonZeroU32,
     /// Micro-batch row length `L`.
     pub max_seq_len: NonZeroU32,
+    /// Optimizer updates (minibatches) per training step.
+    pub minibatches: NonZeroU32,
     /// Advantage baseline.
     pub advantage: AdvantageKind,
     /// Divide by group std.

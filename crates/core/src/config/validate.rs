@@ -529,6 +529,7 @@ fn validate_trainer(
         })?,
         micro_batch_size: non_zero_u32(ctx, "trainer.micro_batch_size", raw.micro_batch_size)?,
         max_seq_len: non_zero_u32(ctx, "trainer.max_seq_len", raw.max_seq_len)?,
+        minibatches: non_zero_u32(ctx, "trainer.minibatches", raw.minibatches)?,
         advantage: choice(
             ctx,
             "trainer.advantage",
