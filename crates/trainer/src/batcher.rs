@@ -146,6 +146,26 @@ pub struct PackingStats {
 }
 
 impl PackingStats {
+    /// Adds `other`'s counts to these (the packings of one step's minibatches).
+    pub fn merge(&mut self, other: &PackingStats) {
+        let PackingStats {
+            texts,
+            split_texts,
+            rejected_texts,
+            rejected_tokens,
+            used_slots,
+            total_slots,
+            loss_tokens,
+        } = *other;
+        self.texts += texts;
+        self.split_texts += split_texts;
+        self.rejected_texts += rejected_texts;
+        self.rejected_tokens += rejected_tokens;
+        self.used_slots += used_slots;
+        self.total_slots += total_slots;
+        self.loss_tokens += loss_tokens;
+    }
+
     /// `used_slots / total_slots` (1 when nothing was packed).
     pub fn efficiency(&self) -> f64 {
         if self.total_slots == 0 {

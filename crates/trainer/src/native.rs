@@ -27,7 +27,7 @@ use sluice_core::{
 use sluice_model::{ForwardOptions, PackedBatch, TrainableModel};
 
 use crate::advantage::compute_advantages;
-use crate::batcher::{MicroBatch, Packing, TrainingText, pack};
+use crate::batcher::{MicroBatch, Packing, PackingStats, TrainingText, pack};
 use crate::checkpoint;
 use crate::error::{TrainerError, tensor_ctx};
 use crate::loss::{LossStats, TextTokens, TokenInputs, aggregation_weights, token_terms};
@@ -181,6 +181,7 @@ impl NativeTrainer {
             .iter()
             .map(|texts| pack(texts, &self.config.batcher))
             .collect();
+        record_packing(&mut stats, &packings);
         let loss_config = self.config.loss.clone();
         let temperature = self.config.temperature;
         // Proximal log-probs of the later shares, under the step's starting weights.
@@ -250,6 +251,7 @@ impl NativeTrainer {
         // ℓ = −lp, so the coefficient is −w and the value −Σ w·lp.
         // Cross-entropy of the model's own distribution: temperature 1.
         let packing = pack(&texts, &self.config.batcher);
+        record_packing(&mut stats, std::slice::from_ref(&packing));
         let lag_sum = self.update(&packing, None, 1.0, &mut stats, |inputs| {
             let mut s = LossStats {
                 tokens: inputs.logprobs.len() as u64,
@@ -276,8 +278,9 @@ impl NativeTrainer {
 
     /// One optimizer update on `packing`: forward and backward per micro-batch (log-probs at
     /// `temperature`, coefficients from `terms`, `proximal` log-probs per micro-batch when the
-    /// update is not the step's first), gradients accumulated, one AdamW step. Adds to `stats`
-    /// and returns the summed version lag of the trained tokens.
+    /// update is not the step's first), gradients accumulated, one AdamW step. Adds the loss,
+    /// lag and optimizer figures to `stats` (packing figures: [`record_packing`]) and returns the
+    /// summed version lag of the trained tokens.
     fn update(
         &mut self,
         packing: &Packing,
@@ -286,17 +289,6 @@ impl NativeTrainer {
         stats: &mut StepStats,
         terms: impl Fn(&TokenInputs<'_>) -> Result<crate::loss::LossTerms, TrainerError>,
     ) -> Result<u64, TrainerError> {
-        stats.micro_batches += packing.micro_batches.len();
-        stats.processed_tokens += packing.stats.used_slots;
-        stats.trained_tokens += packing.stats.loss_tokens;
-        stats.rejected_texts += packing.stats.rejected_texts;
-        // Efficiency over every share so far: used slots over all slots.
-        stats.packed_slots += packing.stats.total_slots;
-        stats.packing_efficiency = if stats.packed_slots == 0 {
-            1.0
-        } else {
-            stats.processed_tokens as f64 / stats.packed_slots as f64
-        };
         let vars: Vec<_> = self.model.vars().iter().map(|(_, v)| v).collect();
         let mut grads = GradAccumulator::new(vars.len());
         let mut lag_sum = 0u64;
@@ -317,14 +309,14 @@ impl NativeTrainer {
             let batch = packed(mb);
             let scores = self.model.token_scores(&batch, options)?;
             let device = self.model.device().clone();
-            let (logprobs, lp_host) = pick(&scores.logprobs, &slots, &device, "log-probs")?;
-            let (_, entropy) = pick(&scores.entropy, &slots, &device, "entropies")?;
+            let index = slot_index(&slots, &device)?;
+            let (logprobs, lp_host) = pick(&scores.logprobs, &index, "log-probs")?;
+            let (_, entropy) = pick(&scores.entropy, &index, "entropies")?;
             let reference = match &self.reference {
                 Some(r) => Some(
                     pick(
                         &r.token_scores(&batch, options)?.logprobs.detach(),
-                        &slots,
-                        &device,
+                        &index,
                         "reference log-probs",
                     )?
                     .1,
@@ -384,13 +376,8 @@ impl NativeTrainer {
                     return Ok(Vec::new());
                 }
                 let scores = self.model.token_scores(&packed(mb), options)?;
-                Ok(pick(
-                    &scores.logprobs.detach(),
-                    &slots,
-                    &device,
-                    "proximal log-probs",
-                )?
-                .1)
+                let index = slot_index(&slots, &device)?;
+                Ok(pick(&scores.logprobs.detach(), &index, "proximal log-probs")?.1)
             })
             .collect()
     }
@@ -450,18 +437,30 @@ impl NativeTrainer {
     }
 }
 
-/// The values of `t` at the flat indices `slots`: the tensor (in the graph) and a host copy.
-fn pick(
-    t: &Tensor,
-    slots: &[usize],
-    device: &candle_core::Device,
-    what: &str,
-) -> Result<(Tensor, Vec<f32>), TrainerError> {
-    let index = Tensor::new(slots.iter().map(|&i| i as u32).collect::<Vec<_>>(), device)
-        .map_err(tensor_ctx("loss slot index"))?;
+/// Copies what packing `packings` cost into `stats` (one step, however many shares).
+fn record_packing(stats: &mut StepStats, packings: &[Packing]) {
+    let mut total = PackingStats::default();
+    for p in packings {
+        total.merge(&p.stats);
+    }
+    stats.micro_batches = packings.iter().map(|p| p.micro_batches.len()).sum();
+    stats.packing_efficiency = total.efficiency();
+    stats.processed_tokens = total.used_slots;
+    stats.trained_tokens = total.loss_tokens;
+    stats.rejected_texts = total.rejected_texts;
+}
+
+/// The flat indices of a micro-batch's loss slots, as a tensor for [`pick`].
+fn slot_index(slots: &[usize], device: &candle_core::Device) -> Result<Tensor, TrainerError> {
+    Tensor::new(slots.iter().map(|&i| i as u32).collect::<Vec<_>>(), device)
+        .map_err(tensor_ctx("loss slot index"))
+}
+
+/// The values of `t` at the flat indices `index`: the tensor (in the graph) and a host copy.
+fn pick(t: &Tensor, index: &Tensor, what: &str) -> Result<(Tensor, Vec<f32>), TrainerError> {
     let picked = t
         .flatten_all()
-        .and_then(|f| f.index_select(&index, 0))
+        .and_then(|f| f.index_select(index, 0))
         .map_err(tensor_ctx(what))?;
     let host = picked
         .to_dtype(DType::F32)

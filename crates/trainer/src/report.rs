@@ -20,8 +20,6 @@ pub struct StepStats {
     pub micro_batches: usize,
     /// Packing efficiency.
     pub packing_efficiency: f64,
-    /// `B · L` slots over every micro-batch of the step (padding included).
-    pub packed_slots: usize,
     /// Tokens through forward and backward (non-padding slots).
     pub processed_tokens: usize,
     /// Completion tokens trained on.
