@@ -104,6 +104,9 @@ fn io(path: &Path, e: impl std::fmt::Display) -> CheckpointError {
     }
 }
 
+/// The checkpoint directory's name under `run.output_dir` (where `sluice run` keeps it).
+pub const CHECKPOINT_DIR: &str = "checkpoint";
+
 /// A checkpoint location (`<output_dir>/checkpoint`) and its staging siblings.
 #[derive(Debug, Clone)]
 pub struct CheckpointDir {

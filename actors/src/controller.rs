@@ -7,30 +7,37 @@
 //!    round drain instead of aborting; the round ends when every candidate is stored;
 //! 3. otherwise keeps `ceil((1 + s) · remaining)` groups in flight (capped by
 //!    `max_concurrent_rollouts / group_size`), taking aborted and expired groups first and
-//!    admitting fresh samples only while `admitted < (v + η + 1) · groups_per_step`.
+//!    admitting fresh samples only while `admitted < (v + η + 1) · groups_per_step` and, with
+//!    `admission = "demand"`, while the groups not yet trained fall short of the trainer's demand
+//!    ([`sluice_replay::Pace`], measured here from step and group times).
 //!
 //! A group counts as in flight from admission (or a resume request) until the replay store has
 //! durably stored it, so an acknowledged completion and the in-flight count never overlap.
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
+use std::time::Instant;
 
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use serde::Serialize;
 use sluice_core::metrics as m;
 use sluice_core::{
-    DataSample, GroupId, GroupIdGenerator, KnobsHandle, NodeId, PolicyVersion, RequestId,
-    RolloutGroup, RolloutId, RolloutStatus, RolloutTurn, RunId, WeightSnapshot, WeightUpdateMode,
+    AdmissionMode, DataSample, GroupId, GroupIdGenerator, KnobsHandle, NodeId, PolicyVersion,
+    RequestId, RolloutGroup, RolloutId, RolloutStatus, RolloutTurn, RunId, WeightSnapshot,
+    WeightUpdateMode,
 };
 use sluice_engine::{FinishReason, GenerateRequest, SamplingParams, TokenOutput};
 use sluice_env::OutcomeStats;
-use sluice_replay::{Bucket, admission_allows, in_flight_target, remaining_for_step};
+use sluice_replay::{
+    Bucket, Pace, admission_allows, demand_allows, in_flight_target, remaining_for_step,
+};
 
 use crate::engine::{EngineHandle, EngineReport};
 use crate::env_worker::{EnvPoolHandle, EnvResult, EnvStep};
 use crate::replay::{Recovery, ReplayCounts, ReplayHandle, ReplayNotice};
 use crate::sampler::SamplerHandle;
 use crate::telemetry::ActorCounters;
+use crate::trainer::StepReport;
 use crate::{ActorError, Sink};
 
 /// Weight of a new reward in the outcome EMA.
@@ -106,6 +113,23 @@ pub struct ControllerStatus {
     pub reward_sum: f64,
     /// Those rollouts by final status label (`completed`, `truncated`, `error`, `timeout`, …).
     pub finished_by_status: BTreeMap<String, u64>,
+    /// Measured trainer step and group times (demand-aware admission).
+    pub pace: PaceStatus,
+    /// Groups admitted and not yet trained (ready, in flight, waiting to resume).
+    pub pending_groups: u64,
+    /// Fresh admissions refused by demand while η would have allowed them.
+    pub demand_holds: u64,
+}
+
+/// The pace demand-aware admission decides with, as `/v1/status` shows it.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct PaceStatus {
+    /// Moving average of a training step's compute time.
+    pub train_step_seconds: Option<f64>,
+    /// Moving average of a group's time from start to stored.
+    pub group_seconds: Option<f64>,
+    /// Groups worth keeping ahead of the trainer (two batches until both times are measured).
+    pub demand_groups: u64,
 }
 
 enum Cmd {
@@ -114,7 +138,7 @@ enum Cmd {
     Engine(EngineReport),
     Env(EnvResult),
     Replay(ReplayNotice),
-    Published(WeightSnapshot),
+    Step(StepReport),
     Knobs,
     Status(RpcReplyPort<ControllerStatus>),
 }
@@ -170,10 +194,11 @@ impl ControllerHandle {
         self.sink(Cmd::Replay)
     }
 
-    /// Where the trainer publishes weights (the controller relays them to the engine with the
-    /// effective update mode, and to the replay store).
-    pub fn publish_sink(&self) -> Sink<WeightSnapshot> {
-        self.sink(Cmd::Published)
+    /// Where the trainer reports each step: its compute time (the demand-aware admission's pace)
+    /// and the weights it published, which the controller relays to the engine with the
+    /// effective update mode, and to the replay store.
+    pub fn step_sink(&self) -> Sink<StepReport> {
+        self.sink(Cmd::Step)
     }
 
     /// Hands the peers over and starts scheduling.
@@ -211,7 +236,8 @@ struct GroupWork {
     group: RolloutGroup,
     sample: Arc<DataSample>,
     waiting: HashMap<u32, Waiting>,
-    replica: Vec<Option<u32>>,
+    /// When the group started (admitted or resumed): its time to stored paces admission.
+    started: Instant,
 }
 
 struct ControllerActor;
@@ -237,6 +263,9 @@ pub struct ControllerState {
     /// A tail round is running: only candidates are served until none is left.
     tail_active: bool,
     attempts: HashMap<RolloutId, u32>,
+    /// The replica that last served each unfinished rollout: its next turn or its resume after
+    /// an abort goes back there (prefix cache, §4.2), across trips through the aborted bucket.
+    served_by: HashMap<RolloutId, u32>,
     /// Largest abort count of each group on its way to the aborted bucket.
     abort_counts: HashMap<GroupId, u32>,
     samples: VecDeque<DataSample>,
@@ -245,6 +274,8 @@ pub struct ControllerState {
     status: ControllerStatus,
     /// Outcome EMA and balance fractions (seed 001).
     outcomes: OutcomeStats,
+    /// Trainer step and group times (demand-aware admission).
+    pace: Pace,
     knob_watch: Option<tokio::task::JoinHandle<()>>,
     /// Messages handled, sent to the sampler, engine, env pool and replay store, and dropped.
     counters: ActorCounters,
@@ -286,12 +317,14 @@ impl Actor for ControllerActor {
             tail_round: HashSet::new(),
             tail_active: false,
             attempts: HashMap::new(),
+            served_by: HashMap::new(),
             abort_counts: HashMap::new(),
             samples: VecDeque::new(),
             samples_requested: 0,
             draining: false,
             status: ControllerStatus::default(),
             outcomes: OutcomeStats::new(OUTCOME_EMA_ALPHA, BALANCE_THRESHOLD, BALANCE_WINDOW),
+            pace: Pace::default(),
             knob_watch: Some(knob_watch),
             counters: ActorCounters::new("controller"),
         })
@@ -321,7 +354,12 @@ impl Actor for ControllerActor {
             }
             Cmd::Env(result) => s.on_env(result),
             Cmd::Replay(notice) => s.on_replay(notice),
-            Cmd::Published(w) => s.on_published(w),
+            Cmd::Step(StepReport { seconds, weights }) => {
+                s.pace.record_train_step(seconds);
+                if let Some(w) = weights {
+                    s.on_published(w);
+                }
+            }
             Cmd::Knobs => {}
             Cmd::Status(reply) => {
                 let _ = reply.send(s.snapshot());
@@ -372,8 +410,22 @@ impl ControllerState {
         (self.work.len() + self.resuming.len() + self.storing.len()) as u64
     }
 
+    /// Groups admitted and not yet trained: ready in the store, in flight, or waiting to resume.
+    fn pending(&self) -> u64 {
+        self.counts.completed
+            + self.in_flight()
+            + (self.aborted.len() + self.expired.len() + self.tail.len()) as u64
+    }
+
     fn snapshot(&self) -> ControllerStatus {
+        let b = self.config.groups_per_step;
         ControllerStatus {
+            pace: PaceStatus {
+                train_step_seconds: self.pace.train_step_seconds,
+                group_seconds: self.pace.group_seconds,
+                demand_groups: self.pace.demand(b),
+            },
+            pending_groups: self.pending(),
             version: self.version,
             admitted_total: self.admitted_total,
             in_flight: self.in_flight(),
@@ -451,6 +503,13 @@ impl ControllerState {
                         if !admission_allows(load, self.version.0, eta, b) {
                             break;
                         }
+                        let pending = self.pending() + fresh.len() as u64;
+                        if knobs.admission == AdmissionMode::Demand
+                            && !demand_allows(pending, self.pace.demand(b))
+                        {
+                            self.status.demand_holds += 1;
+                            break;
+                        }
                         let Some(sample) = self.samples.pop_front() else {
                             break;
                         };
@@ -507,7 +566,7 @@ impl ControllerState {
             group,
             sample,
             waiting: HashMap::new(),
-            replica: vec![None; n],
+            started: Instant::now(),
         };
         for i in 0..n {
             let r = &w.group.rollouts[i];
@@ -549,7 +608,9 @@ impl ControllerState {
             domain: Some(w.sample.domain.clone()),
         };
         w.waiting.insert(i as u32, Waiting::Engine(id));
-        peers.engine.generate(request, w.replica[i]);
+        peers
+            .engine
+            .generate(request, self.served_by.get(&r.id).copied());
         self.counters.sent(1);
     }
 
@@ -566,8 +627,8 @@ impl ControllerState {
             return;
         }
         w.waiting.remove(&i);
-        w.replica[i as usize] = Some(replica);
         let r = &mut w.group.rollouts[i as usize];
+        self.served_by.insert(r.id, replica);
         if let Some(turn) = r.turns.last_mut()
             && c.output.len() >= turn.completion_tokens()
         {
@@ -653,6 +714,7 @@ impl ControllerState {
             .any(|r| r.status == RolloutStatus::Aborted);
         if !aborted {
             self.record_outcome(&group, &w.sample.domain);
+            self.pace.record_group(w.started.elapsed().as_secs_f64());
         }
         let Some(peers) = &self.peers else { return };
         self.storing.insert(gid);
@@ -676,6 +738,7 @@ impl ControllerState {
                     .entry(label.to_owned())
                     .or_insert(0) += 1;
                 self.attempts.remove(&r.id);
+                self.served_by.remove(&r.id);
             }
             let eta = self.knobs.current().max_version_lag;
             peers.sampler.group_finished(&group, self.version, eta);
@@ -713,10 +776,13 @@ impl ControllerState {
                 self.start(group, sample);
             }
             ReplayNotice::Dropped { id, counts } => {
-                if let Some(p) = &self.peers {
-                    for i in 0..self.config.group_size {
-                        p.env.abandon(id.rollout(i));
+                for i in 0..self.config.group_size {
+                    let rollout = id.rollout(i);
+                    if let Some(p) = &self.peers {
+                        p.env.abandon(rollout);
                     }
+                    self.attempts.remove(&rollout);
+                    self.served_by.remove(&rollout);
                 }
                 self.resuming.remove(&id);
                 self.tail_round.remove(&id);

@@ -15,6 +15,12 @@
 //! recognised by their generation and dropped. The old backend is shut down off the actor (a hung
 //! thread must not hang the mailbox).
 //!
+//! Giving up (seed 002: an inference infrastructure error is not a bad rollout): a replica that
+//! fails `engine_max_restarts` times in a row without serving a request in between, or a node
+//! where no replica can serve for `engine_unavailable_timeout_s`, is not restarted again; the
+//! engine records why ([`EngineHandle::failure`]) and the node stops the run with a checkpoint
+//! and a non-zero exit instead of turning every request into a failed rollout.
+//!
 //! Graceful stop: [`EngineHandle::close`] aborts everything in flight and answers every later
 //! request as aborted at once, so the controller can store every partial before the checkpoint.
 
@@ -67,6 +73,11 @@ pub struct EngineSupervision {
     pub backoff_max: Duration,
     /// Restart a replica that holds requests without progress this long (`None` = off).
     pub watchdog: Option<Duration>,
+    /// Give up on a replica after this many failures in a row with nothing served in between
+    /// (0 = never).
+    pub max_restarts: u64,
+    /// Give up when no replica can serve for this long (`None` = never).
+    pub unavailable_timeout: Option<Duration>,
     /// Injected faults (tests and drills).
     pub faults: EngineFaults,
 }
@@ -77,6 +88,8 @@ impl Default for EngineSupervision {
             backoff_initial: Duration::from_millis(100),
             backoff_max: Duration::from_secs(30),
             watchdog: None,
+            max_restarts: 0,
+            unavailable_timeout: None,
             faults: EngineFaults::default(),
         }
     }
@@ -89,6 +102,8 @@ impl EngineSupervision {
             backoff_initial: supervision.restart_backoff_initial,
             backoff_max: supervision.restart_backoff_max,
             watchdog: supervision.engine_watchdog,
+            max_restarts: supervision.engine_max_restarts,
+            unavailable_timeout: supervision.engine_unavailable_timeout,
             faults: EngineFaults::from_config(faults),
         }
     }
@@ -107,6 +122,10 @@ pub struct ReplicaHealth {
     pub last_restart_seconds: Option<f64>,
     /// Requests handed back as aborted because the replica died.
     pub requests_returned: u64,
+    /// Failures since the replica last served a request.
+    pub failures_in_a_row: u64,
+    /// The last failure's error (or cause).
+    pub last_error: Option<String>,
 }
 
 enum Cmd {
@@ -120,6 +139,7 @@ enum Cmd {
     Close(RpcReplyPort<()>),
     Stats(RpcReplyPort<Vec<EngineStats>>),
     Health(RpcReplyPort<Vec<ReplicaHealth>>),
+    Failure(RpcReplyPort<Option<String>>),
 }
 
 /// The actor's messages (private: use [`EngineHandle`]).
@@ -224,6 +244,16 @@ impl EngineHandle {
         rx.await.map_err(|_| ActorError::Gone { actor: "engine" })
     }
 
+    /// Why the engine gave up serving (a replica failing past its restarts, or no replica for
+    /// too long); `None` while it serves. The node stops the run when this is set.
+    pub async fn failure(&self) -> Result<Option<String>, ActorError> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.actor
+            .cast(EngineMsg(Cmd::Failure(tx.into())))
+            .map_err(|_| ActorError::Gone { actor: "engine" })?;
+        rx.await.map_err(|_| ActorError::Gone { actor: "engine" })
+    }
+
     /// Stops the actor and joins every backend thread.
     pub async fn stop(&self) {
         let _ = self.actor.stop_and_wait(None, None).await;
@@ -261,6 +291,10 @@ pub struct EngineState {
     parked: VecDeque<(GenerateRequest, Option<u32>)>,
     target: PolicyVersion,
     closed: bool,
+    /// Since when no replica has been alive.
+    unavailable_since: Option<Instant>,
+    /// Why the engine gave up (see the module docs).
+    failure: Option<String>,
     args: Args,
     me: ActorRef<EngineMsg>,
     /// The watchdog ticker and shutdowns of failed backends: owned, aborted or joined at stop.
@@ -338,16 +372,24 @@ impl Actor for EngineActor {
             })
             .collect();
         let mut tasks = Vec::new();
-        if let Some(limit) = sup.watchdog {
-            let period = (limit / 4).clamp(Duration::from_millis(10), Duration::from_secs(1));
-            tasks.push(me.send_interval(period, || EngineMsg(Cmd::Tick)));
-        }
+        // The periodic checks (dead threads, the watchdog, the give-up timer): at least every
+        // second, more often when a limit is shorter.
+        let period = [sup.watchdog, sup.unavailable_timeout]
+            .into_iter()
+            .flatten()
+            .min()
+            .map_or(Duration::from_secs(1), |limit| {
+                (limit / 4).clamp(Duration::from_millis(10), Duration::from_secs(1))
+            });
+        tasks.push(me.send_interval(period, || EngineMsg(Cmd::Tick)));
         let mut s = EngineState {
             replicas,
             owner: HashMap::new(),
             parked: VecDeque::new(),
             target: args.version,
             closed: false,
+            unavailable_since: None,
+            failure: None,
             args,
             me,
             tasks,
@@ -429,6 +471,9 @@ impl Actor for EngineActor {
             }
             Cmd::Health(reply) => {
                 let _ = reply.send(s.replicas.iter().map(|r| r.health.clone()).collect());
+            }
+            Cmd::Failure(reply) => {
+                let _ = reply.send(s.failure.clone());
             }
         }
         Ok(())
@@ -515,6 +560,10 @@ impl EngineState {
             EngineEvent::Finished(c) => {
                 metrics::counter!(m::ENGINE_FINISHED_REQUESTS, "reason" => c.finish.as_label())
                     .increment(1);
+                if c.finish != FinishReason::Abort {
+                    // It served a request: earlier failures were transient.
+                    r.health.failures_in_a_row = 0;
+                }
                 if self.owner.remove(&c.id).is_some() {
                     r.load = r.load.saturating_sub(1);
                 }
@@ -549,9 +598,42 @@ impl EngineState {
         }
     }
 
-    /// The watchdog: a replica holding requests without progress for the limit is failed.
+    /// The periodic checks: the give-up timer, and the watchdog, which fails a replica holding
+    /// requests without progress for its limit.
     fn watch(&mut self) {
         let now = Instant::now();
+        if let (Some(since), Some(limit)) = (
+            self.unavailable_since,
+            self.args.supervision.unavailable_timeout,
+        ) && now.saturating_duration_since(since) >= limit
+        {
+            let last = self
+                .replicas
+                .iter()
+                .enumerate()
+                .filter_map(|(i, r)| {
+                    Some(format!("replica {i}: {}", r.health.last_error.as_ref()?))
+                })
+                .collect::<Vec<_>>()
+                .join("; ");
+            self.give_up(format!(
+                "no engine replica could serve for {:.0} s (supervision.engine_unavailable_timeout_s); last errors: {last}",
+                limit.as_secs_f64()
+            ));
+        }
+        let dead: Vec<u32> = self
+            .replicas
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| r.backend.as_ref().is_some_and(|b| !b.is_alive()))
+            .map(|(i, _)| i as u32)
+            .collect();
+        for i in dead {
+            let e = EngineError::Stopped {
+                backend: format!("replica {i} (its compute thread ended unexpectedly)"),
+            };
+            self.fail_replica(i, "died", Some(&e));
+        }
         let stuck: Vec<u32> = self
             .replicas
             .iter_mut()
@@ -584,11 +666,8 @@ impl EngineState {
             },
             EngineError::kind,
         );
-        match error {
-            Some(e) => tracing::warn!(replica, error = %e, "engine replica failed; restarting it"),
-            None => tracing::warn!(replica, cause, "engine replica failed; restarting it"),
-        }
         self.counters.error(kind);
+        let described = error.map_or_else(|| format!("{cause} ({kind})"), ToString::to_string);
         let now = Instant::now();
         let r = &mut self.replicas[replica as usize];
         if let Some(mut old) = r.backend.take() {
@@ -600,8 +679,19 @@ impl EngineState {
         r.failed_at = Some(now);
         r.health.alive = false;
         *r.health.failures.entry(cause.to_owned()).or_default() += 1;
+        r.health.failures_in_a_row += 1;
+        r.health.last_error = Some(described.clone());
+        let in_a_row = r.health.failures_in_a_row;
         let generation = r.generation;
         let delay = r.backoff.failed(now);
+        let max = self.args.supervision.max_restarts;
+        let give_up = max > 0 && in_a_row > max;
+        if !give_up {
+            tracing::warn!(replica, error = %described, "engine replica failed; restarting it");
+        }
+        if self.unavailable_since.is_none() && self.replicas.iter().all(|r| r.backend.is_none()) {
+            self.unavailable_since = Some(now);
+        }
         let lost: Vec<(RequestId, Option<TokenOutput>)> = self
             .owner
             .iter()
@@ -620,9 +710,16 @@ impl EngineState {
                 replica,
             });
         }
+        self.tasks.retain(|t| !t.is_finished());
+        if give_up {
+            self.give_up(format!(
+                "engine replica {replica} failed {in_a_row} times in a row without serving a \
+                 request (supervision.engine_max_restarts = {max}); last error: {described}"
+            ));
+            return;
+        }
         metrics::gauge!(m::ACTOR_RESTART_BACKOFF_SECONDS, "actor" => "engine")
             .set(delay.as_secs_f64());
-        self.tasks.retain(|t| !t.is_finished());
         self.timers.retain(|t| !t.is_finished());
         self.timers.push(
             self.me
@@ -636,6 +733,7 @@ impl EngineState {
             return;
         }
         self.build(i);
+        self.unavailable_since = None;
         let r = &mut self.replicas[i];
         r.health.alive = true;
         r.health.restarts += 1;
@@ -653,5 +751,15 @@ impl EngineState {
         for (req, preferred) in parked {
             self.route(req, preferred);
         }
+    }
+
+    /// Stops restarting and records why; the node stops the run (see the module docs).
+    fn give_up(&mut self, reason: String) {
+        if self.failure.is_some() {
+            return;
+        }
+        tracing::error!(%reason, "the engine cannot serve; the run stops");
+        self.counters.error("engine_unavailable");
+        self.failure = Some(reason);
     }
 }

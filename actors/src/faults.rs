@@ -4,7 +4,7 @@
 //! | decorator | wraps | fault |
 //! |---|---|---|
 //! | [`FaultyBackend`] | [`InferenceBackend`] (one per replica incarnation) | crash or hang at every N-th request |
-//! | [`FaultyTrainer`] | [`TrainerBackend`] | the N-th training step fails |
+//! | [`FaultyTrainer`] | [`TrainerBackend`] | the N-th training step fails or panics; every N-th step is skipped |
 //! | [`crate::env_faults::FaultyEnv`] | the node's env | a step panics or hangs, a reward panics |
 //!
 //! A crashed replica behaves like a backend whose compute thread died and whose death was noticed
@@ -160,25 +160,57 @@ impl InferenceBackend for FaultyBackend {
         }
     }
 
+    fn is_alive(&self) -> bool {
+        // A hung replica looks alive (only the watchdog can tell); a crash is reported at once.
+        self.inner.is_alive()
+    }
+
     fn shutdown(&mut self) {
         self.gate.store(false, Ordering::SeqCst);
         self.inner.shutdown();
     }
 }
 
-/// A trainer whose `error_at_step`-th step (1-based, counted in this process) fails.
+/// The trainer part of `[faults]`: steps counted 1-based in this process, 0 = off.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TrainerFaults {
+    /// This step fails with an error.
+    pub error_at_step: u64,
+    /// This step panics.
+    pub panic_at_step: u64,
+    /// Every N-th step publishes nothing (an all-zero-advantage batch).
+    pub skip_every_steps: u64,
+}
+
+impl TrainerFaults {
+    /// From the config.
+    pub fn from_config(faults: &FaultsConfig) -> Self {
+        Self {
+            error_at_step: faults.trainer_error_at_step,
+            panic_at_step: faults.trainer_panic_at_step,
+            skip_every_steps: faults.trainer_skip_every_steps,
+        }
+    }
+
+    /// Some fault is on.
+    pub fn any(&self) -> bool {
+        *self != Self::default()
+    }
+}
+
+/// A trainer that fails, panics or skips steps on schedule ([`TrainerFaults`]).
 pub struct FaultyTrainer {
     inner: Box<dyn TrainerBackend>,
-    error_at_step: u64,
+    faults: TrainerFaults,
     steps: u64,
 }
 
 impl FaultyTrainer {
-    /// Wraps `inner`; `error_at_step = 0` never fails.
-    pub fn new(inner: Box<dyn TrainerBackend>, error_at_step: u64) -> Self {
+    /// Wraps `inner`.
+    pub fn new(inner: Box<dyn TrainerBackend>, faults: TrainerFaults) -> Self {
         Self {
             inner,
-            error_at_step,
+            faults,
             steps: 0,
         }
     }
@@ -191,7 +223,8 @@ impl TrainerBackend for FaultyTrainer {
 
     fn train_step(&mut self, batch: &[RolloutGroup]) -> Result<TrainStepOutput, BackendError> {
         self.steps += 1;
-        if self.steps == self.error_at_step {
+        let f = self.faults;
+        if self.steps == f.error_at_step {
             injected("trainer_error");
             return Err(BackendError::new(
                 "injected_trainer_error",
@@ -200,6 +233,21 @@ impl TrainerBackend for FaultyTrainer {
                     self.steps
                 ),
             ));
+        }
+        if self.steps == f.panic_at_step {
+            injected("trainer_panic");
+            panic!(
+                "step {} panicked on purpose ([faults] trainer_panic_at_step)",
+                self.steps
+            );
+        }
+        if f.skip_every_steps > 0 && self.steps.is_multiple_of(f.skip_every_steps) {
+            injected("trainer_skip");
+            return Ok(TrainStepOutput {
+                metrics: Default::default(),
+                weights: None,
+                trained_tokens: 0,
+            });
         }
         self.inner.train_step(batch)
     }

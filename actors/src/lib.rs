@@ -66,6 +66,9 @@ pub enum ActorError {
     /// Setting the node up failed (replay database, listeners, config).
     #[error("node setup: {0}")]
     Setup(String),
+    /// The engine gave up serving (see [`crate::engine::EngineHandle::failure`]).
+    #[error("inference engine unavailable: {0}")]
+    EngineUnavailable(String),
 }
 
 impl ActorError {
@@ -75,6 +78,7 @@ impl ActorError {
             Self::Gone { .. } => "actor_gone",
             Self::Spawn { .. } => "actor_spawn",
             Self::Setup(_) => "node_setup",
+            Self::EngineUnavailable(_) => "engine_unavailable",
         }
     }
 }

@@ -99,6 +99,8 @@ pub struct NodeStatus {
     pub engines: Vec<EngineStats>,
     /// Supervision record of each engine replica (restarts, failures by cause).
     pub engine_health: Vec<ReplicaHealth>,
+    /// Why the engine gave up serving (the run stops); `None` while it serves.
+    pub engine_failure: Option<String>,
     /// The newest checkpoint written or restored by this process.
     pub checkpoint: Option<Manifest>,
 }
@@ -155,6 +157,7 @@ impl NodeHandles {
             replay: store,
             engines: self.engine.stats().await?,
             engine_health: self.engine.health().await?,
+            engine_failure: self.engine.failure().await?,
             checkpoint: self.last_checkpoint.lock().await.clone(),
         })
     }
@@ -219,8 +222,12 @@ impl Node {
         .map_err(|e| ActorError::Setup(format!("rollout knobs: {e}")))?;
         let checkpoint_dir = checkpoint_dir
             .or_else(|| {
-                (replay_dir.as_ref() == Some(&config.replay.path))
-                    .then(|| config.run.output_dir.join("checkpoint"))
+                (replay_dir.as_ref() == Some(&config.replay.path)).then(|| {
+                    config
+                        .run
+                        .output_dir
+                        .join(crate::checkpoint::CHECKPOINT_DIR)
+                })
             })
             .map(CheckpointDir::new);
         // The trainer and its checkpoint come first: a bad checkpoint stops the start before
@@ -346,7 +353,7 @@ impl Node {
             backend_trainer,
             replay.clone(),
             knobs.clone(),
-            controller.publish_sink(),
+            controller.step_sink(),
             trainer_options,
         )
         .await?;
@@ -444,6 +451,17 @@ impl Node {
         loop {
             let status = self.status().await?;
             progress(&status);
+            if let Some(reason) = &status.engine_failure {
+                // Inference infrastructure failed (seed 002): stop with a checkpoint, never
+                // turn the requests into failed rollouts.
+                if self.handles.checkpoint_dir.is_some()
+                    && let Err(e) =
+                        supervise_node::checkpoint(&self.handles, "engine_failure").await
+                {
+                    tracing::error!(error = %e, "checkpoint after the engine failure failed");
+                }
+                return Err(ActorError::EngineUnavailable(reason.clone()));
+            }
             if status.trainer.done || status.trainer.error.is_some() {
                 if self.handles.checkpoint_dir.is_none() {
                     return Ok(status);

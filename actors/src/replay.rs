@@ -117,6 +117,7 @@ enum Cmd {
         reply: RpcReplyPort<Vec<RolloutGroup>>,
     },
     CancelTake,
+    ReleaseSkipped(u64),
     SetVersion(PolicyVersion),
     Status(RpcReplyPort<ReplayStatus>),
 }
@@ -210,6 +211,12 @@ impl ReplayHandle {
             eta: max_version_lag,
             partial: enable_partial_rollout,
         });
+    }
+
+    /// `groups` consumed by a training step that published nothing leave the admission load
+    /// (see [`sluice_replay::Counters::skipped_total`]); the controller hears the new counts.
+    pub fn release_skipped(&self, groups: u64) {
+        self.cast(Cmd::ReleaseSkipped(groups));
     }
 
     /// Records a published version.
@@ -520,6 +527,11 @@ impl Worker {
             }
             Cmd::CancelTake => {
                 self.pending_take = None;
+                Ok(())
+            }
+            Cmd::ReleaseSkipped(groups) => {
+                store.release_skipped(groups);
+                out.push(Out::Notice(ReplayNotice::Counts(counts(store))));
                 Ok(())
             }
             Cmd::SetVersion(v) => {

@@ -331,6 +331,7 @@ mod tests {
         let knobs = Knobs {
             staleness_threshold: 0.0,
             max_version_lag: 1,
+            admission: Default::default(),
             enable_partial_rollout: true,
             tail_batch_candidate_steps: 0,
             tail_batch_trigger_size: 1,

@@ -31,7 +31,7 @@ use crate::ActorError;
 use crate::checkpoint::{
     CheckpointDir, CheckpointError, FORMAT, Manifest, ReplayMark, TRAINER_DIR, unix_now,
 };
-use crate::faults::FaultyTrainer;
+use crate::faults::{FaultyTrainer, TrainerFaults};
 use crate::node::NodeHandles;
 
 /// The trainer backend after restore, and the manifest it came from.
@@ -74,8 +74,9 @@ pub fn restore(
         }
         None => None,
     };
-    if faults.trainer_error_at_step > 0 {
-        trainer = Box::new(FaultyTrainer::new(trainer, faults.trainer_error_at_step));
+    let trainer_faults = TrainerFaults::from_config(faults);
+    if trainer_faults.any() {
+        trainer = Box::new(FaultyTrainer::new(trainer, trainer_faults));
     }
     Ok(Restored { trainer, manifest })
 }
@@ -255,6 +256,13 @@ pub async fn drain_and_checkpoint(h: &NodeHandles, timeout: Duration) -> StopRep
     };
     if let Err(e) = h.knobs.update(&pause) {
         tracing::warn!(error = %e, "cannot pause admission");
+    }
+    // No step after the checkpoint's mark: a step trained past it would publish weights the
+    // checkpoint does not hold, and consume groups a restart could not train again.
+    match tokio::time::timeout_at(deadline, h.trainer.hold()).await {
+        Ok(Ok(_)) => {}
+        Ok(Err(e)) => report.error = Some(e.to_string()),
+        Err(_) => report.error = Some("the trainer did not finish its step in time".into()),
     }
     if tokio::time::timeout_at(deadline, h.engine.close())
         .await

@@ -44,6 +44,9 @@ pub struct TrainerStatus {
     pub steps: u64,
     /// Groups trained on (the run's, restarts included).
     pub trained_groups: u64,
+    /// Steps that published nothing (every advantage zero); their groups were released from
+    /// admission.
+    pub skipped_steps: u64,
     /// Groups consumed by a step that failed (their training is lost; they are never retried).
     pub failed_groups: u64,
     /// Rollouts trained on.
@@ -115,11 +118,22 @@ pub struct TrainerMark {
     pub trained_groups: u64,
 }
 
+/// What the trainer tells the controller after every step it completes.
+#[derive(Debug, Clone)]
+pub struct StepReport {
+    /// Seconds the step computed (the demand-aware admission's trainer pace).
+    pub seconds: f64,
+    /// The weights it published; `None` when the step was skipped (every advantage zero).
+    pub weights: Option<WeightSnapshot>,
+}
+
 enum Control {
     Checkpoint {
         dir: PathBuf,
         reply: oneshot::Sender<Result<TrainerMark, BackendError>>,
     },
+    /// Take no more batches (a graceful stop, before its checkpoint); answered once no step runs.
+    Hold(oneshot::Sender<TrainerMark>),
     Halt,
 }
 
@@ -142,7 +156,7 @@ impl TrainerHandle {
         backend: Box<dyn TrainerBackend>,
         replay: ReplayHandle,
         knobs: KnobsHandle,
-        publish: Sink<WeightSnapshot>,
+        publish: Sink<StepReport>,
         options: TrainerOptions,
     ) -> Result<(Self, tokio::task::JoinHandle<()>), ActorError> {
         let status = Arc::new(Mutex::new(TrainerStatus {
@@ -167,6 +181,8 @@ impl TrainerHandle {
             steps: steps_tx,
             trained: HashSet::new(),
             started: Instant::now(),
+            held: false,
+            poisoned: false,
             rt: tokio::runtime::Handle::current(),
             counters: ActorCounters::new("trainer"),
         };
@@ -215,6 +231,20 @@ impl TrainerHandle {
         Ok(rx.await.map_err(|_| gone())??)
     }
 
+    /// Stops training (after the current step; a batch already taken is trained) while the
+    /// thread keeps serving checkpoints: a graceful stop holds the trainer before its checkpoint,
+    /// so no step runs after the checkpoint's mark (its weights would be lost). Returns where the
+    /// trainer stands.
+    pub async fn hold(&self) -> Result<TrainerMark, ActorError> {
+        let gone = || ActorError::Gone { actor: "trainer" };
+        let (reply, rx) = oneshot::channel();
+        self.control
+            .send(Control::Hold(reply))
+            .await
+            .map_err(|_| gone())?;
+        rx.await.map_err(|_| gone())
+    }
+
     /// Stops the thread (after its current step; a batch already taken is trained) and the actor.
     pub async fn stop(&self) {
         let _ = self.control.send(Control::Halt).await;
@@ -240,9 +270,22 @@ impl Actor for TrainerActor {
         _me: ActorRef<()>,
         (worker, control): Self::Arguments,
     ) -> Result<TrainerState, ActorProcessingErr> {
+        let status = Arc::clone(&worker.status);
         let thread = std::thread::Builder::new()
             .name("trainer".into())
-            .spawn(move || worker.run())?;
+            .spawn(move || {
+                // A panic outside a step (a step's own panic is caught in `train`) still ends
+                // with the error in the status, so the node sees a dead trainer at once.
+                if let Err(panic) =
+                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| worker.run()))
+                {
+                    let mut s = status.lock().unwrap_or_else(|e| e.into_inner());
+                    s.error = Some(format!(
+                        "the trainer thread panicked: {}",
+                        panic_message(&*panic)
+                    ));
+                }
+            })?;
         Ok(TrainerState {
             control,
             thread: Some(thread),
@@ -269,7 +312,7 @@ pub struct Worker {
     backend: Box<dyn TrainerBackend>,
     replay: ReplayHandle,
     knobs: KnobsHandle,
-    publish: Sink<WeightSnapshot>,
+    publish: Sink<StepReport>,
     options: TrainerOptions,
     status: Arc<Mutex<TrainerStatus>>,
     ids: Arc<Mutex<Vec<GroupId>>>,
@@ -277,6 +320,11 @@ pub struct Worker {
     steps: watch::Sender<u64>,
     trained: HashSet<GroupId>,
     started: Instant,
+    /// A graceful stop asked for no more steps.
+    held: bool,
+    /// A step panicked: the backend's state is unknown, so it is never checkpointed (the last
+    /// good checkpoint stays the one a restart resumes from).
+    poisoned: bool,
     rt: tokio::runtime::Handle,
     /// Batches and control messages handled, weights published, failures by kind.
     counters: ActorCounters,
@@ -350,22 +398,39 @@ impl Worker {
 
     fn can_train(&self) -> bool {
         let s = self.status.lock().unwrap_or_else(|e| e.into_inner());
-        s.steps < self.options.max_steps && s.error.is_none()
+        !self.held && s.steps < self.options.max_steps && s.error.is_none()
+    }
+
+    fn mark(&self) -> TrainerMark {
+        let s = self.status.lock().unwrap_or_else(|e| e.into_inner());
+        TrainerMark {
+            version: self.backend.version(),
+            steps: s.steps,
+            trained_groups: s.trained_groups,
+        }
     }
 
     fn serve(&mut self, control: Control) -> Flow {
         self.counters.received(1);
         match control {
             Control::Halt => Flow::Halt,
+            Control::Hold(reply) => {
+                self.held = true;
+                if reply.send(self.mark()).is_err() {
+                    self.counters.dropped(1);
+                }
+                Flow::Continue
+            }
             Control::Checkpoint { dir, reply } => {
-                let result = self.backend.checkpoint(&dir).map(|()| {
-                    let s = self.status.lock().unwrap_or_else(|e| e.into_inner());
-                    TrainerMark {
-                        version: self.backend.version(),
-                        steps: s.steps,
-                        trained_groups: s.trained_groups,
-                    }
-                });
+                let result = if self.poisoned {
+                    Err(BackendError::new(
+                        "trainer_poisoned",
+                        "a training step panicked, so the trainer's state is unknown; the last \
+                         good checkpoint is kept",
+                    ))
+                } else {
+                    self.backend.checkpoint(&dir).map(|()| self.mark())
+                };
                 if let Err(e) = &result {
                     tracing::error!(error = %e, dir = %dir.display(), "trainer checkpoint failed");
                     self.counters.error(e.kind);
@@ -390,7 +455,16 @@ impl Worker {
             );
         }
         let step_started = Instant::now();
-        let outcome = self.backend.train_step(&batch);
+        let backend = &mut self.backend;
+        let outcome =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| backend.train_step(&batch)))
+                .unwrap_or_else(|panic| {
+                    self.poisoned = true;
+                    Err(BackendError::new(
+                        "trainer_panic",
+                        format!("the training step panicked: {}", panic_message(&*panic)),
+                    ))
+                });
         let seconds = step_started.elapsed().as_secs_f64();
         metrics::histogram!(m::TRAINER_STEP_SECONDS).record(seconds);
         let groups = batch.len() as u64;
@@ -437,14 +511,34 @@ impl Worker {
         }
         export_step_metrics(&out.metrics);
         let published = out.weights.inspect(|w| status.version = w.version);
-        drop(status);
-        if let Some(w) = published {
-            metrics::gauge!(m::TRAINER_POLICY_VERSION).set(w.version.0 as f64);
-            (self.publish)(w);
-            self.counters.sent(1);
+        if published.is_none() {
+            status.skipped_steps += 1;
         }
+        drop(status);
+        if published.is_none() {
+            // The batch is consumed but no version moved the admission bound: give its groups
+            // back, or η + 1 skipped steps would stop admission for good.
+            self.replay.release_skipped(groups);
+        }
+        if let Some(w) = &published {
+            metrics::gauge!(m::TRAINER_POLICY_VERSION).set(w.version.0 as f64);
+        }
+        (self.publish)(StepReport {
+            seconds,
+            weights: published,
+        });
+        self.counters.sent(1);
         self.steps.send_replace(steps);
     }
+}
+
+/// The text of a caught panic (`panic!` with a literal or a formatted message).
+pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "(no message)".to_owned())
 }
 
 /// Exports a step's catalog-named scalars: gauges are set, counters incremented by the value.

@@ -186,10 +186,11 @@ pub(super) async fn status_report(
     window: &Mutex<RateWindow>,
 ) -> StatusReport {
     let node = &admin.node;
-    let (controller, replay, engines) = tokio::join!(
+    let (controller, replay, engines, engine_failure) = tokio::join!(
         ask(node.controller.status()),
         ask(node.replay.status()),
         ask(node.engine.stats()),
+        ask(node.engine.failure()),
     );
     let trainer = node.trainer.status();
     let knobs = node.knobs.current();
@@ -224,7 +225,17 @@ pub(super) async fn status_report(
     let actors = [
         ("controller", health(&controller)),
         ("replay", health(&replay)),
-        ("engine", health(&engines)),
+        (
+            "engine",
+            match engine_failure {
+                // Gave up serving: the run is stopping, whatever the replicas' stats say.
+                Ok(Some(reason)) => ActorHealth {
+                    health: Health::Failed,
+                    detail: Some(reason),
+                },
+                _ => health(&engines),
+            },
+        ),
         ("trainer", trainer_health),
     ]
     .into_iter()

@@ -243,6 +243,10 @@ impl InferenceBackend for NativeReplica {
         self.inner.stats()
     }
 
+    fn is_alive(&self) -> bool {
+        self.inner.is_alive()
+    }
+
     fn shutdown(&mut self) {
         self.inner.shutdown();
     }

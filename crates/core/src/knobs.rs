@@ -56,6 +56,48 @@ impl FromStr for WeightUpdateMode {
     }
 }
 
+/// How far ahead of the trainer the controller admits new groups (§4.1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AdmissionMode {
+    /// η stays the hard ceiling, but new groups are admitted only while those not yet trained
+    /// fall short of what the trainer consumes before a group admitted now is ready: a
+    /// trainer-bound run trains fresh data instead of data η versions old.
+    #[default]
+    Demand,
+    /// Plain AReaL: admit up to the η ceiling, `(v + η + 1) · groups_per_step`.
+    Eta,
+}
+
+impl AdmissionMode {
+    /// All modes, in documentation order.
+    pub const ALL: [Self; 2] = [Self::Demand, Self::Eta];
+
+    /// The config / API spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Demand => "demand",
+            Self::Eta => "eta",
+        }
+    }
+}
+
+impl fmt::Display for AdmissionMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for AdmissionMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Self::ALL
+            .into_iter()
+            .find(|m| m.as_str() == s)
+            .ok_or_else(|| format!("expected one of demand, eta, got `{s}`"))
+    }
+}
+
 /// One validated snapshot of every runtime knob.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -64,6 +106,9 @@ pub struct Knobs {
     pub staleness_threshold: f64,
     /// η: no token older than η versions is ever trained on (0 = on-policy).
     pub max_version_lag: u64,
+    /// `demand`: admit only as far ahead as keeps the trainer busy (η the ceiling); `eta`: up to η.
+    #[serde(default)]
+    pub admission: AdmissionMode,
     /// Resume aborted turns from their partial output (true) or regenerate them (false).
     pub enable_partial_rollout: bool,
     /// A rollout aborted `k + 1` times becomes a tail-batch candidate; 0 disables the tail batch.
@@ -81,9 +126,10 @@ pub struct Knobs {
 }
 
 /// The names of every knob, as the API, the CLI and the gauges spell them.
-pub const KNOB_NAMES: [&str; 9] = [
+pub const KNOB_NAMES: [&str; 10] = [
     "staleness_threshold",
     "max_version_lag",
+    "admission",
     "enable_partial_rollout",
     "tail_batch_candidate_steps",
     "tail_batch_trigger_size",
@@ -236,6 +282,9 @@ pub struct KnobPatch {
     /// See [`Knobs::max_version_lag`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_version_lag: Option<u64>,
+    /// See [`Knobs::admission`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub admission: Option<AdmissionMode>,
     /// See [`Knobs::enable_partial_rollout`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub enable_partial_rollout: Option<bool>,
@@ -284,6 +333,14 @@ impl KnobPatch {
                 }
                 "max_version_lag" => {
                     patch.max_version_lag = Some(parse_value(key, value, "an integer ≥ 0")?)
+                }
+                "admission" => {
+                    patch.admission = Some(
+                        value
+                            .trim()
+                            .parse()
+                            .map_err(|reason| KnobError::new(key, reason))?,
+                    )
                 }
                 "enable_partial_rollout" => {
                     patch.enable_partial_rollout = Some(parse_value(key, value, "true or false")?)
@@ -342,6 +399,7 @@ impl KnobPatch {
         let Self {
             staleness_threshold,
             max_version_lag,
+            admission,
             enable_partial_rollout,
             tail_batch_candidate_steps,
             tail_batch_trigger_size,
@@ -356,6 +414,9 @@ impl KnobPatch {
         }
         if let Some(v) = max_version_lag {
             next.max_version_lag = *v;
+        }
+        if let Some(v) = admission {
+            next.admission = *v;
         }
         if let Some(v) = enable_partial_rollout {
             next.enable_partial_rollout = *v;
@@ -496,6 +557,7 @@ mod tests {
         Knobs {
             staleness_threshold: 0.0,
             max_version_lag: 1,
+            admission: Default::default(),
             enable_partial_rollout: true,
             tail_batch_candidate_steps: 0,
             tail_batch_trigger_size: 8,
@@ -575,7 +637,7 @@ mod tests {
             ),
             (
                 &["stalenes_threshold=1"],
-                "stalenes_threshold: unknown knob; knobs are: staleness_threshold, max_version_lag, enable_partial_rollout, tail_batch_candidate_steps, tail_batch_trigger_size, weight_update_mode, domain_mix, max_concurrent_rollouts, paused",
+                "stalenes_threshold: unknown knob; knobs are: staleness_threshold, max_version_lag, admission, enable_partial_rollout, tail_batch_candidate_steps, tail_batch_trigger_size, weight_update_mode, domain_mix, max_concurrent_rollouts, paused",
             ),
             (&["paused"], "paused: expected `knob=value`, found no `=`"),
         ];

@@ -26,6 +26,6 @@ pub use backend::{BackendError, TrainStepOutput, TrainerBackend, WeightSnapshot}
 pub use config::{Config, ConfigError};
 pub use error::Error;
 pub use ids::{GroupId, GroupIdGenerator, NodeId, PolicyVersion, RequestId, RolloutId, RunId};
-pub use knobs::{KnobError, KnobPatch, Knobs, KnobsHandle, WeightUpdateMode};
+pub use knobs::{AdmissionMode, KnobError, KnobPatch, Knobs, KnobsHandle, WeightUpdateMode};
 pub use message::{Message, Role, ToolCall, ToolSpec};
 pub use rollout::{DataSample, Rollout, RolloutGroup, RolloutStatus, RolloutTurn};

@@ -117,6 +117,7 @@ fn knobs_and_patches() {
     let knobs = Knobs {
         staleness_threshold: 0.2,
         max_version_lag: 2,
+        admission: Default::default(),
         enable_partial_rollout: false,
         tail_batch_candidate_steps: 1,
         tail_batch_trigger_size: 8,

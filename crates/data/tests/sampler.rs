@@ -284,6 +284,7 @@ fn live_domain_mix_knob_steers_the_next_draws() {
     let knobs = Knobs {
         staleness_threshold: 0.0,
         max_version_lag: 1,
+        admission: Default::default(),
         enable_partial_rollout: true,
         tail_batch_candidate_steps: 0,
         tail_batch_trigger_size: 1,

@@ -198,6 +198,12 @@ pub trait InferenceBackend: Send {
     fn stats(&self) -> EngineStats;
     /// Stops the compute thread and joins it. Requests still queued are dropped.
     fn shutdown(&mut self);
+    /// Whether the backend can still make progress: false once its compute thread ended on its
+    /// own (a panic). The engine actor checks it periodically and restarts a dead replica at
+    /// once instead of waiting for its watchdog.
+    fn is_alive(&self) -> bool {
+        true
+    }
 }
 
 /// Why a command did not get onto a backend's bounded command queue.

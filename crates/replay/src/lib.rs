@@ -16,7 +16,7 @@ pub mod error;
 pub mod persist;
 pub mod store;
 
-pub use admission::{admission_allows, in_flight_target, remaining_for_step};
+pub use admission::{Pace, admission_allows, demand_allows, in_flight_target, remaining_for_step};
 pub use bucket::Bucket;
 pub use error::ReplayError;
 pub use persist::{PersistOp, Persister, Recovered};

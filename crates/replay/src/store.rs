@@ -19,10 +19,17 @@ use crate::persist::PersistOp;
 pub struct Counters {
     /// Groups ever admitted.
     pub admitted_total: u64,
-    /// Groups given back to admission: they ended filtered, failed or expired-and-dropped.
+    /// Groups given back to admission: they ended filtered, failed or expired-and-dropped, or a
+    /// training step consumed them and published nothing (see `skipped_total`).
     pub released_total: u64,
     /// Groups handed to the trainer.
     pub consumed_total: u64,
+    /// Of the consumed groups, those whose step was skipped (every advantage zero): the step
+    /// published no version, so the admission bound `(v + η + 1) · B` did not move for them and
+    /// they are given back instead (counted in `released_total` too). Without this, η + 1 skipped
+    /// steps would close admission for good.
+    #[serde(default)]
+    pub skipped_total: u64,
     /// The counter the next group id should carry (so a restarted run never reuses an id).
     pub next_group_counter: u64,
     /// The newest published policy version the store has seen.
@@ -201,6 +208,19 @@ impl ReplayStore {
             self.counters.policy_version = version.0;
             self.push_counters();
         }
+    }
+
+    /// `groups` consumed groups trained in a step that published no version (every advantage
+    /// was zero): they stay consumed (never trained again) but leave the admission load, as the
+    /// step would have moved the bound by as many groups had it published.
+    pub fn release_skipped(&mut self, groups: u64) {
+        let groups = groups.min(self.counters.consumed_total - self.counters.skipped_total);
+        if groups == 0 {
+            return;
+        }
+        self.counters.skipped_total += groups;
+        self.counters.released_total += groups;
+        self.push_counters();
     }
 
     /// Admits a new group and marks it in flight (admission and submission are one decision):
@@ -386,7 +406,8 @@ impl ReplayStore {
                 live
             ));
         }
-        let released = self.count(Bucket::Failed)
+        let released = self.counters.skipped_total
+            + self.count(Bucket::Failed)
             + self.count(Bucket::Filtered)
             + if self.drop_expired {
                 self.count(Bucket::Expired)
@@ -401,6 +422,9 @@ impl ReplayStore {
         }
         if self.count(Bucket::Consumed) != self.counters.consumed_total {
             return Err("consumed bucket and counter disagree".into());
+        }
+        if self.counters.skipped_total > self.counters.consumed_total {
+            return Err("more groups skipped than consumed".into());
         }
         Ok(())
     }

@@ -27,7 +27,10 @@ enum Op {
         pick: usize,
         partial: bool,
     },
-    TrainStep,
+    /// A step on the oldest batch; `skipped`: it published nothing (every advantage zero).
+    TrainStep {
+        skipped: bool,
+    },
     SetEta(u64),
     Restart,
 }
@@ -39,7 +42,7 @@ fn op() -> impl Strategy<Value = Op> {
             .prop_map(|(pick, lag, uniform, failed)| Op::Finish { pick, lag, uniform, failed }),
         2 => any::<usize>().prop_map(|pick| Op::Abort { pick }),
         2 => (any::<usize>(), any::<bool>()).prop_map(|(pick, partial)| Op::Resume { pick, partial }),
-        2 => Just(Op::TrainStep),
+        2 => proptest::bool::weighted(0.25).prop_map(|skipped| Op::TrainStep { skipped }),
         1 => (0u64..4).prop_map(Op::SetEta),
         1 => Just(Op::Restart),
     ]
@@ -137,7 +140,7 @@ proptest! {
                         in_flight.push(g);
                     }
                 }
-                Op::TrainStep => {
+                Op::TrainStep { skipped } => {
                     let (outcome, _expired) = store.take_batch(batch, version, eta);
                     if let TakeOutcome::Batch(groups) = outcome {
                         prop_assert_eq!(groups.len(), batch);
@@ -153,8 +156,15 @@ proptest! {
                             }
                             prop_assert!(trained.insert(g.id), "group {} trained twice", g.id);
                         }
-                        version = version.next();
-                        store.set_policy_version(version);
+                        if skipped {
+                            // Nothing published: the batch leaves the admission load instead.
+                            let load = store.counters().admitted_load();
+                            store.release_skipped(batch as u64);
+                            prop_assert_eq!(store.counters().admitted_load(), load - batch as u64);
+                        } else {
+                            version = version.next();
+                            store.set_policy_version(version);
+                        }
                     }
                 }
                 Op::SetEta(e) => eta = e,
@@ -173,6 +183,8 @@ proptest! {
                     store = ReplayStore::recover(drop_expired, true, recovered.counters, recovered.groups);
                     prop_assert_eq!(counters.admitted_total, old_counters.admitted_total);
                     prop_assert_eq!(counters.consumed_total, old_counters.consumed_total);
+                    prop_assert_eq!(counters.released_total, old_counters.released_total);
+                    prop_assert_eq!(counters.skipped_total, old_counters.skipped_total);
                     let after: BTreeSet<GroupId> = store.ids(Bucket::Completed).chain(store.ids(Bucket::Aborted)).collect();
                     prop_assert_eq!(&before, &after, "no completed, aborted or in-flight group lost");
                     let completed_after: BTreeSet<GroupId> = store.ids(Bucket::Completed).collect();

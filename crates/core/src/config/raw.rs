@@ -319,6 +319,8 @@ pub struct RawRollout {
     pub staleness_threshold: f64,
     /// Knob: η, the largest version lag a trained token may have.
     pub max_version_lag: i64,
+    /// Knob: `demand` (generate ahead only as far as keeps the trainer busy) or `eta`.
+    pub admission: String,
     /// Knob: resume aborted turns from their partial output.
     pub enable_partial_rollout: bool,
     /// Knob: aborts before a rollout becomes a tail candidate, minus one (0 = no tail batch).
@@ -347,6 +349,7 @@ impl Default for RawRollout {
             top_k: 0,
             staleness_threshold: 0.0,
             max_version_lag: 1,
+            admission: "demand".into(),
             enable_partial_rollout: true,
             tail_batch_candidate_steps: 0,
             tail_batch_trigger_size: 0,
@@ -534,6 +537,11 @@ pub struct RawSupervision {
     pub shutdown_timeout_s: f64,
     /// Bound on one environment call (first prompt or step, reward included), seconds.
     pub env_step_timeout_s: f64,
+    /// Stop the run when an engine replica fails this many times in a row without serving a
+    /// request in between (0 = restart forever).
+    pub engine_max_restarts: i64,
+    /// Stop the run when no engine replica can serve for this long, seconds (0 = wait forever).
+    pub engine_unavailable_timeout_s: f64,
 }
 
 impl Default for RawSupervision {
@@ -545,6 +553,8 @@ impl Default for RawSupervision {
             checkpoint_every_steps: 0,
             shutdown_timeout_s: 60.0,
             env_step_timeout_s: 300.0,
+            engine_max_restarts: 10,
+            engine_unavailable_timeout_s: 120.0,
         }
     }
 }
@@ -559,6 +569,10 @@ pub struct RawFaults {
     pub engine_hang_every_requests: i64,
     /// The N-th training step of the process fails.
     pub trainer_error_at_step: i64,
+    /// The N-th training step of the process panics.
+    pub trainer_panic_at_step: i64,
+    /// Every N-th training step publishes nothing, as when every advantage is zero.
+    pub trainer_skip_every_steps: i64,
     /// Every N-th environment step panics.
     pub env_panic_every_steps: i64,
     /// Every N-th environment step hangs (until `supervision.env_step_timeout_s`).

@@ -608,6 +608,15 @@ pub struct SupervisionConfig {
     /// Bound on one environment call; a call past it ends the rollout as `Timeout`.
     #[serde(rename = "env_step_timeout_s", serialize_with = "as_seconds")]
     pub env_step_timeout: Duration,
+    /// Failures in a row (no request served in between) after which a replica stops the run
+    /// (0 = restart forever).
+    pub engine_max_restarts: u64,
+    /// How long the run waits with no replica able to serve before it stops (`None` = forever).
+    #[serde(
+        rename = "engine_unavailable_timeout_s",
+        serialize_with = "as_seconds_or_zero"
+    )]
+    pub engine_unavailable_timeout: Option<Duration>,
 }
 
 /// `[faults]`: injection periods, 0 = off.
@@ -619,6 +628,11 @@ pub struct FaultsConfig {
     pub engine_hang_every_requests: u64,
     /// The training step (1-based, of this process) that fails.
     pub trainer_error_at_step: u64,
+    /// The training step (1-based, of this process) that panics.
+    pub trainer_panic_at_step: u64,
+    /// Skipped-step period, in training steps of the process (the batch is consumed, nothing is
+    /// published, as when every advantage is zero).
+    pub trainer_skip_every_steps: u64,
     /// Environment step panic period, in steps of the node.
     pub env_panic_every_steps: u64,
     /// Environment step hang period, in steps of the node.

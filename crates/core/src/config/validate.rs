@@ -11,7 +11,7 @@ use super::ADMIN_TOKEN_ENV;
 use super::error::{ConfigError, ConfigErrorKind, closest};
 use super::raw::*;
 use super::typed::*;
-use crate::knobs::{Knobs, WeightUpdateMode};
+use crate::knobs::{AdmissionMode, Knobs, WeightUpdateMode};
 
 mod quickstart;
 mod supervision;
@@ -665,6 +665,8 @@ fn validate_rollout(
     }
     let weight_update_mode = WeightUpdateMode::from_str(&raw.weight_update_mode)
         .map_err(|m| ctx.value("rollout.weight_update_mode", m))?;
+    let admission =
+        AdmissionMode::from_str(&raw.admission).map_err(|m| ctx.value("rollout.admission", m))?;
     let trigger = u32_incl_zero(
         ctx,
         "rollout.tail_batch_trigger_size",
@@ -717,6 +719,7 @@ fn validate_rollout(
     let knobs = Knobs {
         staleness_threshold,
         max_version_lag,
+        admission,
         enable_partial_rollout: raw.enable_partial_rollout,
         tail_batch_candidate_steps: u32_incl_zero(
             ctx,

@@ -425,6 +425,10 @@ impl InferenceBackend for NativeEngine {
         self.control.stats()
     }
 
+    fn is_alive(&self) -> bool {
+        self.control.is_alive()
+    }
+
     fn shutdown(&mut self) {
         if let Some(t) = self.thread.take() {
             // Clones of the control may keep the channel open, so the command must get in: wait

@@ -134,6 +134,10 @@ impl InferenceBackend for SimEngine {
         }
     }
 
+    fn is_alive(&self) -> bool {
+        self.thread.as_ref().is_some_and(|t| !t.is_finished())
+    }
+
     fn shutdown(&mut self) {
         // A full queue still sees the disconnect once the sender is gone, so ignore a failed send.
         let _ = self.tx.try_send(Command::Shutdown);

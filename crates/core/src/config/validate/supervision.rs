@@ -67,6 +67,16 @@ pub(crate) fn validate_supervision(
             "supervision.env_step_timeout_s",
             raw.env_step_timeout_s,
         )?,
+        engine_max_restarts: u64_incl_zero(
+            ctx,
+            "supervision.engine_max_restarts",
+            raw.engine_max_restarts,
+        )?,
+        engine_unavailable_timeout: optional_seconds(
+            ctx,
+            "supervision.engine_unavailable_timeout_s",
+            raw.engine_unavailable_timeout_s,
+        )?,
     })
 }
 
@@ -75,6 +85,8 @@ pub(crate) fn validate_faults(raw: RawFaults, ctx: &Ctx<'_>) -> Result<FaultsCon
         engine_crash_every_requests,
         engine_hang_every_requests,
         trainer_error_at_step,
+        trainer_panic_at_step,
+        trainer_skip_every_steps,
         env_panic_every_steps,
         env_hang_every_steps,
         reward_panic_every_episodes,
@@ -90,6 +102,8 @@ pub(crate) fn validate_faults(raw: RawFaults, ctx: &Ctx<'_>) -> Result<FaultsCon
             engine_hang_every_requests,
         )?,
         trainer_error_at_step: period("trainer_error_at_step", trainer_error_at_step)?,
+        trainer_panic_at_step: period("trainer_panic_at_step", trainer_panic_at_step)?,
+        trainer_skip_every_steps: period("trainer_skip_every_steps", trainer_skip_every_steps)?,
         env_panic_every_steps: period("env_panic_every_steps", env_panic_every_steps)?,
         env_hang_every_steps: period("env_hang_every_steps", env_hang_every_steps)?,
         reward_panic_every_episodes: period(
