@@ -29,7 +29,8 @@ use sluice_core::{
 use sluice_engine::{FinishReason, GenerateRequest, SamplingParams, TokenOutput};
 use sluice_env::OutcomeStats;
 use sluice_replay::{
-    Bucket, Pace, admission_allows, demand_allows, in_flight_target, remaining_for_step,
+    Bucket, GroupSummary, Pace, ProgressWatch, admission_allows, demand_allows, in_flight_target,
+    remaining_for_step,
 };
 
 use crate::engine::{EngineHandle, EngineReport};
@@ -58,6 +59,8 @@ pub struct ControllerConfig {
     pub group_size: u32,
     /// Groups per training step (`B`).
     pub groups_per_step: u32,
+    /// Untrainable groups in a row that stop the run (0 = never).
+    pub no_progress_groups: u64,
     /// Sampling parameters of every request (`max_tokens` = tokens per turn).
     pub sampling: SamplingParams,
 }
@@ -119,6 +122,8 @@ pub struct ControllerStatus {
     pub pending_groups: u64,
     /// Fresh admissions refused by demand while η would have allowed them.
     pub demand_holds: u64,
+    /// Why the run makes no progress (too many untrainable groups in a row); the node stops it.
+    pub no_progress: Option<String>,
 }
 
 /// The pace demand-aware admission decides with, as `/v1/status` shows it.
@@ -276,6 +281,10 @@ pub struct ControllerState {
     outcomes: OutcomeStats,
     /// Trainer step and group times (demand-aware admission).
     pace: Pace,
+    /// Finished groups on their way to the store, as they ended (for the progress watch).
+    ending: HashMap<GroupId, GroupSummary>,
+    /// Untrainable groups since the last trainable one.
+    progress: ProgressWatch,
     knob_watch: Option<tokio::task::JoinHandle<()>>,
     /// Messages handled, sent to the sampler, engine, env pool and replay store, and dropped.
     counters: ActorCounters,
@@ -291,6 +300,7 @@ impl Actor for ControllerActor {
         me: ActorRef<ControllerMsg>,
         (config, knobs): Self::Arguments,
     ) -> Result<ControllerState, ActorProcessingErr> {
+        let progress = ProgressWatch::new(config.no_progress_groups);
         // Knob changes are decisions too: a paused, idle pipeline must notice an unpause.
         let mut rx = knobs.subscribe();
         let knob_watch = tokio::spawn(async move {
@@ -325,6 +335,8 @@ impl Actor for ControllerActor {
             status: ControllerStatus::default(),
             outcomes: OutcomeStats::new(OUTCOME_EMA_ALPHA, BALANCE_THRESHOLD, BALANCE_WINDOW),
             pace: Pace::default(),
+            ending: HashMap::new(),
+            progress,
             knob_watch: Some(knob_watch),
             counters: ActorCounters::new("controller"),
         })
@@ -740,6 +752,7 @@ impl ControllerState {
                 self.attempts.remove(&r.id);
                 self.served_by.remove(&r.id);
             }
+            self.ending.insert(gid, GroupSummary::of(&group));
             let eta = self.knobs.current().max_version_lag;
             peers.sampler.group_finished(&group, self.version, eta);
             peers.replay.finish(group, self.version, eta);
@@ -766,6 +779,11 @@ impl ControllerState {
             ReplayNotice::Stored { id, bucket, counts } => {
                 self.storing.remove(&id);
                 self.counts = counts;
+                let summary = self.ending.remove(&id);
+                if let Some(why) = self.progress.stored(bucket, summary.as_ref()) {
+                    tracing::error!(reason = %why, "the run makes no progress; it stops");
+                    self.status.no_progress.get_or_insert(why);
+                }
                 if bucket == Bucket::Aborted {
                     self.park_aborted(id);
                 }

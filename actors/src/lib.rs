@@ -69,6 +69,9 @@ pub enum ActorError {
     /// The engine gave up serving (see [`crate::engine::EngineHandle::failure`]).
     #[error("inference engine unavailable: {0}")]
     EngineUnavailable(String),
+    /// Too many groups in a row ended untrainable (see [`sluice_replay::ProgressWatch`]).
+    #[error("the run makes no progress: {0}")]
+    NoProgress(String),
 }
 
 impl ActorError {
@@ -79,6 +82,7 @@ impl ActorError {
             Self::Spawn { .. } => "actor_spawn",
             Self::Setup(_) => "node_setup",
             Self::EngineUnavailable(_) => "engine_unavailable",
+            Self::NoProgress(_) => "no_progress",
         }
     }
 }

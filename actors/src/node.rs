@@ -262,6 +262,7 @@ impl Node {
             node: NodeId(0),
             group_size: config.rollout.group_size.get(),
             groups_per_step: b,
+            no_progress_groups: config.supervision.no_progress_groups,
             sampling: SamplingParams {
                 temperature: config.rollout.temperature,
                 top_p: config.rollout.top_p,
@@ -451,6 +452,14 @@ impl Node {
         loop {
             let status = self.status().await?;
             progress(&status);
+            if let Some(reason) = &status.controller.no_progress {
+                if self.handles.checkpoint_dir.is_some()
+                    && let Err(e) = supervise_node::checkpoint(&self.handles, "no_progress").await
+                {
+                    tracing::error!(error = %e, "checkpoint after no progress failed");
+                }
+                return Err(ActorError::NoProgress(reason.clone()));
+            }
             if let Some(reason) = &status.engine_failure {
                 // Inference infrastructure failed (seed 002): stop with a checkpoint, never
                 // turn the requests into failed rollouts.

@@ -237,3 +237,33 @@ async fn resumed_rollouts_go_back_to_the_replica_that_served_them() {
         moved.iter().take(5).collect::<Vec<_>>()
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_whose_every_rollout_fails_stops_and_says_why() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = config(100, "max_version_lag = 1");
+    config.faults.env_panic_every_steps = 1;
+    config.supervision.no_progress_groups = 12;
+    let options = NodeOptions {
+        replay_dir: Some(dir.path().join("replay")),
+        checkpoint_dir: Some(dir.path().join("checkpoint")),
+        ..NodeOptions::default()
+    };
+    let node = Node::start(&config, options).await.unwrap();
+    let err = node
+        .wait_done(Duration::from_secs(60), |_| {})
+        .await
+        .expect_err("the run stops instead of looping at step 0");
+    let ActorError::NoProgress(reason) = &err else {
+        panic!("expected no progress, got {err}")
+    };
+    assert!(
+        reason.contains("no trainable group in the last 12 finished groups (12 failed"),
+        "{reason}"
+    );
+    assert!(reason.contains("a sample error: env_panic"), "{reason}");
+    let s = node.status().await.unwrap();
+    assert_eq!(s.trainer.steps, 0);
+    assert_eq!(s.checkpoint.map(|m| m.reason).as_deref(), Some("no_progress"));
+    node.shutdown().await;
+}

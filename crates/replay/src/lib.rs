@@ -14,10 +14,12 @@ pub mod admission;
 pub mod bucket;
 pub mod error;
 pub mod persist;
+pub mod progress;
 pub mod store;
 
 pub use admission::{Pace, admission_allows, demand_allows, in_flight_target, remaining_for_step};
 pub use bucket::Bucket;
 pub use error::ReplayError;
 pub use persist::{PersistOp, Persister, Recovered};
+pub use progress::{GroupSummary, ProgressWatch};
 pub use store::{Counters, FinishOutcome, ReplayStore, StoreSnapshot, TakeOutcome};

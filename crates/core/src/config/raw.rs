@@ -542,6 +542,8 @@ pub struct RawSupervision {
     pub engine_max_restarts: i64,
     /// Stop the run when no engine replica can serve for this long, seconds (0 = wait forever).
     pub engine_unavailable_timeout_s: f64,
+    /// Stop the run when this many groups in a row end untrainable (failed or filtered; 0 = never).
+    pub no_progress_groups: i64,
 }
 
 impl Default for RawSupervision {
@@ -555,6 +557,7 @@ impl Default for RawSupervision {
             env_step_timeout_s: 300.0,
             engine_max_restarts: 10,
             engine_unavailable_timeout_s: 120.0,
+            no_progress_groups: 256,
         }
     }
 }

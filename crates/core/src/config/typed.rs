@@ -617,6 +617,8 @@ pub struct SupervisionConfig {
         serialize_with = "as_seconds_or_zero"
     )]
     pub engine_unavailable_timeout: Option<Duration>,
+    /// Untrainable groups in a row (failed or filtered) that stop the run (0 = never).
+    pub no_progress_groups: u64,
 }
 
 /// `[faults]`: injection periods, 0 = off.

@@ -77,6 +77,11 @@ pub(crate) fn validate_supervision(
             "supervision.engine_unavailable_timeout_s",
             raw.engine_unavailable_timeout_s,
         )?,
+        no_progress_groups: u64_incl_zero(
+            ctx,
+            "supervision.no_progress_groups",
+            raw.no_progress_groups,
+        )?,
     })
 }
 
