@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 use sluice_core::config::{Config, ExpiredPolicy};
 use sluice_core::metrics as m;
-use sluice_core::{Knobs, KnobsHandle, NodeId, RunId, TrainerBackend};
+use sluice_core::{Knobs, KnobsHandle, NodeId, RunId, TrainerBackend, WeightUpdateMode};
 use sluice_engine::simulated::{SimEngineParams, SimTask};
 use sluice_engine::{EngineStats, InferenceBackend, SamplingParams, SimEngine, SimTrainer};
 use sluice_replay::StoreSnapshot;
@@ -302,6 +302,10 @@ impl Node {
             };
         let version = backend_trainer.version().max(recovery.policy_version);
         recovery.policy_version = version;
+        // The engine generates with the trainer's weights from the first request on: a factory
+        // builds replicas from the model it was configured with, which a resumed run has
+        // trained past (tokens of the old weights, tagged old, would all expire at once).
+        let start_weights = backend_trainer.snapshot();
         let factory = backend.unwrap_or_else(|| sim_backend(config));
         let (engine, j) = EngineHandle::spawn_supervised(
             config.engine.replicas.get(),
@@ -312,6 +316,7 @@ impl Node {
         )
         .await?;
         joins.push(("engine", j));
+        engine.update_weights(start_weights, WeightUpdateMode::AbortResume);
         let mut env_impl: Arc<dyn RolloutEnv> = env.unwrap_or_else(|| {
             Arc::new(SimTask {
                 prompt_tokens: sim.prompt_tokens.get(),

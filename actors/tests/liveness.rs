@@ -264,6 +264,9 @@ async fn a_run_whose_every_rollout_fails_stops_and_says_why() {
     assert!(reason.contains("a sample error: env_panic"), "{reason}");
     let s = node.status().await.unwrap();
     assert_eq!(s.trainer.steps, 0);
-    assert_eq!(s.checkpoint.map(|m| m.reason).as_deref(), Some("no_progress"));
+    assert_eq!(
+        s.checkpoint.map(|m| m.reason).as_deref(),
+        Some("no_progress")
+    );
     node.shutdown().await;
 }

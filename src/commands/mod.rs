@@ -8,6 +8,7 @@ mod check;
 mod env_server;
 mod knobs;
 mod model;
+mod native_monitor;
 mod plot;
 mod run;
 mod run_native;

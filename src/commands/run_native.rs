@@ -3,7 +3,6 @@
 //! async RL through the actors, evaluating on the held-out split as it goes. Writes
 //! `metrics.jsonl` (one line per step) and `progress.png` into the run's output dir.
 
-use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -11,27 +10,34 @@ use std::time::Instant;
 
 use anyhow::{Context, bail};
 use indicatif::{ProgressBar, ProgressStyle};
-use sluice_actors::native::tap::{TapHandle, TappedTrainer, lock_tap};
+use sluice_actors::checkpoint::{CHECKPOINT_DIR, CheckpointDir};
+use sluice_actors::native::tap::{TappedTrainer, lock_tap};
 use sluice_actors::native::{
     Evaluator, NativeSetup, WarmupSettings, demonstrations, ensure_model_dir, warm_start,
 };
-use sluice_actors::{Node, NodeOptions, NodeStatus};
+use sluice_actors::{Node, NodeOptions};
+use sluice_core::DataSample;
 use sluice_core::config::{Config, DatasetSpec, LrSchedule};
-use sluice_core::metrics::TRAINER_LOSS_VALUE;
-use sluice_core::{DataSample, PolicyVersion, WeightSnapshot};
 use sluice_data::{DatasetRows, MixSampler, SamplerConfig};
 use sluice_engine::{NativeEngineParams, SamplingParams};
 use sluice_env::Task;
 use sluice_env::datasets::{GeneratedRows, load_datasets};
 use sluice_model::{SaveOptions, copy_aux_files, save_checkpoint};
-use sluice_report::{METRICS_FILE, MetricsLog, PLOT_FILE, StepRecord, plot_run, read_log};
+use sluice_report::{METRICS_FILE, MetricsLog, PLOT_FILE, plot_run, read_log};
 
+use super::native_monitor::{Monitor, Start};
 use super::shutdown_signal;
 
-/// Runs the native pipeline of `config` to the end (steps, target accuracy or a signal).
+/// Runs the native pipeline of `config` to the end (steps, target accuracy or a signal). A run
+/// whose output dir holds a checkpoint resumes from it: no warm-up, the first evaluation scores
+/// the checkpoint's weights, and steps, wall time and the log continue where it stopped.
 pub async fn run(config: &Config) -> anyhow::Result<ExitCode> {
     let out = config.run.output_dir.clone();
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+    let resumed = CheckpointDir::new(out.join(CHECKPOINT_DIR))
+        .load()
+        .context("reading the run's checkpoint")?
+        .map(|(_, manifest)| manifest);
     if ensure_model_dir(config)? {
         println!(
             "created a {} model in {}",
@@ -47,7 +53,7 @@ pub async fn run(config: &Config) -> anyhow::Result<ExitCode> {
     let base = NativeSetup::load(config, None)?;
     let task = eval_task(config, &base)?;
     let warm_dir = out.join("warmup");
-    if config.warmup.enabled && !warm_dir.join("config.json").exists() {
+    if resumed.is_none() && config.warmup.enabled && !warm_dir.join("config.json").exists() {
         warmup(config, &base, &task, &warm_dir).await?;
     }
     let setup = if warm_dir.join("config.json").exists() {
@@ -56,15 +62,22 @@ pub async fn run(config: &Config) -> anyhow::Result<ExitCode> {
         base
     };
     let mut evaluations = Evaluations::new(config, &setup, &task)?;
-    let (start_accuracy, start_train_accuracy) =
-        evaluations.run(Arc::clone(&setup.weights)).await?;
-    println!(
-        "before RL: held-out accuracy {:.1}% ({} problems of `{}`), training problems {:.1}%",
-        100.0 * start_accuracy,
-        evaluations.heldout.len(),
-        task.name(),
-        100.0 * start_train_accuracy
-    );
+    // A fresh run's baseline is measured before RL starts; a resumed run's, on the restored
+    // weights once the node has loaded them.
+    let fresh_start = match &resumed {
+        Some(_) => None,
+        None => {
+            let (heldout, train) = evaluations.run(Arc::clone(&setup.weights)).await?;
+            println!(
+                "before RL: held-out accuracy {:.1}% ({} problems of `{}`), training problems {:.1}%",
+                100.0 * heldout,
+                evaluations.heldout.len(),
+                task.name(),
+                100.0 * train
+            );
+            Some((heldout, train))
+        }
+    };
     let (trainer, tap) = TappedTrainer::new(setup.trainer_backend(config, None)?);
     let source = sample_source(config, &setup)?;
     let options = NodeOptions {
@@ -89,9 +102,35 @@ pub async fn run(config: &Config) -> anyhow::Result<ExitCode> {
         println!("Prometheus metrics on http://{addr}/metrics");
     }
     let log_path = out.join(METRICS_FILE);
-    let mut log =
-        MetricsLog::open(&log_path).with_context(|| format!("opening {}", log_path.display()))?;
-    let mut monitor = Monitor::new(config, started, (start_accuracy, start_train_accuracy));
+    let first_step = resumed.as_ref().map_or(0, |m| m.steps);
+    // The steps after the checkpoint are trained again: their old records go.
+    let mut log = MetricsLog::resume(&log_path, first_step)
+        .with_context(|| format!("opening {}", log_path.display()))?;
+    let accuracy = match fresh_start {
+        Some(a) => a,
+        None => {
+            let weights = lock_tap(&tap)
+                .latest()
+                .and_then(|w| sluice_model::WeightSnapshot::from_envelope(&w))
+                .context("the restored trainer has no weights to evaluate")?;
+            let (heldout, train) = evaluations.run(weights).await?;
+            println!(
+                "resumed at step {first_step}: held-out accuracy {:.1}% ({} problems of `{}`), training problems {:.1}%",
+                100.0 * heldout,
+                evaluations.heldout.len(),
+                task.name(),
+                100.0 * train
+            );
+            (heldout, train)
+        }
+    };
+    let start = Start {
+        step: first_step,
+        wall_s: log.last().map_or(0.0, |r| r.wall_s),
+        accuracy,
+        resumed: resumed.is_some(),
+    };
+    let mut monitor = Monitor::new(config, started, start);
     let outcome = tokio::select! {
         r = monitor.watch(&node, &tap, &mut evaluations, &mut log) => Some(r),
         _ = shutdown_signal() => None,
@@ -112,10 +151,12 @@ pub async fn run(config: &Config) -> anyhow::Result<ExitCode> {
             None => return Ok(ExitCode::from(130)),
         },
     };
+    // Steps trained while stopping are in the checkpoint: log them too.
+    monitor.record_remaining(&tap, &mut log).await?;
     let plot = out.join(PLOT_FILE);
     let records = read_log(&log_path)?;
     plot_run(&records, &plot).with_context(|| format!("writing {}", plot.display()))?;
-    print_summary(&monitor, status.as_ref(), &log_path, &plot);
+    monitor.print_summary(status.as_ref(), &log_path, &plot);
     match (outcome, stop) {
         (Some(Err(e)), _) => Err(e),
         (_, Some(report)) => super::run::report_stop(&report, config),
@@ -231,7 +272,7 @@ fn training_samples(config: &Config, task: &Task, count: usize) -> anyhow::Resul
 }
 
 /// Greedy accuracy on the held-out split and on a fixed probe of training problems.
-struct Evaluations {
+pub(super) struct Evaluations {
     heldout: Evaluator,
     train: Evaluator,
 }
@@ -253,7 +294,7 @@ impl Evaluations {
     }
 
     /// (held-out accuracy, training-probe accuracy) of `weights`.
-    async fn run(
+    pub(super) async fn run(
         &mut self,
         weights: Arc<sluice_model::WeightSnapshot>,
     ) -> anyhow::Result<(f64, f64)> {
@@ -340,204 +381,4 @@ async fn warmup(
     copy_aux_files(&setup.model_dir, &tmp)?;
     std::fs::rename(&tmp, dir).with_context(|| format!("moving {} into place", tmp.display()))?;
     Ok(())
-}
-
-/// Watches the running node: logs steps, evaluates, draws the progress bar.
-struct Monitor {
-    bar: ProgressBar,
-    started: Instant,
-    every: u64,
-    stop_at: Option<f64>,
-    max_steps: u64,
-    /// (held-out, training-probe) accuracy before RL, at the last evaluation, and the best.
-    start_accuracy: (f64, f64),
-    last_accuracy: (f64, f64),
-    best_accuracy: f64,
-    steps: u64,
-    reached_target_at: Option<(u64, f64)>,
-    /// (finished rollouts, their reward sum) at the last poll and at the last record.
-    finished: (u64, f64),
-    reward: (u64, f64),
-    tokens: (u64, Instant),
-    tokens_per_s: f64,
-    /// Mean reward of the rollouts finished since the previous record.
-    reward_mean: f64,
-    /// Its moving average over steps, for the progress bar.
-    reward_smoothed: Option<f64>,
-}
-
-/// Weight of the newest step in the progress bar's reward average.
-const REWARD_SMOOTHING: f64 = 0.1;
-
-impl Monitor {
-    fn new(config: &Config, started: Instant, start_accuracy: (f64, f64)) -> Self {
-        let bar = ProgressBar::new(config.run.max_steps.get());
-        bar.set_style(
-            ProgressStyle::with_template("{bar:30} step {pos}/{len} {msg}")
-                .unwrap_or_else(|_| ProgressStyle::default_bar()),
-        );
-        Self {
-            bar,
-            started,
-            every: config.eval.every_steps,
-            stop_at: config.eval.stop_at_accuracy,
-            max_steps: config.run.max_steps.get(),
-            start_accuracy,
-            last_accuracy: start_accuracy,
-            best_accuracy: start_accuracy.0,
-            steps: 0,
-            reached_target_at: None,
-            finished: (0, 0.0),
-            reward: (0, 0.0),
-            tokens: (0, Instant::now()),
-            tokens_per_s: 0.0,
-            reward_mean: 0.0,
-            reward_smoothed: None,
-        }
-    }
-
-    /// Until the step budget is spent, the target accuracy is reached, or training fails.
-    async fn watch(
-        &mut self,
-        node: &Node,
-        tap: &TapHandle,
-        evaluations: &mut Evaluations,
-        log: &mut MetricsLog,
-    ) -> anyhow::Result<()> {
-        loop {
-            let status = node.status().await?;
-            self.rates(&status);
-            let steps = lock_tap(tap).drain_steps();
-            for s in steps {
-                self.steps += 1;
-                // Rollouts finished since the previous record (a step with none keeps the mean).
-                let ((n, sum), (n0, sum0)) = (self.finished, self.reward);
-                if n > n0 {
-                    self.reward_mean = (sum - sum0) / (n - n0) as f64;
-                    self.reward = self.finished;
-                }
-                let due = self.every > 0 && self.steps.is_multiple_of(self.every);
-                let last = self.steps >= self.max_steps;
-                let latest = lock_tap(tap).latest();
-                let accuracy = match latest {
-                    Some(w) if due || last => self.evaluate(evaluations, &w).await?,
-                    _ => None,
-                };
-                let smoothed = self.reward_smoothed.map_or(s.reward_mean, |r| {
-                    r + REWARD_SMOOTHING * (s.reward_mean - r)
-                });
-                self.reward_smoothed = Some(smoothed);
-                let mut extra = BTreeMap::from([("trained_reward_mean".to_owned(), s.reward_mean)]);
-                if let Some((_, train)) = accuracy {
-                    extra.insert("train_accuracy".to_owned(), train);
-                }
-                log.append(&StepRecord {
-                    step: self.steps,
-                    wall_s: self.started.elapsed().as_secs_f64(),
-                    phase: Some("rl".into()),
-                    reward_mean: self.reward_mean,
-                    eval_accuracy: accuracy.map(|a| a.0),
-                    version_lag_mean: s.version_lag_mean,
-                    tokens_per_s: Some(self.tokens_per_s),
-                    loss: s.metrics.get(TRAINER_LOSS_VALUE).copied(),
-                    policy_version: Some(PolicyVersion(s.version.0 + 1)),
-                    extra,
-                })?;
-                let line = format!(
-                    "| reward {smoothed:.2} | eval {:.1}% (train {:.1}%) | lag {:.2} | {:.0} tok/s",
-                    100.0 * self.last_accuracy.0,
-                    100.0 * self.last_accuracy.1,
-                    s.version_lag_mean,
-                    self.tokens_per_s
-                );
-                // Without a terminal (logs, CI) the bar is hidden: one line per evaluation.
-                if self.bar.is_hidden() && accuracy.is_some() {
-                    println!(
-                        "step {}/{} {:.0}s {line}",
-                        self.steps,
-                        self.max_steps,
-                        self.started.elapsed().as_secs_f64()
-                    );
-                }
-                self.bar.set_position(self.steps);
-                self.bar.set_message(line);
-                if let (Some(target), Some((heldout, _))) = (self.stop_at, accuracy)
-                    && heldout >= target
-                {
-                    let at = self.started.elapsed().as_secs_f64();
-                    self.reached_target_at.get_or_insert((self.steps, at));
-                    return Ok(());
-                }
-            }
-            if let Some(e) = &status.trainer.error {
-                bail!("training failed: {e}");
-            }
-            if status.trainer.done {
-                return Ok(());
-            }
-            if let Some(actor) = node.failure() {
-                bail!("actor `{actor}` stopped unexpectedly");
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-        }
-    }
-
-    fn rates(&mut self, status: &NodeStatus) {
-        self.finished = (
-            status.controller.finished_rollouts,
-            status.controller.reward_sum,
-        );
-        let tokens: u64 = status.engines.iter().map(|e| e.generated_tokens).sum();
-        let (t0, at) = self.tokens;
-        let dt = at.elapsed().as_secs_f64();
-        if dt >= 1.0 {
-            self.tokens_per_s = tokens.saturating_sub(t0) as f64 / dt;
-            self.tokens = (tokens, Instant::now());
-        }
-    }
-
-    async fn evaluate(
-        &mut self,
-        evaluations: &mut Evaluations,
-        weights: &WeightSnapshot,
-    ) -> anyhow::Result<Option<(f64, f64)>> {
-        let Some(w) = sluice_model::WeightSnapshot::from_envelope(weights) else {
-            return Ok(None);
-        };
-        let accuracy = evaluations.run(w).await?;
-        self.last_accuracy = accuracy;
-        self.best_accuracy = self.best_accuracy.max(accuracy.0);
-        Ok(Some(accuracy))
-    }
-}
-
-fn print_summary(m: &Monitor, status: Option<&NodeStatus>, log: &Path, plot: &Path) {
-    let wall = m.started.elapsed().as_secs_f64();
-    println!("steps                 {}", m.steps);
-    println!("wall time             {wall:.1} s");
-    println!(
-        "held-out accuracy     {:.1}% → {:.1}% (best {:.1}%)",
-        100.0 * m.start_accuracy.0,
-        100.0 * m.last_accuracy.0,
-        100.0 * m.best_accuracy
-    );
-    println!(
-        "training problems     {:.1}% → {:.1}%",
-        100.0 * m.start_accuracy.1,
-        100.0 * m.last_accuracy.1
-    );
-    if let Some((step, at)) = m.reached_target_at {
-        println!("target reached        at step {step}, {at:.1} s");
-    }
-    if let Some(s) = status {
-        println!(
-            "version lag           mean {:.3}, max {} (violations {})",
-            s.trainer.mean_lag(),
-            s.trainer.max_lag,
-            s.trainer.lag_violations
-        );
-        println!("engine busy ratio     {:.3}", s.engine_busy_ratio());
-    }
-    println!("metrics               {}", log.display());
-    println!("plot                  {}", plot.display());
 }

@@ -1,5 +1,6 @@
-//! No-progress detection: a run whose groups keep ending untrainable (every rollout failed, or
-//! every reward equal so the group was filtered) would loop at the same step forever, admitting
+//! No-progress detection: a run whose groups keep ending untrainable (every rollout failed,
+//! every reward equal so the group was filtered, or generated with weights too old to train)
+//! would loop at the same step forever, admitting
 //! and failing groups without a line of output. [`ProgressWatch`] counts the groups stored since
 //! the last trainable one and, past a limit, says why in one message: the rollout statuses seen,
 //! and a sample error.
@@ -40,6 +41,7 @@ pub struct ProgressWatch {
     limit: u64,
     failed: u64,
     filtered: u64,
+    expired: u64,
     statuses: BTreeMap<&'static str, u64>,
     error: Option<String>,
 }
@@ -64,6 +66,7 @@ impl ProgressWatch {
             }
             Bucket::Failed => self.failed += 1,
             Bucket::Filtered => self.filtered += 1,
+            Bucket::Expired => self.expired += 1,
             _ => return None,
         }
         if let Some(s) = summary {
@@ -74,13 +77,13 @@ impl ProgressWatch {
                 self.error.clone_from(&s.error);
             }
         }
-        let untrainable = self.failed + self.filtered;
+        let untrainable = self.untrainable();
         (self.limit > 0 && untrainable == self.limit).then(|| self.reason())
     }
 
     /// Groups stored untrainable since the last trainable one.
     pub fn untrainable(&self) -> u64 {
-        self.failed + self.filtered
+        self.failed + self.filtered + self.expired
     }
 
     fn reason(&self) -> String {
@@ -92,10 +95,12 @@ impl ProgressWatch {
             .join(", ");
         let mut why = format!(
             "no trainable group in the last {} finished groups ({} failed: every rollout ended in \
-             error; {} filtered: every reward equal); rollouts by status: {statuses}",
+             error; {} filtered: every reward equal; {} expired: generated with weights older \
+             than max_version_lag allows); rollouts by status: {statuses}",
             self.untrainable(),
             self.failed,
             self.filtered,
+            self.expired,
         );
         if let Some(e) = &self.error {
             why.push_str(&format!("; a sample error: {e}"));
@@ -144,9 +149,15 @@ mod tests {
         for _ in 0..1000 {
             assert_eq!(w.stored(Bucket::Failed, None), None);
         }
-        let mut w = ProgressWatch::new(1);
+        let mut w = ProgressWatch::new(2);
         assert_eq!(w.stored(Bucket::Aborted, None), None);
         assert_eq!(w.stored(Bucket::Expired, None), None);
-        assert!(w.stored(Bucket::Filtered, None).is_some());
+        let why = w
+            .stored(Bucket::Filtered, None)
+            .expect("expired and filtered count");
+        assert!(
+            why.contains("1 filtered") && why.contains("1 expired"),
+            "{why}"
+        );
     }
 }
