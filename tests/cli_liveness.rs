@@ -78,7 +78,7 @@ fn a_panicking_trainer_ends_the_run_at_once() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(!out.status.success(), "{stderr}");
     assert!(
-        stderr.contains("training failed: the training step panicked"),
+        stderr.contains("training failed: trainer_panic: the training step panicked"),
         "{stderr}"
     );
     assert!(stdout.contains("steps                 1"), "{stdout}");
