@@ -5,9 +5,10 @@
 //!
 //! | actor | on failure |
 //! |---|---|
-//! | engine replica | rebuilt by the engine actor after an exponential backoff (`[supervision]`); its requests return aborted with their last partial; a watchdog fails a replica that holds requests without progress |
+//! | engine replica | rebuilt by the engine actor after an exponential backoff (`[supervision]`); its requests return aborted with their last partial; a watchdog fails a replica that holds requests without progress; past `engine_max_restarts` failures in a row, or with no replica for `engine_unavailable_timeout_s`, the engine gives up and the node stops the run with a checkpoint |
 //! | env worker | a panicking env fails that rollout (`Error("env_panic")`); the worker lives on |
-//! | trainer step | a failed step stops training; the run ends with a checkpoint instead of looping |
+//! | trainer step | a failed (or panicked) step stops training; the run ends with a checkpoint instead of looping (a panicked trainer's state is not checkpointed) |
+//! | groups | `no_progress_groups` untrainable groups in a row stop the run with a checkpoint |
 //! | sampler, controller, replay, trainer | the node stops with an error; restarting the process recovers from the last checkpoint plus the replay store |
 //!
 //! The last row is deliberate: those actors hold the run's accounting, and the replay store on
