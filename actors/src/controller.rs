@@ -120,7 +120,7 @@ pub struct ControllerStatus {
     pub pace: PaceStatus,
     /// Groups admitted and not yet trained (ready, in flight, waiting to resume).
     pub pending_groups: u64,
-    /// Fresh admissions refused by demand while η would have allowed them.
+    /// Scheduling decisions in which demand held back a fresh admission that η allowed.
     pub demand_holds: u64,
     /// Why the run makes no progress (too many untrainable groups in a row); the node stops it.
     pub no_progress: Option<String>,
@@ -133,7 +133,8 @@ pub struct PaceStatus {
     pub train_step_seconds: Option<f64>,
     /// Moving average of a group's time from start to stored.
     pub group_seconds: Option<f64>,
-    /// Groups worth keeping ahead of the trainer (two batches until both times are measured).
+    /// Groups worth keeping ahead of the trainer (one batch and the headroom until both times
+    /// are measured).
     pub demand_groups: u64,
 }
 
