@@ -99,6 +99,12 @@ pub fn load_checkpoint(dir: &Path, options: &LoadOptions) -> Result<WeightSnapsh
         }
         let context = format!("{}: tensor `{}`", path.display(), spec.name);
         let t = view.load(&options.device).ctx(&context)?;
+        if !all_finite(&t).ctx(&context)? {
+            return Err(ModelError::NonFinite {
+                path: path.clone(),
+                name: spec.name,
+            });
+        }
         let t = if t.dtype() == dtype {
             t
         } else {
@@ -117,6 +123,14 @@ pub fn load_checkpoint(dir: &Path, options: &LoadOptions) -> Result<WeightSnapsh
         );
     }
     WeightSnapshot::new(config, PolicyVersion::INITIAL, tensors)
+}
+
+/// Whether every value of `t` is finite: `x − x` is 0 for finite `x` and NaN otherwise, so the
+/// sum is 0 exactly when all are (one pass, in f32 whatever the stored dtype).
+fn all_finite(t: &Tensor) -> candle_core::Result<bool> {
+    let t = t.to_dtype(DType::F32)?;
+    let s = (&t - &t)?.sum_all()?.to_scalar::<f32>()?;
+    Ok(s == 0.0)
 }
 
 fn has_tensor(parsed: &[(&PathBuf, SafeTensors<'_>)], name: &str) -> bool {

@@ -58,6 +58,15 @@ pub enum ModelError {
         /// Shape found.
         actual: Vec<usize>,
     },
+    /// A tensor holds NaN or infinite values (a diverged run's weights): loading it would only
+    /// produce garbage rollouts that every later check filters out.
+    #[error("{path}: tensor `{name}` holds NaN or infinite values")]
+    NonFinite {
+        /// The file.
+        path: PathBuf,
+        /// HF tensor name.
+        name: String,
+    },
     /// A tensor operation failed (shape mismatch, device error, out of memory).
     #[error("{context}: {source}")]
     Tensor {
@@ -98,6 +107,7 @@ impl ModelError {
             ModelError::Safetensors { .. } => "safetensors",
             ModelError::MissingTensor { .. } => "missing_tensor",
             ModelError::TensorShape { .. } => "tensor_shape",
+            ModelError::NonFinite { .. } => "non_finite_weights",
             ModelError::Tensor { .. } => "tensor_op",
             ModelError::Tokenizer { .. } => "tokenizer",
             ModelError::ChatTemplate { .. } => "chat_template",

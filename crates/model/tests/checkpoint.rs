@@ -147,6 +147,29 @@ fn missing_or_misshaped_tensors_are_named() {
     );
 }
 
+#[test]
+fn weights_with_nan_or_inf_are_refused_naming_the_tensor() {
+    let snap = snapshot(tiny_config(Architecture::Qwen2, false), 9, DType::F32);
+    let dir = tempfile::tempdir().unwrap();
+    for bad in [f32::NAN, f32::INFINITY] {
+        save_checkpoint(&snap, dir.path(), &SaveOptions::default()).unwrap();
+        let name = "model.layers.1.mlp.up_proj.weight";
+        rewrite(dir.path(), |t| {
+            let w = &t[name];
+            let mut values = w.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            values[3] = bad;
+            let w = Tensor::from_vec(values, w.shape(), w.device()).unwrap();
+            t.insert(name.to_owned(), w);
+        });
+        let err = load_checkpoint(dir.path(), &LoadOptions::default()).unwrap_err();
+        assert_eq!(err.kind(), "non_finite_weights");
+        assert!(
+            err.to_string().contains(name) && err.to_string().contains("NaN or infinite"),
+            "{err}"
+        );
+    }
+}
+
 fn hf_config() -> serde_json::Value {
     json!({
         "architectures": ["Qwen3ForCausalLM"],
