@@ -107,8 +107,8 @@ fn parse_device(s: &str) -> Result<sluice_core::config::Device, String> {
 /// `sluice env-server`
 #[derive(Debug, clap::Args)]
 pub struct EnvServerArgs {
-    /// Address to bind. The protocol has no authentication: bind beyond loopback only on a
-    /// trusted network.
+    /// Address to bind. Beyond loopback, `$SLUICE_ENV_TOKEN` must hold a token that every env
+    /// call then carries as `Authorization: Bearer <token>`.
     #[arg(long, default_value = "127.0.0.1")]
     pub host: std::net::IpAddr,
     /// Port; 0 picks a free one (the bound address is printed).
