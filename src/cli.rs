@@ -83,6 +83,10 @@ pub struct ServeArgs {
     /// Model name reported by the API (default: the directory's name).
     #[arg(long)]
     pub served_model_name: Option<String>,
+    /// Sequences (prompts × n) accepted at once across all requests; a request beyond answers
+    /// 503 with `Retry-After`.
+    #[arg(long, default_value_t = sluice_engine::server::DEFAULT_MAX_QUEUED_SEQUENCES)]
+    pub max_queued_sequences: usize,
 }
 
 /// A config file plus `--set` overrides.
