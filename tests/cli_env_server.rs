@@ -81,7 +81,10 @@ fn env_server_refuses_a_wide_bind_without_a_token() {
         .unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("$SLUICE_ENV_TOKEN: expected a non-empty token"), "{err}");
+    assert!(
+        err.contains("$SLUICE_ENV_TOKEN: expected a non-empty token"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -108,6 +108,9 @@ fn init_refuses_to_replace_an_existing_model_unless_forced() {
         "the weights are untouched"
     );
     assert!(run(args("2", true)).status.success());
-    assert_ne!(std::fs::read(dir.join("model.safetensors")).unwrap(), weights);
+    assert_ne!(
+        std::fs::read(dir.join("model.safetensors")).unwrap(),
+        weights
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -28,7 +28,10 @@ fn plot_refuses_to_overwrite_its_log_or_a_file_that_is_not_a_png() {
     let out = sluice(&["plot", s(&log), "-o", s(&log)]);
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("that is the metrics log being plotted"), "{err}");
+    assert!(
+        err.contains("that is the metrics log being plotted"),
+        "{err}"
+    );
     let out = sluice(&["plot", s(dir.path()), "-o", s(&log), "--force"]);
     assert_eq!(out.status.code(), Some(1), "never, even with --force");
     assert_eq!(std::fs::read_to_string(&log).unwrap(), LOG);
@@ -45,14 +48,22 @@ fn plot_refuses_to_overwrite_its_log_or_a_file_that_is_not_a_png() {
     );
     assert_eq!(std::fs::read_to_string(&notes).unwrap(), "keep me");
     let out = sluice(&["plot", s(&log), "-o", s(&notes), "--force"]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(std::fs::read(&notes).unwrap().starts_with(b"\x89PNG"));
 
     // A new file, then the same PNG again: both fine.
     let png = dir.path().join("p.png");
     for _ in 0..2 {
         let out = sluice(&["plot", s(&log), "-o", s(&png)]);
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
     assert_eq!(std::fs::read_to_string(&log).unwrap(), LOG);
 }

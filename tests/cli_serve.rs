@@ -34,11 +34,27 @@ fn serve_refuses_an_empty_model_name_and_a_zero_budget() {
     let dir = tempfile::tempdir().unwrap();
     let model = dir.path().join("m");
     for (flag, value, message) in [
-        ("--served-model-name", " ", "--served-model-name: expected a non-empty name"),
-        ("--max-queued-sequences", "0", "--max-queued-sequences: expected an integer ≥ 1, got 0"),
+        (
+            "--served-model-name",
+            " ",
+            "--served-model-name: expected a non-empty name",
+        ),
+        (
+            "--max-queued-sequences",
+            "0",
+            "--max-queued-sequences: expected an integer ≥ 1, got 0",
+        ),
     ] {
         let out = sluice()
-            .args(["serve", "--model", model.to_str().unwrap(), "--port", "0", flag, value])
+            .args([
+                "serve",
+                "--model",
+                model.to_str().unwrap(),
+                "--port",
+                "0",
+                flag,
+                value,
+            ])
             .output()
             .unwrap();
         assert_eq!(out.status.code(), Some(1));
@@ -52,7 +68,14 @@ fn sigterm_under_load_aborts_generation_in_flight() {
     let dir = tempfile::tempdir().unwrap();
     let model = dir.path().join("m");
     let init = sluice()
-        .args(["model", "init", "--preset", "tiny", "--out", model.to_str().unwrap()])
+        .args([
+            "model",
+            "init",
+            "--preset",
+            "tiny",
+            "--out",
+            model.to_str().unwrap(),
+        ])
         .output()
         .unwrap();
     assert!(init.status.success());

@@ -16,13 +16,11 @@ pub fn run(command: ModelCommand) -> anyhow::Result<ExitCode> {
 }
 
 fn init(args: &ModelInitArgs) -> anyhow::Result<ExitCode> {
-    if !args.force {
-        if let Some(existing) = model_files(&args.out) {
-            bail!(
-                "--out {}: already holds a model ({existing}); pass --force to replace it",
-                args.out.display()
-            );
-        }
+    if let Some(existing) = model_files(&args.out).filter(|_| !args.force) {
+        bail!(
+            "--out {}: already holds a model ({existing}); pass --force to replace it",
+            args.out.display()
+        );
     }
     presets::write_preset(args.preset, &args.out, args.seed)
         .with_context(|| format!("writing preset to {}", args.out.display()))?;
@@ -44,7 +42,11 @@ fn model_files(dir: &std::path::Path) -> Option<String> {
     let mut names: Vec<String> = entries
         .filter_map(|e| e.ok())
         .map(|e| e.file_name().to_string_lossy().into_owned())
-        .filter(|n| n == "config.json" || n.ends_with(".safetensors") || n.ends_with(".safetensors.index.json"))
+        .filter(|n| {
+            n == "config.json"
+                || n.ends_with(".safetensors")
+                || n.ends_with(".safetensors.index.json")
+        })
         .collect();
     names.sort();
     names.into_iter().next()

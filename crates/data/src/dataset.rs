@@ -288,7 +288,10 @@ mod tests {
         )
         .unwrap_err();
         let msg = err.to_string();
-        assert!(msg.contains("cannot read /nonexistent-data/math/toy.jsonl: "), "{msg}");
+        assert!(
+            msg.contains("cannot read /nonexistent-data/math/toy.jsonl: "),
+            "{msg}"
+        );
         // The binary prints the whole chain; the OS error is in the message, so no source.
         assert!(std::error::Error::source(&err).is_none());
     }

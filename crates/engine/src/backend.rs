@@ -159,7 +159,9 @@ pub enum EngineError {
     },
     /// The backend's bounded command queue is full: nothing is wrong with the request, the
     /// backend is busy; the same call can succeed later.
-    #[error("engine backend `{backend}` is overloaded: command queue full ({capacity}); retry later")]
+    #[error(
+        "engine backend `{backend}` is overloaded: command queue full ({capacity}); retry later"
+    )]
     Overloaded {
         /// Which backend.
         backend: String,

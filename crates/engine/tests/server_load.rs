@@ -46,7 +46,11 @@ async fn a_full_server_answers_503_with_retry_after() {
 
     let busy = tokio::time::timeout(
         Duration::from_secs(10),
-        post(addr, "/v1/completions", json!({"prompt": "c", "max_tokens": 2})),
+        post(
+            addr,
+            "/v1/completions",
+            json!({"prompt": "c", "max_tokens": 2}),
+        ),
     )
     .await
     .expect("an overloaded server answers at once instead of queueing");
@@ -78,7 +82,11 @@ async fn a_full_server_answers_503_with_retry_after() {
     .await;
     assert_eq!(never.status, 400, "{}", never.body);
     assert!(!never.head.contains("retry-after"), "{}", never.head);
-    assert!(never.body.contains("asks for 24 sequences"), "{}", never.body);
+    assert!(
+        never.body.contains("asks for 24 sequences"),
+        "{}",
+        never.body
+    );
 
     // A rid still in flight is not reused (aborting by it would hit both calls).
     let twin = post(
@@ -98,7 +106,12 @@ async fn a_full_server_answers_503_with_retry_after() {
     assert_eq!(done.status, 200, "{}", done.body);
     assert_eq!(done.json()["choices"].as_array().unwrap().len(), 16);
     // The budget came back: the same call now succeeds.
-    let again = post(addr, "/v1/completions", json!({"prompt": "c", "max_tokens": 2})).await;
+    let again = post(
+        addr,
+        "/v1/completions",
+        json!({"prompt": "c", "max_tokens": 2}),
+    )
+    .await;
     assert_eq!(again.status, 200, "{}", again.body);
     s.stop().await;
 }
@@ -117,7 +130,11 @@ async fn engine_counts_return_to_zero_when_idle() {
     .await;
     assert_eq!(one.status, 200, "{}", one.body);
     let v = wait_stats(addr, |v| v["running"] == 0 && v["waiting"] == 0).await;
-    assert_eq!((v["running"].clone(), v["waiting"].clone()), (json!(0), json!(0)), "{v}");
+    assert_eq!(
+        (v["running"].clone(), v["waiting"].clone()),
+        (json!(0), json!(0)),
+        "{v}"
+    );
 
     let batch = post(
         addr,
@@ -127,7 +144,11 @@ async fn engine_counts_return_to_zero_when_idle() {
     .await;
     assert_eq!(batch.status, 200, "{}", batch.body);
     let v = wait_stats(addr, |v| v["running"] == 0 && v["waiting"] == 0).await;
-    assert_eq!((v["running"].clone(), v["waiting"].clone()), (json!(0), json!(0)), "{v}");
+    assert_eq!(
+        (v["running"].clone(), v["waiting"].clone()),
+        (json!(0), json!(0)),
+        "{v}"
+    );
     assert!(v["generated_tokens"].as_u64().unwrap() >= 3 + 16 * 4, "{v}");
     s.stop().await;
 }

@@ -129,13 +129,23 @@ async fn calls_out_of_order_answer_409_env_protocol() {
 
     let (status, body) = server.json("POST", &step, answer("2")).await;
     assert_eq!((status, kind(&body)), (409, "env_protocol"), "{body}");
-    assert!(body["error"]["message"].as_str().unwrap().contains("before init"));
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("before init")
+    );
 
     let (status, body) = server.json("POST", &init, json!({})).await;
     assert_eq!(status, 200, "{body}");
     let (status, body) = server.json("POST", &init, json!({})).await;
     assert_eq!((status, kind(&body)), (409, "env_protocol"), "{body}");
-    assert!(body["error"]["message"].as_str().unwrap().contains("already initialised"));
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("already initialised")
+    );
 
     let (status, body) = server.json("POST", &step, answer("2")).await;
     assert_eq!(status, 200, "{body}");
@@ -144,7 +154,9 @@ async fn calls_out_of_order_answer_409_env_protocol() {
     assert_eq!((status, kind(&body)), (409, "env_protocol"), "{body}");
     assert!(body["error"]["message"].as_str().unwrap().contains("done"));
 
-    let (status, _) = server.call("DELETE", &format!("/v1/envs/{id}"), &[], "").await;
+    let (status, _) = server
+        .call("DELETE", &format!("/v1/envs/{id}"), &[], "")
+        .await;
     assert_eq!(status, 204);
     server.stop().await;
 }
@@ -161,12 +173,20 @@ async fn bad_bodies_answer_the_documented_json_error_shape() {
         .json("POST", "/v1/envs", json!({"task": "arithmetic"}))
         .await;
     assert_eq!((status, kind(&body)), (400, "bad_request"), "{body}");
-    assert!(body["error"]["message"].as_str().unwrap().contains("sample"), "{body}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("sample"),
+        "{body}"
+    );
     // No JSON content type.
     let (status, body) = server.call("POST", "/v1/envs", &[], "{}").await;
     assert_eq!((status, kind(&body)), (415, "bad_request"), "{body}");
     // A step body of the wrong shape.
-    let id = server.create("arithmetic", json!({"question": "1+1=", "answer": 2})).await;
+    let id = server
+        .create("arithmetic", json!({"question": "1+1=", "answer": 2}))
+        .await;
     let (status, body) = server
         .json("POST", &format!("/v1/envs/{id}/step"), json!({"msg": 1}))
         .await;
@@ -180,13 +200,16 @@ async fn bad_bodies_answer_the_documented_json_error_shape() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_configured_token_is_required_on_every_env_call() {
     let server = Server::start(Some("s3cret")).await;
-    let create = json!({"task": "arithmetic", "sample": sample(json!({"question": "1+1=", "answer": 2}))})
-        .to_string();
+    let create =
+        json!({"task": "arithmetic", "sample": sample(json!({"question": "1+1=", "answer": 2}))})
+            .to_string();
     let json_ct = ("Content-Type", "application/json");
     let (status, body) = server.call("POST", "/v1/envs", &[json_ct], &create).await;
     assert_eq!((status, kind(&body)), (401, "unauthorized"), "{body}");
     let wrong = ("Authorization", "Bearer guess");
-    let (status, body) = server.call("POST", "/v1/envs", &[json_ct, wrong], &create).await;
+    let (status, body) = server
+        .call("POST", "/v1/envs", &[json_ct, wrong], &create)
+        .await;
     assert_eq!((status, kind(&body)), (401, "unauthorized"), "{body}");
     let (status, body) = server.call("DELETE", "/v1/envs/e1", &[], "").await;
     assert_eq!((status, kind(&body)), (401, "unauthorized"), "{body}");
@@ -194,7 +217,9 @@ async fn a_configured_token_is_required_on_every_env_call() {
     let (status, _) = server.call("GET", "/v1/health", &[], "").await;
     assert_eq!(status, 200);
     let right = ("Authorization", "Bearer s3cret");
-    let (status, body) = server.call("POST", "/v1/envs", &[json_ct, right], &create).await;
+    let (status, body) = server
+        .call("POST", "/v1/envs", &[json_ct, right], &create)
+        .await;
     assert_eq!(status, 201, "{body}");
     server.stop().await;
 
@@ -203,13 +228,14 @@ async fn a_configured_token_is_required_on_every_env_call() {
     let url = format!("http://{}", server.addr);
     let s: sluice_core::DataSample =
         serde_json::from_value(sample(json!({"question": "1+1=", "answer": 2}))).unwrap();
-    let factory = sluice_env::remote::RemoteEnvFactory::new(&url, "arithmetic", Duration::from_secs(5))
-        .unwrap();
+    let factory =
+        sluice_env::remote::RemoteEnvFactory::new(&url, "arithmetic", Duration::from_secs(5))
+            .unwrap();
     let mut env = sluice_env::EnvFactory::make_env(&factory, &s).unwrap();
     let err = env.init().await.unwrap_err();
     assert!(err.to_string().contains("401"), "{err}");
-    let mut env = sluice_env::EnvFactory::make_env(&factory.with_token(Secret::new("s3cret")), &s)
-        .unwrap();
+    let mut env =
+        sluice_env::EnvFactory::make_env(&factory.with_token(Secret::new("s3cret")), &s).unwrap();
     env.init().await.unwrap();
     env.close().await.unwrap();
     server.stop().await;
@@ -222,7 +248,10 @@ async fn a_deeply_nested_calculator_call_does_not_kill_the_server() {
     let server = Server::start(None).await;
     for nesting in [3_000usize, 10_000] {
         let id = server
-            .create("calculator_tool", json!({"expression": "1 + 1", "answer": 2}))
+            .create(
+                "calculator_tool",
+                json!({"expression": "1 + 1", "answer": 2}),
+            )
             .await;
         let (status, _) = server
             .json("POST", &format!("/v1/envs/{id}/init"), json!({}))

@@ -97,7 +97,11 @@ fn transformers_auto_tokenizer_reproduces_our_ids_on_chat_prompts() {
             let text = tok.apply_chat_template(&messages, &options).unwrap();
             let ids = tok.encode(&text, false).unwrap();
             let newlines = text.matches('\n').count();
-            assert_eq!(ids.iter().filter(|&&i| i == 95).count(), newlines, "{text:?}");
+            assert_eq!(
+                ids.iter().filter(|&&i| i == 95).count(),
+                newlines,
+                "{text:?}"
+            );
             json!({"messages": messages, "text": text, "ids": ids})
         })
         .collect();

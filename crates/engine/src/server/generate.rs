@@ -74,10 +74,9 @@ pub fn launch(
             format!("rid `{rid}` names a request still in flight; give each request its own rid"),
         )
     };
-    if let Some(r) = &rid {
-        if state.rids.lock().expect("not poisoned").contains_key(r) {
-            return Err(taken(r));
-        }
+    let in_flight = |r: &&String| state.rids.lock().expect("not poisoned").contains_key(*r);
+    if let Some(r) = rid.as_ref().filter(in_flight) {
+        return Err(taken(r));
     }
     state.reserve(specs.len())?;
     let counter = state.next_id.fetch_add(1, Ordering::Relaxed);

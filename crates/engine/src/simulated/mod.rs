@@ -41,7 +41,10 @@ mod tests {
     fn real_durations_never_panic() {
         assert_eq!(real_duration(1.5), Duration::from_millis(1500));
         assert_eq!(real_duration(1e300), Duration::from_secs(10_000_000));
-        assert_eq!(real_duration(f64::INFINITY), Duration::from_secs(10_000_000));
+        assert_eq!(
+            real_duration(f64::INFINITY),
+            Duration::from_secs(10_000_000)
+        );
         assert_eq!(real_duration(f64::NAN), Duration::ZERO);
         assert_eq!(real_duration(-1.0), Duration::ZERO);
     }

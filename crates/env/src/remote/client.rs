@@ -214,13 +214,15 @@ impl RemoteEnvFactory {
 
 impl EnvFactory for RemoteEnvFactory {
     fn make_env(&self, sample: &DataSample) -> Result<Box<dyn MessageEnv>, EnvError> {
-        Ok(Box::new(RemoteEnv::new(
-            &self.base_url,
-            self.task.clone(),
-            sample.clone(),
-            self.timeout,
-        )?
-        .with_token(self.token.clone())))
+        Ok(Box::new(
+            RemoteEnv::new(
+                &self.base_url,
+                self.task.clone(),
+                sample.clone(),
+                self.timeout,
+            )?
+            .with_token(self.token.clone()),
+        ))
     }
 }
 

@@ -230,7 +230,6 @@ fn same_bytes(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-
 /// The protocol's routes over `registry`.
 pub fn router(registry: Arc<TaskRegistry>, config: ServerConfig) -> Router {
     let state = Arc::new(ServerState {

@@ -323,7 +323,11 @@ mod tests {
         assert!(err.contains("nested too deeply"), "{err}");
         // Unary minus recurses too.
         let minuses = format!("{}1", "-".repeat(MAX_EXPRESSION_DEPTH + 1));
-        assert!(evaluate(&minuses).unwrap_err().contains("nested too deeply"));
+        assert!(
+            evaluate(&minuses)
+                .unwrap_err()
+                .contains("nested too deeply")
+        );
         let long = format!("1{}", "+1".repeat(MAX_EXPRESSION_CHARS));
         assert!(evaluate(&long).unwrap_err().contains("too long"));
     }

@@ -59,8 +59,16 @@ const BOUNDS: &[Bound] = &[
         1000.0,
         "times real time; 1000 at most",
     ),
-    bound("engine.simulated.prefill_seconds_per_token", MAX_SIM_SECONDS, SIM),
-    bound("engine.simulated.decode_step_base_seconds", MAX_SIM_SECONDS, SIM),
+    bound(
+        "engine.simulated.prefill_seconds_per_token",
+        MAX_SIM_SECONDS,
+        SIM,
+    ),
+    bound(
+        "engine.simulated.decode_step_base_seconds",
+        MAX_SIM_SECONDS,
+        SIM,
+    ),
     bound(
         "engine.simulated.decode_step_per_sequence_seconds",
         MAX_SIM_SECONDS,
@@ -88,9 +96,17 @@ const BOUNDS: &[Bound] = &[
     bound("trainer.minibatches", 1024.0, "optimizer updates per step"),
     bound("trainer.is_cap", 1e6, "the importance-weight cap"),
     bound("trainer.simulated.step_base_seconds", MAX_SIM_SECONDS, SIM),
-    bound("trainer.simulated.step_seconds_per_token", MAX_SIM_SECONDS, SIM),
+    bound(
+        "trainer.simulated.step_seconds_per_token",
+        MAX_SIM_SECONDS,
+        SIM,
+    ),
     bound("rollout.group_size", 4096.0, "rollouts per group"),
-    bound("rollout.groups_per_step", 65_536.0, "groups per training step"),
+    bound(
+        "rollout.groups_per_step",
+        65_536.0,
+        "groups per training step",
+    ),
     bound("rollout.max_turns", 1024.0, "turns per episode"),
     bound("rollout.max_new_tokens", MAX_TOKENS, TOKENS),
     bound("rollout.temperature", 100.0, "the sampling temperature"),
@@ -120,7 +136,11 @@ const BOUNDS: &[Bound] = &[
     bound("eval.every_steps", MAX_COUNT, STEPS),
     bound("eval.samples", 1_048_576.0, "samples"),
     bound("eval.temperature", 100.0, "the sampling temperature"),
-    bound("supervision.restart_backoff_initial_s", MAX_SECONDS, SECONDS),
+    bound(
+        "supervision.restart_backoff_initial_s",
+        MAX_SECONDS,
+        SECONDS,
+    ),
     bound("supervision.restart_backoff_max_s", MAX_SECONDS, SECONDS),
     bound("supervision.engine_watchdog_s", MAX_SECONDS, SECONDS),
     bound("supervision.checkpoint_every_steps", MAX_COUNT, STEPS),
@@ -184,7 +204,6 @@ fn numeric_leaves(prefix: &str, tree: &toml::Table, out: &mut Vec<(String, f64)>
     }
 }
 
-
 /// Refuses the first numeric value above its key's bound. Values of the wrong type and
 /// non-finite ones are left to the typed checks, which say what type or range was expected.
 pub(crate) fn check(tree: &toml::Table, ctx: &Ctx<'_>) -> Result<(), ConfigError> {
@@ -195,7 +214,12 @@ pub(crate) fn check(tree: &toml::Table, ctx: &Ctx<'_>) -> Result<(), ConfigError
         if v.is_finite() && v > b.max {
             return Err(ctx.value(
                 &key,
-                format!("expected at most {} ({}), got {}", show(b.max), b.why, show(v)),
+                format!(
+                    "expected at most {} ({}), got {}",
+                    show(b.max),
+                    b.why,
+                    show(v)
+                ),
             ));
         }
     }
