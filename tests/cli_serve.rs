@@ -30,7 +30,7 @@ fn body_json(reply: &str) -> serde_json::Value {
 }
 
 #[test]
-fn serve_refuses_an_empty_model_name_and_a_zero_budget() {
+fn serve_refuses_bad_flags_before_loading() {
     let dir = tempfile::tempdir().unwrap();
     let model = dir.path().join("m");
     for (flag, value, message) in [
@@ -43,6 +43,11 @@ fn serve_refuses_an_empty_model_name_and_a_zero_budget() {
             "--max-queued-sequences",
             "0",
             "--max-queued-sequences: expected an integer ≥ 1, got 0",
+        ),
+        (
+            "--max-running-sequences",
+            "100000",
+            "--max-running-sequences: expected at most 16384, got 100000",
         ),
     ] {
         let out = sluice()

@@ -12,6 +12,11 @@ use sluice_model::{LoadOptions, Tokenizer, load_checkpoint};
 
 use crate::cli::ServeArgs;
 
+/// Largest `--max-running-sequences` (as `engine.max_running_sequences`).
+const MAX_RUNNING_SEQUENCES: usize = 16_384;
+/// Largest `--max-step-tokens` (as `engine.max_step_tokens`).
+const MAX_STEP_TOKENS: usize = 1 << 20;
+
 /// Runs the server.
 pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
     if args.max_running_sequences == 0 || args.max_step_tokens == 0 {
@@ -19,6 +24,20 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
     }
     if args.max_queued_sequences == 0 {
         bail!("--max-queued-sequences: expected an integer ≥ 1, got 0");
+    }
+    // The same bounds as the config's engine keys: each running sequence owns KV memory, so an
+    // extra zero must not reach the allocator.
+    if args.max_running_sequences > MAX_RUNNING_SEQUENCES {
+        bail!(
+            "--max-running-sequences: expected at most {MAX_RUNNING_SEQUENCES}, got {}",
+            args.max_running_sequences
+        );
+    }
+    if args.max_step_tokens > MAX_STEP_TOKENS {
+        bail!(
+            "--max-step-tokens: expected at most {MAX_STEP_TOKENS}, got {}",
+            args.max_step_tokens
+        );
     }
     if args
         .served_model_name

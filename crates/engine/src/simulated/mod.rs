@@ -30,6 +30,9 @@ const MAX_REAL_STEP_SECONDS: f64 = 1e7;
 /// The real duration of `seconds` (scaled simulated time): clamped to
 /// [`MAX_REAL_STEP_SECONDS`], zero for a negative or NaN value.
 pub(crate) fn real_duration(seconds: f64) -> Duration {
+    if seconds.is_nan() {
+        return Duration::ZERO;
+    }
     Duration::try_from_secs_f64(seconds.min(MAX_REAL_STEP_SECONDS)).unwrap_or(Duration::ZERO)
 }
 
