@@ -50,9 +50,13 @@ pub enum Command {
 pub struct PlotArgs {
     /// A run's output dir (its metrics.jsonl is read) or a metrics.jsonl file.
     pub input: PathBuf,
-    /// Where to write the PNG [default: progress.png beside the log].
+    /// Where to write the PNG [default: progress.png beside the log]. An existing file that
+    /// is not a PNG is refused unless `--force`; the log being read is always refused.
     #[arg(short = 'o', long = "out", value_name = "PNG")]
     pub out: Option<PathBuf>,
+    /// Replace an existing `--out` file even when it is not a PNG.
+    #[arg(long)]
+    pub force: bool,
 }
 
 /// `sluice serve`
@@ -83,6 +87,10 @@ pub struct ServeArgs {
     /// Model name reported by the API (default: the directory's name).
     #[arg(long)]
     pub served_model_name: Option<String>,
+    /// Sequences (prompts × n) accepted at once across all requests; a request beyond answers
+    /// 503 with `Retry-After`.
+    #[arg(long, default_value_t = sluice_engine::server::DEFAULT_MAX_QUEUED_SEQUENCES)]
+    pub max_queued_sequences: usize,
 }
 
 /// A config file plus `--set` overrides.
@@ -107,8 +115,8 @@ fn parse_device(s: &str) -> Result<sluice_core::config::Device, String> {
 /// `sluice env-server`
 #[derive(Debug, clap::Args)]
 pub struct EnvServerArgs {
-    /// Address to bind. The protocol has no authentication: bind beyond loopback only on a
-    /// trusted network.
+    /// Address to bind. Beyond loopback, `$SLUICE_ENV_TOKEN` must hold a token that every env
+    /// call then carries as `Authorization: Bearer <token>`.
     #[arg(long, default_value = "127.0.0.1")]
     pub host: std::net::IpAddr,
     /// Port; 0 picks a free one (the bound address is printed).
@@ -141,12 +149,16 @@ pub struct ModelInitArgs {
     /// Which preset: `tiny` (tests, quickstart) or `small` (~76M parameters, benchmarks).
     #[arg(long, value_parser = parse_preset)]
     pub preset: sluice_core::config::ModelPreset,
-    /// Directory to write (created if needed; existing weight files are replaced).
+    /// Directory to write (created if needed). A directory that already holds a model
+    /// (`config.json` or weights) is refused unless `--force`.
     #[arg(long)]
     pub out: PathBuf,
     /// Seed of the random weights.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Replace the model already in `--out`.
+    #[arg(long)]
+    pub force: bool,
 }
 
 /// `sluice model info`

@@ -135,6 +135,48 @@ fn rows() -> Vec<Row> {
             Exit(1),
             "faults.env_hang_every_steps: expected an integer ≥ 0, got -1",
         ),
+        // Numbers past any sane value: refused with the key and the bound, never a panic
+        // (`Duration::from_secs_f64`) or an allocation abort at run time.
+        row(
+            Config("[supervision]\nenv_step_timeout_s = 1e300"),
+            Exit(1),
+            "supervision.env_step_timeout_s: expected at most 604800 (seconds; a week at most), got 1e300",
+        ),
+        row(
+            Config("[engine]\nrequest_timeout_s = 1e300"),
+            Exit(1),
+            "engine.request_timeout_s: expected at most 604800",
+        ),
+        row(
+            Config("[trainer.simulated]\nstep_base_seconds = 1e300"),
+            Exit(1),
+            "trainer.simulated.step_base_seconds: expected at most 3600 (simulated seconds; an hour at most), got 1e300",
+        ),
+        row(
+            Config("[engine.simulated]\ndecode_step_base_seconds = 1e300"),
+            Exit(1),
+            "engine.simulated.decode_step_base_seconds: expected at most 3600",
+        ),
+        row(
+            Config("[engine]\nreplicas = 100000"),
+            Exit(1),
+            "engine.replicas: expected at most 256 (engine replicas on one node), got 100000",
+        ),
+        row(
+            Config("[rollout]\nmax_version_lag = 2000000"),
+            Exit(1),
+            "rollout.max_version_lag: expected at most 1000000 (policy versions), got 2000000",
+        ),
+        row(
+            Config("[admin]\ntoken = \"<redacted>\""),
+            Exit(1),
+            "admin.token: `<redacted>` is the placeholder `sluice check` prints",
+        ),
+        row(
+            Config("[trainer]\nminibatches = 16\n[rollout]\ngroups_per_step = 8"),
+            Exit(1),
+            "trainer.minibatches: expected at most rollout.groups_per_step (8)",
+        ),
         // Dataset lines: file and line number, and what was wrong.
         row(
             Dataset("{\"q\": 1}\n{\"q\": "),
@@ -184,6 +226,25 @@ fn rows() -> Vec<Row> {
             Cli(&["pause", "--url", "{url}"]),
             Exit(1),
             "admin API answered 401: missing bearer token",
+        ),
+        row(
+            Cli(&["knobs", "--url", "{url}", "set", "domain_mix={\"math\": 1}"]),
+            Exit(1),
+            "domain_mix: set one domain per assignment: `domain_mix.<domain>=<weight>`",
+        ),
+        // A domain the sampler does not serve would stall the run without a word.
+        row(
+            Cli(&[
+                "knobs",
+                "--url",
+                "{url}",
+                "--token",
+                TOKEN,
+                "set",
+                "domain_mix.nonexistent=0.5",
+            ]),
+            Exit(1),
+            "admin API answered 400: domain_mix.nonexistent: unknown domain; the sampler serves: sim",
         ),
         row(
             Cli(&["status", "--url", "http://127.0.0.1:1"]),
@@ -237,7 +298,17 @@ fn rows() -> Vec<Row> {
             "staleness_threshold: expected a finite number ≥ 0, got -0.5",
         ),
         row(
-            patch("{\"domain_mix\": {\"math\": 0.0}}"),
+            patch("{\"domain_mix\": {\"code\": 1.0}}"),
+            Http(400, "invalid_knob"),
+            "domain_mix.code: unknown domain; the sampler serves: sim",
+        ),
+        row(
+            patch("{\"max_version_lag\": 2000000}"),
+            Http(400, "invalid_knob"),
+            "max_version_lag: expected an integer ≤ 1000000, got 2000000",
+        ),
+        row(
+            patch("{\"domain_mix\": {\"sim\": 0.0}}"),
             Http(400, "invalid_knob"),
             "domain_mix: expected at least one weight > 0",
         ),

@@ -60,3 +60,68 @@ fn env_server_refuses_bad_flags() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--call-timeout-s"), "{err}");
 }
+
+#[test]
+fn env_server_refuses_a_wide_bind_without_a_token() {
+    let out = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["env-server", "--host", "0.0.0.0", "--port", "0"])
+        .env_remove("SLUICE_ENV_TOKEN")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--host 0.0.0.0: not a loopback address; set $SLUICE_ENV_TOKEN"),
+        "{err}"
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["env-server", "--port", "0"])
+        .env("SLUICE_ENV_TOKEN", " ")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("$SLUICE_ENV_TOKEN: expected a non-empty token"),
+        "{err}"
+    );
+}
+
+#[test]
+fn env_server_with_a_token_binds_wide_and_requires_it() {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["env-server", "--host", "0.0.0.0", "--port", "0"])
+        .env("SLUICE_ENV_TOKEN", "t0ken")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let port = line
+        .split("http://")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|bound| bound.rsplit(':').next())
+        .unwrap_or_else(|| panic!("no address in {line:?}"))
+        .to_owned();
+    let addr = format!("127.0.0.1:{port}");
+    let mut s = TcpStream::connect(&addr).unwrap();
+    write!(
+        s,
+        "DELETE /v1/envs/e1 HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    assert!(out.starts_with("HTTP/1.1 401"), "{out}");
+    assert!(out.contains(r#""kind":"unauthorized""#), "{out}");
+    let status = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    assert!(child.wait().unwrap().success());
+}

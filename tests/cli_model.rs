@@ -72,3 +72,45 @@ fn unknown_preset_and_missing_directory_fail() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("config.json"));
 }
+
+#[test]
+fn init_refuses_to_replace_an_existing_model_unless_forced() {
+    let dir = scratch("exists");
+    let args = |seed: &str, force: bool| {
+        let mut a: Vec<String> = ["model", "init", "--preset", "tiny", "--out"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        a.extend([dir.display().to_string(), "--seed".into(), seed.into()]);
+        if force {
+            a.push("--force".into());
+        }
+        a
+    };
+    let run = |a: Vec<String>| {
+        Command::new(env!("CARGO_BIN_EXE_sluice"))
+            .args(&a)
+            .output()
+            .unwrap()
+    };
+    assert!(run(args("1", false)).status.success());
+    let weights = std::fs::read(dir.join("model.safetensors")).unwrap();
+    let out = run(args("2", false));
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("already holds a model (config.json); pass --force to replace it"),
+        "{err}"
+    );
+    assert_eq!(
+        std::fs::read(dir.join("model.safetensors")).unwrap(),
+        weights,
+        "the weights are untouched"
+    );
+    assert!(run(args("2", true)).status.success());
+    assert_ne!(
+        std::fs::read(dir.join("model.safetensors")).unwrap(),
+        weights
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -215,10 +215,17 @@ impl Node {
             env,
             checkpoint_dir,
         } = options;
+        let source = source.unwrap_or_else(|| Box::new(SimSource::from_config(config)));
+        // `domain_mix` may name only domains the source serves: a weight on any other domain
+        // would leave nothing to draw and stall the run without a word.
+        let served = match source.domains() {
+            d if d.is_empty() => config.data.domains(),
+            d => d,
+        };
         let knobs = KnobsHandle::new(
             config.rollout.knobs.clone(),
             config.rollout.groups_per_step.get(),
-            config.data.domains(),
+            served,
         )
         .map_err(|e| ActorError::Setup(format!("rollout knobs: {e}")))?;
         let checkpoint_dir = checkpoint_dir
@@ -337,7 +344,6 @@ impl Node {
         let (env_pool, env_joins) =
             EnvPoolHandle::spawn(env_workers, Arc::clone(&env_impl), controller.env_sink()).await?;
         joins.extend(env_joins.into_iter().map(|j| ("env", j)));
-        let source = source.unwrap_or_else(|| Box::new(SimSource::from_config(config)));
         // A resumed run draws on from where the checkpoint left the sampler (cursor, RNG,
         // per-domain counts), so the adaptive mix and the data order carry over.
         let sampler_state = manifest.as_ref().and_then(|m| m.sampler.clone());

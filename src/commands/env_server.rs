@@ -1,16 +1,24 @@
 //! `sluice env-server`: serves the environments of the built-in tasks over the remote env
 //! protocol (`docs/envs.md`), so env workers can run in another process or on another machine.
 //! Runs until SIGINT or SIGTERM, then stops accepting and exits 0.
+//!
+//! The admin API's rule applies: a bind beyond loopback needs a token (`$SLUICE_ENV_TOKEN`),
+//! because env calls run task code on this machine and the calculator's evaluator, say, is
+//! reachable by anyone who can open an env.
 
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
+use sluice_core::config::Secret;
 use sluice_env::TaskRegistry;
 use sluice_env::remote::{ServerConfig, serve};
 
 use crate::cli::EnvServerArgs;
+
+/// The environment variable holding the server's bearer token.
+pub const ENV_TOKEN_VAR: &str = "SLUICE_ENV_TOKEN";
 
 /// Runs the server.
 pub fn run(args: &EnvServerArgs) -> anyhow::Result<ExitCode> {
@@ -35,13 +43,27 @@ pub fn run(args: &EnvServerArgs) -> anyhow::Result<ExitCode> {
     if args.max_envs == 0 {
         bail!("--max-envs: expected an integer ≥ 1, got 0");
     }
-    if !args.host.is_loopback() {
-        tracing::warn!(host = %args.host, "env server bound beyond loopback; the protocol has no authentication");
+    let token = match std::env::var(ENV_TOKEN_VAR) {
+        Ok(t) if t.trim().is_empty() => {
+            bail!("${ENV_TOKEN_VAR}: expected a non-empty token, got an empty string")
+        }
+        Ok(t) => Some(Secret::new(t.trim())),
+        Err(std::env::VarError::NotPresent) => None,
+        Err(std::env::VarError::NotUnicode(_)) => {
+            bail!("${ENV_TOKEN_VAR}: expected a UTF-8 token")
+        }
+    };
+    if !args.host.is_loopback() && token.is_none() {
+        bail!(
+            "--host {}: not a loopback address; set ${ENV_TOKEN_VAR} to serve envs beyond this machine (clients send it as a bearer token)",
+            args.host
+        );
     }
     let config = ServerConfig {
         max_envs: args.max_envs,
         call_timeout,
         idle_timeout,
+        token,
     };
     // Env calls are light (parsing, tiny simulations); two workers keep a 2-core machine usable.
     let runtime = tokio::runtime::Builder::new_multi_thread()

@@ -2,7 +2,7 @@
 
 use std::process::ExitCode;
 
-use anyhow::Context;
+use anyhow::{Context, bail};
 use sluice_model::{ModelConfig, Tokenizer, presets};
 
 use crate::cli::{ModelCommand, ModelInfoArgs, ModelInitArgs};
@@ -16,6 +16,12 @@ pub fn run(command: ModelCommand) -> anyhow::Result<ExitCode> {
 }
 
 fn init(args: &ModelInitArgs) -> anyhow::Result<ExitCode> {
+    if let Some(existing) = model_files(&args.out).filter(|_| !args.force) {
+        bail!(
+            "--out {}: already holds a model ({existing}); pass --force to replace it",
+            args.out.display()
+        );
+    }
     presets::write_preset(args.preset, &args.out, args.seed)
         .with_context(|| format!("writing preset to {}", args.out.display()))?;
     let config = presets::preset_config(args.preset);
@@ -27,6 +33,23 @@ fn init(args: &ModelInitArgs) -> anyhow::Result<ExitCode> {
         args.out.display()
     );
     Ok(ExitCode::SUCCESS)
+}
+
+/// The first file of `dir` that makes it a model directory (`config.json`, safetensors
+/// weights or their index), if any: writing a preset there would replace trained weights.
+fn model_files(dir: &std::path::Path) -> Option<String> {
+    let entries = std::fs::read_dir(dir).ok()?;
+    let mut names: Vec<String> = entries
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| {
+            n == "config.json"
+                || n.ends_with(".safetensors")
+                || n.ends_with(".safetensors.index.json")
+        })
+        .collect();
+    names.sort();
+    names.into_iter().next()
 }
 
 fn info(args: &ModelInfoArgs) -> anyhow::Result<ExitCode> {

@@ -12,10 +12,39 @@ use sluice_model::{LoadOptions, Tokenizer, load_checkpoint};
 
 use crate::cli::ServeArgs;
 
+/// Largest `--max-running-sequences` (as `engine.max_running_sequences`).
+const MAX_RUNNING_SEQUENCES: usize = 16_384;
+/// Largest `--max-step-tokens` (as `engine.max_step_tokens`).
+const MAX_STEP_TOKENS: usize = 1 << 20;
+
 /// Runs the server.
 pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
     if args.max_running_sequences == 0 || args.max_step_tokens == 0 {
         bail!("--max-running-sequences and --max-step-tokens: expected integers ≥ 1");
+    }
+    if args.max_queued_sequences == 0 {
+        bail!("--max-queued-sequences: expected an integer ≥ 1, got 0");
+    }
+    // The same bounds as the config's engine keys: each running sequence owns KV memory, so an
+    // extra zero must not reach the allocator.
+    if args.max_running_sequences > MAX_RUNNING_SEQUENCES {
+        bail!(
+            "--max-running-sequences: expected at most {MAX_RUNNING_SEQUENCES}, got {}",
+            args.max_running_sequences
+        );
+    }
+    if args.max_step_tokens > MAX_STEP_TOKENS {
+        bail!(
+            "--max-step-tokens: expected at most {MAX_STEP_TOKENS}, got {}",
+            args.max_step_tokens
+        );
+    }
+    if args
+        .served_model_name
+        .as_ref()
+        .is_some_and(|n| n.trim().is_empty())
+    {
+        bail!("--served-model-name: expected a non-empty name (clients send it as `model`)");
     }
     if !args.host.is_loopback() {
         tracing::warn!(host = %args.host, "serving beyond loopback; the API has no authentication");
@@ -62,6 +91,7 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
             dtype: weights.dtype(),
             device: weights.device().clone(),
             max_n: 64,
+            max_queued_sequences: args.max_queued_sequences,
         },
         events,
     );
@@ -78,7 +108,16 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
             "sluice serve: model `{model_name}` on http://{}",
             listener.local_addr()?
         );
-        serve(listener, state, super::shutdown_signal())
+        // On SIGINT/SIGTERM, in-flight generations are aborted: each call answers at once with
+        // what it has (`finish_reason: "abort"`), so the graceful stop does not wait for long
+        // generations to run to their end (23 s under load before).
+        let control = engine.control();
+        let shutdown = async move {
+            super::shutdown_signal().await;
+            tracing::info!("stopping: aborting in-flight requests");
+            let _ = control.abort_all();
+        };
+        serve(listener, state, shutdown)
             .await
             .context("server failed")
     });

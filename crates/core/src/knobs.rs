@@ -143,6 +143,14 @@ pub const KNOB_NAMES: [&str; 10] = [
 /// sampler and the engine (the controller asks for `(1 + s) · remaining` samples at once).
 pub const MAX_STALENESS_THRESHOLD: f64 = 100.0;
 
+/// Largest `max_version_lag`: a million versions is "never stale" for any real run, and the
+/// admission formula `(v + η + 1) · groups_per_step` stays far from overflow.
+pub const MAX_VERSION_LAG: u64 = 1_000_000;
+
+/// Largest `domain_mix` weight: weights are relative, and the bound keeps their sum finite (a
+/// sum of several 1e308 weights is infinite and every share becomes NaN).
+pub const MAX_DOMAIN_WEIGHT: f64 = 1e9;
+
 /// Most domains `domain_mix` may name: the `domain` label of the metrics stays bounded even when
 /// no datasets are configured (simulated runs), where any name is accepted.
 pub const MAX_DOMAINS: usize = 256;
@@ -155,6 +163,15 @@ pub struct KnobError {
     pub knob: String,
     /// What was expected, and what was given.
     pub reason: String,
+}
+
+/// A number as a person would write it: huge ones in exponent form (`1e300`, not 301 digits).
+pub(crate) fn show_number(v: f64) -> String {
+    if v.is_finite() && v.abs() >= 1e15 {
+        format!("{v:e}")
+    } else {
+        format!("{v}")
+    }
 }
 
 impl KnobError {
@@ -187,6 +204,15 @@ impl Knobs {
                 ),
             ));
         }
+        if self.max_version_lag > MAX_VERSION_LAG {
+            return Err(KnobError::new(
+                "max_version_lag",
+                format!(
+                    "expected an integer ≤ {MAX_VERSION_LAG}, got {}",
+                    self.max_version_lag
+                ),
+            ));
+        }
         if self.tail_batch_trigger_size == 0 {
             return Err(KnobError::new(
                 "tail_batch_trigger_size",
@@ -213,15 +239,18 @@ impl Knobs {
                 return Err(KnobError::new(
                     format!("domain_mix.{domain}"),
                     format!(
-                        "unknown domain; the configured domains are: {}",
+                        "unknown domain; the sampler serves: {}",
                         known_domains.join(", ")
                     ),
                 ));
             }
-            if !w.is_finite() || w < 0.0 {
+            if !w.is_finite() || !(0.0..=MAX_DOMAIN_WEIGHT).contains(&w) {
                 return Err(KnobError::new(
                     format!("domain_mix.{domain}"),
-                    format!("expected a finite weight ≥ 0, got {w}"),
+                    format!(
+                        "expected a finite weight in [0, {MAX_DOMAIN_WEIGHT:e}], got {}",
+                        show_number(w)
+                    ),
                 ));
             }
         }
@@ -371,6 +400,13 @@ impl KnobPatch {
                             .domain_mix
                             .get_or_insert_with(BTreeMap::new)
                             .insert(domain.to_owned(), w);
+                    }
+                    _ if key == "domain_mix" => {
+                        return Err(KnobError::new(
+                            key,
+                            "set one domain per assignment: `domain_mix.<domain>=<weight>` \
+                             (e.g. `domain_mix.math=0.4`)",
+                        ));
                     }
                     _ => {
                         return Err(KnobError::new(
@@ -625,11 +661,11 @@ mod tests {
             (&["paused=yes"], "paused: expected true or false, got `yes`"),
             (
                 &["domain_mix.chess=1"],
-                "domain_mix.chess: unknown domain; the configured domains are: math, code",
+                "domain_mix.chess: unknown domain; the sampler serves: math, code",
             ),
             (
                 &["domain_mix.math=-2"],
-                "domain_mix.math: expected a finite weight ≥ 0, got -2",
+                "domain_mix.math: expected a finite weight in [0, 1e9], got -2",
             ),
             (
                 &["domain_mix.math=0", "domain_mix.code=0"],
@@ -640,6 +676,18 @@ mod tests {
                 "stalenes_threshold: unknown knob; knobs are: staleness_threshold, max_version_lag, admission, enable_partial_rollout, tail_batch_candidate_steps, tail_batch_trigger_size, weight_update_mode, domain_mix, max_concurrent_rollouts, paused",
             ),
             (&["paused"], "paused: expected `knob=value`, found no `=`"),
+            (
+                &["max_version_lag=2000000"],
+                "max_version_lag: expected an integer ≤ 1000000, got 2000000",
+            ),
+            (
+                &["domain_mix.math=1e300"],
+                "domain_mix.math: expected a finite weight in [0, 1e9], got 1e300",
+            ),
+            (
+                &["domain_mix={\"math\": 1}"],
+                "domain_mix: set one domain per assignment: `domain_mix.<domain>=<weight>` (e.g. `domain_mix.math=0.4`)",
+            ),
         ];
         for (input, expected) in cases {
             let err = KnobPatch::from_assignments(input)

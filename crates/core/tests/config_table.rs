@@ -217,7 +217,7 @@ const BAD: &[(&str, &[&str], &str, ConfigErrorKind)] = &[
     (
         "[rollout]\ngroups_per_step = 5000000000",
         &[],
-        "test.toml: rollout.groups_per_step: expected an integer ≤ 4294967295, got 5000000000",
+        "test.toml: rollout.groups_per_step: expected at most 65536 (groups per training step), got 5000000000",
         ConfigErrorKind::Value,
     ),
     (
@@ -388,6 +388,73 @@ const BAD: &[(&str, &[&str], &str, ConfigErrorKind)] = &[
         &["run.name.first=3"],
         "test.toml: --set run.name.first: `run.name` is not a table (found string), so it has no key `first`",
         ConfigErrorKind::Override,
+    ),
+    // Upper bounds: a typo'd exponent is refused with the key, never a panic at run time.
+    (
+        "[supervision]\nshutdown_timeout_s = 1e300",
+        &[],
+        "test.toml: supervision.shutdown_timeout_s: expected at most 604800 (seconds; a week at most), got 1e300",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "",
+        &["supervision.engine_watchdog_s=1e300"],
+        "test.toml: --set supervision.engine_watchdog_s: expected at most 604800 (seconds; a week at most), got 1e300",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[engine]\nreplicas = 100000",
+        &[],
+        "test.toml: engine.replicas: expected at most 256 (engine replicas on one node), got 100000",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[engine]\nmax_running_sequences = 100000",
+        &[],
+        "test.toml: engine.max_running_sequences: expected at most 16384 (sequences per replica), got 100000",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[engine.simulated.lengths.math]\ndistribution = \"fixed\"\ntokens = 10000000",
+        &[],
+        "test.toml: engine.simulated.lengths.math.tokens: expected at most 1048576 (tokens), got 10000000",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[engine.simulated]\ntime_scale = 1e300",
+        &[],
+        "test.toml: engine.simulated.time_scale: expected at most 1000 (times real time; 1000 at most), got 1e300",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[trainer]\nlearning_rate = 5.0",
+        &[],
+        "test.toml: trainer.learning_rate: expected at most 1 (the learning rate), got 5",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[rollout]\ndomain_mix = { a = 1e300 }\n[data]\ndatasets = [\"a::x\"]",
+        &[],
+        "test.toml: rollout.domain_mix.a: expected at most 1000000000 (a relative weight), got 1e300",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[faults]\nenv_hang_every_steps = 10000000000",
+        &[],
+        "test.toml: faults.env_hang_every_steps: expected at most 1000000000 (a fault period), got 10000000000",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[admin]\ntoken = \"<redacted>\"",
+        &[],
+        "test.toml: admin.token: `<redacted>` is the placeholder `sluice check` prints; set the real token",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[trainer]\nminibatches = 4\n[rollout]\ngroups_per_step = 2",
+        &[],
+        "test.toml: trainer.minibatches: expected at most rollout.groups_per_step (2): each minibatch holds whole groups; got 4",
+        ConfigErrorKind::Value,
     ),
 ];
 

@@ -84,10 +84,10 @@ impl Dataset {
         on_bad_line: BadLinePolicy,
     ) -> Result<Self, DataError> {
         let path = dataset_path(data_dir, spec);
-        let text = std::fs::read_to_string(&path).map_err(|source| DataError::Io {
+        let text = std::fs::read_to_string(&path).map_err(|cause| DataError::Io {
             dataset: spec.to_string(),
             path: path.clone(),
-            source,
+            cause,
         })?;
         Self::parse(&text, &path, spec, on_bad_line)
     }
@@ -103,6 +103,8 @@ impl Dataset {
         let label = spec.to_string();
         let mut samples = Vec::new();
         let mut bad_lines = Vec::new();
+        // Editors on Windows save UTF-8 with a byte-order mark; it is not part of the first row.
+        let text = text.strip_prefix('\u{feff}').unwrap_or(text);
         for (idx, line) in text.lines().enumerate() {
             let line_no = idx + 1;
             if line.trim().is_empty() {
@@ -275,6 +277,37 @@ mod tests {
             serde_json::json!({"question": "2+2", "answer": 4})
         );
         assert_eq!(s[2].id, "17");
+    }
+
+    #[test]
+    fn a_missing_file_names_the_os_error_once() {
+        let err = Dataset::load(
+            Path::new("/nonexistent-data"),
+            &spec("math::toy"),
+            BadLinePolicy::Fail,
+        )
+        .unwrap_err();
+        let msg = err.to_string();
+        assert!(
+            msg.contains("cannot read /nonexistent-data/math/toy.jsonl: "),
+            "{msg}"
+        );
+        // The binary prints the whole chain; the OS error is in the message, so no source.
+        assert!(std::error::Error::source(&err).is_none());
+    }
+
+    #[test]
+    fn a_byte_order_mark_does_not_spoil_the_first_row() {
+        let text = "\u{feff}{\"id\": \"a\", \"q\": 1}\n{\"q\": 2}\n";
+        let ds = Dataset::parse(
+            text,
+            Path::new("f.jsonl"),
+            &spec("math::toy"),
+            BadLinePolicy::Fail,
+        )
+        .unwrap();
+        assert_eq!(ds.len(), 2);
+        assert_eq!(ds.samples()[0].id, "a");
     }
 
     #[test]

@@ -6,14 +6,15 @@ use std::path::PathBuf;
 #[derive(Debug, thiserror::Error)]
 pub enum DataError {
     /// A dataset file could not be read.
-    #[error("dataset `{dataset}`: cannot read {}: {source}", path.display())]
+    #[error("dataset `{dataset}`: cannot read {}: {cause}", path.display())]
     Io {
         /// The dataset spec.
         dataset: String,
         /// The file.
         path: PathBuf,
-        /// The I/O error.
-        source: std::io::Error,
+        /// The I/O error. Part of the message, deliberately not a `source`: a reporter that
+        /// prints the chain (`{:#}`) would print the OS error twice.
+        cause: std::io::Error,
     },
     /// A line did not parse and `data.on_bad_line = "fail"`.
     #[error("dataset `{dataset}`: {}:{line}: {reason}", path.display())]

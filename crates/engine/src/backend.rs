@@ -157,6 +157,17 @@ pub enum EngineError {
         /// Which backend.
         backend: String,
     },
+    /// The backend's bounded command queue is full: nothing is wrong with the request, the
+    /// backend is busy; the same call can succeed later.
+    #[error(
+        "engine backend `{backend}` is overloaded: command queue full ({capacity}); retry later"
+    )]
+    Overloaded {
+        /// Which backend.
+        backend: String,
+        /// The queue's capacity.
+        capacity: usize,
+    },
     /// The request is malformed.
     #[error("request {id}: {reason}")]
     BadRequest {
@@ -172,6 +183,7 @@ impl EngineError {
     pub fn kind(&self) -> &'static str {
         match self {
             Self::Stopped { .. } => "engine_stopped",
+            Self::Overloaded { .. } => "engine_overloaded",
             Self::BadRequest { .. } => "engine_bad_request",
         }
     }
@@ -233,17 +245,17 @@ impl<T> From<tokio::sync::mpsc::error::TrySendError<T>> for QueueRefusal {
 }
 
 /// The outcome of `try_send` on backend `backend`'s command queue of `capacity`, as the trait
-/// reports it: a full queue is a bad request (back-pressure the caller must respect), a closed
-/// one means the backend stopped.
+/// reports it: a full queue is [`EngineError::Overloaded`] (back-pressure: the caller bounds its
+/// requests, an HTTP client retries later), a closed one means the backend stopped.
 pub(crate) fn enqueued<E: Into<QueueRefusal>>(
     sent: Result<(), E>,
     backend: &str,
     capacity: usize,
 ) -> Result<(), EngineError> {
     sent.map_err(|e| match e.into() {
-        QueueRefusal::Full => EngineError::BadRequest {
-            id: backend.to_owned(),
-            reason: format!("command queue full ({capacity}); the caller must bound its requests"),
+        QueueRefusal::Full => EngineError::Overloaded {
+            backend: backend.to_owned(),
+            capacity,
         },
         QueueRefusal::Closed => EngineError::Stopped {
             backend: backend.to_owned(),

@@ -207,3 +207,22 @@ fn drain_never_lets_a_request_span_two_versions() {
     );
     engine.shutdown();
 }
+
+/// Once every request finished, `running` and `waiting` read 0 (they kept the last step's
+/// counts while the engine idled, feeding `sluice_engine_running_sequences` and `sluice status`).
+#[test]
+fn running_and_waiting_return_to_zero_when_idle() {
+    let (mut engine, events) = start(params(3, 0.01));
+    for counter in 0..6 {
+        engine.submit(request(req_id(counter, 0), None)).unwrap();
+    }
+    assert_eq!(wait_finished(&events, 6).len(), 6);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut stats = engine.stats();
+    while (stats.running, stats.waiting) != (0, 0) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(2));
+        stats = engine.stats();
+    }
+    assert_eq!((stats.running, stats.waiting), (0, 0), "{stats:?}");
+    engine.shutdown();
+}

@@ -73,6 +73,7 @@ impl Server {
             max_envs: 4,
             call_timeout: Duration::from_secs(10),
             idle_timeout: Duration::from_secs(600),
+            token: None,
         })
         .await
     }
@@ -265,6 +266,7 @@ async fn open_envs_are_capped_and_idle_ones_dropped() {
         max_envs: 2,
         call_timeout: Duration::from_secs(5),
         idle_timeout: Duration::from_millis(300),
+        token: None,
     })
     .await;
     let factory = server.remote("arithmetic", Duration::from_secs(5));

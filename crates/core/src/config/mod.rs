@@ -60,6 +60,7 @@ pub fn parse(
         overridden: &overridden,
         env,
     };
+    validate::bounds::check(&tree, &ctx)?;
     let raw = validate::deserialize(toml::Value::Table(tree), &ctx)?;
     raw.validate(&ctx)
 }

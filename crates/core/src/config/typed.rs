@@ -510,6 +510,9 @@ pub struct MetricsConfig {
     pub listen: SocketAddr,
 }
 
+/// What a [`Secret`] prints as; refused as a token value, so a printed config cannot run with it.
+pub const REDACTED: &str = "<redacted>";
+
 /// A secret that never prints.
 #[derive(Clone, PartialEq, Eq)]
 pub struct Secret(String);
@@ -534,7 +537,7 @@ impl fmt::Debug for Secret {
 
 impl Serialize for Secret {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_str("<redacted>")
+        s.serialize_str(REDACTED)
     }
 }
 

@@ -13,7 +13,9 @@ use super::raw::*;
 use super::typed::*;
 use crate::knobs::{AdmissionMode, Knobs, WeightUpdateMode};
 
+pub(crate) mod bounds;
 mod quickstart;
+mod relations;
 mod supervision;
 
 /// What validation needs to know besides the raw values.
@@ -192,7 +194,7 @@ impl RawConfig {
                 ),
             ));
         }
-        Ok(Config {
+        let config = Config {
             run,
             model,
             engine,
@@ -206,7 +208,9 @@ impl RawConfig {
             eval: quickstart::validate_eval(eval, ctx)?,
             supervision: supervision::validate_supervision(supervision, ctx)?,
             faults: supervision::validate_faults(faults, ctx)?,
-        })
+        };
+        relations::check(&config, ctx)?;
+        Ok(config)
     }
 }
 
@@ -793,10 +797,16 @@ fn validate_admin(raw: RawAdmin, ctx: &Ctx<'_>) -> Result<AdminConfig, ConfigErr
         None => ((ctx.env)(ADMIN_TOKEN_ENV), true),
     };
     let token = match token {
-        Some(t) if t.trim().is_empty() => {
+        // `<redacted>` is what `sluice check` prints in the token's place: a config saved from
+        // that output would otherwise run with the placeholder as its token.
+        Some(t) if t.trim().is_empty() || t == REDACTED => {
             let e = ctx.value(
                 "admin.token",
-                "expected a non-empty token, got an empty string",
+                if t == REDACTED {
+                    "`<redacted>` is the placeholder `sluice check` prints; set the real token"
+                } else {
+                    "expected a non-empty token, got an empty string"
+                },
             );
             return Err(if via_env {
                 e.via(format!("${ADMIN_TOKEN_ENV}"))

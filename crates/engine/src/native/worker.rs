@@ -97,6 +97,9 @@ impl Worker {
             let idle = self.paused
                 || self.running.is_empty() && self.waiting.is_empty() && self.drain.is_none();
             let first = if idle {
+                // The last step may have finished every sequence: publish that before blocking,
+                // or the stats keep the last step's counts for as long as the engine idles.
+                self.publish_gauges();
                 match self.rx.recv() {
                     Ok(c) => Some(c),
                     Err(_) => return,

@@ -1,7 +1,7 @@
 //! OpenAI's error shape: `{"error": {"message", "type", "param", "code"}}` with a real status.
 
 use axum::Json;
-use axum::http::StatusCode;
+use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde_json::json;
 
@@ -16,7 +16,13 @@ pub struct ApiError {
     pub kind: &'static str,
     /// The request field at fault, when one is.
     pub param: Option<String>,
+    /// Seconds after which the same call may succeed, sent as `Retry-After` (overload only).
+    pub retry_after_s: Option<u32>,
 }
+
+/// What an overloaded server tells clients to wait before retrying, seconds: the command queue
+/// drains within an engine step or two, so one second is plenty and keeps clients responsive.
+pub const RETRY_AFTER_S: u32 = 1;
 
 impl ApiError {
     /// 400 for `param`.
@@ -26,6 +32,7 @@ impl ApiError {
             message: message.into(),
             kind: "invalid_request_error",
             param: Some(param.to_owned()),
+            retry_after_s: None,
         }
     }
 
@@ -36,6 +43,7 @@ impl ApiError {
             message: message.into(),
             kind: "invalid_request_error",
             param: None,
+            retry_after_s: None,
         }
     }
 
@@ -46,6 +54,7 @@ impl ApiError {
             message: message.into(),
             kind: "not_found_error",
             param: param.map(str::to_owned),
+            retry_after_s: None,
         }
     }
 
@@ -56,6 +65,16 @@ impl ApiError {
             message: message.into(),
             kind: "server_error",
             param: None,
+            retry_after_s: None,
+        }
+    }
+
+    /// 503 with `Retry-After`: the engine is busy (its command queue is full), not broken; OpenAI
+    /// clients retry a 503, never a 400.
+    pub fn overloaded(message: impl Into<String>) -> Self {
+        Self {
+            retry_after_s: Some(RETRY_AFTER_S),
+            ..Self::unavailable(message)
         }
     }
 
@@ -66,6 +85,7 @@ impl ApiError {
             message: message.into(),
             kind: "server_error",
             param: None,
+            retry_after_s: None,
         }
     }
 
@@ -82,7 +102,13 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (self.status, Json(self.body())).into_response()
+        let mut response = (self.status, Json(self.body())).into_response();
+        if let Some(s) = self.retry_after_s {
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(s));
+        }
+        response
     }
 }
 
@@ -92,6 +118,9 @@ impl From<crate::backend::EngineError> for ApiError {
             crate::backend::EngineError::BadRequest { reason, .. } => Self::bad_body(reason),
             stopped @ crate::backend::EngineError::Stopped { .. } => {
                 Self::unavailable(stopped.to_string())
+            }
+            busy @ crate::backend::EngineError::Overloaded { .. } => {
+                Self::overloaded(busy.to_string())
             }
         }
     }

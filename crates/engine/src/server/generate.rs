@@ -57,14 +57,28 @@ pub struct Launched {
     ids: Vec<RequestId>,
     finished: Vec<bool>,
     rx: mpsc::Receiver<(usize, RequestUpdate)>,
+    /// Sequences taken from the server's budget, given back on drop.
+    reserved: usize,
 }
 
-/// Submits every choice; on a refusal, aborts the ones already queued.
+/// Submits every choice; on a refusal, aborts the ones already queued. A call beyond the
+/// server's sequence budget is refused before anything is submitted.
 pub fn launch(
     state: &Arc<ServerState>,
     rid: Option<String>,
     specs: Vec<ChoiceSpec>,
 ) -> Result<Launched, ApiError> {
+    let taken = |rid: &str| {
+        ApiError::invalid(
+            "rid",
+            format!("rid `{rid}` names a request still in flight; give each request its own rid"),
+        )
+    };
+    let in_flight = |r: &&String| state.rids.lock().expect("not poisoned").contains_key(*r);
+    if let Some(r) = rid.as_ref().filter(in_flight) {
+        return Err(taken(r));
+    }
+    state.reserve(specs.len())?;
     let counter = state.next_id.fetch_add(1, Ordering::Relaxed);
     let group = GroupId {
         run: RunId::from_name("serve"),
@@ -83,6 +97,7 @@ pub fn launch(
         ids: Vec::new(),
         finished: Vec::new(),
         rx,
+        reserved: specs.len(),
     };
     for (index, spec) in specs.into_iter().enumerate() {
         let id = group.rollout(index as u32).request(0, 0);
@@ -110,6 +125,15 @@ pub fn launch(
     }
     {
         let mut rids = state.rids.lock().expect("not poisoned");
+        // Checked again under the lock: two calls with one rid may have raced past the first
+        // check. The loser's requests are aborted when `launched` drops.
+        if let Some(k) = launched.keys.iter().find(|k| rids.contains_key(*k)) {
+            let err = taken(k);
+            drop(rids);
+            // Keep the winner's entry: dropping `launched` must not remove it.
+            launched.keys.clear();
+            return Err(err);
+        }
         for k in &launched.keys {
             rids.insert(k.clone(), launched.ids.clone());
         }
@@ -180,5 +204,7 @@ impl Drop for Launched {
         for k in &self.keys {
             rids.remove(k);
         }
+        drop(rids);
+        self.state.release(self.reserved);
     }
 }

@@ -21,7 +21,7 @@ mod text;
 mod tool_json;
 
 use std::collections::HashMap;
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -47,7 +47,15 @@ pub struct ServerOptions {
     pub device: candle::Device,
     /// Most choices one request may ask for.
     pub max_n: u32,
+    /// Most sequences (prompts × `n`) accepted at once across all calls, running or waiting.
+    /// A call that would go beyond answers 503 with `Retry-After` (try again shortly); one that
+    /// asks for more on its own answers 400 (it can never be served).
+    pub max_queued_sequences: usize,
 }
+
+/// Default of [`ServerOptions::max_queued_sequences`]: the native engine's command queue, so
+/// the calls the server accepts always fit in it.
+pub const DEFAULT_MAX_QUEUED_SEQUENCES: usize = 4096;
 
 /// Waiters for `WeightsUpdated` events (the server's engine sink feeds them).
 #[derive(Default)]
@@ -88,6 +96,8 @@ pub struct ServerState {
     rids: Mutex<HashMap<String, Vec<RequestId>>>,
     /// Serializes weight loads.
     loading: tokio::sync::Mutex<()>,
+    /// Sequences of the calls in flight ([`ServerOptions::max_queued_sequences`] at most).
+    queued: AtomicUsize,
 }
 
 impl ServerState {
@@ -106,7 +116,39 @@ impl ServerState {
             next_id: AtomicU64::new(0),
             rids: Mutex::new(HashMap::new()),
             loading: tokio::sync::Mutex::new(()),
+            queued: AtomicUsize::new(0),
         })
+    }
+
+    /// Sequences of the calls in flight.
+    pub fn queued_sequences(&self) -> usize {
+        self.queued.load(Ordering::Relaxed)
+    }
+
+    /// Takes `n` sequences of the server's budget, or says why not: 400 when `n` alone is over
+    /// it, 503 with `Retry-After` when the calls in flight leave too little. Released with
+    /// [`release`](Self::release) when the call ends.
+    fn reserve(&self, n: usize) -> Result<(), ApiError> {
+        let max = self.options.max_queued_sequences;
+        if n > max {
+            return Err(ApiError::bad_body(format!(
+                "the request asks for {n} sequences (prompts × n); this server takes at most {max} at once"
+            )));
+        }
+        self.queued
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |q| {
+                (q + n <= max).then_some(q + n)
+            })
+            .map(|_| ())
+            .map_err(|q| {
+                ApiError::overloaded(format!(
+                    "server overloaded: {q} of {max} sequences are queued or running; retry shortly"
+                ))
+            })
+    }
+
+    fn release(&self, n: usize) {
+        self.queued.fetch_sub(n, Ordering::AcqRel);
     }
 
     /// The served model's name.

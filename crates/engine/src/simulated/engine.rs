@@ -184,6 +184,9 @@ impl Worker {
             let idle =
                 self.running.is_empty() && self.waiting.is_empty() && self.pending_drain.is_none();
             let first = if idle {
+                // The last step may have finished every sequence: publish that before blocking,
+                // or the stats keep the last step's counts for as long as the engine idles.
+                self.publish_gauges();
                 match self.rx.recv() {
                     Ok(c) => {
                         // Simulated time does not run while the engine has nothing to do.
@@ -334,10 +337,10 @@ impl Worker {
             // are absorbed by later steps instead of stretching simulated time. Only a lag of
             // more than a few steps (a starved CPU) is given up.
             let behind = start.saturating_duration_since(self.deadline);
-            if behind > Duration::from_secs_f64(real * 8.0).max(Duration::from_millis(2)) {
+            if behind > super::real_duration(real * 8.0).max(Duration::from_millis(2)) {
                 self.deadline = start;
             }
-            self.deadline += Duration::from_secs_f64(real);
+            self.deadline += super::real_duration(real);
             let now = Instant::now();
             if self.deadline > now {
                 std::thread::sleep(self.deadline - now);
@@ -373,7 +376,7 @@ impl Worker {
             Ordering::Relaxed,
         );
         let elapsed = if real > 0.0 {
-            Duration::from_secs_f64(real)
+            super::real_duration(real)
         } else {
             start.elapsed()
         };

@@ -3,7 +3,6 @@
 
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::time::Duration;
 
 use sluice_core::config::SimTrainerConfig;
 use sluice_core::{
@@ -53,7 +52,7 @@ impl TrainerBackend for SimTrainer {
         let tokens: u64 = batch.iter().map(|g| g.completion_tokens() as u64).sum();
         let seconds = self.step_seconds(tokens) * self.time_scale;
         if seconds > 0.0 {
-            std::thread::sleep(Duration::from_secs_f64(seconds));
+            std::thread::sleep(super::real_duration(seconds));
         }
         let rewards: Vec<f64> = batch
             .iter()

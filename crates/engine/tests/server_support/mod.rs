@@ -155,6 +155,7 @@ async fn serve_dir(dir: tempfile::TempDir) -> Served {
             dtype: weights.dtype(),
             device: weights.device().clone(),
             max_n: 8,
+            max_queued_sequences: 16,
         },
         events,
     );
@@ -181,6 +182,8 @@ pub fn write_tiny(dir: &Path, seed: u64) {
 /// A reply: status and body (chunked encoding removed).
 pub struct Reply {
     pub status: u16,
+    /// The status line and headers, lowercased.
+    pub head: String,
     pub body: String,
 }
 
@@ -221,7 +224,11 @@ pub async fn call(addr: std::net::SocketAddr, method: &str, path: &str, body: &s
     } else {
         rest.to_owned()
     };
-    Reply { status, body }
+    Reply {
+        status,
+        head: head.to_ascii_lowercase(),
+        body,
+    }
 }
 
 pub async fn post(addr: std::net::SocketAddr, path: &str, body: Value) -> Reply {

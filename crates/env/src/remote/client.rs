@@ -10,6 +10,7 @@ use std::time::Duration;
 use hyper::{Method, StatusCode};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
+use sluice_core::config::Secret;
 use sluice_core::{DataSample, Message};
 
 use super::http::HttpClient;
@@ -42,6 +43,13 @@ impl RemoteEnv {
             sample,
             env_id: None,
         })
+    }
+
+    /// The same env, its calls carrying `Authorization: Bearer <token>` (a server started with
+    /// a token refuses calls without it).
+    pub fn with_token(mut self, token: Option<Secret>) -> Self {
+        self.http = self.http.with_token(token);
+        self
     }
 
     /// The server-side id, once created.
@@ -177,6 +185,7 @@ pub struct RemoteEnvFactory {
     base_url: String,
     task: String,
     timeout: Duration,
+    token: Option<Secret>,
 }
 
 impl RemoteEnvFactory {
@@ -192,18 +201,28 @@ impl RemoteEnvFactory {
             base_url: base_url.to_owned(),
             task: task.into(),
             timeout,
+            token: None,
         })
+    }
+
+    /// Envs whose calls carry `Authorization: Bearer <token>`, for a server started with one.
+    pub fn with_token(mut self, token: Secret) -> Self {
+        self.token = Some(token);
+        self
     }
 }
 
 impl EnvFactory for RemoteEnvFactory {
     fn make_env(&self, sample: &DataSample) -> Result<Box<dyn MessageEnv>, EnvError> {
-        Ok(Box::new(RemoteEnv::new(
-            &self.base_url,
-            self.task.clone(),
-            sample.clone(),
-            self.timeout,
-        )?))
+        Ok(Box::new(
+            RemoteEnv::new(
+                &self.base_url,
+                self.task.clone(),
+                sample.clone(),
+                self.timeout,
+            )?
+            .with_token(self.token.clone()),
+        ))
     }
 }
 

@@ -8,6 +8,7 @@ use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
 use hyper::{Method, Request, StatusCode};
 use hyper_util::rt::TokioIo;
+use sluice_core::config::Secret;
 use tokio::net::TcpStream;
 
 use crate::error::EnvError;
@@ -19,6 +20,8 @@ pub(crate) struct HttpClient {
     authority: String,
     prefix: String,
     timeout: Duration,
+    /// Sent as `Authorization: Bearer <token>` with every call.
+    token: Option<Secret>,
 }
 
 impl HttpClient {
@@ -43,7 +46,14 @@ impl HttpClient {
             authority: authority.to_owned(),
             prefix: prefix.to_owned(),
             timeout,
+            token: None,
         })
+    }
+
+    /// The same server, every call carrying `token`.
+    pub(crate) fn with_token(mut self, token: Option<Secret>) -> Self {
+        self.token = token;
+        self
     }
 
     /// The deadline of every call.
@@ -87,11 +97,18 @@ impl HttpClient {
         let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
             .await
             .map_err(|e| self.remote_error(format!("handshake: {e}")))?;
-        let request = Request::builder()
+        let mut request = Request::builder()
             .method(method)
             .uri(format!("{}{path}", self.prefix))
             .header(hyper::header::HOST, &self.authority)
-            .header(hyper::header::CONTENT_TYPE, "application/json")
+            .header(hyper::header::CONTENT_TYPE, "application/json");
+        if let Some(token) = &self.token {
+            request = request.header(
+                hyper::header::AUTHORIZATION,
+                format!("Bearer {}", token.expose()),
+            );
+        }
+        let request = request
             .body(Full::new(Bytes::from(body.unwrap_or_default())))
             .map_err(|e| self.remote_error(format!("request: {e}")))?;
         let exchange = async {

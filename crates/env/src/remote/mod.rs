@@ -11,7 +11,10 @@
 //! | `DELETE /v1/envs/{id}` | — | `204` |
 //!
 //! Errors answer with a status code and `{"error": {"kind": "<stable kind>", "message": "…"}}`:
-//! 400 `env_bad_input`, 404 `unknown_task` / `unknown_env`, 409 `env_protocol`, 500 `env_panic` /
+//! 400 `env_bad_input` / `bad_request` (a body that is not the call's JSON; 413 and 415 for
+//! too large and not JSON), 401 `unauthorized` (a token is configured, see
+//! [`ServerConfig::token`]), 404 `unknown_task` / `unknown_env` / `unknown_route`, 409
+//! `env_protocol` (a step before init, a second init, a step after done), 500 `env_panic` /
 //! `env_failed`, 503 `server_full`, 504 `env_timeout` (with `deadline_ms`, the deadline that
 //! passed, so the client's [`crate::EnvError::Timeout`] names it).
 //!
@@ -79,7 +82,8 @@ pub struct ErrorBody {
 /// The `error` object.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ErrorDetail {
-    /// Stable kind ([`crate::EnvError::kind`] or `unknown_env`, `server_full`, `bad_request`).
+    /// Stable kind ([`crate::EnvError::kind`] or `unknown_env`, `unknown_route`, `server_full`,
+    /// `bad_request`, `unauthorized`).
     pub kind: String,
     /// Human-readable cause.
     pub message: String,

@@ -2,6 +2,11 @@
 //! docs of [`crate::remote`]). Env calls run guarded (own task, deadline), so a panicking or
 //! hanging env answers 500 / 504 and the server keeps serving. Open envs are capped, and envs
 //! left idle (a client that died without closing) are dropped after `idle_timeout`.
+//!
+//! Each env follows the protocol's order, `init` once, then `step` until one answers `done`;
+//! anything else answers 409 `env_protocol` without reaching the env, so an env never sees a call
+//! its author did not plan for. With a token configured every `/v1/envs` call needs
+//! `Authorization: Bearer <token>` (401 `unauthorized` otherwise).
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -9,11 +14,14 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use axum::extract::{Path, State};
-use axum::http::StatusCode;
+use axum::extract::rejection::JsonRejection;
+use axum::extract::{Path, Request, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use sluice_core::config::Secret;
 use tokio::net::TcpListener;
 
 use super::{
@@ -35,6 +43,9 @@ pub struct ServerConfig {
     /// An env unused for this long is dropped (without `close`) when the next env is created, so
     /// clients that died without closing do not leak envs until the cap.
     pub idle_timeout: Duration,
+    /// Bearer token every `/v1/envs` call must carry; `None` serves anyone (loopback only:
+    /// `sluice env-server` refuses a wider bind without one).
+    pub token: Option<Secret>,
 }
 
 impl Default for ServerConfig {
@@ -43,11 +54,30 @@ impl Default for ServerConfig {
             max_envs: 1024,
             call_timeout: Duration::from_secs(30),
             idle_timeout: Duration::from_secs(600),
+            token: None,
         }
     }
 }
 
-type SharedEnv = Arc<tokio::sync::Mutex<Box<dyn MessageEnv>>>;
+/// Where an env is in the protocol.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// Created; `init` not called yet.
+    Created,
+    /// Initialised; steps are answered.
+    Running,
+    /// A step answered `done`; only `close` remains.
+    Done,
+}
+
+/// An env with its protocol phase, behind one lock so that a check and the call it guards
+/// cannot interleave with another call on the same env.
+struct Hosted {
+    env: Box<dyn MessageEnv>,
+    phase: Phase,
+}
+
+type SharedEnv = Arc<tokio::sync::Mutex<Hosted>>;
 
 struct Slot {
     env: SharedEnv,
@@ -119,6 +149,33 @@ impl From<EnvError> for ApiError {
     }
 }
 
+impl ApiError {
+    fn new(status: StatusCode, kind: &str, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            kind: kind.to_owned(),
+            message: message.into(),
+            deadline_ms: None,
+        }
+    }
+}
+
+/// A body that is not the JSON a route expects answers in the protocol's error shape, kind
+/// `bad_request` (axum's own rejections are plain text). The status says what was wrong: 400
+/// for JSON that does not parse or has the wrong shape, 415 without `Content-Type:
+/// application/json`, 413 for a body over axum's limit.
+impl From<JsonRejection> for ApiError {
+    fn from(r: JsonRejection) -> Self {
+        let status = match &r {
+            JsonRejection::JsonDataError(_) | JsonRejection::JsonSyntaxError(_) => {
+                StatusCode::BAD_REQUEST
+            }
+            other => other.status(),
+        };
+        Self::new(status, "bad_request", r.body_text())
+    }
+}
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let body = ErrorBody {
@@ -128,8 +185,49 @@ impl IntoResponse for ApiError {
                 deadline_ms: self.deadline_ms,
             },
         };
-        (self.status, Json(body)).into_response()
+        let mut response = (self.status, Json(body)).into_response();
+        if self.status == StatusCode::UNAUTHORIZED {
+            response.headers_mut().insert(
+                header::WWW_AUTHENTICATE,
+                header::HeaderValue::from_static("Bearer"),
+            );
+        }
+        response
     }
+}
+
+/// Refuses an env call without the configured bearer token.
+async fn authorize(State(s): Shared, req: Request, next: Next) -> Response {
+    match check_token(s.config.token.as_ref(), req.headers()) {
+        Ok(()) => next.run(req).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+fn check_token(token: Option<&Secret>, headers: &HeaderMap) -> Result<(), ApiError> {
+    let Some(token) = token else {
+        return Ok(());
+    };
+    let unauthorized = |m: &str| ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", m);
+    let given = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| {
+            let (scheme, rest) = v.trim().split_once(' ')?;
+            scheme.eq_ignore_ascii_case("bearer").then(|| rest.trim())
+        });
+    match given {
+        None => Err(unauthorized(
+            "missing bearer token: send `Authorization: Bearer <token>`",
+        )),
+        Some(t) if same_bytes(t.as_bytes(), token.expose().as_bytes()) => Ok(()),
+        Some(_) => Err(unauthorized("wrong bearer token")),
+    }
+}
+
+/// Compares without an early exit, so the time taken does not tell how much of a guess matched.
+fn same_bytes(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 /// The protocol's routes over `registry`.
@@ -140,13 +238,17 @@ pub fn router(registry: Arc<TaskRegistry>, config: ServerConfig) -> Router {
         envs: Mutex::new(HashMap::new()),
         next_id: AtomicU64::new(1),
     });
-    Router::new()
-        .route("/v1/health", get(health))
-        .route("/v1/tasks", get(tasks))
+    let envs = Router::new()
         .route("/v1/envs", post(create))
         .route("/v1/envs/{id}/init", post(init))
         .route("/v1/envs/{id}/step", post(step))
         .route("/v1/envs/{id}", axum::routing::delete(close))
+        .route_layer(middleware::from_fn_with_state(state.clone(), authorize));
+    Router::new()
+        .route("/v1/health", get(health))
+        .route("/v1/tasks", get(tasks))
+        .merge(envs)
+        .fallback(unknown_route)
         .with_state(state)
 }
 
@@ -177,10 +279,19 @@ async fn tasks(State(s): Shared) -> Json<TasksResponse> {
     })
 }
 
+async fn unknown_route() -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        "unknown_route",
+        "no such route; see the protocol table in docs/envs.md",
+    )
+}
+
 async fn create(
     State(s): Shared,
-    Json(req): Json<CreateRequest>,
+    body: Result<Json<CreateRequest>, JsonRejection>,
 ) -> Result<(StatusCode, Json<CreateResponse>), ApiError> {
+    let Json(req) = body?;
     let task = s.registry.get(&req.task)?;
     let evicted = s.evict_idle();
     if evicted > 0 {
@@ -197,7 +308,10 @@ async fn create(
     let env = task.make_env(&req.sample)?;
     let id = format!("e{}", s.next_id.fetch_add(1, Ordering::Relaxed));
     let slot = Slot {
-        env: Arc::new(tokio::sync::Mutex::new(env)),
+        env: Arc::new(tokio::sync::Mutex::new(Hosted {
+            env,
+            phase: Phase::Created,
+        })),
         last_used: Instant::now(),
     };
     s.envs().insert(id.clone(), slot);
@@ -207,7 +321,16 @@ async fn create(
 async fn init(State(s): Shared, Path(id): Path<String>) -> Result<Json<EnvInit>, ApiError> {
     let env = s.env(&id)?;
     let out = run_guarded("init", s.config.call_timeout, async move {
-        env.lock().await.init().await
+        let mut hosted = env.lock().await;
+        if hosted.phase != Phase::Created {
+            return Err(EnvError::Protocol(format!(
+                "env `{id}` is already initialised; create a new env for a new episode"
+            )));
+        }
+        // Marked before the call: an init that failed or timed out is not retried on the
+        // same env (its state is unknown); the client closes it.
+        hosted.phase = Phase::Running;
+        hosted.env.init().await
     })
     .await?;
     Ok(Json(out))
@@ -216,11 +339,30 @@ async fn init(State(s): Shared, Path(id): Path<String>) -> Result<Json<EnvInit>,
 async fn step(
     State(s): Shared,
     Path(id): Path<String>,
-    Json(req): Json<StepRequest>,
+    body: Result<Json<StepRequest>, JsonRejection>,
 ) -> Result<Json<EnvStep>, ApiError> {
+    let Json(req) = body?;
     let env = s.env(&id)?;
     let out = run_guarded("step", s.config.call_timeout, async move {
-        env.lock().await.step(req.message).await
+        let mut hosted = env.lock().await;
+        match hosted.phase {
+            Phase::Created => {
+                return Err(EnvError::Protocol(format!(
+                    "env `{id}` stepped before init; call POST /v1/envs/{id}/init first"
+                )));
+            }
+            Phase::Done => {
+                return Err(EnvError::Protocol(format!(
+                    "env `{id}` already answered done; close it and create a new env"
+                )));
+            }
+            Phase::Running => {}
+        }
+        let out = hosted.env.step(req.message).await?;
+        if out.done {
+            hosted.phase = Phase::Done;
+        }
+        Ok(out)
     })
     .await?;
     Ok(Json(out))
@@ -235,7 +377,7 @@ async fn close(State(s): Shared, Path(id): Path<String>) -> Result<StatusCode, A
     })?;
     let env = slot.env;
     run_guarded("close", s.config.call_timeout, async move {
-        env.lock().await.close().await
+        env.lock().await.env.close().await
     })
     .await?;
     Ok(StatusCode::NO_CONTENT)

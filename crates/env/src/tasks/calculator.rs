@@ -46,10 +46,31 @@ pub fn calc_tool() -> ToolSpec {
     }
 }
 
-/// Evaluates an integer expression (`+ - * /`, parentheses, unary minus; `/` truncates).
+/// Longest expression [`evaluate`] accepts, in characters (whitespace included). The expression
+/// comes from a model's tool call or a remote client, so its size is bounded before any work.
+pub const MAX_EXPRESSION_CHARS: usize = 4096;
+
+/// Deepest nesting [`evaluate`] accepts: parentheses and unary minuses together. The evaluator
+/// recurses once per level; without a bound, 10,000 nested parentheses overflow the stack and
+/// abort the whole process (the env server, or the run whose model wrote them).
+pub const MAX_EXPRESSION_DEPTH: usize = 64;
+
+/// Evaluates an integer expression (`+ - * /`, parentheses, unary minus; `/` truncates). Longer
+/// than [`MAX_EXPRESSION_CHARS`] or nested deeper than [`MAX_EXPRESSION_DEPTH`] is an error, like
+/// any other bad expression (the tool answers it to the model).
 pub fn evaluate(expr: &str) -> Result<i64, String> {
+    let chars = expr.chars().count();
+    if chars > MAX_EXPRESSION_CHARS {
+        return Err(format!(
+            "expression too long: {chars} characters, at most {MAX_EXPRESSION_CHARS}"
+        ));
+    }
     let tokens: Vec<char> = expr.chars().filter(|c| !c.is_whitespace()).collect();
-    let mut p = Parser { t: &tokens, i: 0 };
+    let mut p = Parser {
+        t: &tokens,
+        i: 0,
+        depth: 0,
+    };
     let v = p.sum()?;
     if p.i != tokens.len() {
         return Err(format!("unexpected `{}` at position {}", tokens[p.i], p.i));
@@ -60,6 +81,8 @@ pub fn evaluate(expr: &str) -> Result<i64, String> {
 struct Parser<'a> {
     t: &'a [char],
     i: usize,
+    /// Nesting levels entered (parentheses and unary minuses) on the current path.
+    depth: usize,
 }
 
 impl Parser<'_> {
@@ -98,19 +121,35 @@ impl Parser<'_> {
         Ok(v)
     }
 
+    /// Enters one nesting level, refusing past [`MAX_EXPRESSION_DEPTH`].
+    fn descend(&mut self) -> Result<(), String> {
+        self.depth += 1;
+        if self.depth > MAX_EXPRESSION_DEPTH {
+            return Err(format!(
+                "expression nested too deeply: more than {MAX_EXPRESSION_DEPTH} levels of parentheses or unary minus"
+            ));
+        }
+        Ok(())
+    }
+
     fn atom(&mut self) -> Result<i64, String> {
         match self.peek() {
             Some('-') => {
                 self.i += 1;
-                self.atom()?.checked_neg().ok_or_else(|| "overflow".into())
+                self.descend()?;
+                let v = self.atom()?.checked_neg().ok_or("overflow")?;
+                self.depth -= 1;
+                Ok(v)
             }
             Some('(') => {
                 self.i += 1;
+                self.descend()?;
                 let v = self.sum()?;
                 if self.peek() != Some(')') {
                     return Err("missing `)`".into());
                 }
                 self.i += 1;
+                self.depth -= 1;
                 Ok(v)
             }
             Some(c) if c.is_ascii_digit() => {
@@ -271,5 +310,48 @@ mod tests {
         assert!(evaluate("(2").is_err());
         assert!(evaluate("2 x 3").is_err());
         assert!(evaluate("9223372036854775807+1").is_err());
+    }
+
+    #[test]
+    fn nesting_and_size_are_bounded() {
+        let nested = |n: usize| format!("{}1{}", "(".repeat(n), ")".repeat(n));
+        assert_eq!(evaluate(&nested(MAX_EXPRESSION_DEPTH)), Ok(1));
+        // Sibling parentheses do not add up: only the depth of one path counts.
+        let siblings = vec![nested(MAX_EXPRESSION_DEPTH); 10].join("+");
+        assert_eq!(evaluate(&siblings), Ok(10));
+        let err = evaluate(&nested(MAX_EXPRESSION_DEPTH + 1)).unwrap_err();
+        assert!(err.contains("nested too deeply"), "{err}");
+        // Unary minus recurses too.
+        let minuses = format!("{}1", "-".repeat(MAX_EXPRESSION_DEPTH + 1));
+        assert!(
+            evaluate(&minuses)
+                .unwrap_err()
+                .contains("nested too deeply")
+        );
+        let long = format!("1{}", "+1".repeat(MAX_EXPRESSION_CHARS));
+        assert!(evaluate(&long).unwrap_err().contains("too long"));
+    }
+
+    /// The reported crash: 10,000 nested parentheses overflowed the stack (the process aborted).
+    /// Now the model gets a tool error and the episode goes on.
+    #[tokio::test]
+    async fn a_deeply_nested_tool_call_answers_a_tool_error() {
+        let mut env = CalculatorEnv::new("1 + 1");
+        env.init().await.unwrap();
+        let expression = format!("{}1{}", "(".repeat(10_000), ")".repeat(10_000));
+        let mut assistant = Message::assistant("");
+        assistant.tool_calls.push(sluice_core::message::ToolCall {
+            id: "call_0".into(),
+            kind: "function".into(),
+            function: sluice_core::message::FunctionCall {
+                name: "calc".into(),
+                arguments: json!({ "expression": expression }).to_string(),
+            },
+        });
+        let step = env.step(assistant).await.unwrap();
+        assert_eq!(step.situation.as_deref(), Some("tool_error"));
+        assert!(!step.done);
+        let reply = step.messages[0].content.as_deref().unwrap();
+        assert!(reply.starts_with("error: expression too long"), "{reply}");
     }
 }

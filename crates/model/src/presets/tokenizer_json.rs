@@ -1,16 +1,25 @@
 //! The presets' character-level tokenizer in HF `tokenizer.json` format.
 //!
 //! A BPE model with no merges: every character of the vocabulary is one token, anything else
-//! maps to `<unk>`. No normalizer or pre-tokenizer (spaces and newlines are ordinary
-//! characters), and a `Fuse` decoder so decoding concatenates characters without separators.
-//! Special tokens follow ChatML; `<think>` and `<tool_call>` tags are added tokens that are not
-//! "special", so decoding keeps them (as Qwen's tokenizer does).
+//! maps to `<unk>`. Special tokens follow ChatML; `<think>` and `<tool_call>` tags are added
+//! tokens that are not "special", so decoding keeps them (as Qwen's tokenizer does).
+//!
+//! The pipeline is Qwen2's own (NFC, the Qwen2 split regex, byte-level mapping, byte-level
+//! decoder), with the vocabulary written in the byte-level alphabet (space is `Ġ`, newline `Ċ`;
+//! printable ASCII maps to itself). Why: transformers 5 builds a `qwen2` model's tokenizer as
+//! `Qwen2Tokenizer` whatever `tokenizer_class` says, taking only the vocabulary and merges from
+//! `tokenizer.json` and imposing that pipeline. A plain character vocabulary then lost every
+//! space and newline (`<|im_start|>user\n7+5=<|im_end|>\n`: 10 ids instead of 12). With the
+//! same pipeline on both sides, `AutoTokenizer.from_pretrained(dir)` and this file give the
+//! same ids; with no merges the split changes nothing, so the ids of ASCII text are exactly one
+//! per character, as before.
 
 use serde_json::{Map, Value, json};
 
 use super::CHATML_TEMPLATE;
 
 /// The characters of the vocabulary, ids `0..`: printable ASCII (space to `~`), then newline.
+/// In `tokenizer.json` they appear in the byte-level alphabet (space `Ġ`, newline `Ċ`).
 pub const CHAR_VOCAB: &str = concat!(
     " !\"#$%&'()*+,-./0123456789:;<=>?@ABCDEFGHIJKLMNOPQRSTUVWXYZ[\\]^_`abcdefghijklmnopqrstuvwxyz{|}~",
     "\n"
@@ -28,6 +37,24 @@ pub const SPECIAL_TOKENS: &[(&str, bool)] = &[
 ];
 
 const UNK: &str = "<unk>";
+
+/// Qwen2's pre-tokenization regex (as transformers' `Qwen2Tokenizer` and Qwen's own
+/// `tokenizer.json` have it).
+const QWEN2_SPLIT_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// A vocabulary character in the byte-level alphabet (GPT-2's byte-to-unicode map): the
+/// printable characters `!`..`~` are themselves, space is `Ġ` (U+0120) and newline `Ċ`
+/// (U+010A). These are all of `CHAR_VOCAB`.
+fn byte_level(c: char) -> char {
+    match c {
+        ' ' => '\u{0120}',
+        '\n' => '\u{010a}',
+        _ => {
+            debug_assert!(c.is_ascii_graphic(), "{c:?} is not in CHAR_VOCAB");
+            c
+        }
+    }
+}
 
 fn unk_id() -> u32 {
     CHAR_VOCAB.chars().count() as u32
@@ -51,7 +78,7 @@ pub(crate) fn vocab_size() -> usize {
 pub fn char_tokenizer_json() -> Value {
     let mut vocab = Map::new();
     for (i, c) in CHAR_VOCAB.chars().enumerate() {
-        vocab.insert(c.to_string(), json!(i));
+        vocab.insert(byte_level(c).to_string(), json!(i));
     }
     vocab.insert(UNK.to_owned(), json!(unk_id()));
     let mut added = vec![json!({
@@ -69,17 +96,30 @@ pub fn char_tokenizer_json() -> Value {
         "truncation": null,
         "padding": null,
         "added_tokens": added,
-        "normalizer": null,
-        "pre_tokenizer": null,
+        "normalizer": {"type": "NFC"},
+        "pre_tokenizer": {
+            "type": "Sequence",
+            "pretokenizers": [
+                {
+                    "type": "Split",
+                    "pattern": {"Regex": QWEN2_SPLIT_REGEX},
+                    "behavior": "Isolated",
+                    "invert": false,
+                },
+                {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false},
+            ],
+        },
         "post_processor": null,
-        "decoder": {"type": "Fuse"},
+        "decoder": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false},
         "model": {
             "type": "BPE",
             "dropout": null,
             "unk_token": UNK,
             "continuing_subword_prefix": null,
             "end_of_word_suffix": null,
-            "fuse_unk": false,
+            // A character outside the vocabulary is several bytes after the byte-level
+            // mapping; fused, it stays one `<unk>` as in the plain character tokenizer.
+            "fuse_unk": true,
             "byte_fallback": false,
             "ignore_merges": false,
             "vocab": vocab,
@@ -88,7 +128,9 @@ pub fn char_tokenizer_json() -> Value {
     })
 }
 
-/// The `tokenizer_config.json` document (special tokens and the ChatML template).
+/// The `tokenizer_config.json` document (special tokens and the ChatML template). The class is
+/// `Qwen2Tokenizer`, the one transformers picks for the presets' `qwen2` model type anyway (a
+/// different name is overridden and only invites the mismatch this module's docs describe).
 pub fn tokenizer_config_json() -> Value {
     let mut decoder = Map::new();
     decoder.insert(
@@ -102,7 +144,7 @@ pub fn tokenizer_config_json() -> Value {
         );
     }
     json!({
-        "tokenizer_class": "PreTrainedTokenizerFast",
+        "tokenizer_class": "Qwen2Tokenizer",
         "added_tokens_decoder": decoder,
         "bos_token": null,
         "eos_token": "<|im_end|>",

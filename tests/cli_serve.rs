@@ -1,0 +1,132 @@
+//! `sluice serve` as a process: bad flags are refused before loading, and SIGTERM under load
+//! aborts the generations in flight (each call answers with its partial, `finish_reason:
+//! "abort"`) instead of waiting for them to run to their end.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn sluice() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_sluice"))
+}
+
+fn http(addr: &str, method: &str, path: &str, body: &str) -> String {
+    let mut s = TcpStream::connect(addr).unwrap();
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out
+}
+
+fn body_json(reply: &str) -> serde_json::Value {
+    let body = reply.split_once("\r\n\r\n").unwrap().1;
+    serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {reply}"))
+}
+
+#[test]
+fn serve_refuses_bad_flags_before_loading() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("m");
+    for (flag, value, message) in [
+        (
+            "--served-model-name",
+            " ",
+            "--served-model-name: expected a non-empty name",
+        ),
+        (
+            "--max-queued-sequences",
+            "0",
+            "--max-queued-sequences: expected an integer ≥ 1, got 0",
+        ),
+        (
+            "--max-running-sequences",
+            "100000",
+            "--max-running-sequences: expected at most 16384, got 100000",
+        ),
+    ] {
+        let out = sluice()
+            .args([
+                "serve",
+                "--model",
+                model.to_str().unwrap(),
+                "--port",
+                "0",
+                flag,
+                value,
+            ])
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(1));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(message), "{err}");
+    }
+}
+
+#[test]
+fn sigterm_under_load_aborts_generation_in_flight() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("m");
+    let init = sluice()
+        .args([
+            "model",
+            "init",
+            "--preset",
+            "tiny",
+            "--out",
+            model.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert!(init.status.success());
+    let mut child = sluice()
+        .args(["serve", "--model", model.to_str().unwrap(), "--port", "0"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let addr = line
+        .split("http://")
+        .nth(1)
+        .map(|a| a.trim().to_owned())
+        .unwrap_or_else(|| panic!("no address in {line:?}"));
+    let long = {
+        let addr = addr.clone();
+        std::thread::spawn(move || {
+            http(
+                &addr,
+                "POST",
+                "/v1/completions",
+                r#"{"prompt": "go", "max_tokens": 4000, "ignore_eos": true}"#,
+            )
+        })
+    };
+    // Wait until it is generating.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let v = body_json(&http(&addr, "GET", "/get_weight_version", ""));
+        if v["generated_tokens"].as_u64().unwrap() >= 3 || Instant::now() > deadline {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let status = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let reply = long.join().unwrap();
+    assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
+    let choice = &body_json(&reply)["choices"][0];
+    assert_eq!(choice["finish_reason"], "abort", "{choice}");
+    assert!(child.wait().unwrap().success());
+}
