@@ -146,6 +146,17 @@ const BOUNDS: &[Bound] = &[
     bound("supervision.checkpoint_every_steps", MAX_COUNT, STEPS),
     bound("supervision.shutdown_timeout_s", MAX_SECONDS, SECONDS),
     bound("supervision.env_step_timeout_s", MAX_SECONDS, SECONDS),
+    bound(
+        "supervision.engine_max_restarts",
+        MAX_COUNT,
+        "failures in a row",
+    ),
+    bound(
+        "supervision.engine_unavailable_timeout_s",
+        MAX_SECONDS,
+        SECONDS,
+    ),
+    bound("supervision.no_progress_groups", MAX_COUNT, "groups"),
     bound("faults.*", MAX_COUNT, "a fault period"),
 ];
 
