@@ -32,7 +32,7 @@ use crate::checkpoint::{CheckpointDir, CheckpointError, Manifest};
 use crate::controller::{ControllerConfig, ControllerHandle, ControllerStatus, Peers};
 use crate::engine::{BackendFactory, EngineHandle, EngineSupervision, ReplicaHealth};
 use crate::env_faults::{EnvFaults, FaultyEnv, TimeoutEnv};
-use crate::env_worker::{EnvPoolHandle, RolloutEnv};
+use crate::env_worker::{EnvPoolConfig, EnvPoolHandle, RolloutEnv};
 use crate::replay::{ReplayHandle, ReplayOptions, ReplayStatus};
 use crate::sampler::{SampleSource, SamplerHandle, SimSource};
 use crate::supervise_node::{self, Restored, SimBackend};
@@ -40,6 +40,7 @@ use crate::trainer::{TrainerHandle, TrainerOptions, TrainerStatus};
 use crate::{ActorError, telemetry};
 
 /// What a node is built with beyond the config. `Default` gives the simulated pipeline.
+#[derive(Default)]
 pub struct NodeOptions {
     /// Replay database directory; `None` keeps the store in memory.
     pub replay_dir: Option<PathBuf>,
@@ -49,8 +50,6 @@ pub struct NodeOptions {
     pub serve_metrics: bool,
     /// Record trained group ids (tests).
     pub track_ids: bool,
-    /// Environment workers.
-    pub env_workers: usize,
     /// Inference backends (default: the simulated engine from `[engine.simulated]`).
     pub backend: Option<BackendFactory>,
     /// Trainer backend (default: the simulated trainer from `[trainer.simulated]`).
@@ -63,23 +62,6 @@ pub struct NodeOptions {
     /// config's own (`replay_dir == replay.path`, as `sluice run` sets it), else no checkpoints
     /// (tests that point the store elsewhere never touch the run's output dir).
     pub checkpoint_dir: Option<PathBuf>,
-}
-
-impl Default for NodeOptions {
-    fn default() -> Self {
-        Self {
-            replay_dir: None,
-            serve_admin: false,
-            serve_metrics: false,
-            track_ids: false,
-            env_workers: 2,
-            backend: None,
-            trainer: None,
-            source: None,
-            env: None,
-            checkpoint_dir: None,
-        }
-    }
 }
 
 /// Everything `/v1/status` shows.
@@ -204,7 +186,6 @@ impl Node {
             serve_admin,
             serve_metrics,
             track_ids,
-            env_workers,
             backend,
             trainer,
             source,
@@ -320,8 +301,13 @@ impl Node {
             env_impl,
             config.supervision.env_step_timeout,
         ));
-        let (env_pool, env_joins) =
-            EnvPoolHandle::spawn(env_workers, Arc::clone(&env_impl), controller.env_sink()).await?;
+        let (env_pool, env_joins) = EnvPoolHandle::spawn(
+            EnvPoolConfig::from_config(config),
+            Arc::clone(&env_impl),
+            controller.env_sink(),
+            &knobs,
+        )
+        .await?;
         joins.extend(env_joins.into_iter().map(|j| ("env", j)));
         let source = source.unwrap_or_else(|| Box::new(SimSource::from_config(config)));
         // A resumed run draws on from where the checkpoint left the sampler (cursor, RNG,

@@ -73,7 +73,7 @@ async fn native_pipeline_trains_scores_and_keeps_the_lag_bound() {
         backend: Some(setup.backend_factory(&config, None).unwrap()),
         trainer: Some(Box::new(trainer)),
         source: Some(Box::new(source)),
-        env: Some(Arc::new(setup.env(&config, 64))),
+        env: Some(Arc::new(setup.env(&config))),
         ..NodeOptions::default()
     };
     let node = Node::start(&config, options).await.unwrap();
@@ -184,7 +184,7 @@ async fn task_env_renders_steps_and_scores_with_the_tasks_rubric() {
     let config = config(dir.path(), 1);
     ensure_model_dir(&config).unwrap();
     let setup = NativeSetup::load(&config, None).unwrap();
-    let env = setup.env(&config, 8);
+    let env = setup.env(&config);
     let task = setup.registry.get("arithmetic").unwrap();
     let sample = task.eval_samples(0, 1).unwrap().remove(0);
     let answer = task
