@@ -275,7 +275,10 @@ impl Node {
             };
         let version = backend_trainer.version().max(recovery.policy_version);
         recovery.policy_version = version;
-        let factory = backend.unwrap_or_else(|| sim_backend(config));
+        let factory = telemetry::carry_token_counts(
+            backend.unwrap_or_else(|| sim_backend(config)),
+            config.engine.replicas.get() as usize,
+        );
         let (engine, j) = EngineHandle::spawn_supervised(
             config.engine.replicas.get(),
             version,
@@ -310,6 +313,15 @@ impl Node {
         .await?;
         joins.extend(env_joins.into_iter().map(|j| ("env", j)));
         let source = source.unwrap_or_else(|| Box::new(SimSource::from_config(config)));
+        if prom.is_some() {
+            let datasets: Vec<String> =
+                config.data.datasets.iter().map(|d| d.to_string()).collect();
+            telemetry::seed_node(
+                config.engine.replicas.get() as usize,
+                &source.domains(),
+                &datasets,
+            );
+        }
         // A resumed run draws on from where the checkpoint left the sampler (cursor, RNG,
         // per-domain counts), so the adaptive mix and the data order carry over.
         let sampler_state = manifest.as_ref().and_then(|m| m.sampler.clone());

@@ -33,6 +33,11 @@ pub trait SampleSource: Send + 'static {
     /// Exports the source's gauges toward `domain_shares` (the domain-mix gauges for mixes).
     fn publish_metrics(&self, _domain_shares: &BTreeMap<String, f64>) {}
 
+    /// The domains it draws from, when it knows them up front (their metric series are seeded).
+    fn domains(&self) -> Vec<String> {
+        Vec::new()
+    }
+
     /// Resumable state (for checkpoints).
     fn state(&self) -> Value;
 
@@ -53,6 +58,10 @@ impl<R: DomainRows> SampleSource for MixSampler<R> {
 
     fn publish_metrics(&self, domain_shares: &BTreeMap<String, f64>) {
         MixSampler::publish_metrics(self, domain_shares);
+    }
+
+    fn domains(&self) -> Vec<String> {
+        self.domain_names()
     }
 
     fn state(&self) -> Value {
@@ -142,6 +151,9 @@ impl SampleSource for SimSource {
     }
     fn publish_metrics(&self, domain_shares: &BTreeMap<String, f64>) {
         SampleSource::publish_metrics(&self.0, domain_shares);
+    }
+    fn domains(&self) -> Vec<String> {
+        SampleSource::domains(&self.0)
     }
     fn state(&self) -> Value {
         SampleSource::state(&self.0)

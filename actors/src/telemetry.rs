@@ -6,23 +6,30 @@
 //! metrics go out through [`crate::trainer::export_step_metrics`]).
 //!
 //! Seeding: a series is registered at zero for every label value known up front (actor names,
-//! rollout statuses, finish reasons, buckets, weight-update modes, knob names, and, once the node
-//! runs, replicas and domains). A metric whose label values only appear with events (error kinds,
-//! bucket transitions, dataset names) is seeded with one series without labels, so every catalog
-//! name is present with `# HELP` and `# TYPE` on the first scrape.
+//! rollout statuses, finish reasons, buckets, the state machine's bucket transitions, weight-update
+//! modes, knob names) and, when a node starts ([`seed_node`]), for its replicas, domains and
+//! datasets. A series without labels is never seeded for a labeled name: it would sit beside the
+//! labeled ones as a bogus `0` in every sum and average. The one name whose label values only
+//! appear with events, `sluice_actor_errors_total{actor, kind}`, shows from its first error.
+//!
+//! Per-replica token counts would start again at 0 when a replica is rebuilt: the node wraps its
+//! backend factory with [`carry_token_counts`] so each replica slot counts on, and
+//! [`ReplicaTally`] exports new highs as increments, so the counter never goes backwards, never
+//! stalls, and loses nothing a crashed incarnation generated.
 
-use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use metrics::{Counter, Unit};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use sluice_core::knobs::KnobsHandle;
 use sluice_core::metrics::{self as m, MetricDef, MetricKind};
-use sluice_core::{RolloutStatus, WeightUpdateMode};
-use sluice_engine::FinishReason;
+use sluice_core::{RequestId, RolloutStatus, WeightSnapshot, WeightUpdateMode};
+use sluice_engine::{EngineError, EngineStats, FinishReason, GenerateRequest, InferenceBackend};
 use sluice_replay::Bucket;
 
-use crate::engine::EngineHandle;
+use crate::engine::{BackendFactory, EngineHandle};
 
 static HANDLE: OnceLock<Option<PrometheusHandle>> = OnceLock::new();
 
@@ -124,6 +131,7 @@ fn static_values(label: &str) -> Option<Vec<&'static str>> {
         .map(RolloutStatus::as_label)
         .collect(),
         "kind" => ENV_FAILURE_KINDS.to_vec(),
+        "from" | "to" => Bucket::ALL.iter().map(|b| b.as_label()).collect(),
         "version" => vec![env!("CARGO_PKG_VERSION")],
         _ => return None,
     };
@@ -154,38 +162,211 @@ fn register(def: &MetricDef, labels: Vec<(&'static str, String)>) {
     }
 }
 
-/// Seeds every catalog name: one series per statically known label value, or one series
-/// without labels when a label's values are only known at run time (or when there are several
-/// labels, as in `sluice_actor_errors_total{actor, kind}`).
+/// The bucket transitions the replay store's state machine allows, as (from, to) labels.
+fn transitions() -> Vec<(&'static str, &'static str)> {
+    let mut pairs = Vec::new();
+    for from in Bucket::ALL {
+        for to in Bucket::ALL {
+            if from.can_move_to(to) {
+                pairs.push((from.as_label(), to.as_label()));
+            }
+        }
+    }
+    pairs
+}
+
+/// Seeds every catalog name whose label values are known up front: names without labels, one
+/// series per static label value, and the legal `{from, to}` transitions. Names labeled by
+/// replica, domain or dataset wait for [`seed_node`].
 fn seed_catalog() {
     for def in m::CATALOG {
         match def.labels {
             [] => register(def, Vec::new()),
-            [label] => match static_values(label) {
-                Some(values) => {
-                    for v in values {
-                        register(def, vec![(*label, v.to_owned())]);
-                    }
+            ["from", "to"] => {
+                for (from, to) in transitions() {
+                    register(def, vec![("from", from.to_owned()), ("to", to.to_owned())]);
                 }
-                None => register(def, Vec::new()),
-            },
-            _ => register(def, Vec::new()),
+            }
+            [label] => {
+                for v in static_values(label).unwrap_or_default() {
+                    register(def, vec![(*label, v.to_owned())]);
+                }
+            }
+            _ => {}
         }
     }
 }
 
-/// Seeds the series whose label values come from the running node: one per engine replica and
-/// one per configured domain.
-fn seed_node(replicas: usize, domains: &[String]) {
+/// Seeds the series whose label values come from the running node: one per engine replica,
+/// configured domain and dataset. Call it before `/metrics` is served; seeding is idempotent.
+pub fn seed_node(replicas: usize, domains: &[String], datasets: &[String]) {
     for def in m::CATALOG {
         let values: Vec<String> = match def.labels {
             ["replica"] => (0..replicas).map(|r| r.to_string()).collect(),
             ["domain"] => domains.to_vec(),
+            ["dataset"] => datasets.to_vec(),
             _ => continue,
         };
         for v in values {
             register(def, vec![(def.labels[0], v)]);
         }
+    }
+}
+
+/// Wraps `factory` so that each replica slot's `generated_tokens` counts on across rebuilds: when
+/// a backend is shut down (or dropped, as a crashed one may be), its count is carried over to the
+/// slot, and its successors report theirs on top. The per-replica token counter is then exact:
+/// tokens generated between the last sample and a crash are not lost.
+pub fn carry_token_counts(factory: BackendFactory, replicas: usize) -> BackendFactory {
+    let retired: Arc<Vec<AtomicU64>> = Arc::new((0..replicas).map(|_| AtomicU64::new(0)).collect());
+    Arc::new(move |replica, version, sink| {
+        Box::new(Carried {
+            inner: factory(replica, version, sink),
+            retired: Arc::clone(&retired),
+            slot: replica as usize,
+            done: false,
+        }) as Box<dyn InferenceBackend>
+    })
+}
+
+/// A backend whose token count starts where its slot's earlier incarnations ended.
+struct Carried {
+    inner: Box<dyn InferenceBackend>,
+    retired: Arc<Vec<AtomicU64>>,
+    slot: usize,
+    done: bool,
+}
+
+impl Carried {
+    fn carried(&self) -> u64 {
+        self.retired
+            .get(self.slot)
+            .map_or(0, |r| r.load(Ordering::Relaxed))
+    }
+
+    /// Adds this incarnation's count to the slot, once.
+    fn retire(&mut self) {
+        if !self.done {
+            self.done = true;
+            if let Some(r) = self.retired.get(self.slot) {
+                r.fetch_add(self.inner.stats().generated_tokens, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+impl InferenceBackend for Carried {
+    fn submit(&self, request: GenerateRequest) -> Result<(), EngineError> {
+        self.inner.submit(request)
+    }
+
+    fn abort(&self, id: RequestId) -> Result<(), EngineError> {
+        self.inner.abort(id)
+    }
+
+    fn abort_all(&self) -> Result<(), EngineError> {
+        self.inner.abort_all()
+    }
+
+    fn update_weights(
+        &self,
+        weights: WeightSnapshot,
+        mode: WeightUpdateMode,
+    ) -> Result<(), EngineError> {
+        self.inner.update_weights(weights, mode)
+    }
+
+    fn stats(&self) -> EngineStats {
+        let mut s = self.inner.stats();
+        if !self.done {
+            s.generated_tokens += self.carried();
+        }
+        s
+    }
+
+    fn shutdown(&mut self) {
+        // Counted before the shutdown: a stopped backend may no longer report.
+        self.retire();
+        self.inner.shutdown();
+    }
+}
+
+impl Drop for Carried {
+    fn drop(&mut self) {
+        self.retire();
+    }
+}
+
+/// What a replica reported at the last sample.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct ReplicaSample {
+    uptime_seconds: f64,
+    busy_seconds: f64,
+}
+
+/// Turns per-replica running totals into increments. Token counts are cumulative per replica
+/// slot ([`carry_token_counts`]) but may lag while a dead incarnation is being retired, so only
+/// a new high counts: the exported counter never goes backwards and ends exact. Uptime and busy
+/// time are per incarnation: a rebuilt replica (its uptime drops) counts them from 0 again. A
+/// replica with nothing alive (all zeros) is skipped.
+#[derive(Debug, Default)]
+pub struct ReplicaTally {
+    last: Vec<ReplicaSample>,
+    high: Vec<u64>,
+}
+
+/// One replica's change since the last sample.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ReplicaDelta {
+    /// Wall seconds since the last sample of this incarnation (0: nothing to rate).
+    pub wall_seconds: f64,
+    /// Busy seconds in them.
+    pub busy_seconds: f64,
+    /// Tokens generated since the last sample.
+    pub tokens: u64,
+}
+
+impl ReplicaTally {
+    /// The change of each replica since the last call, from their current totals.
+    pub fn update(&mut self, stats: &[EngineStats]) -> Vec<ReplicaDelta> {
+        self.last.resize(stats.len(), ReplicaSample::default());
+        self.high.resize(stats.len(), 0);
+        stats
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                let tokens = s.generated_tokens.saturating_sub(self.high[i]);
+                self.high[i] = self.high[i].max(s.generated_tokens);
+                if s.uptime_seconds <= 0.0 {
+                    // No live backend (or one just built): nothing to rate yet.
+                    return ReplicaDelta {
+                        wall_seconds: 0.0,
+                        busy_seconds: 0.0,
+                        tokens,
+                    };
+                }
+                let cur = ReplicaSample {
+                    uptime_seconds: s.uptime_seconds,
+                    busy_seconds: s.busy_seconds,
+                };
+                let prev = self.last[i];
+                let rebuilt = cur.uptime_seconds < prev.uptime_seconds;
+                self.last[i] = cur;
+                if rebuilt {
+                    // The tokens may include what the old incarnation did unseen: no rate.
+                    return ReplicaDelta {
+                        wall_seconds: 0.0,
+                        busy_seconds: 0.0,
+                        tokens,
+                    };
+                }
+                ReplicaDelta {
+                    wall_seconds: cur.uptime_seconds - prev.uptime_seconds,
+                    busy_seconds: cur.busy_seconds - prev.busy_seconds,
+                    tokens,
+                }
+            })
+            .collect()
     }
 }
 
@@ -197,26 +378,19 @@ pub async fn run(
     handle: Option<PrometheusHandle>,
     period: Duration,
 ) {
-    let mut last: Vec<(f64, f64, u64)> = Vec::new();
+    let mut tally = ReplicaTally::default();
     let mut last_upkeep = Instant::now();
-    let mut seeded = false;
     let mut tick = tokio::time::interval(period);
     loop {
         tick.tick().await;
         if let Ok(stats) = engine.stats().await {
-            if !seeded && handle.is_some() {
-                let domains: Vec<String> = knobs.current().domain_mix.into_keys().collect();
-                seed_node(stats.len(), &domains);
-                seeded = true;
-            }
-            for (i, s) in stats.iter().enumerate() {
+            let deltas = tally.update(&stats);
+            for (i, (s, d)) in stats.iter().zip(deltas).enumerate() {
                 let replica = i.to_string();
-                let prev = last.get(i).copied().unwrap_or((0.0, 0.0, 0));
-                let (dw, db) = (s.uptime_seconds - prev.0, s.busy_seconds - prev.1);
-                if dw > 0.0 {
+                if d.wall_seconds > 0.0 {
                     metrics::gauge!(m::ENGINE_BUSY_RATIO, "replica" => replica.clone())
-                        .set((db / dw).clamp(0.0, 1.0));
-                    let tps = s.generated_tokens.saturating_sub(prev.2) as f64 / dw;
+                        .set((d.busy_seconds / d.wall_seconds).clamp(0.0, 1.0));
+                    let tps = d.tokens as f64 / d.wall_seconds;
                     metrics::gauge!(m::ENGINE_DECODE_TOKENS_PER_SECOND, "replica" => replica.clone()).set(tps);
                 }
                 metrics::gauge!(m::ENGINE_RUNNING_SEQUENCES, "replica" => replica.clone())
@@ -224,12 +398,8 @@ pub async fn run(
                 metrics::gauge!(m::ENGINE_WAITING_REQUESTS, "replica" => replica.clone())
                     .set(s.waiting as f64);
                 metrics::counter!(m::ENGINE_GENERATED_TOKENS, "replica" => replica)
-                    .absolute(s.generated_tokens);
+                    .increment(d.tokens);
             }
-            last = stats
-                .iter()
-                .map(|s| (s.uptime_seconds, s.busy_seconds, s.generated_tokens))
-                .collect();
         }
         export_knobs(&knobs);
         if let Some(h) = &handle
@@ -319,6 +489,93 @@ mod tests {
         let tokens = m::find(m::ENGINE_GENERATED_TOKENS).unwrap();
         assert_eq!(unit_of(tokens), Some(Unit::Count));
         assert_eq!(unit_of(m::find(m::ENGINE_BUSY_RATIO).unwrap()), None);
+    }
+
+    fn stats(uptime_seconds: f64, busy_seconds: f64, generated_tokens: u64) -> EngineStats {
+        EngineStats {
+            uptime_seconds,
+            busy_seconds,
+            generated_tokens,
+            ..EngineStats::default()
+        }
+    }
+
+    /// A backend that generated `tokens` and does nothing else.
+    struct Fixed(u64);
+
+    impl InferenceBackend for Fixed {
+        fn submit(&self, _: GenerateRequest) -> Result<(), EngineError> {
+            Ok(())
+        }
+        fn abort(&self, _: RequestId) -> Result<(), EngineError> {
+            Ok(())
+        }
+        fn abort_all(&self) -> Result<(), EngineError> {
+            Ok(())
+        }
+        fn update_weights(
+            &self,
+            _: WeightSnapshot,
+            _: WeightUpdateMode,
+        ) -> Result<(), EngineError> {
+            Ok(())
+        }
+        fn stats(&self) -> EngineStats {
+            stats(1.0, 0.0, self.0)
+        }
+        fn shutdown(&mut self) {}
+    }
+
+    #[test]
+    fn a_rebuilt_replica_counts_on_where_the_old_one_stopped() {
+        let counts = std::sync::Mutex::new(vec![120u64, 30, 7]);
+        let factory: BackendFactory = Arc::new(move |_, _, _| {
+            Box::new(Fixed(counts.lock().unwrap().remove(0))) as Box<dyn InferenceBackend>
+        });
+        let carried = carry_token_counts(factory, 2);
+        let sink: sluice_engine::EventSink = Arc::new(|_| {});
+        let mut first = carried(1, sluice_core::PolicyVersion(0), Arc::clone(&sink));
+        assert_eq!(first.stats().generated_tokens, 120);
+        first.shutdown();
+        let second = carried(1, sluice_core::PolicyVersion(0), Arc::clone(&sink));
+        assert_eq!(second.stats().generated_tokens, 150);
+        // Dropped without a shutdown (a crash): counted all the same.
+        drop(second);
+        let third = carried(1, sluice_core::PolicyVersion(0), sink);
+        assert_eq!(third.stats().generated_tokens, 157);
+    }
+
+    #[test]
+    fn the_tally_exports_new_highs_and_rates_per_incarnation() {
+        let mut tally = ReplicaTally::default();
+        let mut total = 0;
+        let mut rates = Vec::new();
+        for s in [
+            stats(1.0, 0.5, 100),
+            stats(2.0, 1.5, 200),
+            // Dead: no backend reports (all zeros).
+            stats(0.0, 0.0, 0),
+            // Rebuilt before the old one's count was carried over: below the high.
+            stats(0.5, 0.25, 40),
+            // Carried over: 200 from before + 60 new.
+            stats(1.0, 0.5, 260),
+        ] {
+            let d = tally.update(&[s])[0];
+            total += d.tokens;
+            if d.wall_seconds > 0.0 {
+                rates.push(d.busy_seconds / d.wall_seconds);
+            }
+        }
+        assert_eq!(total, 260);
+        assert_eq!(rates, vec![0.5, 1.0, 0.5]);
+    }
+
+    #[test]
+    fn transitions_are_the_state_machines() {
+        let t = transitions();
+        assert!(t.contains(&("completed", "consumed")));
+        assert!(!t.contains(&("consumed", "completed")));
+        assert_eq!(t.len(), 11);
     }
 
     #[test]
