@@ -105,6 +105,10 @@ impl RolloutEnv for FaultyEnv {
     fn abandon(&self, id: RolloutId) -> BoxFuture<'_, ()> {
         self.inner.abandon(id)
     }
+
+    fn set_session_cap(&self, sessions: usize) {
+        self.inner.set_session_cap(sessions);
+    }
 }
 
 /// Ends an environment call that takes longer than its limit: the rollout ends as `Timeout` and
@@ -170,6 +174,10 @@ impl RolloutEnv for TimeoutEnv {
 
     fn abandon(&self, id: RolloutId) -> BoxFuture<'_, ()> {
         Box::pin(self.close(id))
+    }
+
+    fn set_session_cap(&self, sessions: usize) {
+        self.inner.set_session_cap(sessions);
     }
 }
 

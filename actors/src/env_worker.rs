@@ -1,5 +1,8 @@
 //! The EnvWorker pool: environment steps and rewards for rollouts, on a pool of worker actors.
 //! An environment that panics fails that rollout (`Error("env_panic")`), never the pipeline.
+//! Env calls are async and mostly wait (on a tool, a sandbox, a remote env), so each worker runs
+//! up to `rollout.env_calls_per_worker` of them at once and a call that hangs holds one slot,
+//! not a worker.
 //!
 //! [`RolloutEnv`] is token-level and asynchronous: `start` renders a rollout's first prompt,
 //! `step` answers its last turn with the next prompt or the final reward. The simulated task
@@ -14,9 +17,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use futures::FutureExt;
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use sluice_core::metrics as m;
-use sluice_core::{DataSample, Message, Rollout, RolloutId, RolloutStatus};
+use sluice_core::{DataSample, Knobs, KnobsHandle, Message, Rollout, RolloutId, RolloutStatus};
 use sluice_engine::simulated::{SimTask, TaskStep};
 pub use sluice_env::BoxFuture;
+use tokio::sync::watch;
+use tokio::task::JoinSet;
 
 use crate::telemetry::ActorCounters;
 use crate::{ActorError, Sink};
@@ -87,6 +92,10 @@ pub trait RolloutEnv: Send + Sync + 'static {
     fn abandon(&self, _id: RolloutId) -> BoxFuture<'_, ()> {
         Box::pin(async {})
     }
+
+    /// Sets how many sessions may be open at once (the pool calls it at start and whenever the
+    /// concurrency knobs change: [`session_cap`]). Default: the env keeps no capped sessions.
+    fn set_session_cap(&self, _sessions: usize) {}
 }
 
 impl RolloutEnv for SimTask {
@@ -137,27 +146,94 @@ enum Job {
     Abandon(RolloutId),
 }
 
+/// How the pool is sized, and the group shape its environment's session cap follows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EnvPoolConfig {
+    /// Worker actors (`rollout.env_workers`).
+    pub workers: usize,
+    /// Env calls each worker runs at once (`rollout.env_calls_per_worker`).
+    pub calls_per_worker: usize,
+    /// Rollouts per group.
+    pub group_size: u32,
+    /// Groups per training step.
+    pub groups_per_step: u32,
+}
+
+impl EnvPoolConfig {
+    /// From `[rollout]`.
+    pub fn from_config(config: &sluice_core::Config) -> Self {
+        let r = &config.rollout;
+        Self {
+            workers: r.env_workers.get() as usize,
+            calls_per_worker: r.env_calls_per_worker.get() as usize,
+            group_size: r.group_size.get(),
+            groups_per_step: r.groups_per_step.get(),
+        }
+    }
+
+    /// The session cap for `knobs`: see [`session_cap`].
+    pub fn session_cap(&self, knobs: &Knobs) -> usize {
+        session_cap(knobs, self.group_size, self.groups_per_step)
+    }
+}
+
+/// Environment sessions a node may need open at once under `knobs`, with slack: twice the larger
+/// of `max_concurrent_rollouts` and the admission bound `(η + 1) · groups_per_step · group_size`.
+/// A session lives from a rollout's start to its end, so generating rollouts, rollouts waiting on
+/// their env and aborted rollouts waiting to resume all hold one; admission bounds them all. The
+/// factor 2 covers sessions whose close is still queued when their slot is reused.
+pub fn session_cap(knobs: &Knobs, group_size: u32, groups_per_step: u32) -> usize {
+    let admitted = knobs
+        .max_version_lag
+        .saturating_add(1)
+        .saturating_mul(u64::from(groups_per_step))
+        .saturating_mul(u64::from(group_size));
+    let need = admitted.max(u64::from(knobs.max_concurrent_rollouts));
+    usize::try_from(need.saturating_mul(2)).unwrap_or(usize::MAX)
+}
+
+/// One worker as the pool sees it.
+struct WorkerSlot {
+    actor: ActorRef<EnvMsg>,
+    /// Calls sent to it that have not finished (queued in its mailbox or running).
+    load: Arc<AtomicUsize>,
+}
+
 /// Typed handle over the pool; cloning is shallow.
 #[derive(Clone)]
 pub struct EnvPoolHandle {
-    workers: Arc<Vec<ActorRef<EnvMsg>>>,
+    workers: Arc<Vec<WorkerSlot>>,
     next: Arc<AtomicUsize>,
     /// The pool's counters, shared with its workers: a job for a stopped worker is dropped here.
     counters: ActorCounters,
 }
 
 impl EnvPoolHandle {
-    /// Starts `size` workers over `env`; results go to `out`.
+    /// Starts `config.workers` workers over `env`, each running up to `config.calls_per_worker`
+    /// calls at once; results go to `out`. The env's session cap follows `knobs`
+    /// ([`session_cap`]), so raising `max_concurrent_rollouts` or η at runtime opens room for the
+    /// rollouts it admits.
     pub async fn spawn(
-        size: usize,
+        config: EnvPoolConfig,
         env: Arc<dyn RolloutEnv>,
         out: Sink<EnvResult>,
+        knobs: &KnobsHandle,
     ) -> Result<(Self, Vec<tokio::task::JoinHandle<()>>), ActorError> {
         let counters = ActorCounters::new("env");
+        env.set_session_cap(config.session_cap(&knobs.current()));
         let mut workers = Vec::new();
         let mut joins = Vec::new();
-        for _ in 0..size.max(1) {
-            let args = (Arc::clone(&env), out.clone(), counters.clone());
+        for _ in 0..config.workers.max(1) {
+            let load = Arc::new(AtomicUsize::new(0));
+            let args = WorkerArgs {
+                env: Arc::clone(&env),
+                out: out.clone(),
+                counters: counters.clone(),
+                load: Arc::clone(&load),
+                calls: config.calls_per_worker.max(1),
+                knobs: knobs.subscribe(),
+                config,
+            };
             let (w, j) =
                 Actor::spawn(None, EnvWorker, args)
                     .await
@@ -165,7 +241,7 @@ impl EnvPoolHandle {
                         actor: "env",
                         message: e.to_string(),
                     })?;
-            workers.push(w);
+            workers.push(WorkerSlot { actor: w, load });
             joins.push(j);
         }
         Ok((
@@ -178,19 +254,28 @@ impl EnvPoolHandle {
         ))
     }
 
+    /// Sends `job` to the least-loaded worker (ties: round robin), so calls that hang pile up
+    /// on no worker while others have room.
     fn send(&self, job: Job) {
-        let i = self.next.fetch_add(1, Ordering::Relaxed) % self.workers.len();
-        if self.workers[i].cast(EnvMsg(job)).is_err() {
+        let n = self.workers.len();
+        let first = self.next.fetch_add(1, Ordering::Relaxed) % n;
+        let w = (0..n)
+            .map(|k| &self.workers[(first + k) % n])
+            .min_by_key(|w| w.load.load(Ordering::Relaxed))
+            .expect("the pool has at least one worker");
+        w.load.fetch_add(1, Ordering::Relaxed);
+        if w.actor.cast(EnvMsg(job)).is_err() {
+            w.load.fetch_sub(1, Ordering::Relaxed);
             self.counters.dropped(1);
         }
     }
 
-    /// Starts rollout `id` of `sample` on the next worker.
+    /// Starts rollout `id` of `sample`.
     pub fn start(&self, sample: Arc<DataSample>, id: RolloutId) {
         self.send(Job::Start(sample, id));
     }
 
-    /// Steps `rollout`'s environment on the next worker.
+    /// Steps `rollout`'s environment.
     pub fn step(&self, sample: Arc<DataSample>, rollout: Rollout, truncated: bool) {
         self.send(Job::Step(sample, rollout, truncated));
     }
@@ -200,15 +285,39 @@ impl EnvPoolHandle {
         self.send(Job::Abandon(id));
     }
 
-    /// Stops every worker.
+    /// Env calls sent and not finished, over all workers.
+    pub fn calls_in_progress(&self) -> usize {
+        self.workers
+            .iter()
+            .map(|w| w.load.load(Ordering::Relaxed))
+            .sum()
+    }
+
+    /// Stops every worker; calls still running are cancelled with it.
     pub async fn stop(&self) {
         for w in self.workers.iter() {
-            let _ = w.stop_and_wait(None, None).await;
+            let _ = w.actor.stop_and_wait(None, None).await;
         }
     }
 }
 
 struct EnvWorker;
+
+struct WorkerArgs {
+    env: Arc<dyn RolloutEnv>,
+    out: Sink<EnvResult>,
+    counters: ActorCounters,
+    load: Arc<AtomicUsize>,
+    calls: usize,
+    knobs: watch::Receiver<Knobs>,
+    config: EnvPoolConfig,
+}
+
+/// A worker's state: its arguments and the calls it runs (owned: aborted when it stops).
+struct WorkerState {
+    args: WorkerArgs,
+    running: JoinSet<()>,
+}
 
 fn panicked() -> EnvStep {
     metrics::counter!(m::ENV_FAILURES, "kind" => "panic").increment(1);
@@ -223,77 +332,106 @@ async fn close(env: &dyn RolloutEnv, id: RolloutId) {
     let _ = AssertUnwindSafe(env.abandon(id)).catch_unwind().await;
 }
 
+/// Runs one call; a panicking env fails its rollout and the worker lives on. `None`: nothing
+/// to report (an abandon).
+async fn call(env: &dyn RolloutEnv, job: Job) -> Option<EnvResult> {
+    match job {
+        Job::Start(sample, id) => {
+            let step = match AssertUnwindSafe(env.start(&sample, id))
+                .catch_unwind()
+                .await
+            {
+                Ok(step) => step,
+                Err(_) => {
+                    // The start may have opened a session before it panicked.
+                    close(env, id).await;
+                    panicked()
+                }
+            };
+            Some(EnvResult {
+                rollout: id,
+                step,
+                note: None,
+            })
+        }
+        Job::Step(sample, rollout, truncated) => {
+            let (step, note) = match AssertUnwindSafe(env.step(&sample, &rollout, truncated))
+                .catch_unwind()
+                .await
+            {
+                Ok(done) => done,
+                Err(_) => {
+                    // The episode is over: close whatever the env still holds for it.
+                    close(env, rollout.id).await;
+                    (panicked(), TurnNote::default())
+                }
+            };
+            Some(EnvResult {
+                rollout: rollout.id,
+                step,
+                note: Some(note),
+            })
+        }
+        Job::Abandon(id) => {
+            if AssertUnwindSafe(env.abandon(id))
+                .catch_unwind()
+                .await
+                .is_err()
+            {
+                metrics::counter!(m::ENV_FAILURES, "kind" => "panic").increment(1);
+            }
+            None
+        }
+    }
+}
+
 impl Actor for EnvWorker {
     type Msg = EnvMsg;
-    type State = (Arc<dyn RolloutEnv>, Sink<EnvResult>, ActorCounters);
-    type Arguments = Self::State;
+    type State = WorkerState;
+    type Arguments = WorkerArgs;
 
     async fn pre_start(
         &self,
         _me: ActorRef<EnvMsg>,
-        args: Self::State,
-    ) -> Result<Self::State, ActorProcessingErr> {
-        Ok(args)
+        args: WorkerArgs,
+    ) -> Result<WorkerState, ActorProcessingErr> {
+        Ok(WorkerState {
+            args,
+            running: JoinSet::new(),
+        })
     }
 
     async fn handle(
         &self,
         _me: ActorRef<EnvMsg>,
         EnvMsg(job): EnvMsg,
-        (env, out, counters): &mut Self::State,
+        state: &mut WorkerState,
     ) -> Result<(), ActorProcessingErr> {
-        counters.received(1);
-        // A panicking env fails its rollout; the worker lives on.
-        let result = match job {
-            Job::Start(sample, id) => {
-                let step = match AssertUnwindSafe(env.start(&sample, id))
-                    .catch_unwind()
-                    .await
-                {
-                    Ok(step) => step,
-                    Err(_) => {
-                        // The start may have opened a session before it panicked.
-                        close(env.as_ref(), id).await;
-                        panicked()
-                    }
-                };
-                EnvResult {
-                    rollout: id,
-                    step,
-                    note: None,
-                }
+        let WorkerState { args, running } = state;
+        args.counters.received(1);
+        while running.try_join_next().is_some() {}
+        if matches!(job, Job::Start(..)) && args.knobs.has_changed().unwrap_or(false) {
+            // The knobs changed before the controller admitted this rollout: the cap follows
+            // them before the session opens.
+            let cap = args.config.session_cap(&args.knobs.borrow_and_update());
+            args.env.set_session_cap(cap);
+        }
+        // At its limit the worker waits for a call to end; later jobs queue in its mailbox,
+        // and the pool sends new ones to less-loaded workers.
+        while running.len() >= args.calls {
+            running.join_next().await;
+        }
+        let env = Arc::clone(&args.env);
+        let out = args.out.clone();
+        let counters = args.counters.clone();
+        let load = Arc::clone(&args.load);
+        running.spawn(async move {
+            if let Some(result) = call(env.as_ref(), job).await {
+                out(result);
+                counters.sent(1);
             }
-            Job::Step(sample, rollout, truncated) => {
-                let (step, note) = match AssertUnwindSafe(env.step(&sample, &rollout, truncated))
-                    .catch_unwind()
-                    .await
-                {
-                    Ok(done) => done,
-                    Err(_) => {
-                        // The episode is over: close whatever the env still holds for it.
-                        close(env.as_ref(), rollout.id).await;
-                        (panicked(), TurnNote::default())
-                    }
-                };
-                EnvResult {
-                    rollout: rollout.id,
-                    step,
-                    note: Some(note),
-                }
-            }
-            Job::Abandon(id) => {
-                if AssertUnwindSafe(env.abandon(id))
-                    .catch_unwind()
-                    .await
-                    .is_err()
-                {
-                    metrics::counter!(m::ENV_FAILURES, "kind" => "panic").increment(1);
-                }
-                return Ok(());
-            }
-        };
-        out(result);
-        counters.sent(1);
+            load.fetch_sub(1, Ordering::Relaxed);
+        });
         Ok(())
     }
 }

@@ -33,7 +33,7 @@ use crate::checkpoint::{CheckpointDir, CheckpointError, Manifest};
 use crate::controller::{ControllerConfig, ControllerHandle, ControllerStatus, Peers};
 use crate::engine::{BackendFactory, EngineHandle, EngineSupervision, ReplicaHealth};
 use crate::env_faults::{EnvFaults, FaultyEnv, TimeoutEnv};
-use crate::env_worker::{EnvPoolHandle, RolloutEnv};
+use crate::env_worker::{EnvPoolConfig, EnvPoolHandle, RolloutEnv};
 use crate::replay::{ReplayHandle, ReplayOptions, ReplayStatus};
 use crate::sampler::{SampleSource, SamplerHandle, SimSource};
 use crate::supervise_node::{self, Restored, SimBackend};
@@ -41,6 +41,7 @@ use crate::trainer::{TrainerHandle, TrainerOptions, TrainerStatus};
 use crate::{ActorError, telemetry};
 
 /// What a node is built with beyond the config. `Default` gives the simulated pipeline.
+#[derive(Default)]
 pub struct NodeOptions {
     /// Replay database directory; `None` keeps the store in memory.
     pub replay_dir: Option<PathBuf>,
@@ -50,8 +51,6 @@ pub struct NodeOptions {
     pub serve_metrics: bool,
     /// Record trained group ids (tests).
     pub track_ids: bool,
-    /// Environment workers.
-    pub env_workers: usize,
     /// Inference backends (default: the simulated engine from `[engine.simulated]`).
     pub backend: Option<BackendFactory>,
     /// Trainer backend (default: the simulated trainer from `[trainer.simulated]`).
@@ -64,23 +63,6 @@ pub struct NodeOptions {
     /// config's own (`replay_dir == replay.path`, as `sluice run` sets it), else no checkpoints
     /// (tests that point the store elsewhere never touch the run's output dir).
     pub checkpoint_dir: Option<PathBuf>,
-}
-
-impl Default for NodeOptions {
-    fn default() -> Self {
-        Self {
-            replay_dir: None,
-            serve_admin: false,
-            serve_metrics: false,
-            track_ids: false,
-            env_workers: 2,
-            backend: None,
-            trainer: None,
-            source: None,
-            env: None,
-            checkpoint_dir: None,
-        }
-    }
 }
 
 /// Everything `/v1/status` shows.
@@ -208,7 +190,6 @@ impl Node {
             serve_admin,
             serve_metrics,
             track_ids,
-            env_workers,
             backend,
             trainer,
             source,
@@ -314,7 +295,10 @@ impl Node {
         // builds replicas from the model it was configured with, which a resumed run has
         // trained past (tokens of the old weights, tagged old, would all expire at once).
         let start_weights = backend_trainer.snapshot();
-        let factory = backend.unwrap_or_else(|| sim_backend(config));
+        let factory = telemetry::carry_token_counts(
+            backend.unwrap_or_else(|| sim_backend(config)),
+            config.engine.replicas.get() as usize,
+        );
         let (engine, j) = EngineHandle::spawn_supervised(
             config.engine.replicas.get(),
             version,
@@ -341,9 +325,23 @@ impl Node {
             env_impl,
             config.supervision.env_step_timeout,
         ));
-        let (env_pool, env_joins) =
-            EnvPoolHandle::spawn(env_workers, Arc::clone(&env_impl), controller.env_sink()).await?;
+        let (env_pool, env_joins) = EnvPoolHandle::spawn(
+            EnvPoolConfig::from_config(config),
+            Arc::clone(&env_impl),
+            controller.env_sink(),
+            &knobs,
+        )
+        .await?;
         joins.extend(env_joins.into_iter().map(|j| ("env", j)));
+        if prom.is_some() {
+            let datasets: Vec<String> =
+                config.data.datasets.iter().map(|d| d.to_string()).collect();
+            telemetry::seed_node(
+                config.engine.replicas.get() as usize,
+                &source.domains(),
+                &datasets,
+            );
+        }
         // A resumed run draws on from where the checkpoint left the sampler (cursor, RNG,
         // per-domain counts), so the adaptive mix and the data order carry over.
         let sampler_state = manifest.as_ref().and_then(|m| m.sampler.clone());

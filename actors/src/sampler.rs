@@ -35,6 +35,7 @@ pub trait SampleSource: Send + 'static {
 
     /// The domains this source can serve; the `domain_mix` knob may name only these. Empty
     /// means the source cannot tell, and the node falls back to the config's datasets.
+    /// Their metric series are seeded at start.
     fn domains(&self) -> Vec<String> {
         Vec::new()
     }

@@ -6,10 +6,16 @@
 //! metrics go out through [`crate::trainer::export_step_metrics`]).
 //!
 //! Seeding: a series is registered at zero for every label value known up front (actor names,
-//! rollout statuses, finish reasons, buckets, weight-update modes, knob names, and, once the node
-//! runs, replicas and domains). A metric whose label values only appear with events (error kinds,
-//! bucket transitions, dataset names) is seeded with one series without labels, so every catalog
-//! name is present with `# HELP` and `# TYPE` on the first scrape.
+//! rollout statuses, finish reasons, buckets, the state machine's bucket transitions, weight-update
+//! modes, knob names) and, when a node starts ([`seed_node`]), for its replicas, domains and
+//! datasets. A series without labels is never seeded for a labeled name: it would sit beside the
+//! labeled ones as a bogus `0` in every sum and average. The one name whose label values only
+//! appear with events, `sluice_actor_errors_total{actor, kind}`, shows from its first error.
+//!
+//! Per-replica token counts would start again at 0 when a replica is rebuilt: the node wraps its
+//! backend factory with [`carry_token_counts`] so each replica slot counts on, and
+//! [`ReplicaTally`] exports new highs as increments, so the counter never goes backwards, never
+//! stalls, and loses nothing a crashed incarnation generated.
 
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
@@ -23,6 +29,9 @@ use sluice_engine::FinishReason;
 use sluice_replay::Bucket;
 
 use crate::engine::EngineHandle;
+
+mod replicas;
+pub use replicas::{ReplicaDelta, ReplicaTally, carry_token_counts};
 
 static HANDLE: OnceLock<Option<PrometheusHandle>> = OnceLock::new();
 
@@ -124,6 +133,7 @@ fn static_values(label: &str) -> Option<Vec<&'static str>> {
         .map(RolloutStatus::as_label)
         .collect(),
         "kind" => ENV_FAILURE_KINDS.to_vec(),
+        "from" | "to" => Bucket::ALL.iter().map(|b| b.as_label()).collect(),
         "version" => vec![env!("CARGO_PKG_VERSION")],
         _ => return None,
     };
@@ -154,33 +164,49 @@ fn register(def: &MetricDef, labels: Vec<(&'static str, String)>) {
     }
 }
 
-/// Seeds every catalog name: one series per statically known label value, or one series
-/// without labels when a label's values are only known at run time (or when there are several
-/// labels, as in `sluice_actor_errors_total{actor, kind}`).
+/// The bucket transitions the replay store's state machine allows, as (from, to) labels.
+fn transitions() -> Vec<(&'static str, &'static str)> {
+    let mut pairs = Vec::new();
+    for from in Bucket::ALL {
+        for to in Bucket::ALL {
+            if from.can_move_to(to) {
+                pairs.push((from.as_label(), to.as_label()));
+            }
+        }
+    }
+    pairs
+}
+
+/// Seeds every catalog name whose label values are known up front: names without labels, one
+/// series per static label value, and the legal `{from, to}` transitions. Names labeled by
+/// replica, domain or dataset wait for [`seed_node`].
 fn seed_catalog() {
     for def in m::CATALOG {
         match def.labels {
             [] => register(def, Vec::new()),
-            [label] => match static_values(label) {
-                Some(values) => {
-                    for v in values {
-                        register(def, vec![(*label, v.to_owned())]);
-                    }
+            ["from", "to"] => {
+                for (from, to) in transitions() {
+                    register(def, vec![("from", from.to_owned()), ("to", to.to_owned())]);
                 }
-                None => register(def, Vec::new()),
-            },
-            _ => register(def, Vec::new()),
+            }
+            [label] => {
+                for v in static_values(label).unwrap_or_default() {
+                    register(def, vec![(*label, v.to_owned())]);
+                }
+            }
+            _ => {}
         }
     }
 }
 
-/// Seeds the series whose label values come from the running node: one per engine replica and
-/// one per configured domain.
-fn seed_node(replicas: usize, domains: &[String]) {
+/// Seeds the series whose label values come from the running node: one per engine replica,
+/// configured domain and dataset. Call it before `/metrics` is served; seeding is idempotent.
+pub fn seed_node(replicas: usize, domains: &[String], datasets: &[String]) {
     for def in m::CATALOG {
         let values: Vec<String> = match def.labels {
             ["replica"] => (0..replicas).map(|r| r.to_string()).collect(),
             ["domain"] => domains.to_vec(),
+            ["dataset"] => datasets.to_vec(),
             _ => continue,
         };
         for v in values {
@@ -197,26 +223,19 @@ pub async fn run(
     handle: Option<PrometheusHandle>,
     period: Duration,
 ) {
-    let mut last: Vec<(f64, f64, u64)> = Vec::new();
+    let mut tally = ReplicaTally::default();
     let mut last_upkeep = Instant::now();
-    let mut seeded = false;
     let mut tick = tokio::time::interval(period);
     loop {
         tick.tick().await;
         if let Ok(stats) = engine.stats().await {
-            if !seeded && handle.is_some() {
-                let domains: Vec<String> = knobs.current().domain_mix.into_keys().collect();
-                seed_node(stats.len(), &domains);
-                seeded = true;
-            }
-            for (i, s) in stats.iter().enumerate() {
+            let deltas = tally.update(&stats);
+            for (i, (s, d)) in stats.iter().zip(deltas).enumerate() {
                 let replica = i.to_string();
-                let prev = last.get(i).copied().unwrap_or((0.0, 0.0, 0));
-                let (dw, db) = (s.uptime_seconds - prev.0, s.busy_seconds - prev.1);
-                if dw > 0.0 {
+                if d.wall_seconds > 0.0 {
                     metrics::gauge!(m::ENGINE_BUSY_RATIO, "replica" => replica.clone())
-                        .set((db / dw).clamp(0.0, 1.0));
-                    let tps = s.generated_tokens.saturating_sub(prev.2) as f64 / dw;
+                        .set((d.busy_seconds / d.wall_seconds).clamp(0.0, 1.0));
+                    let tps = d.tokens as f64 / d.wall_seconds;
                     metrics::gauge!(m::ENGINE_DECODE_TOKENS_PER_SECOND, "replica" => replica.clone()).set(tps);
                 }
                 metrics::gauge!(m::ENGINE_RUNNING_SEQUENCES, "replica" => replica.clone())
@@ -224,12 +243,8 @@ pub async fn run(
                 metrics::gauge!(m::ENGINE_WAITING_REQUESTS, "replica" => replica.clone())
                     .set(s.waiting as f64);
                 metrics::counter!(m::ENGINE_GENERATED_TOKENS, "replica" => replica)
-                    .absolute(s.generated_tokens);
+                    .increment(d.tokens);
             }
-            last = stats
-                .iter()
-                .map(|s| (s.uptime_seconds, s.busy_seconds, s.generated_tokens))
-                .collect();
         }
         export_knobs(&knobs);
         if let Some(h) = &handle
@@ -319,6 +334,14 @@ mod tests {
         let tokens = m::find(m::ENGINE_GENERATED_TOKENS).unwrap();
         assert_eq!(unit_of(tokens), Some(Unit::Count));
         assert_eq!(unit_of(m::find(m::ENGINE_BUSY_RATIO).unwrap()), None);
+    }
+
+    #[test]
+    fn transitions_are_the_state_machines() {
+        let t = transitions();
+        assert!(t.contains(&("completed", "consumed")));
+        assert!(!t.contains(&("consumed", "completed")));
+        assert_eq!(t.len(), 11);
     }
 
     #[test]

@@ -1,7 +1,10 @@
-//! `/metrics` scraped over HTTP from a running simulated pipeline: every catalog name is present
-//! with `# HELP` and `# TYPE` of its kind, follows the naming convention, carries only its declared
-//! labels, histograms have exactly the catalog's buckets, and nothing outside the catalog is
-//! exported. Its own test binary: the Prometheus recorder is global to the process.
+//! `/metrics` scraped over HTTP from a running simulated pipeline whose engine replicas crash and
+//! are rebuilt: every catalog name is present with `# HELP` and `# TYPE` of its kind, follows the
+//! naming convention and Prometheus' suffix rules, carries only its declared labels, never has an
+//! unlabeled series beside labeled ones, histograms have exactly the catalog's buckets, nothing
+//! outside the catalog is exported, and counters never go backwards between scrapes (the
+//! per-replica token counter across replica rebuilds included). When `promtool` is on `PATH`, it
+//! checks the scrape too. Its own test binary: the Prometheus recorder is global to the process.
 
 mod common;
 
@@ -46,30 +49,136 @@ fn owner(name: &str) -> Option<&'static m::MetricDef> {
     })
 }
 
+fn scrape(base: &str) -> (u16, String) {
+    request(base, "GET", "/metrics", None, None).unwrap()
+}
+
+/// The value of every counter series (histogram `_bucket`, `_sum` and `_count` series too: they
+/// only grow), keyed by the whole series.
+fn monotone_series(text: &str) -> BTreeMap<String, f64> {
+    text.lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        .filter_map(|l| {
+            let (name, labels, value) = parse_sample(l);
+            let def = owner(&name)?;
+            let monotone = def.kind != MetricKind::Gauge;
+            monotone.then(|| (format!("{name}{labels:?}"), value.parse::<f64>().unwrap()))
+        })
+        .collect()
+}
+
+/// `promtool check metrics` on `text`, when promtool is installed: `None` when it is not.
+fn promtool(text: &str) -> Option<(bool, String)> {
+    use std::io::Write;
+    let mut child = std::process::Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .ok()?;
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(text.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Some((out.status.success(), said))
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_catalog_metric_is_scraped_with_help_type_and_declared_labels() {
     let mut config = common::config("", "time_scale = 1.0");
     config.metrics.listen = "127.0.0.1:0".parse().unwrap();
-    config.run.max_steps = std::num::NonZeroU64::new(3).unwrap();
+    config.run.max_steps = std::num::NonZeroU64::new(6).unwrap();
+    // Replicas crash now and then and are rebuilt: their token tallies start again at 0.
+    config.faults.engine_crash_every_requests = 40;
+    // A dataset, so the dataset-labeled series are seeded (and the source's domain is `math`).
+    config.data.datasets = vec!["math::toy".parse().unwrap()];
     let options = NodeOptions {
         serve_metrics: true,
         ..NodeOptions::default()
     };
     let node = Node::start(&config, options).await.unwrap();
+    let base = format!("http://{}", node.metrics_addr().unwrap());
+    // The first scrape comes before anything ran: every name is already there.
+    let first = {
+        let base = base.clone();
+        tokio::task::spawn_blocking(move || scrape(&base))
+            .await
+            .unwrap()
+            .1
+    };
+    // Scrape while the run goes on, to see counters between rebuilds.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let scraper = {
+        let (base, stop) = (base.clone(), std::sync::Arc::clone(&stop));
+        tokio::task::spawn_blocking(move || {
+            let mut texts = Vec::new();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                texts.push(scrape(&base).1);
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            texts
+        })
+    };
     let status = node
-        .wait_done(Duration::from_secs(30), |_| {})
+        .wait_done(Duration::from_secs(60), |_| {})
         .await
         .unwrap();
     common::check_invariants(&status);
-    // Let the telemetry task tick (engine gauges, knobs, per-replica seeding).
+    let restarts: u64 = status.engine_health.iter().map(|h| h.restarts).sum();
+    assert!(
+        restarts > 0,
+        "no replica was rebuilt: {:?}",
+        status.engine_health
+    );
+    // Let the telemetry task tick (engine gauges, knobs).
     tokio::time::sleep(Duration::from_millis(600)).await;
-    let base = format!("http://{}", node.metrics_addr().unwrap());
-    let (code, text) =
-        tokio::task::spawn_blocking(move || request(&base, "GET", "/metrics", None, None).unwrap())
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let mut texts = vec![first.clone()];
+    texts.extend(scraper.await.unwrap());
+    let (code, text) = {
+        let base = base.clone();
+        tokio::task::spawn_blocking(move || scrape(&base))
             .await
-            .unwrap();
+            .unwrap()
+    };
     node.shutdown().await;
     assert_eq!(code, 200);
+    texts.push(text.clone());
+
+    // Counters (and histogram series) never go backwards from one scrape to the next.
+    for pair in texts.windows(2) {
+        let (before, after) = (monotone_series(&pair[0]), monotone_series(&pair[1]));
+        for (series, v) in &before {
+            let now = after.get(series).copied().unwrap_or(f64::NAN);
+            assert!(now >= *v, "{series} went from {v} to {now}");
+        }
+    }
+
+    // What promtool says, when it is installed (the suffix rules are checked below either way).
+    for (when, t) in [("first", &first), ("final", &text)] {
+        match promtool(t) {
+            Some((ok, said)) => assert!(ok, "promtool check metrics on the {when} scrape: {said}"),
+            None => eprintln!("promtool is not on PATH: skipped `promtool check metrics`"),
+        }
+    }
+
+    // The first scrape already has every name whose label values are known up front.
+    for def in m::CATALOG.iter().filter(|d| d.name != m::ACTOR_ERRORS) {
+        assert!(
+            first.contains(&format!("# TYPE {} ", def.name)),
+            "{}: not on the first scrape",
+            def.name
+        );
+    }
 
     let mut help = BTreeSet::new();
     let mut types = BTreeMap::new();
@@ -88,8 +197,45 @@ async fn every_catalog_metric_is_scraped_with_help_type_and_declared_labels() {
         }
     }
 
+    // Prometheus' suffix rules, per declared type.
+    for (name, kind) in &types {
+        if kind == "counter" {
+            assert!(
+                name.ends_with("_total"),
+                "counter {name} must end in _total"
+            );
+        }
+        if kind == "counter" || kind == "gauge" {
+            for suffix in m::RESERVED_SUFFIXES {
+                assert!(
+                    !name.ends_with(suffix),
+                    "{kind} {name} ends in `{suffix}`, reserved for histograms"
+                );
+            }
+        }
+    }
+    // No series without labels beside labeled ones of the same metric.
+    for def in m::CATALOG {
+        let series: Vec<usize> = samples
+            .iter()
+            .filter(|(n, _, _)| owner(n).is_some_and(|d| d.name == def.name))
+            .map(|(_, l, _)| l.keys().filter(|k| *k != "le").count())
+            .collect();
+        if series.iter().any(|&n| n > 0) {
+            assert!(
+                series.iter().all(|&n| n > 0),
+                "{}: an unlabeled series beside labeled ones",
+                def.name
+            );
+        }
+    }
+
     for def in m::CATALOG {
         m::check_name(def).unwrap();
+        if def.name == m::ACTOR_ERRORS && !types.contains_key(def.name) {
+            // Its `kind` values only exist once an error happened.
+            continue;
+        }
         assert!(help.contains(def.name), "{}: no # HELP line", def.name);
         let expected = match def.kind {
             MetricKind::Counter => "counter",
@@ -157,8 +303,15 @@ async fn every_catalog_metric_is_scraped_with_help_type_and_declared_labels() {
             .map(|(_, _, v)| v.parse::<f64>().unwrap())
             .sum()
     };
-    assert_eq!(value(m::TRAINER_STEPS, None), 3.0);
-    assert!(value(m::ENGINE_GENERATED_TOKENS, None) > 0.0);
+    assert_eq!(value(m::TRAINER_STEPS, None), 6.0);
+    // Every trained token was generated by some replica incarnation: a per-replica counter that
+    // restarted (or stalled) with its replica would count fewer.
+    let generated = value(m::ENGINE_GENERATED_TOKENS, None);
+    let trained = value(m::TRAINER_TRAINED_TOKENS, None);
+    assert!(
+        trained > 0.0 && generated >= trained,
+        "generated {generated} < trained {trained}"
+    );
     // Every actor counts what it handled and what it sent on.
     for actor in sluice_actors::telemetry::ACTORS {
         for metric in [m::ACTOR_RECEIVED, m::ACTOR_SENT] {
@@ -170,8 +323,8 @@ async fn every_catalog_metric_is_scraped_with_help_type_and_declared_labels() {
     }
     // The trainer handles one batch per step (and the replay store sent each of them).
     let trainer_batches = value(m::ACTOR_RECEIVED, Some(("actor", "trainer")));
-    assert!(trainer_batches >= 3.0, "trainer received {trainer_batches}");
-    assert!(value(m::ACTOR_SENT, Some(("actor", "replay"))) >= 3.0);
+    assert!(trainer_batches >= 6.0, "trainer received {trainer_batches}");
+    assert!(value(m::ACTOR_SENT, Some(("actor", "replay"))) >= 6.0);
     for actor in sluice_actors::telemetry::ACTORS {
         for metric in [m::ACTOR_RECEIVED, m::ACTOR_SENT, m::ACTOR_DROPPED] {
             assert!(

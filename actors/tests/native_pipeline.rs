@@ -73,7 +73,7 @@ async fn native_pipeline_trains_scores_and_keeps_the_lag_bound() {
         backend: Some(setup.backend_factory(&config, None).unwrap()),
         trainer: Some(Box::new(trainer)),
         source: Some(Box::new(source)),
-        env: Some(Arc::new(setup.env(&config, 64))),
+        env: Some(Arc::new(setup.env(&config))),
         ..NodeOptions::default()
     };
     let node = Node::start(&config, options).await.unwrap();
@@ -184,7 +184,7 @@ async fn task_env_renders_steps_and_scores_with_the_tasks_rubric() {
     let config = config(dir.path(), 1);
     ensure_model_dir(&config).unwrap();
     let setup = NativeSetup::load(&config, None).unwrap();
-    let env = setup.env(&config, 8);
+    let env = setup.env(&config);
     let task = setup.registry.get("arithmetic").unwrap();
     let sample = task.eval_samples(0, 1).unwrap().remove(0);
     let answer = task
@@ -223,4 +223,110 @@ async fn task_env_renders_steps_and_scores_with_the_tasks_rubric() {
             Some(reply)
         );
     }
+}
+
+/// `sluice serve`'s server in process on 127.0.0.1:0, serving `model` (its own weights) as
+/// version 0. Dropped with the returned sender.
+async fn serve(
+    model: &std::path::Path,
+) -> (
+    String,
+    tokio::sync::oneshot::Sender<()>,
+    sluice_engine::NativeEngine,
+) {
+    use sluice_engine::server::{ServerOptions, ServerState, WeightEvents};
+    let weights = Arc::new(
+        sluice_model::load_checkpoint(model, &sluice_model::LoadOptions::default()).unwrap(),
+    );
+    let tokenizer = Arc::new(sluice_model::Tokenizer::from_dir(model).unwrap());
+    let events = Arc::new(WeightEvents::default());
+    let params = NativeEngineParams {
+        max_running_sequences: 32,
+        max_step_tokens: 1024,
+        eos_token_ids: tokenizer.eos_token_ids().to_vec(),
+        ..NativeEngineParams::default()
+    };
+    let engine = sluice_engine::NativeEngine::start(
+        params,
+        Arc::clone(&weights),
+        Some(Arc::clone(&tokenizer)),
+        events.sink(),
+    )
+    .unwrap();
+    let state = ServerState::new(
+        engine.control(),
+        tokenizer,
+        ServerOptions {
+            model_name: "tiny".into(),
+            dtype: weights.dtype(),
+            device: weights.device().clone(),
+            max_n: 8,
+            max_queued_sequences: sluice_engine::server::DEFAULT_MAX_QUEUED_SEQUENCES,
+        },
+        events,
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(sluice_engine::server::serve(listener, state, async move {
+        let _ = rx.await;
+    }));
+    (url, tx, engine)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_remote_server_trains_on_the_runs_weights_from_step_one() {
+    let dir = tempfile::tempdir().unwrap();
+    // The server starts from a checkpoint of its own (another seed), as `sluice serve <dir>`.
+    let served = dir.path().join("served");
+    sluice_model::presets::write_preset(sluice_model::presets::Preset::Tiny, &served, 99).unwrap();
+    let (url, stop, _engine) = serve(&served).await;
+    let mut config = config(dir.path(), 3);
+    config.engine.backend = sluice_core::config::EngineBackend::Remote;
+    config.engine.replicas = std::num::NonZeroU32::new(1).unwrap();
+    config.engine.remote_urls = vec![url];
+    config.engine.remote_keep_versions = std::num::NonZeroU32::new(2).unwrap();
+    ensure_model_dir(&config).unwrap();
+    let setup = NativeSetup::load(&config, None).unwrap();
+    let datasets = load_datasets(&config.data, &setup.registry, GeneratedRows::new(0)).unwrap();
+    let source = MixSampler::with_rows(
+        SamplerConfig::from_data_config(&config.data, 0),
+        DatasetRows::new(datasets, 0),
+    )
+    .unwrap();
+    let (trainer, tap) = TappedTrainer::new(setup.trainer_backend(&config, None).unwrap());
+    let options = NodeOptions {
+        backend: Some(setup.backend_factory(&config, None).unwrap()),
+        trainer: Some(Box::new(trainer)),
+        source: Some(Box::new(source)),
+        env: Some(Arc::new(setup.env(&config))),
+        ..NodeOptions::default()
+    };
+    let node = Node::start(&config, options).await.unwrap();
+    let status = node
+        .wait_done(Duration::from_secs(120), |_| {})
+        .await
+        .unwrap();
+    node.shutdown().await;
+    let _ = stop.send(());
+    assert_eq!(status.trainer.error, None);
+    assert_eq!(status.trainer.steps, 3);
+    // Step 1 trained on tokens the server generated with the head's version-0 weights: the
+    // trainer's log-probs (decoupled_ppo's proximal policy, the same weights) match the
+    // behaviour log-probs the server reported. On the server's own weights they would not.
+    let steps = lock_tap(&tap).drain_steps();
+    let first = &steps[0].metrics;
+    let is_max = first[sluice_core::metrics::TRAINER_IMPORTANCE_WEIGHT_MAX_RATIO];
+    let is_mean = first[sluice_core::metrics::TRAINER_IMPORTANCE_WEIGHT_MEAN_RATIO];
+    assert!(
+        (0.95..1.05).contains(&is_mean) && is_max < 1.05,
+        "step 1 importance weights: mean {is_mean}, max {is_max}"
+    );
+    // Only the newest two published versions stay on disk.
+    let mut kept: Vec<String> = std::fs::read_dir(config.run.output_dir.join("weights"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    kept.sort();
+    assert_eq!(kept, vec!["v000002", "v000003"]);
 }

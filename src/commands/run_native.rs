@@ -84,14 +84,10 @@ pub async fn run(config: &Config) -> anyhow::Result<ExitCode> {
         replay_dir: Some(config.replay.path.clone()),
         serve_admin: true,
         serve_metrics: config.metrics.enabled,
-        env_workers: 2,
         backend: Some(setup.backend_factory(config, None)?),
         trainer: Some(Box::new(trainer)),
         source: Some(Box::new(source)),
-        env: Some(Arc::new(setup.env(
-            config,
-            config.rollout.knobs.max_concurrent_rollouts as usize * 2,
-        ))),
+        env: Some(Arc::new(setup.env(config))),
         ..NodeOptions::default()
     };
     let node = Node::start(config, options).await?;

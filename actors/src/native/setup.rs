@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use sluice_core::config::{Config, EngineBackend};
 use sluice_core::{PolicyVersion, RequestId, TrainerBackend, WeightSnapshot, WeightUpdateMode};
 use sluice_engine::native::{NativeEngine, NativeEngineParams};
-use sluice_engine::remote::{RemoteEngine, RemoteParams};
+use sluice_engine::remote::{RemoteEngine, RemoteParams, WeightDirs};
 use sluice_engine::{EngineError, EngineStats, EventSink, GenerateRequest, InferenceBackend};
 use sluice_env::{EnvSessions, TaskRegistry, TokenEnvLimits};
 use sluice_model::{LoadOptions, Tokenizer, WeightSnapshot as ModelWeights, load_checkpoint};
@@ -19,6 +19,7 @@ use super::renderer::ModelRenderer;
 use super::task_env::TaskEnv;
 use crate::ActorError;
 use crate::engine::BackendFactory;
+use crate::env_worker::session_cap;
 
 /// The loaded model and what is derived from it.
 pub struct NativeSetup {
@@ -97,18 +98,21 @@ impl NativeSetup {
     }
 
     /// Episode limits of the config: prompt length bound by the model's context minus the
-    /// completion budget, turns from `rollout.max_turns`.
+    /// completion budget, turns from `rollout.max_turns`, and each env call bounded by
+    /// `supervision.env_step_timeout_s` (not by `TokenEnvLimits`' own 30 s default, which would
+    /// cap a longer setting).
     pub fn limits(&self, config: &Config) -> TokenEnvLimits {
-        let context = self.weights.config().max_position_embeddings;
-        TokenEnvLimits {
-            max_prompt_tokens: context.saturating_sub(config.rollout.max_new_tokens.get() as usize),
-            max_turns: config.rollout.max_turns.get(),
-            ..TokenEnvLimits::default()
-        }
+        env_limits(config, self.weights.config().max_position_embeddings)
     }
 
-    /// The task environment: sessions over the registry, at most `max_sessions` open.
-    pub fn env(&self, config: &Config, max_sessions: usize) -> TaskEnv {
+    /// The task environment: sessions over the registry, capped by [`session_cap`] of the
+    /// config's knobs (the env pool moves the cap when the knobs change).
+    pub fn env(&self, config: &Config) -> TaskEnv {
+        let max_sessions = session_cap(
+            &config.rollout.knobs,
+            config.rollout.group_size.get(),
+            config.rollout.groups_per_step.get(),
+        );
         let domain_tasks: BTreeMap<String, String> = config
             .data
             .domain_options
@@ -148,19 +152,21 @@ impl NativeSetup {
         Ok(Box::new(self.trainer(config, initial)?))
     }
 
-    /// Engine replicas per `engine.backend`: native replicas share the newest weights (a
-    /// restarted replica starts on them, not on the initial ones); remote replicas drive the
-    /// configured servers, handing them checkpoints under `<output_dir>/weights`.
+    /// Engine replicas per `engine.backend`. Either way a replica starts on the newest weights
+    /// the node has (`initial`, default the loaded ones, then each published snapshot), so a
+    /// restarted replica starts on them, not on the initial ones: native replicas share them;
+    /// remote replicas have their servers install them before sending any work, handing them
+    /// checkpoints under `<output_dir>/weights` (the newest `engine.remote_keep_versions` kept).
     pub fn backend_factory(
         &self,
         config: &Config,
         initial: Option<Arc<ModelWeights>>,
     ) -> Result<BackendFactory, ActorError> {
+        let latest = Arc::new(Mutex::new(
+            initial.unwrap_or_else(|| Arc::clone(&self.weights)),
+        ));
         match config.engine.backend {
             EngineBackend::Native => {
-                let latest = Arc::new(Mutex::new(
-                    initial.unwrap_or_else(|| Arc::clone(&self.weights)),
-                ));
                 let tokenizer = Arc::clone(&self.tokenizer);
                 let engine = config.engine.clone();
                 let seed = config.run.seed;
@@ -170,8 +176,8 @@ impl NativeSetup {
                         NativeEngineParams::from_config(&engine, replica, seed, eos.clone());
                     let weights = Arc::clone(&lock(&latest));
                     match NativeEngine::start(params, weights, Some(Arc::clone(&tokenizer)), sink) {
-                        Ok(inner) => Box::new(NativeReplica {
-                            inner,
+                        Ok(inner) => Box::new(Tracked {
+                            inner: Box::new(inner),
                             latest: Arc::clone(&latest),
                         }) as Box<dyn InferenceBackend>,
                         Err(e) => Box::new(DeadReplica {
@@ -182,13 +188,25 @@ impl NativeSetup {
             }
             EngineBackend::Remote => {
                 let engine = config.engine.clone();
-                let dir = config.run.output_dir.join("weights");
-                let model_dir = self.model_dir.clone();
+                // One set of weight directories for every replica: a version is written once.
+                let dirs = WeightDirs::new(
+                    config.run.output_dir.join("weights"),
+                    Some(self.model_dir.clone()),
+                    engine.remote_keep_versions.get() as usize,
+                );
                 Ok(Arc::new(move |replica, version, sink: EventSink| {
-                    let mut params = RemoteParams::from_config(&engine, replica, dir.clone());
-                    params.aux_files_from = Some(model_dir.clone());
+                    let weights = Arc::clone(&lock(&latest));
+                    let params = RemoteParams::from_config(
+                        &engine,
+                        replica,
+                        Arc::clone(&dirs),
+                        Some(weights),
+                    );
                     match RemoteEngine::start(params, version, sink) {
-                        Ok(inner) => Box::new(inner) as Box<dyn InferenceBackend>,
+                        Ok(inner) => Box::new(Tracked {
+                            inner: Box::new(inner),
+                            latest: Arc::clone(&latest),
+                        }) as Box<dyn InferenceBackend>,
                         Err(e) => Box::new(DeadReplica {
                             reason: e.to_string(),
                         }),
@@ -202,17 +220,26 @@ impl NativeSetup {
     }
 }
 
+/// [`NativeSetup::limits`] for a model with a `context`-token window.
+pub fn env_limits(config: &Config, context: usize) -> TokenEnvLimits {
+    TokenEnvLimits {
+        max_prompt_tokens: context.saturating_sub(config.rollout.max_new_tokens.get() as usize),
+        max_turns: config.rollout.max_turns.get(),
+        call_timeout: config.supervision.env_step_timeout,
+    }
+}
+
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// A native replica that records each new snapshot, so a replica restarted later starts on it.
-struct NativeReplica {
-    inner: NativeEngine,
+/// A replica that records each new snapshot, so a replica restarted later starts on it.
+struct Tracked {
+    inner: Box<dyn InferenceBackend>,
     latest: Arc<Mutex<Arc<ModelWeights>>>,
 }
 
-impl InferenceBackend for NativeReplica {
+impl InferenceBackend for Tracked {
     fn submit(&self, request: GenerateRequest) -> Result<(), EngineError> {
         self.inner.submit(request)
     }

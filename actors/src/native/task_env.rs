@@ -49,6 +49,11 @@ impl TaskEnv {
         }
     }
 
+    /// The cap on open sessions now.
+    pub fn session_cap(&self) -> usize {
+        self.sessions.max_sessions()
+    }
+
     /// The task that serves `sample`.
     pub fn task_name<'s>(&'s self, sample: &'s DataSample) -> &'s str {
         self.domain_tasks
@@ -179,5 +184,9 @@ impl RolloutEnv for TaskEnv {
 
     fn abandon(&self, id: RolloutId) -> BoxFuture<'_, ()> {
         Box::pin(self.sessions.abandon(id))
+    }
+
+    fn set_session_cap(&self, sessions: usize) {
+        self.sessions.set_max_sessions(sessions);
     }
 }

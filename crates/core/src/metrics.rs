@@ -67,7 +67,11 @@ pub const UNITS: &[&str] = &[
 
 /// Names fixed verbatim by `DESIGN.md` / the issues that predate the unit rule; they are checked
 /// for prefix and subsystem but not for a unit suffix.
-pub const FIXED_NAMES: &[&str] = &[DOMAIN_MIX_ACTUAL, DOMAIN_MIX_TARGET, DOMAIN_MIX_COUNT];
+pub const FIXED_NAMES: &[&str] = &[DOMAIN_MIX_ACTUAL, DOMAIN_MIX_TARGET];
+
+/// Suffixes Prometheus reserves for the series of histograms and summaries (`promtool check
+/// metrics` rejects a counter or gauge whose name ends in one).
+pub const RESERVED_SUFFIXES: &[&str] = &["_bucket", "_count", "_sum"];
 
 macro_rules! catalog {
     ($($(#[$doc:meta])* $konst:ident = $name:literal, $kind:ident, [$($label:literal),*], $buckets:expr, $help:literal;)*) => {
@@ -113,7 +117,8 @@ catalog! {
         "Share of completed rollouts per domain since the start of the run.";
     DOMAIN_MIX_TARGET = "sluice_domain_mix_target", Gauge, ["domain"], NONE,
         "Target share per domain (the domain_mix knob, normalized).";
-    DOMAIN_MIX_COUNT = "sluice_domain_mix_count", Gauge, ["domain"], NONE,
+    /// Was `sluice_domain_mix_count` (a gauge): Prometheus reserves `_count` for histograms.
+    DOMAIN_MIX_ROLLOUTS = "sluice_domain_mix_rollouts_total", Counter, ["domain"], NONE,
         "Completed rollouts per domain since the start of the run.";
     ROLLOUT_ADMITTED_GROUPS = "sluice_rollout_admitted_groups_total", Counter, [], NONE,
         "Groups admitted by the controller (running + completed + trained, since the start).";
@@ -244,6 +249,11 @@ pub fn check_name(def: &MetricDef) -> Result<(), String> {
     if !SUBSYSTEMS.contains(&subsystem) {
         return Err(format!("{name}: unknown subsystem `{subsystem}`"));
     }
+    if let Some(suffix) = RESERVED_SUFFIXES.iter().find(|s| name.ends_with(*s)) {
+        return Err(format!(
+            "{name}: `{suffix}` is reserved for the series of histograms and summaries"
+        ));
+    }
     let is_total = name.ends_with("_total");
     if (def.kind == MetricKind::Counter) != is_total {
         return Err(format!(
@@ -305,6 +315,9 @@ mod tests {
         assert!(check_name(&bad("engine_busy_ratio", MetricKind::Gauge, NONE)).is_err());
         assert!(check_name(&bad("sluice_gpu_busy_ratio", MetricKind::Gauge, NONE)).is_err());
         assert!(check_name(&bad("sluice_engine_busy", MetricKind::Gauge, NONE)).is_err());
+        // What promtool rejected in `sluice_domain_mix_count` (a gauge).
+        assert!(check_name(&bad("sluice_domain_mix_count", MetricKind::Gauge, NONE)).is_err());
+        assert!(check_name(&bad("sluice_engine_x_sum", MetricKind::Gauge, NONE)).is_err());
         assert!(check_name(&bad("sluice_engine_tokens", MetricKind::Counter, NONE)).is_err());
         assert!(
             check_name(&bad(
@@ -332,7 +345,7 @@ mod tests {
             "sluice_actor_restarts_total",
             "sluice_domain_mix_actual",
             "sluice_domain_mix_target",
-            "sluice_domain_mix_count",
+            "sluice_domain_mix_rollouts_total",
         ] {
             assert!(find(name).is_some(), "{name}");
         }

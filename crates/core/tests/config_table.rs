@@ -151,7 +151,7 @@ const BAD: &[(&str, &[&str], &str, ConfigErrorKind)] = &[
     (
         "[engine]\nzzz = 1",
         &[],
-        "test.toml: engine.zzz: unknown key; expected one of: backend, replicas, max_running_sequences, max_step_tokens, remote_urls, request_timeout_s, simulated",
+        "test.toml: engine.zzz: unknown key; expected one of: backend, replicas, max_running_sequences, max_step_tokens, remote_urls, request_timeout_s, remote_keep_versions, simulated",
         ConfigErrorKind::UnknownKey,
     ),
     (
@@ -176,6 +176,24 @@ const BAD: &[(&str, &[&str], &str, ConfigErrorKind)] = &[
         "[rollout]\ngroup_size = 0",
         &[],
         "test.toml: rollout.group_size: expected an integer ≥ 1, got 0",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[rollout]\nenv_workers = 0",
+        &[],
+        "test.toml: rollout.env_workers: expected an integer ≥ 1, got 0",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[rollout]\nenv_calls_per_worker = -4",
+        &[],
+        "test.toml: rollout.env_calls_per_worker: expected an integer ≥ 1, got -4",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[engine]\nremote_keep_versions = 0",
+        &[],
+        "test.toml: engine.remote_keep_versions: expected an integer ≥ 1, got 0",
         ConfigErrorKind::Value,
     ),
     (

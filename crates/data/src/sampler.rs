@@ -27,7 +27,7 @@ use std::fmt::Debug;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use sluice_core::config::DataConfig;
-use sluice_core::metrics::{DOMAIN_MIX_ACTUAL, DOMAIN_MIX_COUNT, DOMAIN_MIX_TARGET};
+use sluice_core::metrics::{DOMAIN_MIX_ACTUAL, DOMAIN_MIX_ROLLOUTS, DOMAIN_MIX_TARGET};
 use sluice_core::{DataSample, KnobsHandle};
 
 use crate::error::DataError;
@@ -364,12 +364,12 @@ impl<R: DomainRows> MixSampler<R> {
             .collect()
     }
 
-    /// Sets `sluice_domain_mix_{actual,target,count}{domain}` from [`mix_report`](Self::mix_report).
+    /// Sets `sluice_domain_mix_{actual,target}{domain}` and `sluice_domain_mix_rollouts_total` from [`mix_report`](Self::mix_report).
     pub fn publish_metrics(&self, domain_mix: &BTreeMap<String, f64>) {
         for e in self.mix_report(domain_mix) {
             metrics::gauge!(DOMAIN_MIX_ACTUAL, "domain" => e.domain.clone()).set(e.actual);
             metrics::gauge!(DOMAIN_MIX_TARGET, "domain" => e.domain.clone()).set(e.target);
-            metrics::gauge!(DOMAIN_MIX_COUNT, "domain" => e.domain).set(e.completed as f64);
+            metrics::counter!(DOMAIN_MIX_ROLLOUTS, "domain" => e.domain).absolute(e.completed);
         }
     }
 

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 
 use metrics::{Counter, Gauge, Histogram, Key, KeyName, Metadata, Recorder, SharedString, Unit};
 use sluice_core::config::BadLinePolicy;
-use sluice_core::metrics::{DATA_BAD_LINES, DOMAIN_MIX_COUNT, DOMAIN_MIX_TARGET};
+use sluice_core::metrics::{DATA_BAD_LINES, DOMAIN_MIX_ROLLOUTS, DOMAIN_MIX_TARGET};
 use sluice_data::{Dataset, DomainSampler, SamplerConfig};
 
 /// Keeps every counter/gauge as an atomic, keyed by `name{label=value,…}`.
@@ -90,8 +90,8 @@ fn bad_lines_are_counted_per_dataset_and_file_loads_from_data_dir() {
     let mix = BTreeMap::from([("math".to_owned(), 2.0)]);
     metrics::with_local_recorder(&rec, || sampler.publish_metrics(&mix));
     assert_eq!(
-        rec.gauge(&format!("{DOMAIN_MIX_COUNT}{{domain=math}}")),
-        5.0
+        rec.counter(&format!("{DOMAIN_MIX_ROLLOUTS}{{domain=math}}")),
+        5
     );
     assert_eq!(
         rec.gauge(&format!("{DOMAIN_MIX_TARGET}{{domain=math}}")),

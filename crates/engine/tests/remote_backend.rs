@@ -1,6 +1,7 @@
 //! The remote backend against `sluice serve`'s server: generation with ids, logprobs and
-//! versions, resume, abort with the partial, weight updates through a written checkpoint, and a
-//! server that does not answer.
+//! versions, resume, abort with the partial, weight updates through a written checkpoint, a
+//! server that does not answer, the run's weights installed before any work (at start and when a
+//! server comes back), and old weight directories pruned.
 
 mod server_support;
 
@@ -11,7 +12,7 @@ use std::time::Duration;
 use crossbeam_channel::Receiver;
 use server_support::serve_tiny;
 use sluice_core::{GroupId, NodeId, PolicyVersion, RequestId, RunId, WeightUpdateMode};
-use sluice_engine::remote::{RemoteEngine, RemoteParams};
+use sluice_engine::remote::{RemoteEngine, RemoteParams, WeightDirs};
 use sluice_engine::{
     Completion, EngineEvent, FinishReason, GenerateRequest, InferenceBackend, SamplingParams,
 };
@@ -25,8 +26,8 @@ fn params(urls: Vec<String>, weights_dir: PathBuf) -> RemoteParams {
         request_timeout: Duration::from_secs(30),
         control_timeout: Duration::from_secs(5),
         health_interval: Duration::from_millis(200),
-        weights_dir,
-        aux_files_from: None,
+        weights: WeightDirs::new(weights_dir, None, 3),
+        initial: None,
         model_name: Some("tiny".into()),
     }
 }
@@ -269,4 +270,97 @@ async fn with_several_servers_a_dead_one_is_marked_down_and_its_requests_abort_w
     assert_eq!(engine.servers_up(), 1);
     drop(engine);
     live.stop().await;
+}
+
+/// Weights of the tiny preset unlike the served ones (seed `seed`), as version `version`.
+fn head_weights(seed: u64, version: u64) -> Arc<sluice_model::WeightSnapshot> {
+    let config = Arc::new(preset_config(Preset::Tiny));
+    Arc::new(
+        random_snapshot(config, seed, DType::F32, &Device::Cpu)
+            .unwrap()
+            .with_version(PolicyVersion(version)),
+    )
+}
+
+async fn next_update(rx: &Receiver<(PolicyVersion, WeightUpdateMode)>) -> PolicyVersion {
+    let rx = rx.clone();
+    tokio::task::spawn_blocking(move || rx.recv_timeout(Duration::from_secs(30)).unwrap().0)
+        .await
+        .unwrap()
+}
+
+async fn wait_for(what: &str, mut done: impl FnMut() -> bool) {
+    for _ in 0..300 {
+        if done() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("timed out waiting until {what}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn servers_install_the_runs_weights_before_any_work_and_old_versions_are_pruned() {
+    let s = serve_tiny().await;
+    let addr = s.addr;
+    // Outside the server's directory: the weights outlive the server's crash.
+    let published = tempfile::tempdir().unwrap();
+    let weights_dir = published.path().join("weights");
+    let mut p = params(vec![s.url()], weights_dir.clone());
+    // The head is at version 5 with weights the server has never seen (it started from its own
+    // checkpoint, as `sluice serve <model dir>` does, and calls them version 0).
+    p.initial = Some(head_weights(11, 5));
+    p.weights = WeightDirs::new(weights_dir.clone(), None, 2);
+    let (engine, (finished, updates)) = start(p);
+    // Submitted at once: it must wait until the server holds version 5.
+    engine.submit(request(1, 6)).unwrap();
+    let first = next(&finished).await;
+    assert!(
+        matches!(first.finish, FinishReason::Length | FinishReason::Stop),
+        "{first:?}"
+    );
+    assert!(
+        !first.output.is_empty() && first.output.versions.iter().all(|v| *v == PolicyVersion(5)),
+        "served before the run's weights were installed: {:?}",
+        first.output.versions
+    );
+    assert_eq!(engine.servers_up(), 1);
+
+    // Each update writes a directory; only the newest two stay.
+    for v in 6..=8 {
+        engine
+            .update_weights(head_weights(v, v).to_envelope(), WeightUpdateMode::InFlight)
+            .unwrap();
+        assert_eq!(next_update(&updates).await, PolicyVersion(v));
+    }
+    let on_disk: Vec<String> = {
+        let mut names: Vec<String> = std::fs::read_dir(&weights_dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    };
+    assert_eq!(on_disk, vec!["v000007", "v000008"]);
+
+    // The server crashes and comes back from its own checkpoint: it gets version 8 before work.
+    s.stop().await;
+    engine.submit(request(2, 6)).unwrap();
+    let lost = next(&finished).await;
+    assert_ne!(lost.finish, FinishReason::Stop);
+    assert_eq!(engine.servers_up(), 0);
+    let back = server_support::serve_tiny_at(addr).await;
+    wait_for("the server is back and installed", || {
+        engine.servers_up() == 1
+    })
+    .await;
+    engine.submit(request(3, 6)).unwrap();
+    let after = next(&finished).await;
+    assert!(
+        !after.output.is_empty() && after.output.versions.iter().all(|v| *v == PolicyVersion(8)),
+        "a returning server got work before the run's weights: {:?}",
+        after.output.versions
+    );
+    drop(engine);
+    back.stop().await;
 }

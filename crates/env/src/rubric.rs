@@ -162,7 +162,7 @@ impl RewardFn {
 }
 
 /// Overrides and limits of a rubric.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct RubricConfig {
     /// Reward of truncated rollouts, replacing the functions' score.
     #[serde(default)]
@@ -170,23 +170,11 @@ pub struct RubricConfig {
     /// Reward of failed rollouts (and of rollouts whose scoring failed).
     #[serde(default)]
     pub error_reward: Option<f64>,
-    /// Deadline of each reward function call, in seconds.
-    #[serde(default = "default_timeout_s")]
-    pub timeout_s: f64,
-}
-
-fn default_timeout_s() -> f64 {
-    30.0
-}
-
-impl Default for RubricConfig {
-    fn default() -> Self {
-        Self {
-            truncation_reward: None,
-            error_reward: None,
-            timeout_s: default_timeout_s(),
-        }
-    }
+    /// Deadline of each reward function call, in seconds. `None` (the default): no deadline of
+    /// the rubric's own; the caller's bounds the call (in a run, the whole env step is bounded by
+    /// `supervision.env_step_timeout_s`, so a fixed inner default would cap a longer setting).
+    #[serde(default)]
+    pub timeout_s: Option<f64>,
 }
 
 /// The score of one rollout.
@@ -248,12 +236,14 @@ impl Rubric {
         for f in &mut fns {
             f.weight /= total;
         }
-        let timeout = Duration::try_from_secs_f64(config.timeout_s)
-            .ok()
-            .filter(|d| !d.is_zero())
-            .ok_or_else(|| {
-                EnvError::Config(format!("timeout_s must be > 0, got {}", config.timeout_s))
-            })?;
+        // No deadline of its own: `Duration::MAX` (tokio's timeout saturates it to "never").
+        let timeout = match config.timeout_s {
+            None => Duration::MAX,
+            Some(secs) => Duration::try_from_secs_f64(secs)
+                .ok()
+                .filter(|d| !d.is_zero())
+                .ok_or_else(|| EnvError::Config(format!("timeout_s must be > 0, got {secs}")))?,
+        };
         Ok(Self {
             fns,
             config,

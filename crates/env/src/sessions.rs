@@ -7,6 +7,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use sluice_core::{DataSample, RolloutId, RolloutStatus};
 use tokio::sync::Mutex;
@@ -23,7 +24,8 @@ pub struct EnvSessions {
     registry: Arc<TaskRegistry>,
     renderer: Arc<dyn Renderer>,
     limits: TokenEnvLimits,
-    max_sessions: usize,
+    /// Changeable while running: the node raises it when its concurrency knobs grow.
+    max_sessions: AtomicUsize,
     sessions: std::sync::Mutex<HashMap<RolloutId, Session>>,
 }
 
@@ -31,7 +33,7 @@ impl std::fmt::Debug for EnvSessions {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("EnvSessions")
             .field("open", &self.open())
-            .field("max_sessions", &self.max_sessions)
+            .field("max_sessions", &self.max_sessions())
             .field("limits", &self.limits)
             .finish_non_exhaustive()
     }
@@ -49,7 +51,7 @@ impl EnvSessions {
             registry,
             renderer,
             limits,
-            max_sessions: max_sessions.max(1),
+            max_sessions: AtomicUsize::new(max_sessions.max(1)),
             sessions: std::sync::Mutex::new(HashMap::new()),
         }
     }
@@ -57,6 +59,17 @@ impl EnvSessions {
     fn map(&self) -> std::sync::MutexGuard<'_, HashMap<RolloutId, Session>> {
         // Every critical section is one insert/remove/get: a poisoned map is still consistent.
         self.sessions.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The cap on open sessions.
+    pub fn max_sessions(&self) -> usize {
+        self.max_sessions.load(Ordering::Relaxed)
+    }
+
+    /// Sets the cap on open sessions (at least 1). Lowering it closes nothing: sessions already
+    /// open run to their end, and new ones are refused until fewer than `n` are open.
+    pub fn set_max_sessions(&self, n: usize) {
+        self.max_sessions.store(n.max(1), Ordering::Relaxed);
     }
 
     /// Open sessions.
@@ -85,7 +98,7 @@ impl EnvSessions {
         let session = Arc::new(Mutex::new(env));
         {
             let mut map = self.map();
-            if map.len() >= self.max_sessions {
+            if map.len() >= self.max_sessions() {
                 return Next::Done(RolloutStatus::Error("env_sessions_full".into()));
             }
             if map.contains_key(&id) {

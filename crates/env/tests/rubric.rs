@@ -159,7 +159,7 @@ async fn failing_functions_fail_their_rollout_only() {
         ],
         RubricConfig {
             error_reward: Some(-1.0),
-            timeout_s: 5.0,
+            timeout_s: Some(5.0),
             ..RubricConfig::default()
         },
     )
@@ -221,7 +221,7 @@ async fn hanging_async_function_times_out_and_functions_run_concurrently() {
     let rubric = Rubric::new(
         vec![gated("a"), gated("b"), hang],
         RubricConfig {
-            timeout_s: 2.0,
+            timeout_s: Some(2.0),
             ..RubricConfig::default()
         },
     )
@@ -271,7 +271,7 @@ fn invalid_rubrics_are_refused() {
         .is_err()
     );
     let bad_timeout = RubricConfig {
-        timeout_s: 0.0,
+        timeout_s: Some(0.0),
         ..RubricConfig::default()
     };
     assert!(Rubric::new(vec![f()], bad_timeout).is_err());

@@ -104,6 +104,8 @@ pub struct RawEngine {
     pub remote_urls: Vec<String>,
     /// Per-request timeout of the remote backend, seconds.
     pub request_timeout_s: f64,
+    /// Published weight versions the remote backend keeps on disk under `<output_dir>/weights`.
+    pub remote_keep_versions: i64,
     /// `[engine.simulated]`: the timing model of `backend = "simulated"`.
     pub simulated: RawSimEngine,
 }
@@ -186,6 +188,7 @@ impl Default for RawEngine {
             max_step_tokens: 4096,
             remote_urls: Vec::new(),
             request_timeout_s: 120.0,
+            remote_keep_versions: 3,
             simulated: RawSimEngine::default(),
         }
     }
@@ -335,6 +338,10 @@ pub struct RawRollout {
     pub paused: bool,
     /// Knob: target weight per domain.
     pub domain_mix: BTreeMap<String, f64>,
+    /// Environment worker actors.
+    pub env_workers: i64,
+    /// Environment calls (first prompt, step, reward) each worker runs at once.
+    pub env_calls_per_worker: i64,
 }
 
 impl Default for RawRollout {
@@ -357,6 +364,8 @@ impl Default for RawRollout {
             max_concurrent_rollouts: 0,
             paused: false,
             domain_mix: BTreeMap::new(),
+            env_workers: 2,
+            env_calls_per_worker: 128,
         }
     }
 }

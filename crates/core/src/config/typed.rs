@@ -162,6 +162,8 @@ pub struct EngineConfig {
     /// Remote request timeout.
     #[serde(rename = "request_timeout_s", serialize_with = "as_seconds")]
     pub request_timeout: Duration,
+    /// Published weight versions the remote backend keeps on disk (≥ 1).
+    pub remote_keep_versions: NonZeroU32,
     /// `[engine.simulated]`
     pub simulated: SimEngineConfig,
 }
@@ -369,6 +371,10 @@ pub struct RolloutConfig {
     pub top_p: f64,
     /// Top-k (0 = off).
     pub top_k: u32,
+    /// Environment worker actors.
+    pub env_workers: NonZeroU32,
+    /// Environment calls each worker runs at once.
+    pub env_calls_per_worker: NonZeroU32,
     /// Initial runtime knobs (resolved: no zeros meaning "default").
     #[serde(flatten)]
     pub knobs: Knobs,

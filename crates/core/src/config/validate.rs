@@ -358,6 +358,11 @@ fn validate_engine(
         max_step_tokens: non_zero_u32(ctx, "engine.max_step_tokens", raw.max_step_tokens)?,
         remote_urls: raw.remote_urls,
         request_timeout: Duration::from_secs_f64(timeout),
+        remote_keep_versions: non_zero_u32(
+            ctx,
+            "engine.remote_keep_versions",
+            raw.remote_keep_versions,
+        )?,
         simulated: validate_sim_engine(raw.simulated, run, ctx)?,
     })
 }
@@ -756,6 +761,12 @@ fn validate_rollout(
             v > 0.0 && v <= 1.0
         })?,
         top_k: u32_incl_zero(ctx, "rollout.top_k", raw.top_k)?,
+        env_workers: non_zero_u32(ctx, "rollout.env_workers", raw.env_workers)?,
+        env_calls_per_worker: non_zero_u32(
+            ctx,
+            "rollout.env_calls_per_worker",
+            raw.env_calls_per_worker,
+        )?,
         knobs,
     })
 }

@@ -3,21 +3,27 @@
 //!
 //! A dedicated thread runs a current-thread tokio runtime; trait calls `try_send` onto a bounded
 //! channel. Each request is one `POST /v1/completions` (prompt + resumed tokens as ids,
-//! `return_token_ids`, `logprobs: 1`, `rid` = the request id) to the live server with the fewest
+//! `return_token_ids`, `logprobs: 1`, `rid` = the request id) to the ready server with the fewest
 //! requests in flight; `abort` posts `/abort_request {rid}` to that server, which answers the
 //! pending call with the partial output. A weight update writes the snapshot as a Hugging Face
-//! directory under `weights_dir/v<version>` and posts `/update_weights_from_disk` to every live
-//! server. A server that fails a call (connection refused or reset, no answer within
-//! `request_timeout`, a 5xx) is marked down: its requests finish as [`FinishReason::Abort`] with
-//! the partial they came with, so their rollouts go back to the aborted bucket; `/health` is
-//! polled to bring it back.
+//! directory ([`WeightDirs`]: `weights_dir/v<version>`, the newest few kept) and posts
+//! `/update_weights_from_disk` to every ready server.
+//!
+//! A server gets work only once it holds the run's weights: at start, and whenever it comes back,
+//! it first installs the newest version the backend has (`initial` until the first update), so a
+//! server started from its own checkpoint never generates tokens tagged with the run's version.
+//! Requests that arrive while every live server is still installing wait for the first one ready.
+//! A server that fails a call (connection refused or reset, no answer within `request_timeout`,
+//! a 5xx) is marked down: its requests finish as [`FinishReason::Abort`] with the partial they
+//! came with, so their rollouts go back to the aborted bucket; `/health` is polled to bring it
+//! back.
 
 mod http;
+mod weights;
 mod wire;
 mod worker;
 
-use std::collections::HashMap;
-use std::path::PathBuf;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::thread::JoinHandle;
@@ -32,6 +38,7 @@ use crate::backend::{
 };
 use http::HttpClient;
 pub use http::TransportError;
+pub use weights::{Pinned, WeightDirs};
 use worker::{Server, Worker};
 
 /// Commands queued per backend.
@@ -44,28 +51,30 @@ pub struct RemoteParams {
     pub replica: u32,
     /// Base URLs (`engine.remote_urls`).
     pub urls: Vec<String>,
-    /// Deadline of one generation call (`engine.request_timeout_s`).
+    /// Deadline of one generation call or weight load (`engine.request_timeout_s`).
     pub request_timeout: Duration,
     /// Deadline of the small calls (abort, health).
     pub control_timeout: Duration,
     /// How often a down server's `/health` is polled.
     pub health_interval: Duration,
-    /// Directory new weights are written under (the servers must be able to read it).
-    pub weights_dir: PathBuf,
-    /// A model directory whose tokenizer and config files are copied next to new weights
-    /// (servers such as SGLang load the whole directory).
-    pub aux_files_from: Option<PathBuf>,
+    /// Where new weights are written (the servers must be able to read it); shared by every
+    /// replica of the node.
+    pub weights: Arc<WeightDirs>,
+    /// The weights every server installs before it gets work; later updates replace them.
+    /// `None`: the servers already hold the start version (nothing to install).
+    pub initial: Option<Arc<ModelWeights>>,
     /// `model` field sent with each request, when the servers check it.
     pub model_name: Option<String>,
 }
 
 impl RemoteParams {
-    /// Replica `replica` of `[engine]` (`remote_urls`, `request_timeout_s`), writing weights
-    /// under `weights_dir`; 5 s control calls, `/health` polled every 2 s.
+    /// Replica `replica` of `[engine]` (`remote_urls`, `request_timeout_s`), publishing into
+    /// `weights` and installing `initial` first; 5 s control calls, `/health` polled every 2 s.
     pub fn from_config(
         engine: &sluice_core::config::EngineConfig,
         replica: u32,
-        weights_dir: PathBuf,
+        weights: Arc<WeightDirs>,
+        initial: Option<Arc<ModelWeights>>,
     ) -> Self {
         Self {
             replica,
@@ -73,8 +82,8 @@ impl RemoteParams {
             request_timeout: engine.request_timeout,
             control_timeout: Duration::from_secs(5),
             health_interval: Duration::from_secs(2),
-            weights_dir,
-            aux_files_from: None,
+            weights,
+            initial,
             model_name: None,
         }
     }
@@ -106,7 +115,8 @@ pub struct RemoteEngine {
 }
 
 impl RemoteEngine {
-    /// Starts the backend's thread at `version` (what the servers hold now).
+    /// Starts the backend's thread at `version` (the version of `params.initial` when given,
+    /// else what the servers hold now).
     pub fn start(
         params: RemoteParams,
         version: PolicyVersion,
@@ -115,6 +125,9 @@ impl RemoteEngine {
         if params.urls.is_empty() {
             return Err("the remote backend needs at least one url".into());
         }
+        // With weights to install, no server is ready before it installed them.
+        let ready = params.initial.is_none();
+        let version = params.initial.as_ref().map_or(version, |w| w.version);
         let servers = params
             .urls
             .iter()
@@ -122,6 +135,8 @@ impl RemoteEngine {
                 HttpClient::new(u).map(|client| Server {
                     client,
                     up: true,
+                    ready,
+                    installing: false,
                     inflight: 0,
                 })
             })
@@ -129,17 +144,18 @@ impl RemoteEngine {
         let (tx, rx) = mpsc::channel(COMMAND_QUEUE);
         let shared = Arc::new(Shared::default());
         shared.version.store(version.0, Ordering::Relaxed);
-        shared
-            .servers_up
-            .store(servers.len() as u64, Ordering::Relaxed);
+        let ready_now = servers.iter().filter(|s| s.ready).count();
+        shared.servers_up.store(ready_now as u64, Ordering::Relaxed);
         let name = format!("remote-engine-{}", params.replica);
         let worker = Worker {
+            latest: params.initial.clone(),
             params,
             servers,
             sink,
             shared: Arc::clone(&shared),
             version,
             inflight: HashMap::new(),
+            waiting: VecDeque::new(),
         };
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -158,7 +174,7 @@ impl RemoteEngine {
         })
     }
 
-    /// Servers currently considered up.
+    /// Servers up and holding the run's weights (ready for work).
     pub fn servers_up(&self) -> u64 {
         self.shared.servers_up.load(Ordering::Relaxed)
     }

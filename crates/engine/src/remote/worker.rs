@@ -1,7 +1,8 @@
-//! The remote backend's loop: dispatch to the least-loaded live server, relay completions,
-//! mark servers down on transport failures, poll `/health`, publish weights.
+//! The remote backend's loop: install the run's weights on each server before it gets work,
+//! dispatch to the least-loaded ready server, relay completions, mark servers down on transport
+//! failures, poll `/health` (and reinstall on return), publish weights.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
@@ -14,14 +15,19 @@ use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 
 use super::http::HttpClient;
-use super::{Command, RemoteParams, Shared, wire};
+use super::{Command, Pinned, RemoteParams, Shared, WeightDirs, wire};
 use crate::backend::{
     Completion, EngineEvent, EventSink, FinishReason, GenerateRequest, TokenOutput,
 };
 
 pub(super) struct Server {
     pub(super) client: HttpClient,
+    /// Not marked down.
     pub(super) up: bool,
+    /// Holds the run's weights since it (re)joined: it may get work.
+    pub(super) ready: bool,
+    /// An install of the newest weights is under way.
+    pub(super) installing: bool,
     pub(super) inflight: usize,
 }
 
@@ -45,6 +51,12 @@ enum Done {
         server: usize,
         ok: bool,
     },
+    /// A server's install of `version` ended.
+    Installed {
+        server: usize,
+        version: PolicyVersion,
+        result: Result<(), String>,
+    },
 }
 
 pub(super) struct Worker {
@@ -55,6 +67,11 @@ pub(super) struct Worker {
     pub(super) version: PolicyVersion,
     /// Request → (server, resumed tokens it came with).
     pub(super) inflight: HashMap<RequestId, (usize, usize)>,
+    /// The weights a (re)joining server installs: the initial ones, then each update's.
+    pub(super) latest: Option<Arc<ModelWeights>>,
+    /// Requests that arrived while every live server was still installing. Bounded by what the
+    /// engine actor routes here (the controller's admission bounds that).
+    pub(super) waiting: VecDeque<GenerateRequest>,
 }
 
 impl Worker {
@@ -62,6 +79,11 @@ impl Worker {
         let mut tasks: JoinSet<Done> = JoinSet::new();
         let mut health = tokio::time::interval(self.params.health_interval);
         health.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        for server in 0..self.servers.len() {
+            if !self.servers[server].ready {
+                self.install(server, &mut tasks);
+            }
+        }
         loop {
             tokio::select! {
                 command = rx.recv() => match command {
@@ -69,7 +91,7 @@ impl Worker {
                     Some(c) => self.apply(c, &mut tasks),
                 },
                 Some(done) = tasks.join_next(), if !tasks.is_empty() => match done {
-                    Ok(d) => self.on_done(d),
+                    Ok(d) => self.on_done(d, &mut tasks),
                     Err(e) => tracing::error!(error = %e, "remote engine call panicked"),
                 },
                 _ = health.tick() => self.check_health(&mut tasks),
@@ -84,9 +106,15 @@ impl Worker {
                 if let Some(&(s, _)) = self.inflight.get(&id) {
                     let body = json!({"rid": id.to_string()});
                     self.control(s, "/abort_request", body, tasks);
+                } else if let Some(i) = self.waiting.iter().position(|r| r.id == id) {
+                    let request = self.waiting.remove(i).expect("found");
+                    self.give_back(request, FinishReason::Abort);
                 }
             }
             Command::AbortAll => {
+                for request in std::mem::take(&mut self.waiting) {
+                    self.give_back(request, FinishReason::Abort);
+                }
                 for s in 0..self.servers.len() {
                     if self.servers[s].up {
                         self.control(s, "/abort_request", json!({"abort_all": true}), tasks);
@@ -98,19 +126,29 @@ impl Worker {
         }
     }
 
+    /// Finishes `request` unserved with `finish` and the partial it came with.
+    fn give_back(&self, request: GenerateRequest, finish: FinishReason) {
+        (self.sink)(EngineEvent::Finished(Completion {
+            id: request.id,
+            output: request.resume.unwrap_or_default(),
+            finish,
+        }));
+    }
+
     fn dispatch(&mut self, request: GenerateRequest, tasks: &mut JoinSet<Done>) {
-        let partial = request.resume.clone().unwrap_or_default();
         let pick = (0..self.servers.len())
-            .filter(|&i| self.servers[i].up)
+            .filter(|&i| self.servers[i].up && self.servers[i].ready)
             .min_by_key(|&i| self.servers[i].inflight);
         let Some(server) = pick else {
-            (self.sink)(EngineEvent::Finished(Completion {
-                id: request.id,
-                output: partial,
-                finish: FinishReason::Error("remote_unavailable".into()),
-            }));
+            if self.servers.iter().any(|s| s.up) {
+                // Live servers are still installing the run's weights: wait for one.
+                self.waiting.push_back(request);
+            } else {
+                self.give_back(request, FinishReason::Error("remote_unavailable".into()));
+            }
             return;
         };
+        let partial = request.resume.clone().unwrap_or_default();
         self.servers[server].inflight += 1;
         self.inflight.insert(request.id, (server, partial.len()));
         self.publish();
@@ -197,6 +235,52 @@ impl Worker {
         }
     }
 
+    /// Installs the newest weights on `server` before it gets work (ready at once when there
+    /// are none to install: the servers hold the start version).
+    fn install(&mut self, server: usize, tasks: &mut JoinSet<Done>) {
+        let Some(weights) = self.latest.clone() else {
+            self.servers[server].ready = true;
+            self.publish();
+            self.serve_waiting(tasks);
+            return;
+        };
+        if self.servers[server].installing {
+            return;
+        }
+        self.servers[server].installing = true;
+        let dirs = Arc::clone(&self.params.weights);
+        let client = self.servers[server].client.clone();
+        let timeout = self.params.request_timeout;
+        let version = weights.version;
+        tasks.spawn(async move {
+            let result = match write(dirs, weights).await {
+                Err(e) => Err(e),
+                Ok(pinned) => {
+                    load(&client, &pinned, WeightUpdateMode::InFlight, timeout).await
+                    // `pinned` drops here: the directory may be pruned from now on.
+                }
+            };
+            Done::Installed {
+                server,
+                version,
+                result,
+            }
+        });
+    }
+
+    /// Sends the requests that waited for a ready server.
+    fn serve_waiting(&mut self, tasks: &mut JoinSet<Done>) {
+        if self.servers.iter().any(|s| s.up && s.ready) {
+            for request in std::mem::take(&mut self.waiting) {
+                self.dispatch(request, tasks);
+            }
+        } else if !self.servers.iter().any(|s| s.up) {
+            for request in std::mem::take(&mut self.waiting) {
+                self.give_back(request, FinishReason::Error("remote_unavailable".into()));
+            }
+        }
+    }
+
     fn update(
         &mut self,
         weights: Arc<ModelWeights>,
@@ -205,70 +289,33 @@ impl Worker {
         tasks: &mut JoinSet<Done>,
     ) {
         let version = weights.version;
-        let dir = self.params.weights_dir.join(format!("v{:06}", version.0));
-        let aux = self.params.aux_files_from.clone();
+        self.latest = Some(Arc::clone(&weights));
+        // Servers still installing get these weights when their install ends (it was older).
         let live: Vec<(usize, HttpClient)> = self
             .servers
             .iter()
             .enumerate()
-            .filter(|(_, s)| s.up)
+            .filter(|(_, s)| s.up && s.ready)
             .map(|(i, s)| (i, s.client.clone()))
             .collect();
+        let dirs = Arc::clone(&self.params.weights);
         let timeout = self.params.request_timeout;
         tasks.spawn(async move {
-            let write_dir = dir.clone();
-            let written = tokio::task::spawn_blocking(move || -> Result<(), String> {
-                sluice_model::save_checkpoint(
-                    &weights,
-                    &write_dir,
-                    &sluice_model::SaveOptions::default(),
-                )
-                .map_err(|e| e.to_string())?;
-                if let Some(src) = aux {
-                    sluice_model::copy_aux_files(&src, &write_dir).map_err(|e| e.to_string())?;
+            let pinned = match write(dirs, weights).await {
+                Ok(p) => p,
+                Err(e) => {
+                    let failed = live.iter().map(|(i, _)| (*i, e.clone())).collect();
+                    return Done::Update {
+                        version,
+                        mode,
+                        asked,
+                        failed,
+                    };
                 }
-                Ok(())
-            })
-            .await
-            .unwrap_or_else(|e| Err(format!("writer thread: {e}")));
-            if let Err(e) = written {
-                let failed = live
-                    .iter()
-                    .map(|(i, _)| (*i, format!("writing {}: {e}", dir.display())))
-                    .collect();
-                return Done::Update {
-                    version,
-                    mode,
-                    asked,
-                    failed,
-                };
-            }
-            let body = json!({
-                "model_path": dir,
-                "weight_version": version.0,
-                "mode": mode.as_str(),
-                "abort_all_requests": mode == WeightUpdateMode::AbortResume,
-            })
-            .to_string();
+            };
             let calls = live.iter().map(|(i, c)| {
-                let body = body.clone().into_bytes();
-                async move {
-                    match c
-                        .call(
-                            Method::POST,
-                            "/update_weights_from_disk",
-                            Some(body),
-                            timeout,
-                        )
-                        .await
-                    {
-                        Ok((st, _)) if st.is_success() => None,
-                        Ok((st, b)) => {
-                            Some((*i, format!("status {st}: {}", String::from_utf8_lossy(&b))))
-                        }
-                        Err(e) => Some((*i, e.to_string())),
-                    }
-                }
+                let pinned = &pinned;
+                async move { load(c, pinned, mode, timeout).await.err().map(|e| (*i, e)) }
             });
             let failed = futures::future::join_all(calls)
                 .await
@@ -284,7 +331,7 @@ impl Worker {
         });
     }
 
-    fn on_done(&mut self, done: Done) {
+    fn on_done(&mut self, done: Done, tasks: &mut JoinSet<Done>) {
         match done {
             Done::Generate {
                 id,
@@ -325,9 +372,34 @@ impl Worker {
             }
             Done::Control { server, ok } => {
                 if ok && !self.servers[server].up {
-                    tracing::info!(url = %self.servers[server].client.url, "remote engine server is back");
+                    tracing::info!(url = %self.servers[server].client.url, "remote engine server is back; installing the run's weights");
                     self.servers[server].up = true;
-                    self.publish();
+                    self.servers[server].ready = false;
+                    self.install(server, tasks);
+                }
+            }
+            Done::Installed {
+                server,
+                version,
+                result,
+            } => {
+                self.servers[server].installing = false;
+                match result {
+                    Err(message) => {
+                        self.mark_down(server, &format!("installing v{}: {message}", version.0));
+                        self.serve_waiting(tasks);
+                    }
+                    Ok(()) if !self.servers[server].up => {}
+                    Ok(()) if self.latest.as_ref().is_some_and(|w| w.version > version) => {
+                        // A newer version was published meanwhile: install that one first.
+                        self.install(server, tasks);
+                    }
+                    Ok(()) => {
+                        tracing::info!(url = %self.servers[server].client.url, version = version.0, "remote engine server holds the run's weights");
+                        self.servers[server].ready = true;
+                        self.publish();
+                        self.serve_waiting(tasks);
+                    }
                 }
             }
         }
@@ -337,6 +409,7 @@ impl Worker {
         if self.servers[server].up {
             tracing::warn!(url = %self.servers[server].client.url, %message, "remote engine server marked down");
             self.servers[server].up = false;
+            self.servers[server].ready = false;
             self.publish();
         }
     }
@@ -345,8 +418,45 @@ impl Worker {
         self.shared
             .running
             .store(self.inflight.len() as u64, Ordering::Relaxed);
-        let up = self.servers.iter().filter(|s| s.up).count();
+        let up = self.servers.iter().filter(|s| s.up && s.ready).count();
         self.shared.servers_up.store(up as u64, Ordering::Relaxed);
+    }
+}
+
+/// Writes `weights` (unless already on disk) and pins the directory, off the runtime.
+async fn write(dirs: Arc<WeightDirs>, weights: Arc<ModelWeights>) -> Result<Pinned, String> {
+    tokio::task::spawn_blocking(move || dirs.publish(&weights))
+        .await
+        .unwrap_or_else(|e| Err(format!("writer thread: {e}")))
+}
+
+/// Asks the server behind `client` to load `pinned` as its version, with `mode`.
+async fn load(
+    client: &HttpClient,
+    pinned: &Pinned,
+    mode: WeightUpdateMode,
+    timeout: std::time::Duration,
+) -> Result<(), String> {
+    let body = json!({
+        "model_path": pinned.path(),
+        "weight_version": pinned.version().0,
+        "mode": mode.as_str(),
+        "abort_all_requests": mode == WeightUpdateMode::AbortResume,
+    })
+    .to_string()
+    .into_bytes();
+    match client
+        .call(
+            Method::POST,
+            "/update_weights_from_disk",
+            Some(body),
+            timeout,
+        )
+        .await
+    {
+        Ok((st, _)) if st.is_success() => Ok(()),
+        Ok((st, b)) => Err(format!("status {st}: {}", String::from_utf8_lossy(&b))),
+        Err(e) => Err(e.to_string()),
     }
 }
 

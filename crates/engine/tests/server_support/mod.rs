@@ -128,8 +128,20 @@ pub async fn serve_scripted(pieces: &[&str]) -> Served {
     serve_dir(dir).await
 }
 
+/// [`serve_tiny`] on `addr` (a server coming back where it was).
+pub async fn serve_tiny_at(addr: std::net::SocketAddr) -> Served {
+    let dir = tempfile::tempdir().unwrap();
+    write_preset(Preset::Tiny, &dir.path().join("model"), 0).unwrap();
+    serve_dir_at(dir, addr).await
+}
+
 /// Serves `dir/model` as model `tiny`.
 async fn serve_dir(dir: tempfile::TempDir) -> Served {
+    serve_dir_at(dir, "127.0.0.1:0".parse().unwrap()).await
+}
+
+/// Serves `dir/model` as model `tiny` on `addr`.
+async fn serve_dir_at(dir: tempfile::TempDir, addr: std::net::SocketAddr) -> Served {
     let model = dir.path().join("model");
     let weights = Arc::new(load_checkpoint(&model, &LoadOptions::default()).unwrap());
     let tokenizer = Arc::new(Tokenizer::from_dir(&model).unwrap());
@@ -159,7 +171,7 @@ async fn serve_dir(dir: tempfile::TempDir) -> Served {
         },
         events,
     );
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let listener = TcpListener::bind(addr).await.unwrap();
     let addr = listener.local_addr().unwrap();
     let (tx, rx) = oneshot::channel::<()>();
     let task = tokio::spawn(serve(listener, state, async move {
