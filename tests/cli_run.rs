@@ -143,3 +143,34 @@ fn knobs_get_and_set_talk_to_the_admin_api() {
         node.shutdown().await;
     });
 }
+
+#[test]
+fn a_native_run_reports_bad_data_before_any_warm_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = sluice()
+        .args([
+            "run",
+            concat!(env!("CARGO_MANIFEST_DIR"), "/configs/quickstart.toml"),
+        ])
+        .args(["--set", "data.datasets=[\"math::nosuchtask@train\"]"])
+        .args([
+            "--set",
+            &format!("run.output_dir=\"{}\"", dir.path().display()),
+            "--set",
+            &format!("model.path=\"{}\"", dir.path().join("model").display()),
+            "--set",
+            "metrics.enabled=false",
+        ])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stdout}\n{stderr}");
+    assert!(stderr.contains("nosuchtask"), "{stderr}");
+    assert!(
+        !stderr.contains("eval.task"),
+        "a data error, not an eval one: {stderr}"
+    );
+    assert!(!stdout.contains("warm-up"), "{stdout}");
+    assert!(!dir.path().join("warmup").exists());
+}

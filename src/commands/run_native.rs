@@ -51,6 +51,9 @@ pub async fn run(config: &Config) -> anyhow::Result<ExitCode> {
     }
     let started = Instant::now();
     let base = NativeSetup::load(config, None)?;
+    // The data first: an unreadable dataset is reported before minutes of warm-up, and before
+    // the evaluated task is looked up (a dataset naming no task is a data error, not `eval.task`).
+    let source = sample_source(config, &base)?;
     let task = eval_task(config, &base)?;
     let warm_dir = out.join("warmup");
     if resumed.is_none() && config.warmup.enabled && !warm_dir.join("config.json").exists() {
@@ -79,7 +82,6 @@ pub async fn run(config: &Config) -> anyhow::Result<ExitCode> {
         }
     };
     let (trainer, tap) = TappedTrainer::new(setup.trainer_backend(config, None)?);
-    let source = sample_source(config, &setup)?;
     let options = NodeOptions {
         replay_dir: Some(config.replay.path.clone()),
         serve_admin: true,

@@ -101,6 +101,17 @@ const BOUNDS: &[Bound] = &[
         MAX_SIM_SECONDS,
         SIM,
     ),
+    bound(
+        "engine.remote_keep_versions",
+        1024.0,
+        "weight versions kept on disk",
+    ),
+    bound("rollout.env_workers", 1024.0, "env workers on one node"),
+    bound(
+        "rollout.env_calls_per_worker",
+        65_536.0,
+        "concurrent env calls per worker",
+    ),
     bound("rollout.group_size", 4096.0, "rollouts per group"),
     bound(
         "rollout.groups_per_step",
