@@ -125,11 +125,14 @@ pub fn load_checkpoint(dir: &Path, options: &LoadOptions) -> Result<WeightSnapsh
     WeightSnapshot::new(config, PolicyVersion::INITIAL, tensors)
 }
 
-/// Whether every value of `t` is finite: `x − x` is 0 for finite `x` and NaN otherwise, so the
-/// sum is 0 exactly when all are (one pass, in f32 whatever the stored dtype).
+/// Whether every value of `t` is finite: `0 · x` is 0 for finite `x` and NaN for NaN or ±∞, so
+/// the sum is 0 exactly when all are (one pass, in f32 whatever the stored dtype).
 fn all_finite(t: &Tensor) -> candle_core::Result<bool> {
-    let t = t.to_dtype(DType::F32)?;
-    let s = (&t - &t)?.sum_all()?.to_scalar::<f32>()?;
+    let s = t
+        .to_dtype(DType::F32)?
+        .affine(0.0, 0.0)?
+        .sum_all()?
+        .to_scalar::<f32>()?;
     Ok(s == 0.0)
 }
 
