@@ -7,7 +7,39 @@ use std::process::ExitCode;
 
 use clap::Parser;
 
+/// candle allocates every op's result: with glibc, blocks past its mmap threshold go back to the
+/// kernel on free and come back as fresh zeroed pages, a page fault per 4 KiB (a quarter of the
+/// quickstart's CPU time before). mimalloc keeps freed memory for reuse once its purge delay is
+/// raised ([`keep_freed_pages`]). (jemalloc, also tried, re-faults its large zeroed blocks.)
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+/// `mi_option_purge_delay` in mimalloc 3's `mi_option_e` (the Rust bindings name no constant
+/// for it).
+const MI_OPTION_PURGE_DELAY_V3: std::ffi::c_int = 15;
+
+/// Freed memory goes back to the kernel only after 10 s unused, not 1 s: a training step frees
+/// and reallocates the same sizes many times a second, and each purged huge page comes back as a
+/// fault and a 2 MiB clear (`sluice bench trainer`, tiny 32×128: 14,754 page faults with the
+/// default delay, 628 with this one). `MIMALLOC_PURGE_DELAY` in the environment still wins.
+#[allow(unsafe_code)]
+fn keep_freed_pages() {
+    if std::env::var_os("MIMALLOC_PURGE_DELAY").is_some() {
+        return;
+    }
+    // SAFETY: plain getters/setters of mimalloc's option table, callable at any time; the
+    // option index is checked against the major version it belongs to.
+    unsafe {
+        // `mi_version()` is major·10000 + minor·100 + patch.
+        if libmimalloc_sys::mi_version() / 10_000 == 3 {
+            libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY_V3, 10_000);
+        }
+    }
+}
+
 fn main() -> ExitCode {
+    set_thread_env();
+    keep_freed_pages();
     let cli = cli::Cli::parse();
     init_logging();
     match commands::run(cli.command) {
@@ -17,6 +49,19 @@ fn main() -> ExitCode {
             eprintln!("error: {e:#}");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// Fixes candle's thread environment before anything reads it (see `sluice_model::threads`):
+/// without it, every matrix product re-reads `/proc/cpuinfo`, and element-wise ops of every
+/// role share one spinning pool. Values the user exported are kept.
+#[allow(unsafe_code)]
+fn set_thread_env() {
+    let is_set = |name: &str| std::env::var_os(name).is_some();
+    for (name, value) in sluice_model::threads::process_thread_env(is_set) {
+        // SAFETY: called first thing in `main`, before any thread exists, so nothing can read
+        // the environment concurrently.
+        unsafe { std::env::set_var(name, value) };
     }
 }
 

@@ -3,7 +3,9 @@
 //! For each preset: decode tokens/s with 1, 8, 32 and 64 requests in flight against the same
 //! requests run one at a time; p50/p99 inter-token latency per concurrency; and the weight-swap
 //! pause of each update mode with a batch running (in_flight: the p50 of 24 swaps at times
-//! unrelated to the engine's steps). Greedy, `ignore_eos`, fixed lengths, so every
+//! unrelated to the engine's steps). Each row also splits the engine's compute time: the model's
+//! forward (logits to the host included) against the scheduler's share (inputs, sampling,
+//! per-token bookkeeping, finishing requests), and the time per scheduler step. Greedy, `ignore_eos`, fixed lengths, so every
 //! configuration generates the same number of tokens.
 
 use std::process::ExitCode;
@@ -37,6 +39,10 @@ struct Measured {
     tokens_per_s: f64,
     itl_p50_ms: f64,
     itl_p99_ms: f64,
+    /// Share of the engine's compute time inside the model, %.
+    model_pct: f64,
+    /// Milliseconds of compute per scheduler step.
+    step_ms: f64,
 }
 
 /// Runs the benchmark and prints a table and the `RESULT engine` line.
@@ -62,21 +68,27 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<ExitCode> {
         let (max_tokens, prompt_len) = lengths(preset);
         println!("preset {preset:?}: {max_tokens} tokens per request, prompts of {prompt_len}");
         println!(
-            "{:>12} {:>12} {:>12} {:>12} {:>9}",
-            "concurrency", "tokens/s", "itl_p50_ms", "itl_p99_ms", "speedup"
+            "{:>12} {:>12} {:>12} {:>12} {:>9} {:>8} {:>9}",
+            "concurrency", "tokens/s", "itl_p50_ms", "itl_p99_ms", "speedup", "model%", "step_ms"
         );
         let max_c = *args.concurrency.iter().max().unwrap_or(&64);
         let serial = measure(&w0, max_c.min(8), 1, max_tokens, prompt_len)?;
         println!(
-            "{:>12} {:>12.1} {:>12.2} {:>12.2} {:>9}",
-            "one-by-one", serial.tokens_per_s, serial.itl_p50_ms, serial.itl_p99_ms, "1.0"
+            "{:>12} {:>12.1} {:>12.2} {:>12.2} {:>9} {:>8.1} {:>9.2}",
+            "one-by-one",
+            serial.tokens_per_s,
+            serial.itl_p50_ms,
+            serial.itl_p99_ms,
+            "1.0",
+            serial.model_pct,
+            serial.step_ms
         );
         for &c in &args.concurrency {
             let m = measure(&w0, c, c, max_tokens, prompt_len)?;
             let speedup = m.tokens_per_s / serial.tokens_per_s;
             println!(
-                "{c:>12} {:>12.1} {:>12.2} {:>12.2} {speedup:>9.1}",
-                m.tokens_per_s, m.itl_p50_ms, m.itl_p99_ms
+                "{c:>12} {:>12.1} {:>12.2} {:>12.2} {speedup:>9.1} {:>8.1} {:>9.2}",
+                m.tokens_per_s, m.itl_p50_ms, m.itl_p99_ms, m.model_pct, m.step_ms
             );
             if preset == ModelPreset::Tiny && c == 64 {
                 speedup_tiny = Some(speedup);
@@ -155,6 +167,8 @@ fn measure(
     let (tx, rx) = std::sync::mpsc::channel();
     let params = NativeEngineParams {
         max_running_sequences: concurrency,
+        // The engine alone on the machine: every core.
+        threads: sluice_model::threads::role_threads(0, 1),
         ..NativeEngineParams::default()
     };
     let mut engine = NativeEngine::start(
@@ -196,7 +210,9 @@ fn measure(
         tokens += c.output.len();
     }
     let elapsed = started.elapsed().as_secs_f64();
+    let parts = engine.control().breakdown();
     engine.shutdown();
+    let busy = parts.model_seconds + parts.scheduler_seconds;
     let mut gaps = std::mem::take(&mut *gaps.lock().expect("not poisoned"));
     gaps.sort_unstable();
     let pct = |p: f64| {
@@ -207,6 +223,8 @@ fn measure(
         tokens_per_s: tokens as f64 / elapsed,
         itl_p50_ms: pct(0.5),
         itl_p99_ms: pct(0.99),
+        model_pct: 100.0 * parts.model_seconds / busy.max(1e-12),
+        step_ms: 1e3 * busy / parts.steps.max(1) as f64,
     })
 }
 

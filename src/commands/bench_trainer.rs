@@ -4,7 +4,9 @@
 //!
 //! Step throughput counts every non-padding token through forward and backward; each step here is
 //! one micro-batch filled exactly (one text per row), so the optimizer and the publish copy are
-//! paid once per `B · L` tokens, as in a run whose global batch is one micro-batch.
+//! paid once per `B · L` tokens, as in a run whose global batch is one micro-batch. Each shape
+//! also prints where its steps went (the trainer's own [`StepParts`] clock) and the process's
+//! peak resident memory while it ran (Linux: `VmHWM`, reset per shape).
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -20,7 +22,7 @@ use sluice_trainer::advantage::AdvantageConfig;
 use sluice_trainer::batcher::{BatcherConfig, TrainingText, pack};
 use sluice_trainer::loss::LossConfig;
 use sluice_trainer::optim::OptimConfig;
-use sluice_trainer::{NativeTrainer, NativeTrainerConfig};
+use sluice_trainer::{NativeTrainer, NativeTrainerConfig, StepParts};
 
 use crate::cli::BenchTrainerArgs;
 
@@ -57,23 +59,33 @@ pub fn run(args: &BenchTrainerArgs) -> anyhow::Result<ExitCode> {
         );
         let snapshot = Arc::new(random_snapshot(config, 0, DType::F32, &Device::Cpu)?);
         for (rows, len) in shapes {
+            reset_peak_rss();
             let mut trainer =
                 NativeTrainer::new(Arc::clone(&snapshot), trainer_config(rows, len), None)?;
             let vocab = snapshot.config().vocab_size as u32;
             let batch = [filled_group(rows, len, vocab)?];
             trainer.rl_step(&batch)?;
             let (mut tokens, mut seconds) = (0usize, 0.0f64);
+            let mut parts = StepParts::default();
             for _ in 0..steps {
                 let start = Instant::now();
                 let (stats, _) = trainer.rl_step(&batch)?;
                 seconds += start.elapsed().as_secs_f64();
                 tokens += stats.processed_tokens;
+                parts.add(&stats.parts);
             }
             let tok_s = tokens as f64 / seconds;
+            let peak = peak_rss_mib().map_or("n/a".to_owned(), |m| format!("{m:.0} MiB"));
             println!(
-                "  step [{rows}x{len}]  {tok_s:>10.0} tok/s   {:>8.3} s/step",
+                "  step [{rows}x{len}]  {tok_s:>10.0} tok/s   {:>8.3} s/step   peak RSS {peak}",
                 seconds / steps as f64
             );
+            let shares: Vec<String> = parts
+                .named()
+                .iter()
+                .map(|(name, s)| format!("{name} {:.1}%", 100.0 * s / seconds))
+                .collect();
+            println!("      {}", shares.join("  "));
             result.push(format!("{name}_b{rows}_l{len}_tok_s={tok_s:.0}"));
         }
     }
@@ -91,6 +103,19 @@ pub fn run(args: &BenchTrainerArgs) -> anyhow::Result<ExitCode> {
     }
     println!("RESULT trainer {}", result.join(" "));
     Ok(ExitCode::SUCCESS)
+}
+
+/// Restarts the kernel's peak-resident count of this process (Linux ≥ 4.0; a no-op elsewhere).
+fn reset_peak_rss() {
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
+}
+
+/// Peak resident memory of this process since the last [`reset_peak_rss`], MiB.
+fn peak_rss_mib() -> Option<f64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kib: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib / 1024.0)
 }
 
 fn trainer_config(rows: usize, len: usize) -> NativeTrainerConfig {
@@ -116,6 +141,8 @@ fn trainer_config(rows: usize, len: usize) -> NativeTrainerConfig {
         logits_chunk_rows: 1024,
         temperature: 1.0,
         seed: 0,
+        // The trainer alone on the machine: every core.
+        threads: sluice_model::threads::role_threads(0, 1),
     }
 }
 

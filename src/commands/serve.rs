@@ -71,6 +71,8 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
         max_step_tokens: args.max_step_tokens,
         seed: args.seed,
         eos_token_ids: eos,
+        // The server is the only role in its process: every core.
+        threads: sluice_model::threads::role_threads(0, 1),
     };
     let mut engine = NativeEngine::start(
         params,

@@ -151,7 +151,7 @@ const BAD: &[(&str, &[&str], &str, ConfigErrorKind)] = &[
     (
         "[engine]\nzzz = 1",
         &[],
-        "test.toml: engine.zzz: unknown key; expected one of: backend, replicas, max_running_sequences, max_step_tokens, remote_urls, request_timeout_s, remote_keep_versions, simulated",
+        "test.toml: engine.zzz: unknown key; expected one of: backend, replicas, max_running_sequences, max_step_tokens, threads, remote_urls, request_timeout_s, remote_keep_versions, simulated",
         ConfigErrorKind::UnknownKey,
     ),
     (
@@ -218,6 +218,18 @@ const BAD: &[(&str, &[&str], &str, ConfigErrorKind)] = &[
         "[rollout]\nweight_update_mode = \"sometimes\"",
         &[],
         "test.toml: rollout.weight_update_mode: expected one of abort_resume, in_flight, drain, got `sometimes`",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[engine]\nthreads = -1",
+        &[],
+        "test.toml: engine.threads: expected an integer ≥ 0, got -1",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[trainer]\nthreads = -2",
+        &[],
+        "test.toml: trainer.threads: expected an integer ≥ 0, got -2",
         ConfigErrorKind::Value,
     ),
     (

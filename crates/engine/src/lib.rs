@@ -22,5 +22,5 @@ pub use backend::{
     Completion, EngineError, EngineEvent, EngineStats, EventSink, FinishReason, GenerateRequest,
     InferenceBackend, SamplingParams, TokenOutput,
 };
-pub use native::{NativeControl, NativeEngine, NativeEngineParams, NativeRequest};
+pub use native::{NativeControl, NativeEngine, NativeEngineParams, NativeRequest, StepBreakdown};
 pub use simulated::{SimEngine, SimTask, SimTrainer};

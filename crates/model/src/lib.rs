@@ -15,6 +15,7 @@
 //! | [`infer`] | [`InferenceModel`]: [`InferenceModel::step`] for prefill/decode of many sequences, weight swap |
 //! | [`tokenizer`] | [`Tokenizer`]: `tokenizer.json` + special tokens, eos ids, chat template |
 //! | [`chat`] | [`ChatTemplate`] rendering as transformers does, [`CompletionParser`] for reasoning and tool calls |
+//! | [`threads`] | [`ComputePool`]: the threads a role's model work runs on; the process-wide thread environment |
 //! | [`presets`] | `tiny` / `small` directories: config, seeded weights, char tokenizer, ChatML template |
 //! | [`error`] | [`ModelError`] with stable `kind()` names |
 //!
@@ -55,6 +56,7 @@ pub mod ops;
 pub mod presets;
 mod scores;
 pub mod snapshot;
+pub mod threads;
 pub mod tokenizer;
 pub mod train;
 
@@ -69,6 +71,7 @@ pub use config::{Architecture, ModelConfig};
 pub use error::{ModelError, Result};
 pub use infer::{InferenceModel, LogitsWanted, StepInput, argmax_rows};
 pub use snapshot::WeightSnapshot;
+pub use threads::ComputePool;
 pub use tokenizer::Tokenizer;
 pub use train::{ForwardOptions, TokenScores, TrainableModel};
 

@@ -14,6 +14,7 @@
 //! The backend trait itself lives in `sluice_core::backend`; the simulated trainer in
 //! `sluice-engine`.
 
+mod adamw_kernel;
 pub mod advantage;
 pub mod batcher;
 pub mod checkpoint;
@@ -23,6 +24,7 @@ pub mod native;
 pub mod optim;
 pub mod report;
 pub mod settings;
+mod steps;
 
 pub use advantage::{AdvantageBatch, AdvantageConfig, ScoredText, compute_advantages};
 pub use batcher::{BatcherConfig, MicroBatch, Packing, PackingStats, TrainingText, pack};
@@ -30,5 +32,5 @@ pub use error::TrainerError;
 pub use loss::{LossConfig, LossStats, LossSummary, LossTerms, TokenInputs, token_terms};
 pub use native::{NativeTrainer, SupervisedExample};
 pub use optim::{AdamW, GradAccumulator, OptimConfig, OptimError, StepReport};
-pub use report::{StepStats, step_metrics};
+pub use report::{StepParts, StepStats, step_metrics};
 pub use settings::NativeTrainerConfig;

@@ -24,16 +24,18 @@ use sluice_core::config::LossKind;
 use sluice_core::{
     BackendError, PolicyVersion, RolloutGroup, TrainStepOutput, TrainerBackend, WeightSnapshot,
 };
-use sluice_model::{ForwardOptions, PackedBatch, TrainableModel};
+use sluice_model::{ComputePool, ForwardOptions, TrainableModel};
 
 use crate::advantage::compute_advantages;
-use crate::batcher::{MicroBatch, Packing, PackingStats, TrainingText, pack};
+use crate::batcher::{Packing, TrainingText, pack};
 use crate::checkpoint;
 use crate::error::{TrainerError, tensor_ctx};
 use crate::loss::{LossStats, TextTokens, TokenInputs, aggregation_weights, token_terms};
 use crate::optim::{AdamW, GradAccumulator};
 use crate::report::{StepStats, step_metrics};
 use crate::settings::NativeTrainerConfig;
+pub use crate::steps::minibatch_ranges;
+use crate::steps::{lap, packed, pick, record_packing, slot_index};
 
 /// Model snapshots as the model crate defines them.
 pub type ModelSnapshot = sluice_model::WeightSnapshot;
@@ -57,6 +59,8 @@ pub struct NativeTrainer {
     steps: u64,
     published: Arc<ModelSnapshot>,
     aux_source: Option<std::path::PathBuf>,
+    /// The threads steps run on (`config.threads`).
+    pool: ComputePool,
 }
 
 impl std::fmt::Debug for NativeTrainer {
@@ -87,7 +91,9 @@ impl NativeTrainer {
         let vars = model.vars().iter().map(|(_, v)| v.clone()).collect();
         let optim = AdamW::new(vars, config.optim)?;
         let published = Arc::new(model.snapshot(initial.version, Some(config.publish_dtype))?);
+        let pool = ComputePool::new("trainer-compute", config.threads)?;
         Ok(Self {
+            pool,
             version: initial.version,
             config,
             model,
@@ -125,8 +131,16 @@ impl NativeTrainer {
     }
 
     /// One RL step on `groups`; `None` when advantage filtering left nothing to train on (no
-    /// update, nothing published).
+    /// update, nothing published). Runs on the trainer's compute threads.
     pub fn rl_step(
+        &mut self,
+        groups: &[RolloutGroup],
+    ) -> Result<(StepStats, Option<Arc<ModelSnapshot>>), TrainerError> {
+        let pool = self.pool.clone();
+        pool.install(|| self.rl_step_here(groups))
+    }
+
+    fn rl_step_here(
         &mut self,
         groups: &[RolloutGroup],
     ) -> Result<(StepStats, Option<Arc<ModelSnapshot>>), TrainerError> {
@@ -182,6 +196,8 @@ impl NativeTrainer {
             .map(|texts| pack(texts, &self.config.batcher))
             .collect();
         record_packing(&mut stats, &packings);
+        let mut clock = Instant::now();
+        stats.parts.packing = started.elapsed().as_secs_f64();
         let loss_config = self.config.loss.clone();
         let temperature = self.config.temperature;
         // Proximal log-probs of the later shares, under the step's starting weights.
@@ -191,6 +207,7 @@ impl NativeTrainer {
                 *prox = Some(self.loss_slot_logprobs(packing, temperature)?);
             }
         }
+        stats.parts.scoring += lap(&mut clock);
         let mut lag_sum = 0;
         for (packing, prox) in packings.iter().zip(&proximal) {
             lag_sum += self.update(
@@ -204,14 +221,25 @@ impl NativeTrainer {
         // Each share's loss is a mean over its own tokens: report their mean, not their sum.
         stats.loss.loss /= packings.len().max(1) as f64;
         stats.mean_lag = lag_sum as f64 / stats.trained_tokens.max(1) as f64;
+        let mut clock = Instant::now();
         self.publish()?;
+        stats.parts.publish = lap(&mut clock);
         stats.seconds = started.elapsed().as_secs_f64();
         Ok((stats, Some(Arc::clone(&self.published))))
     }
 
     /// One supervised step: cross-entropy (token mean) of the reference completions given their
-    /// prompts. Updates the weights, so it publishes a new version like an RL step.
+    /// prompts. Updates the weights, so it publishes a new version like an RL step. Runs on the
+    /// trainer's compute threads.
     pub fn supervised_step(
+        &mut self,
+        examples: &[SupervisedExample<'_>],
+    ) -> Result<(StepStats, Arc<ModelSnapshot>), TrainerError> {
+        let pool = self.pool.clone();
+        pool.install(|| self.supervised_step_here(examples))
+    }
+
+    fn supervised_step_here(
         &mut self,
         examples: &[SupervisedExample<'_>],
     ) -> Result<(StepStats, Arc<ModelSnapshot>), TrainerError> {
@@ -252,6 +280,7 @@ impl NativeTrainer {
         // Cross-entropy of the model's own distribution: temperature 1.
         let packing = pack(&texts, &self.config.batcher);
         record_packing(&mut stats, std::slice::from_ref(&packing));
+        stats.parts.packing = started.elapsed().as_secs_f64();
         let lag_sum = self.update(&packing, None, 1.0, &mut stats, |inputs| {
             let mut s = LossStats {
                 tokens: inputs.logprobs.len() as u64,
@@ -271,7 +300,9 @@ impl NativeTrainer {
             })
         })?;
         stats.mean_lag = lag_sum as f64 / stats.trained_tokens.max(1) as f64;
+        let mut clock = Instant::now();
         self.publish()?;
+        stats.parts.publish = lap(&mut clock);
         stats.seconds = started.elapsed().as_secs_f64();
         Ok((stats, Arc::clone(&self.published)))
     }
@@ -296,11 +327,13 @@ impl NativeTrainer {
             logits_chunk_rows: self.config.logits_chunk_rows,
             temperature,
         };
+        let mut clock = Instant::now();
         for (m, mb) in packing.micro_batches.iter().enumerate() {
             let slots = mb.loss_slots();
             if slots.is_empty() {
                 continue;
             }
+            stats.parts.packing += lap(&mut clock);
             for &i in &slots {
                 let lag = self.version.0.saturating_sub(mb.versions[i]);
                 lag_sum += lag;
@@ -308,10 +341,12 @@ impl NativeTrainer {
             }
             let batch = packed(mb);
             let scores = self.model.token_scores(&batch, options)?;
+            stats.parts.forward += lap(&mut clock);
             let device = self.model.device().clone();
             let index = slot_index(&slots, &device)?;
             let (logprobs, lp_host) = pick(&scores.logprobs, &index, "log-probs")?;
             let (_, entropy) = pick(&scores.entropy, &index, "entropies")?;
+            stats.parts.loss += lap(&mut clock);
             let reference = match &self.reference {
                 Some(r) => Some(
                     pick(
@@ -323,6 +358,7 @@ impl NativeTrainer {
                 ),
                 None => None,
             };
+            stats.parts.scoring += lap(&mut clock);
             let gather = |v: &[f32]| slots.iter().map(|&i| v[i]).collect::<Vec<f32>>();
             let (behaviour, advantages, weights) = (
                 gather(&mb.behaviour),
@@ -348,10 +384,13 @@ impl NativeTrainer {
             let surrogate = (logprobs * coefficients)
                 .and_then(|s| s.sum_all())
                 .map_err(tensor_ctx("surrogate loss"))?;
+            stats.parts.loss += lap(&mut clock);
             let store = surrogate.backward().map_err(tensor_ctx("backward"))?;
             grads.add(&vars, &store)?;
+            stats.parts.backward += lap(&mut clock);
         }
         stats.optim = Some(self.optim.step(&grads)?);
+        stats.parts.optimizer += lap(&mut clock);
         Ok(lag_sum)
     }
 
@@ -437,70 +476,6 @@ impl NativeTrainer {
     }
 }
 
-/// Copies what packing `packings` cost into `stats` (one step, however many shares).
-fn record_packing(stats: &mut StepStats, packings: &[Packing]) {
-    let mut total = PackingStats::default();
-    for p in packings {
-        total.merge(&p.stats);
-    }
-    stats.micro_batches = packings.iter().map(|p| p.micro_batches.len()).sum();
-    stats.packing_efficiency = total.efficiency();
-    stats.processed_tokens = total.used_slots;
-    stats.trained_tokens = total.loss_tokens;
-    stats.rejected_texts = total.rejected_texts;
-}
-
-/// The flat indices of a micro-batch's loss slots, as a tensor for [`pick`].
-fn slot_index(slots: &[usize], device: &candle_core::Device) -> Result<Tensor, TrainerError> {
-    Tensor::new(slots.iter().map(|&i| i as u32).collect::<Vec<_>>(), device)
-        .map_err(tensor_ctx("loss slot index"))
-}
-
-/// The values of `t` at the flat indices `index`: the tensor (in the graph) and a host copy.
-fn pick(t: &Tensor, index: &Tensor, what: &str) -> Result<(Tensor, Vec<f32>), TrainerError> {
-    let picked = t
-        .flatten_all()
-        .and_then(|f| f.index_select(index, 0))
-        .map_err(tensor_ctx(what))?;
-    let host = picked
-        .to_dtype(DType::F32)
-        .and_then(|h| h.to_vec1::<f32>())
-        .map_err(tensor_ctx(what))?;
-    Ok((picked, host))
-}
-
-/// Splits texts into at most `n` contiguous ranges of whole groups, as even in group count as
-/// the groups allow, never an empty one. `group_of_text[i]` is text `i`'s group; a group's texts
-/// are adjacent (batch order).
-pub fn minibatch_ranges(group_of_text: &[usize], n: usize) -> Vec<std::ops::Range<usize>> {
-    let len = group_of_text.len();
-    let starts: Vec<usize> = (0..len)
-        .filter(|&i| i == 0 || group_of_text[i - 1] != group_of_text[i])
-        .collect();
-    let groups = starts.len();
-    let n = n.clamp(1, groups.max(1));
-    (0..n)
-        .map(|k| {
-            let at = |g: usize| starts.get(g).copied().unwrap_or(len);
-            at(k * groups / n)..at((k + 1) * groups / n)
-        })
-        .filter(|r| !r.is_empty())
-        .collect()
-}
-
-/// The model crate's view of a micro-batch.
-fn packed(mb: &MicroBatch) -> PackedBatch {
-    PackedBatch {
-        batch: mb.rows,
-        seq_len: mb.row_len,
-        input_ids: mb.input_ids.clone(),
-        position_ids: mb.position_ids.clone(),
-        segment_ids: mb.segment_ids.clone(),
-        target_ids: mb.target_ids.clone(),
-        target_mask: mb.target_mask.clone(),
-    }
-}
-
 impl TrainerBackend for NativeTrainer {
     fn version(&self) -> PolicyVersion {
         self.version
@@ -547,23 +522,5 @@ impl TrainerBackend for NativeTrainer {
         self.version = version;
         self.published = Arc::new(published);
         Ok(())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::minibatch_ranges;
-
-    #[test]
-    fn minibatches_hold_whole_groups_and_are_never_empty() {
-        // Texts of groups 0,0 | 1 | 2,2,2 | 3.
-        let groups = [0, 0, 1, 2, 2, 2, 3];
-        assert_eq!(minibatch_ranges(&groups, 1), vec![0..7]);
-        assert_eq!(minibatch_ranges(&groups, 2), vec![0..3, 3..7]);
-        assert_eq!(minibatch_ranges(&groups, 4), vec![0..2, 2..3, 3..6, 6..7]);
-        // More minibatches than groups: one group each.
-        assert_eq!(minibatch_ranges(&groups, 9), vec![0..2, 2..3, 3..6, 6..7]);
-        assert_eq!(minibatch_ranges(&groups, 0), vec![0..7]);
-        assert!(minibatch_ranges(&[], 3).is_empty());
     }
 }

@@ -252,22 +252,24 @@ impl AdamW {
         let lr = c.learning_rate_at(self.step);
         let t = (self.step + 1) as i32;
         let (bc1, bc2) = (1.0 - c.beta1.powi(t), 1.0 - c.beta2.powi(t));
+        let u = crate::adamw_kernel::Update {
+            clip_scale,
+            beta1: c.beta1,
+            beta2: c.beta2,
+            bc1,
+            bc2,
+            eps: c.eps,
+            lr,
+            weight_decay: c.weight_decay,
+        };
         for (i, slot) in self.slots.iter_mut().enumerate() {
             let Some(g) = grads.get(i) else { continue };
             let mut update = || -> candle_core::Result<()> {
-                let g = g.affine(clip_scale, 0.0)?;
-                slot.m = (slot.m.affine(c.beta1, 0.0)? + g.affine(1.0 - c.beta1, 0.0)?)?;
-                slot.v = (slot.v.affine(c.beta2, 0.0)? + g.sqr()?.affine(1.0 - c.beta2, 0.0)?)?;
-                let m_hat = slot.m.affine(1.0 / bc1, 0.0)?;
-                let v_hat = slot.v.affine(1.0 / bc2, 0.0)?;
-                let adam = (m_hat / (v_hat.sqrt()? + c.eps)?)?;
                 let master = slot.master.as_ref().unwrap_or(&slot.param);
-                let p = master.as_tensor();
-                let next =
-                    ((p.affine(1.0 - lr * c.weight_decay, 0.0)? - adam.affine(lr, 0.0)?)?).detach();
-                master.set(&next)?;
+                crate::adamw_kernel::apply(master, &mut slot.m, &mut slot.v, g, u)?;
                 if slot.master.is_some() {
-                    slot.param.set(&next.to_dtype(slot.param.dtype())?)?;
+                    slot.param
+                        .set(&master.as_tensor().to_dtype(slot.param.dtype())?)?;
                 }
                 Ok(())
             };
@@ -313,8 +315,10 @@ impl AdamW {
                         s.param.dims()
                     )));
                 }
+                // A private copy: the moments are updated in place.
                 t.to_dtype(DType::F32)
                     .and_then(|t| t.to_device(s.param.device()))
+                    .and_then(|t| t.copy())
                     .ctx(|| format!("loading `{name}`"))
             };
             s.m = take(format!("m.{i}"))?;

@@ -36,6 +36,54 @@ pub struct StepStats {
     pub groups_kept: usize,
     /// See `groups_kept`.
     pub groups_filtered: usize,
+    /// Where `seconds` went.
+    pub parts: StepParts,
+}
+
+/// Wall seconds of each part of a step (they add up to about the step's `seconds`).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StepParts {
+    /// Advantages, aggregation weights and packing into micro-batches.
+    pub packing: f64,
+    /// Extra forwards for proximal (`decoupled_ppo`, later minibatches) and reference
+    /// (`kl_coef`) log-probs.
+    pub scoring: f64,
+    /// Training forwards: log-probs and entropies of every target.
+    pub forward: f64,
+    /// Loss coefficients and statistics on the host, with the copies to and from the model.
+    pub loss: f64,
+    /// Backward passes and gradient accumulation.
+    pub backward: f64,
+    /// Clipping and AdamW updates.
+    pub optimizer: f64,
+    /// The published snapshot of the new weights.
+    pub publish: f64,
+}
+
+impl StepParts {
+    /// `(name, seconds)` of every part, in step order.
+    pub fn named(&self) -> [(&'static str, f64); 7] {
+        [
+            ("packing", self.packing),
+            ("scoring", self.scoring),
+            ("forward", self.forward),
+            ("loss", self.loss),
+            ("backward", self.backward),
+            ("optimizer", self.optimizer),
+            ("publish", self.publish),
+        ]
+    }
+
+    /// Adds `other` part by part.
+    pub fn add(&mut self, other: &StepParts) {
+        self.packing += other.packing;
+        self.scoring += other.scoring;
+        self.forward += other.forward;
+        self.loss += other.loss;
+        self.backward += other.backward;
+        self.optimizer += other.optimizer;
+        self.publish += other.publish;
+    }
 }
 
 /// Catalog-named metrics of a step.

@@ -34,6 +34,9 @@ pub struct NativeTrainerConfig {
     pub temperature: f64,
     /// The run's seed (the trainer draws no random numbers; recorded in checkpoints).
     pub seed: u64,
+    /// Compute threads of the forward, backward and optimizer (≥ 1; `trainer.threads`
+    /// resolved: 0 there means half the cores beside a native engine, else all of them).
+    pub threads: usize,
 }
 
 impl NativeTrainerConfig {
@@ -88,6 +91,15 @@ impl NativeTrainerConfig {
                 1.0
             },
             seed: config.run.seed,
+            threads: sluice_model::threads::role_threads(
+                t.threads,
+                // A native engine in the same process takes the other half.
+                if config.engine.backend == sluice_core::config::EngineBackend::Native {
+                    2
+                } else {
+                    1
+                },
+            ),
         }
     }
 }

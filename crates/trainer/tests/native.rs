@@ -48,6 +48,7 @@ fn config(lr: f64, rows: usize) -> NativeTrainerConfig {
         logits_chunk_rows: 64,
         temperature: 1.0,
         seed: 7,
+        threads: 1,
     }
 }
 

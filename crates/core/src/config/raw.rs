@@ -100,6 +100,8 @@ pub struct RawEngine {
     pub max_running_sequences: i64,
     /// Token budget of one scheduler step (prefill + decode).
     pub max_step_tokens: i64,
+    /// Compute threads per native replica (0 = half the cores).
+    pub threads: i64,
     /// Base URLs of remote servers (`backend = "remote"`).
     pub remote_urls: Vec<String>,
     /// Per-request timeout of the remote backend, seconds.
@@ -186,6 +188,7 @@ impl Default for RawEngine {
             replicas: 1,
             max_running_sequences: 64,
             max_step_tokens: 4096,
+            threads: 0,
             remote_urls: Vec::new(),
             request_timeout_s: 120.0,
             remote_keep_versions: 3,
@@ -243,6 +246,9 @@ pub struct RawTrainer {
     pub is_cap: f64,
     /// `split` or `reject` a training text longer than `max_seq_len`.
     pub oversized_text: String,
+    /// Compute threads of the native trainer (0 = half the cores beside a native engine, else
+    /// all of them).
+    pub threads: i64,
     /// `[trainer.simulated]`: the step-time model of the simulated trainer.
     pub simulated: RawSimTrainer,
 }
@@ -295,6 +301,7 @@ impl Default for RawTrainer {
             tis_mode: "truncate".into(),
             is_cap: 2.0,
             oversized_text: "split".into(),
+            threads: 0,
             simulated: RawSimTrainer::default(),
         }
     }

@@ -157,6 +157,8 @@ pub struct EngineConfig {
     pub max_running_sequences: NonZeroU32,
     /// Token budget of one scheduler step.
     pub max_step_tokens: NonZeroU32,
+    /// Compute threads per native replica; 0 = automatic (half the cores).
+    pub threads: u32,
     /// Remote server base URLs.
     pub remote_urls: Vec<String>,
     /// Remote request timeout.
@@ -319,6 +321,9 @@ pub struct TrainerConfig {
     pub max_seq_len: NonZeroU32,
     /// Optimizer updates (minibatches) per training step.
     pub minibatches: NonZeroU32,
+    /// Compute threads of the native trainer; 0 = automatic (half the cores beside a native
+    /// engine, else all).
+    pub threads: u32,
     /// Advantage baseline.
     pub advantage: AdvantageKind,
     /// Divide by group std.

@@ -356,6 +356,7 @@ fn validate_engine(
             raw.max_running_sequences,
         )?,
         max_step_tokens: non_zero_u32(ctx, "engine.max_step_tokens", raw.max_step_tokens)?,
+        threads: u32_incl_zero(ctx, "engine.threads", raw.threads)?,
         remote_urls: raw.remote_urls,
         request_timeout: Duration::from_secs_f64(timeout),
         remote_keep_versions: non_zero_u32(
@@ -539,6 +540,7 @@ fn validate_trainer(
         micro_batch_size: non_zero_u32(ctx, "trainer.micro_batch_size", raw.micro_batch_size)?,
         max_seq_len: non_zero_u32(ctx, "trainer.max_seq_len", raw.max_seq_len)?,
         minibatches: non_zero_u32(ctx, "trainer.minibatches", raw.minibatches)?,
+        threads: u32_incl_zero(ctx, "trainer.threads", raw.threads)?,
         advantage: choice(
             ctx,
             "trainer.advantage",

@@ -50,6 +50,9 @@ pub struct NativeEngineParams {
     /// End-of-sequence ids (the tokenizer's, else the model config's); every request stops on
     /// them unless it asks to ignore them.
     pub eos_token_ids: Vec<u32>,
+    /// Compute threads of this replica's matrix products (`engine.threads`; 0 = half the
+    /// cores, so a trainer in the same process keeps the other half).
+    pub threads: usize,
 }
 
 impl Default for NativeEngineParams {
@@ -60,12 +63,13 @@ impl Default for NativeEngineParams {
             max_step_tokens: 4096,
             seed: 0,
             eos_token_ids: Vec::new(),
+            threads: 0,
         }
     }
 }
 
 impl NativeEngineParams {
-    /// Replica `replica` of `[engine]` (`max_running_sequences`, `max_step_tokens`), seeded
+    /// Replica `replica` of `[engine]` (`max_running_sequences`, `max_step_tokens`, `threads`), seeded
     /// with `seed` (the same on every replica: a request's draws depend on its id, not on where
     /// it runs), stopping on `eos_token_ids`.
     pub fn from_config(
@@ -80,6 +84,7 @@ impl NativeEngineParams {
             max_step_tokens: engine.max_step_tokens.get() as usize,
             seed,
             eos_token_ids,
+            threads: engine.threads as usize,
         }
     }
 }
@@ -198,6 +203,22 @@ pub(crate) struct Shared {
     pub waiting: AtomicU64,
     pub generated_tokens: AtomicU64,
     pub busy_nanos: AtomicU64,
+    /// Of `busy_nanos`: inside the model's forward (and the logits' copy to the host).
+    pub model_nanos: AtomicU64,
+    /// Scheduler steps taken.
+    pub steps: AtomicU64,
+}
+
+/// Where a native engine's compute time went since it started (`sluice bench engine`).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StepBreakdown {
+    /// Scheduler steps taken.
+    pub steps: u64,
+    /// Seconds in the model's forward, logits to the host included.
+    pub model_seconds: f64,
+    /// Seconds in the rest of the steps: picking inputs, sampling, per-token bookkeeping,
+    /// finishing requests.
+    pub scheduler_seconds: f64,
 }
 
 /// A cheap, cloneable handle for queueing commands (the server's request handlers and request
@@ -237,6 +258,9 @@ impl NativeEngine {
         let shared = Arc::new(Shared::default());
         shared.version.store(weights.version.0, Ordering::Relaxed);
         let name = format!("native-engine-{}", params.replica);
+        let threads = sluice_model::threads::role_threads(params.threads as u32, 2);
+        let pool =
+            sluice_model::ComputePool::new(&format!("engine-{}-compute", params.replica), threads)?;
         let worker = worker::Worker::new(
             params,
             model,
@@ -258,7 +282,9 @@ impl NativeEngine {
                         }
                     }
                     let _stopped = Stopped(shared);
-                    worker.run();
+                    // The scheduler loop itself runs on the pool, so every model step's matrix
+                    // products split over this replica's threads and no others.
+                    pool.install(|| worker.run());
                 }
             })
             .map_err(|e| NativeError::Params(format!("spawning the engine thread: {e}")))?;
@@ -373,6 +399,18 @@ impl NativeControl {
     /// Aborts one request (its partial output is reported at the next step boundary).
     pub fn abort(&self, id: RequestId) -> Result<(), EngineError> {
         self.send(Command::Abort(id))
+    }
+
+    /// Where the compute time went so far.
+    pub fn breakdown(&self) -> StepBreakdown {
+        let s = &self.shared;
+        let busy = s.busy_nanos.load(Ordering::Relaxed) as f64 * 1e-9;
+        let model = s.model_nanos.load(Ordering::Relaxed) as f64 * 1e-9;
+        StepBreakdown {
+            steps: s.steps.load(Ordering::Relaxed),
+            model_seconds: model,
+            scheduler_seconds: (busy - model).max(0.0),
+        }
     }
 
     /// Aborts every queued and running request.

@@ -312,6 +312,7 @@ impl Worker {
             } else {
                 LogitsWanted::Last
             };
+            let model_started = Instant::now();
             let result = self
                 .model
                 .step(&mut self.cache, &inputs, wanted)
@@ -322,6 +323,9 @@ impl Worker {
                             source,
                         })
                 });
+            self.shared
+                .model_nanos
+                .fetch_add(model_started.elapsed().as_nanos() as u64, Ordering::Relaxed);
             match result {
                 Ok(logits) => {
                     let mut it = logits.into_iter();
@@ -410,13 +414,14 @@ impl Worker {
         self.shared
             .generated_tokens
             .fetch_add(generated, Ordering::Relaxed);
-        self.shared
-            .busy_nanos
-            .fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
         for (i, reason, hit) in done.into_iter().rev() {
             let s = self.running.remove(i);
             self.finish(s, reason, hit);
         }
+        self.shared.steps.fetch_add(1, Ordering::Relaxed);
+        self.shared
+            .busy_nanos
+            .fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
     }
 
     fn finish(&mut self, s: Seq, finish: FinishReason, stop: Option<StopHit>) {

@@ -53,6 +53,7 @@ const BOUNDS: &[Bound] = &[
         "sequences per replica",
     ),
     bound("engine.max_step_tokens", MAX_TOKENS, TOKENS),
+    bound("engine.threads", 1024.0, "compute threads per replica"),
     bound("engine.request_timeout_s", MAX_SECONDS, SECONDS),
     bound(
         "engine.simulated.time_scale",
@@ -86,6 +87,7 @@ const BOUNDS: &[Bound] = &[
         "log-space spread; e^10 is already 22,000×",
     ),
     bound("trainer.learning_rate", 1.0, "the learning rate"),
+    bound("trainer.threads", 1024.0, "compute threads of the trainer"),
     bound("trainer.warmup_steps", MAX_COUNT, STEPS),
     bound("trainer.weight_decay", 1.0, "the decoupled weight decay"),
     bound("trainer.max_grad_norm", 1e6, "the gradient norm clip"),

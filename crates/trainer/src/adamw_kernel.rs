@@ -1,0 +1,269 @@
+//! The AdamW update in place over each parameter's flat f32 buffer (CPU): three passes (first
+//! moment, second moment, parameter) that allocate nothing, where the composition of candle ops
+//! allocates a dozen full-size temporaries per parameter and step.
+//!
+//! Every element goes through exactly the f32 operations, in the same order, as the composition
+//! ([`compose`], kept for other devices and as the reference the tests compare against), so the
+//! two give bit-identical weights and moments: resuming from a checkpoint written by either stays
+//! exact.
+
+use candle_core::{CpuStorage, DType, InplaceOp2, InplaceOp3, Layout, Result, Tensor, Var, bail};
+
+/// The per-step constants of one AdamW update, as candle's `affine` would round them to f32.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Update {
+    /// Gradient scale from global-norm clipping.
+    pub clip_scale: f64,
+    /// β₁, β₂.
+    pub beta1: f64,
+    /// See `beta1`.
+    pub beta2: f64,
+    /// Bias corrections `1 − β₁ᵗ`, `1 − β₂ᵗ`.
+    pub bc1: f64,
+    /// See `bc1`.
+    pub bc2: f64,
+    /// ε.
+    pub eps: f64,
+    /// Learning rate.
+    pub lr: f64,
+    /// Decoupled weight decay λ.
+    pub weight_decay: f64,
+}
+
+/// Updates the f32 master weights `master` and the moments `m`, `v` from the gradient `g`: in
+/// place when all four are contiguous f32 on the CPU, by the composition otherwise (other
+/// devices keep candle's kernels).
+pub(crate) fn apply(
+    master: &Var,
+    m: &mut Tensor,
+    v: &mut Tensor,
+    g: &Tensor,
+    u: Update,
+) -> Result<()> {
+    let p = master.as_tensor();
+    let cpu_f32 = |t: &Tensor| t.device().is_cpu() && t.dtype() == DType::F32 && t.is_contiguous();
+    if [p, &*m, &*v, g].into_iter().all(cpu_f32) {
+        m.inplace_op2(g, &Moment { first: true, u })?;
+        v.inplace_op2(g, &Moment { first: false, u })?;
+        p.inplace_op3(m, v, &Step { u })
+    } else {
+        let (next, m_next, v_next) = compose(p, m, v, g, u)?;
+        *m = m_next;
+        *v = v_next;
+        master.set(&next)
+    }
+}
+
+/// The update as candle ops: `(next param, m, v)`, fresh tensors.
+pub(crate) fn compose(
+    p: &Tensor,
+    m: &Tensor,
+    v: &Tensor,
+    g: &Tensor,
+    u: Update,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let g = g.affine(u.clip_scale, 0.0)?;
+    let m = (m.affine(u.beta1, 0.0)? + g.affine(1.0 - u.beta1, 0.0)?)?;
+    let v = (v.affine(u.beta2, 0.0)? + g.sqr()?.affine(1.0 - u.beta2, 0.0)?)?;
+    let m_hat = m.affine(1.0 / u.bc1, 0.0)?;
+    let v_hat = v.affine(1.0 / u.bc2, 0.0)?;
+    let adam = (m_hat / (v_hat.sqrt()? + u.eps)?)?;
+    let next = (p.affine(1.0 - u.lr * u.weight_decay, 0.0)? - adam.affine(u.lr, 0.0)?)?.detach();
+    Ok((next, m, v))
+}
+
+/// The f32 slice a contiguous layout covers.
+fn slice<'a>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [f32]> {
+    let Some((a, b)) = l.contiguous_offsets() else {
+        bail!("adamw: non-contiguous operand")
+    };
+    Ok(&s.as_slice::<f32>()?[a..b])
+}
+
+fn slice_mut<'a>(s: &'a mut CpuStorage, l: &Layout) -> Result<&'a mut [f32]> {
+    let Some((a, b)) = l.contiguous_offsets() else {
+        bail!("adamw: non-contiguous operand")
+    };
+    match s {
+        CpuStorage::F32(v) => Ok(&mut v[a..b]),
+        _ => bail!("adamw: operand is not f32"),
+    }
+}
+
+/// `m ← β₁m + (1−β₁)g'` or `v ← β₂v + (1−β₂)g'²`, `g' = clip · g`.
+struct Moment {
+    first: bool,
+    u: Update,
+}
+
+impl InplaceOp2 for Moment {
+    fn name(&self) -> &'static str {
+        "adamw-moment"
+    }
+
+    fn cpu_fwd(
+        &self,
+        dst: &mut CpuStorage,
+        dst_l: &Layout,
+        g: &CpuStorage,
+        g_l: &Layout,
+    ) -> Result<()> {
+        let u = self.u;
+        let dst = slice_mut(dst, dst_l)?;
+        let g = slice(g, g_l)?;
+        if dst.len() != g.len() {
+            bail!("adamw: moment and gradient sizes differ")
+        }
+        let clip = u.clip_scale as f32;
+        // Each product is followed by `+ 0`, as `affine(x, 0)` computes it.
+        if self.first {
+            let (b, nb) = (u.beta1 as f32, (1.0 - u.beta1) as f32);
+            for (m, &g) in dst.iter_mut().zip(g) {
+                let g = g * clip + 0.0;
+                *m = (*m * b + 0.0) + (g * nb + 0.0);
+            }
+        } else {
+            let (b, nb) = (u.beta2 as f32, (1.0 - u.beta2) as f32);
+            for (v, &g) in dst.iter_mut().zip(g) {
+                let g = g * clip + 0.0;
+                *v = (*v * b + 0.0) + (g * g * nb + 0.0);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `p ← (1 − lr·λ)p − lr · m̂ / (√v̂ + ε)`.
+struct Step {
+    u: Update,
+}
+
+impl InplaceOp3 for Step {
+    fn name(&self) -> &'static str {
+        "adamw-step"
+    }
+
+    fn cpu_fwd(
+        &self,
+        dst: &mut CpuStorage,
+        dst_l: &Layout,
+        m: &CpuStorage,
+        m_l: &Layout,
+        v: &CpuStorage,
+        v_l: &Layout,
+    ) -> Result<()> {
+        let u = self.u;
+        let p = slice_mut(dst, dst_l)?;
+        let (m, v) = (slice(m, m_l)?, slice(v, v_l)?);
+        if p.len() != m.len() || p.len() != v.len() {
+            bail!("adamw: parameter and moment sizes differ")
+        }
+        let (c1, c2) = ((1.0 / u.bc1) as f32, (1.0 / u.bc2) as f32);
+        let (eps, lr, decay) = (
+            u.eps as f32,
+            u.lr as f32,
+            (1.0 - u.lr * u.weight_decay) as f32,
+        );
+        for ((p, &m), &v) in p.iter_mut().zip(m).zip(v) {
+            let adam = (m * c1 + 0.0) / ((v * c2 + 0.0).sqrt() * 1.0 + eps);
+            *p = (*p * decay + 0.0) - (adam * lr + 0.0);
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::Device;
+
+    use super::*;
+
+    fn bits(t: &Tensor) -> Vec<u32> {
+        t.flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+            .into_iter()
+            .map(f32::to_bits)
+            .collect()
+    }
+
+    #[test]
+    fn in_place_update_is_bit_identical_to_the_composition() -> Result<()> {
+        let dev = Device::Cpu;
+        for (shape, decay, clip) in [
+            ((7usize, 5usize), 0.0, 1.0),
+            ((1, 33), 0.1, 0.37),
+            ((16, 3), 0.01, 1.0),
+        ] {
+            let p0 = Tensor::randn(0f32, 1.0, shape, &dev)?;
+            let master = Var::from_tensor(&p0)?;
+            let (mut m, mut v) = (
+                Tensor::zeros(shape, DType::F32, &dev)?,
+                Tensor::zeros(shape, DType::F32, &dev)?,
+            );
+            let (mut rp, mut rm, mut rv) = (p0.copy()?, m.copy()?, v.copy()?);
+            for t in 1..=4 {
+                let g = Tensor::randn(0f32, 1.0, shape, &dev)?;
+                let u = Update {
+                    clip_scale: clip,
+                    beta1: 0.9,
+                    beta2: 0.999,
+                    bc1: 1.0 - 0.9f64.powi(t),
+                    bc2: 1.0 - 0.999f64.powi(t),
+                    eps: 1e-8,
+                    lr: 1e-2,
+                    weight_decay: decay,
+                };
+                apply(&master, &mut m, &mut v, &g, u)?;
+                (rp, rm, rv) = compose(&rp, &rm, &rv, &g, u)?;
+                assert_eq!(
+                    bits(master.as_tensor()),
+                    bits(&rp),
+                    "weights, step {t}, shape {shape:?}"
+                );
+                assert_eq!(bits(&m), bits(&rm), "first moment, step {t}");
+                assert_eq!(bits(&v), bits(&rv), "second moment, step {t}");
+            }
+            assert_ne!(
+                bits(master.as_tensor()),
+                bits(&p0),
+                "the update moved the weights"
+            );
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn strided_operands_take_the_composition() -> Result<()> {
+        let dev = Device::Cpu;
+        let p0 = Tensor::randn(0f32, 1.0, (4, 6), &dev)?;
+        let master = Var::from_tensor(&p0)?;
+        let (mut m, mut v) = (
+            Tensor::zeros((4, 6), DType::F32, &dev)?,
+            Tensor::zeros((4, 6), DType::F32, &dev)?,
+        );
+        // A transposed gradient is not contiguous: the fallback must give the same result.
+        let g = Tensor::randn(0f32, 1.0, (6, 4), &dev)?.t()?;
+        let u = Update {
+            clip_scale: 1.0,
+            beta1: 0.9,
+            beta2: 0.999,
+            bc1: 0.1,
+            bc2: 0.001,
+            eps: 1e-8,
+            lr: 1e-2,
+            weight_decay: 0.0,
+        };
+        apply(&master, &mut m, &mut v, &g, u)?;
+        let (rp, _, _) = compose(
+            &p0,
+            &Tensor::zeros((4, 6), DType::F32, &dev)?,
+            &Tensor::zeros((4, 6), DType::F32, &dev)?,
+            &g,
+            u,
+        )?;
+        assert_eq!(bits(master.as_tensor()), bits(&rp));
+        Ok(())
+    }
+}

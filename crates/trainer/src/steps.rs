@@ -1,0 +1,109 @@
+//! The native trainer's per-step plumbing: splitting a step into minibatch shares, the model's
+//! view of a packed micro-batch, picking loss slots out of the forward's outputs, the packing
+//! figures of a step, and the clock of its parts.
+
+use std::time::Instant;
+
+use candle_core::{DType, Tensor};
+use sluice_model::PackedBatch;
+
+use crate::batcher::{MicroBatch, Packing, PackingStats};
+use crate::error::{TrainerError, tensor_ctx};
+use crate::report::StepStats;
+
+/// Seconds since `clock`, which restarts now.
+pub(crate) fn lap(clock: &mut Instant) -> f64 {
+    let now = Instant::now();
+    let seconds = now.duration_since(*clock).as_secs_f64();
+    *clock = now;
+    seconds
+}
+
+/// Copies what packing `packings` cost into `stats` (one step, however many shares).
+pub(crate) fn record_packing(stats: &mut StepStats, packings: &[Packing]) {
+    let mut total = PackingStats::default();
+    for p in packings {
+        total.merge(&p.stats);
+    }
+    stats.micro_batches = packings.iter().map(|p| p.micro_batches.len()).sum();
+    stats.packing_efficiency = total.efficiency();
+    stats.processed_tokens = total.used_slots;
+    stats.trained_tokens = total.loss_tokens;
+    stats.rejected_texts = total.rejected_texts;
+}
+
+/// The flat indices of a micro-batch's loss slots, as a tensor for [`pick`].
+pub(crate) fn slot_index(
+    slots: &[usize],
+    device: &candle_core::Device,
+) -> Result<Tensor, TrainerError> {
+    Tensor::new(slots.iter().map(|&i| i as u32).collect::<Vec<_>>(), device)
+        .map_err(tensor_ctx("loss slot index"))
+}
+
+/// The values of `t` at the flat indices `index`: the tensor (in the graph) and a host copy.
+pub(crate) fn pick(
+    t: &Tensor,
+    index: &Tensor,
+    what: &str,
+) -> Result<(Tensor, Vec<f32>), TrainerError> {
+    let picked = t
+        .flatten_all()
+        .and_then(|f| f.index_select(index, 0))
+        .map_err(tensor_ctx(what))?;
+    let host = picked
+        .to_dtype(DType::F32)
+        .and_then(|h| h.to_vec1::<f32>())
+        .map_err(tensor_ctx(what))?;
+    Ok((picked, host))
+}
+
+/// Splits texts into at most `n` contiguous ranges of whole groups, as even in group count as
+/// the groups allow, never an empty one. `group_of_text[i]` is text `i`'s group; a group's texts
+/// are adjacent (batch order).
+pub fn minibatch_ranges(group_of_text: &[usize], n: usize) -> Vec<std::ops::Range<usize>> {
+    let len = group_of_text.len();
+    let starts: Vec<usize> = (0..len)
+        .filter(|&i| i == 0 || group_of_text[i - 1] != group_of_text[i])
+        .collect();
+    let groups = starts.len();
+    let n = n.clamp(1, groups.max(1));
+    (0..n)
+        .map(|k| {
+            let at = |g: usize| starts.get(g).copied().unwrap_or(len);
+            at(k * groups / n)..at((k + 1) * groups / n)
+        })
+        .filter(|r| !r.is_empty())
+        .collect()
+}
+
+/// The model crate's view of a micro-batch.
+pub(crate) fn packed(mb: &MicroBatch) -> PackedBatch {
+    PackedBatch {
+        batch: mb.rows,
+        seq_len: mb.row_len,
+        input_ids: mb.input_ids.clone(),
+        position_ids: mb.position_ids.clone(),
+        segment_ids: mb.segment_ids.clone(),
+        target_ids: mb.target_ids.clone(),
+        target_mask: mb.target_mask.clone(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::minibatch_ranges;
+
+    #[test]
+    fn minibatches_hold_whole_groups_and_are_never_empty() {
+        // Texts of groups 0,0 | 1 | 2,2,2 | 3.
+        let groups = [0, 0, 1, 2, 2, 2, 3];
+        assert_eq!(minibatch_ranges(&groups, 1), vec![0..7]);
+        assert_eq!(minibatch_ranges(&groups, 2), vec![0..3, 3..7]);
+        assert_eq!(minibatch_ranges(&groups, 4), vec![0..2, 2..3, 3..6, 6..7]);
+        // More minibatches than groups: one group each.
+        assert_eq!(minibatch_ranges(&groups, 9), vec![0..2, 2..3, 3..6, 6..7]);
+        assert_eq!(minibatch_ranges(&groups, 0), vec![0..7]);
+        assert!(minibatch_ranges(&[], 3).is_empty());
+    }
+}
