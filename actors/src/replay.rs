@@ -559,6 +559,7 @@ impl Worker {
             return;
         }
         let (outcome, expired) = self.store.take_batch(n, version, eta);
+        let any_expired = !expired.is_empty();
         if !self.store.is_final(Bucket::Expired) {
             out.extend(
                 expired
@@ -571,7 +572,15 @@ impl Worker {
                 out.push(Out::Batch(reply, groups));
                 out.push(Out::Notice(ReplayNotice::Counts(counts(&self.store))));
             }
-            TakeOutcome::NotEnough { .. } => self.pending_take = Some((n, version, eta, reply)),
+            TakeOutcome::NotEnough { .. } => {
+                if any_expired {
+                    // Groups left `Completed` (and, when expired groups are dropped, were given
+                    // back to admission): without these counts the controller would wait for a
+                    // batch that is gone, with admission closed by groups no longer there.
+                    out.push(Out::Notice(ReplayNotice::Counts(counts(&self.store))));
+                }
+                self.pending_take = Some((n, version, eta, reply));
+            }
         }
     }
 
