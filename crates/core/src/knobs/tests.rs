@@ -1,0 +1,169 @@
+//! Unit tests of the knobs: parsing, validation, patches and the handle.
+
+use super::*;
+
+fn knobs() -> Knobs {
+    Knobs {
+        staleness_threshold: 0.0,
+        max_version_lag: 1,
+        admission: Default::default(),
+        enable_partial_rollout: true,
+        tail_batch_candidate_steps: 0,
+        tail_batch_trigger_size: 8,
+        weight_update_mode: WeightUpdateMode::AbortResume,
+        domain_mix: BTreeMap::from([("math".into(), 1.0), ("code".into(), 1.0)]),
+        max_concurrent_rollouts: 64,
+        paused: false,
+    }
+}
+
+fn domains() -> Vec<String> {
+    vec!["math".into(), "code".into()]
+}
+
+#[test]
+fn assignments_parse_and_apply() {
+    let patch = KnobPatch::from_assignments(&[
+        "staleness_threshold=0.2",
+        "weight_update_mode=in_flight",
+        "domain_mix.math=3",
+        "paused=true",
+        "tail_batch_trigger_size=0",
+    ])
+    .unwrap();
+    let next = patch.apply(&knobs(), 16, &domains()).unwrap();
+    assert_eq!(next.staleness_threshold, 0.2);
+    assert_eq!(next.weight_update_mode, WeightUpdateMode::InFlight);
+    assert_eq!(next.domain_mix["math"], 3.0);
+    assert_eq!(next.domain_mix["code"], 1.0, "domain_mix merges per domain");
+    assert!(next.paused);
+    assert_eq!(
+        next.tail_batch_trigger_size, 16,
+        "0 resolves to the default"
+    );
+    assert_eq!(next.domain_shares()["math"], 0.75);
+}
+
+#[test]
+fn bad_values_are_refused_with_the_knob_name() {
+    let cases: &[(&[&str], &str)] = &[
+        (
+            &["staleness_threshold=-1"],
+            "staleness_threshold: expected a finite number ≥ 0, got -1",
+        ),
+        (
+            &["staleness_threshold=NaN"],
+            "staleness_threshold: expected a finite number ≥ 0, got NaN",
+        ),
+        (
+            &["staleness_threshold=1000"],
+            "staleness_threshold: expected a number ≤ 100, got 1000",
+        ),
+        (
+            &["max_version_lag=-1"],
+            "max_version_lag: expected an integer ≥ 0, got `-1`",
+        ),
+        (
+            &["weight_update_mode=sometimes"],
+            "weight_update_mode: expected one of abort_resume, in_flight, drain, got `sometimes`",
+        ),
+        (
+            &["max_concurrent_rollouts=0"],
+            "max_concurrent_rollouts: expected an integer ≥ 1, got 0",
+        ),
+        (&["paused=yes"], "paused: expected true or false, got `yes`"),
+        (
+            &["domain_mix.chess=1"],
+            "domain_mix.chess: unknown domain; the sampler serves: math, code",
+        ),
+        (
+            &["domain_mix.math=-2"],
+            "domain_mix.math: expected a finite weight in [0, 1e9], got -2",
+        ),
+        (
+            &["domain_mix.math=0", "domain_mix.code=0"],
+            "domain_mix: expected at least one weight > 0, all are 0",
+        ),
+        (
+            &["stalenes_threshold=1"],
+            "stalenes_threshold: unknown knob; knobs are: staleness_threshold, max_version_lag, admission, enable_partial_rollout, tail_batch_candidate_steps, tail_batch_trigger_size, weight_update_mode, domain_mix, max_concurrent_rollouts, paused",
+        ),
+        (&["paused"], "paused: expected `knob=value`, found no `=`"),
+        (
+            &["max_version_lag=2000000"],
+            "max_version_lag: expected an integer ≤ 1000000, got 2000000",
+        ),
+        (
+            &["domain_mix.math=1e300"],
+            "domain_mix.math: expected a finite weight in [0, 1e9], got 1e300",
+        ),
+        (
+            &["domain_mix={\"math\": 1}"],
+            "domain_mix: set one domain per assignment: `domain_mix.<domain>=<weight>` (e.g. `domain_mix.math=0.4`)",
+        ),
+    ];
+    for (input, expected) in cases {
+        let err = KnobPatch::from_assignments(input)
+            .and_then(|p| p.apply(&knobs(), 8, &domains()))
+            .unwrap_err();
+        assert_eq!(err.to_string(), *expected, "input {input:?}");
+    }
+}
+
+#[test]
+fn domain_mix_names_a_bounded_number_of_domains() {
+    let mut k = knobs();
+    k.domain_mix = (0..=MAX_DOMAINS).map(|i| (format!("d{i}"), 1.0)).collect();
+    let err = k.validate(&[]).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "domain_mix: expected at most {MAX_DOMAINS} domains, got {}",
+            MAX_DOMAINS + 1
+        )
+    );
+    k.domain_mix.pop_last();
+    assert!(k.validate(&[]).is_ok());
+}
+
+#[test]
+fn handle_is_atomic_and_visible_to_subscribers() {
+    let handle = KnobsHandle::new(knobs(), 8, domains()).unwrap();
+    let mut rx = handle.subscribe();
+    let bad = KnobPatch {
+        max_version_lag: Some(4),
+        staleness_threshold: Some(-0.5),
+        ..KnobPatch::default()
+    };
+    assert!(handle.update(&bad).is_err());
+    assert_eq!(handle.current(), knobs(), "a refused patch changes nothing");
+    assert!(!rx.has_changed().unwrap());
+
+    let good = KnobPatch {
+        max_version_lag: Some(4),
+        ..KnobPatch::default()
+    };
+    let changes = handle.update(&good).unwrap();
+    assert_eq!(changes.len(), 1);
+    assert_eq!(changes[0].knob, "max_version_lag");
+    assert_eq!(
+        (changes[0].old.clone(), changes[0].new.clone()),
+        (1.into(), 4.into())
+    );
+    assert!(rx.has_changed().unwrap());
+    assert_eq!(rx.borrow_and_update().max_version_lag, 4);
+    assert!(
+        handle.update(&good).unwrap().is_empty(),
+        "a no-op patch reports no change"
+    );
+    assert!(!rx.has_changed().unwrap(), "and does not wake subscribers");
+}
+
+#[test]
+fn patch_json_refuses_unknown_fields() {
+    let err = serde_json::from_str::<KnobPatch>(r#"{"max_version_lagg": 2}"#).unwrap_err();
+    assert!(
+        err.to_string().contains("unknown field `max_version_lagg`"),
+        "{err}"
+    );
+}
