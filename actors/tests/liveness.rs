@@ -23,6 +23,15 @@ fn config(max_steps: u64, rollout: &str) -> Config {
     config
 }
 
+/// A node whose replay store and checkpoints live under `dir`.
+fn durable(dir: &std::path::Path) -> NodeOptions {
+    NodeOptions {
+        replay_dir: Some(dir.join("replay")),
+        checkpoint_dir: Some(dir.join("checkpoint")),
+        ..NodeOptions::default()
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn skipped_steps_release_their_groups_and_training_goes_on() {
     // η = 1: two skipped steps in a row would close admission for good if consumed groups
@@ -51,11 +60,7 @@ async fn a_replica_that_keeps_failing_stops_the_run_with_a_checkpoint() {
     let mut config = config(100, "max_version_lag = 1");
     config.faults.engine_crash_every_requests = 1;
     config.supervision.engine_max_restarts = 3;
-    let options = NodeOptions {
-        replay_dir: Some(dir.path().join("replay")),
-        checkpoint_dir: Some(dir.path().join("checkpoint")),
-        ..NodeOptions::default()
-    };
+    let options = durable(dir.path());
     let node = Node::start(&config, options).await.unwrap();
     let err = node
         .wait_done(Duration::from_secs(60), |_| {})
@@ -112,11 +117,7 @@ async fn a_panicking_trainer_step_fails_the_run_at_once_and_keeps_the_last_check
     let mut config = config(100, "max_version_lag = 1");
     config.faults.trainer_panic_at_step = 3;
     config.supervision.checkpoint_every_steps = 1;
-    let options = NodeOptions {
-        replay_dir: Some(dir.path().join("replay")),
-        checkpoint_dir: Some(dir.path().join("checkpoint")),
-        ..NodeOptions::default()
-    };
+    let options = durable(dir.path());
     let node = Node::start(&config, options).await.unwrap();
     let s = node
         .wait_done(Duration::from_secs(60), |_| {})
@@ -251,11 +252,7 @@ async fn a_run_whose_every_rollout_fails_stops_and_says_why() {
     let mut config = config(100, "max_version_lag = 1");
     config.faults.env_panic_every_steps = 1;
     config.supervision.no_progress_groups = 12;
-    let options = NodeOptions {
-        replay_dir: Some(dir.path().join("replay")),
-        checkpoint_dir: Some(dir.path().join("checkpoint")),
-        ..NodeOptions::default()
-    };
+    let options = durable(dir.path());
     let node = Node::start(&config, options).await.unwrap();
     let err = node
         .wait_done(Duration::from_secs(60), |_| {})
