@@ -172,7 +172,8 @@ fn parse_preset(s: &str) -> Result<sluice_core::config::ModelPreset, String> {
     match s {
         "tiny" => Ok(sluice_core::config::ModelPreset::Tiny),
         "small" => Ok(sluice_core::config::ModelPreset::Small),
-        other => Err(format!("unknown preset `{other}` (tiny, small)")),
+        "medium" => Ok(sluice_core::config::ModelPreset::Medium),
+        other => Err(format!("unknown preset `{other}` (tiny, small, medium)")),
     }
 }
 

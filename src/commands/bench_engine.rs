@@ -31,6 +31,7 @@ fn lengths(preset: ModelPreset) -> (u32, usize) {
     match preset {
         ModelPreset::Tiny => (64, 16),
         ModelPreset::Small => (16, 16),
+        ModelPreset::Medium => (8, 16),
     }
 }
 

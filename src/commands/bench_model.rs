@@ -45,6 +45,13 @@ fn plan(preset: ModelPreset) -> Plan {
             prompt_len: 16,
             decode_steps: 6,
         },
+        ModelPreset::Medium => Plan {
+            train_rows: 1,
+            train_len: 64,
+            train_iters: 1,
+            prompt_len: 16,
+            decode_steps: 4,
+        },
     }
 }
 

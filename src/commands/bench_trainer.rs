@@ -33,6 +33,7 @@ fn default_plan(preset: ModelPreset) -> (Vec<(usize, usize)>, usize) {
     match preset {
         ModelPreset::Tiny => (vec![(4, 64), (8, 128), (8, 512)], 3),
         ModelPreset::Small => (vec![(1, 128), (2, 256)], 1),
+        ModelPreset::Medium => (vec![(4, 512)], 1),
     }
 }
 

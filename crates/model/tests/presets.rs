@@ -79,3 +79,20 @@ fn small_preset_is_in_the_benchmark_size_range() {
     let n = preset_config(Preset::Small).num_parameters();
     assert!((50_000_000..=100_000_000).contains(&n), "{n}");
 }
+
+#[test]
+fn medium_preset_has_qwen2_5_0_5b_layer_shapes() {
+    let c = preset_config(Preset::Medium);
+    let shapes = (
+        c.hidden_size,
+        c.num_layers,
+        c.num_heads,
+        c.num_kv_heads,
+        c.intermediate_size,
+    );
+    assert_eq!(shapes, (896, 24, 14, 2, 4864));
+    assert_eq!(c.head_dim, 64);
+    // Qwen2.5-0.5B has 494M parameters, 136M of them in its 151,936-token embedding.
+    let n = c.num_parameters();
+    assert!((350_000_000..=365_000_000).contains(&n), "{n}");
+}

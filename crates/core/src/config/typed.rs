@@ -67,6 +67,9 @@ pub enum ModelPreset {
     Tiny,
     /// Roughly 50–100M parameters: benchmarks.
     Small,
+    /// The layer shapes of Qwen2.5-0.5B (hidden 896, 24 layers, 14 heads, 2 KV heads, MLP
+    /// 4864) with the character tokenizer: memory and speed at a real model's shapes.
+    Medium,
 }
 
 /// Element type of model weights.

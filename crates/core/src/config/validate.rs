@@ -270,7 +270,11 @@ fn validate_model(
                 ctx,
                 "model.init_preset",
                 p,
-                &[("tiny", ModelPreset::Tiny), ("small", ModelPreset::Small)],
+                &[
+                    ("tiny", ModelPreset::Tiny),
+                    ("small", ModelPreset::Small),
+                    ("medium", ModelPreset::Medium),
+                ],
             )
         })
         .transpose()?;

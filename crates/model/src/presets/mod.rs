@@ -1,4 +1,4 @@
-//! Built-in model directories: `sluice model init --preset tiny|small`.
+//! Built-in model directories: `sluice model init --preset tiny|small|medium`.
 //!
 //! A preset is a Qwen2-shaped config, seeded random weights, a character-level tokenizer
 //! (printable ASCII plus newline, one token per character) with ChatML special tokens, a ChatML
@@ -34,11 +34,13 @@ pub const INIT_STD: f64 = 0.02;
 
 /// The config of `preset`. Vocabulary: the character tokenizer's size.
 pub fn preset_config(preset: Preset) -> ModelConfig {
-    let (hidden, layers, heads, kv_heads, intermediate) = match preset {
+    let (hidden, layers, heads, kv_heads, intermediate, rope_theta, max_positions) = match preset {
         // ~0.1M parameters: CPU tests in milliseconds, the quickstart on 2 cores.
-        Preset::Tiny => (64, 2, 4, 2, 256),
+        Preset::Tiny => (64, 2, 4, 2, 256, 10_000.0, 4096),
         // ~76M parameters: benchmarks.
-        Preset::Small => (768, 12, 12, 4, 2048),
+        Preset::Small => (768, 12, 12, 4, 2048, 10_000.0, 4096),
+        // Qwen2.5-0.5B's layer shapes (~358M parameters without its 151k-token embedding).
+        Preset::Medium => (896, 24, 14, 2, 4864, 1_000_000.0, 32_768),
     };
     let vocab = tokenizer_json::vocab_size();
     ModelConfig {
@@ -51,9 +53,9 @@ pub fn preset_config(preset: Preset) -> ModelConfig {
         num_kv_heads: kv_heads,
         head_dim: hidden / heads,
         rms_norm_eps: 1e-6,
-        rope_theta: 10_000.0,
+        rope_theta,
         rope_scaling: None,
-        max_position_embeddings: 4096,
+        max_position_embeddings: max_positions,
         tie_word_embeddings: true,
         dtype: DType::F32,
         bos_token_id: None,
