@@ -85,6 +85,12 @@ fn rows() -> Vec<Row> {
             Exit(1),
             "rollout.group_size",
         ),
+        // `sluice check` refuses what `sluice run` would refuse.
+        row(
+            Config("[engine]\nbackend = \"simulated\"\n[trainer.simulated]\nenabled = false"),
+            Exit(1),
+            "trainer.simulated.enabled: expected true with engine.backend = \"simulated\"",
+        ),
         row(
             Config("[rollout]\ngroup_size = 0"),
             Exit(1),

@@ -18,12 +18,6 @@ use crate::cli::ConfigArgs;
 pub fn run(args: &ConfigArgs) -> anyhow::Result<ExitCode> {
     let config = sluice_core::config::load(&args.config, &args.overrides)?;
     let simulated = config.engine.backend == EngineBackend::Simulated;
-    if simulated != config.trainer.simulated.enabled {
-        bail!(
-            "{}: the simulated engine goes with the simulated trainer: set engine.backend = \"simulated\" and trainer.simulated.enabled = true together, or neither",
-            args.config.display()
-        );
-    }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

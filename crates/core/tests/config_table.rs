@@ -457,6 +457,18 @@ const BAD: &[(&str, &[&str], &str, ConfigErrorKind)] = &[
         ConfigErrorKind::Value,
     ),
     (
+        "[engine]\nbackend = \"simulated\"\n[trainer.simulated]\nenabled = false",
+        &[],
+        "test.toml: trainer.simulated.enabled: expected true with engine.backend = \"simulated\" (the simulated engine and the simulated trainer go together), got false",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "",
+        &["trainer.simulated.enabled=true"],
+        "test.toml: --set trainer.simulated.enabled: expected false with engine.backend = \"native\" (the simulated engine and the simulated trainer go together), got true",
+        ConfigErrorKind::Value,
+    ),
+    (
         "[trainer]\nlearning_rate = 5.0",
         &[],
         "test.toml: trainer.learning_rate: expected at most 1 (the learning rate), got 5",
