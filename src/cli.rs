@@ -212,6 +212,9 @@ pub struct BenchTrainerArgs {
     /// Micro-batch shapes `BxL` (repeatable; default: a few per preset).
     #[arg(long = "shape", value_parser = parse_shape)]
     pub shapes: Vec<(usize, usize)>,
+    /// Recompute activations in the backward (`trainer.activation_checkpointing`).
+    #[arg(long)]
+    pub activation_checkpointing: bool,
 }
 
 fn parse_shape(s: &str) -> Result<(usize, usize), String> {

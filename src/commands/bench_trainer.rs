@@ -55,14 +55,20 @@ pub fn run(args: &BenchTrainerArgs) -> anyhow::Result<ExitCode> {
         };
         let config = Arc::new(preset_config(preset));
         println!(
-            "{name}: {} parameters, f32 master weights on CPU, ppo, {steps} timed step(s) per shape",
-            config.num_parameters()
+            "{name}: {} parameters, f32 master weights on CPU, ppo, {steps} timed step(s) per shape{}",
+            config.num_parameters(),
+            if args.activation_checkpointing {
+                ", activations recomputed"
+            } else {
+                ""
+            }
         );
         let snapshot = Arc::new(random_snapshot(config, 0, DType::F32, &Device::Cpu)?);
         for (rows, len) in shapes {
             reset_peak_rss();
-            let mut trainer =
-                NativeTrainer::new(Arc::clone(&snapshot), trainer_config(rows, len), None)?;
+            let mut settings = trainer_config(rows, len);
+            settings.activation_checkpointing = args.activation_checkpointing;
+            let mut trainer = NativeTrainer::new(Arc::clone(&snapshot), settings, None)?;
             let vocab = snapshot.config().vocab_size as u32;
             let batch = [filled_group(rows, len, vocab)?];
             trainer.rl_step(&batch)?;
@@ -144,6 +150,7 @@ fn trainer_config(rows: usize, len: usize) -> NativeTrainerConfig {
         seed: 0,
         // The trainer alone on the machine: every core.
         threads: sluice_model::threads::role_threads(0, 1),
+        activation_checkpointing: false,
     }
 }
 

@@ -54,6 +54,7 @@ mod layers;
 pub mod names;
 pub mod ops;
 pub mod presets;
+pub mod recompute;
 mod scores;
 pub mod snapshot;
 pub mod threads;
@@ -70,6 +71,7 @@ pub use checkpoint::{LoadOptions, SaveOptions, copy_aux_files, load_checkpoint, 
 pub use config::{Architecture, ModelConfig};
 pub use error::{ModelError, Result};
 pub use infer::{InferenceModel, LogitsWanted, StepInput, argmax_rows};
+pub use recompute::SavedActivations;
 pub use snapshot::WeightSnapshot;
 pub use threads::ComputePool;
 pub use tokenizer::Tokenizer;

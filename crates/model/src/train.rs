@@ -132,16 +132,21 @@ impl TrainableModel {
         batch: &PackedBatch,
         options: ForwardOptions,
     ) -> Result<TokenScores> {
-        let t = options.temperature;
-        if !(t.is_finite() && t > 0.0) {
-            return Err(ModelError::input(format!(
-                "temperature must be a positive number, got {t}"
-            )));
-        }
+        check_temperature(options.temperature)?;
         let hidden = self.hidden_states(batch)?;
+        self.scores_from_hidden(&hidden, batch, options)
+    }
+
+    /// The log-prob/entropy head over final-norm hidden states `(B·L, hidden)`.
+    pub(crate) fn scores_from_hidden(
+        &self,
+        hidden: &Tensor,
+        batch: &PackedBatch,
+        options: ForwardOptions,
+    ) -> Result<TokenScores> {
         let targets = Tensor::new(batch.target_ids.as_slice(), self.device()).ctx("targets")?;
         let scores = token_scores(
-            &hidden,
+            hidden,
             &self.weights.lm_head,
             &targets,
             options.logits_chunk_rows,
@@ -172,13 +177,20 @@ impl TrainableModel {
 
     /// Final-norm hidden states, flat `(B·L, hidden)`.
     fn hidden_states(&self, batch: &PackedBatch) -> Result<Tensor> {
+        let inputs = self.layer_inputs(batch)?;
+        let mut x = self.embed(&inputs)?;
+        for i in 0..self.weights.layers.len() {
+            x = self.layer(i, &x, &inputs)?;
+        }
+        self.final_norm(&x)
+    }
+
+    /// What every layer reads besides the residual stream: token ids, rotary tables and mask.
+    pub(crate) fn layer_inputs(&self, batch: &PackedBatch) -> Result<LayerInputs> {
         batch.validate(self.config.vocab_size)?;
-        let c = &self.config;
         let (b, l) = (batch.batch, batch.seq_len);
         let (dtype, device) = (self.dtype(), self.device().clone());
-        let kernels = Kernels::Differentiable;
         let ids = Tensor::new(batch.input_ids.as_slice(), &device).ctx("input ids")?;
-        let mut x = self.weights.embed.index_select(&ids, 0).ctx("embedding")?;
         let (cos, sin) = self
             .rope
             .cos_sin(&batch.position_ids, (b, l), dtype, &device)
@@ -187,40 +199,83 @@ impl TrainableModel {
         let mask = Tensor::from_vec(batch.attention_mask(), (b, 1, 1, l, l), &device)
             .and_then(|m| m.to_dtype(dtype))
             .ctx("attention mask")?;
-        let scale = 1.0 / (c.head_dim as f64).sqrt();
-        for (i, layer) in self.weights.layers.iter().enumerate() {
-            let context = format!("training forward, layer {i}");
-            let step = || -> candle_core::Result<Tensor> {
-                let qkv = layer.qkv(&x, c, kernels)?;
-                // (B·L, heads, d) → (B, heads, L, d)
-                let heads = |t: Tensor, n: usize| t.reshape((b, l, n, c.head_dim))?.transpose(1, 2);
-                let q = apply_rope(&heads(qkv.q, c.num_heads)?, &cos, &sin, kernels)?;
-                let k = apply_rope(&heads(qkv.k, c.num_kv_heads)?, &cos, &sin, kernels)?;
-                let v = heads(qkv.v, c.num_kv_heads)?.contiguous()?;
-                // GQA without copying k/v: group the query heads of each kv head as extra rows.
-                let g = c.kv_groups();
-                let q = q
-                    .contiguous()?
-                    .reshape((b, c.num_kv_heads, g * l, c.head_dim))?;
-                let scores = (q.matmul(&k.contiguous()?.t()?)? * scale)?;
-                let scores = scores
-                    .reshape((b, c.num_kv_heads, g, l, l))?
-                    .broadcast_add(&mask)?
-                    .reshape((b, c.num_kv_heads, g * l, l))?;
-                let att = softmax_last_dim(&scores, kernels)?.matmul(&v)?;
-                // (B, kv, g·L, d) = (B, heads, L, d) → (B·L, heads·d)
-                let att = att
-                    .reshape((b, c.num_heads, l, c.head_dim))?
-                    .transpose(1, 2)?
-                    .reshape((b * l, c.num_heads * c.head_dim))?;
-                let x = (&x + linear(&att, &layer.o_proj, None)?)?;
-                layer.mlp_block(&x, c.rms_norm_eps, kernels)
-            };
-            x = step().ctx(&context)?;
-        }
-        crate::ops::rms_norm(&x, &self.weights.final_norm, c.rms_norm_eps, kernels)
+        Ok(LayerInputs {
+            ids,
+            cos,
+            sin,
+            mask,
+            shape: (b, l),
+        })
+    }
+
+    pub(crate) fn embed(&self, inputs: &LayerInputs) -> Result<Tensor> {
+        self.weights
+            .embed
+            .index_select(&inputs.ids, 0)
+            .ctx("embedding")
+    }
+
+    pub(crate) fn final_norm(&self, x: &Tensor) -> Result<Tensor> {
+        let eps = self.config.rms_norm_eps;
+        crate::ops::rms_norm(x, &self.weights.final_norm, eps, Kernels::Differentiable)
             .ctx("final norm")
     }
+
+    /// Decoder layer `i` on the flat residual stream `x` `(B·L, hidden)`.
+    pub(crate) fn layer(&self, i: usize, x: &Tensor, inputs: &LayerInputs) -> Result<Tensor> {
+        let c = &self.config;
+        let layer = &self.weights.layers[i];
+        let (b, l) = inputs.shape;
+        let (cos, sin) = (&inputs.cos, &inputs.sin);
+        let kernels = Kernels::Differentiable;
+        let scale = 1.0 / (c.head_dim as f64).sqrt();
+        let step = || -> candle_core::Result<Tensor> {
+            let qkv = layer.qkv(x, c, kernels)?;
+            // (B·L, heads, d) → (B, heads, L, d)
+            let heads = |t: Tensor, n: usize| t.reshape((b, l, n, c.head_dim))?.transpose(1, 2);
+            let q = apply_rope(&heads(qkv.q, c.num_heads)?, cos, sin, kernels)?;
+            let k = apply_rope(&heads(qkv.k, c.num_kv_heads)?, cos, sin, kernels)?;
+            let v = heads(qkv.v, c.num_kv_heads)?.contiguous()?;
+            // GQA without copying k/v: group the query heads of each kv head as extra rows.
+            let g = c.kv_groups();
+            let q = q
+                .contiguous()?
+                .reshape((b, c.num_kv_heads, g * l, c.head_dim))?;
+            let scores = (q.matmul(&k.contiguous()?.t()?)? * scale)?;
+            let scores = scores
+                .reshape((b, c.num_kv_heads, g, l, l))?
+                .broadcast_add(&inputs.mask)?
+                .reshape((b, c.num_kv_heads, g * l, l))?;
+            let att = softmax_last_dim(&scores, kernels)?.matmul(&v)?;
+            // (B, kv, g·L, d) = (B, heads, L, d) → (B·L, heads·d)
+            let att = att
+                .reshape((b, c.num_heads, l, c.head_dim))?
+                .transpose(1, 2)?
+                .reshape((b * l, c.num_heads * c.head_dim))?;
+            let x = (x + linear(&att, &layer.o_proj, None)?)?;
+            layer.mlp_block(&x, c.rms_norm_eps, kernels)
+        };
+        step().ctx(&format!("training forward, layer {i}"))
+    }
+}
+
+pub(crate) fn check_temperature(t: f64) -> Result<()> {
+    if !(t.is_finite() && t > 0.0) {
+        return Err(ModelError::input(format!(
+            "temperature must be a positive number, got {t}"
+        )));
+    }
+    Ok(())
+}
+
+/// Per-batch inputs shared by every layer of one forward.
+#[derive(Debug)]
+pub(crate) struct LayerInputs {
+    ids: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    mask: Tensor,
+    shape: (usize, usize),
 }
 
 /// Sums `t` over everything (a scalar loss helper for tests and simple callers).

@@ -7,8 +7,8 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use candle_core::{DType, Tensor};
-use common::{ALL_ARCHS, snapshot, tiny_config};
-use sluice_model::{ForwardOptions, PackedBatch, TrainableModel, WeightSnapshot};
+use common::{ALL_ARCHS, rel_err, snapshot, tiny_config};
+use sluice_model::{ForwardOptions, PackedBatch, TokenScores, TrainableModel, WeightSnapshot};
 
 /// Two rows, three sequences: packing is part of what is differentiated.
 fn batch() -> PackedBatch {
@@ -30,7 +30,10 @@ fn loss_at(model: &TrainableModel, batch: &PackedBatch, temperature: f64) -> Ten
         logits_chunk_rows: 3,
         temperature,
     };
-    let scores = model.token_scores(batch, options).unwrap();
+    loss_of(model.token_scores(batch, options).unwrap(), batch)
+}
+
+fn loss_of(scores: TokenScores, batch: &PackedBatch) -> Tensor {
     let dtype = scores.logprobs.dtype();
     let mask: Vec<f64> = batch
         .target_mask
@@ -124,4 +127,51 @@ fn gradients_match_finite_differences_in_f64() {
             );
         }
     }
+}
+
+#[test]
+fn recomputed_activations_give_the_plain_backward_gradients() {
+    let options = ForwardOptions {
+        logits_chunk_rows: 3,
+        temperature: 0.7,
+    };
+    for arch in ALL_ARCHS {
+        for tied in [true, false] {
+            let snap = snapshot(tiny_config(arch, tied), 5, DType::F32);
+            let model = TrainableModel::from_snapshot(&snap, DType::F32).unwrap();
+            let batch = batch();
+            let plain_scores = model.token_scores(&batch, options).unwrap();
+            let (scores, saved) = model.token_scores_recomputable(&batch, options).unwrap();
+            // The forward itself is the same computation.
+            assert!(rel_err(&plain_scores.logprobs, &scores.logprobs) < 1e-6);
+            assert!(rel_err(&plain_scores.entropy, &scores.entropy) < 1e-6);
+            let plain = loss_of(plain_scores, &batch).backward().unwrap();
+            let recomputed = model
+                .backward_recomputed(&loss_of(scores, &batch), saved)
+                .unwrap();
+            for (name, var) in model.vars() {
+                let a = plain.get(var.as_tensor()).unwrap();
+                let b = recomputed
+                    .get(var.as_tensor())
+                    .unwrap_or_else(|| panic!("{arch:?} tied={tied}: no gradient for {name}"));
+                let err = rel_err(a, b);
+                assert!(
+                    err < 1e-5,
+                    "{arch:?} tied={tied}: {name}: relative error {err}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn a_loss_that_ignores_the_model_is_refused_by_the_recomputed_backward() {
+    let snap = snapshot(tiny_config(ALL_ARCHS[0], true), 5, DType::F32);
+    let model = TrainableModel::from_snapshot(&snap, DType::F32).unwrap();
+    let (_, saved) = model
+        .token_scores_recomputable(&batch(), ForwardOptions::default())
+        .unwrap();
+    let unrelated = model.vars()[0].1.as_tensor().sum_all().unwrap();
+    let err = model.backward_recomputed(&unrelated, saved).unwrap_err();
+    assert!(err.to_string().contains("does not depend"), "{err}");
 }

@@ -340,7 +340,12 @@ impl NativeTrainer {
                 stats.max_lag = stats.max_lag.max(lag);
             }
             let batch = packed(mb);
-            let scores = self.model.token_scores(&batch, options)?;
+            let (scores, saved) = if self.config.activation_checkpointing {
+                let (scores, saved) = self.model.token_scores_recomputable(&batch, options)?;
+                (scores, Some(saved))
+            } else {
+                (self.model.token_scores(&batch, options)?, None)
+            };
             stats.parts.forward += lap(&mut clock);
             let device = self.model.device().clone();
             let index = slot_index(&slots, &device)?;
@@ -350,7 +355,10 @@ impl NativeTrainer {
             let reference = match &self.reference {
                 Some(r) => Some(
                     pick(
-                        &r.token_scores(&batch, options)?.logprobs.detach(),
+                        &r.token_scores_recomputable(&batch, options)?
+                            .0
+                            .logprobs
+                            .detach(),
                         &index,
                         "reference log-probs",
                     )?
@@ -385,7 +393,10 @@ impl NativeTrainer {
                 .and_then(|s| s.sum_all())
                 .map_err(tensor_ctx("surrogate loss"))?;
             stats.parts.loss += lap(&mut clock);
-            let store = surrogate.backward().map_err(tensor_ctx("backward"))?;
+            let store = match saved {
+                Some(saved) => self.model.backward_recomputed(&surrogate, saved)?,
+                None => surrogate.backward().map_err(tensor_ctx("backward"))?,
+            };
             grads.add(&vars, &store)?;
             stats.parts.backward += lap(&mut clock);
         }
@@ -414,7 +425,8 @@ impl NativeTrainer {
                 if slots.is_empty() {
                     return Ok(Vec::new());
                 }
-                let scores = self.model.token_scores(&packed(mb), options)?;
+                // No gradient wanted: the forward that keeps one layer's activations at a time.
+                let (scores, _) = self.model.token_scores_recomputable(&packed(mb), options)?;
                 let index = slot_index(&slots, &device)?;
                 Ok(pick(&scores.logprobs.detach(), &index, "proximal log-probs")?.1)
             })

@@ -37,6 +37,9 @@ pub struct NativeTrainerConfig {
     /// Compute threads of the forward, backward and optimizer (≥ 1; `trainer.threads`
     /// resolved: 0 there means half the cores beside a native engine, else all of them).
     pub threads: usize,
+    /// Keep only each layer's input in the forward and recompute the rest in the backward
+    /// (`trainer.activation_checkpointing`): one layer's activations at a time instead of all.
+    pub activation_checkpointing: bool,
 }
 
 impl NativeTrainerConfig {
@@ -91,6 +94,7 @@ impl NativeTrainerConfig {
                 1.0
             },
             seed: config.run.seed,
+            activation_checkpointing: t.activation_checkpointing,
             threads: sluice_model::threads::role_threads(
                 t.threads,
                 // A native engine in the same process takes the other half.

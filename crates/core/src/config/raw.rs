@@ -249,6 +249,8 @@ pub struct RawTrainer {
     /// Compute threads of the native trainer (0 = half the cores beside a native engine, else
     /// all of them).
     pub threads: i64,
+    /// Keep only each layer's input in the forward and recompute the rest in the backward.
+    pub activation_checkpointing: bool,
     /// `[trainer.simulated]`: the step-time model of the simulated trainer.
     pub simulated: RawSimTrainer,
 }
@@ -302,6 +304,7 @@ impl Default for RawTrainer {
             is_cap: 2.0,
             oversized_text: "split".into(),
             threads: 0,
+            activation_checkpointing: false,
             simulated: RawSimTrainer::default(),
         }
     }

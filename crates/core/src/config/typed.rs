@@ -327,6 +327,8 @@ pub struct TrainerConfig {
     /// Compute threads of the native trainer; 0 = automatic (half the cores beside a native
     /// engine, else all).
     pub threads: u32,
+    /// Recompute each layer's activations in the backward instead of keeping them.
+    pub activation_checkpointing: bool,
     /// Advantage baseline.
     pub advantage: AdvantageKind,
     /// Divide by group std.

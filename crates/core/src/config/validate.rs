@@ -545,6 +545,7 @@ fn validate_trainer(
         max_seq_len: non_zero_u32(ctx, "trainer.max_seq_len", raw.max_seq_len)?,
         minibatches: non_zero_u32(ctx, "trainer.minibatches", raw.minibatches)?,
         threads: u32_incl_zero(ctx, "trainer.threads", raw.threads)?,
+        activation_checkpointing: raw.activation_checkpointing,
         advantage: choice(
             ctx,
             "trainer.advantage",
