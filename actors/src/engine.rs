@@ -23,25 +23,24 @@
 //!
 //! Graceful stop: [`EngineHandle::close`] aborts everything in flight and answers every later
 //! request as aborted at once, so the controller can store every partial before the checkpoint.
+mod routing;
+mod supervision;
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ractor::{Actor, ActorProcessingErr, ActorRef, MessagingErr, RpcReplyPort};
-use serde::Serialize;
-use sluice_core::config::{FaultsConfig, SupervisionConfig};
-use sluice_core::metrics as m;
 use sluice_core::{PolicyVersion, RequestId, WeightSnapshot, WeightUpdateMode};
 use sluice_engine::{
-    Completion, EngineError, EngineEvent, EngineStats, EventSink, FinishReason, GenerateRequest,
-    InferenceBackend, TokenOutput,
+    Completion, EngineEvent, EngineStats, EventSink, GenerateRequest, InferenceBackend, TokenOutput,
 };
 
-use crate::faults::{EngineFaults, FaultyBackend};
 use crate::supervise::{Backoff, Watchdog};
 use crate::telemetry::ActorCounters;
 use crate::{ActorError, Sink};
+
+pub use supervision::{EngineSupervision, ReplicaHealth};
 
 /// Builds the backend of replica `index`, starting at `version`, reporting to the sink.
 pub type BackendFactory =
@@ -62,70 +61,6 @@ pub enum EngineReport {
         /// The version.
         version: PolicyVersion,
     },
-}
-
-/// How the engine supervises its replicas.
-#[derive(Debug, Clone)]
-pub struct EngineSupervision {
-    /// First restart delay (doubles per consecutive failure of a replica).
-    pub backoff_initial: Duration,
-    /// Longest restart delay.
-    pub backoff_max: Duration,
-    /// Restart a replica that holds requests without progress this long (`None` = off).
-    pub watchdog: Option<Duration>,
-    /// Give up on a replica after this many failures in a row with nothing served in between
-    /// (0 = never).
-    pub max_restarts: u64,
-    /// Give up when no replica can serve for this long (`None` = never).
-    pub unavailable_timeout: Option<Duration>,
-    /// Injected faults (tests and drills).
-    pub faults: EngineFaults,
-}
-
-impl Default for EngineSupervision {
-    fn default() -> Self {
-        Self {
-            backoff_initial: Duration::from_millis(100),
-            backoff_max: Duration::from_secs(30),
-            watchdog: None,
-            max_restarts: 0,
-            unavailable_timeout: None,
-            faults: EngineFaults::default(),
-        }
-    }
-}
-
-impl EngineSupervision {
-    /// The policy of `[supervision]` with the engine faults of `[faults]`.
-    pub fn from_config(supervision: &SupervisionConfig, faults: &FaultsConfig) -> Self {
-        Self {
-            backoff_initial: supervision.restart_backoff_initial,
-            backoff_max: supervision.restart_backoff_max,
-            watchdog: supervision.engine_watchdog,
-            max_restarts: supervision.engine_max_restarts,
-            unavailable_timeout: supervision.engine_unavailable_timeout,
-            faults: EngineFaults::from_config(faults),
-        }
-    }
-}
-
-/// A replica's supervision record, for `/v1/status` and the tests.
-#[derive(Debug, Clone, Default, PartialEq, Serialize)]
-pub struct ReplicaHealth {
-    /// A backend is running (false while waiting out a restart backoff).
-    pub alive: bool,
-    /// Times the replica was rebuilt.
-    pub restarts: u64,
-    /// Failures by cause: `error` (a call failed), `crash` (injected), `watchdog`.
-    pub failures: std::collections::BTreeMap<String, u64>,
-    /// Seconds from the last failure to the rebuilt backend taking requests.
-    pub last_restart_seconds: Option<f64>,
-    /// Requests handed back as aborted because the replica died.
-    pub requests_returned: u64,
-    /// Failures since the replica last served a request.
-    pub failures_in_a_row: u64,
-    /// The last failure's error (or cause).
-    pub last_error: Option<String>,
 }
 
 enum Cmd {
@@ -306,48 +241,6 @@ pub struct EngineState {
     counters: ActorCounters,
 }
 
-fn sink_for(me: &ActorRef<EngineMsg>, replica: u32, generation: u64) -> EventSink {
-    let me = me.clone();
-    Arc::new(move |e| {
-        let _ = me.cast(EngineMsg(Cmd::Event(replica, generation, e)));
-    })
-}
-
-impl EngineState {
-    /// Builds replica `i`'s backend for its current generation (wrapped by the fault injector).
-    fn build(&mut self, i: usize) {
-        let generation = self.replicas[i].generation;
-        let sink = sink_for(&self.me, i as u32, generation);
-        let faults = &self.args.supervision.faults;
-        let backend: Box<dyn InferenceBackend> = if faults.any() {
-            let me = self.me.clone();
-            let replica = i as u32;
-            let on_crash = Box::new(move || {
-                let _ = me.cast(EngineMsg(Cmd::Died(replica, generation, "crash")));
-            });
-            let factory = Arc::clone(&self.args.factory);
-            let target = self.target;
-            Box::new(FaultyBackend::new(
-                move |gated| factory(replica, target, gated),
-                sink,
-                faults.clone(),
-                on_crash,
-            ))
-        } else {
-            (self.args.factory)(i as u32, self.target, sink)
-        };
-        let r = &mut self.replicas[i];
-        let counter = backend.stats().generated_tokens;
-        r.backend = Some(backend);
-        r.version = self.target;
-        r.load = 0;
-        r.backoff.started(Instant::now());
-        if let Some(w) = &mut r.watchdog {
-            w.reset(counter);
-        }
-    }
-}
-
 impl Actor for EngineActor {
     type Msg = EngineMsg;
     type State = EngineState;
@@ -505,261 +398,5 @@ impl Actor for EngineActor {
             let _ = tokio::time::timeout(Duration::from_secs(2), t).await;
         }
         Ok(())
-    }
-}
-
-impl EngineState {
-    /// Sends a report to the controller (the engine actor's one outbound flow).
-    fn report(&self, report: EngineReport) {
-        self.counters.sent(1);
-        (self.args.reports)(report);
-    }
-
-    fn route(&mut self, req: GenerateRequest, preferred: Option<u32>) {
-        if self.closed {
-            self.refuse(req);
-            return;
-        }
-        let alive = |i: usize| self.replicas[i].backend.is_some();
-        let n = self.replicas.len();
-        let replica = match preferred {
-            Some(r) if (r as usize) < n && alive(r as usize) => Some(r as usize),
-            _ => (0..n)
-                .filter(|i| alive(*i))
-                .min_by_key(|i| self.replicas[*i].load),
-        };
-        let Some(replica) = replica else {
-            self.parked.push_back((req, preferred));
-            return;
-        };
-        self.owner
-            .insert(req.id, (replica as u32, req.resume.clone()));
-        let r = &mut self.replicas[replica];
-        r.load += 1;
-        let result = r.backend.as_ref().map(|b| b.submit(req));
-        if let Some(Err(e)) = result {
-            self.fail_replica(replica as u32, "error", Some(&e));
-        }
-    }
-
-    /// Answers a request as aborted without running it (graceful stop).
-    fn refuse(&self, req: GenerateRequest) {
-        self.report(EngineReport::Finished {
-            completion: Completion {
-                id: req.id,
-                output: req.resume.unwrap_or_default(),
-                finish: FinishReason::Abort,
-            },
-            replica: 0,
-        });
-    }
-
-    fn on_event(&mut self, replica: u32, event: EngineEvent) {
-        let r = &mut self.replicas[replica as usize];
-        match event {
-            EngineEvent::Finished(c) => {
-                metrics::counter!(m::ENGINE_FINISHED_REQUESTS, "reason" => c.finish.as_label())
-                    .increment(1);
-                if c.finish != FinishReason::Abort {
-                    // It served a request: earlier failures were transient.
-                    r.health.failures_in_a_row = 0;
-                }
-                if self.owner.remove(&c.id).is_some() {
-                    r.load = r.load.saturating_sub(1);
-                }
-                if let Some(w) = &mut r.watchdog {
-                    w.progressed();
-                }
-                self.report(EngineReport::Finished {
-                    completion: c,
-                    replica,
-                });
-            }
-            EngineEvent::WeightsUpdated {
-                version,
-                pause,
-                mode,
-            } => {
-                metrics::histogram!(m::ENGINE_WEIGHT_SYNC_PAUSE_SECONDS, "mode" => mode.as_str())
-                    .record(pause.as_secs_f64());
-                r.version = version;
-                self.report_versions();
-            }
-        }
-    }
-
-    /// Reports when every live replica runs the target version.
-    fn report_versions(&self) {
-        let live = self.replicas.iter().filter(|r| r.backend.is_some());
-        if live.clone().all(|r| r.version >= self.target) && live.count() > 0 {
-            self.report(EngineReport::WeightsUpdated {
-                version: self.target,
-            });
-        }
-    }
-
-    /// The periodic checks: the give-up timer, and the watchdog, which fails a replica holding
-    /// requests without progress for its limit.
-    fn watch(&mut self) {
-        let now = Instant::now();
-        if let (Some(since), Some(limit)) = (
-            self.unavailable_since,
-            self.args.supervision.unavailable_timeout,
-        ) && now.saturating_duration_since(since) >= limit
-        {
-            let last = self
-                .replicas
-                .iter()
-                .enumerate()
-                .filter_map(|(i, r)| {
-                    Some(format!("replica {i}: {}", r.health.last_error.as_ref()?))
-                })
-                .collect::<Vec<_>>()
-                .join("; ");
-            self.give_up(format!(
-                "no engine replica could serve for {:.0} s (supervision.engine_unavailable_timeout_s); last errors: {last}",
-                limit.as_secs_f64()
-            ));
-        }
-        let dead: Vec<u32> = self
-            .replicas
-            .iter()
-            .enumerate()
-            .filter(|(_, r)| r.backend.as_ref().is_some_and(|b| !b.is_alive()))
-            .map(|(i, _)| i as u32)
-            .collect();
-        for i in dead {
-            let e = EngineError::Stopped {
-                backend: format!("replica {i} (its compute thread ended unexpectedly)"),
-            };
-            self.fail_replica(i, "died", Some(&e));
-        }
-        let stuck: Vec<u32> = self
-            .replicas
-            .iter_mut()
-            .enumerate()
-            .filter_map(|(i, r)| {
-                let b = r.backend.as_ref()?;
-                let w = r.watchdog.as_mut()?;
-                let counter = b.stats().generated_tokens;
-                w.check(now, r.load > 0, counter).then_some(i as u32)
-            })
-            .collect();
-        for i in stuck {
-            tracing::warn!(
-                replica = i,
-                "engine replica made no progress; the watchdog restarts it"
-            );
-            self.fail_replica(i, "watchdog", None);
-        }
-    }
-
-    /// A replica failed: hand its requests back as aborted (with the output they were resumed
-    /// from: nothing newer was reported), shut the backend down off the actor, and schedule the
-    /// restart after the backoff.
-    fn fail_replica(&mut self, replica: u32, cause: &'static str, error: Option<&EngineError>) {
-        let kind = error.map_or(
-            match cause {
-                "watchdog" => "engine_watchdog",
-                "crash" => "engine_crash",
-                _ => "engine_failure",
-            },
-            EngineError::kind,
-        );
-        self.counters.error(kind);
-        let described = error.map_or_else(|| format!("{cause} ({kind})"), ToString::to_string);
-        let now = Instant::now();
-        let r = &mut self.replicas[replica as usize];
-        if let Some(mut old) = r.backend.take() {
-            self.tasks
-                .push(tokio::task::spawn_blocking(move || old.shutdown()));
-        }
-        r.generation += 1;
-        r.load = 0;
-        r.failed_at = Some(now);
-        r.health.alive = false;
-        *r.health.failures.entry(cause.to_owned()).or_default() += 1;
-        r.health.failures_in_a_row += 1;
-        r.health.last_error = Some(described.clone());
-        let in_a_row = r.health.failures_in_a_row;
-        let generation = r.generation;
-        let delay = r.backoff.failed(now);
-        let max = self.args.supervision.max_restarts;
-        let give_up = max > 0 && in_a_row > max;
-        if !give_up {
-            tracing::warn!(replica, error = %described, "engine replica failed; restarting it");
-        }
-        if self.unavailable_since.is_none() && self.replicas.iter().all(|r| r.backend.is_none()) {
-            self.unavailable_since = Some(now);
-        }
-        let lost: Vec<(RequestId, Option<TokenOutput>)> = self
-            .owner
-            .iter()
-            .filter(|(_, (rep, _))| *rep == replica)
-            .map(|(id, (_, resume))| (*id, resume.clone()))
-            .collect();
-        self.replicas[replica as usize].health.requests_returned += lost.len() as u64;
-        for (id, resume) in lost {
-            self.owner.remove(&id);
-            self.report(EngineReport::Finished {
-                completion: Completion {
-                    id,
-                    output: resume.unwrap_or_default(),
-                    finish: FinishReason::Abort,
-                },
-                replica,
-            });
-        }
-        self.tasks.retain(|t| !t.is_finished());
-        if give_up {
-            self.give_up(format!(
-                "engine replica {replica} failed {in_a_row} times in a row without serving a \
-                 request (supervision.engine_max_restarts = {max}); last error: {described}"
-            ));
-            return;
-        }
-        metrics::gauge!(m::ACTOR_RESTART_BACKOFF_SECONDS, "actor" => "engine")
-            .set(delay.as_secs_f64());
-        self.timers.retain(|t| !t.is_finished());
-        self.timers.push(
-            self.me
-                .send_after(delay, move || EngineMsg(Cmd::Restart(replica, generation))),
-        );
-    }
-
-    fn restart(&mut self, replica: u32, generation: u64) {
-        let i = replica as usize;
-        if self.replicas[i].generation != generation || self.replicas[i].backend.is_some() {
-            return;
-        }
-        self.build(i);
-        self.unavailable_since = None;
-        let r = &mut self.replicas[i];
-        r.health.alive = true;
-        r.health.restarts += 1;
-        r.health.last_restart_seconds = r.failed_at.take().map(|t| t.elapsed().as_secs_f64());
-        metrics::counter!(m::ACTOR_RESTARTS, "actor" => "engine").increment(1);
-        metrics::gauge!(m::ACTOR_RESTART_BACKOFF_SECONDS, "actor" => "engine").set(0.0);
-        tracing::info!(
-            replica,
-            restarts = r.health.restarts,
-            "engine replica restarted"
-        );
-        // Weights published while it was down: it starts at the target already.
-        self.report_versions();
-        let parked: Vec<_> = self.parked.drain(..).collect();
-        for (req, preferred) in parked {
-            self.route(req, preferred);
-        }
-    }
-
-    /// Stops restarting and records why; the node stops the run (see the module docs).
-    fn give_up(&mut self, reason: String) {
-        if self.failure.is_some() {
-            return;
-        }
-        tracing::error!(%reason, "the engine cannot serve; the run stops");
-        self.counters.error("engine_unavailable");
-        self.failure = Some(reason);
     }
 }

@@ -1,4 +1,4 @@
-//! The actors of a Sluice node (`DESIGN.md` §3), one file each, each behind a typed handle that
+//! The actors of a Sluice node (`DESIGN.md` §3), one module each, each behind a typed handle that
 //! hides its `ActorRef` and reply ports.
 //!
 //! | module | actor / part | role |

@@ -16,29 +16,31 @@
 //!
 //! Checkpoints, restore at start and the graceful stop live in [`crate::supervise_node`].
 
+mod status;
+
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use serde::Serialize;
 use sluice_core::config::{Config, ExpiredPolicy};
 use sluice_core::metrics as m;
-use sluice_core::{Knobs, KnobsHandle, NodeId, RunId, TrainerBackend, WeightUpdateMode};
+use sluice_core::{KnobsHandle, NodeId, RunId, TrainerBackend, WeightUpdateMode};
 use sluice_engine::simulated::{SimEngineParams, SimTask};
-use sluice_engine::{EngineStats, InferenceBackend, SamplingParams, SimEngine, SimTrainer};
-use sluice_replay::StoreSnapshot;
+use sluice_engine::{InferenceBackend, SamplingParams, SimEngine, SimTrainer};
 
 use crate::admin::{self, AdminState, Server};
-use crate::checkpoint::{CheckpointDir, CheckpointError, Manifest};
-use crate::controller::{ControllerConfig, ControllerHandle, ControllerStatus, Peers};
-use crate::engine::{BackendFactory, EngineHandle, EngineSupervision, ReplicaHealth};
+use crate::checkpoint::CheckpointDir;
+use crate::controller::{ControllerConfig, ControllerHandle, Peers};
+use crate::engine::{BackendFactory, EngineHandle, EngineSupervision};
 use crate::env_faults::{EnvFaults, FaultyEnv, TimeoutEnv};
 use crate::env_worker::{EnvPoolConfig, EnvPoolHandle, RolloutEnv};
 use crate::replay::{ReplayHandle, ReplayOptions, ReplayStatus};
 use crate::sampler::{SampleSource, SamplerHandle, SimSource};
 use crate::supervise_node::{self, Restored, SimBackend};
-use crate::trainer::{TrainerHandle, TrainerOptions, TrainerStatus};
+use crate::trainer::{TrainerHandle, TrainerOptions};
 use crate::{ActorError, telemetry};
+
+pub use status::{NodeHandles, NodeStatus};
 
 /// What a node is built with beyond the config. `Default` gives the simulated pipeline.
 #[derive(Default)]
@@ -63,94 +65,6 @@ pub struct NodeOptions {
     /// config's own (`replay_dir == replay.path`, as `sluice run` sets it), else no checkpoints
     /// (tests that point the store elsewhere never touch the run's output dir).
     pub checkpoint_dir: Option<PathBuf>,
-}
-
-/// Everything `/v1/status` shows.
-#[derive(Debug, Clone, Serialize)]
-pub struct NodeStatus {
-    /// Seconds since the node started.
-    pub uptime_seconds: f64,
-    /// Live knobs.
-    pub knobs: Knobs,
-    /// Controller view.
-    pub controller: ControllerStatus,
-    /// Trainer view.
-    pub trainer: TrainerStatus,
-    /// Replay buckets and counters.
-    pub replay: StoreSnapshot,
-    /// Engine replicas.
-    pub engines: Vec<EngineStats>,
-    /// Supervision record of each engine replica (restarts, failures by cause).
-    pub engine_health: Vec<ReplicaHealth>,
-    /// Why the engine gave up serving (the run stops); `None` while it serves.
-    pub engine_failure: Option<String>,
-    /// The newest checkpoint written or restored by this process.
-    pub checkpoint: Option<Manifest>,
-}
-
-impl NodeStatus {
-    /// Busy fraction of the engine replicas since start (mean over replicas).
-    pub fn engine_busy_ratio(&self) -> f64 {
-        let n = self.engines.len().max(1) as f64;
-        self.engines
-            .iter()
-            .map(|e| {
-                if e.uptime_seconds > 0.0 {
-                    e.busy_seconds / e.uptime_seconds
-                } else {
-                    0.0
-                }
-            })
-            .sum::<f64>()
-            / n
-    }
-}
-
-/// Cheap clones of the node's handles (what the admin API needs).
-#[derive(Clone)]
-pub struct NodeHandles {
-    /// Live knobs.
-    pub knobs: KnobsHandle,
-    /// Controller.
-    pub controller: ControllerHandle,
-    /// Engine.
-    pub engine: EngineHandle,
-    /// Replay store.
-    pub replay: ReplayHandle,
-    /// Trainer.
-    pub trainer: TrainerHandle,
-    /// Sampler (its state goes into checkpoints).
-    pub sampler: SamplerHandle,
-    pub(crate) started: Instant,
-    /// Where checkpoints go (`None`: checkpoints are refused).
-    pub(crate) checkpoint_dir: Option<CheckpointDir>,
-    /// One checkpoint at a time; holds the newest manifest.
-    pub(crate) last_checkpoint: Arc<tokio::sync::Mutex<Option<Manifest>>>,
-}
-
-impl NodeHandles {
-    /// Gathers every actor's view.
-    pub async fn status(&self) -> Result<NodeStatus, ActorError> {
-        let ReplayStatus { store, .. } = self.replay.status().await?;
-        Ok(NodeStatus {
-            uptime_seconds: self.started.elapsed().as_secs_f64(),
-            knobs: self.knobs.current(),
-            controller: self.controller.status().await?,
-            trainer: self.trainer.status(),
-            replay: store,
-            engines: self.engine.stats().await?,
-            engine_health: self.engine.health().await?,
-            engine_failure: self.engine.failure().await?,
-            checkpoint: self.last_checkpoint.lock().await.clone(),
-        })
-    }
-
-    /// Writes a checkpoint now (between two training steps): trainer state, a replay-store commit
-    /// and the manifest, atomically under the checkpoint directory. See
-    /// [`crate::supervise_node`].
-    pub async fn checkpoint(&self) -> Result<Manifest, CheckpointError> {
-        supervise_node::checkpoint(self, "request").await
-    }
 }
 
 /// A running node.

@@ -15,8 +15,9 @@
 //! Step metrics: every catalog-named scalar of a [`sluice_core::TrainStepOutput`] becomes its
 //! gauge (or counter), see [`export_step_metrics`]; the actor itself records step time, the
 //! per-token lag histogram, mean and max lag, and tokens/s when the backend does not.
+mod step;
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::HashSet;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -24,7 +25,6 @@ use std::time::Instant;
 
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use serde::Serialize;
-use sluice_core::metrics::{self as m, MetricKind};
 use sluice_core::{
     BackendError, GroupId, KnobsHandle, PolicyVersion, RolloutGroup, TrainerBackend, WeightSnapshot,
 };
@@ -34,6 +34,8 @@ use crate::checkpoint::CheckpointError;
 use crate::replay::ReplayHandle;
 use crate::telemetry::ActorCounters;
 use crate::{ActorError, Sink};
+
+pub use step::export_step_metrics;
 
 /// A point-in-time view of the trainer.
 #[derive(Debug, Clone, Default, Serialize)]
@@ -442,94 +444,6 @@ impl Worker {
             }
         }
     }
-
-    /// One step on `batch`, taken from weights `version` under lag bound `eta`.
-    fn train(&mut self, batch: Vec<RolloutGroup>, version: PolicyVersion, eta: u64, idle: f64) {
-        self.counters.received(1);
-        let check = check_batch(&batch, version, eta, &mut self.trained);
-        if check.violations > 0 || check.duplicates > 0 {
-            tracing::error!(
-                violations = check.violations,
-                duplicates = check.duplicates,
-                "batch broke an invariant"
-            );
-        }
-        let step_started = Instant::now();
-        let backend = &mut self.backend;
-        let outcome =
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| backend.train_step(&batch)))
-                .unwrap_or_else(|panic| {
-                    self.poisoned = true;
-                    Err(BackendError::new(
-                        "trainer_panic",
-                        format!("the training step panicked: {}", panic_message(&*panic)),
-                    ))
-                });
-        let seconds = step_started.elapsed().as_secs_f64();
-        metrics::histogram!(m::TRAINER_STEP_SECONDS).record(seconds);
-        let groups = batch.len() as u64;
-        let mut status = self.status.lock().unwrap_or_else(|e| e.into_inner());
-        status.idle_seconds += idle;
-        status.uptime_seconds = self.started.elapsed().as_secs_f64();
-        status.lag_violations += check.violations;
-        status.duplicate_groups += check.duplicates;
-        let out = match outcome {
-            Ok(out) => out,
-            Err(e) => {
-                // The batch is consumed on disk and this step is lost; nothing is retried, so
-                // nothing is trained twice.
-                tracing::error!(error = %e, step = status.steps + 1, "training step failed; the trainer stops");
-                self.counters.error(e.kind);
-                status.failed_groups += groups;
-                status.error = Some(e.to_string());
-                return;
-            }
-        };
-        status.steps += 1;
-        status.trained_groups += groups;
-        status.trained_samples += batch.iter().map(|g| g.rollouts.len() as u64).sum::<u64>();
-        status.trained_tokens += check.tokens;
-        status.lag_sum += check.lag_sum;
-        status.max_lag = status.max_lag.max(check.max_lag);
-        status.done = status.steps >= self.options.max_steps;
-        let steps = status.steps;
-        if self.options.track_ids
-            && let Ok(mut ids) = self.ids.lock()
-        {
-            ids.extend(batch.iter().map(|g| g.id));
-        }
-        metrics::counter!(m::TRAINER_STEPS).increment(1);
-        metrics::counter!(m::TRAINER_TRAINED_TOKENS).increment(check.tokens);
-        metrics::gauge!(m::TRAINER_IDLE_RATIO).set(status.idle_ratio());
-        if check.tokens > 0 {
-            metrics::gauge!(m::TRAINER_MEAN_VERSION_LAG_VERSIONS)
-                .set(check.lag_sum as f64 / check.tokens as f64);
-            metrics::gauge!(m::TRAINER_MAX_VERSION_LAG_VERSIONS).set(check.max_lag as f64);
-        }
-        if !out.metrics.contains_key(m::TRAINER_TOKENS_PER_SECOND) && seconds > 0.0 {
-            metrics::gauge!(m::TRAINER_TOKENS_PER_SECOND).set(check.tokens as f64 / seconds);
-        }
-        export_step_metrics(&out.metrics);
-        let published = out.weights.inspect(|w| status.version = w.version);
-        if published.is_none() {
-            status.skipped_steps += 1;
-        }
-        drop(status);
-        if published.is_none() {
-            // The batch is consumed but no version moved the admission bound: give its groups
-            // back, or η + 1 skipped steps would stop admission for good.
-            self.replay.release_skipped(groups);
-        }
-        if let Some(w) = &published {
-            metrics::gauge!(m::TRAINER_POLICY_VERSION).set(w.version.0 as f64);
-        }
-        (self.publish)(StepReport {
-            seconds,
-            weights: published,
-        });
-        self.counters.sent(1);
-        self.steps.send_replace(steps);
-    }
 }
 
 /// The text of a caught panic (`panic!` with a literal or a formatted message).
@@ -539,78 +453,4 @@ pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
         .map(|s| (*s).to_owned())
         .or_else(|| panic.downcast_ref::<String>().cloned())
         .unwrap_or_else(|| "(no message)".to_owned())
-}
-
-/// Exports a step's catalog-named scalars: gauges are set, counters incremented by the value.
-/// Histograms the actor records itself (step time, per-token lag) are skipped, so a step's mean
-/// does not count twice; names outside the catalog are ignored (an ad-hoc name would be an
-/// undocumented series). Returns how many names were ignored.
-pub fn export_step_metrics(values: &BTreeMap<String, f64>) -> usize {
-    let mut ignored = 0;
-    for (name, v) in values {
-        match m::find(name).map(|d| d.kind) {
-            Some(MetricKind::Gauge) => metrics::gauge!(name.clone()).set(*v),
-            Some(MetricKind::Counter) if *v >= 0.0 => {
-                metrics::counter!(name.clone()).increment(v.round() as u64)
-            }
-            Some(MetricKind::Histogram)
-                if name != m::TRAINER_STEP_SECONDS
-                    && name != m::TRAINER_TOKEN_VERSION_LAG_VERSIONS =>
-            {
-                metrics::histogram!(name.clone()).record(*v)
-            }
-            Some(_) => {}
-            None => ignored += 1,
-        }
-    }
-    ignored
-}
-
-struct BatchCheck {
-    tokens: u64,
-    lag_sum: u64,
-    max_lag: u64,
-    violations: u64,
-    duplicates: u64,
-}
-
-/// Lags of every token against the weights `version` the batch trains from.
-fn check_batch(
-    batch: &[RolloutGroup],
-    version: PolicyVersion,
-    eta: u64,
-    trained: &mut HashSet<GroupId>,
-) -> BatchCheck {
-    let mut c = BatchCheck {
-        tokens: 0,
-        lag_sum: 0,
-        max_lag: 0,
-        violations: 0,
-        duplicates: 0,
-    };
-    let mut per_lag = [0usize; 64];
-    for g in batch {
-        if !trained.insert(g.id) {
-            c.duplicates += 1;
-        }
-        for v in g
-            .rollouts
-            .iter()
-            .flat_map(|r| r.turns.iter())
-            .flat_map(|t| t.token_versions.iter())
-        {
-            let lag = v.lag_behind(version);
-            c.tokens += 1;
-            c.lag_sum += lag;
-            c.max_lag = c.max_lag.max(lag);
-            if lag > eta {
-                c.violations += 1;
-            }
-            per_lag[(lag as usize).min(63)] += 1;
-        }
-    }
-    for (lag, n) in per_lag.iter().enumerate().filter(|(_, n)| **n > 0) {
-        metrics::histogram!(m::TRAINER_TOKEN_VERSION_LAG_VERSIONS).record_many(lag as f64, *n);
-    }
-    c
 }

@@ -1,0 +1,71 @@
+//! What the controller hears back and passes on: replay store notices (stored, resumed,
+//! dropped, expired groups) and published weights, relayed to the engine with the effective
+//! update mode and to the replay store.
+
+use std::sync::Arc;
+
+use sluice_core::{WeightSnapshot, WeightUpdateMode};
+use sluice_replay::Bucket;
+
+use super::ControllerState;
+use crate::replay::ReplayNotice;
+
+impl ControllerState {
+    pub(super) fn on_replay(&mut self, notice: ReplayNotice) {
+        match notice {
+            ReplayNotice::Stored { id, bucket, counts } => {
+                self.storing.remove(&id);
+                self.counts = counts;
+                let summary = self.ending.remove(&id);
+                if let Some(why) = self.progress.stored(bucket, summary.as_ref()) {
+                    tracing::error!(reason = %why, "the run makes no progress; it stops");
+                    self.status.no_progress.get_or_insert(why);
+                }
+                if bucket == Bucket::Aborted {
+                    self.park_aborted(id);
+                }
+            }
+            ReplayNotice::Resumed(group) => {
+                self.resuming.remove(&group.id);
+                let sample = Arc::new(group.sample.clone());
+                self.start(group, sample);
+            }
+            ReplayNotice::Dropped { id, counts } => {
+                for i in 0..self.config.group_size {
+                    let rollout = id.rollout(i);
+                    if let Some(p) = &self.peers {
+                        p.env.abandon(rollout);
+                    }
+                    self.attempts.remove(&rollout);
+                    self.served_by.remove(&rollout);
+                }
+                self.resuming.remove(&id);
+                self.tail_round.remove(&id);
+                self.counts = counts;
+            }
+            ReplayNotice::Expired { id } => self.expired.push_back(id),
+            ReplayNotice::Counts(counts) => self.counts = counts,
+        }
+    }
+
+    pub(super) fn on_published(&mut self, w: WeightSnapshot) {
+        let Some(peers) = &self.peers else { return };
+        if w.version <= self.version {
+            return;
+        }
+        self.version = w.version;
+        peers.replay.set_version(w.version);
+        let knobs = self.knobs.current();
+        // A tail round runs without aborts: its updates drain instead.
+        let mode = if self.tail_active {
+            WeightUpdateMode::Drain
+        } else {
+            knobs.weight_update_mode
+        };
+        if mode == WeightUpdateMode::Drain {
+            self.draining = true;
+        }
+        peers.engine.update_weights(w, mode);
+        self.counters.sent(1);
+    }
+}

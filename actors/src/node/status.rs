@@ -1,0 +1,107 @@
+//! The node's handles (cheap clones of every actor's, what the admin API holds) and the
+//! `/v1/status` view they gather.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use serde::Serialize;
+use sluice_core::{Knobs, KnobsHandle};
+use sluice_engine::EngineStats;
+use sluice_replay::StoreSnapshot;
+
+use crate::ActorError;
+use crate::checkpoint::{CheckpointDir, CheckpointError, Manifest};
+use crate::controller::{ControllerHandle, ControllerStatus};
+use crate::engine::{EngineHandle, ReplicaHealth};
+use crate::replay::{ReplayHandle, ReplayStatus};
+use crate::sampler::SamplerHandle;
+use crate::supervise_node;
+use crate::trainer::{TrainerHandle, TrainerStatus};
+
+/// Everything `/v1/status` shows.
+#[derive(Debug, Clone, Serialize)]
+pub struct NodeStatus {
+    /// Seconds since the node started.
+    pub uptime_seconds: f64,
+    /// Live knobs.
+    pub knobs: Knobs,
+    /// Controller view.
+    pub controller: ControllerStatus,
+    /// Trainer view.
+    pub trainer: TrainerStatus,
+    /// Replay buckets and counters.
+    pub replay: StoreSnapshot,
+    /// Engine replicas.
+    pub engines: Vec<EngineStats>,
+    /// Supervision record of each engine replica (restarts, failures by cause).
+    pub engine_health: Vec<ReplicaHealth>,
+    /// Why the engine gave up serving (the run stops); `None` while it serves.
+    pub engine_failure: Option<String>,
+    /// The newest checkpoint written or restored by this process.
+    pub checkpoint: Option<Manifest>,
+}
+
+impl NodeStatus {
+    /// Busy fraction of the engine replicas since start (mean over replicas).
+    pub fn engine_busy_ratio(&self) -> f64 {
+        let n = self.engines.len().max(1) as f64;
+        self.engines
+            .iter()
+            .map(|e| {
+                if e.uptime_seconds > 0.0 {
+                    e.busy_seconds / e.uptime_seconds
+                } else {
+                    0.0
+                }
+            })
+            .sum::<f64>()
+            / n
+    }
+}
+
+/// Cheap clones of the node's handles (what the admin API needs).
+#[derive(Clone)]
+pub struct NodeHandles {
+    /// Live knobs.
+    pub knobs: KnobsHandle,
+    /// Controller.
+    pub controller: ControllerHandle,
+    /// Engine.
+    pub engine: EngineHandle,
+    /// Replay store.
+    pub replay: ReplayHandle,
+    /// Trainer.
+    pub trainer: TrainerHandle,
+    /// Sampler (its state goes into checkpoints).
+    pub sampler: SamplerHandle,
+    pub(crate) started: Instant,
+    /// Where checkpoints go (`None`: checkpoints are refused).
+    pub(crate) checkpoint_dir: Option<CheckpointDir>,
+    /// One checkpoint at a time; holds the newest manifest.
+    pub(crate) last_checkpoint: Arc<tokio::sync::Mutex<Option<Manifest>>>,
+}
+
+impl NodeHandles {
+    /// Gathers every actor's view.
+    pub async fn status(&self) -> Result<NodeStatus, ActorError> {
+        let ReplayStatus { store, .. } = self.replay.status().await?;
+        Ok(NodeStatus {
+            uptime_seconds: self.started.elapsed().as_secs_f64(),
+            knobs: self.knobs.current(),
+            controller: self.controller.status().await?,
+            trainer: self.trainer.status(),
+            replay: store,
+            engines: self.engine.stats().await?,
+            engine_health: self.engine.health().await?,
+            engine_failure: self.engine.failure().await?,
+            checkpoint: self.last_checkpoint.lock().await.clone(),
+        })
+    }
+
+    /// Writes a checkpoint now (between two training steps): trainer state, a replay-store commit
+    /// and the manifest, atomically under the checkpoint directory. See
+    /// [`crate::supervise_node`].
+    pub async fn checkpoint(&self) -> Result<Manifest, CheckpointError> {
+        supervise_node::checkpoint(self, "request").await
+    }
+}
