@@ -1,0 +1,151 @@
+//! Phase two of `[engine]` and `[engine.simulated]`.
+
+use std::time::Duration;
+
+use super::{Ctx, choice, non_zero_u32, number, u32_incl_zero, u64_incl_zero};
+use crate::config::error::ConfigError;
+use crate::config::raw::{RawEngine, RawSimEngine};
+use crate::config::typed::{
+    EngineBackend, EngineConfig, LengthDistribution, RunConfig, SimEngineConfig,
+};
+
+pub(super) fn validate_engine(
+    raw: RawEngine,
+    run: &RunConfig,
+    ctx: &Ctx<'_>,
+) -> Result<EngineConfig, ConfigError> {
+    let backend = choice(
+        ctx,
+        "engine.backend",
+        &raw.backend,
+        &[
+            ("native", EngineBackend::Native),
+            ("remote", EngineBackend::Remote),
+            ("simulated", EngineBackend::Simulated),
+        ],
+    )?;
+    for (i, url) in raw.remote_urls.iter().enumerate() {
+        let host = url
+            .strip_prefix("http://")
+            .or_else(|| url.strip_prefix("https://"));
+        if host.is_none_or(|h| h.trim_end_matches('/').is_empty()) {
+            return Err(ctx.value(
+                &format!("engine.remote_urls[{i}]"),
+                format!("expected an http:// or https:// base URL, got `{url}`"),
+            ));
+        }
+    }
+    if backend == EngineBackend::Remote && raw.remote_urls.is_empty() {
+        return Err(ctx.value(
+            "engine.remote_urls",
+            "backend `remote` needs at least one base URL",
+        ));
+    }
+    let timeout = number(
+        ctx,
+        "engine.request_timeout_s",
+        raw.request_timeout_s,
+        "a number of seconds > 0",
+        |v| v > 0.0,
+    )?;
+    Ok(EngineConfig {
+        backend,
+        replicas: non_zero_u32(ctx, "engine.replicas", raw.replicas)?,
+        max_running_sequences: non_zero_u32(
+            ctx,
+            "engine.max_running_sequences",
+            raw.max_running_sequences,
+        )?,
+        max_step_tokens: non_zero_u32(ctx, "engine.max_step_tokens", raw.max_step_tokens)?,
+        threads: u32_incl_zero(ctx, "engine.threads", raw.threads)?,
+        remote_urls: raw.remote_urls,
+        request_timeout: Duration::from_secs_f64(timeout),
+        remote_keep_versions: non_zero_u32(
+            ctx,
+            "engine.remote_keep_versions",
+            raw.remote_keep_versions,
+        )?,
+        simulated: validate_sim_engine(raw.simulated, run, ctx)?,
+    })
+}
+
+fn validate_sim_engine(
+    raw: RawSimEngine,
+    run: &RunConfig,
+    ctx: &Ctx<'_>,
+) -> Result<SimEngineConfig, ConfigError> {
+    let k = |name: &str| format!("engine.simulated.{name}");
+    let seconds =
+        |name: &str, v: f64| number(ctx, &k(name), v, "a number of seconds ≥ 0", |v| v >= 0.0);
+    let mut lengths = std::collections::BTreeMap::new();
+    for (domain, d) in raw.lengths {
+        let key = k(&format!("lengths.{domain}"));
+        let dist = match d.distribution.as_str() {
+            "fixed" => LengthDistribution::Fixed {
+                tokens: non_zero_u32(ctx, &format!("{key}.tokens"), d.tokens)?.get(),
+            },
+            "uniform" => {
+                let min = non_zero_u32(ctx, &format!("{key}.min"), d.min)?.get();
+                let max = non_zero_u32(ctx, &format!("{key}.max"), d.max)?.get();
+                if max < min {
+                    return Err(ctx.value(
+                        &format!("{key}.max"),
+                        format!("expected an integer ≥ min ({min}), got {max}"),
+                    ));
+                }
+                LengthDistribution::Uniform { min, max }
+            }
+            "lognormal" => LengthDistribution::Lognormal {
+                median: number(
+                    ctx,
+                    &format!("{key}.median"),
+                    d.median,
+                    "a number ≥ 1",
+                    |v| v >= 1.0,
+                )?,
+                sigma: number(
+                    ctx,
+                    &format!("{key}.sigma"),
+                    d.sigma,
+                    "a number ≥ 0",
+                    |v| v >= 0.0,
+                )?,
+            },
+            other => {
+                return Err(ctx.value(
+                    &format!("{key}.distribution"),
+                    format!("expected one of fixed, uniform, lognormal, got `{other}`"),
+                ));
+            }
+        };
+        lengths.insert(domain, dist);
+    }
+    lengths
+        .entry("default".to_owned())
+        .or_insert(LengthDistribution::Lognormal {
+            median: 128.0,
+            sigma: 1.0,
+        });
+    Ok(SimEngineConfig {
+        time_scale: seconds("time_scale", raw.time_scale)?,
+        prefill_seconds_per_token: seconds(
+            "prefill_seconds_per_token",
+            raw.prefill_seconds_per_token,
+        )?,
+        decode_step_base_seconds: seconds(
+            "decode_step_base_seconds",
+            raw.decode_step_base_seconds,
+        )?,
+        decode_step_per_sequence_seconds: seconds(
+            "decode_step_per_sequence_seconds",
+            raw.decode_step_per_sequence_seconds,
+        )?,
+        prompt_tokens: non_zero_u32(ctx, &k("prompt_tokens"), raw.prompt_tokens)?,
+        env_reply_tokens: u32_incl_zero(ctx, &k("env_reply_tokens"), raw.env_reply_tokens)?,
+        lengths,
+        seed: match raw.seed {
+            Some(s) => u64_incl_zero(ctx, &k("seed"), s)?,
+            None => run.seed,
+        },
+    })
+}

@@ -1,0 +1,190 @@
+//! Phase two of `[data]` and `[rollout]` (the rollout section reads the data domains).
+
+use std::path::PathBuf;
+use std::str::FromStr;
+
+use super::{Ctx, choice, non_zero_u32, number, u32_incl_zero, u64_incl_zero};
+use crate::config::error::ConfigError;
+use crate::config::raw::{RawData, RawRollout};
+use crate::config::typed::{BadLinePolicy, DataConfig, DatasetSpec, DomainConfig, RolloutConfig};
+use crate::knobs::{AdmissionMode, Knobs, WeightUpdateMode};
+
+pub(super) fn validate_data(raw: RawData, ctx: &Ctx<'_>) -> Result<DataConfig, ConfigError> {
+    let mut datasets: Vec<DatasetSpec> = Vec::with_capacity(raw.datasets.len());
+    for (i, spec) in raw.datasets.iter().enumerate() {
+        let key = format!("data.datasets[{i}]");
+        let parsed: DatasetSpec = spec.parse().map_err(|m: String| ctx.value(&key, m))?;
+        if datasets.contains(&parsed) {
+            return Err(ctx.value(&key, format!("`{spec}` is listed twice")));
+        }
+        datasets.push(parsed);
+    }
+    let mut domains = std::collections::BTreeMap::new();
+    for (name, d) in raw.domains {
+        let key = format!("data.domains.{name}");
+        if !datasets.iter().any(|spec| spec.domain == name) {
+            let known: Vec<&str> = datasets.iter().map(|spec| spec.domain.as_str()).collect();
+            return Err(ctx.value(
+                &key,
+                format!(
+                    "no dataset belongs to domain `{name}`; the datasets' domains are: {}",
+                    known.join(", ")
+                ),
+            ));
+        }
+        if let Some(task) = &d.task {
+            let ok = !task.is_empty()
+                && task
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'));
+            if !ok {
+                return Err(ctx.value(
+                    &format!("{key}.task"),
+                    format!("expected a task name of [A-Za-z0-9_.-], got `{task}`"),
+                ));
+            }
+        }
+        domains.insert(
+            name,
+            DomainConfig {
+                system_prompt: d.system_prompt,
+                task: d.task,
+            },
+        );
+    }
+    Ok(DataConfig {
+        datasets,
+        data_dir: PathBuf::from(raw.data_dir),
+        adaptive_mix: raw.adaptive_mix,
+        domain_options: domains,
+        on_bad_line: choice(
+            ctx,
+            "data.on_bad_line",
+            &raw.on_bad_line,
+            &[("skip", BadLinePolicy::Skip), ("fail", BadLinePolicy::Fail)],
+        )?,
+    })
+}
+
+pub(super) fn validate_rollout(
+    raw: RawRollout,
+    data: &DataConfig,
+    ctx: &Ctx<'_>,
+) -> Result<RolloutConfig, ConfigError> {
+    let group_size = non_zero_u32(ctx, "rollout.group_size", raw.group_size)?;
+    let groups_per_step = non_zero_u32(ctx, "rollout.groups_per_step", raw.groups_per_step)?;
+    let max_version_lag = u64_incl_zero(ctx, "rollout.max_version_lag", raw.max_version_lag)?;
+    let staleness_threshold = number(
+        ctx,
+        "rollout.staleness_threshold",
+        raw.staleness_threshold,
+        "a number ≥ 0",
+        |v| v >= 0.0,
+    )?;
+    if staleness_threshold > crate::knobs::MAX_STALENESS_THRESHOLD {
+        return Err(ctx.value(
+            "rollout.staleness_threshold",
+            format!(
+                "expected a number ≤ {}, got {staleness_threshold}",
+                crate::knobs::MAX_STALENESS_THRESHOLD
+            ),
+        ));
+    }
+    let weight_update_mode = WeightUpdateMode::from_str(&raw.weight_update_mode)
+        .map_err(|m| ctx.value("rollout.weight_update_mode", m))?;
+    let admission =
+        AdmissionMode::from_str(&raw.admission).map_err(|m| ctx.value("rollout.admission", m))?;
+    let trigger = u32_incl_zero(
+        ctx,
+        "rollout.tail_batch_trigger_size",
+        raw.tail_batch_trigger_size,
+    )?;
+    let max_concurrent = u32_incl_zero(
+        ctx,
+        "rollout.max_concurrent_rollouts",
+        raw.max_concurrent_rollouts,
+    )?;
+    // 0 means "no cap beyond admission": the most rollouts admission can ever have in flight.
+    let admission_bound = u64::from(groups_per_step.get())
+        .saturating_mul(max_version_lag.saturating_add(1))
+        .saturating_mul(u64::from(group_size.get()));
+    let max_concurrent_rollouts = if max_concurrent == 0 {
+        u32::try_from(admission_bound).unwrap_or(u32::MAX)
+    } else {
+        max_concurrent
+    };
+    let domains = data.domains();
+    for (domain, &w) in &raw.domain_mix {
+        let key = format!("rollout.domain_mix.{domain}");
+        if !domains.is_empty() && !domains.contains(domain) {
+            return Err(ctx.value(
+                &key,
+                format!(
+                    "unknown domain; data.datasets declares: {}",
+                    domains.join(", ")
+                ),
+            ));
+        }
+        number(ctx, &key, w, "a weight ≥ 0", |v| v >= 0.0)?;
+    }
+    if raw.domain_mix.len() > crate::knobs::MAX_DOMAINS {
+        return Err(ctx.value(
+            "rollout.domain_mix",
+            format!(
+                "expected at most {} domains, got {}",
+                crate::knobs::MAX_DOMAINS,
+                raw.domain_mix.len()
+            ),
+        ));
+    }
+    if !raw.domain_mix.is_empty() && raw.domain_mix.values().sum::<f64>() <= 0.0 {
+        return Err(ctx.value(
+            "rollout.domain_mix",
+            "expected at least one weight > 0, all are 0",
+        ));
+    }
+    let knobs = Knobs {
+        staleness_threshold,
+        max_version_lag,
+        admission,
+        enable_partial_rollout: raw.enable_partial_rollout,
+        tail_batch_candidate_steps: u32_incl_zero(
+            ctx,
+            "rollout.tail_batch_candidate_steps",
+            raw.tail_batch_candidate_steps,
+        )?,
+        tail_batch_trigger_size: if trigger == 0 {
+            groups_per_step.get()
+        } else {
+            trigger
+        },
+        weight_update_mode,
+        domain_mix: raw.domain_mix,
+        max_concurrent_rollouts,
+        paused: raw.paused,
+    };
+    Ok(RolloutConfig {
+        group_size,
+        groups_per_step,
+        max_turns: non_zero_u32(ctx, "rollout.max_turns", raw.max_turns)?,
+        max_new_tokens: non_zero_u32(ctx, "rollout.max_new_tokens", raw.max_new_tokens)?,
+        temperature: number(
+            ctx,
+            "rollout.temperature",
+            raw.temperature,
+            "a number ≥ 0",
+            |v| v >= 0.0,
+        )?,
+        top_p: number(ctx, "rollout.top_p", raw.top_p, "a number in (0, 1]", |v| {
+            v > 0.0 && v <= 1.0
+        })?,
+        top_k: u32_incl_zero(ctx, "rollout.top_k", raw.top_k)?,
+        env_workers: non_zero_u32(ctx, "rollout.env_workers", raw.env_workers)?,
+        env_calls_per_worker: non_zero_u32(
+            ctx,
+            "rollout.env_calls_per_worker",
+            raw.env_calls_per_worker,
+        )?,
+        knobs,
+    })
+}

@@ -1,0 +1,154 @@
+//! Phase two of `[trainer]` and `[trainer.simulated]`.
+
+use super::{Ctx, choice, non_zero_u32, number, u32_incl_zero, u64_incl_zero};
+use crate::config::error::ConfigError;
+use crate::config::raw::{RawSimTrainer, RawTrainer};
+use crate::config::typed::{
+    AdvantageKind, EngineBackend, EngineConfig, LossAggregation, LossKind, LrSchedule,
+    OversizedText, SimTrainerConfig, TisLevel, TisMode, TrainerConfig,
+};
+
+pub(super) fn validate_sim_trainer(
+    raw: RawSimTrainer,
+    engine: &EngineConfig,
+    ctx: &Ctx<'_>,
+) -> Result<SimTrainerConfig, ConfigError> {
+    let seconds = |name: &str, v: f64| {
+        number(
+            ctx,
+            &format!("trainer.simulated.{name}"),
+            v,
+            "a number of seconds ≥ 0",
+            |v| v >= 0.0,
+        )
+    };
+    Ok(SimTrainerConfig {
+        enabled: raw
+            .enabled
+            .unwrap_or(engine.backend == EngineBackend::Simulated),
+        step_base_seconds: seconds("step_base_seconds", raw.step_base_seconds)?,
+        step_seconds_per_token: seconds("step_seconds_per_token", raw.step_seconds_per_token)?,
+    })
+}
+
+pub(super) fn validate_trainer(
+    raw: RawTrainer,
+    engine: &EngineConfig,
+    ctx: &Ctx<'_>,
+) -> Result<TrainerConfig, ConfigError> {
+    Ok(TrainerConfig {
+        simulated: validate_sim_trainer(raw.simulated, engine, ctx)?,
+        loss: choice(
+            ctx,
+            "trainer.loss",
+            &raw.loss,
+            &[
+                ("ppo", LossKind::Ppo),
+                ("tis", LossKind::Tis),
+                ("decoupled_ppo", LossKind::DecoupledPpo),
+            ],
+        )?,
+        learning_rate: number(
+            ctx,
+            "trainer.learning_rate",
+            raw.learning_rate,
+            "a number > 0",
+            |v| v > 0.0,
+        )?,
+        lr_schedule: choice(
+            ctx,
+            "trainer.lr_schedule",
+            &raw.lr_schedule,
+            &[
+                ("constant", LrSchedule::Constant),
+                ("cosine", LrSchedule::Cosine),
+            ],
+        )?,
+        warmup_steps: u64_incl_zero(ctx, "trainer.warmup_steps", raw.warmup_steps)?,
+        weight_decay: number(
+            ctx,
+            "trainer.weight_decay",
+            raw.weight_decay,
+            "a number ≥ 0",
+            |v| v >= 0.0,
+        )?,
+        max_grad_norm: number(
+            ctx,
+            "trainer.max_grad_norm",
+            raw.max_grad_norm,
+            "a number > 0",
+            |v| v > 0.0,
+        )?,
+        clip_low: number(
+            ctx,
+            "trainer.clip_low",
+            raw.clip_low,
+            "a number in [0, 1)",
+            |v| (0.0..1.0).contains(&v),
+        )?,
+        clip_high: number(
+            ctx,
+            "trainer.clip_high",
+            raw.clip_high,
+            "a number ≥ 0",
+            |v| v >= 0.0,
+        )?,
+        kl_coef: number(ctx, "trainer.kl_coef", raw.kl_coef, "a number ≥ 0", |v| {
+            v >= 0.0
+        })?,
+        micro_batch_size: non_zero_u32(ctx, "trainer.micro_batch_size", raw.micro_batch_size)?,
+        max_seq_len: non_zero_u32(ctx, "trainer.max_seq_len", raw.max_seq_len)?,
+        minibatches: non_zero_u32(ctx, "trainer.minibatches", raw.minibatches)?,
+        threads: u32_incl_zero(ctx, "trainer.threads", raw.threads)?,
+        activation_checkpointing: raw.activation_checkpointing,
+        advantage: choice(
+            ctx,
+            "trainer.advantage",
+            &raw.advantage,
+            &[
+                ("group", AdvantageKind::Group),
+                ("situational", AdvantageKind::Situational),
+            ],
+        )?,
+        normalize_advantage_std: raw.normalize_advantage_std,
+        gamma: number(ctx, "trainer.gamma", raw.gamma, "a number in (0, 1]", |v| {
+            v > 0.0 && v <= 1.0
+        })?,
+        only_keep_outcome: raw.only_keep_outcome,
+        pad_situations: raw.pad_situations,
+        loss_aggregation: choice(
+            ctx,
+            "trainer.loss_aggregation",
+            &raw.loss_aggregation,
+            &[
+                ("token_mean", LossAggregation::TokenMean),
+                ("sequence_mean", LossAggregation::SequenceMean),
+                ("rollout_normalized", LossAggregation::RolloutNormalized),
+            ],
+        )?,
+        tis_level: choice(
+            ctx,
+            "trainer.tis_level",
+            &raw.tis_level,
+            &[("token", TisLevel::Token), ("sequence", TisLevel::Sequence)],
+        )?,
+        tis_mode: choice(
+            ctx,
+            "trainer.tis_mode",
+            &raw.tis_mode,
+            &[("truncate", TisMode::Truncate), ("mask", TisMode::Mask)],
+        )?,
+        is_cap: number(ctx, "trainer.is_cap", raw.is_cap, "a number > 0", |v| {
+            v > 0.0
+        })?,
+        oversized_text: choice(
+            ctx,
+            "trainer.oversized_text",
+            &raw.oversized_text,
+            &[
+                ("split", OversizedText::Split),
+                ("reject", OversizedText::Reject),
+            ],
+        )?,
+    })
+}
