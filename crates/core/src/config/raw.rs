@@ -6,6 +6,10 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+mod trainer;
+
+pub use trainer::*;
+
 /// The whole file.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -193,119 +197,6 @@ impl Default for RawEngine {
             request_timeout_s: 120.0,
             remote_keep_versions: 3,
             simulated: RawSimEngine::default(),
-        }
-    }
-}
-
-/// `[trainer]`: optimisation and loss.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct RawTrainer {
-    /// `ppo`, `tis` or `decoupled_ppo`.
-    pub loss: String,
-    /// Peak learning rate.
-    pub learning_rate: f64,
-    /// `constant` or `cosine` (after warmup).
-    pub lr_schedule: String,
-    /// Linear warmup steps.
-    pub warmup_steps: i64,
-    /// AdamW decoupled weight decay.
-    pub weight_decay: f64,
-    /// Global gradient-norm clip.
-    pub max_grad_norm: f64,
-    /// Lower clip ε of the ratio (`1 − ε`).
-    pub clip_low: f64,
-    /// Upper clip ε of the ratio (`1 + ε`).
-    pub clip_high: f64,
-    /// KL penalty coefficient against the reference policy (0 disables it).
-    pub kl_coef: f64,
-    /// Rows `B` of one packed micro-batch.
-    pub micro_batch_size: i64,
-    /// Row length `L` of one packed micro-batch, tokens.
-    pub max_seq_len: i64,
-    /// Optimizer updates per training step: the step's groups are split into this many
-    /// minibatches, one update each, and the step still publishes one version.
-    pub minibatches: i64,
-    /// `group` or `situational`.
-    pub advantage: String,
-    /// Divide group advantages by the group's reward std.
-    pub normalize_advantage_std: bool,
-    /// Discount of the final reward per turn back from the end of an episode, in (0, 1].
-    pub gamma: f64,
-    /// Train only on the last turn of each rollout.
-    pub only_keep_outcome: bool,
-    /// Situational advantages: pad shorter rollouts into every situation baseline.
-    pub pad_situations: bool,
-    /// `token_mean`, `sequence_mean` or `rollout_normalized`.
-    pub loss_aggregation: String,
-    /// `token` or `sequence` importance weights (`tis`).
-    pub tis_level: String,
-    /// `truncate` or `mask` importance weights above `is_cap`.
-    pub tis_mode: String,
-    /// Importance-weight cap (`tis`, `decoupled_ppo`).
-    pub is_cap: f64,
-    /// `split` or `reject` a training text longer than `max_seq_len`.
-    pub oversized_text: String,
-    /// Compute threads of the native trainer (0 = half the cores beside a native engine, else
-    /// all of them).
-    pub threads: i64,
-    /// Keep only each layer's input in the forward and recompute the rest in the backward.
-    pub activation_checkpointing: bool,
-    /// `[trainer.simulated]`: the step-time model of the simulated trainer.
-    pub simulated: RawSimTrainer,
-}
-
-/// `[trainer.simulated]`: step time `c + d · tokens`, simulated seconds (scaled by
-/// `engine.simulated.time_scale`).
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct RawSimTrainer {
-    /// Use the simulated trainer (default: when `engine.backend = "simulated"`).
-    pub enabled: Option<bool>,
-    /// `c`: fixed cost of a step.
-    pub step_base_seconds: f64,
-    /// `d`: cost per trained token.
-    pub step_seconds_per_token: f64,
-}
-
-impl Default for RawSimTrainer {
-    fn default() -> Self {
-        Self {
-            enabled: None,
-            step_base_seconds: 0.5,
-            step_seconds_per_token: 0.000_01,
-        }
-    }
-}
-
-impl Default for RawTrainer {
-    fn default() -> Self {
-        Self {
-            loss: "ppo".into(),
-            learning_rate: 1e-5,
-            lr_schedule: "constant".into(),
-            warmup_steps: 0,
-            weight_decay: 0.0,
-            max_grad_norm: 1.0,
-            clip_low: 0.2,
-            clip_high: 0.2,
-            kl_coef: 0.0,
-            micro_batch_size: 4,
-            max_seq_len: 2048,
-            minibatches: 1,
-            advantage: "group".into(),
-            normalize_advantage_std: true,
-            gamma: 1.0,
-            only_keep_outcome: false,
-            pad_situations: false,
-            loss_aggregation: "token_mean".into(),
-            tis_level: "token".into(),
-            tis_mode: "truncate".into(),
-            is_cap: 2.0,
-            oversized_text: "split".into(),
-            threads: 0,
-            activation_checkpointing: false,
-            simulated: RawSimTrainer::default(),
         }
     }
 }
