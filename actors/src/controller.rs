@@ -1,15 +1,10 @@
-//! The RolloutController actor: decides what generates next (§4.1–4.3).
+//! The RolloutController actor: decides what generates next (§4.1–4.3) and assembles groups.
 //!
-//! At every decision (any event, or a knob change) it reads the live knobs and:
-//! 1. does nothing new while `paused` or while a `drain` weight update is pending;
-//! 2. runs a tail round when enough tail candidates wait: only they are resumed (at most
-//!    `remaining` in flight: no over-sending), nothing is admitted, and weight updates during the
-//!    round drain instead of aborting; the round ends when every candidate is stored;
-//! 3. otherwise keeps `ceil((1 + s) · remaining)` groups in flight (capped by
-//!    `max_concurrent_rollouts / group_size`), taking aborted and expired groups first and
-//!    admitting fresh samples only while `admitted < (v + η + 1) · groups_per_step` and, with
-//!    `admission = "demand"`, while the groups not yet trained fall short of the trainer's demand
-//!    ([`sluice_replay::Pace`], measured here from step and group times).
+//! The decision rules (aborted-first resumes, over-sending, η and demand admission, tail rounds)
+//! are [`sluice_replay::Scheduler`]'s; the actor feeds it every event and carries out what it
+//! decides. Weight updates during a tail round drain instead of aborting. What stays here is the
+//! per-group assembly: engine requests, env steps, turn stitching, replica affinity of resumed
+//! rollouts, the weight relay and the outcome statistics.
 //!
 //! A group counts as in flight from admission (or a resume request) until the replay store has
 //! durably stored it, so an acknowledged completion and the in-flight count never overlap.
@@ -30,7 +25,7 @@ use sluice_core::{
 };
 use sluice_engine::SamplingParams;
 use sluice_env::OutcomeStats;
-use sluice_replay::{GroupSummary, Pace, ProgressWatch};
+use sluice_replay::{GroupSummary, Pace, ProgressWatch, Scheduler};
 
 use crate::engine::{EngineHandle, EngineReport};
 use crate::env_worker::{EnvPoolHandle, EnvResult};
@@ -204,18 +199,12 @@ pub struct ControllerState {
     resuming: HashSet<GroupId>,
     /// Groups sent to the replay store as finished or aborted, not yet acknowledged.
     storing: HashSet<GroupId>,
-    aborted: VecDeque<GroupId>,
-    expired: VecDeque<GroupId>,
-    tail: VecDeque<GroupId>,
-    tail_round: HashSet<GroupId>,
-    /// A tail round is running: only candidates are served until none is left.
-    tail_active: bool,
+    /// Aborted, expired and tail groups waiting to resume, and the decision rules.
+    scheduler: Scheduler,
     attempts: HashMap<RolloutId, u32>,
     /// The replica that last served each unfinished rollout: its next turn or its resume after
     /// an abort goes back there (prefix cache, §4.2), across trips through the aborted bucket.
     served_by: HashMap<RolloutId, u32>,
-    /// Largest abort count of each group on its way to the aborted bucket.
-    abort_counts: HashMap<GroupId, u32>,
     samples: VecDeque<DataSample>,
     samples_requested: usize,
     draining: bool,
@@ -244,6 +233,7 @@ impl Actor for ControllerActor {
         (config, knobs): Self::Arguments,
     ) -> Result<ControllerState, ActorProcessingErr> {
         let progress = ProgressWatch::new(config.no_progress_groups);
+        let scheduler = Scheduler::new(config.group_size, config.groups_per_step);
         // Knob changes are decisions too: a paused, idle pipeline must notice an unpause.
         let mut rx = knobs.subscribe();
         let knob_watch = tokio::spawn(async move {
@@ -264,14 +254,9 @@ impl Actor for ControllerActor {
             work: HashMap::new(),
             resuming: HashSet::new(),
             storing: HashSet::new(),
-            aborted: VecDeque::new(),
-            expired: VecDeque::new(),
-            tail: VecDeque::new(),
-            tail_round: HashSet::new(),
-            tail_active: false,
+            scheduler,
             attempts: HashMap::new(),
             served_by: HashMap::new(),
-            abort_counts: HashMap::new(),
             samples: VecDeque::new(),
             samples_requested: 0,
             draining: false,
@@ -349,15 +334,11 @@ impl ControllerState {
         self.admitted_total = r.admitted_total;
         self.version = r.policy_version;
         self.counts = r.counts;
-        let k = self.knobs.current().tail_batch_candidate_steps;
-        for (id, aborts) in &r.aborted {
-            if k > 0 && *aborts > k {
-                self.tail.push_back(*id);
-            } else {
-                self.aborted.push_back(*id);
-            }
-        }
-        self.expired.extend(r.expired.iter().copied());
+        self.scheduler.recover(
+            r.aborted.iter().copied(),
+            r.expired.iter().copied(),
+            &self.knobs.current(),
+        );
         self.peers = Some(peers);
     }
 }

@@ -33,6 +33,8 @@ pub struct ReplayCounts {
     pub released_total: u64,
     /// Groups handed to the trainer.
     pub consumed_total: u64,
+    /// The trainer waits for a batch the store cannot fill yet.
+    pub trainer_waiting: bool,
 }
 
 /// What the replay store tells the controller.
@@ -313,6 +315,7 @@ impl Actor for ReplayActor {
             persister,
             notices,
             pending_take: None,
+            told_waiting: false,
             counters: counters.clone(),
         };
         let thread = std::thread::Builder::new()

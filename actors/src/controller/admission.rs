@@ -1,11 +1,12 @@
-//! Admission, over-sending and the tail round: the scheduling decision taken after every
-//! event (see the [`super`] module docs), and where aborted groups wait for their resume.
+//! Carrying out the scheduling decision taken after every event: the rules themselves live in
+//! [`sluice_replay::Scheduler`]; here the controller tells it what it knows and starts what it
+//! decides.
 
 use std::sync::Arc;
 
 use sluice_core::metrics as m;
-use sluice_core::{AdmissionMode, DataSample, GroupId, RolloutGroup};
-use sluice_replay::{admission_allows, demand_allows, in_flight_target, remaining_for_step};
+use sluice_core::{DataSample, GroupId, RolloutGroup};
+use sluice_replay::{Bucket, SchedulerView};
 
 use super::ControllerState;
 
@@ -14,106 +15,54 @@ impl ControllerState {
         (self.work.len() + self.resuming.len() + self.storing.len()) as u64
     }
 
-    /// Groups admitted and not yet trained: ready in the store, in flight, or waiting to resume.
-    pub(super) fn pending(&self) -> u64 {
-        self.counts.completed
-            + self.in_flight()
-            + (self.aborted.len() + self.expired.len() + self.tail.len()) as u64
+    fn view(&self) -> SchedulerView {
+        SchedulerView {
+            version: self.version.0,
+            completed: self.counts.completed,
+            admitted_total: self.admitted_total,
+            released_total: self.counts.released_total,
+            in_flight: self.in_flight(),
+            draining: self.draining,
+            samples_on_hand: self.samples.len(),
+            demand: self.pace.demand(self.config.groups_per_step),
+            trainer_waiting: self.counts.trainer_waiting,
+        }
     }
 
-    /// One scheduling decision; see the module docs.
+    /// Groups admitted and not yet trained: ready in the store, in flight, or waiting to resume.
+    pub(super) fn pending(&self) -> u64 {
+        self.scheduler.pending(&self.view())
+    }
+
+    /// One scheduling decision; see [`sluice_replay::scheduler`].
     pub(super) fn schedule(&mut self) {
-        let Some(peers) = &self.peers else { return };
-        let knobs = self.knobs.current();
-        self.status.decisions += 1;
-        let b = self.config.groups_per_step;
-        let eta = knobs.max_version_lag;
-        let mut resumes: Vec<GroupId> = Vec::new();
-        let mut fresh: Vec<DataSample> = Vec::new();
-        if !knobs.paused && !self.draining {
-            self.tail_round.retain(|id| {
-                self.work.contains_key(id)
-                    || self.resuming.contains(id)
-                    || self.storing.contains(id)
-            });
-            let k = knobs.tail_batch_candidate_steps;
-            if k == 0 && !self.tail.is_empty() && !self.tail_active {
-                // The tail batch was switched off: candidates are ordinary aborted groups again.
-                self.aborted.extend(self.tail.drain(..));
-            }
-            if !self.tail_active
-                && k > 0
-                && self.tail.len() >= knobs.tail_batch_trigger_size as usize
-            {
-                self.tail_active = true;
-                self.status.tail_rounds += 1;
-                let size = self.tail.len() as u64;
-                self.status.tail_round_min_size = if self.status.tail_rounds == 1 {
-                    size
-                } else {
-                    self.status.tail_round_min_size.min(size)
-                };
-            }
-            if self.tail_active && self.tail.is_empty() && self.tail_round.is_empty() {
-                self.tail_active = false;
-            }
-            let remaining = remaining_for_step(b, self.counts.completed);
-            let cap = u64::from((knobs.max_concurrent_rollouts / self.config.group_size).max(1));
-            let mut active = self.in_flight();
-            if self.tail_active {
-                // A tail round serves only candidates, without over-sending (s = 0).
-                while active < remaining.min(cap) {
-                    let Some(id) = self.tail.pop_front() else {
-                        break;
-                    };
-                    self.tail_round.insert(id);
-                    resumes.push(id);
-                    active += 1;
-                }
-            } else {
-                let target = in_flight_target(knobs.staleness_threshold, remaining).min(cap);
-                while active < target {
-                    if let Some(id) = self
-                        .aborted
-                        .pop_front()
-                        .or_else(|| self.expired.pop_front())
-                    {
-                        resumes.push(id);
-                    } else {
-                        let load =
-                            self.admitted_total + fresh.len() as u64 - self.counts.released_total;
-                        if !admission_allows(load, self.version.0, eta, b) {
-                            break;
-                        }
-                        let pending = self.pending() + fresh.len() as u64;
-                        if knobs.admission == AdmissionMode::Demand
-                            && !demand_allows(pending, self.pace.demand(b))
-                        {
-                            self.status.demand_holds += 1;
-                            break;
-                        }
-                        let Some(sample) = self.samples.pop_front() else {
-                            break;
-                        };
-                        fresh.push(sample);
-                    }
-                    active += 1;
-                }
-                // Keep a batch of samples ready beyond what the target needs now.
-                let want = (target as usize).max(b as usize) + b as usize;
-                if self.samples_requested == 0 && self.samples.len() < want {
-                    self.samples_requested = want - self.samples.len();
-                    peers.sampler.request(self.samples_requested);
-                    self.counters.sent(1);
-                }
-            }
+        if self.peers.is_none() {
+            return;
         }
-        for id in resumes {
-            self.resuming.insert(id);
-            peers
-                .replay
-                .resume(id, self.version, eta, knobs.enable_partial_rollout);
+        let knobs = self.knobs.current();
+        let view = self.view();
+        let decision = self.scheduler.decide(&knobs, &view);
+        let fresh: Vec<DataSample> = self.samples.drain(..decision.admit).collect();
+        if let Some(want) = decision.samples_wanted
+            && self.samples_requested == 0
+            && self.samples.len() < want
+            && let Some(peers) = &self.peers
+        {
+            self.samples_requested = want - self.samples.len();
+            peers.sampler.request(self.samples_requested);
             self.counters.sent(1);
+        }
+        if let Some(peers) = &self.peers {
+            for id in decision.resumes {
+                self.resuming.insert(id);
+                peers.replay.resume(
+                    id,
+                    self.version,
+                    knobs.max_version_lag,
+                    knobs.enable_partial_rollout,
+                );
+                self.counters.sent(1);
+            }
         }
         for sample in fresh {
             self.admit(sample);
@@ -133,22 +82,20 @@ impl ControllerState {
         peers.replay.admit(group.clone());
         self.counters.sent(1);
         self.admitted_total += 1;
-        if self.tail_active {
+        if self.scheduler.tail_active() {
             self.status.admitted_during_tail += 1;
         }
         metrics::counter!(m::ROLLOUT_ADMITTED_GROUPS).increment(1);
         self.start(group, Arc::new(sample));
     }
 
-    pub(super) fn park_aborted(&mut self, id: GroupId) {
-        let k = self.knobs.current().tail_batch_candidate_steps;
-        let max_aborts = self.abort_counts.remove(&id).unwrap_or(0);
-        if k > 0 && max_aborts > k {
-            self.tail.push_back(id);
-        } else {
-            self.aborted.push_back(id);
+    /// The store holds `id` in `bucket` now: the scheduler parks an aborted group as a resume or
+    /// a tail candidate.
+    pub(super) fn stored(&mut self, id: GroupId, bucket: Bucket) {
+        self.scheduler.stored(id, bucket, &self.knobs.current());
+        if bucket == Bucket::Aborted {
+            metrics::gauge!(m::ROLLOUT_TAIL_CANDIDATE_ROLLOUTS)
+                .set((self.scheduler.tail_candidates() * u64::from(self.config.group_size)) as f64);
         }
-        metrics::gauge!(m::ROLLOUT_TAIL_CANDIDATE_ROLLOUTS)
-            .set((self.tail.len() as u64 * u64::from(self.config.group_size)) as f64);
     }
 }

@@ -182,7 +182,7 @@ impl ControllerState {
                 .map(|r| r.abort_count)
                 .max()
                 .unwrap_or(0);
-            self.abort_counts.insert(gid, max_aborts);
+            self.scheduler.group_aborted(gid, max_aborts);
             peers.replay.abort(group);
             self.counters.sent(1);
         } else {

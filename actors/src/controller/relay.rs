@@ -5,7 +5,6 @@
 use std::sync::Arc;
 
 use sluice_core::{WeightSnapshot, WeightUpdateMode};
-use sluice_replay::Bucket;
 
 use super::ControllerState;
 use crate::replay::ReplayNotice;
@@ -21,9 +20,7 @@ impl ControllerState {
                     tracing::error!(reason = %why, "the run makes no progress; it stops");
                     self.status.no_progress.get_or_insert(why);
                 }
-                if bucket == Bucket::Aborted {
-                    self.park_aborted(id);
-                }
+                self.stored(id, bucket);
             }
             ReplayNotice::Resumed(group) => {
                 self.resuming.remove(&group.id);
@@ -40,10 +37,10 @@ impl ControllerState {
                     self.served_by.remove(&rollout);
                 }
                 self.resuming.remove(&id);
-                self.tail_round.remove(&id);
+                self.scheduler.dropped(id);
                 self.counts = counts;
             }
-            ReplayNotice::Expired { id } => self.expired.push_back(id),
+            ReplayNotice::Expired { id } => self.scheduler.expired(id),
             ReplayNotice::Counts(counts) => self.counts = counts,
         }
     }
@@ -57,7 +54,7 @@ impl ControllerState {
         peers.replay.set_version(w.version);
         let knobs = self.knobs.current();
         // A tail round runs without aborts: its updates drain instead.
-        let mode = if self.tail_active {
+        let mode = if self.scheduler.tail_active() {
             WeightUpdateMode::Drain
         } else {
             knobs.weight_update_mode

@@ -30,8 +30,12 @@ pub struct ControllerStatus {
     pub draining: bool,
     /// Tail rounds started.
     pub tail_rounds: u64,
-    /// Smallest number of candidates a tail round started with (0 before the first round).
+    /// Smallest number of candidates a tail round started with at its trigger (0 before the
+    /// first round).
     pub tail_round_min_size: u64,
+    /// Tail rounds started below the trigger size because only tail candidates could fill the
+    /// batch the trainer waited for (η had closed admission).
+    pub early_tail_rounds: u64,
     /// Fresh groups admitted while a tail round ran (must stay 0: no over-sending in the tail).
     pub admitted_during_tail: u64,
     /// Scheduling decisions taken.
@@ -70,6 +74,7 @@ pub struct PaceStatus {
 impl ControllerState {
     pub(super) fn snapshot(&self) -> ControllerStatus {
         let b = self.config.groups_per_step;
+        let stats = self.scheduler.stats();
         ControllerStatus {
             pace: PaceStatus {
                 train_step_seconds: self.pace.train_step_seconds,
@@ -80,10 +85,15 @@ impl ControllerState {
             version: self.version,
             admitted_total: self.admitted_total,
             in_flight: self.in_flight(),
-            aborted_waiting: self.aborted.len() as u64,
-            expired_waiting: self.expired.len() as u64,
-            tail_candidates: self.tail.len() as u64,
-            tail_round: self.tail_active,
+            aborted_waiting: self.scheduler.aborted_waiting(),
+            expired_waiting: self.scheduler.expired_waiting(),
+            tail_candidates: self.scheduler.tail_candidates(),
+            tail_round: self.scheduler.tail_active(),
+            tail_rounds: stats.tail_rounds,
+            tail_round_min_size: stats.tail_round_min_size,
+            early_tail_rounds: stats.early_tail_rounds,
+            decisions: stats.decisions,
+            demand_holds: stats.demand_holds,
             draining: self.draining,
             replay: self.counts,
             ..self.status.clone()

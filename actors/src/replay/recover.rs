@@ -36,6 +36,7 @@ pub(super) fn counts(store: &ReplayStore) -> ReplayCounts {
         completed: store.count(Bucket::Completed),
         released_total: c.released_total,
         consumed_total: c.consumed_total,
+        trainer_waiting: false,
     }
 }
 

@@ -11,7 +11,7 @@ use sluice_core::{PolicyVersion, RolloutGroup};
 use sluice_replay::{Bucket, Persister, ReplayStore, TakeOutcome};
 
 use super::recover::counts;
-use super::{Cmd, ReplayNotice, ReplayStatus};
+use super::{Cmd, ReplayCounts, ReplayNotice, ReplayStatus};
 use crate::Sink;
 use crate::telemetry::ActorCounters;
 
@@ -22,6 +22,8 @@ pub(super) struct Worker {
     pub(super) persister: Option<Persister>,
     pub(super) notices: Sink<ReplayNotice>,
     pub(super) pending_take: Option<(usize, PolicyVersion, u64, RpcReplyPort<Vec<RolloutGroup>>)>,
+    /// Whether the controller last heard that the trainer waits ([`ReplayCounts::trainer_waiting`]).
+    pub(super) told_waiting: bool,
     pub(super) counters: ActorCounters,
 }
 
@@ -39,6 +41,7 @@ impl Worker {
                 self.apply(cmd, &mut out);
             }
             self.try_take(&mut out);
+            self.mark_waiting(&mut out);
             let ops = self.store.drain_outbox();
             if let Some(p) = &self.persister {
                 let start = Instant::now();
@@ -181,6 +184,32 @@ impl Worker {
                 self.pending_take = Some((n, version, eta, reply));
             }
         }
+    }
+
+    /// Stamps whether the trainer still waits on every count going out, and tells the controller
+    /// when that changed with nothing else to carry it: its scheduler starts a tail round early
+    /// only for a waiting trainer.
+    fn mark_waiting(&mut self, out: &mut Vec<Out>) {
+        let waiting = self.pending_take.is_some();
+        let mut carried = false;
+        for o in out.iter_mut() {
+            if let Out::Notice(
+                ReplayNotice::Stored { counts, .. }
+                | ReplayNotice::Dropped { counts, .. }
+                | ReplayNotice::Counts(counts),
+            ) = o
+            {
+                counts.trainer_waiting = waiting;
+                carried = true;
+            }
+        }
+        if waiting != self.told_waiting && !carried {
+            out.push(Out::Notice(ReplayNotice::Counts(ReplayCounts {
+                trainer_waiting: waiting,
+                ..counts(&self.store)
+            })));
+        }
+        self.told_waiting = waiting;
     }
 
     fn status(&self) -> ReplayStatus {

@@ -5,6 +5,7 @@
 //! | [`bucket`] | the per-group state machine `Pending → InFlight → Completed \| Aborted \| Expired \| Failed \| Filtered → Consumed` |
 //! | [`store`] | [`ReplayStore`]: groups by bucket, transition counters, admission accounting, `take_batch` |
 //! | [`admission`] | the admission bound and the over-sending target, as pure functions |
+//! | [`scheduler`] | [`Scheduler`]: what generates next — resumes first, over-sending, admission, tail rounds |
 //! | [`persist`] | [`Persister`]: the redb database under the run's output dir |
 //! | [`error`] | [`ReplayError`] with stable `kind()` names |
 //!
@@ -15,6 +16,7 @@ pub mod bucket;
 pub mod error;
 pub mod persist;
 pub mod progress;
+pub mod scheduler;
 pub mod store;
 
 pub use admission::{Pace, admission_allows, demand_allows, in_flight_target, remaining_for_step};
@@ -22,4 +24,5 @@ pub use bucket::Bucket;
 pub use error::ReplayError;
 pub use persist::{PersistOp, Persister, Recovered};
 pub use progress::{GroupSummary, ProgressWatch};
+pub use scheduler::{Decision, Scheduler, SchedulerStats, SchedulerView};
 pub use store::{Counters, FinishOutcome, ReplayStore, StoreSnapshot, TakeOutcome};

@@ -1,0 +1,310 @@
+//! Property tests of the scheduler against a small simulated pipeline: groups in flight finish,
+//! abort, get filtered or expire in random order, the trainer takes a batch whenever one is ready
+//! and publishes a version when its step ends, and the knobs change mid-run.
+//!
+//! Invariants at every decision: the η bound holds for every admission, nothing fresh is admitted
+//! while resumes wait or during a tail round, a tail round never over-sends, and in-flight work
+//! never grows past the over-sending target. Liveness: once the random phase ends, a run that
+//! only finishes what it starts always reaches more training steps — whatever the knobs left in
+//! the tail queue.
+
+use std::collections::{BTreeMap, HashMap};
+
+use proptest::prelude::*;
+use sluice_core::{AdmissionMode, GroupId, Knobs, NodeId, RunId, WeightUpdateMode};
+use sluice_replay::{
+    Bucket, Scheduler, SchedulerView, admission_allows, in_flight_target, remaining_for_step,
+};
+
+#[derive(Debug, Clone)]
+enum Op {
+    Finish(usize),
+    Abort(usize),
+    Filter(usize),
+    Expire(usize),
+    TrainerDone,
+    Knobs(KnobChange),
+}
+
+#[derive(Debug, Clone)]
+struct KnobChange {
+    eta: u64,
+    staleness: f64,
+    candidate_steps: u32,
+    trigger: u32,
+    demand: bool,
+}
+
+fn knob_change() -> impl Strategy<Value = KnobChange> {
+    (0u64..3, 0.0f64..1.5, 0u32..3, 1u32..5, any::<bool>()).prop_map(
+        |(eta, staleness, candidate_steps, trigger, demand)| KnobChange {
+            eta,
+            staleness,
+            candidate_steps,
+            trigger,
+            demand,
+        },
+    )
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        6 => any::<usize>().prop_map(Op::Finish),
+        4 => any::<usize>().prop_map(Op::Abort),
+        1 => any::<usize>().prop_map(Op::Filter),
+        1 => any::<usize>().prop_map(Op::Expire),
+        3 => Just(Op::TrainerDone),
+        1 => knob_change().prop_map(Op::Knobs),
+    ]
+}
+
+fn knobs(c: &KnobChange, max_concurrent_rollouts: u32) -> Knobs {
+    Knobs {
+        staleness_threshold: c.staleness,
+        max_version_lag: c.eta,
+        admission: if c.demand {
+            AdmissionMode::Demand
+        } else {
+            AdmissionMode::Eta
+        },
+        enable_partial_rollout: true,
+        tail_batch_candidate_steps: c.candidate_steps,
+        tail_batch_trigger_size: c.trigger,
+        weight_update_mode: WeightUpdateMode::AbortResume,
+        domain_mix: BTreeMap::new(),
+        max_concurrent_rollouts,
+        paused: false,
+    }
+}
+
+/// The pipeline around the scheduler, reduced to ids and counts.
+struct World {
+    b: u32,
+    group_size: u32,
+    knobs: Knobs,
+    scheduler: Scheduler,
+    version: u64,
+    /// In flight, with the largest abort count of the group's rollouts.
+    in_flight: Vec<(GroupId, u32)>,
+    completed: Vec<GroupId>,
+    aborts: HashMap<GroupId, u32>,
+    admitted_total: u64,
+    released_total: u64,
+    next_id: u64,
+    trainer_busy: bool,
+    steps: u64,
+}
+
+impl World {
+    fn new(b: u32, group_size: u32, knobs: Knobs) -> Self {
+        Self {
+            b,
+            group_size,
+            scheduler: Scheduler::new(group_size, b),
+            knobs,
+            version: 0,
+            in_flight: Vec::new(),
+            completed: Vec::new(),
+            aborts: HashMap::new(),
+            admitted_total: 0,
+            released_total: 0,
+            next_id: 0,
+            trainer_busy: false,
+            steps: 0,
+        }
+    }
+
+    fn take_in_flight(&mut self, pick: usize) -> Option<(GroupId, u32)> {
+        if self.in_flight.is_empty() {
+            return None;
+        }
+        let i = pick % self.in_flight.len();
+        Some(self.in_flight.swap_remove(i))
+    }
+
+    fn apply(&mut self, op: &Op) {
+        match op {
+            Op::Finish(pick) => {
+                if let Some((id, _)) = self.take_in_flight(*pick) {
+                    self.completed.push(id);
+                    self.scheduler.stored(id, Bucket::Completed, &self.knobs);
+                }
+            }
+            Op::Abort(pick) => {
+                if let Some((id, aborts)) = self.take_in_flight(*pick) {
+                    self.aborts.insert(id, aborts + 1);
+                    self.scheduler.group_aborted(id, aborts + 1);
+                    self.scheduler.stored(id, Bucket::Aborted, &self.knobs);
+                }
+            }
+            Op::Filter(pick) => {
+                if let Some((id, _)) = self.take_in_flight(*pick) {
+                    self.released_total += 1;
+                    self.scheduler.stored(id, Bucket::Filtered, &self.knobs);
+                }
+            }
+            Op::Expire(pick) => {
+                if !self.completed.is_empty() {
+                    let id = self.completed.remove(pick % self.completed.len());
+                    self.scheduler.expired(id);
+                }
+            }
+            Op::TrainerDone => {
+                if self.trainer_busy {
+                    self.trainer_busy = false;
+                    self.version += 1;
+                    self.steps += 1;
+                }
+            }
+            Op::Knobs(c) => self.knobs = knobs(c, self.knobs.max_concurrent_rollouts),
+        }
+        if !self.trainer_busy && self.completed.len() >= self.b as usize {
+            self.completed.drain(..self.b as usize);
+            self.trainer_busy = true;
+        }
+        self.decide();
+    }
+
+    fn view(&self) -> SchedulerView {
+        SchedulerView {
+            version: self.version,
+            completed: self.completed.len() as u64,
+            admitted_total: self.admitted_total,
+            released_total: self.released_total,
+            in_flight: self.in_flight.len() as u64,
+            draining: false,
+            samples_on_hand: usize::MAX,
+            demand: u64::from(self.b) * 2,
+            trainer_waiting: !self.trainer_busy,
+        }
+    }
+
+    fn decide(&mut self) {
+        let view = self.view();
+        let d = self.scheduler.decide(&self.knobs, &view);
+        let remaining = remaining_for_step(self.b, view.completed);
+        let cap = u64::from((self.knobs.max_concurrent_rollouts / self.group_size).max(1));
+        let after = view.in_flight + d.resumes.len() as u64 + d.admit as u64;
+        if self.scheduler.tail_active() {
+            assert_eq!(d.admit, 0, "fresh admission during a tail round");
+            if !d.resumes.is_empty() {
+                assert!(after <= remaining.min(cap), "a tail round over-sent");
+            }
+        } else {
+            let target = in_flight_target(self.knobs.staleness_threshold, remaining).min(cap);
+            assert!(
+                after <= view.in_flight.max(target),
+                "in flight {after} past the target {target}"
+            );
+        }
+        if d.admit > 0 {
+            assert_eq!(
+                self.scheduler.aborted_waiting() + self.scheduler.expired_waiting(),
+                0,
+                "fresh samples admitted while resumes wait"
+            );
+        }
+        for id in d.resumes {
+            let aborts = self.aborts.get(&id).copied().unwrap_or(0);
+            self.in_flight.push((id, aborts));
+        }
+        for _ in 0..d.admit {
+            let load = self.admitted_total - self.released_total;
+            assert!(
+                admission_allows(load, self.version, self.knobs.max_version_lag, self.b),
+                "admitted past the η bound: load {load}, version {}, η {}",
+                self.version,
+                self.knobs.max_version_lag
+            );
+            let id = GroupId {
+                run: RunId::from_name("sched"),
+                node: NodeId(0),
+                counter: self.next_id,
+            };
+            self.next_id += 1;
+            self.admitted_total += 1;
+            self.in_flight.push((id, 0));
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+
+    #[test]
+    fn scheduler_keeps_its_rules_and_the_run_moving(
+        b in 1u32..5,
+        group_size in 1u32..4,
+        concurrency in 1u32..16,
+        first in knob_change(),
+        ops in proptest::collection::vec(op(), 0..120),
+        last in knob_change(),
+    ) {
+        let mut w = World::new(b, group_size, knobs(&first, concurrency * group_size));
+        w.decide();
+        for op in &ops {
+            w.apply(op);
+        }
+        // From here on every rollout that starts finishes: the run must keep training, whatever
+        // the random phase left in the aborted, expired and tail queues.
+        w.apply(&Op::Knobs(last));
+        let steps = w.steps;
+        for i in 0..2_000 {
+            if w.steps >= steps + 3 {
+                break;
+            }
+            let op = if w.in_flight.is_empty() { Op::TrainerDone } else { Op::Finish(i) };
+            w.apply(&op);
+        }
+        prop_assert!(
+            w.steps >= steps + 3,
+            "stalled: version {}, completed {}, in flight {}, aborted {}, expired {}, tail {}, \
+             tail round {}, trainer busy {}",
+            w.version,
+            w.completed.len(),
+            w.in_flight.len(),
+            w.scheduler.aborted_waiting(),
+            w.scheduler.expired_waiting(),
+            w.scheduler.tail_candidates(),
+            w.scheduler.tail_active(),
+            w.trainer_busy,
+        );
+    }
+}
+
+/// The stall the actor-level invariants test found: a tail candidate below the trigger, η
+/// lowered to 0, the batch one group short, nothing in flight. The tail round starts early.
+#[test]
+fn a_waiting_trainer_gets_its_last_group_from_the_tail_queue() {
+    let c = KnobChange {
+        eta: 0,
+        staleness: 0.0,
+        candidate_steps: 1,
+        trigger: 3,
+        demand: false,
+    };
+    let mut w = World::new(4, 1, knobs(&c, 8));
+    w.decide();
+    assert_eq!(w.in_flight.len(), 4);
+    // One group aborts twice (a tail candidate, one short of the trigger); the others finish.
+    w.apply(&Op::Abort(0));
+    let stuck = w.scheduler.aborted_waiting();
+    assert_eq!(stuck, 0, "the resume was sent at once");
+    let tail_group = w.in_flight.iter().position(|(_, a)| *a == 1).unwrap();
+    w.apply(&Op::Abort(tail_group));
+    assert_eq!(w.scheduler.tail_candidates(), 1);
+    while !w.in_flight.is_empty() {
+        w.apply(&Op::Finish(0));
+    }
+    // The early round resumed the candidate: the batch fills and the trainer steps.
+    assert_eq!(w.scheduler.stats().early_tail_rounds, 1);
+    assert_eq!(w.steps, 0);
+    assert!(w.trainer_busy);
+    w.apply(&Op::TrainerDone);
+    assert_eq!(w.steps, 1);
+    assert_eq!(
+        w.scheduler.stats().tail_round_min_size,
+        0,
+        "early rounds are not trigger rounds"
+    );
+}
