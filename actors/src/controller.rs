@@ -29,6 +29,7 @@ use sluice_replay::{GroupSummary, Pace, ProgressWatch, Scheduler};
 
 use crate::engine::{EngineHandle, EngineReport};
 use crate::env_worker::{EnvPoolHandle, EnvResult};
+use crate::events::RunEvents;
 use crate::replay::{Recovery, ReplayCounts, ReplayHandle, ReplayNotice};
 use crate::sampler::SamplerHandle;
 use crate::telemetry::ActorCounters;
@@ -100,8 +101,9 @@ impl ControllerHandle {
     pub async fn spawn(
         config: ControllerConfig,
         knobs: KnobsHandle,
+        events: RunEvents,
     ) -> Result<(Self, tokio::task::JoinHandle<()>), ActorError> {
-        let (actor, join) = Actor::spawn(None, ControllerActor, (config, knobs))
+        let (actor, join) = Actor::spawn(None, ControllerActor, (config, knobs, events))
             .await
             .map_err(|e| ActorError::Spawn {
                 actor: "controller",
@@ -218,6 +220,8 @@ pub struct ControllerState {
     /// Untrainable groups since the last trainable one.
     progress: ProgressWatch,
     knob_watch: Option<tokio::task::JoinHandle<()>>,
+    /// Where finding no progress is announced.
+    events: RunEvents,
     /// Messages handled, sent to the sampler, engine, env pool and replay store, and dropped.
     counters: ActorCounters,
 }
@@ -225,12 +229,12 @@ pub struct ControllerState {
 impl Actor for ControllerActor {
     type Msg = ControllerMsg;
     type State = ControllerState;
-    type Arguments = (ControllerConfig, KnobsHandle);
+    type Arguments = (ControllerConfig, KnobsHandle, RunEvents);
 
     async fn pre_start(
         &self,
         me: ActorRef<ControllerMsg>,
-        (config, knobs): Self::Arguments,
+        (config, knobs, events): Self::Arguments,
     ) -> Result<ControllerState, ActorProcessingErr> {
         let progress = ProgressWatch::new(config.no_progress_groups);
         let scheduler = Scheduler::new(config.group_size, config.groups_per_step);
@@ -266,6 +270,7 @@ impl Actor for ControllerActor {
             ending: HashMap::new(),
             progress,
             knob_watch: Some(knob_watch),
+            events,
             counters: ActorCounters::new("controller"),
         })
     }

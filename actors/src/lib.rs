@@ -29,6 +29,7 @@ pub mod controller;
 pub mod engine;
 pub mod env_faults;
 pub mod env_worker;
+pub mod events;
 pub mod faults;
 pub mod native;
 pub mod node;
@@ -41,6 +42,7 @@ pub mod trainer;
 
 use std::sync::Arc;
 
+pub use events::{RunEvent, RunEvents};
 pub use node::{Node, NodeOptions, NodeStatus};
 
 /// A callback into another actor's mailbox: calling it casts a message and never blocks.

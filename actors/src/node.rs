@@ -34,6 +34,7 @@ use crate::controller::{ControllerConfig, ControllerHandle, Peers};
 use crate::engine::{BackendFactory, EngineHandle, EngineSupervision};
 use crate::env_faults::{EnvFaults, FaultyEnv, TimeoutEnv};
 use crate::env_worker::{EnvPoolConfig, EnvPoolHandle, RolloutEnv};
+use crate::events::RunEvents;
 use crate::replay::{ReplayHandle, ReplayOptions, ReplayStatus};
 use crate::sampler::{SampleSource, SamplerHandle, SimSource};
 use crate::supervise_node::{self, Restored, SimBackend};
@@ -175,9 +176,11 @@ impl Node {
                 stop_token_ids: Vec::new(),
             },
         };
+        let events = RunEvents::default();
         let mut joins = Vec::new();
-        let (controller, j) = ControllerHandle::spawn(controller_config, knobs.clone()).await?;
-        joins.push(("controller", j));
+        let (controller, j) =
+            ControllerHandle::spawn(controller_config, knobs.clone(), events.clone()).await?;
+        joins.push(("controller", events.watch_join("controller", j)));
         let replay_options = ReplayOptions {
             dir: replay_dir,
             drop_expired: config.replay.expired == ExpiredPolicy::Drop,
@@ -191,7 +194,7 @@ impl Node {
                     return Err(e);
                 }
             };
-        joins.push(("replay", j));
+        joins.push(("replay", events.watch_join("replay", j)));
         // Versions never go backwards: the run continues from the newer of the replay store's
         // and the trainer's.
         let backend_trainer =
@@ -218,10 +221,13 @@ impl Node {
             version,
             factory,
             controller.engine_sink(),
-            EngineSupervision::from_config(&config.supervision, &config.faults),
+            EngineSupervision {
+                events: events.clone(),
+                ..EngineSupervision::from_config(&config.supervision, &config.faults)
+            },
         )
         .await?;
-        joins.push(("engine", j));
+        joins.push(("engine", events.watch_join("engine", j)));
         engine.update_weights(start_weights, WeightUpdateMode::AbortResume);
         let mut env_impl: Arc<dyn RolloutEnv> = env.unwrap_or_else(|| {
             Arc::new(SimTask {
@@ -246,7 +252,11 @@ impl Node {
             &knobs,
         )
         .await?;
-        joins.extend(env_joins.into_iter().map(|j| ("env", j)));
+        joins.extend(
+            env_joins
+                .into_iter()
+                .map(|j| ("env", events.watch_join("env", j))),
+        );
         if prom.is_some() {
             let datasets: Vec<String> =
                 config.data.datasets.iter().map(|d| d.to_string()).collect();
@@ -266,13 +276,14 @@ impl Node {
             sampler_state,
         )
         .await?;
-        joins.push(("sampler", j));
+        joins.push(("sampler", events.watch_join("sampler", j)));
         let trainer_options = TrainerOptions {
             groups_per_step: b as usize,
             max_steps: config.run.max_steps.get(),
             start_step: manifest.as_ref().map_or(0, |m| m.steps),
             start_trained_groups: manifest.as_ref().map_or(0, |m| m.trained_groups),
             track_ids,
+            events: events.clone(),
         };
         let (trainer, j) = TrainerHandle::spawn(
             backend_trainer,
@@ -282,7 +293,7 @@ impl Node {
             trainer_options,
         )
         .await?;
-        joins.push(("trainer", j));
+        joins.push(("trainer", events.watch_join("trainer", j)));
         controller.connect(Peers {
             sampler: sampler.clone(),
             engine: engine.clone(),
@@ -300,6 +311,7 @@ impl Node {
             replay,
             trainer,
             sampler: sampler.clone(),
+            events,
             started,
             checkpoint_dir,
             last_checkpoint: Arc::new(tokio::sync::Mutex::new(manifest)),
@@ -357,14 +369,12 @@ impl Node {
 
     /// The first actor that ended while the node was running, if any.
     pub fn failure(&self) -> Option<&'static str> {
-        self.joins
-            .iter()
-            .find(|(_, j)| j.is_finished())
-            .map(|(name, _)| *name)
+        self.handles.events.ended()
     }
 
-    /// Polls until the trainer used its step budget, a training step failed, an actor failed, or
-    /// `timeout` passed. When training ended (done or failed) and checkpoints are on, writes the
+    /// Waits until the trainer used its step budget, a training step failed, an actor failed, or
+    /// `timeout` passed. It wakes on the actors' [`RunEvents`] (a step, a failure, an actor that
+    /// ended), reads the status and hands it to `progress`. When training ended (done or failed) and checkpoints are on, writes the
     /// final checkpoint (reason `done` or `trainer_error`) before returning: a failed step stops
     /// the run with a checkpoint instead of looping.
     pub async fn wait_done(
@@ -372,8 +382,10 @@ impl Node {
         timeout: Duration,
         mut progress: impl FnMut(&NodeStatus),
     ) -> Result<NodeStatus, ActorError> {
-        let deadline = Instant::now() + timeout;
+        let deadline = tokio::time::Instant::now() + timeout;
+        let mut events = self.handles.events.subscribe();
         loop {
+            events.borrow_and_update();
             let status = self.status().await?;
             progress(&status);
             if let Some(reason) = &status.controller.no_progress {
@@ -412,12 +424,13 @@ impl Node {
             if let Some(actor) = self.failure() {
                 return Err(ActorError::Gone { actor });
             }
-            if Instant::now() > deadline {
-                return Err(ActorError::Setup(format!(
-                    "run did not finish within {timeout:?}"
-                )));
+            let timed_out = || ActorError::Setup(format!("run did not finish within {timeout:?}"));
+            match tokio::time::timeout_at(deadline, events.changed()).await {
+                Ok(Ok(())) => {}
+                // Every sender is gone: nothing will announce again.
+                Ok(Err(_)) => return Err(ActorError::Gone { actor: "node" }),
+                Err(_) => return Err(timed_out()),
             }
-            tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
 

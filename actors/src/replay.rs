@@ -13,7 +13,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::thread::JoinHandle;
 
-use crossbeam_channel::Sender;
+use crossbeam_channel::{Sender, TrySendError};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use serde::Serialize;
 use sluice_core::{GroupId, PolicyVersion, RolloutGroup};
@@ -335,9 +335,21 @@ impl Actor for ReplayActor {
         state: &mut ReplayState,
     ) -> Result<(), ActorProcessingErr> {
         state.counters.received(1);
-        if let Some(tx) = &state.tx
-            && tx.send(cmd).is_err()
-        {
+        let Some(tx) = &state.tx else { return Ok(()) };
+        let sent = match tx.try_send(cmd) {
+            Ok(()) => true,
+            Err(TrySendError::Full(cmd)) => {
+                // Back-pressure: this actor's mailbox waits while the store thread catches up;
+                // the async runtime's worker does not.
+                let tx = tx.clone();
+                matches!(
+                    tokio::task::spawn_blocking(move || tx.send(cmd).is_ok()).await,
+                    Ok(true)
+                )
+            }
+            Err(TrySendError::Disconnected(_)) => false,
+        };
+        if !sent {
             state.counters.dropped(1);
             return Err("replay thread stopped".into());
         }

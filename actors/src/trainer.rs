@@ -31,6 +31,7 @@ use sluice_core::{
 use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::checkpoint::CheckpointError;
+use crate::events::RunEvents;
 use crate::replay::ReplayHandle;
 use crate::telemetry::ActorCounters;
 use crate::{ActorError, Sink};
@@ -107,6 +108,8 @@ pub struct TrainerOptions {
     pub start_trained_groups: u64,
     /// Record trained group ids to detect duplicates (tests and benchmarks).
     pub track_ids: bool,
+    /// Where every step, the end of the budget and a failure are announced.
+    pub events: RunEvents,
 }
 
 /// Where the trainer stood when it wrote a checkpoint.
@@ -273,6 +276,7 @@ impl Actor for TrainerActor {
         (worker, control): Self::Arguments,
     ) -> Result<TrainerState, ActorProcessingErr> {
         let status = Arc::clone(&worker.status);
+        let events = worker.options.events.clone();
         let thread = std::thread::Builder::new()
             .name("trainer".into())
             .spawn(move || {
@@ -286,6 +290,8 @@ impl Actor for TrainerActor {
                         "the trainer thread panicked: {}",
                         panic_message(&*panic)
                     ));
+                    drop(s);
+                    events.announce();
                 }
             })?;
         Ok(TrainerState {

@@ -19,6 +19,7 @@ impl ControllerState {
                 if let Some(why) = self.progress.stored(bucket, summary.as_ref()) {
                     tracing::error!(reason = %why, "the run makes no progress; it stops");
                     self.status.no_progress.get_or_insert(why);
+                    self.events.announce();
                 }
                 self.stored(id, bucket);
             }

@@ -16,6 +16,7 @@ use sluice_engine::{
 };
 
 use super::{Cmd, EngineMsg, EngineReport, EngineState};
+use crate::events::RunEvents;
 use crate::faults::{EngineFaults, FaultyBackend};
 
 /// How the engine supervises its replicas.
@@ -34,6 +35,8 @@ pub struct EngineSupervision {
     pub unavailable_timeout: Option<Duration>,
     /// Injected faults (tests and drills).
     pub faults: EngineFaults,
+    /// Where giving up is announced (the node stops the run at once).
+    pub events: RunEvents,
 }
 
 impl Default for EngineSupervision {
@@ -45,6 +48,7 @@ impl Default for EngineSupervision {
             max_restarts: 0,
             unavailable_timeout: None,
             faults: EngineFaults::default(),
+            events: RunEvents::default(),
         }
     }
 }
@@ -59,6 +63,7 @@ impl EngineSupervision {
             max_restarts: supervision.engine_max_restarts,
             unavailable_timeout: supervision.engine_unavailable_timeout,
             faults: EngineFaults::from_config(faults),
+            events: RunEvents::default(),
         }
     }
 }
@@ -290,5 +295,6 @@ impl EngineState {
         tracing::error!(%reason, "the engine cannot serve; the run stops");
         self.counters.error("engine_unavailable");
         self.failure = Some(reason);
+        self.args.supervision.events.announce();
     }
 }

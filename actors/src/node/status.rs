@@ -13,6 +13,7 @@ use crate::ActorError;
 use crate::checkpoint::{CheckpointDir, CheckpointError, Manifest};
 use crate::controller::{ControllerHandle, ControllerStatus};
 use crate::engine::{EngineHandle, ReplicaHealth};
+use crate::events::RunEvents;
 use crate::replay::{ReplayHandle, ReplayStatus};
 use crate::sampler::SamplerHandle;
 use crate::supervise_node;
@@ -74,6 +75,8 @@ pub struct NodeHandles {
     pub trainer: TrainerHandle,
     /// Sampler (its state goes into checkpoints).
     pub sampler: SamplerHandle,
+    /// Where the actors announce steps, failures and their ends.
+    pub events: RunEvents,
     pub(crate) started: Instant,
     /// Where checkpoints go (`None`: checkpoints are refused).
     pub(crate) checkpoint_dir: Option<CheckpointDir>,

@@ -56,6 +56,8 @@ impl Worker {
                 self.counters.error(e.kind);
                 status.failed_groups += groups;
                 status.error = Some(e.to_string());
+                drop(status);
+                self.options.events.announce();
                 return;
             }
         };
@@ -103,6 +105,7 @@ impl Worker {
         });
         self.counters.sent(1);
         self.steps.send_replace(steps);
+        self.options.events.announce();
     }
 }
 
