@@ -36,7 +36,7 @@ use sluice_core::config::Secret;
 use sluice_core::{KnobPatch, Knobs};
 
 use crate::ActorError;
-use crate::node::NodeHandles;
+use crate::handles::NodeHandles;
 
 mod status;
 

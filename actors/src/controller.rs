@@ -27,12 +27,12 @@ use sluice_engine::SamplingParams;
 use sluice_env::OutcomeStats;
 use sluice_replay::{GroupSummary, Pace, ProgressWatch, Scheduler};
 
+use crate::counters::ActorCounters;
 use crate::engine::{EngineHandle, EngineReport};
 use crate::env_worker::{EnvPoolHandle, EnvResult};
 use crate::events::RunEvents;
 use crate::replay::{Recovery, ReplayCounts, ReplayHandle, ReplayNotice};
 use crate::sampler::SamplerHandle;
-use crate::telemetry::ActorCounters;
 use crate::trainer::StepReport;
 use crate::{ActorError, Sink};
 

@@ -36,8 +36,8 @@ use sluice_engine::{
     Completion, EngineEvent, EngineStats, EventSink, GenerateRequest, InferenceBackend, TokenOutput,
 };
 
+use crate::counters::ActorCounters;
 use crate::supervise::{Backoff, Watchdog};
-use crate::telemetry::ActorCounters;
 use crate::{ActorError, Sink};
 
 pub use supervision::{EngineSupervision, ReplicaHealth};

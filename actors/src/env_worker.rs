@@ -23,7 +23,7 @@ pub use sluice_env::BoxFuture;
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 
-use crate::telemetry::ActorCounters;
+use crate::counters::ActorCounters;
 use crate::{ActorError, Sink};
 
 /// What the environment answers.

@@ -16,8 +16,6 @@
 //!
 //! Checkpoints, restore at start and the graceful stop live in [`crate::supervise_node`].
 
-mod status;
-
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -41,7 +39,7 @@ use crate::supervise_node::{self, Restored, SimBackend};
 use crate::trainer::{TrainerHandle, TrainerOptions};
 use crate::{ActorError, telemetry};
 
-pub use status::{NodeHandles, NodeStatus};
+pub use crate::handles::{NodeHandles, NodeStatus};
 
 /// What a node is built with beyond the config. `Default` gives the simulated pipeline.
 #[derive(Default)]

@@ -19,7 +19,7 @@ use serde::Serialize;
 use sluice_core::{GroupId, PolicyVersion, RolloutGroup};
 use sluice_replay::{Bucket, Counters, Persister, ReplayStore, StoreSnapshot};
 
-use crate::telemetry::ActorCounters;
+use crate::counters::ActorCounters;
 use crate::{ActorError, Sink};
 use recover::{open, recovery_of};
 use worker::Worker;

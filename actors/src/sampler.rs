@@ -18,7 +18,7 @@ use sluice_core::{DataSample, KnobsHandle, PolicyVersion, RolloutGroup, RolloutS
 use sluice_data::rng::{derive_seed, hash_str};
 use sluice_data::{DomainRows, GeneratorRows, MixSampler, SamplerConfig};
 
-use crate::telemetry::ActorCounters;
+use crate::counters::ActorCounters;
 use crate::{ActorError, Sink};
 
 /// Where samples come from.

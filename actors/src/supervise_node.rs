@@ -32,7 +32,7 @@ use crate::checkpoint::{
     CheckpointDir, CheckpointError, FORMAT, Manifest, ReplayMark, TRAINER_DIR, unix_now,
 };
 use crate::faults::{FaultyTrainer, TrainerFaults};
-use crate::node::NodeHandles;
+use crate::handles::NodeHandles;
 
 /// The trainer backend after restore, and the manifest it came from.
 pub struct Restored {
@@ -133,6 +133,14 @@ impl TrainerBackend for SimBackend {
     fn set_version(&mut self, version: PolicyVersion) -> Result<(), BackendError> {
         self.0 = self.0.clone().with_version(version);
         Ok(())
+    }
+}
+
+impl NodeHandles {
+    /// Writes a checkpoint now (between two training steps): trainer state, a replay-store commit
+    /// and the manifest, atomically under the checkpoint directory (see [`checkpoint`]).
+    pub async fn checkpoint(&self) -> Result<Manifest, CheckpointError> {
+        checkpoint(self, "request").await
     }
 }
 

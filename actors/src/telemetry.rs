@@ -20,7 +20,7 @@
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use metrics::{Counter, Unit};
+use metrics::Unit;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use sluice_core::knobs::KnobsHandle;
 use sluice_core::metrics::{self as m, MetricDef, MetricKind};
@@ -28,6 +28,7 @@ use sluice_core::{RolloutStatus, WeightUpdateMode};
 use sluice_engine::FinishReason;
 use sluice_replay::Bucket;
 
+pub use crate::counters::{ACTORS, ActorCounters};
 use crate::engine::EngineHandle;
 
 mod replicas;
@@ -37,16 +38,6 @@ static HANDLE: OnceLock<Option<PrometheusHandle>> = OnceLock::new();
 
 /// How often the exporter's upkeep (histogram compaction) runs.
 const UPKEEP_PERIOD: Duration = Duration::from_secs(5);
-
-/// Every value of the `actor` label: the actors of `DESIGN.md` §3.
-pub const ACTORS: [&str; 6] = [
-    "sampler",
-    "controller",
-    "engine",
-    "env",
-    "replay",
-    "trainer",
-];
 
 /// Kinds of environment failure (`sluice_env_failures_total{kind}`) known up front.
 const ENV_FAILURE_KINDS: [&str; 3] = ["panic", "timeout", "error"];
@@ -272,52 +263,6 @@ pub fn export_knobs(knobs: &KnobsHandle) {
     }
     for (domain, share) in k.domain_shares() {
         metrics::gauge!(m::DOMAIN_MIX_TARGET, "domain" => domain).set(share);
-    }
-}
-
-/// The four counters every actor reports (`DESIGN.md` §8, after vector's component contract):
-/// messages received, sent downstream and dropped, and errors by stable kind. Each actor holds one
-/// in its state; handles are resolved once, so counting costs an atomic add. Cloning is cheap
-/// (an actor whose work runs on a thread, or whose handle routes messages, shares it).
-#[derive(Clone)]
-pub struct ActorCounters {
-    actor: &'static str,
-    received: Counter,
-    sent: Counter,
-    dropped: Counter,
-}
-
-impl ActorCounters {
-    /// Counters of `actor`, one of [`ACTORS`] (a fixed set keeps the label bounded).
-    pub fn new(actor: &'static str) -> Self {
-        debug_assert!(ACTORS.contains(&actor), "unknown actor label `{actor}`");
-        Self {
-            actor,
-            received: metrics::counter!(m::ACTOR_RECEIVED, "actor" => actor),
-            sent: metrics::counter!(m::ACTOR_SENT, "actor" => actor),
-            dropped: metrics::counter!(m::ACTOR_DROPPED, "actor" => actor),
-        }
-    }
-
-    /// `n` messages were handled.
-    pub fn received(&self, n: u64) {
-        self.received.increment(n);
-    }
-
-    /// `n` messages went downstream.
-    pub fn sent(&self, n: u64) {
-        self.sent.increment(n);
-    }
-
-    /// `n` messages were thrown away (stale results, a peer that is gone, a full queue).
-    pub fn dropped(&self, n: u64) {
-        self.dropped.increment(n);
-    }
-
-    /// One error of a stable `kind` (an error type's `kind()`, never a message). Errors are rare,
-    /// so this handle is looked up per call (its `kind` label is only known here).
-    pub fn error(&self, kind: &'static str) {
-        metrics::counter!(m::ACTOR_ERRORS, "actor" => self.actor, "kind" => kind).increment(1);
     }
 }
 

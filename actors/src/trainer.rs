@@ -31,9 +31,9 @@ use sluice_core::{
 use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::checkpoint::CheckpointError;
+use crate::counters::ActorCounters;
 use crate::events::RunEvents;
 use crate::replay::ReplayHandle;
-use crate::telemetry::ActorCounters;
 use crate::{ActorError, Sink};
 
 pub use step::export_step_metrics;

@@ -13,7 +13,7 @@ use sluice_replay::{Bucket, Persister, ReplayStore, TakeOutcome};
 use super::recover::counts;
 use super::{Cmd, ReplayCounts, ReplayNotice, ReplayStatus};
 use crate::Sink;
-use crate::telemetry::ActorCounters;
+use crate::counters::ActorCounters;
 
 /// The thread's state: the store, its persister, where notices go, and a take waiting for a full
 /// batch.

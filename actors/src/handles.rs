@@ -1,5 +1,7 @@
-//! The node's handles (cheap clones of every actor's, what the admin API holds) and the
-//! `/v1/status` view they gather.
+//! The node's handles (cheap clones of every actor's, what the admin API and the supervision
+//! code hold) and the `/v1/status` view they gather. A module of its own, below the node, the
+//! admin API and supervision, so none of them imports another in a circle; the checkpoint
+//! request lives with the checkpoint logic in [`crate::supervise_node`].
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -10,13 +12,12 @@ use sluice_engine::EngineStats;
 use sluice_replay::StoreSnapshot;
 
 use crate::ActorError;
-use crate::checkpoint::{CheckpointDir, CheckpointError, Manifest};
+use crate::checkpoint::{CheckpointDir, Manifest};
 use crate::controller::{ControllerHandle, ControllerStatus};
 use crate::engine::{EngineHandle, ReplicaHealth};
 use crate::events::RunEvents;
 use crate::replay::{ReplayHandle, ReplayStatus};
 use crate::sampler::SamplerHandle;
-use crate::supervise_node;
 use crate::trainer::{TrainerHandle, TrainerStatus};
 
 /// Everything `/v1/status` shows.
@@ -99,12 +100,5 @@ impl NodeHandles {
             engine_failure: self.engine.failure().await?,
             checkpoint: self.last_checkpoint.lock().await.clone(),
         })
-    }
-
-    /// Writes a checkpoint now (between two training steps): trainer state, a replay-store commit
-    /// and the manifest, atomically under the checkpoint directory. See
-    /// [`crate::supervise_node`].
-    pub async fn checkpoint(&self) -> Result<Manifest, CheckpointError> {
-        supervise_node::checkpoint(self, "request").await
     }
 }
