@@ -5,6 +5,7 @@
 //! | [`backend`] | [`WeightSnapshot`] and the [`TrainerBackend`] trait the trainer actor drives |
 //! | [`ids`] | [`RunId`], [`NodeId`], [`GroupId`], [`RolloutId`], [`RequestId`], [`PolicyVersion`] and the group-id generator |
 //! | [`message`] | [`Message`] in the OpenAI chat shape, tool calls and tool specs |
+//! | [`completion`] | [`CompletionParser`]: completion text → assistant message (reasoning, tool calls) |
 //! | [`rollout`] | [`DataSample`], [`RolloutTurn`], [`Rollout`], [`RolloutGroup`], [`RolloutStatus`] |
 //! | [`knobs`] | the runtime [`Knobs`], patches to them and the shared [`KnobsHandle`] |
 //! | [`config`] | TOML config: raw serde structs → `validate()` → typed [`Config`] |
@@ -14,6 +15,7 @@
 //! This crate depends on nothing else of Sluice (see `DESIGN.md` §1): it is the bottom of the graph.
 
 pub mod backend;
+pub mod completion;
 pub mod config;
 pub mod error;
 pub mod ids;
@@ -23,6 +25,7 @@ pub mod metrics;
 pub mod rollout;
 
 pub use backend::{BackendError, TrainStepOutput, TrainerBackend, WeightSnapshot};
+pub use completion::{CompletionParseError, CompletionParser};
 pub use config::{Config, ConfigError};
 pub use error::Error;
 pub use ids::{GroupId, GroupIdGenerator, NodeId, PolicyVersion, RequestId, RolloutId, RunId};

@@ -2,12 +2,11 @@
 //! template and a tokenizer; the model crate implements it with the model's own template.
 //! [`ByteRenderer`] is a dependency-free implementation (a ChatML-like template over UTF-8 bytes)
 //! for tests, the simulated engine and examples. [`parse_assistant_text`] turns completion text
-//! into a message (reasoning, tool calls) and is shared by every renderer that emits ChatML-style
-//! `<tool_call>` blocks.
+//! into a message (reasoning, tool calls) with the core crate's [`CompletionParser`], the one
+//! parser every renderer shares.
 
 use serde_json::Value;
-use sluice_core::message::FunctionCall;
-use sluice_core::{Message, Role, ToolCall, ToolSpec};
+use sluice_core::{CompletionParser, Message, Role, ToolSpec};
 
 use crate::error::EnvError;
 
@@ -34,63 +33,15 @@ pub trait Renderer: Send + Sync {
 }
 
 /// Splits assistant text into content, reasoning (`<think>…</think>`) and tool calls
-/// (`<tool_call>{"name": …, "arguments": {…}}</tool_call>`). Tool-call ids are `call_<n>` in
-/// order of appearance.
+/// (`<tool_call>{"name": …, "arguments": {…}}</tool_call>`) with the one completion parser
+/// ([`sluice_core::CompletionParser`]). Tool-call ids are `call_<n>` in order of appearance.
 pub fn parse_assistant_text(text: &str) -> Result<Message, ParseError> {
-    let err = |reason: String| ParseError {
-        raw_text: text.to_owned(),
-        reason,
-    };
-    let mut rest = text;
-    let mut reasoning = None;
-    if let Some(start) = rest.find("<think>") {
-        let after = &rest[start + "<think>".len()..];
-        let end = after
-            .find("</think>")
-            .ok_or_else(|| err("`<think>` without `</think>`".into()))?;
-        reasoning = Some(after[..end].trim().to_owned());
-        rest = &after[end + "</think>".len()..];
-    }
-    let mut content = String::new();
-    let mut tool_calls = Vec::new();
-    while let Some(start) = rest.find("<tool_call>") {
-        content.push_str(&rest[..start]);
-        let after = &rest[start + "<tool_call>".len()..];
-        let end = after
-            .find("</tool_call>")
-            .ok_or_else(|| err("`<tool_call>` without `</tool_call>`".into()))?;
-        let body = after[..end].trim();
-        let call: Value = serde_json::from_str(body)
-            .map_err(|e| err(format!("tool call is not JSON ({e}): {body}")))?;
-        let name = call
-            .get("name")
-            .and_then(Value::as_str)
-            .ok_or_else(|| err(format!("tool call has no string `name`: {body}")))?;
-        let arguments = match call.get("arguments") {
-            None | Some(Value::Null) => "{}".to_owned(),
-            Some(Value::String(s)) => s.clone(),
-            Some(v) => v.to_string(),
-        };
-        tool_calls.push(ToolCall {
-            id: format!("call_{}", tool_calls.len()),
-            kind: "function".into(),
-            function: FunctionCall {
-                name: name.to_owned(),
-                arguments,
-            },
-        });
-        rest = &after[end + "</tool_call>".len()..];
-    }
-    content.push_str(rest);
-    let content = content.trim();
-    Ok(Message {
-        role: Role::Assistant,
-        content: (!content.is_empty() || tool_calls.is_empty()).then(|| content.to_owned()),
-        reasoning_content: reasoning,
-        tool_calls,
-        tool_call_id: None,
-        name: None,
-    })
+    CompletionParser::default()
+        .parse(text, "call_")
+        .map_err(|e| ParseError {
+            raw_text: text.to_owned(),
+            reason: e.to_string(),
+        })
 }
 
 /// Renders an assistant message back to the text [`parse_assistant_text`] reads.
@@ -217,6 +168,19 @@ mod tests {
             let e = parse_assistant_text(bad).unwrap_err();
             assert_eq!(e.raw_text, bad);
         }
+    }
+
+    #[test]
+    fn completions_parse_as_the_model_crate_parses_them() {
+        // Thinking-enabled templates put `<think>` in the prompt, so the completion carries only
+        // the closing tag; Llama 3 names arguments `parameters`; a stray close is an error. The
+        // byte renderer and the model's templates once parsed these three differently.
+        let text = "weigh it\n</think>\n<tool_call>{\"name\": \"calc\", \"parameters\": {\"x\": 1}}</tool_call>";
+        let m = parse_assistant_text(text).unwrap();
+        assert_eq!(m.reasoning_content.as_deref(), Some("weigh it"));
+        assert_eq!(m.tool_calls[0].function.arguments, r#"{"x":1}"#);
+        assert_eq!(m, CompletionParser::default().parse(text, "call_").unwrap());
+        assert!(parse_assistant_text("42</tool_call>").is_err());
     }
 
     #[test]

@@ -1,11 +1,12 @@
 //! Completion text → assistant [`Message`]: `<think>…</think>` reasoning and Hermes/Qwen-style
-//! `<tool_call>{"name": …, "arguments": …}</tool_call>` calls.
+//! `<tool_call>{"name": …, "arguments": …}</tool_call>` calls. The one parser every renderer uses:
+//! the model's chat templates, the env crate's byte renderer and the OpenAI server's replies.
 //!
 //! Malformed output (an unclosed tag, a call that is not a JSON object with a string `name`) is a
 //! [`CompletionParseError`] for that turn; nothing here panics on model output.
 
-use sluice_core::message::FunctionCall;
-use sluice_core::{Message, Role, ToolCall};
+use crate::message::FunctionCall;
+use crate::{Message, Role, ToolCall};
 
 /// Tags the parser looks for (Qwen / Hermes defaults).
 #[derive(Debug, Clone)]
