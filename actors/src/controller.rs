@@ -220,8 +220,10 @@ pub struct ControllerState {
     /// Untrainable groups since the last trainable one.
     progress: ProgressWatch,
     knob_watch: Option<tokio::task::JoinHandle<()>>,
-    /// Where finding no progress is announced.
+    /// Where finding no progress, and the last group in flight being stored, are announced.
     events: RunEvents,
+    /// Groups in flight after the previous decision.
+    last_in_flight: u64,
     /// Messages handled, sent to the sampler, engine, env pool and replay store, and dropped.
     counters: ActorCounters,
 }
@@ -271,6 +273,7 @@ impl Actor for ControllerActor {
             progress,
             knob_watch: Some(knob_watch),
             events,
+            last_in_flight: 0,
             counters: ActorCounters::new("controller"),
         })
     }

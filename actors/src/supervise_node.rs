@@ -278,7 +278,10 @@ pub async fn drain_and_checkpoint(h: &NodeHandles, timeout: Duration) -> StopRep
     {
         report.error = Some("the engine did not take the abort in time".into());
     }
+    // Woken by the controller's announcement that nothing is in flight any more.
+    let mut events = h.events.subscribe();
     loop {
+        events.borrow_and_update();
         match h.controller.status().await {
             Ok(s) if s.in_flight == 0 => break,
             Ok(s) if tokio::time::Instant::now() >= deadline => {
@@ -289,7 +292,10 @@ pub async fn drain_and_checkpoint(h: &NodeHandles, timeout: Duration) -> StopRep
                 ));
                 break;
             }
-            Ok(_) => tokio::time::sleep(Duration::from_millis(5)).await,
+            Ok(_) => {
+                // A timeout here is read on the next pass, as the status at the deadline.
+                let _ = tokio::time::timeout_at(deadline, events.changed()).await;
+            }
             Err(e) => {
                 report.error = Some(e.to_string());
                 break;

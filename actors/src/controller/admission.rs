@@ -68,6 +68,11 @@ impl ControllerState {
             self.admit(sample);
         }
         let in_flight = self.in_flight();
+        if in_flight == 0 && self.last_in_flight > 0 {
+            // A graceful stop waits for exactly this (everything in flight stored).
+            self.events.announce();
+        }
+        self.last_in_flight = in_flight;
         self.status.max_in_flight = self.status.max_in_flight.max(in_flight);
         metrics::gauge!(m::ROLLOUT_IN_FLIGHT_GROUPS).set(in_flight as f64);
     }
