@@ -12,9 +12,8 @@ use sluice_core::{
     DataSample, GroupId, Message, NodeId, PolicyVersion, Rollout, RolloutStatus, RunId,
 };
 use sluice_env::{
-    BoxFuture, ByteRenderer, EnvError, EnvInit, EnvStep, FinishReason, Generate, Generated,
-    MessageEnv, RewardFn, Rubric, RubricConfig, ScoreInput, Task, TaskRegistry, TokenEnvLimits,
-    run_episode,
+    BoxFuture, ByteRenderer, EnvError, EnvInit, EnvStep, Generate, Generated, MessageEnv, RewardFn,
+    Rubric, RubricConfig, ScoreInput, Task, TaskRegistry, TokenEnvLimits, TurnFinish, run_episode,
 };
 
 /// Asks for a palindrome; a wrong answer gets one retry.
@@ -76,7 +75,7 @@ impl Generate for Scripted {
                 token_ids,
                 logprobs: vec![0.0; n],
                 versions: vec![PolicyVersion::INITIAL; n],
-                finish: FinishReason::Stop,
+                finish: TurnFinish::Stop,
             })
         })
     }

@@ -15,7 +15,7 @@ use sluice_core::config::FaultsConfig;
 use sluice_core::metrics as m;
 use sluice_core::{DataSample, Rollout, RolloutId, RolloutStatus};
 
-use crate::env_worker::{BoxFuture, EnvStep, RolloutEnv, TurnNote};
+use crate::env_worker::{BoxFuture, EnvReply, RolloutEnv, TurnNote};
 use crate::faults::injected;
 
 /// The environment part of `[faults]`; every period 0 = off.
@@ -70,7 +70,7 @@ impl FaultyEnv {
 }
 
 impl RolloutEnv for FaultyEnv {
-    fn start<'a>(&'a self, sample: &'a DataSample, id: RolloutId) -> BoxFuture<'a, EnvStep> {
+    fn start<'a>(&'a self, sample: &'a DataSample, id: RolloutId) -> BoxFuture<'a, EnvReply> {
         self.inner.start(sample, id)
     }
 
@@ -79,7 +79,7 @@ impl RolloutEnv for FaultyEnv {
         sample: &'a DataSample,
         rollout: &'a Rollout,
         truncated: bool,
-    ) -> BoxFuture<'a, (EnvStep, TurnNote)> {
+    ) -> BoxFuture<'a, (EnvReply, TurnNote)> {
         Box::pin(async move {
             let n = self.steps.fetch_add(1, Ordering::Relaxed) + 1;
             if hits(self.faults.panic_every_steps, n) {
@@ -91,7 +91,7 @@ impl RolloutEnv for FaultyEnv {
                 std::future::pending::<()>().await;
             }
             let (step, note) = self.inner.step(sample, rollout, truncated).await;
-            if matches!(step, EnvStep::Done { .. }) {
+            if matches!(step, EnvReply::Done { .. }) {
                 let e = self.episodes.fetch_add(1, Ordering::Relaxed) + 1;
                 if hits(self.faults.reward_panic_every_episodes, e) {
                     injected("reward_panic");
@@ -135,11 +135,11 @@ impl TimeoutEnv {
         }
     }
 
-    async fn timed_out(&self, id: RolloutId) -> EnvStep {
+    async fn timed_out(&self, id: RolloutId) -> EnvReply {
         tracing::warn!(rollout = %id, limit = ?self.limit, "environment call timed out");
         metrics::counter!(m::ENV_FAILURES, "kind" => "timeout").increment(1);
         self.close(id).await;
-        EnvStep::Done {
+        EnvReply::Done {
             reward: 0.0,
             status: RolloutStatus::Timeout,
             components: BTreeMap::new(),
@@ -148,7 +148,7 @@ impl TimeoutEnv {
 }
 
 impl RolloutEnv for TimeoutEnv {
-    fn start<'a>(&'a self, sample: &'a DataSample, id: RolloutId) -> BoxFuture<'a, EnvStep> {
+    fn start<'a>(&'a self, sample: &'a DataSample, id: RolloutId) -> BoxFuture<'a, EnvReply> {
         Box::pin(async move {
             match tokio::time::timeout(self.limit, self.inner.start(sample, id)).await {
                 Ok(step) => step,
@@ -162,7 +162,7 @@ impl RolloutEnv for TimeoutEnv {
         sample: &'a DataSample,
         rollout: &'a Rollout,
         truncated: bool,
-    ) -> BoxFuture<'a, (EnvStep, TurnNote)> {
+    ) -> BoxFuture<'a, (EnvReply, TurnNote)> {
         Box::pin(async move {
             let call = self.inner.step(sample, rollout, truncated);
             match tokio::time::timeout(self.limit, call).await {
@@ -198,7 +198,7 @@ mod tests {
     }
 
     impl RolloutEnv for Stuck {
-        fn start<'a>(&'a self, _: &'a DataSample, _: RolloutId) -> BoxFuture<'a, EnvStep> {
+        fn start<'a>(&'a self, _: &'a DataSample, _: RolloutId) -> BoxFuture<'a, EnvReply> {
             Box::pin(std::future::pending())
         }
 
@@ -207,7 +207,7 @@ mod tests {
             _: &'a DataSample,
             _: &'a Rollout,
             _: bool,
-        ) -> BoxFuture<'a, (EnvStep, TurnNote)> {
+        ) -> BoxFuture<'a, (EnvReply, TurnNote)> {
             Box::pin(std::future::pending())
         }
 
@@ -243,10 +243,10 @@ mod tests {
     /// Short, so the tests run on real time.
     const LIMIT: Duration = Duration::from_millis(50);
 
-    fn is_timeout(step: &EnvStep) -> bool {
+    fn is_timeout(step: &EnvReply) -> bool {
         matches!(
             step,
-            EnvStep::Done {
+            EnvReply::Done {
                 status: RolloutStatus::Timeout,
                 ..
             }

@@ -28,7 +28,7 @@ use crate::{ActorError, Sink};
 
 /// What the environment answers.
 #[derive(Debug, Clone, PartialEq)]
-pub enum EnvStep {
+pub enum EnvReply {
     /// Another model turn with this full prompt.
     Continue {
         /// Prompt token ids of the next turn.
@@ -50,7 +50,7 @@ pub enum EnvStep {
     },
 }
 
-impl EnvStep {
+impl EnvReply {
     /// A completed episode with `reward` and no components.
     pub fn done(reward: f64) -> Self {
         Self::Done {
@@ -77,7 +77,7 @@ pub struct TurnNote {
 /// An environment at the token level.
 pub trait RolloutEnv: Send + Sync + 'static {
     /// Starts rollout `id` of `sample`: its first prompt as `Continue`, or why it cannot start.
-    fn start<'a>(&'a self, sample: &'a DataSample, id: RolloutId) -> BoxFuture<'a, EnvStep>;
+    fn start<'a>(&'a self, sample: &'a DataSample, id: RolloutId) -> BoxFuture<'a, EnvReply>;
 
     /// Answers the rollout's last turn. `truncated`: the completion hit `max_tokens`, so the
     /// episode ends as `Truncated` (the env scores it without stepping).
@@ -86,7 +86,7 @@ pub trait RolloutEnv: Send + Sync + 'static {
         sample: &'a DataSample,
         rollout: &'a Rollout,
         truncated: bool,
-    ) -> BoxFuture<'a, (EnvStep, TurnNote)>;
+    ) -> BoxFuture<'a, (EnvReply, TurnNote)>;
 
     /// Forgets rollout `id` (its group was dropped). Default: nothing to forget.
     fn abandon(&self, _id: RolloutId) -> BoxFuture<'_, ()> {
@@ -99,9 +99,9 @@ pub trait RolloutEnv: Send + Sync + 'static {
 }
 
 impl RolloutEnv for SimTask {
-    fn start<'a>(&'a self, _sample: &'a DataSample, id: RolloutId) -> BoxFuture<'a, EnvStep> {
+    fn start<'a>(&'a self, _sample: &'a DataSample, id: RolloutId) -> BoxFuture<'a, EnvReply> {
         let next_prompt = SimTask::first_prompt(self, id);
-        Box::pin(async move { EnvStep::Continue { next_prompt } })
+        Box::pin(async move { EnvReply::Continue { next_prompt } })
     }
 
     fn step<'a>(
@@ -109,17 +109,17 @@ impl RolloutEnv for SimTask {
         _sample: &'a DataSample,
         rollout: &'a Rollout,
         truncated: bool,
-    ) -> BoxFuture<'a, (EnvStep, TurnNote)> {
+    ) -> BoxFuture<'a, (EnvReply, TurnNote)> {
         let step = if truncated {
-            EnvStep::Done {
+            EnvReply::Done {
                 reward: 0.0,
                 status: RolloutStatus::Truncated,
                 components: BTreeMap::new(),
             }
         } else {
             match SimTask::step(self, rollout) {
-                TaskStep::Continue { next_prompt } => EnvStep::Continue { next_prompt },
-                TaskStep::Done { reward } => EnvStep::done(reward),
+                TaskStep::Continue { next_prompt } => EnvReply::Continue { next_prompt },
+                TaskStep::Done { reward } => EnvReply::done(reward),
             }
         };
         Box::pin(async move { (step, TurnNote::default()) })
@@ -132,7 +132,7 @@ pub struct EnvResult {
     /// The rollout.
     pub rollout: RolloutId,
     /// The answer.
-    pub step: EnvStep,
+    pub step: EnvReply,
     /// What the env noted about the turn it answered (`None` for a start).
     pub note: Option<TurnNote>,
 }
@@ -319,9 +319,9 @@ struct WorkerState {
     running: JoinSet<()>,
 }
 
-fn panicked() -> EnvStep {
+fn panicked() -> EnvReply {
     metrics::counter!(m::ENV_FAILURES, "kind" => "panic").increment(1);
-    EnvStep::Failed {
+    EnvReply::Failed {
         kind: "env_panic".into(),
     }
 }

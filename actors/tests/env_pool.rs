@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use sluice_actors::env_faults::TimeoutEnv;
 use sluice_actors::env_worker::{
-    BoxFuture, EnvPoolConfig, EnvPoolHandle, EnvResult, EnvStep, RolloutEnv, TurnNote,
+    BoxFuture, EnvPoolConfig, EnvPoolHandle, EnvReply, EnvResult, RolloutEnv, TurnNote,
 };
 use sluice_actors::native::TaskEnv;
 use sluice_actors::native::setup::env_limits;
@@ -80,9 +80,9 @@ async fn recv(rx: &mut mpsc::UnboundedReceiver<EnvResult>) -> EnvResult {
 struct HalfStuck;
 
 impl RolloutEnv for HalfStuck {
-    fn start<'a>(&'a self, _: &'a DataSample, _: RolloutId) -> BoxFuture<'a, EnvStep> {
+    fn start<'a>(&'a self, _: &'a DataSample, _: RolloutId) -> BoxFuture<'a, EnvReply> {
         Box::pin(async {
-            EnvStep::Continue {
+            EnvReply::Continue {
                 next_prompt: vec![1],
             }
         })
@@ -93,13 +93,13 @@ impl RolloutEnv for HalfStuck {
         _: &'a DataSample,
         rollout: &'a Rollout,
         _: bool,
-    ) -> BoxFuture<'a, (EnvStep, TurnNote)> {
+    ) -> BoxFuture<'a, (EnvReply, TurnNote)> {
         let stuck = rollout.id.group.counter % 2 == 1;
         Box::pin(async move {
             if stuck {
                 std::future::pending::<()>().await;
             }
-            (EnvStep::done(1.0), TurnNote::default())
+            (EnvReply::done(1.0), TurnNote::default())
         })
     }
 }
@@ -124,7 +124,7 @@ async fn a_hanging_env_step_does_not_stall_other_rollouts() {
     let mut answered = Vec::new();
     for _ in 0..10 {
         let r = recv(&mut rx).await;
-        assert!(matches!(r.step, EnvStep::Done { .. }), "{r:?}");
+        assert!(matches!(r.step, EnvReply::Done { .. }), "{r:?}");
         answered.push(r.rollout.group.counter);
     }
     answered.sort_unstable();
@@ -166,9 +166,9 @@ async fn start_all(
     let mut out = Vec::new();
     for _ in 0..n {
         out.push(match recv(rx).await.step {
-            EnvStep::Continue { .. } => None,
-            EnvStep::Done { status, .. } => Some(status),
-            EnvStep::Failed { kind } => Some(RolloutStatus::Error(kind)),
+            EnvReply::Continue { .. } => None,
+            EnvReply::Done { status, .. } => Some(status),
+            EnvReply::Failed { kind } => Some(RolloutStatus::Error(kind)),
         });
     }
     out
@@ -270,7 +270,7 @@ fn slow_registry() -> Arc<TaskRegistry> {
     Arc::new(registry)
 }
 
-async fn slow_step(env_step_timeout_s: u32) -> EnvStep {
+async fn slow_step(env_step_timeout_s: u32) -> EnvReply {
     let config = config(&format!(
         "[supervision]\nenv_step_timeout_s = {env_step_timeout_s}"
     ));
@@ -280,7 +280,7 @@ async fn slow_step(env_step_timeout_s: u32) -> EnvStep {
     );
     let s = sample("slow");
     let id = rollout_id(1);
-    let EnvStep::Continue { next_prompt } = env.start(&s, id).await else {
+    let EnvReply::Continue { next_prompt } = env.start(&s, id).await else {
         panic!("the slow env starts at once");
     };
     let mut rollout = Rollout::new(id);
@@ -296,7 +296,7 @@ async fn an_env_step_timeout_above_30_s_is_the_one_that_counts() {
     // the env's own 30 s call deadline and the rubric's 30 s default ended it as Timeout).
     let t0 = tokio::time::Instant::now();
     match slow_step(120).await {
-        EnvStep::Done { status, reward, .. } => {
+        EnvReply::Done { status, reward, .. } => {
             assert_eq!(status, RolloutStatus::Completed);
             assert_eq!(reward, 1.0);
         }
@@ -305,7 +305,7 @@ async fn an_env_step_timeout_above_30_s_is_the_one_that_counts() {
     assert!(t0.elapsed() >= Duration::from_secs(85));
     // And the bound still holds: at 60 s the same step times out.
     match slow_step(60).await {
-        EnvStep::Done { status, .. } => assert_eq!(status, RolloutStatus::Timeout),
+        EnvReply::Done { status, .. } => assert_eq!(status, RolloutStatus::Timeout),
         other => panic!("{other:?}"),
     }
 }

@@ -177,7 +177,7 @@ async fn model_renderer_round_trips_chat_and_the_evaluator_scores_every_sample()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn task_env_renders_steps_and_scores_with_the_tasks_rubric() {
-    use sluice_actors::env_worker::{EnvStep, RolloutEnv};
+    use sluice_actors::env_worker::{EnvReply, RolloutEnv};
     use sluice_core::{GroupId, NodeId, RolloutTurn, RunId};
 
     let dir = tempfile::tempdir().unwrap();
@@ -198,7 +198,7 @@ async fn task_env_renders_steps_and_scores_with_the_tasks_rubric() {
     for (i, reply, want) in [(0, answer.as_str(), 1.0), (1, "no idea", 0.0)] {
         let id = group.rollout(i);
         let prompt = match env.start(&sample, id).await {
-            EnvStep::Continue { next_prompt } => next_prompt,
+            EnvReply::Continue { next_prompt } => next_prompt,
             other => panic!("start: {other:?}"),
         };
         let mut rollout = sluice_core::Rollout::new(id);
@@ -207,7 +207,7 @@ async fn task_env_renders_steps_and_scores_with_the_tasks_rubric() {
         rollout.turns.push(turn);
         let (step, note) = env.step(&sample, &rollout, false).await;
         match step {
-            EnvStep::Done {
+            EnvReply::Done {
                 reward,
                 status,
                 components,

@@ -12,7 +12,7 @@ use sluice_engine::{FinishReason, GenerateRequest, TokenOutput};
 use sluice_replay::GroupSummary;
 
 use super::{ControllerState, GroupWork, Waiting};
-use crate::env_worker::{EnvResult, EnvStep};
+use crate::env_worker::{EnvReply, EnvResult};
 
 impl ControllerState {
     /// Submits every rollout of `group` that still has to generate.
@@ -135,11 +135,11 @@ impl ControllerState {
             turn.situation = note.situation;
         }
         match result.step {
-            EnvStep::Continue { next_prompt } => {
+            EnvReply::Continue { next_prompt } => {
                 r.turns.push(RolloutTurn::new(next_prompt));
                 self.submit(&mut w, i as usize);
             }
-            EnvStep::Done {
+            EnvReply::Done {
                 reward,
                 status,
                 components,
@@ -148,7 +148,7 @@ impl ControllerState {
                 r.reward = reward;
                 r.reward_components = components;
             }
-            EnvStep::Failed { kind } => r.status = RolloutStatus::Error(kind),
+            EnvReply::Failed { kind } => r.status = RolloutStatus::Error(kind),
         }
         self.work.insert(gid, w);
         self.settle(gid);

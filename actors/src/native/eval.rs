@@ -12,7 +12,7 @@ use sluice_engine::{
     Completion, EngineEvent, EventSink, FinishReason, GenerateRequest, InferenceBackend,
     SamplingParams,
 };
-use sluice_env::token_env::FinishReason as TurnFinish;
+use sluice_env::token_env::TurnFinish;
 use sluice_env::{
     BoxFuture, EnvError, EvalReport, Generate, Generated, Renderer, Task, TokenEnvLimits,
     run_episode,

@@ -14,10 +14,10 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use sluice_core::{DataSample, Rollout, RolloutId, RolloutStatus};
-use sluice_env::token_env::FinishReason as TurnFinish;
+use sluice_env::token_env::TurnFinish;
 use sluice_env::{EnvSessions, Next, TaskRegistry, TurnOutcome};
 
-use crate::env_worker::{BoxFuture, EnvStep, RolloutEnv, TurnNote};
+use crate::env_worker::{BoxFuture, EnvReply, RolloutEnv, TurnNote};
 
 /// Tasks as a rollout environment.
 pub struct TaskEnv {
@@ -68,11 +68,11 @@ impl TaskEnv {
         rollout: &Rollout,
         outcome: Option<&TurnOutcome>,
         status: RolloutStatus,
-    ) -> EnvStep {
+    ) -> EnvReply {
         let task = match self.registry.get(self.task_name(sample)) {
             Ok(t) => t,
             Err(e) => {
-                return EnvStep::Failed {
+                return EnvReply::Failed {
                     kind: e.kind().to_owned(),
                 };
             }
@@ -83,7 +83,7 @@ impl TaskEnv {
         }
         scored.status = status;
         let score = task.rubric().score(sample, &scored).await;
-        EnvStep::Done {
+        EnvReply::Done {
             reward: score.reward,
             status: score.failed.unwrap_or(scored.status),
             components: score.components,
@@ -120,7 +120,7 @@ fn note(o: &TurnOutcome) -> TurnNote {
 }
 
 impl RolloutEnv for TaskEnv {
-    fn start<'a>(&'a self, sample: &'a DataSample, id: RolloutId) -> BoxFuture<'a, EnvStep> {
+    fn start<'a>(&'a self, sample: &'a DataSample, id: RolloutId) -> BoxFuture<'a, EnvReply> {
         Box::pin(async move {
             // A regenerated rollout starts over: close whatever its earlier attempt left open.
             self.sessions.abandon(id).await;
@@ -129,7 +129,7 @@ impl RolloutEnv for TaskEnv {
                 .start(id, sample, self.task_name(sample))
                 .await
             {
-                Next::Generate(p) => EnvStep::Continue {
+                Next::Generate(p) => EnvReply::Continue {
                     next_prompt: p.prompt_token_ids,
                 },
                 Next::Done(status) => self.finish(sample, &Rollout::new(id), None, status).await,
@@ -142,11 +142,11 @@ impl RolloutEnv for TaskEnv {
         sample: &'a DataSample,
         rollout: &'a Rollout,
         truncated: bool,
-    ) -> BoxFuture<'a, (EnvStep, TurnNote)> {
+    ) -> BoxFuture<'a, (EnvReply, TurnNote)> {
         Box::pin(async move {
             let Some(last) = rollout.turns.last() else {
                 return (
-                    EnvStep::Failed {
+                    EnvReply::Failed {
                         kind: "env_protocol".into(),
                     },
                     TurnNote::default(),
@@ -170,7 +170,7 @@ impl RolloutEnv for TaskEnv {
                 .step(rollout.id, &last.completion_token_ids, finish)
                 .await;
             let step = match &outcome.next {
-                Next::Generate(p) => EnvStep::Continue {
+                Next::Generate(p) => EnvReply::Continue {
                     next_prompt: p.prompt_token_ids.clone(),
                 },
                 Next::Done(status) => {

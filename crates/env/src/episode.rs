@@ -7,7 +7,7 @@ use sluice_core::{PolicyVersion, Rollout, RolloutTurn};
 
 use crate::error::EnvError;
 use crate::protocol::BoxFuture;
-use crate::token_env::{FinishReason, Next, TokenEnv};
+use crate::token_env::{Next, TokenEnv, TurnFinish};
 
 /// One completion from an inference backend.
 #[derive(Debug, Clone, PartialEq)]
@@ -19,7 +19,7 @@ pub struct Generated {
     /// Policy version per token.
     pub versions: Vec<PolicyVersion>,
     /// Why generation stopped.
-    pub finish: FinishReason,
+    pub finish: TurnFinish,
 }
 
 /// Something that completes prompts: an engine handle, a scripted policy in tests.

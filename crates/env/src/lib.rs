@@ -47,4 +47,4 @@ pub use rubric::{RewardFn, Rubric, RubricConfig, Score, ScoreInput};
 pub use sessions::EnvSessions;
 pub use stats::OutcomeStats;
 pub use task::{DataGenerator, EnvFactory, Task, TaskRegistry};
-pub use token_env::{FinishReason, Next, TokenEnv, TokenEnvLimits, TurnOutcome, TurnPrompt};
+pub use token_env::{Next, TokenEnv, TokenEnvLimits, TurnFinish, TurnOutcome, TurnPrompt};

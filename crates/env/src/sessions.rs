@@ -15,7 +15,7 @@ use tokio::sync::Mutex;
 use crate::error::EnvError;
 use crate::renderer::{ParseError, Renderer};
 use crate::task::TaskRegistry;
-use crate::token_env::{FinishReason, Next, TokenEnv, TokenEnvLimits, TurnOutcome};
+use crate::token_env::{Next, TokenEnv, TokenEnvLimits, TurnFinish, TurnOutcome};
 
 type Session = Arc<Mutex<TokenEnv>>;
 
@@ -116,12 +116,7 @@ impl EnvSessions {
     }
 
     /// Feeds rollout `id`'s completion; when the episode ends the session is closed and removed.
-    pub async fn step(
-        &self,
-        id: RolloutId,
-        completion: &[u32],
-        finish: FinishReason,
-    ) -> TurnOutcome {
+    pub async fn step(&self, id: RolloutId, completion: &[u32], finish: TurnFinish) -> TurnOutcome {
         let Some(session) = self.map().get(&id).cloned() else {
             return TurnOutcome {
                 assistant: sluice_core::Message::assistant(String::new()),

@@ -83,7 +83,7 @@ pub enum Next {
 /// Why the engine stopped generating a completion.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
-pub enum FinishReason {
+pub enum TurnFinish {
     /// A stop token or stop sequence: the turn is complete.
     Stop,
     /// `max_tokens` or the context ran out: the turn is cut.
@@ -266,7 +266,7 @@ impl TokenEnv {
 
     /// Feeds one completion (token ids as generated, stop tokens included or not) and returns
     /// what the env made of it.
-    pub async fn step(&mut self, completion: &[u32], finish: FinishReason) -> TurnOutcome {
+    pub async fn step(&mut self, completion: &[u32], finish: TurnFinish) -> TurnOutcome {
         let (assistant, parse_error) = match self.renderer.parse_completion(completion) {
             Ok(m) => (m, None),
             Err(e) => {
@@ -290,7 +290,7 @@ impl TokenEnv {
         }
         self.turns += 1;
         self.history.push(assistant.clone());
-        if finish == FinishReason::Length {
+        if finish == TurnFinish::Length {
             outcome.next = self.finish(RolloutStatus::Truncated);
             return outcome;
         }

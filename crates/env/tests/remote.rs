@@ -232,7 +232,7 @@ async fn a_dead_server_fails_its_rollouts_and_callers_continue() {
     let out = env
         .step(
             &sluice_env::ByteRenderer::encode("<|action_start|>inc()<|action_end|>"),
-            sluice_env::FinishReason::Stop,
+            sluice_env::TurnFinish::Stop,
         )
         .await;
     assert_eq!(

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use common::{renderer, rollout, sample};
 use sluice_core::RolloutStatus;
-use sluice_env::{ByteRenderer, EnvSessions, FinishReason, Next, TaskRegistry, TokenEnvLimits};
+use sluice_env::{ByteRenderer, EnvSessions, Next, TaskRegistry, TokenEnvLimits, TurnFinish};
 
 fn sessions(max: usize) -> EnvSessions {
     EnvSessions::new(
@@ -37,14 +37,14 @@ async fn sessions_live_from_start_to_done() {
     assert_eq!(s.open(), 2);
     let inc = reply("<|action_start|>inc()<|action_end|>");
     let done = reply("<|action_start|>done()<|action_end|>");
-    let out = s.step(a, &inc, FinishReason::Stop).await;
+    let out = s.step(a, &inc, TurnFinish::Stop).await;
     assert_eq!(out.situation.as_deref(), Some("move"));
     assert!(matches!(out.next, Next::Generate(_)));
-    let out = s.step(a, &done, FinishReason::Stop).await;
+    let out = s.step(a, &done, TurnFinish::Stop).await;
     assert_eq!(out.next, Next::Done(RolloutStatus::Completed));
     assert_eq!(out.env_reward, Some(1.0));
     assert_eq!(s.open(), 1, "a finished session is closed and forgotten");
-    let out = s.step(a, &done, FinishReason::Stop).await;
+    let out = s.step(a, &done, TurnFinish::Stop).await;
     assert_eq!(
         out.next,
         Next::Done(RolloutStatus::Error("env_protocol".into()))
@@ -75,7 +75,7 @@ async fn failures_to_start_are_statuses() {
         s.start(rollout(1).id, &arith, "arithmetic").await,
         Next::Done(RolloutStatus::Error("env_sessions_full".into()))
     );
-    let out = s.step(id, &reply("3"), FinishReason::Stop).await;
+    let out = s.step(id, &reply("3"), TurnFinish::Stop).await;
     assert_eq!(out.next, Next::Done(RolloutStatus::Completed));
     assert_eq!(s.open(), 0);
 }

@@ -7,8 +7,8 @@ use std::time::Duration;
 use common::{Scripted, renderer, rollout};
 use sluice_core::{Message, RolloutStatus};
 use sluice_env::{
-    BoxFuture, ByteRenderer, EnvError, EnvInit, EnvStep, FinishReason, MessageEnv, Next, TokenEnv,
-    TokenEnvLimits, run_episode,
+    BoxFuture, ByteRenderer, EnvError, EnvInit, EnvStep, MessageEnv, Next, TokenEnv,
+    TokenEnvLimits, TurnFinish, run_episode,
 };
 
 /// Replies "again" until the assistant says "stop"; misbehaves on demand.
@@ -185,9 +185,7 @@ async fn hanging_calls_time_out() {
 #[tokio::test]
 async fn misuse_is_an_error_not_a_panic() {
     let mut env = TokenEnv::new(Box::new(Echo { mode: "ok" }), renderer(), limits(), None);
-    let out = env
-        .step(&ByteRenderer::encode("x"), FinishReason::Stop)
-        .await;
+    let out = env.step(&ByteRenderer::encode("x"), TurnFinish::Stop).await;
     assert_eq!(
         out.next,
         Next::Done(RolloutStatus::Error("env_protocol".into()))
@@ -201,7 +199,7 @@ async fn unparsable_completion_reaches_the_env_as_text() {
     let out = env
         .step(
             &ByteRenderer::encode("<tool_call>{bad</tool_call>"),
-            FinishReason::Stop,
+            TurnFinish::Stop,
         )
         .await;
     assert!(out.parse_error.is_some());

@@ -6,8 +6,8 @@ use std::sync::Arc;
 
 use sluice_core::{DataSample, GroupId, NodeId, PolicyVersion, Rollout, RunId};
 use sluice_env::{
-    BoxFuture, ByteRenderer, EnvError, FinishReason, Generate, Generated, Renderer, Task,
-    TokenEnvLimits, run_episode,
+    BoxFuture, ByteRenderer, EnvError, Generate, Generated, Renderer, Task, TokenEnvLimits,
+    TurnFinish, run_episode,
 };
 
 /// Replies with the given texts in order (byte tokens), each ending with `<|im_end|>`; a text
@@ -44,8 +44,8 @@ impl Generate for Scripted {
                 .ok_or_else(|| EnvError::Generate("script exhausted".into()))?;
             self.next += 1;
             let (text, finish) = match text.strip_prefix("LEN:") {
-                Some(t) => (t.to_owned(), FinishReason::Length),
-                None => (format!("{text}{}", ByteRenderer::END), FinishReason::Stop),
+                Some(t) => (t.to_owned(), TurnFinish::Length),
+                None => (format!("{text}{}", ByteRenderer::END), TurnFinish::Stop),
             };
             let token_ids = ByteRenderer::encode(&text);
             let n = token_ids.len();
