@@ -18,7 +18,6 @@
 //! came with, so their rollouts go back to the aborted bucket; `/health` is polled to bring it
 //! back.
 
-mod http;
 mod weights;
 mod wire;
 mod worker;
@@ -36,8 +35,8 @@ use tokio::sync::mpsc;
 use crate::backend::{
     EngineError, EngineStats, EventSink, GenerateRequest, InferenceBackend, enqueued, model_weights,
 };
-use http::HttpClient;
-pub use http::TransportError;
+use sluice_http::HttpClient;
+pub use sluice_http::HttpError;
 pub use weights::{Pinned, WeightDirs};
 use worker::{Server, Worker};
 
@@ -132,13 +131,15 @@ impl RemoteEngine {
             .urls
             .iter()
             .map(|u| {
-                HttpClient::new(u).map(|client| Server {
-                    client,
-                    up: true,
-                    ready,
-                    installing: false,
-                    inflight: 0,
-                })
+                HttpClient::new(u, "remote engine")
+                    .map_err(|e| e.to_string())
+                    .map(|client| Server {
+                        client,
+                        up: true,
+                        ready,
+                        installing: false,
+                        inflight: 0,
+                    })
             })
             .collect::<Result<Vec<_>, _>>()?;
         let (tx, rx) = mpsc::channel(COMMAND_QUEUE);

@@ -7,14 +7,13 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use hyper::{Method, StatusCode};
 use serde_json::{Value, json};
 use sluice_core::{PolicyVersion, RequestId, WeightUpdateMode};
+use sluice_http::{HttpClient, Method, StatusCode};
 use sluice_model::WeightSnapshot as ModelWeights;
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 
-use super::http::HttpClient;
 use super::{Command, Pinned, RemoteParams, Shared, WeightDirs, wire};
 use crate::backend::{
     Completion, EngineEvent, EventSink, FinishReason, GenerateRequest, TokenOutput,
@@ -177,7 +176,7 @@ impl Worker {
             {
                 Err(e) => fail(e.to_string()),
                 Ok((status, _)) if status.is_server_error() => {
-                    fail(format!("{}: status {status}", client.url))
+                    fail(format!("{}: status {status}", client.url()))
                 }
                 Ok((status, bytes)) => (
                     finish_from_reply(id, &partial, status, &bytes, version),
@@ -372,7 +371,7 @@ impl Worker {
             }
             Done::Control { server, ok } => {
                 if ok && !self.servers[server].up {
-                    tracing::info!(url = %self.servers[server].client.url, "remote engine server is back; installing the run's weights");
+                    tracing::info!(url = %self.servers[server].client.url(), "remote engine server is back; installing the run's weights");
                     self.servers[server].up = true;
                     self.servers[server].ready = false;
                     self.install(server, tasks);
@@ -395,7 +394,7 @@ impl Worker {
                         self.install(server, tasks);
                     }
                     Ok(()) => {
-                        tracing::info!(url = %self.servers[server].client.url, version = version.0, "remote engine server holds the run's weights");
+                        tracing::info!(url = %self.servers[server].client.url(), version = version.0, "remote engine server holds the run's weights");
                         self.servers[server].ready = true;
                         self.publish();
                         self.serve_waiting(tasks);
@@ -407,7 +406,7 @@ impl Worker {
 
     fn mark_down(&mut self, server: usize, message: &str) {
         if self.servers[server].up {
-            tracing::warn!(url = %self.servers[server].client.url, %message, "remote engine server marked down");
+            tracing::warn!(url = %self.servers[server].client.url(), %message, "remote engine server marked down");
             self.servers[server].up = false;
             self.servers[server].ready = false;
             self.publish();

@@ -7,11 +7,11 @@
 
 use std::time::Duration;
 
-use hyper::{Method, StatusCode};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use sluice_core::config::Secret;
 use sluice_core::{DataSample, Message};
+use sluice_http::{Method, StatusCode};
 
 use super::http::HttpClient;
 use super::{CreateRequest, CreateResponse, ErrorBody, StepRequest};

@@ -1,0 +1,253 @@
+//! The one HTTP/1.1 JSON client of Sluice's remote protocols: the remote engine backend and the
+//! remote env client both talk through [`HttpClient`].
+//!
+//! One connection per call (remote calls are few and long next to a TCP handshake on a LAN), the
+//! connection driven inside the call's own future (no background task to leak), one deadline over
+//! connect + request + body. Only `http://` is spoken: these servers live on a trusted network,
+//! guarded by an optional bearer token.
+
+use std::time::Duration;
+
+use http_body_util::{BodyExt, Full};
+use hyper::Request;
+pub use hyper::body::Bytes;
+pub use hyper::{Method, StatusCode};
+use hyper_util::rt::TokioIo;
+use sluice_core::config::Secret;
+use tokio::net::TcpStream;
+
+/// Why a call got no answer.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum HttpError {
+    /// The base URL is not `http://host:port[/prefix]`.
+    #[error("{what} url `{url}` {reason}")]
+    BadUrl {
+        /// What the server is (`"remote engine"`, `"env server"`), for the message.
+        what: String,
+        /// The URL as given.
+        url: String,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+    /// Connecting, sending or reading failed.
+    #[error("{url}{path}: {message}")]
+    Transport {
+        /// The server.
+        url: String,
+        /// The route.
+        path: String,
+        /// What failed.
+        message: String,
+    },
+    /// No whole answer within the deadline.
+    #[error("{url}{path}: no answer within {after:?}")]
+    Timeout {
+        /// The server.
+        url: String,
+        /// The route.
+        path: String,
+        /// The deadline.
+        after: Duration,
+    },
+}
+
+/// One server, `http://host:port[/prefix]`, and the token every call carries.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HttpClient {
+    url: String,
+    authority: String,
+    prefix: String,
+    /// Sent as `Authorization: Bearer <token>` with every call.
+    token: Option<Secret>,
+}
+
+impl HttpClient {
+    /// Parses `base_url`; `what` names the server in errors (`"remote engine"`).
+    pub fn new(base_url: &str, what: &str) -> Result<Self, HttpError> {
+        let bad = |reason| HttpError::BadUrl {
+            what: what.to_owned(),
+            url: base_url.to_owned(),
+            reason,
+        };
+        let rest = base_url
+            .strip_prefix("http://")
+            .ok_or_else(|| bad("must start with http://"))?;
+        let (authority, prefix) = match rest.find('/') {
+            Some(i) => (&rest[..i], rest[i..].trim_end_matches('/')),
+            None => (rest, ""),
+        };
+        if authority.is_empty() || !authority.contains(':') {
+            return Err(bad("must name host:port"));
+        }
+        Ok(Self {
+            url: base_url.trim_end_matches('/').to_owned(),
+            authority: authority.to_owned(),
+            prefix: prefix.to_owned(),
+            token: None,
+        })
+    }
+
+    /// The same server, every call carrying `token`.
+    pub fn with_token(mut self, token: Option<Secret>) -> Self {
+        self.token = token;
+        self
+    }
+
+    /// The base URL, without a trailing slash.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// Sends `body` (JSON) to `path` under the prefix and returns the status and the body, or
+    /// why no whole answer came within `timeout`.
+    pub async fn call(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<Vec<u8>>,
+        timeout: Duration,
+    ) -> Result<(StatusCode, Bytes), HttpError> {
+        match tokio::time::timeout(timeout, self.exchange(method, path, body)).await {
+            Ok(Ok(answer)) => Ok(answer),
+            Ok(Err(message)) => Err(HttpError::Transport {
+                url: self.url.clone(),
+                path: path.to_owned(),
+                message,
+            }),
+            Err(_) => Err(HttpError::Timeout {
+                url: self.url.clone(),
+                path: path.to_owned(),
+                after: timeout,
+            }),
+        }
+    }
+
+    async fn exchange(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<Vec<u8>>,
+    ) -> Result<(StatusCode, Bytes), String> {
+        let stream = TcpStream::connect(&self.authority)
+            .await
+            .map_err(|e| format!("connect: {e}"))?;
+        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+            .await
+            .map_err(|e| format!("handshake: {e}"))?;
+        let mut request = Request::builder()
+            .method(method)
+            .uri(format!("{}{path}", self.prefix))
+            .header(hyper::header::HOST, &self.authority)
+            .header(hyper::header::CONTENT_TYPE, "application/json");
+        if let Some(token) = &self.token {
+            request = request.header(
+                hyper::header::AUTHORIZATION,
+                format!("Bearer {}", token.expose()),
+            );
+        }
+        let request = request
+            .body(Full::new(Bytes::from(body.unwrap_or_default())))
+            .map_err(|e| format!("request: {e}"))?;
+        let exchange = async {
+            let response = sender
+                .send_request(request)
+                .await
+                .map_err(|e| format!("request: {e}"))?;
+            let status = response.status();
+            let bytes = response
+                .into_body()
+                .collect()
+                .await
+                .map_err(|e| format!("response body: {e}"))?
+                .to_bytes();
+            Ok((status, bytes))
+        };
+        let mut exchange = std::pin::pin!(exchange);
+        let mut conn = std::pin::pin!(conn);
+        // The connection future does the I/O; poll it alongside the exchange. If it ends first
+        // (the server closed after answering) the exchange still completes from what was read.
+        tokio::select! {
+            biased;
+            out = &mut exchange => out,
+            ended = &mut conn => match ended {
+                Ok(()) => exchange.await,
+                Err(e) => Err(format!("connection: {e}")),
+            },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    use super::*;
+
+    #[test]
+    fn urls_name_host_port_and_an_optional_prefix() {
+        let c = HttpClient::new("http://127.0.0.1:9000/envs/", "env server").unwrap();
+        assert_eq!(
+            (c.authority.as_str(), c.prefix.as_str(), c.url()),
+            ("127.0.0.1:9000", "/envs", "http://127.0.0.1:9000/envs")
+        );
+        let e = HttpClient::new("https://x:1", "remote engine").unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "remote engine url `https://x:1` must start with http://"
+        );
+        assert!(HttpClient::new("http://nohost", "env server").is_err());
+    }
+
+    /// A one-shot server that records the request head and answers `reply`.
+    async fn serve_once(reply: &'static str) -> (String, tokio::task::JoinHandle<String>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let task = tokio::spawn(async move {
+            let (mut socket, _) = listener.accept().await.unwrap();
+            let mut buf = vec![0u8; 4096];
+            let n = socket.read(&mut buf).await.unwrap();
+            socket.write_all(reply.as_bytes()).await.unwrap();
+            String::from_utf8_lossy(&buf[..n]).into_owned()
+        });
+        (format!("http://{addr}/api"), task)
+    }
+
+    #[tokio::test]
+    async fn a_call_carries_the_prefix_and_token_and_returns_status_and_body() {
+        let (url, server) = serve_once("HTTP/1.1 201 Created\r\ncontent-length: 2\r\n\r\n{}").await;
+        let client = HttpClient::new(&url, "test")
+            .unwrap()
+            .with_token(Some(Secret::new("s3cret")));
+        let (status, body) = client
+            .call(
+                Method::POST,
+                "/v1/x",
+                Some(b"{}".to_vec()),
+                Duration::from_secs(5),
+            )
+            .await
+            .unwrap();
+        assert_eq!((status, &body[..]), (StatusCode::CREATED, &b"{}"[..]));
+        let head = server.await.unwrap();
+        assert!(head.starts_with("POST /api/v1/x HTTP/1.1"), "{head}");
+        assert!(head.contains("authorization: Bearer s3cret"), "{head}");
+    }
+
+    #[tokio::test]
+    async fn a_silent_server_is_a_timeout_and_a_closed_port_a_transport_error() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let client = HttpClient::new(&url, "test").unwrap();
+        let e = client
+            .call(Method::GET, "/slow", None, Duration::from_millis(50))
+            .await
+            .unwrap_err();
+        assert!(matches!(e, HttpError::Timeout { .. }), "{e}");
+        drop(listener);
+        let e = client
+            .call(Method::GET, "/gone", None, Duration::from_secs(5))
+            .await
+            .unwrap_err();
+        assert!(matches!(e, HttpError::Transport { .. }), "{e}");
+    }
+}
