@@ -10,6 +10,7 @@
 //! | [`knobs`] | the runtime [`Knobs`], patches to them and the shared [`KnobsHandle`] |
 //! | [`config`] | TOML config: raw serde structs → `validate()` → typed [`Config`] |
 //! | [`metrics`] | the one catalog of Prometheus metric names, with help text |
+//! | [`rng`] | SplitMix64 and the seed mixer every crate draws with |
 //! | [`error`] | the crate's error type and its stable `kind()` names |
 //!
 //! This crate depends on nothing else of Sluice (see `DESIGN.md` §1): it is the bottom of the graph.
@@ -22,6 +23,7 @@ pub mod ids;
 pub mod knobs;
 pub mod message;
 pub mod metrics;
+pub mod rng;
 pub mod rollout;
 
 pub use backend::{BackendError, TrainStepOutput, TrainerBackend, WeightSnapshot};

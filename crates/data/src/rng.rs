@@ -10,15 +10,9 @@ pub struct Rng {
     s: [u64; 4],
 }
 
-/// One SplitMix64 step: advances `state` and returns a well-mixed value. Also used to derive
-/// independent sub-seeds (per domain, per epoch) from the master seed.
-pub fn splitmix64(state: &mut u64) -> u64 {
-    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    let mut z = *state;
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
+/// One SplitMix64 step (the core crate's): seeds the generator, and derives independent
+/// sub-seeds (per domain, per epoch) from the master seed.
+pub use sluice_core::rng::splitmix64;
 
 /// Mixes several values into one seed (order matters).
 pub fn derive_seed(parts: &[u64]) -> u64 {

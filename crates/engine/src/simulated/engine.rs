@@ -18,11 +18,11 @@ use crossbeam_channel::{Receiver, Sender};
 use sluice_core::config::{LengthDistribution, SimEngineConfig};
 use sluice_core::{PolicyVersion, RequestId, WeightSnapshot, WeightUpdateMode};
 
-use super::rng::{SplitMix64, mix};
 use crate::backend::{
     Completion, EngineError, EngineEvent, EngineStats, EventSink, FinishReason, GenerateRequest,
     InferenceBackend, TokenOutput, enqueued, push_token,
 };
+use sluice_core::rng::{SplitMix64, mix};
 
 /// Commands queued per replica; a full queue is back-pressure, reported as an error by `submit`.
 const COMMAND_QUEUE: usize = 65_536;

@@ -10,12 +10,11 @@
 //! Everything is seeded; a run is reproducible up to thread timing.
 
 mod engine;
-mod rng;
 mod task;
 mod trainer;
 
 pub use engine::{SimEngine, SimEngineParams};
-pub use rng::{SplitMix64, mix};
+pub use sluice_core::rng::{SplitMix64, mix};
 pub use task::{SimTask, TaskStep};
 pub use trainer::SimTrainer;
 

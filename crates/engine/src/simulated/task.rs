@@ -4,7 +4,7 @@
 
 use sluice_core::{Rollout, RolloutId};
 
-use super::rng::{SplitMix64, mix};
+use sluice_core::rng::{SplitMix64, mix};
 
 /// What the environment says after a model turn.
 #[derive(Debug, Clone, PartialEq)]

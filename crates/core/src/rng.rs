@@ -1,7 +1,9 @@
-//! A tiny seeded generator (SplitMix64) and the length distributions drawn with it. Own code, not a
-//! dependency, so that seeds mean the same thing across releases.
+//! The seeded randomness every crate shares: SplitMix64 (Steele, Lea, Flood 2014) as a generator
+//! ([`SplitMix64`]), as one step over a state ([`splitmix64`]) and as a hash of one word
+//! ([`splitmix`]); [`mix`] folds several words into one seed; the simulated completion lengths are
+//! drawn with it. Own code, not a dependency, so that seeds mean the same thing across releases.
 
-use sluice_core::config::LengthDistribution;
+use crate::config::LengthDistribution;
 
 /// Mixes several words into one seed (order matters).
 pub fn mix(words: &[u64]) -> u64 {
@@ -12,7 +14,22 @@ pub fn mix(words: &[u64]) -> u64 {
     h
 }
 
-/// SplitMix64 (Steele, Lea, Flood 2014).
+/// One SplitMix64 step: advances `state` by the golden gamma and returns the mixed value.
+pub fn splitmix64(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// SplitMix64 as a hash of one word: the value of one step from state `x`.
+pub fn splitmix(x: u64) -> u64 {
+    let mut state = x;
+    splitmix64(&mut state)
+}
+
+/// SplitMix64 as a generator.
 #[derive(Debug, Clone)]
 pub struct SplitMix64(u64);
 
@@ -24,11 +41,7 @@ impl SplitMix64 {
 
     /// The next 64 random bits.
     pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
+        splitmix64(&mut self.0)
     }
 
     /// Uniform in [0, 1).
@@ -61,6 +74,18 @@ impl SplitMix64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn splitmix_matches_the_reference_stream() {
+        // SplitMix64 seeded with 0: the first outputs of the reference implementation.
+        let mut g = SplitMix64::new(0);
+        assert_eq!(g.next_u64(), 0xe220_a839_7b1d_cdaf);
+        assert_eq!(g.next_u64(), 0x6e78_9e6a_a1b9_65f4);
+        assert_eq!(splitmix(0), 0xe220_a839_7b1d_cdaf);
+        let mut state = 0;
+        assert_eq!(splitmix64(&mut state), splitmix(0));
+        assert_eq!(state, 0x9e37_79b9_7f4a_7c15);
+    }
 
     #[test]
     fn lognormal_has_a_long_tail() {
