@@ -286,7 +286,7 @@ mod tests {
 
     /// The calls (1-based) out of `calls` steps of a truncated episode that panic.
     async fn panicking_calls(faults: EnvFaults, calls: u64) -> Vec<u64> {
-        let sim = sluice_engine::simulated::SimTask {
+        let sim = sluice_env::SimTask {
             prompt_tokens: 4,
             env_reply_tokens: 2,
             turns: 1,

@@ -4,12 +4,11 @@
 //! up to `rollout.env_calls_per_worker` of them at once and a call that hangs holds one slot,
 //! not a worker.
 //!
-//! [`RolloutEnv`] is token-level and asynchronous: `start` renders a rollout's first prompt,
-//! `step` answers its last turn with the next prompt or the final reward. The simulated task
-//! implements it here; [`crate::native::TaskEnv`] runs the registered tasks of `sluice-env`
-//! through it.
+//! The seam, [`RolloutEnv`], lives in `sluice-env` (`sluice_env::rollout_env`, re-exported here):
+//! token-level and asynchronous, `start` renders a rollout's first prompt, `step` answers its last
+//! turn with the next prompt or the final reward. The simulated task implements it in
+//! `sluice_env::simulated`; the native pipeline's `TaskEnv` runs the registered tasks through it.
 
-use std::collections::BTreeMap;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -17,114 +16,14 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use futures::FutureExt;
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use sluice_core::metrics as m;
-use sluice_core::{DataSample, Knobs, KnobsHandle, Message, Rollout, RolloutId, RolloutStatus};
-use sluice_engine::simulated::{SimTask, TaskStep};
+use sluice_core::{DataSample, Knobs, KnobsHandle, Rollout, RolloutId};
 pub use sluice_env::BoxFuture;
+pub use sluice_env::rollout_env::{EnvReply, RolloutEnv, TurnNote};
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 
 use crate::counters::ActorCounters;
 use crate::{ActorError, Sink};
-
-/// What the environment answers.
-#[derive(Debug, Clone, PartialEq)]
-pub enum EnvReply {
-    /// Another model turn with this full prompt.
-    Continue {
-        /// Prompt token ids of the next turn.
-        next_prompt: Vec<u32>,
-    },
-    /// The episode is over.
-    Done {
-        /// Final reward.
-        reward: f64,
-        /// Final status (`Completed`, `Truncated`, `PromptTooLong`, `Timeout`, …).
-        status: RolloutStatus,
-        /// The reward's named components (e.g. `correct`, `format`).
-        components: BTreeMap<String, f64>,
-    },
-    /// The environment failed; the payload is a short stable kind.
-    Failed {
-        /// Error kind.
-        kind: String,
-    },
-}
-
-impl EnvReply {
-    /// A completed episode with `reward` and no components.
-    pub fn done(reward: f64) -> Self {
-        Self::Done {
-            reward,
-            status: RolloutStatus::Completed,
-            components: BTreeMap::new(),
-        }
-    }
-}
-
-/// What the env learned about the turn it just answered (recorded on the rollout's last turn).
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct TurnNote {
-    /// The completion parsed into a message.
-    pub completion_message: Option<Message>,
-    /// The env's reply messages.
-    pub env_messages: Vec<Message>,
-    /// Per-turn reward.
-    pub env_reward: Option<f64>,
-    /// Situation label of the turn.
-    pub situation: Option<String>,
-}
-
-/// An environment at the token level.
-pub trait RolloutEnv: Send + Sync + 'static {
-    /// Starts rollout `id` of `sample`: its first prompt as `Continue`, or why it cannot start.
-    fn start<'a>(&'a self, sample: &'a DataSample, id: RolloutId) -> BoxFuture<'a, EnvReply>;
-
-    /// Answers the rollout's last turn. `truncated`: the completion hit `max_tokens`, so the
-    /// episode ends as `Truncated` (the env scores it without stepping).
-    fn step<'a>(
-        &'a self,
-        sample: &'a DataSample,
-        rollout: &'a Rollout,
-        truncated: bool,
-    ) -> BoxFuture<'a, (EnvReply, TurnNote)>;
-
-    /// Forgets rollout `id` (its group was dropped). Default: nothing to forget.
-    fn abandon(&self, _id: RolloutId) -> BoxFuture<'_, ()> {
-        Box::pin(async {})
-    }
-
-    /// Sets how many sessions may be open at once (the pool calls it at start and whenever the
-    /// concurrency knobs change: [`session_cap`]). Default: the env keeps no capped sessions.
-    fn set_session_cap(&self, _sessions: usize) {}
-}
-
-impl RolloutEnv for SimTask {
-    fn start<'a>(&'a self, _sample: &'a DataSample, id: RolloutId) -> BoxFuture<'a, EnvReply> {
-        let next_prompt = SimTask::first_prompt(self, id);
-        Box::pin(async move { EnvReply::Continue { next_prompt } })
-    }
-
-    fn step<'a>(
-        &'a self,
-        _sample: &'a DataSample,
-        rollout: &'a Rollout,
-        truncated: bool,
-    ) -> BoxFuture<'a, (EnvReply, TurnNote)> {
-        let step = if truncated {
-            EnvReply::Done {
-                reward: 0.0,
-                status: RolloutStatus::Truncated,
-                components: BTreeMap::new(),
-            }
-        } else {
-            match SimTask::step(self, rollout) {
-                TaskStep::Continue { next_prompt } => EnvReply::Continue { next_prompt },
-                TaskStep::Done { reward } => EnvReply::done(reward),
-            }
-        };
-        Box::pin(async move { (step, TurnNote::default()) })
-    }
-}
 
 /// One env answer, as the controller receives it.
 #[derive(Debug, Clone)]

@@ -23,4 +23,4 @@ pub use backend::{
     InferenceBackend, SamplingParams, TokenOutput,
 };
 pub use native::{NativeControl, NativeEngine, NativeEngineParams, NativeRequest, StepBreakdown};
-pub use simulated::{SimEngine, SimTask, SimTrainer};
+pub use simulated::{SimEngine, SimTrainer};

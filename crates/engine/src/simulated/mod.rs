@@ -5,17 +5,16 @@
 //!   time; completion lengths come from a per-domain distribution; tokens carry the version that
 //!   produced them; aborts return honest partials.
 //! - [`SimTrainer`]: a step costs `c + d · tokens` and publishes `version + 1`.
-//! - [`SimTask`]: a token-level task with a configured number of turns and seeded rewards.
+//!
+//! The simulated task (the environment side) lives in `sluice_env::simulated`.
 //!
 //! Everything is seeded; a run is reproducible up to thread timing.
 
 mod engine;
-mod task;
 mod trainer;
 
 pub use engine::{SimEngine, SimEngineParams};
 pub use sluice_core::rng::{SplitMix64, mix};
-pub use task::{SimTask, TaskStep};
 pub use trainer::SimTrainer;
 
 use std::time::Duration;

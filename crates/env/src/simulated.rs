@@ -2,9 +2,13 @@
 //! `turns` model turns (the environment appends `env_reply_tokens` tokens between them) and ends
 //! with a seeded random reward in {0, 1}, so groups carry non-zero advantages.
 
-use sluice_core::{Rollout, RolloutId};
+use std::collections::BTreeMap;
 
 use sluice_core::rng::{SplitMix64, mix};
+use sluice_core::{DataSample, Rollout, RolloutId, RolloutStatus};
+
+use crate::BoxFuture;
+use crate::rollout_env::{EnvReply, RolloutEnv, TurnNote};
 
 /// What the environment says after a model turn.
 #[derive(Debug, Clone, PartialEq)]
@@ -83,6 +87,34 @@ impl SimTask {
                 reward: if rng.next_f64() < 0.5 { 1.0 } else { 0.0 },
             }
         }
+    }
+}
+
+impl RolloutEnv for SimTask {
+    fn start<'a>(&'a self, _sample: &'a DataSample, id: RolloutId) -> BoxFuture<'a, EnvReply> {
+        let next_prompt = SimTask::first_prompt(self, id);
+        Box::pin(async move { EnvReply::Continue { next_prompt } })
+    }
+
+    fn step<'a>(
+        &'a self,
+        _sample: &'a DataSample,
+        rollout: &'a Rollout,
+        truncated: bool,
+    ) -> BoxFuture<'a, (EnvReply, TurnNote)> {
+        let step = if truncated {
+            EnvReply::Done {
+                reward: 0.0,
+                status: RolloutStatus::Truncated,
+                components: BTreeMap::new(),
+            }
+        } else {
+            match SimTask::step(self, rollout) {
+                TaskStep::Continue { next_prompt } => EnvReply::Continue { next_prompt },
+                TaskStep::Done { reward } => EnvReply::done(reward),
+            }
+        };
+        Box::pin(async move { (step, TurnNote::default()) })
     }
 }
 
