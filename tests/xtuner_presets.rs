@@ -11,7 +11,7 @@ use sluice_core::config::{Override, SimTrainerConfig};
 use sluice_core::{
     BackendError, PolicyVersion, RolloutGroup, TrainStepOutput, TrainerBackend, WeightSnapshot,
 };
-use sluice_engine::SimTrainer;
+use sluice_trainer::SimTrainer;
 
 type Batches = Arc<Mutex<Vec<RolloutGroup>>>;
 

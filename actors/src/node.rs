@@ -24,8 +24,9 @@ use sluice_core::config::{Config, ExpiredPolicy};
 use sluice_core::metrics as m;
 use sluice_core::{KnobsHandle, NodeId, RunId, TrainerBackend, WeightUpdateMode};
 use sluice_engine::simulated::SimEngineParams;
-use sluice_engine::{InferenceBackend, SamplingParams, SimEngine, SimTrainer};
+use sluice_engine::{InferenceBackend, SamplingParams, SimEngine};
 use sluice_env::SimTask;
+use sluice_trainer::SimTrainer;
 
 use crate::admin::{self, AdminState, Server};
 use crate::checkpoint::CheckpointDir;

@@ -24,8 +24,8 @@ use sluice_core::{
     BackendError, KnobPatch, PolicyVersion, RolloutGroup, TrainStepOutput, TrainerBackend,
     WeightSnapshot,
 };
-use sluice_engine::SimTrainer;
 use sluice_replay::StoreSnapshot;
+use sluice_trainer::SimTrainer;
 
 use crate::ActorError;
 use crate::checkpoint::{

@@ -11,7 +11,7 @@ use sluice_core::{
     BackendError, Config, PolicyVersion, RolloutGroup, TrainStepOutput, TrainerBackend,
     WeightSnapshot,
 };
-use sluice_engine::SimTrainer;
+use sluice_trainer::SimTrainer;
 
 /// Every batch a [`RecordingTrainer`] trained on, with the version it trained from.
 pub type Batches = Arc<Mutex<Vec<(PolicyVersion, Vec<RolloutGroup>)>>>;

@@ -10,6 +10,7 @@
 //! | [`knobs`] | the runtime [`Knobs`], patches to them and the shared [`KnobsHandle`] |
 //! | [`config`] | TOML config: raw serde structs → `validate()` → typed [`Config`] |
 //! | [`metrics`] | the one catalog of Prometheus metric names, with help text |
+//! | [`sim`] | what the simulated engine and trainer share (simulated seconds → real time) |
 //! | [`rng`] | SplitMix64 and the seed mixer every crate draws with |
 //! | [`error`] | the crate's error type and its stable `kind()` names |
 //!
@@ -25,6 +26,7 @@ pub mod message;
 pub mod metrics;
 pub mod rng;
 pub mod rollout;
+pub mod sim;
 
 pub use backend::{BackendError, TrainStepOutput, TrainerBackend, WeightSnapshot};
 pub use completion::{CompletionParseError, CompletionParser};

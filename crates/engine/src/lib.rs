@@ -7,7 +7,7 @@
 //! | [`native`] | [`NativeEngine`]: the candle model behind a continuous-batching scheduler |
 //! | [`remote`] | [`remote::RemoteEngine`]: the trait over OpenAI-compatible servers with RL extensions |
 //! | [`server`] | the OpenAI-compatible HTTP server on the native engine (`sluice serve`) |
-//! | [`simulated`] | [`SimEngine`] (timing model on its own thread), [`SimTrainer`], the simulated task |
+//! | [`simulated`] | [`SimEngine`] (timing model on its own thread); the simulated trainer and task live in the trainer and env crates |
 //!
 //! The native candle engine and the remote HTTP backend implement the same trait, so the actors
 //! never change when a backend is added.
@@ -23,4 +23,4 @@ pub use backend::{
     InferenceBackend, SamplingParams, TokenOutput,
 };
 pub use native::{NativeControl, NativeEngine, NativeEngineParams, NativeRequest, StepBreakdown};
-pub use simulated::{SimEngine, SimTrainer};
+pub use simulated::SimEngine;

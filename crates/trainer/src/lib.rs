@@ -24,6 +24,7 @@ pub mod native;
 pub mod optim;
 pub mod report;
 pub mod settings;
+pub mod simulated;
 mod steps;
 
 pub use advantage::{AdvantageBatch, AdvantageConfig, ScoredText, compute_advantages};
@@ -34,3 +35,4 @@ pub use native::{NativeTrainer, SupervisedExample};
 pub use optim::{AdamW, GradAccumulator, OptimConfig, OptimError, StepReport};
 pub use report::{StepParts, StepStats, step_metrics};
 pub use settings::NativeTrainerConfig;
+pub use simulated::SimTrainer;

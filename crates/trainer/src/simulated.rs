@@ -52,7 +52,7 @@ impl TrainerBackend for SimTrainer {
         let tokens: u64 = batch.iter().map(|g| g.completion_tokens() as u64).sum();
         let seconds = self.step_seconds(tokens) * self.time_scale;
         if seconds > 0.0 {
-            std::thread::sleep(super::real_duration(seconds));
+            std::thread::sleep(sluice_core::sim::real_duration(seconds));
         }
         let rewards: Vec<f64> = batch
             .iter()
