@@ -265,7 +265,8 @@ pub async fn run(
 fn export_kv_cache(kv: &sluice_engine::KvCacheStats, replica: &str) {
     let r = || replica.to_owned();
     metrics::gauge!(m::ENGINE_KV_CACHE_USED_BLOCKS, "replica" => r()).set(kv.used_blocks as f64);
-    metrics::gauge!(m::ENGINE_KV_CACHE_CACHED_BLOCKS, "replica" => r()).set(kv.cached_blocks as f64);
+    metrics::gauge!(m::ENGINE_KV_CACHE_CACHED_BLOCKS, "replica" => r())
+        .set(kv.cached_blocks as f64);
     metrics::gauge!(m::ENGINE_KV_CACHE_TOTAL_BLOCKS, "replica" => r()).set(kv.total_blocks as f64);
     metrics::counter!(m::ENGINE_PROMPT_TOKENS, "replica" => r()).absolute(kv.prompt_tokens);
     metrics::counter!(m::ENGINE_PREFIX_CACHE_HIT_TOKENS, "replica" => r())

@@ -60,6 +60,9 @@ pub struct NativeEngineParams {
     pub kv_cache_bytes: u64,
     /// Tokens per KV cache block.
     pub kv_block_tokens: usize,
+    /// Reuse registered full blocks for new requests with the same prefix at the same weight
+    /// version (off: every request prefills its whole input; `sluice bench engine` compares).
+    pub prefix_caching: bool,
 }
 
 impl Default for NativeEngineParams {
@@ -73,6 +76,7 @@ impl Default for NativeEngineParams {
             threads: 0,
             kv_cache_bytes: 0,
             kv_block_tokens: sluice_model::paged::DEFAULT_BLOCK_TOKENS,
+            prefix_caching: true,
         }
     }
 }
@@ -97,6 +101,7 @@ impl NativeEngineParams {
             threads: engine.threads as usize,
             kv_cache_bytes: u64::from(engine.kv_cache_mb) * 1024 * 1024,
             kv_block_tokens: sluice_model::paged::DEFAULT_BLOCK_TOKENS,
+            prefix_caching: true,
         }
     }
 }

@@ -36,12 +36,13 @@ impl Worker {
                 break;
             };
             // Prompt log-probabilities need every prompt row computed: no prefix reuse.
-            let matched = if s.prompt_lps.is_none() {
+            let matched = if s.prompt_lps.is_none() && self.params.prefix_caching {
                 self.cache.attach_prefix(s.cache_id, &s.pending, version)
             } else {
                 0
             };
             let shared_head_in_prefill = matched == 0
+                && self.params.prefix_caching
                 && !s.head.is_empty()
                 && self
                     .running
