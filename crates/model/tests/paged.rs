@@ -29,9 +29,12 @@ fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
         .unwrap()
 }
 
+/// Per step, `(sequence, tokens it adds)`.
+type Steps = Vec<Vec<(usize, usize)>>;
+
 /// A ragged schedule: prefills of different lengths, multi-token extensions and batched
 /// one-token decode steps, across block boundaries (blocks of 4 tokens).
-fn schedule() -> (Vec<Vec<u32>>, Vec<Vec<(usize, usize)>>) {
+fn schedule() -> (Vec<Vec<u32>>, Steps) {
     let lens = [13usize, 9, 22, 5, 17];
     let seqs: Vec<Vec<u32>> = lens
         .iter()
@@ -84,16 +87,19 @@ fn paged_logits_equal_contiguous_logits() {
         let snap = Arc::new(snapshot(tiny_config(arch, false), 5, DType::F32));
         let model = InferenceModel::new(Arc::clone(&snap)).unwrap();
         let mut contiguous = ContiguousKvCache::new(model.config(), DType::F32, snap.device());
+        // 300 blocks: the pools start at 64 and grow (a copy) while sequences hold blocks.
         let mut paged =
-            PagedKvCache::new(model.config(), DType::F32, snap.device(), 40, 4).unwrap();
-        // Scatter the free list, so block tables are not runs of consecutive blocks.
-        let scratch: Vec<u64> = (100..112).collect();
+            PagedKvCache::new(model.config(), DType::F32, snap.device(), 300, 4).unwrap();
+        // Scatter the free list (so block tables are not runs of consecutive blocks) and fill
+        // most of the first 64 blocks, so the pools grow mid-run with keys and values in them.
+        let scratch: Vec<u64> = (100..160).collect();
         for &s in &scratch {
             paged.begin_step(s, &[1], PolicyVersion(0)).unwrap();
         }
-        for &s in scratch.iter().step_by(2) {
+        for &s in scratch.iter().step_by(6) {
             paged.remove(s);
         }
+        assert_eq!(paged.allocated_blocks(), 64);
         let a = run(&model, &mut contiguous);
         let b = run(&model, &mut paged);
         for (step, (a, b)) in a.iter().zip(&b).enumerate() {
@@ -103,6 +109,11 @@ fn paged_logits_equal_contiguous_logits() {
         for s in 0..5 {
             assert_eq!(paged.seq_len(s), contiguous.seq_len(s));
         }
+        let grown = paged.allocated_blocks();
+        assert!(
+            grown > 64 && grown < paged.total_blocks(),
+            "memory grows with use (mid-run here), not to the budget at once: {grown}"
+        );
         let table = paged.block_table(2);
         assert!(
             table.windows(2).any(|w| w[1] != w[0] + 1),

@@ -2,7 +2,10 @@
 //! byte budget, with per-sequence block tables and full blocks shared by content (prefix cache).
 //!
 //! Layout: per layer one keys and one values tensor of `(blocks · block_tokens, kv_heads ·
-//! head_dim)` rows; token `t` of a sequence lives at row `table[t / B] · B + t % B` (`B` =
+//! head_dim)` rows, allocated for the blocks in use so far and doubled (a copy) when a block past
+//! them is handed out, up to the budget. Growing on demand keeps resident memory at what is used:
+//! an allocator that recycles freed memory (mimalloc in the binary) zeroes a reused region eagerly,
+//! so a pool allocated whole would be resident whole; token `t` of a sequence lives at row `table[t / B] · B + t % B` (`B` =
 //! `block_tokens`). Attention reads a sequence's rows with one gather per layer, so the model's
 //! attention code is the contiguous cache's, and the logits are the same.
 //!
@@ -38,8 +41,11 @@ pub struct PagedKvCache {
     head_dim: usize,
     block_tokens: usize,
     device: Device,
-    /// Per layer: `(keys, values)`, each `(blocks · block_tokens, kv_heads · head_dim)`.
+    /// Per layer: `(keys, values)`, each `(capacity · block_tokens, kv_heads · head_dim)`.
     pools: Vec<(Tensor, Tensor)>,
+    /// Blocks the pools hold now (grows to the allocator's total).
+    capacity: usize,
+    dtype: DType,
     alloc: BlockAllocator,
     seqs: HashMap<SeqId, PagedSeq>,
     /// The newest weight version seen: keys of older versions are forgotten.
@@ -76,6 +82,9 @@ impl PagedSeq {
     }
 }
 
+/// Blocks the pools start with (grown by doubling).
+const INITIAL_BLOCKS: usize = 64;
+
 /// Bytes of keys and values one block holds for `config` in `dtype`.
 pub fn block_bytes(config: &ModelConfig, dtype: DType, block_tokens: usize) -> usize {
     2 * config.num_layers
@@ -87,8 +96,7 @@ pub fn block_bytes(config: &ModelConfig, dtype: DType, block_tokens: usize) -> u
 
 impl PagedKvCache {
     /// A pool of `blocks` blocks of `block_tokens` tokens for `config`'s shapes, in `dtype` on
-    /// `device` (the weights'). The memory is allocated here, once (on the CPU the pages are
-    /// touched only as blocks are used).
+    /// `device` (the weights'). Memory is allocated as blocks are first used, up to `blocks`.
     pub fn new(
         config: &ModelConfig,
         dtype: DType,
@@ -101,25 +109,56 @@ impl PagedKvCache {
                 "a paged kv cache needs at least one block of at least one token, got {blocks} blocks of {block_tokens}"
             )));
         }
-        let width = config.num_kv_heads * config.head_dim;
-        let rows = blocks * block_tokens;
-        let mut pools = Vec::with_capacity(config.num_layers);
-        for layer in 0..config.num_layers {
-            let zeros = || Tensor::zeros((rows, width), dtype, device);
-            let ctx = format!("allocating the kv cache pool, layer {layer}");
-            pools.push((zeros().ctx(&ctx)?, zeros().ctx(&ctx)?));
-        }
-        Ok(Self {
+        let mut cache = Self {
             num_layers: config.num_layers,
             kv_heads: config.num_kv_heads,
             head_dim: config.head_dim,
             block_tokens,
             device: device.clone(),
-            pools,
+            pools: Vec::new(),
+            capacity: 0,
+            dtype,
             alloc: BlockAllocator::new(blocks),
             seqs: HashMap::new(),
             version: PolicyVersion(0),
-        })
+        };
+        cache.grow(INITIAL_BLOCKS.min(blocks))?;
+        Ok(cache)
+    }
+
+    /// Makes the pools hold at least `blocks` blocks (doubling, at most the total), keeping
+    /// their contents.
+    fn grow(&mut self, blocks: usize) -> Result<()> {
+        if blocks <= self.capacity {
+            return Ok(());
+        }
+        let new_cap = blocks.max(2 * self.capacity).min(self.alloc.total());
+        let rows = new_cap * self.block_tokens;
+        let width = self.kv_heads * self.head_dim;
+        let ctx = format!("growing the kv cache pool to {new_cap} blocks");
+        let widen = |old: Option<&Tensor>| -> candle_core::Result<Tensor> {
+            let t = Tensor::zeros((rows, width), self.dtype, &self.device)?;
+            if let Some(old) = old {
+                // The new tensor is private to this cache: writing in place is safe.
+                t.slice_set(old, 0, 0)?;
+            }
+            Ok(t)
+        };
+        let mut pools = Vec::with_capacity(self.num_layers);
+        for layer in 0..self.num_layers {
+            let old = self.pools.get(layer);
+            let k = widen(old.map(|p| &p.0)).ctx(&ctx)?;
+            let v = widen(old.map(|p| &p.1)).ctx(&ctx)?;
+            pools.push((k, v));
+        }
+        self.pools = pools;
+        self.capacity = new_cap;
+        Ok(())
+    }
+
+    /// Blocks the pools hold now (memory grows on demand up to [`Self::total_blocks`]).
+    pub fn allocated_blocks(&self) -> usize {
+        self.capacity
     }
 
     /// Tokens per block.
@@ -224,11 +263,22 @@ impl PagedKvCache {
                 total: self.alloc.total(),
             });
         }
-        let s = self.seqs.entry(seq).or_insert_with(|| PagedSeq::new(None));
-        for _ in 0..needed {
-            let block = self.alloc.allocate().expect("checked available blocks");
-            s.blocks.push(block);
+        let fresh: Vec<BlockId> = (0..needed)
+            .map(|_| self.alloc.allocate().expect("checked available blocks"))
+            .collect();
+        if let Some(&top) = fresh.iter().max()
+            && let Err(e) = self.grow(top as usize + 1)
+        {
+            for block in fresh {
+                self.alloc.release(block);
+            }
+            return Err(e);
         }
+        self.seqs
+            .entry(seq)
+            .or_insert_with(|| PagedSeq::new(None))
+            .blocks
+            .extend(fresh);
         Ok(())
     }
 
