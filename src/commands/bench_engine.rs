@@ -107,10 +107,6 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<ExitCode> {
             DType::F32,
             &Device::Cpu,
         )?);
-        let w1 = Arc::new(
-            random_snapshot(Arc::clone(&config), 1, DType::F32, &Device::Cpu)?
-                .with_version(PolicyVersion(1)),
-        );
         let (default_tokens, default_prompt) = lengths(preset);
         let max_tokens = args.max_tokens.unwrap_or(default_tokens);
         let prompt_len = args.prompt_tokens.unwrap_or(default_prompt);
@@ -194,6 +190,12 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<ExitCode> {
                 prefix_ratio = Some((g, on.0));
             }
         }
+        // The second weight set (only the swaps need it) is built here, so a memory run
+        // (`--only-concurrency`) holds one.
+        let w1 = Arc::new(
+            random_snapshot(Arc::clone(&config), 1, DType::F32, &Device::Cpu)?
+                .with_version(PolicyVersion(1)),
+        );
         for mode in WeightUpdateMode::ALL {
             if mode == WeightUpdateMode::InFlight {
                 let pauses = in_flight_pauses(&w0, &w1, prompt_len, sizing)?;
