@@ -136,22 +136,34 @@ impl PagedKvCache {
         let rows = new_cap * self.block_tokens;
         let width = self.kv_heads * self.head_dim;
         let ctx = format!("growing the kv cache pool to {new_cap} blocks");
+        let (dtype, device) = (self.dtype, self.device.clone());
         let widen = |old: Option<&Tensor>| -> candle_core::Result<Tensor> {
-            let t = Tensor::zeros((rows, width), self.dtype, &self.device)?;
+            let t = Tensor::zeros((rows, width), dtype, &device)?;
             if let Some(old) = old {
                 // The new tensor is private to this cache: writing in place is safe.
                 t.slice_set(old, 0, 0)?;
             }
             Ok(t)
         };
-        let mut pools = Vec::with_capacity(self.num_layers);
-        for layer in 0..self.num_layers {
-            let old = self.pools.get(layer);
-            let k = widen(old.map(|p| &p.0)).ctx(&ctx)?;
-            let v = widen(old.map(|p| &p.1)).ctx(&ctx)?;
-            pools.push((k, v));
+        if self.pools.is_empty() {
+            for _ in 0..self.num_layers {
+                let k = widen(None).ctx(&ctx)?;
+                let v = widen(None).ctx(&ctx)?;
+                self.pools.push((k, v));
+            }
+        } else {
+            // Tensor by tensor, each old one dropped once copied: growing costs one tensor's
+            // worth of extra memory, not the pool's. After a failure some tensors are larger
+            // than `capacity`; their extra rows are unused and the next attempt copies them.
+            for layer in 0..self.num_layers {
+                if self.pools[layer].0.dim(0).ctx(&ctx)? < rows {
+                    self.pools[layer].0 = widen(Some(&self.pools[layer].0)).ctx(&ctx)?;
+                }
+                if self.pools[layer].1.dim(0).ctx(&ctx)? < rows {
+                    self.pools[layer].1 = widen(Some(&self.pools[layer].1)).ctx(&ctx)?;
+                }
+            }
         }
-        self.pools = pools;
         self.capacity = new_cap;
         Ok(())
     }

@@ -43,6 +43,7 @@ impl Worker {
             };
             let shared_head_in_prefill = matched == 0
                 && self.params.prefix_caching
+                && s.prompt_lps.is_none()
                 && !s.head.is_empty()
                 && self
                     .running
