@@ -84,6 +84,10 @@ pub struct ServeArgs {
     /// Tokens (prefill + decode) per engine step at most.
     #[arg(long, default_value_t = 2048)]
     pub max_step_tokens: usize,
+    /// KV cache pool, MiB (0 = every running sequence at full context, capped at 2048 MiB;
+    /// as `engine.kv_cache_mb`).
+    #[arg(long, default_value_t = 0)]
+    pub kv_cache_mb: u32,
     /// Model name reported by the API (default: the directory's name).
     #[arg(long)]
     pub served_model_name: Option<String>,
@@ -201,6 +205,23 @@ pub struct BenchEngineArgs {
     /// Requests in flight.
     #[arg(long = "concurrency", default_values_t = [1usize, 8, 32, 64])]
     pub concurrency: Vec<usize>,
+    /// KV cache pool of every engine the benchmark starts, MiB (0 = sized automatically, as
+    /// `engine.kv_cache_mb = 0`).
+    #[arg(long, default_value_t = 0)]
+    pub kv_cache_mb: u32,
+    /// Tokens generated per request (default: per preset).
+    #[arg(long)]
+    pub max_tokens: Option<u32>,
+    /// Prompt tokens per request (default: 16).
+    #[arg(long)]
+    pub prompt_tokens: Option<usize>,
+    /// Rollouts per group of the prefix-sharing measurement (0 skips it).
+    #[arg(long, default_value_t = 8)]
+    pub group_size: usize,
+    /// Only the concurrency rows: no one-by-one baseline, swap pauses or prefix sharing (a
+    /// memory run: `--preset medium --concurrency 64 --kv-cache-mb 2048 --only-concurrency`).
+    #[arg(long)]
+    pub only_concurrency: bool,
 }
 
 /// `sluice bench trainer`

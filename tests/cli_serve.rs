@@ -49,6 +49,11 @@ fn serve_refuses_bad_flags_before_loading() {
             "100000",
             "--max-running-sequences: expected at most 16384, got 100000",
         ),
+        (
+            "--kv-cache-mb",
+            "2000000",
+            "--kv-cache-mb: expected at most 1048576 (MiB of KV cache; 1 TiB at most), got 2000000",
+        ),
     ] {
         let out = sluice()
             .args([

@@ -233,6 +233,9 @@ pub async fn run(
                     .set(s.running as f64);
                 metrics::gauge!(m::ENGINE_WAITING_REQUESTS, "replica" => replica.clone())
                     .set(s.waiting as f64);
+                if let Some(kv) = &s.kv_cache {
+                    export_kv_cache(kv, &replica);
+                }
                 metrics::counter!(m::ENGINE_GENERATED_TOKENS, "replica" => replica)
                     .increment(d.tokens);
             }
@@ -245,6 +248,26 @@ pub async fn run(
             last_upkeep = Instant::now();
         }
     }
+}
+
+/// A native replica's KV cache. Its counters are totals since the replica started: `absolute`
+/// keeps the exported counter at its highest value, so it never goes backwards when a replica is
+/// rebuilt (it then resumes counting once the new one passes the old total).
+fn export_kv_cache(kv: &sluice_engine::KvCacheStats, replica: &str) {
+    let r = || replica.to_owned();
+    metrics::gauge!(m::ENGINE_KV_CACHE_USED_BLOCKS, "replica" => r()).set(kv.used_blocks as f64);
+    metrics::gauge!(m::ENGINE_KV_CACHE_CACHED_BLOCKS, "replica" => r())
+        .set(kv.cached_blocks as f64);
+    metrics::gauge!(m::ENGINE_KV_CACHE_TOTAL_BLOCKS, "replica" => r()).set(kv.total_blocks as f64);
+    metrics::counter!(m::ENGINE_PROMPT_TOKENS, "replica" => r()).absolute(kv.prompt_tokens);
+    metrics::counter!(m::ENGINE_PREFIX_CACHE_HIT_TOKENS, "replica" => r())
+        .absolute(kv.prefix_hit_tokens);
+    if kv.prompt_tokens > 0 {
+        metrics::gauge!(m::ENGINE_PREFIX_CACHE_HIT_RATIO, "replica" => r())
+            .set(kv.prefix_hit_tokens as f64 / kv.prompt_tokens as f64);
+    }
+    metrics::counter!(m::ENGINE_PREEMPTED_SEQUENCES, "replica" => r())
+        .absolute(kv.preempted_sequences);
 }
 
 /// Exports every knob as a gauge.

@@ -7,6 +7,11 @@
 //! forward (logits to the host included) against the scheduler's share (inputs, sampling,
 //! per-token bookkeeping, finishing requests), and the time per scheduler step. Greedy, `ignore_eos`, fixed lengths, so every
 //! configuration generates the same number of tokens.
+//!
+//! Then prefix sharing: groups of `--group-size` requests with one prompt each, on a cold
+//! cache, with prefix caching on and off: prompt tokens prefilled ÷ submitted, and the model's
+//! time. Every engine gets `--kv-cache-mb` of KV cache (0: sized automatically); preemptions
+//! are counted per row, and the process's peak resident memory is printed at the end.
 
 use std::process::ExitCode;
 use std::sync::{Arc, Mutex};
@@ -15,6 +20,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use sluice_core::config::ModelPreset;
 use sluice_core::{GroupId, NodeId, PolicyVersion, RunId, WeightUpdateMode};
+use sluice_engine::native::KvBudget;
 use sluice_engine::native::RequestUpdate;
 use sluice_engine::{
     EngineEvent, GenerateRequest, InferenceBackend, NativeEngine, NativeEngineParams,
@@ -44,6 +50,40 @@ struct Measured {
     model_pct: f64,
     /// Milliseconds of compute per scheduler step.
     step_ms: f64,
+    /// Sequences preempted for lack of KV blocks.
+    preempted: u64,
+}
+
+/// Prompt length of the prefix-sharing groups: six full blocks of 16 and a partial one, which
+/// every rollout computes itself (it samples from the last token's logits).
+const GROUP_PROMPT_TOKENS: usize = 100;
+
+const MIB: u64 = 1024 * 1024;
+
+/// Engine parameters every measurement shares.
+#[derive(Clone, Copy)]
+struct Sizing {
+    kv_cache_bytes: u64,
+}
+
+impl Sizing {
+    fn params(&self, concurrency: usize) -> NativeEngineParams {
+        NativeEngineParams {
+            max_running_sequences: concurrency,
+            kv_cache_bytes: self.kv_cache_bytes,
+            // The engine alone on the machine: every core.
+            threads: sluice_model::threads::role_threads(0, 1),
+            ..NativeEngineParams::default()
+        }
+    }
+}
+
+/// The process's peak resident set (`VmHWM`), MiB; `None` off Linux.
+fn peak_rss_mb() -> Option<f64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb / 1024.0)
 }
 
 /// Runs the benchmark and prints a table and the `RESULT engine` line.
@@ -55,6 +95,10 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<ExitCode> {
     };
     let mut speedup_tiny = None;
     let mut pause_tiny = None;
+    let mut prefix_ratio = None;
+    let sizing = Sizing {
+        kv_cache_bytes: u64::from(args.kv_cache_mb) * MIB,
+    };
     for preset in presets {
         let config = Arc::new(preset_config(preset));
         let w0 = Arc::new(random_snapshot(
@@ -63,41 +107,98 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<ExitCode> {
             DType::F32,
             &Device::Cpu,
         )?);
-        let w1 = Arc::new(
-            random_snapshot(config, 1, DType::F32, &Device::Cpu)?.with_version(PolicyVersion(1)),
-        );
-        let (max_tokens, prompt_len) = lengths(preset);
-        println!("preset {preset:?}: {max_tokens} tokens per request, prompts of {prompt_len}");
-        println!(
-            "{:>12} {:>12} {:>12} {:>12} {:>9} {:>8} {:>9}",
-            "concurrency", "tokens/s", "itl_p50_ms", "itl_p99_ms", "speedup", "model%", "step_ms"
-        );
+        let (default_tokens, default_prompt) = lengths(preset);
+        let max_tokens = args.max_tokens.unwrap_or(default_tokens);
+        let prompt_len = args.prompt_tokens.unwrap_or(default_prompt);
         let max_c = *args.concurrency.iter().max().unwrap_or(&64);
-        let serial = measure(&w0, max_c.min(8), 1, max_tokens, prompt_len)?;
+        let budget = KvBudget::new(&sizing.params(max_c), &config, DType::F32)?;
         println!(
-            "{:>12} {:>12.1} {:>12.2} {:>12.2} {:>9} {:>8.1} {:>9.2}",
-            "one-by-one",
-            serial.tokens_per_s,
-            serial.itl_p50_ms,
-            serial.itl_p99_ms,
-            "1.0",
-            serial.model_pct,
-            serial.step_ms
+            "preset {preset:?}: {max_tokens} tokens per request, prompts of {prompt_len}; KV cache {:.1} MiB per engine ({} blocks of {} tokens{})",
+            budget.bytes as f64 / MIB as f64,
+            budget.blocks,
+            budget.block_tokens,
+            if budget.automatic {
+                ", automatic at the largest concurrency"
+            } else {
+                ""
+            },
         );
-        for &c in &args.concurrency {
-            let m = measure(&w0, c, c, max_tokens, prompt_len)?;
-            let speedup = m.tokens_per_s / serial.tokens_per_s;
+        println!(
+            "{:>12} {:>12} {:>12} {:>12} {:>9} {:>8} {:>9} {:>8}",
+            "concurrency",
+            "tokens/s",
+            "itl_p50_ms",
+            "itl_p99_ms",
+            "speedup",
+            "model%",
+            "step_ms",
+            "preempt"
+        );
+        let shape = (max_tokens, prompt_len);
+        let serial = if args.only_concurrency {
+            None
+        } else {
+            let serial = measure(&w0, sizing, (max_c.min(8), 1), shape)?;
             println!(
-                "{c:>12} {:>12.1} {:>12.2} {:>12.2} {speedup:>9.1} {:>8.1} {:>9.2}",
-                m.tokens_per_s, m.itl_p50_ms, m.itl_p99_ms, m.model_pct, m.step_ms
+                "{:>12} {:>12.1} {:>12.2} {:>12.2} {:>9} {:>8.1} {:>9.2} {:>8}",
+                "one-by-one",
+                serial.tokens_per_s,
+                serial.itl_p50_ms,
+                serial.itl_p99_ms,
+                "1.0",
+                serial.model_pct,
+                serial.step_ms,
+                serial.preempted
+            );
+            Some(serial)
+        };
+        for &c in &args.concurrency {
+            let m = measure(&w0, sizing, (c, c), shape)?;
+            let speedup = serial.as_ref().map(|s| m.tokens_per_s / s.tokens_per_s);
+            println!(
+                "{c:>12} {:>12.1} {:>12.2} {:>12.2} {:>9} {:>8.1} {:>9.2} {:>8}",
+                m.tokens_per_s,
+                m.itl_p50_ms,
+                m.itl_p99_ms,
+                speedup.map_or("n/a".into(), |x| format!("{x:.1}")),
+                m.model_pct,
+                m.step_ms,
+                m.preempted
             );
             if preset == ModelPreset::Tiny && c == 64 {
-                speedup_tiny = Some(speedup);
+                speedup_tiny = speedup;
             }
         }
+        if args.only_concurrency {
+            println!();
+            continue;
+        }
+        if args.group_size > 0 {
+            let g = args.group_size;
+            let on = prefix_sharing(&w0, sizing, g, true)?;
+            let off = prefix_sharing(&w0, sizing, g, false)?;
+            println!(
+                "prefix sharing, {} groups of {g}, prompts of {GROUP_PROMPT_TOKENS}: prefilled / submitted = {:.3} (target <= 1/G + 0.05 = {:.3}); model {:.2} s vs {:.2} s without prefix caching ({:.0}% saved)",
+                PREFIX_GROUPS,
+                on.0,
+                1.0 / g as f64 + 0.05,
+                on.1,
+                off.1,
+                100.0 * (1.0 - on.1 / off.1.max(1e-12))
+            );
+            if preset == ModelPreset::Tiny || prefix_ratio.is_none() {
+                prefix_ratio = Some((g, on.0));
+            }
+        }
+        // The second weight set (only the swaps need it) is built here, so a memory run
+        // (`--only-concurrency`) holds one.
+        let w1 = Arc::new(
+            random_snapshot(Arc::clone(&config), 1, DType::F32, &Device::Cpu)?
+                .with_version(PolicyVersion(1)),
+        );
         for mode in WeightUpdateMode::ALL {
             if mode == WeightUpdateMode::InFlight {
-                let pauses = in_flight_pauses(&w0, &w1, prompt_len)?;
+                let pauses = in_flight_pauses(&w0, &w1, prompt_len, sizing)?;
                 let ms = |q: f64| {
                     pauses[((pauses.len() - 1) as f64 * q).round() as usize].as_secs_f64() * 1e3
                 };
@@ -114,7 +215,7 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<ExitCode> {
                 }
                 continue;
             }
-            let pause = swap_pause(&w0, &w1, mode, prompt_len)?;
+            let pause = swap_pause(&w0, &w1, mode, prompt_len, sizing)?;
             println!(
                 "swap pause {:<13} {:>9.3} ms",
                 mode.as_str(),
@@ -123,10 +224,17 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<ExitCode> {
         }
         println!();
     }
+    let rss = peak_rss_mb();
+    if let Some(mb) = rss {
+        println!("peak resident memory: {mb:.0} MiB");
+    }
     println!(
-        "RESULT engine batching_speedup_64={} swap_pause_ms_in_flight={}",
+        "RESULT engine batching_speedup_64={} swap_pause_ms_in_flight={} prefix_prefill_ratio{}={} peak_rss_mb={}",
         speedup_tiny.map_or("n/a".into(), |x| format!("{x:.1}")),
         pause_tiny.map_or("n/a".into(), |x| format!("{x:.3}")),
+        prefix_ratio.map_or(String::new(), |(g, _)| format!("_g{g}")),
+        prefix_ratio.map_or("n/a".into(), |(_, r)| format!("{r:.3}")),
+        rss.map_or("n/a".into(), |x| format!("{x:.0}")),
     );
     Ok(ExitCode::SUCCESS)
 }
@@ -156,22 +264,18 @@ fn request(i: u64, max_tokens: u32, prompt_len: usize) -> GenerateRequest {
     }
 }
 
-/// `total` requests with at most `concurrency` in flight (the engine's cap); tokens/s over the
-/// whole run and the gaps between consecutive tokens of each request.
+/// `total` requests with at most `concurrency` in flight (the engine's cap), each of
+/// `(max_tokens, prompt_len)`; tokens/s over the whole run and the gaps between consecutive
+/// tokens of each request. A request preempted for lack of KV blocks comes back as an abort and
+/// is resumed from its partial, as the controller would.
 fn measure(
     w: &Arc<WeightSnapshot>,
-    total: usize,
-    concurrency: usize,
-    max_tokens: u32,
-    prompt_len: usize,
+    sizing: Sizing,
+    (total, concurrency): (usize, usize),
+    (max_tokens, prompt_len): (u32, usize),
 ) -> anyhow::Result<Measured> {
     let (tx, rx) = std::sync::mpsc::channel();
-    let params = NativeEngineParams {
-        max_running_sequences: concurrency,
-        // The engine alone on the machine: every core.
-        threads: sluice_model::threads::role_threads(0, 1),
-        ..NativeEngineParams::default()
-    };
+    let params = sizing.params(concurrency);
     let mut engine = NativeEngine::start(
         params,
         Arc::clone(w),
@@ -204,12 +308,29 @@ fn measure(
         engine.submit_native(r)?;
     }
     let mut tokens = 0usize;
-    for _ in 0..total {
+    let mut finished = 0;
+    while finished < total {
         let c = rx
             .recv_timeout(Duration::from_secs(1800))
             .context("the engine stopped answering")?;
+        if c.finish == sluice_engine::FinishReason::Abort {
+            let i = c.id.rollout.group.counter;
+            let mut resumed = request(i, max_tokens, prompt_len);
+            resumed.resume = Some(c.output);
+            engine.submit_native(NativeRequest {
+                ignore_eos: true,
+                ..NativeRequest::plain(resumed)
+            })?;
+            continue;
+        }
+        finished += 1;
         tokens += c.output.len();
     }
+    let preempted = engine
+        .control()
+        .stats()
+        .kv_cache
+        .map_or(0, |k| k.preempted_sequences);
     let elapsed = started.elapsed().as_secs_f64();
     let parts = engine.control().breakdown();
     engine.shutdown();
@@ -226,7 +347,61 @@ fn measure(
         itl_p99_ms: pct(0.99),
         model_pct: 100.0 * parts.model_seconds / busy.max(1e-12),
         step_ms: 1e3 * busy / parts.steps.max(1) as f64,
+        preempted,
     })
+}
+
+/// Groups in the prefix-sharing measurement.
+const PREFIX_GROUPS: usize = 8;
+
+/// [`PREFIX_GROUPS`] groups of `g` requests sharing a prompt of [`GROUP_PROMPT_TOKENS`] (4 new
+/// tokens each, all submitted at once to a cold engine): prompt tokens prefilled ÷ submitted,
+/// and the model's seconds.
+fn prefix_sharing(
+    w: &Arc<WeightSnapshot>,
+    sizing: Sizing,
+    g: usize,
+    caching: bool,
+) -> anyhow::Result<(f64, f64)> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let params = NativeEngineParams {
+        prefix_caching: caching,
+        ..sizing.params((PREFIX_GROUPS * g).min(64))
+    };
+    let mut engine = NativeEngine::start(
+        params,
+        Arc::clone(w),
+        None,
+        Arc::new(move |e| {
+            if let EngineEvent::Finished(c) = e {
+                let _ = tx.send(c);
+            }
+        }),
+    )?;
+    for group in 0..PREFIX_GROUPS {
+        let prompt = request(group as u64, 4, GROUP_PROMPT_TOKENS).prompt_token_ids;
+        for k in 0..g {
+            let mut r = request((group * g + k) as u64, 4, GROUP_PROMPT_TOKENS);
+            r.prompt_token_ids.clone_from(&prompt);
+            engine.submit_native(NativeRequest {
+                ignore_eos: true,
+                ..NativeRequest::plain(r)
+            })?;
+        }
+    }
+    for _ in 0..PREFIX_GROUPS * g {
+        rx.recv_timeout(Duration::from_secs(1800))
+            .context("the engine stopped answering")?;
+    }
+    let control = engine.control();
+    let kv = control
+        .stats()
+        .kv_cache
+        .context("a native engine reports its kv cache")?;
+    let model = control.breakdown().model_seconds;
+    engine.shutdown();
+    let ratio = (kv.prompt_tokens - kv.prefix_hit_tokens) as f64 / kv.prompt_tokens.max(1) as f64;
+    Ok((ratio, model))
 }
 
 /// An engine on `w0` with 8 requests of `max_tokens` decoding (16 tokens in), and the pauses its
@@ -235,10 +410,14 @@ fn decoding_engine(
     w0: &Arc<WeightSnapshot>,
     max_tokens: u32,
     prompt_len: usize,
+    sizing: Sizing,
 ) -> anyhow::Result<(NativeEngine, std::sync::mpsc::Receiver<Duration>)> {
     let (tx, rx) = std::sync::mpsc::channel();
     let engine = NativeEngine::start(
-        NativeEngineParams::default(),
+        NativeEngineParams {
+            kv_cache_bytes: sizing.kv_cache_bytes,
+            ..NativeEngineParams::default()
+        },
         Arc::clone(w0),
         None,
         Arc::new(move |e| {
@@ -267,8 +446,9 @@ fn swap_pause(
     w1: &Arc<WeightSnapshot>,
     mode: WeightUpdateMode,
     prompt_len: usize,
+    sizing: Sizing,
 ) -> anyhow::Result<Duration> {
-    let (mut engine, rx) = decoding_engine(w0, 24, prompt_len)?;
+    let (mut engine, rx) = decoding_engine(w0, 24, prompt_len, sizing)?;
     engine.update_weights(w1.to_envelope(), mode)?;
     let pause = rx
         .recv_timeout(Duration::from_secs(1800))
@@ -290,8 +470,9 @@ fn in_flight_pauses(
     w0: &Arc<WeightSnapshot>,
     w1: &Arc<WeightSnapshot>,
     prompt_len: usize,
+    sizing: Sizing,
 ) -> anyhow::Result<Vec<Duration>> {
-    let (mut engine, rx) = decoding_engine(w0, 4000, prompt_len)?;
+    let (mut engine, rx) = decoding_engine(w0, 4000, prompt_len, sizing)?;
     let mut pauses = Vec::with_capacity(IN_FLIGHT_SWAPS);
     let mut state = 0x9e37_79b9_7f4a_7c15u64;
     for k in 0..IN_FLIGHT_SWAPS {

@@ -212,14 +212,14 @@ fn in_domain(config: &Config, domain: &str, mut samples: Vec<DataSample>) -> Vec
     samples
 }
 
+/// An evaluator's engine: sized like one replica of `[engine]` (`max_running_sequences`,
+/// `kv_cache_mb`, `threads`), so evaluating never takes more memory than a replica does.
 fn engine_params(config: &Config, setup: &NativeSetup) -> NativeEngineParams {
-    NativeEngineParams {
-        max_running_sequences: 256,
-        max_step_tokens: config.engine.max_step_tokens.get().max(4096) as usize,
-        seed: config.run.seed,
-        eos_token_ids: setup.tokenizer.eos_token_ids().to_vec(),
-        ..NativeEngineParams::default()
-    }
+    let eos = setup.tokenizer.eos_token_ids().to_vec();
+    let mut params = NativeEngineParams::from_config(&config.engine, 0, config.run.seed, eos);
+    // Evaluation prompts arrive all at once: prefill them in few steps.
+    params.max_step_tokens = params.max_step_tokens.max(4096);
+    params
 }
 
 /// An evaluator of `task` on `samples` with the run's engine sizing and turn length.

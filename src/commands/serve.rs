@@ -16,6 +16,8 @@ use crate::cli::ServeArgs;
 const MAX_RUNNING_SEQUENCES: usize = 16_384;
 /// Largest `--max-step-tokens` (as `engine.max_step_tokens`).
 const MAX_STEP_TOKENS: usize = 1 << 20;
+/// Largest `--kv-cache-mb` (as `engine.kv_cache_mb`: 1 TiB).
+const MAX_KV_CACHE_MB: u32 = 1 << 20;
 
 /// Runs the server.
 pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
@@ -37,6 +39,12 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
         bail!(
             "--max-step-tokens: expected at most {MAX_STEP_TOKENS}, got {}",
             args.max_step_tokens
+        );
+    }
+    if args.kv_cache_mb > MAX_KV_CACHE_MB {
+        bail!(
+            "--kv-cache-mb: expected at most {MAX_KV_CACHE_MB} (MiB of KV cache; 1 TiB at most), got {}",
+            args.kv_cache_mb
         );
     }
     if args
@@ -73,6 +81,8 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
         eos_token_ids: eos,
         // The server is the only role in its process: every core.
         threads: sluice_model::threads::role_threads(0, 1),
+        kv_cache_bytes: u64::from(args.kv_cache_mb) * 1024 * 1024,
+        ..NativeEngineParams::default()
     };
     let mut engine = NativeEngine::start(
         params,

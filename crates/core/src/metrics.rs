@@ -63,6 +63,7 @@ pub const UNITS: &[&str] = &[
     "failures",
     "tokens_per_second",
     "info",
+    "blocks",
 ];
 
 /// Names fixed verbatim by `DESIGN.md` / the issues that predate the unit rule; they are checked
@@ -152,6 +153,20 @@ catalog! {
         "Generated tokens thrown away (regenerated or expired partials).";
     ENGINE_WEIGHT_SYNC_PAUSE_SECONDS = "sluice_engine_weight_sync_pause_seconds", Histogram, ["mode"], SECONDS_BUCKETS,
         "Time from a weight-update request to the first step on the new weights.";
+    ENGINE_KV_CACHE_USED_BLOCKS = "sluice_engine_kv_cache_used_blocks", Gauge, ["replica"], NONE,
+        "KV cache blocks in running sequences' block tables (native replicas).";
+    ENGINE_KV_CACHE_CACHED_BLOCKS = "sluice_engine_kv_cache_cached_blocks", Gauge, ["replica"], NONE,
+        "Unreferenced KV cache blocks kept for prefix hits, evicted least recently used first.";
+    ENGINE_KV_CACHE_TOTAL_BLOCKS = "sluice_engine_kv_cache_total_blocks", Gauge, ["replica"], NONE,
+        "KV cache blocks in each native replica's pool (engine.kv_cache_mb).";
+    ENGINE_PROMPT_TOKENS = "sluice_engine_prompt_tokens_total", Counter, ["replica"], NONE,
+        "Prompt tokens (prompt plus resumed completion) of requests admitted to a native replica.";
+    ENGINE_PREFIX_CACHE_HIT_TOKENS = "sluice_engine_prefix_cache_hit_tokens_total", Counter, ["replica"], NONE,
+        "Of the prompt tokens, those whose keys and values came from the prefix cache (not prefilled).";
+    ENGINE_PREFIX_CACHE_HIT_RATIO = "sluice_engine_prefix_cache_hit_ratio", Gauge, ["replica"], NONE,
+        "Prefix-cache hit tokens over prompt tokens since the replica started.";
+    ENGINE_PREEMPTED_SEQUENCES = "sluice_engine_preempted_sequences_total", Counter, ["replica"], NONE,
+        "Running sequences preempted because the KV cache ran out of blocks (returned as aborts with their partials, or requeued when they had generated nothing).";
     ENV_STEP_SECONDS = "sluice_env_step_seconds", Histogram, ["domain"], SECONDS_BUCKETS,
         "Time an environment step (or init) took.";
     ENV_FAILURES = "sluice_env_failures_total", Counter, ["kind"], NONE,

@@ -151,7 +151,7 @@ const BAD: &[(&str, &[&str], &str, ConfigErrorKind)] = &[
     (
         "[engine]\nzzz = 1",
         &[],
-        "test.toml: engine.zzz: unknown key; expected one of: backend, replicas, max_running_sequences, max_step_tokens, threads, remote_urls, request_timeout_s, remote_keep_versions, simulated",
+        "test.toml: engine.zzz: unknown key; expected one of: backend, replicas, max_running_sequences, max_step_tokens, threads, kv_cache_mb, remote_urls, request_timeout_s, remote_keep_versions, simulated",
         ConfigErrorKind::UnknownKey,
     ),
     (
@@ -436,6 +436,18 @@ const BAD: &[(&str, &[&str], &str, ConfigErrorKind)] = &[
         "[engine]\nreplicas = 100000",
         &[],
         "test.toml: engine.replicas: expected at most 256 (engine replicas on one node), got 100000",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[engine]\nkv_cache_mb = 2000000",
+        &[],
+        "test.toml: engine.kv_cache_mb: expected at most 1048576 (MiB of KV cache per replica; 1 TiB at most), got 2000000",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[engine]\nkv_cache_mb = -1",
+        &[],
+        "test.toml: engine.kv_cache_mb: expected an integer ≥ 0, got -1",
         ConfigErrorKind::Value,
     ),
     (

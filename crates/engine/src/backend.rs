@@ -146,6 +146,28 @@ pub struct EngineStats {
     pub busy_seconds: f64,
     /// Wall seconds since start.
     pub uptime_seconds: f64,
+    /// The paged KV cache (native backend only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_cache: Option<KvCacheStats>,
+}
+
+/// A native replica's KV cache pool, admission and prefix cache, counted since it started.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct KvCacheStats {
+    /// Tokens per block.
+    pub block_tokens: u64,
+    /// Blocks in the pool.
+    pub total_blocks: u64,
+    /// Blocks in some running sequence's table.
+    pub used_blocks: u64,
+    /// Unreferenced blocks kept for prefix hits (evicted least recently used first).
+    pub cached_blocks: u64,
+    /// Prompt tokens (prompt plus resumed completion) of admitted requests.
+    pub prompt_tokens: u64,
+    /// Of those, tokens whose keys and values came from the prefix cache instead of a prefill.
+    pub prefix_hit_tokens: u64,
+    /// Running sequences preempted when blocks ran out (returned as aborts with their partials).
+    pub preempted_sequences: u64,
 }
 
 /// A backend refused a call.

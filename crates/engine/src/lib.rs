@@ -20,7 +20,7 @@ pub mod simulated;
 
 pub use backend::{
     Completion, EngineError, EngineEvent, EngineStats, EventSink, FinishReason, GenerateRequest,
-    InferenceBackend, SamplingParams, TokenOutput,
+    InferenceBackend, KvCacheStats, SamplingParams, TokenOutput,
 };
 pub use native::{NativeControl, NativeEngine, NativeEngineParams, NativeRequest, StepBreakdown};
 pub use simulated::SimEngine;

@@ -4,6 +4,7 @@
 use std::collections::HashMap;
 
 use candle_core::{DType, Device, Tensor};
+use sluice_core::PolicyVersion;
 
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result, TensorContext};
@@ -76,6 +77,15 @@ pub trait KvCache: Send {
             pad_stack(ks).ctx("kv cache padding")?,
             pad_stack(vs).ctx("kv cache padding")?,
         ))
+    }
+
+    /// Announces that the next model step feeds `tokens` to `seq`, computed by weights
+    /// `version`, before any layer's append. A paged cache reserves the blocks they need here
+    /// (failing with [`ModelError::KvCacheFull`] when none are left) and keeps the ids to share
+    /// full blocks by content. The default does nothing.
+    fn begin_step(&mut self, seq: SeqId, tokens: &[u32], version: PolicyVersion) -> Result<()> {
+        let _ = (seq, tokens, version);
+        Ok(())
     }
 
     /// Drops `seq` and frees its memory; false if it was not there.

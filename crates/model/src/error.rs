@@ -89,6 +89,21 @@ pub enum ModelError {
         /// minijinja's message, with the line when it has one.
         reason: String,
     },
+    /// The paged KV cache has no free block for a sequence's new tokens (the engine preempts
+    /// before this happens; a direct caller sees it).
+    #[error(
+        "kv cache full: sequence {seq} needs {needed} more blocks, {available} of {total} are available"
+    )]
+    KvCacheFull {
+        /// The sequence.
+        seq: u64,
+        /// Blocks it needed.
+        needed: usize,
+        /// Blocks free or evictable.
+        available: usize,
+        /// Blocks in the pool.
+        total: usize,
+    },
     /// A caller passed inconsistent input (lengths, unknown sequence, token out of vocabulary).
     #[error("invalid input: {reason}")]
     Input {
@@ -111,6 +126,7 @@ impl ModelError {
             ModelError::Tensor { .. } => "tensor_op",
             ModelError::Tokenizer { .. } => "tokenizer",
             ModelError::ChatTemplate { .. } => "chat_template",
+            ModelError::KvCacheFull { .. } => "kv_cache_full",
             ModelError::Input { .. } => "invalid_input",
         }
     }

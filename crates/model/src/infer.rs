@@ -108,6 +108,9 @@ impl InferenceModel {
     ) -> Result<Tensor> {
         let c = &*self.config;
         let past = self.check_inputs(cache, inputs)?;
+        for input in inputs {
+            cache.begin_step(input.seq, input.tokens, self.version())?;
+        }
         let n: usize = inputs.iter().map(|i| i.tokens.len()).sum();
         let device = self.weights.embed.device().clone();
         let dtype = self.weights.embed.dtype();

@@ -12,6 +12,7 @@
 //! | [`batch`] | [`PackedBatch`]: sequences packed in `(B, L)` rows with positions, segments, next-token targets |
 //! | [`train`] | [`TrainableModel`]: parameters as `Var`s, [`TrainableModel::token_scores`] (log-probs + entropy, chunked) |
 //! | [`cache`] | [`KvCache`] trait and [`ContiguousKvCache`] |
+//! | [`paged`] | [`PagedKvCache`]: fixed-size blocks from one pool, block tables, prefix sharing by content and weight version |
 //! | [`infer`] | [`InferenceModel`]: [`InferenceModel::step`] for prefill/decode of many sequences, weight swap |
 //! | [`tokenizer`] | [`Tokenizer`]: `tokenizer.json` + special tokens, eos ids, chat template |
 //! | [`chat`] | [`ChatTemplate`] rendering as transformers does, [`CompletionParser`] for reasoning and tool calls |
@@ -53,6 +54,7 @@ pub mod infer;
 mod layers;
 pub mod names;
 pub mod ops;
+pub mod paged;
 pub mod presets;
 pub mod recompute;
 mod scores;
@@ -71,6 +73,7 @@ pub use checkpoint::{LoadOptions, SaveOptions, copy_aux_files, load_checkpoint, 
 pub use config::{Architecture, ModelConfig};
 pub use error::{ModelError, Result};
 pub use infer::{InferenceModel, LogitsWanted, StepInput, argmax_rows};
+pub use paged::PagedKvCache;
 pub use recompute::SavedActivations;
 pub use snapshot::WeightSnapshot;
 pub use threads::ComputePool;

@@ -106,6 +106,8 @@ pub struct RawEngine {
     pub max_step_tokens: i64,
     /// Compute threads per native replica (0 = half the cores).
     pub threads: i64,
+    /// KV cache pool of each native replica, MiB (0 = sized from the model and the limits).
+    pub kv_cache_mb: i64,
     /// Base URLs of remote servers (`backend = "remote"`).
     pub remote_urls: Vec<String>,
     /// Per-request timeout of the remote backend, seconds.
@@ -193,6 +195,7 @@ impl Default for RawEngine {
             max_running_sequences: 64,
             max_step_tokens: 4096,
             threads: 0,
+            kv_cache_mb: 0,
             remote_urls: Vec::new(),
             request_timeout_s: 120.0,
             remote_keep_versions: 3,

@@ -166,6 +166,9 @@ pub struct EngineConfig {
     pub max_step_tokens: NonZeroU32,
     /// Compute threads per native replica; 0 = automatic (half the cores).
     pub threads: u32,
+    /// KV cache pool of each native replica, MiB; 0 = automatic (every running sequence at
+    /// full context, capped; see docs/engine.md).
+    pub kv_cache_mb: u32,
     /// Remote server base URLs.
     pub remote_urls: Vec<String>,
     /// Remote request timeout.

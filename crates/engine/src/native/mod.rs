@@ -13,6 +13,7 @@
 //! [`NativeRequest`] with what the OpenAI server needs: stop strings, alternatives per token,
 //! prompt log-probabilities, and an observer that sees each token as it is produced.
 
+mod kv;
 mod sampler;
 mod stop;
 mod worker;
@@ -27,9 +28,10 @@ use sluice_core::{PolicyVersion, RequestId, WeightSnapshot, WeightUpdateMode};
 use sluice_model::{ModelConfig, Tokenizer, WeightSnapshot as ModelWeights};
 
 use crate::backend::{
-    Completion, EngineError, EngineStats, EventSink, GenerateRequest, InferenceBackend, enqueued,
-    model_weights,
+    Completion, EngineError, EngineStats, EventSink, GenerateRequest, InferenceBackend,
+    KvCacheStats, enqueued, model_weights,
 };
+pub use kv::{AUTO_KV_CACHE_CAP_MB, KvBudget};
 pub use stop::{StopHit, truncate_at_stop};
 
 /// Commands queued per engine; a full queue is back-pressure, reported by `submit`.
@@ -53,6 +55,14 @@ pub struct NativeEngineParams {
     /// Compute threads of this replica's matrix products (`engine.threads`; 0 = half the
     /// cores, so a trainer in the same process keeps the other half).
     pub threads: usize,
+    /// The replica's KV cache pool, bytes (`engine.kv_cache_mb` MiB; 0 = sized from the model:
+    /// see [`KvBudget::new`]).
+    pub kv_cache_bytes: u64,
+    /// Tokens per KV cache block.
+    pub kv_block_tokens: usize,
+    /// Reuse registered full blocks for new requests with the same prefix at the same weight
+    /// version (off: every request prefills its whole input; `sluice bench engine` compares).
+    pub prefix_caching: bool,
 }
 
 impl Default for NativeEngineParams {
@@ -64,12 +74,16 @@ impl Default for NativeEngineParams {
             seed: 0,
             eos_token_ids: Vec::new(),
             threads: 0,
+            kv_cache_bytes: 0,
+            kv_block_tokens: sluice_model::paged::DEFAULT_BLOCK_TOKENS,
+            prefix_caching: true,
         }
     }
 }
 
 impl NativeEngineParams {
-    /// Replica `replica` of `[engine]` (`max_running_sequences`, `max_step_tokens`, `threads`), seeded
+    /// Replica `replica` of `[engine]` (`max_running_sequences`, `max_step_tokens`, `threads`,
+    /// `kv_cache_mb`), seeded
     /// with `seed` (the same on every replica: a request's draws depend on its id, not on where
     /// it runs), stopping on `eos_token_ids`.
     pub fn from_config(
@@ -85,6 +99,9 @@ impl NativeEngineParams {
             seed,
             eos_token_ids,
             threads: engine.threads as usize,
+            kv_cache_bytes: u64::from(engine.kv_cache_mb) * 1024 * 1024,
+            kv_block_tokens: sluice_model::paged::DEFAULT_BLOCK_TOKENS,
+            prefix_caching: true,
         }
     }
 }
@@ -207,6 +224,16 @@ pub(crate) struct Shared {
     pub model_nanos: AtomicU64,
     /// Scheduler steps taken.
     pub steps: AtomicU64,
+    /// KV blocks in running sequences' tables.
+    pub kv_used_blocks: AtomicU64,
+    /// Unreferenced KV blocks kept for prefix hits.
+    pub kv_cached_blocks: AtomicU64,
+    /// Prompt tokens (prompt plus resumed completion) of admitted requests.
+    pub prompt_tokens: AtomicU64,
+    /// Of those, tokens taken from the prefix cache.
+    pub prefix_hit_tokens: AtomicU64,
+    /// Sequences preempted for lack of blocks.
+    pub preempted: AtomicU64,
 }
 
 /// Where a native engine's compute time went since it started (`sluice bench engine`).
@@ -231,6 +258,7 @@ pub struct NativeControl {
     name: Arc<str>,
     config: Arc<ModelConfig>,
     tokenizer: Option<Arc<Tokenizer>>,
+    kv: KvBudget,
 }
 
 /// See the module docs.
@@ -254,6 +282,7 @@ impl NativeEngine {
         }
         let model = sluice_model::InferenceModel::new(Arc::clone(&weights))?;
         let config = Arc::clone(model.config());
+        let kv = KvBudget::new(&params, &config, weights.dtype())?;
         let (tx, rx) = crossbeam_channel::bounded(COMMAND_QUEUE);
         let shared = Arc::new(Shared::default());
         shared.version.store(weights.version.0, Ordering::Relaxed);
@@ -264,11 +293,12 @@ impl NativeEngine {
         let worker = worker::Worker::new(
             params,
             model,
+            kv,
             tokenizer.clone(),
             rx,
             sink,
             Arc::clone(&shared),
-        );
+        )?;
         let thread = std::thread::Builder::new()
             .name(name.clone())
             .spawn({
@@ -296,6 +326,7 @@ impl NativeEngine {
                 name: name.into(),
                 config,
                 tokenizer,
+                kv,
             },
             thread: Some(thread),
         })
@@ -321,6 +352,11 @@ impl NativeControl {
     /// The model's architecture (vocabulary, context length).
     pub fn model_config(&self) -> &Arc<ModelConfig> {
         &self.config
+    }
+
+    /// The replica's KV cache pool.
+    pub fn kv_budget(&self) -> KvBudget {
+        self.kv
     }
 
     /// The tokenizer given at start.
@@ -351,6 +387,10 @@ impl NativeControl {
             return Err(bad(format!(
                 "token id {t} is outside the vocabulary ({vocab})"
             )));
+        }
+        let tokens = r.prompt_token_ids.len() + r.resume.as_ref().map_or(0, |o| o.token_ids.len());
+        if let Some(reason) = self.kv.refuse(tokens + 1) {
+            return Err(bad(reason));
         }
         if !request.stop.is_empty() && self.tokenizer.is_none() {
             return Err(bad(
@@ -393,6 +433,15 @@ impl NativeControl {
             generated_tokens: s.generated_tokens.load(Ordering::Relaxed),
             busy_seconds: s.busy_nanos.load(Ordering::Relaxed) as f64 * 1e-9,
             uptime_seconds: self.started.elapsed().as_secs_f64(),
+            kv_cache: Some(KvCacheStats {
+                block_tokens: self.kv.block_tokens as u64,
+                total_blocks: self.kv.blocks as u64,
+                used_blocks: s.kv_used_blocks.load(Ordering::Relaxed),
+                cached_blocks: s.kv_cached_blocks.load(Ordering::Relaxed),
+                prompt_tokens: s.prompt_tokens.load(Ordering::Relaxed),
+                prefix_hit_tokens: s.prefix_hit_tokens.load(Ordering::Relaxed),
+                preempted_sequences: s.preempted.load(Ordering::Relaxed),
+            }),
         }
     }
 

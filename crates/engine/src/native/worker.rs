@@ -1,4 +1,7 @@
 //! The compute thread: queues, admission, one ragged model step at a time, sampling, finishing.
+//! Admission by free KV blocks, prefix reuse and preemption are in [`admission`].
+
+mod admission;
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -8,15 +11,15 @@ use std::time::Instant;
 use crossbeam_channel::Receiver;
 use sluice_core::{PolicyVersion, RequestId, WeightUpdateMode};
 use sluice_model::{
-    ContiguousKvCache, InferenceModel, KvCache, LogitsWanted, StepInput, Tokenizer,
+    InferenceModel, KvCache, LogitsWanted, PagedKvCache, StepInput, Tokenizer,
     WeightSnapshot as ModelWeights,
 };
 
 use super::sampler::{log_softmax, sample, splitmix, top_n};
 use super::stop::{StopHit, StopRule};
 use super::{
-    Command, NativeEngineParams, NativeRequest, PromptLogprob, RequestObserver, RequestUpdate,
-    Shared, TokenStep,
+    Command, KvBudget, NativeEngineParams, NativeError, NativeRequest, PromptLogprob,
+    RequestObserver, RequestUpdate, Shared, TokenStep,
 };
 use crate::backend::{
     Completion, EngineEvent, EventSink, FinishReason, SamplingParams, TokenOutput, push_token,
@@ -28,6 +31,14 @@ struct Seq {
     /// Its key in the KV cache (unique for the engine's life).
     cache_id: u64,
     prompt_len: usize,
+    /// Prompt plus resumed tokens, as submitted (a sequence preempted before it generated
+    /// anything starts over from them).
+    input: Vec<u32>,
+    /// Completion tokens it came with (resumed), so `output.len() - resumed_len` were made here.
+    resumed_len: usize,
+    /// Its first KV block's tokens, when the input fills more than one block: requests with the
+    /// same head wait a step while another computes it, then share it.
+    head: Vec<u32>,
     /// Tokens not yet in the cache: the prompt (+ resumed tokens) at first, then the last
     /// sampled token.
     pending: Vec<u32>,
@@ -50,7 +61,9 @@ struct PendingDrain {
 pub(crate) struct Worker {
     params: NativeEngineParams,
     model: InferenceModel,
-    cache: ContiguousKvCache,
+    cache: PagedKvCache,
+    /// Context of one sequence: the model's, or the pool's when that is smaller.
+    context: usize,
     tokenizer: Option<Arc<Tokenizer>>,
     rx: Receiver<Command>,
     sink: EventSink,
@@ -68,17 +81,26 @@ impl Worker {
     pub(crate) fn new(
         params: NativeEngineParams,
         model: InferenceModel,
+        kv: KvBudget,
         tokenizer: Option<Arc<Tokenizer>>,
         rx: Receiver<Command>,
         sink: EventSink,
         shared: Arc<Shared>,
-    ) -> Self {
+    ) -> Result<Self, NativeError> {
         let snapshot = model.snapshot();
-        let cache = ContiguousKvCache::new(model.config(), snapshot.dtype(), snapshot.device());
-        Self {
+        let cache = PagedKvCache::new(
+            model.config(),
+            snapshot.dtype(),
+            snapshot.device(),
+            kv.blocks,
+            kv.block_tokens,
+        )?;
+        let context = model.config().max_position_embeddings.min(kv.tokens());
+        Ok(Self {
             params,
             model,
             cache,
+            context,
             tokenizer,
             rx,
             sink,
@@ -89,7 +111,7 @@ impl Worker {
             paused: false,
             next_cache_id: 0,
             swapped: None,
-        }
+        })
     }
 
     pub(crate) fn run(mut self) {
@@ -183,6 +205,12 @@ impl Worker {
         let mut pending = request.prompt_token_ids;
         let prompt_len = pending.len();
         pending.extend_from_slice(&output.token_ids);
+        let block = self.cache.block_tokens();
+        let head = if pending.len() > block {
+            pending[..block].to_vec()
+        } else {
+            Vec::new()
+        };
         let seed = request.params.seed.unwrap_or_else(|| {
             let id = &request.id;
             let r = &id.rollout;
@@ -206,6 +234,9 @@ impl Worker {
             id: request.id,
             cache_id: self.next_cache_id,
             prompt_len,
+            input: pending.clone(),
+            resumed_len: output.len(),
+            head,
             pending,
             output,
             params: request.params,
@@ -257,18 +288,6 @@ impl Worker {
         }
     }
 
-    fn admit(&mut self) {
-        if self.drain.is_some() {
-            return;
-        }
-        while self.running.len() < self.params.max_running_sequences {
-            match self.waiting.pop_front() {
-                Some(s) => self.running.push(s),
-                None => break,
-            }
-        }
-    }
-
     /// One model step over the running batch, then sampling for every sequence whose pending
     /// tokens all went in.
     fn step(&mut self) {
@@ -289,6 +308,10 @@ impl Worker {
                 take[i] = s.pending.len().min(budget);
                 budget -= take[i];
             }
+        }
+        self.make_room(&mut take);
+        if self.running.is_empty() {
+            return;
         }
         // Prefills that report prompt log-probabilities need every row; the rest only the last.
         let wants_all = |s: &Seq| s.prompt_lps.is_some() && s.pending.len() > 1;
@@ -352,7 +375,7 @@ impl Worker {
             }
         }
         let version = self.model.version();
-        let context = self.model.config().max_position_embeddings;
+        let context = self.context;
         let mut done: Vec<(usize, FinishReason, Option<StopHit>)> = Vec::new();
         let mut generated = 0u64;
         for (i, s) in self.running.iter_mut().enumerate() {
@@ -441,6 +464,12 @@ impl Worker {
     }
 
     fn publish_gauges(&self) {
+        self.shared
+            .kv_used_blocks
+            .store(self.cache.blocks_in_use() as u64, Ordering::Relaxed);
+        self.shared
+            .kv_cached_blocks
+            .store(self.cache.cached_blocks() as u64, Ordering::Relaxed);
         self.shared
             .running
             .store(self.running.len() as u64, Ordering::Relaxed);

@@ -216,6 +216,7 @@ impl InferenceBackend for RemoteEngine {
             generated_tokens: s.generated_tokens.load(Ordering::Relaxed),
             busy_seconds: 0.0,
             uptime_seconds: self.started.elapsed().as_secs_f64(),
+            kv_cache: None,
         }
     }
 

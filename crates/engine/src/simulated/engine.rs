@@ -131,6 +131,7 @@ impl InferenceBackend for SimEngine {
             generated_tokens: s.generated_tokens.load(Ordering::Relaxed),
             busy_seconds: s.busy_nanos.load(Ordering::Relaxed) as f64 * 1e-9,
             uptime_seconds: self.started.elapsed().as_secs_f64(),
+            kv_cache: None,
         }
     }
 

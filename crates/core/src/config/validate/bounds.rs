@@ -54,6 +54,11 @@ const BOUNDS: &[Bound] = &[
     ),
     bound("engine.max_step_tokens", MAX_TOKENS, TOKENS),
     bound("engine.threads", 1024.0, "compute threads per replica"),
+    bound(
+        "engine.kv_cache_mb",
+        1_048_576.0,
+        "MiB of KV cache per replica; 1 TiB at most",
+    ),
     bound("engine.request_timeout_s", MAX_SECONDS, SECONDS),
     bound(
         "engine.simulated.time_scale",

@@ -1,0 +1,121 @@
+//! Admission by free KV blocks, prefix reuse, and preemption when blocks run out.
+//!
+//! - A waiting request is admitted (oldest first) only when the blocks for its whole input plus
+//!   one generated token are free, after the blocks running prefills still need. Its leading full
+//!   blocks are first looked up in the prefix cache at the current weight version; a hit is not
+//!   prefilled again.
+//! - Requests whose first block another running request is still prefilling wait a step, so a
+//!   group's rollouts compute their shared prompt once.
+//! - When a step's new tokens need more blocks than are free, the newest running sequences are
+//!   preempted until they fit: one that generated nothing here goes back to the front of the
+//!   queue; one that did finishes as `Abort` with its partial output, which the controller
+//!   resumes (prompt + partial) like any aborted rollout, so no token is lost or generated twice.
+
+use std::sync::atomic::Ordering;
+
+use sluice_model::KvCache;
+
+use super::{Seq, Worker};
+use crate::backend::FinishReason;
+
+impl Worker {
+    pub(super) fn admit(&mut self) {
+        if self.drain.is_some() {
+            return;
+        }
+        let version = self.model.version();
+        // Blocks the running prefills will still take (their rest plus one generated token).
+        let mut owed: usize = self
+            .running
+            .iter()
+            .filter(|s| s.pending.len() > 1)
+            .map(|s| self.cache.blocks_needed(s.cache_id, s.pending.len() + 1))
+            .sum();
+        while self.running.len() < self.params.max_running_sequences {
+            let Some(mut s) = self.waiting.pop_front() else {
+                break;
+            };
+            // Prompt log-probabilities need every prompt row computed: no prefix reuse.
+            let matched = if s.prompt_lps.is_none() && self.params.prefix_caching {
+                self.cache.attach_prefix(s.cache_id, &s.pending, version)
+            } else {
+                0
+            };
+            let shared_head_in_prefill = matched == 0
+                && self.params.prefix_caching
+                && s.prompt_lps.is_none()
+                && !s.head.is_empty()
+                && self
+                    .running
+                    .iter()
+                    .any(|r| r.pending.len() > 1 && r.head == s.head);
+            let need = self
+                .cache
+                .blocks_needed(s.cache_id, s.pending.len() - matched + 1);
+            if shared_head_in_prefill || need + owed > self.cache.available_blocks() {
+                self.cache.remove(s.cache_id);
+                self.waiting.push_front(s);
+                break;
+            }
+            owed += need;
+            self.shared
+                .prompt_tokens
+                .fetch_add(s.pending.len() as u64, Ordering::Relaxed);
+            self.shared
+                .prefix_hit_tokens
+                .fetch_add(matched as u64, Ordering::Relaxed);
+            s.pending.drain(..matched);
+            self.running.push(s);
+        }
+    }
+
+    /// Preempts the newest running sequences until the new tokens of this step (`take[i]` for
+    /// `running[i]`) have blocks.
+    pub(super) fn make_room(&mut self, take: &mut Vec<usize>) {
+        loop {
+            let need: usize = self
+                .running
+                .iter()
+                .zip(take.iter())
+                .filter(|&(_, &t)| t > 0)
+                .map(|(s, &t)| self.cache.blocks_needed(s.cache_id, t))
+                .sum();
+            if need <= self.cache.available_blocks() {
+                return;
+            }
+            let Some(s) = self.running.pop() else {
+                return;
+            };
+            take.pop();
+            if self.running.is_empty() {
+                // Alone and still short: cannot happen (requests larger than the pool are
+                // refused at submit, and a sequence stops at the pool's size), but never loop.
+                tracing::error!(
+                    id = %s.id,
+                    need,
+                    available = self.cache.available_blocks(),
+                    "a lone sequence does not fit the kv cache"
+                );
+                self.finish(s, FinishReason::Error("kv_cache_full".into()), None);
+                return;
+            }
+            self.preempt(s);
+        }
+    }
+
+    fn preempt(&mut self, mut s: Seq) {
+        self.shared.preempted.fetch_add(1, Ordering::Relaxed);
+        tracing::debug!(id = %s.id, generated = s.output.len() - s.resumed_len, "preempted: kv cache full");
+        if s.output.len() == s.resumed_len {
+            // Nothing generated here: start over later, nothing to report.
+            self.cache.remove(s.cache_id);
+            s.pending.clone_from(&s.input);
+            if s.prompt_lps.is_some() {
+                s.prompt_lps = Some(Vec::new());
+            }
+            self.waiting.push_front(s);
+        } else {
+            self.finish(s, FinishReason::Abort, None);
+        }
+    }
+}

@@ -1,0 +1,227 @@
+//! The native engine on a paged KV cache with a small budget (tiny preset: 512 bytes a token,
+//! 8 KiB a block of 16): preempted sequences come back as aborts whose resumes end exactly where
+//! an uninterrupted run ends, a group's shared prompt is prefilled once, a resume on the same
+//! replica reuses its prompt and partial, and a request that alone exceeds the pool is refused.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crossbeam_channel::Receiver;
+use sluice_core::{GroupId, NodeId, PolicyVersion, RequestId, RunId};
+use sluice_engine::{
+    Completion, EngineError, EngineEvent, FinishReason, GenerateRequest, InferenceBackend,
+    KvCacheStats, NativeEngine, NativeEngineParams, NativeRequest, SamplingParams,
+};
+use sluice_model::WeightSnapshot;
+use sluice_model::candle::{DType, Device};
+use sluice_model::presets::{Preset, preset_config, random_snapshot};
+
+const BLOCK_BYTES: u64 = 8 * 1024;
+
+fn weights() -> Arc<WeightSnapshot> {
+    let config = Arc::new(preset_config(Preset::Tiny));
+    let w = random_snapshot(config, 3, DType::F32, &Device::Cpu).unwrap();
+    Arc::new(w.with_version(PolicyVersion(0)))
+}
+
+struct Harness {
+    engine: NativeEngine,
+    finished: Receiver<Completion>,
+}
+
+/// An engine of `max_running` sequences over `blocks` KV blocks (0: the automatic size).
+fn start(max_running: usize, blocks: u64) -> Harness {
+    let (tx, finished) = crossbeam_channel::unbounded();
+    let params = NativeEngineParams {
+        max_running_sequences: max_running,
+        kv_cache_bytes: blocks * BLOCK_BYTES,
+        seed: 1,
+        ..NativeEngineParams::default()
+    };
+    let engine = NativeEngine::start(
+        params,
+        weights(),
+        None,
+        Arc::new(move |e| {
+            if let EngineEvent::Finished(c) = e {
+                let _ = tx.send(c);
+            }
+        }),
+    )
+    .unwrap();
+    Harness { engine, finished }
+}
+
+fn id(counter: u64) -> RequestId {
+    GroupId {
+        run: RunId::from_name("kv"),
+        node: NodeId(0),
+        counter,
+    }
+    .rollout(0)
+    .request(0, 0)
+}
+
+fn request(counter: u64, prompt: Vec<u32>, max_tokens: u32) -> NativeRequest {
+    NativeRequest {
+        ignore_eos: true,
+        ..NativeRequest::plain(GenerateRequest {
+            id: id(counter),
+            prompt_token_ids: prompt,
+            resume: None,
+            params: SamplingParams {
+                temperature: 0.0,
+                top_p: 1.0,
+                top_k: 0,
+                max_tokens,
+                seed: None,
+                stop_token_ids: vec![],
+            },
+            domain: None,
+        })
+    }
+}
+
+fn prompt(i: u64, len: u64) -> Vec<u32> {
+    (0..len).map(|j| ((i * 11 + j * 7) % 90) as u32).collect()
+}
+
+fn next(h: &Harness) -> Completion {
+    h.finished
+        .recv_timeout(Duration::from_secs(60))
+        .expect("a completion")
+}
+
+fn kv(h: &Harness) -> KvCacheStats {
+    h.engine
+        .stats()
+        .kv_cache
+        .expect("native engines report their kv cache")
+}
+
+/// Each request alone on a roomy engine: the uninterrupted greedy outputs.
+fn reference(reqs: &[NativeRequest]) -> Vec<Completion> {
+    let h = start(1, 0);
+    reqs.iter()
+        .map(|r| {
+            h.engine.submit_native(r.clone()).unwrap();
+            next(&h)
+        })
+        .collect()
+}
+
+#[test]
+fn preempted_sequences_resume_to_the_uninterrupted_output() {
+    // Four sequences of 10 + 60 tokens need 5 blocks each; the pool has 12, so decoding runs
+    // out of blocks and the newest are preempted, more than once.
+    let reqs: Vec<NativeRequest> = (0..4).map(|i| request(i, prompt(i, 10), 60)).collect();
+    let expected = reference(&reqs);
+    let h = start(4, 12);
+    for r in &reqs {
+        h.engine.submit_native(r.clone()).unwrap();
+    }
+    let mut done: Vec<Option<Completion>> = vec![None; reqs.len()];
+    let mut aborts = 0;
+    while done.iter().any(Option::is_none) {
+        let c = next(&h);
+        let i = c.id.rollout.group.counter as usize;
+        match c.finish {
+            FinishReason::Abort => {
+                // What the controller does with an aborted rollout: resume from prompt + partial.
+                aborts += 1;
+                assert!(!c.output.is_empty(), "an abort carries the partial");
+                let mut resumed = reqs[i].clone();
+                resumed.request.resume = Some(c.output);
+                h.engine.submit_native(resumed).unwrap();
+            }
+            FinishReason::Length => done[i] = Some(c),
+            other => panic!("unexpected finish {other:?}"),
+        }
+    }
+    let stats = kv(&h);
+    assert!(aborts > 0, "the budget was meant to force preemption");
+    assert!(stats.preempted_sequences >= aborts);
+    for (got, want) in done.iter().flatten().zip(&expected) {
+        // No token lost or generated twice: the same 60 tokens as without preemption.
+        assert_eq!(got.output.token_ids, want.output.token_ids, "{}", got.id);
+        for (x, y) in got.output.logprobs.iter().zip(&want.output.logprobs) {
+            assert!((x - y).abs() < 1e-4, "{x} vs {y}");
+        }
+    }
+    // The gauges are published when the engine goes idle, just after the last completion.
+    let idle = std::time::Instant::now();
+    while kv(&h).used_blocks != 0 && idle.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(
+        kv(&h).used_blocks,
+        0,
+        "every block is back once nothing runs"
+    );
+}
+
+#[test]
+fn a_group_prefills_its_shared_prompt_once() {
+    let shared = prompt(7, 100);
+    let reqs: Vec<NativeRequest> = (0..8).map(|i| request(i, shared.clone(), 4)).collect();
+    let expected = reference(&reqs[..1]).remove(0);
+    let h = start(8, 0);
+    for r in &reqs {
+        h.engine.submit_native(r.clone()).unwrap();
+    }
+    for _ in 0..8 {
+        let c = next(&h);
+        assert_eq!(c.output.token_ids, expected.output.token_ids, "{}", c.id);
+    }
+    let stats = kv(&h);
+    assert_eq!(stats.prompt_tokens, 800);
+    // Seven rollouts take the six full blocks of the first one's prompt (96 tokens) and
+    // compute the last four tokens themselves.
+    assert_eq!(stats.prefix_hit_tokens, 7 * 96);
+    let prefilled = (stats.prompt_tokens - stats.prefix_hit_tokens) as f64;
+    assert!(prefilled / 800.0 <= 1.0 / 8.0 + 0.05, "{prefilled} of 800");
+}
+
+#[test]
+fn a_resume_on_the_same_replica_reuses_its_prompt_and_partial() {
+    let first = request(1, prompt(3, 20), 40);
+    let expected = reference(std::slice::from_ref(&first)).remove(0);
+    let h = start(2, 0);
+    h.engine.submit_native(first.clone()).unwrap();
+    assert_eq!(next(&h).output.token_ids, expected.output.token_ids);
+    let before = kv(&h).prefix_hit_tokens;
+    // As if it had been aborted after 30 tokens: 50 tokens, three full blocks cached.
+    let mut partial = expected.output.clone();
+    partial.token_ids.truncate(30);
+    partial.logprobs.truncate(30);
+    partial.versions.truncate(30);
+    let mut resumed = first;
+    resumed.request.resume = Some(partial);
+    h.engine.submit_native(resumed).unwrap();
+    let done = next(&h);
+    assert_eq!(done.output.token_ids, expected.output.token_ids);
+    assert_eq!(kv(&h).prefix_hit_tokens - before, 48);
+}
+
+#[test]
+fn a_request_that_alone_exceeds_the_pool_is_refused() {
+    let h = start(2, 8);
+    let err = h
+        .engine
+        .submit_native(request(1, prompt(1, 128), 4))
+        .unwrap_err();
+    let EngineError::BadRequest { reason, .. } = err else {
+        panic!("expected a bad request, got {err}");
+    };
+    assert_eq!(
+        reason,
+        "the prompt needs 9 KV cache blocks of 16 tokens (129 tokens with the first generated one); the replica's pool holds 8 blocks (0.1 MiB): raise engine.kv_cache_mb"
+    );
+    // One that fits runs, and stops at the pool's size rather than failing.
+    h.engine
+        .submit_native(request(2, prompt(2, 100), 200))
+        .unwrap();
+    let c = next(&h);
+    assert_eq!(c.finish, FinishReason::Length);
+    assert_eq!(100 + c.output.len(), 128);
+}

@@ -1,0 +1,481 @@
+//! [`PagedKvCache`]: keys and values in fixed-size blocks from one pool, allocated once at a
+//! byte budget, with per-sequence block tables and full blocks shared by content (prefix cache).
+//!
+//! Layout: per layer one keys and one values tensor of `(blocks · block_tokens, kv_heads ·
+//! head_dim)` rows, allocated for the blocks in use so far and doubled (a copy) when a block past
+//! them is handed out, up to the budget. Growing on demand keeps resident memory at what is used:
+//! an allocator that recycles freed memory (mimalloc in the binary) zeroes a reused region eagerly,
+//! so a pool allocated whole would be resident whole; token `t` of a sequence lives at row `table[t / B] · B + t % B` (`B` =
+//! `block_tokens`). Attention reads a sequence's rows with one gather per layer, so the model's
+//! attention code is the contiguous cache's, and the logits are the same.
+//!
+//! Prefix sharing: once every layer holds a block's keys and values and the block is full, the
+//! block is registered under a [`BlockKey`] (hash chain of the token ids and the weight version
+//! that computed them). A new sequence whose leading tokens match registered blocks of the
+//! current version takes references to them ([`PagedKvCache::attach_prefix`]) and computes only
+//! the rest. A sequence whose keys and values mix versions (an `in_flight` weight swap while it
+//! ran) registers nothing more, and when the weights change every key of an older version is
+//! forgotten, so old-version blocks are never handed to a new request.
+
+mod blocks;
+
+use std::collections::HashMap;
+
+use candle_core::{DType, Device, Tensor};
+use sluice_core::PolicyVersion;
+
+pub use blocks::{BlockAllocator, BlockId, BlockKey};
+
+use crate::cache::{KvCache, SeqId};
+use crate::config::ModelConfig;
+use crate::error::{ModelError, Result, TensorContext};
+
+/// Tokens per block unless configured otherwise (vLLM's default).
+pub const DEFAULT_BLOCK_TOKENS: usize = 16;
+
+/// See the module docs.
+#[derive(Debug)]
+pub struct PagedKvCache {
+    num_layers: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    block_tokens: usize,
+    device: Device,
+    /// Per layer: `(keys, values)`, each `(capacity · block_tokens, kv_heads · head_dim)`.
+    pools: Vec<(Tensor, Tensor)>,
+    /// Blocks the pools hold now (grows to the allocator's total).
+    capacity: usize,
+    dtype: DType,
+    alloc: BlockAllocator,
+    seqs: HashMap<SeqId, PagedSeq>,
+    /// The newest weight version seen: keys of older versions are forgotten.
+    version: PolicyVersion,
+}
+
+#[derive(Debug)]
+struct PagedSeq {
+    /// Block table: block `i` holds tokens `i·B..(i+1)·B`.
+    blocks: Vec<BlockId>,
+    /// Tokens whose keys and values are in every layer.
+    len: usize,
+    /// Token ids at positions `0..`, kept while the blocks can still be shared.
+    tokens: Vec<u32>,
+    /// The version of every token's keys and values, while they share one and the ids are
+    /// known; `None` once they mix (nothing more is registered).
+    version: Option<PolicyVersion>,
+    /// Leading full blocks registered (or matched at attach).
+    registered: usize,
+    /// Chain hash of the last of those blocks (0 before the first).
+    chain: u64,
+}
+
+impl PagedSeq {
+    fn new(version: Option<PolicyVersion>) -> Self {
+        Self {
+            blocks: Vec::new(),
+            len: 0,
+            tokens: Vec::new(),
+            version,
+            registered: 0,
+            chain: 0,
+        }
+    }
+}
+
+/// Blocks the pools start with (grown by doubling).
+const INITIAL_BLOCKS: usize = 64;
+
+/// Bytes of keys and values one block holds for `config` in `dtype`.
+pub fn block_bytes(config: &ModelConfig, dtype: DType, block_tokens: usize) -> usize {
+    2 * config.num_layers
+        * config.num_kv_heads
+        * config.head_dim
+        * block_tokens
+        * dtype.size_in_bytes()
+}
+
+impl PagedKvCache {
+    /// A pool of `blocks` blocks of `block_tokens` tokens for `config`'s shapes, in `dtype` on
+    /// `device` (the weights'). Memory is allocated as blocks are first used, up to `blocks`.
+    pub fn new(
+        config: &ModelConfig,
+        dtype: DType,
+        device: &Device,
+        blocks: usize,
+        block_tokens: usize,
+    ) -> Result<Self> {
+        if blocks == 0 || block_tokens == 0 {
+            return Err(ModelError::input(format!(
+                "a paged kv cache needs at least one block of at least one token, got {blocks} blocks of {block_tokens}"
+            )));
+        }
+        let mut cache = Self {
+            num_layers: config.num_layers,
+            kv_heads: config.num_kv_heads,
+            head_dim: config.head_dim,
+            block_tokens,
+            device: device.clone(),
+            pools: Vec::new(),
+            capacity: 0,
+            dtype,
+            alloc: BlockAllocator::new(blocks),
+            seqs: HashMap::new(),
+            version: PolicyVersion(0),
+        };
+        cache.grow(INITIAL_BLOCKS.min(blocks))?;
+        Ok(cache)
+    }
+
+    /// Makes the pools hold at least `blocks` blocks (doubling, at most the total), keeping
+    /// their contents.
+    fn grow(&mut self, blocks: usize) -> Result<()> {
+        if blocks <= self.capacity {
+            return Ok(());
+        }
+        let new_cap = blocks.max(2 * self.capacity).min(self.alloc.total());
+        let rows = new_cap * self.block_tokens;
+        let width = self.kv_heads * self.head_dim;
+        let ctx = format!("growing the kv cache pool to {new_cap} blocks");
+        let (dtype, device) = (self.dtype, self.device.clone());
+        let widen = |old: Option<&Tensor>| -> candle_core::Result<Tensor> {
+            let t = Tensor::zeros((rows, width), dtype, &device)?;
+            if let Some(old) = old {
+                // The new tensor is private to this cache: writing in place is safe.
+                t.slice_set(old, 0, 0)?;
+            }
+            Ok(t)
+        };
+        if self.pools.is_empty() {
+            for _ in 0..self.num_layers {
+                let k = widen(None).ctx(&ctx)?;
+                let v = widen(None).ctx(&ctx)?;
+                self.pools.push((k, v));
+            }
+        } else {
+            // Tensor by tensor, each old one dropped once copied: growing costs one tensor's
+            // worth of extra memory, not the pool's. After a failure some tensors are larger
+            // than `capacity`; their extra rows are unused and the next attempt copies them.
+            for layer in 0..self.num_layers {
+                if self.pools[layer].0.dim(0).ctx(&ctx)? < rows {
+                    self.pools[layer].0 = widen(Some(&self.pools[layer].0)).ctx(&ctx)?;
+                }
+                if self.pools[layer].1.dim(0).ctx(&ctx)? < rows {
+                    self.pools[layer].1 = widen(Some(&self.pools[layer].1)).ctx(&ctx)?;
+                }
+            }
+        }
+        self.capacity = new_cap;
+        Ok(())
+    }
+
+    /// Blocks the pools hold now (memory grows on demand up to [`Self::total_blocks`]).
+    pub fn allocated_blocks(&self) -> usize {
+        self.capacity
+    }
+
+    /// Tokens per block.
+    pub fn block_tokens(&self) -> usize {
+        self.block_tokens
+    }
+
+    /// Blocks in the pool.
+    pub fn total_blocks(&self) -> usize {
+        self.alloc.total()
+    }
+
+    /// Blocks a sequence can still get (free plus evictable cached ones).
+    pub fn available_blocks(&self) -> usize {
+        self.alloc.available()
+    }
+
+    /// Blocks in some sequence's table.
+    pub fn blocks_in_use(&self) -> usize {
+        self.alloc.in_use()
+    }
+
+    /// Unreferenced blocks kept for prefix hits.
+    pub fn cached_blocks(&self) -> usize {
+        self.alloc.cached()
+    }
+
+    /// The allocator (tests check its invariants).
+    pub fn allocator(&self) -> &BlockAllocator {
+        &self.alloc
+    }
+
+    /// `seq`'s block table.
+    pub fn block_table(&self, seq: SeqId) -> &[BlockId] {
+        self.seqs.get(&seq).map_or(&[], |s| &s.blocks)
+    }
+
+    /// Blocks `tokens` tokens occupy.
+    pub fn blocks_for(&self, tokens: usize) -> usize {
+        tokens.div_ceil(self.block_tokens)
+    }
+
+    /// More blocks `seq` needs to add `new_tokens` tokens.
+    pub fn blocks_needed(&self, seq: SeqId, new_tokens: usize) -> usize {
+        let (len, have) = self
+            .seqs
+            .get(&seq)
+            .map_or((0, 0), |s| (s.len, s.blocks.len()));
+        self.blocks_for(len + new_tokens).saturating_sub(have)
+    }
+
+    /// Starts `seq` (unknown so far) on the longest run of registered full blocks that match
+    /// the start of `tokens` at weight `version`, leaving at least the last token to compute
+    /// (its logits are what the caller samples from). Returns the tokens matched: the caller
+    /// feeds `tokens[matched..]` next. A known `seq` matches nothing.
+    pub fn attach_prefix(&mut self, seq: SeqId, tokens: &[u32], version: PolicyVersion) -> usize {
+        if self.seqs.contains_key(&seq) {
+            return 0;
+        }
+        self.note_version(version);
+        let mut s = PagedSeq::new((version == self.version).then_some(version));
+        let b = self.block_tokens;
+        let most = tokens.len().saturating_sub(1) / b;
+        if s.version.is_some() {
+            while s.blocks.len() < most {
+                let i = s.blocks.len();
+                let key = BlockKey {
+                    parent: s.chain,
+                    version,
+                    tokens: tokens[i * b..(i + 1) * b].to_vec(),
+                };
+                let Some(block) = self.alloc.acquire(&key) else {
+                    break;
+                };
+                s.blocks.push(block);
+                s.chain = key.chain_hash();
+            }
+        }
+        s.len = s.blocks.len() * b;
+        s.registered = s.blocks.len();
+        s.tokens = tokens[..s.len].to_vec();
+        self.seqs.insert(seq, s);
+        self.seqs[&seq].len
+    }
+
+    /// Newer weights forget the keys of older ones.
+    fn note_version(&mut self, version: PolicyVersion) {
+        if version > self.version {
+            self.version = version;
+            self.alloc.forget_before(version);
+        }
+    }
+
+    /// Grows `seq`'s table to hold `new_tokens` more tokens.
+    fn reserve(&mut self, seq: SeqId, new_tokens: usize) -> Result<()> {
+        let needed = self.blocks_needed(seq, new_tokens);
+        if needed > self.alloc.available() {
+            return Err(ModelError::KvCacheFull {
+                seq,
+                needed,
+                available: self.alloc.available(),
+                total: self.alloc.total(),
+            });
+        }
+        let fresh: Vec<BlockId> = (0..needed)
+            .map(|_| self.alloc.allocate().expect("checked available blocks"))
+            .collect();
+        if let Some(&top) = fresh.iter().max()
+            && let Err(e) = self.grow(top as usize + 1)
+        {
+            for block in fresh {
+                self.alloc.release(block);
+            }
+            return Err(e);
+        }
+        self.seqs
+            .entry(seq)
+            .or_insert_with(|| PagedSeq::new(None))
+            .blocks
+            .extend(fresh);
+        Ok(())
+    }
+
+    /// Row of position `t` of a sequence with table `blocks`.
+    fn row(&self, blocks: &[BlockId], t: usize) -> usize {
+        blocks[t / self.block_tokens] as usize * self.block_tokens + t % self.block_tokens
+    }
+
+    fn check_layer(&self, layer: usize) -> Result<()> {
+        if layer >= self.num_layers {
+            return Err(ModelError::input(format!(
+                "layer {layer} out of range ({} layers)",
+                self.num_layers
+            )));
+        }
+        Ok(())
+    }
+
+    /// After the last layer's append the step's `n` tokens count, and blocks they filled are
+    /// registered for sharing.
+    fn commit(&mut self, layer: usize, seq: SeqId, n: usize) {
+        if layer + 1 != self.num_layers {
+            return;
+        }
+        let b = self.block_tokens;
+        let current = self.version;
+        let Some(s) = self.seqs.get_mut(&seq) else {
+            return;
+        };
+        s.len += n;
+        if s.tokens.len() < s.len {
+            // Ids not announced by `begin_step`: the contents are unknown.
+            s.version = None;
+        }
+        let Some(version) = s.version.filter(|&v| v == current) else {
+            return;
+        };
+        while s.registered < s.len / b {
+            let i = s.registered;
+            let key = BlockKey {
+                parent: s.chain,
+                version,
+                tokens: s.tokens[i * b..(i + 1) * b].to_vec(),
+            };
+            s.chain = key.chain_hash();
+            // A duplicate (another sequence computed the same block first) stays private.
+            self.alloc.register(s.blocks[i], key);
+            s.registered += 1;
+        }
+    }
+
+    /// Row indices of positions `0..total` of `blocks`, as a `(total,)` tensor.
+    fn rows_tensor(&self, rows: Vec<u32>) -> candle_core::Result<Tensor> {
+        let n = rows.len();
+        Tensor::from_vec(rows, n, &self.device)
+    }
+}
+
+impl KvCache for PagedKvCache {
+    fn seq_len(&self, seq: SeqId) -> usize {
+        self.seqs.get(&seq).map_or(0, |s| s.len)
+    }
+
+    fn begin_step(&mut self, seq: SeqId, tokens: &[u32], version: PolicyVersion) -> Result<()> {
+        self.note_version(version);
+        let current = self.version;
+        let s = self
+            .seqs
+            .entry(seq)
+            .or_insert_with(|| PagedSeq::new(Some(version)));
+        if s.version != Some(version) || version != current || s.tokens.len() != s.len {
+            s.version = None;
+        }
+        if s.version.is_some() {
+            s.tokens.extend_from_slice(tokens);
+        } else {
+            s.tokens = Vec::new();
+        }
+        self.reserve(seq, tokens.len())
+    }
+
+    fn append(
+        &mut self,
+        seq: SeqId,
+        layer: usize,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<(Tensor, Tensor)> {
+        self.check_layer(layer)?;
+        let n = k.dim(1).ctx("kv cache append")?;
+        self.reserve(seq, n)?;
+        let s = &self.seqs[&seq];
+        let (len, b) = (s.len, self.block_tokens);
+        let total = len + n;
+        let rows: Vec<u32> = (0..total).map(|t| self.row(&s.blocks, t) as u32).collect();
+        let write = || -> candle_core::Result<(Tensor, Tensor)> {
+            let (kb, vb) = &self.pools[layer];
+            // (kv, n, d) → (n, kv·d), written one block's run of rows at a time.
+            let flat = |t: &Tensor| t.transpose(0, 1)?.contiguous()?.reshape((n, ()));
+            let (kf, vf) = (flat(k)?, flat(v)?);
+            let mut t = len;
+            while t < total {
+                let run = (b - t % b).min(total - t);
+                let at = rows[t] as usize;
+                kb.slice_set(&kf.narrow(0, t - len, run)?, 0, at)?;
+                vb.slice_set(&vf.narrow(0, t - len, run)?, 0, at)?;
+                t += run;
+            }
+            let index = self.rows_tensor(rows.clone())?;
+            let read = |pool: &Tensor| {
+                pool.index_select(&index, 0)?
+                    .reshape((total, self.kv_heads, self.head_dim))?
+                    .transpose(0, 1)?
+                    .contiguous()
+            };
+            Ok((read(kb)?, read(vb)?))
+        };
+        let out = write().ctx("paged kv cache append")?;
+        self.commit(layer, seq, n);
+        Ok(out)
+    }
+
+    fn append_decode(
+        &mut self,
+        seqs: &[SeqId],
+        layer: usize,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<(Tensor, Tensor)> {
+        self.check_layer(layer)?;
+        for &seq in seqs {
+            self.reserve(seq, 1)?;
+        }
+        let width = self.kv_heads * self.head_dim;
+        let bsz = seqs.len();
+        let lens: Vec<usize> = seqs.iter().map(|q| self.seqs[q].len).collect();
+        let longest = lens.iter().map(|l| l + 1).max().unwrap_or(1);
+        // New token rows, repeated across the width (scatter indexes are per element), and
+        // every sequence's rows padded to the longest with row 0 (masked by the caller).
+        let mut new_rows = Vec::with_capacity(bsz * width);
+        let mut read_rows = Vec::with_capacity(bsz * longest);
+        for (q, &len) in seqs.iter().zip(&lens) {
+            let blocks = &self.seqs[q].blocks;
+            new_rows.extend(std::iter::repeat_n(self.row(blocks, len) as u32, width));
+            read_rows.extend((0..=len).map(|t| self.row(blocks, t) as u32));
+            read_rows.extend(std::iter::repeat_n(0, longest - len - 1));
+        }
+        let write = || -> candle_core::Result<(Tensor, Tensor)> {
+            let index = Tensor::from_vec(new_rows, (bsz, width), &self.device)?;
+            let (kb, vb) = &self.pools[layer];
+            kb.scatter_set(&index, &k.reshape((bsz, width))?.contiguous()?, 0)?;
+            vb.scatter_set(&index, &v.reshape((bsz, width))?.contiguous()?, 0)?;
+            let gather = self.rows_tensor(read_rows)?;
+            let read = |pool: &Tensor| {
+                pool.index_select(&gather, 0)?
+                    .reshape((bsz, longest, self.kv_heads, self.head_dim))?
+                    .transpose(1, 2)?
+                    .contiguous()
+            };
+            Ok((read(kb)?, read(vb)?))
+        };
+        let out = write().ctx("paged kv cache decode append")?;
+        for &seq in seqs {
+            self.commit(layer, seq, 1);
+        }
+        Ok(out)
+    }
+
+    fn remove(&mut self, seq: SeqId) -> bool {
+        match self.seqs.remove(&seq) {
+            Some(s) => {
+                for block in s.blocks {
+                    self.alloc.release(block);
+                }
+                true
+            }
+            None => false,
+        }
+    }
+
+    fn num_sequences(&self) -> usize {
+        self.seqs.len()
+    }
+
+    fn num_tokens(&self) -> usize {
+        self.seqs.values().map(|s| s.len).sum()
+    }
+}
