@@ -1,0 +1,403 @@
+//! Causal self-attention over packed segments, forward and backward, without materialising the
+//! `(B, heads, L, L)` scores, the additive mask or head-transposed copies.
+//!
+//! Slot `i` of a row attends to slot `j` iff `j ≤ i` and both carry the same segment id (the
+//! training mask, [`crate::PackedBatch`]). The forward keeps only the log-sum-exp of each query's
+//! scores; the backward recomputes the probabilities from it (as FlashAttention does):
+//!
+//! * `P = softmax(s Q Kᵀ + mask)`, `O = P V`
+//! * `dV = Pᵀ dO`, `dP = dO Vᵀ`, `dS = P ⊙ (dP − rowsum(dO ⊙ O))`
+//! * `dQ = s dS K`, `dK = s dSᵀ Q`
+//!
+//! Work is split over (row, kv head) pairs; each task owns its kv head's `dK`, `dV` and the
+//! `dQ` of the query heads that share it (GQA), so nothing is reduced across threads.
+
+use std::sync::{Arc, OnceLock};
+
+use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use rayon::prelude::*;
+
+use super::{Real, cpu_slice, storage_slice, tensor};
+
+/// The packing of one batch, built once and shared by every layer: for each slot the first slot
+/// of the row its query may see.
+#[derive(Debug, Clone)]
+pub struct Segments {
+    batch: usize,
+    len: usize,
+    ids: Vec<u32>,
+    first: Vec<u32>,
+    /// Every segment is one run of slots (always so for [`crate::PackedBatch::from_rows`]); if
+    /// not, keys inside `[first, i]` are checked one by one.
+    runs: bool,
+}
+
+impl Segments {
+    /// From the `(batch, len)` row-major segment ids of a packed batch.
+    pub fn new(batch: usize, len: usize, segment_ids: &[u32]) -> Result<Self> {
+        if segment_ids.len() != batch * len || len == 0 {
+            candle_core::bail!(
+                "segments: {} ids for {batch} rows of {len}",
+                segment_ids.len()
+            )
+        }
+        let mut first = vec![0u32; batch * len];
+        let mut runs = true;
+        for r in 0..batch {
+            let row = &segment_ids[r * len..(r + 1) * len];
+            let mut seen: Vec<(u32, u32)> = Vec::new();
+            for (i, &s) in row.iter().enumerate() {
+                let f = match seen.iter().find(|(id, _)| *id == s) {
+                    Some(&(_, f)) => {
+                        if i > 0 && row[i - 1] != s {
+                            runs = false;
+                        }
+                        f
+                    }
+                    None => {
+                        seen.push((s, i as u32));
+                        i as u32
+                    }
+                };
+                first[r * len + i] = f;
+            }
+        }
+        Ok(Self {
+            batch,
+            len,
+            ids: segment_ids.to_vec(),
+            first,
+            runs,
+        })
+    }
+
+    fn allowed(&self, row: usize, i: usize, j: usize) -> bool {
+        self.runs || self.ids[row * self.len + i] == self.ids[row * self.len + j]
+    }
+}
+
+/// Heads of one attention call.
+#[derive(Debug, Clone, Copy)]
+pub struct AttentionHeads {
+    /// Query heads.
+    pub heads: usize,
+    /// Key/value heads (divides `heads`).
+    pub kv_heads: usize,
+    /// Width of a head.
+    pub head_dim: usize,
+}
+
+/// `q (N, heads·d)`, `k`, `v (N, kv_heads·d)` with `N = batch·len` of `segments` →
+/// `(N, heads·d)`, scores scaled by `1/√d`.
+pub fn attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    segments: &Arc<Segments>,
+    heads: AttentionHeads,
+) -> Result<Tensor> {
+    let n = segments.batch * segments.len;
+    let AttentionHeads {
+        heads: h,
+        kv_heads: kv,
+        head_dim: d,
+    } = heads;
+    if kv == 0 || h % kv != 0 || d == 0 {
+        candle_core::bail!("attention: {h} heads over {kv} kv heads of {d}")
+    }
+    if q.dims2()? != (n, h * d) || k.dims2()? != (n, kv * d) || v.dims2()? != (n, kv * d) {
+        candle_core::bail!(
+            "attention: q {:?} k {:?} v {:?} for {n} slots",
+            q.shape(),
+            k.shape(),
+            v.shape()
+        )
+    }
+    let op = Attention {
+        segments: Arc::clone(segments),
+        heads,
+        lse: OnceLock::new(),
+    };
+    q.contiguous()?
+        .apply_op3(&k.contiguous()?, &v.contiguous()?, op)
+}
+
+struct Attention {
+    segments: Arc<Segments>,
+    heads: AttentionHeads,
+    /// Log-sum-exp of each query's scores, `(batch, heads, len)`, set by the forward.
+    lse: OnceLock<Tensor>,
+}
+
+/// One head's `(L, d)` block out of a `(N, width)` activation, row `b`'s slots.
+fn gather<T: Real>(src: &[T], b: usize, l: usize, width: usize, off: usize, d: usize) -> Vec<T> {
+    let mut out = Vec::with_capacity(l * d);
+    for i in 0..l {
+        let at = (b * l + i) * width + off;
+        out.extend_from_slice(&src[at..at + d]);
+    }
+    out
+}
+
+/// The `(d, L)` transpose of an `(L, d)` block.
+fn transpose<T: Real>(m: &[T], l: usize, d: usize) -> Vec<T> {
+    let mut out = vec![T::from_f64(0.0); l * d];
+    for i in 0..l {
+        for c in 0..d {
+            out[c * l + i] = m[i * d + c];
+        }
+    }
+    out
+}
+
+/// `dst[j] += a · src[j]`.
+fn axpy<T: Real>(dst: &mut [T], a: T, src: &[T]) {
+    for (d, &s) in dst.iter_mut().zip(src) {
+        *d += a * s;
+    }
+}
+
+/// `s[j] = scale · q · k_j` for `j` in `lo..=i`, from `kt (d, L)`; masked keys get −∞.
+fn scores<T: Real>(
+    s: &mut [T],
+    q: &[T],
+    (kt, l): (&[T], usize),
+    (lo, i): (usize, usize),
+    scale: T,
+    seg: &Segments,
+    row: usize,
+) {
+    let s = &mut s[lo..=i];
+    s.fill(T::from_f64(0.0));
+    for (c, &qc) in q.iter().enumerate() {
+        axpy(s, qc, &kt[c * l + lo..=c * l + i]);
+    }
+    for (j, v) in s.iter_mut().enumerate() {
+        *v = if seg.allowed(row, i, lo + j) {
+            *v * scale
+        } else {
+            T::from_f64(f64::NEG_INFINITY)
+        };
+    }
+}
+
+impl Attention {
+    fn groups(&self) -> usize {
+        self.heads.heads / self.heads.kv_heads
+    }
+
+    /// `(O, lse)`.
+    fn fwd<T: Real>(&self, q: &[T], k: &[T], v: &[T]) -> (Vec<T>, Vec<T>) {
+        let seg = &*self.segments;
+        let (bsz, l) = (seg.batch, seg.len);
+        let AttentionHeads {
+            heads: h,
+            kv_heads: kv,
+            head_dim: d,
+        } = self.heads;
+        let g = self.groups();
+        let scale = T::from_f64(1.0 / (d as f64).sqrt());
+        let zero = T::from_f64(0.0);
+        // Per (row, kv head): the (L, d) outputs and L log-sum-exps of its g query heads.
+        let blocks: Vec<(Vec<T>, Vec<T>)> = (0..bsz * kv)
+            .into_par_iter()
+            .map(|task| {
+                let (b, kh) = (task / kv, task % kv);
+                let kt = transpose(&gather(k, b, l, kv * d, kh * d, d), l, d);
+                let vb = gather(v, b, l, kv * d, kh * d, d);
+                let mut out = vec![zero; g * l * d];
+                let mut lse = vec![zero; g * l];
+                let mut s = vec![zero; l];
+                for gi in 0..g {
+                    let hq = kh * g + gi;
+                    for i in 0..l {
+                        let lo = seg.first[b * l + i] as usize;
+                        let at = (b * l + i) * h * d + hq * d;
+                        scores(&mut s, &q[at..at + d], (&kt, l), (lo, i), scale, seg, b);
+                        let m = s[lo..=i].iter().fold(s[i], |a, &x| if x > a { x } else { a });
+                        let mut sum = zero;
+                        for x in &mut s[lo..=i] {
+                            *x = (*x - m).exp();
+                            sum += *x;
+                        }
+                        let o = &mut out[(gi * l + i) * d..(gi * l + i + 1) * d];
+                        for j in lo..=i {
+                            axpy(o, s[j] / sum, &vb[j * d..(j + 1) * d]);
+                        }
+                        lse[gi * l + i] = m + sum.ln();
+                    }
+                }
+                (out, lse)
+            })
+            .collect();
+        let mut out = vec![zero; bsz * l * h * d];
+        let mut lse = vec![zero; bsz * h * l];
+        for (task, (o, ls)) in blocks.into_iter().enumerate() {
+            let (b, kh) = (task / kv, task % kv);
+            for gi in 0..g {
+                let hq = kh * g + gi;
+                for i in 0..l {
+                    let at = (b * l + i) * h * d + hq * d;
+                    out[at..at + d].copy_from_slice(&o[(gi * l + i) * d..(gi * l + i + 1) * d]);
+                }
+                lse[(b * h + hq) * l..(b * h + hq + 1) * l]
+                    .copy_from_slice(&ls[gi * l..(gi + 1) * l]);
+            }
+        }
+        (out, lse)
+    }
+
+    /// `(dQ, dK, dV)`.
+    fn bwd<T: Real>(&self, ins: [&[T]; 3], o: &[T], lse: &[T], dout: &[T]) -> [Vec<T>; 3] {
+        let [q, k, v] = ins;
+        let seg = &*self.segments;
+        let (bsz, l) = (seg.batch, seg.len);
+        let AttentionHeads {
+            heads: h,
+            kv_heads: kv,
+            head_dim: d,
+        } = self.heads;
+        let g = self.groups();
+        let scale = T::from_f64(1.0 / (d as f64).sqrt());
+        let zero = T::from_f64(0.0);
+        type Block<T> = (Vec<T>, Vec<T>, Vec<T>);
+        let blocks: Vec<Block<T>> = (0..bsz * kv)
+            .into_par_iter()
+            .map(|task| {
+                let (b, kh) = (task / kv, task % kv);
+                let kb = gather(k, b, l, kv * d, kh * d, d);
+                let kt = transpose(&kb, l, d);
+                let vt = transpose(&gather(v, b, l, kv * d, kh * d, d), l, d);
+                let mut dq = vec![zero; g * l * d];
+                let mut dk = vec![zero; l * d];
+                let mut dv = vec![zero; l * d];
+                let (mut p, mut dp) = (vec![zero; l], vec![zero; l]);
+                for gi in 0..g {
+                    let hq = kh * g + gi;
+                    for i in 0..l {
+                        let lo = seg.first[b * l + i] as usize;
+                        let at = (b * l + i) * h * d + hq * d;
+                        let (qi, doi, oi) = (&q[at..at + d], &dout[at..at + d], &o[at..at + d]);
+                        scores(&mut p, qi, (&kt, l), (lo, i), scale, seg, b);
+                        let m = lse[(b * h + hq) * l + i];
+                        for x in &mut p[lo..=i] {
+                            *x = (*x - m).exp();
+                        }
+                        let dpi = &mut dp[lo..=i];
+                        dpi.fill(zero);
+                        for (c, &gc) in doi.iter().enumerate() {
+                            axpy(dpi, gc, &vt[c * l + lo..=c * l + i]);
+                        }
+                        let mut di = zero;
+                        for (&a, &b) in doi.iter().zip(oi) {
+                            di += a * b;
+                        }
+                        let dqi = &mut dq[(gi * l + i) * d..(gi * l + i + 1) * d];
+                        for j in lo..=i {
+                            let pj = p[j];
+                            let ds = pj * (dp[j] - di) * scale;
+                            axpy(dqi, ds, &kb[j * d..(j + 1) * d]);
+                            axpy(&mut dk[j * d..(j + 1) * d], ds, qi);
+                            axpy(&mut dv[j * d..(j + 1) * d], pj, doi);
+                        }
+                    }
+                }
+                (dq, dk, dv)
+            })
+            .collect();
+        let mut dq = vec![zero; bsz * l * h * d];
+        let mut dk = vec![zero; bsz * l * kv * d];
+        let mut dv = vec![zero; bsz * l * kv * d];
+        for (task, (bq, bk, bv)) in blocks.into_iter().enumerate() {
+            let (b, kh) = (task / kv, task % kv);
+            for i in 0..l {
+                for gi in 0..g {
+                    let at = (b * l + i) * h * d + (kh * g + gi) * d;
+                    dq[at..at + d].copy_from_slice(&bq[(gi * l + i) * d..(gi * l + i + 1) * d]);
+                }
+                let at = (b * l + i) * kv * d + kh * d;
+                dk[at..at + d].copy_from_slice(&bk[i * d..(i + 1) * d]);
+                dv[at..at + d].copy_from_slice(&bv[i * d..(i + 1) * d]);
+            }
+        }
+        [dq, dk, dv]
+    }
+
+    fn cpu<T: Real>(
+        &self,
+        ins: [&[T]; 3],
+        wrap: fn(Vec<T>) -> CpuStorage,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (out, lse) = self.fwd(ins[0], ins[1], ins[2]);
+        let seg = &self.segments;
+        let lse = tensor(lse, &Shape::from((seg.batch, self.heads.heads, seg.len)))?;
+        let _ = self.lse.set(lse);
+        let shape = Shape::from((seg.batch * seg.len, self.heads.heads * self.heads.head_dim));
+        Ok((wrap(out), shape))
+    }
+
+    fn grads<T: Real>(
+        &self,
+        [q, k, v]: [&Tensor; 3],
+        res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<[Tensor; 3]> {
+        let Some(lse) = self.lse.get() else {
+            candle_core::bail!("attention: backward before forward")
+        };
+        let g = grad.contiguous()?;
+        let [dq, dk, dv] = {
+            let guards = [q, k, v, res, lse, &g].map(|t| t.storage_and_layout());
+            let s = |i: usize| storage_slice::<T>(&guards[i].0, guards[i].1);
+            self.bwd([s(0)?, s(1)?, s(2)?], s(3)?, s(4)?, s(5)?)
+        };
+        Ok([
+            tensor(dq, q.shape())?,
+            tensor(dk, k.shape())?,
+            tensor(dv, v.shape())?,
+        ])
+    }
+}
+
+impl CustomOp3 for Attention {
+    fn name(&self) -> &'static str {
+        "fused-packed-attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        super::same_dtype(self.name(), s1, s2)?;
+        match super::same_dtype(self.name(), s1, s3)? {
+            DType::F32 => self.cpu(
+                [cpu_slice(s1, l1)?, cpu_slice(s2, l2)?, cpu_slice(s3, l3)?],
+                CpuStorage::F32,
+            ),
+            _ => self.cpu(
+                [cpu_slice(s1, l1)?, cpu_slice(s2, l2)?, cpu_slice(s3, l3)?],
+                CpuStorage::F64,
+            ),
+        }
+    }
+
+    fn bwd(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let [dq, dk, dv] = match q.dtype() {
+            DType::F32 => self.grads::<f32>([q, k, v], res, grad)?,
+            _ => self.grads::<f64>([q, k, v], res, grad)?,
+        };
+        Ok((Some(dq), Some(dk), Some(dv)))
+    }
+}

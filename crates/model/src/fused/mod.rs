@@ -1,0 +1,222 @@
+//! Fused training ops with hand-written backward ([`crate::ops::Kernels::Custom`]): linear
+//! layers, RMSNorm, RoPE, SwiGLU and causal attention over packed segments, each one candle
+//! custom op instead of the five to twenty elementary ops (and their backward nodes) the
+//! composition builds.
+//!
+//! Why they pay: candle's backward allocates a zeroed gradient and adds into it for every node
+//! of the graph, and the composition's transposes, broadcasts and `cat` each cost a full copy
+//! forward and backward. One node per op, contiguous `(N, features)` layouts everywhere (no
+//! head transposes) and the attention mask taken from segment ids instead of an `(L, L)` tensor
+//! cut most of that.
+//!
+//! The kernels handle f32 and f64 on the CPU ([`supported`]); every other dtype or device (bf16,
+//! CUDA) keeps the composition. Every backward is checked against central finite differences in
+//! f64 and against the composition (`crates/model/tests/fused_ops.rs`).
+
+mod attention;
+mod elementwise;
+mod linear;
+mod rope;
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, DType, Device, Layout, Result, Shape, Storage, Tensor, WithDType};
+
+pub use attention::{AttentionHeads, Segments, attention};
+pub use elementwise::{rms_norm, swiglu};
+pub use linear::linear;
+pub use rope::rope;
+
+/// Whether the fused kernels handle tensors like `t` (f32 or f64 on the CPU).
+pub fn supported(t: &Tensor) -> bool {
+    matches!(t.device(), Device::Cpu) && matches!(t.dtype(), DType::F32 | DType::F64)
+}
+
+/// The float types the kernels are written for (f32, f64).
+pub(crate) trait Real: WithDType + std::ops::Neg<Output = Self> {
+    fn exp(self) -> Self;
+    fn ln(self) -> Self;
+    fn sqrt(self) -> Self;
+    /// `dst (m, n) [+]= lhs (m, k) · rhs (k, n)` (see [`gemm_checked`]).
+    fn matmul(
+        m: usize,
+        n: usize,
+        k: usize,
+        dst: &mut [Self],
+        accumulate: bool,
+        lhs: Mat<'_, Self>,
+        rhs: Mat<'_, Self>,
+    );
+}
+
+macro_rules! real {
+    ($t:ty) => {
+        impl Real for $t {
+            fn exp(self) -> Self {
+                <$t>::exp(self)
+            }
+            fn ln(self) -> Self {
+                <$t>::ln(self)
+            }
+            fn sqrt(self) -> Self {
+                <$t>::sqrt(self)
+            }
+            fn matmul(
+                m: usize,
+                n: usize,
+                k: usize,
+                dst: &mut [Self],
+                accumulate: bool,
+                lhs: Mat<'_, Self>,
+                rhs: Mat<'_, Self>,
+            ) {
+                gemm_checked(m, n, k, dst, accumulate, lhs, rhs)
+            }
+        }
+    };
+}
+real!(f32);
+real!(f64);
+
+/// A read-only matrix view: element `(i, j)` at `data[i * rs + j * cs]`.
+#[derive(Clone, Copy)]
+pub(crate) struct Mat<'a, T> {
+    pub data: &'a [T],
+    pub rs: usize,
+    pub cs: usize,
+}
+
+impl<'a, T> Mat<'a, T> {
+    /// A row-major `(rows, cols)` matrix.
+    pub fn rows(data: &'a [T], cols: usize) -> Self {
+        Self {
+            data,
+            rs: cols,
+            cs: 1,
+        }
+    }
+
+    /// The transpose of a row-major `(rows, cols)` matrix, read as `(cols, rows)`.
+    pub fn transposed(data: &'a [T], cols: usize) -> Self {
+        Self {
+            data,
+            rs: 1,
+            cs: cols,
+        }
+    }
+
+    fn fits(&self, rows: usize, cols: usize) -> bool {
+        rows == 0 || cols == 0 || (rows - 1) * self.rs + (cols - 1) * self.cs < self.data.len()
+    }
+}
+
+/// `dst (m, n) [+]= lhs (m, k) · rhs (k, n)`, `dst` row-major, split over the current rayon
+/// pool (the role's [`crate::ComputePool`]).
+#[allow(unsafe_code)]
+fn gemm_checked<T: 'static + WithDType>(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: &mut [T],
+    accumulate: bool,
+    lhs: Mat<'_, T>,
+    rhs: Mat<'_, T>,
+) {
+    assert!(dst.len() >= m * n && lhs.fits(m, k) && rhs.fits(k, n), "gemm operands out of bounds");
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        if !accumulate {
+            dst[..m * n].fill(T::from_f64(0.0));
+        }
+        return;
+    }
+    let threads = rayon::current_num_threads();
+    let parallelism = if threads > 1 {
+        gemm::Parallelism::Rayon(threads)
+    } else {
+        gemm::Parallelism::None
+    };
+    // SAFETY: the assertion above keeps every index gemm forms, `(i·rs + j·cs)` for `i < rows`
+    // and `j < cols` of each operand, inside its slice; `dst` is exclusively borrowed and does
+    // not alias the shared operands; T is f32 or f64 (the only `Real` types), which gemm handles.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            n as isize,
+            accumulate,
+            lhs.data.as_ptr(),
+            lhs.cs as isize,
+            lhs.rs as isize,
+            rhs.data.as_ptr(),
+            rhs.cs as isize,
+            rhs.rs as isize,
+            T::from_f64(1.0),
+            T::from_f64(1.0),
+            false,
+            false,
+            false,
+            parallelism,
+        )
+    }
+}
+
+/// The contiguous elements of a CPU storage seen through `layout`.
+pub(crate) fn cpu_slice<'a, T: Real>(s: &'a CpuStorage, layout: &Layout) -> Result<&'a [T]> {
+    let Some((start, end)) = layout.contiguous_offsets() else {
+        candle_core::bail!("fused op: non-contiguous input {:?}", layout.shape())
+    };
+    Ok(&T::cpu_storage_as_slice(s)?[start..end])
+}
+
+/// The contiguous elements of `t` (a CPU tensor), borrowed from its storage guard.
+pub(crate) fn storage_slice<'a, T: Real>(s: &'a Storage, layout: &Layout) -> Result<&'a [T]> {
+    match s {
+        Storage::Cpu(c) => cpu_slice(c, layout),
+        _ => candle_core::bail!("fused op: tensor is not on the CPU"),
+    }
+}
+
+/// A CPU tensor owning `v`.
+pub(crate) fn tensor<T: Real>(v: Vec<T>, shape: &Shape) -> Result<Tensor> {
+    Tensor::from_vec(v, shape, &Device::Cpu)
+}
+
+/// Runs `f(first_row, rows)` over blocks of whole rows of `out` (rows of `width` elements), on
+/// the current rayon pool when `out` is large enough to be worth splitting, and returns the
+/// per-block results in order.
+pub(crate) fn row_blocks<T: Send, R: Send>(
+    out: &mut [T],
+    width: usize,
+    f: impl Fn(usize, &mut [T]) -> R + Sync,
+) -> Vec<R> {
+    use rayon::prelude::*;
+    /// Below this many elements a split costs more than it saves.
+    const MIN_PARALLEL: usize = 1 << 15;
+    let rows = out.len() / width.max(1);
+    let threads = rayon::current_num_threads();
+    if threads <= 1 || out.len() < MIN_PARALLEL || rows < 2 {
+        return vec![f(0, out)];
+    }
+    let block_rows = rows.div_ceil(threads);
+    out.par_chunks_mut(block_rows * width)
+        .enumerate()
+        .map(|(b, chunk)| f(b * block_rows, chunk))
+        .collect()
+}
+
+/// Elements of one dtype from two storages, or an error naming the op.
+pub(crate) fn same_dtype(op: &str, a: &CpuStorage, b: &CpuStorage) -> Result<DType> {
+    let (da, db) = (a.dtype(), b.dtype());
+    if da != db {
+        candle_core::bail!("{op}: dtype mismatch {da:?} vs {db:?}")
+    }
+    match da {
+        DType::F32 | DType::F64 => Ok(da),
+        other => candle_core::bail!("{op}: no fused kernel for {other:?}"),
+    }
+}
