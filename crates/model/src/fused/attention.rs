@@ -129,61 +129,259 @@ struct Attention {
     lse: OnceLock<Tensor>,
 }
 
-/// One head's `(L, d)` block out of a `(N, width)` activation, row `b`'s slots.
-fn gather<T: Real>(src: &[T], b: usize, l: usize, width: usize, off: usize, d: usize) -> Vec<T> {
-    let mut out = Vec::with_capacity(l * d);
-    for i in 0..l {
-        let at = (b * l + i) * width + off;
-        out.extend_from_slice(&src[at..at + d]);
-    }
-    out
-}
-
-/// The `(d, L)` transpose of an `(L, d)` block.
-fn transpose<T: Real>(m: &[T], l: usize, d: usize) -> Vec<T> {
+/// One head's `(L, d)` block out of a `(N, width)` activation, row `b`'s slots, transposed to
+/// `(d, L)`: every inner loop below then runs over keys, long and contiguous.
+#[inline(always)]
+fn gather_t<T: Real>(src: &[T], (b, l): (usize, usize), width: usize, off: usize, d: usize) -> Vec<T> {
     let mut out = vec![T::from_f64(0.0); l * d];
     for i in 0..l {
-        for c in 0..d {
-            out[c * l + i] = m[i * d + c];
+        let at = (b * l + i) * width + off;
+        for (c, &v) in src[at..at + d].iter().enumerate() {
+            out[c * l + i] = v;
         }
     }
     out
 }
 
 /// `dst[j] += a · src[j]`.
+#[inline(always)]
 fn axpy<T: Real>(dst: &mut [T], a: T, src: &[T]) {
     for (d, &s) in dst.iter_mut().zip(src) {
         *d += a * s;
     }
 }
 
-/// `s[j] = scale · q · k_j` for `j` in `lo..=i`, from `kt (d, L)`; masked keys get −∞.
-fn scores<T: Real>(
-    s: &mut [T],
-    q: &[T],
-    (kt, l): (&[T], usize),
-    (lo, i): (usize, usize),
-    scale: T,
-    seg: &Segments,
-    row: usize,
-) {
-    let s = &mut s[lo..=i];
-    s.fill(T::from_f64(0.0));
-    for (c, &qc) in q.iter().enumerate() {
-        axpy(s, qc, &kt[c * l + lo..=c * l + i]);
+/// `Σ a[j] b[j]` over eight interleaved partial sums, so that the loop vectorises (float
+/// additions are not reassociated otherwise).
+#[inline(always)]
+fn dot<T: Real>(a: &[T], b: &[T]) -> T {
+    let zero = T::from_f64(0.0);
+    let mut acc = [zero; 8];
+    let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
+    let (ar, br) = (ac.remainder(), bc.remainder());
+    for (x, y) in ac.zip(bc) {
+        for k in 0..8 {
+            acc[k] += x[k] * y[k];
+        }
     }
-    for (j, v) in s.iter_mut().enumerate() {
-        *v = if seg.allowed(row, i, lo + j) {
-            *v * scale
-        } else {
-            T::from_f64(f64::NEG_INFINITY)
-        };
+    let mut tail = zero;
+    for (&x, &y) in ar.iter().zip(br) {
+        tail += x * y;
     }
+    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
+}
+
+/// One (row, kv head) task: the transposed keys and values of its slots.
+struct Task<'a, T> {
+    op: &'a Attention,
+    b: usize,
+    kh: usize,
+    kt: Vec<T>,
+    vt: Vec<T>,
+}
+
+impl<'a, T: Real> Task<'a, T> {
+    fn new(op: &'a Attention, task: usize, k: &[T], v: &[T]) -> Self {
+        let AttentionHeads { kv_heads: kv, head_dim: d, .. } = op.heads;
+        let (b, kh) = (task / kv, task % kv);
+        let at = (b, op.segments.len);
+        Self {
+            op,
+            b,
+            kh,
+            kt: gather_t(k, at, kv * d, kh * d, d),
+            vt: gather_t(v, at, kv * d, kh * d, d),
+        }
+    }
+
+    /// Keys visible from slot `i`: `lo..=i`.
+    #[inline(always)]
+    fn lo(&self, i: usize) -> usize {
+        self.op.segments.first[self.b * self.op.segments.len + i] as usize
+    }
+
+    /// Offset of query head `gi` of this task at slot `i` in a `(N, heads·d)` activation.
+    #[inline(always)]
+    fn at(&self, gi: usize, i: usize) -> usize {
+        let AttentionHeads { heads: h, head_dim: d, .. } = self.op.heads;
+        (self.b * self.op.segments.len + i) * h * d + (self.kh * self.op.groups() + gi) * d
+    }
+
+    /// `s[j] = scale · q · k_j` for `j` in `lo..=i`; masked keys get −∞.
+    #[inline(always)]
+    fn scores(&self, s: &mut [T], q: &[T], (lo, i): (usize, usize)) {
+        let l = self.op.segments.len;
+        let scale = T::from_f64(self.op.scale());
+        let s = &mut s[lo..=i];
+        s.fill(T::from_f64(0.0));
+        for (c, &qc) in q.iter().enumerate() {
+            axpy(s, qc, &self.kt[c * l + lo..=c * l + i]);
+        }
+        let seg = &*self.op.segments;
+        for (j, v) in s.iter_mut().enumerate() {
+            *v = if seg.allowed(self.b, i, lo + j) {
+                *v * scale
+            } else {
+                T::from_f64(f64::NEG_INFINITY)
+            };
+        }
+    }
+
+    /// The g query heads' `(L, d)` outputs and L log-sum-exps.
+    #[inline(always)]
+    fn forward(&self, q: &[T]) -> (Vec<T>, Vec<T>) {
+        let l = self.op.segments.len;
+        let d = self.op.heads.head_dim;
+        let g = self.op.groups();
+        let zero = T::from_f64(0.0);
+        let mut out = vec![zero; g * l * d];
+        let mut lse = vec![zero; g * l];
+        let mut s = vec![zero; l];
+        for gi in 0..g {
+            for i in 0..l {
+                let lo = self.lo(i);
+                let at = self.at(gi, i);
+                self.scores(&mut s, &q[at..at + d], (lo, i));
+                let row = &mut s[lo..=i];
+                let m = row.iter().fold(row[row.len() - 1], |a, &x| if x > a { x } else { a });
+                for x in row.iter_mut() {
+                    *x = *x - m;
+                }
+                T::exp_slice(row);
+                let mut sum = zero;
+                for &x in row.iter() {
+                    sum += x;
+                }
+                let inv = T::from_f64(1.0) / sum;
+                let o = &mut out[(gi * l + i) * d..(gi * l + i + 1) * d];
+                for (c, oc) in o.iter_mut().enumerate() {
+                    *oc = dot(row, &self.vt[c * l + lo..=c * l + i]) * inv;
+                }
+                lse[gi * l + i] = m + sum.ln();
+            }
+        }
+        (out, lse)
+    }
+
+    /// `(dQ (g, L, d), dK (L, d), dV (L, d))` of this task.
+    #[inline(always)]
+    fn backward(&self, q: &[T], o: &[T], lse: &[T], dout: &[T]) -> Block<T> {
+        let seg = &*self.op.segments;
+        let l = seg.len;
+        let AttentionHeads { heads: h, head_dim: d, .. } = self.op.heads;
+        let g = self.op.groups();
+        let scale = T::from_f64(self.op.scale());
+        let zero = T::from_f64(0.0);
+        let mut dq = vec![zero; g * l * d];
+        // dKᵀ and dVᵀ, (d, L): accumulated along keys.
+        let mut dkt = vec![zero; l * d];
+        let mut dvt = vec![zero; l * d];
+        let (mut p, mut ds) = (vec![zero; l], vec![zero; l]);
+        for gi in 0..g {
+            let hq = self.kh * g + gi;
+            for i in 0..l {
+                let lo = self.lo(i);
+                let at = self.at(gi, i);
+                let (qi, doi, oi) = (&q[at..at + d], &dout[at..at + d], &o[at..at + d]);
+                self.scores(&mut p, qi, (lo, i));
+                let m = lse[(self.b * h + hq) * l + i];
+                let pr = &mut p[lo..=i];
+                for x in pr.iter_mut() {
+                    *x = *x - m;
+                }
+                T::exp_slice(pr);
+                // dP_j = dO_i · v_j, then dS = P ⊙ (dP − dO_i · O_i), scaled for dQ and dK.
+                let dsr = &mut ds[lo..=i];
+                dsr.fill(zero);
+                for (c, &gc) in doi.iter().enumerate() {
+                    axpy(dsr, gc, &self.vt[c * l + lo..=c * l + i]);
+                }
+                let di = dot(doi, oi);
+                for (x, &pj) in dsr.iter_mut().zip(pr.iter()) {
+                    *x = pj * (*x - di) * scale;
+                }
+                let dqi = &mut dq[(gi * l + i) * d..(gi * l + i + 1) * d];
+                for c in 0..d {
+                    let (lo_c, hi_c) = (c * l + lo, c * l + i);
+                    dqi[c] = dot(dsr, &self.kt[lo_c..=hi_c]);
+                    axpy(&mut dkt[lo_c..=hi_c], qi[c], dsr);
+                    axpy(&mut dvt[lo_c..=hi_c], doi[c], pr);
+                }
+            }
+        }
+        (dq, transpose(&dkt, d, l), transpose(&dvt, d, l))
+    }
+}
+
+/// The `(cols, rows)` transpose of a row-major `(rows, cols)` block.
+fn transpose<T: Real>(m: &[T], rows: usize, cols: usize) -> Vec<T> {
+    let mut out = vec![T::from_f64(0.0); rows * cols];
+    for r in 0..rows {
+        for c in 0..cols {
+            out[c * rows + r] = m[r * cols + c];
+        }
+    }
+    out
+}
+
+type Block<T> = (Vec<T>, Vec<T>, Vec<T>);
+
+/// The task bodies compiled for AVX2 + FMA, chosen at run time where the CPU has them (the
+/// crate itself targets baseline x86-64, SSE2).
+#[cfg(target_arch = "x86_64")]
+mod wide {
+    use super::{Block, Real, Task};
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) fn forward<T: Real>(t: &Task<'_, T>, q: &[T]) -> (Vec<T>, Vec<T>) {
+        t.forward(q)
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) fn backward<T: Real>(t: &Task<'_, T>, ins: [&[T]; 4]) -> Block<T> {
+        t.backward(ins[0], ins[1], ins[2], ins[3])
+    }
+}
+
+fn wide_ok() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static OK: OnceLock<bool> = OnceLock::new();
+        *OK.get_or_init(|| {
+            std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+#[allow(unsafe_code)]
+fn run_forward<T: Real>(t: &Task<'_, T>, q: &[T]) -> (Vec<T>, Vec<T>) {
+    #[cfg(target_arch = "x86_64")]
+    if wide_ok() {
+        // SAFETY: the CPU has AVX2 and FMA (checked at run time just above).
+        return unsafe { wide::forward(t, q) };
+    }
+    t.forward(q)
+}
+
+#[allow(unsafe_code)]
+fn run_backward<T: Real>(t: &Task<'_, T>, ins: [&[T]; 4]) -> Block<T> {
+    #[cfg(target_arch = "x86_64")]
+    if wide_ok() {
+        // SAFETY: the CPU has AVX2 and FMA (checked at run time just above).
+        return unsafe { wide::backward(t, ins) };
+    }
+    t.backward(ins[0], ins[1], ins[2], ins[3])
 }
 
 impl Attention {
     fn groups(&self) -> usize {
         self.heads.heads / self.heads.kv_heads
+    }
+
+    fn scale(&self) -> f64 {
+        1.0 / (self.heads.head_dim as f64).sqrt()
     }
 
     /// `(O, lse)`.
@@ -196,39 +394,11 @@ impl Attention {
             head_dim: d,
         } = self.heads;
         let g = self.groups();
-        let scale = T::from_f64(1.0 / (d as f64).sqrt());
         let zero = T::from_f64(0.0);
         // Per (row, kv head): the (L, d) outputs and L log-sum-exps of its g query heads.
         let blocks: Vec<(Vec<T>, Vec<T>)> = (0..bsz * kv)
             .into_par_iter()
-            .map(|task| {
-                let (b, kh) = (task / kv, task % kv);
-                let kt = transpose(&gather(k, b, l, kv * d, kh * d, d), l, d);
-                let vb = gather(v, b, l, kv * d, kh * d, d);
-                let mut out = vec![zero; g * l * d];
-                let mut lse = vec![zero; g * l];
-                let mut s = vec![zero; l];
-                for gi in 0..g {
-                    let hq = kh * g + gi;
-                    for i in 0..l {
-                        let lo = seg.first[b * l + i] as usize;
-                        let at = (b * l + i) * h * d + hq * d;
-                        scores(&mut s, &q[at..at + d], (&kt, l), (lo, i), scale, seg, b);
-                        let m = s[lo..=i].iter().fold(s[i], |a, &x| if x > a { x } else { a });
-                        let mut sum = zero;
-                        for x in &mut s[lo..=i] {
-                            *x = (*x - m).exp();
-                            sum += *x;
-                        }
-                        let o = &mut out[(gi * l + i) * d..(gi * l + i + 1) * d];
-                        for j in lo..=i {
-                            axpy(o, s[j] / sum, &vb[j * d..(j + 1) * d]);
-                        }
-                        lse[gi * l + i] = m + sum.ln();
-                    }
-                }
-                (out, lse)
-            })
+            .map(|task| run_forward(&Task::new(self, task, k, v), q))
             .collect();
         let mut out = vec![zero; bsz * l * h * d];
         let mut lse = vec![zero; bsz * h * l];
@@ -258,52 +428,10 @@ impl Attention {
             head_dim: d,
         } = self.heads;
         let g = self.groups();
-        let scale = T::from_f64(1.0 / (d as f64).sqrt());
         let zero = T::from_f64(0.0);
-        type Block<T> = (Vec<T>, Vec<T>, Vec<T>);
         let blocks: Vec<Block<T>> = (0..bsz * kv)
             .into_par_iter()
-            .map(|task| {
-                let (b, kh) = (task / kv, task % kv);
-                let kb = gather(k, b, l, kv * d, kh * d, d);
-                let kt = transpose(&kb, l, d);
-                let vt = transpose(&gather(v, b, l, kv * d, kh * d, d), l, d);
-                let mut dq = vec![zero; g * l * d];
-                let mut dk = vec![zero; l * d];
-                let mut dv = vec![zero; l * d];
-                let (mut p, mut dp) = (vec![zero; l], vec![zero; l]);
-                for gi in 0..g {
-                    let hq = kh * g + gi;
-                    for i in 0..l {
-                        let lo = seg.first[b * l + i] as usize;
-                        let at = (b * l + i) * h * d + hq * d;
-                        let (qi, doi, oi) = (&q[at..at + d], &dout[at..at + d], &o[at..at + d]);
-                        scores(&mut p, qi, (&kt, l), (lo, i), scale, seg, b);
-                        let m = lse[(b * h + hq) * l + i];
-                        for x in &mut p[lo..=i] {
-                            *x = (*x - m).exp();
-                        }
-                        let dpi = &mut dp[lo..=i];
-                        dpi.fill(zero);
-                        for (c, &gc) in doi.iter().enumerate() {
-                            axpy(dpi, gc, &vt[c * l + lo..=c * l + i]);
-                        }
-                        let mut di = zero;
-                        for (&a, &b) in doi.iter().zip(oi) {
-                            di += a * b;
-                        }
-                        let dqi = &mut dq[(gi * l + i) * d..(gi * l + i + 1) * d];
-                        for j in lo..=i {
-                            let pj = p[j];
-                            let ds = pj * (dp[j] - di) * scale;
-                            axpy(dqi, ds, &kb[j * d..(j + 1) * d]);
-                            axpy(&mut dk[j * d..(j + 1) * d], ds, qi);
-                            axpy(&mut dv[j * d..(j + 1) * d], pj, doi);
-                        }
-                    }
-                }
-                (dq, dk, dv)
-            })
+            .map(|task| run_backward(&Task::new(self, task, k, v), [q, o, lse, dout]))
             .collect();
         let mut dq = vec![zero; bsz * l * h * d];
         let mut dk = vec![zero; bsz * l * kv * d];

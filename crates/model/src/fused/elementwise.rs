@@ -176,21 +176,24 @@ impl CustomOp2 for RmsNorm {
 
 struct SwiGlu;
 
-fn sigmoid<T: Real>(v: T) -> T {
-    T::from_f64(1.0) / (T::from_f64(1.0) + (-v).exp())
+/// `e^−x` of each element of `src` into `dst`.
+fn exp_neg<T: Real>(dst: &mut [T], src: &[T]) {
+    for (d, &x) in dst.iter_mut().zip(src) {
+        *d = -x;
+    }
+    T::exp_slice(dst);
 }
 
 fn swiglu_fwd<T: Real>(gate: &[T], up: &[T]) -> Vec<T> {
+    let one = T::from_f64(1.0);
     let mut out = vec![T::from_f64(0.0); gate.len()];
     row_blocks(&mut out, 1, |first, block| {
         let n = block.len();
-        for ((o, &g), &u) in block
-            .iter_mut()
-            .zip(&gate[first..first + n])
-            .zip(&up[first..first + n])
-        {
+        let (gate, up) = (&gate[first..first + n], &up[first..first + n]);
+        exp_neg(block, gate);
+        for ((o, &g), &u) in block.iter_mut().zip(gate).zip(up) {
             // The composition's silu: g / (1 + e^−g).
-            *o = g / (T::from_f64(1.0) + (-g).exp()) * u;
+            *o = g / (one + *o) * u;
         }
     });
     out
@@ -202,17 +205,24 @@ fn swiglu_bwd<T: Real>(gate: &[T], up: &[T], g: &[T]) -> (Vec<T>, Vec<T>) {
     let one = T::from_f64(1.0);
     let mut dgate = vec![zero; gate.len()];
     let mut dup = vec![zero; gate.len()];
+    // σ(gate) into dgate first, then both gradients from it.
     row_blocks(&mut dgate, 1, |first, block| {
-        for (i, dg) in block.iter_mut().enumerate() {
-            let (x, u, gv) = (gate[first + i], up[first + i], g[first + i]);
-            let s = sigmoid(x);
-            *dg = gv * u * s * (one + x * (one - s));
+        let n = block.len();
+        exp_neg(block, &gate[first..first + n]);
+        for s in block.iter_mut() {
+            *s = one / (one + *s);
         }
     });
     row_blocks(&mut dup, 1, |first, block| {
         for (i, du) in block.iter_mut().enumerate() {
             let (x, gv) = (gate[first + i], g[first + i]);
-            *du = gv * x * sigmoid(x);
+            *du = gv * x * dgate[first + i];
+        }
+    });
+    row_blocks(&mut dgate, 1, |first, block| {
+        for (i, dg) in block.iter_mut().enumerate() {
+            let (x, u, gv, s) = (gate[first + i], up[first + i], g[first + i], *dg);
+            *dg = gv * u * s * (one + x * (one - s));
         }
     });
     (dgate, dup)

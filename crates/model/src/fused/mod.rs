@@ -33,7 +33,9 @@ pub fn supported(t: &Tensor) -> bool {
 
 /// The float types the kernels are written for (f32, f64).
 pub(crate) trait Real: WithDType + std::ops::Neg<Output = Self> {
-    fn exp(self) -> Self;
+    /// `e^x` for every element, in a loop the compiler vectorises (f32: a Cephes-style
+    /// polynomial, relative error ≈ 1e-7, where libm's `expf` is a call per element; f64: libm).
+    fn exp_slice(xs: &mut [Self]);
     fn ln(self) -> Self;
     fn sqrt(self) -> Self;
     /// `dst (m, n) [+]= lhs (m, k) · rhs (k, n)` (see [`gemm_checked`]).
@@ -49,10 +51,11 @@ pub(crate) trait Real: WithDType + std::ops::Neg<Output = Self> {
 }
 
 macro_rules! real {
-    ($t:ty) => {
+    ($t:ty, $exp_slice:expr) => {
         impl Real for $t {
-            fn exp(self) -> Self {
-                <$t>::exp(self)
+            #[inline(always)]
+            fn exp_slice(xs: &mut [Self]) {
+                $exp_slice(xs)
             }
             fn ln(self) -> Self {
                 <$t>::ln(self)
@@ -74,8 +77,34 @@ macro_rules! real {
         }
     };
 }
-real!(f32);
-real!(f64);
+real!(f32, exp_f32_slice);
+real!(f64, |xs: &mut [f64]| xs.iter_mut().for_each(|x| *x = x.exp()));
+
+/// `e^x` in place: `x = n ln2 + r` with `|r| ≤ ln2/2`, `e^r` by Cephes' `expf` polynomial,
+/// `2^n` built in the exponent bits. Branch-free (selects only), so it vectorises; below
+/// −87.3 (where f32 underflows) the result is 0, as `expf`'s is there up to denormals.
+#[inline(always)]
+fn exp_f32_slice(xs: &mut [f32]) {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    // 1.5 · 2²³: adding and subtracting it rounds to the nearest integer.
+    const ROUND: f32 = 12_582_912.0;
+    for x in xs.iter_mut() {
+        let v = x.clamp(-87.3, 88.7);
+        let n = (v * LOG2E + ROUND) - ROUND;
+        let r = v - n * LN2_HI - n * LN2_LO;
+        let p = ((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r
+            + 4.166_579_6e-2)
+            * r
+            + 1.666_666_5e-1)
+            * r
+            + 5.000_000_1e-1;
+        let e = p * r * r + r + 1.0;
+        let scale = f32::from_bits(((n as i32 + 127) << 23) as u32);
+        *x = if *x < -87.3 { 0.0 } else { e * scale };
+    }
+}
 
 /// A read-only matrix view: element `(i, j)` at `data[i * rs + j * cs]`.
 #[derive(Clone, Copy)]
@@ -131,8 +160,10 @@ fn gemm_checked<T: 'static + WithDType>(
         }
         return;
     }
+    /// Below this many multiply-adds a product is faster on one thread than split.
+    const MIN_PARALLEL_MACS: usize = 1 << 21;
     let threads = rayon::current_num_threads();
-    let parallelism = if threads > 1 {
+    let parallelism = if threads > 1 && m * n * k >= MIN_PARALLEL_MACS {
         gemm::Parallelism::Rayon(threads)
     } else {
         gemm::Parallelism::None
