@@ -17,7 +17,7 @@ use std::sync::{Arc, OnceLock};
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::{Real, cpu_slice, storage_slice, tensor};
+use super::{Dst, Mat, Real, cpu_slice, storage_slice, tensor};
 
 /// The packing of one batch, built once and shared by every layer: for each slot the first slot
 /// of the row its query may see.
@@ -129,27 +129,9 @@ struct Attention {
     lse: OnceLock<Tensor>,
 }
 
-/// One head's `(L, d)` block out of a `(N, width)` activation, row `b`'s slots, transposed to
-/// `(d, L)`: every inner loop below then runs over keys, long and contiguous.
-#[inline(always)]
-fn gather_t<T: Real>(src: &[T], (b, l): (usize, usize), width: usize, off: usize, d: usize) -> Vec<T> {
-    let mut out = vec![T::from_f64(0.0); l * d];
-    for i in 0..l {
-        let at = (b * l + i) * width + off;
-        for (c, &v) in src[at..at + d].iter().enumerate() {
-            out[c * l + i] = v;
-        }
-    }
-    out
-}
-
-/// `dst[j] += a · src[j]`.
-#[inline(always)]
-fn axpy<T: Real>(dst: &mut [T], a: T, src: &[T]) {
-    for (d, &s) in dst.iter_mut().zip(src) {
-        *d += a * s;
-    }
-}
+/// Queries per block: each block's scores are one `(QUERY_BLOCK, keys)` product, so memory stays
+/// bounded for long rows and the causal waste is half of one diagonal block.
+const QUERY_BLOCK: usize = 64;
 
 /// `Σ a[j] b[j]` over eight interleaved partial sums, so that the loop vectorises (float
 /// additions are not reassociated otherwise).
@@ -171,93 +153,157 @@ fn dot<T: Real>(a: &[T], b: &[T]) -> T {
     ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
 }
 
-/// One (row, kv head) task: the transposed keys and values of its slots.
+/// One (row, kv head) task over the flat `(N, heads·d)` / `(N, kv_heads·d)` activations: every
+/// product reads them in place through strides.
 struct Task<'a, T> {
     op: &'a Attention,
     b: usize,
     kh: usize,
-    kt: Vec<T>,
-    vt: Vec<T>,
+    q: &'a [T],
+    k: &'a [T],
+    v: &'a [T],
+}
+
+/// One block of queries `i0..i1` and the keys `klo..i1` they may see.
+#[derive(Clone, Copy)]
+struct Span {
+    i0: usize,
+    i1: usize,
+    klo: usize,
+}
+
+impl Span {
+    fn rows(&self) -> usize {
+        self.i1 - self.i0
+    }
+    fn keys(&self) -> usize {
+        self.i1 - self.klo
+    }
 }
 
 impl<'a, T: Real> Task<'a, T> {
-    fn new(op: &'a Attention, task: usize, k: &[T], v: &[T]) -> Self {
-        let AttentionHeads { kv_heads: kv, head_dim: d, .. } = op.heads;
-        let (b, kh) = (task / kv, task % kv);
-        let at = (b, op.segments.len);
+    fn new(op: &'a Attention, task: usize, [q, k, v]: [&'a [T]; 3]) -> Self {
+        let kv = op.heads.kv_heads;
         Self {
             op,
-            b,
-            kh,
-            kt: gather_t(k, at, kv * d, kh * d, d),
-            vt: gather_t(v, at, kv * d, kh * d, d),
+            b: task / kv,
+            kh: task % kv,
+            q,
+            k,
+            v,
         }
     }
 
-    /// Keys visible from slot `i`: `lo..=i`.
-    #[inline(always)]
-    fn lo(&self, i: usize) -> usize {
-        self.op.segments.first[self.b * self.op.segments.len + i] as usize
+    fn l(&self) -> usize {
+        self.op.segments.len
     }
 
-    /// Offset of query head `gi` of this task at slot `i` in a `(N, heads·d)` activation.
-    #[inline(always)]
-    fn at(&self, gi: usize, i: usize) -> usize {
+    /// The query blocks of this row.
+    fn spans(&self) -> Vec<Span> {
+        let l = self.l();
+        let first = &self.op.segments.first[self.b * l..(self.b + 1) * l];
+        (0..l)
+            .step_by(QUERY_BLOCK)
+            .map(|i0| {
+                let i1 = (i0 + QUERY_BLOCK).min(l);
+                let klo = first[i0..i1].iter().copied().min().unwrap_or(0) as usize;
+                Span { i0, i1, klo }
+            })
+            .collect()
+    }
+
+    /// Offset of query head `hq` at slot `i` of this row in `(N, heads·d)`.
+    fn q_at(&self, hq: usize, i: usize) -> usize {
         let AttentionHeads { heads: h, head_dim: d, .. } = self.op.heads;
-        (self.b * self.op.segments.len + i) * h * d + (self.kh * self.op.groups() + gi) * d
+        (self.b * self.l() + i) * h * d + hq * d
     }
 
-    /// `s[j] = scale · q · k_j` for `j` in `lo..=i`; masked keys get −∞.
-    #[inline(always)]
-    fn scores(&self, s: &mut [T], q: &[T], (lo, i): (usize, usize)) {
-        let l = self.op.segments.len;
-        let scale = T::from_f64(self.op.scale());
-        let s = &mut s[lo..=i];
-        s.fill(T::from_f64(0.0));
-        for (c, &qc) in q.iter().enumerate() {
-            axpy(s, qc, &self.kt[c * l + lo..=c * l + i]);
-        }
-        let seg = &*self.op.segments;
-        for (j, v) in s.iter_mut().enumerate() {
-            *v = if seg.allowed(self.b, i, lo + j) {
-                *v * scale
-            } else {
-                T::from_f64(f64::NEG_INFINITY)
-            };
-        }
+    /// Offset of this task's kv head at slot `j` in `(N, kv_heads·d)`.
+    fn kv_at(&self, j: usize) -> usize {
+        let AttentionHeads { kv_heads: kv, head_dim: d, .. } = self.op.heads;
+        (self.b * self.l() + j) * kv * d + self.kh * d
     }
 
-    /// The g query heads' `(L, d)` outputs and L log-sum-exps.
+    /// `(span.rows, span.keys)` probabilities of query head `hq`: `s Q Kᵀ`, masked, then
+    /// `exp(· − lse)` with the given per-query `lse`, or (without one) softmax-normalised
+    /// with each row's log-sum-exp written to `lse_out`.
     #[inline(always)]
-    fn forward(&self, q: &[T]) -> (Vec<T>, Vec<T>) {
-        let l = self.op.segments.len;
-        let d = self.op.heads.head_dim;
-        let g = self.op.groups();
+    fn probs(&self, hq: usize, sp: Span, lse: Option<&[T]>, lse_out: &mut [T]) -> Vec<T> {
+        let AttentionHeads { heads: h, kv_heads: kv, head_dim: d } = self.op.heads;
+        let (rows, keys) = (sp.rows(), sp.keys());
         let zero = T::from_f64(0.0);
-        let mut out = vec![zero; g * l * d];
-        let mut lse = vec![zero; g * l];
-        let mut s = vec![zero; l];
-        for gi in 0..g {
-            for i in 0..l {
-                let lo = self.lo(i);
-                let at = self.at(gi, i);
-                self.scores(&mut s, &q[at..at + d], (lo, i));
-                let row = &mut s[lo..=i];
-                let m = row.iter().fold(row[row.len() - 1], |a, &x| if x > a { x } else { a });
-                for x in row.iter_mut() {
-                    *x = *x - m;
-                }
-                T::exp_slice(row);
+        let mut s = vec![zero; rows * keys];
+        let q0 = self.q_at(hq, sp.i0);
+        let k0 = self.kv_at(sp.klo);
+        T::matmul(
+            rows,
+            keys,
+            d,
+            Dst::rows(&mut s, keys),
+            Mat { data: &self.q[q0..], rs: h * d, cs: 1 },
+            Mat { data: &self.k[k0..], rs: 1, cs: kv * d },
+        );
+        let scale = T::from_f64(self.op.scale());
+        let seg = &*self.op.segments;
+        let first = &seg.first[self.b * self.l()..];
+        for (r, row) in s.chunks_exact_mut(keys).enumerate() {
+            let i = sp.i0 + r;
+            let lo = first[i] as usize;
+            for (jj, x) in row.iter_mut().enumerate() {
+                let j = sp.klo + jj;
+                *x = if j >= lo && j <= i && seg.allowed(self.b, i, j) {
+                    *x * scale
+                } else {
+                    T::from_f64(f64::NEG_INFINITY)
+                };
+            }
+            // Slot i always sees itself: the row maximum is finite.
+            let m = match lse {
+                Some(lse) => lse[r],
+                None => row.iter().fold(row[i - sp.klo], |a, &x| if x > a { x } else { a }),
+            };
+            for x in row.iter_mut() {
+                *x = *x - m;
+            }
+            T::exp_slice(row);
+            if lse.is_none() {
                 let mut sum = zero;
                 for &x in row.iter() {
                     sum += x;
                 }
                 let inv = T::from_f64(1.0) / sum;
-                let o = &mut out[(gi * l + i) * d..(gi * l + i + 1) * d];
-                for (c, oc) in o.iter_mut().enumerate() {
-                    *oc = dot(row, &self.vt[c * l + lo..=c * l + i]) * inv;
+                for x in row.iter_mut() {
+                    *x = *x * inv;
                 }
-                lse[gi * l + i] = m + sum.ln();
+                lse_out[r] = m + sum.ln();
+            }
+        }
+        s
+    }
+
+    /// The g query heads' `(L, d)` outputs and `L` log-sum-exps.
+    #[inline(always)]
+    fn forward(&self) -> (Vec<T>, Vec<T>) {
+        let l = self.l();
+        let AttentionHeads { kv_heads: kv, head_dim: d, .. } = self.op.heads;
+        let g = self.op.groups();
+        let zero = T::from_f64(0.0);
+        let mut out = vec![zero; g * l * d];
+        let mut lse = vec![zero; g * l];
+        for sp in self.spans() {
+            for gi in 0..g {
+                let hq = self.kh * g + gi;
+                let lse_rows = &mut lse[gi * l + sp.i0..gi * l + sp.i1];
+                let p = self.probs(hq, sp, None, lse_rows);
+                let v0 = self.kv_at(sp.klo);
+                T::matmul(
+                    sp.rows(),
+                    d,
+                    sp.keys(),
+                    Dst::rows(&mut out[(gi * l + sp.i0) * d..(gi * l + sp.i1) * d], d),
+                    Mat::rows(&p, sp.keys()),
+                    Mat { data: &self.v[v0..], rs: kv * d, cs: 1 },
+                );
             }
         }
         (out, lse)
@@ -265,63 +311,65 @@ impl<'a, T: Real> Task<'a, T> {
 
     /// `(dQ (g, L, d), dK (L, d), dV (L, d))` of this task.
     #[inline(always)]
-    fn backward(&self, q: &[T], o: &[T], lse: &[T], dout: &[T]) -> Block<T> {
-        let seg = &*self.op.segments;
-        let l = seg.len;
-        let AttentionHeads { heads: h, head_dim: d, .. } = self.op.heads;
+    fn backward(&self, o: &[T], lse: &[T], dout: &[T]) -> Block<T> {
+        let l = self.l();
+        let AttentionHeads { heads: h, kv_heads: kv, head_dim: d } = self.op.heads;
         let g = self.op.groups();
         let scale = T::from_f64(self.op.scale());
         let zero = T::from_f64(0.0);
         let mut dq = vec![zero; g * l * d];
-        // dKᵀ and dVᵀ, (d, L): accumulated along keys.
-        let mut dkt = vec![zero; l * d];
-        let mut dvt = vec![zero; l * d];
-        let (mut p, mut ds) = (vec![zero; l], vec![zero; l]);
-        for gi in 0..g {
-            let hq = self.kh * g + gi;
-            for i in 0..l {
-                let lo = self.lo(i);
-                let at = self.at(gi, i);
-                let (qi, doi, oi) = (&q[at..at + d], &dout[at..at + d], &o[at..at + d]);
-                self.scores(&mut p, qi, (lo, i));
-                let m = lse[(self.b * h + hq) * l + i];
-                let pr = &mut p[lo..=i];
-                for x in pr.iter_mut() {
-                    *x = *x - m;
+        let mut dk = vec![zero; l * d];
+        let mut dv = vec![zero; l * d];
+        let mut unused = [];
+        for sp in self.spans() {
+            let (rows, keys) = (sp.rows(), sp.keys());
+            let k0 = self.kv_at(sp.klo);
+            for gi in 0..g {
+                let hq = self.kh * g + gi;
+                let lse_rows = &lse[(self.b * h + hq) * l + sp.i0..(self.b * h + hq) * l + sp.i1];
+                let p = self.probs(hq, sp, Some(lse_rows), &mut unused);
+                let q0 = self.q_at(hq, sp.i0);
+                let d_out = Mat { data: &dout[q0..], rs: h * d, cs: 1 };
+                // dP = dO Vᵀ, then dS = s · P ⊙ (dP − rowsum(dO ⊙ O)).
+                let mut ds = vec![zero; rows * keys];
+                T::matmul(
+                    rows,
+                    keys,
+                    d,
+                    Dst::rows(&mut ds, keys),
+                    d_out,
+                    Mat { data: &self.v[k0..], rs: 1, cs: kv * d },
+                );
+                for (r, (dsr, pr)) in ds.chunks_exact_mut(keys).zip(p.chunks_exact(keys)).enumerate() {
+                    let at = self.q_at(hq, sp.i0 + r);
+                    let di = dot(&dout[at..at + d], &o[at..at + d]);
+                    for (x, &pj) in dsr.iter_mut().zip(pr) {
+                        *x = pj * (*x - di) * scale;
+                    }
                 }
-                T::exp_slice(pr);
-                // dP_j = dO_i · v_j, then dS = P ⊙ (dP − dO_i · O_i), scaled for dQ and dK.
-                let dsr = &mut ds[lo..=i];
-                dsr.fill(zero);
-                for (c, &gc) in doi.iter().enumerate() {
-                    axpy(dsr, gc, &self.vt[c * l + lo..=c * l + i]);
-                }
-                let di = dot(doi, oi);
-                for (x, &pj) in dsr.iter_mut().zip(pr.iter()) {
-                    *x = pj * (*x - di) * scale;
-                }
-                let dqi = &mut dq[(gi * l + i) * d..(gi * l + i + 1) * d];
-                for c in 0..d {
-                    let (lo_c, hi_c) = (c * l + lo, c * l + i);
-                    dqi[c] = dot(dsr, &self.kt[lo_c..=hi_c]);
-                    axpy(&mut dkt[lo_c..=hi_c], qi[c], dsr);
-                    axpy(&mut dvt[lo_c..=hi_c], doi[c], pr);
-                }
+                // dQ = dS K, dK += dSᵀ Q, dV += Pᵀ dO.
+                T::matmul(
+                    rows,
+                    d,
+                    keys,
+                    Dst::rows(&mut dq[(gi * l + sp.i0) * d..(gi * l + sp.i1) * d], d),
+                    Mat::rows(&ds, keys),
+                    Mat { data: &self.k[k0..], rs: kv * d, cs: 1 },
+                );
+                let kr = sp.klo * d..sp.i1 * d;
+                T::matmul(
+                    keys,
+                    d,
+                    rows,
+                    Dst::adding(&mut dk[kr.clone()], d),
+                    Mat::transposed(&ds, keys),
+                    Mat { data: &self.q[q0..], rs: h * d, cs: 1 },
+                );
+                T::matmul(keys, d, rows, Dst::adding(&mut dv[kr], d), Mat::transposed(&p, keys), d_out);
             }
         }
-        (dq, transpose(&dkt, d, l), transpose(&dvt, d, l))
+        (dq, dk, dv)
     }
-}
-
-/// The `(cols, rows)` transpose of a row-major `(rows, cols)` block.
-fn transpose<T: Real>(m: &[T], rows: usize, cols: usize) -> Vec<T> {
-    let mut out = vec![T::from_f64(0.0); rows * cols];
-    for r in 0..rows {
-        for c in 0..cols {
-            out[c * rows + r] = m[r * cols + c];
-        }
-    }
-    out
 }
 
 type Block<T> = (Vec<T>, Vec<T>, Vec<T>);
@@ -333,13 +381,13 @@ mod wide {
     use super::{Block, Real, Task};
 
     #[target_feature(enable = "avx2,fma")]
-    pub(super) fn forward<T: Real>(t: &Task<'_, T>, q: &[T]) -> (Vec<T>, Vec<T>) {
-        t.forward(q)
+    pub(super) fn forward<T: Real>(t: &Task<'_, T>) -> (Vec<T>, Vec<T>) {
+        t.forward()
     }
 
     #[target_feature(enable = "avx2,fma")]
-    pub(super) fn backward<T: Real>(t: &Task<'_, T>, ins: [&[T]; 4]) -> Block<T> {
-        t.backward(ins[0], ins[1], ins[2], ins[3])
+    pub(super) fn backward<T: Real>(t: &Task<'_, T>, ins: [&[T]; 3]) -> Block<T> {
+        t.backward(ins[0], ins[1], ins[2])
     }
 }
 
@@ -356,23 +404,23 @@ fn wide_ok() -> bool {
 }
 
 #[allow(unsafe_code)]
-fn run_forward<T: Real>(t: &Task<'_, T>, q: &[T]) -> (Vec<T>, Vec<T>) {
+fn run_forward<T: Real>(t: &Task<'_, T>) -> (Vec<T>, Vec<T>) {
     #[cfg(target_arch = "x86_64")]
     if wide_ok() {
         // SAFETY: the CPU has AVX2 and FMA (checked at run time just above).
-        return unsafe { wide::forward(t, q) };
+        return unsafe { wide::forward(t) };
     }
-    t.forward(q)
+    t.forward()
 }
 
 #[allow(unsafe_code)]
-fn run_backward<T: Real>(t: &Task<'_, T>, ins: [&[T]; 4]) -> Block<T> {
+fn run_backward<T: Real>(t: &Task<'_, T>, ins: [&[T]; 3]) -> Block<T> {
     #[cfg(target_arch = "x86_64")]
     if wide_ok() {
         // SAFETY: the CPU has AVX2 and FMA (checked at run time just above).
         return unsafe { wide::backward(t, ins) };
     }
-    t.backward(ins[0], ins[1], ins[2], ins[3])
+    t.backward(ins[0], ins[1], ins[2])
 }
 
 impl Attention {
@@ -398,7 +446,7 @@ impl Attention {
         // Per (row, kv head): the (L, d) outputs and L log-sum-exps of its g query heads.
         let blocks: Vec<(Vec<T>, Vec<T>)> = (0..bsz * kv)
             .into_par_iter()
-            .map(|task| run_forward(&Task::new(self, task, k, v), q))
+            .map(|task| run_forward(&Task::new(self, task, [q, k, v])))
             .collect();
         let mut out = vec![zero; bsz * l * h * d];
         let mut lse = vec![zero; bsz * h * l];
@@ -431,7 +479,7 @@ impl Attention {
         let zero = T::from_f64(0.0);
         let blocks: Vec<Block<T>> = (0..bsz * kv)
             .into_par_iter()
-            .map(|task| run_backward(&Task::new(self, task, k, v), [q, o, lse, dout]))
+            .map(|task| run_backward(&Task::new(self, task, [q, k, v]), [o, lse, dout]))
             .collect();
         let mut dq = vec![zero; bsz * l * h * d];
         let mut dk = vec![zero; bsz * l * kv * d];

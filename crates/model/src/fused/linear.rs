@@ -5,7 +5,7 @@
 
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
-use super::{Mat, Real, cpu_slice, same_dtype, storage_slice, tensor};
+use super::{Dst, Mat, Real, cpu_slice, same_dtype, storage_slice, tensor};
 
 /// `x (N, in) · w (out, in)ᵀ + b (out)` → `(N, out)`.
 pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
@@ -43,15 +43,12 @@ impl Linear {
                 row.copy_from_slice(b);
             }
         }
-        T::matmul(
-            n,
-            o,
-            i,
-            &mut y,
-            b.is_some(),
-            Mat::rows(x, i),
-            Mat::transposed(w, i),
-        );
+        let dst = Dst {
+            data: &mut y,
+            rs: o,
+            accumulate: b.is_some(),
+        };
+        T::matmul(n, o, i, dst, Mat::rows(x, i), Mat::transposed(w, i));
         y
     }
 
@@ -85,7 +82,7 @@ impl Linear {
         let dx = if x.track_op() {
             // dx (N, in) = g (N, out) · w (out, in)
             let mut dx = vec![zero; n * i];
-            T::matmul(n, i, o, &mut dx, false, Mat::rows(g, o), Mat::rows(wv, i));
+            T::matmul(n, i, o, Dst::rows(&mut dx, i), Mat::rows(g, o), Mat::rows(wv, i));
             Some(tensor(dx, x.shape())?)
         } else {
             None
@@ -93,7 +90,7 @@ impl Linear {
         let dw = if w.track_op() {
             // dw (out, in) = gᵀ (out, N) · x (N, in)
             let mut dw = vec![zero; o * i];
-            T::matmul(o, i, n, &mut dw, false, Mat::transposed(g, o), Mat::rows(xv, i));
+            T::matmul(o, i, n, Dst::rows(&mut dw, i), Mat::transposed(g, o), Mat::rows(xv, i));
             Some(tensor(dw, w.shape())?)
         } else {
             None

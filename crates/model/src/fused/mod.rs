@@ -39,15 +39,7 @@ pub(crate) trait Real: WithDType + std::ops::Neg<Output = Self> {
     fn ln(self) -> Self;
     fn sqrt(self) -> Self;
     /// `dst (m, n) [+]= lhs (m, k) · rhs (k, n)` (see [`gemm_checked`]).
-    fn matmul(
-        m: usize,
-        n: usize,
-        k: usize,
-        dst: &mut [Self],
-        accumulate: bool,
-        lhs: Mat<'_, Self>,
-        rhs: Mat<'_, Self>,
-    );
+    fn matmul(m: usize, n: usize, k: usize, dst: Dst<'_, Self>, lhs: Mat<'_, Self>, rhs: Mat<'_, Self>);
 }
 
 macro_rules! real {
@@ -67,12 +59,11 @@ macro_rules! real {
                 m: usize,
                 n: usize,
                 k: usize,
-                dst: &mut [Self],
-                accumulate: bool,
+                dst: Dst<'_, Self>,
                 lhs: Mat<'_, Self>,
                 rhs: Mat<'_, Self>,
             ) {
-                gemm_checked(m, n, k, dst, accumulate, lhs, rhs)
+                gemm_checked(m, n, k, dst, lhs, rhs)
             }
         }
     };
@@ -103,6 +94,34 @@ fn exp_f32_slice(xs: &mut [f32]) {
         let e = p * r * r + r + 1.0;
         let scale = f32::from_bits(((n as i32 + 127) << 23) as u32);
         *x = if *x < -87.3 { 0.0 } else { e * scale };
+    }
+}
+
+/// The destination of a product: element `(i, j)` at `data[i * rs + j]`, overwritten or (with
+/// `accumulate`) added to.
+pub(crate) struct Dst<'a, T> {
+    pub data: &'a mut [T],
+    pub rs: usize,
+    pub accumulate: bool,
+}
+
+impl<'a, T> Dst<'a, T> {
+    /// A row-major matrix of `cols` columns, overwritten.
+    pub fn rows(data: &'a mut [T], cols: usize) -> Self {
+        Self {
+            data,
+            rs: cols,
+            accumulate: false,
+        }
+    }
+
+    /// A row-major matrix of `cols` columns, added to.
+    pub fn adding(data: &'a mut [T], cols: usize) -> Self {
+        Self {
+            data,
+            rs: cols,
+            accumulate: true,
+        }
     }
 }
 
@@ -145,18 +164,28 @@ fn gemm_checked<T: 'static + WithDType>(
     m: usize,
     n: usize,
     k: usize,
-    dst: &mut [T],
-    accumulate: bool,
+    dst: Dst<'_, T>,
     lhs: Mat<'_, T>,
     rhs: Mat<'_, T>,
 ) {
-    assert!(dst.len() >= m * n && lhs.fits(m, k) && rhs.fits(k, n), "gemm operands out of bounds");
+    let Dst {
+        data: dst,
+        rs: dst_rs,
+        accumulate,
+    } = dst;
+    let dst_fits = m == 0 || n == 0 || (m - 1) * dst_rs + n <= dst.len();
+    assert!(
+        dst_fits && (m <= 1 || n <= dst_rs) && lhs.fits(m, k) && rhs.fits(k, n),
+        "gemm operands out of bounds"
+    );
     if m == 0 || n == 0 {
         return;
     }
     if k == 0 {
         if !accumulate {
-            dst[..m * n].fill(T::from_f64(0.0));
+            for r in 0..m {
+                dst[r * dst_rs..r * dst_rs + n].fill(T::from_f64(0.0));
+            }
         }
         return;
     }
@@ -178,7 +207,7 @@ fn gemm_checked<T: 'static + WithDType>(
             k,
             dst.as_mut_ptr(),
             1,
-            n as isize,
+            dst_rs as isize,
             accumulate,
             lhs.data.as_ptr(),
             lhs.cs as isize,
