@@ -12,7 +12,12 @@ use sluice_model::{ForwardOptions, PackedBatch, TrainableModel};
 /// User + system CPU seconds of this process so far.
 fn cpu_seconds() -> f64 {
     let stat = std::fs::read_to_string("/proc/self/stat").unwrap();
-    let f: Vec<&str> = stat.rsplit(')').next().unwrap().split_whitespace().collect();
+    let f: Vec<&str> = stat
+        .rsplit(')')
+        .next()
+        .unwrap()
+        .split_whitespace()
+        .collect();
     (f[11].parse::<f64>().unwrap() + f[12].parse::<f64>().unwrap()) / 100.0
 }
 
@@ -34,7 +39,11 @@ fn main() {
     let snap = random_snapshot(config, 0, DType::F32, &Device::Cpu).unwrap();
     let vocab = snap.config().vocab_size as u32;
     let seqs: Vec<Vec<u32>> = (0..rows)
-        .map(|r| (0..len as u32).map(|i| (i * 7 + r as u32 * 13) % vocab).collect())
+        .map(|r| {
+            (0..len as u32)
+                .map(|i| (i * 7 + r as u32 * 13) % vocab)
+                .collect()
+        })
         .collect();
     let packed: Vec<Vec<&[u32]>> = seqs.iter().map(|s| vec![s.as_slice()]).collect();
     let batch = PackedBatch::from_rows(&packed, len, 0).unwrap();

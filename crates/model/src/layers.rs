@@ -146,12 +146,21 @@ impl LayerWeights {
         let d = config.head_dim;
         let eps = config.rms_norm_eps;
         let h = rms_norm(x, &self.input_norm, eps, kernels)?;
-        let q = linear_with(&h, &self.q_proj, self.q_bias.as_ref(), kernels)?
-            .reshape((n, config.num_heads, d))?;
-        let k = linear_with(&h, &self.k_proj, self.k_bias.as_ref(), kernels)?
-            .reshape((n, config.num_kv_heads, d))?;
-        let v = linear_with(&h, &self.v_proj, self.v_bias.as_ref(), kernels)?
-            .reshape((n, config.num_kv_heads, d))?;
+        let q = linear_with(&h, &self.q_proj, self.q_bias.as_ref(), kernels)?.reshape((
+            n,
+            config.num_heads,
+            d,
+        ))?;
+        let k = linear_with(&h, &self.k_proj, self.k_bias.as_ref(), kernels)?.reshape((
+            n,
+            config.num_kv_heads,
+            d,
+        ))?;
+        let v = linear_with(&h, &self.v_proj, self.v_bias.as_ref(), kernels)?.reshape((
+            n,
+            config.num_kv_heads,
+            d,
+        ))?;
         let q = match &self.q_norm {
             Some(w) => rms_norm(&q, w, eps, kernels)?,
             None => q,

@@ -36,29 +36,46 @@ type Op<'a> = dyn Fn(&[Tensor]) -> candle_core::Result<Tensor> + 'a;
 /// to the largest magnitude) and, in f64, every input's gradient against central finite
 /// differences at a few entries.
 fn check(name: &str, inputs: &[Tensor], fused: &Op<'_>, composed: &Op<'_>, tol: f64) {
-    let vars: Vec<Var> = inputs.iter().map(|t| Var::from_tensor(t).unwrap()).collect();
+    let vars: Vec<Var> = inputs
+        .iter()
+        .map(|t| Var::from_tensor(t).unwrap())
+        .collect();
     let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
     let out_f = fused(&ts).unwrap();
     let out_c = composed(&ts).unwrap();
     assert_eq!(out_f.shape(), out_c.shape(), "{name}: shapes");
     let err = rel_err(&out_f, &out_c);
-    assert!(err < tol, "{name}: forward differs from the composition by {err:e}");
+    assert!(
+        err < tol,
+        "{name}: forward differs from the composition by {err:e}"
+    );
     let r = rand(out_f.dims(), 99, out_f.dtype());
     let loss = |out: &Tensor| (out * &r).unwrap().sum_all().unwrap();
     let g_f = loss(&out_f).backward().unwrap();
     let g_c = loss(&out_c).backward().unwrap();
     for (i, t) in ts.iter().enumerate() {
-        let a = g_f.get(t).unwrap_or_else(|| panic!("{name}: no gradient for input {i}"));
+        let a = g_f
+            .get(t)
+            .unwrap_or_else(|| panic!("{name}: no gradient for input {i}"));
         let b = g_c.get(t).unwrap();
         let err = rel_err(a, b);
-        assert!(err < tol, "{name}: input {i} gradient differs from the composition by {err:e}");
+        assert!(
+            err < tol,
+            "{name}: input {i} gradient differs from the composition by {err:e}"
+        );
     }
     if inputs[0].dtype() != DType::F64 {
         return;
     }
     let eps = 1e-6;
     for (i, t) in inputs.iter().enumerate() {
-        let analytic: Vec<f64> = g_f.get(&ts[i]).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        let analytic: Vec<f64> = g_f
+            .get(&ts[i])
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
         let n = t.elem_count();
         for probe in 0..4 {
             let idx = (probe * 7919 + i * 31 + 3) % n;
@@ -72,7 +89,10 @@ fn check(name: &str, inputs: &[Tensor], fused: &Op<'_>, composed: &Op<'_>, tol: 
             let numeric = (at(eps) - at(-eps)) / (2.0 * eps);
             let a = analytic[idx];
             let ok = (a - numeric).abs() <= 1e-6 + 1e-5 * a.abs().max(numeric.abs());
-            assert!(ok, "{name}: input {i}[{idx}] analytic {a:e} vs numeric {numeric:e}");
+            assert!(
+                ok,
+                "{name}: input {i}[{idx}] analytic {a:e} vs numeric {numeric:e}"
+            );
         }
     }
 }
@@ -112,7 +132,12 @@ fn rms_norm_matches_the_composition_and_finite_differences() {
     for dtype in [DType::F64, DType::F32] {
         // Last dims of 2, odd and vector-width sizes; a 3-d input; a flat one normalised per
         // head. (A width of 1 has a gradient that is all rounding: x / |x|.)
-        for (shape, d) in [(vec![4, 2], 2), (vec![5, 7], 7), (vec![3, 4, 16], 16), (vec![6, 24], 8)] {
+        for (shape, d) in [
+            (vec![4, 2], 2),
+            (vec![5, 7], 7),
+            (vec![3, 4, 16], 16),
+            (vec![6, 24], 8),
+        ] {
             let x = rand(&shape, 4, dtype);
             let w = (rand(&[d], 5, dtype) + 1.0).unwrap();
             let eps = 1e-6;
@@ -120,7 +145,9 @@ fn rms_norm_matches_the_composition_and_finite_differences() {
                 let rows = t[0].elem_count() / d;
                 let x = t[0].reshape((rows, d))?;
                 let inv = (x.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?.recip()?;
-                x.broadcast_mul(&inv)?.broadcast_mul(&t[1])?.reshape(t[0].shape())
+                x.broadcast_mul(&inv)?
+                    .broadcast_mul(&t[1])?
+                    .reshape(t[0].shape())
             };
             check(
                 "rms norm",
@@ -238,7 +265,12 @@ fn attention_composed(
 #[test]
 fn packed_attention_matches_the_composition_and_finite_differences() {
     // GQA and plain heads; rows shorter and longer than one query block (64).
-    let cases = [(1, 5, 1, 1, 2), (3, 9, 4, 2, 4), (2, 70, 6, 2, 8), (3, 130, 2, 2, 4)];
+    let cases = [
+        (1, 5, 1, 1, 2),
+        (3, 9, 4, 2, 4),
+        (2, 70, 6, 2, 8),
+        (3, 130, 2, 2, 4),
+    ];
     for dtype in [DType::F64, DType::F32] {
         for (k, &(b, l, h, kv, d)) in cases.iter().enumerate() {
             // The finite differences of the largest case add little at a large cost.
@@ -337,6 +369,12 @@ fn unsupported_dtypes_fall_back_to_the_composition() {
     let a = custom.token_scores(&batch(), options).unwrap().logprobs;
     let b = plain.token_scores(&batch(), options).unwrap().logprobs;
     let diff = (a - b).unwrap().abs().unwrap().max_all().unwrap();
-    assert_eq!(diff.to_dtype(DType::F32).unwrap().to_scalar::<f32>().unwrap(), 0.0);
+    assert_eq!(
+        diff.to_dtype(DType::F32)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap(),
+        0.0
+    );
     assert!(plain.set_kernels(Kernels::Fused).is_err());
 }

@@ -214,13 +214,21 @@ impl<'a, T: Real> Task<'a, T> {
 
     /// Offset of query head `hq` at slot `i` of this row in `(N, heads·d)`.
     fn q_at(&self, hq: usize, i: usize) -> usize {
-        let AttentionHeads { heads: h, head_dim: d, .. } = self.op.heads;
+        let AttentionHeads {
+            heads: h,
+            head_dim: d,
+            ..
+        } = self.op.heads;
         (self.b * self.l() + i) * h * d + hq * d
     }
 
     /// Offset of this task's kv head at slot `j` in `(N, kv_heads·d)`.
     fn kv_at(&self, j: usize) -> usize {
-        let AttentionHeads { kv_heads: kv, head_dim: d, .. } = self.op.heads;
+        let AttentionHeads {
+            kv_heads: kv,
+            head_dim: d,
+            ..
+        } = self.op.heads;
         (self.b * self.l() + j) * kv * d + self.kh * d
     }
 
@@ -229,7 +237,11 @@ impl<'a, T: Real> Task<'a, T> {
     /// with each row's log-sum-exp written to `lse_out`.
     #[inline(always)]
     fn probs(&self, hq: usize, sp: Span, lse: Option<&[T]>, lse_out: &mut [T]) -> Vec<T> {
-        let AttentionHeads { heads: h, kv_heads: kv, head_dim: d } = self.op.heads;
+        let AttentionHeads {
+            heads: h,
+            kv_heads: kv,
+            head_dim: d,
+        } = self.op.heads;
         let (rows, keys) = (sp.rows(), sp.keys());
         let zero = T::from_f64(0.0);
         let mut s = vec![zero; rows * keys];
@@ -240,8 +252,16 @@ impl<'a, T: Real> Task<'a, T> {
             keys,
             d,
             Dst::rows(&mut s, keys),
-            Mat { data: &self.q[q0..], rs: h * d, cs: 1 },
-            Mat { data: &self.k[k0..], rs: 1, cs: kv * d },
+            Mat {
+                data: &self.q[q0..],
+                rs: h * d,
+                cs: 1,
+            },
+            Mat {
+                data: &self.k[k0..],
+                rs: 1,
+                cs: kv * d,
+            },
         );
         let scale = T::from_f64(self.op.scale());
         let seg = &*self.op.segments;
@@ -260,10 +280,12 @@ impl<'a, T: Real> Task<'a, T> {
             // Slot i always sees itself: the row maximum is finite.
             let m = match lse {
                 Some(lse) => lse[r],
-                None => row.iter().fold(row[i - sp.klo], |a, &x| if x > a { x } else { a }),
+                None => row
+                    .iter()
+                    .fold(row[i - sp.klo], |a, &x| if x > a { x } else { a }),
             };
             for x in row.iter_mut() {
-                *x = *x - m;
+                *x -= m;
             }
             T::exp_slice(row);
             if lse.is_none() {
@@ -273,7 +295,7 @@ impl<'a, T: Real> Task<'a, T> {
                 }
                 let inv = T::from_f64(1.0) / sum;
                 for x in row.iter_mut() {
-                    *x = *x * inv;
+                    *x *= inv;
                 }
                 lse_out[r] = m + sum.ln();
             }
@@ -285,7 +307,11 @@ impl<'a, T: Real> Task<'a, T> {
     #[inline(always)]
     fn forward(&self) -> (Vec<T>, Vec<T>) {
         let l = self.l();
-        let AttentionHeads { kv_heads: kv, head_dim: d, .. } = self.op.heads;
+        let AttentionHeads {
+            kv_heads: kv,
+            head_dim: d,
+            ..
+        } = self.op.heads;
         let g = self.op.groups();
         let zero = T::from_f64(0.0);
         let mut out = vec![zero; g * l * d];
@@ -302,7 +328,11 @@ impl<'a, T: Real> Task<'a, T> {
                     sp.keys(),
                     Dst::rows(&mut out[(gi * l + sp.i0) * d..(gi * l + sp.i1) * d], d),
                     Mat::rows(&p, sp.keys()),
-                    Mat { data: &self.v[v0..], rs: kv * d, cs: 1 },
+                    Mat {
+                        data: &self.v[v0..],
+                        rs: kv * d,
+                        cs: 1,
+                    },
                 );
             }
         }
@@ -313,7 +343,11 @@ impl<'a, T: Real> Task<'a, T> {
     #[inline(always)]
     fn backward(&self, o: &[T], lse: &[T], dout: &[T]) -> Block<T> {
         let l = self.l();
-        let AttentionHeads { heads: h, kv_heads: kv, head_dim: d } = self.op.heads;
+        let AttentionHeads {
+            heads: h,
+            kv_heads: kv,
+            head_dim: d,
+        } = self.op.heads;
         let g = self.op.groups();
         let scale = T::from_f64(self.op.scale());
         let zero = T::from_f64(0.0);
@@ -329,7 +363,11 @@ impl<'a, T: Real> Task<'a, T> {
                 let lse_rows = &lse[(self.b * h + hq) * l + sp.i0..(self.b * h + hq) * l + sp.i1];
                 let p = self.probs(hq, sp, Some(lse_rows), &mut unused);
                 let q0 = self.q_at(hq, sp.i0);
-                let d_out = Mat { data: &dout[q0..], rs: h * d, cs: 1 };
+                let d_out = Mat {
+                    data: &dout[q0..],
+                    rs: h * d,
+                    cs: 1,
+                };
                 // dP = dO Vᵀ, then dS = s · P ⊙ (dP − rowsum(dO ⊙ O)).
                 let mut ds = vec![zero; rows * keys];
                 T::matmul(
@@ -338,9 +376,17 @@ impl<'a, T: Real> Task<'a, T> {
                     d,
                     Dst::rows(&mut ds, keys),
                     d_out,
-                    Mat { data: &self.v[k0..], rs: 1, cs: kv * d },
+                    Mat {
+                        data: &self.v[k0..],
+                        rs: 1,
+                        cs: kv * d,
+                    },
                 );
-                for (r, (dsr, pr)) in ds.chunks_exact_mut(keys).zip(p.chunks_exact(keys)).enumerate() {
+                for (r, (dsr, pr)) in ds
+                    .chunks_exact_mut(keys)
+                    .zip(p.chunks_exact(keys))
+                    .enumerate()
+                {
                     let at = self.q_at(hq, sp.i0 + r);
                     let di = dot(&dout[at..at + d], &o[at..at + d]);
                     for (x, &pj) in dsr.iter_mut().zip(pr) {
@@ -354,7 +400,11 @@ impl<'a, T: Real> Task<'a, T> {
                     keys,
                     Dst::rows(&mut dq[(gi * l + sp.i0) * d..(gi * l + sp.i1) * d], d),
                     Mat::rows(&ds, keys),
-                    Mat { data: &self.k[k0..], rs: kv * d, cs: 1 },
+                    Mat {
+                        data: &self.k[k0..],
+                        rs: kv * d,
+                        cs: 1,
+                    },
                 );
                 let kr = sp.klo * d..sp.i1 * d;
                 T::matmul(
@@ -363,9 +413,20 @@ impl<'a, T: Real> Task<'a, T> {
                     rows,
                     Dst::adding(&mut dk[kr.clone()], d),
                     Mat::transposed(&ds, keys),
-                    Mat { data: &self.q[q0..], rs: h * d, cs: 1 },
+                    Mat {
+                        data: &self.q[q0..],
+                        rs: h * d,
+                        cs: 1,
+                    },
                 );
-                T::matmul(keys, d, rows, Dst::adding(&mut dv[kr], d), Mat::transposed(&p, keys), d_out);
+                T::matmul(
+                    keys,
+                    d,
+                    rows,
+                    Dst::adding(&mut dv[kr], d),
+                    Mat::transposed(&p, keys),
+                    d_out,
+                );
             }
         }
         (dq, dk, dv)
@@ -396,7 +457,8 @@ fn wide_ok() -> bool {
     {
         static OK: OnceLock<bool> = OnceLock::new();
         *OK.get_or_init(|| {
-            std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+            std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
         })
     }
     #[cfg(not(target_arch = "x86_64"))]

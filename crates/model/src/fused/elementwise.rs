@@ -10,7 +10,7 @@ use super::{Real, cpu_slice, row_blocks, same_dtype, storage_slice, tensor};
 /// the q/k norms of `(N, heads·d)` activations normalise each head's `d` values).
 pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
     let d = weight.elem_count();
-    if d == 0 || x.elem_count() % d != 0 {
+    if d == 0 || !x.elem_count().is_multiple_of(d) {
         candle_core::bail!("rms norm: {:?} is not rows of {d}", x.shape())
     }
     x.contiguous()?

@@ -82,7 +82,14 @@ impl Linear {
         let dx = if x.track_op() {
             // dx (N, in) = g (N, out) · w (out, in)
             let mut dx = vec![zero; n * i];
-            T::matmul(n, i, o, Dst::rows(&mut dx, i), Mat::rows(g, o), Mat::rows(wv, i));
+            T::matmul(
+                n,
+                i,
+                o,
+                Dst::rows(&mut dx, i),
+                Mat::rows(g, o),
+                Mat::rows(wv, i),
+            );
             Some(tensor(dx, x.shape())?)
         } else {
             None
@@ -90,7 +97,14 @@ impl Linear {
         let dw = if w.track_op() {
             // dw (out, in) = gᵀ (out, N) · x (N, in)
             let mut dw = vec![zero; o * i];
-            T::matmul(o, i, n, Dst::rows(&mut dw, i), Mat::transposed(g, o), Mat::rows(xv, i));
+            T::matmul(
+                o,
+                i,
+                n,
+                Dst::rows(&mut dw, i),
+                Mat::transposed(g, o),
+                Mat::rows(xv, i),
+            );
             Some(tensor(dw, w.shape())?)
         } else {
             None
@@ -124,8 +138,18 @@ impl CustomOp2 for Linear {
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         Ok(match same_dtype("fused-linear", s1, s2)? {
-            DType::F32 => self.cpu(cpu_slice(s1, l1)?, cpu_slice(s2, l2)?, None, CpuStorage::F32),
-            _ => self.cpu(cpu_slice(s1, l1)?, cpu_slice(s2, l2)?, None, CpuStorage::F64),
+            DType::F32 => self.cpu(
+                cpu_slice(s1, l1)?,
+                cpu_slice(s2, l2)?,
+                None,
+                CpuStorage::F32,
+            ),
+            _ => self.cpu(
+                cpu_slice(s1, l1)?,
+                cpu_slice(s2, l2)?,
+                None,
+                CpuStorage::F64,
+            ),
         })
     }
 

@@ -39,7 +39,14 @@ pub(crate) trait Real: WithDType + std::ops::Neg<Output = Self> {
     fn ln(self) -> Self;
     fn sqrt(self) -> Self;
     /// `dst (m, n) [+]= lhs (m, k) · rhs (k, n)` (see [`gemm_checked`]).
-    fn matmul(m: usize, n: usize, k: usize, dst: Dst<'_, Self>, lhs: Mat<'_, Self>, rhs: Mat<'_, Self>);
+    fn matmul(
+        m: usize,
+        n: usize,
+        k: usize,
+        dst: Dst<'_, Self>,
+        lhs: Mat<'_, Self>,
+        rhs: Mat<'_, Self>,
+    );
 }
 
 macro_rules! real {
@@ -69,7 +76,9 @@ macro_rules! real {
     };
 }
 real!(f32, exp_f32_slice);
-real!(f64, |xs: &mut [f64]| xs.iter_mut().for_each(|x| *x = x.exp()));
+real!(f64, |xs: &mut [f64]| xs
+    .iter_mut()
+    .for_each(|x| *x = x.exp()));
 
 /// `e^x` in place: `x = n ln2 + r` with `|r| ≤ ln2/2`, `e^r` by Cephes' `expf` polynomial,
 /// `2^n` built in the exponent bits. Branch-free (selects only), so it vectorises; below
@@ -85,12 +94,11 @@ fn exp_f32_slice(xs: &mut [f32]) {
         let v = x.clamp(-87.3, 88.7);
         let n = (v * LOG2E + ROUND) - ROUND;
         let r = v - n * LN2_HI - n * LN2_LO;
-        let p = ((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r
-            + 4.166_579_6e-2)
+        let p = ((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2)
             * r
             + 1.666_666_5e-1)
             * r
-            + 5.000_000_1e-1;
+            + 0.5;
         let e = p * r * r + r + 1.0;
         let scale = f32::from_bits(((n as i32 + 127) << 23) as u32);
         *x = if *x < -87.3 { 0.0 } else { e * scale };

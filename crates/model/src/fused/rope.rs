@@ -11,7 +11,7 @@ use super::{Real, cpu_slice, row_blocks, storage_slice, tensor};
 pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor, head_dim: usize) -> Result<Tensor> {
     let (n, width) = x.dims2()?;
     let half = head_dim / 2;
-    if head_dim == 0 || head_dim % 2 != 0 || width % head_dim != 0 {
+    if head_dim == 0 || !head_dim.is_multiple_of(2) || !width.is_multiple_of(head_dim) {
         candle_core::bail!("rope: {:?} is not rows of heads of {head_dim}", x.shape())
     }
     if cos.elem_count() != n * half || sin.elem_count() != n * half {
@@ -85,8 +85,14 @@ impl CustomOp1 for Rope {
         let g = grad.contiguous()?;
         let (gs, gl) = g.storage_and_layout();
         let dx = match g.dtype() {
-            DType::F32 => tensor(self.rotate::<f32>(storage_slice(&gs, gl)?, -1.0)?, x.shape())?,
-            _ => tensor(self.rotate::<f64>(storage_slice(&gs, gl)?, -1.0)?, x.shape())?,
+            DType::F32 => tensor(
+                self.rotate::<f32>(storage_slice(&gs, gl)?, -1.0)?,
+                x.shape(),
+            )?,
+            _ => tensor(
+                self.rotate::<f64>(storage_slice(&gs, gl)?, -1.0)?,
+                x.shape(),
+            )?,
         };
         Ok(Some(dx))
     }
