@@ -177,6 +177,7 @@ impl TrainableModel {
             &targets,
             options.logits_chunk_rows,
             options.temperature,
+            self.custom(),
         )
         .ctx("token scores")?;
         let shape = (batch.batch, batch.seq_len);

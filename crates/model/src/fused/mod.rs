@@ -1,5 +1,6 @@
 //! Fused training ops with hand-written backward ([`crate::ops::Kernels::Custom`]): linear
-//! layers, RMSNorm, RoPE, SwiGLU and causal attention over packed segments, each one candle
+//! layers, RMSNorm, RoPE, SwiGLU, causal attention over packed segments and the token
+//! log-prob/entropy head, each one candle
 //! custom op instead of the five to twenty elementary ops (and their backward nodes) the
 //! composition builds.
 //!
@@ -15,6 +16,7 @@
 
 mod attention;
 mod elementwise;
+mod head;
 mod linear;
 mod rope;
 
@@ -23,6 +25,7 @@ use candle_core::{CpuStorage, DType, Device, Layout, Result, Shape, Storage, Ten
 
 pub use attention::{AttentionHeads, Segments, attention};
 pub use elementwise::{rms_norm, swiglu};
+pub(crate) use head::token_scores;
 pub use linear::linear;
 pub use rope::rope;
 
