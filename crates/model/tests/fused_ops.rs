@@ -378,3 +378,59 @@ fn unsupported_dtypes_fall_back_to_the_composition() {
     );
     assert!(plain.set_kernels(Kernels::Fused).is_err());
 }
+
+/// Preset-sized shapes on two threads, where the kernels split rows and products over the pool
+/// (the small tests above stay below those thresholds): many packed sequences per row, as the
+/// trainer packs them, give the composition's numbers and gradients.
+#[test]
+fn parallel_kernels_on_packed_rows_equal_the_composition() {
+    use sluice_model::presets::{Preset, preset_config, random_snapshot};
+    let snap = random_snapshot(
+        Arc::new(preset_config(Preset::Tiny)),
+        5,
+        DType::F32,
+        &Device::Cpu,
+    )
+    .unwrap();
+    let vocab = snap.config().vocab_size as u32;
+    let seqs: Vec<Vec<u32>> = (0..40u32)
+        .map(|s| {
+            (0..(17 + s % 13))
+                .map(|i| (i * 7 + s * 3) % vocab)
+                .collect()
+        })
+        .collect();
+    let mut rows: Vec<Vec<&[u32]>> = vec![Vec::new(); 4];
+    let mut used = [0usize; 4];
+    for (k, s) in seqs.iter().enumerate() {
+        let r = k % 4;
+        if used[r] + s.len() <= 256 {
+            used[r] += s.len();
+            rows[r].push(s);
+        }
+    }
+    let batch = PackedBatch::from_rows(&rows, 256, 0).unwrap();
+    let pool = sluice_model::ComputePool::new("fused-test", 2).unwrap();
+    pool.install(|| {
+        let fused_model = TrainableModel::from_snapshot(&snap, DType::F32).unwrap();
+        let mut plain = TrainableModel::from_snapshot(&snap, DType::F32).unwrap();
+        plain.set_kernels(Kernels::Differentiable).unwrap();
+        let options = ForwardOptions {
+            logits_chunk_rows: 300,
+            temperature: 1.0,
+        };
+        let a = fused_model.token_scores(&batch, options).unwrap();
+        let b = plain.token_scores(&batch, options).unwrap();
+        assert!(rel_err(&a.logprobs, &b.logprobs) < 1e-5);
+        assert!(rel_err(&a.entropy, &b.entropy) < 1e-5);
+        let ga = (a.logprobs.sum_all().unwrap()).backward().unwrap();
+        let gb = (b.logprobs.sum_all().unwrap()).backward().unwrap();
+        for ((name, va), (_, vb)) in fused_model.vars().iter().zip(plain.vars()) {
+            let err = rel_err(
+                ga.get(va.as_tensor()).unwrap(),
+                gb.get(vb.as_tensor()).unwrap(),
+            );
+            assert!(err < 1e-4, "{name}: {err:e}");
+        }
+    });
+}
