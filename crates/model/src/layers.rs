@@ -100,6 +100,21 @@ impl DecoderWeights {
     }
 }
 
+/// `x @ w.T + b` for `x: (N, in)`, `w: (out, in)`, as one fused node with
+/// [`Kernels::Custom`] where it applies.
+pub(crate) fn linear_with(
+    x: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    kernels: Kernels,
+) -> CandleResult<Tensor> {
+    if kernels.custom_for(x) {
+        crate::fused::linear(x, w, b)
+    } else {
+        linear(x, w, b)
+    }
+}
+
 /// `x @ w.T + b` for `x: (N, in)`, `w: (out, in)`.
 pub(crate) fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> CandleResult<Tensor> {
     let y = x.matmul(&w.t()?)?;
@@ -131,12 +146,21 @@ impl LayerWeights {
         let d = config.head_dim;
         let eps = config.rms_norm_eps;
         let h = rms_norm(x, &self.input_norm, eps, kernels)?;
-        let q =
-            linear(&h, &self.q_proj, self.q_bias.as_ref())?.reshape((n, config.num_heads, d))?;
-        let k =
-            linear(&h, &self.k_proj, self.k_bias.as_ref())?.reshape((n, config.num_kv_heads, d))?;
-        let v =
-            linear(&h, &self.v_proj, self.v_bias.as_ref())?.reshape((n, config.num_kv_heads, d))?;
+        let q = linear_with(&h, &self.q_proj, self.q_bias.as_ref(), kernels)?.reshape((
+            n,
+            config.num_heads,
+            d,
+        ))?;
+        let k = linear_with(&h, &self.k_proj, self.k_bias.as_ref(), kernels)?.reshape((
+            n,
+            config.num_kv_heads,
+            d,
+        ))?;
+        let v = linear_with(&h, &self.v_proj, self.v_bias.as_ref(), kernels)?.reshape((
+            n,
+            config.num_kv_heads,
+            d,
+        ))?;
         let q = match &self.q_norm {
             Some(w) => rms_norm(&q, w, eps, kernels)?,
             None => q,
@@ -148,11 +172,36 @@ impl LayerWeights {
         Ok(Qkv { q, k, v })
     }
 
+    /// Input norm and q/k/v projections of `x: (N, hidden)` with the fused training ops, heads
+    /// left flat: q `(N, heads·d)`, k and v `(N, kv_heads·d)` (no reshape nodes in the graph;
+    /// the q/k norms normalise each head's `d` values in place).
+    pub(crate) fn qkv_flat(&self, x: &Tensor, config: &ModelConfig) -> CandleResult<Qkv> {
+        let eps = config.rms_norm_eps;
+        let h = crate::fused::rms_norm(x, &self.input_norm, eps)?;
+        let q = crate::fused::linear(&h, &self.q_proj, self.q_bias.as_ref())?;
+        let k = crate::fused::linear(&h, &self.k_proj, self.k_bias.as_ref())?;
+        let v = crate::fused::linear(&h, &self.v_proj, self.v_bias.as_ref())?;
+        let q = match &self.q_norm {
+            Some(w) => crate::fused::rms_norm(&q, w, eps)?,
+            None => q,
+        };
+        let k = match &self.k_norm {
+            Some(w) => crate::fused::rms_norm(&k, w, eps)?,
+            None => k,
+        };
+        Ok(Qkv { q, k, v })
+    }
+
     /// Residual MLP block: `x + down(silu(gate(n)) * up(n))` with `n = post_norm(x)`.
     pub(crate) fn mlp_block(&self, x: &Tensor, eps: f64, kernels: Kernels) -> CandleResult<Tensor> {
         let h = rms_norm(x, &self.post_norm, eps, kernels)?;
-        let gate = linear(&h, &self.gate_proj, None)?.silu()?;
-        let up = linear(&h, &self.up_proj, None)?;
-        x + linear(&(gate * up)?, &self.down_proj, None)?
+        let gate = linear_with(&h, &self.gate_proj, None, kernels)?;
+        let up = linear_with(&h, &self.up_proj, None, kernels)?;
+        let act = if kernels.custom_for(&gate) {
+            crate::fused::swiglu(&gate, &up)?
+        } else {
+            (gate.silu()? * up)?
+        };
+        x + linear_with(&act, &self.down_proj, None, kernels)?
     }
 }

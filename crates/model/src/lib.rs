@@ -11,6 +11,7 @@
 //! | [`checkpoint`] | [`load_checkpoint`] / [`save_checkpoint`]: safetensors (memory-mapped, sharded with index), HF layout |
 //! | [`batch`] | [`PackedBatch`]: sequences packed in `(B, L)` rows with positions, segments, next-token targets |
 //! | [`train`] | [`TrainableModel`]: parameters as `Var`s, [`TrainableModel::token_scores`] (log-probs + entropy, chunked) |
+//! | [`fused`] | the training forward's fused CPU ops with hand-written backward (linear, RMSNorm, RoPE, SwiGLU, packed attention) |
 //! | [`cache`] | [`KvCache`] trait and [`ContiguousKvCache`] |
 //! | [`paged`] | [`PagedKvCache`]: fixed-size blocks from one pool, block tables, prefix sharing by content and weight version |
 //! | [`infer`] | [`InferenceModel`]: [`InferenceModel::step`] for prefill/decode of many sequences, weight swap |
@@ -42,7 +43,8 @@
 //! ```
 //!
 //! Candle's fused `rms_norm`, `rope` and `softmax_last_dim` have no backward rules; they are used
-//! only on the inference path ([`ops::Kernels`]).
+//! only on the inference path. The training forward uses Sluice's own fused ops ([`fused`]),
+//! which do have them, where they apply, and candle's composition elsewhere ([`ops::Kernels`]).
 
 pub mod batch;
 pub mod cache;
@@ -50,6 +52,7 @@ pub mod chat;
 pub mod checkpoint;
 pub mod config;
 pub mod error;
+pub mod fused;
 pub mod infer;
 mod layers;
 pub mod names;

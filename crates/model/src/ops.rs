@@ -1,9 +1,12 @@
-//! The three ops where training and inference part ways: RMSNorm, rotary embeddings and softmax.
+//! The ops where training and inference part ways: RMSNorm, rotary embeddings and softmax (and,
+//! for the training forward, linear layers, SwiGLU and attention: [`crate::fused`]).
 //!
 //! [`Kernels::Differentiable`] builds each from elementary candle ops that have backward rules;
 //! candle-nn's fused `rms_norm`, `rope` and `softmax_last_dim` have none and would silently cut
-//! gradients, so they are only used with [`Kernels::Fused`] (inference). Also here: the RoPE
-//! frequency table, including Llama-3 scaling.
+//! gradients, so they are only used with [`Kernels::Fused`] (inference). [`Kernels::Custom`]
+//! (training) uses Sluice's own fused ops with hand-written backward where they apply (f32/f64
+//! on the CPU) and the composition elsewhere. Also here: the RoPE frequency table, including
+//! Llama-3 scaling.
 
 use candle_core::{D, DType, Device, Result, Tensor};
 
@@ -16,6 +19,16 @@ pub enum Kernels {
     Differentiable,
     /// candle-nn's fused kernels: faster, no gradients (inference).
     Fused,
+    /// Sluice's fused ops with hand-written backward ([`crate::fused`]) for f32/f64 tensors on
+    /// the CPU, [`Kernels::Differentiable`] for anything else (bf16, CUDA): the training default.
+    Custom,
+}
+
+impl Kernels {
+    /// Whether the fused training kernels serve tensors like `t` under this choice.
+    pub fn custom_for(self, t: &Tensor) -> bool {
+        self == Kernels::Custom && crate::fused::supported(t)
+    }
 }
 
 /// The dtype norms and rotary tables are computed in: f64 stays f64, the rest goes to f32.
@@ -31,7 +44,8 @@ pub(crate) fn compute_dtype(dtype: DType) -> DType {
 pub(crate) fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64, kernels: Kernels) -> Result<Tensor> {
     match kernels {
         Kernels::Fused => candle_nn::ops::rms_norm(&x.contiguous()?, weight, eps as f32),
-        Kernels::Differentiable => {
+        Kernels::Custom if crate::fused::supported(x) => crate::fused::rms_norm(x, weight, eps),
+        Kernels::Differentiable | Kernels::Custom => {
             let dtype = x.dtype();
             let xf = x.to_dtype(compute_dtype(dtype))?;
             let inv_rms = (xf.sqr()?.mean_keepdim(D::Minus1)? + eps)?
@@ -49,7 +63,7 @@ pub(crate) fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64, kernels: Kernels) 
 pub(crate) fn softmax_last_dim(x: &Tensor, kernels: Kernels) -> Result<Tensor> {
     match kernels {
         Kernels::Fused => candle_nn::ops::softmax_last_dim(&x.contiguous()?),
-        Kernels::Differentiable => {
+        Kernels::Differentiable | Kernels::Custom => {
             let max = x.max_keepdim(D::Minus1)?.detach();
             let e = x.broadcast_sub(&max)?.exp()?;
             e.broadcast_div(&e.sum_keepdim(D::Minus1)?)
@@ -67,7 +81,8 @@ pub(crate) fn apply_rope(
 ) -> Result<Tensor> {
     match kernels {
         Kernels::Fused => candle_nn::rotary_emb::rope(&x.contiguous()?, cos, sin),
-        Kernels::Differentiable => {
+        // The fused training RoPE works on `(N, heads·d)` rows instead ([`crate::fused::rope`]).
+        Kernels::Differentiable | Kernels::Custom => {
             let half = x.dim(D::Minus1)? / 2;
             let x1 = x.narrow(D::Minus1, 0, half)?;
             let x2 = x.narrow(D::Minus1, half, half)?;

@@ -18,16 +18,22 @@ use candle_core::{CpuStorage, CustomOp2, D, Layout, Shape, Tensor};
 use crate::ops::compute_dtype;
 
 /// Output column 0 is `log p(target)`, column 1 the entropy, both in the compute dtype
-/// (f32, or f64 for f64 models).
+/// (f32, or f64 for f64 models). With `fused`, f32/f64 CPU tensors take the one-pass kernel
+/// of [`crate::fused`] instead of the composition below.
 pub(crate) fn token_scores(
     hidden: &Tensor,
     head: &Tensor,
     targets: &Tensor,
     chunk_rows: usize,
     temperature: f64,
+    fused: bool,
 ) -> candle_core::Result<Tensor> {
     let chunk_rows = chunk_rows.max(1);
     let inv_temperature = 1.0 / temperature;
+    if fused && crate::fused::supported(hidden) && head.dtype() == hidden.dtype() {
+        let targets: Vec<u32> = targets.to_vec1()?;
+        return crate::fused::token_scores(hidden, head, &targets, chunk_rows, inv_temperature);
+    }
     let values = forward_values(
         &hidden.detach(),
         &head.detach(),

@@ -9,6 +9,7 @@ use sluice_core::PolicyVersion;
 use crate::batch::PackedBatch;
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result, TensorContext};
+use crate::fused::{AttentionHeads, Segments};
 use crate::layers::{DecoderWeights, linear};
 use crate::ops::{Kernels, Rope, apply_rope, compute_dtype, softmax_last_dim};
 use crate::scores::token_scores;
@@ -52,6 +53,7 @@ pub struct TrainableModel {
     vars: Vec<(String, Var)>,
     weights: DecoderWeights,
     rope: Rope,
+    kernels: Kernels,
 }
 
 impl TrainableModel {
@@ -85,7 +87,31 @@ impl TrainableModel {
             vars,
             weights,
             rope,
+            kernels: Kernels::Custom,
         })
+    }
+
+    /// Chooses the training forward's kernels: [`Kernels::Custom`] (the default: fused ops with
+    /// hand-written backward where they apply) or [`Kernels::Differentiable`] (candle's
+    /// composition, the reference). [`Kernels::Fused`] has no backward and is refused.
+    pub fn set_kernels(&mut self, kernels: Kernels) -> Result<()> {
+        if kernels == Kernels::Fused {
+            return Err(ModelError::input(
+                "Kernels::Fused has no backward; a trainable model takes Custom or Differentiable",
+            ));
+        }
+        self.kernels = kernels;
+        Ok(())
+    }
+
+    /// The training forward's kernels ([`TrainableModel::set_kernels`]).
+    pub fn kernels(&self) -> Kernels {
+        self.kernels
+    }
+
+    /// Whether this model's forward runs the fused kernels (its dtype and device allow them).
+    fn custom(&self) -> bool {
+        self.kernels.custom_for(&self.weights.embed)
     }
 
     /// The architecture.
@@ -151,6 +177,7 @@ impl TrainableModel {
             &targets,
             options.logits_chunk_rows,
             options.temperature,
+            self.custom(),
         )
         .ctx("token scores")?;
         let shape = (batch.batch, batch.seq_len);
@@ -195,10 +222,18 @@ impl TrainableModel {
             .rope
             .cos_sin(&batch.position_ids, (b, l), dtype, &device)
             .ctx("rotary tables")?;
-        // (B, 1, 1, L, L): broadcast over kv heads and the query heads of each group.
-        let mask = Tensor::from_vec(batch.attention_mask(), (b, 1, 1, l, l), &device)
-            .and_then(|m| m.to_dtype(dtype))
-            .ctx("attention mask")?;
+        // Built once per batch for every layer: the segments for the fused attention, or the
+        // (B, 1, 1, L, L) additive mask (broadcast over kv heads and the query heads of each
+        // group) for the composition.
+        let mask = if self.custom() {
+            let segments = Segments::new(b, l, &batch.segment_ids).ctx("segments")?;
+            Mask::Segments(Arc::new(segments))
+        } else {
+            let mask = Tensor::from_vec(batch.attention_mask(), (b, 1, 1, l, l), &device)
+                .and_then(|m| m.to_dtype(dtype))
+                .ctx("attention mask")?;
+            Mask::Dense(mask)
+        };
         Ok(LayerInputs {
             ids,
             cos,
@@ -217,12 +252,51 @@ impl TrainableModel {
 
     pub(crate) fn final_norm(&self, x: &Tensor) -> Result<Tensor> {
         let eps = self.config.rms_norm_eps;
-        crate::ops::rms_norm(x, &self.weights.final_norm, eps, Kernels::Differentiable)
-            .ctx("final norm")
+        crate::ops::rms_norm(x, &self.weights.final_norm, eps, self.kernels).ctx("final norm")
     }
 
     /// Decoder layer `i` on the flat residual stream `x` `(B·L, hidden)`.
     pub(crate) fn layer(&self, i: usize, x: &Tensor, inputs: &LayerInputs) -> Result<Tensor> {
+        match &inputs.mask {
+            Mask::Segments(segments) => self.layer_fused(i, x, inputs, segments),
+            Mask::Dense(mask) => self.layer_composed(i, x, inputs, mask),
+        }
+    }
+
+    /// [`TrainableModel::layer`] with the fused ops: every activation stays `(B·L, features)`.
+    fn layer_fused(
+        &self,
+        i: usize,
+        x: &Tensor,
+        inputs: &LayerInputs,
+        segments: &Arc<Segments>,
+    ) -> Result<Tensor> {
+        let c = &self.config;
+        let layer = &self.weights.layers[i];
+        let step = || -> candle_core::Result<Tensor> {
+            let qkv = layer.qkv_flat(x, c)?;
+            let q = crate::fused::rope(&qkv.q, &inputs.cos, &inputs.sin, c.head_dim)?;
+            let k = crate::fused::rope(&qkv.k, &inputs.cos, &inputs.sin, c.head_dim)?;
+            let heads = AttentionHeads {
+                heads: c.num_heads,
+                kv_heads: c.num_kv_heads,
+                head_dim: c.head_dim,
+            };
+            let att = crate::fused::attention(&q, &k, &qkv.v, segments, heads)?;
+            let x = (x + crate::fused::linear(&att, &layer.o_proj, None)?)?;
+            layer.mlp_block(&x, c.rms_norm_eps, Kernels::Custom)
+        };
+        step().ctx(&format!("training forward, layer {i}"))
+    }
+
+    /// [`TrainableModel::layer`] composed of candle's elementary ops.
+    fn layer_composed(
+        &self,
+        i: usize,
+        x: &Tensor,
+        inputs: &LayerInputs,
+        mask: &Tensor,
+    ) -> Result<Tensor> {
         let c = &self.config;
         let layer = &self.weights.layers[i];
         let (b, l) = inputs.shape;
@@ -244,7 +318,7 @@ impl TrainableModel {
             let scores = (q.matmul(&k.contiguous()?.t()?)? * scale)?;
             let scores = scores
                 .reshape((b, c.num_kv_heads, g, l, l))?
-                .broadcast_add(&inputs.mask)?
+                .broadcast_add(mask)?
                 .reshape((b, c.num_kv_heads, g * l, l))?;
             let att = softmax_last_dim(&scores, kernels)?.matmul(&v)?;
             // (B, kv, g·L, d) = (B, heads, L, d) → (B·L, heads·d)
@@ -272,10 +346,20 @@ pub(crate) fn check_temperature(t: f64) -> Result<()> {
 #[derive(Debug)]
 pub(crate) struct LayerInputs {
     ids: Tensor,
+    /// `(B, L, head_dim/2)`.
     cos: Tensor,
     sin: Tensor,
-    mask: Tensor,
+    mask: Mask,
     shape: (usize, usize),
+}
+
+/// Which slots see which, in the form the forward's attention takes.
+#[derive(Debug)]
+enum Mask {
+    /// For the fused attention.
+    Segments(Arc<Segments>),
+    /// The additive `(B, 1, 1, L, L)` mask of the composition.
+    Dense(Tensor),
 }
 
 /// Sums `t` over everything (a scalar loss helper for tests and simple callers).

@@ -1,0 +1,289 @@
+//! RMSNorm and SwiGLU: one pass over the rows forward, one backward, nothing stashed (the
+//! backward recomputes the row statistics and the sigmoid from the op's inputs).
+
+use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
+
+use super::{Real, cpu_slice, row_blocks, same_dtype, storage_slice, tensor};
+
+/// RMSNorm over rows of `weight.len()` elements: `w ⊙ x / sqrt(mean(x²) + eps)`. `x` may have
+/// any shape whose last dimension is that length (or whose element count is a multiple of it:
+/// the q/k norms of `(N, heads·d)` activations normalise each head's `d` values).
+pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+    let d = weight.elem_count();
+    if d == 0 || !x.elem_count().is_multiple_of(d) {
+        candle_core::bail!("rms norm: {:?} is not rows of {d}", x.shape())
+    }
+    x.contiguous()?
+        .apply_op2(&weight.contiguous()?, RmsNorm { eps })
+}
+
+/// `silu(gate) ⊙ up` for two tensors of one shape.
+pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    if gate.shape() != up.shape() {
+        candle_core::bail!("swiglu: gate {:?} vs up {:?}", gate.shape(), up.shape())
+    }
+    gate.contiguous()?.apply_op2(&up.contiguous()?, SwiGlu)
+}
+
+struct RmsNorm {
+    eps: f64,
+}
+
+fn rms_inv<T: Real>(row: &[T], eps: T) -> T {
+    let mut sum = T::from_f64(0.0);
+    for &v in row {
+        sum += v * v;
+    }
+    let mean = sum / T::from_f64(row.len() as f64);
+    T::from_f64(1.0) / (mean + eps).sqrt()
+}
+
+fn rms_fwd<T: Real>(x: &[T], w: &[T], eps: f64) -> Vec<T> {
+    let d = w.len();
+    let eps = T::from_f64(eps);
+    let mut out = vec![T::from_f64(0.0); x.len()];
+    row_blocks(&mut out, d, |first, block| {
+        for (r, y) in block.chunks_exact_mut(d).enumerate() {
+            let xr = &x[(first + r) * d..(first + r + 1) * d];
+            let inv = rms_inv(xr, eps);
+            for ((y, &xv), &wv) in y.iter_mut().zip(xr).zip(w) {
+                *y = xv * inv * wv;
+            }
+        }
+    });
+    out
+}
+
+/// `(dx, dw)`: with `x̂ = x·r`, `dx = r (w⊙g − x̂ · Σ(w⊙g⊙x̂) / d)` and `dw = Σ_rows g⊙x̂`.
+fn rms_bwd<T: Real>(x: &[T], w: &[T], g: &[T], eps: f64, want_dx: bool) -> (Vec<T>, Vec<T>) {
+    let d = w.len();
+    let eps = T::from_f64(eps);
+    let zero = T::from_f64(0.0);
+    let mut dx = vec![zero; if want_dx { x.len() } else { 0 }];
+    let rows = x.len() / d;
+    let row = |r: usize, dx: Option<&mut [T]>, dw: &mut [T]| {
+        let xr = &x[r * d..(r + 1) * d];
+        let gr = &g[r * d..(r + 1) * d];
+        let inv = rms_inv(xr, eps);
+        let mut dot = zero;
+        for ((&xv, &gv), (&wv, dw)) in xr.iter().zip(gr).zip(w.iter().zip(dw.iter_mut())) {
+            let xh = xv * inv;
+            dot += wv * gv * xh;
+            *dw += gv * xh;
+        }
+        if let Some(dx) = dx {
+            let c = dot / T::from_f64(d as f64);
+            for (((dx, &xv), &gv), &wv) in dx.iter_mut().zip(xr).zip(gr).zip(w) {
+                *dx = inv * (wv * gv - xv * inv * c);
+            }
+        }
+    };
+    let partials = if want_dx {
+        row_blocks(&mut dx, d, |first, block| {
+            let mut dw = vec![zero; d];
+            for (i, dxr) in block.chunks_exact_mut(d).enumerate() {
+                row(first + i, Some(dxr), &mut dw);
+            }
+            dw
+        })
+    } else {
+        let mut dw = vec![zero; d];
+        for r in 0..rows {
+            row(r, None, &mut dw);
+        }
+        vec![dw]
+    };
+    let mut parts = partials.into_iter();
+    let mut dw = parts.next().unwrap_or_else(|| vec![zero; d]);
+    for p in parts {
+        for (a, b) in dw.iter_mut().zip(p) {
+            *a += b;
+        }
+    }
+    (dx, dw)
+}
+
+impl CustomOp2 for RmsNorm {
+    fn name(&self) -> &'static str {
+        "fused-rms-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let shape = l1.shape().clone();
+        Ok(match same_dtype(self.name(), s1, s2)? {
+            candle_core::DType::F32 => (
+                CpuStorage::F32(rms_fwd(cpu_slice(s1, l1)?, cpu_slice(s2, l2)?, self.eps)),
+                shape,
+            ),
+            _ => (
+                CpuStorage::F64(rms_fwd(cpu_slice(s1, l1)?, cpu_slice(s2, l2)?, self.eps)),
+                shape,
+            ),
+        })
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        fn run<T: Real>(
+            x: &Tensor,
+            w: &Tensor,
+            g: &Tensor,
+            eps: f64,
+        ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+            let want_dx = x.track_op();
+            let (dx, dw) = {
+                let (xs, xl) = x.storage_and_layout();
+                let (ws, wl) = w.storage_and_layout();
+                let (gs, gl) = g.storage_and_layout();
+                rms_bwd::<T>(
+                    storage_slice(&xs, xl)?,
+                    storage_slice(&ws, wl)?,
+                    storage_slice(&gs, gl)?,
+                    eps,
+                    want_dx,
+                )
+            };
+            let dx = if want_dx {
+                Some(tensor(dx, x.shape())?)
+            } else {
+                None
+            };
+            let dw = if w.track_op() {
+                Some(tensor(dw, w.shape())?)
+            } else {
+                None
+            };
+            Ok((dx, dw))
+        }
+        let g = grad.contiguous()?;
+        match x.dtype() {
+            candle_core::DType::F32 => run::<f32>(x, w, &g, self.eps),
+            _ => run::<f64>(x, w, &g, self.eps),
+        }
+    }
+}
+
+struct SwiGlu;
+
+/// `e^−x` of each element of `src` into `dst`.
+fn exp_neg<T: Real>(dst: &mut [T], src: &[T]) {
+    for (d, &x) in dst.iter_mut().zip(src) {
+        *d = -x;
+    }
+    T::exp_slice(dst);
+}
+
+fn swiglu_fwd<T: Real>(gate: &[T], up: &[T]) -> Vec<T> {
+    let one = T::from_f64(1.0);
+    let mut out = vec![T::from_f64(0.0); gate.len()];
+    row_blocks(&mut out, 1, |first, block| {
+        let n = block.len();
+        let (gate, up) = (&gate[first..first + n], &up[first..first + n]);
+        exp_neg(block, gate);
+        for ((o, &g), &u) in block.iter_mut().zip(gate).zip(up) {
+            // The composition's silu: g / (1 + e^−g).
+            *o = g / (one + *o) * u;
+        }
+    });
+    out
+}
+
+/// `d gate = g ⊙ up ⊙ σ(gate)(1 + gate(1 − σ(gate)))`, `d up = g ⊙ silu(gate)`.
+fn swiglu_bwd<T: Real>(gate: &[T], up: &[T], g: &[T]) -> (Vec<T>, Vec<T>) {
+    let zero = T::from_f64(0.0);
+    let one = T::from_f64(1.0);
+    let mut dgate = vec![zero; gate.len()];
+    let mut dup = vec![zero; gate.len()];
+    // σ(gate) into dgate first, then both gradients from it.
+    row_blocks(&mut dgate, 1, |first, block| {
+        let n = block.len();
+        exp_neg(block, &gate[first..first + n]);
+        for s in block.iter_mut() {
+            *s = one / (one + *s);
+        }
+    });
+    row_blocks(&mut dup, 1, |first, block| {
+        for (i, du) in block.iter_mut().enumerate() {
+            let (x, gv) = (gate[first + i], g[first + i]);
+            *du = gv * x * dgate[first + i];
+        }
+    });
+    row_blocks(&mut dgate, 1, |first, block| {
+        for (i, dg) in block.iter_mut().enumerate() {
+            let (x, u, gv, s) = (gate[first + i], up[first + i], g[first + i], *dg);
+            *dg = gv * u * s * (one + x * (one - s));
+        }
+    });
+    (dgate, dup)
+}
+
+impl CustomOp2 for SwiGlu {
+    fn name(&self) -> &'static str {
+        "fused-swiglu"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let shape = l1.shape().clone();
+        Ok(match same_dtype(self.name(), s1, s2)? {
+            candle_core::DType::F32 => (
+                CpuStorage::F32(swiglu_fwd(cpu_slice(s1, l1)?, cpu_slice(s2, l2)?)),
+                shape,
+            ),
+            _ => (
+                CpuStorage::F64(swiglu_fwd(cpu_slice(s1, l1)?, cpu_slice(s2, l2)?)),
+                shape,
+            ),
+        })
+    }
+
+    fn bwd(
+        &self,
+        gate: &Tensor,
+        up: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        fn run<T: Real>(
+            gate: &Tensor,
+            up: &Tensor,
+            g: &Tensor,
+        ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+            let (dgate, dup) = {
+                let (a, al) = gate.storage_and_layout();
+                let (b, bl) = up.storage_and_layout();
+                let (c, cl) = g.storage_and_layout();
+                swiglu_bwd::<T>(
+                    storage_slice(&a, al)?,
+                    storage_slice(&b, bl)?,
+                    storage_slice(&c, cl)?,
+                )
+            };
+            Ok((
+                Some(tensor(dgate, gate.shape())?),
+                Some(tensor(dup, up.shape())?),
+            ))
+        }
+        let g = grad.contiguous()?;
+        match gate.dtype() {
+            candle_core::DType::F32 => run::<f32>(gate, up, &g),
+            _ => run::<f64>(gate, up, &g),
+        }
+    }
+}

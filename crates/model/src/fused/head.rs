@@ -1,0 +1,218 @@
+//! The log-prob/entropy head ([`crate::scores`]) as one pass per chunk of rows: the chunk's
+//! `(c, vocab)` logits are one gemm into one buffer, and every row's max, log-sum-exp, target
+//! log-prob and entropy are read off it in place, where the composition makes about ten
+//! `(c, vocab)` tensors per chunk. The backward recomputes the chunk's logits, turns them into
+//! the logit gradient in the same buffer, and forms `dh = G W` and `dW += Gᵀ h` by gemm.
+
+use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
+
+use super::{Dst, Mat, Real, cpu_slice, same_dtype, storage_slice, tensor};
+
+/// `(N, 2)`: `log softmax(z/T)[target]` and the entropy, for `hidden (N, H)`, `head (V, H)`.
+pub(crate) fn token_scores(
+    hidden: &Tensor,
+    head: &Tensor,
+    targets: &[u32],
+    chunk_rows: usize,
+    inv_temperature: f64,
+) -> Result<Tensor> {
+    let (n, _) = hidden.dims2()?;
+    let (vocab, _) = head.dims2()?;
+    if targets.len() != n || targets.iter().any(|&t| t as usize >= vocab) {
+        candle_core::bail!(
+            "token scores: {} targets for {n} rows of {vocab}",
+            targets.len()
+        )
+    }
+    let op = Head {
+        targets: targets.to_vec(),
+        chunk_rows: chunk_rows.max(1),
+        inv_temperature,
+    };
+    hidden.contiguous()?.apply_op2(&head.contiguous()?, op)
+}
+
+struct Head {
+    targets: Vec<u32>,
+    chunk_rows: usize,
+    inv_temperature: f64,
+}
+
+/// Scales a row of logits by `inv_t` and shifts it by its max, in place; `e` gets `exp` of the
+/// shifted row. Returns `(log Σ e, 1 / Σ e)`: the log-sum-exp of the shifted row and the
+/// normaliser of `p = e / Σ e`.
+fn row_stats<T: Real>(z: &mut [T], e: &mut [T], inv_t: T) -> (T, T) {
+    let mut m = z[0] * inv_t;
+    for x in z.iter_mut() {
+        *x *= inv_t;
+        if *x > m {
+            m = *x;
+        }
+    }
+    for (x, ev) in z.iter_mut().zip(e.iter_mut()) {
+        *x -= m;
+        *ev = *x;
+    }
+    T::exp_slice(e);
+    let mut sum = T::from_f64(0.0);
+    for &v in e.iter() {
+        sum += v;
+    }
+    (sum.ln(), T::from_f64(1.0) / sum)
+}
+
+impl Head {
+    /// The logits of rows `start..start + c`, `(c, V)`, unscaled.
+    fn logits<T: Real>(
+        &self,
+        h: &[T],
+        w: &[T],
+        (start, c): (usize, usize),
+        dims: (usize, usize),
+    ) -> Vec<T> {
+        let (hd, vocab) = dims;
+        let mut z = vec![T::from_f64(0.0); c * vocab];
+        T::matmul(
+            c,
+            vocab,
+            hd,
+            Dst::rows(&mut z, vocab),
+            Mat::rows(&h[start * hd..(start + c) * hd], hd),
+            Mat::transposed(w, hd),
+        );
+        z
+    }
+
+    fn fwd<T: Real>(&self, h: &[T], w: &[T]) -> Vec<T> {
+        let n = self.targets.len();
+        let hd = h.len() / n.max(1);
+        let vocab = w.len() / hd.max(1);
+        let inv_t = T::from_f64(self.inv_temperature);
+        let mut out = vec![T::from_f64(0.0); n * 2];
+        let mut e = vec![T::from_f64(0.0); vocab];
+        for start in (0..n).step_by(self.chunk_rows) {
+            let c = self.chunk_rows.min(n - start);
+            let mut z = self.logits(h, w, (start, c), (hd, vocab));
+            for (r, row) in z.chunks_exact_mut(vocab).enumerate() {
+                let (lse, inv_sum) = row_stats(row, &mut e, inv_t);
+                let mut pz = T::from_f64(0.0);
+                for (&ev, &zv) in e.iter().zip(row.iter()) {
+                    pz += ev * zv;
+                }
+                let t = self.targets[start + r] as usize;
+                out[(start + r) * 2] = row[t] - lse;
+                out[(start + r) * 2 + 1] = lse - pz * inv_sum;
+            }
+        }
+        out
+    }
+
+    fn bwd<T: Real>(&self, h: &[T], w: &[T], grad: &[T]) -> (Vec<T>, Vec<T>) {
+        let n = self.targets.len();
+        let hd = h.len() / n.max(1);
+        let vocab = w.len() / hd.max(1);
+        let zero = T::from_f64(0.0);
+        let inv_t = T::from_f64(self.inv_temperature);
+        let mut dh = vec![zero; n * hd];
+        let mut dw = vec![zero; vocab * hd];
+        let mut e = vec![zero; vocab];
+        for start in (0..n).step_by(self.chunk_rows) {
+            let c = self.chunk_rows.min(n - start);
+            let mut z = self.logits(h, w, (start, c), (hd, vocab));
+            for (r, row) in z.chunks_exact_mut(vocab).enumerate() {
+                let (lse, inv_sum) = row_stats(row, &mut e, inv_t);
+                let mut pz = zero;
+                for (&ev, &zv) in e.iter().zip(row.iter()) {
+                    pz += ev * zv;
+                }
+                let entropy = lse - pz * inv_sum;
+                let (g_logp, g_ent) = (grad[(start + r) * 2], grad[(start + r) * 2 + 1]);
+                // G = −p ⊙ (g_logp + g_H (log p + H)), + g_logp at the target; then the 1/T.
+                for (x, &ev) in row.iter_mut().zip(e.iter()) {
+                    let p = ev * inv_sum;
+                    let logp = *x - lse;
+                    *x = -p * (g_logp + g_ent * (logp + entropy)) * inv_t;
+                }
+                row[self.targets[start + r] as usize] += g_logp * inv_t;
+            }
+            T::matmul(
+                c,
+                hd,
+                vocab,
+                Dst::rows(&mut dh[start * hd..(start + c) * hd], hd),
+                Mat::rows(&z, vocab),
+                Mat::rows(w, hd),
+            );
+            T::matmul(
+                vocab,
+                hd,
+                c,
+                Dst::adding(&mut dw, hd),
+                Mat::transposed(&z, vocab),
+                Mat::rows(&h[start * hd..(start + c) * hd], hd),
+            );
+        }
+        (dh, dw)
+    }
+}
+
+impl CustomOp2 for Head {
+    fn name(&self) -> &'static str {
+        "fused-token-scores"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let shape = Shape::from((self.targets.len(), 2));
+        Ok(match same_dtype("fused-token-scores", s1, s2)? {
+            DType::F32 => (
+                CpuStorage::F32(self.fwd(cpu_slice(s1, l1)?, cpu_slice(s2, l2)?)),
+                shape,
+            ),
+            _ => (
+                CpuStorage::F64(self.fwd(cpu_slice(s1, l1)?, cpu_slice(s2, l2)?)),
+                shape,
+            ),
+        })
+    }
+
+    fn bwd(
+        &self,
+        hidden: &Tensor,
+        head: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        fn run<T: Real>(
+            op: &Head,
+            hidden: &Tensor,
+            head: &Tensor,
+            grad: &Tensor,
+        ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+            let g = grad.contiguous()?;
+            let (dh, dw) = {
+                let (hs, hl) = hidden.storage_and_layout();
+                let (ws, wl) = head.storage_and_layout();
+                let (gs, gl) = g.storage_and_layout();
+                op.bwd::<T>(
+                    storage_slice(&hs, hl)?,
+                    storage_slice(&ws, wl)?,
+                    storage_slice(&gs, gl)?,
+                )
+            };
+            Ok((
+                Some(tensor(dh, hidden.shape())?),
+                Some(tensor(dw, head.shape())?),
+            ))
+        }
+        match hidden.dtype() {
+            DType::F32 => run::<f32>(self, hidden, head, grad),
+            _ => run::<f64>(self, hidden, head, grad),
+        }
+    }
+}

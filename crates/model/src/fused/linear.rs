@@ -1,0 +1,215 @@
+//! `x Wᵀ (+ b)` as one node. candle's own `x.matmul(&w.t())` is a matmul node over a transpose
+//! node: its backward forms `dWᵀ`, then zero-fills and adds it, then transposes, zero-fills and
+//! adds again through a strided copy, per weight per micro-batch. Here `dW = gᵀ x` is formed in
+//! the weight's own `(out, in)` layout by one gemm.
+
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
+
+use super::{Dst, Mat, Real, cpu_slice, same_dtype, storage_slice, tensor};
+
+/// `x (N, in) · w (out, in)ᵀ + b (out)` → `(N, out)`.
+pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+    let (n, i) = x.dims2()?;
+    let (o, wi) = w.dims2()?;
+    if i != wi {
+        candle_core::bail!("linear: x {:?} vs weight {:?}", x.shape(), w.shape())
+    }
+    let op = Linear { n, i, o };
+    let (x, w) = (x.contiguous()?, w.contiguous()?);
+    match b {
+        None => x.apply_op2(&w, op),
+        Some(b) => {
+            if b.elem_count() != o {
+                candle_core::bail!("linear: bias {:?} for {o} outputs", b.shape())
+            }
+            x.apply_op3(&w, &b.contiguous()?, op)
+        }
+    }
+}
+
+#[derive(Clone, Copy)]
+struct Linear {
+    n: usize,
+    i: usize,
+    o: usize,
+}
+
+impl Linear {
+    fn fwd<T: Real>(&self, x: &[T], w: &[T], b: Option<&[T]>) -> Vec<T> {
+        let Self { n, i, o } = *self;
+        let mut y = vec![T::from_f64(0.0); n * o];
+        if let Some(b) = b {
+            for row in y.chunks_exact_mut(o) {
+                row.copy_from_slice(b);
+            }
+        }
+        let dst = Dst {
+            data: &mut y,
+            rs: o,
+            accumulate: b.is_some(),
+        };
+        T::matmul(n, o, i, dst, Mat::rows(x, i), Mat::transposed(w, i));
+        y
+    }
+
+    fn cpu<T: Real>(
+        &self,
+        x: &[T],
+        w: &[T],
+        b: Option<&[T]>,
+        wrap: fn(Vec<T>) -> CpuStorage,
+    ) -> (CpuStorage, Shape) {
+        (wrap(self.fwd(x, w, b)), Shape::from((self.n, self.o)))
+    }
+
+    /// `(dx, dw, db)`, each only when its input takes part in the graph.
+    fn bwd<T: Real>(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        b: Option<&Tensor>,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let Self { n, i, o } = *self;
+        let g = grad.contiguous()?;
+        let (gs, gl) = g.storage_and_layout();
+        let g = storage_slice::<T>(&gs, gl)?;
+        let (xs, xl) = x.storage_and_layout();
+        let xv = storage_slice::<T>(&xs, xl)?;
+        let (ws, wl) = w.storage_and_layout();
+        let wv = storage_slice::<T>(&ws, wl)?;
+        let zero = T::from_f64(0.0);
+        let dx = if x.track_op() {
+            // dx (N, in) = g (N, out) · w (out, in)
+            let mut dx = vec![zero; n * i];
+            T::matmul(
+                n,
+                i,
+                o,
+                Dst::rows(&mut dx, i),
+                Mat::rows(g, o),
+                Mat::rows(wv, i),
+            );
+            Some(tensor(dx, x.shape())?)
+        } else {
+            None
+        };
+        let dw = if w.track_op() {
+            // dw (out, in) = gᵀ (out, N) · x (N, in)
+            let mut dw = vec![zero; o * i];
+            T::matmul(
+                o,
+                i,
+                n,
+                Dst::rows(&mut dw, i),
+                Mat::transposed(g, o),
+                Mat::rows(xv, i),
+            );
+            Some(tensor(dw, w.shape())?)
+        } else {
+            None
+        };
+        let db = match b {
+            Some(b) if b.track_op() => {
+                let mut db = vec![zero; o];
+                for row in g.chunks_exact(o) {
+                    for (d, &v) in db.iter_mut().zip(row) {
+                        *d += v;
+                    }
+                }
+                Some(tensor(db, b.shape())?)
+            }
+            _ => None,
+        };
+        Ok((dx, dw, db))
+    }
+}
+
+impl CustomOp2 for Linear {
+    fn name(&self) -> &'static str {
+        "fused-linear"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        Ok(match same_dtype("fused-linear", s1, s2)? {
+            DType::F32 => self.cpu(
+                cpu_slice(s1, l1)?,
+                cpu_slice(s2, l2)?,
+                None,
+                CpuStorage::F32,
+            ),
+            _ => self.cpu(
+                cpu_slice(s1, l1)?,
+                cpu_slice(s2, l2)?,
+                None,
+                CpuStorage::F64,
+            ),
+        })
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let (dx, dw, _) = match x.dtype() {
+            DType::F32 => self.bwd::<f32>(x, w, None, grad)?,
+            _ => self.bwd::<f64>(x, w, None, grad)?,
+        };
+        Ok((dx, dw))
+    }
+}
+
+impl CustomOp3 for Linear {
+    fn name(&self) -> &'static str {
+        "fused-linear-bias"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        same_dtype("fused-linear-bias", s2, s3)?;
+        Ok(match same_dtype("fused-linear-bias", s1, s2)? {
+            DType::F32 => self.cpu(
+                cpu_slice(s1, l1)?,
+                cpu_slice(s2, l2)?,
+                Some(cpu_slice(s3, l3)?),
+                CpuStorage::F32,
+            ),
+            _ => self.cpu(
+                cpu_slice(s1, l1)?,
+                cpu_slice(s2, l2)?,
+                Some(cpu_slice(s3, l3)?),
+                CpuStorage::F64,
+            ),
+        })
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        b: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        match x.dtype() {
+            DType::F32 => self.bwd::<f32>(x, w, Some(b), grad),
+            _ => self.bwd::<f64>(x, w, Some(b), grad),
+        }
+    }
+}

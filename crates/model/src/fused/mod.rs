@@ -1,0 +1,293 @@
+//! Fused training ops with hand-written backward ([`crate::ops::Kernels::Custom`]): linear
+//! layers, RMSNorm, RoPE, SwiGLU, causal attention over packed segments and the token
+//! log-prob/entropy head, each one candle
+//! custom op instead of the five to twenty elementary ops (and their backward nodes) the
+//! composition builds.
+//!
+//! Why they pay: candle's backward allocates a zeroed gradient and adds into it for every node
+//! of the graph, and the composition's transposes, broadcasts and `cat` each cost a full copy
+//! forward and backward. One node per op, contiguous `(N, features)` layouts everywhere (no
+//! head transposes) and the attention mask taken from segment ids instead of an `(L, L)` tensor
+//! cut most of that.
+//!
+//! The kernels handle f32 and f64 on the CPU ([`supported`]); every other dtype or device (bf16,
+//! CUDA) keeps the composition. Every backward is checked against central finite differences in
+//! f64 and against the composition (`crates/model/tests/fused_ops.rs`).
+
+mod attention;
+mod elementwise;
+mod head;
+mod linear;
+mod rope;
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, DType, Device, Layout, Result, Shape, Storage, Tensor, WithDType};
+
+pub use attention::{AttentionHeads, Segments, attention};
+pub use elementwise::{rms_norm, swiglu};
+pub(crate) use head::token_scores;
+pub use linear::linear;
+pub use rope::rope;
+
+/// Whether the fused kernels handle tensors like `t` (f32 or f64 on the CPU).
+pub fn supported(t: &Tensor) -> bool {
+    matches!(t.device(), Device::Cpu) && matches!(t.dtype(), DType::F32 | DType::F64)
+}
+
+/// The float types the kernels are written for (f32, f64).
+pub(crate) trait Real: WithDType + std::ops::Neg<Output = Self> {
+    /// `e^x` for every element, in a loop the compiler vectorises (f32: a Cephes-style
+    /// polynomial, relative error ≈ 1e-7, where libm's `expf` is a call per element; f64: libm).
+    fn exp_slice(xs: &mut [Self]);
+    fn ln(self) -> Self;
+    fn sqrt(self) -> Self;
+    /// `dst (m, n) [+]= lhs (m, k) · rhs (k, n)` (see [`gemm_checked`]).
+    fn matmul(
+        m: usize,
+        n: usize,
+        k: usize,
+        dst: Dst<'_, Self>,
+        lhs: Mat<'_, Self>,
+        rhs: Mat<'_, Self>,
+    );
+}
+
+macro_rules! real {
+    ($t:ty, $exp_slice:expr) => {
+        impl Real for $t {
+            #[inline(always)]
+            fn exp_slice(xs: &mut [Self]) {
+                $exp_slice(xs)
+            }
+            fn ln(self) -> Self {
+                <$t>::ln(self)
+            }
+            fn sqrt(self) -> Self {
+                <$t>::sqrt(self)
+            }
+            fn matmul(
+                m: usize,
+                n: usize,
+                k: usize,
+                dst: Dst<'_, Self>,
+                lhs: Mat<'_, Self>,
+                rhs: Mat<'_, Self>,
+            ) {
+                gemm_checked(m, n, k, dst, lhs, rhs)
+            }
+        }
+    };
+}
+real!(f32, exp_f32_slice);
+real!(f64, |xs: &mut [f64]| xs
+    .iter_mut()
+    .for_each(|x| *x = x.exp()));
+
+/// `e^x` in place: `x = n ln2 + r` with `|r| ≤ ln2/2`, `e^r` by Cephes' `expf` polynomial,
+/// `2^n` built in the exponent bits. Branch-free (selects only), so it vectorises; below
+/// −87.3 (where f32 underflows) the result is 0, as `expf`'s is there up to denormals.
+#[inline(always)]
+fn exp_f32_slice(xs: &mut [f32]) {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    // 1.5 · 2²³: adding and subtracting it rounds to the nearest integer.
+    const ROUND: f32 = 12_582_912.0;
+    for x in xs.iter_mut() {
+        let v = x.clamp(-87.3, 88.7);
+        let n = (v * LOG2E + ROUND) - ROUND;
+        let r = v - n * LN2_HI - n * LN2_LO;
+        let p = ((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2)
+            * r
+            + 1.666_666_5e-1)
+            * r
+            + 0.5;
+        let e = p * r * r + r + 1.0;
+        let scale = f32::from_bits(((n as i32 + 127) << 23) as u32);
+        *x = if *x < -87.3 { 0.0 } else { e * scale };
+    }
+}
+
+/// The destination of a product: element `(i, j)` at `data[i * rs + j]`, overwritten or (with
+/// `accumulate`) added to.
+pub(crate) struct Dst<'a, T> {
+    pub data: &'a mut [T],
+    pub rs: usize,
+    pub accumulate: bool,
+}
+
+impl<'a, T> Dst<'a, T> {
+    /// A row-major matrix of `cols` columns, overwritten.
+    pub fn rows(data: &'a mut [T], cols: usize) -> Self {
+        Self {
+            data,
+            rs: cols,
+            accumulate: false,
+        }
+    }
+
+    /// A row-major matrix of `cols` columns, added to.
+    pub fn adding(data: &'a mut [T], cols: usize) -> Self {
+        Self {
+            data,
+            rs: cols,
+            accumulate: true,
+        }
+    }
+}
+
+/// A read-only matrix view: element `(i, j)` at `data[i * rs + j * cs]`.
+#[derive(Clone, Copy)]
+pub(crate) struct Mat<'a, T> {
+    pub data: &'a [T],
+    pub rs: usize,
+    pub cs: usize,
+}
+
+impl<'a, T> Mat<'a, T> {
+    /// A row-major `(rows, cols)` matrix.
+    pub fn rows(data: &'a [T], cols: usize) -> Self {
+        Self {
+            data,
+            rs: cols,
+            cs: 1,
+        }
+    }
+
+    /// The transpose of a row-major `(rows, cols)` matrix, read as `(cols, rows)`.
+    pub fn transposed(data: &'a [T], cols: usize) -> Self {
+        Self {
+            data,
+            rs: 1,
+            cs: cols,
+        }
+    }
+
+    fn fits(&self, rows: usize, cols: usize) -> bool {
+        rows == 0 || cols == 0 || (rows - 1) * self.rs + (cols - 1) * self.cs < self.data.len()
+    }
+}
+
+/// `dst (m, n) [+]= lhs (m, k) · rhs (k, n)`, `dst` row-major, split over the current rayon
+/// pool (the role's [`crate::ComputePool`]).
+#[allow(unsafe_code)]
+fn gemm_checked<T: 'static + WithDType>(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: Dst<'_, T>,
+    lhs: Mat<'_, T>,
+    rhs: Mat<'_, T>,
+) {
+    let Dst {
+        data: dst,
+        rs: dst_rs,
+        accumulate,
+    } = dst;
+    let dst_fits = m == 0 || n == 0 || (m - 1) * dst_rs + n <= dst.len();
+    assert!(
+        dst_fits && (m <= 1 || n <= dst_rs) && lhs.fits(m, k) && rhs.fits(k, n),
+        "gemm operands out of bounds"
+    );
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        if !accumulate {
+            for r in 0..m {
+                dst[r * dst_rs..r * dst_rs + n].fill(T::from_f64(0.0));
+            }
+        }
+        return;
+    }
+    /// Below this many multiply-adds a product is faster on one thread than split.
+    const MIN_PARALLEL_MACS: usize = 1 << 21;
+    let threads = rayon::current_num_threads();
+    let parallelism = if threads > 1 && m * n * k >= MIN_PARALLEL_MACS {
+        gemm::Parallelism::Rayon(threads)
+    } else {
+        gemm::Parallelism::None
+    };
+    // SAFETY: the assertion above keeps every index gemm forms, `(i·rs + j·cs)` for `i < rows`
+    // and `j < cols` of each operand, inside its slice; `dst` is exclusively borrowed and does
+    // not alias the shared operands; T is f32 or f64 (the only `Real` types), which gemm handles.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            dst_rs as isize,
+            accumulate,
+            lhs.data.as_ptr(),
+            lhs.cs as isize,
+            lhs.rs as isize,
+            rhs.data.as_ptr(),
+            rhs.cs as isize,
+            rhs.rs as isize,
+            T::from_f64(1.0),
+            T::from_f64(1.0),
+            false,
+            false,
+            false,
+            parallelism,
+        )
+    }
+}
+
+/// The contiguous elements of a CPU storage seen through `layout`.
+pub(crate) fn cpu_slice<'a, T: Real>(s: &'a CpuStorage, layout: &Layout) -> Result<&'a [T]> {
+    let Some((start, end)) = layout.contiguous_offsets() else {
+        candle_core::bail!("fused op: non-contiguous input {:?}", layout.shape())
+    };
+    Ok(&T::cpu_storage_as_slice(s)?[start..end])
+}
+
+/// The contiguous elements of `t` (a CPU tensor), borrowed from its storage guard.
+pub(crate) fn storage_slice<'a, T: Real>(s: &'a Storage, layout: &Layout) -> Result<&'a [T]> {
+    match s {
+        Storage::Cpu(c) => cpu_slice(c, layout),
+        _ => candle_core::bail!("fused op: tensor is not on the CPU"),
+    }
+}
+
+/// A CPU tensor owning `v`.
+pub(crate) fn tensor<T: Real>(v: Vec<T>, shape: &Shape) -> Result<Tensor> {
+    Tensor::from_vec(v, shape, &Device::Cpu)
+}
+
+/// Runs `f(first_row, rows)` over blocks of whole rows of `out` (rows of `width` elements), on
+/// the current rayon pool when `out` is large enough to be worth splitting, and returns the
+/// per-block results in order.
+pub(crate) fn row_blocks<T: Send, R: Send>(
+    out: &mut [T],
+    width: usize,
+    f: impl Fn(usize, &mut [T]) -> R + Sync,
+) -> Vec<R> {
+    use rayon::prelude::*;
+    /// Below this many elements a split costs more than it saves.
+    const MIN_PARALLEL: usize = 1 << 15;
+    let rows = out.len() / width.max(1);
+    let threads = rayon::current_num_threads();
+    if threads <= 1 || out.len() < MIN_PARALLEL || rows < 2 {
+        return vec![f(0, out)];
+    }
+    let block_rows = rows.div_ceil(threads);
+    out.par_chunks_mut(block_rows * width)
+        .enumerate()
+        .map(|(b, chunk)| f(b * block_rows, chunk))
+        .collect()
+}
+
+/// Elements of one dtype from two storages, or an error naming the op.
+pub(crate) fn same_dtype(op: &str, a: &CpuStorage, b: &CpuStorage) -> Result<DType> {
+    let (da, db) = (a.dtype(), b.dtype());
+    if da != db {
+        candle_core::bail!("{op}: dtype mismatch {da:?} vs {db:?}")
+    }
+    match da {
+        DType::F32 | DType::F64 => Ok(da),
+        other => candle_core::bail!("{op}: no fused kernel for {other:?}"),
+    }
+}
