@@ -1,0 +1,363 @@
+//! The attention's per-task kernels: one (row, kv head) pair's forward and backward over blocks of
+//! queries, in plain loops the compiler vectorises, with AVX2 + FMA bodies chosen at run time.
+
+use std::sync::OnceLock;
+
+use super::super::{Dst, Mat, Real};
+use super::{Attention, AttentionHeads};
+
+/// Queries per block: each block's scores are one `(QUERY_BLOCK, keys)` product, so memory stays
+/// bounded for long rows and the causal waste is half of one diagonal block.
+const QUERY_BLOCK: usize = 64;
+
+/// `Σ a[j] b[j]` over eight interleaved partial sums, so that the loop vectorises (float
+/// additions are not reassociated otherwise).
+#[inline(always)]
+fn dot<T: Real>(a: &[T], b: &[T]) -> T {
+    let zero = T::from_f64(0.0);
+    let mut acc = [zero; 8];
+    let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
+    let (ar, br) = (ac.remainder(), bc.remainder());
+    for (x, y) in ac.zip(bc) {
+        for k in 0..8 {
+            acc[k] += x[k] * y[k];
+        }
+    }
+    let mut tail = zero;
+    for (&x, &y) in ar.iter().zip(br) {
+        tail += x * y;
+    }
+    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
+}
+
+/// One (row, kv head) task over the flat `(N, heads·d)` / `(N, kv_heads·d)` activations: every
+/// product reads them in place through strides.
+pub(super) struct Task<'a, T> {
+    op: &'a Attention,
+    b: usize,
+    kh: usize,
+    q: &'a [T],
+    k: &'a [T],
+    v: &'a [T],
+}
+
+/// One block of queries `i0..i1` and the keys `klo..i1` they may see.
+#[derive(Clone, Copy)]
+struct Span {
+    i0: usize,
+    i1: usize,
+    klo: usize,
+}
+
+impl Span {
+    fn rows(&self) -> usize {
+        self.i1 - self.i0
+    }
+    fn keys(&self) -> usize {
+        self.i1 - self.klo
+    }
+}
+
+impl<'a, T: Real> Task<'a, T> {
+    pub(super) fn new(op: &'a Attention, task: usize, [q, k, v]: [&'a [T]; 3]) -> Self {
+        let kv = op.heads.kv_heads;
+        Self {
+            op,
+            b: task / kv,
+            kh: task % kv,
+            q,
+            k,
+            v,
+        }
+    }
+
+    fn l(&self) -> usize {
+        self.op.segments.len
+    }
+
+    /// The query blocks of this row.
+    fn spans(&self) -> Vec<Span> {
+        let l = self.l();
+        let first = &self.op.segments.first[self.b * l..(self.b + 1) * l];
+        (0..l)
+            .step_by(QUERY_BLOCK)
+            .map(|i0| {
+                let i1 = (i0 + QUERY_BLOCK).min(l);
+                let klo = first[i0..i1].iter().copied().min().unwrap_or(0) as usize;
+                Span { i0, i1, klo }
+            })
+            .collect()
+    }
+
+    /// Offset of query head `hq` at slot `i` of this row in `(N, heads·d)`.
+    fn q_at(&self, hq: usize, i: usize) -> usize {
+        let AttentionHeads {
+            heads: h,
+            head_dim: d,
+            ..
+        } = self.op.heads;
+        (self.b * self.l() + i) * h * d + hq * d
+    }
+
+    /// Offset of this task's kv head at slot `j` in `(N, kv_heads·d)`.
+    fn kv_at(&self, j: usize) -> usize {
+        let AttentionHeads {
+            kv_heads: kv,
+            head_dim: d,
+            ..
+        } = self.op.heads;
+        (self.b * self.l() + j) * kv * d + self.kh * d
+    }
+
+    /// `(span.rows, span.keys)` probabilities of query head `hq`: `s Q Kᵀ`, masked, then
+    /// `exp(· − lse)` with the given per-query `lse`, or (without one) softmax-normalised
+    /// with each row's log-sum-exp written to `lse_out`.
+    #[inline(always)]
+    fn probs(&self, hq: usize, sp: Span, lse: Option<&[T]>, lse_out: &mut [T]) -> Vec<T> {
+        let AttentionHeads {
+            heads: h,
+            kv_heads: kv,
+            head_dim: d,
+        } = self.op.heads;
+        let (rows, keys) = (sp.rows(), sp.keys());
+        let zero = T::from_f64(0.0);
+        let mut s = vec![zero; rows * keys];
+        let q0 = self.q_at(hq, sp.i0);
+        let k0 = self.kv_at(sp.klo);
+        T::matmul(
+            rows,
+            keys,
+            d,
+            Dst::rows(&mut s, keys),
+            Mat {
+                data: &self.q[q0..],
+                rs: h * d,
+                cs: 1,
+            },
+            Mat {
+                data: &self.k[k0..],
+                rs: 1,
+                cs: kv * d,
+            },
+        );
+        let scale = T::from_f64(self.op.scale());
+        let seg = &*self.op.segments;
+        let first = &seg.first[self.b * self.l()..];
+        for (r, row) in s.chunks_exact_mut(keys).enumerate() {
+            let i = sp.i0 + r;
+            let lo = first[i] as usize;
+            for (jj, x) in row.iter_mut().enumerate() {
+                let j = sp.klo + jj;
+                *x = if j >= lo && j <= i && seg.allowed(self.b, i, j) {
+                    *x * scale
+                } else {
+                    T::from_f64(f64::NEG_INFINITY)
+                };
+            }
+            // Slot i always sees itself: the row maximum is finite.
+            let m = match lse {
+                Some(lse) => lse[r],
+                None => row
+                    .iter()
+                    .fold(row[i - sp.klo], |a, &x| if x > a { x } else { a }),
+            };
+            for x in row.iter_mut() {
+                *x -= m;
+            }
+            T::exp_slice(row);
+            if lse.is_none() {
+                let mut sum = zero;
+                for &x in row.iter() {
+                    sum += x;
+                }
+                let inv = T::from_f64(1.0) / sum;
+                for x in row.iter_mut() {
+                    *x *= inv;
+                }
+                lse_out[r] = m + sum.ln();
+            }
+        }
+        s
+    }
+
+    /// The g query heads' `(L, d)` outputs and `L` log-sum-exps.
+    #[inline(always)]
+    fn forward(&self) -> (Vec<T>, Vec<T>) {
+        let l = self.l();
+        let AttentionHeads {
+            kv_heads: kv,
+            head_dim: d,
+            ..
+        } = self.op.heads;
+        let g = self.op.groups();
+        let zero = T::from_f64(0.0);
+        let mut out = vec![zero; g * l * d];
+        let mut lse = vec![zero; g * l];
+        for sp in self.spans() {
+            for gi in 0..g {
+                let hq = self.kh * g + gi;
+                let lse_rows = &mut lse[gi * l + sp.i0..gi * l + sp.i1];
+                let p = self.probs(hq, sp, None, lse_rows);
+                let v0 = self.kv_at(sp.klo);
+                T::matmul(
+                    sp.rows(),
+                    d,
+                    sp.keys(),
+                    Dst::rows(&mut out[(gi * l + sp.i0) * d..(gi * l + sp.i1) * d], d),
+                    Mat::rows(&p, sp.keys()),
+                    Mat {
+                        data: &self.v[v0..],
+                        rs: kv * d,
+                        cs: 1,
+                    },
+                );
+            }
+        }
+        (out, lse)
+    }
+
+    /// `(dQ (g, L, d), dK (L, d), dV (L, d))` of this task.
+    #[inline(always)]
+    fn backward(&self, o: &[T], lse: &[T], dout: &[T]) -> Block<T> {
+        let l = self.l();
+        let AttentionHeads {
+            heads: h,
+            kv_heads: kv,
+            head_dim: d,
+        } = self.op.heads;
+        let g = self.op.groups();
+        let scale = T::from_f64(self.op.scale());
+        let zero = T::from_f64(0.0);
+        let mut dq = vec![zero; g * l * d];
+        let mut dk = vec![zero; l * d];
+        let mut dv = vec![zero; l * d];
+        let mut unused = [];
+        for sp in self.spans() {
+            let (rows, keys) = (sp.rows(), sp.keys());
+            let k0 = self.kv_at(sp.klo);
+            for gi in 0..g {
+                let hq = self.kh * g + gi;
+                let lse_rows = &lse[(self.b * h + hq) * l + sp.i0..(self.b * h + hq) * l + sp.i1];
+                let p = self.probs(hq, sp, Some(lse_rows), &mut unused);
+                let q0 = self.q_at(hq, sp.i0);
+                let d_out = Mat {
+                    data: &dout[q0..],
+                    rs: h * d,
+                    cs: 1,
+                };
+                // dP = dO Vᵀ, then dS = s · P ⊙ (dP − rowsum(dO ⊙ O)).
+                let mut ds = vec![zero; rows * keys];
+                T::matmul(
+                    rows,
+                    keys,
+                    d,
+                    Dst::rows(&mut ds, keys),
+                    d_out,
+                    Mat {
+                        data: &self.v[k0..],
+                        rs: 1,
+                        cs: kv * d,
+                    },
+                );
+                for (r, (dsr, pr)) in ds
+                    .chunks_exact_mut(keys)
+                    .zip(p.chunks_exact(keys))
+                    .enumerate()
+                {
+                    let at = self.q_at(hq, sp.i0 + r);
+                    let di = dot(&dout[at..at + d], &o[at..at + d]);
+                    for (x, &pj) in dsr.iter_mut().zip(pr) {
+                        *x = pj * (*x - di) * scale;
+                    }
+                }
+                // dQ = dS K, dK += dSᵀ Q, dV += Pᵀ dO.
+                T::matmul(
+                    rows,
+                    d,
+                    keys,
+                    Dst::rows(&mut dq[(gi * l + sp.i0) * d..(gi * l + sp.i1) * d], d),
+                    Mat::rows(&ds, keys),
+                    Mat {
+                        data: &self.k[k0..],
+                        rs: kv * d,
+                        cs: 1,
+                    },
+                );
+                let kr = sp.klo * d..sp.i1 * d;
+                T::matmul(
+                    keys,
+                    d,
+                    rows,
+                    Dst::adding(&mut dk[kr.clone()], d),
+                    Mat::transposed(&ds, keys),
+                    Mat {
+                        data: &self.q[q0..],
+                        rs: h * d,
+                        cs: 1,
+                    },
+                );
+                T::matmul(
+                    keys,
+                    d,
+                    rows,
+                    Dst::adding(&mut dv[kr], d),
+                    Mat::transposed(&p, keys),
+                    d_out,
+                );
+            }
+        }
+        (dq, dk, dv)
+    }
+}
+
+pub(super) type Block<T> = (Vec<T>, Vec<T>, Vec<T>);
+
+/// The task bodies compiled for AVX2 + FMA, chosen at run time where the CPU has them (the
+/// crate itself targets baseline x86-64, SSE2).
+#[cfg(target_arch = "x86_64")]
+mod wide {
+    use super::{Block, Real, Task};
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) fn forward<T: Real>(t: &Task<'_, T>) -> (Vec<T>, Vec<T>) {
+        t.forward()
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) fn backward<T: Real>(t: &Task<'_, T>, ins: [&[T]; 3]) -> Block<T> {
+        t.backward(ins[0], ins[1], ins[2])
+    }
+}
+
+fn wide_ok() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static OK: OnceLock<bool> = OnceLock::new();
+        *OK.get_or_init(|| {
+            std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+#[allow(unsafe_code)]
+pub(super) fn run_forward<T: Real>(t: &Task<'_, T>) -> (Vec<T>, Vec<T>) {
+    #[cfg(target_arch = "x86_64")]
+    if wide_ok() {
+        // SAFETY: the CPU has AVX2 and FMA (checked at run time just above).
+        return unsafe { wide::forward(t) };
+    }
+    t.forward()
+}
+
+#[allow(unsafe_code)]
+pub(super) fn run_backward<T: Real>(t: &Task<'_, T>, ins: [&[T]; 3]) -> Block<T> {
+    #[cfg(target_arch = "x86_64")]
+    if wide_ok() {
+        // SAFETY: the CPU has AVX2 and FMA (checked at run time just above).
+        return unsafe { wide::backward(t, ins) };
+    }
+    t.backward(ins[0], ins[1], ins[2])
+}
