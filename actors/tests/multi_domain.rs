@@ -107,10 +107,14 @@ async fn adaptation_keeps_the_completed_mix_on_target_and_its_absence_does_not()
             "adaptive: {domain} completed {got:.3}, target {t}: {adaptive:?}"
         );
     }
+    // Without adaptation the slow domain completes at about 26 % (0.260–0.265 in three quiet
+    // runs; 0.271 once under CI load). An unbiased mix would complete 30 % ± 0.4 % (one standard
+    // deviation over ~15 000 rollouts), so 28 % is five deviations below it: still a bias, not
+    // noise, with room for a loaded machine.
     let tools = fixed.get("tools").copied().unwrap_or(0.0);
     assert!(
-        tools < 0.3 - 0.03,
-        "without adaptation the slow domain should complete below 27 %, got {tools:.3}: {fixed:?}"
+        tools < 0.3 - 0.02,
+        "without adaptation the slow domain should complete below 28 %, got {tools:.3}: {fixed:?}"
     );
 }
 
