@@ -36,6 +36,7 @@ pub mod handles;
 pub mod native;
 pub mod node;
 pub mod replay;
+pub mod run;
 pub mod sampler;
 pub mod supervise;
 pub mod supervise_node;
@@ -76,6 +77,12 @@ pub enum ActorError {
     /// Too many groups in a row ended untrainable (see [`sluice_replay::ProgressWatch`]).
     #[error("the run makes no progress: {0}")]
     NoProgress(String),
+    /// A training step failed and the trainer stopped.
+    #[error("training failed: {0}")]
+    TrainingFailed(String),
+    /// Evaluating the policy failed.
+    #[error("{0}")]
+    Evaluation(String),
 }
 
 impl ActorError {
@@ -87,6 +94,8 @@ impl ActorError {
             Self::Setup(_) => "node_setup",
             Self::EngineUnavailable(_) => "engine_unavailable",
             Self::NoProgress(_) => "no_progress",
+            Self::TrainingFailed(_) => "training_failed",
+            Self::Evaluation(_) => "evaluation",
         }
     }
 }

@@ -22,11 +22,8 @@ use std::time::{Duration, Instant};
 
 use sluice_core::config::{Config, ExpiredPolicy};
 use sluice_core::metrics as m;
-use sluice_core::{KnobsHandle, NodeId, RunId, TrainerBackend, WeightUpdateMode};
-use sluice_engine::simulated::SimEngineParams;
-use sluice_engine::{InferenceBackend, SamplingParams, SimEngine};
-use sluice_env::SimTask;
-use sluice_trainer::SimTrainer;
+use sluice_core::{KnobsHandle, NodeId, RunId, TrainerBackend, WeightSnapshot, WeightUpdateMode};
+use sluice_engine::SamplingParams;
 
 use crate::admin::{self, AdminState, Server};
 use crate::checkpoint::CheckpointDir;
@@ -35,15 +32,20 @@ use crate::engine::{BackendFactory, EngineHandle, EngineSupervision};
 use crate::env_faults::{EnvFaults, FaultyEnv, TimeoutEnv};
 use crate::env_worker::{EnvPoolConfig, EnvPoolHandle, RolloutEnv};
 use crate::events::RunEvents;
+use crate::native::NativeSetup;
 use crate::replay::{ReplayHandle, ReplayOptions, ReplayStatus};
-use crate::sampler::{SampleSource, SamplerHandle, SimSource};
-use crate::supervise_node::{self, Restored, SimBackend};
-use crate::trainer::{TrainerHandle, TrainerOptions};
+use crate::run::RunEnd;
+use crate::sampler::{SampleSource, SamplerHandle};
+use crate::supervise_node::{self, Restored};
+use crate::trainer::{StepFeed, TrainerHandle, TrainerOptions};
 use crate::{ActorError, telemetry};
+
+mod build;
 
 pub use crate::handles::{NodeHandles, NodeStatus};
 
-/// What a node is built with beyond the config. `Default` gives the simulated pipeline.
+/// What a node is built with beyond the config. `Default` builds every backend from the config
+/// (simulated, native or remote, per `engine.backend`).
 #[derive(Default)]
 pub struct NodeOptions {
     /// Replay database directory; `None` keeps the store in memory.
@@ -54,14 +56,22 @@ pub struct NodeOptions {
     pub serve_metrics: bool,
     /// Record trained group ids (tests).
     pub track_ids: bool,
-    /// Inference backends (default: the simulated engine from `[engine.simulated]`).
+    /// Inference backends (default: per `engine.backend`: `[engine.simulated]`, native
+    /// replicas of the run's model, or `engine.remote_urls`).
     pub backend: Option<BackendFactory>,
-    /// Trainer backend (default: the simulated trainer from `[trainer.simulated]`).
+    /// Trainer backend (default: `[trainer.simulated]`, or the candle trainer on the run's
+    /// model).
     pub trainer: Option<Box<dyn TrainerBackend>>,
-    /// Sample source (default: synthetic samples over the configured domains).
+    /// Sample source (default: synthetic samples over the configured domains, or
+    /// `data.datasets` for a real model).
     pub source: Option<Box<dyn SampleSource>>,
-    /// Environment (default: the simulated task).
+    /// Environment (default: the simulated task, or the registered tasks for a real model).
     pub env: Option<Arc<dyn RolloutEnv>>,
+    /// The run's model, already loaded (default: loaded from the run's warm-started copy or
+    /// `model.path` when a native or remote part is built).
+    pub native: Option<Arc<NativeSetup>>,
+    /// Where the trainer sends every completed step (the run monitor's feed).
+    pub step_feed: Option<StepFeed>,
     /// Checkpoint directory. `None`: `<run.output_dir>/checkpoint` when the replay store is the
     /// config's own (`replay_dir == replay.path`, as `sluice run` sets it), else no checkpoints
     /// (tests that point the store elsewhere never touch the run's output dir).
@@ -80,20 +90,9 @@ pub struct Node {
     telemetry: Option<tokio::task::JoinHandle<()>>,
     /// Periodic checkpoints (`supervision.checkpoint_every_steps`).
     checkpointer: Option<tokio::task::JoinHandle<()>>,
+    /// The weights the engine started on (the trainer's, after a restore).
+    start_weights: WeightSnapshot,
     pub(crate) shutdown_timeout: Duration,
-}
-
-fn sim_backend(config: &Config) -> BackendFactory {
-    let sim = config.engine.simulated.clone();
-    let cap = config.engine.max_running_sequences.get();
-    Arc::new(move |replica, version, sink| {
-        let params = SimEngineParams {
-            replica,
-            max_running_sequences: cap,
-            sim: sim.clone(),
-        };
-        Box::new(SimEngine::start(params, version, sink)) as Box<dyn InferenceBackend>
-    })
 }
 
 impl Node {
@@ -109,9 +108,25 @@ impl Node {
             trainer,
             source,
             env,
+            native,
+            step_feed,
             checkpoint_dir,
         } = options;
-        let source = source.unwrap_or_else(|| Box::new(SimSource::from_config(config)));
+        let build::Backends {
+            factory,
+            trainer,
+            source,
+            env,
+        } = build::backends(
+            config,
+            build::Given {
+                factory: backend,
+                trainer,
+                source,
+                env,
+                native,
+            },
+        )?;
         // `domain_mix` may name only domains the source serves: a weight on any other domain
         // would leave nothing to draw and stall the run without a word.
         let served = match source.domains() {
@@ -136,20 +151,6 @@ impl Node {
             .map(CheckpointDir::new);
         // The trainer and its checkpoint come first: a bad checkpoint stops the start before
         // any actor runs.
-        let trainer = match trainer {
-            Some(t) => Some(t),
-            None if config.trainer.simulated.enabled => Some(Box::new(SimBackend(SimTrainer::new(
-                &config.trainer.simulated,
-                config.engine.simulated.time_scale,
-            )))
-                as Box<dyn TrainerBackend>),
-            None => None,
-        }
-        .ok_or_else(|| {
-            ActorError::Setup(
-                "no trainer backend: set trainer.simulated.enabled = true or pass a trainer".into(),
-            )
-        })?;
         let Restored {
             trainer: backend_trainer,
             manifest,
@@ -160,7 +161,6 @@ impl Node {
             None
         };
         let b = config.rollout.groups_per_step.get();
-        let sim = &config.engine.simulated;
         let controller_config = ControllerConfig {
             run: RunId::from_name(&config.run.name),
             node: NodeId(0),
@@ -212,10 +212,7 @@ impl Node {
         // builds replicas from the model it was configured with, which a resumed run has
         // trained past (tokens of the old weights, tagged old, would all expire at once).
         let start_weights = backend_trainer.snapshot();
-        let factory = telemetry::carry_token_counts(
-            backend.unwrap_or_else(|| sim_backend(config)),
-            config.engine.replicas.get() as usize,
-        );
+        let factory = telemetry::carry_token_counts(factory, config.engine.replicas.get() as usize);
         let (engine, j) = EngineHandle::spawn_supervised(
             config.engine.replicas.get(),
             version,
@@ -228,15 +225,8 @@ impl Node {
         )
         .await?;
         joins.push(("engine", events.watch_join("engine", j)));
-        engine.update_weights(start_weights, WeightUpdateMode::AbortResume);
-        let mut env_impl: Arc<dyn RolloutEnv> = env.unwrap_or_else(|| {
-            Arc::new(SimTask {
-                prompt_tokens: sim.prompt_tokens.get(),
-                env_reply_tokens: sim.env_reply_tokens,
-                turns: config.rollout.max_turns.get(),
-                seed: sim.seed,
-            })
-        });
+        engine.update_weights(start_weights.clone(), WeightUpdateMode::AbortResume);
+        let mut env_impl: Arc<dyn RolloutEnv> = env;
         let env_faults = EnvFaults::from_config(&config.faults);
         if env_faults.any() {
             env_impl = Arc::new(FaultyEnv::new(env_impl, env_faults));
@@ -284,6 +274,7 @@ impl Node {
             start_trained_groups: manifest.as_ref().map_or(0, |m| m.trained_groups),
             track_ids,
             events: events.clone(),
+            feed: step_feed,
         };
         let (trainer, j) = TrainerHandle::spawn(
             backend_trainer,
@@ -348,6 +339,7 @@ impl Node {
             metrics,
             telemetry,
             checkpointer,
+            start_weights,
             shutdown_timeout: config.supervision.shutdown_timeout,
         })
     }
@@ -372,11 +364,33 @@ impl Node {
         self.handles.events.ended()
     }
 
-    /// Waits until the trainer used its step budget, a training step failed, an actor failed, or
-    /// `timeout` passed. It wakes on the actors' [`RunEvents`] (a step, a failure, an actor that
-    /// ended), reads the status and hands it to `progress`. When training ended (done or failed) and checkpoints are on, writes the
-    /// final checkpoint (reason `done` or `trainer_error`) before returning: a failed step stops
-    /// the run with a checkpoint instead of looping.
+    /// The weights the engine started on: the trainer's, after a restore (a resumed run's
+    /// first evaluation scores them).
+    pub fn start_weights(&self) -> &WeightSnapshot {
+        &self.start_weights
+    }
+
+    /// Marks the end of the run with a final checkpoint (when checkpoints are on) whose reason
+    /// says how it ended (`done`, `target_reached`, `trainer_error`, `no_progress`,
+    /// `engine_failure`): the same config resumes from it. A failed checkpoint is logged; the
+    /// run's end stands.
+    pub async fn finish(&self, end: &RunEnd) {
+        let Some(reason) = end.checkpoint_reason() else {
+            return;
+        };
+        if self.handles.checkpoint_dir.is_none() {
+            return;
+        }
+        if let Err(e) = supervise_node::checkpoint(&self.handles, reason).await {
+            tracing::error!(error = %e, reason, "final checkpoint failed");
+        }
+    }
+
+    /// Waits until the run ends ([`RunEnd`]: the step budget used, a training step failed, no
+    /// progress, the engine gave up, an actor ended) or `timeout` passes, and marks the end with
+    /// [`Node::finish`]. It wakes on the actors' [`RunEvents`], reads the status and hands it to
+    /// `progress`. A trainer that failed is returned as a status with its error (callers read
+    /// it); the other failures as errors.
     pub async fn wait_done(
         &self,
         timeout: Duration,
@@ -388,41 +402,12 @@ impl Node {
             events.borrow_and_update();
             let status = self.status().await?;
             progress(&status);
-            if let Some(reason) = &status.controller.no_progress {
-                if self.handles.checkpoint_dir.is_some()
-                    && let Err(e) = supervise_node::checkpoint(&self.handles, "no_progress").await
-                {
-                    tracing::error!(error = %e, "checkpoint after no progress failed");
-                }
-                return Err(ActorError::NoProgress(reason.clone()));
-            }
-            if let Some(reason) = &status.engine_failure {
-                // Inference infrastructure failed (seed 002): stop with a checkpoint, never
-                // turn the requests into failed rollouts.
-                if self.handles.checkpoint_dir.is_some()
-                    && let Err(e) =
-                        supervise_node::checkpoint(&self.handles, "engine_failure").await
-                {
-                    tracing::error!(error = %e, "checkpoint after the engine failure failed");
-                }
-                return Err(ActorError::EngineUnavailable(reason.clone()));
-            }
-            if status.trainer.done || status.trainer.error.is_some() {
-                if self.handles.checkpoint_dir.is_none() {
-                    return Ok(status);
-                }
-                let reason = if status.trainer.error.is_some() {
-                    "trainer_error"
-                } else {
-                    "done"
+            if let Some(end) = RunEnd::observe(&status, self.failure()) {
+                self.finish(&end).await;
+                return match end {
+                    RunEnd::Done | RunEnd::TrainerFailed(_) => self.status().await,
+                    failed => Err(failed.error().unwrap_or(ActorError::Gone { actor: "node" })),
                 };
-                if let Err(e) = supervise_node::checkpoint(&self.handles, reason).await {
-                    tracing::error!(error = %e, reason, "final checkpoint failed");
-                }
-                return self.status().await;
-            }
-            if let Some(actor) = self.failure() {
-                return Err(ActorError::Gone { actor });
             }
             let timed_out = || ActorError::Setup(format!("run did not finish within {timeout:?}"));
             match tokio::time::timeout_at(deadline, events.changed()).await {

@@ -36,7 +36,7 @@ use crate::events::RunEvents;
 use crate::replay::ReplayHandle;
 use crate::{ActorError, Sink};
 
-pub use step::export_step_metrics;
+pub use step::{STEP_FEED_CAPACITY, StepFeed, TrainedStep, export_step_metrics};
 
 /// A point-in-time view of the trainer.
 #[derive(Debug, Clone, Default, Serialize)]
@@ -110,6 +110,8 @@ pub struct TrainerOptions {
     pub track_ids: bool,
     /// Where every step, the end of the budget and a failure are announced.
     pub events: RunEvents,
+    /// Where every completed step goes, with its weights (the run monitor's feed).
+    pub feed: Option<StepFeed>,
 }
 
 /// Where the trainer stood when it wrote a checkpoint.

@@ -5,15 +5,29 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use sluice_actors::native::tap::{TappedTrainer, lock_tap};
 use sluice_actors::native::{Evaluator, ModelRenderer, NativeSetup, ensure_model_dir};
+use sluice_actors::trainer::{STEP_FEED_CAPACITY, TrainedStep};
 use sluice_actors::{Node, NodeOptions};
 use sluice_core::config::Config;
 use sluice_core::{Message, RolloutStatus};
-use sluice_data::{DatasetRows, MixSampler, SamplerConfig};
 use sluice_engine::{NativeEngineParams, SamplingParams};
 use sluice_env::Renderer;
-use sluice_env::datasets::{GeneratedRows, load_datasets};
+
+/// A node built from `config` alone (the node builder loads the model, the datasets, the task
+/// envs and the engine replicas the config names), with the trainer's step feed.
+async fn start_node(config: &Config) -> (Node, tokio::sync::mpsc::Receiver<TrainedStep>) {
+    let (feed, steps) = tokio::sync::mpsc::channel(STEP_FEED_CAPACITY);
+    let options = NodeOptions {
+        step_feed: Some(feed),
+        ..NodeOptions::default()
+    };
+    (Node::start(config, options).await.unwrap(), steps)
+}
+
+/// Every step the feed holds.
+fn drain(steps: &mut tokio::sync::mpsc::Receiver<TrainedStep>) -> Vec<TrainedStep> {
+    std::iter::from_fn(|| steps.try_recv().ok()).collect()
+}
 
 fn config(dir: &std::path::Path, steps: u64) -> Config {
     let text = format!(
@@ -61,22 +75,7 @@ async fn native_pipeline_trains_scores_and_keeps_the_lag_bound() {
     let config = config(dir.path(), 4);
     assert!(ensure_model_dir(&config).unwrap(), "the preset is created");
     assert!(!ensure_model_dir(&config).unwrap(), "and only once");
-    let setup = NativeSetup::load(&config, None).unwrap();
-    let datasets = load_datasets(&config.data, &setup.registry, GeneratedRows::new(0)).unwrap();
-    let source = MixSampler::with_rows(
-        SamplerConfig::from_data_config(&config.data, 0),
-        DatasetRows::new(datasets, 0),
-    )
-    .unwrap();
-    let (trainer, tap) = TappedTrainer::new(setup.trainer_backend(&config, None).unwrap());
-    let options = NodeOptions {
-        backend: Some(setup.backend_factory(&config, None).unwrap()),
-        trainer: Some(Box::new(trainer)),
-        source: Some(Box::new(source)),
-        env: Some(Arc::new(setup.env(&config))),
-        ..NodeOptions::default()
-    };
-    let node = Node::start(&config, options).await.unwrap();
+    let (node, mut steps) = start_node(&config).await;
     let status = node
         .wait_done(Duration::from_secs(60), |s| {
             if std::env::var_os("SLUICE_TEST_TRACE").is_some() {
@@ -93,7 +92,7 @@ async fn native_pipeline_trains_scores_and_keeps_the_lag_bound() {
     assert_eq!(status.trainer.steps, 4);
     assert_eq!(status.trainer.lag_violations, 0);
     assert!(status.controller.finished_rollouts >= 4 * 2 * 4);
-    let steps = lock_tap(&tap).drain_steps();
+    let steps = drain(&mut steps);
     assert_eq!(steps.len(), 4);
     for s in &steps {
         assert!(
@@ -105,7 +104,12 @@ async fn native_pipeline_trains_scores_and_keeps_the_lag_bound() {
         assert!(s.trained_tokens > 0);
         assert!((0.0..=1.1).contains(&s.reward_mean), "{}", s.reward_mean);
     }
-    let latest = lock_tap(&tap).latest().expect("published weights");
+    assert_eq!(
+        steps.iter().map(|s| s.step).collect::<Vec<_>>(),
+        [1, 2, 3, 4],
+        "the feed numbers the run's steps"
+    );
+    let latest = steps[3].weights.as_ref().expect("published weights");
     assert_eq!(latest.version.0, 4, "every step published a version");
 }
 
@@ -287,22 +291,7 @@ async fn a_remote_server_trains_on_the_runs_weights_from_step_one() {
     config.engine.remote_urls = vec![url];
     config.engine.remote_keep_versions = std::num::NonZeroU32::new(2).unwrap();
     ensure_model_dir(&config).unwrap();
-    let setup = NativeSetup::load(&config, None).unwrap();
-    let datasets = load_datasets(&config.data, &setup.registry, GeneratedRows::new(0)).unwrap();
-    let source = MixSampler::with_rows(
-        SamplerConfig::from_data_config(&config.data, 0),
-        DatasetRows::new(datasets, 0),
-    )
-    .unwrap();
-    let (trainer, tap) = TappedTrainer::new(setup.trainer_backend(&config, None).unwrap());
-    let options = NodeOptions {
-        backend: Some(setup.backend_factory(&config, None).unwrap()),
-        trainer: Some(Box::new(trainer)),
-        source: Some(Box::new(source)),
-        env: Some(Arc::new(setup.env(&config))),
-        ..NodeOptions::default()
-    };
-    let node = Node::start(&config, options).await.unwrap();
+    let (node, mut steps) = start_node(&config).await;
     let status = node
         .wait_done(Duration::from_secs(120), |_| {})
         .await
@@ -314,7 +303,7 @@ async fn a_remote_server_trains_on_the_runs_weights_from_step_one() {
     // Step 1 trained on tokens the server generated with the head's version-0 weights: the
     // trainer's log-probs (decoupled_ppo's proximal policy, the same weights) match the
     // behaviour log-probs the server reported. On the server's own weights they would not.
-    let steps = lock_tap(&tap).drain_steps();
+    let steps = drain(&mut steps);
     let first = &steps[0].metrics;
     let is_max = first[sluice_core::metrics::TRAINER_IMPORTANCE_WEIGHT_MAX_RATIO];
     let is_mean = first[sluice_core::metrics::TRAINER_IMPORTANCE_WEIGHT_MEAN_RATIO];

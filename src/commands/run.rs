@@ -1,102 +1,247 @@
-//! `sluice run CONFIG [--set k=v]...`: run a whole pipeline from a config, with a progress bar
-//! (step, samples/s, mean lag, buckets) and a summary at the end. Ctrl-C stops it cleanly: the
-//! replay store commits what it holds and the next run on the same output dir resumes.
+//! `sluice run CONFIG [--set k=v]...`: runs a whole pipeline from a config, whatever its
+//! `engine.backend`. A real model (`native`, `remote`) is prepared first: created when absent,
+//! warm-started on a fresh run, evaluated on its held-out split before RL. The node then trains
+//! while the run monitor logs every step to `metrics.jsonl` (and `progress.png` at the end),
+//! evaluates on schedule and stops at `run.max_steps` or the held-out target. Ctrl-C stops it
+//! cleanly: in-flight rollouts are stored, a checkpoint is written, and the same command resumes.
 
 use std::process::ExitCode;
-use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use indicatif::{ProgressBar, ProgressStyle};
+use sluice_actors::run::{NativeRun, Progress, RunMonitor, RunSummary, Start};
 use sluice_actors::supervise_node::StopReport;
+use sluice_actors::trainer::STEP_FEED_CAPACITY;
 use sluice_actors::{Node, NodeOptions, NodeStatus};
 use sluice_core::config::{Config, EngineBackend};
+use sluice_report::{METRICS_FILE, MetricsLog, PLOT_FILE, plot_run, read_log};
 
 use super::shutdown_signal;
 use crate::cli::ConfigArgs;
 
-/// Loads the config and runs the node until `run.max_steps` training steps are done.
+/// Loads the config and runs the node until the run ends.
 pub fn run(args: &ConfigArgs) -> anyhow::Result<ExitCode> {
     let config = sluice_core::config::load(&args.config, &args.overrides)?;
-    let simulated = config.engine.backend == EngineBackend::Simulated;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .context("starting the async runtime")?;
-    if simulated {
-        runtime.block_on(run_node(&config))
-    } else {
-        runtime.block_on(super::run_native::run(&config))
-    }
+    runtime.block_on(run_config(&config))
 }
 
-async fn run_node(config: &Config) -> anyhow::Result<ExitCode> {
+fn bar(len: u64, template: &str) -> ProgressBar {
+    let bar = ProgressBar::new(len);
+    bar.set_style(
+        ProgressStyle::with_template(template).unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    bar
+}
+
+/// Prepares a real model's run: the model, the data and the warm-start, with their lines.
+async fn prepare(config: &Config) -> anyhow::Result<NativeRun> {
+    let warm = bar(
+        config.warmup.max_steps.get(),
+        "warm-up {bar:30} {pos}/{len} {msg}",
+    );
+    let max_steps = config.warmup.max_steps.get();
+    let prepared = NativeRun::prepare(config, |p| {
+        let line = format!(
+            "loss {:.3} | probe accuracy {:.1}%",
+            p.loss,
+            100.0 * p.accuracy
+        );
+        if warm.is_hidden() {
+            println!("warm-up step {}/{max_steps} {line}", p.step);
+        }
+        warm.set_position(p.step);
+        warm.set_message(line);
+    })
+    .await?;
+    warm.finish_and_clear();
+    if prepared.created_model {
+        println!(
+            "created a {} model in {}",
+            config
+                .model
+                .init_preset
+                .map(|p| format!("{p:?}").to_lowercase())
+                .unwrap_or_default(),
+            config.model.path.display()
+        );
+    }
+    if let Some(w) = prepared.warmup {
+        println!(
+            "warm-up: {} supervised steps, accuracy on training problems {:.1}%",
+            w.steps,
+            100.0 * w.probe_accuracy
+        );
+    }
+    Ok(prepared)
+}
+
+async fn run_config(config: &Config) -> anyhow::Result<ExitCode> {
+    let out = &config.run.output_dir;
+    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
+    let mut native = match config.engine.backend {
+        EngineBackend::Simulated => None,
+        EngineBackend::Native | EngineBackend::Remote => Some(prepare(config).await?),
+    };
+    // A fresh real-model run's baseline is measured before RL starts; a resumed run's, on the
+    // restored weights once the node has loaded them.
+    let fresh_start = match &mut native {
+        Some(n) if n.resumed.is_none() => {
+            let a = n
+                .evaluations
+                .run(std::sync::Arc::clone(&n.setup.weights))
+                .await?;
+            println!(
+                "before RL: held-out accuracy {:.1}% ({} problems of `{}`), training problems {:.1}%",
+                100.0 * a.0,
+                n.evaluations.heldout_len(),
+                n.evaluations.task(),
+                100.0 * a.1
+            );
+            Some(a)
+        }
+        _ => None,
+    };
+    let (feed, steps) = tokio::sync::mpsc::channel(STEP_FEED_CAPACITY);
+    let (setup, source, evaluations) = match native {
+        Some(n) => (Some(n.setup), Some(n.source), Some(n.evaluations)),
+        None => (None, None, None),
+    };
     let options = NodeOptions {
         replay_dir: Some(config.replay.path.clone()),
         serve_admin: true,
         serve_metrics: config.metrics.enabled,
+        native: setup,
+        source: source.map(|s| Box::new(s) as _),
+        step_feed: Some(feed),
         ..NodeOptions::default()
     };
     let node = Node::start(config, options).await?;
     if let Some(addr) = node.admin_addr() {
         tracing::info!(%addr, "admin API listening");
     }
-    let started = Instant::now();
-    let bar = ProgressBar::new(config.run.max_steps.get());
-    bar.set_style(
-        ProgressStyle::with_template("{bar:30} step {pos}/{len} {msg}")
-            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    if let Some(addr) = node.metrics_addr() {
+        println!("Prometheus metrics on http://{addr}/metrics");
+    }
+    let first_step = node.status().await?.trainer.steps;
+    let log_path = out.join(METRICS_FILE);
+    // The steps after the checkpoint are trained again: their old records go.
+    let log = MetricsLog::resume(&log_path, first_step)
+        .with_context(|| format!("opening {}", log_path.display()))?;
+    let start = Start {
+        step: first_step,
+        wall_s: log.last().map_or(0.0, |r| r.wall_s),
+        accuracy: fresh_start.unwrap_or_default(),
+        resumed: first_step > 0,
+    };
+    let evaluating = evaluations.is_some();
+    let mut monitor = RunMonitor::new(config, start, steps, Some(log), evaluations);
+    if evaluating && fresh_start.is_none() {
+        let a = monitor
+            .evaluate_start(node.start_weights())
+            .await?
+            .context("the restored trainer has no weights to evaluate")?;
+        let e = monitor.evaluations().context("evaluations")?;
+        println!(
+            "resumed at step {first_step}: held-out accuracy {:.1}% ({} problems of `{}`), training problems {:.1}%",
+            100.0 * a.0,
+            e.heldout_len(),
+            e.task(),
+            100.0 * a.1
+        );
+    }
+    let progress = bar(
+        config.run.max_steps.get(),
+        "{bar:30} step {pos}/{len} {msg}",
     );
-    let wait = node.wait_done(Duration::from_secs(365 * 24 * 3600), |s| {
-        bar.set_position(s.trainer.steps);
-        bar.set_message(progress_line(s, started.elapsed().as_secs_f64()));
-    });
+    progress.set_position(first_step);
     let outcome = tokio::select! {
-        r = wait => Some(r),
+        r = monitor.watch(&node, |p| show(&progress, p, evaluating)) => Some(r),
         _ = shutdown_signal() => None,
     };
-    bar.finish_and_clear();
-    let Some(outcome) = outcome else {
-        return interrupted(node, config, started).await;
-    };
-    node.shutdown().await;
-    match outcome {
-        Ok(s) => {
-            print_summary(&s, started.elapsed().as_secs_f64());
-            match &s.trainer.error {
-                Some(e) => bail!("training failed: {e}"),
-                None => Ok(ExitCode::SUCCESS),
-            }
+    progress.finish_and_clear();
+    let mut status = node.status().await.ok();
+    let stop = match &outcome {
+        Some(Ok(end)) => {
+            node.finish(end).await;
+            node.shutdown().await;
+            None
         }
-        Err(e) => Err(e.into()),
+        Some(Err(_)) => {
+            // The monitor failed (an evaluation, the log): the run's state is kept all the same.
+            if let Err(e) = node.handles.checkpoint().await {
+                eprintln!("final checkpoint failed: {e}");
+            }
+            node.shutdown().await;
+            None
+        }
+        None => match graceful_stop(node, config).await? {
+            Some(report) => {
+                if let (Some(s), Some(replay)) = (&mut status, report.final_replay.clone()) {
+                    s.replay = replay;
+                }
+                Some(report)
+            }
+            None => return Ok(ExitCode::from(130)),
+        },
+    };
+    // Steps trained while stopping are in the checkpoint: log them too.
+    monitor.record_remaining()?;
+    let plot = out.join(PLOT_FILE);
+    let records = read_log(&log_path)?;
+    plot_run(&records, &plot).with_context(|| format!("writing {}", plot.display()))?;
+    let summary = monitor.summary();
+    match (evaluating, &status) {
+        (true, _) => print_model_summary(&summary, status.as_ref()),
+        (false, Some(s)) => print_summary(s, summary.wall_s),
+        (false, None) => {}
+    }
+    println!("metrics               {}", log_path.display());
+    println!("plot                  {}", plot.display());
+    match (outcome, stop) {
+        (Some(Err(e)), _) => Err(e.into()),
+        (Some(Ok(end)), _) => match end.error() {
+            Some(e) => Err(e.into()),
+            None => Ok(ExitCode::SUCCESS),
+        },
+        (None, Some(report)) => report_stop(&report, config),
+        (None, None) => Ok(ExitCode::SUCCESS),
     }
 }
 
-/// SIGINT/SIGTERM on a simulated run: the graceful stop, then the summary.
-async fn interrupted(node: Node, config: &Config, started: Instant) -> anyhow::Result<ExitCode> {
-    let status = node.status().await.ok();
-    let Some(report) = graceful_stop(node, config).await? else {
-        return Ok(ExitCode::from(130));
-    };
-    if let Some(mut s) = status {
-        if let Some(replay) = report.final_replay.clone() {
-            s.replay = replay;
-        }
-        print_summary(&s, started.elapsed().as_secs_f64());
+/// The progress bar's line; without a terminal (logs, CI) the bar is hidden and a real model's
+/// run prints one line per evaluation instead.
+fn show(bar: &ProgressBar, p: &Progress<'_>, evaluating: bool) {
+    bar.set_position(p.step);
+    if !evaluating {
+        bar.set_message(progress_line(p.status, p.wall_s));
+        return;
     }
-    report_stop(&report, config)
+    let line = format!(
+        "| reward {:.2} | eval {:.1}% (train {:.1}%) | lag {:.2} | {:.0} tok/s",
+        p.reward_smoothed.unwrap_or(0.0),
+        100.0 * p.accuracy.0,
+        100.0 * p.accuracy.1,
+        p.version_lag_mean,
+        p.tokens_per_s
+    );
+    if bar.is_hidden() && p.evaluated {
+        println!("step {}/{} {:.0}s {line}", p.step, p.max_steps, p.wall_s);
+    }
+    bar.set_message(line);
 }
 
 /// The graceful stop after a first SIGINT/SIGTERM: stop admitting, store in-flight partials as
 /// aborted, checkpoint, bounded by `supervision.shutdown_timeout_s`. A second signal exits at
 /// once (`None`; the replay store keeps every acknowledged group either way).
-pub(super) async fn graceful_stop(
-    node: Node,
-    config: &Config,
-) -> anyhow::Result<Option<StopReport>> {
+async fn graceful_stop(node: Node, config: &Config) -> anyhow::Result<Option<StopReport>> {
     eprintln!(
         "stopping: storing in-flight rollouts and writing a checkpoint (signal again to exit now)"
     );
-    let bound = config.supervision.shutdown_timeout + Duration::from_secs(5);
+    let bound = config.supervision.shutdown_timeout + std::time::Duration::from_secs(5);
     tokio::select! {
         r = tokio::time::timeout(bound, node.stop_gracefully()) => match r {
             Ok(report) => Ok(Some(report)),
@@ -110,7 +255,7 @@ pub(super) async fn graceful_stop(
 }
 
 /// Says where the stop left the run's state; an incomplete stop is an error.
-pub(super) fn report_stop(report: &StopReport, config: &Config) -> anyhow::Result<ExitCode> {
+fn report_stop(report: &StopReport, config: &Config) -> anyhow::Result<ExitCode> {
     match (&report.checkpoint, &report.checkpoint_dir) {
         (Some(m), Some(dir)) => eprintln!(
             "stopped in {:.2} s: checkpoint v{} at step {} under {}; restart with the same config to resume",
@@ -146,6 +291,7 @@ fn progress_line(s: &NodeStatus, wall: f64) -> String {
     )
 }
 
+/// The summary of a run without evaluations.
 fn print_summary(s: &NodeStatus, wall: f64) {
     let t = &s.trainer;
     println!("steps                 {}", t.steps);
@@ -176,4 +322,38 @@ fn print_summary(s: &NodeStatus, wall: f64) {
         .map(|(k, v)| format!("{k}={v}"))
         .collect();
     println!("buckets               {}", buckets.join(" "));
+}
+
+/// The summary of a real model's run: accuracy from start to end.
+fn print_model_summary(r: &RunSummary, status: Option<&NodeStatus>) {
+    let from = if r.start.resumed {
+        format!("(at step {}) ", r.start.step)
+    } else {
+        String::new()
+    };
+    println!("steps                 {}", r.steps);
+    println!("wall time             {:.1} s", r.wall_s);
+    println!(
+        "held-out accuracy     {from}{:.1}% → {:.1}% (best {:.1}%)",
+        100.0 * r.start.accuracy.0,
+        100.0 * r.last_accuracy.0,
+        100.0 * r.best_accuracy
+    );
+    println!(
+        "training problems     {from}{:.1}% → {:.1}%",
+        100.0 * r.start.accuracy.1,
+        100.0 * r.last_accuracy.1
+    );
+    if let Some((step, at)) = r.reached_target_at {
+        println!("target reached        at step {step}, {at:.1} s");
+    }
+    if let Some(s) = status {
+        println!(
+            "version lag           mean {:.3}, max {} (violations {})",
+            s.trainer.mean_lag(),
+            s.trainer.max_lag,
+            s.trainer.lag_violations
+        );
+        println!("engine busy ratio     {:.3}", s.engine_busy_ratio());
+    }
 }

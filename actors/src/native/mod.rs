@@ -6,14 +6,12 @@
 pub mod eval;
 pub mod renderer;
 pub mod setup;
-pub mod tap;
 pub mod task_env;
 pub mod warmup;
 
 pub use eval::{Evaluation, Evaluator};
 pub use renderer::ModelRenderer;
 pub use setup::{NativeSetup, ensure_model_dir};
-pub use tap::{TapHandle, TappedStep, TappedTrainer, TrainerTap, lock_tap};
 pub use task_env::TaskEnv;
 pub use warmup::{
     Demonstration, WarmupProgress, WarmupReport, WarmupSettings, demonstrations, warm_start,

@@ -6,9 +6,40 @@ use std::collections::{BTreeMap, HashSet};
 use std::time::Instant;
 
 use sluice_core::metrics::{self as m, MetricKind};
-use sluice_core::{BackendError, GroupId, PolicyVersion, RolloutGroup};
+use sluice_core::{BackendError, GroupId, PolicyVersion, RolloutGroup, WeightSnapshot};
+use tokio::sync::mpsc;
 
 use super::{StepReport, Worker, panic_message};
+
+/// Steps the feed holds before the trainer waits for its reader (far more than a run monitor
+/// falls behind while it evaluates).
+pub const STEP_FEED_CAPACITY: usize = 1024;
+
+/// The trainer's step feed: every completed step, in order (see [`TrainedStep`]). Bounded: a
+/// reader that falls [`STEP_FEED_CAPACITY`] steps behind holds the trainer; a dropped reader is
+/// ignored.
+pub type StepFeed = mpsc::Sender<TrainedStep>;
+
+/// One completed training step, as the run monitor sees it.
+#[derive(Debug, Clone)]
+pub struct TrainedStep {
+    /// The run's step number (restarts included; the first step of a fresh run is 1).
+    pub step: u64,
+    /// Version the step trained (the weights it started from).
+    pub version: PolicyVersion,
+    /// Mean final reward of the batch's rollouts.
+    pub reward_mean: f64,
+    /// Mean version lag of the batch's completion tokens against `version`.
+    pub version_lag_mean: f64,
+    /// Completion tokens trained.
+    pub trained_tokens: u64,
+    /// Seconds the step computed.
+    pub seconds: f64,
+    /// The backend's own metrics (loss, clip fraction, entropy, …).
+    pub metrics: BTreeMap<String, f64>,
+    /// The weights it published; `None` when the step was skipped (every advantage zero).
+    pub weights: Option<WeightSnapshot>,
+}
 
 impl Worker {
     /// One step on `batch`, taken from weights `version` under lag bound `eta`.
@@ -41,6 +72,7 @@ impl Worker {
                 });
         let seconds = step_started.elapsed().as_secs_f64();
         metrics::histogram!(m::TRAINER_STEP_SECONDS).record(seconds);
+        let (reward_mean, version_lag_mean) = batch_means(&batch, version);
         let groups = batch.len() as u64;
         let mut status = self.status.lock().unwrap_or_else(|e| e.into_inner());
         status.idle_seconds += idle;
@@ -99,6 +131,21 @@ impl Worker {
         if let Some(w) = &published {
             metrics::gauge!(m::TRAINER_POLICY_VERSION).set(w.version.0 as f64);
         }
+        if let Some(feed) = &self.options.feed {
+            let step = TrainedStep {
+                step: steps,
+                version,
+                reward_mean,
+                version_lag_mean,
+                trained_tokens: check.tokens,
+                seconds,
+                metrics: out.metrics,
+                weights: published.clone(),
+            };
+            // The thread is the trainer's own: waiting here is the feed's back-pressure. A reader
+            // that is gone (the run ended) is not an error.
+            let _ = feed.blocking_send(step);
+        }
         (self.publish)(StepReport {
             seconds,
             weights: published,
@@ -132,6 +179,23 @@ pub fn export_step_metrics(values: &BTreeMap<String, f64>) -> usize {
         }
     }
     ignored
+}
+
+/// Mean reward over rollouts and mean version lag over completion tokens of `batch`, trained
+/// from `version`.
+fn batch_means(batch: &[RolloutGroup], version: PolicyVersion) -> (f64, f64) {
+    let (mut rewards, mut n) = (0.0, 0usize);
+    let (mut lag, mut tokens) = (0u64, 0u64);
+    for r in batch.iter().flat_map(|g| &g.rollouts) {
+        rewards += r.reward;
+        n += 1;
+        for t in r.turns.iter().flat_map(|t| &t.token_versions) {
+            lag += t.lag_behind(version);
+            tokens += 1;
+        }
+    }
+    let mean = |sum: f64, count: f64| if count > 0.0 { sum / count } else { 0.0 };
+    (mean(rewards, n as f64), mean(lag as f64, tokens as f64))
 }
 
 struct BatchCheck {
