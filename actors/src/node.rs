@@ -92,6 +92,8 @@ pub struct Node {
     checkpointer: Option<tokio::task::JoinHandle<()>>,
     /// The weights the engine started on (the trainer's, after a restore).
     start_weights: WeightSnapshot,
+    /// The run's steps when the node started (its checkpoint's; 0 for a fresh run).
+    start_step: u64,
     pub(crate) shutdown_timeout: Duration,
 }
 
@@ -267,10 +269,11 @@ impl Node {
         )
         .await?;
         joins.push(("sampler", events.watch_join("sampler", j)));
+        let start_step = manifest.as_ref().map_or(0, |m| m.steps);
         let trainer_options = TrainerOptions {
             groups_per_step: b as usize,
             max_steps: config.run.max_steps.get(),
-            start_step: manifest.as_ref().map_or(0, |m| m.steps),
+            start_step,
             start_trained_groups: manifest.as_ref().map_or(0, |m| m.trained_groups),
             track_ids,
             events: events.clone(),
@@ -340,6 +343,7 @@ impl Node {
             telemetry,
             checkpointer,
             start_weights,
+            start_step,
             shutdown_timeout: config.supervision.shutdown_timeout,
         })
     }
@@ -368,6 +372,12 @@ impl Node {
     /// first evaluation scores them).
     pub fn start_weights(&self) -> &WeightSnapshot {
         &self.start_weights
+    }
+
+    /// The run's steps when the node started: its checkpoint's, 0 for a fresh run (the
+    /// trainer may be past it by the time anyone asks its status).
+    pub fn start_step(&self) -> u64 {
+        self.start_step
     }
 
     /// Marks the end of the run with a final checkpoint (when checkpoints are on) whose reason

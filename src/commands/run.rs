@@ -126,7 +126,7 @@ async fn run_config(config: &Config) -> anyhow::Result<ExitCode> {
     if let Some(addr) = node.metrics_addr() {
         println!("Prometheus metrics on http://{addr}/metrics");
     }
-    let first_step = node.status().await?.trainer.steps;
+    let first_step = node.start_step();
     let log_path = out.join(METRICS_FILE);
     // The steps after the checkpoint are trained again: their old records go.
     let log = MetricsLog::resume(&log_path, first_step)
