@@ -151,7 +151,7 @@ pub enum ModelCommand {
 #[derive(Debug, clap::Args)]
 pub struct ModelInitArgs {
     /// Which preset: `tiny` (tests, quickstart) or `small` (~76M parameters, benchmarks).
-    #[arg(long, value_parser = parse_preset)]
+    #[arg(long, value_parser = sluice_core::config::ModelPreset::parse_name)]
     pub preset: sluice_core::config::ModelPreset,
     /// Directory to write (created if needed). A directory that already holds a model
     /// (`config.json` or weights) is refused unless `--force`.
@@ -172,26 +172,17 @@ pub struct ModelInfoArgs {
     pub dir: PathBuf,
 }
 
-fn parse_preset(s: &str) -> Result<sluice_core::config::ModelPreset, String> {
-    match s {
-        "tiny" => Ok(sluice_core::config::ModelPreset::Tiny),
-        "small" => Ok(sluice_core::config::ModelPreset::Small),
-        "medium" => Ok(sluice_core::config::ModelPreset::Medium),
-        other => Err(format!("unknown preset `{other}` (tiny, small, medium)")),
-    }
-}
-
 /// `sluice bench ...`
 #[derive(Debug, Subcommand)]
 pub enum BenchCommand {
     /// The async pipeline on a long-tail workload: sync vs the XTuner presets vs in_flight.
-    Pipeline(BenchPipelineArgs),
+    Pipeline(sluice_bench::BenchPipelineArgs),
     /// Actor overhead: samples/s through the pipeline with an instant engine and trainer.
-    Overhead(BenchPipelineArgs),
+    Overhead(sluice_bench::BenchPipelineArgs),
     /// Model: training forward+backward and decode tokens/s next to this machine's bounds.
-    Model(BenchModelArgs),
+    Model(sluice_bench::BenchModelArgs),
     /// Trainer: whole RL steps in tokens/s at several [B, L], and packing efficiency.
-    Trainer(BenchTrainerArgs),
+    Trainer(sluice_bench::BenchTrainerArgs),
     /// Native engine: continuous-batching speed-up, inter-token latency, weight-swap pauses.
     Engine(BenchEngineArgs),
 }
@@ -200,7 +191,7 @@ pub enum BenchCommand {
 #[derive(Debug, clap::Args)]
 pub struct BenchEngineArgs {
     /// Presets to measure (repeatable; default: tiny and small).
-    #[arg(long = "preset", value_parser = parse_preset)]
+    #[arg(long = "preset", value_parser = sluice_core::config::ModelPreset::parse_name)]
     pub presets: Vec<sluice_core::config::ModelPreset>,
     /// Requests in flight.
     #[arg(long = "concurrency", default_values_t = [1usize, 8, 32, 64])]
@@ -222,51 +213,6 @@ pub struct BenchEngineArgs {
     /// memory run: `--preset medium --concurrency 64 --kv-cache-mb 2048 --only-concurrency`).
     #[arg(long)]
     pub only_concurrency: bool,
-}
-
-/// `sluice bench trainer`
-#[derive(Debug, clap::Args)]
-pub struct BenchTrainerArgs {
-    /// Presets to measure (repeatable; default: tiny and small).
-    #[arg(long = "preset", value_parser = parse_preset)]
-    pub presets: Vec<sluice_core::config::ModelPreset>,
-    /// Micro-batch shapes `BxL` (repeatable; default: a few per preset).
-    #[arg(long = "shape", value_parser = parse_shape)]
-    pub shapes: Vec<(usize, usize)>,
-    /// Recompute activations in the backward (`trainer.activation_checkpointing`).
-    #[arg(long)]
-    pub activation_checkpointing: bool,
-}
-
-fn parse_shape(s: &str) -> Result<(usize, usize), String> {
-    let bad = || format!("expected a shape BxL such as 8x512, got `{s}`");
-    let (b, l) = s.split_once('x').ok_or_else(bad)?;
-    match (b.parse::<usize>(), l.parse::<usize>()) {
-        (Ok(b), Ok(l)) if b > 0 && l > 0 => Ok((b, l)),
-        _ => Err(bad()),
-    }
-}
-
-/// `sluice bench model`
-#[derive(Debug, clap::Args)]
-pub struct BenchModelArgs {
-    /// Presets to measure (repeatable; default: tiny and small).
-    #[arg(long = "preset", value_parser = parse_preset)]
-    pub presets: Vec<sluice_core::config::ModelPreset>,
-    /// Decode batch sizes.
-    #[arg(long = "batch", default_values_t = [1usize, 8, 64])]
-    pub batches: Vec<usize>,
-}
-
-/// `sluice bench pipeline` / `sluice bench overhead`
-#[derive(Debug, clap::Args)]
-pub struct BenchPipelineArgs {
-    /// Training steps per mode (overhead: ×10).
-    #[arg(long, default_value_t = 12)]
-    pub steps: u64,
-    /// Real seconds per simulated second.
-    #[arg(long, default_value_t = 0.1)]
-    pub time_scale: f64,
 }
 
 /// `sluice knobs ...`

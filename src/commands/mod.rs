@@ -1,9 +1,6 @@
 //! One module per subcommand; each takes its parsed arguments and returns an exit code.
 
 mod bench_engine;
-mod bench_model;
-mod bench_pipeline;
-mod bench_trainer;
 mod check;
 mod env_server;
 mod knobs;
@@ -29,11 +26,11 @@ pub fn run(command: Command) -> anyhow::Result<ExitCode> {
         Command::Status(args) => status::run(&args),
         Command::Pause(args) => status::set_paused(&args, true),
         Command::Resume(args) => status::set_paused(&args, false),
-        Command::Bench(BenchCommand::Pipeline(args)) => bench_pipeline::pipeline(&args),
-        Command::Bench(BenchCommand::Overhead(args)) => bench_pipeline::overhead(&args),
+        Command::Bench(BenchCommand::Pipeline(args)) => sluice_bench::pipeline::pipeline(&args),
+        Command::Bench(BenchCommand::Overhead(args)) => sluice_bench::pipeline::overhead(&args),
         Command::Model(cmd) => model::run(cmd),
-        Command::Bench(BenchCommand::Model(args)) => bench_model::run(&args),
-        Command::Bench(BenchCommand::Trainer(args)) => bench_trainer::run(&args),
+        Command::Bench(BenchCommand::Model(args)) => sluice_bench::model::run(&args),
+        Command::Bench(BenchCommand::Trainer(args)) => sluice_bench::trainer::run(&args),
         Command::EnvServer(args) => env_server::run(&args),
         Command::Serve(args) => serve::run(&args),
         Command::Bench(BenchCommand::Engine(args)) => bench_engine::run(&args),

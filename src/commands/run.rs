@@ -61,11 +61,7 @@ async fn prepare(config: &Config) -> anyhow::Result<NativeRun> {
     if prepared.created_model {
         println!(
             "created a {} model in {}",
-            config
-                .model
-                .init_preset
-                .map(|p| format!("{p:?}").to_lowercase())
-                .unwrap_or_default(),
+            config.model.init_preset.map_or("", |p| p.name()),
             config.model.path.display()
         );
     }

@@ -76,6 +76,28 @@ pub enum ModelPreset {
     Medium,
 }
 
+impl ModelPreset {
+    /// Every preset, in size order.
+    pub const ALL: [Self; 3] = [Self::Tiny, Self::Small, Self::Medium];
+
+    /// The preset's name in configs and flags.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Tiny => "tiny",
+            Self::Small => "small",
+            Self::Medium => "medium",
+        }
+    }
+
+    /// The preset named `name` (a flag's value); the error lists the names.
+    pub fn parse_name(name: &str) -> Result<Self, String> {
+        Self::ALL
+            .into_iter()
+            .find(|p| p.name() == name)
+            .ok_or_else(|| format!("unknown preset `{name}` (tiny, small, medium)"))
+    }
+}
+
 /// Element type of model weights.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]

@@ -275,11 +275,7 @@ fn validate_model(
                 ctx,
                 "model.init_preset",
                 p,
-                &[
-                    ("tiny", ModelPreset::Tiny),
-                    ("small", ModelPreset::Small),
-                    ("medium", ModelPreset::Medium),
-                ],
+                &ModelPreset::ALL.map(|p| (p.name(), p)),
             )
         })
         .transpose()?;

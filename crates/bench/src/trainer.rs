@@ -24,7 +24,19 @@ use sluice_trainer::loss::LossConfig;
 use sluice_trainer::optim::OptimConfig;
 use sluice_trainer::{NativeTrainer, NativeTrainerConfig, StepParts};
 
-use crate::cli::BenchTrainerArgs;
+/// `sluice bench trainer`
+#[derive(Debug, clap::Args)]
+pub struct BenchTrainerArgs {
+    /// Presets to measure (repeatable; default: tiny and small).
+    #[arg(long = "preset", value_parser = sluice_core::config::ModelPreset::parse_name)]
+    pub presets: Vec<sluice_core::config::ModelPreset>,
+    /// Micro-batch shapes `BxL` (repeatable; default: a few per preset).
+    #[arg(long = "shape", value_parser = parse_shape)]
+    pub shapes: Vec<(usize, usize)>,
+    /// Recompute activations in the backward (`trainer.activation_checkpointing`).
+    #[arg(long)]
+    pub activation_checkpointing: bool,
+}
 
 const PROMPT_TOKENS: usize = 16;
 
@@ -65,7 +77,7 @@ pub fn run(args: &BenchTrainerArgs) -> anyhow::Result<ExitCode> {
         );
         let snapshot = Arc::new(random_snapshot(config, 0, DType::F32, &Device::Cpu)?);
         for (rows, len) in shapes {
-            reset_peak_rss();
+            crate::rss::reset_peak();
             let mut settings = trainer_config(rows, len);
             settings.activation_checkpointing = args.activation_checkpointing;
             let mut trainer = NativeTrainer::new(Arc::clone(&snapshot), settings, None)?;
@@ -82,7 +94,7 @@ pub fn run(args: &BenchTrainerArgs) -> anyhow::Result<ExitCode> {
                 parts.add(&stats.parts);
             }
             let tok_s = tokens as f64 / seconds;
-            let peak = peak_rss_mib().map_or("n/a".to_owned(), |m| format!("{m:.0} MiB"));
+            let peak = crate::rss::peak_mib().map_or("n/a".to_owned(), |m| format!("{m:.0} MiB"));
             println!(
                 "  step [{rows}x{len}]  {tok_s:>10.0} tok/s   {:>8.3} s/step   peak RSS {peak}",
                 seconds / steps as f64
@@ -110,19 +122,6 @@ pub fn run(args: &BenchTrainerArgs) -> anyhow::Result<ExitCode> {
     }
     println!("RESULT trainer {}", result.join(" "));
     Ok(ExitCode::SUCCESS)
-}
-
-/// Restarts the kernel's peak-resident count of this process (Linux ≥ 4.0; a no-op elsewhere).
-fn reset_peak_rss() {
-    let _ = std::fs::write("/proc/self/clear_refs", "5");
-}
-
-/// Peak resident memory of this process since the last [`reset_peak_rss`], MiB.
-fn peak_rss_mib() -> Option<f64> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
-    let kib: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib / 1024.0)
 }
 
 fn trainer_config(rows: usize, len: usize) -> NativeTrainerConfig {
@@ -238,4 +237,13 @@ fn packing_mix(rows: usize, len: usize) -> (f64, f64, usize) {
     let slots: usize = lens.iter().map(|&(p, c)| p + c - 1).sum();
     let naive = slots as f64 / (naive_rows.div_ceil(rows) * rows * len) as f64;
     (packing.stats.efficiency(), naive, packing.stats.split_texts)
+}
+
+fn parse_shape(s: &str) -> Result<(usize, usize), String> {
+    let bad = || format!("expected a shape BxL such as 8x512, got `{s}`");
+    let (b, l) = s.split_once('x').ok_or_else(bad)?;
+    match (b.parse::<usize>(), l.parse::<usize>()) {
+        (Ok(b), Ok(l)) if b > 0 && l > 0 => Ok((b, l)),
+        _ => Err(bad()),
+    }
 }

@@ -19,29 +19,38 @@ use sluice_actors::{Node, NodeOptions, NodeStatus};
 use sluice_core::config::Config;
 use sluice_core::{Knobs, WeightUpdateMode};
 
-use crate::cli::BenchPipelineArgs;
+/// `sluice bench pipeline` / `sluice bench overhead`
+#[derive(Debug, clap::Args)]
+pub struct BenchPipelineArgs {
+    /// Training steps per mode (overhead: ×10).
+    #[arg(long, default_value_t = 12)]
+    pub steps: u64,
+    /// Real seconds per simulated second.
+    #[arg(long, default_value_t = 0.1)]
+    pub time_scale: f64,
+}
 
-const WORKLOAD: &str = include_str!("../../configs/sim_longtail.toml");
+const WORKLOAD: &str = include_str!("../../../configs/sim_longtail.toml");
 const PRESETS: [(&str, &str); 5] = [
     (
         "xtuner_sync",
-        include_str!("../../configs/xtuner_sync.toml"),
+        include_str!("../../../configs/xtuner_sync.toml"),
     ),
     (
         "xtuner_async1",
-        include_str!("../../configs/xtuner_async1.toml"),
+        include_str!("../../../configs/xtuner_async1.toml"),
     ),
     (
         "xtuner_async2",
-        include_str!("../../configs/xtuner_async2.toml"),
+        include_str!("../../../configs/xtuner_async2.toml"),
     ),
     (
         "xtuner_async3",
-        include_str!("../../configs/xtuner_async3.toml"),
+        include_str!("../../../configs/xtuner_async3.toml"),
     ),
     (
         "xtuner_async4",
-        include_str!("../../configs/xtuner_async4.toml"),
+        include_str!("../../../configs/xtuner_async4.toml"),
     ),
 ];
 

@@ -18,7 +18,16 @@ use sluice_model::{
     TrainableModel, WeightSnapshot, argmax_rows,
 };
 
-use crate::cli::BenchModelArgs;
+/// `sluice bench model`
+#[derive(Debug, clap::Args)]
+pub struct BenchModelArgs {
+    /// Presets to measure (repeatable; default: tiny and small).
+    #[arg(long = "preset", value_parser = sluice_core::config::ModelPreset::parse_name)]
+    pub presets: Vec<sluice_core::config::ModelPreset>,
+    /// Decode batch sizes.
+    #[arg(long = "batch", default_values_t = [1usize, 8, 64])]
+    pub batches: Vec<usize>,
+}
 
 /// Sizes per preset, chosen so the whole run takes a few minutes on 2 cores.
 struct Plan {
