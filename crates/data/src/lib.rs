@@ -5,6 +5,7 @@
 //! | [`dataset`] | [`Dataset`]: JSONL files named `domain::name[@split]` → [`sluice_core::DataSample`]s, bad lines reported and counted |
 //! | [`sampler`] | [`MixSampler`]: adaptive domain-weighted sampling toward the live `domain_mix` over any [`DomainRows`], per-domain system prompts and task dispatch, checkpointable; [`DomainSampler`] is it over datasets |
 //! | [`rows`] | row sources: [`DatasetRows`] (shuffled per epoch) and [`GeneratorRows`] (made on demand, e.g. synthetic) |
+//! | [`source`] | [`SampleSource`]: the seam the pipeline draws samples through; [`SimSource`], synthetic samples of simulated runs |
 //! | [`rng`] | [`rng::Rng`]: a small seeded generator whose whole state serializes, so a restored sampler continues exactly |
 //! | [`error`] | [`DataError`] and its stable `kind()` names |
 //!
@@ -16,6 +17,7 @@ pub mod error;
 pub mod rng;
 pub mod rows;
 pub mod sampler;
+pub mod source;
 
 pub use dataset::{BadLine, Dataset, dataset_path};
 pub use error::DataError;
@@ -24,3 +26,4 @@ pub use sampler::{
     DomainCounts, DomainMixEntry, DomainOptions, DomainRows, DomainSampler, MixSampler,
     SamplerConfig, SamplerState,
 };
+pub use source::{SampleSource, SimSource};
