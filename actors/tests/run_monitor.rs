@@ -31,7 +31,14 @@ async fn run(config: &Config, dir: &std::path::Path) -> (RunEnd, u64) {
         wall_s: log.last().map_or(0.0, |r| r.wall_s),
         ..Start::default()
     };
-    let mut monitor = RunMonitor::new(config, start, steps, Some(log), None);
+    let mut monitor = RunMonitor::new(
+        config,
+        std::time::Instant::now(),
+        start,
+        steps,
+        Some(log),
+        None,
+    );
     let mut looks = 0;
     let end = monitor.watch(&node, |_| looks += 1).await.unwrap();
     assert!(looks > 0, "progress is reported");

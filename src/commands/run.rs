@@ -76,6 +76,8 @@ async fn prepare(config: &Config) -> anyhow::Result<NativeRun> {
 }
 
 async fn run_config(config: &Config) -> anyhow::Result<ExitCode> {
+    // The run's wall time includes creating the model, the warm-up and the first evaluation.
+    let started = std::time::Instant::now();
     let out = &config.run.output_dir;
     std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
     let mut native = match config.engine.backend {
@@ -134,7 +136,7 @@ async fn run_config(config: &Config) -> anyhow::Result<ExitCode> {
         resumed: first_step > 0,
     };
     let evaluating = evaluations.is_some();
-    let mut monitor = RunMonitor::new(config, start, steps, Some(log), evaluations);
+    let mut monitor = RunMonitor::new(config, started, start, steps, Some(log), evaluations);
     if evaluating && fresh_start.is_none() {
         let a = monitor
             .evaluate_start(node.start_weights())

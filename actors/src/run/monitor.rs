@@ -113,11 +113,12 @@ pub struct RunMonitor {
 
 impl RunMonitor {
     /// A monitor of the run of `config` from `start`, reading the trainer's `feed` (the
-    /// receiving end of [`crate::NodeOptions::step_feed`]). `latest` is the weights the node
-    /// started from (evaluated if the budget is already spent); `log` receives one record per
+    /// receiving end of [`crate::NodeOptions::step_feed`]). `log` receives one record per
     /// step; `evaluations`, when given, are run every `eval.every_steps` and at the last step.
+    /// Wall time counts from `started` (the process's start of the run, warm-up included).
     pub fn new(
         config: &Config,
+        started: Instant,
         start: Start,
         feed: mpsc::Receiver<TrainedStep>,
         log: Option<MetricsLog>,
@@ -127,7 +128,7 @@ impl RunMonitor {
             feed,
             log,
             evaluations,
-            started: Instant::now(),
+            started,
             every: config.eval.every_steps,
             stop_at: config.eval.stop_at_accuracy,
             max_steps: config.run.max_steps.get(),
@@ -273,6 +274,7 @@ impl RunMonitor {
         self.reward_smoothed = Some(self.reward_smoothed.map_or(step.reward_mean, |r| {
             r + REWARD_SMOOTHING * (step.reward_mean - r)
         }));
+        let wall_s = self.wall();
         let Some(log) = &mut self.log else {
             return Ok(());
         };
@@ -282,7 +284,7 @@ impl RunMonitor {
         }
         let record = StepRecord {
             step: step.step,
-            wall_s: self.start.wall_s + self.started.elapsed().as_secs_f64(),
+            wall_s,
             phase: Some("rl".into()),
             reward_mean: self.reward_mean,
             eval_accuracy: accuracy.map(|a| a.0),
