@@ -83,7 +83,7 @@ impl SamplerHandle {
                 message,
             })?;
         }
-        let (actor, join) = Actor::spawn(None, SamplerActor, (source, knobs, out))
+        let (actor, join) = Actor::spawn(None, SamplerActor { knobs, out }, source)
             .await
             .map_err(|e| ActorError::Spawn {
                 actor: "sampler",
@@ -134,35 +134,35 @@ impl SamplerHandle {
     }
 }
 
-struct SamplerActor;
+/// The actor, with what stays fixed for its life: the knobs it reads the mix from and where
+/// the samples go. Its state is the source and its counters.
+struct SamplerActor {
+    knobs: KnobsHandle,
+    out: Sink<Vec<DataSample>>,
+}
 
 impl Actor for SamplerActor {
     type Msg = SamplerMsg;
-    type State = (
-        Box<dyn SampleSource>,
-        KnobsHandle,
-        Sink<Vec<DataSample>>,
-        ActorCounters,
-    );
-    type Arguments = (Box<dyn SampleSource>, KnobsHandle, Sink<Vec<DataSample>>);
+    type State = (Box<dyn SampleSource>, ActorCounters);
+    type Arguments = Box<dyn SampleSource>;
 
     async fn pre_start(
         &self,
         _me: ActorRef<SamplerMsg>,
-        (source, knobs, out): Self::Arguments,
+        source: Self::Arguments,
     ) -> Result<Self::State, ActorProcessingErr> {
-        source.publish_metrics(&knobs.current().domain_shares());
-        Ok((source, knobs, out, ActorCounters::new("sampler")))
+        source.publish_metrics(&self.knobs.current().domain_shares());
+        Ok((source, ActorCounters::new("sampler")))
     }
 
     async fn handle(
         &self,
         _me: ActorRef<SamplerMsg>,
         SamplerMsg(cmd): SamplerMsg,
-        (source, knobs, out, counters): &mut Self::State,
+        (source, counters): &mut Self::State,
     ) -> Result<(), ActorProcessingErr> {
         counters.received(1);
-        let shares = knobs.current().domain_shares();
+        let shares = self.knobs.current().domain_shares();
         match cmd {
             Cmd::Request(n) => {
                 let samples: Vec<DataSample> =
@@ -170,7 +170,7 @@ impl Actor for SamplerActor {
                 for s in &samples {
                     metrics::counter!(m::DATA_SAMPLES, "domain" => s.domain.clone()).increment(1);
                 }
-                out(samples);
+                (self.out)(samples);
                 counters.sent(1);
             }
             Cmd::Completed { domain, rollouts } => source.record_completed(&domain, rollouts),
