@@ -19,7 +19,9 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
+use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor};
+use rayon::prelude::*;
 use sluice_core::config::LossKind;
 use sluice_core::{
     BackendError, PolicyVersion, RolloutGroup, TrainStepOutput, TrainerBackend, WeightSnapshot,
@@ -27,12 +29,12 @@ use sluice_core::{
 use sluice_model::{ComputePool, ForwardOptions, TrainableModel};
 
 use crate::advantage::compute_advantages;
-use crate::batcher::{Packing, TrainingText, pack};
+use crate::batcher::{MicroBatch, Packing, TrainingText, pack};
 use crate::checkpoint;
 use crate::error::{TrainerError, tensor_ctx};
 use crate::loss::{LossStats, TextTokens, TokenInputs, aggregation_weights, token_terms};
 use crate::optim::{AdamW, GradAccumulator};
-use crate::report::{StepStats, step_metrics};
+use crate::report::{StepParts, StepStats, step_metrics};
 use crate::settings::NativeTrainerConfig;
 pub use crate::steps::minibatch_ranges;
 use crate::steps::{lap, packed, pick, record_packing, slot_index};
@@ -47,6 +49,15 @@ pub struct SupervisedExample<'a> {
     pub prompt: &'a [u32],
     /// Completion token ids (the cross-entropy targets).
     pub completion: &'a [u32],
+}
+
+/// What training one worker's micro-batches added up to (beside the gradients).
+#[derive(Debug, Default)]
+struct MicroOut {
+    loss: LossStats,
+    lag_sum: u64,
+    max_lag: u64,
+    parts: StepParts,
 }
 
 /// The candle trainer (see the module docs).
@@ -312,97 +323,153 @@ impl NativeTrainer {
     /// update is not the step's first), gradients accumulated, one AdamW step. Adds the loss,
     /// lag and optimizer figures to `stats` (packing figures: [`record_packing`]) and returns the
     /// summed version lag of the trained tokens.
+    ///
+    /// With several compute threads and several micro-batches, the micro-batches are trained
+    /// data-parallel: worker `w` of `k` takes micro-batches `w, w + k, …` in order and sums its
+    /// own gradients; the workers' sums are added in worker order. Whole micro-batches per
+    /// thread need no barrier inside an op (the fine-grained split of each product is what two
+    /// threads lost to when an engine shared the cores), and the result is the same for every
+    /// run with the same thread count. `stats.parts` then sums the workers' time (CPU seconds).
     fn update(
         &mut self,
         packing: &Packing,
         proximal: Option<&[Vec<f32>]>,
         temperature: f64,
         stats: &mut StepStats,
-        terms: impl Fn(&TokenInputs<'_>) -> Result<crate::loss::LossTerms, TrainerError>,
+        terms: impl Fn(&TokenInputs<'_>) -> Result<crate::loss::LossTerms, TrainerError> + Sync,
     ) -> Result<u64, TrainerError> {
-        let vars: Vec<_> = self.model.vars().iter().map(|(_, v)| v).collect();
-        let mut grads = GradAccumulator::new(vars.len());
-        let mut lag_sum = 0u64;
         let options = ForwardOptions {
             logits_chunk_rows: self.config.logits_chunk_rows,
             temperature,
         };
-        let mut clock = Instant::now();
-        for (m, mb) in packing.micro_batches.iter().enumerate() {
-            let slots = mb.loss_slots();
-            if slots.is_empty() {
-                continue;
+        let micro: Vec<(usize, &MicroBatch)> = packing
+            .micro_batches
+            .iter()
+            .enumerate()
+            .filter(|(_, mb)| !mb.loss_slots().is_empty())
+            .collect();
+        let workers = self.pool.threads().min(micro.len()).max(1);
+        let this = &*self;
+        let work = |w: usize| -> Result<(GradAccumulator, MicroOut), TrainerError> {
+            let vars: Vec<_> = this.model.vars().iter().map(|(_, v)| v).collect();
+            let mut grads = GradAccumulator::new(vars.len());
+            let mut out = MicroOut::default();
+            for &(m, mb) in micro.iter().skip(w).step_by(workers) {
+                let store = this.micro_step(
+                    mb,
+                    proximal.map(|p| p[m].as_slice()),
+                    options,
+                    &terms,
+                    &mut out,
+                )?;
+                let mut clock = Instant::now();
+                grads.add(&vars, &store)?;
+                out.parts.backward += lap(&mut clock);
             }
-            stats.parts.packing += lap(&mut clock);
-            for &i in &slots {
-                let lag = self.version.0.saturating_sub(mb.versions[i]);
-                lag_sum += lag;
-                stats.max_lag = stats.max_lag.max(lag);
+            Ok((grads, out))
+        };
+        let results: Vec<Result<(GradAccumulator, MicroOut), TrainerError>> = if workers > 1 {
+            (0..workers).into_par_iter().map(work).collect()
+        } else {
+            vec![work(0)]
+        };
+        let mut grads: Option<GradAccumulator> = None;
+        let mut lag_sum = 0;
+        for result in results {
+            let (g, out) = result?;
+            match &mut grads {
+                None => grads = Some(g),
+                Some(acc) => acc.merge(g)?,
             }
-            let batch = packed(mb);
-            let (scores, saved) = if self.config.activation_checkpointing {
-                let (scores, saved) = self.model.token_scores_recomputable(&batch, options)?;
-                (scores, Some(saved))
-            } else {
-                (self.model.token_scores(&batch, options)?, None)
-            };
-            stats.parts.forward += lap(&mut clock);
-            let device = self.model.device().clone();
-            let index = slot_index(&slots, &device)?;
-            let (logprobs, lp_host) = pick(&scores.logprobs, &index, "log-probs")?;
-            let (_, entropy) = pick(&scores.entropy, &index, "entropies")?;
-            stats.parts.loss += lap(&mut clock);
-            let reference = match &self.reference {
-                Some(r) => Some(
-                    pick(
-                        &r.token_scores_recomputable(&batch, options)?
-                            .0
-                            .logprobs
-                            .detach(),
-                        &index,
-                        "reference log-probs",
-                    )?
-                    .1,
-                ),
-                None => None,
-            };
-            stats.parts.scoring += lap(&mut clock);
-            let gather = |v: &[f32]| slots.iter().map(|&i| v[i]).collect::<Vec<f32>>();
-            let (behaviour, advantages, weights) = (
-                gather(&mb.behaviour),
-                gather(&mb.advantages),
-                gather(&mb.weights),
-            );
-            let sequence: Vec<u32> = slots.iter().map(|&i| mb.text_ids[i]).collect();
-            let inputs = TokenInputs {
-                logprobs: &lp_host,
-                behaviour: &behaviour,
-                proximal: proximal.map(|p| p[m].as_slice()),
-                advantages: &advantages,
-                weights: &weights,
-                sequence: &sequence,
-                reference: reference.as_deref(),
-                entropy: Some(&entropy),
-            };
-            let t = terms(&inputs)?;
-            stats.loss.merge(&t.stats);
-            let coefficients = Tensor::new(t.coefficients.as_slice(), &device)
-                .and_then(|c| c.to_dtype(logprobs.dtype()))
-                .map_err(tensor_ctx("loss coefficients"))?;
-            let surrogate = (logprobs * coefficients)
-                .and_then(|s| s.sum_all())
-                .map_err(tensor_ctx("surrogate loss"))?;
-            stats.parts.loss += lap(&mut clock);
-            let store = match saved {
-                Some(saved) => self.model.backward_recomputed(&surrogate, saved)?,
-                None => surrogate.backward().map_err(tensor_ctx("backward"))?,
-            };
-            grads.add(&vars, &store)?;
-            stats.parts.backward += lap(&mut clock);
+            lag_sum += out.lag_sum;
+            stats.max_lag = stats.max_lag.max(out.max_lag);
+            stats.loss.merge(&out.loss);
+            stats.parts.add(&out.parts);
         }
+        let grads = grads.unwrap_or_else(|| GradAccumulator::new(self.model.vars().len()));
+        let mut clock = Instant::now();
         stats.optim = Some(self.optim.step(&grads)?);
         stats.parts.optimizer += lap(&mut clock);
         Ok(lag_sum)
+    }
+
+    /// Forward, loss and backward of one micro-batch; returns its gradients and adds its
+    /// figures to `out`.
+    fn micro_step(
+        &self,
+        mb: &MicroBatch,
+        proximal: Option<&[f32]>,
+        options: ForwardOptions,
+        terms: &(impl Fn(&TokenInputs<'_>) -> Result<crate::loss::LossTerms, TrainerError> + Sync),
+        out: &mut MicroOut,
+    ) -> Result<GradStore, TrainerError> {
+        let mut clock = Instant::now();
+        let slots = mb.loss_slots();
+        for &i in &slots {
+            let lag = self.version.0.saturating_sub(mb.versions[i]);
+            out.lag_sum += lag;
+            out.max_lag = out.max_lag.max(lag);
+        }
+        let batch = packed(mb);
+        let (scores, saved) = if self.config.activation_checkpointing {
+            let (scores, saved) = self.model.token_scores_recomputable(&batch, options)?;
+            (scores, Some(saved))
+        } else {
+            (self.model.token_scores(&batch, options)?, None)
+        };
+        out.parts.forward += lap(&mut clock);
+        let device = self.model.device().clone();
+        let index = slot_index(&slots, &device)?;
+        let (logprobs, lp_host) = pick(&scores.logprobs, &index, "log-probs")?;
+        let (_, entropy) = pick(&scores.entropy, &index, "entropies")?;
+        out.parts.loss += lap(&mut clock);
+        let reference = match &self.reference {
+            Some(r) => Some(
+                pick(
+                    &r.token_scores_recomputable(&batch, options)?
+                        .0
+                        .logprobs
+                        .detach(),
+                    &index,
+                    "reference log-probs",
+                )?
+                .1,
+            ),
+            None => None,
+        };
+        out.parts.scoring += lap(&mut clock);
+        let gather = |v: &[f32]| slots.iter().map(|&i| v[i]).collect::<Vec<f32>>();
+        let (behaviour, advantages, weights) = (
+            gather(&mb.behaviour),
+            gather(&mb.advantages),
+            gather(&mb.weights),
+        );
+        let sequence: Vec<u32> = slots.iter().map(|&i| mb.text_ids[i]).collect();
+        let inputs = TokenInputs {
+            logprobs: &lp_host,
+            behaviour: &behaviour,
+            proximal,
+            advantages: &advantages,
+            weights: &weights,
+            sequence: &sequence,
+            reference: reference.as_deref(),
+            entropy: Some(&entropy),
+        };
+        let t = terms(&inputs)?;
+        out.loss.merge(&t.stats);
+        let coefficients = Tensor::new(t.coefficients.as_slice(), &device)
+            .and_then(|c| c.to_dtype(logprobs.dtype()))
+            .map_err(tensor_ctx("loss coefficients"))?;
+        let surrogate = (logprobs * coefficients)
+            .and_then(|s| s.sum_all())
+            .map_err(tensor_ctx("surrogate loss"))?;
+        out.parts.loss += lap(&mut clock);
+        let store = match saved {
+            Some(saved) => self.model.backward_recomputed(&surrogate, saved)?,
+            None => surrogate.backward().map_err(tensor_ctx("backward"))?,
+        };
+        out.parts.backward += lap(&mut clock);
+        Ok(store)
     }
 
     /// Log-probs of every loss slot of `packing`, one vector per micro-batch (slots in order),

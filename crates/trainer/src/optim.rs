@@ -140,6 +140,19 @@ impl GradAccumulator {
         Ok(())
     }
 
+    /// Adds another accumulator's sums, parameter by parameter (`other` over the same
+    /// parameters).
+    pub fn merge(&mut self, other: GradAccumulator) -> Result<(), OptimError> {
+        for (i, (acc, g)) in self.grads.iter_mut().zip(other.grads).enumerate() {
+            let Some(g) = g else { continue };
+            *acc = Some(match acc.take() {
+                None => g,
+                Some(a) => (a + g).ctx(|| format!("accumulating gradient {i}"))?,
+            });
+        }
+        Ok(())
+    }
+
     /// The accumulated gradient of parameter `i`.
     pub fn get(&self, i: usize) -> Option<&Tensor> {
         self.grads.get(i).and_then(Option::as_ref)

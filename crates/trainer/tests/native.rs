@@ -245,6 +245,46 @@ fn accumulating_micro_batches_equals_one_large_micro_batch() {
 }
 
 #[test]
+fn data_parallel_micro_batches_take_the_serial_steps() {
+    // Three micro-batches of one row over 1, 2 and 3 compute threads: worker w trains
+    // micro-batches w, w + k, …; the sums differ from the serial order only by rounding, and a
+    // thread count always gives the same weights.
+    let run = |threads: usize| {
+        let mut c = config(0.01, 1);
+        c.threads = threads;
+        c.loss.kind = LossKind::DecoupledPpo;
+        c.minibatches = 2;
+        let mut t = NativeTrainer::new(tiny(8), c, None).unwrap();
+        let mut norms = Vec::new();
+        for _ in 0..2 {
+            let (s, _) = t.rl_step(&fixed_batch()).unwrap();
+            assert_eq!(
+                s.micro_batches, 4,
+                "two minibatches of two one-row micro-batches"
+            );
+            norms.push(s.optim.unwrap().grad_norm);
+        }
+        (norms, params(&t))
+    };
+    let (serial_norms, serial) = run(1);
+    for threads in [2, 3] {
+        let (norms, weights) = run(threads);
+        for (a, b) in serial_norms.iter().zip(&norms) {
+            assert!(
+                (a - b).abs() <= 1e-5 * a.max(1.0),
+                "{threads} threads: {a} vs {b}"
+            );
+        }
+        for (pa, pb) in serial.iter().zip(&weights) {
+            for (x, y) in pa.iter().zip(pb) {
+                assert!((x - y).abs() <= 1e-4, "{threads} threads: {x} vs {y}");
+            }
+        }
+        assert_eq!(run(threads).1, weights, "{threads} threads: run to run");
+    }
+}
+
+#[test]
 fn activation_checkpointing_takes_the_same_steps() {
     // Two steps, two minibatches and a KL reference: the recomputed backward, the proximal and
     // the reference forwards all run.
