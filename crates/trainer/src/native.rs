@@ -21,7 +21,6 @@ use std::time::Instant;
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor};
-use rayon::prelude::*;
 use sluice_core::config::LossKind;
 use sluice_core::{
     BackendError, PolicyVersion, RolloutGroup, TrainStepOutput, TrainerBackend, WeightSnapshot,
@@ -33,7 +32,7 @@ use crate::batcher::{MicroBatch, Packing, TrainingText, pack};
 use crate::checkpoint;
 use crate::error::{TrainerError, tensor_ctx};
 use crate::loss::{LossStats, TextTokens, TokenInputs, aggregation_weights, token_terms};
-use crate::optim::{AdamW, GradAccumulator};
+use crate::optim::{AdamW, GradAccumulator, gradients};
 use crate::report::{StepParts, StepStats, step_metrics};
 use crate::settings::NativeTrainerConfig;
 pub use crate::steps::minibatch_ranges;
@@ -72,6 +71,8 @@ pub struct NativeTrainer {
     aux_source: Option<std::path::PathBuf>,
     /// The threads steps run on (`config.threads`).
     pool: ComputePool,
+    /// One single-thread pool per data-parallel worker (`config.threads > 1`; empty else).
+    workers: Vec<ComputePool>,
 }
 
 impl std::fmt::Debug for NativeTrainer {
@@ -103,8 +104,16 @@ impl NativeTrainer {
         let optim = AdamW::new(vars, config.optim)?;
         let published = Arc::new(model.snapshot(initial.version, Some(config.publish_dtype))?);
         let pool = ComputePool::new("trainer-compute", config.threads)?;
+        let workers = if config.threads > 1 {
+            (0..config.threads)
+                .map(|w| ComputePool::new(&format!("trainer-worker{w}"), 1))
+                .collect::<Result<_, _>>()?
+        } else {
+            Vec::new()
+        };
         Ok(Self {
             pool,
+            workers,
             version: initial.version,
             config,
             model,
@@ -325,11 +334,12 @@ impl NativeTrainer {
     /// summed version lag of the trained tokens.
     ///
     /// With several compute threads and several micro-batches, the micro-batches are trained
-    /// data-parallel: worker `w` of `k` takes micro-batches `w, w + k, …` in order and sums its
-    /// own gradients; the workers' sums are added in worker order. Whole micro-batches per
-    /// thread need no barrier inside an op (the fine-grained split of each product is what two
-    /// threads lost to when an engine shared the cores), and the result is the same for every
-    /// run with the same thread count. `stats.parts` then sums the workers' time (CPU seconds).
+    /// data-parallel: worker `w` of `k`, on a single-thread pool of its own, takes micro-batches
+    /// `w, w + k, …`, and their gradients are added in micro-batch order as they arrive (at most
+    /// `k` wait their turn). Whole micro-batches per thread need no barrier inside an op (the
+    /// fine-grained split of each product is what two threads lost to when an engine shared the
+    /// cores), and the sums are the serial ones bit for bit. `stats.parts` then sums the workers'
+    /// time (CPU seconds).
     fn update(
         &mut self,
         packing: &Packing,
@@ -348,14 +358,21 @@ impl NativeTrainer {
             .enumerate()
             .filter(|(_, mb)| !mb.loss_slots().is_empty())
             .collect();
-        let workers = self.pool.threads().min(micro.len()).max(1);
-        let this = &*self;
-        let work = |w: usize| -> Result<(GradAccumulator, MicroOut), TrainerError> {
-            let vars: Vec<_> = this.model.vars().iter().map(|(_, v)| v).collect();
-            let mut grads = GradAccumulator::new(vars.len());
-            let mut out = MicroOut::default();
-            for &(m, mb) in micro.iter().skip(w).step_by(workers) {
-                let store = this.micro_step(
+        let vars: Vec<_> = self.model.vars().iter().map(|(_, v)| v).collect();
+        let mut grads = GradAccumulator::new(vars.len());
+        let mut add = |(g, out): (Vec<Option<Tensor>>, MicroOut)| -> Result<u64, TrainerError> {
+            let mut clock = Instant::now();
+            grads.add_gradients(g)?;
+            stats.parts.backward += lap(&mut clock);
+            stats.max_lag = stats.max_lag.max(out.max_lag);
+            stats.loss.merge(&out.loss);
+            stats.parts.add(&out.parts);
+            Ok(out.lag_sum)
+        };
+        let one =
+            |m: usize, mb: &MicroBatch| -> Result<(Vec<Option<Tensor>>, MicroOut), TrainerError> {
+                let mut out = MicroOut::default();
+                let store = self.micro_step(
                     mb,
                     proximal.map(|p| p[m].as_slice()),
                     options,
@@ -363,30 +380,45 @@ impl NativeTrainer {
                     &mut out,
                 )?;
                 let mut clock = Instant::now();
-                grads.add(&vars, &store)?;
+                let g = gradients(&vars, &store)?;
                 out.parts.backward += lap(&mut clock);
-            }
-            Ok((grads, out))
-        };
-        let results: Vec<Result<(GradAccumulator, MicroOut), TrainerError>> = if workers > 1 {
-            (0..workers).into_par_iter().map(work).collect()
-        } else {
-            vec![work(0)]
-        };
-        let mut grads: Option<GradAccumulator> = None;
+                Ok((g, out))
+            };
         let mut lag_sum = 0;
-        for result in results {
-            let (g, out) = result?;
-            match &mut grads {
-                None => grads = Some(g),
-                Some(acc) => acc.merge(g)?,
+        if self.workers.len() > 1 && micro.len() > 1 {
+            let k = self.workers.len().min(micro.len());
+            let (tx, rx) = std::sync::mpsc::sync_channel(k);
+            std::thread::scope(|scope| -> Result<(), TrainerError> {
+                for (w, pool) in self.workers.iter().take(k).enumerate() {
+                    let (tx, micro, one) = (tx.clone(), &micro, &one);
+                    scope.spawn(move || {
+                        pool.install(|| {
+                            for (i, &(m, mb)) in micro.iter().enumerate().skip(w).step_by(k) {
+                                // A closed channel: the update failed elsewhere; stop.
+                                if tx.send((i, one(m, mb))).is_err() {
+                                    break;
+                                }
+                            }
+                        });
+                    });
+                }
+                drop(tx);
+                let mut waiting = std::collections::BTreeMap::new();
+                let mut next = 0;
+                for (i, result) in rx {
+                    waiting.insert(i, result);
+                    while let Some(result) = waiting.remove(&next) {
+                        lag_sum += add(result?)?;
+                        next += 1;
+                    }
+                }
+                Ok(())
+            })?;
+        } else {
+            for &(m, mb) in &micro {
+                lag_sum += add(one(m, mb)?)?;
             }
-            lag_sum += out.lag_sum;
-            stats.max_lag = stats.max_lag.max(out.max_lag);
-            stats.loss.merge(&out.loss);
-            stats.parts.add(&out.parts);
         }
-        let grads = grads.unwrap_or_else(|| GradAccumulator::new(self.model.vars().len()));
         let mut clock = Instant::now();
         stats.optim = Some(self.optim.step(&grads)?);
         stats.parts.optimizer += lap(&mut clock);

@@ -109,6 +109,23 @@ impl<T> Ctx<T> for candle_core::Result<T> {
     }
 }
 
+/// The gradients of `vars` in `store`, in f32, one slot per parameter (`None`: no gradient).
+/// Taking them out lets the rest of the store (every intermediate's gradient) go at once.
+pub fn gradients(vars: &[&Var], store: &GradStore) -> Result<Vec<Option<Tensor>>, OptimError> {
+    vars.iter()
+        .enumerate()
+        .map(|(i, var)| {
+            store
+                .get(var.as_tensor())
+                .map(|g| {
+                    g.to_dtype(DType::F32)
+                        .ctx(|| format!("gradient {i} to f32"))
+                })
+                .transpose()
+        })
+        .collect()
+}
+
 /// Gradients summed over the micro-batches of one step, in f32, one slot per parameter.
 #[derive(Debug)]
 pub struct GradAccumulator {
@@ -125,25 +142,12 @@ impl GradAccumulator {
 
     /// Adds the gradients of `vars` found in `store`.
     pub fn add(&mut self, vars: &[&Var], store: &GradStore) -> Result<(), OptimError> {
-        for (i, var) in vars.iter().enumerate() {
-            let Some(g) = store.get(var.as_tensor()) else {
-                continue;
-            };
-            let g = g
-                .to_dtype(DType::F32)
-                .ctx(|| format!("gradient {i} to f32"))?;
-            self.grads[i] = Some(match self.grads[i].take() {
-                None => g,
-                Some(acc) => (acc + g).ctx(|| format!("accumulating gradient {i}"))?,
-            });
-        }
-        Ok(())
+        self.add_gradients(gradients(vars, store)?)
     }
 
-    /// Adds another accumulator's sums, parameter by parameter (`other` over the same
-    /// parameters).
-    pub fn merge(&mut self, other: GradAccumulator) -> Result<(), OptimError> {
-        for (i, (acc, g)) in self.grads.iter_mut().zip(other.grads).enumerate() {
+    /// Adds one micro-batch's gradients (from [`gradients`]), parameter by parameter.
+    pub fn add_gradients(&mut self, grads: Vec<Option<Tensor>>) -> Result<(), OptimError> {
+        for (i, (acc, g)) in self.grads.iter_mut().zip(grads).enumerate() {
             let Some(g) = g else { continue };
             *acc = Some(match acc.take() {
                 None => g,

@@ -3,7 +3,7 @@
 
 use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
 
-use super::{Real, cpu_slice, row_blocks, same_dtype, storage_slice, tensor};
+use super::{Real, cpu_slice, fixed_row_blocks, row_blocks, same_dtype, storage_slice, tensor};
 
 /// RMSNorm over rows of `weight.len()` elements: `w ⊙ x / sqrt(mean(x²) + eps)`. `x` may have
 /// any shape whose last dimension is that length (or whose element count is a multiple of it:
@@ -78,8 +78,10 @@ fn rms_bwd<T: Real>(x: &[T], w: &[T], g: &[T], eps: f64, want_dx: bool) -> (Vec<
             }
         }
     };
+    // `dw` sums over rows: fixed blocks keep its bits independent of the thread count.
+    const DW_BLOCK_ROWS: usize = 256;
     let partials = if want_dx {
-        row_blocks(&mut dx, d, |first, block| {
+        fixed_row_blocks(&mut dx, d, DW_BLOCK_ROWS, |first, block| {
             let mut dw = vec![zero; d];
             for (i, dxr) in block.chunks_exact_mut(d).enumerate() {
                 row(first + i, Some(dxr), &mut dw);

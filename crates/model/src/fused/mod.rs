@@ -280,6 +280,33 @@ pub(crate) fn row_blocks<T: Send, R: Send>(
         .collect()
 }
 
+/// [`row_blocks`] with blocks of `block_rows` rows whatever the pool: per-block results (partial
+/// sums) are the same on one thread or many, so adding them in order gives the same bits for
+/// every thread count (a trainer's result must not depend on `trainer.threads`).
+pub(crate) fn fixed_row_blocks<T: Send, R: Send>(
+    out: &mut [T],
+    width: usize,
+    block_rows: usize,
+    f: impl Fn(usize, &mut [T]) -> R + Sync,
+) -> Vec<R> {
+    use rayon::prelude::*;
+    /// Below this many elements a split costs more than it saves.
+    const MIN_PARALLEL: usize = 1 << 15;
+    let block_rows = block_rows.max(1);
+    let chunk = block_rows * width.max(1);
+    if rayon::current_num_threads() <= 1 || out.len() < MIN_PARALLEL {
+        out.chunks_mut(chunk)
+            .enumerate()
+            .map(|(b, c)| f(b * block_rows, c))
+            .collect()
+    } else {
+        out.par_chunks_mut(chunk)
+            .enumerate()
+            .map(|(b, c)| f(b * block_rows, c))
+            .collect()
+    }
+}
+
 /// Elements of one dtype from two storages, or an error naming the op.
 pub(crate) fn same_dtype(op: &str, a: &CpuStorage, b: &CpuStorage) -> Result<DType> {
     let (da, db) = (a.dtype(), b.dtype());
