@@ -16,12 +16,24 @@ fn domain_options_parse_and_round_trip() {
         [data.domains.code]
         system_prompt = "You write Python."
         task = "sandbox"
+        env_url = "http://10.0.0.7:7000"
+        [data.domains.code.rubric]
+        weights = { passed = 3.0, "env.tests" = 1.0 }
+        error_reward = -0.5
+        timeout_s = 2.5
     "#;
     let c = load(text).unwrap();
     assert!(!c.data.adaptive_mix);
     let code = &c.data.domain_options["code"];
     assert_eq!(code.system_prompt.as_deref(), Some("You write Python."));
     assert_eq!(code.task.as_deref(), Some("sandbox"));
+    assert_eq!(code.env_url.as_deref(), Some("http://10.0.0.7:7000"));
+    let rubric = code.rubric.as_ref().unwrap();
+    assert_eq!(rubric.weights["passed"], 3.0);
+    assert_eq!(rubric.weights["env.tests"], 1.0);
+    assert_eq!(rubric.error_reward, Some(-0.5));
+    assert_eq!(rubric.truncation_reward, None);
+    assert_eq!(rubric.timeout, Some(std::time::Duration::from_millis(2500)));
     let printed = toml::to_string(&c).unwrap();
     assert_eq!(load(&printed).unwrap(), c);
 

@@ -510,6 +510,72 @@ const BAD: &[(&str, &[&str], &str, ConfigErrorKind)] = &[
         "test.toml: trainer.minibatches: expected at most rollout.groups_per_step (2): each minibatch holds whole groups; got 4",
         ConfigErrorKind::Value,
     ),
+    (
+        "[data]\ndatasets = [\"math::a\"]\n[data.domains.math.rubric]\nweight = { correct = 1.0 }",
+        &[],
+        "test.toml: data.domains.math.rubric.weight: unknown key; did you mean `weights`?",
+        ConfigErrorKind::UnknownKey,
+    ),
+    (
+        "[data]\ndatasets = [\"math::a\"]\n[data.domains.math.rubric]\nerror_reward = 0.0",
+        &[],
+        "test.toml: data.domains.math.rubric.weights: expected at least one reward function, e.g. `weights = { correct = 1.0 }`",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[data]\ndatasets = [\"math::a\"]\n[data.domains.math.rubric]\nweights = { correct = -1.0 }",
+        &[],
+        "test.toml: data.domains.math.rubric.weights.correct: expected a weight ≥ 0, got -1",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[data]\ndatasets = [\"math::a\"]\n[data.domains.math.rubric]\nweights = { correct = 0.0, format = 0 }",
+        &[],
+        "test.toml: data.domains.math.rubric.weights: expected at least one weight > 0, all are 0",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[data]\ndatasets = [\"math::a\"]\n[data.domains.math.rubric]\nweights = { \"a b\" = 1.0 }",
+        &[],
+        "test.toml: data.domains.math.rubric.weights.a b: expected a reward function name of [A-Za-z0-9_.-], got `a b`",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[data]\ndatasets = [\"math::a\"]\n[data.domains.math.rubric]\nweights = { correct = \"high\" }",
+        &[],
+        "test.toml: data.domains.math.rubric.weights.correct: invalid type: string \"high\", expected a number",
+        ConfigErrorKind::Type,
+    ),
+    (
+        "[data]\ndatasets = [\"math::a\"]\n[data.domains.math.rubric]\nweights = { correct = 1.0 }\nerror_reward = nan",
+        &[],
+        "test.toml: data.domains.math.rubric.error_reward: expected a finite number, got NaN",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[data]\ndatasets = [\"math::a\"]\n[data.domains.math.rubric]\nweights = { correct = 1.0 }\ntruncation_reward = 1e9",
+        &[],
+        "test.toml: data.domains.math.rubric.truncation_reward: expected at most 1000000 (a reward), got 1000000000",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[data]\ndatasets = [\"math::a\"]\n[data.domains.math.rubric]\nweights = { correct = 1.0 }\ntimeout_s = 0",
+        &[],
+        "test.toml: data.domains.math.rubric.timeout_s: expected a number of seconds > 0, got 0",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[data]\ndatasets = [\"math::a\"]\n[data.domains.math]\nenv_url = \"localhost:7000\"",
+        &[],
+        "test.toml: data.domains.math.env_url: expected an http:// or https:// base URL of an env server, got `localhost:7000`",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[data]\ndatasets = [\"math::a\"]\n[data.domains.math]\nenv_urls = \"http://x\"",
+        &[],
+        "test.toml: data.domains.math.env_urls: unknown key; did you mean `env_url`?",
+        ConfigErrorKind::UnknownKey,
+    ),
 ];
 
 #[test]

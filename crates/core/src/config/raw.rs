@@ -6,8 +6,10 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+mod domain;
 mod trainer;
 
+pub use domain::*;
 pub use trainer::*;
 
 /// The whole file.
@@ -300,16 +302,6 @@ impl Default for RawData {
             domains: BTreeMap::new(),
         }
     }
-}
-
-/// `[data.domains.<domain>]`: options of one domain.
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct RawDomain {
-    /// System prompt for the domain's rows that have none of their own.
-    pub system_prompt: Option<String>,
-    /// Registered task that runs the domain's rows (default: the task named like the dataset).
-    pub task: Option<String>,
 }
 
 /// `[replay]`: the replay store.

@@ -15,8 +15,10 @@ use serde::{Serialize, Serializer};
 
 use crate::knobs::Knobs;
 
+mod domain;
 mod trainer;
 
+pub use domain::*;
 pub use trainer::*;
 
 /// The validated config.
@@ -336,17 +338,6 @@ pub struct DataConfig {
         skip_serializing_if = "std::collections::BTreeMap::is_empty"
     )]
     pub domain_options: std::collections::BTreeMap<String, DomainConfig>,
-}
-
-/// `[data.domains.<domain>]`
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
-pub struct DomainConfig {
-    /// System prompt for rows without their own.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub system_prompt: Option<String>,
-    /// Task that runs the domain's rows.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub task: Option<String>,
 }
 
 impl DataConfig {

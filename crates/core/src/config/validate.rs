@@ -12,6 +12,7 @@ use super::raw::*;
 use super::typed::*;
 
 pub(crate) mod bounds;
+mod domain;
 mod engine;
 mod quickstart;
 mod relations;

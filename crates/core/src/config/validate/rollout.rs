@@ -3,10 +3,11 @@
 use std::path::PathBuf;
 use std::str::FromStr;
 
+use super::domain::validate_domain;
 use super::{Ctx, choice, non_zero_u32, number, u32_incl_zero, u64_incl_zero};
 use crate::config::error::ConfigError;
 use crate::config::raw::{RawData, RawRollout};
-use crate::config::typed::{BadLinePolicy, DataConfig, DatasetSpec, DomainConfig, RolloutConfig};
+use crate::config::typed::{BadLinePolicy, DataConfig, DatasetSpec, RolloutConfig};
 use crate::knobs::{AdmissionMode, Knobs, WeightUpdateMode};
 
 pub(super) fn validate_data(raw: RawData, ctx: &Ctx<'_>) -> Result<DataConfig, ConfigError> {
@@ -32,25 +33,7 @@ pub(super) fn validate_data(raw: RawData, ctx: &Ctx<'_>) -> Result<DataConfig, C
                 ),
             ));
         }
-        if let Some(task) = &d.task {
-            let ok = !task.is_empty()
-                && task
-                    .bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'));
-            if !ok {
-                return Err(ctx.value(
-                    &format!("{key}.task"),
-                    format!("expected a task name of [A-Za-z0-9_.-], got `{task}`"),
-                ));
-            }
-        }
-        domains.insert(
-            name,
-            DomainConfig {
-                system_prompt: d.system_prompt,
-                task: d.task,
-            },
-        );
+        domains.insert(name.clone(), validate_domain(&name, d, ctx)?);
     }
     Ok(DataConfig {
         datasets,
