@@ -2,7 +2,6 @@
 //! checkpoint (created from `model.init_preset` when absent), tokenizer and renderer, the task
 //! registry, engine replicas (native or remote), the candle trainer and the task environment.
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
@@ -11,7 +10,7 @@ use sluice_core::{PolicyVersion, RequestId, TrainerBackend, WeightSnapshot, Weig
 use sluice_engine::native::{NativeEngine, NativeEngineParams};
 use sluice_engine::remote::{RemoteEngine, RemoteParams, WeightDirs};
 use sluice_engine::{EngineError, EngineStats, EventSink, GenerateRequest, InferenceBackend};
-use sluice_env::{EnvSessions, TaskRegistry, TokenEnvLimits};
+use sluice_env::{EnvSessions, TokenEnvLimits};
 use sluice_model::{LoadOptions, Tokenizer, WeightSnapshot as ModelWeights, load_checkpoint};
 use sluice_trainer::{NativeTrainer, NativeTrainerConfig};
 
@@ -92,7 +91,7 @@ impl NativeSetup {
             model_dir,
             tokenizer,
             renderer,
-            registry: Arc::new(TaskRegistry::builtin()),
+            registry: Arc::new(sluice_env::configured::registry(config).map_err(setup_err)?),
             weights: Arc::new(weights),
         })
     }
@@ -113,12 +112,7 @@ impl NativeSetup {
             config.rollout.group_size.get(),
             config.rollout.groups_per_step.get(),
         );
-        let domain_tasks: BTreeMap<String, String> = config
-            .data
-            .domain_options
-            .iter()
-            .filter_map(|(d, o)| o.task.clone().map(|t| (d.clone(), t)))
-            .collect();
+        let domain_tasks = self.registry.domain_tasks().clone();
         let sessions = EnvSessions::new(
             Arc::clone(&self.registry),
             self.renderer.clone(),
