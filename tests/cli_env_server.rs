@@ -37,7 +37,9 @@ fn env_server_serves_builtin_tasks_and_stops_on_sigterm() {
     let tasks = get(&addr, "/v1/tasks");
     assert!(tasks.starts_with("HTTP/1.1 200"), "{tasks}");
     assert!(
-        tasks.contains(r#""tasks":["arithmetic","calculator_tool","episodic","sum_digits"]"#),
+        tasks.contains(
+            r#""tasks":["arithmetic","calculator_tool","episodic","python_code","sum_digits"]"#
+        ),
         "{tasks}"
     );
     // SIGTERM by pid (the child we started).

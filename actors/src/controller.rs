@@ -183,6 +183,8 @@ struct GroupWork {
     waiting: HashMap<u32, Waiting>,
     /// When the group started (admitted or resumed): its time to stored paces admission.
     started: Instant,
+    /// Settled and sent to the env for group scoring; stored when the scored group comes back.
+    scoring: bool,
 }
 
 struct ControllerActor;

@@ -10,7 +10,7 @@ use sluice_core::{PolicyVersion, RequestId, TrainerBackend, WeightSnapshot, Weig
 use sluice_engine::native::{NativeEngine, NativeEngineParams};
 use sluice_engine::remote::{RemoteEngine, RemoteParams, WeightDirs};
 use sluice_engine::{EngineError, EngineStats, EventSink, GenerateRequest, InferenceBackend};
-use sluice_env::{EnvSessions, TokenEnvLimits};
+use sluice_env::{EnvSessions, TaskRegistry, TokenEnvLimits};
 use sluice_model::{LoadOptions, Tokenizer, WeightSnapshot as ModelWeights, load_checkpoint};
 use sluice_trainer::{NativeTrainer, NativeTrainerConfig};
 
