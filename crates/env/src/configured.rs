@@ -7,7 +7,7 @@
 //!
 //! Every error names the config key, like the config's own checks.
 
-use sluice_core::config::{Config, DomainConfig, DomainRubric};
+use sluice_core::config::{Config, DomainConfig, DomainRubric, Secret};
 
 use crate::error::EnvError;
 use crate::remote::RemoteEnvFactory;
@@ -15,13 +15,27 @@ use crate::reward_fns::{GENERIC_NAMES, generic};
 use crate::rubric::{RewardFn, Rubric, RubricConfig};
 use crate::task::{Task, TaskRegistry};
 
-/// The built-in tasks configured by `config`'s domains.
+/// The environment variable holding the bearer token env servers are called with (the one
+/// `sluice env-server` requires beyond loopback).
+pub const ENV_TOKEN_VAR: &str = "SLUICE_ENV_TOKEN";
+
+/// The built-in tasks configured by `config`'s domains; env servers are called with
+/// `$SLUICE_ENV_TOKEN` when it is set.
 pub fn registry(config: &Config) -> Result<TaskRegistry, EnvError> {
-    configure(TaskRegistry::builtin(), config)
+    let token = std::env::var(ENV_TOKEN_VAR)
+        .ok()
+        .filter(|t| !t.is_empty())
+        .map(Secret::new);
+    configure(TaskRegistry::builtin(), config, token)
 }
 
-/// `registry`'s tasks configured by `config`'s domains (see the module doc).
-pub fn configure(mut registry: TaskRegistry, config: &Config) -> Result<TaskRegistry, EnvError> {
+/// `registry`'s tasks configured by `config`'s domains (see the module doc); calls to env
+/// servers carry `token` as a bearer token when given.
+pub fn configure(
+    mut registry: TaskRegistry,
+    config: &Config,
+    token: Option<Secret>,
+) -> Result<TaskRegistry, EnvError> {
     for (domain, options) in &config.data.domain_options {
         let key = format!("data.domains.{domain}");
         let Some(task) = serving_task(config, domain, options, &key)? else {
@@ -43,8 +57,11 @@ pub fn configure(mut registry: TaskRegistry, config: &Config) -> Result<TaskRegi
             configured = configured.with_rubric(built);
         }
         if let Some(url) = &options.env_url {
-            let envs = RemoteEnvFactory::new(url, &task, config.supervision.env_step_timeout)
+            let mut envs = RemoteEnvFactory::new(url, &task, config.supervision.env_step_timeout)
                 .map_err(|e| EnvError::Config(format!("{key}.env_url: {e}")))?;
+            if let Some(token) = &token {
+                envs = envs.with_token(token.clone());
+            }
             configured = configured.with_env(envs);
         }
         let name = configured.name().to_owned();
