@@ -215,6 +215,8 @@ pub struct ControllerState {
     status: ControllerStatus,
     /// Outcome EMA and balance fractions (seed 001).
     outcomes: OutcomeStats,
+    /// The reward component series exported so far (capped).
+    component_series: sluice_core::metrics::ComponentSeries,
     /// Trainer step and group times (demand-aware admission).
     pace: Pace,
     /// Finished groups on their way to the store, as they ended (for the progress watch).
@@ -270,6 +272,7 @@ impl Actor for ControllerActor {
             draining: false,
             status: ControllerStatus::default(),
             outcomes: OutcomeStats::new(OUTCOME_EMA_ALPHA, BALANCE_THRESHOLD, BALANCE_WINDOW),
+            component_series: sluice_core::metrics::ComponentSeries::default(),
             pace: Pace::default(),
             ending: HashMap::new(),
             progress,

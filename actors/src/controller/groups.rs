@@ -250,6 +250,16 @@ impl ControllerState {
         self.status.finished_rollouts += n as u64;
         self.status.reward_sum += sum;
         metrics::gauge!(m::ROLLOUT_MEAN_REWARD, "domain" => domain.to_owned()).set(sum / n as f64);
+        for (component, mean) in group.reward_component_means() {
+            if self.component_series.admit(domain, &component) {
+                metrics::gauge!(
+                    m::ROLLOUT_REWARD_COMPONENT_MEAN_REWARD,
+                    "domain" => domain.to_owned(),
+                    "component" => component
+                )
+                .set(mean);
+            }
+        }
         self.outcomes.record_group(group);
         self.outcomes.publish_metrics();
     }

@@ -1,0 +1,132 @@
+//! A rubric from config through the whole native node (tiny model, real engine and trainer): the
+//! groups the trainer trains on carry the configured functions' components — `length` among
+//! them, which only group scoring at settle time can compute — and nothing else of the task's
+//! default rubric.
+
+use std::collections::BTreeSet;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use sluice_actors::native::{NativeSetup, ensure_model_dir};
+use sluice_actors::{Node, NodeOptions};
+use sluice_core::{
+    BackendError, PolicyVersion, RolloutGroup, TrainStepOutput, TrainerBackend, WeightSnapshot,
+};
+use sluice_data::{DatasetRows, MixSampler, SamplerConfig};
+use sluice_env::datasets::{GeneratedRows, load_datasets};
+
+/// Records the component names of every trainable rollout it trains on.
+struct Recording {
+    inner: Box<dyn TrainerBackend>,
+    seen: Arc<Mutex<Vec<BTreeSet<String>>>>,
+}
+
+impl TrainerBackend for Recording {
+    fn version(&self) -> PolicyVersion {
+        self.inner.version()
+    }
+
+    fn train_step(&mut self, batch: &[RolloutGroup]) -> Result<TrainStepOutput, BackendError> {
+        let mut seen = self.seen.lock().unwrap();
+        for r in batch
+            .iter()
+            .flat_map(|g| &g.rollouts)
+            .filter(|r| r.status.is_trainable())
+        {
+            seen.push(r.reward_components.keys().cloned().collect());
+        }
+        drop(seen);
+        self.inner.train_step(batch)
+    }
+
+    fn snapshot(&self) -> WeightSnapshot {
+        self.inner.snapshot()
+    }
+
+    fn checkpoint(&mut self, dir: &Path) -> Result<(), BackendError> {
+        self.inner.checkpoint(dir)
+    }
+
+    fn restore(&mut self, dir: &Path) -> Result<(), BackendError> {
+        self.inner.restore(dir)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_trainer_sees_the_configured_rubrics_components() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = format!(
+        r#"
+[run]
+name = "rubric-test"
+output_dir = "{out}"
+max_steps = 2
+
+[model]
+init_preset = "tiny"
+
+[engine]
+backend = "native"
+max_running_sequences = 32
+
+[trainer]
+learning_rate = 1e-3
+micro_batch_size = 8
+max_seq_len = 128
+
+[rollout]
+group_size = 4
+groups_per_step = 2
+max_new_tokens = 6
+
+[replay]
+filter_zero_advantage = false
+
+[data]
+datasets = ["math::arithmetic@train"]
+
+[data.domains.math.rubric]
+weights = {{ correct = 1.0, length = 0.5 }}
+error_reward = -1.0
+"#,
+        out = dir.path().display()
+    );
+    let config = sluice_core::config::parse(&text, "test.toml", &[], &|_| None).unwrap();
+    ensure_model_dir(&config).unwrap();
+    let setup = NativeSetup::load(&config, None).unwrap();
+    let datasets = load_datasets(&config.data, &setup.registry, GeneratedRows::new(0)).unwrap();
+    let source = MixSampler::with_rows(
+        SamplerConfig::from_data_config(&config.data, 0),
+        DatasetRows::new(datasets, 0),
+    )
+    .unwrap();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let trainer = Recording {
+        inner: setup.trainer_backend(&config, None).unwrap(),
+        seen: Arc::clone(&seen),
+    };
+    let options = NodeOptions {
+        backend: Some(setup.backend_factory(&config, None).unwrap()),
+        trainer: Some(Box::new(trainer)),
+        source: Some(Box::new(source)),
+        env: Some(Arc::new(setup.env(&config))),
+        ..NodeOptions::default()
+    };
+    let node = Node::start(&config, options).await.unwrap();
+    let status = node
+        .wait_done(Duration::from_secs(120), |_| {})
+        .await
+        .unwrap();
+    node.shutdown().await;
+    assert_eq!(status.trainer.error, None);
+    assert_eq!(status.trainer.steps, 2);
+    let seen = seen.lock().unwrap();
+    assert!(seen.len() >= 2 * 2 * 4, "{} rollouts trained", seen.len());
+    // Completed and truncated rollouts alike (no truncation_reward: the functions score partial
+    // output) carry exactly the configured functions.
+    for components in seen.iter() {
+        let names: Vec<&str> = components.iter().map(String::as_str).collect();
+        assert_eq!(names, ["correct", "length"], "{names:?}");
+    }
+}
