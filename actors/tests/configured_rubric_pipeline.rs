@@ -1,13 +1,15 @@
-//! A rubric from config through the whole native node (tiny model, real engine and trainer): the
-//! groups the trainer trains on carry the configured functions' components — `length` among
-//! them, which only group scoring at settle time can compute — and nothing else of the task's
-//! default rubric.
+//! Config that shapes how a native node renders and scores rollouts. A rubric from config
+//! through the whole node (tiny model, real engine and trainer): the groups the trainer trains on
+//! carry the configured functions' components — `length` among them, which only group scoring at
+//! settle time can compute — and nothing else of the task's default rubric. Chat-template kwargs
+//! reach the rendered prompts; `rollout.max_prompt_tokens` bounds the episodes' prompts.
 
 use std::collections::BTreeSet;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use sluice_actors::native::setup::env_limits;
 use sluice_actors::native::{NativeSetup, ensure_model_dir};
 use sluice_actors::{Node, NodeOptions};
 use sluice_core::{
@@ -129,4 +131,58 @@ error_reward = -1.0
         let names: Vec<&str> = components.iter().map(String::as_str).collect();
         assert_eq!(names, ["correct", "length"], "{names:?}");
     }
+}
+
+fn tiny_config(dir: &Path, extra: &str) -> sluice_core::Config {
+    let text = format!(
+        "[run]\noutput_dir = \"{}\"\n[model]\ninit_preset = \"tiny\"\n{extra}",
+        dir.display()
+    );
+    sluice_core::config::parse(&text, "test.toml", &[], &|_| None).unwrap()
+}
+
+#[test]
+fn chat_template_kwargs_reach_the_rendered_prompt() {
+    use sluice_env::Renderer;
+    let dir = tempfile::tempdir().unwrap();
+    let plain = tiny_config(dir.path(), "");
+    ensure_model_dir(&plain).unwrap();
+    // A template that reads `enable_thinking`, as Qwen3's does.
+    let path = plain.model.path.join("tokenizer_config.json");
+    let mut tokenizer_config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    tokenizer_config["chat_template"] = serde_json::Value::String(
+        "{% for m in messages %}{{ m['content'] }}\n{% endfor %}\
+         {% if enable_thinking is defined and not enable_thinking %}/no_think{% endif %}"
+            .into(),
+    );
+    std::fs::write(&path, tokenizer_config.to_string()).unwrap();
+    let render = |config: &sluice_core::Config| {
+        let setup = NativeSetup::load(config, None).unwrap();
+        let ids = setup
+            .renderer
+            .render_prompt(&[sluice_core::Message::user("2+2?")], &[])
+            .unwrap();
+        setup.tokenizer.decode(&ids, false).unwrap()
+    };
+    assert_eq!(render(&plain), "2+2?\n");
+    let off = tiny_config(
+        dir.path(),
+        "chat_template_kwargs = { enable_thinking = false }\n",
+    );
+    assert_eq!(render(&off), "2+2?\n/no_think");
+}
+
+#[test]
+fn max_prompt_tokens_bounds_episode_prompts_within_the_context() {
+    let dir = tempfile::tempdir().unwrap();
+    let derived = tiny_config(dir.path(), "[rollout]\nmax_new_tokens = 100\n");
+    assert_eq!(env_limits(&derived, 1024).max_prompt_tokens, 924);
+    let set = tiny_config(
+        dir.path(),
+        "[rollout]\nmax_new_tokens = 100\nmax_prompt_tokens = 300\n",
+    );
+    assert_eq!(env_limits(&set, 1024).max_prompt_tokens, 300);
+    // Never past what the context leaves for the completion.
+    assert_eq!(env_limits(&set, 350).max_prompt_tokens, 250);
 }

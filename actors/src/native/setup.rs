@@ -75,7 +75,9 @@ impl NativeSetup {
         );
         let renderer = Arc::new(
             ModelRenderer::new(Arc::clone(&tokenizer))
-                .map_err(|e| setup_err(format!("model.path {}: {e}", model_dir.display())))?,
+                .map_err(|e| setup_err(format!("model.path {}: {e}", model_dir.display())))?
+                .with_template_kwargs(&config.model.chat_template_kwargs)
+                .map_err(setup_err)?,
         );
         let device = sluice_model::device(config.model.device).map_err(setup_err)?;
         let dir = weights_dir.unwrap_or(&model_dir);
@@ -217,7 +219,7 @@ impl NativeSetup {
 /// [`NativeSetup::limits`] for a model with a `context`-token window.
 pub fn env_limits(config: &Config, context: usize) -> TokenEnvLimits {
     TokenEnvLimits {
-        max_prompt_tokens: context.saturating_sub(config.rollout.max_new_tokens.get() as usize),
+        max_prompt_tokens: sluice_env::token_env::max_prompt_tokens(&config.rollout, context),
         max_turns: config.rollout.max_turns.get(),
         call_timeout: config.supervision.env_step_timeout,
     }

@@ -61,3 +61,21 @@ fn domain_options_name_declared_domains_and_valid_tasks() {
         .to_string();
     assert!(err.contains("prompt"), "{err}");
 }
+
+#[test]
+fn template_kwargs_and_prompt_bound_parse_and_round_trip() {
+    let c = load(
+        "[model]\nchat_template_kwargs = { enable_thinking = false, style = \"terse\" }\n[rollout]\nmax_prompt_tokens = 300\n",
+    )
+    .unwrap();
+    assert_eq!(
+        c.model.chat_template_kwargs["enable_thinking"],
+        toml::Value::Boolean(false)
+    );
+    assert_eq!(c.rollout.max_prompt_tokens.map(|n| n.get()), Some(300));
+    let printed = toml::to_string(&c).unwrap();
+    assert_eq!(load(&printed).unwrap(), c);
+    let defaults = load("").unwrap();
+    assert!(defaults.model.chat_template_kwargs.is_empty());
+    assert_eq!(defaults.rollout.max_prompt_tokens, None, "0 is the default");
+}

@@ -576,6 +576,24 @@ const BAD: &[(&str, &[&str], &str, ConfigErrorKind)] = &[
         "test.toml: data.domains.math.env_urls: unknown key; did you mean `env_url`?",
         ConfigErrorKind::UnknownKey,
     ),
+    (
+        "[model]\nchat_template_kwargs = { \"enable-thinking\" = false }",
+        &[],
+        "test.toml: model.chat_template_kwargs.enable-thinking: expected a template variable name of [A-Za-z_][A-Za-z0-9_]*, got `enable-thinking`",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[rollout]\nmax_prompt_tokens = -1",
+        &[],
+        "test.toml: rollout.max_prompt_tokens: expected an integer ≥ 0, got -1",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[rollout]\nmax_prompt_tokens = 2000000",
+        &[],
+        "test.toml: rollout.max_prompt_tokens: expected at most 1048576 (tokens), got 2000000",
+        ConfigErrorKind::Value,
+    ),
 ];
 
 #[test]

@@ -54,6 +54,16 @@ mod seconds {
     }
 }
 
+/// The longest prompt a run sends for a model with a `context`-token window: the completion
+/// budget (`rollout.max_new_tokens`) must still fit, and `rollout.max_prompt_tokens`, when set,
+/// lowers the bound further (longer prompts end the episode as `PromptTooLong`).
+pub fn max_prompt_tokens(rollout: &sluice_core::config::RolloutConfig, context: usize) -> usize {
+    let fits = context.saturating_sub(rollout.max_new_tokens.get() as usize);
+    rollout
+        .max_prompt_tokens
+        .map_or(fits, |m| fits.min(m.get() as usize))
+}
+
 impl Default for TokenEnvLimits {
     fn default() -> Self {
         Self {

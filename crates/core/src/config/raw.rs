@@ -81,6 +81,8 @@ pub struct RawModel {
     pub dtype: String,
     /// `cpu`, `cuda` or `cuda:N`.
     pub device: String,
+    /// Extra variables of the chat template when rollouts are rendered (`enable_thinking`).
+    pub chat_template_kwargs: BTreeMap<String, toml::Value>,
 }
 
 impl Default for RawModel {
@@ -90,6 +92,7 @@ impl Default for RawModel {
             init_preset: None,
             dtype: "f32".into(),
             device: "cpu".into(),
+            chat_template_kwargs: BTreeMap::new(),
         }
     }
 }
@@ -218,6 +221,8 @@ pub struct RawRollout {
     pub max_turns: i64,
     /// Tokens per model turn, at most.
     pub max_new_tokens: i64,
+    /// Longest prompt sent to the engine, tokens (0 = the model's context minus `max_new_tokens`).
+    pub max_prompt_tokens: i64,
     /// Sampling temperature (0 = greedy).
     pub temperature: f64,
     /// Nucleus sampling mass, in (0, 1].
@@ -257,6 +262,7 @@ impl Default for RawRollout {
             groups_per_step: 8,
             max_turns: 1,
             max_new_tokens: 512,
+            max_prompt_tokens: 0,
             temperature: 1.0,
             top_p: 1.0,
             top_k: 0,

@@ -141,6 +141,9 @@ pub struct ModelConfig {
     pub dtype: DType,
     /// Device.
     pub device: Device,
+    /// Extra chat-template variables for rendering rollouts (`enable_thinking = false`).
+    #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub chat_template_kwargs: std::collections::BTreeMap<String, toml::Value>,
 }
 
 /// Which inference backend drives rollouts.
@@ -243,6 +246,10 @@ pub struct RolloutConfig {
     pub max_turns: NonZeroU32,
     /// Tokens per turn.
     pub max_new_tokens: NonZeroU32,
+    /// Longest prompt sent to the engine (`None`: the model's context minus `max_new_tokens`;
+    /// set, it is still capped by that).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_prompt_tokens: Option<NonZeroU32>,
     /// Sampling temperature (≥ 0).
     pub temperature: f64,
     /// Nucleus mass in (0, 1].

@@ -125,6 +125,7 @@ const BOUNDS: &[Bound] = &[
         "concurrent env calls per worker",
     ),
     bound("rollout.group_size", 4096.0, "rollouts per group"),
+    bound("rollout.max_prompt_tokens", MAX_TOKENS, TOKENS),
     bound(
         "rollout.groups_per_step",
         65_536.0,

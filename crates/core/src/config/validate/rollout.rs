@@ -151,6 +151,11 @@ pub(super) fn validate_rollout(
         groups_per_step,
         max_turns: non_zero_u32(ctx, "rollout.max_turns", raw.max_turns)?,
         max_new_tokens: non_zero_u32(ctx, "rollout.max_new_tokens", raw.max_new_tokens)?,
+        max_prompt_tokens: std::num::NonZeroU32::new(u32_incl_zero(
+            ctx,
+            "rollout.max_prompt_tokens",
+            raw.max_prompt_tokens,
+        )?),
         temperature: number(
             ctx,
             "rollout.temperature",
