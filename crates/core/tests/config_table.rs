@@ -594,6 +594,12 @@ const BAD: &[(&str, &[&str], &str, ConfigErrorKind)] = &[
         "test.toml: rollout.max_prompt_tokens: expected at most 1048576 (tokens), got 2000000",
         ConfigErrorKind::Value,
     ),
+    (
+        "[rollout]\nbalance_threshold = inf",
+        &[],
+        "test.toml: rollout.balance_threshold: expected a finite reward, got inf",
+        ConfigErrorKind::Value,
+    ),
 ];
 
 #[test]

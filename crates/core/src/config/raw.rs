@@ -249,6 +249,8 @@ pub struct RawRollout {
     pub paused: bool,
     /// Knob: target weight per domain.
     pub domain_mix: BTreeMap<String, f64>,
+    /// Group mean reward below / above which a group counts as too hard / too easy (seed 001).
+    pub balance_threshold: f64,
     /// Environment worker actors.
     pub env_workers: i64,
     /// Environment calls (first prompt, step, reward) each worker runs at once.
@@ -276,6 +278,7 @@ impl Default for RawRollout {
             max_concurrent_rollouts: 0,
             paused: false,
             domain_mix: BTreeMap::new(),
+            balance_threshold: 0.5,
             env_workers: 2,
             env_calls_per_worker: 128,
         }

@@ -256,6 +256,8 @@ pub struct RolloutConfig {
     pub top_p: f64,
     /// Top-k (0 = off).
     pub top_k: u32,
+    /// Group mean reward below / above which a group counts as too hard / too easy.
+    pub balance_threshold: f64,
     /// Environment worker actors.
     pub env_workers: NonZeroU32,
     /// Environment calls each worker runs at once.

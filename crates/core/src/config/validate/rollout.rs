@@ -167,6 +167,13 @@ pub(super) fn validate_rollout(
             v > 0.0 && v <= 1.0
         })?,
         top_k: u32_incl_zero(ctx, "rollout.top_k", raw.top_k)?,
+        balance_threshold: number(
+            ctx,
+            "rollout.balance_threshold",
+            raw.balance_threshold,
+            "a finite reward",
+            |_| true,
+        )?,
         env_workers: non_zero_u32(ctx, "rollout.env_workers", raw.env_workers)?,
         env_calls_per_worker: non_zero_u32(
             ctx,
