@@ -85,6 +85,9 @@ max_new_tokens = 6
 [replay]
 filter_zero_advantage = false
 
+[metrics]
+listen = "127.0.0.1:0"
+
 [data]
 datasets = ["math::arithmetic@train"]
 
@@ -113,6 +116,7 @@ error_reward = -1.0
         trainer: Some(Box::new(trainer)),
         source: Some(Box::new(source)),
         env: Some(Arc::new(setup.env(&config))),
+        serve_metrics: true,
         ..NodeOptions::default()
     };
     let node = Node::start(&config, options).await.unwrap();
@@ -120,7 +124,30 @@ error_reward = -1.0
         .wait_done(Duration::from_secs(120), |_| {})
         .await
         .unwrap();
+    let base = format!(
+        "http://{}",
+        node.metrics_addr().expect("metrics are served")
+    );
+    let (code, metrics) = tokio::task::spawn_blocking(move || {
+        sluice_actors::client::request(&base, "GET", "/metrics", None, None).unwrap()
+    })
+    .await
+    .unwrap();
     node.shutdown().await;
+    assert_eq!(code, 200);
+    let components: Vec<&str> = metrics
+        .lines()
+        .filter(|l| l.starts_with("sluice_rollout_reward_component_mean_reward{"))
+        .collect();
+    for component in ["correct", "length"] {
+        assert!(
+            components
+                .iter()
+                .any(|l| l.contains(&format!("component=\"{component}\""))
+                    && l.contains("domain=\"math\"")),
+            "{component} missing from /metrics: {components:?}"
+        );
+    }
     assert_eq!(status.trainer.error, None);
     assert_eq!(status.trainer.steps, 2);
     let seen = seen.lock().unwrap();

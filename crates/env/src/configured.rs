@@ -50,11 +50,15 @@ pub fn configure(
             Err(_) if options.env_url.is_some() => remote_only_task(&task),
             Err(e) => return Err(EnvError::Config(format!("{key}.task: {e}"))),
         };
+        let rubric = options
+            .rubric
+            .as_ref()
+            .map(|spec| rubric_for(&base, spec))
+            .transpose()
+            .map_err(|e| EnvError::Config(format!("{key}.rubric.{e}")))?;
         let mut configured = base.renamed(format!("{domain}/{task}"));
-        if let Some(rubric) = &options.rubric {
-            let built = rubric_for(&configured, rubric)
-                .map_err(|e| EnvError::Config(format!("{key}.rubric.{e}")))?;
-            configured = configured.with_rubric(built);
+        if let Some(rubric) = rubric {
+            configured = configured.with_rubric(rubric);
         }
         if let Some(url) = &options.env_url {
             let mut envs = RemoteEnvFactory::new(url, &task, config.supervision.env_step_timeout)
@@ -89,6 +93,7 @@ fn serving_task(
         .filter(|d| d.domain == domain)
         .map(|d| d.name.as_str())
         .collect();
+    names.sort_unstable();
     names.dedup();
     match names.as_slice() {
         [one] => Ok(Some((*one).to_owned())),

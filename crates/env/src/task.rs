@@ -289,14 +289,6 @@ impl TaskRegistry {
         &self.domain_tasks
     }
 
-    /// The registered name of the task serving `sample`: its domain's, else its dataset's name
-    /// without the split.
-    pub fn serving<'s>(&'s self, sample: &'s DataSample) -> &'s str {
-        self.domain_tasks
-            .get(&sample.domain)
-            .map_or_else(|| sample.dataset_name(), String::as_str)
-    }
-
     /// Registered names, sorted.
     pub fn names(&self) -> Vec<String> {
         self.tasks.keys().cloned().collect()
