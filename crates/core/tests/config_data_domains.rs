@@ -1,7 +1,7 @@
 //! `[data]` adaptive mix and per-domain options: parsed, validated against the datasets'
 //! domains, and printed back in a shape that loads again.
 
-use sluice_core::config::{self, parse};
+use sluice_core::config::{self, ConfigErrorKind, parse};
 
 fn load(text: &str) -> Result<config::Config, config::ConfigError> {
     parse(text, "t.toml", &[], &|_| None)
@@ -78,4 +78,80 @@ fn template_kwargs_and_prompt_bound_parse_and_round_trip() {
     let defaults = load("").unwrap();
     assert!(defaults.model.chat_template_kwargs.is_empty());
     assert_eq!(defaults.rollout.max_prompt_tokens, None, "0 is the default");
+}
+
+/// (TOML text, expected message, expected kind): each mistake in a domain's rubric or env server.
+const BAD_DOMAINS: &[(&str, &str, ConfigErrorKind)] = &[
+    (
+        "[data]\ndatasets = [\"math::a\"]\n[data.domains.math.rubric]\nweight = { correct = 1.0 }",
+        "test.toml: data.domains.math.rubric.weight: unknown key; did you mean `weights`?",
+        ConfigErrorKind::UnknownKey,
+    ),
+    (
+        "[data]\ndatasets = [\"math::a\"]\n[data.domains.math.rubric]\nerror_reward = 0.0",
+        "test.toml: data.domains.math.rubric.weights: expected at least one reward function, e.g. `weights = { correct = 1.0 }`",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[data]\ndatasets = [\"math::a\"]\n[data.domains.math.rubric]\nweights = { correct = -1.0 }",
+        "test.toml: data.domains.math.rubric.weights.correct: expected a weight ≥ 0, got -1",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[data]\ndatasets = [\"math::a\"]\n[data.domains.math.rubric]\nweights = { correct = 0.0, format = 0 }",
+        "test.toml: data.domains.math.rubric.weights: expected at least one weight > 0, all are 0",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[data]\ndatasets = [\"math::a\"]\n[data.domains.math.rubric]\nweights = { \"a b\" = 1.0 }",
+        "test.toml: data.domains.math.rubric.weights.a b: expected a reward function name of [A-Za-z0-9_.-], got `a b`",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[data]\ndatasets = [\"math::a\"]\n[data.domains.math.rubric]\nweights = { correct = \"high\" }",
+        "test.toml: data.domains.math.rubric.weights.correct: invalid type: string \"high\", expected a number",
+        ConfigErrorKind::Type,
+    ),
+    (
+        "[data]\ndatasets = [\"math::a\"]\n[data.domains.math.rubric]\nweights = { correct = 1.0 }\nerror_reward = nan",
+        "test.toml: data.domains.math.rubric.error_reward: expected a finite number, got NaN",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[data]\ndatasets = [\"math::a\"]\n[data.domains.math.rubric]\nweights = { correct = 1.0 }\ntruncation_reward = 1e9",
+        "test.toml: data.domains.math.rubric.truncation_reward: expected at most 1000000 (a reward), got 1000000000",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[data]\ndatasets = [\"math::a\"]\n[data.domains.math.rubric]\nweights = { correct = 1.0 }\ntimeout_s = 0",
+        "test.toml: data.domains.math.rubric.timeout_s: expected a number of seconds > 0, got 0",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[data]\ndatasets = [\"math::a\"]\n[data.domains.math]\nenv_url = \"localhost:7000\"",
+        "test.toml: data.domains.math.env_url: expected an http:// or https:// base URL of an env server, got `localhost:7000`",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[data]\ndatasets = [\"math::a\"]\n[data.domains.math]\nenv_urls = \"http://x\"",
+        "test.toml: data.domains.math.env_urls: unknown key; did you mean `env_url`?",
+        ConfigErrorKind::UnknownKey,
+    ),
+];
+
+#[test]
+fn bad_domain_rubrics_and_env_servers_name_the_key() {
+    let mut failures = Vec::new();
+    for (text, expected, kind) in BAD_DOMAINS {
+        match parse(text, "test.toml", &[], &|_| None) {
+            Ok(_) => failures.push(format!("accepted: {text:?}")),
+            Err(e) if e.to_string() != *expected || e.kind != *kind => failures.push(format!(
+                "input {text:?}\n  expected [{}] {expected}\n  got      [{}] {e}",
+                kind.as_str(),
+                e.kind()
+            )),
+            Err(_) => {}
+        }
+    }
+    assert!(failures.is_empty(), "\n{}", failures.join("\n"));
 }
