@@ -91,6 +91,21 @@ fn rows() -> Vec<Row> {
             Exit(1),
             "trainer.simulated.enabled: expected true with engine.backend = \"simulated\"",
         ),
+        // A rubric may weight only functions its task has.
+        row(
+            Config(
+                "[data]\ndatasets = [\"math::arithmetic\"]\n[data.domains.math.rubric]\nweights = { corect = 1.0 }",
+            ),
+            Exit(1),
+            "data.domains.math.rubric.weights.corect: task `arithmetic` has no reward function `corect`; it has: correct, format, env, env.<name>, length",
+        ),
+        row(
+            Config(
+                "[data]\ndatasets = [\"code::a\", \"code::b\"]\n[data.domains.code]\nenv_url = \"http://127.0.0.1:9\"",
+            ),
+            Exit(1),
+            "data.domains.code.task: the domain's datasets name several tasks (a, b)",
+        ),
         row(
             Config("[rollout]\ngroup_size = 0"),
             Exit(1),

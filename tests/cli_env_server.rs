@@ -37,7 +37,9 @@ fn env_server_serves_builtin_tasks_and_stops_on_sigterm() {
     let tasks = get(&addr, "/v1/tasks");
     assert!(tasks.starts_with("HTTP/1.1 200"), "{tasks}");
     assert!(
-        tasks.contains(r#""tasks":["arithmetic","calculator_tool","episodic","sum_digits"]"#),
+        tasks.contains(
+            r#""tasks":["arithmetic","calculator_tool","episodic","python_code","sum_digits"]"#
+        ),
         "{tasks}"
     );
     // SIGTERM by pid (the child we started).
@@ -118,6 +120,84 @@ fn env_server_with_a_token_binds_wide_and_requires_it() {
     s.read_to_string(&mut out).unwrap();
     assert!(out.starts_with("HTTP/1.1 401"), "{out}");
     assert!(out.contains(r#""kind":"unauthorized""#), "{out}");
+    let status = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    assert!(child.wait().unwrap().success());
+}
+
+/// One JSON POST; the raw response.
+fn post(addr: &str, path: &str, body: &str) -> String {
+    let mut s = TcpStream::connect(addr).unwrap();
+    write!(
+        s,
+        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out
+}
+
+/// Creates and opens a `python_code` env; its id.
+fn open_code_env(addr: &str) -> String {
+    let sample = r#"{"task":"python_code","sample":{"id":"c","domain":"code","dataset":"python_code","input":{"problem":"Print 6 times 7.","expected_output":"42"}}}"#;
+    let created = post(addr, "/v1/envs", sample);
+    assert!(created.starts_with("HTTP/1.1 201"), "{created}");
+    let id = created
+        .split(r#""env_id":""#)
+        .nth(1)
+        .and_then(|rest| rest.split('"').next())
+        .unwrap()
+        .to_owned();
+    let init = post(addr, &format!("/v1/envs/{id}/init"), "{}");
+    assert!(init.starts_with("HTTP/1.1 200"), "{init}");
+    id
+}
+
+fn answer(addr: &str, id: &str, program: &str) -> String {
+    let body = serde_json::json!({"message": {"role": "assistant", "content": program}});
+    post(addr, &format!("/v1/envs/{id}/step"), &body.to_string())
+}
+
+#[cfg(target_os = "linux")]
+#[test]
+fn env_server_survives_hostile_programs_of_the_python_code_task() {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["env-server", "--port", "0"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let addr = line
+        .split("http://")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .unwrap_or_else(|| panic!("no address in {line:?}"))
+        .to_owned();
+    for program in [
+        "import os\nwhile True:\n    os.fork()\n",
+        "while True:\n    pass\n",
+        "x = bytearray(8 * 1024 ** 3)\n",
+    ] {
+        let id = open_code_env(&addr);
+        let out = answer(&addr, &id, program);
+        assert!(out.starts_with("HTTP/1.1 500"), "{program}: {out}");
+        assert!(out.contains(r#""kind":"env_failed""#), "{out}");
+        assert!(out.contains("sandbox: program"), "{out}");
+    }
+    let id = open_code_env(&addr);
+    let out = answer(&addr, &id, "print(6 * 7)");
+    assert!(out.starts_with("HTTP/1.1 200"), "{out}");
+    assert!(out.contains(r#""passed":1.0"#), "{out}");
+    assert!(get(&addr, "/v1/health").starts_with("HTTP/1.1 200"));
     let status = Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
         .status()

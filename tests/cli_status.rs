@@ -48,6 +48,7 @@ enabled = false
 group_size = 2
 groups_per_step = 2
 max_new_tokens = 32
+balance_threshold = 0.25
 "#;
     let config = sluice_core::config::parse(
         &format!("{text}[admin]\nlisten = \"127.0.0.1:0\"\ntoken = \"{TOKEN}\"\n"),
@@ -82,6 +83,7 @@ max_new_tokens = 32
         "buckets",
         "actors",
         "controller running",
+        "balance threshold 0.25",
     ] {
         assert!(out.contains(needle), "{needle:?} missing in:\n{out}");
     }
@@ -89,6 +91,7 @@ max_new_tokens = 32
     assert_eq!(code, 0, "{err}");
     let status: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(status["paused"], false);
+    assert_eq!(status["controller"]["balance"]["threshold"], 0.25);
 
     // Pause with the token from the environment, resume with the one in the config file.
     let (code, _, err) = sluice(&["pause", "--url", &url], None, d);

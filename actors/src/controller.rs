@@ -36,12 +36,10 @@ use crate::sampler::SamplerHandle;
 use crate::trainer::StepReport;
 use crate::{ActorError, Sink};
 
-pub use status::{ControllerStatus, PaceStatus};
+pub use status::{BalanceStatus, ControllerStatus, PaceStatus};
 
 /// Weight of a new reward in the outcome EMA.
 const OUTCOME_EMA_ALPHA: f64 = 0.05;
-/// Group mean reward below / above which a group counts as too hard / too easy.
-const BALANCE_THRESHOLD: f64 = 0.5;
 /// Groups kept for the balance fractions.
 const BALANCE_WINDOW: usize = 256;
 
@@ -60,6 +58,9 @@ pub struct ControllerConfig {
     pub no_progress_groups: u64,
     /// Sampling parameters of every request (`max_tokens` = tokens per turn).
     pub sampling: SamplingParams,
+    /// Group mean reward below / above which a group counts as too hard / too easy
+    /// (`rollout.balance_threshold`).
+    pub balance_threshold: f64,
 }
 
 /// The peers the controller drives, handed over once they are started.
@@ -183,6 +184,8 @@ struct GroupWork {
     waiting: HashMap<u32, Waiting>,
     /// When the group started (admitted or resumed): its time to stored paces admission.
     started: Instant,
+    /// Settled and sent to the env for group scoring; stored when the scored group comes back.
+    scoring: bool,
 }
 
 struct ControllerActor;
@@ -213,6 +216,8 @@ pub struct ControllerState {
     status: ControllerStatus,
     /// Outcome EMA and balance fractions (seed 001).
     outcomes: OutcomeStats,
+    /// The reward component series exported so far (capped).
+    component_series: sluice_core::metrics::ComponentSeries,
     /// Trainer step and group times (demand-aware admission).
     pace: Pace,
     /// Finished groups on their way to the store, as they ended (for the progress watch).
@@ -239,6 +244,7 @@ impl Actor for ControllerActor {
         (config, knobs, events): Self::Arguments,
     ) -> Result<ControllerState, ActorProcessingErr> {
         let progress = ProgressWatch::new(config.no_progress_groups);
+        let balance_threshold = config.balance_threshold;
         let scheduler = Scheduler::new(config.group_size, config.groups_per_step);
         // Knob changes are decisions too: a paused, idle pipeline must notice an unpause.
         let mut rx = knobs.subscribe();
@@ -267,7 +273,8 @@ impl Actor for ControllerActor {
             samples_requested: 0,
             draining: false,
             status: ControllerStatus::default(),
-            outcomes: OutcomeStats::new(OUTCOME_EMA_ALPHA, BALANCE_THRESHOLD, BALANCE_WINDOW),
+            outcomes: OutcomeStats::new(OUTCOME_EMA_ALPHA, balance_threshold, BALANCE_WINDOW),
+            component_series: sluice_core::metrics::ComponentSeries::default(),
             pace: Pace::default(),
             ending: HashMap::new(),
             progress,

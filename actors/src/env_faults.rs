@@ -13,9 +13,9 @@ use std::time::Duration;
 
 use sluice_core::config::FaultsConfig;
 use sluice_core::metrics as m;
-use sluice_core::{DataSample, Rollout, RolloutId, RolloutStatus};
+use sluice_core::{DataSample, Rollout, RolloutGroup, RolloutId, RolloutStatus};
 
-use crate::env_worker::{BoxFuture, EnvReply, RolloutEnv, TurnNote};
+use crate::env_worker::{BoxFuture, EnvReply, RolloutEnv, TurnNote, failed_group};
 use crate::faults::injected;
 
 /// The environment part of `[faults]`; every period 0 = off.
@@ -106,6 +106,18 @@ impl RolloutEnv for FaultyEnv {
         self.inner.abandon(id)
     }
 
+    fn scores_groups(&self) -> bool {
+        self.inner.scores_groups()
+    }
+
+    fn score_group<'a>(
+        &'a self,
+        sample: &'a DataSample,
+        group: RolloutGroup,
+    ) -> BoxFuture<'a, RolloutGroup> {
+        self.inner.score_group(sample, group)
+    }
+
     fn set_session_cap(&self, sessions: usize) {
         self.inner.set_session_cap(sessions);
     }
@@ -174,6 +186,29 @@ impl RolloutEnv for TimeoutEnv {
 
     fn abandon(&self, id: RolloutId) -> BoxFuture<'_, ()> {
         Box::pin(self.close(id))
+    }
+
+    fn scores_groups(&self) -> bool {
+        self.inner.scores_groups()
+    }
+
+    /// Group scoring is bounded by the same limit; past it the group's rollouts end as `Timeout`.
+    fn score_group<'a>(
+        &'a self,
+        sample: &'a DataSample,
+        group: RolloutGroup,
+    ) -> BoxFuture<'a, RolloutGroup> {
+        Box::pin(async move {
+            let fallback = group.clone();
+            match tokio::time::timeout(self.limit, self.inner.score_group(sample, group)).await {
+                Ok(scored) => scored,
+                Err(_) => {
+                    tracing::warn!(group = %fallback.id, limit = ?self.limit, "group scoring timed out");
+                    metrics::counter!(m::ENV_FAILURES, "kind" => "timeout").increment(1);
+                    failed_group(fallback, "timeout")
+                }
+            }
+        })
     }
 
     fn set_session_cap(&self, sessions: usize) {

@@ -16,7 +16,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use futures::FutureExt;
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use sluice_core::metrics as m;
-use sluice_core::{DataSample, Knobs, KnobsHandle, Rollout, RolloutId};
+use sluice_core::{
+    DataSample, Knobs, KnobsHandle, Rollout, RolloutGroup, RolloutId, RolloutStatus,
+};
 pub use sluice_env::BoxFuture;
 pub use sluice_env::rollout_env::{EnvReply, RolloutEnv, TurnNote};
 use tokio::sync::watch;
@@ -41,6 +43,7 @@ pub struct EnvMsg(Job);
 
 enum Job {
     Start(Arc<DataSample>, RolloutId),
+    ScoreGroup(Arc<DataSample>, RolloutGroup),
     Step(Arc<DataSample>, Rollout, bool),
     Abandon(RolloutId),
 }
@@ -105,6 +108,8 @@ pub struct EnvPoolHandle {
     next: Arc<AtomicUsize>,
     /// The pool's counters, shared with its workers: a job for a stopped worker is dropped here.
     counters: ActorCounters,
+    /// The env scores settled groups ([`RolloutEnv::scores_groups`]).
+    scores_groups: bool,
 }
 
 impl EnvPoolHandle {
@@ -119,6 +124,7 @@ impl EnvPoolHandle {
         knobs: &KnobsHandle,
     ) -> Result<(Self, Vec<tokio::task::JoinHandle<()>>), ActorError> {
         let counters = ActorCounters::new("env");
+        let scores_groups = env.scores_groups();
         env.set_session_cap(config.session_cap(&knobs.current()));
         let mut workers = Vec::new();
         let mut joins = Vec::new();
@@ -148,6 +154,7 @@ impl EnvPoolHandle {
                 workers: Arc::new(workers),
                 next: Arc::default(),
                 counters,
+                scores_groups,
             },
             joins,
         ))
@@ -177,6 +184,17 @@ impl EnvPoolHandle {
     /// Steps `rollout`'s environment.
     pub fn step(&self, sample: Arc<DataSample>, rollout: Rollout, truncated: bool) {
         self.send(Job::Step(sample, rollout, truncated));
+    }
+
+    /// Whether settled groups must be scored by [`EnvPoolHandle::score_group`] before they are
+    /// stored.
+    pub fn scores_groups(&self) -> bool {
+        self.scores_groups
+    }
+
+    /// Scores settled `group` as a whole; the answer is an [`EnvReply::Scored`].
+    pub fn score_group(&self, sample: Arc<DataSample>, group: RolloutGroup) {
+        self.send(Job::ScoreGroup(sample, group));
     }
 
     /// Tells the environment to forget rollout `id`.
@@ -225,6 +243,19 @@ fn panicked() -> EnvReply {
     }
 }
 
+/// `group` with every finished rollout failed as `kind` and rewarded 0: its scoring panicked.
+pub fn failed_group(mut group: RolloutGroup, kind: &str) -> RolloutGroup {
+    for r in group.rollouts.iter_mut().filter(|r| r.is_terminal()) {
+        r.status = if kind == "timeout" {
+            RolloutStatus::Timeout
+        } else {
+            RolloutStatus::Error(kind.to_owned())
+        };
+        r.reward = 0.0;
+    }
+    group
+}
+
 /// Closes rollout `id`'s session after its env call panicked; a panic here is swallowed (the
 /// rollout already fails as `env_panic`).
 async fn close(env: &dyn RolloutEnv, id: RolloutId) {
@@ -269,6 +300,25 @@ async fn call(env: &dyn RolloutEnv, job: Job) -> Option<EnvResult> {
                 rollout: rollout.id,
                 step,
                 note: Some(note),
+            })
+        }
+        Job::ScoreGroup(sample, group) => {
+            let rollout = group.rollouts.first()?.id;
+            let fallback = group.clone();
+            let scored = match AssertUnwindSafe(env.score_group(&sample, group))
+                .catch_unwind()
+                .await
+            {
+                Ok(scored) => scored,
+                Err(_) => {
+                    panicked();
+                    failed_group(fallback, "env_panic")
+                }
+            };
+            Some(EnvResult {
+                rollout,
+                step: EnvReply::Scored(Box::new(scored)),
+                note: None,
             })
         }
         Job::Abandon(id) => {

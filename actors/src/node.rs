@@ -177,6 +177,7 @@ impl Node {
                 seed: None,
                 stop_token_ids: Vec::new(),
             },
+            balance_threshold: config.rollout.balance_threshold,
         };
         let events = RunEvents::default();
         let mut joins = Vec::new();

@@ -170,7 +170,8 @@ fn transitions() -> Vec<(&'static str, &'static str)> {
 
 /// Seeds every catalog name whose label values are known up front: names without labels, one
 /// series per static label value, and the legal `{from, to}` transitions. Names labeled by
-/// replica, domain or dataset wait for [`seed_node`].
+/// replica, domain or dataset wait for [`seed_node`]; `sluice_rollout_reward_component_mean_reward`
+/// appears with the first scored group (its component names come from rubrics and envs).
 fn seed_catalog() {
     for def in m::CATALOG {
         match def.labels {
@@ -332,7 +333,8 @@ mod tests {
             for label in def.labels {
                 assert!(
                     static_values(label).is_some()
-                        || ["replica", "domain", "dataset", "from", "to"].contains(label),
+                        || ["replica", "domain", "dataset", "from", "to", "component"]
+                            .contains(label),
                     "{}: label `{label}` has no seeding rule",
                     def.name
                 );

@@ -169,6 +169,7 @@ async fn start_all(
             EnvReply::Continue { .. } => None,
             EnvReply::Done { status, .. } => Some(status),
             EnvReply::Failed { kind } => Some(RolloutStatus::Error(kind)),
+            EnvReply::Scored(_) => panic!("no group was sent to score"),
         });
     }
     out

@@ -4,10 +4,13 @@ use std::process::ExitCode;
 
 use crate::cli::ConfigArgs;
 
-/// Loads the config (overrides first), prints it as TOML on stdout. Nothing is started and no
-/// file is written.
+/// Loads the config (overrides first), builds its tasks (so a rubric naming a reward function
+/// its task lacks is refused here, as `sluice run` would), and prints the config as TOML on
+/// stdout. Nothing is started and no file is written.
 pub fn run(args: &ConfigArgs) -> anyhow::Result<ExitCode> {
     let config = sluice_core::config::load(&args.config, &args.overrides)?;
+    sluice_env::configured::registry(&config)
+        .map_err(|e| anyhow::anyhow!("{}: {e}", args.config.display()))?;
     print!("{}", config.to_toml());
     Ok(ExitCode::SUCCESS)
 }

@@ -186,6 +186,21 @@ pub(super) fn summary(s: &Value) -> String {
             num(&r["mean_version_lag"]),
         ),
     );
+    let balance = &s["controller"]["balance"];
+    if balance.is_object() {
+        let ema = balance["outcome_ema"]
+            .as_f64()
+            .map_or_else(|| "none yet".to_owned(), |e| format!("{e:.2}"));
+        line(
+            "rewards",
+            format!(
+                "outcome EMA {ema} · balance threshold {} · groups below {:.2} · above {:.2}",
+                balance["threshold"],
+                num(&balance["below_ratio"]),
+                num(&balance["above_ratio"]),
+            ),
+        );
+    }
     let buckets = match s["buckets"].as_object() {
         Some(b) => b
             .iter()
@@ -235,6 +250,7 @@ mod tests {
                       "engine_busy_ratio": 0.9, "trainer_idle_ratio": 0.2, "mean_version_lag": 0.5},
             "knobs": {"max_version_lag": 1, "weight_update_mode": "in_flight"},
             "actors": {"engine": {"health": "running"}, "trainer": {"health": "failed", "detail": "nan loss"}},
+            "controller": {"balance": {"threshold": 0.25, "below_ratio": 0.5, "above_ratio": 0.125, "outcome_ema": 0.4}},
         });
         let text = summary(&status);
         for needle in [
@@ -246,6 +262,7 @@ mod tests {
             "completed 2 · consumed 28",
             "max_version_lag=1 weight_update_mode=in_flight",
             "trainer failed (nan loss)",
+            "outcome EMA 0.40 · balance threshold 0.25 · groups below 0.50 · above 0.12",
         ] {
             assert!(text.contains(needle), "{needle:?} missing in:\n{text}");
         }

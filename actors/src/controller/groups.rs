@@ -24,6 +24,7 @@ impl ControllerState {
             sample,
             waiting: HashMap::new(),
             started: Instant::now(),
+            scoring: false,
         };
         for i in 0..n {
             let r = &w.group.rollouts[i];
@@ -116,6 +117,9 @@ impl ControllerState {
 
     pub(super) fn on_env(&mut self, result: EnvResult) {
         let gid = result.rollout.group;
+        if let EnvReply::Scored(scored) = result.step {
+            return self.on_scored(*scored);
+        }
         let i = result.rollout.index;
         // A result for a group no longer here, or a rollout not waiting on the env, is stale.
         let Some(mut w) = self.work.remove(&gid) else {
@@ -149,26 +153,57 @@ impl ControllerState {
                 r.reward_components = components;
             }
             EnvReply::Failed { kind } => r.status = RolloutStatus::Error(kind),
+            // Answered before the `match`.
+            EnvReply::Scored(_) => {}
         }
         self.work.insert(gid, w);
         self.settle(gid);
     }
 
+    /// A group scored as a whole comes back: it is stored like any settled group.
+    fn on_scored(&mut self, scored: RolloutGroup) {
+        let gid = scored.id;
+        match self.work.get_mut(&gid) {
+            Some(w) if w.scoring => {
+                w.group = scored;
+                self.settle(gid);
+            }
+            _ => self.counters.dropped(1),
+        }
+    }
+
     /// A group with nothing outstanding goes to the replay store: aborted if any rollout was
     /// interrupted, finished otherwise.
     pub(super) fn settle(&mut self, gid: GroupId) {
-        let Some(w) = self.work.get(&gid) else { return };
+        let Some(w) = self.work.get_mut(&gid) else {
+            return;
+        };
         if !w.waiting.is_empty() {
+            return;
+        }
+        let aborted = w
+            .group
+            .rollouts
+            .iter()
+            .any(|r| r.status == RolloutStatus::Aborted);
+        // A finished group whose env scores groups goes there first (once); it settles again
+        // when it comes back scored.
+        if !aborted
+            && !w.scoring
+            && let Some(peers) = &self.peers
+            && peers.env.scores_groups()
+        {
+            w.scoring = true;
+            peers
+                .env
+                .score_group(Arc::clone(&w.sample), w.group.clone());
+            self.counters.sent(1);
             return;
         }
         let Some(w) = self.work.remove(&gid) else {
             return;
         };
         let group = w.group;
-        let aborted = group
-            .rollouts
-            .iter()
-            .any(|r| r.status == RolloutStatus::Aborted);
         if !aborted {
             self.record_outcome(&group, &w.sample.domain);
             self.pace.record_group(w.started.elapsed().as_secs_f64());
@@ -215,6 +250,16 @@ impl ControllerState {
         self.status.finished_rollouts += n as u64;
         self.status.reward_sum += sum;
         metrics::gauge!(m::ROLLOUT_MEAN_REWARD, "domain" => domain.to_owned()).set(sum / n as f64);
+        for (component, mean) in group.reward_component_means() {
+            if self.component_series.admit(domain, &component) {
+                metrics::gauge!(
+                    m::ROLLOUT_REWARD_COMPONENT_MEAN_REWARD,
+                    "domain" => domain.to_owned(),
+                    "component" => component
+                )
+                .set(mean);
+            }
+        }
         self.outcomes.record_group(group);
         self.outcomes.publish_metrics();
     }

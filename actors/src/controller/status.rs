@@ -58,6 +58,21 @@ pub struct ControllerStatus {
     pub demand_holds: u64,
     /// Why the run makes no progress (too many untrainable groups in a row); the node stops it.
     pub no_progress: Option<String>,
+    /// Recent groups against the balance threshold.
+    pub balance: BalanceStatus,
+}
+
+/// Outcome statistics (seed 001): how recent groups sit against the balance threshold.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct BalanceStatus {
+    /// `rollout.balance_threshold`.
+    pub threshold: f64,
+    /// Fraction of recent groups whose mean reward is below it (too hard).
+    pub below_ratio: f64,
+    /// Fraction above it (too easy).
+    pub above_ratio: f64,
+    /// Moving average of outcome rewards (`None` before the first group).
+    pub outcome_ema: Option<f64>,
 }
 
 /// The pace demand-aware admission decides with, as `/v1/status` shows it.
@@ -96,6 +111,15 @@ impl ControllerState {
             demand_holds: stats.demand_holds,
             draining: self.draining,
             replay: self.counts,
+            balance: {
+                let (below_ratio, above_ratio) = self.outcomes.balance();
+                BalanceStatus {
+                    threshold: self.config.balance_threshold,
+                    below_ratio,
+                    above_ratio,
+                    outcome_ema: self.outcomes.ema_reward(),
+                }
+            },
             ..self.status.clone()
         }
     }

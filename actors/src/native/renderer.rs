@@ -12,6 +12,8 @@ use sluice_model::{ChatOptions, CompletionParser, Tokenizer};
 pub struct ModelRenderer {
     tokenizer: Arc<Tokenizer>,
     parser: CompletionParser,
+    /// Extra template variables (`model.chat_template_kwargs`, e.g. `enable_thinking`).
+    template_kwargs: serde_json::Map<String, serde_json::Value>,
 }
 
 impl std::fmt::Debug for ModelRenderer {
@@ -32,7 +34,22 @@ impl ModelRenderer {
         Ok(Self {
             tokenizer,
             parser: CompletionParser::default(),
+            template_kwargs: serde_json::Map::new(),
         })
+    }
+
+    /// The same renderer passing `kwargs` to the chat template with every prompt
+    /// (`model.chat_template_kwargs`).
+    pub fn with_template_kwargs(
+        mut self,
+        kwargs: &std::collections::BTreeMap<String, toml::Value>,
+    ) -> Result<Self, EnvError> {
+        for (name, value) in kwargs {
+            let value = serde_json::to_value(value)
+                .map_err(|e| EnvError::Config(format!("model.chat_template_kwargs.{name}: {e}")))?;
+            self.template_kwargs.insert(name.clone(), value);
+        }
+        Ok(self)
     }
 
     /// The tokenizer.
@@ -63,7 +80,7 @@ impl Renderer for ModelRenderer {
         let options = ChatOptions {
             add_generation_prompt: true,
             tools: (!tools.is_empty()).then(|| tools.to_vec()),
-            extra: serde_json::Map::new(),
+            extra: self.template_kwargs.clone(),
         };
         let text = self
             .tokenizer

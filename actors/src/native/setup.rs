@@ -2,7 +2,6 @@
 //! checkpoint (created from `model.init_preset` when absent), tokenizer and renderer, the task
 //! registry, engine replicas (native or remote), the candle trainer and the task environment.
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
@@ -76,7 +75,9 @@ impl NativeSetup {
         );
         let renderer = Arc::new(
             ModelRenderer::new(Arc::clone(&tokenizer))
-                .map_err(|e| setup_err(format!("model.path {}: {e}", model_dir.display())))?,
+                .map_err(|e| setup_err(format!("model.path {}: {e}", model_dir.display())))?
+                .with_template_kwargs(&config.model.chat_template_kwargs)
+                .map_err(setup_err)?,
         );
         let device = sluice_model::device(config.model.device).map_err(setup_err)?;
         let dir = weights_dir.unwrap_or(&model_dir);
@@ -92,7 +93,7 @@ impl NativeSetup {
             model_dir,
             tokenizer,
             renderer,
-            registry: Arc::new(TaskRegistry::builtin()),
+            registry: Arc::new(sluice_env::configured::registry(config).map_err(setup_err)?),
             weights: Arc::new(weights),
         })
     }
@@ -113,12 +114,7 @@ impl NativeSetup {
             config.rollout.group_size.get(),
             config.rollout.groups_per_step.get(),
         );
-        let domain_tasks: BTreeMap<String, String> = config
-            .data
-            .domain_options
-            .iter()
-            .filter_map(|(d, o)| o.task.clone().map(|t| (d.clone(), t)))
-            .collect();
+        let domain_tasks = self.registry.domain_tasks().clone();
         let sessions = EnvSessions::new(
             Arc::clone(&self.registry),
             self.renderer.clone(),
@@ -223,7 +219,7 @@ impl NativeSetup {
 /// [`NativeSetup::limits`] for a model with a `context`-token window.
 pub fn env_limits(config: &Config, context: usize) -> TokenEnvLimits {
     TokenEnvLimits {
-        max_prompt_tokens: context.saturating_sub(config.rollout.max_new_tokens.get() as usize),
+        max_prompt_tokens: sluice_env::token_env::max_prompt_tokens(&config.rollout, context),
         max_turns: config.rollout.max_turns.get(),
         call_timeout: config.supervision.env_step_timeout,
     }

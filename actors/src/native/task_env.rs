@@ -13,7 +13,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use sluice_core::{DataSample, Rollout, RolloutId, RolloutStatus};
+use sluice_core::{DataSample, Rollout, RolloutGroup, RolloutId, RolloutStatus};
 use sluice_env::token_env::TurnFinish;
 use sluice_env::{EnvSessions, Next, TaskRegistry, TurnOutcome};
 
@@ -80,8 +80,18 @@ impl TaskEnv {
         let mut scored = rollout.clone();
         if let (Some(o), Some(turn)) = (outcome, scored.turns.last_mut()) {
             o.apply_to(turn);
+            scored.reward_components.extend(o.env_components.clone());
         }
         scored.status = status;
+        if task.rubric().has_group_fns() {
+            // The whole rubric runs once the group settles (`score_group`); the env's named
+            // components ride along until then.
+            return EnvReply::Done {
+                reward: 0.0,
+                status: scored.status,
+                components: scored.reward_components,
+            };
+        }
         let score = task.rubric().score(sample, &scored).await;
         EnvReply::Done {
             reward: score.reward,
@@ -184,6 +194,31 @@ impl RolloutEnv for TaskEnv {
 
     fn abandon(&self, id: RolloutId) -> BoxFuture<'_, ()> {
         Box::pin(self.sessions.abandon(id))
+    }
+
+    fn scores_groups(&self) -> bool {
+        self.registry
+            .names()
+            .iter()
+            .filter_map(|n| self.registry.get(n).ok())
+            .any(|t| t.rubric().has_group_fns())
+    }
+
+    /// Groups of tasks with group reward functions get their whole rubric here; the others
+    /// were scored rollout by rollout and pass unchanged.
+    fn score_group<'a>(
+        &'a self,
+        sample: &'a DataSample,
+        mut group: RolloutGroup,
+    ) -> BoxFuture<'a, RolloutGroup> {
+        Box::pin(async move {
+            if let Ok(task) = self.registry.get(self.task_name(sample))
+                && task.rubric().has_group_fns()
+            {
+                task.score_group(&mut group).await;
+            }
+            group
+        })
     }
 
     fn set_session_cap(&self, sessions: usize) {

@@ -84,6 +84,43 @@ macro_rules! catalog {
     };
 }
 
+/// Most (domain, component) series of `sluice_rollout_reward_component_mean_reward`: component
+/// names come from rubrics and from envs (maybe remote), so their label values are capped.
+pub const MAX_REWARD_COMPONENT_SERIES: usize = 256;
+
+/// The (domain, component) label pairs of `sluice_rollout_reward_component_mean_reward` exported
+/// so far: the first [`MAX_REWARD_COMPONENT_SERIES`] are admitted, later new ones are refused
+/// (with one warning), so an env inventing component names cannot grow the series without bound.
+#[derive(Debug, Default)]
+pub struct ComponentSeries {
+    admitted: std::collections::HashSet<(String, String)>,
+    warned: bool,
+}
+
+impl ComponentSeries {
+    /// Whether the series (`domain`, `component`) may be recorded.
+    pub fn admit(&mut self, domain: &str, component: &str) -> bool {
+        let key = (domain.to_owned(), component.to_owned());
+        if self.admitted.contains(&key) {
+            return true;
+        }
+        if self.admitted.len() >= MAX_REWARD_COMPONENT_SERIES {
+            if !self.warned {
+                self.warned = true;
+                tracing::warn!(
+                    domain,
+                    component,
+                    max = MAX_REWARD_COMPONENT_SERIES,
+                    "too many reward component series; new component names are not exported"
+                );
+            }
+            return false;
+        }
+        self.admitted.insert(key);
+        true
+    }
+}
+
 /// Buckets for durations from a millisecond to ten minutes.
 pub const SECONDS_BUCKETS: &[f64] = &[
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
@@ -129,6 +166,8 @@ catalog! {
         "Rollout attempts that ended, by final status.";
     ROLLOUT_MEAN_REWARD = "sluice_rollout_mean_reward", Gauge, ["domain"], NONE,
         "Mean reward of the most recently completed groups, per domain.";
+    ROLLOUT_REWARD_COMPONENT_MEAN_REWARD = "sluice_rollout_reward_component_mean_reward", Gauge, ["domain", "component"], NONE,
+        "Mean of each named reward component (rubric functions, `env`, `env.<name>`) over the most recently completed group, per domain; at most MAX_REWARD_COMPONENT_SERIES series.";
     ROLLOUT_OUTCOME_EMA_REWARD = "sluice_rollout_outcome_ema_reward", Gauge, [], NONE,
         "Exponential moving average of outcome rewards.";
     ROLLOUT_BELOW_BALANCE_RATIO = "sluice_rollout_below_balance_ratio", Gauge, [], NONE,
@@ -364,5 +403,16 @@ mod tests {
         ] {
             assert!(find(name).is_some(), "{name}");
         }
+    }
+
+    #[test]
+    fn component_series_are_capped() {
+        let mut series = ComponentSeries::default();
+        for i in 0..MAX_REWARD_COMPONENT_SERIES {
+            assert!(series.admit("math", &format!("c{i}")));
+        }
+        assert!(!series.admit("math", "one_too_many"));
+        assert!(!series.admit("code", "c0"));
+        assert!(series.admit("math", "c0"), "admitted series stay admitted");
     }
 }

@@ -307,6 +307,22 @@ impl RolloutGroup {
         self.rollouts.iter().all(Rollout::is_terminal)
     }
 
+    /// Mean of each named reward component over the group's finished rollouts that carry it
+    /// (`correct`, `env`, `env.passed`, …).
+    pub fn reward_component_means(&self) -> BTreeMap<String, f64> {
+        let mut sums: BTreeMap<&str, (f64, u32)> = BTreeMap::new();
+        for r in self.rollouts.iter().filter(|r| r.is_terminal()) {
+            for (name, v) in &r.reward_components {
+                let e = sums.entry(name.as_str()).or_insert((0.0, 0));
+                e.0 += v;
+                e.1 += 1;
+            }
+        }
+        sums.into_iter()
+            .map(|(name, (sum, n))| (name.to_owned(), sum / f64::from(n)))
+            .collect()
+    }
+
     /// All rewards are equal, so group-relative advantages are all zero.
     pub fn has_uniform_reward(&self) -> bool {
         let mut rewards = self.rollouts.iter().map(|r| r.reward);
@@ -401,5 +417,28 @@ mod tests {
         assert!(Completed.is_trainable() && Truncated.is_trainable());
         assert!(!Timeout.is_trainable());
         assert_eq!(Error("env_panic".into()).as_label(), "error");
+    }
+
+    #[test]
+    fn component_means_cover_finished_rollouts_that_carry_each_component() {
+        let sample = DataSample {
+            id: "s".into(),
+            domain: "math".into(),
+            dataset: "a".into(),
+            input: serde_json::Value::Null,
+            system_prompt: None,
+        };
+        let mut g = RolloutGroup::new(gid(), sample, 3, PolicyVersion(0));
+        g.rollouts[0].status = RolloutStatus::Completed;
+        g.rollouts[0].reward_components = BTreeMap::from([("correct".into(), 1.0)]);
+        g.rollouts[1].status = RolloutStatus::Completed;
+        g.rollouts[1].reward_components =
+            BTreeMap::from([("correct".into(), 0.0), ("env.ran".into(), 1.0)]);
+        // Still generating: not counted.
+        g.rollouts[2].reward_components = BTreeMap::from([("correct".into(), 1.0)]);
+        let means = g.reward_component_means();
+        assert_eq!(means["correct"], 0.5);
+        assert_eq!(means["env.ran"], 1.0);
+        assert_eq!(means.len(), 2);
     }
 }

@@ -510,6 +510,30 @@ const BAD: &[(&str, &[&str], &str, ConfigErrorKind)] = &[
         "test.toml: trainer.minibatches: expected at most rollout.groups_per_step (2): each minibatch holds whole groups; got 4",
         ConfigErrorKind::Value,
     ),
+    (
+        "[model]\nchat_template_kwargs = { \"enable-thinking\" = false }",
+        &[],
+        "test.toml: model.chat_template_kwargs.enable-thinking: expected a template variable name of [A-Za-z_][A-Za-z0-9_]*, got `enable-thinking`",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[rollout]\nmax_prompt_tokens = -1",
+        &[],
+        "test.toml: rollout.max_prompt_tokens: expected an integer ≥ 0, got -1",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[rollout]\nmax_prompt_tokens = 2000000",
+        &[],
+        "test.toml: rollout.max_prompt_tokens: expected at most 1048576 (tokens), got 2000000",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[rollout]\nbalance_threshold = inf",
+        &[],
+        "test.toml: rollout.balance_threshold: expected a finite reward, got inf",
+        ConfigErrorKind::Value,
+    ),
 ];
 
 #[test]

@@ -59,6 +59,10 @@ pub async fn run_episode(
         }
         let outcome = env.step(&generated.token_ids, generated.finish).await;
         outcome.apply_to(&mut turn);
+        // The env's named components, summed over the episode so far, for the rubric.
+        rollout
+            .reward_components
+            .extend(outcome.env_components.clone());
         rollout.turns.push(turn);
         next = outcome.next;
     };

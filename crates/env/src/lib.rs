@@ -6,7 +6,10 @@
 //! | [`renderer`] | [`Renderer`]: messages ↔ token ids; [`ByteRenderer`] (dependency-free ChatML over bytes); completion parsing |
 //! | [`token_env`] | [`TokenEnv`]: a `MessageEnv` at the token level, owning prompt-length, max-turn and timeout checks and the rollout status |
 //! | [`rubric`] | [`Rubric`]: weighted reward functions, truncation/error overrides, concurrent group scoring |
+//! | [`sandbox`] | untrusted programs in a child process: CPU/memory/process/wall limits, no network |
 //! | [`sessions`] | [`EnvSessions`]: the token envs of live rollouts by rollout id — start, step, abandon — for env workers |
+//! | [`configured`] | the run's tasks as its config sets them up: per-domain rubrics and env servers |
+//! | [`reward_fns`] | reward functions every task offers a rubric from config: `env`, `env.<name>`, `length` (group) |
 //! | [`task`] | [`Task`] = datasets + env + rubric + system prompt; [`TaskRegistry`] |
 //! | [`tasks`] | built-in tasks: `arithmetic`, `sum_digits`, `calculator_tool`, `episodic` |
 //! | [`datasets`] | `[data] datasets` → rows: JSONL under `data_dir`, or a built-in task's generator |
@@ -21,6 +24,7 @@
 //! A panicking, failing or hanging env or reward function fails its rollout (`Error(kind)` or
 //! `Timeout`), never the caller.
 
+pub mod configured;
 pub mod datasets;
 pub mod discount;
 pub mod episode;
@@ -30,8 +34,11 @@ pub mod guard;
 pub mod protocol;
 pub mod remote;
 pub mod renderer;
+pub mod reward_fns;
 pub mod rollout_env;
 pub mod rubric;
+#[cfg(target_os = "linux")]
+pub mod sandbox;
 pub mod sessions;
 pub mod simulated;
 pub mod stats;
@@ -46,7 +53,7 @@ pub use eval::{EvalReport, evaluate};
 pub use protocol::{BoxFuture, EnvInit, EnvStep, MessageEnv};
 pub use renderer::{ByteRenderer, ParseError, Renderer};
 pub use rollout_env::{EnvReply, RolloutEnv, TurnNote};
-pub use rubric::{RewardFn, Rubric, RubricConfig, Score, ScoreInput};
+pub use rubric::{GroupMember, RewardFn, Rubric, RubricConfig, Score, ScoreInput};
 pub use sessions::EnvSessions;
 pub use simulated::SimTask;
 pub use stats::OutcomeStats;

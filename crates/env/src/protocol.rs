@@ -4,6 +4,7 @@
 //! Lifecycle: `init` once → `step` once per assistant turn until a step says `done` → `close`
 //! (always called, also after failures, so remote or sandboxed envs release resources).
 
+use std::collections::BTreeMap;
 use std::future::Future;
 use std::pin::Pin;
 
@@ -14,6 +15,9 @@ use crate::error::EnvError;
 
 /// A boxed, sendable future (what trait methods return, so envs can be `Box<dyn MessageEnv>`).
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// Distinct named reward components one episode may report.
+pub const MAX_ENV_COMPONENTS: usize = 16;
 
 /// What an environment opens an episode with.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -36,6 +40,11 @@ pub struct EnvStep {
     /// (`RolloutTurn::env_reward`); the rubric decides whether it counts toward the final reward.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reward: Option<f64>,
+    /// Named parts of this turn's reward (`passed`, `compiled`): summed over the episode, they
+    /// become the rollout's `env.<name>` reward components, which a rubric may weight. Names are
+    /// `[A-Za-z0-9_-]`, at most [`MAX_ENV_COMPONENTS`] per episode (they label metrics).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub components: BTreeMap<String, f64>,
     /// The episode is over.
     #[serde(default)]
     pub done: bool,
@@ -64,6 +73,12 @@ impl EnvStep {
     /// Sets the situation label.
     pub fn with_situation(mut self, situation: impl Into<String>) -> Self {
         self.situation = Some(situation.into());
+        self
+    }
+
+    /// Adds the named reward component `name` (see [`EnvStep::components`]).
+    pub fn with_component(mut self, name: impl Into<String>, value: f64) -> Self {
+        self.components.insert(name.into(), value);
         self
     }
 

@@ -6,7 +6,7 @@
 
 use std::collections::BTreeMap;
 
-use sluice_core::{DataSample, Message, Rollout, RolloutId, RolloutStatus};
+use sluice_core::{DataSample, Message, Rollout, RolloutGroup, RolloutId, RolloutStatus};
 
 use crate::BoxFuture;
 
@@ -32,6 +32,9 @@ pub enum EnvReply {
         /// Error kind.
         kind: String,
     },
+    /// A settled group, scored as a whole ([`RolloutEnv::score_group`]): its rewards replace
+    /// the ones its rollouts ended with.
+    Scored(Box<RolloutGroup>),
 }
 
 impl EnvReply {
@@ -75,6 +78,21 @@ pub trait RolloutEnv: Send + Sync + 'static {
     /// Forgets rollout `id` (its group was dropped). Default: nothing to forget.
     fn abandon(&self, _id: RolloutId) -> BoxFuture<'_, ()> {
         Box::pin(async {})
+    }
+
+    /// Whether settled groups go through [`RolloutEnv::score_group`] before they are stored
+    /// (a rubric with group reward functions). Default: no.
+    fn scores_groups(&self) -> bool {
+        false
+    }
+
+    /// Scores a settled (not aborted) group as a whole. Default: unchanged.
+    fn score_group<'a>(
+        &'a self,
+        _sample: &'a DataSample,
+        group: RolloutGroup,
+    ) -> BoxFuture<'a, RolloutGroup> {
+        Box::pin(async move { group })
     }
 
     /// Sets how many sessions may be open at once (the env worker pool calls it at start and

@@ -61,10 +61,24 @@ type SyncScorer = Arc<dyn Fn(&ScoreInput) -> Result<f64, String> + Send + Sync>;
 type AsyncScorer =
     Arc<dyn Fn(Arc<ScoreInput>) -> BoxFuture<'static, Result<f64, String>> + Send + Sync>;
 
+type GroupScorer = Arc<dyn Fn(&[GroupMember]) -> Result<Vec<f64>, String> + Send + Sync>;
+
 #[derive(Clone)]
 enum Scorer {
     Sync(SyncScorer),
     Async(AsyncScorer),
+    Group(GroupScorer),
+}
+
+/// One rollout as a group reward function sees it.
+#[derive(Debug, Clone)]
+pub struct GroupMember {
+    /// The rollout and its sample.
+    pub input: Arc<ScoreInput>,
+    /// The weighted score of the per-rollout functions (their share of the reward), or `None`
+    /// when the rollout is not scored by functions (failed, overridden, or its scoring failed):
+    /// such a member's value is ignored.
+    pub score: Option<f64>,
 }
 
 /// One named, weighted reward function.
@@ -120,6 +134,31 @@ impl RewardFn {
         }
     }
 
+    /// A function of the whole group (seed 003's group scoring): it returns one value per member,
+    /// in order, and runs after the per-rollout functions, whose scores it sees.
+    pub fn group(
+        name: impl Into<String>,
+        weight: f64,
+        f: impl Fn(&[GroupMember]) -> Result<Vec<f64>, String> + Send + Sync + 'static,
+    ) -> Self {
+        Self {
+            name: name.into(),
+            weight,
+            scorer: Scorer::Group(Arc::new(f)),
+        }
+    }
+
+    /// The same function with another weight (rubrics from config reweight a task's functions).
+    pub fn with_weight(mut self, weight: f64) -> Self {
+        self.weight = weight;
+        self
+    }
+
+    /// Whether the function scores whole groups.
+    pub fn is_group(&self) -> bool {
+        matches!(self.scorer, Scorer::Group(_))
+    }
+
     /// Counts the env's per-turn rewards (their sum, 0 when there are none) with `weight`.
     pub fn env_reward(weight: f64) -> Self {
         Self::new("env", weight, |input| input.env_reward_sum().unwrap_or(0.0))
@@ -141,6 +180,11 @@ impl RewardFn {
                 })
                 .await?
             }
+            Scorer::Group(_) => {
+                return Err(EnvError::Config(format!(
+                    "reward `{name}` scores groups, not single rollouts"
+                )));
+            }
             Scorer::Async(f) => {
                 let fut = f(input);
                 let n = name.clone();
@@ -158,6 +202,35 @@ impl RewardFn {
                 "reward `{name}` returned {value}"
             )))
         }
+    }
+}
+
+impl RewardFn {
+    /// Runs a group function over `members` (on the blocking pool, under `timeout`); it must
+    /// return one finite value per member.
+    async fn score_members(
+        &self,
+        members: Arc<Vec<GroupMember>>,
+        timeout: Duration,
+    ) -> Result<Vec<f64>, EnvError> {
+        let Scorer::Group(f) = &self.scorer else {
+            return Err(EnvError::Config(format!(
+                "reward `{}` scores single rollouts, not groups",
+                self.name
+            )));
+        };
+        let (f, n) = (f.clone(), self.name.clone());
+        let values = run_blocking_guarded(&self.name, timeout, move || {
+            f(&members).map_err(|e| EnvError::Failed(format!("reward `{n}`: {e}")))
+        })
+        .await?;
+        if let Some(bad) = values.iter().find(|v| !v.is_finite()) {
+            return Err(EnvError::Failed(format!(
+                "reward `{}` returned {bad}",
+                self.name
+            )));
+        }
+        Ok(values)
     }
 }
 
@@ -259,28 +332,52 @@ impl Rubric {
             .collect()
     }
 
+    /// The functions, with their normalized weights.
+    pub fn functions(&self) -> &[RewardFn] {
+        &self.fns
+    }
+
     /// The overrides and limits.
     pub fn config(&self) -> &RubricConfig {
         &self.config
     }
 
-    /// Scores one finished rollout (non-terminal rollouts score 0 with no components).
+    /// Whether some function scores whole groups (then only [`Rubric::score_group`] gives the
+    /// full reward).
+    pub fn has_group_fns(&self) -> bool {
+        self.fns.iter().any(RewardFn::is_group)
+    }
+
+    /// Scores one finished rollout with the per-rollout functions (non-terminal rollouts score 0
+    /// with no components). Group functions need the whole group: see [`Rubric::score_group`].
     pub async fn score(&self, sample: &DataSample, rollout: &Rollout) -> Score {
+        self.score_one(sample, rollout).await.0
+    }
+
+    /// The score, and whether the functions produced it (not an override, not a failure).
+    async fn score_one(&self, sample: &DataSample, rollout: &Rollout) -> (Score, bool) {
         let input = Arc::new(ScoreInput {
             sample: sample.clone(),
             rollout: rollout.clone(),
         });
-        let mut components = BTreeMap::new();
+        // The env's named components (`env.<name>`, summed over the episode) stay.
+        let mut components: BTreeMap<String, f64> = rollout
+            .reward_components
+            .iter()
+            .filter(|(k, _)| k.starts_with(ENV_COMPONENT_PREFIX))
+            .map(|(k, v)| (k.clone(), *v))
+            .collect();
         if let Some(env) = input.env_reward_sum() {
             components.insert("env".to_owned(), env);
         }
         let override_reward = match &rollout.status {
             RolloutStatus::Ongoing | RolloutStatus::Aborted => {
-                return Score {
+                let score = Score {
                     reward: 0.0,
                     components,
                     failed: None,
                 };
+                return (score, false);
             }
             RolloutStatus::Completed => None,
             RolloutStatus::Truncated => self.config.truncation_reward,
@@ -290,21 +387,18 @@ impl Rubric {
             | RolloutStatus::Error(_) => self.config.error_reward,
         };
         if let Some(reward) = override_reward {
-            return Score {
+            let score = Score {
                 reward,
                 components,
                 failed: None,
             };
+            return (score, false);
         }
-        let results = join_all(
-            self.fns
-                .iter()
-                .map(|f| f.score(input.clone(), self.timeout)),
-        )
-        .await;
+        let fns: Vec<&RewardFn> = self.fns.iter().filter(|f| !f.is_group()).collect();
+        let results = join_all(fns.iter().map(|f| f.score(input.clone(), self.timeout))).await;
         let mut reward = 0.0;
         let mut failed = None;
-        for (f, result) in self.fns.iter().zip(results) {
+        for (f, result) in fns.iter().zip(results) {
             match result {
                 Ok(v) => {
                     reward += f.weight * v;
@@ -312,29 +406,89 @@ impl Rubric {
                 }
                 Err(e) => {
                     tracing::warn!(reward_fn = %f.name, error = %e, "reward function failed");
-                    failed.get_or_insert(match e {
-                        EnvError::Timeout { .. } => RolloutStatus::Timeout,
-                        other => RolloutStatus::Error(other.kind().to_owned()),
-                    });
+                    failed.get_or_insert(failure_status(e));
                 }
             }
         }
         if failed.is_some() {
             reward = self.config.error_reward.unwrap_or(0.0);
         }
-        Score {
+        let by_functions = failed.is_none();
+        let score = Score {
             reward,
             components,
             failed,
-        }
+        };
+        (score, by_functions)
     }
 
-    /// Scores every rollout of `group` concurrently and writes the results into it.
+    /// Scores every rollout of `group` and writes the results into it: the per-rollout
+    /// functions concurrently, then each group function over the whole group (it sees every
+    /// member's per-rollout score). A group function that fails fails the members it scores,
+    /// like a per-rollout one.
     pub async fn score_group(&self, group: &mut RolloutGroup) {
         let sample = &group.sample;
-        let scores = join_all(group.rollouts.iter().map(|r| self.score(sample, r))).await;
+        let scored = join_all(group.rollouts.iter().map(|r| self.score_one(sample, r))).await;
+        let (mut scores, by_functions): (Vec<Score>, Vec<bool>) = scored.into_iter().unzip();
+        let group_fns: Vec<&RewardFn> = self.fns.iter().filter(|f| f.is_group()).collect();
+        if !group_fns.is_empty() {
+            let members: Arc<Vec<GroupMember>> = Arc::new(
+                group
+                    .rollouts
+                    .iter()
+                    .zip(&scores)
+                    .zip(&by_functions)
+                    .map(|((r, s), &ok)| GroupMember {
+                        input: Arc::new(ScoreInput {
+                            sample: sample.clone(),
+                            rollout: r.clone(),
+                        }),
+                        score: ok.then_some(s.reward),
+                    })
+                    .collect(),
+            );
+            for f in group_fns {
+                let result = match f.score_members(members.clone(), self.timeout).await {
+                    Ok(values) if values.len() == members.len() => Ok(values),
+                    Ok(values) => Err(EnvError::Failed(format!(
+                        "reward `{}` returned {} values for {} rollouts",
+                        f.name,
+                        values.len(),
+                        members.len()
+                    ))),
+                    Err(e) => Err(e),
+                };
+                for (i, score) in scores.iter_mut().enumerate() {
+                    if !by_functions[i] || score.failed.is_some() {
+                        continue;
+                    }
+                    match &result {
+                        Ok(values) => {
+                            score.reward += f.weight * values[i];
+                            score.components.insert(f.name.clone(), values[i]);
+                        }
+                        Err(e) => {
+                            tracing::warn!(reward_fn = %f.name, error = %e, "group reward function failed");
+                            score.failed = Some(failure_status(e.clone()));
+                            score.reward = self.config.error_reward.unwrap_or(0.0);
+                        }
+                    }
+                }
+            }
+        }
         for (rollout, score) in group.rollouts.iter_mut().zip(scores) {
             score.apply_to(rollout);
         }
+    }
+}
+
+/// Prefix of the env's named reward components in `Rollout::reward_components` (`env.passed`).
+pub const ENV_COMPONENT_PREFIX: &str = "env.";
+
+/// The status of a rollout whose scoring failed with `e`.
+fn failure_status(e: EnvError) -> RolloutStatus {
+    match e {
+        EnvError::Timeout { .. } => RolloutStatus::Timeout,
+        other => RolloutStatus::Error(other.kind().to_owned()),
     }
 }

@@ -127,6 +127,7 @@ impl EnvSessions {
                 env_messages: Vec::new(),
                 env_reward: None,
                 situation: None,
+                env_components: std::collections::BTreeMap::new(),
                 next: Next::Done(RolloutStatus::Error("env_protocol".into())),
             };
         };

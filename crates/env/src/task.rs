@@ -136,6 +136,18 @@ impl Task {
         self
     }
 
+    /// Replaces the rubric (a domain's rubric from config).
+    pub fn with_rubric(mut self, rubric: Rubric) -> Self {
+        self.rubric = Arc::new(rubric);
+        self
+    }
+
+    /// The same task under another registered name (a domain's configured copy of a task).
+    pub fn renamed(mut self, name: impl Into<String>) -> Self {
+        self.name = name.into();
+        self
+    }
+
     /// Discounts the outcome reward over the episode's turns after scoring (seed 001).
     pub fn with_discount(mut self, discount: EpisodeDiscount) -> Self {
         self.discount = Some(discount);
@@ -222,6 +234,9 @@ impl Task {
 #[derive(Debug, Clone, Default)]
 pub struct TaskRegistry {
     tasks: BTreeMap<String, Arc<Task>>,
+    /// Domain → the registered name of the task that serves it (`[data.domains.<d>] task`, or
+    /// the domain's configured copy of a task).
+    domain_tasks: BTreeMap<String, String>,
 }
 
 impl TaskRegistry {
@@ -262,6 +277,16 @@ impl TaskRegistry {
                 name: name.to_owned(),
                 known: self.names().join(", "),
             })
+    }
+
+    /// Serves `domain`'s samples with the task registered as `task`.
+    pub fn serve_domain(&mut self, domain: impl Into<String>, task: impl Into<String>) {
+        self.domain_tasks.insert(domain.into(), task.into());
+    }
+
+    /// Domain → registered name of its task, for the domains that name one.
+    pub fn domain_tasks(&self) -> &BTreeMap<String, String> {
+        &self.domain_tasks
     }
 
     /// Registered names, sorted.

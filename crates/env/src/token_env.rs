@@ -15,6 +15,7 @@
 //! A completion whose structure does not parse (bad tool-call JSON) is *not* an error: the env
 //! receives the raw text as a plain assistant message and decides (that is a training signal).
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -25,8 +26,9 @@ use tokio::sync::Mutex;
 
 use crate::error::EnvError;
 use crate::guard::run_guarded;
-use crate::protocol::{EnvInit, EnvStep, MessageEnv};
+use crate::protocol::{EnvInit, EnvStep, MAX_ENV_COMPONENTS, MessageEnv};
 use crate::renderer::{ParseError, Renderer};
+use crate::rubric::ENV_COMPONENT_PREFIX;
 
 /// Limits one episode runs under.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -50,6 +52,16 @@ mod seconds {
         let secs = f64::deserialize(d)?;
         Duration::try_from_secs_f64(secs).map_err(serde::de::Error::custom)
     }
+}
+
+/// The longest prompt a run sends for a model with a `context`-token window: the completion
+/// budget (`rollout.max_new_tokens`) must still fit, and `rollout.max_prompt_tokens`, when set,
+/// lowers the bound further (longer prompts end the episode as `PromptTooLong`).
+pub fn max_prompt_tokens(rollout: &sluice_core::config::RolloutConfig, context: usize) -> usize {
+    let fits = context.saturating_sub(rollout.max_new_tokens.get() as usize);
+    rollout
+        .max_prompt_tokens
+        .map_or(fits, |m| fits.min(m.get() as usize))
 }
 
 impl Default for TokenEnvLimits {
@@ -103,6 +115,8 @@ pub struct TurnOutcome {
     pub env_reward: Option<f64>,
     /// The env's situation label for this turn.
     pub situation: Option<String>,
+    /// The env's named reward components so far, summed over the episode, as `env.<name>`.
+    pub env_components: BTreeMap<String, f64>,
     /// What to do next.
     pub next: Next,
 }
@@ -127,6 +141,8 @@ pub struct TokenEnv {
     tools: Vec<ToolSpec>,
     turns: u32,
     parse_errors: u32,
+    /// The env's named reward components, summed over the turns so far (`env.<name>`).
+    env_components: BTreeMap<String, f64>,
     status: RolloutStatus,
     started: bool,
     closed: bool,
@@ -163,6 +179,7 @@ impl TokenEnv {
             tools: Vec::new(),
             turns: 0,
             parse_errors: 0,
+            env_components: BTreeMap::new(),
             status: RolloutStatus::Ongoing,
             started: false,
             closed: false,
@@ -280,6 +297,7 @@ impl TokenEnv {
             env_messages: Vec::new(),
             env_reward: None,
             situation: None,
+            env_components: self.env_components.clone(),
             next: Next::Done(self.status.clone()),
         };
         if !self.started || self.status.is_terminal() {
@@ -304,6 +322,7 @@ impl TokenEnv {
         let EnvStep {
             messages,
             reward,
+            components,
             done,
             situation,
         } = match step {
@@ -313,6 +332,11 @@ impl TokenEnv {
                 return outcome;
             }
         };
+        if let Err(e) = self.add_components(components) {
+            outcome.next = self.fail(&e);
+            return outcome;
+        }
+        outcome.env_components = self.env_components.clone();
         self.history.extend(messages.iter().cloned());
         outcome.env_messages = messages;
         outcome.env_reward = reward;
@@ -325,6 +349,34 @@ impl TokenEnv {
             self.next_prompt()
         };
         outcome
+    }
+
+    /// Adds one turn's named components to the episode's sums. Names and values come from the
+    /// env (maybe a remote server) and become metric labels: a name outside `[A-Za-z0-9_-]{1,64}`,
+    /// a non-finite value or more than [`MAX_ENV_COMPONENTS`] names fail the episode.
+    fn add_components(&mut self, components: BTreeMap<String, f64>) -> Result<(), EnvError> {
+        for (name, value) in components {
+            let valid = !name.is_empty()
+                && name.len() <= 64
+                && name
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-'));
+            if !valid || !value.is_finite() {
+                return Err(EnvError::Protocol(format!(
+                    "reward component `{name}` = {value}: names are [A-Za-z0-9_-]{{1,64}}, values finite"
+                )));
+            }
+            let key = format!("{ENV_COMPONENT_PREFIX}{name}");
+            if !self.env_components.contains_key(&key)
+                && self.env_components.len() >= MAX_ENV_COMPONENTS
+            {
+                return Err(EnvError::Protocol(format!(
+                    "more than {MAX_ENV_COMPONENTS} reward components in one episode"
+                )));
+            }
+            *self.env_components.entry(key).or_insert(0.0) += value;
+        }
+        Ok(())
     }
 
     /// Calls the env's `close` (once; errors are logged, never raised: the episode's status is

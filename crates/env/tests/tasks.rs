@@ -19,7 +19,13 @@ fn registry_holds_the_builtins_and_refuses_duplicates() {
     let mut r = registry();
     assert_eq!(
         r.names(),
-        ["arithmetic", "calculator_tool", "episodic", "sum_digits"]
+        [
+            "arithmetic",
+            "calculator_tool",
+            "episodic",
+            "python_code",
+            "sum_digits"
+        ]
     );
     let again = sluice_env::tasks::arithmetic::task();
     assert!(r.register(again).is_err());

@@ -6,8 +6,10 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+mod domain;
 mod trainer;
 
+pub use domain::*;
 pub use trainer::*;
 
 /// The whole file.
@@ -79,6 +81,8 @@ pub struct RawModel {
     pub dtype: String,
     /// `cpu`, `cuda` or `cuda:N`.
     pub device: String,
+    /// Extra variables of the chat template when rollouts are rendered (`enable_thinking`).
+    pub chat_template_kwargs: BTreeMap<String, toml::Value>,
 }
 
 impl Default for RawModel {
@@ -88,6 +92,7 @@ impl Default for RawModel {
             init_preset: None,
             dtype: "f32".into(),
             device: "cpu".into(),
+            chat_template_kwargs: BTreeMap::new(),
         }
     }
 }
@@ -216,6 +221,8 @@ pub struct RawRollout {
     pub max_turns: i64,
     /// Tokens per model turn, at most.
     pub max_new_tokens: i64,
+    /// Longest prompt sent to the engine, tokens (0 = the model's context minus `max_new_tokens`).
+    pub max_prompt_tokens: i64,
     /// Sampling temperature (0 = greedy).
     pub temperature: f64,
     /// Nucleus sampling mass, in (0, 1].
@@ -242,6 +249,8 @@ pub struct RawRollout {
     pub paused: bool,
     /// Knob: target weight per domain.
     pub domain_mix: BTreeMap<String, f64>,
+    /// Group mean reward below / above which a group counts as too hard / too easy (seed 001).
+    pub balance_threshold: f64,
     /// Environment worker actors.
     pub env_workers: i64,
     /// Environment calls (first prompt, step, reward) each worker runs at once.
@@ -255,6 +264,7 @@ impl Default for RawRollout {
             groups_per_step: 8,
             max_turns: 1,
             max_new_tokens: 512,
+            max_prompt_tokens: 0,
             temperature: 1.0,
             top_p: 1.0,
             top_k: 0,
@@ -268,6 +278,7 @@ impl Default for RawRollout {
             max_concurrent_rollouts: 0,
             paused: false,
             domain_mix: BTreeMap::new(),
+            balance_threshold: 0.5,
             env_workers: 2,
             env_calls_per_worker: 128,
         }
@@ -300,16 +311,6 @@ impl Default for RawData {
             domains: BTreeMap::new(),
         }
     }
-}
-
-/// `[data.domains.<domain>]`: options of one domain.
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct RawDomain {
-    /// System prompt for the domain's rows that have none of their own.
-    pub system_prompt: Option<String>,
-    /// Registered task that runs the domain's rows (default: the task named like the dataset).
-    pub task: Option<String>,
 }
 
 /// `[replay]`: the replay store.

@@ -15,8 +15,10 @@ use serde::{Serialize, Serializer};
 
 use crate::knobs::Knobs;
 
+mod domain;
 mod trainer;
 
+pub use domain::*;
 pub use trainer::*;
 
 /// The validated config.
@@ -161,6 +163,9 @@ pub struct ModelConfig {
     pub dtype: DType,
     /// Device.
     pub device: Device,
+    /// Extra chat-template variables for rendering rollouts (`enable_thinking = false`).
+    #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub chat_template_kwargs: std::collections::BTreeMap<String, toml::Value>,
 }
 
 /// Which inference backend drives rollouts.
@@ -263,12 +268,18 @@ pub struct RolloutConfig {
     pub max_turns: NonZeroU32,
     /// Tokens per turn.
     pub max_new_tokens: NonZeroU32,
+    /// Longest prompt sent to the engine (`None`: the model's context minus `max_new_tokens`;
+    /// set, it is still capped by that).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_prompt_tokens: Option<NonZeroU32>,
     /// Sampling temperature (≥ 0).
     pub temperature: f64,
     /// Nucleus mass in (0, 1].
     pub top_p: f64,
     /// Top-k (0 = off).
     pub top_k: u32,
+    /// Group mean reward below / above which a group counts as too hard / too easy.
+    pub balance_threshold: f64,
     /// Environment worker actors.
     pub env_workers: NonZeroU32,
     /// Environment calls each worker runs at once.
@@ -358,17 +369,6 @@ pub struct DataConfig {
         skip_serializing_if = "std::collections::BTreeMap::is_empty"
     )]
     pub domain_options: std::collections::BTreeMap<String, DomainConfig>,
-}
-
-/// `[data.domains.<domain>]`
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
-pub struct DomainConfig {
-    /// System prompt for rows without their own.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub system_prompt: Option<String>,
-    /// Task that runs the domain's rows.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub task: Option<String>,
 }
 
 impl DataConfig {

@@ -12,6 +12,7 @@ use super::raw::*;
 use super::typed::*;
 
 pub(crate) mod bounds;
+mod domain;
 mod engine;
 mod quickstart;
 mod relations;
@@ -305,11 +306,28 @@ fn validate_model(
         Some(p) => PathBuf::from(p),
         None => run.output_dir.join("model"),
     };
+    for name in raw.chat_template_kwargs.keys() {
+        let key = format!("model.chat_template_kwargs.{name}");
+        let identifier = name
+            .chars()
+            .next()
+            .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+            && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+        if !identifier {
+            return Err(ctx.value(
+                &key,
+                format!(
+                    "expected a template variable name of [A-Za-z_][A-Za-z0-9_]*, got `{name}`"
+                ),
+            ));
+        }
+    }
     Ok(ModelConfig {
         path,
         init_preset,
         dtype,
         device,
+        chat_template_kwargs: raw.chat_template_kwargs,
     })
 }
 

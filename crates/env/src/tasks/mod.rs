@@ -6,11 +6,14 @@
 //! | [`arithmetic`] | one turn: `7+5=` | exact match of the number (+ format) |
 //! | [`sum_digits`] | one turn, answer as `[ANSWER] n` | exact match (+ format) |
 //! | [`calculator`] (`calculator_tool`) | multi-turn, may call `calc` via `<tool_call>` | final answer |
+//! | [`python_code`] | one turn: a Python program, run in the [`crate::sandbox`] | its output matches |
 //! | [`episodic`] | multi-step walk, actions in `<|action_start|>…<|action_end|>` | outcome, discounted by γ |
 
 pub mod arithmetic;
 pub mod calculator;
 pub mod episodic;
+#[cfg(target_os = "linux")]
+pub mod python_code;
 pub mod sum_digits;
 
 use serde::de::DeserializeOwned;
@@ -30,6 +33,8 @@ pub fn builtin_tasks() -> Vec<Task> {
         sum_digits::task(),
         calculator::task(),
         episodic::task(),
+        #[cfg(target_os = "linux")]
+        python_code::task(),
     ]
 }
 

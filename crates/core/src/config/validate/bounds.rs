@@ -41,6 +41,11 @@ const SECONDS: &str = "seconds; a week at most";
 const SIM: &str = "simulated seconds; an hour at most";
 const TOKENS: &str = "tokens";
 const STEPS: &str = "steps";
+const REWARD: &str = "a reward";
+
+/// Largest reward an override may set: rewards are averaged and normalized downstream, so a
+/// typo'd exponent would swamp every other signal.
+const MAX_REWARD: f64 = 1e6;
 
 /// Every bound. Resource keys (replicas, sequences, batch sizes) are bounded by what one node
 /// holds: each replica or sequence owns memory and tasks, so a typo must not reach the allocator.
@@ -120,6 +125,8 @@ const BOUNDS: &[Bound] = &[
         "concurrent env calls per worker",
     ),
     bound("rollout.group_size", 4096.0, "rollouts per group"),
+    bound("rollout.max_prompt_tokens", MAX_TOKENS, TOKENS),
+    bound("rollout.balance_threshold", MAX_REWARD, REWARD),
     bound(
         "rollout.groups_per_step",
         65_536.0,
@@ -154,6 +161,14 @@ const BOUNDS: &[Bound] = &[
     bound("eval.every_steps", MAX_COUNT, STEPS),
     bound("eval.samples", 1_048_576.0, "samples"),
     bound("eval.temperature", 100.0, "the sampling temperature"),
+    bound("data.domains.*.rubric.weights.*", 1e9, "a relative weight"),
+    bound(
+        "data.domains.*.rubric.truncation_reward",
+        MAX_REWARD,
+        REWARD,
+    ),
+    bound("data.domains.*.rubric.error_reward", MAX_REWARD, REWARD),
+    bound("data.domains.*.rubric.timeout_s", MAX_SECONDS, SECONDS),
     bound(
         "supervision.restart_backoff_initial_s",
         MAX_SECONDS,
@@ -285,6 +300,11 @@ mod tests {
             tokens = 8
             [eval]
             stop_at_accuracy = 0.9
+            [data.domains.math.rubric]
+            weights = { correct = 1.0, format = 0.1 }
+            truncation_reward = 0.0
+            error_reward = -1.0
+            timeout_s = 5.0
             "#,
         )
         .unwrap();

@@ -3,10 +3,11 @@
 use std::path::PathBuf;
 use std::str::FromStr;
 
+use super::domain::validate_domain;
 use super::{Ctx, choice, non_zero_u32, number, u32_incl_zero, u64_incl_zero};
 use crate::config::error::ConfigError;
 use crate::config::raw::{RawData, RawRollout};
-use crate::config::typed::{BadLinePolicy, DataConfig, DatasetSpec, DomainConfig, RolloutConfig};
+use crate::config::typed::{BadLinePolicy, DataConfig, DatasetSpec, RolloutConfig};
 use crate::knobs::{AdmissionMode, Knobs, WeightUpdateMode};
 
 pub(super) fn validate_data(raw: RawData, ctx: &Ctx<'_>) -> Result<DataConfig, ConfigError> {
@@ -32,25 +33,7 @@ pub(super) fn validate_data(raw: RawData, ctx: &Ctx<'_>) -> Result<DataConfig, C
                 ),
             ));
         }
-        if let Some(task) = &d.task {
-            let ok = !task.is_empty()
-                && task
-                    .bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'));
-            if !ok {
-                return Err(ctx.value(
-                    &format!("{key}.task"),
-                    format!("expected a task name of [A-Za-z0-9_.-], got `{task}`"),
-                ));
-            }
-        }
-        domains.insert(
-            name,
-            DomainConfig {
-                system_prompt: d.system_prompt,
-                task: d.task,
-            },
-        );
+        domains.insert(name.clone(), validate_domain(&name, d, ctx)?);
     }
     Ok(DataConfig {
         datasets,
@@ -168,6 +151,11 @@ pub(super) fn validate_rollout(
         groups_per_step,
         max_turns: non_zero_u32(ctx, "rollout.max_turns", raw.max_turns)?,
         max_new_tokens: non_zero_u32(ctx, "rollout.max_new_tokens", raw.max_new_tokens)?,
+        max_prompt_tokens: std::num::NonZeroU32::new(u32_incl_zero(
+            ctx,
+            "rollout.max_prompt_tokens",
+            raw.max_prompt_tokens,
+        )?),
         temperature: number(
             ctx,
             "rollout.temperature",
@@ -179,6 +167,13 @@ pub(super) fn validate_rollout(
             v > 0.0 && v <= 1.0
         })?,
         top_k: u32_incl_zero(ctx, "rollout.top_k", raw.top_k)?,
+        balance_threshold: number(
+            ctx,
+            "rollout.balance_threshold",
+            raw.balance_threshold,
+            "a finite reward",
+            |_| true,
+        )?,
         env_workers: non_zero_u32(ctx, "rollout.env_workers", raw.env_workers)?,
         env_calls_per_worker: non_zero_u32(
             ctx,

@@ -8,7 +8,7 @@ use crate::config::raw::{RawFaults, RawSupervision};
 use crate::config::typed::{FaultsConfig, SupervisionConfig};
 
 /// A duration in seconds, strictly positive.
-fn positive_seconds(ctx: &Ctx<'_>, key: &str, v: f64) -> Result<Duration, ConfigError> {
+pub(super) fn positive_seconds(ctx: &Ctx<'_>, key: &str, v: f64) -> Result<Duration, ConfigError> {
     let v = number(ctx, key, v, "a number of seconds > 0", |v| v > 0.0)?;
     Ok(Duration::from_secs_f64(v))
 }

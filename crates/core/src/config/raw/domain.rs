@@ -1,0 +1,36 @@
+//! `[data.domains.<domain>]` as serde reads it: the options of one domain, its rubric and the env
+//! server that runs its episodes.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+/// `[data.domains.<domain>]`: options of one domain.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawDomain {
+    /// System prompt for the domain's rows that have none of their own.
+    pub system_prompt: Option<String>,
+    /// Registered task that runs the domain's rows (default: the task named like the dataset).
+    pub task: Option<String>,
+    /// Base URL of an env server that runs the domain's episodes (`http://host:port`).
+    pub env_url: Option<String>,
+    /// `[data.domains.<domain>.rubric]`: how the domain's rollouts are scored (default: the
+    /// task's own rubric).
+    pub rubric: Option<RawRubric>,
+}
+
+/// `[data.domains.<domain>.rubric]`: weighted reward functions and the overrides of failed and
+/// truncated rollouts.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawRubric {
+    /// Reward function name → weight (normalized to sum to 1).
+    pub weights: BTreeMap<String, f64>,
+    /// Reward of truncated rollouts, replacing the functions' score.
+    pub truncation_reward: Option<f64>,
+    /// Reward of failed rollouts (error, timeout, prompt too long) and of failed scoring.
+    pub error_reward: Option<f64>,
+    /// Deadline of each reward function call, seconds.
+    pub timeout_s: Option<f64>,
+}

@@ -1,0 +1,152 @@
+//! The tasks of a run as its config sets them up: the built-in tasks, and for each
+//! `[data.domains.<domain>]` that sets a `rubric` or an `env_url`, a copy of the domain's task
+//! with that rubric and its envs on that server, registered as `<domain>/<task>` and serving the
+//! domain. A domain whose task is not registered here but that names an env server gets a task
+//! of its own: its envs run on the server, its rows come from `data_dir`, and its rubric is the
+//! configured one (default: the env's rewards, `env` with weight 1).
+//!
+//! Every error names the config key, like the config's own checks.
+
+use sluice_core::config::{Config, DomainConfig, DomainRubric, Secret};
+
+use crate::error::EnvError;
+use crate::remote::RemoteEnvFactory;
+use crate::reward_fns::{GENERIC_NAMES, generic};
+use crate::rubric::{RewardFn, Rubric, RubricConfig};
+use crate::task::{Task, TaskRegistry};
+
+/// The environment variable holding the bearer token env servers are called with (the one
+/// `sluice env-server` requires beyond loopback).
+pub const ENV_TOKEN_VAR: &str = "SLUICE_ENV_TOKEN";
+
+/// The built-in tasks configured by `config`'s domains; env servers are called with
+/// `$SLUICE_ENV_TOKEN` when it is set.
+pub fn registry(config: &Config) -> Result<TaskRegistry, EnvError> {
+    let token = std::env::var(ENV_TOKEN_VAR)
+        .ok()
+        .filter(|t| !t.is_empty())
+        .map(Secret::new);
+    configure(TaskRegistry::builtin(), config, token)
+}
+
+/// `registry`'s tasks configured by `config`'s domains (see the module doc); calls to env
+/// servers carry `token` as a bearer token when given.
+pub fn configure(
+    mut registry: TaskRegistry,
+    config: &Config,
+    token: Option<Secret>,
+) -> Result<TaskRegistry, EnvError> {
+    for (domain, options) in &config.data.domain_options {
+        let key = format!("data.domains.{domain}");
+        let Some(task) = serving_task(config, domain, options, &key)? else {
+            continue;
+        };
+        if options.rubric.is_none() && options.env_url.is_none() {
+            registry.serve_domain(domain, task);
+            continue;
+        }
+        let base = match registry.get(&task) {
+            Ok(t) => (*t).clone(),
+            Err(_) if options.env_url.is_some() => remote_only_task(&task),
+            Err(e) => return Err(EnvError::Config(format!("{key}.task: {e}"))),
+        };
+        let rubric = options
+            .rubric
+            .as_ref()
+            .map(|spec| rubric_for(&base, spec))
+            .transpose()
+            .map_err(|e| EnvError::Config(format!("{key}.rubric.{e}")))?;
+        let mut configured = base.renamed(format!("{domain}/{task}"));
+        if let Some(rubric) = rubric {
+            configured = configured.with_rubric(rubric);
+        }
+        if let Some(url) = &options.env_url {
+            let mut envs = RemoteEnvFactory::new(url, &task, config.supervision.env_step_timeout)
+                .map_err(|e| EnvError::Config(format!("{key}.env_url: {e}")))?;
+            if let Some(token) = &token {
+                envs = envs.with_token(token.clone());
+            }
+            configured = configured.with_env(envs);
+        }
+        let name = configured.name().to_owned();
+        registry.register(configured)?;
+        registry.serve_domain(domain, name);
+    }
+    Ok(registry)
+}
+
+/// The task name serving `domain`: its `task` key, else the one name its datasets share. `None`
+/// for a domain that only sets a system prompt and whose datasets name several tasks.
+fn serving_task(
+    config: &Config,
+    domain: &str,
+    options: &DomainConfig,
+    key: &str,
+) -> Result<Option<String>, EnvError> {
+    if let Some(task) = &options.task {
+        return Ok(Some(task.clone()));
+    }
+    let mut names: Vec<&str> = config
+        .data
+        .datasets
+        .iter()
+        .filter(|d| d.domain == domain)
+        .map(|d| d.name.as_str())
+        .collect();
+    names.sort_unstable();
+    names.dedup();
+    match names.as_slice() {
+        [one] => Ok(Some((*one).to_owned())),
+        _ if options.rubric.is_none() && options.env_url.is_none() => Ok(None),
+        several => Err(EnvError::Config(format!(
+            "{key}.task: the domain's datasets name several tasks ({}); set `task` to say which one the rubric or env server is for",
+            several.join(", ")
+        ))),
+    }
+}
+
+/// A task known only to an env server: envs there, rubric `env` until the config sets one.
+fn remote_only_task(name: &str) -> Task {
+    let unreachable = |_: &sluice_core::DataSample| {
+        Err::<Box<dyn crate::MessageEnv>, _>(EnvError::Config(
+            "a remote-only task runs its envs on its env server".into(),
+        ))
+    };
+    let rubric = Rubric::new(vec![RewardFn::env_reward(1.0)], RubricConfig::default())
+        .expect("a one-function rubric is valid");
+    Task::new(name, unreachable, rubric)
+}
+
+/// `spec` built from `task`'s own functions and the generic ones. An error starts with the
+/// part of the key below `rubric.` (`weights.bogus: …`).
+pub fn rubric_for(task: &Task, spec: &DomainRubric) -> Result<Rubric, String> {
+    let own = task.rubric().functions();
+    let mut fns = Vec::with_capacity(spec.weights.len());
+    for (name, &weight) in &spec.weights {
+        let f = own
+            .iter()
+            .find(|f| f.name() == name)
+            .map(|f| f.clone().with_weight(weight))
+            .or_else(|| generic(name, weight));
+        let Some(f) = f else {
+            let mut known: Vec<&str> = own.iter().map(RewardFn::name).collect();
+            for g in GENERIC_NAMES {
+                if !known.contains(g) {
+                    known.push(g);
+                }
+            }
+            return Err(format!(
+                "weights.{name}: task `{}` has no reward function `{name}`; it has: {}",
+                task.name(),
+                known.join(", ")
+            ));
+        };
+        fns.push(f);
+    }
+    let config = RubricConfig {
+        truncation_reward: spec.truncation_reward,
+        error_reward: spec.error_reward,
+        timeout_s: spec.timeout.map(|d| d.as_secs_f64()),
+    };
+    Rubric::new(fns, config).map_err(|e| format!("weights: {e}"))
+}

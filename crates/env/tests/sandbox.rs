@@ -1,0 +1,150 @@
+//! The sandbox and the `python_code` task: hostile programs (a fork bomb, an infinite loop, a
+//! huge allocation, a network call, a sleeper) end inside their limits, and through an env
+//! server each one fails only its own rollout — with the rubric's error reward — while the
+//! server keeps answering and the next correct program passes.
+
+#![cfg(target_os = "linux")]
+
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{play, sample};
+use sluice_core::RolloutStatus;
+use sluice_core::config::DomainRubric;
+use sluice_env::configured::rubric_for;
+use sluice_env::remote::{RemoteEnvFactory, ServerConfig, serve};
+use sluice_env::sandbox::{self, Ending, SandboxLimits};
+use sluice_env::{Task, TaskRegistry};
+
+const FORK_BOMB: &str = "import os\nwhile True:\n    os.fork()\n";
+const BUSY_LOOP: &str = "while True:\n    pass\n";
+const HUGE_ALLOCATION: &str = "x = bytearray(8 * 1024 ** 3)\nprint(len(x))\n";
+const SLEEPER: &str = "import time\ntime.sleep(3600)\n";
+const NETWORK: &str =
+    "import socket\nsocket.create_connection(('1.1.1.1', 53), timeout=2)\nprint('connected')\n";
+
+fn limits() -> SandboxLimits {
+    SandboxLimits {
+        cpu_seconds: 1,
+        wall: Duration::from_secs(3),
+        ..SandboxLimits::default()
+    }
+}
+
+async fn python(program: &str) -> sandbox::SandboxRun {
+    sandbox::run("python3", &["-I", "-"], program.as_bytes(), &limits())
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_programs_end_inside_their_limits() {
+    let ok = python("print(6 * 7)").await;
+    assert!(ok.succeeded(), "{ok:?}");
+    assert_eq!(ok.stdout, "42\n");
+
+    let t0 = Instant::now();
+    let busy = python(BUSY_LOOP).await;
+    assert!(
+        matches!(busy.ending, Ending::Signaled(_) | Ending::WallTimeout),
+        "{busy:?}"
+    );
+    let sleeper = python(SLEEPER).await;
+    assert_eq!(sleeper.ending, Ending::WallTimeout);
+    // Each ended at its limit (1 s of CPU, 3 s of wall clock), not after an hour.
+    assert!(t0.elapsed() < Duration::from_secs(30), "{:?}", t0.elapsed());
+
+    let huge = python(HUGE_ALLOCATION).await;
+    assert!(!huge.succeeded(), "{huge:?}");
+    assert!(huge.stderr.contains("MemoryError"), "{huge:?}");
+
+    let bomb = python(FORK_BOMB).await;
+    assert!(!bomb.succeeded(), "{bomb:?}");
+
+    let net = python(NETWORK).await;
+    assert!(!net.succeeded(), "{net:?}");
+    assert!(!net.stdout.contains("connected"), "{net:?}");
+    assert!(
+        net.stderr.contains("Network is unreachable") || net.stderr.contains("OSError"),
+        "{net:?}"
+    );
+
+    // The machine still forks: the fork bomb's processes are gone and its budget free.
+    let after = python("import os\nprint(os.fork() >= 0)").await;
+    assert!(after.succeeded(), "{after:?}");
+}
+
+/// A local `python_code` task (its rubric from a config with `error_reward = -1`) whose envs run
+/// on an in-process env server.
+async fn remote_code_task() -> (Task, String, tokio::sync::oneshot::Sender<()>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(serve(
+        listener,
+        Arc::new(TaskRegistry::builtin()),
+        ServerConfig {
+            call_timeout: Duration::from_secs(20),
+            ..ServerConfig::default()
+        },
+        async {
+            let _ = stopped.await;
+        },
+    ));
+    let local = TaskRegistry::builtin().get("python_code").unwrap();
+    let spec = DomainRubric {
+        weights: [("correct".to_owned(), 1.0), ("env.ran".to_owned(), 0.5)].into(),
+        truncation_reward: None,
+        error_reward: Some(-1.0),
+        timeout: None,
+    };
+    let rubric = rubric_for(&local, &spec).unwrap();
+    let factory = RemoteEnvFactory::new(&url, "python_code", Duration::from_secs(30)).unwrap();
+    let task = local.as_ref().clone().with_rubric(rubric).with_env(factory);
+    (task, url, stop)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_answers_fail_their_rollout_not_the_server() {
+    let (task, url, stop) = remote_code_task().await;
+    let problem = sample(serde_json::json!({
+        "problem": "Print 6 times 7.",
+        "expected_output": "42",
+    }));
+    for program in [FORK_BOMB, BUSY_LOOP, HUGE_ALLOCATION] {
+        let reply = format!("```python\n{program}```");
+        let r = play(&task, &problem, &[&reply]).await;
+        assert_eq!(
+            r.status,
+            RolloutStatus::Error("env_failed".into()),
+            "{program}: {r:?}"
+        );
+        assert_eq!(r.reward, -1.0, "{program}: the configured error_reward");
+    }
+    // The server is alive and the next answer is run and scored with the env's components.
+    let r = play(&task, &problem, &["```python\nprint(6 * 7)\n```"]).await;
+    assert_eq!(r.status, RolloutStatus::Completed, "{r:?}");
+    assert_eq!(r.reward_components["env.passed"], 1.0);
+    assert_eq!(r.reward_components["env.ran"], 1.0);
+    assert_eq!(r.reward_components["correct"], 1.0);
+    assert!((r.reward - 1.0).abs() < 1e-12, "{}", r.reward);
+    let wrong = play(&task, &problem, &["print(41)"]).await;
+    assert_eq!(wrong.status, RolloutStatus::Completed);
+    assert_eq!(wrong.reward_components["env.passed"], 0.0);
+    // correct 0 (weight 2/3) + ran 1 (weight 1/3).
+    assert!((wrong.reward - 1.0 / 3.0).abs() < 1e-12, "{}", wrong.reward);
+    let health = sluice_http::HttpClient::new(&url, "env server")
+        .unwrap()
+        .call(
+            sluice_http::Method::GET,
+            "/v1/health",
+            None,
+            Duration::from_secs(5),
+        )
+        .await
+        .unwrap();
+    assert!(health.0.is_success());
+    let _ = stop.send(());
+}
