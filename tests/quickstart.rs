@@ -108,6 +108,9 @@ fn the_quickstart_warm_starts_trains_through_the_actors_and_reports() {
         wall = w;
         let reward = r["reward_mean"].as_f64().unwrap();
         assert!((0.0..=1.0).contains(&reward), "{r}");
+        // The task's named reward components, averaged over the step's batch.
+        let correct = r["reward.correct"].as_f64().unwrap_or(-1.0);
+        assert!((0.0..=1.0).contains(&correct), "reward.correct: {r}");
         let lag = r["version_lag_mean"].as_f64().unwrap();
         assert!((0.0..=2.0).contains(&lag), "max_version_lag = 2: {r}");
         let evaluated = step.is_multiple_of(EVAL_EVERY) || step == RL_STEPS;

@@ -279,6 +279,10 @@ impl RunMonitor {
             return Ok(());
         };
         let mut extra = BTreeMap::from([("trained_reward_mean".to_owned(), step.reward_mean)]);
+        // The batch's named reward components (`reward.correct`, `reward.env.passed`, …).
+        for (name, v) in &step.reward_components {
+            extra.insert(format!("reward.{name}"), *v);
+        }
         if let Some((_, train)) = accuracy {
             extra.insert("train_accuracy".to_owned(), train);
         }

@@ -6,6 +6,7 @@ use std::collections::{BTreeMap, HashSet};
 use std::time::Instant;
 
 use sluice_core::metrics::{self as m, MetricKind};
+use sluice_core::rollout::reward_component_means;
 use sluice_core::{BackendError, GroupId, PolicyVersion, RolloutGroup, WeightSnapshot};
 use tokio::sync::mpsc;
 
@@ -31,6 +32,8 @@ pub struct TrainedStep {
     pub reward_mean: f64,
     /// Mean version lag of the batch's completion tokens against `version`.
     pub version_lag_mean: f64,
+    /// Mean of each named reward component over the batch's rollouts that carry it.
+    pub reward_components: BTreeMap<String, f64>,
     /// Completion tokens trained.
     pub trained_tokens: u64,
     /// Seconds the step computed.
@@ -137,6 +140,7 @@ impl Worker {
                 version,
                 reward_mean,
                 version_lag_mean,
+                reward_components: reward_component_means(batch.iter().flat_map(|g| &g.rollouts)),
                 trained_tokens: check.tokens,
                 seconds,
                 metrics: out.metrics,

@@ -310,17 +310,7 @@ impl RolloutGroup {
     /// Mean of each named reward component over the group's finished rollouts that carry it
     /// (`correct`, `env`, `env.passed`, …).
     pub fn reward_component_means(&self) -> BTreeMap<String, f64> {
-        let mut sums: BTreeMap<&str, (f64, u32)> = BTreeMap::new();
-        for r in self.rollouts.iter().filter(|r| r.is_terminal()) {
-            for (name, v) in &r.reward_components {
-                let e = sums.entry(name.as_str()).or_insert((0.0, 0));
-                e.0 += v;
-                e.1 += 1;
-            }
-        }
-        sums.into_iter()
-            .map(|(name, (sum, n))| (name.to_owned(), sum / f64::from(n)))
-            .collect()
+        reward_component_means(self.rollouts.iter().filter(|r| r.is_terminal()))
     }
 
     /// All rewards are equal, so group-relative advantages are all zero.
@@ -331,6 +321,23 @@ impl RolloutGroup {
             None => true,
         }
     }
+}
+
+/// Mean of each named reward component over the `rollouts` that carry it.
+pub fn reward_component_means<'a>(
+    rollouts: impl IntoIterator<Item = &'a Rollout>,
+) -> BTreeMap<String, f64> {
+    let mut sums: BTreeMap<&str, (f64, u32)> = BTreeMap::new();
+    for r in rollouts {
+        for (name, v) in &r.reward_components {
+            let e = sums.entry(name.as_str()).or_default();
+            e.0 += v;
+            e.1 += 1;
+        }
+    }
+    sums.into_iter()
+        .map(|(name, (sum, n))| (name.to_owned(), sum / f64::from(n)))
+        .collect()
 }
 
 #[cfg(test)]
