@@ -10,8 +10,8 @@ use sluice_core::DataSample;
 use sluice_core::config::{Config, DatasetSpec, LrSchedule};
 use sluice_data::{DatasetRows, MixSampler, SamplerConfig};
 use sluice_engine::{NativeEngineParams, SamplingParams};
-use sluice_env::Task;
 use sluice_env::datasets::{GeneratedRows, load_datasets};
+use sluice_env::{Task, TaskRegistry};
 use sluice_model::{SaveOptions, WeightSnapshot as ModelWeights, copy_aux_files, save_checkpoint};
 
 use crate::ActorError;
@@ -115,7 +115,7 @@ pub fn load_run_setup(config: &Config) -> Result<NativeSetup, ActorError> {
 fn eval_task(config: &Config, setup: &NativeSetup) -> Result<Arc<Task>, ActorError> {
     let name = match (&config.eval.task, config.data.datasets.first()) {
         (Some(t), _) => t.clone(),
-        (None, Some(spec)) => serving_task(config, spec).to_owned(),
+        (None, Some(spec)) => serving_task(config, &setup.registry, spec).to_owned(),
         (None, None) => {
             return Err(setup_err(
                 "data.datasets is empty: a native run needs at least one dataset",
@@ -128,23 +128,34 @@ fn eval_task(config: &Config, setup: &NativeSetup) -> Result<Arc<Task>, ActorErr
         .map_err(|e| setup_err(format!("eval.task: {e}")))
 }
 
-/// The task that runs `spec`'s rows: its domain's `task`, else the dataset's name.
-fn serving_task<'c>(config: &'c Config, spec: &'c DatasetSpec) -> &'c str {
-    config
-        .data
-        .domain_options
+/// The task that runs `spec`'s rows: its domain's configured copy (its own rubric or env
+/// server), else the domain's `task`, else the dataset's name.
+fn serving_task<'c>(
+    config: &'c Config,
+    registry: &'c TaskRegistry,
+    spec: &'c DatasetSpec,
+) -> &'c str {
+    registry
+        .domain_tasks()
         .get(&spec.domain)
-        .and_then(|d| d.task.as_deref())
+        .map(String::as_str)
+        .or_else(|| {
+            config
+                .data
+                .domain_options
+                .get(&spec.domain)
+                .and_then(|d| d.task.as_deref())
+        })
         .unwrap_or(&spec.name)
 }
 
 /// The domain of the first dataset `task` serves (its rows get that domain's system prompt).
-fn task_domain<'c>(config: &'c Config, task: &Task) -> &'c str {
+fn task_domain<'c>(config: &'c Config, registry: &TaskRegistry, task: &Task) -> &'c str {
     config
         .data
         .datasets
         .iter()
-        .find(|d| serving_task(config, d) == task.name())
+        .find(|d| serving_task(config, registry, d) == task.name())
         .map_or("eval", |d| d.domain.as_str())
 }
 
@@ -205,13 +216,18 @@ fn evaluator(
 /// the training-accuracy probe).
 fn training_samples(
     config: &Config,
+    registry: &TaskRegistry,
     task: &Task,
     count: usize,
 ) -> Result<Vec<DataSample>, ActorError> {
-    let domain = task_domain(config, task);
-    let spec: DatasetSpec = format!("{domain}::{}@train", task.name())
-        .parse()
-        .map_err(setup_err)?;
+    let domain = task_domain(config, registry, task);
+    // Only the split matters to a generator; a configured copy's name (`domain/task`) is no
+    // dataset name.
+    let spec = DatasetSpec {
+        domain: domain.to_owned(),
+        name: task.name().replace('/', "."),
+        split: Some("train".to_owned()),
+    };
     let train = task
         .generate_dataset(&spec, config.run.seed ^ 0x5f7, count)
         .map_err(|e| setup_err(format!("training problems of `{}`: {e}", task.name())))?;
@@ -227,12 +243,12 @@ pub struct Evaluations {
 
 impl Evaluations {
     fn new(config: &Config, setup: &NativeSetup, task: &Arc<Task>) -> Result<Self, ActorError> {
-        let mut probe = training_samples(config, task, 4096)?;
+        let mut probe = training_samples(config, &setup.registry, task, 4096)?;
         probe.truncate(config.warmup.probe_samples.get() as usize);
         let heldout = task
             .eval_samples(config.run.seed, config.eval.samples.get() as usize)
             .map_err(|e| setup_err(format!("held-out samples of `{}`: {e}", task.name())))?;
-        let heldout = in_domain(config, task_domain(config, task), heldout);
+        let heldout = in_domain(config, task_domain(config, &setup.registry, task), heldout);
         let temperature = config.eval.temperature;
         Ok(Self {
             task: task.name().to_owned(),
@@ -295,7 +311,7 @@ async fn warmup(
     on_progress: impl FnMut(&WarmupProgress),
 ) -> Result<WarmupOutcome, ActorError> {
     let w = &config.warmup;
-    let samples = training_samples(config, task, 4096)?;
+    let samples = training_samples(config, &setup.registry, task, 4096)?;
     let limits = setup.limits(config);
     let demos = demonstrations(task, &samples, &setup.renderer, &limits)
         .await
