@@ -98,6 +98,11 @@ pub struct ControllerHandle {
 }
 
 impl ControllerHandle {
+    /// The actor's cell (for linking it to a supervisor).
+    pub fn cell(&self) -> ractor::ActorCell {
+        self.actor.get_cell()
+    }
+
     /// Starts the controller; it waits for [`ControllerHandle::connect`].
     pub async fn spawn(
         config: ControllerConfig,

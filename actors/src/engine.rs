@@ -87,6 +87,11 @@ pub struct EngineHandle {
 }
 
 impl EngineHandle {
+    /// The actor's cell (for linking it to a supervisor).
+    pub fn cell(&self) -> ractor::ActorCell {
+        self.actor.get_cell()
+    }
+
     /// Starts `replicas` backends from `factory` at `version`; reports go to `reports`. Default
     /// supervision: backoff from 100 ms to 30 s, no watchdog, no faults.
     pub async fn spawn(

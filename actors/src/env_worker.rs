@@ -113,6 +113,11 @@ pub struct EnvPoolHandle {
 }
 
 impl EnvPoolHandle {
+    /// The workers' cells (for linking them to a supervisor).
+    pub fn cells(&self) -> Vec<ractor::ActorCell> {
+        self.workers.iter().map(|w| w.actor.get_cell()).collect()
+    }
+
     /// Starts `config.workers` workers over `env`, each running up to `config.calls_per_worker`
     /// calls at once; results go to `out`. The env's session cap follows `knobs`
     /// ([`session_cap`]), so raising `max_concurrent_rollouts` or η at runtime opens room for the

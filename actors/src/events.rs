@@ -1,6 +1,6 @@
 //! Run events: the actors announce that something a watcher of the run acts on has changed — a
 //! step trained, the trainer finished or failed, the controller found no progress, the engine gave
-//! up, an actor ended — and watchers (the node's [`crate::Node::wait_done`], the binary's run
+//! up, an actor ended (the node's supervisor actor says which) — and watchers (the node's [`crate::Node::wait_done`], the binary's run
 //! monitor) wake on it and read the status, instead of polling it on a timer.
 //!
 //! A `tokio::sync::watch` channel carries a sequence number that every announcement bumps, so a
@@ -66,20 +66,6 @@ impl RunEvents {
     pub fn subscribe(&self) -> watch::Receiver<RunEvent> {
         self.tx.subscribe()
     }
-
-    /// Owns `join` in a task that announces when it ends; awaiting the returned handle awaits the
-    /// actor.
-    pub fn watch_join(
-        &self,
-        actor: &'static str,
-        join: tokio::task::JoinHandle<()>,
-    ) -> tokio::task::JoinHandle<()> {
-        let events = self.clone();
-        tokio::spawn(async move {
-            let _ = join.await;
-            events.actor_ended(actor);
-        })
-    }
 }
 
 #[cfg(test)]
@@ -92,8 +78,7 @@ mod tests {
         let mut rx = events.subscribe();
         events.announce();
         events.announce();
-        let join = events.watch_join("sampler", tokio::spawn(async {}));
-        join.await.unwrap();
+        events.actor_ended("sampler");
         events.actor_ended("trainer");
         rx.changed().await.unwrap();
         let seen = *rx.borrow_and_update();

@@ -9,10 +9,12 @@
 //! | env worker | a panicking env fails that rollout (`Error("env_panic")`); the worker lives on |
 //! | trainer step | a failed (or panicked) step stops training; the run ends with a checkpoint instead of looping (a panicked trainer's state is not checkpointed) |
 //! | groups | `no_progress_groups` untrainable groups in a row stop the run with a checkpoint |
-//! | sampler, controller, replay, trainer | the node stops with an error; restarting the process recovers from the last checkpoint plus the replay store |
+//! | sampler, controller, replay, engine actor, trainer, env worker (the actor itself ends) | the node stops with an error; restarting the process recovers from the last checkpoint plus the replay store |
 //!
 //! The last row is deliberate: those actors hold the run's accounting, and the replay store on
-//! disk is the one place it survives. [`Node::failure`] reports which actor ended unexpectedly.
+//! disk is the one place it survives. Every actor is linked to the node's supervisor actor
+//! ([`supervisor`]), whose supervision handler applies that row; [`Node::failure`] reports which
+//! actor ended first.
 //!
 //! Checkpoints, restore at start and the graceful stop live in [`crate::supervise_node`].
 
@@ -41,6 +43,9 @@ use crate::trainer::{StepFeed, TrainerHandle, TrainerOptions};
 use crate::{ActorError, telemetry};
 
 mod build;
+mod supervisor;
+
+use supervisor::NodeSupervisor;
 
 pub use crate::handles::{NodeHandles, NodeStatus};
 
@@ -85,6 +90,8 @@ pub struct Node {
     sampler: SamplerHandle,
     env: EnvPoolHandle,
     joins: Vec<(&'static str, tokio::task::JoinHandle<()>)>,
+    /// Every actor above is linked to it (see [`supervisor`]).
+    supervisor: Option<NodeSupervisor>,
     admin: Option<Server>,
     metrics: Option<Server>,
     telemetry: Option<tokio::task::JoinHandle<()>>,
@@ -180,10 +187,12 @@ impl Node {
             balance_threshold: config.rollout.balance_threshold,
         };
         let events = RunEvents::default();
+        let supervisor = NodeSupervisor::start(events.clone()).await?;
         let mut joins = Vec::new();
         let (controller, j) =
             ControllerHandle::spawn(controller_config, knobs.clone(), events.clone()).await?;
-        joins.push(("controller", events.watch_join("controller", j)));
+        supervisor.adopt("controller", controller.cell());
+        joins.push(("controller", j));
         let replay_options = ReplayOptions {
             dir: replay_dir,
             drop_expired: config.replay.expired == ExpiredPolicy::Drop,
@@ -197,7 +206,8 @@ impl Node {
                     return Err(e);
                 }
             };
-        joins.push(("replay", events.watch_join("replay", j)));
+        supervisor.adopt("replay", replay.cell());
+        joins.push(("replay", j));
         // Versions never go backwards: the run continues from the newer of the replay store's
         // and the trainer's.
         let backend_trainer =
@@ -227,7 +237,8 @@ impl Node {
             },
         )
         .await?;
-        joins.push(("engine", events.watch_join("engine", j)));
+        supervisor.adopt("engine", engine.cell());
+        joins.push(("engine", j));
         engine.update_weights(start_weights.clone(), WeightUpdateMode::AbortResume);
         let mut env_impl: Arc<dyn RolloutEnv> = env;
         let env_faults = EnvFaults::from_config(&config.faults);
@@ -245,11 +256,10 @@ impl Node {
             &knobs,
         )
         .await?;
-        joins.extend(
-            env_joins
-                .into_iter()
-                .map(|j| ("env", events.watch_join("env", j))),
-        );
+        for cell in env_pool.cells() {
+            supervisor.adopt("env", cell);
+        }
+        joins.extend(env_joins.into_iter().map(|j| ("env", j)));
         if prom.is_some() {
             let datasets: Vec<String> =
                 config.data.datasets.iter().map(|d| d.to_string()).collect();
@@ -269,7 +279,8 @@ impl Node {
             sampler_state,
         )
         .await?;
-        joins.push(("sampler", events.watch_join("sampler", j)));
+        supervisor.adopt("sampler", sampler.cell());
+        joins.push(("sampler", j));
         let start_step = manifest.as_ref().map_or(0, |m| m.steps);
         let trainer_options = TrainerOptions {
             groups_per_step: b as usize,
@@ -288,7 +299,8 @@ impl Node {
             trainer_options,
         )
         .await?;
-        joins.push(("trainer", events.watch_join("trainer", j)));
+        supervisor.adopt("trainer", trainer.cell());
+        joins.push(("trainer", j));
         controller.connect(Peers {
             sampler: sampler.clone(),
             engine: engine.clone(),
@@ -339,6 +351,7 @@ impl Node {
             sampler,
             env: env_pool,
             joins,
+            supervisor: Some(supervisor),
             admin,
             metrics,
             telemetry,
@@ -470,6 +483,9 @@ impl Node {
         h.replay.stop().await;
         for (_, j) in self.joins.drain(..) {
             let _ = j.await;
+        }
+        if let Some(s) = self.supervisor.take() {
+            s.stop().await;
         }
         last
     }

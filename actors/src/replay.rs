@@ -162,6 +162,11 @@ pub struct ReplayHandle {
 }
 
 impl ReplayHandle {
+    /// The actor's cell (for linking it to a supervisor).
+    pub fn cell(&self) -> ractor::ActorCell {
+        self.actor.get_cell()
+    }
+
     /// Opens the database (when `options.dir` is set), recovers its groups and starts the actor
     /// and its thread. Notices go to `notices`.
     pub async fn spawn(

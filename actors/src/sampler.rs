@@ -60,6 +60,11 @@ pub struct SamplerHandle {
 }
 
 impl SamplerHandle {
+    /// The actor's cell (for linking it to a supervisor).
+    pub fn cell(&self) -> ractor::ActorCell {
+        self.actor.get_cell()
+    }
+
     /// Starts the sampler; batches of samples go to `out`.
     pub async fn spawn(
         source: Box<dyn SampleSource>,

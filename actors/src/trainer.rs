@@ -158,6 +158,11 @@ pub struct TrainerHandle {
 }
 
 impl TrainerHandle {
+    /// The actor's cell (for linking it to a supervisor).
+    pub fn cell(&self) -> ractor::ActorCell {
+        self.actor.get_cell()
+    }
+
     /// Starts the trainer thread; new weights go to `publish`.
     pub async fn spawn(
         backend: Box<dyn TrainerBackend>,
