@@ -27,6 +27,7 @@ use crossbeam_channel::Sender;
 use sluice_core::{PolicyVersion, RequestId, WeightSnapshot, WeightUpdateMode};
 use sluice_model::{ModelConfig, Tokenizer, WeightSnapshot as ModelWeights};
 
+use crate::sched::WeightUpdate;
 use crate::backend::{
     Completion, EngineError, EngineStats, EventSink, GenerateRequest, InferenceBackend,
     KvCacheStats, enqueued, model_weights,
@@ -201,15 +202,8 @@ impl NativeError {
     }
 }
 
-pub(crate) enum Command {
-    Submit(Box<NativeRequest>),
-    Abort(RequestId),
-    AbortAll,
-    Update(Arc<ModelWeights>, WeightUpdateMode, Instant),
-    Pause { abort: bool },
-    Continue,
-    Shutdown,
-}
+/// What the handle queues for the compute thread.
+pub(crate) type Command = crate::sched::Command<Box<NativeRequest>, Arc<ModelWeights>>;
 
 /// Counters the compute thread publishes for lock-free reads.
 #[derive(Default)]
@@ -483,7 +477,11 @@ impl NativeControl {
                 ),
             });
         }
-        self.send(Command::Update(model, mode, Instant::now()))
+        self.send(Command::Update(WeightUpdate {
+            weights: model,
+            mode,
+            asked: Instant::now(),
+        }))
     }
 }
 
