@@ -41,7 +41,12 @@ async fn evaluation_resumes_preempted_requests_and_matches_an_unpreempted_one() 
     ensure_model_dir(&config).unwrap();
     let setup = NativeSetup::load(&config, None).unwrap();
     let task = setup.registry.get("arithmetic").unwrap();
-    let samples: Vec<_> = task.eval_samples(0, 16).unwrap().into_iter().take(12).collect();
+    let samples: Vec<_> = task
+        .eval_samples(0, 16)
+        .unwrap()
+        .into_iter()
+        .take(12)
+        .collect();
     let evaluator = |kv_cache_bytes: u64| {
         Evaluator::new(
             Arc::clone(&task),

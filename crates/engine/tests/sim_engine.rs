@@ -256,7 +256,13 @@ fn pause_holds_requests_until_continue_and_pause_with_abort_returns_partials() {
     let done = wait_finished(&events, 1);
     assert_eq!(done[0].finish, FinishReason::Stop);
     assert_eq!(done[0].output.len(), 20);
-    assert!(done[0].output.versions.iter().all(|v| *v == PolicyVersion(1)));
+    assert!(
+        done[0]
+            .output
+            .versions
+            .iter()
+            .all(|v| *v == PolicyVersion(1))
+    );
     engine.shutdown();
 
     // Pause with abort: the running request comes back with its partial.

@@ -27,11 +27,11 @@ use crossbeam_channel::Sender;
 use sluice_core::{PolicyVersion, RequestId, WeightSnapshot, WeightUpdateMode};
 use sluice_model::{ModelConfig, Tokenizer, WeightSnapshot as ModelWeights};
 
-use crate::sched::WeightUpdate;
 use crate::backend::{
     Completion, EngineError, EngineStats, EventSink, GenerateRequest, InferenceBackend,
     KvCacheStats, enqueued, model_weights,
 };
+use crate::sched::WeightUpdate;
 pub use kv::{AUTO_KV_CACHE_CAP_MB, KvBudget};
 pub use stop::{StopHit, truncate_at_stop};
 

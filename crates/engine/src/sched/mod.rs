@@ -177,7 +177,11 @@ impl<S: Queued, W> Scheduler<S, W> {
     }
 
     /// One loop iteration over `commands` (see the module docs). Returns false on shutdown.
-    pub(crate) fn iterate<T>(&mut self, stepper: &mut T, commands: Vec<Command<T::Request, W>>) -> bool
+    pub(crate) fn iterate<T>(
+        &mut self,
+        stepper: &mut T,
+        commands: Vec<Command<T::Request, W>>,
+    ) -> bool
     where
         T: Stepper<Seq = S, Weights = W>,
     {
@@ -249,7 +253,11 @@ impl<S: Queued, W> Scheduler<S, W> {
         }
     }
 
-    fn install<T: Stepper<Seq = S, Weights = W>>(&mut self, stepper: &mut T, update: WeightUpdate<W>) {
+    fn install<T: Stepper<Seq = S, Weights = W>>(
+        &mut self,
+        stepper: &mut T,
+        update: WeightUpdate<W>,
+    ) {
         // A held drain is older than any update installed now: drop it (see the module docs).
         if update.mode != WeightUpdateMode::Drain {
             self.drain = None;

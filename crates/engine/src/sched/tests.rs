@@ -117,7 +117,12 @@ fn fake(cap: usize) -> (Scheduler<Seq, u64>, Fake) {
 }
 
 fn versions_of(f: &Fake, n: u64) -> Vec<u64> {
-    f.finished.iter().find(|(i, ..)| *i == id(n)).unwrap().2.clone()
+    f.finished
+        .iter()
+        .find(|(i, ..)| *i == id(n))
+        .unwrap()
+        .2
+        .clone()
 }
 
 #[test]

@@ -282,10 +282,9 @@ impl Worker {
                 finished.push(i);
             }
         }
-        self.shared.generated_tokens.fetch_add(
-            (q.running.len() - finished.len()) as u64,
-            Ordering::Relaxed,
-        );
+        self.shared
+            .generated_tokens
+            .fetch_add((q.running.len() - finished.len()) as u64, Ordering::Relaxed);
         let elapsed = if real > 0.0 {
             super::real_duration(real)
         } else {
@@ -304,7 +303,6 @@ impl Worker {
             self.finish(s, reason);
         }
     }
-
 }
 
 impl Stepper for Worker {
@@ -327,7 +325,9 @@ impl Stepper for Worker {
     fn install(&mut self, weights: WeightSnapshot) -> Option<PolicyVersion> {
         if weights.version > self.version {
             self.version = weights.version;
-            self.shared.version.store(weights.version.0, Ordering::Relaxed);
+            self.shared
+                .version
+                .store(weights.version.0, Ordering::Relaxed);
         }
         Some(self.version)
     }

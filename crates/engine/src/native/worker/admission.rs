@@ -45,8 +45,7 @@ impl Worker {
                 && self.params.prefix_caching
                 && s.prompt_lps.is_none()
                 && !s.head.is_empty()
-                && q
-                    .running
+                && q.running
                     .iter()
                     .any(|r| r.pending.len() > 1 && r.head == s.head);
             let need = self
