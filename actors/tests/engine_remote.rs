@@ -116,7 +116,7 @@ async fn a_dead_server_is_a_dead_replica_rebuilt_on_the_latest_weights() {
     let dir = tempfile::tempdir().unwrap();
     let (live_url, stop_live, _served) = serve(&dir.path().join("model")).await;
     let (doomed_url, got_call, kill) = doomed_server();
-    let urls = vec![doomed_url, live_url];
+    let urls = [doomed_url, live_url];
     let dirs = WeightDirs::new(dir.path().join("weights"), None, 2);
     let built_on: Arc<Mutex<Vec<(u32, PolicyVersion)>>> = Arc::default();
     let factory = {
