@@ -218,6 +218,10 @@ pub(crate) struct Shared {
     pub model_nanos: AtomicU64,
     /// Scheduler steps taken.
     pub steps: AtomicU64,
+    /// Of `busy_nanos`: steps in which every running sequence decoded one token (no prefill).
+    pub decode_nanos: AtomicU64,
+    /// Tokens those steps generated.
+    pub decode_tokens: AtomicU64,
     /// KV blocks in running sequences' tables.
     pub kv_used_blocks: AtomicU64,
     /// Unreferenced KV blocks kept for prefix hits.
@@ -240,6 +244,12 @@ pub struct StepBreakdown {
     /// Seconds in the rest of the steps: picking inputs, sampling, per-token bookkeeping,
     /// finishing requests.
     pub scheduler_seconds: f64,
+    /// Seconds of steps with no prefill in them, every running sequence decoding one token
+    /// (model and scheduler both).
+    pub decode_seconds: f64,
+    /// Tokens generated in those steps: over `decode_seconds`, the decode rate that
+    /// `sluice bench model`'s decode bound is about (prefill left out).
+    pub decode_tokens: u64,
 }
 
 /// A cheap, cloneable handle for queueing commands (the server's request handlers and request
@@ -453,6 +463,8 @@ impl NativeControl {
             steps: s.steps.load(Ordering::Relaxed),
             model_seconds: model,
             scheduler_seconds: (busy - model).max(0.0),
+            decode_seconds: s.decode_nanos.load(Ordering::Relaxed) as f64 * 1e-9,
+            decode_tokens: s.decode_tokens.load(Ordering::Relaxed),
         }
     }
 

@@ -184,6 +184,7 @@ impl Worker {
         // Decoding sequences first (one token each, never starved), then prompt chunks in
         // admission order within what is left of the budget.
         let decoding = q.running.iter().filter(|s| s.pending.len() == 1).count();
+        let decode_only = decoding == q.running.len();
         let mut budget = self.params.max_step_tokens.max(decoding) - decoding;
         let mut take = vec![0usize; q.running.len()];
         for (i, s) in q.running.iter().enumerate() {
@@ -330,9 +331,14 @@ impl Worker {
             self.finish_with(s, reason, hit);
         }
         self.shared.steps.fetch_add(1, Ordering::Relaxed);
-        self.shared
-            .busy_nanos
-            .fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        let nanos = started.elapsed().as_nanos() as u64;
+        self.shared.busy_nanos.fetch_add(nanos, Ordering::Relaxed);
+        if decode_only {
+            self.shared.decode_nanos.fetch_add(nanos, Ordering::Relaxed);
+            self.shared
+                .decode_tokens
+                .fetch_add(generated, Ordering::Relaxed);
+        }
     }
 
     fn finish_with(&mut self, s: Seq, finish: FinishReason, stop: Option<StopHit>) {
