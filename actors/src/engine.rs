@@ -1,5 +1,10 @@
 //! The InferenceEngine actor: owns the backend replicas, routes requests, relays completions, and
-//! supervises the replicas.
+//! supervises the replicas. It is the one place requests are routed: a remote backend is one
+//! server per replica, so servers are balanced, parked for and restarted here like local replicas.
+//!
+//! Replicas are built by a [`ReplicaFactory`] on the newest weights the actor has seen (it keeps
+//! the latest published snapshot), so a replica rebuilt after a crash starts on them; a factory
+//! that fails is a replica failure, retried after the backoff.
 //!
 //! Routing: a request carrying a preferred replica (a resumed turn goes back to the replica that
 //! served it, for its prefix cache) goes there when that replica is alive; otherwise to the live
@@ -23,6 +28,7 @@
 //!
 //! Graceful stop: [`EngineHandle::close`] aborts everything in flight and answers every later
 //! request as aborted at once, so the controller can store every partial before the checkpoint.
+mod factory;
 mod routing;
 mod supervision;
 
@@ -40,9 +46,11 @@ use crate::counters::ActorCounters;
 use crate::supervise::{Backoff, Watchdog};
 use crate::{ActorError, Sink};
 
+pub use factory::ReplicaFactory;
 pub use supervision::{EngineSupervision, ReplicaHealth};
 
-/// Builds the backend of replica `index`, starting at `version`, reporting to the sink.
+/// Builds the backend of replica `index`, starting at `version`, reporting to the sink: the
+/// infallible, version-only form of a [`ReplicaFactory`] (it converts into one).
 pub type BackendFactory =
     Arc<dyn Fn(u32, PolicyVersion, EventSink) -> Box<dyn InferenceBackend> + Send + Sync>;
 
@@ -97,7 +105,7 @@ impl EngineHandle {
     pub async fn spawn(
         replicas: u32,
         version: PolicyVersion,
-        factory: BackendFactory,
+        factory: impl Into<ReplicaFactory>,
         reports: Sink<EngineReport>,
     ) -> Result<(Self, tokio::task::JoinHandle<()>), ActorError> {
         Self::spawn_supervised(
@@ -114,10 +122,11 @@ impl EngineHandle {
     pub async fn spawn_supervised(
         replicas: u32,
         version: PolicyVersion,
-        factory: BackendFactory,
+        factory: impl Into<ReplicaFactory>,
         reports: Sink<EngineReport>,
         supervision: EngineSupervision,
     ) -> Result<(Self, tokio::task::JoinHandle<()>), ActorError> {
+        let factory = factory.into();
         let (actor, join) = Actor::spawn(
             None,
             EngineActor,
@@ -205,7 +214,7 @@ struct EngineActor;
 struct Args {
     replicas: u32,
     version: PolicyVersion,
-    factory: BackendFactory,
+    factory: ReplicaFactory,
     reports: Sink<EngineReport>,
     supervision: EngineSupervision,
 }
@@ -229,7 +238,9 @@ pub struct EngineState {
     owner: HashMap<RequestId, (u32, Option<TokenOutput>)>,
     /// Requests that arrived while no replica was alive.
     parked: VecDeque<(GenerateRequest, Option<u32>)>,
-    target: PolicyVersion,
+    /// The newest weights published (a version-only snapshot of the start version until the
+    /// first update): every replica is built on them, a restarted one included.
+    latest: WeightSnapshot,
     closed: bool,
     /// Since when no replica has been alive.
     unavailable_since: Option<Instant>,
@@ -284,7 +295,7 @@ impl Actor for EngineActor {
             replicas,
             owner: HashMap::new(),
             parked: VecDeque::new(),
-            target: args.version,
+            latest: WeightSnapshot::version_only(args.version),
             closed: false,
             unavailable_since: None,
             failure: None,
@@ -295,8 +306,7 @@ impl Actor for EngineActor {
             counters: ActorCounters::new("engine"),
         };
         for i in 0..s.replicas.len() {
-            s.build(i);
-            s.replicas[i].health.alive = true;
+            s.build_or_fail(i);
         }
         Ok(s)
     }
@@ -320,7 +330,9 @@ impl Actor for EngineActor {
                 }
             }
             Cmd::Update(w, mode) => {
-                s.target = s.target.max(w.version);
+                if w.version >= s.latest.version {
+                    s.latest = w.clone();
+                }
                 for i in 0..s.replicas.len() {
                     let result = s.replicas[i]
                         .backend

@@ -73,13 +73,13 @@ pub struct FaultyBackend {
 
 impl FaultyBackend {
     /// Builds the inner backend with `build`, handing it a sink that forwards to `sink` until the
-    /// fault; `on_crash` is called when a crash is injected.
-    pub fn new(
-        build: impl FnOnce(EventSink) -> Box<dyn InferenceBackend>,
+    /// fault; `on_crash` is called when a crash is injected. A failed build is returned as is.
+    pub fn new<E>(
+        build: impl FnOnce(EventSink) -> Result<Box<dyn InferenceBackend>, E>,
         sink: EventSink,
         faults: EngineFaults,
         on_crash: Box<dyn Fn() + Send + Sync>,
-    ) -> Self {
+    ) -> Result<Self, E> {
         let gate = Arc::new(AtomicBool::new(true));
         let open = Arc::clone(&gate);
         let gated: EventSink = Arc::new(move |e| {
@@ -87,15 +87,15 @@ impl FaultyBackend {
                 sink(e)
             }
         });
-        Self {
-            inner: build(gated),
+        Ok(Self {
+            inner: build(gated)?,
             faults,
             gate,
             submitted: AtomicU64::new(0),
             state: AtomicU8::new(HEALTHY),
             frozen: Mutex::new(None),
             on_crash,
-        }
+        })
     }
 
     fn fail(&self, state: u8, fault: &'static str) {

@@ -1,13 +1,16 @@
 //! Engine replica supervision with stub backends: a replica whose calls fail, or that holds
 //! requests without progress, is rebuilt after a backoff; its requests come back aborted with the
 //! partial they were resumed from; requests that arrive while no replica is alive wait for one;
-//! after `close`, every request is answered as aborted at once.
+//! after `close`, every request is answered as aborted at once; a factory that fails is retried,
+//! and a rebuilt replica starts on the newest weights the engine kept.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use sluice_actors::engine::{BackendFactory, EngineHandle, EngineReport, EngineSupervision};
+use sluice_actors::engine::{
+    BackendFactory, EngineHandle, EngineReport, EngineSupervision, ReplicaFactory,
+};
 use sluice_core::{
     GroupId, NodeId, PolicyVersion, RequestId, RunId, WeightSnapshot, WeightUpdateMode,
 };
@@ -237,6 +240,91 @@ async fn after_close_every_request_is_answered_as_aborted() {
         "the partial comes back as it was"
     );
     assert!(log.lock().unwrap().is_empty(), "nothing reached a backend");
+    engine.stop().await;
+    join.await.unwrap();
+}
+
+/// A factory that fails its first `failures` builds, recording the version of the weights every
+/// build was given.
+fn flaky_factory(
+    failures: u32,
+    log: Log,
+    built_on: Arc<Mutex<Vec<PolicyVersion>>>,
+) -> ReplicaFactory {
+    let calls = Arc::new(AtomicU32::new(0));
+    ReplicaFactory::new(move |replica, weights, _sink| {
+        built_on.lock().unwrap().push(weights.version);
+        let n = calls.fetch_add(1, Ordering::SeqCst);
+        if n < failures {
+            return Err(EngineError::Start {
+                replica,
+                reason: format!("build {n} refused"),
+            });
+        }
+        Ok(Box::new(Stub {
+            mode: Mode::FailAfterOne,
+            submitted: AtomicU32::new(0),
+            log: Arc::clone(&log),
+            replica,
+            incarnation: n,
+        }) as Box<dyn InferenceBackend>)
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_factory_that_fails_is_retried_and_a_rebuilt_replica_starts_on_the_latest_weights() {
+    let log: Log = Arc::default();
+    let built_on: Arc<Mutex<Vec<PolicyVersion>>> = Arc::default();
+    let reports: Reports = Arc::default();
+    let sink = Arc::clone(&reports);
+    let (engine, join) = EngineHandle::spawn_supervised(
+        1,
+        PolicyVersion(3),
+        flaky_factory(2, Arc::clone(&log), Arc::clone(&built_on)),
+        Arc::new(move |r| sink.lock().unwrap().push(r)),
+        EngineSupervision {
+            backoff_initial: Duration::from_millis(20),
+            backoff_max: Duration::from_millis(100),
+            ..EngineSupervision::default()
+        },
+    )
+    .await
+    .unwrap();
+    // Nothing alive: the request waits at the engine (it is neither failed nor aborted) and is
+    // served once a build succeeds.
+    engine.generate(request(1, 0), None);
+    until("the third build serves the parked request", || {
+        log.lock().unwrap().len() == 1
+    })
+    .await;
+    assert!(aborted(&reports).is_empty());
+    let health = engine.health().await.unwrap();
+    assert!(health[0].alive);
+    assert_eq!(health[0].failures.get("start"), Some(&2));
+    assert_eq!(
+        health[0].restarts, 1,
+        "only the build that worked counts as a restart"
+    );
+    // New weights, then the replica fails (its second submission is refused): it is rebuilt on
+    // the newest weights, which the engine actor kept.
+    engine.update_weights(
+        WeightSnapshot::version_only(PolicyVersion(4)),
+        WeightUpdateMode::InFlight,
+    );
+    engine.generate(request(2, 0), None);
+    until("the rebuild after the failure", || {
+        built_on.lock().unwrap().len() == 4
+    })
+    .await;
+    assert_eq!(
+        *built_on.lock().unwrap(),
+        vec![
+            PolicyVersion(3),
+            PolicyVersion(3),
+            PolicyVersion(3),
+            PolicyVersion(4)
+        ]
+    );
     engine.stop().await;
     join.await.unwrap();
 }

@@ -5,8 +5,10 @@
 //! pause of each update mode with a batch running (in_flight: the p50 of 24 swaps at times
 //! unrelated to the engine's steps). Each row also splits the engine's compute time: the model's
 //! forward (logits to the host included) against the scheduler's share (inputs, sampling,
-//! per-token bookkeeping, finishing requests), and the time per scheduler step. Greedy, `ignore_eos`, fixed lengths, so every
-//! configuration generates the same number of tokens.
+//! per-token bookkeeping, finishing requests), the time per scheduler step, and the decode rate:
+//! tokens per second of compute in steps with no prefill (what `sluice bench model`'s decode
+//! bound is about; `tokens/s` includes the prompts' prefill). Greedy, `ignore_eos`, fixed
+//! lengths, so every configuration generates the same number of tokens.
 //!
 //! Then prefix sharing: groups of `--group-size` requests with one prompt each, on a cold
 //! cache, with prefix caching on and off: prompt tokens prefilled ÷ submitted, and the model's
@@ -50,6 +52,8 @@ struct Measured {
     model_pct: f64,
     /// Milliseconds of compute per scheduler step.
     step_ms: f64,
+    /// Tokens per second of compute in decode-only steps (no prefill in them).
+    decode_tok_s: f64,
     /// Sequences preempted for lack of KV blocks.
     preempted: u64,
 }
@@ -124,7 +128,7 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<ExitCode> {
             },
         );
         println!(
-            "{:>12} {:>12} {:>12} {:>12} {:>9} {:>8} {:>9} {:>8}",
+            "{:>12} {:>12} {:>12} {:>12} {:>9} {:>8} {:>9} {:>8} {:>12}",
             "concurrency",
             "tokens/s",
             "itl_p50_ms",
@@ -132,7 +136,8 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<ExitCode> {
             "speedup",
             "model%",
             "step_ms",
-            "preempt"
+            "preempt",
+            "decode_tok_s"
         );
         let shape = (max_tokens, prompt_len);
         let serial = if args.only_concurrency {
@@ -140,7 +145,7 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<ExitCode> {
         } else {
             let serial = measure(&w0, sizing, (max_c.min(8), 1), shape)?;
             println!(
-                "{:>12} {:>12.1} {:>12.2} {:>12.2} {:>9} {:>8.1} {:>9.2} {:>8}",
+                "{:>12} {:>12.1} {:>12.2} {:>12.2} {:>9} {:>8.1} {:>9.2} {:>8} {:>12.1}",
                 "one-by-one",
                 serial.tokens_per_s,
                 serial.itl_p50_ms,
@@ -148,7 +153,8 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<ExitCode> {
                 "1.0",
                 serial.model_pct,
                 serial.step_ms,
-                serial.preempted
+                serial.preempted,
+                serial.decode_tok_s
             );
             Some(serial)
         };
@@ -156,14 +162,15 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<ExitCode> {
             let m = measure(&w0, sizing, (c, c), shape)?;
             let speedup = serial.as_ref().map(|s| m.tokens_per_s / s.tokens_per_s);
             println!(
-                "{c:>12} {:>12.1} {:>12.2} {:>12.2} {:>9} {:>8.1} {:>9.2} {:>8}",
+                "{c:>12} {:>12.1} {:>12.2} {:>12.2} {:>9} {:>8.1} {:>9.2} {:>8} {:>12.1}",
                 m.tokens_per_s,
                 m.itl_p50_ms,
                 m.itl_p99_ms,
                 speedup.map_or("n/a".into(), |x| format!("{x:.1}")),
                 m.model_pct,
                 m.step_ms,
-                m.preempted
+                m.preempted,
+                m.decode_tok_s
             );
             if preset == ModelPreset::Tiny && c == 64 {
                 speedup_tiny = speedup;
@@ -347,6 +354,7 @@ fn measure(
         itl_p99_ms: pct(0.99),
         model_pct: 100.0 * parts.model_seconds / busy.max(1e-12),
         step_ms: 1e3 * busy / parts.steps.max(1) as f64,
+        decode_tok_s: parts.decode_tokens as f64 / parts.decode_seconds.max(1e-12),
         preempted,
     })
 }

@@ -87,12 +87,12 @@ impl EngineState {
         }
     }
 
-    /// Reports when every live replica runs the target version.
+    /// Reports when every live replica runs the latest version.
     pub(super) fn report_versions(&self) {
         let live = self.replicas.iter().filter(|r| r.backend.is_some());
-        if live.clone().all(|r| r.version >= self.target) && live.count() > 0 {
+        if live.clone().all(|r| r.version >= self.latest.version) && live.count() > 0 {
             self.report(EngineReport::WeightsUpdated {
-                version: self.target,
+                version: self.latest.version,
             });
         }
     }

@@ -75,7 +75,8 @@ pub struct ReplicaHealth {
     pub alive: bool,
     /// Times the replica was rebuilt.
     pub restarts: u64,
-    /// Failures by cause: `error` (a call failed), `crash` (injected), `watchdog`.
+    /// Failures by cause: `error` (a call failed), `crash` (injected), `watchdog`, `died` (its
+    /// thread ended), `start` (its factory failed).
     pub failures: std::collections::BTreeMap<String, u64>,
     /// Seconds from the last failure to the rebuilt backend taking requests.
     pub last_restart_seconds: Option<f64>,
@@ -95,38 +96,53 @@ fn sink_for(me: &ActorRef<EngineMsg>, replica: u32, generation: u64) -> EventSin
 }
 
 impl EngineState {
-    /// Builds replica `i`'s backend for its current generation (wrapped by the fault injector).
-    pub(super) fn build(&mut self, i: usize) {
+    /// Builds replica `i`'s backend for its current generation on the latest weights (wrapped
+    /// by the fault injector). A failed build fails the replica: it is retried after the backoff.
+    pub(super) fn build(&mut self, i: usize) -> Result<(), EngineError> {
         let generation = self.replicas[i].generation;
         let sink = sink_for(&self.me, i as u32, generation);
         let faults = &self.args.supervision.faults;
+        let replica = i as u32;
         let backend: Box<dyn InferenceBackend> = if faults.any() {
             let me = self.me.clone();
-            let replica = i as u32;
             let on_crash = Box::new(move || {
                 let _ = me.cast(EngineMsg(Cmd::Died(replica, generation, "crash")));
             });
-            let factory = Arc::clone(&self.args.factory);
-            let target = self.target;
+            let factory = self.args.factory.clone();
+            let latest = &self.latest;
             Box::new(FaultyBackend::new(
-                move |gated| factory(replica, target, gated),
+                move |gated| factory.build(replica, latest, gated),
                 sink,
                 faults.clone(),
                 on_crash,
-            ))
+            )?)
         } else {
-            (self.args.factory)(i as u32, self.target, sink)
+            self.args.factory.build(replica, &self.latest, sink)?
         };
         let r = &mut self.replicas[i];
         let counter = backend.stats().generated_tokens;
         r.backend = Some(backend);
-        r.version = self.target;
+        r.version = self.latest.version;
         r.load = 0;
+        r.health.alive = true;
         r.backoff.started(Instant::now());
         if let Some(w) = &mut r.watchdog {
             w.reset(counter);
         }
+        Ok(())
     }
+
+    /// Builds replica `i`, or fails it (to be retried) when its factory fails; true when built.
+    pub(super) fn build_or_fail(&mut self, i: usize) -> bool {
+        match self.build(i) {
+            Ok(()) => true,
+            Err(e) => {
+                self.fail_replica(i as u32, "start", Some(&e));
+                false
+            }
+        }
+    }
+
     /// The periodic checks: the give-up timer, and the watchdog, which fails a replica holding
     /// requests without progress for its limit.
     pub(super) fn watch(&mut self) {
@@ -266,10 +282,11 @@ impl EngineState {
         if self.replicas[i].generation != generation || self.replicas[i].backend.is_some() {
             return;
         }
-        self.build(i);
+        if !self.build_or_fail(i) {
+            return;
+        }
         self.unavailable_since = None;
         let r = &mut self.replicas[i];
-        r.health.alive = true;
         r.health.restarts += 1;
         r.health.last_restart_seconds = r.failed_at.take().map(|t| t.elapsed().as_secs_f64());
         metrics::counter!(m::ACTOR_RESTARTS, "actor" => "engine").increment(1);
@@ -279,7 +296,7 @@ impl EngineState {
             restarts = r.health.restarts,
             "engine replica restarted"
         );
-        // Weights published while it was down: it starts at the target already.
+        // Weights published while it was down: it starts on the latest already.
         self.report_versions();
         let parked: Vec<_> = self.parked.drain(..).collect();
         for (req, preferred) in parked {

@@ -4,13 +4,14 @@
 //! aborts or delays a rollout.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use sluice_core::{DataSample, GroupId, NodeId, PolicyVersion, RequestId, Rollout, RunId};
 use sluice_engine::native::{NativeEngine, NativeEngineParams};
 use sluice_engine::{
     Completion, EngineEvent, EventSink, FinishReason, GenerateRequest, InferenceBackend,
-    SamplingParams,
+    SamplingParams, TokenOutput,
 };
 use sluice_env::token_env::TurnFinish;
 use sluice_env::{
@@ -52,6 +53,8 @@ pub struct Evaluation {
     pub report: EvalReport,
     /// The scored episodes, in sample order.
     pub rollouts: Vec<Rollout>,
+    /// Requests preempted (KV blocks ran out) and resumed from their partial output.
+    pub resumed_requests: u64,
 }
 
 impl Evaluator {
@@ -92,6 +95,7 @@ impl Evaluator {
     pub async fn evaluate(&mut self, weights: Arc<ModelWeights>) -> Result<Evaluation, EnvError> {
         let version = weights.version;
         let pending: Pending = Arc::default();
+        let resumed = Arc::new(AtomicU64::new(0));
         let sink: EventSink = {
             let pending = Arc::clone(&pending);
             Arc::new(move |event| {
@@ -124,6 +128,7 @@ impl Evaluator {
                 sampling: self.sampling.clone(),
                 rollout: id,
                 turn: 0,
+                resumed: Arc::clone(&resumed),
             };
             let task = Arc::clone(&self.task);
             let renderer = Arc::clone(&self.renderer);
@@ -150,6 +155,7 @@ impl Evaluator {
             version,
             report: EvalReport::from_rollouts(self.task.rubric(), &rollouts),
             rollouts,
+            resumed_requests: resumed.load(Ordering::Relaxed),
         })
     }
 }
@@ -165,38 +171,71 @@ struct EngineGenerate<'e> {
     sampling: SamplingParams,
     rollout: sluice_core::RolloutId,
     turn: u32,
+    /// Requests of this evaluation resumed after a preemption.
+    resumed: Arc<AtomicU64>,
+}
+
+impl EngineGenerate<'_> {
+    /// Submits one attempt and waits for its completion.
+    async fn attempt(
+        &self,
+        id: RequestId,
+        prompt: &[u32],
+        resume: Option<TokenOutput>,
+    ) -> Result<Completion, EnvError> {
+        let (tx, rx) = oneshot::channel();
+        lock(&self.pending).insert(id, tx);
+        let request = GenerateRequest {
+            id,
+            prompt_token_ids: prompt.to_vec(),
+            resume,
+            params: self.sampling.clone(),
+            domain: None,
+        };
+        if let Err(e) = self.engine.submit(request) {
+            lock(&self.pending).remove(&id);
+            return Err(EnvError::Generate(e.to_string()));
+        }
+        rx.await
+            .map_err(|_| EnvError::Generate("evaluation engine stopped".into()))
+    }
 }
 
 impl Generate for EngineGenerate<'_> {
     fn generate<'a>(&'a mut self, prompt: &'a [u32]) -> BoxFuture<'a, Result<Generated, EnvError>> {
         Box::pin(async move {
-            let id = self.rollout.request(self.turn, 0);
+            let turn = self.turn;
             self.turn += 1;
-            let (tx, rx) = oneshot::channel();
-            lock(&self.pending).insert(id, tx);
-            let request = GenerateRequest {
-                id,
-                prompt_token_ids: prompt.to_vec(),
-                resume: None,
-                params: self.sampling.clone(),
-                domain: None,
-            };
-            if let Err(e) = self.engine.submit(request) {
-                lock(&self.pending).remove(&id);
-                return Err(EnvError::Generate(e.to_string()));
-            }
-            let c = rx
-                .await
-                .map_err(|_| EnvError::Generate("evaluation engine stopped".into()))?;
-            let finish = match c.finish {
-                FinishReason::Stop => TurnFinish::Stop,
-                FinishReason::Length => TurnFinish::Length,
-                FinishReason::Abort => {
-                    return Err(EnvError::Generate(format!("request {id} was aborted")));
-                }
-                FinishReason::Error(kind) => {
-                    return Err(EnvError::Generate(format!("request {id} failed: {kind}")));
-                }
+            // A request preempted for lack of KV blocks comes back as an abort with its partial
+            // output: resume it from prompt + partial on a new attempt (as the controller resumes
+            // a rollout) until it ends. Such an abort always brings at least one new token (a
+            // sequence preempted before generating is requeued inside the engine), so one that
+            // brings nothing means the engine stopped serving.
+            let mut resume: Option<TokenOutput> = None;
+            let mut attempt = 0;
+            let (c, finish) = loop {
+                let id = self.rollout.request(turn, attempt);
+                let had = resume.as_ref().map_or(0, TokenOutput::len);
+                let c = self.attempt(id, prompt, resume.take()).await?;
+                let finish = match &c.finish {
+                    FinishReason::Stop => TurnFinish::Stop,
+                    FinishReason::Length => TurnFinish::Length,
+                    FinishReason::Abort if c.output.len() > had => {
+                        self.resumed.fetch_add(1, Ordering::Relaxed);
+                        resume = Some(c.output);
+                        attempt += 1;
+                        continue;
+                    }
+                    FinishReason::Abort => {
+                        return Err(EnvError::Generate(format!(
+                            "request {id} was aborted without progress"
+                        )));
+                    }
+                    FinishReason::Error(kind) => {
+                        return Err(EnvError::Generate(format!("request {id} failed: {kind}")));
+                    }
+                };
+                break (c, finish);
             };
             Ok(Generated {
                 token_ids: c.output.token_ids,

@@ -73,6 +73,7 @@ fn a_full_file_resolves() {
     assert_eq!(c.model.path, std::path::PathBuf::from("/models/qwen"));
     assert_eq!(c.model.device, config::Device::Cuda(1));
     assert_eq!(c.engine.remote_urls.len(), 2);
+    assert_eq!(c.engine.replicas.get(), 2, "one replica per remote server");
     assert_eq!(c.engine.request_timeout.as_secs(), 5);
     assert_eq!(c.trainer.loss, config::LossKind::DecoupledPpo);
     assert_eq!(c.rollout.knobs.weight_update_mode, WeightUpdateMode::Drain);

@@ -190,6 +190,15 @@ pub enum EngineError {
         /// The queue's capacity.
         capacity: usize,
     },
+    /// A replica could not be built (its factory failed: a model that does not load, a thread
+    /// that does not start).
+    #[error("engine replica {replica} could not start: {reason}")]
+    Start {
+        /// The replica.
+        replica: u32,
+        /// Why.
+        reason: String,
+    },
     /// The request is malformed.
     #[error("request {id}: {reason}")]
     BadRequest {
@@ -206,6 +215,7 @@ impl EngineError {
         match self {
             Self::Stopped { .. } => "engine_stopped",
             Self::Overloaded { .. } => "engine_overloaded",
+            Self::Start { .. } => "engine_start",
             Self::BadRequest { .. } => "engine_bad_request",
         }
     }

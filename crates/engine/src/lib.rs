@@ -6,6 +6,7 @@
 //! | [`backend`] | the trait, requests, outputs, events and stats every backend speaks |
 //! | [`native`] | [`NativeEngine`]: the candle model behind a continuous-batching scheduler |
 //! | [`remote`] | [`remote::RemoteEngine`]: the trait over OpenAI-compatible servers with RL extensions |
+//! | `sched` | the scheduler core the native and simulated backends share: queues, aborts, pause, weight-update modes |
 //! | [`server`] | the OpenAI-compatible HTTP server on the native engine (`sluice serve`) |
 //! | [`simulated`] | [`SimEngine`] (timing model on its own thread); the simulated trainer and task live in the trainer and env crates |
 //!
@@ -15,6 +16,7 @@
 pub mod backend;
 pub mod native;
 pub mod remote;
+mod sched;
 pub mod server;
 pub mod simulated;
 

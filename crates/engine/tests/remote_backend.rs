@@ -1,7 +1,9 @@
-//! The remote backend against `sluice serve`'s server: generation with ids, logprobs and
-//! versions, resume, abort with the partial, weight updates through a written checkpoint, a
-//! server that does not answer, the run's weights installed before any work (at start and when a
-//! server comes back), and old weight directories pruned.
+//! The remote backend (one server per replica) against `sluice serve`'s server: generation with
+//! ids, logprobs and versions, resume, abort with the partial, weight updates through a written
+//! checkpoint, a server that does not answer (the replica dies, every request aborts with its
+//! partial), the run's weights installed before any work (at start and on the rebuilt replica of
+//! a server that came back), and old weight directories pruned. Several servers as replicas of
+//! the engine actor: `actors/tests/engine_remote.rs`.
 
 mod server_support;
 
@@ -19,13 +21,12 @@ use sluice_engine::{
 use sluice_model::candle::{DType, Device};
 use sluice_model::presets::{Preset, preset_config, random_snapshot};
 
-fn params(urls: Vec<String>, weights_dir: PathBuf) -> RemoteParams {
+fn params(url: String, weights_dir: PathBuf) -> RemoteParams {
     RemoteParams {
         replica: 0,
-        urls,
+        url,
         request_timeout: Duration::from_secs(30),
         control_timeout: Duration::from_secs(5),
-        health_interval: Duration::from_millis(200),
         weights: WeightDirs::new(weights_dir, None, 3),
         initial: None,
         model_name: Some("tiny".into()),
@@ -97,7 +98,7 @@ fn id_of(r: &GenerateRequest) -> RequestId {
 async fn generates_resumes_aborts_and_updates_through_a_server() {
     let s = serve_tiny().await;
     let weights_dir = s.dir.path().join("published");
-    let (engine, (finished, updates)) = start(params(vec![s.url()], weights_dir.clone()));
+    let (engine, (finished, updates)) = start(params(s.url(), weights_dir.clone()));
 
     let full_req = request(1, 12);
     engine.submit(full_req.clone()).unwrap();
@@ -175,7 +176,7 @@ async fn a_server_that_does_not_answer_is_marked_down_and_requests_abort() {
     };
     let dir = tempfile::tempdir().unwrap();
     let (engine, (finished, _)) = start(params(
-        vec![format!("http://127.0.0.1:{port}")],
+        format!("http://127.0.0.1:{port}"),
         dir.path().into(),
     ));
     let mut r = request(1, 10);
@@ -190,86 +191,13 @@ async fn a_server_that_does_not_answer_is_marked_down_and_requests_abort() {
     assert_eq!(c.finish, FinishReason::Abort);
     assert_eq!(c.output, partial);
     assert_eq!(engine.servers_up(), 0);
+    // The replica is dead (the engine actor rebuilds it); a request that still reaches it comes
+    // back aborted for the controller to resume elsewhere, not failed as a bad rollout.
+    assert!(!engine.is_alive());
     engine.submit(request(2, 10)).unwrap();
     let c = next(&finished).await;
-    assert_eq!(c.finish, FinishReason::Error("remote_unavailable".into()));
-}
-
-/// A server that takes one generation call and holds it until killed, then vanishes: the
-/// connection closes unanswered and the port refuses from then on.
-async fn doomed_server() -> (
-    String,
-    tokio::sync::oneshot::Receiver<()>,
-    tokio::sync::oneshot::Sender<()>,
-    tokio::task::JoinHandle<()>,
-) {
-    use tokio::io::AsyncReadExt;
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    let (got_tx, got_rx) = tokio::sync::oneshot::channel();
-    let (kill_tx, kill_rx) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(async move {
-        let (mut conn, _) = listener.accept().await.unwrap();
-        let mut buf = vec![0u8; 64 * 1024];
-        let n = conn.read(&mut buf).await.unwrap();
-        assert!(String::from_utf8_lossy(&buf[..n]).starts_with("POST /v1/completions"));
-        let _ = got_tx.send(());
-        let _ = kill_rx.await;
-        drop(conn);
-        drop(listener);
-    });
-    (url, got_rx, kill_tx, task)
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn with_several_servers_a_dead_one_is_marked_down_and_its_requests_abort_with_partials() {
-    let live = serve_tiny().await;
-    let (doomed_url, got_call, kill, doomed) = doomed_server().await;
-    let dir = tempfile::tempdir().unwrap();
-    // The doomed server first: with nothing in flight anywhere, the first request goes there.
-    let (engine, (finished, _)) = start(params(vec![doomed_url, live.url()], dir.path().into()));
-    assert_eq!(engine.servers_up(), 2);
-    let mut held = request(1, 10);
-    let partial = sluice_engine::TokenOutput {
-        token_ids: vec![5, 6, 7],
-        logprobs: vec![-1.0, -2.0, -0.5],
-        versions: vec![PolicyVersion(0); 3],
-    };
-    held.resume = Some(partial.clone());
-    engine.submit(held.clone()).unwrap();
-    got_call.await.unwrap();
-    // The doomed server has one in flight: the next request goes to the live one.
-    engine.submit(request(2, 4)).unwrap();
-    let served = next(&finished).await;
-    assert_eq!(served.id, id_of(&request(2, 4)));
-    assert!(matches!(
-        served.finish,
-        FinishReason::Length | FinishReason::Stop
-    ));
-    // The doomed server dies: its request comes back aborted with the partial it came with.
-    kill.send(()).unwrap();
-    doomed.await.unwrap();
-    let aborted = next(&finished).await;
-    assert_eq!(aborted.id, held.id);
-    assert_eq!(aborted.finish, FinishReason::Abort);
-    assert_eq!(aborted.output, partial);
-    assert_eq!(engine.servers_up(), 1);
-    // Resubmitted (as the controller resumes it), it runs on the live server, partial first.
-    let mut resumed = held.clone();
-    resumed.id = request(3, 10).id;
-    engine.submit(resumed).unwrap();
-    let done = next(&finished).await;
-    assert!(matches!(
-        done.finish,
-        FinishReason::Length | FinishReason::Stop
-    ));
-    assert_eq!(done.output.token_ids[..3], partial.token_ids[..]);
-    assert_eq!(done.output.versions.len(), done.output.len());
-    // Health polls find nothing behind the dead port: it stays down.
-    tokio::time::sleep(Duration::from_millis(600)).await;
-    assert_eq!(engine.servers_up(), 1);
-    drop(engine);
-    live.stop().await;
+    assert_eq!(c.finish, FinishReason::Abort);
+    assert!(c.output.is_empty());
 }
 
 /// Weights of the tiny preset unlike the served ones (seed `seed`), as version `version`.
@@ -289,16 +217,6 @@ async fn next_update(rx: &Receiver<(PolicyVersion, WeightUpdateMode)>) -> Policy
         .unwrap()
 }
 
-async fn wait_for(what: &str, mut done: impl FnMut() -> bool) {
-    for _ in 0..300 {
-        if done() {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    panic!("timed out waiting until {what}");
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn servers_install_the_runs_weights_before_any_work_and_old_versions_are_pruned() {
     let s = serve_tiny().await;
@@ -306,7 +224,7 @@ async fn servers_install_the_runs_weights_before_any_work_and_old_versions_are_p
     // Outside the server's directory: the weights outlive the server's crash.
     let published = tempfile::tempdir().unwrap();
     let weights_dir = published.path().join("weights");
-    let mut p = params(vec![s.url()], weights_dir.clone());
+    let mut p = params(s.url(), weights_dir.clone());
     // The head is at version 5 with weights the server has never seen (it started from its own
     // checkpoint, as `sluice serve <model dir>` does, and calls them version 0).
     p.initial = Some(head_weights(11, 5));
@@ -343,22 +261,26 @@ async fn servers_install_the_runs_weights_before_any_work_and_old_versions_are_p
     };
     assert_eq!(on_disk, vec!["v000007", "v000008"]);
 
-    // The server crashes and comes back from its own checkpoint: it gets version 8 before work.
+    // The server crashes: the replica dies. It comes back from its own checkpoint; the replica
+    // rebuilt on the newest weights (as the engine actor's factory does) installs version 8
+    // before any work.
     s.stop().await;
     engine.submit(request(2, 6)).unwrap();
     let lost = next(&finished).await;
-    assert_ne!(lost.finish, FinishReason::Stop);
+    assert_eq!(lost.finish, FinishReason::Abort);
     assert_eq!(engine.servers_up(), 0);
+    assert!(!engine.is_alive());
+    drop(engine);
     let back = server_support::serve_tiny_at(addr).await;
-    wait_for("the server is back and installed", || {
-        engine.servers_up() == 1
-    })
-    .await;
+    let mut p = params(back.url(), weights_dir.clone());
+    p.initial = Some(head_weights(8, 8));
+    p.weights = WeightDirs::new(weights_dir.clone(), None, 2);
+    let (engine, (finished, _)) = start(p);
     engine.submit(request(3, 6)).unwrap();
     let after = next(&finished).await;
     assert!(
         !after.output.is_empty() && after.output.versions.iter().all(|v| *v == PolicyVersion(8)),
-        "a returning server got work before the run's weights: {:?}",
+        "a rebuilt replica got work before the run's weights: {:?}",
         after.output.versions
     );
     drop(engine);

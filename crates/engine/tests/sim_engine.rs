@@ -226,3 +226,52 @@ fn running_and_waiting_return_to_zero_when_idle() {
     assert_eq!((stats.running, stats.waiting), (0, 0), "{stats:?}");
     engine.shutdown();
 }
+
+#[test]
+fn pause_holds_requests_until_continue_and_pause_with_abort_returns_partials() {
+    // Paused before the request arrives: it waits in the queue, nothing is generated.
+    let (mut engine, events) = start(params(20, 1.0));
+    engine.pause(false).unwrap();
+    engine.submit(request(req_id(0, 0), None)).unwrap();
+    engine
+        .update_weights(
+            WeightSnapshot::version_only(PolicyVersion(1)),
+            WeightUpdateMode::InFlight,
+        )
+        .unwrap();
+    // The swap made while paused is reported at once (no step is coming), before any token.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !events
+        .lock()
+        .unwrap()
+        .iter()
+        .any(|e| matches!(e, EngineEvent::WeightsUpdated { .. }))
+        && Instant::now() < deadline
+    {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(engine.stats().generated_tokens, 0);
+    assert_eq!(engine.stats().waiting, 1);
+    engine.continue_generation().unwrap();
+    let done = wait_finished(&events, 1);
+    assert_eq!(done[0].finish, FinishReason::Stop);
+    assert_eq!(done[0].output.len(), 20);
+    assert!(
+        done[0]
+            .output
+            .versions
+            .iter()
+            .all(|v| *v == PolicyVersion(1))
+    );
+    engine.shutdown();
+
+    // Pause with abort: the running request comes back with its partial.
+    let (mut engine, events) = start(params(1000, 1.0));
+    engine.submit(request(req_id(1, 0), None)).unwrap();
+    wait_tokens(&engine, 3);
+    engine.pause(true).unwrap();
+    let done = wait_finished(&events, 1);
+    assert_eq!(done[0].finish, FinishReason::Abort);
+    assert!(done[0].output.len() >= 3 && done[0].output.len() < 1000);
+    engine.shutdown();
+}

@@ -79,6 +79,25 @@ pub trait KvCache: Send {
         ))
     }
 
+    /// Batched decode attention computed over the cache's own storage, without gathering
+    /// every sequence's keys and values into a padded copy: appends `k`, `v` (`(B, kv_heads,
+    /// head_dim)`) as [`KvCache::append_decode`] does and returns the attention output
+    /// `(B, heads · head_dim)` for the queries `q` (`(B, heads, head_dim)`, after RoPE) scaled
+    /// by `scale`; or `None`, having appended nothing, when the cache has no such path (the
+    /// caller then uses `append_decode`). The default has none.
+    fn attend_decode(
+        &mut self,
+        seqs: &[SeqId],
+        layer: usize,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        scale: f64,
+    ) -> Result<Option<Tensor>> {
+        let _ = (seqs, layer, q, k, v, scale);
+        Ok(None)
+    }
+
     /// Announces that the next model step feeds `tokens` to `seq`, computed by weights
     /// `version`, before any layer's append. A paged cache reserves the blocks they need here
     /// (failing with [`ModelError::KvCacheFull`] when none are left) and keeps the ids to share

@@ -264,14 +264,17 @@ impl InferenceModel {
         let (b, d, g) = (seqs.len(), c.head_dim, c.kv_groups());
         let run = |t: candle_core::Result<Tensor>| t.ctx("batched decode attention");
         let k_new = run(k.transpose(0, 1).and_then(|t| t.contiguous()))?;
-        let (k_all, v_all) = cache.append_decode(seqs, layer, &k_new, &v.contiguous().ctx("v")?)?;
+        let v = v.contiguous().ctx("v")?;
         let scale = 1.0 / (d as f64).sqrt();
+        // The cache's own kernel when it has one (the paged pool on the CPU: no gathered copy).
+        let q_rows = run(q.transpose(0, 1).and_then(|t| t.contiguous()))?;
+        if let Some(att) = cache.attend_decode(seqs, layer, &q_rows, &k_new, &v, scale)? {
+            return Ok(att);
+        }
+        let (k_all, v_all) = cache.append_decode(seqs, layer, &k_new, &v)?;
         run((|| {
             // (B, kv, g, d) @ (B, kv, d, T) → (B, kv, g, T), masked per sequence length.
-            let q = q
-                .transpose(0, 1)?
-                .contiguous()?
-                .reshape((b, c.num_kv_heads, g, d))?;
+            let q = q_rows.reshape((b, c.num_kv_heads, g, d))?;
             let scores = (q.matmul(&k_all.transpose(2, 3)?)? * scale)?.broadcast_add(mask)?;
             let att = softmax_last_dim(&scores, Kernels::Fused)?.matmul(&v_all)?;
             att.reshape((b, c.num_heads * d))

@@ -31,6 +31,7 @@ use crate::backend::{
     Completion, EngineError, EngineStats, EventSink, GenerateRequest, InferenceBackend,
     KvCacheStats, enqueued, model_weights,
 };
+use crate::sched::WeightUpdate;
 pub use kv::{AUTO_KV_CACHE_CAP_MB, KvBudget};
 pub use stop::{StopHit, truncate_at_stop};
 
@@ -201,15 +202,8 @@ impl NativeError {
     }
 }
 
-pub(crate) enum Command {
-    Submit(Box<NativeRequest>),
-    Abort(RequestId),
-    AbortAll,
-    Update(Arc<ModelWeights>, WeightUpdateMode, Instant),
-    Pause { abort: bool },
-    Continue,
-    Shutdown,
-}
+/// What the handle queues for the compute thread.
+pub(crate) type Command = crate::sched::Command<Box<NativeRequest>, Arc<ModelWeights>>;
 
 /// Counters the compute thread publishes for lock-free reads.
 #[derive(Default)]
@@ -224,6 +218,10 @@ pub(crate) struct Shared {
     pub model_nanos: AtomicU64,
     /// Scheduler steps taken.
     pub steps: AtomicU64,
+    /// Of `busy_nanos`: steps in which every running sequence decoded one token (no prefill).
+    pub decode_nanos: AtomicU64,
+    /// Tokens those steps generated.
+    pub decode_tokens: AtomicU64,
     /// KV blocks in running sequences' tables.
     pub kv_used_blocks: AtomicU64,
     /// Unreferenced KV blocks kept for prefix hits.
@@ -246,6 +244,12 @@ pub struct StepBreakdown {
     /// Seconds in the rest of the steps: picking inputs, sampling, per-token bookkeeping,
     /// finishing requests.
     pub scheduler_seconds: f64,
+    /// Seconds of steps with no prefill in them, every running sequence decoding one token
+    /// (model and scheduler both).
+    pub decode_seconds: f64,
+    /// Tokens generated in those steps: over `decode_seconds`, the decode rate that
+    /// `sluice bench model`'s decode bound is about (prefill left out).
+    pub decode_tokens: u64,
 }
 
 /// A cheap, cloneable handle for queueing commands (the server's request handlers and request
@@ -459,6 +463,8 @@ impl NativeControl {
             steps: s.steps.load(Ordering::Relaxed),
             model_seconds: model,
             scheduler_seconds: (busy - model).max(0.0),
+            decode_seconds: s.decode_nanos.load(Ordering::Relaxed) as f64 * 1e-9,
+            decode_tokens: s.decode_tokens.load(Ordering::Relaxed),
         }
     }
 
@@ -483,7 +489,11 @@ impl NativeControl {
                 ),
             });
         }
-        self.send(Command::Update(model, mode, Instant::now()))
+        self.send(Command::Update(WeightUpdate {
+            weights: model,
+            mode,
+            asked: Instant::now(),
+        }))
     }
 }
 

@@ -1,15 +1,15 @@
-//! The compute thread: queues, admission, one ragged model step at a time, sampling, finishing.
+//! The compute thread: the native [`Stepper`] under the shared scheduler core ([`crate::sched`]:
+//! queues, aborts, pause, weight updates): one ragged model step at a time, sampling, finishing.
 //! Admission by free KV blocks, prefix reuse and preemption are in [`admission`].
 
 mod admission;
 
-use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use crossbeam_channel::Receiver;
-use sluice_core::{PolicyVersion, RequestId, WeightUpdateMode};
+use sluice_core::{PolicyVersion, RequestId};
 use sluice_model::{
     InferenceModel, KvCache, LogitsWanted, PagedKvCache, StepInput, Tokenizer,
     WeightSnapshot as ModelWeights,
@@ -24,9 +24,10 @@ use super::{
 use crate::backend::{
     Completion, EngineEvent, EventSink, FinishReason, SamplingParams, TokenOutput, push_token,
 };
+use crate::sched::{Queued, Queues, Scheduler, Stepper};
 
 /// One request inside the engine.
-struct Seq {
+pub(crate) struct Seq {
     id: RequestId,
     /// Its key in the KV cache (unique for the engine's life).
     cache_id: u64,
@@ -52,10 +53,10 @@ struct Seq {
     observer: Option<RequestObserver>,
 }
 
-/// A drain update waiting for the running batch to empty.
-struct PendingDrain {
-    weights: Arc<ModelWeights>,
-    asked: Instant,
+impl Queued for Seq {
+    fn request_id(&self) -> RequestId {
+        self.id
+    }
 }
 
 pub(crate) struct Worker {
@@ -68,13 +69,7 @@ pub(crate) struct Worker {
     rx: Receiver<Command>,
     sink: EventSink,
     shared: Arc<Shared>,
-    waiting: VecDeque<Seq>,
-    running: Vec<Seq>,
-    drain: Option<PendingDrain>,
-    paused: bool,
     next_cache_id: u64,
-    /// An update applied at a step boundary, reported when the first step on it starts.
-    swapped: Option<(PolicyVersion, WeightUpdateMode, Instant)>,
 }
 
 impl Worker {
@@ -105,94 +100,16 @@ impl Worker {
             rx,
             sink,
             shared,
-            waiting: VecDeque::new(),
-            running: Vec::new(),
-            drain: None,
-            paused: false,
             next_cache_id: 0,
-            swapped: None,
         })
     }
 
     pub(crate) fn run(mut self) {
-        loop {
-            let idle = self.paused
-                || self.running.is_empty() && self.waiting.is_empty() && self.drain.is_none();
-            let first = if idle {
-                // The last step may have finished every sequence: publish that before blocking,
-                // or the stats keep the last step's counts for as long as the engine idles.
-                self.publish_gauges();
-                match self.rx.recv() {
-                    Ok(c) => Some(c),
-                    Err(_) => return,
-                }
-            } else {
-                None
-            };
-            let commands: Vec<Command> = first.into_iter().chain(self.rx.try_iter()).collect();
-            for c in commands {
-                if !self.apply(c) {
-                    return;
-                }
-            }
-            if self.paused {
-                // No step is coming: a swap made while paused is reported now.
-                self.report_swap();
-                self.publish_gauges();
-                continue;
-            }
-            if self.drain.is_some() && self.running.is_empty() {
-                let d = self.drain.take().expect("checked above");
-                self.swap(d.weights, WeightUpdateMode::Drain, d.asked);
-            }
-            self.admit();
-            self.publish_gauges();
-            if !self.running.is_empty() {
-                self.step();
-            } else {
-                self.report_swap();
-            }
-        }
+        let rx = self.rx.clone();
+        Scheduler::new().run(&mut self, &rx);
     }
 
-    /// Returns false on shutdown.
-    fn apply(&mut self, command: Command) -> bool {
-        match command {
-            Command::Submit(req) => self.enqueue(*req),
-            Command::Abort(id) => {
-                if let Some(i) = self.running.iter().position(|s| s.id == id) {
-                    let s = self.running.remove(i);
-                    self.finish(s, FinishReason::Abort, None);
-                } else if let Some(i) = self.waiting.iter().position(|s| s.id == id) {
-                    let s = self.waiting.remove(i).expect("index from position");
-                    self.finish(s, FinishReason::Abort, None);
-                }
-            }
-            Command::AbortAll => self.abort_all(),
-            Command::Update(weights, mode, asked) => match mode {
-                WeightUpdateMode::AbortResume => {
-                    self.abort_all();
-                    self.swap(weights, mode, asked);
-                }
-                WeightUpdateMode::InFlight => self.swap(weights, mode, asked),
-                WeightUpdateMode::Drain => {
-                    // A newer drain replaces an older one still waiting: only the last matters.
-                    self.drain = Some(PendingDrain { weights, asked });
-                }
-            },
-            Command::Pause { abort } => {
-                if abort {
-                    self.abort_all();
-                }
-                self.paused = true;
-            }
-            Command::Continue => self.paused = false,
-            Command::Shutdown => return false,
-        }
-        true
-    }
-
-    fn enqueue(&mut self, req: NativeRequest) {
+    fn enqueue(&mut self, req: NativeRequest) -> Option<Seq> {
         let NativeRequest {
             request,
             stop,
@@ -249,76 +166,48 @@ impl Worker {
         self.next_cache_id += 1;
         let context = self.model.config().max_position_embeddings;
         if seq.prompt_len >= context {
-            self.finish(seq, FinishReason::Error("prompt_too_long".into()), None);
+            self.finish_with(seq, FinishReason::Error("prompt_too_long".into()), None);
+            None
         } else if seq.pending.len() >= context {
             // Prompt plus resumed tokens fill the context: nothing more can be generated.
-            self.finish(seq, FinishReason::Length, None);
+            self.finish_with(seq, FinishReason::Length, None);
+            None
         } else {
-            self.waiting.push_back(seq);
-        }
-    }
-
-    fn abort_all(&mut self) {
-        let running: Vec<Seq> = self.running.drain(..).collect();
-        let waiting: Vec<Seq> = self.waiting.drain(..).collect();
-        for s in running.into_iter().chain(waiting) {
-            self.finish(s, FinishReason::Abort, None);
-        }
-    }
-
-    fn swap(&mut self, weights: Arc<ModelWeights>, mode: WeightUpdateMode, asked: Instant) {
-        let version = weights.version;
-        if let Err(e) = self.model.swap_weights(weights) {
-            // Checked against the config in `update_weights`; a dtype clash lands here.
-            tracing::error!(error = %e, %version, "weight swap refused; keeping the old weights");
-            return;
-        }
-        self.shared.version.store(version.0, Ordering::Relaxed);
-        self.swapped = Some((version, mode, asked));
-    }
-
-    /// Reports the last swap: its pause ends where the first step on the new weights starts.
-    fn report_swap(&mut self) {
-        if let Some((version, mode, asked)) = self.swapped.take() {
-            (self.sink)(EngineEvent::WeightsUpdated {
-                version,
-                pause: asked.elapsed(),
-                mode,
-            });
+            Some(seq)
         }
     }
 
     /// One model step over the running batch, then sampling for every sequence whose pending
     /// tokens all went in.
-    fn step(&mut self) {
-        self.report_swap();
+    fn step_batch(&mut self, q: &mut Queues<Seq>) {
         let started = Instant::now();
         // Decoding sequences first (one token each, never starved), then prompt chunks in
         // admission order within what is left of the budget.
-        let decoding = self.running.iter().filter(|s| s.pending.len() == 1).count();
+        let decoding = q.running.iter().filter(|s| s.pending.len() == 1).count();
+        let decode_only = decoding == q.running.len();
         let mut budget = self.params.max_step_tokens.max(decoding) - decoding;
-        let mut take = vec![0usize; self.running.len()];
-        for (i, s) in self.running.iter().enumerate() {
+        let mut take = vec![0usize; q.running.len()];
+        for (i, s) in q.running.iter().enumerate() {
             if s.pending.len() == 1 {
                 take[i] = 1;
             }
         }
-        for (i, s) in self.running.iter().enumerate() {
+        for (i, s) in q.running.iter().enumerate() {
             if s.pending.len() > 1 && budget > 0 {
                 take[i] = s.pending.len().min(budget);
                 budget -= take[i];
             }
         }
-        self.make_room(&mut take);
-        if self.running.is_empty() {
+        self.make_room(q, &mut take);
+        if q.running.is_empty() {
             return;
         }
         // Prefills that report prompt log-probabilities need every row; the rest only the last.
         let wants_all = |s: &Seq| s.prompt_lps.is_some() && s.pending.len() > 1;
-        let mut rows: Vec<Option<Vec<Vec<f32>>>> = vec![None; self.running.len()];
+        let mut rows: Vec<Option<Vec<Vec<f32>>>> = vec![None; q.running.len()];
         for all in [false, true] {
-            let picked: Vec<usize> = (0..self.running.len())
-                .filter(|&i| take[i] > 0 && wants_all(&self.running[i]) == all)
+            let picked: Vec<usize> = (0..q.running.len())
+                .filter(|&i| take[i] > 0 && wants_all(&q.running[i]) == all)
                 .collect();
             if picked.is_empty() {
                 continue;
@@ -326,8 +215,8 @@ impl Worker {
             let inputs: Vec<StepInput<'_>> = picked
                 .iter()
                 .map(|&i| StepInput {
-                    seq: self.running[i].cache_id,
-                    tokens: &self.running[i].pending[..take[i]],
+                    seq: q.running[i].cache_id,
+                    tokens: &q.running[i].pending[..take[i]],
                 })
                 .collect();
             let wanted = if all {
@@ -366,10 +255,10 @@ impl Worker {
                     let mut failed: Vec<usize> = picked;
                     failed.sort_unstable();
                     for i in failed.into_iter().rev() {
-                        let s = self.running.remove(i);
+                        let s = q.running.remove(i);
                         take.remove(i);
                         rows.remove(i);
-                        self.finish(s, FinishReason::Error("engine_step".into()), None);
+                        self.finish_with(s, FinishReason::Error("engine_step".into()), None);
                     }
                 }
             }
@@ -378,7 +267,7 @@ impl Worker {
         let context = self.context;
         let mut done: Vec<(usize, FinishReason, Option<StopHit>)> = Vec::new();
         let mut generated = 0u64;
-        for (i, s) in self.running.iter_mut().enumerate() {
+        for (i, s) in q.running.iter_mut().enumerate() {
             let Some(rows) = rows[i].take() else { continue };
             let fed: Vec<u32> = s.pending.drain(..take[i]).collect();
             if let Some(lps) = &mut s.prompt_lps
@@ -438,16 +327,21 @@ impl Worker {
             .generated_tokens
             .fetch_add(generated, Ordering::Relaxed);
         for (i, reason, hit) in done.into_iter().rev() {
-            let s = self.running.remove(i);
-            self.finish(s, reason, hit);
+            let s = q.running.remove(i);
+            self.finish_with(s, reason, hit);
         }
         self.shared.steps.fetch_add(1, Ordering::Relaxed);
-        self.shared
-            .busy_nanos
-            .fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        let nanos = started.elapsed().as_nanos() as u64;
+        self.shared.busy_nanos.fetch_add(nanos, Ordering::Relaxed);
+        if decode_only {
+            self.shared.decode_nanos.fetch_add(nanos, Ordering::Relaxed);
+            self.shared
+                .decode_tokens
+                .fetch_add(generated, Ordering::Relaxed);
+        }
     }
 
-    fn finish(&mut self, s: Seq, finish: FinishReason, stop: Option<StopHit>) {
+    fn finish_with(&mut self, s: Seq, finish: FinishReason, stop: Option<StopHit>) {
         self.cache.remove(s.cache_id);
         let completion = Completion {
             id: s.id,
@@ -463,7 +357,7 @@ impl Worker {
         (self.sink)(EngineEvent::Finished(completion));
     }
 
-    fn publish_gauges(&self) {
+    fn publish_gauges(&self, q: &Queues<Seq>) {
         self.shared
             .kv_used_blocks
             .store(self.cache.blocks_in_use() as u64, Ordering::Relaxed);
@@ -472,10 +366,51 @@ impl Worker {
             .store(self.cache.cached_blocks() as u64, Ordering::Relaxed);
         self.shared
             .running
-            .store(self.running.len() as u64, Ordering::Relaxed);
+            .store(q.running.len() as u64, Ordering::Relaxed);
         self.shared
             .waiting
-            .store(self.waiting.len() as u64, Ordering::Relaxed);
+            .store(q.waiting.len() as u64, Ordering::Relaxed);
+    }
+}
+
+impl Stepper for Worker {
+    type Request = Box<NativeRequest>;
+    type Seq = Seq;
+    type Weights = Arc<ModelWeights>;
+
+    fn accept(&mut self, request: Box<NativeRequest>) -> Option<Seq> {
+        self.enqueue(*request)
+    }
+
+    fn finish(&mut self, seq: Seq, finish: FinishReason) {
+        self.finish_with(seq, finish, None);
+    }
+
+    fn install(&mut self, weights: Arc<ModelWeights>) -> Option<PolicyVersion> {
+        let version = weights.version;
+        if let Err(e) = self.model.swap_weights(weights) {
+            // Checked against the config in `update_weights`; a dtype clash lands here.
+            tracing::error!(error = %e, %version, "weight swap refused; keeping the old weights");
+            return None;
+        }
+        self.shared.version.store(version.0, Ordering::Relaxed);
+        Some(version)
+    }
+
+    fn admit(&mut self, queues: &mut Queues<Seq>) {
+        self.admit_by_blocks(queues);
+    }
+
+    fn step(&mut self, queues: &mut Queues<Seq>) {
+        self.step_batch(queues);
+    }
+
+    fn report(&mut self, event: EngineEvent) {
+        (self.sink)(event);
+    }
+
+    fn publish(&mut self, queues: &Queues<Seq>) {
+        self.publish_gauges(queues);
     }
 }
 

@@ -1,22 +1,24 @@
-//! The remote backend: [`InferenceBackend`] over OpenAI-compatible servers with the token-id
-//! and RL extensions (Sluice's own `sluice serve`, or SGLang/vLLM-style servers).
+//! The remote backend: [`InferenceBackend`] over one OpenAI-compatible server with the token-id
+//! and RL extensions (Sluice's own `sluice serve`, or an SGLang/vLLM-style server). A node with
+//! several servers runs one replica per server (`engine.remote_urls[i]` is replica `i`): the
+//! engine actor balances, parks and restarts them like local replicas, so routing happens in one
+//! place.
 //!
 //! A dedicated thread runs a current-thread tokio runtime; trait calls `try_send` onto a bounded
 //! channel. Each request is one `POST /v1/completions` (prompt + resumed tokens as ids,
-//! `return_token_ids`, `logprobs: 1`, `rid` = the request id) to the ready server with the fewest
-//! requests in flight; `abort` posts `/abort_request {rid}` to that server, which answers the
-//! pending call with the partial output. A weight update writes the snapshot as a Hugging Face
-//! directory ([`WeightDirs`]: `weights_dir/v<version>`, the newest few kept) and posts
-//! `/update_weights_from_disk` to every ready server.
+//! `return_token_ids`, `logprobs: 1`, `rid` = the request id); `abort` posts
+//! `/abort_request {rid}`, which answers the pending call with the partial output. A weight update
+//! writes the snapshot as a Hugging Face directory ([`WeightDirs`]: `weights_dir/v<version>`, the
+//! newest few kept) and posts `/update_weights_from_disk`.
 //!
-//! A server gets work only once it holds the run's weights: at start, and whenever it comes back,
-//! it first installs the newest version the backend has (`initial` until the first update), so a
-//! server started from its own checkpoint never generates tokens tagged with the run's version.
-//! Requests that arrive while every live server is still installing wait for the first one ready.
-//! A server that fails a call (connection refused or reset, no answer within `request_timeout`,
-//! a 5xx) is marked down: its requests finish as [`FinishReason::Abort`] with the partial they
-//! came with, so their rollouts go back to the aborted bucket; `/health` is polled to bring it
-//! back.
+//! The server gets work only once it holds the run's weights: at start it first installs
+//! `initial` (the newest version the actor has), so a server started from its own checkpoint
+//! never generates tokens tagged with the run's version; requests that arrive meanwhile wait. A
+//! server that fails a call (connection refused or reset, no answer within `request_timeout`, a
+//! 5xx, a failed install) is down for good: its requests, and any sent to it later, finish as
+//! [`FinishReason::Abort`] with the partial they came with (their rollouts go back to the aborted
+//! bucket), and [`InferenceBackend::is_alive`] turns false, so the engine actor fails the replica
+//! and rebuilds it after its backoff, which installs the newest weights again.
 
 mod weights;
 mod wire;
@@ -24,6 +26,7 @@ mod worker;
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -48,14 +51,12 @@ const COMMAND_QUEUE: usize = 4096;
 pub struct RemoteParams {
     /// Replica index (names the thread).
     pub replica: u32,
-    /// Base URLs (`engine.remote_urls`).
-    pub urls: Vec<String>,
+    /// The server's base URL (`engine.remote_urls[replica]`).
+    pub url: String,
     /// Deadline of one generation call or weight load (`engine.request_timeout_s`).
     pub request_timeout: Duration,
-    /// Deadline of the small calls (abort, health).
+    /// Deadline of the small calls (abort).
     pub control_timeout: Duration,
-    /// How often a down server's `/health` is polled.
-    pub health_interval: Duration,
     /// Where new weights are written (the servers must be able to read it); shared by every
     /// replica of the node.
     pub weights: Arc<WeightDirs>,
@@ -67,8 +68,9 @@ pub struct RemoteParams {
 }
 
 impl RemoteParams {
-    /// Replica `replica` of `[engine]` (`remote_urls`, `request_timeout_s`), publishing into
-    /// `weights` and installing `initial` first; 5 s control calls, `/health` polled every 2 s.
+    /// Replica `replica` of `[engine]`: the server `remote_urls[replica]` (wrapping around when
+    /// there are more replicas than servers), `request_timeout_s`, publishing into `weights` and
+    /// installing `initial` first; 5 s control calls.
     pub fn from_config(
         engine: &sluice_core::config::EngineConfig,
         replica: u32,
@@ -77,10 +79,13 @@ impl RemoteParams {
     ) -> Self {
         Self {
             replica,
-            urls: engine.remote_urls.clone(),
+            url: engine
+                .remote_urls
+                .get(replica as usize % engine.remote_urls.len().max(1))
+                .cloned()
+                .unwrap_or_default(),
             request_timeout: engine.request_timeout,
             control_timeout: Duration::from_secs(5),
-            health_interval: Duration::from_secs(2),
             weights,
             initial,
             model_name: None,
@@ -101,7 +106,10 @@ struct Shared {
     version: AtomicU64,
     running: AtomicU64,
     generated_tokens: AtomicU64,
-    servers_up: AtomicU64,
+    /// The server holds the run's weights and takes work.
+    ready: AtomicBool,
+    /// The server failed a call: the replica is dead.
+    down: AtomicBool,
 }
 
 /// See the module docs.
@@ -121,37 +129,27 @@ impl RemoteEngine {
         version: PolicyVersion,
         sink: EventSink,
     ) -> Result<Self, String> {
-        if params.urls.is_empty() {
-            return Err("the remote backend needs at least one url".into());
+        if params.url.is_empty() {
+            return Err("the remote backend needs a server url".into());
         }
-        // With weights to install, no server is ready before it installed them.
+        // With weights to install, the server is not ready before it installed them.
         let ready = params.initial.is_none();
         let version = params.initial.as_ref().map_or(version, |w| w.version);
-        let servers = params
-            .urls
-            .iter()
-            .map(|u| {
-                HttpClient::new(u, "remote engine")
-                    .map_err(|e| e.to_string())
-                    .map(|client| Server {
-                        client,
-                        up: true,
-                        ready,
-                        installing: false,
-                        inflight: 0,
-                    })
-            })
-            .collect::<Result<Vec<_>, _>>()?;
+        let client = HttpClient::new(&params.url, "remote engine").map_err(|e| e.to_string())?;
+        let server = Server {
+            client,
+            up: true,
+            ready,
+        };
         let (tx, rx) = mpsc::channel(COMMAND_QUEUE);
         let shared = Arc::new(Shared::default());
         shared.version.store(version.0, Ordering::Relaxed);
-        let ready_now = servers.iter().filter(|s| s.ready).count();
-        shared.servers_up.store(ready_now as u64, Ordering::Relaxed);
+        shared.ready.store(ready, Ordering::Relaxed);
         let name = format!("remote-engine-{}", params.replica);
         let worker = Worker {
             latest: params.initial.clone(),
             params,
-            servers,
+            server,
             sink,
             shared: Arc::clone(&shared),
             version,
@@ -175,9 +173,9 @@ impl RemoteEngine {
         })
     }
 
-    /// Servers up and holding the run's weights (ready for work).
+    /// 1 while the server is up and holds the run's weights (ready for work), else 0.
     pub fn servers_up(&self) -> u64 {
-        self.shared.servers_up.load(Ordering::Relaxed)
+        u64::from(self.shared.ready.load(Ordering::Relaxed))
     }
 
     fn send(&self, command: Command) -> Result<(), EngineError> {
@@ -218,6 +216,11 @@ impl InferenceBackend for RemoteEngine {
             uptime_seconds: self.started.elapsed().as_secs_f64(),
             kv_cache: None,
         }
+    }
+
+    fn is_alive(&self) -> bool {
+        !self.shared.down.load(Ordering::Relaxed)
+            && self.thread.as_ref().is_some_and(|t| !t.is_finished())
     }
 
     fn shutdown(&mut self) {

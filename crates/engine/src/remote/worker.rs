@@ -1,6 +1,6 @@
-//! The remote backend's loop: install the run's weights on each server before it gets work,
-//! dispatch to the least-loaded ready server, relay completions, mark servers down on transport
-//! failures, poll `/health` (and reinstall on return), publish weights.
+//! The remote backend's loop: install the run's weights on the server before it gets work,
+//! send requests, relay completions, publish weights, and go down for good on a transport
+//! failure (the engine actor rebuilds the replica).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -21,20 +21,16 @@ use crate::backend::{
 
 pub(super) struct Server {
     pub(super) client: HttpClient,
-    /// Not marked down.
+    /// Not marked down (once down, it stays down: the replica is rebuilt).
     pub(super) up: bool,
-    /// Holds the run's weights since it (re)joined: it may get work.
+    /// Holds the run's weights: it may get work.
     pub(super) ready: bool,
-    /// An install of the newest weights is under way.
-    pub(super) installing: bool,
-    pub(super) inflight: usize,
 }
 
 /// What a spawned call reports back to the worker loop.
 enum Done {
     Generate {
         id: RequestId,
-        server: usize,
         /// What goes to the sink (on a failure: an abort with the partial).
         completion: Completion,
         /// The transport failure that marks the server down, if any.
@@ -44,15 +40,12 @@ enum Done {
         version: PolicyVersion,
         mode: WeightUpdateMode,
         asked: Instant,
-        failed: Vec<(usize, String)>,
+        failure: Option<String>,
     },
-    Control {
-        server: usize,
-        ok: bool,
-    },
-    /// A server's install of `version` ended.
+    /// An abort call ended (its outcome shows in the aborted request's reply).
+    Control,
+    /// The server's install of `version` ended.
     Installed {
-        server: usize,
         version: PolicyVersion,
         result: Result<(), String>,
     },
@@ -60,28 +53,25 @@ enum Done {
 
 pub(super) struct Worker {
     pub(super) params: RemoteParams,
-    pub(super) servers: Vec<Server>,
+    pub(super) server: Server,
     pub(super) sink: EventSink,
     pub(super) shared: Arc<Shared>,
     pub(super) version: PolicyVersion,
-    /// Request → (server, resumed tokens it came with).
-    pub(super) inflight: HashMap<RequestId, (usize, usize)>,
-    /// The weights a (re)joining server installs: the initial ones, then each update's.
+    /// Request → resumed tokens it came with.
+    pub(super) inflight: HashMap<RequestId, usize>,
+    /// The weights the server installs before work: the initial ones, or a newer update's that
+    /// arrived during the install.
     pub(super) latest: Option<Arc<ModelWeights>>,
-    /// Requests that arrived while every live server was still installing. Bounded by what the
-    /// engine actor routes here (the controller's admission bounds that).
+    /// Requests that arrived while the server was still installing. Bounded by what the engine
+    /// actor routes here (the controller's admission bounds that).
     pub(super) waiting: VecDeque<GenerateRequest>,
 }
 
 impl Worker {
     pub(super) async fn run(mut self, mut rx: mpsc::Receiver<Command>) {
         let mut tasks: JoinSet<Done> = JoinSet::new();
-        let mut health = tokio::time::interval(self.params.health_interval);
-        health.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        for server in 0..self.servers.len() {
-            if !self.servers[server].ready {
-                self.install(server, &mut tasks);
-            }
+        if !self.server.ready {
+            self.install(&mut tasks);
         }
         loop {
             tokio::select! {
@@ -93,7 +83,6 @@ impl Worker {
                     Ok(d) => self.on_done(d, &mut tasks),
                     Err(e) => tracing::error!(error = %e, "remote engine call panicked"),
                 },
-                _ = health.tick() => self.check_health(&mut tasks),
             }
         }
     }
@@ -102,22 +91,19 @@ impl Worker {
         match command {
             Command::Submit(request) => self.dispatch(request, tasks),
             Command::Abort(id) => {
-                if let Some(&(s, _)) = self.inflight.get(&id) {
-                    let body = json!({"rid": id.to_string()});
-                    self.control(s, "/abort_request", body, tasks);
+                if self.inflight.contains_key(&id) {
+                    self.control(json!({"rid": id.to_string()}), tasks);
                 } else if let Some(i) = self.waiting.iter().position(|r| r.id == id) {
                     let request = self.waiting.remove(i).expect("found");
-                    self.give_back(request, FinishReason::Abort);
+                    self.give_back(request);
                 }
             }
             Command::AbortAll => {
                 for request in std::mem::take(&mut self.waiting) {
-                    self.give_back(request, FinishReason::Abort);
+                    self.give_back(request);
                 }
-                for s in 0..self.servers.len() {
-                    if self.servers[s].up {
-                        self.control(s, "/abort_request", json!({"abort_all": true}), tasks);
-                    }
+                if self.server.up {
+                    self.control(json!({"abort_all": true}), tasks);
                 }
             }
             Command::Update(weights, mode, asked) => self.update(weights, mode, asked, tasks),
@@ -125,33 +111,29 @@ impl Worker {
         }
     }
 
-    /// Finishes `request` unserved with `finish` and the partial it came with.
-    fn give_back(&self, request: GenerateRequest, finish: FinishReason) {
+    /// Finishes `request` unserved as aborted with the partial it came with.
+    fn give_back(&self, request: GenerateRequest) {
         (self.sink)(EngineEvent::Finished(Completion {
             id: request.id,
             output: request.resume.unwrap_or_default(),
-            finish,
+            finish: FinishReason::Abort,
         }));
     }
 
     fn dispatch(&mut self, request: GenerateRequest, tasks: &mut JoinSet<Done>) {
-        let pick = (0..self.servers.len())
-            .filter(|&i| self.servers[i].up && self.servers[i].ready)
-            .min_by_key(|&i| self.servers[i].inflight);
-        let Some(server) = pick else {
-            if self.servers.iter().any(|s| s.up) {
-                // Live servers are still installing the run's weights: wait for one.
-                self.waiting.push_back(request);
-            } else {
-                self.give_back(request, FinishReason::Error("remote_unavailable".into()));
-            }
+        if !self.server.up {
+            // The replica is dead and about to be rebuilt: the rollout resumes elsewhere.
+            self.give_back(request);
             return;
-        };
+        }
+        if !self.server.ready {
+            self.waiting.push_back(request);
+            return;
+        }
         let partial = request.resume.clone().unwrap_or_default();
-        self.servers[server].inflight += 1;
-        self.inflight.insert(request.id, (server, partial.len()));
+        self.inflight.insert(request.id, partial.len());
         self.publish();
-        let client = self.servers[server].client.clone();
+        let client = self.server.client.clone();
         let timeout = self.params.request_timeout;
         let version = self.version;
         let body = wire::completion_body(&request, self.params.model_name.as_deref());
@@ -185,70 +167,38 @@ impl Worker {
             };
             Done::Generate {
                 id,
-                server,
                 completion,
                 failure,
             }
         });
     }
 
-    fn control(
-        &mut self,
-        server: usize,
-        path: &'static str,
-        body: Value,
-        tasks: &mut JoinSet<Done>,
-    ) {
-        let client = self.servers[server].client.clone();
+    fn control(&mut self, body: Value, tasks: &mut JoinSet<Done>) {
+        let client = self.server.client.clone();
         let timeout = self.params.control_timeout;
         tasks.spawn(async move {
-            let r = client
-                .call(
-                    Method::POST,
-                    path,
-                    Some(body.to_string().into_bytes()),
-                    timeout,
-                )
-                .await;
-            Done::Control {
-                server,
-                ok: r.is_ok(),
+            let body = Some(body.to_string().into_bytes());
+            if let Err(e) = client
+                .call(Method::POST, "/abort_request", body, timeout)
+                .await
+            {
+                tracing::warn!(url = %client.url(), error = %e, "remote engine abort call failed");
             }
+            Done::Control
         });
     }
 
-    fn check_health(&mut self, tasks: &mut JoinSet<Done>) {
-        for (server, s) in self.servers.iter().enumerate() {
-            if s.up {
-                continue;
-            }
-            let client = s.client.clone();
-            let timeout = self.params.control_timeout;
-            tasks.spawn(async move {
-                let r = client.call(Method::GET, "/health", None, timeout).await;
-                Done::Control {
-                    server,
-                    ok: matches!(r, Ok((st, _)) if st.is_success()),
-                }
-            });
-        }
-    }
-
-    /// Installs the newest weights on `server` before it gets work (ready at once when there
-    /// are none to install: the servers hold the start version).
-    fn install(&mut self, server: usize, tasks: &mut JoinSet<Done>) {
+    /// Installs the newest weights on the server before it gets work (ready at once when there
+    /// are none to install: the server holds the start version).
+    fn install(&mut self, tasks: &mut JoinSet<Done>) {
         let Some(weights) = self.latest.clone() else {
-            self.servers[server].ready = true;
+            self.server.ready = true;
             self.publish();
             self.serve_waiting(tasks);
             return;
         };
-        if self.servers[server].installing {
-            return;
-        }
-        self.servers[server].installing = true;
         let dirs = Arc::clone(&self.params.weights);
-        let client = self.servers[server].client.clone();
+        let client = self.server.client.clone();
         let timeout = self.params.request_timeout;
         let version = weights.version;
         tasks.spawn(async move {
@@ -259,24 +209,14 @@ impl Worker {
                     // `pinned` drops here: the directory may be pruned from now on.
                 }
             };
-            Done::Installed {
-                server,
-                version,
-                result,
-            }
+            Done::Installed { version, result }
         });
     }
 
-    /// Sends the requests that waited for a ready server.
+    /// Sends the requests that waited for the server to be ready.
     fn serve_waiting(&mut self, tasks: &mut JoinSet<Done>) {
-        if self.servers.iter().any(|s| s.up && s.ready) {
-            for request in std::mem::take(&mut self.waiting) {
-                self.dispatch(request, tasks);
-            }
-        } else if !self.servers.iter().any(|s| s.up) {
-            for request in std::mem::take(&mut self.waiting) {
-                self.give_back(request, FinishReason::Error("remote_unavailable".into()));
-            }
+        for request in std::mem::take(&mut self.waiting) {
+            self.dispatch(request, tasks);
         }
     }
 
@@ -289,43 +229,26 @@ impl Worker {
     ) {
         let version = weights.version;
         self.latest = Some(Arc::clone(&weights));
-        // Servers still installing get these weights when their install ends (it was older).
-        let live: Vec<(usize, HttpClient)> = self
-            .servers
-            .iter()
-            .enumerate()
-            .filter(|(_, s)| s.up && s.ready)
-            .map(|(i, s)| (i, s.client.clone()))
-            .collect();
+        // A server still installing gets these weights when its install ends (it was older);
+        // a down one gets nothing.
+        let client = (self.server.up && self.server.ready).then(|| self.server.client.clone());
+        let up = self.server.up;
         let dirs = Arc::clone(&self.params.weights);
         let timeout = self.params.request_timeout;
         tasks.spawn(async move {
-            let pinned = match write(dirs, weights).await {
-                Ok(p) => p,
-                Err(e) => {
-                    let failed = live.iter().map(|(i, _)| (*i, e.clone())).collect();
-                    return Done::Update {
-                        version,
-                        mode,
-                        asked,
-                        failed,
-                    };
-                }
+            let failure = match client {
+                None if up => None,
+                None => Some("the server is down".to_owned()),
+                Some(client) => match write(dirs, weights).await {
+                    Err(e) => Some(e),
+                    Ok(pinned) => load(&client, &pinned, mode, timeout).await.err(),
+                },
             };
-            let calls = live.iter().map(|(i, c)| {
-                let pinned = &pinned;
-                async move { load(c, pinned, mode, timeout).await.err().map(|e| (*i, e)) }
-            });
-            let failed = futures::future::join_all(calls)
-                .await
-                .into_iter()
-                .flatten()
-                .collect();
             Done::Update {
                 version,
                 mode,
                 asked,
-                failed,
+                failure,
             }
         });
     }
@@ -334,14 +257,12 @@ impl Worker {
         match done {
             Done::Generate {
                 id,
-                server,
                 completion,
                 failure,
             } => {
-                let resumed = self.inflight.remove(&id).map_or(0, |(_, r)| r);
-                self.servers[server].inflight = self.servers[server].inflight.saturating_sub(1);
+                let resumed = self.inflight.remove(&id).unwrap_or(0);
                 if let Some(message) = failure {
-                    self.mark_down(server, &message);
+                    self.mark_down(&message);
                 }
                 let new_tokens = completion.output.len().saturating_sub(resumed);
                 self.shared
@@ -354,12 +275,14 @@ impl Worker {
                 version,
                 mode,
                 asked,
-                failed,
+                failure,
             } => {
-                for (server, message) in &failed {
-                    self.mark_down(*server, message);
+                if let Some(message) = failure {
+                    // No report: the replica is dead, and its rebuild starts on these weights.
+                    self.mark_down(&format!("updating to v{}: {message}", version.0));
+                    return;
                 }
-                if failed.len() < self.servers.len() && version >= self.version {
+                if version >= self.version {
                     self.version = version;
                     self.shared.version.store(version.0, Ordering::Relaxed);
                 }
@@ -369,47 +292,35 @@ impl Worker {
                     mode,
                 });
             }
-            Done::Control { server, ok } => {
-                if ok && !self.servers[server].up {
-                    tracing::info!(url = %self.servers[server].client.url(), "remote engine server is back; installing the run's weights");
-                    self.servers[server].up = true;
-                    self.servers[server].ready = false;
-                    self.install(server, tasks);
+            Done::Control => {}
+            Done::Installed { version, result } => match result {
+                Err(message) => self.mark_down(&format!("installing v{}: {message}", version.0)),
+                Ok(()) if !self.server.up => {}
+                Ok(()) if self.latest.as_ref().is_some_and(|w| w.version > version) => {
+                    // A newer version was published meanwhile: install that one first.
+                    self.install(tasks);
                 }
-            }
-            Done::Installed {
-                server,
-                version,
-                result,
-            } => {
-                self.servers[server].installing = false;
-                match result {
-                    Err(message) => {
-                        self.mark_down(server, &format!("installing v{}: {message}", version.0));
-                        self.serve_waiting(tasks);
-                    }
-                    Ok(()) if !self.servers[server].up => {}
-                    Ok(()) if self.latest.as_ref().is_some_and(|w| w.version > version) => {
-                        // A newer version was published meanwhile: install that one first.
-                        self.install(server, tasks);
-                    }
-                    Ok(()) => {
-                        tracing::info!(url = %self.servers[server].client.url(), version = version.0, "remote engine server holds the run's weights");
-                        self.servers[server].ready = true;
-                        self.publish();
-                        self.serve_waiting(tasks);
-                    }
+                Ok(()) => {
+                    tracing::info!(url = %self.server.client.url(), version = version.0, "remote engine server holds the run's weights");
+                    self.server.ready = true;
+                    self.publish();
+                    self.serve_waiting(tasks);
                 }
-            }
+            },
         }
     }
 
-    fn mark_down(&mut self, server: usize, message: &str) {
-        if self.servers[server].up {
-            tracing::warn!(url = %self.servers[server].client.url(), %message, "remote engine server marked down");
-            self.servers[server].up = false;
-            self.servers[server].ready = false;
+    /// The server failed a call: the replica is dead from now on (see the module docs).
+    fn mark_down(&mut self, message: &str) {
+        if self.server.up {
+            tracing::warn!(url = %self.server.client.url(), %message, "remote engine server is down; the replica will be rebuilt");
+            self.server.up = false;
+            self.server.ready = false;
+            for request in std::mem::take(&mut self.waiting) {
+                self.give_back(request);
+            }
             self.publish();
+            self.shared.down.store(true, Ordering::Relaxed);
         }
     }
 
@@ -417,8 +328,9 @@ impl Worker {
         self.shared
             .running
             .store(self.inflight.len() as u64, Ordering::Relaxed);
-        let up = self.servers.iter().filter(|s| s.up && s.ready).count();
-        self.shared.servers_up.store(up as u64, Ordering::Relaxed);
+        self.shared
+            .ready
+            .store(self.server.up && self.server.ready, Ordering::Relaxed);
     }
 }
 

@@ -116,9 +116,8 @@ impl From<crate::backend::EngineError> for ApiError {
     fn from(e: crate::backend::EngineError) -> Self {
         match e {
             crate::backend::EngineError::BadRequest { reason, .. } => Self::bad_body(reason),
-            stopped @ crate::backend::EngineError::Stopped { .. } => {
-                Self::unavailable(stopped.to_string())
-            }
+            stopped @ (crate::backend::EngineError::Stopped { .. }
+            | crate::backend::EngineError::Start { .. }) => Self::unavailable(stopped.to_string()),
             busy @ crate::backend::EngineError::Overloaded { .. } => {
                 Self::overloaded(busy.to_string())
             }

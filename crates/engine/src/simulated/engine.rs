@@ -1,14 +1,13 @@
 //! [`SimEngine`]: a continuous-batching timing model on a dedicated thread.
 //!
-//! Each loop iteration: apply queued commands (between two steps, which is where `in_flight`
-//! swaps happen), admit waiting requests up to the concurrency cap (unless a `drain` update is
-//! pending), then run one step: every running sequence gains one token tagged with the current
-//! version. A step costs `prefill · new_prompt_tokens + a + b · running` simulated seconds; the
+//! Queues, aborts, pause and the weight-update modes are the scheduler core's
+//! ([`crate::sched`], shared with the native engine); this file is the simulated [`Stepper`]:
+//! admission up to the concurrency cap, and a step in which every running sequence gains one
+//! token tagged with the current version. A step costs `prefill · new_prompt_tokens + a + b · running` simulated seconds; the
 //! thread sleeps that long times `time_scale`, against a running deadline so sleep overshoot does
 //! not accumulate. Each submission draws its length; a resumed one draws conditioned on exceeding
 //! the tokens it already has.
 
-use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::thread::JoinHandle;
@@ -22,6 +21,7 @@ use crate::backend::{
     Completion, EngineError, EngineEvent, EngineStats, EventSink, FinishReason, GenerateRequest,
     InferenceBackend, TokenOutput, enqueued, push_token,
 };
+use crate::sched::{Queued, Queues, Scheduler, Stepper, WeightUpdate};
 use sluice_core::rng::{SplitMix64, mix};
 
 /// Commands queued per replica; a full queue is back-pressure, reported as an error by `submit`.
@@ -38,13 +38,7 @@ pub struct SimEngineParams {
     pub sim: SimEngineConfig,
 }
 
-enum Command {
-    Submit(GenerateRequest),
-    Abort(RequestId),
-    AbortAll,
-    Update(WeightSnapshot, WeightUpdateMode, Instant),
-    Shutdown,
-}
+type Command = crate::sched::Command<GenerateRequest, WeightSnapshot>;
 
 #[derive(Default)]
 struct Shared {
@@ -78,14 +72,15 @@ impl SimEngine {
             cap: params.max_running_sequences.max(1) as usize,
             sim: params.sim,
             version,
-            waiting: VecDeque::new(),
-            running: Vec::new(),
-            pending_drain: None,
             deadline: Instant::now(),
         };
         let thread = std::thread::Builder::new()
             .name(name.clone())
-            .spawn(move || worker.run())
+            .spawn(move || {
+                let mut worker = worker;
+                let rx = worker.rx.clone();
+                Scheduler::new().run(&mut worker, &rx);
+            })
             .expect("spawning the simulated engine thread");
         Self {
             tx,
@@ -94,6 +89,17 @@ impl SimEngine {
             thread: Some(thread),
             name,
         }
+    }
+
+    /// Stops stepping: with `abort`, every request is aborted (partials returned); without, they
+    /// wait in place until [`Self::continue_generation`] (as the native engine's pause).
+    pub fn pause(&self, abort: bool) -> Result<(), EngineError> {
+        self.send(Command::Pause { abort })
+    }
+
+    /// Resumes stepping after [`Self::pause`].
+    pub fn continue_generation(&self) -> Result<(), EngineError> {
+        self.send(Command::Continue)
     }
 
     fn send(&self, command: Command) -> Result<(), EngineError> {
@@ -119,7 +125,11 @@ impl InferenceBackend for SimEngine {
         weights: WeightSnapshot,
         mode: WeightUpdateMode,
     ) -> Result<(), EngineError> {
-        self.send(Command::Update(weights, mode, Instant::now()))
+        self.send(Command::Update(WeightUpdate {
+            weights,
+            mode,
+            asked: Instant::now(),
+        }))
     }
 
     fn stats(&self) -> EngineStats {
@@ -173,104 +183,16 @@ struct Worker {
     cap: usize,
     sim: SimEngineConfig,
     version: PolicyVersion,
-    waiting: VecDeque<Seq>,
-    running: Vec<Seq>,
-    pending_drain: Option<(WeightSnapshot, Instant)>,
     deadline: Instant,
 }
 
+impl Queued for Seq {
+    fn request_id(&self) -> RequestId {
+        self.id
+    }
+}
+
 impl Worker {
-    fn run(mut self) {
-        loop {
-            let idle =
-                self.running.is_empty() && self.waiting.is_empty() && self.pending_drain.is_none();
-            let first = if idle {
-                // The last step may have finished every sequence: publish that before blocking,
-                // or the stats keep the last step's counts for as long as the engine idles.
-                self.publish_gauges();
-                match self.rx.recv() {
-                    Ok(c) => {
-                        // Simulated time does not run while the engine has nothing to do.
-                        self.deadline = Instant::now();
-                        Some(c)
-                    }
-                    Err(_) => return,
-                }
-            } else {
-                None
-            };
-            let mut commands: Vec<Command> = first.into_iter().collect();
-            commands.extend(self.rx.try_iter());
-            for c in commands {
-                if !self.apply(c) {
-                    return;
-                }
-            }
-            if let Some((w, asked)) = self.pending_drain.take() {
-                if self.running.is_empty() {
-                    self.swap(w, WeightUpdateMode::Drain, asked);
-                } else {
-                    self.pending_drain = Some((w, asked));
-                }
-            }
-            self.admit();
-            self.publish_gauges();
-            if !self.running.is_empty() {
-                self.step();
-            }
-        }
-    }
-
-    /// Returns false on shutdown.
-    fn apply(&mut self, command: Command) -> bool {
-        match command {
-            Command::Submit(req) => {
-                let seq = self.new_seq(req);
-                self.waiting.push_back(seq);
-            }
-            Command::Abort(id) => {
-                if let Some(i) = self.running.iter().position(|s| s.id == id) {
-                    let s = self.running.swap_remove(i);
-                    self.finish(s, FinishReason::Abort);
-                } else if let Some(i) = self.waiting.iter().position(|s| s.id == id) {
-                    let s = self.waiting.remove(i).expect("index from position");
-                    self.finish(s, FinishReason::Abort);
-                }
-            }
-            Command::AbortAll => self.abort_all(),
-            Command::Update(w, mode, asked) => match mode {
-                WeightUpdateMode::AbortResume => {
-                    self.abort_all();
-                    self.swap(w, mode, asked);
-                }
-                WeightUpdateMode::InFlight => self.swap(w, mode, asked),
-                WeightUpdateMode::Drain => self.pending_drain = Some((w, asked)),
-            },
-            Command::Shutdown => return false,
-        }
-        true
-    }
-
-    fn abort_all(&mut self) {
-        let running: Vec<Seq> = self.running.drain(..).collect();
-        let waiting: Vec<Seq> = self.waiting.drain(..).collect();
-        for s in running.into_iter().chain(waiting) {
-            self.finish(s, FinishReason::Abort);
-        }
-    }
-
-    fn swap(&mut self, w: WeightSnapshot, mode: WeightUpdateMode, asked: Instant) {
-        if w.version > self.version {
-            self.version = w.version;
-            self.shared.version.store(w.version.0, Ordering::Relaxed);
-        }
-        (self.sink)(EngineEvent::WeightsUpdated {
-            version: self.version,
-            pause: asked.elapsed(),
-            mode,
-        });
-    }
-
     fn new_seq(&self, req: GenerateRequest) -> Seq {
         let dist = req
             .domain
@@ -309,20 +231,8 @@ impl Worker {
         }
     }
 
-    fn admit(&mut self) {
-        if self.pending_drain.is_some() {
-            return;
-        }
-        while self.running.len() < self.cap {
-            match self.waiting.pop_front() {
-                Some(s) => self.running.push(s),
-                None => break,
-            }
-        }
-    }
-
-    fn step(&mut self) {
-        let prefill: u64 = self
+    fn step_batch(&mut self, q: &mut Queues<Seq>) {
+        let prefill: u64 = q
             .running
             .iter()
             .filter(|s| !s.prefilled)
@@ -330,7 +240,7 @@ impl Worker {
             .sum();
         let cost = self.sim.prefill_seconds_per_token * prefill as f64
             + self.sim.decode_step_base_seconds
-            + self.sim.decode_step_per_sequence_seconds * self.running.len() as f64;
+            + self.sim.decode_step_per_sequence_seconds * q.running.len() as f64;
         let real = cost * self.sim.time_scale;
         let start = Instant::now();
         if real > 0.0 {
@@ -349,7 +259,7 @@ impl Worker {
         }
         let mut finished = Vec::new();
         let version = self.version;
-        for (i, s) in self.running.iter_mut().enumerate() {
+        for (i, s) in q.running.iter_mut().enumerate() {
             s.prefilled = true;
             if s.output.len() as u32 >= s.target.min(s.max_tokens) {
                 // A resumed request that already reached its length stops without a new token.
@@ -372,10 +282,9 @@ impl Worker {
                 finished.push(i);
             }
         }
-        self.shared.generated_tokens.fetch_add(
-            (self.running.len() - finished.len()) as u64,
-            Ordering::Relaxed,
-        );
+        self.shared
+            .generated_tokens
+            .fetch_add((q.running.len() - finished.len()) as u64, Ordering::Relaxed);
         let elapsed = if real > 0.0 {
             super::real_duration(real)
         } else {
@@ -385,7 +294,7 @@ impl Worker {
             .busy_nanos
             .fetch_add(elapsed.as_nanos() as u64, Ordering::Relaxed);
         for i in finished.into_iter().rev() {
-            let s = self.running.swap_remove(i);
+            let s = q.running.swap_remove(i);
             let reason = if s.output.len() as u32 >= s.max_tokens {
                 FinishReason::Length
             } else {
@@ -393,6 +302,16 @@ impl Worker {
             };
             self.finish(s, reason);
         }
+    }
+}
+
+impl Stepper for Worker {
+    type Request = GenerateRequest;
+    type Seq = Seq;
+    type Weights = WeightSnapshot;
+
+    fn accept(&mut self, request: GenerateRequest) -> Option<Seq> {
+        Some(self.new_seq(request))
     }
 
     fn finish(&mut self, s: Seq, finish: FinishReason) {
@@ -403,12 +322,44 @@ impl Worker {
         }));
     }
 
-    fn publish_gauges(&self) {
+    fn install(&mut self, weights: WeightSnapshot) -> Option<PolicyVersion> {
+        if weights.version > self.version {
+            self.version = weights.version;
+            self.shared
+                .version
+                .store(weights.version.0, Ordering::Relaxed);
+        }
+        Some(self.version)
+    }
+
+    fn admit(&mut self, q: &mut Queues<Seq>) {
+        while q.running.len() < self.cap {
+            match q.waiting.pop_front() {
+                Some(s) => q.running.push(s),
+                None => break,
+            }
+        }
+    }
+
+    fn step(&mut self, q: &mut Queues<Seq>) {
+        self.step_batch(q);
+    }
+
+    fn report(&mut self, event: EngineEvent) {
+        (self.sink)(event);
+    }
+
+    fn publish(&mut self, q: &Queues<Seq>) {
         self.shared
             .running
-            .store(self.running.len() as u64, Ordering::Relaxed);
+            .store(q.running.len() as u64, Ordering::Relaxed);
         self.shared
             .waiting
-            .store(self.waiting.len() as u64, Ordering::Relaxed);
+            .store(q.waiting.len() as u64, Ordering::Relaxed);
+    }
+
+    fn woke(&mut self) {
+        // Simulated time does not run while the engine has nothing to do.
+        self.deadline = Instant::now();
     }
 }

@@ -17,11 +17,12 @@
 //! ran) registers nothing more, and when the weights change every key of an older version is
 //! forgotten, so old-version blocks are never handed to a new request.
 
+mod attend;
 mod blocks;
 
 use std::collections::HashMap;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device, Storage, Tensor};
 use sluice_core::PolicyVersion;
 
 pub use blocks::{BlockAllocator, BlockId, BlockKey};
@@ -342,6 +343,30 @@ impl PagedKvCache {
         }
     }
 
+    /// Writes one new token's keys and values per sequence (`k`, `v`: `(B, kv_heads,
+    /// head_dim)`) at position `lens[b]` of `layer`, in place.
+    fn write_decode_rows(
+        &self,
+        seqs: &[SeqId],
+        lens: &[usize],
+        layer: usize,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> candle_core::Result<()> {
+        let width = self.kv_heads * self.head_dim;
+        let bsz = seqs.len();
+        // The new rows, repeated across the width (scatter indexes are per element).
+        let mut new_rows = Vec::with_capacity(bsz * width);
+        for (q, &len) in seqs.iter().zip(lens) {
+            let row = self.row(&self.seqs[q].blocks, len) as u32;
+            new_rows.extend(std::iter::repeat_n(row, width));
+        }
+        let index = Tensor::from_vec(new_rows, (bsz, width), &self.device)?;
+        let (kb, vb) = &self.pools[layer];
+        kb.scatter_set(&index, &k.reshape((bsz, width))?.contiguous()?, 0)?;
+        vb.scatter_set(&index, &v.reshape((bsz, width))?.contiguous()?, 0)
+    }
+
     /// Row indices of positions `0..total` of `blocks`, as a `(total,)` tensor.
     fn rows_tensor(&self, rows: Vec<u32>) -> candle_core::Result<Tensor> {
         let n = rows.len();
@@ -424,25 +449,19 @@ impl KvCache for PagedKvCache {
         for &seq in seqs {
             self.reserve(seq, 1)?;
         }
-        let width = self.kv_heads * self.head_dim;
         let bsz = seqs.len();
         let lens: Vec<usize> = seqs.iter().map(|q| self.seqs[q].len).collect();
         let longest = lens.iter().map(|l| l + 1).max().unwrap_or(1);
-        // New token rows, repeated across the width (scatter indexes are per element), and
-        // every sequence's rows padded to the longest with row 0 (masked by the caller).
-        let mut new_rows = Vec::with_capacity(bsz * width);
+        // Every sequence's rows padded to the longest with row 0 (masked by the caller).
         let mut read_rows = Vec::with_capacity(bsz * longest);
         for (q, &len) in seqs.iter().zip(&lens) {
             let blocks = &self.seqs[q].blocks;
-            new_rows.extend(std::iter::repeat_n(self.row(blocks, len) as u32, width));
             read_rows.extend((0..=len).map(|t| self.row(blocks, t) as u32));
             read_rows.extend(std::iter::repeat_n(0, longest - len - 1));
         }
         let write = || -> candle_core::Result<(Tensor, Tensor)> {
-            let index = Tensor::from_vec(new_rows, (bsz, width), &self.device)?;
+            self.write_decode_rows(seqs, &lens, layer, k, v)?;
             let (kb, vb) = &self.pools[layer];
-            kb.scatter_set(&index, &k.reshape((bsz, width))?.contiguous()?, 0)?;
-            vb.scatter_set(&index, &v.reshape((bsz, width))?.contiguous()?, 0)?;
             let gather = self.rows_tensor(read_rows)?;
             let read = |pool: &Tensor| {
                 pool.index_select(&gather, 0)?
@@ -457,6 +476,55 @@ impl KvCache for PagedKvCache {
             self.commit(layer, seq, 1);
         }
         Ok(out)
+    }
+
+    fn attend_decode(
+        &mut self,
+        seqs: &[SeqId],
+        layer: usize,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        scale: f64,
+    ) -> Result<Option<Tensor>> {
+        if self.dtype != DType::F32 || !self.device.is_cpu() {
+            return Ok(None);
+        }
+        self.check_layer(layer)?;
+        for &seq in seqs {
+            self.reserve(seq, 1)?;
+        }
+        let lens: Vec<usize> = seqs.iter().map(|q| self.seqs[q].len).collect();
+        let run = || -> candle_core::Result<Tensor> {
+            self.write_decode_rows(seqs, &lens, layer, k, v)?;
+            let (bsz, heads, d) = q.dims3()?;
+            let q = q.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
+            let tables: Vec<&[BlockId]> = seqs.iter().map(|s| &self.seqs[s].blocks[..]).collect();
+            let visible: Vec<usize> = lens.iter().map(|l| l + 1).collect();
+            let shape = attend::DecodeShape {
+                kv_heads: self.kv_heads,
+                groups: heads / self.kv_heads,
+                head_dim: d,
+                block_tokens: self.block_tokens,
+            };
+            let (kb, vb) = &self.pools[layer];
+            let (k_storage, k_layout) = kb.storage_and_layout();
+            let (v_storage, v_layout) = vb.storage_and_layout();
+            let (Storage::Cpu(k_cpu), Storage::Cpu(v_cpu)) = (&*k_storage, &*v_storage) else {
+                candle_core::bail!("the paged kv pool is not on the CPU");
+            };
+            // The pools are contiguous tensors of their own (never views).
+            let keys = &k_cpu.as_slice::<f32>()?[k_layout.start_offset()..];
+            let values = &v_cpu.as_slice::<f32>()?[v_layout.start_offset()..];
+            let out =
+                attend::decode_attention(keys, values, &q, &tables, &visible, &shape, scale as f32);
+            Tensor::from_vec(out, (bsz, heads * d), &self.device)
+        };
+        let out = run().ctx("paged decode attention")?;
+        for &seq in seqs {
+            self.commit(layer, seq, 1);
+        }
+        Ok(Some(out))
     }
 
     fn remove(&mut self, seq: SeqId) -> bool {

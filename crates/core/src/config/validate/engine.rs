@@ -48,9 +48,16 @@ pub(super) fn validate_engine(
         "a number of seconds > 0",
         |v| v > 0.0,
     )?;
+    let mut replicas = non_zero_u32(ctx, "engine.replicas", raw.replicas)?;
+    if backend == EngineBackend::Remote {
+        // Each server is a replica of the engine actor, which does all the routing: at least one
+        // replica per server (more wrap around the list).
+        let servers = u32::try_from(raw.remote_urls.len()).unwrap_or(u32::MAX);
+        replicas = replicas.max(std::num::NonZeroU32::new(servers).unwrap_or(replicas));
+    }
     Ok(EngineConfig {
         backend,
-        replicas: non_zero_u32(ctx, "engine.replicas", raw.replicas)?,
+        replicas,
         max_running_sequences: non_zero_u32(
             ctx,
             "engine.max_running_sequences",

@@ -17,22 +17,22 @@ use sluice_model::KvCache;
 
 use super::{Seq, Worker};
 use crate::backend::FinishReason;
+use crate::sched::Queues;
 
 impl Worker {
-    pub(super) fn admit(&mut self) {
-        if self.drain.is_some() {
-            return;
-        }
+    /// Admits waiting sequences (oldest first) while their blocks are free; the scheduler core
+    /// calls it only when admission is open (not paused, no drain held).
+    pub(super) fn admit_by_blocks(&mut self, q: &mut Queues<Seq>) {
         let version = self.model.version();
         // Blocks the running prefills will still take (their rest plus one generated token).
-        let mut owed: usize = self
+        let mut owed: usize = q
             .running
             .iter()
             .filter(|s| s.pending.len() > 1)
             .map(|s| self.cache.blocks_needed(s.cache_id, s.pending.len() + 1))
             .sum();
-        while self.running.len() < self.params.max_running_sequences {
-            let Some(mut s) = self.waiting.pop_front() else {
+        while q.running.len() < self.params.max_running_sequences {
+            let Some(mut s) = q.waiting.pop_front() else {
                 break;
             };
             // Prompt log-probabilities need every prompt row computed: no prefix reuse.
@@ -45,8 +45,7 @@ impl Worker {
                 && self.params.prefix_caching
                 && s.prompt_lps.is_none()
                 && !s.head.is_empty()
-                && self
-                    .running
+                && q.running
                     .iter()
                     .any(|r| r.pending.len() > 1 && r.head == s.head);
             let need = self
@@ -54,7 +53,7 @@ impl Worker {
                 .blocks_needed(s.cache_id, s.pending.len() - matched + 1);
             if shared_head_in_prefill || need + owed > self.cache.available_blocks() {
                 self.cache.remove(s.cache_id);
-                self.waiting.push_front(s);
+                q.waiting.push_front(s);
                 break;
             }
             owed += need;
@@ -65,15 +64,15 @@ impl Worker {
                 .prefix_hit_tokens
                 .fetch_add(matched as u64, Ordering::Relaxed);
             s.pending.drain(..matched);
-            self.running.push(s);
+            q.running.push(s);
         }
     }
 
     /// Preempts the newest running sequences until the new tokens of this step (`take[i]` for
     /// `running[i]`) have blocks.
-    pub(super) fn make_room(&mut self, take: &mut Vec<usize>) {
+    pub(super) fn make_room(&mut self, q: &mut Queues<Seq>, take: &mut Vec<usize>) {
         loop {
-            let need: usize = self
+            let need: usize = q
                 .running
                 .iter()
                 .zip(take.iter())
@@ -83,11 +82,11 @@ impl Worker {
             if need <= self.cache.available_blocks() {
                 return;
             }
-            let Some(s) = self.running.pop() else {
+            let Some(s) = q.running.pop() else {
                 return;
             };
             take.pop();
-            if self.running.is_empty() {
+            if q.running.is_empty() {
                 // Alone and still short: cannot happen (requests larger than the pool are
                 // refused at submit, and a sequence stops at the pool's size), but never loop.
                 tracing::error!(
@@ -96,14 +95,14 @@ impl Worker {
                     available = self.cache.available_blocks(),
                     "a lone sequence does not fit the kv cache"
                 );
-                self.finish(s, FinishReason::Error("kv_cache_full".into()), None);
+                self.finish_with(s, FinishReason::Error("kv_cache_full".into()), None);
                 return;
             }
-            self.preempt(s);
+            self.preempt(q, s);
         }
     }
 
-    fn preempt(&mut self, mut s: Seq) {
+    fn preempt(&mut self, q: &mut Queues<Seq>, mut s: Seq) {
         self.shared.preempted.fetch_add(1, Ordering::Relaxed);
         tracing::debug!(id = %s.id, generated = s.output.len() - s.resumed_len, "preempted: kv cache full");
         if s.output.len() == s.resumed_len {
@@ -113,9 +112,9 @@ impl Worker {
             if s.prompt_lps.is_some() {
                 s.prompt_lps = Some(Vec::new());
             }
-            self.waiting.push_front(s);
+            q.waiting.push_front(s);
         } else {
-            self.finish(s, FinishReason::Abort, None);
+            self.finish_with(s, FinishReason::Abort, None);
         }
     }
 }
