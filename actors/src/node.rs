@@ -30,7 +30,7 @@ use sluice_engine::SamplingParams;
 use crate::admin::{self, AdminState, Server};
 use crate::checkpoint::CheckpointDir;
 use crate::controller::{ControllerConfig, ControllerHandle, Peers};
-use crate::engine::{BackendFactory, EngineHandle, EngineSupervision};
+use crate::engine::{EngineHandle, EngineSupervision, ReplicaFactory};
 use crate::env_faults::{EnvFaults, FaultyEnv, TimeoutEnv};
 use crate::env_worker::{EnvPoolConfig, EnvPoolHandle, RolloutEnv};
 use crate::events::RunEvents;
@@ -63,7 +63,7 @@ pub struct NodeOptions {
     pub track_ids: bool,
     /// Inference backends (default: per `engine.backend`: `[engine.simulated]`, native
     /// replicas of the run's model, or `engine.remote_urls`).
-    pub backend: Option<BackendFactory>,
+    pub backend: Option<ReplicaFactory>,
     /// Trainer backend (default: `[trainer.simulated]`, or the candle trainer on the run's
     /// model).
     pub trainer: Option<Box<dyn TrainerBackend>>,

@@ -206,7 +206,7 @@ async fn resumed_rollouts_go_back_to_the_replica_that_served_them() {
         })
     };
     let options = NodeOptions {
-        backend: Some(factory),
+        backend: Some(factory.into()),
         ..NodeOptions::default()
     };
     let node = Node::start(&config, options).await.unwrap();

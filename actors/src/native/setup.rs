@@ -3,13 +3,13 @@
 //! registry, engine replicas (native or remote), the candle trainer and the task environment.
 
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use sluice_core::config::{Config, EngineBackend};
-use sluice_core::{PolicyVersion, RequestId, TrainerBackend, WeightSnapshot, WeightUpdateMode};
+use sluice_core::{TrainerBackend, WeightSnapshot};
 use sluice_engine::native::{NativeEngine, NativeEngineParams};
 use sluice_engine::remote::{RemoteEngine, RemoteParams, WeightDirs};
-use sluice_engine::{EngineError, EngineStats, EventSink, GenerateRequest, InferenceBackend};
+use sluice_engine::{EngineError, EventSink, InferenceBackend};
 use sluice_env::{EnvSessions, TaskRegistry, TokenEnvLimits};
 use sluice_model::{LoadOptions, Tokenizer, WeightSnapshot as ModelWeights, load_checkpoint};
 use sluice_trainer::{NativeTrainer, NativeTrainerConfig};
@@ -17,7 +17,7 @@ use sluice_trainer::{NativeTrainer, NativeTrainerConfig};
 use super::renderer::ModelRenderer;
 use super::task_env::TaskEnv;
 use crate::ActorError;
-use crate::engine::BackendFactory;
+use crate::engine::ReplicaFactory;
 use crate::env_worker::session_cap;
 
 /// The loaded model and what is derived from it.
@@ -148,39 +148,42 @@ impl NativeSetup {
         Ok(Box::new(self.trainer(config, initial)?))
     }
 
-    /// Engine replicas per `engine.backend`. Either way a replica starts on the newest weights
-    /// the node has (`initial`, default the loaded ones, then each published snapshot), so a
-    /// restarted replica starts on them, not on the initial ones: native replicas share them;
-    /// remote replicas have their servers install them before sending any work, handing them
-    /// checkpoints under `<output_dir>/weights` (the newest `engine.remote_keep_versions` kept).
+    /// Engine replicas per `engine.backend`, each built on the newest weights the engine actor
+    /// holds (a replica rebuilt after a crash starts on them; `initial`, default the loaded
+    /// ones, until the snapshot carries a model): native replicas share them; remote replicas
+    /// have their servers install them before sending any work, handing them checkpoints under
+    /// `<output_dir>/weights` (the newest `engine.remote_keep_versions` kept). A replica that
+    /// cannot start is a replica failure (restarted after the backoff).
     pub fn backend_factory(
         &self,
         config: &Config,
         initial: Option<Arc<ModelWeights>>,
-    ) -> Result<BackendFactory, ActorError> {
-        let latest = Arc::new(Mutex::new(
-            initial.unwrap_or_else(|| Arc::clone(&self.weights)),
-        ));
+    ) -> Result<ReplicaFactory, ActorError> {
+        let initial = initial.unwrap_or_else(|| Arc::clone(&self.weights));
+        let model = move |weights: &WeightSnapshot| {
+            ModelWeights::from_envelope(weights).unwrap_or_else(|| Arc::clone(&initial))
+        };
+        let failed = |replica: u32, reason: String| EngineError::Start { replica, reason };
         match config.engine.backend {
             EngineBackend::Native => {
                 let tokenizer = Arc::clone(&self.tokenizer);
                 let engine = config.engine.clone();
                 let seed = config.run.seed;
                 let eos = self.tokenizer.eos_token_ids().to_vec();
-                Ok(Arc::new(move |replica, _version, sink: EventSink| {
-                    let params =
-                        NativeEngineParams::from_config(&engine, replica, seed, eos.clone());
-                    let weights = Arc::clone(&lock(&latest));
-                    match NativeEngine::start(params, weights, Some(Arc::clone(&tokenizer)), sink) {
-                        Ok(inner) => Box::new(Tracked {
-                            inner: Box::new(inner),
-                            latest: Arc::clone(&latest),
-                        }) as Box<dyn InferenceBackend>,
-                        Err(e) => Box::new(DeadReplica {
-                            reason: e.to_string(),
-                        }),
-                    }
-                }))
+                Ok(ReplicaFactory::new(
+                    move |replica, weights, sink: EventSink| {
+                        let params =
+                            NativeEngineParams::from_config(&engine, replica, seed, eos.clone());
+                        NativeEngine::start(
+                            params,
+                            model(weights),
+                            Some(Arc::clone(&tokenizer)),
+                            sink,
+                        )
+                        .map(|e| Box::new(e) as Box<dyn InferenceBackend>)
+                        .map_err(|e| failed(replica, e.to_string()))
+                    },
+                ))
             }
             EngineBackend::Remote => {
                 let engine = config.engine.clone();
@@ -190,24 +193,19 @@ impl NativeSetup {
                     Some(self.model_dir.clone()),
                     engine.remote_keep_versions.get() as usize,
                 );
-                Ok(Arc::new(move |replica, version, sink: EventSink| {
-                    let weights = Arc::clone(&lock(&latest));
-                    let params = RemoteParams::from_config(
-                        &engine,
-                        replica,
-                        Arc::clone(&dirs),
-                        Some(weights),
-                    );
-                    match RemoteEngine::start(params, version, sink) {
-                        Ok(inner) => Box::new(Tracked {
-                            inner: Box::new(inner),
-                            latest: Arc::clone(&latest),
-                        }) as Box<dyn InferenceBackend>,
-                        Err(e) => Box::new(DeadReplica {
-                            reason: e.to_string(),
-                        }),
-                    }
-                }))
+                Ok(ReplicaFactory::new(
+                    move |replica, weights, sink: EventSink| {
+                        let params = RemoteParams::from_config(
+                            &engine,
+                            replica,
+                            Arc::clone(&dirs),
+                            Some(model(weights)),
+                        );
+                        RemoteEngine::start(params, weights.version, sink)
+                            .map(|e| Box::new(e) as Box<dyn InferenceBackend>)
+                            .map_err(|e| failed(replica, e))
+                    },
+                ))
             }
             EngineBackend::Simulated => Err(setup_err(
                 "engine.backend = \"simulated\" has no native engine (the node builds the simulated one itself)",
@@ -222,100 +220,5 @@ pub fn env_limits(config: &Config, context: usize) -> TokenEnvLimits {
         max_prompt_tokens: sluice_env::token_env::max_prompt_tokens(&config.rollout, context),
         max_turns: config.rollout.max_turns.get(),
         call_timeout: config.supervision.env_step_timeout,
-    }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// A replica that records each new snapshot, so a replica restarted later starts on it.
-struct Tracked {
-    inner: Box<dyn InferenceBackend>,
-    latest: Arc<Mutex<Arc<ModelWeights>>>,
-}
-
-impl InferenceBackend for Tracked {
-    fn submit(&self, request: GenerateRequest) -> Result<(), EngineError> {
-        self.inner.submit(request)
-    }
-
-    fn abort(&self, id: RequestId) -> Result<(), EngineError> {
-        self.inner.abort(id)
-    }
-
-    fn abort_all(&self) -> Result<(), EngineError> {
-        self.inner.abort_all()
-    }
-
-    fn update_weights(
-        &self,
-        weights: WeightSnapshot,
-        mode: WeightUpdateMode,
-    ) -> Result<(), EngineError> {
-        if let Some(w) = ModelWeights::from_envelope(&weights) {
-            let mut latest = lock(&self.latest);
-            if w.version > latest.version {
-                *latest = w;
-            }
-        }
-        self.inner.update_weights(weights, mode)
-    }
-
-    fn stats(&self) -> EngineStats {
-        self.inner.stats()
-    }
-
-    fn is_alive(&self) -> bool {
-        self.inner.is_alive()
-    }
-
-    fn shutdown(&mut self) {
-        self.inner.shutdown();
-    }
-}
-
-/// A replica whose engine could not start: every call fails, so the engine actor restarts it
-/// (with backoff) and its requests come back aborted instead of hanging.
-struct DeadReplica {
-    reason: String,
-}
-
-impl InferenceBackend for DeadReplica {
-    fn submit(&self, _request: GenerateRequest) -> Result<(), EngineError> {
-        Err(self.stopped())
-    }
-
-    fn abort(&self, _id: RequestId) -> Result<(), EngineError> {
-        Err(self.stopped())
-    }
-
-    fn abort_all(&self) -> Result<(), EngineError> {
-        Err(self.stopped())
-    }
-
-    fn update_weights(
-        &self,
-        _weights: WeightSnapshot,
-        _mode: WeightUpdateMode,
-    ) -> Result<(), EngineError> {
-        Err(self.stopped())
-    }
-
-    fn stats(&self) -> EngineStats {
-        EngineStats {
-            version: PolicyVersion::INITIAL,
-            ..EngineStats::default()
-        }
-    }
-
-    fn shutdown(&mut self) {}
-}
-
-impl DeadReplica {
-    fn stopped(&self) -> EngineError {
-        EngineError::Stopped {
-            backend: format!("native (failed to start: {})", self.reason),
-        }
     }
 }

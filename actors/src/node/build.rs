@@ -14,7 +14,7 @@ use sluice_env::SimTask;
 use sluice_trainer::SimTrainer;
 
 use crate::ActorError;
-use crate::engine::BackendFactory;
+use crate::engine::{BackendFactory, ReplicaFactory};
 use crate::env_worker::RolloutEnv;
 use crate::native::NativeSetup;
 use crate::run::{load_run_setup, sample_source};
@@ -23,7 +23,7 @@ use crate::supervise_node::SimBackend;
 
 /// The pipeline's four backends.
 pub(super) struct Backends {
-    pub factory: BackendFactory,
+    pub factory: ReplicaFactory,
     pub trainer: Box<dyn TrainerBackend>,
     pub source: Box<dyn SampleSource>,
     pub env: Arc<dyn RolloutEnv>,
@@ -31,7 +31,7 @@ pub(super) struct Backends {
 
 /// What the caller passed; `None` parts are built from the config.
 pub(super) struct Given {
-    pub factory: Option<BackendFactory>,
+    pub factory: Option<ReplicaFactory>,
     pub trainer: Option<Box<dyn TrainerBackend>>,
     pub source: Option<Box<dyn SampleSource>>,
     pub env: Option<Arc<dyn RolloutEnv>>,
@@ -96,7 +96,7 @@ fn with_simulated_defaults(config: &Config, given: Given) -> Result<Backends, Ac
         }
     };
     Ok(Backends {
-        factory: given.factory.unwrap_or_else(|| sim_engine(config)),
+        factory: given.factory.unwrap_or_else(|| sim_engine(config).into()),
         trainer,
         source: given
             .source

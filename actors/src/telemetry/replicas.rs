@@ -8,21 +8,22 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use sluice_core::{RequestId, WeightSnapshot, WeightUpdateMode};
 use sluice_engine::{EngineError, EngineStats, GenerateRequest, InferenceBackend};
 
-use crate::engine::BackendFactory;
+use crate::engine::ReplicaFactory;
 
 /// Wraps `factory` so that each replica slot's `generated_tokens` counts on across rebuilds: when
 /// a backend is shut down (or dropped, as a crashed one may be), its count is carried over to the
 /// slot, and its successors report theirs on top. The per-replica token counter is then exact:
 /// tokens generated between the last sample and a crash are not lost.
-pub fn carry_token_counts(factory: BackendFactory, replicas: usize) -> BackendFactory {
+pub fn carry_token_counts(factory: ReplicaFactory, replicas: usize) -> ReplicaFactory {
     let retired: Arc<Vec<AtomicU64>> = Arc::new((0..replicas).map(|_| AtomicU64::new(0)).collect());
-    Arc::new(move |replica, version, sink| {
-        Box::new(Carried {
-            inner: factory(replica, version, sink),
+    ReplicaFactory::new(move |replica, weights, sink| {
+        let inner = factory.build(replica, weights, sink)?;
+        Ok(Box::new(Carried {
+            inner,
             retired: Arc::clone(&retired),
             slot: replica as usize,
             done: false,
-        }) as Box<dyn InferenceBackend>
+        }) as Box<dyn InferenceBackend>)
     })
 }
 
@@ -209,19 +210,21 @@ mod tests {
     #[test]
     fn a_rebuilt_replica_counts_on_where_the_old_one_stopped() {
         let counts = std::sync::Mutex::new(vec![120u64, 30, 7]);
-        let factory: BackendFactory = Arc::new(move |_, _, _| {
+        let factory: crate::engine::BackendFactory = Arc::new(move |_, _, _| {
             Box::new(Fixed(counts.lock().unwrap().remove(0))) as Box<dyn InferenceBackend>
         });
-        let carried = carry_token_counts(factory, 2);
+        let carried = carry_token_counts(factory.into(), 2);
         let sink: sluice_engine::EventSink = Arc::new(|_| {});
-        let mut first = carried(1, sluice_core::PolicyVersion(0), Arc::clone(&sink));
+        let weights = WeightSnapshot::version_only(sluice_core::PolicyVersion(0));
+        let build = |sink| carried.build(1, &weights, sink).unwrap();
+        let mut first = build(Arc::clone(&sink));
         assert_eq!(first.stats().generated_tokens, 120);
         first.shutdown();
-        let second = carried(1, sluice_core::PolicyVersion(0), Arc::clone(&sink));
+        let second = build(Arc::clone(&sink));
         assert_eq!(second.stats().generated_tokens, 150);
         // Dropped without a shutdown (a crash): counted all the same.
         drop(second);
-        let third = carried(1, sluice_core::PolicyVersion(0), sink);
+        let third = build(sink);
         assert_eq!(third.stats().generated_tokens, 157);
     }
 
