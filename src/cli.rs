@@ -184,35 +184,7 @@ pub enum BenchCommand {
     /// Trainer: whole RL steps in tokens/s at several [B, L], and packing efficiency.
     Trainer(sluice_bench::BenchTrainerArgs),
     /// Native engine: continuous-batching speed-up, inter-token latency, weight-swap pauses.
-    Engine(BenchEngineArgs),
-}
-
-/// `sluice bench engine`
-#[derive(Debug, clap::Args)]
-pub struct BenchEngineArgs {
-    /// Presets to measure (repeatable; default: tiny and small).
-    #[arg(long = "preset", value_parser = sluice_core::config::ModelPreset::parse_name)]
-    pub presets: Vec<sluice_core::config::ModelPreset>,
-    /// Requests in flight.
-    #[arg(long = "concurrency", default_values_t = [1usize, 8, 32, 64])]
-    pub concurrency: Vec<usize>,
-    /// KV cache pool of every engine the benchmark starts, MiB (0 = sized automatically, as
-    /// `engine.kv_cache_mb = 0`).
-    #[arg(long, default_value_t = 0)]
-    pub kv_cache_mb: u32,
-    /// Tokens generated per request (default: per preset).
-    #[arg(long)]
-    pub max_tokens: Option<u32>,
-    /// Prompt tokens per request (default: 16).
-    #[arg(long)]
-    pub prompt_tokens: Option<usize>,
-    /// Rollouts per group of the prefix-sharing measurement (0 skips it).
-    #[arg(long, default_value_t = 8)]
-    pub group_size: usize,
-    /// Only the concurrency rows: no one-by-one baseline, swap pauses or prefix sharing (a
-    /// memory run: `--preset medium --concurrency 64 --kv-cache-mb 2048 --only-concurrency`).
-    #[arg(long)]
-    pub only_concurrency: bool,
+    Engine(sluice_bench::BenchEngineArgs),
 }
 
 /// `sluice knobs ...`

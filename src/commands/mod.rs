@@ -1,6 +1,5 @@
 //! One module per subcommand; each takes its parsed arguments and returns an exit code.
 
-mod bench_engine;
 mod check;
 mod env_server;
 mod knobs;
@@ -33,7 +32,7 @@ pub fn run(command: Command) -> anyhow::Result<ExitCode> {
         Command::Bench(BenchCommand::Trainer(args)) => sluice_bench::trainer::run(&args),
         Command::EnvServer(args) => env_server::run(&args),
         Command::Serve(args) => serve::run(&args),
-        Command::Bench(BenchCommand::Engine(args)) => bench_engine::run(&args),
+        Command::Bench(BenchCommand::Engine(args)) => sluice_bench::engine::run(&args),
         Command::Plot(args) => plot::run(&args),
     }
 }

@@ -6,11 +6,13 @@
 //! This crate is a command implementation, not an API: its errors are `anyhow` reports for the
 //! terminal, as the binary's are.
 
+pub mod engine;
 pub mod model;
 pub mod pipeline;
 pub mod rss;
 pub mod trainer;
 
+pub use engine::BenchEngineArgs;
 pub use model::BenchModelArgs;
 pub use pipeline::BenchPipelineArgs;
 pub use trainer::BenchTrainerArgs;

@@ -32,7 +32,33 @@ use sluice_model::WeightSnapshot;
 use sluice_model::candle::{DType, Device};
 use sluice_model::presets::{preset_config, random_snapshot};
 
-use crate::cli::BenchEngineArgs;
+/// `sluice bench engine`
+#[derive(Debug, clap::Args)]
+pub struct BenchEngineArgs {
+    /// Presets to measure (repeatable; default: tiny and small).
+    #[arg(long = "preset", value_parser = sluice_core::config::ModelPreset::parse_name)]
+    pub presets: Vec<sluice_core::config::ModelPreset>,
+    /// Requests in flight.
+    #[arg(long = "concurrency", default_values_t = [1usize, 8, 32, 64])]
+    pub concurrency: Vec<usize>,
+    /// KV cache pool of every engine the benchmark starts, MiB (0 = sized automatically, as
+    /// `engine.kv_cache_mb = 0`).
+    #[arg(long, default_value_t = 0)]
+    pub kv_cache_mb: u32,
+    /// Tokens generated per request (default: per preset).
+    #[arg(long)]
+    pub max_tokens: Option<u32>,
+    /// Prompt tokens per request (default: 16).
+    #[arg(long)]
+    pub prompt_tokens: Option<usize>,
+    /// Rollouts per group of the prefix-sharing measurement (0 skips it).
+    #[arg(long, default_value_t = 8)]
+    pub group_size: usize,
+    /// Only the concurrency rows: no one-by-one baseline, swap pauses or prefix sharing (a
+    /// memory run: `--preset medium --concurrency 64 --kv-cache-mb 2048 --only-concurrency`).
+    #[arg(long)]
+    pub only_concurrency: bool,
+}
 
 /// Completion length and prompt length per preset, sized for a few minutes on 2 cores.
 fn lengths(preset: ModelPreset) -> (u32, usize) {
@@ -80,14 +106,6 @@ impl Sizing {
             ..NativeEngineParams::default()
         }
     }
-}
-
-/// The process's peak resident set (`VmHWM`), MiB; `None` off Linux.
-fn peak_rss_mb() -> Option<f64> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
-    let kb: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb / 1024.0)
 }
 
 /// Runs the benchmark and prints a table and the `RESULT engine` line.
@@ -231,7 +249,7 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<ExitCode> {
         }
         println!();
     }
-    let rss = peak_rss_mb();
+    let rss = crate::rss::peak_mib();
     if let Some(mb) = rss {
         println!("peak resident memory: {mb:.0} MiB");
     }
