@@ -19,8 +19,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
-use candle_core::backprop::GradStore;
-use candle_core::{DType, Tensor};
+use candle_core::DType;
 use sluice_core::config::LossKind;
 use sluice_core::{
     BackendError, PolicyVersion, RolloutGroup, TrainStepOutput, TrainerBackend, WeightSnapshot,
@@ -28,15 +27,17 @@ use sluice_core::{
 use sluice_model::{ComputePool, ForwardOptions, TrainableModel};
 
 use crate::advantage::compute_advantages;
-use crate::batcher::{MicroBatch, Packing, TrainingText, pack};
+use crate::batcher::{Packing, TrainingText, pack};
 use crate::checkpoint;
-use crate::error::{TrainerError, tensor_ctx};
-use crate::loss::{LossStats, TextTokens, TokenInputs, aggregation_weights, token_terms};
-use crate::optim::{AdamW, GradAccumulator, gradients};
-use crate::report::{StepParts, StepStats, step_metrics};
+use crate::error::TrainerError;
+use crate::loss::{LossStats, TextTokens, aggregation_weights, token_terms};
+use crate::optim::AdamW;
+use crate::report::{StepStats, step_metrics};
 use crate::settings::NativeTrainerConfig;
 pub use crate::steps::minibatch_ranges;
 use crate::steps::{lap, packed, pick, record_packing, slot_index};
+
+mod update;
 
 /// Model snapshots as the model crate defines them.
 pub type ModelSnapshot = sluice_model::WeightSnapshot;
@@ -48,15 +49,6 @@ pub struct SupervisedExample<'a> {
     pub prompt: &'a [u32],
     /// Completion token ids (the cross-entropy targets).
     pub completion: &'a [u32],
-}
-
-/// What training one worker's micro-batches added up to (beside the gradients).
-#[derive(Debug, Default)]
-struct MicroOut {
-    loss: LossStats,
-    lag_sum: u64,
-    max_lag: u64,
-    parts: StepParts,
 }
 
 /// The candle trainer (see the module docs).
@@ -325,183 +317,6 @@ impl NativeTrainer {
         stats.parts.publish = lap(&mut clock);
         stats.seconds = started.elapsed().as_secs_f64();
         Ok((stats, Arc::clone(&self.published)))
-    }
-
-    /// One optimizer update on `packing`: forward and backward per micro-batch (log-probs at
-    /// `temperature`, coefficients from `terms`, `proximal` log-probs per micro-batch when the
-    /// update is not the step's first), gradients accumulated, one AdamW step. Adds the loss,
-    /// lag and optimizer figures to `stats` (packing figures: [`record_packing`]) and returns the
-    /// summed version lag of the trained tokens.
-    ///
-    /// With several compute threads and several micro-batches, the micro-batches are trained
-    /// data-parallel: worker `w` of `k`, on a single-thread pool of its own, takes micro-batches
-    /// `w, w + k, …`, and their gradients are added in micro-batch order as they arrive (at most
-    /// `k` wait their turn). Whole micro-batches per thread need no barrier inside an op (the
-    /// fine-grained split of each product is what two threads lost to when an engine shared the
-    /// cores), and the sums are the serial ones bit for bit. `stats.parts` then sums the workers'
-    /// time (CPU seconds).
-    fn update(
-        &mut self,
-        packing: &Packing,
-        proximal: Option<&[Vec<f32>]>,
-        temperature: f64,
-        stats: &mut StepStats,
-        terms: impl Fn(&TokenInputs<'_>) -> Result<crate::loss::LossTerms, TrainerError> + Sync,
-    ) -> Result<u64, TrainerError> {
-        let options = ForwardOptions {
-            logits_chunk_rows: self.config.logits_chunk_rows,
-            temperature,
-        };
-        let micro: Vec<(usize, &MicroBatch)> = packing
-            .micro_batches
-            .iter()
-            .enumerate()
-            .filter(|(_, mb)| !mb.loss_slots().is_empty())
-            .collect();
-        let vars: Vec<_> = self.model.vars().iter().map(|(_, v)| v).collect();
-        let mut grads = GradAccumulator::new(vars.len());
-        let mut add = |(g, out): (Vec<Option<Tensor>>, MicroOut)| -> Result<u64, TrainerError> {
-            let mut clock = Instant::now();
-            grads.add_gradients(g)?;
-            stats.parts.backward += lap(&mut clock);
-            stats.max_lag = stats.max_lag.max(out.max_lag);
-            stats.loss.merge(&out.loss);
-            stats.parts.add(&out.parts);
-            Ok(out.lag_sum)
-        };
-        let one =
-            |m: usize, mb: &MicroBatch| -> Result<(Vec<Option<Tensor>>, MicroOut), TrainerError> {
-                let mut out = MicroOut::default();
-                let store = self.micro_step(
-                    mb,
-                    proximal.map(|p| p[m].as_slice()),
-                    options,
-                    &terms,
-                    &mut out,
-                )?;
-                let mut clock = Instant::now();
-                let g = gradients(&vars, &store)?;
-                out.parts.backward += lap(&mut clock);
-                Ok((g, out))
-            };
-        let mut lag_sum = 0;
-        if self.workers.len() > 1 && micro.len() > 1 {
-            let k = self.workers.len().min(micro.len());
-            let (tx, rx) = std::sync::mpsc::sync_channel(k);
-            std::thread::scope(|scope| -> Result<(), TrainerError> {
-                for (w, pool) in self.workers.iter().take(k).enumerate() {
-                    let (tx, micro, one) = (tx.clone(), &micro, &one);
-                    scope.spawn(move || {
-                        pool.install(|| {
-                            for (i, &(m, mb)) in micro.iter().enumerate().skip(w).step_by(k) {
-                                // A closed channel: the update failed elsewhere; stop.
-                                if tx.send((i, one(m, mb))).is_err() {
-                                    break;
-                                }
-                            }
-                        });
-                    });
-                }
-                drop(tx);
-                let mut waiting = std::collections::BTreeMap::new();
-                let mut next = 0;
-                for (i, result) in rx {
-                    waiting.insert(i, result);
-                    while let Some(result) = waiting.remove(&next) {
-                        lag_sum += add(result?)?;
-                        next += 1;
-                    }
-                }
-                Ok(())
-            })?;
-        } else {
-            for &(m, mb) in &micro {
-                lag_sum += add(one(m, mb)?)?;
-            }
-        }
-        let mut clock = Instant::now();
-        stats.optim = Some(self.optim.step(&grads)?);
-        stats.parts.optimizer += lap(&mut clock);
-        Ok(lag_sum)
-    }
-
-    /// Forward, loss and backward of one micro-batch; returns its gradients and adds its
-    /// figures to `out`.
-    fn micro_step(
-        &self,
-        mb: &MicroBatch,
-        proximal: Option<&[f32]>,
-        options: ForwardOptions,
-        terms: &(impl Fn(&TokenInputs<'_>) -> Result<crate::loss::LossTerms, TrainerError> + Sync),
-        out: &mut MicroOut,
-    ) -> Result<GradStore, TrainerError> {
-        let mut clock = Instant::now();
-        let slots = mb.loss_slots();
-        for &i in &slots {
-            let lag = self.version.0.saturating_sub(mb.versions[i]);
-            out.lag_sum += lag;
-            out.max_lag = out.max_lag.max(lag);
-        }
-        let batch = packed(mb);
-        let (scores, saved) = if self.config.activation_checkpointing {
-            let (scores, saved) = self.model.token_scores_recomputable(&batch, options)?;
-            (scores, Some(saved))
-        } else {
-            (self.model.token_scores(&batch, options)?, None)
-        };
-        out.parts.forward += lap(&mut clock);
-        let device = self.model.device().clone();
-        let index = slot_index(&slots, &device)?;
-        let (logprobs, lp_host) = pick(&scores.logprobs, &index, "log-probs")?;
-        let (_, entropy) = pick(&scores.entropy, &index, "entropies")?;
-        out.parts.loss += lap(&mut clock);
-        let reference = match &self.reference {
-            Some(r) => Some(
-                pick(
-                    &r.token_scores_recomputable(&batch, options)?
-                        .0
-                        .logprobs
-                        .detach(),
-                    &index,
-                    "reference log-probs",
-                )?
-                .1,
-            ),
-            None => None,
-        };
-        out.parts.scoring += lap(&mut clock);
-        let gather = |v: &[f32]| slots.iter().map(|&i| v[i]).collect::<Vec<f32>>();
-        let (behaviour, advantages, weights) = (
-            gather(&mb.behaviour),
-            gather(&mb.advantages),
-            gather(&mb.weights),
-        );
-        let sequence: Vec<u32> = slots.iter().map(|&i| mb.text_ids[i]).collect();
-        let inputs = TokenInputs {
-            logprobs: &lp_host,
-            behaviour: &behaviour,
-            proximal,
-            advantages: &advantages,
-            weights: &weights,
-            sequence: &sequence,
-            reference: reference.as_deref(),
-            entropy: Some(&entropy),
-        };
-        let t = terms(&inputs)?;
-        out.loss.merge(&t.stats);
-        let coefficients = Tensor::new(t.coefficients.as_slice(), &device)
-            .and_then(|c| c.to_dtype(logprobs.dtype()))
-            .map_err(tensor_ctx("loss coefficients"))?;
-        let surrogate = (logprobs * coefficients)
-            .and_then(|s| s.sum_all())
-            .map_err(tensor_ctx("surrogate loss"))?;
-        out.parts.loss += lap(&mut clock);
-        let store = match saved {
-            Some(saved) => self.model.backward_recomputed(&surrogate, saved)?,
-            None => surrogate.backward().map_err(tensor_ctx("backward"))?,
-        };
-        out.parts.backward += lap(&mut clock);
-        Ok(store)
     }
 
     /// Log-probs of every loss slot of `packing`, one vector per micro-batch (slots in order),
