@@ -163,6 +163,8 @@ impl RunMonitor {
     ) -> Result<RunEnd, ActorError> {
         let mut events = node.handles.events.subscribe();
         let mut evaluated = false;
+        // A closed feed (the trainer's thread ended) is read from the status, as every end is.
+        let mut feed_open = true;
         loop {
             events.borrow_and_update();
             while let Ok(step) = self.feed.try_recv() {
@@ -177,7 +179,7 @@ impl RunMonitor {
             evaluated = false;
             match RunEnd::observe(&status, node.failure()) {
                 // The budget's last steps are still on their way through the feed.
-                Some(RunEnd::Done) if self.steps < status.trainer.steps => {}
+                Some(RunEnd::Done) if feed_open && self.steps < status.trainer.steps => {}
                 Some(end) => return Ok(end),
                 None => {}
             }
@@ -185,9 +187,9 @@ impl RunMonitor {
                 changed = events.changed() => if changed.is_err() {
                     return Err(ActorError::Gone { actor: "node" });
                 },
-                step = self.feed.recv() => match step {
+                step = self.feed.recv(), if feed_open => match step {
                     Some(step) => evaluated = self.record(step).await?,
-                    None => return Err(ActorError::Gone { actor: "trainer" }),
+                    None => feed_open = false,
                 },
             }
         }
