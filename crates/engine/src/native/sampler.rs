@@ -129,13 +129,8 @@ pub(crate) fn uniform(seed: u64, position: u64) -> f64 {
     (h >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
 }
 
-/// SplitMix64's finalizer: a well-mixed 64-bit hash.
-pub(crate) fn splitmix(x: u64) -> u64 {
-    let mut z = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
+/// SplitMix64 as a hash of one word (the core crate's, so seeds mean the same everywhere).
+pub(crate) use sluice_core::rng::splitmix;
 
 #[cfg(test)]
 mod tests {
