@@ -129,7 +129,7 @@ async fn a_dead_server_is_a_dead_replica_rebuilt_on_the_latest_weights() {
                 request_timeout: Duration::from_secs(30),
                 control_timeout: Duration::from_secs(5),
                 weights: Arc::clone(&dirs),
-                initial: sluice_model::WeightSnapshot::from_envelope(latest),
+                initial: sluice_model::ModelWeights::from_envelope(latest),
                 model_name: None,
             };
             RemoteEngine::start(params, latest.version, sink)

@@ -18,7 +18,7 @@ use sluice_env::{
     BoxFuture, EnvError, EvalReport, Generate, Generated, Renderer, Task, TokenEnvLimits,
     run_episode,
 };
-use sluice_model::{Tokenizer, WeightSnapshot as ModelWeights};
+use sluice_model::{ModelWeights, Tokenizer};
 use tokio::sync::oneshot;
 
 type Pending = Arc<Mutex<HashMap<RequestId, oneshot::Sender<Completion>>>>;

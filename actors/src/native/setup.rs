@@ -11,7 +11,7 @@ use sluice_engine::native::{NativeEngine, NativeEngineParams};
 use sluice_engine::remote::{RemoteEngine, RemoteParams, WeightDirs};
 use sluice_engine::{EngineError, EventSink, InferenceBackend};
 use sluice_env::{EnvSessions, TaskRegistry, TokenEnvLimits};
-use sluice_model::{LoadOptions, Tokenizer, WeightSnapshot as ModelWeights, load_checkpoint};
+use sluice_model::{LoadOptions, ModelWeights, Tokenizer, load_checkpoint};
 use sluice_trainer::{NativeTrainer, NativeTrainerConfig};
 
 use super::renderer::ModelRenderer;

@@ -239,7 +239,7 @@ impl RunMonitor {
         let last = step.step >= self.max_steps;
         let accuracy = match (&mut self.evaluations, &self.latest) {
             (Some(evaluations), Some(latest)) if due || last => {
-                match sluice_model::WeightSnapshot::from_envelope(latest) {
+                match sluice_model::ModelWeights::from_envelope(latest) {
                     Some(w) => Some(evaluations.run(w).await?),
                     None => None,
                 }
@@ -337,7 +337,7 @@ impl RunMonitor {
     ) -> Result<Option<(f64, f64)>, ActorError> {
         let (Some(evaluations), Some(w)) = (
             &mut self.evaluations,
-            sluice_model::WeightSnapshot::from_envelope(weights),
+            sluice_model::ModelWeights::from_envelope(weights),
         ) else {
             return Ok(None);
         };

@@ -12,7 +12,7 @@ use sluice_data::{DatasetRows, MixSampler, SamplerConfig};
 use sluice_engine::{NativeEngineParams, SamplingParams};
 use sluice_env::datasets::{GeneratedRows, load_datasets};
 use sluice_env::{Task, TaskRegistry};
-use sluice_model::{SaveOptions, WeightSnapshot as ModelWeights, copy_aux_files, save_checkpoint};
+use sluice_model::{ModelWeights, SaveOptions, copy_aux_files, save_checkpoint};
 
 use crate::ActorError;
 use crate::checkpoint::{CHECKPOINT_DIR, CheckpointDir, Manifest};

@@ -28,7 +28,7 @@ use sluice_engine::{
     EngineEvent, GenerateRequest, InferenceBackend, NativeEngine, NativeEngineParams,
     NativeRequest, SamplingParams,
 };
-use sluice_model::WeightSnapshot;
+use sluice_model::ModelWeights;
 use sluice_model::candle::{DType, Device};
 use sluice_model::presets::{preset_config, random_snapshot};
 
@@ -294,7 +294,7 @@ fn request(i: u64, max_tokens: u32, prompt_len: usize) -> GenerateRequest {
 /// tokens of each request. A request preempted for lack of KV blocks comes back as an abort and
 /// is resumed from its partial, as the controller would.
 fn measure(
-    w: &Arc<WeightSnapshot>,
+    w: &Arc<ModelWeights>,
     sizing: Sizing,
     (total, concurrency): (usize, usize),
     (max_tokens, prompt_len): (u32, usize),
@@ -384,7 +384,7 @@ const PREFIX_GROUPS: usize = 8;
 /// tokens each, all submitted at once to a cold engine): prompt tokens prefilled ÷ submitted,
 /// and the model's seconds.
 fn prefix_sharing(
-    w: &Arc<WeightSnapshot>,
+    w: &Arc<ModelWeights>,
     sizing: Sizing,
     g: usize,
     caching: bool,
@@ -433,7 +433,7 @@ fn prefix_sharing(
 /// An engine on `w0` with 8 requests of `max_tokens` decoding (16 tokens in), and the pauses its
 /// updates report.
 fn decoding_engine(
-    w0: &Arc<WeightSnapshot>,
+    w0: &Arc<ModelWeights>,
     max_tokens: u32,
     prompt_len: usize,
     sizing: Sizing,
@@ -468,8 +468,8 @@ fn decoding_engine(
 
 /// The pause one update in `mode` reports while 8 requests decode.
 fn swap_pause(
-    w0: &Arc<WeightSnapshot>,
-    w1: &Arc<WeightSnapshot>,
+    w0: &Arc<ModelWeights>,
+    w1: &Arc<ModelWeights>,
     mode: WeightUpdateMode,
     prompt_len: usize,
     sizing: Sizing,
@@ -493,8 +493,8 @@ const IN_FLIGHT_SWAPS: usize = 24;
 /// sent just after a step started would wait for nearly a whole step: that worst case is about
 /// the inter-token latency at concurrency 8 in the table above.
 fn in_flight_pauses(
-    w0: &Arc<WeightSnapshot>,
-    w1: &Arc<WeightSnapshot>,
+    w0: &Arc<ModelWeights>,
+    w1: &Arc<ModelWeights>,
     prompt_len: usize,
     sizing: Sizing,
 ) -> anyhow::Result<Vec<Duration>> {

@@ -14,8 +14,8 @@ use sluice_core::config::ModelPreset;
 use sluice_model::candle::{DType, Device, Tensor};
 use sluice_model::presets::{preset_config, random_snapshot};
 use sluice_model::{
-    ContiguousKvCache, ForwardOptions, InferenceModel, LogitsWanted, PackedBatch, StepInput,
-    TrainableModel, WeightSnapshot, argmax_rows,
+    ContiguousKvCache, ForwardOptions, InferenceModel, LogitsWanted, ModelWeights, PackedBatch,
+    StepInput, TrainableModel, argmax_rows,
 };
 
 /// `sluice bench model`
@@ -180,7 +180,7 @@ fn matmul_flops_per_s() -> anyhow::Result<f64> {
     Ok((2 * N * N * N * reps) as f64 / start.elapsed().as_secs_f64())
 }
 
-fn train_tokens_per_s(snapshot: &WeightSnapshot, p: &Plan) -> anyhow::Result<f64> {
+fn train_tokens_per_s(snapshot: &ModelWeights, p: &Plan) -> anyhow::Result<f64> {
     let model = TrainableModel::from_snapshot(snapshot, DType::F32)?;
     let vocab = snapshot.config().vocab_size as u32;
     let seqs: Vec<Vec<u32>> = (0..p.train_rows)
@@ -214,7 +214,7 @@ fn train_tokens_per_s(snapshot: &WeightSnapshot, p: &Plan) -> anyhow::Result<f64
 }
 
 fn decode_tokens_per_s(
-    snapshot: &Arc<WeightSnapshot>,
+    snapshot: &Arc<ModelWeights>,
     batch: usize,
     p: &Plan,
 ) -> anyhow::Result<f64> {

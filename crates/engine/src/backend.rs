@@ -300,8 +300,8 @@ pub(crate) fn enqueued<E: Into<QueueRefusal>>(
 pub(crate) fn model_weights(
     weights: &WeightSnapshot,
     backend: &str,
-) -> Result<Arc<sluice_model::WeightSnapshot>, EngineError> {
-    sluice_model::WeightSnapshot::from_envelope(weights).ok_or_else(|| EngineError::BadRequest {
+) -> Result<Arc<sluice_model::ModelWeights>, EngineError> {
+    sluice_model::ModelWeights::from_envelope(weights).ok_or_else(|| EngineError::BadRequest {
         id: backend.to_owned(),
         reason: format!(
             "weight snapshot {} carries no model weights (a simulated trainer's?)",

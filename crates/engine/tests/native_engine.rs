@@ -14,9 +14,9 @@ use sluice_engine::{
 };
 use sluice_model::candle::{DType, Device};
 use sluice_model::presets::{Preset, preset_config, random_snapshot};
-use sluice_model::{ContiguousKvCache, InferenceModel, LogitsWanted, StepInput, WeightSnapshot};
+use sluice_model::{ContiguousKvCache, InferenceModel, LogitsWanted, ModelWeights, StepInput};
 
-fn weights(seed: u64, version: u64) -> Arc<WeightSnapshot> {
+fn weights(seed: u64, version: u64) -> Arc<ModelWeights> {
     let config = Arc::new(preset_config(Preset::Tiny));
     let w = random_snapshot(config, seed, DType::F32, &Device::Cpu).unwrap();
     Arc::new(w.with_version(PolicyVersion(version)))
@@ -28,7 +28,7 @@ struct Harness {
     updates: Receiver<(PolicyVersion, Duration, WeightUpdateMode)>,
 }
 
-fn start(w: Arc<WeightSnapshot>, max_running: usize, max_step_tokens: usize) -> Harness {
+fn start(w: Arc<ModelWeights>, max_running: usize, max_step_tokens: usize) -> Harness {
     let (ftx, finished) = crossbeam_channel::unbounded();
     let (utx, updates) = crossbeam_channel::unbounded();
     let params = NativeEngineParams {
@@ -110,7 +110,7 @@ fn wait(h: &Harness, n: usize) -> Vec<Completion> {
     out
 }
 
-fn run_each(w: &Arc<WeightSnapshot>, reqs: Vec<NativeRequest>) -> Vec<Completion> {
+fn run_each(w: &Arc<ModelWeights>, reqs: Vec<NativeRequest>) -> Vec<Completion> {
     let h = start(Arc::clone(w), 1, 4096);
     reqs.into_iter()
         .map(|r| {
@@ -225,8 +225,8 @@ fn abort_all_and_unknown_ids() {
 fn replay_greedy(
     prompt: &[u32],
     out: &TokenOutput,
-    old: &Arc<WeightSnapshot>,
-    new: &Arc<WeightSnapshot>,
+    old: &Arc<ModelWeights>,
+    new: &Arc<ModelWeights>,
 ) {
     let mut model = InferenceModel::new(Arc::clone(old)).unwrap();
     let mut cache = ContiguousKvCache::new(model.config(), DType::F32, &Device::Cpu);

@@ -12,13 +12,13 @@ use sluice_engine::{
     Completion, EngineError, EngineEvent, FinishReason, GenerateRequest, InferenceBackend,
     KvCacheStats, NativeEngine, NativeEngineParams, NativeRequest, SamplingParams,
 };
-use sluice_model::WeightSnapshot;
+use sluice_model::ModelWeights;
 use sluice_model::candle::{DType, Device};
 use sluice_model::presets::{Preset, preset_config, random_snapshot};
 
 const BLOCK_BYTES: u64 = 8 * 1024;
 
-fn weights() -> Arc<WeightSnapshot> {
+fn weights() -> Arc<ModelWeights> {
     let config = Arc::new(preset_config(Preset::Tiny));
     let w = random_snapshot(config, 3, DType::F32, &Device::Cpu).unwrap();
     Arc::new(w.with_version(PolicyVersion(0)))

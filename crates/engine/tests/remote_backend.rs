@@ -201,7 +201,7 @@ async fn a_server_that_does_not_answer_is_marked_down_and_requests_abort() {
 }
 
 /// Weights of the tiny preset unlike the served ones (seed `seed`), as version `version`.
-fn head_weights(seed: u64, version: u64) -> Arc<sluice_model::WeightSnapshot> {
+fn head_weights(seed: u64, version: u64) -> Arc<sluice_model::ModelWeights> {
     let config = Arc::new(preset_config(Preset::Tiny));
     Arc::new(
         random_snapshot(config, seed, DType::F32, &Device::Cpu)

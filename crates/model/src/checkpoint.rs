@@ -20,7 +20,7 @@ use sluice_core::PolicyVersion;
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result, TensorContext};
 use crate::names::{LM_HEAD, parameter_specs};
-use crate::snapshot::WeightSnapshot;
+use crate::snapshot::ModelWeights;
 
 /// File name of an unsharded checkpoint.
 pub const SINGLE_FILE: &str = "model.safetensors";
@@ -63,7 +63,7 @@ pub struct SaveOptions {
 }
 
 /// Reads `dir/config.json` and the weights, as policy version 0.
-pub fn load_checkpoint(dir: &Path, options: &LoadOptions) -> Result<WeightSnapshot> {
+pub fn load_checkpoint(dir: &Path, options: &LoadOptions) -> Result<ModelWeights> {
     let config = Arc::new(ModelConfig::from_file(&dir.join("config.json"))?);
     let files = weight_files(dir)?;
     let mut maps = Vec::with_capacity(files.len());
@@ -122,7 +122,7 @@ pub fn load_checkpoint(dir: &Path, options: &LoadOptions) -> Result<WeightSnapsh
             "checkpoint holds tensors the config does not use; they are ignored"
         );
     }
-    WeightSnapshot::new(config, PolicyVersion::INITIAL, tensors)
+    ModelWeights::new(config, PolicyVersion::INITIAL, tensors)
 }
 
 /// Whether every value of `t` is finite: `0 · x` is 0 for finite `x` and NaN for NaN or ±∞, so
@@ -211,7 +211,7 @@ pub(crate) fn write_json(path: &Path, value: &Value) -> Result<()> {
 
 /// Writes `snapshot` to `dir` (created if needed) in HF format. Stale weight files from an
 /// earlier save in the same directory are removed so loaders never see two layouts.
-pub fn save_checkpoint(snapshot: &WeightSnapshot, dir: &Path, options: &SaveOptions) -> Result<()> {
+pub fn save_checkpoint(snapshot: &ModelWeights, dir: &Path, options: &SaveOptions) -> Result<()> {
     std::fs::create_dir_all(dir).map_err(|e| ModelError::io(dir, e))?;
     remove_stale_weights(dir)?;
     let mut config = (**snapshot.config()).clone();

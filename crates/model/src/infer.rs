@@ -17,7 +17,7 @@ use crate::config::ModelConfig;
 use crate::error::{ModelError, Result, TensorContext};
 use crate::layers::{DecoderWeights, linear};
 use crate::ops::{Kernels, Rope, apply_rope, rms_norm, softmax_last_dim};
-use crate::snapshot::WeightSnapshot;
+use crate::snapshot::ModelWeights;
 
 /// The tokens one sequence adds in a step.
 #[derive(Debug, Clone, Copy)]
@@ -41,14 +41,14 @@ pub enum LogitsWanted {
 #[derive(Debug)]
 pub struct InferenceModel {
     config: Arc<ModelConfig>,
-    snapshot: Arc<WeightSnapshot>,
+    snapshot: Arc<ModelWeights>,
     weights: DecoderWeights,
     rope: Rope,
 }
 
 impl InferenceModel {
     /// A model reading `snapshot` (shared, not copied).
-    pub fn new(snapshot: Arc<WeightSnapshot>) -> Result<Self> {
+    pub fn new(snapshot: Arc<ModelWeights>) -> Result<Self> {
         let config = Arc::clone(snapshot.config());
         let weights = DecoderWeights::build(&config, |n| snapshot.require(n).cloned())?;
         let rope = Rope::new(&config);
@@ -62,7 +62,7 @@ impl InferenceModel {
 
     /// Switches to `snapshot` (same architecture and shapes required). The caches stay valid:
     /// keys and values computed with the old weights are kept, as `in_flight` updates want.
-    pub fn swap_weights(&mut self, snapshot: Arc<WeightSnapshot>) -> Result<()> {
+    pub fn swap_weights(&mut self, snapshot: Arc<ModelWeights>) -> Result<()> {
         if **snapshot.config() != *self.config {
             return Err(ModelError::input(format!(
                 "weight snapshot {} has a different config from the running model",
@@ -88,7 +88,7 @@ impl InferenceModel {
     }
 
     /// The current snapshot.
-    pub fn snapshot(&self) -> &Arc<WeightSnapshot> {
+    pub fn snapshot(&self) -> &Arc<ModelWeights> {
         &self.snapshot
     }
 

@@ -7,7 +7,7 @@
 //! |---|---|
 //! | [`config`] | [`ModelConfig`] from `config.json` (Llama / Qwen2 / Qwen3, GQA, llama3 RoPE scaling), refused fields |
 //! | [`names`] | HF tensor names and shapes per config: the single list loading, saving, init and training share |
-//! | [`snapshot`] | [`WeightSnapshot`]: immutable, versioned, `Arc`-shared weights the trainer publishes and engines swap in |
+//! | [`snapshot`] | [`ModelWeights`]: immutable, versioned, `Arc`-shared weights the trainer publishes and engines swap in |
 //! | [`checkpoint`] | [`load_checkpoint`] / [`save_checkpoint`]: safetensors (memory-mapped, sharded with index), HF layout |
 //! | [`batch`] | [`PackedBatch`]: sequences packed in `(B, L)` rows with positions, segments, next-token targets |
 //! | [`train`] | [`TrainableModel`]: parameters as `Var`s, [`TrainableModel::token_scores`] (log-probs + entropy, chunked) |
@@ -78,7 +78,7 @@ pub use error::{ModelError, Result};
 pub use infer::{InferenceModel, LogitsWanted, StepInput, argmax_rows};
 pub use paged::PagedKvCache;
 pub use recompute::SavedActivations;
-pub use snapshot::WeightSnapshot;
+pub use snapshot::ModelWeights;
 pub use threads::ComputePool;
 pub use tokenizer::Tokenizer;
 pub use train::{ForwardOptions, TokenScores, TrainableModel};

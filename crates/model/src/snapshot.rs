@@ -1,4 +1,4 @@
-//! [`WeightSnapshot`]: an immutable, versioned set of parameter tensors, shared by `Arc`.
+//! [`ModelWeights`]: an immutable, versioned set of parameter tensors, shared by `Arc`.
 //!
 //! The trainer publishes one per policy version; engines swap it in between decoding steps. The
 //! contract that makes the swap safe without locks: **no tensor inside a snapshot is ever written
@@ -17,9 +17,9 @@ use crate::config::ModelConfig;
 use crate::error::{ModelError, Result, TensorContext};
 use crate::names::parameter_specs;
 
-/// Immutable parameters of one policy version. Cheap to share: hold it as `Arc<WeightSnapshot>`.
+/// Immutable parameters of one policy version. Cheap to share: hold it as `Arc<ModelWeights>`.
 #[derive(Debug)]
-pub struct WeightSnapshot {
+pub struct ModelWeights {
     /// The policy version these weights are.
     pub version: PolicyVersion,
     config: Arc<ModelConfig>,
@@ -28,7 +28,7 @@ pub struct WeightSnapshot {
     index: HashMap<String, usize>,
 }
 
-impl WeightSnapshot {
+impl ModelWeights {
     /// Builds a snapshot from named tensors, checking that every parameter `config` needs is
     /// present with the right shape, and that all share one dtype and device. Tensors that are
     /// trainable `Var`s are copied; other tensors are taken as they are, so the caller must not

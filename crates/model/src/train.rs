@@ -13,7 +13,7 @@ use crate::fused::{AttentionHeads, Segments};
 use crate::layers::{DecoderWeights, linear};
 use crate::ops::{Kernels, Rope, apply_rope, compute_dtype, softmax_last_dim};
 use crate::scores::token_scores;
-use crate::snapshot::WeightSnapshot;
+use crate::snapshot::ModelWeights;
 
 /// Per-slot results of [`TrainableModel::token_scores`], each `(B, L)` in f32 (f64 for an f64
 /// model) and differentiable with respect to every parameter.
@@ -59,7 +59,7 @@ pub struct TrainableModel {
 impl TrainableModel {
     /// Copies `snapshot` into new variables of `dtype` (f32 master weights are the usual choice)
     /// on the snapshot's device.
-    pub fn from_snapshot(snapshot: &WeightSnapshot, dtype: DType) -> Result<Self> {
+    pub fn from_snapshot(snapshot: &ModelWeights, dtype: DType) -> Result<Self> {
         let mut vars = Vec::with_capacity(snapshot.len());
         for (name, t) in snapshot.iter() {
             // `Var::from_tensor` would reuse a tensor that already is a variable: copy always.
@@ -142,8 +142,8 @@ impl TrainableModel {
 
     /// Publishes the current parameters as an immutable snapshot: every tensor is copied into
     /// fresh storage (converted to `dtype` when given), so later optimizer steps cannot reach it.
-    pub fn snapshot(&self, version: PolicyVersion, dtype: Option<DType>) -> Result<WeightSnapshot> {
-        WeightSnapshot::copied_from(
+    pub fn snapshot(&self, version: PolicyVersion, dtype: Option<DType>) -> Result<ModelWeights> {
+        ModelWeights::copied_from(
             Arc::clone(&self.config),
             version,
             self.vars.iter().map(|(n, v)| (n.as_str(), v.as_tensor())),

@@ -11,7 +11,7 @@ use common::{snapshot, tiny_config};
 use serde_json::json;
 use sluice_model::checkpoint::{INDEX_FILE, SINGLE_FILE};
 use sluice_model::{
-    Architecture, LoadOptions, ModelConfig, SaveOptions, WeightSnapshot, load_checkpoint,
+    Architecture, LoadOptions, ModelConfig, ModelWeights, SaveOptions, load_checkpoint,
     save_checkpoint,
 };
 
@@ -27,7 +27,7 @@ fn bits(t: &Tensor) -> Vec<u32> {
     v.into_iter().map(f32::to_bits).collect()
 }
 
-fn assert_same(a: &WeightSnapshot, b: &WeightSnapshot) {
+fn assert_same(a: &ModelWeights, b: &ModelWeights) {
     assert_eq!(a.len(), b.len());
     assert_eq!(**a.config(), **b.config());
     for (name, t) in a.iter() {

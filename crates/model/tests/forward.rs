@@ -354,10 +354,10 @@ fn snapshots_travel_in_the_core_envelope_without_copies() {
     let envelope = snap.with_version(PolicyVersion(4));
     let envelope = Arc::new(envelope).to_envelope();
     assert_eq!(envelope.version, PolicyVersion(4));
-    let back = sluice_model::WeightSnapshot::from_envelope(&envelope).unwrap();
+    let back = sluice_model::ModelWeights::from_envelope(&envelope).unwrap();
     assert_eq!(back.version, PolicyVersion(4));
     assert!(
-        sluice_model::WeightSnapshot::from_envelope(&sluice_core::WeightSnapshot::version_only(
+        sluice_model::ModelWeights::from_envelope(&sluice_core::WeightSnapshot::version_only(
             PolicyVersion(1)
         ))
         .is_none()
@@ -368,7 +368,7 @@ fn snapshots_travel_in_the_core_envelope_without_copies() {
 fn model_types_can_move_to_compute_threads() {
     fn send_sync<T: Send + Sync>() {}
     fn send<T: Send>() {}
-    send_sync::<sluice_model::WeightSnapshot>();
+    send_sync::<sluice_model::ModelWeights>();
     send_sync::<InferenceModel>();
     send_sync::<sluice_model::Tokenizer>();
     send_sync::<sluice_model::ChatTemplate>();
@@ -453,7 +453,7 @@ fn half_precision_paths_track_f32() {
         let half = Arc::new(full.to(&candle_core::Device::Cpu, dtype).unwrap());
         assert_eq!(half.dtype(), dtype);
         let tokens = [3u32, 9, 4, 17, 2, 8];
-        let run = |snap: &Arc<sluice_model::WeightSnapshot>| {
+        let run = |snap: &Arc<sluice_model::ModelWeights>| {
             let model = InferenceModel::new(Arc::clone(snap)).unwrap();
             let mut cache = ContiguousKvCache::new(model.config(), snap.dtype(), snap.device());
             let first = model
@@ -488,7 +488,7 @@ fn half_precision_paths_track_f32() {
         assert!(err < 5e-2, "{dtype:?} inference: relative error {err:e}");
         // Training in half precision: log-probs stay close and finite.
         let batch = PackedBatch::from_rows(&[vec![&tokens[..]]], 8, 0).unwrap();
-        let score = |snap: &sluice_model::WeightSnapshot, dt| {
+        let score = |snap: &sluice_model::ModelWeights, dt| {
             let m = TrainableModel::from_snapshot(snap, dt).unwrap();
             m.token_scores(&batch, ForwardOptions::default())
                 .unwrap()

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Tensor};
 use common::{ALL_ARCHS, rel_err, snapshot, tiny_config};
-use sluice_model::{ForwardOptions, PackedBatch, TokenScores, TrainableModel, WeightSnapshot};
+use sluice_model::{ForwardOptions, ModelWeights, PackedBatch, TokenScores, TrainableModel};
 
 /// Two rows, three sequences: packing is part of what is differentiated.
 fn batch() -> PackedBatch {
@@ -75,7 +75,7 @@ fn every_parameter_gets_a_finite_nonzero_gradient() {
     }
 }
 
-fn with_entry(snap: &WeightSnapshot, name: &str, flat_index: usize, delta: f64) -> WeightSnapshot {
+fn with_entry(snap: &ModelWeights, name: &str, flat_index: usize, delta: f64) -> ModelWeights {
     let mut map = HashMap::new();
     for (n, t) in snap.iter() {
         let t = if n == name {
@@ -87,7 +87,7 @@ fn with_entry(snap: &WeightSnapshot, name: &str, flat_index: usize, delta: f64) 
         };
         map.insert(n.to_owned(), t);
     }
-    WeightSnapshot::new(Arc::clone(snap.config()), snap.version, map).unwrap()
+    ModelWeights::new(Arc::clone(snap.config()), snap.version, map).unwrap()
 }
 
 #[test]
@@ -100,7 +100,7 @@ fn gradients_match_finite_differences_in_f64() {
         // A temperature other than 1 on one architecture checks the 1/T in the backward.
         let temperature = if arch == ALL_ARCHS[1] { 0.7 } else { 1.0 };
         let grads = loss_at(&model, &batch, temperature).backward().unwrap();
-        let eval = |s: &WeightSnapshot| {
+        let eval = |s: &ModelWeights| {
             let m = TrainableModel::from_snapshot(s, DType::F64).unwrap();
             loss_at(&m, &batch, temperature).to_scalar::<f64>().unwrap()
         };

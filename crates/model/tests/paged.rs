@@ -12,8 +12,8 @@ use common::{ALL_ARCHS, snapshot, tiny_config};
 use sluice_core::PolicyVersion;
 use sluice_model::paged::{BlockAllocator, BlockKey};
 use sluice_model::{
-    ContiguousKvCache, InferenceModel, KvCache, LogitsWanted, ModelError, PagedKvCache, StepInput,
-    WeightSnapshot,
+    ContiguousKvCache, InferenceModel, KvCache, LogitsWanted, ModelError, ModelWeights,
+    PagedKvCache, StepInput,
 };
 
 fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
@@ -123,12 +123,12 @@ fn paged_logits_equal_contiguous_logits() {
     }
 }
 
-fn versioned(snap: &WeightSnapshot, version: u64) -> Arc<WeightSnapshot> {
+fn versioned(snap: &ModelWeights, version: u64) -> Arc<ModelWeights> {
     let map: HashMap<String, Tensor> = snap
         .iter()
         .map(|(n, t)| (n.to_owned(), t.clone()))
         .collect();
-    Arc::new(WeightSnapshot::new(Arc::clone(snap.config()), PolicyVersion(version), map).unwrap())
+    Arc::new(ModelWeights::new(Arc::clone(snap.config()), PolicyVersion(version), map).unwrap())
 }
 
 #[test]

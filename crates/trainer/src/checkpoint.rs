@@ -17,7 +17,7 @@ use std::path::{Path, PathBuf};
 use candle_core::{Device, Tensor};
 use serde::{Deserialize, Serialize};
 use sluice_model::{
-    LoadOptions, SaveOptions, WeightSnapshot, copy_aux_files, load_checkpoint, save_checkpoint,
+    LoadOptions, ModelWeights, SaveOptions, copy_aux_files, load_checkpoint, save_checkpoint,
 };
 
 use crate::error::TrainerError;
@@ -69,7 +69,7 @@ fn partial_dir(dir: &Path) -> PathBuf {
 /// Writes a checkpoint of `master` (f32 weights), the optimizer tensors and `state` to `dir`.
 pub fn save(
     dir: &Path,
-    master: &WeightSnapshot,
+    master: &ModelWeights,
     aux_source: Option<&Path>,
     optimizer: &HashMap<String, Tensor>,
     state: &TrainerState,
@@ -107,7 +107,7 @@ pub fn save(
 pub fn load(
     dir: &Path,
     device: &Device,
-) -> Result<(WeightSnapshot, HashMap<String, Tensor>, TrainerState), TrainerError> {
+) -> Result<(ModelWeights, HashMap<String, Tensor>, TrainerState), TrainerError> {
     let state_path = dir.join(STATE_FILE);
     let text = std::fs::read_to_string(&state_path)
         .map_err(|e| TrainerError::checkpoint(&state_path, e))?;

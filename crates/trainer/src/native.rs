@@ -40,7 +40,7 @@ use crate::steps::{lap, packed, pick, record_packing, slot_index};
 mod update;
 
 /// Model snapshots as the model crate defines them.
-pub type ModelSnapshot = sluice_model::WeightSnapshot;
+pub type ModelSnapshot = sluice_model::ModelWeights;
 
 /// One supervised example: a prompt and the reference completion to imitate.
 #[derive(Debug, Clone, Copy)]

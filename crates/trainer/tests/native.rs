@@ -12,14 +12,14 @@ use sluice_core::config::{AdvantageKind, LossAggregation, LossKind, OversizedTex
 use sluice_core::metrics as m;
 use sluice_core::{PolicyVersion, RolloutGroup, TrainerBackend};
 use sluice_model::presets::{Preset, preset_config, random_snapshot};
-use sluice_model::{PackedBatch, WeightSnapshot};
+use sluice_model::{ModelWeights, PackedBatch};
 use sluice_trainer::advantage::AdvantageConfig;
 use sluice_trainer::batcher::BatcherConfig;
 use sluice_trainer::loss::LossConfig;
 use sluice_trainer::optim::OptimConfig;
 use sluice_trainer::{NativeTrainer, NativeTrainerConfig, SupervisedExample};
 
-fn tiny(seed: u64) -> Arc<WeightSnapshot> {
+fn tiny(seed: u64) -> Arc<ModelWeights> {
     let config = Arc::new(preset_config(Preset::Tiny));
     Arc::new(random_snapshot(config, seed, DType::F32, &Device::Cpu).unwrap())
 }
@@ -178,7 +178,7 @@ fn published_snapshots_are_copies_that_later_steps_cannot_change() {
     let envelope = out.weights.expect("published");
     assert_eq!(envelope.version, PolicyVersion(1));
     assert_eq!(trainer.version(), PolicyVersion(1));
-    let v1 = WeightSnapshot::from_envelope(&envelope).unwrap();
+    let v1 = ModelWeights::from_envelope(&envelope).unwrap();
     let name = "model.embed_tokens.weight";
     let frozen: Vec<f32> = v1
         .require(name)

@@ -25,7 +25,7 @@ use std::time::Instant;
 
 use crossbeam_channel::Sender;
 use sluice_core::{PolicyVersion, RequestId, WeightSnapshot, WeightUpdateMode};
-use sluice_model::{ModelConfig, Tokenizer, WeightSnapshot as ModelWeights};
+use sluice_model::{ModelConfig, ModelWeights, Tokenizer};
 
 use crate::backend::{
     Completion, EngineError, EngineStats, EventSink, GenerateRequest, InferenceBackend,

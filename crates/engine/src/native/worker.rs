@@ -11,8 +11,7 @@ use std::time::Instant;
 use crossbeam_channel::Receiver;
 use sluice_core::{PolicyVersion, RequestId};
 use sluice_model::{
-    InferenceModel, KvCache, LogitsWanted, PagedKvCache, StepInput, Tokenizer,
-    WeightSnapshot as ModelWeights,
+    InferenceModel, KvCache, LogitsWanted, ModelWeights, PagedKvCache, StepInput, Tokenizer,
 };
 
 use super::sampler::{log_softmax, sample, splitmix, top_n};

@@ -32,7 +32,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use sluice_core::{PolicyVersion, RequestId, WeightSnapshot, WeightUpdateMode};
-use sluice_model::WeightSnapshot as ModelWeights;
+use sluice_model::ModelWeights;
 use tokio::sync::mpsc;
 
 use crate::backend::{

@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use sluice_core::PolicyVersion;
-use sluice_model::WeightSnapshot as ModelWeights;
+use sluice_model::ModelWeights;
 
 /// The weights directory of a run (see the module docs).
 #[derive(Debug)]

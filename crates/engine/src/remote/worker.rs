@@ -10,7 +10,7 @@ use std::time::Instant;
 use serde_json::{Value, json};
 use sluice_core::{PolicyVersion, RequestId, WeightUpdateMode};
 use sluice_http::{HttpClient, Method, StatusCode};
-use sluice_model::WeightSnapshot as ModelWeights;
+use sluice_model::ModelWeights;
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 

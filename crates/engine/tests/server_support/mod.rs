@@ -15,7 +15,7 @@ use sluice_model::candle::{DType, Device, Tensor};
 use sluice_model::names;
 use sluice_model::presets::{Preset, preset_config, random_snapshot, write_preset};
 use sluice_model::{
-    LoadOptions, ModelConfig, SaveOptions, Tokenizer, WeightSnapshot, load_checkpoint,
+    LoadOptions, ModelConfig, ModelWeights, SaveOptions, Tokenizer, load_checkpoint,
     save_checkpoint,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -123,7 +123,7 @@ pub async fn serve_scripted(pieces: &[&str]) -> Served {
         names::LM_HEAD.into(),
         Tensor::from_vec(head, (vocab, hidden), &Device::Cpu).unwrap(),
     );
-    let snapshot = WeightSnapshot::new(config, PolicyVersion(0), tensors).unwrap();
+    let snapshot = ModelWeights::new(config, PolicyVersion(0), tensors).unwrap();
     save_checkpoint(&snapshot, &model, &SaveOptions::default()).unwrap();
     serve_dir(dir).await
 }

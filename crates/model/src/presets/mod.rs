@@ -23,7 +23,7 @@ use crate::checkpoint::{SaveOptions, generation_config, save_checkpoint, write_j
 use crate::config::{Architecture, ModelConfig};
 use crate::error::{ModelError, Result, TensorContext};
 use crate::names::{InitKind, parameter_specs};
-use crate::snapshot::WeightSnapshot;
+use crate::snapshot::ModelWeights;
 pub use tokenizer_json::{CHAR_VOCAB, SPECIAL_TOKENS, char_tokenizer_json, tokenizer_config_json};
 
 /// The ChatML template the presets ship (tools, reasoning and tool responses supported).
@@ -72,7 +72,7 @@ pub fn random_snapshot(
     seed: u64,
     dtype: DType,
     device: &Device,
-) -> Result<WeightSnapshot> {
+) -> Result<ModelWeights> {
     let normal = Normal::new(0.0f32, INIT_STD as f32).expect("valid std");
     let mut tensors = HashMap::new();
     for spec in parameter_specs(&config) {
@@ -90,7 +90,7 @@ pub fn random_snapshot(
             .ctx(&spec.name)?;
         tensors.insert(spec.name, t);
     }
-    WeightSnapshot::new(config, PolicyVersion::INITIAL, tensors)
+    ModelWeights::new(config, PolicyVersion::INITIAL, tensors)
 }
 
 /// Writes the complete HF directory of `preset` into `dir` (created if needed).
@@ -102,7 +102,7 @@ pub fn write_preset(preset: Preset, dir: &Path, seed: u64) -> Result<()> {
 
 /// Writes `snapshot` with the preset tokenizer, template and generation config: a directory for
 /// any config whose vocabulary is the character tokenizer's.
-pub fn write_model_dir(snapshot: &WeightSnapshot, dir: &Path) -> Result<()> {
+pub fn write_model_dir(snapshot: &ModelWeights, dir: &Path) -> Result<()> {
     let vocab = tokenizer_json::vocab_size();
     if snapshot.config().vocab_size != vocab {
         return Err(ModelError::input(format!(

@@ -7,7 +7,7 @@ use candle_core::{DType, Device, Tensor};
 use serde_json::Map;
 use sluice_model::config::Llama3RopeScaling;
 use sluice_model::presets::random_snapshot;
-use sluice_model::{Architecture, ModelConfig, WeightSnapshot};
+use sluice_model::{Architecture, ModelConfig, ModelWeights};
 
 /// A very small config of `arch` (vocab 23, hidden 16, 2 layers, 4 heads over 2 kv heads).
 pub fn tiny_config(arch: Architecture, tied: bool) -> ModelConfig {
@@ -40,7 +40,7 @@ pub fn tiny_config(arch: Architecture, tied: bool) -> ModelConfig {
 
 /// Seeded random weights; biases and norm scales are perturbed away from their init (0 and 1)
 /// so that every code path carries signal.
-pub fn snapshot(config: ModelConfig, seed: u64, dtype: DType) -> WeightSnapshot {
+pub fn snapshot(config: ModelConfig, seed: u64, dtype: DType) -> ModelWeights {
     let config = Arc::new(config);
     let base = random_snapshot(Arc::clone(&config), seed, DType::F64, &Device::Cpu).unwrap();
     let mut map = std::collections::HashMap::new();
@@ -58,7 +58,7 @@ pub fn snapshot(config: ModelConfig, seed: u64, dtype: DType) -> WeightSnapshot 
         };
         map.insert(name.to_owned(), t.to_dtype(dtype).unwrap());
     }
-    WeightSnapshot::new(config, sluice_core::PolicyVersion::INITIAL, map).unwrap()
+    ModelWeights::new(config, sluice_core::PolicyVersion::INITIAL, map).unwrap()
 }
 
 /// max |a − b| / max |b| over all elements.
