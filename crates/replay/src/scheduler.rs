@@ -12,11 +12,12 @@
 //!    [`demand_allows`].
 //!
 //! One liveness rule goes beyond the trigger: when the trainer waits for a batch that nothing in
-//! flight can fill, fresh admission is closed by η, and tail candidates are all that is left, a
-//! tail round starts with fewer candidates than `tail_batch_trigger_size` (counted in
+//! flight can fill, fresh admission is closed (by η, or by demand-aware admission, which counts
+//! the waiting tail candidates as the work the trainer needs), and tail candidates are all that
+//! is left, a tail round starts with fewer candidates than `tail_batch_trigger_size` (counted in
 //! [`SchedulerStats::early_tail_rounds`]). Without it the batch would wait for a candidate that
-//! can never come: η closes admission until the trainer publishes, and the trainer publishes only
-//! once the batch is full.
+//! can never come: admission stays closed until the trainer publishes, and the trainer publishes
+//! only once the batch is full.
 //!
 //! The scheduler never sees a group's rollouts, only ids and counts; which groups are in flight
 //! is the controller's business, reported here as a number.
@@ -235,21 +236,25 @@ impl Scheduler {
         decision
     }
 
-    /// The trainer waits, nothing in flight or waiting to resume can fill its batch, and η
-    /// keeps fresh samples out: only tail candidates can move the run.
+    /// The trainer waits, nothing in flight or waiting to resume can fill its batch, and fresh
+    /// samples are kept out — by η, or by demand-aware admission counting the tail candidates
+    /// as the pending work the trainer needs: only tail candidates can move the run.
     fn tail_is_all_that_is_left(&self, knobs: &Knobs, view: &SchedulerView) -> bool {
         let load = view.admitted_total.saturating_sub(view.released_total);
+        let eta_holds = !admission_allows(
+            load,
+            view.version,
+            knobs.max_version_lag,
+            self.groups_per_step,
+        );
+        let demand_holds = knobs.admission == AdmissionMode::Demand
+            && !demand_allows(self.pending(view), view.demand);
         view.trainer_waiting
             && view.in_flight == 0
             && self.aborted.is_empty()
             && self.expired.is_empty()
             && view.completed < u64::from(self.groups_per_step)
-            && !admission_allows(
-                load,
-                view.version,
-                knobs.max_version_lag,
-                self.groups_per_step,
-            )
+            && (eta_holds || demand_holds)
     }
 
     fn start_tail_round(&mut self, early: bool) {
