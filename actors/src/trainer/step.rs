@@ -75,7 +75,6 @@ impl Worker {
                 });
         let seconds = step_started.elapsed().as_secs_f64();
         metrics::histogram!(m::TRAINER_STEP_SECONDS).record(seconds);
-        let (reward_mean, version_lag_mean) = batch_means(&batch, version);
         let groups = batch.len() as u64;
         let mut status = self.status.lock().unwrap_or_else(|e| e.into_inner());
         status.idle_seconds += idle;
@@ -138,8 +137,9 @@ impl Worker {
             let step = TrainedStep {
                 step: steps,
                 version,
-                reward_mean,
-                version_lag_mean,
+                reward_mean: reward_mean(&batch),
+                // The lags were summed by the invariant check already.
+                version_lag_mean: check.lag_sum as f64 / check.tokens.max(1) as f64,
                 reward_components: reward_component_means(batch.iter().flat_map(|g| &g.rollouts)),
                 trained_tokens: check.tokens,
                 seconds,
@@ -185,21 +185,13 @@ pub fn export_step_metrics(values: &BTreeMap<String, f64>) -> usize {
     ignored
 }
 
-/// Mean reward over rollouts and mean version lag over completion tokens of `batch`, trained
-/// from `version`.
-fn batch_means(batch: &[RolloutGroup], version: PolicyVersion) -> (f64, f64) {
-    let (mut rewards, mut n) = (0.0, 0usize);
-    let (mut lag, mut tokens) = (0u64, 0u64);
-    for r in batch.iter().flat_map(|g| &g.rollouts) {
-        rewards += r.reward;
-        n += 1;
-        for t in r.turns.iter().flat_map(|t| &t.token_versions) {
-            lag += t.lag_behind(version);
-            tokens += 1;
-        }
-    }
-    let mean = |sum: f64, count: f64| if count > 0.0 { sum / count } else { 0.0 };
-    (mean(rewards, n as f64), mean(lag as f64, tokens as f64))
+/// Mean final reward over the rollouts of `batch`.
+fn reward_mean(batch: &[RolloutGroup]) -> f64 {
+    let (sum, n) = batch
+        .iter()
+        .flat_map(|g| &g.rollouts)
+        .fold((0.0, 0usize), |(s, n), r| (s + r.reward, n + 1));
+    sum / n.max(1) as f64
 }
 
 struct BatchCheck {
