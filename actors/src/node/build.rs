@@ -38,39 +38,36 @@ pub(super) struct Given {
     pub native: Option<Arc<NativeSetup>>,
 }
 
-impl Given {
-    fn complete(&self) -> bool {
-        self.factory.is_some()
-            && self.trainer.is_some()
-            && self.source.is_some()
-            && self.env.is_some()
-    }
-}
-
-/// The backends of `config`, taking the given ones as they are.
+/// The backends of `config`, taking the given ones as they are. A real model's run loads the
+/// model (once) only when a part it serves is missing.
 pub(super) fn backends(config: &Config, given: Given) -> Result<Backends, ActorError> {
-    if config.engine.backend == EngineBackend::Simulated || given.complete() {
+    if config.engine.backend == EngineBackend::Simulated {
         return with_simulated_defaults(config, given);
     }
-    let setup = match &given.native {
-        Some(s) => Arc::clone(s),
-        None => Arc::new(load_run_setup(config)?),
+    let mut loaded = given.native;
+    let mut setup = || -> Result<Arc<NativeSetup>, ActorError> {
+        if let Some(s) = &loaded {
+            return Ok(Arc::clone(s));
+        }
+        let s = Arc::new(load_run_setup(config)?);
+        loaded = Some(Arc::clone(&s));
+        Ok(s)
     };
     let factory = match given.factory {
         Some(f) => f,
-        None => setup.backend_factory(config, None)?,
+        None => setup()?.backend_factory(config, None)?,
     };
     let trainer = match given.trainer {
         Some(t) => t,
-        None => setup.trainer_backend(config, None)?,
+        None => setup()?.trainer_backend(config, None)?,
     };
     let source: Box<dyn SampleSource> = match given.source {
         Some(s) => s,
-        None => Box::new(sample_source(config, &setup)?),
+        None => Box::new(sample_source(config, &*setup()?)?),
     };
     let env: Arc<dyn RolloutEnv> = match given.env {
         Some(e) => e,
-        None => Arc::new(setup.env(config)),
+        None => Arc::new(setup()?.env(config)),
     };
     Ok(Backends {
         factory,
