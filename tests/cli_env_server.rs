@@ -2,7 +2,42 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
-use std::process::{Command, Stdio};
+use std::process::{Child, Command, Stdio};
+
+/// Starts `sluice env-server` with `args` (and `env`), and returns it with the address it
+/// printed as bound.
+fn start(args: &[&str], env: &[(&str, &str)]) -> (Child, String) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .arg("env-server")
+        .args(args)
+        .envs(env.iter().copied())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let addr = line
+        .split("http://")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .unwrap_or_else(|| panic!("no address in {line:?}"))
+        .to_owned();
+    (child, addr)
+}
+
+/// SIGTERM by pid (the child we started); it must exit 0.
+fn stop(mut child: Child) {
+    let status = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let exit = child.wait().unwrap();
+    assert!(exit.success(), "{exit:?}");
+}
 
 fn get(addr: &str, path: &str) -> String {
     let mut s = TcpStream::connect(addr).unwrap();
@@ -18,22 +53,7 @@ fn get(addr: &str, path: &str) -> String {
 
 #[test]
 fn env_server_serves_builtin_tasks_and_stops_on_sigterm() {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_sluice"))
-        .args(["env-server", "--port", "0"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let addr = line
-        .split("http://")
-        .nth(1)
-        .and_then(|rest| rest.split_whitespace().next())
-        .unwrap_or_else(|| panic!("no address in {line:?}"))
-        .to_owned();
+    let (child, addr) = start(&["--port", "0"], &[]);
     let tasks = get(&addr, "/v1/tasks");
     assert!(tasks.starts_with("HTTP/1.1 200"), "{tasks}");
     assert!(
@@ -42,14 +62,7 @@ fn env_server_serves_builtin_tasks_and_stops_on_sigterm() {
         ),
         "{tasks}"
     );
-    // SIGTERM by pid (the child we started).
-    let status = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success());
-    let exit = child.wait().unwrap();
-    assert!(exit.success(), "{exit:?}");
+    stop(child);
 }
 
 #[test]
@@ -91,24 +104,11 @@ fn env_server_refuses_a_wide_bind_without_a_token() {
 
 #[test]
 fn env_server_with_a_token_binds_wide_and_requires_it() {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_sluice"))
-        .args(["env-server", "--host", "0.0.0.0", "--port", "0"])
-        .env("SLUICE_ENV_TOKEN", "t0ken")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let port = line
-        .split("http://")
-        .nth(1)
-        .and_then(|rest| rest.split_whitespace().next())
-        .and_then(|bound| bound.rsplit(':').next())
-        .unwrap_or_else(|| panic!("no address in {line:?}"))
-        .to_owned();
+    let (child, bound) = start(
+        &["--host", "0.0.0.0", "--port", "0"],
+        &[("SLUICE_ENV_TOKEN", "t0ken")],
+    );
+    let port = bound.rsplit(':').next().unwrap();
     let addr = format!("127.0.0.1:{port}");
     let mut s = TcpStream::connect(&addr).unwrap();
     write!(
@@ -120,12 +120,7 @@ fn env_server_with_a_token_binds_wide_and_requires_it() {
     s.read_to_string(&mut out).unwrap();
     assert!(out.starts_with("HTTP/1.1 401"), "{out}");
     assert!(out.contains(r#""kind":"unauthorized""#), "{out}");
-    let status = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success());
-    assert!(child.wait().unwrap().success());
+    stop(child);
 }
 
 /// One JSON POST; the raw response.
@@ -166,22 +161,7 @@ fn answer(addr: &str, id: &str, program: &str) -> String {
 #[cfg(target_os = "linux")]
 #[test]
 fn env_server_survives_hostile_programs_of_the_python_code_task() {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_sluice"))
-        .args(["env-server", "--port", "0"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let addr = line
-        .split("http://")
-        .nth(1)
-        .and_then(|rest| rest.split_whitespace().next())
-        .unwrap_or_else(|| panic!("no address in {line:?}"))
-        .to_owned();
+    let (child, addr) = start(&["--port", "0"], &[]);
     for program in [
         "import os\nwhile True:\n    os.fork()\n",
         "while True:\n    pass\n",
@@ -198,10 +178,5 @@ fn env_server_survives_hostile_programs_of_the_python_code_task() {
     assert!(out.starts_with("HTTP/1.1 200"), "{out}");
     assert!(out.contains(r#""passed":1.0"#), "{out}");
     assert!(get(&addr, "/v1/health").starts_with("HTTP/1.1 200"));
-    let status = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success());
-    assert!(child.wait().unwrap().success());
+    stop(child);
 }
