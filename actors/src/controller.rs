@@ -58,6 +58,8 @@ pub struct ControllerConfig {
     pub no_progress_groups: u64,
     /// Sampling parameters of every request (`max_tokens` = tokens per turn).
     pub sampling: SamplingParams,
+    /// Tokens per turn of the domains with their own budget (`data.domains.<d>.max_new_tokens`).
+    pub domain_turn_tokens: std::collections::BTreeMap<String, u32>,
     /// Group mean reward below / above which a group counts as too hard / too easy
     /// (`rollout.balance_threshold`).
     pub balance_threshold: f64,

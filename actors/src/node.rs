@@ -185,6 +185,7 @@ impl Node {
                 stop_token_ids: Vec::new(),
             },
             balance_threshold: config.rollout.balance_threshold,
+            domain_turn_tokens: config.data.turn_token_overrides(),
         };
         let events = RunEvents::default();
         let supervisor = NodeSupervisor::start(events.clone()).await?;

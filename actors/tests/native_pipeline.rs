@@ -192,7 +192,7 @@ async fn task_env_renders_steps_and_scores_with_the_tasks_rubric() {
     let task = setup.registry.get("arithmetic").unwrap();
     let sample = task.eval_samples(0, 1).unwrap().remove(0);
     let answer = task
-        .reference_reply(&sample)
+        .reference_reply(&sample, 0)
         .expect("arithmetic has references");
     let group = GroupId {
         run: RunId::from_name("t"),

@@ -9,7 +9,7 @@ use std::process::ExitCode;
 
 use anyhow::{Context, bail};
 use indicatif::{ProgressBar, ProgressStyle};
-use sluice_actors::run::{NativeRun, Progress, RunMonitor, RunSummary, Start};
+use sluice_actors::run::{NativeRun, Progress, RunMonitor, RunSummary, Scores, Start};
 use sluice_actors::supervise_node::StopReport;
 use sluice_actors::trainer::STEP_FEED_CAPACITY;
 use sluice_actors::{Node, NodeOptions, NodeStatus};
@@ -46,9 +46,9 @@ async fn prepare(config: &Config) -> anyhow::Result<NativeRun> {
     let max_steps = config.warmup.max_steps.get();
     let prepared = NativeRun::prepare(config, |p| {
         let line = format!(
-            "loss {:.3} | probe accuracy {:.1}%",
+            "loss {:.3} | probe accuracy {}",
             p.loss,
-            100.0 * p.accuracy
+            per_domain(p.accuracy, &p.domains)
         );
         if warm.is_hidden() {
             println!("warm-up step {}/{max_steps} {line}", p.step);
@@ -65,11 +65,11 @@ async fn prepare(config: &Config) -> anyhow::Result<NativeRun> {
             config.model.path.display()
         );
     }
-    if let Some(w) = prepared.warmup {
+    if let Some(w) = &prepared.warmup {
         println!(
-            "warm-up: {} supervised steps, accuracy on training problems {:.1}%",
+            "warm-up: {} supervised steps, accuracy on training problems {}",
             w.steps,
-            100.0 * w.probe_accuracy
+            per_domain(w.probe_accuracy, &w.domains)
         );
     }
     Ok(prepared)
@@ -93,11 +93,11 @@ async fn run_config(config: &Config) -> anyhow::Result<ExitCode> {
                 .run(std::sync::Arc::clone(&n.setup.weights))
                 .await?;
             println!(
-                "before RL: held-out accuracy {:.1}% ({} problems of `{}`), training problems {:.1}%",
-                100.0 * a.0,
+                "before RL: held-out accuracy {} ({} problems of {}), training problems {}",
+                heldout(&a),
                 n.evaluations.heldout_len(),
-                n.evaluations.task(),
-                100.0 * a.1
+                n.evaluations.describe(),
+                train(&a)
             );
             Some(a)
         }
@@ -132,24 +132,26 @@ async fn run_config(config: &Config) -> anyhow::Result<ExitCode> {
     let start = Start {
         step: first_step,
         wall_s: log.last().map_or(0.0, |r| r.wall_s),
-        accuracy: fresh_start.unwrap_or_default(),
+        accuracy: fresh_start.as_ref().map(Scores::pair).unwrap_or_default(),
         resumed: first_step > 0,
     };
     let evaluating = evaluations.is_some();
     let mut monitor = RunMonitor::new(config, started, start, steps, Some(log), evaluations);
-    if evaluating && fresh_start.is_none() {
+    let mut start_scores = fresh_start;
+    if evaluating && start_scores.is_none() {
         let a = monitor
             .evaluate_start(node.start_weights())
             .await?
             .context("the restored trainer has no weights to evaluate")?;
         let e = monitor.evaluations().context("evaluations")?;
         println!(
-            "resumed at step {first_step}: held-out accuracy {:.1}% ({} problems of `{}`), training problems {:.1}%",
-            100.0 * a.0,
+            "resumed at step {first_step}: held-out accuracy {} ({} problems of {}), training problems {}",
+            heldout(&a),
             e.heldout_len(),
-            e.task(),
-            100.0 * a.1
+            e.describe(),
+            train(&a)
         );
+        start_scores = Some(a);
     }
     let progress = bar(
         config.run.max_steps.get(),
@@ -193,7 +195,7 @@ async fn run_config(config: &Config) -> anyhow::Result<ExitCode> {
     plot_run(&records, &plot).with_context(|| format!("writing {}", plot.display()))?;
     let summary = monitor.summary();
     match (evaluating, &status) {
-        (true, _) => print_model_summary(&summary, status.as_ref()),
+        (true, _) => print_model_summary(&summary, start_scores.as_ref(), status.as_ref()),
         (false, Some(s)) => print_summary(s, summary.wall_s),
         (false, None) => {}
     }
@@ -218,10 +220,15 @@ fn show(bar: &ProgressBar, p: &Progress<'_>, evaluating: bool) {
         bar.set_message(progress_line(p.status, p.wall_s));
         return;
     }
+    let heldout: Vec<(String, f64)> = p
+        .domains
+        .iter()
+        .map(|d| (d.domain.clone(), d.heldout))
+        .collect();
     let line = format!(
-        "| reward {:.2} | eval {:.1}% (train {:.1}%) | lag {:.2} | {:.0} tok/s",
+        "| reward {:.2} | eval {} (train {:.1}%) | lag {:.2} | {:.0} tok/s",
         p.reward_smoothed.unwrap_or(0.0),
-        100.0 * p.accuracy.0,
+        per_domain(p.accuracy.0, &heldout),
         100.0 * p.accuracy.1,
         p.version_lag_mean,
         p.tokens_per_s
@@ -322,8 +329,32 @@ fn print_summary(s: &NodeStatus, wall: f64) {
     println!("buckets               {}", buckets.join(" "));
 }
 
-/// The summary of a real model's run: accuracy from start to end.
-fn print_model_summary(r: &RunSummary, status: Option<&NodeStatus>) {
+/// `42.0%`, or with several domains `42.0% (math 50.0%, tools 34.0%)`.
+fn per_domain(mean: f64, domains: &[(String, f64)]) -> String {
+    let mean = format!("{:.1}%", 100.0 * mean);
+    if domains.len() < 2 {
+        return mean;
+    }
+    let each: Vec<String> = domains
+        .iter()
+        .map(|(d, a)| format!("{d} {:.1}%", 100.0 * a))
+        .collect();
+    format!("{mean} ({})", each.join(", "))
+}
+
+fn heldout(s: &Scores) -> String {
+    let each: Vec<(String, f64)> = s.domains.iter().map(|d| (d.domain.clone(), d.heldout)).collect();
+    per_domain(s.heldout, &each)
+}
+
+fn train(s: &Scores) -> String {
+    let each: Vec<(String, f64)> = s.domains.iter().map(|d| (d.domain.clone(), d.train)).collect();
+    per_domain(s.train, &each)
+}
+
+/// The summary of a real model's run: accuracy from start to end, per domain when there are
+/// several.
+fn print_model_summary(r: &RunSummary, start: Option<&Scores>, status: Option<&NodeStatus>) {
     let from = if r.start.resumed {
         format!("(at step {}) ", r.start.step)
     } else {
@@ -342,6 +373,19 @@ fn print_model_summary(r: &RunSummary, status: Option<&NodeStatus>) {
         100.0 * r.start.accuracy.1,
         100.0 * r.last_accuracy.1
     );
+    if r.last_domains.len() > 1 {
+        for d in &r.last_domains {
+            let before = start
+                .and_then(|s| s.domains.iter().find(|b| b.domain == d.domain))
+                .map_or_else(String::new, |b| format!("{:.1}% → ", 100.0 * b.heldout));
+            println!(
+                "  {:<20}{from}{before}{:.1}% held-out, {:.1}% training",
+                d.domain,
+                100.0 * d.heldout,
+                100.0 * d.train
+            );
+        }
+    }
     if let Some((step, at)) = r.reached_target_at {
         println!("target reached        at step {step}, {at:.1} s");
     }

@@ -58,11 +58,15 @@ impl ControllerState {
             logprobs: turn.logprobs.clone(),
             versions: turn.token_versions.clone(),
         });
+        let mut params = self.config.sampling.clone();
+        if let Some(&tokens) = self.config.domain_turn_tokens.get(&w.sample.domain) {
+            params.max_tokens = tokens;
+        }
         let request = GenerateRequest {
             id,
             prompt_token_ids: turn.prompt_token_ids.clone(),
             resume,
-            params: self.config.sampling.clone(),
+            params,
             domain: Some(w.sample.domain.clone()),
         };
         w.waiting.insert(i as u32, Waiting::Engine(id));

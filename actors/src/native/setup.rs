@@ -69,10 +69,14 @@ impl NativeSetup {
     /// a warm-started copy), on the configured device and dtype.
     pub fn load(config: &Config, weights_dir: Option<&Path>) -> Result<Self, ActorError> {
         let model_dir = config.model.path.clone();
-        let tokenizer = Arc::new(
-            Tokenizer::from_dir(&model_dir)
-                .map_err(|e| setup_err(format!("model.path {}: {e}", model_dir.display())))?,
-        );
+        let mut tokenizer = Tokenizer::from_dir(&model_dir)
+            .map_err(|e| setup_err(format!("model.path {}: {e}", model_dir.display())))?;
+        if let Some(path) = &config.model.chat_template {
+            tokenizer
+                .override_chat_template(path)
+                .map_err(|e| setup_err(format!("model.chat_template {}: {e}", path.display())))?;
+        }
+        let tokenizer = Arc::new(tokenizer);
         let renderer = Arc::new(
             ModelRenderer::new(Arc::clone(&tokenizer))
                 .map_err(|e| setup_err(format!("model.path {}: {e}", model_dir.display())))?
@@ -217,7 +221,7 @@ impl NativeSetup {
 /// [`NativeSetup::limits`] for a model with a `context`-token window.
 pub fn env_limits(config: &Config, context: usize) -> TokenEnvLimits {
     TokenEnvLimits {
-        max_prompt_tokens: sluice_env::token_env::max_prompt_tokens(&config.rollout, context),
+        max_prompt_tokens: sluice_env::token_env::max_prompt_tokens(config, context),
         max_turns: config.rollout.max_turns.get(),
         call_timeout: config.supervision.env_step_timeout,
     }

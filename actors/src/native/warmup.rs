@@ -1,11 +1,13 @@
-//! Supervised warm-start: a few cross-entropy steps on a task's reference replies, so a small
-//! random model starts RL able to answer sometimes (RL needs some reward to climb from). It stops
-//! as soon as a probe on *training* problems reaches the target accuracy, so the held-out set
-//! is never used to decide anything.
+//! Supervised warm-start: a few cross-entropy steps on tasks' reference replies, so a small
+//! random model starts RL able to answer sometimes (RL needs some reward to climb from). A run of
+//! several domains warms them up together (their demonstrations interleaved) and each has its own
+//! probe on *training* problems and its own target; the warm-up stops as soon as every probe
+//! reaches its target, so the held-out sets are never used to decide anything.
 
 use std::sync::Arc;
 
 use sluice_core::DataSample;
+use sluice_env::token_env::TurnFinish;
 use sluice_env::{EnvError, Next, Task, TokenEnvLimits};
 use sluice_trainer::native::{ModelSnapshot, NativeTrainer, SupervisedExample};
 
@@ -19,8 +21,6 @@ pub struct WarmupSettings {
     pub max_steps: u64,
     /// Demonstrations per step.
     pub batch_size: usize,
-    /// Stop once the probe accuracy reaches this.
-    pub target_accuracy: f64,
     /// Probe every this many steps.
     pub check_every: u64,
 }
@@ -34,15 +34,29 @@ pub struct Demonstration {
     pub completion: Vec<u32>,
 }
 
+/// One domain's probe: greedy accuracy on a fixed draw of its training problems, and the
+/// accuracy the warm-up must bring it to.
+#[derive(Debug)]
+pub struct WarmupProbe {
+    /// The domain probed.
+    pub domain: String,
+    /// Plays the probe's problems.
+    pub evaluator: Evaluator,
+    /// Stop once this accuracy is reached (by every probe).
+    pub target: f64,
+}
+
 /// Progress after a probe.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct WarmupProgress {
     /// Supervised steps taken.
     pub step: u64,
     /// Mean cross-entropy of the last step.
     pub loss: f64,
-    /// Probe accuracy at this step.
+    /// Mean probe accuracy over the domains at this step.
     pub accuracy: f64,
+    /// Each domain's probe accuracy, in probe order.
+    pub domains: Vec<(String, f64)>,
 }
 
 /// How the warm-start ended.
@@ -50,16 +64,21 @@ pub struct WarmupProgress {
 pub struct WarmupReport {
     /// Steps taken.
     pub steps: u64,
-    /// Last probe accuracy.
+    /// Last probe accuracy (mean over the domains).
     pub probe_accuracy: f64,
+    /// Each domain's last probe accuracy.
+    pub domains: Vec<(String, f64)>,
     /// Each probe.
     pub history: Vec<WarmupProgress>,
     /// The warmed-up weights.
     pub weights: Arc<ModelSnapshot>,
 }
 
-/// Renders each sample's first prompt and reference reply; samples without a reference reply
-/// are skipped. Fails when none has one.
+/// Plays each sample's reference episode through its env and returns one demonstration per
+/// turn: the prompt the env rendered at that turn and the reference reply to it. A multi-turn
+/// episode (a tool call, then the answer to the tool's result) therefore teaches every turn on
+/// the prompt the model will really see. Samples without a reference reply are skipped; fails
+/// when none has one.
 pub async fn demonstrations(
     task: &Task,
     samples: &[DataSample],
@@ -68,19 +87,22 @@ pub async fn demonstrations(
 ) -> Result<Vec<Demonstration>, EnvError> {
     let mut out = Vec::with_capacity(samples.len());
     for sample in samples {
-        let Some(reply) = task.reference_reply(sample) else {
-            continue;
-        };
         let mut env = task.token_env(sample, renderer.clone(), limits.clone())?;
-        let next = env.start().await;
+        let mut next = env.start().await;
+        let mut turn = 0;
+        while let Next::Generate(prompt) = next {
+            let Some(reply) = task.reference_reply(sample, turn) else {
+                break;
+            };
+            let completion = renderer.encode_reply(&reply)?;
+            next = env.step(&completion, TurnFinish::Stop).await.next;
+            out.push(Demonstration {
+                prompt: prompt.prompt_token_ids,
+                completion,
+            });
+            turn += 1;
+        }
         env.close().await;
-        let Next::Generate(prompt) = next else {
-            continue;
-        };
-        out.push(Demonstration {
-            prompt: prompt.prompt_token_ids,
-            completion: renderer.encode_reply(&reply)?,
-        });
     }
     if out.is_empty() {
         return Err(EnvError::Config(format!(
@@ -91,20 +113,26 @@ pub async fn demonstrations(
     Ok(out)
 }
 
-/// Runs supervised steps on `demos` (cycling through them in order; shuffle beforehand) until the
-/// probe reaches the target or the step budget is spent. Steps run on the blocking pool; the
-/// probe on its own engine. Returns the trainer for the caller to keep or drop.
+/// Runs supervised steps on `demos` (cycling through them in order; shuffle or interleave
+/// beforehand) until every probe reaches its target or the step budget is spent. Steps run on
+/// the blocking pool; the probes on their own engines. Returns the trainer for the caller to keep
+/// or drop.
 pub async fn warm_start(
     mut trainer: NativeTrainer,
     demos: Arc<Vec<Demonstration>>,
-    probe: &mut Evaluator,
+    probes: &mut [WarmupProbe],
     settings: &WarmupSettings,
     mut on_progress: impl FnMut(&WarmupProgress),
 ) -> Result<(NativeTrainer, WarmupReport), String> {
     let mut history = Vec::new();
     let mut cursor = 0usize;
     let mut steps = 0u64;
-    let mut accuracy = 0.0;
+    let mut last = WarmupProgress {
+        step: 0,
+        loss: f64::NAN,
+        accuracy: 0.0,
+        domains: Vec::new(),
+    };
     let batch = settings.batch_size.clamp(1, demos.len());
     while steps < settings.max_steps {
         let start = cursor;
@@ -129,19 +157,27 @@ pub async fn warm_start(
         let loss = loss.map_err(|e| format!("warm-up step {}: {e}", steps + 1))?;
         steps += 1;
         if steps.is_multiple_of(settings.check_every.max(1)) || steps == settings.max_steps {
-            let eval = probe
-                .evaluate(Arc::clone(trainer.published()))
-                .await
-                .map_err(|e| format!("warm-up probe: {e}"))?;
-            accuracy = eval.report.accuracy.unwrap_or(0.0);
-            let p = WarmupProgress {
+            let mut domains = Vec::with_capacity(probes.len());
+            let mut reached = true;
+            for probe in probes.iter_mut() {
+                let eval = probe
+                    .evaluator
+                    .evaluate(Arc::clone(trainer.published()))
+                    .await
+                    .map_err(|e| format!("warm-up probe of `{}`: {e}", probe.domain))?;
+                let accuracy = eval.report.accuracy.unwrap_or(0.0);
+                reached &= accuracy >= probe.target;
+                domains.push((probe.domain.clone(), accuracy));
+            }
+            last = WarmupProgress {
                 step: steps,
                 loss,
-                accuracy,
+                accuracy: domains.iter().map(|d| d.1).sum::<f64>() / domains.len().max(1) as f64,
+                domains,
             };
-            on_progress(&p);
-            history.push(p);
-            if accuracy >= settings.target_accuracy {
+            on_progress(&last);
+            history.push(last.clone());
+            if reached {
                 break;
             }
         }
@@ -151,7 +187,8 @@ pub async fn warm_start(
         trainer,
         WarmupReport {
             steps,
-            probe_accuracy: accuracy,
+            probe_accuracy: last.accuracy,
+            domains: last.domains,
             history,
             weights,
         },

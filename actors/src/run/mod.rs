@@ -5,11 +5,13 @@
 //! ([`RunEnd`]), which the node marks with a final checkpoint ([`crate::Node::finish`]).
 
 mod end;
+mod evaluations;
 mod monitor;
 mod native;
 
 pub use end::RunEnd;
 pub use monitor::{Progress, RunMonitor, RunSummary, Start};
+pub use evaluations::{DomainAccuracy, Evaluations, Scores};
 pub use native::{
-    Evaluations, NativeRun, WARMUP_DIR, WarmupOutcome, load_run_setup, sample_source, warmup_dir,
+    NativeRun, WARMUP_DIR, WarmupOutcome, load_run_setup, sample_source, warmup_dir,
 };

@@ -17,7 +17,7 @@ use sluice_report::{MetricsLog, StepRecord};
 use tokio::sync::mpsc;
 
 use super::end::RunEnd;
-use super::native::Evaluations;
+use super::evaluations::{DomainAccuracy, Evaluations, Scores};
 use crate::ActorError;
 use crate::node::{Node, NodeStatus};
 use crate::trainer::TrainedStep;
@@ -61,12 +61,14 @@ pub struct Progress<'a> {
     pub tokens_per_s: f64,
     /// (held-out, training-probe) accuracy at the last evaluation.
     pub accuracy: (f64, f64),
+    /// Each domain's accuracy at the last evaluation (empty before the first).
+    pub domains: &'a [DomainAccuracy],
     /// This look evaluated.
     pub evaluated: bool,
 }
 
 /// The run as the monitor saw it, for the end-of-run summary.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct RunSummary {
     /// Where the stretch started.
     pub start: Start,
@@ -76,6 +78,8 @@ pub struct RunSummary {
     pub wall_s: f64,
     /// (held-out, training-probe) accuracy at the last evaluation.
     pub last_accuracy: (f64, f64),
+    /// Each domain's accuracy at the last evaluation.
+    pub last_domains: Vec<DomainAccuracy>,
     /// Best held-out accuracy seen.
     pub best_accuracy: f64,
     /// (step, wall time) at which the held-out target was reached.
@@ -95,6 +99,8 @@ pub struct RunMonitor {
     /// The newest published weights (evaluated when due).
     latest: Option<WeightSnapshot>,
     last_accuracy: (f64, f64),
+    /// Each domain's accuracy at the last evaluation.
+    last_domains: Vec<DomainAccuracy>,
     best_accuracy: f64,
     steps: u64,
     reached_target_at: Option<(u64, f64)>,
@@ -134,6 +140,7 @@ impl RunMonitor {
             max_steps: config.run.max_steps.get(),
             latest: None,
             last_accuracy: start.accuracy,
+            last_domains: Vec::new(),
             best_accuracy: start.accuracy.0,
             steps: start.step,
             start,
@@ -211,12 +218,13 @@ impl RunMonitor {
             steps: self.steps,
             wall_s: self.wall(),
             last_accuracy: self.last_accuracy,
+            last_domains: self.last_domains.clone(),
             best_accuracy: self.best_accuracy,
             reached_target_at: self.reached_target_at,
         }
     }
 
-    fn progress<'a>(&self, status: &'a NodeStatus, evaluated: bool) -> Progress<'a> {
+    fn progress<'a>(&'a self, status: &'a NodeStatus, evaluated: bool) -> Progress<'a> {
         Progress {
             step: self.steps,
             max_steps: self.max_steps,
@@ -226,6 +234,7 @@ impl RunMonitor {
             version_lag_mean: self.version_lag_mean,
             tokens_per_s: self.tokens_per_s,
             accuracy: self.last_accuracy,
+            domains: &self.last_domains,
             evaluated,
         }
     }
@@ -237,7 +246,7 @@ impl RunMonitor {
         }
         let due = self.every > 0 && step.step.is_multiple_of(self.every);
         let last = step.step >= self.max_steps;
-        let accuracy = match (&mut self.evaluations, &self.latest) {
+        let scores = match (&mut self.evaluations, &self.latest) {
             (Some(evaluations), Some(latest)) if due || last => {
                 match sluice_model::ModelWeights::from_envelope(latest) {
                     Some(w) => Some(evaluations.run(w).await?),
@@ -246,11 +255,13 @@ impl RunMonitor {
             }
             _ => None,
         };
-        if let Some(a) = accuracy {
-            self.last_accuracy = a;
-            self.best_accuracy = self.best_accuracy.max(a.0);
+        let accuracy = scores.as_ref().map(Scores::pair);
+        if let Some(s) = &scores {
+            self.last_accuracy = s.pair();
+            self.best_accuracy = self.best_accuracy.max(s.heldout);
+            self.last_domains.clone_from(&s.domains);
         }
-        self.log_step(&step, accuracy)?;
+        self.log_step(&step, scores.as_ref())?;
         if let (Some(target), Some((heldout, _))) = (self.stop_at, accuracy)
             && heldout >= target
         {
@@ -260,11 +271,7 @@ impl RunMonitor {
         Ok(accuracy.is_some())
     }
 
-    fn log_step(
-        &mut self,
-        step: &TrainedStep,
-        accuracy: Option<(f64, f64)>,
-    ) -> Result<(), ActorError> {
+    fn log_step(&mut self, step: &TrainedStep, scores: Option<&Scores>) -> Result<(), ActorError> {
         self.steps = step.step;
         self.version_lag_mean = step.version_lag_mean;
         // Rollouts finished since the previous record (a step with none keeps the mean).
@@ -285,15 +292,22 @@ impl RunMonitor {
         for (name, v) in &step.reward_components {
             extra.insert(format!("reward.{name}"), *v);
         }
-        if let Some((_, train)) = accuracy {
-            extra.insert("train_accuracy".to_owned(), train);
+        if let Some(s) = scores {
+            extra.insert("train_accuracy".to_owned(), s.train);
+            // Each domain's own, when there are several (one domain's is the run's).
+            if s.domains.len() > 1 {
+                for d in &s.domains {
+                    extra.insert(format!("eval_accuracy.{}", d.domain), d.heldout);
+                    extra.insert(format!("train_accuracy.{}", d.domain), d.train);
+                }
+            }
         }
         let record = StepRecord {
             step: step.step,
             wall_s,
             phase: Some("rl".into()),
             reward_mean: self.reward_mean,
-            eval_accuracy: accuracy.map(|a| a.0),
+            eval_accuracy: scores.map(|s| s.heldout),
             version_lag_mean: step.version_lag_mean,
             tokens_per_s: Some(self.tokens_per_s),
             loss: step.metrics.get(TRAINER_LOSS_VALUE).copied(),
@@ -334,7 +348,7 @@ impl RunMonitor {
     pub async fn evaluate_start(
         &mut self,
         weights: &WeightSnapshot,
-    ) -> Result<Option<(f64, f64)>, ActorError> {
+    ) -> Result<Option<Scores>, ActorError> {
         let (Some(evaluations), Some(w)) = (
             &mut self.evaluations,
             sluice_model::ModelWeights::from_envelope(weights),
@@ -342,9 +356,10 @@ impl RunMonitor {
             return Ok(None);
         };
         let a = evaluations.run(w).await?;
-        self.start.accuracy = a;
-        self.last_accuracy = a;
-        self.best_accuracy = a.0;
+        self.start.accuracy = a.pair();
+        self.last_accuracy = a.pair();
+        self.best_accuracy = a.heldout;
+        self.last_domains.clone_from(&a.domains);
         Ok(Some(a))
     }
 

@@ -6,20 +6,19 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use sluice_core::DataSample;
-use sluice_core::config::{Config, DatasetSpec, LrSchedule};
+use sluice_core::config::{Config, LrSchedule};
 use sluice_data::{DatasetRows, MixSampler, SamplerConfig};
-use sluice_engine::{NativeEngineParams, SamplingParams};
 use sluice_env::datasets::{GeneratedRows, load_datasets};
-use sluice_env::{Task, TaskRegistry};
-use sluice_model::{ModelWeights, SaveOptions, copy_aux_files, save_checkpoint};
+use sluice_model::{SaveOptions, copy_aux_files, save_checkpoint};
 
 use crate::ActorError;
 use crate::checkpoint::{CHECKPOINT_DIR, CheckpointDir, Manifest};
 use crate::native::{
-    Evaluator, NativeSetup, WarmupProgress, WarmupSettings, demonstrations, ensure_model_dir,
+    NativeSetup, WarmupProbe, WarmupProgress, WarmupSettings, demonstrations, ensure_model_dir,
     warm_start,
 };
+
+use super::evaluations::{Evaluations, Served, evaluator, served_domains, training_samples};
 
 /// Where a run keeps its warm-started model, under `run.output_dir`.
 pub const WARMUP_DIR: &str = "warmup";
@@ -29,12 +28,14 @@ fn setup_err(what: impl std::fmt::Display) -> ActorError {
 }
 
 /// What the warm-start did.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct WarmupOutcome {
     /// Supervised steps taken.
     pub steps: u64,
-    /// Greedy accuracy on the training probe at the end.
+    /// Greedy accuracy on the training probes at the end (mean over the domains).
     pub probe_accuracy: f64,
+    /// Each warmed-up domain's probe accuracy at the end.
+    pub domains: Vec<(String, f64)>,
 }
 
 /// A native run, ready to start its node.
@@ -43,7 +44,7 @@ pub struct NativeRun {
     pub setup: Arc<NativeSetup>,
     /// The training samples, already loaded (an unreadable dataset fails the preparation).
     pub source: MixSampler<DatasetRows>,
-    /// The evaluated task's held-out and training probes.
+    /// Each evaluated domain's held-out set and training probe.
     pub evaluations: Evaluations,
     /// The checkpoint the run resumes from, if its output dir holds one.
     pub resumed: Option<Manifest>,
@@ -55,9 +56,9 @@ pub struct NativeRun {
 
 impl NativeRun {
     /// Prepares the run of `config`: creates the model when absent, loads the data, finds the
-    /// evaluated task and, on a fresh run with `warmup.enabled`, warm-starts the model on the
-    /// task's reference replies (`on_warmup` sees every supervised step). A run whose output
-    /// dir holds a checkpoint resumes from it: no warm-up.
+    /// task serving each domain and, on a fresh run with `warmup.enabled`, warm-starts the model
+    /// on their reference replies (`on_warmup` sees every probe). A run whose output dir holds a
+    /// checkpoint resumes from it: no warm-up.
     pub async fn prepare(
         config: &Config,
         on_warmup: impl FnMut(&WarmupProgress),
@@ -75,18 +76,18 @@ impl NativeRun {
         // before the evaluated task is looked up (a dataset naming no task is a data error, not
         // `eval.task`).
         let source = sample_source(config, &base)?;
-        let task = eval_task(config, &base)?;
+        let served = served_domains(config, &base)?;
         let warm_dir = warmup_dir(config);
         let mut warmup_outcome = None;
         if resumed.is_none() && config.warmup.enabled && !warm_dir.join("config.json").exists() {
-            warmup_outcome = Some(warmup(config, &base, &task, &warm_dir, on_warmup).await?);
+            warmup_outcome = Some(warmup(config, &base, &served, &warm_dir, on_warmup).await?);
         }
         let setup = if warm_dir.join("config.json").exists() {
             NativeSetup::load(config, Some(&warm_dir))?
         } else {
             base
         };
-        let evaluations = Evaluations::new(config, &setup, &task)?;
+        let evaluations = Evaluations::new(config, &setup)?;
         Ok(Self {
             setup: Arc::new(setup),
             source,
@@ -111,184 +112,6 @@ pub fn load_run_setup(config: &Config) -> Result<NativeSetup, ActorError> {
     NativeSetup::load(config, warm.then_some(warm_dir.as_path()))
 }
 
-/// The task evaluated: `eval.task`, else the task serving the first dataset.
-fn eval_task(config: &Config, setup: &NativeSetup) -> Result<Arc<Task>, ActorError> {
-    let name = match (&config.eval.task, config.data.datasets.first()) {
-        (Some(t), _) => t.clone(),
-        (None, Some(spec)) => serving_task(config, &setup.registry, spec).to_owned(),
-        (None, None) => {
-            return Err(setup_err(
-                "data.datasets is empty: a native run needs at least one dataset",
-            ));
-        }
-    };
-    setup
-        .registry
-        .get(&name)
-        .map_err(|e| setup_err(format!("eval.task: {e}")))
-}
-
-/// The task that runs `spec`'s rows: its domain's configured copy (its own rubric or env
-/// server), else the domain's `task`, else the dataset's name.
-fn serving_task<'c>(
-    config: &'c Config,
-    registry: &'c TaskRegistry,
-    spec: &'c DatasetSpec,
-) -> &'c str {
-    registry
-        .domain_tasks()
-        .get(&spec.domain)
-        .map(String::as_str)
-        .or_else(|| {
-            config
-                .data
-                .domain_options
-                .get(&spec.domain)
-                .and_then(|d| d.task.as_deref())
-        })
-        .unwrap_or(&spec.name)
-}
-
-/// The domain of the first dataset `task` serves (its rows get that domain's system prompt).
-fn task_domain<'c>(config: &'c Config, registry: &TaskRegistry, task: &Task) -> &'c str {
-    config
-        .data
-        .datasets
-        .iter()
-        .find(|d| serving_task(config, registry, d) == task.name())
-        .map_or("eval", |d| d.domain.as_str())
-}
-
-/// Puts warm-up and evaluation rows in `domain`, with its system prompt where they have none,
-/// as the sampler does for training rows.
-fn in_domain(config: &Config, domain: &str, mut samples: Vec<DataSample>) -> Vec<DataSample> {
-    let prompt = config
-        .data
-        .domain_options
-        .get(domain)
-        .and_then(|d| d.system_prompt.clone());
-    for s in &mut samples {
-        s.domain = domain.to_owned();
-        if s.system_prompt.is_none() {
-            s.system_prompt.clone_from(&prompt);
-        }
-    }
-    samples
-}
-
-/// An evaluator's engine: sized like one replica of `[engine]` (`max_running_sequences`,
-/// `kv_cache_mb`, `threads`), so evaluating never takes more memory than a replica does.
-fn engine_params(config: &Config, setup: &NativeSetup) -> NativeEngineParams {
-    let eos = setup.tokenizer.eos_token_ids().to_vec();
-    let mut params = NativeEngineParams::from_config(&config.engine, 0, config.run.seed, eos);
-    // Evaluation prompts arrive all at once: prefill them in few steps.
-    params.max_step_tokens = params.max_step_tokens.max(4096);
-    params
-}
-
-/// An evaluator of `task` on `samples` with the run's engine sizing and turn length.
-fn evaluator(
-    config: &Config,
-    setup: &NativeSetup,
-    task: &Arc<Task>,
-    samples: Vec<DataSample>,
-    temperature: f64,
-) -> Evaluator {
-    Evaluator::new(
-        Arc::clone(task),
-        samples,
-        setup.renderer.clone(),
-        setup.limits(config),
-        engine_params(config, setup),
-        Arc::clone(&setup.tokenizer),
-        SamplingParams {
-            temperature,
-            top_p: 1.0,
-            top_k: 0,
-            max_tokens: config.rollout.max_new_tokens.get(),
-            seed: Some(config.run.seed),
-            stop_token_ids: Vec::new(),
-        },
-    )
-}
-
-/// `count` problems of `task`'s training split (a fixed draw: the warm-up's demonstrations and
-/// the training-accuracy probe).
-fn training_samples(
-    config: &Config,
-    registry: &TaskRegistry,
-    task: &Task,
-    count: usize,
-) -> Result<Vec<DataSample>, ActorError> {
-    let domain = task_domain(config, registry, task);
-    // Only the split matters to a generator; a configured copy's name (`domain/task`) is no
-    // dataset name.
-    let spec = DatasetSpec {
-        domain: domain.to_owned(),
-        name: task.name().replace('/', "."),
-        split: Some("train".to_owned()),
-    };
-    let train = task
-        .generate_dataset(&spec, config.run.seed ^ 0x5f7, count)
-        .map_err(|e| setup_err(format!("training problems of `{}`: {e}", task.name())))?;
-    Ok(in_domain(config, domain, train.samples().to_vec()))
-}
-
-/// Greedy accuracy on the held-out split and on a fixed probe of training problems.
-pub struct Evaluations {
-    task: String,
-    heldout: Evaluator,
-    train: Evaluator,
-}
-
-impl Evaluations {
-    fn new(config: &Config, setup: &NativeSetup, task: &Arc<Task>) -> Result<Self, ActorError> {
-        let mut probe = training_samples(config, &setup.registry, task, 4096)?;
-        probe.truncate(config.warmup.probe_samples.get() as usize);
-        let heldout = task
-            .eval_samples(config.run.seed, config.eval.samples.get() as usize)
-            .map_err(|e| setup_err(format!("held-out samples of `{}`: {e}", task.name())))?;
-        let heldout = in_domain(config, task_domain(config, &setup.registry, task), heldout);
-        let temperature = config.eval.temperature;
-        Ok(Self {
-            task: task.name().to_owned(),
-            heldout: evaluator(config, setup, task, heldout, temperature),
-            train: evaluator(config, setup, task, probe, temperature),
-        })
-    }
-
-    /// The evaluated task.
-    pub fn task(&self) -> &str {
-        &self.task
-    }
-
-    /// Problems in the held-out split.
-    pub fn heldout_len(&self) -> usize {
-        self.heldout.len()
-    }
-
-    /// (held-out accuracy, training-probe accuracy) of `weights`.
-    pub async fn run(&mut self, weights: Arc<ModelWeights>) -> Result<(f64, f64), ActorError> {
-        let failed = |what: &str, e: sluice_env::EnvError| {
-            ActorError::Evaluation(format!("{what} evaluation: {e}"))
-        };
-        let heldout = self
-            .heldout
-            .evaluate(Arc::clone(&weights))
-            .await
-            .map_err(|e| failed("held-out", e))?;
-        let train = self
-            .train
-            .evaluate(weights)
-            .await
-            .map_err(|e| failed("training-probe", e))?;
-        Ok((
-            heldout.report.accuracy.unwrap_or(0.0),
-            train.report.accuracy.unwrap_or(0.0),
-        ))
-    }
-}
-
 /// The sample source of a native run of `config`: `data.datasets` over the setup's tasks.
 pub fn sample_source(
     config: &Config,
@@ -302,22 +125,48 @@ pub fn sample_source(
         .map_err(|e| setup_err(format!("data sampler: {e}")))
 }
 
-/// Supervised warm-start on the task's reference replies; the result goes to `dir`.
+/// Supervised warm-start on the served tasks' reference replies, every domain's demonstrations
+/// interleaved and each domain probed on its own training problems; the result goes to `dir`.
 async fn warmup(
     config: &Config,
     setup: &NativeSetup,
-    task: &Arc<Task>,
+    served: &[Served],
     dir: &Path,
     on_progress: impl FnMut(&WarmupProgress),
 ) -> Result<WarmupOutcome, ActorError> {
     let w = &config.warmup;
-    let samples = training_samples(config, &setup.registry, task, 4096)?;
     let limits = setup.limits(config);
-    let demos = demonstrations(task, &samples, &setup.renderer, &limits)
-        .await
-        .map_err(|e| setup_err(format!("warm-up: {e}")))?;
-    let probe_n = (w.probe_samples.get() as usize).min(samples.len());
-    let mut probe = evaluator(config, setup, task, samples[..probe_n].to_vec(), 0.0);
+    let mut per_domain = Vec::new();
+    let mut probes = Vec::new();
+    for s in served {
+        if s.task.reference_reply_declared() {
+            let samples = training_samples(config, s, 4096)?;
+            let demos = demonstrations(&s.task, &samples, &setup.renderer, &limits)
+                .await
+                .map_err(|e| setup_err(format!("warm-up of domain `{}`: {e}", s.domain)))?;
+            per_domain.push(demos);
+            let probe_n = (w.probe_samples.get() as usize).min(samples.len());
+            let target = config
+                .data
+                .domain_options
+                .get(&s.domain)
+                .and_then(|d| d.warmup_target_accuracy)
+                .unwrap_or(w.target_accuracy);
+            probes.push(WarmupProbe {
+                domain: s.domain.clone(),
+                evaluator: evaluator(config, setup, s, samples[..probe_n].to_vec(), 0.0),
+                target,
+            });
+        }
+    }
+    if per_domain.is_empty() {
+        let tasks: Vec<&str> = served.iter().map(|s| s.task.name()).collect();
+        return Err(setup_err(format!(
+            "warm-up: no task of the run declares reference replies ({}): set warmup.enabled = false",
+            tasks.join(", ")
+        )));
+    }
+    let demos = interleave(per_domain);
     let mut sft = config.clone();
     sft.trainer.learning_rate = w.learning_rate;
     sft.trainer.lr_schedule = LrSchedule::Constant;
@@ -327,10 +176,9 @@ async fn warmup(
     let settings = WarmupSettings {
         max_steps: w.max_steps.get(),
         batch_size: w.batch_size.get() as usize,
-        target_accuracy: w.target_accuracy,
         check_every: w.check_every.get(),
     };
-    let (_, report) = warm_start(trainer, Arc::new(demos), &mut probe, &settings, on_progress)
+    let (_, report) = warm_start(trainer, Arc::new(demos), &mut probes, &settings, on_progress)
         .await
         .map_err(|e| setup_err(format!("warm-up: {e}")))?;
     let tmp = dir.with_extension("tmp");
@@ -348,5 +196,29 @@ async fn warmup(
     Ok(WarmupOutcome {
         steps: report.steps,
         probe_accuracy: report.probe_accuracy,
+        domains: report.domains,
     })
+}
+
+/// Takes one item of each list in turn until all are used up, so every warm-up batch holds
+/// every domain's demonstrations in about equal shares.
+fn interleave<T>(lists: Vec<Vec<T>>) -> Vec<T> {
+    let total = lists.iter().map(Vec::len).sum();
+    let mut iters: Vec<_> = lists.into_iter().map(Vec::into_iter).collect();
+    let mut out = Vec::with_capacity(total);
+    while out.len() < total {
+        for it in &mut iters {
+            out.extend(it.next());
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn interleave_takes_turns_until_every_list_is_used_up() {
+        let out = super::interleave(vec![vec![1, 2, 3], vec![10], vec![20, 21]]);
+        assert_eq!(out, vec![1, 10, 20, 2, 21, 3]);
+    }
 }

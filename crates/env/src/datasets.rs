@@ -3,7 +3,7 @@
 //! generates its own data (the built-ins), its generator supplies the rows. Anything else is an
 //! error naming the file that was looked for.
 
-use sluice_core::config::DataConfig;
+use sluice_core::config::{DataConfig, DatasetSpec};
 use sluice_data::{Dataset, dataset_path};
 
 use crate::error::EnvError;
@@ -39,24 +39,33 @@ pub fn load_datasets(
 ) -> Result<Vec<Dataset>, EnvError> {
     data.datasets
         .iter()
-        .map(|spec| {
-            let path = dataset_path(&data.data_dir, spec);
-            if path.exists() {
-                return Dataset::load(&data.data_dir, spec, data.on_bad_line)
-                    .map_err(|e| EnvError::Config(e.to_string()));
-            }
-            let task = registry.get(&spec.name).map_err(|_| {
-                EnvError::Config(format!(
-                    "dataset `{spec}`: no file {} and no registered task `{}` that generates data",
-                    path.display(),
-                    spec.name
-                ))
-            })?;
-            let count = match spec.split.as_deref() {
-                None | Some("train") => rows.train,
-                Some(_) => rows.eval,
-            };
-            task.generate_dataset(spec, rows.seed, count)
-        })
+        .map(|spec| load_dataset(data, registry, spec, rows))
         .collect()
+}
+
+/// Loads `spec` from its JSONL file under `data.data_dir`, or generates it with the task named
+/// like the dataset.
+pub fn load_dataset(
+    data: &DataConfig,
+    registry: &TaskRegistry,
+    spec: &DatasetSpec,
+    rows: GeneratedRows,
+) -> Result<Dataset, EnvError> {
+    let path = dataset_path(&data.data_dir, spec);
+    if path.exists() {
+        return Dataset::load(&data.data_dir, spec, data.on_bad_line)
+            .map_err(|e| EnvError::Config(e.to_string()));
+    }
+    let task = registry.get(&spec.name).map_err(|_| {
+        EnvError::Config(format!(
+            "dataset `{spec}`: no file {} and no registered task `{}` that generates data",
+            path.display(),
+            spec.name
+        ))
+    })?;
+    let count = match spec.split.as_deref() {
+        None | Some("train") => rows.train,
+        Some(_) => rows.eval,
+    };
+    task.generate_dataset(spec, rows.seed, count)
 }

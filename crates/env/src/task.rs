@@ -43,9 +43,11 @@ pub trait DataGenerator: Send + Sync {
     }
 }
 
-/// The reply a competent model gives to a sample: what supervised warm-starts imitate. `None`
-/// when the sample has no single reference reply.
-pub type ReferenceReply = fn(&DataSample) -> Option<String>;
+/// The reply a competent model gives at turn `turn` (0-based) of a sample's episode, when the env
+/// answered every earlier turn's reference reply: what supervised warm-starts imitate. `None`
+/// when the sample has no reference reply at that turn (a single-turn task has one at turn 0
+/// only). The env's answers follow from the sample, so the turn number is all the policy needs.
+pub type ReferenceReply = fn(&DataSample, u32) -> Option<String>;
 
 /// One registered task.
 #[derive(Clone)]
@@ -88,15 +90,20 @@ impl Task {
         }
     }
 
-    /// Declares how to write a sample's reference reply (single-turn tasks with a known answer).
+    /// Declares how to write a sample's reference replies, turn by turn.
     pub fn with_reference(mut self, reference: ReferenceReply) -> Self {
         self.reference = Some(reference);
         self
     }
 
-    /// The reference reply to `sample`, when the task declares one.
-    pub fn reference_reply(&self, sample: &DataSample) -> Option<String> {
-        self.reference.and_then(|f| f(sample))
+    /// Whether the task declares reference replies (it can be warm-started).
+    pub fn reference_reply_declared(&self) -> bool {
+        self.reference.is_some()
+    }
+
+    /// The reference reply at turn `turn` of `sample`'s episode, when the task declares one.
+    pub fn reference_reply(&self, sample: &DataSample, turn: u32) -> Option<String> {
+        self.reference.and_then(|f| f(sample, turn))
     }
 
     /// The held-out evaluation set: the whole `eval` split when the task can enumerate it,

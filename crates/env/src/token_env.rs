@@ -54,12 +54,14 @@ mod seconds {
     }
 }
 
-/// The longest prompt a run sends for a model with a `context`-token window: the completion
-/// budget (`rollout.max_new_tokens`) must still fit, and `rollout.max_prompt_tokens`, when set,
-/// lowers the bound further (longer prompts end the episode as `PromptTooLong`).
-pub fn max_prompt_tokens(rollout: &sluice_core::config::RolloutConfig, context: usize) -> usize {
-    let fits = context.saturating_sub(rollout.max_new_tokens.get() as usize);
-    rollout
+/// The longest prompt a run sends for a model with a `context`-token window: the largest turn
+/// budget (`rollout.max_new_tokens`, or a domain's own when larger) must still fit, and
+/// `rollout.max_prompt_tokens`, when set, lowers the bound further (longer prompts end the
+/// episode as `PromptTooLong`).
+pub fn max_prompt_tokens(config: &sluice_core::config::Config, context: usize) -> usize {
+    let fits = context.saturating_sub(config.largest_turn_tokens().get() as usize);
+    config
+        .rollout
         .max_prompt_tokens
         .map_or(fits, |m| fits.min(m.get() as usize))
 }

@@ -8,7 +8,7 @@ use std::collections::BTreeSet;
 use common::{play, sample};
 use sluice_core::RolloutStatus;
 use sluice_core::config::DatasetSpec;
-use sluice_env::TaskRegistry;
+use sluice_env::{TaskRegistry, TokenEnvLimits};
 
 fn registry() -> TaskRegistry {
     TaskRegistry::builtin()
@@ -168,6 +168,7 @@ async fn episodic_discounts_the_outcome_backwards() {
     let r = play(&task, &s, &[&inc, "hmm", &inc, &done]).await;
     assert_eq!(r.status, RolloutStatus::Completed);
     assert_eq!(r.reward, 1.0);
+    assert_eq!(r.reward_components["correct"], 1.0, "stopped on target");
     let situations: Vec<_> = r
         .turns
         .iter()
@@ -182,6 +183,7 @@ async fn episodic_discounts_the_outcome_backwards() {
     // Stopping off target: outcome 0 everywhere.
     let r = play(&task, &s, &[&inc, &done]).await;
     assert_eq!(r.reward, 0.0);
+    assert_eq!(r.reward_components["correct"], 0.0);
     assert!(r.turns.iter().all(|t| t.env_reward == Some(0.0)));
     // Running out of steps ends the episode with 0.
     let r = play(&task, &s, &[&inc, &inc, &inc, &inc, &inc]).await;
@@ -190,6 +192,43 @@ async fn episodic_discounts_the_outcome_backwards() {
         Some("out_of_steps")
     );
     assert_eq!(r.reward, 0.0);
+}
+
+/// Every task's reference episode, played turn by turn against its real env, is correct: what a
+/// warm-start imitates must be right, for multi-turn tasks (a tool call, then the answer to the
+/// tool's result; a walk of several moves) as for single-turn ones.
+#[tokio::test]
+async fn reference_episodes_are_correct_on_every_turn() {
+    let r = registry();
+    for name in r.names() {
+        let task = r.get(&name).unwrap();
+        if !task.reference_reply_declared() || name == "python_code" {
+            continue; // python_code's reference runs in the sandbox: tested there.
+        }
+        let spec: DatasetSpec = format!("d::{name}@train").parse().unwrap();
+        for s in task.generate_dataset(&spec, 3, 20).unwrap().samples() {
+            let replies: Vec<String> = (0..)
+                .map_while(|turn| task.reference_reply(s, turn))
+                .collect();
+            if replies.len() > TokenEnvLimits::default().max_turns as usize {
+                continue; // a walk longer than the episode limit `play` runs with
+            }
+            let refs: Vec<&str> = replies.iter().map(String::as_str).collect();
+            let rollout = play(&task, s, &refs).await;
+            assert_eq!(rollout.status, RolloutStatus::Completed, "{name}: {s:?}");
+            assert_eq!(rollout.turns.len(), replies.len(), "{name}: {s:?}");
+            assert_eq!(
+                rollout.reward_components.get("correct"),
+                Some(&1.0),
+                "{name}: {s:?} {replies:?}"
+            );
+        }
+    }
+    // The multi-turn ones take several turns.
+    let calc = r.get("calculator_tool").unwrap();
+    let s = sample(serde_json::json!({"expression": "(37 * 12) - 5", "answer": 439}));
+    assert_eq!(calc.reference_reply(&s, 1).as_deref(), Some("[ANSWER] 439"));
+    assert!(calc.reference_reply(&s, 2).is_none());
 }
 
 #[test]

@@ -129,6 +129,15 @@ impl Tokenizer {
         &self.special_tokens
     }
 
+    /// Replaces the checkpoint's chat template with the Jinja template in `path` (vLLM's
+    /// `--chat-template`): a model whose own template is long or missing can be rendered with
+    /// another without editing its directory.
+    pub fn override_chat_template(&mut self, path: &Path) -> Result<()> {
+        let source = std::fs::read_to_string(path).map_err(|e| ModelError::io(path, e))?;
+        self.chat_template = Some(ChatTemplate::new(&source, self.special_tokens.clone())?);
+        Ok(())
+    }
+
     /// The chat template, if the checkpoint has one.
     pub fn chat_template(&self) -> Option<&ChatTemplate> {
         self.chat_template.as_ref()

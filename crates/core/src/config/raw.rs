@@ -83,6 +83,8 @@ pub struct RawModel {
     pub device: String,
     /// Extra variables of the chat template when rollouts are rendered (`enable_thinking`).
     pub chat_template_kwargs: BTreeMap<String, toml::Value>,
+    /// A Jinja file that replaces the model's chat template.
+    pub chat_template: Option<String>,
 }
 
 impl Default for RawModel {
@@ -93,6 +95,7 @@ impl Default for RawModel {
             dtype: "f32".into(),
             device: "cpu".into(),
             chat_template_kwargs: BTreeMap::new(),
+            chat_template: None,
         }
     }
 }

@@ -166,6 +166,9 @@ pub struct ModelConfig {
     /// Extra chat-template variables for rendering rollouts (`enable_thinking = false`).
     #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub chat_template_kwargs: std::collections::BTreeMap<String, toml::Value>,
+    /// A Jinja file that replaces the model's own chat template (`None`: the model's).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub chat_template: Option<PathBuf>,
 }
 
 /// Which inference backend drives rollouts.
@@ -381,6 +384,34 @@ impl DataConfig {
             }
         }
         out
+    }
+
+    /// Tokens per model turn in `domain`: its `max_new_tokens`, else `default`
+    /// (`rollout.max_new_tokens`).
+    pub fn turn_tokens(&self, domain: &str, default: NonZeroU32) -> NonZeroU32 {
+        self.domain_options
+            .get(domain)
+            .and_then(|d| d.max_new_tokens)
+            .unwrap_or(default)
+    }
+
+    /// The per-domain turn budgets that differ from the default (what the controller applies).
+    pub fn turn_token_overrides(&self) -> std::collections::BTreeMap<String, u32> {
+        self.domain_options
+            .iter()
+            .filter_map(|(d, o)| o.max_new_tokens.map(|n| (d.clone(), n.get())))
+            .collect()
+    }
+}
+
+impl Config {
+    /// The largest turn budget of any domain: what a prompt must leave room for in the context.
+    pub fn largest_turn_tokens(&self) -> NonZeroU32 {
+        self.data
+            .domain_options
+            .values()
+            .filter_map(|d| d.max_new_tokens)
+            .fold(self.rollout.max_new_tokens, NonZeroU32::max)
     }
 }
 

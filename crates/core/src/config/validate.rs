@@ -322,12 +322,22 @@ fn validate_model(
             ));
         }
     }
+    let chat_template = match raw.chat_template {
+        Some(p) if p.trim().is_empty() => {
+            return Err(ctx.value(
+                "model.chat_template",
+                "expected the path of a Jinja template file, got an empty string",
+            ));
+        }
+        p => p.map(PathBuf::from),
+    };
     Ok(ModelConfig {
         path,
         init_preset,
         dtype,
         device,
         chat_template_kwargs: raw.chat_template_kwargs,
+        chat_template,
     })
 }
 

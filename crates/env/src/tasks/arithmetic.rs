@@ -89,7 +89,10 @@ impl DataGenerator for Generator {
 }
 
 /// The reference reply: the answer alone.
-fn reference(sample: &DataSample) -> Option<String> {
+fn reference(sample: &DataSample, turn: u32) -> Option<String> {
+    if turn > 0 {
+        return None;
+    }
     field::<i64>(sample, "answer").ok().map(|a| a.to_string())
 }
 

@@ -264,6 +264,20 @@ impl MessageEnv for CalculatorEnv {
     }
 }
 
+/// The reference episode: one `calc` call on the whole expression, then the tool's result as the
+/// answer.
+fn reference(sample: &DataSample, turn: u32) -> Option<String> {
+    match turn {
+        0 => {
+            let expression: String = field(sample, "expression").ok()?;
+            let call = json!({"name": "calc", "arguments": {"expression": expression}});
+            Some(format!("<tool_call>{call}</tool_call>"))
+        }
+        1 => Some(format!("[ANSWER] {}", field::<i64>(sample, "answer").ok()?)),
+        _ => None,
+    }
+}
+
 fn env(sample: &DataSample) -> Result<Box<dyn MessageEnv>, EnvError> {
     let expression: String = field(sample, "expression")?;
     Ok(Box::new(CalculatorEnv::new(expression)))
@@ -292,6 +306,7 @@ pub fn task() -> Task {
     Task::new(NAME, env, answer_rubric(correct, format, Some(0.0)))
         .with_system_prompt(SYSTEM_PROMPT)
         .with_datasets(train_eval_specs("tools", "calculator_tool"))
+        .with_reference(reference)
         .with_generator(Generator)
 }
 

@@ -156,10 +156,33 @@ fn env(sample: &DataSample) -> Result<Box<dyn MessageEnv>, EnvError> {
     Ok(Box::new(WalkEnv::new(start, target, max_steps)))
 }
 
+/// The reference walk: straight to the target, then `done()`.
+fn reference(sample: &DataSample, turn: u32) -> Option<String> {
+    let start: i64 = field(sample, "start").ok()?;
+    let target: i64 = field(sample, "target").ok()?;
+    let distance = (target - start).unsigned_abs();
+    let action = match u64::from(turn).cmp(&distance) {
+        std::cmp::Ordering::Less if target > start => "inc()",
+        std::cmp::Ordering::Less => "dec()",
+        std::cmp::Ordering::Equal => "done()",
+        std::cmp::Ordering::Greater => return None,
+    };
+    Some(format!("{ACTION_START}{action}{ACTION_END}"))
+}
+
 /// The task.
 pub fn task() -> Task {
+    // `correct` (weight 0: the reward is the env's outcome alone) says whether the walk stopped
+    // on its target, so evaluations report an accuracy.
+    let correct = RewardFn::new("correct", 0.0, |input| {
+        let last = input.rollout.turns.last();
+        let stopped = last.and_then(|t| t.situation.as_deref()) == Some("done");
+        f64::from(u8::from(
+            stopped && last.and_then(|t| t.env_reward) == Some(1.0),
+        ))
+    });
     let rubric = Rubric::new(
-        vec![RewardFn::env_reward(1.0)],
+        vec![RewardFn::env_reward(1.0), correct],
         RubricConfig {
             truncation_reward: Some(0.0),
             error_reward: Some(0.0),
@@ -174,6 +197,7 @@ pub fn task() -> Task {
         ])
         .with_generator(Generator)
         .with_discount(DISCOUNT)
+        .with_reference(reference)
 }
 
 #[cfg(test)]

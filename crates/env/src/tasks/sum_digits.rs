@@ -63,7 +63,10 @@ fn format(input: &ScoreInput) -> f64 {
 }
 
 /// The reference reply: the digits added up, then the tag.
-fn reference(sample: &DataSample) -> Option<String> {
+fn reference(sample: &DataSample, turn: u32) -> Option<String> {
+    if turn > 0 {
+        return None;
+    }
     let number: String = field(sample, "number").ok()?;
     let digits: Vec<String> = number.chars().map(String::from).collect();
     Some(format!(

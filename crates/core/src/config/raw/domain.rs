@@ -18,6 +18,13 @@ pub struct RawDomain {
     /// `[data.domains.<domain>.rubric]`: how the domain's rollouts are scored (default: the
     /// task's own rubric).
     pub rubric: Option<RawRubric>,
+    /// Tokens per model turn in this domain (default `rollout.max_new_tokens`).
+    pub max_new_tokens: Option<i64>,
+    /// Held-out set the domain is evaluated on: a dataset `name[@split]` (default: the task's
+    /// generated held-out split).
+    pub eval_dataset: Option<String>,
+    /// Warm-start probe accuracy this domain must reach (default `warmup.target_accuracy`).
+    pub warmup_target_accuracy: Option<f64>,
 }
 
 /// `[data.domains.<domain>.rubric]`: weighted reward functions and the overrides of failed and

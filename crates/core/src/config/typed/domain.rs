@@ -21,6 +21,15 @@ pub struct DomainConfig {
     /// The rubric replacing the task's own.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub rubric: Option<DomainRubric>,
+    /// Tokens per model turn (`None`: `rollout.max_new_tokens`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_new_tokens: Option<std::num::NonZeroU32>,
+    /// Held-out dataset, `name[@split]` (`None`: the task's generated held-out split).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub eval_dataset: Option<String>,
+    /// Warm-start target of this domain's probe (`None`: `warmup.target_accuracy`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub warmup_target_accuracy: Option<f64>,
 }
 
 /// `[data.domains.<domain>.rubric]`: reward functions by name with their weights (finite, ≥ 0,

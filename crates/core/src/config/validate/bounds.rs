@@ -169,6 +169,7 @@ const BOUNDS: &[Bound] = &[
     ),
     bound("data.domains.*.rubric.error_reward", MAX_REWARD, REWARD),
     bound("data.domains.*.rubric.timeout_s", MAX_SECONDS, SECONDS),
+    bound("data.domains.*.max_new_tokens", MAX_TOKENS, TOKENS),
     bound(
         "supervision.restart_backoff_initial_s",
         MAX_SECONDS,
@@ -206,6 +207,7 @@ const CHECKED_ELSEWHERE: &[&str] = &[
     "rollout.staleness_threshold",
     "warmup.target_accuracy",
     "eval.stop_at_accuracy",
+    "data.domains.*.warmup_target_accuracy",
 ];
 
 /// Whether `key` (dotted) matches `pattern` (`*` matches one level).
@@ -228,7 +230,7 @@ fn bound_of(key: &str) -> Option<&'static Bound> {
 /// Whether `key` is bounded: a row in [`BOUNDS`] or in [`CHECKED_ELSEWHERE`].
 #[cfg(test)]
 fn is_bounded(key: &str) -> bool {
-    bound_of(key).is_some() || CHECKED_ELSEWHERE.contains(&key)
+    bound_of(key).is_some() || CHECKED_ELSEWHERE.iter().any(|p| matches(p, key))
 }
 
 /// Every numeric leaf of `tree` with its dotted key.
@@ -300,6 +302,9 @@ mod tests {
             tokens = 8
             [eval]
             stop_at_accuracy = 0.9
+            [data.domains.math]
+            max_new_tokens = 16
+            warmup_target_accuracy = 0.5
             [data.domains.math.rubric]
             weights = { correct = 1.0, format = 0.1 }
             truncation_reward = 0.0

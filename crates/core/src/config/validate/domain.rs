@@ -6,7 +6,7 @@
 use std::collections::BTreeMap;
 
 use super::supervision::positive_seconds;
-use super::{Ctx, number};
+use super::{Ctx, non_zero_u32, number};
 use crate::config::error::ConfigError;
 use crate::config::raw::{RawDomain, RawRubric};
 use crate::config::typed::{DomainConfig, DomainRubric};
@@ -53,11 +53,39 @@ pub(super) fn validate_domain(
         .rubric
         .map(|r| validate_rubric(&format!("{key}.rubric"), r, ctx))
         .transpose()?;
+    let max_new_tokens = raw
+        .max_new_tokens
+        .map(|v| non_zero_u32(ctx, &format!("{key}.max_new_tokens"), v))
+        .transpose()?;
+    if let Some(spec) = &raw.eval_dataset {
+        let (name, split) = spec.split_once('@').unwrap_or((spec, "eval"));
+        if !is_name(name) || !is_name(split) {
+            return Err(ctx.value(
+                &format!("{key}.eval_dataset"),
+                format!("expected a dataset `name[@split]` of [A-Za-z0-9_.-], got `{spec}`"),
+            ));
+        }
+    }
+    let warmup_target_accuracy = raw
+        .warmup_target_accuracy
+        .map(|v| {
+            number(
+                ctx,
+                &format!("{key}.warmup_target_accuracy"),
+                v,
+                "a fraction in [0, 1]",
+                |v| (0.0..=1.0).contains(&v),
+            )
+        })
+        .transpose()?;
     Ok(DomainConfig {
         system_prompt: raw.system_prompt,
         task: raw.task,
         env_url: raw.env_url,
         rubric,
+        max_new_tokens,
+        eval_dataset: raw.eval_dataset,
+        warmup_target_accuracy,
     })
 }
 
