@@ -291,6 +291,7 @@ impl Node {
             track_ids,
             events: events.clone(),
             feed: step_feed,
+            advantage: Some(sluice_trainer::NativeTrainerConfig::from_config(config).advantage),
         };
         let (trainer, j) = TrainerHandle::spawn(
             backend_trainer,

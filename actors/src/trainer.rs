@@ -112,6 +112,8 @@ pub struct TrainerOptions {
     pub events: RunEvents,
     /// Where every completed step goes, with its weights (the run monitor's feed).
     pub feed: Option<StepFeed>,
+    /// How the trainer scores advantages, to report them per situation (none: not reported).
+    pub advantage: Option<sluice_trainer::AdvantageConfig>,
 }
 
 /// Where the trainer stood when it wrote a checkpoint.
@@ -197,6 +199,7 @@ impl TrainerHandle {
             poisoned: false,
             rt: tokio::runtime::Handle::current(),
             counters: ActorCounters::new("trainer"),
+            situation_series: Default::default(),
         };
         let (actor, join) = Actor::spawn(None, TrainerActor, (worker, control.clone()))
             .await
@@ -343,6 +346,8 @@ pub struct Worker {
     rt: tokio::runtime::Handle,
     /// Batches and control messages handled, weights published, failures by kind.
     counters: ActorCounters,
+    /// The (domain, situation) series exported so far (bounded).
+    situation_series: sluice_core::metrics::ComponentSeries,
 }
 
 /// What the thread does next.

@@ -343,12 +343,20 @@ fn per_domain(mean: f64, domains: &[(String, f64)]) -> String {
 }
 
 fn heldout(s: &Scores) -> String {
-    let each: Vec<(String, f64)> = s.domains.iter().map(|d| (d.domain.clone(), d.heldout)).collect();
+    let each: Vec<(String, f64)> = s
+        .domains
+        .iter()
+        .map(|d| (d.domain.clone(), d.heldout))
+        .collect();
     per_domain(s.heldout, &each)
 }
 
 fn train(s: &Scores) -> String {
-    let each: Vec<(String, f64)> = s.domains.iter().map(|d| (d.domain.clone(), d.train)).collect();
+    let each: Vec<(String, f64)> = s
+        .domains
+        .iter()
+        .map(|d| (d.domain.clone(), d.train))
+        .collect();
     per_domain(s.train, &each)
 }
 

@@ -10,8 +10,6 @@ mod monitor;
 mod native;
 
 pub use end::RunEnd;
-pub use monitor::{Progress, RunMonitor, RunSummary, Start};
 pub use evaluations::{DomainAccuracy, Evaluations, Scores};
-pub use native::{
-    NativeRun, WARMUP_DIR, WarmupOutcome, load_run_setup, sample_source, warmup_dir,
-};
+pub use monitor::{Progress, RunMonitor, RunSummary, Start};
+pub use native::{NativeRun, WARMUP_DIR, WarmupOutcome, load_run_setup, sample_source, warmup_dir};

@@ -292,6 +292,20 @@ impl RunMonitor {
         for (name, v) in &step.reward_components {
             extra.insert(format!("reward.{name}"), *v);
         }
+        // What the trainer made of each situation (seed 002): its texts and their mean and mean
+        // absolute advantage.
+        for ((domain, situation), a) in &step.situations {
+            let key = format!("situation.{domain}.{situation}");
+            extra.insert(format!("{key}.texts"), a.texts as f64);
+            extra.insert(format!("{key}.advantage"), a.mean);
+            extra.insert(format!("{key}.abs_advantage"), a.abs_mean);
+        }
+        // The trained domain mix, when there are several domains.
+        if step.domain_groups.len() > 1 {
+            for (domain, n) in &step.domain_groups {
+                extra.insert(format!("groups.{domain}"), *n as f64);
+            }
+        }
         if let Some(s) = scores {
             extra.insert("train_accuracy".to_owned(), s.train);
             // Each domain's own, when there are several (one domain's is the run's).

@@ -178,9 +178,15 @@ async fn warmup(
         batch_size: w.batch_size.get() as usize,
         check_every: w.check_every.get(),
     };
-    let (_, report) = warm_start(trainer, Arc::new(demos), &mut probes, &settings, on_progress)
-        .await
-        .map_err(|e| setup_err(format!("warm-up: {e}")))?;
+    let (_, report) = warm_start(
+        trainer,
+        Arc::new(demos),
+        &mut probes,
+        &settings,
+        on_progress,
+    )
+    .await
+    .map_err(|e| setup_err(format!("warm-up: {e}")))?;
     let tmp = dir.with_extension("tmp");
     let _ = std::fs::remove_dir_all(&tmp);
     save_checkpoint(&report.weights, &tmp, &SaveOptions::default()).map_err(|e| {

@@ -8,6 +8,7 @@ use std::time::Instant;
 use sluice_core::metrics::{self as m, MetricKind};
 use sluice_core::rollout::reward_component_means;
 use sluice_core::{BackendError, GroupId, PolicyVersion, RolloutGroup, WeightSnapshot};
+use sluice_trainer::{SituationAdvantage, situation_advantages};
 use tokio::sync::mpsc;
 
 use super::{StepReport, Worker, panic_message};
@@ -34,6 +35,10 @@ pub struct TrainedStep {
     pub version_lag_mean: f64,
     /// Mean of each named reward component over the batch's rollouts that carry it.
     pub reward_components: BTreeMap<String, f64>,
+    /// The advantages the step's texts got, per (domain, situation label).
+    pub situations: BTreeMap<(String, String), SituationAdvantage>,
+    /// Groups of each domain in the batch (the trained domain mix).
+    pub domain_groups: BTreeMap<String, u64>,
     /// Completion tokens trained.
     pub trained_tokens: u64,
     /// Seconds the step computed.
@@ -133,6 +138,7 @@ impl Worker {
         if let Some(w) = &published {
             metrics::gauge!(m::TRAINER_POLICY_VERSION).set(w.version.0 as f64);
         }
+        let situations = self.export_situations(&batch);
         if let Some(feed) = &self.options.feed {
             let step = TrainedStep {
                 step: steps,
@@ -141,6 +147,11 @@ impl Worker {
                 // The lags were summed by the invariant check already.
                 version_lag_mean: check.lag_sum as f64 / check.tokens.max(1) as f64,
                 reward_components: reward_component_means(batch.iter().flat_map(|g| &g.rollouts)),
+                situations,
+                domain_groups: batch.iter().fold(BTreeMap::new(), |mut m, g| {
+                    *m.entry(g.sample.domain.clone()).or_default() += 1;
+                    m
+                }),
                 trained_tokens: check.tokens,
                 seconds,
                 metrics: out.metrics,
@@ -183,6 +194,30 @@ pub fn export_step_metrics(values: &BTreeMap<String, f64>) -> usize {
         }
     }
     ignored
+}
+
+impl Worker {
+    /// The advantages of `batch`'s texts per (domain, situation), exported as gauges (new
+    /// series up to the cap; labels come from envs, maybe remote ones).
+    fn export_situations(
+        &mut self,
+        batch: &[RolloutGroup],
+    ) -> BTreeMap<(String, String), SituationAdvantage> {
+        let Some(config) = &self.options.advantage else {
+            return BTreeMap::new();
+        };
+        let situations = situation_advantages(batch, config);
+        for ((domain, situation), a) in &situations {
+            if !self.situation_series.admit(domain, situation) {
+                continue;
+            }
+            let labels = [("domain", domain.clone()), ("situation", situation.clone())];
+            metrics::gauge!(m::TRAINER_SITUATION_TEXTS, &labels).set(a.texts as f64);
+            metrics::gauge!(m::TRAINER_SITUATION_ADVANTAGE_MEAN_VALUE, &labels).set(a.mean);
+            metrics::gauge!(m::TRAINER_SITUATION_ADVANTAGE_ABS_MEAN_VALUE, &labels).set(a.abs_mean);
+        }
+        situations
+    }
 }
 
 /// Mean final reward over the rollouts of `batch`.

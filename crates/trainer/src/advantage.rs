@@ -245,3 +245,50 @@ fn situational_texts<'a>(
     texts.sort_by_key(|t| (t.rollout, t.turn));
     texts
 }
+
+/// The advantages of one (domain, situation) in a batch: how many texts, and the mean and mean
+/// absolute advantage the trainer gives them. With the situational baseline each situation is
+/// compared only with itself, so its mean is about 0 while its absolute mean shows how much
+/// signal the situation carries; with the group baseline the means show which situations the
+/// batch's outcomes favour.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct SituationAdvantage {
+    /// Training texts (turns) in the situation.
+    pub texts: u64,
+    /// Mean advantage.
+    pub mean: f64,
+    /// Mean absolute advantage.
+    pub abs_mean: f64,
+}
+
+/// Label of turns without a situation.
+pub const NO_SITUATION: &str = "none";
+
+/// The advantages `config` gives `groups`' training texts, summed per (domain, situation).
+pub fn situation_advantages(
+    groups: &[RolloutGroup],
+    config: &AdvantageConfig,
+) -> BTreeMap<(String, String), SituationAdvantage> {
+    let batch = compute_advantages(groups, config);
+    let mut out: BTreeMap<(String, String), SituationAdvantage> = BTreeMap::new();
+    for t in &batch.texts {
+        let key = (
+            groups[t.group].sample.domain.clone(),
+            t.text
+                .situation
+                .as_deref()
+                .unwrap_or(NO_SITUATION)
+                .to_owned(),
+        );
+        let e = out.entry(key).or_default();
+        let a = f64::from(t.advantage);
+        e.texts += 1;
+        e.mean += a;
+        e.abs_mean += a.abs();
+    }
+    for e in out.values_mut() {
+        e.mean /= e.texts as f64;
+        e.abs_mean /= e.texts as f64;
+    }
+    out
+}

@@ -27,7 +27,10 @@ pub mod settings;
 pub mod simulated;
 mod steps;
 
-pub use advantage::{AdvantageBatch, AdvantageConfig, ScoredText, compute_advantages};
+pub use advantage::{
+    AdvantageBatch, AdvantageConfig, ScoredText, SituationAdvantage, compute_advantages,
+    situation_advantages,
+};
 pub use batcher::{BatcherConfig, MicroBatch, Packing, PackingStats, TrainingText, pack};
 pub use error::TrainerError;
 pub use loss::{LossConfig, LossStats, LossSummary, LossTerms, TokenInputs, token_terms};

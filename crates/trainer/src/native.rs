@@ -240,9 +240,11 @@ impl NativeTrainer {
         Ok((stats, Some(Arc::clone(&self.published))))
     }
 
-    /// One supervised step: cross-entropy (token mean) of the reference completions given their
-    /// prompts. Updates the weights, so it publishes a new version like an RL step. Runs on the
-    /// trainer's compute threads.
+    /// One supervised step: cross-entropy of the reference completions given their prompts, the
+    /// mean over examples of each example's token mean, so every demonstration weighs the same
+    /// whatever its length (a 2-token arithmetic answer next to a 60-token tool call would
+    /// otherwise get a thirtieth of the gradient). Updates the weights, so it publishes a new
+    /// version like an RL step. Runs on the trainer's compute threads.
     pub fn supervised_step(
         &mut self,
         examples: &[SupervisedExample<'_>],
@@ -274,7 +276,7 @@ impl NativeTrainer {
             .iter()
             .map(|z| z.iter().map(|p| p.1).collect())
             .collect();
-        let weight = 1.0 / total as f32;
+        let with_tokens = examples.iter().filter(|e| !e.completion.is_empty()).count();
         let texts: Vec<TrainingText<'_>> = examples
             .iter()
             .zip(behaviour.iter().zip(&versions))
@@ -284,7 +286,7 @@ impl NativeTrainer {
                 behaviour: b,
                 versions: v,
                 advantage: 1.0,
-                weight,
+                weight: 1.0 / (with_tokens * e.completion.len().max(1)) as f32,
             })
             .collect();
         let mut stats = StepStats::default();
