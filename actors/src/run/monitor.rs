@@ -101,6 +101,8 @@ pub struct RunMonitor {
     last_accuracy: (f64, f64),
     /// Each domain's accuracy at the last evaluation.
     last_domains: Vec<DomainAccuracy>,
+    /// The run's domains (`data.datasets`), whose trained groups each record counts.
+    domains: Vec<String>,
     best_accuracy: f64,
     steps: u64,
     reached_target_at: Option<(u64, f64)>,
@@ -141,6 +143,7 @@ impl RunMonitor {
             latest: None,
             last_accuracy: start.accuracy,
             last_domains: Vec::new(),
+            domains: config.data.domains(),
             best_accuracy: start.accuracy.0,
             steps: start.step,
             start,
@@ -300,10 +303,11 @@ impl RunMonitor {
             extra.insert(format!("{key}.advantage"), a.mean);
             extra.insert(format!("{key}.abs_advantage"), a.abs_mean);
         }
-        // The trained domain mix, when there are several domains.
-        if step.domain_groups.len() > 1 {
-            for (domain, n) in &step.domain_groups {
-                extra.insert(format!("groups.{domain}"), *n as f64);
+        // The trained domain mix, when the run has several domains.
+        if self.domains.len() > 1 {
+            for domain in &self.domains {
+                let n = step.domain_groups.get(domain).copied().unwrap_or(0);
+                extra.insert(format!("groups.{domain}"), n as f64);
             }
         }
         if let Some(s) = scores {
