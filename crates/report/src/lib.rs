@@ -26,6 +26,6 @@ pub use error::ReportError;
 pub use image::{Image, Rgb};
 pub use log::{METRICS_FILE, MetricsLog, StepRecord, read_log};
 pub use plot::{
-    ACCURACY_COLOUR, PLOT_FILE, PanelKind, PlotOptions, REWARD_COLOUR, RunPlot, Series, plot_run,
-    render_run,
+    ACCURACY_COLOUR, DOMAIN_ACCURACY_PREFIX, PLOT_FILE, PanelKind, PlotOptions, REWARD_COLOUR,
+    RunPlot, Series, domain_colour, plot_run, render_run,
 };

@@ -6,7 +6,9 @@ use crate::font::ADVANCE;
 use crate::image::Rgb;
 use crate::image::{Image, text_height, text_width};
 use crate::log::StepRecord;
-use crate::plot::{ACCURACY_COLOUR, PanelKind, REWARD_COLOUR};
+use crate::plot::{
+    ACCURACY_COLOUR, DOMAIN_ACCURACY_PREFIX, PanelKind, REWARD_COLOUR, domain_colour, eval_domains,
+};
 
 const TEXT: Rgb = Rgb(40, 40, 40);
 const GRID: Rgb = Rgb(232, 232, 232);
@@ -118,6 +120,14 @@ impl Panel {
     pub fn accuracy_point(&self, record: &StepRecord) -> Option<(i32, i32)> {
         let x = self.x_value(record)?;
         let accuracy = record.eval_accuracy.filter(|a| a.is_finite())?;
+        Some(self.pixel(x, self.accuracy.fraction(accuracy * 100.0)))
+    }
+
+    /// Where the record's accuracy on `domain` (`eval_accuracy.<domain>`) is drawn, if it has one.
+    pub fn domain_point(&self, domain: &str, record: &StepRecord) -> Option<(i32, i32)> {
+        let x = self.x_value(record)?;
+        let key = format!("{DOMAIN_ACCURACY_PREFIX}{domain}");
+        let accuracy = record.extra.get(&key).copied().filter(|a| a.is_finite())?;
         Some(self.pixel(x, self.accuracy.fraction(accuracy * 100.0)))
     }
 
@@ -237,6 +247,15 @@ impl Panel {
         if let (Some(&only), None) = (finite.next(), finite.next()) {
             // A lone point has no segment to show it.
             image.fill_disc(only, 2 * s, REWARD_COLOUR);
+        }
+        // Each domain's own accuracy, thin, under the mean's line.
+        for (i, domain) in eval_domains(records).iter().enumerate() {
+            let line: Vec<Option<(i32, i32)>> = records
+                .iter()
+                .filter_map(|r| self.domain_point(domain, r))
+                .map(Some)
+                .collect();
+            draw_polyline(image, &line, domain_colour(i), 1);
         }
         // Steps without an eval neither break nor end the accuracy line.
         let accuracy: Vec<Option<(i32, i32)>> = records

@@ -21,6 +21,36 @@ pub const REWARD_COLOUR: Rgb = Rgb(31, 119, 180);
 /// Colour of the accuracy line and its points (orange; blue and orange stay apart for
 /// colour-blind readers).
 pub const ACCURACY_COLOUR: Rgb = Rgb(230, 97, 1);
+/// Colours of the per-domain accuracy lines (thin), in the order the domains first appear.
+const DOMAIN_COLOURS: [Rgb; 4] = [
+    Rgb(44, 160, 44),
+    Rgb(148, 103, 189),
+    Rgb(140, 86, 75),
+    Rgb(127, 127, 127),
+];
+
+/// The `extra` key of a domain's held-out accuracy in `metrics.jsonl`.
+pub const DOMAIN_ACCURACY_PREFIX: &str = "eval_accuracy.";
+
+/// The colour of the line of the `i`-th domain (in first-appearance order in the log).
+pub fn domain_colour(i: usize) -> Rgb {
+    DOMAIN_COLOURS[i % DOMAIN_COLOURS.len()]
+}
+
+/// The domains with their own accuracy in `records`, in first-appearance order.
+pub(crate) fn eval_domains(records: &[StepRecord]) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for r in records {
+        for key in r.extra.keys() {
+            if let Some(d) = key.strip_prefix(DOMAIN_ACCURACY_PREFIX)
+                && !out.iter().any(|o| o == d)
+            {
+                out.push(d.to_owned());
+            }
+        }
+    }
+    out
+}
 const TITLE: Rgb = Rgb(20, 20, 20);
 const LEGEND_TEXT: Rgb = Rgb(40, 40, 40);
 
@@ -93,6 +123,21 @@ impl RunPlot {
             Series::Accuracy => panel.accuracy_point(record),
         }
     }
+
+    /// The pixel at which `record`'s accuracy on `domain` is drawn in `panel`, if the record
+    /// has one.
+    pub fn domain_point(
+        &self,
+        panel: PanelKind,
+        domain: &str,
+        record: &StepRecord,
+    ) -> Option<(i32, i32)> {
+        let panel = &self.panels[match panel {
+            PanelKind::Step => 0,
+            PanelKind::WallTime => 1,
+        }];
+        panel.domain_point(domain, record)
+    }
 }
 
 /// Renders the default-sized plot of `records` and writes it to `path` as PNG.
@@ -116,14 +161,15 @@ pub fn render_run(records: &[StepRecord], options: &PlotOptions) -> RunPlot {
         .clone()
         .unwrap_or_else(|| default_title(records));
     image.text((gap, gap), &title, TITLE, s);
-    let legend_width = legend_width(s);
+    let legend = legend(records);
+    let legend_width = legend_width(&legend, s);
     let (legend_x, legend_y) =
         if gap + text_width(&title, s) + 4 * gap + legend_width <= width as i32 - gap {
             (width as i32 - gap - legend_width, gap)
         } else {
             (gap, 2 * gap + th)
         };
-    draw_legend(&mut image, (legend_x, legend_y), s);
+    draw_legend(&mut image, &legend, (legend_x, legend_y), s);
 
     // Vertical layout: header rows, the axis names above each frame, then below each frame the
     // tick marks, tick labels and the x axis name.
@@ -216,21 +262,35 @@ const LEGEND: [(&str, Rgb, bool); 2] = [
     ("eval accuracy", ACCURACY_COLOUR, true),
 ];
 
+/// The legend: reward, accuracy (the mean over domains when there are several), then each
+/// domain's accuracy line.
+fn legend(records: &[StepRecord]) -> Vec<(String, Rgb, bool)> {
+    let mut out: Vec<(String, Rgb, bool)> = LEGEND
+        .iter()
+        .map(|&(label, colour, marked)| (label.to_owned(), colour, marked))
+        .collect();
+    for (i, domain) in eval_domains(records).iter().enumerate() {
+        out.push((domain.clone(), domain_colour(i), false));
+    }
+    out
+}
+
 /// Sample stroke, gap, label, and a wider gap between entries.
-fn legend_width(s: u32) -> i32 {
+fn legend_width(legend: &[(String, Rgb, bool)], s: u32) -> i32 {
     let si = s as i32;
-    LEGEND
+    legend
         .iter()
         .map(|(label, _, _)| 12 * si + 3 * si + text_width(label, s))
         .sum::<i32>()
         + 8 * si
 }
 
-fn draw_legend(image: &mut Image, (x, y): (i32, i32), s: u32) {
+fn draw_legend(image: &mut Image, legend: &[(String, Rgb, bool)], (x, y): (i32, i32), s: u32) {
     let si = s as i32;
     let mid = y + text_height(s) / 2;
     let mut x = x;
-    for (label, colour, marked) in LEGEND {
+    for (label, colour, marked) in legend {
+        let (colour, marked) = (*colour, *marked);
         image.fill_rect(x, mid - si / 2, 12 * si, si, colour);
         if marked {
             image.fill_disc((x + 6 * si, mid), 2 * s, colour);

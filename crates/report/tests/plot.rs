@@ -4,7 +4,7 @@ mod support;
 
 use sluice_report::{
     ACCURACY_COLOUR, Image, PanelKind, PlotOptions, REWARD_COLOUR, Rgb, Series, StepRecord,
-    plot_run, render_run,
+    domain_colour, plot_run, render_run,
 };
 use support::{crc32, decode};
 
@@ -153,6 +153,47 @@ fn plotted_lines_have_the_series_colours() {
         .unwrap();
     assert_eq!(step.1, wall.1);
     assert!(wall.0 > 480 && step.0 < 480);
+}
+
+/// A multi-domain run draws each domain's accuracy (`eval_accuracy.<domain>`) as its own thin
+/// line, in its own colour, where its values say; a single-domain run draws none.
+#[test]
+fn each_domain_gets_its_own_accuracy_line() {
+    let mut records = run(40);
+    for r in &mut records {
+        if r.eval_accuracy.is_some() {
+            r.extra.insert("eval_accuracy.math".into(), 0.40);
+            r.extra.insert("eval_accuracy.tools".into(), 0.70);
+        }
+    }
+    let plot = render_run(&records, &PlotOptions::default());
+    let decoded = decode(&plot.image().to_png()).unwrap();
+    let near = |(x, y): (i32, i32), colour: Rgb| {
+        (-1..=1).any(|dy| (-1..=1).any(|dx| decoded.pixel(x + dx, y + dy) == rgb(colour)))
+    };
+    for panel in [PanelKind::Step, PanelKind::WallTime] {
+        for (i, domain) in ["math", "tools"].into_iter().enumerate() {
+            let points: Vec<(i32, i32)> = records
+                .iter()
+                .filter_map(|r| plot.domain_point(panel, domain, r))
+                .collect();
+            assert_eq!(points.len(), 8, "{domain}");
+            for pair in points.windows(2) {
+                let middle = ((pair[0].0 + pair[1].0) / 2, (pair[0].1 + pair[1].1) / 2);
+                assert!(
+                    near(middle, domain_colour(i)),
+                    "{panel:?}: no {domain} line at {middle:?}"
+                );
+            }
+        }
+        let math = plot.domain_point(panel, "math", &records[0]).unwrap();
+        let tools = plot.domain_point(panel, "tools", &records[0]).unwrap();
+        assert!(tools.1 < math.1, "70 % above 40 %");
+    }
+    let single = render_run(&run(40), &PlotOptions::default());
+    let colours = single.image().rgb();
+    let has = |c: Rgb| colours.chunks(3).any(|p| p == rgb(c));
+    assert!(!has(domain_colour(0)) && !has(domain_colour(1)));
 }
 
 #[test]
