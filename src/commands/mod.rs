@@ -4,6 +4,7 @@ mod check;
 mod env_server;
 mod knobs;
 mod model;
+mod node;
 mod plot;
 mod run;
 mod serve;
