@@ -631,7 +631,10 @@ fn node_roles_resolve_and_print_back() {
     assert_eq!(again, head);
     let engine = parse(
         "[node]\nrole = \"engine\"\nhead = \"http://10.0.0.1:9401/\"",
-        &["node.listen=\"127.0.0.3:0\"", "node.advertise=\"http://10.0.0.3:8000\""],
+        &[
+            "node.listen=\"127.0.0.3:0\"",
+            "node.advertise=\"http://10.0.0.3:8000\"",
+        ],
     )
     .unwrap();
     let node = engine.node.as_ref().unwrap();
