@@ -2,6 +2,7 @@
 //!
 //! | route | token | what |
 //! |---|---|---|
+//! | `GET /health` | – | 200 `{}` while the API answers (readiness probes) |
 //! | `GET /v1/status` | – | version, step, buckets, rates, knobs, actor health ([`StatusReport`]) |
 //! | `GET /v1/knobs` | – | the live knobs |
 //! | `PATCH /v1/knobs` | yes | a JSON [`KnobPatch`]; all or nothing |
@@ -76,6 +77,7 @@ impl FromRef<Shared> for AdminState {
 /// Every admin route, without fallbacks (add new routes here).
 fn routes() -> Router<Shared> {
     Router::new()
+        .route("/health", get(|| async { Json(json!({})) }))
         .route("/v1/status", get(get_status))
         .route("/v1/knobs", get(get_knobs).patch(patch_knobs))
         .route("/v1/pause", post(pause))
@@ -404,7 +406,7 @@ async fn not_found(method: Method, uri: Uri) -> ApiError {
         StatusCode::NOT_FOUND,
         "not_found",
         format!(
-            "no route {method} {}; routes: GET /v1/status, GET|PATCH /v1/knobs, POST /v1/pause, POST /v1/resume, POST /v1/checkpoint, GET|POST /v1/nodes, POST /v1/nodes/{{name}}/heartbeat|leave, GET /v1/weights/{{version}}, GET /metrics (metrics listener)",
+            "no route {method} {}; routes: GET /health, GET /v1/status, GET|PATCH /v1/knobs, POST /v1/pause, POST /v1/resume, POST /v1/checkpoint, GET|POST /v1/nodes, POST /v1/nodes/{{name}}/heartbeat|leave, GET /v1/weights/{{version}}, GET /metrics (metrics listener)",
             uri.path()
         ),
     )

@@ -14,7 +14,8 @@ pub struct RawNode {
     pub name: Option<String>,
     /// Address an engine or env node serves on.
     pub listen: Option<String>,
-    /// URL the head reaches this node at (default `http://` + the bound `listen` address).
+    /// URL others reach this node at (default `http://` + the bound `listen` address; the
+    /// head's: `http://` + `admin.listen`, where engine nodes fetch weights).
     pub advertise: Option<String>,
     /// Seconds between a member's heartbeats (the head's value is the one members use).
     pub heartbeat_s: f64,

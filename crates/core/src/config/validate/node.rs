@@ -90,12 +90,6 @@ pub(super) fn validate_node(raw: RawNode, ctx: &Ctx<'_>) -> Result<NodeConfig, C
         }
         (None, false) => None,
     };
-    if !member && raw.advertise.is_some() {
-        return Err(ctx.value(
-            "node.advertise",
-            "the head is reached at admin.listen; node.advertise is for engine and env nodes",
-        ));
-    }
     let advertise = raw
         .advertise
         .map(|a| base_url(ctx, "node.advertise", &a))
