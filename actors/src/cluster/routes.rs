@@ -179,6 +179,12 @@ pub async fn weights(
             format!("version {v}: {e}"),
         )
     })?;
+    Ok(stream_file(file, crc).await)
+}
+
+/// A weight file streamed in 1 MiB chunks with its length and CRC-32 (`x-sluice-crc32`): what
+/// `GET /v1/weights/{version}` answers (also used by `sluice bench weights`).
+pub async fn stream_file(file: tokio::fs::File, crc: u32) -> Response {
     let len = file.metadata().await.map(|m| m.len()).unwrap_or(0);
     let chunks = futures::stream::unfold(Some(file), |file| async move {
         let mut file = file?;
@@ -203,5 +209,5 @@ pub async fn weights(
     if let Ok(v) = HeaderValue::from_str(&format!("{crc:08x}")) {
         h.insert(CRC32_HEADER, v);
     }
-    Ok(response)
+    response
 }
