@@ -21,6 +21,9 @@ use sluice_model::{LoadOptions, Tokenizer, load_checkpoint};
 
 const TOKEN: &str = "node-token";
 
+/// The stand-in head's state: the file it serves and the authorization headers it saw.
+type HeadState = (Arc<Vec<u8>>, Arc<Mutex<Vec<String>>>);
+
 /// A stand-in head: `GET /v1/weights/1` answers `file` to the node token, 401 otherwise;
 /// records the authorization headers it saw.
 async fn head(file: Vec<u8>) -> (String, Arc<Mutex<Vec<String>>>) {
@@ -30,8 +33,7 @@ async fn head(file: Vec<u8>) -> (String, Arc<Mutex<Vec<String>>>) {
         .route(
             "/v1/weights/1",
             axum::routing::get(
-                |State((file, seen)): State<(Arc<Vec<u8>>, Arc<Mutex<Vec<String>>>)>,
-                 headers: HeaderMap| async move {
+                |State((file, seen)): State<HeadState>, headers: HeaderMap| async move {
                     let auth = headers
                         .get("authorization")
                         .and_then(|v| v.to_str().ok())
