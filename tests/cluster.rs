@@ -1,6 +1,6 @@
 //! A run across "machines": real processes on loopback, each 127.0.0.x address standing for a
 //! host, each node with its own output directory (no shared disk). A head (tiny native model,
-//! remote engine slots) and two engine nodes that join it:
+//! remote engine slots), two engine nodes and an env node (running the episodes) that join it:
 //!
 //! - both nodes join, get a replica each and serve the head's versions, fetched over HTTP: the
 //!   file an engine node loaded is byte for byte the head's, and not its own start weights;
@@ -97,7 +97,7 @@ impl Drop for Proc {
     }
 }
 
-fn head_config(dir: &Path, admin: &str) -> PathBuf {
+fn head_config(dir: &Path, admin: &str, env_url: &str) -> PathBuf {
     let text = format!(
         r#"
 [run]
@@ -129,6 +129,10 @@ enable_partial_rollout = true
 [data]
 datasets = ["math::arithmetic@train"]
 
+# The episodes run on the env node.
+[data.domains.math]
+env_url = "{env_url}"
+
 [replay]
 filter_zero_advantage = false
 
@@ -157,6 +161,26 @@ lost_after_s = 1.0
         out = dir.join("head").display()
     );
     let path = dir.join("head.toml");
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+fn env_config(dir: &Path, head: &str, listen: &str) -> PathBuf {
+    let text = format!(
+        r#"
+[run]
+name = "cluster"
+output_dir = "{out}"
+
+[node]
+role = "env"
+name = "env1"
+head = "{head}"
+listen = "{listen}"
+"#,
+        out = dir.join("env1").display()
+    );
+    let path = dir.join("env1.toml");
     std::fs::write(&path, text).unwrap();
     path
 }
@@ -234,17 +258,26 @@ fn nodes_join_serve_over_http_and_survive_kill_9_of_a_node_and_of_the_head() {
     let base = format!("http://{admin}");
     let e1_addr = format!("127.0.0.3:{}", free_port("127.0.0.3"));
     let e2_addr = format!("127.0.0.4:{}", free_port("127.0.0.4"));
-    let head_toml = head_config(d, &admin);
+    let env_addr = format!("127.0.0.6:{}", free_port("127.0.0.6"));
+    let head_toml = head_config(d, &admin, &format!("http://{env_addr}"));
     let e1_toml = engine_config(d, "e1", &base, &e1_addr);
     let e2_toml = engine_config(d, "e2", &base, &e2_addr);
+    let env_toml = env_config(d, &base, &env_addr);
 
     let started = Instant::now();
+    let _env = Proc::start(d, &env_toml, "env1", TOKEN);
     let mut head = Proc::start(d, &head_toml, "head", TOKEN);
     let mut e1 = Proc::start(d, &e1_toml, "e1", TOKEN);
     let _e2 = Proc::start(d, &e2_toml, "e2", TOKEN);
     let s = wait_status(&mut head, &base, "both nodes serving and 5 steps", |s| {
         live_with_replica(s, "e1") && live_with_replica(s, "e2") && steps(s) >= 5
     });
+    // The env node joined too (its episodes are what the run trains on).
+    let env = node(&s, "env1").expect("the env node is listed");
+    assert_eq!(
+        (env["role"].as_str(), env["health"].as_str()),
+        (Some("env"), Some("live"))
+    );
     let joined_seconds = started.elapsed().as_secs_f64();
     let replicas: Vec<u64> = ["e1", "e2"]
         .iter()
