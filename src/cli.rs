@@ -185,6 +185,9 @@ pub enum BenchCommand {
     Trainer(sluice_bench::BenchTrainerArgs),
     /// Native engine: continuous-batching speed-up, inter-token latency, weight-swap pauses.
     Engine(sluice_bench::BenchEngineArgs),
+    /// Weights over the network: a head delivering one version to an engine node over HTTP vs
+    /// a raw loopback copy of the same bytes.
+    Weights(sluice_bench::BenchWeightsArgs),
 }
 
 /// `sluice knobs ...`

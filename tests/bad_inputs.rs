@@ -355,6 +355,31 @@ fn rows() -> Vec<Row> {
             Http(401, "unauthorized"),
             "wrong bearer token",
         ),
+        // Membership and weights are a head's: a single node says so instead of a bare 404.
+        row(
+            Input::Admin(Admin {
+                method: "POST",
+                path: "/v1/nodes",
+                body: Body::Text(
+                    "{\"name\": \"e1\", \"role\": \"engine\", \"url\": \"http://127.0.0.1:1\"}",
+                ),
+                token: Some(TOKEN),
+                content_type: Some("application/json"),
+            }),
+            Http(404, "not_a_head"),
+            "this node is not a head",
+        ),
+        row(
+            Input::Admin(Admin {
+                method: "GET",
+                path: "/v1/weights/0",
+                body: Body::Text(""),
+                token: Some(TOKEN),
+                content_type: None,
+            }),
+            Http(404, "not_a_head"),
+            "serves no weights",
+        ),
         row(
             Input::Admin(Admin {
                 method: "POST",

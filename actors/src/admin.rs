@@ -2,12 +2,14 @@
 //!
 //! | route | token | what |
 //! |---|---|---|
+//! | `GET /health` | – | 200 `{}` while the API answers (readiness probes) |
 //! | `GET /v1/status` | – | version, step, buckets, rates, knobs, actor health ([`StatusReport`]) |
 //! | `GET /v1/knobs` | – | the live knobs |
 //! | `PATCH /v1/knobs` | yes | a JSON [`KnobPatch`]; all or nothing |
 //! | `POST /v1/pause` | yes | sets the `paused` knob (admission stops, in-flight work goes on) |
 //! | `POST /v1/resume` | yes | clears the `paused` knob |
 //! | `POST /v1/checkpoint` | yes | writes a checkpoint now; answers `{"checkpoint": manifest}` (409 without a checkpoint directory) |
+//! | `/v1/nodes…`, `GET /v1/weights/{version}` | see [`crate::cluster::routes`] | a head's members and the weights they fetch |
 //!
 //! "Token" means `Authorization: Bearer <token>` when `admin.token` is configured (the config
 //! refuses a non-loopback `admin.listen` without one). A mutating call answers
@@ -36,6 +38,7 @@ use sluice_core::config::Secret;
 use sluice_core::{KnobPatch, Knobs};
 
 use crate::ActorError;
+use crate::cluster::routes as cluster;
 use crate::handles::NodeHandles;
 
 mod status;
@@ -50,8 +53,10 @@ pub const MAX_BODY_BYTES: usize = 64 * 1024;
 pub struct AdminState {
     /// The node's actors and knobs.
     pub node: NodeHandles,
-    /// Bearer token for mutating calls.
+    /// Bearer token for mutating calls (and the node token members join with).
     pub token: Option<Secret>,
+    /// A head's members and served weights (`None` on other nodes).
+    pub cluster: Option<Arc<crate::cluster::ClusterState>>,
 }
 
 /// The router's state: the caller's [`AdminState`] plus what the status route keeps between
@@ -72,11 +77,16 @@ impl FromRef<Shared> for AdminState {
 /// Every admin route, without fallbacks (add new routes here).
 fn routes() -> Router<Shared> {
     Router::new()
+        .route("/health", get(|| async { Json(json!({})) }))
         .route("/v1/status", get(get_status))
         .route("/v1/knobs", get(get_knobs).patch(patch_knobs))
         .route("/v1/pause", post(pause))
         .route("/v1/resume", post(resume))
         .route("/v1/checkpoint", post(checkpoint))
+        .route("/v1/nodes", get(cluster::list).post(cluster::join))
+        .route("/v1/nodes/{name}/heartbeat", post(cluster::heartbeat))
+        .route("/v1/nodes/{name}/leave", post(cluster::leave))
+        .route("/v1/weights/{version}", get(cluster::weights))
 }
 
 /// The admin routes with their JSON fallbacks (404, 405) and body limit.
@@ -396,7 +406,7 @@ async fn not_found(method: Method, uri: Uri) -> ApiError {
         StatusCode::NOT_FOUND,
         "not_found",
         format!(
-            "no route {method} {}; routes: GET /v1/status, GET|PATCH /v1/knobs, POST /v1/pause, POST /v1/resume, POST /v1/checkpoint, GET /metrics (metrics listener)",
+            "no route {method} {}; routes: GET /health, GET /v1/status, GET|PATCH /v1/knobs, POST /v1/pause, POST /v1/resume, POST /v1/checkpoint, GET|POST /v1/nodes, POST /v1/nodes/{{name}}/heartbeat|leave, GET /v1/weights/{{version}}, GET /metrics (metrics listener)",
             uri.path()
         ),
     )

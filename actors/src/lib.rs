@@ -16,6 +16,7 @@
 //! | [`faults`] | fault injection decorators (`[faults]`, off by default) |
 //! | [`admin`] | admin HTTP API | `GET/PATCH /v1/knobs`, `GET /v1/status`, `GET /metrics` |
 //! | [`client`] | a small blocking HTTP client for the admin API (`sluice knobs`) |
+//! | [`cluster`] | head / engine / env nodes | membership registry, weights over HTTP, joining a head |
 //! | [`telemetry`] | metrics | exporter install, periodic gauges and upkeep |
 //!
 //! Flow control: ractor mailboxes are unbounded, so every producer is bounded by the controller's
@@ -25,6 +26,7 @@
 pub mod admin;
 pub mod checkpoint;
 pub mod client;
+pub mod cluster;
 pub mod controller;
 pub mod counters;
 pub mod engine;

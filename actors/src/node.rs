@@ -81,6 +81,8 @@ pub struct NodeOptions {
     /// config's own (`replay_dir == replay.path`, as `sluice run` sets it), else no checkpoints
     /// (tests that point the store elsewhere never touch the run's output dir).
     pub checkpoint_dir: Option<PathBuf>,
+    /// A head's members and served weights, for its admin API ([`crate::cluster::Head`]).
+    pub cluster: Option<Arc<crate::cluster::ClusterState>>,
 }
 
 /// A running node.
@@ -120,6 +122,7 @@ impl Node {
             native,
             step_feed,
             checkpoint_dir,
+            cluster,
         } = options;
         let build::Backends {
             factory,
@@ -331,6 +334,7 @@ impl Node {
             let state = AdminState {
                 node: handles.clone(),
                 token: config.admin.token.clone(),
+                cluster,
             };
             Some(Server::start(config.admin.listen, admin::router(state)).await?)
         } else {

@@ -9,8 +9,9 @@
 //! rollout statuses, finish reasons, buckets, the state machine's bucket transitions, weight-update
 //! modes, knob names) and, when a node starts ([`seed_node`]), for its replicas, domains and
 //! datasets. A series without labels is never seeded for a labeled name: it would sit beside the
-//! labeled ones as a bogus `0` in every sum and average. The one name whose label values only
-//! appear with events, `sluice_actor_errors_total{actor, kind}`, shows from its first error.
+//! labeled ones as a bogus `0` in every sum and average. The names whose label values only
+//! appear with events show from their first one: `sluice_actor_errors_total{actor, kind}` from its
+//! first error, a head's `sluice_node_member_*{node}` when a node joins.
 //!
 //! Per-replica token counts would start again at 0 when a replica is rebuilt: the node wraps its
 //! backend factory with [`carry_token_counts`] so each replica slot counts on, and
@@ -126,6 +127,7 @@ fn static_values(label: &str) -> Option<Vec<&'static str>> {
         "kind" => ENV_FAILURE_KINDS.to_vec(),
         "from" | "to" => Bucket::ALL.iter().map(|b| b.as_label()).collect(),
         "version" => vec![env!("CARGO_PKG_VERSION")],
+        "role" => vec!["engine", "env"],
         _ => return None,
     };
     Some(values)
@@ -333,8 +335,16 @@ mod tests {
             for label in def.labels {
                 assert!(
                     static_values(label).is_some()
-                        || ["replica", "domain", "dataset", "from", "to", "component"]
-                            .contains(label),
+                        || [
+                            "replica",
+                            "domain",
+                            "dataset",
+                            "from",
+                            "to",
+                            "component",
+                            "node"
+                        ]
+                        .contains(label),
                     "{}: label `{label}` has no seeding rule",
                     def.name
                 );

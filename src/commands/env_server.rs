@@ -20,6 +20,20 @@ use crate::cli::EnvServerArgs;
 /// The environment variable holding the server's bearer token.
 pub const ENV_TOKEN_VAR: &str = "SLUICE_ENV_TOKEN";
 
+/// The server's bearer token from `$SLUICE_ENV_TOKEN`, if set.
+pub fn token_from_env() -> anyhow::Result<Option<Secret>> {
+    match std::env::var(ENV_TOKEN_VAR) {
+        Ok(t) if t.trim().is_empty() => {
+            bail!("${ENV_TOKEN_VAR}: expected a non-empty token, got an empty string")
+        }
+        Ok(t) => Ok(Some(Secret::new(t.trim()))),
+        Err(std::env::VarError::NotPresent) => Ok(None),
+        Err(std::env::VarError::NotUnicode(_)) => {
+            bail!("${ENV_TOKEN_VAR}: expected a UTF-8 token")
+        }
+    }
+}
+
 /// Runs the server.
 pub fn run(args: &EnvServerArgs) -> anyhow::Result<ExitCode> {
     let call_timeout = Duration::try_from_secs_f64(args.call_timeout_s)
@@ -43,16 +57,7 @@ pub fn run(args: &EnvServerArgs) -> anyhow::Result<ExitCode> {
     if args.max_envs == 0 {
         bail!("--max-envs: expected an integer ≥ 1, got 0");
     }
-    let token = match std::env::var(ENV_TOKEN_VAR) {
-        Ok(t) if t.trim().is_empty() => {
-            bail!("${ENV_TOKEN_VAR}: expected a non-empty token, got an empty string")
-        }
-        Ok(t) => Some(Secret::new(t.trim())),
-        Err(std::env::VarError::NotPresent) => None,
-        Err(std::env::VarError::NotUnicode(_)) => {
-            bail!("${ENV_TOKEN_VAR}: expected a UTF-8 token")
-        }
-    };
+    let token = token_from_env()?;
     if !args.host.is_loopback() && token.is_none() {
         bail!(
             "--host {}: not a loopback address; set ${ENV_TOKEN_VAR} to serve envs beyond this machine (clients send it as a bearer token)",

@@ -4,6 +4,7 @@ mod check;
 mod env_server;
 mod knobs;
 mod model;
+mod node;
 mod plot;
 mod run;
 mod serve;
@@ -33,6 +34,7 @@ pub fn run(command: Command) -> anyhow::Result<ExitCode> {
         Command::EnvServer(args) => env_server::run(&args),
         Command::Serve(args) => serve::run(&args),
         Command::Bench(BenchCommand::Engine(args)) => sluice_bench::engine::run(&args),
+        Command::Bench(BenchCommand::Weights(args)) => sluice_bench::weights::run(&args),
         Command::Plot(args) => plot::run(&args),
     }
 }

@@ -9,11 +9,12 @@ use std::process::ExitCode;
 
 use anyhow::{Context, bail};
 use indicatif::{ProgressBar, ProgressStyle};
+use sluice_actors::cluster::Head;
 use sluice_actors::run::{NativeRun, Progress, RunMonitor, RunSummary, Scores, Start};
 use sluice_actors::supervise_node::StopReport;
 use sluice_actors::trainer::STEP_FEED_CAPACITY;
 use sluice_actors::{Node, NodeOptions, NodeStatus};
-use sluice_core::config::{Config, EngineBackend};
+use sluice_core::config::{Config, EngineBackend, NodeRole};
 use sluice_report::{METRICS_FILE, MetricsLog, PLOT_FILE, plot_run, read_log};
 
 use super::shutdown_signal;
@@ -22,6 +23,12 @@ use crate::cli::ConfigArgs;
 /// Loads the config and runs the node until the run ends.
 pub fn run(args: &ConfigArgs) -> anyhow::Result<ExitCode> {
     let config = sluice_core::config::load(&args.config, &args.overrides)?;
+    // An engine or env node serves and joins its head; it runs no pipeline.
+    if let Some(node) = &config.node
+        && node.role != NodeRole::Head
+    {
+        return super::node::run(&config, node);
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -108,10 +115,20 @@ async fn run_config(config: &Config) -> anyhow::Result<ExitCode> {
         Some(n) => (Some(n.setup), Some(n.source), Some(n.evaluations)),
         None => (None, None, None),
     };
+    // A head runs its engine replicas on the engine nodes that join it.
+    let (head, head_factory) = match (&setup, config.node.as_ref().map(|n| n.role)) {
+        (Some(setup), Some(NodeRole::Head)) => {
+            let (head, factory) = Head::start(config, setup)?;
+            (Some(head), Some(factory))
+        }
+        _ => (None, None),
+    };
     let options = NodeOptions {
         replay_dir: Some(config.replay.path.clone()),
         serve_admin: true,
         serve_metrics: config.metrics.enabled,
+        backend: head_factory,
+        cluster: head.as_ref().map(Head::state),
         native: setup,
         source: source.map(|s| Box::new(s) as _),
         step_feed: Some(feed),

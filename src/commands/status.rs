@@ -233,6 +233,31 @@ pub(super) fn summary(s: &Value) -> String {
             .collect();
         line("actors", text.join(" · "));
     }
+    if let Some(nodes) = s["nodes"].as_array() {
+        line("nodes", format!("{} joined", nodes.len()));
+        for n in nodes {
+            let version = n["weight_version"]
+                .as_u64()
+                .map_or_else(|| "-".to_owned(), |v| format!("v{v}"));
+            let replica = n["replica"]
+                .as_u64()
+                .map_or_else(String::new, |r| format!(" · replica {r}"));
+            line(
+                "",
+                format!(
+                    "{} {} {} {} · weights {version} · load {} · seen {:.1}s ago{replica}",
+                    n["name"].as_str().unwrap_or("?"),
+                    n["role"].as_str().unwrap_or("?"),
+                    n["url"].as_str().unwrap_or("?"),
+                    n["health"].as_str().unwrap_or("?"),
+                    n["load"]
+                        .as_u64()
+                        .map_or_else(|| "-".to_owned(), |l| l.to_string()),
+                    num(&n["last_seen_seconds"]),
+                ),
+            );
+        }
+    }
     out
 }
 
@@ -251,6 +276,8 @@ mod tests {
             "knobs": {"max_version_lag": 1, "weight_update_mode": "in_flight"},
             "actors": {"engine": {"health": "running"}, "trainer": {"health": "failed", "detail": "nan loss"}},
             "controller": {"balance": {"threshold": 0.25, "below_ratio": 0.5, "above_ratio": 0.125, "outcome_ema": 0.4}},
+            "nodes": [{"name": "engine-a", "role": "engine", "url": "http://10.0.0.2:8000", "health": "lost",
+                       "incarnation": 3, "last_seen_seconds": 7.25, "weight_version": 6, "load": 2, "replica": 1}],
         });
         let text = summary(&status);
         for needle in [
@@ -263,6 +290,8 @@ mod tests {
             "max_version_lag=1 weight_update_mode=in_flight",
             "trainer failed (nan loss)",
             "outcome EMA 0.40 · balance threshold 0.25 · groups below 0.50 · above 0.12",
+            "nodes     1 joined",
+            "engine-a engine http://10.0.0.2:8000 lost · weights v6 · load 2 · seen 7.2s ago · replica 1",
         ] {
             assert!(text.contains(needle), "{needle:?} missing in:\n{text}");
         }

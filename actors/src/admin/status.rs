@@ -92,6 +92,9 @@ pub struct StatusReport {
     pub replay: Option<StoreSnapshot>,
     /// Each engine replica.
     pub engines: Option<Vec<EngineStats>>,
+    /// A head's joined engine and env nodes (absent on other nodes).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub nodes: Option<Vec<crate::cluster::NodeView>>,
 }
 
 /// Counters the rates are differences of.
@@ -255,6 +258,7 @@ pub(super) async fn status_report(
         trainer,
         replay,
         engines: engines.ok(),
+        nodes: admin.cluster.as_ref().map(|c| c.registry.list()),
     }
 }
 

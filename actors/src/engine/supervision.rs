@@ -88,6 +88,9 @@ pub struct ReplicaHealth {
     pub last_error: Option<String>,
 }
 
+/// How often a replica without a server looks for one (a node that joins gets work within it).
+const VACANT_RETRY: Duration = Duration::from_millis(500);
+
 fn sink_for(me: &ActorRef<EngineMsg>, replica: u32, generation: u64) -> EventSink {
     let me = me.clone();
     Arc::new(move |e| {
@@ -208,6 +211,10 @@ impl EngineState {
         cause: &'static str,
         error: Option<&EngineError>,
     ) {
+        if let Some(EngineError::NoServer { reason, .. }) = error {
+            self.vacate(replica, reason.clone());
+            return;
+        }
         let kind = error.map_or(
             match cause {
                 "watchdog" => "engine_watchdog",
@@ -275,6 +282,30 @@ impl EngineState {
             self.me
                 .send_after(delay, move || EngineMsg(Cmd::Restart(replica, generation))),
         );
+    }
+
+    /// Replica `replica` has no server to run on (a head waiting for engine nodes): it holds
+    /// no requests, so nothing is handed back; it is not a failure (no backoff growth, nothing
+    /// counted towards giving up) and is tried again after [`VACANT_RETRY`]. The give-up timer
+    /// still runs while no replica at all can serve.
+    fn vacate(&mut self, replica: u32, reason: String) {
+        let now = Instant::now();
+        let r = &mut self.replicas[replica as usize];
+        if r.health.last_error.as_deref() != Some(reason.as_str()) {
+            tracing::info!(replica, %reason, "engine replica waits for a server");
+        }
+        r.generation += 1;
+        r.load = 0;
+        r.health.alive = false;
+        r.health.last_error = Some(reason);
+        let generation = r.generation;
+        if self.unavailable_since.is_none() && self.replicas.iter().all(|r| r.backend.is_none()) {
+            self.unavailable_since = Some(now);
+        }
+        self.timers.retain(|t| !t.is_finished());
+        self.timers.push(self.me.send_after(VACANT_RETRY, move || {
+            EngineMsg(Cmd::Restart(replica, generation))
+        }));
     }
 
     pub(super) fn restart(&mut self, replica: u32, generation: u64) {

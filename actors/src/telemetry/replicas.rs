@@ -82,6 +82,13 @@ impl InferenceBackend for Carried {
         s
     }
 
+    fn is_alive(&self) -> bool {
+        // Forwarded: without it every wrapped replica looked alive forever, and a remote server
+        // that died was never failed by the engine's periodic check (its requests bounced back
+        // as aborts, were resumed on it again, and the run stalled).
+        self.inner.is_alive()
+    }
+
     fn shutdown(&mut self) {
         // Counted before the shutdown: a stopped backend may no longer report.
         self.retire();
@@ -204,7 +211,28 @@ mod tests {
         fn stats(&self) -> EngineStats {
             stats(1.0, 0.0, self.0)
         }
+        fn is_alive(&self) -> bool {
+            self.0 > 0
+        }
         fn shutdown(&mut self) {}
+    }
+
+    #[test]
+    fn a_dead_backend_looks_dead_through_the_wrapper() {
+        let counts = std::sync::Mutex::new(vec![0u64, 5]);
+        let factory: crate::engine::BackendFactory = Arc::new(move |_, _, _| {
+            Box::new(Fixed(counts.lock().unwrap().remove(0))) as Box<dyn InferenceBackend>
+        });
+        let carried = carry_token_counts(factory.into(), 1);
+        let sink: sluice_engine::EventSink = Arc::new(|_| {});
+        let weights = WeightSnapshot::version_only(sluice_core::PolicyVersion(0));
+        assert!(
+            !carried
+                .build(0, &weights, Arc::clone(&sink))
+                .unwrap()
+                .is_alive()
+        );
+        assert!(carried.build(0, &weights, sink).unwrap().is_alive());
     }
 
     #[test]

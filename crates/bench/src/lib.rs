@@ -11,8 +11,10 @@ pub mod model;
 pub mod pipeline;
 pub mod rss;
 pub mod trainer;
+pub mod weights;
 
 pub use engine::BenchEngineArgs;
 pub use model::BenchModelArgs;
 pub use pipeline::BenchPipelineArgs;
 pub use trainer::BenchTrainerArgs;
+pub use weights::BenchWeightsArgs;

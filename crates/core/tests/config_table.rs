@@ -529,6 +529,79 @@ const BAD: &[(&str, &[&str], &str, ConfigErrorKind)] = &[
         "test.toml: rollout.max_prompt_tokens: expected at most 1048576 (tokens), got 2000000",
         ConfigErrorKind::Value,
     ),
+    // [node]: the roles of a run across machines.
+    (
+        "[node]\nrole = \"worker\"",
+        &[],
+        "test.toml: node.role: expected one of head, engine, env, got `worker`",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[node]\nrole = \"engine\"",
+        &[],
+        "test.toml: node.head: an engine node joins a head: expected the head's admin URL, like http://10.0.0.1:9401",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[node]\nrole = \"head\"\nhead = \"http://h:1\"",
+        &[],
+        "test.toml: node.head: the head joins no one: remove node.head (or set node.role = \"engine\" or \"env\")",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[node]\nrole = \"engine\"\nhead = \"10.0.0.1:9401\"",
+        &[],
+        "test.toml: node.head: expected a base URL like http://10.0.0.1:9401, got `10.0.0.1:9401`",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[node]\nrole = \"engine\"\nhead = \"http://h:1\"\nlisten = \"0.0.0.0:8000\"",
+        &[],
+        "test.toml: node.advertise: node.listen = 0.0.0.0:8000 is not an address the head can reach: set node.advertise to this node's URL",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[node]\nrole = \"engine\"\nhead = \"http://h:1\"\nheartbeat_s = 2\nlost_after_s = 1",
+        &[],
+        "test.toml: node.lost_after_s: expected more seconds than node.heartbeat_s (2), got 1",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[node]\nrole = \"head\"",
+        &[],
+        "test.toml: engine.backend: a head (node.role = \"head\") routes to the engine nodes that join it: expected \"remote\"",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[node]\nrole = \"head\"\nmax_nodes = 5000",
+        &[],
+        "test.toml: node.max_nodes: expected at most 4096 (members of one head), got 5000",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[node]\nrole = \"env\"\nhead = \"http://h:1\"\nname = \"a b\"",
+        &[],
+        "test.toml: node.name: expected 1 to 63 characters of [A-Za-z0-9._-], got `a b`",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[node]\nrole = \"head\"\nlisten = \"127.0.0.1:1\"",
+        &[],
+        "test.toml: node.listen: the head serves on admin.listen; node.listen is for engine and env nodes",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[engine]\nbackend = \"remote\"\n[admin]\nlisten = \"0.0.0.0:9401\"\ntoken = \"t\"\n[node]\nrole = \"head\"",
+        &[],
+        "test.toml: node.advertise: admin.listen = 0.0.0.0:9401 is not an address engine nodes can reach: set node.advertise to the head's URL",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[node]\nrole = \"engine\"\nhead = \"http://h:1\"\nzzz = 1",
+        &[],
+        "test.toml: node.zzz: unknown key; expected one of: role, head, name, listen, advertise, heartbeat_s, lost_after_s, max_nodes",
+        ConfigErrorKind::UnknownKey,
+    ),
     (
         "[rollout]\nbalance_threshold = inf",
         &[],
@@ -536,6 +609,44 @@ const BAD: &[(&str, &[&str], &str, ConfigErrorKind)] = &[
         ConfigErrorKind::Value,
     ),
 ];
+
+#[test]
+fn node_roles_resolve_and_print_back() {
+    // No [node]: the whole pipeline here, and nothing printed for it.
+    let c = parse("", &[]).unwrap();
+    assert!(c.node.is_none());
+    assert!(!c.to_toml().contains("[node]"));
+    // A head may route to joined engine nodes only: remote with no static URL.
+    let head = parse(
+        "[engine]\nbackend = \"remote\"\nreplicas = 2\n[node]\nrole = \"head\"\nheartbeat_s = 0.5",
+        &[],
+    )
+    .unwrap();
+    let node = head.node.as_ref().unwrap();
+    assert_eq!(node.role, config::NodeRole::Head);
+    assert_eq!((node.listen, node.head.as_deref()), (None, None));
+    assert_eq!(node.heartbeat.as_millis(), 500);
+    assert_eq!(head.engine.replicas.get(), 2);
+    let again = parse(&head.to_toml(), &[]).unwrap();
+    assert_eq!(again, head);
+    let engine = parse(
+        "[node]\nrole = \"engine\"\nhead = \"http://10.0.0.1:9401/\"",
+        &[
+            "node.listen=\"127.0.0.3:0\"",
+            "node.advertise=\"http://10.0.0.3:8000\"",
+        ],
+    )
+    .unwrap();
+    let node = engine.node.as_ref().unwrap();
+    assert_eq!(node.head.as_deref(), Some("http://10.0.0.1:9401"));
+    assert_eq!(node.listen.unwrap().to_string(), "127.0.0.3:0");
+    assert_eq!(parse(&engine.to_toml(), &[]).unwrap(), engine);
+    let env = parse("[node]\nrole = \"env\"\nhead = \"http://h:1\"", &[]).unwrap();
+    assert_eq!(
+        env.node.unwrap().listen.unwrap().to_string(),
+        "127.0.0.1:8071"
+    );
+}
 
 #[test]
 fn bad_configs_name_file_key_and_expectation() {

@@ -199,6 +199,15 @@ pub enum EngineError {
         /// Why.
         reason: String,
     },
+    /// A replica slot has no server to run on yet (a head whose engine nodes have not joined,
+    /// or are all taken): not a failure of anything; the slot waits for a node.
+    #[error("engine replica {replica} has no server: {reason}")]
+    NoServer {
+        /// The replica.
+        replica: u32,
+        /// Why (which servers exist and are taken).
+        reason: String,
+    },
     /// The request is malformed.
     #[error("request {id}: {reason}")]
     BadRequest {
@@ -216,6 +225,7 @@ impl EngineError {
             Self::Stopped { .. } => "engine_stopped",
             Self::Overloaded { .. } => "engine_overloaded",
             Self::Start { .. } => "engine_start",
+            Self::NoServer { .. } => "engine_no_server",
             Self::BadRequest { .. } => "engine_bad_request",
         }
     }

@@ -51,6 +51,20 @@ pub enum HttpError {
     },
 }
 
+/// What [`HttpClient::download`] got.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Download {
+    /// A 2xx answer, written whole to the file.
+    Saved {
+        /// Bytes written.
+        bytes: u64,
+        /// CRC-32 of the bytes written.
+        crc32: u32,
+    },
+    /// Another status, with its body (nothing written).
+    Refused(StatusCode, Bytes),
+}
+
 /// One server, `http://host:port[/prefix]`, and the token every call carries.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HttpClient {
@@ -122,6 +136,111 @@ impl HttpClient {
         }
     }
 
+    /// `GET path` streamed into the file `dest` (created or truncated), one frame at a time, so
+    /// a large body never sits in memory. Returns the status, the byte count and the CRC-32 of
+    /// what was written; a non-2xx answer writes nothing and returns its body (as the error
+    /// text) instead. One deadline over the whole transfer, as [`Self::call`].
+    pub async fn download(
+        &self,
+        path: &str,
+        dest: &std::path::Path,
+        timeout: Duration,
+    ) -> Result<Download, HttpError> {
+        let transfer = async {
+            let stream = TcpStream::connect(&self.authority)
+                .await
+                .map_err(|e| format!("connect: {e}"))?;
+            let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+                .await
+                .map_err(|e| format!("handshake: {e}"))?;
+            let request = self.request(Method::GET, path, None)?;
+            let exchange = async {
+                let response = sender
+                    .send_request(request)
+                    .await
+                    .map_err(|e| format!("request: {e}"))?;
+                let status = response.status();
+                let mut body = response.into_body();
+                if !status.is_success() {
+                    let bytes = body
+                        .collect()
+                        .await
+                        .map_err(|e| format!("response body: {e}"))?
+                        .to_bytes();
+                    return Ok(Download::Refused(status, bytes));
+                }
+                let mut file = tokio::fs::File::create(dest)
+                    .await
+                    .map_err(|e| format!("creating {}: {e}", dest.display()))?;
+                let mut crc = crc32fast::Hasher::new();
+                let mut bytes = 0u64;
+                while let Some(frame) = body.frame().await {
+                    let frame = frame.map_err(|e| format!("response body: {e}"))?;
+                    if let Ok(data) = frame.into_data() {
+                        crc.update(&data);
+                        bytes += data.len() as u64;
+                        tokio::io::AsyncWriteExt::write_all(&mut file, &data)
+                            .await
+                            .map_err(|e| format!("writing {}: {e}", dest.display()))?;
+                    }
+                }
+                tokio::io::AsyncWriteExt::flush(&mut file)
+                    .await
+                    .map_err(|e| format!("writing {}: {e}", dest.display()))?;
+                Ok(Download::Saved {
+                    bytes,
+                    crc32: crc.finalize(),
+                })
+            };
+            let mut exchange = std::pin::pin!(exchange);
+            let mut conn = std::pin::pin!(conn);
+            tokio::select! {
+                biased;
+                out = &mut exchange => out,
+                ended = &mut conn => match ended {
+                    Ok(()) => exchange.await,
+                    Err(e) => Err(format!("connection: {e}")),
+                },
+            }
+        };
+        match tokio::time::timeout(timeout, transfer).await {
+            Ok(Ok(d)) => Ok(d),
+            Ok(Err(message)) => Err(HttpError::Transport {
+                url: self.url.clone(),
+                path: path.to_owned(),
+                message,
+            }),
+            Err(_) => Err(HttpError::Timeout {
+                url: self.url.clone(),
+                path: path.to_owned(),
+                after: timeout,
+            }),
+        }
+    }
+
+    /// A request to `path` under the prefix, with the host, JSON content type and token.
+    fn request(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<Vec<u8>>,
+    ) -> Result<Request<Full<Bytes>>, String> {
+        let mut request = Request::builder()
+            .method(method)
+            .uri(format!("{}{path}", self.prefix))
+            .header(hyper::header::HOST, &self.authority)
+            .header(hyper::header::CONTENT_TYPE, "application/json");
+        if let Some(token) = &self.token {
+            request = request.header(
+                hyper::header::AUTHORIZATION,
+                format!("Bearer {}", token.expose()),
+            );
+        }
+        request
+            .body(Full::new(Bytes::from(body.unwrap_or_default())))
+            .map_err(|e| format!("request: {e}"))
+    }
+
     async fn exchange(
         &self,
         method: Method,
@@ -134,20 +253,7 @@ impl HttpClient {
         let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
             .await
             .map_err(|e| format!("handshake: {e}"))?;
-        let mut request = Request::builder()
-            .method(method)
-            .uri(format!("{}{path}", self.prefix))
-            .header(hyper::header::HOST, &self.authority)
-            .header(hyper::header::CONTENT_TYPE, "application/json");
-        if let Some(token) = &self.token {
-            request = request.header(
-                hyper::header::AUTHORIZATION,
-                format!("Bearer {}", token.expose()),
-            );
-        }
-        let request = request
-            .body(Full::new(Bytes::from(body.unwrap_or_default())))
-            .map_err(|e| format!("request: {e}"))?;
+        let request = self.request(method, path, body)?;
         let exchange = async {
             let response = sender
                 .send_request(request)

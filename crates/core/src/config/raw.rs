@@ -7,9 +7,11 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 mod domain;
+mod node;
 mod trainer;
 
 pub use domain::*;
+pub use node::*;
 pub use trainer::*;
 
 /// The whole file.
@@ -42,6 +44,9 @@ pub struct RawConfig {
     pub supervision: RawSupervision,
     /// `[faults]`
     pub faults: RawFaults,
+    /// `[node]` (absent: the whole pipeline in this process)
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub node: Option<RawNode>,
 }
 
 /// `[run]`: identity and length of the run.

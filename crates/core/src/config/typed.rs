@@ -16,9 +16,11 @@ use serde::{Serialize, Serializer};
 use crate::knobs::Knobs;
 
 mod domain;
+mod node;
 mod trainer;
 
 pub use domain::*;
+pub use node::*;
 pub use trainer::*;
 
 /// The validated config.
@@ -50,6 +52,9 @@ pub struct Config {
     pub supervision: SupervisionConfig,
     /// `[faults]`
     pub faults: FaultsConfig,
+    /// `[node]`: this process's role across machines (`None`: the whole pipeline here).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub node: Option<NodeConfig>,
 }
 
 /// `[run]`

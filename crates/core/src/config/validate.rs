@@ -14,6 +14,7 @@ use super::typed::*;
 pub(crate) mod bounds;
 mod domain;
 mod engine;
+mod node;
 mod quickstart;
 mod relations;
 mod rollout;
@@ -178,10 +179,13 @@ impl RawConfig {
             eval,
             supervision,
             faults,
+            node,
         } = self;
+        let node = node.map(|n| node::validate_node(n, ctx)).transpose()?;
+        let head = node.as_ref().is_some_and(|n| n.role == NodeRole::Head);
         let run = validate_run(run, ctx)?;
         let model = validate_model(model, &run, ctx)?;
-        let engine = validate_engine(engine, &run, ctx)?;
+        let engine = validate_engine(engine, &run, head, ctx)?;
         let trainer = validate_trainer(trainer, &engine, ctx)?;
         let data = validate_data(data, ctx)?;
         let rollout = validate_rollout(rollout, &data, ctx)?;
@@ -214,6 +218,7 @@ impl RawConfig {
             eval: quickstart::validate_eval(eval, ctx)?,
             supervision: supervision::validate_supervision(supervision, ctx)?,
             faults: supervision::validate_faults(faults, ctx)?,
+            node,
         };
         relations::check(&config, ctx)?;
         Ok(config)

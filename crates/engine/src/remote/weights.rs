@@ -8,6 +8,10 @@
 //! survives until the next prune after its load ends. Directories left by an earlier process of
 //! the same run count like ours: older ones are pruned, and ones newer than what this process
 //! publishes (a longer earlier run) are stale and go too.
+//!
+//! Served over HTTP ([`WeightDirs::served_at`], a head whose engine nodes share no disk with
+//! it): each version's `model.safetensors` also gets a CRC-32 when written, and servers are
+//! told to fetch `<url>/v1/weights/<version>` and check it instead of reading the directory.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -22,6 +26,8 @@ pub struct WeightDirs {
     root: PathBuf,
     aux_files_from: Option<PathBuf>,
     keep: usize,
+    /// The base URL servers fetch versions from (`None`: they read the directory).
+    served_at: Option<String>,
     /// One writer at a time (held only on blocking threads, for a whole write and prune).
     write: Mutex<()>,
     /// Quick bookkeeping (held for a few map operations, also from async code).
@@ -34,6 +40,8 @@ struct State {
     written: BTreeSet<u64>,
     /// Loads in progress per version.
     pins: BTreeMap<u64, usize>,
+    /// CRC-32 of each written version's `model.safetensors` (when served over HTTP).
+    checksums: BTreeMap<u64, u32>,
 }
 
 /// A version directory a server is loading: not pruned while this lives.
@@ -53,6 +61,14 @@ impl Pinned {
     /// Its version.
     pub fn version(&self) -> PolicyVersion {
         PolicyVersion(self.version)
+    }
+
+    /// Where a server fetches it and the CRC-32 to check, when the weights are served over
+    /// HTTP ([`WeightDirs::served_at`]).
+    pub fn fetch(&self) -> Option<(String, u32)> {
+        let url = self.dirs.served_at.as_ref()?;
+        let crc = *lock(&self.dirs.state).checksums.get(&self.version)?;
+        Some((format!("{url}/v1/weights/{}", self.version), crc))
     }
 }
 
@@ -90,9 +106,38 @@ impl WeightDirs {
             root,
             aux_files_from,
             keep: keep.max(1),
+            served_at: None,
             write: Mutex::new(()),
             state: Mutex::new(State::default()),
         })
+    }
+
+    /// Versions under `root`, keeping the newest `keep`, served at `url` (`GET
+    /// <url>/v1/weights/<version>`, see [`Self::file`]): servers fetch them over HTTP.
+    pub fn served_at(root: PathBuf, keep: usize, url: String) -> Arc<Self> {
+        Arc::new(Self {
+            root,
+            aux_files_from: None,
+            keep: keep.max(1),
+            served_at: Some(url.trim_end_matches('/').to_owned()),
+            write: Mutex::new(()),
+            state: Mutex::new(State::default()),
+        })
+    }
+
+    /// The `model.safetensors` of `version` with its CRC-32, when this process wrote it and it
+    /// is still kept (what `GET /v1/weights/<version>` streams).
+    pub fn file(&self, version: PolicyVersion) -> Option<(PathBuf, u32)> {
+        let crc = *lock(&self.state).checksums.get(&version.0)?;
+        let path = self
+            .path(version)
+            .join(sluice_model::checkpoint::SINGLE_FILE);
+        path.is_file().then_some((path, crc))
+    }
+
+    /// Versions this process wrote that are still kept, oldest first.
+    pub fn written(&self) -> Vec<u64> {
+        lock(&self.state).written.iter().copied().collect()
     }
 
     /// The directory of `version`.
@@ -136,9 +181,16 @@ impl WeightDirs {
             }
         }
         self.write(weights, &path)?;
+        let crc = match self.served_at {
+            Some(_) => Some(checksum(&path.join(sluice_model::checkpoint::SINGLE_FILE))?),
+            None => None,
+        };
         let pinned = {
             let mut state = lock(&self.state);
             state.written.insert(version);
+            if let Some(crc) = crc {
+                state.checksums.insert(version, crc);
+            }
             self.pin(&mut state, version)
         };
         self.prune();
@@ -195,7 +247,9 @@ impl WeightDirs {
             if let Err(e) = std::fs::remove_dir_all(&path) {
                 tracing::warn!(path = %path.display(), error = %e, "could not prune old weights");
             }
-            lock(&self.state).written.remove(&v);
+            let mut state = lock(&self.state);
+            state.written.remove(&v);
+            state.checksums.remove(&v);
         }
         let leftovers = std::fs::read_dir(&self.root)
             .into_iter()
@@ -207,6 +261,24 @@ impl WeightDirs {
                 let _ = std::fs::remove_dir_all(e.path());
             }
         }
+    }
+}
+
+/// CRC-32 of a file, read in 1 MiB chunks (blocking).
+pub fn checksum(path: &Path) -> Result<u32, String> {
+    use std::io::Read;
+    let mut file =
+        std::fs::File::open(path).map_err(|e| format!("opening {}: {e}", path.display()))?;
+    let mut hasher = crc32fast::Hasher::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = file
+            .read(&mut buf)
+            .map_err(|e| format!("reading {}: {e}", path.display()))?;
+        if n == 0 {
+            return Ok(hasher.finalize());
+        }
+        hasher.update(&buf[..n]);
     }
 }
 

@@ -348,23 +348,30 @@ async fn load(
     mode: WeightUpdateMode,
     timeout: std::time::Duration,
 ) -> Result<(), String> {
-    let body = json!({
-        "model_path": pinned.path(),
-        "weight_version": pinned.version().0,
-        "mode": mode.as_str(),
-        "abort_all_requests": mode == WeightUpdateMode::AbortResume,
-    })
-    .to_string()
-    .into_bytes();
-    match client
-        .call(
-            Method::POST,
+    // Served over HTTP: the server fetches the file and checks its CRC-32 (no shared disk).
+    let (route, body) = match pinned.fetch() {
+        Some((url, crc)) => (
+            "/update_weights_from_url",
+            json!({
+                "url": url,
+                "crc32": crc,
+                "weight_version": pinned.version().0,
+                "mode": mode.as_str(),
+                "abort_all_requests": mode == WeightUpdateMode::AbortResume,
+            }),
+        ),
+        None => (
             "/update_weights_from_disk",
-            Some(body),
-            timeout,
-        )
-        .await
-    {
+            json!({
+                "model_path": pinned.path(),
+                "weight_version": pinned.version().0,
+                "mode": mode.as_str(),
+                "abort_all_requests": mode == WeightUpdateMode::AbortResume,
+            }),
+        ),
+    };
+    let body = body.to_string().into_bytes();
+    match client.call(Method::POST, route, Some(body), timeout).await {
         Ok((st, _)) if st.is_success() => Ok(()),
         Ok((st, b)) => Err(format!("status {st}: {}", String::from_utf8_lossy(&b))),
         Err(e) => Err(e.to_string()),

@@ -144,34 +144,79 @@ pub async fn update_weights_from_disk(
     body: Bytes,
 ) -> Result<Json<Value>, ApiError> {
     let b: UpdateBody = parse_body(&body)?;
-    let mode = match (b.mode.as_deref(), b.abort_all_requests) {
-        (None, true) => WeightUpdateMode::AbortResume,
-        (None, false) => WeightUpdateMode::InFlight,
+    let mode = update_mode(b.mode.as_deref(), b.abort_all_requests)?;
+    let _one_at_a_time = state.loading.lock().await;
+    let version = requested_version(&state, b.weight_version.as_ref())?;
+    let loaded = load_dir(&state, b.model_path.clone(), "model_path").await?;
+    install(
+        &state,
+        loaded,
+        version,
+        mode,
+        &b.model_path.display().to_string(),
+    )
+    .await
+}
+
+/// The swap mode of an update call: `mode`, else `abort_resume` when `abort_all_requests`,
+/// else `in_flight`.
+pub(super) fn update_mode(
+    mode: Option<&str>,
+    abort_all_requests: bool,
+) -> Result<WeightUpdateMode, ApiError> {
+    match (mode, abort_all_requests) {
+        (None, true) => Ok(WeightUpdateMode::AbortResume),
+        (None, false) => Ok(WeightUpdateMode::InFlight),
         (Some(m), _) => m
             .parse::<WeightUpdateMode>()
-            .map_err(|e| ApiError::invalid("mode", e.to_string()))?,
-    };
-    let _one_at_a_time = state.loading.lock().await;
-    let version = match &b.weight_version {
-        None | Some(Value::Null) => state.control.stats().version.next(),
+            .map_err(|e| ApiError::invalid("mode", e.to_string())),
+    }
+}
+
+/// The version an update installs: `weight_version`, default the current one + 1.
+pub(super) fn requested_version(
+    state: &ServerState,
+    weight_version: Option<&Value>,
+) -> Result<PolicyVersion, ApiError> {
+    match weight_version {
+        None | Some(Value::Null) => Ok(state.control.stats().version.next()),
         Some(v) => v
             .as_u64()
             .or_else(|| v.as_str().and_then(|s| s.parse().ok()))
             .map(PolicyVersion)
             .ok_or_else(|| {
                 ApiError::invalid("weight_version", format!("`{v}` is not a version number"))
-            })?,
-    };
+            }),
+    }
+}
+
+/// Loads the Hugging Face directory `path` in the served dtype and device, off the runtime;
+/// a failure names `field`.
+pub(super) async fn load_dir(
+    state: &ServerState,
+    path: PathBuf,
+    field: &'static str,
+) -> Result<sluice_model::ModelWeights, ApiError> {
     let options = LoadOptions {
         dtype: Some(state.options.dtype),
         device: state.options.device.clone(),
     };
-    let path = b.model_path.clone();
+    let shown = path.display().to_string();
     // Reading safetensors is blocking I/O: off the runtime, awaited here (not detached).
-    let loaded = tokio::task::spawn_blocking(move || load_checkpoint(&path, &options))
+    tokio::task::spawn_blocking(move || load_checkpoint(&path, &options))
         .await
         .map_err(|e| ApiError::internal(format!("loading thread: {e}")))?
-        .map_err(|e| ApiError::invalid("model_path", format!("{}: {e}", b.model_path.display())))?;
+        .map_err(|e| ApiError::invalid(field, format!("{shown}: {e}")))
+}
+
+/// Swaps `loaded` in as `version` with `mode` and answers once the engine uses it.
+pub(super) async fn install(
+    state: &ServerState,
+    loaded: sluice_model::ModelWeights,
+    version: PolicyVersion,
+    mode: WeightUpdateMode,
+    source: &str,
+) -> Result<Json<Value>, ApiError> {
     let weights = Arc::new(loaded.with_version(version));
     if **weights.config() != **state.control.model_config() {
         return Err(ApiError::invalid(
@@ -187,7 +232,7 @@ pub async fn update_weights_from_disk(
         .map_err(|_| ApiError::unavailable("the engine stopped before swapping"))?;
     Ok(Json(json!({
         "success": true,
-        "message": format!("loaded {} as version {}", b.model_path.display(), now.0),
+        "message": format!("loaded {source} as version {}", now.0),
         "weight_version": now.0,
         "mode": mode.as_str(),
         "pause_seconds": pause.as_secs_f64(),

@@ -78,6 +78,14 @@ impl ApiError {
         }
     }
 
+    /// 502: a server this one depends on (an engine node's weight source) refused or failed.
+    pub fn upstream(message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::BAD_GATEWAY,
+            ..Self::unavailable(message)
+        }
+    }
+
     /// 500.
     pub fn internal(message: impl Into<String>) -> Self {
         Self {
@@ -117,7 +125,10 @@ impl From<crate::backend::EngineError> for ApiError {
         match e {
             crate::backend::EngineError::BadRequest { reason, .. } => Self::bad_body(reason),
             stopped @ (crate::backend::EngineError::Stopped { .. }
-            | crate::backend::EngineError::Start { .. }) => Self::unavailable(stopped.to_string()),
+            | crate::backend::EngineError::Start { .. }
+            | crate::backend::EngineError::NoServer { .. }) => {
+                Self::unavailable(stopped.to_string())
+            }
             busy @ crate::backend::EngineError::Overloaded { .. } => {
                 Self::overloaded(busy.to_string())
             }

@@ -6,6 +6,7 @@
 //! | `POST /v1/chat/completions` | [`chat`]: the checkpoint's chat template, `tools` → `tool_calls`, SSE |
 //! | `GET /v1/models`, `GET /health`, `GET /get_weight_version` | [`admin`] |
 //! | `POST /abort_request`, `/pause_generation`, `/continue_generation`, `/update_weights_from_disk` | [`admin`]: the SGLang-style RL extensions |
+//! | `POST /update_weights_from_url` | [`fetch`]: an engine node fetches a version from its head |
 //!
 //! Every generation call becomes one engine request per choice; their token updates come back
 //! through a bounded channel per HTTP call ([`generate`]). A client that goes away aborts its
@@ -15,6 +16,7 @@ pub mod admin;
 pub mod chat;
 pub mod completions;
 pub mod error;
+pub mod fetch;
 pub mod generate;
 mod reply_stream;
 mod text;
@@ -98,6 +100,8 @@ pub struct ServerState {
     loading: tokio::sync::Mutex<()>,
     /// Sequences of the calls in flight ([`ServerOptions::max_queued_sequences`] at most).
     queued: AtomicUsize,
+    /// How weights are fetched over HTTP (engine nodes; `None`: the route answers 404).
+    fetch: Option<fetch::WeightFetch>,
 }
 
 impl ServerState {
@@ -108,6 +112,18 @@ impl ServerState {
         options: ServerOptions,
         weights: Arc<WeightEvents>,
     ) -> Arc<Self> {
+        Self::with_fetch(control, tokenizer, options, weights, None)
+    }
+
+    /// [`Self::new`] for a server that also takes `POST /update_weights_from_url` (an engine
+    /// node: weights come from its head over HTTP).
+    pub fn with_fetch(
+        control: NativeControl,
+        tokenizer: Arc<Tokenizer>,
+        options: ServerOptions,
+        weights: Arc<WeightEvents>,
+        fetch: Option<fetch::WeightFetch>,
+    ) -> Arc<Self> {
         Arc::new(Self {
             control,
             tokenizer,
@@ -117,7 +133,14 @@ impl ServerState {
             rids: Mutex::new(HashMap::new()),
             loading: tokio::sync::Mutex::new(()),
             queued: AtomicUsize::new(0),
+            fetch,
         })
+    }
+
+    /// The engine's statistics (version loaded, requests running), for an engine node's
+    /// heartbeat.
+    pub fn stats(&self) -> crate::backend::EngineStats {
+        self.control.stats()
     }
 
     /// Sequences of the calls in flight.
@@ -189,6 +212,10 @@ pub fn router(state: Arc<ServerState>) -> Router {
         .route(
             "/update_weights_from_disk",
             post(admin::update_weights_from_disk),
+        )
+        .route(
+            "/update_weights_from_url",
+            post(fetch::update_weights_from_url),
         )
         .fallback(|| async { ApiError::not_found(None, "no such route") })
         .with_state(state)

@@ -119,6 +119,9 @@ const BOUNDS: &[Bound] = &[
         "weight versions kept on disk",
     ),
     bound("rollout.env_workers", 1024.0, "env workers on one node"),
+    bound("node.heartbeat_s", MAX_SECONDS, SECONDS),
+    bound("node.lost_after_s", MAX_SECONDS, SECONDS),
+    bound("node.max_nodes", 4096.0, "members of one head"),
     bound(
         "rollout.env_calls_per_worker",
         65_536.0,
@@ -310,6 +313,9 @@ mod tests {
             truncation_reward = 0.0
             error_reward = -1.0
             timeout_s = 5.0
+            [node]
+            role = "engine"
+            head = "http://127.0.0.1:9401"
             "#,
         )
         .unwrap();

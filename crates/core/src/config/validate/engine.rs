@@ -12,6 +12,7 @@ use crate::config::typed::{
 pub(super) fn validate_engine(
     raw: RawEngine,
     run: &RunConfig,
+    head: bool,
     ctx: &Ctx<'_>,
 ) -> Result<EngineConfig, ConfigError> {
     let backend = choice(
@@ -35,7 +36,8 @@ pub(super) fn validate_engine(
             ));
         }
     }
-    if backend == EngineBackend::Remote && raw.remote_urls.is_empty() {
+    // A head's servers are the engine nodes that join it; static ones are optional there.
+    if backend == EngineBackend::Remote && raw.remote_urls.is_empty() && !head {
         return Err(ctx.value(
             "engine.remote_urls",
             "backend `remote` needs at least one base URL",

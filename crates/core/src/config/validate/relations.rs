@@ -2,7 +2,7 @@
 
 use super::Ctx;
 use crate::config::error::ConfigError;
-use crate::config::typed::{Config, EngineBackend};
+use crate::config::typed::{Config, EngineBackend, NodeRole};
 
 /// Refuses combinations that each key alone allows but that cannot do what they say.
 pub(crate) fn check(config: &Config, ctx: &Ctx<'_>) -> Result<(), ConfigError> {
@@ -33,6 +33,30 @@ pub(crate) fn check(config: &Config, ctx: &Ctx<'_>) -> Result<(), ConfigError> {
             format!(
                 "expected at most rollout.groups_per_step ({groups}): each minibatch holds whole groups; got {minibatches}"
             ),
+        ));
+    }
+    // Engine nodes fetch weights from the head's admin API: it must be an address they reach.
+    if let Some(node) = &config.node
+        && node.role == NodeRole::Head
+        && node.advertise.is_none()
+        && (config.admin.listen.ip().is_unspecified() || config.admin.listen.port() == 0)
+    {
+        return Err(ctx.value(
+            "node.advertise",
+            format!(
+                "admin.listen = {} is not an address engine nodes can reach: set node.advertise to the head's URL",
+                config.admin.listen
+            ),
+        ));
+    }
+    // A head's engines are the engine nodes that join it: remote servers of the engine actor.
+    if let Some(node) = &config.node
+        && node.role == NodeRole::Head
+        && config.engine.backend != EngineBackend::Remote
+    {
+        return Err(ctx.value(
+            "engine.backend",
+            "a head (node.role = \"head\") routes to the engine nodes that join it: expected \"remote\"",
         ));
     }
     Ok(())

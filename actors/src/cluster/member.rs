@@ -1,0 +1,240 @@
+//! The engine or env node's side of membership: join the head, heartbeat (with the version
+//! loaded and the load), join again when the head no longer knows this node (the head
+//! restarted), and leave on a clean stop. Every call carries the node token (`admin.token`);
+//! a head that refuses it (401) stops the node with the head's message.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::json;
+use sluice_core::config::Secret;
+use sluice_http::{HttpClient, Method, StatusCode};
+
+use super::registry::{Heartbeat, JoinReply, JoinRequest};
+
+/// Deadline of one membership call.
+const CALL_TIMEOUT: Duration = Duration::from_secs(5);
+/// Pause between join attempts while the head is unreachable.
+const RETRY: Duration = Duration::from_secs(1);
+
+/// Why a node could not join.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum MemberError {
+    /// The head refused the node token.
+    #[error(
+        "the head at {head} refused this node's token (401): {message}; set the head's admin.token (or $SLUICE_ADMIN_TOKEN) on this node"
+    )]
+    Unauthorized {
+        /// The head.
+        head: String,
+        /// What the head said.
+        message: String,
+    },
+    /// The head refused the join for another reason (a bad name, too many nodes).
+    #[error("the head at {head} refused this node ({status}): {message}")]
+    Refused {
+        /// The head.
+        head: String,
+        /// Its status.
+        status: StatusCode,
+        /// What it said.
+        message: String,
+    },
+    /// The head URL is malformed.
+    #[error("{0}")]
+    BadUrl(String),
+}
+
+/// What the heartbeat reports: the policy version loaded and the load, read when sent.
+pub type Report = Arc<dyn Fn() -> (Option<u64>, Option<u64>) + Send + Sync>;
+
+/// How a node joins.
+pub struct MemberParams {
+    /// The head's admin API.
+    pub head: String,
+    /// The node token.
+    pub token: Option<Secret>,
+    /// The join request (name, role, URL).
+    pub request: JoinRequest,
+    /// What each heartbeat reports.
+    pub report: Report,
+}
+
+/// A joined node's heartbeat task; [`Membership::leave`] stops it and leaves the head.
+pub struct Membership {
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: Option<tokio::task::JoinHandle<()>>,
+    /// The first join's answer.
+    pub joined: JoinReply,
+}
+
+fn message_of(body: &[u8]) -> String {
+    serde_json::from_slice::<serde_json::Value>(body)
+        .ok()
+        .and_then(|v| v["error"]["message"].as_str().map(str::to_owned))
+        .unwrap_or_else(|| String::from_utf8_lossy(body).into_owned())
+}
+
+/// One join call: the reply, a fatal refusal, or `Ok(None)` to try again (head unreachable).
+async fn join_once(
+    client: &HttpClient,
+    params: &MemberParams,
+) -> Result<Option<JoinReply>, MemberError> {
+    let body = serde_json::to_vec(&params.request).unwrap_or_default();
+    match client
+        .call(Method::POST, "/v1/nodes", Some(body), CALL_TIMEOUT)
+        .await
+    {
+        Ok((status, body)) if status.is_success() => serde_json::from_slice(&body)
+            .map(Some)
+            .map_err(|e| MemberError::Refused {
+                head: params.head.clone(),
+                status,
+                message: format!("unreadable join reply: {e}"),
+            }),
+        Ok((StatusCode::UNAUTHORIZED, body)) => Err(MemberError::Unauthorized {
+            head: params.head.clone(),
+            message: message_of(&body),
+        }),
+        Ok((status, body)) if status.is_client_error() => Err(MemberError::Refused {
+            head: params.head.clone(),
+            status,
+            message: message_of(&body),
+        }),
+        Ok((status, body)) => {
+            tracing::warn!(head = %params.head, %status, message = %message_of(&body), "the head could not take this node yet; retrying");
+            Ok(None)
+        }
+        Err(e) => {
+            tracing::warn!(head = %params.head, error = %e, "the head is unreachable; retrying");
+            Ok(None)
+        }
+    }
+}
+
+/// Joins the head (retrying every second while it is unreachable; a 4xx is final) and starts
+/// heartbeating.
+pub async fn join(params: MemberParams) -> Result<Membership, MemberError> {
+    let client = HttpClient::new(&params.head, "head")
+        .map_err(|e| MemberError::BadUrl(e.to_string()))?
+        .with_token(params.token.clone());
+    let joined = loop {
+        if let Some(reply) = join_once(&client, &params).await? {
+            break reply;
+        }
+        tokio::time::sleep(RETRY).await;
+    };
+    tracing::info!(head = %params.head, name = %joined.name, incarnation = joined.incarnation, "joined the head");
+    let (stop, stopped) = tokio::sync::oneshot::channel();
+    let task = tokio::spawn(heartbeats(client, params, joined.clone(), stopped));
+    Ok(Membership {
+        stop: Some(stop),
+        task: Some(task),
+        joined,
+    })
+}
+
+impl Membership {
+    /// Stops heartbeating and leaves the head (best effort: a head that is gone loses the
+    /// node by its heartbeat timeout instead).
+    pub async fn leave(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(task) = self.task.take() {
+            let _ = task.await;
+        }
+    }
+}
+
+impl Drop for Membership {
+    fn drop(&mut self) {
+        if let Some(task) = self.task.take() {
+            task.abort();
+        }
+    }
+}
+
+async fn heartbeats(
+    client: HttpClient,
+    params: MemberParams,
+    joined: JoinReply,
+    mut stopped: tokio::sync::oneshot::Receiver<()>,
+) {
+    let period = Duration::try_from_secs_f64(joined.heartbeat_s)
+        .unwrap_or(Duration::from_secs(1))
+        .max(Duration::from_millis(10));
+    let name = joined.name.clone();
+    let mut incarnation = joined.incarnation;
+    let mut ticker = tokio::time::interval(period);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut reachable = true;
+    loop {
+        tokio::select! {
+            _ = &mut stopped => break,
+            _ = ticker.tick() => {}
+        }
+        let (weight_version, load) = (params.report)();
+        let beat = Heartbeat {
+            incarnation,
+            weight_version,
+            load,
+        };
+        let path = format!("/v1/nodes/{name}/heartbeat");
+        let body = serde_json::to_vec(&beat).unwrap_or_default();
+        match client
+            .call(Method::POST, &path, Some(body), CALL_TIMEOUT)
+            .await
+        {
+            Ok((status, _)) if status.is_success() => {
+                if !reachable {
+                    tracing::info!(head = %params.head, "the head answers heartbeats again");
+                }
+                reachable = true;
+            }
+            Ok((StatusCode::NOT_FOUND, _)) => {
+                // The head does not know this incarnation (it restarted): join again.
+                match join_once(&client, &params).await {
+                    Ok(Some(reply)) => {
+                        incarnation = reply.incarnation;
+                        tracing::info!(head = %params.head, incarnation, "joined the head again");
+                    }
+                    Ok(None) => {}
+                    Err(e) => tracing::error!(error = %e, "the head refused this node's join"),
+                }
+            }
+            Ok((StatusCode::UNAUTHORIZED, body)) => {
+                tracing::error!(head = %params.head, message = %message_of(&body), "the head refused this node's token (401)");
+            }
+            Ok((status, body)) => {
+                tracing::warn!(head = %params.head, %status, message = %message_of(&body), "heartbeat refused");
+            }
+            Err(e) => {
+                if reachable {
+                    tracing::warn!(head = %params.head, error = %e, "the head does not answer heartbeats");
+                }
+                reachable = false;
+            }
+        }
+    }
+    let body = json!({ "incarnation": incarnation })
+        .to_string()
+        .into_bytes();
+    match client
+        .call(
+            Method::POST,
+            &format!("/v1/nodes/{name}/leave"),
+            Some(body),
+            CALL_TIMEOUT,
+        )
+        .await
+    {
+        Ok((status, _)) if status.is_success() => {
+            tracing::info!(head = %params.head, "left the head")
+        }
+        Ok((status, body)) => {
+            tracing::warn!(%status, message = %message_of(&body), "the head refused the leave")
+        }
+        Err(e) => tracing::warn!(error = %e, "could not tell the head this node leaves"),
+    }
+}

@@ -1,0 +1,458 @@
+//! The head's membership registry: the engine and env nodes that joined, their heartbeats, and
+//! which engine replica slot runs on which engine node. Shared by the admin handlers (join,
+//! heartbeat, leave, list) and the engine actor's replica factory (claim a live node, check a
+//! node is still live), from different tasks: members live in a [`DashMap`].
+//!
+//! A member is identified by its name; a node that joins again under the same name (restarted)
+//! starts a new *incarnation*, so a replica built on the old one sees it gone. A member silent
+//! for `node.lost_after_s` is *lost* (its replica fails at the engine's next check, its requests
+//! come back aborted with their partials and resume elsewhere); it stays listed as lost until it
+//! heartbeats again, joins again, or its place is needed for a new member.
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use dashmap::DashMap;
+use serde::{Deserialize, Serialize};
+use sluice_core::config::{NodeConfig, NodeRole};
+use sluice_core::metrics as m;
+
+/// Why a join was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum JoinError {
+    /// The head has `node.max_nodes` live members already.
+    #[error("the head has {max} live members already (node.max_nodes)")]
+    Full {
+        /// The limit.
+        max: usize,
+    },
+    /// A head does not join a head.
+    #[error("a `head` cannot join a head; only engine and env nodes join")]
+    HeadRole,
+    /// The URL is not `http://host:port`.
+    #[error("the node's url `{0}` is not http://host:port")]
+    BadUrl(String),
+    /// The name is not 1 to 63 characters of `[A-Za-z0-9._-]`.
+    #[error("the node name `{0}` is not 1 to 63 characters of [A-Za-z0-9._-]")]
+    BadName(String),
+}
+
+/// A join request (`POST /v1/nodes`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JoinRequest {
+    /// The node's name (unique in the run).
+    pub name: String,
+    /// `engine` or `env`.
+    pub role: NodeRole,
+    /// Where the head reaches it.
+    pub url: String,
+}
+
+/// What the head answers a join with.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct JoinReply {
+    /// The name joined.
+    pub name: String,
+    /// This membership's incarnation (heartbeats and the leave carry it).
+    pub incarnation: u64,
+    /// How often to heartbeat, seconds.
+    pub heartbeat_s: f64,
+}
+
+/// A heartbeat (`POST /v1/nodes/<name>/heartbeat`).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Heartbeat {
+    /// The incarnation the node joined as.
+    pub incarnation: u64,
+    /// The policy version an engine node has loaded.
+    #[serde(default)]
+    pub weight_version: Option<u64>,
+    /// Requests (engine) or envs (env) in progress.
+    #[serde(default)]
+    pub load: Option<u64>,
+}
+
+/// Health of a member as the head sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MemberHealth {
+    /// Heartbeating.
+    Live,
+    /// Silent for longer than `node.lost_after_s`.
+    Lost,
+}
+
+/// One member as `/v1/nodes` and `/v1/status` list it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct NodeView {
+    /// Its name.
+    pub name: String,
+    /// `engine` or `env`.
+    pub role: NodeRole,
+    /// Where the head reaches it.
+    pub url: String,
+    /// Live or lost.
+    pub health: MemberHealth,
+    /// Its incarnation (joins under this name so far).
+    pub incarnation: u64,
+    /// Seconds since its last heartbeat.
+    pub last_seen_seconds: f64,
+    /// The policy version it reported loaded (engine nodes).
+    pub weight_version: Option<u64>,
+    /// Requests or envs in progress it reported.
+    pub load: Option<u64>,
+    /// The engine replica running on it, when one does.
+    pub replica: Option<u32>,
+}
+
+#[derive(Debug, Clone)]
+struct Member {
+    role: NodeRole,
+    url: String,
+    incarnation: u64,
+    last_seen: Instant,
+    health: MemberHealth,
+    weight_version: Option<u64>,
+    load: Option<u64>,
+}
+
+/// An engine node claimed for a replica slot.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Claim {
+    /// The node's name.
+    pub name: String,
+    /// Its incarnation when claimed.
+    pub incarnation: u64,
+    /// Its URL.
+    pub url: String,
+}
+
+/// See the module docs.
+#[derive(Debug)]
+pub struct Registry {
+    members: DashMap<String, Member>,
+    /// Replica slot → the engine node it runs on. Only the engine actor claims (one thread), the
+    /// admin handlers read.
+    claims: Mutex<BTreeMap<u32, Claim>>,
+    incarnations: AtomicU64,
+    heartbeat: Duration,
+    lost_after: Duration,
+    max_nodes: usize,
+}
+
+impl Registry {
+    /// An empty registry with the head's `[node]` timings and limit.
+    pub fn new(node: &NodeConfig) -> Self {
+        Self::with_timings(
+            node.heartbeat,
+            node.lost_after,
+            node.max_nodes.get() as usize,
+        )
+    }
+
+    /// An empty registry (tests choose their own timings).
+    pub fn with_timings(heartbeat: Duration, lost_after: Duration, max_nodes: usize) -> Self {
+        Self {
+            members: DashMap::new(),
+            claims: Mutex::new(BTreeMap::new()),
+            incarnations: AtomicU64::new(0),
+            heartbeat,
+            lost_after,
+            max_nodes: max_nodes.max(1),
+        }
+    }
+
+    /// The heartbeat period members are told to keep.
+    pub fn heartbeat(&self) -> Duration {
+        self.heartbeat
+    }
+
+    /// Adds `req` as a new incarnation (a node that joins again under its name replaces its old
+    /// self). At the limit, the longest-lost member makes room; with none lost, refused.
+    pub fn join(&self, req: JoinRequest) -> Result<JoinReply, JoinError> {
+        if req.role == NodeRole::Head {
+            return Err(JoinError::HeadRole);
+        }
+        let valid_name = !req.name.is_empty()
+            && req.name.len() <= 63
+            && req
+                .name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
+        if !valid_name {
+            return Err(JoinError::BadName(req.name));
+        }
+        if sluice_http::HttpClient::new(&req.url, "node").is_err() {
+            return Err(JoinError::BadUrl(req.url));
+        }
+        if !self.members.contains_key(&req.name) && self.members.len() >= self.max_nodes {
+            let oldest_lost = self
+                .members
+                .iter()
+                .filter(|m| m.health == MemberHealth::Lost)
+                .min_by_key(|m| m.last_seen)
+                .map(|m| m.key().clone());
+            match oldest_lost {
+                Some(name) => {
+                    self.members.remove(&name);
+                }
+                None => {
+                    return Err(JoinError::Full {
+                        max: self.max_nodes,
+                    });
+                }
+            }
+        }
+        let incarnation = self.incarnations.fetch_add(1, Ordering::Relaxed) + 1;
+        metrics::gauge!(m::NODE_MEMBER_UP, "node" => req.name.clone(), "role" => req.role.as_str())
+            .set(1.0);
+        tracing::info!(name = %req.name, role = req.role.as_str(), url = %req.url, incarnation, "node joined");
+        self.members.insert(
+            req.name.clone(),
+            Member {
+                role: req.role,
+                url: req.url,
+                incarnation,
+                last_seen: Instant::now(),
+                health: MemberHealth::Live,
+                weight_version: None,
+                load: None,
+            },
+        );
+        Ok(JoinReply {
+            name: req.name,
+            incarnation,
+            heartbeat_s: self.heartbeat.as_secs_f64(),
+        })
+    }
+
+    /// Records a heartbeat; `false` when `name` is not a member under that incarnation (the head
+    /// restarted, or the node was replaced): the node joins again.
+    pub fn heartbeat_from(&self, name: &str, beat: &Heartbeat) -> bool {
+        let Some(mut member) = self.members.get_mut(name) else {
+            return false;
+        };
+        if member.incarnation != beat.incarnation {
+            return false;
+        }
+        if member.health == MemberHealth::Lost {
+            tracing::info!(name, "lost node heartbeats again");
+            metrics::gauge!(m::NODE_MEMBER_UP, "node" => name.to_owned(), "role" => member.role.as_str())
+                .set(1.0);
+        }
+        member.last_seen = Instant::now();
+        member.health = MemberHealth::Live;
+        member.weight_version = beat.weight_version.or(member.weight_version);
+        member.load = beat.load;
+        if let Some(v) = beat.weight_version {
+            metrics::gauge!(m::NODE_MEMBER_WEIGHT_VERSION, "node" => name.to_owned()).set(v as f64);
+        }
+        true
+    }
+
+    /// Removes `name` (a clean leave); `false` when it is not a member under `incarnation`.
+    pub fn leave(&self, name: &str, incarnation: u64) -> bool {
+        let removed = self
+            .members
+            .remove_if(name, |_, m| m.incarnation == incarnation);
+        if let Some((_, m)) = &removed {
+            metrics::gauge!(m::NODE_MEMBER_UP, "node" => name.to_owned(), "role" => m.role.as_str())
+                .set(0.0);
+            tracing::info!(name, role = m.role.as_str(), "node left");
+        }
+        removed.is_some()
+    }
+
+    /// Marks members silent for longer than `lost_after` as lost (the head runs this every
+    /// heartbeat period). Returns the names newly lost.
+    pub fn sweep(&self, now: Instant) -> Vec<String> {
+        let mut lost = Vec::new();
+        for mut member in self.members.iter_mut() {
+            if member.health == MemberHealth::Live
+                && now.saturating_duration_since(member.last_seen) > self.lost_after
+            {
+                member.health = MemberHealth::Lost;
+                let name = member.key().clone();
+                tracing::warn!(
+                    %name,
+                    role = member.role.as_str(),
+                    silent_s = now.saturating_duration_since(member.last_seen).as_secs_f64(),
+                    "node lost: no heartbeat within node.lost_after_s"
+                );
+                metrics::gauge!(m::NODE_MEMBER_UP, "node" => name.clone(), "role" => member.role.as_str())
+                    .set(0.0);
+                metrics::counter!(m::NODE_MEMBER_LOST, "role" => member.role.as_str()).increment(1);
+                lost.push(name);
+            }
+        }
+        lost
+    }
+
+    /// Whether `name` is a live member under `incarnation`.
+    pub fn is_live(&self, name: &str, incarnation: u64) -> bool {
+        self.members
+            .get(name)
+            .is_some_and(|m| m.incarnation == incarnation && m.health == MemberHealth::Live)
+    }
+
+    /// Claims a live engine node no other slot runs on for replica `slot` (its previous claim
+    /// released first), or says why there is none.
+    pub fn claim(&self, slot: u32) -> Result<Claim, String> {
+        let mut claims = self.claims.lock().unwrap_or_else(|p| p.into_inner());
+        claims.remove(&slot);
+        let taken = |name: &str, incarnation: u64| {
+            claims.values().any(|c| {
+                c.name == name && c.incarnation == incarnation && self.is_live(name, incarnation)
+            })
+        };
+        let mut engines: Vec<(String, u64, String)> = self
+            .members
+            .iter()
+            .filter(|m| m.role == NodeRole::Engine && m.health == MemberHealth::Live)
+            .map(|m| (m.key().clone(), m.incarnation, m.url.clone()))
+            .collect();
+        engines.sort();
+        let live = engines.len();
+        let free = engines
+            .into_iter()
+            .find(|(name, incarnation, _)| !taken(name, *incarnation));
+        match free {
+            Some((name, incarnation, url)) => {
+                let claim = Claim {
+                    name,
+                    incarnation,
+                    url,
+                };
+                claims.insert(slot, claim.clone());
+                Ok(claim)
+            }
+            None if live == 0 => Err("no engine node has joined the head yet".into()),
+            None => Err(format!(
+                "all {live} live engine nodes run other replicas (engine.replicas bounds the nodes served)"
+            )),
+        }
+    }
+
+    /// Every member, by name.
+    pub fn list(&self) -> Vec<NodeView> {
+        let now = Instant::now();
+        let claims = self
+            .claims
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        let mut out: Vec<NodeView> = self
+            .members
+            .iter()
+            .map(|m| NodeView {
+                name: m.key().clone(),
+                role: m.role,
+                url: m.url.clone(),
+                health: m.health,
+                incarnation: m.incarnation,
+                last_seen_seconds: now.saturating_duration_since(m.last_seen).as_secs_f64(),
+                weight_version: m.weight_version,
+                load: m.load,
+                replica: claims
+                    .iter()
+                    .find(|(_, c)| c.name == *m.key() && c.incarnation == m.incarnation)
+                    .map(|(slot, _)| *slot),
+            })
+            .collect();
+        out.sort_by(|a, b| a.name.cmp(&b.name));
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn engine(name: &str, port: u16) -> JoinRequest {
+        JoinRequest {
+            name: name.into(),
+            role: NodeRole::Engine,
+            url: format!("http://127.0.0.1:{port}"),
+        }
+    }
+
+    fn registry(max: usize) -> Registry {
+        Registry::with_timings(Duration::from_millis(100), Duration::from_millis(500), max)
+    }
+
+    #[test]
+    fn slots_claim_distinct_live_engines_and_a_rejoin_is_a_new_incarnation() {
+        let r = registry(8);
+        assert!(r.claim(0).unwrap_err().contains("no engine node"));
+        let a = r.join(engine("a", 1)).unwrap();
+        r.join(engine("b", 2)).unwrap();
+        let c0 = r.claim(0).unwrap();
+        let c1 = r.claim(1).unwrap();
+        assert_ne!(c0.name, c1.name);
+        assert!(r.claim(2).unwrap_err().contains("all 2 live engine nodes"));
+        // Slot 0 claims again (its replica is rebuilt): it may take the same node.
+        assert_eq!(r.claim(0).unwrap(), c0);
+        let again = r.join(engine("a", 1)).unwrap();
+        assert!(again.incarnation > a.incarnation);
+        assert!(
+            !r.is_live("a", a.incarnation),
+            "the old incarnation is gone"
+        );
+        assert!(r.is_live("a", again.incarnation));
+        assert!(!r.heartbeat_from(
+            "a",
+            &Heartbeat {
+                incarnation: a.incarnation,
+                ..Default::default()
+            }
+        ));
+    }
+
+    #[test]
+    fn a_silent_member_is_lost_until_it_heartbeats_and_lost_ones_make_room() {
+        let r = registry(2);
+        let a = r.join(engine("a", 1)).unwrap();
+        r.join(engine("b", 2)).unwrap();
+        assert_eq!(
+            r.join(engine("c", 3)).unwrap_err(),
+            JoinError::Full { max: 2 }
+        );
+        let later = Instant::now() + Duration::from_secs(1);
+        assert_eq!(r.sweep(later).len(), 2);
+        assert!(!r.is_live("a", a.incarnation));
+        assert!(r.claim(0).is_err(), "a lost node gets no replica");
+        assert!(r.heartbeat_from(
+            "a",
+            &Heartbeat {
+                incarnation: a.incarnation,
+                weight_version: Some(3),
+                load: Some(1)
+            }
+        ));
+        assert!(r.is_live("a", a.incarnation));
+        // `b` is lost: `c` takes its place.
+        r.join(engine("c", 3)).unwrap();
+        let names: Vec<String> = r.list().into_iter().map(|n| n.name).collect();
+        assert_eq!(names, ["a", "c"]);
+        assert_eq!(r.list()[0].weight_version, Some(3));
+        assert!(r.leave("a", a.incarnation));
+        assert!(!r.leave("a", a.incarnation));
+    }
+
+    #[test]
+    fn bad_joins_are_refused() {
+        let r = registry(2);
+        let mut bad = engine("a b", 1);
+        assert!(matches!(r.join(bad.clone()), Err(JoinError::BadName(_))));
+        bad.name = "a".into();
+        bad.url = "10.0.0.1:80".into();
+        assert!(matches!(r.join(bad.clone()), Err(JoinError::BadUrl(_))));
+        bad.url = "http://10.0.0.1:80".into();
+        bad.role = NodeRole::Head;
+        assert_eq!(r.join(bad).unwrap_err(), JoinError::HeadRole);
+    }
+}

@@ -1,0 +1,446 @@
+//! A run across "machines": real processes on loopback, each 127.0.0.x address standing for a
+//! host, each node with its own output directory (no shared disk). A head (tiny native model,
+//! remote engine slots), two engine nodes and an env node (running the episodes) that join it:
+//!
+//! - both nodes join, get a replica each and serve the head's versions, fetched over HTTP: the
+//!   file an engine node loaded is byte for byte the head's, and not its own start weights;
+//! - a node with a wrong token is refused with 401, and both sides say so;
+//! - `kill -9` of one engine node mid-run: the head loses it, the run goes on with the other,
+//!   and a restarted node joins again, gets a replica back and generates;
+//! - zero staleness violations throughout;
+//! - `kill -9` of the head: restarted with the same config, it resumes from its checkpoint and
+//!   replay store, the engine nodes join it again by themselves, and no group is trained twice.
+//!
+//! Timings are printed (`-- --nocapture`), never asserted.
+
+use std::fs::File;
+use std::net::{IpAddr, SocketAddr, TcpListener};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use sluice_replay::{Persister, ReplayStore};
+
+const TOKEN: &str = "cluster-test-token";
+const B: u64 = 4;
+
+fn free_port(ip: &str) -> u16 {
+    let ip: IpAddr = ip.parse().unwrap();
+    TcpListener::bind(SocketAddr::new(ip, 0))
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+struct Proc {
+    child: Child,
+    stdout: PathBuf,
+    stderr: PathBuf,
+}
+
+impl Proc {
+    fn start(dir: &Path, config: &Path, tag: &str, token: &str) -> Self {
+        Self::start_with(dir, config, tag, token, &[])
+    }
+
+    fn start_with(dir: &Path, config: &Path, tag: &str, token: &str, sets: &[String]) -> Self {
+        let stdout = dir.join(format!("{tag}.out"));
+        let stderr = dir.join(format!("{tag}.err"));
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_sluice"));
+        cmd.arg("run").arg(config);
+        for s in sets {
+            cmd.args(["--set", s]);
+        }
+        let child = cmd
+            .env("SLUICE_ADMIN_TOKEN", token)
+            .env_remove("SLUICE_LOG")
+            .stdout(Stdio::from(File::create(&stdout).unwrap()))
+            .stderr(Stdio::from(File::create(&stderr).unwrap()))
+            .spawn()
+            .unwrap();
+        Self {
+            child,
+            stdout,
+            stderr,
+        }
+    }
+
+    fn logs(&self) -> String {
+        format!(
+            "stdout:\n{}\nstderr:\n{}",
+            std::fs::read_to_string(&self.stdout).unwrap_or_default(),
+            std::fs::read_to_string(&self.stderr).unwrap_or_default()
+        )
+    }
+
+    fn wait_exit(&mut self, limit: Duration) -> std::process::ExitStatus {
+        let deadline = Instant::now() + limit;
+        loop {
+            if let Some(code) = self.child.try_wait().unwrap() {
+                return code;
+            }
+            if Instant::now() > deadline {
+                let _ = self.child.kill();
+                panic!("did not exit within {limit:?}\n{}", self.logs());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn head_config(dir: &Path, admin: &str, env_url: &str) -> PathBuf {
+    let text = format!(
+        r#"
+[run]
+name = "cluster"
+max_steps = 1000
+output_dir = "{out}"
+
+[model]
+init_preset = "tiny"
+
+[engine]
+backend = "remote"
+replicas = 2
+max_running_sequences = 64
+remote_keep_versions = 8
+
+[trainer]
+micro_batch_size = 16
+max_seq_len = 128
+
+[rollout]
+group_size = 4
+groups_per_step = {B}
+max_new_tokens = 6
+max_version_lag = 1
+weight_update_mode = "abort_resume"
+enable_partial_rollout = true
+
+[data]
+datasets = ["math::arithmetic@train"]
+
+# The episodes run on the env node.
+[data.domains.math]
+env_url = "{env_url}"
+
+[replay]
+filter_zero_advantage = false
+
+[warmup]
+enabled = false
+
+[eval]
+every_steps = 0
+samples = 8
+
+[metrics]
+enabled = false
+
+[admin]
+listen = "{admin}"
+
+[supervision]
+checkpoint_every_steps = 5
+restart_backoff_max_s = 1.0
+
+[node]
+role = "head"
+heartbeat_s = 0.2
+lost_after_s = 1.0
+"#,
+        out = dir.join("head").display()
+    );
+    let path = dir.join("head.toml");
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+fn env_config(dir: &Path, head: &str, listen: &str) -> PathBuf {
+    let text = format!(
+        r#"
+[run]
+name = "cluster"
+output_dir = "{out}"
+
+[node]
+role = "env"
+name = "env1"
+head = "{head}"
+listen = "{listen}"
+"#,
+        out = dir.join("env1").display()
+    );
+    let path = dir.join("env1.toml");
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+fn engine_config(dir: &Path, tag: &str, head: &str, listen: &str) -> PathBuf {
+    let text = format!(
+        r#"
+[run]
+name = "cluster"
+seed = 7
+output_dir = "{out}"
+
+[model]
+init_preset = "tiny"
+
+[engine]
+max_running_sequences = 64
+
+[node]
+role = "engine"
+name = "{tag}"
+head = "{head}"
+listen = "{listen}"
+"#,
+        out = dir.join(tag).display()
+    );
+    let path = dir.join(format!("{tag}.toml"));
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+fn get(base: &str, path: &str) -> Option<Value> {
+    let (code, body) = sluice_actors::client::request(base, "GET", path, None, None).ok()?;
+    (code == 200).then(|| serde_json::from_str(&body).unwrap())
+}
+
+/// Polls the head's status until `ok` holds.
+fn wait_status(head: &mut Proc, base: &str, what: &str, ok: impl Fn(&Value) -> bool) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        if let Some(s) = get(base, "/v1/status")
+            && ok(&s)
+        {
+            return s;
+        }
+        if let Some(code) = head.child.try_wait().unwrap() {
+            panic!("the head exited ({code}) before {what}\n{}", head.logs());
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out: {what}\n{}",
+            head.logs()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn steps(s: &Value) -> u64 {
+    s["trainer"]["steps"].as_u64().unwrap()
+}
+
+fn node<'a>(s: &'a Value, name: &str) -> Option<&'a Value> {
+    s["nodes"].as_array()?.iter().find(|n| n["name"] == name)
+}
+
+fn live_with_replica(s: &Value, name: &str) -> bool {
+    node(s, name).is_some_and(|n| n["health"] == "live" && n["replica"].is_u64())
+}
+
+#[test]
+fn nodes_join_serve_over_http_and_survive_kill_9_of_a_node_and_of_the_head() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let admin = format!("127.0.0.2:{}", free_port("127.0.0.2"));
+    let base = format!("http://{admin}");
+    let e1_addr = format!("127.0.0.3:{}", free_port("127.0.0.3"));
+    let e2_addr = format!("127.0.0.4:{}", free_port("127.0.0.4"));
+    let env_addr = format!("127.0.0.6:{}", free_port("127.0.0.6"));
+    let head_toml = head_config(d, &admin, &format!("http://{env_addr}"));
+    let e1_toml = engine_config(d, "e1", &base, &e1_addr);
+    let e2_toml = engine_config(d, "e2", &base, &e2_addr);
+    let env_toml = env_config(d, &base, &env_addr);
+
+    let started = Instant::now();
+    let _env = Proc::start(d, &env_toml, "env1", TOKEN);
+    let mut head = Proc::start(d, &head_toml, "head", TOKEN);
+    let mut e1 = Proc::start(d, &e1_toml, "e1", TOKEN);
+    let _e2 = Proc::start(d, &e2_toml, "e2", TOKEN);
+    let s = wait_status(&mut head, &base, "both nodes serving and 5 steps", |s| {
+        live_with_replica(s, "e1") && live_with_replica(s, "e2") && steps(s) >= 5
+    });
+    // The env node joined too (its episodes are what the run trains on).
+    let env = node(&s, "env1").expect("the env node is listed");
+    assert_eq!(
+        (env["role"].as_str(), env["health"].as_str()),
+        (Some("env"), Some("live"))
+    );
+    let joined_seconds = started.elapsed().as_secs_f64();
+    let replicas: Vec<u64> = ["e1", "e2"]
+        .iter()
+        .map(|n| node(&s, n).unwrap()["replica"].as_u64().unwrap())
+        .collect();
+    assert_ne!(replicas[0], replicas[1], "one replica per node");
+
+    // A wrong token: refused with 401, the node exits 1 naming it, the head logs it.
+    let bad_toml = engine_config(
+        d,
+        "bad",
+        &base,
+        &format!("127.0.0.5:{}", free_port("127.0.0.5")),
+    );
+    let mut bad = Proc::start(d, &bad_toml, "bad", "not-the-token");
+    let code = bad.wait_exit(Duration::from_secs(60));
+    assert_eq!(code.code(), Some(1), "{}", bad.logs());
+    let bad_err = std::fs::read_to_string(&bad.stderr).unwrap();
+    assert!(
+        bad_err.contains("refused this node's token (401): wrong bearer token"),
+        "{bad_err}"
+    );
+    let head_err = std::fs::read_to_string(&head.stderr).unwrap();
+    assert!(
+        head_err.contains("refused a node's call: wrong or missing node token"),
+        "{head_err}"
+    );
+
+    // kill -9 of e1 mid-run: lost at the head, the run goes on with e2 alone.
+    let at_kill = steps(&get(&base, "/v1/status").unwrap());
+    e1.child.kill().unwrap();
+    e1.wait_exit(Duration::from_secs(10));
+    let killed = Instant::now();
+    let s = wait_status(&mut head, &base, "e1 lost and 5 more steps", |s| {
+        node(s, "e1").is_some_and(|n| n["health"] == "lost") && steps(s) >= at_kill + 5
+    });
+    let continued_seconds = killed.elapsed().as_secs_f64();
+    assert!(live_with_replica(&s, "e2"));
+
+    // Restarted, it joins again (a new incarnation), gets a replica and generates.
+    let incarnation = node(&s, "e1").unwrap()["incarnation"].as_u64().unwrap();
+    let restarted = Instant::now();
+    let _e1 = Proc::start(d, &e1_toml, "e1b", TOKEN);
+    wait_status(&mut head, &base, "e1 back with a replica", |s| {
+        live_with_replica(s, "e1")
+            && node(s, "e1").unwrap()["incarnation"].as_u64().unwrap() > incarnation
+    });
+    let rejoined_seconds = restarted.elapsed().as_secs_f64();
+    let e1_base = format!("http://{e1_addr}");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let served = loop {
+        let v = get(&e1_base, "/get_weight_version");
+        if let Some(v) = v.filter(|v| v["generated_tokens"].as_u64() > Some(0)) {
+            break v;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the rejoined node never served\n{}",
+            head.logs()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(
+        served["weight_version"].as_u64().unwrap() > 0,
+        "it serves the head's versions"
+    );
+
+    // Weights over HTTP: what e2 loaded is the head's file byte for byte, not its own start.
+    // The node fetches newer versions meanwhile (and drops older ones): read a version it
+    // reports both before and after reading the files.
+    let e2_base = format!("http://{e2_addr}");
+    let version_of = || {
+        get(&e2_base, "/get_weight_version").unwrap()["weight_version"]
+            .as_u64()
+            .unwrap()
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let (name, fetched, published) = loop {
+        let version = version_of();
+        let name = format!("v{version:06}");
+        let fetched = std::fs::read(d.join("e2/weights").join(&name).join("model.safetensors"));
+        let published = std::fs::read(
+            d.join("head/weights_served")
+                .join(&name)
+                .join("model.safetensors"),
+        );
+        if let (Ok(f), Ok(p)) = (fetched, published)
+            && version_of() == version
+        {
+            break (name, f, p);
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no stable version to compare on e2"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(
+        fetched == published,
+        "the fetched {name} differs from the head's"
+    );
+    let own = std::fs::read(d.join("e2/model/model.safetensors")).unwrap();
+    assert!(
+        fetched != own,
+        "e2 serves the head's weights, not its own start"
+    );
+
+    // No token trained beyond the staleness bound, across the node's loss and return.
+    let s = get(&base, "/v1/status").unwrap();
+    assert_eq!(s["trainer"]["lag_violations"], 0, "{s}");
+
+    // kill -9 of the head: a restart resumes from its checkpoint and replay store, and the
+    // engine nodes (still running) join it again by themselves.
+    let manifest_path = d.join("head/checkpoint/manifest.json");
+    wait_status(&mut head, &base, "a periodic checkpoint", |_| {
+        manifest_path.exists()
+    });
+    head.child.kill().unwrap();
+    head.wait_exit(Duration::from_secs(10));
+    let (persister, recovered) = Persister::open(&d.join("head/replay")).unwrap();
+    drop(persister);
+    let consumed_at_kill = recovered.counters.consumed_total;
+    let m: Value = serde_json::from_str(&std::fs::read_to_string(&manifest_path).unwrap()).unwrap();
+    let (m_steps, m_trained) = (
+        m["steps"].as_u64().unwrap(),
+        m["trained_groups"].as_u64().unwrap(),
+    );
+    let more = 3;
+    let head_restarted = Instant::now();
+    let mut head = Proc::start_with(
+        d,
+        &head_toml,
+        "head2",
+        TOKEN,
+        &[format!("run.max_steps={}", m_steps + more)],
+    );
+    let s = wait_status(
+        &mut head,
+        &base,
+        "both nodes back at the restarted head",
+        |s| live_with_replica(s, "e1") && live_with_replica(s, "e2"),
+    );
+    let head_rejoined_seconds = head_restarted.elapsed().as_secs_f64();
+    assert!(steps(&s) >= m_steps, "resumes at the checkpoint's step");
+    let code = head.wait_exit(Duration::from_secs(120));
+    assert!(code.success(), "exit {code}\n{}", head.logs());
+    let out = std::fs::read_to_string(&head.stdout).unwrap();
+    assert!(out.contains("(violations 0)"), "{out}");
+
+    // Nothing trained twice: the restart consumed only new batches, and the checkpoint counts
+    // exactly those on top of its own.
+    let (persister, recovered) = Persister::open(&d.join("head/replay")).unwrap();
+    drop(persister);
+    let store = ReplayStore::recover(false, false, recovered.counters, recovered.groups);
+    store.reconcile().unwrap();
+    assert_eq!(store.counters().consumed_total, consumed_at_kill + more * B);
+    let m2: Value =
+        serde_json::from_str(&std::fs::read_to_string(&manifest_path).unwrap()).unwrap();
+    assert_eq!(m2["trained_groups"].as_u64().unwrap(), m_trained + more * B);
+    println!(
+        "cluster: both nodes serving at {joined_seconds:.1} s; after kill -9 of a node at step \
+         {at_kill}, 5 more steps in {continued_seconds:.1} s; the restarted node back with a \
+         replica in {rejoined_seconds:.1} s; after kill -9 of the head (checkpoint at step \
+         {m_steps}), both nodes back at the restarted head in {head_rejoined_seconds:.1} s"
+    );
+}
