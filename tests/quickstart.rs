@@ -19,7 +19,9 @@
 //! ended (warm-starts that differ only in rounding end in different places) and on the run's
 //! timing: at 1e-4 over 30 steps one run rose 0.50 → 0.55 and another only 0.435 → 0.454 (CI
 //! failed on it). At 2e-4 over 40 steps that slow warm-start rises 0.441 → 0.482 and another
-//! 0.476 → 0.519, twice the asked gain.
+//! 0.476 → 0.519, twice the asked gain. With the shipped two updates a step
+//! (`trainer.minibatches = 2`) the current warm-start rises 0.473 → 0.511 and its training-problem
+//! accuracy 60.2 % → 75.8 % (best) in these 40 steps, the same on two runs.
 
 use std::path::Path;
 use std::process::Command;

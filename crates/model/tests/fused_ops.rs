@@ -206,17 +206,21 @@ fn rope_matches_the_composition_and_finite_differences() {
     }
 }
 
-/// Segment ids: packed sequences with padding, and one row whose segment comes back after
-/// another (not a single run), which the mask allows and the kernel must too.
+/// Segment ids: packed sequences with padding, one row whose segment comes back after another
+/// (not a single run), which the mask allows and the kernel must too, and one of many short
+/// segments of growing length (1, 2, 3, … slots), which the kernel's query blocks follow and
+/// merge.
 fn segment_rows(batch: usize, len: usize, seed: usize) -> Vec<u32> {
     (0..batch * len)
         .map(|k| {
             let (r, i) = (k / len, k % len);
-            match (r + seed) % 3 {
+            match (r + seed) % 4 {
                 0 => (i * 3 / len) as u32 + 1,
                 1 if i >= len - 2 => 0,
                 1 => 1,
-                _ => [1, 1, 2, 1, 2, 2, 3][i % 7],
+                2 => [1, 1, 2, 1, 2, 2, 3][i % 7],
+                // Segment s covers slots s(s+1)/2 .. (s+1)(s+2)/2.
+                _ => (((8 * i + 1) as f64).sqrt() as u32 - 1) / 2 + 1,
             }
         })
         .collect()
@@ -270,6 +274,7 @@ fn packed_attention_matches_the_composition_and_finite_differences() {
         (3, 9, 4, 2, 4),
         (2, 70, 6, 2, 8),
         (3, 130, 2, 2, 4),
+        (4, 150, 4, 2, 4),
     ];
     for dtype in [DType::F64, DType::F32] {
         for (k, &(b, l, h, kv, d)) in cases.iter().enumerate() {

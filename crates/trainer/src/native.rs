@@ -333,20 +333,18 @@ impl NativeTrainer {
             temperature,
         };
         let device = self.model.device().clone();
-        packing
-            .micro_batches
-            .iter()
-            .map(|mb| {
-                let slots = mb.loss_slots();
-                if slots.is_empty() {
-                    return Ok(Vec::new());
-                }
-                // No gradient wanted: the forward that keeps one layer's activations at a time.
-                let (scores, _) = self.model.token_scores_recomputable(&packed(mb), options)?;
-                let index = slot_index(&slots, &device)?;
-                Ok(pick(&scores.logprobs.detach(), &index, "proximal log-probs")?.1)
-            })
-            .collect()
+        // Data-parallel over the workers like the update's micro-batches: each micro-batch's
+        // forward is the same computation on any thread, so the log-probs are the serial ones.
+        self.each_micro_batch(&packing.micro_batches, |mb| {
+            let slots = mb.loss_slots();
+            if slots.is_empty() {
+                return Ok(Vec::new());
+            }
+            // No gradient wanted: the forward that keeps one layer's activations at a time.
+            let (scores, _) = self.model.token_scores_recomputable(&packed(mb), options)?;
+            let index = slot_index(&slots, &device)?;
+            Ok(pick(&scores.logprobs.detach(), &index, "proximal log-probs")?.1)
+        })
     }
 
     /// Ends a training step: counts it and publishes `version + 1`.

@@ -37,18 +37,15 @@ struct Linear {
 impl Linear {
     fn fwd<T: Real>(&self, x: &[T], w: &[T], b: Option<&[T]>) -> Vec<T> {
         let Self { n, i, o } = *self;
-        let mut y = vec![T::from_f64(0.0); n * o];
-        if let Some(b) = b {
-            for row in y.chunks_exact_mut(o) {
-                row.copy_from_slice(b);
-            }
-        }
-        let dst = Dst {
-            data: &mut y,
-            rs: o,
-            accumulate: b.is_some(),
+        let (x, wt) = (Mat::rows(x, i), Mat::transposed(w, i));
+        let Some(b) = b else {
+            return T::matmul_new(n, o, i, x, wt);
         };
-        T::matmul(n, o, i, dst, Mat::rows(x, i), Mat::transposed(w, i));
+        let mut y = Vec::with_capacity(n * o);
+        for _ in 0..n {
+            y.extend_from_slice(b);
+        }
+        T::matmul(n, o, i, Dst::adding(&mut y, o), x, wt);
         y
     }
 
@@ -81,30 +78,14 @@ impl Linear {
         let zero = T::from_f64(0.0);
         let dx = if x.track_op() {
             // dx (N, in) = g (N, out) · w (out, in)
-            let mut dx = vec![zero; n * i];
-            T::matmul(
-                n,
-                i,
-                o,
-                Dst::rows(&mut dx, i),
-                Mat::rows(g, o),
-                Mat::rows(wv, i),
-            );
+            let dx = T::matmul_new(n, i, o, Mat::rows(g, o), Mat::rows(wv, i));
             Some(tensor(dx, x.shape())?)
         } else {
             None
         };
         let dw = if w.track_op() {
             // dw (out, in) = gᵀ (out, N) · x (N, in)
-            let mut dw = vec![zero; o * i];
-            T::matmul(
-                o,
-                i,
-                n,
-                Dst::rows(&mut dw, i),
-                Mat::transposed(g, o),
-                Mat::rows(xv, i),
-            );
+            let dw = T::matmul_new(o, i, n, Mat::transposed(g, o), Mat::rows(xv, i));
             Some(tensor(dw, w.shape())?)
         } else {
             None

@@ -50,6 +50,16 @@ pub(crate) trait Real: WithDType + std::ops::Neg<Output = Self> {
         lhs: Mat<'_, Self>,
         rhs: Mat<'_, Self>,
     );
+    /// `lhs (m, k) · rhs (k, n)` as a new row-major `(m, n)` buffer that the product writes
+    /// whole: no zero fill before it (a `vec![0; m·n]` ahead of an overwriting gemm was 8 % of
+    /// the quickstart trainer's time, in `memset`).
+    fn matmul_new(
+        m: usize,
+        n: usize,
+        k: usize,
+        lhs: Mat<'_, Self>,
+        rhs: Mat<'_, Self>,
+    ) -> Vec<Self>;
 }
 
 macro_rules! real {
@@ -74,6 +84,15 @@ macro_rules! real {
                 rhs: Mat<'_, Self>,
             ) {
                 gemm_checked(m, n, k, dst, lhs, rhs)
+            }
+            fn matmul_new(
+                m: usize,
+                n: usize,
+                k: usize,
+                lhs: Mat<'_, Self>,
+                rhs: Mat<'_, Self>,
+            ) -> Vec<Self> {
+                gemm_new(m, n, k, lhs, rhs)
             }
         }
     };
@@ -170,7 +189,6 @@ impl<'a, T> Mat<'a, T> {
 
 /// `dst (m, n) [+]= lhs (m, k) · rhs (k, n)`, `dst` row-major, split over the current rayon
 /// pool (the role's [`crate::ComputePool`]).
-#[allow(unsafe_code)]
 fn gemm_checked<T: 'static + WithDType>(
     m: usize,
     n: usize,
@@ -200,6 +218,63 @@ fn gemm_checked<T: 'static + WithDType>(
         }
         return;
     }
+    // SAFETY: the assertion above keeps every destination index `i·dst_rs + j` (`i < m`,
+    // `j < n`) inside `dst` and every operand index inside its slice; `dst` is exclusively
+    // borrowed, so it aliases neither operand.
+    #[allow(unsafe_code)]
+    unsafe {
+        gemm_raw(m, n, k, dst.as_mut_ptr(), dst_rs, accumulate, lhs, rhs);
+    }
+}
+
+/// `lhs (m, k) · rhs (k, n)` into a new row-major `(m, n)` vector, written only by the product.
+fn gemm_new<T: 'static + WithDType>(
+    m: usize,
+    n: usize,
+    k: usize,
+    lhs: Mat<'_, T>,
+    rhs: Mat<'_, T>,
+) -> Vec<T> {
+    assert!(
+        lhs.fits(m, k) && rhs.fits(k, n),
+        "gemm operands out of bounds"
+    );
+    let len = m * n;
+    if len == 0 || k == 0 {
+        return vec![T::from_f64(0.0); len];
+    }
+    let mut out = Vec::with_capacity(len);
+    // SAFETY: the vector's capacity holds the `m·n` elements the product writes (row stride
+    // `n`) and is a fresh allocation, so it aliases neither operand, whose indices the assertion
+    // keeps in bounds. With `accumulate = false` gemm never reads the destination (its `alpha`
+    // is zeroed and the kernels store `beta · lhs·rhs` without loading), and it writes every one
+    // of the `m·n` elements for `k > 0`, so all are initialised before `set_len`.
+    #[allow(unsafe_code)]
+    unsafe {
+        gemm_raw(m, n, k, out.as_mut_ptr(), n, false, lhs, rhs);
+        out.set_len(len);
+    }
+    out
+}
+
+/// The gemm call behind [`gemm_checked`] and [`gemm_new`], single-threaded below 2²¹
+/// multiply-adds.
+///
+/// # Safety
+/// `dst` must be valid for writes (and, with `accumulate`, reads) of every `i·dst_rs + j`,
+/// `i < m`, `j < n`, and must not overlap `lhs` or `rhs`, whose views must fit `(m, k)` and
+/// `(k, n)`; `m`, `n`, `k` > 0; T is f32 or f64.
+#[allow(unsafe_code, clippy::too_many_arguments)]
+unsafe fn gemm_raw<T: 'static + WithDType>(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut T,
+    dst_rs: usize,
+    accumulate: bool,
+    lhs: Mat<'_, T>,
+    rhs: Mat<'_, T>,
+) {
     /// Below this many multiply-adds a product is faster on one thread than split.
     const MIN_PARALLEL_MACS: usize = 1 << 21;
     let threads = rayon::current_num_threads();
@@ -208,15 +283,13 @@ fn gemm_checked<T: 'static + WithDType>(
     } else {
         gemm::Parallelism::None
     };
-    // SAFETY: the assertion above keeps every index gemm forms, `(i·rs + j·cs)` for `i < rows`
-    // and `j < cols` of each operand, inside its slice; `dst` is exclusively borrowed and does
-    // not alias the shared operands; T is f32 or f64 (the only `Real` types), which gemm handles.
+    // SAFETY: the caller's contract (see above) is gemm's.
     unsafe {
         gemm::gemm(
             m,
             n,
             k,
-            dst.as_mut_ptr(),
+            dst,
             1,
             dst_rs as isize,
             accumulate,

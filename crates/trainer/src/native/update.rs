@@ -123,6 +123,63 @@ impl NativeTrainer {
         Ok(lag_sum)
     }
 
+    /// `f` of every micro-batch, in order: on the data-parallel workers when there are several
+    /// (worker `w` of `k` takes micro-batches `w, w + k, …` on its single-thread pool), else on
+    /// the current pool. The first error stops the workers and is returned.
+    pub(super) fn each_micro_batch<R: Send>(
+        &self,
+        micro: &[MicroBatch],
+        f: impl Fn(&MicroBatch) -> Result<R, TrainerError> + Sync,
+    ) -> Result<Vec<R>, TrainerError> {
+        if self.workers.len() <= 1 || micro.len() <= 1 {
+            return micro.iter().map(f).collect();
+        }
+        let k = self.workers.len().min(micro.len());
+        let mut done: Vec<Option<R>> = std::iter::repeat_with(|| None).take(micro.len()).collect();
+        let failed = std::sync::atomic::AtomicBool::new(false);
+        let results: Vec<Result<Vec<(usize, R)>, TrainerError>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = self
+                .workers
+                .iter()
+                .take(k)
+                .enumerate()
+                .map(|(w, pool)| {
+                    let (f, failed) = (&f, &failed);
+                    scope.spawn(move || {
+                        pool.install(|| {
+                            let mut mine = Vec::new();
+                            for (i, mb) in micro.iter().enumerate().skip(w).step_by(k) {
+                                if failed.load(std::sync::atomic::Ordering::Relaxed) {
+                                    break;
+                                }
+                                match f(mb) {
+                                    Ok(r) => mine.push((i, r)),
+                                    Err(e) => {
+                                        failed.store(true, std::sync::atomic::Ordering::Relaxed);
+                                        return Err(e);
+                                    }
+                                }
+                            }
+                            Ok(mine)
+                        })
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+                .collect()
+        });
+        for part in results {
+            for (i, r) in part? {
+                done[i] = Some(r);
+            }
+        }
+        done.into_iter()
+            .map(|r| r.ok_or_else(|| TrainerError::Input("a micro-batch was not run".into())))
+            .collect()
+    }
+
     /// Forward, loss and backward of one micro-batch; returns its gradients and adds its
     /// figures to `out`.
     fn micro_step(

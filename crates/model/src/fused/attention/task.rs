@@ -10,6 +10,10 @@ use super::{Attention, AttentionHeads};
 /// bounded for long rows and the causal waste is half of one diagonal block.
 const QUERY_BLOCK: usize = 64;
 
+/// Score elements a merged block may compute beyond its parts before two products are cheaper
+/// (the fixed cost of a product call and of a softmax pass, in elements).
+const MERGE_SLACK: usize = 256;
+
 /// `Σ a[j] b[j]` over eight interleaved partial sums, so that the loop vectorises (float
 /// additions are not reassociated otherwise).
 #[inline(always)]
@@ -75,18 +79,48 @@ impl<'a, T: Real> Task<'a, T> {
         self.op.segments.len
     }
 
-    /// The query blocks of this row.
+    /// The query blocks of this row: runs of slots that see the same first key (one packed
+    /// segment, or a piece of it at most [`QUERY_BLOCK`] long), with neighbouring runs merged
+    /// while one product over both costs no more than two (plus [`MERGE_SLACK`] for the call).
+    /// A row packed with short segments then computes each segment's scores, not a
+    /// `QUERY_BLOCK`-wide square that the mask mostly throws away (the quickstart packs ~29-slot
+    /// texts into 128-slot rows: about a fifth of a 64 × 64 block was used). Any split is exact:
+    /// each block's keys start at or before every one of its queries' first key.
     fn spans(&self) -> Vec<Span> {
         let l = self.l();
         let first = &self.op.segments.first[self.b * l..(self.b + 1) * l];
-        (0..l)
-            .step_by(QUERY_BLOCK)
-            .map(|i0| {
-                let i1 = (i0 + QUERY_BLOCK).min(l);
-                let klo = first[i0..i1].iter().copied().min().unwrap_or(0) as usize;
-                Span { i0, i1, klo }
-            })
-            .collect()
+        let cost = |sp: &Span| sp.rows() * sp.keys();
+        let mut out: Vec<Span> = Vec::new();
+        let mut i0 = 0;
+        while i0 < l {
+            let f = first[i0];
+            let mut i1 = i0 + 1;
+            while i1 < l && i1 - i0 < QUERY_BLOCK && first[i1] == f {
+                i1 += 1;
+            }
+            let run = Span {
+                i0,
+                i1,
+                klo: f as usize,
+            };
+            match out.last_mut() {
+                Some(last) if i1 - last.i0 <= QUERY_BLOCK => {
+                    let merged = Span {
+                        i0: last.i0,
+                        i1,
+                        klo: last.klo.min(run.klo),
+                    };
+                    if cost(&merged) <= cost(last) + cost(&run) + MERGE_SLACK {
+                        *last = merged;
+                    } else {
+                        out.push(run);
+                    }
+                }
+                _ => out.push(run),
+            }
+            i0 = i1;
+        }
+        out
     }
 
     /// Offset of query head `hq` at slot `i` of this row in `(N, heads·d)`.
@@ -121,14 +155,12 @@ impl<'a, T: Real> Task<'a, T> {
         } = self.op.heads;
         let (rows, keys) = (sp.rows(), sp.keys());
         let zero = T::from_f64(0.0);
-        let mut s = vec![zero; rows * keys];
         let q0 = self.q_at(hq, sp.i0);
         let k0 = self.kv_at(sp.klo);
-        T::matmul(
+        let mut s = T::matmul_new(
             rows,
             keys,
             d,
-            Dst::rows(&mut s, keys),
             Mat {
                 data: &self.q[q0..],
                 rs: h * d,
@@ -246,12 +278,10 @@ impl<'a, T: Real> Task<'a, T> {
                     cs: 1,
                 };
                 // dP = dO Vᵀ, then dS = s · P ⊙ (dP − rowsum(dO ⊙ O)).
-                let mut ds = vec![zero; rows * keys];
-                T::matmul(
+                let mut ds = T::matmul_new(
                     rows,
                     keys,
                     d,
-                    Dst::rows(&mut ds, keys),
                     d_out,
                     Mat {
                         data: &self.v[k0..],
