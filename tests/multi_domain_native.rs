@@ -37,6 +37,9 @@ fn the_multi_domain_recipe_evaluates_every_domain_and_trains_situations() {
         "warmup.probe_samples=8".to_owned(),
         "eval.every_steps=4".to_owned(),
         "eval.samples=8".to_owned(),
+        // Without padding every (group × situation) bucket is its own zero-sum baseline, which
+        // the advantage check below relies on; the shipped recipe pads (docs/trainer.md).
+        "trainer.pad_situations=false".to_owned(),
         "metrics.enabled=false".to_owned(),
         "admin.listen=127.0.0.1:0".to_owned(),
     ];

@@ -342,7 +342,8 @@ mod tests {
                             "from",
                             "to",
                             "component",
-                            "node"
+                            "node",
+                            "situation"
                         ]
                         .contains(label),
                     "{}: label `{label}` has no seeding rule",

@@ -94,12 +94,16 @@ fn promtool(text: &str) -> Option<(bool, String)> {
 
 /// Names whose label values only exist once something happened: an error (`kind`), a group with
 /// reward components scored (`component`; the simulated task has none), an engine or env node
-/// joined a head (`node`; this node is not one).
-const DYNAMIC: [&str; 4] = [
+/// joined a head (`node`; this node is not one), a step trained texts of a situation
+/// (`situation`).
+const DYNAMIC: [&str; 7] = [
     m::ACTOR_ERRORS,
     m::ROLLOUT_REWARD_COMPONENT_MEAN_REWARD,
     m::NODE_MEMBER_UP,
     m::NODE_MEMBER_WEIGHT_VERSION,
+    m::TRAINER_SITUATION_SEQUENCES,
+    m::TRAINER_SITUATION_ADVANTAGE_MEAN_VALUE,
+    m::TRAINER_SITUATION_ADVANTAGE_ABS_MEAN_VALUE,
 ];
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_catalog_metric_is_scraped_with_help_type_and_declared_labels() {

@@ -212,7 +212,7 @@ impl Worker {
                 continue;
             }
             let labels = [("domain", domain.clone()), ("situation", situation.clone())];
-            metrics::gauge!(m::TRAINER_SITUATION_TEXTS, &labels).set(a.texts as f64);
+            metrics::gauge!(m::TRAINER_SITUATION_SEQUENCES, &labels).set(a.texts as f64);
             metrics::gauge!(m::TRAINER_SITUATION_ADVANTAGE_MEAN_VALUE, &labels).set(a.mean);
             metrics::gauge!(m::TRAINER_SITUATION_ADVANTAGE_ABS_MEAN_VALUE, &labels).set(a.abs_mean);
         }

@@ -254,7 +254,7 @@ catalog! {
         "Global gradient norm before clipping, last step.";
     TRAINER_TOKENS_PER_SECOND = "sluice_trainer_tokens_per_second", Gauge, [], NONE,
         "Training throughput of the last step.";
-    TRAINER_SITUATION_TEXTS = "sluice_trainer_situation_texts", Gauge, ["domain", "situation"], NONE,
+    TRAINER_SITUATION_SEQUENCES = "sluice_trainer_situation_sequences", Gauge, ["domain", "situation"], NONE,
         "Training texts (model turns) per situation label in the last step that had the situation (`none`: turns without a label); at most MAX_REWARD_COMPONENT_SERIES series.";
     TRAINER_SITUATION_ADVANTAGE_MEAN_VALUE = "sluice_trainer_situation_advantage_mean_value", Gauge, ["domain", "situation"], NONE,
         "Mean advantage the trainer gave the texts of each situation in the last step that had it (about 0 under the situational baseline).";
