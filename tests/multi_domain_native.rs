@@ -5,7 +5,8 @@
 //! What it checks:
 //! - the warm-start probes every domain (math, tools, agent) on its own training problems;
 //! - every evaluation scores every domain's held-out split (`eval_accuracy.<domain>` in
-//!   `metrics.jsonl`, per-domain lines in the summary), and `eval_accuracy` is their mean;
+//!   `metrics.jsonl`, per-domain lines in the summary, the `eval` line of `sluice status` while
+//!   the run goes), and `eval_accuracy` is their mean;
 //! - every domain's rollouts reach the trainer: the trained groups of each domain are logged, and
 //!   over the run the mix stays near its 40/30/30 target although tool and agent episodes take
 //!   several turns;
@@ -29,6 +30,12 @@ fn the_multi_domain_recipe_evaluates_every_domain_and_trains_situations() {
     let dir = tempfile::tempdir().unwrap();
     let out_dir = dir.path().join("run");
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    // A free port for the admin API, so `sluice status` can follow the run.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
     let sets = [
         format!("run.output_dir={}", out_dir.display()),
         format!("run.max_steps={RL_STEPS}"),
@@ -41,7 +48,7 @@ fn the_multi_domain_recipe_evaluates_every_domain_and_trains_situations() {
         // the advantage check below relies on; the shipped recipe pads (docs/trainer.md).
         "trainer.pad_situations=false".to_owned(),
         "metrics.enabled=false".to_owned(),
-        "admin.listen=127.0.0.1:0".to_owned(),
+        format!("admin.listen=127.0.0.1:{port}"),
     ];
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_sluice"));
     // The config names its template relative to the repository root.
@@ -51,7 +58,36 @@ fn the_multi_domain_recipe_evaluates_every_domain_and_trains_situations() {
     for s in &sets {
         cmd.arg("--set").arg(s);
     }
-    let output = cmd.output().unwrap();
+    let child = cmd
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Follow the run with `sluice status` until it ends, keeping the evaluation lines seen.
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let watcher = {
+        let done = std::sync::Arc::clone(&done);
+        std::thread::spawn(move || {
+            let mut seen = Vec::new();
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                let out = Command::new(env!("CARGO_BIN_EXE_sluice"))
+                    .args(["status", "--url", &format!("http://127.0.0.1:{port}")])
+                    .output()
+                    .unwrap();
+                let text = String::from_utf8_lossy(&out.stdout).into_owned();
+                seen.extend(
+                    text.lines()
+                        .filter(|l| l.starts_with("eval"))
+                        .map(String::from),
+                );
+                std::thread::sleep(std::time::Duration::from_millis(500));
+            }
+            seen
+        })
+    };
+    let output = child.wait_with_output().unwrap();
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    let status_lines = watcher.join().unwrap();
     let stdout = String::from_utf8_lossy(&output.stdout);
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(
@@ -79,6 +115,14 @@ fn the_multi_domain_recipe_evaluates_every_domain_and_trains_situations() {
                 .any(|l| l.trim_start().starts_with(d) && l.contains("held-out")),
             "summary line of {d}:\n{stdout}"
         );
+    }
+
+    // `sluice status` showed the evaluations per domain while the run went.
+    let last = status_lines
+        .last()
+        .unwrap_or_else(|| panic!("no eval line in sluice status"));
+    for d in DOMAINS {
+        assert!(last.contains(&format!("{d} ")), "{last}");
     }
 
     let log = std::fs::read_to_string(out_dir.join("metrics.jsonl")).unwrap();

@@ -83,9 +83,47 @@ pub struct NodeHandles {
     pub(crate) checkpoint_dir: Option<CheckpointDir>,
     /// One checkpoint at a time; holds the newest manifest.
     pub(crate) last_checkpoint: Arc<tokio::sync::Mutex<Option<Manifest>>>,
+    /// The newest evaluation of the run's weights (held by whoever evaluates: the run monitor).
+    pub(crate) evaluation: Arc<std::sync::Mutex<Option<EvalStatus>>>,
+}
+
+/// The newest evaluation, as `/v1/status` shows it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct EvalStatus {
+    /// Training steps of the evaluated weights (0: before RL).
+    pub step: u64,
+    /// Held-out accuracy, the mean over the evaluated domains.
+    pub heldout_accuracy: f64,
+    /// Training-probe accuracy, the mean over the evaluated domains.
+    pub train_accuracy: f64,
+    /// Each domain's (held-out, training-probe) accuracy, when several are evaluated.
+    #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub domains: std::collections::BTreeMap<String, DomainEvalStatus>,
+}
+
+/// One domain's part of an [`EvalStatus`].
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct DomainEvalStatus {
+    /// Held-out accuracy.
+    pub heldout_accuracy: f64,
+    /// Training-probe accuracy.
+    pub train_accuracy: f64,
 }
 
 impl NodeHandles {
+    /// Records the newest evaluation, for `/v1/status`.
+    pub fn record_evaluation(&self, evaluation: EvalStatus) {
+        *self.evaluation.lock().unwrap_or_else(|p| p.into_inner()) = Some(evaluation);
+    }
+
+    /// The newest evaluation recorded, if any.
+    pub fn evaluation(&self) -> Option<EvalStatus> {
+        self.evaluation
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
     /// Gathers every actor's view.
     pub async fn status(&self) -> Result<NodeStatus, ActorError> {
         let ReplayStatus { store, .. } = self.replay.status().await?;

@@ -327,6 +327,7 @@ impl Node {
             started,
             checkpoint_dir,
             last_checkpoint: Arc::new(tokio::sync::Mutex::new(manifest)),
+            evaluation: Arc::default(),
         };
         let checkpointer =
             supervise_node::spawn_periodic(&handles, config.supervision.checkpoint_every_steps);

@@ -154,6 +154,9 @@ async fn run_config(config: &Config) -> anyhow::Result<ExitCode> {
     };
     let evaluating = evaluations.is_some();
     let mut monitor = RunMonitor::new(config, started, start, steps, Some(log), evaluations);
+    if let Some(a) = &fresh_start {
+        monitor.start_scores(a);
+    }
     let mut start_scores = fresh_start;
     if evaluating && start_scores.is_none() {
         let a = monitor

@@ -201,6 +201,31 @@ pub(super) fn summary(s: &Value) -> String {
             ),
         );
     }
+    let e = &s["evaluation"];
+    if e.is_object() {
+        let domains: Vec<String> = e["domains"]
+            .as_object()
+            .map(|d| {
+                d.iter()
+                    .map(|(name, a)| format!("{name} {:.1}%", 100.0 * num(&a["heldout_accuracy"])))
+                    .collect()
+            })
+            .unwrap_or_default();
+        let each = if domains.is_empty() {
+            String::new()
+        } else {
+            format!(" ({})", domains.join(", "))
+        };
+        line(
+            "eval",
+            format!(
+                "step {} · held-out {:.1}%{each} · training problems {:.1}%",
+                e["step"],
+                100.0 * num(&e["heldout_accuracy"]),
+                100.0 * num(&e["train_accuracy"]),
+            ),
+        );
+    }
     let buckets = match s["buckets"].as_object() {
         Some(b) => b
             .iter()
@@ -278,6 +303,9 @@ mod tests {
             "controller": {"balance": {"threshold": 0.25, "below_ratio": 0.5, "above_ratio": 0.125, "outcome_ema": 0.4}},
             "nodes": [{"name": "engine-a", "role": "engine", "url": "http://10.0.0.2:8000", "health": "lost",
                        "incarnation": 3, "last_seen_seconds": 7.25, "weight_version": 6, "load": 2, "replica": 1}],
+            "evaluation": {"step": 50, "heldout_accuracy": 0.167, "train_accuracy": 0.141,
+                           "domains": {"agent": {"heldout_accuracy": 0.328, "train_accuracy": 0.2},
+                                       "math": {"heldout_accuracy": 0.174, "train_accuracy": 0.2}}},
         });
         let text = summary(&status);
         for needle in [
@@ -292,6 +320,7 @@ mod tests {
             "outcome EMA 0.40 · balance threshold 0.25 · groups below 0.50 · above 0.12",
             "nodes     1 joined",
             "engine-a engine http://10.0.0.2:8000 lost · weights v6 · load 2 · seen 7.2s ago · replica 1",
+            "eval      step 50 · held-out 16.7% (agent 32.8%, math 17.4%) · training problems 14.1%",
         ] {
             assert!(text.contains(needle), "{needle:?} missing in:\n{text}");
         }

@@ -95,6 +95,9 @@ pub struct StatusReport {
     /// A head's joined engine and env nodes (absent on other nodes).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub nodes: Option<Vec<crate::cluster::NodeView>>,
+    /// The newest evaluation of a real-model run (absent until one ran).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub evaluation: Option<crate::handles::EvalStatus>,
 }
 
 /// Counters the rates are differences of.
@@ -259,6 +262,7 @@ pub(super) async fn status_report(
         replay,
         engines: engines.ok(),
         nodes: admin.cluster.as_ref().map(|c| c.registry.list()),
+        evaluation: node.evaluation(),
     }
 }
 

@@ -19,6 +19,7 @@ use tokio::sync::mpsc;
 use super::end::RunEnd;
 use super::evaluations::{DomainAccuracy, Evaluations, Scores};
 use crate::ActorError;
+use crate::handles::{DomainEvalStatus, EvalStatus};
 use crate::node::{Node, NodeStatus};
 use crate::trainer::TrainedStep;
 
@@ -103,6 +104,8 @@ pub struct RunMonitor {
     last_domains: Vec<DomainAccuracy>,
     /// The run's domains (`data.datasets`), whose trained groups each record counts.
     domains: Vec<String>,
+    /// An evaluation not yet handed to the node's status.
+    unpublished: Option<EvalStatus>,
     best_accuracy: f64,
     steps: u64,
     reached_target_at: Option<(u64, f64)>,
@@ -144,6 +147,7 @@ impl RunMonitor {
             last_accuracy: start.accuracy,
             last_domains: Vec::new(),
             domains: config.data.domains(),
+            unpublished: None,
             best_accuracy: start.accuracy.0,
             steps: start.step,
             start,
@@ -180,6 +184,9 @@ impl RunMonitor {
             while let Ok(step) = self.feed.try_recv() {
                 evaluated |= self.record(step).await?;
             }
+            if let Some(e) = self.unpublished.take() {
+                node.handles.record_evaluation(e);
+            }
             if let Some((step, wall_s)) = self.reached_target_at {
                 return Ok(RunEnd::TargetReached { step, wall_s });
             }
@@ -198,7 +205,12 @@ impl RunMonitor {
                     return Err(ActorError::Gone { actor: "node" });
                 },
                 step = self.feed.recv(), if feed_open => match step {
-                    Some(step) => evaluated = self.record(step).await?,
+                    Some(step) => {
+                        evaluated = self.record(step).await?;
+                        if let Some(e) = self.unpublished.take() {
+                            node.handles.record_evaluation(e);
+                        }
+                    }
                     None => feed_open = false,
                 },
             }
@@ -263,6 +275,7 @@ impl RunMonitor {
             self.last_accuracy = s.pair();
             self.best_accuracy = self.best_accuracy.max(s.heldout);
             self.last_domains.clone_from(&s.domains);
+            self.unpublished = Some(eval_status(step.step, s));
         }
         self.log_step(&step, scores.as_ref())?;
         if let (Some(target), Some((heldout, _))) = (self.stop_at, accuracy)
@@ -374,15 +387,47 @@ impl RunMonitor {
             return Ok(None);
         };
         let a = evaluations.run(w).await?;
-        self.start.accuracy = a.pair();
-        self.last_accuracy = a.pair();
-        self.best_accuracy = a.heldout;
-        self.last_domains.clone_from(&a.domains);
+        self.start_scores(&a);
         Ok(Some(a))
+    }
+
+    /// Takes `scores` (of the weights the run starts from) as the stretch's starting accuracy;
+    /// `/v1/status` shows them until the first evaluation of the run.
+    pub fn start_scores(&mut self, scores: &Scores) {
+        self.start.accuracy = scores.pair();
+        self.last_accuracy = scores.pair();
+        self.best_accuracy = scores.heldout;
+        self.last_domains.clone_from(&scores.domains);
+        self.unpublished = Some(eval_status(self.start.step, scores));
     }
 
     /// The evaluations, if this monitor has them.
     pub fn evaluations(&mut self) -> Option<&mut Evaluations> {
         self.evaluations.as_mut()
+    }
+}
+
+/// `scores` of the weights after `step` steps, as `/v1/status` shows them.
+fn eval_status(step: u64, scores: &Scores) -> EvalStatus {
+    let domains = if scores.domains.len() > 1 {
+        scores
+            .domains
+            .iter()
+            .map(|d| {
+                let e = DomainEvalStatus {
+                    heldout_accuracy: d.heldout,
+                    train_accuracy: d.train,
+                };
+                (d.domain.clone(), e)
+            })
+            .collect()
+    } else {
+        BTreeMap::new()
+    };
+    EvalStatus {
+        step,
+        heldout_accuracy: scores.heldout,
+        train_accuracy: scores.train,
+        domains,
     }
 }
