@@ -91,6 +91,10 @@ pub struct ServeArgs {
     /// Model name reported by the API (default: the directory's name).
     #[arg(long)]
     pub served_model_name: Option<String>,
+    /// A Jinja file that replaces the model's chat template for `/v1/chat/completions` (as
+    /// `model.chat_template` does for runs).
+    #[arg(long)]
+    pub chat_template: Option<PathBuf>,
     /// Sequences (prompts × n) accepted at once across all requests; a request beyond answers
     /// 503 with `Retry-After`.
     #[arg(long, default_value_t = sluice_engine::server::DEFAULT_MAX_QUEUED_SEQUENCES)]

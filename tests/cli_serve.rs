@@ -135,3 +135,72 @@ fn sigterm_under_load_aborts_generation_in_flight() {
     assert_eq!(choice["finish_reason"], "abort", "{choice}");
     assert!(child.wait().unwrap().success());
 }
+
+/// `--chat-template` renders chat requests with the given template instead of the model's: the
+/// same conversation costs the prompt tokens the file's template makes (the tiny model's
+/// tokenizer is one token per character), and a missing file is refused naming the flag.
+#[test]
+fn chat_template_replaces_the_models_template() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("m");
+    let init = sluice()
+        .args(["model", "init", "--preset", "tiny", "--out"])
+        .arg(&model)
+        .output()
+        .unwrap();
+    assert!(init.status.success());
+    let template = dir.path().join("plain.jinja");
+    std::fs::write(
+        &template,
+        "{% for m in messages %}{{ m.content }}{% endfor %}{% if add_generation_prompt %}={% endif %}",
+    )
+    .unwrap();
+    let prompt_tokens = |extra: &[&std::ffi::OsStr]| {
+        let mut child = sluice()
+            .args(["serve", "--port", "0", "--model"])
+            .arg(&model)
+            .args(extra)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let addr = line.split("http://").nth(1).unwrap().trim().to_owned();
+        let reply = http(
+            &addr,
+            "POST",
+            "/v1/chat/completions",
+            r#"{"messages": [{"role": "user", "content": "7+5"}], "max_tokens": 1}"#,
+        );
+        child.kill().unwrap();
+        child.wait().unwrap();
+        body_json(&reply)["usage"]["prompt_tokens"]
+            .as_u64()
+            .unwrap()
+    };
+    // The file's template: `7+5` then `=`.
+    assert_eq!(
+        prompt_tokens(&["--chat-template".as_ref(), template.as_os_str()]),
+        4
+    );
+    // The model's ChatML wraps the turn in role markers.
+    assert!(prompt_tokens(&[]) > 10);
+    let missing = sluice()
+        .args([
+            "serve",
+            "--port",
+            "0",
+            "--chat-template",
+            "/nowhere.jinja",
+            "--model",
+        ])
+        .arg(&model)
+        .output()
+        .unwrap();
+    assert!(!missing.status.success());
+    let err = String::from_utf8_lossy(&missing.stderr);
+    assert!(err.contains("--chat-template /nowhere.jinja"), "{err}");
+}

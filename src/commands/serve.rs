@@ -66,10 +66,14 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
         load_checkpoint(&args.model, &options)
             .with_context(|| format!("--model {}", args.model.display()))?,
     );
-    let tokenizer = Arc::new(
-        Tokenizer::from_dir(&args.model)
-            .with_context(|| format!("--model {}: tokenizer", args.model.display()))?,
-    );
+    let mut tokenizer = Tokenizer::from_dir(&args.model)
+        .with_context(|| format!("--model {}: tokenizer", args.model.display()))?;
+    if let Some(path) = &args.chat_template {
+        tokenizer
+            .override_chat_template(path)
+            .with_context(|| format!("--chat-template {}", path.display()))?;
+    }
+    let tokenizer = Arc::new(tokenizer);
     let mut eos = tokenizer.eos_token_ids().to_vec();
     eos.extend(&weights.config().eos_token_ids);
     let events = Arc::new(WeightEvents::default());
