@@ -47,6 +47,9 @@ fn the_multi_domain_recipe_evaluates_every_domain_and_trains_situations() {
         // Without padding every (group × situation) bucket is its own zero-sum baseline, which
         // the advantage check below relies on; the shipped recipe pads (docs/trainer.md).
         "trainer.pad_situations=false".to_owned(),
+        // Keep the signal-less buckets, so every env's labels reach the trainer even when the
+        // short warm-start left a domain without reward.
+        "trainer.drop_zero_signal_situations=false".to_owned(),
         "metrics.enabled=false".to_owned(),
         format!("admin.listen=127.0.0.1:{port}"),
     ];

@@ -40,6 +40,10 @@ pub struct AdvantageConfig {
     /// Situational only: pad shorter rollouts so every rollout enters every situation baseline
     /// of its group with as many rows as the longest one.
     pub pad_situations: bool,
+    /// Situational only: leave out every (group × situation) bucket whose texts all have zero
+    /// advantage (seed 002's "gold absent" case): they carry no signal, and left in they would
+    /// only grow the loss denominators and dilute the situations that do.
+    pub drop_zero_signal_situations: bool,
     /// Drop groups whose texts all have zero advantage.
     pub filter_zero_advantage: bool,
 }
@@ -52,6 +56,7 @@ impl Default for AdvantageConfig {
             gamma: 1.0,
             only_keep_outcome: false,
             pad_situations: false,
+            drop_zero_signal_situations: false,
             filter_zero_advantage: true,
         }
     }
@@ -227,17 +232,27 @@ fn situational_texts<'a>(
             }
         }
         let (mean, std) = mean_std(&baseline_set);
-        for p in members {
-            let mut adv = p.value - mean;
+        let signal = |v: f64| {
+            let mut adv = v - mean;
             if config.normalize_std {
                 adv /= std + STD_EPSILON;
             }
+            adv
+        };
+        if config.drop_zero_signal_situations
+            && members
+                .iter()
+                .all(|p| signal(p.value).abs() <= ZERO_ADVANTAGE)
+        {
+            continue;
+        }
+        for p in members {
             texts.push(ScoredText {
                 group: g,
                 rollout: p.rollout,
                 turn: p.turn,
                 text: p.text,
-                advantage: adv as f32,
+                advantage: signal(p.value) as f32,
             });
         }
     }

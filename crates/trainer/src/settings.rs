@@ -53,6 +53,7 @@ impl NativeTrainerConfig {
                 gamma: t.gamma,
                 only_keep_outcome: t.only_keep_outcome,
                 pad_situations: t.pad_situations,
+                drop_zero_signal_situations: t.drop_zero_signal_situations,
                 filter_zero_advantage: config.replay.filter_zero_advantage,
             },
             loss: LossConfig {

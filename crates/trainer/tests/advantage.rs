@@ -182,6 +182,47 @@ fn situation_padding_holds_missing_rows_at_the_rollout_reward() {
 }
 
 #[test]
+fn zero_signal_situations_can_be_left_out() {
+    // Situation `absent` is met only by the two failed rollouts (seed 002's "gold absent"): its
+    // baseline equals each text's value, so every advantage in it is zero.
+    let turns = vec![
+        vec![turn(&[1], &[2], -1.0, 0, Some("visible"))],
+        vec![
+            turn(&[1], &[3], -1.0, 0, Some("visible")),
+            turn(&[1], &[4], -1.0, 0, Some("absent")),
+        ],
+        vec![turn(&[1], &[5], -1.0, 0, Some("absent"))],
+    ];
+    let groups = [group(1, &[1.0, 0.0, 0.0], turns)];
+    let mut c = config(AdvantageKind::Situational, false);
+    let kept = compute_advantages(&groups, &c);
+    assert_eq!(kept.texts.len(), 4);
+    c.drop_zero_signal_situations = true;
+    let dropped = compute_advantages(&groups, &c);
+    let left: Vec<(usize, usize, f64)> = dropped
+        .texts
+        .iter()
+        .map(|t| (t.rollout, t.turn, f64::from(t.advantage)))
+        .collect();
+    // `visible`: {1, 0}, mean 0.5; `absent` is gone, so it no longer counts in the loss's
+    // token mean.
+    assert_eq!(left, [(0, 0, 0.5), (1, 0, -0.5)]);
+    // A group where no situation carries signal has nothing left: it is filtered.
+    let flat = [group(
+        2,
+        &[0.0, 0.0, 0.0],
+        vec![
+            vec![turn(&[1], &[2], -1.0, 0, Some("absent"))],
+            vec![turn(&[1], &[3], -1.0, 0, Some("absent"))],
+            vec![turn(&[1], &[4], -1.0, 0, Some("absent"))],
+        ],
+    )];
+    let none = compute_advantages(&flat, &c);
+    assert!(none.texts.is_empty());
+    assert_eq!(none.groups_filtered, 1);
+}
+
+#[test]
 fn without_labels_situational_equals_group() {
     let groups = [single_turn_group(1, &[0.2, 0.9, 0.4])];
     let g = compute_advantages(&groups, &config(AdvantageKind::Group, true));

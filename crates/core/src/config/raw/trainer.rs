@@ -41,6 +41,8 @@ pub struct RawTrainer {
     pub only_keep_outcome: bool,
     /// Situational advantages: pad shorter rollouts into every situation baseline.
     pub pad_situations: bool,
+    /// Situational advantages: leave out situations whose texts all have zero advantage.
+    pub drop_zero_signal_situations: bool,
     /// `token_mean`, `sequence_mean` or `rollout_normalized`.
     pub loss_aggregation: String,
     /// `token` or `sequence` importance weights (`tis`).
@@ -103,6 +105,7 @@ impl Default for RawTrainer {
             gamma: 1.0,
             only_keep_outcome: false,
             pad_situations: false,
+            drop_zero_signal_situations: false,
             loss_aggregation: "token_mean".into(),
             tis_level: "token".into(),
             tis_mode: "truncate".into(),

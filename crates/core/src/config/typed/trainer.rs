@@ -120,6 +120,8 @@ pub struct TrainerConfig {
     pub only_keep_outcome: bool,
     /// Pad shorter rollouts into situation baselines.
     pub pad_situations: bool,
+    /// Leave zero-signal situations out of training.
+    pub drop_zero_signal_situations: bool,
     /// Loss aggregation.
     pub loss_aggregation: LossAggregation,
     /// Importance-weight granularity.

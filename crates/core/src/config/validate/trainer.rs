@@ -116,6 +116,7 @@ pub(super) fn validate_trainer(
         })?,
         only_keep_outcome: raw.only_keep_outcome,
         pad_situations: raw.pad_situations,
+        drop_zero_signal_situations: raw.drop_zero_signal_situations,
         loss_aggregation: choice(
             ctx,
             "trainer.loss_aggregation",
