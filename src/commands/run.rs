@@ -55,7 +55,7 @@ async fn prepare(config: &Config) -> anyhow::Result<NativeRun> {
         let line = format!(
             "loss {:.3} | probe accuracy {}",
             p.loss,
-            per_domain(p.accuracy, &p.domains)
+            per_domain(p.accuracy, p.domains.iter().map(|(d, a)| (d.as_str(), *a)))
         );
         if warm.is_hidden() {
             println!("warm-up step {}/{max_steps} {line}", p.step);
@@ -76,7 +76,10 @@ async fn prepare(config: &Config) -> anyhow::Result<NativeRun> {
         println!(
             "warm-up: {} supervised steps, accuracy on training problems {}",
             w.steps,
-            per_domain(w.probe_accuracy, &w.domains)
+            per_domain(
+                w.probe_accuracy,
+                w.domains.iter().map(|(d, a)| (d.as_str(), *a))
+            )
         );
     }
     Ok(prepared)
@@ -240,15 +243,11 @@ fn show(bar: &ProgressBar, p: &Progress<'_>, evaluating: bool) {
         bar.set_message(progress_line(p.status, p.wall_s));
         return;
     }
-    let heldout: Vec<(String, f64)> = p
-        .domains
-        .iter()
-        .map(|d| (d.domain.clone(), d.heldout))
-        .collect();
+    let heldout = p.domains.iter().map(|d| (d.domain.as_str(), d.heldout));
     let line = format!(
         "| reward {:.2} | eval {} (train {:.1}%) | lag {:.2} | {:.0} tok/s",
         p.reward_smoothed.unwrap_or(0.0),
-        per_domain(p.accuracy.0, &heldout),
+        per_domain(p.accuracy.0, heldout),
         100.0 * p.accuracy.1,
         p.version_lag_mean,
         p.tokens_per_s
@@ -350,34 +349,29 @@ fn print_summary(s: &NodeStatus, wall: f64) {
 }
 
 /// `42.0%`, or with several domains `42.0% (math 50.0%, tools 34.0%)`.
-fn per_domain(mean: f64, domains: &[(String, f64)]) -> String {
+fn per_domain<'a>(mean: f64, domains: impl ExactSizeIterator<Item = (&'a str, f64)>) -> String {
     let mean = format!("{:.1}%", 100.0 * mean);
     if domains.len() < 2 {
         return mean;
     }
     let each: Vec<String> = domains
-        .iter()
         .map(|(d, a)| format!("{d} {:.1}%", 100.0 * a))
         .collect();
     format!("{mean} ({})", each.join(", "))
 }
 
 fn heldout(s: &Scores) -> String {
-    let each: Vec<(String, f64)> = s
-        .domains
-        .iter()
-        .map(|d| (d.domain.clone(), d.heldout))
-        .collect();
-    per_domain(s.heldout, &each)
+    per_domain(
+        s.heldout,
+        s.domains.iter().map(|d| (d.domain.as_str(), d.heldout)),
+    )
 }
 
 fn train(s: &Scores) -> String {
-    let each: Vec<(String, f64)> = s
-        .domains
-        .iter()
-        .map(|d| (d.domain.clone(), d.train))
-        .collect();
-    per_domain(s.train, &each)
+    per_domain(
+        s.train,
+        s.domains.iter().map(|d| (d.domain.as_str(), d.train)),
+    )
 }
 
 /// The summary of a real model's run: accuracy from start to end, per domain when there are

@@ -184,9 +184,7 @@ impl RunMonitor {
             while let Ok(step) = self.feed.try_recv() {
                 evaluated |= self.record(step).await?;
             }
-            if let Some(e) = self.unpublished.take() {
-                node.handles.record_evaluation(e);
-            }
+            self.publish(node);
             if let Some((step, wall_s)) = self.reached_target_at {
                 return Ok(RunEnd::TargetReached { step, wall_s });
             }
@@ -207,13 +205,18 @@ impl RunMonitor {
                 step = self.feed.recv(), if feed_open => match step {
                     Some(step) => {
                         evaluated = self.record(step).await?;
-                        if let Some(e) = self.unpublished.take() {
-                            node.handles.record_evaluation(e);
-                        }
+                        self.publish(node);
                     }
                     None => feed_open = false,
                 },
             }
+        }
+    }
+
+    /// Hands the newest evaluation, if not handed yet, to the node's status.
+    fn publish(&mut self, node: &Node) {
+        if let Some(e) = self.unpublished.take() {
+            node.handles.record_evaluation(e);
         }
     }
 
