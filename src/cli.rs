@@ -31,6 +31,9 @@ pub enum Command {
     Pause(AdminArgs),
     /// Start admitting new groups again on a paused node.
     Resume(AdminArgs),
+    /// Act on a running node's replay store (through its admin API).
+    #[command(subcommand)]
+    Replay(ReplayCommand),
     /// Create and inspect Hugging Face model directories.
     #[command(subcommand)]
     Model(ModelCommand),
@@ -192,6 +195,29 @@ pub enum BenchCommand {
     /// Weights over the network: a head delivering one version to an engine node over HTTP vs
     /// a raw loopback copy of the same bytes.
     Weights(sluice_bench::BenchWeightsArgs),
+}
+
+/// `sluice replay ...`
+#[derive(Debug, Subcommand)]
+pub enum ReplayCommand {
+    /// Throw away the groups at rest (completed, aborted, expired) untrained. Refused while the
+    /// run trains (admission open, or groups pending or in flight) unless `--force`.
+    Clear(ReplayClearArgs),
+}
+
+/// `sluice replay clear`
+#[derive(Debug, clap::Args)]
+pub struct ReplayClearArgs {
+    /// Where the node's admin API is.
+    #[command(flatten)]
+    pub target: AdminArgs,
+    /// Clear even while the run trains (pending and in-flight groups keep running).
+    #[arg(long)]
+    pub force: bool,
+    /// Only this bucket (`completed`, `aborted` or `expired`); repeat for several
+    /// [default: all three].
+    #[arg(long = "bucket", value_name = "BUCKET")]
+    pub buckets: Vec<String>,
 }
 
 /// `sluice knobs ...`

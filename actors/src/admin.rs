@@ -9,6 +9,7 @@
 //! | `POST /v1/pause` | yes | sets the `paused` knob (admission stops, in-flight work goes on) |
 //! | `POST /v1/resume` | yes | clears the `paused` knob |
 //! | `POST /v1/checkpoint` | yes | writes a checkpoint now; answers `{"checkpoint": manifest}` (409 without a checkpoint directory) |
+//! | `POST /v1/replay/clear` | yes | throws away the groups at rest in the replay store; 409 while the run trains unless forced ([`replay`]) |
 //! | `/v1/nodes…`, `GET /v1/weights/{version}` | see [`crate::cluster::routes`] | a head's members and the weights they fetch |
 //!
 //! "Token" means `Authorization: Bearer <token>` when `admin.token` is configured (the config
@@ -41,6 +42,7 @@ use crate::ActorError;
 use crate::cluster::routes as cluster;
 use crate::handles::NodeHandles;
 
+mod replay;
 mod status;
 
 pub use status::{ActorHealth, Health, Rates, StatusReport};
@@ -83,6 +85,7 @@ fn routes() -> Router<Shared> {
         .route("/v1/pause", post(pause))
         .route("/v1/resume", post(resume))
         .route("/v1/checkpoint", post(checkpoint))
+        .route("/v1/replay/clear", post(replay::clear))
         .route("/v1/nodes", get(cluster::list).post(cluster::join))
         .route("/v1/nodes/{name}/heartbeat", post(cluster::heartbeat))
         .route("/v1/nodes/{name}/leave", post(cluster::leave))
@@ -406,7 +409,7 @@ async fn not_found(method: Method, uri: Uri) -> ApiError {
         StatusCode::NOT_FOUND,
         "not_found",
         format!(
-            "no route {method} {}; routes: GET /health, GET /v1/status, GET|PATCH /v1/knobs, POST /v1/pause, POST /v1/resume, POST /v1/checkpoint, GET|POST /v1/nodes, POST /v1/nodes/{{name}}/heartbeat|leave, GET /v1/weights/{{version}}, GET /metrics (metrics listener)",
+            "no route {method} {}; routes: GET /health, GET /v1/status, GET|PATCH /v1/knobs, POST /v1/pause, POST /v1/resume, POST /v1/checkpoint, POST /v1/replay/clear, GET|POST /v1/nodes, POST /v1/nodes/{{name}}/heartbeat|leave, GET /v1/weights/{{version}}, GET /metrics (metrics listener)",
             uri.path()
         ),
     )

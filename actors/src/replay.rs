@@ -17,7 +17,7 @@ use crossbeam_channel::{Sender, TrySendError};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use serde::Serialize;
 use sluice_core::{GroupId, PolicyVersion, RolloutGroup};
-use sluice_replay::{Bucket, Counters, Persister, ReplayStore, StoreSnapshot};
+use sluice_replay::{Bucket, ClearOutcome, Counters, Persister, ReplayStore, StoreSnapshot};
 
 use crate::counters::ActorCounters;
 use crate::{ActorError, Sink};
@@ -62,6 +62,14 @@ pub enum ReplayNotice {
     Expired {
         /// The group.
         id: GroupId,
+    },
+    /// An operator cleared these groups (completed, aborted or expired) from the store: none
+    /// of them is trained or resumed.
+    Cleared {
+        /// The groups.
+        ids: Vec<GroupId>,
+        /// Counts after the change.
+        counts: ReplayCounts,
     },
     /// Counts changed (a batch was consumed).
     Counts(ReplayCounts),
@@ -125,6 +133,7 @@ enum Cmd {
     ReleaseSkipped(u64),
     SetVersion(PolicyVersion),
     Status(RpcReplyPort<ReplayStatus>),
+    Clear(Vec<Bucket>, RpcReplyPort<Result<ClearOutcome, String>>),
 }
 
 /// The actor's messages (private: use [`ReplayHandle`]).
@@ -285,6 +294,20 @@ impl ReplayHandle {
         rx.await.map_err(|_| ActorError::Gone { actor: "replay" })
     }
 
+    /// Clears the groups at rest in `buckets` (see [`ReplayStore::clear`]), durably, and tells
+    /// the controller with a [`ReplayNotice::Cleared`] so it resumes none of them. A refused
+    /// clear (a bucket not at rest) comes back as the store's message.
+    pub async fn clear(
+        &self,
+        buckets: Vec<Bucket>,
+    ) -> Result<Result<ClearOutcome, String>, ActorError> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.actor
+            .cast(ReplayMsg(Cmd::Clear(buckets, tx.into())))
+            .map_err(|_| ActorError::Gone { actor: "replay" })?;
+        rx.await.map_err(|_| ActorError::Gone { actor: "replay" })
+    }
+
     /// Stops the actor; its thread commits what is queued and exits.
     pub async fn stop(&self) {
         let _ = self.actor.stop_and_wait(None, None).await;
@@ -321,6 +344,7 @@ impl Actor for ReplayActor {
             notices,
             pending_take: None,
             told_waiting: false,
+            cleared: Default::default(),
             counters: counters.clone(),
         };
         let thread = std::thread::Builder::new()

@@ -6,6 +6,7 @@ mod knobs;
 mod model;
 mod node;
 mod plot;
+mod replay;
 mod run;
 mod serve;
 mod signals;
@@ -15,7 +16,7 @@ use std::process::ExitCode;
 
 use signals::shutdown_signal;
 
-use crate::cli::{BenchCommand, Command};
+use crate::cli::{BenchCommand, Command, ReplayCommand};
 
 /// Runs one command.
 pub fn run(command: Command) -> anyhow::Result<ExitCode> {
@@ -26,6 +27,7 @@ pub fn run(command: Command) -> anyhow::Result<ExitCode> {
         Command::Status(args) => status::run(&args),
         Command::Pause(args) => status::set_paused(&args, true),
         Command::Resume(args) => status::set_paused(&args, false),
+        Command::Replay(ReplayCommand::Clear(args)) => replay::clear(&args),
         Command::Bench(BenchCommand::Pipeline(args)) => sluice_bench::pipeline::pipeline(&args),
         Command::Bench(BenchCommand::Overhead(args)) => sluice_bench::pipeline::overhead(&args),
         Command::Model(cmd) => model::run(cmd),

@@ -1,5 +1,5 @@
 //! What the controller hears back and passes on: replay store notices (stored, resumed,
-//! dropped, expired groups) and published weights, relayed to the engine with the effective
+//! dropped, expired, cleared groups) and published weights, relayed to the engine with the effective
 //! update mode and to the replay store.
 
 use std::sync::Arc;
@@ -29,21 +29,33 @@ impl ControllerState {
                 self.start(group, sample);
             }
             ReplayNotice::Dropped { id, counts } => {
-                for i in 0..self.config.group_size {
-                    let rollout = id.rollout(i);
-                    if let Some(p) = &self.peers {
-                        p.env.abandon(rollout);
-                    }
-                    self.attempts.remove(&rollout);
-                    self.served_by.remove(&rollout);
-                }
-                self.resuming.remove(&id);
+                self.forget(id);
                 self.scheduler.dropped(id);
+                self.counts = counts;
+            }
+            ReplayNotice::Cleared { ids, counts } => {
+                for id in ids {
+                    self.forget(id);
+                    self.scheduler.cleared(id);
+                }
                 self.counts = counts;
             }
             ReplayNotice::Expired { id } => self.scheduler.expired(id),
             ReplayNotice::Counts(counts) => self.counts = counts,
         }
+    }
+
+    /// Lets go of every per-rollout record of group `id`, which will never run again.
+    fn forget(&mut self, id: sluice_core::GroupId) {
+        for i in 0..self.config.group_size {
+            let rollout = id.rollout(i);
+            if let Some(p) = &self.peers {
+                p.env.abandon(rollout);
+            }
+            self.attempts.remove(&rollout);
+            self.served_by.remove(&rollout);
+        }
+        self.resuming.remove(&id);
     }
 
     pub(super) fn on_published(&mut self, w: WeightSnapshot) {

@@ -2,13 +2,14 @@
 //! commits the resulting writes in one durable transaction, and only then sends the replies,
 //! notices and batches.
 
+use std::collections::HashSet;
 use std::time::Instant;
 
 use crossbeam_channel::Receiver;
 use ractor::RpcReplyPort;
 use sluice_core::metrics as m;
-use sluice_core::{PolicyVersion, RolloutGroup};
-use sluice_replay::{Bucket, Persister, ReplayStore, TakeOutcome};
+use sluice_core::{GroupId, PolicyVersion, RolloutGroup};
+use sluice_replay::{Bucket, ClearOutcome, Persister, ReplayStore, TakeOutcome};
 
 use super::recover::counts;
 use super::{Cmd, ReplayCounts, ReplayNotice, ReplayStatus};
@@ -24,6 +25,10 @@ pub(super) struct Worker {
     pub(super) pending_take: Option<(usize, PolicyVersion, u64, RpcReplyPort<Vec<RolloutGroup>>)>,
     /// Whether the controller last heard that the trainer waits ([`ReplayCounts::trainer_waiting`]).
     pub(super) told_waiting: bool,
+    /// Groups an operator cleared. A resume the controller sent before it heard of the clear
+    /// is answered `Dropped` instead of an unknown-group error. Holds only cleared ids (a few
+    /// batches' worth per clear).
+    pub(super) cleared: HashSet<GroupId>,
     pub(super) counters: ActorCounters,
 }
 
@@ -31,6 +36,10 @@ enum Out {
     Notice(ReplayNotice),
     Batch(RpcReplyPort<Vec<RolloutGroup>>, Vec<RolloutGroup>),
     Status(RpcReplyPort<ReplayStatus>),
+    Cleared(
+        RpcReplyPort<Result<ClearOutcome, String>>,
+        Result<ClearOutcome, String>,
+    ),
 }
 
 impl Worker {
@@ -72,6 +81,9 @@ impl Worker {
                     Out::Status(reply) => {
                         let _ = reply.send(self.status());
                     }
+                    Out::Cleared(reply, outcome) => {
+                        let _ = reply.send(outcome);
+                    }
                 }
             }
         }
@@ -103,6 +115,13 @@ impl Worker {
                         counts: counts(store),
                     }));
                 })
+            }
+            Cmd::Resume { id, .. } if self.cleared.contains(&id) => {
+                out.push(Out::Notice(ReplayNotice::Dropped {
+                    id,
+                    counts: counts(store),
+                }));
+                Ok(())
             }
             Cmd::Resume {
                 id,
@@ -142,6 +161,19 @@ impl Worker {
             }
             Cmd::Status(reply) => {
                 out.push(Out::Status(reply));
+                Ok(())
+            }
+            Cmd::Clear(buckets, reply) => {
+                let outcome = store.clear(&buckets).map_err(|e| e.to_string());
+                if let Ok(o) = &outcome {
+                    self.cleared.extend(o.ids.iter().copied());
+                    out.push(Out::Notice(ReplayNotice::Cleared {
+                        ids: o.ids.clone(),
+                        counts: counts(store),
+                    }));
+                }
+                // Replied after the commit, like every other answer.
+                out.push(Out::Cleared(reply, outcome));
                 Ok(())
             }
         };
@@ -196,6 +228,7 @@ impl Worker {
             if let Out::Notice(
                 ReplayNotice::Stored { counts, .. }
                 | ReplayNotice::Dropped { counts, .. }
+                | ReplayNotice::Cleared { counts, .. }
                 | ReplayNotice::Counts(counts),
             ) = o
             {

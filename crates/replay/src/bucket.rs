@@ -7,9 +7,11 @@
 //!              │       └─────→ Expired
 //!              └──→ Expired ──→ InFlight           (regenerate policy) — or stays (drop policy)
 //! Completed → Expired                              (fell past η before it was taken)
+//! Completed | Aborted | Expired → Cleared          (an operator cleared the store)
 //! ```
-//! A group's *final* buckets are `Consumed`, `Failed`, `Filtered` and `Expired` when the expired
-//! policy is `drop`; every admitted group ends in exactly one of them or is still live.
+//! A group's *final* buckets are `Consumed`, `Failed`, `Filtered`, `Cleared` and `Expired` when
+//! the expired policy is `drop`; every admitted group ends in exactly one of them or is still
+//! live.
 
 use std::fmt;
 
@@ -35,11 +37,13 @@ pub enum Bucket {
     Filtered,
     /// Handed to the trainer.
     Consumed,
+    /// Thrown away untrained by an operator's clear (`POST /v1/replay/clear`).
+    Cleared,
 }
 
 impl Bucket {
     /// Every bucket, in state-machine order.
-    pub const ALL: [Self; 8] = [
+    pub const ALL: [Self; 9] = [
         Self::Pending,
         Self::InFlight,
         Self::Completed,
@@ -48,7 +52,12 @@ impl Bucket {
         Self::Failed,
         Self::Filtered,
         Self::Consumed,
+        Self::Cleared,
     ];
+
+    /// The buckets an operator's clear empties: the groups at rest, trainable or resumable.
+    /// Pending and in-flight groups belong to the controller and the engines until they settle.
+    pub const CLEARABLE: [Self; 3] = [Self::Completed, Self::Aborted, Self::Expired];
 
     /// Short stable name (metric label, API).
     pub fn as_label(self) -> &'static str {
@@ -61,6 +70,7 @@ impl Bucket {
             Self::Failed => "failed",
             Self::Filtered => "filtered",
             Self::Consumed => "consumed",
+            Self::Cleared => "cleared",
         }
     }
 
@@ -79,6 +89,7 @@ impl Bucket {
                 | (Aborted, InFlight | Expired)
                 | (Expired, InFlight)
                 | (Completed, Consumed | Expired)
+                | (Completed | Aborted | Expired, Cleared)
         )
     }
 
@@ -114,6 +125,18 @@ mod tests {
             assert!(!Bucket::Consumed.can_move_to(b), "consumed is final");
             assert!(!Bucket::Filtered.can_move_to(b), "filtered is final");
             assert!(!Bucket::Failed.can_move_to(b), "failed is final");
+            assert!(!Bucket::Cleared.can_move_to(b), "cleared is final");
+        }
+    }
+
+    #[test]
+    fn only_groups_at_rest_can_be_cleared() {
+        for b in Bucket::ALL {
+            assert_eq!(
+                b.can_move_to(Bucket::Cleared),
+                Bucket::CLEARABLE.contains(&b),
+                "{b}"
+            );
         }
     }
 

@@ -29,6 +29,14 @@ pub enum ReplayError {
         /// The group.
         group: GroupId,
     },
+    /// An operator asked to clear a bucket that is not at rest.
+    #[error(
+        "bucket `{bucket}` cannot be cleared: only completed, aborted and expired groups are at rest"
+    )]
+    NotClearable {
+        /// The bucket asked for.
+        bucket: Bucket,
+    },
     /// The database failed.
     #[error("replay database {path}: {message}")]
     Database {
@@ -56,6 +64,7 @@ impl ReplayError {
             Self::IllegalTransition { .. } => "replay_illegal_transition",
             Self::UnknownGroup { .. } => "replay_unknown_group",
             Self::Duplicate { .. } => "replay_duplicate_group",
+            Self::NotClearable { .. } => "replay_not_clearable",
             Self::Database { .. } => "replay_database",
             Self::Corrupt { .. } => "replay_corrupt_record",
         }

@@ -25,4 +25,4 @@ pub use error::ReplayError;
 pub use persist::{PersistOp, Persister, Recovered};
 pub use progress::{GroupSummary, ProgressWatch};
 pub use scheduler::{Decision, Scheduler, SchedulerStats, SchedulerView};
-pub use store::{Counters, FinishOutcome, ReplayStore, StoreSnapshot, TakeOutcome};
+pub use store::{ClearOutcome, Counters, FinishOutcome, ReplayStore, StoreSnapshot, TakeOutcome};

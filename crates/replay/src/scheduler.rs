@@ -151,6 +151,14 @@ impl Scheduler {
         self.abort_counts.remove(&id);
     }
 
+    /// An operator cleared `id` from the store: it is no longer resumable from any queue.
+    pub fn cleared(&mut self, id: GroupId) {
+        self.aborted.retain(|g| *g != id);
+        self.expired.retain(|g| *g != id);
+        self.tail.retain(|g| *g != id);
+        self.dropped(id);
+    }
+
     /// A completed group fell past η before it was trained: it waits to be regenerated.
     pub fn expired(&mut self, id: GroupId) {
         self.expired.push_back(id);

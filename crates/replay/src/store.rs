@@ -66,6 +66,18 @@ pub enum TakeOutcome {
     },
 }
 
+/// What [`ReplayStore::clear`] threw away.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct ClearOutcome {
+    /// Cleared groups per bucket they were in, by label (every asked bucket appears).
+    pub cleared: BTreeMap<&'static str, u64>,
+    /// The cleared groups, oldest first.
+    #[serde(skip)]
+    pub ids: Vec<GroupId>,
+    /// Their generated tokens, now discarded.
+    pub discarded_tokens: u64,
+}
+
 /// Counts per bucket plus the counters: what the metrics and `/v1/status` show.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct StoreSnapshot {
@@ -84,7 +96,7 @@ struct Entry {
 /// The in-memory replay store.
 pub struct ReplayStore {
     entries: HashMap<GroupId, Entry>,
-    by_bucket: [BTreeSet<GroupId>; 8],
+    by_bucket: [BTreeSet<GroupId>; Bucket::ALL.len()],
     counters: Counters,
     drop_expired: bool,
     filter_zero_advantage: bool,
@@ -167,8 +179,10 @@ impl ReplayStore {
 
     /// Whether a group in `bucket` is done for good (its data and id are forgotten).
     pub fn is_final(&self, bucket: Bucket) -> bool {
-        matches!(bucket, Bucket::Consumed | Bucket::Failed | Bucket::Filtered)
-            || (bucket == Bucket::Expired && self.drop_expired)
+        matches!(
+            bucket,
+            Bucket::Consumed | Bucket::Failed | Bucket::Filtered | Bucket::Cleared
+        ) || (bucket == Bucket::Expired && self.drop_expired)
     }
 
     /// Ids in `bucket`, oldest first.
@@ -389,6 +403,37 @@ impl ReplayStore {
         (TakeOutcome::Batch(batch), expired)
     }
 
+    /// An operator's clear: every group in `buckets` (each one of [`Bucket::CLEARABLE`]) moves
+    /// to `Cleared`, untrained, and leaves the admission load as a filtered group does. Their
+    /// prompts are not sampled again: the operator chose to drop them. Refuses, changing nothing,
+    /// when a bucket cannot be cleared.
+    pub fn clear(&mut self, buckets: &[Bucket]) -> Result<ClearOutcome, ReplayError> {
+        if let Some(b) = buckets.iter().find(|b| !Bucket::CLEARABLE.contains(b)) {
+            return Err(ReplayError::NotClearable { bucket: *b });
+        }
+        let mut outcome = ClearOutcome::default();
+        for &bucket in buckets {
+            let ids: Vec<GroupId> = self.by_bucket[bucket.index()].iter().copied().collect();
+            outcome.cleared.insert(bucket.as_label(), ids.len() as u64);
+            for id in ids {
+                let group = self.entries.get_mut(&id).and_then(|e| e.group.take());
+                outcome.discarded_tokens += group.map_or(0, |g| {
+                    g.rollouts
+                        .iter()
+                        .map(|r| r.completion_tokens() as u64)
+                        .sum()
+                });
+                // `bucket` is clearable and the id was in it, so the move is legal.
+                self.set_bucket(id, Bucket::Cleared, None)?;
+                outcome.ids.push(id);
+            }
+        }
+        outcome.ids.sort();
+        self.counters.discarded_tokens += outcome.discarded_tokens;
+        self.push_counters();
+        Ok(outcome)
+    }
+
     /// Checks that every admitted group is in exactly one bucket; returns what is off.
     pub fn reconcile(&self) -> Result<(), String> {
         let in_buckets: u64 = Bucket::ALL.iter().map(|b| self.count(*b)).sum();
@@ -409,6 +454,7 @@ impl ReplayStore {
         let released = self.counters.skipped_total
             + self.count(Bucket::Failed)
             + self.count(Bucket::Filtered)
+            + self.count(Bucket::Cleared)
             + if self.drop_expired {
                 self.count(Bucket::Expired)
             } else {

@@ -8,7 +8,7 @@
 //! only finishes what it starts always reaches more training steps — whatever the knobs left in
 //! the tail queue.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use proptest::prelude::*;
 use sluice_core::{AdmissionMode, GroupId, Knobs, NodeId, RunId, WeightUpdateMode};
@@ -24,6 +24,8 @@ enum Op {
     Expire(usize),
     TrainerDone,
     Knobs(KnobChange),
+    /// An operator clears the groups at rest (completed, aborted, expired).
+    Clear,
 }
 
 #[derive(Debug, Clone)]
@@ -55,6 +57,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => any::<usize>().prop_map(Op::Expire),
         3 => Just(Op::TrainerDone),
         1 => knob_change().prop_map(Op::Knobs),
+        1 => Just(Op::Clear),
     ]
 }
 
@@ -87,6 +90,10 @@ struct World {
     /// In flight, with the largest abort count of the group's rollouts.
     in_flight: Vec<(GroupId, u32)>,
     completed: Vec<GroupId>,
+    /// Aborted or expired, waiting in the scheduler's queues to be resumed.
+    resumable: HashSet<GroupId>,
+    /// Cleared by an operator: never resumed again.
+    cleared: HashSet<GroupId>,
     aborts: HashMap<GroupId, u32>,
     admitted_total: u64,
     released_total: u64,
@@ -105,6 +112,8 @@ impl World {
             version: 0,
             in_flight: Vec::new(),
             completed: Vec::new(),
+            resumable: HashSet::new(),
+            cleared: HashSet::new(),
             aborts: HashMap::new(),
             admitted_total: 0,
             released_total: 0,
@@ -135,6 +144,7 @@ impl World {
                     self.aborts.insert(id, aborts + 1);
                     self.scheduler.group_aborted(id, aborts + 1);
                     self.scheduler.stored(id, Bucket::Aborted, &self.knobs);
+                    self.resumable.insert(id);
                 }
             }
             Op::Filter(pick) => {
@@ -147,6 +157,7 @@ impl World {
                 if !self.completed.is_empty() {
                     let id = self.completed.remove(pick % self.completed.len());
                     self.scheduler.expired(id);
+                    self.resumable.insert(id);
                 }
             }
             Op::TrainerDone => {
@@ -157,6 +168,18 @@ impl World {
                 }
             }
             Op::Knobs(c) => self.knobs = knobs(c, self.knobs.max_concurrent_rollouts),
+            Op::Clear => {
+                let at_rest: Vec<GroupId> = self
+                    .completed
+                    .drain(..)
+                    .chain(self.resumable.drain())
+                    .collect();
+                for id in at_rest {
+                    self.scheduler.cleared(id);
+                    self.released_total += 1;
+                    self.cleared.insert(id);
+                }
+            }
         }
         if !self.trainer_busy && self.completed.len() >= self.b as usize {
             self.completed.drain(..self.b as usize);
@@ -205,6 +228,11 @@ impl World {
             );
         }
         for id in d.resumes {
+            assert!(!self.cleared.contains(&id), "cleared group {id} resumed");
+            assert!(
+                self.resumable.remove(&id),
+                "group {id} resumed but not waiting"
+            );
             let aborts = self.aborts.get(&id).copied().unwrap_or(0);
             self.in_flight.push((id, aborts));
         }

@@ -33,6 +33,8 @@ enum Op {
     },
     SetEta(u64),
     Restart,
+    /// An operator's clear of the groups at rest (a subset of the clearable buckets).
+    Clear(Vec<Bucket>),
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -45,6 +47,7 @@ fn op() -> impl Strategy<Value = Op> {
         2 => proptest::bool::weighted(0.25).prop_map(|skipped| Op::TrainStep { skipped }),
         1 => (0u64..4).prop_map(Op::SetEta),
         1 => Just(Op::Restart),
+        1 => proptest::sample::subsequence(Bucket::CLEARABLE.to_vec(), 1..=3).prop_map(Op::Clear),
     ]
 }
 
@@ -168,6 +171,22 @@ proptest! {
                     }
                 }
                 Op::SetEta(e) => eta = e,
+                Op::Clear(buckets) => {
+                    let at_rest: BTreeSet<GroupId> = buckets.iter().flat_map(|b| store.ids(*b)).collect();
+                    let load = store.counters().admitted_load();
+                    let outcome = store.clear(&buckets).unwrap();
+                    let cleared: BTreeSet<GroupId> = outcome.ids.iter().copied().collect();
+                    prop_assert_eq!(&cleared, &at_rest, "exactly the groups at rest in the asked buckets");
+                    prop_assert_eq!(outcome.cleared.values().sum::<u64>(), at_rest.len() as u64);
+                    prop_assert_eq!(store.counters().admitted_load(), load - at_rest.len() as u64);
+                    for id in &cleared {
+                        prop_assert!(store.bucket_of(*id).is_none(), "cleared group {} still live", id);
+                        prop_assert!(!trained.contains(id), "a trained group {} was at rest", id);
+                    }
+                    for b in &buckets {
+                        prop_assert_eq!(store.ids(*b).count(), 0);
+                    }
+                }
                 Op::Restart => {
                     db.apply(&store.drain_outbox()).unwrap();
                     let before: BTreeSet<GroupId> = store.ids(Bucket::Completed)
@@ -236,6 +255,63 @@ fn take_batch_serves_oldest_first_and_refuses_partial_batches() {
     assert_eq!(out, TakeOutcome::NotEnough { available: 0 });
     assert_eq!(expired, vec![ids[2]]);
     assert_eq!(store.bucket_of(ids[2]), Some(Bucket::Expired));
+    store.reconcile().unwrap();
+}
+
+#[test]
+fn clear_throws_away_groups_at_rest_and_refuses_live_buckets() {
+    let mut store = ReplayStore::new(false, false);
+    let run = RunId::from_name("clear");
+    let id = |counter| GroupId {
+        run,
+        node: NodeId(0),
+        counter,
+    };
+    for c in 0..3 {
+        store
+            .admit(RolloutGroup::new(id(c), sample(), 2, PolicyVersion(0)))
+            .unwrap();
+    }
+    let mut done = RolloutGroup::new(id(0), sample(), 2, PolicyVersion(0));
+    generate(&mut done, PolicyVersion(0), RolloutStatus::Completed, false);
+    store.finish(done, PolicyVersion(0), 1).unwrap();
+    let mut cut = RolloutGroup::new(id(1), sample(), 2, PolicyVersion(0));
+    generate(&mut cut, PolicyVersion(0), RolloutStatus::Aborted, false);
+    store.abort(cut).unwrap();
+
+    let err = store.clear(&[Bucket::InFlight]).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "bucket `in_flight` cannot be cleared: only completed, aborted and expired groups are at rest"
+    );
+    assert_eq!(
+        store.count(Bucket::Completed),
+        1,
+        "a refused clear changes nothing"
+    );
+
+    let outcome = store.clear(&Bucket::CLEARABLE).unwrap();
+    assert_eq!(outcome.ids, vec![id(0), id(1)]);
+    assert_eq!(outcome.cleared["completed"], 1);
+    assert_eq!(outcome.cleared["aborted"], 1);
+    assert_eq!(outcome.cleared["expired"], 0);
+    // Two rollouts of two tokens each, in each of the two groups.
+    assert_eq!(outcome.discarded_tokens, 8);
+    assert_eq!(store.count(Bucket::Cleared), 2);
+    assert_eq!(
+        store.counters().admitted_load(),
+        1,
+        "only the in-flight group still counts"
+    );
+    assert_eq!(store.bucket_of(id(2)), Some(Bucket::InFlight));
+    // A cleared group cannot come back.
+    assert_eq!(
+        store
+            .resume(id(1), PolicyVersion(0), 1, true)
+            .unwrap_err()
+            .kind(),
+        "replay_unknown_group"
+    );
     store.reconcile().unwrap();
 }
 
