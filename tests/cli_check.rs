@@ -109,6 +109,27 @@ fn bad_input_exits_non_zero_with_one_line_and_starts_nothing() {
 }
 
 #[test]
+fn unsound_settings_are_checked_with_a_warning() {
+    let check = |sets: &[&str]| {
+        let mut args = vec!["check", "configs/quickstart.toml"];
+        for s in sets {
+            args.extend(["--set", s]);
+        }
+        let out = sluice(&args, repo());
+        assert!(out.status.success(), "a warning is not an error");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    assert_eq!(check(&[]), "", "the quickstart is sound");
+    let stderr = check(&["trainer.minibatches=1"]);
+    assert!(
+        stderr.starts_with(
+            "warning: trainer.minibatches = 1 with loss = \"decoupled_ppo\" and rollout.max_version_lag = 2: "
+        ),
+        "{stderr}"
+    );
+}
+
+#[test]
 fn version_flag() {
     let out = sluice(&["--version"], repo());
     assert!(out.status.success());

@@ -23,6 +23,9 @@ use crate::cli::ConfigArgs;
 /// Loads the config and runs the node until the run ends.
 pub fn run(args: &ConfigArgs) -> anyhow::Result<ExitCode> {
     let config = sluice_core::config::load(&args.config, &args.overrides)?;
+    for note in config.advisories() {
+        tracing::warn!("{note}");
+    }
     // An engine or env node serves and joins its head; it runs no pipeline.
     if let Some(node) = &config.node
         && node.role != NodeRole::Head

@@ -125,6 +125,41 @@ fn overrides_apply_before_validation() {
 }
 
 #[test]
+fn minibatches_default_follows_the_loss_and_unsound_settings_are_advised() {
+    let decoupled = |sets: &[&str]| {
+        let mut all = vec!["trainer.loss=\"decoupled_ppo\""];
+        all.extend_from_slice(sets);
+        parse("", &all).unwrap()
+    };
+    // Unset: four updates for decoupled_ppo (a trust region for all but the first), at most
+    // one per group; one for ppo.
+    assert_eq!(decoupled(&[]).trainer.minibatches.get(), 4);
+    assert_eq!(
+        decoupled(&["rollout.groups_per_step=3"])
+            .trainer
+            .minibatches
+            .get(),
+        3
+    );
+    assert_eq!(parse("", &[]).unwrap().trainer.minibatches.get(), 1);
+    assert!(decoupled(&[]).advisories().is_empty());
+    // Set explicitly: kept, and one update with η > 0 is advised against.
+    let one = decoupled(&["trainer.minibatches=1", "rollout.max_version_lag=4"]);
+    assert_eq!(one.trainer.minibatches.get(), 1);
+    let notes = one.advisories();
+    assert_eq!(notes.len(), 1);
+    assert!(
+        notes[0].starts_with("trainer.minibatches = 1 with loss = \"decoupled_ppo\" and rollout.max_version_lag = 4: "),
+        "{notes:?}"
+    );
+    let synchronous = decoupled(&["trainer.minibatches=1", "rollout.max_version_lag=0"]);
+    assert!(
+        synchronous.advisories().is_empty(),
+        "η = 0 has no drift to bound"
+    );
+}
+
+#[test]
 fn the_admin_token_may_come_from_the_environment() {
     let env = |k: &str| (k == config::ADMIN_TOKEN_ENV).then(|| "from-env".to_owned());
     let c = config::parse("[admin]\nlisten = \"0.0.0.0:1\"", FILE, &[], &env).unwrap();

@@ -87,4 +87,21 @@ impl Config {
     pub fn to_toml(&self) -> String {
         toml::to_string(self).unwrap_or_else(|e| format!("# cannot render config: {e}\n"))
     }
+
+    /// Settings that are valid but unsound, with why and what to set instead; `sluice check`
+    /// prints them and `sluice run` logs them as warnings.
+    pub fn advisories(&self) -> Vec<String> {
+        let mut notes = Vec::new();
+        let eta = self.rollout.knobs.max_version_lag;
+        if self.trainer.loss == LossKind::DecoupledPpo
+            && self.trainer.minibatches.get() == 1
+            && eta > 0
+        {
+            notes.push(format!(
+                "trainer.minibatches = 1 with loss = \"decoupled_ppo\" and rollout.max_version_lag = {eta}: with one update per step the proximal policy is the current one, nothing is clipped and no trust region bounds {eta} versions of drift (the η = 4 ablation in docs/trainer.md); leave trainer.minibatches unset ({} updates) or use loss = \"ppo\"",
+                validate::DECOUPLED_MINIBATCHES
+            ));
+        }
+        notes
+    }
 }

@@ -23,7 +23,8 @@ mod trainer;
 
 use engine::validate_engine;
 use rollout::{validate_data, validate_rollout};
-use trainer::validate_trainer;
+pub(crate) use trainer::DECOUPLED_MINIBATCHES;
+use trainer::{default_minibatches, validate_trainer};
 
 /// What validation needs to know besides the raw values.
 pub(crate) struct Ctx<'a> {
@@ -186,9 +187,13 @@ impl RawConfig {
         let run = validate_run(run, ctx)?;
         let model = validate_model(model, &run, ctx)?;
         let engine = validate_engine(engine, &run, head, ctx)?;
-        let trainer = validate_trainer(trainer, &engine, ctx)?;
+        let minibatches_unset = trainer.minibatches.is_none();
+        let mut trainer = validate_trainer(trainer, &engine, ctx)?;
         let data = validate_data(data, ctx)?;
         let rollout = validate_rollout(rollout, &data, ctx)?;
+        if minibatches_unset {
+            trainer.minibatches = default_minibatches(trainer.loss, rollout.groups_per_step);
+        }
         let replay = validate_replay(replay, &run, ctx)?;
         let metrics = MetricsConfig {
             enabled: metrics.enabled,

@@ -29,8 +29,9 @@ pub struct RawTrainer {
     /// Row length `L` of one packed micro-batch, tokens.
     pub max_seq_len: i64,
     /// Optimizer updates per training step: the step's groups are split into this many
-    /// minibatches, one update each, and the step still publishes one version.
-    pub minibatches: i64,
+    /// minibatches, one update each, and the step still publishes one version. Unset: chosen
+    /// from the loss (see `validate::trainer::default_minibatches`).
+    pub minibatches: Option<i64>,
     /// `group` or `situational`.
     pub advantage: String,
     /// Divide group advantages by the group's reward std.
@@ -99,7 +100,7 @@ impl Default for RawTrainer {
             kl_coef: 0.0,
             micro_batch_size: 4,
             max_seq_len: 2048,
-            minibatches: 1,
+            minibatches: None,
             advantage: "group".into(),
             normalize_advantage_std: true,
             gamma: 1.0,

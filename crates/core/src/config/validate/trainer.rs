@@ -1,5 +1,7 @@
 //! Phase two of `[trainer]` and `[trainer.simulated]`.
 
+use std::num::NonZeroU32;
+
 use super::{Ctx, choice, non_zero_u32, number, u32_incl_zero, u64_incl_zero};
 use crate::config::error::ConfigError;
 use crate::config::raw::{RawSimTrainer, RawTrainer};
@@ -7,6 +9,21 @@ use crate::config::typed::{
     AdvantageKind, EngineBackend, EngineConfig, LossAggregation, LossKind, LrSchedule,
     OversizedText, SimTrainerConfig, TisLevel, TisMode, TrainerConfig,
 };
+
+/// Optimizer updates per step when `trainer.minibatches` is unset: one for `ppo` and `tis`, and
+/// for `decoupled_ppo` [`DECOUPLED_MINIBATCHES`] (at most one per group). With a single update the
+/// decoupled objective's proximal policy is the current one, its ratio is always 1 and nothing is
+/// clipped: the trust region exists only for the updates after the first, which are clipped
+/// against the step's starting policy (AReaL's `ppo_n_minibatches`, 4 by default there too).
+pub(super) fn default_minibatches(loss: LossKind, groups_per_step: NonZeroU32) -> NonZeroU32 {
+    match loss {
+        LossKind::DecoupledPpo => DECOUPLED_MINIBATCHES.min(groups_per_step),
+        LossKind::Ppo | LossKind::Tis => NonZeroU32::MIN,
+    }
+}
+
+/// `decoupled_ppo`'s optimizer updates per step unless the config says otherwise.
+pub(crate) const DECOUPLED_MINIBATCHES: NonZeroU32 = NonZeroU32::new(4).unwrap();
 
 pub(super) fn validate_sim_trainer(
     raw: RawSimTrainer,
@@ -98,7 +115,8 @@ pub(super) fn validate_trainer(
         })?,
         micro_batch_size: non_zero_u32(ctx, "trainer.micro_batch_size", raw.micro_batch_size)?,
         max_seq_len: non_zero_u32(ctx, "trainer.max_seq_len", raw.max_seq_len)?,
-        minibatches: non_zero_u32(ctx, "trainer.minibatches", raw.minibatches)?,
+        // Unset: resolved with `rollout.groups_per_step` by `default_minibatches`.
+        minibatches: non_zero_u32(ctx, "trainer.minibatches", raw.minibatches.unwrap_or(1))?,
         threads: u32_incl_zero(ctx, "trainer.threads", raw.threads)?,
         activation_checkpointing: raw.activation_checkpointing,
         advantage: choice(
