@@ -218,6 +218,11 @@ pub struct ReplayClearArgs {
     /// [default: all three].
     #[arg(long = "bucket", value_name = "BUCKET")]
     pub buckets: Vec<String>,
+    /// Clear a stopped run's store in this directory (`replay.path`, by default
+    /// `<run.output_dir>/replay`) instead of calling a running node; refused while a node holds
+    /// it.
+    #[arg(long, value_name = "DIR", conflicts_with_all = ["force", "url"])]
+    pub store: Option<PathBuf>,
 }
 
 /// `sluice knobs ...`

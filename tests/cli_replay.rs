@@ -1,13 +1,17 @@
 //! `sluice replay clear` against a running node: refused while the run trains, forced anyway,
 //! allowed once paused and settled; the cleared groups are never trained, admission reopens for
-//! them, and the run goes on with its staleness rule intact.
+//! them, and the run goes on with its staleness rule intact. With `--store`, a stopped run's
+//! store on disk, refused while another process holds it.
 
 use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
 use sluice_actors::{Node, NodeOptions};
-use sluice_replay::Bucket;
+use sluice_core::{
+    DataSample, GroupId, NodeId, PolicyVersion, RolloutGroup, RolloutStatus, RolloutTurn, RunId,
+};
+use sluice_replay::{Bucket, Persister, ReplayStore};
 
 const TOKEN: &str = "cli-replay-token";
 
@@ -180,4 +184,95 @@ token = "{TOKEN}"
     );
 
     runtime.block_on(node.shutdown());
+}
+
+/// Group `counter` with two rollouts of two generated tokens each, ended with `status`.
+fn generated(counter: u64, status: RolloutStatus) -> RolloutGroup {
+    let sample = DataSample {
+        id: counter.to_string(),
+        domain: "math".into(),
+        dataset: "math".into(),
+        input: serde_json::Value::Null,
+        system_prompt: None,
+    };
+    let id = GroupId {
+        run: RunId::from_name("stopped"),
+        node: NodeId(0),
+        counter,
+    };
+    let mut group = RolloutGroup::new(id, sample, 2, PolicyVersion(0));
+    for (i, r) in group.rollouts.iter_mut().enumerate() {
+        let mut turn = RolloutTurn::new(vec![1, 2, 3]);
+        turn.append_tokens(&[7, 8], &[-0.5, -0.5], &[PolicyVersion(0); 2])
+            .unwrap();
+        r.turns.push(turn);
+        r.status = status.clone();
+        r.reward = i as f64;
+    }
+    group
+}
+
+#[test]
+fn replay_clear_on_a_stopped_store() {
+    let dir = tempfile::tempdir().unwrap();
+    let store_dir = dir.path().join("replay");
+    let arg = store_dir.to_str().unwrap();
+    let d = dir.path();
+    let (code, _, err) = sluice(&["replay", "clear", "--store", arg], d);
+    assert_eq!(code, 1);
+    assert!(err.contains("no replay store here"), "{err}");
+    assert!(!store_dir.exists(), "nothing is created");
+
+    // A run that stopped with one group completed, one aborted and one in flight.
+    let (db, _) = Persister::open(&store_dir).unwrap();
+    let mut store = ReplayStore::new(false, true);
+    for c in 0..3 {
+        let ended = generated(c, RolloutStatus::Ongoing);
+        store
+            .admit(RolloutGroup::new(
+                ended.id,
+                ended.sample,
+                2,
+                PolicyVersion(0),
+            ))
+            .unwrap();
+    }
+    store
+        .finish(generated(0, RolloutStatus::Completed), PolicyVersion(0), 1)
+        .unwrap();
+    store.abort(generated(1, RolloutStatus::Aborted)).unwrap();
+    db.apply(&store.drain_outbox()).unwrap();
+
+    // While a node holds the database, the CLI leaves it alone.
+    let (code, _, err) = sluice(&["replay", "clear", "--store", arg], d);
+    assert_eq!(code, 1, "held: refused");
+    assert!(
+        err.contains("replay.redb") && err.contains("clear through its admin API"),
+        "{err}"
+    );
+    drop(db);
+
+    let (code, out, err) = sluice(
+        &["replay", "clear", "--store", arg, "--bucket", "completed"],
+        d,
+    );
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(
+        out.trim(),
+        "cleared 1 completed groups (4 generated tokens discarded)"
+    );
+    // The in-flight group of the stopped run is aborted on recovery, as a restarted run would
+    // see it, and goes with the aborted one.
+    let (code, out, err) = sluice(&["replay", "clear", "--store", arg], d);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(
+        out.trim(),
+        "cleared 2 aborted, 0 completed, 0 expired groups (4 generated tokens discarded)"
+    );
+    let (_, recovered) = Persister::open(&store_dir).unwrap();
+    assert!(recovered.groups.is_empty(), "every group is gone from disk");
+    let store = ReplayStore::recover(false, true, recovered.counters, recovered.groups);
+    assert_eq!(store.count(Bucket::Cleared), 3);
+    assert_eq!(store.counters().admitted_load(), 0);
+    store.reconcile().unwrap();
 }

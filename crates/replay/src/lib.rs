@@ -14,6 +14,7 @@
 pub mod admission;
 pub mod bucket;
 pub mod error;
+mod offline;
 pub mod persist;
 pub mod progress;
 pub mod scheduler;
@@ -22,7 +23,8 @@ pub mod store;
 pub use admission::{Pace, admission_allows, demand_allows, in_flight_target, remaining_for_step};
 pub use bucket::Bucket;
 pub use error::ReplayError;
-pub use persist::{PersistOp, Persister, Recovered};
+pub use offline::clear_stopped_store;
+pub use persist::{DB_FILE, PersistOp, Persister, Recovered};
 pub use progress::{GroupSummary, ProgressWatch};
 pub use scheduler::{Decision, Scheduler, SchedulerStats, SchedulerView};
 pub use store::{ClearOutcome, Counters, FinishOutcome, ReplayStore, StoreSnapshot, TakeOutcome};

@@ -20,6 +20,9 @@ const GROUPS: TableDefinition<&str, &[u8]> = TableDefinition::new("groups");
 const META: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
 const COUNTERS_KEY: &str = "counters";
 
+/// The database file inside a store's directory.
+pub const DB_FILE: &str = "replay.redb";
+
 /// One change to the database, produced by the store's outbox.
 #[derive(Debug, Clone)]
 pub enum PersistOp {
@@ -72,7 +75,7 @@ pub struct Persister {
 impl Persister {
     /// Opens (or creates) `<dir>/replay.redb` and reads back what it holds.
     pub fn open(dir: &Path) -> Result<(Self, Recovered), ReplayError> {
-        let path = dir.join("replay.redb");
+        let path = dir.join(DB_FILE);
         let shown = path.display().to_string();
         let db_err = |e: &dyn std::fmt::Display| ReplayError::Database {
             path: shown.clone(),
