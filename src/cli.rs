@@ -195,6 +195,9 @@ pub enum BenchCommand {
     /// Weights over the network: a head delivering one version to an engine node over HTTP vs
     /// a raw loopback copy of the same bytes.
     Weights(sluice_bench::BenchWeightsArgs),
+    /// A split run: RL steps/s of a head with 2 engine nodes on loopback vs the same job in
+    /// one process, and the weight delivery ratio.
+    Cluster(sluice_bench::BenchClusterArgs),
 }
 
 /// `sluice replay ...`

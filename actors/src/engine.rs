@@ -230,6 +230,8 @@ struct Replica {
     watchdog: Option<Watchdog>,
     failed_at: Option<Instant>,
     health: ReplicaHealth,
+    /// The factory's wake value when its backend was last built (see [`ReplicaFactory::with_wake`]).
+    wake_seen: Option<u64>,
 }
 
 /// The actor's state.
@@ -278,6 +280,7 @@ impl Actor for EngineActor {
                 watchdog: sup.watchdog.map(Watchdog::new),
                 failed_at: None,
                 health: ReplicaHealth::default(),
+                wake_seen: None,
             })
             .collect();
         let mut tasks = Vec::new();

@@ -37,6 +37,7 @@ pub fn run(command: Command) -> anyhow::Result<ExitCode> {
         Command::Serve(args) => serve::run(&args),
         Command::Bench(BenchCommand::Engine(args)) => sluice_bench::engine::run(&args),
         Command::Bench(BenchCommand::Weights(args)) => sluice_bench::weights::run(&args),
+        Command::Bench(BenchCommand::Cluster(args)) => sluice_bench::cluster::run(&args),
         Command::Plot(args) => plot::run(&args),
     }
 }

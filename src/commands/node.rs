@@ -1,7 +1,7 @@
 //! `sluice run` of an engine or env node (`[node] role = "engine" | "env"`, `docs/operations.md`):
 //! the inference server of `sluice serve` or the env server of `sluice env-server`, started from
-//! the config, joined to the head (`node.head`) with the node token (`admin.token`), heartbeating
-//! until SIGINT or SIGTERM; then it leaves the head first (so no new work is routed to it),
+//! the config, joined to the head (`node.head`) with the node token (`admin.token`) — an env
+//! node advertising the tasks it serves —, heartbeating (with its load) until SIGINT or SIGTERM; then it leaves the head first (so no new work is routed to it),
 //! aborts what is in flight (each request answers with its partial) and exits 0.
 //!
 //! An engine node shares no disk with the head: it starts on its own copy of the model
@@ -144,6 +144,7 @@ async fn engine_node(config: &Config, node: &NodeConfig) -> anyhow::Result<ExitC
             name,
             role: NodeRole::Engine,
             url,
+            tasks: Vec::new(),
         },
         report,
     })
@@ -168,7 +169,7 @@ async fn engine_node(config: &Config, node: &NodeConfig) -> anyhow::Result<ExitC
 }
 
 async fn env_node(config: &Config, node: &NodeConfig) -> anyhow::Result<ExitCode> {
-    use sluice_env::remote::{ServerConfig, serve};
+    use sluice_env::remote::{ServerConfig, ServerStats, serve_with_stats};
     let head = node.head.clone().context("node.head")?;
     let listen = node.listen.context("node.listen")?;
     let token = super::env_server::token_from_env()?;
@@ -191,12 +192,22 @@ async fn env_node(config: &Config, node: &NodeConfig) -> anyhow::Result<ExitCode
     let bound = listener.local_addr()?;
     let (url, name) = identity(node, bound);
     let registry = Arc::new(sluice_env::TaskRegistry::builtin());
+    // The head sends this node episodes of the tasks it advertises.
+    let tasks = registry.names();
     println!("sluice env node `{name}` on http://{bound}, joining {head}");
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(serve(listener, registry, server_config, async move {
-        let _ = stopped.await;
-    }));
-    let report: Report = Arc::new(|| (None, None));
+    let stats = Arc::new(ServerStats::default());
+    let server = tokio::spawn(serve_with_stats(
+        listener,
+        registry,
+        server_config,
+        Arc::clone(&stats),
+        async move {
+            let _ = stopped.await;
+        },
+    ));
+    // Its load is the envs open on it, whoever opened them.
+    let report: Report = Arc::new(move || (None, Some(stats.open())));
     let joined = join_or_stop(MemberParams {
         head,
         token: config.admin.token.clone(),
@@ -204,6 +215,7 @@ async fn env_node(config: &Config, node: &NodeConfig) -> anyhow::Result<ExitCode
             name,
             role: NodeRole::Env,
             url,
+            tasks,
         },
         report,
     })

@@ -122,12 +122,16 @@ async fn run_config(config: &Config) -> anyhow::Result<ExitCode> {
         None => (None, None, None),
     };
     // A head runs its engine replicas on the engine nodes that join it.
-    let (head, head_factory) = match (&setup, config.node.as_ref().map(|n| n.role)) {
+    // Its domains with `env_nodes` run their training episodes on the env nodes that join it.
+    let (head, head_factory, head_env) = match (&setup, config.node.as_ref().map(|n| n.role)) {
         (Some(setup), Some(NodeRole::Head)) => {
             let (head, factory) = Head::start(config, setup)?;
-            (Some(head), Some(factory))
+            let env = head
+                .rollout_env(config, setup)?
+                .map(|e| std::sync::Arc::new(e) as _);
+            (Some(head), Some(factory), env)
         }
-        _ => (None, None),
+        _ => (None, None, None),
     };
     let options = NodeOptions {
         replay_dir: Some(config.replay.path.clone()),
@@ -135,6 +139,7 @@ async fn run_config(config: &Config) -> anyhow::Result<ExitCode> {
         serve_metrics: config.metrics.enabled,
         backend: head_factory,
         cluster: head.as_ref().map(Head::state),
+        env: head_env,
         native: setup,
         source: source.map(|s| Box::new(s) as _),
         step_feed: Some(feed),

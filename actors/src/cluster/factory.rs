@@ -1,7 +1,8 @@
 //! The head's engine replicas: slot `i` runs on `engine.remote_urls[i]` when the config lists
 //! one (static servers), else on a live engine node claimed from the [`Registry`]. A slot with
 //! no node free answers [`EngineError::NoServer`]: the engine actor keeps it vacant and tries
-//! again shortly, so a node that joins (or rejoins) gets a replica within a second.
+//! again at the registry's next change (a join, a return), so a node that joins (or rejoins)
+//! gets a replica as soon as it is in the registry.
 //!
 //! A replica on a joined node is a [`RemoteEngine`] whose weights come from the head over HTTP
 //! (the node shares no disk with the head), wrapped in [`MemberBackend`]: it reports itself dead
@@ -41,6 +42,7 @@ pub fn head_factory(config: &Config, engines: HeadEngines) -> ReplicaFactory {
         on_disk,
         initial,
     } = engines;
+    let wake = registry.subscribe();
     ReplicaFactory::new(move |replica, weights: &WeightSnapshot, sink: EventSink| {
         let model = ModelWeights::from_envelope(weights).unwrap_or_else(|| Arc::clone(&initial));
         let start = |params: RemoteParams| {
@@ -65,6 +67,7 @@ pub fn head_factory(config: &Config, engines: HeadEngines) -> ReplicaFactory {
             claim,
         }) as Box<dyn InferenceBackend>)
     })
+    .with_wake(wake)
 }
 
 /// A replica on a joined engine node: alive only while the node is (see the module docs).

@@ -5,8 +5,10 @@
 //!
 //! Versions stay the head's: an engine node loads exactly the version the head's engine actor
 //! tells it to, fetched from the head (`GET /v1/weights/<version>`, CRC-checked), so the
-//! staleness bound holds across machines as in one process.
+//! staleness bound holds across machines as in one process. The training episodes of domains
+//! with `env_nodes = true` run on the joined env nodes ([`env_nodes`]).
 
+pub mod env_nodes;
 pub mod factory;
 pub mod member;
 pub mod registry;
@@ -20,7 +22,7 @@ use sluice_engine::remote::WeightDirs;
 
 use crate::ActorError;
 use crate::engine::ReplicaFactory;
-use crate::native::NativeSetup;
+use crate::native::{NativeSetup, TaskEnv};
 pub use factory::{HeadEngines, MemberBackend, head_factory};
 pub use registry::{NodeView, Registry};
 pub use routes::ClusterState;
@@ -83,6 +85,23 @@ impl Head {
     /// What the admin API serves.
     pub fn state(&self) -> Arc<ClusterState> {
         Arc::clone(&self.state)
+    }
+
+    /// The training episodes' environment when a domain of `config` sets `env_nodes`: the
+    /// setup's tasks with those domains' envs on the joined env nodes. `None` when no domain
+    /// does (the node builds the setup's own).
+    pub fn rollout_env(
+        &self,
+        config: &Config,
+        setup: &NativeSetup,
+    ) -> Result<Option<TaskEnv>, ActorError> {
+        if !config.data.domain_options.values().any(|d| d.env_nodes) {
+            return Ok(None);
+        }
+        let servers = Arc::clone(&self.state.registry) as Arc<dyn sluice_env::remote::EnvServers>;
+        let routed = sluice_env::configured::route_to_env_nodes(&setup.registry, config, servers)
+            .map_err(|e| ActorError::Setup(e.to_string()))?;
+        Ok(Some(setup.env_over(config, Arc::new(routed))))
     }
 
     /// Stops the sweeper.

@@ -8,6 +8,11 @@
 //! for `node.lost_after_s` is *lost* (its replica fails at the engine's next check, its requests
 //! come back aborted with their partials and resume elsewhere); it stays listed as lost until it
 //! heartbeats again, joins again, or its place is needed for a new member.
+//!
+//! Every change of who is live (a join, a return, a leave, a loss) is announced on a watch
+//! channel ([`Registry::subscribe`]): a vacant engine replica slot and an episode waiting for an
+//! env node wake on it instead of polling. Env nodes advertise the tasks they serve when they
+//! join; the head's env episodes go to them ([`super::env_nodes`]).
 
 use std::collections::BTreeMap;
 use std::sync::Mutex;
@@ -18,6 +23,11 @@ use dashmap::DashMap;
 use serde::{Deserialize, Serialize};
 use sluice_core::config::{NodeConfig, NodeRole};
 use sluice_core::metrics as m;
+use sluice_env::remote::OpenEnvs;
+use tokio::sync::watch;
+
+/// Most tasks an env node may advertise.
+pub const MAX_ADVERTISED_TASKS: usize = 64;
 
 /// Why a join was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -37,6 +47,20 @@ pub enum JoinError {
     /// The name is not 1 to 63 characters of `[A-Za-z0-9._-]`.
     #[error("the node name `{0}` is not 1 to 63 characters of [A-Za-z0-9._-]")]
     BadName(String),
+    /// The advertised tasks are too many, or one is not a task name.
+    #[error(
+        "the node's tasks: expected at most {MAX_ADVERTISED_TASKS} names of 1 to 63 characters of [A-Za-z0-9._-], got {0}"
+    )]
+    BadTasks(String),
+}
+
+/// Whether `name` is 1 to 63 characters of `[A-Za-z0-9._-]`.
+fn valid_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 63
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
 }
 
 /// A join request (`POST /v1/nodes`).
@@ -49,6 +73,10 @@ pub struct JoinRequest {
     pub role: NodeRole,
     /// Where the head reaches it.
     pub url: String,
+    /// The tasks an env node serves (`GET /v1/tasks` of its env server); the head sends it
+    /// episodes of these only.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tasks: Vec<String>,
 }
 
 /// What the head answers a join with.
@@ -107,17 +135,27 @@ pub struct NodeView {
     pub load: Option<u64>,
     /// The engine replica running on it, when one does.
     pub replica: Option<u32>,
+    /// The tasks it serves (env nodes).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tasks: Vec<String>,
+    /// The head's episodes open on it now (env nodes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub envs_open: Option<u64>,
 }
 
 #[derive(Debug, Clone)]
-struct Member {
-    role: NodeRole,
-    url: String,
-    incarnation: u64,
+pub(super) struct Member {
+    pub(super) role: NodeRole,
+    pub(super) url: String,
+    pub(super) incarnation: u64,
     last_seen: Instant,
-    health: MemberHealth,
+    pub(super) health: MemberHealth,
     weight_version: Option<u64>,
-    load: Option<u64>,
+    pub(super) load: Option<u64>,
+    /// Tasks it serves (env nodes).
+    pub(super) tasks: Vec<String>,
+    /// The head's envs open on it (env nodes).
+    pub(super) envs_open: OpenEnvs,
 }
 
 /// An engine node claimed for a replica slot.
@@ -134,7 +172,7 @@ pub struct Claim {
 /// See the module docs.
 #[derive(Debug)]
 pub struct Registry {
-    members: DashMap<String, Member>,
+    pub(super) members: DashMap<String, Member>,
     /// Replica slot → the engine node it runs on. Only the engine actor claims (one thread), the
     /// admin handlers read.
     claims: Mutex<BTreeMap<u32, Claim>>,
@@ -142,6 +180,8 @@ pub struct Registry {
     heartbeat: Duration,
     lost_after: Duration,
     max_nodes: usize,
+    /// Bumped at every change of who is live.
+    changes: watch::Sender<u64>,
 }
 
 impl Registry {
@@ -163,7 +203,17 @@ impl Registry {
             heartbeat,
             lost_after,
             max_nodes: max_nodes.max(1),
+            changes: watch::Sender::new(0),
         }
+    }
+
+    /// Changes of who is live: the value is bumped at every join, return, leave and loss.
+    pub fn subscribe(&self) -> watch::Receiver<u64> {
+        self.changes.subscribe()
+    }
+
+    fn announce(&self) {
+        self.changes.send_modify(|n| *n += 1);
     }
 
     /// The heartbeat period members are told to keep.
@@ -177,14 +227,17 @@ impl Registry {
         if req.role == NodeRole::Head {
             return Err(JoinError::HeadRole);
         }
-        let valid_name = !req.name.is_empty()
-            && req.name.len() <= 63
-            && req
-                .name
-                .bytes()
-                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
-        if !valid_name {
+        if !valid_name(&req.name) {
             return Err(JoinError::BadName(req.name));
+        }
+        if req.tasks.len() > MAX_ADVERTISED_TASKS || !req.tasks.iter().all(|t| valid_name(t)) {
+            let shown: Vec<&str> = req.tasks.iter().take(8).map(String::as_str).collect();
+            return Err(JoinError::BadTasks(format!(
+                "{} names ({}{})",
+                req.tasks.len(),
+                shown.join(", "),
+                if req.tasks.len() > 8 { ", …" } else { "" }
+            )));
         }
         if sluice_http::HttpClient::new(&req.url, "node").is_err() {
             return Err(JoinError::BadUrl(req.url));
@@ -221,8 +274,11 @@ impl Registry {
                 health: MemberHealth::Live,
                 weight_version: None,
                 load: None,
+                tasks: req.tasks,
+                envs_open: OpenEnvs::default(),
             },
         );
+        self.announce();
         Ok(JoinReply {
             name: req.name,
             incarnation,
@@ -239,7 +295,8 @@ impl Registry {
         if member.incarnation != beat.incarnation {
             return false;
         }
-        if member.health == MemberHealth::Lost {
+        let returned = member.health == MemberHealth::Lost;
+        if returned {
             tracing::info!(name, "lost node heartbeats again");
             metrics::gauge!(m::NODE_MEMBER_UP, "node" => name.to_owned(), "role" => member.role.as_str())
                 .set(1.0);
@@ -250,6 +307,10 @@ impl Registry {
         member.load = beat.load;
         if let Some(v) = beat.weight_version {
             metrics::gauge!(m::NODE_MEMBER_WEIGHT_VERSION, "node" => name.to_owned()).set(v as f64);
+        }
+        drop(member);
+        if returned {
+            self.announce();
         }
         true
     }
@@ -263,6 +324,7 @@ impl Registry {
             metrics::gauge!(m::NODE_MEMBER_UP, "node" => name.to_owned(), "role" => m.role.as_str())
                 .set(0.0);
             tracing::info!(name, role = m.role.as_str(), "node left");
+            self.announce();
         }
         removed.is_some()
     }
@@ -289,7 +351,37 @@ impl Registry {
                 lost.push(name);
             }
         }
+        if !lost.is_empty() {
+            self.announce();
+        }
         lost
+    }
+
+    /// Marks `name` lost now, when it is live under `incarnation`: a call to it found it gone
+    /// (an env node whose connections are refused). A node that is in fact alive is live again
+    /// at its next heartbeat. Returns whether it was marked.
+    pub fn mark_gone(&self, name: &str, incarnation: u64) -> bool {
+        let marked = match self.members.get_mut(name) {
+            Some(mut member)
+                if member.incarnation == incarnation && member.health == MemberHealth::Live =>
+            {
+                member.health = MemberHealth::Lost;
+                tracing::warn!(
+                    name,
+                    role = member.role.as_str(),
+                    "node lost: a call to it failed"
+                );
+                metrics::gauge!(m::NODE_MEMBER_UP, "node" => name.to_owned(), "role" => member.role.as_str())
+                    .set(0.0);
+                metrics::counter!(m::NODE_MEMBER_LOST, "role" => member.role.as_str()).increment(1);
+                true
+            }
+            _ => false,
+        };
+        if marked {
+            self.announce();
+        }
+        marked
     }
 
     /// Whether `name` is a live member under `incarnation`.
@@ -361,6 +453,8 @@ impl Registry {
                     .iter()
                     .find(|(_, c)| c.name == *m.key() && c.incarnation == m.incarnation)
                     .map(|(slot, _)| *slot),
+                tasks: m.tasks.clone(),
+                envs_open: (m.role == NodeRole::Env).then(|| m.envs_open.get() as u64),
             })
             .collect();
         out.sort_by(|a, b| a.name.cmp(&b.name));
@@ -377,6 +471,7 @@ mod tests {
             name: name.into(),
             role: NodeRole::Engine,
             url: format!("http://127.0.0.1:{port}"),
+            tasks: Vec::new(),
         }
     }
 
@@ -452,6 +547,14 @@ mod tests {
         bad.url = "10.0.0.1:80".into();
         assert!(matches!(r.join(bad.clone()), Err(JoinError::BadUrl(_))));
         bad.url = "http://10.0.0.1:80".into();
+        bad.tasks = vec!["arithmetic".into(), "no spaces".into()];
+        assert!(matches!(r.join(bad.clone()), Err(JoinError::BadTasks(_))));
+        bad.tasks = (0..=MAX_ADVERTISED_TASKS)
+            .map(|i| format!("t{i}"))
+            .collect();
+        let err = r.join(bad.clone()).unwrap_err().to_string();
+        assert!(err.contains("got 65 names (t0, t1"), "{err}");
+        bad.tasks.clear();
         bad.role = NodeRole::Head;
         assert_eq!(r.join(bad).unwrap_err(), JoinError::HeadRole);
     }

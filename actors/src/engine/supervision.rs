@@ -88,8 +88,11 @@ pub struct ReplicaHealth {
     pub last_error: Option<String>,
 }
 
-/// How often a replica without a server looks for one (a node that joins gets work within it).
+/// How often a replica without a server looks for one when its factory has no wake channel.
 const VACANT_RETRY: Duration = Duration::from_millis(500);
+/// With a wake channel, a vacant replica looks again at its next change, and at the latest
+/// after this (a server freed by another slot changes nothing in the channel).
+const VACANT_FALLBACK: Duration = Duration::from_secs(5);
 
 fn sink_for(me: &ActorRef<EngineMsg>, replica: u32, generation: u64) -> EventSink {
     let me = me.clone();
@@ -104,6 +107,7 @@ impl EngineState {
     pub(super) fn build(&mut self, i: usize) -> Result<(), EngineError> {
         let generation = self.replicas[i].generation;
         let sink = sink_for(&self.me, i as u32, generation);
+        self.replicas[i].wake_seen = self.args.factory.wake_seen();
         let faults = &self.args.supervision.faults;
         let replica = i as u32;
         let backend: Box<dyn InferenceBackend> = if faults.any() {
@@ -286,8 +290,9 @@ impl EngineState {
 
     /// Replica `replica` has no server to run on (a head waiting for engine nodes): it holds
     /// no requests, so nothing is handed back; it is not a failure (no backoff growth, nothing
-    /// counted towards giving up) and is tried again after [`VACANT_RETRY`]. The give-up timer
-    /// still runs while no replica at all can serve.
+    /// counted towards giving up) and is tried again when the factory's wake channel changes
+    /// from what it was at the build (a node joined), else after [`VACANT_RETRY`]. The give-up
+    /// timer still runs while no replica at all can serve.
     fn vacate(&mut self, replica: u32, reason: String) {
         let now = Instant::now();
         let r = &mut self.replicas[replica as usize];
@@ -302,10 +307,21 @@ impl EngineState {
         if self.unavailable_since.is_none() && self.replicas.iter().all(|r| r.backend.is_none()) {
             self.unavailable_since = Some(now);
         }
+        let seen = self.replicas[replica as usize].wake_seen;
         self.timers.retain(|t| !t.is_finished());
-        self.timers.push(self.me.send_after(VACANT_RETRY, move || {
-            EngineMsg(Cmd::Restart(replica, generation))
-        }));
+        let retry = move || EngineMsg(Cmd::Restart(replica, generation));
+        match (self.args.factory.wake(), seen) {
+            (Some(mut changes), Some(seen)) => {
+                let me = self.me.clone();
+                self.timers.push(tokio::spawn(async move {
+                    // A change since the build (even one during it) wakes it at once.
+                    let _ = tokio::time::timeout(VACANT_FALLBACK, changes.wait_for(|n| *n != seen))
+                        .await;
+                    me.cast(retry())
+                }));
+            }
+            _ => self.timers.push(self.me.send_after(VACANT_RETRY, retry)),
+        }
     }
 
     pub(super) fn restart(&mut self, replica: u32, generation: u64) {

@@ -113,19 +113,25 @@ impl NativeSetup {
     /// The task environment: sessions over the registry, capped by [`session_cap`] of the
     /// config's knobs (the env pool moves the cap when the knobs change).
     pub fn env(&self, config: &Config) -> TaskEnv {
+        self.env_over(config, Arc::clone(&self.registry))
+    }
+
+    /// [`NativeSetup::env`] over `registry`'s tasks instead of the setup's (a head's, whose
+    /// domains with `env_nodes` run their envs on the joined env nodes).
+    pub fn env_over(&self, config: &Config, registry: Arc<TaskRegistry>) -> TaskEnv {
         let max_sessions = session_cap(
             &config.rollout.knobs,
             config.rollout.group_size.get(),
             config.rollout.groups_per_step.get(),
         );
-        let domain_tasks = self.registry.domain_tasks().clone();
+        let domain_tasks = registry.domain_tasks().clone();
         let sessions = EnvSessions::new(
-            Arc::clone(&self.registry),
+            Arc::clone(&registry),
             self.renderer.clone(),
             self.limits(config),
             max_sessions,
         );
-        TaskEnv::new(Arc::clone(&self.registry), sessions, domain_tasks)
+        TaskEnv::new(registry, sessions, domain_tasks)
     }
 
     /// The candle trainer, starting from `initial` (default: the loaded weights).

@@ -6,6 +6,7 @@
 //! This crate is a command implementation, not an API: its errors are `anyhow` reports for the
 //! terminal, as the binary's are.
 
+pub mod cluster;
 pub mod engine;
 pub mod model;
 pub mod pipeline;
@@ -13,6 +14,7 @@ pub mod rss;
 pub mod trainer;
 pub mod weights;
 
+pub use cluster::BenchClusterArgs;
 pub use engine::BenchEngineArgs;
 pub use model::BenchModelArgs;
 pub use pipeline::BenchPipelineArgs;

@@ -218,6 +218,8 @@ catalog! {
         "Time an environment step (or init) took.";
     ENV_FAILURES = "sluice_env_failures_total", Counter, ["kind"], NONE,
         "Environment or reward-function failures (panic, timeout, error) by kind.";
+    ENV_FAILOVER_ROLLOUTS = "sluice_env_failover_rollouts_total", Counter, [], NONE,
+        "Head: episodes moved to another env node because theirs was gone (unreachable, restarted or full); each replays its turns there.";
     REPLAY_BUCKET_GROUPS = "sluice_replay_bucket_groups", Gauge, ["bucket"], NONE,
         "Groups currently in each replay-store bucket.";
     REPLAY_TRANSITIONS = "sluice_replay_transitions_total", Counter, ["from", "to"], NONE,

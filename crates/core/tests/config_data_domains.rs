@@ -137,6 +137,21 @@ const BAD_DOMAINS: &[(&str, &str, ConfigErrorKind)] = &[
         "test.toml: data.domains.math.env_urls: unknown key; did you mean `env_url`?",
         ConfigErrorKind::UnknownKey,
     ),
+    (
+        "[data]\ndatasets = [\"math::a\"]\n[data.domains.math]\nenv_nodes = true",
+        "test.toml: data.domains.math.env_nodes: only a head (node.role = \"head\") has env nodes joined to it; use env_url for an env server of your own",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[data]\ndatasets = [\"math::a\"]\n[data.domains.math]\nenv_nodes = true\nenv_url = \"http://10.0.0.7:7000\"",
+        "test.toml: data.domains.math.env_nodes: expected one place for the domain's envs: set env_url (one env server) or env_nodes = true (the env nodes joined to the head), not both",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[data]\ndatasets = [\"math::a\"]\n[data.domains.math]\nenv_nodes = \"yes\"",
+        "test.toml: data.domains.math.env_nodes: invalid type: string \"yes\", expected true or false",
+        ConfigErrorKind::Type,
+    ),
 ];
 
 #[test]

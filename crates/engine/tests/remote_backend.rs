@@ -286,3 +286,31 @@ async fn servers_install_the_runs_weights_before_any_work_and_old_versions_are_p
     drop(engine);
     back.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_replicas_load_is_its_servers() {
+    let s = serve_tiny().await;
+    let (engine, (finished, _)) = start(params(s.url(), s.dir.path().join("published")));
+    engine.submit(request(1, 64)).unwrap();
+    next(&finished).await;
+    // The server computed for the request; the replica reads its busy time within a second
+    // or two (a stuck 0 is what a replica that does not read its server reports).
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let stats = loop {
+        let stats = engine.stats();
+        if stats.busy_seconds > 0.0 {
+            break stats;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "busy seconds never read: {stats:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(
+        stats.busy_seconds <= stats.uptime_seconds,
+        "counted from the replica's first reading: {stats:?}"
+    );
+    drop(engine);
+    s.stop().await;
+}

@@ -1,7 +1,9 @@
 //! The tasks of a run as its config sets them up: the built-in tasks, and for each
-//! `[data.domains.<domain>]` that sets a `rubric` or an `env_url`, a copy of the domain's task
-//! with that rubric and its envs on that server, registered as `<domain>/<task>` and serving the
-//! domain. A domain whose task is not registered here but that names an env server gets a task
+//! `[data.domains.<domain>]` that sets a `rubric`, an `env_url` or `env_nodes`, a copy of the
+//! domain's task with that rubric and its envs on that server, registered as `<domain>/<task>`
+//! and serving the domain. A domain with `env_nodes` keeps the task's own envs here (the
+//! head's evaluations and warm-up run them); [`route_to_env_nodes`] gives the head's training
+//! episodes the copy whose envs run on the joined env nodes. A domain whose task is not registered here but that names an env server gets a task
 //! of its own: its envs run on the server, its rows come from `data_dir`, and its rubric is the
 //! configured one (default: the env's rewards, `env` with weight 1).
 //!
@@ -9,8 +11,10 @@
 
 use sluice_core::config::{Config, DomainConfig, DomainRubric, Secret};
 
+use std::sync::Arc;
+
 use crate::error::EnvError;
-use crate::remote::RemoteEnvFactory;
+use crate::remote::{EnvServers, RemoteEnvFactory, RoutedEnvFactory};
 use crate::reward_fns::{GENERIC_NAMES, generic};
 use crate::rubric::{RewardFn, Rubric, RubricConfig};
 use crate::task::{Task, TaskRegistry};
@@ -22,11 +26,51 @@ pub const ENV_TOKEN_VAR: &str = "SLUICE_ENV_TOKEN";
 /// The built-in tasks configured by `config`'s domains; env servers are called with
 /// `$SLUICE_ENV_TOKEN` when it is set.
 pub fn registry(config: &Config) -> Result<TaskRegistry, EnvError> {
-    let token = std::env::var(ENV_TOKEN_VAR)
+    configure(TaskRegistry::builtin(), config, env_token())
+}
+
+/// `$SLUICE_ENV_TOKEN`, when set and not empty.
+fn env_token() -> Option<Secret> {
+    std::env::var(ENV_TOKEN_VAR)
         .ok()
         .filter(|t| !t.is_empty())
-        .map(Secret::new);
-    configure(TaskRegistry::builtin(), config, token)
+        .map(Secret::new)
+}
+
+/// `registry` (built by [`registry`] from `config`) with the envs of every domain that sets
+/// `env_nodes` on `servers` (a head's joined env nodes), called with `$SLUICE_ENV_TOKEN` when
+/// it is set: what the head's training episodes run on.
+pub fn route_to_env_nodes(
+    registry: &TaskRegistry,
+    config: &Config,
+    servers: Arc<dyn EnvServers>,
+) -> Result<TaskRegistry, EnvError> {
+    let token = env_token();
+    let mut routed = registry.clone();
+    for (domain, options) in config
+        .data
+        .domain_options
+        .iter()
+        .filter(|(_, o)| o.env_nodes)
+    {
+        let key = format!("data.domains.{domain}");
+        let Some(task) = serving_task(config, domain, options, &key)? else {
+            continue;
+        };
+        let name = registry.domain_tasks().get(domain).ok_or_else(|| {
+            EnvError::Config(format!(
+                "{key}.env_nodes: the domain has no configured task"
+            ))
+        })?;
+        let envs = RoutedEnvFactory::new(
+            Arc::clone(&servers),
+            task,
+            config.supervision.env_step_timeout,
+            token.clone(),
+        );
+        routed.replace((*registry.get(name)?).clone().with_env(envs))?;
+    }
+    Ok(routed)
 }
 
 /// `registry`'s tasks configured by `config`'s domains (see the module doc); calls to env
@@ -41,7 +85,7 @@ pub fn configure(
         let Some(task) = serving_task(config, domain, options, &key)? else {
             continue;
         };
-        if options.rubric.is_none() && options.env_url.is_none() {
+        if options.rubric.is_none() && options.env_url.is_none() && !options.env_nodes {
             registry.serve_domain(domain, task);
             continue;
         }
@@ -97,7 +141,9 @@ fn serving_task(
     names.dedup();
     match names.as_slice() {
         [one] => Ok(Some((*one).to_owned())),
-        _ if options.rubric.is_none() && options.env_url.is_none() => Ok(None),
+        _ if options.rubric.is_none() && options.env_url.is_none() && !options.env_nodes => {
+            Ok(None)
+        }
         several => Err(EnvError::Config(format!(
             "{key}.task: the domain's datasets name several tasks ({}); set `task` to say which one the rubric or env server is for",
             several.join(", ")

@@ -275,6 +275,19 @@ impl TaskRegistry {
         Ok(())
     }
 
+    /// Puts `task` in the place of the task registered under its name (unknown names are
+    /// refused).
+    pub fn replace(&mut self, task: Task) -> Result<(), EnvError> {
+        if !self.tasks.contains_key(&task.name) {
+            return Err(EnvError::UnknownTask {
+                name: task.name.clone(),
+                known: self.names().join(", "),
+            });
+        }
+        self.tasks.insert(task.name.clone(), Arc::new(task));
+        Ok(())
+    }
+
     /// The task named `name`.
     pub fn get(&self, name: &str) -> Result<Arc<Task>, EnvError> {
         self.tasks

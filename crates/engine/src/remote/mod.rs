@@ -19,6 +19,12 @@
 //! [`FinishReason::Abort`] with the partial they came with (their rollouts go back to the aborted
 //! bucket), and [`InferenceBackend::is_alive`] turns false, so the engine actor fails the replica
 //! and rebuilds it after its backoff, which installs the newest weights again.
+//!
+//! The replica's load is its server's: every second it reads `GET /get_weight_version`, and when
+//! the server reports `busy_seconds` and `waiting` (a `sluice serve` does; an SGLang/vLLM-style
+//! server may not, and then it is asked no more), [`InferenceBackend::stats`] carries them — the
+//! busy seconds counted from the replica's first reading — so the engine busy ratio of a head
+//! measures its engine nodes, not 0.
 
 mod weights;
 mod wire;
@@ -110,6 +116,10 @@ struct Shared {
     ready: AtomicBool,
     /// The server failed a call: the replica is dead.
     down: AtomicBool,
+    /// The server's busy time since the replica first read it, milliseconds.
+    busy_ms: AtomicU64,
+    /// Requests the server has queued, as last read.
+    waiting: AtomicU64,
 }
 
 /// See the module docs.
@@ -155,6 +165,7 @@ impl RemoteEngine {
             version,
             inflight: HashMap::new(),
             waiting: VecDeque::new(),
+            load: worker::ServerLoad::default(),
         };
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -210,9 +221,9 @@ impl InferenceBackend for RemoteEngine {
         EngineStats {
             version: PolicyVersion(s.version.load(Ordering::Relaxed)),
             running: s.running.load(Ordering::Relaxed),
-            waiting: 0,
+            waiting: s.waiting.load(Ordering::Relaxed),
             generated_tokens: s.generated_tokens.load(Ordering::Relaxed),
-            busy_seconds: 0.0,
+            busy_seconds: s.busy_ms.load(Ordering::Relaxed) as f64 / 1000.0,
             uptime_seconds: self.started.elapsed().as_secs_f64(),
             kv_cache: None,
         }

@@ -5,7 +5,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 use sluice_core::{PolicyVersion, RequestId, WeightUpdateMode};
@@ -27,8 +27,35 @@ pub(super) struct Server {
     pub(super) ready: bool,
 }
 
+/// How often the server's load is read.
+const LOAD_PERIOD: Duration = Duration::from_secs(1);
+
+/// Reading the server's load (see the module docs).
+#[derive(Debug, Default)]
+pub(super) struct ServerLoad {
+    /// The server's busy seconds at the first reading.
+    base: Option<f64>,
+    /// A reading is under way.
+    pending: bool,
+    /// The server does not report its load: it is not asked again.
+    unsupported: bool,
+}
+
+/// What a reading of the server's load found.
+enum Reading {
+    /// Busy seconds since the server started, and requests it has queued.
+    Load { busy_seconds: f64, waiting: u64 },
+    /// The server answers without them: it does not report its load.
+    Unsupported,
+    /// The call failed; a failed reading says nothing about the server (generation calls
+    /// decide whether it is down): read again at the next tick.
+    Failed,
+}
+
 /// What a spawned call reports back to the worker loop.
 enum Done {
+    /// A reading of the server's load.
+    Load(Reading),
     Generate {
         id: RequestId,
         /// What goes to the sink (on a failure: an abort with the partial).
@@ -65,6 +92,7 @@ pub(super) struct Worker {
     /// Requests that arrived while the server was still installing. Bounded by what the engine
     /// actor routes here (the controller's admission bounds that).
     pub(super) waiting: VecDeque<GenerateRequest>,
+    pub(super) load: ServerLoad,
 }
 
 impl Worker {
@@ -73,12 +101,15 @@ impl Worker {
         if !self.server.ready {
             self.install(&mut tasks);
         }
+        let mut reading = tokio::time::interval(LOAD_PERIOD);
+        reading.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
                 command = rx.recv() => match command {
                     None | Some(Command::Shutdown) => return,
                     Some(c) => self.apply(c, &mut tasks),
                 },
+                _ = reading.tick() => self.read_load(&mut tasks),
                 Some(done) = tasks.join_next(), if !tasks.is_empty() => match done {
                     Ok(d) => self.on_done(d, &mut tasks),
                     Err(e) => tracing::error!(error = %e, "remote engine call panicked"),
@@ -253,8 +284,57 @@ impl Worker {
         });
     }
 
+    /// Reads the server's load, unless a reading is under way, the server does not report it,
+    /// or it is not serving.
+    fn read_load(&mut self, tasks: &mut JoinSet<Done>) {
+        let l = &self.load;
+        if l.pending || l.unsupported || !self.server.up || !self.server.ready {
+            return;
+        }
+        self.load.pending = true;
+        let client = self.server.client.clone();
+        let timeout = self.params.control_timeout;
+        tasks.spawn(async move {
+            let reply = client
+                .call(Method::GET, "/get_weight_version", None, timeout)
+                .await;
+            Done::Load(match reply {
+                Ok((StatusCode::OK, body)) => serde_json::from_slice::<Value>(&body)
+                    .ok()
+                    .and_then(|v| {
+                        Some(Reading::Load {
+                            busy_seconds: v["busy_seconds"].as_f64()?,
+                            waiting: v["waiting"].as_u64()?,
+                        })
+                    })
+                    .unwrap_or(Reading::Unsupported),
+                Ok(_) => Reading::Unsupported,
+                Err(_) => Reading::Failed,
+            })
+        });
+    }
+
     fn on_done(&mut self, done: Done, tasks: &mut JoinSet<Done>) {
         match done {
+            Done::Load(reading) => {
+                self.load.pending = false;
+                match reading {
+                    Reading::Unsupported => {
+                        tracing::info!(url = %self.server.client.url(), "remote engine server does not report its load; its busy ratio stays 0");
+                        self.load.unsupported = true;
+                    }
+                    Reading::Failed => {}
+                    Reading::Load {
+                        busy_seconds,
+                        waiting,
+                    } => {
+                        let base = *self.load.base.get_or_insert(busy_seconds);
+                        let ms = ((busy_seconds - base).max(0.0) * 1000.0) as u64;
+                        self.shared.busy_ms.store(ms, Ordering::Relaxed);
+                        self.shared.waiting.store(waiting, Ordering::Relaxed);
+                    }
+                }
+            }
             Done::Generate {
                 id,
                 completion,

@@ -42,7 +42,8 @@ pub async fn models(State(state): State<Arc<ServerState>>) -> Json<Value> {
     }))
 }
 
-/// `GET /get_weight_version`: the policy version in use, with engine statistics.
+/// `GET /get_weight_version`: the policy version in use, with engine statistics (its load:
+/// running, waiting, busy seconds since start; a head's replicas read it).
 pub async fn weight_version(State(state): State<Arc<ServerState>>) -> Json<Value> {
     let s = state.control.stats();
     Json(json!({
@@ -50,6 +51,8 @@ pub async fn weight_version(State(state): State<Arc<ServerState>>) -> Json<Value
         "running": s.running,
         "waiting": s.waiting,
         "generated_tokens": s.generated_tokens,
+        "busy_seconds": s.busy_seconds,
+        "uptime_seconds": s.uptime_seconds,
     }))
 }
 

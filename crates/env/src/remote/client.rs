@@ -13,7 +13,7 @@ use sluice_core::config::Secret;
 use sluice_core::{DataSample, Message};
 use sluice_http::{Method, StatusCode};
 
-use super::http::HttpClient;
+use super::http::{CallError, HttpClient};
 use super::{CreateRequest, CreateResponse, ErrorBody, StepRequest};
 use crate::error::EnvError;
 use crate::protocol::{BoxFuture, EnvInit, EnvStep, MessageEnv};
@@ -62,42 +62,104 @@ impl RemoteEnv {
         method: Method,
         path: &str,
         body: Option<&B>,
-    ) -> Result<(StatusCode, Option<T>), EnvError> {
+    ) -> Result<(StatusCode, Option<T>), CallError> {
         let body = body
             .map(serde_json::to_vec)
             .transpose()
-            .map_err(|e| EnvError::Failed(format!("cannot encode request: {e}")))?;
+            .map_err(|e| CallError::env(EnvError::Failed(format!("cannot encode request: {e}"))))?;
         let (status, bytes) = self.http.call(method, path, body).await?;
         if status.is_success() {
             if bytes.is_empty() {
                 return Ok((status, None));
             }
-            let value = serde_json::from_slice(&bytes).map_err(|e| EnvError::Remote {
-                url: path.to_owned(),
-                message: format!("bad response body: {e}"),
+            let value = serde_json::from_slice(&bytes).map_err(|e| {
+                CallError::env(EnvError::Remote {
+                    url: path.to_owned(),
+                    message: format!("bad response body: {e}"),
+                })
             })?;
             return Ok((status, Some(value)));
         }
         Err(server_error(path, status, &bytes, self.http.timeout()))
     }
 
-    fn id(&self) -> Result<&str, EnvError> {
+    /// Creates the env on the server and initialises it.
+    pub(crate) async fn open(&mut self) -> Result<EnvInit, CallError> {
+        if self.env_id.is_some() {
+            return Err(CallError::env(EnvError::Protocol(
+                "remote env initialised twice".into(),
+            )));
+        }
+        let req = CreateRequest {
+            task: self.task.clone(),
+            sample: self.sample.clone(),
+        };
+        let (_, created) = self
+            .json::<_, CreateResponse>(Method::POST, "/v1/envs", Some(&req))
+            .await?;
+        let created = created.ok_or_else(|| {
+            CallError::env(EnvError::Remote {
+                url: "/v1/envs".into(),
+                message: "empty create response".into(),
+            })
+        })?;
+        self.env_id = Some(created.env_id);
+        let path = format!("/v1/envs/{}/init", self.id()?);
+        let (_, init) = self
+            .json::<_, EnvInit>(Method::POST, &path, Some(&serde_json::json!({})))
+            .await?;
+        init.ok_or_else(|| {
+            CallError::env(EnvError::Remote {
+                url: path,
+                message: "empty init response".into(),
+            })
+        })
+    }
+
+    /// Steps the env with `assistant`.
+    pub(crate) async fn step_call(&mut self, assistant: Message) -> Result<EnvStep, CallError> {
+        let path = format!("/v1/envs/{}/step", self.id()?);
+        let req = StepRequest { message: assistant };
+        let (_, step) = self
+            .json::<_, EnvStep>(Method::POST, &path, Some(&req))
+            .await?;
+        step.ok_or_else(|| {
+            CallError::env(EnvError::Remote {
+                url: path,
+                message: "empty step response".into(),
+            })
+        })
+    }
+
+    /// Deletes the env on the server (nothing to do before it was created).
+    pub(crate) async fn close_call(&mut self) -> Result<(), CallError> {
+        let Some(id) = self.env_id.take() else {
+            return Ok(());
+        };
+        let path = format!("/v1/envs/{id}");
+        self.json::<(), serde_json::Value>(Method::DELETE, &path, None)
+            .await
+            .map(|_| ())
+    }
+
+    fn id(&self) -> Result<&str, CallError> {
         self.env_id
             .as_deref()
-            .ok_or_else(|| EnvError::Protocol("remote env used before init".into()))
+            .ok_or_else(|| CallError::env(EnvError::Protocol("remote env used before init".into())))
     }
 }
 
 /// Maps an error answer back to an [`EnvError`] of the same kind where one exists, so a remote
 /// env's panic or timeout reads like a local one. A timeout carries the server's deadline
 /// (`deadline_ms`); from a server that does not send it, `client_deadline`, the longest the
-/// call can have run.
+/// call can have run. `unknown_env` (the server restarted and lost the env) and `server_full`
+/// say the server cannot go on with this env ([`CallError::server_gone`]).
 fn server_error(
     path: &str,
     status: StatusCode,
     bytes: &[u8],
     client_deadline: Duration,
-) -> EnvError {
+) -> CallError {
     let detail = serde_json::from_slice::<ErrorBody>(bytes)
         .ok()
         .map(|b| b.error);
@@ -105,7 +167,11 @@ fn server_error(
         || String::from_utf8_lossy(bytes).into_owned(),
         |d| d.message.clone(),
     );
-    match detail.as_ref().map(|d| d.kind.as_str()) {
+    let server_gone = matches!(
+        detail.as_ref().map(|d| d.kind.as_str()),
+        Some("unknown_env" | "server_full")
+    );
+    let error = match detail.as_ref().map(|d| d.kind.as_str()) {
         Some("env_panic") => EnvError::Panic(message),
         Some("env_failed") => EnvError::Failed(message),
         Some("env_bad_input") => EnvError::BadInput(message),
@@ -120,62 +186,21 @@ fn server_error(
             url: path.to_owned(),
             message: format!("HTTP {status}: {message}"),
         },
-    }
+    };
+    CallError { error, server_gone }
 }
 
 impl MessageEnv for RemoteEnv {
     fn init(&mut self) -> BoxFuture<'_, Result<EnvInit, EnvError>> {
-        Box::pin(async move {
-            if self.env_id.is_some() {
-                return Err(EnvError::Protocol("remote env initialised twice".into()));
-            }
-            let req = CreateRequest {
-                task: self.task.clone(),
-                sample: self.sample.clone(),
-            };
-            let (_, created) = self
-                .json::<_, CreateResponse>(Method::POST, "/v1/envs", Some(&req))
-                .await?;
-            let created = created.ok_or_else(|| EnvError::Remote {
-                url: "/v1/envs".into(),
-                message: "empty create response".into(),
-            })?;
-            self.env_id = Some(created.env_id);
-            let path = format!("/v1/envs/{}/init", self.id()?);
-            let (_, init) = self
-                .json::<_, EnvInit>(Method::POST, &path, Some(&serde_json::json!({})))
-                .await?;
-            init.ok_or_else(|| EnvError::Remote {
-                url: path,
-                message: "empty init response".into(),
-            })
-        })
+        Box::pin(async move { Ok(self.open().await?) })
     }
 
     fn step(&mut self, assistant: Message) -> BoxFuture<'_, Result<EnvStep, EnvError>> {
-        Box::pin(async move {
-            let path = format!("/v1/envs/{}/step", self.id()?);
-            let req = StepRequest { message: assistant };
-            let (_, step) = self
-                .json::<_, EnvStep>(Method::POST, &path, Some(&req))
-                .await?;
-            step.ok_or_else(|| EnvError::Remote {
-                url: path,
-                message: "empty step response".into(),
-            })
-        })
+        Box::pin(async move { Ok(self.step_call(assistant).await?) })
     }
 
     fn close(&mut self) -> BoxFuture<'_, Result<(), EnvError>> {
-        Box::pin(async move {
-            let Some(id) = self.env_id.take() else {
-                return Ok(());
-            };
-            let path = format!("/v1/envs/{id}");
-            self.json::<(), serde_json::Value>(Method::DELETE, &path, None)
-                .await
-                .map(|_| ())
-        })
+        Box::pin(async move { Ok(self.close_call().await?) })
     }
 }
 

@@ -3,7 +3,7 @@
 //!
 //! | call | request body | response |
 //! |---|---|---|
-//! | `GET /v1/health` | — | `{"status": "ok", "envs": <open envs>}` |
+//! | `GET /v1/health` | — | `{"status": "ok", "envs": <open>, "envs_created_total": n, "steps_total": n}` |
 //! | `GET /v1/tasks` | — | `{"tasks": ["arithmetic", …]}` |
 //! | `POST /v1/envs` | `{"task": "<name>", "sample": <DataSample>}` | `201 {"env_id": "e1"}` |
 //! | `POST /v1/envs/{id}/init` | `{}` | [`EnvInit`](crate::EnvInit) |
@@ -19,17 +19,21 @@
 //! passed, so the client's [`crate::EnvError::Timeout`] names it).
 //!
 //! The client ([`RemoteEnv`]) puts a deadline on every call; an unreachable or dead server fails
-//! the rollout with `Error("env_remote")`, and the caller goes on.
+//! the rollout with `Error("env_remote")`, and the caller goes on. [`RoutedEnv`] spreads envs
+//! over a changing set of servers (a head's joined env nodes) and moves an episode whose server
+//! is gone to another one.
 
 mod client;
 mod http;
+mod routed;
 mod server;
 
 use serde::{Deserialize, Serialize};
 use sluice_core::{DataSample, Message};
 
 pub use client::{RemoteEnv, RemoteEnvFactory};
-pub use server::{ServerConfig, router, serve};
+pub use routed::{EnvServer, EnvServers, OpenEnvs, RoutedEnv, RoutedEnvFactory, ServerId};
+pub use server::{ServerConfig, ServerStats, router, router_with_stats, serve, serve_with_stats};
 
 /// `POST /v1/envs` body.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -70,6 +74,12 @@ pub struct HealthResponse {
     pub status: String,
     /// Envs currently open.
     pub envs: usize,
+    /// Envs created since the server started.
+    #[serde(default)]
+    pub envs_created_total: u64,
+    /// Env steps answered since the server started.
+    #[serde(default)]
+    pub steps_total: u64,
 }
 
 /// Error body of every failed call.

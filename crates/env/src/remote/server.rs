@@ -84,11 +84,38 @@ struct Slot {
     last_used: Instant,
 }
 
+/// What a server has done since it started, read while it runs (an env node reports its open
+/// envs to its head as its load; `GET /v1/health` shows all three).
+#[derive(Debug, Default)]
+pub struct ServerStats {
+    open: AtomicU64,
+    created: AtomicU64,
+    steps: AtomicU64,
+}
+
+impl ServerStats {
+    /// Envs open now.
+    pub fn open(&self) -> u64 {
+        self.open.load(Ordering::Relaxed)
+    }
+
+    /// Envs created since the server started.
+    pub fn created(&self) -> u64 {
+        self.created.load(Ordering::Relaxed)
+    }
+
+    /// Steps answered (successfully) since the server started.
+    pub fn steps(&self) -> u64 {
+        self.steps.load(Ordering::Relaxed)
+    }
+}
+
 struct ServerState {
     registry: Arc<TaskRegistry>,
     config: ServerConfig,
     envs: Mutex<HashMap<String, Slot>>,
     next_id: AtomicU64,
+    stats: Arc<ServerStats>,
 }
 
 impl ServerState {
@@ -116,6 +143,7 @@ impl ServerState {
         let mut envs = self.envs();
         let before = envs.len();
         envs.retain(|_, slot| slot.last_used.elapsed() < idle);
+        self.stats.open.store(envs.len() as u64, Ordering::Relaxed);
         before - envs.len()
     }
 }
@@ -232,11 +260,21 @@ fn same_bytes(a: &[u8], b: &[u8]) -> bool {
 
 /// The protocol's routes over `registry`.
 pub fn router(registry: Arc<TaskRegistry>, config: ServerConfig) -> Router {
+    router_with_stats(registry, config, Arc::default())
+}
+
+/// [`router`], counting what it serves in `stats`.
+pub fn router_with_stats(
+    registry: Arc<TaskRegistry>,
+    config: ServerConfig,
+    stats: Arc<ServerStats>,
+) -> Router {
     let state = Arc::new(ServerState {
         registry,
         config,
         envs: Mutex::new(HashMap::new()),
         next_id: AtomicU64::new(1),
+        stats,
     });
     let envs = Router::new()
         .route("/v1/envs", post(create))
@@ -259,7 +297,18 @@ pub async fn serve(
     config: ServerConfig,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router(registry, config))
+    serve_with_stats(listener, registry, config, Arc::default(), shutdown).await
+}
+
+/// [`serve`], counting what it serves in `stats`.
+pub async fn serve_with_stats(
+    listener: TcpListener,
+    registry: Arc<TaskRegistry>,
+    config: ServerConfig,
+    stats: Arc<ServerStats>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, router_with_stats(registry, config, stats))
         .with_graceful_shutdown(shutdown)
         .await
 }
@@ -270,6 +319,8 @@ async fn health(State(s): Shared) -> Json<HealthResponse> {
     Json(HealthResponse {
         status: "ok".into(),
         envs: s.envs().len(),
+        envs_created_total: s.stats.created(),
+        steps_total: s.stats.steps(),
     })
 }
 
@@ -314,7 +365,12 @@ async fn create(
         })),
         last_used: Instant::now(),
     };
-    s.envs().insert(id.clone(), slot);
+    {
+        let mut envs = s.envs();
+        envs.insert(id.clone(), slot);
+        s.stats.open.store(envs.len() as u64, Ordering::Relaxed);
+    }
+    s.stats.created.fetch_add(1, Ordering::Relaxed);
     Ok((StatusCode::CREATED, Json(CreateResponse { env_id: id })))
 }
 
@@ -365,11 +421,18 @@ async fn step(
         Ok(out)
     })
     .await?;
+    s.stats.steps.fetch_add(1, Ordering::Relaxed);
     Ok(Json(out))
 }
 
 async fn close(State(s): Shared, Path(id): Path<String>) -> Result<StatusCode, ApiError> {
-    let slot = s.envs().remove(&id).ok_or_else(|| ApiError {
+    let removed = {
+        let mut envs = s.envs();
+        let removed = envs.remove(&id);
+        s.stats.open.store(envs.len() as u64, Ordering::Relaxed);
+        removed
+    };
+    let slot = removed.ok_or_else(|| ApiError {
         status: StatusCode::NOT_FOUND,
         kind: "unknown_env".into(),
         message: format!("no open env `{id}`"),

@@ -15,6 +15,8 @@ pub struct RawDomain {
     pub task: Option<String>,
     /// Base URL of an env server that runs the domain's episodes (`http://host:port`).
     pub env_url: Option<String>,
+    /// The domain's episodes run on the env nodes that join the head (a head only).
+    pub env_nodes: bool,
     /// `[data.domains.<domain>.rubric]`: how the domain's rollouts are scored (default: the
     /// task's own rubric).
     pub rubric: Option<RawRubric>,

@@ -18,6 +18,9 @@ pub struct DomainConfig {
     /// Env server that runs the domain's episodes (`http://` or `https://` base URL).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub env_url: Option<String>,
+    /// The domain's episodes run on the env nodes joined to this head, spread by their load.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub env_nodes: bool,
     /// The rubric replacing the task's own.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub rubric: Option<DomainRubric>,

@@ -49,6 +49,12 @@ pub(super) fn validate_domain(
             ));
         }
     }
+    if raw.env_nodes && raw.env_url.is_some() {
+        return Err(ctx.value(
+            &format!("{key}.env_nodes"),
+            "expected one place for the domain's envs: set env_url (one env server) or env_nodes = true (the env nodes joined to the head), not both",
+        ));
+    }
     let rubric = raw
         .rubric
         .map(|r| validate_rubric(&format!("{key}.rubric"), r, ctx))
@@ -82,6 +88,7 @@ pub(super) fn validate_domain(
         system_prompt: raw.system_prompt,
         task: raw.task,
         env_url: raw.env_url,
+        env_nodes: raw.env_nodes,
         rubric,
         max_new_tokens,
         eval_dataset: raw.eval_dataset,

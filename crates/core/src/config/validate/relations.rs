@@ -49,6 +49,22 @@ pub(crate) fn check(config: &Config, ctx: &Ctx<'_>) -> Result<(), ConfigError> {
             ),
         ));
     }
+    // Only a head has env nodes joined to it.
+    let head = config
+        .node
+        .as_ref()
+        .is_some_and(|n| n.role == NodeRole::Head);
+    if let Some((domain, _)) = config
+        .data
+        .domain_options
+        .iter()
+        .find(|(_, d)| d.env_nodes && !head)
+    {
+        return Err(ctx.value(
+            &format!("data.domains.{domain}.env_nodes"),
+            "only a head (node.role = \"head\") has env nodes joined to it; use env_url for an env server of your own",
+        ));
+    }
     // A head's engines are the engine nodes that join it: remote servers of the engine actor.
     if let Some(node) = &config.node
         && node.role == NodeRole::Head
