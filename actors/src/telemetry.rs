@@ -312,7 +312,9 @@ mod tests {
         let t = transitions();
         assert!(t.contains(&("completed", "consumed")));
         assert!(!t.contains(&("consumed", "completed")));
-        assert_eq!(t.len(), 11);
+        assert!(t.contains(&("aborted", "cleared")));
+        assert!(!t.contains(&("in_flight", "cleared")));
+        assert_eq!(t.len(), 14);
     }
 
     #[test]
