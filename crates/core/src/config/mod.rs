@@ -98,7 +98,7 @@ impl Config {
             && eta > 0
         {
             notes.push(format!(
-                "trainer.minibatches = 1 with loss = \"decoupled_ppo\" and rollout.max_version_lag = {eta}: with one update per step the proximal policy is the current one, nothing is clipped and no trust region bounds {eta} versions of drift (the η = 4 ablation in docs/trainer.md); leave trainer.minibatches unset ({} updates) or use loss = \"ppo\"",
+                "trainer.minibatches = 1 with loss = \"decoupled_ppo\" and rollout.max_version_lag = {eta}: with one update per step the proximal policy is the current one, nothing is clipped and no trust region bounds {eta} versions of drift (the η = 4 ablation in docs/pipeline.md); leave trainer.minibatches unset ({} updates) or use loss = \"ppo\"",
                 validate::DECOUPLED_MINIBATCHES
             ));
         }
