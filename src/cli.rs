@@ -152,6 +152,25 @@ pub enum ModelCommand {
     Init(ModelInitArgs),
     /// Print a model directory's architecture, parameter count and tokenizer facts.
     Info(ModelInfoArgs),
+    /// One prompt through the engine's path (last-position logits) and the trainer's (the
+    /// gradients of −mean log p), on a device and dtype, as one JSON line: compare devices.
+    Probe(ModelProbeArgs),
+}
+
+/// `sluice model probe`
+#[derive(Debug, clap::Args)]
+pub struct ModelProbeArgs {
+    /// The model directory.
+    pub dir: PathBuf,
+    /// `cpu`, `cuda` or `cuda:N`.
+    #[arg(long, default_value = "cpu", value_parser = parse_device)]
+    pub device: sluice_core::config::Device,
+    /// Weights of the engine's path: `f32`, `bf16` or `f16` (the trainer's path is f32).
+    #[arg(long, default_value = "f32", value_parser = sluice_bench::parse_dtype)]
+    pub dtype: sluice_core::config::DType,
+    /// The prompt's token ids, comma-separated (at least 2).
+    #[arg(long, value_delimiter = ',', required = true)]
+    pub tokens: Vec<u32>,
 }
 
 /// `sluice model init`

@@ -6,6 +6,7 @@ mod knobs;
 mod model;
 mod node;
 mod plot;
+mod probe;
 mod replay;
 mod run;
 mod serve;

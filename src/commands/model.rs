@@ -1,4 +1,5 @@
-//! `sluice model init|info`: write a preset model directory, or describe one.
+//! `sluice model init|info|probe`: write a preset model directory, describe one, or probe it
+//! on a device (`probe.rs`).
 
 use std::process::ExitCode;
 
@@ -12,6 +13,7 @@ pub fn run(command: ModelCommand) -> anyhow::Result<ExitCode> {
     match command {
         ModelCommand::Init(args) => init(&args),
         ModelCommand::Info(args) => info(&args),
+        ModelCommand::Probe(args) => super::probe::run(&args),
     }
 }
 

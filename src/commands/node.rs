@@ -75,7 +75,7 @@ async fn engine_node(config: &Config, node: &NodeConfig) -> anyhow::Result<ExitC
     sluice_actors::native::ensure_model_dir(config)?;
     let options = LoadOptions {
         dtype: Some(sluice_trainer::NativeTrainerConfig::from_config(config).publish_dtype),
-        device: sluice_model::device(config.model.device)?,
+        device: sluice_model::device(config.engine.device).context("engine.device")?,
     };
     let weights = Arc::new(
         load_checkpoint(&model_dir, &options)

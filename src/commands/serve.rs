@@ -57,7 +57,7 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
     if !args.host.is_loopback() {
         tracing::warn!(host = %args.host, "serving beyond loopback; the API has no authentication");
     }
-    let device = sluice_model::device(args.device)?;
+    let device = sluice_model::device(args.device).context("--device")?;
     let options = LoadOptions {
         dtype: None,
         device,
@@ -86,6 +86,7 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
         // The server is the only role in its process: every core.
         threads: sluice_model::threads::role_threads(0, 1),
         kv_cache_bytes: u64::from(args.kv_cache_mb) * 1024 * 1024,
+        device: args.device,
         ..NativeEngineParams::default()
     };
     let mut engine = NativeEngine::start(

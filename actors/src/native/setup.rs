@@ -83,7 +83,15 @@ impl NativeSetup {
                 .with_template_kwargs(&config.model.chat_template_kwargs)
                 .map_err(setup_err)?,
         );
-        let device = sluice_model::device(config.model.device).map_err(setup_err)?;
+        // The run starts from weights on the device of their main user: the native engine
+        // replicas (and the evaluator, which follows them), else the trainer. The other roles
+        // copy them to theirs (sluice_model::ModelWeights::on_device).
+        let device = match config.engine.backend {
+            EngineBackend::Native => role_device("engine.device", config.engine.device)?,
+            _ => role_device("trainer.device", config.trainer.device)?,
+        };
+        // Refused here, naming the key, rather than when the first evaluation starts.
+        role_device("eval.device", config.eval.device)?;
         let dir = weights_dir.unwrap_or(&model_dir);
         let weights = load_checkpoint(
             dir,
@@ -141,6 +149,7 @@ impl NativeSetup {
         initial: Option<Arc<ModelWeights>>,
     ) -> Result<NativeTrainer, ActorError> {
         let initial = initial.unwrap_or_else(|| Arc::clone(&self.weights));
+        role_device("trainer.device", config.trainer.device)?;
         NativeTrainer::new(
             initial,
             NativeTrainerConfig::from_config(config),
@@ -222,6 +231,15 @@ impl NativeSetup {
             )),
         }
     }
+}
+
+/// The candle device of a role, or an error naming its key and why it cannot be had (a build
+/// without CUDA, no driver, no such device).
+pub fn role_device(
+    key: &str,
+    device: sluice_core::config::Device,
+) -> Result<sluice_model::candle::Device, ActorError> {
+    sluice_model::device(device).map_err(|e| setup_err(format!("{key}: {e}")))
 }
 
 /// [`NativeSetup::limits`] for a model with a `context`-token window.

@@ -171,6 +171,7 @@ fn in_domain(config: &Config, domain: &str, mut samples: Vec<DataSample>) -> Vec
 fn engine_params(config: &Config, setup: &NativeSetup) -> NativeEngineParams {
     let eos = setup.tokenizer.eos_token_ids().to_vec();
     let mut params = NativeEngineParams::from_config(&config.engine, 0, config.run.seed, eos);
+    params.device = config.eval.device;
     // Evaluation prompts arrive all at once: prefill them in few steps.
     params.max_step_tokens = params.max_step_tokens.max(4096);
     params

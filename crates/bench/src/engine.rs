@@ -29,7 +29,6 @@ use sluice_engine::{
     NativeRequest, SamplingParams,
 };
 use sluice_model::ModelWeights;
-use sluice_model::candle::{DType, Device};
 use sluice_model::presets::{preset_config, random_snapshot};
 
 /// `sluice bench engine`
@@ -58,6 +57,12 @@ pub struct BenchEngineArgs {
     /// memory run: `--preset medium --concurrency 64 --kv-cache-mb 2048 --only-concurrency`).
     #[arg(long)]
     pub only_concurrency: bool,
+    /// Where the engines run: `cpu` or `cuda:N` (a `cuda` build).
+    #[arg(long, default_value = "cpu", value_parser = crate::parse_device)]
+    pub device: sluice_core::config::Device,
+    /// Weights and KV cache dtype: `f32`, `bf16` or `f16`.
+    #[arg(long, default_value = "f32", value_parser = crate::parse_dtype)]
+    pub dtype: sluice_core::config::DType,
 }
 
 /// Completion length and prompt length per preset, sized for a few minutes on 2 cores.
@@ -94,6 +99,7 @@ const MIB: u64 = 1024 * 1024;
 #[derive(Clone, Copy)]
 struct Sizing {
     kv_cache_bytes: u64,
+    device: sluice_core::config::Device,
 }
 
 impl Sizing {
@@ -103,6 +109,7 @@ impl Sizing {
             kv_cache_bytes: self.kv_cache_bytes,
             // The engine alone on the machine: every core.
             threads: sluice_model::threads::role_threads(0, 1),
+            device: self.device,
             ..NativeEngineParams::default()
         }
     }
@@ -120,20 +127,18 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<ExitCode> {
     let mut prefix_ratio = None;
     let sizing = Sizing {
         kv_cache_bytes: u64::from(args.kv_cache_mb) * MIB,
+        device: args.device,
     };
+    let device = sluice_model::device(args.device).context("--device")?;
+    let dtype = crate::candle_dtype(args.dtype);
     for preset in presets {
         let config = Arc::new(preset_config(preset));
-        let w0 = Arc::new(random_snapshot(
-            Arc::clone(&config),
-            0,
-            DType::F32,
-            &Device::Cpu,
-        )?);
+        let w0 = Arc::new(random_snapshot(Arc::clone(&config), 0, dtype, &device)?);
         let (default_tokens, default_prompt) = lengths(preset);
         let max_tokens = args.max_tokens.unwrap_or(default_tokens);
         let prompt_len = args.prompt_tokens.unwrap_or(default_prompt);
         let max_c = *args.concurrency.iter().max().unwrap_or(&64);
-        let budget = KvBudget::new(&sizing.params(max_c), &config, DType::F32)?;
+        let budget = KvBudget::new(&sizing.params(max_c), &config, dtype)?;
         println!(
             "preset {preset:?}: {max_tokens} tokens per request, prompts of {prompt_len}; KV cache {:.1} MiB per engine ({} blocks of {} tokens{})",
             budget.bytes as f64 / MIB as f64,
@@ -218,8 +223,7 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<ExitCode> {
         // The second weight set (only the swaps need it) is built here, so a memory run
         // (`--only-concurrency`) holds one.
         let w1 = Arc::new(
-            random_snapshot(Arc::clone(&config), 1, DType::F32, &Device::Cpu)?
-                .with_version(PolicyVersion(1)),
+            random_snapshot(Arc::clone(&config), 1, dtype, &device)?.with_version(PolicyVersion(1)),
         );
         for mode in WeightUpdateMode::ALL {
             if mode == WeightUpdateMode::InFlight {
@@ -442,6 +446,7 @@ fn decoding_engine(
     let engine = NativeEngine::start(
         NativeEngineParams {
             kv_cache_bytes: sizing.kv_cache_bytes,
+            device: sizing.device,
             ..NativeEngineParams::default()
         },
         Arc::clone(w0),

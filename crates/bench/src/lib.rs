@@ -20,3 +20,30 @@ pub use model::BenchModelArgs;
 pub use pipeline::BenchPipelineArgs;
 pub use trainer::BenchTrainerArgs;
 pub use weights::BenchWeightsArgs;
+
+/// `--device`: `cpu`, `cuda` or `cuda:N`.
+pub fn parse_device(s: &str) -> Result<sluice_core::config::Device, String> {
+    s.parse()
+        .map_err(|()| format!("expected cpu, cuda or cuda:N, got `{s}`"))
+}
+
+/// `--dtype`: `f32`, `bf16` or `f16`.
+pub fn parse_dtype(s: &str) -> Result<sluice_core::config::DType, String> {
+    use sluice_core::config::DType;
+    match s {
+        "f32" => Ok(DType::F32),
+        "bf16" => Ok(DType::Bf16),
+        "f16" => Ok(DType::F16),
+        _ => Err(format!("expected f32, bf16 or f16, got `{s}`")),
+    }
+}
+
+/// The candle dtype of a config dtype.
+pub(crate) fn candle_dtype(d: sluice_core::config::DType) -> sluice_model::candle::DType {
+    use sluice_model::candle::DType;
+    match d {
+        sluice_core::config::DType::F32 => DType::F32,
+        sluice_core::config::DType::Bf16 => DType::BF16,
+        sluice_core::config::DType::F16 => DType::F16,
+    }
+}

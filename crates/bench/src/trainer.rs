@@ -36,6 +36,9 @@ pub struct BenchTrainerArgs {
     /// Recompute activations in the backward (`trainer.activation_checkpointing`).
     #[arg(long)]
     pub activation_checkpointing: bool,
+    /// Where the trainer runs: `cpu` or `cuda:N` (a `cuda` build).
+    #[arg(long, default_value = "cpu", value_parser = crate::parse_device)]
+    pub device: sluice_core::config::Device,
 }
 
 const PROMPT_TOKENS: usize = 16;
@@ -67,8 +70,9 @@ pub fn run(args: &BenchTrainerArgs) -> anyhow::Result<ExitCode> {
         };
         let config = Arc::new(preset_config(preset));
         println!(
-            "{name}: {} parameters, f32 master weights on CPU, ppo, {steps} timed step(s) per shape{}",
+            "{name}: {} parameters, f32 master weights on {}, ppo, {steps} timed step(s) per shape{}",
             config.num_parameters(),
+            args.device,
             if args.activation_checkpointing {
                 ", activations recomputed"
             } else {
@@ -80,6 +84,7 @@ pub fn run(args: &BenchTrainerArgs) -> anyhow::Result<ExitCode> {
             crate::rss::reset_peak();
             let mut settings = trainer_config(rows, len);
             settings.activation_checkpointing = args.activation_checkpointing;
+            settings.device = args.device;
             let mut trainer = NativeTrainer::new(Arc::clone(&snapshot), settings, None)?;
             let vocab = snapshot.config().vocab_size as u32;
             let batch = [filled_group(rows, len, vocab)?];
@@ -144,6 +149,7 @@ fn trainer_config(rows: usize, len: usize) -> NativeTrainerConfig {
         },
         minibatches: 1,
         publish_dtype: DType::F32,
+        device: sluice_core::config::Device::Cpu,
         logits_chunk_rows: 1024,
         temperature: 1.0,
         seed: 0,

@@ -92,6 +92,35 @@ fn a_full_file_resolves() {
 }
 
 #[test]
+fn each_role_names_its_device_and_defaults_to_the_model_s() {
+    let c = parse("[model]\ndevice = \"cuda:1\"", &[]).unwrap();
+    assert_eq!(c.engine.device, config::Device::Cuda(1));
+    assert_eq!(c.trainer.device, config::Device::Cuda(1));
+    assert_eq!(c.eval.device, config::Device::Cuda(1));
+    // The evaluator follows the engine unless it names its own.
+    let c = parse(
+        "[engine]\ndevice = \"cuda:0\"\n[trainer]\ndevice = \"cuda\"",
+        &["model.device=cpu"],
+    )
+    .unwrap();
+    assert_eq!(c.model.device, config::Device::Cpu);
+    assert_eq!(c.engine.device, config::Device::Cuda(0));
+    assert_eq!(c.trainer.device, config::Device::Cuda(0));
+    assert_eq!(c.eval.device, config::Device::Cuda(0));
+    let c = parse("", &["engine.device=cuda:2", "eval.device=cpu"]).unwrap();
+    assert_eq!(
+        (c.engine.device, c.trainer.device, c.eval.device),
+        (
+            config::Device::Cuda(2),
+            config::Device::Cpu,
+            config::Device::Cpu
+        )
+    );
+    // The resolved devices print and load back.
+    assert_eq!(parse(&c.to_toml(), &[]).unwrap(), c);
+}
+
+#[test]
 fn the_printed_config_loads_back_to_the_same_config() {
     let c = parse(
         "[rollout]\ngroup_size = 3\ndomain_mix = { a = 1.0 }\n[data]\ndatasets = [\"a::x\"]",

@@ -104,6 +104,15 @@ pub enum ModelError {
         /// Blocks in the pool.
         total: usize,
     },
+    /// A configured device cannot be opened: a CPU-only build asked for `cuda:N`, no CUDA
+    /// driver or library could be loaded, or the ordinal names no device.
+    #[error("{device}: {reason}")]
+    Device {
+        /// The device asked for (`cuda:0`).
+        device: String,
+        /// Why it cannot be used.
+        reason: String,
+    },
     /// A caller passed inconsistent input (lengths, unknown sequence, token out of vocabulary).
     #[error("invalid input: {reason}")]
     Input {
@@ -127,6 +136,7 @@ impl ModelError {
             ModelError::Tokenizer { .. } => "tokenizer",
             ModelError::ChatTemplate { .. } => "chat_template",
             ModelError::KvCacheFull { .. } => "kv_cache_full",
+            ModelError::Device { .. } => "device",
             ModelError::Input { .. } => "invalid_input",
         }
     }

@@ -77,6 +77,9 @@ impl InferenceModel {
                 self.snapshot.dtype()
             )));
         }
+        // A snapshot published on another device (a trainer on its own GPU, or on the CPU)
+        // is copied to this model's; one already here is shared as it is.
+        let snapshot = snapshot.on_device(self.snapshot.device())?;
         self.weights = DecoderWeights::build(&self.config, |n| snapshot.require(n).cloned())?;
         self.snapshot = snapshot;
         Ok(())

@@ -19,6 +19,7 @@
 //! | [`chat`] | [`ChatTemplate`] rendering as transformers does, [`CompletionParser`] for reasoning and tool calls |
 //! | [`threads`] | [`ComputePool`]: the threads a role's model work runs on; the process-wide thread environment |
 //! | [`presets`] | `tiny` / `small` directories: config, seeded weights, char tokenizer, ChatML template |
+//! | [`device`] | [`device()`]: a config's `cpu` / `cuda:N` as a candle device; CUDA's libraries loaded on demand |
 //! | [`error`] | [`ModelError`] with stable `kind()` names |
 //!
 //! Typical use:
@@ -51,6 +52,7 @@ pub mod cache;
 pub mod chat;
 pub mod checkpoint;
 pub mod config;
+pub mod device;
 pub mod error;
 pub mod fused;
 pub mod infer;
@@ -83,15 +85,4 @@ pub use threads::ComputePool;
 pub use tokenizer::Tokenizer;
 pub use train::{ForwardOptions, TokenScores, TrainableModel};
 
-/// The candle device for a config's `device` value (`cuda:N` needs the `cuda` feature).
-pub fn device(device: sluice_core::config::Device) -> Result<candle_core::Device> {
-    match device {
-        sluice_core::config::Device::Cpu => Ok(candle_core::Device::Cpu),
-        sluice_core::config::Device::Cuda(i) => {
-            candle_core::Device::new_cuda(i as usize).map_err(|source| ModelError::Tensor {
-                context: format!("opening cuda:{i} (is the `cuda` feature on?)"),
-                source,
-            })
-        }
-    }
-}
+pub use device::device;

@@ -184,6 +184,25 @@ impl ModelWeights {
         self.tensors[0].device()
     }
 
+    /// These weights on `device`: the same snapshot (no copy) when they already live there, else
+    /// a copy in the same dtype — device to device between GPUs (candle's `to_device`), through
+    /// the host only between the CPU and a GPU.
+    pub fn on_device(self: &Arc<Self>, device: &Device) -> Result<Arc<Self>> {
+        if self.device().same_device(device) {
+            return Ok(Arc::clone(self));
+        }
+        // Another device means fresh storage already: no second copy.
+        let mut map = HashMap::new();
+        for (name, t) in self.iter() {
+            map.insert(name.to_owned(), t.to_device(device).ctx(name)?);
+        }
+        Ok(Arc::new(Self::new(
+            Arc::clone(&self.config),
+            self.version,
+            map,
+        )?))
+    }
+
     /// A deep copy on `device` in `dtype` (fresh storage even when nothing changes).
     pub fn to(&self, device: &Device, dtype: DType) -> Result<Self> {
         let mut map = HashMap::new();

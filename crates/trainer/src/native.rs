@@ -86,6 +86,9 @@ impl NativeTrainer {
         config: NativeTrainerConfig,
         aux_source: Option<&Path>,
     ) -> Result<Self, TrainerError> {
+        // The master weights live on the trainer's device whatever the engines' is.
+        let device = sluice_model::device(config.device)?;
+        let initial = initial.on_device(&device)?;
         let model = TrainableModel::from_snapshot(&initial, DType::F32)?;
         let reference = if config.loss.kl_coef > 0.0 {
             Some(TrainableModel::from_snapshot(&initial, DType::F32)?)

@@ -27,6 +27,9 @@ pub struct NativeTrainerConfig {
     pub minibatches: usize,
     /// Dtype of published snapshots (the engines' dtype); master weights stay f32.
     pub publish_dtype: DType,
+    /// Where the master weights, the optimizer state and published snapshots live
+    /// (`trainer.device`); the initial weights are copied there when they are elsewhere.
+    pub device: sluice_core::config::Device,
     /// Rows of logits formed at a time in the training forward.
     pub logits_chunk_rows: usize,
     /// Sampling temperature of the rollouts: RL log-probs are taken of `softmax(z / T)` so they
@@ -88,6 +91,7 @@ impl NativeTrainerConfig {
                 sluice_core::config::DType::Bf16 => DType::BF16,
                 sluice_core::config::DType::F16 => DType::F16,
             },
+            device: t.device,
             logits_chunk_rows: ForwardOptions::default().logits_chunk_rows,
             temperature: if config.rollout.temperature > 0.0 {
                 config.rollout.temperature

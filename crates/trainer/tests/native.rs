@@ -45,6 +45,7 @@ fn config(lr: f64, rows: usize) -> NativeTrainerConfig {
         },
         minibatches: 1,
         publish_dtype: DType::F32,
+        device: sluice_core::config::Device::Cpu,
         logits_chunk_rows: 64,
         temperature: 1.0,
         seed: 7,

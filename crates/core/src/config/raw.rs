@@ -111,6 +111,8 @@ impl Default for RawModel {
 pub struct RawEngine {
     /// `native`, `remote` or `simulated`.
     pub backend: String,
+    /// `cpu` or `cuda:N` of the native replicas (default `model.device`).
+    pub device: Option<String>,
     /// Engine replicas on this node.
     pub replicas: i64,
     /// Cap on sequences decoded together per replica.
@@ -204,6 +206,7 @@ impl Default for RawEngine {
     fn default() -> Self {
         Self {
             backend: "native".into(),
+            device: None,
             replicas: 1,
             max_running_sequences: 64,
             max_step_tokens: 4096,
@@ -429,6 +432,8 @@ pub struct RawEval {
     pub stop_at_accuracy: Option<f64>,
     /// Task to evaluate (default: the task of the first dataset).
     pub task: Option<String>,
+    /// `cpu` or `cuda:N` of the evaluation engine (default `engine.device`).
+    pub device: Option<String>,
 }
 
 impl Default for RawEval {
@@ -439,6 +444,7 @@ impl Default for RawEval {
             temperature: 0.0,
             stop_at_accuracy: None,
             task: None,
+            device: None,
         }
     }
 }

@@ -193,6 +193,8 @@ pub enum EngineBackend {
 pub struct EngineConfig {
     /// Backend.
     pub backend: EngineBackend,
+    /// Device of the native replicas (`model.device` unless set).
+    pub device: Device,
     /// Replicas on this node.
     pub replicas: NonZeroU32,
     /// Cap on sequences decoded together per replica.
@@ -525,6 +527,8 @@ pub struct EvalConfig {
     /// Task to evaluate (default: the first dataset's).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub task: Option<String>,
+    /// Device of the evaluation engine (`engine.device` unless set).
+    pub device: Device,
 }
 
 fn as_seconds_or_zero<S: Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {

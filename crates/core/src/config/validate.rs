@@ -163,6 +163,22 @@ fn socket(ctx: &Ctx<'_>, key: &str, v: &str) -> Result<SocketAddr, ConfigError> 
     })
 }
 
+/// A `device` key: `cpu`, `cuda` (= `cuda:0`) or `cuda:N`.
+fn device(ctx: &Ctx<'_>, key: &str, value: &str) -> Result<Device, ConfigError> {
+    Device::from_str(value)
+        .map_err(|()| ctx.value(key, format!("expected cpu, cuda or cuda:N, got `{value}`")))
+}
+
+/// A role's `device` key, `default` (another key's device) when absent.
+fn role_device(
+    ctx: &Ctx<'_>,
+    key: &str,
+    value: Option<&str>,
+    default: Device,
+) -> Result<Device, ConfigError> {
+    value.map_or(Ok(default), |v| device(ctx, key, v))
+}
+
 impl RawConfig {
     /// Phase two: checks every value and resolves defaults that depend on other keys.
     pub(crate) fn validate(self, ctx: &Ctx<'_>) -> Result<Config, ConfigError> {
@@ -186,9 +202,20 @@ impl RawConfig {
         let head = node.as_ref().is_some_and(|n| n.role == NodeRole::Head);
         let run = validate_run(run, ctx)?;
         let model = validate_model(model, &run, ctx)?;
-        let engine = validate_engine(engine, &run, head, ctx)?;
+        // Each role runs on its own device, by default the model's (so a config without these
+        // keys behaves as before); the evaluator follows the engine.
+        let engine_device =
+            role_device(ctx, "engine.device", engine.device.as_deref(), model.device)?;
+        let trainer_device = role_device(
+            ctx,
+            "trainer.device",
+            trainer.device.as_deref(),
+            model.device,
+        )?;
+        let eval_device = role_device(ctx, "eval.device", eval.device.as_deref(), engine_device)?;
+        let engine = validate_engine(engine, &run, head, engine_device, ctx)?;
         let minibatches_unset = trainer.minibatches.is_none();
-        let mut trainer = validate_trainer(trainer, &engine, ctx)?;
+        let mut trainer = validate_trainer(trainer, &engine, trainer_device, ctx)?;
         let data = validate_data(data, ctx)?;
         let rollout = validate_rollout(rollout, &data, ctx)?;
         if minibatches_unset {
@@ -220,7 +247,7 @@ impl RawConfig {
             metrics,
             admin,
             warmup: quickstart::validate_warmup(warmup, ctx)?,
-            eval: quickstart::validate_eval(eval, ctx)?,
+            eval: quickstart::validate_eval(eval, eval_device, ctx)?,
             supervision: supervision::validate_supervision(supervision, ctx)?,
             faults: supervision::validate_faults(faults, ctx)?,
             node,
@@ -300,12 +327,7 @@ fn validate_model(
             ("f16", DType::F16),
         ],
     )?;
-    let device = Device::from_str(&raw.device).map_err(|()| {
-        ctx.value(
-            "model.device",
-            format!("expected cpu, cuda or cuda:N, got `{}`", raw.device),
-        )
-    })?;
+    let device = device(ctx, "model.device", &raw.device)?;
     let path = match raw.path {
         Some(p) if p.trim().is_empty() => {
             return Err(ctx.value(

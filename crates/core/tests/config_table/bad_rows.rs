@@ -20,7 +20,7 @@ pub const BAD: &[(&str, &[&str], &str, ConfigErrorKind)] = &[
     (
         "[engine]\nzzz = 1",
         &[],
-        "test.toml: engine.zzz: unknown key; expected one of: backend, replicas, max_running_sequences, max_step_tokens, threads, kv_cache_mb, remote_urls, request_timeout_s, remote_keep_versions, simulated",
+        "test.toml: engine.zzz: unknown key; expected one of: backend, device, replicas, max_running_sequences, max_step_tokens, threads, kv_cache_mb, remote_urls, request_timeout_s, remote_keep_versions, simulated",
         ConfigErrorKind::UnknownKey,
     ),
     (
@@ -195,6 +195,24 @@ pub const BAD: &[(&str, &[&str], &str, ConfigErrorKind)] = &[
         "[model]\ndevice = \"tpu\"",
         &[],
         "test.toml: model.device: expected cpu, cuda or cuda:N, got `tpu`",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[engine]\ndevice = \"gpu0\"",
+        &[],
+        "test.toml: engine.device: expected cpu, cuda or cuda:N, got `gpu0`",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "",
+        &["trainer.device=cuda:-1"],
+        "test.toml: --set trainer.device: expected cpu, cuda or cuda:N, got `cuda:-1`",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[eval]\ndevice = \"cuda:x\"",
+        &[],
+        "test.toml: eval.device: expected cpu, cuda or cuda:N, got `cuda:x`",
         ConfigErrorKind::Value,
     ),
     (

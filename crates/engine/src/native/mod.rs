@@ -64,6 +64,10 @@ pub struct NativeEngineParams {
     /// Reuse registered full blocks for new requests with the same prefix at the same weight
     /// version (off: every request prefills its whole input; `sluice bench engine` compares).
     pub prefix_caching: bool,
+    /// Where the replica's weights and KV cache live (`engine.device`; `eval.device` for the
+    /// evaluator's engine). Weights handed over from elsewhere are copied here; weights already
+    /// here are shared.
+    pub device: sluice_core::config::Device,
 }
 
 impl Default for NativeEngineParams {
@@ -78,6 +82,7 @@ impl Default for NativeEngineParams {
             kv_cache_bytes: 0,
             kv_block_tokens: sluice_model::paged::DEFAULT_BLOCK_TOKENS,
             prefix_caching: true,
+            device: sluice_core::config::Device::Cpu,
         }
     }
 }
@@ -103,6 +108,7 @@ impl NativeEngineParams {
             kv_cache_bytes: u64::from(engine.kv_cache_mb) * 1024 * 1024,
             kv_block_tokens: sluice_model::paged::DEFAULT_BLOCK_TOKENS,
             prefix_caching: true,
+            device: engine.device,
         }
     }
 }
@@ -284,6 +290,7 @@ impl NativeEngine {
                 "max_running_sequences and max_step_tokens must be at least 1".into(),
             ));
         }
+        let weights = weights.on_device(&sluice_model::device(params.device)?)?;
         let model = sluice_model::InferenceModel::new(Arc::clone(&weights))?;
         let config = Arc::clone(model.config());
         let kv = KvBudget::new(&params, &config, weights.dtype())?;

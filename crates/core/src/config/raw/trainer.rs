@@ -8,6 +8,8 @@ use serde::{Deserialize, Serialize};
 pub struct RawTrainer {
     /// `ppo`, `tis` or `decoupled_ppo`.
     pub loss: String,
+    /// `cpu` or `cuda:N` of the native trainer (default `model.device`).
+    pub device: Option<String>,
     /// Peak learning rate.
     pub learning_rate: f64,
     /// `constant` or `cosine` (after warmup).
@@ -90,6 +92,7 @@ impl Default for RawTrainer {
     fn default() -> Self {
         Self {
             loss: "ppo".into(),
+            device: None,
             learning_rate: 1e-5,
             lr_schedule: "constant".into(),
             warmup_steps: 0,

@@ -83,6 +83,8 @@ pub enum OversizedText {
 pub struct TrainerConfig {
     /// Loss.
     pub loss: LossKind,
+    /// Device of the native trainer's master weights (`model.device` unless set).
+    pub device: super::Device,
     /// Peak learning rate (> 0).
     pub learning_rate: f64,
     /// Schedule after warmup.

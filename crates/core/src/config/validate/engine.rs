@@ -6,13 +6,14 @@ use super::{Ctx, choice, non_zero_u32, number, u32_incl_zero, u64_incl_zero};
 use crate::config::error::ConfigError;
 use crate::config::raw::{RawEngine, RawSimEngine};
 use crate::config::typed::{
-    EngineBackend, EngineConfig, LengthDistribution, RunConfig, SimEngineConfig,
+    Device, EngineBackend, EngineConfig, LengthDistribution, RunConfig, SimEngineConfig,
 };
 
 pub(super) fn validate_engine(
     raw: RawEngine,
     run: &RunConfig,
     head: bool,
+    device: Device,
     ctx: &Ctx<'_>,
 ) -> Result<EngineConfig, ConfigError> {
     let backend = choice(
@@ -59,6 +60,7 @@ pub(super) fn validate_engine(
     }
     Ok(EngineConfig {
         backend,
+        device,
         replicas,
         max_running_sequences: non_zero_u32(
             ctx,

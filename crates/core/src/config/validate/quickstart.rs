@@ -5,7 +5,7 @@ use std::num::NonZeroU64;
 use super::{Ctx, non_zero_u32, number, u64_incl_zero};
 use crate::config::error::ConfigError;
 use crate::config::raw::{RawEval, RawWarmup};
-use crate::config::typed::{EvalConfig, WarmupConfig};
+use crate::config::typed::{Device, EvalConfig, WarmupConfig};
 
 fn non_zero_u64(ctx: &Ctx<'_>, key: &str, v: i64) -> Result<NonZeroU64, ConfigError> {
     u64::try_from(v)
@@ -38,7 +38,11 @@ pub(crate) fn validate_warmup(raw: RawWarmup, ctx: &Ctx<'_>) -> Result<WarmupCon
     })
 }
 
-pub(crate) fn validate_eval(raw: RawEval, ctx: &Ctx<'_>) -> Result<EvalConfig, ConfigError> {
+pub(crate) fn validate_eval(
+    raw: RawEval,
+    device: Device,
+    ctx: &Ctx<'_>,
+) -> Result<EvalConfig, ConfigError> {
     let task = match raw.task {
         Some(t) if t.trim().is_empty() => {
             return Err(ctx.value("eval.task", "expected a task name, got an empty string"));
@@ -60,5 +64,6 @@ pub(crate) fn validate_eval(raw: RawEval, ctx: &Ctx<'_>) -> Result<EvalConfig, C
             .map(|v| fraction(ctx, "eval.stop_at_accuracy", v))
             .transpose()?,
         task,
+        device,
     })
 }

@@ -6,7 +6,7 @@ use super::{Ctx, choice, non_zero_u32, number, u32_incl_zero, u64_incl_zero};
 use crate::config::error::ConfigError;
 use crate::config::raw::{RawSimTrainer, RawTrainer};
 use crate::config::typed::{
-    AdvantageKind, EngineBackend, EngineConfig, LossAggregation, LossKind, LrSchedule,
+    AdvantageKind, Device, EngineBackend, EngineConfig, LossAggregation, LossKind, LrSchedule,
     OversizedText, SimTrainerConfig, TisLevel, TisMode, TrainerConfig,
 };
 
@@ -51,9 +51,11 @@ pub(super) fn validate_sim_trainer(
 pub(super) fn validate_trainer(
     raw: RawTrainer,
     engine: &EngineConfig,
+    device: Device,
     ctx: &Ctx<'_>,
 ) -> Result<TrainerConfig, ConfigError> {
     Ok(TrainerConfig {
+        device,
         simulated: validate_sim_trainer(raw.simulated, engine, ctx)?,
         loss: choice(
             ctx,

@@ -1,0 +1,124 @@
+//! [`device()`]: a config's `cpu` / `cuda:N` as a candle device, with an error that says why a
+//! CUDA device cannot be had (a CPU-only build, no driver, no such device) instead of a panic.
+//!
+//! With the `cuda` feature, CUDA's libraries (driver, NVRTC, cuBLAS, cuBLASLt, cuRAND) are
+//! loaded here, the first time a CUDA device is asked for, with their symbols made global. A
+//! binary linked as `docs/gpu.md` describes (`SLUICE_CUDA_LINK_DIR`) records no dependency on
+//! them and binds its calls into them lazily: it starts and runs CPU configs on a machine
+//! without CUDA, and its first CUDA call finds what was loaded here. In a binary linked against
+//! the libraries the usual way they are already loaded and this is a no-op.
+
+use crate::error::{ModelError, Result};
+
+/// The candle device for a config's `device` value. `cuda:N` needs the `cuda` feature, a CUDA
+/// driver and a device `N`; otherwise the error says which of them is missing.
+pub fn device(device: sluice_core::config::Device) -> Result<candle_core::Device> {
+    match device {
+        sluice_core::config::Device::Cpu => Ok(candle_core::Device::Cpu),
+        sluice_core::config::Device::Cuda(i) => cuda(i),
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda(ordinal: u32) -> Result<candle_core::Device> {
+    Err(ModelError::Device {
+        device: format!("cuda:{ordinal}"),
+        reason:
+            "this sluice was built without CUDA (build with `--features cuda`, see docs/gpu.md)"
+                .into(),
+    })
+}
+
+/// One candle device per ordinal for the whole process: candle tells devices apart by the
+/// context it opened, not by ordinal, so two `new_cuda(0)` would be "different devices" and
+/// every snapshot passed between the trainer and an engine on the same GPU would be copied.
+#[cfg(feature = "cuda")]
+fn cuda(ordinal: u32) -> Result<candle_core::Device> {
+    use std::sync::Mutex;
+    static OPENED: Mutex<Vec<(u32, candle_core::Device)>> = Mutex::new(Vec::new());
+    let name = format!("cuda:{ordinal}");
+    libraries::load().map_err(|reason| ModelError::Device {
+        device: name.clone(),
+        reason,
+    })?;
+    let mut opened = OPENED
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    if let Some((_, d)) = opened.iter().find(|(o, _)| *o == ordinal) {
+        return Ok(d.clone());
+    }
+    let d = candle_core::Device::new_cuda(ordinal as usize).map_err(|e| ModelError::Device {
+        device: name,
+        reason: format!("no usable CUDA device {ordinal} ({e})"),
+    })?;
+    opened.push((ordinal, d.clone()));
+    Ok(d)
+}
+
+#[cfg(feature = "cuda")]
+mod libraries {
+    //! The libraries candle calls into, loaded once per process and never unloaded.
+
+    use std::sync::OnceLock;
+
+    use libloading::os::unix::{Library, RTLD_GLOBAL, RTLD_NOW};
+
+    /// CUDA's major version the bindings were built for (`CUDARC_CUDA_VERSION`, e.g. `13000`,
+    /// set by `scripts/cuda-toolchain`); the libraries' file names carry it.
+    fn cuda_major() -> &'static str {
+        match option_env!("CUDARC_CUDA_VERSION") {
+            Some(v) if v.len() >= 4 => &v[..v.len() - 3],
+            _ => "13",
+        }
+    }
+
+    /// The driver first: without it nothing else matters, and its absence is the common case
+    /// (a machine with no GPU). cuBLASLt before cuBLAS, which depends on it.
+    fn names() -> Vec<String> {
+        let major = cuda_major();
+        vec![
+            "libcuda.so.1".into(),
+            format!("libnvrtc.so.{major}"),
+            format!("libcublasLt.so.{major}"),
+            format!("libcublas.so.{major}"),
+            "libcurand.so.10".into(),
+        ]
+    }
+
+    static LOADED: OnceLock<Result<Vec<Library>, String>> = OnceLock::new();
+
+    /// Loads every library once; the same answer afterwards.
+    pub(super) fn load() -> Result<(), String> {
+        match LOADED.get_or_init(open_all) {
+            Ok(_) => Ok(()),
+            Err(reason) => Err(reason.clone()),
+        }
+    }
+
+    fn open_all() -> Result<Vec<Library>, String> {
+        let mut loaded = Vec::new();
+        for name in names() {
+            // SAFETY: these are NVIDIA's libraries, whose initialisers have no preconditions;
+            // RTLD_GLOBAL makes their symbols visible to this binary's lazily bound calls.
+            #[allow(unsafe_code)]
+            let library = unsafe { Library::open(Some(&name), RTLD_NOW | RTLD_GLOBAL) };
+            match library {
+                Ok(library) => loaded.push(library),
+                Err(e) if name == "libcuda.so.1" => {
+                    return Err(format!(
+                        "no CUDA driver found: cannot load {name} ({e}); this machine has no \
+                         NVIDIA driver, or it is not on the library path"
+                    ));
+                }
+                Err(e) => {
+                    return Err(format!(
+                        "the CUDA driver is here but a CUDA library is not: cannot load {name} \
+                         ({e}); put CUDA {}'s libraries on LD_LIBRARY_PATH (docs/gpu.md)",
+                        cuda_major()
+                    ));
+                }
+            }
+        }
+        Ok(loaded)
+    }
+}

@@ -1,0 +1,188 @@
+#!/usr/bin/env python3
+"""The numeric half of scripts/gpu-check: comparisons of `sluice model probe` outputs, and the
+PyTorch/transformers reference measurements on the same checkpoint and GPU.
+
+Subcommands (each prints `key=value` words on one line, or JSON for `torch-logits`):
+  compare REF.json OTHER.json --logits-tol X [--grads-tol Y]
+      relative logits error  max|a-b| / max|a|  and the worst relative gradient-norm error over
+      the parameters; exit 1 when a tolerance is exceeded.
+  torch-logits MODEL --tokens 1,2,3 [--dtype f32|bf16]
+      last-position logits of transformers' model, as `sluice model probe` prints them.
+  torch-generate MODEL --batch 64 --prompt-tokens 16 --max-new-tokens 128 [--dtype bf16]
+      decode tokens/s of `generate` (greedy, no early stop) at that batch.
+  torch-train MODEL --rows 8 --len 512 [--steps 5]
+      training tokens/s of eager PyTorch: f32 weights, forward + backward + AdamW step, the
+      shapes `sluice bench trainer --shape ROWSxLEN` uses.
+  accuracy METRICS.jsonl
+      the last `eval_accuracy` a run logged.
+
+Only `compare` and `accuracy` run without PyTorch.
+"""
+
+import argparse
+import json
+import math
+import sys
+import time
+
+
+def load(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def rel_error(a, b):
+    scale = max(abs(x) for x in a) or 1.0
+    return max(abs(x - y) for x, y in zip(a, b)) / scale
+
+
+def cmd_compare(args):
+    ref, other = load(args.ref), load(args.other)
+    if len(ref["logits"]) != len(other["logits"]):
+        print(f"logits_rel=nan (lengths {len(ref['logits'])} vs {len(other['logits'])})")
+        return 1
+    logits = rel_error(ref["logits"], other["logits"])
+    words = [f"logits_rel={logits:.3g}"]
+    ok = logits <= args.logits_tol
+    if args.grads_tol is not None:
+        worst, name = 0.0, None
+        for key, g in ref["grad_norms"].items():
+            h = other["grad_norms"].get(key)
+            if h is None:
+                worst, name = math.inf, key
+                break
+            err = abs(g - h) / max(abs(g), 1e-12)
+            if err > worst:
+                worst, name = err, key
+        words.append(f"grads_rel={worst:.3g}")
+        words.append(f"grads_worst={name}")
+        ok = ok and worst <= args.grads_tol
+    words.append(f"ok={int(ok)}")
+    print(" ".join(words))
+    return 0 if ok else 1
+
+
+def torch_model(path, dtype):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch_dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+    return model.to("cuda")
+
+
+def cmd_torch_logits(args):
+    import torch
+
+    model = torch_model(args.model, args.dtype).eval()
+    tokens = [int(t) for t in args.tokens.split(",")]
+    with torch.no_grad():
+        out = model(torch.tensor([tokens], device="cuda")).logits[0, -1]
+    print(json.dumps({"device": "torch", "dtype": args.dtype, "tokens": tokens,
+                      "logits": out.float().cpu().tolist()}))
+    return 0
+
+
+def cmd_torch_generate(args):
+    import torch
+
+    model = torch_model(args.model, args.dtype).eval()
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(1, vocab, (args.batch, args.prompt_tokens), generator=g).to("cuda")
+    kwargs = dict(max_new_tokens=args.max_new_tokens, min_new_tokens=args.max_new_tokens,
+                  do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(prompt))
+    with torch.no_grad():
+        model.generate(prompt, **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = model.generate(prompt, **kwargs)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+    generated = (out.shape[1] - args.prompt_tokens) * args.batch
+    print(f"torch_decode_tok_s={generated / seconds:.1f} batch={args.batch} seconds={seconds:.3f}")
+    return 0
+
+
+def cmd_torch_train(args):
+    import torch
+
+    model = torch_model(args.model, "f32").train()
+    vocab = model.config.vocab_size
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, vocab, (args.rows, args.len), generator=g).to("cuda")
+
+    def step():
+        logits = model(ids).logits[:, :-1].float()
+        logp = torch.log_softmax(logits, dim=-1)
+        target = logp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+        loss = -target.mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    tokens = args.rows * args.len * args.steps
+    params = sum(p.numel() for p in model.parameters())
+    print(f"torch_train_tok_s={tokens / seconds:.1f} params={params} seconds={seconds:.3f}")
+    return 0
+
+
+def cmd_accuracy(args):
+    last = None
+    with open(args.metrics) as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if "eval_accuracy" in row:
+                last = row["eval_accuracy"]
+    print(f"eval_accuracy={'nan' if last is None else f'{last:.3f}'}")
+    return 0 if last is not None else 1
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("compare")
+    c.add_argument("ref")
+    c.add_argument("other")
+    c.add_argument("--logits-tol", type=float, required=True)
+    c.add_argument("--grads-tol", type=float)
+    c.set_defaults(run=cmd_compare)
+    c = sub.add_parser("torch-logits")
+    c.add_argument("model")
+    c.add_argument("--tokens", required=True)
+    c.add_argument("--dtype", default="f32", choices=["f32", "bf16"])
+    c.set_defaults(run=cmd_torch_logits)
+    c = sub.add_parser("torch-generate")
+    c.add_argument("model")
+    c.add_argument("--batch", type=int, default=64)
+    c.add_argument("--prompt-tokens", type=int, default=16)
+    c.add_argument("--max-new-tokens", type=int, default=128)
+    c.add_argument("--dtype", default="bf16", choices=["f32", "bf16"])
+    c.set_defaults(run=cmd_torch_generate)
+    c = sub.add_parser("torch-train")
+    c.add_argument("model")
+    c.add_argument("--rows", type=int, default=8)
+    c.add_argument("--len", type=int, default=512)
+    c.add_argument("--steps", type=int, default=5)
+    c.set_defaults(run=cmd_torch_train)
+    c = sub.add_parser("accuracy")
+    c.add_argument("metrics")
+    c.set_defaults(run=cmd_accuracy)
+    args = p.parse_args()
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

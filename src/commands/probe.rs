@@ -1,0 +1,99 @@
+//! `sluice model probe`: one prompt through a model directory on a chosen device and dtype,
+//! printed as one JSON object, so two devices can be compared number for number
+//! (`scripts/gpu-check` compares a GPU with the CPU).
+//!
+//! Two paths, the ones a run takes: the engine's (the inference model in `--dtype`, KV cache,
+//! logits of the last position) and the trainer's (f32 master weights, the training forward of
+//! every target, then the backward of `−mean log p(next token)`: the gradients an RL step
+//! builds its update from, with every advantage equal to 1).
+
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use anyhow::{Context, bail};
+use sluice_model::candle::DType;
+use sluice_model::{
+    ContiguousKvCache, ForwardOptions, InferenceModel, LoadOptions, LogitsWanted, PackedBatch,
+    StepInput, TrainableModel, load_checkpoint,
+};
+
+use crate::cli::ModelProbeArgs;
+
+/// Runs `sluice model probe`.
+pub fn run(args: &ModelProbeArgs) -> anyhow::Result<ExitCode> {
+    if args.tokens.len() < 2 {
+        bail!("--tokens: expected at least 2 token ids (the gradients score each next token)");
+    }
+    let device = sluice_model::device(args.device).context("--device")?;
+    let dtype = match args.dtype {
+        sluice_core::config::DType::F32 => DType::F32,
+        sluice_core::config::DType::Bf16 => DType::BF16,
+        sluice_core::config::DType::F16 => DType::F16,
+    };
+    let weights = Arc::new(
+        load_checkpoint(
+            &args.dir,
+            &LoadOptions {
+                dtype: Some(dtype),
+                device: device.clone(),
+            },
+        )
+        .with_context(|| format!("model {}", args.dir.display()))?,
+    );
+    let vocab = weights.config().vocab_size;
+    if let Some(t) = args.tokens.iter().find(|&&t| t as usize >= vocab) {
+        bail!("--tokens: id {t} is outside the vocabulary ({vocab})");
+    }
+
+    // The engine's path: prefill the prompt, logits of its last position.
+    let model = InferenceModel::new(Arc::clone(&weights))?;
+    let mut cache = ContiguousKvCache::new(model.config(), weights.dtype(), weights.device());
+    let logits = model.step(
+        &mut cache,
+        &[StepInput {
+            seq: 1,
+            tokens: &args.tokens,
+        }],
+        LogitsWanted::Last,
+    )?;
+    let logits: Vec<f32> = logits.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+
+    // The trainer's path: f32 master weights, loss −mean log p over every next token.
+    let trainable = TrainableModel::from_snapshot(&weights, DType::F32)?;
+    let batch = PackedBatch::from_rows(&[vec![&args.tokens[..]]], args.tokens.len(), 0)?;
+    let scores = trainable.token_scores(&batch, ForwardOptions::default())?;
+    let mask: Vec<f32> = batch
+        .target_mask
+        .iter()
+        .map(|&m| if m { 1.0 } else { 0.0 })
+        .collect();
+    let targets = mask.iter().sum::<f32>();
+    let mask = sluice_model::candle::Tensor::from_vec(mask, scores.logprobs.dims(), &device)?;
+    let loss = ((scores.logprobs.to_dtype(DType::F32)? * mask)?
+        .sum_all()?
+        .affine(-1.0 / f64::from(targets), 0.0))?;
+    let grads = loss.backward()?;
+    let mut grad_norms = serde_json::Map::new();
+    for (name, var) in trainable.vars() {
+        let norm = match grads.get(var.as_tensor()) {
+            Some(g) => g
+                .to_dtype(DType::F32)?
+                .sqr()?
+                .sum_all()?
+                .sqrt()?
+                .to_scalar::<f32>()?,
+            None => bail!("parameter {name} received no gradient"),
+        };
+        grad_norms.insert(name.clone(), serde_json::json!(norm));
+    }
+    let out = serde_json::json!({
+        "device": args.device.to_string(),
+        "dtype": format!("{dtype:?}").to_lowercase(),
+        "tokens": args.tokens,
+        "logits": logits,
+        "loss": loss.to_scalar::<f32>()?,
+        "grad_norms": grad_norms,
+    });
+    println!("{out}");
+    Ok(ExitCode::SUCCESS)
+}

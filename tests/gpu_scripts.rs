@@ -1,0 +1,160 @@
+//! The GPU scripts (`scripts/gpu-check`, `scripts/cuda-toolchain`, `scripts/gpu_check.py`) cannot
+//! run without a GPU or a network; these checks catch what can rot without one: they parse, every
+//! `sluice` subcommand and flag `gpu-check` calls exists, and the config keys it overrides load.
+
+use std::path::Path;
+use std::process::Command;
+
+fn script(name: &str) -> String {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("scripts")
+        .join(name)
+        .display()
+        .to_string()
+}
+
+#[test]
+fn the_shell_scripts_parse() {
+    for name in ["gpu-check", "cuda-toolchain"] {
+        let out = Command::new("bash")
+            .args(["-n", &script(name)])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{name}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
+#[test]
+fn the_python_helper_compiles() {
+    // `ast.parse` rather than py_compile: nothing is written into the source tree.
+    let out = Command::new("python3")
+        .args([
+            "-c",
+            "import ast, sys; ast.parse(open(sys.argv[1]).read(), sys.argv[1])",
+            &script("gpu_check.py"),
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Shell words of a line: `"..."` and `'...'` quoting, no expansion.
+fn words(line: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut word = String::new();
+    let mut quote = None;
+    let mut started = false;
+    for c in line.chars() {
+        match (quote, c) {
+            (Some(q), c) if c == q => quote = None,
+            (Some(_), c) => word.push(c),
+            (None, '"' | '\'') => {
+                quote = Some(c);
+                started = true;
+            }
+            (None, c) if c.is_whitespace() => {
+                if started || !word.is_empty() {
+                    out.push(std::mem::take(&mut word));
+                }
+                started = false;
+            }
+            (None, c) => word.push(c),
+        }
+    }
+    if started || !word.is_empty() {
+        out.push(word);
+    }
+    out
+}
+
+/// Every `"$bin" ...` call of gpu-check: (subcommand words, flags, `--set` values).
+fn calls() -> Vec<(Vec<String>, Vec<String>, Vec<String>)> {
+    let text = std::fs::read_to_string(script("gpu-check"))
+        .unwrap()
+        .replace("\\\n", " ");
+    let mut out = Vec::new();
+    for line in text.lines().filter(|l| !l.trim_start().starts_with('#')) {
+        let w = words(line);
+        let Some(i) = w.iter().position(|w| w == "$bin") else {
+            continue;
+        };
+        let rest: Vec<&String> = w[i + 1..]
+            .iter()
+            .take_while(|w| !matches!(w.as_str(), "|" | "||" | ">" | ";" | "&&" | "then"))
+            .filter(|w| !w.starts_with('>'))
+            .collect();
+        let sub_len = match rest.first().map(|s| s.as_str()) {
+            Some("model" | "bench") => 2,
+            Some(s) if s.starts_with("--") => 0,
+            _ => 1,
+        };
+        let sub: Vec<String> = rest.iter().take(sub_len).map(|s| (*s).clone()).collect();
+        let mut flags = Vec::new();
+        let mut sets = Vec::new();
+        let mut it = rest.iter().skip(sub_len);
+        while let Some(w) = it.next() {
+            if w.starts_with("--") {
+                flags.push((*w).clone());
+                if *w == "--set" {
+                    sets.push((*it.next().expect("a --set value")).clone());
+                }
+            }
+        }
+        out.push((sub, flags, sets));
+    }
+    out
+}
+
+#[test]
+fn gpu_check_calls_only_existing_subcommands_flags_and_keys() {
+    let calls = calls();
+    let subs: Vec<String> = calls.iter().map(|(s, _, _)| s.join(" ")).collect();
+    for expected in [
+        "model init",
+        "model probe",
+        "bench engine",
+        "bench trainer",
+        "run",
+    ] {
+        assert!(subs.iter().any(|s| s == expected), "{expected}: {subs:?}");
+    }
+    for (sub, flags, sets) in &calls {
+        let out = Command::new(env!("CARGO_BIN_EXE_sluice"))
+            .args(sub)
+            .arg("--help")
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "no subcommand `sluice {sub:?}`");
+        let help = String::from_utf8_lossy(&out.stdout);
+        for flag in flags {
+            assert!(
+                help.contains(flag.as_str()),
+                "`sluice {} {flag}` is not a flag",
+                sub.join(" ")
+            );
+        }
+        if sub.first().is_some_and(|s| s == "run") {
+            let overrides: Vec<sluice_core::config::Override> = sets
+                .iter()
+                .map(|s| {
+                    s.replace("$device", "cuda:0")
+                        .replace("$qs", "/tmp/gpu-check-qs")
+                        .parse()
+                        .unwrap_or_else(|e| panic!("--set {s}: {e}"))
+                })
+                .collect();
+            let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/quickstart.toml");
+            let text = std::fs::read_to_string(&path).unwrap();
+            sluice_core::config::parse(&text, "configs/quickstart.toml", &overrides, &|_| None)
+                .unwrap_or_else(|e| panic!("quickstart with {sets:?}: {e}"));
+        }
+    }
+}
