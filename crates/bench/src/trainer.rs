@@ -142,6 +142,7 @@ fn trainer_config(rows: usize, len: usize) -> NativeTrainerConfig {
             row_len: len,
             oversized: OversizedText::Split,
             pad_id: 0,
+            share_prompts: true,
         },
         optim: OptimConfig {
             learning_rate: 1e-5,
@@ -237,6 +238,8 @@ fn packing_mix(rows: usize, len: usize) -> (f64, f64, usize) {
         row_len: len,
         oversized: OversizedText::Split,
         pad_id: 0,
+        // The length mix measures the packer alone.
+        share_prompts: false,
     };
     let packing = pack(&texts, &config);
     let naive_rows: usize = lens.iter().map(|&(p, c)| (p + c - 1).div_ceil(len)).sum();

@@ -8,9 +8,16 @@ pub const PAD_SEGMENT: u32 = 0;
 
 /// A `(batch, seq_len)` micro-batch; every vector is row-major with `batch * seq_len` entries.
 ///
-/// Attention is allowed from slot `i` to slot `j` of the same row iff `j ≤ i` and both have the
-/// same segment id, so packed sequences never see each other. Positions restart at 0 for each
-/// sequence (RoPE sees each sequence as if it were alone).
+/// Attention is allowed from slot `i` to slot `j` of the same row iff `j ≤ i` and slot `j`'s
+/// segment is slot `i`'s own or the shared prefix slot `i` continues (`prefix_ids[i]`), so packed
+/// sequences never see each other. Positions count from the start of each sequence, a shared
+/// prefix included (RoPE sees each sequence as if it were alone).
+///
+/// A shared prefix is how one prompt serves several completions: the rollouts of a GRPO group
+/// share their prompt, which is packed once, followed by one segment per completion that sees the
+/// prompt's segment and itself, never its siblings. Every completion token then sees exactly the
+/// tokens it would see packed alone, at the same positions, so log-probs and gradients are those
+/// of the unshared packing while the prompt is computed once.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PackedBatch {
     /// Rows `B`.
@@ -23,6 +30,10 @@ pub struct PackedBatch {
     pub position_ids: Vec<u32>,
     /// Which sequence of the row each slot belongs to ([`PAD_SEGMENT`] for padding).
     pub segment_ids: Vec<u32>,
+    /// The segment of the row whose slots slot `i` also sees: the shared prefix its sequence
+    /// continues ([`PAD_SEGMENT`] for none). A prefix segment precedes its continuations in the
+    /// row and continues nothing itself.
+    pub prefix_ids: Vec<u32>,
     /// The token whose log-probability is scored at each slot (the next token of the same
     /// sequence; any valid id where `target_mask` is false).
     pub target_ids: Vec<u32>,
@@ -41,6 +52,7 @@ impl PackedBatch {
             input_ids: vec![pad_id; n],
             position_ids: vec![0; n],
             segment_ids: vec![PAD_SEGMENT; n],
+            prefix_ids: vec![PAD_SEGMENT; n],
             target_ids: vec![pad_id; n],
             target_mask: vec![false; n],
         };
@@ -78,6 +90,7 @@ impl PackedBatch {
             ("input_ids", self.input_ids.len()),
             ("position_ids", self.position_ids.len()),
             ("segment_ids", self.segment_ids.len()),
+            ("prefix_ids", self.prefix_ids.len()),
             ("target_ids", self.target_ids.len()),
             ("target_mask", self.target_mask.len()),
         ];
@@ -85,6 +98,19 @@ impl PackedBatch {
             if len != n {
                 return Err(ModelError::input(format!(
                     "{what} has {len} entries, batch*seq_len = {n}"
+                )));
+            }
+        }
+        for (i, &p) in self.prefix_ids.iter().enumerate() {
+            let (row, seg) = (i / self.seq_len, self.segment_ids[i]);
+            if p != PAD_SEGMENT && (seg == PAD_SEGMENT || p == seg) {
+                return Err(ModelError::input(format!(
+                    "slot {i} of row {row}: prefix segment {p} on {} slot",
+                    if seg == PAD_SEGMENT {
+                        "a padding"
+                    } else {
+                        "its own segment's"
+                    }
                 )));
             }
         }
@@ -101,17 +127,24 @@ impl PackedBatch {
         Ok(())
     }
 
+    /// Whether slot `i` of row `r` attends to slot `j` of the same row (see the type's docs).
+    pub fn sees(&self, r: usize, i: usize, j: usize) -> bool {
+        let at = r * self.seq_len;
+        let (seg, prefix) = (self.segment_ids[at + i], self.prefix_ids[at + i]);
+        let other = self.segment_ids[at + j];
+        j <= i && (other == seg || (prefix != PAD_SEGMENT && other == prefix))
+    }
+
     /// The additive attention mask `(B, L, L)`, 0 where attention is allowed and −∞ elsewhere.
     pub(crate) fn attention_mask(&self) -> Vec<f32> {
         let l = self.seq_len;
         let mut mask = vec![f32::NEG_INFINITY; self.batch * l * l];
         for r in 0..self.batch {
-            let seg = &self.segment_ids[r * l..(r + 1) * l];
             for i in 0..l {
                 let row = &mut mask[(r * l + i) * l..(r * l + i + 1) * l];
-                for j in 0..=i {
-                    if seg[j] == seg[i] {
-                        row[j] = 0.0;
+                for (j, m) in row.iter_mut().enumerate().take(i + 1) {
+                    if self.sees(r, i, j) {
+                        *m = 0.0;
                     }
                 }
             }
@@ -140,7 +173,35 @@ mod tests {
         assert!(!allowed(3, 2), "second sequence must not see the first");
         assert!(!allowed(0, 1), "causal");
         assert!(PackedBatch::from_rows(&[vec![&a[..], &b[..]]], 4, 0).is_err());
+        assert_eq!(batch.prefix_ids, [0; 6]);
         assert!(batch.validate(9).is_err());
         batch.validate(10).unwrap();
+    }
+
+    #[test]
+    fn a_continuation_sees_its_prefix_and_itself_but_not_its_sibling() {
+        // One prompt (segment 1) continued twice (segments 2 and 3).
+        let mut batch =
+            PackedBatch::from_rows(&[vec![&[1u32, 2][..], &[3, 4][..], &[5][..]]], 6, 0).unwrap();
+        batch.prefix_ids = vec![0, 0, 1, 1, 1, 0];
+        batch.validate(10).unwrap();
+        assert!(batch.sees(0, 2, 0) && batch.sees(0, 4, 1), "prefix seen");
+        assert!(
+            !batch.sees(0, 4, 2) && !batch.sees(0, 4, 3),
+            "sibling not seen"
+        );
+        assert!(
+            batch.sees(0, 3, 2) && !batch.sees(0, 2, 3),
+            "causal within a continuation"
+        );
+        assert!(!batch.sees(0, 1, 2), "a prefix sees nothing after it");
+        let m = batch.attention_mask();
+        assert_eq!(m[4 * 6..5 * 6].iter().filter(|&&x| x == 0.0).count(), 3);
+        batch.prefix_ids[5] = 1;
+        let err = batch.validate(10).unwrap_err().to_string();
+        assert!(
+            err.contains("slot 5 of row 0") && err.contains("padding"),
+            "{err}"
+        );
     }
 }

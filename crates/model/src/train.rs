@@ -226,7 +226,8 @@ impl TrainableModel {
         // (B, 1, 1, L, L) additive mask (broadcast over kv heads and the query heads of each
         // group) for the composition.
         let mask = if self.custom() {
-            let segments = Segments::new(b, l, &batch.segment_ids).ctx("segments")?;
+            let segments = Segments::with_prefixes(b, l, &batch.segment_ids, &batch.prefix_ids)
+                .ctx("segments")?;
             Mask::Segments(Arc::new(segments))
         } else {
             let mask = Tensor::from_vec(batch.attention_mask(), (b, 1, 1, l, l), &device)

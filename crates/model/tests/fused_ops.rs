@@ -226,10 +226,38 @@ fn segment_rows(batch: usize, len: usize, seed: usize) -> Vec<u32> {
         .collect()
 }
 
-/// The composition: dense additive mask from the segment ids, softmax over `(B, heads, L, L)`.
+/// Shared-prefix rows: a prompt (segment 1) continued by several segments that each see it, then
+/// a plain segment; prefix ids per slot (0 where a slot continues nothing).
+fn prefix_rows(batch: usize, len: usize, seed: usize) -> (Vec<u32>, Vec<u32>) {
+    let mut seg = vec![0u32; batch * len];
+    let mut prefix = vec![0u32; batch * len];
+    for r in 0..batch {
+        // Prompt of p slots, then branches of 1, 2, 3, … slots, the row's tail a plain segment.
+        let p = 1 + (r + seed) % 5;
+        let mut at = 0;
+        let mut id = 1;
+        while at < len {
+            let n = if id == 1 {
+                p
+            } else {
+                (id as usize - 1).min(len - at)
+            };
+            for i in at..(at + n).min(len) {
+                seg[r * len + i] = id;
+                prefix[r * len + i] = if id > 1 && id < 6 { 1 } else { 0 };
+            }
+            at += n;
+            id += 1;
+        }
+    }
+    (seg, prefix)
+}
+
+/// The composition: dense additive mask from the segment and prefix ids (`PackedBatch`'s rule),
+/// softmax over `(B, heads, L, L)`.
 fn attention_composed(
     t: &[Tensor],
-    seg: &[u32],
+    (seg, prefix): (&[u32], &[u32]),
     (b, l): (usize, usize),
     heads: AttentionHeads,
 ) -> candle_core::Result<Tensor> {
@@ -242,7 +270,8 @@ fn attention_composed(
     for r in 0..b {
         for i in 0..l {
             for j in 0..=i {
-                if seg[r * l + i] == seg[r * l + j] {
+                let (si, sj, pi) = (seg[r * l + i], seg[r * l + j], prefix[r * l + i]);
+                if si == sj || (pi != 0 && sj == pi) {
                     mask[(r * l + i) * l + j] = 0.0;
                 }
             }
@@ -287,19 +316,22 @@ fn packed_attention_matches_the_composition_and_finite_differences() {
                 kv_heads: kv,
                 head_dim: d,
             };
-            let seg = segment_rows(b, l, k);
-            let segments = Arc::new(Segments::new(b, l, &seg).unwrap());
-            let n = b * l;
-            let q = rand(&[n, h * d], 10, dtype);
-            let kk = rand(&[n, kv * d], 11, dtype);
-            let v = rand(&[n, kv * d], 12, dtype);
-            check(
-                "attention",
-                &[q, kk, v],
-                &|t| fused::attention(&t[0], &t[1], &t[2], &segments, heads),
-                &|t| attention_composed(t, &seg, (b, l), heads),
-                tolerance(dtype),
-            );
+            // Plain packed segments, then shared prefixes continued by several segments.
+            let plain = (segment_rows(b, l, k), vec![0; b * l]);
+            for (seg, prefix) in [plain, prefix_rows(b, l, k)] {
+                let segments = Arc::new(Segments::with_prefixes(b, l, &seg, &prefix).unwrap());
+                let n = b * l;
+                let q = rand(&[n, h * d], 10, dtype);
+                let kk = rand(&[n, kv * d], 11, dtype);
+                let v = rand(&[n, kv * d], 12, dtype);
+                check(
+                    "attention",
+                    &[q, kk, v],
+                    &|t| fused::attention(&t[0], &t[1], &t[2], &segments, heads),
+                    &|t| attention_composed(t, (&seg, &prefix), (b, l), heads),
+                    tolerance(dtype),
+                );
+            }
         }
     }
 }
@@ -316,6 +348,9 @@ fn bad_shapes_are_refused_with_the_op_named() {
     let err = fused::swiglu(&x, &rand(&[6, 4], 2, DType::F32)).unwrap_err();
     assert!(err.to_string().contains("swiglu"), "{err}");
     assert!(Segments::new(2, 3, &[1, 1, 1]).is_err());
+    // A prefix must start before the slot that continues it.
+    let err = Segments::with_prefixes(1, 3, &[1, 2, 2], &[0, 3, 3]).unwrap_err();
+    assert!(err.to_string().contains("continues segment 3"), "{err}");
 }
 
 fn batch() -> PackedBatch {

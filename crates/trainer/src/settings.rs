@@ -74,6 +74,7 @@ impl NativeTrainerConfig {
                 row_len: t.max_seq_len.get() as usize,
                 oversized: t.oversized_text,
                 pad_id: 0,
+                share_prompts: t.share_prompts,
             },
             // The schedule counts optimizer updates; the config counts training steps.
             optim: OptimConfig {

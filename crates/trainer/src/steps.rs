@@ -85,6 +85,7 @@ pub(crate) fn packed(mb: &MicroBatch) -> PackedBatch {
         input_ids: mb.input_ids.clone(),
         position_ids: mb.position_ids.clone(),
         segment_ids: mb.segment_ids.clone(),
+        prefix_ids: mb.prefix_ids.clone(),
         target_ids: mb.target_ids.clone(),
         target_mask: mb.target_mask.clone(),
     }

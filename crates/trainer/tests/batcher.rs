@@ -129,6 +129,7 @@ proptest! {
             row_len,
             oversized: if split { OversizedText::Split } else { OversizedText::Reject },
             pad_id: 999_999,
+            share_prompts: true,
         };
         let packing = pack(&texts, &config);
         let mut seen = BTreeMap::new();
@@ -180,6 +181,7 @@ fn short_texts_share_rows_and_efficiency_counts_padding() {
         row_len: 8,
         oversized: OversizedText::Reject,
         pad_id: 0,
+        share_prompts: true,
     };
     let packing = pack(&texts, &config);
     // Slots 5, 3, 2 → first fit decreasing: row 0 = [5, 3], row 1 = [2].
@@ -203,6 +205,7 @@ fn an_oversized_text_is_split_with_running_positions_or_rejected() {
         row_len: 6,
         oversized: OversizedText::Split,
         pad_id: 0,
+        share_prompts: true,
     };
     let packing = pack(&texts, &config);
     assert_eq!(
@@ -244,6 +247,7 @@ fn packing_is_deterministic() {
         row_len: 16,
         oversized: OversizedText::Split,
         pad_id: 0,
+        share_prompts: true,
     };
     assert_eq!(
         pack(&texts, &config).micro_batches,

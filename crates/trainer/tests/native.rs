@@ -37,6 +37,7 @@ fn config(lr: f64, rows: usize) -> NativeTrainerConfig {
             row_len: 16,
             oversized: OversizedText::Split,
             pad_id: 0,
+            share_prompts: true,
         },
         optim: OptimConfig {
             learning_rate: lr,
@@ -304,6 +305,43 @@ fn activation_checkpointing_takes_the_same_steps() {
     }
     // Adam divides by √v, so rounding-level gradient differences on near-zero entries move a
     // weight by a small share of the learning rate: allow 1 % of one step of lr 0.01.
+    for (pa, pb) in params(&a).iter().zip(params(&b)) {
+        for (x, y) in pa.iter().zip(pb) {
+            assert!((x - y).abs() <= 1e-4, "{x} vs {y}");
+        }
+    }
+}
+
+/// A group's prompt packed once (`share_prompts`, the default) trains like every rollout packed
+/// with its own copy: the same gradients and weights, over fewer slots.
+#[test]
+fn shared_prompts_take_the_same_steps() {
+    let mut shared = config(0.01, 2);
+    shared.minibatches = 2;
+    shared.loss.kind = LossKind::DecoupledPpo;
+    shared.loss.kl_coef = 0.1;
+    let mut alone = shared.clone();
+    alone.batcher.share_prompts = false;
+    let mut a = NativeTrainer::new(tiny(6), shared, None).unwrap();
+    let mut b = NativeTrainer::new(tiny(6), alone, None).unwrap();
+    for step in 0..2 {
+        let (sa, _) = a.rl_step(&fixed_batch()).unwrap();
+        let (sb, _) = b.rl_step(&fixed_batch()).unwrap();
+        assert_eq!(sa.trained_tokens, sb.trained_tokens);
+        assert!(
+            sa.processed_tokens < sb.processed_tokens,
+            "step {step}: {} slots shared vs {} alone",
+            sa.processed_tokens,
+            sb.processed_tokens
+        );
+        let (ga, gb) = (sa.optim.unwrap().grad_norm, sb.optim.unwrap().grad_norm);
+        assert!(ga > 0.0, "step {step}: no gradient");
+        assert!(
+            (ga - gb).abs() <= 1e-5 * ga.max(1.0),
+            "step {step}: {ga} vs {gb}"
+        );
+        assert!((sa.loss.loss - sb.loss.loss).abs() <= 1e-5 * sa.loss.loss.abs().max(1.0));
+    }
     for (pa, pb) in params(&a).iter().zip(params(&b)) {
         for (x, y) in pa.iter().zip(pb) {
             assert!((x - y).abs() <= 1e-4, "{x} vs {y}");

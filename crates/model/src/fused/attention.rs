@@ -20,34 +20,48 @@ use rayon::prelude::*;
 use super::{Real, cpu_slice, storage_slice, tensor};
 
 /// The packing of one batch, built once and shared by every layer: for each slot the first slot
-/// of the row its query may see.
+/// of the row its query may see (its shared prefix's first slot when it continues one).
 #[derive(Debug, Clone)]
 pub struct Segments {
     batch: usize,
     len: usize,
     ids: Vec<u32>,
+    /// Per slot, the segment it also sees ([`crate::batch::PAD_SEGMENT`] for none).
+    prefixes: Vec<u32>,
     first: Vec<u32>,
-    /// Every segment is one run of slots (always so for [`crate::PackedBatch::from_rows`]); if
-    /// not, keys inside `[first, i]` are checked one by one.
+    /// Every segment is one run of slots and none continues a prefix (always so for
+    /// [`crate::PackedBatch::from_rows`]); if not, keys inside `[first, i]` are checked one by one.
     runs: bool,
 }
 
 impl Segments {
-    /// From the `(batch, len)` row-major segment ids of a packed batch.
+    /// From the `(batch, len)` row-major segment ids of a packed batch without shared prefixes.
     pub fn new(batch: usize, len: usize, segment_ids: &[u32]) -> Result<Self> {
-        if segment_ids.len() != batch * len || len == 0 {
+        Self::with_prefixes(batch, len, segment_ids, &vec![0; segment_ids.len()])
+    }
+
+    /// From the segment ids and prefix ids of a packed batch ([`crate::PackedBatch`]): a slot
+    /// also sees the earlier slots of its prefix segment, which must start before it.
+    pub fn with_prefixes(
+        batch: usize,
+        len: usize,
+        segment_ids: &[u32],
+        prefix_ids: &[u32],
+    ) -> Result<Self> {
+        if segment_ids.len() != batch * len || prefix_ids.len() != segment_ids.len() || len == 0 {
             candle_core::bail!(
-                "segments: {} ids for {batch} rows of {len}",
-                segment_ids.len()
+                "segments: {} ids and {} prefix ids for {batch} rows of {len}",
+                segment_ids.len(),
+                prefix_ids.len()
             )
         }
         let mut first = vec![0u32; batch * len];
-        let mut runs = true;
+        let mut runs = prefix_ids.iter().all(|&p| p == 0);
         for r in 0..batch {
             let row = &segment_ids[r * len..(r + 1) * len];
             let mut seen: Vec<(u32, u32)> = Vec::new();
             for (i, &s) in row.iter().enumerate() {
-                let f = match seen.iter().find(|(id, _)| *id == s) {
+                let mut f = match seen.iter().find(|(id, _)| *id == s) {
                     Some(&(_, f)) => {
                         if i > 0 && row[i - 1] != s {
                             runs = false;
@@ -59,6 +73,16 @@ impl Segments {
                         i as u32
                     }
                 };
+                let p = prefix_ids[r * len + i];
+                if p != 0 {
+                    match seen.iter().find(|(id, _)| *id == p && *id != s) {
+                        Some(&(_, pf)) => f = f.min(pf),
+                        None => candle_core::bail!(
+                            "segments: slot {i} of row {r} continues segment {p}, which does not \
+                             start before it"
+                        ),
+                    }
+                }
                 first[r * len + i] = f;
             }
         }
@@ -66,13 +90,19 @@ impl Segments {
             batch,
             len,
             ids: segment_ids.to_vec(),
+            prefixes: prefix_ids.to_vec(),
             first,
             runs,
         })
     }
 
     fn allowed(&self, row: usize, i: usize, j: usize) -> bool {
-        self.runs || self.ids[row * self.len + i] == self.ids[row * self.len + j]
+        if self.runs {
+            return true;
+        }
+        let (at_i, at_j) = (row * self.len + i, row * self.len + j);
+        let other = self.ids[at_j];
+        other == self.ids[at_i] || (self.prefixes[at_i] != 0 && other == self.prefixes[at_i])
     }
 }
 

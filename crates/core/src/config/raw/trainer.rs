@@ -61,6 +61,8 @@ pub struct RawTrainer {
     pub threads: i64,
     /// Keep only each layer's input in the forward and recompute the rest in the backward.
     pub activation_checkpointing: bool,
+    /// Pack a prompt once for all the completions that continue it (a group's rollouts).
+    pub share_prompts: bool,
     /// `[trainer.simulated]`: the step-time model of the simulated trainer.
     pub simulated: RawSimTrainer,
 }
@@ -117,6 +119,7 @@ impl Default for RawTrainer {
             oversized_text: "split".into(),
             threads: 0,
             activation_checkpointing: false,
+            share_prompts: true,
             simulated: RawSimTrainer::default(),
         }
     }

@@ -112,6 +112,8 @@ pub struct TrainerConfig {
     pub threads: u32,
     /// Recompute each layer's activations in the backward instead of keeping them.
     pub activation_checkpointing: bool,
+    /// Pack each prompt once for the completions that share it (same log-probs and gradients).
+    pub share_prompts: bool,
     /// Advantage baseline.
     pub advantage: AdvantageKind,
     /// Divide by group std.

@@ -121,6 +121,7 @@ pub(super) fn validate_trainer(
         minibatches: non_zero_u32(ctx, "trainer.minibatches", raw.minibatches.unwrap_or(1))?,
         threads: u32_incl_zero(ctx, "trainer.threads", raw.threads)?,
         activation_checkpointing: raw.activation_checkpointing,
+        share_prompts: raw.share_prompts,
         advantage: choice(
             ctx,
             "trainer.advantage",
