@@ -77,7 +77,7 @@ impl TrainingText<'_> {
 /// One packed `(B, L)` micro-batch; every vector is row-major with `B · L` entries.
 #[derive(Debug, Clone, PartialEq)]
 pub struct MicroBatch {
-    /// Rows `B`.
+    /// Rows: at most `B`, the rows holding tokens (trailing empty rows are left out).
     pub rows: usize,
     /// Slots per row `L`.
     pub row_len: usize,
@@ -419,7 +419,10 @@ fn materialize(
     texts: &[TrainingText<'_>],
     config: &BatcherConfig,
 ) -> MicroBatch {
-    let mut mb = MicroBatch::empty(config.rows, config.row_len, config.pad_id);
+    // Rows fill in order: trailing rows that would hold only padding are left out (a step's
+    // last micro-batch is seldom full, and every row costs a full row of compute).
+    let used = rows.iter().rposition(|r| !r.is_empty()).map_or(1, |r| r + 1);
+    let mut mb = MicroBatch::empty(used, config.row_len, config.pad_id);
     for (r, row) in rows.iter().enumerate() {
         let mut at = r * config.row_len;
         let mut prefix = 0;

@@ -134,7 +134,10 @@ proptest! {
         let packing = pack(&texts, &config);
         let mut seen = BTreeMap::new();
         for mb in &packing.micro_batches {
-            prop_assert_eq!(mb.input_ids.len(), rows * row_len);
+            prop_assert!(mb.rows >= 1 && mb.rows <= rows);
+            prop_assert_eq!(mb.input_ids.len(), mb.rows * row_len);
+            // Only trailing padding rows are left out: the last row holds a token.
+            prop_assert!(mb.segment_ids[(mb.rows - 1) * row_len..].iter().any(|&s| s != 0));
             check_micro_batch(mb, &texts, &mut seen);
         }
         let mut rejected = 0;

@@ -226,6 +226,8 @@ fn accumulating_micro_batches_equals_one_large_micro_batch() {
         let mut one = config(0.01, 8);
         one.loss.kind = kind;
         one.aggregation = LossAggregation::SequenceMean;
+        // Each text its own slots (a shared prompt would pack a group into one row).
+        one.batcher.share_prompts = false;
         let mut many = one.clone();
         many.batcher.rows = 1;
         let mut a = NativeTrainer::new(tiny(4), one, None).unwrap();
@@ -255,6 +257,7 @@ fn data_parallel_micro_batches_take_the_serial_steps_bit_for_bit() {
     let run = |threads: usize| {
         let mut c = config(0.01, 1);
         c.threads = threads;
+        c.batcher.share_prompts = false;
         c.loss.kind = LossKind::DecoupledPpo;
         c.minibatches = 2;
         let mut t = NativeTrainer::new(tiny(8), c, None).unwrap();
