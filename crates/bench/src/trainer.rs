@@ -7,12 +7,16 @@
 //! paid once per `B · L` tokens, as in a run whose global batch is one micro-batch. Each shape
 //! also prints where its steps went (the trainer's own [`StepParts`] clock) and the process's
 //! peak resident memory while it ran (Linux: `VmHWM`, reset per shape).
+//!
+//! With the tiny preset it also times the quickstart's own step (32 GRPO groups of 8 rollouts
+//! of one 23-token prompt each, two updates) with the group's prompt packed once and with every
+//! rollout packed alone (`trainer.share_prompts`), the two in turn, and prints their ratio.
 
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
 
-use sluice_core::config::{AdvantageKind, LossAggregation, ModelPreset, OversizedText};
+use sluice_core::config::{AdvantageKind, LossAggregation, LossKind, ModelPreset, OversizedText};
 use sluice_core::{
     DataSample, GroupId, NodeId, PolicyVersion, RolloutGroup, RolloutStatus, RolloutTurn, RunId,
 };
@@ -60,7 +64,7 @@ pub fn run(args: &BenchTrainerArgs) -> anyhow::Result<ExitCode> {
         args.presets.clone()
     };
     let mut result = Vec::new();
-    for preset in presets {
+    for &preset in &presets {
         let name = format!("{preset:?}").to_lowercase();
         let (default_shapes, steps) = default_plan(preset);
         let shapes = if args.shapes.is_empty() {
@@ -112,6 +116,19 @@ pub fn run(args: &BenchTrainerArgs) -> anyhow::Result<ExitCode> {
             println!("      {}", shares.join("  "));
             result.push(format!("{name}_b{rows}_l{len}_tok_s={tok_s:.0}"));
         }
+    }
+    if presets.contains(&ModelPreset::Tiny) && args.device == sluice_core::config::Device::Cpu {
+        let (shared, alone) = quickstart_step()?;
+        println!(
+            "\nquickstart step (tiny, 32 groups of 8 rollouts, 23-token prompts, 6-token answers, 2 updates):\n  prompts shared {:.3} s/step   each rollout alone {:.3} s/step   speed-up {:.2}x",
+            shared,
+            alone,
+            alone / shared
+        );
+        result.push(format!(
+            "quickstart_step_shared_s={shared:.4} quickstart_step_alone_s={alone:.4} share_speedup={:.2}",
+            alone / shared
+        ));
     }
     println!(
         "\npacking, 512 texts: prompts uniform 64..512, completions lognormal (median 400, sigma 1) capped at 8192"
@@ -192,6 +209,80 @@ fn filled_group(rows: usize, len: usize, vocab: u32) -> anyhow::Result<RolloutGr
                 &vec![PolicyVersion::INITIAL; n],
             )?;
         }
+        rollout.turns.push(turn);
+        rollout.status = RolloutStatus::Completed;
+        rollout.reward = (r % 2) as f64;
+    }
+    Ok(group)
+}
+
+/// Seconds per RL step of the quickstart's shape with shared prompts and with every rollout
+/// packed alone (`trainer.share_prompts`), the two trainers stepping in turn so the machine's
+/// load falls on both alike. Same settings as `configs/quickstart.toml`'s trainer.
+fn quickstart_step() -> anyhow::Result<(f64, f64)> {
+    const STEPS: usize = 6;
+    let config = Arc::new(preset_config(ModelPreset::Tiny));
+    let vocab = config.vocab_size as u32;
+    let snapshot = Arc::new(random_snapshot(config, 0, DType::F32, &Device::Cpu)?);
+    let groups: Vec<RolloutGroup> = (0..32)
+        .map(|g| prompt_group(g, 23, 6, vocab))
+        .collect::<anyhow::Result<_>>()?;
+    let mut trainers = [true, false].map(|share| {
+        let mut settings = trainer_config(8, 128);
+        settings.batcher.share_prompts = share;
+        settings.minibatches = 2;
+        settings.loss.kind = LossKind::DecoupledPpo;
+        settings.threads = 2; // as configs/quickstart.toml
+        NativeTrainer::new(Arc::clone(&snapshot), settings, None)
+    });
+    let mut seconds = [0.0f64; 2];
+    for step in 0..=STEPS {
+        for (k, trainer) in trainers.iter_mut().enumerate() {
+            let trainer = trainer.as_mut().map_err(|e| anyhow::anyhow!("{e}"))?;
+            let start = Instant::now();
+            trainer.rl_step(&groups)?;
+            // The first step of each warms up (allocator, pools): not timed.
+            if step > 0 {
+                seconds[k] += start.elapsed().as_secs_f64();
+            }
+        }
+    }
+    Ok((seconds[0] / STEPS as f64, seconds[1] / STEPS as f64))
+}
+
+/// A GRPO group: `G = 8` rollouts of one `prompt`-token prompt with `answer`-token completions
+/// of their own, rewards alternating.
+fn prompt_group(
+    g: usize,
+    prompt: usize,
+    answer: usize,
+    vocab: u32,
+) -> anyhow::Result<RolloutGroup> {
+    let id = GroupId {
+        run: RunId::from_name("bench"),
+        node: NodeId(0),
+        counter: g as u64,
+    };
+    let sample = DataSample {
+        id: g.to_string(),
+        domain: "bench".into(),
+        dataset: "synthetic".into(),
+        input: serde_json::Value::Null,
+        system_prompt: None,
+    };
+    let mut group = RolloutGroup::new(id, sample, 8, PolicyVersion::INITIAL);
+    let tok = |i: usize| (i as u32 * 2_654_435_761u32 >> 7) % vocab;
+    let prompt_ids: Vec<u32> = (0..prompt).map(|i| tok(g * 1000 + i)).collect();
+    for (r, rollout) in group.rollouts.iter_mut().enumerate() {
+        let mut turn = RolloutTurn::new(prompt_ids.clone());
+        let completion: Vec<u32> = (0..answer)
+            .map(|i| tok(g * 1000 + r * 100 + 50 + i))
+            .collect();
+        turn.append_tokens(
+            &completion,
+            &vec![-2.0; answer],
+            &vec![PolicyVersion::INITIAL; answer],
+        )?;
         rollout.turns.push(turn);
         rollout.status = RolloutStatus::Completed;
         rollout.reward = (r % 2) as f64;

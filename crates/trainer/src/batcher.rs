@@ -421,7 +421,10 @@ fn materialize(
 ) -> MicroBatch {
     // Rows fill in order: trailing rows that would hold only padding are left out (a step's
     // last micro-batch is seldom full, and every row costs a full row of compute).
-    let used = rows.iter().rposition(|r| !r.is_empty()).map_or(1, |r| r + 1);
+    let used = rows
+        .iter()
+        .rposition(|r| !r.is_empty())
+        .map_or(1, |r| r + 1);
     let mut mb = MicroBatch::empty(used, config.row_len, config.pad_id);
     for (r, row) in rows.iter().enumerate() {
         let mut at = r * config.row_len;
