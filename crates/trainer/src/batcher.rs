@@ -20,12 +20,13 @@
 //! ([`MicroBatch::prefix_ids`]). Every loss slot then sees exactly the tokens, at the positions,
 //! it would see packed alone, so log-probs and gradients are unchanged while a group of `G`
 //! texts costs `p − 1 + Σ c_i` slots instead of `Σ (p + c_i − 1)`: 70 instead of 224 for the
-//! quickstart's 23-token prompts and 6-token answers. A shared block stays in one row (as
-//! many blocks as the row length needs, each with its own copy of the prompt); split texts never
-//! share.
+//! quickstart's 23-token prompts and 6-token answers. A shared block lies in one row; a family
+//! that does not fit the room left in a row is split there, each part with its own copy of the
+//! prompt. Split texts never share.
 //!
-//! Packing is first-fit decreasing over units (a text, or a shared block; ties in input order):
-//! deterministic for a given input, which exact resumption relies on.
+//! Packing is first-fit decreasing over the texts that do not share (ties in input order), then
+//! first fit of each family of shared prompts (in order of first appearance), split where a row
+//! fills: deterministic for a given input, which exact resumption relies on.
 
 use sluice_core::config::OversizedText;
 
@@ -266,56 +267,74 @@ fn pieces(i: usize, text: &TrainingText<'_>, config: &BatcherConfig) -> Option<V
     (out.len() <= config.rows).then_some(out)
 }
 
-/// Units of the texts (indices into `texts`, each fitting a row whole) grouped by equal prompts:
-/// per prompt, in order of first appearance, chunks of a prefix piece (the prompt's first `p − 1`
-/// slots) followed by the continuations that fit one row with it, each chunk a unit of its own.
-/// A text left alone in a chunk stays a plain piece.
-fn shared_units(texts: &[TrainingText<'_>], whole: &[usize], row_len: usize) -> Vec<Vec<Chunk>> {
+/// The texts (indices into `texts`, each fitting a row whole) grouped by equal prompts, in order
+/// of first appearance.
+fn families(texts: &[TrainingText<'_>], whole: &[usize]) -> Vec<Vec<usize>> {
     let mut by_prompt: std::collections::HashMap<&[u32], usize> = Default::default();
-    let mut families: Vec<Vec<usize>> = Vec::new();
+    let mut out: Vec<Vec<usize>> = Vec::new();
     for &i in whole {
         let k = *by_prompt.entry(texts[i].prompt).or_insert_with(|| {
-            families.push(Vec::new());
-            families.len() - 1
+            out.push(Vec::new());
+            out.len() - 1
         });
-        families[k].push(i);
+        out[k].push(i);
     }
-    let mut units: Vec<Vec<Chunk>> = Vec::new();
-    let mut close = |open: &mut Chunk| match open.len() {
-        0 => {}
-        // A prefix with one continuation: the text alone.
-        2 => {
-            units.push(vec![vec![Piece::alone(open[1].text, 0, open[1].end)]]);
-            open.clear();
-        }
-        _ => units.push(vec![std::mem::take(open)]),
+    out
+}
+
+/// Places a family of texts sharing one prompt: first fit, splitting the family where a row is
+/// full, so rows left part-empty by the other units fill up. Each row's share is a chunk of a
+/// prefix piece (the prompt's first `p − 1` slots) and its continuations, or a text alone when
+/// only one fits.
+fn place_family(
+    family: &[usize],
+    texts: &[TrainingText<'_>],
+    config: &BatcherConfig,
+    free: &mut Vec<Vec<usize>>,
+    placed: &mut Vec<Vec<Vec<Piece>>>,
+) {
+    let shared = texts[family[0]].prompt.len() - 1;
+    let continuation = |i: usize| Piece {
+        text: i,
+        start: shared,
+        end: texts[i].len() - 1,
+        kind: PieceKind::Continues,
     };
-    for family in families {
-        let shared = texts[family[0]].prompt.len() - 1;
-        let mut open: Chunk = Vec::new();
-        for i in family {
-            let piece = Piece {
-                text: i,
-                start: shared,
-                end: texts[i].len() - 1,
-                kind: PieceKind::Continues,
-            };
-            if !open.is_empty() && chunk_len(&open) + piece.len() > row_len {
-                close(&mut open);
-            }
-            if open.is_empty() {
-                open.push(Piece {
-                    text: i,
-                    start: 0,
-                    end: shared,
-                    kind: PieceKind::Prefix,
-                });
-            }
-            open.push(piece);
+    let mut rest = family;
+    while let Some(&first) = rest.first() {
+        let need = shared + continuation(first).len();
+        let found = free
+            .iter()
+            .enumerate()
+            .find_map(|(m, rows)| rows.iter().position(|&f| f >= need).map(|r| (m, r)));
+        let (m, r) = found.unwrap_or_else(|| {
+            free.push(vec![config.row_len; config.rows]);
+            placed.push(vec![Vec::new(); config.rows]);
+            (free.len() - 1, 0)
+        });
+        let mut used = shared;
+        let mut take = 0;
+        while take < rest.len() && used + continuation(rest[take]).len() <= free[m][r] {
+            used += continuation(rest[take]).len();
+            take += 1;
         }
-        close(&mut open);
+        let chunk: Chunk = if take == 1 {
+            vec![Piece::alone(first, 0, continuation(first).end)]
+        } else {
+            let prefix = Piece {
+                text: first,
+                start: 0,
+                end: shared,
+                kind: PieceKind::Prefix,
+            };
+            std::iter::once(prefix)
+                .chain(rest[..take].iter().map(|&i| continuation(i)))
+                .collect()
+        };
+        free[m][r] -= used;
+        placed[m][r].extend(chunk);
+        rest = &rest[take..];
     }
-    units
 }
 
 /// Packs `texts` into micro-batches (see the module docs).
@@ -354,10 +373,8 @@ pub fn pack(texts: &[TrainingText<'_>], config: &BatcherConfig) -> Packing {
             }
         }
     }
-    units.extend(shared_units(texts, &whole, config.row_len));
-    // First-fit decreasing; ties keep the order of each unit's first text.
-    let first_text = |u: &Vec<Chunk>| u[0][0].text;
-    units.sort_by_key(|u| first_text(u));
+    // First-fit decreasing over the units that cannot be split (ties in input order), then the
+    // families of shared prompts fill what is left.
     let size = |u: &Vec<Chunk>| u.iter().map(chunk_len).sum::<usize>();
     units.sort_by_key(|u| std::cmp::Reverse(size(u)));
 
@@ -396,6 +413,10 @@ pub fn pack(texts: &[TrainingText<'_>], config: &BatcherConfig) -> Packing {
             free[mb][r] -= chunk_len(&chunk);
             placed[mb][r].extend(chunk);
         }
+    }
+
+    for family in families(texts, &whole) {
+        place_family(&family, texts, config, &mut free, &mut placed);
     }
 
     let micro_batches: Vec<MicroBatch> = placed
