@@ -227,19 +227,19 @@ fn quickstart_step() -> anyhow::Result<(f64, f64)> {
     let groups: Vec<RolloutGroup> = (0..32)
         .map(|g| prompt_group(g, 23, 6, vocab))
         .collect::<anyhow::Result<_>>()?;
-    let mut trainers = [true, false].map(|share| {
+    let mut trainers = Vec::new();
+    for share in [true, false] {
         let mut settings = trainer_config(16, 128);
         settings.batcher.share_prompts = share;
         settings.minibatches = 2;
         settings.loss.kind = LossKind::DecoupledPpo;
         // One thread: the compute a step costs (in a run the engine has the other core).
         settings.threads = 1;
-        NativeTrainer::new(Arc::clone(&snapshot), settings, None)
-    });
+        trainers.push(NativeTrainer::new(Arc::clone(&snapshot), settings, None)?);
+    }
     let mut seconds = [0.0f64; 2];
     for step in 0..=STEPS {
         for (k, trainer) in trainers.iter_mut().enumerate() {
-            let trainer = trainer.as_mut().map_err(|e| anyhow::anyhow!("{e}"))?;
             let start = Instant::now();
             trainer.rl_step(&groups)?;
             // The first step of each warms up (allocator, pools): not timed.
@@ -272,7 +272,7 @@ fn prompt_group(
         system_prompt: None,
     };
     let mut group = RolloutGroup::new(id, sample, 8, PolicyVersion::INITIAL);
-    let tok = |i: usize| (i as u32 * 2_654_435_761u32 >> 7) % vocab;
+    let tok = |i: usize| ((i as u32).wrapping_mul(2_654_435_761) >> 7) % vocab;
     let prompt_ids: Vec<u32> = (0..prompt).map(|i| tok(g * 1000 + i)).collect();
     for (r, rollout) in group.rollouts.iter_mut().enumerate() {
         let mut turn = RolloutTurn::new(prompt_ids.clone());
