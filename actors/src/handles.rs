@@ -83,6 +83,13 @@ pub struct NodeHandles {
     pub(crate) checkpoint_dir: Option<CheckpointDir>,
     /// One checkpoint at a time; holds the newest manifest.
     pub(crate) last_checkpoint: Arc<tokio::sync::Mutex<Option<Manifest>>>,
+    /// The newest manifest as the status shows it: read without waiting for a checkpoint being
+    /// written (which may itself wait for the run log, whose monitor reads the status).
+    pub(crate) shown_checkpoint: Arc<std::sync::Mutex<Option<Manifest>>>,
+    /// The last step the run's metrics log holds, while a run monitor writes one (`None`
+    /// otherwise): a periodic checkpoint waits for the log to hold its steps, so that a
+    /// `kill -9` after it never leaves a trained, checkpointed step out of the log.
+    pub(crate) logged_steps: Arc<tokio::sync::watch::Sender<Option<u64>>>,
     /// The newest evaluation of the run's weights (held by whoever evaluates: the run monitor).
     pub(crate) evaluation: Arc<std::sync::Mutex<Option<EvalStatus>>>,
 }
@@ -116,6 +123,11 @@ impl NodeHandles {
         *self.evaluation.lock().unwrap_or_else(|p| p.into_inner()) = Some(evaluation);
     }
 
+    /// A run monitor's log now holds steps up to `step` (`None`: no monitor logs any more).
+    pub fn record_logged(&self, step: Option<u64>) {
+        self.logged_steps.send_replace(step);
+    }
+
     /// The newest evaluation recorded, if any.
     pub fn evaluation(&self) -> Option<EvalStatus> {
         self.evaluation
@@ -136,7 +148,11 @@ impl NodeHandles {
             engines: self.engine.stats().await?,
             engine_health: self.engine.health().await?,
             engine_failure: self.engine.failure().await?,
-            checkpoint: self.last_checkpoint.lock().await.clone(),
+            checkpoint: self
+                .shown_checkpoint
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone(),
         })
     }
 }

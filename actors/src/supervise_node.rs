@@ -157,6 +157,9 @@ pub async fn checkpoint(h: &NodeHandles, reason: &str) -> Result<Manifest, Check
     let begin = dir.clone();
     let staging = blocking(move || begin.begin()).await?;
     let mark = h.trainer.checkpoint(staging.join(TRAINER_DIR)).await?;
+    if reason == "periodic" {
+        wait_for_log(h, mark.steps).await;
+    }
     let counters = h
         .replay
         .flush()
@@ -198,7 +201,26 @@ pub async fn checkpoint(h: &NodeHandles, reason: &str) -> Result<Manifest, Check
         "checkpoint written"
     );
     *last = Some(manifest.clone());
+    *h.shown_checkpoint.lock().unwrap_or_else(|p| p.into_inner()) = Some(manifest.clone());
     Ok(manifest)
+}
+
+/// The longest a periodic checkpoint waits for the run log (an evaluation of a large model on
+/// its step can take this long); past it, the checkpoint is written anyway, with a warning.
+const LOG_WAIT: std::time::Duration = std::time::Duration::from_secs(600);
+
+/// Waits until the run monitor's log holds `steps` (the trainer may be a step or more ahead of
+/// the log while the monitor evaluates), or no monitor logs any more.
+async fn wait_for_log(h: &NodeHandles, steps: u64) {
+    let mut logged = h.logged_steps.subscribe();
+    let caught_up = logged.wait_for(|l| l.is_none_or(|s| s >= steps));
+    if tokio::time::timeout(LOG_WAIT, caught_up).await.is_err() {
+        tracing::warn!(
+            steps,
+            logged = ?*h.logged_steps.borrow(),
+            "checkpoint written before the run log caught up with it"
+        );
+    }
 }
 
 async fn blocking<T: Send + 'static>(

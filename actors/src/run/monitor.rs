@@ -177,12 +177,22 @@ impl RunMonitor {
     ) -> Result<RunEnd, ActorError> {
         let mut events = node.handles.events.subscribe();
         let mut evaluated = false;
+        // While this watch runs, periodic checkpoints wait for the log to hold their steps.
+        struct Logging<'a>(&'a Node);
+        impl Drop for Logging<'_> {
+            fn drop(&mut self) {
+                self.0.handles.record_logged(None);
+            }
+        }
+        node.handles.record_logged(Some(self.steps));
+        let _logging = Logging(node);
         // A closed feed (the trainer's thread ended) is read from the status, as every end is.
         let mut feed_open = true;
         loop {
             events.borrow_and_update();
             while let Ok(step) = self.feed.try_recv() {
                 evaluated |= self.record(step).await?;
+                node.handles.record_logged(Some(self.steps));
             }
             self.publish(node);
             if let Some((step, wall_s)) = self.reached_target_at {
@@ -205,6 +215,7 @@ impl RunMonitor {
                 step = self.feed.recv(), if feed_open => match step {
                     Some(step) => {
                         evaluated = self.record(step).await?;
+                        node.handles.record_logged(Some(self.steps));
                         self.publish(node);
                     }
                     None => feed_open = false,
