@@ -4,21 +4,17 @@
 
 use std::collections::BTreeMap;
 
+mod common;
+
+use common::{OwnedText, text_views};
 use proptest::prelude::*;
 use sluice_core::config::OversizedText;
 use sluice_trainer::batcher::{BatcherConfig, MicroBatch, TrainingText, pack};
 
-struct Owned {
-    prompt: Vec<u32>,
-    completion: Vec<u32>,
-    behaviour: Vec<f32>,
-    versions: Vec<u64>,
-}
-
-fn text_tokens(i: usize, prompt_len: usize, completion_len: usize) -> Owned {
+fn text_tokens(i: usize, prompt_len: usize, completion_len: usize) -> OwnedText {
     // Token ids encode (text, position) so the checks can recognise every token.
     let tok = |j: usize| (i * 1000 + j) as u32;
-    Owned {
+    OwnedText {
         prompt: (0..prompt_len).map(tok).collect(),
         completion: (prompt_len..prompt_len + completion_len).map(tok).collect(),
         behaviour: (0..completion_len)
@@ -26,20 +22,6 @@ fn text_tokens(i: usize, prompt_len: usize, completion_len: usize) -> Owned {
             .collect(),
         versions: (0..completion_len).map(|c| (i + c) as u64 % 3).collect(),
     }
-}
-
-fn view(o: &[Owned]) -> Vec<TrainingText<'_>> {
-    o.iter()
-        .enumerate()
-        .map(|(i, t)| TrainingText {
-            prompt: &t.prompt,
-            completion: &t.completion,
-            behaviour: &t.behaviour,
-            versions: &t.versions,
-            advantage: i as f32 - 0.5,
-            weight: 1.0 / (i as f32 + 1.0),
-        })
-        .collect()
 }
 
 /// Checks one micro-batch's structure and returns, per text, the completion indices scored.
@@ -122,8 +104,8 @@ proptest! {
         row_len in 8usize..48,
         split in any::<bool>(),
     ) {
-        let owned: Vec<Owned> = lens.iter().enumerate().map(|(i, &(p, c))| text_tokens(i, p, c)).collect();
-        let texts = view(&owned);
+        let owned: Vec<OwnedText> = lens.iter().enumerate().map(|(i, &(p, c))| text_tokens(i, p, c)).collect();
+        let texts = text_views(&owned);
         let config = BatcherConfig {
             rows,
             row_len,
@@ -178,7 +160,7 @@ fn short_texts_share_rows_and_efficiency_counts_padding() {
         text_tokens(1, 2, 2),
         text_tokens(2, 2, 1),
     ];
-    let texts = view(&owned);
+    let texts = text_views(&owned);
     let config = BatcherConfig {
         rows: 2,
         row_len: 8,
@@ -202,7 +184,7 @@ fn short_texts_share_rows_and_efficiency_counts_padding() {
 fn an_oversized_text_is_split_with_running_positions_or_rejected() {
     // 4 prompt + 12 completion tokens = 15 slots; rows of 6 → pieces [0,6), [6,12), [12,15).
     let owned = vec![text_tokens(0, 4, 12)];
-    let texts = view(&owned);
+    let texts = text_views(&owned);
     let mut config = BatcherConfig {
         rows: 4,
         row_len: 6,
@@ -220,7 +202,7 @@ fn an_oversized_text_is_split_with_running_positions_or_rejected() {
     assert_eq!(&mb.position_ids[12..15], &[12, 13, 14]);
     // A long prompt's leading piece scores no completion token and is left out.
     let long_prompt = vec![text_tokens(0, 14, 2)];
-    let lp = view(&long_prompt);
+    let lp = text_views(&long_prompt);
     let packing = pack(&lp, &config);
     assert_eq!(
         packing.stats.used_slots, 3,
@@ -241,10 +223,10 @@ fn an_oversized_text_is_split_with_running_positions_or_rejected() {
 
 #[test]
 fn packing_is_deterministic() {
-    let owned: Vec<Owned> = (0..20)
+    let owned: Vec<OwnedText> = (0..20)
         .map(|i| text_tokens(i, 1 + i % 7, 1 + (i * 5) % 11))
         .collect();
-    let texts = view(&owned);
+    let texts = text_views(&owned);
     let config = BatcherConfig {
         rows: 3,
         row_len: 16,

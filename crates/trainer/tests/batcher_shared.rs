@@ -6,24 +6,20 @@
 
 use std::collections::BTreeMap;
 
+mod common;
+
+use common::{OwnedText, text_views};
 use proptest::prelude::*;
 use sluice_core::config::OversizedText;
 use sluice_trainer::batcher::{BatcherConfig, MicroBatch, TrainingText, pack};
 
-struct Owned {
-    prompt: Vec<u32>,
-    completion: Vec<u32>,
-    behaviour: Vec<f32>,
-    versions: Vec<u64>,
-}
-
 /// Families of texts with one prompt each: `(prompt length, completion lengths)`.
-fn family_texts(families: &[(usize, Vec<usize>)]) -> Vec<Owned> {
+fn family_texts(families: &[(usize, Vec<usize>)]) -> Vec<OwnedText> {
     let mut out = Vec::new();
     for (f, (p, completions)) in families.iter().enumerate() {
         for &c in completions {
             let i = out.len();
-            out.push(Owned {
+            out.push(OwnedText {
                 prompt: (0..*p).map(|j| (f * 1000 + j) as u32).collect(),
                 completion: (0..c).map(|k| (100_000 + i * 1000 + k) as u32).collect(),
                 behaviour: (0..c).map(|k| -(i as f32) - k as f32 / 100.0).collect(),
@@ -32,20 +28,6 @@ fn family_texts(families: &[(usize, Vec<usize>)]) -> Vec<Owned> {
         }
     }
     out
-}
-
-fn view(o: &[Owned]) -> Vec<TrainingText<'_>> {
-    o.iter()
-        .enumerate()
-        .map(|(i, t)| TrainingText {
-            prompt: &t.prompt,
-            completion: &t.completion,
-            behaviour: &t.behaviour,
-            versions: &t.versions,
-            advantage: i as f32 - 0.5,
-            weight: 1.0 / (i as f32 + 1.0),
-        })
-        .collect()
 }
 
 fn token(t: &TrainingText<'_>, j: usize) -> u32 {
@@ -103,7 +85,7 @@ proptest! {
         row_len in 30usize..64,
     ) {
         let owned = family_texts(&families);
-        let texts = view(&owned);
+        let texts = text_views(&owned);
         let config = |share_prompts| BatcherConfig {
             rows,
             row_len,
@@ -141,7 +123,7 @@ proptest! {
 #[test]
 fn a_group_shares_its_prompt_in_one_row() {
     let owned = family_texts(&[(23, vec![6; 8])]);
-    let texts = view(&owned);
+    let texts = text_views(&owned);
     let config = |share_prompts| BatcherConfig {
         rows: 4,
         row_len: 128,

@@ -1,4 +1,4 @@
-//! Builders of rollout groups for the trainer's tests.
+//! Builders of rollout groups and of batcher texts for the trainer's tests.
 #![allow(dead_code)]
 
 use sluice_core::{
@@ -56,4 +56,29 @@ pub fn single_turn_group(counter: u64, rewards: &[f64]) -> RolloutGroup {
 /// `a ≈ b` within `tol`, with a message.
 pub fn close(a: f64, b: f64, tol: f64, what: &str) {
     assert!((a - b).abs() <= tol, "{what}: {a} vs {b}");
+}
+
+/// The buffers of one training text (the batcher borrows them).
+pub struct OwnedText {
+    pub prompt: Vec<u32>,
+    pub completion: Vec<u32>,
+    pub behaviour: Vec<f32>,
+    pub versions: Vec<u64>,
+}
+
+/// The batcher's view of `owned`: text `i` gets advantage `i − 0.5` and weight `1 / (i + 1)`, so
+/// the checks can tell every text's figures apart.
+pub fn text_views(owned: &[OwnedText]) -> Vec<sluice_trainer::batcher::TrainingText<'_>> {
+    owned
+        .iter()
+        .enumerate()
+        .map(|(i, t)| sluice_trainer::batcher::TrainingText {
+            prompt: &t.prompt,
+            completion: &t.completion,
+            behaviour: &t.behaviour,
+            versions: &t.versions,
+            advantage: i as f32 - 0.5,
+            weight: 1.0 / (i as f32 + 1.0),
+        })
+        .collect()
 }
