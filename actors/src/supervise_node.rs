@@ -157,9 +157,6 @@ pub async fn checkpoint(h: &NodeHandles, reason: &str) -> Result<Manifest, Check
     let begin = dir.clone();
     let staging = blocking(move || begin.begin()).await?;
     let mark = h.trainer.checkpoint(staging.join(TRAINER_DIR)).await?;
-    if reason == "periodic" {
-        wait_for_log(h, mark.steps).await;
-    }
     let counters = h
         .replay
         .flush()
@@ -174,6 +171,11 @@ pub async fn checkpoint(h: &NodeHandles, reason: &str) -> Result<Manifest, Check
             None
         }
     };
+    // Every mark is taken; before the commit makes them the resume point, the run log must
+    // hold the trainer's steps (see `wait_for_log`).
+    if reason == "periodic" {
+        wait_for_log(h, mark.steps).await;
+    }
     let manifest = Manifest {
         format: FORMAT,
         version: mark.version.0,
