@@ -55,6 +55,18 @@ where
     result
 }
 
+/// Runs a cheap synchronous closure (a parse of the rollout's text, a lookup) where it is called:
+/// no blocking-pool hand-off and no deadline, a panic becomes [`EnvError::Panic`] all the same.
+/// Only for functions that cannot hang; anything else goes through [`run_blocking_guarded`].
+pub fn run_inline_guarded<T>(f: impl FnOnce() -> Result<T, EnvError>) -> Result<T, EnvError> {
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f))
+        .unwrap_or_else(|payload| Err(EnvError::Panic(panic_message(&*payload))));
+    if let Err(e) = &result {
+        count_failure(e);
+    }
+    result
+}
+
 /// Runs a synchronous closure on the blocking pool with a deadline; see [`run_guarded`].
 pub async fn run_blocking_guarded<T, F>(call: &str, timeout: Duration, f: F) -> Result<T, EnvError>
 where
@@ -106,6 +118,13 @@ mod tests {
         let failed: Result<u8, _> =
             run_guarded("step", t, async { Err(EnvError::Failed("nope".into())) }).await;
         assert_eq!(failed.unwrap_err().kind(), "env_failed");
+    }
+
+    #[test]
+    fn inline_panics_are_contained() {
+        let r: Result<u8, _> = run_inline_guarded(|| panic!("bad parse"));
+        assert_eq!(r, Err(EnvError::Panic("bad parse".into())));
+        assert_eq!(run_inline_guarded(|| Ok(1.5)), Ok(1.5));
     }
 
     #[tokio::test]

@@ -23,7 +23,7 @@ pub fn generic(name: &str, weight: f64) -> Option<RewardFn> {
                 return None;
             }
             let key = name.to_owned();
-            Some(RewardFn::new(name, weight, move |input| {
+            Some(RewardFn::inline(name, weight, move |input| {
                 input
                     .rollout
                     .reward_components

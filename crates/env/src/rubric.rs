@@ -22,7 +22,7 @@ use serde::{Deserialize, Serialize};
 use sluice_core::{DataSample, Rollout, RolloutGroup, RolloutStatus};
 
 use crate::error::EnvError;
-use crate::guard::{run_blocking_guarded, run_guarded};
+use crate::guard::{run_blocking_guarded, run_guarded, run_inline_guarded};
 use crate::protocol::BoxFuture;
 
 /// What a reward function sees: the data sample and the finished rollout.
@@ -65,6 +65,8 @@ type GroupScorer = Arc<dyn Fn(&[GroupMember]) -> Result<Vec<f64>, String> + Send
 
 #[derive(Clone)]
 enum Scorer {
+    /// Cheap, cannot hang: run where the rollout is scored.
+    Inline(SyncScorer),
     Sync(SyncScorer),
     Async(AsyncScorer),
     Group(GroupScorer),
@@ -106,6 +108,24 @@ impl RewardFn {
         f: impl Fn(&ScoreInput) -> f64 + Send + Sync + 'static,
     ) -> Self {
         Self::fallible(name, weight, move |input| Ok(f(input)))
+    }
+
+    /// A cheap synchronous reward function: a parse of the rollout's text or a lookup, which
+    /// cannot hang. It runs where the rollout is scored, with panics contained, instead of on
+    /// the blocking pool: a pool hand-off per function and rollout (two per rollout, 256
+    /// rollouts a step) was most of the async runtime's work in the quickstart. Anything that
+    /// may take long (a subprocess, a file, a network call) belongs in [`RewardFn::new`] or
+    /// [`RewardFn::new_async`], which run under the rubric's deadline.
+    pub fn inline(
+        name: impl Into<String>,
+        weight: f64,
+        f: impl Fn(&ScoreInput) -> f64 + Send + Sync + 'static,
+    ) -> Self {
+        Self {
+            name: name.into(),
+            weight,
+            scorer: Scorer::Inline(Arc::new(move |input| Ok(f(input)))),
+        }
     }
 
     /// A synchronous reward function that may refuse (its error fails the rollout).
@@ -161,7 +181,7 @@ impl RewardFn {
 
     /// Counts the env's per-turn rewards (their sum, 0 when there are none) with `weight`.
     pub fn env_reward(weight: f64) -> Self {
-        Self::new("env", weight, |input| input.env_reward_sum().unwrap_or(0.0))
+        Self::inline("env", weight, |input| input.env_reward_sum().unwrap_or(0.0))
     }
 
     /// The function's name (its component key).
@@ -172,6 +192,9 @@ impl RewardFn {
     async fn score(&self, input: Arc<ScoreInput>, timeout: Duration) -> Result<f64, EnvError> {
         let name = self.name.clone();
         let value = match &self.scorer {
+            Scorer::Inline(f) => run_inline_guarded(|| {
+                f(&input).map_err(|e| EnvError::Failed(format!("reward `{name}`: {e}")))
+            })?,
             Scorer::Sync(f) => {
                 let f = f.clone();
                 let n = name.clone();

@@ -136,7 +136,8 @@ async fn failing_functions_fail_their_rollout_only() {
     let rubric = Rubric::new(
         vec![
             RewardFn::new("yes", 1.0, says_yes),
-            RewardFn::new("picky", 1.0, |i| {
+            // Inline (no blocking pool): its panic is contained all the same.
+            RewardFn::inline("picky", 1.0, |i| {
                 if i.final_text() == Some("boom") {
                     panic!("picky exploded")
                 }

@@ -47,8 +47,9 @@ pub(crate) fn answer_rubric(
 ) -> Rubric {
     Rubric::new(
         vec![
-            RewardFn::new("correct", 1.0, correct),
-            RewardFn::new("format", 0.1, format),
+            // Text checks of the final answer: cheap, run inline.
+            RewardFn::inline("correct", 1.0, correct),
+            RewardFn::inline("format", 0.1, format),
         ],
         RubricConfig {
             truncation_reward,
