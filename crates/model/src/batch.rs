@@ -6,6 +6,13 @@ use crate::error::{ModelError, Result};
 /// Segment id of padding slots (sequences are numbered from 1 within a row).
 pub const PAD_SEGMENT: u32 = 0;
 
+/// Whether a slot of segment `own`, continuing prefix segment `prefix` ([`PAD_SEGMENT`] for
+/// none), may see a slot of segment `other` at or before it: the attention rule of
+/// [`PackedBatch`], shared by its dense mask and the fused attention kernel.
+pub(crate) fn segment_visible(own: u32, prefix: u32, other: u32) -> bool {
+    other == own || (prefix != PAD_SEGMENT && other == prefix)
+}
+
 /// A `(batch, seq_len)` micro-batch; every vector is row-major with `batch * seq_len` entries.
 ///
 /// Attention is allowed from slot `i` to slot `j` of the same row iff `j ≤ i` and slot `j`'s
@@ -130,9 +137,12 @@ impl PackedBatch {
     /// Whether slot `i` of row `r` attends to slot `j` of the same row (see the type's docs).
     pub fn sees(&self, r: usize, i: usize, j: usize) -> bool {
         let at = r * self.seq_len;
-        let (seg, prefix) = (self.segment_ids[at + i], self.prefix_ids[at + i]);
-        let other = self.segment_ids[at + j];
-        j <= i && (other == seg || (prefix != PAD_SEGMENT && other == prefix))
+        j <= i
+            && segment_visible(
+                self.segment_ids[at + i],
+                self.prefix_ids[at + i],
+                self.segment_ids[at + j],
+            )
     }
 
     /// The additive attention mask `(B, L, L)`, 0 where attention is allowed and −∞ elsewhere.

@@ -101,8 +101,7 @@ impl Segments {
             return true;
         }
         let (at_i, at_j) = (row * self.len + i, row * self.len + j);
-        let other = self.ids[at_j];
-        other == self.ids[at_i] || (self.prefixes[at_i] != 0 && other == self.prefixes[at_i])
+        crate::batch::segment_visible(self.ids[at_i], self.prefixes[at_i], self.ids[at_j])
     }
 }
 
