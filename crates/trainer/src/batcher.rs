@@ -238,13 +238,6 @@ impl Piece {
     }
 }
 
-/// What goes into one row together: one piece, or a shared prompt and its continuations.
-type Chunk = Vec<Piece>;
-
-fn chunk_len(chunk: &Chunk) -> usize {
-    chunk.iter().map(Piece::len).sum()
-}
-
 /// Pieces of text `i`, or `None` when it must be rejected.
 fn pieces(i: usize, text: &TrainingText<'_>, config: &BatcherConfig) -> Option<Vec<Piece>> {
     let slots = text.len().saturating_sub(1);
@@ -318,7 +311,7 @@ fn place_family(
             used += continuation(rest[take]).len();
             take += 1;
         }
-        let chunk: Chunk = if take == 1 {
+        let chunk: Vec<Piece> = if take == 1 {
             vec![Piece::alone(first, 0, continuation(first).end)]
         } else {
             let prefix = Piece {
@@ -340,9 +333,8 @@ fn place_family(
 /// Packs `texts` into micro-batches (see the module docs).
 pub fn pack(texts: &[TrainingText<'_>], config: &BatcherConfig) -> Packing {
     let mut stats = PackingStats::default();
-    // A unit's chunks go to distinct rows of one micro-batch: the pieces of a split text, or
-    // one chunk (a piece alone, or a shared block).
-    let mut units: Vec<Vec<Chunk>> = Vec::with_capacity(texts.len());
+    // The pieces of a text that does not share, each to its own row of one micro-batch.
+    let mut units: Vec<Vec<Piece>> = Vec::with_capacity(texts.len());
     let mut whole: Vec<usize> = Vec::new();
     for (i, text) in texts.iter().enumerate() {
         if text.completion.is_empty() {
@@ -357,7 +349,7 @@ pub fn pack(texts: &[TrainingText<'_>], config: &BatcherConfig) -> Packing {
                 if config.share_prompts && whole_text && text.prompt.len() > 1 {
                     whole.push(i);
                 } else {
-                    units.push(p.into_iter().map(|piece| vec![piece]).collect());
+                    units.push(p);
                 }
             }
             None => {
@@ -375,7 +367,7 @@ pub fn pack(texts: &[TrainingText<'_>], config: &BatcherConfig) -> Packing {
     }
     // First-fit decreasing over the units that cannot be split (ties in input order), then the
     // families of shared prompts fill what is left.
-    let size = |u: &Vec<Chunk>| u.iter().map(chunk_len).sum::<usize>();
+    let size = |u: &Vec<Piece>| u.iter().map(Piece::len).sum::<usize>();
     units.sort_by_key(|u| std::cmp::Reverse(size(u)));
 
     // Remaining capacity of each row of each micro-batch, and what goes where.
@@ -385,9 +377,9 @@ pub fn pack(texts: &[TrainingText<'_>], config: &BatcherConfig) -> Packing {
         let fit = |rows: &[usize]| -> Option<Vec<usize>> {
             let mut rows = rows.to_vec();
             let mut chosen = Vec::with_capacity(unit.len());
-            for chunk in &unit {
-                let len = chunk_len(chunk);
-                // Chunks of one text go to distinct rows (a row holds at most one piece of it).
+            for p in &unit {
+                let len = p.len();
+                // Pieces of one text go to distinct rows (a row holds at most one piece of it).
                 let r = (0..rows.len()).find(|&r| rows[r] >= len && !chosen.contains(&r))?;
                 rows[r] -= len;
                 chosen.push(r);
@@ -405,13 +397,13 @@ pub fn pack(texts: &[TrainingText<'_>], config: &BatcherConfig) -> Packing {
                 placed.push(vec![Vec::new(); config.rows]);
                 let m = free.len() - 1;
                 let rows = fit(&free[m])
-                    .expect("a unit of at most B row-sized chunks fits an empty micro-batch");
+                    .expect("a text of at most B row-sized pieces fits an empty micro-batch");
                 (m, rows)
             }
         };
-        for (chunk, r) in unit.into_iter().zip(rows) {
-            free[mb][r] -= chunk_len(&chunk);
-            placed[mb][r].extend(chunk);
+        for (p, r) in unit.into_iter().zip(rows) {
+            free[mb][r] -= p.len();
+            placed[mb][r].push(p);
         }
     }
 
