@@ -181,19 +181,7 @@ fn trainer_config(rows: usize, len: usize) -> NativeTrainerConfig {
 /// alternating. A 1-row shape gets a second rollout without completion tokens: it enters the
 /// baseline (so the advantage is not zero) but makes no training text.
 fn filled_group(rows: usize, len: usize, vocab: u32) -> anyhow::Result<RolloutGroup> {
-    let id = GroupId {
-        run: RunId::from_name("bench"),
-        node: NodeId(0),
-        counter: 0,
-    };
-    let sample = DataSample {
-        id: "0".into(),
-        domain: "bench".into(),
-        dataset: "synthetic".into(),
-        input: serde_json::Value::Null,
-        system_prompt: None,
-    };
-    let mut group = RolloutGroup::new(id, sample, rows.max(2) as u32, PolicyVersion::INITIAL);
+    let mut group = bench_group(0, rows.max(2) as u32);
     let completion_len = (len + 1).saturating_sub(PROMPT_TOKENS).max(1);
     for (r, rollout) in group.rollouts.iter_mut().enumerate() {
         let tok = |i: usize| ((i * 7 + r * 13) as u32) % vocab;
@@ -214,6 +202,23 @@ fn filled_group(rows: usize, len: usize, vocab: u32) -> anyhow::Result<RolloutGr
         rollout.reward = (r % 2) as f64;
     }
     Ok(group)
+}
+
+/// An empty group of `size` rollouts on a synthetic sample, numbered `counter`.
+fn bench_group(counter: u64, size: u32) -> RolloutGroup {
+    let id = GroupId {
+        run: RunId::from_name("bench"),
+        node: NodeId(0),
+        counter,
+    };
+    let sample = DataSample {
+        id: counter.to_string(),
+        domain: "bench".into(),
+        dataset: "synthetic".into(),
+        input: serde_json::Value::Null,
+        system_prompt: None,
+    };
+    RolloutGroup::new(id, sample, size, PolicyVersion::INITIAL)
 }
 
 /// Seconds per RL step of the quickstart's shape with shared prompts and with every rollout
@@ -259,19 +264,7 @@ fn prompt_group(
     answer: usize,
     vocab: u32,
 ) -> anyhow::Result<RolloutGroup> {
-    let id = GroupId {
-        run: RunId::from_name("bench"),
-        node: NodeId(0),
-        counter: g as u64,
-    };
-    let sample = DataSample {
-        id: g.to_string(),
-        domain: "bench".into(),
-        dataset: "synthetic".into(),
-        input: serde_json::Value::Null,
-        system_prompt: None,
-    };
-    let mut group = RolloutGroup::new(id, sample, 8, PolicyVersion::INITIAL);
+    let mut group = bench_group(g as u64, 8);
     let tok = |i: usize| ((i as u32).wrapping_mul(2_654_435_761) >> 7) % vocab;
     let prompt_ids: Vec<u32> = (0..prompt).map(|i| tok(g * 1000 + i)).collect();
     for (r, rollout) in group.rollouts.iter_mut().enumerate() {
