@@ -81,13 +81,13 @@ pub struct NodeHandles {
     pub(crate) started: Instant,
     /// Where checkpoints go (`None`: checkpoints are refused).
     pub(crate) checkpoint_dir: Option<CheckpointDir>,
-    /// One checkpoint at a time; holds the newest manifest.
-    pub(crate) last_checkpoint: Arc<tokio::sync::Mutex<Option<Manifest>>>,
-    /// The newest manifest as the status shows it: read without waiting for a checkpoint being
-    /// written (which may itself wait for the run log, whose monitor reads the status).
-    pub(crate) shown_checkpoint: Arc<std::sync::Mutex<Option<Manifest>>>,
+    /// One checkpoint at a time.
+    pub(crate) checkpointing: Arc<tokio::sync::Mutex<()>>,
+    /// The newest manifest, read by the status without waiting for a checkpoint being written
+    /// (which may itself wait for the run log, whose monitor reads the status).
+    pub(crate) last_checkpoint: Arc<std::sync::Mutex<Option<Manifest>>>,
     /// The last step the run's metrics log holds, while a run monitor writes one (`None`
-    /// otherwise): a periodic checkpoint waits for the log to hold its steps, so that a
+    /// otherwise): a checkpoint waits for the log to hold its steps, so that a
     /// `kill -9` after it never leaves a trained, checkpointed step out of the log.
     pub(crate) logged_steps: Arc<tokio::sync::watch::Sender<Option<u64>>>,
     /// The newest evaluation of the run's weights (held by whoever evaluates: the run monitor).
@@ -149,7 +149,7 @@ impl NodeHandles {
             engine_health: self.engine.health().await?,
             engine_failure: self.engine.failure().await?,
             checkpoint: self
-                .shown_checkpoint
+                .last_checkpoint
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .clone(),

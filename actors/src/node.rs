@@ -326,8 +326,8 @@ impl Node {
             events,
             started,
             checkpoint_dir,
-            shown_checkpoint: Arc::new(std::sync::Mutex::new(manifest.clone())),
-            last_checkpoint: Arc::new(tokio::sync::Mutex::new(manifest)),
+            checkpointing: Arc::default(),
+            last_checkpoint: Arc::new(std::sync::Mutex::new(manifest)),
             logged_steps: Arc::new(tokio::sync::watch::channel(None).0),
             evaluation: Arc::default(),
         };

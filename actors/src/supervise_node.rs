@@ -152,7 +152,7 @@ pub async fn checkpoint(h: &NodeHandles, reason: &str) -> Result<Manifest, Check
             "no checkpoint directory: this node was started without one".into(),
         )
     })?;
-    let mut last = h.last_checkpoint.lock().await;
+    let _one_at_a_time = h.checkpointing.lock().await;
     let started = Instant::now();
     let begin = dir.clone();
     let staging = blocking(move || begin.begin()).await?;
@@ -172,10 +172,8 @@ pub async fn checkpoint(h: &NodeHandles, reason: &str) -> Result<Manifest, Check
         }
     };
     // Every mark is taken; before the commit makes them the resume point, the run log must
-    // hold the trainer's steps (see `wait_for_log`).
-    if reason == "periodic" {
-        wait_for_log(h, mark.steps).await;
-    }
+    // hold the trainer's steps (see `wait_for_log`; without a monitor logging, no wait).
+    wait_for_log(h, mark.steps).await;
     let manifest = Manifest {
         format: FORMAT,
         version: mark.version.0,
@@ -202,12 +200,11 @@ pub async fn checkpoint(h: &NodeHandles, reason: &str) -> Result<Manifest, Check
         seconds,
         "checkpoint written"
     );
-    *last = Some(manifest.clone());
-    *h.shown_checkpoint.lock().unwrap_or_else(|p| p.into_inner()) = Some(manifest.clone());
+    *h.last_checkpoint.lock().unwrap_or_else(|p| p.into_inner()) = Some(manifest.clone());
     Ok(manifest)
 }
 
-/// The longest a periodic checkpoint waits for the run log (an evaluation of a large model on
+/// The longest a checkpoint waits for the run log (an evaluation of a large model on
 /// its step can take this long); past it, the checkpoint is written anyway, with a warning.
 const LOG_WAIT: std::time::Duration = std::time::Duration::from_secs(600);
 

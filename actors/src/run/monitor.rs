@@ -177,7 +177,7 @@ impl RunMonitor {
     ) -> Result<RunEnd, ActorError> {
         let mut events = node.handles.events.subscribe();
         let mut evaluated = false;
-        // While this watch runs, periodic checkpoints wait for the log to hold their steps.
+        // While this watch runs, checkpoints wait for the log to hold their steps.
         struct Logging<'a>(&'a Node);
         impl Drop for Logging<'_> {
             fn drop(&mut self) {
