@@ -91,6 +91,13 @@ pub struct ServeArgs {
     /// as `engine.kv_cache_mb`).
     #[arg(long, default_value_t = 0)]
     pub kv_cache_mb: u32,
+    /// Tokens per KV cache block (as `engine.kv_block_tokens`; 1 to 1024).
+    #[arg(long, default_value_t = 16)]
+    pub kv_block_tokens: usize,
+    /// Compute every request's prompt, sharing no KV blocks between requests (as
+    /// `engine.prefix_caching = false`).
+    #[arg(long)]
+    pub no_prefix_caching: bool,
     /// Model name reported by the API (default: the directory's name).
     #[arg(long)]
     pub served_model_name: Option<String>,

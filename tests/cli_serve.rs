@@ -54,6 +54,11 @@ fn serve_refuses_bad_flags_before_loading() {
             "2000000",
             "--kv-cache-mb: expected at most 1048576 (MiB of KV cache; 1 TiB at most), got 2000000",
         ),
+        (
+            "--kv-block-tokens",
+            "0",
+            "--kv-block-tokens: expected 1 to 1024 (tokens per KV cache block), got 0",
+        ),
     ] {
         let out = sluice()
             .args([

@@ -18,6 +18,8 @@ const MAX_RUNNING_SEQUENCES: usize = 16_384;
 const MAX_STEP_TOKENS: usize = 1 << 20;
 /// Largest `--kv-cache-mb` (as `engine.kv_cache_mb`: 1 TiB).
 const MAX_KV_CACHE_MB: u32 = 1 << 20;
+/// Largest `--kv-block-tokens` (as `engine.kv_block_tokens`).
+const MAX_KV_BLOCK_TOKENS: usize = 1024;
 
 /// Runs the server.
 pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
@@ -45,6 +47,12 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
         bail!(
             "--kv-cache-mb: expected at most {MAX_KV_CACHE_MB} (MiB of KV cache; 1 TiB at most), got {}",
             args.kv_cache_mb
+        );
+    }
+    if !(1..=MAX_KV_BLOCK_TOKENS).contains(&args.kv_block_tokens) {
+        bail!(
+            "--kv-block-tokens: expected 1 to {MAX_KV_BLOCK_TOKENS} (tokens per KV cache block), got {}",
+            args.kv_block_tokens
         );
     }
     if args
@@ -86,6 +94,8 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
         // The server is the only role in its process: every core.
         threads: sluice_model::threads::role_threads(0, 1),
         kv_cache_bytes: u64::from(args.kv_cache_mb) * 1024 * 1024,
+        kv_block_tokens: args.kv_block_tokens,
+        prefix_caching: !args.no_prefix_caching,
         device: args.device,
         ..NativeEngineParams::default()
     };

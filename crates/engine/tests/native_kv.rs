@@ -182,6 +182,57 @@ fn a_group_prefills_its_shared_prompt_once() {
     assert!(prefilled / 800.0 <= 1.0 / 8.0 + 0.05, "{prefilled} of 800");
 }
 
+/// `[engine] kv_block_tokens` and `prefix_caching` reach the replica through
+/// `NativeEngineParams::from_config`: a group's hits come in the configured block size, and with
+/// prefix caching off every prompt token is computed.
+#[test]
+fn block_size_and_prefix_caching_come_from_the_engine_config() {
+    let shared = prompt(5, 100);
+    let reqs: Vec<NativeRequest> = (0..8).map(|i| request(i, shared.clone(), 4)).collect();
+    let expected = reference(&reqs[..1]).remove(0);
+    // (config lines, prompt tokens each of the 7 later rollouts takes from the first one's)
+    for (lines, hits) in [
+        ("kv_block_tokens = 8", 96),
+        ("kv_block_tokens = 32", 96),
+        ("kv_block_tokens = 64", 64),
+        ("prefix_caching = false", 0),
+    ] {
+        let text = format!("[engine]\nmax_running_sequences = 8\n{lines}\n");
+        let config = sluice_core::config::parse(&text, "test.toml", &[], &|_| None).unwrap();
+        let params = NativeEngineParams {
+            seed: 1,
+            ..NativeEngineParams::from_config(&config.engine, 0, 1, vec![])
+        };
+        let block = params.kv_block_tokens;
+        let (tx, finished) = crossbeam_channel::unbounded();
+        let engine = NativeEngine::start(
+            params,
+            weights(),
+            None,
+            Arc::new(move |e| {
+                if let EngineEvent::Finished(c) = e {
+                    let _ = tx.send(c);
+                }
+            }),
+        )
+        .unwrap();
+        let h = Harness { engine, finished };
+        for r in &reqs {
+            h.engine.submit_native(r.clone()).unwrap();
+        }
+        for _ in 0..8 {
+            assert_eq!(
+                next(&h).output.token_ids,
+                expected.output.token_ids,
+                "{lines}"
+            );
+        }
+        let stats = kv(&h);
+        assert_eq!(stats.prefix_hit_tokens, 7 * hits, "{lines}");
+        assert_eq!(stats.block_tokens, block as u64, "{lines}");
+    }
+}
+
 #[test]
 fn a_resume_on_the_same_replica_reuses_its_prompt_and_partial() {
     let first = request(1, prompt(3, 20), 40);

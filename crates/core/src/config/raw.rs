@@ -123,6 +123,10 @@ pub struct RawEngine {
     pub threads: i64,
     /// KV cache pool of each native replica, MiB (0 = sized from the model and the limits).
     pub kv_cache_mb: i64,
+    /// Tokens per KV cache block of each native replica.
+    pub kv_block_tokens: i64,
+    /// Share full KV blocks between sequences with equal leading tokens (prefix cache).
+    pub prefix_caching: bool,
     /// Base URLs of remote servers (`backend = "remote"`).
     pub remote_urls: Vec<String>,
     /// Per-request timeout of the remote backend, seconds.
@@ -212,6 +216,8 @@ impl Default for RawEngine {
             max_step_tokens: 4096,
             threads: 0,
             kv_cache_mb: 0,
+            kv_block_tokens: 16,
+            prefix_caching: true,
             remote_urls: Vec::new(),
             request_timeout_s: 120.0,
             remote_keep_versions: 3,

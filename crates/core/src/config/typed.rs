@@ -206,6 +206,12 @@ pub struct EngineConfig {
     /// KV cache pool of each native replica, MiB; 0 = automatic (every running sequence at
     /// full context, capped; see docs/engine.md).
     pub kv_cache_mb: u32,
+    /// Tokens per KV cache block of each native replica (the unit of allocation, admission,
+    /// preemption and prefix sharing).
+    pub kv_block_tokens: NonZeroU32,
+    /// Whether native replicas share full KV blocks of equal leading tokens computed by the
+    /// current weights (a group's prompt, a resumed rollout's prompt and partial).
+    pub prefix_caching: bool,
     /// Remote server base URLs.
     pub remote_urls: Vec<String>,
     /// Remote request timeout.

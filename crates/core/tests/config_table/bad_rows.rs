@@ -20,7 +20,7 @@ pub const BAD: &[(&str, &[&str], &str, ConfigErrorKind)] = &[
     (
         "[engine]\nzzz = 1",
         &[],
-        "test.toml: engine.zzz: unknown key; expected one of: backend, device, replicas, max_running_sequences, max_step_tokens, threads, kv_cache_mb, remote_urls, request_timeout_s, remote_keep_versions, simulated",
+        "test.toml: engine.zzz: unknown key; expected one of: backend, device, replicas, max_running_sequences, max_step_tokens, threads, kv_cache_mb, kv_block_tokens, prefix_caching, remote_urls, request_timeout_s, remote_keep_versions, simulated",
         ConfigErrorKind::UnknownKey,
     ),
     (
@@ -336,6 +336,24 @@ pub const BAD: &[(&str, &[&str], &str, ConfigErrorKind)] = &[
         &[],
         "test.toml: engine.kv_cache_mb: expected an integer ≥ 0, got -1",
         ConfigErrorKind::Value,
+    ),
+    (
+        "[engine]\nkv_block_tokens = 0",
+        &[],
+        "test.toml: engine.kv_block_tokens: expected an integer ≥ 1, got 0",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[engine]\nkv_block_tokens = 4096",
+        &[],
+        "test.toml: engine.kv_block_tokens: expected at most 1024 (tokens per KV cache block), got 4096",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[engine]\nprefix_caching = 1",
+        &[],
+        "test.toml: engine.prefix_caching: invalid type: integer `1`, expected true or false",
+        ConfigErrorKind::Type,
     ),
     (
         "[engine]\nmax_running_sequences = 100000",

@@ -106,8 +106,8 @@ impl NativeEngineParams {
             eos_token_ids,
             threads: engine.threads as usize,
             kv_cache_bytes: u64::from(engine.kv_cache_mb) * 1024 * 1024,
-            kv_block_tokens: sluice_model::paged::DEFAULT_BLOCK_TOKENS,
-            prefix_caching: true,
+            kv_block_tokens: engine.kv_block_tokens.get() as usize,
+            prefix_caching: engine.prefix_caching,
             device: engine.device,
         }
     }

@@ -64,6 +64,11 @@ const BOUNDS: &[Bound] = &[
         1_048_576.0,
         "MiB of KV cache per replica; 1 TiB at most",
     ),
+    bound(
+        "engine.kv_block_tokens",
+        1024.0,
+        "tokens per KV cache block",
+    ),
     bound("engine.request_timeout_s", MAX_SECONDS, SECONDS),
     bound(
         "engine.simulated.time_scale",

@@ -70,6 +70,8 @@ pub(super) fn validate_engine(
         max_step_tokens: non_zero_u32(ctx, "engine.max_step_tokens", raw.max_step_tokens)?,
         threads: u32_incl_zero(ctx, "engine.threads", raw.threads)?,
         kv_cache_mb: u32_incl_zero(ctx, "engine.kv_cache_mb", raw.kv_cache_mb)?,
+        kv_block_tokens: non_zero_u32(ctx, "engine.kv_block_tokens", raw.kv_block_tokens)?,
+        prefix_caching: raw.prefix_caching,
         remote_urls: raw.remote_urls,
         request_timeout: Duration::from_secs_f64(timeout),
         remote_keep_versions: non_zero_u32(
