@@ -94,6 +94,9 @@ struct Measured {
 const GROUP_PROMPT_TOKENS: usize = 100;
 
 const MIB: u64 = 1024 * 1024;
+/// Requests per row are this many times its concurrency (one-by-one: times 8), so a row
+/// measures continuous batching refilling its slots, not one batch's start and drain.
+const ROUNDS: usize = 3;
 
 /// Engine parameters every measurement shares.
 #[derive(Clone, Copy)]
@@ -166,7 +169,7 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<ExitCode> {
         let serial = if args.only_concurrency {
             None
         } else {
-            let serial = measure(&w0, sizing, (max_c.min(8), 1), shape)?;
+            let serial = measure(&w0, sizing, (ROUNDS * max_c.min(8), 1), shape)?;
             println!(
                 "{:>12} {:>12.1} {:>12.2} {:>12.2} {:>9} {:>8.1} {:>9.2} {:>8} {:>12.1}",
                 "one-by-one",
@@ -182,7 +185,7 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<ExitCode> {
             Some(serial)
         };
         for &c in &args.concurrency {
-            let m = measure(&w0, sizing, (c, c), shape)?;
+            let m = measure(&w0, sizing, (ROUNDS * c, c), shape)?;
             let speedup = serial.as_ref().map(|s| m.tokens_per_s / s.tokens_per_s);
             println!(
                 "{c:>12} {:>12.1} {:>12.2} {:>12.2} {:>9} {:>8.1} {:>9.2} {:>8} {:>12.1}",
@@ -257,9 +260,22 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<ExitCode> {
     if let Some(mb) = rss {
         println!("peak resident memory: {mb:.0} MiB");
     }
+    // Measured after the peak is read (the bandwidth copy holds 512 MiB). One request decodes
+    // at best at the rate its weights stream from memory, a batch at best at the matmul rate:
+    // whatever the preset, batching gains at most flops · bytes per weight / (2 · bandwidth)
+    // over one request at a time on this machine (less below that many requests).
+    let bandwidth = crate::model::memory_bandwidth_bytes_per_s();
+    let flops = crate::model::matmul_flops_per_s()?;
+    let ceiling = (flops * dtype.size_in_bytes() as f64 / (2.0 * bandwidth)).min(64.0);
     println!(
-        "RESULT engine batching_speedup_64={} swap_pause_ms_in_flight={} prefix_prefill_ratio{}={} peak_rss_mb={}",
+        "batching speed-up ceiling at 64: {ceiling:.1}x (memory bandwidth {:.1} GB/s, matmul {:.1} GFLOP/s: one request streams every weight per token, a batch shares them)",
+        bandwidth / 1e9,
+        flops / 1e9,
+    );
+    println!(
+        "RESULT engine batching_speedup_64={} batching_ceiling_64={:.1} swap_pause_ms_in_flight={} prefix_prefill_ratio{}={} peak_rss_mb={}",
         speedup_tiny.map_or("n/a".into(), |x| format!("{x:.1}")),
+        ceiling,
         pause_tiny.map_or("n/a".into(), |x| format!("{x:.3}")),
         prefix_ratio.map_or(String::new(), |(g, _)| format!("_g{g}")),
         prefix_ratio.map_or("n/a".into(), |(_, r)| format!("{r:.3}")),

@@ -142,7 +142,7 @@ fn matmul_params(config: &sluice_model::ModelConfig) -> usize {
 }
 
 /// Copy bandwidth with one thread per core over 256 MiB, counting read + write bytes.
-fn memory_bandwidth_bytes_per_s() -> f64 {
+pub(crate) fn memory_bandwidth_bytes_per_s() -> f64 {
     const BYTES: usize = 256 << 20;
     let n = threads();
     let per = BYTES / 8 / n;
@@ -167,7 +167,7 @@ fn memory_bandwidth_bytes_per_s() -> f64 {
 }
 
 /// candle f32 matmul throughput on 1024×1024 operands (all cores).
-fn matmul_flops_per_s() -> anyhow::Result<f64> {
+pub(crate) fn matmul_flops_per_s() -> anyhow::Result<f64> {
     const N: usize = 1024;
     let a = Tensor::randn(0f32, 1.0, (N, N), &Device::Cpu)?;
     let b = Tensor::randn(0f32, 1.0, (N, N), &Device::Cpu)?;
