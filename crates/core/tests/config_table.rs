@@ -189,6 +189,35 @@ fn minibatches_default_follows_the_loss_and_unsound_settings_are_advised() {
 }
 
 #[test]
+fn a_prefix_version_lag_outside_in_flight_updates_is_advised_against() {
+    let with = |sets: &[&str]| parse("", sets).unwrap().advisories();
+    assert!(
+        with(&[
+            "engine.prefix_cache_version_lag=2",
+            "rollout.weight_update_mode=\"in_flight\""
+        ])
+        .is_empty()
+    );
+    let drain = with(&[
+        "engine.prefix_cache_version_lag=2",
+        "rollout.weight_update_mode=\"drain\"",
+    ]);
+    assert_eq!(drain.len(), 1, "{drain:?}");
+    assert!(
+        drain[0].starts_with(
+            "engine.prefix_cache_version_lag = 2 with rollout.weight_update_mode = \"drain\": "
+        ),
+        "{drain:?}"
+    );
+    let off = with(&[
+        "engine.prefix_cache_version_lag=2",
+        "engine.prefix_caching=false",
+    ]);
+    assert!(off[0].contains("nothing is cached"), "{off:?}");
+    assert!(with(&[]).is_empty());
+}
+
+#[test]
 fn the_admin_token_may_come_from_the_environment() {
     let env = |k: &str| (k == config::ADMIN_TOKEN_ENV).then(|| "from-env".to_owned());
     let c = config::parse("[admin]\nlisten = \"0.0.0.0:1\"", FILE, &[], &env).unwrap();

@@ -233,6 +233,58 @@ fn block_size_and_prefix_caching_come_from_the_engine_config() {
     }
 }
 
+/// `engine.prefix_cache_version_lag = 1`: after an `in_flight` update a resubmitted prompt
+/// starts on the blocks the older weights computed; after a `drain` update it computes them again.
+#[test]
+fn a_version_lag_reuses_older_prompts_only_under_in_flight_updates() {
+    let shared = prompt(9, 100);
+    for (mode, hits) in [
+        (sluice_core::WeightUpdateMode::InFlight, 96),
+        (sluice_core::WeightUpdateMode::Drain, 0),
+    ] {
+        let (tx, finished) = crossbeam_channel::unbounded();
+        let (tx_v, updated) = crossbeam_channel::unbounded();
+        let params = NativeEngineParams {
+            prefix_cache_version_lag: 1,
+            seed: 1,
+            ..NativeEngineParams::default()
+        };
+        let w0 = weights();
+        let engine = NativeEngine::start(
+            params,
+            Arc::clone(&w0),
+            None,
+            Arc::new(move |e| match e {
+                EngineEvent::Finished(c) => {
+                    let _ = tx.send(c);
+                }
+                EngineEvent::WeightsUpdated { version, .. } => {
+                    let _ = tx_v.send(version);
+                }
+            }),
+        )
+        .unwrap();
+        let h = Harness { engine, finished };
+        h.engine
+            .submit_native(request(0, shared.clone(), 4))
+            .unwrap();
+        next(&h);
+        let w1 = Arc::new(w0.with_version(PolicyVersion(1)));
+        h.engine.update_weights(w1.to_envelope(), mode).unwrap();
+        assert_eq!(
+            updated.recv_timeout(Duration::from_secs(60)).unwrap(),
+            PolicyVersion(1)
+        );
+        let before = kv(&h).prefix_hit_tokens;
+        h.engine
+            .submit_native(request(1, shared.clone(), 4))
+            .unwrap();
+        let c = next(&h);
+        assert_eq!(c.output.versions, vec![PolicyVersion(1); 4], "{mode:?}");
+        assert_eq!(kv(&h).prefix_hit_tokens - before, hits, "{mode:?}");
+    }
+}
+
 #[test]
 fn a_resume_on_the_same_replica_reuses_its_prompt_and_partial() {
     let first = request(1, prompt(3, 20), 40);

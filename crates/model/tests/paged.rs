@@ -178,6 +178,63 @@ fn a_shared_prompt_is_computed_once_per_weight_version() {
     paged.allocator().check().unwrap();
 }
 
+/// With a version lag, a request on newer weights may start on a prompt computed by older ones
+/// (up to the lag; the newest version's blocks win when they match as far), shares nothing it
+/// computes on top, and lowering the lag forgets the older keys at once.
+#[test]
+fn a_version_lag_hands_older_blocks_to_new_requests_up_to_the_lag() {
+    let cfg = tiny_config(sluice_model::Architecture::Qwen2, true);
+    let snap = Arc::new(snapshot(cfg, 4, DType::F32));
+    let mut model = InferenceModel::new(Arc::clone(&snap)).unwrap();
+    let mut paged = PagedKvCache::new(model.config(), DType::F32, snap.device(), 64, 4).unwrap();
+    paged.set_version_lag(1);
+    let prompt: Vec<u32> = (0..14).map(|i| (i * 7 + 3) % 23).collect();
+    let step = |m: &InferenceModel, c: &mut dyn KvCache, seq: u64, tokens: &[u32]| {
+        m.step(c, &[StepInput { seq, tokens }], LogitsWanted::Last)
+            .unwrap()
+    };
+    // Version 0 computes the prompt: three full blocks registered.
+    assert_eq!(paged.attach_prefix(0, &prompt, model.version()), 0);
+    let v0_logits = step(&model, &mut paged, 0, &prompt);
+    let v0_blocks = paged.block_table(0)[..3].to_vec();
+    paged.remove(0);
+    // On version 1 a new request still starts on them (one version behind)...
+    model.swap_weights(versioned(&snap, 1)).unwrap();
+    assert_eq!(paged.attach_prefix(1, &prompt, model.version()), 12);
+    assert_eq!(&paged.block_table(1)[..3], &v0_blocks[..]);
+    // ...and its logits are those of version 0's keys and values with version 1's last rows:
+    // the same weights here (versioned copies), so equal to the version 0 logits.
+    let logits = step(&model, &mut paged, 1, &prompt[12..]);
+    assert!(max_abs_diff(&logits, &v0_logits) <= 1e-5);
+    // Mixed versions: what it computed on top is not registered.
+    step(&model, &mut paged, 1, &[5, 6]);
+    paged.remove(1);
+    assert_eq!(paged.cached_blocks(), 3);
+    // A version-1 computation of the same prompt is preferred once registered.
+    let longer: Vec<u32> = prompt.iter().chain(&[1, 2, 3]).copied().collect();
+    assert_eq!(paged.attach_prefix(2, &[99], model.version()), 0);
+    step(&model, &mut paged, 2, &longer);
+    paged.remove(2);
+    assert_eq!(paged.attach_prefix(3, &longer, model.version()), 16);
+    let v1_blocks = paged.block_table(3)[..3].to_vec();
+    assert!(
+        v1_blocks.iter().all(|b| !v0_blocks.contains(b)),
+        "{v1_blocks:?}"
+    );
+    paged.remove(3);
+    // Version 2: version 0 is two behind, forgotten; version 1 is still served.
+    model.swap_weights(versioned(&snap, 2)).unwrap();
+    step(&model, &mut paged, 4, &[7]);
+    paged.remove(4);
+    assert_eq!(paged.attach_prefix(5, &longer, model.version()), 16);
+    paged.remove(5);
+    // Lag 0 (a drain or abort_resume update): only version 2 blocks remain servable.
+    paged.set_version_lag(0);
+    assert_eq!(paged.attach_prefix(6, &longer, model.version()), 0);
+    paged.remove(6);
+    paged.allocator().check().unwrap();
+}
+
 #[test]
 fn in_flight_sequences_keep_old_blocks_but_do_not_share_mixed_ones() {
     let cfg = tiny_config(sluice_model::Architecture::Llama, true);

@@ -12,6 +12,7 @@ pub mod raw;
 mod typed;
 mod validate;
 
+use crate::WeightUpdateMode;
 use std::collections::BTreeSet;
 use std::path::Path;
 
@@ -100,6 +101,17 @@ impl Config {
             notes.push(format!(
                 "trainer.minibatches = 1 with loss = \"decoupled_ppo\" and rollout.max_version_lag = {eta}: with one update per step the proximal policy is the current one, nothing is clipped and no trust region bounds {eta} versions of drift (the η = 4 ablation in docs/pipeline.md); leave trainer.minibatches unset ({} updates) or use loss = \"ppo\"",
                 validate::DECOUPLED_MINIBATCHES
+            ));
+        }
+        let lag = self.engine.prefix_cache_version_lag;
+        if lag > 0 && !self.engine.prefix_caching {
+            notes.push(format!(
+                "engine.prefix_cache_version_lag = {lag} with engine.prefix_caching = false: nothing is cached, so the lag changes nothing"
+            ));
+        } else if lag > 0 && self.rollout.knobs.weight_update_mode != WeightUpdateMode::InFlight {
+            notes.push(format!(
+                "engine.prefix_cache_version_lag = {lag} with rollout.weight_update_mode = \"{}\": only in_flight updates let a request's keys and values span versions, so older blocks are reused only while that mode is set (a runtime knob)",
+                self.rollout.knobs.weight_update_mode.as_str()
             ));
         }
         notes

@@ -127,6 +127,9 @@ pub struct RawEngine {
     pub kv_block_tokens: i64,
     /// Share full KV blocks between sequences with equal leading tokens (prefix cache).
     pub prefix_caching: bool,
+    /// Under `in_flight` updates, versions an older prefix block may lag the current weights
+    /// and still serve a new request (0 = never).
+    pub prefix_cache_version_lag: i64,
     /// Base URLs of remote servers (`backend = "remote"`).
     pub remote_urls: Vec<String>,
     /// Per-request timeout of the remote backend, seconds.
@@ -218,6 +221,7 @@ impl Default for RawEngine {
             kv_cache_mb: 0,
             kv_block_tokens: 16,
             prefix_caching: true,
+            prefix_cache_version_lag: 0,
             remote_urls: Vec::new(),
             request_timeout_s: 120.0,
             remote_keep_versions: 3,

@@ -212,6 +212,9 @@ pub struct EngineConfig {
     /// Whether native replicas share full KV blocks of equal leading tokens computed by the
     /// current weights (a group's prompt, a resumed rollout's prompt and partial).
     pub prefix_caching: bool,
+    /// Under `in_flight` updates, how many versions behind the current weights a cached prefix
+    /// block may be and still serve a new request (0: never; other modes: never).
+    pub prefix_cache_version_lag: u32,
     /// Remote server base URLs.
     pub remote_urls: Vec<String>,
     /// Remote request timeout.

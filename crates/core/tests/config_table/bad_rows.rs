@@ -20,7 +20,7 @@ pub const BAD: &[(&str, &[&str], &str, ConfigErrorKind)] = &[
     (
         "[engine]\nzzz = 1",
         &[],
-        "test.toml: engine.zzz: unknown key; expected one of: backend, device, replicas, max_running_sequences, max_step_tokens, threads, kv_cache_mb, kv_block_tokens, prefix_caching, remote_urls, request_timeout_s, remote_keep_versions, simulated",
+        "test.toml: engine.zzz: unknown key; expected one of: backend, device, replicas, max_running_sequences, max_step_tokens, threads, kv_cache_mb, kv_block_tokens, prefix_caching, prefix_cache_version_lag, remote_urls, request_timeout_s, remote_keep_versions, simulated",
         ConfigErrorKind::UnknownKey,
     ),
     (
@@ -347,6 +347,12 @@ pub const BAD: &[(&str, &[&str], &str, ConfigErrorKind)] = &[
         "[engine]\nkv_block_tokens = 4096",
         &[],
         "test.toml: engine.kv_block_tokens: expected at most 1024 (tokens per KV cache block), got 4096",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[engine]\nprefix_cache_version_lag = 5000",
+        &[],
+        "test.toml: engine.prefix_cache_version_lag: expected at most 1024 (weight versions a reused prefix block may lag), got 5000",
         ConfigErrorKind::Value,
     ),
     (

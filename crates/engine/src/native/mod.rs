@@ -64,6 +64,10 @@ pub struct NativeEngineParams {
     /// Reuse registered full blocks for new requests with the same prefix at the same weight
     /// version (off: every request prefills its whole input; `sluice bench engine` compares).
     pub prefix_caching: bool,
+    /// Under `in_flight` updates, new requests may also start on blocks computed by weights up
+    /// to this many versions older (`engine.prefix_cache_version_lag`; 0: never). Other update
+    /// modes never reuse an older version's blocks.
+    pub prefix_cache_version_lag: u64,
     /// Where the replica's weights and KV cache live (`engine.device`; `eval.device` for the
     /// evaluator's engine). Weights handed over from elsewhere are copied here; weights already
     /// here are shared.
@@ -82,6 +86,7 @@ impl Default for NativeEngineParams {
             kv_cache_bytes: 0,
             kv_block_tokens: sluice_model::paged::DEFAULT_BLOCK_TOKENS,
             prefix_caching: true,
+            prefix_cache_version_lag: 0,
             device: sluice_core::config::Device::Cpu,
         }
     }
@@ -108,6 +113,7 @@ impl NativeEngineParams {
             kv_cache_bytes: u64::from(engine.kv_cache_mb) * 1024 * 1024,
             kv_block_tokens: engine.kv_block_tokens.get() as usize,
             prefix_caching: engine.prefix_caching,
+            prefix_cache_version_lag: u64::from(engine.prefix_cache_version_lag),
             device: engine.device,
         }
     }

@@ -9,7 +9,7 @@ use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use crossbeam_channel::Receiver;
-use sluice_core::{PolicyVersion, RequestId};
+use sluice_core::{PolicyVersion, RequestId, WeightUpdateMode};
 use sluice_model::{
     InferenceModel, KvCache, LogitsWanted, ModelWeights, PagedKvCache, StepInput, Tokenizer,
 };
@@ -82,13 +82,14 @@ impl Worker {
         shared: Arc<Shared>,
     ) -> Result<Self, NativeError> {
         let snapshot = model.snapshot();
-        let cache = PagedKvCache::new(
+        let mut cache = PagedKvCache::new(
             model.config(),
             snapshot.dtype(),
             snapshot.device(),
             kv.blocks,
             kv.block_tokens,
         )?;
+        cache.set_version_lag(params.prefix_cache_version_lag);
         let context = model.config().max_position_embeddings.min(kv.tokens());
         Ok(Self {
             params,
@@ -385,13 +386,24 @@ impl Stepper for Worker {
         self.finish_with(seq, finish, None);
     }
 
-    fn install(&mut self, weights: Arc<ModelWeights>) -> Option<PolicyVersion> {
+    fn install(
+        &mut self,
+        weights: Arc<ModelWeights>,
+        mode: WeightUpdateMode,
+    ) -> Option<PolicyVersion> {
         let version = weights.version;
         if let Err(e) = self.model.swap_weights(weights) {
             // Checked against the config in `update_weights`; a dtype clash lands here.
             tracing::error!(error = %e, %version, "weight swap refused; keeping the old weights");
             return None;
         }
+        // Only `in_flight` lets a request's keys and values span versions.
+        self.cache
+            .set_version_lag(if mode == WeightUpdateMode::InFlight {
+                self.params.prefix_cache_version_lag
+            } else {
+                0
+            });
         self.shared.version.store(version.0, Ordering::Relaxed);
         Some(version)
     }

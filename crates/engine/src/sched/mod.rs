@@ -100,9 +100,9 @@ pub(crate) trait Stepper {
     fn accept(&mut self, request: Self::Request) -> Option<Self::Seq>;
     /// Reports `seq` as finished (its resources released).
     fn finish(&mut self, seq: Self::Seq, finish: FinishReason);
-    /// Installs `weights`; the version now in use, or `None` when they were refused (the old
-    /// ones stay and nothing is reported).
-    fn install(&mut self, weights: Self::Weights) -> Option<PolicyVersion>;
+    /// Installs `weights` for an update of `mode`; the version now in use, or `None` when they
+    /// were refused (the old ones stay and nothing is reported).
+    fn install(&mut self, weights: Self::Weights, mode: WeightUpdateMode) -> Option<PolicyVersion>;
     /// Moves waiting sequences to running, as many as fit.
     fn admit(&mut self, queues: &mut Queues<Self::Seq>);
     /// One step over the running sequences (finishing or preempting some).
@@ -267,7 +267,7 @@ impl<S: Queued, W> Scheduler<S, W> {
             mode,
             asked,
         } = update;
-        if let Some(version) = stepper.install(weights) {
+        if let Some(version) = stepper.install(weights, mode) {
             // Two installs between steps report once, as the newer one.
             self.installed = Some(Installed {
                 version,

@@ -49,7 +49,7 @@ impl Stepper for Fake {
         self.finished.push((seq.id, finish, seq.versions));
     }
 
-    fn install(&mut self, weights: u64) -> Option<PolicyVersion> {
+    fn install(&mut self, weights: u64, _mode: WeightUpdateMode) -> Option<PolicyVersion> {
         self.version = weights;
         Some(PolicyVersion(weights))
     }

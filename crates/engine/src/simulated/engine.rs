@@ -322,7 +322,11 @@ impl Stepper for Worker {
         }));
     }
 
-    fn install(&mut self, weights: WeightSnapshot) -> Option<PolicyVersion> {
+    fn install(
+        &mut self,
+        weights: WeightSnapshot,
+        _mode: WeightUpdateMode,
+    ) -> Option<PolicyVersion> {
         if weights.version > self.version {
             self.version = weights.version;
             self.shared

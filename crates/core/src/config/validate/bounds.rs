@@ -69,6 +69,11 @@ const BOUNDS: &[Bound] = &[
         1024.0,
         "tokens per KV cache block",
     ),
+    bound(
+        "engine.prefix_cache_version_lag",
+        1024.0,
+        "weight versions a reused prefix block may lag",
+    ),
     bound("engine.request_timeout_s", MAX_SECONDS, SECONDS),
     bound(
         "engine.simulated.time_scale",

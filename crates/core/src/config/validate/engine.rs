@@ -72,6 +72,11 @@ pub(super) fn validate_engine(
         kv_cache_mb: u32_incl_zero(ctx, "engine.kv_cache_mb", raw.kv_cache_mb)?,
         kv_block_tokens: non_zero_u32(ctx, "engine.kv_block_tokens", raw.kv_block_tokens)?,
         prefix_caching: raw.prefix_caching,
+        prefix_cache_version_lag: u32_incl_zero(
+            ctx,
+            "engine.prefix_cache_version_lag",
+            raw.prefix_cache_version_lag,
+        )?,
         remote_urls: raw.remote_urls,
         request_timeout: Duration::from_secs_f64(timeout),
         remote_keep_versions: non_zero_u32(
