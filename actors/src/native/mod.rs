@@ -14,6 +14,6 @@ pub use renderer::ModelRenderer;
 pub use setup::{NativeSetup, ensure_model_dir};
 pub use task_env::TaskEnv;
 pub use warmup::{
-    Demonstration, WarmupProbe, WarmupProgress, WarmupReport, WarmupSettings, demonstrations,
-    warm_start,
+    DemoStream, Demonstration, WarmupProbe, WarmupProgress, WarmupReport, WarmupSettings,
+    demonstrations, warm_start,
 };

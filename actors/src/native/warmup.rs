@@ -34,6 +34,42 @@ pub struct Demonstration {
     pub completion: Vec<u32>,
 }
 
+/// Every domain's demonstrations as one endless stream: item `i` is the next demonstration of
+/// domain `i mod k`, each domain's list starting over once used up. So every warm-up batch holds
+/// the domains in equal shares for the whole warm-up; a domain with fewer demonstrations repeats
+/// them instead of dropping out of later batches (which left a multi-domain warm-up training on
+/// the longest domain alone once the others ran out, and forgetting them).
+#[derive(Debug, Clone, PartialEq)]
+pub struct DemoStream {
+    lists: Vec<Vec<Demonstration>>,
+}
+
+impl DemoStream {
+    /// The stream over `lists` (one per domain); empty lists are left out.
+    pub fn new(lists: Vec<Vec<Demonstration>>) -> Self {
+        Self {
+            lists: lists.into_iter().filter(|l| !l.is_empty()).collect(),
+        }
+    }
+
+    /// Demonstrations across every domain (one pass over each list).
+    pub fn len(&self) -> usize {
+        self.lists.iter().map(Vec::len).sum()
+    }
+
+    /// Whether no domain has a demonstration.
+    pub fn is_empty(&self) -> bool {
+        self.lists.is_empty()
+    }
+
+    /// Item `i` of the stream. Panics on an empty stream.
+    pub fn get(&self, i: usize) -> &Demonstration {
+        let k = self.lists.len();
+        let list = &self.lists[i % k];
+        &list[(i / k) % list.len()]
+    }
+}
+
 /// One domain's probe: greedy accuracy on a fixed draw of its training problems, and the
 /// accuracy the warm-up must bring it to.
 #[derive(Debug)]
@@ -119,7 +155,7 @@ pub async fn demonstrations(
 /// or drop.
 pub async fn warm_start(
     mut trainer: NativeTrainer,
-    demos: Arc<Vec<Demonstration>>,
+    demos: Arc<DemoStream>,
     probes: &mut [WarmupProbe],
     settings: &WarmupSettings,
     mut on_progress: impl FnMut(&WarmupProgress),
@@ -133,14 +169,17 @@ pub async fn warm_start(
         accuracy: 0.0,
         domains: Vec::new(),
     };
+    if demos.is_empty() {
+        return Err("no demonstrations to warm up on".into());
+    }
     let batch = settings.batch_size.clamp(1, demos.len());
     while steps < settings.max_steps {
         let start = cursor;
-        cursor = (cursor + batch) % demos.len();
+        cursor += batch;
         let data = Arc::clone(&demos);
         let (t, loss) = tokio::task::spawn_blocking(move || {
-            let examples: Vec<SupervisedExample<'_>> = (0..batch)
-                .map(|i| &data[(start + i) % data.len()])
+            let examples: Vec<SupervisedExample<'_>> = (start..start + batch)
+                .map(|i| data.get(i))
                 .map(|d| SupervisedExample {
                     prompt: &d.prompt,
                     completion: &d.completion,
@@ -193,4 +232,30 @@ pub async fn warm_start(
             weights,
         },
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn demo(id: u32) -> Demonstration {
+        Demonstration {
+            prompt: vec![id],
+            completion: vec![],
+        }
+    }
+
+    #[test]
+    fn the_stream_keeps_every_domain_in_equal_shares_past_its_end() {
+        let stream = DemoStream::new(vec![
+            vec![demo(1), demo(2), demo(3)],
+            vec![],
+            vec![demo(10)],
+            vec![demo(20), demo(21)],
+        ]);
+        assert_eq!(stream.len(), 6);
+        let ids: Vec<u32> = (0..12).map(|i| stream.get(i).prompt[0]).collect();
+        assert_eq!(ids, [1, 10, 20, 2, 10, 21, 3, 10, 20, 1, 10, 21]);
+        assert!(DemoStream::new(vec![vec![]]).is_empty());
+    }
 }

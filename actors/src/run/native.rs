@@ -14,8 +14,8 @@ use sluice_model::{SaveOptions, copy_aux_files, save_checkpoint};
 use crate::ActorError;
 use crate::checkpoint::{CHECKPOINT_DIR, CheckpointDir, Manifest};
 use crate::native::{
-    NativeSetup, WarmupProbe, WarmupProgress, WarmupSettings, demonstrations, ensure_model_dir,
-    warm_start,
+    DemoStream, NativeSetup, WarmupProbe, WarmupProgress, WarmupSettings, demonstrations,
+    ensure_model_dir, warm_start,
 };
 
 use super::evaluations::{Evaluations, Served, evaluator, served_domains, training_samples};
@@ -166,7 +166,7 @@ async fn warmup(
             tasks.join(", ")
         )));
     }
-    let demos = interleave(per_domain);
+    let demos = DemoStream::new(per_domain);
     let mut sft = config.clone();
     sft.trainer.learning_rate = w.learning_rate;
     sft.trainer.lr_schedule = LrSchedule::Constant;
@@ -204,27 +204,4 @@ async fn warmup(
         probe_accuracy: report.probe_accuracy,
         domains: report.domains,
     })
-}
-
-/// Takes one item of each list in turn until all are used up, so every warm-up batch holds
-/// every domain's demonstrations in about equal shares.
-fn interleave<T>(lists: Vec<Vec<T>>) -> Vec<T> {
-    let total = lists.iter().map(Vec::len).sum();
-    let mut iters: Vec<_> = lists.into_iter().map(Vec::into_iter).collect();
-    let mut out = Vec::with_capacity(total);
-    while out.len() < total {
-        for it in &mut iters {
-            out.extend(it.next());
-        }
-    }
-    out
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn interleave_takes_turns_until_every_list_is_used_up() {
-        let out = super::interleave(vec![vec![1, 2, 3], vec![10], vec![20, 21]]);
-        assert_eq!(out, vec![1, 10, 20, 2, 21, 3]);
-    }
 }
