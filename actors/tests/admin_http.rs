@@ -4,7 +4,7 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use sluice_actors::client::request;
 use sluice_actors::{Node, NodeOptions};
@@ -94,14 +94,13 @@ async fn a_knob_patched_over_http_takes_effect_at_the_next_decision() {
     )
     .await;
     assert_eq!(code, 200, "{body}");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while node.status().await.unwrap().controller.admitted_total == 0 {
-        assert!(
-            Instant::now() < deadline,
-            "unpausing did not start admission"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    common::wait_for_status(
+        &node,
+        "unpausing to start admission",
+        Duration::from_secs(10),
+        |s| s.controller.admitted_total > 0,
+    )
+    .await;
 
     let status = node
         .wait_done(Duration::from_secs(20), |_| {})

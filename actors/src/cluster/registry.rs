@@ -14,17 +14,21 @@
 //! env node wake on it instead of polling. Env nodes advertise the tasks they serve when they
 //! join; the head's env episodes go to them ([`super::env_nodes`]). The messages of the
 //! membership routes are in `wire` (re-exported here).
+//!
+//! Heartbeats are timed on tokio's clock ([`Instant`]), as the head's sweeper is: a test that
+//! pauses the runtime's time moves both.
 
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use dashmap::DashMap;
 use sluice_core::config::{NodeConfig, NodeRole};
 use sluice_core::metrics as m;
 use sluice_env::remote::OpenEnvs;
 use tokio::sync::watch;
+use tokio::time::Instant;
 
 mod wire;
 
