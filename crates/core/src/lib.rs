@@ -2,6 +2,7 @@
 //!
 //! | module | what it holds |
 //! |---|---|
+//! | [`choice`] | [`Choice`](choice::Choice): enums whose serde names are their config spellings |
 //! | [`backend`] | [`WeightSnapshot`] and the [`TrainerBackend`] trait the trainer actor drives |
 //! | [`ids`] | [`RunId`], [`NodeId`], [`GroupId`], [`RolloutId`], [`RequestId`], [`PolicyVersion`] and the group-id generator |
 //! | [`message`] | [`Message`] in the OpenAI chat shape, tool calls and tool specs |
@@ -17,6 +18,7 @@
 //! This crate depends on nothing else of Sluice (see `DESIGN.md` §1): it is the bottom of the graph.
 
 pub mod backend;
+pub mod choice;
 pub mod completion;
 pub mod config;
 pub mod error;
