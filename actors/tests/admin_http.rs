@@ -113,7 +113,8 @@ async fn a_knob_patched_over_http_takes_effect_at_the_next_decision() {
         body.contains("\"controller\"") && body.contains("\"trainer\""),
         "{body}"
     );
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Every name below is on /metrics from the start (seeded) or from the first trained step
+    // (the lag histogram): no telemetry tick is waited for.
     let metrics_base = format!("http://{}", node.metrics_addr().unwrap());
     let (code, text) = call(metrics_base, "GET", "/metrics", None, None).await;
     assert_eq!(code, 200);
