@@ -2,7 +2,6 @@
 //!
 //! | module | what it holds |
 //! |---|---|
-//! | [`choice`] | [`Choice`](choice::Choice): enums whose serde names are their config spellings |
 //! | [`backend`] | [`WeightSnapshot`] and the [`TrainerBackend`] trait the trainer actor drives |
 //! | [`ids`] | [`RunId`], [`NodeId`], [`GroupId`], [`RolloutId`], [`RequestId`], [`PolicyVersion`] and the group-id generator |
 //! | [`message`] | [`Message`] in the OpenAI chat shape, tool calls and tool specs |
@@ -10,6 +9,7 @@
 //! | [`rollout`] | [`DataSample`], [`RolloutTurn`], [`Rollout`], [`RolloutGroup`], [`RolloutStatus`] |
 //! | [`knobs`] | the runtime [`Knobs`], patches to them and the shared [`KnobsHandle`] |
 //! | [`config`] | TOML config: raw serde structs → `validate()` → typed [`Config`] |
+//! | [`choice`] | [`Choice`](choice::Choice): enums whose serde names are their config spellings |
 //! | [`metrics`] | the one catalog of Prometheus metric names, with help text |
 //! | [`sim`] | what the simulated engine and trainer share (simulated seconds → real time) |
 //! | [`rng`] | SplitMix64 and the seed mixer every crate draws with |
