@@ -34,13 +34,14 @@ mod supervision;
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use ractor::{Actor, ActorProcessingErr, ActorRef, MessagingErr, RpcReplyPort};
 use sluice_core::{PolicyVersion, RequestId, WeightSnapshot, WeightUpdateMode};
 use sluice_engine::{
     Completion, EngineEvent, EngineStats, EventSink, GenerateRequest, InferenceBackend, TokenOutput,
 };
+use tokio::time::Instant;
 
 use crate::counters::ActorCounters;
 use crate::supervise::{Backoff, Watchdog};

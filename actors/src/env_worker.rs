@@ -135,22 +135,20 @@ impl EnvPoolHandle {
         let mut joins = Vec::new();
         for _ in 0..config.workers.max(1) {
             let load = Arc::new(AtomicUsize::new(0));
-            let args = WorkerArgs {
+            let worker = EnvWorker {
                 env: Arc::clone(&env),
                 out: out.clone(),
                 counters: counters.clone(),
                 load: Arc::clone(&load),
                 calls: config.calls_per_worker.max(1),
-                knobs: knobs.subscribe(),
                 config,
             };
-            let (w, j) =
-                Actor::spawn(None, EnvWorker, args)
-                    .await
-                    .map_err(|e| ActorError::Spawn {
-                        actor: "env",
-                        message: e.to_string(),
-                    })?;
+            let (w, j) = Actor::spawn(None, worker, knobs.subscribe())
+                .await
+                .map_err(|e| ActorError::Spawn {
+                    actor: "env",
+                    message: e.to_string(),
+                })?;
             workers.push(WorkerSlot { actor: w, load });
             joins.push(j);
         }
@@ -223,21 +221,22 @@ impl EnvPoolHandle {
     }
 }
 
-struct EnvWorker;
-
-struct WorkerArgs {
+/// A worker, with what stays fixed for its life: the env, where results go, its counters and
+/// load gauge (shared with the pool, which routes by it), and its limits.
+struct EnvWorker {
     env: Arc<dyn RolloutEnv>,
     out: Sink<EnvResult>,
     counters: ActorCounters,
     load: Arc<AtomicUsize>,
+    /// Calls it runs at once.
     calls: usize,
-    knobs: watch::Receiver<Knobs>,
     config: EnvPoolConfig,
 }
 
-/// A worker's state: its arguments and the calls it runs (owned: aborted when it stops).
+/// A worker's state: the knobs as it last saw them (the receiver marks what it has seen) and
+/// the calls it runs (owned: aborted when it stops).
 struct WorkerState {
-    args: WorkerArgs,
+    knobs: watch::Receiver<Knobs>,
     running: JoinSet<()>,
 }
 
@@ -342,15 +341,15 @@ async fn call(env: &dyn RolloutEnv, job: Job) -> Option<EnvResult> {
 impl Actor for EnvWorker {
     type Msg = EnvMsg;
     type State = WorkerState;
-    type Arguments = WorkerArgs;
+    type Arguments = watch::Receiver<Knobs>;
 
     async fn pre_start(
         &self,
         _me: ActorRef<EnvMsg>,
-        args: WorkerArgs,
+        knobs: watch::Receiver<Knobs>,
     ) -> Result<WorkerState, ActorProcessingErr> {
         Ok(WorkerState {
-            args,
+            knobs,
             running: JoinSet::new(),
         })
     }
@@ -361,24 +360,24 @@ impl Actor for EnvWorker {
         EnvMsg(job): EnvMsg,
         state: &mut WorkerState,
     ) -> Result<(), ActorProcessingErr> {
-        let WorkerState { args, running } = state;
-        args.counters.received(1);
+        let WorkerState { knobs, running } = state;
+        self.counters.received(1);
         while running.try_join_next().is_some() {}
-        if matches!(job, Job::Start(..)) && args.knobs.has_changed().unwrap_or(false) {
+        if matches!(job, Job::Start(..)) && knobs.has_changed().unwrap_or(false) {
             // The knobs changed before the controller admitted this rollout: the cap follows
             // them before the session opens.
-            let cap = args.config.session_cap(&args.knobs.borrow_and_update());
-            args.env.set_session_cap(cap);
+            let cap = self.config.session_cap(&knobs.borrow_and_update());
+            self.env.set_session_cap(cap);
         }
         // At its limit the worker waits for a call to end; later jobs queue in its mailbox,
         // and the pool sends new ones to less-loaded workers.
-        while running.len() >= args.calls {
+        while running.len() >= self.calls {
             running.join_next().await;
         }
-        let env = Arc::clone(&args.env);
-        let out = args.out.clone();
-        let counters = args.counters.clone();
-        let load = Arc::clone(&args.load);
+        let env = Arc::clone(&self.env);
+        let out = self.out.clone();
+        let counters = self.counters.clone();
+        let load = Arc::clone(&self.load);
         running.spawn(async move {
             if let Some(result) = call(env.as_ref(), job).await {
                 out(result);

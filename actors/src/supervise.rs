@@ -2,11 +2,15 @@
 //! and the progress [`Watchdog`]. The engine actor applies both to its replicas; the node applies
 //! the restart policy table in [`crate::node`].
 //!
-//! Both take `now` as an argument, so tests drive them with made-up instants.
+//! Both take `now` as an argument, so tests drive them with made-up instants. The instants are
+//! tokio's ([`tokio::time::Instant`]): the engine actor reads the runtime's clock, so a test that
+//! pauses it (`#[tokio::test(start_paused = true)]`) moves the backoff, the watchdog and the
+//! actor's timers together instead of sleeping them out.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use sluice_core::config::SupervisionConfig;
+use tokio::time::Instant;
 
 /// Exponential restart backoff: the `k`-th consecutive failure waits
 /// `min(initial · 2^(k−1), max)`. An incarnation that stayed up at least `max` counts as healthy,

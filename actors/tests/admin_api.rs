@@ -5,7 +5,7 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde_json::Value;
 use sluice_actors::client::{Call, send};
@@ -101,11 +101,13 @@ async fn status_pause_and_resume_over_http() {
     assert_eq!(code, 200, "{body}");
     assert_eq!(body["knobs"]["paused"], false);
     assert_eq!(body["changes"][0]["knob"], "paused");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while node.status().await.unwrap().controller.admitted_total == 0 {
-        assert!(Instant::now() < deadline, "resume did not start admission");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    common::wait_for_status(
+        &node,
+        "resume to start admission",
+        Duration::from_secs(10),
+        |s| s.controller.admitted_total > 0,
+    )
+    .await;
     let (code, body) = call(&base, "POST", "/v1/pause", Some("s3cret")).await;
     assert_eq!(code, 200, "{body}");
     assert!(node.handles.knobs.current().paused);
@@ -113,8 +115,15 @@ async fn status_pause_and_resume_over_http() {
     assert_eq!(code, 200, "pausing twice is fine: {body}");
     assert_eq!(body["changes"].as_array().unwrap().len(), 0);
     // Paused: admission stops while in-flight groups finish.
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    let admitted = node.status().await.unwrap().controller.admitted_total;
+    let admitted = common::wait_for_status(
+        &node,
+        "the in-flight groups to finish",
+        Duration::from_secs(10),
+        |s| s.controller.in_flight == 0,
+    )
+    .await
+    .controller
+    .admitted_total;
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(
         node.status().await.unwrap().controller.admitted_total,

@@ -4,7 +4,7 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use sluice_actors::client::request;
 use sluice_actors::{Node, NodeOptions};
@@ -94,14 +94,13 @@ async fn a_knob_patched_over_http_takes_effect_at_the_next_decision() {
     )
     .await;
     assert_eq!(code, 200, "{body}");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while node.status().await.unwrap().controller.admitted_total == 0 {
-        assert!(
-            Instant::now() < deadline,
-            "unpausing did not start admission"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    common::wait_for_status(
+        &node,
+        "unpausing to start admission",
+        Duration::from_secs(10),
+        |s| s.controller.admitted_total > 0,
+    )
+    .await;
 
     let status = node
         .wait_done(Duration::from_secs(20), |_| {})
@@ -114,7 +113,8 @@ async fn a_knob_patched_over_http_takes_effect_at_the_next_decision() {
         body.contains("\"controller\"") && body.contains("\"trainer\""),
         "{body}"
     );
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Every name below is on /metrics from the start (seeded) or from the first trained step
+    // (the lag histogram): no telemetry tick is waited for.
     let metrics_base = format!("http://{}", node.metrics_addr().unwrap());
     let (code, text) = call(metrics_base, "GET", "/metrics", None, None).await;
     assert_eq!(code, 200);

@@ -72,6 +72,14 @@ async fn the_admission_knob_switches_live() {
         bad.to_string(),
         "admission: expected one of demand, eta, got `sometimes`"
     );
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    // The run trains on under the switched rule.
+    let steps = node.status().await.unwrap().trainer.steps;
+    common::wait_for_status(
+        &node,
+        "a step after the switch",
+        Duration::from_secs(20),
+        |s| s.trainer.steps > steps,
+    )
+    .await;
     node.shutdown().await;
 }

@@ -3,8 +3,10 @@
 //! with, the resumed request runs on the live server, and the dead replica is rebuilt on the
 //! newest weights the actor kept.
 
+mod common;
+
 use std::io::Read;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use sluice_actors::engine::{EngineHandle, EngineReport, EngineSupervision, ReplicaFactory};
@@ -16,6 +18,8 @@ use sluice_engine::{
     NativeEngineParams, SamplingParams, TokenOutput,
 };
 use sluice_model::presets::{Preset, write_preset};
+
+use common::Recorded;
 
 /// `sluice serve` on a fresh tiny preset; returns its URL, its stop switch and its engine.
 async fn serve(dir: &std::path::Path) -> (String, tokio::sync::oneshot::Sender<()>, NativeEngine) {
@@ -98,17 +102,14 @@ fn request(counter: u64, max_tokens: u32, resume: Option<TokenOutput>) -> Genera
     }
 }
 
-type Finished = Arc<Mutex<Vec<(Completion, u32)>>>;
+type Finished = Arc<Recorded<(Completion, u32)>>;
 
 async fn finished(reports: &Finished, id: RequestId) -> (Completion, u32) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        if let Some(f) = reports.lock().unwrap().iter().find(|(c, _)| c.id == id) {
-            return f.clone();
-        }
-        assert!(Instant::now() < deadline, "timed out waiting for {id}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    let is_it = |f: &&(Completion, u32)| f.0.id == id;
+    reports
+        .until(&format!("{id} to finish"), |r| r.iter().any(|f| is_it(&f)))
+        .await;
+    reports.lock().iter().find(is_it).unwrap().clone()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -118,11 +119,11 @@ async fn a_dead_server_is_a_dead_replica_rebuilt_on_the_latest_weights() {
     let (doomed_url, got_call, kill) = doomed_server();
     let urls = [doomed_url, live_url];
     let dirs = WeightDirs::new(dir.path().join("weights"), None, 2);
-    let built_on: Arc<Mutex<Vec<(u32, PolicyVersion)>>> = Arc::default();
+    let built_on: Arc<Recorded<(u32, PolicyVersion)>> = Arc::default();
     let factory = {
         let built_on = Arc::clone(&built_on);
         ReplicaFactory::new(move |replica, latest, sink| {
-            built_on.lock().unwrap().push((replica, latest.version));
+            built_on.push((replica, latest.version));
             let params = RemoteParams {
                 replica,
                 url: urls[replica as usize].clone(),
@@ -149,7 +150,7 @@ async fn a_dead_server_is_a_dead_replica_rebuilt_on_the_latest_weights() {
                 replica,
             } = r
             {
-                sink.lock().unwrap().push((completion, replica));
+                sink.push((completion, replica));
             }
         }),
         EngineSupervision {
@@ -222,7 +223,7 @@ async fn a_dead_server_is_a_dead_replica_rebuilt_on_the_latest_weights() {
             break (c, replica);
         }
         // It reached the rebuilt replica 0 before that one found its server gone: resume again.
-        reports.lock().unwrap().retain(|(r, _)| r.id != resumed.id);
+        reports.lock().retain(|(r, _)| r.id != resumed.id);
         let mut again = resumed.clone();
         again.resume = Some(c.output);
         engine.generate(again, None);
@@ -240,15 +241,13 @@ async fn a_dead_server_is_a_dead_replica_rebuilt_on_the_latest_weights() {
     );
 
     // Replica 0 was rebuilt, on the newest weights the actor kept.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let builds_of_0 = || built_on.lock().unwrap().iter().filter(|b| b.0 == 0).count();
-    while builds_of_0() < 2 {
-        assert!(Instant::now() < deadline, "replica 0 was never rebuilt");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    built_on
+        .until("replica 0 to be rebuilt", |b| {
+            b.iter().filter(|b| b.0 == 0).count() >= 2
+        })
+        .await;
     let rebuilt: Vec<PolicyVersion> = built_on
         .lock()
-        .unwrap()
         .iter()
         .filter(|b| b.0 == 0)
         .map(|b| b.1)

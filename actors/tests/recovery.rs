@@ -7,7 +7,7 @@ mod common;
 
 use std::collections::HashSet;
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use sluice_actors::checkpoint::CheckpointDir;
 use sluice_actors::replay::ReplayStatus;
@@ -36,15 +36,10 @@ fn ids(s: &ReplayStatus, b: Bucket) -> HashSet<GroupId> {
 }
 
 async fn wait_for_steps(node: &Node, steps: u64) {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let s = node.status().await.unwrap();
-        if s.trainer.steps >= steps {
-            return;
-        }
-        assert!(Instant::now() < deadline, "no progress: {s:#?}");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    common::wait_for_status(node, "progress", Duration::from_secs(60), |s| {
+        s.trainer.steps >= steps
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -25,18 +25,13 @@ async fn a_restart_recovers_every_completed_and_aborted_group() {
 
     // Run 1: stop in the middle of the run.
     let node = Node::start(&config, options()).await.unwrap();
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    loop {
-        let s = node.status().await.unwrap();
-        if s.trainer.steps >= 3 && s.replay.buckets["aborted"] + s.replay.buckets["completed"] > 0 {
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "run 1 made no progress: {s:#?}"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    common::wait_for_status(
+        &node,
+        "run 1 to make progress",
+        Duration::from_secs(20),
+        |s| s.trainer.steps >= 3 && s.replay.buckets["aborted"] + s.replay.buckets["completed"] > 0,
+    )
+    .await;
     let trained_1: HashSet<_> = node.handles.trainer.trained_ids().into_iter().collect();
     let last = node.shutdown().await.expect("final replay state");
 

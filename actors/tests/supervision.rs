@@ -3,10 +3,16 @@
 //! partial they were resumed from; requests that arrive while no replica is alive wait for one;
 //! after `close`, every request is answered as aborted at once; a factory that fails is retried,
 //! and a rebuilt replica starts on the newest weights the engine kept.
+//!
+//! Time is paused: the backoffs and the watchdog run on tokio's clock (the engine actor reads
+//! `tokio::time::Instant`), so the runtime jumps to the next timer whenever every task waits, and
+//! the tests wait on what the stubs record, never on the wall clock.
 
+mod common;
+
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use sluice_actors::engine::{
     BackendFactory, EngineHandle, EngineReport, EngineSupervision, ReplicaFactory,
@@ -18,6 +24,9 @@ use sluice_engine::{
     EngineError, EngineStats, FinishReason, GenerateRequest, InferenceBackend, SamplingParams,
     TokenOutput,
 };
+use tokio::time::Instant;
+
+use common::Recorded;
 
 /// What a stub replica does with a submission.
 #[derive(Clone, Copy, PartialEq)]
@@ -31,7 +40,7 @@ enum Mode {
 struct Stub {
     mode: Mode,
     submitted: AtomicU32,
-    log: Arc<Mutex<Vec<(u32, u32, RequestId)>>>,
+    log: Log,
     replica: u32,
     incarnation: u32,
 }
@@ -44,10 +53,7 @@ impl InferenceBackend for Stub {
                 backend: "stub".into(),
             });
         }
-        self.log
-            .lock()
-            .unwrap()
-            .push((self.replica, self.incarnation, request.id));
+        self.log.push((self.replica, self.incarnation, request.id));
         Ok(())
     }
     fn abort(&self, _id: RequestId) -> Result<(), EngineError> {
@@ -65,18 +71,23 @@ impl InferenceBackend for Stub {
     fn shutdown(&mut self) {}
 }
 
-type Log = Arc<Mutex<Vec<(u32, u32, RequestId)>>>;
-type Reports = Arc<Mutex<Vec<EngineReport>>>;
+/// (replica, incarnation, request) for every submission a stub accepted.
+type Log = Arc<Recorded<(u32, u32, RequestId)>>;
+type Reports = Arc<Recorded<EngineReport>>;
+/// The incarnation of every stub built.
+type Builds = Arc<Recorded<u32>>;
 
-fn factory(mode: Mode, log: Log) -> BackendFactory {
+fn factory(mode: Mode, log: Log, builds: Builds) -> BackendFactory {
     let incarnations = Arc::new(AtomicU32::new(0));
     Arc::new(move |replica, _v, _sink| {
+        let incarnation = incarnations.fetch_add(1, Ordering::SeqCst);
+        builds.push(incarnation);
         Box::new(Stub {
             mode,
             submitted: AtomicU32::new(0),
             log: Arc::clone(&log),
             replica,
-            incarnation: incarnations.fetch_add(1, Ordering::SeqCst),
+            incarnation,
         }) as Box<dyn InferenceBackend>
     })
 }
@@ -109,10 +120,8 @@ fn request(counter: u64, resumed_tokens: usize) -> GenerateRequest {
     }
 }
 
-fn aborted(reports: &Reports) -> Vec<(RequestId, usize)> {
+fn aborted(reports: &[EngineReport]) -> Vec<(RequestId, usize)> {
     reports
-        .lock()
-        .unwrap()
         .iter()
         .filter_map(|r| match r {
             EngineReport::Finished { completion, .. }
@@ -125,48 +134,57 @@ fn aborted(reports: &Reports) -> Vec<(RequestId, usize)> {
         .collect()
 }
 
-async fn until(what: &str, mut ok: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !ok() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+struct Spawned {
+    engine: EngineHandle,
+    log: Log,
+    reports: Reports,
+    builds: Builds,
+    join: tokio::task::JoinHandle<()>,
 }
 
-async fn spawn(
-    mode: Mode,
-    sup: EngineSupervision,
-) -> (EngineHandle, Log, Reports, tokio::task::JoinHandle<()>) {
+async fn spawn(mode: Mode, sup: EngineSupervision) -> Spawned {
     let log: Log = Arc::default();
     let reports: Reports = Arc::default();
+    let builds: Builds = Arc::default();
     let sink = Arc::clone(&reports);
     let (engine, join) = EngineHandle::spawn_supervised(
         1,
         PolicyVersion(0),
-        factory(mode, Arc::clone(&log)),
-        Arc::new(move |r| sink.lock().unwrap().push(r)),
+        factory(mode, Arc::clone(&log), Arc::clone(&builds)),
+        Arc::new(move |r| sink.push(r)),
         sup,
     )
     .await
     .unwrap();
-    (engine, log, reports, join)
+    Spawned {
+        engine,
+        log,
+        reports,
+        builds,
+        join,
+    }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn a_failing_replica_returns_its_partials_waits_out_the_backoff_and_comes_back() {
     let sup = EngineSupervision {
         backoff_initial: Duration::from_millis(150),
         backoff_max: Duration::from_secs(1),
         ..EngineSupervision::default()
     };
-    let (engine, log, reports, join) = spawn(Mode::FailAfterOne, sup).await;
+    let Spawned {
+        engine,
+        log,
+        reports,
+        join,
+        ..
+    } = spawn(Mode::FailAfterOne, sup).await;
     engine.generate(request(1, 5), None); // accepted
     engine.generate(request(2, 0), None); // refused: the replica fails
-    until("both requests back as aborted", || {
-        aborted(&reports).len() == 2
-    })
-    .await;
-    let mut back = aborted(&reports);
+    reports
+        .until("both requests back as aborted", |r| aborted(r).len() == 2)
+        .await;
+    let mut back = aborted(&reports.lock());
     back.sort();
     assert_eq!(back[0].1, 5, "the resumed request keeps its partial");
     assert_eq!(back[1].1, 0);
@@ -175,10 +193,8 @@ async fn a_failing_replica_returns_its_partials_waits_out_the_backoff_and_comes_
     assert_eq!(health[0].failures.get("error"), Some(&1));
     // Sent while no replica is alive: it waits, then goes to the rebuilt replica.
     engine.generate(request(3, 0), None);
-    until("the restart", || {
-        log.lock().unwrap().iter().any(|(_, inc, _)| *inc == 1)
-    })
-    .await;
+    log.until("the restart", |l| l.iter().any(|(_, inc, _)| *inc == 1))
+        .await;
     let health = engine.health().await.unwrap();
     assert!(health[0].alive);
     assert_eq!(health[0].restarts, 1);
@@ -186,9 +202,9 @@ async fn a_failing_replica_returns_its_partials_waits_out_the_backoff_and_comes_
         health[0].last_restart_seconds.unwrap() >= 0.14,
         "{health:?}"
     );
-    assert_eq!(log.lock().unwrap().last().unwrap().2, request(3, 0).id);
+    assert_eq!(log.lock().last().unwrap().2, request(3, 0).id);
     assert_eq!(
-        aborted(&reports).len(),
+        aborted(&reports.lock()).len(),
         2,
         "the waiting request was not aborted"
     );
@@ -196,7 +212,7 @@ async fn a_failing_replica_returns_its_partials_waits_out_the_backoff_and_comes_
     join.await.unwrap();
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn the_watchdog_fails_a_replica_that_holds_requests_without_progress() {
     let sup = EngineSupervision {
         backoff_initial: Duration::from_millis(1),
@@ -204,42 +220,53 @@ async fn the_watchdog_fails_a_replica_that_holds_requests_without_progress() {
         watchdog: Some(Duration::from_millis(200)),
         ..EngineSupervision::default()
     };
-    let (engine, log, reports, join) = spawn(Mode::Silent, sup).await;
-    // Idle time never counts.
+    let Spawned {
+        engine,
+        log,
+        reports,
+        builds,
+        join,
+    } = spawn(Mode::Silent, sup).await;
+    // Idle time never counts: twice the limit passes on the engine's clock (time is paused,
+    // so this costs no wall time and the watchdog's ticks all run).
     tokio::time::sleep(Duration::from_millis(400)).await;
     assert_eq!(engine.health().await.unwrap()[0].failures.len(), 0);
     let asked = Instant::now();
     engine.generate(request(1, 3), None);
-    until("the watchdog", || aborted(&reports).len() == 1).await;
+    reports
+        .until("the watchdog", |r| aborted(r).len() == 1)
+        .await;
     assert!(asked.elapsed() >= Duration::from_millis(200));
-    assert_eq!(aborted(&reports)[0].1, 3);
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let health = loop {
-        let h = engine.health().await.unwrap();
-        if h[0].restarts == 1 {
-            break h;
-        }
-        assert!(Instant::now() < deadline, "no restart: {h:?}");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    };
+    assert_eq!(aborted(&reports.lock())[0].1, 3);
+    builds.until("the rebuild", |b| b.len() == 2).await;
+    let health = engine.health().await.unwrap();
+    assert_eq!(health[0].restarts, 1, "{health:?}");
     assert_eq!(health[0].failures.get("watchdog"), Some(&1));
-    assert_eq!(log.lock().unwrap().len(), 1);
+    assert_eq!(log.lock().len(), 1);
     engine.stop().await;
     join.await.unwrap();
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn after_close_every_request_is_answered_as_aborted() {
-    let (engine, log, reports, join) = spawn(Mode::Silent, EngineSupervision::default()).await;
+    let Spawned {
+        engine,
+        log,
+        reports,
+        join,
+        ..
+    } = spawn(Mode::Silent, EngineSupervision::default()).await;
     engine.close().await.unwrap();
     engine.generate(request(1, 4), None);
-    until("the refusal", || aborted(&reports).len() == 1).await;
+    reports
+        .until("the refusal", |r| aborted(r).len() == 1)
+        .await;
     assert_eq!(
-        aborted(&reports)[0].1,
+        aborted(&reports.lock())[0].1,
         4,
         "the partial comes back as it was"
     );
-    assert!(log.lock().unwrap().is_empty(), "nothing reached a backend");
+    assert!(log.lock().is_empty(), "nothing reached a backend");
     engine.stop().await;
     join.await.unwrap();
 }
@@ -249,11 +276,11 @@ async fn after_close_every_request_is_answered_as_aborted() {
 fn flaky_factory(
     failures: u32,
     log: Log,
-    built_on: Arc<Mutex<Vec<PolicyVersion>>>,
+    built_on: Arc<Recorded<PolicyVersion>>,
 ) -> ReplicaFactory {
     let calls = Arc::new(AtomicU32::new(0));
     ReplicaFactory::new(move |replica, weights, _sink| {
-        built_on.lock().unwrap().push(weights.version);
+        built_on.push(weights.version);
         let n = calls.fetch_add(1, Ordering::SeqCst);
         if n < failures {
             return Err(EngineError::Start {
@@ -271,17 +298,17 @@ fn flaky_factory(
     })
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn a_factory_that_fails_is_retried_and_a_rebuilt_replica_starts_on_the_latest_weights() {
     let log: Log = Arc::default();
-    let built_on: Arc<Mutex<Vec<PolicyVersion>>> = Arc::default();
+    let built_on: Arc<Recorded<PolicyVersion>> = Arc::default();
     let reports: Reports = Arc::default();
     let sink = Arc::clone(&reports);
     let (engine, join) = EngineHandle::spawn_supervised(
         1,
         PolicyVersion(3),
         flaky_factory(2, Arc::clone(&log), Arc::clone(&built_on)),
-        Arc::new(move |r| sink.lock().unwrap().push(r)),
+        Arc::new(move |r| sink.push(r)),
         EngineSupervision {
             backoff_initial: Duration::from_millis(20),
             backoff_max: Duration::from_millis(100),
@@ -293,11 +320,11 @@ async fn a_factory_that_fails_is_retried_and_a_rebuilt_replica_starts_on_the_lat
     // Nothing alive: the request waits at the engine (it is neither failed nor aborted) and is
     // served once a build succeeds.
     engine.generate(request(1, 0), None);
-    until("the third build serves the parked request", || {
-        log.lock().unwrap().len() == 1
+    log.until("the third build serves the parked request", |l| {
+        l.len() == 1
     })
     .await;
-    assert!(aborted(&reports).is_empty());
+    assert!(aborted(&reports.lock()).is_empty());
     let health = engine.health().await.unwrap();
     assert!(health[0].alive);
     assert_eq!(health[0].failures.get("start"), Some(&2));
@@ -312,12 +339,11 @@ async fn a_factory_that_fails_is_retried_and_a_rebuilt_replica_starts_on_the_lat
         WeightUpdateMode::InFlight,
     );
     engine.generate(request(2, 0), None);
-    until("the rebuild after the failure", || {
-        built_on.lock().unwrap().len() == 4
-    })
-    .await;
+    built_on
+        .until("the rebuild after the failure", |b| b.len() == 4)
+        .await;
     assert_eq!(
-        *built_on.lock().unwrap(),
+        *built_on.lock(),
         vec![
             PolicyVersion(3),
             PolicyVersion(3),

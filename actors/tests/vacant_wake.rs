@@ -2,7 +2,10 @@
 //! joins the registry: the registry's change wakes it, no timer does. Time is paused, so the
 //! delay measured is the engine's own (virtual) time from the join to the replica being alive:
 //! woken by the join it is 0; a slot that looked again every 0.5 s would wait for its next look
-//! (250 ms here, the join falling halfway between two looks).
+//! (250 ms here, the join falling halfway between two looks). The test wakes on the factory's
+//! build on the claimed node, not on a poll of the engine's health.
+
+mod common;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -13,6 +16,8 @@ use sluice_core::config::NodeRole;
 use sluice_core::{PolicyVersion, RequestId, WeightSnapshot, WeightUpdateMode};
 use sluice_engine::{EngineError, EngineStats, GenerateRequest, InferenceBackend};
 use tokio::time::Instant;
+
+use common::Recorded;
 
 /// A replica that accepts everything and never answers.
 struct Idle;
@@ -44,11 +49,15 @@ async fn a_vacant_slot_takes_a_node_when_it_joins_not_at_a_timer() {
         8,
     ));
     let claims = Arc::clone(&registry);
+    // The replicas built on a claimed node.
+    let built: Arc<Recorded<u32>> = Arc::default();
+    let on_build = Arc::clone(&built);
     let factory = ReplicaFactory::new(move |replica, _w, _sink| {
         claims
             .claim(replica)
-            .map(|_| Box::new(Idle) as Box<dyn InferenceBackend>)
-            .map_err(|reason| EngineError::NoServer { replica, reason })
+            .map_err(|reason| EngineError::NoServer { replica, reason })?;
+        on_build.push(replica);
+        Ok(Box::new(Idle) as Box<dyn InferenceBackend>)
     })
     .with_wake(registry.subscribe());
     let (engine, join) = EngineHandle::spawn_supervised(
@@ -72,10 +81,11 @@ async fn a_vacant_slot_takes_a_node_when_it_joins_not_at_a_timer() {
             tasks: Vec::new(),
         })
         .unwrap();
-    while !engine.health().await.unwrap()[0].alive {
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
+    built
+        .until("the replica built on the node", |b| !b.is_empty())
+        .await;
     let waited = joined.elapsed();
+    assert!(engine.health().await.unwrap()[0].alive);
     println!(
         "join → replica alive: {} ms (engine time)",
         waited.as_millis()

@@ -15,7 +15,6 @@ pub mod registry;
 pub mod routes;
 
 use std::sync::Arc;
-use std::time::Instant;
 
 use sluice_core::config::{Config, NodeRole};
 use sluice_engine::remote::WeightDirs;
@@ -70,7 +69,7 @@ impl Head {
             let mut ticker = tokio::time::interval(period);
             loop {
                 ticker.tick().await;
-                swept.sweep(Instant::now());
+                swept.sweep(tokio::time::Instant::now());
             }
         });
         Ok((

@@ -12,136 +12,30 @@
 //! Every change of who is live (a join, a return, a leave, a loss) is announced on a watch
 //! channel ([`Registry::subscribe`]): a vacant engine replica slot and an episode waiting for an
 //! env node wake on it instead of polling. Env nodes advertise the tasks they serve when they
-//! join; the head's env episodes go to them ([`super::env_nodes`]).
+//! join; the head's env episodes go to them ([`super::env_nodes`]). The messages of the
+//! membership routes are in `wire` (re-exported here).
+//!
+//! Heartbeats are timed on tokio's clock ([`Instant`]), as the head's sweeper is: a test that
+//! pauses the runtime's time moves both.
 
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use dashmap::DashMap;
-use serde::{Deserialize, Serialize};
 use sluice_core::config::{NodeConfig, NodeRole};
 use sluice_core::metrics as m;
 use sluice_env::remote::OpenEnvs;
 use tokio::sync::watch;
+use tokio::time::Instant;
 
-/// Most tasks an env node may advertise.
-pub const MAX_ADVERTISED_TASKS: usize = 64;
+mod wire;
 
-/// Why a join was refused.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum JoinError {
-    /// The head has `node.max_nodes` live members already.
-    #[error("the head has {max} live members already (node.max_nodes)")]
-    Full {
-        /// The limit.
-        max: usize,
-    },
-    /// A head does not join a head.
-    #[error("a `head` cannot join a head; only engine and env nodes join")]
-    HeadRole,
-    /// The URL is not `http://host:port`.
-    #[error("the node's url `{0}` is not http://host:port")]
-    BadUrl(String),
-    /// The name is not 1 to 63 characters of `[A-Za-z0-9._-]`.
-    #[error("the node name `{0}` is not 1 to 63 characters of [A-Za-z0-9._-]")]
-    BadName(String),
-    /// The advertised tasks are too many, or one is not a task name.
-    #[error(
-        "the node's tasks: expected at most {MAX_ADVERTISED_TASKS} names of 1 to 63 characters of [A-Za-z0-9._-], got {0}"
-    )]
-    BadTasks(String),
-}
-
-/// Whether `name` is 1 to 63 characters of `[A-Za-z0-9._-]`.
-fn valid_name(name: &str) -> bool {
-    !name.is_empty()
-        && name.len() <= 63
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
-}
-
-/// A join request (`POST /v1/nodes`).
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct JoinRequest {
-    /// The node's name (unique in the run).
-    pub name: String,
-    /// `engine` or `env`.
-    pub role: NodeRole,
-    /// Where the head reaches it.
-    pub url: String,
-    /// The tasks an env node serves (`GET /v1/tasks` of its env server); the head sends it
-    /// episodes of these only.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub tasks: Vec<String>,
-}
-
-/// What the head answers a join with.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct JoinReply {
-    /// The name joined.
-    pub name: String,
-    /// This membership's incarnation (heartbeats and the leave carry it).
-    pub incarnation: u64,
-    /// How often to heartbeat, seconds.
-    pub heartbeat_s: f64,
-}
-
-/// A heartbeat (`POST /v1/nodes/<name>/heartbeat`).
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Heartbeat {
-    /// The incarnation the node joined as.
-    pub incarnation: u64,
-    /// The policy version an engine node has loaded.
-    #[serde(default)]
-    pub weight_version: Option<u64>,
-    /// Requests (engine) or envs (env) in progress.
-    #[serde(default)]
-    pub load: Option<u64>,
-}
-
-/// Health of a member as the head sees it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum MemberHealth {
-    /// Heartbeating.
-    Live,
-    /// Silent for longer than `node.lost_after_s`.
-    Lost,
-}
-
-/// One member as `/v1/nodes` and `/v1/status` list it.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct NodeView {
-    /// Its name.
-    pub name: String,
-    /// `engine` or `env`.
-    pub role: NodeRole,
-    /// Where the head reaches it.
-    pub url: String,
-    /// Live or lost.
-    pub health: MemberHealth,
-    /// Its incarnation (joins under this name so far).
-    pub incarnation: u64,
-    /// Seconds since its last heartbeat.
-    pub last_seen_seconds: f64,
-    /// The policy version it reported loaded (engine nodes).
-    pub weight_version: Option<u64>,
-    /// Requests or envs in progress it reported.
-    pub load: Option<u64>,
-    /// The engine replica running on it, when one does.
-    pub replica: Option<u32>,
-    /// The tasks it serves (env nodes).
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub tasks: Vec<String>,
-    /// The head's episodes open on it now (env nodes).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub envs_open: Option<u64>,
-}
+use wire::valid_name;
+pub use wire::{
+    Heartbeat, JoinError, JoinReply, JoinRequest, MAX_ADVERTISED_TASKS, MemberHealth, NodeView,
+};
 
 #[derive(Debug, Clone)]
 pub(super) struct Member {
@@ -463,99 +357,4 @@ impl Registry {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn engine(name: &str, port: u16) -> JoinRequest {
-        JoinRequest {
-            name: name.into(),
-            role: NodeRole::Engine,
-            url: format!("http://127.0.0.1:{port}"),
-            tasks: Vec::new(),
-        }
-    }
-
-    fn registry(max: usize) -> Registry {
-        Registry::with_timings(Duration::from_millis(100), Duration::from_millis(500), max)
-    }
-
-    #[test]
-    fn slots_claim_distinct_live_engines_and_a_rejoin_is_a_new_incarnation() {
-        let r = registry(8);
-        assert!(r.claim(0).unwrap_err().contains("no engine node"));
-        let a = r.join(engine("a", 1)).unwrap();
-        r.join(engine("b", 2)).unwrap();
-        let c0 = r.claim(0).unwrap();
-        let c1 = r.claim(1).unwrap();
-        assert_ne!(c0.name, c1.name);
-        assert!(r.claim(2).unwrap_err().contains("all 2 live engine nodes"));
-        // Slot 0 claims again (its replica is rebuilt): it may take the same node.
-        assert_eq!(r.claim(0).unwrap(), c0);
-        let again = r.join(engine("a", 1)).unwrap();
-        assert!(again.incarnation > a.incarnation);
-        assert!(
-            !r.is_live("a", a.incarnation),
-            "the old incarnation is gone"
-        );
-        assert!(r.is_live("a", again.incarnation));
-        assert!(!r.heartbeat_from(
-            "a",
-            &Heartbeat {
-                incarnation: a.incarnation,
-                ..Default::default()
-            }
-        ));
-    }
-
-    #[test]
-    fn a_silent_member_is_lost_until_it_heartbeats_and_lost_ones_make_room() {
-        let r = registry(2);
-        let a = r.join(engine("a", 1)).unwrap();
-        r.join(engine("b", 2)).unwrap();
-        assert_eq!(
-            r.join(engine("c", 3)).unwrap_err(),
-            JoinError::Full { max: 2 }
-        );
-        let later = Instant::now() + Duration::from_secs(1);
-        assert_eq!(r.sweep(later).len(), 2);
-        assert!(!r.is_live("a", a.incarnation));
-        assert!(r.claim(0).is_err(), "a lost node gets no replica");
-        assert!(r.heartbeat_from(
-            "a",
-            &Heartbeat {
-                incarnation: a.incarnation,
-                weight_version: Some(3),
-                load: Some(1)
-            }
-        ));
-        assert!(r.is_live("a", a.incarnation));
-        // `b` is lost: `c` takes its place.
-        r.join(engine("c", 3)).unwrap();
-        let names: Vec<String> = r.list().into_iter().map(|n| n.name).collect();
-        assert_eq!(names, ["a", "c"]);
-        assert_eq!(r.list()[0].weight_version, Some(3));
-        assert!(r.leave("a", a.incarnation));
-        assert!(!r.leave("a", a.incarnation));
-    }
-
-    #[test]
-    fn bad_joins_are_refused() {
-        let r = registry(2);
-        let mut bad = engine("a b", 1);
-        assert!(matches!(r.join(bad.clone()), Err(JoinError::BadName(_))));
-        bad.name = "a".into();
-        bad.url = "10.0.0.1:80".into();
-        assert!(matches!(r.join(bad.clone()), Err(JoinError::BadUrl(_))));
-        bad.url = "http://10.0.0.1:80".into();
-        bad.tasks = vec!["arithmetic".into(), "no spaces".into()];
-        assert!(matches!(r.join(bad.clone()), Err(JoinError::BadTasks(_))));
-        bad.tasks = (0..=MAX_ADVERTISED_TASKS)
-            .map(|i| format!("t{i}"))
-            .collect();
-        let err = r.join(bad.clone()).unwrap_err().to_string();
-        assert!(err.contains("got 65 names (t0, t1"), "{err}");
-        bad.tasks.clear();
-        bad.role = NodeRole::Head;
-        assert_eq!(r.join(bad).unwrap_err(), JoinError::HeadRole);
-    }
-}
+mod tests;

@@ -4,7 +4,7 @@
 //! replica, and giving up.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use ractor::ActorRef;
 use serde::Serialize;
@@ -14,6 +14,7 @@ use sluice_core::metrics as m;
 use sluice_engine::{
     Completion, EngineError, EventSink, FinishReason, InferenceBackend, TokenOutput,
 };
+use tokio::time::Instant;
 
 use super::{Cmd, EngineMsg, EngineReport, EngineState};
 use crate::events::RunEvents;

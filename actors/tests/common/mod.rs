@@ -1,17 +1,20 @@
-//! Shared helpers of the pipeline tests: a fast simulated config and invariant checks.
+//! Shared helpers of the pipeline tests: a fast simulated config, invariant checks, a wait on the
+//! node's status that wakes on its run events, and [`Recorded`] callbacks to wait on.
 
 #![allow(dead_code)]
 
 use std::path::Path;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 
-use sluice_actors::NodeStatus;
+use sluice_actors::{Node, NodeStatus};
 use sluice_core::config::SimTrainerConfig;
 use sluice_core::{
     BackendError, Config, PolicyVersion, RolloutGroup, TrainStepOutput, TrainerBackend,
     WeightSnapshot,
 };
 use sluice_trainer::SimTrainer;
+use tokio::sync::watch;
 
 /// Every batch a [`RecordingTrainer`] trained on, with the version it trained from.
 pub type Batches = Arc<Mutex<Vec<(PolicyVersion, Vec<RolloutGroup>)>>>;
@@ -127,4 +130,77 @@ pub fn check_invariants(status: &NodeStatus) {
         status.replay.buckets["consumed"], t.trained_groups,
         "consumed = trained"
     );
+}
+
+/// How often [`wait_for_status`] reads the status again when no run event came: admissions and
+/// bucket moves announce nothing (only steps, the trainer's end and actors ending do).
+const RECHECK: Duration = Duration::from_millis(20);
+
+/// Waits until `ok` holds for the node's status and returns that status: it reads the status
+/// again at each run event (a step trained, the trainer finished or failed, an actor ended) and,
+/// for changes no event announces, at least every [`RECHECK`]. Panics naming `what`, with the
+/// last status, when `timeout` passes first.
+pub async fn wait_for_status(
+    node: &Node,
+    what: &str,
+    timeout: Duration,
+    mut ok: impl FnMut(&NodeStatus) -> bool,
+) -> NodeStatus {
+    let deadline = tokio::time::Instant::now() + timeout;
+    let mut events = node.handles.events.subscribe();
+    loop {
+        events.borrow_and_update();
+        let status = node.status().await.expect("the node answers its status");
+        if ok(&status) {
+            return status;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out after {timeout:?} waiting for {what}: {status:#?}"
+        );
+        // A run event wakes it at once; the recheck covers what no event announces.
+        let _ = tokio::time::timeout(RECHECK, events.changed()).await;
+    }
+}
+
+/// What an actor's callbacks recorded (reports, submissions, builds), with a watch bumped at
+/// every record, so a test waits for a condition on it instead of polling.
+pub struct Recorded<T> {
+    items: Mutex<Vec<T>>,
+    pushed: watch::Sender<usize>,
+}
+
+impl<T> Default for Recorded<T> {
+    fn default() -> Self {
+        Self {
+            items: Mutex::default(),
+            pushed: watch::Sender::new(0),
+        }
+    }
+}
+
+impl<T> Recorded<T> {
+    /// Records `item` and wakes the waiters.
+    pub fn push(&self, item: T) {
+        self.items.lock().unwrap().push(item);
+        self.pushed.send_modify(|n| *n += 1);
+    }
+
+    /// What was recorded so far.
+    pub fn lock(&self) -> MutexGuard<'_, Vec<T>> {
+        self.items.lock().unwrap()
+    }
+
+    /// Waits (at most 30 s of the runtime's clock; panics naming `what` past them) until `ok`
+    /// holds for what is recorded.
+    pub async fn until(&self, what: &str, mut ok: impl FnMut(&[T]) -> bool) {
+        let mut pushed = self.pushed.subscribe();
+        let waited = tokio::time::timeout(Duration::from_secs(30), async {
+            while !ok(&self.lock()) {
+                pushed.changed().await.expect("the sender lives in `self`");
+            }
+        })
+        .await;
+        assert!(waited.is_ok(), "timed out waiting for {what}");
+    }
 }

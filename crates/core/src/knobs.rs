@@ -7,12 +7,13 @@
 //! scheduling decision or training step without any actor being told.
 
 use std::collections::BTreeMap;
-use std::fmt;
 use std::str::FromStr;
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
+
+use crate::choice::Choice;
 
 /// How the inference engine treats in-flight requests when new weights are published (§4.2).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -32,27 +33,7 @@ impl WeightUpdateMode {
 
     /// The config / API spelling.
     pub fn as_str(self) -> &'static str {
-        match self {
-            Self::AbortResume => "abort_resume",
-            Self::InFlight => "in_flight",
-            Self::Drain => "drain",
-        }
-    }
-}
-
-impl fmt::Display for WeightUpdateMode {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl FromStr for WeightUpdateMode {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        Self::ALL
-            .into_iter()
-            .find(|m| m.as_str() == s)
-            .ok_or_else(|| format!("expected one of abort_resume, in_flight, drain, got `{s}`"))
+        Choice::name(self)
     }
 }
 
@@ -75,28 +56,11 @@ impl AdmissionMode {
 
     /// The config / API spelling.
     pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Demand => "demand",
-            Self::Eta => "eta",
-        }
+        Choice::name(self)
     }
 }
 
-impl fmt::Display for AdmissionMode {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl FromStr for AdmissionMode {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        Self::ALL
-            .into_iter()
-            .find(|m| m.as_str() == s)
-            .ok_or_else(|| format!("expected one of demand, eta, got `{s}`"))
-    }
-}
+crate::impl_choice!(WeightUpdateMode, AdmissionMode);
 
 /// One validated snapshot of every runtime knob.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

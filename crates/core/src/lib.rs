@@ -9,6 +9,7 @@
 //! | [`rollout`] | [`DataSample`], [`RolloutTurn`], [`Rollout`], [`RolloutGroup`], [`RolloutStatus`] |
 //! | [`knobs`] | the runtime [`Knobs`], patches to them and the shared [`KnobsHandle`] |
 //! | [`config`] | TOML config: raw serde structs → `validate()` → typed [`Config`] |
+//! | [`choice`] | [`Choice`](choice::Choice): enums whose serde names are their config spellings |
 //! | [`metrics`] | the one catalog of Prometheus metric names, with help text |
 //! | [`sim`] | what the simulated engine and trainer share (simulated seconds → real time) |
 //! | [`rng`] | SplitMix64 and the seed mixer every crate draws with |
@@ -17,6 +18,7 @@
 //! This crate depends on nothing else of Sluice (see `DESIGN.md` §1): it is the bottom of the graph.
 
 pub mod backend;
+pub mod choice;
 pub mod completion;
 pub mod config;
 pub mod error;

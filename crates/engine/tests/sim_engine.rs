@@ -1,9 +1,12 @@
 //! The simulated engine's contract: honest aborts with partials, resume continues to the same
 //! length, `in_flight` tags later tokens with the new version, `drain` never lets a request span
 //! two versions.
+//!
+//! The engine decodes on its own thread: the tests block on its events (a condition variable
+//! the sink notifies) and, for its counters, which announce nothing, re-read its stats.
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use sluice_core::config::{LengthDistribution, SimEngineConfig};
@@ -12,8 +15,8 @@ use sluice_core::{
 };
 use sluice_engine::simulated::SimEngineParams;
 use sluice_engine::{
-    Completion, EngineEvent, FinishReason, GenerateRequest, InferenceBackend, SamplingParams,
-    SimEngine,
+    Completion, EngineEvent, EngineStats, FinishReason, GenerateRequest, InferenceBackend,
+    SamplingParams, SimEngine,
 };
 
 fn params(tokens: u32, time_scale: f64) -> SimEngineParams {
@@ -60,7 +63,29 @@ fn request(id: RequestId, resume: Option<sluice_engine::TokenOutput>) -> Generat
     }
 }
 
-type Events = Arc<Mutex<Vec<EngineEvent>>>;
+/// How long a test waits for the engine (robust to a slow, shared CPU).
+const PATIENCE: Duration = Duration::from_secs(10);
+
+/// The engine's events as its sink delivered them; the sink notifies `arrived`.
+#[derive(Default)]
+struct Recorded {
+    list: Mutex<Vec<EngineEvent>>,
+    arrived: Condvar,
+}
+
+type Events = Arc<Recorded>;
+
+impl Recorded {
+    /// Blocks until `ok` holds for the events so far, or [`PATIENCE`] passes; returns them.
+    fn wait(&self, mut ok: impl FnMut(&[EngineEvent]) -> bool) -> Vec<EngineEvent> {
+        let list = self.list.lock().unwrap();
+        let (list, _) = self
+            .arrived
+            .wait_timeout_while(list, PATIENCE, |l| !ok(l))
+            .unwrap();
+        list.clone()
+    }
+}
 
 fn start(p: SimEngineParams) -> (SimEngine, Events) {
     let events: Events = Arc::default();
@@ -68,36 +93,45 @@ fn start(p: SimEngineParams) -> (SimEngine, Events) {
     let engine = SimEngine::start(
         p,
         PolicyVersion(0),
-        Arc::new(move |e| sink.lock().unwrap().push(e)),
+        Arc::new(move |e| {
+            sink.list.lock().unwrap().push(e);
+            sink.arrived.notify_all();
+        }),
     );
     (engine, events)
 }
 
-/// Waits until the engine has decoded at least `n` tokens (robust to a slow, shared CPU).
-fn wait_tokens(engine: &SimEngine, n: u64) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while engine.stats().generated_tokens < n && Instant::now() < deadline {
+/// Re-reads `engine`'s stats until `ok` holds for them, or [`PATIENCE`] passes; returns the
+/// last. The stats announce nothing, so this is the one place the tests poll.
+fn wait_stats(engine: &SimEngine, mut ok: impl FnMut(&EngineStats) -> bool) -> EngineStats {
+    let deadline = Instant::now() + PATIENCE;
+    loop {
+        let stats = engine.stats();
+        if ok(&stats) || Instant::now() > deadline {
+            return stats;
+        }
         std::thread::sleep(Duration::from_millis(1));
     }
 }
 
+/// Waits until the engine has decoded at least `n` tokens.
+fn wait_tokens(engine: &SimEngine, n: u64) {
+    wait_stats(engine, |s| s.generated_tokens >= n);
+}
+
+fn finished(events: &[EngineEvent]) -> Vec<Completion> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            EngineEvent::Finished(c) => Some(c.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Waits until `n` requests finished (or [`PATIENCE`] passed); returns those that did.
 fn wait_finished(events: &Events, n: usize) -> Vec<Completion> {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let done: Vec<Completion> = events
-            .lock()
-            .unwrap()
-            .iter()
-            .filter_map(|e| match e {
-                EngineEvent::Finished(c) => Some(c.clone()),
-                _ => None,
-            })
-            .collect();
-        if done.len() >= n || Instant::now() > deadline {
-            return done;
-        }
-        std::thread::sleep(Duration::from_millis(2));
-    }
+    finished(&events.wait(|e| finished(e).len() >= n))
 }
 
 #[test]
@@ -181,7 +215,8 @@ fn drain_never_lets_a_request_span_two_versions() {
     for c in 0..8 {
         engine.submit(request(req_id(10 + c, 0), None)).unwrap();
     }
-    std::thread::sleep(Duration::from_millis(20));
+    // The first four are decoding, the others queued, when the drain comes.
+    wait_tokens(&engine, 1);
     engine
         .update_weights(
             WeightSnapshot::version_only(PolicyVersion(1)),
@@ -217,12 +252,7 @@ fn running_and_waiting_return_to_zero_when_idle() {
         engine.submit(request(req_id(counter, 0), None)).unwrap();
     }
     assert_eq!(wait_finished(&events, 6).len(), 6);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let mut stats = engine.stats();
-    while (stats.running, stats.waiting) != (0, 0) && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(2));
-        stats = engine.stats();
-    }
+    let stats = wait_stats(&engine, |s| (s.running, s.waiting) == (0, 0));
     assert_eq!((stats.running, stats.waiting), (0, 0), "{stats:?}");
     engine.shutdown();
 }
@@ -240,16 +270,10 @@ fn pause_holds_requests_until_continue_and_pause_with_abort_returns_partials() {
         )
         .unwrap();
     // The swap made while paused is reported at once (no step is coming), before any token.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !events
-        .lock()
-        .unwrap()
-        .iter()
-        .any(|e| matches!(e, EngineEvent::WeightsUpdated { .. }))
-        && Instant::now() < deadline
-    {
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    events.wait(|e| {
+        e.iter()
+            .any(|e| matches!(e, EngineEvent::WeightsUpdated { .. }))
+    });
     assert_eq!(engine.stats().generated_tokens, 0);
     assert_eq!(engine.stats().waiting, 1);
     engine.continue_generation().unwrap();

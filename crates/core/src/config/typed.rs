@@ -11,8 +11,9 @@ use std::path::PathBuf;
 use std::str::FromStr;
 use std::time::Duration;
 
-use serde::{Serialize, Serializer};
+use serde::{Deserialize, Serialize, Serializer};
 
+use crate::choice::Choice;
 use crate::knobs::Knobs;
 
 mod domain;
@@ -71,7 +72,7 @@ pub struct RunConfig {
 }
 
 /// Built-in model presets that `sluice model init` can write.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ModelPreset {
     /// A few hundred thousand parameters: tests and the quickstart.
@@ -89,24 +90,26 @@ impl ModelPreset {
 
     /// The preset's name in configs and flags.
     pub fn name(self) -> &'static str {
-        match self {
-            Self::Tiny => "tiny",
-            Self::Small => "small",
-            Self::Medium => "medium",
-        }
+        Choice::name(self)
     }
 
     /// The preset named `name` (a flag's value); the error lists the names.
     pub fn parse_name(name: &str) -> Result<Self, String> {
-        Self::ALL
-            .into_iter()
-            .find(|p| p.name() == name)
-            .ok_or_else(|| format!("unknown preset `{name}` (tiny, small, medium)"))
+        Choice::parse(name)
+            .map_err(|_| format!("unknown preset `{name}` ({})", Self::names().join(", ")))
     }
 }
 
+crate::impl_choice!(
+    ModelPreset,
+    DType,
+    EngineBackend,
+    BadLinePolicy,
+    ExpiredPolicy
+);
+
 /// Element type of model weights.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum DType {
     /// 32-bit float.
@@ -177,7 +180,7 @@ pub struct ModelConfig {
 }
 
 /// Which inference backend drives rollouts.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum EngineBackend {
     /// Sluice's own candle engine.
@@ -362,7 +365,7 @@ impl Serialize for DatasetSpec {
 }
 
 /// What to do with a dataset line that does not parse.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum BadLinePolicy {
     /// Report it with file and line, count it, go on.
@@ -432,7 +435,7 @@ impl Config {
 }
 
 /// What happens to rollouts whose oldest token fell past η.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ExpiredPolicy {
     /// Regenerate from the prompt.

@@ -10,6 +10,7 @@ use super::ADMIN_TOKEN_ENV;
 use super::error::{ConfigError, ConfigErrorKind, closest};
 use super::raw::*;
 use super::typed::*;
+use crate::choice::Choice;
 
 pub(crate) mod bounds;
 mod domain;
@@ -134,24 +135,10 @@ fn number(
     }
 }
 
-/// One of a fixed set of spellings.
-fn choice<T: Copy>(
-    ctx: &Ctx<'_>,
-    key: &str,
-    v: &str,
-    options: &[(&str, T)],
-) -> Result<T, ConfigError> {
-    options
-        .iter()
-        .find(|(name, _)| *name == v)
-        .map(|(_, t)| *t)
-        .ok_or_else(|| {
-            let names: Vec<&str> = options.iter().map(|(n, _)| *n).collect();
-            ctx.value(
-                key,
-                format!("expected one of {}, got `{v}`", names.join(", ")),
-            )
-        })
+/// One of the names of a [`Choice`] enum (its serde names); the error names the key, the
+/// value and every name.
+fn choice<T: Choice>(ctx: &Ctx<'_>, key: &str, v: &str) -> Result<T, ConfigError> {
+    T::parse(v).map_err(|reason| ctx.value(key, reason))
 }
 
 fn socket(ctx: &Ctx<'_>, key: &str, v: &str) -> Result<SocketAddr, ConfigError> {
@@ -308,25 +295,9 @@ fn validate_model(
     let init_preset = raw
         .init_preset
         .as_deref()
-        .map(|p| {
-            choice(
-                ctx,
-                "model.init_preset",
-                p,
-                &ModelPreset::ALL.map(|p| (p.name(), p)),
-            )
-        })
+        .map(|p| choice::<ModelPreset>(ctx, "model.init_preset", p))
         .transpose()?;
-    let dtype = choice(
-        ctx,
-        "model.dtype",
-        &raw.dtype,
-        &[
-            ("f32", DType::F32),
-            ("bf16", DType::Bf16),
-            ("f16", DType::F16),
-        ],
-    )?;
+    let dtype: DType = choice(ctx, "model.dtype", &raw.dtype)?;
     let device = device(ctx, "model.device", &raw.device)?;
     let path = match raw.path {
         Some(p) if p.trim().is_empty() => {
@@ -390,15 +361,7 @@ fn validate_replay(
     };
     Ok(ReplayConfig {
         path,
-        expired: choice(
-            ctx,
-            "replay.expired",
-            &raw.expired,
-            &[
-                ("regenerate", ExpiredPolicy::Regenerate),
-                ("drop", ExpiredPolicy::Drop),
-            ],
-        )?,
+        expired: choice(ctx, "replay.expired", &raw.expired)?,
         filter_zero_advantage: raw.filter_zero_advantage,
     })
 }

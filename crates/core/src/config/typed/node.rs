@@ -23,13 +23,11 @@ pub enum NodeRole {
 impl NodeRole {
     /// The name used in the config, the API and metric labels.
     pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Head => "head",
-            Self::Engine => "engine",
-            Self::Env => "env",
-        }
+        crate::choice::Choice::name(self)
     }
 }
+
+crate::impl_choice!(NodeRole);
 
 /// `[node]`
 #[derive(Debug, Clone, PartialEq, Serialize)]

@@ -2,10 +2,10 @@
 
 use std::num::NonZeroU32;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// Policy-gradient loss.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum LossKind {
     /// Clipped ratio against the behaviour log-probs (PPO / GRPO).
@@ -17,7 +17,7 @@ pub enum LossKind {
 }
 
 /// Learning-rate schedule after warmup.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum LrSchedule {
     /// Constant at the peak.
@@ -27,7 +27,7 @@ pub enum LrSchedule {
 }
 
 /// How advantages are baselined.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum AdvantageKind {
     /// GRPO: reward minus the group mean.
@@ -37,7 +37,7 @@ pub enum AdvantageKind {
 }
 
 /// How per-token losses are averaged over the global batch.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum LossAggregation {
     /// Every completion token counts the same.
@@ -49,7 +49,7 @@ pub enum LossAggregation {
 }
 
 /// Granularity of truncated importance weights.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum TisLevel {
     /// One weight per token.
@@ -59,7 +59,7 @@ pub enum TisLevel {
 }
 
 /// What happens to an importance weight above the cap.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum TisMode {
     /// Use the cap instead.
@@ -69,7 +69,7 @@ pub enum TisMode {
 }
 
 /// What happens to a training text longer than `max_seq_len`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum OversizedText {
     /// Cut into row-sized pieces (later pieces lose the context before them).
@@ -77,6 +77,16 @@ pub enum OversizedText {
     /// Leave it out of the batch (counted).
     Reject,
 }
+
+crate::impl_choice!(
+    LossKind,
+    LrSchedule,
+    AdvantageKind,
+    LossAggregation,
+    TisLevel,
+    TisMode,
+    OversizedText,
+);
 
 /// `[trainer]`
 #[derive(Debug, Clone, PartialEq, Serialize)]

@@ -16,16 +16,7 @@ pub(super) fn validate_engine(
     device: Device,
     ctx: &Ctx<'_>,
 ) -> Result<EngineConfig, ConfigError> {
-    let backend = choice(
-        ctx,
-        "engine.backend",
-        &raw.backend,
-        &[
-            ("native", EngineBackend::Native),
-            ("remote", EngineBackend::Remote),
-            ("simulated", EngineBackend::Simulated),
-        ],
-    )?;
+    let backend: EngineBackend = choice(ctx, "engine.backend", &raw.backend)?;
     for (i, url) in raw.remote_urls.iter().enumerate() {
         let host = url
             .strip_prefix("http://")

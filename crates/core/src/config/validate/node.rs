@@ -26,16 +26,7 @@ fn base_url(ctx: &Ctx<'_>, key: &str, v: &str) -> Result<String, ConfigError> {
 }
 
 pub(super) fn validate_node(raw: RawNode, ctx: &Ctx<'_>) -> Result<NodeConfig, ConfigError> {
-    let role = choice(
-        ctx,
-        "node.role",
-        &raw.role,
-        &[
-            ("head", NodeRole::Head),
-            ("engine", NodeRole::Engine),
-            ("env", NodeRole::Env),
-        ],
-    )?;
+    let role: NodeRole = choice(ctx, "node.role", &raw.role)?;
     let heartbeat_s = number(
         ctx,
         "node.heartbeat_s",

@@ -7,7 +7,7 @@ use super::domain::validate_domain;
 use super::{Ctx, choice, non_zero_u32, number, u32_incl_zero, u64_incl_zero};
 use crate::config::error::ConfigError;
 use crate::config::raw::{RawData, RawRollout};
-use crate::config::typed::{BadLinePolicy, DataConfig, DatasetSpec, RolloutConfig};
+use crate::config::typed::{DataConfig, DatasetSpec, RolloutConfig};
 use crate::knobs::{AdmissionMode, Knobs, WeightUpdateMode};
 
 pub(super) fn validate_data(raw: RawData, ctx: &Ctx<'_>) -> Result<DataConfig, ConfigError> {
@@ -40,12 +40,7 @@ pub(super) fn validate_data(raw: RawData, ctx: &Ctx<'_>) -> Result<DataConfig, C
         data_dir: PathBuf::from(raw.data_dir),
         adaptive_mix: raw.adaptive_mix,
         domain_options: domains,
-        on_bad_line: choice(
-            ctx,
-            "data.on_bad_line",
-            &raw.on_bad_line,
-            &[("skip", BadLinePolicy::Skip), ("fail", BadLinePolicy::Fail)],
-        )?,
+        on_bad_line: choice(ctx, "data.on_bad_line", &raw.on_bad_line)?,
     })
 }
 

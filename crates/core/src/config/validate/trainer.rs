@@ -6,8 +6,7 @@ use super::{Ctx, choice, non_zero_u32, number, u32_incl_zero, u64_incl_zero};
 use crate::config::error::ConfigError;
 use crate::config::raw::{RawSimTrainer, RawTrainer};
 use crate::config::typed::{
-    AdvantageKind, Device, EngineBackend, EngineConfig, LossAggregation, LossKind, LrSchedule,
-    OversizedText, SimTrainerConfig, TisLevel, TisMode, TrainerConfig,
+    Device, EngineBackend, EngineConfig, LossKind, SimTrainerConfig, TrainerConfig,
 };
 
 /// Optimizer updates per step when `trainer.minibatches` is unset: one for `ppo` and `tis`, and
@@ -57,16 +56,7 @@ pub(super) fn validate_trainer(
     Ok(TrainerConfig {
         device,
         simulated: validate_sim_trainer(raw.simulated, engine, ctx)?,
-        loss: choice(
-            ctx,
-            "trainer.loss",
-            &raw.loss,
-            &[
-                ("ppo", LossKind::Ppo),
-                ("tis", LossKind::Tis),
-                ("decoupled_ppo", LossKind::DecoupledPpo),
-            ],
-        )?,
+        loss: choice(ctx, "trainer.loss", &raw.loss)?,
         learning_rate: number(
             ctx,
             "trainer.learning_rate",
@@ -74,15 +64,7 @@ pub(super) fn validate_trainer(
             "a number > 0",
             |v| v > 0.0,
         )?,
-        lr_schedule: choice(
-            ctx,
-            "trainer.lr_schedule",
-            &raw.lr_schedule,
-            &[
-                ("constant", LrSchedule::Constant),
-                ("cosine", LrSchedule::Cosine),
-            ],
-        )?,
+        lr_schedule: choice(ctx, "trainer.lr_schedule", &raw.lr_schedule)?,
         warmup_steps: u64_incl_zero(ctx, "trainer.warmup_steps", raw.warmup_steps)?,
         weight_decay: number(
             ctx,
@@ -122,15 +104,7 @@ pub(super) fn validate_trainer(
         threads: u32_incl_zero(ctx, "trainer.threads", raw.threads)?,
         activation_checkpointing: raw.activation_checkpointing,
         share_prompts: raw.share_prompts,
-        advantage: choice(
-            ctx,
-            "trainer.advantage",
-            &raw.advantage,
-            &[
-                ("group", AdvantageKind::Group),
-                ("situational", AdvantageKind::Situational),
-            ],
-        )?,
+        advantage: choice(ctx, "trainer.advantage", &raw.advantage)?,
         normalize_advantage_std: raw.normalize_advantage_std,
         gamma: number(ctx, "trainer.gamma", raw.gamma, "a number in (0, 1]", |v| {
             v > 0.0 && v <= 1.0
@@ -138,39 +112,12 @@ pub(super) fn validate_trainer(
         only_keep_outcome: raw.only_keep_outcome,
         pad_situations: raw.pad_situations,
         drop_zero_signal_situations: raw.drop_zero_signal_situations,
-        loss_aggregation: choice(
-            ctx,
-            "trainer.loss_aggregation",
-            &raw.loss_aggregation,
-            &[
-                ("token_mean", LossAggregation::TokenMean),
-                ("sequence_mean", LossAggregation::SequenceMean),
-                ("rollout_normalized", LossAggregation::RolloutNormalized),
-            ],
-        )?,
-        tis_level: choice(
-            ctx,
-            "trainer.tis_level",
-            &raw.tis_level,
-            &[("token", TisLevel::Token), ("sequence", TisLevel::Sequence)],
-        )?,
-        tis_mode: choice(
-            ctx,
-            "trainer.tis_mode",
-            &raw.tis_mode,
-            &[("truncate", TisMode::Truncate), ("mask", TisMode::Mask)],
-        )?,
+        loss_aggregation: choice(ctx, "trainer.loss_aggregation", &raw.loss_aggregation)?,
+        tis_level: choice(ctx, "trainer.tis_level", &raw.tis_level)?,
+        tis_mode: choice(ctx, "trainer.tis_mode", &raw.tis_mode)?,
         is_cap: number(ctx, "trainer.is_cap", raw.is_cap, "a number > 0", |v| {
             v > 0.0
         })?,
-        oversized_text: choice(
-            ctx,
-            "trainer.oversized_text",
-            &raw.oversized_text,
-            &[
-                ("split", OversizedText::Split),
-                ("reject", OversizedText::Reject),
-            ],
-        )?,
+        oversized_text: choice(ctx, "trainer.oversized_text", &raw.oversized_text)?,
     })
 }
