@@ -106,7 +106,7 @@ real!(f64, |xs: &mut [f64]| xs
 /// `2^n` built in the exponent bits. Branch-free (selects only), so it vectorises; below
 /// −87.3 (where f32 underflows) the result is 0, as `expf`'s is there up to denormals.
 #[inline(always)]
-fn exp_f32_slice(xs: &mut [f32]) {
+pub(crate) fn exp_f32_slice(xs: &mut [f32]) {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const LN2_HI: f32 = 0.693_359_4;
     const LN2_LO: f32 = -2.121_944_4e-4;

@@ -59,11 +59,11 @@ pub(super) fn decode_attention(
                 }
                 for (g, s) in scores.chunks_exact_mut(len).enumerate() {
                     let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                    let mut sum = 0f32;
                     for x in s.iter_mut() {
-                        *x = (*x - max).exp();
-                        sum += *x;
+                        *x -= max;
                     }
+                    crate::fused::exp_f32_slice(s);
+                    let sum: f32 = s.iter().sum();
                     let o = &mut out_b[(h * groups + g) * d..][..d];
                     for (&p, &row) in s.iter().zip(&rows) {
                         let v = &values[row * width + h * d..][..d];
