@@ -6,7 +6,11 @@
 //!
 //! Situation labels per stage: `tool_call` (a call was answered), `tool_error` (unknown tool, bad
 //! arguments, bad expression), `answer` (final reply), `tool_budget` (too many calls; episode
-//! ends). Rewards: `correct` on the final answer (weight 1), `format` (weight 0.1).
+//! ends). Rewards: `correct` on the final answer (weight 1), `format` (weight 0.1). The env also
+//! reports the named component `copied` on the episode's first `calc` call: the share of the
+//! asked expression's tokens (numbers, operators, parentheses) the call reproduces in place. The
+//! task's own rubric leaves it out; a config may weight it (`env.copied`) to reward a small
+//! model for copying the expression before it can ever reach a correct answer.
 
 use serde_json::{Value, json};
 use sluice_core::message::FunctionSpec;
@@ -219,6 +223,37 @@ impl CalculatorEnv {
     }
 }
 
+/// An expression's tokens: numbers, operators and parentheses (whitespace dropped).
+fn expression_tokens(expr: &str) -> Vec<&str> {
+    let mut out = Vec::new();
+    let mut rest = expr.trim_start();
+    while let Some(c) = rest.chars().next() {
+        let len = if c.is_ascii_digit() {
+            rest.find(|ch: char| !ch.is_ascii_digit()).unwrap_or(rest.len())
+        } else {
+            c.len_utf8()
+        };
+        out.push(&rest[..len]);
+        rest = rest[len..].trim_start();
+    }
+    out
+}
+
+impl CalculatorEnv {
+    /// The share of the asked expression's tokens that a call's `arguments` reproduce at the
+    /// same place (0 when they are not JSON with a string `expression`).
+    fn copied(&self, arguments: &str) -> f64 {
+        let called = serde_json::from_str::<Value>(arguments)
+            .ok()
+            .and_then(|v| v.get("expression")?.as_str().map(str::to_owned))
+            .unwrap_or_default();
+        let want = expression_tokens(&self.expression);
+        let got = expression_tokens(&called);
+        let same = want.iter().zip(&got).filter(|(a, b)| a == b).count();
+        same as f64 / want.len().max(got.len()).max(1) as f64
+    }
+}
+
 impl MessageEnv for CalculatorEnv {
     fn init(&mut self) -> BoxFuture<'_, Result<EnvInit, EnvError>> {
         let prompt = format!("Compute {}.", self.expression);
@@ -235,6 +270,7 @@ impl MessageEnv for CalculatorEnv {
             if assistant.tool_calls.is_empty() {
                 return Ok(EnvStep::done().with_situation("answer"));
             }
+            let first_call = self.calls == 0;
             let mut replies = Vec::new();
             let mut any_error = false;
             for call in &assistant.tool_calls {
@@ -259,7 +295,12 @@ impl MessageEnv for CalculatorEnv {
                 replies.push(reply);
             }
             let situation = if any_error { "tool_error" } else { "tool_call" };
-            Ok(EnvStep::reply(replies).with_situation(situation))
+            let mut step = EnvStep::reply(replies).with_situation(situation);
+            if first_call {
+                let asked = assistant.tool_calls[0].function.arguments.as_str();
+                step = step.with_component("copied", self.copied(asked));
+            }
+            Ok(step)
         })
     }
 }
@@ -313,6 +354,20 @@ pub fn task() -> Task {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn copied_is_the_share_of_the_expression_reproduced_in_place() {
+        let env = CalculatorEnv::new("(37 * 12) - 5");
+        let args = |e: &str| json!({ "expression": e }).to_string();
+        assert_eq!(env.copied(&args("(37 * 12) - 5")), 1.0);
+        assert_eq!(env.copied(&args("(37*12)-5")), 1.0);
+        // Numbers wrong, structure right: 4 of 7 tokens.
+        assert!((env.copied(&args("(36 * 23) - 58")) - 4.0 / 7.0).abs() < 1e-12);
+        // Extra tokens count against it.
+        assert!((env.copied(&args("(37 * 12) - 5 + 1")) - 7.0 / 9.0).abs() < 1e-12);
+        assert_eq!(env.copied("not json"), 0.0);
+        assert_eq!(env.copied(&json!({ "expression": 3 }).to_string()), 0.0);
+    }
 
     #[test]
     fn evaluates_integer_expressions() {
