@@ -229,7 +229,8 @@ fn expression_tokens(expr: &str) -> Vec<&str> {
     let mut rest = expr.trim_start();
     while let Some(c) = rest.chars().next() {
         let len = if c.is_ascii_digit() {
-            rest.find(|ch: char| !ch.is_ascii_digit()).unwrap_or(rest.len())
+            rest.find(|ch: char| !ch.is_ascii_digit())
+                .unwrap_or(rest.len())
         } else {
             c.len_utf8()
         };
