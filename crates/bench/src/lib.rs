@@ -27,15 +27,9 @@ pub fn parse_device(s: &str) -> Result<sluice_core::config::Device, String> {
         .map_err(|()| format!("expected cpu, cuda or cuda:N, got `{s}`"))
 }
 
-/// `--dtype`: `f32`, `bf16` or `f16`.
+/// `--dtype`: a `model.dtype` name (`f32`, `bf16` or `f16`), read from the enum's serde names.
 pub fn parse_dtype(s: &str) -> Result<sluice_core::config::DType, String> {
-    use sluice_core::config::DType;
-    match s {
-        "f32" => Ok(DType::F32),
-        "bf16" => Ok(DType::Bf16),
-        "f16" => Ok(DType::F16),
-        _ => Err(format!("expected f32, bf16 or f16, got `{s}`")),
-    }
+    sluice_core::choice::Choice::parse(s)
 }
 
 /// The candle dtype of a config dtype.
