@@ -15,7 +15,7 @@ use sluice_core::PolicyVersion;
 use crate::cache::{KvCache, SeqId};
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result, TensorContext};
-use crate::layers::{DecoderWeights, linear};
+use crate::layers::{DecoderWeights, linear_with};
 use crate::ops::{Kernels, Rope, apply_rope, rms_norm, softmax_last_dim};
 use crate::snapshot::ModelWeights;
 
@@ -161,7 +161,8 @@ impl InferenceModel {
                     mask,
                 };
                 let att = self.attend_decode(cache, heads)?;
-                x = (&x + linear(&att, &layer.o_proj, None).ctx(&context)?).ctx(&context)?;
+                x = (&x + linear_with(&att, &layer.o_proj, None, kernels).ctx(&context)?)
+                    .ctx(&context)?;
                 x = layer.mlp_block(&x, c.rms_norm_eps, kernels).ctx(&context)?;
                 continue;
             }
@@ -188,7 +189,8 @@ impl InferenceModel {
             let att = Tensor::cat(&outs, 1)
                 .and_then(|a| a.transpose(0, 1)?.reshape((n, c.num_heads * c.head_dim)))
                 .ctx(&context)?;
-            x = (&x + linear(&att, &layer.o_proj, None).ctx(&context)?).ctx(&context)?;
+            x = (&x + linear_with(&att, &layer.o_proj, None, kernels).ctx(&context)?)
+                .ctx(&context)?;
             x = layer.mlp_block(&x, c.rms_norm_eps, kernels).ctx(&context)?;
         }
         let x = match wanted {
@@ -206,7 +208,7 @@ impl InferenceModel {
         };
         let x =
             rms_norm(&x, &self.weights.final_norm, c.rms_norm_eps, kernels).ctx("final norm")?;
-        linear(&x, &self.weights.lm_head, None)
+        linear_with(&x, &self.weights.lm_head, None, Kernels::Fused)
             .and_then(|l| l.to_dtype(DType::F32))
             .ctx("lm head")
     }

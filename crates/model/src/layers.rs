@@ -100,15 +100,16 @@ impl DecoderWeights {
     }
 }
 
-/// `x @ w.T + b` for `x: (N, in)`, `w: (out, in)`, as one fused node with
-/// [`Kernels::Custom`] where it applies.
+/// `x @ w.T + b` for `x: (N, in)`, `w: (out, in)`: Sluice's fused linear for f32/f64 CPU
+/// tensors (one gemm in the weight's own layout; a differentiable node under
+/// [`Kernels::Custom`]), candle's product otherwise and under [`Kernels::Differentiable`].
 pub(crate) fn linear_with(
     x: &Tensor,
     w: &Tensor,
     b: Option<&Tensor>,
     kernels: Kernels,
 ) -> CandleResult<Tensor> {
-    if kernels.custom_for(x) {
+    if kernels != Kernels::Differentiable && crate::fused::supported(x) {
         crate::fused::linear(x, w, b)
     } else {
         linear(x, w, b)
