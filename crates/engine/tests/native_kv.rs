@@ -27,29 +27,43 @@ fn weights() -> Arc<ModelWeights> {
 struct Harness {
     engine: NativeEngine,
     finished: Receiver<Completion>,
+    /// Versions the engine reports installed.
+    updated: Receiver<PolicyVersion>,
 }
 
 /// An engine of `max_running` sequences over `blocks` KV blocks (0: the automatic size).
 fn start(max_running: usize, blocks: u64) -> Harness {
-    let (tx, finished) = crossbeam_channel::unbounded();
-    let params = NativeEngineParams {
+    start_with(NativeEngineParams {
         max_running_sequences: max_running,
         kv_cache_bytes: blocks * BLOCK_BYTES,
         seed: 1,
         ..NativeEngineParams::default()
-    };
+    })
+}
+
+/// An engine of `params` on [`weights`].
+fn start_with(params: NativeEngineParams) -> Harness {
+    let (tx, finished) = crossbeam_channel::unbounded();
+    let (tx_v, updated) = crossbeam_channel::unbounded();
     let engine = NativeEngine::start(
         params,
         weights(),
         None,
-        Arc::new(move |e| {
-            if let EngineEvent::Finished(c) = e {
+        Arc::new(move |e| match e {
+            EngineEvent::Finished(c) => {
                 let _ = tx.send(c);
+            }
+            EngineEvent::WeightsUpdated { version, .. } => {
+                let _ = tx_v.send(version);
             }
         }),
     )
     .unwrap();
-    Harness { engine, finished }
+    Harness {
+        engine,
+        finished,
+        updated,
+    }
 }
 
 fn id(counter: u64) -> RequestId {
@@ -204,19 +218,7 @@ fn block_size_and_prefix_caching_come_from_the_engine_config() {
             ..NativeEngineParams::from_config(&config.engine, 0, 1, vec![])
         };
         let block = params.kv_block_tokens;
-        let (tx, finished) = crossbeam_channel::unbounded();
-        let engine = NativeEngine::start(
-            params,
-            weights(),
-            None,
-            Arc::new(move |e| {
-                if let EngineEvent::Finished(c) = e {
-                    let _ = tx.send(c);
-                }
-            }),
-        )
-        .unwrap();
-        let h = Harness { engine, finished };
+        let h = start_with(params);
         for r in &reqs {
             h.engine.submit_native(r.clone()).unwrap();
         }
@@ -242,37 +244,19 @@ fn a_version_lag_reuses_older_prompts_only_under_in_flight_updates() {
         (sluice_core::WeightUpdateMode::InFlight, 96),
         (sluice_core::WeightUpdateMode::Drain, 0),
     ] {
-        let (tx, finished) = crossbeam_channel::unbounded();
-        let (tx_v, updated) = crossbeam_channel::unbounded();
-        let params = NativeEngineParams {
+        let h = start_with(NativeEngineParams {
             prefix_cache_version_lag: 1,
             seed: 1,
             ..NativeEngineParams::default()
-        };
-        let w0 = weights();
-        let engine = NativeEngine::start(
-            params,
-            Arc::clone(&w0),
-            None,
-            Arc::new(move |e| match e {
-                EngineEvent::Finished(c) => {
-                    let _ = tx.send(c);
-                }
-                EngineEvent::WeightsUpdated { version, .. } => {
-                    let _ = tx_v.send(version);
-                }
-            }),
-        )
-        .unwrap();
-        let h = Harness { engine, finished };
+        });
         h.engine
             .submit_native(request(0, shared.clone(), 4))
             .unwrap();
         next(&h);
-        let w1 = Arc::new(w0.with_version(PolicyVersion(1)));
+        let w1 = Arc::new(weights().with_version(PolicyVersion(1)));
         h.engine.update_weights(w1.to_envelope(), mode).unwrap();
         assert_eq!(
-            updated.recv_timeout(Duration::from_secs(60)).unwrap(),
+            h.updated.recv_timeout(Duration::from_secs(60)).unwrap(),
             PolicyVersion(1)
         );
         let before = kv(&h).prefix_hit_tokens;

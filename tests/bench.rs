@@ -1,0 +1,157 @@
+//! The `sluice bench` commands end to end, short: each finishes, prints its table and a `RESULT`
+//! line whose fields are numbers. What the numbers are is not checked (a shared machine's speed
+//! is not a behaviour); only the relations the bench itself defines (a ratio of two of its
+//! figures, a ceiling's bounds, the prefix-sharing bound).
+
+use std::collections::BTreeMap;
+use std::process::Command;
+
+/// Runs `sluice bench <args>` (with `envs`), requires success, and returns its stdout and the
+/// fields of its `RESULT <name>` line (`n/a` fields left out).
+fn bench(args: &[&str], envs: &[(&str, &str)]) -> (String, BTreeMap<String, f64>) {
+    let out = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .arg("bench")
+        .args(args)
+        .envs(envs.iter().copied())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "stdout:\n{stdout}\nstderr:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let prefix = format!("RESULT {} ", args[0]);
+    let result = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix(&prefix))
+        .unwrap_or_else(|| panic!("no `{prefix}` line:\n{stdout}"))
+        .to_owned();
+    let fields = result
+        .split_whitespace()
+        .filter_map(|f| {
+            let (k, v) = f.split_once('=').unwrap();
+            (v != "n/a").then(|| {
+                let v = v.parse().unwrap_or_else(|_| panic!("{f} in {result}"));
+                (k.to_owned(), v)
+            })
+        })
+        .collect();
+    (stdout, fields)
+}
+
+/// Every `keys` is in `fields`, positive and finite.
+fn positive(fields: &BTreeMap<String, f64>, keys: &[&str]) {
+    for key in keys {
+        assert!(
+            fields.get(*key).is_some_and(|v| *v > 0.0 && v.is_finite()),
+            "{key} in {fields:?}"
+        );
+    }
+}
+
+#[test]
+fn bench_cluster_runs_both_setups_and_reports_the_ratios() {
+    let (stdout, fields) = bench(
+        &[
+            "cluster",
+            "--steps",
+            "4",
+            "--skip-steps",
+            "1",
+            "--weights-preset",
+            "tiny",
+            "--repeats",
+            "1",
+        ],
+        &[("SLUICE_ADMIN_TOKEN", "bench-cluster-test")],
+    );
+    assert!(stdout.contains("one process (2 replicas)"), "{stdout}");
+    assert!(stdout.contains("head + 2 engine nodes"), "{stdout}");
+    positive(
+        &fields,
+        &[
+            "one_process_steps_per_s",
+            "split_steps_per_s",
+            "split_ratio",
+            "weights_tiny_ratio",
+            "weights_tiny_delivery_s",
+        ],
+    );
+    let ratio = fields["split_steps_per_s"] / fields["one_process_steps_per_s"];
+    assert!(
+        (ratio - fields["split_ratio"]).abs() < 0.01,
+        "the ratio is split ÷ one process: {fields:?}"
+    );
+}
+
+#[test]
+fn bench_cluster_refuses_a_measure_of_nothing() {
+    let out = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["bench", "cluster", "--steps", "3", "--skip-steps", "3"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("--skip-steps (3) must be below --steps (3)"),
+        "{stderr}"
+    );
+}
+
+/// The table has the one-by-one baseline and every concurrency row, and the `RESULT` line the
+/// batching speed-up, this machine's batching ceiling (at least 1, at most the 64 requests it is
+/// about), the swap pause, the prefix ratio within its bound and the peak memory.
+#[test]
+fn bench_engine_reports_rows_ratios_and_the_batching_ceiling() {
+    let (stdout, fields) = bench(
+        &[
+            "engine",
+            "--preset",
+            "tiny",
+            "--concurrency",
+            "1",
+            "--concurrency",
+            "64",
+            "--max-tokens",
+            "4",
+            "--group-size",
+            "4",
+        ],
+        &[],
+    );
+    for row in [
+        "one-by-one",
+        "swap pause in_flight",
+        "batching speed-up ceiling at 64",
+    ] {
+        assert!(stdout.contains(row), "no `{row}` in:\n{stdout}");
+    }
+    let rows = stdout
+        .lines()
+        .filter(|l| {
+            l.split_whitespace()
+                .next()
+                .is_some_and(|c| c == "1" || c == "64")
+        })
+        .count();
+    assert_eq!(rows, 2, "one row per concurrency:\n{stdout}");
+    positive(
+        &fields,
+        &[
+            "batching_speedup_64",
+            "swap_pause_ms_in_flight",
+            "prefix_prefill_ratio_g4",
+            "peak_rss_mb",
+        ],
+    );
+    assert!(
+        (1.0..=64.0).contains(&fields["batching_ceiling_64"]),
+        "{fields:?}"
+    );
+    // Groups of 4 with 100-token prompts: each later rollout takes the first one's full blocks.
+    assert!(
+        fields["prefix_prefill_ratio_g4"] <= 1.0 / 4.0 + 0.05,
+        "{fields:?}"
+    );
+}
