@@ -6,6 +6,7 @@
 //! one line naming the file, the key and what was expected; an unknown key suggests the closest
 //! valid one.
 
+pub mod check;
 mod error;
 mod overrides;
 pub mod raw;
@@ -16,7 +17,7 @@ use crate::WeightUpdateMode;
 use std::collections::BTreeSet;
 use std::path::Path;
 
-pub use error::{ConfigError, ConfigErrorKind};
+pub use error::{ConfigError, ConfigErrorKind, closest, edit_distance};
 pub use overrides::Override;
 pub use raw::RawConfig;
 pub use typed::*;
@@ -56,7 +57,7 @@ pub fn parse(
         })?;
         overridden.insert(o.key.clone());
     }
-    let ctx = validate::Ctx {
+    let ctx = check::Ctx {
         file,
         overridden: &overridden,
         env,

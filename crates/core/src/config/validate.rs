@@ -1,16 +1,13 @@
 //! Phase one's error mapping and phase two's checks: raw values → typed config.
 
-use std::collections::BTreeSet;
-use std::net::SocketAddr;
-use std::num::{NonZeroU32, NonZeroU64};
+use std::num::NonZeroU64;
 use std::path::PathBuf;
-use std::str::FromStr;
 
 use super::ADMIN_TOKEN_ENV;
+use super::check::{Ctx, choice, device, role_device, socket, u64_incl_zero};
 use super::error::{ConfigError, ConfigErrorKind, closest};
 use super::raw::*;
 use super::typed::*;
-use crate::choice::Choice;
 
 pub(crate) mod bounds;
 mod domain;
@@ -26,30 +23,6 @@ use engine::validate_engine;
 use rollout::{validate_data, validate_rollout};
 pub(crate) use trainer::DECOUPLED_MINIBATCHES;
 use trainer::{default_minibatches, validate_trainer};
-
-/// What validation needs to know besides the raw values.
-pub(crate) struct Ctx<'a> {
-    pub file: &'a str,
-    /// Keys set by `--set`, so their errors can say so.
-    pub overridden: &'a BTreeSet<String>,
-    pub env: &'a dyn Fn(&str) -> Option<String>,
-}
-
-impl Ctx<'_> {
-    fn err(&self, key: &str, kind: ConfigErrorKind, message: impl Into<String>) -> ConfigError {
-        let e = ConfigError::key(self.file, key, kind, message);
-        // An override of `a.b` explains errors at `a.b`, below it (a table value) and above it
-        // (an unknown section it created).
-        let from_override = self.overridden.iter().any(|o| {
-            o == key || o.starts_with(&format!("{key}.")) || key.starts_with(&format!("{o}."))
-        });
-        if from_override { e.via("--set") } else { e }
-    }
-
-    fn value(&self, key: &str, message: impl Into<String>) -> ConfigError {
-        self.err(key, ConfigErrorKind::Value, message)
-    }
-}
 
 /// Phase one: serde with the failing key's path, and messages rewritten for humans.
 pub(crate) fn deserialize(tree: toml::Value, ctx: &Ctx<'_>) -> Result<RawConfig, ConfigError> {
@@ -97,73 +70,6 @@ fn humanize(message: &str) -> String {
         out = out.replace(rust, human);
     }
     out
-}
-
-fn non_zero_u32(ctx: &Ctx<'_>, key: &str, v: i64) -> Result<NonZeroU32, ConfigError> {
-    let n = u32_at_least(ctx, key, v, 1)?;
-    Ok(NonZeroU32::new(n).expect("checked ≥ 1"))
-}
-
-fn u32_incl_zero(ctx: &Ctx<'_>, key: &str, v: i64) -> Result<u32, ConfigError> {
-    u32_at_least(ctx, key, v, 0)
-}
-
-fn u32_at_least(ctx: &Ctx<'_>, key: &str, v: i64, min: u32) -> Result<u32, ConfigError> {
-    if v < i64::from(min) {
-        return Err(ctx.value(key, format!("expected an integer ≥ {min}, got {v}")));
-    }
-    u32::try_from(v)
-        .map_err(|_| ctx.value(key, format!("expected an integer ≤ {}, got {v}", u32::MAX)))
-}
-
-fn u64_incl_zero(ctx: &Ctx<'_>, key: &str, v: i64) -> Result<u64, ConfigError> {
-    u64::try_from(v).map_err(|_| ctx.value(key, format!("expected an integer ≥ 0, got {v}")))
-}
-
-/// A finite number satisfying `ok`, described by `expected` in the error.
-fn number(
-    ctx: &Ctx<'_>,
-    key: &str,
-    v: f64,
-    expected: &str,
-    ok: impl Fn(f64) -> bool,
-) -> Result<f64, ConfigError> {
-    if v.is_finite() && ok(v) {
-        Ok(v)
-    } else {
-        Err(ctx.value(key, format!("expected {expected}, got {v}")))
-    }
-}
-
-/// One of the names of a [`Choice`] enum (its serde names); the error names the key, the
-/// value and every name.
-fn choice<T: Choice>(ctx: &Ctx<'_>, key: &str, v: &str) -> Result<T, ConfigError> {
-    T::parse(v).map_err(|reason| ctx.value(key, reason))
-}
-
-fn socket(ctx: &Ctx<'_>, key: &str, v: &str) -> Result<SocketAddr, ConfigError> {
-    v.parse().map_err(|_| {
-        ctx.value(
-            key,
-            format!("expected an address like 127.0.0.1:9400, got `{v}`"),
-        )
-    })
-}
-
-/// A `device` key: `cpu`, `cuda` (= `cuda:0`) or `cuda:N`.
-fn device(ctx: &Ctx<'_>, key: &str, value: &str) -> Result<Device, ConfigError> {
-    Device::from_str(value)
-        .map_err(|()| ctx.value(key, format!("expected cpu, cuda or cuda:N, got `{value}`")))
-}
-
-/// A role's `device` key, `default` (another key's device) when absent.
-fn role_device(
-    ctx: &Ctx<'_>,
-    key: &str,
-    value: Option<&str>,
-    default: Device,
-) -> Result<Device, ConfigError> {
-    value.map_or(Ok(default), |v| device(ctx, key, v))
 }
 
 impl RawConfig {

@@ -7,7 +7,7 @@
 //! Every numeric key has a row here or in [`CHECKED_ELSEWHERE`] (a test walks the printed
 //! config and fails on a key with neither), so a new key cannot arrive unbounded.
 
-use super::Ctx;
+use crate::config::check::Ctx;
 use crate::config::error::ConfigError;
 use crate::knobs::show_number as show;
 

@@ -5,8 +5,7 @@
 
 use std::collections::BTreeMap;
 
-use super::supervision::positive_seconds;
-use super::{Ctx, non_zero_u32, number};
+use crate::config::check::{Ctx, non_zero_u32, number, positive_seconds};
 use crate::config::error::ConfigError;
 use crate::config::raw::{RawDomain, RawRubric};
 use crate::config::typed::{DomainConfig, DomainRubric};

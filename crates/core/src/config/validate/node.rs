@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use super::{Ctx, choice, non_zero_u32, number, socket};
+use crate::config::check::{Ctx, choice, non_zero_u32, number, socket};
 use crate::config::error::ConfigError;
 use crate::config::raw::RawNode;
 use crate::config::typed::{NodeConfig, NodeRole};

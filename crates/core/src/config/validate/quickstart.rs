@@ -1,24 +1,9 @@
 //! Phase two of `[warmup]` and `[eval]`.
 
-use std::num::NonZeroU64;
-
-use super::{Ctx, non_zero_u32, number, u64_incl_zero};
+use crate::config::check::{Ctx, fraction, non_zero_u32, non_zero_u64, number, u64_incl_zero};
 use crate::config::error::ConfigError;
 use crate::config::raw::{RawEval, RawWarmup};
 use crate::config::typed::{Device, EvalConfig, WarmupConfig};
-
-fn non_zero_u64(ctx: &Ctx<'_>, key: &str, v: i64) -> Result<NonZeroU64, ConfigError> {
-    u64::try_from(v)
-        .ok()
-        .and_then(NonZeroU64::new)
-        .ok_or_else(|| ctx.value(key, format!("expected an integer ≥ 1, got {v}")))
-}
-
-fn fraction(ctx: &Ctx<'_>, key: &str, v: f64) -> Result<f64, ConfigError> {
-    number(ctx, key, v, "a fraction in [0, 1]", |v| {
-        (0.0..=1.0).contains(&v)
-    })
-}
 
 pub(crate) fn validate_warmup(raw: RawWarmup, ctx: &Ctx<'_>) -> Result<WarmupConfig, ConfigError> {
     Ok(WarmupConfig {

@@ -1,6 +1,6 @@
 //! Checks between keys of different sections, once each section is valid on its own.
 
-use super::Ctx;
+use crate::config::check::Ctx;
 use crate::config::error::ConfigError;
 use crate::config::typed::{Config, EngineBackend, NodeRole};
 

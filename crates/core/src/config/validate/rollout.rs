@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::str::FromStr;
 
 use super::domain::validate_domain;
-use super::{Ctx, choice, non_zero_u32, number, u32_incl_zero, u64_incl_zero};
+use crate::config::check::{Ctx, choice, non_zero_u32, number, u32_incl_zero, u64_incl_zero};
 use crate::config::error::ConfigError;
 use crate::config::raw::{RawData, RawRollout};
 use crate::config::typed::{DataConfig, DatasetSpec, RolloutConfig};

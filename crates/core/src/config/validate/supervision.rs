@@ -1,25 +1,9 @@
 //! Phase two of `[supervision]` and `[faults]`.
 
-use std::time::Duration;
-
-use super::{Ctx, number, u64_incl_zero};
+use crate::config::check::{Ctx, optional_seconds, positive_seconds, u64_incl_zero};
 use crate::config::error::ConfigError;
 use crate::config::raw::{RawFaults, RawSupervision};
 use crate::config::typed::{FaultsConfig, SupervisionConfig};
-
-/// A duration in seconds, strictly positive.
-pub(super) fn positive_seconds(ctx: &Ctx<'_>, key: &str, v: f64) -> Result<Duration, ConfigError> {
-    let v = number(ctx, key, v, "a number of seconds > 0", |v| v > 0.0)?;
-    Ok(Duration::from_secs_f64(v))
-}
-
-/// A duration in seconds where 0 switches the feature off.
-fn optional_seconds(ctx: &Ctx<'_>, key: &str, v: f64) -> Result<Option<Duration>, ConfigError> {
-    let v = number(ctx, key, v, "a number of seconds ≥ 0 (0 = off)", |v| {
-        v >= 0.0
-    })?;
-    Ok((v > 0.0).then(|| Duration::from_secs_f64(v)))
-}
 
 pub(crate) fn validate_supervision(
     raw: RawSupervision,

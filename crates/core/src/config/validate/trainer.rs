@@ -2,7 +2,7 @@
 
 use std::num::NonZeroU32;
 
-use super::{Ctx, choice, non_zero_u32, number, u32_incl_zero, u64_incl_zero};
+use crate::config::check::{Ctx, choice, non_zero_u32, number, u32_incl_zero, u64_incl_zero};
 use crate::config::error::ConfigError;
 use crate::config::raw::{RawSimTrainer, RawTrainer};
 use crate::config::typed::{
