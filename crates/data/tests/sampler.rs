@@ -321,7 +321,7 @@ fn settings_come_from_the_data_config() {
         system_prompt = "You write Rust."
         task = "sandbox"
     "#;
-    let config = sluice_core::config::parse(text, "t.toml", &[], &|_| None).unwrap();
+    let config = sluice_config::parse(text, "t.toml", &[], &|_| None).unwrap();
     let sc = SamplerConfig::from_data_config(&config.data, 5);
     assert!(!sc.adaptive);
     assert_eq!((sc.min_ratio, sc.max_ratio, sc.seed), (0.1, 10.0, 5));

@@ -212,7 +212,7 @@ fn block_size_and_prefix_caching_come_from_the_engine_config() {
         ("prefix_caching = false", 0),
     ] {
         let text = format!("[engine]\nmax_running_sequences = 8\n{lines}\n");
-        let config = sluice_core::config::parse(&text, "test.toml", &[], &|_| None).unwrap();
+        let config = sluice_config::parse(&text, "test.toml", &[], &|_| None).unwrap();
         let params = NativeEngineParams {
             seed: 1,
             ..NativeEngineParams::from_config(&config.engine, 0, 1, vec![])

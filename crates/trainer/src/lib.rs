@@ -37,5 +37,5 @@ pub use loss::{LossConfig, LossStats, LossSummary, LossTerms, TokenInputs, token
 pub use native::{NativeTrainer, SupervisedExample};
 pub use optim::{AdamW, GradAccumulator, OptimConfig, OptimError, StepReport};
 pub use report::{StepParts, StepStats, step_metrics};
-pub use settings::NativeTrainerConfig;
+pub use settings::{NativeTrainerConfig, TrainerRunContext};
 pub use simulated::SimTrainer;

@@ -1,4 +1,4 @@
-//! Phase one: the TOML file as serde sees it. Every section denies unknown keys and has defaults,
+//! Phase one: the sections of the TOML file as serde sees them. Every section denies unknown keys and has defaults,
 //! so a minimal file is valid. Numbers are read wide (`i64`, `f64`) and enums as strings, so that
 //! phase two can say "expected an integer ≥ 1, got -3" instead of a serde type error.
 
@@ -13,41 +13,6 @@ mod trainer;
 pub use domain::*;
 pub use node::*;
 pub use trainer::*;
-
-/// The whole file.
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct RawConfig {
-    /// `[run]`
-    pub run: RawRun,
-    /// `[model]`
-    pub model: RawModel,
-    /// `[engine]`
-    pub engine: RawEngine,
-    /// `[trainer]`
-    pub trainer: RawTrainer,
-    /// `[rollout]`
-    pub rollout: RawRollout,
-    /// `[data]`
-    pub data: RawData,
-    /// `[replay]`
-    pub replay: RawReplay,
-    /// `[metrics]`
-    pub metrics: RawMetrics,
-    /// `[admin]`
-    pub admin: RawAdmin,
-    /// `[warmup]`
-    pub warmup: RawWarmup,
-    /// `[eval]`
-    pub eval: RawEval,
-    /// `[supervision]`
-    pub supervision: RawSupervision,
-    /// `[faults]`
-    pub faults: RawFaults,
-    /// `[node]` (absent: the whole pipeline in this process)
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub node: Option<RawNode>,
-}
 
 /// `[run]`: identity and length of the run.
 #[derive(Debug, Clone, Serialize, Deserialize)]

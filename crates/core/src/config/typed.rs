@@ -1,4 +1,4 @@
-//! Phase two: the validated config every component receives. Types say what was checked
+//! Phase two: the validated sections every component receives. Types say what was checked
 //! (`NonZeroU32`, `SocketAddr`, enums, `Duration`), so consumers never re-validate.
 //!
 //! `Serialize` writes the resolved config back in the file's own shape: `sluice check` prints it,
@@ -25,40 +25,6 @@ pub use domain::*;
 pub use engine::*;
 pub use node::*;
 pub use trainer::*;
-
-/// The validated config.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct Config {
-    /// `[run]`
-    pub run: RunConfig,
-    /// `[model]`
-    pub model: ModelConfig,
-    /// `[engine]`
-    pub engine: EngineConfig,
-    /// `[trainer]`
-    pub trainer: TrainerConfig,
-    /// `[rollout]`
-    pub rollout: RolloutConfig,
-    /// `[data]`
-    pub data: DataConfig,
-    /// `[replay]`
-    pub replay: ReplayConfig,
-    /// `[metrics]`
-    pub metrics: MetricsConfig,
-    /// `[admin]`
-    pub admin: AdminConfig,
-    /// `[warmup]`
-    pub warmup: WarmupConfig,
-    /// `[eval]`
-    pub eval: EvalConfig,
-    /// `[supervision]`
-    pub supervision: SupervisionConfig,
-    /// `[faults]`
-    pub faults: FaultsConfig,
-    /// `[node]`: this process's role across machines (`None`: the whole pipeline here).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub node: Option<NodeConfig>,
-}
 
 /// `[run]`
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -326,17 +292,6 @@ impl DataConfig {
             .iter()
             .filter_map(|(d, o)| o.max_new_tokens.map(|n| (d.clone(), n.get())))
             .collect()
-    }
-}
-
-impl Config {
-    /// The largest turn budget of any domain: what a prompt must leave room for in the context.
-    pub fn largest_turn_tokens(&self) -> NonZeroU32 {
-        self.data
-            .domain_options
-            .values()
-            .filter_map(|d| d.max_new_tokens)
-            .fold(self.rollout.max_new_tokens, NonZeroU32::max)
     }
 }
 

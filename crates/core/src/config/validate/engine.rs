@@ -9,7 +9,8 @@ use crate::config::typed::{
     Device, EngineBackend, EngineConfig, LengthDistribution, RunConfig, SimEngineConfig,
 };
 
-pub(super) fn validate_engine(
+/// Phase two of `[engine]`; `device` is `engine.device` resolved, `head` says this node is a head.
+pub fn validate_engine(
     raw: RawEngine,
     run: &RunConfig,
     head: bool,

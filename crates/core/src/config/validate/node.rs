@@ -25,7 +25,8 @@ fn base_url(ctx: &Ctx<'_>, key: &str, v: &str) -> Result<String, ConfigError> {
     Ok(format!("http://{authority}"))
 }
 
-pub(super) fn validate_node(raw: RawNode, ctx: &Ctx<'_>) -> Result<NodeConfig, ConfigError> {
+/// Phase two of `[node]`.
+pub fn validate_node(raw: RawNode, ctx: &Ctx<'_>) -> Result<NodeConfig, ConfigError> {
     let role: NodeRole = choice(ctx, "node.role", &raw.role)?;
     let heartbeat_s = number(
         ctx,

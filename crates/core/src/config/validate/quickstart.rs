@@ -5,7 +5,8 @@ use crate::config::error::ConfigError;
 use crate::config::raw::{RawEval, RawWarmup};
 use crate::config::typed::{Device, EvalConfig, WarmupConfig};
 
-pub(crate) fn validate_warmup(raw: RawWarmup, ctx: &Ctx<'_>) -> Result<WarmupConfig, ConfigError> {
+/// Phase two of `[warmup]`.
+pub fn validate_warmup(raw: RawWarmup, ctx: &Ctx<'_>) -> Result<WarmupConfig, ConfigError> {
     Ok(WarmupConfig {
         enabled: raw.enabled,
         max_steps: non_zero_u64(ctx, "warmup.max_steps", raw.max_steps)?,
@@ -23,7 +24,8 @@ pub(crate) fn validate_warmup(raw: RawWarmup, ctx: &Ctx<'_>) -> Result<WarmupCon
     })
 }
 
-pub(crate) fn validate_eval(
+/// Phase two of `[eval]`; `device` is `eval.device` resolved.
+pub fn validate_eval(
     raw: RawEval,
     device: Device,
     ctx: &Ctx<'_>,

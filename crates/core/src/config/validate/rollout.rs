@@ -10,7 +10,8 @@ use crate::config::raw::{RawData, RawRollout};
 use crate::config::typed::{DataConfig, DatasetSpec, RolloutConfig};
 use crate::knobs::{AdmissionMode, Knobs, WeightUpdateMode};
 
-pub(super) fn validate_data(raw: RawData, ctx: &Ctx<'_>) -> Result<DataConfig, ConfigError> {
+/// Phase two of `[data]` and its `[data.domains.<domain>]`.
+pub fn validate_data(raw: RawData, ctx: &Ctx<'_>) -> Result<DataConfig, ConfigError> {
     let mut datasets: Vec<DatasetSpec> = Vec::with_capacity(raw.datasets.len());
     for (i, spec) in raw.datasets.iter().enumerate() {
         let key = format!("data.datasets[{i}]");
@@ -44,7 +45,8 @@ pub(super) fn validate_data(raw: RawData, ctx: &Ctx<'_>) -> Result<DataConfig, C
     })
 }
 
-pub(super) fn validate_rollout(
+/// Phase two of `[rollout]` (it reads the data domains of `domain_mix`).
+pub fn validate_rollout(
     raw: RawRollout,
     data: &DataConfig,
     ctx: &Ctx<'_>,

@@ -14,7 +14,7 @@ use crate::config::typed::{
 /// decoupled objective's proximal policy is the current one, its ratio is always 1 and nothing is
 /// clipped: the trust region exists only for the updates after the first, which are clipped
 /// against the step's starting policy (AReaL's `ppo_n_minibatches`, 4 by default there too).
-pub(super) fn default_minibatches(loss: LossKind, groups_per_step: NonZeroU32) -> NonZeroU32 {
+pub fn default_minibatches(loss: LossKind, groups_per_step: NonZeroU32) -> NonZeroU32 {
     match loss {
         LossKind::DecoupledPpo => DECOUPLED_MINIBATCHES.min(groups_per_step),
         LossKind::Ppo | LossKind::Tis => NonZeroU32::MIN,
@@ -22,7 +22,7 @@ pub(super) fn default_minibatches(loss: LossKind, groups_per_step: NonZeroU32) -
 }
 
 /// `decoupled_ppo`'s optimizer updates per step unless the config says otherwise.
-pub(crate) const DECOUPLED_MINIBATCHES: NonZeroU32 = NonZeroU32::new(4).unwrap();
+pub const DECOUPLED_MINIBATCHES: NonZeroU32 = NonZeroU32::new(4).unwrap();
 
 pub(super) fn validate_sim_trainer(
     raw: RawSimTrainer,
@@ -47,7 +47,8 @@ pub(super) fn validate_sim_trainer(
     })
 }
 
-pub(super) fn validate_trainer(
+/// Phase two of `[trainer]`; `device` is `trainer.device` resolved.
+pub fn validate_trainer(
     raw: RawTrainer,
     engine: &EngineConfig,
     device: Device,

@@ -1,7 +1,7 @@
 //! The bad-config rows of `config_table.rs`: (file text, overrides, what the error must say, its
 //! kind).
 
-use sluice_core::config::ConfigErrorKind;
+use sluice_config::ConfigErrorKind;
 
 /// (TOML text, `--set` overrides, expected message, expected kind)
 pub const BAD: &[(&str, &[&str], &str, ConfigErrorKind)] = &[

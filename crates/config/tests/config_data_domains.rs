@@ -1,7 +1,7 @@
 //! `[data]` adaptive mix and per-domain options: parsed, validated against the datasets'
 //! domains, and printed back in a shape that loads again.
 
-use sluice_core::config::{self, ConfigErrorKind, parse};
+use sluice_config::{self as config, ConfigErrorKind, parse};
 
 fn load(text: &str) -> Result<config::Config, config::ConfigError> {
     parse(text, "t.toml", &[], &|_| None)

@@ -1,8 +1,8 @@
 //! Config parse → validate on good and bad files. Each bad case asserts the whole one-line message:
 //! file, key and expectation are the contract with users.
 
+use sluice_config::{self as config, ConfigErrorKind, Override};
 use sluice_core::WeightUpdateMode;
-use sluice_core::config::{self, ConfigErrorKind, Override};
 
 #[path = "config_table/bad_rows.rs"]
 mod bad_rows;

@@ -7,9 +7,9 @@
 //! Every numeric key has a row here or in [`CHECKED_ELSEWHERE`] (a test walks the printed
 //! config and fails on a key with neither), so a new key cannot arrive unbounded.
 
-use crate::config::check::Ctx;
-use crate::config::error::ConfigError;
-use crate::knobs::show_number as show;
+use sluice_core::config::ConfigError;
+use sluice_core::config::check::Ctx;
+use sluice_core::knobs::show_number as show;
 
 /// Longest duration any `*_s` key accepts: a week. Longer timeouts are indistinguishable from
 /// "never" in practice, and the bound keeps `Duration` arithmetic far from overflow.
@@ -151,7 +151,7 @@ const BOUNDS: &[Bound] = &[
     bound("rollout.top_k", MAX_TOKENS, "candidate tokens"),
     bound(
         "rollout.max_version_lag",
-        crate::knobs::MAX_VERSION_LAG as f64,
+        sluice_core::knobs::MAX_VERSION_LAG as f64,
         "policy versions",
     ),
     bound("rollout.tail_batch_candidate_steps", MAX_COUNT, "aborts"),
@@ -163,7 +163,7 @@ const BOUNDS: &[Bound] = &[
     ),
     bound(
         "rollout.domain_mix.*",
-        crate::knobs::MAX_DOMAIN_WEIGHT,
+        sluice_core::knobs::MAX_DOMAIN_WEIGHT,
         "a relative weight",
     ),
     bound("warmup.max_steps", MAX_COUNT, STEPS),
@@ -288,9 +288,9 @@ pub(crate) fn check(tree: &toml::Table, ctx: &Ctx<'_>) -> Result<(), ConfigError
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::parse;
+    use crate::parse;
 
-    fn load(text: &str) -> Result<crate::config::Config, String> {
+    fn load(text: &str) -> Result<crate::Config, String> {
         parse(text, "t.toml", &[], &|_| None).map_err(|e| e.to_string())
     }
 

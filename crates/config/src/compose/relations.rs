@@ -1,8 +1,8 @@
 //! Checks between keys of different sections, once each section is valid on its own.
 
-use crate::config::check::Ctx;
-use crate::config::error::ConfigError;
-use crate::config::typed::{Config, EngineBackend, NodeRole};
+use crate::typed::Config;
+use sluice_core::config::check::Ctx;
+use sluice_core::config::{ConfigError, EngineBackend, NodeRole};
 
 /// Refuses combinations that each key alone allows but that cannot do what they say.
 pub(crate) fn check(config: &Config, ctx: &Ctx<'_>) -> Result<(), ConfigError> {

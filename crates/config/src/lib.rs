@@ -1,0 +1,86 @@
+//! The whole config file of a Sluice node, composed from the sections each crate owns.
+//!
+//! Config in two phases (`STYLE.md` habit 8): TOML → [`RawConfig`] (serde, unknown keys refused,
+//! defaults filled) → `RawConfig::validate` → [`Config`] (typed, ranges checked). Each section's
+//! raw type, typed type and checks live with the crate that consumes it (or in `sluice-core`
+//! while several crates share it, or while it has not moved yet); this crate holds what only the
+//! whole file knows: the composition, `--set` overrides, the upper bounds of every numeric key
+//! (`compose/bounds.rs`), the rules between sections and the advisories. The sections and the
+//! validation building blocks are re-exported, so `sluice_config::X` names every config type.
+//!
+//! `--set key.path=value` overrides are applied to the parsed TOML tree *before* phase one, so an
+//! override is checked exactly like the file, and an error caused by one says so. Every error is
+//! one line naming the file, the key and what was expected; an unknown key suggests the closest
+//! valid one.
+
+mod compose;
+mod overrides;
+pub mod raw;
+mod typed;
+
+use std::collections::BTreeSet;
+use std::path::Path;
+
+pub use overrides::Override;
+pub use raw::RawConfig;
+pub use sluice_core::config::*;
+pub use typed::Config;
+
+/// Reads, overrides and validates the config at `path`, taking the admin token from the process
+/// environment when the file has none.
+pub fn load(path: &Path, overrides: &[Override]) -> Result<Config, ConfigError> {
+    let file = path.display().to_string();
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        ConfigError::file(
+            &file,
+            ConfigErrorKind::Io,
+            format!("cannot read config: {e}"),
+        )
+    })?;
+    parse(&text, &file, overrides, &|k| std::env::var(k).ok())
+}
+
+/// Parses config text. `file` names the source in errors; `env` looks environment variables up
+/// (injected so tests do not touch the process environment).
+pub fn parse(
+    text: &str,
+    file: &str,
+    overrides: &[Override],
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<Config, ConfigError> {
+    let mut tree: toml::Table = text
+        .parse()
+        .map_err(|e: toml::de::Error| syntax_error(file, text, &e))?;
+    let mut overridden = BTreeSet::new();
+    for o in overrides {
+        o.apply(&mut tree).map_err(|msg| {
+            ConfigError::key(file, &o.key, ConfigErrorKind::Override, msg).via("--set")
+        })?;
+        overridden.insert(o.key.clone());
+    }
+    let ctx = check::Ctx {
+        file,
+        overridden: &overridden,
+        env,
+    };
+    compose::bounds::check(&tree, &ctx)?;
+    let raw = compose::deserialize(toml::Value::Table(tree), &ctx)?;
+    raw.validate(&ctx)
+}
+
+/// A TOML syntax error as `file: line L, column C: invalid TOML: what`.
+fn syntax_error(file: &str, text: &str, e: &toml::de::Error) -> ConfigError {
+    let message = match e.span() {
+        Some(span) => {
+            let before = &text[..span.start.min(text.len())];
+            let line = before.matches('\n').count() + 1;
+            let column = before.rsplit('\n').next().unwrap_or("").chars().count() + 1;
+            format!(
+                "line {line}, column {column}: invalid TOML: {}",
+                e.message()
+            )
+        }
+        None => format!("invalid TOML: {}", e.message()),
+    };
+    ConfigError::file(file, ConfigErrorKind::Syntax, message)
+}
