@@ -6,6 +6,8 @@ use sluice_core::config::check::{Ctx, role_device, socket};
 use sluice_core::config::validate::*;
 use sluice_core::config::{ConfigError, ConfigErrorKind, MetricsConfig, NodeRole, closest};
 
+use sluice_replay::config::validate_replay;
+
 use crate::raw::RawConfig;
 use crate::typed::Config;
 
@@ -102,7 +104,7 @@ impl RawConfig {
         if minibatches_unset {
             trainer.minibatches = default_minibatches(trainer.loss, rollout.groups_per_step);
         }
-        let replay = validate_replay(replay, &run, ctx)?;
+        let replay = validate_replay(replay, &run.output_dir, ctx)?;
         let metrics = MetricsConfig {
             enabled: metrics.enabled,
             listen: socket(ctx, "metrics.listen", &metrics.listen)?,

@@ -24,6 +24,7 @@ use std::path::Path;
 pub use overrides::Override;
 pub use raw::RawConfig;
 pub use sluice_core::config::*;
+pub use sluice_replay::config::{ExpiredPolicy, ReplayConfig, validate_replay};
 pub use typed::Config;
 
 /// Reads, overrides and validates the config at `path`, taking the admin token from the process

@@ -5,6 +5,7 @@
 use serde::{Deserialize, Serialize};
 
 pub use sluice_core::config::raw::*;
+pub use sluice_replay::config::RawReplay;
 
 /// The whole file.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]

@@ -9,6 +9,7 @@ use std::num::NonZeroU32;
 use serde::Serialize;
 use sluice_core::WeightUpdateMode;
 use sluice_core::config::*;
+use sluice_replay::config::ReplayConfig;
 
 /// The validated config.
 #[derive(Debug, Clone, PartialEq, Serialize)]

@@ -299,28 +299,6 @@ impl Default for RawData {
     }
 }
 
-/// `[replay]`: the replay store.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct RawReplay {
-    /// Database directory (default `<output_dir>/replay`).
-    pub path: Option<String>,
-    /// What happens to expired rollouts: `regenerate` or `drop`.
-    pub expired: String,
-    /// Move groups whose rewards are all equal to the `Filtered` bucket.
-    pub filter_zero_advantage: bool,
-}
-
-impl Default for RawReplay {
-    fn default() -> Self {
-        Self {
-            path: None,
-            expired: "regenerate".into(),
-            filter_zero_advantage: true,
-        }
-    }
-}
-
 /// `[metrics]`: the Prometheus endpoint.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]

@@ -68,13 +68,7 @@ impl ModelPreset {
     }
 }
 
-crate::impl_choice!(
-    ModelPreset,
-    DType,
-    EngineBackend,
-    BadLinePolicy,
-    ExpiredPolicy
-);
+crate::impl_choice!(ModelPreset, DType, EngineBackend, BadLinePolicy);
 
 /// Element type of model weights.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -293,27 +287,6 @@ impl DataConfig {
             .filter_map(|(d, o)| o.max_new_tokens.map(|n| (d.clone(), n.get())))
             .collect()
     }
-}
-
-/// What happens to rollouts whose oldest token fell past η.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ExpiredPolicy {
-    /// Regenerate from the prompt.
-    Regenerate,
-    /// Drop the group.
-    Drop,
-}
-
-/// `[replay]`
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct ReplayConfig {
-    /// Database directory.
-    pub path: PathBuf,
-    /// Expired policy.
-    pub expired: ExpiredPolicy,
-    /// Filter zero-advantage groups.
-    pub filter_zero_advantage: bool,
 }
 
 /// `[metrics]`

@@ -128,29 +128,6 @@ pub fn validate_model(
     })
 }
 
-/// Phase two of `[replay]`; the default path is under `run.output_dir`.
-pub fn validate_replay(
-    raw: RawReplay,
-    run: &RunConfig,
-    ctx: &Ctx<'_>,
-) -> Result<ReplayConfig, ConfigError> {
-    let path = match raw.path {
-        Some(p) if p.trim().is_empty() => {
-            return Err(ctx.value(
-                "replay.path",
-                "expected a directory path, got an empty string",
-            ));
-        }
-        Some(p) => PathBuf::from(p),
-        None => run.output_dir.join("replay"),
-    };
-    Ok(ReplayConfig {
-        path,
-        expired: choice(ctx, "replay.expired", &raw.expired)?,
-        filter_zero_advantage: raw.filter_zero_advantage,
-    })
-}
-
 /// Phase two of `[admin]`; the token falls back to `$SLUICE_ADMIN_TOKEN`.
 pub fn validate_admin(raw: RawAdmin, ctx: &Ctx<'_>) -> Result<AdminConfig, ConfigError> {
     let listen = socket(ctx, "admin.listen", &raw.listen)?;
