@@ -4,9 +4,12 @@
 
 use sluice_core::config::check::{Ctx, role_device, socket};
 use sluice_core::config::validate::*;
-use sluice_core::config::{ConfigError, ConfigErrorKind, MetricsConfig, NodeRole, closest};
+use sluice_core::config::{
+    ConfigError, ConfigErrorKind, EngineBackend, MetricsConfig, NodeRole, closest,
+};
 
 use sluice_replay::config::validate_replay;
+use sluice_trainer::config::{default_minibatches, validate_trainer};
 
 use crate::raw::RawConfig;
 use crate::typed::Config;
@@ -98,7 +101,12 @@ impl RawConfig {
         let eval_device = role_device(ctx, "eval.device", eval.device.as_deref(), engine_device)?;
         let engine = validate_engine(engine, &run, head, engine_device, ctx)?;
         let minibatches_unset = trainer.minibatches.is_none();
-        let mut trainer = validate_trainer(trainer, &engine, trainer_device, ctx)?;
+        let mut trainer = validate_trainer(
+            trainer,
+            engine.backend == EngineBackend::Simulated,
+            trainer_device,
+            ctx,
+        )?;
         let data = validate_data(data, ctx)?;
         let rollout = validate_rollout(rollout, &data, ctx)?;
         if minibatches_unset {

@@ -25,6 +25,10 @@ pub use overrides::Override;
 pub use raw::RawConfig;
 pub use sluice_core::config::*;
 pub use sluice_replay::config::{ExpiredPolicy, ReplayConfig, validate_replay};
+pub use sluice_trainer::config::{
+    AdvantageKind, DECOUPLED_MINIBATCHES, LossAggregation, LossKind, LrSchedule, OversizedText,
+    SimTrainerConfig, TisLevel, TisMode, TrainerConfig, default_minibatches, validate_trainer,
+};
 pub use typed::Config;
 
 /// Reads, overrides and validates the config at `path`, taking the admin token from the process

@@ -10,6 +10,7 @@ use serde::Serialize;
 use sluice_core::WeightUpdateMode;
 use sluice_core::config::*;
 use sluice_replay::config::ReplayConfig;
+use sluice_trainer::config::{DECOUPLED_MINIBATCHES, LossKind, TrainerConfig};
 
 /// The validated config.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -103,7 +104,7 @@ impl Config {
         {
             notes.push(format!(
                 "trainer.minibatches = 1 with loss = \"decoupled_ppo\" and rollout.max_version_lag = {eta}: with one update per step the proximal policy is the current one, nothing is clipped and no trust region bounds {eta} versions of drift (the η = 4 ablation in docs/pipeline.md); leave trainer.minibatches unset ({} updates) or use loss = \"ppo\"",
-                validate::DECOUPLED_MINIBATCHES
+                DECOUPLED_MINIBATCHES
             ));
         }
         let lag = self.engine.prefix_cache_version_lag;

@@ -8,6 +8,7 @@
 //! - `checkpoint`: model (HF format), optimizer state (safetensors) and trainer state (JSON).
 //! - `native`: [`NativeTrainer`], the candle trainer implementing `sluice_core::TrainerBackend`:
 //!   RL steps, supervised steps, weight publishing, checkpoints.
+//! - `config`: the `[trainer]` config section (raw → `validate_trainer` → `TrainerConfig`).
 //! - `settings`, `report`: the native trainer's settings and its per-step statistics/metrics.
 //! - `error`: [`TrainerError`] with stable `kind()` names.
 //!
@@ -18,6 +19,7 @@ mod adamw_kernel;
 pub mod advantage;
 pub mod batcher;
 pub mod checkpoint;
+pub mod config;
 pub mod error;
 pub mod loss;
 pub mod native;

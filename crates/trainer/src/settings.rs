@@ -1,7 +1,7 @@
 //! [`NativeTrainerConfig`]: the native trainer's settings, gathered from the validated config.
 
+use crate::config::{LossAggregation, TrainerConfig};
 use candle_core::DType;
-use sluice_core::config::{LossAggregation, TrainerConfig};
 use sluice_model::ForwardOptions;
 
 use crate::advantage::AdvantageConfig;

@@ -8,11 +8,9 @@ use serde::{Deserialize, Serialize};
 
 mod domain;
 mod node;
-mod trainer;
 
 pub use domain::*;
 pub use node::*;
-pub use trainer::*;
 
 /// `[run]`: identity and length of the run.
 #[derive(Debug, Clone, Serialize, Deserialize)]

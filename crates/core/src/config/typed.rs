@@ -19,12 +19,10 @@ use crate::knobs::Knobs;
 mod domain;
 mod engine;
 mod node;
-mod trainer;
 
 pub use domain::*;
 pub use engine::*;
 pub use node::*;
-pub use trainer::*;
 
 /// `[run]`
 #[derive(Debug, Clone, PartialEq, Serialize)]

@@ -17,14 +17,12 @@ mod node;
 mod quickstart;
 mod rollout;
 mod supervision;
-mod trainer;
 
 pub use engine::validate_engine;
 pub use node::validate_node;
 pub use quickstart::{validate_eval, validate_warmup};
 pub use rollout::{validate_data, validate_rollout};
 pub use supervision::{validate_faults, validate_supervision};
-pub use trainer::{DECOUPLED_MINIBATCHES, default_minibatches, validate_trainer};
 
 /// Phase two of `[run]`.
 pub fn validate_run(raw: RawRun, ctx: &Ctx<'_>) -> Result<RunConfig, ConfigError> {

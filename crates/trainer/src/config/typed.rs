@@ -78,7 +78,7 @@ pub enum OversizedText {
     Reject,
 }
 
-crate::impl_choice!(
+sluice_core::impl_choice!(
     LossKind,
     LrSchedule,
     AdvantageKind,
@@ -94,7 +94,7 @@ pub struct TrainerConfig {
     /// Loss.
     pub loss: LossKind,
     /// Device of the native trainer's master weights (`model.device` unless set).
-    pub device: super::Device,
+    pub device: sluice_core::config::Device,
     /// Peak learning rate (> 0).
     pub learning_rate: f64,
     /// Schedule after warmup.

@@ -2,12 +2,11 @@
 
 use std::num::NonZeroU32;
 
-use crate::config::check::{Ctx, choice, non_zero_u32, number, u32_incl_zero, u64_incl_zero};
-use crate::config::error::ConfigError;
-use crate::config::raw::{RawSimTrainer, RawTrainer};
-use crate::config::typed::{
-    Device, EngineBackend, EngineConfig, LossKind, SimTrainerConfig, TrainerConfig,
-};
+use sluice_core::config::check::{Ctx, choice, non_zero_u32, number, u32_incl_zero, u64_incl_zero};
+use sluice_core::config::{ConfigError, Device};
+
+use super::raw::{RawSimTrainer, RawTrainer};
+use super::typed::{LossKind, SimTrainerConfig, TrainerConfig};
 
 /// Optimizer updates per step when `trainer.minibatches` is unset: one for `ppo` and `tis`, and
 /// for `decoupled_ppo` [`DECOUPLED_MINIBATCHES`] (at most one per group). With a single update the
@@ -24,9 +23,9 @@ pub fn default_minibatches(loss: LossKind, groups_per_step: NonZeroU32) -> NonZe
 /// `decoupled_ppo`'s optimizer updates per step unless the config says otherwise.
 pub const DECOUPLED_MINIBATCHES: NonZeroU32 = NonZeroU32::new(4).unwrap();
 
-pub(super) fn validate_sim_trainer(
+fn validate_sim_trainer(
     raw: RawSimTrainer,
-    engine: &EngineConfig,
+    simulated_engine: bool,
     ctx: &Ctx<'_>,
 ) -> Result<SimTrainerConfig, ConfigError> {
     let seconds = |name: &str, v: f64| {
@@ -39,24 +38,23 @@ pub(super) fn validate_sim_trainer(
         )
     };
     Ok(SimTrainerConfig {
-        enabled: raw
-            .enabled
-            .unwrap_or(engine.backend == EngineBackend::Simulated),
+        enabled: raw.enabled.unwrap_or(simulated_engine),
         step_base_seconds: seconds("step_base_seconds", raw.step_base_seconds)?,
         step_seconds_per_token: seconds("step_seconds_per_token", raw.step_seconds_per_token)?,
     })
 }
 
-/// Phase two of `[trainer]`; `device` is `trainer.device` resolved.
+/// Phase two of `[trainer]`; `device` is `trainer.device` resolved, `simulated_engine` says
+/// `engine.backend = "simulated"` (the default of `trainer.simulated.enabled`).
 pub fn validate_trainer(
     raw: RawTrainer,
-    engine: &EngineConfig,
+    simulated_engine: bool,
     device: Device,
     ctx: &Ctx<'_>,
 ) -> Result<TrainerConfig, ConfigError> {
     Ok(TrainerConfig {
         device,
-        simulated: validate_sim_trainer(raw.simulated, engine, ctx)?,
+        simulated: validate_sim_trainer(raw.simulated, simulated_engine, ctx)?,
         loss: choice(ctx, "trainer.loss", &raw.loss)?,
         learning_rate: number(
             ctx,
