@@ -8,6 +8,7 @@ use sluice_core::config::{
     ConfigError, ConfigErrorKind, EngineBackend, MetricsConfig, NodeRole, closest,
 };
 
+use sluice_data::config::validate_data;
 use sluice_replay::config::validate_replay;
 use sluice_trainer::config::{default_minibatches, validate_trainer};
 
@@ -108,7 +109,7 @@ impl RawConfig {
             ctx,
         )?;
         let data = validate_data(data, ctx)?;
-        let rollout = validate_rollout(rollout, &data, ctx)?;
+        let rollout = validate_rollout(rollout, &data.domains(), ctx)?;
         if minibatches_unset {
             trainer.minibatches = default_minibatches(trainer.loss, rollout.groups_per_step);
         }

@@ -24,6 +24,10 @@ use std::path::Path;
 pub use overrides::Override;
 pub use raw::RawConfig;
 pub use sluice_core::config::*;
+pub use sluice_data::config::{
+    BadLinePolicy, DataConfig, DatasetSpec, DomainConfig, DomainRubric, MAX_REWARD_FNS,
+    validate_data,
+};
 pub use sluice_replay::config::{ExpiredPolicy, ReplayConfig, validate_replay};
 pub use sluice_trainer::config::{
     AdvantageKind, DECOUPLED_MINIBATCHES, LossAggregation, LossKind, LrSchedule, OversizedText,

@@ -9,6 +9,7 @@ use std::num::NonZeroU32;
 use serde::Serialize;
 use sluice_core::WeightUpdateMode;
 use sluice_core::config::*;
+use sluice_data::config::DataConfig;
 use sluice_replay::config::ReplayConfig;
 use sluice_trainer::config::{DECOUPLED_MINIBATCHES, LossKind, TrainerConfig};
 

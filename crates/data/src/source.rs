@@ -4,9 +4,9 @@
 
 use std::collections::BTreeMap;
 
+use crate::config::DataConfig;
 use serde_json::Value;
 use sluice_core::DataSample;
-use sluice_core::config::DataConfig;
 
 use crate::rng::{derive_seed, hash_str};
 use crate::{DomainRows, GeneratorRows, MixSampler, SamplerConfig};

@@ -5,7 +5,7 @@ use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap};
 
 use sluice_core::DataSample;
-use sluice_core::config::DatasetSpec;
+use sluice_data::config::DatasetSpec;
 use sluice_data::rng::Rng;
 use sluice_data::{Dataset, DomainOptions, DomainSampler, SamplerConfig};
 

@@ -9,7 +9,8 @@
 //!
 //! Every error names the config key, like the config's own checks.
 
-use sluice_core::config::{DataConfig, DomainConfig, DomainRubric, Secret};
+use sluice_core::config::Secret;
+use sluice_data::config::{DataConfig, DomainConfig, DomainRubric};
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -6,10 +6,8 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-mod domain;
 mod node;
 
-pub use domain::*;
 pub use node::*;
 
 /// `[run]`: identity and length of the run.
@@ -265,34 +263,6 @@ impl Default for RawRollout {
             balance_threshold: 0.5,
             env_workers: 2,
             env_calls_per_worker: 128,
-        }
-    }
-}
-
-/// `[data]`: datasets.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct RawData {
-    /// Dataset specs, `domain::name[@split]`.
-    pub datasets: Vec<String>,
-    /// Directory holding `<domain>/<name>[.<split>].jsonl` files.
-    pub data_dir: String,
-    /// `skip` or `fail` on a line that does not parse.
-    pub on_bad_line: String,
-    /// Correct domain weights by completed/target ratios (seed 000's adaptive sampling).
-    pub adaptive_mix: bool,
-    /// Per-domain options, `[data.domains.<domain>]`.
-    pub domains: BTreeMap<String, RawDomain>,
-}
-
-impl Default for RawData {
-    fn default() -> Self {
-        Self {
-            datasets: Vec::new(),
-            data_dir: "data".into(),
-            on_bad_line: "skip".into(),
-            adaptive_mix: true,
-            domains: BTreeMap::new(),
         }
     }
 }

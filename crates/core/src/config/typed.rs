@@ -16,11 +16,9 @@ use serde::{Deserialize, Serialize, Serializer};
 use crate::choice::Choice;
 use crate::knobs::Knobs;
 
-mod domain;
 mod engine;
 mod node;
 
-pub use domain::*;
 pub use engine::*;
 pub use node::*;
 
@@ -66,7 +64,7 @@ impl ModelPreset {
     }
 }
 
-crate::impl_choice!(ModelPreset, DType, EngineBackend, BadLinePolicy);
+crate::impl_choice!(ModelPreset, DType, EngineBackend);
 
 /// Element type of model weights.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -173,118 +171,6 @@ pub struct RolloutConfig {
     /// Initial runtime knobs (resolved: no zeros meaning "default").
     #[serde(flatten)]
     pub knobs: Knobs,
-}
-
-/// A dataset reference, `domain::name[@split]`.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub struct DatasetSpec {
-    /// Domain.
-    pub domain: String,
-    /// Dataset name.
-    pub name: String,
-    /// Split, if given.
-    pub split: Option<String>,
-}
-
-impl fmt::Display for DatasetSpec {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}::{}", self.domain, self.name)?;
-        if let Some(split) = &self.split {
-            write!(f, "@{split}")?;
-        }
-        Ok(())
-    }
-}
-
-impl FromStr for DatasetSpec {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        let err =
-            || format!("expected `domain::name[@split]` with parts of [A-Za-z0-9_.-], got `{s}`");
-        let ok = |p: &str| {
-            !p.is_empty()
-                && p.bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'))
-        };
-        let (domain, rest) = s.split_once("::").ok_or_else(err)?;
-        let (name, split) = match rest.split_once('@') {
-            Some((n, sp)) => (n, Some(sp)),
-            None => (rest, None),
-        };
-        if !ok(domain) || !ok(name) || split.is_some_and(|sp| !ok(sp)) {
-            return Err(err());
-        }
-        Ok(Self {
-            domain: domain.to_owned(),
-            name: name.to_owned(),
-            split: split.map(str::to_owned),
-        })
-    }
-}
-
-impl Serialize for DatasetSpec {
-    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.collect_str(self)
-    }
-}
-
-/// What to do with a dataset line that does not parse.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum BadLinePolicy {
-    /// Report it with file and line, count it, go on.
-    Skip,
-    /// Report it and stop.
-    Fail,
-}
-
-/// `[data]`
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct DataConfig {
-    /// Datasets.
-    pub datasets: Vec<DatasetSpec>,
-    /// Where JSONL files live.
-    pub data_dir: PathBuf,
-    /// Bad-line policy.
-    pub on_bad_line: BadLinePolicy,
-    /// Adaptive domain mix (completed/target correction, clamped to [0.1, 10]).
-    pub adaptive_mix: bool,
-    /// Per-domain options (`[data.domains.<domain>]`), only for domains some dataset belongs to.
-    #[serde(
-        rename = "domains",
-        skip_serializing_if = "std::collections::BTreeMap::is_empty"
-    )]
-    pub domain_options: std::collections::BTreeMap<String, DomainConfig>,
-}
-
-impl DataConfig {
-    /// The distinct domains, in first-mention order.
-    pub fn domains(&self) -> Vec<String> {
-        let mut out: Vec<String> = Vec::new();
-        for d in &self.datasets {
-            if !out.contains(&d.domain) {
-                out.push(d.domain.clone());
-            }
-        }
-        out
-    }
-
-    /// Tokens per model turn in `domain`: its `max_new_tokens`, else `default`
-    /// (`rollout.max_new_tokens`).
-    pub fn turn_tokens(&self, domain: &str, default: NonZeroU32) -> NonZeroU32 {
-        self.domain_options
-            .get(domain)
-            .and_then(|d| d.max_new_tokens)
-            .unwrap_or(default)
-    }
-
-    /// The per-domain turn budgets that differ from the default (what the controller applies).
-    pub fn turn_token_overrides(&self) -> std::collections::BTreeMap<String, u32> {
-        self.domain_options
-            .iter()
-            .filter_map(|(d, o)| o.max_new_tokens.map(|n| (d.clone(), n.get())))
-            .collect()
-    }
 }
 
 /// `[metrics]`

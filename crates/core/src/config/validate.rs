@@ -11,7 +11,6 @@ use super::error::ConfigError;
 use super::raw::*;
 use super::typed::*;
 
-mod domain;
 mod engine;
 mod node;
 mod quickstart;
@@ -21,7 +20,7 @@ mod supervision;
 pub use engine::validate_engine;
 pub use node::validate_node;
 pub use quickstart::{validate_eval, validate_warmup};
-pub use rollout::{validate_data, validate_rollout};
+pub use rollout::validate_rollout;
 pub use supervision::{validate_faults, validate_supervision};
 
 /// Phase two of `[run]`.

@@ -1,54 +1,18 @@
-//! Phase two of `[data]` and `[rollout]` (the rollout section reads the data domains).
+//! Phase two of `[rollout]` (it reads the data domains).
 
-use std::path::PathBuf;
 use std::str::FromStr;
 
-use super::domain::validate_domain;
-use crate::config::check::{Ctx, choice, non_zero_u32, number, u32_incl_zero, u64_incl_zero};
+use crate::config::check::{Ctx, non_zero_u32, number, u32_incl_zero, u64_incl_zero};
 use crate::config::error::ConfigError;
-use crate::config::raw::{RawData, RawRollout};
-use crate::config::typed::{DataConfig, DatasetSpec, RolloutConfig};
+use crate::config::raw::RawRollout;
+use crate::config::typed::RolloutConfig;
 use crate::knobs::{AdmissionMode, Knobs, WeightUpdateMode};
 
-/// Phase two of `[data]` and its `[data.domains.<domain>]`.
-pub fn validate_data(raw: RawData, ctx: &Ctx<'_>) -> Result<DataConfig, ConfigError> {
-    let mut datasets: Vec<DatasetSpec> = Vec::with_capacity(raw.datasets.len());
-    for (i, spec) in raw.datasets.iter().enumerate() {
-        let key = format!("data.datasets[{i}]");
-        let parsed: DatasetSpec = spec.parse().map_err(|m: String| ctx.value(&key, m))?;
-        if datasets.contains(&parsed) {
-            return Err(ctx.value(&key, format!("`{spec}` is listed twice")));
-        }
-        datasets.push(parsed);
-    }
-    let mut domains = std::collections::BTreeMap::new();
-    for (name, d) in raw.domains {
-        let key = format!("data.domains.{name}");
-        if !datasets.iter().any(|spec| spec.domain == name) {
-            let known: Vec<&str> = datasets.iter().map(|spec| spec.domain.as_str()).collect();
-            return Err(ctx.value(
-                &key,
-                format!(
-                    "no dataset belongs to domain `{name}`; the datasets' domains are: {}",
-                    known.join(", ")
-                ),
-            ));
-        }
-        domains.insert(name.clone(), validate_domain(&name, d, ctx)?);
-    }
-    Ok(DataConfig {
-        datasets,
-        data_dir: PathBuf::from(raw.data_dir),
-        adaptive_mix: raw.adaptive_mix,
-        domain_options: domains,
-        on_bad_line: choice(ctx, "data.on_bad_line", &raw.on_bad_line)?,
-    })
-}
-
-/// Phase two of `[rollout]` (it reads the data domains of `domain_mix`).
+/// Phase two of `[rollout]`; `data_domains` are the domains of `data.datasets` (what
+/// `domain_mix` may weight).
 pub fn validate_rollout(
     raw: RawRollout,
-    data: &DataConfig,
+    data_domains: &[String],
     ctx: &Ctx<'_>,
 ) -> Result<RolloutConfig, ConfigError> {
     let group_size = non_zero_u32(ctx, "rollout.group_size", raw.group_size)?;
@@ -93,7 +57,7 @@ pub fn validate_rollout(
     } else {
         max_concurrent
     };
-    let domains = data.domains();
+    let domains = data_domains;
     for (domain, &w) in &raw.domain_mix {
         let key = format!("rollout.domain_mix.{domain}");
         if !domains.is_empty() && !domains.contains(domain) {

@@ -1,5 +1,5 @@
-//! `[data.domains.<domain>]` as serde reads it: the options of one domain, its rubric and the env
-//! server that runs its episodes.
+//! `[data]` and `[data.domains.<domain>]` as serde reads them: the datasets, and the options of
+//! one domain, its rubric and the env server that runs its episodes.
 
 use std::collections::BTreeMap;
 
@@ -42,4 +42,32 @@ pub struct RawRubric {
     pub error_reward: Option<f64>,
     /// Deadline of each reward function call, seconds.
     pub timeout_s: Option<f64>,
+}
+
+/// `[data]`: datasets.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawData {
+    /// Dataset specs, `domain::name[@split]`.
+    pub datasets: Vec<String>,
+    /// Directory holding `<domain>/<name>[.<split>].jsonl` files.
+    pub data_dir: String,
+    /// `skip` or `fail` on a line that does not parse.
+    pub on_bad_line: String,
+    /// Correct domain weights by completed/target ratios (seed 000's adaptive sampling).
+    pub adaptive_mix: bool,
+    /// Per-domain options, `[data.domains.<domain>]`.
+    pub domains: BTreeMap<String, RawDomain>,
+}
+
+impl Default for RawData {
+    fn default() -> Self {
+        Self {
+            datasets: Vec::new(),
+            data_dir: "data".into(),
+            on_bad_line: "skip".into(),
+            adaptive_mix: true,
+            domains: BTreeMap::new(),
+        }
+    }
 }

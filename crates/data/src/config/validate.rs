@@ -1,18 +1,21 @@
-//! Phase two of `[data.domains.<domain>]`: the task name, the env server URL and the rubric.
+//! Phase two of `[data]` (dataset specs, each domain listed by a dataset) and of
+//! `[data.domains.<domain>]`: the task name, the env server URL and the rubric.
 //! Which reward functions a task offers is the env crate's knowledge; here the names are checked
 //! for shape and the weights and overrides for range, and the env crate names the key when a
 //! function is unknown (`sluice_env::configured::registry`).
 
 use std::collections::BTreeMap;
+use std::path::PathBuf;
 
-use crate::config::check::{Ctx, non_zero_u32, number, positive_seconds};
-use crate::config::error::ConfigError;
-use crate::config::raw::{RawDomain, RawRubric};
-use crate::config::typed::{DomainConfig, DomainRubric};
+use sluice_core::config::ConfigError;
+use sluice_core::config::check::{Ctx, choice, non_zero_u32, number, positive_seconds};
+
+use super::raw::{RawData, RawDomain, RawRubric};
+use super::typed::{DataConfig, DatasetSpec, DomainConfig, DomainRubric};
 
 /// Most reward functions one rubric may weight; each becomes a label value of
 /// `sluice_rollout_reward_component_mean_reward`, so their number is bounded.
-pub(crate) const MAX_REWARD_FNS: usize = 16;
+pub const MAX_REWARD_FNS: usize = 16;
 
 /// Whether `s` is a name of `[A-Za-z0-9_.-]+`.
 fn is_name(s: &str) -> bool {
@@ -21,11 +24,42 @@ fn is_name(s: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'))
 }
 
-pub(super) fn validate_domain(
-    name: &str,
-    raw: RawDomain,
-    ctx: &Ctx<'_>,
-) -> Result<DomainConfig, ConfigError> {
+/// Phase two of `[data]` and its `[data.domains.<domain>]`.
+pub fn validate_data(raw: RawData, ctx: &Ctx<'_>) -> Result<DataConfig, ConfigError> {
+    let mut datasets: Vec<DatasetSpec> = Vec::with_capacity(raw.datasets.len());
+    for (i, spec) in raw.datasets.iter().enumerate() {
+        let key = format!("data.datasets[{i}]");
+        let parsed: DatasetSpec = spec.parse().map_err(|m: String| ctx.value(&key, m))?;
+        if datasets.contains(&parsed) {
+            return Err(ctx.value(&key, format!("`{spec}` is listed twice")));
+        }
+        datasets.push(parsed);
+    }
+    let mut domains = std::collections::BTreeMap::new();
+    for (name, d) in raw.domains {
+        let key = format!("data.domains.{name}");
+        if !datasets.iter().any(|spec| spec.domain == name) {
+            let known: Vec<&str> = datasets.iter().map(|spec| spec.domain.as_str()).collect();
+            return Err(ctx.value(
+                &key,
+                format!(
+                    "no dataset belongs to domain `{name}`; the datasets' domains are: {}",
+                    known.join(", ")
+                ),
+            ));
+        }
+        domains.insert(name.clone(), validate_domain(&name, d, ctx)?);
+    }
+    Ok(DataConfig {
+        datasets,
+        data_dir: PathBuf::from(raw.data_dir),
+        adaptive_mix: raw.adaptive_mix,
+        domain_options: domains,
+        on_bad_line: choice(ctx, "data.on_bad_line", &raw.on_bad_line)?,
+    })
+}
+
+fn validate_domain(name: &str, raw: RawDomain, ctx: &Ctx<'_>) -> Result<DomainConfig, ConfigError> {
     let key = format!("data.domains.{name}");
     if let Some(task) = &raw.task
         && !is_name(task)

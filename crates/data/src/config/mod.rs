@@ -1,0 +1,12 @@
+//! `[data]` and `[data.domains.<domain>]`: the datasets and per-domain options, owned here (the
+//! env crate reads the domains' tasks, rubrics and env servers through this crate). Raw (serde,
+//! defaults; [`RawData`]) → [`validate_data`] → [`DataConfig`]; `sluice-config` composes it into
+//! the whole file.
+
+mod raw;
+mod typed;
+mod validate;
+
+pub use raw::*;
+pub use typed::*;
+pub use validate::{MAX_REWARD_FNS, validate_data};
