@@ -4,11 +4,10 @@
 
 use sluice_core::config::check::{Ctx, role_device, socket};
 use sluice_core::config::validate::*;
-use sluice_core::config::{
-    ConfigError, ConfigErrorKind, EngineBackend, MetricsConfig, NodeRole, closest,
-};
+use sluice_core::config::{ConfigError, ConfigErrorKind, MetricsConfig, NodeRole, closest};
 
 use sluice_data::config::validate_data;
+use sluice_engine::config::{EngineBackend, validate_engine};
 use sluice_replay::config::validate_replay;
 use sluice_trainer::config::{default_minibatches, validate_trainer};
 
@@ -100,7 +99,7 @@ impl RawConfig {
             model.device,
         )?;
         let eval_device = role_device(ctx, "eval.device", eval.device.as_deref(), engine_device)?;
-        let engine = validate_engine(engine, &run, head, engine_device, ctx)?;
+        let engine = validate_engine(engine, run.seed, head, engine_device, ctx)?;
         let minibatches_unset = trainer.minibatches.is_none();
         let mut trainer = validate_trainer(
             trainer,

@@ -10,6 +10,7 @@ use serde::Serialize;
 use sluice_core::WeightUpdateMode;
 use sluice_core::config::*;
 use sluice_data::config::DataConfig;
+use sluice_engine::config::EngineConfig;
 use sluice_replay::config::ReplayConfig;
 use sluice_trainer::config::{DECOUPLED_MINIBATCHES, LossKind, TrainerConfig};
 

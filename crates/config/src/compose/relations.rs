@@ -2,7 +2,8 @@
 
 use crate::typed::Config;
 use sluice_core::config::check::Ctx;
-use sluice_core::config::{ConfigError, EngineBackend, NodeRole};
+use sluice_core::config::{ConfigError, NodeRole};
+use sluice_engine::config::EngineBackend;
 
 /// Refuses combinations that each key alone allows but that cannot do what they say.
 pub(crate) fn check(config: &Config, ctx: &Ctx<'_>) -> Result<(), ConfigError> {

@@ -16,10 +16,8 @@ use serde::{Deserialize, Serialize, Serializer};
 use crate::choice::Choice;
 use crate::knobs::Knobs;
 
-mod engine;
 mod node;
 
-pub use engine::*;
 pub use node::*;
 
 /// `[run]`
@@ -64,7 +62,7 @@ impl ModelPreset {
     }
 }
 
-crate::impl_choice!(ModelPreset, DType, EngineBackend);
+crate::impl_choice!(ModelPreset, DType);
 
 /// Element type of model weights.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -115,6 +113,32 @@ impl Serialize for Device {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         s.collect_str(self)
     }
+}
+
+/// A completion-length distribution of the simulated engine (`[engine.simulated.lengths.*]`);
+/// here because core's [`rng`](crate::rng) draws lengths from it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(tag = "distribution", rename_all = "snake_case")]
+pub enum LengthDistribution {
+    /// Always `tokens`.
+    Fixed {
+        /// The length.
+        tokens: u32,
+    },
+    /// Uniform in `[min, max]`.
+    Uniform {
+        /// Smallest.
+        min: u32,
+        /// Largest.
+        max: u32,
+    },
+    /// Log-normal with the given median and σ (a long tail).
+    Lognormal {
+        /// Median length.
+        median: f64,
+        /// σ of the underlying normal.
+        sigma: f64,
+    },
 }
 
 /// `[model]`

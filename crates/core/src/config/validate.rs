@@ -11,13 +11,11 @@ use super::error::ConfigError;
 use super::raw::*;
 use super::typed::*;
 
-mod engine;
 mod node;
 mod quickstart;
 mod rollout;
 mod supervision;
 
-pub use engine::validate_engine;
 pub use node::validate_node;
 pub use quickstart::{validate_eval, validate_warmup};
 pub use rollout::validate_rollout;

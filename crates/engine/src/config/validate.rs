@@ -2,17 +2,17 @@
 
 use std::time::Duration;
 
-use crate::config::check::{Ctx, choice, non_zero_u32, number, u32_incl_zero, u64_incl_zero};
-use crate::config::error::ConfigError;
-use crate::config::raw::{RawEngine, RawSimEngine};
-use crate::config::typed::{
-    Device, EngineBackend, EngineConfig, LengthDistribution, RunConfig, SimEngineConfig,
-};
+use sluice_core::config::check::{Ctx, choice, non_zero_u32, number, u32_incl_zero, u64_incl_zero};
+use sluice_core::config::{ConfigError, Device, LengthDistribution};
 
-/// Phase two of `[engine]`; `device` is `engine.device` resolved, `head` says this node is a head.
+use super::raw::{RawEngine, RawSimEngine};
+use super::typed::{EngineBackend, EngineConfig, SimEngineConfig};
+
+/// Phase two of `[engine]`; `device` is `engine.device` resolved, `head` says this node is a head,
+/// `run_seed` (`run.seed`) is the simulated engine's default seed.
 pub fn validate_engine(
     raw: RawEngine,
-    run: &RunConfig,
+    run_seed: u64,
     head: bool,
     device: Device,
     ctx: &Ctx<'_>,
@@ -76,13 +76,13 @@ pub fn validate_engine(
             "engine.remote_keep_versions",
             raw.remote_keep_versions,
         )?,
-        simulated: validate_sim_engine(raw.simulated, run, ctx)?,
+        simulated: validate_sim_engine(raw.simulated, run_seed, ctx)?,
     })
 }
 
 fn validate_sim_engine(
     raw: RawSimEngine,
-    run: &RunConfig,
+    run_seed: u64,
     ctx: &Ctx<'_>,
 ) -> Result<SimEngineConfig, ConfigError> {
     let k = |name: &str| format!("engine.simulated.{name}");
@@ -156,7 +156,7 @@ fn validate_sim_engine(
         lengths,
         seed: match raw.seed {
             Some(s) => u64_incl_zero(ctx, &k("seed"), s)?,
-            None => run.seed,
+            None => run_seed,
         },
     })
 }

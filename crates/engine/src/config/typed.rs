@@ -3,9 +3,15 @@
 use std::num::NonZeroU32;
 use std::time::Duration;
 
-use serde::{Deserialize, Serialize};
+use serde::{Deserialize, Serialize, Serializer};
 
-use super::{Device, as_seconds};
+use sluice_core::config::{Device, LengthDistribution};
+
+sluice_core::impl_choice!(EngineBackend);
+
+fn as_seconds<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_f64(d.as_secs_f64())
+}
 
 /// Which inference backend drives rollouts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -55,31 +61,6 @@ pub struct EngineConfig {
     pub remote_keep_versions: NonZeroU32,
     /// `[engine.simulated]`
     pub simulated: SimEngineConfig,
-}
-
-/// A completion-length distribution of the simulated engine.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-#[serde(tag = "distribution", rename_all = "snake_case")]
-pub enum LengthDistribution {
-    /// Always `tokens`.
-    Fixed {
-        /// The length.
-        tokens: u32,
-    },
-    /// Uniform in `[min, max]`.
-    Uniform {
-        /// Smallest.
-        min: u32,
-        /// Largest.
-        max: u32,
-    },
-    /// Log-normal with the given median and σ (a long tail).
-    Lognormal {
-        /// Median length.
-        median: f64,
-        /// σ of the underlying normal.
-        sigma: f64,
-    },
 }
 
 /// `[engine.simulated]`
