@@ -8,6 +8,7 @@ use sluice_core::config::{ConfigError, ConfigErrorKind, MetricsConfig, NodeRole,
 
 use sluice_data::config::validate_data;
 use sluice_engine::config::{EngineBackend, validate_engine};
+use sluice_model::section::validate_model;
 use sluice_replay::config::validate_replay;
 use sluice_trainer::config::{default_minibatches, validate_trainer};
 
@@ -87,7 +88,7 @@ impl RawConfig {
         let node = node.map(|n| validate_node(n, ctx)).transpose()?;
         let head = node.as_ref().is_some_and(|n| n.role == NodeRole::Head);
         let run = validate_run(run, ctx)?;
-        let model = validate_model(model, &run, ctx)?;
+        let model = validate_model(model, &run.output_dir, ctx)?;
         // Each role runs on its own device, by default the model's (so a config without these
         // keys behaves as before); the evaluator follows the engine.
         let engine_device =

@@ -7,6 +7,7 @@ use serde::{Deserialize, Serialize};
 pub use sluice_core::config::raw::*;
 pub use sluice_data::config::{RawData, RawDomain, RawRubric};
 pub use sluice_engine::config::{RawEngine, RawLengthDistribution, RawSimEngine};
+pub use sluice_model::section::RawModel;
 pub use sluice_replay::config::RawReplay;
 pub use sluice_trainer::config::{RawSimTrainer, RawTrainer};
 

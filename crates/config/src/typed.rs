@@ -11,6 +11,7 @@ use sluice_core::WeightUpdateMode;
 use sluice_core::config::*;
 use sluice_data::config::DataConfig;
 use sluice_engine::config::EngineConfig;
+use sluice_model::section::ModelConfig;
 use sluice_replay::config::ReplayConfig;
 use sluice_trainer::config::{DECOUPLED_MINIBATCHES, LossKind, TrainerConfig};
 

@@ -35,37 +35,6 @@ impl Default for RawRun {
     }
 }
 
-/// `[model]`: the policy checkpoint.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct RawModel {
-    /// Hugging Face model directory (default `<output_dir>/model`).
-    pub path: Option<String>,
-    /// Create the directory from a built-in preset when it does not exist (`tiny`, `small`).
-    pub init_preset: Option<String>,
-    /// `f32`, `bf16` or `f16`.
-    pub dtype: String,
-    /// `cpu`, `cuda` or `cuda:N`.
-    pub device: String,
-    /// Extra variables of the chat template when rollouts are rendered (`enable_thinking`).
-    pub chat_template_kwargs: BTreeMap<String, toml::Value>,
-    /// A Jinja file that replaces the model's chat template.
-    pub chat_template: Option<String>,
-}
-
-impl Default for RawModel {
-    fn default() -> Self {
-        Self {
-            path: None,
-            init_preset: None,
-            dtype: "f32".into(),
-            device: "cpu".into(),
-            chat_template_kwargs: BTreeMap::new(),
-            chat_template: None,
-        }
-    }
-}
-
 /// `[rollout]`: group shape, sampling and the initial runtime knobs.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]

@@ -13,7 +13,6 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize, Serializer};
 
-use crate::choice::Choice;
 use crate::knobs::Knobs;
 
 mod node;
@@ -33,36 +32,7 @@ pub struct RunConfig {
     pub max_steps: NonZeroU64,
 }
 
-/// Built-in model presets that `sluice model init` can write.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ModelPreset {
-    /// A few hundred thousand parameters: tests and the quickstart.
-    Tiny,
-    /// Roughly 50–100M parameters: benchmarks.
-    Small,
-    /// The layer shapes of Qwen2.5-0.5B (hidden 896, 24 layers, 14 heads, 2 KV heads, MLP
-    /// 4864) with the character tokenizer: memory and speed at a real model's shapes.
-    Medium,
-}
-
-impl ModelPreset {
-    /// Every preset, in size order.
-    pub const ALL: [Self; 3] = [Self::Tiny, Self::Small, Self::Medium];
-
-    /// The preset's name in configs and flags.
-    pub fn name(self) -> &'static str {
-        Choice::name(self)
-    }
-
-    /// The preset named `name` (a flag's value); the error lists the names.
-    pub fn parse_name(name: &str) -> Result<Self, String> {
-        Choice::parse(name)
-            .map_err(|_| format!("unknown preset `{name}` ({})", Self::names().join(", ")))
-    }
-}
-
-crate::impl_choice!(ModelPreset, DType);
+crate::impl_choice!(DType);
 
 /// Element type of model weights.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -139,26 +109,6 @@ pub enum LengthDistribution {
         /// σ of the underlying normal.
         sigma: f64,
     },
-}
-
-/// `[model]`
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct ModelConfig {
-    /// Hugging Face model directory.
-    pub path: PathBuf,
-    /// Preset to create the directory from when it is absent.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub init_preset: Option<ModelPreset>,
-    /// Weight dtype.
-    pub dtype: DType,
-    /// Device.
-    pub device: Device,
-    /// Extra chat-template variables for rendering rollouts (`enable_thinking = false`).
-    #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
-    pub chat_template_kwargs: std::collections::BTreeMap<String, toml::Value>,
-    /// A Jinja file that replaces the model's own chat template (`None`: the model's).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub chat_template: Option<PathBuf>,
 }
 
 fn as_seconds<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {

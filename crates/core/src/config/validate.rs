@@ -6,7 +6,7 @@ use std::num::NonZeroU64;
 use std::path::PathBuf;
 
 use super::ADMIN_TOKEN_ENV;
-use super::check::{Ctx, choice, device, socket, u64_incl_zero};
+use super::check::{Ctx, socket, u64_incl_zero};
 use super::error::ConfigError;
 use super::raw::*;
 use super::typed::*;
@@ -62,64 +62,6 @@ pub fn validate_run(raw: RawRun, ctx: &Ctx<'_>) -> Result<RunConfig, ConfigError
         output_dir,
         seed,
         max_steps,
-    })
-}
-
-/// Phase two of `[model]`; the default path is under `run.output_dir`.
-pub fn validate_model(
-    raw: RawModel,
-    run: &RunConfig,
-    ctx: &Ctx<'_>,
-) -> Result<ModelConfig, ConfigError> {
-    let init_preset = raw
-        .init_preset
-        .as_deref()
-        .map(|p| choice::<ModelPreset>(ctx, "model.init_preset", p))
-        .transpose()?;
-    let dtype: DType = choice(ctx, "model.dtype", &raw.dtype)?;
-    let device = device(ctx, "model.device", &raw.device)?;
-    let path = match raw.path {
-        Some(p) if p.trim().is_empty() => {
-            return Err(ctx.value(
-                "model.path",
-                "expected a model directory, got an empty string",
-            ));
-        }
-        Some(p) => PathBuf::from(p),
-        None => run.output_dir.join("model"),
-    };
-    for name in raw.chat_template_kwargs.keys() {
-        let key = format!("model.chat_template_kwargs.{name}");
-        let identifier = name
-            .chars()
-            .next()
-            .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
-            && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
-        if !identifier {
-            return Err(ctx.value(
-                &key,
-                format!(
-                    "expected a template variable name of [A-Za-z_][A-Za-z0-9_]*, got `{name}`"
-                ),
-            ));
-        }
-    }
-    let chat_template = match raw.chat_template {
-        Some(p) if p.trim().is_empty() => {
-            return Err(ctx.value(
-                "model.chat_template",
-                "expected the path of a Jinja template file, got an empty string",
-            ));
-        }
-        p => p.map(PathBuf::from),
-    };
-    Ok(ModelConfig {
-        path,
-        init_preset,
-        dtype,
-        device,
-        chat_template_kwargs: raw.chat_template_kwargs,
-        chat_template,
     })
 }
 
