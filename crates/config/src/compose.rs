@@ -3,8 +3,7 @@
 //! between sections.
 
 use sluice_core::config::check::{Ctx, role_device, socket};
-use sluice_core::config::validate::*;
-use sluice_core::config::{ConfigError, ConfigErrorKind, MetricsConfig, NodeRole, closest};
+use sluice_core::config::{ConfigError, ConfigErrorKind, closest};
 
 use sluice_data::config::validate_data;
 use sluice_engine::config::{EngineBackend, validate_engine};
@@ -13,6 +12,8 @@ use sluice_replay::config::validate_replay;
 use sluice_trainer::config::{default_minibatches, validate_trainer};
 
 use crate::raw::RawConfig;
+use crate::sections::validate::*;
+use crate::sections::{MetricsConfig, NodeRole};
 use crate::typed::Config;
 
 pub(crate) mod bounds;

@@ -16,6 +16,7 @@
 mod compose;
 mod overrides;
 pub mod raw;
+mod sections;
 mod typed;
 
 use std::collections::BTreeSet;
@@ -23,6 +24,8 @@ use std::path::Path;
 
 pub use overrides::Override;
 pub use raw::RawConfig;
+pub use sections::validate::*;
+pub use sections::*;
 pub use sluice_core::config::*;
 pub use sluice_data::config::{
     BadLinePolicy, DataConfig, DatasetSpec, DomainConfig, DomainRubric, MAX_REWARD_FNS,
@@ -36,6 +39,9 @@ pub use sluice_trainer::config::{
     SimTrainerConfig, TisLevel, TisMode, TrainerConfig, default_minibatches, validate_trainer,
 };
 pub use typed::Config;
+
+/// The environment variable that supplies `admin.token` when the file does not.
+pub const ADMIN_TOKEN_ENV: &str = "SLUICE_ADMIN_TOKEN";
 
 /// Reads, overrides and validates the config at `path`, taking the admin token from the process
 /// environment when the file has none.

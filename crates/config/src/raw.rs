@@ -4,7 +4,7 @@
 
 use serde::{Deserialize, Serialize};
 
-pub use sluice_core::config::raw::*;
+pub use crate::sections::raw::*;
 pub use sluice_data::config::{RawData, RawDomain, RawRubric};
 pub use sluice_engine::config::{RawEngine, RawLengthDistribution, RawSimEngine};
 pub use sluice_model::section::RawModel;

@@ -6,9 +6,9 @@
 
 use std::num::NonZeroU32;
 
+use crate::sections::*;
 use serde::Serialize;
 use sluice_core::WeightUpdateMode;
-use sluice_core::config::*;
 use sluice_data::config::DataConfig;
 use sluice_engine::config::EngineConfig;
 use sluice_model::section::ModelConfig;

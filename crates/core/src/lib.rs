@@ -8,7 +8,7 @@
 //! | [`completion`] | [`CompletionParser`]: completion text → assistant message (reasoning, tool calls) |
 //! | [`rollout`] | [`DataSample`], [`RolloutTurn`], [`Rollout`], [`RolloutGroup`], [`RolloutStatus`] |
 //! | [`knobs`] | the runtime [`Knobs`], patches to them and the shared [`KnobsHandle`] |
-//! | [`config`] | the config sections shared by several crates (raw serde → `validate_*` → typed), [`ConfigError`] and the checks every crate validates its own section with; `sluice-config` composes the file |
+//! | [`config`] | [`ConfigError`], the checks every crate validates its own config section with, and the config types several crates share (`Device`, `DType`, `Secret`); `sluice-config` composes the file |
 //! | [`choice`] | [`Choice`](choice::Choice): enums whose serde names are their config spellings |
 //! | [`metrics`] | the one catalog of Prometheus metric names, with help text |
 //! | [`sim`] | what the simulated engine and trainer share (simulated seconds → real time) |

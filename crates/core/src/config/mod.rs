@@ -1,21 +1,18 @@
-//! The config sections every crate reads, and the pieces each crate validates its own section
-//! with (`STYLE.md` habit 8): TOML → raw serde section (unknown keys refused, defaults filled) →
-//! its `validate_*` → typed section (ranges checked).
+//! What every crate's config section is built from (`STYLE.md` habit 8): TOML → raw serde
+//! section (unknown keys refused, defaults filled) → its `validate_*` → typed section (ranges
+//! checked).
 //!
-//! The whole file (`Config`, `RawConfig`, `parse`, `load`, `--set` overrides, the upper bounds
-//! and the rules between sections) is composed in `sluice-config`, which sits above the library
-//! crates; sections move from here into the crate that consumes them (issue 19). What stays here
-//! is what several crates share: [`ConfigError`], the validation context and one-value checks
-//! ([`check`]), and the sections not yet moved.
+//! Each section lives with the crate that consumes it (`sluice_replay::config`,
+//! `sluice_trainer::config`, `sluice_data::config`, `sluice_engine::config`,
+//! `sluice_model::section`); the node-level sections and the whole file (`Config`, `RawConfig`,
+//! `parse`, `load`, `--set` overrides, the upper bounds and the rules between sections) are
+//! composed in `sluice-config`, above the library crates. What stays here is what several crates
+//! share: [`ConfigError`], the validation context and one-value checks ([`check`]), and the
+//! shared types ([`Device`], [`DType`], [`LengthDistribution`], [`Secret`]).
 
 pub mod check;
 mod error;
-pub mod raw;
 mod typed;
-pub mod validate;
 
 pub use error::{ConfigError, ConfigErrorKind, closest, edit_distance};
 pub use typed::*;
-
-/// The environment variable that supplies `admin.token` when the file does not.
-pub const ADMIN_TOKEN_ENV: &str = "SLUICE_ADMIN_TOKEN";

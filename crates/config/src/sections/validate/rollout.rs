@@ -2,11 +2,11 @@
 
 use std::str::FromStr;
 
-use crate::config::check::{Ctx, non_zero_u32, number, u32_incl_zero, u64_incl_zero};
-use crate::config::error::ConfigError;
-use crate::config::raw::RawRollout;
-use crate::config::typed::RolloutConfig;
-use crate::knobs::{AdmissionMode, Knobs, WeightUpdateMode};
+use crate::sections::raw::RawRollout;
+use crate::sections::typed::RolloutConfig;
+use sluice_core::config::ConfigError;
+use sluice_core::config::check::{Ctx, non_zero_u32, number, u32_incl_zero, u64_incl_zero};
+use sluice_core::knobs::{AdmissionMode, Knobs, WeightUpdateMode};
 
 /// Phase two of `[rollout]`; `data_domains` are the domains of `data.datasets` (what
 /// `domain_mix` may weight).
@@ -25,12 +25,12 @@ pub fn validate_rollout(
         "a number ≥ 0",
         |v| v >= 0.0,
     )?;
-    if staleness_threshold > crate::knobs::MAX_STALENESS_THRESHOLD {
+    if staleness_threshold > sluice_core::knobs::MAX_STALENESS_THRESHOLD {
         return Err(ctx.value(
             "rollout.staleness_threshold",
             format!(
                 "expected a number ≤ {}, got {staleness_threshold}",
-                crate::knobs::MAX_STALENESS_THRESHOLD
+                sluice_core::knobs::MAX_STALENESS_THRESHOLD
             ),
         ));
     }
@@ -71,12 +71,12 @@ pub fn validate_rollout(
         }
         number(ctx, &key, w, "a weight ≥ 0", |v| v >= 0.0)?;
     }
-    if raw.domain_mix.len() > crate::knobs::MAX_DOMAINS {
+    if raw.domain_mix.len() > sluice_core::knobs::MAX_DOMAINS {
         return Err(ctx.value(
             "rollout.domain_mix",
             format!(
                 "expected at most {} domains, got {}",
-                crate::knobs::MAX_DOMAINS,
+                sluice_core::knobs::MAX_DOMAINS,
                 raw.domain_mix.len()
             ),
         ));

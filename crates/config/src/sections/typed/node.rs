@@ -23,11 +23,11 @@ pub enum NodeRole {
 impl NodeRole {
     /// The name used in the config, the API and metric labels.
     pub fn as_str(self) -> &'static str {
-        crate::choice::Choice::name(self)
+        sluice_core::choice::Choice::name(self)
     }
 }
 
-crate::impl_choice!(NodeRole);
+sluice_core::impl_choice!(NodeRole);
 
 /// `[node]`
 #[derive(Debug, Clone, PartialEq, Serialize)]

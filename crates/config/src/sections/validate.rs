@@ -1,15 +1,15 @@
-//! Phase two of each section still defined here: raw section → typed section. `sluice-config`
-//! calls these in order and resolves what depends on other sections (defaults under
-//! `run.output_dir`, role devices) before it passes them in.
+//! Phase two of the node-level sections: raw section → typed section. The composition calls these
+//! in order and resolves what depends on other sections before it passes it in.
 
 use std::num::NonZeroU64;
 use std::path::PathBuf;
 
-use super::ADMIN_TOKEN_ENV;
-use super::check::{Ctx, socket, u64_incl_zero};
-use super::error::ConfigError;
+use sluice_core::config::check::{Ctx, socket, u64_incl_zero};
+use sluice_core::config::{ConfigError, REDACTED, Secret};
+
 use super::raw::*;
 use super::typed::*;
+use crate::ADMIN_TOKEN_ENV;
 
 mod node;
 mod quickstart;

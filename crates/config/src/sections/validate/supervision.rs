@@ -1,9 +1,9 @@
 //! Phase two of `[supervision]` and `[faults]`.
 
-use crate::config::check::{Ctx, optional_seconds, positive_seconds, u64_incl_zero};
-use crate::config::error::ConfigError;
-use crate::config::raw::{RawFaults, RawSupervision};
-use crate::config::typed::{FaultsConfig, SupervisionConfig};
+use crate::sections::raw::{RawFaults, RawSupervision};
+use crate::sections::typed::{FaultsConfig, SupervisionConfig};
+use sluice_core::config::ConfigError;
+use sluice_core::config::check::{Ctx, optional_seconds, positive_seconds, u64_incl_zero};
 
 /// Phase two of `[supervision]`.
 pub fn validate_supervision(

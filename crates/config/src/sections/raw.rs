@@ -1,4 +1,4 @@
-//! Phase one: the sections of the TOML file as serde sees them. Every section denies unknown keys and has defaults,
+//! Phase one of the node-level sections, as serde sees them. Every section denies unknown keys and has defaults,
 //! so a minimal file is valid. Numbers are read wide (`i64`, `f64`) and enums as strings, so that
 //! phase two can say "expected an integer ≥ 1, got -3" instead of a serde type error.
 
