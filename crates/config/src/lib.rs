@@ -2,11 +2,16 @@
 //!
 //! Config in two phases (`STYLE.md` habit 8): TOML → [`RawConfig`] (serde, unknown keys refused,
 //! defaults filled) → `RawConfig::validate` → [`Config`] (typed, ranges checked). Each section's
-//! raw type, typed type and checks live with the crate that consumes it (or in `sluice-core`
-//! while several crates share it, or while it has not moved yet); this crate holds what only the
-//! whole file knows: the composition, `--set` overrides, the upper bounds of every numeric key
-//! (`compose/bounds.rs`), the rules between sections and the advisories. The sections and the
+//! raw type, typed type and checks live with the crate that consumes it (`[replay]`, `[trainer]`,
+//! `[data]`, `[engine]`, `[model]`), built from `sluice_core::config::check`; the node-level
+//! sections (`[run]`, `[rollout]`, `[metrics]`, `[admin]`, `[warmup]`, `[eval]`, `[supervision]`,
+//! `[faults]`, `[node]`) live here in `sections/`. This crate also holds what only the whole file
+//! knows: the composition (`compose.rs`), `--set` overrides, the upper bounds of every numeric key
+//! (`compose/bounds.rs`), the rules between sections and the advisories. Every section and the
 //! validation building blocks are re-exported, so `sluice_config::X` names every config type.
+//!
+//! No library crate depends on this one: library functions take their own section or plain
+//! values, and whoever holds the whole [`Config`] (the actors, the binary) hands them out.
 //!
 //! `--set key.path=value` overrides are applied to the parsed TOML tree *before* phase one, so an
 //! override is checked exactly like the file, and an error caused by one says so. Every error is
