@@ -4,207 +4,22 @@
 //! allocation. Each bound is generous for real use and far below what breaks arithmetic or
 //! memory; a value over it is refused with the key, the bound and what the bound is for.
 //!
-//! Every numeric key has a row here or in [`CHECKED_ELSEWHERE`] (a test walks the printed
-//! config and fails on a key with neither), so a new key cannot arrive unbounded.
+//! Each section's rows live with its checks (a `BOUNDS` table in its crate's config module, built
+//! from `sluice_core::config::bounds`); this file checks them all. Every numeric key has a row in
+//! one of them or in [`CHECKED_ELSEWHERE`] (a test walks the printed config and fails on a key
+//! with neither), so a new key cannot arrive unbounded.
 
 use sluice_core::config::ConfigError;
+use sluice_core::config::bounds::Bound;
 use sluice_core::config::check::Ctx;
 use sluice_core::knobs::show_number as show;
 
-/// Longest duration any `*_s` key accepts: a week. Longer timeouts are indistinguishable from
-/// "never" in practice, and the bound keeps `Duration` arithmetic far from overflow.
-pub(crate) const MAX_SECONDS: f64 = 7.0 * 24.0 * 3600.0;
-
-/// Longest any simulated cost may be (one simulated step, one token's prefill), seconds: an
-/// hour. Simulated costs are multiplied by counts (sequences, tokens) and by `time_scale`.
-const MAX_SIM_SECONDS: f64 = 3600.0;
-
-/// Largest token count of any length key (prompts, completions, packed rows): 1 Mi tokens.
-const MAX_TOKENS: f64 = 1_048_576.0;
-
-/// Largest step or period count: a billion.
-const MAX_COUNT: f64 = 1e9;
-
-/// One bound: the dotted key (`*` matches any name at that level), the largest value accepted,
-/// and what it protects, for the message.
-struct Bound {
-    key: &'static str,
-    max: f64,
-    why: &'static str,
-}
-
-const fn bound(key: &'static str, max: f64, why: &'static str) -> Bound {
-    Bound { key, max, why }
-}
-
-const SECONDS: &str = "seconds; a week at most";
-const SIM: &str = "simulated seconds; an hour at most";
-const TOKENS: &str = "tokens";
-const STEPS: &str = "steps";
-const REWARD: &str = "a reward";
-
-/// Largest reward an override may set: rewards are averaged and normalized downstream, so a
-/// typo'd exponent would swamp every other signal.
-const MAX_REWARD: f64 = 1e6;
-
-/// Every bound. Resource keys (replicas, sequences, batch sizes) are bounded by what one node
-/// holds: each replica or sequence owns memory and tasks, so a typo must not reach the allocator.
-const BOUNDS: &[Bound] = &[
-    bound("run.max_steps", MAX_COUNT, STEPS),
-    bound("engine.replicas", 256.0, "engine replicas on one node"),
-    bound(
-        "engine.max_running_sequences",
-        16_384.0,
-        "sequences per replica",
-    ),
-    bound("engine.max_step_tokens", MAX_TOKENS, TOKENS),
-    bound("engine.threads", 1024.0, "compute threads per replica"),
-    bound(
-        "engine.kv_cache_mb",
-        1_048_576.0,
-        "MiB of KV cache per replica; 1 TiB at most",
-    ),
-    bound(
-        "engine.kv_block_tokens",
-        1024.0,
-        "tokens per KV cache block",
-    ),
-    bound(
-        "engine.prefix_cache_version_lag",
-        1024.0,
-        "weight versions a reused prefix block may lag",
-    ),
-    bound("engine.request_timeout_s", MAX_SECONDS, SECONDS),
-    bound(
-        "engine.simulated.time_scale",
-        1000.0,
-        "times real time; 1000 at most",
-    ),
-    bound(
-        "engine.simulated.prefill_seconds_per_token",
-        MAX_SIM_SECONDS,
-        SIM,
-    ),
-    bound(
-        "engine.simulated.decode_step_base_seconds",
-        MAX_SIM_SECONDS,
-        SIM,
-    ),
-    bound(
-        "engine.simulated.decode_step_per_sequence_seconds",
-        MAX_SIM_SECONDS,
-        SIM,
-    ),
-    bound("engine.simulated.prompt_tokens", MAX_TOKENS, TOKENS),
-    bound("engine.simulated.env_reply_tokens", MAX_TOKENS, TOKENS),
-    bound("engine.simulated.lengths.*.tokens", MAX_TOKENS, TOKENS),
-    bound("engine.simulated.lengths.*.min", MAX_TOKENS, TOKENS),
-    bound("engine.simulated.lengths.*.max", MAX_TOKENS, TOKENS),
-    bound("engine.simulated.lengths.*.median", MAX_TOKENS, TOKENS),
-    bound(
-        "engine.simulated.lengths.*.sigma",
-        10.0,
-        "log-space spread; e^10 is already 22,000×",
-    ),
-    bound("trainer.learning_rate", 1.0, "the learning rate"),
-    bound("trainer.threads", 1024.0, "compute threads of the trainer"),
-    bound("trainer.warmup_steps", MAX_COUNT, STEPS),
-    bound("trainer.weight_decay", 1.0, "the decoupled weight decay"),
-    bound("trainer.max_grad_norm", 1e6, "the gradient norm clip"),
-    bound("trainer.clip_high", 100.0, "the upper ratio clip"),
-    bound("trainer.kl_coef", 1000.0, "the KL penalty coefficient"),
-    bound("trainer.micro_batch_size", 65_536.0, "rows per micro-batch"),
-    bound("trainer.max_seq_len", MAX_TOKENS, TOKENS),
-    bound("trainer.minibatches", 1024.0, "optimizer updates per step"),
-    bound("trainer.is_cap", 1e6, "the importance-weight cap"),
-    bound("trainer.simulated.step_base_seconds", MAX_SIM_SECONDS, SIM),
-    bound(
-        "trainer.simulated.step_seconds_per_token",
-        MAX_SIM_SECONDS,
-        SIM,
-    ),
-    bound(
-        "engine.remote_keep_versions",
-        1024.0,
-        "weight versions kept on disk",
-    ),
-    bound("rollout.env_workers", 1024.0, "env workers on one node"),
-    bound("node.heartbeat_s", MAX_SECONDS, SECONDS),
-    bound("node.lost_after_s", MAX_SECONDS, SECONDS),
-    bound("node.max_nodes", 4096.0, "members of one head"),
-    bound(
-        "rollout.env_calls_per_worker",
-        65_536.0,
-        "concurrent env calls per worker",
-    ),
-    bound("rollout.group_size", 4096.0, "rollouts per group"),
-    bound("rollout.max_prompt_tokens", MAX_TOKENS, TOKENS),
-    bound("rollout.balance_threshold", MAX_REWARD, REWARD),
-    bound(
-        "rollout.groups_per_step",
-        65_536.0,
-        "groups per training step",
-    ),
-    bound("rollout.max_turns", 1024.0, "turns per episode"),
-    bound("rollout.max_new_tokens", MAX_TOKENS, TOKENS),
-    bound("rollout.temperature", 100.0, "the sampling temperature"),
-    bound("rollout.top_k", MAX_TOKENS, "candidate tokens"),
-    bound(
-        "rollout.max_version_lag",
-        sluice_core::knobs::MAX_VERSION_LAG as f64,
-        "policy versions",
-    ),
-    bound("rollout.tail_batch_candidate_steps", MAX_COUNT, "aborts"),
-    bound("rollout.tail_batch_trigger_size", MAX_COUNT, "groups"),
-    bound(
-        "rollout.max_concurrent_rollouts",
-        1_048_576.0,
-        "rollouts in flight on one node",
-    ),
-    bound(
-        "rollout.domain_mix.*",
-        sluice_core::knobs::MAX_DOMAIN_WEIGHT,
-        "a relative weight",
-    ),
-    bound("warmup.max_steps", MAX_COUNT, STEPS),
-    bound("warmup.batch_size", 65_536.0, "demonstrations per step"),
-    bound("warmup.learning_rate", 1.0, "the learning rate"),
-    bound("warmup.check_every", MAX_COUNT, STEPS),
-    bound("warmup.probe_samples", 1_048_576.0, "samples"),
-    bound("eval.every_steps", MAX_COUNT, STEPS),
-    bound("eval.samples", 1_048_576.0, "samples"),
-    bound("eval.temperature", 100.0, "the sampling temperature"),
-    bound("data.domains.*.rubric.weights.*", 1e9, "a relative weight"),
-    bound(
-        "data.domains.*.rubric.truncation_reward",
-        MAX_REWARD,
-        REWARD,
-    ),
-    bound("data.domains.*.rubric.error_reward", MAX_REWARD, REWARD),
-    bound("data.domains.*.rubric.timeout_s", MAX_SECONDS, SECONDS),
-    bound("data.domains.*.max_new_tokens", MAX_TOKENS, TOKENS),
-    bound(
-        "supervision.restart_backoff_initial_s",
-        MAX_SECONDS,
-        SECONDS,
-    ),
-    bound("supervision.restart_backoff_max_s", MAX_SECONDS, SECONDS),
-    bound("supervision.engine_watchdog_s", MAX_SECONDS, SECONDS),
-    bound("supervision.checkpoint_every_steps", MAX_COUNT, STEPS),
-    bound("supervision.shutdown_timeout_s", MAX_SECONDS, SECONDS),
-    bound("supervision.env_step_timeout_s", MAX_SECONDS, SECONDS),
-    bound(
-        "supervision.engine_max_restarts",
-        MAX_COUNT,
-        "failures in a row",
-    ),
-    bound(
-        "supervision.engine_unavailable_timeout_s",
-        MAX_SECONDS,
-        SECONDS,
-    ),
-    bound("supervision.no_progress_groups", MAX_COUNT, "groups"),
-    bound("faults.*", MAX_COUNT, "a fault period"),
+/// Every section's table, owner by owner.
+const TABLES: &[&[Bound]] = &[
+    crate::sections::bounds::BOUNDS,
+    sluice_engine::config::BOUNDS,
+    sluice_trainer::config::BOUNDS,
+    sluice_data::config::BOUNDS,
 ];
 
 /// Numeric keys bounded by other means: seeds (any value is a valid seed) and shares or
@@ -237,10 +52,13 @@ fn matches(pattern: &str, key: &str) -> bool {
 
 /// The bound of `key`, if it has one here.
 fn bound_of(key: &str) -> Option<&'static Bound> {
-    BOUNDS.iter().find(|b| matches(b.key, key))
+    TABLES
+        .iter()
+        .flat_map(|t| t.iter())
+        .find(|b| matches(b.key, key))
 }
 
-/// Whether `key` is bounded: a row in [`BOUNDS`] or in [`CHECKED_ELSEWHERE`].
+/// Whether `key` is bounded: a row in one of the [`TABLES`] or in [`CHECKED_ELSEWHERE`].
 #[cfg(test)]
 fn is_bounded(key: &str) -> bool {
     bound_of(key).is_some() || CHECKED_ELSEWHERE.iter().any(|p| matches(p, key))
@@ -340,7 +158,7 @@ mod tests {
             .collect();
         assert!(
             unbounded.is_empty(),
-            "numeric keys without an upper bound (add a row to BOUNDS): {unbounded:?}"
+            "numeric keys without an upper bound (add a row to its section's BOUNDS): {unbounded:?}"
         );
     }
 

@@ -4,6 +4,7 @@
 //! live with the composition; each is raw (serde, defaults) → `validate_*` → typed, built from
 //! `sluice_core::config::check` like the sections the library crates own.
 
+pub(crate) mod bounds;
 pub mod raw;
 mod typed;
 pub mod validate;

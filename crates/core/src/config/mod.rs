@@ -7,9 +7,11 @@
 //! `sluice_model::section`); the node-level sections and the whole file (`Config`, `RawConfig`,
 //! `parse`, `load`, `--set` overrides, the upper bounds and the rules between sections) are
 //! composed in `sluice-config`, above the library crates. What stays here is what several crates
-//! share: [`ConfigError`], the validation context and one-value checks ([`check`]), and the
+//! share: [`ConfigError`], the validation context and one-value checks ([`check`]), the upper
+//! bounds' row type and shared limits ([`bounds`]), and the
 //! shared types ([`Device`], [`DType`], [`LengthDistribution`], [`Secret`]).
 
+pub mod bounds;
 pub mod check;
 mod error;
 mod typed;
