@@ -4,7 +4,6 @@
 
 use sluice_core::config::check::{Ctx, role_device, socket};
 use sluice_core::config::{ConfigError, ConfigErrorKind, closest};
-
 use sluice_data::config::validate_data;
 use sluice_engine::config::{EngineBackend, validate_engine};
 use sluice_model::section::validate_model;

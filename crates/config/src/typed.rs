@@ -6,7 +6,6 @@
 
 use std::num::NonZeroU32;
 
-use crate::sections::*;
 use serde::Serialize;
 use sluice_core::WeightUpdateMode;
 use sluice_data::config::DataConfig;
@@ -14,6 +13,8 @@ use sluice_engine::config::EngineConfig;
 use sluice_model::section::ModelConfig;
 use sluice_replay::config::ReplayConfig;
 use sluice_trainer::config::{DECOUPLED_MINIBATCHES, LossKind, TrainerConfig};
+
+use crate::sections::*;
 
 /// The validated config.
 #[derive(Debug, Clone, PartialEq, Serialize)]

@@ -1,10 +1,11 @@
 //! Checks between keys of different sections, once each section is valid on its own.
 
-use crate::sections::NodeRole;
-use crate::typed::Config;
 use sluice_core::config::ConfigError;
 use sluice_core::config::check::Ctx;
 use sluice_engine::config::EngineBackend;
+
+use crate::sections::NodeRole;
+use crate::typed::Config;
 
 /// Refuses combinations that each key alone allows but that cannot do what they say.
 pub(crate) fn check(config: &Config, ctx: &Ctx<'_>) -> Result<(), ConfigError> {

@@ -2,10 +2,11 @@
 
 use std::time::Duration;
 
-use crate::sections::raw::RawNode;
-use crate::sections::typed::{NodeConfig, NodeRole};
 use sluice_core::config::ConfigError;
 use sluice_core::config::check::{Ctx, choice, non_zero_u32, number, socket};
+
+use crate::sections::raw::RawNode;
+use crate::sections::typed::{NodeConfig, NodeRole};
 
 /// A base URL the cluster client can reach: `http://host:port`, no path.
 fn base_url(ctx: &Ctx<'_>, key: &str, v: &str) -> Result<String, ConfigError> {

@@ -1,12 +1,13 @@
 //! Phase two of `[warmup]` and `[eval]`.
 
-use crate::sections::raw::{RawEval, RawWarmup};
-use crate::sections::typed::{EvalConfig, WarmupConfig};
 use sluice_core::config::ConfigError;
 use sluice_core::config::Device;
 use sluice_core::config::check::{
     Ctx, fraction, non_zero_u32, non_zero_u64, number, u64_incl_zero,
 };
+
+use crate::sections::raw::{RawEval, RawWarmup};
+use crate::sections::typed::{EvalConfig, WarmupConfig};
 
 /// Phase two of `[warmup]`.
 pub fn validate_warmup(raw: RawWarmup, ctx: &Ctx<'_>) -> Result<WarmupConfig, ConfigError> {

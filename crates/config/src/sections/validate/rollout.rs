@@ -2,11 +2,12 @@
 
 use std::str::FromStr;
 
-use crate::sections::raw::RawRollout;
-use crate::sections::typed::RolloutConfig;
 use sluice_core::config::ConfigError;
 use sluice_core::config::check::{Ctx, non_zero_u32, number, u32_incl_zero, u64_incl_zero};
 use sluice_core::knobs::{AdmissionMode, Knobs, WeightUpdateMode};
+
+use crate::sections::raw::RawRollout;
+use crate::sections::typed::RolloutConfig;
 
 /// Phase two of `[rollout]`; `data_domains` are the domains of `data.datasets` (what
 /// `domain_mix` may weight).

@@ -1,9 +1,10 @@
 //! Phase two of `[supervision]` and `[faults]`.
 
-use crate::sections::raw::{RawFaults, RawSupervision};
-use crate::sections::typed::{FaultsConfig, SupervisionConfig};
 use sluice_core::config::ConfigError;
 use sluice_core::config::check::{Ctx, optional_seconds, positive_seconds, u64_incl_zero};
+
+use crate::sections::raw::{RawFaults, RawSupervision};
+use crate::sections::typed::{FaultsConfig, SupervisionConfig};
 
 /// Phase two of `[supervision]`.
 pub fn validate_supervision(
