@@ -5,7 +5,7 @@
 //! cargo run --example validate_config -- configs/quickstart.toml rollout.group_size=4
 //! ```
 
-use sluice_core::config::{self, Override};
+use sluice_config::{self as config, Override};
 use sluice_core::{KnobPatch, KnobsHandle};
 
 fn main() -> anyhow::Result<()> {

@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
-use sluice_core::config::Override;
+use sluice_config::Override;
 
 /// Asynchronous reinforcement learning for language models.
 #[derive(Debug, Parser)]
@@ -77,7 +77,7 @@ pub struct ServeArgs {
     pub port: u16,
     /// `cpu`, `cuda` or `cuda:N`.
     #[arg(long, default_value = "cpu", value_parser = parse_device)]
-    pub device: sluice_core::config::Device,
+    pub device: sluice_config::Device,
     /// Seed of sampling for requests without their own.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -125,7 +125,7 @@ fn parse_override(s: &str) -> Result<Override, String> {
     s.parse()
 }
 
-fn parse_device(s: &str) -> Result<sluice_core::config::Device, String> {
+fn parse_device(s: &str) -> Result<sluice_config::Device, String> {
     s.parse()
         .map_err(|()| format!("expected cpu, cuda or cuda:N, got `{s}`"))
 }
@@ -171,10 +171,10 @@ pub struct ModelProbeArgs {
     pub dir: PathBuf,
     /// `cpu`, `cuda` or `cuda:N`.
     #[arg(long, default_value = "cpu", value_parser = parse_device)]
-    pub device: sluice_core::config::Device,
+    pub device: sluice_config::Device,
     /// Weights of the engine's path: `f32`, `bf16` or `f16` (the trainer's path is f32).
     #[arg(long, default_value = "f32", value_parser = sluice_bench::parse_dtype)]
-    pub dtype: sluice_core::config::DType,
+    pub dtype: sluice_config::DType,
     /// The prompt's token ids, comma-separated (at least 2).
     #[arg(long, value_delimiter = ',', required = true)]
     pub tokens: Vec<u32>,
@@ -184,8 +184,8 @@ pub struct ModelProbeArgs {
 #[derive(Debug, clap::Args)]
 pub struct ModelInitArgs {
     /// Which preset: `tiny` (tests, quickstart) or `small` (~76M parameters, benchmarks).
-    #[arg(long, value_parser = sluice_core::config::ModelPreset::parse_name)]
-    pub preset: sluice_core::config::ModelPreset,
+    #[arg(long, value_parser = sluice_config::ModelPreset::parse_name)]
+    pub preset: sluice_config::ModelPreset,
     /// Directory to write (created if needed). A directory that already holds a model
     /// (`config.json` or weights) is refused unless `--force`.
     #[arg(long)]

@@ -11,7 +11,7 @@ use std::process::Command;
 use serde_json::Value;
 use sluice_actors::client::{Call, send};
 use sluice_actors::{Node, NodeOptions};
-use sluice_core::config::{BadLinePolicy, DatasetSpec};
+use sluice_config::{BadLinePolicy, DatasetSpec};
 
 #[path = "bad_inputs/rows.rs"]
 mod rows;
@@ -174,7 +174,7 @@ fn every_bad_input_is_refused_with_its_message_and_changes_nothing() {
         .enable_all()
         .build()
         .unwrap();
-    let config = sluice_core::config::parse(
+    let config = sluice_config::parse(
         r#"
 [run]
 name = "bad-inputs"

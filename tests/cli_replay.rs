@@ -61,7 +61,7 @@ fn replay_clear_is_refused_while_training_unless_forced() {
         .unwrap();
     // Generation far faster than training and admission up to the η ceiling, so completed
     // groups wait in the store.
-    let config = sluice_core::config::parse(
+    let config = sluice_config::parse(
         &format!(
             r#"
 [run]

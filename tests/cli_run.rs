@@ -79,7 +79,7 @@ fn knobs_get_and_set_talk_to_the_admin_api() {
     .iter()
     .map(|s| s.parse().unwrap())
     .collect();
-    let config = sluice_core::config::load(
+    let config = sluice_config::load(
         std::path::Path::new(concat!(
             env!("CARGO_MANIFEST_DIR"),
             "/configs/sim_longtail.toml"

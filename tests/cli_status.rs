@@ -50,7 +50,7 @@ groups_per_step = 2
 max_new_tokens = 32
 balance_threshold = 0.25
 "#;
-    let config = sluice_core::config::parse(
+    let config = sluice_config::parse(
         &format!("{text}[admin]\nlisten = \"127.0.0.1:0\"\ntoken = \"{TOKEN}\"\n"),
         "cli_status.toml",
         &[],

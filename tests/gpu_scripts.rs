@@ -142,7 +142,7 @@ fn gpu_check_calls_only_existing_subcommands_flags_and_keys() {
             );
         }
         if sub.first().is_some_and(|s| s == "run") {
-            let overrides: Vec<sluice_core::config::Override> = sets
+            let overrides: Vec<sluice_config::Override> = sets
                 .iter()
                 .map(|s| {
                     s.replace("$device", "cuda:0")
@@ -153,7 +153,7 @@ fn gpu_check_calls_only_existing_subcommands_flags_and_keys() {
                 .collect();
             let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/quickstart.toml");
             let text = std::fs::read_to_string(&path).unwrap();
-            sluice_core::config::parse(&text, "configs/quickstart.toml", &overrides, &|_| None)
+            sluice_config::parse(&text, "configs/quickstart.toml", &overrides, &|_| None)
                 .unwrap_or_else(|e| panic!("quickstart with {sets:?}: {e}"));
         }
     }

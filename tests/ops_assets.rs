@@ -247,7 +247,7 @@ fn substitute(value: &str) -> String {
 
 /// Loads `config` with the invocation's overrides (the node token from the environment).
 fn load_with_sets(name: &str, text: &str, sets: &[String]) {
-    let overrides: Vec<sluice_core::config::Override> = sets
+    let overrides: Vec<sluice_config::Override> = sets
         .iter()
         .map(|s| {
             substitute(s)
@@ -255,8 +255,8 @@ fn load_with_sets(name: &str, text: &str, sets: &[String]) {
                 .unwrap_or_else(|e| panic!("{name}: --set {s}: {e}"))
         })
         .collect();
-    let env = |k: &str| (k == sluice_core::config::ADMIN_TOKEN_ENV).then(|| TOKEN.to_owned());
-    sluice_core::config::parse(text, name, &overrides, &env)
+    let env = |k: &str| (k == sluice_config::ADMIN_TOKEN_ENV).then(|| TOKEN.to_owned());
+    sluice_config::parse(text, name, &overrides, &env)
         .unwrap_or_else(|e| panic!("{name} with {sets:?}: {e}"));
 }
 

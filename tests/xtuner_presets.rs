@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use sluice_actors::{Node, NodeOptions, NodeStatus};
-use sluice_core::config::{Override, SimTrainerConfig};
+use sluice_config::{Override, SimTrainerConfig};
 use sluice_core::{
     BackendError, PolicyVersion, RolloutGroup, TrainStepOutput, TrainerBackend, WeightSnapshot,
 };
@@ -62,7 +62,7 @@ async fn run_preset(name: &str, steps: u64) -> Outcome {
     .iter()
     .map(|s| s.parse().unwrap())
     .collect();
-    let config = sluice_core::config::load(&path, &overrides).unwrap();
+    let config = sluice_config::load(&path, &overrides).unwrap();
     let batches: Batches = Arc::default();
     let cfg = SimTrainerConfig {
         enabled: true,

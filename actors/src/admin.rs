@@ -35,7 +35,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use metrics_exporter_prometheus::PrometheusHandle;
 use serde_json::{Value, json};
-use sluice_core::config::Secret;
+use sluice_config::Secret;
 use sluice_core::{KnobPatch, Knobs};
 
 use crate::ActorError;

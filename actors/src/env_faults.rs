@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use sluice_core::config::FaultsConfig;
+use sluice_config::FaultsConfig;
 use sluice_core::metrics as m;
 use sluice_core::{DataSample, Rollout, RolloutGroup, RolloutId, RolloutStatus};
 

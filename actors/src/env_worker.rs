@@ -63,7 +63,7 @@ pub struct EnvPoolConfig {
 
 impl EnvPoolConfig {
     /// From `[rollout]`.
-    pub fn from_config(config: &sluice_core::Config) -> Self {
+    pub fn from_config(config: &sluice_config::Config) -> Self {
         let r = &config.rollout;
         Self {
             workers: r.env_workers.get() as usize,

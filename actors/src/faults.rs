@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 
-use sluice_core::config::FaultsConfig;
+use sluice_config::FaultsConfig;
 use sluice_core::metrics as m;
 use sluice_core::{
     BackendError, PolicyVersion, RequestId, RolloutGroup, TrainStepOutput, TrainerBackend,

@@ -1,5 +1,5 @@
 //! The NodeSupervisor: builds a node's pipeline from a
-//! [`Config`](sluice_core::config::Config) ([`Node::start`], in `start`; what tests inject is
+//! [`Config`](sluice_config::Config) ([`Node::start`], in `start`; what tests inject is
 //! in [`NodeOptions`]), supervises it, serves the admin API and `/metrics`, and shuts it down
 //! in order.
 //!

@@ -332,8 +332,8 @@ mod tests {
             distribution = "fixed"
             tokens = 10
         "#;
-        let config = sluice_core::config::parse(text, "t.toml", &[], &|_| None).unwrap();
-        let s = SimSource::from_config(&config);
+        let config = sluice_config::parse(text, "t.toml", &[], &|_| None).unwrap();
+        let s = SimSource::from_config(&config.data, config.simulated_domains(), config.run.seed);
         let mut names = s.sampler().domain_names();
         names.sort();
         assert_eq!(names, ["fast", "slow"]);

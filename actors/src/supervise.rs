@@ -9,7 +9,7 @@
 
 use std::time::Duration;
 
-use sluice_core::config::SupervisionConfig;
+use sluice_config::SupervisionConfig;
 use tokio::time::Instant;
 
 /// Exponential restart backoff: the `k`-th consecutive failure waits

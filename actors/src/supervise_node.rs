@@ -18,7 +18,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
-use sluice_core::config::FaultsConfig;
+use sluice_config::FaultsConfig;
 use sluice_core::metrics as m;
 use sluice_core::{
     BackendError, KnobPatch, PolicyVersion, RolloutGroup, TrainStepOutput, TrainerBackend,

@@ -52,7 +52,7 @@ fn error_type(body: &Value) -> &str {
 async fn start(token: Option<&str>, max_steps: u64) -> Node {
     let mut config = common::config("paused = true", "time_scale = 1.0");
     config.admin.listen = "127.0.0.1:0".parse().unwrap();
-    config.admin.token = token.map(sluice_core::config::Secret::new);
+    config.admin.token = token.map(sluice_config::Secret::new);
     config.run.max_steps = std::num::NonZeroU64::new(max_steps).unwrap();
     let options = NodeOptions {
         serve_admin: true,

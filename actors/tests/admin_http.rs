@@ -25,7 +25,7 @@ async fn call(
 async fn a_knob_patched_over_http_takes_effect_at_the_next_decision() {
     let mut config = common::config("paused = true\nmax_version_lag = 1", "time_scale = 1.0");
     config.admin.listen = "127.0.0.1:0".parse().unwrap();
-    config.admin.token = Some(sluice_core::config::Secret::new("s3cret"));
+    config.admin.token = Some(sluice_config::Secret::new("s3cret"));
     config.metrics.listen = "127.0.0.1:0".parse().unwrap();
     config.run.max_steps = std::num::NonZeroU64::new(3).unwrap();
     let options = NodeOptions {

@@ -143,7 +143,7 @@ fn random_bodies_never_crash_the_node_and_refusals_change_nothing() {
         .unwrap();
     let mut config = common::config("", "time_scale = 1.0");
     config.admin.listen = "127.0.0.1:0".parse().unwrap();
-    config.admin.token = Some(sluice_core::config::Secret::new(TOKEN));
+    config.admin.token = Some(sluice_config::Secret::new(TOKEN));
     config.run.max_steps = std::num::NonZeroU64::new(1_000_000).unwrap();
     let options = NodeOptions {
         serve_admin: true,

@@ -20,13 +20,18 @@ use sluice_env::remote::{ServerConfig, serve};
 use sluice_env::{ByteRenderer, EnvSessions, TaskRegistry};
 use tokio::sync::mpsc;
 
-fn config(text: &str) -> sluice_core::Config {
-    sluice_core::config::parse(text, "test.toml", &[], &|_| None).unwrap()
+fn config(text: &str) -> sluice_config::Config {
+    sluice_config::parse(text, "test.toml", &[], &|_| None).unwrap()
 }
 
 /// The pool over the config's tasks, as the native setup builds it.
-async fn pool(config: &sluice_core::Config) -> (EnvPoolHandle, mpsc::UnboundedReceiver<EnvResult>) {
-    let registry = Arc::new(sluice_env::configured::registry(config).unwrap());
+async fn pool(
+    config: &sluice_config::Config,
+) -> (EnvPoolHandle, mpsc::UnboundedReceiver<EnvResult>) {
+    let registry = Arc::new(
+        sluice_env::configured::registry(&config.data, config.supervision.env_step_timeout)
+            .unwrap(),
+    );
     let sessions = EnvSessions::new(
         Arc::clone(&registry),
         Arc::new(ByteRenderer),

@@ -97,7 +97,7 @@ error_reward = -1.0
 "#,
         out = dir.path().display()
     );
-    let config = sluice_core::config::parse(&text, "test.toml", &[], &|_| None).unwrap();
+    let config = sluice_config::parse(&text, "test.toml", &[], &|_| None).unwrap();
     ensure_model_dir(&config).unwrap();
     let setup = NativeSetup::load(&config, None).unwrap();
     let datasets = load_datasets(&config.data, &setup.registry, GeneratedRows::new(0)).unwrap();
@@ -160,12 +160,12 @@ error_reward = -1.0
     }
 }
 
-fn tiny_config(dir: &Path, extra: &str) -> sluice_core::Config {
+fn tiny_config(dir: &Path, extra: &str) -> sluice_config::Config {
     let text = format!(
         "[run]\noutput_dir = \"{}\"\n[model]\ninit_preset = \"tiny\"\n{extra}",
         dir.display()
     );
-    sluice_core::config::parse(&text, "test.toml", &[], &|_| None).unwrap()
+    sluice_config::parse(&text, "test.toml", &[], &|_| None).unwrap()
 }
 
 #[test]
@@ -184,7 +184,7 @@ fn chat_template_kwargs_reach_the_rendered_prompt() {
             .into(),
     );
     std::fs::write(&path, tokenizer_config.to_string()).unwrap();
-    let render = |config: &sluice_core::Config| {
+    let render = |config: &sluice_config::Config| {
         let setup = NativeSetup::load(config, None).unwrap();
         let ids = setup
             .renderer

@@ -4,7 +4,7 @@
 //! error naming the key.
 
 use sluice_actors::run::NativeRun;
-use sluice_core::config::Config;
+use sluice_config::Config;
 
 fn config(dir: &std::path::Path, extra: &str) -> Config {
     let text = format!(
@@ -36,7 +36,7 @@ samples = 5
         out = dir.join("run").display(),
         data = dir.join("data").display(),
     );
-    sluice_core::config::parse(&text, "test.toml", &[], &|_| None).expect("valid config")
+    sluice_config::parse(&text, "test.toml", &[], &|_| None).expect("valid config")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -23,11 +23,11 @@ use sluice_env::{
 };
 use tokio::sync::mpsc;
 
-fn config(text: &str) -> sluice_core::Config {
-    sluice_core::config::parse(text, "test.toml", &[], &|_| None).unwrap()
+fn config(text: &str) -> sluice_config::Config {
+    sluice_config::parse(text, "test.toml", &[], &|_| None).unwrap()
 }
 
-fn knobs(config: &sluice_core::Config) -> KnobsHandle {
+fn knobs(config: &sluice_config::Config) -> KnobsHandle {
     KnobsHandle::new(
         config.rollout.knobs.clone(),
         config.rollout.groups_per_step.get(),
@@ -137,7 +137,7 @@ async fn a_hanging_env_step_does_not_stall_other_rollouts() {
     }
 }
 
-fn task_env(config: &sluice_core::Config, registry: Arc<TaskRegistry>) -> TaskEnv {
+fn task_env(config: &sluice_config::Config, registry: Arc<TaskRegistry>) -> TaskEnv {
     let sessions = EnvSessions::new(
         Arc::clone(&registry),
         Arc::new(ByteRenderer),

@@ -5,8 +5,8 @@
 use std::sync::Arc;
 
 use sluice_actors::native::{Evaluator, NativeSetup, ensure_model_dir};
+use sluice_config::Config;
 use sluice_core::RolloutStatus;
-use sluice_core::config::Config;
 use sluice_engine::{NativeEngineParams, SamplingParams};
 
 fn config(dir: &std::path::Path) -> Config {
@@ -31,7 +31,7 @@ datasets = ["math::arithmetic@train"]
 "#,
         out = dir.display()
     );
-    sluice_core::config::parse(&text, "test.toml", &[], &|_| None).expect("valid config")
+    sluice_config::parse(&text, "test.toml", &[], &|_| None).expect("valid config")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

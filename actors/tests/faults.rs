@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use sluice_actors::checkpoint::CheckpointDir;
 use sluice_actors::{Node, NodeOptions, NodeStatus};
-use sluice_core::Config;
+use sluice_config::Config;
 
 fn config(max_steps: u64) -> Config {
     let rollout = "weight_update_mode = \"abort_resume\"\nenable_partial_rollout = true\nmax_version_lag = 2\nstaleness_threshold = 1.0";

@@ -134,7 +134,7 @@ filter_zero_advantage = true
             turns = w.turns,
             expired = if w.drop_expired { "drop" } else { "regenerate" },
         );
-        let config = sluice_core::config::parse(&text, "prop.toml", &[], &|_| None).unwrap();
+        let config = sluice_config::parse(&text, "prop.toml", &[], &|_| None).unwrap();
         let node = Node::start(
             &config,
             NodeOptions {

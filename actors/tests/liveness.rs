@@ -11,7 +11,8 @@ use std::time::Duration;
 
 use sluice_actors::engine::BackendFactory;
 use sluice_actors::{ActorError, Node, NodeOptions};
-use sluice_core::{Config, RequestId, RolloutId, WeightSnapshot, WeightUpdateMode};
+use sluice_config::Config;
+use sluice_core::{RequestId, RolloutId, WeightSnapshot, WeightUpdateMode};
 use sluice_engine::simulated::SimEngineParams;
 use sluice_engine::{EngineError, EngineStats, GenerateRequest, InferenceBackend, SimEngine};
 

@@ -13,7 +13,8 @@ use std::time::Duration;
 use serde_json::Value;
 use sluice_actors::sampler::{SampleSource, SimSource};
 use sluice_actors::{Node, NodeOptions};
-use sluice_core::{Config, DataSample};
+use sluice_config::Config;
+use sluice_core::DataSample;
 
 type Counts = Arc<Mutex<BTreeMap<String, u64>>>;
 
@@ -47,14 +48,14 @@ impl SampleSource for Recording {
 fn config(overrides: &[String]) -> Config {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/multi_domain.toml");
     let overrides: Vec<_> = overrides.iter().map(|o| o.parse().unwrap()).collect();
-    sluice_core::config::load(&path, &overrides).expect("configs/multi_domain.toml is valid")
+    sluice_config::load(&path, &overrides).expect("configs/multi_domain.toml is valid")
 }
 
 /// Runs `config` to its step budget; returns the completed share per domain and the total.
 async fn completed_mix(config: &Config) -> (BTreeMap<String, f64>, u64) {
     let completed = Counts::default();
     let source = Recording {
-        inner: SimSource::from_config(config),
+        inner: SimSource::from_config(&config.data, config.simulated_domains(), config.run.seed),
         completed: Arc::clone(&completed),
     };
     let options = NodeOptions {

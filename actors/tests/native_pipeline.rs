@@ -8,7 +8,7 @@ use std::time::Duration;
 use sluice_actors::native::{Evaluator, ModelRenderer, NativeSetup, ensure_model_dir};
 use sluice_actors::trainer::{STEP_FEED_CAPACITY, TrainedStep};
 use sluice_actors::{Node, NodeOptions};
-use sluice_core::config::Config;
+use sluice_config::Config;
 use sluice_core::{Message, RolloutStatus};
 use sluice_engine::{NativeEngineParams, SamplingParams};
 use sluice_env::Renderer;
@@ -66,7 +66,7 @@ datasets = ["math::arithmetic@train"]
 "#,
         out = dir.display()
     );
-    sluice_core::config::parse(&text, "test.toml", &[], &|_| None).expect("valid config")
+    sluice_config::parse(&text, "test.toml", &[], &|_| None).expect("valid config")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -286,7 +286,7 @@ async fn a_remote_server_trains_on_the_runs_weights_from_step_one() {
     sluice_model::presets::write_preset(sluice_model::presets::Preset::Tiny, &served, 99).unwrap();
     let (url, stop, _engine) = serve(&served).await;
     let mut config = config(dir.path(), 3);
-    config.engine.backend = sluice_core::config::EngineBackend::Remote;
+    config.engine.backend = sluice_config::EngineBackend::Remote;
     config.engine.replicas = std::num::NonZeroU32::new(1).unwrap();
     config.engine.remote_urls = vec![url];
     config.engine.remote_keep_versions = std::num::NonZeroU32::new(2).unwrap();

@@ -12,7 +12,8 @@ use std::time::Duration;
 use sluice_actors::checkpoint::CheckpointDir;
 use sluice_actors::replay::ReplayStatus;
 use sluice_actors::{Node, NodeOptions};
-use sluice_core::{Config, GroupId};
+use sluice_config::Config;
+use sluice_core::GroupId;
 use sluice_replay::Bucket;
 
 fn options(dir: &Path) -> NodeOptions {
@@ -167,7 +168,7 @@ async fn checkpoints_on_request_over_the_admin_api() {
     let dir = tempfile::tempdir().unwrap();
     let mut config = config(1000);
     config.admin.listen = "127.0.0.1:0".parse().unwrap();
-    config.admin.token = Some(sluice_core::config::Secret::new("s3cret"));
+    config.admin.token = Some(sluice_config::Secret::new("s3cret"));
     let node = Node::start(
         &config,
         NodeOptions {

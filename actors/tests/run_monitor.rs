@@ -11,7 +11,7 @@ use sluice_actors::checkpoint::CheckpointDir;
 use sluice_actors::run::{RunEnd, RunMonitor, Start};
 use sluice_actors::trainer::STEP_FEED_CAPACITY;
 use sluice_actors::{Node, NodeOptions};
-use sluice_core::Config;
+use sluice_config::Config;
 use sluice_report::{MetricsLog, read_log};
 
 /// Runs `config` to its end under a monitor; returns how it ended and the step it started at.

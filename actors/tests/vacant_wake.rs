@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use sluice_actors::cluster::registry::{JoinRequest, Registry};
 use sluice_actors::engine::{EngineHandle, EngineSupervision, ReplicaFactory};
-use sluice_core::config::NodeRole;
+use sluice_config::NodeRole;
 use sluice_core::{PolicyVersion, RequestId, WeightSnapshot, WeightUpdateMode};
 use sluice_engine::{EngineError, EngineStats, GenerateRequest, InferenceBackend};
 use tokio::time::Instant;

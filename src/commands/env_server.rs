@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
-use sluice_core::config::Secret;
+use sluice_config::Secret;
 use sluice_env::TaskRegistry;
 use sluice_env::remote::{ServerConfig, serve};
 

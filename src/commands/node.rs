@@ -16,7 +16,7 @@ use std::sync::Arc;
 use anyhow::{Context, bail};
 use sluice_actors::cluster::member::{self, MemberParams, Membership, Report};
 use sluice_actors::cluster::registry::JoinRequest;
-use sluice_core::config::{Config, NodeConfig, NodeRole};
+use sluice_config::{Config, NodeConfig, NodeRole};
 use sluice_engine::server::fetch::WeightFetch;
 use sluice_engine::server::{ServerOptions, ServerState, WeightEvents};
 use sluice_engine::{InferenceBackend, NativeEngine, NativeEngineParams};
@@ -74,7 +74,7 @@ async fn engine_node(config: &Config, node: &NodeConfig) -> anyhow::Result<ExitC
     let model_dir = config.model.path.clone();
     sluice_actors::native::ensure_model_dir(config)?;
     let options = LoadOptions {
-        dtype: Some(sluice_trainer::NativeTrainerConfig::from_config(config).publish_dtype),
+        dtype: Some(sluice_actors::native::setup::native_trainer_config(config).publish_dtype),
         device: sluice_model::device(config.engine.device).context("engine.device")?,
     };
     let weights = Arc::new(

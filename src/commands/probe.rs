@@ -26,9 +26,9 @@ pub fn run(args: &ModelProbeArgs) -> anyhow::Result<ExitCode> {
     }
     let device = sluice_model::device(args.device).context("--device")?;
     let dtype = match args.dtype {
-        sluice_core::config::DType::F32 => DType::F32,
-        sluice_core::config::DType::Bf16 => DType::BF16,
-        sluice_core::config::DType::F16 => DType::F16,
+        sluice_config::DType::F32 => DType::F32,
+        sluice_config::DType::Bf16 => DType::BF16,
+        sluice_config::DType::F16 => DType::F16,
     };
     let weights = Arc::new(
         load_checkpoint(

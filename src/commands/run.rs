@@ -14,7 +14,7 @@ use sluice_actors::run::{NativeRun, Progress, RunMonitor, RunSummary, Scores, St
 use sluice_actors::supervise_node::StopReport;
 use sluice_actors::trainer::STEP_FEED_CAPACITY;
 use sluice_actors::{Node, NodeOptions, NodeStatus};
-use sluice_core::config::{Config, EngineBackend, NodeRole};
+use sluice_config::{Config, EngineBackend, NodeRole};
 use sluice_report::{METRICS_FILE, MetricsLog, PLOT_FILE, plot_run, read_log};
 
 use super::shutdown_signal;
@@ -22,7 +22,7 @@ use crate::cli::ConfigArgs;
 
 /// Loads the config and runs the node until the run ends.
 pub fn run(args: &ConfigArgs) -> anyhow::Result<ExitCode> {
-    let config = sluice_core::config::load(&args.config, &args.overrides)?;
+    let config = sluice_config::load(&args.config, &args.overrides)?;
     for note in config.advisories() {
         tracing::warn!("{note}");
     }

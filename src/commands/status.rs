@@ -11,7 +11,7 @@ use std::process::ExitCode;
 use anyhow::{Context, bail};
 use serde_json::Value;
 use sluice_actors::client::request;
-use sluice_core::config::ADMIN_TOKEN_ENV;
+use sluice_config::ADMIN_TOKEN_ENV;
 
 use crate::cli::{AdminArgs, StatusArgs};
 
@@ -30,7 +30,7 @@ pub(super) struct Target {
 pub(super) fn target(args: &AdminArgs) -> anyhow::Result<Target> {
     let config = match &args.config {
         Some(path) if args.url.is_none() || args.token.is_none() => {
-            Some(sluice_core::config::load(path, &[])?)
+            Some(sluice_config::load(path, &[])?)
         }
         _ => None,
     };

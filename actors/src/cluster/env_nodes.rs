@@ -5,7 +5,7 @@
 //! A node a call finds gone is marked lost at once, so no other episode is sent there before
 //! it heartbeats again; its episodes move to the others (`sluice_env::remote::RoutedEnv`).
 
-use sluice_core::config::NodeRole;
+use sluice_config::NodeRole;
 use sluice_env::remote::{EnvServer, EnvServers, ServerId};
 use tokio::sync::watch;
 

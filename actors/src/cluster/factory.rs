@@ -12,7 +12,7 @@
 
 use std::sync::Arc;
 
-use sluice_core::config::Config;
+use sluice_config::Config;
 use sluice_core::{RequestId, WeightSnapshot, WeightUpdateMode};
 use sluice_engine::remote::{RemoteEngine, RemoteParams, WeightDirs};
 use sluice_engine::{EngineError, EngineStats, EventSink, GenerateRequest, InferenceBackend};

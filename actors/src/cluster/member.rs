@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::json;
-use sluice_core::config::Secret;
+use sluice_config::Secret;
 use sluice_http::{HttpClient, Method, StatusCode};
 
 use super::registry::{Heartbeat, JoinReply, JoinRequest};

@@ -16,7 +16,7 @@ pub mod routes;
 
 use std::sync::Arc;
 
-use sluice_core::config::{Config, NodeRole};
+use sluice_config::{Config, NodeRole};
 use sluice_engine::remote::WeightDirs;
 
 use crate::ActorError;
@@ -98,8 +98,13 @@ impl Head {
             return Ok(None);
         }
         let servers = Arc::clone(&self.state.registry) as Arc<dyn sluice_env::remote::EnvServers>;
-        let routed = sluice_env::configured::route_to_env_nodes(&setup.registry, config, servers)
-            .map_err(|e| ActorError::Setup(e.to_string()))?;
+        let routed = sluice_env::configured::route_to_env_nodes(
+            &setup.registry,
+            &config.data,
+            config.supervision.env_step_timeout,
+            servers,
+        )
+        .map_err(|e| ActorError::Setup(e.to_string()))?;
         Ok(Some(setup.env_over(config, Arc::new(routed))))
     }
 

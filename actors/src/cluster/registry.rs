@@ -24,7 +24,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use dashmap::DashMap;
-use sluice_core::config::{NodeConfig, NodeRole};
+use sluice_config::{NodeConfig, NodeRole};
 use sluice_core::metrics as m;
 use sluice_env::remote::OpenEnvs;
 use tokio::sync::watch;

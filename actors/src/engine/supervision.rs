@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use ractor::ActorRef;
 use serde::Serialize;
+use sluice_config::{FaultsConfig, SupervisionConfig};
 use sluice_core::RequestId;
-use sluice_core::config::{FaultsConfig, SupervisionConfig};
 use sluice_core::metrics as m;
 use sluice_engine::{
     Completion, EngineError, EventSink, FinishReason, InferenceBackend, TokenOutput,

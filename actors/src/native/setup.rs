@@ -5,14 +5,14 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use sluice_core::config::{Config, EngineBackend};
+use sluice_config::{Config, EngineBackend};
 use sluice_core::{TrainerBackend, WeightSnapshot};
 use sluice_engine::native::{NativeEngine, NativeEngineParams};
 use sluice_engine::remote::{RemoteEngine, RemoteParams, WeightDirs};
 use sluice_engine::{EngineError, EventSink, InferenceBackend};
 use sluice_env::{EnvSessions, TaskRegistry, TokenEnvLimits};
 use sluice_model::{LoadOptions, ModelWeights, Tokenizer, load_checkpoint};
-use sluice_trainer::{NativeTrainer, NativeTrainerConfig};
+use sluice_trainer::{NativeTrainer, NativeTrainerConfig, TrainerRunContext};
 
 use super::renderer::ModelRenderer;
 use super::task_env::TaskEnv;
@@ -96,7 +96,7 @@ impl NativeSetup {
         let weights = load_checkpoint(
             dir,
             &LoadOptions {
-                dtype: Some(NativeTrainerConfig::from_config(config).publish_dtype),
+                dtype: Some(native_trainer_config(config).publish_dtype),
                 device,
             },
         )
@@ -105,7 +105,10 @@ impl NativeSetup {
             model_dir,
             tokenizer,
             renderer,
-            registry: Arc::new(sluice_env::configured::registry(config).map_err(setup_err)?),
+            registry: Arc::new(
+                sluice_env::configured::registry(&config.data, config.supervision.env_step_timeout)
+                    .map_err(setup_err)?,
+            ),
             weights: Arc::new(weights),
         })
     }
@@ -152,7 +155,7 @@ impl NativeSetup {
         role_device("trainer.device", config.trainer.device)?;
         NativeTrainer::new(
             initial,
-            NativeTrainerConfig::from_config(config),
+            native_trainer_config(config),
             Some(&self.model_dir),
         )
         .map_err(|e| setup_err(format!("trainer: {e}")))
@@ -237,7 +240,7 @@ impl NativeSetup {
 /// without CUDA, no driver, no such device).
 pub fn role_device(
     key: &str,
-    device: sluice_core::config::Device,
+    device: sluice_config::Device,
 ) -> Result<sluice_model::candle::Device, ActorError> {
     sluice_model::device(device).map_err(|e| setup_err(format!("{key}: {e}")))
 }
@@ -245,8 +248,24 @@ pub fn role_device(
 /// [`NativeSetup::limits`] for a model with a `context`-token window.
 pub fn env_limits(config: &Config, context: usize) -> TokenEnvLimits {
     TokenEnvLimits {
-        max_prompt_tokens: sluice_env::token_env::max_prompt_tokens(config, context),
+        max_prompt_tokens: config.max_prompt_tokens(context),
         max_turns: config.rollout.max_turns.get(),
         call_timeout: config.supervision.env_step_timeout,
     }
+}
+
+/// The native trainer's settings of `config`: its `[trainer]` section and what the trainer takes
+/// from the other sections.
+pub fn native_trainer_config(config: &Config) -> NativeTrainerConfig {
+    NativeTrainerConfig::from_config(
+        &config.trainer,
+        &TrainerRunContext {
+            max_steps: config.run.max_steps.get(),
+            seed: config.run.seed,
+            model_dtype: config.model.dtype,
+            rollout_temperature: config.rollout.temperature,
+            filter_zero_advantage: config.replay.filter_zero_advantage,
+            native_engine_in_process: config.engine.backend == EngineBackend::Native,
+        },
+    )
 }

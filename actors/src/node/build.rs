@@ -6,8 +6,8 @@
 
 use std::sync::Arc;
 
+use sluice_config::{Config, EngineBackend};
 use sluice_core::TrainerBackend;
-use sluice_core::config::{Config, EngineBackend};
 use sluice_engine::simulated::SimEngineParams;
 use sluice_engine::{InferenceBackend, SimEngine};
 use sluice_env::SimTask;
@@ -95,9 +95,13 @@ fn with_simulated_defaults(config: &Config, given: Given) -> Result<Backends, Ac
     Ok(Backends {
         factory: given.factory.unwrap_or_else(|| sim_engine(config).into()),
         trainer,
-        source: given
-            .source
-            .unwrap_or_else(|| Box::new(SimSource::from_config(config))),
+        source: given.source.unwrap_or_else(|| {
+            Box::new(SimSource::from_config(
+                &config.data,
+                config.simulated_domains(),
+                config.run.seed,
+            ))
+        }),
         env: given.env.unwrap_or_else(|| {
             Arc::new(SimTask {
                 prompt_tokens: sim.prompt_tokens.get(),

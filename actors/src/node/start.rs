@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use sluice_core::config::{Config, ExpiredPolicy};
+use sluice_config::{Config, ExpiredPolicy};
 use sluice_core::metrics as m;
 use sluice_core::{KnobsHandle, NodeId, RunId, WeightUpdateMode};
 use sluice_engine::SamplingParams;
@@ -214,7 +214,7 @@ impl Node {
             track_ids,
             events: events.clone(),
             feed: step_feed,
-            advantage: Some(sluice_trainer::NativeTrainerConfig::from_config(config).advantage),
+            advantage: Some(crate::native::setup::native_trainer_config(config).advantage),
         };
         let (trainer, j) = TrainerHandle::spawn(
             backend_trainer,

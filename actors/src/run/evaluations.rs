@@ -7,8 +7,8 @@
 
 use std::sync::Arc;
 
+use sluice_config::{Config, DatasetSpec};
 use sluice_core::DataSample;
-use sluice_core::config::{Config, DatasetSpec};
 use sluice_engine::{NativeEngineParams, SamplingParams};
 use sluice_env::datasets::{GeneratedRows, load_dataset};
 use sluice_env::{Task, TaskRegistry};

@@ -10,7 +10,7 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
 
-use sluice_core::config::Config;
+use sluice_config::Config;
 use sluice_core::metrics::TRAINER_LOSS_VALUE;
 use sluice_core::{PolicyVersion, WeightSnapshot};
 use sluice_report::{MetricsLog, StepRecord};

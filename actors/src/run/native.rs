@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use sluice_core::config::{Config, LrSchedule};
+use sluice_config::{Config, LrSchedule};
 use sluice_data::{DatasetRows, MixSampler, SamplerConfig};
 use sluice_env::datasets::{GeneratedRows, load_datasets};
 use sluice_model::{SaveOptions, copy_aux_files, save_checkpoint};

@@ -8,10 +8,10 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use sluice_actors::{Node, NodeStatus};
-use sluice_core::config::SimTrainerConfig;
+use sluice_config::Config;
+use sluice_config::SimTrainerConfig;
 use sluice_core::{
-    BackendError, Config, PolicyVersion, RolloutGroup, TrainStepOutput, TrainerBackend,
-    WeightSnapshot,
+    BackendError, PolicyVersion, RolloutGroup, TrainStepOutput, TrainerBackend, WeightSnapshot,
 };
 use sluice_trainer::SimTrainer;
 use tokio::sync::watch;
@@ -108,7 +108,7 @@ max_new_tokens = 64
 filter_zero_advantage = false
 "#
     );
-    sluice_core::config::parse(&text, "test.toml", &[], &|_| None).expect("test config is valid")
+    sluice_config::parse(&text, "test.toml", &[], &|_| None).expect("test config is valid")
 }
 
 /// The invariants every run must keep.

@@ -20,7 +20,7 @@ use std::process::{Child, Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use sluice_core::config::ModelPreset;
+use sluice_config::ModelPreset;
 use sluice_report::{METRICS_FILE, read_log};
 
 /// `sluice bench cluster`

@@ -20,7 +20,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use sluice_core::config::ModelPreset;
+use sluice_config::ModelPreset;
 use sluice_core::{GroupId, NodeId, PolicyVersion, RunId, WeightUpdateMode};
 use sluice_engine::native::KvBudget;
 use sluice_engine::native::RequestUpdate;
@@ -35,8 +35,8 @@ use sluice_model::presets::{preset_config, random_snapshot};
 #[derive(Debug, clap::Args)]
 pub struct BenchEngineArgs {
     /// Presets to measure (repeatable; default: tiny and small).
-    #[arg(long = "preset", value_parser = sluice_core::config::ModelPreset::parse_name)]
-    pub presets: Vec<sluice_core::config::ModelPreset>,
+    #[arg(long = "preset", value_parser = sluice_config::ModelPreset::parse_name)]
+    pub presets: Vec<sluice_config::ModelPreset>,
     /// Requests in flight.
     #[arg(long = "concurrency", default_values_t = [1usize, 8, 32, 64])]
     pub concurrency: Vec<usize>,
@@ -59,10 +59,10 @@ pub struct BenchEngineArgs {
     pub only_concurrency: bool,
     /// Where the engines run: `cpu` or `cuda:N` (a `cuda` build).
     #[arg(long, default_value = "cpu", value_parser = crate::parse_device)]
-    pub device: sluice_core::config::Device,
+    pub device: sluice_config::Device,
     /// Weights and KV cache dtype: `f32`, `bf16` or `f16`.
     #[arg(long, default_value = "f32", value_parser = crate::parse_dtype)]
-    pub dtype: sluice_core::config::DType,
+    pub dtype: sluice_config::DType,
 }
 
 /// Completion length and prompt length per preset, sized for a few minutes on 2 cores.
@@ -102,7 +102,7 @@ const ROUNDS: usize = 3;
 #[derive(Clone, Copy)]
 struct Sizing {
     kv_cache_bytes: u64,
-    device: sluice_core::config::Device,
+    device: sluice_config::Device,
 }
 
 impl Sizing {

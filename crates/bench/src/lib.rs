@@ -22,22 +22,22 @@ pub use trainer::BenchTrainerArgs;
 pub use weights::BenchWeightsArgs;
 
 /// `--device`: `cpu`, `cuda` or `cuda:N`.
-pub fn parse_device(s: &str) -> Result<sluice_core::config::Device, String> {
+pub fn parse_device(s: &str) -> Result<sluice_config::Device, String> {
     s.parse()
         .map_err(|()| format!("expected cpu, cuda or cuda:N, got `{s}`"))
 }
 
 /// `--dtype`: a `model.dtype` name (`f32`, `bf16` or `f16`), read from the enum's serde names.
-pub fn parse_dtype(s: &str) -> Result<sluice_core::config::DType, String> {
+pub fn parse_dtype(s: &str) -> Result<sluice_config::DType, String> {
     sluice_core::choice::Choice::parse(s)
 }
 
 /// The candle dtype of a config dtype.
-pub(crate) fn candle_dtype(d: sluice_core::config::DType) -> sluice_model::candle::DType {
+pub(crate) fn candle_dtype(d: sluice_config::DType) -> sluice_model::candle::DType {
     use sluice_model::candle::DType;
     match d {
-        sluice_core::config::DType::F32 => DType::F32,
-        sluice_core::config::DType::Bf16 => DType::BF16,
-        sluice_core::config::DType::F16 => DType::F16,
+        sluice_config::DType::F32 => DType::F32,
+        sluice_config::DType::Bf16 => DType::BF16,
+        sluice_config::DType::F16 => DType::F16,
     }
 }

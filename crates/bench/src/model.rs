@@ -10,7 +10,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
 
-use sluice_core::config::ModelPreset;
+use sluice_config::ModelPreset;
 use sluice_model::candle::{DType, Device, Tensor};
 use sluice_model::presets::{preset_config, random_snapshot};
 use sluice_model::{
@@ -22,8 +22,8 @@ use sluice_model::{
 #[derive(Debug, clap::Args)]
 pub struct BenchModelArgs {
     /// Presets to measure (repeatable; default: tiny and small).
-    #[arg(long = "preset", value_parser = sluice_core::config::ModelPreset::parse_name)]
-    pub presets: Vec<sluice_core::config::ModelPreset>,
+    #[arg(long = "preset", value_parser = sluice_config::ModelPreset::parse_name)]
+    pub presets: Vec<sluice_config::ModelPreset>,
     /// Decode batch sizes.
     #[arg(long = "batch", default_values_t = [1usize, 8, 64])]
     pub batches: Vec<usize>,

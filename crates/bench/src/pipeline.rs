@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use sluice_actors::{Node, NodeOptions, NodeStatus};
-use sluice_core::config::Config;
+use sluice_config::Config;
 use sluice_core::{Knobs, WeightUpdateMode};
 
 /// `sluice bench pipeline` / `sluice bench overhead`
@@ -55,7 +55,7 @@ const PRESETS: [(&str, &str); 5] = [
 ];
 
 fn parse(text: &str, name: &str) -> anyhow::Result<Config> {
-    Ok(sluice_core::config::parse(text, name, &[], &|_| None)?)
+    Ok(sluice_config::parse(text, name, &[], &|_| None)?)
 }
 
 fn workload(steps: u64, time_scale: f64, knobs: Knobs) -> anyhow::Result<Config> {

@@ -16,7 +16,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
 
-use sluice_core::config::{AdvantageKind, LossAggregation, LossKind, ModelPreset, OversizedText};
+use sluice_config::{AdvantageKind, LossAggregation, LossKind, ModelPreset, OversizedText};
 use sluice_core::{
     DataSample, GroupId, NodeId, PolicyVersion, RolloutGroup, RolloutStatus, RolloutTurn, RunId,
 };
@@ -32,8 +32,8 @@ use sluice_trainer::{NativeTrainer, NativeTrainerConfig, StepParts};
 #[derive(Debug, clap::Args)]
 pub struct BenchTrainerArgs {
     /// Presets to measure (repeatable; default: tiny and small).
-    #[arg(long = "preset", value_parser = sluice_core::config::ModelPreset::parse_name)]
-    pub presets: Vec<sluice_core::config::ModelPreset>,
+    #[arg(long = "preset", value_parser = sluice_config::ModelPreset::parse_name)]
+    pub presets: Vec<sluice_config::ModelPreset>,
     /// Micro-batch shapes `BxL` (repeatable; default: a few per preset).
     #[arg(long = "shape", value_parser = parse_shape)]
     pub shapes: Vec<(usize, usize)>,
@@ -42,7 +42,7 @@ pub struct BenchTrainerArgs {
     pub activation_checkpointing: bool,
     /// Where the trainer runs: `cpu` or `cuda:N` (a `cuda` build).
     #[arg(long, default_value = "cpu", value_parser = crate::parse_device)]
-    pub device: sluice_core::config::Device,
+    pub device: sluice_config::Device,
 }
 
 const PROMPT_TOKENS: usize = 16;
@@ -117,7 +117,7 @@ pub fn run(args: &BenchTrainerArgs) -> anyhow::Result<ExitCode> {
             result.push(format!("{name}_b{rows}_l{len}_tok_s={tok_s:.0}"));
         }
     }
-    if presets.contains(&ModelPreset::Tiny) && args.device == sluice_core::config::Device::Cpu {
+    if presets.contains(&ModelPreset::Tiny) && args.device == sluice_config::Device::Cpu {
         let (shared, alone) = quickstart_step()?;
         println!(
             "\nquickstart step (tiny, 32 groups of 8 rollouts, 23-token prompts, 6-token answers, 2 updates):\n  prompts shared {:.3} s/step   each rollout alone {:.3} s/step   speed-up {:.2}x",
@@ -167,7 +167,7 @@ fn trainer_config(rows: usize, len: usize) -> NativeTrainerConfig {
         },
         minibatches: 1,
         publish_dtype: DType::F32,
-        device: sluice_core::config::Device::Cpu,
+        device: sluice_config::Device::Cpu,
         logits_chunk_rows: 1024,
         temperature: 1.0,
         seed: 0,

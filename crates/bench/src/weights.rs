@@ -18,8 +18,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
+use sluice_config::ModelPreset;
 use sluice_core::PolicyVersion;
-use sluice_core::config::ModelPreset;
 use sluice_engine::remote::WeightDirs;
 use sluice_http::{Download, HttpClient};
 use sluice_model::candle::{DType, Device};

@@ -130,7 +130,7 @@ pub struct KnobError {
 }
 
 /// A number as a person would write it: huge ones in exponent form (`1e300`, not 301 digits).
-pub(crate) fn show_number(v: f64) -> String {
+pub fn show_number(v: f64) -> String {
     if v.is_finite() && v.abs() >= 1e15 {
         format!("{v:e}")
     } else {

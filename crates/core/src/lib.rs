@@ -8,7 +8,7 @@
 //! | [`completion`] | [`CompletionParser`]: completion text → assistant message (reasoning, tool calls) |
 //! | [`rollout`] | [`DataSample`], [`RolloutTurn`], [`Rollout`], [`RolloutGroup`], [`RolloutStatus`] |
 //! | [`knobs`] | the runtime [`Knobs`], patches to them and the shared [`KnobsHandle`] |
-//! | [`config`] | TOML config: raw serde structs → `validate()` → typed [`Config`] |
+//! | [`config`] | [`ConfigError`], the checks every crate validates its own config section with, and the config types several crates share (`Device`, `DType`, `Secret`); `sluice-config` composes the file |
 //! | [`choice`] | [`Choice`](choice::Choice): enums whose serde names are their config spellings |
 //! | [`metrics`] | the one catalog of Prometheus metric names, with help text |
 //! | [`sim`] | what the simulated engine and trainer share (simulated seconds → real time) |
@@ -32,7 +32,7 @@ pub mod sim;
 
 pub use backend::{BackendError, TrainStepOutput, TrainerBackend, WeightSnapshot};
 pub use completion::{CompletionParseError, CompletionParser};
-pub use config::{Config, ConfigError};
+pub use config::ConfigError;
 pub use error::Error;
 pub use ids::{GroupId, GroupIdGenerator, NodeId, PolicyVersion, RequestId, RolloutId, RunId};
 pub use knobs::{AdmissionMode, KnobError, KnobPatch, Knobs, KnobsHandle, WeightUpdateMode};

@@ -14,9 +14,9 @@
 
 use std::path::{Path, PathBuf};
 
+use crate::config::{BadLinePolicy, DatasetSpec};
 use serde_json::Value;
 use sluice_core::DataSample;
-use sluice_core::config::{BadLinePolicy, DatasetSpec};
 use sluice_core::metrics::DATA_BAD_LINES;
 
 use crate::error::DataError;

@@ -8,10 +8,12 @@
 //! | [`source`] | [`SampleSource`]: the seam the pipeline draws samples through; [`SimSource`], synthetic samples of simulated runs |
 //! | [`rng`] | [`rng::Rng`]: a small seeded generator whose whole state serializes, so a restored sampler continues exactly |
 //! | [`error`] | [`DataError`] and its stable `kind()` names |
+//! | [`config`] | the `[data]` config section: raw → [`validate_data`](config::validate_data) → [`DataConfig`](config::DataConfig) |
 //!
 //! Pure logic: no actors, no threads, no clocks. The pipeline's `DatasetSampler` actor wraps
 //! a [`MixSampler`] and feeds it completions.
 
+pub mod config;
 pub mod dataset;
 pub mod error;
 pub mod rng;

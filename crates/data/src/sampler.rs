@@ -24,9 +24,9 @@
 use std::collections::BTreeMap;
 use std::fmt::Debug;
 
+use crate::config::DataConfig;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
-use sluice_core::config::DataConfig;
 use sluice_core::metrics::{DOMAIN_MIX_ACTUAL, DOMAIN_MIX_ROLLOUTS, DOMAIN_MIX_TARGET};
 use sluice_core::{DataSample, KnobsHandle};
 

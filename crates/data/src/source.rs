@@ -4,9 +4,9 @@
 
 use std::collections::BTreeMap;
 
+use crate::config::DataConfig;
 use serde_json::Value;
 use sluice_core::DataSample;
-use sluice_core::config::Config;
 
 use crate::rng::{derive_seed, hash_str};
 use crate::{DomainRows, GeneratorRows, MixSampler, SamplerConfig};
@@ -81,27 +81,17 @@ impl SimSource {
         Self::build(domains, config)
     }
 
-    /// The source of a simulated run of `config`: the domains of `data.datasets`, else those
-    /// with a `[engine.simulated.lengths.<domain>]`, else those of `rollout.domain_mix` (`sim`
-    /// when none); adaptive per `data.adaptive_mix`, with the `[data.domains.*]` system prompts;
-    /// seeded from `run.seed`.
-    pub fn from_config(config: &Config) -> Self {
-        let mut domains = config.data.domains();
+    /// The source of a simulated run: the domains of `data.datasets`, else `fallback_domains`
+    /// (the composed config's choice: those with a `[engine.simulated.lengths.<domain>]`, else
+    /// those of `rollout.domain_mix`; `sim` when none); adaptive per `data.adaptive_mix`, with the
+    /// `[data.domains.*]` system prompts; seeded from `run_seed`.
+    pub fn from_config(data: &DataConfig, fallback_domains: Vec<String>, run_seed: u64) -> Self {
+        let mut domains = data.domains();
         if domains.is_empty() {
-            domains = config
-                .engine
-                .simulated
-                .lengths
-                .keys()
-                .filter(|k| *k != "default")
-                .cloned()
-                .collect();
+            domains = fallback_domains;
         }
-        if domains.is_empty() {
-            domains = config.rollout.knobs.domain_mix.keys().cloned().collect();
-        }
-        let seed = derive_seed(&[config.run.seed, hash_str("sampler")]);
-        Self::build(domains, SamplerConfig::from_data_config(&config.data, seed))
+        let seed = derive_seed(&[run_seed, hash_str("sampler")]);
+        Self::build(domains, SamplerConfig::from_data_config(data, seed))
     }
 
     fn build(domains: Vec<String>, mut config: SamplerConfig) -> Self {

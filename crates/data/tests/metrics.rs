@@ -5,8 +5,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use metrics::{Counter, Gauge, Histogram, Key, KeyName, Metadata, Recorder, SharedString, Unit};
-use sluice_core::config::BadLinePolicy;
 use sluice_core::metrics::{DATA_BAD_LINES, DOMAIN_MIX_ROLLOUTS, DOMAIN_MIX_TARGET};
+use sluice_data::config::BadLinePolicy;
 use sluice_data::{Dataset, DomainSampler, SamplerConfig};
 
 /// Keeps every counter/gauge as an atomic, keyed by `name{label=value,…}`.

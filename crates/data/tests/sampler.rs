@@ -5,7 +5,7 @@ use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap};
 
 use sluice_core::DataSample;
-use sluice_core::config::DatasetSpec;
+use sluice_data::config::DatasetSpec;
 use sluice_data::rng::Rng;
 use sluice_data::{Dataset, DomainOptions, DomainSampler, SamplerConfig};
 
@@ -313,16 +313,23 @@ fn live_domain_mix_knob_steers_the_next_draws() {
 
 #[test]
 fn settings_come_from_the_data_config() {
+    // The `[data]` section, its keys without the header.
     let text = r#"
-        [data]
         datasets = ["math::a", "code::b", "tools::c"]
         adaptive_mix = false
-        [data.domains.code]
+        [domains.code]
         system_prompt = "You write Rust."
         task = "sandbox"
     "#;
-    let config = sluice_core::config::parse(text, "t.toml", &[], &|_| None).unwrap();
-    let sc = SamplerConfig::from_data_config(&config.data, 5);
+    let raw: sluice_data::config::RawData = toml::from_str(text).unwrap();
+    let overridden = std::collections::BTreeSet::new();
+    let ctx = sluice_core::config::check::Ctx {
+        file: "t.toml",
+        overridden: &overridden,
+        env: &|_| None,
+    };
+    let data = sluice_data::config::validate_data(raw, &ctx).unwrap();
+    let sc = SamplerConfig::from_data_config(&data, 5);
     assert!(!sc.adaptive);
     assert_eq!((sc.min_ratio, sc.max_ratio, sc.seed), (0.1, 10.0, 5));
     assert_eq!(sc.domains["code"].task.as_deref(), Some("sandbox"));

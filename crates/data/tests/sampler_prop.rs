@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 
 use proptest::prelude::*;
 use sluice_core::DataSample;
-use sluice_core::config::DatasetSpec;
+use sluice_data::config::DatasetSpec;
 use sluice_data::{Dataset, DomainSampler, SamplerConfig};
 
 fn dataset(domain: &str) -> Dataset {

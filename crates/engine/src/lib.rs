@@ -4,6 +4,7 @@
 //! | module | what it holds |
 //! |---|---|
 //! | [`backend`] | the trait, requests, outputs, events and stats every backend speaks |
+//! | [`config`] | the `[engine]` config section: raw → [`validate_engine`](config::validate_engine) → [`EngineConfig`](config::EngineConfig) |
 //! | [`native`] | [`NativeEngine`]: the candle model behind a continuous-batching scheduler |
 //! | [`remote`] | [`remote::RemoteEngine`]: the trait over OpenAI-compatible servers with RL extensions |
 //! | `sched` | the scheduler core the native and simulated backends share: queues, aborts, pause, weight-update modes |
@@ -14,6 +15,7 @@
 //! never change when a backend is added.
 
 pub mod backend;
+pub mod config;
 pub mod native;
 pub mod remote;
 mod sched;

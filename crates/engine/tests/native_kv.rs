@@ -211,11 +211,10 @@ fn block_size_and_prefix_caching_come_from_the_engine_config() {
         ("kv_block_tokens = 64", 64),
         ("prefix_caching = false", 0),
     ] {
-        let text = format!("[engine]\nmax_running_sequences = 8\n{lines}\n");
-        let config = sluice_core::config::parse(&text, "test.toml", &[], &|_| None).unwrap();
+        let text = format!("max_running_sequences = 8\n{lines}\n");
         let params = NativeEngineParams {
             seed: 1,
-            ..NativeEngineParams::from_config(&config.engine, 0, 1, vec![])
+            ..NativeEngineParams::from_config(&engine_section(&text), 0, 1, vec![])
         };
         let block = params.kv_block_tokens;
         let h = start_with(params);
@@ -311,4 +310,17 @@ fn a_request_that_alone_exceeds_the_pool_is_refused() {
     let c = next(&h);
     assert_eq!(c.finish, FinishReason::Length);
     assert_eq!(100 + c.output.len(), 128);
+}
+
+/// The `[engine]` section written as `text` (its keys without the header), validated alone.
+fn engine_section(text: &str) -> sluice_engine::config::EngineConfig {
+    let raw: sluice_engine::config::RawEngine = toml::from_str(text).unwrap();
+    let overridden = std::collections::BTreeSet::new();
+    let ctx = sluice_core::config::check::Ctx {
+        file: "test.toml",
+        overridden: &overridden,
+        env: &|_| None,
+    };
+    sluice_engine::config::validate_engine(raw, 0, false, sluice_core::config::Device::Cpu, &ctx)
+        .unwrap()
 }

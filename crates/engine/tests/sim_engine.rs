@@ -9,10 +9,11 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use sluice_core::config::{LengthDistribution, SimEngineConfig};
+use sluice_core::config::LengthDistribution;
 use sluice_core::{
     GroupId, NodeId, PolicyVersion, RequestId, RunId, WeightSnapshot, WeightUpdateMode,
 };
+use sluice_engine::config::SimEngineConfig;
 use sluice_engine::simulated::SimEngineParams;
 use sluice_engine::{
     Completion, EngineEvent, EngineStats, FinishReason, GenerateRequest, InferenceBackend,

@@ -9,9 +9,11 @@
 //!
 //! Every error names the config key, like the config's own checks.
 
-use sluice_core::config::{Config, DomainConfig, DomainRubric, Secret};
+use sluice_core::config::Secret;
+use sluice_data::config::{DataConfig, DomainConfig, DomainRubric};
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use crate::error::EnvError;
 use crate::remote::{EnvServers, RemoteEnvFactory, RoutedEnvFactory};
@@ -23,10 +25,11 @@ use crate::task::{Task, TaskRegistry};
 /// `sluice env-server` requires beyond loopback).
 pub const ENV_TOKEN_VAR: &str = "SLUICE_ENV_TOKEN";
 
-/// The built-in tasks configured by `config`'s domains; env servers are called with
-/// `$SLUICE_ENV_TOKEN` when it is set.
-pub fn registry(config: &Config) -> Result<TaskRegistry, EnvError> {
-    configure(TaskRegistry::builtin(), config, env_token())
+/// The built-in tasks configured by `data`'s domains; env servers are called with
+/// `$SLUICE_ENV_TOKEN` when it is set, each call bounded by `env_step_timeout`
+/// (`supervision.env_step_timeout_s`).
+pub fn registry(data: &DataConfig, env_step_timeout: Duration) -> Result<TaskRegistry, EnvError> {
+    configure(TaskRegistry::builtin(), data, env_step_timeout, env_token())
 }
 
 /// `$SLUICE_ENV_TOKEN`, when set and not empty.
@@ -37,24 +40,20 @@ fn env_token() -> Option<Secret> {
         .map(Secret::new)
 }
 
-/// `registry` (built by [`registry`] from `config`) with the envs of every domain that sets
+/// `registry` (built by [`registry`] from `data`) with the envs of every domain that sets
 /// `env_nodes` on `servers` (a head's joined env nodes), called with `$SLUICE_ENV_TOKEN` when
 /// it is set: what the head's training episodes run on.
 pub fn route_to_env_nodes(
     registry: &TaskRegistry,
-    config: &Config,
+    data: &DataConfig,
+    env_step_timeout: Duration,
     servers: Arc<dyn EnvServers>,
 ) -> Result<TaskRegistry, EnvError> {
     let token = env_token();
     let mut routed = registry.clone();
-    for (domain, options) in config
-        .data
-        .domain_options
-        .iter()
-        .filter(|(_, o)| o.env_nodes)
-    {
+    for (domain, options) in data.domain_options.iter().filter(|(_, o)| o.env_nodes) {
         let key = format!("data.domains.{domain}");
-        let Some(task) = serving_task(config, domain, options, &key)? else {
+        let Some(task) = serving_task(data, domain, options, &key)? else {
             continue;
         };
         let name = registry.domain_tasks().get(domain).ok_or_else(|| {
@@ -62,27 +61,24 @@ pub fn route_to_env_nodes(
                 "{key}.env_nodes: the domain has no configured task"
             ))
         })?;
-        let envs = RoutedEnvFactory::new(
-            Arc::clone(&servers),
-            task,
-            config.supervision.env_step_timeout,
-            token.clone(),
-        );
+        let envs =
+            RoutedEnvFactory::new(Arc::clone(&servers), task, env_step_timeout, token.clone());
         routed.replace((*registry.get(name)?).clone().with_env(envs))?;
     }
     Ok(routed)
 }
 
-/// `registry`'s tasks configured by `config`'s domains (see the module doc); calls to env
-/// servers carry `token` as a bearer token when given.
+/// `registry`'s tasks configured by `data`'s domains (see the module doc); calls to env
+/// servers carry `token` as a bearer token when given and are bounded by `env_step_timeout`.
 pub fn configure(
     mut registry: TaskRegistry,
-    config: &Config,
+    data: &DataConfig,
+    env_step_timeout: Duration,
     token: Option<Secret>,
 ) -> Result<TaskRegistry, EnvError> {
-    for (domain, options) in &config.data.domain_options {
+    for (domain, options) in &data.domain_options {
         let key = format!("data.domains.{domain}");
-        let Some(task) = serving_task(config, domain, options, &key)? else {
+        let Some(task) = serving_task(data, domain, options, &key)? else {
             continue;
         };
         if options.rubric.is_none() && options.env_url.is_none() && !options.env_nodes {
@@ -105,7 +101,7 @@ pub fn configure(
             configured = configured.with_rubric(rubric);
         }
         if let Some(url) = &options.env_url {
-            let mut envs = RemoteEnvFactory::new(url, &task, config.supervision.env_step_timeout)
+            let mut envs = RemoteEnvFactory::new(url, &task, env_step_timeout)
                 .map_err(|e| EnvError::Config(format!("{key}.env_url: {e}")))?;
             if let Some(token) = &token {
                 envs = envs.with_token(token.clone());
@@ -122,7 +118,7 @@ pub fn configure(
 /// The task name serving `domain`: its `task` key, else the one name its datasets share. `None`
 /// for a domain that only sets a system prompt and whose datasets name several tasks.
 fn serving_task(
-    config: &Config,
+    data: &DataConfig,
     domain: &str,
     options: &DomainConfig,
     key: &str,
@@ -130,8 +126,7 @@ fn serving_task(
     if let Some(task) = &options.task {
         return Ok(Some(task.clone()));
     }
-    let mut names: Vec<&str> = config
-        .data
+    let mut names: Vec<&str> = data
         .datasets
         .iter()
         .filter(|d| d.domain == domain)

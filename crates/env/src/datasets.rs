@@ -3,7 +3,7 @@
 //! generates its own data (the built-ins), its generator supplies the rows. Anything else is an
 //! error naming the file that was looked for.
 
-use sluice_core::config::{DataConfig, DatasetSpec};
+use sluice_data::config::{DataConfig, DatasetSpec};
 use sluice_data::{Dataset, dataset_path};
 
 use crate::error::EnvError;

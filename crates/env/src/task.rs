@@ -4,9 +4,9 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use sluice_core::config::DatasetSpec;
 use sluice_core::{DataSample, RolloutGroup};
 use sluice_data::Dataset;
+use sluice_data::config::DatasetSpec;
 
 use crate::discount::{EpisodeDiscount, apply_discount};
 use crate::error::EnvError;

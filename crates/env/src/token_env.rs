@@ -54,18 +54,6 @@ mod seconds {
     }
 }
 
-/// The longest prompt a run sends for a model with a `context`-token window: the largest turn
-/// budget (`rollout.max_new_tokens`, or a domain's own when larger) must still fit, and
-/// `rollout.max_prompt_tokens`, when set, lowers the bound further (longer prompts end the
-/// episode as `PromptTooLong`).
-pub fn max_prompt_tokens(config: &sluice_core::config::Config, context: usize) -> usize {
-    let fits = context.saturating_sub(config.largest_turn_tokens().get() as usize);
-    config
-        .rollout
-        .max_prompt_tokens
-        .map_or(fits, |m| fits.min(m.get() as usize))
-}
-
 impl Default for TokenEnvLimits {
     fn default() -> Self {
         Self {

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use common::{play, sample};
 use sluice_core::RolloutStatus;
-use sluice_core::config::DomainRubric;
+use sluice_data::config::DomainRubric;
 use sluice_env::configured::rubric_for;
 use sluice_env::remote::{RemoteEnvFactory, ServerConfig, serve};
 use sluice_env::sandbox::{self, Ending, SandboxLimits};

@@ -7,7 +7,7 @@ use std::collections::BTreeSet;
 
 use common::{play, sample};
 use sluice_core::RolloutStatus;
-use sluice_core::config::DatasetSpec;
+use sluice_data::config::DatasetSpec;
 use sluice_env::{TaskRegistry, TokenEnvLimits};
 
 fn registry() -> TaskRegistry {
@@ -233,7 +233,7 @@ async fn reference_episodes_are_correct_on_every_turn() {
 
 #[test]
 fn configured_datasets_come_from_files_or_generators() {
-    use sluice_core::config::{BadLinePolicy, DataConfig};
+    use sluice_data::config::{BadLinePolicy, DataConfig};
     use sluice_env::datasets::{GeneratedRows, load_datasets};
     let dir = std::env::temp_dir().join(format!("sluice-env-ds-{}", std::process::id()));
     std::fs::create_dir_all(dir.join("code")).unwrap();

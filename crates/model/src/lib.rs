@@ -21,6 +21,7 @@
 //! | [`presets`] | `tiny` / `small` directories: config, seeded weights, char tokenizer, ChatML template |
 //! | [`device`] | [`device()`]: a config's `cpu` / `cuda:N` as a candle device; CUDA's libraries loaded on demand |
 //! | [`error`] | [`ModelError`] with stable `kind()` names |
+//! | [`section`] | the `[model]` section of the run config and the [`ModelPreset`](section::ModelPreset)s |
 //!
 //! Typical use:
 //!
@@ -63,6 +64,7 @@ pub mod paged;
 pub mod presets;
 pub mod recompute;
 mod scores;
+pub mod section;
 pub mod snapshot;
 pub mod threads;
 pub mod tokenizer;

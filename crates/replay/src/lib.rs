@@ -8,11 +8,13 @@
 //! | [`scheduler`] | [`Scheduler`]: what generates next — resumes first, over-sending, admission, tail rounds |
 //! | [`persist`] | [`Persister`]: the redb database under the run's output dir |
 //! | [`error`] | [`ReplayError`] with stable `kind()` names |
+//! | [`config`] | the `[replay]` config section: raw → [`validate_replay`](config::validate_replay) → [`ReplayConfig`](config::ReplayConfig) |
 //!
 //! No threads, no actors: the replay actor wraps this crate and decides when to flush.
 
 pub mod admission;
 pub mod bucket;
+pub mod config;
 pub mod error;
 mod offline;
 pub mod persist;

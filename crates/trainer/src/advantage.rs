@@ -17,7 +17,7 @@
 
 use std::collections::BTreeMap;
 
-use sluice_core::config::AdvantageKind;
+use crate::config::AdvantageKind;
 use sluice_core::{RolloutGroup, RolloutTurn};
 
 /// Added to the standard deviation before dividing, so a near-constant group does not explode.

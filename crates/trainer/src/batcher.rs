@@ -28,7 +28,7 @@
 //! first fit of each family of shared prompts (in order of first appearance), split where a row
 //! fills: deterministic for a given input, which exact resumption relies on.
 
-use sluice_core::config::OversizedText;
+use crate::config::OversizedText;
 
 /// Micro-batch shape and the oversized-text policy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -8,6 +8,7 @@
 //! - `checkpoint`: model (HF format), optimizer state (safetensors) and trainer state (JSON).
 //! - `native`: [`NativeTrainer`], the candle trainer implementing `sluice_core::TrainerBackend`:
 //!   RL steps, supervised steps, weight publishing, checkpoints.
+//! - `config`: the `[trainer]` config section (raw → `validate_trainer` → `TrainerConfig`).
 //! - `settings`, `report`: the native trainer's settings and its per-step statistics/metrics.
 //! - `error`: [`TrainerError`] with stable `kind()` names.
 //!
@@ -18,6 +19,7 @@ mod adamw_kernel;
 pub mod advantage;
 pub mod batcher;
 pub mod checkpoint;
+pub mod config;
 pub mod error;
 pub mod loss;
 pub mod native;
@@ -37,5 +39,5 @@ pub use loss::{LossConfig, LossStats, LossSummary, LossTerms, TokenInputs, token
 pub use native::{NativeTrainer, SupervisedExample};
 pub use optim::{AdamW, GradAccumulator, OptimConfig, OptimError, StepReport};
 pub use report::{StepParts, StepStats, step_metrics};
-pub use settings::NativeTrainerConfig;
+pub use settings::{NativeTrainerConfig, TrainerRunContext};
 pub use simulated::SimTrainer;

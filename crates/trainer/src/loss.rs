@@ -22,7 +22,7 @@
 //!
 //! The step's loss is `Σ_t w_t ℓ_t`.
 
-use sluice_core::config::{LossAggregation, LossKind, TisLevel, TisMode};
+use crate::config::{LossAggregation, LossKind, TisLevel, TisMode};
 
 /// Which objective and its constants; built from `[trainer]`.
 #[derive(Debug, Clone, PartialEq)]

@@ -19,8 +19,8 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
+use crate::config::LossKind;
 use candle_core::DType;
-use sluice_core::config::LossKind;
 use sluice_core::{
     BackendError, PolicyVersion, RolloutGroup, TrainStepOutput, TrainerBackend, WeightSnapshot,
 };

@@ -10,8 +10,8 @@
 
 use std::collections::HashMap;
 
+use crate::config::LrSchedule;
 use candle_core::{DType, Tensor, Var, backprop::GradStore};
-use sluice_core::config::LrSchedule;
 
 /// Optimizer and schedule constants; built from `[trainer]` and `run.max_steps`.
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -1,7 +1,7 @@
 //! [`NativeTrainerConfig`]: the native trainer's settings, gathered from the validated config.
 
+use crate::config::{LossAggregation, TrainerConfig};
 use candle_core::DType;
-use sluice_core::config::{Config, LossAggregation};
 use sluice_model::ForwardOptions;
 
 use crate::advantage::AdvantageConfig;
@@ -10,7 +10,7 @@ use crate::loss::LossConfig;
 use crate::optim::OptimConfig;
 
 /// Everything the native trainer needs to know; [`NativeTrainerConfig::from_config`] builds it
-/// from a validated [`Config`].
+/// from the validated `[trainer]` section and a [`TrainerRunContext`].
 #[derive(Debug, Clone, PartialEq)]
 pub struct NativeTrainerConfig {
     /// Advantage computation.
@@ -45,10 +45,27 @@ pub struct NativeTrainerConfig {
     pub activation_checkpointing: bool,
 }
 
+/// What the native trainer's settings take from outside `[trainer]`, filled in by whoever holds
+/// the whole config (`sluice_actors::native::setup::native_trainer_config`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TrainerRunContext {
+    /// `run.max_steps`: the schedule's length, in training steps.
+    pub max_steps: u64,
+    /// `run.seed`.
+    pub seed: u64,
+    /// `model.dtype`: the engines' dtype, which published snapshots take.
+    pub model_dtype: sluice_core::config::DType,
+    /// `rollout.temperature`.
+    pub rollout_temperature: f64,
+    /// `replay.filter_zero_advantage`.
+    pub filter_zero_advantage: bool,
+    /// `engine.backend = "native"`: a native engine in the same process takes half the cores.
+    pub native_engine_in_process: bool,
+}
+
 impl NativeTrainerConfig {
-    /// The trainer settings of `config`.
-    pub fn from_config(config: &Config) -> Self {
-        let t = &config.trainer;
+    /// The settings of the `[trainer]` section `t` in the run `run`.
+    pub fn from_config(t: &TrainerConfig, run: &TrainerRunContext) -> Self {
         Self {
             advantage: AdvantageConfig {
                 kind: t.advantage,
@@ -57,7 +74,7 @@ impl NativeTrainerConfig {
                 only_keep_outcome: t.only_keep_outcome,
                 pad_situations: t.pad_situations,
                 drop_zero_signal_situations: t.drop_zero_signal_situations,
-                filter_zero_advantage: config.replay.filter_zero_advantage,
+                filter_zero_advantage: run.filter_zero_advantage,
             },
             loss: LossConfig {
                 kind: t.loss,
@@ -81,34 +98,30 @@ impl NativeTrainerConfig {
                 learning_rate: t.learning_rate,
                 schedule: t.lr_schedule,
                 warmup_steps: t.warmup_steps * u64::from(t.minibatches.get()),
-                total_steps: config.run.max_steps.get() * u64::from(t.minibatches.get()),
+                total_steps: run.max_steps * u64::from(t.minibatches.get()),
                 weight_decay: t.weight_decay,
                 max_grad_norm: t.max_grad_norm,
                 ..OptimConfig::default()
             },
             minibatches: t.minibatches.get() as usize,
-            publish_dtype: match config.model.dtype {
+            publish_dtype: match run.model_dtype {
                 sluice_core::config::DType::F32 => DType::F32,
                 sluice_core::config::DType::Bf16 => DType::BF16,
                 sluice_core::config::DType::F16 => DType::F16,
             },
             device: t.device,
             logits_chunk_rows: ForwardOptions::default().logits_chunk_rows,
-            temperature: if config.rollout.temperature > 0.0 {
-                config.rollout.temperature
+            temperature: if run.rollout_temperature > 0.0 {
+                run.rollout_temperature
             } else {
                 1.0
             },
-            seed: config.run.seed,
+            seed: run.seed,
             activation_checkpointing: t.activation_checkpointing,
             threads: sluice_model::threads::role_threads(
                 t.threads,
                 // A native engine in the same process takes the other half.
-                if config.engine.backend == sluice_core::config::EngineBackend::Native {
-                    2
-                } else {
-                    1
-                },
+                if run.native_engine_in_process { 2 } else { 1 },
             ),
         }
     }

@@ -5,8 +5,8 @@ mod common;
 
 use common::{close, group, single_turn_group, turn};
 use sluice_core::RolloutStatus;
-use sluice_core::config::AdvantageKind;
 use sluice_trainer::advantage::{AdvantageConfig, compute_advantages, discounted, mean_std};
+use sluice_trainer::config::AdvantageKind;
 
 fn config(kind: AdvantageKind, normalize_std: bool) -> AdvantageConfig {
     AdvantageConfig {

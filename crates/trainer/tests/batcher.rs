@@ -8,8 +8,8 @@ mod common;
 
 use common::{OwnedText, text_views};
 use proptest::prelude::*;
-use sluice_core::config::OversizedText;
 use sluice_trainer::batcher::{BatcherConfig, MicroBatch, TrainingText, pack};
+use sluice_trainer::config::OversizedText;
 
 fn text_tokens(i: usize, prompt_len: usize, completion_len: usize) -> OwnedText {
     // Token ids encode (text, position) so the checks can recognise every token.

@@ -10,8 +10,8 @@ mod common;
 
 use common::{OwnedText, text_views};
 use proptest::prelude::*;
-use sluice_core::config::OversizedText;
 use sluice_trainer::batcher::{BatcherConfig, MicroBatch, TrainingText, pack};
+use sluice_trainer::config::OversizedText;
 
 /// Families of texts with one prompt each: `(prompt length, completion lengths)`.
 fn family_texts(families: &[(usize, Vec<usize>)]) -> Vec<OwnedText> {

@@ -6,7 +6,7 @@ mod common;
 
 use candle_core::{D, DType, Device, Tensor, Var};
 use common::close;
-use sluice_core::config::{LossAggregation, LossKind, TisLevel, TisMode};
+use sluice_trainer::config::{LossAggregation, LossKind, TisLevel, TisMode};
 use sluice_trainer::loss::{LossConfig, TextTokens, TokenInputs, aggregation_weights, token_terms};
 
 fn ln(x: f32) -> f32 {

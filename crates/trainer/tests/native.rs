@@ -8,13 +8,13 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device};
 use common::{group, turn};
-use sluice_core::config::{AdvantageKind, LossAggregation, LossKind, OversizedText};
 use sluice_core::metrics as m;
 use sluice_core::{PolicyVersion, RolloutGroup, TrainerBackend};
 use sluice_model::presets::{Preset, preset_config, random_snapshot};
 use sluice_model::{ModelWeights, PackedBatch};
 use sluice_trainer::advantage::AdvantageConfig;
 use sluice_trainer::batcher::BatcherConfig;
+use sluice_trainer::config::{AdvantageKind, LossAggregation, LossKind, OversizedText};
 use sluice_trainer::loss::LossConfig;
 use sluice_trainer::optim::OptimConfig;
 use sluice_trainer::{NativeTrainer, NativeTrainerConfig, SupervisedExample};

@@ -2,7 +2,7 @@
 //! master weights under bf16 parameters, and an exact state round trip.
 
 use candle_core::{DType, Device, Tensor, Var};
-use sluice_core::config::LrSchedule;
+use sluice_trainer::config::LrSchedule;
 use sluice_trainer::optim::{AdamW, GradAccumulator, OptimConfig};
 
 fn close(a: f64, b: f64, tol: f64, what: &str) {

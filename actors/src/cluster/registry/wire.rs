@@ -2,7 +2,7 @@
 //! reply, a heartbeat, a member as listed, and why a join is refused.
 
 use serde::{Deserialize, Serialize};
-use sluice_core::config::NodeRole;
+use sluice_config::NodeRole;
 
 /// Most tasks an env node may advertise.
 pub const MAX_ADVERTISED_TASKS: usize = 64;

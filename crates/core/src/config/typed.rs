@@ -1,114 +1,13 @@
-//! Phase two: the validated config every component receives. Types say what was checked
-//! (`NonZeroU32`, `SocketAddr`, enums, `Duration`), so consumers never re-validate.
-//!
-//! `Serialize` writes the resolved config back in the file's own shape: `sluice check` prints it,
-//! and what it prints loads again to the same config.
+//! The config types several crates share: the element type and device of tensors, the simulated
+//! engine's length distribution (core's seeded generator draws from it) and secrets that never
+//! print. Each section's own types live with the crate that owns the section.
 
 use std::fmt;
-use std::net::SocketAddr;
-use std::num::{NonZeroU32, NonZeroU64};
-use std::path::PathBuf;
 use std::str::FromStr;
-use std::time::Duration;
 
 use serde::{Deserialize, Serialize, Serializer};
 
-use crate::choice::Choice;
-use crate::knobs::Knobs;
-
-mod domain;
-mod engine;
-mod node;
-mod trainer;
-
-pub use domain::*;
-pub use engine::*;
-pub use node::*;
-pub use trainer::*;
-
-/// The validated config.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct Config {
-    /// `[run]`
-    pub run: RunConfig,
-    /// `[model]`
-    pub model: ModelConfig,
-    /// `[engine]`
-    pub engine: EngineConfig,
-    /// `[trainer]`
-    pub trainer: TrainerConfig,
-    /// `[rollout]`
-    pub rollout: RolloutConfig,
-    /// `[data]`
-    pub data: DataConfig,
-    /// `[replay]`
-    pub replay: ReplayConfig,
-    /// `[metrics]`
-    pub metrics: MetricsConfig,
-    /// `[admin]`
-    pub admin: AdminConfig,
-    /// `[warmup]`
-    pub warmup: WarmupConfig,
-    /// `[eval]`
-    pub eval: EvalConfig,
-    /// `[supervision]`
-    pub supervision: SupervisionConfig,
-    /// `[faults]`
-    pub faults: FaultsConfig,
-    /// `[node]`: this process's role across machines (`None`: the whole pipeline here).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub node: Option<NodeConfig>,
-}
-
-/// `[run]`
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct RunConfig {
-    /// Run name (`[A-Za-z0-9._-]+`).
-    pub name: String,
-    /// Output directory.
-    pub output_dir: PathBuf,
-    /// Master seed.
-    pub seed: u64,
-    /// Training steps to run.
-    pub max_steps: NonZeroU64,
-}
-
-/// Built-in model presets that `sluice model init` can write.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ModelPreset {
-    /// A few hundred thousand parameters: tests and the quickstart.
-    Tiny,
-    /// Roughly 50–100M parameters: benchmarks.
-    Small,
-    /// The layer shapes of Qwen2.5-0.5B (hidden 896, 24 layers, 14 heads, 2 KV heads, MLP
-    /// 4864) with the character tokenizer: memory and speed at a real model's shapes.
-    Medium,
-}
-
-impl ModelPreset {
-    /// Every preset, in size order.
-    pub const ALL: [Self; 3] = [Self::Tiny, Self::Small, Self::Medium];
-
-    /// The preset's name in configs and flags.
-    pub fn name(self) -> &'static str {
-        Choice::name(self)
-    }
-
-    /// The preset named `name` (a flag's value); the error lists the names.
-    pub fn parse_name(name: &str) -> Result<Self, String> {
-        Choice::parse(name)
-            .map_err(|_| format!("unknown preset `{name}` ({})", Self::names().join(", ")))
-    }
-}
-
-crate::impl_choice!(
-    ModelPreset,
-    DType,
-    EngineBackend,
-    BadLinePolicy,
-    ExpiredPolicy
-);
+crate::impl_choice!(DType);
 
 /// Element type of model weights.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -161,213 +60,30 @@ impl Serialize for Device {
     }
 }
 
-/// `[model]`
+/// A completion-length distribution of the simulated engine (`[engine.simulated.lengths.*]`);
+/// here because core's [`rng`](crate::rng) draws lengths from it.
 #[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct ModelConfig {
-    /// Hugging Face model directory.
-    pub path: PathBuf,
-    /// Preset to create the directory from when it is absent.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub init_preset: Option<ModelPreset>,
-    /// Weight dtype.
-    pub dtype: DType,
-    /// Device.
-    pub device: Device,
-    /// Extra chat-template variables for rendering rollouts (`enable_thinking = false`).
-    #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
-    pub chat_template_kwargs: std::collections::BTreeMap<String, toml::Value>,
-    /// A Jinja file that replaces the model's own chat template (`None`: the model's).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub chat_template: Option<PathBuf>,
-}
-
-fn as_seconds<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
-    s.serialize_f64(d.as_secs_f64())
-}
-
-/// `[rollout]`
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct RolloutConfig {
-    /// Rollouts per sample.
-    pub group_size: NonZeroU32,
-    /// Groups per training step.
-    pub groups_per_step: NonZeroU32,
-    /// Model turns per episode.
-    pub max_turns: NonZeroU32,
-    /// Tokens per turn.
-    pub max_new_tokens: NonZeroU32,
-    /// Longest prompt sent to the engine (`None`: the model's context minus `max_new_tokens`;
-    /// set, it is still capped by that).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub max_prompt_tokens: Option<NonZeroU32>,
-    /// Sampling temperature (≥ 0).
-    pub temperature: f64,
-    /// Nucleus mass in (0, 1].
-    pub top_p: f64,
-    /// Top-k (0 = off).
-    pub top_k: u32,
-    /// Group mean reward below / above which a group counts as too hard / too easy.
-    pub balance_threshold: f64,
-    /// Environment worker actors.
-    pub env_workers: NonZeroU32,
-    /// Environment calls each worker runs at once.
-    pub env_calls_per_worker: NonZeroU32,
-    /// Initial runtime knobs (resolved: no zeros meaning "default").
-    #[serde(flatten)]
-    pub knobs: Knobs,
-}
-
-/// A dataset reference, `domain::name[@split]`.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub struct DatasetSpec {
-    /// Domain.
-    pub domain: String,
-    /// Dataset name.
-    pub name: String,
-    /// Split, if given.
-    pub split: Option<String>,
-}
-
-impl fmt::Display for DatasetSpec {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}::{}", self.domain, self.name)?;
-        if let Some(split) = &self.split {
-            write!(f, "@{split}")?;
-        }
-        Ok(())
-    }
-}
-
-impl FromStr for DatasetSpec {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        let err =
-            || format!("expected `domain::name[@split]` with parts of [A-Za-z0-9_.-], got `{s}`");
-        let ok = |p: &str| {
-            !p.is_empty()
-                && p.bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'))
-        };
-        let (domain, rest) = s.split_once("::").ok_or_else(err)?;
-        let (name, split) = match rest.split_once('@') {
-            Some((n, sp)) => (n, Some(sp)),
-            None => (rest, None),
-        };
-        if !ok(domain) || !ok(name) || split.is_some_and(|sp| !ok(sp)) {
-            return Err(err());
-        }
-        Ok(Self {
-            domain: domain.to_owned(),
-            name: name.to_owned(),
-            split: split.map(str::to_owned),
-        })
-    }
-}
-
-impl Serialize for DatasetSpec {
-    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.collect_str(self)
-    }
-}
-
-/// What to do with a dataset line that does not parse.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum BadLinePolicy {
-    /// Report it with file and line, count it, go on.
-    Skip,
-    /// Report it and stop.
-    Fail,
-}
-
-/// `[data]`
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct DataConfig {
-    /// Datasets.
-    pub datasets: Vec<DatasetSpec>,
-    /// Where JSONL files live.
-    pub data_dir: PathBuf,
-    /// Bad-line policy.
-    pub on_bad_line: BadLinePolicy,
-    /// Adaptive domain mix (completed/target correction, clamped to [0.1, 10]).
-    pub adaptive_mix: bool,
-    /// Per-domain options (`[data.domains.<domain>]`), only for domains some dataset belongs to.
-    #[serde(
-        rename = "domains",
-        skip_serializing_if = "std::collections::BTreeMap::is_empty"
-    )]
-    pub domain_options: std::collections::BTreeMap<String, DomainConfig>,
-}
-
-impl DataConfig {
-    /// The distinct domains, in first-mention order.
-    pub fn domains(&self) -> Vec<String> {
-        let mut out: Vec<String> = Vec::new();
-        for d in &self.datasets {
-            if !out.contains(&d.domain) {
-                out.push(d.domain.clone());
-            }
-        }
-        out
-    }
-
-    /// Tokens per model turn in `domain`: its `max_new_tokens`, else `default`
-    /// (`rollout.max_new_tokens`).
-    pub fn turn_tokens(&self, domain: &str, default: NonZeroU32) -> NonZeroU32 {
-        self.domain_options
-            .get(domain)
-            .and_then(|d| d.max_new_tokens)
-            .unwrap_or(default)
-    }
-
-    /// The per-domain turn budgets that differ from the default (what the controller applies).
-    pub fn turn_token_overrides(&self) -> std::collections::BTreeMap<String, u32> {
-        self.domain_options
-            .iter()
-            .filter_map(|(d, o)| o.max_new_tokens.map(|n| (d.clone(), n.get())))
-            .collect()
-    }
-}
-
-impl Config {
-    /// The largest turn budget of any domain: what a prompt must leave room for in the context.
-    pub fn largest_turn_tokens(&self) -> NonZeroU32 {
-        self.data
-            .domain_options
-            .values()
-            .filter_map(|d| d.max_new_tokens)
-            .fold(self.rollout.max_new_tokens, NonZeroU32::max)
-    }
-}
-
-/// What happens to rollouts whose oldest token fell past η.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ExpiredPolicy {
-    /// Regenerate from the prompt.
-    Regenerate,
-    /// Drop the group.
-    Drop,
-}
-
-/// `[replay]`
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct ReplayConfig {
-    /// Database directory.
-    pub path: PathBuf,
-    /// Expired policy.
-    pub expired: ExpiredPolicy,
-    /// Filter zero-advantage groups.
-    pub filter_zero_advantage: bool,
-}
-
-/// `[metrics]`
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct MetricsConfig {
-    /// Serve `/metrics`.
-    pub enabled: bool,
-    /// Listen address.
-    pub listen: SocketAddr,
+#[serde(tag = "distribution", rename_all = "snake_case")]
+pub enum LengthDistribution {
+    /// Always `tokens`.
+    Fixed {
+        /// The length.
+        tokens: u32,
+    },
+    /// Uniform in `[min, max]`.
+    Uniform {
+        /// Smallest.
+        min: u32,
+        /// Largest.
+        max: u32,
+    },
+    /// Log-normal with the given median and σ (a long tail).
+    Lognormal {
+        /// Median length.
+        median: f64,
+        /// σ of the underlying normal.
+        sigma: f64,
+    },
 }
 
 /// What a [`Secret`] prints as; refused as a token value, so a printed config cannot run with it.
@@ -398,119 +114,5 @@ impl fmt::Debug for Secret {
 impl Serialize for Secret {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         s.serialize_str(REDACTED)
-    }
-}
-
-/// `[admin]`
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct AdminConfig {
-    /// Listen address.
-    pub listen: SocketAddr,
-    /// Bearer token for mutating calls.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub token: Option<Secret>,
-}
-
-/// `[warmup]`: supervised warm-start before RL.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct WarmupConfig {
-    /// Run the warm-start when the run starts fresh.
-    pub enabled: bool,
-    /// Most supervised steps.
-    pub max_steps: NonZeroU64,
-    /// Demonstrations per step.
-    pub batch_size: NonZeroU32,
-    /// Learning rate (constant).
-    pub learning_rate: f64,
-    /// Stop once probe accuracy reaches this.
-    pub target_accuracy: f64,
-    /// Probe every this many steps.
-    pub check_every: NonZeroU64,
-    /// Training problems in the probe.
-    pub probe_samples: NonZeroU32,
-}
-
-/// `[eval]`: periodic held-out evaluation.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct EvalConfig {
-    /// Evaluate every this many steps (0: only before and after training).
-    pub every_steps: u64,
-    /// Held-out samples.
-    pub samples: NonZeroU32,
-    /// Sampling temperature (0: greedy).
-    pub temperature: f64,
-    /// Stop training once held-out accuracy reaches this.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub stop_at_accuracy: Option<f64>,
-    /// Task to evaluate (default: the first dataset's).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub task: Option<String>,
-    /// Device of the evaluation engine (`engine.device` unless set).
-    pub device: Device,
-}
-
-fn as_seconds_or_zero<S: Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
-    s.serialize_f64(d.map_or(0.0, |d| d.as_secs_f64()))
-}
-
-/// `[supervision]`
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct SupervisionConfig {
-    /// First restart delay; doubles per consecutive failure.
-    #[serde(rename = "restart_backoff_initial_s", serialize_with = "as_seconds")]
-    pub restart_backoff_initial: Duration,
-    /// Longest restart delay (and the uptime after which an actor counts as healthy again).
-    #[serde(rename = "restart_backoff_max_s", serialize_with = "as_seconds")]
-    pub restart_backoff_max: Duration,
-    /// Engine replica watchdog (`None` = off).
-    #[serde(rename = "engine_watchdog_s", serialize_with = "as_seconds_or_zero")]
-    pub engine_watchdog: Option<Duration>,
-    /// Checkpoint every this many training steps (0 = only on stop and on request).
-    pub checkpoint_every_steps: u64,
-    /// Bound on a graceful stop.
-    #[serde(rename = "shutdown_timeout_s", serialize_with = "as_seconds")]
-    pub shutdown_timeout: Duration,
-    /// Bound on one environment call; a call past it ends the rollout as `Timeout`.
-    #[serde(rename = "env_step_timeout_s", serialize_with = "as_seconds")]
-    pub env_step_timeout: Duration,
-    /// Failures in a row (no request served in between) after which a replica stops the run
-    /// (0 = restart forever).
-    pub engine_max_restarts: u64,
-    /// How long the run waits with no replica able to serve before it stops (`None` = forever).
-    #[serde(
-        rename = "engine_unavailable_timeout_s",
-        serialize_with = "as_seconds_or_zero"
-    )]
-    pub engine_unavailable_timeout: Option<Duration>,
-    /// Untrainable groups in a row (failed or filtered) that stop the run (0 = never).
-    pub no_progress_groups: u64,
-}
-
-/// `[faults]`: injection periods, 0 = off.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
-pub struct FaultsConfig {
-    /// Engine replica crash period, in requests per replica.
-    pub engine_crash_every_requests: u64,
-    /// Engine replica hang period, in requests per replica.
-    pub engine_hang_every_requests: u64,
-    /// The training step (1-based, of this process) that fails.
-    pub trainer_error_at_step: u64,
-    /// The training step (1-based, of this process) that panics.
-    pub trainer_panic_at_step: u64,
-    /// Skipped-step period, in training steps of the process (the batch is consumed, nothing is
-    /// published, as when every advantage is zero).
-    pub trainer_skip_every_steps: u64,
-    /// Environment step panic period, in steps of the node.
-    pub env_panic_every_steps: u64,
-    /// Environment step hang period, in steps of the node.
-    pub env_hang_every_steps: u64,
-    /// Reward panic period, in finished episodes of the node.
-    pub reward_panic_every_episodes: u64,
-}
-
-impl FaultsConfig {
-    /// Any fault is switched on.
-    pub fn any(&self) -> bool {
-        *self != Self::default()
     }
 }

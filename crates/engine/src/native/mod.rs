@@ -98,7 +98,7 @@ impl NativeEngineParams {
     /// with `seed` (the same on every replica: a request's draws depend on its id, not on where
     /// it runs), stopping on `eos_token_ids`.
     pub fn from_config(
-        engine: &sluice_core::config::EngineConfig,
+        engine: &crate::config::EngineConfig,
         replica: u32,
         seed: u64,
         eos_token_ids: Vec<u32>,

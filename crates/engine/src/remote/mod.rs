@@ -78,7 +78,7 @@ impl RemoteParams {
     /// there are more replicas than servers), `request_timeout_s`, publishing into `weights` and
     /// installing `initial` first; 5 s control calls.
     pub fn from_config(
-        engine: &sluice_core::config::EngineConfig,
+        engine: &crate::config::EngineConfig,
         replica: u32,
         weights: Arc<WeightDirs>,
         initial: Option<Arc<ModelWeights>>,

@@ -13,8 +13,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use crate::config::SimEngineConfig;
 use crossbeam_channel::{Receiver, Sender};
-use sluice_core::config::{LengthDistribution, SimEngineConfig};
+use sluice_core::config::LengthDistribution;
 use sluice_core::{PolicyVersion, RequestId, WeightSnapshot, WeightUpdateMode};
 
 use crate::backend::{

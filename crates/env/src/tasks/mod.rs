@@ -61,7 +61,7 @@ pub(crate) fn answer_rubric(
 }
 
 /// The `train` and held-out `eval` dataset specs of a built-in task.
-pub(crate) fn train_eval_specs(domain: &str, name: &str) -> Vec<sluice_core::config::DatasetSpec> {
+pub(crate) fn train_eval_specs(domain: &str, name: &str) -> Vec<sluice_data::config::DatasetSpec> {
     ["train", "eval"]
         .into_iter()
         .map(|split| {

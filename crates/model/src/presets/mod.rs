@@ -11,13 +11,13 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
 
+pub use crate::section::ModelPreset as Preset;
 use candle_core::{DType, Device, Tensor};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 use rand_distr::{Distribution, Normal};
 use serde_json::Map;
 use sluice_core::PolicyVersion;
-pub use sluice_core::config::ModelPreset as Preset;
 
 use crate::checkpoint::{SaveOptions, generation_config, save_checkpoint, write_json};
 use crate::config::{Architecture, ModelConfig};

@@ -1,0 +1,172 @@
+//! `[data]` adaptive mix and per-domain options: parsed, validated against the datasets'
+//! domains, and printed back in a shape that loads again.
+
+use sluice_config::{self as config, ConfigErrorKind, parse};
+
+fn load(text: &str) -> Result<config::Config, config::ConfigError> {
+    parse(text, "t.toml", &[], &|_| None)
+}
+
+#[test]
+fn domain_options_parse_and_round_trip() {
+    let text = r#"
+        [data]
+        datasets = ["math::arithmetic@train", "code::mbpp"]
+        adaptive_mix = false
+        [data.domains.code]
+        system_prompt = "You write Python."
+        task = "sandbox"
+        env_url = "http://10.0.0.7:7000"
+        [data.domains.code.rubric]
+        weights = { passed = 3.0, "env.tests" = 1.0 }
+        error_reward = -0.5
+        timeout_s = 2.5
+    "#;
+    let c = load(text).unwrap();
+    assert!(!c.data.adaptive_mix);
+    let code = &c.data.domain_options["code"];
+    assert_eq!(code.system_prompt.as_deref(), Some("You write Python."));
+    assert_eq!(code.task.as_deref(), Some("sandbox"));
+    assert_eq!(code.env_url.as_deref(), Some("http://10.0.0.7:7000"));
+    let rubric = code.rubric.as_ref().unwrap();
+    assert_eq!(rubric.weights["passed"], 3.0);
+    assert_eq!(rubric.weights["env.tests"], 1.0);
+    assert_eq!(rubric.error_reward, Some(-0.5));
+    assert_eq!(rubric.truncation_reward, None);
+    assert_eq!(rubric.timeout, Some(std::time::Duration::from_millis(2500)));
+    let printed = toml::to_string(&c).unwrap();
+    assert_eq!(load(&printed).unwrap(), c);
+
+    let defaults = load("[data]\ndatasets = [\"math::arithmetic\"]\n").unwrap();
+    assert!(defaults.data.adaptive_mix, "adaptation is on by default");
+    assert!(defaults.data.domain_options.is_empty());
+}
+
+#[test]
+fn domain_options_name_declared_domains_and_valid_tasks() {
+    let err =
+        load("[data]\ndatasets = [\"math::a\"]\n[data.domains.chess]\nsystem_prompt = \"x\"\n")
+            .unwrap_err()
+            .to_string();
+    assert!(
+        err.contains("data.domains.chess") && err.contains("the datasets' domains are: math"),
+        "{err}"
+    );
+    let err = load("[data]\ndatasets = [\"math::a\"]\n[data.domains.math]\ntask = \"a b\"\n")
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("data.domains.math.task"), "{err}");
+    let err = load("[data]\ndatasets = [\"math::a\"]\n[data.domains.math]\nprompt = \"x\"\n")
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("prompt"), "{err}");
+}
+
+#[test]
+fn template_kwargs_and_prompt_bound_parse_and_round_trip() {
+    let c = load(
+        "[model]\nchat_template_kwargs = { enable_thinking = false, style = \"terse\" }\n[rollout]\nmax_prompt_tokens = 300\n",
+    )
+    .unwrap();
+    assert_eq!(
+        c.model.chat_template_kwargs["enable_thinking"],
+        toml::Value::Boolean(false)
+    );
+    assert_eq!(c.rollout.max_prompt_tokens.map(|n| n.get()), Some(300));
+    let printed = toml::to_string(&c).unwrap();
+    assert_eq!(load(&printed).unwrap(), c);
+    let defaults = load("").unwrap();
+    assert!(defaults.model.chat_template_kwargs.is_empty());
+    assert_eq!(defaults.rollout.max_prompt_tokens, None, "0 is the default");
+}
+
+/// (TOML text, expected message, expected kind): each mistake in a domain's rubric or env server.
+const BAD_DOMAINS: &[(&str, &str, ConfigErrorKind)] = &[
+    (
+        "[data]\ndatasets = [\"math::a\"]\n[data.domains.math.rubric]\nweight = { correct = 1.0 }",
+        "test.toml: data.domains.math.rubric.weight: unknown key; did you mean `weights`?",
+        ConfigErrorKind::UnknownKey,
+    ),
+    (
+        "[data]\ndatasets = [\"math::a\"]\n[data.domains.math.rubric]\nerror_reward = 0.0",
+        "test.toml: data.domains.math.rubric.weights: expected at least one reward function, e.g. `weights = { correct = 1.0 }`",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[data]\ndatasets = [\"math::a\"]\n[data.domains.math.rubric]\nweights = { correct = -1.0 }",
+        "test.toml: data.domains.math.rubric.weights.correct: expected a weight ≥ 0, got -1",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[data]\ndatasets = [\"math::a\"]\n[data.domains.math.rubric]\nweights = { correct = 0.0, format = 0 }",
+        "test.toml: data.domains.math.rubric.weights: expected at least one weight > 0, all are 0",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[data]\ndatasets = [\"math::a\"]\n[data.domains.math.rubric]\nweights = { \"a b\" = 1.0 }",
+        "test.toml: data.domains.math.rubric.weights.a b: expected a reward function name of [A-Za-z0-9_.-], got `a b`",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[data]\ndatasets = [\"math::a\"]\n[data.domains.math.rubric]\nweights = { correct = \"high\" }",
+        "test.toml: data.domains.math.rubric.weights.correct: invalid type: string \"high\", expected a number",
+        ConfigErrorKind::Type,
+    ),
+    (
+        "[data]\ndatasets = [\"math::a\"]\n[data.domains.math.rubric]\nweights = { correct = 1.0 }\nerror_reward = nan",
+        "test.toml: data.domains.math.rubric.error_reward: expected a finite number, got NaN",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[data]\ndatasets = [\"math::a\"]\n[data.domains.math.rubric]\nweights = { correct = 1.0 }\ntruncation_reward = 1e9",
+        "test.toml: data.domains.math.rubric.truncation_reward: expected at most 1000000 (a reward), got 1000000000",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[data]\ndatasets = [\"math::a\"]\n[data.domains.math.rubric]\nweights = { correct = 1.0 }\ntimeout_s = 0",
+        "test.toml: data.domains.math.rubric.timeout_s: expected a number of seconds > 0, got 0",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[data]\ndatasets = [\"math::a\"]\n[data.domains.math]\nenv_url = \"localhost:7000\"",
+        "test.toml: data.domains.math.env_url: expected an http:// or https:// base URL of an env server, got `localhost:7000`",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[data]\ndatasets = [\"math::a\"]\n[data.domains.math]\nenv_urls = \"http://x\"",
+        "test.toml: data.domains.math.env_urls: unknown key; did you mean `env_url`?",
+        ConfigErrorKind::UnknownKey,
+    ),
+    (
+        "[data]\ndatasets = [\"math::a\"]\n[data.domains.math]\nenv_nodes = true",
+        "test.toml: data.domains.math.env_nodes: only a head (node.role = \"head\") has env nodes joined to it; use env_url for an env server of your own",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[data]\ndatasets = [\"math::a\"]\n[data.domains.math]\nenv_nodes = true\nenv_url = \"http://10.0.0.7:7000\"",
+        "test.toml: data.domains.math.env_nodes: expected one place for the domain's envs: set env_url (one env server) or env_nodes = true (the env nodes joined to the head), not both",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[data]\ndatasets = [\"math::a\"]\n[data.domains.math]\nenv_nodes = \"yes\"",
+        "test.toml: data.domains.math.env_nodes: invalid type: string \"yes\", expected true or false",
+        ConfigErrorKind::Type,
+    ),
+];
+
+#[test]
+fn bad_domain_rubrics_and_env_servers_name_the_key() {
+    let mut failures = Vec::new();
+    for (text, expected, kind) in BAD_DOMAINS {
+        match parse(text, "test.toml", &[], &|_| None) {
+            Ok(_) => failures.push(format!("accepted: {text:?}")),
+            Err(e) if e.to_string() != *expected || e.kind != *kind => failures.push(format!(
+                "input {text:?}\n  expected [{}] {expected}\n  got      [{}] {e}",
+                kind.as_str(),
+                e.kind()
+            )),
+            Err(_) => {}
+        }
+    }
+    assert!(failures.is_empty(), "\n{}", failures.join("\n"));
+}

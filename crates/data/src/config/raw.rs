@@ -1,0 +1,73 @@
+//! `[data]` and `[data.domains.<domain>]` as serde reads them: the datasets, and the options of
+//! one domain, its rubric and the env server that runs its episodes.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+/// `[data.domains.<domain>]`: options of one domain.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawDomain {
+    /// System prompt for the domain's rows that have none of their own.
+    pub system_prompt: Option<String>,
+    /// Registered task that runs the domain's rows (default: the task named like the dataset).
+    pub task: Option<String>,
+    /// Base URL of an env server that runs the domain's episodes (`http://host:port`).
+    pub env_url: Option<String>,
+    /// The domain's episodes run on the env nodes that join the head (a head only).
+    pub env_nodes: bool,
+    /// `[data.domains.<domain>.rubric]`: how the domain's rollouts are scored (default: the
+    /// task's own rubric).
+    pub rubric: Option<RawRubric>,
+    /// Tokens per model turn in this domain (default `rollout.max_new_tokens`).
+    pub max_new_tokens: Option<i64>,
+    /// Held-out set the domain is evaluated on: a dataset `name[@split]` (default: the task's
+    /// generated held-out split).
+    pub eval_dataset: Option<String>,
+    /// Warm-start probe accuracy this domain must reach (default `warmup.target_accuracy`).
+    pub warmup_target_accuracy: Option<f64>,
+}
+
+/// `[data.domains.<domain>.rubric]`: weighted reward functions and the overrides of failed and
+/// truncated rollouts.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawRubric {
+    /// Reward function name → weight (normalized to sum to 1).
+    pub weights: BTreeMap<String, f64>,
+    /// Reward of truncated rollouts, replacing the functions' score.
+    pub truncation_reward: Option<f64>,
+    /// Reward of failed rollouts (error, timeout, prompt too long) and of failed scoring.
+    pub error_reward: Option<f64>,
+    /// Deadline of each reward function call, seconds.
+    pub timeout_s: Option<f64>,
+}
+
+/// `[data]`: datasets.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawData {
+    /// Dataset specs, `domain::name[@split]`.
+    pub datasets: Vec<String>,
+    /// Directory holding `<domain>/<name>[.<split>].jsonl` files.
+    pub data_dir: String,
+    /// `skip` or `fail` on a line that does not parse.
+    pub on_bad_line: String,
+    /// Correct domain weights by completed/target ratios (seed 000's adaptive sampling).
+    pub adaptive_mix: bool,
+    /// Per-domain options, `[data.domains.<domain>]`.
+    pub domains: BTreeMap<String, RawDomain>,
+}
+
+impl Default for RawData {
+    fn default() -> Self {
+        Self {
+            datasets: Vec::new(),
+            data_dir: "data".into(),
+            on_bad_line: "skip".into(),
+            adaptive_mix: true,
+            domains: BTreeMap::new(),
+        }
+    }
+}

@@ -1,0 +1,184 @@
+//! `[data]` and `[data.domains.<domain>]`, validated: the datasets, and per domain the task that
+//! runs its rows, its system prompt, the rubric that scores them and the env server that runs
+//! their episodes.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::num::NonZeroU32;
+use std::path::PathBuf;
+use std::str::FromStr;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize, Serializer};
+
+/// `[data.domains.<domain>]`
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct DomainConfig {
+    /// System prompt for rows without their own.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub system_prompt: Option<String>,
+    /// Task that runs the domain's rows.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub task: Option<String>,
+    /// Env server that runs the domain's episodes (`http://` or `https://` base URL).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub env_url: Option<String>,
+    /// The domain's episodes run on the env nodes joined to this head, spread by their load.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub env_nodes: bool,
+    /// The rubric replacing the task's own.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rubric: Option<DomainRubric>,
+    /// Tokens per model turn (`None`: `rollout.max_new_tokens`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_new_tokens: Option<std::num::NonZeroU32>,
+    /// Held-out dataset, `name[@split]` (`None`: the task's generated held-out split).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub eval_dataset: Option<String>,
+    /// Warm-start target of this domain's probe (`None`: `warmup.target_accuracy`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub warmup_target_accuracy: Option<f64>,
+}
+
+/// `[data.domains.<domain>.rubric]`: reward functions by name with their weights (finite, ≥ 0,
+/// summing to more than 0; normalized where the rubric is built), and the overrides.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct DomainRubric {
+    /// Reward function name → weight, at least one.
+    pub weights: BTreeMap<String, f64>,
+    /// Reward of truncated rollouts (absent: the functions score them).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub truncation_reward: Option<f64>,
+    /// Reward of failed rollouts and failed scoring (absent: 0 for failed scoring, the functions
+    /// score failed rollouts).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error_reward: Option<f64>,
+    /// Deadline of each reward function call (absent: the env step's deadline bounds it).
+    #[serde(
+        rename = "timeout_s",
+        serialize_with = "seconds",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub timeout: Option<Duration>,
+}
+
+fn seconds<S: Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
+    match d {
+        Some(d) => s.serialize_f64(d.as_secs_f64()),
+        None => s.serialize_none(),
+    }
+}
+
+/// A dataset reference, `domain::name[@split]`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct DatasetSpec {
+    /// Domain.
+    pub domain: String,
+    /// Dataset name.
+    pub name: String,
+    /// Split, if given.
+    pub split: Option<String>,
+}
+
+impl fmt::Display for DatasetSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}::{}", self.domain, self.name)?;
+        if let Some(split) = &self.split {
+            write!(f, "@{split}")?;
+        }
+        Ok(())
+    }
+}
+
+impl FromStr for DatasetSpec {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let err =
+            || format!("expected `domain::name[@split]` with parts of [A-Za-z0-9_.-], got `{s}`");
+        let ok = |p: &str| {
+            !p.is_empty()
+                && p.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'))
+        };
+        let (domain, rest) = s.split_once("::").ok_or_else(err)?;
+        let (name, split) = match rest.split_once('@') {
+            Some((n, sp)) => (n, Some(sp)),
+            None => (rest, None),
+        };
+        if !ok(domain) || !ok(name) || split.is_some_and(|sp| !ok(sp)) {
+            return Err(err());
+        }
+        Ok(Self {
+            domain: domain.to_owned(),
+            name: name.to_owned(),
+            split: split.map(str::to_owned),
+        })
+    }
+}
+
+impl Serialize for DatasetSpec {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+sluice_core::impl_choice!(BadLinePolicy);
+
+/// What to do with a dataset line that does not parse.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BadLinePolicy {
+    /// Report it with file and line, count it, go on.
+    Skip,
+    /// Report it and stop.
+    Fail,
+}
+
+/// `[data]`
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct DataConfig {
+    /// Datasets.
+    pub datasets: Vec<DatasetSpec>,
+    /// Where JSONL files live.
+    pub data_dir: PathBuf,
+    /// Bad-line policy.
+    pub on_bad_line: BadLinePolicy,
+    /// Adaptive domain mix (completed/target correction, clamped to [0.1, 10]).
+    pub adaptive_mix: bool,
+    /// Per-domain options (`[data.domains.<domain>]`), only for domains some dataset belongs to.
+    #[serde(
+        rename = "domains",
+        skip_serializing_if = "std::collections::BTreeMap::is_empty"
+    )]
+    pub domain_options: std::collections::BTreeMap<String, DomainConfig>,
+}
+
+impl DataConfig {
+    /// The distinct domains, in first-mention order.
+    pub fn domains(&self) -> Vec<String> {
+        let mut out: Vec<String> = Vec::new();
+        for d in &self.datasets {
+            if !out.contains(&d.domain) {
+                out.push(d.domain.clone());
+            }
+        }
+        out
+    }
+
+    /// Tokens per model turn in `domain`: its `max_new_tokens`, else `default`
+    /// (`rollout.max_new_tokens`).
+    pub fn turn_tokens(&self, domain: &str, default: NonZeroU32) -> NonZeroU32 {
+        self.domain_options
+            .get(domain)
+            .and_then(|d| d.max_new_tokens)
+            .unwrap_or(default)
+    }
+
+    /// The per-domain turn budgets that differ from the default (what the controller applies).
+    pub fn turn_token_overrides(&self) -> std::collections::BTreeMap<String, u32> {
+        self.domain_options
+            .iter()
+            .filter_map(|(d, o)| o.max_new_tokens.map(|n| (d.clone(), n.get())))
+            .collect()
+    }
+}

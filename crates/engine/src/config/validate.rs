@@ -1,0 +1,162 @@
+//! Phase two of `[engine]` and `[engine.simulated]`.
+
+use std::time::Duration;
+
+use sluice_core::config::check::{Ctx, choice, non_zero_u32, number, u32_incl_zero, u64_incl_zero};
+use sluice_core::config::{ConfigError, Device, LengthDistribution};
+
+use super::raw::{RawEngine, RawSimEngine};
+use super::typed::{EngineBackend, EngineConfig, SimEngineConfig};
+
+/// Phase two of `[engine]`; `device` is `engine.device` resolved, `head` says this node is a head,
+/// `run_seed` (`run.seed`) is the simulated engine's default seed.
+pub fn validate_engine(
+    raw: RawEngine,
+    run_seed: u64,
+    head: bool,
+    device: Device,
+    ctx: &Ctx<'_>,
+) -> Result<EngineConfig, ConfigError> {
+    let backend: EngineBackend = choice(ctx, "engine.backend", &raw.backend)?;
+    for (i, url) in raw.remote_urls.iter().enumerate() {
+        let host = url
+            .strip_prefix("http://")
+            .or_else(|| url.strip_prefix("https://"));
+        if host.is_none_or(|h| h.trim_end_matches('/').is_empty()) {
+            return Err(ctx.value(
+                &format!("engine.remote_urls[{i}]"),
+                format!("expected an http:// or https:// base URL, got `{url}`"),
+            ));
+        }
+    }
+    // A head's servers are the engine nodes that join it; static ones are optional there.
+    if backend == EngineBackend::Remote && raw.remote_urls.is_empty() && !head {
+        return Err(ctx.value(
+            "engine.remote_urls",
+            "backend `remote` needs at least one base URL",
+        ));
+    }
+    let timeout = number(
+        ctx,
+        "engine.request_timeout_s",
+        raw.request_timeout_s,
+        "a number of seconds > 0",
+        |v| v > 0.0,
+    )?;
+    let mut replicas = non_zero_u32(ctx, "engine.replicas", raw.replicas)?;
+    if backend == EngineBackend::Remote {
+        // Each server is a replica of the engine actor, which does all the routing: at least one
+        // replica per server (more wrap around the list).
+        let servers = u32::try_from(raw.remote_urls.len()).unwrap_or(u32::MAX);
+        replicas = replicas.max(std::num::NonZeroU32::new(servers).unwrap_or(replicas));
+    }
+    Ok(EngineConfig {
+        backend,
+        device,
+        replicas,
+        max_running_sequences: non_zero_u32(
+            ctx,
+            "engine.max_running_sequences",
+            raw.max_running_sequences,
+        )?,
+        max_step_tokens: non_zero_u32(ctx, "engine.max_step_tokens", raw.max_step_tokens)?,
+        threads: u32_incl_zero(ctx, "engine.threads", raw.threads)?,
+        kv_cache_mb: u32_incl_zero(ctx, "engine.kv_cache_mb", raw.kv_cache_mb)?,
+        kv_block_tokens: non_zero_u32(ctx, "engine.kv_block_tokens", raw.kv_block_tokens)?,
+        prefix_caching: raw.prefix_caching,
+        prefix_cache_version_lag: u32_incl_zero(
+            ctx,
+            "engine.prefix_cache_version_lag",
+            raw.prefix_cache_version_lag,
+        )?,
+        remote_urls: raw.remote_urls,
+        request_timeout: Duration::from_secs_f64(timeout),
+        remote_keep_versions: non_zero_u32(
+            ctx,
+            "engine.remote_keep_versions",
+            raw.remote_keep_versions,
+        )?,
+        simulated: validate_sim_engine(raw.simulated, run_seed, ctx)?,
+    })
+}
+
+fn validate_sim_engine(
+    raw: RawSimEngine,
+    run_seed: u64,
+    ctx: &Ctx<'_>,
+) -> Result<SimEngineConfig, ConfigError> {
+    let k = |name: &str| format!("engine.simulated.{name}");
+    let seconds =
+        |name: &str, v: f64| number(ctx, &k(name), v, "a number of seconds ≥ 0", |v| v >= 0.0);
+    let mut lengths = std::collections::BTreeMap::new();
+    for (domain, d) in raw.lengths {
+        let key = k(&format!("lengths.{domain}"));
+        let dist = match d.distribution.as_str() {
+            "fixed" => LengthDistribution::Fixed {
+                tokens: non_zero_u32(ctx, &format!("{key}.tokens"), d.tokens)?.get(),
+            },
+            "uniform" => {
+                let min = non_zero_u32(ctx, &format!("{key}.min"), d.min)?.get();
+                let max = non_zero_u32(ctx, &format!("{key}.max"), d.max)?.get();
+                if max < min {
+                    return Err(ctx.value(
+                        &format!("{key}.max"),
+                        format!("expected an integer ≥ min ({min}), got {max}"),
+                    ));
+                }
+                LengthDistribution::Uniform { min, max }
+            }
+            "lognormal" => LengthDistribution::Lognormal {
+                median: number(
+                    ctx,
+                    &format!("{key}.median"),
+                    d.median,
+                    "a number ≥ 1",
+                    |v| v >= 1.0,
+                )?,
+                sigma: number(
+                    ctx,
+                    &format!("{key}.sigma"),
+                    d.sigma,
+                    "a number ≥ 0",
+                    |v| v >= 0.0,
+                )?,
+            },
+            other => {
+                return Err(ctx.value(
+                    &format!("{key}.distribution"),
+                    format!("expected one of fixed, uniform, lognormal, got `{other}`"),
+                ));
+            }
+        };
+        lengths.insert(domain, dist);
+    }
+    lengths
+        .entry("default".to_owned())
+        .or_insert(LengthDistribution::Lognormal {
+            median: 128.0,
+            sigma: 1.0,
+        });
+    Ok(SimEngineConfig {
+        time_scale: seconds("time_scale", raw.time_scale)?,
+        prefill_seconds_per_token: seconds(
+            "prefill_seconds_per_token",
+            raw.prefill_seconds_per_token,
+        )?,
+        decode_step_base_seconds: seconds(
+            "decode_step_base_seconds",
+            raw.decode_step_base_seconds,
+        )?,
+        decode_step_per_sequence_seconds: seconds(
+            "decode_step_per_sequence_seconds",
+            raw.decode_step_per_sequence_seconds,
+        )?,
+        prompt_tokens: non_zero_u32(ctx, &k("prompt_tokens"), raw.prompt_tokens)?,
+        env_reply_tokens: u32_incl_zero(ctx, &k("env_reply_tokens"), raw.env_reply_tokens)?,
+        lengths,
+        seed: match raw.seed {
+            Some(s) => u64_incl_zero(ctx, &k("seed"), s)?,
+            None => run_seed,
+        },
+    })
+}

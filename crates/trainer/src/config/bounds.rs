@@ -1,0 +1,28 @@
+//! Upper bounds of the numeric keys of `[trainer]` and `[trainer.simulated]`
+//! (`sluice_core::config::bounds`): generous for real use, far below what breaks arithmetic or
+//! memory. Resource keys are bounded by what one node holds.
+
+use sluice_core::config::bounds::{
+    Bound, MAX_COUNT, MAX_SIM_SECONDS, MAX_TOKENS, SIM, STEPS, TOKENS, bound,
+};
+
+/// Every bound of `[trainer]` and `[trainer.simulated]`.
+pub const BOUNDS: &[Bound] = &[
+    bound("trainer.learning_rate", 1.0, "the learning rate"),
+    bound("trainer.threads", 1024.0, "compute threads of the trainer"),
+    bound("trainer.warmup_steps", MAX_COUNT, STEPS),
+    bound("trainer.weight_decay", 1.0, "the decoupled weight decay"),
+    bound("trainer.max_grad_norm", 1e6, "the gradient norm clip"),
+    bound("trainer.clip_high", 100.0, "the upper ratio clip"),
+    bound("trainer.kl_coef", 1000.0, "the KL penalty coefficient"),
+    bound("trainer.micro_batch_size", 65_536.0, "rows per micro-batch"),
+    bound("trainer.max_seq_len", MAX_TOKENS, TOKENS),
+    bound("trainer.minibatches", 1024.0, "optimizer updates per step"),
+    bound("trainer.is_cap", 1e6, "the importance-weight cap"),
+    bound("trainer.simulated.step_base_seconds", MAX_SIM_SECONDS, SIM),
+    bound(
+        "trainer.simulated.step_seconds_per_token",
+        MAX_SIM_SECONDS,
+        SIM,
+    ),
+];

@@ -1,0 +1,14 @@
+//! `[trainer]` and `[trainer.simulated]`: the trainer's config section, owned here. Raw (serde,
+//! defaults; [`RawTrainer`]) → [`validate_trainer`] → [`TrainerConfig`]; `sluice-config` composes
+//! it into the whole file, checks the upper bounds of its numbers ([`BOUNDS`]) first and
+//! resolves `minibatches` with `rollout.groups_per_step` ([`default_minibatches`]).
+
+mod bounds;
+mod raw;
+mod typed;
+mod validate;
+
+pub use bounds::BOUNDS;
+pub use raw::{RawSimTrainer, RawTrainer};
+pub use typed::*;
+pub use validate::{DECOUPLED_MINIBATCHES, default_minibatches, validate_trainer};

@@ -1,0 +1,162 @@
+//! `[trainer]` and `[trainer.simulated]`, validated.
+
+use std::num::NonZeroU32;
+
+use serde::{Deserialize, Serialize};
+
+/// Policy-gradient loss.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LossKind {
+    /// Clipped ratio against the behaviour log-probs (PPO / GRPO).
+    Ppo,
+    /// Truncated importance sampling.
+    Tis,
+    /// AReaL's decoupled objective: clip against a recomputed proximal policy.
+    DecoupledPpo,
+}
+
+/// Learning-rate schedule after warmup.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LrSchedule {
+    /// Constant at the peak.
+    Constant,
+    /// Cosine decay to zero at `max_steps`.
+    Cosine,
+}
+
+/// How advantages are baselined.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AdvantageKind {
+    /// GRPO: reward minus the group mean.
+    Group,
+    /// Baseline within (group × situation label).
+    Situational,
+}
+
+/// How per-token losses are averaged over the global batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LossAggregation {
+    /// Every completion token counts the same.
+    TokenMean,
+    /// Every training text counts once.
+    SequenceMean,
+    /// Every rollout counts once, however many texts it has.
+    RolloutNormalized,
+}
+
+/// Granularity of truncated importance weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TisLevel {
+    /// One weight per token.
+    Token,
+    /// One weight per training text (product of its token ratios).
+    Sequence,
+}
+
+/// What happens to an importance weight above the cap.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TisMode {
+    /// Use the cap instead.
+    Truncate,
+    /// Drop the token (or sequence) from the loss.
+    Mask,
+}
+
+/// What happens to a training text longer than `max_seq_len`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OversizedText {
+    /// Cut into row-sized pieces (later pieces lose the context before them).
+    Split,
+    /// Leave it out of the batch (counted).
+    Reject,
+}
+
+sluice_core::impl_choice!(
+    LossKind,
+    LrSchedule,
+    AdvantageKind,
+    LossAggregation,
+    TisLevel,
+    TisMode,
+    OversizedText,
+);
+
+/// `[trainer]`
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TrainerConfig {
+    /// Loss.
+    pub loss: LossKind,
+    /// Device of the native trainer's master weights (`model.device` unless set).
+    pub device: sluice_core::config::Device,
+    /// Peak learning rate (> 0).
+    pub learning_rate: f64,
+    /// Schedule after warmup.
+    pub lr_schedule: LrSchedule,
+    /// Warmup steps.
+    pub warmup_steps: u64,
+    /// AdamW weight decay (≥ 0).
+    pub weight_decay: f64,
+    /// Global gradient-norm clip (> 0).
+    pub max_grad_norm: f64,
+    /// Lower clip ε, in [0, 1).
+    pub clip_low: f64,
+    /// Upper clip ε (≥ 0).
+    pub clip_high: f64,
+    /// KL coefficient (≥ 0).
+    pub kl_coef: f64,
+    /// Micro-batch rows `B`.
+    pub micro_batch_size: NonZeroU32,
+    /// Micro-batch row length `L`.
+    pub max_seq_len: NonZeroU32,
+    /// Optimizer updates (minibatches) per training step.
+    pub minibatches: NonZeroU32,
+    /// Compute threads of the native trainer; 0 = automatic (half the cores beside a native
+    /// engine, else all).
+    pub threads: u32,
+    /// Recompute each layer's activations in the backward instead of keeping them.
+    pub activation_checkpointing: bool,
+    /// Pack each prompt once for the completions that share it (same log-probs and gradients).
+    pub share_prompts: bool,
+    /// Advantage baseline.
+    pub advantage: AdvantageKind,
+    /// Divide by group std.
+    pub normalize_advantage_std: bool,
+    /// Per-turn discount of the final reward, in (0, 1].
+    pub gamma: f64,
+    /// Train only on the last turn of each rollout.
+    pub only_keep_outcome: bool,
+    /// Pad shorter rollouts into situation baselines.
+    pub pad_situations: bool,
+    /// Leave zero-signal situations out of training.
+    pub drop_zero_signal_situations: bool,
+    /// Loss aggregation.
+    pub loss_aggregation: LossAggregation,
+    /// Importance-weight granularity.
+    pub tis_level: TisLevel,
+    /// Importance weights above the cap.
+    pub tis_mode: TisMode,
+    /// Importance-weight cap (> 0).
+    pub is_cap: f64,
+    /// Texts longer than `max_seq_len`.
+    pub oversized_text: OversizedText,
+    /// `[trainer.simulated]`
+    pub simulated: SimTrainerConfig,
+}
+
+/// `[trainer.simulated]`
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SimTrainerConfig {
+    /// Whether the simulated trainer runs instead of the real one.
+    pub enabled: bool,
+    /// `c` in `c + d · tokens`, simulated seconds.
+    pub step_base_seconds: f64,
+    /// `d` in `c + d · tokens`, simulated seconds per token.
+    pub step_seconds_per_token: f64,
+}

@@ -1,0 +1,122 @@
+//! Phase two of `[trainer]` and `[trainer.simulated]`.
+
+use std::num::NonZeroU32;
+
+use sluice_core::config::check::{Ctx, choice, non_zero_u32, number, u32_incl_zero, u64_incl_zero};
+use sluice_core::config::{ConfigError, Device};
+
+use super::raw::{RawSimTrainer, RawTrainer};
+use super::typed::{LossKind, SimTrainerConfig, TrainerConfig};
+
+/// Optimizer updates per step when `trainer.minibatches` is unset: one for `ppo` and `tis`, and
+/// for `decoupled_ppo` [`DECOUPLED_MINIBATCHES`] (at most one per group). With a single update the
+/// decoupled objective's proximal policy is the current one, its ratio is always 1 and nothing is
+/// clipped: the trust region exists only for the updates after the first, which are clipped
+/// against the step's starting policy (AReaL's `ppo_n_minibatches`, 4 by default there too).
+pub fn default_minibatches(loss: LossKind, groups_per_step: NonZeroU32) -> NonZeroU32 {
+    match loss {
+        LossKind::DecoupledPpo => DECOUPLED_MINIBATCHES.min(groups_per_step),
+        LossKind::Ppo | LossKind::Tis => NonZeroU32::MIN,
+    }
+}
+
+/// `decoupled_ppo`'s optimizer updates per step unless the config says otherwise.
+pub const DECOUPLED_MINIBATCHES: NonZeroU32 = NonZeroU32::new(4).unwrap();
+
+fn validate_sim_trainer(
+    raw: RawSimTrainer,
+    simulated_engine: bool,
+    ctx: &Ctx<'_>,
+) -> Result<SimTrainerConfig, ConfigError> {
+    let seconds = |name: &str, v: f64| {
+        number(
+            ctx,
+            &format!("trainer.simulated.{name}"),
+            v,
+            "a number of seconds ≥ 0",
+            |v| v >= 0.0,
+        )
+    };
+    Ok(SimTrainerConfig {
+        enabled: raw.enabled.unwrap_or(simulated_engine),
+        step_base_seconds: seconds("step_base_seconds", raw.step_base_seconds)?,
+        step_seconds_per_token: seconds("step_seconds_per_token", raw.step_seconds_per_token)?,
+    })
+}
+
+/// Phase two of `[trainer]`; `device` is `trainer.device` resolved, `simulated_engine` says
+/// `engine.backend = "simulated"` (the default of `trainer.simulated.enabled`).
+pub fn validate_trainer(
+    raw: RawTrainer,
+    simulated_engine: bool,
+    device: Device,
+    ctx: &Ctx<'_>,
+) -> Result<TrainerConfig, ConfigError> {
+    Ok(TrainerConfig {
+        device,
+        simulated: validate_sim_trainer(raw.simulated, simulated_engine, ctx)?,
+        loss: choice(ctx, "trainer.loss", &raw.loss)?,
+        learning_rate: number(
+            ctx,
+            "trainer.learning_rate",
+            raw.learning_rate,
+            "a number > 0",
+            |v| v > 0.0,
+        )?,
+        lr_schedule: choice(ctx, "trainer.lr_schedule", &raw.lr_schedule)?,
+        warmup_steps: u64_incl_zero(ctx, "trainer.warmup_steps", raw.warmup_steps)?,
+        weight_decay: number(
+            ctx,
+            "trainer.weight_decay",
+            raw.weight_decay,
+            "a number ≥ 0",
+            |v| v >= 0.0,
+        )?,
+        max_grad_norm: number(
+            ctx,
+            "trainer.max_grad_norm",
+            raw.max_grad_norm,
+            "a number > 0",
+            |v| v > 0.0,
+        )?,
+        clip_low: number(
+            ctx,
+            "trainer.clip_low",
+            raw.clip_low,
+            "a number in [0, 1)",
+            |v| (0.0..1.0).contains(&v),
+        )?,
+        clip_high: number(
+            ctx,
+            "trainer.clip_high",
+            raw.clip_high,
+            "a number ≥ 0",
+            |v| v >= 0.0,
+        )?,
+        kl_coef: number(ctx, "trainer.kl_coef", raw.kl_coef, "a number ≥ 0", |v| {
+            v >= 0.0
+        })?,
+        micro_batch_size: non_zero_u32(ctx, "trainer.micro_batch_size", raw.micro_batch_size)?,
+        max_seq_len: non_zero_u32(ctx, "trainer.max_seq_len", raw.max_seq_len)?,
+        // Unset: resolved with `rollout.groups_per_step` by `default_minibatches`.
+        minibatches: non_zero_u32(ctx, "trainer.minibatches", raw.minibatches.unwrap_or(1))?,
+        threads: u32_incl_zero(ctx, "trainer.threads", raw.threads)?,
+        activation_checkpointing: raw.activation_checkpointing,
+        share_prompts: raw.share_prompts,
+        advantage: choice(ctx, "trainer.advantage", &raw.advantage)?,
+        normalize_advantage_std: raw.normalize_advantage_std,
+        gamma: number(ctx, "trainer.gamma", raw.gamma, "a number in (0, 1]", |v| {
+            v > 0.0 && v <= 1.0
+        })?,
+        only_keep_outcome: raw.only_keep_outcome,
+        pad_situations: raw.pad_situations,
+        drop_zero_signal_situations: raw.drop_zero_signal_situations,
+        loss_aggregation: choice(ctx, "trainer.loss_aggregation", &raw.loss_aggregation)?,
+        tis_level: choice(ctx, "trainer.tis_level", &raw.tis_level)?,
+        tis_mode: choice(ctx, "trainer.tis_mode", &raw.tis_mode)?,
+        is_cap: number(ctx, "trainer.is_cap", raw.is_cap, "a number > 0", |v| {
+            v > 0.0
+        })?,
+        oversized_text: choice(ctx, "trainer.oversized_text", &raw.oversized_text)?,
+    })
+}
