@@ -379,11 +379,14 @@ impl Actor for EnvWorker {
         let counters = self.counters.clone();
         let load = Arc::clone(&self.load);
         running.spawn(async move {
-            if let Some(result) = call(env.as_ref(), job).await {
+            let result = call(env.as_ref(), job).await;
+            // The call is over before its result is out: whoever reads the result then sees
+            // the load without it (the pool's routing, and `calls_in_progress`).
+            load.fetch_sub(1, Ordering::Relaxed);
+            if let Some(result) = result {
                 out(result);
                 counters.sent(1);
             }
-            load.fetch_sub(1, Ordering::Relaxed);
         });
         Ok(())
     }
