@@ -174,12 +174,14 @@ fn steps_per_second(out: &Path, skip: u64) -> anyhow::Result<(u64, f64, f64)> {
 fn one_process(dir: &Path, steps: u64) -> anyhow::Result<PathBuf> {
     let out = dir.join("one");
     let config = dir.join("one.toml");
+    // Its admin API on a free port, as the head's: the default one may be taken on this host.
+    let admin = format!("\n[admin]\nlisten = \"127.0.0.1:{}\"\n", free_port()?);
     std::fs::write(
         &config,
         job(&out, steps).replace(
             "[engine]\nreplicas = 2",
             "[engine]\nbackend = \"native\"\nreplicas = 2",
-        ),
+        ) + &admin,
     )?;
     Proc::start(&config, dir.join("one.log"))?.wait("the one-process run")?;
     Ok(out)
