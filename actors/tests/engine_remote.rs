@@ -5,7 +5,7 @@
 
 mod common;
 
-use std::io::Read;
+use std::io::{Read, Write};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -58,7 +58,8 @@ async fn serve(dir: &std::path::Path) -> (String, tokio::sync::oneshot::Sender<(
 }
 
 /// A server that takes one generation call and holds it until `kill` fires, then vanishes: the
-/// connection closes unanswered and the port refuses from then on.
+/// connection closes unanswered and the port refuses from then on. Before it, the replica reads
+/// the server's load once (`GET`), which this server does not report (404).
 fn doomed_server() -> (
     String,
     std::sync::mpsc::Receiver<()>,
@@ -69,12 +70,26 @@ fn doomed_server() -> (
     let (got_tx, got_rx) = std::sync::mpsc::channel();
     let (kill_tx, kill_rx) = std::sync::mpsc::channel::<()>();
     std::thread::spawn(move || {
-        let (mut conn, _) = listener.accept().unwrap();
         let mut buf = vec![0u8; 64 * 1024];
-        let n = conn.read(&mut buf).unwrap();
-        assert!(String::from_utf8_lossy(&buf[..n]).starts_with("POST /v1/completions"));
-        let _ = got_tx.send(());
-        let _ = kill_rx.recv();
+        for conn in listener.incoming() {
+            let mut conn = conn.unwrap();
+            loop {
+                let n = conn.read(&mut buf).unwrap_or(0);
+                if n == 0 {
+                    break; // the client closed this connection: take the next one
+                }
+                let head = String::from_utf8_lossy(&buf[..n]);
+                if head.starts_with("GET ") {
+                    let reply = b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n";
+                    conn.write_all(reply).unwrap();
+                    continue;
+                }
+                assert!(head.starts_with("POST /v1/completions"), "{head}");
+                let _ = got_tx.send(());
+                let _ = kill_rx.recv();
+                return;
+            }
+        }
     });
     (url, got_rx, kill_tx)
 }

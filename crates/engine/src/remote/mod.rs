@@ -23,8 +23,8 @@
 //! The replica's load is its server's: every second it reads `GET /get_weight_version`, and when
 //! the server reports `busy_seconds` and `waiting` (a `sluice serve` does; an SGLang/vLLM-style
 //! server may not, and then it is asked no more), [`InferenceBackend::stats`] carries them — the
-//! busy seconds counted from the replica's first reading — so the engine busy ratio of a head
-//! measures its engine nodes, not 0.
+//! busy seconds counted from the replica's first reading, which comes before the replica sends
+//! the server any work — so the engine busy ratio of a head measures its engine nodes, not 0.
 
 mod weights;
 mod wire;

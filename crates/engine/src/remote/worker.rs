@@ -39,6 +39,10 @@ pub(super) struct ServerLoad {
     pending: bool,
     /// The server does not report its load: it is not asked again.
     unsupported: bool,
+    /// The first reading is over, whatever it found. Until then requests wait, so that the
+    /// baseline holds none of this replica's work (a request that finished before the first
+    /// reading was answered would otherwise never count as busy time).
+    settled: bool,
 }
 
 /// What a reading of the server's load found.
@@ -159,6 +163,11 @@ impl Worker {
         }
         if !self.server.ready {
             self.waiting.push_back(request);
+            return;
+        }
+        if !self.load.settled {
+            self.waiting.push_back(request);
+            self.read_load(tasks); // nothing when a reading is under way
             return;
         }
         let partial = request.resume.clone().unwrap_or_default();
@@ -318,6 +327,8 @@ impl Worker {
         match done {
             Done::Load(reading) => {
                 self.load.pending = false;
+                let first = !self.load.settled;
+                self.load.settled = true;
                 match reading {
                     Reading::Unsupported => {
                         tracing::info!(url = %self.server.client.url(), "remote engine server does not report its load; its busy ratio stays 0");
@@ -333,6 +344,9 @@ impl Worker {
                         self.shared.busy_ms.store(ms, Ordering::Relaxed);
                         self.shared.waiting.store(waiting, Ordering::Relaxed);
                     }
+                }
+                if first {
+                    self.serve_waiting(tasks);
                 }
             }
             Done::Generate {
