@@ -98,6 +98,11 @@ pub fn fraction(ctx: &Ctx<'_>, key: &str, v: f64) -> Result<f64, ConfigError> {
     })
 }
 
+/// A number ≥ 0.
+pub fn non_negative(ctx: &Ctx<'_>, key: &str, v: f64) -> Result<f64, ConfigError> {
+    number(ctx, key, v, "a number ≥ 0", |v| v >= 0.0)
+}
+
 /// A duration in seconds, strictly positive.
 pub fn positive_seconds(ctx: &Ctx<'_>, key: &str, v: f64) -> Result<Duration, ConfigError> {
     let v = number(ctx, key, v, "a number of seconds > 0", |v| v > 0.0)?;

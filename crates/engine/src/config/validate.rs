@@ -2,7 +2,9 @@
 
 use std::time::Duration;
 
-use sluice_core::config::check::{Ctx, choice, non_zero_u32, number, u32_incl_zero, u64_incl_zero};
+use sluice_core::config::check::{
+    Ctx, choice, non_negative, non_zero_u32, number, u32_incl_zero, u64_incl_zero,
+};
 use sluice_core::config::{ConfigError, Device, LengthDistribution};
 
 use super::raw::{RawEngine, RawSimEngine};
@@ -114,13 +116,7 @@ fn validate_sim_engine(
                     "a number ≥ 1",
                     |v| v >= 1.0,
                 )?,
-                sigma: number(
-                    ctx,
-                    &format!("{key}.sigma"),
-                    d.sigma,
-                    "a number ≥ 0",
-                    |v| v >= 0.0,
-                )?,
+                sigma: non_negative(ctx, &format!("{key}.sigma"), d.sigma)?,
             },
             other => {
                 return Err(ctx.value(

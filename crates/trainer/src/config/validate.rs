@@ -2,7 +2,9 @@
 
 use std::num::NonZeroU32;
 
-use sluice_core::config::check::{Ctx, choice, non_zero_u32, number, u32_incl_zero, u64_incl_zero};
+use sluice_core::config::check::{
+    Ctx, choice, non_negative, non_zero_u32, number, u32_incl_zero, u64_incl_zero,
+};
 use sluice_core::config::{ConfigError, Device};
 
 use super::raw::{RawSimTrainer, RawTrainer};
@@ -65,13 +67,7 @@ pub fn validate_trainer(
         )?,
         lr_schedule: choice(ctx, "trainer.lr_schedule", &raw.lr_schedule)?,
         warmup_steps: u64_incl_zero(ctx, "trainer.warmup_steps", raw.warmup_steps)?,
-        weight_decay: number(
-            ctx,
-            "trainer.weight_decay",
-            raw.weight_decay,
-            "a number ≥ 0",
-            |v| v >= 0.0,
-        )?,
+        weight_decay: non_negative(ctx, "trainer.weight_decay", raw.weight_decay)?,
         max_grad_norm: number(
             ctx,
             "trainer.max_grad_norm",
@@ -86,16 +82,8 @@ pub fn validate_trainer(
             "a number in [0, 1)",
             |v| (0.0..1.0).contains(&v),
         )?,
-        clip_high: number(
-            ctx,
-            "trainer.clip_high",
-            raw.clip_high,
-            "a number ≥ 0",
-            |v| v >= 0.0,
-        )?,
-        kl_coef: number(ctx, "trainer.kl_coef", raw.kl_coef, "a number ≥ 0", |v| {
-            v >= 0.0
-        })?,
+        clip_high: non_negative(ctx, "trainer.clip_high", raw.clip_high)?,
+        kl_coef: non_negative(ctx, "trainer.kl_coef", raw.kl_coef)?,
         micro_batch_size: non_zero_u32(ctx, "trainer.micro_batch_size", raw.micro_batch_size)?,
         max_seq_len: non_zero_u32(ctx, "trainer.max_seq_len", raw.max_seq_len)?,
         // Unset: resolved with `rollout.groups_per_step` by `default_minibatches`.

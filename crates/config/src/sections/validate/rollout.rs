@@ -3,7 +3,9 @@
 use std::str::FromStr;
 
 use sluice_core::config::ConfigError;
-use sluice_core::config::check::{Ctx, non_zero_u32, number, u32_incl_zero, u64_incl_zero};
+use sluice_core::config::check::{
+    Ctx, non_negative, non_zero_u32, number, u32_incl_zero, u64_incl_zero,
+};
 use sluice_core::knobs::{AdmissionMode, Knobs, WeightUpdateMode};
 
 use crate::sections::raw::RawRollout;
@@ -19,13 +21,8 @@ pub fn validate_rollout(
     let group_size = non_zero_u32(ctx, "rollout.group_size", raw.group_size)?;
     let groups_per_step = non_zero_u32(ctx, "rollout.groups_per_step", raw.groups_per_step)?;
     let max_version_lag = u64_incl_zero(ctx, "rollout.max_version_lag", raw.max_version_lag)?;
-    let staleness_threshold = number(
-        ctx,
-        "rollout.staleness_threshold",
-        raw.staleness_threshold,
-        "a number ≥ 0",
-        |v| v >= 0.0,
-    )?;
+    let staleness_threshold =
+        non_negative(ctx, "rollout.staleness_threshold", raw.staleness_threshold)?;
     if staleness_threshold > sluice_core::knobs::MAX_STALENESS_THRESHOLD {
         return Err(ctx.value(
             "rollout.staleness_threshold",
@@ -118,13 +115,7 @@ pub fn validate_rollout(
             "rollout.max_prompt_tokens",
             raw.max_prompt_tokens,
         )?),
-        temperature: number(
-            ctx,
-            "rollout.temperature",
-            raw.temperature,
-            "a number ≥ 0",
-            |v| v >= 0.0,
-        )?,
+        temperature: non_negative(ctx, "rollout.temperature", raw.temperature)?,
         top_p: number(ctx, "rollout.top_p", raw.top_p, "a number in (0, 1]", |v| {
             v > 0.0 && v <= 1.0
         })?,
