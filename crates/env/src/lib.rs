@@ -11,7 +11,7 @@
 //! | [`configured`] | the run's tasks as its config sets them up: per-domain rubrics and env servers |
 //! | [`reward_fns`] | reward functions every task offers a rubric from config: `env`, `env.<name>`, `length` (group) |
 //! | [`task`] | [`Task`] = datasets + env + rubric + system prompt; [`TaskRegistry`] |
-//! | [`tasks`] | built-in tasks: `arithmetic`, `sum_digits`, `calculator_tool`, `episodic` |
+//! | [`tasks`] | built-in tasks: `arithmetic`, `sum_digits`, `calculator_tool`, `stock_tool`, `episodic` |
 //! | [`datasets`] | `[data] datasets` → rows: JSONL under `data_dir`, or a built-in task's generator |
 //! | [`discount`] | episode-aware discounting of outcome rewards (seed 001) |
 //! | [`stats`] | running outcome EMA and balance fractions (seed 001) |

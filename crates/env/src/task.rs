@@ -253,7 +253,7 @@ impl TaskRegistry {
     }
 
     /// A registry holding the built-in tasks (`arithmetic`, `sum_digits`, `calculator_tool`,
-    /// `episodic`).
+    /// `stock_tool`, `episodic`, and `python_code` on Linux).
     pub fn builtin() -> Self {
         let mut r = Self::new();
         for task in crate::tasks::builtin_tasks() {

@@ -24,6 +24,7 @@ fn registry_holds_the_builtins_and_refuses_duplicates() {
             "calculator_tool",
             "episodic",
             "python_code",
+            "stock_tool",
             "sum_digits"
         ]
     );

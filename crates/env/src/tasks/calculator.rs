@@ -4,23 +4,23 @@
 //! evaluates it and replies with a tool message, and the episode ends at the first reply without a
 //! tool call, which must carry `[ANSWER] n`. At most [`MAX_TOOL_CALLS`] calls are answered.
 //!
-//! Situation labels per stage: `tool_call` (a call was answered), `tool_error` (unknown tool, bad
-//! arguments, bad expression), `answer` (final reply), `tool_budget` (too many calls; episode
-//! ends). Rewards: `correct` on the final answer (weight 1), `format` (weight 0.1). The env also
+//! Situation labels per stage are the tool episode's ([`super::tool_env`]): `tool_call`,
+//! `tool_error` (unknown tool, bad arguments, bad expression), `answer`, `tool_budget`. Rewards: `correct` on the final answer (weight 1), `format` (weight 0.1). The env also
 //! reports the named component `copied` on the episode's first `calc` call: the share of the
 //! asked expression's tokens (numbers, operators, parentheses) the call reproduces in place. The
 //! task's own rubric leaves it out; a config may weight it (`env.copied`) to reward a small
 //! model for copying the expression before it can ever reach a correct answer.
 
-use serde_json::{Value, json};
+use serde_json::json;
 use sluice_core::message::FunctionSpec;
-use sluice_core::{DataSample, Message, ToolSpec};
+use sluice_core::{DataSample, ToolSpec};
 use sluice_data::rng::Rng;
 
 use crate::error::EnvError;
-use crate::protocol::{BoxFuture, EnvInit, EnvStep, MessageEnv};
+use crate::protocol::MessageEnv;
 use crate::rubric::ScoreInput;
 use crate::task::{DataGenerator, Task};
+use crate::tasks::tool_env::{ToolEnv, Toolbox, call_text, string_argument};
 use crate::tasks::{
     answer_matches, answer_rubric, draw, field, has_answer, parse_answer_tag, train_eval_specs,
 };
@@ -28,8 +28,7 @@ use crate::tasks::{
 /// Registered name.
 pub const NAME: &str = "calculator_tool";
 
-/// Tool calls answered per episode.
-pub const MAX_TOOL_CALLS: u32 = 4;
+pub use super::tool_env::MAX_TOOL_CALLS;
 
 /// System prompt of the task.
 pub const SYSTEM_PROMPT: &str = "You can use the calc tool. End with `[ANSWER] <number>`.";
@@ -193,33 +192,26 @@ impl DataGenerator for Generator {
     }
 }
 
-/// The env of one episode.
+/// The `calc` tool of one episode asking for `expression`.
 #[derive(Debug)]
-pub struct CalculatorEnv {
+struct Calc {
     expression: String,
-    calls: u32,
 }
 
-impl CalculatorEnv {
-    /// An episode asking for `expression`.
-    pub fn new(expression: impl Into<String>) -> Self {
-        Self {
-            expression: expression.into(),
-            calls: 0,
-        }
+impl Toolbox for Calc {
+    fn specs(&self) -> Vec<ToolSpec> {
+        vec![calc_tool()]
     }
 
-    fn answer_call(&self, name: &str, arguments: &str) -> Result<String, String> {
+    fn call(&self, name: &str, arguments: &str) -> Result<String, String> {
         if name != "calc" {
             return Err(format!("unknown tool `{name}`; the only tool is `calc`"));
         }
-        let args: Value =
-            serde_json::from_str(arguments).map_err(|e| format!("arguments are not JSON: {e}"))?;
-        let expr = args
-            .get("expression")
-            .and_then(Value::as_str)
-            .ok_or("missing string argument `expression`")?;
-        evaluate(expr).map(|v| v.to_string())
+        evaluate(&string_argument(arguments, "expression")?).map(|v| v.to_string())
+    }
+
+    fn first_call_components(&self, arguments: &str) -> Vec<(&'static str, f64)> {
+        vec![("copied", self.copied(arguments))]
     }
 }
 
@@ -240,69 +232,15 @@ fn expression_tokens(expr: &str) -> Vec<&str> {
     out
 }
 
-impl CalculatorEnv {
+impl Calc {
     /// The share of the asked expression's tokens that a call's `arguments` reproduce at the
     /// same place (0 when they are not JSON with a string `expression`).
     fn copied(&self, arguments: &str) -> f64 {
-        let called = serde_json::from_str::<Value>(arguments)
-            .ok()
-            .and_then(|v| v.get("expression")?.as_str().map(str::to_owned))
-            .unwrap_or_default();
+        let called = string_argument(arguments, "expression").unwrap_or_default();
         let want = expression_tokens(&self.expression);
         let got = expression_tokens(&called);
         let same = want.iter().zip(&got).filter(|(a, b)| a == b).count();
         same as f64 / want.len().max(got.len()).max(1) as f64
-    }
-}
-
-impl MessageEnv for CalculatorEnv {
-    fn init(&mut self) -> BoxFuture<'_, Result<EnvInit, EnvError>> {
-        let prompt = format!("Compute {}.", self.expression);
-        Box::pin(async move {
-            Ok(EnvInit {
-                messages: vec![Message::user(prompt)],
-                tools: vec![calc_tool()],
-            })
-        })
-    }
-
-    fn step(&mut self, assistant: Message) -> BoxFuture<'_, Result<EnvStep, EnvError>> {
-        Box::pin(async move {
-            if assistant.tool_calls.is_empty() {
-                return Ok(EnvStep::done().with_situation("answer"));
-            }
-            let first_call = self.calls == 0;
-            let mut replies = Vec::new();
-            let mut any_error = false;
-            for call in &assistant.tool_calls {
-                if self.calls >= MAX_TOOL_CALLS {
-                    return Ok(EnvStep {
-                        messages: replies,
-                        done: true,
-                        ..EnvStep::default()
-                    }
-                    .with_situation("tool_budget"));
-                }
-                self.calls += 1;
-                let text = match self.answer_call(&call.function.name, &call.function.arguments) {
-                    Ok(v) => v,
-                    Err(e) => {
-                        any_error = true;
-                        format!("error: {e}")
-                    }
-                };
-                let mut reply = Message::tool(call.id.clone(), text);
-                reply.name = Some(call.function.name.clone());
-                replies.push(reply);
-            }
-            let situation = if any_error { "tool_error" } else { "tool_call" };
-            let mut step = EnvStep::reply(replies).with_situation(situation);
-            if first_call {
-                let asked = assistant.tool_calls[0].function.arguments.as_str();
-                step = step.with_component("copied", self.copied(asked));
-            }
-            Ok(step)
-        })
     }
 }
 
@@ -312,8 +250,7 @@ fn reference(sample: &DataSample, turn: u32) -> Option<String> {
     match turn {
         0 => {
             let expression: String = field(sample, "expression").ok()?;
-            let call = json!({"name": "calc", "arguments": {"expression": expression}});
-            Some(format!("<tool_call>{call}</tool_call>"))
+            Some(call_text("calc", json!({ "expression": expression })))
         }
         1 => Some(format!("[ANSWER] {}", field::<i64>(sample, "answer").ok()?)),
         _ => None,
@@ -322,7 +259,10 @@ fn reference(sample: &DataSample, turn: u32) -> Option<String> {
 
 fn env(sample: &DataSample) -> Result<Box<dyn MessageEnv>, EnvError> {
     let expression: String = field(sample, "expression")?;
-    Ok(Box::new(CalculatorEnv::new(expression)))
+    Ok(Box::new(ToolEnv::new(
+        format!("Compute {expression}."),
+        Calc { expression },
+    )))
 }
 
 fn correct(input: &ScoreInput) -> f64 {
@@ -354,11 +294,15 @@ pub fn task() -> Task {
 
 #[cfg(test)]
 mod tests {
+    use sluice_core::Message;
+
     use super::*;
 
     #[test]
     fn copied_is_the_share_of_the_expression_reproduced_in_place() {
-        let env = CalculatorEnv::new("(37 * 12) - 5");
+        let env = Calc {
+            expression: "(37 * 12) - 5".into(),
+        };
         let args = |e: &str| json!({ "expression": e }).to_string();
         assert_eq!(env.copied(&args("(37 * 12) - 5")), 1.0);
         assert_eq!(env.copied(&args("(37*12)-5")), 1.0);
@@ -407,7 +351,12 @@ mod tests {
     /// Now the model gets a tool error and the episode goes on.
     #[tokio::test]
     async fn a_deeply_nested_tool_call_answers_a_tool_error() {
-        let mut env = CalculatorEnv::new("1 + 1");
+        let mut env = ToolEnv::new(
+            "Compute 1 + 1.",
+            Calc {
+                expression: "1 + 1".into(),
+            },
+        );
         env.init().await.unwrap();
         let expression = format!("{}1{}", "(".repeat(10_000), ")".repeat(10_000));
         let mut assistant = Message::assistant("");

@@ -6,6 +6,7 @@
 //! | [`arithmetic`] | one turn: `7+5=` | exact match of the number (+ format) |
 //! | [`sum_digits`] | one turn, answer as `[ANSWER] n` | exact match (+ format) |
 //! | [`calculator`] (`calculator_tool`) | multi-turn, may call `calc` via `<tool_call>` | final answer |
+//! | [`stock`] (`stock_tool`) | multi-turn, must call `stock` for a count the prompt never shows | final answer |
 //! | [`python_code`] | one turn: a Python program, run in the [`crate::sandbox`] | its output matches |
 //! | [`episodic`] | multi-step walk, actions in `<|action_start|>…<|action_end|>` | outcome, discounted by γ |
 
@@ -14,7 +15,9 @@ pub mod calculator;
 pub mod episodic;
 #[cfg(target_os = "linux")]
 pub mod python_code;
+pub mod stock;
 pub mod sum_digits;
+pub mod tool_env;
 
 use serde::de::DeserializeOwned;
 use serde_json::Value;
@@ -32,6 +35,7 @@ pub fn builtin_tasks() -> Vec<Task> {
         arithmetic::task(),
         sum_digits::task(),
         calculator::task(),
+        stock::task(),
         episodic::task(),
         #[cfg(target_os = "linux")]
         python_code::task(),
