@@ -1,7 +1,7 @@
 //! `episodic`: a multi-step walk on the number line (seed 001's multi-turn env with action
 //! parsing). The model starts at `start` and must stop exactly on `target`; every turn it writes
 //! one action between `<|action_start|>` and `<|action_end|>`: `inc()`, `dec()` or `done()`. The
-//! env replies with the new position. The episode ends at `done()` (outcome reward 1 on target,
+//! env replies with the new position and restates the target. The episode ends at `done()` (outcome reward 1 on target,
 //! else 0) or after `max_steps` actions (reward 0). The outcome is discounted backwards with
 //! `gamma` (step i of n gets `gamma^(n−1−i) · R`; [`EpisodeDiscount`]).
 //!
@@ -95,13 +95,26 @@ impl WalkEnv {
     }
 }
 
+impl WalkEnv {
+    /// What the walker is told each turn: where it is and where to stop. The goal is restated
+    /// with every position (as goal-conditioned envs do), so each decision reads one message.
+    fn observation(&self) -> String {
+        format!(
+            "You are at {}. Stop exactly at {}.",
+            self.position, self.target
+        )
+    }
+}
+
 impl MessageEnv for WalkEnv {
     fn init(&mut self) -> BoxFuture<'_, Result<EnvInit, EnvError>> {
+        // The instructions first, the observation last: the first decision then reads the
+        // position and target at the same distance as every later one.
         let prompt = format!(
-            "You are at {}. Stop exactly at {}. Each turn write one action: \
+            "Each turn write one action: \
              {ACTION_START}inc(){ACTION_END}, {ACTION_START}dec(){ACTION_END} or \
-             {ACTION_START}done(){ACTION_END}.",
-            self.position, self.target
+             {ACTION_START}done(){ACTION_END}. {}",
+            self.observation()
         );
         Box::pin(async move {
             Ok(EnvInit {
@@ -122,16 +135,13 @@ impl MessageEnv for WalkEnv {
                 }
                 Some(Action::Inc) => {
                     self.position += 1;
-                    (format!("You are at {}.", self.position), "move")
+                    (self.observation(), "move")
                 }
                 Some(Action::Dec) => {
                     self.position -= 1;
-                    (format!("You are at {}.", self.position), "move")
+                    (self.observation(), "move")
                 }
-                None => (
-                    format!("Invalid action. You are at {}.", self.position),
-                    "invalid",
-                ),
+                None => (format!("Invalid action. {}", self.observation()), "invalid"),
             };
             if self.steps >= self.max_steps {
                 return Ok(EnvStep::done()
@@ -219,5 +229,29 @@ mod tests {
         assert_eq!(parse_action("<|action_start|>jump()<|action_end|>"), None);
         assert_eq!(parse_action("<|action_start|>inc()"), None);
         assert_eq!(parse_action("inc()"), None);
+    }
+
+    /// Every observation restates the target, so a turn's decision needs only its own message.
+    #[tokio::test]
+    async fn every_observation_restates_the_target() {
+        let mut env = WalkEnv::new(3, 5, 4);
+        let init = env.init().await.unwrap();
+        let prompt = init.messages[0].content.clone().unwrap();
+        assert!(
+            prompt.ends_with(". You are at 3. Stop exactly at 5."),
+            "{prompt}"
+        );
+        let act = |a: &str| Message::assistant(format!("{ACTION_START}{a}{ACTION_END}"));
+        let step = env.step(act("inc()")).await.unwrap();
+        assert_eq!(
+            step.messages[0].content.as_deref(),
+            Some("You are at 4. Stop exactly at 5.")
+        );
+        let step = env.step(Message::assistant("hmm")).await.unwrap();
+        assert_eq!(step.situation.as_deref(), Some("invalid"));
+        assert_eq!(
+            step.messages[0].content.as_deref(),
+            Some("Invalid action. You are at 4. Stop exactly at 5.")
+        );
     }
 }

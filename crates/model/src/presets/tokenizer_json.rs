@@ -1,8 +1,9 @@
 //! The presets' character-level tokenizer in HF `tokenizer.json` format.
 //!
 //! A BPE model with no merges: every character of the vocabulary is one token, anything else
-//! maps to `<unk>`. Special tokens follow ChatML; `<think>` and `<tool_call>` tags are added
-//! tokens that are not "special", so decoding keeps them (as Qwen's tokenizer does).
+//! maps to `<unk>`. Special tokens follow ChatML; `<think>`, `<tool_call>` and the
+//! `<|action_start|>` / `<|action_end|>` tags are added tokens that are not "special", so decoding
+//! keeps them (as Qwen's and InternLM2's tokenizers do).
 //!
 //! The pipeline is Qwen2's own (NFC, the Qwen2 split regex, byte-level mapping, byte-level
 //! decoder), with the vocabulary written in the byte-level alphabet (space is `Ġ`, newline `Ċ`;
@@ -34,6 +35,9 @@ pub const SPECIAL_TOKENS: &[(&str, bool)] = &[
     ("</think>", false),
     ("<tool_call>", false),
     ("</tool_call>", false),
+    // InternLM2's agent tags (seed 001's action format), one token each as in its tokenizer.
+    ("<|action_start|>", false),
+    ("<|action_end|>", false),
 ];
 
 const UNK: &str = "<unk>";
@@ -168,6 +172,6 @@ mod tests {
         assert_eq!(special_id(2), IM_END_ID);
         assert_eq!(SPECIAL_TOKENS[0].0, "<|endoftext|>");
         assert_eq!(SPECIAL_TOKENS[2].0, "<|im_end|>");
-        assert_eq!(vocab_size(), 104);
+        assert_eq!(vocab_size(), 106);
     }
 }
