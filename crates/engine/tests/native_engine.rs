@@ -291,11 +291,19 @@ fn in_flight_swap_keeps_going_on_the_new_weights() {
     assert_eq!(v[10..], [1; 20]);
     replay_greedy(&prompt(1), &done.output, &old, &new);
     // Random tiny weights often repeat one token greedily; the log-probabilities tell the
-    // weights apart: equal to the old-only run before the swap, different after.
-    for i in 0..30 {
-        let gap = (done.output.logprobs[i] - old_only.output.logprobs[i]).abs();
-        assert_eq!(gap > 1e-3, i >= 10, "token {i}: gap {gap}");
-    }
+    // weights apart: equal to the old-only run before the swap, different after. (The replay
+    // above pins every token to its own weights; here, two random weight sets may give one
+    // token the same log-probability to within 1e-3 by chance, as token 15 once did: so
+    // most, not all, of the tokens after the swap must differ.)
+    let gaps: Vec<f32> = (0..30)
+        .map(|i| (done.output.logprobs[i] - old_only.output.logprobs[i]).abs())
+        .collect();
+    assert!(gaps[..10].iter().all(|&g| g <= 1e-3), "{gaps:?}");
+    let differ = gaps[10..].iter().filter(|&&g| g > 1e-3).count();
+    assert!(
+        differ >= 15,
+        "{differ} of 20 tokens differ after the swap: {gaps:?}"
+    );
     let (version, pause, mode) = h.updates.recv_timeout(Duration::from_secs(5)).unwrap();
     assert_eq!(
         (version, mode),
