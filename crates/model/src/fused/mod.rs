@@ -102,6 +102,21 @@ real!(f64, |xs: &mut [f64]| xs
     .iter_mut()
     .for_each(|x| *x = x.exp()));
 
+/// Whether this CPU has AVX2 and FMA, for kernels that compile a second copy of their loops for
+/// them (the crate itself targets baseline x86-64, SSE2). Checked once.
+pub(crate) fn avx2_fma() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static OK: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *OK.get_or_init(|| {
+            std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
 /// `e^x` in place: `x = n ln2 + r` with `|r| ≤ ln2/2`, `e^r` by Cephes' `expf` polynomial,
 /// `2^n` built in the exponent bits. Branch-free (selects only), so it vectorises; below
 /// −87.3 (where f32 underflows) the result is 0, as `expf`'s is there up to denormals.

@@ -1,8 +1,6 @@
 //! The attention's per-task kernels: one (row, kv head) pair's forward and backward over blocks of
 //! queries, in plain loops the compiler vectorises, with AVX2 + FMA bodies chosen at run time.
 
-use std::sync::OnceLock;
-
 use super::super::{Dst, Mat, Real};
 use super::{Attention, AttentionHeads};
 
@@ -359,23 +357,10 @@ mod wide {
     }
 }
 
-fn wide_ok() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        static OK: OnceLock<bool> = OnceLock::new();
-        *OK.get_or_init(|| {
-            std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("fma")
-        })
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    false
-}
-
 #[allow(unsafe_code)]
 pub(super) fn run_forward<T: Real>(t: &Task<'_, T>) -> (Vec<T>, Vec<T>) {
     #[cfg(target_arch = "x86_64")]
-    if wide_ok() {
+    if crate::fused::avx2_fma() {
         // SAFETY: the CPU has AVX2 and FMA (checked at run time just above).
         return unsafe { wide::forward(t) };
     }
@@ -385,7 +370,7 @@ pub(super) fn run_forward<T: Real>(t: &Task<'_, T>) -> (Vec<T>, Vec<T>) {
 #[allow(unsafe_code)]
 pub(super) fn run_backward<T: Real>(t: &Task<'_, T>, ins: [&[T]; 3]) -> Block<T> {
     #[cfg(target_arch = "x86_64")]
-    if wide_ok() {
+    if crate::fused::avx2_fma() {
         // SAFETY: the CPU has AVX2 and FMA (checked at run time just above).
         return unsafe { wide::backward(t, ins) };
     }
