@@ -9,7 +9,7 @@
 //! | `POST /v1/pause` | yes | sets the `paused` knob (admission stops, in-flight work goes on) |
 //! | `POST /v1/resume` | yes | clears the `paused` knob |
 //! | `POST /v1/checkpoint` | yes | writes a checkpoint now; answers `{"checkpoint": manifest}` (409 without a checkpoint directory) |
-//! | `POST /v1/replay/clear` | yes | throws away the groups at rest in the replay store; 409 while the run trains unless forced ([`replay`]) |
+//! | `POST /v1/replay/clear` | yes | throws away the groups at rest in the replay store; 409 while the run trains unless forced (`replay`) |
 //! | `/v1/nodes…`, `GET /v1/weights/{version}` | see [`crate::cluster::routes`] | a head's members and the weights they fetch |
 //!
 //! "Token" means `Authorization: Bearer <token>` when `admin.token` is configured (the config
@@ -20,7 +20,7 @@
 //! names an unknown knob or a refused value, 413 for a body over [`MAX_BODY_BYTES`], 415 for a
 //! body that is not `application/json`, 404 for an unknown route, 405 for a wrong method.
 //!
-//! New routes go in [`routes`] so they get the error fallbacks and the body limit.
+//! New routes go in `routes` so they get the error fallbacks and the body limit.
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};

@@ -15,7 +15,7 @@
 //!
 //! The last row is deliberate: those actors hold the run's accounting, and the replay store on
 //! disk is the one place it survives. Every actor is linked to the node's supervisor actor
-//! ([`supervisor`]), whose supervision handler applies that row; [`Node::failure`] reports which
+//! (`supervisor`), whose supervision handler applies that row; [`Node::failure`] reports which
 //! actor ended first.
 //!
 //! Checkpoints, restore at start and the graceful stop live in [`crate::supervise_node`].

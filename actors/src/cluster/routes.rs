@@ -3,7 +3,7 @@
 //! | route | token | what |
 //! |---|---|---|
 //! | `GET /v1/nodes` | – | every member ([`NodeView`]) |
-//! | `POST /v1/nodes` | yes | join: a [`JoinRequest`]; answers a [`JoinReply`] |
+//! | `POST /v1/nodes` | yes | join: a [`JoinRequest`]; answers a [`JoinReply`](super::registry::JoinReply) |
 //! | `POST /v1/nodes/{name}/heartbeat` | yes | a [`Heartbeat`]; 404 when not a member (join again) |
 //! | `POST /v1/nodes/{name}/leave` | yes | `{"incarnation": n}`: a clean leave |
 //! | `GET /v1/weights/{version}` | yes | the version's `model.safetensors`, streamed, CRC-32 in `x-sluice-crc32` |

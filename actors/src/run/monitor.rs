@@ -58,7 +58,7 @@ pub struct Progress<'a> {
     pub reward_smoothed: Option<f64>,
     /// Mean version lag of the last step's tokens.
     pub version_lag_mean: f64,
-    /// Generated tokens/s over the last [`RATE_WINDOW`].
+    /// Generated tokens/s over the last `RATE_WINDOW` (10 s).
     pub tokens_per_s: f64,
     /// (held-out, training-probe) accuracy at the last evaluation.
     pub accuracy: (f64, f64),

@@ -283,7 +283,7 @@ catalog! {
     NODE_CHECKPOINT_VERSION = "sluice_node_checkpoint_version", Gauge, [], NONE,
         "Policy version of the newest checkpoint on disk.";
     NODE_INJECTED_FAILURES = "sluice_node_injected_failures_total", Counter, [], NONE,
-        "Faults injected by the [faults] config (engine crash or hang, trainer error; the log names each).";
+        "Faults injected by the `[faults]` config (engine crash or hang, trainer error; the log names each).";
 }
 
 /// Looks a metric up by name.

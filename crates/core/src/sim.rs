@@ -9,7 +9,7 @@ use std::time::Duration;
 const MAX_REAL_STEP_SECONDS: f64 = 1e7;
 
 /// The real duration of `seconds` (scaled simulated time): clamped to
-/// [`MAX_REAL_STEP_SECONDS`], zero for a negative or NaN value.
+/// `MAX_REAL_STEP_SECONDS` (10⁷ s), zero for a negative or NaN value.
 pub fn real_duration(seconds: f64) -> Duration {
     if seconds.is_nan() {
         return Duration::ZERO;

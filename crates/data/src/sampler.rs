@@ -16,7 +16,7 @@
 //! datasets: plain concatenation).
 //!
 //! Where rows come from is the [`DomainRows`]' business: shuffled dataset rows
-//! ([`DatasetRows`](crate::rows::DatasetRows), which makes [`DomainSampler`]) or rows made on
+//! ([`crate::rows::DatasetRows`], which makes [`DomainSampler`]) or rows made on
 //! demand ([`GeneratorRows`](crate::rows::GeneratorRows), e.g. synthetic samples for simulated
 //! runs). The checkpoint ([`SamplerState`]) holds the domain-choice RNG, the counters and the
 //! row source's own state, and restores exactly.

@@ -19,7 +19,7 @@
 //! | [`chat`] | [`ChatTemplate`] rendering as transformers does, [`CompletionParser`] for reasoning and tool calls |
 //! | [`threads`] | [`ComputePool`]: the threads a role's model work runs on; the process-wide thread environment |
 //! | [`presets`] | `tiny` / `small` directories: config, seeded weights, char tokenizer, ChatML template |
-//! | [`device`] | [`device()`]: a config's `cpu` / `cuda:N` as a candle device; CUDA's libraries loaded on demand |
+//! | [`device`](mod@device) | [`device()`]: a config's `cpu` / `cuda:N` as a candle device; CUDA's libraries loaded on demand |
 //! | [`error`] | [`ModelError`] with stable `kind()` names |
 //! | [`section`] | the `[model]` section of the run config and the [`ModelPreset`](section::ModelPreset)s |
 //!

@@ -2,12 +2,12 @@
 //! thread.
 //!
 //! [`NativeEngine`] is the handle: every call enqueues a command on a bounded crossbeam channel
-//! and returns. The compute thread ([`worker`]) applies commands between two steps (so weight
+//! and returns. The compute thread (`worker`) applies commands between two steps (so weight
 //! swaps, aborts and pauses take effect at a step boundary), admits waiting requests up to
 //! `max_running_sequences`, and runs one model step over every running sequence: waiting prompt
 //! tokens (chunked to the `max_step_tokens` budget) and one decode token per generating
 //! sequence, in a single ragged batch. The behaviour log-probability definition is in
-//! [`sampler`]; stop conditions in [`stop`].
+//! `sampler`; stop conditions in `stop`.
 //!
 //! Beyond the [`InferenceBackend`] trait, [`NativeEngine::submit_native`] takes a
 //! [`NativeRequest`] with what the OpenAI server needs: stop strings, alternatives per token,
@@ -185,7 +185,7 @@ pub struct PromptLogprob {
 pub struct TokenStep {
     /// The token.
     pub token: u32,
-    /// Its behaviour log-probability (see [`sampler`]).
+    /// Its behaviour log-probability (see the `sampler` module).
     pub logprob: f32,
     /// The version of the weights that produced it.
     pub version: PolicyVersion,

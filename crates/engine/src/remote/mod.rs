@@ -16,7 +16,7 @@
 //! never generates tokens tagged with the run's version; requests that arrive meanwhile wait. A
 //! server that fails a call (connection refused or reset, no answer within `request_timeout`, a
 //! 5xx, a failed install) is down for good: its requests, and any sent to it later, finish as
-//! [`FinishReason::Abort`] with the partial they came with (their rollouts go back to the aborted
+//! [`FinishReason::Abort`](crate::backend::FinishReason::Abort) with the partial they came with (their rollouts go back to the aborted
 //! bucket), and [`InferenceBackend::is_alive`] turns false, so the engine actor fails the replica
 //! and rebuilds it after its backoff, which installs the newest weights again.
 //!

@@ -2,7 +2,7 @@
 //! `tools`), the reply parsed back into content, reasoning and `tool_calls`; `logprobs` /
 //! `top_logprobs`; SSE `stream`, where reasoning, content and tool calls (header, then argument
 //! fragments) stream as they are generated and reassemble to the non-streamed reply
-//! ([`super::reply_stream`]).
+//! (`reply_stream`).
 
 use std::sync::Arc;
 

@@ -1,5 +1,5 @@
 //! `python_code`: the model answers with a Python program; the env runs it in the
-//! [`sandbox`](crate::sandbox) (`python3 -I`, no network, CPU/memory/process/time limits) and
+//! sandbox ([`crate::sandbox`]: `python3 -I`, no network, CPU/memory/process/time limits) and
 //! checks what it prints. One turn.
 //!
 //! A sample is `{"problem": "…", "expected_output": "…"}`; the generator asks for sums, products

@@ -1,6 +1,6 @@
 //! The episode the tool tasks share: one user question, then turns that either call tools (each
 //! call answered by a tool message) or answer, ending at the first reply without a call. A task
-//! supplies its [`Toolbox`]: the tools it declares and how a call is answered.
+//! supplies its `Toolbox`: the tools it declares and how a call is answered.
 //!
 //! Situation labels per stage: `tool_call` (every call of the turn was answered), `tool_error`
 //! (unknown tool, bad arguments, a failed call: the tool answers the error text), `answer` (the
