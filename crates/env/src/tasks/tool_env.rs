@@ -2,7 +2,7 @@
 //! call answered by a tool message) or answer, ending at the first reply without a call. A task
 //! supplies its `Toolbox`: the tools it declares and how a call is answered.
 //!
-//! Situation labels per stage: `tool_call` (every call of the turn was answered), `tool_error`
+//! Situation labels per stage: `tool_call` (every call of the turn succeeded), `tool_error`
 //! (unknown tool, bad arguments, a failed call: the tool answers the error text), `answer` (the
 //! final reply), `tool_budget` (more calls than [`MAX_TOOL_CALLS`]; the episode ends).
 
