@@ -24,12 +24,9 @@ use sluice_data::rng::Rng;
 
 use crate::error::EnvError;
 use crate::protocol::MessageEnv;
-use crate::rubric::ScoreInput;
 use crate::task::{DataGenerator, Task};
-use crate::tasks::tool_env::{ToolEnv, Toolbox, call_text, string_argument};
-use crate::tasks::{
-    answer_matches, answer_rubric, draw, field, has_answer, parse_answer_tag, train_eval_specs,
-};
+use crate::tasks::tool_env::{ToolEnv, Toolbox, answer_tag_rubric, call_text, string_argument};
+use crate::tasks::{draw, field, train_eval_specs};
 
 /// Registered name.
 pub const NAME: &str = "stock_tool";
@@ -132,27 +129,9 @@ fn env(sample: &DataSample) -> Result<Box<dyn MessageEnv>, EnvError> {
     )))
 }
 
-fn correct(input: &ScoreInput) -> f64 {
-    let ended_on_answer = input
-        .rollout
-        .turns
-        .last()
-        .and_then(|t| t.situation.as_deref())
-        == Some("answer");
-    if ended_on_answer {
-        answer_matches(input, parse_answer_tag)
-    } else {
-        0.0
-    }
-}
-
-fn format(input: &ScoreInput) -> f64 {
-    has_answer(input, parse_answer_tag)
-}
-
 /// The task.
 pub fn task() -> Task {
-    Task::new(NAME, env, answer_rubric(correct, format, Some(0.0)))
+    Task::new(NAME, env, answer_tag_rubric())
         .with_system_prompt(SYSTEM_PROMPT)
         .with_datasets(train_eval_specs("tools", NAME))
         .with_reference(reference)

@@ -10,6 +10,8 @@ use sluice_core::{Message, ToolSpec};
 
 use crate::error::EnvError;
 use crate::protocol::{BoxFuture, EnvInit, EnvStep, MessageEnv};
+use crate::rubric::{Rubric, ScoreInput};
+use crate::tasks::{answer_matches, answer_rubric, has_answer, parse_answer_tag};
 
 /// Tool calls answered per episode.
 pub const MAX_TOOL_CALLS: u32 = 4;
@@ -116,4 +118,29 @@ pub(crate) fn string_argument(arguments: &str, key: &str) -> Result<String, Stri
 pub(crate) fn call_text(name: &str, arguments: serde_json::Value) -> String {
     let call = serde_json::json!({"name": name, "arguments": arguments});
     format!("<tool_call>{call}</tool_call>")
+}
+
+/// The tool tasks' rubric: `correct` when the episode ended on an answer (not a call or the call
+/// budget) whose `[ANSWER] n` is the sample's `answer` (weight 1), `format` when the final reply
+/// has an `[ANSWER]` tag (0.1); a truncated episode scores 0.
+pub(crate) fn answer_tag_rubric() -> Rubric {
+    answer_rubric(correct, format, Some(0.0))
+}
+
+fn correct(input: &ScoreInput) -> f64 {
+    let ended_on_answer = input
+        .rollout
+        .turns
+        .last()
+        .and_then(|t| t.situation.as_deref())
+        == Some("answer");
+    if ended_on_answer {
+        answer_matches(input, parse_answer_tag)
+    } else {
+        0.0
+    }
+}
+
+fn format(input: &ScoreInput) -> f64 {
+    has_answer(input, parse_answer_tag)
 }
