@@ -98,6 +98,11 @@ pub fn fraction(ctx: &Ctx<'_>, key: &str, v: f64) -> Result<f64, ConfigError> {
     })
 }
 
+/// A number > 0.
+pub fn positive(ctx: &Ctx<'_>, key: &str, v: f64) -> Result<f64, ConfigError> {
+    number(ctx, key, v, "a number > 0", |v| v > 0.0)
+}
+
 /// A number ≥ 0.
 pub fn non_negative(ctx: &Ctx<'_>, key: &str, v: f64) -> Result<f64, ConfigError> {
     number(ctx, key, v, "a number ≥ 0", |v| v >= 0.0)

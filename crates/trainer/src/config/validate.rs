@@ -3,7 +3,7 @@
 use std::num::NonZeroU32;
 
 use sluice_core::config::check::{
-    Ctx, choice, non_negative, non_zero_u32, number, u32_incl_zero, u64_incl_zero,
+    Ctx, choice, non_negative, non_zero_u32, number, positive, u32_incl_zero, u64_incl_zero,
 };
 use sluice_core::config::{ConfigError, Device};
 
@@ -58,23 +58,11 @@ pub fn validate_trainer(
         device,
         simulated: validate_sim_trainer(raw.simulated, simulated_engine, ctx)?,
         loss: choice(ctx, "trainer.loss", &raw.loss)?,
-        learning_rate: number(
-            ctx,
-            "trainer.learning_rate",
-            raw.learning_rate,
-            "a number > 0",
-            |v| v > 0.0,
-        )?,
+        learning_rate: positive(ctx, "trainer.learning_rate", raw.learning_rate)?,
         lr_schedule: choice(ctx, "trainer.lr_schedule", &raw.lr_schedule)?,
         warmup_steps: u64_incl_zero(ctx, "trainer.warmup_steps", raw.warmup_steps)?,
         weight_decay: non_negative(ctx, "trainer.weight_decay", raw.weight_decay)?,
-        max_grad_norm: number(
-            ctx,
-            "trainer.max_grad_norm",
-            raw.max_grad_norm,
-            "a number > 0",
-            |v| v > 0.0,
-        )?,
+        max_grad_norm: positive(ctx, "trainer.max_grad_norm", raw.max_grad_norm)?,
         clip_low: number(
             ctx,
             "trainer.clip_low",
@@ -102,9 +90,7 @@ pub fn validate_trainer(
         loss_aggregation: choice(ctx, "trainer.loss_aggregation", &raw.loss_aggregation)?,
         tis_level: choice(ctx, "trainer.tis_level", &raw.tis_level)?,
         tis_mode: choice(ctx, "trainer.tis_mode", &raw.tis_mode)?,
-        is_cap: number(ctx, "trainer.is_cap", raw.is_cap, "a number > 0", |v| {
-            v > 0.0
-        })?,
+        is_cap: positive(ctx, "trainer.is_cap", raw.is_cap)?,
         oversized_text: choice(ctx, "trainer.oversized_text", &raw.oversized_text)?,
     })
 }

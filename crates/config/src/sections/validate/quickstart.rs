@@ -3,7 +3,7 @@
 use sluice_core::config::ConfigError;
 use sluice_core::config::Device;
 use sluice_core::config::check::{
-    Ctx, fraction, non_zero_u32, non_zero_u64, number, u64_incl_zero,
+    Ctx, fraction, non_zero_u32, non_zero_u64, number, positive, u64_incl_zero,
 };
 
 use crate::sections::raw::{RawEval, RawWarmup};
@@ -15,13 +15,7 @@ pub fn validate_warmup(raw: RawWarmup, ctx: &Ctx<'_>) -> Result<WarmupConfig, Co
         enabled: raw.enabled,
         max_steps: non_zero_u64(ctx, "warmup.max_steps", raw.max_steps)?,
         batch_size: non_zero_u32(ctx, "warmup.batch_size", raw.batch_size)?,
-        learning_rate: number(
-            ctx,
-            "warmup.learning_rate",
-            raw.learning_rate,
-            "a number > 0",
-            |v| v > 0.0,
-        )?,
+        learning_rate: positive(ctx, "warmup.learning_rate", raw.learning_rate)?,
         target_accuracy: fraction(ctx, "warmup.target_accuracy", raw.target_accuracy)?,
         check_every: non_zero_u64(ctx, "warmup.check_every", raw.check_every)?,
         probe_samples: non_zero_u32(ctx, "warmup.probe_samples", raw.probe_samples)?,
