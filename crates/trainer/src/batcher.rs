@@ -333,9 +333,8 @@ fn place_family(
 /// Packs `texts` into micro-batches (see the module docs).
 pub fn pack(texts: &[TrainingText<'_>], config: &BatcherConfig) -> Packing {
     let mut stats = PackingStats::default();
-    // The pieces of a text that does not share, each to its own row of one micro-batch.
-    let mut units: Vec<Vec<Piece>> = Vec::with_capacity(texts.len());
-    let mut whole: Vec<usize> = Vec::new();
+    // Each packable text with its pieces.
+    let mut packable: Vec<(usize, Vec<Piece>)> = Vec::with_capacity(texts.len());
     for (i, text) in texts.iter().enumerate() {
         if text.completion.is_empty() {
             continue;
@@ -344,13 +343,7 @@ pub fn pack(texts: &[TrainingText<'_>], config: &BatcherConfig) -> Packing {
             Some(p) => {
                 stats.texts += 1;
                 stats.split_texts += usize::from(p.len() > 1);
-                // Only texts that fit a row whole share (a split text's pieces stand alone).
-                let whole_text = p.len() == 1 && p[0].start == 0;
-                if config.share_prompts && whole_text && text.prompt.len() > 1 {
-                    whole.push(i);
-                } else {
-                    units.push(p);
-                }
+                packable.push((i, p));
             }
             None => {
                 stats.rejected_texts += 1;
@@ -363,6 +356,53 @@ pub fn pack(texts: &[TrainingText<'_>], config: &BatcherConfig) -> Packing {
                     "training text left out of the batch (too long for the packing policy, or no prompt)"
                 );
             }
+        }
+    }
+    let mut placed = place(&packable, texts, config, config.share_prompts);
+    if config.share_prompts {
+        // First fit is not monotone: sharing saves slots, yet the families placed after the
+        // other texts can end up needing a micro-batch more than every text alone would. Keep
+        // whichever placement runs fewer micro-batches (the shared one on a tie).
+        let alone = place(&packable, texts, config, false);
+        if alone.len() < placed.len() {
+            placed = alone;
+        }
+    }
+
+    let micro_batches: Vec<MicroBatch> = placed
+        .into_iter()
+        .map(|rows| materialize(&rows, texts, config))
+        .collect();
+    for mb in &micro_batches {
+        stats.used_slots += mb.used_slots();
+        stats.total_slots += mb.rows * mb.row_len;
+        stats.loss_tokens += mb.loss_mask.iter().filter(|&&m| m).count();
+    }
+    Packing {
+        micro_batches,
+        stats,
+    }
+}
+
+/// Where each piece goes: per micro-batch, per row, its pieces in order. With `share`, the
+/// texts that fit a row whole and have a prompt of two tokens or more share it within their
+/// family (`place_family`); every other text is a unit of its own pieces, each piece to its own
+/// row of one micro-batch.
+fn place(
+    packable: &[(usize, Vec<Piece>)],
+    texts: &[TrainingText<'_>],
+    config: &BatcherConfig,
+    share: bool,
+) -> Vec<Vec<Vec<Piece>>> {
+    let mut units: Vec<Vec<Piece>> = Vec::with_capacity(packable.len());
+    let mut whole: Vec<usize> = Vec::new();
+    for (i, p) in packable {
+        // Only texts that fit a row whole share (a split text's pieces stand alone).
+        let whole_text = p.len() == 1 && p[0].start == 0;
+        if share && whole_text && texts[*i].prompt.len() > 1 {
+            whole.push(*i);
+        } else {
+            units.push(p.clone());
         }
     }
     // First-fit decreasing over the units that cannot be split (ties in input order), then the
@@ -410,20 +450,7 @@ pub fn pack(texts: &[TrainingText<'_>], config: &BatcherConfig) -> Packing {
     for family in families(texts, &whole) {
         place_family(&family, texts, config, &mut free, &mut placed);
     }
-
-    let micro_batches: Vec<MicroBatch> = placed
-        .into_iter()
-        .map(|rows| materialize(&rows, texts, config))
-        .collect();
-    for mb in &micro_batches {
-        stats.used_slots += mb.used_slots();
-        stats.total_slots += mb.rows * mb.row_len;
-        stats.loss_tokens += mb.loss_mask.iter().filter(|&&m| m).count();
-    }
-    Packing {
-        micro_batches,
-        stats,
-    }
+    placed
 }
 
 /// Writes the pieces of each row into a micro-batch.

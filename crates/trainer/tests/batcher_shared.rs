@@ -155,3 +155,28 @@ fn a_group_shares_its_prompt_in_one_row() {
     assert_eq!(split.stats.loss_tokens, 48);
     assert_eq!(split.stats.used_slots, 3 * (22 + 3 * 6) - 6);
 }
+
+/// The case the property found (CI, 2026-11-28): packed first fit, the shared families came after
+/// the prompt-less texts and needed five micro-batches of one 31-slot row where every text alone
+/// needs four. The packer now keeps the placement with fewer micro-batches.
+#[test]
+fn sharing_never_costs_a_micro_batch() {
+    let owned = family_texts(&[
+        (1, vec![4, 7, 7, 11, 11, 9]),
+        (15, vec![10, 11]),
+        (13, vec![5]),
+    ]);
+    let texts = text_views(&owned);
+    let config = |share_prompts| BatcherConfig {
+        rows: 1,
+        row_len: 31,
+        oversized: OversizedText::Split,
+        pad_id: 999_999,
+        share_prompts,
+    };
+    let shared = pack(&texts, &config(true));
+    let alone = pack(&texts, &config(false));
+    assert_eq!(alone.micro_batches.len(), 4);
+    assert_eq!(shared.micro_batches.len(), 4);
+    assert_eq!(shared.stats.loss_tokens, alone.stats.loss_tokens);
+}
