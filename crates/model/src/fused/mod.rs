@@ -19,6 +19,7 @@ mod elementwise;
 mod head;
 mod linear;
 mod rope;
+mod skinny;
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, DType, Device, Layout, Result, Shape, Storage, Tensor, WithDType};
@@ -60,10 +61,23 @@ pub(crate) trait Real: WithDType + std::ops::Neg<Output = Self> {
         lhs: Mat<'_, Self>,
         rhs: Mat<'_, Self>,
     ) -> Vec<Self>;
+    /// `x (m, k) · w (n, k)ᵀ` as a new row-major `(m, n)` buffer by the few-rows kernel
+    /// ([`skinny`]), or `None` where it does not take the shape, dtype or CPU.
+    fn linear_few_rows(m: usize, k: usize, n: usize, x: &[Self], w: &[Self]) -> Option<Vec<Self>>;
+    /// `dst (m, n) += x (m, k) · w (n, k)ᵀ` by the few-rows kernel; false (`dst` untouched)
+    /// where it does not take the shape, dtype or CPU.
+    fn linear_few_rows_add(
+        m: usize,
+        k: usize,
+        n: usize,
+        x: &[Self],
+        w: &[Self],
+        dst: &mut [Self],
+    ) -> bool;
 }
 
 macro_rules! real {
-    ($t:ty, $exp_slice:expr) => {
+    ($t:ty, $exp_slice:expr, $few_rows:expr, $few_rows_add:expr) => {
         impl Real for $t {
             #[inline(always)]
             fn exp_slice(xs: &mut [Self]) {
@@ -94,13 +108,35 @@ macro_rules! real {
             ) -> Vec<Self> {
                 gemm_new(m, n, k, lhs, rhs)
             }
+            fn linear_few_rows(
+                m: usize,
+                k: usize,
+                n: usize,
+                x: &[Self],
+                w: &[Self],
+            ) -> Option<Vec<Self>> {
+                $few_rows(m, k, n, x, w)
+            }
+            fn linear_few_rows_add(
+                m: usize,
+                k: usize,
+                n: usize,
+                x: &[Self],
+                w: &[Self],
+                dst: &mut [Self],
+            ) -> bool {
+                $few_rows_add(m, k, n, x, w, dst)
+            }
         }
     };
 }
-real!(f32, exp_f32_slice);
-real!(f64, |xs: &mut [f64]| xs
-    .iter_mut()
-    .for_each(|x| *x = x.exp()));
+real!(f32, exp_f32_slice, skinny::linear_new, skinny::linear_add);
+real!(
+    f64,
+    |xs: &mut [f64]| xs.iter_mut().for_each(|x| *x = x.exp()),
+    |_, _, _, _, _| None,
+    |_, _, _, _, _, _| false
+);
 
 /// Whether this CPU has AVX2 and FMA, for kernels that compile a second copy of their loops for
 /// them (the crate itself targets baseline x86-64, SSE2). Checked once.
@@ -272,6 +308,9 @@ fn gemm_new<T: 'static + WithDType>(
     out
 }
 
+/// Below this many multiply-adds a product is faster on one thread than split.
+const MIN_PARALLEL_MACS: usize = 1 << 21;
+
 /// The gemm call behind [`gemm_checked`] and [`gemm_new`], single-threaded below 2²¹
 /// multiply-adds.
 ///
@@ -290,8 +329,6 @@ unsafe fn gemm_raw<T: 'static + WithDType>(
     lhs: Mat<'_, T>,
     rhs: Mat<'_, T>,
 ) {
-    /// Below this many multiply-adds a product is faster on one thread than split.
-    const MIN_PARALLEL_MACS: usize = 1 << 21;
     let threads = rayon::current_num_threads();
     let parallelism = if threads > 1 && m * n * k >= MIN_PARALLEL_MACS {
         gemm::Parallelism::Rayon(threads)

@@ -1,0 +1,350 @@
+//! Products with few rows, `x (m, k) · w (n, k)ᵀ` for 2 ≤ m ≤ 128: a decode step's
+//! projections, one row per running sequence.
+//!
+//! gemm repacks the weight on every call (its microkernel wants the output dimension
+//! contiguous, and a weight `(n, k)` has the input dimension contiguous). With a few dozen rows
+//! the repacking and the crate's small-`m` blocking cost as much as the arithmetic: at 64 rows
+//! `sluice bench engine`'s small preset ran its projections at 55–80 % of the machine's
+//! 1024³ matmul rate, and at 2–8 rows at 5–30 %. Here the weight is read where it lies: each
+//! tile keeps dot products of 3 weight rows against 4 input rows in 12 AVX2 accumulators (8
+//! lanes of partial sums each), streaming both along `k`, and sums the lanes once at the end.
+//! A step's weight rows are split between the pool's threads in jobs of [`ROWS_PER_JOB`]; a
+//! job's rows stay in L2 while every input row passes them, and while it computes, it
+//! prefetches the next job's rows into L2 (the weights of a real model stream from memory: the
+//! prefetch took a small-preset decode step's products from 150 to 170 GFLOP/s).
+//!
+//! Only on CPUs with AVX2 and FMA; elsewhere, and for other shapes, the caller keeps gemm.
+//! Sums run in another order than gemm's, so results agree to rounding, not bit for bit.
+
+use rayon::prelude::*;
+
+/// Fewest rows the kernel takes: a single row is gemm's matrix-vector path, as fast, and bound
+/// by streaming the weight from memory.
+const MIN_ROWS: usize = 2;
+/// Most rows the kernel takes: past this the inputs leave L2 and gemm's blocking wins.
+const MAX_ROWS: usize = 128;
+/// Weight rows per parallel job (a multiple of the tile's 3): rows of 768 inputs fill 72 KiB.
+/// Consecutive jobs mostly run on the same thread (rayon splits the range in halves), so each
+/// prefetches the next one's rows.
+const ROWS_PER_JOB: usize = 24;
+
+/// Whether [`linear_new`] and [`linear_add`] take an `(m, k)` input.
+fn takes(m: usize) -> bool {
+    (MIN_ROWS..=MAX_ROWS).contains(&m) && super::avx2_fma()
+}
+
+/// `x (m, k) · w (n, k)ᵀ` as a new row-major `(m, n)` buffer, or `None` when the kernel does
+/// not take this shape or CPU.
+pub(super) fn linear_new(m: usize, k: usize, n: usize, x: &[f32], w: &[f32]) -> Option<Vec<f32>> {
+    if !takes(m) {
+        return None;
+    }
+    check(m, k, n, x, w, m * n);
+    let mut out = Vec::with_capacity(m * n);
+    // SAFETY: `takes` saw AVX2 and FMA; `check` keeps every operand read in bounds; the fresh
+    // vector's capacity holds the `m·n` outputs, which `run` writes every one of (without
+    // reading them, `accumulate` being false) before `set_len`.
+    #[allow(unsafe_code)]
+    unsafe {
+        run(m, k, n, x, w, out.as_mut_ptr(), false);
+        out.set_len(m * n);
+    }
+    Some(out)
+}
+
+/// `dst (m, n) += x (m, k) · w (n, k)ᵀ`, `dst` row-major; false (and `dst` untouched) when the
+/// kernel does not take this shape or CPU.
+pub(super) fn linear_add(
+    m: usize,
+    k: usize,
+    n: usize,
+    x: &[f32],
+    w: &[f32],
+    dst: &mut [f32],
+) -> bool {
+    if !takes(m) {
+        return false;
+    }
+    check(m, k, n, x, w, dst.len());
+    // SAFETY: `takes` saw AVX2 and FMA; `check` keeps every read of the operands and every
+    // read and write of `dst` (exclusively borrowed) in bounds.
+    #[allow(unsafe_code)]
+    unsafe {
+        run(m, k, n, x, w, dst.as_mut_ptr(), true)
+    };
+    true
+}
+
+fn check(m: usize, k: usize, n: usize, x: &[f32], w: &[f32], dst_len: usize) {
+    assert!(
+        x.len() >= m * k && w.len() >= n * k && dst_len >= m * n,
+        "skinny linear: operands smaller than ({m}, {k}) · ({n}, {k})ᵀ"
+    );
+}
+
+/// The output's base pointer, shared by jobs that each write their own columns.
+#[derive(Clone, Copy)]
+struct Columns(*mut f32);
+// SAFETY: every job writes only the columns of its own weight rows (disjoint ranges), and the
+// pointer outlives the parallel loop that uses it.
+#[allow(unsafe_code)]
+unsafe impl Send for Columns {}
+#[allow(unsafe_code)]
+unsafe impl Sync for Columns {}
+
+/// # Safety
+/// The CPU has AVX2 and FMA; `x` holds `(m, k)`, `w` holds `(n, k)`, `dst` is valid for
+/// writes (and, with `accumulate`, reads) of `m·n` elements and overlaps neither.
+#[allow(unsafe_code)]
+unsafe fn run(m: usize, k: usize, n: usize, x: &[f32], w: &[f32], dst: *mut f32, accumulate: bool) {
+    let dst = Columns(dst);
+    let job = |j: usize| {
+        let first = j * ROWS_PER_JOB;
+        let end = (first + ROWS_PER_JOB).min(n);
+        let next_end = (end + ROWS_PER_JOB).min(n);
+        let dst = dst;
+        // SAFETY: the caller's contract; this job's weight rows `first..end` are in `w`, and it
+        // writes output columns `first..end` of every row, which no other job writes.
+        unsafe {
+            block(
+                &w[first * k..end * k],
+                &w[end * k..next_end * k],
+                x,
+                m,
+                k,
+                dst.0.add(first),
+                n,
+                accumulate,
+            )
+        }
+    };
+    let jobs = n.div_ceil(ROWS_PER_JOB);
+    if jobs > 1 && rayon::current_num_threads() > 1 && m * n * k >= super::MIN_PARALLEL_MACS {
+        (0..jobs).into_par_iter().for_each(job);
+    } else {
+        (0..jobs).for_each(job);
+    }
+}
+
+/// All input rows against the weight rows `w` (`w.len() / k` of them), writing output columns
+/// `0..rows` of `dst` (row stride `n`), and prefetching `next` into L2 a few lines per tile.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[allow(unsafe_code, clippy::too_many_arguments)]
+unsafe fn block(
+    w: &[f32],
+    next: &[f32],
+    x: &[f32],
+    m: usize,
+    k: usize,
+    dst: *mut f32,
+    n: usize,
+    accumulate: bool,
+) {
+    use std::arch::x86_64::{_MM_HINT_T1, _mm_prefetch};
+    /// f32s per cache line.
+    const LINE: usize = 16;
+    let rows = w.len() / k;
+    let lines = next.len().div_ceil(LINE);
+    let lines_per_tile = lines.div_ceil(m.div_ceil(4) * rows.div_ceil(3));
+    let mut line = 0;
+    let mut t0 = 0;
+    while t0 < m {
+        let tt = (m - t0).min(4);
+        let mut r0 = 0;
+        while r0 < rows {
+            let rr = (rows - r0).min(3);
+            for l in line..(line + lines_per_tile).min(lines) {
+                // SAFETY: line `l` starts inside `next`; a prefetch does not fault anyway.
+                unsafe { _mm_prefetch::<_MM_HINT_T1>(next.as_ptr().add(l * LINE).cast()) };
+            }
+            line = (line + lines_per_tile).min(lines);
+            // SAFETY: rows `r0..r0 + rr` of `w`, `t0..t0 + tt` of `x` and the outputs
+            // `(t0.., r0..)` are in bounds (the caller's contract).
+            unsafe {
+                let tile = Tile {
+                    w: w.as_ptr().add(r0 * k),
+                    x: x.as_ptr().add(t0 * k),
+                    k,
+                    dst: dst.add(t0 * n + r0),
+                    n,
+                    accumulate,
+                };
+                match (rr, tt) {
+                    (3, 4) => tile.run::<3, 4>(),
+                    (3, 3) => tile.run::<3, 3>(),
+                    (3, 2) => tile.run::<3, 2>(),
+                    (3, _) => tile.run::<3, 1>(),
+                    (2, 4) => tile.run::<2, 4>(),
+                    (2, 3) => tile.run::<2, 3>(),
+                    (2, 2) => tile.run::<2, 2>(),
+                    (2, _) => tile.run::<2, 1>(),
+                    (_, 4) => tile.run::<1, 4>(),
+                    (_, 3) => tile.run::<1, 3>(),
+                    (_, 2) => tile.run::<1, 2>(),
+                    _ => tile.run::<1, 1>(),
+                }
+            }
+            r0 += rr;
+        }
+        t0 += tt;
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+#[allow(unsafe_code, clippy::too_many_arguments)]
+unsafe fn block(
+    _: &[f32],
+    _: &[f32],
+    _: &[f32],
+    _: usize,
+    _: usize,
+    _: *mut f32,
+    _: usize,
+    _: bool,
+) {
+    unreachable!("the skinny kernel runs only where avx2_fma() holds")
+}
+
+/// `R` weight rows against `T` input rows, all `k` deep, into the `(T, R)` outputs at `dst`.
+#[cfg(target_arch = "x86_64")]
+struct Tile {
+    w: *const f32,
+    x: *const f32,
+    k: usize,
+    dst: *mut f32,
+    n: usize,
+    accumulate: bool,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Tile {
+    /// Inlined into [`block`], whose AVX2 and FMA it compiles with.
+    ///
+    /// # Safety
+    /// AVX2 and FMA; `w` holds `R` rows of `k`, `x` holds `T` rows of `k`, and outputs
+    /// `dst + t·n + r` are valid for every `t < T`, `r < R`.
+    #[inline(always)]
+    #[allow(unsafe_code)]
+    unsafe fn run<const R: usize, const T: usize>(&self) {
+        use std::arch::x86_64::*;
+        let Self {
+            w,
+            x,
+            k,
+            dst,
+            n,
+            accumulate,
+        } = *self;
+        // SAFETY: every pointer below stays inside the rows the contract names.
+        unsafe {
+            let mut acc = [[_mm256_setzero_ps(); T]; R];
+            let k8 = k / 8 * 8;
+            let mut j = 0;
+            while j < k8 {
+                let mut wv = [_mm256_setzero_ps(); R];
+                for (r, v) in wv.iter_mut().enumerate() {
+                    *v = _mm256_loadu_ps(w.add(r * k + j));
+                }
+                for t in 0..T {
+                    let xv = _mm256_loadu_ps(x.add(t * k + j));
+                    for r in 0..R {
+                        acc[r][t] = _mm256_fmadd_ps(wv[r], xv, acc[r][t]);
+                    }
+                }
+                j += 8;
+            }
+            for (r, acc_r) in acc.iter().enumerate() {
+                for (t, &a) in acc_r.iter().enumerate() {
+                    // The eight lanes' partial sums, then the `k % 8` tail.
+                    let half = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+                    let pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
+                    let one = _mm_add_ss(pair, _mm_shuffle_ps(pair, pair, 1));
+                    let mut s = _mm_cvtss_f32(one);
+                    for i in k8..k {
+                        s += *w.add(r * k + i) * *x.add(t * k + i);
+                    }
+                    let out = dst.add(t * n + r);
+                    *out = if accumulate { *out + s } else { s };
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reference(m: usize, k: usize, n: usize, x: &[f32], w: &[f32]) -> Vec<f64> {
+        let mut y = vec![0f64; m * n];
+        for t in 0..m {
+            for r in 0..n {
+                y[t * n + r] = (0..k)
+                    .map(|i| f64::from(x[t * k + i]) * f64::from(w[r * k + i]))
+                    .sum();
+            }
+        }
+        y
+    }
+
+    fn values(len: usize, seed: u32) -> Vec<f32> {
+        (0..len)
+            .map(|i| ((i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed) >> 8) as f32)
+            .map(|v| v / (1u32 << 24) as f32 - 0.5)
+            .collect()
+    }
+
+    /// Every tile shape and tail: rows not a multiple of 4, weight rows not a multiple of 3 or
+    /// of a job, depths not a multiple of 8; parallel and not.
+    #[test]
+    fn matches_the_exact_product_on_every_tile_shape() {
+        if !super::super::avx2_fma() {
+            return;
+        }
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .unwrap();
+        for &(m, k, n) in &[
+            (2, 8, 1),
+            (3, 13, 5),
+            (5, 64, 50),
+            (7, 100, 97),
+            (64, 768, 256),
+            (128, 31, 3),
+        ] {
+            let (x, w) = (values(m * k, 1), values(n * k, 2));
+            let exact = reference(m, k, n, &x, &w);
+            let got = pool.install(|| linear_new(m, k, n, &x, &w)).unwrap();
+            let bias = values(m * n, 3);
+            let mut added = bias.clone();
+            assert!(pool.install(|| linear_add(m, k, n, &x, &w, &mut added)));
+            for i in 0..m * n {
+                let tol = 1e-5 * (k as f64).sqrt();
+                assert!(
+                    (f64::from(got[i]) - exact[i]).abs() <= tol,
+                    "({m}, {k}, {n}) element {i}: {} vs {}",
+                    got[i],
+                    exact[i]
+                );
+                let want = exact[i] + f64::from(bias[i]);
+                assert!(
+                    (f64::from(added[i]) - want).abs() <= tol,
+                    "({m}, {k}, {n}) accumulated element {i}: {} vs {want}",
+                    added[i]
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn leaves_single_rows_and_tall_inputs_to_gemm() {
+        let (x, w) = (values(129 * 8, 1), values(8 * 8, 2));
+        assert!(linear_new(1, 8, 8, &x, &w).is_none());
+        assert!(linear_new(129, 8, 8, &x, &w).is_none());
+        let mut dst = vec![7.0; 8];
+        assert!(!linear_add(1, 8, 8, &x, &w, &mut dst));
+        assert_eq!(dst, vec![7.0; 8]);
+    }
+}
