@@ -6,7 +6,7 @@
 //! engine's time).
 //!
 //! The loops are written for 8-wide vectors and compiled twice: for baseline x86-64 and, chosen
-//! at run time, for AVX2 + FMA. Sequences run in parallel only when a step reads enough keys to
+//! at run time, for AVX2 + FMA. Sequences run in parallel only when a step does enough work to
 //! pay for waking the pool.
 
 use rayon::prelude::*;
@@ -22,9 +22,12 @@ pub(super) struct DecodeShape {
     pub block_tokens: usize,
 }
 
-/// Below this many key reads (tokens × kv heads, summed over the step's sequences) the step's
-/// attention runs on the calling thread: splitting it costs more in wake-ups than it saves.
-const MIN_PARALLEL_KEYS: usize = 16_384;
+/// Below this many multiply-adds (each key read costs `2 · groups · head_dim`: scores and
+/// values) the step's attention runs on the calling thread: splitting it costs more in
+/// wake-ups than it saves. Measured on tiny (16,384 key reads of head dim 16, 2 query heads per
+/// kv head); counted in key reads alone it kept small's attention (head dim 64, 3 per kv head)
+/// on one thread at 64 in flight, 7 % of the step while the other core waited.
+const MIN_PARALLEL_MACS: usize = 1 << 20;
 
 /// One decode step's attention. `keys` and `values` are one layer's pool, rows of
 /// `kv_heads · head_dim`; `q` is `(B, heads, head_dim)` flat, the query heads of kv head `h`
@@ -53,7 +56,8 @@ pub(super) fn decode_attention(
         attend_dispatch(&seq, shape, scale, out_b, wide);
     };
     let reads: usize = lens.iter().sum::<usize>() * shape.kv_heads;
-    if reads >= MIN_PARALLEL_KEYS && rayon::current_num_threads() > 1 {
+    let macs = reads * 2 * shape.groups * shape.head_dim;
+    if macs >= MIN_PARALLEL_MACS && rayon::current_num_threads() > 1 {
         out.par_chunks_mut(per_seq).enumerate().for_each(one);
     } else {
         out.chunks_mut(per_seq).enumerate().for_each(one);
