@@ -126,6 +126,11 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<ExitCode> {
         args.presets.clone()
     };
     let mut speedup_tiny = None;
+    // `sluice bench model`'s decode bound is for f32 on the CPU.
+    let cpu_f32 =
+        args.device == sluice_config::Device::Cpu && args.dtype == sluice_config::DType::F32;
+    // Per preset measured at 64 in flight: its config, the batching speed-up, the decode rate.
+    let mut at_64 = Vec::new();
     let mut pause_tiny = None;
     let mut prefix_ratio = None;
     let sizing = Sizing {
@@ -185,6 +190,16 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<ExitCode> {
             Some(serial)
         };
         for &c in &args.concurrency {
+            // The 64 row's decode rate is compared with the matmul bound measured just before
+            // and just after it, the higher of the two (the machine's load moves within a run).
+            let bound_flops = |before: f64| -> anyhow::Result<f64> {
+                Ok(before.max(crate::model::matmul_flops_per_s()?))
+            };
+            let flops_before = if c == 64 && cpu_f32 {
+                bound_flops(0.0)?
+            } else {
+                0.0
+            };
             let m = measure(&w0, sizing, (ROUNDS * c, c), shape)?;
             let speedup = serial.as_ref().map(|s| m.tokens_per_s / s.tokens_per_s);
             println!(
@@ -200,6 +215,10 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<ExitCode> {
             );
             if preset == ModelPreset::Tiny && c == 64 {
                 speedup_tiny = speedup;
+            }
+            if c == 64 && cpu_f32 {
+                let flops = bound_flops(flops_before)?;
+                at_64.push((preset, Arc::clone(&config), speedup, m.decode_tok_s, flops));
             }
         }
         if args.only_concurrency {
@@ -272,8 +291,29 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<ExitCode> {
         bandwidth / 1e9,
         flops / 1e9,
     );
+    // The decode rate at 64 against `sluice bench model`'s bound.
+    let mut per_preset = String::new();
+    for (preset, config, speedup, decode, flops) in &at_64 {
+        let name = format!("{preset:?}").to_lowercase();
+        let bound = crate::model::decode_bound(config, 64, bandwidth, *flops);
+        println!(
+            "{name} at 64 in flight: decode {decode:.1} tok/s = {:.1}% of the decode bound {bound:.0} tok/s (`sluice bench model`'s, at {:.1} GFLOP/s measured around the row){}",
+            100.0 * decode / bound,
+            flops / 1e9,
+            speedup.map_or(String::new(), |x| format!(
+                "; batching speed-up {x:.1}x of a ceiling {ceiling:.1}x"
+            )),
+        );
+        if let Some(x) = speedup {
+            per_preset.push_str(&format!(" {name}_batching_speedup_64={x:.1}"));
+        }
+        per_preset.push_str(&format!(
+            " {name}_decode_bound_pct_64={:.1}",
+            100.0 * decode / bound
+        ));
+    }
     println!(
-        "RESULT engine batching_speedup_64={} batching_ceiling_64={:.1} swap_pause_ms_in_flight={} prefix_prefill_ratio{}={} peak_rss_mb={}",
+        "RESULT engine batching_speedup_64={} batching_ceiling_64={:.1}{per_preset} swap_pause_ms_in_flight={} prefix_prefill_ratio{}={} peak_rss_mb={}",
         speedup_tiny.map_or("n/a".into(), |x| format!("{x:.1}")),
         ceiling,
         pause_tiny.map_or("n/a".into(), |x| format!("{x:.3}")),

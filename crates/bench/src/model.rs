@@ -112,9 +112,7 @@ pub fn run(args: &BenchModelArgs) -> anyhow::Result<ExitCode> {
         result.push(format!("{name}_train_tok_s={train:.0}"));
         for &batch in &args.batches {
             let decode = decode_tokens_per_s(&snapshot, batch, &p)?;
-            let weight_bytes = (config.num_parameters() * 4) as f64;
-            let bound =
-                (batch as f64 * bandwidth / weight_bytes).min(flops / (2.0 * matmul_params as f64));
+            let bound = decode_bound(&config, batch, bandwidth, flops);
             println!(
                 "  decode batch {batch:>3}        {decode:>10.0} tok/s   bound {bound:>10.0} tok/s  ({:.0}%)",
                 100.0 * decode / bound
@@ -128,6 +126,18 @@ pub fn run(args: &BenchModelArgs) -> anyhow::Result<ExitCode> {
 
 fn threads() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// The f32 decode bound of `batch` sequences, tokens/s: every weight read once per step, every
+/// matmul weight used in `2 · batch` FLOPs (see the module docs).
+pub(crate) fn decode_bound(
+    config: &sluice_model::ModelConfig,
+    batch: usize,
+    bandwidth: f64,
+    flops: f64,
+) -> f64 {
+    let weight_bytes = (config.num_parameters() * 4) as f64;
+    (batch as f64 * bandwidth / weight_bytes).min(flops / (2.0 * matmul_params(config) as f64))
 }
 
 /// Parameters used as matmul weights per token (the embedding lookup is free; a tied head is a
