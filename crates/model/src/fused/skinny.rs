@@ -1,5 +1,5 @@
-//! Products with few rows, `x (m, k) · w (n, k)ᵀ` for 2 ≤ m ≤ 128: a decode step's
-//! projections, one row per running sequence.
+//! Products with few rows, `x (m, k) · w (n, k)ᵀ` for 2 ≤ m ≤ 128 (≤ 8 when `k` < 256): a
+//! decode step's projections, one row per running sequence.
 //!
 //! gemm repacks the weight on every call (its microkernel wants the output dimension
 //! contiguous, and a weight `(n, k)` has the input dimension contiguous). With a few dozen rows
@@ -23,20 +23,27 @@ use rayon::prelude::*;
 const MIN_ROWS: usize = 2;
 /// Most rows the kernel takes: past this the inputs leave L2 and gemm's blocking wins.
 const MAX_ROWS: usize = 128;
+/// Shallower products (`k` below this) pay the lanes' sums at every output often enough that
+/// gemm wins past [`SHALLOW_MAX_ROWS`] rows: on the tiny preset's 64-deep products, one
+/// thread, 61 against gemm's 70–85 GFLOP/s at 32–512 rows, but 37–59 against 23–34 at 8.
+const DEEP: usize = 256;
+/// Most rows the kernel takes for a product shallower than [`DEEP`].
+const SHALLOW_MAX_ROWS: usize = 8;
 /// Weight rows per parallel job (a multiple of the tile's 3): rows of 768 inputs fill 72 KiB.
 /// Consecutive jobs mostly run on the same thread (rayon splits the range in halves), so each
 /// prefetches the next one's rows.
 const ROWS_PER_JOB: usize = 24;
 
 /// Whether [`linear_new`] and [`linear_add`] take an `(m, k)` input.
-fn takes(m: usize) -> bool {
-    (MIN_ROWS..=MAX_ROWS).contains(&m) && super::avx2_fma()
+fn takes(m: usize, k: usize) -> bool {
+    let most = if k >= DEEP { MAX_ROWS } else { SHALLOW_MAX_ROWS };
+    (MIN_ROWS..=most).contains(&m) && super::avx2_fma()
 }
 
 /// `x (m, k) · w (n, k)ᵀ` as a new row-major `(m, n)` buffer, or `None` when the kernel does
 /// not take this shape or CPU.
 pub(super) fn linear_new(m: usize, k: usize, n: usize, x: &[f32], w: &[f32]) -> Option<Vec<f32>> {
-    if !takes(m) {
+    if !takes(m, k) {
         return None;
     }
     check(m, k, n, x, w, m * n);
@@ -62,7 +69,7 @@ pub(super) fn linear_add(
     w: &[f32],
     dst: &mut [f32],
 ) -> bool {
-    if !takes(m) {
+    if !takes(m, k) {
         return false;
     }
     check(m, k, n, x, w, dst.len());
@@ -312,7 +319,8 @@ mod tests {
             (5, 64, 50),
             (7, 100, 97),
             (64, 768, 256),
-            (128, 31, 3),
+            (128, 259, 3),
+            (8, 300, 40),
         ] {
             let (x, w) = (values(m * k, 1), values(n * k, 2));
             let exact = reference(m, k, n, &x, &w);
@@ -340,9 +348,14 @@ mod tests {
 
     #[test]
     fn leaves_single_rows_and_tall_inputs_to_gemm() {
-        let (x, w) = (values(129 * 8, 1), values(8 * 8, 2));
+        let (x, w) = (values(129 * 256, 1), values(8 * 256, 2));
         assert!(linear_new(1, 8, 8, &x, &w).is_none());
-        assert!(linear_new(129, 8, 8, &x, &w).is_none());
+        assert!(linear_new(129, 256, 8, &x, &w).is_none());
+        assert!(linear_new(9, 255, 8, &x, &w).is_none());
+        if super::super::avx2_fma() {
+            assert!(linear_new(128, 256, 8, &x, &w).is_some());
+            assert!(linear_new(8, 255, 8, &x, &w).is_some());
+        }
         let mut dst = vec![7.0; 8];
         assert!(!linear_add(1, 8, 8, &x, &w, &mut dst));
         assert_eq!(dst, vec![7.0; 8]);
