@@ -36,7 +36,11 @@ const ROWS_PER_JOB: usize = 24;
 
 /// Whether [`linear_new`] and [`linear_add`] take an `(m, k)` input.
 fn takes(m: usize, k: usize) -> bool {
-    let most = if k >= DEEP { MAX_ROWS } else { SHALLOW_MAX_ROWS };
+    let most = if k >= DEEP {
+        MAX_ROWS
+    } else {
+        SHALLOW_MAX_ROWS
+    };
     (MIN_ROWS..=most).contains(&m) && super::avx2_fma()
 }
 
