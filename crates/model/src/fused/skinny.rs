@@ -103,6 +103,18 @@ unsafe impl Send for Columns {}
 #[allow(unsafe_code)]
 unsafe impl Sync for Columns {}
 
+impl Columns {
+    /// The pointer to column `j` of row 0 (a method, so closures capture the whole wrapper).
+    ///
+    /// # Safety
+    /// `j` is within the output's allocation.
+    #[allow(unsafe_code)]
+    unsafe fn at(self, j: usize) -> *mut f32 {
+        // SAFETY: the caller's.
+        unsafe { self.0.add(j) }
+    }
+}
+
 /// # Safety
 /// The CPU has AVX2 and FMA; `x` holds `(m, k)`, `w` holds `(n, k)`, `dst` is valid for
 /// writes (and, with `accumulate`, reads) of `m·n` elements and overlaps neither.
@@ -113,7 +125,6 @@ unsafe fn run(m: usize, k: usize, n: usize, x: &[f32], w: &[f32], dst: *mut f32,
         let first = j * ROWS_PER_JOB;
         let end = (first + ROWS_PER_JOB).min(n);
         let next_end = (end + ROWS_PER_JOB).min(n);
-        let dst = dst;
         // SAFETY: the caller's contract; this job's weight rows `first..end` are in `w`, and it
         // writes output columns `first..end` of every row, which no other job writes.
         unsafe {
@@ -123,7 +134,7 @@ unsafe fn run(m: usize, k: usize, n: usize, x: &[f32], w: &[f32], dst: *mut f32,
                 x,
                 m,
                 k,
-                dst.0.add(first),
+                dst.at(first),
                 n,
                 accumulate,
             )
@@ -249,7 +260,8 @@ impl Tile {
         } = *self;
         // SAFETY: every pointer below stays inside the rows the contract names.
         unsafe {
-            let mut acc = [[_mm256_setzero_ps(); T]; R];
+            // acc[t][r]: input row t against weight row r.
+            let mut acc = [[_mm256_setzero_ps(); R]; T];
             let k8 = k / 8 * 8;
             let mut j = 0;
             while j < k8 {
@@ -257,16 +269,16 @@ impl Tile {
                 for (r, v) in wv.iter_mut().enumerate() {
                     *v = _mm256_loadu_ps(w.add(r * k + j));
                 }
-                for t in 0..T {
+                for (t, acc_t) in acc.iter_mut().enumerate() {
                     let xv = _mm256_loadu_ps(x.add(t * k + j));
-                    for r in 0..R {
-                        acc[r][t] = _mm256_fmadd_ps(wv[r], xv, acc[r][t]);
+                    for (a, &w_r) in acc_t.iter_mut().zip(&wv) {
+                        *a = _mm256_fmadd_ps(w_r, xv, *a);
                     }
                 }
                 j += 8;
             }
-            for (r, acc_r) in acc.iter().enumerate() {
-                for (t, &a) in acc_r.iter().enumerate() {
+            for (t, acc_t) in acc.iter().enumerate() {
+                for (r, &a) in acc_t.iter().enumerate() {
                     // The eight lanes' partial sums, then the `k % 8` tail.
                     let half = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
                     let pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
