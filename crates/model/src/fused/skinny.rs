@@ -3,15 +3,15 @@
 //!
 //! gemm repacks the weight on every call (its microkernel wants the output dimension
 //! contiguous, and a weight `(n, k)` has the input dimension contiguous). With a few dozen rows
-//! the repacking and the crate's small-`m` blocking cost as much as the arithmetic: at 64 rows
-//! `sluice bench engine`'s small preset ran its projections at 55–80 % of the machine's
-//! 1024³ matmul rate, and at 2–8 rows at 5–30 %. Here the weight is read where it lies: each
-//! tile keeps dot products of 3 weight rows against 4 input rows in 12 AVX2 accumulators (8
-//! lanes of partial sums each), streaming both along `k`, and sums the lanes once at the end.
-//! A step's weight rows are split between the pool's threads in jobs of [`ROWS_PER_JOB`]; a
-//! job's rows stay in L2 while every input row passes them, and while it computes, it
-//! prefetches the next job's rows into L2 (the weights of a real model stream from memory: the
-//! prefetch took a small-preset decode step's products from 150 to 170 GFLOP/s).
+//! the repacking and the crate's small-`m` blocking cost about as much as the arithmetic. Here
+//! the weight is read where it lies: each tile keeps dot products of 3 weight rows against 4
+//! input rows in 12 AVX2 accumulators (8 lanes of partial sums each), streaming both along `k`,
+//! and sums the lanes once at the end. A step's weight rows are split between the pool's
+//! threads in jobs of [`ROWS_PER_JOB`]; a job's rows stay in L2 while every input row passes
+//! them, and while it computes, it prefetches the next job's rows into L2 (a real model's
+//! weights stream from memory, and the first pass over a job's rows would wait on them).
+//! `sluice bench engine`, small preset: decode at 64 in flight 602–714 → 882–955 tok/s, at 8 in
+//! flight 191–252 → 367–391 (docs/engine.md).
 //!
 //! Only on CPUs with AVX2 and FMA; elsewhere, and for other shapes, the caller keeps gemm.
 //! Sums run in another order than gemm's, so results agree to rounding, not bit for bit.
@@ -24,8 +24,9 @@ const MIN_ROWS: usize = 2;
 /// Most rows the kernel takes: past this the inputs leave L2 and gemm's blocking wins.
 const MAX_ROWS: usize = 128;
 /// Shallower products (`k` below this) pay the lanes' sums at every output often enough that
-/// gemm wins past [`SHALLOW_MAX_ROWS`] rows: on the tiny preset's 64-deep products, one
-/// thread, 61 against gemm's 70–85 GFLOP/s at 32–512 rows, but 37–59 against 23–34 at 8.
+/// gemm, whose packing is cheap for a weight that small, wins past [`SHALLOW_MAX_ROWS`] rows:
+/// the tiny preset (64 features) at 64 in flight ran 71.9k–77.2k tok/s on this kernel and
+/// 81.1k–82.3k on gemm (`sluice bench engine`, three alternated runs).
 const DEEP: usize = 256;
 /// Most rows the kernel takes for a product shallower than [`DEEP`].
 const SHALLOW_MAX_ROWS: usize = 8;
