@@ -82,34 +82,47 @@ fn attend_dispatch(seq: &Seq<'_>, shape: &DecodeShape, scale: f32, out: &mut [f3
         return unsafe { attend_wide(seq, shape, scale, out) };
     }
     let _ = wide;
-    by_head_dim(seq, shape, scale, out);
+    by_head_dim::<false>(seq, shape, scale, out);
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 fn attend_wide(seq: &Seq<'_>, shape: &DecodeShape, scale: f32, out: &mut [f32]) {
-    by_head_dim(seq, shape, scale, out);
+    by_head_dim::<true>(seq, shape, scale, out);
 }
 
 /// [`attend_seq`] with the head dim as a constant for the common sizes, so the per-key loops
 /// unroll and the output rows stay in registers; any other size runs the same loops with the
 /// dim read at run time.
+/// `FMA`: compiled inside [`attend_wide`], so products and sums fuse into one instruction
+/// (elsewhere `mul_add` would be a library call per element).
 #[inline(always)]
-fn by_head_dim(seq: &Seq<'_>, shape: &DecodeShape, scale: f32, out: &mut [f32]) {
+fn by_head_dim<const FMA: bool>(seq: &Seq<'_>, shape: &DecodeShape, scale: f32, out: &mut [f32]) {
     match shape.head_dim {
-        16 => attend_seq::<16>(seq, shape, scale, out),
-        32 => attend_seq::<32>(seq, shape, scale, out),
-        64 => attend_seq::<64>(seq, shape, scale, out),
-        128 => attend_seq::<128>(seq, shape, scale, out),
-        _ => attend_seq::<0>(seq, shape, scale, out),
+        16 => attend_seq::<16, FMA>(seq, shape, scale, out),
+        32 => attend_seq::<32, FMA>(seq, shape, scale, out),
+        64 => attend_seq::<64, FMA>(seq, shape, scale, out),
+        128 => attend_seq::<128, FMA>(seq, shape, scale, out),
+        _ => attend_seq::<0, FMA>(seq, shape, scale, out),
     }
+}
+
+/// `a · b + c`, fused where the body is compiled with FMA.
+#[inline(always)]
+fn mul_add<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {
+    if FMA { a.mul_add(b, c) } else { a * b + c }
 }
 
 /// One sequence's attention, every kv head: scores of the head's query group against each key
 /// row (each row read once for the whole group), softmax, then the value rows weighted into
 /// `out` (`(heads, head_dim)` flat). `D` is the head dim, or 0 to read it from `shape`.
 #[inline(always)]
-fn attend_seq<const D: usize>(seq: &Seq<'_>, shape: &DecodeShape, scale: f32, out: &mut [f32]) {
+fn attend_seq<const D: usize, const FMA: bool>(
+    seq: &Seq<'_>,
+    shape: &DecodeShape,
+    scale: f32,
+    out: &mut [f32],
+) {
     let DecodeShape {
         kv_heads,
         groups,
@@ -130,7 +143,7 @@ fn attend_seq<const D: usize>(seq: &Seq<'_>, shape: &DecodeShape, scale: f32, ou
         for (t, &row) in rows.iter().enumerate() {
             let k = &seq.keys[row * width + h * d..][..d];
             for (g, q_g) in q_h.chunks_exact(d).enumerate() {
-                scores[g * len + t] = dot(&q_g[..d], k) * scale;
+                scores[g * len + t] = dot::<FMA>(&q_g[..d], k) * scale;
             }
         }
         for (g, s) in scores.chunks_exact_mut(len).enumerate() {
@@ -145,7 +158,7 @@ fn attend_seq<const D: usize>(seq: &Seq<'_>, shape: &DecodeShape, scale: f32, ou
             for (&p, &row) in s.iter().zip(&rows) {
                 let v = &seq.values[row * width + h * d..][..d];
                 for (a, &v) in acc.iter_mut().zip(v) {
-                    *a += p * v;
+                    *a = mul_add::<FMA>(p, v, *a);
                 }
             }
             let o = &mut out[(h * groups + g) * d..][..d];
@@ -159,13 +172,13 @@ fn attend_seq<const D: usize>(seq: &Seq<'_>, shape: &DecodeShape, scale: f32, ou
 /// `a · b` in eight partial sums (one 8-wide vector), so the loop vectorises without
 /// reassociating one long chain.
 #[inline(always)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
+fn dot<const FMA: bool>(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; 8];
     let (a8, a_rest) = a.split_at(a.len() / 8 * 8);
     let (b8, b_rest) = b.split_at(a8.len());
     for (x, y) in a8.chunks_exact(8).zip(b8.chunks_exact(8)) {
         for i in 0..8 {
-            acc[i] += x[i] * y[i];
+            acc[i] = mul_add::<FMA>(x[i], y[i], acc[i]);
         }
     }
     let tail: f32 = a_rest.iter().zip(b_rest).map(|(x, y)| x * y).sum();
