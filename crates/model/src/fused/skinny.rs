@@ -42,7 +42,7 @@ fn takes(m: usize, k: usize) -> bool {
     } else {
         SHALLOW_MAX_ROWS
     };
-    (MIN_ROWS..=most).contains(&m) && super::avx2_fma()
+    (MIN_ROWS..=most).contains(&m) && k > 0 && super::avx2_fma()
 }
 
 /// `x (m, k) · w (n, k)ᵀ` as a new row-major `(m, n)` buffer, or `None` when the kernel does
@@ -369,6 +369,7 @@ mod tests {
         assert!(linear_new(1, 8, 8, &x, &w).is_none());
         assert!(linear_new(129, 256, 8, &x, &w).is_none());
         assert!(linear_new(9, 255, 8, &x, &w).is_none());
+        assert!(linear_new(4, 0, 8, &x, &w).is_none());
         if super::super::avx2_fma() {
             assert!(linear_new(128, 256, 8, &x, &w).is_some());
             assert!(linear_new(8, 255, 8, &x, &w).is_some());
