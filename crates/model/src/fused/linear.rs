@@ -37,18 +37,26 @@ struct Linear {
 impl Linear {
     fn fwd<T: Real>(&self, x: &[T], w: &[T], b: Option<&[T]>) -> Vec<T> {
         let Self { n, i, o } = *self;
+        if let Some(mut y) = T::linear_few_rows(n, i, o, x, w) {
+            // Then the bias, one add per output.
+            if let Some(b) = b {
+                for row in y.chunks_exact_mut(o) {
+                    for (v, &b) in row.iter_mut().zip(b) {
+                        *v += b;
+                    }
+                }
+            }
+            return y;
+        }
+        let (x, wt) = (Mat::rows(x, i), Mat::transposed(w, i));
         let Some(b) = b else {
-            return T::linear_few_rows(n, i, o, x, w)
-                .unwrap_or_else(|| T::matmul_new(n, o, i, Mat::rows(x, i), Mat::transposed(w, i)));
+            return T::matmul_new(n, o, i, x, wt);
         };
         let mut y = Vec::with_capacity(n * o);
         for _ in 0..n {
             y.extend_from_slice(b);
         }
-        if !T::linear_few_rows_add(n, i, o, x, w, &mut y) {
-            let (x, wt) = (Mat::rows(x, i), Mat::transposed(w, i));
-            T::matmul(n, o, i, Dst::adding(&mut y, o), x, wt);
-        }
+        T::matmul(n, o, i, Dst::adding(&mut y, o), x, wt);
         y
     }
 

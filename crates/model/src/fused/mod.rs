@@ -64,20 +64,10 @@ pub(crate) trait Real: WithDType + std::ops::Neg<Output = Self> {
     /// `x (m, k) · w (n, k)ᵀ` as a new row-major `(m, n)` buffer by the few-rows kernel
     /// ([`skinny`]), or `None` where it does not take the shape, dtype or CPU.
     fn linear_few_rows(m: usize, k: usize, n: usize, x: &[Self], w: &[Self]) -> Option<Vec<Self>>;
-    /// `dst (m, n) += x (m, k) · w (n, k)ᵀ` by the few-rows kernel; false (`dst` untouched)
-    /// where it does not take the shape, dtype or CPU.
-    fn linear_few_rows_add(
-        m: usize,
-        k: usize,
-        n: usize,
-        x: &[Self],
-        w: &[Self],
-        dst: &mut [Self],
-    ) -> bool;
 }
 
 macro_rules! real {
-    ($t:ty, $exp_slice:expr, $few_rows:expr, $few_rows_add:expr) => {
+    ($t:ty, $exp_slice:expr, $few_rows:expr) => {
         impl Real for $t {
             #[inline(always)]
             fn exp_slice(xs: &mut [Self]) {
@@ -117,25 +107,14 @@ macro_rules! real {
             ) -> Option<Vec<Self>> {
                 $few_rows(m, k, n, x, w)
             }
-            fn linear_few_rows_add(
-                m: usize,
-                k: usize,
-                n: usize,
-                x: &[Self],
-                w: &[Self],
-                dst: &mut [Self],
-            ) -> bool {
-                $few_rows_add(m, k, n, x, w, dst)
-            }
         }
     };
 }
-real!(f32, exp_f32_slice, skinny::linear_new, skinny::linear_add);
+real!(f32, exp_f32_slice, skinny::linear_new);
 real!(
     f64,
     |xs: &mut [f64]| xs.iter_mut().for_each(|x| *x = x.exp()),
-    |_, _, _, _, _| None,
-    |_, _, _, _, _, _| false
+    |_, _, _, _, _| None
 );
 
 /// Whether this CPU has AVX2 and FMA, for kernels that compile a second copy of their loops for

@@ -35,7 +35,7 @@ const SHALLOW_MAX_ROWS: usize = 8;
 /// prefetches the next one's rows.
 const ROWS_PER_JOB: usize = 24;
 
-/// Whether [`linear_new`] and [`linear_add`] take an `(m, k)` input.
+/// Whether [`linear_new`] takes an `(m, k)` input.
 fn takes(m: usize, k: usize) -> bool {
     let most = if k >= DEEP {
         MAX_ROWS
@@ -55,36 +55,13 @@ pub(super) fn linear_new(m: usize, k: usize, n: usize, x: &[f32], w: &[f32]) -> 
     let mut out = Vec::with_capacity(m * n);
     // SAFETY: `takes` saw AVX2 and FMA; `check` keeps every operand read in bounds; the fresh
     // vector's capacity holds the `m·n` outputs, which `run` writes every one of (without
-    // reading them, `accumulate` being false) before `set_len`.
+    // reading them) before `set_len`.
     #[allow(unsafe_code)]
     unsafe {
-        run(m, k, n, x, w, out.as_mut_ptr(), false);
+        run(m, k, n, x, w, out.as_mut_ptr());
         out.set_len(m * n);
     }
     Some(out)
-}
-
-/// `dst (m, n) += x (m, k) · w (n, k)ᵀ`, `dst` row-major; false (and `dst` untouched) when the
-/// kernel does not take this shape or CPU.
-pub(super) fn linear_add(
-    m: usize,
-    k: usize,
-    n: usize,
-    x: &[f32],
-    w: &[f32],
-    dst: &mut [f32],
-) -> bool {
-    if !takes(m, k) {
-        return false;
-    }
-    check(m, k, n, x, w, dst.len());
-    // SAFETY: `takes` saw AVX2 and FMA; `check` keeps every read of the operands and every
-    // read and write of `dst` (exclusively borrowed) in bounds.
-    #[allow(unsafe_code)]
-    unsafe {
-        run(m, k, n, x, w, dst.as_mut_ptr(), true)
-    };
-    true
 }
 
 fn check(m: usize, k: usize, n: usize, x: &[f32], w: &[f32], dst_len: usize) {
@@ -118,9 +95,9 @@ impl Columns {
 
 /// # Safety
 /// The CPU has AVX2 and FMA; `x` holds `(m, k)`, `w` holds `(n, k)`, `dst` is valid for
-/// writes (and, with `accumulate`, reads) of `m·n` elements and overlaps neither.
+/// writes of `m·n` elements and overlaps neither.
 #[allow(unsafe_code)]
-unsafe fn run(m: usize, k: usize, n: usize, x: &[f32], w: &[f32], dst: *mut f32, accumulate: bool) {
+unsafe fn run(m: usize, k: usize, n: usize, x: &[f32], w: &[f32], dst: *mut f32) {
     let dst = Columns(dst);
     let job = |j: usize| {
         let first = j * ROWS_PER_JOB;
@@ -137,7 +114,6 @@ unsafe fn run(m: usize, k: usize, n: usize, x: &[f32], w: &[f32], dst: *mut f32,
                 k,
                 dst.at(first),
                 n,
-                accumulate,
             )
         }
     };
@@ -154,16 +130,7 @@ unsafe fn run(m: usize, k: usize, n: usize, x: &[f32], w: &[f32], dst: *mut f32,
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 #[allow(unsafe_code, clippy::too_many_arguments)]
-unsafe fn block(
-    w: &[f32],
-    next: &[f32],
-    x: &[f32],
-    m: usize,
-    k: usize,
-    dst: *mut f32,
-    n: usize,
-    accumulate: bool,
-) {
+unsafe fn block(w: &[f32], next: &[f32], x: &[f32], m: usize, k: usize, dst: *mut f32, n: usize) {
     use std::arch::x86_64::{_MM_HINT_T1, _mm_prefetch};
     /// f32s per cache line.
     const LINE: usize = 16;
@@ -191,7 +158,6 @@ unsafe fn block(
                     k,
                     dst: dst.add(t0 * n + r0),
                     n,
-                    accumulate,
                 };
                 match (rr, tt) {
                     (3, 4) => tile.run::<3, 4>(),
@@ -216,16 +182,7 @@ unsafe fn block(
 
 #[cfg(not(target_arch = "x86_64"))]
 #[allow(unsafe_code, clippy::too_many_arguments)]
-unsafe fn block(
-    _: &[f32],
-    _: &[f32],
-    _: &[f32],
-    _: usize,
-    _: usize,
-    _: *mut f32,
-    _: usize,
-    _: bool,
-) {
+unsafe fn block(_: &[f32], _: &[f32], _: &[f32], _: usize, _: usize, _: *mut f32, _: usize) {
     unreachable!("the skinny kernel runs only where avx2_fma() holds")
 }
 
@@ -237,7 +194,6 @@ struct Tile {
     k: usize,
     dst: *mut f32,
     n: usize,
-    accumulate: bool,
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -251,14 +207,7 @@ impl Tile {
     #[allow(unsafe_code)]
     unsafe fn run<const R: usize, const T: usize>(&self) {
         use std::arch::x86_64::*;
-        let Self {
-            w,
-            x,
-            k,
-            dst,
-            n,
-            accumulate,
-        } = *self;
+        let Self { w, x, k, dst, n } = *self;
         // SAFETY: every pointer below stays inside the rows the contract names.
         unsafe {
             // acc[t][r]: input row t against weight row r.
@@ -288,8 +237,7 @@ impl Tile {
                     for i in k8..k {
                         s += *w.add(r * k + i) * *x.add(t * k + i);
                     }
-                    let out = dst.add(t * n + r);
-                    *out = if accumulate { *out + s } else { s };
+                    *dst.add(t * n + r) = s;
                 }
             }
         }
@@ -342,9 +290,21 @@ mod tests {
             let (x, w) = (values(m * k, 1), values(n * k, 2));
             let exact = reference(m, k, n, &x, &w);
             let got = pool.install(|| linear_new(m, k, n, &x, &w)).unwrap();
-            let bias = values(m * n, 3);
-            let mut added = bias.clone();
-            assert!(pool.install(|| linear_add(m, k, n, &x, &w, &mut added)));
+            // The fused linear with a bias takes this kernel too, adding the bias after it.
+            let bias = values(n, 3);
+            let tensor = |v: &[f32], shape: (usize, usize)| {
+                candle_core::Tensor::from_slice(v, shape, &candle_core::Device::Cpu).unwrap()
+            };
+            let b = candle_core::Tensor::from_slice(&bias, n, &candle_core::Device::Cpu).unwrap();
+            let added: Vec<f32> = pool
+                .install(|| {
+                    super::super::linear(&tensor(&x, (m, k)), &tensor(&w, (n, k)), Some(&b))
+                })
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
             for i in 0..m * n {
                 let tol = 1e-5 * (k as f64).sqrt();
                 assert!(
@@ -353,10 +313,10 @@ mod tests {
                     got[i],
                     exact[i]
                 );
-                let want = exact[i] + f64::from(bias[i]);
+                let want = exact[i] + f64::from(bias[i % n]);
                 assert!(
                     (f64::from(added[i]) - want).abs() <= tol,
-                    "({m}, {k}, {n}) accumulated element {i}: {} vs {want}",
+                    "({m}, {k}, {n}) element {i} with bias: {} vs {want}",
                     added[i]
                 );
             }
@@ -374,8 +334,5 @@ mod tests {
             assert!(linear_new(128, 256, 8, &x, &w).is_some());
             assert!(linear_new(8, 255, 8, &x, &w).is_some());
         }
-        let mut dst = vec![7.0; 8];
-        assert!(!linear_add(1, 8, 8, &x, &w, &mut dst));
-        assert_eq!(dst, vec![7.0; 8]);
     }
 }
