@@ -192,14 +192,9 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<ExitCode> {
         for &c in &args.concurrency {
             // The 64 row's decode rate is compared with the matmul bound measured just before
             // and just after it, the higher of the two (the machine's load moves within a run).
-            let bound_flops = |before: f64| -> anyhow::Result<f64> {
-                Ok(before.max(crate::model::matmul_flops_per_s()?))
-            };
-            let flops_before = if c == 64 && cpu_f32 {
-                bound_flops(0.0)?
-            } else {
-                0.0
-            };
+            let flops_before = (c == 64 && cpu_f32)
+                .then(crate::model::matmul_flops_per_s)
+                .transpose()?;
             let m = measure(&w0, sizing, (ROUNDS * c, c), shape)?;
             let speedup = serial.as_ref().map(|s| m.tokens_per_s / s.tokens_per_s);
             println!(
@@ -216,8 +211,8 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<ExitCode> {
             if preset == ModelPreset::Tiny && c == 64 {
                 speedup_tiny = speedup;
             }
-            if c == 64 && cpu_f32 {
-                let flops = bound_flops(flops_before)?;
+            if let Some(before) = flops_before {
+                let flops = before.max(crate::model::matmul_flops_per_s()?);
                 at_64.push((preset, Arc::clone(&config), speedup, m.decode_tok_s, flops));
             }
         }

@@ -94,6 +94,7 @@ fn attend_wide(seq: &Seq<'_>, shape: &DecodeShape, scale: f32, out: &mut [f32]) 
 /// [`attend_seq`] with the head dim as a constant for the common sizes, so the per-key loops
 /// unroll and the output rows stay in registers; any other size runs the same loops with the
 /// dim read at run time.
+///
 /// `FMA`: compiled inside [`attend_wide`], so products and sums fuse into one instruction
 /// (elsewhere `mul_add` would be a library call per element).
 #[inline(always)]
