@@ -1,9 +1,9 @@
 //! `episodic`: a multi-step walk on the number line (seed 001's multi-turn env with action
 //! parsing). The model starts at `start` and must stop exactly on `target`; every turn it writes
 //! one action between `<|action_start|>` and `<|action_end|>`: `inc()`, `dec()` or `done()`. The
-//! env replies with the new position and restates the target. The episode ends at `done()` (outcome reward 1 on target,
-//! else 0) or after `max_steps` actions (reward 0). The outcome is discounted backwards with
-//! `gamma` (step i of n gets `gamma^(n−1−i) · R`; [`EpisodeDiscount`]).
+//! env replies with the new position and restates the target. The episode ends at `done()`
+//! (outcome reward 1 on target, else 0) or after `max_steps` actions (reward 0). The outcome is
+//! discounted backwards with `gamma` (step i of n gets `gamma^(n−1−i) · R`; [`EpisodeDiscount`]).
 //!
 //! Situation labels: `move`, `invalid` (no or unknown action; position unchanged), `done`,
 //! `out_of_steps`.
@@ -93,9 +93,7 @@ impl WalkEnv {
             steps: 0,
         }
     }
-}
 
-impl WalkEnv {
     /// What the walker is told each turn: where it is and where to stop. The goal is restated
     /// with every position (as goal-conditioned envs do), so each decision reads one message.
     fn observation(&self) -> String {
