@@ -133,18 +133,23 @@ pub(crate) fn avx2_fma() -> bool {
 }
 
 /// `e^x` in place: `x = n ln2 + r` with `|r| ≤ ln2/2`, `e^r` by Cephes' `expf` polynomial,
-/// `2^n` built in the exponent bits. Branch-free (selects only), so it vectorises; below
-/// −87.3 (where f32 underflows) the result is 0, as `expf`'s is there up to denormals.
+/// `2^n` built in the exponent bits of two factors (`n` reaches 128 just below f32's largest
+/// value, one past the largest exponent). Branch-free (selects only) and free of float-to-int
+/// casts (Rust's saturate, and LLVM turns each into a scalar conversion and compares), so it
+/// vectorises. Below −87.3 (where f32 underflows) the result is 0, as `expf`'s is there up to
+/// denormals; past `ln f32::MAX` it is infinite.
 #[inline(always)]
 pub(crate) fn exp_f32_slice(xs: &mut [f32]) {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const LN2_HI: f32 = 0.693_359_4;
     const LN2_LO: f32 = -2.121_944_4e-4;
-    // 1.5 · 2²³: adding and subtracting it rounds to the nearest integer.
+    // 1.5 · 2²³: adding it rounds to the nearest integer, which then sits in the low mantissa
+    // bits (as `2²² + n`); subtracting it back gives `n` as a float.
     const ROUND: f32 = 12_582_912.0;
     for x in xs.iter_mut() {
-        let v = x.clamp(-87.3, 88.7);
-        let n = (v * LOG2E + ROUND) - ROUND;
+        let v = x.clamp(-87.3, 88.8);
+        let shifted = v * LOG2E + ROUND;
+        let n = shifted - ROUND;
         let r = v - n * LN2_HI - n * LN2_LO;
         let p = ((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2)
             * r
@@ -152,8 +157,16 @@ pub(crate) fn exp_f32_slice(xs: &mut [f32]) {
             * r
             + 0.5;
         let e = p * r * r + r + 1.0;
-        let scale = f32::from_bits(((n as i32 + 127) << 23) as u32);
-        *x = if *x < -87.3 { 0.0 } else { e * scale };
+        // `n` (−126 ≤ n ≤ 128 after the clamp) is the mantissa bits of `shifted` minus those
+        // of `ROUND`; `2^n = 2^h · 2^(n − h)` with `h = n / 2`, each a normal f32.
+        let n = shifted.to_bits().wrapping_sub(ROUND.to_bits()) as i32;
+        let h = n >> 1;
+        let pow2 = |k: i32| f32::from_bits(((k + 127) as u32) << 23);
+        *x = if *x < -87.3 {
+            0.0
+        } else {
+            e * pow2(h) * pow2(n - h)
+        };
     }
 }
 
@@ -420,5 +433,34 @@ pub(crate) fn same_dtype(op: &str, a: &CpuStorage, b: &CpuStorage) -> Result<DTy
     match da {
         DType::F32 | DType::F64 => Ok(da),
         other => candle_core::bail!("{op}: no fused kernel for {other:?}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// Within a few ulps of `exp` over f32's whole range (up to 88.72, just below `ln f32::MAX`),
+    /// 0 below it, infinite above, NaN kept.
+    #[test]
+    fn exp_matches_the_library_exp() {
+        let mut xs: Vec<f32> = (-8800..=8872).map(|i| i as f32 / 100.0).collect();
+        xs.extend([-0.0, 1e-8, -1e-8, 0.346_573_6, -0.346_573_6]);
+        let mut got = xs.clone();
+        super::exp_f32_slice(&mut got);
+        for (&x, &y) in xs.iter().zip(&got) {
+            if x < -87.3 {
+                assert_eq!(y, 0.0, "exp({x})");
+                continue;
+            }
+            let want = f64::from(x).exp();
+            let rel = ((f64::from(y) - want) / want).abs();
+            assert!(
+                rel < 4e-7,
+                "exp({x}) = {y}, want {want} (relative error {rel:e})"
+            );
+        }
+        let mut odd = [f32::NAN, f32::NEG_INFINITY, 88.8, 1e30, f32::INFINITY];
+        super::exp_f32_slice(&mut odd);
+        assert!(odd[0].is_nan());
+        assert_eq!(odd[1..], [0.0, f32::INFINITY, f32::INFINITY, f32::INFINITY]);
     }
 }
