@@ -138,27 +138,42 @@ impl InferenceModel {
         // A step of one new token per sequence (the steady state of continuous batching) runs
         // attention for all sequences at once; anything else goes sequence by sequence.
         let seqs: Vec<SeqId> = inputs.iter().map(|i| i.seq).collect();
-        let decode_mask = if inputs.iter().all(|i| i.tokens.len() == 1) {
-            Some(decode_mask(&past, dtype, &device).ctx("decode mask")?)
-        } else {
-            None
+        let decode = inputs.iter().all(|i| i.tokens.len() == 1);
+        // Built on first use: a cache with its own decode kernel never needs it.
+        let mask = std::cell::OnceCell::new();
+        // (N, heads, d) → (heads, N, d), rotated, for attention sequence by sequence.
+        let rope_heads = |t: &Tensor| {
+            let heads = t.transpose(0, 1)?.contiguous()?.unsqueeze(0)?;
+            apply_rope(&heads, &cos, &sin, kernels)?.squeeze(0)
+        };
+        // (N, heads, d) rotated in place of its rows: on the CPU the fused kernel works on the
+        // token rows, with no transposed copy either way.
+        let rope_rows = |t: &Tensor| {
+            let (n, heads, d) = t.dims3()?;
+            if crate::fused::supported(t) {
+                crate::fused::rope(&t.reshape((n, heads * d))?, &cos, &sin, d)?
+                    .reshape((n, heads, d))
+            } else {
+                rope_heads(t)?.transpose(0, 1)?.contiguous()
+            }
         };
         for (li, layer) in self.weights.layers.iter().enumerate() {
             let context = format!("inference step, layer {li}");
             let qkv = layer.qkv(&x, c, kernels).ctx(&context)?;
-            // (N, heads, d) → (1, heads, N, d) for the rope kernel.
-            let to_heads = |t: &Tensor| t.transpose(0, 1)?.contiguous()?.unsqueeze(0);
-            let rope = |t: &Tensor| apply_rope(&to_heads(t)?, &cos, &sin, kernels)?.squeeze(0);
-            let q = rope(&qkv.q).ctx(&context)?;
-            let k = rope(&qkv.k).ctx(&context)?;
-            if let Some(mask) = &decode_mask {
+            if decode {
                 let heads = DecodeHeads {
                     seqs: &seqs,
                     layer: li,
-                    q: &q,
-                    k: &k,
+                    q: &rope_rows(&qkv.q).ctx(&context)?,
+                    k: &rope_rows(&qkv.k).ctx(&context)?,
                     v: &qkv.v,
-                    mask,
+                    mask: || {
+                        if let Some(m) = mask.get() {
+                            return Ok(Tensor::clone(m));
+                        }
+                        let m = decode_mask(&past, dtype, &device).ctx("decode mask")?;
+                        Ok(mask.get_or_init(|| m).clone())
+                    },
                 };
                 let att = self.attend_decode(cache, heads)?;
                 x = (&x + linear_with(&att, &layer.o_proj, None, kernels).ctx(&context)?)
@@ -166,6 +181,8 @@ impl InferenceModel {
                 x = layer.mlp_block(&x, c.rms_norm_eps, kernels).ctx(&context)?;
                 continue;
             }
+            let q = rope_heads(&qkv.q).ctx(&context)?;
+            let k = rope_heads(&qkv.k).ctx(&context)?;
             let v = qkv.v.transpose(0, 1).ctx(&context)?;
             let mut outs = Vec::with_capacity(inputs.len());
             let mut start = 0;
@@ -253,10 +270,13 @@ impl InferenceModel {
         att.reshape((c.num_heads, n, d))
     }
 
-    /// Attention of one new token per sequence, all sequences batched: `q` `(heads, B, d)` and
-    /// `k` `(kv_heads, B, d)` after RoPE, `v` `(B, kv_heads, d)`; returns `(B, heads·d)`.
+    /// Attention of one new token per sequence, all sequences batched: `q` `(B, heads, d)` and
+    /// `k` `(B, kv_heads, d)` after RoPE, `v` `(B, kv_heads, d)`; returns `(B, heads·d)`.
     /// (Fields of [`DecodeHeads`].)
-    fn attend_decode(&self, cache: &mut dyn KvCache, heads: DecodeHeads<'_>) -> Result<Tensor> {
+    fn attend_decode<M>(&self, cache: &mut dyn KvCache, heads: DecodeHeads<'_, M>) -> Result<Tensor>
+    where
+        M: Fn() -> Result<Tensor>,
+    {
         let DecodeHeads {
             seqs,
             layer,
@@ -268,19 +288,18 @@ impl InferenceModel {
         let c = &*self.config;
         let (b, d, g) = (seqs.len(), c.head_dim, c.kv_groups());
         let run = |t: candle_core::Result<Tensor>| t.ctx("batched decode attention");
-        let k_new = run(k.transpose(0, 1).and_then(|t| t.contiguous()))?;
         let v = v.contiguous().ctx("v")?;
         let scale = 1.0 / (d as f64).sqrt();
         // The cache's own kernel when it has one (the paged pool on the CPU: no gathered copy).
-        let q_rows = run(q.transpose(0, 1).and_then(|t| t.contiguous()))?;
-        if let Some(att) = cache.attend_decode(seqs, layer, &q_rows, &k_new, &v, scale)? {
+        if let Some(att) = cache.attend_decode(seqs, layer, q, k, &v, scale)? {
             return Ok(att);
         }
-        let (k_all, v_all) = cache.append_decode(seqs, layer, &k_new, &v)?;
+        let (k_all, v_all) = cache.append_decode(seqs, layer, k, &v)?;
+        let mask = mask()?;
         run((|| {
             // (B, kv, g, d) @ (B, kv, d, T) → (B, kv, g, T), masked per sequence length.
-            let q = q_rows.reshape((b, c.num_kv_heads, g, d))?;
-            let scores = (q.matmul(&k_all.transpose(2, 3)?)? * scale)?.broadcast_add(mask)?;
+            let q = q.reshape((b, c.num_kv_heads, g, d))?;
+            let scores = (q.matmul(&k_all.transpose(2, 3)?)? * scale)?.broadcast_add(&mask)?;
             let att = softmax_last_dim(&scores, Kernels::Fused)?.matmul(&v_all)?;
             att.reshape((b, c.num_heads * d))
         })())
@@ -340,13 +359,14 @@ pub fn argmax_rows(logits: &Tensor) -> Result<Vec<u32>> {
 }
 
 /// One layer's inputs to batched decode attention.
-struct DecodeHeads<'a> {
+struct DecodeHeads<'a, M> {
     seqs: &'a [SeqId],
     layer: usize,
     q: &'a Tensor,
     k: &'a Tensor,
     v: &'a Tensor,
-    mask: &'a Tensor,
+    /// The step's [`decode_mask`], for caches without a decode kernel of their own.
+    mask: M,
 }
 
 /// `(B, 1, 1, T)` additive mask for a decode step: the new token of sequence `b` (at position

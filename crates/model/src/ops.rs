@@ -43,8 +43,12 @@ pub(crate) fn compute_dtype(dtype: DType) -> DType {
 /// RMSNorm over the last dim: `w * (x / sqrt(mean(x²) + eps))`, statistics in f32 (or f64).
 pub(crate) fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64, kernels: Kernels) -> Result<Tensor> {
     match kernels {
+        // Sluice's kernel on the CPU: candle-nn's splits every call over the thread pool, and
+        // waking it costs more than a decode step's few rows take.
+        Kernels::Fused | Kernels::Custom if crate::fused::supported(x) => {
+            crate::fused::rms_norm(x, weight, eps)
+        }
         Kernels::Fused => candle_nn::ops::rms_norm(&x.contiguous()?, weight, eps as f32),
-        Kernels::Custom if crate::fused::supported(x) => crate::fused::rms_norm(x, weight, eps),
         Kernels::Differentiable | Kernels::Custom => {
             let dtype = x.dtype();
             let xf = x.to_dtype(compute_dtype(dtype))?;
