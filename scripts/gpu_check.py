@@ -4,8 +4,9 @@ PyTorch/transformers reference measurements on the same checkpoint and GPU.
 
 Subcommands (each prints `key=value` words on one line, or JSON for `torch-logits`):
   compare REF.json OTHER.json --logits-tol X [--grads-tol Y]
-      relative logits error  max|a-b| / max|a|  and the worst relative gradient-norm error over
-      the parameters; exit 1 when a tolerance is exceeded.
+      relative logits error  max|a-b| / max|a|  of the prefill path (`logits_rel`) and of the
+      decode path (`decode_rel`, worst row, when both files have `decode_logits`), and the worst
+      relative gradient-norm error over the parameters; exit 1 when a tolerance is exceeded.
   torch-logits MODEL --tokens 1,2,3 [--dtype f32|bf16]
       last-position logits of transformers' model, as `sluice model probe` prints them.
   torch-generate MODEL --batch 64 --prompt-tokens 16 --max-new-tokens 128 [--dtype bf16]
@@ -44,6 +45,14 @@ def cmd_compare(args):
     logits = rel_error(ref["logits"], other["logits"])
     words = [f"logits_rel={logits:.3g}"]
     ok = logits <= args.logits_tol
+    if "decode_logits" in ref and "decode_logits" in other:
+        rows = list(zip(ref["decode_logits"], other["decode_logits"]))
+        if len(rows) != len(ref["decode_logits"]) or any(len(a) != len(b) for a, b in rows):
+            decode = math.inf
+        else:
+            decode = max(rel_error(a, b) for a, b in rows)
+        words.append(f"decode_rel={decode:.3g}")
+        ok = ok and decode <= args.logits_tol
     if args.grads_tol is not None:
         worst, name = 0.0, None
         for key, g in ref["grad_norms"].items():

@@ -159,6 +159,25 @@ fn probe_prints_logits_and_every_parameter_s_gradient() {
     let logits = f32["logits"].as_array().unwrap();
     assert_eq!(logits.len(), vocab);
     assert!(logits.iter().all(|x| x.as_f64().unwrap().is_finite()));
+    // The decode path (paged cache, two sequences a token per step) ends on the same
+    // distribution for the prompt; the reversed prompt's differs.
+    let rows = f32["decode_logits"].as_array().unwrap();
+    assert_eq!(rows.len(), 2);
+    let max_diff = |a: &[Value], b: &[Value]| {
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x.as_f64().unwrap() - y.as_f64().unwrap()).abs())
+            .fold(0.0, f64::max)
+    };
+    let scale = logits
+        .iter()
+        .map(|x| x.as_f64().unwrap().abs())
+        .fold(0.0, f64::max);
+    let first = rows[0].as_array().unwrap();
+    assert_eq!(first.len(), vocab);
+    let diff = max_diff(logits, first);
+    assert!(diff / scale < 1e-5, "decode path: {diff} of {scale}");
+    assert!(max_diff(logits, rows[1].as_array().unwrap()) / scale > 1e-3);
     let loss = f32["loss"].as_f64().unwrap();
     assert!(loss > 0.0 && loss.is_finite(), "{loss}");
     let grads = f32["grad_norms"].as_object().unwrap();
@@ -171,16 +190,7 @@ fn probe_prints_logits_and_every_parameter_s_gradient() {
     assert!(out.status.success(), "{}", text(&out));
     let bf16: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(bf16["dtype"], "bf16");
-    let (a, b) = (logits, bf16["logits"].as_array().unwrap());
-    let scale = a
-        .iter()
-        .map(|x| x.as_f64().unwrap().abs())
-        .fold(0.0, f64::max);
-    let diff = a
-        .iter()
-        .zip(b)
-        .map(|(x, y)| (x.as_f64().unwrap() - y.as_f64().unwrap()).abs())
-        .fold(0.0, f64::max);
+    let diff = max_diff(logits, bf16["logits"].as_array().unwrap());
     assert!(diff > 0.0 && diff / scale < 0.05, "{diff} of {scale}");
 
     // The comparison gpu-check makes, here CPU against itself: identical.
@@ -197,7 +207,7 @@ fn probe_prints_logits_and_every_parameter_s_gradient() {
     assert!(cmp.status.success(), "{}", text(&cmp));
     let line = String::from_utf8_lossy(&cmp.stdout);
     assert!(
-        line.contains("logits_rel=0 ") && line.contains("ok=1"),
+        line.contains("logits_rel=0 ") && line.contains("decode_rel=0 ") && line.contains("ok=1"),
         "{line}"
     );
 }

@@ -5,7 +5,12 @@
 //! Two paths, the ones a run takes: the engine's (the inference model in `--dtype`, KV cache,
 //! logits of the last position) and the trainer's (f32 master weights, the training forward of
 //! every target, then the backward of `−mean log p(next token)`: the gradients an RL step
-//! builds its update from, with every advantage equal to 1).
+//! builds its update from, with every advantage equal to 1). The engine's path is taken twice:
+//! the whole prompt in one prefill (`logits`), and as a running engine meets it
+//! (`decode_logits`): two sequences in the engine's paged cache, the prompt and the prompt
+//! reversed, each prefilled with its first half and then fed the rest one token per step, both
+//! in the same steps (the batched decode path), the last step's logits of each. The first row
+//! of `decode_logits` is the same distribution as `logits`, by the other path.
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -14,7 +19,7 @@ use anyhow::{Context, bail};
 use sluice_model::candle::DType;
 use sluice_model::{
     ContiguousKvCache, ForwardOptions, InferenceModel, LoadOptions, LogitsWanted, PackedBatch,
-    StepInput, TrainableModel, load_checkpoint,
+    PagedKvCache, StepInput, TrainableModel, load_checkpoint,
 };
 
 use crate::cli::ModelProbeArgs;
@@ -57,6 +62,7 @@ pub fn run(args: &ModelProbeArgs) -> anyhow::Result<ExitCode> {
         LogitsWanted::Last,
     )?;
     let logits: Vec<f32> = logits.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+    let decode_logits = decode_path(&model, &args.tokens)?;
 
     // The trainer's path: f32 master weights, loss −mean log p over every next token.
     let trainable = TrainableModel::from_snapshot(&weights, DType::F32)?;
@@ -91,9 +97,44 @@ pub fn run(args: &ModelProbeArgs) -> anyhow::Result<ExitCode> {
         "dtype": format!("{dtype:?}").to_lowercase(),
         "tokens": args.tokens,
         "logits": logits,
+        "decode_logits": decode_logits,
         "loss": loss.to_scalar::<f32>()?,
         "grad_norms": grad_norms,
     });
     println!("{out}");
     Ok(ExitCode::SUCCESS)
+}
+
+/// The engine's decode path over `tokens` (see the module docs): rows of f32 logits, one per
+/// sequence.
+fn decode_path(model: &InferenceModel, tokens: &[u32]) -> anyhow::Result<Vec<Vec<f32>>> {
+    const BLOCK_TOKENS: usize = 16;
+    let reversed: Vec<u32> = tokens.iter().rev().copied().collect();
+    let seqs = [tokens, &reversed[..]];
+    let weights = model.snapshot();
+    let blocks = seqs.len() * tokens.len().div_ceil(BLOCK_TOKENS);
+    let mut cache = PagedKvCache::new(
+        model.config(),
+        weights.dtype(),
+        weights.device(),
+        blocks,
+        BLOCK_TOKENS,
+    )?;
+    let half = tokens.len() / 2;
+    let step = |cache: &mut PagedKvCache, range: std::ops::Range<usize>| {
+        let inputs: Vec<StepInput<'_>> = seqs
+            .iter()
+            .zip(0u64..)
+            .map(|(t, seq)| StepInput {
+                seq,
+                tokens: &t[range.clone()],
+            })
+            .collect();
+        model.step(cache, &inputs, LogitsWanted::Last)
+    };
+    let mut logits = step(&mut cache, 0..half)?;
+    for i in half..tokens.len() {
+        logits = step(&mut cache, i..i + 1)?;
+    }
+    Ok(logits.to_dtype(DType::F32)?.to_vec2()?)
 }
