@@ -14,7 +14,7 @@
 //! prompt log-probabilities, and an observer that sees each token as it is produced.
 
 mod kv;
-mod sampler;
+pub mod sampler;
 mod stop;
 mod worker;
 

@@ -1,4 +1,5 @@
 //! Token choice from one row of logits: temperature, top-k, top-p and a per-request seed.
+//! Public for `sluice bench engine`, which times it at a real vocabulary.
 //!
 //! The behaviour log-probability reported for a token is `log softmax(logits / T)[token]` with
 //! `T` the request's temperature (`T = 0`, greedy, reports `T = 1`), computed in f64 over the
@@ -17,94 +18,216 @@ use crate::backend::SamplingParams;
 /// Temperatures at or below this are greedy.
 const GREEDY_BELOW: f64 = 1e-5;
 
+/// Candidates the nucleus (top-p) search sorts first; it widens fourfold until their mass
+/// reaches `top_p`, so a real vocabulary (150k tokens) is not sorted whole per token.
+const NUCLEUS_FIRST: usize = 64;
+
+/// Probabilities summed per block when the inverse CDF looks for its block first.
+const CDF_BLOCK: usize = 1024;
+
 /// One chosen token and its behaviour log-probability.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub(crate) struct Sampled {
+pub struct Sampled {
     /// The token.
     pub token: u32,
     /// `log softmax(logits / T)[token]`, before truncation.
     pub logprob: f32,
 }
 
+/// A row of logits under temperature `T` (`T <= 0` read as 1): `exp = e^((logits − max) / T)`
+/// and `log_z = ln Σ exp` (summed in f64), so `log softmax = (logits − max) / T − log_z`. The
+/// exponentials run 8 (or 4) to a vector, and the row is read a few times in all: at a real
+/// vocabulary that is most of what choosing a token costs.
+struct Scaled<'a> {
+    logits: &'a [f32],
+    max: f32,
+    inv_t: f32,
+    exp: Vec<f32>,
+    z: f64,
+    log_z: f64,
+}
+
+impl<'a> Scaled<'a> {
+    fn new(logits: &'a [f32], temperature: f64) -> Self {
+        let t = if temperature > GREEDY_BELOW {
+            temperature
+        } else {
+            1.0
+        };
+        let max = max(logits);
+        let inv_t = (1.0 / t) as f32;
+        let mut exp: Vec<f32> = logits.iter().map(|&x| (x - max) * inv_t).collect();
+        sluice_model::fused::exp_f32_slice(&mut exp);
+        let z = sum_f64(&exp);
+        Self {
+            logits,
+            max,
+            inv_t,
+            exp,
+            z,
+            log_z: z.ln(),
+        }
+    }
+
+    /// `log softmax(logits / T)[token]`.
+    fn logprob(&self, token: u32) -> f32 {
+        let scaled = (self.logits[token as usize] - self.max) * self.inv_t;
+        (f64::from(scaled) - self.log_z) as f32
+    }
+}
+
+/// The largest element (NaNs never win), in 8 lanes so it vectorises.
+fn max(xs: &[f32]) -> f32 {
+    let mut lanes = [f32::NEG_INFINITY; 8];
+    let chunks = xs.chunks_exact(8);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for (m, &x) in lanes.iter_mut().zip(c) {
+            *m = if x > *m { x } else { *m };
+        }
+    }
+    lanes
+        .into_iter()
+        .chain(tail.iter().copied())
+        .fold(f32::NEG_INFINITY, |m, x| if x > m { x } else { m })
+}
+
+/// The sum in f64, in 4 lanes so it vectorises.
+fn sum_f64(xs: &[f32]) -> f64 {
+    let mut lanes = [0f64; 4];
+    let chunks = xs.chunks_exact(4);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for (s, &x) in lanes.iter_mut().zip(c) {
+            *s += f64::from(x);
+        }
+    }
+    (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]) + tail.iter().map(|&x| f64::from(x)).sum::<f64>()
+}
+
 /// `log softmax(logits / T)`, `T <= 0` read as 1.
 pub(crate) fn log_softmax(logits: &[f32], temperature: f64) -> Vec<f32> {
-    let t = if temperature > GREEDY_BELOW {
-        temperature
-    } else {
-        1.0
-    };
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-    let sum: f64 = logits.iter().map(|&x| ((x as f64 - max) / t).exp()).sum();
-    let log_z = sum.ln();
-    logits
-        .iter()
-        .map(|&x| ((x as f64 - max) / t - log_z) as f32)
-        .collect()
+    let s = Scaled::new(logits, temperature);
+    (0..logits.len() as u32).map(|t| s.logprob(t)).collect()
 }
 
 /// Chooses a token from `logits` for completion position `position`.
-pub(crate) fn sample(logits: &[f32], params: &SamplingParams, seed: u64, position: u64) -> Sampled {
-    let lp = log_softmax(logits, params.temperature);
+pub fn sample(logits: &[f32], params: &SamplingParams, seed: u64, position: u64) -> Sampled {
     if params.temperature <= GREEDY_BELOW {
         let token = argmax(logits);
         return Sampled {
             token,
-            logprob: lp[token as usize],
+            logprob: Scaled::new(logits, params.temperature).logprob(token),
         };
     }
+    let s = Scaled::new(logits, params.temperature);
     let u = uniform(seed, position);
     let truncated = params.top_k > 0 || params.top_p < 1.0;
     let token = if truncated {
-        let mut order: Vec<u32> = (0..lp.len() as u32).collect();
-        let by_desc = |a: &u32, b: &u32| lp[*b as usize].total_cmp(&lp[*a as usize]).then(a.cmp(b));
-        let k = params.top_k as usize;
-        if k > 0 && k < order.len() {
-            order.select_nth_unstable_by(k - 1, by_desc);
-            order.truncate(k);
-        }
-        order.sort_unstable_by(by_desc);
-        let mut kept = 0;
-        let mut mass = 0.0f64;
-        for &t in &order {
-            mass += (lp[t as usize] as f64).exp();
-            kept += 1;
-            if mass >= params.top_p {
-                break;
-            }
-        }
-        pick(order[..kept].iter().copied(), &lp, u * mass)
+        let (kept, mass) = nucleus(&s, params.top_k as usize, params.top_p);
+        let mut acc = 0.0f64;
+        let target = u * mass;
+        kept.iter()
+            .copied()
+            .find(|&t| {
+                acc += f64::from(s.exp[t as usize]) / s.z;
+                acc > target
+            })
+            .unwrap_or_else(|| *kept.last().expect("a nucleus keeps at least one token"))
     } else {
-        pick(0..lp.len() as u32, &lp, u)
+        inverse_cdf(&s.exp, u * s.z)
     };
     Sampled {
         token,
-        logprob: lp[token as usize],
+        logprob: s.logprob(token),
     }
 }
 
-/// Inverse CDF over `candidates` in order; the last candidate absorbs rounding.
-fn pick(candidates: impl Iterator<Item = u32>, lp: &[f32], target: f64) -> u32 {
+/// Samples every row (`rows[i]` with `params[i]`, seed and position), in parallel on the
+/// current thread pool when the rows are many and wide (a real vocabulary): each row's draw
+/// depends on its own seed and position only, so the result is the same either way.
+pub fn sample_rows(rows: &[(&[f32], &SamplingParams, u64, u64)]) -> Vec<Sampled> {
+    use rayon::prelude::*;
+    /// Logits below which one thread samples everything (waking the pool costs more).
+    const MIN_PARALLEL: usize = 1 << 16;
+    let one = |&(logits, params, seed, position): &(&[f32], &SamplingParams, u64, u64)| {
+        sample(logits, params, seed, position)
+    };
+    let total: usize = rows.iter().map(|r| r.0.len()).sum();
+    if rows.len() > 1 && total >= MIN_PARALLEL && rayon::current_num_threads() > 1 {
+        rows.par_iter().map(one).collect()
+    } else {
+        rows.iter().map(one).collect()
+    }
+}
+
+/// The most likely tokens, most likely first, up to `top_k` (0: no limit) and until their
+/// probability reaches `top_p`, with that probability. Sorts a few dozen candidates first and
+/// widens only when their mass falls short.
+fn nucleus(s: &Scaled, top_k: usize, top_p: f64) -> (Vec<u32>, f64) {
+    let v = s.logits.len();
+    let cap = if top_k > 0 { top_k.min(v) } else { v };
+    // Temperature scales and shifts every logit alike: the logits' order is the
+    // probabilities'.
+    let by_desc = |a: &u32, b: &u32| {
+        s.logits[*b as usize]
+            .total_cmp(&s.logits[*a as usize])
+            .then(a.cmp(b))
+    };
+    let mut width = NUCLEUS_FIRST.min(cap);
+    loop {
+        let mut order: Vec<u32> = (0..v as u32).collect();
+        if width < v {
+            order.select_nth_unstable_by(width - 1, by_desc);
+            order.truncate(width);
+        }
+        order.sort_unstable_by(by_desc);
+        let mut mass = 0.0f64;
+        let mut kept = 0;
+        for &t in &order {
+            mass += f64::from(s.exp[t as usize]) / s.z;
+            kept += 1;
+            if mass >= top_p {
+                break;
+            }
+        }
+        if mass >= top_p || width == cap {
+            order.truncate(kept);
+            return (order, mass);
+        }
+        width = (width * 4).min(cap);
+    }
+}
+
+/// Inverse CDF of unnormalised weights in index order: the first index whose running sum
+/// exceeds `target` (the last one absorbs rounding). Finds the block first from block sums.
+fn inverse_cdf(weights: &[f32], target: f64) -> u32 {
     let mut acc = 0.0f64;
-    let mut last = 0;
-    for t in candidates {
-        acc += (lp[t as usize] as f64).exp();
-        last = t;
+    let mut start = 0;
+    for block in weights.chunks(CDF_BLOCK) {
+        let sum = sum_f64(block);
+        if acc + sum > target {
+            break;
+        }
+        acc += sum;
+        start += block.len();
+    }
+    let mut last = start.min(weights.len().saturating_sub(1));
+    for (i, &w) in weights.iter().enumerate().skip(start) {
+        acc += f64::from(w);
+        last = i;
         if acc > target {
-            return t;
+            break;
         }
     }
-    last
+    last as u32
 }
 
-/// First index of the largest logit (ties break low, so batched and single runs agree).
+/// First index of the largest logit (ties break low, so batched and single runs agree; NaNs
+/// never win). The maximum first, in vectors, then the first place it occurs.
 pub(crate) fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &x) in logits.iter().enumerate() {
-        if x > logits[best] {
-            best = i;
-        }
-    }
-    best as u32
+    let m = max(logits);
+    logits.iter().position(|&x| x == m).unwrap_or(0) as u32
 }
 
 /// The `n` most likely tokens of a log-probability row, most likely first.
@@ -206,6 +329,101 @@ mod tests {
             .map(|pos| sample(&logits, &params(1.0, 1.0, 0), 12, pos).token)
             .collect();
         assert_ne!(draws, other);
+    }
+
+    /// Logits of a `v`-token vocabulary, spread (`spread` large) or peaked, seeded.
+    fn wide_logits(v: usize, spread: f32, seed: u64) -> Vec<f32> {
+        (0..v as u64)
+            .map(|i| (uniform(seed, i) as f32 - 0.5) * spread)
+            .collect()
+    }
+
+    #[test]
+    fn log_softmax_matches_an_f64_reference_at_a_real_vocabulary() {
+        let logits = wide_logits(151_936, 30.0, 5);
+        for t in [0.7, 1.0] {
+            let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+            let z: f64 = logits.iter().map(|&x| ((x as f64 - max) / t).exp()).sum();
+            let got = log_softmax(&logits, t);
+            for (&x, &g) in logits.iter().zip(&got).step_by(997) {
+                let want = (x as f64 - max) / t - z.ln();
+                assert!((g as f64 - want).abs() < 2e-5, "{g} vs {want}");
+            }
+        }
+    }
+
+    #[test]
+    fn the_blocked_inverse_cdf_is_the_plain_scan() {
+        let weights: Vec<f32> = (0..5000u64).map(|i| uniform(9, i) as f32).collect();
+        let total: f64 = weights.iter().map(|&w| w as f64).sum();
+        for k in 0..200u64 {
+            let target = uniform(10, k) * total;
+            let mut acc = 0.0;
+            let plain = weights
+                .iter()
+                .position(|&w| {
+                    acc += w as f64;
+                    acc > target
+                })
+                .unwrap_or(weights.len() - 1);
+            assert_eq!(
+                inverse_cdf(&weights, target),
+                plain as u32,
+                "target {target}"
+            );
+        }
+        assert_eq!(inverse_cdf(&weights, total * 2.0), 4999);
+        assert_eq!(inverse_cdf(&weights, 0.0), 0);
+    }
+
+    #[test]
+    fn the_nucleus_widens_until_it_holds_top_p() {
+        // Spread logits: the first 64 candidates hold little mass, so the search widens.
+        let logits = wide_logits(20_000, 2.0, 3);
+        let s = Scaled::new(&logits, 1.0);
+        let mut order: Vec<u32> = (0..logits.len() as u32).collect();
+        order.sort_by(|a, b| {
+            logits[*b as usize]
+                .total_cmp(&logits[*a as usize])
+                .then(a.cmp(b))
+        });
+        for (top_k, top_p) in [(0, 0.9), (0, 0.3), (500, 0.99), (10, 1.0)] {
+            let (kept, mass) = nucleus(&s, top_k, top_p);
+            let mut want = 0;
+            let mut want_mass = 0.0;
+            let cap = if top_k > 0 { top_k } else { order.len() };
+            for &t in order.iter().take(cap) {
+                want_mass += f64::from(s.exp[t as usize]) / s.z;
+                want += 1;
+                if want_mass >= top_p {
+                    break;
+                }
+            }
+            assert!(kept.len() > NUCLEUS_FIRST || top_k == 10, "{}", kept.len());
+            assert_eq!(kept, order[..want], "top_k {top_k}, top_p {top_p}");
+            assert!((mass - want_mass).abs() < 1e-9);
+        }
+    }
+
+    #[test]
+    fn rows_sampled_together_equal_rows_sampled_alone() {
+        let rows: Vec<Vec<f32>> = (0..6).map(|r| wide_logits(40_000, 12.0, r)).collect();
+        let settings = [
+            params(1.0, 1.0, 0),
+            params(0.7, 0.9, 0),
+            params(0.0, 1.0, 0),
+        ];
+        let jobs: Vec<(&[f32], &SamplingParams, u64, u64)> = rows
+            .iter()
+            .enumerate()
+            .map(|(r, row)| (row.as_slice(), &settings[r % 3], r as u64, 3 * r as u64))
+            .collect();
+        let together = sample_rows(&jobs);
+        for (job, got) in jobs.iter().zip(&together) {
+            assert_eq!(*got, sample(job.0, job.1, job.2, job.3));
+        }
+        let lp = log_softmax(jobs[0].0, 1.0);
+        assert_eq!(together[0].logprob, lp[together[0].token as usize]);
     }
 
     #[test]

@@ -14,7 +14,7 @@ use sluice_model::{
     InferenceModel, KvCache, LogitsWanted, ModelWeights, PagedKvCache, StepInput, Tokenizer,
 };
 
-use super::sampler::{log_softmax, sample, splitmix, top_n};
+use super::sampler::{log_softmax, sample_rows, splitmix, top_n};
 use super::stop::{StopHit, StopRule};
 use super::{
     Command, KvBudget, NativeEngineParams, NativeError, NativeRequest, PromptLogprob,
@@ -267,8 +267,12 @@ impl Worker {
         let context = self.context;
         let mut done: Vec<(usize, FinishReason, Option<StopHit>)> = Vec::new();
         let mut generated = 0u64;
+        // Prompt log-probabilities and prefill progress; which sequences draw a token.
+        let mut drawing: Vec<usize> = Vec::new();
         for (i, s) in q.running.iter_mut().enumerate() {
-            let Some(rows) = rows[i].take() else { continue };
+            let Some(rows) = rows[i].as_ref() else {
+                continue;
+            };
             let fed: Vec<u32> = s.pending.drain(..take[i]).collect();
             if let Some(lps) = &mut s.prompt_lps
                 && rows.len() == fed.len()
@@ -277,7 +281,7 @@ impl Worker {
                 let chunk = PromptChunk {
                     fed: &fed,
                     next,
-                    rows: &rows,
+                    rows,
                 };
                 collect_prompt_logprobs(s.prompt_len, lps, &chunk, &s.params, s.top_logprobs);
                 if lps.len() >= s.prompt_len
@@ -287,22 +291,35 @@ impl Worker {
                     s.prompt_lps = None;
                 }
             }
-            if !s.pending.is_empty() {
+            if !s.pending.is_empty() || rows.is_empty() {
                 continue; // still in prefill
             }
-            let Some(last) = rows.last() else { continue };
             if s.output.len() >= s.params.max_tokens as usize {
                 // max_tokens 0 (echo only) or a resumed request already at its length.
                 done.push((i, FinishReason::Length, None));
                 continue;
             }
-            let position = s.output.len() as u64;
-            let pick = sample(last, &s.params, s.seed, position);
+            drawing.push(i);
+        }
+        // The draws, on the pool's threads at a real vocabulary (each row is independent).
+        let last =
+            |i: usize| -> &[f32] { rows[i].as_ref().and_then(|r| r.last()).map_or(&[], |r| r) };
+        let jobs: Vec<(&[f32], &SamplingParams, u64, u64)> = drawing
+            .iter()
+            .map(|&i| {
+                let s = &q.running[i];
+                (last(i), &s.params, s.seed, s.output.len() as u64)
+            })
+            .collect();
+        let picks = sample_rows(&jobs);
+        drop(jobs);
+        for (&i, pick) in drawing.iter().zip(picks) {
+            let s = &mut q.running[i];
             push_token(&mut s.output, pick.token, pick.logprob, version);
             generated += 1;
             if let Some(obs) = &s.observer {
                 let top = if s.top_logprobs > 0 {
-                    top_n(&log_softmax(last, s.params.temperature), s.top_logprobs)
+                    top_n(&log_softmax(last(i), s.params.temperature), s.top_logprobs)
                 } else {
                     Vec::new()
                 };
@@ -323,6 +340,8 @@ impl Worker {
                 s.pending.push(pick.token);
             }
         }
+        // Removed from the highest index down.
+        done.sort_unstable_by_key(|d| d.0);
         self.shared
             .generated_tokens
             .fetch_add(generated, Ordering::Relaxed);

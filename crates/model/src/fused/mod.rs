@@ -139,7 +139,7 @@ pub(crate) fn avx2_fma() -> bool {
 /// vectorises. Below −87.3 (where f32 underflows) the result is 0, as `expf`'s is there up to
 /// denormals; past `ln f32::MAX` it is infinite.
 #[inline(always)]
-pub(crate) fn exp_f32_slice(xs: &mut [f32]) {
+pub fn exp_f32_slice(xs: &mut [f32]) {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const LN2_HI: f32 = 0.693_359_4;
     const LN2_LO: f32 = -2.121_944_4e-4;
