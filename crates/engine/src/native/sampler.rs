@@ -36,8 +36,8 @@ pub struct Sampled {
 
 /// A row of logits under temperature `T` (`T <= 0` read as 1): `exp = e^((logits − max) / T)`
 /// and `log_z = ln Σ exp` (summed in f64), so `log softmax = (logits − max) / T − log_z`. The
-/// exponentials run 8 (or 4) to a vector, and the row is read a few times in all: at a real
-/// vocabulary that is most of what choosing a token costs.
+/// exponentials run 8 to a vector on AVX2 CPUs, and the row is read a few times in all: at a
+/// real vocabulary that is most of what choosing a token costs.
 struct Scaled<'a> {
     logits: &'a [f32],
     max: f32,

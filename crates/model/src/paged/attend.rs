@@ -113,7 +113,7 @@ fn softmax(scores: &mut [f32]) {
     for x in scores.iter_mut() {
         *x -= max;
     }
-    crate::fused::exp_f32_slice(scores);
+    crate::fused::exp_f32_in_place(scores);
     let inv = 1.0 / scores.iter().sum::<f32>();
     for x in scores.iter_mut() {
         *x *= inv;
@@ -379,7 +379,7 @@ mod avx2 {
             for x in scores.iter_mut() {
                 *x -= max;
             }
-            crate::fused::exp_f32_slice(scores);
+            crate::fused::exp_f32_in_place(scores);
             let (whole, tail) = scores.split_at_mut(scores.len() / 8 * 8);
             let mut acc = _mm256_setzero_ps();
             for c in whole.chunks_exact(8) {
