@@ -132,9 +132,16 @@ pub(crate) fn avx2_fma() -> bool {
     false
 }
 
-/// [`exp_f32_in_place`] compiled for AVX2 + FMA (8 lanes) where the CPU has them, else for the
-/// baseline (4 lanes): for callers outside an AVX2 context (the engine's sampler, the training
-/// head's and attention's softmaxes). The same operations in either, so the same values.
+/// `e^x` in place: `x = n ln2 + r` with `|r| ≤ ln2/2`, `e^r` by Cephes' `expf` polynomial,
+/// `2^n` built in the exponent bits of two factors (`n` reaches 128 just below f32's largest
+/// value, one past the largest exponent). Branch-free (selects only) and free of float-to-int
+/// casts (Rust's saturate, and LLVM turns each into a scalar conversion and compares), so it
+/// vectorises. Below −87.3 (where f32 underflows) the result is 0, as `expf`'s is there up to
+/// denormals; past `ln f32::MAX` it is infinite.
+///
+/// Compiled for AVX2 + FMA (8 lanes) where the CPU has them, else for the baseline (4 lanes),
+/// for callers outside an AVX2 context (the engine's sampler, the training head's and
+/// attention's softmaxes): the same operations in either, so the same values.
 pub fn exp_f32_slice(xs: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if avx2_fma() {
@@ -151,12 +158,7 @@ fn exp_f32_wide(xs: &mut [f32]) {
     exp_f32_in_place(xs);
 }
 
-/// `e^x` in place: `x = n ln2 + r` with `|r| ≤ ln2/2`, `e^r` by Cephes' `expf` polynomial,
-/// `2^n` built in the exponent bits of two factors (`n` reaches 128 just below f32's largest
-/// value, one past the largest exponent). Branch-free (selects only) and free of float-to-int
-/// casts (Rust's saturate, and LLVM turns each into a scalar conversion and compares), so it
-/// vectorises. Below −87.3 (where f32 underflows) the result is 0, as `expf`'s is there up to
-/// denormals; past `ln f32::MAX` it is infinite.
+/// The body of [`exp_f32_slice`], inlined into kernels already compiled for AVX2.
 #[inline(always)]
 pub(crate) fn exp_f32_in_place(xs: &mut [f32]) {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
