@@ -18,9 +18,10 @@ use crate::backend::SamplingParams;
 /// Temperatures at or below this are greedy.
 const GREEDY_BELOW: f64 = 1e-5;
 
-/// Candidates the nucleus (top-p) search sorts first; it widens fourfold until their mass
-/// reaches `top_p`, so a real vocabulary (150k tokens) is not sorted whole per token.
-const NUCLEUS_FIRST: usize = 64;
+/// Buckets per nat of the nucleus (top-p) search's histogram, and how many: tokens more than
+/// 64 nats below the likeliest share the last bucket.
+const NUCLEUS_BUCKETS_PER_NAT: f32 = 4.0;
+const NUCLEUS_BUCKETS: usize = 256;
 
 /// Probabilities summed per block when the inverse CDF looks for its block first.
 const CDF_BLOCK: usize = 1024;
@@ -162,11 +163,11 @@ pub fn sample_rows(rows: &[(&[f32], &SamplingParams, u64, u64)]) -> Vec<Sampled>
 }
 
 /// The most likely tokens, most likely first, up to `top_k` (0: no limit) and until their
-/// probability reaches `top_p`, with that probability. Sorts a few dozen candidates first and
-/// widens only when their mass falls short.
+/// probability reaches `top_p`, with that probability. Sorts only candidates: the `top_k`
+/// likeliest (a selection), or every token down to the histogram bucket where the mass crosses
+/// `top_p` (a real vocabulary is not sorted whole per token).
 fn nucleus(s: &Scaled, top_k: usize, top_p: f64) -> (Vec<u32>, f64) {
     let v = s.logits.len();
-    let cap = if top_k > 0 { top_k.min(v) } else { v };
     // Temperature scales and shifts every logit alike: the logits' order is the
     // probabilities'.
     let by_desc = |a: &u32, b: &u32| {
@@ -174,29 +175,54 @@ fn nucleus(s: &Scaled, top_k: usize, top_p: f64) -> (Vec<u32>, f64) {
             .total_cmp(&s.logits[*a as usize])
             .then(a.cmp(b))
     };
-    let mut width = NUCLEUS_FIRST.min(cap);
-    loop {
-        let mut order: Vec<u32> = (0..v as u32).collect();
-        if width < v {
-            order.select_nth_unstable_by(width - 1, by_desc);
-            order.truncate(width);
+    let mut order: Vec<u32> = if top_k > 0 && top_k < v {
+        let mut all: Vec<u32> = (0..v as u32).collect();
+        all.select_nth_unstable_by(top_k - 1, by_desc);
+        all.truncate(top_k);
+        all
+    } else {
+        likeliest_holding(s, top_p)
+    };
+    order.sort_unstable_by(by_desc);
+    let mut mass = 0.0f64;
+    let mut kept = 0;
+    for &t in &order {
+        mass += f64::from(s.exp[t as usize]) / s.z;
+        kept += 1;
+        if mass >= top_p {
+            break;
         }
-        order.sort_unstable_by(by_desc);
-        let mut mass = 0.0f64;
-        let mut kept = 0;
-        for &t in &order {
-            mass += f64::from(s.exp[t as usize]) / s.z;
-            kept += 1;
-            if mass >= top_p {
-                break;
-            }
-        }
-        if mass >= top_p || width == cap {
-            order.truncate(kept);
-            return (order, mass);
-        }
-        width = (width * 4).min(cap);
     }
+    order.truncate(kept);
+    (order, mass)
+}
+
+/// Every token at least as likely as the least likely one a nucleus of mass `top_p` can hold
+/// (a superset of it, unsorted): a histogram of `ln p` in quarter nats, summed from the
+/// likeliest bucket until the mass reaches `top_p`, then the tokens of those buckets and of
+/// one more (the running sums round differently from the nucleus's own, token by token).
+fn likeliest_holding(s: &Scaled, top_p: f64) -> Vec<u32> {
+    if top_p >= 1.0 {
+        return (0..s.logits.len() as u32).collect();
+    }
+    let scale = s.inv_t * NUCLEUS_BUCKETS_PER_NAT;
+    let bucket = |x: f32| (((s.max - x) * scale) as usize).min(NUCLEUS_BUCKETS - 1);
+    let mut mass = [0f64; NUCLEUS_BUCKETS];
+    for (&x, &e) in s.logits.iter().zip(&s.exp) {
+        mass[bucket(x)] += f64::from(e);
+    }
+    let target = top_p * s.z;
+    let mut acc = 0.0;
+    let last = mass
+        .iter()
+        .position(|&m| {
+            acc += m;
+            acc >= target
+        })
+        .map_or(NUCLEUS_BUCKETS - 1, |b| (b + 1).min(NUCLEUS_BUCKETS - 1));
+    (0..s.logits.len() as u32)
+        .filter(|&t| bucket(s.logits[t as usize]) <= last)
+        .collect()
 }
 
 /// Inverse CDF of unnormalised weights in index order: the first index whose running sum
@@ -331,7 +357,7 @@ mod tests {
         assert_ne!(draws, other);
     }
 
-    /// Logits of a `v`-token vocabulary, spread (`spread` large) or peaked, seeded.
+    /// Logits of a `v`-token vocabulary spread uniformly over `spread` nats, seeded.
     fn wide_logits(v: usize, spread: f32, seed: u64) -> Vec<f32> {
         (0..v as u64)
             .map(|i| (uniform(seed, i) as f32 - 0.5) * spread)
@@ -377,31 +403,35 @@ mod tests {
     }
 
     #[test]
-    fn the_nucleus_widens_until_it_holds_top_p() {
-        // Spread logits: the first 64 candidates hold little mass, so the search widens.
-        let logits = wide_logits(20_000, 2.0, 3);
-        let s = Scaled::new(&logits, 1.0);
-        let mut order: Vec<u32> = (0..logits.len() as u32).collect();
-        order.sort_by(|a, b| {
-            logits[*b as usize]
-                .total_cmp(&logits[*a as usize])
-                .then(a.cmp(b))
-        });
-        for (top_k, top_p) in [(0, 0.9), (0, 0.3), (500, 0.99), (10, 1.0)] {
-            let (kept, mass) = nucleus(&s, top_k, top_p);
-            let mut want = 0;
-            let mut want_mass = 0.0;
-            let cap = if top_k > 0 { top_k } else { order.len() };
-            for &t in order.iter().take(cap) {
-                want_mass += f64::from(s.exp[t as usize]) / s.z;
-                want += 1;
-                if want_mass >= top_p {
-                    break;
+    fn the_nucleus_is_the_sorted_prefix_that_holds_top_p() {
+        // Spread logits (the nucleus holds thousands of tokens, across many buckets) and
+        // peaked ones (a few), at two temperatures.
+        for (spread, temperature) in [(2.0, 1.0), (2.0, 0.5), (80.0, 1.0), (80.0, 1.7)] {
+            let logits = wide_logits(20_000, spread, 3);
+            let s = Scaled::new(&logits, temperature);
+            let mut order: Vec<u32> = (0..logits.len() as u32).collect();
+            order.sort_by(|a, b| {
+                logits[*b as usize]
+                    .total_cmp(&logits[*a as usize])
+                    .then(a.cmp(b))
+            });
+            for (top_k, top_p) in [(0, 0.9), (0, 0.3), (500, 0.99), (10, 1.0), (0, 1.0)] {
+                let (kept, mass) = nucleus(&s, top_k, top_p);
+                let mut want = 0;
+                let mut want_mass = 0.0;
+                let cap = if top_k > 0 { top_k } else { order.len() };
+                for &t in order.iter().take(cap) {
+                    want_mass += f64::from(s.exp[t as usize]) / s.z;
+                    want += 1;
+                    if want_mass >= top_p {
+                        break;
+                    }
                 }
+                let case =
+                    format!("spread {spread}, T {temperature}, top_k {top_k}, top_p {top_p}");
+                assert_eq!(kept, order[..want], "{case}");
+                assert!((mass - want_mass).abs() < 1e-9, "{case}");
             }
-            assert!(kept.len() > NUCLEUS_FIRST || top_k == 10, "{}", kept.len());
-            assert_eq!(kept, order[..want], "top_k {top_k}, top_p {top_p}");
-            assert!((mass - want_mass).abs() < 1e-9);
         }
     }
 
