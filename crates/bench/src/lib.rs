@@ -11,6 +11,7 @@ pub mod engine;
 pub mod model;
 pub mod pipeline;
 pub mod rss;
+mod sampling;
 pub mod trainer;
 pub mod weights;
 
