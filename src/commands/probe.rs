@@ -122,15 +122,8 @@ fn decode_path(model: &InferenceModel, tokens: &[u32]) -> anyhow::Result<Vec<Vec
     )?;
     let half = tokens.len() / 2;
     let step = |cache: &mut PagedKvCache, range: std::ops::Range<usize>| {
-        let inputs: Vec<StepInput<'_>> = seqs
-            .iter()
-            .zip(0u64..)
-            .map(|(t, seq)| StepInput {
-                seq,
-                tokens: &t[range.clone()],
-            })
-            .collect();
-        model.step(cache, &inputs, LogitsWanted::Last)
+        let rows: Vec<&[u32]> = seqs.iter().map(|t| &t[range.clone()]).collect();
+        model.step(cache, &StepInput::numbered(&rows), LogitsWanted::Last)
     };
     let mut logits = step(&mut cache, 0..half)?;
     for i in half..tokens.len() {

@@ -8,14 +8,14 @@
 
 use std::process::ExitCode;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use sluice_config::ModelPreset;
 use sluice_model::candle::{DType, Device, Tensor};
 use sluice_model::presets::{preset_config, random_snapshot};
 use sluice_model::{
-    ContiguousKvCache, ForwardOptions, InferenceModel, LogitsWanted, ModelWeights, PackedBatch,
-    StepInput, TrainableModel, argmax_rows,
+    ContiguousKvCache, ForwardOptions, InferenceModel, KvCache, LogitsWanted, ModelWeights,
+    PackedBatch, StepInput, TrainableModel, argmax_rows,
 };
 
 /// `sluice bench model`
@@ -230,35 +230,35 @@ fn decode_tokens_per_s(
 ) -> anyhow::Result<f64> {
     let model = InferenceModel::new(Arc::clone(snapshot))?;
     let mut cache = ContiguousKvCache::new(model.config(), snapshot.dtype(), snapshot.device());
-    let vocab = snapshot.config().vocab_size as u32;
-    let prompts: Vec<Vec<u32>> = (0..batch)
-        .map(|s| {
-            (0..p.prompt_len as u32)
-                .map(|i| (i * 5 + s as u32 * 3) % vocab)
-                .collect()
-        })
-        .collect();
-    let inputs: Vec<StepInput<'_>> = prompts
-        .iter()
-        .enumerate()
-        .map(|(s, t)| StepInput {
-            seq: s as u64,
-            tokens: t,
-        })
-        .collect();
-    let mut next = argmax_rows(&model.step(&mut cache, &inputs, LogitsWanted::Last)?)?;
+    let prompts = prompts(batch, p.prompt_len, snapshot.config().vocab_size);
+    let took = greedy_decode(&model, &mut cache, &prompts, p.decode_steps)?;
+    Ok((batch * p.decode_steps) as f64 / took.as_secs_f64())
+}
+
+/// `batch` deterministic prompts of `len` tokens below `vocab`, one per sequence.
+pub fn prompts(batch: usize, len: usize, vocab: usize) -> Vec<Vec<u32>> {
+    let vocab = vocab as u32;
+    (0..batch as u32)
+        .map(|s| (0..len as u32).map(|i| (i * 5 + s * 3) % vocab).collect())
+        .collect()
+}
+
+/// Prefills `prompts` (sequence `i` for row `i`) into `cache`, then decodes `steps` greedy
+/// tokens for every sequence at once, the steady state of continuous batching; returns the
+/// decode's wall time (the prefill's excluded).
+pub fn greedy_decode(
+    model: &InferenceModel,
+    cache: &mut dyn KvCache,
+    prompts: &[Vec<u32>],
+    steps: usize,
+) -> anyhow::Result<Duration> {
+    let logits = model.step(cache, &StepInput::numbered(prompts), LogitsWanted::Last)?;
+    let mut next = argmax_rows(&logits)?;
     let start = Instant::now();
-    for _ in 0..p.decode_steps {
+    for _ in 0..steps {
         let tokens: Vec<[u32; 1]> = next.iter().map(|&t| [t]).collect();
-        let inputs: Vec<StepInput<'_>> = tokens
-            .iter()
-            .enumerate()
-            .map(|(s, t)| StepInput {
-                seq: s as u64,
-                tokens: t,
-            })
-            .collect();
-        next = argmax_rows(&model.step(&mut cache, &inputs, LogitsWanted::Last)?)?;
+        let logits = model.step(cache, &StepInput::numbered(&tokens), LogitsWanted::Last)?;
+        next = argmax_rows(&logits)?;
     }
-    Ok((batch * p.decode_steps) as f64 / start.elapsed().as_secs_f64())
+    Ok(start.elapsed())
 }

@@ -28,6 +28,19 @@ pub struct StepInput<'a> {
     pub tokens: &'a [u32],
 }
 
+impl<'a> StepInput<'a> {
+    /// One input per row of `rows`, sequence `i` for row `i`: a batch numbered from 0.
+    pub fn numbered<T: AsRef<[u32]>>(rows: &'a [T]) -> Vec<Self> {
+        rows.iter()
+            .zip(0..)
+            .map(|(row, seq)| StepInput {
+                seq,
+                tokens: row.as_ref(),
+            })
+            .collect()
+    }
+}
+
 /// Which logits a step returns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LogitsWanted {

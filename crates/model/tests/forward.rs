@@ -420,14 +420,7 @@ fn default_batched_decode_of_the_cache_trait_matches_the_fast_one() {
         snap.device(),
     ));
     let prompts: [&[u32]; 3] = [&[1, 2, 3], &[4, 5, 6, 7, 8, 9], &[10]];
-    let prefill: Vec<StepInput<'_>> = prompts
-        .iter()
-        .enumerate()
-        .map(|(s, t)| StepInput {
-            seq: s as u64,
-            tokens: t,
-        })
-        .collect();
+    let prefill = StepInput::numbered(&prompts);
     model.step(&mut fast, &prefill, LogitsWanted::Last).unwrap();
     model.step(&mut slow, &prefill, LogitsWanted::Last).unwrap();
     for token in [11u32, 12, 13] {
