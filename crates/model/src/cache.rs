@@ -16,9 +16,9 @@ pub type SeqId = u64;
 ///
 /// Protocol of one model step: the model reads [`KvCache::seq_len`] of each sequence once, then
 /// for every layer in order (0 first) appends that step's new keys and values, with
-/// [`KvCache::append`] per sequence or [`KvCache::append_decode`] for a batch of one-token
-/// sequences. `seq_len` counts tokens appended to the last layer, so it changes only once a step
-/// has gone through every layer.
+/// [`KvCache::append`] per sequence, [`KvCache::append_ragged`] for a batch of them, or
+/// [`KvCache::attend_decode`] for a batch of one-token sequences. `seq_len` counts tokens
+/// appended to the last layer, so it changes only once a step has gone through every layer.
 pub trait KvCache: Send {
     /// Tokens cached for `seq` (0 for a sequence the cache has never seen).
     fn seq_len(&self, seq: SeqId) -> usize;
@@ -33,30 +33,34 @@ pub trait KvCache: Send {
         v: &Tensor,
     ) -> Result<(Tensor, Tensor)>;
 
-    /// Appends one token per sequence (`k`, `v`: `(B, kv_heads, head_dim)`, row `b` for
-    /// `seqs[b]`) to `layer` and returns every sequence's keys and values padded to the longest,
+    /// Appends a ragged batch, `news[b]` new tokens of `seqs[b]` whose keys and values are rows
+    /// of `k`, `v` (`(Σ news, kv_heads, head_dim)`, sequence `b`'s rows right after those of
+    /// `b - 1`), to `layer`, and returns every sequence's keys and values padded to the longest,
     /// `(B, kv_heads, T_max, head_dim)`; slots past a sequence's own length hold anything and must
     /// be masked by the caller. The default goes through [`KvCache::append`] one sequence at a
-    /// time; implementations override it to batch.
-    fn append_decode(
+    /// time; implementations override it to write and read the batch at once.
+    fn append_ragged(
         &mut self,
         seqs: &[SeqId],
+        news: &[usize],
         layer: usize,
         k: &Tensor,
         v: &Tensor,
     ) -> Result<(Tensor, Tensor)> {
         let mut ks = Vec::with_capacity(seqs.len());
         let mut vs = Vec::with_capacity(seqs.len());
-        for (b, &seq) in seqs.iter().enumerate() {
-            let row = |t: &Tensor| t.narrow(0, b, 1)?.transpose(0, 1)?.contiguous();
+        let mut start = 0;
+        for (&seq, &n) in seqs.iter().zip(news) {
+            let rows = |t: &Tensor| t.narrow(0, start, n)?.transpose(0, 1)?.contiguous();
             let (k_all, v_all) = self.append(
                 seq,
                 layer,
-                &row(k).ctx("kv cache append")?,
-                &row(v).ctx("kv cache append")?,
+                &rows(k).ctx("kv cache append")?,
+                &rows(v).ctx("kv cache append")?,
             )?;
             ks.push(k_all);
             vs.push(v_all);
+            start += n;
         }
         let longest = ks.iter().map(|t| t.dim(1).unwrap_or(0)).max().unwrap_or(0);
         let pad_stack = |ts: Vec<Tensor>| -> candle_core::Result<Tensor> {
@@ -81,10 +85,10 @@ pub trait KvCache: Send {
 
     /// Batched decode attention computed over the cache's own storage, without gathering
     /// every sequence's keys and values into a padded copy: appends `k`, `v` (`(B, kv_heads,
-    /// head_dim)`) as [`KvCache::append_decode`] does and returns the attention output
-    /// `(B, heads · head_dim)` for the queries `q` (`(B, heads, head_dim)`, after RoPE) scaled
-    /// by `scale`; or `None`, having appended nothing, when the cache has no such path (the
-    /// caller then uses `append_decode`). The default has none.
+    /// head_dim)`, one token per sequence) as [`KvCache::append_ragged`] does and returns the
+    /// attention output `(B, heads · head_dim)` for the queries `q` (`(B, heads, head_dim)`,
+    /// after RoPE) scaled by `scale`; or `None`, having appended nothing, when the cache has no such path (the
+    /// caller then uses `append_ragged`). The default has none.
     fn attend_decode(
         &mut self,
         seqs: &[SeqId],
@@ -278,9 +282,10 @@ impl KvCache for ContiguousKvCache {
         Ok(out)
     }
 
-    fn append_decode(
+    fn append_ragged(
         &mut self,
         seqs: &[SeqId],
+        news: &[usize],
         layer: usize,
         k: &Tensor,
         v: &Tensor,
@@ -291,25 +296,31 @@ impl KvCache for ContiguousKvCache {
             for &seq in seqs {
                 states.push(self.slot_of(seq)?);
             }
-            let longest = states.iter().map(|s| s.len + 1).max().unwrap_or(1);
+            let longest = states
+                .iter()
+                .zip(news)
+                .map(|(s, n)| s.len + n)
+                .max()
+                .unwrap_or(1);
             self.reserve(self.slots, longest)?;
             let width = self.width();
-            let b = seqs.len();
+            let rows: usize = news.iter().sum();
             // Row of each new token in the flat buffer, repeated across the row's width
             // (scatter indexes are per element).
-            let rows: Vec<u32> = states
+            let index: Vec<u32> = states
                 .iter()
-                .flat_map(|s| {
-                    let row = (s.slot * self.capacity + s.len) as u32;
-                    std::iter::repeat_n(row, width)
+                .zip(news)
+                .flat_map(|(s, &n)| {
+                    let first = s.slot * self.capacity + s.len;
+                    (first..first + n).flat_map(|row| std::iter::repeat_n(row as u32, width))
                 })
                 .collect();
-            let index = Tensor::from_vec(rows, (b, width), &self.device)?;
+            let index = Tensor::from_vec(index, (rows, width), &self.device)?;
             let (kb, vb) = &self.buffers[layer];
-            kb.scatter_set(&index, &k.reshape((b, width))?.contiguous()?, 0)?;
-            vb.scatter_set(&index, &v.reshape((b, width))?.contiguous()?, 0)?;
+            kb.scatter_set(&index, &k.reshape((rows, width))?.contiguous()?, 0)?;
+            vb.scatter_set(&index, &v.reshape((rows, width))?.contiguous()?, 0)?;
             let slots: Vec<u32> = states.iter().map(|s| s.slot as u32).collect();
-            let slots = Tensor::from_vec(slots, b, &self.device)?;
+            let slots = Tensor::from_vec(slots, seqs.len(), &self.device)?;
             let shape = (self.slots, self.capacity, self.kv_heads, self.head_dim);
             let read = |buf: &Tensor| {
                 buf.reshape(shape)?
@@ -320,9 +331,9 @@ impl KvCache for ContiguousKvCache {
             };
             Ok((read(kb)?, read(vb)?))
         };
-        let out = write().ctx("kv cache decode append")?;
-        for &seq in seqs {
-            self.commit(layer, seq, 1);
+        let out = write().ctx("kv cache ragged append")?;
+        for (&seq, &n) in seqs.iter().zip(news) {
+            self.commit(layer, seq, n);
         }
         Ok(out)
     }

@@ -4,8 +4,9 @@
 //! A step takes, for each sequence, the tokens it adds (a whole prompt, a resumed prompt plus
 //! partial completion, or one sampled token). All new tokens of all sequences go through the
 //! projections and the MLP as one `(N, hidden)` matrix — that is where batching pays, since the
-//! weights are read once per step. Attention runs per sequence against its own cache, so
-//! sequences at different positions mix freely.
+//! weights are read once per step. Attention runs over each sequence's own cache, so sequences at
+//! different positions mix freely: the one-token inputs together (batched decode attention), the
+//! prompt chunks in padded batches of similar lengths.
 
 use std::sync::Arc;
 
@@ -17,6 +18,7 @@ use crate::config::ModelConfig;
 use crate::error::{ModelError, Result, TensorContext};
 use crate::layers::{DecoderWeights, linear_with};
 use crate::ops::{Kernels, Rope, apply_rope, rms_norm, softmax_last_dim};
+use crate::ragged::{PrefillBatch, StepLayout};
 use crate::snapshot::ModelWeights;
 
 /// The tokens one sequence adds in a step.
@@ -127,10 +129,18 @@ impl InferenceModel {
         for input in inputs {
             cache.begin_step(input.seq, input.tokens, self.version())?;
         }
-        let n: usize = inputs.iter().map(|i| i.tokens.len()).sum();
         let device = self.weights.embed.device().clone();
         let dtype = self.weights.embed.dtype();
         let kernels = Kernels::Fused;
+        // One-token inputs first, then prompt chunks longest first (see `StepLayout`).
+        let layout = StepLayout::new(inputs, &past, c.num_heads, dtype, &device)
+            .ctx("step layout")?;
+        let lens: Vec<usize> = inputs.iter().map(|i| i.tokens.len()).collect();
+        let caller = inputs;
+        let inputs: Vec<StepInput<'_>> = layout.order.iter().map(|&i| caller[i]).collect();
+        let past: Vec<usize> = layout.order.iter().map(|&i| past[i]).collect();
+        let n: usize = lens.iter().sum();
+        let decoding = layout.decoding;
         let ids: Vec<u32> = inputs
             .iter()
             .flat_map(|i| i.tokens.iter().copied())
@@ -148,17 +158,9 @@ impl InferenceModel {
             .cos_sin(&positions, (1, n), dtype, &device)
             .ctx("rotary tables")?;
         let (cos, sin) = (cos.squeeze(0).ctx("rope")?, sin.squeeze(0).ctx("rope")?);
-        // A step of one new token per sequence (the steady state of continuous batching) runs
-        // attention for all sequences at once; anything else goes sequence by sequence.
-        let seqs: Vec<SeqId> = inputs.iter().map(|i| i.seq).collect();
-        let decode = inputs.iter().all(|i| i.tokens.len() == 1);
+        let seqs: Vec<SeqId> = inputs[..decoding].iter().map(|i| i.seq).collect();
         // Built on first use: a cache with its own decode kernel never needs it.
         let mask = std::cell::OnceCell::new();
-        // (N, heads, d) → (heads, N, d), rotated, for attention sequence by sequence.
-        let rope_heads = |t: &Tensor| {
-            let heads = t.transpose(0, 1)?.contiguous()?.unsqueeze(0)?;
-            apply_rope(&heads, &cos, &sin, kernels)?.squeeze(0)
-        };
         // (N, heads, d) rotated in place of its rows: on the CPU the fused kernel works on the
         // token rows, with no transposed copy either way.
         let rope_rows = |t: &Tensor| {
@@ -167,75 +169,67 @@ impl InferenceModel {
                 crate::fused::rope(&t.reshape((n, heads * d))?, &cos, &sin, d)?
                     .reshape((n, heads, d))
             } else {
-                rope_heads(t)?.transpose(0, 1)?.contiguous()
+                let heads = t.transpose(0, 1)?.contiguous()?.unsqueeze(0)?;
+                apply_rope(&heads, &cos, &sin, kernels)?
+                    .squeeze(0)?
+                    .transpose(0, 1)?
+                    .contiguous()
             }
         };
         for (li, layer) in self.weights.layers.iter().enumerate() {
             let context = format!("inference step, layer {li}");
             let qkv = layer.qkv(&x, c, kernels).ctx(&context)?;
-            if decode {
+            let q = rope_rows(&qkv.q).ctx(&context)?;
+            let k = rope_rows(&qkv.k).ctx(&context)?;
+            let rows = |t: &Tensor, start: usize, len: usize| t.narrow(0, start, len).ctx(&context);
+            let mut parts = Vec::with_capacity(1 + layout.batches.len());
+            if decoding > 0 {
                 let heads = DecodeHeads {
                     seqs: &seqs,
                     layer: li,
-                    q: &rope_rows(&qkv.q).ctx(&context)?,
-                    k: &rope_rows(&qkv.k).ctx(&context)?,
-                    v: &qkv.v,
+                    q: &rows(&q, 0, decoding)?,
+                    k: &rows(&k, 0, decoding)?,
+                    v: &rows(&qkv.v, 0, decoding)?,
                     mask: || {
                         if let Some(m) = mask.get() {
                             return Ok(Tensor::clone(m));
                         }
-                        let m = decode_mask(&past, dtype, &device).ctx("decode mask")?;
+                        let m = decode_mask(&past[..decoding], dtype, &device)
+                            .ctx("decode mask")?;
                         Ok(mask.get_or_init(|| m).clone())
                     },
                 };
-                let att = self.attend_decode(cache, heads)?;
-                x = (&x + linear_with(&att, &layer.o_proj, None, kernels).ctx(&context)?)
-                    .ctx(&context)?;
-                x = layer.mlp_block(&x, c.rms_norm_eps, kernels).ctx(&context)?;
-                continue;
+                parts.push(self.attend_decode(cache, heads)?);
             }
-            let q = rope_heads(&qkv.q).ctx(&context)?;
-            let k = rope_heads(&qkv.k).ctx(&context)?;
-            let v = qkv.v.transpose(0, 1).ctx(&context)?;
-            let mut outs = Vec::with_capacity(inputs.len());
-            let mut start = 0;
-            for (input, &p) in inputs.iter().zip(&past) {
-                let len = input.tokens.len();
-                let take = |t: &Tensor| t.narrow(1, start, len)?.contiguous();
-                let (k_all, v_all) = cache.append(
-                    input.seq,
-                    li,
-                    &take(&k).ctx(&context)?,
-                    &take(&v).ctx(&context)?,
-                )?;
-                let q_i = take(&q).ctx(&context)?;
-                outs.push(
-                    self.attend(&q_i, &k_all, &v_all, p, kernels)
+            for batch in &layout.batches {
+                let start = decoding + batch.first_row;
+                let (q, k, v) = (
+                    rows(&q, start, batch.rows)?,
+                    rows(&k, start, batch.rows)?,
+                    rows(&qkv.v, start, batch.rows)?,
+                );
+                let (k_all, v_all) =
+                    cache.append_ragged(&batch.seqs, &batch.news, li, &k, &v)?;
+                parts.push(
+                    self.attend_prompts(batch, &q, &k_all, &v_all, kernels)
                         .ctx(&context)?,
                 );
-                start += len;
             }
-            // (heads, N, d) → (N, heads·d)
-            let att = Tensor::cat(&outs, 1)
-                .and_then(|a| a.transpose(0, 1)?.reshape((n, c.num_heads * c.head_dim)))
-                .ctx(&context)?;
+            let att = if parts.len() == 1 {
+                parts.pop().expect("one part")
+            } else {
+                Tensor::cat(&parts, 0).ctx(&context)?
+            };
             x = (&x + linear_with(&att, &layer.o_proj, None, kernels).ctx(&context)?)
                 .ctx(&context)?;
             x = layer.mlp_block(&x, c.rms_norm_eps, kernels).ctx(&context)?;
         }
-        let x = match wanted {
-            LogitsWanted::All => x,
-            LogitsWanted::Last => {
-                let mut last = Vec::with_capacity(inputs.len());
-                let mut end = 0;
-                for input in inputs {
-                    end += input.tokens.len();
-                    last.push((end - 1) as u32);
-                }
-                let idx = Tensor::new(last.as_slice(), &device).ctx("last rows")?;
-                x.index_select(&idx, 0).ctx("last rows")?
-            }
-        };
+        // The logits' rows in the caller's order.
+        if let Some(rows) = layout.logit_rows(&lens, wanted) {
+            let count = rows.len();
+            let idx = Tensor::from_vec(rows, count, &device).ctx("logit rows")?;
+            x = x.index_select(&idx, 0).ctx("logit rows")?;
+        }
         let x =
             rms_norm(&x, &self.weights.final_norm, c.rms_norm_eps, kernels).ctx("final norm")?;
         linear_with(&x, &self.weights.lm_head, None, Kernels::Fused)
@@ -243,44 +237,43 @@ impl InferenceModel {
             .ctx("lm head")
     }
 
-    /// Attention of one sequence's new queries `(heads, n, d)` over its cached keys/values
-    /// `(kv_heads, past + n, d)`; returns `(heads, n, d)`.
-    fn attend(
+    /// Attention of a batch of prompt chunks: queries `q` `(rows, heads, d)` after RoPE, the
+    /// batch's keys and values `(B, kv_heads, T, d)` from the cache; returns `(rows, heads·d)`.
+    fn attend_prompts(
         &self,
+        batch: &PrefillBatch,
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
-        past: usize,
         kernels: Kernels,
     ) -> candle_core::Result<Tensor> {
         let c = &*self.config;
-        let (n, d, g) = (q.dim(1)?, c.head_dim, c.kv_groups());
-        let total = k.dim(1)?;
+        let (b, l, t) = (batch.seqs.len(), batch.longest_new, batch.longest_total);
+        let (kv, g, d) = (c.num_kv_heads, c.kv_groups(), c.head_dim);
         let scale = 1.0 / (d as f64).sqrt();
+        let q = match &batch.pad {
+            Some(pad) => q.index_select(pad, 0)?,
+            None => q.clone(),
+        };
         // Group the query heads of each kv head as extra rows: no copy of k/v per head.
-        let q = q.reshape((c.num_kv_heads, g * n, d))?;
-        let mut scores = (q.matmul(&k.t()?)? * scale)?;
-        if n > 1 {
-            // New token i (position past + i) sees cache slots 0..=past + i.
-            let mask: Vec<f32> = (0..n)
-                .flat_map(|i| {
-                    (0..total).map(move |j| {
-                        if j <= past + i {
-                            0.0
-                        } else {
-                            f32::NEG_INFINITY
-                        }
-                    })
-                })
-                .collect();
-            let mask = Tensor::from_vec(mask, (1, 1, n, total), q.device())?.to_dtype(q.dtype())?;
-            scores = scores
-                .reshape((c.num_kv_heads, g, n, total))?
-                .broadcast_add(&mask)?
-                .reshape((c.num_kv_heads, g * n, total))?;
+        let q = q
+            .reshape((b, l, kv, g, d))?
+            .permute((0, 2, 3, 1, 4))?
+            .contiguous()?
+            .reshape((b, kv, g * l, d))?;
+        let scores = (q.matmul(&k.t()?)? * scale)?
+            .reshape((b, kv, g, l, t))?
+            .broadcast_add(&batch.mask)?
+            .reshape((b, kv, g * l, t))?;
+        let att = softmax_last_dim(&scores, kernels)?
+            .matmul(v)?
+            .reshape((b, c.num_heads, l, d))?
+            .transpose(1, 2)?
+            .reshape((b * l, c.num_heads * d))?;
+        match &batch.unpad {
+            Some(unpad) => att.index_select(unpad, 0),
+            None => Ok(att),
         }
-        let att = softmax_last_dim(&scores, kernels)?.matmul(v)?;
-        att.reshape((c.num_heads, n, d))
     }
 
     /// Attention of one new token per sequence, all sequences batched: `q` `(B, heads, d)` and
@@ -307,7 +300,7 @@ impl InferenceModel {
         if let Some(att) = cache.attend_decode(seqs, layer, q, k, &v, scale)? {
             return Ok(att);
         }
-        let (k_all, v_all) = cache.append_decode(seqs, layer, k, &v)?;
+        let (k_all, v_all) = cache.append_ragged(seqs, &vec![1; b], layer, k, &v)?;
         let mask = mask()?;
         run((|| {
             // (B, kv, g, d) @ (B, kv, d, T) → (B, kv, g, T), masked per sequence length.

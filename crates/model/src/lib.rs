@@ -62,6 +62,7 @@ pub mod names;
 pub mod ops;
 pub mod paged;
 pub mod presets;
+mod ragged;
 pub mod recompute;
 mod scores;
 pub mod section;

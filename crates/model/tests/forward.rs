@@ -377,8 +377,8 @@ fn model_types_can_move_to_compute_threads() {
     send::<Box<dyn KvCache>>();
 }
 
-/// A cache that only implements per-sequence appends, so decode steps go through the trait's
-/// default `append_decode` (what a new cache implementation starts from).
+/// A cache that only implements per-sequence appends, so decode steps and prompt batches go
+/// through the trait's default `append_ragged` (what a new cache implementation starts from).
 struct PerSequence(ContiguousKvCache);
 
 impl KvCache for PerSequence {
@@ -524,5 +524,80 @@ fn temperature_scales_the_scored_distribution() {
             ..ForwardOptions::default()
         };
         assert!(model.token_scores(&batch, options).is_err());
+    }
+}
+
+/// A step mixing one-token inputs with prompt chunks of similar lengths at different positions:
+/// the chunks share one padded attention batch (queries padded to the longest chunk, keys to
+/// the longest sequence), and every row equals the full forward, whatever the cache.
+#[test]
+fn padded_prompt_batches_in_a_mixed_step_match_full_forwards() {
+    for arch in ALL_ARCHS {
+        let snap = Arc::new(snapshot(tiny_config(arch, false), 4, DType::F32));
+        let reference = TrainableModel::from_snapshot(&snap, DType::F32).unwrap();
+        let model = InferenceModel::new(Arc::clone(&snap)).unwrap();
+        // Cached first, then added in one step: prompt chunks of 8, 7, 8, 7 tokens on 4, 5, 4
+        // and 6 cached ones (one batch: 416 padded scores against 367), and two sequences
+        // adding one token each, listed between them.
+        let (first, then) = ([4usize, 5, 4, 6, 9, 3], [8usize, 7, 8, 7, 1, 1]);
+        let seqs: Vec<Vec<u32>> = (0..6)
+            .map(|s| {
+                (0..first[s] + then[s])
+                    .map(|i| ((i * 5 + s * 7 + 2) % 23) as u32)
+                    .collect()
+            })
+            .collect();
+        let order = [0usize, 4, 1, 2, 5, 3];
+        let cache = |kind: usize| -> Box<dyn KvCache> {
+            let (config, device) = (model.config(), snap.device());
+            match kind {
+                0 => Box::new(ContiguousKvCache::new(config, DType::F32, device)),
+                1 => Box::new(
+                    sluice_model::PagedKvCache::new(config, DType::F32, device, 64, 4).unwrap(),
+                ),
+                _ => Box::new(PerSequence(ContiguousKvCache::new(
+                    config,
+                    DType::F32,
+                    device,
+                ))),
+            }
+        };
+        for (kind, wanted) in (0..3).flat_map(|k| [(k, LogitsWanted::All), (k, LogitsWanted::Last)])
+        {
+            let mut cache = cache(kind);
+            let head: Vec<StepInput<'_>> = (0..6)
+                .map(|s| StepInput {
+                    seq: s as u64,
+                    tokens: &seqs[s][..first[s]],
+                })
+                .collect();
+            model.step(cache.as_mut(), &head, LogitsWanted::Last).unwrap();
+            let step: Vec<StepInput<'_>> = order
+                .iter()
+                .map(|&s| StepInput {
+                    seq: s as u64,
+                    tokens: &seqs[s][first[s]..],
+                })
+                .collect();
+            let got = model.step(cache.as_mut(), &step, wanted).unwrap();
+            let mut row = 0;
+            for &s in &order {
+                let full = reference_logits(&reference, &seqs[s]);
+                let (want, n) = match wanted {
+                    LogitsWanted::All => (full.narrow(0, first[s], then[s]).unwrap(), then[s]),
+                    LogitsWanted::Last => (full.narrow(0, seqs[s].len() - 1, 1).unwrap(), 1),
+                };
+                let err = rel_err(&got.narrow(0, row, n).unwrap(), &want);
+                assert!(
+                    err <= 1e-5,
+                    "{arch:?} cache {kind} {wanted:?} seq {s}: relative error {err:e}"
+                );
+                row += n;
+            }
+            assert_eq!(got.dim(0).unwrap(), row);
+            for s in 0..6 {
+                assert_eq!(cache.seq_len(s as u64), seqs[s].len());
+            }
+        }
     }
 }

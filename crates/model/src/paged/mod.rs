@@ -308,28 +308,31 @@ impl PagedKvCache {
         }
     }
 
-    /// Writes one new token's keys and values per sequence (`k`, `v`: `(B, kv_heads,
-    /// head_dim)`) at position `lens[b]` of `layer`, in place.
-    fn write_decode_rows(
+    /// Writes the new tokens' keys and values (`k`, `v`: `(Σ news, kv_heads, head_dim)`,
+    /// sequence `b`'s `news[b]` rows after those of `b - 1`) at positions `lens[b]..` of
+    /// `layer`, in place.
+    fn write_rows(
         &self,
         seqs: &[SeqId],
-        lens: &[usize],
+        (lens, news): (&[usize], &[usize]),
         layer: usize,
         k: &Tensor,
         v: &Tensor,
     ) -> candle_core::Result<()> {
         let width = self.kv_heads * self.head_dim;
-        let bsz = seqs.len();
+        let rows: usize = news.iter().sum();
         // The new rows, repeated across the width (scatter indexes are per element).
-        let mut new_rows = Vec::with_capacity(bsz * width);
-        for (q, &len) in seqs.iter().zip(lens) {
-            let row = self.row(&self.seqs[q].blocks, len) as u32;
-            new_rows.extend(std::iter::repeat_n(row, width));
+        let mut index = Vec::with_capacity(rows * width);
+        for ((q, &len), &n) in seqs.iter().zip(lens).zip(news) {
+            let blocks = &self.seqs[q].blocks;
+            for t in len..len + n {
+                index.extend(std::iter::repeat_n(self.row(blocks, t) as u32, width));
+            }
         }
-        let index = Tensor::from_vec(new_rows, (bsz, width), &self.device)?;
+        let index = Tensor::from_vec(index, (rows, width), &self.device)?;
         let (kb, vb) = &self.pools[layer];
-        kb.scatter_set(&index, &k.reshape((bsz, width))?.contiguous()?, 0)?;
-        vb.scatter_set(&index, &v.reshape((bsz, width))?.contiguous()?, 0)
+        kb.scatter_set(&index, &k.reshape((rows, width))?.contiguous()?, 0)?;
+        vb.scatter_set(&index, &v.reshape((rows, width))?.contiguous()?, 0)
     }
 
     /// Row indices of positions `0..total` of `blocks`, as a `(total,)` tensor.
@@ -403,29 +406,30 @@ impl KvCache for PagedKvCache {
         Ok(out)
     }
 
-    fn append_decode(
+    fn append_ragged(
         &mut self,
         seqs: &[SeqId],
+        news: &[usize],
         layer: usize,
         k: &Tensor,
         v: &Tensor,
     ) -> Result<(Tensor, Tensor)> {
         self.check_layer(layer)?;
-        for &seq in seqs {
-            self.reserve(seq, 1)?;
+        for (&seq, &n) in seqs.iter().zip(news) {
+            self.reserve(seq, n)?;
         }
         let bsz = seqs.len();
         let lens: Vec<usize> = seqs.iter().map(|q| self.seqs[q].len).collect();
-        let longest = lens.iter().map(|l| l + 1).max().unwrap_or(1);
+        let longest = lens.iter().zip(news).map(|(l, n)| l + n).max().unwrap_or(1);
         // Every sequence's rows padded to the longest with row 0 (masked by the caller).
         let mut read_rows = Vec::with_capacity(bsz * longest);
-        for (q, &len) in seqs.iter().zip(&lens) {
+        for ((q, &len), &n) in seqs.iter().zip(&lens).zip(news) {
             let blocks = &self.seqs[q].blocks;
-            read_rows.extend((0..=len).map(|t| self.row(blocks, t) as u32));
-            read_rows.extend(std::iter::repeat_n(0, longest - len - 1));
+            read_rows.extend((0..len + n).map(|t| self.row(blocks, t) as u32));
+            read_rows.extend(std::iter::repeat_n(0, longest - len - n));
         }
         let write = || -> candle_core::Result<(Tensor, Tensor)> {
-            self.write_decode_rows(seqs, &lens, layer, k, v)?;
+            self.write_rows(seqs, (&lens, news), layer, k, v)?;
             let (kb, vb) = &self.pools[layer];
             let gather = self.rows_tensor(read_rows)?;
             let read = |pool: &Tensor| {
@@ -436,9 +440,9 @@ impl KvCache for PagedKvCache {
             };
             Ok((read(kb)?, read(vb)?))
         };
-        let out = write().ctx("paged kv cache decode append")?;
-        for &seq in seqs {
-            self.commit(layer, seq, 1);
+        let out = write().ctx("paged kv cache ragged append")?;
+        for (&seq, &n) in seqs.iter().zip(news) {
+            self.commit(layer, seq, n);
         }
         Ok(out)
     }
@@ -461,7 +465,7 @@ impl KvCache for PagedKvCache {
         }
         let lens: Vec<usize> = seqs.iter().map(|q| self.seqs[q].len).collect();
         let run = || -> candle_core::Result<Tensor> {
-            self.write_decode_rows(seqs, &lens, layer, k, v)?;
+            self.write_rows(seqs, (&lens, &vec![1; seqs.len()]), layer, k, v)?;
             let (bsz, heads, d) = q.dims3()?;
             let q = q.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
             let tables: Vec<&[BlockId]> = seqs.iter().map(|s| &self.seqs[s].blocks[..]).collect();
