@@ -54,6 +54,11 @@ pub struct BenchEngineArgs {
     /// Rollouts per group of the prefix-sharing measurement (0 skips it).
     #[arg(long, default_value_t = 8)]
     pub group_size: usize,
+    /// Lengths spread around the preset's (or the flags') instead of equal: prompts ½–1½×,
+    /// completions ⅛–1⅞×, so requests finish at different steps and prompts are admitted
+    /// while others decode (a rollout workload's mixed steps).
+    #[arg(long)]
+    pub ragged: bool,
     /// Only the concurrency rows: no one-by-one baseline, swap pauses or prefix sharing (a
     /// memory run: `--preset medium --concurrency 64 --kv-cache-mb 2048 --only-concurrency`).
     #[arg(long)]
@@ -149,7 +154,12 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<ExitCode> {
         let max_c = *args.concurrency.iter().max().unwrap_or(&64);
         let budget = KvBudget::new(&sizing.params(max_c), &config, dtype)?;
         println!(
-            "preset {preset:?}: {max_tokens} tokens per request, prompts of {prompt_len}; KV cache {:.1} MiB per engine ({} blocks of {} tokens{})",
+            "preset {preset:?}: {max_tokens} tokens per request, prompts of {prompt_len}{}; KV cache {:.1} MiB per engine ({} blocks of {} tokens{})",
+            if args.ragged {
+                " (ragged: on average)"
+            } else {
+                ""
+            },
             budget.bytes as f64 / MIB as f64,
             budget.blocks,
             budget.block_tokens,
@@ -171,7 +181,11 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<ExitCode> {
             "preempt",
             "decode_tok_s"
         );
-        let shape = (max_tokens, prompt_len);
+        let shape = Shape {
+            max_tokens,
+            prompt_len,
+            ragged: args.ragged,
+        };
         let serial = if args.only_concurrency {
             None
         } else {
@@ -351,16 +365,45 @@ fn request(i: u64, max_tokens: u32, prompt_len: usize) -> GenerateRequest {
     }
 }
 
-/// `total` requests with at most `concurrency` in flight (the engine's cap), each of
-/// `(max_tokens, prompt_len)`; tokens/s over the whole run and the gaps between consecutive
+/// The lengths of the requests of a row.
+#[derive(Clone, Copy)]
+struct Shape {
+    max_tokens: u32,
+    prompt_len: usize,
+    /// See [`BenchEngineArgs::ragged`].
+    ragged: bool,
+}
+
+impl Shape {
+    /// `(max_tokens, prompt_len)` of request `i`: with `ragged`, completions of
+    /// `max_tokens · (2k + 1) / 8` for `k = i mod 8` and prompts from half to one and a half
+    /// times `prompt_len` on another cycle, both averaging the given lengths.
+    fn of(&self, i: u64) -> (u32, usize) {
+        if !self.ragged {
+            return (self.max_tokens, self.prompt_len);
+        }
+        let k = i % 8;
+        let max = ((u64::from(self.max_tokens) * (2 * k + 1) + 4) / 8).max(1) as u32;
+        let half = self.prompt_len / 2;
+        let prompt = half + ((i * 5 + 2) % (2 * half as u64 + 1)) as usize;
+        (max, prompt.max(1))
+    }
+}
+
+/// `total` requests with at most `concurrency` in flight (the engine's cap), each of its
+/// [`Shape`]; tokens/s over the whole run and the gaps between consecutive
 /// tokens of each request. A request preempted for lack of KV blocks comes back as an abort and
 /// is resumed from its partial, as the controller would.
 fn measure(
     w: &Arc<ModelWeights>,
     sizing: Sizing,
     (total, concurrency): (usize, usize),
-    (max_tokens, prompt_len): (u32, usize),
+    shape: Shape,
 ) -> anyhow::Result<Measured> {
+    let shaped = |i: u64| {
+        let (max_tokens, prompt_len) = shape.of(i);
+        request(i, max_tokens, prompt_len)
+    };
     let (tx, rx) = std::sync::mpsc::channel();
     let params = sizing.params(concurrency);
     let mut engine = NativeEngine::start(
@@ -390,7 +433,7 @@ fn measure(
                     *l = Some(now);
                 }
             })),
-            ..NativeRequest::plain(request(i as u64, max_tokens, prompt_len))
+            ..NativeRequest::plain(shaped(i as u64))
         };
         engine.submit_native(r)?;
     }
@@ -402,7 +445,7 @@ fn measure(
             .context("the engine stopped answering")?;
         if c.finish == sluice_engine::FinishReason::Abort {
             let i = c.id.rollout.group.counter;
-            let mut resumed = request(i, max_tokens, prompt_len);
+            let mut resumed = shaped(i);
             resumed.resume = Some(c.output);
             engine.submit_native(NativeRequest {
                 ignore_eos: true,

@@ -133,8 +133,8 @@ impl InferenceModel {
         let dtype = self.weights.embed.dtype();
         let kernels = Kernels::Fused;
         // One-token inputs first, then prompt chunks longest first (see `StepLayout`).
-        let layout = StepLayout::new(inputs, &past, c.num_heads, dtype, &device)
-            .ctx("step layout")?;
+        let layout =
+            StepLayout::new(inputs, &past, c.num_heads, dtype, &device).ctx("step layout")?;
         let lens: Vec<usize> = inputs.iter().map(|i| i.tokens.len()).collect();
         let caller = inputs;
         let inputs: Vec<StepInput<'_>> = layout.order.iter().map(|&i| caller[i]).collect();
@@ -194,8 +194,8 @@ impl InferenceModel {
                         if let Some(m) = mask.get() {
                             return Ok(Tensor::clone(m));
                         }
-                        let m = decode_mask(&past[..decoding], dtype, &device)
-                            .ctx("decode mask")?;
+                        let m =
+                            decode_mask(&past[..decoding], dtype, &device).ctx("decode mask")?;
                         Ok(mask.get_or_init(|| m).clone())
                     },
                 };
@@ -208,8 +208,7 @@ impl InferenceModel {
                     rows(&k, start, batch.rows)?,
                     rows(&qkv.v, start, batch.rows)?,
                 );
-                let (k_all, v_all) =
-                    cache.append_ragged(&batch.seqs, &batch.news, li, &k, &v)?;
+                let (k_all, v_all) = cache.append_ragged(&batch.seqs, &batch.news, li, &k, &v)?;
                 parts.push(
                     self.attend_prompts(batch, &q, &k_all, &v_all, kernels)
                         .ctx(&context)?,

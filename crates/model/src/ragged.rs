@@ -80,7 +80,9 @@ impl StepLayout {
             while end < prompts.len() {
                 let (t2, b2) = (t.max(total(end)), end - start + 1);
                 let work2 = work + len(prompts[end]) * total(end);
-                if MAX_PADDING.1 * b2 * l * t2 > MAX_PADDING.0 * work2 || heads * b2 * l * t2 > MAX_SCORES {
+                if MAX_PADDING.1 * b2 * l * t2 > MAX_PADDING.0 * work2
+                    || heads * b2 * l * t2 > MAX_SCORES
+                {
                     break;
                 }
                 (t, work, end) = (t2, work2, end + 1);
@@ -162,7 +164,13 @@ impl PrefillBatch {
             .iter()
             .flat_map(|&(_, _, past)| {
                 (0..l).flat_map(move |i| {
-                    (0..t).map(move |j| if j <= past + i { 0.0 } else { f32::NEG_INFINITY })
+                    (0..t).map(move |j| {
+                        if j <= past + i {
+                            0.0
+                        } else {
+                            f32::NEG_INFINITY
+                        }
+                    })
                 })
             })
             .collect();
@@ -228,7 +236,10 @@ mod tests {
     fn logit_rows_come_back_in_the_callers_order() {
         let l = layout(&[3, 1, 2], &[0, 4, 0]);
         // Step order: input 1 (row 0), input 0 (rows 1..4), input 2 (rows 4..6).
-        assert_eq!(l.logit_rows(&[3, 1, 2], LogitsWanted::Last), Some(vec![3, 0, 5]));
+        assert_eq!(
+            l.logit_rows(&[3, 1, 2], LogitsWanted::Last),
+            Some(vec![3, 0, 5])
+        );
         assert_eq!(
             l.logit_rows(&[3, 1, 2], LogitsWanted::All),
             Some(vec![1, 2, 3, 0, 4, 5])

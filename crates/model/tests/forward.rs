@@ -571,7 +571,9 @@ fn padded_prompt_batches_in_a_mixed_step_match_full_forwards() {
                     tokens: &seqs[s][..first[s]],
                 })
                 .collect();
-            model.step(cache.as_mut(), &head, LogitsWanted::Last).unwrap();
+            model
+                .step(cache.as_mut(), &head, LogitsWanted::Last)
+                .unwrap();
             let step: Vec<StepInput<'_>> = order
                 .iter()
                 .map(|&s| StepInput {
@@ -595,8 +597,8 @@ fn padded_prompt_batches_in_a_mixed_step_match_full_forwards() {
                 row += n;
             }
             assert_eq!(got.dim(0).unwrap(), row);
-            for s in 0..6 {
-                assert_eq!(cache.seq_len(s as u64), seqs[s].len());
+            for (s, tokens) in seqs.iter().enumerate() {
+                assert_eq!(cache.seq_len(s as u64), tokens.len());
             }
         }
     }
