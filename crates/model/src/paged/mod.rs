@@ -57,6 +57,24 @@ pub struct PagedKvCache {
     version: PolicyVersion,
     /// Versions behind `version` whose keys are kept and handed to new sequences (0: none).
     version_lag: u64,
+    /// Pool rows of this step's batches, built at their first layer and reused by the others
+    /// (tables and lengths do not change within a step; emptied when the next one begins).
+    step_rows: Vec<StepRows>,
+}
+
+/// Where one batch of a step writes and reads in every layer's pools.
+#[derive(Debug)]
+struct StepRows {
+    seqs: Vec<SeqId>,
+    news: Vec<usize>,
+    /// The sequences' lengths before the step.
+    lens: Vec<usize>,
+    /// `(Σ news, kv_heads · head_dim)`: the pool row of each new token, repeated across the
+    /// row (scatter indexes are per element).
+    write: Tensor,
+    /// `(B · T)`: positions `0..T` of every sequence, padded with row 0, and `T`; built when
+    /// first needed (the CPU's decode kernel reads the pools in place).
+    read: Option<(Tensor, usize)>,
 }
 
 #[derive(Debug)]
@@ -129,6 +147,7 @@ impl PagedKvCache {
             seqs: HashMap::new(),
             version: PolicyVersion(0),
             version_lag: 0,
+            step_rows: Vec::new(),
         };
         cache.grow(INITIAL_BLOCKS.min(blocks))?;
         Ok(cache)
@@ -308,31 +327,78 @@ impl PagedKvCache {
         }
     }
 
-    /// Writes the new tokens' keys and values (`k`, `v`: `(Σ news, kv_heads, head_dim)`,
-    /// sequence `b`'s `news[b]` rows after those of `b - 1`) at positions `lens[b]..` of
-    /// `layer`, in place.
+    /// The rows `news[b]` new tokens of each of `seqs` go to, and with `read` the rows of every
+    /// sequence's positions padded to the longest: from this step's earlier layers when a
+    /// batch of the same sequences came by, else built (and kept for the later layers).
+    fn step_rows(
+        &mut self,
+        seqs: &[SeqId],
+        news: &[usize],
+        read: bool,
+    ) -> candle_core::Result<(Tensor, Option<(Tensor, usize)>)> {
+        let lens: Vec<usize> = seqs.iter().map(|q| self.seqs[q].len).collect();
+        let found = self
+            .step_rows
+            .iter()
+            .position(|r| r.seqs == seqs && r.news == news && r.lens == lens);
+        let i = match found {
+            Some(i) => i,
+            None => {
+                let width = self.kv_heads * self.head_dim;
+                let rows: usize = news.iter().sum();
+                let mut index = Vec::with_capacity(rows * width);
+                for ((q, &len), &n) in seqs.iter().zip(&lens).zip(news) {
+                    let blocks = &self.seqs[q].blocks;
+                    for t in len..len + n {
+                        index.extend(std::iter::repeat_n(self.row(blocks, t) as u32, width));
+                    }
+                }
+                let write = Tensor::from_vec(index, (rows, width), &self.device)?;
+                self.step_rows.push(StepRows {
+                    seqs: seqs.to_vec(),
+                    news: news.to_vec(),
+                    lens,
+                    write,
+                    read: None,
+                });
+                self.step_rows.len() - 1
+            }
+        };
+        if read && self.step_rows[i].read.is_none() {
+            let r = &self.step_rows[i];
+            let longest = r
+                .lens
+                .iter()
+                .zip(news)
+                .map(|(l, n)| l + n)
+                .max()
+                .unwrap_or(1);
+            let mut rows = Vec::with_capacity(seqs.len() * longest);
+            for ((q, &len), &n) in seqs.iter().zip(&r.lens).zip(news) {
+                let blocks = &self.seqs[q].blocks;
+                rows.extend((0..len + n).map(|t| self.row(blocks, t) as u32));
+                rows.extend(std::iter::repeat_n(0, longest - len - n));
+            }
+            let rows = self.rows_tensor(rows)?;
+            self.step_rows[i].read = Some((rows, longest));
+        }
+        let r = &self.step_rows[i];
+        Ok((r.write.clone(), r.read.clone()))
+    }
+
+    /// Writes new keys and values (`k`, `v`: `(rows, kv_heads, head_dim)`) of `layer` at the
+    /// pool rows `index` (from [`PagedKvCache::step_rows`]), in place.
     fn write_rows(
         &self,
-        seqs: &[SeqId],
-        (lens, news): (&[usize], &[usize]),
+        index: &Tensor,
         layer: usize,
         k: &Tensor,
         v: &Tensor,
     ) -> candle_core::Result<()> {
-        let width = self.kv_heads * self.head_dim;
-        let rows: usize = news.iter().sum();
-        // The new rows, repeated across the width (scatter indexes are per element).
-        let mut index = Vec::with_capacity(rows * width);
-        for ((q, &len), &n) in seqs.iter().zip(lens).zip(news) {
-            let blocks = &self.seqs[q].blocks;
-            for t in len..len + n {
-                index.extend(std::iter::repeat_n(self.row(blocks, t) as u32, width));
-            }
-        }
-        let index = Tensor::from_vec(index, (rows, width), &self.device)?;
+        let (rows, width) = index.dims2()?;
         let (kb, vb) = &self.pools[layer];
-        kb.scatter_set(&index, &k.reshape((rows, width))?.contiguous()?, 0)?;
-        vb.scatter_set(&index, &v.reshape((rows, width))?.contiguous()?, 0)
+        kb.scatter_set(index, &k.reshape((rows, width))?.contiguous()?, 0)?;
+        vb.scatter_set(index, &v.reshape((rows, width))?.contiguous()?, 0)
     }
 
     /// Row indices of positions `0..total` of `blocks`, as a `(total,)` tensor.
@@ -348,6 +414,7 @@ impl KvCache for PagedKvCache {
     }
 
     fn begin_step(&mut self, seq: SeqId, tokens: &[u32], version: PolicyVersion) -> Result<()> {
+        self.step_rows.clear();
         self.note_version(version);
         let current = self.version;
         let s = self
@@ -418,23 +485,14 @@ impl KvCache for PagedKvCache {
         for (&seq, &n) in seqs.iter().zip(news) {
             self.reserve(seq, n)?;
         }
-        let bsz = seqs.len();
-        let lens: Vec<usize> = seqs.iter().map(|q| self.seqs[q].len).collect();
-        let longest = lens.iter().zip(news).map(|(l, n)| l + n).max().unwrap_or(1);
-        // Every sequence's rows padded to the longest with row 0 (masked by the caller).
-        let mut read_rows = Vec::with_capacity(bsz * longest);
-        for ((q, &len), &n) in seqs.iter().zip(&lens).zip(news) {
-            let blocks = &self.seqs[q].blocks;
-            read_rows.extend((0..len + n).map(|t| self.row(blocks, t) as u32));
-            read_rows.extend(std::iter::repeat_n(0, longest - len - n));
-        }
-        let write = || -> candle_core::Result<(Tensor, Tensor)> {
-            self.write_rows(seqs, (&lens, news), layer, k, v)?;
+        let mut write = || -> candle_core::Result<(Tensor, Tensor)> {
+            let (index, read) = self.step_rows(seqs, news, true)?;
+            let (gather, longest) = read.expect("asked for the read rows");
+            self.write_rows(&index, layer, k, v)?;
             let (kb, vb) = &self.pools[layer];
-            let gather = self.rows_tensor(read_rows)?;
             let read = |pool: &Tensor| {
                 pool.index_select(&gather, 0)?
-                    .reshape((bsz, longest, self.kv_heads, self.head_dim))?
+                    .reshape((seqs.len(), longest, self.kv_heads, self.head_dim))?
                     .transpose(1, 2)?
                     .contiguous()
             };
@@ -464,8 +522,9 @@ impl KvCache for PagedKvCache {
             self.reserve(seq, 1)?;
         }
         let lens: Vec<usize> = seqs.iter().map(|q| self.seqs[q].len).collect();
-        let run = || -> candle_core::Result<Tensor> {
-            self.write_rows(seqs, (&lens, &vec![1; seqs.len()]), layer, k, v)?;
+        let mut run = || -> candle_core::Result<Tensor> {
+            let (index, _) = self.step_rows(seqs, &vec![1; seqs.len()], false)?;
+            self.write_rows(&index, layer, k, v)?;
             let (bsz, heads, d) = q.dims3()?;
             let q = q.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
             let tables: Vec<&[BlockId]> = seqs.iter().map(|s| &self.seqs[s].blocks[..]).collect();
@@ -497,6 +556,7 @@ impl KvCache for PagedKvCache {
     }
 
     fn remove(&mut self, seq: SeqId) -> bool {
+        self.step_rows.clear();
         match self.seqs.remove(&seq) {
             Some(s) => {
                 for block in s.blocks {
