@@ -226,8 +226,11 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<ExitCode> {
             if preset == ModelPreset::Tiny && c == 64 {
                 speedup_tiny = speedup;
             }
-            if let Some(before) = flops_before {
-                let flops = before.max(crate::model::matmul_flops_per_s()?);
+            if c == 64 {
+                let flops = match flops_before {
+                    Some(before) => Some(before.max(crate::model::matmul_flops_per_s()?)),
+                    None => None,
+                };
                 at_64.push((preset, Arc::clone(&config), speedup, m.decode_tok_s, flops));
             }
         }
@@ -297,19 +300,35 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<ExitCode> {
     // Measured after the peak is read (the bandwidth copy holds 512 MiB). One request decodes
     // at best at the rate its weights stream from memory, a batch at best at the matmul rate:
     // whatever the preset, batching gains at most flops · bytes per weight / (2 · bandwidth)
-    // over one request at a time on this machine (less below that many requests).
-    let bandwidth = crate::model::memory_bandwidth_bytes_per_s();
-    let flops = crate::model::matmul_flops_per_s()?;
-    let ceiling = (flops * dtype.size_in_bytes() as f64 / (2.0 * bandwidth)).min(64.0);
-    println!(
-        "batching speed-up ceiling at 64: {ceiling:.1}x (memory bandwidth {:.1} GB/s, matmul {:.1} GFLOP/s: one request streams every weight per token, a batch shares them)",
-        bandwidth / 1e9,
-        flops / 1e9,
-    );
-    // The decode rate at 64 against `sluice bench model`'s bound.
+    // over one request at a time on this machine (less below that many requests). A GPU's
+    // rates are not the host's: its runs print no ceiling.
+    let rates = if args.device == sluice_config::Device::Cpu {
+        let bandwidth = crate::model::memory_bandwidth_bytes_per_s();
+        let flops = crate::model::matmul_flops_per_s()?;
+        let ceiling = (flops * dtype.size_in_bytes() as f64 / (2.0 * bandwidth)).min(64.0);
+        println!(
+            "batching speed-up ceiling at 64: {ceiling:.1}x (memory bandwidth {:.1} GB/s, matmul {:.1} GFLOP/s: one request streams every weight per token, a batch shares them)",
+            bandwidth / 1e9,
+            flops / 1e9,
+        );
+        Some((bandwidth, ceiling))
+    } else {
+        None
+    };
+    // Per preset: the batching speed-up, and the decode rate at 64 against `sluice bench
+    // model`'s bound (f32 on the CPU).
     let mut per_preset = String::new();
     for (preset, config, speedup, decode, flops) in &at_64 {
         let name = format!("{preset:?}").to_lowercase();
+        if let Some(x) = speedup {
+            per_preset.push_str(&format!(" {name}_batching_speedup_64={x:.1}"));
+        }
+        let (Some(flops), Some((bandwidth, ceiling))) = (flops, rates) else {
+            if let Some(x) = speedup {
+                println!("{name} at 64 in flight: batching speed-up {x:.1}x");
+            }
+            continue;
+        };
         let bound = crate::model::decode_bound(config, 64, bandwidth, *flops);
         println!(
             "{name} at 64 in flight: decode {decode:.1} tok/s = {:.1}% of the decode bound {bound:.0} tok/s (`sluice bench model`'s, at {:.1} GFLOP/s measured around the row){}",
@@ -319,18 +338,15 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<ExitCode> {
                 "; batching speed-up {x:.1}x of a ceiling {ceiling:.1}x"
             )),
         );
-        if let Some(x) = speedup {
-            per_preset.push_str(&format!(" {name}_batching_speedup_64={x:.1}"));
-        }
         per_preset.push_str(&format!(
             " {name}_decode_bound_pct_64={:.1}",
             100.0 * decode / bound
         ));
     }
     println!(
-        "RESULT engine batching_speedup_64={} batching_ceiling_64={:.1}{per_preset} swap_pause_ms_in_flight={} prefix_prefill_ratio{}={} sample_ms_64_vocab152k={} peak_rss_mb={}",
+        "RESULT engine batching_speedup_64={} batching_ceiling_64={}{per_preset} swap_pause_ms_in_flight={} prefix_prefill_ratio{}={} sample_ms_64_vocab152k={} peak_rss_mb={}",
         speedup_tiny.map_or("n/a".into(), |x| format!("{x:.1}")),
-        ceiling,
+        rates.map_or("n/a".into(), |(_, c)| format!("{c:.1}")),
         pause_tiny.map_or("n/a".into(), |x| format!("{x:.3}")),
         prefix_ratio.map_or(String::new(), |(g, _)| format!("_g{g}")),
         prefix_ratio.map_or("n/a".into(), |(_, r)| format!("{r:.3}")),
