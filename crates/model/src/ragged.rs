@@ -17,9 +17,10 @@ use crate::infer::{LogitsWanted, StepInput};
 /// as a fraction (5/4): chunks of similar lengths share a batch, a short one never pads to a
 /// long one.
 const MAX_PADDING: (usize, usize) = (5, 4);
-/// Attention scores one prompt batch may hold per layer (`heads · B · L · T` elements, 256 MiB
-/// of f32); a chunk past this alone is a batch of its own.
-const MAX_SCORES: usize = 1 << 26;
+/// Attention scores one prompt batch may hold per layer (`heads · B · L · T` elements, 64 MiB
+/// of f32: batching stops paying well before that); a chunk past this alone is a batch of its
+/// own, as one sequence always was.
+const MAX_SCORES: usize = 1 << 24;
 
 /// See the module docs.
 #[derive(Debug)]
