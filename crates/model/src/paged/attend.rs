@@ -29,8 +29,8 @@ pub(super) struct DecodeShape {
 /// on one thread at 64 in flight, 7 % of the step while the other core waited.
 const MIN_PARALLEL_MACS: usize = 1 << 20;
 
-/// One decode step's attention. `keys` and `values` are one layer's pool, rows of
-/// `kv_heads · head_dim`; `q` is `(B, heads, head_dim)` flat, the query heads of kv head `h`
+/// One decode step's attention. `keys` and `values` are one layer's pool, rows of `head_dim`
+/// in head-major blocks (see [`row_offsets`]); `q` is `(B, heads, head_dim)` flat, the query heads of kv head `h`
 /// being `h · groups .. (h + 1) · groups`; sequence `b` attends to its first `lens[b]` tokens
 /// (the new one included) through `tables[b]`. Returns `(B, heads · head_dim)` flat.
 pub(super) fn decode_attention(
@@ -99,11 +99,27 @@ fn by_head_dim(seq: &Seq<'_>, shape: &DecodeShape, scale: f32, out: &mut [f32]) 
     }
 }
 
-/// Pool offsets (in f32s) of a sequence's visible rows, in position order.
-fn row_offsets(seq: &Seq<'_>, block_tokens: usize, width: usize) -> Vec<usize> {
+/// Pool offsets (in f32s) of a sequence's visible rows of kv head 0, in position order; kv
+/// head `h`'s rows are [`head_stride`] further (blocks are head-major: each kv head's
+/// `block_tokens` rows in turn).
+fn row_offsets(seq: &Seq<'_>, shape: &DecodeShape) -> Vec<usize> {
+    let DecodeShape {
+        kv_heads,
+        head_dim,
+        block_tokens,
+        ..
+    } = *shape;
     (0..seq.len)
-        .map(|t| (seq.table[t / block_tokens] as usize * block_tokens + t % block_tokens) * width)
+        .map(|t| {
+            let block = seq.table[t / block_tokens] as usize;
+            (block * kv_heads * block_tokens + t % block_tokens) * head_dim
+        })
         .collect()
+}
+
+/// Distance (in f32s) from a kv head's row to the next head's at the same position.
+fn head_stride(shape: &DecodeShape) -> usize {
+    shape.block_tokens * shape.head_dim
 }
 
 /// `scores` (one query head's, over every visible key) to probabilities, in place.
@@ -130,11 +146,12 @@ fn attend_seq<const D: usize>(seq: &Seq<'_>, shape: &DecodeShape, scale: f32, ou
         kv_heads,
         groups,
         head_dim,
-        block_tokens,
+        ..
     } = *shape;
     let d = if D == 0 { head_dim } else { D };
     let len = seq.len;
-    let rows = row_offsets(seq, block_tokens, kv_heads * d);
+    let rows = row_offsets(seq, shape);
+    let stride = head_stride(shape);
     // (groups, len) probabilities of one kv head's queries.
     let mut scores = vec![0f32; groups * len];
     // One output row, accumulated here rather than in `out`, so it can live in registers.
@@ -142,7 +159,7 @@ fn attend_seq<const D: usize>(seq: &Seq<'_>, shape: &DecodeShape, scale: f32, ou
     for h in 0..kv_heads {
         let q_h = &seq.q[h * groups * d..][..groups * d];
         for (t, &row) in rows.iter().enumerate() {
-            let k = &seq.keys[row + h * d..][..d];
+            let k = &seq.keys[row + h * stride..][..d];
             for (g, q_g) in q_h.chunks_exact(d).enumerate() {
                 scores[g * len + t] = dot(&q_g[..d], k) * scale;
             }
@@ -152,7 +169,7 @@ fn attend_seq<const D: usize>(seq: &Seq<'_>, shape: &DecodeShape, scale: f32, ou
             let acc = &mut acc[..d];
             acc.fill(0.0);
             for (&p, &row) in p.iter().zip(&rows) {
-                let v = &seq.values[row + h * d..][..d];
+                let v = &seq.values[row + h * stride..][..d];
                 for (a, &v) in acc.iter_mut().zip(v) {
                     *a += p * v;
                 }
@@ -194,7 +211,7 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::{DecodeShape, Seq, row_offsets};
+    use super::{DecodeShape, Seq, head_stride, row_offsets};
 
     /// Query heads per value pass.
     const GROUP_PANEL: usize = 3;
@@ -229,13 +246,16 @@ mod avx2 {
             kv_heads,
             groups,
             head_dim: d,
-            block_tokens,
+            ..
         } = *shape;
         debug_assert!(d.is_multiple_of(8));
-        let (width, len) = (kv_heads * d, seq.len);
-        let rows = row_offsets(seq, block_tokens, width);
+        let len = seq.len;
+        let (rows, stride) = (row_offsets(seq, shape), head_stride(shape));
         // Every read below is within a visible row of the pools, the query or the output.
-        let last = rows.iter().max().map_or(0, |&r| r + width);
+        let last = rows
+            .iter()
+            .max()
+            .map_or(0, |&r| r + (kv_heads - 1) * stride + d);
         assert!(
             last <= seq.keys.len() && last <= seq.values.len(),
             "paged attention: a block table points past the pool"
@@ -247,7 +267,7 @@ mod avx2 {
             // output rows are in bounds.
             unsafe {
                 scores(
-                    seq.keys.as_ptr().add(h * d),
+                    seq.keys.as_ptr().add(h * stride),
                     &rows,
                     seq.q.as_ptr().add(h * groups * d),
                     groups,
@@ -275,7 +295,7 @@ mod avx2 {
                     // SAFETY: as above; columns `c0..c0 + 8·panel` of the head.
                     unsafe {
                         let pass = ValuePass {
-                            values: seq.values.as_ptr().add(h * d + c0),
+                            values: seq.values.as_ptr().add(h * stride + c0),
                             rows: &rows,
                             probs: probs.as_ptr().add(g0 * len),
                             d,
@@ -503,9 +523,10 @@ mod tests {
     fn matches_plain_attention_for_every_head_dim_and_body() {
         let (kv_heads, block_tokens, blocks) = (2, 4, 12);
         for (d, groups) in [(16, 3), (24, 3), (64, 7), (40, 1), (16, 2)] {
-            let width = kv_heads * d;
             let value = |i: usize| ((i * 7919) % 1000) as f32 / 500.0 - 1.0;
-            let keys: Vec<f32> = (0..blocks * block_tokens * width).map(value).collect();
+            let keys: Vec<f32> = (0..blocks * kv_heads * block_tokens * d)
+                .map(value)
+                .collect();
             let values: Vec<f32> = (0..keys.len()).map(|i| value(i + 13)).collect();
             let tables: [&[BlockId]; 3] = [&[7, 2, 9, 4, 10, 1], &[0, 11], &[3, 5, 6, 8]];
             let lens = [21, 5, 16];
@@ -522,14 +543,17 @@ mod tests {
             let out = decode_attention(&keys, &values, &q, &tables, &lens, &shape, scale);
             let per_seq = kv_heads * groups * d;
             for (b, table) in tables.iter().enumerate() {
-                let rows: Vec<usize> = (0..lens[b])
-                    .map(|t| table[t / block_tokens] as usize * block_tokens + t % block_tokens)
-                    .collect();
                 for h in 0..kv_heads {
+                    // Head-major blocks: kv head `h` of position `t` at row
+                    // `(block · kv_heads + h) · block_tokens + t % block_tokens`.
+                    let rows: Vec<usize> = (0..lens[b])
+                        .map(|t| {
+                            let block = table[t / block_tokens] as usize;
+                            (block * kv_heads + h) * block_tokens + t % block_tokens
+                        })
+                        .collect();
                     let take = |pool: &[f32]| -> Vec<Vec<f32>> {
-                        rows.iter()
-                            .map(|r| pool[r * width + h * d..][..d].to_vec())
-                            .collect()
+                        rows.iter().map(|r| pool[r * d..][..d].to_vec()).collect()
                     };
                     let (k, v) = (take(&keys), take(&values));
                     for g in 0..groups {

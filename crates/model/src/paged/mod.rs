@@ -1,12 +1,15 @@
 //! [`PagedKvCache`]: keys and values in fixed-size blocks from one pool, allocated once at a
 //! byte budget, with per-sequence block tables and full blocks shared by content (prefix cache).
 //!
-//! Layout: per layer one keys and one values tensor of `(blocks · block_tokens, kv_heads ·
-//! head_dim)` rows, allocated for the blocks in use so far and doubled (a copy) when a block past
-//! them is handed out, up to the budget. Growing on demand keeps resident memory at what is used:
+//! Layout: per layer one keys and one values tensor of `(blocks · kv_heads · block_tokens,
+//! head_dim)` rows, head-major within a block (block `b` holds kv head 0's `block_tokens` rows,
+//! then kv head 1's, ...), so one head's keys of a block are one contiguous run for attention to
+//! stream and a gather yields `(B, kv_heads, T, head_dim)` without a transpose; allocated for the
+//! blocks in use so far and doubled (a copy) when a block past them is handed out, up to the
+//! budget. Growing on demand keeps resident memory at what is used:
 //! an allocator that recycles freed memory (mimalloc in the binary) zeroes a reused region eagerly,
-//! so a pool allocated whole would be resident whole; token `t` of a sequence lives at row `table[t / B] · B + t % B` (`B` =
-//! `block_tokens`). Attention reads a sequence's rows with one gather per layer, so the model's
+//! so a pool allocated whole would be resident whole. Kv head `h` of a sequence's token `t` lives at
+//! row `(table[t / B] · kv_heads + h) · B + t % B` (`B` = `block_tokens`). Attention reads a sequence's rows with one gather per layer, so the model's
 //! attention code is the contiguous cache's, and the logits are the same.
 //!
 //! Prefix sharing: once every layer holds a block's keys and values and the block is full, the
@@ -46,7 +49,7 @@ pub struct PagedKvCache {
     head_dim: usize,
     block_tokens: usize,
     device: Device,
-    /// Per layer: `(keys, values)`, each `(capacity · block_tokens, kv_heads · head_dim)`.
+    /// Per layer: `(keys, values)`, each `(capacity · kv_heads · block_tokens, head_dim)`.
     pools: Vec<(Tensor, Tensor)>,
     /// Blocks the pools hold now (grows to the allocator's total).
     capacity: usize,
@@ -69,11 +72,11 @@ struct StepRows {
     news: Vec<usize>,
     /// The sequences' lengths before the step.
     lens: Vec<usize>,
-    /// `(Σ news, kv_heads · head_dim)`: the pool row of each new token, repeated across the
-    /// row (scatter indexes are per element).
+    /// `(Σ news · kv_heads, head_dim)`: the pool row of each new token's kv heads, repeated
+    /// across the row (scatter indexes are per element).
     write: Tensor,
-    /// `(B · T)`: positions `0..T` of every sequence, padded with row 0, and `T`; built when
-    /// first needed (the CPU's decode kernel reads the pools in place).
+    /// `(B · kv_heads · T)`: every sequence's kv heads at positions `0..T`, padded with row 0,
+    /// and `T`; built when first needed (the CPU's decode kernel reads the pools in place).
     read: Option<(Tensor, usize)>,
 }
 
@@ -160,8 +163,8 @@ impl PagedKvCache {
             return Ok(());
         }
         let new_cap = blocks.max(2 * self.capacity).min(self.alloc.total());
-        let rows = new_cap * self.block_tokens;
-        let width = self.kv_heads * self.head_dim;
+        let rows = new_cap * self.kv_heads * self.block_tokens;
+        let width = self.head_dim;
         let ctx = format!("growing the kv cache pool to {new_cap} blocks");
         let (dtype, device) = (self.dtype, self.device.clone());
         let widen = |old: Option<&Tensor>| -> candle_core::Result<Tensor> {
@@ -279,9 +282,10 @@ impl PagedKvCache {
         Ok(())
     }
 
-    /// Row of position `t` of a sequence with table `blocks`.
-    fn row(&self, blocks: &[BlockId], t: usize) -> usize {
-        blocks[t / self.block_tokens] as usize * self.block_tokens + t % self.block_tokens
+    /// Pool row of kv head `h` at position `t` of a sequence with table `blocks`.
+    fn row(&self, blocks: &[BlockId], t: usize, h: usize) -> usize {
+        let b = self.block_tokens;
+        (blocks[t / b] as usize * self.kv_heads + h) * b + t % b
     }
 
     fn check_layer(&self, layer: usize) -> Result<()> {
@@ -344,13 +348,16 @@ impl PagedKvCache {
         let i = match found {
             Some(i) => i,
             None => {
-                let width = self.kv_heads * self.head_dim;
-                let rows: usize = news.iter().sum();
+                let (width, kv) = (self.head_dim, self.kv_heads);
+                let rows = news.iter().sum::<usize>() * kv;
                 let mut index = Vec::with_capacity(rows * width);
                 for ((q, &len), &n) in seqs.iter().zip(&lens).zip(news) {
                     let blocks = &self.seqs[q].blocks;
                     for t in len..len + n {
-                        index.extend(std::iter::repeat_n(self.row(blocks, t) as u32, width));
+                        for h in 0..kv {
+                            let row = self.row(blocks, t, h) as u32;
+                            index.extend(std::iter::repeat_n(row, width));
+                        }
                     }
                 }
                 let write = Tensor::from_vec(index, (rows, width), &self.device)?;
@@ -373,11 +380,13 @@ impl PagedKvCache {
                 .map(|(l, n)| l + n)
                 .max()
                 .unwrap_or(1);
-            let mut rows = Vec::with_capacity(seqs.len() * longest);
+            let mut rows = Vec::with_capacity(seqs.len() * self.kv_heads * longest);
             for ((q, &len), &n) in seqs.iter().zip(&r.lens).zip(news) {
                 let blocks = &self.seqs[q].blocks;
-                rows.extend((0..len + n).map(|t| self.row(blocks, t) as u32));
-                rows.extend(std::iter::repeat_n(0, longest - len - n));
+                for h in 0..self.kv_heads {
+                    rows.extend((0..len + n).map(|t| self.row(blocks, t, h) as u32));
+                    rows.extend(std::iter::repeat_n(0, longest - len - n));
+                }
             }
             let rows = self.rows_tensor(rows)?;
             self.step_rows[i].read = Some((rows, longest));
@@ -386,8 +395,9 @@ impl PagedKvCache {
         Ok((r.write.clone(), r.read.clone()))
     }
 
-    /// Writes new keys and values (`k`, `v`: `(rows, kv_heads, head_dim)`) of `layer` at the
-    /// pool rows `index` (from [`PagedKvCache::step_rows`]), in place.
+    /// Writes new keys and values (`k`, `v`: `(tokens, kv_heads, head_dim)`) of `layer` at the
+    /// pool rows `index` (`(tokens · kv_heads, head_dim)`, from [`PagedKvCache::step_rows`]),
+    /// in place.
     fn write_rows(
         &self,
         index: &Tensor,
@@ -439,38 +449,18 @@ impl KvCache for PagedKvCache {
         k: &Tensor,
         v: &Tensor,
     ) -> Result<(Tensor, Tensor)> {
-        self.check_layer(layer)?;
         let n = k.dim(1).ctx("kv cache append")?;
-        self.reserve(seq, n)?;
-        let s = &self.seqs[&seq];
-        let (len, b) = (s.len, self.block_tokens);
-        let total = len + n;
-        let rows: Vec<u32> = (0..total).map(|t| self.row(&s.blocks, t) as u32).collect();
-        let write = || -> candle_core::Result<(Tensor, Tensor)> {
-            let (kb, vb) = &self.pools[layer];
-            // (kv, n, d) → (n, kv·d), written one block's run of rows at a time.
-            let flat = |t: &Tensor| t.transpose(0, 1)?.contiguous()?.reshape((n, ()));
-            let (kf, vf) = (flat(k)?, flat(v)?);
-            let mut t = len;
-            while t < total {
-                let run = (b - t % b).min(total - t);
-                let at = rows[t] as usize;
-                kb.slice_set(&kf.narrow(0, t - len, run)?, 0, at)?;
-                vb.slice_set(&vf.narrow(0, t - len, run)?, 0, at)?;
-                t += run;
-            }
-            let index = self.rows_tensor(rows.clone())?;
-            let read = |pool: &Tensor| {
-                pool.index_select(&index, 0)?
-                    .reshape((total, self.kv_heads, self.head_dim))?
-                    .transpose(0, 1)?
-                    .contiguous()
-            };
-            Ok((read(kb)?, read(vb)?))
-        };
-        let out = write().ctx("paged kv cache append")?;
-        self.commit(layer, seq, n);
-        Ok(out)
+        // (kv, n, d) → (n, kv, d): the token rows of a batch of one.
+        let rows = |t: &Tensor| t.transpose(0, 1)?.contiguous();
+        let (k_rows, v_rows) = (
+            rows(k).ctx("kv cache append")?,
+            rows(v).ctx("kv cache append")?,
+        );
+        let (k_all, v_all) = self.append_ragged(&[seq], &[n], layer, &k_rows, &v_rows)?;
+        Ok((
+            k_all.squeeze(0).ctx("kv cache append")?,
+            v_all.squeeze(0).ctx("kv cache append")?,
+        ))
     }
 
     fn append_ragged(
@@ -490,12 +480,8 @@ impl KvCache for PagedKvCache {
             let (gather, longest) = read.expect("asked for the read rows");
             self.write_rows(&index, layer, k, v)?;
             let (kb, vb) = &self.pools[layer];
-            let read = |pool: &Tensor| {
-                pool.index_select(&gather, 0)?
-                    .reshape((seqs.len(), longest, self.kv_heads, self.head_dim))?
-                    .transpose(1, 2)?
-                    .contiguous()
-            };
+            let shape = (seqs.len(), self.kv_heads, longest, self.head_dim);
+            let read = |pool: &Tensor| pool.index_select(&gather, 0)?.reshape(shape);
             Ok((read(kb)?, read(vb)?))
         };
         let out = write().ctx("paged kv cache ragged append")?;
