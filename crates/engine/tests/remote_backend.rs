@@ -132,11 +132,14 @@ async fn generates_resumes_aborts_and_updates_through_a_server() {
     engine.abort(long_id).unwrap();
     let aborted = next(&finished).await;
     assert_eq!(aborted.id, long_id);
-    // Greedy on the tiny model may hit an end-of-sequence id first; otherwise it is aborted.
-    if aborted.finish != FinishReason::Stop {
+    // Greedy on the tiny model may hit an end-of-sequence id first, or in an optimised build
+    // fill the model's context before the abort lands (a few hundred tokens take tens of
+    // milliseconds there); otherwise it is aborted. (The native engine's tests abort at a
+    // chosen token, independent of speed.)
+    if !matches!(aborted.finish, FinishReason::Stop | FinishReason::Length) {
         assert_eq!(aborted.finish, FinishReason::Abort);
-        assert!(aborted.output.len() < 3000);
     }
+    assert!(aborted.output.len() < 3000);
 
     // New weights: written as a checkpoint, loaded by the server, tagged on later tokens.
     let config = Arc::new(preset_config(Preset::Tiny));
