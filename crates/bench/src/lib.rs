@@ -12,6 +12,7 @@ pub mod model;
 pub mod pipeline;
 pub mod rss;
 mod sampling;
+mod swaps;
 pub mod trainer;
 pub mod weights;
 
