@@ -4,13 +4,14 @@
 //! Layout: per layer one keys and one values tensor of `(blocks · kv_heads · block_tokens,
 //! head_dim)` rows, head-major within a block (block `b` holds kv head 0's `block_tokens` rows,
 //! then kv head 1's, ...), so one head's keys of a block are one contiguous run for attention to
-//! stream and a gather yields `(B, kv_heads, T, head_dim)` without a transpose; allocated for the
-//! blocks in use so far and doubled (a copy) when a block past them is handed out, up to the
-//! budget. Growing on demand keeps resident memory at what is used:
-//! an allocator that recycles freed memory (mimalloc in the binary) zeroes a reused region eagerly,
-//! so a pool allocated whole would be resident whole. Kv head `h` of a sequence's token `t` lives at
-//! row `(table[t / B] · kv_heads + h) · B + t % B` (`B` = `block_tokens`). Attention reads a sequence's rows with one gather per layer, so the model's
-//! attention code is the contiguous cache's, and the logits are the same.
+//! stream and a gather yields `(B, kv_heads, T, head_dim)` without a transpose. Kv head `h` of a
+//! sequence's token `t` lives at row `(table[t / B] · kv_heads + h) · B + t % B` (`B` =
+//! `block_tokens`). The tensors are allocated for the blocks in use so far and doubled (a copy)
+//! when a block past them is handed out, up to the budget. Growing on demand keeps resident
+//! memory at what is used: an allocator that recycles freed memory (mimalloc in the binary)
+//! zeroes a reused region eagerly, so a pool allocated whole would be resident whole. Attention
+//! reads a sequence's rows with one gather per layer (or, on the CPU in f32, in place through
+//! its table), so the logits are the contiguous cache's.
 //!
 //! Prefix sharing: once every layer holds a block's keys and values and the block is full, the
 //! block is registered under a [`BlockKey`] (hash chain of the token ids and the weight version
