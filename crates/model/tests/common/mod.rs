@@ -82,3 +82,9 @@ pub const ALL_ARCHS: [Architecture; 3] = [
     Architecture::Qwen2,
     Architecture::Qwen3,
 ];
+
+/// Full-sequence logits `(len, vocab)` from the differentiable path, one sequence alone.
+pub fn reference_logits(model: &sluice_model::TrainableModel, seq: &[u32]) -> Tensor {
+    let batch = sluice_model::PackedBatch::from_rows(&[vec![seq]], seq.len(), 0).unwrap();
+    model.logits(&batch).unwrap().get(0).unwrap()
+}

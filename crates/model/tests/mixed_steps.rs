@@ -1,0 +1,151 @@
+//! Steps that mix one-token inputs with prompt chunks, and the cache trait's default batched
+//! append (what a new cache implementation starts from): the same logits as full forwards and
+//! as the fast caches.
+
+mod common;
+
+use std::sync::Arc;
+
+use candle_core::{DType, Tensor};
+use common::{ALL_ARCHS, reference_logits, rel_err, snapshot, tiny_config};
+use sluice_model::{
+    ContiguousKvCache, InferenceModel, KvCache, LogitsWanted, StepInput, TrainableModel,
+};
+
+/// A cache that only implements per-sequence appends, so decode steps and prompt batches go
+/// through the trait's default `append_ragged` (what a new cache implementation starts from).
+struct PerSequence(ContiguousKvCache);
+
+impl KvCache for PerSequence {
+    fn seq_len(&self, seq: u64) -> usize {
+        self.0.seq_len(seq)
+    }
+    fn append(
+        &mut self,
+        seq: u64,
+        layer: usize,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> sluice_model::Result<(Tensor, Tensor)> {
+        self.0.append(seq, layer, k, v)
+    }
+    fn remove(&mut self, seq: u64) -> bool {
+        self.0.remove(seq)
+    }
+    fn num_sequences(&self) -> usize {
+        self.0.num_sequences()
+    }
+    fn num_tokens(&self) -> usize {
+        self.0.num_tokens()
+    }
+}
+
+#[test]
+fn default_batched_decode_of_the_cache_trait_matches_the_fast_one() {
+    let snap = Arc::new(snapshot(
+        tiny_config(sluice_model::Architecture::Qwen3, false),
+        8,
+        DType::F32,
+    ));
+    let model = InferenceModel::new(Arc::clone(&snap)).unwrap();
+    let mut fast = ContiguousKvCache::new(model.config(), DType::F32, snap.device());
+    let mut slow = PerSequence(ContiguousKvCache::new(
+        model.config(),
+        DType::F32,
+        snap.device(),
+    ));
+    let prompts: [&[u32]; 3] = [&[1, 2, 3], &[4, 5, 6, 7, 8, 9], &[10]];
+    let prefill = StepInput::numbered(&prompts);
+    model.step(&mut fast, &prefill, LogitsWanted::Last).unwrap();
+    model.step(&mut slow, &prefill, LogitsWanted::Last).unwrap();
+    for token in [11u32, 12, 13] {
+        let one = [token];
+        let decode: Vec<StepInput<'_>> = (0..3)
+            .map(|s| StepInput {
+                seq: s,
+                tokens: &one,
+            })
+            .collect();
+        let a = model.step(&mut fast, &decode, LogitsWanted::Last).unwrap();
+        let b = model.step(&mut slow, &decode, LogitsWanted::Last).unwrap();
+        assert!(rel_err(&a, &b) <= 1e-6);
+    }
+    assert_eq!(slow.seq_len(1), 9);
+}
+
+/// A step mixing one-token inputs with prompt chunks of similar lengths at different positions:
+/// the chunks share one padded attention batch (queries padded to the longest chunk, keys to
+/// the longest sequence), and every row equals the full forward, whatever the cache.
+#[test]
+fn padded_prompt_batches_in_a_mixed_step_match_full_forwards() {
+    for arch in ALL_ARCHS {
+        let snap = Arc::new(snapshot(tiny_config(arch, false), 4, DType::F32));
+        let reference = TrainableModel::from_snapshot(&snap, DType::F32).unwrap();
+        let model = InferenceModel::new(Arc::clone(&snap)).unwrap();
+        // Cached first, then added in one step: prompt chunks of 8, 7, 8, 7 tokens on 4, 5, 4
+        // and 6 cached ones (one batch: 416 padded scores against 367), and two sequences
+        // adding one token each, listed between them.
+        let (first, then) = ([4usize, 5, 4, 6, 9, 3], [8usize, 7, 8, 7, 1, 1]);
+        let seqs: Vec<Vec<u32>> = (0..6)
+            .map(|s| {
+                (0..first[s] + then[s])
+                    .map(|i| ((i * 5 + s * 7 + 2) % 23) as u32)
+                    .collect()
+            })
+            .collect();
+        let order = [0usize, 4, 1, 2, 5, 3];
+        let cache = |kind: usize| -> Box<dyn KvCache> {
+            let (config, device) = (model.config(), snap.device());
+            match kind {
+                0 => Box::new(ContiguousKvCache::new(config, DType::F32, device)),
+                1 => Box::new(
+                    sluice_model::PagedKvCache::new(config, DType::F32, device, 64, 4).unwrap(),
+                ),
+                _ => Box::new(PerSequence(ContiguousKvCache::new(
+                    config,
+                    DType::F32,
+                    device,
+                ))),
+            }
+        };
+        for (kind, wanted) in (0..3).flat_map(|k| [(k, LogitsWanted::All), (k, LogitsWanted::Last)])
+        {
+            let mut cache = cache(kind);
+            let head: Vec<StepInput<'_>> = (0..6)
+                .map(|s| StepInput {
+                    seq: s as u64,
+                    tokens: &seqs[s][..first[s]],
+                })
+                .collect();
+            model
+                .step(cache.as_mut(), &head, LogitsWanted::Last)
+                .unwrap();
+            let step: Vec<StepInput<'_>> = order
+                .iter()
+                .map(|&s| StepInput {
+                    seq: s as u64,
+                    tokens: &seqs[s][first[s]..],
+                })
+                .collect();
+            let got = model.step(cache.as_mut(), &step, wanted).unwrap();
+            let mut row = 0;
+            for &s in &order {
+                let full = reference_logits(&reference, &seqs[s]);
+                let (want, n) = match wanted {
+                    LogitsWanted::All => (full.narrow(0, first[s], then[s]).unwrap(), then[s]),
+                    LogitsWanted::Last => (full.narrow(0, seqs[s].len() - 1, 1).unwrap(), 1),
+                };
+                let err = rel_err(&got.narrow(0, row, n).unwrap(), &want);
+                assert!(
+                    err <= 1e-5,
+                    "{arch:?} cache {kind} {wanted:?} seq {s}: relative error {err:e}"
+                );
+                row += n;
+            }
+            assert_eq!(got.dim(0).unwrap(), row);
+            for (s, tokens) in seqs.iter().enumerate() {
+                assert_eq!(cache.seq_len(s as u64), tokens.len());
+            }
+        }
+    }
+}
