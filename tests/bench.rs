@@ -155,3 +155,60 @@ fn bench_engine_reports_rows_ratios_and_the_batching_ceiling() {
         "{fields:?}"
     );
 }
+
+/// `--model DIR` measures a model directory with its own weights, each bench naming its
+/// `RESULT` keys after the directory; a directory that cannot load is refused naming the flag.
+#[test]
+fn benches_measure_a_model_directory() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("My-Model.v1");
+    let init = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["model", "init", "--preset", "tiny", "--out"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(init.status.success(), "{init:?}");
+    let dir = dir.to_str().unwrap();
+
+    let (_, model) = bench(&["model", "--model", dir, "--batch", "2"], &[]);
+    positive(
+        &model,
+        &["my_model_v1_train_tok_s", "my_model_v1_decode_b2_tok_s"],
+    );
+    let (_, trainer) = bench(&["trainer", "--model", dir, "--shape", "2x16"], &[]);
+    positive(&trainer, &["my_model_v1_b2_l16_tok_s"]);
+    let (stdout, engine) = bench(
+        &[
+            "engine",
+            "--model",
+            dir,
+            "--concurrency",
+            "2",
+            "--max-tokens",
+            "2",
+            "--only-concurrency",
+        ],
+        &[],
+    );
+    assert!(
+        stdout.contains("my_model_v1: 2 tokens per request"),
+        "{stdout}"
+    );
+    assert!(
+        !engine.contains_key("tiny_batching_speedup_64"),
+        "{engine:?}"
+    );
+
+    let missing = tmp.path().join("absent");
+    let out = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["bench", "model", "--model"])
+        .arg(&missing)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("--model") && stderr.contains("absent"),
+        "{stderr}"
+    );
+}

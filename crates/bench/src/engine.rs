@@ -1,6 +1,7 @@
-//! `sluice bench engine`: the native engine's continuous batching on the presets.
+//! `sluice bench engine`: the native engine's continuous batching on the presets or on model
+//! directories (`--model DIR`).
 //!
-//! For each preset: decode tokens/s with 1, 8, 32 and 64 requests in flight against the same
+//! For each model: decode tokens/s with 1, 8, 32 and 64 requests in flight against the same
 //! requests run one at a time; p50/p99 inter-token latency per concurrency; and the weight-swap
 //! pause of each update mode with a batch running (in_flight: the p50 of 24 swaps at times
 //! unrelated to the engine's steps). Each row also splits the engine's compute time: the model's
@@ -22,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use sluice_config::ModelPreset;
-use sluice_core::{GroupId, NodeId, PolicyVersion, RunId, WeightUpdateMode};
+use sluice_core::{GroupId, NodeId, RunId, WeightUpdateMode};
 use sluice_engine::native::KvBudget;
 use sluice_engine::native::RequestUpdate;
 use sluice_engine::{
@@ -30,14 +31,19 @@ use sluice_engine::{
     NativeRequest, SamplingParams,
 };
 use sluice_model::ModelWeights;
-use sluice_model::presets::{preset_config, random_snapshot};
+
+use crate::subject::Subject;
 
 /// `sluice bench engine`
 #[derive(Debug, clap::Args)]
 pub struct BenchEngineArgs {
-    /// Presets to measure (repeatable; default: tiny and small).
+    /// Presets to measure (repeatable; default: tiny and small unless `--model` is given).
     #[arg(long = "preset", value_parser = sluice_config::ModelPreset::parse_name)]
     pub presets: Vec<sluice_config::ModelPreset>,
+    /// Model directories to measure with their own weights (repeatable); lengths default to
+    /// those of the preset nearest in size.
+    #[arg(long = "model", value_name = "DIR")]
+    pub models: Vec<std::path::PathBuf>,
     /// Requests in flight.
     #[arg(long = "concurrency", default_values_t = [1usize, 8, 32, 64])]
     pub concurrency: Vec<usize>,
@@ -126,11 +132,7 @@ impl Sizing {
 
 /// Runs the benchmark and prints a table and the `RESULT engine` line.
 pub fn run(args: &BenchEngineArgs) -> anyhow::Result<ExitCode> {
-    let presets = if args.presets.is_empty() {
-        vec![ModelPreset::Tiny, ModelPreset::Small]
-    } else {
-        args.presets.clone()
-    };
+    let subjects = Subject::list(&args.presets, &args.models);
     let mut speedup_tiny = None;
     // `sluice bench model`'s decode bound is for f32 on the CPU.
     let cpu_f32 =
@@ -145,16 +147,17 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<ExitCode> {
     };
     let device = sluice_model::device(args.device).context("--device")?;
     let dtype = crate::candle_dtype(args.dtype);
-    for preset in presets {
-        let config = Arc::new(preset_config(preset));
-        let w0 = Arc::new(random_snapshot(Arc::clone(&config), 0, dtype, &device)?);
-        let (default_tokens, default_prompt) = lengths(preset);
+    for subject in subjects {
+        let name = subject.name();
+        let config = subject.config()?;
+        let w0 = subject.weights(0, dtype, &device)?;
+        let (default_tokens, default_prompt) = lengths(subject.size_class()?);
         let max_tokens = args.max_tokens.unwrap_or(default_tokens);
         let prompt_len = args.prompt_tokens.unwrap_or(default_prompt);
         let max_c = *args.concurrency.iter().max().unwrap_or(&64);
         let budget = KvBudget::new(&sizing.params(max_c), &config, dtype)?;
         println!(
-            "preset {preset:?}: {max_tokens} tokens per request, prompts of {prompt_len}{}; KV cache {:.1} MiB per engine ({} blocks of {} tokens{})",
+            "{name}: {max_tokens} tokens per request, prompts of {prompt_len}{}; KV cache {:.1} MiB per engine ({} blocks of {} tokens{})",
             if args.ragged {
                 " (ragged: on average)"
             } else {
@@ -223,7 +226,7 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<ExitCode> {
                 m.preempted,
                 m.decode_tok_s
             );
-            if preset == ModelPreset::Tiny && c == 64 {
+            if subject.is(ModelPreset::Tiny) && c == 64 {
                 speedup_tiny = speedup;
             }
             if c == 64 {
@@ -231,7 +234,13 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<ExitCode> {
                     Some(before) => Some(before.max(crate::model::matmul_flops_per_s()?)),
                     None => None,
                 };
-                at_64.push((preset, Arc::clone(&config), speedup, m.decode_tok_s, flops));
+                at_64.push((
+                    name.clone(),
+                    Arc::clone(&config),
+                    speedup,
+                    m.decode_tok_s,
+                    flops,
+                ));
             }
         }
         if args.only_concurrency {
@@ -251,15 +260,13 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<ExitCode> {
                 off.1,
                 100.0 * (1.0 - on.1 / off.1.max(1e-12))
             );
-            if preset == ModelPreset::Tiny || prefix_ratio.is_none() {
+            if subject.is(ModelPreset::Tiny) || prefix_ratio.is_none() {
                 prefix_ratio = Some((g, on.0));
             }
         }
         // The second weight set (only the swaps need it) is built here, so a memory run
         // (`--only-concurrency`) holds one.
-        let w1 = Arc::new(
-            random_snapshot(Arc::clone(&config), 1, dtype, &device)?.with_version(PolicyVersion(1)),
-        );
+        let w1 = subject.weights(1, dtype, &device)?;
         for mode in WeightUpdateMode::ALL {
             if mode == WeightUpdateMode::InFlight {
                 let pauses = crate::swaps::in_flight_pauses(&w0, &w1, prompt_len, sizing)?;
@@ -274,7 +281,7 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<ExitCode> {
                     ms(1.0),
                     pauses.len()
                 );
-                if preset == ModelPreset::Tiny {
+                if subject.is(ModelPreset::Tiny) {
                     pause_tiny = Some(ms(0.5));
                 }
                 continue;
@@ -318,8 +325,7 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<ExitCode> {
     // Per preset: the batching speed-up, and the decode rate at 64 against `sluice bench
     // model`'s bound (f32 on the CPU).
     let mut per_preset = String::new();
-    for (preset, config, speedup, decode, flops) in &at_64 {
-        let name = format!("{preset:?}").to_lowercase();
+    for (name, config, speedup, decode, flops) in &at_64 {
         if let Some(x) = speedup {
             per_preset.push_str(&format!(" {name}_batching_speedup_64={x:.1}"));
         }

@@ -12,6 +12,7 @@ pub mod model;
 pub mod pipeline;
 pub mod rss;
 mod sampling;
+pub mod subject;
 mod swaps;
 pub mod trainer;
 pub mod weights;
@@ -20,6 +21,7 @@ pub use cluster::BenchClusterArgs;
 pub use engine::BenchEngineArgs;
 pub use model::BenchModelArgs;
 pub use pipeline::BenchPipelineArgs;
+pub use subject::Subject;
 pub use trainer::BenchTrainerArgs;
 pub use weights::BenchWeightsArgs;
 

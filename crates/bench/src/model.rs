@@ -1,5 +1,5 @@
-//! `sluice bench model`: training forward+backward and decode tokens/s for the presets, next
-//! to what this machine allows (measured memory bandwidth and matmul FLOP/s).
+//! `sluice bench model`: training forward+backward and decode tokens/s for the presets or model
+//! directories (`--model DIR`), next to what this machine allows (measured memory bandwidth and matmul FLOP/s).
 //!
 //! Bounds: a training token costs at least `6 · P` FLOPs (forward + backward over the `P`
 //! parameters used as matmul weights), a decode step reads every weight once, so decode is
@@ -12,18 +12,23 @@ use std::time::{Duration, Instant};
 
 use sluice_config::ModelPreset;
 use sluice_model::candle::{DType, Device, Tensor};
-use sluice_model::presets::{preset_config, random_snapshot};
 use sluice_model::{
     ContiguousKvCache, ForwardOptions, InferenceModel, KvCache, LogitsWanted, ModelWeights,
     PackedBatch, StepInput, TrainableModel, argmax_rows,
 };
 
+use crate::subject::Subject;
+
 /// `sluice bench model`
 #[derive(Debug, clap::Args)]
 pub struct BenchModelArgs {
-    /// Presets to measure (repeatable; default: tiny and small).
+    /// Presets to measure (repeatable; default: tiny and small unless `--model` is given).
     #[arg(long = "preset", value_parser = sluice_config::ModelPreset::parse_name)]
     pub presets: Vec<sluice_config::ModelPreset>,
+    /// Model directories to measure with their own weights (repeatable); sizes default to
+    /// those of the preset nearest in size.
+    #[arg(long = "model", value_name = "DIR")]
+    pub models: Vec<std::path::PathBuf>,
     /// Decode batch sizes.
     #[arg(long = "batch", default_values_t = [1usize, 8, 64])]
     pub batches: Vec<usize>,
@@ -66,11 +71,7 @@ fn plan(preset: ModelPreset) -> Plan {
 
 /// Runs the benchmark and prints a table and the `RESULT model` line.
 pub fn run(args: &BenchModelArgs) -> anyhow::Result<ExitCode> {
-    let presets = if args.presets.is_empty() {
-        vec![ModelPreset::Tiny, ModelPreset::Small]
-    } else {
-        args.presets.clone()
-    };
+    let subjects = Subject::list(&args.presets, &args.models);
     let bandwidth = memory_bandwidth_bytes_per_s();
     let flops = matmul_flops_per_s()?;
     println!(
@@ -83,17 +84,12 @@ pub fn run(args: &BenchModelArgs) -> anyhow::Result<ExitCode> {
         format!("mem_bw_gbs={:.1}", bandwidth / 1e9),
         format!("matmul_gflops={:.1}", flops / 1e9),
     ];
-    for preset in presets {
-        let name = format!("{preset:?}").to_lowercase();
-        let config = Arc::new(preset_config(preset));
-        let snapshot = Arc::new(random_snapshot(
-            Arc::clone(&config),
-            0,
-            DType::F32,
-            &Device::Cpu,
-        )?);
+    for subject in subjects {
+        let name = subject.name();
+        let config = subject.config()?;
+        let snapshot = subject.weights(0, DType::F32, &Device::Cpu)?;
         let matmul_params = matmul_params(&config);
-        let p = plan(preset);
+        let p = plan(subject.size_class()?);
         println!(
             "\n{name}: {} parameters ({} in matmuls), f32 on CPU",
             config.num_parameters(),

@@ -1,5 +1,6 @@
 //! `sluice bench trainer`: whole RL training steps (advantages, packing, forward + backward,
-//! AdamW, snapshot publish) in tokens/s for the presets at several `[B, L]`, and the packing
+//! AdamW, snapshot publish) in tokens/s for the presets or model directories (`--model DIR`) at
+//! several `[B, L]`, and the packing
 //! efficiency of the batcher on a realistic mix of prompt and completion lengths.
 //!
 //! Step throughput counts every non-padding token through forward and backward; each step here is
@@ -21,19 +22,24 @@ use sluice_core::{
     DataSample, GroupId, NodeId, PolicyVersion, RolloutGroup, RolloutStatus, RolloutTurn, RunId,
 };
 use sluice_model::candle::{DType, Device};
-use sluice_model::presets::{preset_config, random_snapshot};
 use sluice_trainer::advantage::AdvantageConfig;
 use sluice_trainer::batcher::{BatcherConfig, TrainingText, pack};
 use sluice_trainer::loss::LossConfig;
 use sluice_trainer::optim::OptimConfig;
 use sluice_trainer::{NativeTrainer, NativeTrainerConfig, StepParts};
 
+use crate::subject::Subject;
+
 /// `sluice bench trainer`
 #[derive(Debug, clap::Args)]
 pub struct BenchTrainerArgs {
-    /// Presets to measure (repeatable; default: tiny and small).
+    /// Presets to measure (repeatable; default: tiny and small unless `--model` is given).
     #[arg(long = "preset", value_parser = sluice_config::ModelPreset::parse_name)]
     pub presets: Vec<sluice_config::ModelPreset>,
+    /// Model directories to measure with their own weights (repeatable); shapes default to
+    /// those of the preset nearest in size.
+    #[arg(long = "model", value_name = "DIR")]
+    pub models: Vec<std::path::PathBuf>,
     /// Micro-batch shapes `BxL` (repeatable; default: a few per preset).
     #[arg(long = "shape", value_parser = parse_shape)]
     pub shapes: Vec<(usize, usize)>,
@@ -58,21 +64,17 @@ fn default_plan(preset: ModelPreset) -> (Vec<(usize, usize)>, usize) {
 
 /// Runs the benchmark and prints a table and the `RESULT trainer` line.
 pub fn run(args: &BenchTrainerArgs) -> anyhow::Result<ExitCode> {
-    let presets = if args.presets.is_empty() {
-        vec![ModelPreset::Tiny, ModelPreset::Small]
-    } else {
-        args.presets.clone()
-    };
+    let subjects = Subject::list(&args.presets, &args.models);
     let mut result = Vec::new();
-    for &preset in &presets {
-        let name = format!("{preset:?}").to_lowercase();
-        let (default_shapes, steps) = default_plan(preset);
+    for subject in &subjects {
+        let name = subject.name();
+        let (default_shapes, steps) = default_plan(subject.size_class()?);
         let shapes = if args.shapes.is_empty() {
             default_shapes
         } else {
             args.shapes.clone()
         };
-        let config = Arc::new(preset_config(preset));
+        let config = subject.config()?;
         println!(
             "{name}: {} parameters, f32 master weights on {}, ppo, {steps} timed step(s) per shape{}",
             config.num_parameters(),
@@ -83,7 +85,7 @@ pub fn run(args: &BenchTrainerArgs) -> anyhow::Result<ExitCode> {
                 ""
             }
         );
-        let snapshot = Arc::new(random_snapshot(config, 0, DType::F32, &Device::Cpu)?);
+        let snapshot = subject.weights(0, DType::F32, &Device::Cpu)?;
         for (rows, len) in shapes {
             crate::rss::reset_peak();
             let mut settings = trainer_config(rows, len);
@@ -117,7 +119,9 @@ pub fn run(args: &BenchTrainerArgs) -> anyhow::Result<ExitCode> {
             result.push(format!("{name}_b{rows}_l{len}_tok_s={tok_s:.0}"));
         }
     }
-    if presets.contains(&ModelPreset::Tiny) && args.device == sluice_config::Device::Cpu {
+    if subjects.contains(&Subject::Preset(ModelPreset::Tiny))
+        && args.device == sluice_config::Device::Cpu
+    {
         let (shared, alone) = quickstart_step()?;
         println!(
             "\nquickstart step (tiny, 32 groups of 8 rollouts, 23-token prompts, 6-token answers, 2 updates):\n  prompts shared {:.3} s/step   each rollout alone {:.3} s/step   speed-up {:.2}x",
@@ -226,9 +230,8 @@ fn bench_group(counter: u64, size: u32) -> RolloutGroup {
 /// load falls on both alike. The settings of `configs/quickstart.toml`'s trainer, on one thread.
 fn quickstart_step() -> anyhow::Result<(f64, f64)> {
     const STEPS: usize = 6;
-    let config = Arc::new(preset_config(ModelPreset::Tiny));
-    let vocab = config.vocab_size as u32;
-    let snapshot = Arc::new(random_snapshot(config, 0, DType::F32, &Device::Cpu)?);
+    let snapshot = Subject::Preset(ModelPreset::Tiny).weights(0, DType::F32, &Device::Cpu)?;
+    let vocab = snapshot.config().vocab_size as u32;
     let groups: Vec<RolloutGroup> = (0..32)
         .map(|g| prompt_group(g, 23, 6, vocab))
         .collect::<anyhow::Result<_>>()?;
