@@ -162,6 +162,27 @@ pub enum ModelCommand {
     /// One prompt through the engine's path (last-position logits) and the trainer's (the
     /// gradients of −mean log p), on a device and dtype, as one JSON line: compare devices.
     Probe(ModelProbeArgs),
+    /// Convert a llama.cpp GGUF file (llama, qwen2, qwen3) into a Hugging Face directory:
+    /// config, dequantised safetensors weights, tokenizer and chat template.
+    Import(ModelImportArgs),
+}
+
+/// `sluice model import`
+#[derive(Debug, clap::Args)]
+pub struct ModelImportArgs {
+    /// The GGUF file to convert.
+    #[arg(long)]
+    pub gguf: PathBuf,
+    /// Directory to write (created if needed). A directory that already holds a model
+    /// (`config.json` or weights) is refused unless `--force`.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Dtype of the written weights: `f32` (every dequantised value exact), `bf16` or `f16`.
+    #[arg(long, default_value = "f32", value_parser = sluice_bench::parse_dtype)]
+    pub dtype: sluice_config::DType,
+    /// Replace the model already in `--out`.
+    #[arg(long)]
+    pub force: bool,
 }
 
 /// `sluice model probe`

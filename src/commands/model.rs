@@ -1,12 +1,12 @@
-//! `sluice model init|info|probe`: write a preset model directory, describe one, or probe it
-//! on a device (`probe.rs`).
+//! `sluice model init|info|probe|import`: write a preset model directory, describe one, probe
+//! it on a device (`probe.rs`), or convert a GGUF file into one.
 
 use std::process::ExitCode;
 
 use anyhow::{Context, bail};
-use sluice_model::{ModelConfig, Tokenizer, presets};
+use sluice_model::{ModelConfig, Tokenizer, gguf, presets};
 
-use crate::cli::{ModelCommand, ModelInfoArgs, ModelInitArgs};
+use crate::cli::{ModelCommand, ModelImportArgs, ModelInfoArgs, ModelInitArgs};
 
 /// Runs one `model` subcommand.
 pub fn run(command: ModelCommand) -> anyhow::Result<ExitCode> {
@@ -14,7 +14,39 @@ pub fn run(command: ModelCommand) -> anyhow::Result<ExitCode> {
         ModelCommand::Init(args) => init(&args),
         ModelCommand::Info(args) => info(&args),
         ModelCommand::Probe(args) => super::probe::run(&args),
+        ModelCommand::Import(args) => import(&args),
     }
+}
+
+fn import(args: &ModelImportArgs) -> anyhow::Result<ExitCode> {
+    if let Some(existing) = model_files(&args.out).filter(|_| !args.force) {
+        bail!(
+            "--out {}: already holds a model ({existing}); pass --force to replace it",
+            args.out.display()
+        );
+    }
+    let dtype = sluice_model::config::candle_dtype(args.dtype);
+    let summary = gguf::import_gguf(&args.gguf, &args.out, &gguf::ImportOptions { dtype })
+        .with_context(|| format!("importing {}", args.gguf.display()))?;
+    let types: Vec<String> = summary
+        .tensor_types
+        .iter()
+        .map(|(t, n)| format!("{n} {t}"))
+        .collect();
+    println!(
+        "wrote {} ({} parameters, {} layers, {:?}) to {}",
+        summary.config.architecture.class_name(),
+        summary.config.num_parameters(),
+        summary.config.num_layers,
+        summary.config.dtype,
+        args.out.display()
+    );
+    println!("tensors in the file: {}", types.join(", "));
+    println!(
+        "tokenizer: {} (chat template: {})",
+        summary.tokenizer, summary.chat_template
+    );
+    Ok(ExitCode::SUCCESS)
 }
 
 fn init(args: &ModelInitArgs) -> anyhow::Result<ExitCode> {

@@ -113,6 +113,15 @@ pub enum ModelError {
         /// Why it cannot be used.
         reason: String,
     },
+    /// A GGUF file could not be read or imported: truncated, an architecture, tensor type or
+    /// tokenizer that is not supported, or tensors that disagree with the metadata.
+    #[error("{path}: {reason}")]
+    Gguf {
+        /// The GGUF file.
+        path: PathBuf,
+        /// What was wrong, naming the metadata key or tensor.
+        reason: String,
+    },
     /// A caller passed inconsistent input (lengths, unknown sequence, token out of vocabulary).
     #[error("invalid input: {reason}")]
     Input {
@@ -137,6 +146,7 @@ impl ModelError {
             ModelError::ChatTemplate { .. } => "chat_template",
             ModelError::KvCacheFull { .. } => "kv_cache_full",
             ModelError::Device { .. } => "device",
+            ModelError::Gguf { .. } => "gguf",
             ModelError::Input { .. } => "invalid_input",
         }
     }

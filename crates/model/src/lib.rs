@@ -7,6 +7,7 @@
 //! |---|---|
 //! | [`config`] | [`ModelConfig`] from `config.json` (Llama / Qwen2 / Qwen3, GQA, llama3 RoPE scaling), refused fields |
 //! | [`names`] | HF tensor names and shapes per config: the single list loading, saving, init and training share |
+//! | [`gguf`] | [`gguf::import_gguf`]: a llama.cpp GGUF file (llama / qwen2 / qwen3, any candle-readable quant type) as an HF directory, tokenizer included; [`gguf::export_gguf`] the reverse for tests |
 //! | [`snapshot`] | [`ModelWeights`]: immutable, versioned, `Arc`-shared weights the trainer publishes and engines swap in |
 //! | [`checkpoint`] | [`load_checkpoint`] / [`save_checkpoint`]: safetensors (memory-mapped, sharded with index), HF layout |
 //! | [`batch`] | [`PackedBatch`]: sequences packed in `(B, L)` rows with positions, segments, next-token targets |
@@ -56,6 +57,7 @@ pub mod config;
 pub mod device;
 pub mod error;
 pub mod fused;
+pub mod gguf;
 pub mod infer;
 mod layers;
 pub mod names;
