@@ -209,3 +209,46 @@ fn chat_template_replaces_the_models_template() {
     let err = String::from_utf8_lossy(&missing.stderr);
     assert!(err.contains("--chat-template /nowhere.jinja"), "{err}");
 }
+
+#[path = "real_model/mod.rs"]
+mod real_model;
+
+/// The real pretrained model through `sluice serve`: its imported tokenizer and ChatML
+/// template render the request, and greedy decoding names the capital of France.
+#[test]
+fn serve_answers_with_the_real_model() {
+    let model = real_model::smollm2_dir();
+    let mut child = sluice()
+        .args(["serve", "--model", model.to_str().unwrap(), "--port", "0"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let addr = line
+        .split("http://")
+        .nth(1)
+        .map(|a| a.trim().to_owned())
+        .unwrap_or_else(|| panic!("no address in {line:?}"));
+    let reply = http(
+        &addr,
+        "POST",
+        "/v1/chat/completions",
+        r#"{"messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 24, "temperature": 0}"#,
+    );
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let body = body_json(&reply);
+    let content = body["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no message content: {reply}"));
+    assert!(content.contains("Paris"), "{content:?}");
+    // The template's default system prompt and the user turn, as SmolLM2's own template renders
+    // them: far more than the question's 7 tokens, far fewer than a character tokenizer's.
+    let prompt_tokens = body["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert!((20..80).contains(&prompt_tokens), "{reply}");
+}
