@@ -170,3 +170,35 @@ fn bad_domain_rubrics_and_env_servers_name_the_key() {
     }
     assert!(failures.is_empty(), "\n{}", failures.join("\n"));
 }
+
+#[test]
+fn rubric_regex_compiles_at_load_and_round_trips() {
+    let text = r#"
+        [data]
+        datasets = ["math::word_problems@train"]
+        [data.domains.math.rubric]
+        weights = { regex = 1.0, format = 0.1 }
+        regex = '(?i)answer:\s*(\d+)'
+    "#;
+    let c = load(text).unwrap();
+    let rubric = c.data.domain_options["math"].rubric.as_ref().unwrap();
+    assert_eq!(rubric.regex.as_deref(), Some(r"(?i)answer:\s*(\d+)"));
+    let printed = toml::to_string(&c).unwrap();
+    assert_eq!(load(&printed).unwrap(), c);
+
+    let bad = text.replace(r"(\d+)'", r"(\d+'");
+    let err = load(&bad).unwrap_err().to_string();
+    assert!(
+        err.contains("data.domains.math.rubric.regex")
+            && err.contains("regular expression")
+            && err.contains("unclosed group"),
+        "{err}"
+    );
+    assert!(!err.contains('\n'), "one line: {err}");
+    let unused = text.replace("regex = 1.0, ", "");
+    let err = load(&unused).unwrap_err().to_string();
+    assert!(
+        err.contains("data.domains.math.rubric.regex") && err.contains("does not name"),
+        "{err}"
+    );
+}

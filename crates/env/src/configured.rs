@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use crate::error::EnvError;
 use crate::remote::{EnvServers, RemoteEnvFactory, RoutedEnvFactory};
-use crate::reward_fns::{GENERIC_NAMES, generic};
+use crate::reward_fns::{AnswerOptions, GENERIC_NAMES, generic};
 use crate::rubric::{RewardFn, Rubric, RubricConfig};
 use crate::task::{Task, TaskRegistry};
 
@@ -158,9 +158,24 @@ fn remote_only_task(name: &str) -> Task {
     Task::new(name, unreachable, rubric)
 }
 
-/// `spec` built from `task`'s own functions and the generic ones. An error starts with the
-/// part of the key below `rubric.` (`weights.bogus: …`).
+/// `spec` built from `task`'s own functions and the generic ones (answers in the sample's
+/// `answer` field, marked `####`). An error starts with the part of the key below `rubric.`
+/// (`weights.bogus: …`).
 pub fn rubric_for(task: &Task, spec: &DomainRubric) -> Result<Rubric, String> {
+    rubric_with_answers(task, spec, AnswerOptions::default())
+}
+
+/// [`rubric_for`] with the generic answer functions reading `answers` (the `regex` pattern is
+/// `spec`'s).
+pub fn rubric_with_answers(
+    task: &Task,
+    spec: &DomainRubric,
+    mut answers: AnswerOptions,
+) -> Result<Rubric, String> {
+    if let Some(pattern) = &spec.regex {
+        let compiled = regex::Regex::new(pattern).map_err(|e| format!("regex: {e}"))?;
+        answers.regex = Some(Arc::new(compiled));
+    }
     let own = task.rubric().functions();
     let mut fns = Vec::with_capacity(spec.weights.len());
     for (name, &weight) in &spec.weights {
@@ -168,8 +183,13 @@ pub fn rubric_for(task: &Task, spec: &DomainRubric) -> Result<Rubric, String> {
             .iter()
             .find(|f| f.name() == name)
             .map(|f| f.clone().with_weight(weight))
-            .or_else(|| generic(name, weight));
+            .or_else(|| generic(name, weight, &answers));
         let Some(f) = f else {
+            if name == "regex" {
+                return Err(
+                    "weights.regex: the `regex` reward function needs a pattern: set `regex = \"…\"` in the same rubric table".into(),
+                );
+            }
             let mut known: Vec<&str> = own.iter().map(RewardFn::name).collect();
             for g in GENERIC_NAMES {
                 if !known.contains(g) {

@@ -1,5 +1,5 @@
 //! Evaluation: play a task on a fixed set of samples and summarize (mean reward, accuracy from the
-//! `correct` component, statuses). [`EvalReport::from_rollouts`] is the pure summary, for callers
+//! `correct` component or a generic answer check, statuses). [`EvalReport::from_rollouts`] is the pure summary, for callers
 //! that run episodes concurrently through their own engine plumbing; [`evaluate`] plays them one
 //! after another with a [`Generate`] implementation.
 
@@ -11,6 +11,7 @@ use sluice_core::{DataSample, GroupId, NodeId, Rollout, RunId};
 use crate::episode::{Generate, run_episode};
 use crate::error::EnvError;
 use crate::renderer::Renderer;
+use crate::reward_fns::ACCURACY_COMPONENTS;
 use crate::rubric::Rubric;
 use crate::task::Task;
 use crate::token_env::TokenEnvLimits;
@@ -22,8 +23,10 @@ pub struct EvalReport {
     pub episodes: usize,
     /// Mean final reward.
     pub mean_reward: f64,
-    /// Mean of the `correct` reward component over all episodes (an episode without the component,
-    /// such as a truncated one, counts as 0); `None` when the rubric has no `correct` function.
+    /// Mean of the rubric's answer-checking component over all episodes (an episode without the
+    /// component, such as a truncated one, counts as 0): `correct`, else the first of
+    /// `math_answer`, `exact_match`, `regex` the rubric weights
+    /// ([`crate::reward_fns::ACCURACY_COMPONENTS`]); `None` when it has none of them.
     pub accuracy: Option<f64>,
     /// Episodes per final status label.
     pub statuses: BTreeMap<String, usize>,
@@ -37,7 +40,10 @@ impl EvalReport {
         for r in rollouts {
             *statuses.entry(r.status.as_label().to_owned()).or_insert(0) += 1;
         }
-        let scores_correctness = rubric.weights().iter().any(|(name, _)| *name == "correct");
+        let weights = rubric.weights();
+        let accuracy_component = ACCURACY_COMPONENTS
+            .iter()
+            .find(|c| weights.iter().any(|(name, _)| name == *c));
         let mean = |f: &dyn Fn(&Rollout) -> f64| {
             if n == 0 {
                 0.0
@@ -48,8 +54,8 @@ impl EvalReport {
         Self {
             episodes: n,
             mean_reward: mean(&|r| r.reward),
-            accuracy: scores_correctness
-                .then(|| mean(&|r| r.reward_components.get("correct").copied().unwrap_or(0.0))),
+            accuracy: accuracy_component
+                .map(|c| mean(&|r| r.reward_components.get(*c).copied().unwrap_or(0.0))),
             statuses,
         }
     }

@@ -9,9 +9,10 @@
 //! | [`sandbox`] | untrusted programs in a child process: CPU/memory/process/wall limits, no network |
 //! | [`sessions`] | [`EnvSessions`]: the token envs of live rollouts by rollout id — start, step, abandon — for env workers |
 //! | [`configured`] | the run's tasks as its config sets them up: per-domain rubrics and env servers |
-//! | [`reward_fns`] | reward functions every task offers a rubric from config: `env`, `env.<name>`, `length` (group) |
+//! | [`reward_fns`] | reward functions every task offers a rubric from config: `env`, `env.<name>`, `length` (group), `math_answer`, `exact_match`, `regex`, `format` |
+//! | [`answer`] | final answers of free-form replies: `\boxed{}`, `####`, numbers, comparison |
 //! | [`task`] | [`Task`] = datasets + env + rubric + system prompt; [`TaskRegistry`] |
-//! | [`tasks`] | built-in tasks: `arithmetic`, `sum_digits`, `calculator_tool`, `stock_tool`, `episodic` |
+//! | [`tasks`] | built-in tasks: `arithmetic`, `sum_digits`, `calculator_tool`, `stock_tool`, `episodic`, `word_problems` |
 //! | [`datasets`] | `[data] datasets` → rows: JSONL under `data_dir`, or a built-in task's generator |
 //! | [`discount`] | episode-aware discounting of outcome rewards (seed 001) |
 //! | [`stats`] | running outcome EMA and balance fractions (seed 001) |
@@ -24,6 +25,7 @@
 //! A panicking, failing or hanging env or reward function fails its rollout (`Error(kind)` or
 //! `Timeout`), never the caller.
 
+pub mod answer;
 pub mod configured;
 pub mod datasets;
 pub mod discount;

@@ -128,6 +128,21 @@ impl RewardFn {
         }
     }
 
+    /// A cheap synchronous reward function that may refuse (its error fails the rollout), run
+    /// like [`RewardFn::inline`]: a text check that cannot hang but can find its sample lacking
+    /// (no reference answer).
+    pub fn inline_fallible(
+        name: impl Into<String>,
+        weight: f64,
+        f: impl Fn(&ScoreInput) -> Result<f64, String> + Send + Sync + 'static,
+    ) -> Self {
+        Self {
+            name: name.into(),
+            weight,
+            scorer: Scorer::Inline(Arc::new(f)),
+        }
+    }
+
     /// A synchronous reward function that may refuse (its error fails the rollout).
     pub fn fallible(
         name: impl Into<String>,

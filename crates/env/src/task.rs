@@ -47,7 +47,7 @@ pub trait DataGenerator: Send + Sync {
 /// answered every earlier turn's reference reply: what supervised warm-starts imitate. `None`
 /// when the sample has no reference reply at that turn (a single-turn task has one at turn 0
 /// only). The env's answers follow from the sample, so the turn number is all the policy needs.
-pub type ReferenceReply = fn(&DataSample, u32) -> Option<String>;
+pub type ReferenceReply = Arc<dyn Fn(&DataSample, u32) -> Option<String> + Send + Sync>;
 
 /// One registered task.
 #[derive(Clone)]
@@ -91,8 +91,11 @@ impl Task {
     }
 
     /// Declares how to write a sample's reference replies, turn by turn.
-    pub fn with_reference(mut self, reference: ReferenceReply) -> Self {
-        self.reference = Some(reference);
+    pub fn with_reference(
+        mut self,
+        reference: impl Fn(&DataSample, u32) -> Option<String> + Send + Sync + 'static,
+    ) -> Self {
+        self.reference = Some(Arc::new(reference));
         self
     }
 
@@ -103,7 +106,7 @@ impl Task {
 
     /// The reference reply at turn `turn` of `sample`'s episode, when the task declares one.
     pub fn reference_reply(&self, sample: &DataSample, turn: u32) -> Option<String> {
-        self.reference.and_then(|f| f(sample, turn))
+        self.reference.as_ref().and_then(|f| f(sample, turn))
     }
 
     /// The held-out evaluation set: the whole `eval` split when the task can enumerate it,
@@ -253,7 +256,7 @@ impl TaskRegistry {
     }
 
     /// A registry holding the built-in tasks (`arithmetic`, `sum_digits`, `calculator_tool`,
-    /// `stock_tool`, `episodic`, and `python_code` on Linux).
+    /// `stock_tool`, `episodic`, `word_problems`, and `python_code` on Linux).
     pub fn builtin() -> Self {
         let mut r = Self::new();
         for task in crate::tasks::builtin_tasks() {

@@ -277,3 +277,196 @@ fn invalid_rubrics_are_refused() {
     };
     assert!(Rubric::new(vec![f()], bad_timeout).is_err());
 }
+
+/// The math answer of a reply, one row per edge: where it is taken from, and how its number is
+/// read.
+#[test]
+fn math_answer_extraction_edges() {
+    use sluice_env::answer::math_answer;
+    let cases: &[(&str, Option<f64>)] = &[
+        ("so 20 + 9 = 29", Some(29.0)),
+        ("It costs $1,234.", Some(1234.0)),
+        ("The total is 1,234,567 apples", Some(1_234_567.0)),
+        ("temperature dropped to -3 degrees", Some(-3.0)),
+        ("x is −4", Some(-4.0)),
+        ("5-3 leaves 2", Some(2.0)),
+        ("it is 3.50", Some(3.5)),
+        ("we get 7. Done.", Some(7.0)),
+        // `####`: the first number after the last one, whatever came before or after.
+        ("#### 5\nthen 6\n#### 8 apples\nbye 9", Some(8.0)),
+        ("#### $1,000", Some(1000.0)),
+        ("#### none\n12", None),
+        // `\boxed{}` wins over `####` and stray numbers; braces nest; the last one counts.
+        (r"\boxed{3} no wait \boxed{4} #### 5", Some(4.0)),
+        (r"\boxed{\text{{12}} apples}", Some(12.0)),
+        (r"\boxed{\$1{,}200}", Some(1200.0)),
+        (r"\boxed{x}", None),
+        (r"\boxed{7} and \boxed{8", Some(7.0)),
+        ("no number at all", None),
+        ("", None),
+        ("答案是 72。", Some(72.0)),
+        ("١٢ and ７２ are not ASCII digits", None),
+    ];
+    for (text, want) in cases {
+        assert_eq!(math_answer(text), *want, "{text:?}");
+    }
+}
+
+#[test]
+fn math_answers_compare_as_numbers_with_the_reference() {
+    use sluice_env::answer::{math_answer_matches, parse_number, reference_answer};
+    let gsm8k = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips altogether.\n#### 72";
+    assert_eq!(reference_answer(gsm8k), "72");
+    assert!(math_answer_matches("She sold 72 clips.", gsm8k));
+    assert!(math_answer_matches("#### 72.0", gsm8k));
+    assert!(!math_answer_matches(
+        "She sold 48 + 24 = 96... no, 71",
+        gsm8k
+    ));
+    assert!(math_answer_matches("3.50", "3.5"));
+    assert!(math_answer_matches("-3", "#### -3"));
+    assert!(math_answer_matches("$1,234.00", "1234"));
+    assert!(math_answer_matches("0.30000000000000004", "0.3"));
+    assert!(!math_answer_matches("0.31", "0.3"));
+    assert!(!math_answer_matches("no number", "5"));
+    // A reference without a number: the reply's final answer must equal it as text.
+    assert!(math_answer_matches("#### Paris", "Paris"));
+    assert!(!math_answer_matches("#### paris", "Paris"));
+    assert_eq!(parse_number(" $-1,234.5. "), Some(-1234.5));
+    assert_eq!(parse_number("3 apples"), None);
+    assert_eq!(parse_number("1,23"), None);
+}
+
+proptest::proptest! {
+    /// Any integer, written plainly, with thousands separators, a `$`, a trailing `.` or as a
+    /// decimal with trailing zeros, inside text or after `####` or boxed, reads back as itself.
+    #[test]
+    fn numbers_read_back_however_written(n in -10_000_000i64..10_000_000, style in 0usize..6) {
+        let plain = n.to_string();
+        let grouped = {
+            let digits = n.unsigned_abs().to_string();
+            let mut out = String::new();
+            for (i, c) in digits.chars().enumerate() {
+                if i > 0 && (digits.len() - i) % 3 == 0 {
+                    out.push(',');
+                }
+                out.push(c);
+            }
+            if n < 0 { format!("-{out}") } else { out }
+        };
+        let text = match style {
+            0 => format!("the answer is {plain}"),
+            1 => format!("so we have {grouped} in total."),
+            2 => format!("costs ${grouped}."),
+            3 => format!("{plain}.00"),
+            4 => format!("steps 1 2 3\n#### {grouped}\nthanks 4"),
+            _ => format!(r"\boxed{{{grouped}}} 99"),
+        };
+        proptest::prop_assert_eq!(sluice_env::answer::math_answer(&text), Some(n as f64), "{}", text);
+        let reference = format!("x\n#### {plain}");
+        proptest::prop_assert!(sluice_env::answer::math_answer_matches(&text, &reference), "{}", text);
+    }
+}
+
+/// The generic answer functions a config can weight on any task: `math_answer`, `exact_match`,
+/// `format`, and `regex` with and without a capture group.
+#[tokio::test]
+async fn generic_answer_functions_score_replies_against_the_reference() {
+    use sluice_data::config::DomainRubric;
+    use sluice_env::configured::rubric_for;
+    let task = sluice_env::TaskRegistry::builtin()
+        .get("word_problems")
+        .unwrap();
+    let spec = |weights: &[&str], regex: Option<&str>| DomainRubric {
+        weights: weights.iter().map(|w| (w.to_string(), 1.0)).collect(),
+        truncation_reward: None,
+        error_reward: None,
+        timeout: None,
+        regex: regex.map(str::to_owned),
+    };
+    let gsm = sample(serde_json::json!({"answer": "48 + 24 = 72\n#### 72"}));
+    let score = |rubric: &Rubric, text: &str| {
+        let r = finished(text, RolloutStatus::Completed);
+        let rubric = rubric.clone();
+        let s = gsm.clone();
+        async move { rubric.score(&s, &r).await.components }
+    };
+    let all = rubric_for(&task, &spec(&["math_answer", "exact_match"], None)).unwrap();
+    let c = score(&all, "48 + 24 = 72 clips.\n#### 72").await;
+    assert_eq!((c["math_answer"], c["exact_match"]), (1.0, 1.0));
+    let c = score(&all, "It is 72 clips.").await;
+    assert_eq!(
+        (c["math_answer"], c["exact_match"]),
+        (1.0, 0.0),
+        "exact_match takes the whole reply without a marker"
+    );
+    let c = score(&all, "#### 72.0").await;
+    assert_eq!((c["math_answer"], c["exact_match"]), (1.0, 0.0));
+
+    let captured = rubric_for(&task, &spec(&["regex"], Some(r"(?i)answer:\s*(\S+)"))).unwrap();
+    assert_eq!(score(&captured, "Answer: 72").await["regex"], 1.0);
+    assert_eq!(
+        score(&captured, "answer: 70, no, answer: 72.00").await["regex"],
+        1.0,
+        "the last match, as numbers"
+    );
+    assert_eq!(score(&captured, "Answer: 71").await["regex"], 0.0);
+    assert_eq!(score(&captured, "72").await["regex"], 0.0, "no match");
+    let plain = rubric_for(&task, &spec(&["regex"], Some(r"^\d+$"))).unwrap();
+    assert_eq!(
+        score(&plain, "5").await["regex"],
+        1.0,
+        "no group: a match is enough"
+    );
+    assert_eq!(score(&plain, "five").await["regex"], 0.0);
+
+    // `regex` without a pattern is refused naming the key; unknown names list the generic ones.
+    let err = rubric_for(&task, &spec(&["regex"], None)).unwrap_err();
+    assert!(
+        err.starts_with("weights.regex:") && err.contains("pattern"),
+        "{err}"
+    );
+    let err = rubric_for(&task, &spec(&["bogus"], None)).unwrap_err();
+    assert!(err.contains("math_answer, exact_match, regex"), "{err}");
+
+    // On a task without its own `format`, the generic one checks the `####` marker.
+    let calc = sluice_env::TaskRegistry::builtin().get("episodic").unwrap();
+    let fmt = rubric_for(&calc, &spec(&["format"], None)).unwrap();
+    assert_eq!(score(&fmt, "so\n#### 72").await["format"], 1.0);
+    assert_eq!(score(&fmt, "#### seventy-two").await["format"], 0.0);
+    assert_eq!(score(&fmt, "72").await["format"], 0.0);
+
+    // A sample without its reference fails the rollout instead of scoring 0 silently.
+    let r = finished("#### 72", RolloutStatus::Completed);
+    let s = sample(serde_json::json!({"question": "?"}));
+    let scored = all.score(&s, &r).await;
+    assert!(scored.failed.is_some(), "{scored:?}");
+}
+
+/// Evaluations read accuracy from a generic answer check when the rubric has no `correct`.
+#[tokio::test]
+async fn evaluation_accuracy_falls_back_to_the_answer_check() {
+    use sluice_data::config::DomainRubric;
+    use sluice_env::EvalReport;
+    use sluice_env::configured::rubric_for;
+    let task = sluice_env::TaskRegistry::builtin()
+        .get("word_problems")
+        .unwrap();
+    let spec = DomainRubric {
+        weights: [("math_answer".to_owned(), 1.0), ("format".to_owned(), 0.1)].into(),
+        truncation_reward: None,
+        error_reward: None,
+        timeout: None,
+        regex: None,
+    };
+    let rubric = rubric_for(&task, &spec).unwrap();
+    let s = sample(serde_json::json!({"question": "?", "answer": 4}));
+    let mut rollouts = Vec::new();
+    for text in ["#### 4", "#### 5", "4", "x"] {
+        let mut r = finished(text, RolloutStatus::Completed);
+        rubric.score(&s, &r).await.apply_to(&mut r);
+        rollouts.push(r);
+    }
+    let report = EvalReport::from_rollouts(&rubric, &rollouts);
+    assert_eq!(report.accuracy, Some(0.5));
+}

@@ -25,7 +25,8 @@ fn registry_holds_the_builtins_and_refuses_duplicates() {
             "episodic",
             "python_code",
             "stock_tool",
-            "sum_digits"
+            "sum_digits",
+            "word_problems"
         ]
     );
     let again = sluice_env::tasks::arithmetic::task();
@@ -338,4 +339,140 @@ async fn evaluation_reports_accuracy_on_the_heldout_set() {
         "{report:?}"
     );
     assert_eq!(rollouts.len(), 4);
+}
+
+#[tokio::test]
+async fn word_problems_score_sentences_by_their_final_answer_and_marker() {
+    let task = registry().get("word_problems").unwrap();
+    let s = sample(serde_json::json!({
+        "question": "Ana has 20 pens and gets 9 more. How many pens does Ana have now?",
+        "answer": 29,
+        "working": "20 + 9 = 29."
+    }));
+    let reasoned = play(
+        &task,
+        &s,
+        &["Ana starts with 20 pens and gets 9 more: 20 + 9 = 29.\n#### 29"],
+    )
+    .await;
+    assert_eq!(reasoned.status, RolloutStatus::Completed);
+    assert_eq!(reasoned.reward_components["correct"], 1.0);
+    assert_eq!(reasoned.reward_components["format"], 1.0);
+    assert!((reasoned.reward - 1.0).abs() < 1e-12);
+    let prompt = &reasoned.turns[0].prompt_messages;
+    assert_eq!(
+        prompt[0].content.as_deref(),
+        Some("Solve the problem. Write the final answer as a number after ####.")
+    );
+    assert_eq!(prompt[1].content.as_deref(), s.input["question"].as_str());
+    // A sentence ending in the number is right, without the marker's bonus.
+    let sentence = play(&task, &s, &["Ana has 29 pens now."]).await;
+    assert_eq!(sentence.reward_components["correct"], 1.0);
+    assert_eq!(sentence.reward_components["format"], 0.0);
+    assert!((sentence.reward - 1.0 / 1.1).abs() < 1e-12);
+    // A wrong marked answer keeps the format bonus only.
+    let wrong = play(&task, &s, &["20 + 9 = 28\n#### 28"]).await;
+    assert_eq!(wrong.reward_components["correct"], 0.0);
+    assert!((wrong.reward - 0.1 / 1.1).abs() < 1e-12, "format only");
+    let boxed = play(&task, &s, &["So the answer is \\boxed{29}."]).await;
+    assert_eq!(boxed.reward_components["correct"], 1.0);
+    let nothing = play(&task, &s, &["I do not know."]).await;
+    assert_eq!(nothing.reward, 0.0);
+    let cut = play(&task, &s, &["LEN:20 + 9 = "]).await;
+    assert_eq!(cut.status, RolloutStatus::Truncated);
+    assert_eq!(cut.reward, 0.0, "truncation_reward = 0");
+    assert_eq!(
+        task.reference_reply(&s, 0).as_deref(),
+        Some("20 + 9 = 29.\n#### 29")
+    );
+    assert!(task.reference_reply(&s, 1).is_none());
+}
+
+/// The held-out split shares no problem numbers with training (any seed, any wording), every
+/// answer is a whole number ≥ 0 within the small operand ranges, and all four kinds of problem
+/// (addition, subtraction, multiplication, two steps) come up.
+#[test]
+fn word_problems_heldout_numbers_never_appear_in_training() {
+    use sluice_env::tasks::word_problems::{is_heldout_problem, split_key};
+    let task = registry().get("word_problems").unwrap();
+    let keys = |split: &str, seed: u64, n: usize| -> BTreeSet<String> {
+        let spec: DatasetSpec = format!("math::word_problems@{split}").parse().unwrap();
+        let data = task.generate_dataset(&spec, seed, n).unwrap();
+        data.samples()
+            .iter()
+            .map(|s| {
+                let q = s.input["question"].as_str().unwrap();
+                let a = s.input["answer"].as_u64().expect("a whole answer ≥ 0");
+                assert!(a <= 12 * 12 + 20, "{q} = {a}");
+                let numbers = sluice_env::answer::numbers(q);
+                assert!(numbers.iter().all(|&n| (2.0..=20.0).contains(&n)), "{q}");
+                assert_eq!(is_heldout_problem(q, a), split == "eval", "{q}");
+                split_key(q, a)
+            })
+            .collect()
+    };
+    let mut train = BTreeSet::new();
+    for seed in 0..3 {
+        train.extend(keys("train", seed, 2000));
+    }
+    let heldout = keys("eval", 7, 400);
+    assert!(
+        heldout.len() > 100,
+        "varied held-out problems: {}",
+        heldout.len()
+    );
+    assert!(train.is_disjoint(&heldout));
+    let spec: DatasetSpec = "math::word_problems@train".parse().unwrap();
+    let texts: Vec<String> = task
+        .generate_dataset(&spec, 1, 400)
+        .unwrap()
+        .samples()
+        .iter()
+        .map(|s| s.input["working"].as_str().unwrap().to_owned())
+        .collect();
+    for (kind, sign) in [
+        ("addition", " + "),
+        ("subtraction", " - "),
+        ("multiplication", " * "),
+    ] {
+        assert!(texts.iter().any(|w| w.contains(sign)), "{kind}");
+    }
+    assert!(
+        texts.iter().any(|w| w.matches(" = ").count() == 2),
+        "two steps"
+    );
+}
+
+#[tokio::test]
+async fn word_problems_evaluation_reports_accuracy() {
+    use sluice_env::evaluate;
+    let task = registry().get("word_problems").unwrap();
+    let spec: DatasetSpec = "math::word_problems@eval".parse().unwrap();
+    let data = task.generate_dataset(&spec, 5, 4).unwrap();
+    let replies: Vec<String> = data
+        .samples()
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            let a = s.input["answer"].as_u64().unwrap();
+            match i {
+                0 => format!("It is {a}.\n#### {a}"),
+                1 => format!("The answer is {a}."),
+                2 => format!("#### {}", a + 1),
+                _ => "no idea".to_owned(),
+            }
+        })
+        .collect();
+    let refs: Vec<&str> = replies.iter().map(String::as_str).collect();
+    let mut policy = common::Scripted::new(&refs);
+    let (report, _) = evaluate(
+        &task,
+        data.samples(),
+        common::renderer(),
+        &TokenEnvLimits::default(),
+        &mut policy,
+    )
+    .await
+    .unwrap();
+    assert_eq!(report.accuracy, Some(0.5));
 }

@@ -42,6 +42,8 @@ pub struct RawRubric {
     pub error_reward: Option<f64>,
     /// Deadline of each reward function call, seconds.
     pub timeout_s: Option<f64>,
+    /// Pattern of the `regex` reward function.
+    pub regex: Option<String>,
 }
 
 /// `[data]`: datasets.

@@ -40,6 +40,20 @@ pub struct DomainConfig {
     pub warmup_target_accuracy: Option<f64>,
 }
 
+sluice_core::impl_choice!(AnswerMarker);
+
+/// How a reply marks its final answer (`data.domains.<domain>.answer_marker`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum AnswerMarker {
+    /// `#### 72` (GSM8K's way).
+    #[default]
+    #[serde(rename = "####")]
+    Hashes,
+    /// `\boxed{72}` (the MATH dataset's way).
+    #[serde(rename = "boxed")]
+    Boxed,
+}
+
 /// `[data.domains.<domain>.rubric]`: reward functions by name with their weights (finite, ≥ 0,
 /// summing to more than 0; normalized where the rubric is built), and the overrides.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -60,6 +74,9 @@ pub struct DomainRubric {
         skip_serializing_if = "Option::is_none"
     )]
     pub timeout: Option<Duration>,
+    /// Pattern of the `regex` reward function (checked to compile).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub regex: Option<String>,
 }
 
 fn seconds<S: Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {

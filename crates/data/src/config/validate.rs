@@ -135,6 +135,7 @@ fn validate_rubric(key: &str, raw: RawRubric, ctx: &Ctx<'_>) -> Result<DomainRub
         truncation_reward,
         error_reward,
         timeout_s,
+        regex,
     } = raw;
     let weights_key = format!("{key}.weights");
     if weights.is_empty() {
@@ -175,6 +176,9 @@ fn validate_rubric(key: &str, raw: RawRubric, ctx: &Ctx<'_>) -> Result<DomainRub
         })
         .transpose()
     };
+    let regex = regex
+        .map(|pattern| validate_regex(&format!("{key}.regex"), &checked, pattern, ctx))
+        .transpose()?;
     Ok(DomainRubric {
         weights: checked,
         truncation_reward: reward("truncation_reward", truncation_reward)?,
@@ -182,5 +186,35 @@ fn validate_rubric(key: &str, raw: RawRubric, ctx: &Ctx<'_>) -> Result<DomainRub
         timeout: timeout_s
             .map(|s| positive_seconds(ctx, &format!("{key}.timeout_s"), s))
             .transpose()?,
+        regex,
     })
+}
+
+/// The `regex` reward function's pattern: it compiles, and the weights use it.
+fn validate_regex(
+    key: &str,
+    weights: &BTreeMap<String, f64>,
+    pattern: String,
+    ctx: &Ctx<'_>,
+) -> Result<String, ConfigError> {
+    if let Err(e) = regex::Regex::new(&pattern) {
+        // The regex crate's message spans lines (pattern, caret, reason): keep it on one.
+        let reason = e
+            .to_string()
+            .lines()
+            .map(str::trim)
+            .collect::<Vec<_>>()
+            .join(" ");
+        return Err(ctx.value(
+            key,
+            format!("expected a valid regular expression: {reason}"),
+        ));
+    }
+    if !weights.contains_key("regex") {
+        return Err(ctx.value(
+            key,
+            "the pattern is for the `regex` reward function, which `weights` does not name",
+        ));
+    }
+    Ok(pattern)
 }

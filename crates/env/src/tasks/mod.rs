@@ -9,6 +9,7 @@
 //! | [`stock`] (`stock_tool`) | multi-turn, must call `stock` for a count the prompt never shows | final answer |
 //! | [`python_code`] | one turn: a Python program, run in the [`crate::sandbox`] | its output matches |
 //! | [`episodic`] | multi-step walk, actions in `<|action_start|>…<|action_end|>` | outcome, discounted by γ |
+//! | [`word_problems`] | one turn: a word problem in sentences, answer after `####` | math answer (+ format) |
 
 pub mod arithmetic;
 pub mod calculator;
@@ -18,6 +19,7 @@ pub mod python_code;
 pub mod stock;
 pub mod sum_digits;
 pub mod tool_env;
+pub mod word_problems;
 
 use serde::de::DeserializeOwned;
 use serde_json::Value;
@@ -37,6 +39,7 @@ pub fn builtin_tasks() -> Vec<Task> {
         calculator::task(),
         stock::task(),
         episodic::task(),
+        word_problems::task(),
         #[cfg(target_os = "linux")]
         python_code::task(),
     ]
