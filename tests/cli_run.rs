@@ -174,3 +174,63 @@ fn a_native_run_reports_bad_data_before_any_warm_up() {
     assert!(!stdout.contains("warm-up"), "{stdout}");
     assert!(!dir.path().join("warmup").exists());
 }
+
+#[path = "real_model/mod.rs"]
+mod real_model;
+
+/// The real-model recipe runs end to end on the real model: SmolLM2-135M-Instruct (imported
+/// from its GGUF), the word problems, the recipe's own config with a smaller batch, shorter
+/// replies and a four-problem evaluation; two RL steps train and are logged.
+#[test]
+fn the_real_model_recipe_trains_two_steps() {
+    let model = real_model::smollm2_dir();
+    let dir = tempfile::tempdir().unwrap();
+    let out = sluice()
+        .args([
+            "run",
+            concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/configs/smollm2_word_problems.toml"
+            ),
+        ])
+        .args([
+            "--set",
+            &format!("model.path=\"{}\"", model.display()),
+            "--set",
+            &format!("run.output_dir=\"{}\"", dir.path().display()),
+            "--set",
+            "run.max_steps=2",
+            "--set",
+            "rollout.groups_per_step=2",
+            "--set",
+            "rollout.group_size=4",
+            "--set",
+            "rollout.max_new_tokens=12",
+            "--set",
+            "eval.samples=4",
+            "--set",
+            "metrics.enabled=false",
+            "--set",
+            "admin.listen=\"127.0.0.1:0\"",
+            "--set",
+            "supervision.no_progress_groups=0",
+        ])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    let log = std::fs::read_to_string(dir.path().join("metrics.jsonl")).unwrap();
+    let steps: Vec<serde_json::Value> = log
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(steps.len(), 2, "{log}");
+    for step in &steps {
+        assert!(step["loss"].as_f64().is_some_and(f64::is_finite), "{step}");
+        assert!(step["tokens_per_s"].as_f64().is_some_and(|t| t > 0.0), "{step}");
+    }
+    assert_eq!(steps[1]["policy_version"], 2, "{log}");
+    // Evaluated before RL and at the end, on the four held-out problems.
+    assert!(stdout.contains("held-out accuracy"), "{stdout}");
+}
