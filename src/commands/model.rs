@@ -86,8 +86,17 @@ fn model_files(dir: &std::path::Path) -> Option<String> {
     names.into_iter().next()
 }
 
+/// The config of `dir` after the checks loading makes short of reading tensor data (sizes
+/// within bounds and matching the tensors, shard names inside the directory, every tensor
+/// present with its shape and a float dtype): `model info` succeeds only on a directory that
+/// loads.
+fn loadable_config(dir: &std::path::Path) -> anyhow::Result<ModelConfig> {
+    sluice_model::check_checkpoint(dir)
+        .with_context(|| format!("{}: the model directory does not load", dir.display()))
+}
+
 fn info(args: &ModelInfoArgs) -> anyhow::Result<ExitCode> {
-    let config = ModelConfig::from_file(&args.dir.join("config.json"))?;
+    let config = loadable_config(&args.dir)?;
     println!("architecture      {}", config.architecture.class_name());
     println!("parameters        {}", config.num_parameters());
     println!(

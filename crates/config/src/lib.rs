@@ -48,17 +48,22 @@ pub use typed::Config;
 /// The environment variable that supplies `admin.token` when the file does not.
 pub const ADMIN_TOKEN_ENV: &str = "SLUICE_ADMIN_TOKEN";
 
+/// Largest config file read: configs are a few kilobytes; this only stops `/dev/zero`-like
+/// inputs from reading until memory runs out.
+pub const CONFIG_FILE_MAX_BYTES: u64 = 16 * sluice_core::files::MIB;
+
 /// Reads, overrides and validates the config at `path`, taking the admin token from the process
 /// environment when the file has none.
 pub fn load(path: &Path, overrides: &[Override]) -> Result<Config, ConfigError> {
     let file = path.display().to_string();
-    let text = std::fs::read_to_string(path).map_err(|e| {
-        ConfigError::file(
-            &file,
-            ConfigErrorKind::Io,
-            format!("cannot read config: {e}"),
-        )
-    })?;
+    let text = sluice_core::files::read_text_capped(path, CONFIG_FILE_MAX_BYTES, "config files")
+        .map_err(|e| {
+            ConfigError::file(
+                &file,
+                ConfigErrorKind::Io,
+                format!("cannot read config: {e}"),
+            )
+        })?;
     parse(&text, &file, overrides, &|k| std::env::var(k).ok())
 }
 

@@ -14,6 +14,7 @@
 //! | [`sim`] | what the simulated engine and trainer share (simulated seconds → real time) |
 //! | [`rng`] | SplitMix64 and the seed mixer every crate draws with |
 //! | [`error`] | the crate's error type and its stable `kind()` names |
+//! | [`files`] | [`read_capped`](files::read_capped): user files read as regular files under a size cap |
 //!
 //! This crate depends on nothing else of Sluice (see `DESIGN.md` §1): it is the bottom of the graph.
 
@@ -22,6 +23,7 @@ pub mod choice;
 pub mod completion;
 pub mod config;
 pub mod error;
+pub mod files;
 pub mod ids;
 pub mod knobs;
 pub mod message;

@@ -9,14 +9,17 @@
 //! - `input` (any JSON, optional): what the environment receives; when absent, the whole object
 //!   minus `id` and `system_prompt` is the input.
 //!
-//! A line that is not such an object is reported with its file and line number, counted in
+//! A line longer than `data.max_line_bytes`, one that is not UTF-8, or one that is not such an
+//! object is reported with its file and line number, counted in
 //! `sluice_data_bad_lines_total{dataset}`, and then skipped or made fatal per `data.on_bad_line`.
 
 use std::path::{Path, PathBuf};
 
 use crate::config::{BadLinePolicy, DatasetSpec};
+use serde::Serialize;
 use serde_json::Value;
 use sluice_core::DataSample;
+use sluice_core::files::{MIB, ReadFileError, read_capped};
 use sluice_core::metrics::DATA_BAD_LINES;
 
 use crate::error::DataError;
@@ -30,6 +33,30 @@ pub struct BadLine {
     pub line: usize,
     /// What was wrong.
     pub reason: String,
+}
+
+/// Default of `data.max_line_bytes`: far above any real row (a long-context prompt is well under
+/// a megabyte), far below what a run can hold per row.
+pub const DEFAULT_MAX_LINE_BYTES: usize = 16 * MIB as usize;
+/// Default of `data.max_file_bytes`: the whole file is held in memory while it is parsed.
+pub const DEFAULT_MAX_FILE_BYTES: u64 = 4096 * MIB;
+
+/// Size caps of dataset reading (`data.max_file_bytes`, `data.max_line_bytes`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct ReadLimits {
+    /// Largest file read, bytes; a larger (or non-regular) file is refused.
+    pub max_file_bytes: u64,
+    /// Longest line, bytes; a longer one is a bad line.
+    pub max_line_bytes: usize,
+}
+
+impl Default for ReadLimits {
+    fn default() -> Self {
+        Self {
+            max_file_bytes: DEFAULT_MAX_FILE_BYTES,
+            max_line_bytes: DEFAULT_MAX_LINE_BYTES,
+        }
+    }
 }
 
 /// The rows of one `domain::name[@split]`, in file order.
@@ -77,41 +104,84 @@ impl Dataset {
         }
     }
 
-    /// Loads `spec` from its file under `data_dir` (see [`dataset_path`]).
+    /// Loads `spec` from its file under `data_dir` (see [`dataset_path`]) with the default
+    /// [`ReadLimits`].
     pub fn load(
         data_dir: &Path,
         spec: &DatasetSpec,
         on_bad_line: BadLinePolicy,
     ) -> Result<Self, DataError> {
-        let path = dataset_path(data_dir, spec);
-        let text = std::fs::read_to_string(&path).map_err(|cause| DataError::Io {
-            dataset: spec.to_string(),
-            path: path.clone(),
-            cause,
-        })?;
-        Self::parse(&text, &path, spec, on_bad_line)
+        Self::load_limited(data_dir, spec, on_bad_line, &ReadLimits::default())
     }
 
-    /// Parses JSONL `text` as if read from `path` (which only names the source in reports).
+    /// Loads `spec` from its file under `data_dir`: a file that is not a regular file or is
+    /// larger than `limits.max_file_bytes` is refused; a line longer than
+    /// `limits.max_line_bytes` is a bad line.
+    pub fn load_limited(
+        data_dir: &Path,
+        spec: &DatasetSpec,
+        on_bad_line: BadLinePolicy,
+        limits: &ReadLimits,
+    ) -> Result<Self, DataError> {
+        let path = dataset_path(data_dir, spec);
+        let bytes = read_capped(
+            &path,
+            limits.max_file_bytes,
+            "dataset files (data.max_file_bytes)",
+        )
+        .map_err(|e| match e {
+            ReadFileError::Io { path, source } => DataError::Io {
+                dataset: spec.to_string(),
+                path,
+                cause: source,
+            },
+            other => DataError::File {
+                dataset: spec.to_string(),
+                cause: other,
+            },
+        })?;
+        Self::parse_bytes(&bytes, &path, spec, on_bad_line, limits)
+    }
+
+    /// Parses JSONL `text` as if read from `path` (which only names the source in reports),
+    /// with the default [`ReadLimits`].
     pub fn parse(
         text: &str,
         path: &Path,
         spec: &DatasetSpec,
         on_bad_line: BadLinePolicy,
     ) -> Result<Self, DataError> {
+        Self::parse_bytes(
+            text.as_bytes(),
+            path,
+            spec,
+            on_bad_line,
+            &ReadLimits::default(),
+        )
+    }
+
+    /// Parses JSONL `bytes` as if read from `path`. Each line is checked on its own: one that is
+    /// longer than `limits.max_line_bytes`, not UTF-8 or not a row is a bad line, reported with
+    /// its number and skipped or fatal per `on_bad_line`.
+    pub fn parse_bytes(
+        bytes: &[u8],
+        path: &Path,
+        spec: &DatasetSpec,
+        on_bad_line: BadLinePolicy,
+        limits: &ReadLimits,
+    ) -> Result<Self, DataError> {
         let dataset = dataset_field(spec);
         let label = spec.to_string();
         let mut samples = Vec::new();
         let mut bad_lines = Vec::new();
         // Editors on Windows save UTF-8 with a byte-order mark; it is not part of the first row.
-        let text = text.strip_prefix('\u{feff}').unwrap_or(text);
-        for (idx, line) in text.lines().enumerate() {
+        let bytes = bytes.strip_prefix("\u{feff}".as_bytes()).unwrap_or(bytes);
+        for (idx, line) in bytes.split(|&b| b == b'\n').enumerate() {
             let line_no = idx + 1;
-            if line.trim().is_empty() {
-                continue;
-            }
-            match parse_row(line, line_no) {
-                Ok(row) => samples.push(DataSample {
+            let line = line.strip_suffix(b"\r").unwrap_or(line);
+            match line_row(line, line_no, limits) {
+                Ok(None) => {}
+                Ok(Some(row)) => samples.push(DataSample {
                     id: row.id,
                     domain: spec.domain.clone(),
                     dataset: dataset.clone(),
@@ -168,6 +238,27 @@ impl Dataset {
     pub fn bad_lines(&self) -> &[BadLine] {
         &self.bad_lines
     }
+}
+
+/// One line as a row: `None` when blank, the reason when too long, not UTF-8 or not a row.
+fn line_row(line: &[u8], line_no: usize, limits: &ReadLimits) -> Result<Option<Row>, String> {
+    if line.len() > limits.max_line_bytes {
+        return Err(format!(
+            "line is {} bytes, longer than data.max_line_bytes = {}",
+            line.len(),
+            limits.max_line_bytes
+        ));
+    }
+    let line = std::str::from_utf8(line).map_err(|e| {
+        format!(
+            "not UTF-8 text (invalid byte at column {})",
+            e.valid_up_to() + 1
+        )
+    })?;
+    if line.trim().is_empty() {
+        return Ok(None);
+    }
+    parse_row(line, line_no).map(Some)
 }
 
 struct Row {

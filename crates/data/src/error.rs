@@ -16,6 +16,15 @@ pub enum DataError {
         /// prints the chain (`{:#}`) would print the OS error twice.
         cause: std::io::Error,
     },
+    /// A dataset file is not a regular file (a device, a FIFO) or is larger than
+    /// `data.max_file_bytes`.
+    #[error("dataset `{dataset}`: cannot read {cause}")]
+    File {
+        /// The dataset spec.
+        dataset: String,
+        /// What was wrong with the file (it names the file).
+        cause: sluice_core::files::ReadFileError,
+    },
     /// A line did not parse and `data.on_bad_line = "fail"`.
     #[error("dataset `{dataset}`: {}:{line}: {reason}", path.display())]
     BadLine {
@@ -41,6 +50,7 @@ impl DataError {
     pub fn kind(&self) -> &'static str {
         match self {
             DataError::Io { .. } => "data_io",
+            DataError::File { .. } => "data_file",
             DataError::BadLine { .. } => "data_bad_line",
             DataError::Config(_) => "sampler_config",
             DataError::StateMismatch(_) => "sampler_state_mismatch",

@@ -21,7 +21,7 @@ pub mod rows;
 pub mod sampler;
 pub mod source;
 
-pub use dataset::{BadLine, Dataset, dataset_path};
+pub use dataset::{BadLine, Dataset, ReadLimits, dataset_path};
 pub use error::DataError;
 pub use rows::{DatasetRows, DomainCursor, GeneratorRows, RowGenerator};
 pub use sampler::{

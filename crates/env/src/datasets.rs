@@ -53,7 +53,7 @@ pub fn load_dataset(
 ) -> Result<Dataset, EnvError> {
     let path = dataset_path(&data.data_dir, spec);
     if path.exists() {
-        return Dataset::load(&data.data_dir, spec, data.on_bad_line)
+        return Dataset::load_limited(&data.data_dir, spec, data.on_bad_line, &data.read_limits)
             .map_err(|e| EnvError::Config(e.to_string()));
     }
     let task = registry.get(&spec.name).map_err(|_| {

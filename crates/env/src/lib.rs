@@ -60,4 +60,6 @@ pub use sessions::EnvSessions;
 pub use simulated::SimTask;
 pub use stats::OutcomeStats;
 pub use task::{DataGenerator, EnvFactory, Task, TaskRegistry};
-pub use token_env::{Next, TokenEnv, TokenEnvLimits, TurnFinish, TurnOutcome, TurnPrompt};
+pub use token_env::{
+    MAX_PROMPT_CHARS_PER_TOKEN, Next, TokenEnv, TokenEnvLimits, TurnFinish, TurnOutcome, TurnPrompt,
+};

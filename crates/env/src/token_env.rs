@@ -8,7 +8,7 @@
 //! | the env said `done` | `Completed` |
 //! | the completion hit `max_tokens` (finish reason `Length`) | `Truncated` (env not stepped) |
 //! | `max_turns` assistant turns without `done` | `Truncated` |
-//! | the next prompt exceeds `max_prompt_tokens` | `PromptTooLong` |
+//! | the next prompt exceeds `max_prompt_tokens` (or, before rendering, 32 characters per allowed token) | `PromptTooLong` |
 //! | an env call exceeded `call_timeout` | `Timeout` |
 //! | an env call panicked or failed; rendering failed | `Error(kind)` |
 //!
@@ -29,6 +29,33 @@ use crate::guard::run_guarded;
 use crate::protocol::{EnvInit, EnvStep, MAX_ENV_COMPONENTS, MessageEnv};
 use crate::renderer::{ParseError, Renderer};
 use crate::rubric::ENV_COMPONENT_PREFIX;
+
+/// Characters a prompt may hold per allowed token before it is `PromptTooLong` without being
+/// rendered: tokens of real text average 3–5 characters, so no prompt that fits in tokens is
+/// cut, while one dataset row of 100 MB is refused before the template copies it and the
+/// tokenizer expands it into memory many times its size.
+pub const MAX_PROMPT_CHARS_PER_TOKEN: usize = 32;
+
+/// Characters of what a prompt is rendered from (message texts, tool-call arguments, tool
+/// specs); each text is counted at most to `limit + 1`, so a huge one costs no more than that.
+fn prompt_chars(history: &[Message], tools: &[ToolSpec], limit: usize) -> usize {
+    let mut total = 0usize;
+    let mut add = |s: &str| {
+        total = total.saturating_add(s.chars().take(limit.saturating_add(1)).count());
+    };
+    for m in history {
+        add(m.content.as_deref().unwrap_or_default());
+        add(m.reasoning_content.as_deref().unwrap_or_default());
+        for call in &m.tool_calls {
+            add(&call.function.name);
+            add(&call.function.arguments);
+        }
+    }
+    for tool in tools {
+        add(&serde_json::to_string(tool).unwrap_or_default());
+    }
+    total
+}
 
 /// Limits one episode runs under.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -228,8 +255,17 @@ impl TokenEnv {
         })
     }
 
-    /// Renders the history as the next prompt, unless it is too long.
+    /// Renders the history as the next prompt, unless it is too long: first in characters
+    /// ([`MAX_PROMPT_CHARS_PER_TOKEN`] per allowed token, before anything is rendered or
+    /// tokenized), then in tokens.
     fn next_prompt(&mut self) -> Next {
+        let max_chars = self
+            .limits
+            .max_prompt_tokens
+            .saturating_mul(MAX_PROMPT_CHARS_PER_TOKEN);
+        if prompt_chars(&self.history, &self.tools, max_chars) > max_chars {
+            return self.finish(RolloutStatus::PromptTooLong);
+        }
         match self.renderer.render_prompt(&self.history, &self.tools) {
             Ok(ids) if ids.len() > self.limits.max_prompt_tokens => {
                 self.finish(RolloutStatus::PromptTooLong)

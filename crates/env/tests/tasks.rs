@@ -252,6 +252,7 @@ fn configured_datasets_come_from_files_or_generators() {
         ],
         data_dir: dir.clone(),
         on_bad_line: BadLinePolicy::Fail,
+        read_limits: Default::default(),
         adaptive_mix: true,
         domain_options: Default::default(),
     };

@@ -210,3 +210,75 @@ async fn unparsable_completion_reaches_the_env_as_text() {
     assert_eq!(env.parse_errors(), 1);
     assert!(matches!(out.next, Next::Generate(_)));
 }
+
+/// A renderer that counts the characters it is asked to render (the byte renderer underneath).
+struct Counting(std::sync::atomic::AtomicUsize);
+
+impl sluice_env::Renderer for Counting {
+    fn render_prompt(
+        &self,
+        messages: &[Message],
+        tools: &[sluice_core::ToolSpec],
+    ) -> Result<Vec<u32>, EnvError> {
+        let text = ByteRenderer::render_text(messages, tools);
+        self.0
+            .fetch_add(text.len(), std::sync::atomic::Ordering::Relaxed);
+        ByteRenderer.render_prompt(messages, tools)
+    }
+
+    fn parse_completion(
+        &self,
+        completion: &[u32],
+    ) -> Result<Message, sluice_env::renderer::ParseError> {
+        ByteRenderer.parse_completion(completion)
+    }
+}
+
+/// A dataset row far longer than any prompt may be (H4: a 100 MB line once aborted the run while
+/// it was rendered and tokenized) ends its episode as `PromptTooLong` before it is rendered.
+#[tokio::test]
+async fn an_overlong_prompt_is_refused_before_it_is_rendered() {
+    struct Huge;
+    impl MessageEnv for Huge {
+        fn init(&mut self) -> BoxFuture<'_, Result<EnvInit, EnvError>> {
+            Box::pin(async {
+                Ok(EnvInit {
+                    messages: vec![Message::user("é".repeat(8 << 20))],
+                    tools: vec![],
+                })
+            })
+        }
+        fn step(&mut self, _: Message) -> BoxFuture<'_, Result<EnvStep, EnvError>> {
+            Box::pin(async { Ok(EnvStep::done()) })
+        }
+    }
+    let counting = std::sync::Arc::new(Counting(0.into()));
+    let mut env = TokenEnv::new(Box::new(Huge), counting.clone(), limits(), None);
+    assert_eq!(env.start().await, Next::Done(RolloutStatus::PromptTooLong));
+    assert_eq!(
+        counting.0.load(std::sync::atomic::Ordering::Relaxed),
+        0,
+        "nothing was rendered"
+    );
+
+    // At the bound (32 characters per allowed token) the prompt is rendered and judged in
+    // tokens, as before.
+    struct AtBound;
+    impl MessageEnv for AtBound {
+        fn init(&mut self) -> BoxFuture<'_, Result<EnvInit, EnvError>> {
+            Box::pin(async {
+                Ok(EnvInit {
+                    messages: vec![Message::user("x".repeat(400 * 32))],
+                    tools: vec![],
+                })
+            })
+        }
+        fn step(&mut self, _: Message) -> BoxFuture<'_, Result<EnvStep, EnvError>> {
+            Box::pin(async { Ok(EnvStep::done()) })
+        }
+    }
+    let mut env = TokenEnv::new(Box::new(AtBound), counting.clone(), limits(), None);
+    assert_eq!(env.start().await, Next::Done(RolloutStatus::PromptTooLong));
+    assert!(counting.0.load(std::sync::atomic::Ordering::Relaxed) > 400 * 32);
+    assert_eq!(sluice_env::MAX_PROMPT_CHARS_PER_TOKEN, 32);
+}

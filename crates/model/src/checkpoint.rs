@@ -14,18 +14,28 @@ use std::sync::Arc;
 use candle_core::safetensors::Load;
 use candle_core::{DType, Device, Tensor};
 use safetensors::SafeTensors;
+use safetensors::tensor::TensorView;
 use serde_json::{Value, json};
 use sluice_core::PolicyVersion;
+use sluice_core::files::{MIB, read_text_capped};
 
-use crate::config::ModelConfig;
+use crate::config::{ModelConfig, config_err};
 use crate::error::{ModelError, Result, TensorContext};
-use crate::names::{LM_HEAD, parameter_specs};
+use crate::names::{EMBED, LM_HEAD, parameter_specs};
 use crate::snapshot::ModelWeights;
 
 /// File name of an unsharded checkpoint.
 pub const SINGLE_FILE: &str = "model.safetensors";
 /// File name of the shard index.
 pub const INDEX_FILE: &str = "model.safetensors.index.json";
+
+/// Largest JSON file read from a model directory (`config.json`, the shard index,
+/// `tokenizer_config.json`, `generation_config.json`): real ones are kilobytes to a few megabytes.
+pub const JSON_FILE_MAX_BYTES: u64 = 64 * MIB;
+/// Largest `tokenizer.json` read (those of 256k-token vocabularies are around 30 MB).
+pub const TOKENIZER_FILE_MAX_BYTES: u64 = 512 * MIB;
+/// Largest chat template file read (`chat_template.jinja`, `model.chat_template`).
+pub const TEMPLATE_FILE_MAX_BYTES: u64 = 4 * MIB;
 
 /// Files besides the weights that make a directory usable by tokenizers and chat code.
 pub const AUX_FILES: &[&str] = &[
@@ -63,28 +73,101 @@ pub struct SaveOptions {
 }
 
 /// Reads `dir/config.json` and the weights, as policy version 0.
+///
+/// Everything [`check_checkpoint`] checks is checked before any tensor data is read.
 pub fn load_checkpoint(dir: &Path, options: &LoadOptions) -> Result<ModelWeights> {
-    let config = Arc::new(ModelConfig::from_file(&dir.join("config.json"))?);
-    let files = weight_files(dir)?;
-    let mut maps = Vec::with_capacity(files.len());
-    for path in &files {
-        maps.push((path.clone(), mmap(path)?));
-    }
-    let mut parsed = Vec::with_capacity(maps.len());
-    for (path, bytes) in &maps {
-        let st = SafeTensors::deserialize(bytes).map_err(|e| ModelError::Safetensors {
-            path: path.clone(),
-            reason: e.to_string(),
-        })?;
-        parsed.push((path, st));
-    }
+    let (config, maps) = open_checkpoint(dir)?;
+    let parsed = parse_headers(&maps)?;
+    let located = locate_tensors(&config, &parsed, dir)?;
     let dtype = options.dtype.unwrap_or(config.dtype);
     let mut tensors = HashMap::new();
-    for spec in parameter_specs(&config) {
-        let found = parsed
-            .iter()
-            .find_map(|(path, st)| st.tensor(&spec.name).ok().map(|v| (*path, v)));
-        let Some((path, view)) = found else {
+    for (name, path, view) in located {
+        let context = format!("{}: tensor `{name}`", path.display());
+        let t = view.load(&options.device).ctx(&context)?;
+        if !all_finite(&t).ctx(&context)? {
+            return Err(ModelError::NonFinite {
+                path: path.clone(),
+                name,
+            });
+        }
+        let t = if t.dtype() == dtype {
+            t
+        } else {
+            t.to_dtype(dtype).ctx(&context)?
+        };
+        tensors.insert(name, t);
+    }
+    let used: usize = tensors.len();
+    let present: usize = parsed.iter().map(|(_, st)| st.len()).sum();
+    let ignorable = usize::from(config.tie_word_embeddings && has_tensor(&parsed, LM_HEAD));
+    if present > used + ignorable {
+        tracing::warn!(
+            dir = %dir.display(),
+            unused = present - used,
+            "checkpoint holds tensors the config does not use; they are ignored"
+        );
+    }
+    ModelWeights::new(Arc::new(config), PolicyVersion::INITIAL, tensors)
+}
+
+/// Checks that `dir` would load, without reading tensor data: `config.json` is valid and within
+/// the [`config::limits`](crate::config::limits), the weight files are plain file names inside
+/// `dir`, and every tensor the config needs is there with its shape and a float dtype. Returns
+/// the config. What this cannot see: NaN or infinite values (they need the data).
+pub fn check_checkpoint(dir: &Path) -> Result<ModelConfig> {
+    let (config, maps) = open_checkpoint(dir)?;
+    let parsed = parse_headers(&maps)?;
+    locate_tensors(&config, &parsed, dir)?;
+    Ok(config)
+}
+
+type Maps = Vec<(PathBuf, memmap2::Mmap)>;
+type Parsed<'a> = Vec<(&'a PathBuf, SafeTensors<'a>)>;
+
+/// The config and the mapped weight files of `dir`.
+fn open_checkpoint(dir: &Path) -> Result<(ModelConfig, Maps)> {
+    let config = ModelConfig::from_file(&dir.join("config.json"))?;
+    let files = weight_files(dir)?;
+    let mut maps = Vec::with_capacity(files.len());
+    for path in files {
+        let map = mmap(&path)?;
+        maps.push((path, map));
+    }
+    Ok((config, maps))
+}
+
+/// The safetensors headers of the mapped files (no tensor data is touched).
+fn parse_headers(maps: &Maps) -> Result<Parsed<'_>> {
+    maps.iter()
+        .map(|(path, bytes)| {
+            SafeTensors::deserialize(bytes)
+                .map(|st| (path, st))
+                .map_err(|e| ModelError::Safetensors {
+                    path: path.clone(),
+                    reason: e.to_string(),
+                })
+        })
+        .collect()
+}
+
+/// Every tensor the config needs, found in the headers with its shape and a float dtype. The
+/// config's sizes are checked against the tensors first ([`check_config_against_tensors`]), so
+/// the per-layer list of names is only built for as many layers as the files hold.
+fn locate_tensors<'a>(
+    config: &ModelConfig,
+    parsed: &'a Parsed<'a>,
+    dir: &Path,
+) -> Result<Vec<(String, &'a PathBuf, TensorView<'a>)>> {
+    let mut views: HashMap<String, (&PathBuf, TensorView<'_>)> = HashMap::new();
+    for (path, st) in parsed {
+        for (name, view) in st.tensors() {
+            views.entry(name).or_insert((*path, view));
+        }
+    }
+    check_config_against_tensors(config, &views, dir)?;
+    let mut out = Vec::new();
+    for spec in parameter_specs(config) {
+        let Some((path, view)) = views.remove(&spec.name) else {
             return Err(ModelError::MissingTensor {
                 name: spec.name,
                 dir: dir.to_owned(),
@@ -97,32 +180,111 @@ pub fn load_checkpoint(dir: &Path, options: &LoadOptions) -> Result<ModelWeights
                 actual: view.shape().to_vec(),
             });
         }
-        let context = format!("{}: tensor `{}`", path.display(), spec.name);
-        let t = view.load(&options.device).ctx(&context)?;
-        if !all_finite(&t).ctx(&context)? {
-            return Err(ModelError::NonFinite {
+        if !matches!(
+            view.dtype(),
+            safetensors::Dtype::F16
+                | safetensors::Dtype::BF16
+                | safetensors::Dtype::F32
+                | safetensors::Dtype::F64
+        ) {
+            return Err(ModelError::TensorDtype {
                 path: path.clone(),
                 name: spec.name,
+                dtype: format!("{:?}", view.dtype()),
             });
         }
-        let t = if t.dtype() == dtype {
-            t
-        } else {
-            t.to_dtype(dtype).ctx(&context)?
+        out.push((spec.name, path, view));
+    }
+    Ok(out)
+}
+
+/// The config's layer count, vocabulary, widths and heads against the tensors that carry them
+/// (the embedding and layer 0's projections), each mismatch naming the `config.json` field: a
+/// config claiming 10⁹ layers over a two-layer file is refused here, before anything is built
+/// per layer.
+fn check_config_against_tensors(
+    config: &ModelConfig,
+    views: &HashMap<String, (&PathBuf, TensorView<'_>)>,
+    dir: &Path,
+) -> Result<()> {
+    let origin = dir.join("config.json").display().to_string();
+    let mut layers = std::collections::BTreeSet::new();
+    for name in views.keys() {
+        if let Some(index) = name
+            .strip_prefix("model.layers.")
+            .and_then(|rest| rest.split('.').next())
+            .and_then(|i| i.parse::<usize>().ok())
+        {
+            layers.insert(index);
+        }
+    }
+    // Layers past the config's count are ignored (with a warning) as any unused tensor is.
+    let held = layers.len();
+    if config.num_layers > held {
+        return Err(config_err(
+            &origin,
+            "num_hidden_layers",
+            format!(
+                "{} but the weight files hold {held} layers",
+                config.num_layers
+            ),
+        ));
+    }
+    let h = config.hidden_size;
+    let d = config.head_dim;
+    let checks: [(&str, &str, [usize; 2], &str); 4] = [
+        (EMBED, "vocab_size", [config.vocab_size, h], "hidden_size"),
+        (
+            "model.layers.0.self_attn.q_proj.weight",
+            "num_attention_heads",
+            [config.num_heads * d, h],
+            "head_dim",
+        ),
+        (
+            "model.layers.0.self_attn.k_proj.weight",
+            "num_key_value_heads",
+            [config.num_kv_heads * d, h],
+            "head_dim",
+        ),
+        (
+            "model.layers.0.mlp.gate_proj.weight",
+            "intermediate_size",
+            [config.intermediate_size, h],
+            "hidden_size",
+        ),
+    ];
+    for (name, rows_field, expected, cols_field) in checks {
+        let Some((_, view)) = views.get(name) else {
+            continue; // reported as a missing tensor by the caller
         };
-        tensors.insert(spec.name, t);
+        let actual = view.shape();
+        if actual.len() == 2 && actual[0] != expected[0] {
+            return Err(config_err(
+                &origin,
+                rows_field,
+                format!(
+                    "implies {name} has {} rows; it has shape {actual:?}",
+                    expected[0]
+                ),
+            ));
+        }
+        if actual.len() == 2 && actual[1] != expected[1] {
+            let field = if name == EMBED {
+                cols_field
+            } else {
+                "hidden_size"
+            };
+            return Err(config_err(
+                &origin,
+                field,
+                format!(
+                    "implies {name} has {} columns; it has shape {actual:?}",
+                    expected[1]
+                ),
+            ));
+        }
     }
-    let used: usize = tensors.len();
-    let present: usize = parsed.iter().map(|(_, st)| st.len()).sum();
-    let ignorable = usize::from(config.tie_word_embeddings && has_tensor(&parsed, LM_HEAD));
-    if present > used + ignorable {
-        tracing::warn!(
-            dir = %dir.display(),
-            unused = present - used,
-            "checkpoint holds tensors the config does not use; they are ignored"
-        );
-    }
-    ModelWeights::new(config, PolicyVersion::INITIAL, tensors)
+    Ok(())
 }
 
 /// Whether every value of `t` is finite: `0 · x` is 0 for finite `x` and NaN for NaN or ±∞, so
@@ -158,6 +320,14 @@ fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
                 path: index.clone(),
                 reason: format!("weight_map value {file} is not a file name"),
             })?;
+            if !is_plain_file_name(name) {
+                return Err(ModelError::Safetensors {
+                    path: index.clone(),
+                    reason: format!(
+                        "weight_map names `{name}`: shard names must be plain file names inside the model directory"
+                    ),
+                });
+            }
             let path = dir.join(name);
             if !files.contains(&path) {
                 files.push(path);
@@ -180,9 +350,26 @@ fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
     }
 }
 
-/// Maps a file read-only.
+/// Whether `name` is a plain file name: no directory part, not `.` or `..`, so joined to the model
+/// directory it stays inside it (a symlink there, as in the HF cache, is still followed).
+fn is_plain_file_name(name: &str) -> bool {
+    !name.is_empty()
+        && name != "."
+        && name != ".."
+        && !name.contains(['/', '\\', '\0'])
+        && Path::new(name).components().count() == 1
+}
+
+/// Maps a regular file read-only.
 #[allow(unsafe_code)]
 fn mmap(path: &Path) -> Result<memmap2::Mmap> {
+    let meta = std::fs::metadata(path).map_err(|e| ModelError::io(path, e))?;
+    if !meta.is_file() {
+        return Err(ModelError::Safetensors {
+            path: path.to_owned(),
+            reason: "not a regular file".into(),
+        });
+    }
     let file = File::open(path).map_err(|e| ModelError::io(path, e))?;
     // SAFETY: the map is read-only and lives only while this load runs. The one hazard is another
     // process truncating the file meanwhile (SIGBUS); checkpoints are written to a new directory
@@ -192,7 +379,7 @@ fn mmap(path: &Path) -> Result<memmap2::Mmap> {
 
 /// Reads a JSON file.
 pub(crate) fn read_json(path: &Path) -> Result<Value> {
-    let text = std::fs::read_to_string(path).map_err(|e| ModelError::io(path, e))?;
+    let text = read_text_capped(path, JSON_FILE_MAX_BYTES, "model JSON files")?;
     serde_json::from_str(&text).map_err(|source| ModelError::Json {
         path: path.to_owned(),
         source,

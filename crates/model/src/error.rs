@@ -24,6 +24,9 @@ pub enum ModelError {
         /// The OS error.
         source: std::io::Error,
     },
+    /// A model-directory file is not a regular file or is larger than its cap.
+    #[error(transparent)]
+    File(#[from] sluice_core::files::ReadFileError),
     /// A JSON file could not be parsed or written.
     #[error("{path}: invalid JSON: {source}")]
     Json {
@@ -57,6 +60,17 @@ pub enum ModelError {
         expected: Vec<usize>,
         /// Shape found.
         actual: Vec<usize>,
+    },
+    /// A weight tensor is stored with a non-float dtype (`I64`, `U8`, …): loading would convert
+    /// integers to weights silently.
+    #[error("{path}: tensor `{name}` is stored as {dtype}; weights must be F16, BF16, F32 or F64")]
+    TensorDtype {
+        /// The file.
+        path: PathBuf,
+        /// HF tensor name.
+        name: String,
+        /// The dtype found.
+        dtype: String,
     },
     /// A tensor holds NaN or infinite values (a diverged run's weights): loading it would only
     /// produce garbage rollouts that every later check filters out.
@@ -136,10 +150,12 @@ impl ModelError {
         match self {
             ModelError::Config { .. } => "invalid_model_config",
             ModelError::Io { .. } => "model_io",
+            ModelError::File(e) => e.kind(),
             ModelError::Json { .. } => "model_json",
             ModelError::Safetensors { .. } => "safetensors",
             ModelError::MissingTensor { .. } => "missing_tensor",
             ModelError::TensorShape { .. } => "tensor_shape",
+            ModelError::TensorDtype { .. } => "tensor_dtype",
             ModelError::NonFinite { .. } => "non_finite_weights",
             ModelError::Tensor { .. } => "tensor_op",
             ModelError::Tokenizer { .. } => "tokenizer",

@@ -79,7 +79,9 @@ pub use candle_core as candle;
 pub use batch::PackedBatch;
 pub use cache::{ContiguousKvCache, KvCache, SeqId};
 pub use chat::{ChatOptions, ChatTemplate, CompletionParseError, CompletionParser};
-pub use checkpoint::{LoadOptions, SaveOptions, copy_aux_files, load_checkpoint, save_checkpoint};
+pub use checkpoint::{
+    LoadOptions, SaveOptions, check_checkpoint, copy_aux_files, load_checkpoint, save_checkpoint,
+};
 pub use config::{Architecture, ModelConfig};
 pub use error::{ModelError, Result};
 pub use infer::{InferenceModel, LogitsWanted, StepInput, argmax_rows};

@@ -13,8 +13,9 @@ use serde_json::Value;
 use sluice_core::Message;
 
 use crate::chat::{ChatOptions, ChatTemplate};
-use crate::checkpoint::read_json;
+use crate::checkpoint::{TEMPLATE_FILE_MAX_BYTES, TOKENIZER_FILE_MAX_BYTES, read_json};
 use crate::error::{ModelError, Result};
+use sluice_core::files::{read_capped, read_text_capped};
 
 /// A loaded tokenizer with its special tokens and chat template.
 #[derive(Debug)]
@@ -30,10 +31,12 @@ impl Tokenizer {
     /// Loads `dir/tokenizer.json` and the optional config files next to it.
     pub fn from_dir(dir: &Path) -> Result<Self> {
         let path = dir.join("tokenizer.json");
-        let inner = tokenizers::Tokenizer::from_file(&path).map_err(|e| ModelError::Tokenizer {
-            path: path.display().to_string(),
-            reason: e.to_string(),
-        })?;
+        let bytes = read_capped(&path, TOKENIZER_FILE_MAX_BYTES, "tokenizer files")?;
+        let inner =
+            tokenizers::Tokenizer::from_bytes(bytes).map_err(|e| ModelError::Tokenizer {
+                path: path.display().to_string(),
+                reason: e.to_string(),
+            })?;
         let config_path = dir.join("tokenizer_config.json");
         let config = if config_path.exists() {
             read_json(&config_path)?
@@ -48,7 +51,11 @@ impl Tokenizer {
         }
         let jinja_path = dir.join("chat_template.jinja");
         let source = if jinja_path.exists() {
-            Some(std::fs::read_to_string(&jinja_path).map_err(|e| ModelError::io(&jinja_path, e))?)
+            Some(read_text_capped(
+                &jinja_path,
+                TEMPLATE_FILE_MAX_BYTES,
+                "chat templates",
+            )?)
         } else {
             template_source(config.get("chat_template"))
         };
@@ -133,7 +140,7 @@ impl Tokenizer {
     /// `--chat-template`): a model whose own template is long or missing can be rendered with
     /// another without editing its directory.
     pub fn override_chat_template(&mut self, path: &Path) -> Result<()> {
-        let source = std::fs::read_to_string(path).map_err(|e| ModelError::io(path, e))?;
+        let source = read_text_capped(path, TEMPLATE_FILE_MAX_BYTES, "chat templates")?;
         self.chat_template = Some(ChatTemplate::new(&source, self.special_tokens.clone())?);
         Ok(())
     }

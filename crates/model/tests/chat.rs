@@ -231,3 +231,65 @@ fn qwen3_style_namespace_and_reverse_iteration_work() {
     ];
     assert_eq!(t.render(&messages, &ChatOptions::default()).unwrap(), "1");
 }
+
+/// Renders `source` on a thread and waits at most 60 s: a template that loops fails the test
+/// instead of hanging it.
+fn render_within_60s(template: ChatTemplate) -> sluice_model::Result<String> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(template.render(&[Message::user("hi")], &ChatOptions::default()));
+    });
+    rx.recv_timeout(std::time::Duration::from_secs(60))
+        .expect("the rendering returned (a looping template once hung it)")
+}
+
+/// A looping template fails its rendering with an error naming the bound it ran out of (H5: a
+/// 10¹⁰-step loop from `tokenizer_config.json` once hung `sluice run` with memory growing).
+#[test]
+fn runaway_templates_run_out_of_their_budget() {
+    let looping =
+        "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}";
+    let dir = tempfile::tempdir().unwrap();
+    sluice_model::presets::write_preset(sluice_model::presets::Preset::Tiny, dir.path(), 0)
+        .unwrap();
+    let config_path = dir.path().join("tokenizer_config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
+    config["chat_template"] = json!(looping);
+    std::fs::write(&config_path, config.to_string()).unwrap();
+    let _ = std::fs::remove_file(dir.path().join("chat_template.jinja"));
+    let tokenizer = sluice_model::Tokenizer::from_dir(dir.path()).unwrap();
+    let err = tokenizer
+        .apply_chat_template(&[Message::user("hi")], &ChatOptions::default())
+        .unwrap_err();
+    assert_eq!(err.kind(), "chat_template");
+    assert!(
+        err.to_string()
+            .contains("used up its budget of 10000000 template steps"),
+        "{err}"
+    );
+
+    let budget = |fuel, max_output_bytes, seconds| sluice_model::chat::RenderBudget {
+        fuel,
+        max_output_bytes,
+        deadline: std::time::Duration::from_secs(seconds),
+    };
+    let t = ChatTemplate::new(looping, BTreeMap::new())
+        .unwrap()
+        .with_budget(budget(u64::MAX / 4, 1000, 3600));
+    let err = render_within_60s(t).unwrap_err();
+    assert!(
+        err.to_string().contains("the text passed 1000 bytes"),
+        "{err}"
+    );
+    let t = ChatTemplate::new(looping, BTreeMap::new())
+        .unwrap()
+        .with_budget(budget(u64::MAX / 4, usize::MAX, 0));
+    let err = render_within_60s(t).unwrap_err();
+    assert!(err.to_string().contains("deadline"), "{err}");
+
+    // Real templates render well within the default budget.
+    let t = ChatTemplate::new(CHATML_TEMPLATE, BTreeMap::new()).unwrap();
+    let many: Vec<Message> = (0..2000).map(|i| Message::user(format!("m{i}"))).collect();
+    assert!(t.render(&many, &ChatOptions::default()).is_ok());
+}

@@ -262,3 +262,139 @@ fn unsupported_configs_are_refused_naming_the_field() {
     let err = ModelConfig::from_json(&config, "c.json").unwrap_err();
     assert!(err.to_string().contains("num_hidden_layers"), "{err}");
 }
+
+/// Rewrites `dir/config.json` through `edit`.
+fn edit_config(dir: &Path, edit: impl FnOnce(&mut serde_json::Value)) {
+    let path = dir.join("config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    edit(&mut config);
+    std::fs::write(&path, config.to_string()).unwrap();
+}
+
+/// Sizes past sane maxima are refused when the config is read, and sizes the tensors contradict
+/// before anything is built per layer (H3: a config claiming 10⁹ layers over a tiny file once
+/// aborted the process allocating 3.7 GB).
+#[test]
+fn config_sizes_are_bounded_and_checked_against_the_tensors() {
+    for (field, value) in [
+        ("num_hidden_layers", 1_000_000_000u64),
+        ("hidden_size", 1 << 20),
+        ("intermediate_size", 1 << 24),
+        ("num_attention_heads", 4096),
+        ("vocab_size", 1 << 30),
+        ("max_position_embeddings", 1 << 30),
+    ] {
+        let mut config = hf_config();
+        config[field] = json!(value);
+        let err = ModelConfig::from_json(&config, "c.json").unwrap_err();
+        assert_eq!(err.kind(), "invalid_model_config", "{field}");
+        assert!(
+            err.to_string()
+                .contains(&format!("`{field}`: {value} is over the limit of")),
+            "{field}: {err}"
+        );
+    }
+
+    let snap = snapshot(tiny_config(Architecture::Qwen2, false), 9, DType::F32);
+    let dir = tempfile::tempdir().unwrap();
+    let cases = [
+        (
+            "num_hidden_layers",
+            json!(1000),
+            "1000 but the weight files hold 2 layers",
+        ),
+        (
+            "vocab_size",
+            json!(5000),
+            "implies model.embed_tokens.weight has 5000 rows",
+        ),
+        (
+            "intermediate_size",
+            json!(96),
+            "implies model.layers.0.mlp.gate_proj.weight has 96 rows",
+        ),
+    ];
+    for (field, value, message) in cases {
+        save_checkpoint(&snap, dir.path(), &SaveOptions::default()).unwrap();
+        edit_config(dir.path(), |c| c[field] = value);
+        for err in [
+            load_checkpoint(dir.path(), &LoadOptions::default()).unwrap_err(),
+            sluice_model::check_checkpoint(dir.path()).unwrap_err(),
+        ] {
+            assert_eq!(err.kind(), "invalid_model_config", "{field}: {err}");
+            let msg = err.to_string();
+            assert!(
+                msg.contains("config.json") && msg.contains(&format!("`{field}`: {message}")),
+                "{field}: {msg}"
+            );
+        }
+    }
+    save_checkpoint(&snap, dir.path(), &SaveOptions::default()).unwrap();
+    assert_eq!(
+        sluice_model::check_checkpoint(dir.path()).unwrap(),
+        **snap.config()
+    );
+}
+
+/// Shard names in the index are plain file names inside the model directory (H6: `../..` once
+/// loaded weights from elsewhere and `/etc/passwd` was opened and mapped).
+#[test]
+fn shard_names_outside_the_directory_are_refused() {
+    let snap = snapshot(tiny_config(Architecture::Llama, true), 3, DType::F32);
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("model");
+    let options = SaveOptions {
+        max_shard_bytes: Some(2_000),
+    };
+    save_checkpoint(&snap, &dir, &options).unwrap();
+    // A complete copy next door: `../other/<shard>` would load without complaint.
+    save_checkpoint(&snap, &root.path().join("other"), &options).unwrap();
+    let index_path = dir.join(INDEX_FILE);
+    let original = std::fs::read_to_string(&index_path).unwrap();
+    for bad in ["../other/", "/etc/passwd#", "./", "sub/"] {
+        let mut index: serde_json::Value = serde_json::from_str(&original).unwrap();
+        for v in index["weight_map"].as_object_mut().unwrap().values_mut() {
+            let name = v.as_str().unwrap().to_owned();
+            *v = json!(match bad.strip_suffix('#') {
+                Some(whole) => whole.to_owned(),
+                None => format!("{bad}{name}"),
+            });
+        }
+        std::fs::write(&index_path, index.to_string()).unwrap();
+        let err = load_checkpoint(&dir, &LoadOptions::default()).unwrap_err();
+        let msg = err.to_string();
+        assert!(
+            msg.contains("shard names must be plain file names inside the model directory"),
+            "{bad}: {msg}"
+        );
+        assert!(sluice_model::check_checkpoint(&dir).is_err());
+    }
+    std::fs::write(&index_path, original).unwrap();
+    load_checkpoint(&dir, &LoadOptions::default()).unwrap();
+}
+
+/// Integer tensors are refused naming the tensor (M3: `I64` weights once loaded silently as
+/// floats).
+#[test]
+fn integer_weight_tensors_are_refused_naming_the_tensor() {
+    let snap = snapshot(tiny_config(Architecture::Qwen2, true), 4, DType::F32);
+    let dir = tempfile::tempdir().unwrap();
+    save_checkpoint(&snap, dir.path(), &SaveOptions::default()).unwrap();
+    let name = "model.layers.1.mlp.up_proj.weight";
+    rewrite(dir.path(), |t| {
+        let w = t[name].to_dtype(DType::I64).unwrap();
+        t.insert(name.to_owned(), w);
+    });
+    for err in [
+        load_checkpoint(dir.path(), &LoadOptions::default()).unwrap_err(),
+        sluice_model::check_checkpoint(dir.path()).unwrap_err(),
+    ] {
+        assert_eq!(err.kind(), "tensor_dtype");
+        assert!(
+            err.to_string()
+                .contains(&format!("tensor `{name}` is stored as I64")),
+            "{err}"
+        );
+    }
+}

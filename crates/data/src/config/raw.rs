@@ -56,6 +56,10 @@ pub struct RawData {
     pub data_dir: String,
     /// `skip` or `fail` on a line that does not parse.
     pub on_bad_line: String,
+    /// Longest dataset line, bytes; a longer one is a bad line.
+    pub max_line_bytes: i64,
+    /// Largest dataset file, bytes; a larger one is refused.
+    pub max_file_bytes: i64,
     /// Correct domain weights by completed/target ratios (seed 000's adaptive sampling).
     pub adaptive_mix: bool,
     /// Per-domain options, `[data.domains.<domain>]`.
@@ -68,6 +72,8 @@ impl Default for RawData {
             datasets: Vec::new(),
             data_dir: "data".into(),
             on_bad_line: "skip".into(),
+            max_line_bytes: crate::dataset::DEFAULT_MAX_LINE_BYTES as i64,
+            max_file_bytes: crate::dataset::DEFAULT_MAX_FILE_BYTES as i64,
             adaptive_mix: true,
             domains: BTreeMap::new(),
         }

@@ -11,6 +11,8 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize, Serializer};
 
+use crate::dataset::ReadLimits;
+
 /// `[data.domains.<domain>]`
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct DomainConfig {
@@ -160,6 +162,9 @@ pub struct DataConfig {
     pub data_dir: PathBuf,
     /// Bad-line policy.
     pub on_bad_line: BadLinePolicy,
+    /// Size caps of dataset files and lines (`max_file_bytes`, `max_line_bytes`).
+    #[serde(flatten)]
+    pub read_limits: ReadLimits,
     /// Adaptive domain mix (completed/target correction, clamped to [0.1, 10]).
     pub adaptive_mix: bool,
     /// Per-domain options (`[data.domains.<domain>]`), only for domains some dataset belongs to.

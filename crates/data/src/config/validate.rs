@@ -8,7 +8,11 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use sluice_core::config::ConfigError;
-use sluice_core::config::check::{Ctx, choice, non_zero_u32, number, positive_seconds};
+use sluice_core::config::check::{
+    Ctx, choice, non_zero_u32, non_zero_u64, number, positive_seconds,
+};
+
+use crate::dataset::ReadLimits;
 
 use super::raw::{RawData, RawDomain, RawRubric};
 use super::typed::{DataConfig, DatasetSpec, DomainConfig, DomainRubric};
@@ -56,6 +60,11 @@ pub fn validate_data(raw: RawData, ctx: &Ctx<'_>) -> Result<DataConfig, ConfigEr
         adaptive_mix: raw.adaptive_mix,
         domain_options: domains,
         on_bad_line: choice(ctx, "data.on_bad_line", &raw.on_bad_line)?,
+        read_limits: ReadLimits {
+            max_file_bytes: non_zero_u64(ctx, "data.max_file_bytes", raw.max_file_bytes)?.get(),
+            max_line_bytes: non_zero_u64(ctx, "data.max_line_bytes", raw.max_line_bytes)?.get()
+                as usize,
+        },
     })
 }
 

@@ -7,8 +7,13 @@
 //! `strftime_now`, the special tokens (`bos_token`, `eos_token`, …) as variables, `tools` and
 //! `add_generation_prompt`, plus any extra variables (`enable_thinking`). transformers' own
 //! `{% generation %}` block tag is accepted and renders its body.
+//!
+//! A rendering runs under a [`RenderBudget`] (template steps, output size, deadline): templates
+//! come from model directories and configs, and one with a runaway loop fails its request or
+//! rollout with an error saying which bound it hit.
 
 use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
 
 use minijinja::value::Kwargs;
 use minijinja::{Environment, Error, ErrorKind, Value};
@@ -31,11 +36,40 @@ pub struct ChatOptions {
     pub extra: serde_json::Map<String, serde_json::Value>,
 }
 
+/// Bounds on one rendering. A template is code from a model directory or a config: a loop in
+/// it must fail the request or rollout, not hang it or grow memory without end.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RenderBudget {
+    /// Template instructions one rendering may execute (minijinja's fuel).
+    pub fuel: u64,
+    /// Most bytes of rendered text.
+    pub max_output_bytes: usize,
+    /// Wall-clock limit of one rendering, checked as text is written.
+    pub deadline: Duration,
+}
+
+impl RenderBudget {
+    /// The default: 10 million instructions (real templates take a few hundred per message),
+    /// 64 MiB of text, 10 seconds.
+    pub const DEFAULT: Self = Self {
+        fuel: 10_000_000,
+        max_output_bytes: 64 << 20,
+        deadline: Duration::from_secs(10),
+    };
+}
+
+impl Default for RenderBudget {
+    fn default() -> Self {
+        Self::DEFAULT
+    }
+}
+
 /// A compiled chat template plus the special-token variables it is rendered with.
 #[derive(Debug)]
 pub struct ChatTemplate {
     env: Environment<'static>,
     special_tokens: BTreeMap<String, String>,
+    budget: RenderBudget,
 }
 
 impl ChatTemplate {
@@ -52,10 +86,20 @@ impl ChatTemplate {
         env.add_function("strftime_now", strftime_now);
         env.add_template_owned(TEMPLATE_NAME, accept_generation_tags(source))
             .map_err(template_err)?;
+        let budget = RenderBudget::DEFAULT;
+        env.set_fuel(Some(budget.fuel));
         Ok(Self {
             env,
             special_tokens,
+            budget,
         })
+    }
+
+    /// Renders under `budget` instead of [`RenderBudget::DEFAULT`].
+    pub fn with_budget(mut self, budget: RenderBudget) -> Self {
+        self.env.set_fuel(Some(budget.fuel));
+        self.budget = budget;
+        self
     }
 
     /// Renders `messages` into the prompt text.
@@ -79,7 +123,79 @@ impl ChatTemplate {
             ctx.insert(k.clone(), Value::from_serialize(v));
         }
         let template = self.env.get_template(TEMPLATE_NAME).map_err(template_err)?;
-        template.render(&ctx).map_err(template_err)
+        let mut out = BoundedOutput::new(&self.budget);
+        match template.render_captured_to(&ctx, &mut out) {
+            Ok(_) => String::from_utf8(out.text).map_err(|_| ModelError::ChatTemplate {
+                reason: "rendering produced invalid UTF-8".into(),
+            }),
+            Err(e) => Err(self.render_err(e, out.stopped)),
+        }
+    }
+
+    /// Why a rendering failed: a budget that ran out says which and by how much.
+    fn render_err(&self, e: Error, stopped: Option<Stop>) -> ModelError {
+        let budget = &self.budget;
+        let reason = match stopped {
+            Some(Stop::Output) => format!(
+                "rendering stopped: the text passed {} bytes (a runaway loop in the template?)",
+                budget.max_output_bytes
+            ),
+            Some(Stop::Deadline) => format!(
+                "rendering stopped: it ran past its {:?} deadline (a runaway loop in the template?)",
+                budget.deadline
+            ),
+            None if e.kind() == ErrorKind::OutOfFuel => format!(
+                "rendering stopped: it used up its budget of {} template steps (a runaway loop in the template?)",
+                budget.fuel
+            ),
+            None => return template_err(e),
+        };
+        ModelError::ChatTemplate { reason }
+    }
+}
+
+/// Which bound stopped a rendering's output.
+#[derive(Debug, Clone, Copy)]
+enum Stop {
+    Output,
+    Deadline,
+}
+
+/// The rendered text, refusing to grow past the budget's size or deadline.
+struct BoundedOutput {
+    text: Vec<u8>,
+    max_bytes: usize,
+    deadline: Instant,
+    stopped: Option<Stop>,
+}
+
+impl BoundedOutput {
+    fn new(budget: &RenderBudget) -> Self {
+        Self {
+            text: Vec::new(),
+            max_bytes: budget.max_output_bytes,
+            deadline: Instant::now() + budget.deadline,
+            stopped: None,
+        }
+    }
+}
+
+impl std::io::Write for BoundedOutput {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.text.len().saturating_add(buf.len()) > self.max_bytes {
+            self.stopped = Some(Stop::Output);
+        } else if Instant::now() >= self.deadline {
+            self.stopped = Some(Stop::Deadline);
+        }
+        if self.stopped.is_some() {
+            return Err(std::io::Error::other("chat template budget exceeded"));
+        }
+        self.text.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
     }
 }
 

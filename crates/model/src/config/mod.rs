@@ -11,10 +11,13 @@ use std::path::Path;
 use candle_core::DType;
 use serde_json::{Map, Value, json};
 
+use crate::checkpoint::JSON_FILE_MAX_BYTES;
 use crate::error::{ModelError, Result};
 use fields::Fields;
+use sluice_core::files::read_text_capped;
 
 mod fields;
+pub mod limits;
 
 /// Which HF model class the checkpoint is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -161,7 +164,7 @@ impl ModelConfig {
 
     /// Reads and validates `config.json`.
     pub fn from_file(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| ModelError::io(path, e))?;
+        let text = read_text_capped(path, JSON_FILE_MAX_BYTES, "model JSON files")?;
         let value: Value = serde_json::from_str(&text).map_err(|source| ModelError::Json {
             path: path.to_owned(),
             source,
@@ -222,6 +225,15 @@ impl ModelConfig {
             eos_token_ids: f.eos_ids()?,
             extra: Map::new(),
         };
+        for (field, value, max) in limits::bounded_fields(&config) {
+            if value > max {
+                return Err(config_err(
+                    origin,
+                    field,
+                    format!("{value} is over the limit of {max}"),
+                ));
+            }
+        }
         f.refuse_unsupported(architecture)?;
         let unknown: Vec<&String> = f
             .map
