@@ -58,7 +58,8 @@ mod tests {
             assert_eq!(check_origin(good), Ok(()), "{good}");
         }
         for (bad, why) in [
-            ("http://u:p@h:1/a/../b?c", "must not carry credentials"),
+            ("http://u:p@h:1/a/../b?c", "without a path, query"),
+            ("http://u:p@h:1", "must not carry credentials"),
             ("http://h:1/a", "without a path"),
             ("http://h:1?c", "without a path, query"),
             ("http://h:1#f", "fragment"),
