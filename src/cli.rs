@@ -68,8 +68,8 @@ pub struct ServeArgs {
     /// The Hugging Face model directory.
     #[arg(long)]
     pub model: PathBuf,
-    /// Address to bind. The API has no authentication: bind beyond loopback only on a trusted
-    /// network.
+    /// Address to bind. Beyond loopback, `$SLUICE_SERVE_TOKEN` must hold a token: the mutating
+    /// routes (weights, pause, abort, continue) then need `Authorization: Bearer <token>`.
     #[arg(long, default_value = "127.0.0.1")]
     pub host: std::net::IpAddr,
     /// Port; 0 picks a free one (the bound address is printed).
@@ -109,6 +109,21 @@ pub struct ServeArgs {
     /// 503 with `Retry-After`.
     #[arg(long, default_value_t = sluice_engine::server::DEFAULT_MAX_QUEUED_SEQUENCES)]
     pub max_queued_sequences: usize,
+    /// Header-read deadline and shutdown grace.
+    #[command(flatten)]
+    pub http: HttpServerArgs,
+}
+
+/// How a server treats slow clients and its own stop (`sluice serve`, `sluice env-server`).
+#[derive(Debug, Clone, clap::Args)]
+pub struct HttpServerArgs {
+    /// Seconds a client may take to send a request's line and headers; the connection is
+    /// closed after them.
+    #[arg(long, default_value_t = 10.0)]
+    pub header_read_timeout_s: f64,
+    /// Seconds a stop (SIGINT, SIGTERM) waits for requests in flight before dropping them.
+    #[arg(long, default_value_t = 10.0)]
+    pub shutdown_grace_s: f64,
 }
 
 /// A config file plus `--set` overrides.
@@ -150,6 +165,9 @@ pub struct EnvServerArgs {
     /// died without closing); must exceed the call timeout.
     #[arg(long, default_value_t = 600.0)]
     pub idle_timeout_s: f64,
+    /// Header-read deadline and shutdown grace.
+    #[command(flatten)]
+    pub http: HttpServerArgs,
 }
 
 /// `sluice model ...`

@@ -108,6 +108,27 @@ fn bad_input_exits_non_zero_with_one_line_and_starts_nothing() {
     );
 }
 
+/// A malformed `engine.remote_urls` entry is refused by `sluice check`, naming the entry, where
+/// it used to pass and fail once its replica started (17 s into the run).
+#[test]
+fn a_malformed_remote_url_is_refused_naming_the_entry() {
+    for (url, reason) in [
+        ("http://engine-1", "must name host:port"),
+        ("http://engine-1:8x00", "must name a port from 1 to 65535"),
+        ("http://u:p@engine-1:8000", "must not carry credentials"),
+        ("https://engine-1:8000", "must start with http://"),
+    ] {
+        let set = format!("engine.remote_urls=[\"http://engine-0:8000\", \"{url}\"]");
+        let out = sluice(&["check", "configs/quickstart.toml", "--set", &set], repo());
+        assert_eq!(out.status.code(), Some(1), "{url}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains(&format!("engine.remote_urls[1]: expected an http://host:port[/prefix] base URL, got `{url}`: it {reason}")),
+            "{url}: {err}"
+        );
+    }
+}
+
 #[test]
 fn unsound_settings_are_checked_with_a_warning() {
     let check = |sets: &[&str]| {

@@ -1,6 +1,8 @@
-//! `sluice serve` as a process: bad flags are refused before loading, and SIGTERM under load
-//! aborts the generations in flight (each call answers with its partial, `finish_reason:
-//! "abort"`) instead of waiting for them to run to their end.
+//! `sluice serve` as a process: bad flags are refused before loading, a bind beyond loopback
+//! needs a token, SIGTERM under load aborts the generations in flight (each call answers with
+//! its partial, `finish_reason: "abort"`) instead of waiting for them to run to their end, and
+//! ends the process within its grace period even while a chat-template render is stuck; a
+//! half-sent request is cut off after the header-read deadline.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
@@ -210,16 +212,25 @@ fn chat_template_replaces_the_models_template() {
     assert!(err.contains("--chat-template /nowhere.jinja"), "{err}");
 }
 
-#[path = "real_model/mod.rs"]
-mod real_model;
+/// Writes the tiny preset into `dir/m`.
+fn tiny_model(dir: &std::path::Path) -> std::path::PathBuf {
+    let model = dir.join("m");
+    let init = sluice()
+        .args(["model", "init", "--preset", "tiny", "--out"])
+        .arg(&model)
+        .output()
+        .unwrap();
+    assert!(init.status.success());
+    model
+}
 
-/// The real pretrained model through `sluice serve`: its imported tokenizer and ChatML
-/// template render the request, and greedy decoding names the capital of France.
-#[test]
-fn serve_answers_with_the_real_model() {
-    let model = real_model::smollm2_dir();
+/// Starts `sluice serve` on port 0 with `extra` flags; the child and its address.
+fn spawn_serve(model: &std::path::Path, extra: &[&str]) -> (std::process::Child, String) {
     let mut child = sluice()
-        .args(["serve", "--model", model.to_str().unwrap(), "--port", "0"])
+        .args(["serve", "--port", "0", "--model"])
+        .arg(model)
+        .args(extra)
+        .env_remove("SLUICE_SERVE_TOKEN")
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
@@ -233,6 +244,153 @@ fn serve_answers_with_the_real_model() {
         .nth(1)
         .map(|a| a.trim().to_owned())
         .unwrap_or_else(|| panic!("no address in {line:?}"));
+    (child, addr)
+}
+
+/// Waits for `child` to exit within `limit`, killing it (and failing) otherwise.
+fn exit_within(child: &mut std::process::Child, limit: Duration) -> std::process::ExitStatus {
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("sluice serve did not exit within {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Beyond loopback the weight, pause, abort and continue routes would be anyone's: `serve`
+/// refuses to start without `$SLUICE_SERVE_TOKEN` (before loading anything), as `env-server`
+/// does without its token; an empty or whitespace-only token is refused naming the variable.
+#[test]
+fn serve_beyond_loopback_needs_a_token() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing_model = dir.path().join("not-loaded");
+    let run = |token: Option<&str>| {
+        let mut cmd = sluice();
+        cmd.args(["serve", "--host", "0.0.0.0", "--port", "0", "--model"])
+            .arg(&missing_model)
+            .env_remove("SLUICE_SERVE_TOKEN");
+        if let Some(t) = token {
+            cmd.env("SLUICE_SERVE_TOKEN", t);
+        }
+        let out = cmd.output().unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (code, err) = run(None);
+    assert_eq!(code, Some(1));
+    assert!(
+        err.contains("--host 0.0.0.0: not a loopback address; set $SLUICE_SERVE_TOKEN to serve beyond this machine"),
+        "{err}"
+    );
+    let (code, err) = run(Some(" \n"));
+    assert_eq!(code, Some(1));
+    assert!(
+        err.contains("$SLUICE_SERVE_TOKEN: expected a non-empty token"),
+        "{err}"
+    );
+    // With a token it gets past the check (and fails on the missing model, named).
+    let (code, err) = run(Some("s3cret\n"));
+    assert_eq!(code, Some(1));
+    assert!(err.contains("--model"), "{err}");
+}
+
+/// A client that sends half a request head is cut off after `--header-read-timeout-s` instead
+/// of holding the connection open for as long as it likes.
+#[test]
+fn a_half_sent_request_is_closed_after_the_header_read_timeout() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let (mut child, addr) = spawn_serve(&model, &["--header-read-timeout-s", "0.5"]);
+    let mut s = TcpStream::connect(&addr).unwrap();
+    s.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Le")
+        .unwrap();
+    // Far longer than the deadline: a read that times out means the server kept it open.
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    let mut rest = Vec::new();
+    let read = s.read_to_end(&mut rest);
+    assert!(
+        read.is_ok(),
+        "the server should have closed the connection: {read:?}"
+    );
+    assert!(!String::from_utf8_lossy(&rest).contains("200 OK"));
+    // A whole request still gets its answer.
+    let reply = http(&addr, "GET", "/health", "");
+    assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
+    child.kill().unwrap();
+    child.wait().unwrap();
+}
+
+/// A chat request whose template render never ends (three nested loops of 10 000) used to keep
+/// `serve` alive after SIGTERM (the render blocked a runtime thread and the graceful stop waited
+/// for it). Rendering runs on the blocking pool now, and the stop waits for calls at most
+/// `--shutdown-grace-s`: the process exits 0.
+#[test]
+fn sigterm_ends_serve_within_its_grace_even_while_a_render_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let template = dir.path().join("stuck.jinja");
+    std::fs::write(
+        &template,
+        "{% for a in range(10000) %}{% for b in range(10000) %}{% for c in range(10000) %}{% endfor %}{% endfor %}{% endfor %}",
+    )
+    .unwrap();
+    let (mut child, addr) = spawn_serve(
+        &model,
+        &[
+            "--chat-template",
+            template.to_str().unwrap(),
+            "--shutdown-grace-s",
+            "1",
+        ],
+    );
+    let stuck = {
+        let addr = addr.clone();
+        std::thread::spawn(move || {
+            let mut s = TcpStream::connect(&addr).unwrap();
+            let body = r#"{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}"#;
+            let _ = write!(
+                s,
+                "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+                body.len()
+            );
+            let mut out = Vec::new();
+            let _ = s.read_to_end(&mut out);
+        })
+    };
+    // The render is under way (or already refused, where templates carry a budget).
+    std::thread::sleep(Duration::from_millis(500));
+    let health = http(&addr, "GET", "/health", "");
+    assert!(
+        health.starts_with("HTTP/1.1 200"),
+        "the runtime still answers: {health}"
+    );
+    let status = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let exited = exit_within(&mut child, Duration::from_secs(30));
+    assert!(exited.success(), "{exited:?}");
+    stuck.join().unwrap();
+}
+
+#[path = "real_model/mod.rs"]
+mod real_model;
+
+/// The real pretrained model through `sluice serve`: its imported tokenizer and ChatML
+/// template render the request, and greedy decoding names the capital of France.
+#[test]
+fn serve_answers_with_the_real_model() {
+    let model = real_model::smollm2_dir();
+    let (mut child, addr) = spawn_serve(&model, &[]);
     let reply = http(
         &addr,
         "POST",

@@ -7,7 +7,10 @@
 //!   it mid-run does not stop the run, and restarted, it joins again and serves episodes again;
 //! - both nodes join, get a replica each and serve the head's versions, fetched over HTTP: the
 //!   file an engine node loaded is byte for byte the head's, and not its own start weights;
-//! - a node with a wrong token is refused with 401, and both sides say so;
+//! - a node with a wrong token is refused with 401, and both sides say so; tokens with a
+//!   trailing newline or padding (head, node, CLI) match; a member URL with a path, query or
+//!   credentials is refused at the join; an engine node's weight and control routes answer 401
+//!   without the node token, and it takes no weights from disk;
 //! - `kill -9` of one engine node mid-run: the head loses it, the run goes on with the other,
 //!   and a restarted node joins again, gets a replica back and generates;
 //! - zero staleness violations throughout;
@@ -271,9 +274,11 @@ fn nodes_join_serve_over_http_and_survive_kill_9_of_a_node_and_of_the_head() {
 
     let started = Instant::now();
     let mut env1 = Proc::start(d, &env_toml, "env1", TOKEN);
-    let mut head = Proc::start(d, &head_toml, "head", TOKEN);
+    // The head's token ends in a newline and e2's is padded (Secrets made from files): trimmed
+    // on every side, they are the same token (they used to start and then match nothing).
+    let mut head = Proc::start(d, &head_toml, "head", &format!("{TOKEN}\n"));
     let mut e1 = Proc::start(d, &e1_toml, "e1", TOKEN);
-    let _e2 = Proc::start(d, &e2_toml, "e2", TOKEN);
+    let _e2 = Proc::start(d, &e2_toml, "e2", &format!("  {TOKEN} \r\n"));
     let s = wait_status(&mut head, &base, "both nodes serving and 5 steps", |s| {
         live_with_replica(s, "e1") && live_with_replica(s, "e2") && steps(s) >= 5
     });
@@ -326,6 +331,57 @@ fn nodes_join_serve_over_http_and_survive_kill_9_of_a_node_and_of_the_head() {
         head_err.contains("refused a node's call: wrong or missing node token"),
         "{head_err}"
     );
+
+    // The CLI with the same newline-ended variable: accepted (resume is a no-op here).
+    let resumed = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["resume", "--url", &base])
+        .env("SLUICE_ADMIN_TOKEN", format!("{TOKEN}\n"))
+        .output()
+        .unwrap();
+    assert!(
+        resumed.status.success(),
+        "{}",
+        String::from_utf8_lossy(&resumed.stderr)
+    );
+
+    // A member URL with credentials, a path and a query is refused at the join.
+    let evil = r#"{"name": "evil", "role": "engine", "url": "http://u:p@127.0.0.9:1/a/../b?c"}"#;
+    let (code, body) =
+        sluice_actors::client::request(&base, "POST", "/v1/nodes", Some(evil), Some(TOKEN))
+            .unwrap();
+    assert_eq!(code, 400, "{body}");
+    assert!(body.contains("is not exactly http://host:port"), "{body}");
+    assert!(node(&get(&base, "/v1/status").unwrap(), "evil").is_none());
+
+    // An engine node's weight and control routes need the node token: without it, 401 and the
+    // node serves on; with it, weights come only from the head, as the version the URL names.
+    let e1_base = format!("http://{e1_addr}");
+    let inject = r#"{"model_path": "/tmp/x", "weight_version": 999999}"#;
+    for (path, body) in [
+        ("/update_weights_from_disk", inject),
+        ("/pause_generation", "{}"),
+        ("/abort_request", r#"{"abort_all": true}"#),
+    ] {
+        let (code, reply) =
+            sluice_actors::client::request(&e1_base, "POST", path, Some(body), None).unwrap();
+        assert_eq!(code, 401, "{path}: {reply}");
+    }
+    let (code, reply) = sluice_actors::client::request(
+        &e1_base,
+        "POST",
+        "/update_weights_from_disk",
+        Some(inject),
+        Some(TOKEN),
+    )
+    .unwrap();
+    assert_eq!(
+        code, 404,
+        "an engine node takes no weights from disk: {reply}"
+    );
+    let held = get(&e1_base, "/get_weight_version").unwrap()["weight_version"]
+        .as_u64()
+        .unwrap();
+    assert!(held < 999_999, "{held}");
 
     // kill -9 of e1 mid-run: lost at the head, the run goes on with e2 alone.
     let at_kill = steps(&get(&base, "/v1/status").unwrap());

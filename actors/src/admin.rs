@@ -20,7 +20,8 @@
 //! names an unknown knob or a refused value, 413 for a body over [`MAX_BODY_BYTES`], 415 for a
 //! body that is not `application/json`, 404 for an unknown route, 405 for a wrong method.
 //!
-//! New routes go in `routes` so they get the error fallbacks and the body limit.
+//! New routes go in `routes` so they get the error fallbacks and the body limit. A client that
+//! does not send a request's head within the header-read deadline (10 s by default) is cut off.
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -132,8 +133,18 @@ pub struct Server {
 }
 
 impl Server {
-    /// Binds `addr` and serves `router` until [`Server::shutdown`].
+    /// Binds `addr` and serves `router` until [`Server::shutdown`], with the default header-read
+    /// deadline and shutdown grace.
     pub async fn start(addr: SocketAddr, router: Router) -> Result<Self, ActorError> {
+        Self::start_with(addr, router, sluice_http::ServeOptions::default()).await
+    }
+
+    /// [`Self::start`] with `options` (a shorter header-read deadline in tests, say).
+    pub async fn start_with(
+        addr: SocketAddr,
+        router: Router,
+        options: sluice_http::ServeOptions,
+    ) -> Result<Self, ActorError> {
         let listener = tokio::net::TcpListener::bind(addr)
             .await
             .map_err(|e| ActorError::Setup(format!("cannot listen on {addr}: {e}")))?;
@@ -145,10 +156,7 @@ impl Server {
             let shutdown = async move {
                 let _ = stopped.await;
             };
-            if let Err(e) = axum::serve(listener, router)
-                .with_graceful_shutdown(shutdown)
-                .await
-            {
+            if let Err(e) = sluice_http::serve(listener, router, options, shutdown).await {
                 tracing::error!(error = %e, "admin server failed");
             }
         });
@@ -206,32 +214,16 @@ impl IntoResponse for ApiError {
     }
 }
 
-/// Checks the bearer token of a mutating call (every call passes when none is configured).
+/// Checks the bearer token of a mutating call (every call passes when none is configured), with
+/// the check every Sluice server shares ([`sluice_http::check_bearer`]).
 pub fn authorize(state: &AdminState, headers: &HeaderMap) -> Result<(), ApiError> {
-    let Some(token) = &state.token else {
-        return Ok(());
-    };
-    let unauthorized = |m: &str| ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", m);
-    let given = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| {
-            let (scheme, rest) = v.trim().split_once(' ')?;
-            scheme.eq_ignore_ascii_case("bearer").then(|| rest.trim())
-        });
-    match given {
-        None => Err(unauthorized(
-            "missing bearer token: send `Authorization: Bearer <token>` (admin.token)",
-        )),
-        Some(t) if constant_time_eq(t.as_bytes(), token.expose().as_bytes()) => Ok(()),
-        Some(_) => Err(unauthorized("wrong bearer token")),
-    }
-}
-
-/// Compares without an early exit, so timing does not tell how much of a guess was right
-/// (only whether its length was).
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    sluice_http::check_bearer(state.token.as_ref(), headers).map_err(|refusal| {
+        let message = match refusal {
+            sluice_http::BearerRefusal::Missing => format!("{refusal} (admin.token)"),
+            sluice_http::BearerRefusal::Wrong => refusal.to_string(),
+        };
+        ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", message)
+    })
 }
 
 /// The body of a call, or why it cannot be read (over the limit: 413).
@@ -425,18 +417,4 @@ async fn method_not_allowed(method: Method, uri: Uri) -> ApiError {
 
 async fn get_status(State(s): State<Shared>) -> Json<StatusReport> {
     Json(status::status_report(&s.admin, s.started, &s.rates).await)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn constant_time_eq_compares_whole_strings() {
-        assert!(constant_time_eq(b"s3cret", b"s3cret"));
-        assert!(!constant_time_eq(b"s3cre", b"s3cret"));
-        assert!(!constant_time_eq(b"s3cretx", b"s3cret"));
-        assert!(!constant_time_eq(b"", b"s3cret"));
-        assert!(!constant_time_eq(b"S3cret", b"s3cret"));
-    }
 }

@@ -26,9 +26,11 @@ pub fn completed_rollouts(
     current: PolicyVersion,
     max_version_lag: u64,
 ) -> u64 {
-    let stale = group
-        .min_version()
-        .is_some_and(|v| v.lag_behind(current) > max_version_lag);
+    let stale = group.min_version().is_some_and(|v| {
+        v.lag_to(current)
+            .ok()
+            .is_none_or(|lag| lag > max_version_lag)
+    });
     if stale {
         return 0;
     }

@@ -131,3 +131,48 @@ async fn a_knob_patched_over_http_takes_effect_at_the_next_decision() {
     }
     node.shutdown().await;
 }
+
+/// The admin server cuts off a client that sends half a request head (200 such connections used
+/// to stay open for good), and still answers whole requests; the deadline is the server's
+/// option (10 s by default, short here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_half_sent_request_is_closed_after_the_header_read_timeout() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let handle = metrics_exporter_prometheus::PrometheusBuilder::new()
+        .build_recorder()
+        .handle();
+    let options = sluice_http::ServeOptions {
+        header_read_timeout: Duration::from_millis(300),
+        ..sluice_http::ServeOptions::default()
+    };
+    let server = sluice_actors::admin::Server::start_with(
+        "127.0.0.1:0".parse().unwrap(),
+        sluice_actors::admin::metrics_router(handle),
+        options,
+    )
+    .await
+    .unwrap();
+    let mut halves = Vec::new();
+    for _ in 0..20 {
+        let mut s = tokio::net::TcpStream::connect(server.addr).await.unwrap();
+        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nAcc")
+            .await
+            .unwrap();
+        halves.push(s);
+    }
+    for mut s in halves {
+        let mut rest = Vec::new();
+        let closed = tokio::time::timeout(Duration::from_secs(20), s.read_to_end(&mut rest)).await;
+        assert!(matches!(closed, Ok(Ok(_))), "still open: {closed:?}");
+    }
+    let (code, _) = call(
+        format!("http://{}", server.addr),
+        "GET",
+        "/metrics",
+        None,
+        None,
+    )
+    .await;
+    assert_eq!(code, 200);
+    server.shutdown().await;
+}

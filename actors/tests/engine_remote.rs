@@ -45,6 +45,8 @@ async fn serve(dir: &std::path::Path) -> (String, tokio::sync::oneshot::Sender<(
             device: weights.device().clone(),
             max_n: 8,
             max_queued_sequences: sluice_engine::server::DEFAULT_MAX_QUEUED_SEQUENCES,
+            token: None,
+            http: Default::default(),
         },
         events,
     );
@@ -147,6 +149,7 @@ async fn a_dead_server_is_a_dead_replica_rebuilt_on_the_latest_weights() {
                 weights: Arc::clone(&dirs),
                 initial: sluice_model::ModelWeights::from_envelope(latest),
                 model_name: None,
+                token: None,
             };
             RemoteEngine::start(params, latest.version, sink)
                 .map(|e| Box::new(e) as Box<dyn InferenceBackend>)

@@ -266,6 +266,8 @@ async fn serve(
             device: weights.device().clone(),
             max_n: 8,
             max_queued_sequences: sluice_engine::server::DEFAULT_MAX_QUEUED_SEQUENCES,
+            token: None,
+            http: Default::default(),
         },
         events,
     );

@@ -20,18 +20,10 @@ use crate::cli::EnvServerArgs;
 /// The environment variable holding the server's bearer token.
 pub const ENV_TOKEN_VAR: &str = "SLUICE_ENV_TOKEN";
 
-/// The server's bearer token from `$SLUICE_ENV_TOKEN`, if set.
+/// The server's bearer token from `$SLUICE_ENV_TOKEN`, if set (trimmed: a token read from a
+/// file with its newline is the same token).
 pub fn token_from_env() -> anyhow::Result<Option<Secret>> {
-    match std::env::var(ENV_TOKEN_VAR) {
-        Ok(t) if t.trim().is_empty() => {
-            bail!("${ENV_TOKEN_VAR}: expected a non-empty token, got an empty string")
-        }
-        Ok(t) => Ok(Some(Secret::new(t.trim()))),
-        Err(std::env::VarError::NotPresent) => Ok(None),
-        Err(std::env::VarError::NotUnicode(_)) => {
-            bail!("${ENV_TOKEN_VAR}: expected a UTF-8 token")
-        }
-    }
+    sluice_http::auth::token_from_env(ENV_TOKEN_VAR).map_err(anyhow::Error::msg)
 }
 
 /// Runs the server.
@@ -69,6 +61,7 @@ pub fn run(args: &EnvServerArgs) -> anyhow::Result<ExitCode> {
         call_timeout,
         idle_timeout,
         token,
+        http: super::serve_options(&args.http)?,
     };
     // Env calls are light (parsing, tiny simulations); two workers keep a 2-core machine usable.
     let runtime = tokio::runtime::Builder::new_multi_thread()

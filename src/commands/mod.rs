@@ -17,7 +17,22 @@ use std::process::ExitCode;
 
 use signals::shutdown_signal;
 
-use crate::cli::{BenchCommand, Command, ReplayCommand};
+use crate::cli::{BenchCommand, Command, HttpServerArgs, ReplayCommand};
+
+/// The server options of `--header-read-timeout-s` and `--shutdown-grace-s`, each a number of
+/// seconds > 0.
+fn serve_options(args: &HttpServerArgs) -> anyhow::Result<sluice_http::ServeOptions> {
+    let seconds = |flag: &str, v: f64| {
+        std::time::Duration::try_from_secs_f64(v)
+            .ok()
+            .filter(|d| !d.is_zero())
+            .ok_or_else(|| anyhow::anyhow!("{flag}: expected a number of seconds > 0, got {v}"))
+    };
+    Ok(sluice_http::ServeOptions {
+        header_read_timeout: seconds("--header-read-timeout-s", args.header_read_timeout_s)?,
+        shutdown_grace: seconds("--shutdown-grace-s", args.shutdown_grace_s)?,
+    })
+}
 
 /// Runs one command.
 pub fn run(command: Command) -> anyhow::Result<ExitCode> {

@@ -71,6 +71,15 @@ async fn join_or_stop(params: MemberParams) -> anyhow::Result<Option<Membership>
 
 async fn engine_node(config: &Config, node: &NodeConfig) -> anyhow::Result<ExitCode> {
     let head = node.head.clone().context("node.head")?;
+    let listen = node.listen.context("node.listen")?;
+    // Its weight and control routes are guarded by the node token: beyond loopback, one is
+    // required (as for the admin API and env servers).
+    if !listen.ip().is_loopback() && config.admin.token.is_none() {
+        bail!(
+            "node.listen = {listen}: not a loopback address; set admin.token or ${} (the node token) so the engine's weight and control routes are guarded",
+            sluice_config::ADMIN_TOKEN_ENV
+        );
+    }
     let model_dir = config.model.path.clone();
     sluice_actors::native::ensure_model_dir(config)?;
     let options = LoadOptions {
@@ -107,6 +116,9 @@ async fn engine_node(config: &Config, node: &NodeConfig) -> anyhow::Result<ExitC
             device: weights.device().clone(),
             max_n: 64,
             max_queued_sequences: sluice_engine::server::DEFAULT_MAX_QUEUED_SEQUENCES,
+            // The head calls this node's weight and control routes with the node token.
+            token: config.admin.token.clone(),
+            http: sluice_http::ServeOptions::default(),
         },
         events,
         Some(WeightFetch {
@@ -117,14 +129,10 @@ async fn engine_node(config: &Config, node: &NodeConfig) -> anyhow::Result<ExitC
             timeout: config.engine.request_timeout,
         }),
     );
-    let listen = node.listen.context("node.listen")?;
     let listener = tokio::net::TcpListener::bind(listen)
         .await
         .with_context(|| format!("node.listen: cannot bind {listen}"))?;
     let bound = listener.local_addr()?;
-    if !bound.ip().is_loopback() {
-        tracing::warn!(%bound, "serving beyond loopback; the inference API has no authentication");
-    }
     let (url, name) = identity(node, bound);
     println!("sluice engine node `{name}` on http://{bound}, joining {head}");
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -185,6 +193,7 @@ async fn env_node(config: &Config, node: &NodeConfig) -> anyhow::Result<ExitCode
         idle_timeout: (config.supervision.env_step_timeout * 20)
             .max(std::time::Duration::from_secs(600)),
         token,
+        http: sluice_http::ServeOptions::default(),
     };
     let listener = tokio::net::TcpListener::bind(listen)
         .await

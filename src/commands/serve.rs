@@ -1,11 +1,17 @@
 //! `sluice serve`: the native engine behind the OpenAI-compatible server (`docs/engine.md`).
 //! Loads the model directory, starts the engine thread, binds, and serves until SIGINT or
-//! SIGTERM; then stops accepting, joins the engine thread and exits 0.
+//! SIGTERM; then stops accepting, aborts the generations in flight, waits for the calls at most
+//! `--shutdown-grace-s` (dropping those still running, a stuck chat-template render say),
+//! joins the engine thread and exits 0.
+//!
+//! As `sluice env-server`: a bind beyond loopback needs a token (`$SLUICE_SERVE_TOKEN`), which
+//! the routes that change the server (weights, pause, abort, continue) then require.
 
 use std::process::ExitCode;
 use std::sync::Arc;
 
 use anyhow::{Context, bail};
+use sluice_engine::remote::SERVE_TOKEN_VAR;
 use sluice_engine::server::{ServerOptions, ServerState, WeightEvents, serve};
 use sluice_engine::{InferenceBackend, NativeEngine, NativeEngineParams};
 use sluice_model::{LoadOptions, Tokenizer, load_checkpoint};
@@ -62,8 +68,13 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
     {
         bail!("--served-model-name: expected a non-empty name (clients send it as `model`)");
     }
-    if !args.host.is_loopback() {
-        tracing::warn!(host = %args.host, "serving beyond loopback; the API has no authentication");
+    let http = super::serve_options(&args.http)?;
+    let token = sluice_http::auth::token_from_env(SERVE_TOKEN_VAR).map_err(anyhow::Error::msg)?;
+    if !args.host.is_loopback() && token.is_none() {
+        bail!(
+            "--host {}: not a loopback address; set ${SERVE_TOKEN_VAR} to serve beyond this machine (the weight, pause, abort and continue routes then need it as a bearer token)",
+            args.host
+        );
     }
     let device = sluice_model::device(args.device).context("--device")?;
     let options = LoadOptions {
@@ -119,6 +130,8 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
             device: weights.device().clone(),
             max_n: 64,
             max_queued_sequences: args.max_queued_sequences,
+            token,
+            http,
         },
         events,
     );
@@ -149,6 +162,9 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
             .context("server failed")
     });
     engine.shutdown();
+    // A call the grace period dropped may leave its render running on the blocking pool: it is
+    // not waited for (a template that never ends would keep the process alive).
+    runtime.shutdown_timeout(std::time::Duration::from_millis(100));
     served?;
     tracing::info!("server stopped");
     Ok(ExitCode::SUCCESS)

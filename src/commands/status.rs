@@ -54,10 +54,13 @@ pub(super) fn target(args: &AdminArgs) -> anyhow::Result<Target> {
         }
         _ => DEFAULT_URL.to_owned(),
     };
+    // Trimmed as the node trims its own (`admin.token`): a token file's newline is not part of it.
     let token = args
         .token
         .clone()
         .or_else(|| std::env::var(ADMIN_TOKEN_ENV).ok())
+        .and_then(|t| sluice_http::auth::token(&t))
+        .map(|t| t.expose().to_owned())
         .or_else(|| {
             config
                 .as_ref()

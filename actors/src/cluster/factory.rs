@@ -36,6 +36,7 @@ pub struct HeadEngines {
 /// The head's replica factory (see the module docs).
 pub fn head_factory(config: &Config, engines: HeadEngines) -> ReplicaFactory {
     let engine = config.engine.clone();
+    let node_token = config.admin.token.clone();
     let HeadEngines {
         registry,
         served,
@@ -61,6 +62,8 @@ pub fn head_factory(config: &Config, engines: HeadEngines) -> ReplicaFactory {
         let mut params =
             RemoteParams::from_config(&engine, replica, Arc::clone(&served), Some(model));
         params.url = claim.url.clone();
+        // A joined node guards its weight and control routes with the node token.
+        params.token = node_token.clone();
         Ok(Box::new(MemberBackend {
             inner: start(params)?,
             registry: Arc::clone(&registry),

@@ -133,7 +133,9 @@ impl Registry {
                 if req.tasks.len() > 8 { ", …" } else { "" }
             )));
         }
-        if sluice_http::HttpClient::new(&req.url, "node").is_err() {
+        // Exactly `http://host:port`: every later call appends its route to it, so a path,
+        // query or credentials would ride along on each.
+        if !req.url.starts_with("http://") || sluice_http::origin::check_origin(&req.url).is_err() {
             return Err(JoinError::BadUrl(req.url));
         }
         if !self.members.contains_key(&req.name) && self.members.len() >= self.max_nodes {

@@ -67,6 +67,15 @@ impl Worker {
                 "batch broke an invariant"
             );
         }
+        if let Some(newest) = check.future {
+            tracing::error!(
+                tokens = check.future_tokens,
+                newest = newest.0,
+                trained_from = version.0,
+                "batch holds tokens from a weight version the trainer never published (an engine's weights were replaced behind the head's back); counted as lag violations"
+            );
+            metrics::counter!(m::TRAINER_FUTURE_VERSION_TOKENS).increment(check.future_tokens);
+        }
         let step_started = Instant::now();
         let backend = &mut self.backend;
         let outcome =
@@ -235,9 +244,14 @@ struct BatchCheck {
     max_lag: u64,
     violations: u64,
     duplicates: u64,
+    /// Tokens tagged with a version ahead of the one trained from (also violations).
+    future_tokens: u64,
+    /// The newest such version.
+    future: Option<PolicyVersion>,
 }
 
-/// Lags of every token against the weights `version` the batch trains from.
+/// Lags of every token against the weights `version` the batch trains from; a token from a
+/// version ahead of it is a violation with no lag (see [`PolicyVersion::lag_to`]).
 fn check_batch(
     batch: &[RolloutGroup],
     version: PolicyVersion,
@@ -250,6 +264,8 @@ fn check_batch(
         max_lag: 0,
         violations: 0,
         duplicates: 0,
+        future_tokens: 0,
+        future: None,
     };
     let mut per_lag = [0usize; 64];
     for g in batch {
@@ -262,8 +278,17 @@ fn check_batch(
             .flat_map(|r| r.turns.iter())
             .flat_map(|t| t.token_versions.iter())
         {
-            let lag = v.lag_behind(version);
             c.tokens += 1;
+            let lag = match v.lag_to(version) {
+                Ok(lag) => lag,
+                Err(_) => {
+                    // No lag to record: a version from the future breaks the bound outright.
+                    c.future_tokens += 1;
+                    c.future = c.future.max(Some(*v));
+                    c.violations += 1;
+                    continue;
+                }
+            };
             c.lag_sum += lag;
             c.max_lag = c.max_lag.max(lag);
             if lag > eta {
@@ -276,4 +301,53 @@ fn check_batch(
         metrics::histogram!(m::TRAINER_TOKEN_VERSION_LAG_VERSIONS).record_many(lag as f64, *n);
     }
     c
+}
+
+#[cfg(test)]
+mod tests {
+    use sluice_core::{DataSample, NodeId, RolloutStatus, RolloutTurn, RunId};
+
+    use super::*;
+
+    /// A group of one rollout whose tokens carry `versions`.
+    fn group(counter: u64, versions: &[u64]) -> RolloutGroup {
+        let id = GroupId {
+            run: RunId::from_name("step"),
+            node: NodeId(0),
+            counter,
+        };
+        let sample = DataSample {
+            id: counter.to_string(),
+            domain: "math".into(),
+            dataset: "arith".into(),
+            input: serde_json::Value::Null,
+            system_prompt: None,
+        };
+        let mut g = RolloutGroup::new(id, sample, 1, PolicyVersion(0));
+        let mut t = RolloutTurn::new(vec![1, 2]);
+        let n = versions.len();
+        let vs: Vec<PolicyVersion> = versions.iter().copied().map(PolicyVersion).collect();
+        t.append_tokens(&vec![7; n], &vec![-0.5; n], &vs).unwrap();
+        g.rollouts[0].turns = vec![t];
+        g.rollouts[0].status = RolloutStatus::Completed;
+        g
+    }
+
+    /// A token from a version the trainer never published (the sweep's 999999 against a
+    /// trainer at 3) used to count as lag 0: now it is a violation, counted apart, and no lag
+    /// is recorded for it.
+    #[test]
+    fn a_token_from_the_future_is_a_violation_not_lag_zero() {
+        let mut trained = HashSet::new();
+        let batch = vec![group(1, &[3, 2]), group(2, &[999_999, 999_999, 3])];
+        let c = check_batch(&batch, PolicyVersion(3), 1, &mut trained);
+        assert_eq!((c.tokens, c.violations, c.future_tokens), (5, 2, 2));
+        assert_eq!(c.future, Some(PolicyVersion(999_999)));
+        assert_eq!((c.lag_sum, c.max_lag), (1, 1), "only the real lags");
+        let clean = check_batch(&[group(3, &[2, 3])], PolicyVersion(3), 1, &mut trained);
+        assert_eq!(
+            (clean.violations, clean.future_tokens, clean.future),
+            (0, 0, None)
+        );
+    }
 }

@@ -272,10 +272,26 @@ impl PolicyVersion {
         Self(self.0 + 1)
     }
 
-    /// How many versions `self` is behind `current` (0 when it is not behind).
-    pub fn lag_behind(self, current: Self) -> u64 {
-        current.0.saturating_sub(self.0)
+    /// How many versions `self` is behind `current` (0 when it is `current`). A version ahead of
+    /// `current` has no lag: it is an error ([`FutureVersion`]), never a silent 0, since no
+    /// engine can hold weights the trainer has not published yet, unless they were replaced
+    /// behind the head's back.
+    pub fn lag_to(self, current: Self) -> Result<u64, FutureVersion> {
+        current.0.checked_sub(self.0).ok_or(FutureVersion {
+            version: self,
+            current,
+        })
     }
+}
+
+/// A token version ahead of the version it is compared with (see [`PolicyVersion::lag_to`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("version {version} is ahead of {current}, the newest published")]
+pub struct FutureVersion {
+    /// The version found.
+    pub version: PolicyVersion,
+    /// The newest version published when it was found.
+    pub current: PolicyVersion,
 }
 
 impl fmt::Display for PolicyVersion {
@@ -334,8 +350,13 @@ mod tests {
 
     #[test]
     fn version_lag_saturates() {
-        assert_eq!(PolicyVersion(3).lag_behind(PolicyVersion(5)), 2);
-        assert_eq!(PolicyVersion(5).lag_behind(PolicyVersion(3)), 0);
+        assert_eq!(PolicyVersion(3).lag_to(PolicyVersion(5)), Ok(2));
+        assert_eq!(PolicyVersion(5).lag_to(PolicyVersion(5)), Ok(0));
+        let e = PolicyVersion(999_999).lag_to(PolicyVersion(3)).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "version v999999 is ahead of v3, the newest published"
+        );
         assert_eq!(PolicyVersion::INITIAL.next(), PolicyVersion(1));
     }
 }

@@ -36,7 +36,9 @@ pub use backend::{BackendError, TrainStepOutput, TrainerBackend, WeightSnapshot}
 pub use completion::{CompletionParseError, CompletionParser};
 pub use config::ConfigError;
 pub use error::Error;
-pub use ids::{GroupId, GroupIdGenerator, NodeId, PolicyVersion, RequestId, RolloutId, RunId};
+pub use ids::{
+    FutureVersion, GroupId, GroupIdGenerator, NodeId, PolicyVersion, RequestId, RolloutId, RunId,
+};
 pub use knobs::{AdmissionMode, KnobError, KnobPatch, Knobs, KnobsHandle, WeightUpdateMode};
 pub use message::{Message, Role, ToolCall, ToolSpec};
 pub use rollout::{DataSample, Rollout, RolloutGroup, RolloutStatus, RolloutTurn};

@@ -214,6 +214,8 @@ catalog! {
         "Prefix-cache hit tokens over prompt tokens since the replica started.";
     ENGINE_PREEMPTED_SEQUENCES = "sluice_engine_preempted_sequences_total", Counter, ["replica"], NONE,
         "Running sequences preempted because the KV cache ran out of blocks (returned as aborts with their partials, or requeued when they had generated nothing).";
+    ENGINE_UNPUBLISHED_VERSION_ERRORS = "sluice_engine_unpublished_version_errors_total", Counter, [], NONE,
+        "Replies and load readings of a remote engine server carrying a weight version this head never published (its weights were replaced behind the head's back); each marks the server down, so its replica is rebuilt on the run's weights.";
     ENV_STEP_SECONDS = "sluice_env_step_seconds", Histogram, ["domain"], SECONDS_BUCKETS,
         "Time an environment step (or init) took.";
     ENV_FAILURES = "sluice_env_failures_total", Counter, ["kind"], NONE,
@@ -234,6 +236,8 @@ catalog! {
         "Completion tokens trained on.";
     TRAINER_TOKEN_VERSION_LAG_VERSIONS = "sluice_trainer_token_version_lag_versions", Histogram, [], LAG_BUCKETS,
         "Version lag of each trained token at training time (never above max_version_lag).";
+    TRAINER_FUTURE_VERSION_TOKENS = "sluice_trainer_future_version_tokens_total", Counter, [], NONE,
+        "Tokens of a trained batch tagged with a weight version newer than the one the step trains from (possible only when an engine's weights were replaced behind the head's back); each also counts as a lag violation.";
     TRAINER_IDLE_RATIO = "sluice_trainer_idle_ratio", Gauge, [], NONE,
         "Fraction of recent wall time the trainer waited for data.";
     TRAINER_STEP_SECONDS = "sluice_trainer_step_seconds", Histogram, [], SECONDS_BUCKETS,

@@ -2,7 +2,8 @@
 //! ids, logprobs and versions, resume, abort with the partial, weight updates through a written
 //! checkpoint, a server that does not answer (the replica dies, every request aborts with its
 //! partial), the run's weights installed before any work (at start and on the rebuilt replica of
-//! a server that came back), and old weight directories pruned. Several servers as replicas of
+//! a server that came back), old weight directories pruned, and a server holding a version the
+//! head never published marked down. Several servers as replicas of
 //! the engine actor: `actors/tests/engine_remote.rs`.
 
 mod server_support;
@@ -12,7 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crossbeam_channel::Receiver;
-use server_support::serve_tiny;
+use server_support::{post, serve_tiny, write_tiny};
 use sluice_core::{GroupId, NodeId, PolicyVersion, RequestId, RunId, WeightUpdateMode};
 use sluice_engine::remote::{RemoteEngine, RemoteParams, WeightDirs};
 use sluice_engine::{
@@ -30,6 +31,7 @@ fn params(url: String, weights_dir: PathBuf) -> RemoteParams {
         weights: WeightDirs::new(weights_dir, None, 3),
         initial: None,
         model_name: Some("tiny".into()),
+        token: None,
     }
 }
 
@@ -316,4 +318,41 @@ async fn the_replicas_load_is_its_servers() {
     );
     drop(engine);
     s.stop().await;
+}
+
+/// Weights swapped in behind the head's back as a version the head never published (the hostile
+/// sweep's `weight_version: 999999`, which the head used to count as lag 0): the first reply or
+/// load reading that shows it marks the server down (the replica is rebuilt on the run's
+/// weights), and no token of those weights reaches the head.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_holding_a_version_the_head_never_published_is_marked_down() {
+    let s = serve_tiny().await;
+    let (engine, (finished, _)) = start(params(s.url(), s.dir.path().join("published")));
+    engine.submit(request(1, 2)).unwrap();
+    let first = next(&finished).await;
+    assert!(first.output.versions.iter().all(|v| *v == PolicyVersion(0)));
+    assert!(engine.is_alive());
+
+    let injected = s.dir.path().join("injected");
+    write_tiny(&injected, 5);
+    let r = post(
+        s.addr,
+        "/update_weights_from_disk",
+        serde_json::json!({"model_path": injected, "weight_version": 999_999}),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    engine.submit(request(2, 4)).unwrap();
+    let c = next(&finished).await;
+    assert_eq!(c.finish, FinishReason::Abort);
+    assert!(
+        c.output.is_empty(),
+        "no token of the injected weights: {:?}",
+        c.output.versions
+    );
+    assert!(
+        !engine.is_alive(),
+        "the server is down: its replica is rebuilt"
+    );
+    assert_eq!(engine.stats().version, PolicyVersion(0));
 }

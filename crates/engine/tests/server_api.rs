@@ -1,11 +1,14 @@
 //! The OpenAI-compatible server through a real HTTP client on 127.0.0.1:0: completions (text and
 //! ids, echo + logprobs, n, stop, streaming), chat (logprobs, streaming), models and health,
-//! the RL extensions, and the bad-input table.
+//! the RL extensions (guarded by the bearer token when one is set), the prompt-size bound, and
+//! the bad-input table.
 
 mod server_support;
 
 use serde_json::{Value, json};
-use server_support::{call, post, serve_scripted, serve_tiny, write_tiny};
+use server_support::{
+    call, call_with, post, serve_scripted, serve_tiny, serve_tiny_with, write_tiny,
+};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn completions_with_echo_logprobs_and_token_ids() {
@@ -345,5 +348,119 @@ async fn streamed_tool_calls_come_as_openai_deltas_and_reassemble_to_the_whole_r
     // The arguments came as they were generated: one fragment per token of them at least.
     assert!(fragments >= 3, "{fragments} fragments");
     assert_eq!(finish, "tool_calls");
+    s.stop().await;
+}
+
+/// The routes that change the server (weights, pause, abort, continue) need the bearer token
+/// when one is set: without it, or with a wrong one, they answer 401 and change nothing (the
+/// hostile sweep's `update_weights_from_disk` with `weight_version: 999999` answered 200); with
+/// it they work; generation and the read-only routes stay open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn guarded_routes_need_the_token_and_change_nothing_without_it() {
+    let s = serve_tiny_with(Some("s3cret"), Default::default()).await;
+    let addr = s.addr;
+    let next = s.dir.path().join("next");
+    write_tiny(&next, 1);
+    let update = json!({"model_path": next, "weight_version": 999_999}).to_string();
+    for headers in [
+        "",
+        "authorization: Bearer wrong\r\n",
+        "authorization: s3cret\r\n",
+    ] {
+        for (path, body) in [
+            ("/update_weights_from_disk", update.as_str()),
+            (
+                "/update_weights_from_url",
+                r#"{"url": "http://x:1/v1/weights/1", "crc32": 0}"#,
+            ),
+            ("/pause_generation", r#"{"mode": "in_place"}"#),
+            ("/abort_request", r#"{"abort_all": true}"#),
+            ("/continue_generation", "{}"),
+        ] {
+            let r = call_with(addr, "POST", path, body, headers).await;
+            assert_eq!(r.status, 401, "{path} with {headers:?}: {}", r.body);
+            assert!(r.head.contains("www-authenticate: bearer"), "{}", r.head);
+            assert_eq!(r.json()["error"]["type"], "authentication_error");
+        }
+    }
+    let v = call(addr, "GET", "/get_weight_version", "").await.json();
+    assert_eq!(v["weight_version"], 0, "nothing was swapped in");
+    // Not paused either: a request runs to its end.
+    let r = post(
+        addr,
+        "/v1/completions",
+        json!({"prompt": "p", "max_tokens": 2, "ignore_eos": true}),
+    )
+    .await;
+    assert_eq!(r.json()["choices"][0]["finish_reason"], "length");
+
+    let auth = "authorization: Bearer s3cret\r\n";
+    let body = json!({"model_path": next, "weight_version": 1}).to_string();
+    let r = call_with(addr, "POST", "/update_weights_from_disk", &body, auth).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["weight_version"], 1);
+    for path in ["/pause_generation", "/continue_generation"] {
+        assert_eq!(
+            call_with(addr, "POST", path, "{}", auth).await.status,
+            200,
+            "{path}"
+        );
+    }
+    s.stop().await;
+}
+
+/// A prompt far longer than the context could hold (16 bytes of text per token of context) is
+/// refused with a 400 naming its size before it is tokenized, as a text completion and as a
+/// chat message; one that fits the bound but not the context is still refused in tokens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prompt_far_over_the_context_is_refused_before_tokenizing() {
+    let s = serve_tiny().await;
+    let addr = s.addr;
+    let context = call(addr, "GET", "/v1/models", "").await.json()["data"][0]["max_model_len"]
+        .as_u64()
+        .unwrap() as usize;
+    let max = context * sluice_engine::server::prompt_text::PROMPT_BYTES_PER_TOKEN;
+    let huge = "a".repeat(1 << 20);
+    assert!(huge.len() > max);
+    let r = post(
+        addr,
+        "/v1/completions",
+        json!({"prompt": huge, "max_tokens": 1}),
+    )
+    .await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    let e = &r.json()["error"];
+    assert_eq!(e["param"], "prompt");
+    let expected = format!(
+        "the prompt text is {} bytes; this model's context of {context} tokens takes at most {max} bytes of text",
+        1 << 20
+    );
+    assert!(e["message"].as_str().unwrap().starts_with(&expected), "{e}");
+    let r = post(
+        addr,
+        "/v1/completions",
+        json!({"prompt": ["ok", huge], "max_tokens": 1}),
+    )
+    .await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    let r = post(
+        addr,
+        "/v1/chat/completions",
+        json!({"messages": [{"role": "user", "content": huge}], "max_tokens": 1}),
+    )
+    .await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert_eq!(r.json()["error"]["param"], "messages");
+    assert!(r.body.contains("bytes of text"), "{}", r.body);
+    // Within the byte bound but over the context: refused in tokens, as before.
+    let long = "a ".repeat(context);
+    let r = post(
+        addr,
+        "/v1/completions",
+        json!({"prompt": long, "max_tokens": 1}),
+    )
+    .await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert!(r.body.contains("maximum context length"), "{}", r.body);
     s.stop().await;
 }

@@ -1,7 +1,8 @@
 //! `POST /update_weights_from_url`, an engine node's weight fetch from its head: the version is
 //! streamed from the head with the node token, its CRC-32 checked, and swapped in; a wrong CRC,
-//! a URL outside the head, or a head that refuses the token change nothing; a plain
-//! `sluice serve` has no such route.
+//! a URL outside the head (or under it but not `/v1/weights/<version>`), a `weight_version`
+//! other than the URL's, or a head that refuses the token change nothing; an engine node takes
+//! no weights from disk; a plain `sluice serve` has no such route.
 
 mod server_support;
 
@@ -88,6 +89,8 @@ async fn node(
             device: weights.device().clone(),
             max_n: 4,
             max_queued_sequences: 16,
+            token: None,
+            http: Default::default(),
         },
         events,
         fetch.map(|(source, token)| WeightFetch {
@@ -141,7 +144,8 @@ async fn a_version_is_fetched_checked_and_swapped_in() {
     .await;
     assert_eq!(r.status, 400, "{}", r.body);
     assert!(
-        r.body.contains("is not under this node's head"),
+        r.body
+            .contains("weights are fetched only from this node's head"),
         "{}",
         r.body
     );
@@ -194,4 +198,64 @@ async fn a_refused_token_is_a_502_and_a_plain_server_has_no_route() {
     )
     .await;
     assert_eq!(r.status, 404, "{}", r.body);
+}
+
+/// `…/v1/weights/../../x` used to pass as "under the head" (a prefix match): only
+/// `<head>/v1/weights/<version>` is fetched now, and only as that version, so a caller cannot
+/// label the head's weights with a version the head never published; an engine node's
+/// `/update_weights_from_disk` (weights the head never saw) answers 404.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn traversal_and_unpublished_versions_are_refused_before_any_fetch() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = version_one(dir.path());
+    let crc = crc32fast::hash(&file);
+    let (head_url, seen) = head(file).await;
+    let (addr, engine) = node(dir.path(), Some((head_url.clone(), TOKEN))).await;
+    for url in [
+        format!("{head_url}/v1/weights/../../x"),
+        format!("{head_url}/v1/weights/1/../../../admin"),
+        format!("{head_url}/v1/weights/1?x=1"),
+        format!("{head_url}/v1/nodes"),
+        format!("{head_url}:80/v1/weights/1"),
+    ] {
+        let r = post(
+            addr,
+            "/update_weights_from_url",
+            json!({"url": url, "crc32": crc}),
+        )
+        .await;
+        assert_eq!(r.status, 400, "{url}: {}", r.body);
+        assert!(
+            r.body
+                .contains("weights are fetched only from this node's head"),
+            "{url}: {}",
+            r.body
+        );
+    }
+    let r = post(
+        addr,
+        "/update_weights_from_url",
+        json!({"url": format!("{head_url}/v1/weights/1"), "crc32": crc, "weight_version": 999_999}),
+    )
+    .await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert!(
+        r.body
+            .contains("weight_version 999999 is not the version the url names (1)"),
+        "{}",
+        r.body
+    );
+    assert!(seen.lock().unwrap().is_empty(), "no fetch was made");
+
+    let next = dir.path().join("next");
+    write_preset(Preset::Tiny, &next, 1).unwrap();
+    let r = post(
+        addr,
+        "/update_weights_from_disk",
+        json!({"model_path": next, "weight_version": 999_999}),
+    )
+    .await;
+    assert_eq!(r.status, 404, "{}", r.body);
+    assert!(r.body.contains("only from its head"), "{}", r.body);
+    assert_eq!(engine.stats().version.0, 0);
 }

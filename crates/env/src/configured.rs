@@ -32,12 +32,11 @@ pub fn registry(data: &DataConfig, env_step_timeout: Duration) -> Result<TaskReg
     configure(TaskRegistry::builtin(), data, env_step_timeout, env_token())
 }
 
-/// `$SLUICE_ENV_TOKEN`, when set and not empty.
+/// `$SLUICE_ENV_TOKEN`, trimmed as `sluice env-server` trims it, when set and not empty.
 fn env_token() -> Option<Secret> {
-    std::env::var(ENV_TOKEN_VAR)
+    sluice_http::auth::token_from_env(ENV_TOKEN_VAR)
         .ok()
-        .filter(|t| !t.is_empty())
-        .map(Secret::new)
+        .flatten()
 }
 
 /// `registry` (built by [`registry`] from `data`) with the envs of every domain that sets

@@ -74,6 +74,7 @@ impl Server {
             call_timeout: Duration::from_secs(10),
             idle_timeout: Duration::from_secs(600),
             token: None,
+            http: Default::default(),
         })
         .await
     }
@@ -267,6 +268,7 @@ async fn open_envs_are_capped_and_idle_ones_dropped() {
         call_timeout: Duration::from_secs(5),
         idle_timeout: Duration::from_millis(300),
         token: None,
+        http: Default::default(),
     })
     .await;
     let factory = server.remote("arithmetic", Duration::from_secs(5));

@@ -1,10 +1,20 @@
-//! The one HTTP/1.1 JSON client of Sluice's remote protocols: the remote engine backend and the
-//! remote env client both talk through [`HttpClient`].
+//! The HTTP/1.1 plumbing every Sluice server and client shares:
 //!
-//! One connection per call (remote calls are few and long next to a TCP handshake on a LAN), the
-//! connection driven inside the call's own future (no background task to leak), one deadline over
-//! connect + request + body. Only `http://` is spoken: these servers live on a trusted network,
-//! guarded by an optional bearer token.
+//! | module | what |
+//! |---|---|
+//! | this file | [`HttpClient`], the one JSON client of the remote protocols (remote engines, remote envs, a node's calls to its head) |
+//! | [`auth`] | the bearer-token check every server runs on its guarded routes, and token loading (trimmed) |
+//! | [`serve`](mod@serve) | the server loop: a header-read deadline and a bounded graceful stop |
+//! | [`origin`] | `http(s)://host:port` base URLs, checked strictly (member URLs, configured servers) |
+//!
+//! The client opens one connection per call (remote calls are few and long next to a TCP
+//! handshake on a LAN), the connection driven inside the call's own future (no background task
+//! to leak), one deadline over connect + request + body. Only `http://` is spoken: these servers
+//! live on a trusted network, guarded by a bearer token.
+
+pub mod auth;
+pub mod origin;
+pub mod serve;
 
 use std::time::Duration;
 
@@ -12,7 +22,10 @@ use http_body_util::{BodyExt, Full};
 use hyper::Request;
 pub use hyper::body::Bytes;
 pub use hyper::{Method, StatusCode};
+
+pub use auth::{BearerRefusal, check_bearer};
 use hyper_util::rt::TokioIo;
+pub use serve::{ServeOptions, serve};
 use sluice_core::config::Secret;
 use tokio::net::TcpStream;
 
@@ -90,9 +103,7 @@ impl HttpClient {
             Some(i) => (&rest[..i], rest[i..].trim_end_matches('/')),
             None => (rest, ""),
         };
-        if authority.is_empty() || !authority.contains(':') {
-            return Err(bad("must name host:port"));
-        }
+        origin::check_authority(authority).map_err(bad)?;
         Ok(Self {
             url: base_url.trim_end_matches('/').to_owned(),
             authority: authority.to_owned(),

@@ -531,11 +531,14 @@ impl ReplayStore {
     }
 }
 
-/// Some generated token is older than `current − η`.
+/// Some generated token is older than `current − η`. A group whose oldest token is ahead of
+/// `current` (weights the trainer never published) has no lag to trust: it is expired too.
 fn is_expired(group: &RolloutGroup, current: PolicyVersion, max_version_lag: u64) -> bool {
-    group
-        .min_version()
-        .is_some_and(|v| v.lag_behind(current) > max_version_lag)
+    group.min_version().is_some_and(|v| {
+        v.lag_to(current)
+            .ok()
+            .is_none_or(|lag| lag > max_version_lag)
+    })
 }
 
 /// Resets every rollout to its first prompt; returns the tokens thrown away.

@@ -139,7 +139,7 @@ proptest! {
                                 }
                             }
                         }
-                        prop_assert!(g.min_version().is_none_or(|m| m.lag_behind(version) <= eta));
+                        prop_assert!(g.min_version().is_none_or(|m| m.lag_to(version).is_ok_and(|l| l <= eta)));
                         in_flight.push(g);
                     }
                 }
@@ -153,7 +153,7 @@ proptest! {
                             for r in &g.rollouts {
                                 for t in &r.turns {
                                     for v in &t.token_versions {
-                                        prop_assert!(v.lag_behind(version) <= eta, "token {v} trained at {version} with η={eta}");
+                                        prop_assert!(v.lag_to(version).is_ok_and(|l| l <= eta), "token {v} trained at {version} with η={eta}");
                                     }
                                 }
                             }

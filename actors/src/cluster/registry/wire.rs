@@ -19,8 +19,8 @@ pub enum JoinError {
     /// A head does not join a head.
     #[error("a `head` cannot join a head; only engine and env nodes join")]
     HeadRole,
-    /// The URL is not `http://host:port`.
-    #[error("the node's url `{0}` is not http://host:port")]
+    /// The URL is not exactly `http://host:port`.
+    #[error("the node's url `{0}` is not exactly http://host:port (no path, query or credentials)")]
     BadUrl(String),
     /// The name is not 1 to 63 characters of `[A-Za-z0-9._-]`.
     #[error("the node name `{0}` is not 1 to 63 characters of [A-Za-z0-9._-]")]

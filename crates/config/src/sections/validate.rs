@@ -90,7 +90,9 @@ pub fn validate_admin(raw: RawAdmin, ctx: &Ctx<'_>) -> Result<AdminConfig, Confi
                 e
             });
         }
-        Some(t) => Some(Secret::new(t)),
+        // Surrounding whitespace is not part of a token (a Kubernetes Secret made from a file
+        // ends in a newline); every caller trims the same way (`sluice_http::auth::token`).
+        Some(t) => Some(Secret::new(t.trim())),
         None => None,
     };
     if token.is_none() && !listen.ip().is_loopback() {

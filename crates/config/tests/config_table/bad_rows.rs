@@ -224,7 +224,13 @@ pub const BAD: &[(&str, &[&str], &str, ConfigErrorKind)] = &[
     (
         "[engine]\nremote_urls = [\"localhost:3000\"]",
         &[],
-        "test.toml: engine.remote_urls[0]: expected an http:// or https:// base URL, got `localhost:3000`",
+        "test.toml: engine.remote_urls[0]: expected an http://host:port[/prefix] base URL, got `localhost:3000`: it must start with http://",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[engine]\nremote_urls = [\"http://a:8000\", \"http://b:80x0/v1\"]",
+        &[],
+        "test.toml: engine.remote_urls[1]: expected an http://host:port[/prefix] base URL, got `http://b:80x0/v1`: it must name a port from 1 to 65535",
         ConfigErrorKind::Value,
     ),
     (

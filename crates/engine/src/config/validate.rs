@@ -20,14 +20,15 @@ pub fn validate_engine(
     ctx: &Ctx<'_>,
 ) -> Result<EngineConfig, ConfigError> {
     let backend: EngineBackend = choice(ctx, "engine.backend", &raw.backend)?;
+    // Checked as the remote backend will parse it, so a bad entry is refused here, not when
+    // its replica first starts.
     for (i, url) in raw.remote_urls.iter().enumerate() {
-        let host = url
-            .strip_prefix("http://")
-            .or_else(|| url.strip_prefix("https://"));
-        if host.is_none_or(|h| h.trim_end_matches('/').is_empty()) {
+        if let Err(sluice_http::HttpError::BadUrl { reason, .. }) =
+            sluice_http::HttpClient::new(url, "remote engine")
+        {
             return Err(ctx.value(
                 &format!("engine.remote_urls[{i}]"),
-                format!("expected an http:// or https:// base URL, got `{url}`"),
+                format!("expected an http://host:port[/prefix] base URL, got `{url}`: it {reason}"),
             ));
         }
     }

@@ -37,6 +37,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use sluice_core::config::Secret;
 use sluice_core::{PolicyVersion, RequestId, WeightSnapshot, WeightUpdateMode};
 use sluice_model::ModelWeights;
 use tokio::sync::mpsc;
@@ -71,12 +72,27 @@ pub struct RemoteParams {
     pub initial: Option<Arc<ModelWeights>>,
     /// `model` field sent with each request, when the servers check it.
     pub model_name: Option<String>,
+    /// Bearer token sent with every call: a joined engine node's node token (`admin.token`),
+    /// else `$SLUICE_SERVE_TOKEN` for static servers (what `sluice serve` requires beyond
+    /// loopback).
+    pub token: Option<Secret>,
+}
+
+/// The environment variable holding `sluice serve`'s bearer token: the server requires it
+/// beyond loopback, and a head calls its static `engine.remote_urls` with it.
+pub const SERVE_TOKEN_VAR: &str = "SLUICE_SERVE_TOKEN";
+
+/// `$SLUICE_SERVE_TOKEN`, trimmed, when set and not empty.
+pub fn serve_token() -> Option<Secret> {
+    sluice_http::auth::token_from_env(SERVE_TOKEN_VAR)
+        .ok()
+        .flatten()
 }
 
 impl RemoteParams {
     /// Replica `replica` of `[engine]`: the server `remote_urls[replica]` (wrapping around when
     /// there are more replicas than servers), `request_timeout_s`, publishing into `weights` and
-    /// installing `initial` first; 5 s control calls.
+    /// installing `initial` first; 5 s control calls; `$SLUICE_SERVE_TOKEN` as the token.
     pub fn from_config(
         engine: &crate::config::EngineConfig,
         replica: u32,
@@ -95,6 +111,7 @@ impl RemoteParams {
             weights,
             initial,
             model_name: None,
+            token: serve_token(),
         }
     }
 }
@@ -145,7 +162,9 @@ impl RemoteEngine {
         // With weights to install, the server is not ready before it installed them.
         let ready = params.initial.is_none();
         let version = params.initial.as_ref().map_or(version, |w| w.version);
-        let client = HttpClient::new(&params.url, "remote engine").map_err(|e| e.to_string())?;
+        let client = HttpClient::new(&params.url, "remote engine")
+            .map_err(|e| e.to_string())?
+            .with_token(params.token.clone());
         let server = Server {
             client,
             up: true,

@@ -49,6 +49,8 @@ pub(super) struct ServerLoad {
 enum Reading {
     /// Busy seconds since the server started, and requests it has queued.
     Load { busy_seconds: f64, waiting: u64 },
+    /// The server says it holds a version (`weight_version`) this head never published.
+    Unpublished(PolicyVersion),
     /// The server answers without them: it does not report its load.
     Unsupported,
     /// The call failed; a failed reading says nothing about the server (generation calls
@@ -303,6 +305,7 @@ impl Worker {
         self.load.pending = true;
         let client = self.server.client.clone();
         let timeout = self.params.control_timeout;
+        let newest = self.newest_published();
         tasks.spawn(async move {
             let reply = client
                 .call(Method::GET, "/get_weight_version", None, timeout)
@@ -311,6 +314,11 @@ impl Worker {
                 Ok((StatusCode::OK, body)) => serde_json::from_slice::<Value>(&body)
                     .ok()
                     .and_then(|v| {
+                        if let Some(held) = v["weight_version"].as_u64().map(PolicyVersion)
+                            && held > newest
+                        {
+                            return Some(Reading::Unpublished(held));
+                        }
                         Some(Reading::Load {
                             busy_seconds: v["busy_seconds"].as_f64()?,
                             waiting: v["waiting"].as_u64()?,
@@ -335,6 +343,7 @@ impl Worker {
                         self.load.unsupported = true;
                     }
                     Reading::Failed => {}
+                    Reading::Unpublished(held) => self.unpublished(held, "its weight_version"),
                     Reading::Load {
                         busy_seconds,
                         waiting,
@@ -357,6 +366,20 @@ impl Worker {
                 let resumed = self.inflight.remove(&id).unwrap_or(0);
                 if let Some(message) = failure {
                     self.mark_down(&message);
+                }
+                let mut completion = completion;
+                let newest = self.newest_published();
+                if let Some(&held) = completion.output.versions
+                    [resumed.min(completion.output.len())..]
+                    .iter()
+                    .find(|&&v| v > newest)
+                {
+                    // Tokens of weights the head never published: not a rollout to train on.
+                    self.unpublished(held, "a completion's token versions");
+                    completion.output.token_ids.truncate(resumed);
+                    completion.output.logprobs.truncate(resumed);
+                    completion.output.versions.truncate(resumed);
+                    completion.finish = FinishReason::Abort;
                 }
                 let new_tokens = completion.output.len().saturating_sub(resumed);
                 self.shared
@@ -402,6 +425,34 @@ impl Worker {
                 }
             },
         }
+    }
+
+    /// The newest version this head has given the server (installed or being installed): no
+    /// token or reading of the server may carry a later one.
+    fn newest_published(&self) -> PolicyVersion {
+        self.latest
+            .as_ref()
+            .map_or(self.version, |w| w.version.max(self.version))
+    }
+
+    /// The server holds `held`, a version this head never published (its weights were replaced
+    /// behind the head's back, `seen_in` says where it showed): an error in the log and the
+    /// metric, and the server is down, so the replica is rebuilt on the run's weights.
+    fn unpublished(&mut self, held: PolicyVersion, seen_in: &str) {
+        let newest = self.newest_published();
+        tracing::error!(
+            url = %self.server.client.url(),
+            held = held.0,
+            newest = newest.0,
+            "remote engine server reports {seen_in} v{}, a version this head never published (newest v{}); its weights were replaced behind the head's back",
+            held.0,
+            newest.0
+        );
+        metrics::counter!(sluice_core::metrics::ENGINE_UNPUBLISHED_VERSION_ERRORS).increment(1);
+        self.mark_down(&format!(
+            "holds v{}, a version this head never published",
+            held.0
+        ));
     }
 
     /// The server failed a call: the replica is dead from now on (see the module docs).

@@ -146,6 +146,12 @@ pub async fn update_weights_from_disk(
     State(state): State<Arc<ServerState>>,
     body: Bytes,
 ) -> Result<Json<Value>, ApiError> {
+    if state.fetch.is_some() {
+        return Err(ApiError::not_found(
+            None,
+            "this engine node loads weights only from its head (POST /update_weights_from_url)",
+        ));
+    }
     let b: UpdateBody = parse_body(&body)?;
     let mode = update_mode(b.mode.as_deref(), b.abort_all_requests)?;
     let _one_at_a_time = state.loading.lock().await;

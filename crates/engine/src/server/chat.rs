@@ -22,6 +22,7 @@ use super::completions::{
     MAX_LOGPROBS, Sampling, completion_text, finish_reason, parse_body, unix_now, usage,
 };
 use super::generate::{ChoiceOutput, launch};
+use super::prompt_text::{chat_text_bytes, render_chat};
 use super::reply_stream::{ReplyStream, delta_chunks, parse_reply};
 use super::text::{Streamer, piece};
 use super::{ApiError, ServerState};
@@ -168,19 +169,13 @@ pub async fn handle(
     } else {
         req.tools.filter(|t| !t.is_empty())
     };
+    state.check_prompt_bytes("messages", chat_text_bytes(&messages, tools.as_ref()))?;
     let options = ChatOptions {
         add_generation_prompt: true,
         tools,
         extra: req.chat_template_kwargs,
     };
-    let rendered = state
-        .tokenizer
-        .apply_chat_template(&messages, &options)
-        .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
-    let prompt = state
-        .tokenizer
-        .encode(&rendered, false)
-        .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
+    let (rendered, prompt) = render_chat(&state, messages, options).await?;
     let specs = req.sampling.choices(&state, &prompt, None, (top, false))?;
     let stops = specs[0].stop.clone();
     let launched = launch(&state, req.sampling.rid.clone(), specs)?;

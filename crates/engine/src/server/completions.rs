@@ -16,6 +16,7 @@ use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 
 use super::generate::{ChoiceOutput, ChoiceSpec, launch};
+use super::prompt_text::encode_all;
 use super::text::{Streamer, decode, piece};
 use super::{ApiError, ServerState};
 use crate::backend::{FinishReason, SamplingParams};
@@ -188,8 +189,9 @@ struct CompletionRequest {
     echo: bool,
 }
 
-/// `prompt`: a string, a list of strings, a list of ids or a list of lists of ids.
-fn prompts(state: &ServerState, prompt: &Value) -> Result<Vec<Vec<u32>>, ApiError> {
+/// `prompt`: a string, a list of strings, a list of ids or a list of lists of ids. Texts are
+/// bounded in size first, then tokenized off the runtime.
+async fn prompts(state: &ServerState, prompt: &Value) -> Result<Vec<Vec<u32>>, ApiError> {
     let bad = || {
         ApiError::invalid(
             "prompt",
@@ -207,25 +209,23 @@ fn prompts(state: &ServerState, prompt: &Value) -> Result<Vec<Vec<u32>>, ApiErro
             })
             .collect()
     };
-    let text = |s: &str| {
-        state
-            .tokenizer
-            .encode(s, true)
-            .map_err(|e| ApiError::invalid("prompt", e.to_string()))
-    };
-    match prompt {
-        Value::String(s) => Ok(vec![text(s)?]),
-        Value::Array(items) if items.is_empty() => Err(bad()),
+    let texts: Vec<String> = match prompt {
+        Value::String(s) => vec![s.clone()],
+        Value::Array(items) if items.is_empty() => return Err(bad()),
         Value::Array(items) => match &items[0] {
             Value::String(_) => items
                 .iter()
-                .map(|i| i.as_str().ok_or_else(bad).and_then(text))
-                .collect(),
-            Value::Array(_) => items.iter().map(ids).collect(),
-            _ => Ok(vec![ids(prompt)?]),
+                .map(|i| i.as_str().map(str::to_owned).ok_or_else(bad))
+                .collect::<Result<_, _>>()?,
+            Value::Array(_) => return items.iter().map(ids).collect(),
+            _ => return Ok(vec![ids(prompt)?]),
         },
-        _ => Err(bad()),
+        _ => return Err(bad()),
+    };
+    for t in &texts {
+        state.check_prompt_bytes("prompt", t.len())?;
     }
+    encode_all(Arc::clone(&state.tokenizer), texts, true, "prompt").await
 }
 
 /// `POST /v1/completions`.
@@ -245,7 +245,7 @@ pub async fn handle(
             ));
         }
     };
-    let prompt_ids = prompts(&state, &req.prompt)?;
+    let prompt_ids = prompts(&state, &req.prompt).await?;
     let mut specs = Vec::new();
     let mut prompt_of = Vec::new();
     for p in &prompt_ids {

@@ -47,6 +47,18 @@ impl ApiError {
         }
     }
 
+    /// 401: a guarded route called without the server's bearer token (answered with
+    /// `WWW-Authenticate: Bearer`).
+    pub fn unauthorized(message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::UNAUTHORIZED,
+            message: message.into(),
+            kind: "authentication_error",
+            param: None,
+            retry_after_s: None,
+        }
+    }
+
     /// 404 (unknown model or route).
     pub fn not_found(param: Option<&str>, message: impl Into<String>) -> Self {
         Self {
@@ -111,6 +123,11 @@ impl ApiError {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let mut response = (self.status, Json(self.body())).into_response();
+        if self.status == StatusCode::UNAUTHORIZED {
+            response
+                .headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
         if let Some(s) = self.retry_after_s {
             response
                 .headers_mut()

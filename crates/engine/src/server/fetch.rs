@@ -4,8 +4,12 @@
 //! into its own download directory, checks the CRC, loads it next to the served model's
 //! `config.json`, and swaps it in like `/update_weights_from_disk`.
 //!
-//! Only URLs under the configured source are fetched ([`WeightFetch::source`]): the server sends
-//! its node token along, and must not hand it to whatever URL a caller names.
+//! Only `<source>/v1/weights/<version>` is fetched ([`WeightFetch::source`], no other path, no
+//! `..`): the server sends its node token along, and must not hand it to whatever URL a caller
+//! names. The version installed is the one the URL names (a `weight_version` that differs is
+//! refused), so a caller cannot label the head's weights with a version the head never
+//! published. An engine node takes weights only this way: its `/update_weights_from_disk`
+//! answers 404.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -16,6 +20,7 @@ use axum::body::Bytes;
 use axum::extract::State;
 use serde::Deserialize;
 use serde_json::Value;
+use sluice_core::PolicyVersion;
 use sluice_core::config::Secret;
 use sluice_http::{Download, HttpClient};
 
@@ -65,21 +70,19 @@ pub async fn update_weights_from_url(
         ));
     };
     let mode = update_mode(b.mode.as_deref(), b.abort_all_requests)?;
-    let under_source = b
-        .url
-        .strip_prefix(&fetch.source)
-        .is_some_and(|rest| rest.starts_with('/'));
-    if !under_source {
+    let url_version = weights_path_version(&fetch.source, &b.url)?;
+    let _one_at_a_time = state.loading.lock().await;
+    let version = requested_version(&state, b.weight_version.as_ref())?;
+    if b.weight_version.as_ref().is_some_and(|v| !v.is_null()) && version != url_version {
         return Err(ApiError::invalid(
-            "url",
+            "weight_version",
             format!(
-                "`{}` is not under this node's head {}; weights are fetched only from it",
-                b.url, fetch.source
+                "weight_version {} is not the version the url names ({}); a version is installed only as itself",
+                version.0, url_version.0
             ),
         ));
     }
-    let _one_at_a_time = state.loading.lock().await;
-    let version = requested_version(&state, b.weight_version.as_ref())?;
+    let version = url_version;
     let dir = fetch.dir.join(format!("v{:06}", version.0));
     prepare_dir(&fetch, &dir).await?;
     let client = HttpClient::new(&b.url, "weight source")
@@ -117,6 +120,26 @@ pub async fn update_weights_from_url(
     );
     let loaded = load_dir(&state, dir.clone(), "url").await?;
     install(&state, loaded, version, mode, &b.url).await
+}
+
+/// The version `url` names, when it is exactly `<source>/v1/weights/<version>`: anything else
+/// (another server, another route, `..` segments, a query) is refused, since the server sends
+/// its node token along with the fetch.
+pub fn weights_path_version(source: &str, url: &str) -> Result<PolicyVersion, ApiError> {
+    let refused = || {
+        ApiError::invalid(
+            "url",
+            format!(
+                "`{url}` is not {source}/v1/weights/<version>; weights are fetched only from this node's head"
+            ),
+        )
+    };
+    let version = url
+        .strip_prefix(source.trim_end_matches('/'))
+        .and_then(|rest| rest.strip_prefix("/v1/weights/"))
+        .filter(|v| !v.is_empty() && v.len() <= 20 && v.bytes().all(|c| c.is_ascii_digit()))
+        .ok_or_else(refused)?;
+    version.parse().map(PolicyVersion).map_err(|_| refused())
 }
 
 /// Empties the download directory but for `dir` (one version at a time is enough: it is loaded

@@ -8,6 +8,12 @@
 //! | `POST /abort_request`, `/pause_generation`, `/continue_generation`, `/update_weights_from_disk` | [`admin`]: the SGLang-style RL extensions |
 //! | `POST /update_weights_from_url` | [`fetch`]: an engine node fetches a version from its head |
 //!
+//! The five `POST` routes that change what the server does (weights, pause, abort, continue)
+//! need `Authorization: Bearer <token>` when [`ServerOptions::token`] is set (an engine node's
+//! node token, `sluice serve`'s `$SLUICE_SERVE_TOKEN`), checked by the check every Sluice server
+//! shares ([`sluice_http::check_bearer`]); a refusal answers 401 and changes nothing. Prompt
+//! text is bounded and tokenized off the runtime ([`prompt_text`]).
+//!
 //! Every generation call becomes one engine request per choice; their token updates come back
 //! through a bounded channel per HTTP call ([`generate`]). A client that goes away aborts its
 //! requests. Errors are OpenAI's JSON shape with a 4xx/5xx status ([`error`]).
@@ -18,6 +24,7 @@ pub mod completions;
 pub mod error;
 pub mod fetch;
 pub mod generate;
+pub mod prompt_text;
 mod reply_stream;
 mod text;
 mod tool_json;
@@ -28,7 +35,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use axum::Router;
+use axum::extract::{Request, State};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use sluice_core::config::Secret;
 use sluice_core::{PolicyVersion, RequestId};
 use sluice_model::{Tokenizer, candle};
 use tokio::net::TcpListener;
@@ -53,6 +64,12 @@ pub struct ServerOptions {
     /// A call that would go beyond answers 503 with `Retry-After` (try again shortly); one that
     /// asks for more on its own answers 400 (it can never be served).
     pub max_queued_sequences: usize,
+    /// Bearer token of the routes that change what the server does (weights, pause, abort,
+    /// continue); `None` leaves them open (loopback only: `sluice serve` and engine nodes
+    /// refuse a wider bind without one).
+    pub token: Option<Secret>,
+    /// Header-read deadline and shutdown grace of the HTTP server.
+    pub http: sluice_http::ServeOptions,
 }
 
 /// Default of [`ServerOptions::max_queued_sequences`]: the native engine's command queue, so
@@ -198,14 +215,20 @@ impl ServerState {
     }
 }
 
+/// Refuses a guarded call without the server's bearer token.
+async fn authorize(State(state): State<Arc<ServerState>>, req: Request, next: Next) -> Response {
+    match sluice_http::check_bearer(state.options.token.as_ref(), req.headers()) {
+        Ok(()) => next.run(req).await,
+        Err(refusal) => {
+            tracing::warn!(route = %req.uri().path(), reason = %refusal, "refused a call to a guarded route");
+            ApiError::unauthorized(refusal.to_string()).into_response()
+        }
+    }
+}
+
 /// The routes over `state`.
 pub fn router(state: Arc<ServerState>) -> Router {
-    Router::new()
-        .route("/v1/completions", post(completions::handle))
-        .route("/v1/chat/completions", post(chat::handle))
-        .route("/v1/models", get(admin::models))
-        .route("/health", get(admin::health))
-        .route("/get_weight_version", get(admin::weight_version))
+    let guarded = Router::new()
         .route("/abort_request", post(admin::abort_request))
         .route("/pause_generation", post(admin::pause))
         .route("/continue_generation", post(admin::continue_generation))
@@ -217,17 +240,28 @@ pub fn router(state: Arc<ServerState>) -> Router {
             "/update_weights_from_url",
             post(fetch::update_weights_from_url),
         )
+        .route_layer(middleware::from_fn_with_state(
+            Arc::clone(&state),
+            authorize,
+        ));
+    Router::new()
+        .route("/v1/completions", post(completions::handle))
+        .route("/v1/chat/completions", post(chat::handle))
+        .route("/v1/models", get(admin::models))
+        .route("/health", get(admin::health))
+        .route("/get_weight_version", get(admin::weight_version))
+        .merge(guarded)
         .fallback(|| async { ApiError::not_found(None, "no such route") })
         .with_state(state)
 }
 
-/// Serves `state` on `listener` until `shutdown` resolves (tests bind `127.0.0.1:0`).
+/// Serves `state` on `listener` until `shutdown` resolves (tests bind `127.0.0.1:0`), with the
+/// header-read deadline and shutdown grace of [`ServerOptions::http`].
 pub async fn serve(
     listener: TcpListener,
     state: Arc<ServerState>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router(state))
-        .with_graceful_shutdown(shutdown)
-        .await
+    let options = state.options.http;
+    sluice_http::serve(listener, router(state), options, shutdown).await
 }

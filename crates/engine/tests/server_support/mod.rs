@@ -135,6 +135,24 @@ pub async fn serve_tiny_at(addr: std::net::SocketAddr) -> Served {
     serve_dir_at(dir, addr).await
 }
 
+/// [`serve_tiny`] with a bearer token on the guarded routes and the HTTP server's options.
+pub async fn serve_tiny_with(token: Option<&str>, http: sluice_http::ServeOptions) -> Served {
+    let dir = tempfile::tempdir().unwrap();
+    write_preset(Preset::Tiny, &dir.path().join("model"), 0).unwrap();
+    let guard = Guard {
+        token: token.map(sluice_core::config::Secret::new),
+        http,
+    };
+    serve_dir_guarded(dir, "127.0.0.1:0".parse().unwrap(), guard).await
+}
+
+/// The token and HTTP options a test server runs with.
+#[derive(Default)]
+struct Guard {
+    token: Option<sluice_core::config::Secret>,
+    http: sluice_http::ServeOptions,
+}
+
 /// Serves `dir/model` as model `tiny`.
 async fn serve_dir(dir: tempfile::TempDir) -> Served {
     serve_dir_at(dir, "127.0.0.1:0".parse().unwrap()).await
@@ -142,6 +160,15 @@ async fn serve_dir(dir: tempfile::TempDir) -> Served {
 
 /// Serves `dir/model` as model `tiny` on `addr`.
 async fn serve_dir_at(dir: tempfile::TempDir, addr: std::net::SocketAddr) -> Served {
+    serve_dir_guarded(dir, addr, Guard::default()).await
+}
+
+/// Serves `dir/model` as model `tiny` on `addr` with `guard`.
+async fn serve_dir_guarded(
+    dir: tempfile::TempDir,
+    addr: std::net::SocketAddr,
+    guard: Guard,
+) -> Served {
     let model = dir.path().join("model");
     let weights = Arc::new(load_checkpoint(&model, &LoadOptions::default()).unwrap());
     let tokenizer = Arc::new(Tokenizer::from_dir(&model).unwrap());
@@ -168,6 +195,8 @@ async fn serve_dir_at(dir: tempfile::TempDir, addr: std::net::SocketAddr) -> Ser
             device: weights.device().clone(),
             max_n: 8,
             max_queued_sequences: 16,
+            token: guard.token,
+            http: guard.http,
         },
         events,
     );
@@ -216,9 +245,20 @@ impl Reply {
 
 /// One request over a fresh connection.
 pub async fn call(addr: std::net::SocketAddr, method: &str, path: &str, body: &str) -> Reply {
+    call_with(addr, method, path, body, "").await
+}
+
+/// [`call`] with extra header lines (`"authorization: Bearer x\r\n"`).
+pub async fn call_with(
+    addr: std::net::SocketAddr,
+    method: &str,
+    path: &str,
+    body: &str,
+    headers: &str,
+) -> Reply {
     let mut s = TcpStream::connect(addr).await.unwrap();
     let head = format!(
-        "{method} {path} HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+        "{method} {path} HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n{headers}connection: close\r\n\r\n",
         body.len()
     );
     s.write_all(head.as_bytes()).await.unwrap();

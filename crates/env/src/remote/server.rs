@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use axum::extract::rejection::JsonRejection;
 use axum::extract::{Path, Request, State};
-use axum::http::{HeaderMap, StatusCode, header};
+use axum::http::{StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -46,6 +46,8 @@ pub struct ServerConfig {
     /// Bearer token every `/v1/envs` call must carry; `None` serves anyone (loopback only:
     /// `sluice env-server` refuses a wider bind without one).
     pub token: Option<Secret>,
+    /// Header-read deadline and shutdown grace of the HTTP server.
+    pub http: sluice_http::ServeOptions,
 }
 
 impl Default for ServerConfig {
@@ -55,6 +57,7 @@ impl Default for ServerConfig {
             call_timeout: Duration::from_secs(30),
             idle_timeout: Duration::from_secs(600),
             token: None,
+            http: sluice_http::ServeOptions::default(),
         }
     }
 }
@@ -226,36 +229,15 @@ impl IntoResponse for ApiError {
 
 /// Refuses an env call without the configured bearer token.
 async fn authorize(State(s): Shared, req: Request, next: Next) -> Response {
-    match check_token(s.config.token.as_ref(), req.headers()) {
+    match sluice_http::check_bearer(s.config.token.as_ref(), req.headers()) {
         Ok(()) => next.run(req).await,
-        Err(e) => e.into_response(),
+        Err(refusal) => ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+            refusal.to_string(),
+        )
+        .into_response(),
     }
-}
-
-fn check_token(token: Option<&Secret>, headers: &HeaderMap) -> Result<(), ApiError> {
-    let Some(token) = token else {
-        return Ok(());
-    };
-    let unauthorized = |m: &str| ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", m);
-    let given = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| {
-            let (scheme, rest) = v.trim().split_once(' ')?;
-            scheme.eq_ignore_ascii_case("bearer").then(|| rest.trim())
-        });
-    match given {
-        None => Err(unauthorized(
-            "missing bearer token: send `Authorization: Bearer <token>`",
-        )),
-        Some(t) if same_bytes(t.as_bytes(), token.expose().as_bytes()) => Ok(()),
-        Some(_) => Err(unauthorized("wrong bearer token")),
-    }
-}
-
-/// Compares without an early exit, so the time taken does not tell how much of a guess matched.
-fn same_bytes(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 /// The protocol's routes over `registry`.
@@ -308,9 +290,14 @@ pub async fn serve_with_stats(
     stats: Arc<ServerStats>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router_with_stats(registry, config, stats))
-        .with_graceful_shutdown(shutdown)
-        .await
+    let http = config.http;
+    sluice_http::serve(
+        listener,
+        router_with_stats(registry, config, stats),
+        http,
+        shutdown,
+    )
+    .await
 }
 
 type Shared = State<Arc<ServerState>>;
