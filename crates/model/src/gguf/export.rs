@@ -51,6 +51,12 @@ pub fn export_gguf(dir: &Path, path: &Path, options: &ExportOptions) -> Result<(
         },
     )?;
     let config = snapshot.config();
+    if config.rope_scaling.is_some() {
+        return Err(gguf_err(
+            path,
+            "rope_scaling cannot be exported (the importer refuses it)",
+        ));
+    }
     let arch = config.architecture.model_type();
     let key = |k: &str| format!("{arch}.{k}");
     let u32v = |n: usize| G::U32(n as u32);

@@ -164,7 +164,9 @@ impl GgufFile {
     pub fn float_opt(&self, key: &str) -> Result<Option<f64>> {
         match self.get(key) {
             None => Ok(None),
-            Some(Value::F32(x)) => Ok(Some(f64::from(*x))),
+            // The shortest decimal that is this f32 (`1e-5`, not `9.999999747378752e-6`): the
+            // value the converter wrote before narrowing it.
+            Some(Value::F32(x)) => Ok(Some(x.to_string().parse().unwrap_or(f64::from(*x)))),
             Some(Value::F64(x)) => Ok(Some(*x)),
             Some(v) => Err(self.err(format!("metadata key `{key}`: expected a float, got {v:?}"))),
         }
