@@ -160,6 +160,67 @@ fn version_flag() {
     );
 }
 
+/// A GSM8K-style domain on the `qa` task with a `regex` reward checks; a pattern that does not
+/// compile, and a `qa` key on another task's domain, are refused in one line naming the key.
+#[test]
+fn qa_domain_with_regex_reward_checks_and_bad_keys_are_named() {
+    let dir = tempdir();
+    std::fs::create_dir_all(dir.join("data/gsm8k/gsm8k")).unwrap();
+    std::fs::write(
+        dir.join("data/gsm8k/gsm8k/train.jsonl"),
+        "{\"question\": \"Ana has 3 pens and gets 4 more. How many now?\", \"answer\": \"3 + 4 = <<3+4=7>>7\\n#### 7\"}\n",
+    )
+    .unwrap();
+    let config = r#"[run]
+name = "qa"
+output_dir = "out"
+[data]
+datasets = ["gsm8k::gsm8k@train"]
+data_dir = "data"
+[data.domains.gsm8k]
+task = "qa"
+answer_marker = "boxed"
+[data.domains.gsm8k.rubric]
+weights = { math_answer = 1.0, regex = 0.5, format = 0.1 }
+regex = 'answer is (\d+)'
+"#;
+    std::fs::write(dir.join("qa.toml"), config).unwrap();
+    let out = sluice(&["check", "qa.toml"], &dir);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let printed = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        printed.contains("answer_marker = \"boxed\"") && printed.contains("answer is ("),
+        "{printed}"
+    );
+
+    std::fs::write(
+        dir.join("bad_regex.toml"),
+        config.replace(r"(\d+)'", r"(\d+'"),
+    )
+    .unwrap();
+    let out = sluice(&["check", "bad_regex.toml"], &dir);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(
+        stderr.contains("bad_regex.toml")
+            && stderr.contains("data.domains.gsm8k.rubric.regex")
+            && stderr.contains("unclosed group"),
+        "{stderr}"
+    );
+
+    let other_task = config.replace("task = \"qa\"", "task = \"arithmetic\"");
+    std::fs::write(dir.join("not_qa.toml"), other_task).unwrap();
+    let out = sluice(&["check", "not_qa.toml"], &dir);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("data.domains.gsm8k.answer_marker") && stderr.contains("`qa` task"),
+        "{stderr}"
+    );
+}
+
 /// A fresh directory under the target dir (no extra dependency for one temp dir).
 fn tempdir() -> std::path::PathBuf {
     let dir =

@@ -208,13 +208,17 @@ pub(super) fn evaluator(
 }
 
 /// `count` problems of the served task's training split, in its domain (a fixed draw: the
-/// warm-up's demonstrations and the training-accuracy probe).
+/// warm-up's demonstrations and the training-accuracy probe); for a task without a generator
+/// (`qa`), the first rows of the domain's dataset files.
 pub(super) fn training_samples(
     config: &Config,
     served: &Served,
     count: usize,
 ) -> Result<Vec<DataSample>, ActorError> {
     let task = &served.task;
+    if !task.generates_data() {
+        return file_training_samples(config, served, count);
+    }
     // Only the split matters to a generator; a configured copy's name (`domain/task`) is no
     // dataset name.
     let spec = DatasetSpec {
@@ -226,6 +230,42 @@ pub(super) fn training_samples(
         .generate_dataset(&spec, config.run.seed ^ 0x5f7, count)
         .map_err(|e| setup_err(format!("training problems of `{}`: {e}", task.name())))?;
     Ok(in_domain(config, &served.domain, train.samples().to_vec()))
+}
+
+/// The first `count` rows of the domain's datasets, in config and file order: the training
+/// problems of a task that reads its rows from files (`qa`).
+fn file_training_samples(
+    config: &Config,
+    served: &Served,
+    count: usize,
+) -> Result<Vec<DataSample>, ActorError> {
+    let mut rows = Vec::new();
+    for spec in config
+        .data
+        .datasets
+        .iter()
+        .filter(|d| d.domain == served.domain)
+    {
+        let data = sluice_data::Dataset::load(&config.data.data_dir, spec, config.data.on_bad_line)
+            .map_err(|e| {
+                setup_err(format!(
+                    "training problems of `{}`: {e}",
+                    served.task.name()
+                ))
+            })?;
+        rows.extend(data.samples().iter().take(count - rows.len()).cloned());
+        if rows.len() == count {
+            break;
+        }
+    }
+    if rows.is_empty() {
+        return Err(setup_err(format!(
+            "training problems of `{}`: the datasets of domain `{}` have no rows",
+            served.task.name(),
+            served.domain
+        )));
+    }
+    Ok(in_domain(config, &served.domain, rows))
 }
 
 /// The held-out set of a served domain: its `eval_dataset` (a JSONL file under `data_dir`, or

@@ -33,8 +33,8 @@ pub use sections::validate::*;
 pub use sections::*;
 pub use sluice_core::config::*;
 pub use sluice_data::config::{
-    BadLinePolicy, DataConfig, DatasetSpec, DomainConfig, DomainRubric, MAX_REWARD_FNS,
-    validate_data,
+    AnswerMarker, BadLinePolicy, DataConfig, DatasetSpec, DomainConfig, DomainRubric,
+    MAX_REWARD_FNS, validate_data,
 };
 pub use sluice_engine::config::{EngineBackend, EngineConfig, SimEngineConfig, validate_engine};
 pub use sluice_model::section::{ModelConfig, ModelPreset, validate_model};

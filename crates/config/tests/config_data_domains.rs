@@ -202,3 +202,43 @@ fn rubric_regex_compiles_at_load_and_round_trips() {
         "{err}"
     );
 }
+
+#[test]
+fn qa_row_fields_and_marker_parse_and_round_trip() {
+    let text = r#"
+        [data]
+        datasets = ["gsm8k::gsm8k@train"]
+        [data.domains.gsm8k]
+        task = "qa"
+        question_field = "problem"
+        answer_field = "solution"
+        system_prompt_field = "instructions"
+        answer_marker = "boxed"
+    "#;
+    let c = load(text).unwrap();
+    let d = &c.data.domain_options["gsm8k"];
+    assert_eq!(d.question_field.as_deref(), Some("problem"));
+    assert_eq!(d.answer_field.as_deref(), Some("solution"));
+    assert_eq!(d.system_prompt_field.as_deref(), Some("instructions"));
+    assert_eq!(d.answer_marker, Some(config::AnswerMarker::Boxed));
+    let printed = toml::to_string(&c).unwrap();
+    assert!(printed.contains("answer_marker = \"boxed\""), "{printed}");
+    assert_eq!(load(&printed).unwrap(), c);
+    let hashes = load(&text.replace("\"boxed\"", "\"####\"")).unwrap();
+    assert_eq!(
+        hashes.data.domain_options["gsm8k"].answer_marker,
+        Some(config::AnswerMarker::Hashes)
+    );
+
+    let err = load(&text.replace("\"boxed\"", "\"box\""))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("data.domains.gsm8k.answer_marker") && err.contains("boxed"),
+        "{err}"
+    );
+    let err = load(&text.replace("\"problem\"", "\" \""))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("data.domains.gsm8k.question_field"), "{err}");
+}

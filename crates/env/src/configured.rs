@@ -7,6 +7,10 @@
 //! of its own: its envs run on the server, its rows come from `data_dir`, and its rubric is the
 //! configured one (default: the env's rewards, `env` with weight 1).
 //!
+//! A domain whose task is `qa` and that sets its row fields (`question_field`, `answer_field`,
+//! `system_prompt_field`, `answer_marker`) gets a `qa` copy reading them; those keys on a domain
+//! of another task are refused.
+//!
 //! Every error names the config key, like the config's own checks.
 
 use sluice_core::config::Secret;
@@ -20,6 +24,7 @@ use crate::remote::{EnvServers, RemoteEnvFactory, RoutedEnvFactory};
 use crate::reward_fns::{AnswerOptions, GENERIC_NAMES, generic};
 use crate::rubric::{RewardFn, Rubric, RubricConfig};
 use crate::task::{Task, TaskRegistry};
+use crate::tasks::qa::{self, QaOptions};
 
 /// The environment variable holding the bearer token env servers are called with (the one
 /// `sluice env-server` requires beyond loopback).
@@ -80,19 +85,35 @@ pub fn configure(
         let Some(task) = serving_task(data, domain, options, &key)? else {
             continue;
         };
-        if options.rubric.is_none() && options.env_url.is_none() && !options.env_nodes {
+        let reads_rows = options.sets_qa_keys();
+        if reads_rows && task != qa::NAME {
+            return Err(EnvError::Config(format!(
+                "{key}.{}: only the `{}` task reads it; the domain's task is `{task}` (set `task = \"{}\"`)",
+                first_qa_key(options),
+                qa::NAME,
+                qa::NAME
+            )));
+        }
+        if !needs_own_copy(options) {
             registry.serve_domain(domain, task);
             continue;
         }
-        let base = match registry.get(&task) {
-            Ok(t) => (*t).clone(),
-            Err(_) if options.env_url.is_some() => remote_only_task(&task),
-            Err(e) => return Err(EnvError::Config(format!("{key}.task: {e}"))),
+        let (base, answers) = if reads_rows {
+            let qa_options = QaOptions::from_domain(options);
+            let answers = qa_options.answer_options();
+            (qa::task_with(qa_options), answers)
+        } else {
+            let base = match registry.get(&task) {
+                Ok(t) => (*t).clone(),
+                Err(_) if options.env_url.is_some() => remote_only_task(&task),
+                Err(e) => return Err(EnvError::Config(format!("{key}.task: {e}"))),
+            };
+            (base, AnswerOptions::default())
         };
         let rubric = options
             .rubric
             .as_ref()
-            .map(|spec| rubric_for(&base, spec))
+            .map(|spec| rubric_with_answers(&base, spec, answers))
             .transpose()
             .map_err(|e| EnvError::Config(format!("{key}.rubric.{e}")))?;
         let mut configured = base.renamed(format!("{domain}/{task}"));
@@ -135,13 +156,33 @@ fn serving_task(
     names.dedup();
     match names.as_slice() {
         [one] => Ok(Some((*one).to_owned())),
-        _ if options.rubric.is_none() && options.env_url.is_none() && !options.env_nodes => {
-            Ok(None)
-        }
+        _ if !needs_own_copy(options) => Ok(None),
         several => Err(EnvError::Config(format!(
             "{key}.task: the domain's datasets name several tasks ({}); set `task` to say which one the rubric or env server is for",
             several.join(", ")
         ))),
+    }
+}
+
+/// Whether a domain's task needs a copy of its own: a rubric, an env server, env nodes, or the
+/// `qa` task's row fields.
+fn needs_own_copy(options: &DomainConfig) -> bool {
+    options.rubric.is_some()
+        || options.env_url.is_some()
+        || options.env_nodes
+        || options.sets_qa_keys()
+}
+
+/// The first `qa` key a domain sets (for the error naming it).
+fn first_qa_key(options: &DomainConfig) -> &'static str {
+    if options.question_field.is_some() {
+        "question_field"
+    } else if options.answer_field.is_some() {
+        "answer_field"
+    } else if options.system_prompt_field.is_some() {
+        "system_prompt_field"
+    } else {
+        "answer_marker"
     }
 }
 

@@ -12,7 +12,7 @@
 //! | [`reward_fns`] | reward functions every task offers a rubric from config: `env`, `env.<name>`, `length` (group), `math_answer`, `exact_match`, `regex`, `format` |
 //! | [`answer`] | final answers of free-form replies: `\boxed{}`, `####`, numbers, comparison |
 //! | [`task`] | [`Task`] = datasets + env + rubric + system prompt; [`TaskRegistry`] |
-//! | [`tasks`] | built-in tasks: `arithmetic`, `sum_digits`, `calculator_tool`, `stock_tool`, `episodic`, `word_problems` |
+//! | [`tasks`] | built-in tasks: `arithmetic`, `sum_digits`, `calculator_tool`, `stock_tool`, `episodic`, `word_problems`, `qa` (question/answer rows from files) |
 //! | [`datasets`] | `[data] datasets` → rows: JSONL under `data_dir`, or a built-in task's generator |
 //! | [`discount`] | episode-aware discounting of outcome rewards (seed 001) |
 //! | [`stats`] | running outcome EMA and balance fractions (seed 001) |

@@ -109,11 +109,19 @@ impl Task {
         self.reference.as_ref().and_then(|f| f(sample, turn))
     }
 
+    /// Whether the task generates its own data (else its rows come from dataset files).
+    pub fn generates_data(&self) -> bool {
+        self.generator.is_some()
+    }
+
     /// The held-out evaluation set: the whole `eval` split when the task can enumerate it,
     /// else `count` samples drawn from it with `seed`.
     pub fn eval_samples(&self, seed: u64, count: usize) -> Result<Vec<DataSample>, EnvError> {
         let generator = self.generator.as_ref().ok_or_else(|| {
-            EnvError::Config(format!("task `{}` does not generate data", self.name))
+            EnvError::Config(format!(
+                "task `{}` does not generate data: name the domain's held-out rows with `data.domains.<domain>.eval_dataset`",
+                self.name
+            ))
         })?;
         match generator.heldout() {
             Some(all) => Ok(all),
@@ -256,7 +264,7 @@ impl TaskRegistry {
     }
 
     /// A registry holding the built-in tasks (`arithmetic`, `sum_digits`, `calculator_tool`,
-    /// `stock_tool`, `episodic`, `word_problems`, and `python_code` on Linux).
+    /// `stock_tool`, `episodic`, `word_problems`, `qa`, and `python_code` on Linux).
     pub fn builtin() -> Self {
         let mut r = Self::new();
         for task in crate::tasks::builtin_tasks() {

@@ -24,6 +24,7 @@ fn registry_holds_the_builtins_and_refuses_duplicates() {
             "calculator_tool",
             "episodic",
             "python_code",
+            "qa",
             "stock_tool",
             "sum_digits",
             "word_problems"
@@ -44,6 +45,10 @@ fn generated_data_is_deterministic_and_eval_is_held_out() {
     let r = registry();
     for name in r.names() {
         let task = r.get(&name).unwrap();
+        if !task.generates_data() {
+            assert_eq!(name, "qa", "reads its rows from files");
+            continue;
+        }
         let train_spec: DatasetSpec = format!("d::{name}@train").parse().unwrap();
         let eval_spec: DatasetSpec = format!("d::{name}@eval").parse().unwrap();
         let a = task.generate_dataset(&train_spec, 1, 300).unwrap();
@@ -204,7 +209,7 @@ async fn reference_episodes_are_correct_on_every_turn() {
     let r = registry();
     for name in r.names() {
         let task = r.get(&name).unwrap();
-        if !task.reference_reply_declared() || name == "python_code" {
+        if !task.reference_reply_declared() || !task.generates_data() || name == "python_code" {
             continue; // python_code's reference runs in the sandbox: tested there.
         }
         let spec: DatasetSpec = format!("d::{name}@train").parse().unwrap();
@@ -476,4 +481,205 @@ async fn word_problems_evaluation_reports_accuracy() {
     .await
     .unwrap();
     assert_eq!(report.accuracy, Some(0.5));
+}
+
+/// GSM8K rows load as they are (`"…\n#### 72"`), score free-form replies by their final answer,
+/// and give a reference reply without the calculator notes; a row's own system prompt wins.
+#[tokio::test]
+async fn qa_reads_gsm8k_rows_as_they_are() {
+    use sluice_data::Dataset;
+    use sluice_data::config::BadLinePolicy;
+    let spec: DatasetSpec = "gsm8k::gsm8k@train".parse().unwrap();
+    let text = concat!(
+        r#"{"question": "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did Natalia sell altogether in April and May?", "answer": "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72"}"#,
+        "\n",
+        r#"{"question": "What is 2 + 2?", "answer": 4, "system_prompt": "Be brief."}"#,
+        "\n"
+    );
+    let rows = Dataset::parse(
+        text,
+        std::path::Path::new("train.jsonl"),
+        &spec,
+        BadLinePolicy::Fail,
+    )
+    .unwrap();
+    let task = registry().get("qa").unwrap();
+    let gsm = &rows.samples()[0];
+    let r = play(
+        &task,
+        gsm,
+        &["She sold 24 in May, so 48 + 24 = 72.\n#### 72"],
+    )
+    .await;
+    assert_eq!(r.status, RolloutStatus::Completed);
+    assert_eq!(r.reward_components["correct"], 1.0);
+    assert_eq!(r.reward_components["format"], 1.0);
+    assert_eq!(r.turns[0].situation.as_deref(), Some("answer"));
+    let prompt = &r.turns[0].prompt_messages;
+    assert_eq!(
+        prompt[0].content.as_deref(),
+        Some("Answer the question. Write the final answer after ####.")
+    );
+    assert_eq!(prompt[1].content.as_deref(), gsm.input["question"].as_str());
+    let r = play(&task, gsm, &["The answer is 72 clips."]).await;
+    assert_eq!(
+        (
+            r.reward_components["correct"],
+            r.reward_components["format"]
+        ),
+        (1.0, 0.0)
+    );
+    let r = play(&task, gsm, &["48 + 24 = 72, minus 1\n#### 71"]).await;
+    assert_eq!(
+        (
+            r.reward_components["correct"],
+            r.reward_components["format"]
+        ),
+        (0.0, 1.0)
+    );
+    let reference = task.reference_reply(gsm, 0).unwrap();
+    assert_eq!(
+        reference,
+        "Natalia sold 48/2 = 24 clips in May.\nNatalia sold 48+24 = 72 clips altogether in April and May.\n#### 72"
+    );
+    assert_eq!(
+        play(&task, gsm, &[&reference]).await.reward_components["correct"],
+        1.0
+    );
+
+    let brief = &rows.samples()[1];
+    let r = play(&task, brief, &["#### 4"]).await;
+    assert_eq!(r.reward_components["correct"], 1.0);
+    assert_eq!(
+        r.turns[0].prompt_messages[0].content.as_deref(),
+        Some("Be brief.")
+    );
+    assert_eq!(task.reference_reply(brief, 0).as_deref(), Some("#### 4"));
+
+    let no_answer = sample(serde_json::json!({"question": "Why?"}));
+    let err = task.make_env(&no_answer).err().unwrap();
+    assert_eq!(err.kind(), "env_bad_input");
+    assert!(err.to_string().contains("`answer`"), "{err}");
+}
+
+/// A domain names the `qa` row fields and the `\boxed{}` marker; its rubric's generic
+/// functions read the same answer field. The keys on another task's domain are refused, naming
+/// the key.
+#[tokio::test]
+async fn qa_domains_configure_fields_marker_and_rubric() {
+    use sluice_data::config::{
+        AnswerMarker, BadLinePolicy, DataConfig, DomainConfig, DomainRubric,
+    };
+    use sluice_env::configured::configure;
+    let options = DomainConfig {
+        task: Some("qa".into()),
+        question_field: Some("problem".into()),
+        answer_field: Some("solution".into()),
+        system_prompt_field: Some("instructions".into()),
+        answer_marker: Some(AnswerMarker::Boxed),
+        ..DomainConfig::default()
+    };
+    let data = DataConfig {
+        datasets: vec!["mathqa::problems@train".parse().unwrap()],
+        data_dir: "unused".into(),
+        on_bad_line: BadLinePolicy::Fail,
+        adaptive_mix: true,
+        domain_options: [("mathqa".to_owned(), options.clone())].into(),
+    };
+    let timeout = std::time::Duration::from_secs(5);
+    let reg = configure(registry(), &data, timeout, None).unwrap();
+    assert_eq!(reg.domain_tasks()["mathqa"], "mathqa/qa");
+    let task = reg.get("mathqa/qa").unwrap();
+    let row = sample(serde_json::json!({
+        "problem": "What is 3 divided by 2?",
+        "solution": "3 / 2 = \\boxed{1.5}",
+        "instructions": "Think step by step."
+    }));
+    let r = play(&task, &row, &["3/2 = 1.5, so \\boxed{1.50}"]).await;
+    assert_eq!(
+        (
+            r.reward_components["correct"],
+            r.reward_components["format"]
+        ),
+        (1.0, 1.0)
+    );
+    let prompt = &r.turns[0].prompt_messages;
+    assert_eq!(prompt[0].content.as_deref(), Some("Think step by step."));
+    assert_eq!(
+        prompt[1].content.as_deref(),
+        Some("What is 3 divided by 2?")
+    );
+    let r = play(&task, &row, &["#### 1.5"]).await;
+    assert_eq!(
+        (
+            r.reward_components["correct"],
+            r.reward_components["format"]
+        ),
+        (1.0, 0.0),
+        "right, but not boxed"
+    );
+    assert_eq!(
+        task.reference_reply(&row, 0).as_deref(),
+        Some("3 / 2 = \\boxed{1.5}")
+    );
+    let plain = sample(serde_json::json!({"problem": "2+2?", "solution": "4"}));
+    let r = play(&task, &plain, &["\\boxed{4}"]).await;
+    assert_eq!(r.reward_components["correct"], 1.0);
+    assert_eq!(
+        r.turns[0].prompt_messages[0].content.as_deref(),
+        Some("Answer the question. Put the final answer in \\boxed{}.")
+    );
+    assert_eq!(
+        task.reference_reply(&plain, 0).as_deref(),
+        Some("\\boxed{4}")
+    );
+
+    // A rubric with the generic functions reads `solution` too.
+    let with_rubric = DataConfig {
+        domain_options: [(
+            "mathqa".to_owned(),
+            DomainConfig {
+                rubric: Some(DomainRubric {
+                    weights: [("regex".to_owned(), 1.0), ("exact_match".to_owned(), 1.0)].into(),
+                    truncation_reward: None,
+                    error_reward: None,
+                    timeout: None,
+                    regex: Some(r"answer is (\S+)".into()),
+                }),
+                ..options
+            },
+        )]
+        .into(),
+        ..data.clone()
+    };
+    let reg = configure(registry(), &with_rubric, timeout, None).unwrap();
+    let task = reg.get("mathqa/qa").unwrap();
+    let r = play(&task, &plain, &["the answer is 4.0"]).await;
+    assert_eq!(
+        (
+            r.reward_components["regex"],
+            r.reward_components["exact_match"]
+        ),
+        (1.0, 0.0)
+    );
+
+    let other = DataConfig {
+        datasets: vec!["math::arithmetic@train".parse().unwrap()],
+        domain_options: [(
+            "math".to_owned(),
+            DomainConfig {
+                answer_marker: Some(AnswerMarker::Boxed),
+                ..DomainConfig::default()
+            },
+        )]
+        .into(),
+        ..data
+    };
+    let err = configure(registry(), &other, timeout, None)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("data.domains.math.answer_marker") && err.contains("only the `qa` task"),
+        "{err}"
+    );
 }

@@ -27,6 +27,14 @@ pub struct RawDomain {
     pub eval_dataset: Option<String>,
     /// Warm-start probe accuracy this domain must reach (default `warmup.target_accuracy`).
     pub warmup_target_accuracy: Option<f64>,
+    /// The `qa` task: the row field holding the question (default `question`).
+    pub question_field: Option<String>,
+    /// The `qa` task: the row field holding the reference answer (default `answer`).
+    pub answer_field: Option<String>,
+    /// The `qa` task: the row field holding a per-row system prompt (default `system_prompt`).
+    pub system_prompt_field: Option<String>,
+    /// The `qa` task: how replies mark their final answer, `####` or `boxed` (default `####`).
+    pub answer_marker: Option<String>,
 }
 
 /// `[data.domains.<domain>.rubric]`: weighted reward functions and the overrides of failed and

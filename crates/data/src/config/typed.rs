@@ -40,6 +40,29 @@ pub struct DomainConfig {
     /// Warm-start target of this domain's probe (`None`: `warmup.target_accuracy`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub warmup_target_accuracy: Option<f64>,
+    /// The `qa` task's row field holding the question (`None`: `question`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub question_field: Option<String>,
+    /// The `qa` task's row field holding the reference answer (`None`: `answer`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub answer_field: Option<String>,
+    /// The `qa` task's row field holding a per-row system prompt (`None`: `system_prompt`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub system_prompt_field: Option<String>,
+    /// How the `qa` task's replies mark their final answer (`None`: `####`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub answer_marker: Option<AnswerMarker>,
+}
+
+impl DomainConfig {
+    /// Whether the domain sets one of the `qa` task's keys (`question_field`, `answer_field`,
+    /// `system_prompt_field`, `answer_marker`).
+    pub fn sets_qa_keys(&self) -> bool {
+        self.question_field.is_some()
+            || self.answer_field.is_some()
+            || self.system_prompt_field.is_some()
+            || self.answer_marker.is_some()
+    }
 }
 
 sluice_core::impl_choice!(AnswerMarker);

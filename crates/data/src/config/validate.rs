@@ -126,6 +126,23 @@ fn validate_domain(name: &str, raw: RawDomain, ctx: &Ctx<'_>) -> Result<DomainCo
             )
         })
         .transpose()?;
+    for (field, value) in [
+        ("question_field", &raw.question_field),
+        ("answer_field", &raw.answer_field),
+        ("system_prompt_field", &raw.system_prompt_field),
+    ] {
+        if value.as_deref().is_some_and(|v| v.trim().is_empty()) {
+            return Err(ctx.value(
+                &format!("{key}.{field}"),
+                "expected the name of a field of the dataset's rows, got an empty string",
+            ));
+        }
+    }
+    let answer_marker = raw
+        .answer_marker
+        .as_deref()
+        .map(|m| choice(ctx, &format!("{key}.answer_marker"), m))
+        .transpose()?;
     Ok(DomainConfig {
         system_prompt: raw.system_prompt,
         task: raw.task,
@@ -135,6 +152,10 @@ fn validate_domain(name: &str, raw: RawDomain, ctx: &Ctx<'_>) -> Result<DomainCo
         max_new_tokens,
         eval_dataset: raw.eval_dataset,
         warmup_target_accuracy,
+        question_field: raw.question_field,
+        answer_field: raw.answer_field,
+        system_prompt_field: raw.system_prompt_field,
+        answer_marker,
     })
 }
 

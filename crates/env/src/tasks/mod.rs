@@ -1,5 +1,5 @@
-//! Built-in tasks. Each generates its own data (no downloads), with a `train` and a disjoint
-//! held-out `eval` split:
+//! Built-in tasks. Each but `qa` (which reads dataset files) generates its own data (no
+//! downloads), with a `train` and a disjoint held-out `eval` split:
 //!
 //! | task | episode | reward |
 //! |---|---|---|
@@ -9,6 +9,7 @@
 //! | [`stock`] (`stock_tool`) | multi-turn, must call `stock` for a count the prompt never shows | final answer |
 //! | [`python_code`] | one turn: a Python program, run in the [`crate::sandbox`] | its output matches |
 //! | [`episodic`] | multi-step walk, actions in `<|action_start|>…<|action_end|>` | outcome, discounted by γ |
+//! | [`qa`] | one turn: a dataset row's question (no data of its own) | math answer of the row's answer (+ format) |
 //! | [`word_problems`] | one turn: a word problem in sentences, answer after `####` | math answer (+ format) |
 
 pub mod arithmetic;
@@ -16,6 +17,7 @@ pub mod calculator;
 pub mod episodic;
 #[cfg(target_os = "linux")]
 pub mod python_code;
+pub mod qa;
 pub mod stock;
 pub mod sum_digits;
 pub mod tool_env;
@@ -40,6 +42,7 @@ pub fn builtin_tasks() -> Vec<Task> {
         stock::task(),
         episodic::task(),
         word_problems::task(),
+        qa::task(),
         #[cfg(target_os = "linux")]
         python_code::task(),
     ]
