@@ -28,8 +28,59 @@ enum Input {
     Cli(&'static [&'static str]),
     /// A JSONL dataset file `math/toy.jsonl` with this text, loaded with `on_bad_line = "fail"`.
     Dataset(&'static str),
+    /// A dataset file `math/toy.jsonl` text cannot express, loaded with `on_bad_line = "fail"`.
+    DatasetFile(SpecialFile),
     /// An admin API call.
     Admin(Admin),
+}
+
+/// What `math/toy.jsonl` is.
+enum SpecialFile {
+    /// These bytes.
+    Bytes(&'static [u8]),
+    /// A good line, then one row this many bytes long, then a good line.
+    LongLine(usize),
+    /// A symlink to `/dev/zero`.
+    DevZero,
+    /// A FIFO no one writes to.
+    Fifo,
+}
+
+/// Makes `path` what `special` says (replacing whatever is there).
+fn make_dataset_file(path: &Path, special: &SpecialFile) {
+    let _ = std::fs::remove_file(path);
+    match special {
+        SpecialFile::Bytes(bytes) => std::fs::write(path, bytes).unwrap(),
+        SpecialFile::LongLine(n) => {
+            let mut text = b"{\"q\": 1}\n{\"q\": \"".to_vec();
+            text.resize(text.len() + n - 9, b'x');
+            text.extend_from_slice(b"\"}\n{\"q\": 2}\n");
+            std::fs::write(path, text).unwrap();
+        }
+        SpecialFile::DevZero => std::os::unix::fs::symlink("/dev/zero", path).unwrap(),
+        SpecialFile::Fifo => {
+            let status = Command::new("mkfifo").arg(path).status().unwrap();
+            assert!(status.success(), "mkfifo {}", path.display());
+        }
+    }
+}
+
+/// Loads `math::toy` from `dir/data` with `on_bad_line = "fail"`, giving up after 10 s (a FIFO
+/// once blocked the load forever).
+fn load_toy(dir: &Path) -> (i32, String) {
+    let data = dir.join("data");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let spec: DatasetSpec = "math::toy".parse().unwrap();
+        let _ = tx.send(
+            match sluice_data::Dataset::load(&data, &spec, BadLinePolicy::Fail) {
+                Ok(d) => (0, format!("loaded {} rows", d.len())),
+                Err(e) => (1, e.to_string()),
+            },
+        );
+    });
+    rx.recv_timeout(std::time::Duration::from_secs(10))
+        .unwrap_or((-1, "the load did not return within 10 s".into()))
 }
 
 struct Admin {
@@ -111,12 +162,18 @@ fn run_row(row: &Row, url: &str, dir: &Path, knobs_now: &dyn Fn() -> Value) -> R
         }
         Input::Dataset(text) => {
             std::fs::create_dir_all(dir.join("data/math")).unwrap();
-            std::fs::write(dir.join("data/math/toy.jsonl"), text).unwrap();
-            let spec: DatasetSpec = "math::toy".parse().unwrap();
-            match sluice_data::Dataset::load(&dir.join("data"), &spec, BadLinePolicy::Fail) {
-                Ok(d) => (0, format!("loaded {} rows", d.len()), None),
-                Err(e) => (1, e.to_string(), None),
-            }
+            make_dataset_file(
+                &dir.join("data/math/toy.jsonl"),
+                &SpecialFile::Bytes(text.as_bytes()),
+            );
+            let (code, text) = load_toy(dir);
+            (code, text, None)
+        }
+        Input::DatasetFile(special) => {
+            std::fs::create_dir_all(dir.join("data/math")).unwrap();
+            make_dataset_file(&dir.join("data/math/toy.jsonl"), special);
+            let (code, text) = load_toy(dir);
+            (code, text, None)
         }
         Input::Admin(a) => {
             let before = knobs_now();

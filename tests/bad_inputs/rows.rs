@@ -1,7 +1,7 @@
 //! The rows of `tests/bad_inputs.rs`: every bad input, where it goes, what must come back and
 //! what the user reads.
 
-use super::{Admin, Body, Expect, Input, Row, TOKEN, patch};
+use super::{Admin, Body, Expect, Input, Row, SpecialFile, TOKEN, patch};
 
 /// POST /v1/replay/clear with the token and a JSON body.
 const fn clear(body: &'static str) -> Input {
@@ -16,7 +16,7 @@ const fn clear(body: &'static str) -> Input {
 
 pub(super) fn rows() -> Vec<Row> {
     use Expect::{Exit, Http};
-    use Input::{Cli, Config, Dataset};
+    use Input::{Cli, Config, Dataset, DatasetFile};
     let row = |input, expect, message| Row {
         input,
         expect,
@@ -167,6 +167,32 @@ pub(super) fn rows() -> Vec<Row> {
             Dataset("\n\n{\"system_prompt\": 3}"),
             Exit(1),
             "toy.jsonl:3: `system_prompt` must be a string, got a number",
+        ),
+        // Files are bounded: only regular files are read, and no line or file past its cap.
+        row(
+            DatasetFile(SpecialFile::Bytes(b"{\"q\": 1}\n{\"q\": \"\xff\"}\n")),
+            Exit(1),
+            "toy.jsonl:2: not UTF-8 text (invalid byte at column 8)",
+        ),
+        row(
+            DatasetFile(SpecialFile::LongLine(20 << 20)),
+            Exit(1),
+            "toy.jsonl:2: line is 20971520 bytes, longer than data.max_line_bytes = 16777216",
+        ),
+        row(
+            DatasetFile(SpecialFile::DevZero),
+            Exit(1),
+            "toy.jsonl: is a character device, not a regular file",
+        ),
+        row(
+            DatasetFile(SpecialFile::Fifo),
+            Exit(1),
+            "toy.jsonl: is a FIFO, not a regular file",
+        ),
+        row(
+            Cli(&["check", "/dev/zero"]),
+            Exit(1),
+            "/dev/zero: is a character device, not a regular file",
         ),
         // The CLI refuses what it can before calling, and says when it cannot reach the node.
         row(

@@ -232,12 +232,14 @@ fn qwen3_style_namespace_and_reverse_iteration_work() {
     assert_eq!(t.render(&messages, &ChatOptions::default()).unwrap(), "1");
 }
 
-/// Renders `source` on a thread and waits at most 60 s: a template that loops fails the test
+/// Runs `render` on a thread and waits at most 60 s: a template that loops fails the test
 /// instead of hanging it.
-fn render_within_60s(template: ChatTemplate) -> sluice_model::Result<String> {
+fn within_60s(
+    render: impl FnOnce() -> sluice_model::Result<String> + Send + 'static,
+) -> sluice_model::Result<String> {
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
-        let _ = tx.send(template.render(&[Message::user("hi")], &ChatOptions::default()));
+        let _ = tx.send(render());
     });
     rx.recv_timeout(std::time::Duration::from_secs(60))
         .expect("the rendering returned (a looping template once hung it)")
@@ -259,9 +261,10 @@ fn runaway_templates_run_out_of_their_budget() {
     std::fs::write(&config_path, config.to_string()).unwrap();
     let _ = std::fs::remove_file(dir.path().join("chat_template.jinja"));
     let tokenizer = sluice_model::Tokenizer::from_dir(dir.path()).unwrap();
-    let err = tokenizer
-        .apply_chat_template(&[Message::user("hi")], &ChatOptions::default())
-        .unwrap_err();
+    let err = within_60s(move || {
+        tokenizer.apply_chat_template(&[Message::user("hi")], &ChatOptions::default())
+    })
+    .unwrap_err();
     assert_eq!(err.kind(), "chat_template");
     assert!(
         err.to_string()
@@ -277,7 +280,8 @@ fn runaway_templates_run_out_of_their_budget() {
     let t = ChatTemplate::new(looping, BTreeMap::new())
         .unwrap()
         .with_budget(budget(u64::MAX / 4, 1000, 3600));
-    let err = render_within_60s(t).unwrap_err();
+    let err =
+        within_60s(move || t.render(&[Message::user("hi")], &ChatOptions::default())).unwrap_err();
     assert!(
         err.to_string().contains("the text passed 1000 bytes"),
         "{err}"
@@ -285,7 +289,8 @@ fn runaway_templates_run_out_of_their_budget() {
     let t = ChatTemplate::new(looping, BTreeMap::new())
         .unwrap()
         .with_budget(budget(u64::MAX / 4, usize::MAX, 0));
-    let err = render_within_60s(t).unwrap_err();
+    let err =
+        within_60s(move || t.render(&[Message::user("hi")], &ChatOptions::default())).unwrap_err();
     assert!(err.to_string().contains("deadline"), "{err}");
 
     // Real templates render well within the default budget.
