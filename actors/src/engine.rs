@@ -20,6 +20,11 @@
 //! recognised by their generation and dropped. The old backend is shut down off the actor (a hung
 //! thread must not hang the mailbox).
 //!
+//! A replica whose *server* is gone (a head's replica on an engine node that does not answer,
+//! or that left or was lost: [`InferenceBackend::server_gone`]) has not failed: its requests come
+//! back the same way, but it is rebuilt at once on another server (or waits vacant, as a slot
+//! with no server does), and nothing counts towards giving up.
+//!
 //! Giving up (seed 002: an inference infrastructure error is not a bad rollout): a replica that
 //! fails `engine_max_restarts` times in a row without serving a request in between, or a node
 //! where no replica can serve for `engine_unavailable_timeout_s`, is not restarted again; the

@@ -165,6 +165,10 @@ impl InferenceBackend for FaultyBackend {
         self.inner.is_alive()
     }
 
+    fn server_gone(&self) -> Option<String> {
+        self.inner.server_gone()
+    }
+
     fn shutdown(&mut self) {
         self.gate.store(false, Ordering::SeqCst);
         self.inner.shutdown();

@@ -2,6 +2,10 @@
 //! that dies takes its replica down, its request comes back aborted with the partial it came
 //! with, the resumed request runs on the live server, and the dead replica is rebuilt on the
 //! newest weights the actor kept.
+//!
+//! On a head, the replicas run on joined engine nodes: a node that does not answer is not a
+//! failure of the replica on it (nothing counts towards `engine_max_restarts`); its slot moves
+//! to a node that answers.
 
 mod common;
 
@@ -282,6 +286,128 @@ async fn a_dead_server_is_a_dead_replica_rebuilt_on_the_latest_weights() {
         health[0]
     );
     assert!(health[1].failures.is_empty(), "{:?}", health[1]);
+    engine.stop().await;
+    join.await.unwrap();
+    let _ = stop_live.send(());
+}
+
+/// A URL on loopback where nothing listens (the port was bound and released).
+fn closed_url() -> String {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    drop(listener);
+    url
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_head_slot_skips_an_engine_node_it_cannot_reach_and_counts_no_failure() {
+    use sluice_actors::cluster::registry::{JoinRequest, Registry};
+    use sluice_actors::cluster::{HeadEngines, head_factory};
+
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("model");
+    let (live_url, stop_live, _served) = serve(&model).await;
+    // Two members: `a-dead` (first by name, so claimed first) advertises a port nothing listens
+    // on; `b-live` answers. Neither is ever lost by its heartbeats (an hour).
+    let registry = Arc::new(Registry::with_timings(
+        Duration::from_millis(100),
+        Duration::from_secs(3600),
+        8,
+    ));
+    for (name, url) in [("a-dead", closed_url()), ("b-live", live_url)] {
+        registry
+            .join(JoinRequest {
+                name: name.into(),
+                role: sluice_config::NodeRole::Engine,
+                url,
+                tasks: Vec::new(),
+            })
+            .unwrap();
+    }
+    let config = sluice_config::parse(
+        "[model]\ninit_preset = \"tiny\"\n[engine]\nbackend = \"remote\"\nreplicas = 1\n[node]\nrole = \"head\"\n",
+        "head.toml",
+        &[],
+        &|_| None,
+    )
+    .unwrap();
+    // The nodes read the weights from this machine's disk (one process here).
+    let dirs = WeightDirs::new(dir.path().join("weights"), Some(model.clone()), 2);
+    let initial = Arc::new(
+        sluice_model::load_checkpoint(&model, &sluice_model::LoadOptions::default()).unwrap(),
+    );
+    let factory = head_factory(
+        &config,
+        HeadEngines {
+            registry: Arc::clone(&registry),
+            served: Arc::clone(&dirs),
+            on_disk: dirs,
+            initial,
+        },
+    );
+    let reports: Finished = Arc::default();
+    let sink = Arc::clone(&reports);
+    let (engine, join) = EngineHandle::spawn_supervised(
+        1,
+        PolicyVersion(0),
+        factory,
+        Arc::new(move |r| {
+            if let EngineReport::Finished {
+                completion,
+                replica,
+            } = r
+            {
+                sink.push((completion, replica));
+            }
+        }),
+        // One failure in a row is tolerated: a slot that claimed the dead node twice would stop
+        // the run.
+        EngineSupervision {
+            backoff_initial: Duration::from_millis(20),
+            backoff_max: Duration::from_millis(50),
+            max_restarts: 1,
+            ..EngineSupervision::default()
+        },
+    )
+    .await
+    .unwrap();
+
+    // A request is served (by `b-live`), resumed as the controller does after an abort.
+    let mut next = request(1, 4, None);
+    let done = loop {
+        engine.generate(next.clone(), None);
+        let (c, _) = finished(&reports, next.id).await;
+        if c.finish != FinishReason::Abort {
+            break c;
+        }
+        assert_eq!(engine.failure().await.unwrap(), None, "the engine gave up");
+        reports.lock().retain(|(r, _)| r.id != next.id);
+        next.resume = Some(c.output);
+    };
+    assert!(matches!(
+        done.finish,
+        FinishReason::Length | FinishReason::Stop
+    ));
+    assert_eq!(engine.failure().await.unwrap(), None);
+    let health = serde_json::to_value(&engine.health().await.unwrap()[0]).unwrap();
+    assert_eq!(health["alive"], true, "{health}");
+    assert_eq!(health["failures"], serde_json::json!({}), "{health}");
+    assert_eq!(health["failures_in_a_row"], 0, "{health}");
+    assert_eq!(health["servers_lost"], 1, "{health}");
+    // The registry says why: `a-dead` is unreachable, `b-live` runs the replica.
+    let nodes = serde_json::to_value(registry.list()).unwrap();
+    assert_eq!(nodes[0]["health"], "unreachable", "{nodes}");
+    assert!(
+        nodes[0]["unreachable"]["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("connect")),
+        "{nodes}"
+    );
+    assert_eq!(nodes[0]["replica"], serde_json::Value::Null, "{nodes}");
+    assert_eq!(
+        (&nodes[1]["health"], &nodes[1]["replica"]),
+        (&"live".into(), &0.into())
+    );
     engine.stop().await;
     join.await.unwrap();
     let _ = stop_live.send(());

@@ -270,10 +270,20 @@ pub(super) fn summary(s: &Value) -> String {
             let replica = n["replica"]
                 .as_u64()
                 .map_or_else(String::new, |r| format!(" · replica {r}"));
+            // Why the head cannot reach it (an engine node), and when it probes it again.
+            let unreachable = n["unreachable"]["reason"]
+                .as_str()
+                .map_or_else(String::new, |why| {
+                    format!(
+                        " · unreachable ×{} ({why}); probed again in {:.1}s",
+                        n["unreachable"]["times"].as_u64().unwrap_or(0),
+                        num(&n["unreachable"]["next_probe_seconds"]),
+                    )
+                });
             line(
                 "",
                 format!(
-                    "{} {} {} {} · weights {version} · load {} · seen {:.1}s ago{replica}",
+                    "{} {} {} {} · weights {version} · load {} · seen {:.1}s ago{replica}{unreachable}",
                     n["name"].as_str().unwrap_or("?"),
                     n["role"].as_str().unwrap_or("?"),
                     n["url"].as_str().unwrap_or("?"),
@@ -305,7 +315,10 @@ mod tests {
             "actors": {"engine": {"health": "running"}, "trainer": {"health": "failed", "detail": "nan loss"}},
             "controller": {"balance": {"threshold": 0.25, "below_ratio": 0.5, "above_ratio": 0.125, "outcome_ema": 0.4}},
             "nodes": [{"name": "engine-a", "role": "engine", "url": "http://10.0.0.2:8000", "health": "lost",
-                       "incarnation": 3, "last_seen_seconds": 7.25, "weight_version": 6, "load": 2, "replica": 1}],
+                       "incarnation": 3, "last_seen_seconds": 7.25, "weight_version": 6, "load": 2, "replica": 1},
+                      {"name": "engine-b", "role": "engine", "url": "http://10.0.0.3:8000", "health": "unreachable",
+                       "incarnation": 4, "last_seen_seconds": 0.5, "weight_version": null, "load": 0,
+                       "unreachable": {"reason": "connect: Connection refused", "times": 2, "next_probe_seconds": 1.5}}],
             "evaluation": {"step": 50, "heldout_accuracy": 0.167, "train_accuracy": 0.141,
                            "domains": {"agent": {"heldout_accuracy": 0.328, "train_accuracy": 0.2},
                                        "math": {"heldout_accuracy": 0.174, "train_accuracy": 0.2}}},
@@ -321,8 +334,9 @@ mod tests {
             "max_version_lag=1 weight_update_mode=in_flight",
             "trainer failed (nan loss)",
             "outcome EMA 0.40 · balance threshold 0.25 · groups below 0.50 · above 0.12",
-            "nodes     1 joined",
+            "nodes     2 joined",
             "engine-a engine http://10.0.0.2:8000 lost · weights v6 · load 2 · seen 7.2s ago · replica 1",
+            "engine-b engine http://10.0.0.3:8000 unreachable · weights - · load 0 · seen 0.5s ago · unreachable ×2 (connect: Connection refused); probed again in 1.5s",
             "eval      step 50 · held-out 16.7% (agent 32.8%, math 17.4%) · training problems 14.1%",
         ] {
             assert!(text.contains(needle), "{needle:?} missing in:\n{text}");

@@ -9,6 +9,13 @@
 //! as soon as the registry loses the node (no heartbeat for `node.lost_after_s`) or the node
 //! joins again as a new incarnation, so the engine actor fails it (its requests come back
 //! aborted with their partials and resume elsewhere) even when no call is pending to notice.
+//!
+//! Such a replica's death is its node's, not its own ([`InferenceBackend::server_gone`]): when
+//! a call to the node got no answer, the node is marked unreachable in the registry at once (no
+//! slot claims it again until a probe answers or it joins again), and the engine actor moves the
+//! slot to another live node, or keeps it vacant, counting nothing towards
+//! `supervision.engine_max_restarts`. A node that answers with errors (a refused weight install)
+//! fails its replica as any replica fails: that counts.
 
 use std::sync::Arc;
 
@@ -110,6 +117,23 @@ impl InferenceBackend for MemberBackend {
             && self
                 .registry
                 .is_live(&self.claim.name, self.claim.incarnation)
+    }
+
+    fn server_gone(&self) -> Option<String> {
+        let Claim {
+            name,
+            incarnation,
+            url,
+        } = &self.claim;
+        if let Some(why) = self.inner.unreachable() {
+            self.registry.mark_unreachable(name, *incarnation, &why);
+            return Some(format!(
+                "engine node `{name}` at {url} is unreachable: {why}"
+            ));
+        }
+        (!self.registry.is_live(name, *incarnation)).then(|| {
+            format!("engine node `{name}` at {url} left, was lost, is unreachable or joined again")
+        })
     }
 
     fn shutdown(&mut self) {

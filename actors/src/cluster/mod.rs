@@ -26,11 +26,13 @@ pub use factory::{HeadEngines, MemberBackend, head_factory};
 pub use registry::{NodeView, Registry};
 pub use routes::ClusterState;
 
-/// The head's side of the cluster: the registry, the served weights, and the task that marks
-/// silent members lost. Stop it with [`Head::stop`] after the node.
+/// The head's side of the cluster: the registry, the served weights, the task that marks
+/// silent members lost and the one that probes unreachable ones. Stop it with [`Head::stop`] after the node.
 pub struct Head {
     state: Arc<ClusterState>,
     sweeper: Option<tokio::task::JoinHandle<()>>,
+    /// Probes the unreachable engine members ([`Registry::probe_unreachable`]).
+    prober: Option<tokio::task::JoinHandle<()>>,
 }
 
 impl Head {
@@ -72,10 +74,12 @@ impl Head {
                 swept.sweep(tokio::time::Instant::now());
             }
         });
+        let prober = tokio::spawn(Arc::clone(&registry).probe_unreachable());
         Ok((
             Self {
                 state: Arc::new(ClusterState { registry, served }),
                 sweeper: Some(sweeper),
+                prober: Some(prober),
             },
             factory,
         ))
@@ -108,9 +112,12 @@ impl Head {
         Ok(Some(setup.env_over(config, Arc::new(routed))))
     }
 
-    /// Stops the sweeper.
+    /// Stops the sweeper and the prober.
     pub async fn stop(mut self) {
-        if let Some(t) = self.sweeper.take() {
+        for t in [self.sweeper.take(), self.prober.take()]
+            .into_iter()
+            .flatten()
+        {
             t.abort();
             let _ = t.await;
         }
@@ -119,7 +126,10 @@ impl Head {
 
 impl Drop for Head {
     fn drop(&mut self) {
-        if let Some(t) = self.sweeper.take() {
+        for t in [self.sweeper.take(), self.prober.take()]
+            .into_iter()
+            .flatten()
+        {
             t.abort();
         }
     }

@@ -9,6 +9,11 @@
 //! come back aborted with their partials and resume elsewhere); it stays listed as lost until it
 //! heartbeats again, joins again, or its place is needed for a new member.
 //!
+//! An engine member the head cannot reach (a call of the replica on it got no answer: its
+//! process was killed, or it advertises a URL the head has no route to) is *unreachable* at
+//! once, whatever its heartbeats say: no slot claims it until a probe of its URL answers or it
+//! joins again ([`reach`]).
+//!
 //! Every change of who is live (a join, a return, a leave, a loss) is announced on a watch
 //! channel ([`Registry::subscribe`]): a vacant engine replica slot and an episode waiting for an
 //! env node wake on it instead of polling. Env nodes advertise the tasks they serve when they
@@ -30,11 +35,13 @@ use sluice_env::remote::OpenEnvs;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
+mod reach;
 mod wire;
 
 use wire::valid_name;
 pub use wire::{
     Heartbeat, JoinError, JoinReply, JoinRequest, MAX_ADVERTISED_TASKS, MemberHealth, NodeView,
+    UnreachableView,
 };
 
 #[derive(Debug, Clone)]
@@ -50,6 +57,9 @@ pub(super) struct Member {
     pub(super) tasks: Vec<String>,
     /// The head's envs open on it (env nodes).
     pub(super) envs_open: OpenEnvs,
+    /// Why the head marked it unreachable, the times it did under this incarnation and when
+    /// to probe it next ([`reach`]).
+    reach: reach::Reach,
 }
 
 /// An engine node claimed for a replica slot.
@@ -172,6 +182,7 @@ impl Registry {
                 load: None,
                 tasks: req.tasks,
                 envs_open: OpenEnvs::default(),
+                reach: reach::Reach::default(),
             },
         );
         self.announce();
@@ -196,9 +207,11 @@ impl Registry {
             tracing::info!(name, "lost node heartbeats again");
             metrics::gauge!(m::NODE_MEMBER_UP, "node" => name.to_owned(), "role" => member.role.as_str())
                 .set(1.0);
+            member.health = MemberHealth::Live;
         }
+        // An unreachable member stays so: its heartbeats reach the head, which says nothing of
+        // the head reaching it (only a probe of its URL or a new join does).
         member.last_seen = Instant::now();
-        member.health = MemberHealth::Live;
         member.weight_version = beat.weight_version.or(member.weight_version);
         member.load = beat.load;
         if let Some(v) = beat.weight_version {
@@ -226,11 +239,11 @@ impl Registry {
     }
 
     /// Marks members silent for longer than `lost_after` as lost (the head runs this every
-    /// heartbeat period). Returns the names newly lost.
+    /// heartbeat period), unreachable ones included. Returns the names newly lost.
     pub fn sweep(&self, now: Instant) -> Vec<String> {
         let mut lost = Vec::new();
         for mut member in self.members.iter_mut() {
-            if member.health == MemberHealth::Live
+            if member.health != MemberHealth::Lost
                 && now.saturating_duration_since(member.last_seen) > self.lost_after
             {
                 member.health = MemberHealth::Lost;
@@ -280,7 +293,8 @@ impl Registry {
         marked
     }
 
-    /// Whether `name` is a live member under `incarnation`.
+    /// Whether `name` is a live member under `incarnation` (heartbeating, and not found
+    /// unreachable).
     pub fn is_live(&self, name: &str, incarnation: u64) -> bool {
         self.members
             .get(name)
@@ -351,6 +365,7 @@ impl Registry {
                     .map(|(slot, _)| *slot),
                 tasks: m.tasks.clone(),
                 envs_open: (m.role == NodeRole::Env).then(|| m.envs_open.get() as u64),
+                unreachable: m.reach.view(m.health),
             })
             .collect();
         out.sort_by(|a, b| a.name.cmp(&b.name));

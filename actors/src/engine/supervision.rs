@@ -1,7 +1,7 @@
 //! Replica supervision (`[supervision]`, see the [`super`] module docs): the policy, each
 //! replica's health record, building a replica's backend (behind the fault injector), the
 //! periodic checks (dead threads, the watchdog, the give-up timer), failing and restarting a
-//! replica, and giving up.
+//! replica, moving a replica whose server is gone (not a failure), and giving up.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -87,6 +87,9 @@ pub struct ReplicaHealth {
     pub failures_in_a_row: u64,
     /// The last failure's error (or cause).
     pub last_error: Option<String>,
+    /// Times the server it ran on went away (a head's engine node unreachable, lost, left or
+    /// restarted): not failures of the replica, so not in `failures` nor `failures_in_a_row`.
+    pub servers_lost: u64,
 }
 
 /// How often a replica without a server looks for one when its factory has no wake channel.
@@ -209,7 +212,9 @@ impl EngineState {
 
     /// A replica failed: hand its requests back as aborted (with the output they were resumed
     /// from: nothing newer was reported), shut the backend down off the actor, and schedule the
-    /// restart after the backoff.
+    /// restart after the backoff. A replica whose server is gone ([`InferenceBackend::server_gone`])
+    /// or that has none ([`EngineError::NoServer`]) has not failed: see [`Self::lose_server`] and
+    /// [`Self::vacate`].
     pub(super) fn fail_replica(
         &mut self,
         replica: u32,
@@ -218,6 +223,14 @@ impl EngineState {
     ) {
         if let Some(EngineError::NoServer { reason, .. }) = error {
             self.vacate(replica, reason.clone());
+            return;
+        }
+        let gone = self.replicas[replica as usize]
+            .backend
+            .as_ref()
+            .and_then(|b| b.server_gone());
+        if let Some(reason) = gone {
+            self.lose_server(replica, reason);
             return;
         }
         let kind = error.map_or(
@@ -254,6 +267,26 @@ impl EngineState {
         if self.unavailable_since.is_none() && self.replicas.iter().all(|r| r.backend.is_none()) {
             self.unavailable_since = Some(now);
         }
+        self.hand_back(replica);
+        if give_up {
+            self.give_up(format!(
+                "engine replica {replica} failed {in_a_row} times in a row without serving a \
+                 request (supervision.engine_max_restarts = {max}); last error: {described}"
+            ));
+            return;
+        }
+        metrics::gauge!(m::ACTOR_RESTART_BACKOFF_SECONDS, "actor" => "engine")
+            .set(delay.as_secs_f64());
+        self.timers.retain(|t| !t.is_finished());
+        self.timers.push(
+            self.me
+                .send_after(delay, move || EngineMsg(Cmd::Restart(replica, generation))),
+        );
+    }
+
+    /// Hands the requests replica `replica` held back as aborted, each with the output it was
+    /// resumed from (nothing newer was reported), and reaps finished shutdowns.
+    fn hand_back(&mut self, replica: u32) {
         let lost: Vec<(RequestId, Option<TokenOutput>)> = self
             .owner
             .iter()
@@ -273,20 +306,33 @@ impl EngineState {
             });
         }
         self.tasks.retain(|t| !t.is_finished());
-        if give_up {
-            self.give_up(format!(
-                "engine replica {replica} failed {in_a_row} times in a row without serving a \
-                 request (supervision.engine_max_restarts = {max}); last error: {described}"
-            ));
-            return;
+    }
+
+    /// The server replica `replica` ran on is gone (its backend says why: a head's engine node
+    /// that does not answer, or that left or was lost): not the replica's failure. Its requests
+    /// come back aborted and its backend is shut down as for a failure, but nothing counts
+    /// towards giving up and the backoff does not grow: the slot is rebuilt at once, on another
+    /// server or vacant until one is free (the factory no longer offers the gone one).
+    fn lose_server(&mut self, replica: u32, reason: String) {
+        let now = Instant::now();
+        let r = &mut self.replicas[replica as usize];
+        tracing::warn!(replica, %reason, "engine replica lost its server; it moves to another");
+        if let Some(mut old) = r.backend.take() {
+            self.tasks
+                .push(tokio::task::spawn_blocking(move || old.shutdown()));
         }
-        metrics::gauge!(m::ACTOR_RESTART_BACKOFF_SECONDS, "actor" => "engine")
-            .set(delay.as_secs_f64());
-        self.timers.retain(|t| !t.is_finished());
-        self.timers.push(
-            self.me
-                .send_after(delay, move || EngineMsg(Cmd::Restart(replica, generation))),
-        );
+        r.generation += 1;
+        r.load = 0;
+        r.failed_at = Some(now);
+        r.health.alive = false;
+        r.health.servers_lost += 1;
+        r.health.last_error = Some(reason);
+        let generation = r.generation;
+        if self.unavailable_since.is_none() && self.replicas.iter().all(|r| r.backend.is_none()) {
+            self.unavailable_since = Some(now);
+        }
+        self.hand_back(replica);
+        let _ = self.me.cast(EngineMsg(Cmd::Restart(replica, generation)));
     }
 
     /// Replica `replica` has no server to run on (a head waiting for engine nodes): it holds

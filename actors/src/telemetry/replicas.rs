@@ -89,6 +89,10 @@ impl InferenceBackend for Carried {
         self.inner.is_alive()
     }
 
+    fn server_gone(&self) -> Option<String> {
+        self.inner.server_gone()
+    }
+
     fn shutdown(&mut self) {
         // Counted before the shutdown: a stopped backend may no longer report.
         self.retire();

@@ -138,11 +138,13 @@ catalog! {
     NODE_WEIGHT_UPDATE_MODE_INFO = "sluice_node_weight_update_mode_info", Gauge, ["mode"], NONE,
         "1 for the active weight_update_mode, 0 for the others.";
     NODE_MEMBER_UP = "sluice_node_member_up_info", Gauge, ["node", "role"], NONE,
-        "Head: 1 while a joined engine or env node heartbeats, 0 once it is lost (the node label is bounded by node.max_nodes).";
+        "Head: 1 while a joined engine or env node heartbeats and is reachable, 0 once it is lost or unreachable (the node label is bounded by node.max_nodes).";
     NODE_MEMBER_WEIGHT_VERSION = "sluice_node_member_weight_version", Gauge, ["node"], NONE,
         "Head: the policy version a joined engine node last reported loaded.";
     NODE_MEMBER_LOST = "sluice_node_member_lost_failures_total", Counter, ["role"], NONE,
         "Head: joined nodes that stopped heartbeating (lost without leaving).";
+    NODE_MEMBER_UNREACHABLE = "sluice_node_member_unreachable_failures_total", Counter, ["role"], NONE,
+        "Head: times a joined engine node was marked unreachable (a call of the replica on it got no answer); it gets no replica until a probe of its URL answers or it joins again.";
     NODE_WEIGHTS_SERVED = "sluice_node_weights_served_bytes_total", Counter, [], NONE,
         "Head: weight bytes streamed to engine nodes (GET /v1/weights).";
     ACTOR_RESTARTS = "sluice_actor_restarts_total", Counter, ["actor"], NONE,

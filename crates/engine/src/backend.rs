@@ -258,6 +258,14 @@ pub trait InferenceBackend: Send {
     fn is_alive(&self) -> bool {
         true
     }
+    /// Why the server this replica runs on is gone, when it is: a head's replica on a joined
+    /// engine node that the head cannot reach, or that left, was lost or joined again. Its
+    /// failure is then the server's, not the replica's: the engine actor hands its requests
+    /// back and moves the slot to another server, counting nothing towards
+    /// `supervision.engine_max_restarts`. `None` (the default): a failure is the replica's own.
+    fn server_gone(&self) -> Option<String> {
+        None
+    }
 }
 
 /// Why a command did not get onto a backend's bounded command queue.

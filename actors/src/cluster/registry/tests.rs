@@ -94,3 +94,65 @@ fn bad_joins_are_refused() {
     bad.role = NodeRole::Head;
     assert_eq!(r.join(bad).unwrap_err(), JoinError::HeadRole);
 }
+
+#[test]
+fn an_unreachable_engine_gets_no_claim_until_a_probe_answers_or_it_joins_again() {
+    let r = registry(8);
+    let a = r.join(engine("a", 1)).unwrap();
+    r.join(engine("b", 2)).unwrap();
+    assert_eq!(r.claim(0).unwrap().name, "a");
+    let mut changes = r.subscribe();
+    changes.borrow_and_update();
+    // The replica on `a` got no answer: unreachable at once, announced, and its slot takes `b`.
+    assert!(r.mark_unreachable("a", a.incarnation, "connection refused"));
+    assert!(changes.has_changed().unwrap());
+    assert!(
+        !r.mark_unreachable("a", a.incarnation, "again"),
+        "marked once"
+    );
+    assert!(!r.is_live("a", a.incarnation));
+    assert_eq!(r.claim(0).unwrap().name, "b");
+    assert!(r.claim(1).unwrap_err().contains("all 1 live engine nodes"));
+    let listed = &r.list()[0];
+    assert_eq!(listed.health, MemberHealth::Unreachable);
+    let why = listed.unreachable.as_ref().unwrap();
+    assert_eq!((why.reason.as_str(), why.times), ("connection refused", 1));
+    // Its heartbeats keep it listed and not lost, but do not make it claimable.
+    let beat = Heartbeat {
+        incarnation: a.incarnation,
+        ..Default::default()
+    };
+    assert!(r.heartbeat_from("a", &beat));
+    assert_eq!(r.list()[0].health, MemberHealth::Unreachable);
+    assert!(r.sweep(Instant::now()).is_empty());
+    // Probed one heartbeat period after it was marked: no answer keeps it out.
+    assert!(r.probes_due(Instant::now()).is_empty(), "not due yet");
+    let due = r.probes_due(Instant::now() + Duration::from_millis(150));
+    assert_eq!(due.len(), 1);
+    r.probed(&due[0], false);
+    assert!(r.claim(1).is_err());
+    // An answer makes it live again, announced: the vacant slot claims it.
+    changes.borrow_and_update();
+    r.probed(&due[0], true);
+    assert!(changes.has_changed().unwrap());
+    assert_eq!(r.list()[0].health, MemberHealth::Live);
+    assert!(r.list()[0].unreachable.is_none());
+    assert_eq!(r.claim(1).unwrap().name, "a");
+    // Marked again under the same incarnation: the next probe waits twice as long.
+    assert!(r.mark_unreachable("a", a.incarnation, "reset"));
+    let after = |ms| r.probes_due(Instant::now() + Duration::from_millis(ms));
+    assert!(after(150).is_empty());
+    assert_eq!(after(250).len(), 1);
+    // A silent unreachable member is lost; a new join is live at once, its count reset.
+    let mut lost = r.sweep(Instant::now() + Duration::from_secs(1));
+    lost.sort();
+    assert_eq!(lost, ["a", "b"]);
+    let again = r.join(engine("a", 1)).unwrap();
+    assert!(r.is_live("a", again.incarnation));
+    assert!(
+        !r.mark_unreachable("a", a.incarnation, "old"),
+        "an old incarnation is not marked"
+    );
+    assert!(r.mark_unreachable("a", again.incarnation, "refused"));
+    assert_eq!(r.list()[0].unreachable.as_ref().unwrap().times, 1);
+}

@@ -90,6 +90,10 @@ pub enum MemberHealth {
     Live,
     /// Silent for longer than `node.lost_after_s`.
     Lost,
+    /// Heartbeating, but the head's calls to it get no answer (an engine node: its process
+    /// died, or the head cannot reach the URL it advertised): no replica runs on it until a
+    /// probe of its URL answers or it joins again.
+    Unreachable,
 }
 
 /// One member as `/v1/nodes` and `/v1/status` list it.
@@ -101,7 +105,7 @@ pub struct NodeView {
     pub role: NodeRole,
     /// Where the head reaches it.
     pub url: String,
-    /// Live or lost.
+    /// Live, lost or unreachable.
     pub health: MemberHealth,
     /// Its incarnation (joins under this name so far).
     pub incarnation: u64,
@@ -119,4 +123,18 @@ pub struct NodeView {
     /// The head's episodes open on it now (env nodes).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub envs_open: Option<u64>,
+    /// While it is unreachable: why, and how often under this incarnation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unreachable: Option<UnreachableView>,
+}
+
+/// Why a member is unreachable, as listed.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct UnreachableView {
+    /// The failed call that marked it.
+    pub reason: String,
+    /// Times it was marked unreachable under this incarnation.
+    pub times: u32,
+    /// Seconds until the head probes its URL again.
+    pub next_probe_seconds: f64,
 }

@@ -15,7 +15,8 @@
 //! `initial` (the newest version the actor has), so a server started from its own checkpoint
 //! never generates tokens tagged with the run's version; requests that arrive meanwhile wait. A
 //! server that fails a call (connection refused or reset, no answer within `request_timeout`, a
-//! 5xx, a failed install) is down for good: its requests, and any sent to it later, finish as
+//! 5xx, a failed install) is down for good (a call that got no answer at all also makes
+//! [`RemoteEngine::unreachable`] say why): its requests, and any sent to it later, finish as
 //! [`FinishReason::Abort`](crate::backend::FinishReason::Abort) with the partial they came with (their rollouts go back to the aborted
 //! bucket), and [`InferenceBackend::is_alive`] turns false, so the engine actor fails the replica
 //! and rebuilds it after its backoff, which installs the newest weights again.
@@ -133,6 +134,8 @@ struct Shared {
     ready: AtomicBool,
     /// The server failed a call: the replica is dead.
     down: AtomicBool,
+    /// Why, when the failed call got no answer at all (the server is unreachable).
+    unreachable: std::sync::Mutex<Option<String>>,
     /// The server's busy time since the replica first read it, milliseconds.
     busy_ms: AtomicU64,
     /// Requests the server has queued, as last read.
@@ -201,6 +204,18 @@ impl RemoteEngine {
             thread: Some(thread),
             name,
         })
+    }
+
+    /// Why the replica is down when its server could not be reached (a call got no answer:
+    /// connection refused or reset, nothing within its deadline); `None` while it is up, or
+    /// when the server answered with an error (a 5xx, a refused install). A head tells its
+    /// engine nodes apart by it: an unreachable node is not the replica's failure.
+    pub fn unreachable(&self) -> Option<String> {
+        self.shared
+            .unreachable
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     /// 1 while the server is up and holds the run's weights (ready for work), else 0.

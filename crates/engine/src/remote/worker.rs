@@ -1,6 +1,8 @@
 //! The remote backend's loop: install the run's weights on the server before it gets work,
-//! send requests, relay completions, publish weights, and go down for good on a transport
-//! failure (the engine actor rebuilds the replica).
+//! send requests, relay completions, publish weights, and go down for good on a failed call
+//! (the engine actor rebuilds the replica). A call that got no answer at all (connection
+//! refused or reset, nothing within its deadline) says the server is *unreachable*, which the
+//! backend reports apart from a server that answered with an error ([`Fault`]).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -58,6 +60,42 @@ enum Reading {
     Failed,
 }
 
+/// Why a call took the server down.
+#[derive(Debug, Clone)]
+pub(super) struct Fault {
+    /// What failed, for the log and the replica's last error.
+    pub(super) message: String,
+    /// No answer came back (connection refused or reset, no answer within the deadline): the
+    /// server could not be reached, as opposed to a server that answered with an error.
+    pub(super) unreachable: bool,
+}
+
+impl Fault {
+    /// A call that got no answer.
+    fn unreachable(e: &sluice_http::HttpError) -> Self {
+        Self {
+            message: e.to_string(),
+            unreachable: true,
+        }
+    }
+
+    /// A server that answered with an error, or a failure on this side (writing weights).
+    fn failed(message: String) -> Self {
+        Self {
+            message,
+            unreachable: false,
+        }
+    }
+
+    /// The same fault, its message prefixed with what was being done.
+    fn during(self, what: &str) -> Self {
+        Self {
+            message: format!("{what}: {}", self.message),
+            ..self
+        }
+    }
+}
+
 /// What a spawned call reports back to the worker loop.
 enum Done {
     /// A reading of the server's load.
@@ -66,21 +104,21 @@ enum Done {
         id: RequestId,
         /// What goes to the sink (on a failure: an abort with the partial).
         completion: Completion,
-        /// The transport failure that marks the server down, if any.
-        failure: Option<String>,
+        /// The failure that marks the server down, if any.
+        failure: Option<Fault>,
     },
     Update {
         version: PolicyVersion,
         mode: WeightUpdateMode,
         asked: Instant,
-        failure: Option<String>,
+        failure: Option<Fault>,
     },
     /// An abort call ended (its outcome shows in the aborted request's reply).
     Control,
     /// The server's install of `version` ended.
     Installed {
         version: PolicyVersion,
-        result: Result<(), String>,
+        result: Result<(), Fault>,
     },
 }
 
@@ -181,13 +219,13 @@ impl Worker {
         let body = wire::completion_body(&request, self.params.model_name.as_deref());
         tasks.spawn(async move {
             let id = request.id;
-            let fail = |message: String| {
+            let fail = |fault: Fault| {
                 let aborted = Completion {
                     id,
                     output: partial.clone(),
                     finish: FinishReason::Abort,
                 };
-                (aborted, Some(message))
+                (aborted, Some(fault))
             };
             let (completion, failure) = match client
                 .call(
@@ -198,9 +236,9 @@ impl Worker {
                 )
                 .await
             {
-                Err(e) => fail(e.to_string()),
+                Err(e) => fail(Fault::unreachable(&e)),
                 Ok((status, _)) if status.is_server_error() => {
-                    fail(format!("{}: status {status}", client.url()))
+                    fail(Fault::failed(format!("{}: status {status}", client.url())))
                 }
                 Ok((status, bytes)) => (
                     finish_from_reply(id, &partial, status, &bytes, version),
@@ -245,7 +283,7 @@ impl Worker {
         let version = weights.version;
         tasks.spawn(async move {
             let result = match write(dirs, weights).await {
-                Err(e) => Err(e),
+                Err(e) => Err(Fault::failed(e)),
                 Ok(pinned) => {
                     load(&client, &pinned, WeightUpdateMode::InFlight, timeout).await
                     // `pinned` drops here: the directory may be pruned from now on.
@@ -280,9 +318,9 @@ impl Worker {
         tasks.spawn(async move {
             let failure = match client {
                 None if up => None,
-                None => Some("the server is down".to_owned()),
+                None => Some(Fault::failed("the server is down".to_owned())),
                 Some(client) => match write(dirs, weights).await {
-                    Err(e) => Some(e),
+                    Err(e) => Some(Fault::failed(e)),
                     Ok(pinned) => load(&client, &pinned, mode, timeout).await.err(),
                 },
             };
@@ -364,8 +402,8 @@ impl Worker {
                 failure,
             } => {
                 let resumed = self.inflight.remove(&id).unwrap_or(0);
-                if let Some(message) = failure {
-                    self.mark_down(&message);
+                if let Some(fault) = failure {
+                    self.mark_down(fault);
                 }
                 let mut completion = completion;
                 let newest = self.newest_published();
@@ -394,9 +432,9 @@ impl Worker {
                 asked,
                 failure,
             } => {
-                if let Some(message) = failure {
+                if let Some(fault) = failure {
                     // No report: the replica is dead, and its rebuild starts on these weights.
-                    self.mark_down(&format!("updating to v{}: {message}", version.0));
+                    self.mark_down(fault.during(&format!("updating to v{}", version.0)));
                     return;
                 }
                 if version >= self.version {
@@ -411,7 +449,7 @@ impl Worker {
             }
             Done::Control => {}
             Done::Installed { version, result } => match result {
-                Err(message) => self.mark_down(&format!("installing v{}: {message}", version.0)),
+                Err(fault) => self.mark_down(fault.during(&format!("installing v{}", version.0))),
                 Ok(()) if !self.server.up => {}
                 Ok(()) if self.latest.as_ref().is_some_and(|w| w.version > version) => {
                     // A newer version was published meanwhile: install that one first.
@@ -456,15 +494,23 @@ impl Worker {
     }
 
     /// The server failed a call: the replica is dead from now on (see the module docs).
-    fn mark_down(&mut self, message: &str) {
+    fn mark_down(&mut self, fault: Fault) {
         if self.server.up {
-            tracing::warn!(url = %self.server.client.url(), %message, "remote engine server is down; the replica will be rebuilt");
+            let message = &fault.message;
+            tracing::warn!(url = %self.server.client.url(), %message, unreachable = fault.unreachable, "remote engine server is down; the replica will be rebuilt");
             self.server.up = false;
             self.server.ready = false;
             for request in std::mem::take(&mut self.waiting) {
                 self.give_back(request);
             }
             self.publish();
+            if fault.unreachable {
+                *self
+                    .shared
+                    .unreachable
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner()) = Some(fault.message);
+            }
             self.shared.down.store(true, Ordering::Relaxed);
         }
     }
@@ -492,7 +538,7 @@ async fn load(
     pinned: &Pinned,
     mode: WeightUpdateMode,
     timeout: std::time::Duration,
-) -> Result<(), String> {
+) -> Result<(), Fault> {
     // Served over HTTP: the server fetches the file and checks its CRC-32 (no shared disk).
     let (route, body) = match pinned.fetch() {
         Some((url, crc)) => (
@@ -518,8 +564,11 @@ async fn load(
     let body = body.to_string().into_bytes();
     match client.call(Method::POST, route, Some(body), timeout).await {
         Ok((st, _)) if st.is_success() => Ok(()),
-        Ok((st, b)) => Err(format!("status {st}: {}", String::from_utf8_lossy(&b))),
-        Err(e) => Err(e.to_string()),
+        Ok((st, b)) => Err(Fault::failed(format!(
+            "status {st}: {}",
+            String::from_utf8_lossy(&b)
+        ))),
+        Err(e) => Err(Fault::unreachable(&e)),
     }
 }
 
