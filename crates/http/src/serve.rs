@@ -187,7 +187,7 @@ mod tests {
     async fn a_stop_drops_a_stuck_call_after_the_grace_period() {
         let router = axum::Router::new().route(
             "/stuck",
-            axum::routing::get(|| std::future::pending::<&'static str>()),
+            axum::routing::get(std::future::pending::<&'static str>),
         );
         let options = ServeOptions {
             shutdown_grace: Duration::from_millis(100),
