@@ -585,6 +585,7 @@ async fn qa_domains_configure_fields_marker_and_rubric() {
         on_bad_line: BadLinePolicy::Fail,
         adaptive_mix: true,
         domain_options: [("mathqa".to_owned(), options.clone())].into(),
+        read_limits: Default::default(),
     };
     let timeout = std::time::Duration::from_secs(5);
     let reg = configure(registry(), &data, timeout, None).unwrap();

@@ -487,10 +487,10 @@ impl Worker {
             newest.0
         );
         metrics::counter!(sluice_core::metrics::ENGINE_UNPUBLISHED_VERSION_ERRORS).increment(1);
-        self.mark_down(&format!(
+        self.mark_down(Fault::failed(format!(
             "holds v{}, a version this head never published",
             held.0
-        ));
+        )));
     }
 
     /// The server failed a call: the replica is dead from now on (see the module docs).
