@@ -228,7 +228,12 @@ fn the_real_model_recipe_trains_two_steps() {
     assert_eq!(steps.len(), 2, "{log}");
     for step in &steps {
         assert!(step["loss"].as_f64().is_some_and(f64::is_finite), "{step}");
-        assert!(step["tokens_per_s"].as_f64().is_some_and(|t| t > 0.0), "{step}");
+        assert!(
+            step["reward.format"]
+                .as_f64()
+                .is_some_and(|f| (0.0..=1.0).contains(&f)),
+            "the recipe's rubric scored the step: {step}"
+        );
     }
     assert_eq!(steps[1]["policy_version"], 2, "{log}");
     // Evaluated before RL and at the end, on the four held-out problems.

@@ -192,7 +192,7 @@ pub(super) fn rows() -> Vec<Row> {
         row(
             Cli(&["check", "/dev/zero"]),
             Exit(1),
-            "/dev/zero: is a character device, not a regular file",
+            "/dev/zero: cannot read config: is a character device, not a regular file",
         ),
         // The CLI refuses what it can before calling, and says when it cannot reach the node.
         row(

@@ -61,7 +61,7 @@ pub fn load(path: &Path, overrides: &[Override]) -> Result<Config, ConfigError> 
             ConfigError::file(
                 &file,
                 ConfigErrorKind::Io,
-                format!("cannot read config: {e}"),
+                format!("cannot read config: {}", e.reason()),
             )
         })?;
     parse(&text, &file, overrides, &|k| std::env::var(k).ok())

@@ -52,6 +52,20 @@ pub enum ReadFileError {
 }
 
 impl ReadFileError {
+    /// What went wrong without the file's name, for callers whose messages already name it.
+    pub fn reason(&self) -> String {
+        match self {
+            ReadFileError::Io { source, .. } => source.to_string(),
+            ReadFileError::NotRegular { kind, .. } => format!("is a {kind}, not a regular file"),
+            ReadFileError::TooLarge { cap, what, .. } => {
+                format!("larger than the {} limit for {what}", human_bytes(*cap))
+            }
+            ReadFileError::NotUtf8 { offset, .. } => {
+                format!("not UTF-8 text (invalid byte at offset {offset})")
+            }
+        }
+    }
+
     /// Short stable name, used as a metric label.
     pub fn kind(&self) -> &'static str {
         match self {
@@ -66,7 +80,7 @@ impl ReadFileError {
 /// `bytes` in the largest binary unit that divides it (`16 MiB`, `4 GiB`, `1000 bytes`).
 pub fn human_bytes(bytes: u64) -> String {
     for (unit, size) in [("GiB", 1u64 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)] {
-        if bytes >= size && bytes % size == 0 {
+        if bytes >= size && bytes.is_multiple_of(size) {
             return format!("{} {unit}", bytes / size);
         }
     }
