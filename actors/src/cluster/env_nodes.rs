@@ -62,7 +62,8 @@ mod tests {
         JoinRequest {
             name: name.into(),
             role: NodeRole::Env,
-            url: format!("http://127.0.0.1:1/{name}"),
+            // One port per node name: a member URL is exactly `http://host:port`.
+            url: format!("http://127.0.0.1:{}", 1000 + u16::from(name.as_bytes()[0])),
             tasks: tasks.iter().map(|t| (*t).to_owned()).collect(),
         }
     }

@@ -12,7 +12,7 @@
 //! An engine member the head cannot reach (a call of the replica on it got no answer: its
 //! process was killed, or it advertises a URL the head has no route to) is *unreachable* at
 //! once, whatever its heartbeats say: no slot claims it until a probe of its URL answers or it
-//! joins again ([`reach`]).
+//! joins again (the `reach` module).
 //!
 //! Every change of who is live (a join, a return, a leave, a loss) is announced on a watch
 //! channel ([`Registry::subscribe`]): a vacant engine replica slot and an episode waiting for an

@@ -54,7 +54,7 @@ fn a_full_file_resolves() {
         device = "cuda:1"
         [engine]
         backend = "remote"
-        remote_urls = ["http://10.0.0.1:30000", "https://gpu-2/"]
+        remote_urls = ["http://10.0.0.1:30000", "http://gpu-2:30000"]
         request_timeout_s = 5
         [trainer]
         loss = "decoupled_ppo"
