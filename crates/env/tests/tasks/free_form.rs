@@ -1,0 +1,342 @@
+//! The free-form answer tasks: `word_problems` (generated) and `qa` (JSONL rows), scored on
+//! the final answer of sentences.
+
+use super::*;
+
+#[tokio::test]
+async fn word_problems_score_sentences_by_their_final_answer_and_marker() {
+    let task = registry().get("word_problems").unwrap();
+    let s = sample(serde_json::json!({
+        "question": "Ana has 20 pens and gets 9 more. How many pens does Ana have now?",
+        "answer": 29,
+        "working": "20 + 9 = 29."
+    }));
+    let reasoned = play(
+        &task,
+        &s,
+        &["Ana starts with 20 pens and gets 9 more: 20 + 9 = 29.\n#### 29"],
+    )
+    .await;
+    assert_eq!(reasoned.status, RolloutStatus::Completed);
+    assert_eq!(reasoned.reward_components["correct"], 1.0);
+    assert_eq!(reasoned.reward_components["format"], 1.0);
+    assert!((reasoned.reward - 1.0).abs() < 1e-12);
+    let prompt = &reasoned.turns[0].prompt_messages;
+    assert_eq!(
+        prompt[0].content.as_deref(),
+        Some("Solve the problem. Write the final answer as a number after ####.")
+    );
+    assert_eq!(prompt[1].content.as_deref(), s.input["question"].as_str());
+    // A sentence ending in the number is right, without the marker's bonus.
+    let sentence = play(&task, &s, &["Ana has 29 pens now."]).await;
+    assert_eq!(sentence.reward_components["correct"], 1.0);
+    assert_eq!(sentence.reward_components["format"], 0.0);
+    assert!((sentence.reward - 1.0 / 1.1).abs() < 1e-12);
+    // A wrong marked answer keeps the format bonus only.
+    let wrong = play(&task, &s, &["20 + 9 = 28\n#### 28"]).await;
+    assert_eq!(wrong.reward_components["correct"], 0.0);
+    assert!((wrong.reward - 0.1 / 1.1).abs() < 1e-12, "format only");
+    let boxed = play(&task, &s, &["So the answer is \\boxed{29}."]).await;
+    assert_eq!(boxed.reward_components["correct"], 1.0);
+    let nothing = play(&task, &s, &["I do not know."]).await;
+    assert_eq!(nothing.reward, 0.0);
+    let cut = play(&task, &s, &["LEN:20 + 9 = "]).await;
+    assert_eq!(cut.status, RolloutStatus::Truncated);
+    assert_eq!(cut.reward, 0.0, "truncation_reward = 0");
+    assert_eq!(
+        task.reference_reply(&s, 0).as_deref(),
+        Some("20 + 9 = 29.\n#### 29")
+    );
+    assert!(task.reference_reply(&s, 1).is_none());
+}
+
+/// The held-out split shares no problem numbers with training (any seed, any wording), every
+/// answer is a whole number ≥ 0 within the small operand ranges, and all four kinds of problem
+/// (addition, subtraction, multiplication, two steps) come up.
+#[test]
+fn word_problems_heldout_numbers_never_appear_in_training() {
+    use sluice_env::tasks::word_problems::{is_heldout_problem, split_key};
+    let task = registry().get("word_problems").unwrap();
+    let keys = |split: &str, seed: u64, n: usize| -> BTreeSet<String> {
+        let spec: DatasetSpec = format!("math::word_problems@{split}").parse().unwrap();
+        let data = task.generate_dataset(&spec, seed, n).unwrap();
+        data.samples()
+            .iter()
+            .map(|s| {
+                let q = s.input["question"].as_str().unwrap();
+                let a = s.input["answer"].as_u64().expect("a whole answer ≥ 0");
+                assert!(a <= 12 * 12 + 20, "{q} = {a}");
+                let numbers = sluice_env::answer::numbers(q);
+                assert!(numbers.iter().all(|&n| (2.0..=20.0).contains(&n)), "{q}");
+                assert_eq!(is_heldout_problem(q, a), split == "eval", "{q}");
+                split_key(q, a)
+            })
+            .collect()
+    };
+    let mut train = BTreeSet::new();
+    for seed in 0..3 {
+        train.extend(keys("train", seed, 2000));
+    }
+    let heldout = keys("eval", 7, 400);
+    assert!(
+        heldout.len() > 100,
+        "varied held-out problems: {}",
+        heldout.len()
+    );
+    assert!(train.is_disjoint(&heldout));
+    let spec: DatasetSpec = "math::word_problems@train".parse().unwrap();
+    let texts: Vec<String> = task
+        .generate_dataset(&spec, 1, 400)
+        .unwrap()
+        .samples()
+        .iter()
+        .map(|s| s.input["working"].as_str().unwrap().to_owned())
+        .collect();
+    for (kind, sign) in [
+        ("addition", " + "),
+        ("subtraction", " - "),
+        ("multiplication", " * "),
+    ] {
+        assert!(texts.iter().any(|w| w.contains(sign)), "{kind}");
+    }
+    assert!(
+        texts.iter().any(|w| w.matches(" = ").count() == 2),
+        "two steps"
+    );
+}
+
+#[tokio::test]
+async fn word_problems_evaluation_reports_accuracy() {
+    use sluice_env::evaluate;
+    let task = registry().get("word_problems").unwrap();
+    let spec: DatasetSpec = "math::word_problems@eval".parse().unwrap();
+    let data = task.generate_dataset(&spec, 5, 4).unwrap();
+    let replies: Vec<String> = data
+        .samples()
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            let a = s.input["answer"].as_u64().unwrap();
+            match i {
+                0 => format!("It is {a}.\n#### {a}"),
+                1 => format!("The answer is {a}."),
+                2 => format!("#### {}", a + 1),
+                _ => "no idea".to_owned(),
+            }
+        })
+        .collect();
+    let refs: Vec<&str> = replies.iter().map(String::as_str).collect();
+    let mut policy = common::Scripted::new(&refs);
+    let (report, _) = evaluate(
+        &task,
+        data.samples(),
+        common::renderer(),
+        &TokenEnvLimits::default(),
+        &mut policy,
+    )
+    .await
+    .unwrap();
+    assert_eq!(report.accuracy, Some(0.5));
+}
+
+/// GSM8K rows load as they are (`"…\n#### 72"`), score free-form replies by their final answer,
+/// and give a reference reply without the calculator notes; a row's own system prompt wins.
+#[tokio::test]
+async fn qa_reads_gsm8k_rows_as_they_are() {
+    use sluice_data::Dataset;
+    use sluice_data::config::BadLinePolicy;
+    let spec: DatasetSpec = "gsm8k::gsm8k@train".parse().unwrap();
+    let text = concat!(
+        r#"{"question": "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did Natalia sell altogether in April and May?", "answer": "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72"}"#,
+        "\n",
+        r#"{"question": "What is 2 + 2?", "answer": 4, "system_prompt": "Be brief."}"#,
+        "\n"
+    );
+    let rows = Dataset::parse(
+        text,
+        std::path::Path::new("train.jsonl"),
+        &spec,
+        BadLinePolicy::Fail,
+    )
+    .unwrap();
+    let task = registry().get("qa").unwrap();
+    let gsm = &rows.samples()[0];
+    let r = play(
+        &task,
+        gsm,
+        &["She sold 24 in May, so 48 + 24 = 72.\n#### 72"],
+    )
+    .await;
+    assert_eq!(r.status, RolloutStatus::Completed);
+    assert_eq!(r.reward_components["correct"], 1.0);
+    assert_eq!(r.reward_components["format"], 1.0);
+    assert_eq!(r.turns[0].situation.as_deref(), Some("answer"));
+    let prompt = &r.turns[0].prompt_messages;
+    assert_eq!(
+        prompt[0].content.as_deref(),
+        Some("Answer the question. Write the final answer after ####.")
+    );
+    assert_eq!(prompt[1].content.as_deref(), gsm.input["question"].as_str());
+    let r = play(&task, gsm, &["The answer is 72 clips."]).await;
+    assert_eq!(
+        (
+            r.reward_components["correct"],
+            r.reward_components["format"]
+        ),
+        (1.0, 0.0)
+    );
+    let r = play(&task, gsm, &["48 + 24 = 72, minus 1\n#### 71"]).await;
+    assert_eq!(
+        (
+            r.reward_components["correct"],
+            r.reward_components["format"]
+        ),
+        (0.0, 1.0)
+    );
+    let reference = task.reference_reply(gsm, 0).unwrap();
+    assert_eq!(
+        reference,
+        "Natalia sold 48/2 = 24 clips in May.\nNatalia sold 48+24 = 72 clips altogether in April and May.\n#### 72"
+    );
+    assert_eq!(
+        play(&task, gsm, &[&reference]).await.reward_components["correct"],
+        1.0
+    );
+
+    let brief = &rows.samples()[1];
+    let r = play(&task, brief, &["#### 4"]).await;
+    assert_eq!(r.reward_components["correct"], 1.0);
+    assert_eq!(
+        r.turns[0].prompt_messages[0].content.as_deref(),
+        Some("Be brief.")
+    );
+    assert_eq!(task.reference_reply(brief, 0).as_deref(), Some("#### 4"));
+
+    let no_answer = sample(serde_json::json!({"question": "Why?"}));
+    let err = task.make_env(&no_answer).err().unwrap();
+    assert_eq!(err.kind(), "env_bad_input");
+    assert!(err.to_string().contains("`answer`"), "{err}");
+}
+
+/// A domain names the `qa` row fields and the `\boxed{}` marker; its rubric's generic
+/// functions read the same answer field. The keys on another task's domain are refused, naming
+/// the key.
+#[tokio::test]
+async fn qa_domains_configure_fields_marker_and_rubric() {
+    use sluice_data::config::{
+        AnswerMarker, BadLinePolicy, DataConfig, DomainConfig, DomainRubric,
+    };
+    use sluice_env::configured::configure;
+    let options = DomainConfig {
+        task: Some("qa".into()),
+        question_field: Some("problem".into()),
+        answer_field: Some("solution".into()),
+        system_prompt_field: Some("instructions".into()),
+        answer_marker: Some(AnswerMarker::Boxed),
+        ..DomainConfig::default()
+    };
+    let data = DataConfig {
+        datasets: vec!["mathqa::problems@train".parse().unwrap()],
+        data_dir: "unused".into(),
+        on_bad_line: BadLinePolicy::Fail,
+        adaptive_mix: true,
+        domain_options: [("mathqa".to_owned(), options.clone())].into(),
+        read_limits: Default::default(),
+    };
+    let timeout = std::time::Duration::from_secs(5);
+    let reg = configure(registry(), &data, timeout, None).unwrap();
+    assert_eq!(reg.domain_tasks()["mathqa"], "mathqa/qa");
+    let task = reg.get("mathqa/qa").unwrap();
+    let row = sample(serde_json::json!({
+        "problem": "What is 3 divided by 2?",
+        "solution": "3 / 2 = \\boxed{1.5}",
+        "instructions": "Think step by step."
+    }));
+    let r = play(&task, &row, &["3/2 = 1.5, so \\boxed{1.50}"]).await;
+    assert_eq!(
+        (
+            r.reward_components["correct"],
+            r.reward_components["format"]
+        ),
+        (1.0, 1.0)
+    );
+    let prompt = &r.turns[0].prompt_messages;
+    assert_eq!(prompt[0].content.as_deref(), Some("Think step by step."));
+    assert_eq!(
+        prompt[1].content.as_deref(),
+        Some("What is 3 divided by 2?")
+    );
+    let r = play(&task, &row, &["#### 1.5"]).await;
+    assert_eq!(
+        (
+            r.reward_components["correct"],
+            r.reward_components["format"]
+        ),
+        (1.0, 0.0),
+        "right, but not boxed"
+    );
+    assert_eq!(
+        task.reference_reply(&row, 0).as_deref(),
+        Some("3 / 2 = \\boxed{1.5}")
+    );
+    let plain = sample(serde_json::json!({"problem": "2+2?", "solution": "4"}));
+    let r = play(&task, &plain, &["\\boxed{4}"]).await;
+    assert_eq!(r.reward_components["correct"], 1.0);
+    assert_eq!(
+        r.turns[0].prompt_messages[0].content.as_deref(),
+        Some("Answer the question. Put the final answer in \\boxed{}.")
+    );
+    assert_eq!(
+        task.reference_reply(&plain, 0).as_deref(),
+        Some("\\boxed{4}")
+    );
+
+    // A rubric with the generic functions reads `solution` too.
+    let with_rubric = DataConfig {
+        domain_options: [(
+            "mathqa".to_owned(),
+            DomainConfig {
+                rubric: Some(DomainRubric {
+                    weights: [("regex".to_owned(), 1.0), ("exact_match".to_owned(), 1.0)].into(),
+                    truncation_reward: None,
+                    error_reward: None,
+                    timeout: None,
+                    regex: Some(r"answer is (\S+)".into()),
+                }),
+                ..options
+            },
+        )]
+        .into(),
+        ..data.clone()
+    };
+    let reg = configure(registry(), &with_rubric, timeout, None).unwrap();
+    let task = reg.get("mathqa/qa").unwrap();
+    let r = play(&task, &plain, &["the answer is 4.0"]).await;
+    assert_eq!(
+        (
+            r.reward_components["regex"],
+            r.reward_components["exact_match"]
+        ),
+        (1.0, 0.0)
+    );
+
+    let other = DataConfig {
+        datasets: vec!["math::arithmetic@train".parse().unwrap()],
+        domain_options: [(
+            "math".to_owned(),
+            DomainConfig {
+                answer_marker: Some(AnswerMarker::Boxed),
+                ..DomainConfig::default()
+            },
+        )]
+        .into(),
+        ..data
+    };
+    let err = configure(registry(), &other, timeout, None)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("data.domains.math.answer_marker") && err.contains("only the `qa` task"),
+        "{err}"
+    );
+}
