@@ -27,6 +27,7 @@
 //! busy seconds counted from the replica's first reading, which comes before the replica sends
 //! the server any work — so the engine busy ratio of a head measures its engine nodes, not 0.
 
+mod fault;
 mod weights;
 mod wire;
 mod worker;

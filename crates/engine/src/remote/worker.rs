@@ -16,6 +16,7 @@ use sluice_model::ModelWeights;
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 
+use super::fault::Fault;
 use super::{Command, Pinned, RemoteParams, Shared, WeightDirs, wire};
 use crate::backend::{
     Completion, EngineEvent, EventSink, FinishReason, GenerateRequest, TokenOutput,
@@ -58,42 +59,6 @@ enum Reading {
     /// The call failed; a failed reading says nothing about the server (generation calls
     /// decide whether it is down): read again at the next tick.
     Failed,
-}
-
-/// Why a call took the server down.
-#[derive(Debug, Clone)]
-pub(super) struct Fault {
-    /// What failed, for the log and the replica's last error.
-    pub(super) message: String,
-    /// No answer came back (connection refused or reset, no answer within the deadline): the
-    /// server could not be reached, as opposed to a server that answered with an error.
-    pub(super) unreachable: bool,
-}
-
-impl Fault {
-    /// A call that got no answer.
-    fn unreachable(e: &sluice_http::HttpError) -> Self {
-        Self {
-            message: e.to_string(),
-            unreachable: true,
-        }
-    }
-
-    /// A server that answered with an error, or a failure on this side (writing weights).
-    fn failed(message: String) -> Self {
-        Self {
-            message,
-            unreachable: false,
-        }
-    }
-
-    /// The same fault, its message prefixed with what was being done.
-    fn during(self, what: &str) -> Self {
-        Self {
-            message: format!("{what}: {}", self.message),
-            ..self
-        }
-    }
 }
 
 /// What a spawned call reports back to the worker loop.
