@@ -121,11 +121,7 @@ impl RewardFn {
         weight: f64,
         f: impl Fn(&ScoreInput) -> f64 + Send + Sync + 'static,
     ) -> Self {
-        Self {
-            name: name.into(),
-            weight,
-            scorer: Scorer::Inline(Arc::new(move |input| Ok(f(input)))),
-        }
+        Self::inline_fallible(name, weight, move |input| Ok(f(input)))
     }
 
     /// A cheap synchronous reward function that may refuse (its error fails the rollout), run
