@@ -9,9 +9,9 @@ use std::path::Path;
 use std::process::Command;
 
 use serde_json::Value;
-use sluice_actors::client::{Call, send};
-use sluice_actors::{Node, NodeOptions};
 use sluice_config::{BadLinePolicy, DatasetSpec};
+use sluice_node::client::{Call, send};
+use sluice_node::{Node, NodeOptions};
 
 #[path = "bad_inputs/rows.rs"]
 mod rows;
@@ -263,7 +263,7 @@ max_new_tokens = 32
     let node = runtime.block_on(Node::start(&config, options)).unwrap();
     let url = format!("http://{}", node.admin_addr().unwrap());
     let knobs_now = || -> Value {
-        let (code, body) = sluice_actors::client::request(&url, "GET", "/v1/knobs", None, None)
+        let (code, body) = sluice_node::client::request(&url, "GET", "/v1/knobs", None, None)
             .expect("GET /v1/knobs");
         assert_eq!(code, 200);
         serde_json::from_str(&body).unwrap()
@@ -280,7 +280,7 @@ max_new_tokens = 32
                 .map(|e| format!("row {i} ({:?}): {e}", row.message))
         })
         .collect();
-    let still_serving = sluice_actors::client::request(&url, "GET", "/v1/status", None, None);
+    let still_serving = sluice_node::client::request(&url, "GET", "/v1/status", None, None);
     runtime.block_on(node.shutdown());
     assert!(
         failures.is_empty(),

@@ -7,10 +7,10 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use sluice_actors::{Node, NodeOptions};
 use sluice_core::{
     DataSample, GroupId, NodeId, PolicyVersion, RolloutGroup, RolloutStatus, RolloutTurn, RunId,
 };
+use sluice_node::{Node, NodeOptions};
 use sluice_replay::{Bucket, Persister, ReplayStore};
 
 const TOKEN: &str = "cli-replay-token";

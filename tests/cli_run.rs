@@ -3,7 +3,7 @@
 use std::process::Command;
 use std::time::Duration;
 
-use sluice_actors::{Node, NodeOptions};
+use sluice_node::{Node, NodeOptions};
 
 fn sluice() -> Command {
     Command::new(env!("CARGO_BIN_EXE_sluice"))

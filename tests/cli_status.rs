@@ -5,7 +5,7 @@
 use std::path::Path;
 use std::process::Command;
 
-use sluice_actors::{Node, NodeOptions};
+use sluice_node::{Node, NodeOptions};
 
 const TOKEN: &str = "cli-status-token";
 

@@ -266,7 +266,7 @@ listen = "{listen}"
 }
 
 fn get(base: &str, path: &str) -> Option<Value> {
-    let (code, body) = sluice_actors::client::request(base, "GET", path, None, None).ok()?;
+    let (code, body) = sluice_node::client::request(base, "GET", path, None, None).ok()?;
     (code == 200).then(|| serde_json::from_str(&body).unwrap())
 }
 
@@ -393,8 +393,7 @@ fn nodes_join_serve_over_http_and_survive_kill_9_of_a_node_and_of_the_head() {
     // A member URL with credentials, a path and a query is refused at the join.
     let evil = r#"{"name": "evil", "role": "engine", "url": "http://u:p@127.0.0.9:1/a/../b?c"}"#;
     let (code, body) =
-        sluice_actors::client::request(&base, "POST", "/v1/nodes", Some(evil), Some(TOKEN))
-            .unwrap();
+        sluice_node::client::request(&base, "POST", "/v1/nodes", Some(evil), Some(TOKEN)).unwrap();
     assert_eq!(code, 400, "{body}");
     assert!(body.contains("is not exactly http://host:port"), "{body}");
     assert!(node(&get(&base, "/v1/status").unwrap(), "evil").is_none());
@@ -409,10 +408,10 @@ fn nodes_join_serve_over_http_and_survive_kill_9_of_a_node_and_of_the_head() {
         ("/abort_request", r#"{"abort_all": true}"#),
     ] {
         let (code, reply) =
-            sluice_actors::client::request(&e1_base, "POST", path, Some(body), None).unwrap();
+            sluice_node::client::request(&e1_base, "POST", path, Some(body), None).unwrap();
         assert_eq!(code, 401, "{path}: {reply}");
     }
-    let (code, reply) = sluice_actors::client::request(
+    let (code, reply) = sluice_node::client::request(
         &e1_base,
         "POST",
         "/update_weights_from_disk",
@@ -539,7 +538,7 @@ fn nodes_join_serve_over_http_and_survive_kill_9_of_a_node_and_of_the_head() {
     // depends on timing, so it is printed, not asserted (crates/env/tests/routed.rs checks
     // the move itself). None failed for it: the node's death is not the env's failure.
     let (_, scrape) =
-        sluice_actors::client::request(&format!("http://{metrics}"), "GET", "/metrics", None, None)
+        sluice_node::client::request(&format!("http://{metrics}"), "GET", "/metrics", None, None)
             .unwrap();
     let series = |prefix: &str| {
         scrape
@@ -757,7 +756,7 @@ fn one_dead_engine_node_never_ends_the_run() {
 
     // Two nodes were marked unreachable, once each; no rollout trained beyond the bound.
     let (_, scrape) =
-        sluice_actors::client::request(&format!("http://{metrics}"), "GET", "/metrics", None, None)
+        sluice_node::client::request(&format!("http://{metrics}"), "GET", "/metrics", None, None)
             .unwrap();
     assert_eq!(
         series(

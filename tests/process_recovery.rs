@@ -125,7 +125,7 @@ impl Run {
     /// `/v1/status`, or `None` while the node is not serving yet.
     fn status(&self) -> Option<Value> {
         let (code, body) =
-            sluice_actors::client::request(&self.base, "GET", "/v1/status", None, None).ok()?;
+            sluice_node::client::request(&self.base, "GET", "/v1/status", None, None).ok()?;
         (code == 200).then(|| serde_json::from_str(&body).unwrap())
     }
 

@@ -6,11 +6,11 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use sluice_actors::{Node, NodeOptions, NodeStatus};
 use sluice_config::{Override, SimTrainerConfig};
 use sluice_core::{
     BackendError, PolicyVersion, RolloutGroup, TrainStepOutput, TrainerBackend, WeightSnapshot,
 };
+use sluice_node::{Node, NodeOptions, NodeStatus};
 use sluice_trainer::SimTrainer;
 
 type Batches = Arc<Mutex<Vec<RolloutGroup>>>;

@@ -1,5 +1,5 @@
 //! The four counters every actor reports (`DESIGN.md` §8), in a module of their own so that every
-//! actor can count without depending on the metrics plumbing of [`crate::telemetry`], which in
+//! actor can count without depending on the metrics plumbing of `sluice_node::telemetry`, which in
 //! turn reads the engine.
 
 use metrics::Counter;

@@ -1,6 +1,6 @@
 //! Run events: the actors announce that something a watcher of the run acts on has changed — a
 //! step trained, the trainer finished or failed, the controller found no progress, the engine gave
-//! up, an actor ended (the node's supervisor actor says which) — and watchers (the node's [`crate::Node::wait_done`], the binary's run
+//! up, an actor ended (the node's supervisor actor says which) — and watchers (the node's `Node::wait_done` in `sluice-node`, the binary's run
 //! monitor) wake on it and read the status, instead of polling it on a timer.
 //!
 //! A `tokio::sync::watch` channel carries a sequence number that every announcement bumps, so a

@@ -9,24 +9,20 @@
 //! | [`env_worker`] | EnvWorker pool | environment steps and rewards |
 //! | [`replay`] | ReplayStore | the bucket state machine on a dedicated thread, persisted |
 //! | [`trainer`] | Trainer | pulls batches, trains on a dedicated thread, publishes weights |
-//! | [`node`] | NodeSupervisor | builds and supervises the pipeline, serves admin API and metrics |
-//! | [`supervise_node`] | NodeSupervisor | restore at start, checkpoints, the graceful stop |
 //! | [`supervise`] | restart backoff and progress watchdog, as pure policies |
 //! | [`checkpoint`] | the checkpoint directory: manifest, atomic swap, load |
 //! | [`faults`] | fault injection decorators (`[faults]`, off by default) |
-//! | [`admin`] | admin HTTP API | `GET/PATCH /v1/knobs`, `GET /v1/status`, `GET /metrics` |
-//! | [`client`] | a small blocking HTTP client for the admin API (`sluice knobs`) |
-//! | [`cluster`] | head / engine / env nodes | membership registry, weights over HTTP, joining a head |
-//! | [`telemetry`] | metrics | exporter install, periodic gauges and upkeep |
+//! | [`counters`] | counters every actor bumps, without the metrics plumbing |
+//! | [`events`] | the run's event feed ([`RunEvent`]) |
+//!
+//! The node that builds, starts and supervises these actors — its admin API, cluster membership,
+//! telemetry and the run's lifecycle — is the `sluice-node` crate, one layer up.
 //!
 //! Flow control: ractor mailboxes are unbounded, so every producer is bounded by the controller's
 //! admission and in-flight target: the engine never holds more requests than rollouts in flight,
 //! the env pool never more steps, the sampler never more samples than the controller asked for.
 
-pub mod admin;
 pub mod checkpoint;
-pub mod client;
-pub mod cluster;
 pub mod controller;
 pub mod counters;
 pub mod engine;
@@ -34,21 +30,14 @@ pub mod env_faults;
 pub mod env_worker;
 pub mod events;
 pub mod faults;
-pub mod handles;
-pub mod native;
-pub mod node;
 pub mod replay;
-pub mod run;
 pub mod sampler;
 pub mod supervise;
-pub mod supervise_node;
-pub mod telemetry;
 pub mod trainer;
 
 use std::sync::Arc;
 
 pub use events::{RunEvent, RunEvents};
-pub use node::{Node, NodeOptions, NodeStatus};
 
 /// A callback into another actor's mailbox: calling it casts a message and never blocks.
 pub type Sink<T> = Arc<dyn Fn(T) + Send + Sync>;

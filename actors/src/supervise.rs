@@ -1,6 +1,6 @@
 //! Supervision policy as pure logic (no actors, no clocks of its own): the restart [`Backoff`]
 //! and the progress [`Watchdog`]. The engine actor applies both to its replicas; the node applies
-//! the restart policy table in [`crate::node`].
+//! the restart policy table in the node (`sluice_node::node`).
 //!
 //! Both take `now` as an argument, so tests drive them with made-up instants. The instants are
 //! tokio's ([`tokio::time::Instant`]): the engine actor reads the runtime's clock, so a test that

@@ -5,8 +5,8 @@
 use std::process::ExitCode;
 
 use anyhow::{Context, bail};
-use sluice_actors::client::request;
 use sluice_core::KnobPatch;
+use sluice_node::client::request;
 
 use super::status::{pretty, reason, target};
 use crate::cli::{KnobsAction, KnobsArgs};

@@ -14,13 +14,13 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use anyhow::{Context, bail};
-use sluice_actors::cluster::member::{self, MemberParams, Membership, Report};
-use sluice_actors::cluster::registry::JoinRequest;
 use sluice_config::{Config, NodeConfig, NodeRole};
 use sluice_engine::server::fetch::WeightFetch;
 use sluice_engine::server::{ServerOptions, ServerState, WeightEvents};
 use sluice_engine::{InferenceBackend, NativeEngine, NativeEngineParams};
 use sluice_model::{LoadOptions, Tokenizer, load_checkpoint};
+use sluice_node::cluster::member::{self, MemberParams, Membership, Report};
+use sluice_node::cluster::registry::JoinRequest;
 
 use super::shutdown_signal;
 
@@ -81,9 +81,9 @@ async fn engine_node(config: &Config, node: &NodeConfig) -> anyhow::Result<ExitC
         );
     }
     let model_dir = config.model.path.clone();
-    sluice_actors::native::ensure_model_dir(config)?;
+    sluice_node::native::ensure_model_dir(config)?;
     let options = LoadOptions {
-        dtype: Some(sluice_actors::native::setup::native_trainer_config(config).publish_dtype),
+        dtype: Some(sluice_node::native::setup::native_trainer_config(config).publish_dtype),
         device: sluice_model::device(config.engine.device).context("engine.device")?,
     };
     let weights = Arc::new(

@@ -7,7 +7,7 @@ use std::process::ExitCode;
 
 use anyhow::{Context, bail};
 use serde_json::{Value, json};
-use sluice_actors::client::request;
+use sluice_node::client::request;
 use sluice_replay::Bucket;
 
 use super::status::{reason, target};

@@ -9,12 +9,12 @@ use std::process::ExitCode;
 
 use anyhow::{Context, bail};
 use indicatif::{ProgressBar, ProgressStyle};
-use sluice_actors::cluster::Head;
-use sluice_actors::run::{NativeRun, Progress, RunMonitor, RunSummary, Scores, Start};
-use sluice_actors::supervise_node::StopReport;
 use sluice_actors::trainer::STEP_FEED_CAPACITY;
-use sluice_actors::{Node, NodeOptions, NodeStatus};
 use sluice_config::{Config, EngineBackend, NodeRole};
+use sluice_node::cluster::Head;
+use sluice_node::run::{NativeRun, Progress, RunMonitor, RunSummary, Scores, Start};
+use sluice_node::supervise_node::StopReport;
+use sluice_node::{Node, NodeOptions, NodeStatus};
 use sluice_report::{METRICS_FILE, MetricsLog, PLOT_FILE, plot_run, read_log};
 
 use super::shutdown_signal;

@@ -10,8 +10,8 @@ use std::process::ExitCode;
 
 use anyhow::{Context, bail};
 use serde_json::Value;
-use sluice_actors::client::request;
 use sluice_config::ADMIN_TOKEN_ENV;
+use sluice_node::client::request;
 
 use crate::cli::{AdminArgs, StatusArgs};
 

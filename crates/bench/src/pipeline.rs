@@ -15,9 +15,9 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use sluice_actors::{Node, NodeOptions, NodeStatus};
 use sluice_config::Config;
 use sluice_core::{Knobs, WeightUpdateMode};
+use sluice_node::{Node, NodeOptions, NodeStatus};
 
 /// `sluice bench pipeline` / `sluice bench overhead`
 #[derive(Debug, clap::Args)]

@@ -3,7 +3,7 @@
 //!
 //! Per preset: the head's side writes the version as the run does (`WeightDirs::served_at`:
 //! safetensors + CRC-32) and serves it with the head's own streaming code
-//! ([`sluice_actors::cluster::routes::stream_file`]) on 127.0.0.1; the node's side fetches it
+//! ([`sluice_node::cluster::routes::stream_file`]) on 127.0.0.1; the node's side fetches it
 //! with [`HttpClient::download`] (streamed to disk, CRC computed on the way) and checks the CRC.
 //! The raw copy sends the same file over a plain loopback TCP socket into a file, nothing else.
 //! Each is timed `--repeats` times; the medians and their ratio are reported (the target:
@@ -132,7 +132,7 @@ pub fn measure(
                 let path = served.clone();
                 async move {
                     match tokio::fs::File::open(&path).await {
-                        Ok(f) => sluice_actors::cluster::routes::stream_file(f, crc).await,
+                        Ok(f) => sluice_node::cluster::routes::stream_file(f, crc).await,
                         Err(e) => axum::response::IntoResponse::into_response((
                             axum::http::StatusCode::NOT_FOUND,
                             e.to_string(),

@@ -46,7 +46,7 @@ pub struct NativeTrainerConfig {
 }
 
 /// What the native trainer's settings take from outside `[trainer]`, filled in by whoever holds
-/// the whole config (`sluice_actors::native::setup::native_trainer_config`).
+/// the whole config (`sluice_node::native::setup::native_trainer_config`).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct TrainerRunContext {
     /// `run.max_steps`: the schedule's length, in training steps.

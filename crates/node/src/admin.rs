@@ -1,0 +1,420 @@
+//! The admin HTTP API (axum) and the `/metrics` route.
+//!
+//! | route | token | what |
+//! |---|---|---|
+//! | `GET /health` | – | 200 `{}` while the API answers (readiness probes) |
+//! | `GET /v1/status` | – | version, step, buckets, rates, knobs, actor health ([`StatusReport`]) |
+//! | `GET /v1/knobs` | – | the live knobs |
+//! | `PATCH /v1/knobs` | yes | a JSON [`KnobPatch`]; all or nothing |
+//! | `POST /v1/pause` | yes | sets the `paused` knob (admission stops, in-flight work goes on) |
+//! | `POST /v1/resume` | yes | clears the `paused` knob |
+//! | `POST /v1/checkpoint` | yes | writes a checkpoint now; answers `{"checkpoint": manifest}` (409 without a checkpoint directory) |
+//! | `POST /v1/replay/clear` | yes | throws away the groups at rest in the replay store; 409 while the run trains unless forced (`replay`) |
+//! | `/v1/nodes…`, `GET /v1/weights/{version}` | see [`crate::cluster::routes`] | a head's members and the weights they fetch |
+//!
+//! "Token" means `Authorization: Bearer <token>` when `admin.token` is configured (the config
+//! refuses a non-loopback `admin.listen` without one). A mutating call answers
+//! `{"changes": [...], "knobs": {...}}`. Every refusal answers a 4xx (5xx only when an actor is
+//! unreachable) with one JSON shape, `{"error": {"message": "...", "type": "<stable kind>"}}`,
+//! and changes nothing: 401 for a missing or wrong token, 400 for a body that is not valid JSON or
+//! names an unknown knob or a refused value, 413 for a body over [`MAX_BODY_BYTES`], 415 for a
+//! body that is not `application/json`, 404 for an unknown route, 405 for a wrong method.
+//!
+//! New routes go in `routes` so they get the error fallbacks and the body limit. A client that
+//! does not send a request's head within the header-read deadline (10 s by default) is cut off.
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, FromRef, State};
+use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use metrics_exporter_prometheus::PrometheusHandle;
+use serde_json::{Value, json};
+use sluice_config::Secret;
+use sluice_core::{KnobPatch, Knobs};
+
+use crate::cluster::routes as cluster;
+use crate::handles::NodeHandles;
+use sluice_actors::ActorError;
+
+mod replay;
+mod status;
+
+pub use status::{ActorHealth, Health, Rates, StatusReport};
+
+/// Largest request body accepted; larger ones answer 413.
+pub const MAX_BODY_BYTES: usize = 64 * 1024;
+
+/// What the admin routes need.
+#[derive(Clone)]
+pub struct AdminState {
+    /// The node's actors and knobs.
+    pub node: NodeHandles,
+    /// Bearer token for mutating calls (and the node token members join with).
+    pub token: Option<Secret>,
+    /// A head's members and served weights (`None` on other nodes).
+    pub cluster: Option<Arc<crate::cluster::ClusterState>>,
+}
+
+/// The router's state: the caller's [`AdminState`] plus what the status route keeps between
+/// calls. Handlers may extract either (`State<AdminState>` works through [`FromRef`]).
+#[derive(Clone)]
+struct Shared {
+    admin: AdminState,
+    started: Instant,
+    rates: Arc<Mutex<status::RateWindow>>,
+}
+
+impl FromRef<Shared> for AdminState {
+    fn from_ref(s: &Shared) -> Self {
+        s.admin.clone()
+    }
+}
+
+/// Every admin route, without fallbacks (add new routes here).
+fn routes() -> Router<Shared> {
+    Router::new()
+        .route("/health", get(|| async { Json(json!({})) }))
+        .route("/v1/status", get(get_status))
+        .route("/v1/knobs", get(get_knobs).patch(patch_knobs))
+        .route("/v1/pause", post(pause))
+        .route("/v1/resume", post(resume))
+        .route("/v1/checkpoint", post(checkpoint))
+        .route("/v1/replay/clear", post(replay::clear))
+        .route("/v1/nodes", get(cluster::list).post(cluster::join))
+        .route("/v1/nodes/{name}/heartbeat", post(cluster::heartbeat))
+        .route("/v1/nodes/{name}/leave", post(cluster::leave))
+        .route("/v1/weights/{version}", get(cluster::weights))
+}
+
+/// The admin routes with their JSON fallbacks (404, 405) and body limit.
+pub fn router(state: AdminState) -> Router {
+    let shared = Shared {
+        admin: state,
+        started: Instant::now(),
+        rates: Arc::default(),
+    };
+    routes()
+        .method_not_allowed_fallback(method_not_allowed)
+        .fallback(not_found)
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(shared)
+}
+
+/// The metrics route (Prometheus text format).
+pub fn metrics_router(handle: PrometheusHandle) -> Router {
+    let render = move || async move {
+        (
+            [(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+            )],
+            handle.render(),
+        )
+    };
+    Router::new()
+        .route("/metrics", get(render))
+        .method_not_allowed_fallback(method_not_allowed)
+        .fallback(not_found)
+}
+
+/// A running HTTP server: its address and how to stop it.
+pub struct Server {
+    /// The bound address (useful with port 0).
+    pub addr: SocketAddr,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Server {
+    /// Binds `addr` and serves `router` until [`Server::shutdown`], with the default header-read
+    /// deadline and shutdown grace.
+    pub async fn start(addr: SocketAddr, router: Router) -> Result<Self, ActorError> {
+        Self::start_with(addr, router, sluice_http::ServeOptions::default()).await
+    }
+
+    /// [`Self::start`] with `options` (a shorter header-read deadline in tests, say).
+    pub async fn start_with(
+        addr: SocketAddr,
+        router: Router,
+        options: sluice_http::ServeOptions,
+    ) -> Result<Self, ActorError> {
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .map_err(|e| ActorError::Setup(format!("cannot listen on {addr}: {e}")))?;
+        let addr = listener
+            .local_addr()
+            .map_err(|e| ActorError::Setup(e.to_string()))?;
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(async move {
+            let shutdown = async move {
+                let _ = stopped.await;
+            };
+            if let Err(e) = sluice_http::serve(listener, router, options, shutdown).await {
+                tracing::error!(error = %e, "admin server failed");
+            }
+        });
+        Ok(Self {
+            addr,
+            stop: Some(stop),
+            task: Some(task),
+        })
+    }
+
+    /// Stops accepting, finishes in-flight requests, and joins the server task.
+    pub async fn shutdown(mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        if let Some(t) = self.task.take() {
+            let _ = t.await;
+        }
+    }
+}
+
+/// A refused admin call: a status, a stable kind and a reason, answered as
+/// `{"error": {"message", "type"}}`.
+#[derive(Debug, Clone)]
+pub struct ApiError {
+    /// HTTP status (4xx, or 503 when an actor cannot answer).
+    pub status: StatusCode,
+    /// Short stable name (`unauthorized`, `invalid_json`, `invalid_knob`, …).
+    pub kind: &'static str,
+    /// What was wrong and what is expected.
+    pub message: String,
+}
+
+impl ApiError {
+    /// A refusal with `status`, `kind` and `message`.
+    pub fn new(status: StatusCode, kind: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            kind,
+            message: message.into(),
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = Json(json!({ "error": { "message": self.message, "type": self.kind } }));
+        let mut response = (self.status, body).into_response();
+        if self.status == StatusCode::UNAUTHORIZED {
+            response
+                .headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
+        response
+    }
+}
+
+/// Checks the bearer token of a mutating call (every call passes when none is configured), with
+/// the check every Sluice server shares ([`sluice_http::check_bearer`]).
+pub fn authorize(state: &AdminState, headers: &HeaderMap) -> Result<(), ApiError> {
+    sluice_http::check_bearer(state.token.as_ref(), headers).map_err(|refusal| {
+        let message = match refusal {
+            sluice_http::BearerRefusal::Missing => format!("{refusal} (admin.token)"),
+            sluice_http::BearerRefusal::Wrong => refusal.to_string(),
+        };
+        ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", message)
+    })
+}
+
+/// The body of a call, or why it cannot be read (over the limit: 413).
+fn read_body(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
+    body.map_err(|r| match r.status() {
+        StatusCode::PAYLOAD_TOO_LARGE => ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "payload_too_large",
+            format!("request body over {MAX_BODY_BYTES} bytes"),
+        ),
+        status => ApiError::new(status, "invalid_body", r.body_text()),
+    })
+}
+
+/// Refuses a non-empty body that does not say it is JSON.
+fn require_json(headers: &HeaderMap) -> Result<(), ApiError> {
+    let ct = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    let essence = ct.split(';').next().unwrap_or("").trim();
+    if essence.eq_ignore_ascii_case("application/json") {
+        Ok(())
+    } else {
+        Err(ApiError::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "unsupported_media_type",
+            format!(
+                "expected Content-Type: application/json, got `{}`",
+                if ct.is_empty() { "none" } else { ct }
+            ),
+        ))
+    }
+}
+
+async fn get_knobs(State(s): State<AdminState>) -> Json<Knobs> {
+    Json(s.node.knobs.current())
+}
+
+/// Applies `patch` through the knobs handle (validated whole; nothing changes on error).
+fn apply(s: &AdminState, patch: &KnobPatch) -> Result<Json<Value>, ApiError> {
+    match s.node.knobs.update(patch) {
+        Ok(changes) => Ok(Json(
+            json!({ "changes": changes, "knobs": s.node.knobs.current() }),
+        )),
+        Err(e) => Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_knob",
+            e.to_string(),
+        )),
+    }
+}
+
+async fn patch_knobs(
+    State(s): State<AdminState>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<Value>, ApiError> {
+    authorize(&s, &headers)?;
+    let body = read_body(body)?;
+    require_json(&headers)?;
+    // Parsed as a value first: serde would also read a struct from an array, positionally.
+    let value: Value = serde_json::from_slice(&body).map_err(|e| {
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_json",
+            format!("invalid JSON: {e}"),
+        )
+    })?;
+    if !value.is_object() {
+        return Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_json",
+            format!(
+                "invalid knob patch: expected a JSON object of knobs, got {}",
+                json_kind(&value)
+            ),
+        ));
+    }
+    let patch: KnobPatch = serde_json::from_value(value).map_err(|e| {
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_json",
+            format!("invalid knob patch: {e}"),
+        )
+    })?;
+    apply(&s, &patch)
+}
+
+fn json_kind(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+/// Pause and resume take no body; an empty one or `{}` is accepted.
+fn no_body(path: &str, headers: &HeaderMap, body: &Bytes) -> Result<(), ApiError> {
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Ok(());
+    }
+    require_json(headers)?;
+    match serde_json::from_slice::<Value>(body) {
+        Ok(Value::Object(o)) if o.is_empty() => Ok(()),
+        _ => Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_body",
+            format!("POST {path} takes no body (or `{{}}`)"),
+        )),
+    }
+}
+
+async fn set_paused(
+    s: &AdminState,
+    headers: &HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+    paused: bool,
+) -> Result<Json<Value>, ApiError> {
+    authorize(s, headers)?;
+    let body = read_body(body)?;
+    let path = if paused { "/v1/pause" } else { "/v1/resume" };
+    no_body(path, headers, &body)?;
+    apply(
+        s,
+        &KnobPatch {
+            paused: Some(paused),
+            ..KnobPatch::default()
+        },
+    )
+}
+
+async fn pause(
+    State(s): State<AdminState>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<Value>, ApiError> {
+    set_paused(&s, &headers, body, true).await
+}
+
+async fn resume(
+    State(s): State<AdminState>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<Value>, ApiError> {
+    set_paused(&s, &headers, body, false).await
+}
+
+async fn checkpoint(
+    State(s): State<AdminState>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<Value>, ApiError> {
+    authorize(&s, &headers)?;
+    let body = read_body(body)?;
+    no_body("/v1/checkpoint", &headers, &body)?;
+    match s.node.checkpoint().await {
+        Ok(manifest) => Ok(Json(json!({ "checkpoint": manifest }))),
+        Err(e @ sluice_actors::checkpoint::CheckpointError::Unavailable(_)) => {
+            Err(ApiError::new(StatusCode::CONFLICT, e.kind(), e.to_string()))
+        }
+        Err(e) => Err(ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            e.kind(),
+            e.to_string(),
+        )),
+    }
+}
+
+async fn not_found(method: Method, uri: Uri) -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        "not_found",
+        format!(
+            "no route {method} {}; routes: GET /health, GET /v1/status, GET|PATCH /v1/knobs, POST /v1/pause, POST /v1/resume, POST /v1/checkpoint, POST /v1/replay/clear, GET|POST /v1/nodes, POST /v1/nodes/{{name}}/heartbeat|leave, GET /v1/weights/{{version}}, GET /metrics (metrics listener)",
+            uri.path()
+        ),
+    )
+}
+
+async fn method_not_allowed(method: Method, uri: Uri) -> ApiError {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method_not_allowed",
+        format!("{method} is not allowed on {}", uri.path()),
+    )
+}
+
+async fn get_status(State(s): State<Shared>) -> Json<StatusReport> {
+    Json(status::status_report(&s.admin, s.started, &s.rates).await)
+}

@@ -1,0 +1,194 @@
+//! The NodeSupervisor: builds a node's pipeline from a
+//! [`Config`](sluice_config::Config) ([`Node::start`], in `start`; what tests inject is
+//! in [`NodeOptions`]), supervises it, serves the admin API and `/metrics`, and shuts it down
+//! in order.
+//!
+//! Restart policy, per actor (ractor's default would stop everything on any child exit):
+//!
+//! | actor | on failure |
+//! |---|---|
+//! | engine replica | rebuilt by the engine actor after an exponential backoff (`[supervision]`); its requests return aborted with their last partial; a watchdog fails a replica that holds requests without progress; past `engine_max_restarts` failures in a row, or with no replica for `engine_unavailable_timeout_s`, the engine gives up and the node stops the run with a checkpoint |
+//! | env worker | a panicking env fails that rollout (`Error("env_panic")`); the worker lives on |
+//! | trainer step | a failed (or panicked) step stops training; the run ends with a checkpoint instead of looping (a panicked trainer's state is not checkpointed) |
+//! | groups | `no_progress_groups` untrainable groups in a row stop the run with a checkpoint |
+//! | sampler, controller, replay, engine actor, trainer, env worker (the actor itself ends) | the node stops with an error; restarting the process recovers from the last checkpoint plus the replay store |
+//!
+//! The last row is deliberate: those actors hold the run's accounting, and the replay store on
+//! disk is the one place it survives. Every actor is linked to the node's supervisor actor
+//! (`supervisor`), whose supervision handler applies that row; [`Node::failure`] reports which
+//! actor ended first.
+//!
+//! Checkpoints, restore at start and the graceful stop live in [`crate::supervise_node`].
+
+use std::time::{Duration, Instant};
+
+use sluice_core::WeightSnapshot;
+
+use crate::admin::Server;
+use crate::run::RunEnd;
+use crate::supervise_node;
+use sluice_actors::ActorError;
+use sluice_actors::env_worker::EnvPoolHandle;
+use sluice_actors::replay::ReplayStatus;
+use sluice_actors::sampler::SamplerHandle;
+
+mod build;
+mod options;
+mod start;
+mod supervisor;
+
+use supervisor::NodeSupervisor;
+
+pub use crate::handles::{NodeHandles, NodeStatus};
+pub use options::NodeOptions;
+
+/// A running node.
+pub struct Node {
+    /// Handles to every actor.
+    pub handles: NodeHandles,
+    sampler: SamplerHandle,
+    env: EnvPoolHandle,
+    joins: Vec<(&'static str, tokio::task::JoinHandle<()>)>,
+    /// Every actor above is linked to it (see [`supervisor`]).
+    supervisor: Option<NodeSupervisor>,
+    admin: Option<Server>,
+    metrics: Option<Server>,
+    telemetry: Option<tokio::task::JoinHandle<()>>,
+    /// Periodic checkpoints (`supervision.checkpoint_every_steps`).
+    checkpointer: Option<tokio::task::JoinHandle<()>>,
+    /// The weights the engine started on (the trainer's, after a restore).
+    start_weights: WeightSnapshot,
+    /// The run's steps when the node started (its checkpoint's; 0 for a fresh run).
+    start_step: u64,
+    pub(crate) shutdown_timeout: Duration,
+}
+
+impl Node {
+    /// The admin API's bound address.
+    pub fn admin_addr(&self) -> Option<std::net::SocketAddr> {
+        self.admin.as_ref().map(|s| s.addr)
+    }
+
+    /// The metrics endpoint's bound address.
+    pub fn metrics_addr(&self) -> Option<std::net::SocketAddr> {
+        self.metrics.as_ref().map(|s| s.addr)
+    }
+
+    /// Every actor's view.
+    pub async fn status(&self) -> Result<NodeStatus, ActorError> {
+        self.handles.status().await
+    }
+
+    /// The first actor that ended while the node was running, if any.
+    pub fn failure(&self) -> Option<&'static str> {
+        self.handles.events.ended()
+    }
+
+    /// The weights the engine started on: the trainer's, after a restore (a resumed run's
+    /// first evaluation scores them).
+    pub fn start_weights(&self) -> &WeightSnapshot {
+        &self.start_weights
+    }
+
+    /// The run's steps when the node started: its checkpoint's, 0 for a fresh run (the
+    /// trainer may be past it by the time anyone asks its status).
+    pub fn start_step(&self) -> u64 {
+        self.start_step
+    }
+
+    /// Marks the end of the run with a final checkpoint (when checkpoints are on) whose reason
+    /// says how it ended (`done`, `target_reached`, `trainer_error`, `no_progress`,
+    /// `engine_failure`): the same config resumes from it. A failed checkpoint is logged; the
+    /// run's end stands.
+    pub async fn finish(&self, end: &RunEnd) {
+        let Some(reason) = end.checkpoint_reason() else {
+            return;
+        };
+        if self.handles.checkpoint_dir.is_none() {
+            return;
+        }
+        if let Err(e) = supervise_node::checkpoint(&self.handles, reason).await {
+            tracing::error!(error = %e, reason, "final checkpoint failed");
+        }
+    }
+
+    /// Waits until the run ends ([`RunEnd`]: the step budget used, a training step failed, no
+    /// progress, the engine gave up, an actor ended) or `timeout` passes, and marks the end with
+    /// [`Node::finish`]. It wakes on the actors' [`RunEvents`](sluice_actors::RunEvents), reads the status and hands it to
+    /// `progress`. A trainer that failed is returned as a status with its error (callers read
+    /// it); the other failures as errors.
+    pub async fn wait_done(
+        &self,
+        timeout: Duration,
+        mut progress: impl FnMut(&NodeStatus),
+    ) -> Result<NodeStatus, ActorError> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        let mut events = self.handles.events.subscribe();
+        loop {
+            events.borrow_and_update();
+            let status = self.status().await?;
+            progress(&status);
+            if let Some(end) = RunEnd::observe(&status, self.failure()) {
+                self.finish(&end).await;
+                return match end {
+                    RunEnd::Done | RunEnd::TrainerFailed(_) => self.status().await,
+                    failed => Err(failed.error().unwrap_or(ActorError::Gone { actor: "node" })),
+                };
+            }
+            let timed_out = || ActorError::Setup(format!("run did not finish within {timeout:?}"));
+            match tokio::time::timeout_at(deadline, events.changed()).await {
+                Ok(Ok(())) => {}
+                // Every sender is gone: nothing will announce again.
+                Ok(Err(_)) => return Err(ActorError::Gone { actor: "node" }),
+                Err(_) => return Err(timed_out()),
+            }
+        }
+    }
+
+    /// Graceful stop (SIGTERM/SIGINT, `DESIGN.md` §9): stops admitting, aborts every request in
+    /// flight and stores its partial in the aborted bucket, writes a checkpoint, then shuts down,
+    /// all within `supervision.shutdown_timeout_s` (past it, the steps left are skipped and the
+    /// report says so). A restart with the same config resumes from there.
+    pub async fn stop_gracefully(self) -> supervise_node::StopReport {
+        let started = Instant::now();
+        let mut report =
+            supervise_node::drain_and_checkpoint(&self.handles, self.shutdown_timeout).await;
+        report.final_replay = self.shutdown().await.map(|r| r.store);
+        report.seconds = started.elapsed().as_secs_f64();
+        report
+    }
+
+    /// Stops everything, upstream first so nothing new is produced: trainer, sampler,
+    /// controller, engine, env workers, then the replay store (which commits what is queued).
+    /// Returns the replay store's final state, as it is on disk.
+    pub async fn shutdown(mut self) -> Option<ReplayStatus> {
+        for t in [self.telemetry.take(), self.checkpointer.take()]
+            .into_iter()
+            .flatten()
+        {
+            t.abort();
+            let _ = t.await;
+        }
+        for server in [self.admin.take(), self.metrics.take()]
+            .into_iter()
+            .flatten()
+        {
+            server.shutdown().await;
+        }
+        let h = &self.handles;
+        h.trainer.stop().await;
+        self.sampler.stop().await;
+        h.controller.stop().await;
+        h.engine.stop().await;
+        self.env.stop().await;
+        let last = h.replay.status().await.ok();
+        h.replay.stop().await;
+        for (_, j) in self.joins.drain(..) {
+            let _ = j.await;
+        }
+        if let Some(s) = self.supervisor.take() {
+            s.stop().await;
+        }
+        last
+    }
+}

@@ -1,0 +1,74 @@
+//! How a run ends, read from the node's status; every way has its checkpoint reason.
+
+use crate::handles::NodeStatus;
+use sluice_actors::ActorError;
+
+/// Why a run stopped.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RunEnd {
+    /// The trainer used `run.max_steps`.
+    Done,
+    /// The held-out accuracy reached `eval.stop_at_accuracy`.
+    TargetReached {
+        /// The run's step that reached it.
+        step: u64,
+        /// The run's wall time then, seconds.
+        wall_s: f64,
+    },
+    /// A training step failed; the trainer stopped (DESIGN §3: a failed step ends the run).
+    TrainerFailed(String),
+    /// Too many groups in a row ended untrainable.
+    NoProgress(String),
+    /// The inference engine gave up serving.
+    EngineFailure(String),
+    /// An actor ended while the run was going.
+    ActorGone(&'static str),
+}
+
+impl RunEnd {
+    /// The end `status` shows, if the run is over; `gone` is the first actor that ended.
+    pub fn observe(status: &NodeStatus, gone: Option<&'static str>) -> Option<Self> {
+        if let Some(reason) = &status.controller.no_progress {
+            return Some(Self::NoProgress(reason.clone()));
+        }
+        if let Some(reason) = &status.engine_failure {
+            return Some(Self::EngineFailure(reason.clone()));
+        }
+        if let Some(e) = &status.trainer.error {
+            return Some(Self::TrainerFailed(e.clone()));
+        }
+        if status.trainer.done {
+            return Some(Self::Done);
+        }
+        gone.map(Self::ActorGone)
+    }
+
+    /// The reason the final checkpoint records; `None` when no checkpoint can be written (an
+    /// actor that holds the run's state is gone).
+    pub fn checkpoint_reason(&self) -> Option<&'static str> {
+        match self {
+            Self::Done => Some("done"),
+            Self::TargetReached { .. } => Some("target_reached"),
+            Self::TrainerFailed(_) => Some("trainer_error"),
+            Self::NoProgress(_) => Some("no_progress"),
+            Self::EngineFailure(_) => Some("engine_failure"),
+            Self::ActorGone(_) => None,
+        }
+    }
+
+    /// The run reached its end as planned.
+    pub fn is_success(&self) -> bool {
+        matches!(self, Self::Done | Self::TargetReached { .. })
+    }
+
+    /// A failed end as an error (`None` for a success).
+    pub fn error(&self) -> Option<ActorError> {
+        match self {
+            Self::Done | Self::TargetReached { .. } => None,
+            Self::TrainerFailed(e) => Some(ActorError::TrainingFailed(e.clone())),
+            Self::NoProgress(r) => Some(ActorError::NoProgress(r.clone())),
+            Self::EngineFailure(r) => Some(ActorError::EngineUnavailable(r.clone())),
+            Self::ActorGone(actor) => Some(ActorError::Gone { actor }),
+        }
+    }
+}

@@ -1,0 +1,338 @@
+//! Node-level supervision: restoring a run at start, writing checkpoints (on request, every N
+//! steps, at the end of training, on a failed step, on stop), and the graceful stop.
+//!
+//! What a restart recovers, and from where:
+//!
+//! | state | source | after SIGTERM | after `kill -9` |
+//! |---|---|---|---|
+//! | completed, aborted, expired groups | replay store (durable per commit) | all | all acknowledged ones |
+//! | groups in flight | replay store (`InFlight` → `Aborted`) | stored as aborted, with partials | back as aborted with the partial last stored |
+//! | consumed groups | replay store (final) | trained exactly once | never trained again; a batch in training when the process died is lost |
+//! | trainer weights, optimizer, step | `checkpoint/trainer`, manifest | the state at stop | the last checkpoint |
+//! | policy version | max(replay store, trainer) | continues | continues (newer versions' weights were lost: the checkpoint's weights go on under the next number) |
+//!
+//! A checkpoint is consistent by construction: the trainer writes it between two steps, when every
+//! batch it was handed is trained, and consumed groups are final in the replay store.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use sluice_config::FaultsConfig;
+use sluice_core::metrics as m;
+use sluice_core::{
+    BackendError, KnobPatch, PolicyVersion, RolloutGroup, TrainStepOutput, TrainerBackend,
+    WeightSnapshot,
+};
+use sluice_replay::StoreSnapshot;
+use sluice_trainer::SimTrainer;
+
+use crate::handles::NodeHandles;
+use sluice_actors::ActorError;
+use sluice_actors::checkpoint::{
+    CheckpointDir, CheckpointError, FORMAT, Manifest, ReplayMark, TRAINER_DIR, unix_now,
+};
+use sluice_actors::faults::{FaultyTrainer, TrainerFaults};
+
+/// The trainer backend after restore, and the manifest it came from.
+pub struct Restored {
+    /// The backend, restored (and wrapped by the fault injector when `[faults]` asks).
+    pub trainer: Box<dyn TrainerBackend>,
+    /// The checkpoint's manifest (`None` for a fresh run).
+    pub manifest: Option<Manifest>,
+}
+
+/// Restores `trainer` from the newest checkpoint under `dir`, if there is one.
+pub fn restore(
+    mut trainer: Box<dyn TrainerBackend>,
+    dir: Option<&CheckpointDir>,
+    faults: &FaultsConfig,
+) -> Result<Restored, ActorError> {
+    let found = match dir {
+        Some(d) => d
+            .load()
+            .map_err(|e| ActorError::Setup(format!("reading the checkpoint: {e}")))?,
+        None => None,
+    };
+    let manifest = match found {
+        Some((root, manifest)) => {
+            let path = root.join(TRAINER_DIR);
+            trainer.restore(&path).map_err(|e| {
+                ActorError::Setup(format!(
+                    "restoring the trainer from {}: {e}",
+                    path.display()
+                ))
+            })?;
+            tracing::info!(
+                version = manifest.version,
+                step = manifest.steps,
+                reason = %manifest.reason,
+                dir = %root.display(),
+                "resuming from checkpoint"
+            );
+            Some(manifest)
+        }
+        None => None,
+    };
+    let trainer_faults = TrainerFaults::from_config(faults);
+    if trainer_faults.any() {
+        trainer = Box::new(FaultyTrainer::new(trainer, trainer_faults));
+    }
+    Ok(Restored { trainer, manifest })
+}
+
+/// Brings the trainer up to `replay_version` when the replay store saw newer versions than the
+/// trainer holds (a crash after the last checkpoint): see [`TrainerBackend::set_version`].
+pub fn align_version(
+    mut trainer: Box<dyn TrainerBackend>,
+    replay_version: PolicyVersion,
+) -> Result<Box<dyn TrainerBackend>, ActorError> {
+    let have = trainer.version();
+    if have >= replay_version {
+        return Ok(trainer);
+    }
+    trainer.set_version(replay_version).map_err(|e| {
+        ActorError::Setup(format!(
+            "the replay store saw {replay_version} published but the trainer holds {have} (the \
+             weights in between were not checkpointed) and cannot continue under a newer number: \
+             {e}; checkpoint more often (supervision.checkpoint_every_steps) or start a new run"
+        ))
+    })?;
+    tracing::warn!(
+        from = %have,
+        to = %replay_version,
+        "weights newer than the last checkpoint were lost; training continues from the checkpoint's weights"
+    );
+    Ok(trainer)
+}
+
+/// The simulated trainer with [`TrainerBackend::set_version`] (its weights are its version).
+pub struct SimBackend(pub SimTrainer);
+
+impl TrainerBackend for SimBackend {
+    fn version(&self) -> PolicyVersion {
+        self.0.version()
+    }
+
+    fn train_step(&mut self, batch: &[RolloutGroup]) -> Result<TrainStepOutput, BackendError> {
+        self.0.train_step(batch)
+    }
+
+    fn snapshot(&self) -> WeightSnapshot {
+        self.0.snapshot()
+    }
+
+    fn checkpoint(&mut self, dir: &std::path::Path) -> Result<(), BackendError> {
+        self.0.checkpoint(dir)
+    }
+
+    fn restore(&mut self, dir: &std::path::Path) -> Result<(), BackendError> {
+        self.0.restore(dir)
+    }
+
+    fn set_version(&mut self, version: PolicyVersion) -> Result<(), BackendError> {
+        self.0 = self.0.clone().with_version(version);
+        Ok(())
+    }
+}
+
+impl NodeHandles {
+    /// Writes a checkpoint now (between two training steps): trainer state, a replay-store commit
+    /// and the manifest, atomically under the checkpoint directory (see [`checkpoint`]).
+    pub async fn checkpoint(&self) -> Result<Manifest, CheckpointError> {
+        checkpoint(self, "request").await
+    }
+}
+
+/// Writes a checkpoint (one at a time): the trainer's state between two steps, a replay-store
+/// commit, then the manifest, atomically.
+pub async fn checkpoint(h: &NodeHandles, reason: &str) -> Result<Manifest, CheckpointError> {
+    let dir = h.checkpoint_dir.clone().ok_or_else(|| {
+        CheckpointError::Unavailable(
+            "no checkpoint directory: this node was started without one".into(),
+        )
+    })?;
+    let _one_at_a_time = h.checkpointing.lock().await;
+    let started = Instant::now();
+    let begin = dir.clone();
+    let staging = blocking(move || begin.begin()).await?;
+    let mark = h.trainer.checkpoint(staging.join(TRAINER_DIR)).await?;
+    let counters = h
+        .replay
+        .flush()
+        .await
+        .map_err(|e| CheckpointError::Unavailable(e.to_string()))?;
+    // Taken after the trainer's mark: draws made since are at most a few groups drawn again on
+    // resume (after a graceful stop, which stops admission first, none).
+    let sampler = match h.sampler.state().await {
+        Ok(state) => Some(state),
+        Err(e) => {
+            tracing::warn!(error = %e, "sampler state left out of the checkpoint");
+            None
+        }
+    };
+    // Every mark is taken; before the commit makes them the resume point, the run log must
+    // hold the trainer's steps (see `wait_for_log`; without a monitor logging, no wait).
+    wait_for_log(h, mark.steps).await;
+    let manifest = Manifest {
+        format: FORMAT,
+        version: mark.version.0,
+        steps: mark.steps,
+        trained_groups: mark.trained_groups,
+        replay: ReplayMark {
+            admitted_total: counters.admitted_total,
+            consumed_total: counters.consumed_total,
+            policy_version: counters.policy_version,
+        },
+        sampler,
+        reason: reason.to_owned(),
+        written_unix_seconds: unix_now(),
+    };
+    let commit = manifest.clone();
+    blocking(move || dir.commit(&commit)).await?;
+    let seconds = started.elapsed().as_secs_f64();
+    metrics::histogram!(m::NODE_CHECKPOINT_SECONDS).record(seconds);
+    metrics::gauge!(m::NODE_CHECKPOINT_VERSION).set(manifest.version as f64);
+    tracing::info!(
+        version = manifest.version,
+        step = manifest.steps,
+        reason,
+        seconds,
+        "checkpoint written"
+    );
+    *h.last_checkpoint.lock().unwrap_or_else(|p| p.into_inner()) = Some(manifest.clone());
+    Ok(manifest)
+}
+
+/// The longest a checkpoint waits for the run log (an evaluation of a large model on
+/// its step can take this long); past it, the checkpoint is written anyway, with a warning.
+const LOG_WAIT: std::time::Duration = std::time::Duration::from_secs(600);
+
+/// Waits until the run monitor's log holds `steps` (the trainer may be a step or more ahead of
+/// the log while the monitor evaluates), or no monitor logs any more.
+async fn wait_for_log(h: &NodeHandles, steps: u64) {
+    let mut logged = h.logged_steps.subscribe();
+    let caught_up = logged.wait_for(|l| l.is_none_or(|s| s >= steps));
+    if tokio::time::timeout(LOG_WAIT, caught_up).await.is_err() {
+        tracing::warn!(
+            steps,
+            logged = ?*h.logged_steps.borrow(),
+            "checkpoint written before the run log caught up with it"
+        );
+    }
+}
+
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, CheckpointError> + Send + 'static,
+) -> Result<T, CheckpointError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| CheckpointError::Unavailable(format!("checkpoint task: {e}")))?
+}
+
+/// Starts the task that checkpoints every `every` steps (`None` when off or without a directory).
+pub fn spawn_periodic(h: &NodeHandles, every: u64) -> Option<tokio::task::JoinHandle<()>> {
+    if every == 0 || h.checkpoint_dir.is_none() {
+        return None;
+    }
+    let h = h.clone();
+    Some(tokio::spawn(async move {
+        let mut steps = h.trainer.steps();
+        let mut last = *steps.borrow_and_update();
+        while steps.changed().await.is_ok() {
+            let now = *steps.borrow_and_update();
+            if now / every > last / every
+                && let Err(e) = checkpoint(&h, "periodic").await
+            {
+                tracing::error!(error = %e, step = now, "periodic checkpoint failed");
+            }
+            last = now;
+        }
+    }))
+}
+
+/// What a graceful stop did.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct StopReport {
+    /// Seconds from the start of the stop to everything shut down.
+    pub seconds: f64,
+    /// Seconds until every group in flight was stored.
+    pub drain_seconds: f64,
+    /// Groups still in flight when the drain gave up (0 when everything was stored).
+    pub in_flight_left: u64,
+    /// The checkpoint written (`None` without a checkpoint directory or on failure).
+    pub checkpoint: Option<Manifest>,
+    /// Where the checkpoint went.
+    pub checkpoint_dir: Option<PathBuf>,
+    /// What went wrong, if anything.
+    pub error: Option<String>,
+    /// The replay store as it is on disk after the stop.
+    pub final_replay: Option<StoreSnapshot>,
+}
+
+/// Stops admission, aborts what is in flight (partials stored as aborted) and checkpoints, within
+/// `timeout`; the caller shuts the actors down after.
+pub async fn drain_and_checkpoint(h: &NodeHandles, timeout: Duration) -> StopReport {
+    let started = Instant::now();
+    let deadline = tokio::time::Instant::now() + timeout;
+    let mut report = StopReport {
+        checkpoint_dir: h.checkpoint_dir.as_ref().map(|d| d.root().to_owned()),
+        ..StopReport::default()
+    };
+    let pause = KnobPatch {
+        paused: Some(true),
+        ..KnobPatch::default()
+    };
+    if let Err(e) = h.knobs.update(&pause) {
+        tracing::warn!(error = %e, "cannot pause admission");
+    }
+    // No step after the checkpoint's mark: a step trained past it would publish weights the
+    // checkpoint does not hold, and consume groups a restart could not train again.
+    match tokio::time::timeout_at(deadline, h.trainer.hold()).await {
+        Ok(Ok(_)) => {}
+        Ok(Err(e)) => report.error = Some(e.to_string()),
+        Err(_) => report.error = Some("the trainer did not finish its step in time".into()),
+    }
+    if tokio::time::timeout_at(deadline, h.engine.close())
+        .await
+        .is_err()
+    {
+        report.error = Some("the engine did not take the abort in time".into());
+    }
+    // Woken by the controller's announcement that nothing is in flight any more.
+    let mut events = h.events.subscribe();
+    loop {
+        events.borrow_and_update();
+        match h.controller.status().await {
+            Ok(s) if s.in_flight == 0 => break,
+            Ok(s) if tokio::time::Instant::now() >= deadline => {
+                report.in_flight_left = s.in_flight;
+                report.error = Some(format!(
+                    "{} groups still in flight at the shutdown timeout",
+                    s.in_flight
+                ));
+                break;
+            }
+            Ok(_) => {
+                // A timeout here is read on the next pass, as the status at the deadline.
+                let _ = tokio::time::timeout_at(deadline, events.changed()).await;
+            }
+            Err(e) => {
+                report.error = Some(e.to_string());
+                break;
+            }
+        }
+    }
+    report.drain_seconds = started.elapsed().as_secs_f64();
+    if h.checkpoint_dir.is_some() {
+        match tokio::time::timeout_at(deadline, checkpoint(h, "stop")).await {
+            Ok(Ok(m)) => report.checkpoint = Some(m),
+            Ok(Err(e)) => report.error = Some(e.to_string()),
+            Err(_) => {
+                report.error =
+                    Some("the checkpoint did not finish within the shutdown timeout".into())
+            }
+        }
+    }
+    report
+}

@@ -1,0 +1,102 @@
+//! Evaluation per domain, as a native run prepares it: every domain of `data.datasets` is
+//! evaluated through the task that serves it, on its task's generated held-out split or on the
+//! JSONL file its `eval_dataset` names; `eval.task` narrows it to one task; a missing file is an
+//! error naming the key.
+
+use sluice_config::Config;
+use sluice_node::run::NativeRun;
+
+fn config(dir: &std::path::Path, extra: &str) -> Config {
+    let text = format!(
+        r#"
+[run]
+name = "domain-evals"
+output_dir = "{out}"
+max_steps = 1
+
+[model]
+init_preset = "tiny"
+
+[engine]
+backend = "native"
+
+[rollout]
+max_new_tokens = 8
+max_turns = 12
+
+[data]
+datasets = ["math::arithmetic@train", "agent::episodic@train"]
+data_dir = "{data}"
+
+[eval]
+samples = 5
+
+{extra}
+"#,
+        out = dir.join("run").display(),
+        data = dir.join("data").display(),
+    );
+    sluice_config::parse(&text, "test.toml", &[], &|_| None).expect("valid config")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_domain_is_evaluated_on_its_own_held_out_set() {
+    let dir = tempfile::tempdir().unwrap();
+    // The math domain's held-out set is a file (three problems); the agent domain's is its
+    // task's generated split (eval.samples = 5 walks).
+    let heldout = dir.path().join("data/math/mine");
+    std::fs::create_dir_all(&heldout).unwrap();
+    std::fs::write(
+        heldout.join("test.jsonl"),
+        concat!(
+            r#"{"id": "a", "question": "1+1=", "answer": 2}"#,
+            "\n",
+            r#"{"id": "b", "question": "2+3=", "answer": 5}"#,
+            "\n",
+            r#"{"id": "c", "question": "9-4=", "answer": 5}"#,
+            "\n",
+        ),
+    )
+    .unwrap();
+    let extra = "[data.domains.math]\neval_dataset = \"mine@test\"\n[data.domains.agent]\nmax_new_tokens = 40\n";
+    let two = config(dir.path(), extra);
+    let mut run = NativeRun::prepare(&two, |_| {}).await.unwrap();
+    assert_eq!(run.evaluations.domains(), ["math", "agent"]);
+    assert_eq!(run.evaluations.heldout_len(), 3 + 5);
+    let scores = run
+        .evaluations
+        .run(std::sync::Arc::clone(&run.setup.weights))
+        .await
+        .unwrap();
+    let names: Vec<&str> = scores.domains.iter().map(|d| d.domain.as_str()).collect();
+    assert_eq!(names, ["math", "agent"]);
+    let mean = scores.domains.iter().map(|d| d.heldout).sum::<f64>() / 2.0;
+    assert!((scores.heldout - mean).abs() < 1e-12, "{scores:?}");
+    for d in &scores.domains {
+        assert!((0.0..=1.0).contains(&d.heldout) && (0.0..=1.0).contains(&d.train));
+    }
+
+    // `eval.task` evaluates that task alone, in the domain whose rows it serves.
+    let dir = tempfile::tempdir().unwrap();
+    let mut one = config(dir.path(), "");
+    one.eval.task = Some("episodic".into());
+    let run = NativeRun::prepare(&one, |_| {}).await.unwrap();
+    assert_eq!(run.evaluations.domains(), ["agent"]);
+    assert_eq!(run.evaluations.heldout_len(), 5);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_eval_dataset_names_its_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = config(
+        dir.path(),
+        "[data.domains.math]\neval_dataset = \"nowhere@test\"\n",
+    );
+    let err = NativeRun::prepare(&missing, |_| {})
+        .await
+        .err()
+        .expect("refused");
+    let msg = err.to_string();
+    assert!(msg.contains("data.domains.math.eval_dataset"), "{msg}");
+    assert!(msg.contains("nowhere"), "{msg}");
+}

@@ -1,0 +1,359 @@
+//! `/metrics` scraped over HTTP from a running simulated pipeline whose engine replicas crash and
+//! are rebuilt: every catalog name is present with `# HELP` and `# TYPE` of its kind, follows the
+//! naming convention and Prometheus' suffix rules, carries only its declared labels, never has an
+//! unlabeled series beside labeled ones, histograms have exactly the catalog's buckets, nothing
+//! outside the catalog is exported, and counters never go backwards between scrapes (the
+//! per-replica token counter across replica rebuilds included). When `promtool` is on `PATH`, it
+//! checks the scrape too. Its own test binary: the Prometheus recorder is global to the process.
+
+mod common;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use sluice_core::metrics::{self as m, MetricKind};
+use sluice_node::client::request;
+use sluice_node::{Node, NodeOptions};
+
+/// One sample line: name, labels, value.
+type Sample = (String, BTreeMap<String, String>, String);
+
+fn parse_sample(line: &str) -> Sample {
+    let (series, value) = line.rsplit_once(' ').expect("`series value`");
+    let (name, labels) = match series.split_once('{') {
+        Some((name, rest)) => {
+            let body = rest.strip_suffix('}').expect("closing brace");
+            let labels = body
+                .split("\",")
+                .filter(|kv| !kv.is_empty())
+                .map(|kv| {
+                    let (k, v) = kv.split_once("=\"").expect("k=\"v\"");
+                    (k.to_owned(), v.trim_end_matches('"').to_owned())
+                })
+                .collect();
+            (name.to_owned(), labels)
+        }
+        None => (series.to_owned(), BTreeMap::new()),
+    };
+    (name, labels, value.to_owned())
+}
+
+/// The catalog entry a sample belongs to (histogram series carry `_bucket`, `_sum`, `_count`).
+fn owner(name: &str) -> Option<&'static m::MetricDef> {
+    m::find(name).or_else(|| {
+        ["_bucket", "_sum", "_count"]
+            .iter()
+            .filter_map(|s| name.strip_suffix(s))
+            .filter_map(m::find)
+            .find(|d| d.kind == MetricKind::Histogram)
+    })
+}
+
+fn scrape(base: &str) -> (u16, String) {
+    request(base, "GET", "/metrics", None, None).unwrap()
+}
+
+/// The value of every counter series (histogram `_bucket`, `_sum` and `_count` series too: they
+/// only grow), keyed by the whole series.
+fn monotone_series(text: &str) -> BTreeMap<String, f64> {
+    text.lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        .filter_map(|l| {
+            let (name, labels, value) = parse_sample(l);
+            let def = owner(&name)?;
+            let monotone = def.kind != MetricKind::Gauge;
+            monotone.then(|| (format!("{name}{labels:?}"), value.parse::<f64>().unwrap()))
+        })
+        .collect()
+}
+
+/// `promtool check metrics` on `text`, when promtool is installed: `None` when it is not.
+fn promtool(text: &str) -> Option<(bool, String)> {
+    use std::io::Write;
+    let mut child = std::process::Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .ok()?;
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(text.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Some((out.status.success(), said))
+}
+
+/// Names whose label values only exist once something happened: an error (`kind`), a group with
+/// reward components scored (`component`; the simulated task has none), an engine or env node
+/// joined a head (`node`; this node is not one), a step trained texts of a situation
+/// (`situation`).
+const DYNAMIC: [&str; 7] = [
+    m::ACTOR_ERRORS,
+    m::ROLLOUT_REWARD_COMPONENT_MEAN_REWARD,
+    m::NODE_MEMBER_UP,
+    m::NODE_MEMBER_WEIGHT_VERSION,
+    m::TRAINER_SITUATION_SEQUENCES,
+    m::TRAINER_SITUATION_ADVANTAGE_MEAN_VALUE,
+    m::TRAINER_SITUATION_ADVANTAGE_ABS_MEAN_VALUE,
+];
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_catalog_metric_is_scraped_with_help_type_and_declared_labels() {
+    let mut config = common::config("", "time_scale = 1.0");
+    config.metrics.listen = "127.0.0.1:0".parse().unwrap();
+    config.run.max_steps = std::num::NonZeroU64::new(6).unwrap();
+    // Replicas crash now and then and are rebuilt: their token tallies start again at 0.
+    config.faults.engine_crash_every_requests = 40;
+    // A dataset, so the dataset-labeled series are seeded (and the source's domain is `math`).
+    config.data.datasets = vec!["math::toy".parse().unwrap()];
+    let options = NodeOptions {
+        serve_metrics: true,
+        ..NodeOptions::default()
+    };
+    let node = Node::start(&config, options).await.unwrap();
+    let base = format!("http://{}", node.metrics_addr().unwrap());
+    // The first scrape comes before anything ran: every name is already there.
+    let first = {
+        let base = base.clone();
+        tokio::task::spawn_blocking(move || scrape(&base))
+            .await
+            .unwrap()
+            .1
+    };
+    // Scrape while the run goes on, to see counters between rebuilds.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let scraper = {
+        let (base, stop) = (base.clone(), std::sync::Arc::clone(&stop));
+        tokio::task::spawn_blocking(move || {
+            let mut texts = Vec::new();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                texts.push(scrape(&base).1);
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            texts
+        })
+    };
+    let status = node
+        .wait_done(Duration::from_secs(60), |_| {})
+        .await
+        .unwrap();
+    common::check_invariants(&status);
+    let restarts: u64 = status.engine_health.iter().map(|h| h.restarts).sum();
+    assert!(
+        restarts > 0,
+        "no replica was rebuilt: {:?}",
+        status.engine_health
+    );
+    // Let the telemetry task tick (engine gauges, knobs).
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let mut texts = vec![first.clone()];
+    texts.extend(scraper.await.unwrap());
+    let (code, text) = {
+        let base = base.clone();
+        tokio::task::spawn_blocking(move || scrape(&base))
+            .await
+            .unwrap()
+    };
+    node.shutdown().await;
+    assert_eq!(code, 200);
+    texts.push(text.clone());
+
+    // Counters (and histogram series) never go backwards from one scrape to the next.
+    for pair in texts.windows(2) {
+        let (before, after) = (monotone_series(&pair[0]), monotone_series(&pair[1]));
+        for (series, v) in &before {
+            let now = after.get(series).copied().unwrap_or(f64::NAN);
+            assert!(now >= *v, "{series} went from {v} to {now}");
+        }
+    }
+
+    // What promtool says, when it is installed (the suffix rules are checked below either way).
+    for (when, t) in [("first", &first), ("final", &text)] {
+        match promtool(t) {
+            Some((ok, said)) => assert!(ok, "promtool check metrics on the {when} scrape: {said}"),
+            None => eprintln!("promtool is not on PATH: skipped `promtool check metrics`"),
+        }
+    }
+
+    // The first scrape already has every name whose label values are known up front (not the
+    // reward components: their names come with the first scored group).
+    for def in m::CATALOG.iter().filter(|d| !DYNAMIC.contains(&d.name)) {
+        assert!(
+            first.contains(&format!("# TYPE {} ", def.name)),
+            "{}: not on the first scrape",
+            def.name
+        );
+    }
+
+    let mut help = BTreeSet::new();
+    let mut types = BTreeMap::new();
+    let mut samples = Vec::new();
+    for line in text.lines().filter(|l| !l.trim().is_empty()) {
+        if let Some(rest) = line.strip_prefix("# HELP ") {
+            let (name, h) = rest.split_once(' ').unwrap();
+            assert!(!h.trim().is_empty(), "{name}: empty HELP");
+            help.insert(name.to_owned());
+        } else if let Some(rest) = line.strip_prefix("# TYPE ") {
+            let (name, kind) = rest.split_once(' ').unwrap();
+            types.insert(name.to_owned(), kind.to_owned());
+        } else {
+            assert!(!line.starts_with('#'), "unexpected comment: {line}");
+            samples.push(parse_sample(line));
+        }
+    }
+
+    // Prometheus' suffix rules, per declared type.
+    for (name, kind) in &types {
+        if kind == "counter" {
+            assert!(
+                name.ends_with("_total"),
+                "counter {name} must end in _total"
+            );
+        }
+        if kind == "counter" || kind == "gauge" {
+            for suffix in m::RESERVED_SUFFIXES {
+                assert!(
+                    !name.ends_with(suffix),
+                    "{kind} {name} ends in `{suffix}`, reserved for histograms"
+                );
+            }
+        }
+    }
+    // No series without labels beside labeled ones of the same metric.
+    for def in m::CATALOG {
+        let series: Vec<usize> = samples
+            .iter()
+            .filter(|(n, _, _)| owner(n).is_some_and(|d| d.name == def.name))
+            .map(|(_, l, _)| l.keys().filter(|k| *k != "le").count())
+            .collect();
+        if series.iter().any(|&n| n > 0) {
+            assert!(
+                series.iter().all(|&n| n > 0),
+                "{}: an unlabeled series beside labeled ones",
+                def.name
+            );
+        }
+    }
+
+    for def in m::CATALOG {
+        m::check_name(def).unwrap();
+        if DYNAMIC.contains(&def.name) && !types.contains_key(def.name) {
+            continue;
+        }
+        assert!(help.contains(def.name), "{}: no # HELP line", def.name);
+        let expected = match def.kind {
+            MetricKind::Counter => "counter",
+            MetricKind::Gauge => "gauge",
+            MetricKind::Histogram => "histogram",
+        };
+        assert_eq!(
+            types.get(def.name).map(String::as_str),
+            Some(expected),
+            "{}: # TYPE",
+            def.name
+        );
+        assert!(
+            samples
+                .iter()
+                .any(|(n, _, _)| owner(n).is_some_and(|d| d.name == def.name)),
+            "{}: no sample line",
+            def.name
+        );
+    }
+
+    for (name, labels, value) in &samples {
+        let def = owner(name).unwrap_or_else(|| panic!("`{name}` is not in the catalog"));
+        assert!(value.parse::<f64>().is_ok(), "{name}: value `{value}`");
+        for key in labels.keys() {
+            let declared =
+                def.labels.contains(&key.as_str()) || (key == "le" && name.ends_with("_bucket"));
+            assert!(
+                declared,
+                "{name}: label `{key}` not declared in the catalog"
+            );
+        }
+        if name.ends_with("_bucket") {
+            let le = &labels["le"];
+            let ok = le == "+Inf" || def.buckets.iter().any(|b| le.parse::<f64>() == Ok(*b));
+            assert!(ok, "{name}: bucket le={le} is not in the catalog's buckets");
+        }
+    }
+    // Each histogram series has every catalog bucket.
+    for def in m::CATALOG
+        .iter()
+        .filter(|d| d.kind == MetricKind::Histogram)
+    {
+        let bucket_name = format!("{}_bucket", def.name);
+        let les: BTreeSet<&str> = samples
+            .iter()
+            .filter(|(n, _, _)| *n == bucket_name)
+            .map(|(_, l, _)| l["le"].as_str())
+            .collect();
+        assert_eq!(
+            les.len(),
+            def.buckets.len() + 1,
+            "{}: buckets {les:?}",
+            def.name
+        );
+    }
+
+    // What the run did shows in the numbers, not just the names.
+    let value = |name: &str, label: Option<(&str, &str)>| -> f64 {
+        samples
+            .iter()
+            .filter(|(n, l, _)| {
+                n == name && label.is_none_or(|(k, v)| l.get(k).map(String::as_str) == Some(v))
+            })
+            .map(|(_, _, v)| v.parse::<f64>().unwrap())
+            .sum()
+    };
+    assert_eq!(value(m::TRAINER_STEPS, None), 6.0);
+    // Every trained token was generated by some replica incarnation: a per-replica counter that
+    // restarted (or stalled) with its replica would count fewer.
+    let generated = value(m::ENGINE_GENERATED_TOKENS, None);
+    let trained = value(m::TRAINER_TRAINED_TOKENS, None);
+    assert!(
+        trained > 0.0 && generated >= trained,
+        "generated {generated} < trained {trained}"
+    );
+    // Every actor counts what it handled and what it sent on.
+    for actor in sluice_node::telemetry::ACTORS {
+        for metric in [m::ACTOR_RECEIVED, m::ACTOR_SENT] {
+            assert!(
+                value(metric, Some(("actor", actor))) > 0.0,
+                "{metric}{{actor={actor}}} stayed 0 through a whole run"
+            );
+        }
+    }
+    // The trainer handles one batch per step (and the replay store sent each of them).
+    let trainer_batches = value(m::ACTOR_RECEIVED, Some(("actor", "trainer")));
+    assert!(trainer_batches >= 6.0, "trainer received {trainer_batches}");
+    assert!(value(m::ACTOR_SENT, Some(("actor", "replay"))) >= 6.0);
+    for actor in sluice_node::telemetry::ACTORS {
+        for metric in [m::ACTOR_RECEIVED, m::ACTOR_SENT, m::ACTOR_DROPPED] {
+            assert!(
+                samples
+                    .iter()
+                    .any(|(n, l, _)| n == metric
+                        && l.get("actor").map(String::as_str) == Some(actor)),
+                "{metric}{{actor={actor}}} is not exported"
+            );
+        }
+    }
+    assert_eq!(
+        value(
+            m::NODE_UP_INFO,
+            Some(("version", env!("CARGO_PKG_VERSION")))
+        ),
+        1.0
+    );
+}

@@ -1,0 +1,216 @@
+//! Graceful stop and resume, in process: the stop stores every in-flight group as aborted and
+//! writes a checkpoint; a node started on the same directories continues the step count and the
+//! version, resumes the aborted groups, trains every completed one, and trains nothing twice.
+//! Also: checkpoints on request (and over the admin API), and a run whose trainer step fails.
+
+mod common;
+
+use std::collections::HashSet;
+use std::path::Path;
+use std::time::Duration;
+
+use sluice_actors::checkpoint::CheckpointDir;
+use sluice_actors::replay::ReplayStatus;
+use sluice_config::Config;
+use sluice_core::GroupId;
+use sluice_node::{Node, NodeOptions};
+use sluice_replay::Bucket;
+
+fn options(dir: &Path) -> NodeOptions {
+    NodeOptions {
+        replay_dir: Some(dir.join("replay")),
+        checkpoint_dir: Some(dir.join("checkpoint")),
+        track_ids: true,
+        ..NodeOptions::default()
+    }
+}
+
+fn config(max_steps: u64) -> Config {
+    let rollout = "weight_update_mode = \"abort_resume\"\nenable_partial_rollout = true\nmax_version_lag = 2\nstaleness_threshold = 1.0";
+    let mut config = common::config(rollout, "time_scale = 1.0");
+    config.run.max_steps = std::num::NonZeroU64::new(max_steps).unwrap();
+    config
+}
+
+fn ids(s: &ReplayStatus, b: Bucket) -> HashSet<GroupId> {
+    s.live_ids.get(&b).into_iter().flatten().copied().collect()
+}
+
+async fn wait_for_steps(node: &Node, steps: u64) {
+    common::wait_for_status(node, "progress", Duration::from_secs(60), |s| {
+        s.trainer.steps >= steps
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_graceful_stop_resumes_version_steps_and_every_group() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = config(1000);
+
+    // Run 1: stop gracefully mid-run.
+    let node = Node::start(&config, options(dir.path())).await.unwrap();
+    wait_for_steps(&node, 3).await;
+    let trained_1: HashSet<GroupId> = node.handles.trainer.trained_ids().into_iter().collect();
+    let trainer = node.handles.trainer.clone();
+    let replay = node.handles.replay.clone();
+    let report = node.stop_gracefully().await;
+    assert!(report.error.is_none(), "{report:#?}");
+    assert_eq!(report.in_flight_left, 0);
+    let manifest = report.checkpoint.clone().expect("a checkpoint");
+    let final_1 = report.final_replay.clone().unwrap();
+    let t1 = trainer.status();
+    // Everything trained in run 1 (including a batch handed out while stopping) is in the
+    // checkpoint, and nothing consumed was left untrained.
+    let trained_1: HashSet<GroupId> = trained_1.into_iter().chain(trainer.trained_ids()).collect();
+    assert_eq!(manifest.steps, t1.steps);
+    assert_eq!(manifest.version, t1.version.0);
+    assert_eq!(manifest.trained_groups, trained_1.len() as u64);
+    assert_eq!(final_1.counters.consumed_total, manifest.trained_groups);
+    assert_eq!(final_1.buckets["in_flight"], 0, "{final_1:?}");
+    assert_eq!(final_1.buckets["pending"], 0);
+    drop(replay);
+
+    // What run 2 will find.
+    let (handle, _, join) = sluice_actors::replay::ReplayHandle::spawn(
+        sluice_actors::replay::ReplayOptions {
+            dir: Some(dir.path().join("replay")),
+            drop_expired: false,
+            filter_zero_advantage: false,
+        },
+        std::sync::Arc::new(|_| {}),
+    )
+    .await
+    .unwrap();
+    let at_stop = handle.status().await.unwrap();
+    handle.stop().await;
+    join.await.unwrap();
+    let waiting: HashSet<GroupId> = [Bucket::Completed, Bucket::Aborted, Bucket::Expired]
+        .iter()
+        .flat_map(|b| ids(&at_stop, *b))
+        .collect();
+    assert!(
+        !ids(&at_stop, Bucket::Aborted).is_empty(),
+        "the stop stored in-flight groups as aborted: {:?}",
+        at_stop.store
+    );
+
+    // Run 2: same directories, a few more steps.
+    let config = self::config(manifest.steps + 4);
+    let node = Node::start(&config, options(dir.path())).await.unwrap();
+    // The sampler draws on from the checkpoint: its per-domain counts continue, not restart.
+    let saved = manifest
+        .sampler
+        .clone()
+        .expect("the sampler's state is in the checkpoint");
+    let now = node.handles.sampler.state().await.unwrap();
+    let count = |state: &serde_json::Value, what: &str| -> u64 {
+        state["domains"]
+            .as_object()
+            .expect("per-domain counts")
+            .values()
+            .map(|d| d[what].as_u64().unwrap())
+            .sum()
+    };
+    assert!(count(&saved, "sampled") > 0, "{saved}");
+    assert!(
+        count(&now, "sampled") >= count(&saved, "sampled"),
+        "{saved} → {now}"
+    );
+    assert!(
+        count(&now, "completed") >= count(&saved, "completed"),
+        "{saved} → {now}"
+    );
+    let s = node.status().await.unwrap();
+    assert_eq!(s.trainer.steps, manifest.steps, "the step count continues");
+    assert_eq!(
+        s.trainer.version.0, manifest.version,
+        "the version continues"
+    );
+    assert_eq!(s.controller.version.0, manifest.version);
+    assert_eq!(s.checkpoint.as_ref().unwrap().version, manifest.version);
+    let status = node
+        .wait_done(Duration::from_secs(60), |_| {})
+        .await
+        .unwrap();
+    let trained_2: HashSet<GroupId> = node.handles.trainer.trained_ids().into_iter().collect();
+    assert_eq!(status.trainer.steps, manifest.steps + 4);
+    assert_eq!(status.trainer.version.0, manifest.version + 4);
+    common::check_invariants(&status);
+    assert!(trained_1.is_disjoint(&trained_2), "a group trained twice");
+    // Groups waiting at the stop were trained in run 2 or still wait: none vanished.
+    let final_2 = node.shutdown().await.unwrap();
+    let live_2: HashSet<GroupId> = final_2.live_ids.values().flatten().copied().collect();
+    assert_eq!(final_2.store.counters.released_total, 0);
+    for id in &waiting {
+        assert!(
+            trained_2.contains(id) || live_2.contains(id),
+            "group {id} waiting at the stop was lost"
+        );
+    }
+    let resumed = ids(&at_stop, Bucket::Aborted)
+        .iter()
+        .filter(|id| trained_2.contains(id))
+        .count();
+    assert!(resumed > 0, "aborted groups resume and get trained");
+    let m2 = CheckpointDir::new(dir.path().join("checkpoint"))
+        .load()
+        .unwrap()
+        .unwrap()
+        .1;
+    assert_eq!(m2.reason, "done");
+    assert_eq!(m2.steps, manifest.steps + 4);
+    assert_eq!(m2.trained_groups, final_2.store.counters.consumed_total);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn checkpoints_on_request_over_the_admin_api() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = config(1000);
+    config.admin.listen = "127.0.0.1:0".parse().unwrap();
+    config.admin.token = Some(sluice_config::Secret::new("s3cret"));
+    let node = Node::start(
+        &config,
+        NodeOptions {
+            serve_admin: true,
+            ..options(dir.path())
+        },
+    )
+    .await
+    .unwrap();
+    wait_for_steps(&node, 2).await;
+    let m = node.handles.checkpoint().await.unwrap();
+    assert_eq!(m.reason, "request");
+    assert!(m.steps >= 2);
+    assert_eq!(m.trained_groups, 4 * m.steps);
+    assert!(m.replay.consumed_total >= m.trained_groups);
+    let base = format!("http://{}", node.admin_addr().unwrap());
+    let (denied, ok) = tokio::task::spawn_blocking(move || {
+        let c = sluice_node::client::request;
+        let denied = c(&base, "POST", "/v1/checkpoint", None, None).unwrap();
+        let ok = c(&base, "POST", "/v1/checkpoint", None, Some("s3cret")).unwrap();
+        (denied, ok)
+    })
+    .await
+    .unwrap();
+    assert_eq!(denied.0, 401, "{denied:?}");
+    assert_eq!(ok.0, 200, "{ok:?}");
+    let body: serde_json::Value = serde_json::from_str(&ok.1).unwrap();
+    assert!(body["checkpoint"]["version"].as_u64().unwrap() >= m.version);
+    node.shutdown().await;
+    let (_, on_disk) = CheckpointDir::new(dir.path().join("checkpoint"))
+        .load()
+        .unwrap()
+        .unwrap();
+    assert!(on_disk.version >= m.version);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_without_a_checkpoint_dir_refuses_checkpoints() {
+    let node = Node::start(&config(1000), NodeOptions::default())
+        .await
+        .unwrap();
+    let err = node.handles.checkpoint().await.unwrap_err();
+    assert_eq!(err.kind(), "checkpoint_unavailable");
+    node.shutdown().await;
+}

@@ -1,0 +1,83 @@
+//! The run monitor on a simulated node: it follows the trainer's step feed, logs every step once
+//! and in order to `metrics.jsonl`, ends with `RunEnd::Done` at the budget, and `Node::finish`
+//! marks the end with a `done` checkpoint; a restart continues the numbering and the log from
+//! that checkpoint without repeating a step.
+
+mod common;
+
+use std::num::NonZeroU64;
+
+use sluice_actors::checkpoint::CheckpointDir;
+use sluice_actors::trainer::STEP_FEED_CAPACITY;
+use sluice_config::Config;
+use sluice_node::run::{RunEnd, RunMonitor, Start};
+use sluice_node::{Node, NodeOptions};
+use sluice_report::{MetricsLog, read_log};
+
+/// Runs `config` to its end under a monitor; returns how it ended and the step it started at.
+async fn run(config: &Config, dir: &std::path::Path) -> (RunEnd, u64) {
+    let (feed, steps) = tokio::sync::mpsc::channel(STEP_FEED_CAPACITY);
+    let options = NodeOptions {
+        replay_dir: Some(dir.join("replay")),
+        checkpoint_dir: Some(dir.join("checkpoint")),
+        step_feed: Some(feed),
+        ..NodeOptions::default()
+    };
+    let node = Node::start(config, options).await.unwrap();
+    let first = node.start_step();
+    let log = MetricsLog::resume(dir.join("metrics.jsonl"), first).unwrap();
+    let start = Start {
+        step: first,
+        wall_s: log.last().map_or(0.0, |r| r.wall_s),
+        ..Start::default()
+    };
+    let mut monitor = RunMonitor::new(
+        config,
+        std::time::Instant::now(),
+        start,
+        steps,
+        Some(log),
+        None,
+    );
+    let mut looks = 0;
+    let end = monitor.watch(&node, |_| looks += 1).await.unwrap();
+    assert!(looks > 0, "progress is reported");
+    node.finish(&end).await;
+    node.shutdown().await;
+    monitor.record_remaining().unwrap();
+    assert_eq!(monitor.summary().steps, config.run.max_steps.get());
+    (end, first)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_monitor_logs_every_step_once_and_a_restart_continues_the_log() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = common::config("", "time_scale = 0.05");
+    config.run.max_steps = NonZeroU64::new(6).unwrap();
+    let (end, first) = run(&config, dir.path()).await;
+    assert_eq!((end, first), (RunEnd::Done, 0));
+    let (_, manifest) = CheckpointDir::new(dir.path().join("checkpoint"))
+        .load()
+        .unwrap()
+        .expect("the end is a checkpoint");
+    assert_eq!((manifest.reason.as_str(), manifest.steps), ("done", 6));
+    let records = read_log(dir.path().join("metrics.jsonl")).unwrap();
+    let steps: Vec<u64> = records.iter().map(|r| r.step).collect();
+    assert_eq!(steps, [1, 2, 3, 4, 5, 6]);
+    for r in &records {
+        assert_eq!(r.policy_version.map(|v| v.0), Some(r.step), "{r:?}");
+        assert!(r.extra.contains_key("trained_reward_mean"), "{r:?}");
+    }
+
+    // The same run with a larger budget resumes at step 6 and logs steps 7..=10 after them.
+    config.run.max_steps = NonZeroU64::new(10).unwrap();
+    let (end, first) = run(&config, dir.path()).await;
+    assert_eq!((end, first), (RunEnd::Done, 6));
+    let records = read_log(dir.path().join("metrics.jsonl")).unwrap();
+    let steps: Vec<u64> = records.iter().map(|r| r.step).collect();
+    assert_eq!(steps, (1..=10).collect::<Vec<_>>());
+    assert!(
+        records.windows(2).all(|w| w[0].wall_s <= w[1].wall_s),
+        "wall time continues across the restart"
+    );
+}
