@@ -46,7 +46,7 @@ impl SampleSource for Recording {
 }
 
 fn config(overrides: &[String]) -> Config {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/multi_domain.toml");
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs/multi_domain.toml");
     let overrides: Vec<_> = overrides.iter().map(|o| o.parse().unwrap()).collect();
     sluice_config::load(&path, &overrides).expect("configs/multi_domain.toml is valid")
 }
