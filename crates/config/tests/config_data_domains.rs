@@ -242,3 +242,48 @@ fn qa_row_fields_and_marker_parse_and_round_trip() {
         .to_string();
     assert!(err.contains("data.domains.gsm8k.question_field"), "{err}");
 }
+
+#[test]
+fn sandbox_limits_parse_round_trip_and_name_a_bad_key() {
+    let text = r#"
+        [data]
+        datasets = ["code::python_code@train"]
+        [data.domains.code.sandbox]
+        cpu_seconds = 4
+        wall_s = 7.5
+        memory_mib = 512
+    "#;
+    let c = load(text).unwrap();
+    let sandbox = c.data.domain_options["code"].sandbox.unwrap();
+    assert_eq!(sandbox.cpu_seconds, Some(4));
+    assert_eq!(sandbox.wall_s, Some(7.5));
+    assert_eq!(sandbox.memory_mib, Some(512));
+    assert_eq!(
+        sandbox.max_processes, None,
+        "unset keys keep the task's default"
+    );
+    let printed = toml::to_string(&c).unwrap();
+    assert_eq!(load(&printed).unwrap(), c);
+
+    for (key, value) in [
+        ("wall_s", "0"),
+        ("cpu_seconds", "0"),
+        ("memory_mib", "8"),
+        ("max_processes", "100000"),
+    ] {
+        let text = format!(
+            "[data]\ndatasets = [\"code::python_code\"]\n[data.domains.code.sandbox]\n{key} = {value}\n"
+        );
+        let err = load(&text).unwrap_err().to_string();
+        assert!(
+            err.contains(&format!("data.domains.code.sandbox.{key}")),
+            "{key} = {value}: {err}"
+        );
+    }
+    let err = load(
+        "[data]\ndatasets = [\"code::python_code\"]\n[data.domains.code.sandbox]\nnetwork = true\n",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("network"), "{err}");
+}

@@ -10,11 +10,13 @@
 //! A domain whose task is `qa` and that sets its row fields (`question_field`, `answer_field`,
 //! `system_prompt_field`, `answer_marker`) gets a `qa` copy reading them; those keys on a domain
 //! of another task are refused.
+//! A domain whose task is `python_code` and that sets a `sandbox` table gets a copy whose programs
+//! run under those limits; a `sandbox` on a domain of another task is refused.
 //!
 //! Every error names the config key, like the config's own checks.
 
 use sluice_core::config::Secret;
-use sluice_data::config::{DataConfig, DomainConfig, DomainRubric};
+use sluice_data::config::{DataConfig, DomainConfig, DomainRubric, DomainSandbox};
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -23,7 +25,9 @@ use crate::error::EnvError;
 use crate::remote::{EnvServers, RemoteEnvFactory, RoutedEnvFactory};
 use crate::reward_fns::{AnswerOptions, GENERIC_NAMES, generic};
 use crate::rubric::{RewardFn, Rubric, RubricConfig};
+use crate::sandbox::SandboxLimits;
 use crate::task::{Task, TaskRegistry};
+use crate::tasks::python_code;
 use crate::tasks::qa::{self, QaOptions};
 
 /// The environment variable holding the bearer token env servers are called with (the one
@@ -94,6 +98,12 @@ pub fn configure(
                 qa::NAME
             )));
         }
+        if options.sandbox.is_some() && task != python_code::NAME {
+            return Err(EnvError::Config(format!(
+                "{key}.sandbox: only the `{}` task runs programs in a sandbox; the domain's task is `{task}`",
+                python_code::NAME
+            )));
+        }
         if !needs_own_copy(options) {
             registry.serve_domain(domain, task);
             continue;
@@ -102,6 +112,9 @@ pub fn configure(
             let qa_options = QaOptions::from_domain(options);
             let answers = qa_options.answer_options();
             (qa::task_with(qa_options), answers)
+        } else if let Some(sandbox) = &options.sandbox {
+            let limits = sandbox_limits(sandbox);
+            (python_code::task_with(limits), AnswerOptions::default())
         } else {
             let base = match registry.get(&task) {
                 Ok(t) => (*t).clone(),
@@ -164,13 +177,28 @@ fn serving_task(
     }
 }
 
-/// Whether a domain's task needs a copy of its own: a rubric, an env server, env nodes, or the
-/// `qa` task's row fields.
+/// Whether a domain's task needs a copy of its own: a rubric, an env server, env nodes, the
+/// `qa` task's row fields or a sandbox.
 fn needs_own_copy(options: &DomainConfig) -> bool {
     options.rubric.is_some()
         || options.env_url.is_some()
         || options.env_nodes
         || options.sets_qa_keys()
+        || options.sandbox.is_some()
+}
+
+/// The sandbox limits a domain's `sandbox` table sets, the defaults where it sets none.
+pub fn sandbox_limits(sandbox: &DomainSandbox) -> SandboxLimits {
+    let d = SandboxLimits::default();
+    SandboxLimits {
+        cpu_seconds: sandbox.cpu_seconds.unwrap_or(d.cpu_seconds),
+        memory_bytes: sandbox.memory_mib.map_or(d.memory_bytes, |m| m << 20),
+        max_processes: sandbox.max_processes.unwrap_or(d.max_processes),
+        wall: sandbox.wall_s.map_or(d.wall, Duration::from_secs_f64),
+        max_output_bytes: sandbox
+            .max_output_kib
+            .map_or(d.max_output_bytes, |k| (k as usize) << 10),
+    }
 }
 
 /// The first `qa` key a domain sets (for the error naming it).

@@ -11,6 +11,12 @@
 //! | the next prompt exceeds `max_prompt_tokens` (or, before rendering, 32 characters per allowed token) | `PromptTooLong` |
 //! | an env call exceeded `call_timeout` | `Timeout` |
 //! | an env call panicked or failed; rendering failed | `Error(kind)` |
+//! | the env replied with an assistant message (only the policy writes those) | `Error("env_protocol")` |
+//!
+//! With `max_history_turns = N`, a prompt is rendered from the opening messages (the system
+//! prompt and what `init` returned) and the last N turns (each an assistant message and the env's
+//! reply), not the whole history: long episodes stay within `max_prompt_tokens` instead of
+//! ending `PromptTooLong`. [`TokenEnv::history`] still holds everything.
 //!
 //! A completion whose structure does not parse (bad tool-call JSON) is *not* an error: the env
 //! receives the raw text as a plain assistant message and decides (that is a training signal).
@@ -21,7 +27,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use sluice_core::metrics::ENV_STEP_SECONDS;
-use sluice_core::{Message, RolloutStatus, RolloutTurn, ToolSpec};
+use sluice_core::{Message, Role, RolloutStatus, RolloutTurn, ToolSpec};
 use tokio::sync::Mutex;
 
 use crate::error::EnvError;
@@ -67,6 +73,9 @@ pub struct TokenEnvLimits {
     /// Deadline of each env call (`init`, `step`, `close`).
     #[serde(with = "seconds")]
     pub call_timeout: Duration,
+    /// Turns a prompt keeps after the opening messages (`None`: all of them).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_history_turns: Option<u32>,
 }
 
 mod seconds {
@@ -87,6 +96,7 @@ impl Default for TokenEnvLimits {
             max_prompt_tokens: 4096,
             max_turns: 8,
             call_timeout: Duration::from_secs(30),
+            max_history_turns: None,
         }
     }
 }
@@ -155,6 +165,10 @@ pub struct TokenEnv {
     limits: TokenEnvLimits,
     system_prompt: Option<String>,
     history: Vec<Message>,
+    /// Messages of `history` that open the episode (system prompt and `init`'s): always rendered.
+    opening: usize,
+    /// Where each turn starts in `history` (its assistant message).
+    turn_starts: Vec<usize>,
     tools: Vec<ToolSpec>,
     turns: u32,
     parse_errors: u32,
@@ -193,6 +207,8 @@ impl TokenEnv {
             limits,
             system_prompt,
             history: Vec::new(),
+            opening: 0,
+            turn_starts: Vec::new(),
             tools: Vec::new(),
             turns: 0,
             parse_errors: 0,
@@ -263,18 +279,37 @@ impl TokenEnv {
             .limits
             .max_prompt_tokens
             .saturating_mul(MAX_PROMPT_CHARS_PER_TOKEN);
-        if prompt_chars(&self.history, &self.tools, max_chars) > max_chars {
+        let messages = self.prompt_messages();
+        if prompt_chars(&messages, &self.tools, max_chars) > max_chars {
             return self.finish(RolloutStatus::PromptTooLong);
         }
-        match self.renderer.render_prompt(&self.history, &self.tools) {
+        match self.renderer.render_prompt(&messages, &self.tools) {
             Ok(ids) if ids.len() > self.limits.max_prompt_tokens => {
                 self.finish(RolloutStatus::PromptTooLong)
             }
             Ok(prompt_token_ids) => Next::Generate(TurnPrompt {
                 prompt_token_ids,
-                prompt_messages: self.history.clone(),
+                prompt_messages: messages,
             }),
             Err(e) => self.fail(&e),
+        }
+    }
+
+    /// What the next prompt is rendered from: the whole history, or with `max_history_turns`,
+    /// the opening messages and the last turns.
+    fn prompt_messages(&self) -> Vec<Message> {
+        let keep = self
+            .limits
+            .max_history_turns
+            .map_or(usize::MAX, |n| n as usize);
+        let dropped = self.turn_starts.len().saturating_sub(keep);
+        match self.turn_starts.get(dropped) {
+            Some(&from) if dropped > 0 => {
+                let mut messages = self.history[..self.opening].to_vec();
+                messages.extend_from_slice(&self.history[from..]);
+                messages
+            }
+            _ => self.history.clone(),
         }
     }
 
@@ -295,14 +330,13 @@ impl TokenEnv {
             Ok(init) => init,
             Err(e) => return self.fail(&e),
         };
-        let starts_with_system = messages
-            .first()
-            .is_some_and(|m| m.role == sluice_core::Role::System);
+        let starts_with_system = messages.first().is_some_and(|m| m.role == Role::System);
         let prompt = self.system_prompt.as_deref().filter(|p| !p.is_empty());
         if let (Some(prompt), false) = (prompt, starts_with_system) {
             self.history.push(Message::system(prompt));
         }
         self.history.extend(messages);
+        self.opening = self.history.len();
         self.tools = tools;
         self.next_prompt()
     }
@@ -333,6 +367,7 @@ impl TokenEnv {
             return outcome;
         }
         self.turns += 1;
+        self.turn_starts.push(self.history.len());
         self.history.push(assistant.clone());
         if finish == TurnFinish::Length {
             outcome.next = self.finish(RolloutStatus::Truncated);
@@ -358,6 +393,14 @@ impl TokenEnv {
                 return outcome;
             }
         };
+        if let Some(at) = messages.iter().position(|m| m.role == Role::Assistant) {
+            outcome.next = self.fail(&EnvError::Protocol(format!(
+                "the env's reply holds an assistant message (message {at} of {}): only the \
+                 policy writes assistant turns; an env replies as user, tool or system",
+                messages.len()
+            )));
+            return outcome;
+        }
         if let Err(e) = self.add_components(components) {
             outcome.next = self.fail(&e);
             return outcome;

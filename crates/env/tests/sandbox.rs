@@ -149,3 +149,63 @@ async fn hostile_answers_fail_their_rollout_not_the_server() {
     assert!(health.0.is_success());
     let _ = stop.send(());
 }
+
+/// `[data.domains.<d>.sandbox]`: a domain's own limits reach its programs (a 0.5 s wall stops
+/// a 2 s sleeper that the default 5 s lets finish); the table on another task's domain is
+/// refused, naming the key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_domains_sandbox_table_sets_its_programs_limits() {
+    use sluice_data::config::{BadLinePolicy, DataConfig, DomainConfig, DomainSandbox};
+    use sluice_env::configured::configure;
+    let data = |domain: &str, dataset: &str| DataConfig {
+        datasets: vec![dataset.parse().unwrap()],
+        data_dir: "unused".into(),
+        on_bad_line: BadLinePolicy::Fail,
+        adaptive_mix: true,
+        domain_options: [(
+            domain.to_owned(),
+            DomainConfig {
+                sandbox: Some(DomainSandbox {
+                    wall_s: Some(0.5),
+                    ..DomainSandbox::default()
+                }),
+                ..DomainConfig::default()
+            },
+        )]
+        .into(),
+        read_limits: Default::default(),
+    };
+    let timeout = Duration::from_secs(20);
+    let registry = configure(
+        TaskRegistry::builtin(),
+        &data("code", "code::python_code@train"),
+        timeout,
+        None,
+    )
+    .unwrap();
+    assert_eq!(registry.domain_tasks()["code"], "code/python_code");
+    let strict = registry.get("code/python_code").unwrap();
+    let default = TaskRegistry::builtin().get("python_code").unwrap();
+    let problem = sample(serde_json::json!({
+        "problem": "Print 6 times 7.",
+        "expected_output": "42",
+    }));
+    let slow = "```python\nimport time\ntime.sleep(2)\nprint(42)\n```";
+    let r = play(&strict, &problem, &[slow]).await;
+    assert_eq!(r.status, RolloutStatus::Error("env_failed".into()), "{r:?}");
+    let r = play(&default, &problem, &[slow]).await;
+    assert_eq!(r.status, RolloutStatus::Completed, "{r:?}");
+    assert_eq!(r.reward_components["env.passed"], 1.0);
+
+    let err = configure(
+        TaskRegistry::builtin(),
+        &data("math", "math::arithmetic@train"),
+        timeout,
+        None,
+    )
+    .err()
+    .unwrap();
+    let message = err.to_string();
+    assert!(message.contains("data.domains.math.sandbox"), "{message}");
+    assert!(message.contains("python_code"), "{message}");
+}

@@ -1,4 +1,5 @@
-//! TokenEnv: statuses for every way an episode can end, history and rendering, system prompts.
+//! TokenEnv: statuses for every way an episode can end, history, its window and rendering, system
+//! prompts, replies an env may not send.
 
 mod common;
 
@@ -54,6 +55,10 @@ impl MessageEnv for Echo {
                 }
                 ("step_error", _) => Err(EnvError::Failed("sandbox crashed".into())),
                 ("grow", _) => Ok(EnvStep::reply(vec![Message::user("y".repeat(200))])),
+                ("speaks_for_policy", _) => Ok(EnvStep::reply(vec![
+                    Message::user("fine"),
+                    Message::assistant("and I answer for you"),
+                ])),
                 (_, "stop") => Ok(EnvStep::done().with_reward(1.0).with_situation("end")),
                 _ => Ok(EnvStep::reply(vec![Message::user("again")])
                     .with_reward(0.25)
@@ -68,6 +73,7 @@ fn limits() -> TokenEnvLimits {
         max_prompt_tokens: 400,
         max_turns: 3,
         call_timeout: Duration::from_secs(5),
+        max_history_turns: None,
     }
 }
 
@@ -161,6 +167,70 @@ async fn limits_set_the_status() {
         "the history outgrew the limit"
     );
     assert_eq!(r.turns.len(), 2);
+}
+
+#[tokio::test]
+async fn a_history_window_keeps_the_opening_and_the_last_turns() {
+    // 200 characters a reply: the whole history outgrows 400 tokens at the third prompt (above);
+    // keeping one turn, every prompt fits and the episode runs to max_turns.
+    let mut env = TokenEnv::new(
+        Box::new(Echo { mode: "grow" }),
+        renderer(),
+        TokenEnvLimits {
+            max_history_turns: Some(1),
+            ..limits()
+        },
+        Some("sys".into()),
+    );
+    let mut r = rollout(0);
+    run_episode(&mut env, &mut Scripted::new(&["a", "b", "c"]), &mut r)
+        .await
+        .unwrap();
+    assert_eq!(
+        r.status,
+        RolloutStatus::Truncated,
+        "max_turns, not PromptTooLong"
+    );
+    assert_eq!(r.turns.len(), 3);
+    let third = &r.turns[2].prompt_messages;
+    let reply = Message::user("y".repeat(200));
+    assert_eq!(
+        third,
+        &vec![
+            Message::system("sys"),
+            Message::user("go"),
+            Message::assistant("b"),
+            reply.clone()
+        ],
+        "opening messages, then only the last turn"
+    );
+    assert_eq!(
+        r.turns[2].prompt_token_ids,
+        ByteRenderer::encode(&ByteRenderer::render_text(third, &[])),
+        "the prompt is rendered from the window"
+    );
+    assert_eq!(
+        env.history().len(),
+        2 + 3 * 2,
+        "the history keeps every turn"
+    );
+}
+
+#[tokio::test]
+async fn an_env_reply_with_an_assistant_message_fails_the_episode() {
+    let (r, env) = run("speaks_for_policy", &["a", "b"]).await;
+    assert_eq!(r.status, RolloutStatus::Error("env_protocol".into()));
+    assert_eq!(
+        r.turns.len(),
+        1,
+        "the generated turn is kept, no second prompt"
+    );
+    assert!(
+        env.history()
+            .iter()
+            .all(|m| m.content.as_deref() != Some("and I answer for you")),
+        "the forged message never reaches a prompt"
+    );
 }
 
 #[tokio::test]

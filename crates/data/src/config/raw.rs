@@ -35,6 +35,25 @@ pub struct RawDomain {
     pub system_prompt_field: Option<String>,
     /// The `qa` task: how replies mark their final answer, `####` or `boxed` (default `####`).
     pub answer_marker: Option<String>,
+    /// `[data.domains.<domain>.sandbox]`: the `python_code` task's limits on each program.
+    pub sandbox: Option<RawSandbox>,
+}
+
+/// `[data.domains.<domain>.sandbox]`: limits of each sandboxed program run (unset keys keep the
+/// task's defaults).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawSandbox {
+    /// CPU seconds (`RLIMIT_CPU`).
+    pub cpu_seconds: Option<i64>,
+    /// Wall-clock deadline of one run, seconds.
+    pub wall_s: Option<f64>,
+    /// Address space, MiB (`RLIMIT_AS`).
+    pub memory_mib: Option<i64>,
+    /// Processes of the sandbox user (`RLIMIT_NPROC`).
+    pub max_processes: Option<i64>,
+    /// KiB kept of stdout and of stderr each.
+    pub max_output_kib: Option<i64>,
 }
 
 /// `[data.domains.<domain>.rubric]`: weighted reward functions and the overrides of failed and

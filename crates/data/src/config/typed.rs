@@ -52,6 +52,30 @@ pub struct DomainConfig {
     /// How the `qa` task's replies mark their final answer (`None`: `####`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub answer_marker: Option<AnswerMarker>,
+    /// The `python_code` task's limits on each program (`None`: the task's defaults).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sandbox: Option<DomainSandbox>,
+}
+
+/// `[data.domains.<domain>.sandbox]`, validated: each limit set, or `None` for the task's
+/// default.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct DomainSandbox {
+    /// CPU seconds, 1–3600.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cpu_seconds: Option<u64>,
+    /// Wall-clock deadline, seconds in (0, 3600].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub wall_s: Option<f64>,
+    /// Address space, MiB, 16–65536.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub memory_mib: Option<u64>,
+    /// Processes of the sandbox user, 1–4096.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_processes: Option<u64>,
+    /// KiB kept of stdout and of stderr each, 1–65536.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_output_kib: Option<u64>,
 }
 
 impl DomainConfig {

@@ -14,8 +14,8 @@ use sluice_core::config::check::{
 
 use crate::dataset::ReadLimits;
 
-use super::raw::{RawData, RawDomain, RawRubric};
-use super::typed::{DataConfig, DatasetSpec, DomainConfig, DomainRubric};
+use super::raw::{RawData, RawDomain, RawRubric, RawSandbox};
+use super::typed::{DataConfig, DatasetSpec, DomainConfig, DomainRubric, DomainSandbox};
 
 /// Most reward functions one rubric may weight; each becomes a label value of
 /// `sluice_rollout_reward_component_mean_reward`, so their number is bounded.
@@ -143,6 +143,10 @@ fn validate_domain(name: &str, raw: RawDomain, ctx: &Ctx<'_>) -> Result<DomainCo
         .as_deref()
         .map(|m| choice(ctx, &format!("{key}.answer_marker"), m))
         .transpose()?;
+    let sandbox = raw
+        .sandbox
+        .map(|r| validate_sandbox(&format!("{key}.sandbox"), r, ctx))
+        .transpose()?;
     Ok(DomainConfig {
         system_prompt: raw.system_prompt,
         task: raw.task,
@@ -156,6 +160,52 @@ fn validate_domain(name: &str, raw: RawDomain, ctx: &Ctx<'_>) -> Result<DomainCo
         answer_field: raw.answer_field,
         system_prompt_field: raw.system_prompt_field,
         answer_marker,
+        sandbox,
+    })
+}
+
+fn validate_sandbox(
+    key: &str,
+    raw: RawSandbox,
+    ctx: &Ctx<'_>,
+) -> Result<DomainSandbox, ConfigError> {
+    let RawSandbox {
+        cpu_seconds,
+        wall_s,
+        memory_mib,
+        max_processes,
+        max_output_kib,
+    } = raw;
+    let count = |name: &str, value: Option<i64>, lo: i64, hi: i64, unit: &str| {
+        value
+            .map(|v| {
+                if (lo..=hi).contains(&v) {
+                    Ok(v as u64)
+                } else {
+                    Err(ctx.value(
+                        &format!("{key}.{name}"),
+                        format!("expected {unit} in {lo}..={hi}, got {v}"),
+                    ))
+                }
+            })
+            .transpose()
+    };
+    Ok(DomainSandbox {
+        cpu_seconds: count("cpu_seconds", cpu_seconds, 1, 3600, "CPU seconds")?,
+        wall_s: wall_s
+            .map(|v| {
+                number(
+                    ctx,
+                    &format!("{key}.wall_s"),
+                    v,
+                    "seconds in (0, 3600]",
+                    |v| v > 0.0 && v <= 3600.0,
+                )
+            })
+            .transpose()?,
+        memory_mib: count("memory_mib", memory_mib, 16, 65_536, "MiB")?,
+        max_processes: count("max_processes", max_processes, 1, 4096, "processes")?,
+        max_output_kib: count("max_output_kib", max_output_kib, 1, 65_536, "KiB")?,
     })
 }
 

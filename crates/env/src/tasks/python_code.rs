@@ -142,14 +142,10 @@ fn resource_error(stderr: &str) -> bool {
     })
 }
 
-fn env(sample: &DataSample) -> Result<Box<dyn MessageEnv>, EnvError> {
+fn env(sample: &DataSample, limits: &SandboxLimits) -> Result<Box<dyn MessageEnv>, EnvError> {
     let problem: String = field(sample, "problem")?;
     let expected: String = field(sample, "expected_output")?;
-    Ok(Box::new(CodeEnv::new(
-        problem,
-        expected,
-        SandboxLimits::default(),
-    )))
+    Ok(Box::new(CodeEnv::new(problem, expected, limits.clone())))
 }
 
 fn correct(input: &ScoreInput) -> f64 {
@@ -177,9 +173,15 @@ fn reference(sample: &DataSample, turn: u32) -> Option<String> {
     Some(format!("print({expected})"))
 }
 
-/// The task.
+/// The task, its programs run under the default [`SandboxLimits`].
 pub fn task() -> Task {
-    Task::new(NAME, env, answer_rubric(correct, format, Some(0.0)))
+    task_with(SandboxLimits::default())
+}
+
+/// The task, its programs run under `limits` (a domain's `sandbox` table).
+pub fn task_with(limits: SandboxLimits) -> Task {
+    let env_fn = move |sample: &DataSample| env(sample, &limits);
+    Task::new(NAME, env_fn, answer_rubric(correct, format, Some(0.0)))
         .with_system_prompt(SYSTEM_PROMPT)
         .with_datasets(train_eval_specs("code", NAME))
         .with_generator(Generator)

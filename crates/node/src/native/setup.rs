@@ -251,6 +251,7 @@ pub fn env_limits(config: &Config, context: usize) -> TokenEnvLimits {
         max_prompt_tokens: config.max_prompt_tokens(context),
         max_turns: config.rollout.max_turns.get(),
         call_timeout: config.supervision.env_step_timeout,
+        max_history_turns: config.rollout.max_history_turns.map(|n| n.get()),
     }
 }
 

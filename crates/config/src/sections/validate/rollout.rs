@@ -109,6 +109,11 @@ pub fn validate_rollout(
         group_size,
         groups_per_step,
         max_turns: non_zero_u32(ctx, "rollout.max_turns", raw.max_turns)?,
+        max_history_turns: std::num::NonZeroU32::new(u32_incl_zero(
+            ctx,
+            "rollout.max_history_turns",
+            raw.max_history_turns,
+        )?),
         max_new_tokens: non_zero_u32(ctx, "rollout.max_new_tokens", raw.max_new_tokens)?,
         max_prompt_tokens: std::num::NonZeroU32::new(u32_incl_zero(
             ctx,
