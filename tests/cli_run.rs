@@ -1,4 +1,4 @@
-//! `sluice run` on the long-tail config (shrunk), and `sluice knobs get|set` against a live node.
+//! `sluice run` on the long-tail config (shrunk, with TensorBoard events), and `sluice knobs get|set` against a live node.
 
 use std::process::Command;
 use std::time::Duration;
@@ -32,6 +32,8 @@ fn run_finishes_the_long_tail_config_and_prints_a_summary() {
             "metrics.listen=\"127.0.0.1:0\"",
             "--set",
             "admin.listen=\"127.0.0.1:0\"",
+            "--set",
+            "metrics.tensorboard=true",
         ])
         .output()
         .unwrap();
@@ -47,6 +49,26 @@ fn run_finishes_the_long_tail_config_and_prints_a_summary() {
         dir.path().join("replay").join("replay.redb").exists(),
         "the replay store lives under the output dir"
     );
+    // `metrics.tensorboard`: one event file beside the log, holding the steps' scalars (their
+    // values are checked with TensorBoard's own reader in sluice-report's tests).
+    let events: Vec<_> = std::fs::read_dir(dir.path().join("tensorboard"))
+        .expect("the TensorBoard dir")
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert_eq!(events.len(), 1, "{events:?}");
+    let bytes = std::fs::read(&events[0]).unwrap();
+    let name = events[0]
+        .file_name()
+        .unwrap()
+        .to_string_lossy()
+        .into_owned();
+    assert!(name.starts_with("events.out.tfevents."), "{name}");
+    for tag in ["reward_mean", "version_lag_mean", "policy_version"] {
+        assert!(
+            bytes.windows(tag.len()).any(|w| w == tag.as_bytes()),
+            "no {tag} scalar in {name}"
+        );
+    }
 }
 
 #[test]
@@ -209,6 +231,8 @@ fn the_real_model_recipe_trains_two_steps() {
             "--set",
             "eval.samples=4",
             "--set",
+            "eval.samples_per_problem=2",
+            "--set",
             "metrics.enabled=false",
             "--set",
             "admin.listen=\"127.0.0.1:0\"",
@@ -236,6 +260,17 @@ fn the_real_model_recipe_trains_two_steps() {
         );
     }
     assert_eq!(steps[1]["policy_version"], 2, "{log}");
+    // The final evaluation: greedy accuracy, and pass@2 / mean@2 of two sampled replies a problem.
+    let last = &steps[1];
+    let (pass, mean) = (
+        last["eval_pass_at_k"].as_f64().expect("eval_pass_at_k"),
+        last["eval_mean_at_k"].as_f64().expect("eval_mean_at_k"),
+    );
+    assert!(
+        (0.0..=1.0).contains(&mean) && mean <= pass && pass <= 1.0,
+        "{last}"
+    );
+    assert!(last["eval_accuracy"].as_f64().is_some(), "{last}");
     // Evaluated before RL and at the end, on the four held-out problems.
     assert!(stdout.contains("held-out accuracy"), "{stdout}");
 }

@@ -15,7 +15,7 @@ use sluice_node::cluster::Head;
 use sluice_node::run::{NativeRun, Progress, RunMonitor, RunSummary, Scores, Start};
 use sluice_node::supervise_node::StopReport;
 use sluice_node::{Node, NodeOptions, NodeStatus};
-use sluice_report::{METRICS_FILE, MetricsLog, PLOT_FILE, plot_run, read_log};
+use sluice_report::{METRICS_FILE, MetricsLog, PLOT_FILE, TENSORBOARD_DIR, plot_run, read_log};
 
 use super::shutdown_signal;
 use crate::cli::ConfigArgs;
@@ -155,8 +155,14 @@ async fn run_config(config: &Config) -> anyhow::Result<ExitCode> {
     let first_step = node.start_step();
     let log_path = out.join(METRICS_FILE);
     // The steps after the checkpoint are trained again: their old records go.
-    let log = MetricsLog::resume(&log_path, first_step)
+    let mut log = MetricsLog::resume(&log_path, first_step)
         .with_context(|| format!("opening {}", log_path.display()))?;
+    if config.metrics.tensorboard {
+        let dir = out.join(TENSORBOARD_DIR);
+        log = log
+            .with_tensorboard(&dir)
+            .with_context(|| format!("opening TensorBoard events in {}", dir.display()))?;
+    }
     let start = Start {
         step: first_step,
         wall_s: log.last().map_or(0.0, |r| r.wall_s),

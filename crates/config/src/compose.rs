@@ -117,6 +117,7 @@ impl RawConfig {
         let metrics = MetricsConfig {
             enabled: metrics.enabled,
             listen: socket(ctx, "metrics.listen", &metrics.listen)?,
+            tensorboard: metrics.tensorboard,
         };
         let admin = validate_admin(admin, ctx)?;
         if metrics.enabled && metrics.listen.port() != 0 && metrics.listen == admin.listen {

@@ -32,6 +32,68 @@ pub struct EvalReport {
     pub statuses: BTreeMap<String, usize>,
 }
 
+/// The component of `rubric` that checks answers: `correct`, else the first of
+/// [`ACCURACY_COMPONENTS`] it weights.
+fn accuracy_component(rubric: &Rubric) -> Option<&'static str> {
+    let weights = rubric.weights();
+    ACCURACY_COMPONENTS
+        .iter()
+        .copied()
+        .find(|c| weights.iter().any(|(name, _)| name == c))
+}
+
+/// One rollout's score on the answer-checking component (0 without it, e.g. truncated).
+fn score(rollout: &Rollout, component: &str) -> f64 {
+    rollout
+        .reward_components
+        .get(component)
+        .copied()
+        .unwrap_or(0.0)
+}
+
+/// pass@k and mean@k of k sampled replies per problem.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SampledScores {
+    /// Replies per problem.
+    pub k: u32,
+    /// Mean over the problems of the best of their k scores: for a 0/1 `correct`, the share of
+    /// problems with at least one correct reply.
+    pub pass_at_k: f64,
+    /// Mean score over every reply.
+    pub mean_at_k: f64,
+}
+
+impl SampledScores {
+    /// The scores of `rollouts`, which hold `k` replies of each problem one after another
+    /// (problem i's at `i*k .. (i+1)*k`). `None` when the rubric checks no answer, `k` is 0 or
+    /// the rollouts are not whole groups of k.
+    pub fn from_rollouts(rubric: &Rubric, rollouts: &[Rollout], k: u32) -> Option<Self> {
+        let component = accuracy_component(rubric)?;
+        let per_problem = k as usize;
+        if per_problem == 0 || rollouts.is_empty() || !rollouts.len().is_multiple_of(per_problem) {
+            return None;
+        }
+        let problems = rollouts.chunks(per_problem);
+        let n = problems.len() as f64;
+        let pass = problems
+            .map(|replies| {
+                replies
+                    .iter()
+                    .map(|r| score(r, component))
+                    .fold(0.0, f64::max)
+            })
+            .sum::<f64>()
+            / n;
+        let mean =
+            rollouts.iter().map(|r| score(r, component)).sum::<f64>() / rollouts.len() as f64;
+        Some(Self {
+            k,
+            pass_at_k: pass,
+            mean_at_k: mean,
+        })
+    }
+}
+
 impl EvalReport {
     /// Summarizes rollouts scored by `rubric`.
     pub fn from_rollouts(rubric: &Rubric, rollouts: &[Rollout]) -> Self {
@@ -40,10 +102,7 @@ impl EvalReport {
         for r in rollouts {
             *statuses.entry(r.status.as_label().to_owned()).or_insert(0) += 1;
         }
-        let weights = rubric.weights();
-        let accuracy_component = ACCURACY_COMPONENTS
-            .iter()
-            .find(|c| weights.iter().any(|(name, _)| name == *c));
+        let accuracy_component = accuracy_component(rubric);
         let mean = |f: &dyn Fn(&Rollout) -> f64| {
             if n == 0 {
                 0.0
@@ -54,8 +113,7 @@ impl EvalReport {
         Self {
             episodes: n,
             mean_reward: mean(&|r| r.reward),
-            accuracy: accuracy_component
-                .map(|c| mean(&|r| r.reward_components.get(*c).copied().unwrap_or(0.0))),
+            accuracy: accuracy_component.map(|c| mean(&|r| score(r, c))),
             statuses,
         }
     }

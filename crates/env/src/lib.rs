@@ -51,7 +51,7 @@ pub mod token_env;
 pub use discount::EpisodeDiscount;
 pub use episode::{Generate, Generated, run_episode};
 pub use error::EnvError;
-pub use eval::{EvalReport, evaluate};
+pub use eval::{EvalReport, SampledScores, evaluate};
 pub use protocol::{BoxFuture, EnvInit, EnvStep, MessageEnv};
 pub use renderer::{ByteRenderer, ParseError, Renderer};
 pub use rollout_env::{EnvReply, RolloutEnv, TurnNote};

@@ -470,3 +470,32 @@ async fn evaluation_accuracy_falls_back_to_the_answer_check() {
     let report = EvalReport::from_rollouts(&rubric, &rollouts);
     assert_eq!(report.accuracy, Some(0.5));
 }
+
+/// pass@k takes each problem's best reply, mean@k every reply: three problems with k = 2 and
+/// `correct` scores (1, 0), (0, 0), (1, 1) give pass@2 = 2/3 and mean@2 = 1/2; a rubric that
+/// checks no answer, or a count that is not whole groups of k, gives none.
+#[test]
+fn pass_at_k_is_the_best_of_each_problems_k_replies() {
+    use sluice_env::{SampledScores, TaskRegistry};
+    let task = TaskRegistry::builtin().get("arithmetic").unwrap();
+    let scored = |correct: f64| {
+        let mut r = rollout(0);
+        r.reward_components.insert("correct".into(), correct);
+        r
+    };
+    let rollouts: Vec<_> = [1.0, 0.0, 0.0, 0.0, 1.0, 1.0]
+        .into_iter()
+        .map(scored)
+        .collect();
+    let s = SampledScores::from_rollouts(task.rubric(), &rollouts, 2).unwrap();
+    assert_eq!(s.k, 2);
+    assert!((s.pass_at_k - 2.0 / 3.0).abs() < 1e-12, "{s:?}");
+    assert!((s.mean_at_k - 0.5).abs() < 1e-12, "{s:?}");
+    // k = 3 over the same six replies: problems (1, 0, 0) and (0, 1, 1).
+    let s = SampledScores::from_rollouts(task.rubric(), &rollouts, 3).unwrap();
+    assert!((s.pass_at_k - 1.0).abs() < 1e-12, "{s:?}");
+    assert!(SampledScores::from_rollouts(task.rubric(), &rollouts, 4).is_none());
+    assert!(SampledScores::from_rollouts(task.rubric(), &rollouts, 0).is_none());
+    let no_answers = Rubric::new(vec![RewardFn::env_reward(1.0)], RubricConfig::default()).unwrap();
+    assert!(SampledScores::from_rollouts(&no_answers, &rollouts, 2).is_none());
+}

@@ -74,7 +74,40 @@ async fn every_domain_is_evaluated_on_its_own_held_out_set() {
     assert!((scores.heldout - mean).abs() < 1e-12, "{scores:?}");
     for d in &scores.domains {
         assert!((0.0..=1.0).contains(&d.heldout) && (0.0..=1.0).contains(&d.train));
+        assert!(d.sampled.is_none(), "k = 1: no sampled pass");
     }
+    assert!(scores.sampled.is_none());
+
+    // `eval.samples_per_problem = 3`: every domain's held-out problems are also answered three
+    // times, and the run's pass@3 / mean@3 are the means over the domains.
+    // (The keys land in the template's `[eval]` table, before `extra`'s tables.)
+    let three = config(
+        dir.path(),
+        &format!("samples_per_problem = 3\nsample_temperature = 1.0\n{extra}"),
+    );
+    assert_eq!(three.eval.samples_per_problem.get(), 3);
+    let mut run3 = NativeRun::prepare(&three, |_| {}).await.unwrap();
+    let scores = run3
+        .evaluations
+        .run(std::sync::Arc::clone(&run3.setup.weights))
+        .await
+        .unwrap();
+    let sampled = scores.sampled.expect("pass@k with k = 3");
+    assert_eq!(sampled.k, 3);
+    for d in &scores.domains {
+        let s = d.sampled.expect("each domain's pass@k");
+        assert!(
+            (0.0..=1.0).contains(&s.mean_at_k) && s.mean_at_k <= s.pass_at_k && s.pass_at_k <= 1.0,
+            "{d:?}"
+        );
+    }
+    let mean = scores
+        .domains
+        .iter()
+        .map(|d| d.sampled.unwrap().pass_at_k)
+        .sum::<f64>()
+        / 2.0;
+    assert!((sampled.pass_at_k - mean).abs() < 1e-12, "{scores:?}");
 
     // `eval.task` evaluates that task alone, in the domain whose rows it serves.
     let dir = tempfile::tempdir().unwrap();

@@ -3,6 +3,7 @@
 //! | module | what it holds |
 //! |---|---|
 //! | [`log`] | [`StepRecord`], [`MetricsLog`] (appends `metrics.jsonl`, one JSON object per line) and [`read_log`] |
+//! | [`tensorboard`] | [`EventWriter`]: the same records as TensorBoard scalars (`[metrics] tensorboard`) |
 //! | [`plot`] | [`plot_run`]: reward and eval accuracy against step and wall time, as one PNG |
 //! | [`image`] | [`Image`]: an RGB canvas with lines, rectangles and text, encoded by [`png`] |
 //! | [`png`] | a small PNG encoder (8-bit RGB, fixed-Huffman deflate with run-length matches) |
@@ -18,6 +19,7 @@ pub mod image;
 pub mod log;
 pub mod plot;
 pub mod png;
+pub mod tensorboard;
 
 mod axis;
 mod panel;
@@ -29,3 +31,4 @@ pub use plot::{
     ACCURACY_COLOUR, DOMAIN_ACCURACY_PREFIX, PLOT_FILE, PanelKind, PlotOptions, REWARD_COLOUR,
     RunPlot, Series, domain_colour, plot_run, render_run,
 };
+pub use tensorboard::{EventWriter, TENSORBOARD_DIR};

@@ -14,6 +14,7 @@ use serde::{Deserialize, Deserializer, Serialize};
 use sluice_core::PolicyVersion;
 
 use crate::error::ReportError;
+use crate::tensorboard::EventWriter;
 
 /// The log's file name inside a run's output dir.
 pub const METRICS_FILE: &str = "metrics.jsonl";
@@ -90,6 +91,11 @@ pub struct MetricsLog {
     writer: BufWriter<File>,
     last: Option<StepRecord>,
     line: Vec<u8>,
+    /// The step after which [`resume`](Self::resume) cut the log (what a TensorBoard writer must
+    /// make TensorBoard forget too).
+    cut_after: Option<u64>,
+    /// Where every appended record is also written as TensorBoard scalars, when asked for.
+    tensorboard: Option<EventWriter>,
 }
 
 impl MetricsLog {
@@ -112,7 +118,18 @@ impl MetricsLog {
     /// Like [`open`](Self::open), but first drops the records after `last_step`: a run that
     /// resumes from the checkpoint of `last_step` logs the later steps again.
     pub fn resume(path: impl AsRef<Path>, last_step: u64) -> Result<Self, ReportError> {
-        Self::open_keeping(path.as_ref(), |record| record.step <= last_step)
+        let mut log = Self::open_keeping(path.as_ref(), |record| record.step <= last_step)?;
+        log.cut_after = Some(last_step);
+        Ok(log)
+    }
+
+    /// Also writes every appended record to a new TensorBoard event file in `dir`
+    /// ([`crate::tensorboard`]). After [`resume`](Self::resume), the file first tells TensorBoard
+    /// to forget what earlier files logged after the resumed step.
+    pub fn with_tensorboard(mut self, dir: impl AsRef<Path>) -> Result<Self, ReportError> {
+        let purge_from = self.cut_after.map(|step| step + 1);
+        self.tensorboard = Some(EventWriter::create(dir, purge_from)?);
+        Ok(self)
     }
 
     fn open_keeping(path: &Path, keep: impl Fn(&StepRecord) -> bool) -> Result<Self, ReportError> {
@@ -152,6 +169,8 @@ impl MetricsLog {
             writer: BufWriter::new(file),
             last,
             line: Vec::new(),
+            cut_after: None,
+            tensorboard: None,
         }
     }
 
@@ -179,6 +198,9 @@ impl MetricsLog {
             .and_then(|()| self.writer.flush())
             .map_err(|e| ReportError::io(&self.path, e))?;
         self.last = Some(record.clone());
+        if let Some(tensorboard) = &mut self.tensorboard {
+            tensorboard.append(record)?;
+        }
         Ok(())
     }
 
@@ -190,6 +212,11 @@ impl MetricsLog {
     /// The log file.
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// The TensorBoard event file this log also writes, if any.
+    pub fn tensorboard_file(&self) -> Option<&Path> {
+        self.tensorboard.as_ref().map(EventWriter::path)
     }
 }
 

@@ -182,3 +182,6 @@ fn reading_a_missing_log_names_the_file() {
         "{error}"
     );
 }
+
+#[path = "log/tensorboard.rs"]
+mod tensorboard;

@@ -27,6 +27,7 @@ pub const BOUNDS: &[Bound] = &[
         "groups per training step",
     ),
     bound("rollout.max_turns", 1024.0, "turns per episode"),
+    bound("rollout.max_history_turns", 1024.0, "turns per prompt"),
     bound("rollout.max_new_tokens", MAX_TOKENS, TOKENS),
     bound("rollout.temperature", 100.0, "the sampling temperature"),
     bound("rollout.top_k", MAX_TOKENS, "candidate tokens"),
@@ -55,6 +56,8 @@ pub const BOUNDS: &[Bound] = &[
     bound("eval.every_steps", MAX_COUNT, STEPS),
     bound("eval.samples", 1_048_576.0, "samples"),
     bound("eval.temperature", 100.0, "the sampling temperature"),
+    bound("eval.sample_temperature", 100.0, "the sampling temperature"),
+    bound("eval.samples_per_problem", 64.0, "replies per problem"),
     bound(
         "supervision.restart_backoff_initial_s",
         MAX_SECONDS,

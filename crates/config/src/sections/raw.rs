@@ -45,6 +45,8 @@ pub struct RawRollout {
     pub groups_per_step: i64,
     /// Model turns per episode, at most.
     pub max_turns: i64,
+    /// Turns a prompt keeps after the opening messages (0 = all).
+    pub max_history_turns: i64,
     /// Tokens per model turn, at most.
     pub max_new_tokens: i64,
     /// Longest prompt sent to the engine, tokens (0 = the model's context minus `max_new_tokens`).
@@ -89,6 +91,7 @@ impl Default for RawRollout {
             group_size: 8,
             groups_per_step: 8,
             max_turns: 1,
+            max_history_turns: 0,
             max_new_tokens: 512,
             max_prompt_tokens: 0,
             temperature: 1.0,
@@ -111,7 +114,7 @@ impl Default for RawRollout {
     }
 }
 
-/// `[metrics]`: the Prometheus endpoint.
+/// `[metrics]`: the Prometheus endpoint, and where else the run's metrics go.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RawMetrics {
@@ -119,6 +122,8 @@ pub struct RawMetrics {
     pub enabled: bool,
     /// Listen address.
     pub listen: String,
+    /// Also write every `metrics.jsonl` scalar as TensorBoard events.
+    pub tensorboard: bool,
 }
 
 impl Default for RawMetrics {
@@ -126,6 +131,7 @@ impl Default for RawMetrics {
         Self {
             enabled: true,
             listen: "127.0.0.1:9400".into(),
+            tensorboard: false,
         }
     }
 }
@@ -193,6 +199,10 @@ pub struct RawEval {
     pub samples: i64,
     /// Sampling temperature of evaluation (0: greedy).
     pub temperature: f64,
+    /// Sampled replies per held-out problem for pass@k and mean@k (1: none beyond the main pass).
+    pub samples_per_problem: i64,
+    /// Sampling temperature of those k replies.
+    pub sample_temperature: f64,
     /// Stop training once held-out accuracy reaches this (absent: run all steps).
     pub stop_at_accuracy: Option<f64>,
     /// Task to evaluate (default: the task of the first dataset).
@@ -207,6 +217,8 @@ impl Default for RawEval {
             every_steps: 10,
             samples: 256,
             temperature: 0.0,
+            samples_per_problem: 1,
+            sample_temperature: 1.0,
             stop_at_accuracy: None,
             task: None,
             device: None,

@@ -43,6 +43,9 @@ pub struct RolloutConfig {
     pub groups_per_step: NonZeroU32,
     /// Model turns per episode.
     pub max_turns: NonZeroU32,
+    /// Turns a prompt keeps after the opening messages (`None`: all of them).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_history_turns: Option<NonZeroU32>,
     /// Tokens per turn.
     pub max_new_tokens: NonZeroU32,
     /// Longest prompt sent to the engine (`None`: the model's context minus `max_new_tokens`;
@@ -73,6 +76,9 @@ pub struct MetricsConfig {
     pub enabled: bool,
     /// Listen address.
     pub listen: SocketAddr,
+    /// Also write every `metrics.jsonl` scalar to `<output_dir>/tensorboard/` as TensorBoard
+    /// event files.
+    pub tensorboard: bool,
 }
 
 /// `[admin]`
@@ -113,6 +119,10 @@ pub struct EvalConfig {
     pub samples: NonZeroU32,
     /// Sampling temperature (0: greedy).
     pub temperature: f64,
+    /// Sampled replies per held-out problem, k, for pass@k and mean@k (1: none).
+    pub samples_per_problem: NonZeroU32,
+    /// Sampling temperature of the k replies (> 0).
+    pub sample_temperature: f64,
     /// Stop training once held-out accuracy reaches this.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub stop_at_accuracy: Option<f64>,

@@ -3,7 +3,9 @@
 //! training problems. With `eval.task` set, that one task is evaluated (in the domain whose rows
 //! it serves); otherwise every domain of `data.datasets`, each through the task that serves it,
 //! with its own system prompt and turn budget. The run's accuracy is the mean over the domains,
-//! so one domain's collapse shows even when another climbs.
+//! so one domain's collapse shows even when another climbs. With `eval.samples_per_problem = k`
+//! above 1, each held-out problem is also answered k times at `eval.sample_temperature`, for
+//! pass@k and mean@k.
 
 use std::sync::Arc;
 
@@ -11,7 +13,7 @@ use sluice_config::{Config, DatasetSpec};
 use sluice_core::DataSample;
 use sluice_engine::{NativeEngineParams, SamplingParams};
 use sluice_env::datasets::{GeneratedRows, load_dataset};
-use sluice_env::{Task, TaskRegistry};
+use sluice_env::{SampledScores, Task, TaskRegistry};
 use sluice_model::ModelWeights;
 
 use crate::native::{Evaluator, NativeSetup};
@@ -30,6 +32,8 @@ pub struct DomainAccuracy {
     pub heldout: f64,
     /// Greedy accuracy on its training probe.
     pub train: f64,
+    /// pass@k and mean@k on its held-out set, with `eval.samples_per_problem` above 1.
+    pub sampled: Option<SampledScores>,
 }
 
 /// What one evaluation found: the means over the domains and each domain's own.
@@ -41,6 +45,8 @@ pub struct Scores {
     pub train: f64,
     /// Each domain's, in evaluation order.
     pub domains: Vec<DomainAccuracy>,
+    /// pass@k and mean@k, the means over the domains (with `eval.samples_per_problem` above 1).
+    pub sampled: Option<SampledScores>,
 }
 
 impl Scores {
@@ -51,10 +57,20 @@ impl Scores {
 
     fn from_domains(domains: Vec<DomainAccuracy>) -> Self {
         let n = domains.len().max(1) as f64;
+        let sampled: Vec<SampledScores> = domains.iter().filter_map(|d| d.sampled).collect();
+        let sampled = (!sampled.is_empty()).then(|| {
+            let m = sampled.len() as f64;
+            SampledScores {
+                k: sampled[0].k,
+                pass_at_k: sampled.iter().map(|s| s.pass_at_k).sum::<f64>() / m,
+                mean_at_k: sampled.iter().map(|s| s.mean_at_k).sum::<f64>() / m,
+            }
+        });
         Self {
             heldout: domains.iter().map(|d| d.heldout).sum::<f64>() / n,
             train: domains.iter().map(|d| d.train).sum::<f64>() / n,
             domains,
+            sampled,
         }
     }
 }
@@ -65,6 +81,8 @@ struct DomainEval {
     task: Arc<Task>,
     heldout: Evaluator,
     train: Evaluator,
+    /// k sampled replies of each held-out problem, and k.
+    sampled: Option<(Evaluator, u32)>,
 }
 
 /// Greedy accuracy of every evaluated domain, on its held-out set and on a fixed probe of its
@@ -185,6 +203,7 @@ pub(super) fn evaluator(
     served: &Served,
     samples: Vec<DataSample>,
     temperature: f64,
+    seed: Option<u64>,
 ) -> Evaluator {
     let max_tokens = config
         .data
@@ -201,7 +220,7 @@ pub(super) fn evaluator(
             top_p: 1.0,
             top_k: 0,
             max_tokens: max_tokens.get(),
-            seed: Some(config.run.seed),
+            seed,
             stop_token_ids: Vec::new(),
         },
     )
@@ -317,15 +336,28 @@ fn heldout_samples(
 impl Evaluations {
     pub(super) fn new(config: &Config, setup: &NativeSetup) -> Result<Self, ActorError> {
         let temperature = config.eval.temperature;
+        let seed = Some(config.run.seed);
+        let k = config.eval.samples_per_problem.get();
         let domains = served_domains(config, setup)?
             .into_iter()
             .map(|served| {
                 let mut probe = training_samples(config, &served, 4096)?;
                 probe.truncate(config.warmup.probe_samples.get() as usize);
                 let heldout = heldout_samples(config, setup, &served)?;
+                // Each problem k times in a row; no fixed seed, so the engine draws each reply
+                // from its own rollout id and the k replies differ.
+                let sampled = (k > 1).then(|| {
+                    let repeated = heldout
+                        .iter()
+                        .flat_map(|s| std::iter::repeat_n(s.clone(), k as usize))
+                        .collect();
+                    let t = config.eval.sample_temperature;
+                    (evaluator(config, setup, &served, repeated, t, None), k)
+                });
                 Ok(DomainEval {
-                    heldout: evaluator(config, setup, &served, heldout, temperature),
-                    train: evaluator(config, setup, &served, probe, temperature),
+                    heldout: evaluator(config, setup, &served, heldout, temperature, seed),
+                    train: evaluator(config, setup, &served, probe, temperature, seed),
+                    sampled,
                     domain: served.domain,
                     task: served.task,
                 })
@@ -373,10 +405,21 @@ impl Evaluations {
                 .evaluate(Arc::clone(&weights))
                 .await
                 .map_err(|e| failed("training-probe", e))?;
+            let sampled = match &mut d.sampled {
+                Some((evaluator, k)) => {
+                    let replies = evaluator
+                        .evaluate(Arc::clone(&weights))
+                        .await
+                        .map_err(|e| failed("sampled held-out", e))?;
+                    SampledScores::from_rollouts(d.task.rubric(), &replies.rollouts, *k)
+                }
+                None => None,
+            };
             out.push(DomainAccuracy {
                 domain: d.domain.clone(),
                 heldout: heldout.report.accuracy.unwrap_or(0.0),
                 train: train.report.accuracy.unwrap_or(0.0),
+                sampled,
             });
         }
         Ok(Scores::from_domains(out))

@@ -339,11 +339,19 @@ impl RunMonitor {
         }
         if let Some(s) = scores {
             extra.insert("train_accuracy".to_owned(), s.train);
+            if let Some(k) = &s.sampled {
+                extra.insert("eval_pass_at_k".to_owned(), k.pass_at_k);
+                extra.insert("eval_mean_at_k".to_owned(), k.mean_at_k);
+            }
             // Each domain's own, when there are several (one domain's is the run's).
             if s.domains.len() > 1 {
                 for d in &s.domains {
                     extra.insert(format!("eval_accuracy.{}", d.domain), d.heldout);
                     extra.insert(format!("train_accuracy.{}", d.domain), d.train);
+                    if let Some(k) = &d.sampled {
+                        extra.insert(format!("eval_pass_at_k.{}", d.domain), k.pass_at_k);
+                        extra.insert(format!("eval_mean_at_k.{}", d.domain), k.mean_at_k);
+                    }
                 }
             }
         }

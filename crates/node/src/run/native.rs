@@ -154,7 +154,14 @@ async fn warmup(
                 .unwrap_or(w.target_accuracy);
             probes.push(WarmupProbe {
                 domain: s.domain.clone(),
-                evaluator: evaluator(config, setup, s, samples[..probe_n].to_vec(), 0.0),
+                evaluator: evaluator(
+                    config,
+                    setup,
+                    s,
+                    samples[..probe_n].to_vec(),
+                    0.0,
+                    Some(config.run.seed),
+                ),
                 target,
             });
         }

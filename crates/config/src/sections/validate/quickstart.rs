@@ -44,6 +44,18 @@ pub fn validate_eval(
             "a number ≥ 0 (0 = greedy)",
             |v| v >= 0.0,
         )?,
+        samples_per_problem: non_zero_u32(
+            ctx,
+            "eval.samples_per_problem",
+            raw.samples_per_problem,
+        )?,
+        sample_temperature: number(
+            ctx,
+            "eval.sample_temperature",
+            raw.sample_temperature,
+            "a number > 0 (k replies of one problem must differ)",
+            |v| v > 0.0,
+        )?,
         stop_at_accuracy: raw
             .stop_at_accuracy
             .map(|v| fraction(ctx, "eval.stop_at_accuracy", v))
