@@ -19,6 +19,7 @@
 //! valid one.
 
 mod compose;
+pub mod deploy;
 mod overrides;
 pub mod raw;
 mod sections;
@@ -43,6 +44,7 @@ pub use sluice_trainer::config::{
     AdvantageKind, DECOUPLED_MINIBATCHES, LossAggregation, LossKind, LrSchedule, OversizedText,
     SimTrainerConfig, TisLevel, TisMode, TrainerConfig, default_minibatches, validate_trainer,
 };
+pub use deploy::{Deployment, ENV_TOKEN_ENV, check_deployment};
 pub use typed::Config;
 
 /// The environment variable that supplies `admin.token` when the file does not.
