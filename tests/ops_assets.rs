@@ -377,7 +377,9 @@ fn the_kubernetes_manifests_are_well_formed_and_use_existing_flags_and_keys() {
             if kind == "Deployment" || kind == "StatefulSet" {
                 for probe in ["readinessProbe", "livenessProbe", "startupProbe"] {
                     assert!(
-                        doc.contains(&format!("{probe}:\n            httpGet:\n              path: /")),
+                        doc.contains(&format!(
+                            "{probe}:\n            httpGet:\n              path: /"
+                        )),
                         "{file}: {kind} lacks an HTTP {probe}"
                     );
                 }

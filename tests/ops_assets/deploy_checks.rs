@@ -27,10 +27,16 @@ fn check(config: &str, sets: &[&str], tokens: &[(&str, &str)]) -> (bool, String)
         cmd.env(k, v);
     }
     let out = cmd.output().unwrap();
-    (out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned())
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
 }
 
-const BOTH: &[(&str, &str)] = &[("SLUICE_ADMIN_TOKEN", "t0ken"), ("SLUICE_ENV_TOKEN", "t0ken")];
+const BOTH: &[(&str, &str)] = &[
+    ("SLUICE_ADMIN_TOKEN", "t0ken"),
+    ("SLUICE_ENV_TOKEN", "t0ken"),
+];
 const MEMBER_HEAD: &str = "node.head=\"http://10.0.0.1:9401\"";
 
 #[test]
@@ -56,7 +62,10 @@ fn deployment_mistakes_are_refused_naming_the_key() {
         let (ok, stderr) = check(config, sets, tokens);
         assert!(!ok, "{config} {sets:?} passed");
         for e in *expected {
-            assert!(stderr.contains(e), "{config} {sets:?}: `{e}` not in: {stderr}");
+            assert!(
+                stderr.contains(e),
+                "{config} {sets:?}: `{e}` not in: {stderr}"
+            );
         }
     }
 }
@@ -64,11 +73,30 @@ fn deployment_mistakes_are_refused_naming_the_key() {
 #[test]
 fn the_same_configs_pass_when_deployed_right() {
     let rows: &[(&str, &[&str])] = &[
-        (ENV, &[MEMBER_HEAD, "node.listen=\"0.0.0.0:8071\"", "node.advertise=\"http://10.0.0.3:8071\""]),
+        (
+            ENV,
+            &[
+                MEMBER_HEAD,
+                "node.listen=\"0.0.0.0:8071\"",
+                "node.advertise=\"http://10.0.0.3:8071\"",
+            ],
+        ),
         (ENGINE, &[MEMBER_HEAD, "node.listen=\"10.0.0.2:8000\""]),
-        (HEAD, &["admin.listen=\"0.0.0.0:9401\"", "node.advertise=\"http://10.0.0.1:9401\""]),
+        (
+            HEAD,
+            &[
+                "admin.listen=\"0.0.0.0:9401\"",
+                "node.advertise=\"http://10.0.0.1:9401\"",
+            ],
+        ),
         // All nodes on one machine: loopback everywhere is consistent.
-        (HEAD, &["admin.listen=\"127.0.0.11:9401\"", "node.advertise=\"http://127.0.0.11:9401\""]),
+        (
+            HEAD,
+            &[
+                "admin.listen=\"127.0.0.11:9401\"",
+                "node.advertise=\"http://127.0.0.11:9401\"",
+            ],
+        ),
     ];
     for (config, sets) in rows {
         let (ok, stderr) = check(config, sets, BOTH);
@@ -79,7 +107,11 @@ fn the_same_configs_pass_when_deployed_right() {
 #[test]
 fn a_cuda_config_is_refused_by_a_cpu_build_naming_the_device_key() {
     for config in [GPU_HEAD, GPU_ENGINE] {
-        let sets: &[&str] = if config == GPU_ENGINE { &[MEMBER_HEAD] } else { &[] };
+        let sets: &[&str] = if config == GPU_ENGINE {
+            &[MEMBER_HEAD]
+        } else {
+            &[]
+        };
         let (ok, stderr) = check(config, sets, BOTH);
         if cfg!(feature = "cuda") {
             assert!(ok, "{config}: {stderr}");

@@ -67,7 +67,11 @@ fn a_manifest_the_schema_refuses_fails_the_validator() {
     let text = ops("kubernetes/engine.yaml").replace("readinessProbe:", "readinesProbe:");
     std::fs::write(&bad, text).unwrap();
     let validator = validator();
-    assert!(validator.exists(), "{}: see the test above", validator.display());
+    assert!(
+        validator.exists(),
+        "{}: see the test above",
+        validator.display()
+    );
     let out = Command::new(validator)
         .args(["--strict", "--kubernetes-version", VERSIONS[0]])
         .arg(&bad)
@@ -90,23 +94,37 @@ fn the_env_path_and_the_head_service_are_wired() {
     }
     // The StatefulSet's serviceName names a headless Service.
     let head = documents("kubernetes/head.yaml");
-    let set = head.iter().find(|d| d.contains("kind: StatefulSet")).unwrap();
+    let set = head
+        .iter()
+        .find(|d| d.contains("kind: StatefulSet"))
+        .unwrap();
     let name = set
         .lines()
         .find_map(|l| l.trim().strip_prefix("serviceName: "))
         .expect("serviceName");
     let service = head
         .iter()
-        .find(|d| d.contains("kind: Service") && d.contains(&format!("metadata:\n  name: {name}\n")))
+        .find(|d| {
+            d.contains("kind: Service") && d.contains(&format!("metadata:\n  name: {name}\n"))
+        })
         .unwrap_or_else(|| panic!("no Service {name}"));
-    assert!(service.contains("clusterIP: None"), "{name} is not headless");
+    assert!(
+        service.contains("clusterIP: None"),
+        "{name} is not headless"
+    );
     // Only the head reaches the engine and env ports.
     let policy = ops("kubernetes/networkpolicy.yaml");
     assert!(policy.contains("values: [\"engine\", \"env\"]"), "{policy}");
-    assert!(policy.contains("app.kubernetes.io/component: head"), "{policy}");
+    assert!(
+        policy.contains("app.kubernetes.io/component: head"),
+        "{policy}"
+    );
     for port in ["port: 8000", "port: 8071"] {
         assert!(policy.contains(port), "{policy}");
     }
     let readme = ops("kubernetes/README.md");
-    assert!(readme.contains("networkpolicy.yaml"), "the README shows the policy");
+    assert!(
+        readme.contains("networkpolicy.yaml"),
+        "the README shows the policy"
+    );
 }

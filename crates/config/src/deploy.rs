@@ -11,9 +11,9 @@ use std::net::{IpAddr, SocketAddr};
 use sluice_core::config::{ConfigError, ConfigErrorKind, Device};
 use sluice_engine::config::EngineBackend;
 
+use crate::ADMIN_TOKEN_ENV;
 use crate::sections::NodeRole;
 use crate::typed::Config;
-use crate::ADMIN_TOKEN_ENV;
 
 /// The environment variable holding the env servers' bearer token (an env node requires it
 /// beyond loopback; a head sends it to its env nodes).

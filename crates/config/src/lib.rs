@@ -28,6 +28,7 @@ mod typed;
 use std::collections::BTreeSet;
 use std::path::Path;
 
+pub use deploy::{Deployment, ENV_TOKEN_ENV, check_deployment};
 pub use overrides::Override;
 pub use raw::RawConfig;
 pub use sections::validate::*;
@@ -44,7 +45,6 @@ pub use sluice_trainer::config::{
     AdvantageKind, DECOUPLED_MINIBATCHES, LossAggregation, LossKind, LrSchedule, OversizedText,
     SimTrainerConfig, TisLevel, TisMode, TrainerConfig, default_minibatches, validate_trainer,
 };
-pub use deploy::{Deployment, ENV_TOKEN_ENV, check_deployment};
 pub use typed::Config;
 
 /// The environment variable that supplies `admin.token` when the file does not.
