@@ -37,12 +37,20 @@ const BOTH: &[(&str, &str)] = &[
     ("SLUICE_ADMIN_TOKEN", "t0ken"),
     ("SLUICE_ENV_TOKEN", "t0ken"),
 ];
+/// One mistake: the config, its `--set`s, the tokens in the environment, what the error says.
+type Row = (
+    &'static str,
+    &'static [&'static str],
+    &'static [(&'static str, &'static str)],
+    &'static [&'static str],
+);
+
 const MEMBER_HEAD: &str = "node.head=\"http://10.0.0.1:9401\"";
 
 #[test]
 fn deployment_mistakes_are_refused_naming_the_key() {
     #[rustfmt::skip]
-    let rows: &[(&str, &[&str], &[(&str, &str)], &[&str])] = &[
+    let rows: &[Row] = &[
         // An env node beyond loopback without $SLUICE_ENV_TOKEN exits 1 at once when run.
         (ENV, &[MEMBER_HEAD, "node.listen=\"0.0.0.0:8071\"", "node.advertise=\"http://10.0.0.3:8071\""],
          &[("SLUICE_ADMIN_TOKEN", "t0ken")], &["node.listen", "SLUICE_ENV_TOKEN"]),
