@@ -4,8 +4,9 @@
 //! from a submit directory, the configs beside the script): head on n1, an engine node on n2,
 //! an env node on n3. It checks that the job starts, the members join and serve, training
 //! progresses, `scancel` stops every member cleanly (they leave the head, which checkpoints),
-//! a resubmit with the same run directory resumes without a second warm-up, and a normal end
-//! stops every member cleanly as well.
+//! a resubmit with the same run directory resumes without a second warm-up, a normal end stops
+//! every member cleanly as well, and so does the ordered stop (`scancel --batch --signal=TERM`),
+//! after the head's own checkpoint.
 //!
 //! What the one-host emulation changes, and nothing else: a `hostname` on `PATH` that answers
 //! for the Slurm node it runs on (`$SLURMD_NODENAME`: name `n<i>`, address 127.0.0.1<i>), so
@@ -353,7 +354,9 @@ fn the_sbatch_script_runs_under_a_real_slurm_stops_cleanly_and_resumes() {
     });
     mark("job 1 ended");
     let (head, engine, env) = node_logs(&run, &job1);
-    // Each member left the head while it was still up; the head checkpointed on the way out.
+    // Each member left the head while it was still up. (The head, signalled at the same moment,
+    // ends its stop at supervision.shutdown_timeout_s: its in-flight rollouts wait for the nodes
+    // that just left. The resubmit resumes from its last periodic checkpoint.)
     assert!(
         engine.contains("left the head"),
         "{}",
@@ -404,5 +407,43 @@ fn the_sbatch_script_runs_under_a_real_slurm_stops_cleanly_and_resumes() {
     );
     assert_eq!(steps(&run), target, "{}", all_logs(&submit_dir));
     assert_members_stopped_cleanly(&submit_dir, &run, &job2, false);
+
+    // Job 3: the ordered stop (`scancel --batch --signal=TERM`, as the time limit's
+    // --signal=B:TERM does): the head stops first while its members serve and checkpoints, then
+    // the members stop; every step exits 0.
+    let job3 = submit(&cluster, &submit_dir, &path, "run.max_steps=1000");
+    wait_for(
+        "job 3 trains",
+        Duration::from_secs(120),
+        &submit_dir,
+        || steps(&run) > target + 1,
+    );
+    mark("job 3 training");
+    let out = cluster
+        .cmd("scancel")
+        .args(["--batch", "--signal=TERM", &job3])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "scancel --batch: {}", text(&out));
+    wait_for("job 3 ended", Duration::from_secs(60), &submit_dir, || {
+        !matches!(
+            cluster.job_field(&job3, "JobState").as_str(),
+            "RUNNING" | "COMPLETING" | "PENDING"
+        )
+    });
+    mark("job 3 ended");
+    let (head, _, _) = node_logs(&run, &job3);
+    assert!(
+        head.contains("reason=\"stop\"") && head.contains("restart with the same config to resume"),
+        "the head checkpointed on its stop\n{}",
+        all_logs(&submit_dir)
+    );
+    assert_eq!(
+        cluster.job_field(&job3, "ExitCode"),
+        "0:0",
+        "{}",
+        all_logs(&submit_dir)
+    );
+    assert_members_stopped_cleanly(&submit_dir, &run, &job3, false);
     eprintln!("timeline: {}", timeline.join(", "));
 }
