@@ -1,5 +1,14 @@
 //! The ops assets refer only to metrics the catalog defines, the dashboard is valid JSON, and the
-//! launchers (`ops/slurm`, `ops/kubernetes`) parse and use only flags and config keys that exist.
+//! launchers (`ops/slurm`, `ops/kubernetes`) parse and use only flags and config keys that exist;
+//! `slurm.rs` runs the sbatch script under a real Slurm, `kubernetes.rs` validates the manifests
+//! against Kubernetes' schemas, `deploy_checks.rs` drives `sluice check`'s deployment checks.
+
+#[path = "ops_assets/deploy_checks.rs"]
+mod deploy_checks;
+#[path = "ops_assets/kubernetes.rs"]
+mod kubernetes;
+#[path = "ops_assets/slurm.rs"]
+mod slurm;
 
 use std::path::Path;
 
@@ -140,14 +149,28 @@ fn invocation(file: &str, argv: &[String]) -> Invocation {
     inv
 }
 
-/// The `sluice` invocations of the sbatch script (continuation lines joined).
+/// The `sluice` invocations of the sbatch script (continuation lines joined, the head's
+/// `"${HEAD_ARGS[@]}"` expanded to the words of its `HEAD_ARGS=(...)` line).
 fn slurm_invocations() -> Vec<Invocation> {
     let text = ops("slurm/sluice.sbatch").replace("\\\n", " ");
+    let head_args = text
+        .lines()
+        .find_map(|l| l.strip_prefix("HEAD_ARGS=(")?.strip_suffix(')'))
+        .map(words)
+        .expect("the sbatch script's HEAD_ARGS=(...) line");
     let mut out = Vec::new();
     for line in text.lines().filter(|l| !l.trim_start().starts_with('#')) {
-        let w = words(line);
-        // `"$SLUICE" sub ...` directly, and `exec "$0" sub ...` inside the members' `bash -c`.
-        if let Some(i) = w.iter().position(|w| w == "$SLUICE" || w == "$0") {
+        let w: Vec<String> = words(line)
+            .into_iter()
+            .flat_map(|w| {
+                if w == "${HEAD_ARGS[@]}" {
+                    head_args.clone()
+                } else {
+                    vec![w]
+                }
+            })
+            .collect();
+        if let Some(i) = w.iter().position(|w| w == "$SLUICE") {
             out.push(invocation("slurm/sluice.sbatch", &w[i + 1..]));
         }
     }
@@ -226,18 +249,17 @@ fn substitute(value: &str) -> String {
     for (var, with) in [
         ("$(POD_IP)", "10.1.2.3"),
         ("$(POD_NAME)", "sluice-engine-7d9f"),
-        ("$(hostname -s)", "gpu-node-2"),
         ("$HEAD_URL", "http://10.0.0.1:9401"),
+        ("$HEAD_IP", "10.0.0.1"),
+        ("$ENGINE_NODES", "2"),
+        ("$role-$host", "engine-gpu-node-2"),
         ("$ADMIN_PORT", "9401"),
         ("$METRICS_PORT", "9400"),
         ("$ENGINE_PORT", "8000"),
         ("$ENV_PORT", "8071"),
         ("$RUN_DIR", "/scratch/runs/sluice-42"),
         ("$ip", "10.0.0.2"),
-        ("$2", "http://10.0.0.1:9401"),
-        ("$3", "8000"),
-        ("$4", "engine"),
-        ("$5", "/scratch/runs/sluice-42/engine-gpu-node-2"),
+        ("$port", "8000"),
     ] {
         v = v.replace(var, with);
     }
@@ -245,8 +267,9 @@ fn substitute(value: &str) -> String {
     v
 }
 
-/// Loads `config` with the invocation's overrides (the node token from the environment).
-fn load_with_sets(name: &str, text: &str, sets: &[String]) {
+/// Loads `config` with the invocation's overrides (the node token from the environment) and
+/// runs the deployment checks of `sluice check` on it, for a binary built with CUDA or not.
+fn load_with_sets(name: &str, text: &str, sets: &[String], cuda_built: bool) {
     let overrides: Vec<sluice_config::Override> = sets
         .iter()
         .map(|s| {
@@ -256,7 +279,13 @@ fn load_with_sets(name: &str, text: &str, sets: &[String]) {
         })
         .collect();
     let env = |k: &str| (k == sluice_config::ADMIN_TOKEN_ENV).then(|| TOKEN.to_owned());
-    sluice_config::parse(text, name, &overrides, &env)
+    let config = sluice_config::parse(text, name, &overrides, &env)
+        .unwrap_or_else(|e| panic!("{name} with {sets:?}: {e}"));
+    let deployment = sluice_config::Deployment {
+        cuda_built,
+        env_token: true,
+    };
+    sluice_config::check_deployment(&config, name, &deployment)
         .unwrap_or_else(|e| panic!("{name} with {sets:?}: {e}"));
 }
 
@@ -296,16 +325,20 @@ fn the_slurm_launcher_uses_only_existing_flags_and_keys() {
             "$HEAD_CONFIG" => &["head.toml"],
             "$ENGINE_CONFIG" => &["engine.toml"],
             "$ENV_CONFIG" => &["env.toml"],
-            // The members' `bash -c` gets the engine or the env config.
-            "$1" => &["engine.toml", "env.toml"],
+            // The members' loop picks the engine or the env config.
+            "$config" => &["engine.toml", "env.toml"],
             other => panic!("slurm/sluice.sbatch: unknown config `{other}`"),
         };
         for f in files {
+            // The CPU example runs on the default build; the GPU one needs `--features cuda`.
             load_with_sets(
                 &format!("slurm/{f}"),
                 &ops(&format!("slurm/{f}")),
                 &inv.sets,
+                false,
             );
+            let gpu = format!("slurm/gpu/{f}");
+            load_with_sets(&gpu, &ops(&gpu), &inv.sets, true);
         }
     }
     let readme = ops("slurm/README.md");
@@ -320,6 +353,7 @@ fn the_kubernetes_manifests_are_well_formed_and_use_existing_flags_and_keys() {
         "kubernetes/head.yaml",
         "kubernetes/engine.yaml",
         "kubernetes/env.yaml",
+        "kubernetes/networkpolicy.yaml",
     ] {
         let text = ops(file);
         assert!(
@@ -341,10 +375,14 @@ fn the_kubernetes_manifests_are_well_formed_and_use_existing_flags_and_keys() {
                 "{file}: {kind} lacks a name"
             );
             if kind == "Deployment" || kind == "StatefulSet" {
-                assert!(
-                    doc.contains("readinessProbe:\n            httpGet:\n              path: /"),
-                    "{file}: {kind} lacks an HTTP readiness probe"
-                );
+                for probe in ["readinessProbe", "livenessProbe", "startupProbe"] {
+                    assert!(
+                        doc.contains(&format!(
+                            "{probe}:\n            httpGet:\n              path: /"
+                        )),
+                        "{file}: {kind} lacks an HTTP {probe}"
+                    );
+                }
             }
             if kind == "StatefulSet" {
                 assert!(
@@ -366,6 +404,8 @@ fn the_kubernetes_manifests_are_well_formed_and_use_existing_flags_and_keys() {
             "ConfigMap",
             "Deployment",
             "Deployment",
+            "NetworkPolicy",
+            "Service",
             "Service",
             "Service",
             "Service",
@@ -385,7 +425,8 @@ fn the_kubernetes_manifests_are_well_formed_and_use_existing_flags_and_keys() {
         let text = files
             .get(name)
             .unwrap_or_else(|| panic!("{}: no {name} in the ConfigMap", inv.file));
-        load_with_sets(&format!("{}:{name}", inv.file), text, &inv.sets);
+        // The manifests' configs are the GPU example: the image holds a CUDA build.
+        load_with_sets(&format!("{}:{name}", inv.file), text, &inv.sets, true);
     }
     // The readiness paths are routes the servers have.
     assert!(ops("kubernetes/head.yaml").contains("path: /health"));

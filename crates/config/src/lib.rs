@@ -19,6 +19,7 @@
 //! valid one.
 
 mod compose;
+pub mod deploy;
 mod overrides;
 pub mod raw;
 mod sections;
@@ -27,6 +28,7 @@ mod typed;
 use std::collections::BTreeSet;
 use std::path::Path;
 
+pub use deploy::{Deployment, ENV_TOKEN_ENV, check_deployment};
 pub use overrides::Override;
 pub use raw::RawConfig;
 pub use sections::validate::*;
