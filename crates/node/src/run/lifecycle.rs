@@ -189,11 +189,12 @@ impl PreparedRun {
             resumed_scores: false,
             shutdown_timeout: config.supervision.shutdown_timeout,
         };
-        if evaluating && run.start_scores.is_none() {
-            if let Err(e) = run.evaluate_resumed().await {
-                run.shutdown().await;
-                return Err(e);
-            }
+        if evaluating
+            && run.start_scores.is_none()
+            && let Err(e) = run.evaluate_resumed().await
+        {
+            run.shutdown().await;
+            return Err(e);
         }
         Ok(run)
     }
@@ -216,7 +217,7 @@ pub enum Ending {
     /// The monitor failed; the run's state was checkpointed all the same.
     MonitorFailed(ActorError),
     /// A graceful stop: admission stopped, in-flight partials stored, a checkpoint written.
-    Stopped(StopReport),
+    Stopped(Box<StopReport>),
     /// A second stop request came during the graceful stop: the node was left without a
     /// checkpoint (the replay store keeps every acknowledged group either way).
     Abandoned,
@@ -337,7 +338,7 @@ impl Run {
                     if let (Some(s), Some(replay)) = (&mut status, report.final_replay.clone()) {
                         s.replay = replay;
                     }
-                    Ending::Stopped(report)
+                    Ending::Stopped(Box::new(report))
                 }
                 None => Ending::Abandoned,
             },
