@@ -49,7 +49,7 @@ use sluice_engine::{
 use tokio::time::Instant;
 
 use crate::counters::ActorCounters;
-use crate::supervise::{Backoff, Watchdog};
+use crate::restart_policy::{Backoff, Watchdog};
 use crate::{ActorError, Sink};
 
 pub use factory::ReplicaFactory;

@@ -9,7 +9,7 @@
 //! | [`env_worker`] | EnvWorker pool | environment steps and rewards |
 //! | [`replay`] | ReplayStore | the bucket state machine on a dedicated thread, persisted |
 //! | [`trainer`] | Trainer | pulls batches, trains on a dedicated thread, publishes weights |
-//! | [`supervise`] | restart backoff and progress watchdog, as pure policies |
+//! | [`restart_policy`] | restart backoff and progress watchdog, as pure policies |
 //! | [`checkpoint`] | the checkpoint directory: manifest, atomic swap, load |
 //! | [`faults`] | fault injection decorators (`[faults]`, off by default) |
 //! | [`counters`] | counters every actor bumps, without the metrics plumbing |
@@ -31,8 +31,8 @@ pub mod env_worker;
 pub mod events;
 pub mod faults;
 pub mod replay;
+pub mod restart_policy;
 pub mod sampler;
-pub mod supervise;
 pub mod trainer;
 
 use std::sync::Arc;

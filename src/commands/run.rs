@@ -1,5 +1,6 @@
 //! `sluice run CONFIG [--set k=v]...`: runs a whole pipeline from a config, whatever its
-//! `engine.backend`. A real model (`native`, `remote`) is prepared first: created when absent,
+//! `engine.backend`, through the run's lifecycle in `sluice_node::run` (this file parses and
+//! renders). A real model (`native`, `remote`) is prepared first: created when absent,
 //! warm-started on a fresh run, evaluated on its held-out split before RL. The node then trains
 //! while the run monitor logs every step to `metrics.jsonl` (and `progress.png` at the end),
 //! evaluates on schedule and stops at `run.max_steps` or the held-out target. Ctrl-C stops it
@@ -9,13 +10,10 @@ use std::process::ExitCode;
 
 use anyhow::{Context, bail};
 use indicatif::{ProgressBar, ProgressStyle};
-use sluice_actors::trainer::STEP_FEED_CAPACITY;
-use sluice_config::{Config, EngineBackend, NodeRole};
-use sluice_node::cluster::Head;
-use sluice_node::run::{NativeRun, Progress, RunMonitor, RunSummary, Scores, Start};
-use sluice_node::supervise_node::StopReport;
-use sluice_node::{Node, NodeOptions, NodeStatus};
-use sluice_report::{METRICS_FILE, MetricsLog, PLOT_FILE, TENSORBOARD_DIR, plot_run, read_log};
+use sluice_config::{Config, NodeRole};
+use sluice_node::NodeStatus;
+use sluice_node::graceful_stop::StopReport;
+use sluice_node::run::{Ending, Finished, PreparedRun, Progress, RunSummary, Scores, Watched};
 
 use super::shutdown_signal;
 use crate::cli::ConfigArgs;
@@ -47,14 +45,14 @@ fn bar(len: u64, template: &str) -> ProgressBar {
     bar
 }
 
-/// Prepares a real model's run: the model, the data and the warm-start, with their lines.
-async fn prepare(config: &Config) -> anyhow::Result<NativeRun> {
+/// Readies the run, rendering the warm-up's steps and what the preparation did.
+async fn prepare(config: &Config) -> anyhow::Result<PreparedRun> {
     let warm = bar(
         config.warmup.max_steps.get(),
         "warm-up {bar:30} {pos}/{len} {msg}",
     );
     let max_steps = config.warmup.max_steps.get();
-    let prepared = NativeRun::prepare(config, |p| {
+    let prepared = sluice_node::run::prepare(config, |p| {
         let line = format!(
             "loss {:.3} | probe accuracy {}",
             p.loss,
@@ -68,84 +66,41 @@ async fn prepare(config: &Config) -> anyhow::Result<NativeRun> {
     })
     .await?;
     warm.finish_and_clear();
-    if prepared.created_model {
-        println!(
-            "created a {} model in {}",
-            config.model.init_preset.map_or("", |p| p.name()),
-            config.model.path.display()
-        );
-    }
-    if let Some(w) = &prepared.warmup {
-        println!(
-            "warm-up: {} supervised steps, accuracy on training problems {}",
-            w.steps,
-            per_domain(
-                w.probe_accuracy,
-                w.domains.iter().map(|(d, a)| (d.as_str(), *a))
-            )
-        );
+    if let Some(n) = &prepared.native {
+        if n.created_model {
+            println!(
+                "created a {} model in {}",
+                config.model.init_preset.map_or("", |p| p.name()),
+                config.model.path.display()
+            );
+        }
+        if let Some(w) = &n.warmup {
+            println!(
+                "warm-up: {} supervised steps, accuracy on training problems {}",
+                w.steps,
+                per_domain(
+                    w.probe_accuracy,
+                    w.domains.iter().map(|(d, a)| (d.as_str(), *a))
+                )
+            );
+        }
+        if let Some(a) = &prepared.baseline {
+            println!(
+                "before RL: held-out accuracy {} ({} problems of {}), training problems {}",
+                heldout(a),
+                n.evaluations.heldout_len(),
+                n.evaluations.describe(),
+                train(a)
+            );
+        }
     }
     Ok(prepared)
 }
 
+/// The run's lifecycle (`sluice_node::run`: prepare, start, watch, finish), rendered.
 async fn run_config(config: &Config) -> anyhow::Result<ExitCode> {
-    // The run's wall time includes creating the model, the warm-up and the first evaluation.
-    let started = std::time::Instant::now();
-    let out = &config.run.output_dir;
-    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
-    let mut native = match config.engine.backend {
-        EngineBackend::Simulated => None,
-        EngineBackend::Native | EngineBackend::Remote => Some(prepare(config).await?),
-    };
-    // A fresh real-model run's baseline is measured before RL starts; a resumed run's, on the
-    // restored weights once the node has loaded them.
-    let fresh_start = match &mut native {
-        Some(n) if n.resumed.is_none() => {
-            let a = n
-                .evaluations
-                .run(std::sync::Arc::clone(&n.setup.weights))
-                .await?;
-            println!(
-                "before RL: held-out accuracy {} ({} problems of {}), training problems {}",
-                heldout(&a),
-                n.evaluations.heldout_len(),
-                n.evaluations.describe(),
-                train(&a)
-            );
-            Some(a)
-        }
-        _ => None,
-    };
-    let (feed, steps) = tokio::sync::mpsc::channel(STEP_FEED_CAPACITY);
-    let (setup, source, evaluations) = match native {
-        Some(n) => (Some(n.setup), Some(n.source), Some(n.evaluations)),
-        None => (None, None, None),
-    };
-    // A head runs its engine replicas on the engine nodes that join it.
-    // Its domains with `env_nodes` run their training episodes on the env nodes that join it.
-    let (head, head_factory, head_env) = match (&setup, config.node.as_ref().map(|n| n.role)) {
-        (Some(setup), Some(NodeRole::Head)) => {
-            let (head, factory) = Head::start(config, setup)?;
-            let env = head
-                .rollout_env(config, setup)?
-                .map(|e| std::sync::Arc::new(e) as _);
-            (Some(head), Some(factory), env)
-        }
-        _ => (None, None, None),
-    };
-    let options = NodeOptions {
-        replay_dir: Some(config.replay.path.clone()),
-        serve_admin: true,
-        serve_metrics: config.metrics.enabled,
-        backend: head_factory,
-        cluster: head.as_ref().map(Head::state),
-        env: head_env,
-        native: setup,
-        source: source.map(|s| Box::new(s) as _),
-        step_feed: Some(feed),
-        ..NodeOptions::default()
-    };
-    let node = Node::start(config, options).await?;
+    let mut run = prepare(config).await?.start(config).await?;
+    let node = run.node();
     if let Some(addr) = node.admin_addr() {
         tracing::info!(%addr, "admin API listening");
     }
@@ -153,34 +108,10 @@ async fn run_config(config: &Config) -> anyhow::Result<ExitCode> {
         println!("Prometheus metrics on http://{addr}/metrics");
     }
     let first_step = node.start_step();
-    let log_path = out.join(METRICS_FILE);
-    // The steps after the checkpoint are trained again: their old records go.
-    let mut log = MetricsLog::resume(&log_path, first_step)
-        .with_context(|| format!("opening {}", log_path.display()))?;
-    if config.metrics.tensorboard {
-        let dir = out.join(TENSORBOARD_DIR);
-        log = log
-            .with_tensorboard(&dir)
-            .with_context(|| format!("opening TensorBoard events in {}", dir.display()))?;
-    }
-    let start = Start {
-        step: first_step,
-        wall_s: log.last().map_or(0.0, |r| r.wall_s),
-        accuracy: fresh_start.as_ref().map(Scores::pair).unwrap_or_default(),
-        resumed: first_step > 0,
-    };
-    let evaluating = evaluations.is_some();
-    let mut monitor = RunMonitor::new(config, started, start, steps, Some(log), evaluations);
-    if let Some(a) = &fresh_start {
-        monitor.start_scores(a);
-    }
-    let mut start_scores = fresh_start;
-    if evaluating && start_scores.is_none() {
-        let a = monitor
-            .evaluate_start(node.start_weights())
-            .await?
-            .context("the restored trainer has no weights to evaluate")?;
-        let e = monitor.evaluations().context("evaluations")?;
+    if run.resumed_scores()
+        && let Some(a) = run.start_scores().cloned()
+        && let Some(e) = run.evaluations()
+    {
         println!(
             "resumed at step {first_step}: held-out accuracy {} ({} problems of {}), training problems {}",
             heldout(&a),
@@ -188,64 +119,47 @@ async fn run_config(config: &Config) -> anyhow::Result<ExitCode> {
             e.describe(),
             train(&a)
         );
-        start_scores = Some(a);
     }
+    let evaluating = run.evaluating();
     let progress = bar(
         config.run.max_steps.get(),
         "{bar:30} step {pos}/{len} {msg}",
     );
     progress.set_position(first_step);
-    let outcome = tokio::select! {
-        r = monitor.watch(&node, |p| show(&progress, p, evaluating)) => Some(r),
-        _ = shutdown_signal() => None,
-    };
+    let watched = run
+        .watch(|p| show(&progress, p, evaluating), shutdown_signal())
+        .await;
     progress.finish_and_clear();
-    let mut status = node.status().await.ok();
-    let stop = match &outcome {
-        Some(Ok(end)) => {
-            node.finish(end).await;
-            node.shutdown().await;
-            None
-        }
-        Some(Err(_)) => {
-            // The monitor failed (an evaluation, the log): the run's state is kept all the same.
-            if let Err(e) = node.handles.checkpoint().await {
-                eprintln!("final checkpoint failed: {e}");
-            }
-            node.shutdown().await;
-            None
-        }
-        None => match graceful_stop(node, config).await? {
-            Some(report) => {
-                if let (Some(s), Some(replay)) = (&mut status, report.final_replay.clone()) {
-                    s.replay = replay;
-                }
-                Some(report)
-            }
-            None => return Ok(ExitCode::from(130)),
-        },
+    if matches!(watched, Watched::StopAsked) {
+        eprintln!(
+            "stopping: storing in-flight rollouts and writing a checkpoint (signal again to exit now)"
+        );
+    }
+    let finished = run.finish(watched, shutdown_signal()).await?;
+    render_finished(finished, config)
+}
+
+/// The run's summary, where its log and plot are, and its exit code.
+fn render_finished(f: Finished, config: &Config) -> anyhow::Result<ExitCode> {
+    let Some(plot) = &f.plot_path else {
+        eprintln!("second signal: exiting without a checkpoint");
+        return Ok(ExitCode::from(130));
     };
-    // Steps trained while stopping are in the checkpoint: log them too.
-    monitor.record_remaining()?;
-    let plot = out.join(PLOT_FILE);
-    let records = read_log(&log_path)?;
-    plot_run(&records, &plot).with_context(|| format!("writing {}", plot.display()))?;
-    let summary = monitor.summary();
-    match (evaluating, &status) {
-        (true, _) => print_model_summary(&summary, start_scores.as_ref(), status.as_ref()),
-        (false, Some(s)) => print_summary(s, summary.wall_s),
+    match (f.evaluating, &f.status) {
+        (true, _) => print_model_summary(&f.summary, f.start_scores.as_ref(), f.status.as_ref()),
+        (false, Some(s)) => print_summary(s, f.summary.wall_s),
         (false, None) => {}
     }
-    println!("metrics               {}", log_path.display());
+    println!("metrics               {}", f.log_path.display());
     println!("plot                  {}", plot.display());
-    match (outcome, stop) {
-        (Some(Err(e)), _) => Err(e.into()),
-        (Some(Ok(end)), _) => match end.error() {
+    match f.ending {
+        Ending::MonitorFailed(e) => Err(e.into()),
+        Ending::Ended(end) => match end.error() {
             Some(e) => Err(e.into()),
             None => Ok(ExitCode::SUCCESS),
         },
-        (None, Some(report)) => report_stop(&report, config),
-        (None, None) => Ok(ExitCode::SUCCESS),
+        Ending::Stopped(report) => report_stop(&report, config),
+        Ending::Abandoned => Ok(ExitCode::from(130)),
     }
 }
 
@@ -270,26 +184,6 @@ fn show(bar: &ProgressBar, p: &Progress<'_>, evaluating: bool) {
         println!("step {}/{} {:.0}s {line}", p.step, p.max_steps, p.wall_s);
     }
     bar.set_message(line);
-}
-
-/// The graceful stop after a first SIGINT/SIGTERM: stop admitting, store in-flight partials as
-/// aborted, checkpoint, bounded by `supervision.shutdown_timeout_s`. A second signal exits at
-/// once (`None`; the replay store keeps every acknowledged group either way).
-async fn graceful_stop(node: Node, config: &Config) -> anyhow::Result<Option<StopReport>> {
-    eprintln!(
-        "stopping: storing in-flight rollouts and writing a checkpoint (signal again to exit now)"
-    );
-    let bound = config.supervision.shutdown_timeout + std::time::Duration::from_secs(5);
-    tokio::select! {
-        r = tokio::time::timeout(bound, node.stop_gracefully()) => match r {
-            Ok(report) => Ok(Some(report)),
-            Err(_) => bail!("the graceful stop did not finish within {bound:?}"),
-        },
-        _ = shutdown_signal() => {
-            eprintln!("second signal: exiting without a checkpoint");
-            Ok(None)
-        }
-    }
 }
 
 /// Says where the stop left the run's state; an incomplete stop is an error.

@@ -39,7 +39,7 @@ pub use sluice_data::config::{
     MAX_REWARD_FNS, validate_data,
 };
 pub use sluice_engine::config::{EngineBackend, EngineConfig, SimEngineConfig, validate_engine};
-pub use sluice_model::section::{ModelConfig, ModelPreset, validate_model};
+pub use sluice_model::section::{ModelPreset, ModelSection, validate_model};
 pub use sluice_replay::config::{ExpiredPolicy, ReplayConfig, validate_replay};
 pub use sluice_trainer::config::{
     AdvantageKind, DECOUPLED_MINIBATCHES, LossAggregation, LossKind, LrSchedule, OversizedText,

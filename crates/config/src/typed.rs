@@ -10,7 +10,7 @@ use serde::Serialize;
 use sluice_core::WeightUpdateMode;
 use sluice_data::config::DataConfig;
 use sluice_engine::config::EngineConfig;
-use sluice_model::section::ModelConfig;
+use sluice_model::section::ModelSection;
 use sluice_replay::config::ReplayConfig;
 use sluice_trainer::config::{DECOUPLED_MINIBATCHES, LossKind, TrainerConfig};
 
@@ -22,7 +22,7 @@ pub struct Config {
     /// `[run]`
     pub run: RunConfig,
     /// `[model]`
-    pub model: ModelConfig,
+    pub model: ModelSection,
     /// `[engine]`
     pub engine: EngineConfig,
     /// `[trainer]`

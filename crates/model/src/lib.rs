@@ -22,7 +22,7 @@
 //! | [`presets`] | `tiny` / `small` directories: config, seeded weights, char tokenizer, ChatML template |
 //! | [`device`](mod@device) | [`device()`]: a config's `cpu` / `cuda:N` as a candle device; CUDA's libraries loaded on demand |
 //! | [`error`] | [`ModelError`] with stable `kind()` names |
-//! | [`section`] | the `[model]` section of the run config and the [`ModelPreset`](section::ModelPreset)s |
+//! | [`section`] | [`ModelSection`](section::ModelSection): the `[model]` section of the run config (not `config.json`), and the [`ModelPreset`](section::ModelPreset)s |
 //!
 //! Typical use:
 //!

@@ -1,6 +1,6 @@
 //! `[model]`: the policy checkpoint's section of the run config (not `config.json`, which is
 //! [`config`](crate::config)), owned here with the built-in [`ModelPreset`]s it may create the
-//! directory from. Raw (serde, defaults; [`RawModel`]) → [`validate_model`] → [`ModelConfig`];
+//! directory from. Raw (serde, defaults; [`RawModel`]) → [`validate_model`] → [`ModelSection`];
 //! `sluice-config` composes it into the whole file. `DType` and `Device` stay in core: the engine
 //! and the trainer read them too.
 
@@ -79,7 +79,7 @@ sluice_core::impl_choice!(ModelPreset);
 
 /// `[model]`
 #[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct ModelConfig {
+pub struct ModelSection {
     /// Hugging Face model directory.
     pub path: PathBuf,
     /// Preset to create the directory from when it is absent.
@@ -102,7 +102,7 @@ pub fn validate_model(
     raw: RawModel,
     output_dir: &Path,
     ctx: &Ctx<'_>,
-) -> Result<ModelConfig, ConfigError> {
+) -> Result<ModelSection, ConfigError> {
     let init_preset = raw
         .init_preset
         .as_deref()
@@ -145,7 +145,7 @@ pub fn validate_model(
         }
         p => p.map(PathBuf::from),
     };
-    Ok(ModelConfig {
+    Ok(ModelSection {
         path,
         init_preset,
         dtype,

@@ -6,9 +6,9 @@ use std::path::{Path, PathBuf};
 
 use sluice_core::config::check::Ctx;
 use sluice_core::config::{DType, Device};
-use sluice_model::section::{ModelConfig, ModelPreset, RawModel, validate_model};
+use sluice_model::section::{ModelPreset, ModelSection, RawModel, validate_model};
 
-fn validate(raw: RawModel) -> Result<ModelConfig, String> {
+fn validate(raw: RawModel) -> Result<ModelSection, String> {
     let overridden = BTreeSet::new();
     let ctx = Ctx {
         file: "t.toml",

@@ -1,7 +1,7 @@
 //! The node's handles (cheap clones of every actor's, what the admin API and the supervision
 //! code hold) and the `/v1/status` view they gather. A module of its own, below the node, the
 //! admin API and supervision, so none of them imports another in a circle; the checkpoint
-//! request lives with the checkpoint logic in [`crate::supervise_node`].
+//! request lives with the checkpoint logic in [`crate::checkpoints`].
 
 use std::sync::Arc;
 use std::time::Instant;

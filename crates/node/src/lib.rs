@@ -4,8 +4,9 @@
 //!
 //! | module | role |
 //! |---|---|
-//! | [`node`] | [`Node`]: builds and starts the pipeline, the restart policy table |
-//! | [`supervise_node`] | the node supervisor: restore at start, checkpoints, the graceful stop |
+//! | [`node`] | [`Node`]: builds and starts the pipeline in [`Stage`]s that unwind on failure, the restart policy table |
+//! | [`checkpoints`] | restore at start, checkpoints (on request, periodic, final) |
+//! | [`graceful_stop`] | the graceful stop: drain, checkpoint, report |
 //! | [`run`] | a run's lifecycle: monitoring, evaluations, how it ends |
 //! | [`native`] | setup for native runs: the model, tokenizer, renderer, warm-up and evaluation |
 //! | [`admin`] | admin HTTP API: `GET/PATCH /v1/knobs`, `GET /v1/status`, `GET /metrics` |
@@ -17,13 +18,14 @@
 //! The layering is one way: this crate uses the actors; the actors know nothing of the node.
 
 pub mod admin;
+pub mod checkpoints;
 pub mod client;
 pub mod cluster;
+pub mod graceful_stop;
 pub mod handles;
 pub mod native;
 pub mod node;
 pub mod run;
-pub mod supervise_node;
 pub mod telemetry;
 
-pub use node::{Node, NodeOptions, NodeStatus};
+pub use node::{Node, NodeOptions, NodeStatus, Stage};

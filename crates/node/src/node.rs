@@ -1,7 +1,7 @@
-//! The NodeSupervisor: builds a node's pipeline from a
-//! [`Config`](sluice_config::Config) ([`Node::start`], in `start`; what tests inject is
-//! in [`NodeOptions`]), supervises it, serves the admin API and `/metrics`, and shuts it down
-//! in order.
+//! The node: builds a node's pipeline from a [`Config`](sluice_config::Config) ([`Node::start`],
+//! in `start`, in the three [`Stage`]s of `stages`, each a guard that stops what it started;
+//! what tests inject is in [`NodeOptions`]), supervises it, serves the admin API and
+//! `/metrics`, and shuts it down in order.
 //!
 //! Restart policy, per actor (ractor's default would stop everything on any child exit):
 //!
@@ -18,44 +18,39 @@
 //! (`supervisor`), whose supervision handler applies that row; [`Node::failure`] reports which
 //! actor ended first.
 //!
-//! Checkpoints, restore at start and the graceful stop live in [`crate::supervise_node`].
+//! Checkpoints and restore at start live in [`crate::checkpoints`], the graceful stop in
+//! [`crate::graceful_stop`].
 
 use std::time::{Duration, Instant};
 
 use sluice_core::WeightSnapshot;
 
-use crate::admin::Server;
 use crate::run::RunEnd;
-use crate::supervise_node;
+use crate::{checkpoints, graceful_stop};
 use sluice_actors::ActorError;
-use sluice_actors::env_worker::EnvPoolHandle;
 use sluice_actors::replay::ReplayStatus;
-use sluice_actors::sampler::SamplerHandle;
 
 mod build;
+mod core_stage;
+mod feeds_stage;
 mod options;
+mod servers_stage;
+mod stages;
 mod start;
 mod supervisor;
 
-use supervisor::NodeSupervisor;
+use stages::Started;
 
 pub use crate::handles::{NodeHandles, NodeStatus};
 pub use options::NodeOptions;
+pub use stages::Stage;
 
 /// A running node.
 pub struct Node {
     /// Handles to every actor.
     pub handles: NodeHandles,
-    sampler: SamplerHandle,
-    env: EnvPoolHandle,
-    joins: Vec<(&'static str, tokio::task::JoinHandle<()>)>,
-    /// Every actor above is linked to it (see [`supervisor`]).
-    supervisor: Option<NodeSupervisor>,
-    admin: Option<Server>,
-    metrics: Option<Server>,
-    telemetry: Option<tokio::task::JoinHandle<()>>,
-    /// Periodic checkpoints (`supervision.checkpoint_every_steps`).
-    checkpointer: Option<tokio::task::JoinHandle<()>>,
+    /// The guards of the start's stages: what [`Node::shutdown`] stops, in reverse order.
+    started: Started,
     /// The weights the engine started on (the trainer's, after a restore).
     start_weights: WeightSnapshot,
     /// The run's steps when the node started (its checkpoint's; 0 for a fresh run).
@@ -66,12 +61,14 @@ pub struct Node {
 impl Node {
     /// The admin API's bound address.
     pub fn admin_addr(&self) -> Option<std::net::SocketAddr> {
-        self.admin.as_ref().map(|s| s.addr)
+        let servers = self.started.servers.as_ref()?;
+        servers.admin.as_ref().map(|s| s.addr)
     }
 
     /// The metrics endpoint's bound address.
     pub fn metrics_addr(&self) -> Option<std::net::SocketAddr> {
-        self.metrics.as_ref().map(|s| s.addr)
+        let servers = self.started.servers.as_ref()?;
+        servers.metrics.as_ref().map(|s| s.addr)
     }
 
     /// Every actor's view.
@@ -107,7 +104,7 @@ impl Node {
         if self.handles.checkpoint_dir.is_none() {
             return;
         }
-        if let Err(e) = supervise_node::checkpoint(&self.handles, reason).await {
+        if let Err(e) = checkpoints::checkpoint(&self.handles, reason).await {
             tracing::error!(error = %e, reason, "final checkpoint failed");
         }
     }
@@ -149,46 +146,20 @@ impl Node {
     /// flight and stores its partial in the aborted bucket, writes a checkpoint, then shuts down,
     /// all within `supervision.shutdown_timeout_s` (past it, the steps left are skipped and the
     /// report says so). A restart with the same config resumes from there.
-    pub async fn stop_gracefully(self) -> supervise_node::StopReport {
+    pub async fn stop_gracefully(self) -> graceful_stop::StopReport {
         let started = Instant::now();
         let mut report =
-            supervise_node::drain_and_checkpoint(&self.handles, self.shutdown_timeout).await;
+            graceful_stop::drain_and_checkpoint(&self.handles, self.shutdown_timeout).await;
         report.final_replay = self.shutdown().await.map(|r| r.store);
         report.seconds = started.elapsed().as_secs_f64();
         report
     }
 
-    /// Stops everything, upstream first so nothing new is produced: trainer, sampler,
-    /// controller, engine, env workers, then the replay store (which commits what is queued).
-    /// Returns the replay store's final state, as it is on disk.
+    /// Stops everything, the stages in reverse order and upstream first inside each, so
+    /// nothing new is produced: the servers, then trainer and sampler, then controller, engine,
+    /// env workers and the replay store (which commits what is queued). Returns the replay
+    /// store's final state, as it is on disk.
     pub async fn shutdown(mut self) -> Option<ReplayStatus> {
-        for t in [self.telemetry.take(), self.checkpointer.take()]
-            .into_iter()
-            .flatten()
-        {
-            t.abort();
-            let _ = t.await;
-        }
-        for server in [self.admin.take(), self.metrics.take()]
-            .into_iter()
-            .flatten()
-        {
-            server.shutdown().await;
-        }
-        let h = &self.handles;
-        h.trainer.stop().await;
-        self.sampler.stop().await;
-        h.controller.stop().await;
-        h.engine.stop().await;
-        self.env.stop().await;
-        let last = h.replay.status().await.ok();
-        h.replay.stop().await;
-        for (_, j) in self.joins.drain(..) {
-            let _ = j.await;
-        }
-        if let Some(s) = self.supervisor.take() {
-            s.stop().await;
-        }
-        last
+        self.started.stop().await
     }
 }

@@ -1,7 +1,9 @@
 //! Restarting on the same replay directory after the actor system was dropped mid-run loses no
-//! completed or aborted group, and nothing is trained twice across the two runs.
+//! completed or aborted group, and nothing is trained twice across the two runs; a start that
+//! fails half-way leaves nothing running to restart over ([`start_failures`]).
 
 mod common;
+mod start_failures;
 
 use std::collections::HashSet;
 use std::sync::Arc;

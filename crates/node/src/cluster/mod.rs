@@ -1,7 +1,8 @@
 //! A run across machines (`DESIGN.md` §10, `docs/operations.md`): the head keeps a registry of
 //! the engine and env nodes that join it ([`registry`]), serves them the membership and weight
 //! routes of its admin API ([`routes`]), and runs its engine replicas on the joined engine
-//! nodes ([`factory`]); an engine or env node joins and heartbeats with [`member`].
+//! nodes ([`factory`]); an engine or env node ([`member_node`]) joins and heartbeats with
+//! [`member`].
 //!
 //! Versions stay the head's: an engine node loads exactly the version the head's engine actor
 //! tells it to, fetched from the head (`GET /v1/weights/<version>`, CRC-checked), so the
@@ -11,6 +12,7 @@
 pub mod env_nodes;
 pub mod factory;
 pub mod member;
+pub mod member_node;
 pub mod registry;
 pub mod routes;
 

@@ -7,7 +7,9 @@
 use std::sync::Arc;
 
 use sluice_config::{Config, EngineBackend};
-use sluice_core::TrainerBackend;
+use sluice_core::{
+    BackendError, PolicyVersion, RolloutGroup, TrainStepOutput, TrainerBackend, WeightSnapshot,
+};
 use sluice_engine::simulated::SimEngineParams;
 use sluice_engine::{InferenceBackend, SimEngine};
 use sluice_env::SimTask;
@@ -15,7 +17,6 @@ use sluice_trainer::SimTrainer;
 
 use crate::native::NativeSetup;
 use crate::run::{load_run_setup, sample_source};
-use crate::supervise_node::SimBackend;
 use sluice_actors::ActorError;
 use sluice_actors::engine::{BackendFactory, ReplicaFactory};
 use sluice_actors::env_worker::RolloutEnv;
@@ -125,4 +126,34 @@ fn sim_engine(config: &Config) -> BackendFactory {
         };
         Box::new(SimEngine::start(params, version, sink)) as Box<dyn InferenceBackend>
     })
+}
+
+/// The simulated trainer with [`TrainerBackend::set_version`] (its weights are its version).
+pub(crate) struct SimBackend(pub SimTrainer);
+
+impl TrainerBackend for SimBackend {
+    fn version(&self) -> PolicyVersion {
+        self.0.version()
+    }
+
+    fn train_step(&mut self, batch: &[RolloutGroup]) -> Result<TrainStepOutput, BackendError> {
+        self.0.train_step(batch)
+    }
+
+    fn snapshot(&self) -> WeightSnapshot {
+        self.0.snapshot()
+    }
+
+    fn checkpoint(&mut self, dir: &std::path::Path) -> Result<(), BackendError> {
+        self.0.checkpoint(dir)
+    }
+
+    fn restore(&mut self, dir: &std::path::Path) -> Result<(), BackendError> {
+        self.0.restore(dir)
+    }
+
+    fn set_version(&mut self, version: PolicyVersion) -> Result<(), BackendError> {
+        self.0 = self.0.clone().with_version(version);
+        Ok(())
+    }
 }

@@ -46,4 +46,7 @@ pub struct NodeOptions {
     pub checkpoint_dir: Option<PathBuf>,
     /// A head's members and served weights, for its admin API ([`crate::cluster::Head`]).
     pub cluster: Option<Arc<crate::cluster::ClusterState>>,
+    /// Fail the start right after this stage has started (tests of the unwinding: a failed
+    /// start leaves nothing running). `None` in every real node.
+    pub fail_after: Option<super::Stage>,
 }
