@@ -15,6 +15,7 @@ use sluice_node::cluster::Head;
 use sluice_node::run::{NativeRun, Progress, RunMonitor, RunSummary, Scores, Start};
 use sluice_node::supervise_node::StopReport;
 use sluice_node::{Node, NodeOptions, NodeStatus};
+use sluice_replay::Bucket;
 use sluice_report::{METRICS_FILE, MetricsLog, PLOT_FILE, plot_run, read_log};
 
 use super::shutdown_signal;
@@ -316,10 +317,10 @@ fn progress_line(s: &NodeStatus, wall: f64) -> String {
         s.trainer.mean_lag(),
         s.trainer.version.0,
         s.controller.in_flight,
-        b["completed"],
-        b["aborted"],
-        b["expired"],
-        b["filtered"],
+        b[&Bucket::Completed],
+        b[&Bucket::Aborted],
+        b[&Bucket::Expired],
+        b[&Bucket::Filtered],
     )
 }
 

@@ -10,7 +10,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use serde::{Deserialize, Serialize};
 use sluice_core::{GroupId, PolicyVersion, RolloutGroup, RolloutStatus};
 
-use crate::bucket::Bucket;
+use crate::bucket::{Bucket, BucketCounts, Transition};
 use crate::error::ReplayError;
 use crate::persist::PersistOp;
 
@@ -36,8 +36,8 @@ pub struct Counters {
     pub policy_version: u64,
     /// Generated tokens thrown away (regenerated partials, regenerated expired groups).
     pub discarded_tokens: u64,
-    /// Transition counts, keyed `from->to`.
-    pub transitions: BTreeMap<String, u64>,
+    /// Transition counts (keys written `from->to`).
+    pub transitions: BTreeMap<Transition, u64>,
 }
 
 impl Counters {
@@ -69,8 +69,8 @@ pub enum TakeOutcome {
 /// What [`ReplayStore::clear`] threw away.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct ClearOutcome {
-    /// Cleared groups per bucket they were in, by label (every asked bucket appears).
-    pub cleared: BTreeMap<&'static str, u64>,
+    /// Cleared groups per bucket they were in (every asked bucket appears).
+    pub cleared: BucketCounts,
     /// The cleared groups, oldest first.
     #[serde(skip)]
     pub ids: Vec<GroupId>,
@@ -81,8 +81,8 @@ pub struct ClearOutcome {
 /// Counts per bucket plus the counters: what the metrics and `/v1/status` show.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct StoreSnapshot {
-    /// Groups per bucket, by label.
-    pub buckets: BTreeMap<&'static str, u64>,
+    /// Groups per bucket (written by label).
+    pub buckets: BucketCounts,
     /// The counters.
     pub counters: Counters,
 }
@@ -165,11 +165,10 @@ impl ReplayStore {
     /// the persisted transition counters, so it survives restarts).
     pub fn count(&self, bucket: Bucket) -> u64 {
         if self.is_final(bucket) {
-            let suffix = format!("->{bucket}");
             self.counters
                 .transitions
                 .iter()
-                .filter(|(k, _)| k.ends_with(&suffix))
+                .filter(|(t, _)| t.to == bucket)
                 .map(|(_, v)| *v)
                 .sum()
         } else {
@@ -205,7 +204,7 @@ impl ReplayStore {
         StoreSnapshot {
             buckets: Bucket::ALL
                 .iter()
-                .map(|b| (b.as_label(), self.count(*b)))
+                .map(|b| (*b, self.count(*b)))
                 .collect(),
             counters: self.counters.clone(),
         }
@@ -414,7 +413,7 @@ impl ReplayStore {
         let mut outcome = ClearOutcome::default();
         for &bucket in buckets {
             let ids: Vec<GroupId> = self.by_bucket[bucket.index()].iter().copied().collect();
-            outcome.cleared.insert(bucket.as_label(), ids.len() as u64);
+            outcome.cleared.insert(bucket, ids.len() as u64);
             for id in ids {
                 let group = self.entries.get_mut(&id).and_then(|e| e.group.take());
                 outcome.discarded_tokens += group.map_or(0, |g| {
@@ -522,7 +521,7 @@ impl ReplayStore {
         *self
             .counters
             .transitions
-            .entry(format!("{from}->{to}"))
+            .entry(Transition { from, to })
             .or_default() += 1;
     }
 
