@@ -25,7 +25,9 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use ractor::{Actor, ActorProcessingErr, ActorRef};
-use sluice_core::{BackendError, GroupId, KnobsHandle, PolicyVersion, RolloutGroup, TrainerBackend};
+use sluice_core::{
+    BackendError, GroupId, KnobsHandle, PolicyVersion, RolloutGroup, TrainerBackend,
+};
 use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::checkpoint::CheckpointError;

@@ -44,7 +44,10 @@ impl ControllerState {
 
     pub(super) fn on_env(&mut self, result: EnvResult) {
         // A result for a group no longer here, or a rollout not waiting on the env, is stale.
-        match self.assembly.on_env(result.rollout, result.step, result.note) {
+        match self
+            .assembly
+            .on_env(result.rollout, result.step, result.note)
+        {
             Some(actions) => self.apply(actions),
             None => self.counters.dropped(1),
         }

@@ -175,3 +175,73 @@ impl StepPublisher {
         self.events.announce();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use super::*;
+
+    fn event(step: u64) -> StepEvent {
+        StepEvent {
+            step,
+            version: PolicyVersion(step - 1),
+            reward_mean: 0.0,
+            version_lag_mean: 0.0,
+            reward_components: BTreeMap::new(),
+            situations: SituationAdvantages::new(),
+            domain_groups: BTreeMap::new(),
+            trained_tokens: 0,
+            seconds: 0.0,
+            metrics: BTreeMap::new(),
+            weights: None,
+        }
+    }
+
+    /// A feed reader slower than the trainer holds it instead of losing steps: with a feed of 2
+    /// and 6 steps, the reader gets all 6 in order, the same `Arc`s the controller got; the
+    /// status watch shows the newest totals and every step announced.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_slow_feed_reader_loses_no_step_and_shares_the_event() {
+        let seen: Arc<Mutex<Vec<Arc<StepEvent>>>> = Arc::default();
+        let controller: Sink<Arc<StepEvent>> = {
+            let seen = Arc::clone(&seen);
+            Arc::new(move |e| seen.lock().unwrap().push(e))
+        };
+        let (feed, mut rx) = mpsc::channel(2);
+        let events = RunEvents::default();
+        let announced = events.subscribe();
+        let publisher = StepPublisher::new(
+            TrainerStatus::default(),
+            controller,
+            Some(feed),
+            events.clone(),
+        );
+        let status = publisher.status_channel().subscribe();
+        let trainer = std::thread::spawn(move || {
+            let mut s = TrainerStatus::default();
+            for step in 1..=6 {
+                s.steps = step;
+                publisher.step(&s, event(step));
+            }
+        });
+        let mut got = Vec::new();
+        while let Some(e) = rx.recv().await {
+            // Slower than the trainer: the feed fills and the trainer waits.
+            tokio::task::yield_now().await;
+            got.push(e);
+        }
+        tokio::task::spawn_blocking(move || trainer.join().unwrap())
+            .await
+            .unwrap();
+        assert_eq!(
+            got.iter().map(|e| e.step).collect::<Vec<_>>(),
+            [1, 2, 3, 4, 5, 6]
+        );
+        let seen = seen.lock().unwrap();
+        assert_eq!(seen.len(), 6, "the controller hears every step");
+        assert!(got.iter().zip(seen.iter()).all(|(a, b)| Arc::ptr_eq(a, b)));
+        assert_eq!(status.borrow().steps, 6);
+        assert_eq!(announced.borrow().seq, 6);
+    }
+}

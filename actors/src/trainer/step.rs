@@ -30,22 +30,7 @@ impl Worker {
         let _entered = span.enter();
         self.counters.received(1);
         let check = check_batch(&batch, version, eta, &mut self.trained);
-        if check.violations > 0 || check.duplicates > 0 {
-            tracing::error!(
-                violations = check.violations,
-                duplicates = check.duplicates,
-                "batch broke an invariant"
-            );
-        }
-        if let Some(newest) = check.future {
-            tracing::error!(
-                tokens = check.future_tokens,
-                newest = newest.0,
-                trained_from = version.0,
-                "batch holds tokens from a weight version the trainer never published (an engine's weights were replaced behind the head's back); counted as lag violations"
-            );
-            metrics::counter!(m::TRAINER_FUTURE_VERSION_TOKENS).increment(check.future_tokens);
-        }
+        check.report(version);
         let step_started = Instant::now();
         let backend = &mut self.backend;
         let outcome =
@@ -91,18 +76,7 @@ impl Worker {
         {
             ids.extend(batch.iter().map(|g| g.id));
         }
-        metrics::counter!(m::TRAINER_STEPS).increment(1);
-        metrics::counter!(m::TRAINER_TRAINED_TOKENS).increment(check.tokens);
-        metrics::gauge!(m::TRAINER_IDLE_RATIO).set(status.idle_ratio());
-        if check.tokens > 0 {
-            metrics::gauge!(m::TRAINER_MEAN_VERSION_LAG_VERSIONS)
-                .set(check.lag_sum as f64 / check.tokens as f64);
-            metrics::gauge!(m::TRAINER_MAX_VERSION_LAG_VERSIONS).set(check.max_lag as f64);
-        }
-        if !out.metrics.contains_key(m::TRAINER_TOKENS_PER_SECOND) && seconds > 0.0 {
-            metrics::gauge!(m::TRAINER_TOKENS_PER_SECOND).set(check.tokens as f64 / seconds);
-        }
-        export_step_metrics(&out.metrics);
+        check.export(status.idle_ratio(), seconds, &out.metrics);
         let published = out.weights.inspect(|w| status.version = w.version);
         if published.is_none() {
             status.skipped_steps += 1;
@@ -207,6 +181,45 @@ struct BatchCheck {
     future_tokens: u64,
     /// The newest such version.
     future: Option<PolicyVersion>,
+}
+
+impl BatchCheck {
+    /// Logs (and counts) what the batch broke; `version`: the weights it trained from.
+    fn report(&self, version: PolicyVersion) {
+        if self.violations > 0 || self.duplicates > 0 {
+            tracing::error!(
+                violations = self.violations,
+                duplicates = self.duplicates,
+                "batch broke an invariant"
+            );
+        }
+        if let Some(newest) = self.future {
+            tracing::error!(
+                tokens = self.future_tokens,
+                newest = newest.0,
+                trained_from = version.0,
+                "batch holds tokens from a weight version the trainer never published (an engine's weights were replaced behind the head's back); counted as lag violations"
+            );
+            metrics::counter!(m::TRAINER_FUTURE_VERSION_TOKENS).increment(self.future_tokens);
+        }
+    }
+
+    /// The step's metrics: the ones the actor records itself (steps, tokens, idle ratio, lags,
+    /// tokens/s when the backend does not), then the `backend`'s own by name.
+    fn export(&self, idle_ratio: f64, seconds: f64, backend: &BTreeMap<String, f64>) {
+        metrics::counter!(m::TRAINER_STEPS).increment(1);
+        metrics::counter!(m::TRAINER_TRAINED_TOKENS).increment(self.tokens);
+        metrics::gauge!(m::TRAINER_IDLE_RATIO).set(idle_ratio);
+        if self.tokens > 0 {
+            metrics::gauge!(m::TRAINER_MEAN_VERSION_LAG_VERSIONS)
+                .set(self.lag_sum as f64 / self.tokens as f64);
+            metrics::gauge!(m::TRAINER_MAX_VERSION_LAG_VERSIONS).set(self.max_lag as f64);
+        }
+        if !backend.contains_key(m::TRAINER_TOKENS_PER_SECOND) && seconds > 0.0 {
+            metrics::gauge!(m::TRAINER_TOKENS_PER_SECOND).set(self.tokens as f64 / seconds);
+        }
+        export_step_metrics(backend);
+    }
 }
 
 /// Lags of every token against the weights `version` the batch trains from; a token from a

@@ -210,7 +210,12 @@ mod tests {
                 assert_eq!(serde_json::from_str::<Transition>(&json).unwrap(), t);
             }
         }
-        for bad in ["completed", "completed->", "done->consumed", "completed->->consumed"] {
+        for bad in [
+            "completed",
+            "completed->",
+            "done->consumed",
+            "completed->->consumed",
+        ] {
             assert!(bad.parse::<Transition>().is_err(), "{bad}");
         }
     }

@@ -249,7 +249,10 @@ fn take_batch_serves_oldest_first_and_refuses_partial_batches() {
         panic!("expected a batch")
     };
     assert_eq!(groups.iter().map(|g| g.id).collect::<Vec<_>>(), ids[..2]);
-    assert_eq!(store.counters().transitions[&"completed->consumed".parse().unwrap()], 2);
+    assert_eq!(
+        store.counters().transitions[&"completed->consumed".parse().unwrap()],
+        2
+    );
     // The remaining group is now too old for weights v2 with η = 1: it expires instead.
     let (out, expired) = store.take_batch(1, PolicyVersion(2), 1);
     assert_eq!(out, TakeOutcome::NotEnough { available: 0 });

@@ -274,7 +274,10 @@ pub fn situation_advantages(
 }
 
 /// The advantages already computed for `groups` (`batch`), summed per (domain, situation).
-pub fn situation_summary(groups: &[RolloutGroup], batch: &AdvantageBatch<'_>) -> SituationAdvantages {
+pub fn situation_summary(
+    groups: &[RolloutGroup],
+    batch: &AdvantageBatch<'_>,
+) -> SituationAdvantages {
     let mut out = SituationAdvantages::new();
     for t in &batch.texts {
         let key = (

@@ -113,9 +113,10 @@ impl Driver {
                 input: serde_json::Value::Null,
                 system_prompt: None,
             };
-            let actions = d
-                .asm
-                .start(RolloutGroup::new(id, sample, size, PolicyVersion(0)), counter);
+            let actions = d.asm.start(
+                RolloutGroup::new(id, sample, size, PolicyVersion(0)),
+                counter,
+            );
             d.take(actions);
         }
         d
@@ -141,14 +142,22 @@ impl Driver {
                 }
                 Action::EnvStart(rollout) => self.pending.push(Pending::Env { rollout, turns: 0 }),
                 Action::EnvStep { rollout, .. } => {
-                    assert!(rollout.turns.last().is_some_and(|t| t.completion_tokens() > 0));
+                    assert!(
+                        rollout
+                            .turns
+                            .last()
+                            .is_some_and(|t| t.completion_tokens() > 0)
+                    );
                     self.pending.push(Pending::Env {
                         rollout: rollout.id,
                         turns: rollout.turns.len(),
                     });
                 }
                 Action::ScoreGroup(g) => {
-                    assert!(self.scores_groups, "scored without an env that scores groups");
+                    assert!(
+                        self.scores_groups,
+                        "scored without an env that scores groups"
+                    );
                     assert!(self.scored.insert(g.id), "scored twice in one trip");
                     self.pending.push(Pending::Score(g));
                 }
@@ -167,7 +176,10 @@ impl Driver {
     }
 
     fn stored(&mut self, group: RolloutGroup, meta: u64, aborted: bool) {
-        assert_eq!(meta, group.id.counter, "the caller's data comes back with its group");
+        assert_eq!(
+            meta, group.id.counter,
+            "the caller's data comes back with its group"
+        );
         assert!(
             self.pending.iter().all(|p| p.group() != group.id),
             "group {} stored with work outstanding",
@@ -177,7 +189,10 @@ impl Driver {
             .rollouts
             .iter()
             .any(|r| r.status == RolloutStatus::Aborted);
-        assert_eq!(aborted, interrupted, "aborted iff a rollout was interrupted");
+        assert_eq!(
+            aborted, interrupted,
+            "aborted iff a rollout was interrupted"
+        );
         assert!(
             group
                 .rollouts
@@ -189,7 +204,10 @@ impl Driver {
         if aborted {
             self.parked.push(group);
         } else {
-            assert_eq!(was_scored, self.scores_groups, "scored once before it finished");
+            assert_eq!(
+                was_scored, self.scores_groups,
+                "scored once before it finished"
+            );
             assert!(
                 self.finished.insert(group.id, group).is_none(),
                 "finished twice"
@@ -210,7 +228,8 @@ impl Driver {
                 self.given.push(c.clone());
                 let replica = u32::from(kind % 3);
                 if c.finish == FinishReason::Abort {
-                    self.kept.insert(request.rollout, c.output.token_ids.clone());
+                    self.kept
+                        .insert(request.rollout, c.output.token_ids.clone());
                 }
                 self.served.insert(request.rollout, replica);
                 self.asm.on_completion(c, replica)
@@ -284,7 +303,10 @@ impl Driver {
         }
         let c = self.given[pick % self.given.len()].clone();
         let before = (self.asm.len(), self.asm.remembered_rollouts());
-        assert!(self.asm.on_completion(c, 0).is_none(), "a stale answer acted on");
+        assert!(
+            self.asm.on_completion(c, 0).is_none(),
+            "a stale answer acted on"
+        );
         assert_eq!(before, (self.asm.len(), self.asm.remembered_rollouts()));
     }
 }
