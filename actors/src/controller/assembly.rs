@@ -73,14 +73,13 @@ pub enum Action<M> {
         /// The caller's data.
         meta: M,
     },
-    /// Store the group as aborted, to resume later (it left the assembly).
+    /// Store the group as aborted, to resume later (it left the assembly; the caller's data is
+    /// dropped, a resume brings its own).
     Aborted {
         /// The group.
         group: RolloutGroup,
         /// The most aborts of any of its rollouts.
         max_aborts: u32,
-        /// The caller's data.
-        meta: M,
     },
 }
 
@@ -119,11 +118,13 @@ impl<M> Assembly<M> {
     }
 
     /// No group is being assembled.
+    #[cfg(test)]
     pub fn is_empty(&self) -> bool {
         self.groups.is_empty()
     }
 
     /// Rollouts whose attempt or replica is remembered (unfinished ones, here or in the store).
+    #[cfg(test)]
     pub fn remembered_rollouts(&self) -> usize {
         self.attempts.len().max(self.served_by.len())
     }
@@ -318,7 +319,6 @@ impl<M> Assembly<M> {
             out.push(Action::Aborted {
                 max_aborts: max_aborts.unwrap_or(0),
                 group,
-                meta,
             });
         } else {
             for r in &group.rollouts {

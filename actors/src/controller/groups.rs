@@ -104,11 +104,7 @@ impl ControllerState {
                 };
                 peers.env.score_group(Arc::clone(&meta.sample), group);
             }
-            Action::Aborted {
-                group,
-                max_aborts,
-                meta: _,
-            } => {
+            Action::Aborted { group, max_aborts } => {
                 self.storing.insert(group.id);
                 self.scheduler.group_aborted(group.id, max_aborts);
                 peers.replay.abort(group);

@@ -162,14 +162,11 @@ impl Driver {
                     self.pending.push(Pending::Score(g));
                 }
                 Action::Finished { group, meta } => self.stored(group, meta, false),
-                Action::Aborted {
-                    group,
-                    max_aborts,
-                    meta,
-                } => {
+                Action::Aborted { group, max_aborts } => {
                     let most = group.rollouts.iter().map(|r| r.abort_count).max();
                     assert_eq!(Some(max_aborts), most);
-                    self.stored(group, meta, true);
+                    let counter = group.id.counter;
+                    self.stored(group, counter, true);
                 }
             }
         }
