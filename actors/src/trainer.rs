@@ -3,6 +3,9 @@
 //! and publishes version `t + 1`. The actor owns the thread; its handle reads the status and sends
 //! control requests (checkpoint, halt) that the thread serves between steps.
 //!
+//! Each trained step leaves the thread once, as one [`StepEvent`] handed to the controller and
+//! the step feed, with the totals on the status watch ([`event`] says what a lagging reader gets).
+//!
 //! The invariant check is a guard, not the mechanism: the replay store never hands out a group
 //! with a token older than `t − η`; a violation here would be a bug, counted and logged.
 //!
@@ -56,7 +59,7 @@ pub struct TrainerOptions {
     pub track_ids: bool,
     /// Where every step, the end of the budget and a failure are announced.
     pub events: RunEvents,
-    /// Where every completed step goes, with its weights (the run monitor's feed).
+    /// Where every completed step goes too, with its weights (the run monitor's feed).
     pub feed: Option<StepFeed>,
     /// How the trainer scores advantages, to report them per situation (none: not reported).
     pub advantage: Option<sluice_trainer::AdvantageConfig>,
