@@ -104,7 +104,7 @@ token = "{TOKEN}"
     let h = &node.handles;
     let replay = |bucket: Bucket| {
         let status = runtime.block_on(h.replay.status()).unwrap();
-        status.store.buckets[bucket.as_label()]
+        status.store.buckets[&bucket]
     };
 
     wait_until("completed groups waiting", || {
@@ -177,7 +177,7 @@ token = "{TOKEN}"
         counters
             .transitions
             .iter()
-            .filter(|(k, _)| k.ends_with("->cleared"))
+            .filter(|(t, _)| t.to == Bucket::Cleared)
             .map(|(_, v)| v)
             .sum::<u64>(),
         forced + settled

@@ -100,7 +100,13 @@ fn turns(
 }
 
 fn transitions(s: &NodeStatus, key: &str) -> u64 {
-    s.replay.counters.transitions.get(key).copied().unwrap_or(0)
+    let key = key.parse().expect("a transition written from->to");
+    s.replay
+        .counters
+        .transitions
+        .get(&key)
+        .copied()
+        .unwrap_or(0)
 }
 
 /// Over-sending: never more than `ceil(1.2 · B)` groups in flight, and that bound is reached.

@@ -1,7 +1,7 @@
 //! The RolloutController actor: decides what generates next (§4.1–4.3) and assembles groups.
 //!
 //! The decision rules (aborted-first resumes, over-sending, η and demand admission, tail rounds)
-//! are [`sluice_replay::Scheduler`]'s; the actor feeds it every event and carries out what it
+//! are [`sluice_replay::RolloutScheduler`]'s; the actor feeds it every event and carries out what it
 //! decides. Weight updates during a tail round drain instead of aborting. What stays here is the
 //! per-group assembly: engine requests, env steps, turn stitching, replica affinity of resumed
 //! rollouts, the weight relay and the outcome statistics.
@@ -10,22 +10,21 @@
 //! durably stored it, so an acknowledged completion and the in-flight count never overlap.
 
 mod admission;
+mod assembly;
 mod groups;
 mod relay;
 mod status;
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
-use std::time::Instant;
 
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use sluice_core::{
-    DataSample, GroupId, GroupIdGenerator, KnobsHandle, NodeId, PolicyVersion, RequestId,
-    RolloutGroup, RolloutId, RunId,
+    DataSample, GroupId, GroupIdGenerator, KnobsHandle, NodeId, PolicyVersion, RunId,
 };
 use sluice_engine::SamplingParams;
 use sluice_env::OutcomeStats;
-use sluice_replay::{GroupSummary, Pace, ProgressWatch, Scheduler};
+use sluice_replay::{GroupSummary, Pace, ProgressWatch, RolloutScheduler};
 
 use crate::counters::ActorCounters;
 use crate::engine::{EngineHandle, EngineReport};
@@ -33,9 +32,11 @@ use crate::env_worker::{EnvPoolHandle, EnvResult};
 use crate::events::RunEvents;
 use crate::replay::{Recovery, ReplayCounts, ReplayHandle, ReplayNotice};
 use crate::sampler::SamplerHandle;
-use crate::trainer::StepReport;
+use crate::trainer::StepEvent;
 use crate::{ActorError, Sink};
 
+use assembly::Assembly;
+use groups::GroupMeta;
 pub use status::{BalanceStatus, ControllerStatus, PaceStatus};
 
 /// Weight of a new reward in the outcome EMA.
@@ -85,7 +86,7 @@ enum Cmd {
     Engine(EngineReport),
     Env(EnvResult),
     Replay(ReplayNotice),
-    Step(StepReport),
+    Step(Arc<StepEvent>),
     Knobs,
     Status(RpcReplyPort<ControllerStatus>),
 }
@@ -150,7 +151,7 @@ impl ControllerHandle {
     /// Where the trainer reports each step: its compute time (the demand-aware admission's pace)
     /// and the weights it published, which the controller relays to the engine with the
     /// effective update mode, and to the replay store.
-    pub fn step_sink(&self) -> Sink<StepReport> {
+    pub fn step_sink(&self) -> Sink<Arc<StepEvent>> {
         self.sink(Cmd::Step)
     }
 
@@ -180,21 +181,6 @@ impl ControllerHandle {
     }
 }
 
-enum Waiting {
-    Engine(RequestId),
-    Env,
-}
-
-struct GroupWork {
-    group: RolloutGroup,
-    sample: Arc<DataSample>,
-    waiting: HashMap<u32, Waiting>,
-    /// When the group started (admitted or resumed): its time to stored paces admission.
-    started: Instant,
-    /// Settled and sent to the env for group scoring; stored when the scored group comes back.
-    scoring: bool,
-}
-
 struct ControllerActor;
 
 /// The actor's state.
@@ -206,17 +192,14 @@ pub struct ControllerState {
     version: PolicyVersion,
     admitted_total: u64,
     counts: ReplayCounts,
-    work: HashMap<GroupId, GroupWork>,
+    /// The groups being assembled (from admission or resume until they settle).
+    assembly: Assembly<GroupMeta>,
     /// Resume requests sent to the replay store, not yet answered.
     resuming: HashSet<GroupId>,
     /// Groups sent to the replay store as finished or aborted, not yet acknowledged.
     storing: HashSet<GroupId>,
     /// Aborted, expired and tail groups waiting to resume, and the decision rules.
-    scheduler: Scheduler,
-    attempts: HashMap<RolloutId, u32>,
-    /// The replica that last served each unfinished rollout: its next turn or its resume after
-    /// an abort goes back there (prefix cache, §4.2), across trips through the aborted bucket.
-    served_by: HashMap<RolloutId, u32>,
+    scheduler: RolloutScheduler,
     samples: VecDeque<DataSample>,
     samples_requested: usize,
     draining: bool,
@@ -252,7 +235,7 @@ impl Actor for ControllerActor {
     ) -> Result<ControllerState, ActorProcessingErr> {
         let progress = ProgressWatch::new(config.no_progress_groups);
         let balance_threshold = config.balance_threshold;
-        let scheduler = Scheduler::new(config.group_size, config.groups_per_step);
+        let scheduler = RolloutScheduler::new(config.group_size, config.groups_per_step);
         // Knob changes are decisions too: a paused, idle pipeline must notice an unpause.
         let mut rx = knobs.subscribe();
         let knob_watch = tokio::spawn(async move {
@@ -270,12 +253,10 @@ impl Actor for ControllerActor {
             version: PolicyVersion::INITIAL,
             admitted_total: 0,
             counts: ReplayCounts::default(),
-            work: HashMap::new(),
+            assembly: Assembly::default(),
             resuming: HashSet::new(),
             storing: HashSet::new(),
             scheduler,
-            attempts: HashMap::new(),
-            served_by: HashMap::new(),
             samples: VecDeque::new(),
             samples_requested: 0,
             draining: false,
@@ -316,10 +297,10 @@ impl Actor for ControllerActor {
             }
             Cmd::Env(result) => s.on_env(result),
             Cmd::Replay(notice) => s.on_replay(notice),
-            Cmd::Step(StepReport { seconds, weights }) => {
-                s.pace.record_train_step(seconds);
-                if let Some(w) = weights {
-                    s.on_published(w);
+            Cmd::Step(step) => {
+                s.pace.record_train_step(step.seconds);
+                if let Some(w) = &step.weights {
+                    s.on_published(w.clone());
                 }
             }
             Cmd::Knobs => {}
@@ -356,6 +337,7 @@ impl ControllerState {
         self.admitted_total = r.admitted_total;
         self.version = r.policy_version;
         self.counts = r.counts;
+        self.assembly.set_scores_groups(peers.env.scores_groups());
         self.scheduler.recover(
             r.aborted.iter().copied(),
             r.expired.iter().copied(),

@@ -251,6 +251,7 @@ impl TrainerBackend for FaultyTrainer {
                 metrics: Default::default(),
                 weights: None,
                 trained_tokens: 0,
+                situations: None,
             });
         }
         self.inner.train_step(batch)

@@ -3,6 +3,9 @@
 //! and publishes version `t + 1`. The actor owns the thread; its handle reads the status and sends
 //! control requests (checkpoint, halt) that the thread serves between steps.
 //!
+//! Each trained step leaves the thread once, as one [`StepEvent`] handed to the controller and
+//! the step feed, with the totals on the status watch ([`event`] says what a lagging reader gets).
+//!
 //! The invariant check is a guard, not the mechanism: the replay store never hands out a group
 //! with a token older than `t − η`; a violation here would be a bug, counted and logged.
 //!
@@ -15,6 +18,7 @@
 //! Step metrics: every catalog-named scalar of a [`sluice_core::TrainStepOutput`] becomes its
 //! gauge (or counter), see [`export_step_metrics`]; the actor itself records step time, the
 //! per-token lag histogram, mean and max lag, and tokens/s when the backend does not.
+mod event;
 mod step;
 
 use std::collections::HashSet;
@@ -24,9 +28,8 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use ractor::{Actor, ActorProcessingErr, ActorRef};
-use serde::Serialize;
 use sluice_core::{
-    BackendError, GroupId, KnobsHandle, PolicyVersion, RolloutGroup, TrainerBackend, WeightSnapshot,
+    BackendError, GroupId, KnobsHandle, PolicyVersion, RolloutGroup, TrainerBackend,
 };
 use tokio::sync::{mpsc, oneshot, watch};
 
@@ -36,63 +39,9 @@ use crate::events::RunEvents;
 use crate::replay::ReplayHandle;
 use crate::{ActorError, Sink};
 
-pub use step::{STEP_FEED_CAPACITY, StepFeed, TrainedStep, export_step_metrics};
-
-/// A point-in-time view of the trainer.
-#[derive(Debug, Clone, Default, Serialize)]
-pub struct TrainerStatus {
-    /// Version of the weights the next step starts from.
-    pub version: PolicyVersion,
-    /// Steps the run has taken (restarts included).
-    pub steps: u64,
-    /// Groups trained on (the run's, restarts included).
-    pub trained_groups: u64,
-    /// Steps that published nothing (every advantage zero); their groups were released from
-    /// admission.
-    pub skipped_steps: u64,
-    /// Groups consumed by a step that failed (their training is lost; they are never retried).
-    pub failed_groups: u64,
-    /// Rollouts trained on.
-    pub trained_samples: u64,
-    /// Completion tokens trained on.
-    pub trained_tokens: u64,
-    /// Sum of token lags (mean lag = this / tokens).
-    pub lag_sum: u64,
-    /// Largest token lag trained on.
-    pub max_lag: u64,
-    /// Tokens trained whose lag exceeded η at training time (must stay 0).
-    pub lag_violations: u64,
-    /// Groups trained a second time (must stay 0).
-    pub duplicate_groups: u64,
-    /// Seconds spent waiting for a batch.
-    pub idle_seconds: f64,
-    /// Seconds since the trainer started.
-    pub uptime_seconds: f64,
-    /// The step budget is used up.
-    pub done: bool,
-    /// The last step's error, if training failed.
-    pub error: Option<String>,
-}
-
-impl TrainerStatus {
-    /// Mean version lag of trained tokens.
-    pub fn mean_lag(&self) -> f64 {
-        if self.trained_tokens == 0 {
-            0.0
-        } else {
-            self.lag_sum as f64 / self.trained_tokens as f64
-        }
-    }
-
-    /// Fraction of wall time spent waiting for data.
-    pub fn idle_ratio(&self) -> f64 {
-        if self.uptime_seconds > 0.0 {
-            (self.idle_seconds / self.uptime_seconds).min(1.0)
-        } else {
-            0.0
-        }
-    }
-}
+use event::StepPublisher;
+pub use event::{STEP_FEED_CAPACITY, StepEvent, StepFeed, TrainerStatus};
+pub use step::export_step_metrics;
 
 /// How the trainer runs.
 #[derive(Debug, Clone)]
@@ -110,7 +59,7 @@ pub struct TrainerOptions {
     pub track_ids: bool,
     /// Where every step, the end of the budget and a failure are announced.
     pub events: RunEvents,
-    /// Where every completed step goes, with its weights (the run monitor's feed).
+    /// Where every completed step goes too, with its weights (the run monitor's feed).
     pub feed: Option<StepFeed>,
     /// How the trainer scores advantages, to report them per situation (none: not reported).
     pub advantage: Option<sluice_trainer::AdvantageConfig>,
@@ -125,15 +74,6 @@ pub struct TrainerMark {
     pub steps: u64,
     /// Groups trained in the run.
     pub trained_groups: u64,
-}
-
-/// What the trainer tells the controller after every step it completes.
-#[derive(Debug, Clone)]
-pub struct StepReport {
-    /// Seconds the step computed (the demand-aware admission's trainer pace).
-    pub seconds: f64,
-    /// The weights it published; `None` when the step was skipped (every advantage zero).
-    pub weights: Option<WeightSnapshot>,
 }
 
 enum Control {
@@ -154,9 +94,8 @@ const CONTROL_QUEUE: usize = 8;
 pub struct TrainerHandle {
     actor: ActorRef<()>,
     control: mpsc::Sender<Control>,
-    status: Arc<Mutex<TrainerStatus>>,
+    status: watch::Receiver<TrainerStatus>,
     ids: Arc<Mutex<Vec<GroupId>>>,
-    steps: watch::Receiver<u64>,
 }
 
 impl TrainerHandle {
@@ -165,34 +104,40 @@ impl TrainerHandle {
         self.actor.get_cell()
     }
 
-    /// Starts the trainer thread; new weights go to `publish`.
+    /// Starts the trainer thread; every step goes to `controller` (and to `options.feed`) as
+    /// one [`StepEvent`].
     pub async fn spawn(
         backend: Box<dyn TrainerBackend>,
         replay: ReplayHandle,
         knobs: KnobsHandle,
-        publish: Sink<StepReport>,
-        options: TrainerOptions,
+        controller: Sink<Arc<StepEvent>>,
+        mut options: TrainerOptions,
     ) -> Result<(Self, tokio::task::JoinHandle<()>), ActorError> {
-        let status = Arc::new(Mutex::new(TrainerStatus {
+        let status = TrainerStatus {
             version: backend.version(),
             steps: options.start_step,
             trained_groups: options.start_trained_groups,
             done: options.start_step >= options.max_steps,
             ..TrainerStatus::default()
-        }));
+        };
+        let publisher = StepPublisher::new(
+            status.clone(),
+            controller,
+            options.feed.take(),
+            options.events.clone(),
+        );
+        let status_rx = publisher.status_channel().subscribe();
         let ids = Arc::new(Mutex::new(Vec::new()));
         let (control, control_rx) = mpsc::channel(CONTROL_QUEUE);
-        let (steps_tx, steps) = watch::channel(options.start_step);
         let worker = Worker {
             backend,
             replay,
             knobs,
-            publish,
+            publisher,
             options,
-            status: Arc::clone(&status),
+            status,
             ids: Arc::clone(&ids),
             control: control_rx,
-            steps: steps_tx,
             trained: HashSet::new(),
             started: Instant::now(),
             held: false,
@@ -211,17 +156,16 @@ impl TrainerHandle {
             Self {
                 actor,
                 control,
-                status,
+                status: status_rx,
                 ids,
-                steps,
             },
             join,
         ))
     }
 
-    /// The trainer's view.
+    /// The trainer's view (its totals after the newest step or change).
     pub fn status(&self) -> TrainerStatus {
-        self.status.lock().map(|s| s.clone()).unwrap_or_default()
+        self.status.borrow().clone()
     }
 
     /// Ids of the groups trained, in order (when `track_ids` is on).
@@ -229,9 +173,10 @@ impl TrainerHandle {
         self.ids.lock().map(|v| v.clone()).unwrap_or_default()
     }
 
-    /// The run's step count, updated after every step.
-    pub fn steps(&self) -> watch::Receiver<u64> {
-        self.steps.clone()
+    /// The trainer's status as it changes (after every step, failure and the end); a busy
+    /// reader sees the newest only. [`TrainerStatus::steps`] is the run's step count.
+    pub fn watch_status(&self) -> watch::Receiver<TrainerStatus> {
+        self.status.clone()
     }
 
     /// Has the backend write its state under `dir` between two steps (a batch already taken is
@@ -270,23 +215,23 @@ impl TrainerHandle {
 struct TrainerActor;
 
 /// The actor's state: the thread and how to halt it.
-pub struct TrainerState {
+pub struct TrainerActorState {
     control: mpsc::Sender<Control>,
     thread: Option<JoinHandle<()>>,
 }
 
 impl Actor for TrainerActor {
     type Msg = ();
-    type State = TrainerState;
+    type State = TrainerActorState;
     type Arguments = (Worker, mpsc::Sender<Control>);
 
     async fn pre_start(
         &self,
         _me: ActorRef<()>,
         (worker, control): Self::Arguments,
-    ) -> Result<TrainerState, ActorProcessingErr> {
-        let status = Arc::clone(&worker.status);
-        let events = worker.options.events.clone();
+    ) -> Result<TrainerActorState, ActorProcessingErr> {
+        let status = worker.publisher.status_channel();
+        let events = worker.publisher.events();
         let thread = std::thread::Builder::new()
             .name("trainer".into())
             .spawn(move || {
@@ -295,16 +240,12 @@ impl Actor for TrainerActor {
                 if let Err(panic) =
                     std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| worker.run()))
                 {
-                    let mut s = status.lock().unwrap_or_else(|e| e.into_inner());
-                    s.error = Some(format!(
-                        "the trainer thread panicked: {}",
-                        panic_message(&*panic)
-                    ));
-                    drop(s);
+                    let error = format!("the trainer thread panicked: {}", panic_message(&*panic));
+                    status.send_modify(|s| s.error = Some(error));
                     events.announce();
                 }
             })?;
-        Ok(TrainerState {
+        Ok(TrainerActorState {
             control,
             thread: Some(thread),
         })
@@ -313,7 +254,7 @@ impl Actor for TrainerActor {
     async fn post_stop(
         &self,
         _me: ActorRef<()>,
-        s: &mut TrainerState,
+        s: &mut TrainerActorState,
     ) -> Result<(), ActorProcessingErr> {
         // A full queue means a halt or checkpoint is already pending; the thread exits either way
         // once every sender is gone or a halt arrives.
@@ -330,12 +271,13 @@ pub struct Worker {
     backend: Box<dyn TrainerBackend>,
     replay: ReplayHandle,
     knobs: KnobsHandle,
-    publish: Sink<StepReport>,
+    /// Where each step and status change goes.
+    publisher: StepPublisher,
     options: TrainerOptions,
-    status: Arc<Mutex<TrainerStatus>>,
+    /// The trainer's totals (owned by the thread; readers get copies through the publisher).
+    status: TrainerStatus,
     ids: Arc<Mutex<Vec<GroupId>>>,
     control: mpsc::Receiver<Control>,
-    steps: watch::Sender<u64>,
     trained: HashSet<GroupId>,
     started: Instant,
     /// A graceful stop asked for no more steps.
@@ -412,21 +354,20 @@ impl Worker {
                 }
             }
         }
-        let mut status = self.status.lock().unwrap_or_else(|e| e.into_inner());
-        status.uptime_seconds = self.started.elapsed().as_secs_f64();
+        self.status.uptime_seconds = self.started.elapsed().as_secs_f64();
+        self.publisher.status(&self.status, false);
     }
 
     fn can_train(&self) -> bool {
-        let s = self.status.lock().unwrap_or_else(|e| e.into_inner());
+        let s = &self.status;
         !self.held && s.steps < self.options.max_steps && s.error.is_none()
     }
 
     fn mark(&self) -> TrainerMark {
-        let s = self.status.lock().unwrap_or_else(|e| e.into_inner());
         TrainerMark {
             version: self.backend.version(),
-            steps: s.steps,
-            trained_groups: s.trained_groups,
+            steps: self.status.steps,
+            trained_groups: self.status.trained_groups,
         }
     }
 

@@ -14,6 +14,7 @@ use sluice_config::{Config, NodeRole};
 use sluice_node::NodeStatus;
 use sluice_node::graceful_stop::StopReport;
 use sluice_node::run::{Ending, Finished, PreparedRun, Progress, RunSummary, Scores, Watched};
+use sluice_replay::Bucket;
 
 use super::shutdown_signal;
 use crate::cli::ConfigArgs;
@@ -216,10 +217,10 @@ fn progress_line(s: &NodeStatus, wall: f64) -> String {
         s.trainer.mean_lag(),
         s.trainer.version.0,
         s.controller.in_flight,
-        b["completed"],
-        b["aborted"],
-        b["expired"],
-        b["filtered"],
+        b[&Bucket::Completed],
+        b[&Bucket::Aborted],
+        b[&Bucket::Expired],
+        b[&Bucket::Filtered],
     )
 }
 

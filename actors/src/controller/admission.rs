@@ -1,5 +1,5 @@
 //! Carrying out the scheduling decision taken after every event: the rules themselves live in
-//! [`sluice_replay::Scheduler`]; here the controller tells it what it knows and starts what it
+//! [`sluice_replay::RolloutScheduler`]; here the controller tells it what it knows and starts what it
 //! decides.
 
 use std::sync::Arc;
@@ -12,7 +12,7 @@ use super::ControllerState;
 
 impl ControllerState {
     pub(super) fn in_flight(&self) -> u64 {
-        (self.work.len() + self.resuming.len() + self.storing.len()) as u64
+        (self.assembly.len() + self.resuming.len() + self.storing.len()) as u64
     }
 
     fn view(&self) -> SchedulerView {

@@ -52,8 +52,7 @@ impl ControllerState {
             if let Some(p) = &self.peers {
                 p.env.abandon(rollout);
             }
-            self.attempts.remove(&rollout);
-            self.served_by.remove(&rollout);
+            self.assembly.forget(rollout);
         }
         self.resuming.remove(&id);
     }

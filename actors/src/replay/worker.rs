@@ -264,10 +264,9 @@ impl Worker {
         }
         metrics::counter!(m::ENGINE_DISCARDED_TOKENS)
             .absolute(self.store.counters().discarded_tokens);
-        for (key, n) in &self.store.counters().transitions {
-            if let Some((from, to)) = key.split_once("->") {
-                metrics::counter!(m::REPLAY_TRANSITIONS, "from" => from.to_owned(), "to" => to.to_owned()).absolute(*n);
-            }
+        for (t, n) in &self.store.counters().transitions {
+            metrics::counter!(m::REPLAY_TRANSITIONS, "from" => t.from.as_label(), "to" => t.to.as_label())
+                .absolute(*n);
         }
     }
 }

@@ -7,47 +7,10 @@ use std::time::Instant;
 
 use sluice_core::metrics::{self as m, MetricKind};
 use sluice_core::rollout::reward_component_means;
-use sluice_core::{BackendError, GroupId, PolicyVersion, RolloutGroup, WeightSnapshot};
-use sluice_trainer::{SituationAdvantage, situation_advantages};
-use tokio::sync::mpsc;
+use sluice_core::{BackendError, GroupId, PolicyVersion, RolloutGroup, SituationAdvantages};
+use sluice_trainer::situation_advantages;
 
-use super::{StepReport, Worker, panic_message};
-
-/// Steps the feed holds before the trainer waits for its reader (far more than a run monitor
-/// falls behind while it evaluates).
-pub const STEP_FEED_CAPACITY: usize = 1024;
-
-/// The trainer's step feed: every completed step, in order (see [`TrainedStep`]). Bounded: a
-/// reader that falls [`STEP_FEED_CAPACITY`] steps behind holds the trainer; a dropped reader is
-/// ignored.
-pub type StepFeed = mpsc::Sender<TrainedStep>;
-
-/// One completed training step, as the run monitor sees it.
-#[derive(Debug, Clone)]
-pub struct TrainedStep {
-    /// The run's step number (restarts included; the first step of a fresh run is 1).
-    pub step: u64,
-    /// Version the step trained (the weights it started from).
-    pub version: PolicyVersion,
-    /// Mean final reward of the batch's rollouts.
-    pub reward_mean: f64,
-    /// Mean version lag of the batch's completion tokens against `version`.
-    pub version_lag_mean: f64,
-    /// Mean of each named reward component over the batch's rollouts that carry it.
-    pub reward_components: BTreeMap<String, f64>,
-    /// The advantages the step's texts got, per (domain, situation label).
-    pub situations: BTreeMap<(String, String), SituationAdvantage>,
-    /// Groups of each domain in the batch (the trained domain mix).
-    pub domain_groups: BTreeMap<String, u64>,
-    /// Completion tokens trained.
-    pub trained_tokens: u64,
-    /// Seconds the step computed.
-    pub seconds: f64,
-    /// The backend's own metrics (loss, clip fraction, entropy, …).
-    pub metrics: BTreeMap<String, f64>,
-    /// The weights it published; `None` when the step was skipped (every advantage zero).
-    pub weights: Option<WeightSnapshot>,
-}
+use super::{StepEvent, Worker, panic_message};
 
 impl Worker {
     /// One step on `batch`, taken from weights `version` under lag bound `eta`.
@@ -58,24 +21,16 @@ impl Worker {
         eta: u64,
         idle: f64,
     ) {
+        let span = tracing::info_span!(
+            "train_step",
+            step = self.status.steps + 1,
+            version = version.0,
+            groups = batch.len()
+        );
+        let _entered = span.enter();
         self.counters.received(1);
         let check = check_batch(&batch, version, eta, &mut self.trained);
-        if check.violations > 0 || check.duplicates > 0 {
-            tracing::error!(
-                violations = check.violations,
-                duplicates = check.duplicates,
-                "batch broke an invariant"
-            );
-        }
-        if let Some(newest) = check.future {
-            tracing::error!(
-                tokens = check.future_tokens,
-                newest = newest.0,
-                trained_from = version.0,
-                "batch holds tokens from a weight version the trainer never published (an engine's weights were replaced behind the head's back); counted as lag violations"
-            );
-            metrics::counter!(m::TRAINER_FUTURE_VERSION_TOKENS).increment(check.future_tokens);
-        }
+        check.report(version);
         let step_started = Instant::now();
         let backend = &mut self.backend;
         let outcome =
@@ -90,7 +45,7 @@ impl Worker {
         let seconds = step_started.elapsed().as_secs_f64();
         metrics::histogram!(m::TRAINER_STEP_SECONDS).record(seconds);
         let groups = batch.len() as u64;
-        let mut status = self.status.lock().unwrap_or_else(|e| e.into_inner());
+        let status = &mut self.status;
         status.idle_seconds += idle;
         status.uptime_seconds = self.started.elapsed().as_secs_f64();
         status.lag_violations += check.violations;
@@ -104,8 +59,7 @@ impl Worker {
                 self.counters.error(e.kind);
                 status.failed_groups += groups;
                 status.error = Some(e.to_string());
-                drop(status);
-                self.options.events.announce();
+                self.publisher.status(&self.status, true);
                 return;
             }
         };
@@ -122,24 +76,10 @@ impl Worker {
         {
             ids.extend(batch.iter().map(|g| g.id));
         }
-        metrics::counter!(m::TRAINER_STEPS).increment(1);
-        metrics::counter!(m::TRAINER_TRAINED_TOKENS).increment(check.tokens);
-        metrics::gauge!(m::TRAINER_IDLE_RATIO).set(status.idle_ratio());
-        if check.tokens > 0 {
-            metrics::gauge!(m::TRAINER_MEAN_VERSION_LAG_VERSIONS)
-                .set(check.lag_sum as f64 / check.tokens as f64);
-            metrics::gauge!(m::TRAINER_MAX_VERSION_LAG_VERSIONS).set(check.max_lag as f64);
-        }
-        if !out.metrics.contains_key(m::TRAINER_TOKENS_PER_SECOND) && seconds > 0.0 {
-            metrics::gauge!(m::TRAINER_TOKENS_PER_SECOND).set(check.tokens as f64 / seconds);
-        }
-        export_step_metrics(&out.metrics);
+        check.export(status.idle_ratio(), seconds, &out.metrics);
         let published = out.weights.inspect(|w| status.version = w.version);
         if published.is_none() {
             status.skipped_steps += 1;
-        }
-        drop(status);
-        if published.is_none() {
             // The batch is consumed but no version moved the admission bound: give its groups
             // back, or η + 1 skipped steps would stop admission for good.
             self.replay.release_skipped(groups);
@@ -147,36 +87,26 @@ impl Worker {
         if let Some(w) = &published {
             metrics::gauge!(m::TRAINER_POLICY_VERSION).set(w.version.0 as f64);
         }
-        let situations = self.export_situations(&batch);
-        if let Some(feed) = &self.options.feed {
-            let step = TrainedStep {
-                step: steps,
-                version,
-                reward_mean: reward_mean(&batch),
-                // The lags were summed by the invariant check already.
-                version_lag_mean: check.lag_sum as f64 / check.tokens.max(1) as f64,
-                reward_components: reward_component_means(batch.iter().flat_map(|g| &g.rollouts)),
-                situations,
-                domain_groups: batch.iter().fold(BTreeMap::new(), |mut m, g| {
-                    *m.entry(g.sample.domain.clone()).or_default() += 1;
-                    m
-                }),
-                trained_tokens: check.tokens,
-                seconds,
-                metrics: out.metrics,
-                weights: published.clone(),
-            };
-            // The thread is the trainer's own: waiting here is the feed's back-pressure. A reader
-            // that is gone (the run ended) is not an error.
-            let _ = feed.blocking_send(step);
-        }
-        (self.publish)(StepReport {
+        let situations = self.export_situations(&batch, out.situations);
+        let event = StepEvent {
+            step: steps,
+            version,
+            reward_mean: reward_mean(&batch),
+            // The lags were summed by the invariant check already.
+            version_lag_mean: check.lag_sum as f64 / check.tokens.max(1) as f64,
+            reward_components: reward_component_means(batch.iter().flat_map(|g| &g.rollouts)),
+            situations,
+            domain_groups: batch.iter().fold(BTreeMap::new(), |mut m, g| {
+                *m.entry(g.sample.domain.clone()).or_default() += 1;
+                m
+            }),
+            trained_tokens: check.tokens,
             seconds,
+            metrics: out.metrics,
             weights: published,
-        });
+        };
+        self.publisher.step(&self.status, event);
         self.counters.sent(1);
-        self.steps.send_replace(steps);
-        self.options.events.announce();
     }
 }
 
@@ -207,15 +137,18 @@ pub fn export_step_metrics(values: &BTreeMap<String, f64>) -> usize {
 
 impl Worker {
     /// The advantages of `batch`'s texts per (domain, situation), exported as gauges (new
-    /// series up to the cap; labels come from envs, maybe remote ones).
+    /// series up to the cap; labels come from envs, maybe remote ones). They are the backend's
+    /// (computed with the step's advantages) when it reports them; computed here only for a
+    /// backend that computes none. Not reported without an advantage configuration.
     fn export_situations(
         &mut self,
         batch: &[RolloutGroup],
-    ) -> BTreeMap<(String, String), SituationAdvantage> {
+        from_backend: Option<SituationAdvantages>,
+    ) -> SituationAdvantages {
         let Some(config) = &self.options.advantage else {
-            return BTreeMap::new();
+            return SituationAdvantages::new();
         };
-        let situations = situation_advantages(batch, config);
+        let situations = from_backend.unwrap_or_else(|| situation_advantages(batch, config));
         for ((domain, situation), a) in &situations {
             if !self.situation_series.admit(domain, situation) {
                 continue;
@@ -248,6 +181,45 @@ struct BatchCheck {
     future_tokens: u64,
     /// The newest such version.
     future: Option<PolicyVersion>,
+}
+
+impl BatchCheck {
+    /// Logs (and counts) what the batch broke; `version`: the weights it trained from.
+    fn report(&self, version: PolicyVersion) {
+        if self.violations > 0 || self.duplicates > 0 {
+            tracing::error!(
+                violations = self.violations,
+                duplicates = self.duplicates,
+                "batch broke an invariant"
+            );
+        }
+        if let Some(newest) = self.future {
+            tracing::error!(
+                tokens = self.future_tokens,
+                newest = newest.0,
+                trained_from = version.0,
+                "batch holds tokens from a weight version the trainer never published (an engine's weights were replaced behind the head's back); counted as lag violations"
+            );
+            metrics::counter!(m::TRAINER_FUTURE_VERSION_TOKENS).increment(self.future_tokens);
+        }
+    }
+
+    /// The step's metrics: the ones the actor records itself (steps, tokens, idle ratio, lags,
+    /// tokens/s when the backend does not), then the `backend`'s own by name.
+    fn export(&self, idle_ratio: f64, seconds: f64, backend: &BTreeMap<String, f64>) {
+        metrics::counter!(m::TRAINER_STEPS).increment(1);
+        metrics::counter!(m::TRAINER_TRAINED_TOKENS).increment(self.tokens);
+        metrics::gauge!(m::TRAINER_IDLE_RATIO).set(idle_ratio);
+        if self.tokens > 0 {
+            metrics::gauge!(m::TRAINER_MEAN_VERSION_LAG_VERSIONS)
+                .set(self.lag_sum as f64 / self.tokens as f64);
+            metrics::gauge!(m::TRAINER_MAX_VERSION_LAG_VERSIONS).set(self.max_lag as f64);
+        }
+        if !backend.contains_key(m::TRAINER_TOKENS_PER_SECOND) && seconds > 0.0 {
+            metrics::gauge!(m::TRAINER_TOKENS_PER_SECOND).set(self.tokens as f64 / seconds);
+        }
+        export_step_metrics(backend);
+    }
 }
 
 /// Lags of every token against the weights `version` the batch trains from; a token from a

@@ -76,6 +76,24 @@ impl BackendError {
     }
 }
 
+/// The advantages of one (domain, situation) in a training batch: how many texts, and the mean
+/// and mean absolute advantage the trainer gives them. With the situational baseline each
+/// situation is compared only with itself, so its mean is about 0 while its absolute mean shows
+/// how much signal the situation carries; with the group baseline the means show which
+/// situations the batch's outcomes favour.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct SituationAdvantage {
+    /// Training texts (turns) in the situation.
+    pub texts: u64,
+    /// Mean advantage.
+    pub mean: f64,
+    /// Mean absolute advantage.
+    pub abs_mean: f64,
+}
+
+/// [`SituationAdvantage`]s of a batch per (domain, situation label).
+pub type SituationAdvantages = BTreeMap<(String, String), SituationAdvantage>;
+
 /// What one training step produced.
 #[derive(Debug, Clone)]
 pub struct TrainStepOutput {
@@ -86,6 +104,10 @@ pub struct TrainStepOutput {
     pub weights: Option<WeightSnapshot>,
     /// Completion tokens trained on.
     pub trained_tokens: u64,
+    /// The advantages the step gave its texts, per (domain, situation), when the backend
+    /// computed them (so the trainer actor reports them without computing them again); `None`
+    /// for a backend that computes no advantages.
+    pub situations: Option<SituationAdvantages>,
 }
 
 /// A trainer the trainer actor drives from its dedicated thread. Calls block; they never run on

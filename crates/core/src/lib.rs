@@ -32,7 +32,10 @@ pub mod rng;
 pub mod rollout;
 pub mod sim;
 
-pub use backend::{BackendError, TrainStepOutput, TrainerBackend, WeightSnapshot};
+pub use backend::{
+    BackendError, SituationAdvantage, SituationAdvantages, TrainStepOutput, TrainerBackend,
+    WeightSnapshot,
+};
 pub use completion::{CompletionParseError, CompletionParser};
 pub use config::ConfigError;
 pub use error::Error;

@@ -201,10 +201,10 @@ pub fn spawn_periodic(h: &NodeHandles, every: u64) -> Option<tokio::task::JoinHa
     }
     let h = h.clone();
     Some(tokio::spawn(async move {
-        let mut steps = h.trainer.steps();
-        let mut last = *steps.borrow_and_update();
-        while steps.changed().await.is_ok() {
-            let now = *steps.borrow_and_update();
+        let mut status = h.trainer.watch_status();
+        let mut last = status.borrow_and_update().steps;
+        while status.changed().await.is_ok() {
+            let now = status.borrow_and_update().steps;
             if now / every > last / every
                 && let Err(e) = checkpoint(&h, "periodic").await
             {

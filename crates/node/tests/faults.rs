@@ -74,7 +74,7 @@ async fn crashing_engine_replicas_are_restarted_and_the_run_finishes() {
         s.replay
             .counters
             .transitions
-            .get("in_flight->aborted")
+            .get(&"in_flight->aborted".parse().unwrap())
             .copied()
             > Some(0),
         "their groups went to the aborted bucket"

@@ -84,7 +84,12 @@ async fn a_replica_that_keeps_failing_stops_the_run_with_a_checkpoint() {
     let m = s.checkpoint.expect("a checkpoint on the way out");
     assert_eq!(m.reason, "engine_failure");
     // No rollout was turned into a failure: the requests came back aborted, not errored.
-    assert_eq!(s.replay.buckets["failed"], 0, "{:?}", s.replay);
+    assert_eq!(
+        s.replay.buckets[&sluice_replay::Bucket::Failed],
+        0,
+        "{:?}",
+        s.replay
+    );
     node.shutdown().await;
 }
 

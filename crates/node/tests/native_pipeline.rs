@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use sluice_actors::trainer::{STEP_FEED_CAPACITY, TrainedStep};
+use sluice_actors::trainer::{STEP_FEED_CAPACITY, StepEvent};
 use sluice_config::Config;
 use sluice_core::{Message, RolloutStatus};
 use sluice_engine::{NativeEngineParams, SamplingParams};
@@ -15,7 +15,7 @@ use sluice_node::{Node, NodeOptions};
 
 /// A node built from `config` alone (the node builder loads the model, the datasets, the task
 /// envs and the engine replicas the config names), with the trainer's step feed.
-async fn start_node(config: &Config) -> (Node, tokio::sync::mpsc::Receiver<TrainedStep>) {
+async fn start_node(config: &Config) -> (Node, tokio::sync::mpsc::Receiver<Arc<StepEvent>>) {
     let (feed, steps) = tokio::sync::mpsc::channel(STEP_FEED_CAPACITY);
     let options = NodeOptions {
         step_feed: Some(feed),
@@ -25,7 +25,7 @@ async fn start_node(config: &Config) -> (Node, tokio::sync::mpsc::Receiver<Train
 }
 
 /// Every step the feed holds.
-fn drain(steps: &mut tokio::sync::mpsc::Receiver<TrainedStep>) -> Vec<TrainedStep> {
+fn drain(steps: &mut tokio::sync::mpsc::Receiver<Arc<StepEvent>>) -> Vec<Arc<StepEvent>> {
     std::iter::from_fn(|| steps.try_recv().ok()).collect()
 }
 

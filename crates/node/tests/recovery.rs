@@ -67,8 +67,12 @@ async fn a_graceful_stop_resumes_version_steps_and_every_group() {
     assert_eq!(manifest.version, t1.version.0);
     assert_eq!(manifest.trained_groups, trained_1.len() as u64);
     assert_eq!(final_1.counters.consumed_total, manifest.trained_groups);
-    assert_eq!(final_1.buckets["in_flight"], 0, "{final_1:?}");
-    assert_eq!(final_1.buckets["pending"], 0);
+    assert_eq!(
+        final_1.buckets[&sluice_replay::Bucket::InFlight],
+        0,
+        "{final_1:?}"
+    );
+    assert_eq!(final_1.buckets[&sluice_replay::Bucket::Pending], 0);
     drop(replay);
 
     // What run 2 will find.

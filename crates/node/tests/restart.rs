@@ -31,7 +31,10 @@ async fn a_restart_recovers_every_completed_and_aborted_group() {
         &node,
         "run 1 to make progress",
         Duration::from_secs(20),
-        |s| s.trainer.steps >= 3 && s.replay.buckets["aborted"] + s.replay.buckets["completed"] > 0,
+        |s| {
+            s.trainer.steps >= 3
+                && s.replay.buckets[&Bucket::Aborted] + s.replay.buckets[&Bucket::Completed] > 0
+        },
     )
     .await;
     let trained_1: HashSet<_> = node.handles.trainer.trained_ids().into_iter().collect();

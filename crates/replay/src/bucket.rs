@@ -14,8 +14,9 @@
 //! live.
 
 use std::fmt;
+use std::str::FromStr;
 
-use serde::{Deserialize, Serialize};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 /// Where a group stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -108,6 +109,64 @@ impl fmt::Display for Bucket {
     }
 }
 
+impl FromStr for Bucket {
+    type Err = String;
+
+    /// A bucket from its label ([`Bucket::as_label`]).
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Self::ALL
+            .into_iter()
+            .find(|b| b.as_label() == s)
+            .ok_or_else(|| format!("unknown bucket `{s}`"))
+    }
+}
+
+/// Counts per bucket (`/v1/status`'s `replay.buckets`; written by label in JSON).
+pub type BucketCounts = std::collections::BTreeMap<Bucket, u64>;
+
+/// A move of a group from one bucket to another: the key of the transition counters, written
+/// `from->to` in JSON and in the persisted counters (the format before the key was typed).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Transition {
+    /// The bucket the group left.
+    pub from: Bucket,
+    /// The bucket it entered.
+    pub to: Bucket,
+}
+
+impl fmt::Display for Transition {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}->{}", self.from, self.to)
+    }
+}
+
+impl FromStr for Transition {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let (from, to) = s
+            .split_once("->")
+            .ok_or_else(|| format!("transition `{s}` is not written `from->to`"))?;
+        Ok(Self {
+            from: from.parse()?,
+            to: to.parse()?,
+        })
+    }
+}
+
+impl Serialize for Transition {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for Transition {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(deserializer)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -137,6 +196,27 @@ mod tests {
                 Bucket::CLEARABLE.contains(&b),
                 "{b}"
             );
+        }
+    }
+
+    #[test]
+    fn transitions_read_back_what_they_write() {
+        for from in Bucket::ALL {
+            for to in Bucket::ALL {
+                let t = Transition { from, to };
+                assert_eq!(t.to_string().parse::<Transition>(), Ok(t));
+                let json = serde_json::to_string(&t).unwrap();
+                assert_eq!(json, format!("\"{from}->{to}\""));
+                assert_eq!(serde_json::from_str::<Transition>(&json).unwrap(), t);
+            }
+        }
+        for bad in [
+            "completed",
+            "completed->",
+            "done->consumed",
+            "completed->->consumed",
+        ] {
+            assert!(bad.parse::<Transition>().is_err(), "{bad}");
         }
     }
 

@@ -5,7 +5,7 @@
 //! | [`bucket`] | the per-group state machine `Pending → InFlight → Completed \| Aborted \| Expired \| Failed \| Filtered → Consumed` |
 //! | [`store`] | [`ReplayStore`]: groups by bucket, transition counters, admission accounting, `take_batch` |
 //! | [`admission`] | the admission bound and the over-sending target, as pure functions |
-//! | [`scheduler`] | [`Scheduler`]: what generates next — resumes first, over-sending, admission, tail rounds |
+//! | [`scheduler`] | [`RolloutScheduler`]: what generates next — resumes first, over-sending, admission, tail rounds |
 //! | [`persist`] | [`Persister`]: the redb database under the run's output dir |
 //! | [`error`] | [`ReplayError`] with stable `kind()` names |
 //! | [`config`] | the `[replay]` config section: raw → [`validate_replay`](config::validate_replay) → [`ReplayConfig`](config::ReplayConfig) |
@@ -23,10 +23,10 @@ pub mod scheduler;
 pub mod store;
 
 pub use admission::{Pace, admission_allows, demand_allows, in_flight_target, remaining_for_step};
-pub use bucket::Bucket;
+pub use bucket::{Bucket, BucketCounts, Transition};
 pub use error::ReplayError;
 pub use offline::clear_stopped_store;
 pub use persist::{DB_FILE, PersistOp, Persister, Recovered};
 pub use progress::{GroupSummary, ProgressWatch};
-pub use scheduler::{Decision, Scheduler, SchedulerStats, SchedulerView};
+pub use scheduler::{Decision, RolloutScheduler, SchedulerStats, SchedulerView};
 pub use store::{ClearOutcome, Counters, FinishOutcome, ReplayStore, StoreSnapshot, TakeOutcome};

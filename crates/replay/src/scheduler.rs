@@ -1,7 +1,7 @@
 //! What generates next (§4.1–4.3), as a pure state machine: the rollout controller feeds it
 //! what it hears and carries out the [`Decision`] it returns.
 //!
-//! At every decision the [`Scheduler`]:
+//! At every decision the [`RolloutScheduler`]:
 //! 1. does nothing new while `paused` or while a `drain` weight update is pending;
 //! 2. runs a tail round when enough tail candidates wait: only they are resumed (at most
 //!    `remaining` in flight: no over-sending), nothing is admitted; the round ends when every
@@ -84,7 +84,7 @@ pub struct SchedulerStats {
 
 /// The scheduling state: groups waiting to be resumed, and the tail round.
 #[derive(Debug, Clone)]
-pub struct Scheduler {
+pub struct RolloutScheduler {
     group_size: u32,
     groups_per_step: u32,
     aborted: VecDeque<GroupId>,
@@ -98,7 +98,7 @@ pub struct Scheduler {
     stats: SchedulerStats,
 }
 
-impl Scheduler {
+impl RolloutScheduler {
     /// A scheduler for groups of `group_size` rollouts, `groups_per_step` groups a batch.
     pub fn new(group_size: u32, groups_per_step: u32) -> Self {
         Self {

@@ -5,87 +5,17 @@
 //! Ordering: "oldest" means lowest admission counter (`GroupId` order), so `take_batch` serves
 //! groups in the order they were admitted.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap};
 
-use serde::{Deserialize, Serialize};
 use sluice_core::{GroupId, PolicyVersion, RolloutGroup, RolloutStatus};
 
-use crate::bucket::Bucket;
+use crate::bucket::{Bucket, Transition};
 use crate::error::ReplayError;
 use crate::persist::PersistOp;
 
-/// Run-level counters, persisted with the groups.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub struct Counters {
-    /// Groups ever admitted.
-    pub admitted_total: u64,
-    /// Groups given back to admission: they ended filtered, failed or expired-and-dropped, or a
-    /// training step consumed them and published nothing (see `skipped_total`).
-    pub released_total: u64,
-    /// Groups handed to the trainer.
-    pub consumed_total: u64,
-    /// Of the consumed groups, those whose step was skipped (every advantage zero): the step
-    /// published no version, so the admission bound `(v + η + 1) · B` did not move for them and
-    /// they are given back instead (counted in `released_total` too). Without this, η + 1 skipped
-    /// steps would close admission for good.
-    #[serde(default)]
-    pub skipped_total: u64,
-    /// The counter the next group id should carry (so a restarted run never reuses an id).
-    pub next_group_counter: u64,
-    /// The newest published policy version the store has seen.
-    pub policy_version: u64,
-    /// Generated tokens thrown away (regenerated partials, regenerated expired groups).
-    pub discarded_tokens: u64,
-    /// Transition counts, keyed `from->to`.
-    pub transitions: BTreeMap<String, u64>,
-}
+mod outcome;
 
-impl Counters {
-    /// Groups that count against the admission bound: running + completed + trained.
-    pub fn admitted_load(&self) -> u64 {
-        self.admitted_total - self.released_total
-    }
-}
-
-/// What `finish` decided for a group.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct FinishOutcome {
-    /// The bucket the group went to.
-    pub bucket: Bucket,
-}
-
-/// What `take_batch` returned.
-#[derive(Debug, Clone, PartialEq)]
-pub enum TakeOutcome {
-    /// `n` groups, oldest first, now `Consumed`.
-    Batch(Vec<RolloutGroup>),
-    /// Fewer than `n` eligible groups; nothing was consumed.
-    NotEnough {
-        /// Eligible completed groups.
-        available: u64,
-    },
-}
-
-/// What [`ReplayStore::clear`] threw away.
-#[derive(Debug, Clone, Default, PartialEq, Serialize)]
-pub struct ClearOutcome {
-    /// Cleared groups per bucket they were in, by label (every asked bucket appears).
-    pub cleared: BTreeMap<&'static str, u64>,
-    /// The cleared groups, oldest first.
-    #[serde(skip)]
-    pub ids: Vec<GroupId>,
-    /// Their generated tokens, now discarded.
-    pub discarded_tokens: u64,
-}
-
-/// Counts per bucket plus the counters: what the metrics and `/v1/status` show.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct StoreSnapshot {
-    /// Groups per bucket, by label.
-    pub buckets: BTreeMap<&'static str, u64>,
-    /// The counters.
-    pub counters: Counters,
-}
+pub use outcome::{ClearOutcome, Counters, FinishOutcome, StoreSnapshot, TakeOutcome};
 
 struct Entry {
     bucket: Bucket,
@@ -165,11 +95,10 @@ impl ReplayStore {
     /// the persisted transition counters, so it survives restarts).
     pub fn count(&self, bucket: Bucket) -> u64 {
         if self.is_final(bucket) {
-            let suffix = format!("->{bucket}");
             self.counters
                 .transitions
                 .iter()
-                .filter(|(k, _)| k.ends_with(&suffix))
+                .filter(|(t, _)| t.to == bucket)
                 .map(|(_, v)| *v)
                 .sum()
         } else {
@@ -203,10 +132,7 @@ impl ReplayStore {
     /// Per-bucket counts and counters.
     pub fn snapshot(&self) -> StoreSnapshot {
         StoreSnapshot {
-            buckets: Bucket::ALL
-                .iter()
-                .map(|b| (b.as_label(), self.count(*b)))
-                .collect(),
+            buckets: Bucket::ALL.iter().map(|b| (*b, self.count(*b))).collect(),
             counters: self.counters.clone(),
         }
     }
@@ -414,7 +340,7 @@ impl ReplayStore {
         let mut outcome = ClearOutcome::default();
         for &bucket in buckets {
             let ids: Vec<GroupId> = self.by_bucket[bucket.index()].iter().copied().collect();
-            outcome.cleared.insert(bucket.as_label(), ids.len() as u64);
+            outcome.cleared.insert(bucket, ids.len() as u64);
             for id in ids {
                 let group = self.entries.get_mut(&id).and_then(|e| e.group.take());
                 outcome.discarded_tokens += group.map_or(0, |g| {
@@ -522,7 +448,7 @@ impl ReplayStore {
         *self
             .counters
             .transitions
-            .entry(format!("{from}->{to}"))
+            .entry(Transition { from, to })
             .or_default() += 1;
     }
 

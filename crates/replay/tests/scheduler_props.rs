@@ -13,7 +13,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use proptest::prelude::*;
 use sluice_core::{AdmissionMode, GroupId, Knobs, NodeId, RunId, WeightUpdateMode};
 use sluice_replay::{
-    Bucket, Scheduler, SchedulerView, admission_allows, in_flight_target, remaining_for_step,
+    Bucket, RolloutScheduler, SchedulerView, admission_allows, in_flight_target, remaining_for_step,
 };
 
 #[derive(Debug, Clone)]
@@ -85,7 +85,7 @@ struct World {
     b: u32,
     group_size: u32,
     knobs: Knobs,
-    scheduler: Scheduler,
+    scheduler: RolloutScheduler,
     version: u64,
     /// In flight, with the largest abort count of the group's rollouts.
     in_flight: Vec<(GroupId, u32)>,
@@ -107,7 +107,7 @@ impl World {
         Self {
             b,
             group_size,
-            scheduler: Scheduler::new(group_size, b),
+            scheduler: RolloutScheduler::new(group_size, b),
             knobs,
             version: 0,
             in_flight: Vec::new(),

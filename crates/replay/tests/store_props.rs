@@ -249,7 +249,10 @@ fn take_batch_serves_oldest_first_and_refuses_partial_batches() {
         panic!("expected a batch")
     };
     assert_eq!(groups.iter().map(|g| g.id).collect::<Vec<_>>(), ids[..2]);
-    assert_eq!(store.counters().transitions["completed->consumed"], 2);
+    assert_eq!(
+        store.counters().transitions[&"completed->consumed".parse().unwrap()],
+        2
+    );
     // The remaining group is now too old for weights v2 with η = 1: it expires instead.
     let (out, expired) = store.take_batch(1, PolicyVersion(2), 1);
     assert_eq!(out, TakeOutcome::NotEnough { available: 0 });
@@ -292,9 +295,9 @@ fn clear_throws_away_groups_at_rest_and_refuses_live_buckets() {
 
     let outcome = store.clear(&Bucket::CLEARABLE).unwrap();
     assert_eq!(outcome.ids, vec![id(0), id(1)]);
-    assert_eq!(outcome.cleared["completed"], 1);
-    assert_eq!(outcome.cleared["aborted"], 1);
-    assert_eq!(outcome.cleared["expired"], 0);
+    assert_eq!(outcome.cleared[&Bucket::Completed], 1);
+    assert_eq!(outcome.cleared[&Bucket::Aborted], 1);
+    assert_eq!(outcome.cleared[&Bucket::Expired], 0);
     // Two rollouts of two tokens each, in each of the two groups.
     assert_eq!(outcome.discarded_tokens, 8);
     assert_eq!(store.count(Bucket::Cleared), 2);

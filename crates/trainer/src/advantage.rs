@@ -18,7 +18,8 @@
 use std::collections::BTreeMap;
 
 use crate::config::AdvantageKind;
-use sluice_core::{RolloutGroup, RolloutTurn};
+pub use sluice_core::SituationAdvantage;
+use sluice_core::{RolloutGroup, RolloutTurn, SituationAdvantages};
 
 /// Added to the standard deviation before dividing, so a near-constant group does not explode.
 pub const STD_EPSILON: f64 = 1e-6;
@@ -261,21 +262,6 @@ fn situational_texts<'a>(
     texts
 }
 
-/// The advantages of one (domain, situation) in a batch: how many texts, and the mean and mean
-/// absolute advantage the trainer gives them. With the situational baseline each situation is
-/// compared only with itself, so its mean is about 0 while its absolute mean shows how much
-/// signal the situation carries; with the group baseline the means show which situations the
-/// batch's outcomes favour.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct SituationAdvantage {
-    /// Training texts (turns) in the situation.
-    pub texts: u64,
-    /// Mean advantage.
-    pub mean: f64,
-    /// Mean absolute advantage.
-    pub abs_mean: f64,
-}
-
 /// Label of turns without a situation.
 pub const NO_SITUATION: &str = "none";
 
@@ -283,9 +269,16 @@ pub const NO_SITUATION: &str = "none";
 pub fn situation_advantages(
     groups: &[RolloutGroup],
     config: &AdvantageConfig,
-) -> BTreeMap<(String, String), SituationAdvantage> {
-    let batch = compute_advantages(groups, config);
-    let mut out: BTreeMap<(String, String), SituationAdvantage> = BTreeMap::new();
+) -> SituationAdvantages {
+    situation_summary(groups, &compute_advantages(groups, config))
+}
+
+/// The advantages already computed for `groups` (`batch`), summed per (domain, situation).
+pub fn situation_summary(
+    groups: &[RolloutGroup],
+    batch: &AdvantageBatch<'_>,
+) -> SituationAdvantages {
+    let mut out = SituationAdvantages::new();
     for t in &batch.texts {
         let key = (
             groups[t.group].sample.domain.clone(),

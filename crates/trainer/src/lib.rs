@@ -31,7 +31,7 @@ mod steps;
 
 pub use advantage::{
     AdvantageBatch, AdvantageConfig, ScoredText, SituationAdvantage, compute_advantages,
-    situation_advantages,
+    situation_advantages, situation_summary,
 };
 pub use batcher::{BatcherConfig, MicroBatch, Packing, PackingStats, TrainingText, pack};
 pub use error::TrainerError;

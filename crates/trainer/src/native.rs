@@ -164,6 +164,7 @@ impl NativeTrainer {
         let mut stats = StepStats {
             groups_kept: adv.groups_kept,
             groups_filtered: adv.groups_filtered,
+            situations: crate::advantage::situation_summary(groups, &adv),
             ..StepStats::default()
         };
         if adv.is_empty() {
@@ -411,17 +412,19 @@ impl TrainerBackend for NativeTrainer {
     }
 
     fn train_step(&mut self, batch: &[RolloutGroup]) -> Result<TrainStepOutput, BackendError> {
-        let (stats, snapshot) = self.rl_step(batch).map_err(TrainerError::into_backend)?;
+        let (mut stats, snapshot) = self.rl_step(batch).map_err(TrainerError::into_backend)?;
         if stats.rejected_texts > 0 {
             tracing::warn!(
                 rejected = stats.rejected_texts,
                 "training texts left out by the batcher"
             );
         }
+        let situations = std::mem::take(&mut stats.situations);
         Ok(TrainStepOutput {
             metrics: step_metrics(&stats, self.version),
             weights: snapshot.map(|s| s.to_envelope()),
             trained_tokens: stats.trained_tokens as u64,
+            situations: Some(situations),
         })
     }
 

@@ -38,6 +38,8 @@ pub struct StepStats {
     pub groups_filtered: usize,
     /// Where `seconds` went.
     pub parts: StepParts,
+    /// The advantages the step gave its texts, per (domain, situation) (computed with them).
+    pub situations: sluice_core::SituationAdvantages,
 }
 
 /// Wall seconds of each part of a step (they add up to about the step's `seconds`).

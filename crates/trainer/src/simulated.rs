@@ -72,6 +72,7 @@ impl TrainerBackend for SimTrainer {
             ]),
             weights: Some(WeightSnapshot::version_only(self.version)),
             trained_tokens: tokens,
+            situations: None,
         })
     }
 

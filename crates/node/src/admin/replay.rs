@@ -116,7 +116,7 @@ async fn activity(s: &AdminState) -> Result<Option<String>, sluice_actors::Actor
     let replay = s.node.replay.status().await?;
     let live: u64 = [Bucket::Pending, Bucket::InFlight]
         .iter()
-        .map(|b| replay.store.buckets.get(b.as_label()).copied().unwrap_or(0))
+        .map(|b| replay.store.buckets.get(b).copied().unwrap_or(0))
         .sum();
     Ok(if !s.node.knobs.current().paused {
         Some("admission is open".to_owned())

@@ -77,7 +77,7 @@ pub struct StatusReport {
     /// The `paused` knob.
     pub paused: bool,
     /// Groups per replay bucket.
-    pub buckets: Option<BTreeMap<&'static str, u64>>,
+    pub buckets: Option<sluice_replay::BucketCounts>,
     /// Throughput.
     pub rates: Rates,
     /// Every knob's value.

@@ -1,4 +1,4 @@
-//! The run monitor: follows the trainer's step feed ([`TrainedStep`]), logs every step to
+//! The run monitor: follows the trainer's step feed ([`StepEvent`]), logs every step to
 //! `metrics.jsonl`, evaluates the published weights on schedule, applies the stop rule (the
 //! held-out target or `run.max_steps`) and reports progress. The same monitor follows every
 //! backend; a run without evaluations (the simulated backends) logs and stops on the budget.
@@ -8,6 +8,7 @@
 //! again), and wall time continues from the log's last record.
 
 use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use sluice_config::Config;
@@ -21,7 +22,7 @@ use super::evaluations::{DomainAccuracy, Evaluations, Scores};
 use crate::handles::{DomainEvalStatus, EvalStatus};
 use crate::node::{Node, NodeStatus};
 use sluice_actors::ActorError;
-use sluice_actors::trainer::TrainedStep;
+use sluice_actors::trainer::StepEvent;
 
 /// Weight of the newest step in the smoothed reward.
 const REWARD_SMOOTHING: f64 = 0.1;
@@ -89,7 +90,7 @@ pub struct RunSummary {
 
 /// Follows a running node; see the module docs.
 pub struct RunMonitor {
-    feed: mpsc::Receiver<TrainedStep>,
+    feed: mpsc::Receiver<Arc<StepEvent>>,
     log: Option<MetricsLog>,
     evaluations: Option<Evaluations>,
     started: Instant,
@@ -131,7 +132,7 @@ impl RunMonitor {
         config: &Config,
         started: Instant,
         start: Start,
-        feed: mpsc::Receiver<TrainedStep>,
+        feed: mpsc::Receiver<Arc<StepEvent>>,
         log: Option<MetricsLog>,
         evaluations: Option<Evaluations>,
     ) -> Self {
@@ -269,7 +270,7 @@ impl RunMonitor {
     }
 
     /// Logs one step, evaluating it when due; true when it evaluated.
-    async fn record(&mut self, step: TrainedStep) -> Result<bool, ActorError> {
+    async fn record(&mut self, step: Arc<StepEvent>) -> Result<bool, ActorError> {
         if let Some(w) = &step.weights {
             self.latest = Some(w.clone());
         }
@@ -301,7 +302,7 @@ impl RunMonitor {
         Ok(accuracy.is_some())
     }
 
-    fn log_step(&mut self, step: &TrainedStep, scores: Option<&Scores>) -> Result<(), ActorError> {
+    fn log_step(&mut self, step: &StepEvent, scores: Option<&Scores>) -> Result<(), ActorError> {
         self.steps = step.step;
         self.version_lag_mean = step.version_lag_mean;
         // Rollouts finished since the previous record (a step with none keeps the mean).

@@ -127,7 +127,8 @@ pub fn check_invariants(status: &NodeStatus) {
         status.replay
     );
     assert_eq!(
-        status.replay.buckets["consumed"], t.trained_groups,
+        status.replay.buckets[&sluice_replay::Bucket::Consumed],
+        t.trained_groups,
         "consumed = trained"
     );
 }
