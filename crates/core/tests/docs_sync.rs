@@ -48,7 +48,10 @@ fn pipeline_knob_list(doc: &str) -> Vec<String> {
         .split("\n## Knobs\n")
         .nth(1)
         .expect("docs/pipeline.md has a `## Knobs` section");
-    let paragraph = section.split("\n\n").find(|p| !p.trim().is_empty()).unwrap_or("");
+    let paragraph = section
+        .split("\n\n")
+        .find(|p| !p.trim().is_empty())
+        .unwrap_or("");
     paragraph
         .split('`')
         .skip(1)

@@ -63,9 +63,8 @@ pub(super) fn patch_from_assignments<S: AsRef<str>>(
             value: Assigned::Map(weights),
         });
     }
-    KnobPatch::deserialize(Assignments::new(entries)).map_err(|e| {
-        KnobError::new(e.knob.unwrap_or_else(|| "knobs".into()), e.reason)
-    })
+    KnobPatch::deserialize(Assignments::new(entries))
+        .map_err(|e| KnobError::new(e.knob.unwrap_or_else(|| "knobs".into()), e.reason))
 }
 
 /// A refusal while reading the assignments: the reason, and the knob once known.
@@ -175,8 +174,7 @@ impl<'de> MapAccess<'de> for Assignments<'_> {
             .pending
             .take()
             .ok_or_else(|| AssignError::reason("a value without its knob".into()))?;
-        seed.deserialize(Value { value })
-            .map_err(|e| e.at(&shown))
+        seed.deserialize(Value { value }).map_err(|e| e.at(&shown))
     }
 }
 

@@ -124,7 +124,10 @@ impl<'de> MapAccess<'de> for ProbeFields<'_> {
         seed.deserialize(key).map(Some)
     }
 
-    fn next_value_seed<V: DeserializeSeed<'de>>(&mut self, seed: V) -> Result<V::Value, ProbeError> {
+    fn next_value_seed<V: DeserializeSeed<'de>>(
+        &mut self,
+        seed: V,
+    ) -> Result<V::Value, ProbeError> {
         seed.deserialize(ProbeValue {
             name: self.current,
             found: self.found,
