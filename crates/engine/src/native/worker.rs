@@ -1,8 +1,10 @@
 //! The compute thread: the native [`Stepper`] under the shared scheduler core ([`crate::sched`]:
 //! queues, aborts, pause, weight updates): one ragged model step at a time, sampling, finishing.
-//! Admission by free KV blocks, prefix reuse and preemption are in [`admission`].
+//! Admission by free KV blocks, prefix reuse and preemption are in [`admission`]; the prompt
+//! log-probabilities a prefill yields in [`prompt_lps`].
 
 mod admission;
+mod prompt_lps;
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -24,6 +26,7 @@ use crate::backend::{
     Completion, EngineEvent, EventSink, FinishReason, SamplingParams, TokenOutput, push_token,
 };
 use crate::sched::{Queued, Queues, Scheduler, Stepper};
+use prompt_lps::{PromptChunk, collect_prompt_logprobs};
 
 /// One request inside the engine.
 pub(crate) struct Seq {
@@ -474,52 +477,5 @@ impl Stepper for Worker {
 
     fn publish(&mut self, queues: &Queues<Seq>) {
         self.publish_gauges(queues);
-    }
-}
-
-/// One prefill chunk with every row of logits.
-struct PromptChunk<'a> {
-    /// The tokens the chunk fed.
-    fed: &'a [u32],
-    /// The first token still pending after it (what its last row scores, when any).
-    next: Option<u32>,
-    /// One logits row per fed token.
-    rows: &'a [Vec<f32>],
-}
-
-/// Appends the prompt log-probabilities a prefill chunk yields. Row `j` of a chunk starting at
-/// position `a` scores the token at `a + j + 1`. Invariant: after a chunk ending at `e`, `lps`
-/// covers positions `0..=e`, so the next chunk starts at `lps.len() - 1`. Entries stop at the
-/// prompt's end (resumed tokens are not prompt).
-fn collect_prompt_logprobs(
-    prompt_len: usize,
-    lps: &mut Vec<PromptLogprob>,
-    chunk: &PromptChunk<'_>,
-    params: &SamplingParams,
-    top: usize,
-) {
-    if lps.is_empty()
-        && let Some(&first) = chunk.fed.first()
-    {
-        lps.push(PromptLogprob {
-            token: first,
-            logprob: None,
-            top: Vec::new(),
-        });
-    }
-    let start = lps.len() - 1;
-    for (j, row) in chunk.rows.iter().enumerate() {
-        if start + j + 1 >= prompt_len {
-            break;
-        }
-        let Some(token) = chunk.fed.get(j + 1).copied().or(chunk.next) else {
-            break;
-        };
-        let lp = log_softmax(row, params.temperature);
-        lps.push(PromptLogprob {
-            token,
-            logprob: Some(lp[token as usize]),
-            top: top_n(&lp, top),
-        });
     }
 }
