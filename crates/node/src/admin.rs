@@ -16,9 +16,10 @@
 //! refuses a non-loopback `admin.listen` without one). A mutating call answers
 //! `{"changes": [...], "knobs": {...}}`. Every refusal answers a 4xx (5xx only when an actor is
 //! unreachable) with one JSON shape, `{"error": {"message": "...", "type": "<stable kind>",
-//! "param": null, "code": <status>}}` (the HTTP kit's, `sluice_http::api`), and changes nothing: 401 for a missing or wrong token, 400 for a body that is not valid JSON or
-//! names an unknown knob or a refused value, 413 for a body over [`MAX_BODY_BYTES`], 415 for a
-//! body that is not `application/json`, 404 for an unknown route, 405 for a wrong method.
+//! "param": null, "code": <status>}}` (the HTTP kit's, `sluice_http::api`), and changes
+//! nothing: 401 for a missing or wrong token, 400 for a body that is not valid JSON or names an
+//! unknown knob or a refused value, 413 for a body over [`MAX_BODY_BYTES`], 415 for a body that
+//! is not `application/json`, 404 for an unknown route, 405 for a wrong method.
 //!
 //! New routes go in `routes` so they get the error fallbacks and the body limit. A client that
 //! does not send a request's head within the header-read deadline (10 s by default) is cut off.

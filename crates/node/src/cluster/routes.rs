@@ -22,13 +22,13 @@ use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use serde_json::{Value, json};
 use sluice_core::PolicyVersion;
+use sluice_core::config::Secret;
 use sluice_core::metrics as m;
 use sluice_engine::remote::WeightDirs;
+use sluice_http::api::ApiError;
 use tokio::io::AsyncReadExt;
 
 use super::registry::{Heartbeat, JoinRequest, NodeView, Registry};
-use sluice_core::config::Secret;
-use sluice_http::api::ApiError;
 
 /// The header carrying the CRC-32 (8 hex digits) of a streamed weight file.
 pub const CRC32_HEADER: &str = "x-sluice-crc32";
