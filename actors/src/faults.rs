@@ -160,14 +160,9 @@ impl InferenceBackend for FaultyBackend {
         }
     }
 
-    fn is_alive(&self) -> bool {
-        // A hung replica looks alive (only the watchdog can tell); a crash is reported at once.
-        self.inner.is_alive()
-    }
-
-    fn server_gone(&self) -> Option<String> {
-        self.inner.server_gone()
-    }
+    // A hung replica looks alive (only the watchdog can tell); a crash is reported at once, as
+    // the inner backend's own death is.
+    sluice_engine::forward_backend!(inner => is_alive, server_gone);
 
     fn shutdown(&mut self) {
         self.gate.store(false, Ordering::SeqCst);
@@ -271,5 +266,62 @@ impl TrainerBackend for FaultyTrainer {
 
     fn set_version(&mut self, version: PolicyVersion) -> Result<(), BackendError> {
         self.inner.set_version(version)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use sluice_core::PolicyVersion;
+
+    use super::*;
+
+    /// A backend whose compute thread has died, on a server that is gone.
+    struct Dead;
+
+    impl InferenceBackend for Dead {
+        fn submit(&self, _: GenerateRequest) -> Result<(), EngineError> {
+            Ok(())
+        }
+        fn abort(&self, _: RequestId) -> Result<(), EngineError> {
+            Ok(())
+        }
+        fn abort_all(&self) -> Result<(), EngineError> {
+            Ok(())
+        }
+        fn update_weights(
+            &self,
+            _: WeightSnapshot,
+            _: WeightUpdateMode,
+        ) -> Result<(), EngineError> {
+            Ok(())
+        }
+        fn stats(&self) -> EngineStats {
+            EngineStats {
+                version: PolicyVersion(3),
+                ..EngineStats::default()
+            }
+        }
+        fn shutdown(&mut self) {}
+        fn is_alive(&self) -> bool {
+            false
+        }
+        fn server_gone(&self) -> Option<String> {
+            Some("the server left".into())
+        }
+    }
+
+    #[test]
+    fn a_wrapped_dead_backend_is_seen_as_dead() {
+        let sink: EventSink = Arc::new(|_| {});
+        let wrapped = FaultyBackend::new(
+            |_| Ok::<_, ()>(Box::new(Dead) as Box<dyn InferenceBackend>),
+            sink,
+            EngineFaults::default(),
+            Box::new(|| {}),
+        )
+        .unwrap();
+        assert!(!wrapped.is_alive(), "the wrapper hid a dead backend");
+        assert_eq!(wrapped.server_gone().as_deref(), Some("the server left"));
+        assert_eq!(wrapped.stats().version, PolicyVersion(3));
     }
 }

@@ -12,6 +12,7 @@
 //! | [`restart_policy`] | restart backoff and progress watchdog, as pure policies |
 //! | [`checkpoint`] | the checkpoint directory: manifest, atomic swap, load |
 //! | [`faults`] | fault injection decorators (`[faults]`, off by default) |
+//! | [`env_faults`] | decorators around the env: a deadline on every call (always on) and the env part of `[faults]` |
 //! | [`counters`] | counters every actor bumps, without the metrics plumbing |
 //! | [`events`] | the run's event feed ([`RunEvent`]) |
 //!

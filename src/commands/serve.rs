@@ -11,6 +11,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use anyhow::{Context, bail};
+use sluice_engine::config::EngineLimits;
 use sluice_engine::remote::SERVE_TOKEN_VAR;
 use sluice_engine::server::{ServerOptions, ServerState, WeightEvents, serve};
 use sluice_engine::{InferenceBackend, NativeEngine, NativeEngineParams};
@@ -18,48 +19,21 @@ use sluice_model::{LoadOptions, Tokenizer, load_checkpoint};
 
 use crate::cli::ServeArgs;
 
-/// Largest `--max-running-sequences` (as `engine.max_running_sequences`).
-const MAX_RUNNING_SEQUENCES: usize = 16_384;
-/// Largest `--max-step-tokens` (as `engine.max_step_tokens`).
-const MAX_STEP_TOKENS: usize = 1 << 20;
-/// Largest `--kv-cache-mb` (as `engine.kv_cache_mb`: 1 TiB).
-const MAX_KV_CACHE_MB: u32 = 1 << 20;
-/// Largest `--kv-block-tokens` (as `engine.kv_block_tokens`).
-const MAX_KV_BLOCK_TOKENS: usize = 1024;
-
 /// Runs the server.
 pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
-    if args.max_running_sequences == 0 || args.max_step_tokens == 0 {
-        bail!("--max-running-sequences and --max-step-tokens: expected integers ≥ 1");
-    }
     if args.max_queued_sequences == 0 {
         bail!("--max-queued-sequences: expected an integer ≥ 1, got 0");
     }
-    // The same bounds as the config's engine keys: each running sequence owns KV memory, so an
-    // extra zero must not reach the allocator.
-    if args.max_running_sequences > MAX_RUNNING_SEQUENCES {
-        bail!(
-            "--max-running-sequences: expected at most {MAX_RUNNING_SEQUENCES}, got {}",
-            args.max_running_sequences
-        );
-    }
-    if args.max_step_tokens > MAX_STEP_TOKENS {
-        bail!(
-            "--max-step-tokens: expected at most {MAX_STEP_TOKENS}, got {}",
-            args.max_step_tokens
-        );
-    }
-    if args.kv_cache_mb > MAX_KV_CACHE_MB {
-        bail!(
-            "--kv-cache-mb: expected at most {MAX_KV_CACHE_MB} (MiB of KV cache; 1 TiB at most), got {}",
-            args.kv_cache_mb
-        );
-    }
-    if !(1..=MAX_KV_BLOCK_TOKENS).contains(&args.kv_block_tokens) {
-        bail!(
-            "--kv-block-tokens: expected 1 to {MAX_KV_BLOCK_TOKENS} (tokens per KV cache block), got {}",
-            args.kv_block_tokens
-        );
+    // The rules of the config's engine keys: each running sequence owns KV memory, so an extra
+    // zero must not reach the allocator.
+    let limits = EngineLimits {
+        max_running_sequences: args.max_running_sequences as u64,
+        max_step_tokens: args.max_step_tokens as u64,
+        kv_cache_mb: u64::from(args.kv_cache_mb),
+        kv_block_tokens: args.kv_block_tokens as u64,
+    };
+    if let Err(e) = limits.validate() {
+        bail!("{}: {}", e.flag(), e.reason);
     }
     if args
         .served_model_name

@@ -5,15 +5,23 @@
 //! [`KnobsHandle`] shares the current snapshot through a `tokio::sync::watch` channel: every actor
 //! reads `handle.current()` (or its own receiver) at each decision, so a change is seen at the next
 //! scheduling decision or training step without any actor being told.
+//!
+//! The knob names are the fields of [`Knobs`] as serde spells them, read back from the derive
+//! ([`knob_names`], [`gauge_names`]; `fields`), and `sluice knobs set key=value` assignments are
+//! read through [`KnobPatch`]'s own derive (`assign`): no list of names is written by hand.
 
 use std::collections::BTreeMap;
-use std::str::FromStr;
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
 use crate::choice::Choice;
+
+mod assign;
+mod fields;
+
+pub use fields::{gauge_names, knob_names};
 
 /// How the inference engine treats in-flight requests when new weights are published (§4.2).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -88,20 +96,6 @@ pub struct Knobs {
     /// Admit no new groups while true (in-flight work continues).
     pub paused: bool,
 }
-
-/// The names of every knob, as the API, the CLI and the gauges spell them.
-pub const KNOB_NAMES: [&str; 10] = [
-    "staleness_threshold",
-    "max_version_lag",
-    "admission",
-    "enable_partial_rollout",
-    "tail_batch_candidate_steps",
-    "tail_batch_trigger_size",
-    "weight_update_mode",
-    "domain_mix",
-    "max_concurrent_rollouts",
-    "paused",
-];
 
 /// Largest `staleness_threshold`: over-sending beyond 100× the missing groups only floods the
 /// sampler and the engine (the controller asks for `(1 + s) · remaining` samples at once).
@@ -227,31 +221,20 @@ impl Knobs {
         Ok(())
     }
 
-    /// Numeric view of every scalar knob, for the `sluice_node_knob_value{knob}` gauge.
-    /// Booleans are 0/1; `weight_update_mode` is exported separately as an info gauge and
-    /// `domain_mix` as `sluice_domain_mix_target`.
-    pub fn gauge_values(&self) -> [(&'static str, f64); 7] {
-        [
-            ("staleness_threshold", self.staleness_threshold),
-            ("max_version_lag", self.max_version_lag as f64),
-            (
-                "enable_partial_rollout",
-                f64::from(u8::from(self.enable_partial_rollout)),
-            ),
-            (
-                "tail_batch_candidate_steps",
-                f64::from(self.tail_batch_candidate_steps),
-            ),
-            (
-                "tail_batch_trigger_size",
-                f64::from(self.tail_batch_trigger_size),
-            ),
-            (
-                "max_concurrent_rollouts",
-                f64::from(self.max_concurrent_rollouts),
-            ),
-            ("paused", f64::from(u8::from(self.paused))),
-        ]
+    /// Numeric view of every number and switch among the knobs ([`gauge_names`], in that
+    /// order), for the `sluice_node_knob_value{knob}` gauge. Booleans are 0/1;
+    /// `weight_update_mode` is exported separately as an info gauge and `domain_mix` as
+    /// `sluice_domain_mix_target`.
+    pub fn gauge_values(&self) -> Vec<(&'static str, f64)> {
+        let value = serde_json::to_value(self).unwrap_or_default();
+        gauge_names()
+            .iter()
+            .filter_map(|&name| match &value[name] {
+                serde_json::Value::Bool(b) => Some((name, f64::from(u8::from(*b)))),
+                serde_json::Value::Number(n) => n.as_f64().map(|v| (name, v)),
+                _ => None,
+            })
+            .collect()
     }
 
     /// `domain_mix` normalized to shares summing to 1 (empty when no mix is set).
@@ -302,86 +285,11 @@ pub struct KnobPatch {
     pub paused: Option<bool>,
 }
 
-fn parse_value<T: FromStr>(knob: &str, value: &str, expected: &str) -> Result<T, KnobError> {
-    value
-        .trim()
-        .parse()
-        .map_err(|_| KnobError::new(knob, format!("expected {expected}, got `{value}`")))
-}
-
 impl KnobPatch {
     /// Builds a patch from `key=value` assignments, as `sluice knobs set` takes them
-    /// (`domain_mix.math=0.4` sets one domain's weight).
+    /// (`domain_mix.math=0.4` sets one domain's weight), read through the patch's serde derive.
     pub fn from_assignments<S: AsRef<str>>(assignments: &[S]) -> Result<Self, KnobError> {
-        let mut patch = Self::default();
-        for assignment in assignments {
-            let assignment = assignment.as_ref();
-            let (key, value) = assignment
-                .split_once('=')
-                .ok_or_else(|| KnobError::new(assignment, "expected `knob=value`, found no `=`"))?;
-            let key = key.trim();
-            match key {
-                "staleness_threshold" => {
-                    patch.staleness_threshold = Some(parse_value(key, value, "a number ≥ 0")?)
-                }
-                "max_version_lag" => {
-                    patch.max_version_lag = Some(parse_value(key, value, "an integer ≥ 0")?)
-                }
-                "admission" => {
-                    patch.admission = Some(
-                        value
-                            .trim()
-                            .parse()
-                            .map_err(|reason| KnobError::new(key, reason))?,
-                    )
-                }
-                "enable_partial_rollout" => {
-                    patch.enable_partial_rollout = Some(parse_value(key, value, "true or false")?)
-                }
-                "tail_batch_candidate_steps" => {
-                    patch.tail_batch_candidate_steps =
-                        Some(parse_value(key, value, "an integer ≥ 0")?)
-                }
-                "tail_batch_trigger_size" => {
-                    patch.tail_batch_trigger_size = Some(parse_value(key, value, "an integer ≥ 0")?)
-                }
-                "weight_update_mode" => {
-                    patch.weight_update_mode = Some(
-                        value
-                            .trim()
-                            .parse()
-                            .map_err(|reason| KnobError::new(key, reason))?,
-                    )
-                }
-                "max_concurrent_rollouts" => {
-                    patch.max_concurrent_rollouts = Some(parse_value(key, value, "an integer ≥ 1")?)
-                }
-                "paused" => patch.paused = Some(parse_value(key, value, "true or false")?),
-                _ => match key.strip_prefix("domain_mix.") {
-                    Some(domain) if !domain.is_empty() => {
-                        let w = parse_value(key, value, "a weight ≥ 0")?;
-                        patch
-                            .domain_mix
-                            .get_or_insert_with(BTreeMap::new)
-                            .insert(domain.to_owned(), w);
-                    }
-                    _ if key == "domain_mix" => {
-                        return Err(KnobError::new(
-                            key,
-                            "set one domain per assignment: `domain_mix.<domain>=<weight>` \
-                             (e.g. `domain_mix.math=0.4`)",
-                        ));
-                    }
-                    _ => {
-                        return Err(KnobError::new(
-                            key,
-                            format!("unknown knob; knobs are: {}", KNOB_NAMES.join(", ")),
-                        ));
-                    }
-                },
-            }
-        }
-        Ok(patch)
+        assign::patch_from_assignments(assignments)
     }
 
     /// True when the patch changes nothing.
@@ -463,7 +371,7 @@ pub fn diff(old: &Knobs, new: &Knobs) -> Vec<KnobChange> {
         serde_json::to_value(old).unwrap_or_default(),
         serde_json::to_value(new).unwrap_or_default(),
     );
-    KNOB_NAMES
+    knob_names()
         .iter()
         .filter_map(|&knob| {
             let (o, n) = (&old_v[knob], &new_v[knob]);

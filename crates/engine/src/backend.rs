@@ -254,18 +254,16 @@ pub trait InferenceBackend: Send {
     fn shutdown(&mut self);
     /// Whether the backend can still make progress: false once its compute thread ended on its
     /// own (a panic). The engine actor checks it periodically and restarts a dead replica at
-    /// once instead of waiting for its watchdog.
-    fn is_alive(&self) -> bool {
-        true
-    }
+    /// once instead of waiting for its watchdog. No default: a wrapper must forward it (see
+    /// [`forward_backend!`](crate::forward_backend)) or say why it answers otherwise.
+    fn is_alive(&self) -> bool;
     /// Why the server this replica runs on is gone, when it is: a head's replica on a joined
     /// engine node that the head cannot reach, or that left, was lost or joined again. Its
     /// failure is then the server's, not the replica's: the engine actor hands its requests
     /// back and moves the slot to another server, counting nothing towards
-    /// `supervision.engine_max_restarts`. `None` (the default): a failure is the replica's own.
-    fn server_gone(&self) -> Option<String> {
-        None
-    }
+    /// `supervision.engine_max_restarts`. `None`: a failure is the replica's own (an in-process
+    /// backend). No default, for the same reason as `is_alive`.
+    fn server_gone(&self) -> Option<String>;
 }
 
 /// Why a command did not get onto a backend's bounded command queue.

@@ -5,6 +5,7 @@
 //! |---|---|
 //! | [`backend`] | the trait, requests, outputs, events and stats every backend speaks |
 //! | [`config`] | the `[engine]` config section: raw → [`validate_engine`](config::validate_engine) → [`EngineConfig`](config::EngineConfig) |
+//! | [`forward`] | [`forward_backend!`]: the one way a wrapper passes backend calls through (no call has a default) |
 //! | [`native`] | [`NativeEngine`]: the candle model behind a continuous-batching scheduler |
 //! | [`remote`] | [`remote::RemoteEngine`]: the trait over OpenAI-compatible servers with RL extensions |
 //! | `sched` | the scheduler core the native and simulated backends share: queues, aborts, pause, weight-update modes |
@@ -16,6 +17,7 @@
 
 pub mod backend;
 pub mod config;
+pub mod forward;
 pub mod native;
 pub mod remote;
 mod sched;

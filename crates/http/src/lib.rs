@@ -3,6 +3,7 @@
 //! | module | what |
 //! |---|---|
 //! | this file | [`HttpClient`], the one JSON client of the remote protocols (remote engines, remote envs, a node's calls to its head) |
+//! | [`api`] | the server kit of every JSON API: [`ApiError`] and its one answer shape, the bearer check as a 401, the body rules (limit, `Content-Type`, JSON) |
 //! | [`auth`] | the bearer-token check every server runs on its guarded routes, and token loading (trimmed) |
 //! | [`serve`](mod@serve) | the server loop: a header-read deadline and a bounded graceful stop |
 //! | [`origin`] | `http(s)://host:port` base URLs, checked strictly (member URLs, configured servers) |
@@ -12,6 +13,7 @@
 //! to leak), one deadline over connect + request + body. Only `http://` is spoken: these servers
 //! live on a trusted network, guarded by a bearer token.
 
+pub mod api;
 pub mod auth;
 pub mod origin;
 pub mod serve;
@@ -23,6 +25,7 @@ use hyper::Request;
 pub use hyper::body::Bytes;
 pub use hyper::{Method, StatusCode};
 
+pub use api::ApiError;
 pub use auth::{BearerRefusal, check_bearer};
 use hyper_util::rt::TokioIo;
 pub use serve::{ServeOptions, serve};

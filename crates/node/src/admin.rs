@@ -15,10 +15,11 @@
 //! "Token" means `Authorization: Bearer <token>` when `admin.token` is configured (the config
 //! refuses a non-loopback `admin.listen` without one). A mutating call answers
 //! `{"changes": [...], "knobs": {...}}`. Every refusal answers a 4xx (5xx only when an actor is
-//! unreachable) with one JSON shape, `{"error": {"message": "...", "type": "<stable kind>"}}`,
-//! and changes nothing: 401 for a missing or wrong token, 400 for a body that is not valid JSON or
-//! names an unknown knob or a refused value, 413 for a body over [`MAX_BODY_BYTES`], 415 for a
-//! body that is not `application/json`, 404 for an unknown route, 405 for a wrong method.
+//! unreachable) with one JSON shape, `{"error": {"message": "...", "type": "<stable kind>",
+//! "param": null, "code": <status>}}` (the HTTP kit's, `sluice_http::api`), and changes
+//! nothing: 401 for a missing or wrong token, 400 for a body that is not valid JSON or names an
+//! unknown knob or a refused value, 413 for a body over [`MAX_BODY_BYTES`], 415 for a body that
+//! is not `application/json`, 404 for an unknown route, 405 for a wrong method.
 //!
 //! New routes go in `routes` so they get the error fallbacks and the body limit. A client that
 //! does not send a request's head within the header-read deadline (10 s by default) is cut off.
@@ -31,13 +32,13 @@ use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, FromRef, State};
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri, header};
-use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use metrics_exporter_prometheus::PrometheusHandle;
 use serde_json::{Value, json};
 use sluice_config::Secret;
 use sluice_core::{KnobPatch, Knobs};
+use sluice_http::api::require_json;
 
 use crate::cluster::routes as cluster;
 use crate::handles::NodeHandles;
@@ -48,8 +49,9 @@ mod status;
 
 pub use status::{ActorHealth, Health, Rates, StatusReport};
 
-/// Largest request body accepted; larger ones answer 413.
-pub const MAX_BODY_BYTES: usize = 64 * 1024;
+/// Largest request body accepted; larger ones answer 413 (the HTTP kit's limit for a JSON
+/// control body).
+pub use sluice_http::api::MAX_BODY_BYTES;
 
 /// What the admin routes need.
 #[derive(Clone)]
@@ -74,6 +76,17 @@ struct Shared {
 impl FromRef<Shared> for AdminState {
     fn from_ref(s: &Shared) -> Self {
         s.admin.clone()
+    }
+}
+
+/// The cluster routes see only what they serve and the token (`cluster::routes` needs nothing
+/// else of the admin API, and imports nothing of it).
+impl FromRef<Shared> for cluster::ClusterApi {
+    fn from_ref(s: &Shared) -> Self {
+        Self {
+            cluster: s.admin.cluster.clone(),
+            token: s.admin.token.clone(),
+        }
     }
 }
 
@@ -178,85 +191,23 @@ impl Server {
     }
 }
 
-/// A refused admin call: a status, a stable kind and a reason, answered as
-/// `{"error": {"message", "type"}}`.
-#[derive(Debug, Clone)]
-pub struct ApiError {
-    /// HTTP status (4xx, or 503 when an actor cannot answer).
-    pub status: StatusCode,
-    /// Short stable name (`unauthorized`, `invalid_json`, `invalid_knob`, …).
-    pub kind: &'static str,
-    /// What was wrong and what is expected.
-    pub message: String,
-}
-
-impl ApiError {
-    /// A refusal with `status`, `kind` and `message`.
-    pub fn new(status: StatusCode, kind: &'static str, message: impl Into<String>) -> Self {
-        Self {
-            status,
-            kind,
-            message: message.into(),
-        }
-    }
-}
-
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
-        let body = Json(json!({ "error": { "message": self.message, "type": self.kind } }));
-        let mut response = (self.status, body).into_response();
-        if self.status == StatusCode::UNAUTHORIZED {
-            response
-                .headers_mut()
-                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
-        }
-        response
-    }
-}
+/// A refused admin call: the HTTP kit's one refusal type and shape ([`sluice_http::api`]).
+pub use sluice_http::api::ApiError;
 
 /// Checks the bearer token of a mutating call (every call passes when none is configured), with
-/// the check every Sluice server shares ([`sluice_http::check_bearer`]).
+/// the check every Sluice server shares ([`sluice_http::api::authorize`]).
 pub fn authorize(state: &AdminState, headers: &HeaderMap) -> Result<(), ApiError> {
-    sluice_http::check_bearer(state.token.as_ref(), headers).map_err(|refusal| {
-        let message = match refusal {
-            sluice_http::BearerRefusal::Missing => format!("{refusal} (admin.token)"),
-            sluice_http::BearerRefusal::Wrong => refusal.to_string(),
-        };
-        ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", message)
-    })
+    sluice_http::api::authorize(
+        state.token.as_ref(),
+        headers,
+        "unauthorized",
+        Some("admin.token"),
+    )
 }
 
-/// The body of a call, or why it cannot be read (over the limit: 413).
+/// The body of a call, or why it cannot be read (over [`MAX_BODY_BYTES`]: 413).
 fn read_body(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
-    body.map_err(|r| match r.status() {
-        StatusCode::PAYLOAD_TOO_LARGE => ApiError::new(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "payload_too_large",
-            format!("request body over {MAX_BODY_BYTES} bytes"),
-        ),
-        status => ApiError::new(status, "invalid_body", r.body_text()),
-    })
-}
-
-/// Refuses a non-empty body that does not say it is JSON.
-fn require_json(headers: &HeaderMap) -> Result<(), ApiError> {
-    let ct = headers
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or("");
-    let essence = ct.split(';').next().unwrap_or("").trim();
-    if essence.eq_ignore_ascii_case("application/json") {
-        Ok(())
-    } else {
-        Err(ApiError::new(
-            StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            "unsupported_media_type",
-            format!(
-                "expected Content-Type: application/json, got `{}`",
-                if ct.is_empty() { "none" } else { ct }
-            ),
-        ))
-    }
+    sluice_http::api::read_body(body, MAX_BODY_BYTES)
 }
 
 async fn get_knobs(State(s): State<AdminState>) -> Json<Knobs> {
@@ -286,13 +237,7 @@ async fn patch_knobs(
     let body = read_body(body)?;
     require_json(&headers)?;
     // Parsed as a value first: serde would also read a struct from an array, positionally.
-    let value: Value = serde_json::from_slice(&body).map_err(|e| {
-        ApiError::new(
-            StatusCode::BAD_REQUEST,
-            "invalid_json",
-            format!("invalid JSON: {e}"),
-        )
-    })?;
+    let value: Value = sluice_http::api::parse_json(&body, "invalid_json", "invalid JSON")?;
     if !value.is_object() {
         return Err(ApiError::new(
             StatusCode::BAD_REQUEST,

@@ -102,7 +102,7 @@ fn static_values(label: &str) -> Option<Vec<&'static str>> {
         "actor" => ACTORS.to_vec(),
         "bucket" => Bucket::ALL.iter().map(|b| b.as_label()).collect(),
         "mode" => WeightUpdateMode::ALL.iter().map(|w| w.as_str()).collect(),
-        "knob" => KNOB_GAUGES.to_vec(),
+        "knob" => sluice_core::knobs::gauge_names().to_vec(),
         "reason" => [
             FinishReason::Stop,
             FinishReason::Length,
@@ -132,17 +132,6 @@ fn static_values(label: &str) -> Option<Vec<&'static str>> {
     };
     Some(values)
 }
-
-/// Names of the scalar knobs exported as `sluice_node_knob_value{knob}`.
-const KNOB_GAUGES: [&str; 7] = [
-    "staleness_threshold",
-    "max_version_lag",
-    "enable_partial_rollout",
-    "tail_batch_candidate_steps",
-    "tail_batch_trigger_size",
-    "max_concurrent_rollouts",
-    "paused",
-];
 
 /// Registers one series of `def` (value untouched: zero when new).
 fn register(def: &MetricDef, labels: Vec<(&'static str, String)>) {
@@ -332,7 +321,7 @@ mod tests {
             paused: false,
         };
         let names: Vec<&str> = k.gauge_values().iter().map(|(n, _)| *n).collect();
-        assert_eq!(names, KNOB_GAUGES);
+        assert_eq!(names, sluice_core::knobs::gauge_names());
         for def in m::CATALOG {
             for label in def.labels {
                 assert!(

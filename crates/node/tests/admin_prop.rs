@@ -14,7 +14,7 @@ use proptest::prelude::*;
 use proptest::test_runner::{Config as ProptestConfig, TestCaseError, TestRunner};
 use serde_json::{Map, Number, Value};
 use sluice_core::Knobs;
-use sluice_core::knobs::KNOB_NAMES;
+use sluice_core::knobs::knob_names;
 use sluice_node::client::{Call, send};
 use sluice_node::{Node, NodeOptions};
 
@@ -22,7 +22,7 @@ const TOKEN: &str = "prop-token";
 
 fn key() -> impl Strategy<Value = String> {
     prop_oneof![
-        4 => proptest::sample::select(KNOB_NAMES.to_vec()).prop_map(str::to_owned),
+        4 => proptest::sample::select(knob_names().to_vec()).prop_map(str::to_owned),
         1 => "[a-z_]{1,12}",
         1 => Just("sim".to_owned()),
     ]
@@ -93,7 +93,7 @@ fn typed_value(knob: &'static str) -> BoxedStrategy<Value> {
 
 /// A patch of real knobs with type-correct values: mostly accepted, sometimes out of range.
 fn typed_patch() -> impl Strategy<Value = Value> {
-    proptest::sample::subsequence(KNOB_NAMES.to_vec(), 1..4)
+    proptest::sample::subsequence(knob_names().to_vec(), 1..4)
         .prop_flat_map(|knobs| {
             knobs
                 .into_iter()

@@ -36,6 +36,12 @@ impl InferenceBackend for Recorder {
         EngineStats::default()
     }
     fn shutdown(&mut self) {}
+    fn is_alive(&self) -> bool {
+        true
+    }
+    fn server_gone(&self) -> Option<String> {
+        None
+    }
 }
 
 fn request(counter: u64) -> GenerateRequest {

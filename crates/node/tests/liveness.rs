@@ -186,6 +186,9 @@ impl InferenceBackend for Recording {
     fn shutdown(&mut self) {
         self.inner.shutdown();
     }
+    fn server_gone(&self) -> Option<String> {
+        None
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

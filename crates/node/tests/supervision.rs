@@ -69,6 +69,12 @@ impl InferenceBackend for Stub {
         EngineStats::default()
     }
     fn shutdown(&mut self) {}
+    fn is_alive(&self) -> bool {
+        true
+    }
+    fn server_gone(&self) -> Option<String> {
+        None
+    }
 }
 
 /// (replica, incarnation, request) for every submission a stub accepted.

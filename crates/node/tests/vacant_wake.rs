@@ -39,6 +39,12 @@ impl InferenceBackend for Idle {
         EngineStats::default()
     }
     fn shutdown(&mut self) {}
+    fn is_alive(&self) -> bool {
+        true
+    }
+    fn server_gone(&self) -> Option<String> {
+        None
+    }
 }
 
 #[tokio::test(start_paused = true)]

@@ -167,3 +167,105 @@ fn patch_json_refuses_unknown_fields() {
         "{err}"
     );
 }
+
+#[test]
+fn names_and_gauges_come_from_the_struct() {
+    // The spellings are an interface (API, CLI, config keys, metric labels): this list is the
+    // golden copy the derive must keep producing.
+    assert_eq!(
+        knob_names(),
+        [
+            "staleness_threshold",
+            "max_version_lag",
+            "admission",
+            "enable_partial_rollout",
+            "tail_batch_candidate_steps",
+            "tail_batch_trigger_size",
+            "weight_update_mode",
+            "domain_mix",
+            "max_concurrent_rollouts",
+            "paused",
+        ]
+    );
+    assert_eq!(
+        gauge_names(),
+        [
+            "staleness_threshold",
+            "max_version_lag",
+            "enable_partial_rollout",
+            "tail_batch_candidate_steps",
+            "tail_batch_trigger_size",
+            "max_concurrent_rollouts",
+            "paused",
+        ]
+    );
+    let mut k = knobs();
+    k.paused = true;
+    k.staleness_threshold = 0.5;
+    let values = k.gauge_values();
+    let names: Vec<&str> = values.iter().map(|(n, _)| *n).collect();
+    assert_eq!(names, gauge_names());
+    assert!(values.contains(&("paused", 1.0)));
+    assert!(values.contains(&("staleness_threshold", 0.5)));
+    assert!(values.contains(&("max_concurrent_rollouts", 64.0)));
+}
+
+#[test]
+fn assignments_cover_every_knob_and_keep_the_last_value() {
+    let patch = KnobPatch::from_assignments(&[
+        "max_version_lag = 3",
+        "admission=eta",
+        "enable_partial_rollout=false",
+        "tail_batch_candidate_steps=2",
+        "max_concurrent_rollouts=9",
+        "paused=true",
+        "paused=false",
+        "domain_mix.code=2",
+        "domain_mix.code=0.5",
+    ])
+    .unwrap();
+    assert_eq!(
+        patch,
+        KnobPatch {
+            max_version_lag: Some(3),
+            admission: Some(AdmissionMode::Eta),
+            enable_partial_rollout: Some(false),
+            tail_batch_candidate_steps: Some(2),
+            max_concurrent_rollouts: Some(9),
+            paused: Some(false),
+            domain_mix: Some(BTreeMap::from([("code".into(), 0.5)])),
+            ..KnobPatch::default()
+        }
+    );
+    assert!(KnobPatch::from_assignments::<&str>(&[]).unwrap().is_empty());
+}
+
+#[test]
+fn assignment_values_are_read_by_the_field_type() {
+    let cases: &[(&str, &str)] = &[
+        (
+            "max_concurrent_rollouts=5000000000",
+            "max_concurrent_rollouts: expected an integer ≤ 4294967295, got 5000000000",
+        ),
+        (
+            "staleness_threshold=lots",
+            "staleness_threshold: expected a number, got `lots`",
+        ),
+        (
+            "admission=sometimes",
+            "admission: expected one of demand, eta, got `sometimes`",
+        ),
+        (
+            "domain_mix.math=heavy",
+            "domain_mix.math: expected a number, got `heavy`",
+        ),
+        (
+            "domain_mix.=1",
+            "domain_mix.: unknown knob; knobs are: staleness_threshold, max_version_lag, admission, enable_partial_rollout, tail_batch_candidate_steps, tail_batch_trigger_size, weight_update_mode, domain_mix, max_concurrent_rollouts, paused",
+        ),
+    ];
+    for (input, expected) in cases {
+        let err = KnobPatch::from_assignments(&[*input]).unwrap_err();
+        assert_eq!(err.to_string(), *expected, "input {input}");
+    }
+}

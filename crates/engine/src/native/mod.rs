@@ -23,15 +23,14 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use crossbeam_channel::Sender;
 use sluice_core::{PolicyVersion, RequestId, WeightSnapshot, WeightUpdateMode};
 use sluice_model::{ModelConfig, ModelWeights, Tokenizer};
 
 use crate::backend::{
     Completion, EngineError, EngineStats, EventSink, GenerateRequest, InferenceBackend,
-    KvCacheStats, enqueued, model_weights,
+    KvCacheStats, model_weights,
 };
-use crate::sched::WeightUpdate;
+use crate::sched::Commands;
 pub use kv::{AUTO_KV_CACHE_CAP_MB, KvBudget};
 pub use stop::{StopHit, truncate_at_stop};
 
@@ -268,10 +267,9 @@ pub struct StepBreakdown {
 /// observers hold one). It does not own the thread: [`NativeEngine`] does.
 #[derive(Clone)]
 pub struct NativeControl {
-    tx: Sender<Command>,
+    commands: Commands<Box<NativeRequest>, Arc<ModelWeights>>,
     shared: Arc<Shared>,
     started: Instant,
-    name: Arc<str>,
     config: Arc<ModelConfig>,
     tokenizer: Option<Arc<Tokenizer>>,
     kv: KvBudget,
@@ -300,10 +298,10 @@ impl NativeEngine {
         let model = sluice_model::InferenceModel::new(Arc::clone(&weights))?;
         let config = Arc::clone(model.config());
         let kv = KvBudget::new(&params, &config, weights.dtype())?;
-        let (tx, rx) = crossbeam_channel::bounded(COMMAND_QUEUE);
+        let name = format!("native-engine-{}", params.replica);
+        let (commands, rx) = Commands::channel(&name, COMMAND_QUEUE);
         let shared = Arc::new(Shared::default());
         shared.version.store(weights.version.0, Ordering::Relaxed);
-        let name = format!("native-engine-{}", params.replica);
         let threads = sluice_model::threads::role_threads(params.threads as u32, 2);
         let pool =
             sluice_model::ComputePool::new(&format!("engine-{}-compute", params.replica), threads)?;
@@ -320,7 +318,12 @@ impl NativeEngine {
             .name(name.clone())
             .spawn({
                 let shared = Arc::clone(&shared);
+                // Every event of this replica's thread (steps, swaps, failures) is logged inside
+                // its span, so a slow step can be told apart by replica.
+                let span =
+                    tracing::info_span!("engine_replica", backend = "native", thread = %name);
                 move || {
+                    let _span = span.entered();
                     // Marks the engine stopped however the thread ends (a panic included).
                     struct Stopped(Arc<Shared>);
                     impl Drop for Stopped {
@@ -337,10 +340,9 @@ impl NativeEngine {
             .map_err(|e| NativeError::Params(format!("spawning the engine thread: {e}")))?;
         Ok(Self {
             control: NativeControl {
-                tx,
+                commands,
                 shared,
                 started: Instant::now(),
-                name: name.into(),
                 config,
                 tokenizer,
                 kv,
@@ -417,22 +419,18 @@ impl NativeControl {
         if !(r.params.temperature >= 0.0 && r.params.top_p > 0.0 && r.params.top_p <= 1.0) {
             return Err(bad("temperature must be >= 0 and top_p in (0, 1]".into()));
         }
-        self.send(Command::Submit(Box::new(request)))
+        self.commands.submit(Box::new(request))
     }
 
     /// Stops stepping: with `abort`, every request is aborted (partials returned); without, they
     /// wait in place until [`Self::continue_generation`].
     pub fn pause(&self, abort: bool) -> Result<(), EngineError> {
-        self.send(Command::Pause { abort })
+        self.commands.pause(abort)
     }
 
     /// Resumes stepping after [`Self::pause`].
     pub fn continue_generation(&self) -> Result<(), EngineError> {
-        self.send(Command::Continue)
-    }
-
-    fn send(&self, command: Command) -> Result<(), EngineError> {
-        enqueued(self.tx.try_send(command), &self.name, COMMAND_QUEUE)
+        self.commands.continue_generation()
     }
 
     /// Whether the compute thread is still running.
@@ -464,7 +462,7 @@ impl NativeControl {
 
     /// Aborts one request (its partial output is reported at the next step boundary).
     pub fn abort(&self, id: RequestId) -> Result<(), EngineError> {
-        self.send(Command::Abort(id))
+        self.commands.abort(id)
     }
 
     /// Where the compute time went so far.
@@ -483,7 +481,7 @@ impl NativeControl {
 
     /// Aborts every queued and running request.
     pub fn abort_all(&self) -> Result<(), EngineError> {
-        self.send(Command::AbortAll)
+        self.commands.abort_all()
     }
 
     /// Installs new weights per `mode`; see [`InferenceBackend::update_weights`].
@@ -492,21 +490,18 @@ impl NativeControl {
         weights: WeightSnapshot,
         mode: WeightUpdateMode,
     ) -> Result<(), EngineError> {
-        let model = model_weights(&weights, &self.name)?;
+        let name = self.commands.name();
+        let model = model_weights(&weights, name)?;
         if **model.config() != *self.config {
             return Err(EngineError::BadRequest {
-                id: self.name.to_string(),
+                id: name.to_owned(),
                 reason: format!(
                     "weight snapshot {} has another architecture",
                     weights.version
                 ),
             });
         }
-        self.send(Command::Update(WeightUpdate {
-            weights: model,
-            mode,
-            asked: Instant::now(),
-        }))
+        self.commands.update(model, mode)
     }
 }
 
@@ -539,14 +534,18 @@ impl InferenceBackend for NativeEngine {
         self.control.is_alive()
     }
 
+    fn server_gone(&self) -> Option<String> {
+        // In-process: a failure is always the replica's own.
+        None
+    }
+
     fn shutdown(&mut self) {
         if let Some(t) = self.thread.take() {
             // Clones of the control may keep the channel open, so the command must get in: wait
             // for room rather than rely on a disconnect.
-            let _ = self
-                .control
-                .tx
-                .send_timeout(Command::Shutdown, std::time::Duration::from_secs(10));
+            self.control
+                .commands
+                .shutdown(std::time::Duration::from_secs(10));
             let _ = t.join();
         }
     }

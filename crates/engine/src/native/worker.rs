@@ -1,8 +1,10 @@
 //! The compute thread: the native [`Stepper`] under the shared scheduler core ([`crate::sched`]:
 //! queues, aborts, pause, weight updates): one ragged model step at a time, sampling, finishing.
-//! Admission by free KV blocks, prefix reuse and preemption are in [`admission`].
+//! Admission by free KV blocks, prefix reuse and preemption are in [`admission`]; the prompt
+//! log-probabilities a prefill yields in [`prompt_lps`].
 
 mod admission;
+mod prompt_lps;
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -24,6 +26,7 @@ use crate::backend::{
     Completion, EngineEvent, EventSink, FinishReason, SamplingParams, TokenOutput, push_token,
 };
 use crate::sched::{Queued, Queues, Scheduler, Stepper};
+use prompt_lps::{PromptChunk, collect_prompt_logprobs};
 
 /// One request inside the engine.
 pub(crate) struct Seq {
@@ -177,12 +180,34 @@ impl Worker {
         }
     }
 
-    /// One model step over the running batch, then sampling for every sequence whose pending
-    /// tokens all went in.
+    /// One engine step over the running batch, as plan → run → apply (the shape of vLLM's
+    /// scheduler output): which tokens go in, the model over them, then sampling for every
+    /// sequence whose pending tokens all went in.
     fn step_batch(&mut self, q: &mut Queues<Seq>) {
         let started = Instant::now();
-        // Decoding sequences first (one token each, never starved), then prompt chunks in
-        // admission order within what is left of the budget.
+        let (mut take, decode_only) = self.plan_step(q);
+        self.make_room(q, &mut take);
+        if q.running.is_empty() {
+            return;
+        }
+        let rows = self.run_model(q, &mut take);
+        let generated = self.apply_step(q, &take, &rows);
+        self.shared.steps.fetch_add(1, Ordering::Relaxed);
+        let nanos = started.elapsed().as_nanos() as u64;
+        self.shared.busy_nanos.fetch_add(nanos, Ordering::Relaxed);
+        if decode_only {
+            self.shared.decode_nanos.fetch_add(nanos, Ordering::Relaxed);
+            self.shared
+                .decode_tokens
+                .fetch_add(generated, Ordering::Relaxed);
+        }
+    }
+
+    /// Plan: how many pending tokens of each running sequence go into this step. Decoding
+    /// sequences first (one token each, never starved), then prompt chunks in admission order
+    /// within what is left of `max_step_tokens`. Returns the takes (0: not this step) and whether
+    /// the step only decodes.
+    fn plan_step(&self, q: &Queues<Seq>) -> (Vec<usize>, bool) {
         let decoding = q.running.iter().filter(|s| s.pending.len() == 1).count();
         let decode_only = decoding == q.running.len();
         let mut budget = self.params.max_step_tokens.max(decoding) - decoding;
@@ -198,11 +223,18 @@ impl Worker {
                 budget -= take[i];
             }
         }
-        self.make_room(q, &mut take);
-        if q.running.is_empty() {
-            return;
-        }
-        // Prefills that report prompt log-probabilities need every row; the rest only the last.
+        (take, decode_only)
+    }
+
+    /// Run: the model over the planned tokens, one call for the sequences that need only their
+    /// last row of logits and one for prefills reporting prompt log-probabilities (every row).
+    /// Returns the rows per running sequence; a failed call fails its sequences (removed, with
+    /// their takes).
+    fn run_model(
+        &mut self,
+        q: &mut Queues<Seq>,
+        take: &mut Vec<usize>,
+    ) -> Vec<Option<Vec<Vec<f32>>>> {
         let wants_all = |s: &Seq| s.prompt_lps.is_some() && s.pending.len() > 1;
         let mut rows: Vec<Option<Vec<Vec<f32>>>> = vec![None; q.running.len()];
         for all in [false, true] {
@@ -263,6 +295,18 @@ impl Worker {
                 }
             }
         }
+        rows
+    }
+
+    /// Apply: the rows' outcomes — prompt log-probabilities and prefill progress, one draw for
+    /// every sequence whose pending tokens all went in, stops and lengths — and the finished
+    /// sequences reported. Returns the tokens generated.
+    fn apply_step(
+        &mut self,
+        q: &mut Queues<Seq>,
+        take: &[usize],
+        rows: &[Option<Vec<Vec<f32>>>],
+    ) -> u64 {
         let version = self.model.version();
         let context = self.context;
         let mut done: Vec<(usize, FinishReason, Option<StopHit>)> = Vec::new();
@@ -349,15 +393,7 @@ impl Worker {
             let s = q.running.remove(i);
             self.finish_with(s, reason, hit);
         }
-        self.shared.steps.fetch_add(1, Ordering::Relaxed);
-        let nanos = started.elapsed().as_nanos() as u64;
-        self.shared.busy_nanos.fetch_add(nanos, Ordering::Relaxed);
-        if decode_only {
-            self.shared.decode_nanos.fetch_add(nanos, Ordering::Relaxed);
-            self.shared
-                .decode_tokens
-                .fetch_add(generated, Ordering::Relaxed);
-        }
+        generated
     }
 
     fn finish_with(&mut self, s: Seq, finish: FinishReason, stop: Option<StopHit>) {
@@ -441,52 +477,5 @@ impl Stepper for Worker {
 
     fn publish(&mut self, queues: &Queues<Seq>) {
         self.publish_gauges(queues);
-    }
-}
-
-/// One prefill chunk with every row of logits.
-struct PromptChunk<'a> {
-    /// The tokens the chunk fed.
-    fed: &'a [u32],
-    /// The first token still pending after it (what its last row scores, when any).
-    next: Option<u32>,
-    /// One logits row per fed token.
-    rows: &'a [Vec<f32>],
-}
-
-/// Appends the prompt log-probabilities a prefill chunk yields. Row `j` of a chunk starting at
-/// position `a` scores the token at `a + j + 1`. Invariant: after a chunk ending at `e`, `lps`
-/// covers positions `0..=e`, so the next chunk starts at `lps.len() - 1`. Entries stop at the
-/// prompt's end (resumed tokens are not prompt).
-fn collect_prompt_logprobs(
-    prompt_len: usize,
-    lps: &mut Vec<PromptLogprob>,
-    chunk: &PromptChunk<'_>,
-    params: &SamplingParams,
-    top: usize,
-) {
-    if lps.is_empty()
-        && let Some(&first) = chunk.fed.first()
-    {
-        lps.push(PromptLogprob {
-            token: first,
-            logprob: None,
-            top: Vec::new(),
-        });
-    }
-    let start = lps.len() - 1;
-    for (j, row) in chunk.rows.iter().enumerate() {
-        if start + j + 1 >= prompt_len {
-            break;
-        }
-        let Some(token) = chunk.fed.get(j + 1).copied().or(chunk.next) else {
-            break;
-        };
-        let lp = log_softmax(row, params.temperature);
-        lps.push(PromptLogprob {
-            token,
-            logprob: Some(lp[token as usize]),
-            top: top_n(&lp, top),
-        });
     }
 }

@@ -194,9 +194,13 @@ impl RemoteEngine {
             .enable_all()
             .build()
             .map_err(|e| format!("remote engine runtime: {e}"))?;
+        let span = tracing::info_span!("engine_replica", backend = "remote", thread = %name);
         let thread = std::thread::Builder::new()
             .name(name.clone())
-            .spawn(move || runtime.block_on(worker.run(rx)))
+            .spawn(move || {
+                let _span = span.entered();
+                runtime.block_on(worker.run(rx))
+            })
             .map_err(|e| format!("spawning the remote engine thread: {e}"))?;
         Ok(Self {
             tx,
@@ -267,6 +271,12 @@ impl InferenceBackend for RemoteEngine {
     fn is_alive(&self) -> bool {
         !self.shared.down.load(Ordering::Relaxed)
             && self.thread.as_ref().is_some_and(|t| !t.is_finished())
+    }
+
+    fn server_gone(&self) -> Option<String> {
+        // A plain remote engine is the replica itself: its server's failure is its own. A head's
+        // replica on a joined node answers this from the registry (`MemberBackend`).
+        None
     }
 
     fn shutdown(&mut self) {

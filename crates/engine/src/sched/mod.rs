@@ -21,9 +21,15 @@
 //! lets a request span two versions; a newer update supersedes a held drain (updates arrive in
 //! publish order, so the held one is older: installing it after would go back a version); a
 //! paused engine neither admits nor steps, and a pause with `abort` returns every partial.
+//!
+//! The sending side, what a backend's handle queues for its thread, is written once too
+//! ([`Commands`]).
 
+mod commands;
 #[cfg(test)]
 mod tests;
+
+pub(crate) use commands::Commands;
 
 use std::collections::VecDeque;
 use std::time::Instant;
@@ -185,6 +191,15 @@ impl<S: Queued, W> Scheduler<S, W> {
     where
         T: Stepper<Seq = S, Weights = W>,
     {
+        // One span per iteration, inside the replica's span: a step's events and its weight
+        // swaps are grouped in a debug log (the fields are read only when the span is enabled).
+        let _iteration = tracing::debug_span!(
+            "engine_iteration",
+            commands = commands.len(),
+            waiting = self.queues.waiting.len(),
+            running = self.queues.running.len(),
+        )
+        .entered();
         for command in commands {
             match command {
                 Command::Submit(request) => {

@@ -27,7 +27,7 @@ pub const MAX_LOGPROBS: i64 = 20;
 
 /// Parses a JSON body, answering 400 with the parser's message.
 pub(crate) fn parse_body<T: DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
-    serde_json::from_slice(body).map_err(|e| ApiError::bad_body(format!("invalid JSON body: {e}")))
+    sluice_http::api::parse_json(body, "invalid_request_error", "invalid JSON body")
 }
 
 /// `stop`: one string or a list.

@@ -217,11 +217,17 @@ impl ServerState {
 
 /// Refuses a guarded call without the server's bearer token.
 async fn authorize(State(state): State<Arc<ServerState>>, req: Request, next: Next) -> Response {
-    match sluice_http::check_bearer(state.options.token.as_ref(), req.headers()) {
+    let checked = sluice_http::api::authorize(
+        state.options.token.as_ref(),
+        req.headers(),
+        "authentication_error",
+        None,
+    );
+    match checked {
         Ok(()) => next.run(req).await,
         Err(refusal) => {
-            tracing::warn!(route = %req.uri().path(), reason = %refusal, "refused a call to a guarded route");
-            ApiError::unauthorized(refusal.to_string()).into_response()
+            tracing::warn!(route = %req.uri().path(), reason = %refusal.message, "refused a call to a guarded route");
+            refusal.into_response()
         }
     }
 }

@@ -14,15 +14,15 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::config::SimEngineConfig;
-use crossbeam_channel::{Receiver, Sender};
+use crossbeam_channel::Receiver;
 use sluice_core::config::LengthDistribution;
 use sluice_core::{PolicyVersion, RequestId, WeightSnapshot, WeightUpdateMode};
 
 use crate::backend::{
     Completion, EngineError, EngineEvent, EngineStats, EventSink, FinishReason, GenerateRequest,
-    InferenceBackend, TokenOutput, enqueued, push_token,
+    InferenceBackend, TokenOutput, push_token,
 };
-use crate::sched::{Queued, Queues, Scheduler, Stepper, WeightUpdate};
+use crate::sched::{Commands, Queued, Queues, Scheduler, Stepper};
 use sluice_core::rng::{SplitMix64, mix};
 
 /// Commands queued per replica; a full queue is back-pressure, reported as an error by `submit`.
@@ -52,20 +52,19 @@ struct Shared {
 
 /// See the module docs.
 pub struct SimEngine {
-    tx: Sender<Command>,
+    commands: Commands<GenerateRequest, WeightSnapshot>,
     shared: Arc<Shared>,
     started: Instant,
     thread: Option<JoinHandle<()>>,
-    name: String,
 }
 
 impl SimEngine {
     /// Starts the engine thread at `version`; events go to `sink`.
     pub fn start(params: SimEngineParams, version: PolicyVersion, sink: EventSink) -> Self {
-        let (tx, rx) = crossbeam_channel::bounded(COMMAND_QUEUE);
+        let name = format!("sim-engine-{}", params.replica);
+        let (commands, rx) = Commands::channel(&name, COMMAND_QUEUE);
         let shared = Arc::new(Shared::default());
         shared.version.store(version.0, Ordering::Relaxed);
-        let name = format!("sim-engine-{}", params.replica);
         let worker = Worker {
             rx,
             sink,
@@ -75,50 +74,47 @@ impl SimEngine {
             version,
             deadline: Instant::now(),
         };
+        let span = tracing::info_span!("engine_replica", backend = "simulated", thread = %name);
         let thread = std::thread::Builder::new()
             .name(name.clone())
             .spawn(move || {
+                let _span = span.entered();
                 let mut worker = worker;
                 let rx = worker.rx.clone();
                 Scheduler::new().run(&mut worker, &rx);
             })
             .expect("spawning the simulated engine thread");
         Self {
-            tx,
+            commands,
             shared,
             started: Instant::now(),
             thread: Some(thread),
-            name,
         }
     }
 
     /// Stops stepping: with `abort`, every request is aborted (partials returned); without, they
     /// wait in place until [`Self::continue_generation`] (as the native engine's pause).
     pub fn pause(&self, abort: bool) -> Result<(), EngineError> {
-        self.send(Command::Pause { abort })
+        self.commands.pause(abort)
     }
 
     /// Resumes stepping after [`Self::pause`].
     pub fn continue_generation(&self) -> Result<(), EngineError> {
-        self.send(Command::Continue)
-    }
-
-    fn send(&self, command: Command) -> Result<(), EngineError> {
-        enqueued(self.tx.try_send(command), &self.name, COMMAND_QUEUE)
+        self.commands.continue_generation()
     }
 }
 
 impl InferenceBackend for SimEngine {
     fn submit(&self, request: GenerateRequest) -> Result<(), EngineError> {
-        self.send(Command::Submit(request))
+        self.commands.submit(request)
     }
 
     fn abort(&self, id: RequestId) -> Result<(), EngineError> {
-        self.send(Command::Abort(id))
+        self.commands.abort(id)
     }
 
     fn abort_all(&self) -> Result<(), EngineError> {
-        self.send(Command::AbortAll)
+        self.commands.abort_all()
     }
 
     fn update_weights(
@@ -126,11 +122,7 @@ impl InferenceBackend for SimEngine {
         weights: WeightSnapshot,
         mode: WeightUpdateMode,
     ) -> Result<(), EngineError> {
-        self.send(Command::Update(WeightUpdate {
-            weights,
-            mode,
-            asked: Instant::now(),
-        }))
+        self.commands.update(weights, mode)
     }
 
     fn stats(&self) -> EngineStats {
@@ -150,13 +142,17 @@ impl InferenceBackend for SimEngine {
         self.thread.as_ref().is_some_and(|t| !t.is_finished())
     }
 
+    fn server_gone(&self) -> Option<String> {
+        // In-process: a failure is always the replica's own.
+        None
+    }
+
     fn shutdown(&mut self) {
-        // A full queue still sees the disconnect once the sender is gone, so ignore a failed send.
-        let _ = self.tx.try_send(Command::Shutdown);
+        // A full queue still sees the disconnect once the sender is gone, so do not wait.
+        self.commands.shutdown(Duration::ZERO);
         if let Some(t) = self.thread.take() {
-            let (tx, _) = crossbeam_channel::bounded(1);
             // Dropping our sender lets the worker's recv fail if the Shutdown did not fit.
-            let _ = std::mem::replace(&mut self.tx, tx);
+            self.commands = self.commands.closed();
             let _ = t.join();
         }
     }

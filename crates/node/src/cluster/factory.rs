@@ -20,9 +20,9 @@
 use std::sync::Arc;
 
 use sluice_config::Config;
-use sluice_core::{RequestId, WeightSnapshot, WeightUpdateMode};
+use sluice_core::WeightSnapshot;
 use sluice_engine::remote::{RemoteEngine, RemoteParams, WeightDirs};
-use sluice_engine::{EngineError, EngineStats, EventSink, GenerateRequest, InferenceBackend};
+use sluice_engine::{EngineError, EventSink, InferenceBackend};
 use sluice_model::ModelWeights;
 
 use super::registry::{Claim, Registry};
@@ -88,29 +88,9 @@ pub struct MemberBackend {
 }
 
 impl InferenceBackend for MemberBackend {
-    fn submit(&self, request: GenerateRequest) -> Result<(), EngineError> {
-        self.inner.submit(request)
-    }
-
-    fn abort(&self, id: RequestId) -> Result<(), EngineError> {
-        self.inner.abort(id)
-    }
-
-    fn abort_all(&self) -> Result<(), EngineError> {
-        self.inner.abort_all()
-    }
-
-    fn update_weights(
-        &self,
-        weights: WeightSnapshot,
-        mode: WeightUpdateMode,
-    ) -> Result<(), EngineError> {
-        self.inner.update_weights(weights, mode)
-    }
-
-    fn stats(&self) -> EngineStats {
-        self.inner.stats()
-    }
+    sluice_engine::forward_backend!(
+        inner => submit, abort, abort_all, update_weights, stats, shutdown
+    );
 
     fn is_alive(&self) -> bool {
         self.inner.is_alive()
@@ -134,9 +114,5 @@ impl InferenceBackend for MemberBackend {
         (!self.registry.is_live(name, *incarnation)).then(|| {
             format!("engine node `{name}` at {url} left, was lost, is unreachable or joined again")
         })
-    }
-
-    fn shutdown(&mut self) {
-        self.inner.shutdown();
     }
 }

@@ -22,12 +22,13 @@ use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use serde_json::{Value, json};
 use sluice_core::PolicyVersion;
+use sluice_core::config::Secret;
 use sluice_core::metrics as m;
 use sluice_engine::remote::WeightDirs;
+use sluice_http::api::ApiError;
 use tokio::io::AsyncReadExt;
 
 use super::registry::{Heartbeat, JoinRequest, NodeView, Registry};
-use crate::admin::{AdminState, ApiError, authorize};
 
 /// The header carrying the CRC-32 (8 hex digits) of a streamed weight file.
 pub const CRC32_HEADER: &str = "x-sluice-crc32";
@@ -41,7 +42,17 @@ pub struct ClusterState {
     pub served: Arc<WeightDirs>,
 }
 
-fn cluster(s: &AdminState) -> Result<&Arc<ClusterState>, ApiError> {
+/// What the cluster routes read: the head's members and weights (`None` on other nodes) and
+/// the node token (`admin.token`). The admin router hands it over through `FromRef`.
+#[derive(Debug, Clone)]
+pub struct ClusterApi {
+    /// A head's members and served weights.
+    pub cluster: Option<Arc<ClusterState>>,
+    /// The token members join and call with.
+    pub token: Option<Secret>,
+}
+
+fn cluster(s: &ClusterApi) -> Result<&Arc<ClusterState>, ApiError> {
     s.cluster.as_ref().ok_or_else(|| {
         ApiError::new(
             StatusCode::NOT_FOUND,
@@ -52,8 +63,14 @@ fn cluster(s: &AdminState) -> Result<&Arc<ClusterState>, ApiError> {
 }
 
 /// The token check of a member route, logged when refused.
-fn member_authorize(s: &AdminState, headers: &HeaderMap, what: &str) -> Result<(), ApiError> {
-    authorize(s, headers).inspect_err(|e| {
+fn member_authorize(s: &ClusterApi, headers: &HeaderMap, what: &str) -> Result<(), ApiError> {
+    sluice_http::api::authorize(
+        s.token.as_ref(),
+        headers,
+        "unauthorized",
+        Some("admin.token"),
+    )
+    .inspect_err(|e| {
         tracing::warn!(route = what, reason = %e.message, "refused a node's call: wrong or missing node token (admin.token)");
     })
 }
@@ -61,24 +78,18 @@ fn member_authorize(s: &AdminState, headers: &HeaderMap, what: &str) -> Result<(
 fn json_body<T: for<'de> Deserialize<'de>>(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<T, ApiError> {
-    let body = body.map_err(|r| ApiError::new(r.status(), "invalid_body", r.body_text()))?;
-    serde_json::from_slice(&body).map_err(|e| {
-        ApiError::new(
-            StatusCode::BAD_REQUEST,
-            "invalid_json",
-            format!("invalid JSON: {e}"),
-        )
-    })
+    let body = sluice_http::api::read_body(body, sluice_http::api::MAX_BODY_BYTES)?;
+    sluice_http::api::parse_json(&body, "invalid_json", "invalid JSON")
 }
 
 /// `GET /v1/nodes`.
-pub async fn list(State(s): State<AdminState>) -> Result<Json<Vec<NodeView>>, ApiError> {
+pub async fn list(State(s): State<ClusterApi>) -> Result<Json<Vec<NodeView>>, ApiError> {
     Ok(Json(cluster(&s)?.registry.list()))
 }
 
 /// `POST /v1/nodes`.
 pub async fn join(
-    State(s): State<AdminState>,
+    State(s): State<ClusterApi>,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<Value>, ApiError> {
@@ -102,7 +113,7 @@ pub async fn join(
 
 /// `POST /v1/nodes/{name}/heartbeat`.
 pub async fn heartbeat(
-    State(s): State<AdminState>,
+    State(s): State<ClusterApi>,
     Path(name): Path<String>,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
@@ -125,7 +136,7 @@ struct Leave {
 
 /// `POST /v1/nodes/{name}/leave`.
 pub async fn leave(
-    State(s): State<AdminState>,
+    State(s): State<ClusterApi>,
     Path(name): Path<String>,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
@@ -150,7 +161,7 @@ fn not_member(name: &str, incarnation: u64) -> ApiError {
 
 /// `GET /v1/weights/{version}`: streamed from disk in 1 MiB chunks.
 pub async fn weights(
-    State(s): State<AdminState>,
+    State(s): State<ClusterApi>,
     Path(version): Path<String>,
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {

@@ -5,8 +5,7 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use sluice_core::{RequestId, WeightSnapshot, WeightUpdateMode};
-use sluice_engine::{EngineError, EngineStats, GenerateRequest, InferenceBackend};
+use sluice_engine::{EngineStats, InferenceBackend};
 
 use sluice_actors::engine::ReplicaFactory;
 
@@ -54,25 +53,11 @@ impl Carried {
 }
 
 impl InferenceBackend for Carried {
-    fn submit(&self, request: GenerateRequest) -> Result<(), EngineError> {
-        self.inner.submit(request)
-    }
-
-    fn abort(&self, id: RequestId) -> Result<(), EngineError> {
-        self.inner.abort(id)
-    }
-
-    fn abort_all(&self) -> Result<(), EngineError> {
-        self.inner.abort_all()
-    }
-
-    fn update_weights(
-        &self,
-        weights: WeightSnapshot,
-        mode: WeightUpdateMode,
-    ) -> Result<(), EngineError> {
-        self.inner.update_weights(weights, mode)
-    }
+    // `is_alive` is forwarded: a wrapper that answered `true` hid a remote server that died (its
+    // requests bounced back as aborts, were resumed on it again, and the run stalled).
+    sluice_engine::forward_backend!(
+        inner => submit, abort, abort_all, update_weights, is_alive, server_gone
+    );
 
     fn stats(&self) -> EngineStats {
         let mut s = self.inner.stats();
@@ -80,17 +65,6 @@ impl InferenceBackend for Carried {
             s.generated_tokens += self.carried();
         }
         s
-    }
-
-    fn is_alive(&self) -> bool {
-        // Forwarded: without it every wrapped replica looked alive forever, and a remote server
-        // that died was never failed by the engine's periodic check (its requests bounced back
-        // as aborts, were resumed on it again, and the run stalled).
-        self.inner.is_alive()
-    }
-
-    fn server_gone(&self) -> Option<String> {
-        self.inner.server_gone()
     }
 
     fn shutdown(&mut self) {
@@ -181,6 +155,9 @@ impl ReplicaTally {
 
 #[cfg(test)]
 mod tests {
+    use sluice_core::{RequestId, WeightSnapshot, WeightUpdateMode};
+    use sluice_engine::{EngineError, GenerateRequest};
+
     use super::*;
 
     fn stats(uptime_seconds: f64, busy_seconds: f64, generated_tokens: u64) -> EngineStats {
@@ -217,6 +194,9 @@ mod tests {
         }
         fn is_alive(&self) -> bool {
             self.0 > 0
+        }
+        fn server_gone(&self) -> Option<String> {
+            None
         }
         fn shutdown(&mut self) {}
     }
