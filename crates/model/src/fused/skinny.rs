@@ -56,14 +56,7 @@ pub(super) fn linear_new(m: usize, k: usize, n: usize, x: &[f32], w: &[f32]) -> 
 }
 
 /// [`linear_new`] with the AVX-512 tiles (`wide`, where the CPU has them) or the AVX2 ones.
-fn linear_with(
-    m: usize,
-    k: usize,
-    n: usize,
-    x: &[f32],
-    w: &[f32],
-    wide: bool,
-) -> Option<Vec<f32>> {
+fn linear_with(m: usize, k: usize, n: usize, x: &[f32], w: &[f32], wide: bool) -> Option<Vec<f32>> {
     if !takes(m, k) || (wide && !super::avx512()) {
         return None;
     }
@@ -131,7 +124,11 @@ unsafe fn run(m: usize, k: usize, n: usize, x: &[f32], w: &[f32], dst: *mut f32,
                 dst: dst.at(first),
                 n,
             };
-            if wide { block_avx512(rows) } else { block_avx2(rows) }
+            if wide {
+                block_avx512(rows)
+            } else {
+                block_avx2(rows)
+            }
         }
     };
     let jobs = n.div_ceil(ROWS_PER_JOB);
@@ -358,7 +355,9 @@ mod tests {
         ] {
             let (x, w) = (values(m * k, 1), values(n * k, 2));
             let exact = reference(m, k, n, &x, &w);
-            let got = pool.install(|| linear_with(m, k, n, &x, &w, false)).unwrap();
+            let got = pool
+                .install(|| linear_with(m, k, n, &x, &w, false))
+                .unwrap();
             // The AVX-512 tiles (16 lanes: depths below 16 are all tail) where the CPU has them.
             let wide = pool.install(|| linear_with(m, k, n, &x, &w, true));
             assert_eq!(wide.is_some(), super::super::avx512());
