@@ -18,10 +18,13 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 /// for it).
 const MI_OPTION_PURGE_DELAY_V3: std::ffi::c_int = 15;
 
-/// Freed memory goes back to the kernel only after 10 s unused, not 1 s: a training step frees
-/// and reallocates the same sizes many times a second, and each purged huge page comes back as a
-/// fault and a 2 MiB clear (`sluice bench trainer`, tiny 32×128: 14,754 page faults with the
-/// default delay, 628 with this one). `MIMALLOC_PURGE_DELAY` in the environment still wins.
+/// Freed memory is never given back to the kernel (purge delay -1; mimalloc's default is 1 s):
+/// a training step frees and reallocates the same sizes many times a step, and each purged huge
+/// page comes back as a fault and a 2 MiB clear (`sluice bench trainer`, tiny 32×128: 14,754
+/// page faults at 1 s, 628 at 10 s). A 10 s delay was not enough for SmolLM2-135M at [8×128],
+/// whose step takes longer than that on 2 busy cores: 19 s of its 50 CPU seconds were the
+/// kernel clearing pages, 8 s with no purging, for a peak RSS 3 % higher (the process reaches
+/// that peak every step anyway). `MIMALLOC_PURGE_DELAY` in the environment still wins.
 #[allow(unsafe_code)]
 fn keep_freed_pages() {
     if std::env::var_os("MIMALLOC_PURGE_DELAY").is_some() {
@@ -32,7 +35,7 @@ fn keep_freed_pages() {
     unsafe {
         // `mi_version()` is major·10000 + minor·100 + patch.
         if libmimalloc_sys::mi_version() / 10_000 == 3 {
-            libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY_V3, 10_000);
+            libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY_V3, -1);
         }
     }
 }

@@ -238,7 +238,7 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<ExitCode> {
                     name.clone(),
                     Arc::clone(&config),
                     speedup,
-                    m.decode_tok_s,
+                    (m.tokens_per_s, m.decode_tok_s),
                     flops,
                 ));
             }
@@ -325,7 +325,9 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<ExitCode> {
     // Per preset: the batching speed-up, and the decode rate at 64 against `sluice bench
     // model`'s bound (f32 on the CPU).
     let mut per_preset = String::new();
-    for (name, config, speedup, decode, flops) in &at_64 {
+    for (name, config, speedup, (tokens, decode), flops) in &at_64 {
+        // Prefill included: the rate `scripts/bench-vs-pytorch` holds against `generate`'s.
+        per_preset.push_str(&format!(" {name}_tok_s_64={tokens:.1}"));
         if let Some(x) = speedup {
             per_preset.push_str(&format!(" {name}_batching_speedup_64={x:.1}"));
         }

@@ -17,6 +17,8 @@
 mod attention;
 mod elementwise;
 mod head;
+#[cfg(target_arch = "x86_64")]
+mod lanes;
 mod linear;
 mod rope;
 mod skinny;
@@ -116,6 +118,18 @@ real!(
     |xs: &mut [f64]| xs.iter_mut().for_each(|x| *x = x.exp()),
     |_, _, _, _, _| None
 );
+
+/// Whether this CPU has AVX-512F as well as AVX2 and FMA (the skinny products' 16-lane tiles).
+/// Checked once.
+pub(crate) fn avx512() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static OK: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *OK.get_or_init(|| avx2_fma() && std::arch::is_x86_feature_detected!("avx512f"))
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
 
 /// Whether this CPU has AVX2 and FMA, for kernels that compile a second copy of their loops for
 /// them (the crate itself targets baseline x86-64, SSE2). Checked once.

@@ -13,10 +13,14 @@
 //! `sluice bench engine`, small preset: decode at 64 in flight 602–714 → 882–955 tok/s, at 8 in
 //! flight 191–252 → 367–391 (docs/engine.md).
 //!
-//! Only on CPUs with AVX2 and FMA; elsewhere, and for other shapes, the caller keeps gemm.
+//! Only on CPUs with AVX2 and FMA; elsewhere, and for other shapes, the caller keeps gemm. Where
+//! the CPU has AVX-512F the same tiles run on 16-lane registers.
 //! Sums run in another order than gemm's, so results agree to rounding, not bit for bit.
 
 use rayon::prelude::*;
+
+#[cfg(target_arch = "x86_64")]
+use super::lanes::{Avx2, Avx512, Lanes};
 
 /// Fewest rows the kernel takes: a single row is gemm's matrix-vector path, as fast, and bound
 /// by streaming the weight from memory.
@@ -48,17 +52,22 @@ fn takes(m: usize, k: usize) -> bool {
 /// `x (m, k) · w (n, k)ᵀ` as a new row-major `(m, n)` buffer, or `None` when the kernel does
 /// not take this shape or CPU.
 pub(super) fn linear_new(m: usize, k: usize, n: usize, x: &[f32], w: &[f32]) -> Option<Vec<f32>> {
-    if !takes(m, k) {
+    linear_with(m, k, n, x, w, super::avx512())
+}
+
+/// [`linear_new`] with the AVX-512 tiles (`wide`, where the CPU has them) or the AVX2 ones.
+fn linear_with(m: usize, k: usize, n: usize, x: &[f32], w: &[f32], wide: bool) -> Option<Vec<f32>> {
+    if !takes(m, k) || (wide && !super::avx512()) {
         return None;
     }
     check(m, k, n, x, w, m * n);
     let mut out = Vec::with_capacity(m * n);
-    // SAFETY: `takes` saw AVX2 and FMA; `check` keeps every operand read in bounds; the fresh
+    // SAFETY: `takes` saw AVX2 and FMA (and `wide` AVX-512F); `check` keeps every operand read in bounds; the fresh
     // vector's capacity holds the `m·n` outputs, which `run` writes every one of (without
     // reading them) before `set_len`.
     #[allow(unsafe_code)]
     unsafe {
-        run(m, k, n, x, w, out.as_mut_ptr());
+        run(m, k, n, x, w, out.as_mut_ptr(), wide);
         out.set_len(m * n);
     }
     Some(out)
@@ -94,10 +103,10 @@ impl Columns {
 }
 
 /// # Safety
-/// The CPU has AVX2 and FMA; `x` holds `(m, k)`, `w` holds `(n, k)`, `dst` is valid for
-/// writes of `m·n` elements and overlaps neither.
+/// The CPU has AVX2 and FMA, and AVX-512F if `wide`; `x` holds `(m, k)`, `w` holds `(n, k)`,
+/// `dst` is valid for writes of `m·n` elements and overlaps neither.
 #[allow(unsafe_code)]
-unsafe fn run(m: usize, k: usize, n: usize, x: &[f32], w: &[f32], dst: *mut f32) {
+unsafe fn run(m: usize, k: usize, n: usize, x: &[f32], w: &[f32], dst: *mut f32, wide: bool) {
     let dst = Columns(dst);
     let job = |j: usize| {
         let first = j * ROWS_PER_JOB;
@@ -106,15 +115,20 @@ unsafe fn run(m: usize, k: usize, n: usize, x: &[f32], w: &[f32], dst: *mut f32)
         // SAFETY: the caller's contract; this job's weight rows `first..end` are in `w`, and it
         // writes output columns `first..end` of every row, which no other job writes.
         unsafe {
-            block(
-                &w[first * k..end * k],
-                &w[end * k..next_end * k],
+            let rows = Rows {
+                w: &w[first * k..end * k],
+                next: &w[end * k..next_end * k],
                 x,
                 m,
                 k,
-                dst.at(first),
+                dst: dst.at(first),
                 n,
-            )
+            };
+            if wide {
+                block_avx512(rows)
+            } else {
+                block_avx2(rows)
+            }
         }
     };
     let jobs = n.div_ceil(ROWS_PER_JOB);
@@ -125,15 +139,75 @@ unsafe fn run(m: usize, k: usize, n: usize, x: &[f32], w: &[f32], dst: *mut f32)
     }
 }
 
-/// All input rows against the weight rows `w` (`w.len() / k` of them), writing output columns
-/// `0..rows` of `dst` (row stride `n`), and prefetching `next` into L2 a few lines per tile.
+/// One job: all input rows `x` (`m` of them) against the weight rows `w` (`w.len() / k` of
+/// them), writing output columns `0..rows` of `dst` (row stride `n`), and prefetching `next`
+/// into L2 a few lines per tile.
+#[derive(Clone, Copy)]
+struct Rows<'a> {
+    w: &'a [f32],
+    next: &'a [f32],
+    x: &'a [f32],
+    m: usize,
+    k: usize,
+    dst: *mut f32,
+    n: usize,
+}
+
+/// [`block`] with AVX2 and FMA (8 lanes).
+///
+/// # Safety
+/// The CPU has AVX2 and FMA; `rows` is in bounds as [`Rows`] says.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-#[allow(unsafe_code, clippy::too_many_arguments)]
-unsafe fn block(w: &[f32], next: &[f32], x: &[f32], m: usize, k: usize, dst: *mut f32, n: usize) {
+#[allow(unsafe_code)]
+unsafe fn block_avx2(rows: Rows<'_>) {
+    // SAFETY: the caller's.
+    unsafe { block::<Avx2>(rows) }
+}
+
+/// [`block`] with AVX-512 (16 lanes: half the instructions of the AVX2 tile for the same
+/// products, on CPUs with two 512-bit FMA units twice the arithmetic per cycle).
+///
+/// # Safety
+/// The CPU has AVX-512F (and so AVX2 and FMA); `rows` is in bounds as [`Rows`] says.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+#[allow(unsafe_code)]
+unsafe fn block_avx512(rows: Rows<'_>) {
+    // SAFETY: the caller's.
+    unsafe { block::<Avx512>(rows) }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+#[allow(unsafe_code)]
+unsafe fn block_avx2(_: Rows<'_>) {
+    unreachable!("the skinny kernel runs only where avx2_fma() holds")
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+#[allow(unsafe_code)]
+unsafe fn block_avx512(_: Rows<'_>) {
+    unreachable!("the skinny kernel runs only where avx512() holds")
+}
+
+/// Tiles of up to 3 weight rows by 4 input rows over the job, inlined into the
+/// `#[target_feature]` wrapper that names the instructions `V` uses.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+#[allow(unsafe_code)]
+unsafe fn block<V: Lanes>(rows: Rows<'_>) {
     use std::arch::x86_64::{_MM_HINT_T1, _mm_prefetch};
     /// f32s per cache line.
     const LINE: usize = 16;
+    let Rows {
+        w,
+        next,
+        x,
+        m,
+        k,
+        dst,
+        n,
+    } = rows;
     let rows = w.len() / k;
     let lines = next.len().div_ceil(LINE);
     let lines_per_tile = lines.div_ceil(m.div_ceil(4) * rows.div_ceil(3));
@@ -160,30 +234,24 @@ unsafe fn block(w: &[f32], next: &[f32], x: &[f32], m: usize, k: usize, dst: *mu
                     n,
                 };
                 match (rr, tt) {
-                    (3, 4) => tile.run::<3, 4>(),
-                    (3, 3) => tile.run::<3, 3>(),
-                    (3, 2) => tile.run::<3, 2>(),
-                    (3, _) => tile.run::<3, 1>(),
-                    (2, 4) => tile.run::<2, 4>(),
-                    (2, 3) => tile.run::<2, 3>(),
-                    (2, 2) => tile.run::<2, 2>(),
-                    (2, _) => tile.run::<2, 1>(),
-                    (_, 4) => tile.run::<1, 4>(),
-                    (_, 3) => tile.run::<1, 3>(),
-                    (_, 2) => tile.run::<1, 2>(),
-                    _ => tile.run::<1, 1>(),
+                    (3, 4) => tile.run::<V, 3, 4>(),
+                    (3, 3) => tile.run::<V, 3, 3>(),
+                    (3, 2) => tile.run::<V, 3, 2>(),
+                    (3, _) => tile.run::<V, 3, 1>(),
+                    (2, 4) => tile.run::<V, 2, 4>(),
+                    (2, 3) => tile.run::<V, 2, 3>(),
+                    (2, 2) => tile.run::<V, 2, 2>(),
+                    (2, _) => tile.run::<V, 2, 1>(),
+                    (_, 4) => tile.run::<V, 1, 4>(),
+                    (_, 3) => tile.run::<V, 1, 3>(),
+                    (_, 2) => tile.run::<V, 1, 2>(),
+                    _ => tile.run::<V, 1, 1>(),
                 }
             }
             r0 += rr;
         }
         t0 += tt;
     }
-}
-
-#[cfg(not(target_arch = "x86_64"))]
-#[allow(unsafe_code, clippy::too_many_arguments)]
-unsafe fn block(_: &[f32], _: &[f32], _: &[f32], _: usize, _: usize, _: *mut f32, _: usize) {
-    unreachable!("the skinny kernel runs only where avx2_fma() holds")
 }
 
 /// `R` weight rows against `T` input rows, all `k` deep, into the `(T, R)` outputs at `dst`.
@@ -198,43 +266,39 @@ struct Tile {
 
 #[cfg(target_arch = "x86_64")]
 impl Tile {
-    /// Inlined into [`block`], whose AVX2 and FMA it compiles with.
+    /// Inlined into [`block`], whose instructions it compiles with.
     ///
     /// # Safety
-    /// AVX2 and FMA; `w` holds `R` rows of `k`, `x` holds `T` rows of `k`, and outputs
+    /// `V`'s instructions; `w` holds `R` rows of `k`, `x` holds `T` rows of `k`, and outputs
     /// `dst + t·n + r` are valid for every `t < T`, `r < R`.
     #[inline(always)]
     #[allow(unsafe_code)]
-    unsafe fn run<const R: usize, const T: usize>(&self) {
-        use std::arch::x86_64::*;
+    unsafe fn run<V: Lanes, const R: usize, const T: usize>(&self) {
         let Self { w, x, k, dst, n } = *self;
         // SAFETY: every pointer below stays inside the rows the contract names.
         unsafe {
             // acc[t][r]: input row t against weight row r.
-            let mut acc = [[_mm256_setzero_ps(); R]; T];
-            let k8 = k / 8 * 8;
+            let mut acc = [[V::zero(); R]; T];
+            let deep = k / V::WIDTH * V::WIDTH;
             let mut j = 0;
-            while j < k8 {
-                let mut wv = [_mm256_setzero_ps(); R];
+            while j < deep {
+                let mut wv = [V::zero(); R];
                 for (r, v) in wv.iter_mut().enumerate() {
-                    *v = _mm256_loadu_ps(w.add(r * k + j));
+                    *v = V::load(w.add(r * k + j));
                 }
                 for (t, acc_t) in acc.iter_mut().enumerate() {
-                    let xv = _mm256_loadu_ps(x.add(t * k + j));
+                    let xv = V::load(x.add(t * k + j));
                     for (a, &w_r) in acc_t.iter_mut().zip(&wv) {
-                        *a = _mm256_fmadd_ps(w_r, xv, *a);
+                        *a = a.fma(w_r, xv);
                     }
                 }
-                j += 8;
+                j += V::WIDTH;
             }
             for (t, acc_t) in acc.iter().enumerate() {
                 for (r, &a) in acc_t.iter().enumerate() {
-                    // The eight lanes' partial sums, then the `k % 8` tail.
-                    let half = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-                    let pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
-                    let one = _mm_add_ss(pair, _mm_shuffle_ps(pair, pair, 1));
-                    let mut s = _mm_cvtss_f32(one);
-                    for i in k8..k {
+                    // The lanes' partial sums, then the `k % WIDTH` tail.
+                    let mut s = a.sum();
+                    for i in deep..k {
                         s += *w.add(r * k + i) * *x.add(t * k + i);
                     }
                     *dst.add(t * n + r) = s;
@@ -286,10 +350,25 @@ mod tests {
             (64, 768, 256),
             (128, 259, 3),
             (8, 300, 40),
+            (6, 576, 49),
+            (64, 1536, 100),
         ] {
             let (x, w) = (values(m * k, 1), values(n * k, 2));
             let exact = reference(m, k, n, &x, &w);
-            let got = pool.install(|| linear_new(m, k, n, &x, &w)).unwrap();
+            let got = pool
+                .install(|| linear_with(m, k, n, &x, &w, false))
+                .unwrap();
+            // The AVX-512 tiles (16 lanes: depths below 16 are all tail) where the CPU has them.
+            let wide = pool.install(|| linear_with(m, k, n, &x, &w, true));
+            assert_eq!(wide.is_some(), super::super::avx512());
+            for (i, v) in wide.iter().flatten().enumerate() {
+                let tol = 1e-5 * (k as f64).sqrt();
+                assert!(
+                    (f64::from(*v) - exact[i]).abs() <= tol,
+                    "AVX-512 ({m}, {k}, {n}) element {i}: {v} vs {}",
+                    exact[i]
+                );
+            }
             // The fused linear with a bias takes this kernel too, adding the bias after it.
             let bias = values(n, 3);
             let tensor = |v: &[f32], shape: (usize, usize)| {
