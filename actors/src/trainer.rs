@@ -4,7 +4,7 @@
 //! control requests (checkpoint, halt) that the thread serves between steps.
 //!
 //! Each trained step leaves the thread once, as one [`StepEvent`] handed to the controller and
-//! the step feed, with the totals on the status watch ([`event`] says what a lagging reader gets).
+//! the step feed, with the totals on the status watch ([`StepFeed`] says what a lagging reader gets).
 //!
 //! The invariant check is a guard, not the mechanism: the replay store never hands out a group
 //! with a token older than `t − η`; a violation here would be a bug, counted and logged.

@@ -60,7 +60,7 @@ pub enum TakeOutcome {
     },
 }
 
-/// What [`ReplayStore::clear`] threw away.
+/// What [`crate::ReplayStore::clear`] threw away.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct ClearOutcome {
     /// Cleared groups per bucket they were in (every asked bucket appears).
