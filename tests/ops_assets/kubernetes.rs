@@ -1,5 +1,5 @@
 //! The Kubernetes manifests checked against Kubernetes' own schemas, offline and strict (unknown
-//! fields refused), with the `kubernetes-validate` Python package (`.ci/run` installs it in a
+//! fields refused), with the `kubernetes-validate` Python package (`scripts/test-tools` installs it in a
 //! cached venv, `~/.cache/sluice-ci/kubernetes-validate`; `$SLUICE_KUBERNETES_VALIDATE` names
 //! another), and wired as a run needs: the env path (token, `env_nodes`), a headless Service
 //! governing the StatefulSet, and the NetworkPolicy the README shows.
@@ -37,7 +37,7 @@ fn the_manifests_pass_kubernetes_schema_validation_strictly() {
         validator.exists(),
         "{} is missing: install it (python3 -m venv ~/.cache/sluice-ci/kubernetes-validate && \
          ~/.cache/sluice-ci/kubernetes-validate/bin/pip install kubernetes-validate==1.37.0, as \
-         .ci/run does) or point $SLUICE_KUBERNETES_VALIDATE at one",
+         scripts/test-tools does) or point $SLUICE_KUBERNETES_VALIDATE at one",
         validator.display()
     );
     let files = manifests();

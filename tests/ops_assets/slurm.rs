@@ -1,5 +1,5 @@
 //! The shipped `ops/slurm/sluice.sbatch` run by a real Slurm (Debian's `slurmctld`, `slurmd`,
-//! `slurm-client`, `munge`; `.ci/run` installs them): one controller and three `slurmd` (n1–n3)
+//! `slurm-client`, `munge`; `scripts/test-tools` installs them): one controller and three `slurmd` (n1–n3)
 //! on this host, submitted exactly as the README says (`sbatch --nodes=3 ops/slurm/sluice.sbatch`
 //! from a submit directory, the configs beside the script): head on n1, an engine node on n2,
 //! an env node on n3. It checks that the job starts, the members join and serve, training
@@ -54,7 +54,7 @@ impl Cluster {
             assert!(
                 found,
                 "`{tool}` is missing: this test runs a real Slurm; install Debian's packages \
-                 (`apt-get install -y slurmctld slurmd slurm-client munge`, as .ci/run does)"
+                 (`apt-get install -y slurmctld slurmd slurm-client munge`, as scripts/test-tools does)"
             );
         }
         let script =

@@ -282,7 +282,7 @@ impl MemberNode {
         if let Some(mut engine) = self.engine.take() {
             engine.shutdown();
         }
-        tracing::info!(role = self.role.as_str(), "member node stopped");
+        tracing::info!("{} node stopped", self.role.as_str());
     }
 }
 
