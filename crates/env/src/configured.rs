@@ -188,7 +188,7 @@ fn needs_own_copy(options: &DomainConfig) -> bool {
 }
 
 /// The sandbox limits a domain's `sandbox` table sets, the defaults where it sets none.
-pub fn sandbox_limits(sandbox: &DomainSandbox) -> SandboxLimits {
+fn sandbox_limits(sandbox: &DomainSandbox) -> SandboxLimits {
     let d = SandboxLimits::default();
     SandboxLimits {
         cpu_seconds: sandbox.cpu_seconds.unwrap_or(d.cpu_seconds),
