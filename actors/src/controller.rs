@@ -24,7 +24,7 @@ use sluice_core::{
 };
 use sluice_engine::SamplingParams;
 use sluice_env::OutcomeStats;
-use sluice_replay::{GroupSummary, Pace, ProgressWatch, RolloutScheduler};
+use sluice_replay::{GroupSummary, Lane, Pace, ProgressWatch, RolloutScheduler};
 
 use crate::counters::ActorCounters;
 use crate::engine::{EngineHandle, EngineReport};
@@ -64,6 +64,8 @@ pub struct ControllerConfig {
     /// Group mean reward below / above which a group counts as too hard / too easy
     /// (`rollout.balance_threshold`).
     pub balance_threshold: f64,
+    /// Most groups admitted and not yet trained (`replay.capacity`).
+    pub replay_capacity: Option<u64>,
 }
 
 /// The peers the controller drives, handed over once they are started.
@@ -194,11 +196,15 @@ pub struct ControllerState {
     counts: ReplayCounts,
     /// The groups being assembled (from admission or resume until they settle).
     assembly: Assembly<GroupMeta>,
-    /// Resume requests sent to the replay store, not yet answered.
-    resuming: HashSet<GroupId>,
+    /// Resume requests sent to the replay store and not yet answered, oldest first: the lane
+    /// and how many groups each asked for. The store answers each exactly once, in order.
+    resume_requests: VecDeque<(Lane, u64)>,
+    /// The `tail_batch_candidate_steps` last sent to the store, which classifies tail candidates
+    /// with it (`None` before the first decision).
+    tail_steps_sent: Option<u32>,
     /// Groups sent to the replay store as finished or aborted, not yet acknowledged.
     storing: HashSet<GroupId>,
-    /// Aborted, expired and tail groups waiting to resume, and the decision rules.
+    /// The decision rules and the running tail round (the store owns the waiting groups).
     scheduler: RolloutScheduler,
     samples: VecDeque<DataSample>,
     samples_requested: usize,
@@ -235,7 +241,8 @@ impl Actor for ControllerActor {
     ) -> Result<ControllerState, ActorProcessingErr> {
         let progress = ProgressWatch::new(config.no_progress_groups);
         let balance_threshold = config.balance_threshold;
-        let scheduler = RolloutScheduler::new(config.group_size, config.groups_per_step);
+        let scheduler = RolloutScheduler::new(config.group_size, config.groups_per_step)
+            .with_capacity(config.replay_capacity);
         // Knob changes are decisions too: a paused, idle pipeline must notice an unpause.
         let mut rx = knobs.subscribe();
         let knob_watch = tokio::spawn(async move {
@@ -254,7 +261,8 @@ impl Actor for ControllerActor {
             admitted_total: 0,
             counts: ReplayCounts::default(),
             assembly: Assembly::default(),
-            resuming: HashSet::new(),
+            resume_requests: VecDeque::new(),
+            tail_steps_sent: None,
             storing: HashSet::new(),
             scheduler,
             samples: VecDeque::new(),
@@ -338,11 +346,6 @@ impl ControllerState {
         self.version = r.policy_version;
         self.counts = r.counts;
         self.assembly.set_scores_groups(peers.env.scores_groups());
-        self.scheduler.recover(
-            r.aborted.iter().copied(),
-            r.expired.iter().copied(),
-            &self.knobs.current(),
-        );
         self.peers = Some(peers);
     }
 }

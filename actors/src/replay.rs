@@ -17,7 +17,9 @@ use crossbeam_channel::{Sender, TrySendError};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use serde::Serialize;
 use sluice_core::{GroupId, PolicyVersion, RolloutGroup};
-use sluice_replay::{Bucket, ClearOutcome, Counters, Persister, ReplayStore, StoreSnapshot};
+use sluice_replay::{
+    Bucket, ClearOutcome, Counters, Lane, Persister, ReplayStore, StoreSnapshot, Waiting,
+};
 
 use crate::counters::ActorCounters;
 use crate::{ActorError, Sink};
@@ -33,6 +35,8 @@ pub struct ReplayCounts {
     pub released_total: u64,
     /// Groups handed to the trainer.
     pub consumed_total: u64,
+    /// Groups at rest waiting to be resumed, by lane (the store owns which ones they are).
+    pub waiting: Waiting,
     /// The trainer waits for a batch the store cannot fill yet.
     pub trainer_waiting: bool,
 }
@@ -49,19 +53,20 @@ pub enum ReplayNotice {
         /// Counts after the change.
         counts: ReplayCounts,
     },
-    /// A group asked for by [`ReplayHandle::resume`], ready to submit.
-    Resumed(RolloutGroup),
-    /// A group asked for by `resume` was too old and the policy drops expired groups.
-    Dropped {
-        /// The group.
-        id: GroupId,
+    /// The answer to one [`ReplayHandle::resume`]: the groups back in flight, ready to submit,
+    /// and those too old to resume that the drop policy dropped. Every request gets exactly one
+    /// answer, in the order asked, so the controller knows which requests are still on their way.
+    Resumed {
+        /// The lane asked from.
+        lane: Lane,
+        /// How many groups were asked for.
+        asked: u64,
+        /// Groups to submit, oldest first.
+        groups: Vec<RolloutGroup>,
+        /// Groups dropped instead.
+        dropped: Vec<GroupId>,
         /// Counts after the change.
         counts: ReplayCounts,
-    },
-    /// A completed group fell past η before it was trained; regenerate it with `resume`.
-    Expired {
-        /// The group.
-        id: GroupId,
     },
     /// An operator cleared these groups (completed, aborted or expired) from the store: none
     /// of them is trained or resumed.
@@ -84,11 +89,7 @@ pub struct Recovery {
     pub next_group_counter: u64,
     /// The last version the store saw published.
     pub policy_version: PolicyVersion,
-    /// Aborted groups to resume, oldest first, with each group's largest abort count.
-    pub aborted: Vec<(GroupId, u32)>,
-    /// Expired groups waiting to be regenerated.
-    pub expired: Vec<GroupId>,
-    /// Counts.
+    /// Counts (the aborted, expired and tail groups waiting among them).
     pub counts: ReplayCounts,
 }
 
@@ -101,6 +102,8 @@ pub struct ReplayOptions {
     pub drop_expired: bool,
     /// Zero-advantage groups go to `Filtered`.
     pub filter_zero_advantage: bool,
+    /// `tail_batch_candidate_steps` at start (the controller keeps it current after).
+    pub tail_batch_candidate_steps: u32,
 }
 
 /// A point-in-time view for `/v1/status`, metrics and tests.
@@ -118,11 +121,13 @@ enum Cmd {
     Finish(RolloutGroup, PolicyVersion, u64),
     Abort(RolloutGroup),
     Resume {
-        id: GroupId,
+        lane: Lane,
+        n: u64,
         version: PolicyVersion,
         eta: u64,
         partial: bool,
     },
+    SetTailSteps(u32),
     Take {
         n: usize,
         version: PolicyVersion,
@@ -216,16 +221,19 @@ impl ReplayHandle {
         self.cast(Cmd::Abort(group));
     }
 
-    /// Asks for an aborted or expired group back; it comes as a `Resumed` (or `Dropped`) notice.
+    /// Asks for `n` groups from `lane` back, oldest first; they come in one `Resumed` notice
+    /// (with fewer groups when fewer wait).
     pub fn resume(
         &self,
-        id: GroupId,
+        lane: Lane,
+        n: u64,
         current: PolicyVersion,
         max_version_lag: u64,
         enable_partial_rollout: bool,
     ) {
         self.cast(Cmd::Resume {
-            id,
+            lane,
+            n,
             version: current,
             eta: max_version_lag,
             partial: enable_partial_rollout,
@@ -236,6 +244,12 @@ impl ReplayHandle {
     /// (see [`sluice_replay::Counters::skipped_total`]); the controller hears the new counts.
     pub fn release_skipped(&self, groups: u64) {
         self.cast(Cmd::ReleaseSkipped(groups));
+    }
+
+    /// Sets `tail_batch_candidate_steps`, which decides which aborted groups are tail
+    /// candidates; the controller hears the new counts.
+    pub fn set_tail_steps(&self, k: u32) {
+        self.cast(Cmd::SetTailSteps(k));
     }
 
     /// Records a published version.
@@ -344,7 +358,6 @@ impl Actor for ReplayActor {
             notices,
             pending_take: None,
             told_waiting: false,
-            cleared: Default::default(),
             counters: counters.clone(),
         };
         let thread = std::thread::Builder::new()

@@ -2,26 +2,41 @@
 //! [`sluice_replay::RolloutScheduler`]; here the controller tells it what it knows and starts what it
 //! decides.
 
-use std::sync::Arc;
-
 use sluice_core::metrics as m;
-use sluice_core::{DataSample, GroupId, RolloutGroup};
-use sluice_replay::{Bucket, SchedulerView};
+use sluice_core::{DataSample, RolloutGroup};
+use sluice_replay::{Lane, SchedulerView};
 
 use super::ControllerState;
 
 impl ControllerState {
     pub(super) fn in_flight(&self) -> u64 {
-        (self.assembly.len() + self.resuming.len() + self.storing.len()) as u64
+        (self.assembly.len() + self.storing.len()) as u64 + self.requested(None)
+    }
+
+    /// Groups asked for from `lane` (from any lane with `None`) and not yet back from the store.
+    fn requested(&self, lane: Option<Lane>) -> u64 {
+        self.resume_requests
+            .iter()
+            .filter(|(l, _)| lane.is_none_or(|lane| lane == *l))
+            .map(|(_, n)| n)
+            .sum()
     }
 
     fn view(&self) -> SchedulerView {
+        // The counts are the store's as of its last notice, which came before it answered the
+        // requests still on their way: those groups are no longer waiting.
+        let waiting = self
+            .resume_requests
+            .iter()
+            .fold(self.counts.waiting, |w, (lane, n)| w.less(*lane, *n));
         SchedulerView {
             version: self.version.0,
             completed: self.counts.completed,
             admitted_total: self.admitted_total,
             released_total: self.counts.released_total,
             in_flight: self.in_flight(),
+            waiting,
+            tail_requested: self.requested(Some(Lane::Tail)),
             draining: self.draining,
             samples_on_hand: self.samples.len(),
             demand: self.pace.demand(self.config.groups_per_step),
@@ -40,6 +55,16 @@ impl ControllerState {
             return;
         }
         let knobs = self.knobs.current();
+        if self.tail_steps_sent != Some(knobs.tail_batch_candidate_steps)
+            && let Some(peers) = &self.peers
+        {
+            // The store decides which aborted groups are tail candidates; it reclassifies them
+            // and sends new counts, which the next decision uses.
+            peers
+                .replay
+                .set_tail_steps(knobs.tail_batch_candidate_steps);
+            self.tail_steps_sent = Some(knobs.tail_batch_candidate_steps);
+        }
         let view = self.view();
         let decision = self.scheduler.decide(&knobs, &view);
         let fresh: Vec<DataSample> = self.samples.drain(..decision.admit).collect();
@@ -52,17 +77,19 @@ impl ControllerState {
             peers.sampler.request(self.samples_requested);
             self.counters.sent(1);
         }
-        if let Some(peers) = &self.peers {
-            for id in decision.resumes {
-                self.resuming.insert(id);
-                peers.replay.resume(
-                    id,
-                    self.version,
-                    knobs.max_version_lag,
-                    knobs.enable_partial_rollout,
-                );
-                self.counters.sent(1);
-            }
+        if decision.resume > 0
+            && let Some(peers) = &self.peers
+        {
+            self.resume_requests
+                .push_back((decision.lane, decision.resume));
+            peers.replay.resume(
+                decision.lane,
+                decision.resume,
+                self.version,
+                knobs.max_version_lag,
+                knobs.enable_partial_rollout,
+            );
+            self.counters.sent(1);
         }
         for sample in fresh {
             self.admit(sample);
@@ -82,8 +109,10 @@ impl ControllerState {
             return;
         };
         let id = ids.next_id();
-        // Rollouts start without turns: the env renders their first prompts (in `start`).
-        let group = RolloutGroup::new(id, sample.clone(), self.config.group_size, self.version);
+        // Rollouts start without turns: the env renders their first prompts (in `start`). The
+        // store's copy shares the sample and has no tokens yet: it is written to disk and
+        // dropped (the store keeps no data of a group in flight).
+        let group = RolloutGroup::new(id, sample, self.config.group_size, self.version);
         peers.replay.admit(group.clone());
         self.counters.sent(1);
         self.admitted_total += 1;
@@ -91,16 +120,6 @@ impl ControllerState {
             self.status.admitted_during_tail += 1;
         }
         metrics::counter!(m::ROLLOUT_ADMITTED_GROUPS).increment(1);
-        self.start(group, Arc::new(sample));
-    }
-
-    /// The store holds `id` in `bucket` now: the scheduler parks an aborted group as a resume or
-    /// a tail candidate.
-    pub(super) fn stored(&mut self, id: GroupId, bucket: Bucket) {
-        self.scheduler.stored(id, bucket, &self.knobs.current());
-        if bucket == Bucket::Aborted {
-            metrics::gauge!(m::ROLLOUT_TAIL_CANDIDATE_ROLLOUTS)
-                .set((self.scheduler.tail_candidates() * u64::from(self.config.group_size)) as f64);
-        }
+        self.start(group);
     }
 }

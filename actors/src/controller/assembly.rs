@@ -76,10 +76,8 @@ pub enum Action<M> {
     /// Store the group as aborted, to resume later (it left the assembly; the caller's data is
     /// dropped, a resume brings its own).
     Aborted {
-        /// The group.
+        /// The group (the store reads its abort counts: tail candidacy is the store's call).
         group: RolloutGroup,
-        /// The most aborts of any of its rollouts.
-        max_aborts: u32,
     },
 }
 
@@ -315,11 +313,7 @@ impl<M> Assembly<M> {
             return;
         };
         if aborted {
-            let max_aborts = group.rollouts.iter().map(|r| r.abort_count).max();
-            out.push(Action::Aborted {
-                max_aborts: max_aborts.unwrap_or(0),
-                group,
-            });
+            out.push(Action::Aborted { group });
         } else {
             for r in &group.rollouts {
                 self.attempts.remove(&r.id);

@@ -23,12 +23,12 @@ pub(super) struct GroupMeta {
 
 impl ControllerState {
     /// Starts (or resumes) `group`: its rollouts still to generate are submitted.
-    pub(super) fn start(&mut self, group: RolloutGroup, sample: Arc<DataSample>) {
+    pub(super) fn start(&mut self, group: RolloutGroup) {
         if self.peers.is_none() {
             return;
         }
         let meta = GroupMeta {
-            sample,
+            sample: Arc::clone(&group.sample),
             started: Instant::now(),
         };
         let actions = self.assembly.start(group, meta);
@@ -104,9 +104,8 @@ impl ControllerState {
                 };
                 peers.env.score_group(Arc::clone(&meta.sample), group);
             }
-            Action::Aborted { group, max_aborts } => {
+            Action::Aborted { group } => {
                 self.storing.insert(group.id);
-                self.scheduler.group_aborted(group.id, max_aborts);
                 peers.replay.abort(group);
             }
             Action::Finished { group, meta } => return self.finished(group, &meta),

@@ -1,48 +1,60 @@
 //! What the controller hears back and passes on: replay store notices (stored, resumed,
-//! dropped, expired, cleared groups) and published weights, relayed to the engine with the effective
-//! update mode and to the replay store.
+//! dropped and cleared groups, and the store's counts) and published weights, relayed to the
+//! engine with the effective update mode and to the replay store.
 
-use std::sync::Arc;
-
+use sluice_core::metrics as m;
 use sluice_core::{WeightSnapshot, WeightUpdateMode};
 
 use super::ControllerState;
-use crate::replay::ReplayNotice;
+use crate::replay::{ReplayCounts, ReplayNotice};
 
 impl ControllerState {
     pub(super) fn on_replay(&mut self, notice: ReplayNotice) {
         match notice {
             ReplayNotice::Stored { id, bucket, counts } => {
                 self.storing.remove(&id);
-                self.counts = counts;
+                self.scheduler.settled(id);
+                self.set_counts(counts);
                 let summary = self.ending.remove(&id);
                 if let Some(why) = self.progress.stored(bucket, summary.as_ref()) {
                     tracing::error!(reason = %why, "the run makes no progress; it stops");
                     self.status.no_progress.get_or_insert(why);
                     self.events.announce();
                 }
-                self.stored(id, bucket);
             }
-            ReplayNotice::Resumed(group) => {
-                self.resuming.remove(&group.id);
-                let sample = Arc::new(group.sample.clone());
-                self.start(group, sample);
-            }
-            ReplayNotice::Dropped { id, counts } => {
-                self.forget(id);
-                self.scheduler.dropped(id);
-                self.counts = counts;
+            ReplayNotice::Resumed {
+                lane,
+                asked,
+                groups,
+                dropped,
+                counts,
+            } => {
+                let request = self.resume_requests.pop_front();
+                debug_assert_eq!(request, Some((lane, asked)), "answers come in order");
+                self.set_counts(counts);
+                for id in dropped {
+                    self.forget(id);
+                }
+                for group in groups {
+                    self.scheduler.resumed(group.id, lane);
+                    self.start(group);
+                }
             }
             ReplayNotice::Cleared { ids, counts } => {
                 for id in ids {
                     self.forget(id);
-                    self.scheduler.cleared(id);
+                    self.scheduler.settled(id);
                 }
-                self.counts = counts;
+                self.set_counts(counts);
             }
-            ReplayNotice::Expired { id } => self.scheduler.expired(id),
-            ReplayNotice::Counts(counts) => self.counts = counts,
+            ReplayNotice::Counts(counts) => self.set_counts(counts),
         }
+    }
+
+    fn set_counts(&mut self, counts: ReplayCounts) {
+        self.counts = counts;
+        metrics::gauge!(m::ROLLOUT_TAIL_CANDIDATE_ROLLOUTS)
+            .set((counts.waiting.tail * u64::from(self.config.group_size)) as f64);
     }
 
     /// Lets go of every per-rollout record of group `id`, which will never run again.
@@ -54,7 +66,6 @@ impl ControllerState {
             }
             self.assembly.forget(rollout);
         }
-        self.resuming.remove(&id);
     }
 
     pub(super) fn on_published(&mut self, w: WeightSnapshot) {

@@ -56,6 +56,8 @@ pub struct ControllerStatus {
     pub pending_groups: u64,
     /// Scheduling decisions in which demand held back a fresh admission that η allowed.
     pub demand_holds: u64,
+    /// Scheduling decisions in which `replay.capacity` held back a fresh admission.
+    pub capacity_holds: u64,
     /// Why the run makes no progress (too many untrainable groups in a row); the node stops it.
     pub no_progress: Option<String>,
     /// Recent groups against the balance threshold.
@@ -100,15 +102,16 @@ impl ControllerState {
             version: self.version,
             admitted_total: self.admitted_total,
             in_flight: self.in_flight(),
-            aborted_waiting: self.scheduler.aborted_waiting(),
-            expired_waiting: self.scheduler.expired_waiting(),
-            tail_candidates: self.scheduler.tail_candidates(),
+            aborted_waiting: self.counts.waiting.aborted,
+            expired_waiting: self.counts.waiting.expired,
+            tail_candidates: self.counts.waiting.tail,
             tail_round: self.scheduler.tail_active(),
             tail_rounds: stats.tail_rounds,
             tail_round_min_size: stats.tail_round_min_size,
             early_tail_rounds: stats.early_tail_rounds,
             decisions: stats.decisions,
             demand_holds: stats.demand_holds,
+            capacity_holds: stats.capacity_holds,
             draining: self.draining,
             replay: self.counts,
             balance: {

@@ -1,14 +1,15 @@
 //! Opening the store (recovered from redb when it is persisted) and what is read off it: the
-//! counts every notice carries, and the [`Recovery`] the controller continues a run from.
+//! counts every notice carries (the groups waiting to resume among them), and the [`Recovery`]
+//! the controller continues a run from.
 
-use sluice_core::{GroupId, PolicyVersion, RolloutGroup};
+use sluice_core::{PolicyVersion, RolloutGroup};
 use sluice_replay::{Bucket, Persister, ReplayStore};
 
 use super::{Recovery, ReplayCounts, ReplayOptions};
 use crate::ActorError;
 
 pub(super) fn open(options: ReplayOptions) -> Result<(ReplayStore, Option<Persister>), ActorError> {
-    match &options.dir {
+    let (mut store, persister) = match &options.dir {
         Some(dir) => {
             let (persister, recovered) =
                 Persister::open(dir).map_err(|e| ActorError::Setup(e.to_string()))?;
@@ -21,13 +22,15 @@ pub(super) fn open(options: ReplayOptions) -> Result<(ReplayStore, Option<Persis
             persister
                 .apply(&store.drain_outbox())
                 .map_err(|e| ActorError::Setup(e.to_string()))?;
-            Ok((store, Some(persister)))
+            (store, Some(persister))
         }
-        None => Ok((
+        None => (
             ReplayStore::new(options.drop_expired, options.filter_zero_advantage),
             None,
-        )),
-    }
+        ),
+    };
+    store.set_tail_steps(options.tail_batch_candidate_steps);
+    Ok((store, persister))
 }
 
 pub(super) fn counts(store: &ReplayStore) -> ReplayCounts {
@@ -36,17 +39,13 @@ pub(super) fn counts(store: &ReplayStore) -> ReplayCounts {
         completed: store.count(Bucket::Completed),
         released_total: c.released_total,
         consumed_total: c.consumed_total,
+        waiting: store.waiting(),
         trainer_waiting: false,
     }
 }
 
 pub(super) fn recovery_of(store: &ReplayStore) -> Recovery {
     let c = store.counters();
-    let max_aborts = |id: GroupId| {
-        store.group(id).map_or(0, |g| {
-            g.rollouts.iter().map(|r| r.abort_count).max().unwrap_or(0)
-        })
-    };
     // A token can carry a version the store never heard published (the process died between
     // the publish and its relay here); the run continues past it, never below.
     let newest_token = Bucket::ALL
@@ -60,15 +59,6 @@ pub(super) fn recovery_of(store: &ReplayStore) -> Recovery {
         admitted_total: c.admitted_total,
         next_group_counter: c.next_group_counter,
         policy_version: PolicyVersion(c.policy_version).max(newest_token),
-        aborted: store
-            .ids(Bucket::Aborted)
-            .map(|id| (id, max_aborts(id)))
-            .collect(),
-        expired: if store.is_final(Bucket::Expired) {
-            Vec::new()
-        } else {
-            store.ids(Bucket::Expired).collect()
-        },
         counts: counts(store),
     }
 }

@@ -2,13 +2,12 @@
 //! commits the resulting writes in one durable transaction, and only then sends the replies,
 //! notices and batches.
 
-use std::collections::HashSet;
 use std::time::Instant;
 
 use crossbeam_channel::Receiver;
 use ractor::RpcReplyPort;
 use sluice_core::metrics as m;
-use sluice_core::{GroupId, PolicyVersion, RolloutGroup};
+use sluice_core::{PolicyVersion, RolloutGroup};
 use sluice_replay::{Bucket, ClearOutcome, Persister, ReplayStore, TakeOutcome};
 
 use super::recover::counts;
@@ -25,10 +24,6 @@ pub(super) struct Worker {
     pub(super) pending_take: Option<(usize, PolicyVersion, u64, RpcReplyPort<Vec<RolloutGroup>>)>,
     /// Whether the controller last heard that the trainer waits ([`ReplayCounts::trainer_waiting`]).
     pub(super) told_waiting: bool,
-    /// Groups an operator cleared. A resume the controller sent before it heard of the clear
-    /// is answered `Dropped` instead of an unknown-group error. Holds only cleared ids (a few
-    /// batches' worth per clear).
-    pub(super) cleared: HashSet<GroupId>,
     pub(super) counters: ActorCounters,
 }
 
@@ -101,9 +96,6 @@ impl Worker {
                         bucket: o.bucket,
                         counts: counts(store),
                     }));
-                    if o.bucket == Bucket::Expired && !store.is_final(Bucket::Expired) {
-                        out.push(Out::Notice(ReplayNotice::Expired { id }));
-                    }
                 })
             }
             Cmd::Abort(g) => {
@@ -116,27 +108,34 @@ impl Worker {
                     }));
                 })
             }
-            Cmd::Resume { id, .. } if self.cleared.contains(&id) => {
-                out.push(Out::Notice(ReplayNotice::Dropped {
-                    id,
-                    counts: counts(store),
-                }));
-                Ok(())
-            }
             Cmd::Resume {
-                id,
+                lane,
+                n,
                 version,
                 eta,
                 partial,
-            } => store.resume(id, version, eta, partial).map(|g| {
-                out.push(Out::Notice(match g {
-                    Some(g) => ReplayNotice::Resumed(g),
-                    None => ReplayNotice::Dropped {
-                        id,
-                        counts: counts(store),
-                    },
-                }))
-            }),
+            } => {
+                // Answered even when it fails: the controller counts its requests by answers.
+                let resumed = store.resume_from(lane, n as usize, version, eta, partial);
+                let (got, result) = match resumed {
+                    Ok(got) => (got, Ok(())),
+                    Err(e) => (Default::default(), Err(e)),
+                };
+                out.push(Out::Notice(ReplayNotice::Resumed {
+                    lane,
+                    asked: n,
+                    groups: got.groups,
+                    dropped: got.dropped,
+                    counts: counts(store),
+                }));
+                result
+            }
+            Cmd::SetTailSteps(k) => {
+                if store.set_tail_steps(k) {
+                    out.push(Out::Notice(ReplayNotice::Counts(counts(store))));
+                }
+                Ok(())
+            }
             Cmd::Take {
                 n,
                 version,
@@ -166,7 +165,6 @@ impl Worker {
             Cmd::Clear(buckets, reply) => {
                 let outcome = store.clear(&buckets).map_err(|e| e.to_string());
                 if let Ok(o) = &outcome {
-                    self.cleared.extend(o.ids.iter().copied());
                     out.push(Out::Notice(ReplayNotice::Cleared {
                         ids: o.ids.clone(),
                         counts: counts(store),
@@ -194,13 +192,6 @@ impl Worker {
         }
         let (outcome, expired) = self.store.take_batch(n, version, eta);
         let any_expired = !expired.is_empty();
-        if !self.store.is_final(Bucket::Expired) {
-            out.extend(
-                expired
-                    .into_iter()
-                    .map(|id| Out::Notice(ReplayNotice::Expired { id })),
-            );
-        }
         match outcome {
             TakeOutcome::Batch(groups) => {
                 out.push(Out::Batch(reply, groups));
@@ -208,9 +199,10 @@ impl Worker {
             }
             TakeOutcome::NotEnough { .. } => {
                 if any_expired {
-                    // Groups left `Completed` (and, when expired groups are dropped, were given
-                    // back to admission): without these counts the controller would wait for a
-                    // batch that is gone, with admission closed by groups no longer there.
+                    // Groups left `Completed` (to wait for regeneration, or, when expired groups
+                    // are dropped, given back to admission): without these counts the controller
+                    // would wait for a batch that is gone, with admission closed by groups no
+                    // longer there, and never regenerate the expired ones.
                     out.push(Out::Notice(ReplayNotice::Counts(counts(&self.store))));
                 }
                 self.pending_take = Some((n, version, eta, reply));
@@ -227,7 +219,7 @@ impl Worker {
         for o in out.iter_mut() {
             if let Out::Notice(
                 ReplayNotice::Stored { counts, .. }
-                | ReplayNotice::Dropped { counts, .. }
+                | ReplayNotice::Resumed { counts, .. }
                 | ReplayNotice::Cleared { counts, .. }
                 | ReplayNotice::Counts(counts),
             ) = o

@@ -6,6 +6,7 @@
 //! token ids the engine produced, never re-tokenized text.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
@@ -261,8 +262,10 @@ impl Rollout {
 pub struct RolloutGroup {
     /// Globally unique id.
     pub id: GroupId,
-    /// The dataset row every rollout of the group answers.
-    pub sample: DataSample,
+    /// The dataset row every rollout of the group answers. Shared: the controller, the env
+    /// workers and the replay store hold the same row, never a copy of it.
+    #[serde(with = "shared_sample")]
+    pub sample: Arc<DataSample>,
     /// The rollouts, indexed by `RolloutId::index`.
     pub rollouts: Vec<Rollout>,
     /// Policy version when the group was admitted (admission accounting).
@@ -273,18 +276,27 @@ impl RolloutGroup {
     /// A group of `group_size` fresh rollouts.
     pub fn new(
         id: GroupId,
-        sample: DataSample,
+        sample: impl Into<Arc<DataSample>>,
         group_size: u32,
         admitted_at: PolicyVersion,
     ) -> Self {
         Self {
             id,
-            sample,
+            sample: sample.into(),
             rollouts: (0..group_size)
                 .map(|i| Rollout::new(id.rollout(i)))
                 .collect(),
             admitted_at,
         }
+    }
+
+    /// The largest abort count of the group's rollouts (tail-batch candidacy, DESIGN §4.3).
+    pub fn max_aborts(&self) -> u32 {
+        self.rollouts
+            .iter()
+            .map(|r| r.abort_count)
+            .max()
+            .unwrap_or(0)
     }
 
     /// Oldest version of any generated token in the group.
@@ -338,6 +350,23 @@ pub fn reward_component_means<'a>(
     sums.into_iter()
         .map(|(name, (sum, n))| (name.to_owned(), sum / f64::from(n)))
         .collect()
+}
+
+/// The shared sample is written and read as the plain row (the record format is unchanged).
+mod shared_sample {
+    use std::sync::Arc;
+
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+    use super::DataSample;
+
+    pub fn serialize<S: Serializer>(sample: &Arc<DataSample>, s: S) -> Result<S::Ok, S::Error> {
+        sample.as_ref().serialize(s)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Arc<DataSample>, D::Error> {
+        DataSample::deserialize(d).map(Arc::new)
+    }
 }
 
 #[cfg(test)]

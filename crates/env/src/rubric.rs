@@ -461,7 +461,7 @@ impl Rubric {
     /// member's per-rollout score). A group function that fails fails the members it scores,
     /// like a per-rollout one.
     pub async fn score_group(&self, group: &mut RolloutGroup) {
-        let sample = &group.sample;
+        let sample: &sluice_core::DataSample = &group.sample;
         let scored = join_all(group.rollouts.iter().map(|r| self.score_one(sample, r))).await;
         let (mut scores, by_functions): (Vec<Score>, Vec<bool>) = scored.into_iter().unzip();
         let group_fns: Vec<&RewardFn> = self.fns.iter().filter(|f| f.is_group()).collect();

@@ -2,7 +2,8 @@
 //! with η = 4 plain AReaL admission keeps η batches waiting, so the trainer learns from data about
 //! η versions old; demand admission keeps only what the trainer eats while new groups generate,
 //! so the same run trains at a lag near 1, η staying the hard ceiling. The lags and trainer idle
-//! ratios are printed (`-- --nocapture`); only lags are asserted.
+//! ratios are printed (`-- --nocapture`); only lags are asserted. `replay.capacity` bounds the
+//! same trainer-bound run by a group count instead.
 
 mod common;
 
@@ -82,4 +83,39 @@ async fn the_admission_knob_switches_live() {
     )
     .await;
     node.shutdown().await;
+}
+
+/// `replay.capacity` on the trainer-bound run that plain η admission fills η batches deep: the
+/// groups admitted and not yet trained never pass the bound, admission is held at it, and the
+/// run still trains to the end (no group is evicted to make room).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replay_capacity_bounds_the_groups_held_and_the_run_goes_on() {
+    let rollout = "max_version_lag = 4\nweight_update_mode = \"in_flight\"\nadmission = \"eta\"";
+    let mut config = common::config(rollout, "time_scale = 1.0");
+    config.run.max_steps = std::num::NonZeroU64::new(20).unwrap();
+    config.trainer.simulated.step_base_seconds = 0.03;
+    let capacity = 6; // groups_per_step = 4
+    config.replay.capacity = std::num::NonZeroU64::new(capacity);
+    let node = Node::start(&config, NodeOptions::default()).await.unwrap();
+    let mut most = 0;
+    let s = node
+        .wait_done(Duration::from_secs(120), |s| {
+            most = most.max(s.controller.pending_groups)
+        })
+        .await
+        .unwrap();
+    common::check_invariants(&s);
+    node.shutdown().await;
+    println!(
+        "capacity {capacity}: most pending {most}, holds {}, mean lag {:.2}",
+        s.controller.capacity_holds,
+        s.trainer.mean_lag()
+    );
+    assert_eq!(s.trainer.steps, 20);
+    assert!(
+        most <= capacity,
+        "{most} groups held past the capacity {capacity}"
+    );
+    assert!(s.controller.capacity_holds > 0, "η alone would admit more");
+    assert!(s.trainer.max_lag <= 4);
 }

@@ -81,6 +81,7 @@ async fn a_graceful_stop_resumes_version_steps_and_every_group() {
             dir: Some(dir.path().join("replay")),
             drop_expired: false,
             filter_zero_advantage: false,
+            tail_batch_candidate_steps: 0,
         },
         std::sync::Arc::new(|_| {}),
     )

@@ -1,7 +1,8 @@
-//! `[replay]`: where the replay store lives and what happens to expired and zero-advantage
-//! groups. Raw (serde, defaults) → [`validate_replay`] → [`ReplayConfig`]; `sluice-config`
+//! `[replay]`: where the replay store lives, how many groups it may hold, and what happens to
+//! expired and zero-advantage groups. Raw (serde, defaults) → [`validate_replay`] → [`ReplayConfig`]; `sluice-config`
 //! composes it into the whole file.
 
+use std::num::NonZeroU64;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -18,6 +19,8 @@ pub struct RawReplay {
     pub expired: String,
     /// Move groups whose rewards are all equal to the `Filtered` bucket.
     pub filter_zero_advantage: bool,
+    /// Most groups admitted and not yet trained (unset: bounded by η alone).
+    pub capacity: Option<u64>,
 }
 
 impl Default for RawReplay {
@@ -26,6 +29,7 @@ impl Default for RawReplay {
             path: None,
             expired: "regenerate".into(),
             filter_zero_advantage: true,
+            capacity: None,
         }
     }
 }
@@ -51,6 +55,11 @@ pub struct ReplayConfig {
     pub expired: ExpiredPolicy,
     /// Filter zero-advantage groups.
     pub filter_zero_advantage: bool,
+    /// Most groups admitted and not yet trained — in flight, completed, or waiting to resume —
+    /// that the store holds. Policy: at the bound fresh admission waits (resumes do not); nothing
+    /// is evicted, so no generated token is lost. `None`: η alone bounds it (`(η + 1) · B` plus
+    /// what is in flight).
+    pub capacity: Option<NonZeroU64>,
 }
 
 /// Phase two of `[replay]`; the default path is `<output_dir>/replay` (`run.output_dir`).
@@ -69,10 +78,20 @@ pub fn validate_replay(
         Some(p) => PathBuf::from(p),
         None => output_dir.join("replay"),
     };
+    let capacity = match raw.capacity {
+        Some(0) => {
+            return Err(ctx.value(
+                "replay.capacity",
+                "expected a positive number of groups (leave it out for no bound beyond η), got 0",
+            ));
+        }
+        c => c.and_then(NonZeroU64::new),
+    };
     Ok(ReplayConfig {
         path,
         expired: choice(ctx, "replay.expired", &raw.expired)?,
         filter_zero_advantage: raw.filter_zero_advantage,
+        capacity,
     })
 }
 
@@ -117,5 +136,13 @@ mod tests {
         let err = validate(unknown).unwrap_err();
         assert!(err.starts_with("t.toml: replay.expired: "), "{err}");
         assert!(err.contains("regenerate, drop"), "{err}");
+        let zero = RawReplay {
+            capacity: Some(0),
+            ..RawReplay::default()
+        };
+        assert_eq!(
+            validate(zero).unwrap_err(),
+            "t.toml: replay.capacity: expected a positive number of groups (leave it out for no bound beyond η), got 0"
+        );
     }
 }

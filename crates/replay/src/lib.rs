@@ -3,9 +3,9 @@
 //! | module | what it holds |
 //! |---|---|
 //! | [`bucket`] | the per-group state machine `Pending → InFlight → Completed \| Aborted \| Expired \| Failed \| Filtered → Consumed` |
-//! | [`store`] | [`ReplayStore`]: groups by bucket, transition counters, admission accounting, `take_batch` |
+//! | [`store`] | [`ReplayStore`]: groups by bucket, transition counters, admission accounting, `take_batch`, the groups waiting to resume by [`Lane`] |
 //! | [`admission`] | the admission bound and the over-sending target, as pure functions |
-//! | [`scheduler`] | [`RolloutScheduler`]: what generates next — resumes first, over-sending, admission, tail rounds |
+//! | [`scheduler`] | [`RolloutScheduler`]: what generates next — resumes first, over-sending, admission, tail rounds — from the store's counts |
 //! | [`persist`] | [`Persister`]: the redb database under the run's output dir |
 //! | [`error`] | [`ReplayError`] with stable `kind()` names |
 //! | [`config`] | the `[replay]` config section: raw → [`validate_replay`](config::validate_replay) → [`ReplayConfig`](config::ReplayConfig) |
@@ -29,4 +29,7 @@ pub use offline::clear_stopped_store;
 pub use persist::{DB_FILE, PersistOp, Persister, Recovered};
 pub use progress::{GroupSummary, ProgressWatch};
 pub use scheduler::{Decision, RolloutScheduler, SchedulerStats, SchedulerView};
-pub use store::{ClearOutcome, Counters, FinishOutcome, ReplayStore, StoreSnapshot, TakeOutcome};
+pub use store::{
+    ClearOutcome, Counters, FinishOutcome, Lane, ReplayStore, ResumedGroups, StoreSnapshot,
+    TakeOutcome, Waiting,
+};

@@ -8,8 +8,9 @@
 //!    candidate it resumed is stored;
 //! 3. otherwise keeps `ceil((1 + s) · remaining)` groups in flight (capped by
 //!    `max_concurrent_rollouts / group_size`), resuming aborted and then expired groups first and
-//!    admitting fresh samples only while [`admission_allows`] and, with `admission = "demand"`,
-//!    [`demand_allows`].
+//!    admitting fresh samples only while [`admission_allows`], with `admission = "demand"`
+//!    [`demand_allows`], and, with a `replay.capacity`, while fewer groups than that are
+//!    admitted and not yet trained (nothing is evicted at the bound: admission waits).
 //!
 //! One liveness rule goes beyond the trigger: when the trainer waits for a batch that nothing in
 //! flight can fill, fresh admission is closed (by η, or by demand-aware admission, which counts
@@ -19,15 +20,18 @@
 //! can never come: admission stays closed until the trainer publishes, and the trainer publishes
 //! only once the batch is full.
 //!
-//! The scheduler never sees a group's rollouts, only ids and counts; which groups are in flight
-//! is the controller's business, reported here as a number.
+//! The scheduler never sees a group's rollouts, and it keeps no list of waiting groups: the
+//! replay store owns bucket membership and reports how many groups wait in each [`Lane`]
+//! ([`Waiting`]); a decision asks for a number of groups from a lane and the store picks them,
+//! oldest first. Which groups are in flight is the controller's business, reported here as a
+//! number. The only ids the scheduler keeps are those of the running tail round's candidates.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::HashSet;
 
 use sluice_core::{AdmissionMode, GroupId, Knobs};
 
-use crate::Bucket;
 use crate::admission::{admission_allows, demand_allows, in_flight_target, remaining_for_step};
+use crate::store::{Lane, Waiting};
 
 /// What the controller knows at a decision, beyond the scheduler's own queues.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -40,8 +44,13 @@ pub struct SchedulerView {
     pub admitted_total: u64,
     /// Groups given back to admission (filtered, failed, expired-and-dropped).
     pub released_total: u64,
-    /// Groups generating, being resumed, or being stored.
+    /// Groups generating, being resumed (requests on their way to the store included), or
+    /// being stored.
     pub in_flight: u64,
+    /// Groups waiting in the store to be resumed, less those already asked for.
+    pub waiting: Waiting,
+    /// Tail candidates asked for and not yet back from the store (part of the running round).
+    pub tail_requested: u64,
     /// A `drain` weight update is pending.
     pub draining: bool,
     /// Fresh samples on hand.
@@ -56,8 +65,11 @@ pub struct SchedulerView {
 /// What to do now.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Decision {
-    /// Groups to resume from the replay store, in this order.
-    pub resumes: Vec<GroupId>,
+    /// Groups to resume from the replay store: how many, and from which lane (a decision asks
+    /// from one lane only: the tail lane during a tail round, the resume lane otherwise).
+    pub resume: u64,
+    /// The lane `resume` asks from.
+    pub lane: Lane,
     /// Fresh samples to admit (taken from the front of those on hand).
     pub admit: usize,
     /// Samples worth having on hand: ask the sampler for the difference when none are on order.
@@ -80,21 +92,20 @@ pub struct SchedulerStats {
     pub early_tail_rounds: u64,
     /// Decisions in which demand held back a fresh admission that η allowed.
     pub demand_holds: u64,
+    /// Decisions in which `replay.capacity` held back a fresh admission.
+    pub capacity_holds: u64,
 }
 
-/// The scheduling state: groups waiting to be resumed, and the tail round.
+/// The scheduling state: the tail round and what was decided.
 #[derive(Debug, Clone)]
 pub struct RolloutScheduler {
     group_size: u32,
     groups_per_step: u32,
-    aborted: VecDeque<GroupId>,
-    expired: VecDeque<GroupId>,
-    tail: VecDeque<GroupId>,
-    /// Candidates resumed by the running tail round and not yet stored.
+    /// Candidates the running tail round resumed and the store has not stored yet.
     tail_round: HashSet<GroupId>,
     tail_active: bool,
-    /// Largest abort count of each group on its way to the aborted bucket.
-    abort_counts: HashMap<GroupId, u32>,
+    /// `replay.capacity`: most groups admitted and not yet trained.
+    capacity: Option<u64>,
     stats: SchedulerStats,
 }
 
@@ -104,74 +115,36 @@ impl RolloutScheduler {
         Self {
             group_size: group_size.max(1),
             groups_per_step: groups_per_step.max(1),
-            aborted: VecDeque::new(),
-            expired: VecDeque::new(),
-            tail: VecDeque::new(),
             tail_round: HashSet::new(),
             tail_active: false,
-            abort_counts: HashMap::new(),
+            capacity: None,
             stats: SchedulerStats::default(),
         }
     }
 
-    /// Takes over the aborted (with their abort counts) and expired groups a restarted run
-    /// recovered.
-    pub fn recover(
-        &mut self,
-        aborted: impl IntoIterator<Item = (GroupId, u32)>,
-        expired: impl IntoIterator<Item = GroupId>,
-        knobs: &Knobs,
-    ) {
-        for (id, aborts) in aborted {
-            self.abort_counts.insert(id, aborts);
-            self.park(id, knobs);
+    /// Holds fresh admission while `capacity` groups are admitted and not yet trained.
+    pub fn with_capacity(mut self, capacity: Option<u64>) -> Self {
+        self.capacity = capacity;
+        self
+    }
+
+    fn at_capacity(&self, view: &SchedulerView, fresh: u64) -> bool {
+        self.capacity
+            .is_some_and(|c| self.pending(view) + fresh >= c)
+    }
+
+    /// The store sent back `id`, asked for from `lane`: a tail candidate belongs to the running
+    /// round until it is stored.
+    pub fn resumed(&mut self, id: GroupId, lane: Lane) {
+        if lane == Lane::Tail {
+            self.tail_round.insert(id);
         }
-        self.expired.extend(expired);
     }
 
-    /// Group `id` goes to the store as aborted; `max_aborts`, the largest abort count of its
-    /// rollouts, decides whether it becomes a tail candidate once stored.
-    pub fn group_aborted(&mut self, id: GroupId, max_aborts: u32) {
-        self.abort_counts.insert(id, max_aborts);
-    }
-
-    /// The replay store durably stored `id` in `bucket`.
-    pub fn stored(&mut self, id: GroupId, bucket: Bucket, knobs: &Knobs) {
+    /// The store stored `id` (in any bucket), dropped it, or an operator cleared it: it is no
+    /// longer part of a tail round.
+    pub fn settled(&mut self, id: GroupId) {
         self.tail_round.remove(&id);
-        if bucket == Bucket::Aborted {
-            self.park(id, knobs);
-        } else {
-            self.abort_counts.remove(&id);
-        }
-    }
-
-    /// The store dropped `id` instead of resuming it (too old, expired groups dropped).
-    pub fn dropped(&mut self, id: GroupId) {
-        self.tail_round.remove(&id);
-        self.abort_counts.remove(&id);
-    }
-
-    /// An operator cleared `id` from the store: it is no longer resumable from any queue.
-    pub fn cleared(&mut self, id: GroupId) {
-        self.aborted.retain(|g| *g != id);
-        self.expired.retain(|g| *g != id);
-        self.tail.retain(|g| *g != id);
-        self.dropped(id);
-    }
-
-    /// A completed group fell past η before it was trained: it waits to be regenerated.
-    pub fn expired(&mut self, id: GroupId) {
-        self.expired.push_back(id);
-    }
-
-    fn park(&mut self, id: GroupId, knobs: &Knobs) {
-        let k = knobs.tail_batch_candidate_steps;
-        let aborts = self.abort_counts.remove(&id).unwrap_or(0);
-        if k > 0 && aborts > k {
-            self.tail.push_back(id);
-        } else {
-            self.aborted.push_back(id);
-        }
     }
 
     /// One scheduling decision.
@@ -182,19 +155,17 @@ impl RolloutScheduler {
             return decision;
         }
         let b = self.groups_per_step;
-        let k = knobs.tail_batch_candidate_steps;
-        if k == 0 && !self.tail.is_empty() && !self.tail_active {
-            // The tail batch was switched off: candidates are ordinary aborted groups again.
-            self.aborted.extend(self.tail.drain(..));
-        }
-        if !self.tail_active && k > 0 && !self.tail.is_empty() {
-            if self.tail.len() >= knobs.tail_batch_trigger_size as usize {
-                self.start_tail_round(false);
+        // The store counts no tail candidates while k = 0 (the tail batch is off): they are
+        // ordinary aborted groups again.
+        let tail = view.waiting.tail;
+        if !self.tail_active && tail > 0 {
+            if tail >= u64::from(knobs.tail_batch_trigger_size) {
+                self.start_tail_round(false, tail);
             } else if self.tail_is_all_that_is_left(knobs, view) {
-                self.start_tail_round(true);
+                self.start_tail_round(true, tail);
             }
         }
-        if self.tail_active && self.tail.is_empty() && self.tail_round.is_empty() {
+        if self.tail_active && tail == 0 && view.tail_requested == 0 && self.tail_round.is_empty() {
             self.tail_active = false;
         }
         let remaining = remaining_for_step(b, view.completed);
@@ -202,24 +173,16 @@ impl RolloutScheduler {
         let mut active = view.in_flight;
         if self.tail_active {
             // A tail round serves only candidates, without over-sending (s = 0).
-            while active < remaining.min(cap) {
-                let Some(id) = self.tail.pop_front() else {
-                    break;
-                };
-                self.tail_round.insert(id);
-                decision.resumes.push(id);
-                active += 1;
-            }
+            decision.lane = Lane::Tail;
+            decision.resume = remaining.min(cap).saturating_sub(active).min(tail);
             return decision;
         }
         let target = in_flight_target(knobs.staleness_threshold, remaining).min(cap);
+        let mut resumable = view.waiting.resumable();
         while active < target {
-            if let Some(id) = self
-                .aborted
-                .pop_front()
-                .or_else(|| self.expired.pop_front())
-            {
-                decision.resumes.push(id);
+            if resumable > 0 {
+                resumable -= 1;
+                decision.resume += 1;
             } else {
                 let fresh = decision.admit as u64;
                 let load = (view.admitted_total + fresh).saturating_sub(view.released_total);
@@ -230,6 +193,10 @@ impl RolloutScheduler {
                 if knobs.admission == AdmissionMode::Demand && !demand_allows(pending, view.demand)
                 {
                     self.stats.demand_holds += 1;
+                    break;
+                }
+                if self.at_capacity(view, fresh) {
+                    self.stats.capacity_holds += 1;
                     break;
                 }
                 if decision.admit >= view.samples_on_hand {
@@ -245,8 +212,9 @@ impl RolloutScheduler {
     }
 
     /// The trainer waits, nothing in flight or waiting to resume can fill its batch, and fresh
-    /// samples are kept out — by η, or by demand-aware admission counting the tail candidates
-    /// as the pending work the trainer needs: only tail candidates can move the run.
+    /// samples are kept out — by η, by demand-aware admission counting the tail candidates as
+    /// the pending work the trainer needs, or by the store's capacity: only tail candidates can
+    /// move the run.
     fn tail_is_all_that_is_left(&self, knobs: &Knobs, view: &SchedulerView) -> bool {
         let load = view.admitted_total.saturating_sub(view.released_total);
         let eta_holds = !admission_allows(
@@ -259,19 +227,17 @@ impl RolloutScheduler {
             && !demand_allows(self.pending(view), view.demand);
         view.trainer_waiting
             && view.in_flight == 0
-            && self.aborted.is_empty()
-            && self.expired.is_empty()
+            && view.waiting.resumable() == 0
             && view.completed < u64::from(self.groups_per_step)
-            && (eta_holds || demand_holds)
+            && (eta_holds || demand_holds || self.at_capacity(view, 0))
     }
 
-    fn start_tail_round(&mut self, early: bool) {
+    fn start_tail_round(&mut self, early: bool, size: u64) {
         self.tail_active = true;
         self.stats.tail_rounds += 1;
         if early {
             self.stats.early_tail_rounds += 1;
         } else {
-            let size = self.tail.len() as u64;
             self.stats.tail_round_min_size = if self.stats.tail_round_min_size == 0 {
                 size
             } else {
@@ -282,27 +248,7 @@ impl RolloutScheduler {
 
     /// Groups admitted and not yet trained: ready in the store, in flight, or waiting to resume.
     pub fn pending(&self, view: &SchedulerView) -> u64 {
-        view.completed + view.in_flight + self.waiting()
-    }
-
-    /// Groups waiting to be resumed: aborted, expired and tail candidates.
-    pub fn waiting(&self) -> u64 {
-        (self.aborted.len() + self.expired.len() + self.tail.len()) as u64
-    }
-
-    /// Aborted groups waiting (not tail candidates).
-    pub fn aborted_waiting(&self) -> u64 {
-        self.aborted.len() as u64
-    }
-
-    /// Expired groups waiting for regeneration.
-    pub fn expired_waiting(&self) -> u64 {
-        self.expired.len() as u64
-    }
-
-    /// Tail candidates waiting for a round.
-    pub fn tail_candidates(&self) -> u64 {
-        self.tail.len() as u64
+        view.completed + view.in_flight + view.waiting.total()
     }
 
     /// A tail round is running.

@@ -13,14 +13,20 @@ use crate::bucket::{Bucket, Transition};
 use crate::error::ReplayError;
 use crate::persist::PersistOp;
 
+mod lanes;
 mod outcome;
 
+pub use lanes::{Lane, ResumedGroups, Waiting};
 pub use outcome::{ClearOutcome, Counters, FinishOutcome, StoreSnapshot, TakeOutcome};
 
 struct Entry {
     bucket: Bucket,
-    /// The group's data; dropped once the group is final (only its id is kept, for accounting).
+    /// The group's data while it is at rest (completed, aborted, expired). A group in flight
+    /// is on disk only (its record is written when it starts): the controller holds the live
+    /// copy and hands it back when the group ends. Final groups are forgotten.
     group: Option<RolloutGroup>,
+    /// The largest abort count of the group's rollouts when it was last stored.
+    aborts: u32,
 }
 
 /// The in-memory replay store.
@@ -30,6 +36,8 @@ pub struct ReplayStore {
     counters: Counters,
     drop_expired: bool,
     filter_zero_advantage: bool,
+    /// `tail_batch_candidate_steps`: which aborted groups are tail candidates ([`Lane::Tail`]).
+    tail_steps: u32,
     outbox: Vec<PersistOp>,
 }
 
@@ -43,6 +51,7 @@ impl ReplayStore {
             counters: Counters::default(),
             drop_expired,
             filter_zero_advantage,
+            tail_steps: 0,
             outbox: Vec::new(),
         }
     }
@@ -78,6 +87,7 @@ impl ReplayStore {
                 id,
                 Entry {
                     bucket,
+                    aborts: group.max_aborts(),
                     group: Some(group),
                 },
             );
@@ -177,6 +187,7 @@ impl ReplayStore {
             Entry {
                 bucket: Bucket::Pending,
                 group: None,
+                aborts: 0,
             },
         );
         self.by_bucket[Bucket::Pending.index()].insert(id);
@@ -270,7 +281,9 @@ impl ReplayStore {
                 }
             }
         }
-        self.set_bucket(id, Bucket::InFlight, Some(group.clone()))?;
+        let group = self
+            .set_bucket(id, Bucket::InFlight, Some(group))?
+            .expect("a group in flight is handed back");
         self.push_counters();
         Ok(Some(group))
     }
@@ -401,12 +414,15 @@ impl ReplayStore {
         Ok(())
     }
 
+    /// Moves `id` to `to` with `group` as its data and writes the record; returns the data when
+    /// `to` keeps none in memory (in flight: see [`Entry::group`]). A group that expires has
+    /// every rollout marked [`RolloutStatus::Expired`] (a regeneration resets them).
     fn set_bucket(
         &mut self,
         id: GroupId,
         to: Bucket,
-        group: Option<RolloutGroup>,
-    ) -> Result<(), ReplayError> {
+        mut group: Option<RolloutGroup>,
+    ) -> Result<Option<RolloutGroup>, ReplayError> {
         let is_final = self.is_final(to);
         let entry = self
             .entries
@@ -414,8 +430,9 @@ impl ReplayStore {
             .ok_or(ReplayError::UnknownGroup { group: id })?;
         let from = entry.bucket;
         if !from.can_move_to(to) {
-            // Put back whatever data the caller handed over, so a refused move changes nothing.
-            if entry.group.is_none() {
+            // Put back whatever data the caller handed over, so a refused move changes nothing
+            // (a group in flight keeps none in memory).
+            if entry.group.is_none() && !matches!(from, Bucket::Pending | Bucket::InFlight) {
                 entry.group = group;
             }
             return Err(ReplayError::IllegalTransition {
@@ -425,6 +442,14 @@ impl ReplayStore {
             });
         }
         self.by_bucket[from.index()].remove(&id);
+        if to == Bucket::Expired
+            && let Some(g) = &mut group
+        {
+            for r in &mut g.rollouts {
+                r.status = RolloutStatus::Expired;
+            }
+        }
+        let mut handed_back = None;
         if is_final {
             self.entries.remove(&id);
             if to != Bucket::Consumed {
@@ -433,15 +458,23 @@ impl ReplayStore {
             self.outbox.push(PersistOp::Delete(id));
         } else {
             entry.bucket = to;
-            entry.group = group;
             self.by_bucket[to.index()].insert(id);
-            match &entry.group {
+            match &group {
                 Some(g) if to.is_persisted() => self.outbox.push(PersistOp::put(to, g)),
                 _ => self.outbox.push(PersistOp::Delete(id)),
             }
+            if let Some(g) = &group {
+                entry.aborts = g.max_aborts();
+            }
+            if to == Bucket::InFlight {
+                entry.group = None;
+                handed_back = group;
+            } else {
+                entry.group = group;
+            }
         }
         self.count_transition(from, to);
-        Ok(())
+        Ok(handed_back)
     }
 
     fn count_transition(&mut self, from: Bucket, to: Bucket) {

@@ -2,18 +2,22 @@
 //! abort, get filtered or expire in random order, the trainer takes a batch whenever one is ready
 //! and publishes a version when its step ends, and the knobs change mid-run.
 //!
+//! The world keeps the waiting groups as the replay store does (aborted with their abort counts,
+//! expired, oldest first by id) and answers the scheduler's lane requests at once.
+//!
 //! Invariants at every decision: the η bound holds for every admission, nothing fresh is admitted
 //! while resumes wait or during a tail round, a tail round never over-sends, and in-flight work
 //! never grows past the over-sending target. Liveness: once the random phase ends, a run that
 //! only finishes what it starts always reaches more training steps — whatever the knobs left in
 //! the tail queue.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 
 use proptest::prelude::*;
 use sluice_core::{AdmissionMode, GroupId, Knobs, NodeId, RunId, WeightUpdateMode};
 use sluice_replay::{
-    Bucket, RolloutScheduler, SchedulerView, admission_allows, in_flight_target, remaining_for_step,
+    Lane, RolloutScheduler, SchedulerView, Waiting, admission_allows, in_flight_target,
+    remaining_for_step,
 };
 
 #[derive(Debug, Clone)]
@@ -90,31 +94,35 @@ struct World {
     /// In flight, with the largest abort count of the group's rollouts.
     in_flight: Vec<(GroupId, u32)>,
     completed: Vec<GroupId>,
-    /// Aborted or expired, waiting in the scheduler's queues to be resumed.
-    resumable: HashSet<GroupId>,
+    /// Aborted, with the largest abort count of their rollouts, waiting to be resumed.
+    aborted: BTreeMap<GroupId, u32>,
+    /// Expired, waiting to be regenerated.
+    expired: BTreeSet<GroupId>,
     /// Cleared by an operator: never resumed again.
     cleared: HashSet<GroupId>,
-    aborts: HashMap<GroupId, u32>,
     admitted_total: u64,
     released_total: u64,
     next_id: u64,
     trainer_busy: bool,
     steps: u64,
+    /// `replay.capacity`, at least `b` (the config refuses less).
+    capacity: Option<u64>,
 }
 
 impl World {
-    fn new(b: u32, group_size: u32, knobs: Knobs) -> Self {
+    fn new(b: u32, group_size: u32, knobs: Knobs, capacity: Option<u64>) -> Self {
         Self {
             b,
             group_size,
-            scheduler: RolloutScheduler::new(group_size, b),
+            scheduler: RolloutScheduler::new(group_size, b).with_capacity(capacity),
+            capacity,
             knobs,
             version: 0,
             in_flight: Vec::new(),
             completed: Vec::new(),
-            resumable: HashSet::new(),
+            aborted: BTreeMap::new(),
+            expired: BTreeSet::new(),
             cleared: HashSet::new(),
-            aborts: HashMap::new(),
             admitted_total: 0,
             released_total: 0,
             next_id: 0,
@@ -136,28 +144,25 @@ impl World {
             Op::Finish(pick) => {
                 if let Some((id, _)) = self.take_in_flight(*pick) {
                     self.completed.push(id);
-                    self.scheduler.stored(id, Bucket::Completed, &self.knobs);
+                    self.scheduler.settled(id);
                 }
             }
             Op::Abort(pick) => {
                 if let Some((id, aborts)) = self.take_in_flight(*pick) {
-                    self.aborts.insert(id, aborts + 1);
-                    self.scheduler.group_aborted(id, aborts + 1);
-                    self.scheduler.stored(id, Bucket::Aborted, &self.knobs);
-                    self.resumable.insert(id);
+                    self.aborted.insert(id, aborts + 1);
+                    self.scheduler.settled(id);
                 }
             }
             Op::Filter(pick) => {
                 if let Some((id, _)) = self.take_in_flight(*pick) {
                     self.released_total += 1;
-                    self.scheduler.stored(id, Bucket::Filtered, &self.knobs);
+                    self.scheduler.settled(id);
                 }
             }
             Op::Expire(pick) => {
                 if !self.completed.is_empty() {
                     let id = self.completed.remove(pick % self.completed.len());
-                    self.scheduler.expired(id);
-                    self.resumable.insert(id);
+                    self.expired.insert(id);
                 }
             }
             Op::TrainerDone => {
@@ -169,13 +174,16 @@ impl World {
             }
             Op::Knobs(c) => self.knobs = knobs(c, self.knobs.max_concurrent_rollouts),
             Op::Clear => {
+                let aborted = std::mem::take(&mut self.aborted).into_keys();
+                let expired = std::mem::take(&mut self.expired);
                 let at_rest: Vec<GroupId> = self
                     .completed
                     .drain(..)
-                    .chain(self.resumable.drain())
+                    .chain(aborted)
+                    .chain(expired)
                     .collect();
                 for id in at_rest {
-                    self.scheduler.cleared(id);
+                    self.scheduler.settled(id);
                     self.released_total += 1;
                     self.cleared.insert(id);
                 }
@@ -188,6 +196,46 @@ impl World {
         self.decide();
     }
 
+    fn is_tail(&self, aborts: u32) -> bool {
+        let k = self.knobs.tail_batch_candidate_steps;
+        k > 0 && aborts > k
+    }
+
+    /// What the store would count.
+    fn waiting(&self) -> Waiting {
+        let tail = self.aborted.values().filter(|a| self.is_tail(**a)).count() as u64;
+        Waiting {
+            aborted: self.aborted.len() as u64 - tail,
+            expired: self.expired.len() as u64,
+            tail,
+        }
+    }
+
+    /// What the store answers a request for `n` groups from `lane`: oldest first, aborted
+    /// before expired in the resume lane.
+    fn take_lane(&mut self, lane: Lane, n: u64) -> Vec<(GroupId, u32)> {
+        let aborted: Vec<(GroupId, u32)> = self
+            .aborted
+            .iter()
+            .filter(|(_, a)| self.is_tail(**a) == (lane == Lane::Tail))
+            .map(|(id, a)| (*id, *a))
+            .collect();
+        let expired = self.expired.iter().map(|id| (*id, 0));
+        let picked: Vec<(GroupId, u32)> = match lane {
+            Lane::Tail => aborted.into_iter().take(n as usize).collect(),
+            Lane::Resume => aborted
+                .into_iter()
+                .chain(expired)
+                .take(n as usize)
+                .collect(),
+        };
+        for (id, _) in &picked {
+            self.aborted.remove(id);
+            self.expired.remove(id);
+        }
+        picked
+    }
+
     fn view(&self) -> SchedulerView {
         SchedulerView {
             version: self.version,
@@ -195,6 +243,8 @@ impl World {
             admitted_total: self.admitted_total,
             released_total: self.released_total,
             in_flight: self.in_flight.len() as u64,
+            waiting: self.waiting(),
+            tail_requested: 0,
             draining: false,
             samples_on_hand: usize::MAX,
             demand: u64::from(self.b) * 2,
@@ -207,10 +257,14 @@ impl World {
         let d = self.scheduler.decide(&self.knobs, &view);
         let remaining = remaining_for_step(self.b, view.completed);
         let cap = u64::from((self.knobs.max_concurrent_rollouts / self.group_size).max(1));
-        let after = view.in_flight + d.resumes.len() as u64 + d.admit as u64;
+        let after = view.in_flight + d.resume + d.admit as u64;
         if self.scheduler.tail_active() {
             assert_eq!(d.admit, 0, "fresh admission during a tail round");
-            if !d.resumes.is_empty() {
+            assert!(
+                d.resume == 0 || d.lane == Lane::Tail,
+                "a tail round resumed others"
+            );
+            if d.resume > 0 {
                 assert!(after <= remaining.min(cap), "a tail round over-sent");
             }
         } else {
@@ -222,19 +276,33 @@ impl World {
         }
         if d.admit > 0 {
             assert_eq!(
-                self.scheduler.aborted_waiting() + self.scheduler.expired_waiting(),
-                0,
+                view.waiting.resumable(),
+                d.resume,
                 "fresh samples admitted while resumes wait"
             );
         }
-        for id in d.resumes {
+        let asked = match d.lane {
+            Lane::Tail => view.waiting.tail,
+            Lane::Resume => view.waiting.resumable(),
+        };
+        assert!(
+            d.resume <= asked,
+            "asked for {} of {asked} waiting",
+            d.resume
+        );
+        for (id, aborts) in self.take_lane(d.lane, d.resume) {
             assert!(!self.cleared.contains(&id), "cleared group {id} resumed");
-            assert!(
-                self.resumable.remove(&id),
-                "group {id} resumed but not waiting"
-            );
-            let aborts = self.aborts.get(&id).copied().unwrap_or(0);
+            self.scheduler.resumed(id, d.lane);
             self.in_flight.push((id, aborts));
+        }
+        let held =
+            self.in_flight.len() + self.completed.len() + self.aborted.len() + self.expired.len();
+        if let Some(c) = self.capacity {
+            assert!(
+                d.admit == 0 || held as u64 + d.admit as u64 <= c,
+                "admitted past the capacity {c}: {held} held, {} fresh",
+                d.admit
+            );
         }
         for _ in 0..d.admit {
             let load = self.admitted_total - self.released_total;
@@ -264,11 +332,13 @@ proptest! {
         b in 1u32..5,
         group_size in 1u32..4,
         concurrency in 1u32..16,
+        extra_capacity in proptest::option::of(0u64..6),
         first in knob_change(),
         ops in proptest::collection::vec(op(), 0..120),
         last in knob_change(),
     ) {
-        let mut w = World::new(b, group_size, knobs(&first, concurrency * group_size));
+        let capacity = extra_capacity.map(|extra| u64::from(b) + extra);
+        let mut w = World::new(b, group_size, knobs(&first, concurrency * group_size), capacity);
         w.decide();
         for op in &ops {
             w.apply(op);
@@ -291,9 +361,9 @@ proptest! {
             w.version,
             w.completed.len(),
             w.in_flight.len(),
-            w.scheduler.aborted_waiting(),
-            w.scheduler.expired_waiting(),
-            w.scheduler.tail_candidates(),
+            w.waiting().aborted,
+            w.waiting().expired,
+            w.waiting().tail,
             w.scheduler.tail_active(),
             w.trainer_busy,
         );
@@ -311,16 +381,15 @@ fn a_waiting_trainer_gets_its_last_group_from_the_tail_queue() {
         trigger: 3,
         demand: false,
     };
-    let mut w = World::new(4, 1, knobs(&c, 8));
+    let mut w = World::new(4, 1, knobs(&c, 8), None);
     w.decide();
     assert_eq!(w.in_flight.len(), 4);
     // One group aborts twice (a tail candidate, one short of the trigger); the others finish.
     w.apply(&Op::Abort(0));
-    let stuck = w.scheduler.aborted_waiting();
-    assert_eq!(stuck, 0, "the resume was sent at once");
+    assert_eq!(w.waiting().aborted, 0, "the resume was sent at once");
     let tail_group = w.in_flight.iter().position(|(_, a)| *a == 1).unwrap();
     w.apply(&Op::Abort(tail_group));
-    assert_eq!(w.scheduler.tail_candidates(), 1);
+    assert_eq!(w.waiting().tail, 1);
     while !w.in_flight.is_empty() {
         w.apply(&Op::Finish(0));
     }

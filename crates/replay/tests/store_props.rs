@@ -9,7 +9,7 @@ use proptest::prelude::*;
 use sluice_core::{
     DataSample, GroupId, NodeId, PolicyVersion, RolloutGroup, RolloutStatus, RolloutTurn, RunId,
 };
-use sluice_replay::{Bucket, Persister, ReplayStore, TakeOutcome};
+use sluice_replay::{Bucket, Lane, Persister, ReplayStore, TakeOutcome};
 
 #[derive(Debug, Clone)]
 enum Op {
@@ -337,5 +337,82 @@ fn illegal_transitions_are_refused_and_change_nothing() {
             .admit(RolloutGroup::new(id, sample(), 1, PolicyVersion(0)))
             .is_err()
     );
+    store.reconcile().unwrap();
+}
+
+/// The store owns which groups wait to resume: tail candidacy follows k as it changes, lanes
+/// serve oldest first (aborted before expired), a group in flight keeps no data in memory, and
+/// an expired group's rollouts say so.
+#[test]
+fn lanes_serve_the_waiting_groups_oldest_first_and_follow_k() {
+    let mut store = ReplayStore::new(false, false);
+    let run = RunId::from_name("lanes");
+    let id = |counter| GroupId {
+        run,
+        node: NodeId(0),
+        counter,
+    };
+    for c in 0..4 {
+        store
+            .admit(RolloutGroup::new(id(c), sample(), 2, PolicyVersion(0)))
+            .unwrap();
+        assert!(store.group(id(c)).is_none(), "in flight: on disk only");
+    }
+    // Groups 3 and 1 aborted three times, group 0 once; group 2 completes and then expires.
+    for (c, aborts) in [(3, 3), (0, 1), (1, 3)] {
+        let mut g = RolloutGroup::new(id(c), sample(), 2, PolicyVersion(0));
+        generate(&mut g, PolicyVersion(0), RolloutStatus::Aborted, false);
+        g.rollouts[1].abort_count = aborts;
+        store.abort(g).unwrap();
+    }
+    let mut done = RolloutGroup::new(id(2), sample(), 2, PolicyVersion(0));
+    generate(&mut done, PolicyVersion(0), RolloutStatus::Completed, false);
+    store.finish(done, PolicyVersion(0), 1).unwrap();
+    let (_, expired) = store.take_batch(1, PolicyVersion(5), 1);
+    assert_eq!(expired, vec![id(2)]);
+    let statuses = &store.group(id(2)).unwrap().rollouts;
+    assert!(statuses.iter().all(|r| r.status == RolloutStatus::Expired));
+
+    // k = 0: no tail candidates.
+    let w = store.waiting();
+    assert_eq!((w.aborted, w.expired, w.tail), (3, 1, 0));
+    assert_eq!(
+        store.lane_ids(Lane::Resume, 9),
+        vec![id(0), id(1), id(3), id(2)]
+    );
+    assert!(store.set_tail_steps(2));
+    assert!(!store.set_tail_steps(2), "unchanged");
+    let w = store.waiting();
+    assert_eq!((w.aborted, w.expired, w.tail), (1, 1, 2));
+    assert_eq!(store.lane_ids(Lane::Tail, 9), vec![id(1), id(3)]);
+    assert_eq!(store.lane_ids(Lane::Resume, 9), vec![id(0), id(2)]);
+
+    let got = store
+        .resume_from(Lane::Tail, 1, PolicyVersion(0), 1, true)
+        .unwrap();
+    assert_eq!(got.groups.iter().map(|g| g.id).collect::<Vec<_>>(), [id(1)]);
+    assert_eq!(
+        got.groups[0].rollouts[0].completion_tokens(),
+        2,
+        "resumed with its partial"
+    );
+    assert!(store.group(id(1)).is_none(), "back in flight: on disk only");
+    let got = store
+        .resume_from(Lane::Resume, 5, PolicyVersion(0), 1, true)
+        .unwrap();
+    assert_eq!(
+        got.groups.iter().map(|g| g.id).collect::<Vec<_>>(),
+        [id(0), id(2)]
+    );
+    assert!(
+        got.groups[1]
+            .rollouts
+            .iter()
+            .all(|r| r.status == RolloutStatus::Aborted && r.completion_tokens() == 0),
+        "an expired group is regenerated from its prompts"
+    );
+    let w = store.waiting();
+    assert_eq!((w.aborted, w.expired, w.tail), (0, 0, 1));
+    assert_eq!(w.less(Lane::Tail, 1).total(), 0);
     store.reconcile().unwrap();
 }

@@ -38,6 +38,17 @@ pub(crate) fn check(config: &Config, ctx: &Ctx<'_>) -> Result<(), ConfigError> {
             ),
         ));
     }
+    // The store must hold a whole batch, or the trainer's batch could never fill.
+    if let Some(capacity) = config.replay.capacity
+        && capacity.get() < u64::from(groups)
+    {
+        return Err(ctx.value(
+            "replay.capacity",
+            format!(
+                "expected at least rollout.groups_per_step ({groups}): the store must hold a whole batch; got {capacity}"
+            ),
+        ));
+    }
     // Engine nodes fetch weights from the head's admin API: it must be an address they reach.
     if let Some(node) = &config.node
         && node.role == NodeRole::Head

@@ -95,6 +95,7 @@ impl Core {
             dir: replay_dir,
             drop_expired: config.replay.expired == ExpiredPolicy::Drop,
             filter_zero_advantage: config.replay.filter_zero_advantage,
+            tail_batch_candidate_steps: knobs.current().tail_batch_candidate_steps,
         };
         let (replay, mut recovery, j) =
             ReplayHandle::spawn(replay_options, controller.replay_sink()).await?;
@@ -206,6 +207,7 @@ fn controller_config(config: &Config) -> ControllerConfig {
         },
         balance_threshold: config.rollout.balance_threshold,
         domain_turn_tokens: config.data.turn_token_overrides(),
+        replay_capacity: config.replay.capacity.map(|c| c.get()),
     }
 }
 

@@ -189,6 +189,7 @@ async fn nothing_left_running(what: &str, handed: &Handed, dir: &Path, ports: [S
         dir: Some(dir.join("replay")),
         drop_expired: false,
         filter_zero_advantage: false,
+        tail_batch_candidate_steps: 0,
     };
     let (replay, _, join) = ReplayHandle::spawn(options, Arc::new(|_| {}))
         .await
