@@ -4,7 +4,7 @@
 //! partial), the run's weights installed before any work (at start and on the rebuilt replica of
 //! a server that came back), old weight directories pruned, and a server holding a version the
 //! head never published marked down. Several servers as replicas of
-//! the engine actor: `crates/node/tests/engine_remote.rs`.
+//! the engine actor: `crates/node/tests/node/engine_remote.rs`.
 
 mod server_support;
 

@@ -6,6 +6,7 @@
 //! per-replica token counter across replica rebuilds included). When `promtool` is on `PATH`, it
 //! checks the scrape too. Its own test binary: the Prometheus recorder is global to the process.
 
+#[path = "node/common/mod.rs"]
 mod common;
 
 use std::collections::{BTreeMap, BTreeSet};

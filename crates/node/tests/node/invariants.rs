@@ -2,7 +2,7 @@
 //! than η at training time, no group trained twice, every admitted group in exactly one bucket,
 //! and the counts reconcile.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -3,7 +3,7 @@
 //! marks the end with a `done` checkpoint; a restart continues the numbering and the log from
 //! that checkpoint without repeating a step.
 
-mod common;
+use crate::common;
 
 use std::num::NonZeroU64;
 

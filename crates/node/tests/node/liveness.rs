@@ -3,7 +3,7 @@
 //! rollouts), a panicking trainer step is seen at once, and a resumed rollout goes back to the
 //! replica that served it, through the controller.
 
-mod common;
+use crate::common;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};

@@ -3,7 +3,7 @@
 //! consumed = trained (+ the batch of a failed step), no token past η, nothing trained twice.
 //! The reconciled numbers are printed (`cargo test -- --nocapture`).
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -5,7 +5,7 @@
 //! (250 ms here, the join falling halfway between two looks). The test wakes on the factory's
 //! build on the claimed node, not on a poll of the engine's health.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::Duration;

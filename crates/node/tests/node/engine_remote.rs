@@ -7,7 +7,7 @@
 //! failure of the replica on it (nothing counts towards `engine_max_restarts`); its slot moves
 //! to a node that answers.
 
-mod common;
+use crate::common;
 
 use std::io::{Read, Write};
 use std::sync::Arc;

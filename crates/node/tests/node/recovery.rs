@@ -3,7 +3,7 @@
 //! version, resumes the aborted groups, trains every completed one, and trains nothing twice.
 //! Also: checkpoints on request (and over the admin API), and a run whose trainer step fails.
 
-mod common;
+use crate::common;
 
 use std::collections::HashSet;
 use std::path::Path;

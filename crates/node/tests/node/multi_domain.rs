@@ -3,7 +3,7 @@
 //! group to the sampler; with `data.adaptive_mix` the completed mix lands within ±3 points of the
 //! target, without it the slow domain falls visibly short (more than 3 points).
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -120,7 +120,8 @@ async fn adaptation_keeps_the_completed_mix_on_target_and_its_absence_does_not()
 }
 
 /// The full config at its own time scale, both ways; prints the mixes (`cargo test -p
-/// sluice-actors --test multi_domain -- --ignored --nocapture`). About a minute and a half each.
+/// sluice-node --test node multi_domain:: -- --ignored --nocapture`). About a minute and a half
+/// each.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "runs the full config (minutes); for measuring, not CI"]
 async fn full_config_mix() {

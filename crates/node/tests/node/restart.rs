@@ -2,7 +2,7 @@
 //! completed or aborted group, and nothing is trained twice across the two runs; a start that
 //! fails half-way leaves nothing running to restart over ([`start_failures`]).
 
-mod common;
+use crate::common;
 mod start_failures;
 
 use std::collections::HashSet;

@@ -5,7 +5,7 @@
 //! ratios are printed (`-- --nocapture`); only lags are asserted. `replay.capacity` bounds the
 //! same trainer-bound run by a group count instead.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

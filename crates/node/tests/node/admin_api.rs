@@ -3,7 +3,7 @@
 //! which stops and restarts admission; unknown routes answer 404 and wrong methods 405, both in
 //! the one JSON error shape; a call without a configured token needs none.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -2,7 +2,7 @@
 //! nothing; a missing token answers 401), the change is seen at the next decision (a paused
 //! pipeline starts admitting), `/v1/status` and `/metrics` answer.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -4,7 +4,7 @@
 //! aborting; `drain` never lets a request span two versions; the tail batch runs at its trigger
 //! size without admitting anything new.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -4,7 +4,7 @@
 //! call changes no knob, an accepted patch leaves valid knobs, and the node keeps serving and
 //! running: its actors are all alive at the end.
 
-mod common;
+use crate::common;
 
 use std::cell::Cell;
 use std::sync::Arc;

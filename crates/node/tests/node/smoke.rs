@@ -1,6 +1,6 @@
 //! A whole simulated pipeline runs to its step budget and keeps the invariants.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

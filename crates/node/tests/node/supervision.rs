@@ -8,7 +8,7 @@
 //! `tokio::time::Instant`), so the runtime jumps to the next timer whenever every task waits, and
 //! the tests wait on what the stubs record, never on the wall clock.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
