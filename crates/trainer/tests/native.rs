@@ -145,6 +145,15 @@ fn a_one_step_bandit_learns_the_rewarded_answer() {
         if out.weights.is_none() {
             skipped += 1;
             assert!(out.metrics.contains_key(m::TRAINER_SKIPPED_STEPS));
+        } else {
+            // Behaviour log-probs of the very weights the step starts from: no mismatch.
+            let lp = |name: &str| out.metrics[name];
+            assert_eq!(lp(m::TRAINER_MISMATCH_COMPARED_TOKENS), 8.0);
+            assert!(
+                lp(m::TRAINER_MISMATCH_LOGPROB_ABS_MEAN_NATS) < 1e-4,
+                "{:?}",
+                out.metrics
+            );
         }
     }
     let end = next_token_probs(&trainer, &prompt)[rewarded as usize];
@@ -480,6 +489,16 @@ fn minibatches_take_an_update_each_and_clip_against_the_step_start() {
     );
     assert_eq!(w2.expect("published").version, PolicyVersion(1));
     assert_eq!((s1.trained_tokens, s2.trained_tokens), (24, 24));
+    // Every token is version 0's, the weights the step starts from: all are compared with the
+    // batch's made-up behaviour log-probs, by the first share's forward or by the proximal
+    // log-probs taken at the start, so one and two updates measure the same mismatch.
+    assert_eq!((s1.mismatch.tokens, s2.mismatch.tokens), (24, 24));
+    let (a, b) = (
+        s1.mismatch.abs_mean().unwrap(),
+        s2.mismatch.abs_mean().unwrap(),
+    );
+    assert!(a > 0.1 && (a - b).abs() < 1e-4, "{a} vs {b}");
+    assert!(s1.mismatch.kl().unwrap() > 0.0);
     // One update: the proximal policy is the current one, the ratio is 1, nothing is clipped.
     let clipped = |s: &sluice_trainer::report::StepStats| {
         let l = s.loss.summary();
