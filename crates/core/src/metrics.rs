@@ -208,9 +208,7 @@ catalog! {
     ROLLOUT_GROUP_ENV_SECONDS = "sluice_rollout_group_env_seconds", Histogram, ["domain"], SECONDS_BUCKETS,
         "Of a group's time, the mean per rollout spent waiting on the environment (first prompt, steps, group scoring).";
     ROLLOUT_LENGTH_BIAS_RATIO = "sluice_rollout_length_bias_ratio", Gauge, [], NONE,
-        "Length bias: the Kolmogorov-Smirnov distance (0 = same, 1 = disjoint) between the response lengths of the last 4096 rollouts generated (expired, filtered and cleared ones included) and of the last 4096 trained.";
-    ROLLOUT_LENGTH_MEAN_GAP_RATIO = "sluice_rollout_length_mean_gap_ratio", Gauge, [], NONE,
-        "(trained mean - generated mean) / generated mean response length over the length-bias windows: negative when training sees shorter responses than the policy writes.";
+        "Length bias: (trained mean - generated mean) / generated mean response length, over the last 4096 rollouts trained and the last 4096 generated (expired, filtered and cleared ones included); negative when training sees shorter responses than the policy writes, 0 when it sees what the policy writes.";
     ENGINE_GENERATED_TOKENS = "sluice_engine_generated_tokens_total", Counter, ["replica"], NONE,
         "Tokens decoded by each engine replica.";
     ENGINE_DECODE_TOKENS_PER_SECOND = "sluice_engine_decode_tokens_per_second", Gauge, ["replica"], NONE,
