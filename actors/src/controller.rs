@@ -11,8 +11,10 @@
 
 mod admission;
 mod assembly;
+mod clocks;
 mod groups;
 mod relay;
+mod shape;
 mod status;
 
 use std::collections::{HashMap, HashSet, VecDeque};
@@ -37,6 +39,7 @@ use crate::{ActorError, Sink};
 
 use assembly::Assembly;
 use groups::GroupMeta;
+pub use shape::{DomainShapeStatus, LengthBiasStatus};
 pub use status::{BalanceStatus, ControllerStatus, PaceStatus};
 
 /// Weight of a new reward in the outcome EMA.
@@ -227,6 +230,10 @@ pub struct ControllerState {
     last_in_flight: u64,
     /// Messages handled, sent to the sampler, engine, env pool and replay store, and dropped.
     counters: ActorCounters,
+    /// Each group's time from admission to stored, split by what it waited on.
+    clocks: clocks::Clocks,
+    /// Rollout shapes per domain and the length bias.
+    shape: shape::RolloutShape,
 }
 
 impl Actor for ControllerActor {
@@ -278,6 +285,8 @@ impl Actor for ControllerActor {
             events,
             last_in_flight: 0,
             counters: ActorCounters::new("controller"),
+            clocks: clocks::Clocks::default(),
+            shape: shape::RolloutShape::default(),
         })
     }
 
@@ -304,9 +313,13 @@ impl Actor for ControllerActor {
                 }
             }
             Cmd::Env(result) => s.on_env(result),
-            Cmd::Replay(notice) => s.on_replay(notice),
+            Cmd::Replay(notice) => {
+                s.time_replay(&notice);
+                s.on_replay(notice);
+            }
             Cmd::Step(step) => {
                 s.pace.record_train_step(step.seconds);
+                s.shape.record_trained(&step.response_tokens);
                 if let Some(w) = &step.weights {
                     s.on_published(w.clone());
                 }

@@ -40,7 +40,7 @@ use crate::replay::ReplayHandle;
 use crate::{ActorError, Sink};
 
 use event::StepPublisher;
-pub use event::{STEP_FEED_CAPACITY, StepEvent, StepFeed, TrainerStatus};
+pub use event::{MismatchStatus, STEP_FEED_CAPACITY, StepEvent, StepFeed, TrainerStatus};
 pub use step::export_step_metrics;
 
 /// How the trainer runs.

@@ -204,6 +204,9 @@ pub(super) fn summary(s: &Value) -> String {
             ),
         );
     }
+    for (label, text) in rollout_lines(&s["controller"], &s["trainer"]) {
+        line(label, text);
+    }
     let e = &s["evaluation"];
     if e.is_object() {
         let domains: Vec<String> = e["domains"]
@@ -299,6 +302,78 @@ pub(super) fn summary(s: &Value) -> String {
     out
 }
 
+/// Seconds with a unit, `-` when not measured yet.
+fn seconds(v: &Value) -> String {
+    v.as_f64()
+        .map_or_else(|| "-".to_owned(), |s| format!("{s:.2}s"))
+}
+
+/// What the rollouts look like per domain, the length bias and the train/inference mismatch,
+/// as (label, text) lines; none for a part the status lacks.
+fn rollout_lines(controller: &Value, trainer: &Value) -> Vec<(&'static str, String)> {
+    let mut out = Vec::new();
+    if let Some(domains) = controller["shape"].as_object() {
+        for (domain, d) in domains {
+            let reasons: Vec<String> = d["finish_reasons"]
+                .as_object()
+                .map(|r| r.iter().map(|(k, v)| format!("{k} {v}")).collect())
+                .unwrap_or_default();
+            out.push((
+                "rollouts",
+                format!(
+                    "{domain}: {} tokens mean (p50 {}, p90 {}, max {}) · {:.1} turns · truncated {:.2} · {}",
+                    num(&d["response_tokens_mean"]).round(),
+                    d["response_tokens_p50"],
+                    d["response_tokens_p90"],
+                    d["response_tokens_max"],
+                    num(&d["turns_mean"]),
+                    num(&d["truncated_ratio"]),
+                    reasons.join(", "),
+                ),
+            ));
+            out.push((
+                "",
+                format!(
+                    "{domain}: group {} from admission to stored · per rollout engine {} · env {}",
+                    seconds(&d["group_seconds"]),
+                    seconds(&d["engine_seconds"]),
+                    seconds(&d["env_seconds"]),
+                ),
+            ));
+        }
+    }
+    let b = &controller["length_bias"];
+    if b.is_object() {
+        out.push((
+            "lengths",
+            format!(
+                "generated {:.0} tokens mean · trained {:.0} · length bias {:+.1}% · KS {:.3} (last {} generated, {} trained)",
+                num(&b["generated_mean"]),
+                num(&b["trained_mean"]),
+                100.0 * num(&b["bias_ratio"]),
+                num(&b["ks_distance"]),
+                b["generated_rollouts"],
+                b["trained_rollouts"],
+            ),
+        ));
+    }
+    let m = &trainer["mismatch"];
+    if m.is_object() {
+        out.push((
+            "mismatch",
+            format!(
+                "step {} · |Δ logprob| mean {:.2e} max {:.2e} · KL {:.2e} nats · {} tokens at lag 0",
+                m["step"],
+                num(&m["logprob_abs_mean"]),
+                num(&m["logprob_abs_max"]),
+                num(&m["kl"]),
+                m["tokens"],
+            ),
+        ));
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -313,7 +388,14 @@ mod tests {
                       "engine_busy_ratio": 0.9, "trainer_idle_ratio": 0.2, "mean_version_lag": 0.5},
             "knobs": {"max_version_lag": 1, "weight_update_mode": "in_flight"},
             "actors": {"engine": {"health": "running"}, "trainer": {"health": "failed", "detail": "nan loss"}},
-            "controller": {"balance": {"threshold": 0.25, "below_ratio": 0.5, "above_ratio": 0.125, "outcome_ema": 0.4}},
+            "controller": {"balance": {"threshold": 0.25, "below_ratio": 0.5, "above_ratio": 0.125, "outcome_ema": 0.4},
+                           "shape": {"math": {"response_tokens_mean": 120.4, "response_tokens_p50": 96, "response_tokens_p90": 240,
+                                              "response_tokens_max": 512, "turns_mean": 1.0, "truncated_ratio": 0.25,
+                                              "finish_reasons": {"completed": 30, "truncated": 10},
+                                              "group_seconds": 3.5, "engine_seconds": 2.25, "env_seconds": null}},
+                           "length_bias": {"generated_rollouts": 40, "trained_rollouts": 32, "generated_mean": 120.4,
+                                           "trained_mean": 100.0, "ks_distance": 0.125, "bias_ratio": -0.17}},
+            "trainer": {"mismatch": {"step": 7, "tokens": 300, "logprob_abs_mean": 0.0001, "logprob_abs_max": 0.002, "kl": 1e-7}},
             "nodes": [{"name": "engine-a", "role": "engine", "url": "http://10.0.0.2:8000", "health": "lost",
                        "incarnation": 3, "last_seen_seconds": 7.25, "weight_version": 6, "load": 2, "replica": 1},
                       {"name": "engine-b", "role": "engine", "url": "http://10.0.0.3:8000", "health": "unreachable",
@@ -338,6 +420,10 @@ mod tests {
             "engine-a engine http://10.0.0.2:8000 lost · weights v6 · load 2 · seen 7.2s ago · replica 1",
             "engine-b engine http://10.0.0.3:8000 unreachable · weights - · load 0 · seen 0.5s ago · unreachable ×2 (connect: Connection refused); probed again in 1.5s",
             "eval      step 50 · held-out 16.7% (agent 32.8%, math 17.4%) · training problems 14.1%",
+            "rollouts  math: 120 tokens mean (p50 96, p90 240, max 512) · 1.0 turns · truncated 0.25 · completed 30, truncated 10",
+            "          math: group 3.50s from admission to stored · per rollout engine 2.25s · env -",
+            "lengths   generated 120 tokens mean · trained 100 · length bias -17.0% · KS 0.125 (last 40 generated, 32 trained)",
+            "mismatch  step 7 · |Δ logprob| mean 1.00e-4 max 2.00e-3 · KL 1.00e-7 nats · 300 tokens at lag 0",
         ] {
             assert!(text.contains(needle), "{needle:?} missing in:\n{text}");
         }

@@ -8,11 +8,13 @@ use std::time::Instant;
 use sluice_core::metrics as m;
 use sluice_core::{DataSample, RolloutGroup};
 use sluice_engine::GenerateRequest;
-use sluice_replay::GroupSummary;
+use sluice_env::rollout_env::EnvReply;
+use sluice_replay::{Bucket, GroupSummary};
 
 use super::ControllerState;
 use super::assembly::Action;
 use crate::env_worker::EnvResult;
+use crate::replay::ReplayNotice;
 
 /// What the controller keeps with each assembling group.
 pub(super) struct GroupMeta {
@@ -27,29 +29,81 @@ impl ControllerState {
         if self.peers.is_none() {
             return;
         }
+        let now = Instant::now();
+        let rollouts = group.rollouts.len();
+        self.clocks
+            .start(group.id, &group.sample.domain, rollouts, now);
         let meta = GroupMeta {
             sample: Arc::clone(&group.sample),
-            started: Instant::now(),
+            started: now,
         };
         let actions = self.assembly.start(group, meta);
         self.apply(actions);
     }
 
     pub(super) fn on_completion(&mut self, c: sluice_engine::Completion, replica: u32) {
+        let request = c.id;
         match self.assembly.on_completion(c, replica) {
-            Some(actions) => self.apply(actions),
+            Some(actions) => {
+                self.clocks.engine_done(request, Instant::now());
+                self.apply(actions);
+            }
             None => self.counters.dropped(1),
         }
     }
 
     pub(super) fn on_env(&mut self, result: EnvResult) {
         // A result for a group no longer here, or a rollout not waiting on the env, is stale.
+        let (rollout, scored) = (result.rollout, matches!(result.step, EnvReply::Scored(_)));
         match self
             .assembly
             .on_env(result.rollout, result.step, result.note)
         {
-            Some(actions) => self.apply(actions),
+            Some(actions) => {
+                let now = Instant::now();
+                if scored {
+                    self.clocks.scoring_done(rollout.group, now);
+                } else {
+                    self.clocks.env_done(rollout, now);
+                }
+                self.apply(actions);
+            }
             None => self.counters.dropped(1),
+        }
+    }
+
+    /// What a replay notice ends: a group's clock when it is stored in a bucket other than
+    /// aborted; a cleared or dropped group's clock, whose partials were generated for nothing,
+    /// as were those a resumed group comes back without.
+    pub(super) fn time_replay(&mut self, notice: &ReplayNotice) {
+        let now = Instant::now();
+        match notice {
+            ReplayNotice::Stored { id, bucket, .. } if *bucket != Bucket::Aborted => {
+                if let Some((domain, time)) = self.clocks.stored(*id, now) {
+                    self.shape.record_time(&domain, time);
+                }
+            }
+            ReplayNotice::Resumed {
+                groups, dropped, ..
+            } => {
+                for group in groups {
+                    let discarded = self.clocks.resumed(group);
+                    self.shape.record_unfinished(&discarded);
+                }
+                for id in dropped {
+                    if let Some(partials) = self.clocks.forget(*id) {
+                        self.shape.record_unfinished(&partials);
+                    }
+                }
+            }
+            ReplayNotice::Cleared { ids, .. } => {
+                for id in ids {
+                    if let Some(partials) = self.clocks.forget(*id) {
+                        self.shape.record_unfinished(&partials);
+                    }
+                }
+            }
+            _ => {}
         }
     }
 
@@ -77,6 +131,7 @@ impl ControllerState {
                 if let Some(&tokens) = self.config.domain_turn_tokens.get(domain) {
                     params.max_tokens = tokens;
                 }
+                self.clocks.engine_sent(request, Instant::now());
                 let request = GenerateRequest {
                     id: request,
                     prompt_token_ids: prompt,
@@ -90,21 +145,25 @@ impl ControllerState {
                 let Some(meta) = self.assembly.meta(rollout.group) else {
                     return;
                 };
+                self.clocks.env_sent(rollout, Instant::now());
                 peers.env.start(Arc::clone(&meta.sample), rollout);
             }
             Action::EnvStep { rollout, truncated } => {
                 let Some(meta) = self.assembly.meta(rollout.id.group) else {
                     return;
                 };
+                self.clocks.env_sent(rollout.id, Instant::now());
                 peers.env.step(Arc::clone(&meta.sample), rollout, truncated);
             }
             Action::ScoreGroup(group) => {
                 let Some(meta) = self.assembly.meta(group.id) else {
                     return;
                 };
+                self.clocks.scoring_sent(group.id, Instant::now());
                 peers.env.score_group(Arc::clone(&meta.sample), group);
             }
             Action::Aborted { group } => {
+                self.clocks.aborted(&group);
                 self.storing.insert(group.id);
                 peers.replay.abort(group);
             }
@@ -116,6 +175,7 @@ impl ControllerState {
     /// A finished group: its statistics, then the sampler and the replay store.
     fn finished(&mut self, group: RolloutGroup, meta: &GroupMeta) {
         self.record_outcome(&group, &meta.sample.domain);
+        self.shape.record_group(&meta.sample.domain, &group);
         self.pace.record_group(meta.started.elapsed().as_secs_f64());
         let Some(peers) = &self.peers else { return };
         self.storing.insert(group.id);

@@ -62,6 +62,10 @@ pub struct ControllerStatus {
     pub no_progress: Option<String>,
     /// Recent groups against the balance threshold.
     pub balance: BalanceStatus,
+    /// Each domain's rollouts: lengths, turns, truncation, finish reasons, group times.
+    pub shape: BTreeMap<String, super::DomainShapeStatus>,
+    /// Generated against trained response lengths, as of the last step (`None` before one).
+    pub length_bias: Option<super::LengthBiasStatus>,
 }
 
 /// Outcome statistics (seed 001): how recent groups sit against the balance threshold.
@@ -114,6 +118,8 @@ impl ControllerState {
             capacity_holds: stats.capacity_holds,
             draining: self.draining,
             replay: self.counts,
+            shape: self.shape.status(),
+            length_bias: self.shape.length_bias(),
             balance: {
                 let (below_ratio, above_ratio) = self.outcomes.balance();
                 BalanceStatus {

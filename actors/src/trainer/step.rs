@@ -87,6 +87,9 @@ impl Worker {
         if let Some(w) = &published {
             metrics::gauge!(m::TRAINER_POLICY_VERSION).set(w.version.0 as f64);
         }
+        if let Some(mismatch) = super::MismatchStatus::of(steps, &out.metrics) {
+            self.status.mismatch = Some(mismatch);
+        }
         let situations = self.export_situations(&batch, out.situations);
         let event = StepEvent {
             step: steps,
@@ -101,6 +104,7 @@ impl Worker {
                 m
             }),
             trained_tokens: check.tokens,
+            response_tokens: response_tokens(&batch),
             seconds,
             metrics: out.metrics,
             weights: published,
@@ -160,6 +164,16 @@ impl Worker {
         }
         situations
     }
+}
+
+/// Response tokens of each rollout of `batch` with model output to train on.
+fn response_tokens(batch: &[RolloutGroup]) -> Vec<u32> {
+    batch
+        .iter()
+        .flat_map(|g| &g.rollouts)
+        .filter(|r| r.status.is_trainable())
+        .map(|r| u32::try_from(r.completion_tokens()).unwrap_or(u32::MAX))
+        .collect()
 }
 
 /// Mean final reward over the rollouts of `batch`.

@@ -183,9 +183,22 @@ fn seed_catalog() {
 }
 
 /// Seeds the series whose label values come from the running node: one per engine replica,
-/// configured domain and dataset. Call it before `/metrics` is served; seeding is idempotent.
+/// configured domain and dataset, and each (domain, final status) pair. Call it before
+/// `/metrics` is served; seeding is idempotent.
 pub fn seed_node(replicas: usize, domains: &[String], datasets: &[String]) {
     for def in m::CATALOG {
+        if def.labels == ["domain", "status"] {
+            // Finish reasons per domain: both value sets are known now.
+            for domain in domains {
+                for status in static_values("status").unwrap_or_default() {
+                    register(
+                        def,
+                        vec![("domain", domain.clone()), ("status", status.to_owned())],
+                    );
+                }
+            }
+            continue;
+        }
         let values: Vec<String> = match def.labels {
             ["replica"] => (0..replicas).map(|r| r.to_string()).collect(),
             ["domain"] => domains.to_vec(),

@@ -357,4 +357,76 @@ async fn every_catalog_metric_is_scraped_with_help_type_and_declared_labels() {
         ),
         1.0
     );
+    check_rollout_shapes(&samples, &status);
+}
+
+/// What the rollouts look like, per domain: lengths, turns and finish reasons of every finished
+/// rollout, the truncation the config makes likely (lengths uniform in 20..240 against
+/// `max_new_tokens = 64`), and group times whose engine and env parts fit inside them.
+fn check_rollout_shapes(samples: &[Sample], status: &sluice_node::NodeStatus) {
+    let sum = |name: &str, labels: &[(&str, &str)]| -> f64 {
+        samples
+            .iter()
+            .filter(|(n, l, _)| {
+                n == name
+                    && labels
+                        .iter()
+                        .all(|(k, v)| l.get(*k).map(String::as_str) == Some(*v))
+            })
+            .map(|(_, _, v)| v.parse::<f64>().unwrap())
+            .sum()
+    };
+    let math = [("domain", "math")];
+    let finished = sum(m::DOMAIN_FINISHED_ROLLOUTS, &math);
+    let truncated = sum(
+        m::DOMAIN_FINISHED_ROLLOUTS,
+        &[("domain", "math"), ("status", "truncated")],
+    );
+    assert!(
+        finished >= status.controller.finished_rollouts as f64 && finished > 0.0,
+        "{finished} finished rollouts exported, {} in the status",
+        status.controller.finished_rollouts
+    );
+    assert!(
+        truncated / finished > 0.5,
+        "{truncated} of {finished} truncated"
+    );
+    let lengths = sum(&format!("{}_count", m::ROLLOUT_RESPONSE_TOKENS), &math);
+    let turns = sum(&format!("{}_count", m::ROLLOUT_EPISODE_TURNS), &math);
+    assert!(
+        lengths > 0.0 && turns > 0.0,
+        "{lengths} lengths, {turns} turn counts"
+    );
+    let mean_length = sum(&format!("{}_sum", m::ROLLOUT_RESPONSE_TOKENS), &math) / lengths;
+    assert!(
+        (20.0..=64.0).contains(&mean_length),
+        "mean length {mean_length}"
+    );
+    let shape = &status.controller.shape["math"];
+    assert!(
+        shape.truncated_ratio > 0.5 && shape.response_tokens_max <= 64,
+        "{shape:?}"
+    );
+    assert_eq!(shape.turns_mean, 1.0, "the simulated task is single-turn");
+    let groups = sum(&format!("{}_count", m::ROLLOUT_GROUP_SECONDS), &math);
+    let total = sum(&format!("{}_sum", m::ROLLOUT_GROUP_SECONDS), &math);
+    let engine = sum(&format!("{}_sum", m::ROLLOUT_GROUP_ENGINE_SECONDS), &math);
+    let env = sum(&format!("{}_sum", m::ROLLOUT_GROUP_ENV_SECONDS), &math);
+    assert!(
+        groups > 0.0 && engine > 0.0,
+        "{groups} groups timed, engine {engine} s"
+    );
+    assert!(
+        engine + env <= total,
+        "engine {engine} + env {env} > group {total}"
+    );
+    let bias = status
+        .controller
+        .length_bias
+        .expect("measured at each step");
+    assert!(
+        (0.0..=1.0).contains(&bias.ks_distance) && bias.bias_ratio > -1.0,
+        "{bias:?}"
+    );
+    assert!(bias.trained_rollouts > 0 && bias.generated_rollouts >= bias.trained_rollouts);
 }

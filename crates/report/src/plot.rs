@@ -9,6 +9,7 @@
 use std::path::Path;
 
 use crate::axis::Axis;
+use crate::diagnostics::{self, DiagnosticsPanel};
 use crate::error::ReportError;
 use crate::image::{Image, Rgb, text_height, text_width};
 use crate::log::StepRecord;
@@ -98,6 +99,8 @@ pub enum Series {
 pub struct RunPlot {
     image: Image,
     panels: [Panel; 2],
+    /// The second row (lengths, mismatch), when the log has its keys.
+    diagnostics: Option<[DiagnosticsPanel; 2]>,
 }
 
 impl RunPlot {
@@ -138,6 +141,15 @@ impl RunPlot {
         }];
         panel.domain_point(domain, record)
     }
+
+    /// The pixel at which `record`'s value of a second-row key (`sluice_report::keys`:
+    /// lengths, length bias, mismatch) is drawn, if the plot has the row and the record the key.
+    pub fn diagnostic_point(&self, key: &str, record: &StepRecord) -> Option<(i32, i32)> {
+        self.diagnostics
+            .as_ref()?
+            .iter()
+            .find_map(|p| p.point(key, record))
+    }
 }
 
 /// Renders the default-sized plot of `records` and writes it to `path` as PNG.
@@ -174,7 +186,16 @@ pub fn render_run(records: &[StepRecord], options: &PlotOptions) -> RunPlot {
     // Vertical layout: header rows, the axis names above each frame, then below each frame the
     // tick marks, tick labels and the x axis name.
     let top = legend_y + th + 2 * gap + th + gap;
-    let bottom = height as i32 - (2 * si + 2 * si + th + gap + th + gap);
+    let below = 2 * si + 2 * si + th + gap + th + gap;
+    let full_bottom = height as i32 - below;
+    // The second row, when wanted, takes the lower two fifths below its own labels.
+    let second_row = diagnostics::wanted(records);
+    let (bottom, row2) = if second_row {
+        let row1 = top + (full_bottom - top - below - th - 2 * gap) * 3 / 5;
+        (row1, (row1 + below + th + 2 * gap, full_bottom))
+    } else {
+        (full_bottom, (0, 0))
+    };
     let reward = reward_axis(records, ((bottom - top) / (25 * si)).clamp(2, 8) as usize);
     let accuracy = Axis::fixed(0.0, 100.0, 20.0);
     let reward_label_width = reward
@@ -209,7 +230,27 @@ pub fn render_run(records: &[StepRecord], options: &PlotOptions) -> RunPlot {
         }
         panel.draw_series(&mut image, records);
     }
-    RunPlot { image, panels }
+    let diagnostics = second_row.then(|| {
+        let frames = [(0, half), (half, width as i32)].map(|span| Frame {
+            left: span.0 + gap + reward_label_width + 4 * si,
+            top: row2.0,
+            right: span.1 - gap - accuracy_label_width - 4 * si,
+            bottom: row2.1,
+        });
+        let panels = [
+            DiagnosticsPanel::new(diagnostics::LENGTHS, records, frames[0], s),
+            DiagnosticsPanel::new(diagnostics::MISMATCH, records, frames[1], s),
+        ];
+        for p in &panels {
+            p.draw(&mut image, records);
+        }
+        panels
+    });
+    RunPlot {
+        image,
+        panels,
+        diagnostics,
+    }
 }
 
 /// [0, 1] when every reward fits (sharing the accuracy grid), else a padded nice range.

@@ -266,3 +266,58 @@ fn non_finite_values_and_odd_sizes_do_not_panic() {
         decode(&plot.image().to_png()).unwrap();
     }
 }
+
+/// A log with response lengths and mismatch gets a second row: the trained mean is drawn below
+/// the generated mean (it is shorter), later steps further right, every point inside the image
+/// and below the first row's panels; the same log without those keys keeps the one-row layout.
+#[test]
+fn lengths_and_mismatch_get_a_second_row() {
+    use sluice_report::keys as k;
+    let plain = run(20);
+    let mut records = plain.clone();
+    for r in &mut records {
+        let s = r.step as f64;
+        r.extra.insert(k::LENGTH_GENERATED_MEAN.into(), 400.0 + s);
+        r.extra.insert(k::LENGTH_TRAINED_MEAN.into(), 300.0 + s);
+        r.extra.insert(k::LENGTH_BIAS.into(), -0.2);
+        r.extra
+            .insert(k::MISMATCH_LOGPROB_ABS_MEAN.into(), 1e-3 * (1.0 + s));
+        r.extra.insert(k::MISMATCH_KL.into(), 1e-5);
+    }
+    let with = render_run(&records, &PlotOptions::default());
+    let without = render_run(&plain, &PlotOptions::default());
+    assert!(
+        without
+            .diagnostic_point(k::LENGTH_TRAINED_MEAN, &plain[3])
+            .is_none()
+    );
+    let first_row_bottom = records
+        .iter()
+        .filter_map(|r| with.point(PanelKind::Step, Series::Reward, r))
+        .map(|p| p.1)
+        .max()
+        .unwrap();
+    for r in &records {
+        let generated = with.diagnostic_point(k::LENGTH_GENERATED_MEAN, r).unwrap();
+        let trained = with.diagnostic_point(k::LENGTH_TRAINED_MEAN, r).unwrap();
+        let mismatch = with
+            .diagnostic_point(k::MISMATCH_LOGPROB_ABS_MEAN, r)
+            .unwrap();
+        assert!(trained.1 > generated.1, "{trained:?} {generated:?}");
+        assert!(generated.1 > first_row_bottom && generated.1 < 540);
+        assert!(mismatch.0 > 480, "the mismatch panel is the right one");
+    }
+    let a = with
+        .diagnostic_point(k::MISMATCH_LOGPROB_ABS_MEAN, &records[0])
+        .unwrap();
+    let b = with
+        .diagnostic_point(k::MISMATCH_LOGPROB_ABS_MEAN, &records[19])
+        .unwrap();
+    assert!(b.0 > a.0 && b.1 < a.1, "{a:?} {b:?}");
+    // The one-row plot is drawn as before: the reward points of the step panel sit lower.
+    let r = &plain[10];
+    assert!(
+        without.point(PanelKind::Step, Series::Reward, r).unwrap().1
+            > with.point(PanelKind::Step, Series::Reward, r).unwrap().1
+    );
+}

@@ -38,6 +38,6 @@ pub use error::TrainerError;
 pub use loss::{LossConfig, LossStats, LossSummary, LossTerms, TokenInputs, token_terms};
 pub use native::{NativeTrainer, SupervisedExample};
 pub use optim::{AdamW, GradAccumulator, OptimConfig, OptimError, StepReport};
-pub use report::{StepParts, StepStats, step_metrics};
+pub use report::{Mismatch, StepParts, StepStats, step_metrics};
 pub use settings::{NativeTrainerConfig, TrainerRunContext};
 pub use simulated::SimTrainer;

@@ -38,6 +38,7 @@ pub use crate::steps::minibatch_ranges;
 use crate::steps::{lap, packed, pick, record_packing, slot_index};
 
 mod update;
+use update::StartPolicy;
 
 /// Model snapshots as the model crate defines them.
 pub type ModelSnapshot = sluice_model::ModelWeights;
@@ -225,14 +226,16 @@ impl NativeTrainer {
         }
         stats.parts.scoring += lap(&mut clock);
         let mut lag_sum = 0;
-        for (packing, prox) in packings.iter().zip(&proximal) {
-            lag_sum += self.update(
-                packing,
-                prox.as_deref(),
-                temperature,
-                &mut stats,
-                |inputs| token_terms(inputs, &loss_config).map_err(TrainerError::from),
-            )?;
+        for (share, (packing, prox)) in packings.iter().zip(&proximal).enumerate() {
+            // Where the policy the step started from is, for the mismatch and the loss.
+            let start = match (share, prox.as_deref()) {
+                (0, _) => StartPolicy::Current,
+                (_, Some(p)) => StartPolicy::Proximal(p),
+                (_, None) => StartPolicy::Moved,
+            };
+            lag_sum += self.update(packing, start, temperature, &mut stats, |inputs| {
+                token_terms(inputs, &loss_config).map_err(TrainerError::from)
+            })?;
         }
         // Each share's loss is a mean over its own tokens: report their mean, not their sum.
         stats.loss.loss /= packings.len().max(1) as f64;
@@ -299,7 +302,8 @@ impl NativeTrainer {
         let packing = pack(&texts, &self.config.batcher);
         record_packing(&mut stats, std::slice::from_ref(&packing));
         stats.parts.packing = started.elapsed().as_secs_f64();
-        let lag_sum = self.update(&packing, None, 1.0, &mut stats, |inputs| {
+        // A supervised step has no engine log-probs to compare: its start policy is not asked.
+        let lag_sum = self.update(&packing, StartPolicy::Moved, 1.0, &mut stats, |inputs| {
             let mut s = LossStats {
                 tokens: inputs.logprobs.len() as u64,
                 ..LossStats::default()

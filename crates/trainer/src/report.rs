@@ -40,6 +40,59 @@ pub struct StepStats {
     pub parts: StepParts,
     /// The advantages the step gave its texts, per (domain, situation) (computed with them).
     pub situations: sluice_core::SituationAdvantages,
+    /// Trainer against engine log-probs on the lag-0 tokens (train/inference mismatch).
+    pub mismatch: Mismatch,
+}
+
+/// The train/inference mismatch of a step, summed over the tokens it compares: those generated
+/// by the weights the step starts from (lag 0), scored by the trainer on those same weights, so
+/// any difference is the two implementations' (kernels, precision, sampling temperature), not
+/// learning. With `r = trainer − behaviour` log-prob of a token, the step reports the mean and
+/// max of `|r|` and the k3 estimate of KL(engine ‖ trainer), the mean of `exp(r) − 1 − r` (≥ 0
+/// token by token, unbiased since the tokens were sampled from the engine).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Mismatch {
+    /// Tokens compared.
+    pub tokens: u64,
+    /// Sum of `|r|`.
+    pub abs_sum: f64,
+    /// Largest `|r|`.
+    pub abs_max: f64,
+    /// Sum of `exp(r) − 1 − r`.
+    pub k3_sum: f64,
+}
+
+impl Mismatch {
+    /// Adds one token: the trainer's and the engine's log-prob of it.
+    pub fn add(&mut self, trainer: f32, behaviour: f32) {
+        let r = f64::from(trainer) - f64::from(behaviour);
+        if !r.is_finite() {
+            return;
+        }
+        self.tokens += 1;
+        self.abs_sum += r.abs();
+        self.abs_max = self.abs_max.max(r.abs());
+        // exp(r) − 1 − r loses everything to cancellation for tiny r: exp_m1 keeps it.
+        self.k3_sum += r.exp_m1() - r;
+    }
+
+    /// Adds another sum (another micro-batch's).
+    pub fn merge(&mut self, other: &Mismatch) {
+        self.tokens += other.tokens;
+        self.abs_sum += other.abs_sum;
+        self.abs_max = self.abs_max.max(other.abs_max);
+        self.k3_sum += other.k3_sum;
+    }
+
+    /// Mean `|r|` (`None` without compared tokens).
+    pub fn abs_mean(&self) -> Option<f64> {
+        (self.tokens > 0).then(|| self.abs_sum / self.tokens as f64)
+    }
+
+    /// The k3 KL estimate (`None` without compared tokens).
+    pub fn kl(&self) -> Option<f64> {
+        (self.tokens > 0).then(|| self.k3_sum / self.tokens as f64)
+    }
 }
 
 /// Wall seconds of each part of a step (they add up to about the step's `seconds`).
@@ -126,5 +179,51 @@ pub fn step_metrics(stats: &StepStats, version: PolicyVersion) -> BTreeMap<Strin
         stats.processed_tokens as f64 / stats.seconds.max(1e-9),
     );
     put(m::TRAINER_TOKEN_VERSION_LAG_VERSIONS, stats.mean_lag);
+    let mismatch = &stats.mismatch;
+    put(m::TRAINER_MISMATCH_COMPARED_TOKENS, mismatch.tokens as f64);
+    if let (Some(mean), Some(kl)) = (mismatch.abs_mean(), mismatch.kl()) {
+        put(m::TRAINER_MISMATCH_LOGPROB_ABS_MEAN_NATS, mean);
+        put(m::TRAINER_MISMATCH_LOGPROB_ABS_MAX_NATS, mismatch.abs_max);
+        put(m::TRAINER_MISMATCH_KL_NATS, kl);
+    }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mismatch_is_zero_for_equal_log_probs_and_grows_with_the_gap() {
+        let mut same = Mismatch::default();
+        for lp in [-0.1f32, -2.0, -7.5] {
+            same.add(lp, lp);
+        }
+        assert_eq!(same.tokens, 3);
+        assert_eq!(
+            (same.abs_mean(), same.abs_max, same.kl()),
+            (Some(0.0), 0.0, Some(0.0))
+        );
+        let mut apart = Mismatch::default();
+        apart.add(-1.0, -1.5);
+        apart.add(-2.0, -1.9);
+        assert_eq!(apart.tokens, 2);
+        assert!((apart.abs_mean().unwrap() - 0.3).abs() < 1e-6);
+        assert!((apart.abs_max - 0.5).abs() < 1e-6);
+        let k3 = |r: f64| r.exp() - 1.0 - r;
+        let want = (k3(0.5) + k3(-0.1)) / 2.0;
+        assert!(
+            (apart.kl().unwrap() - want).abs() < 1e-6,
+            "{:?}",
+            apart.kl()
+        );
+        let mut merged = same;
+        merged.merge(&apart);
+        assert_eq!(merged.tokens, 5);
+        assert!((merged.abs_max - 0.5).abs() < 1e-6);
+        // A token with a non-finite log-prob (a masked one) is not compared.
+        apart.add(f32::NEG_INFINITY, -1.0);
+        assert_eq!(apart.tokens, 2);
+        assert_eq!(Mismatch::default().kl(), None);
+    }
 }

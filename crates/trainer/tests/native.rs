@@ -1,8 +1,11 @@
 //! The candle trainer on the tiny preset: a bandit it learns, skipped all-zero batches,
 //! publishing without aliasing, gradient accumulation equal to one big micro-batch, the
-//! supervised step, and exact resumption from a checkpoint.
+//! supervised step, exact resumption from a checkpoint, the lag-0 train/inference mismatch, and
+//! (`native/threads.rs`) steps that do not depend on the thread count.
 
 mod common;
+#[path = "native/threads.rs"]
+mod threads;
 
 use std::sync::Arc;
 
@@ -145,6 +148,15 @@ fn a_one_step_bandit_learns_the_rewarded_answer() {
         if out.weights.is_none() {
             skipped += 1;
             assert!(out.metrics.contains_key(m::TRAINER_SKIPPED_STEPS));
+        } else {
+            // Behaviour log-probs of the very weights the step starts from: no mismatch.
+            let lp = |name: &str| out.metrics[name];
+            assert_eq!(lp(m::TRAINER_MISMATCH_COMPARED_TOKENS), 8.0);
+            assert!(
+                lp(m::TRAINER_MISMATCH_LOGPROB_ABS_MEAN_NATS) < 1e-4,
+                "{:?}",
+                out.metrics
+            );
         }
     }
     let end = next_token_probs(&trainer, &prompt)[rewarded as usize];
@@ -245,43 +257,6 @@ fn accumulating_micro_batches_equals_one_large_micro_batch() {
                 assert!((x - y).abs() <= 1e-5, "{kind:?}: {x} vs {y}");
             }
         }
-    }
-}
-
-#[test]
-fn data_parallel_micro_batches_take_the_serial_steps_bit_for_bit() {
-    // Four one-row micro-batches over 1, 2 and 3 compute threads: worker w trains micro-batches
-    // w, w + k, … and their gradients are added in micro-batch order, so every thread count
-    // takes the serial steps exactly (a warm-up or an RL run follows one trajectory whatever
-    // `trainer.threads` is).
-    let run = |threads: usize| {
-        let mut c = config(0.01, 1);
-        c.threads = threads;
-        c.batcher.share_prompts = false;
-        c.loss.kind = LossKind::DecoupledPpo;
-        c.minibatches = 2;
-        let mut t = NativeTrainer::new(tiny(8), c, None).unwrap();
-        let mut norms = Vec::new();
-        for _ in 0..2 {
-            let (s, _) = t.rl_step(&fixed_batch()).unwrap();
-            assert_eq!(
-                s.micro_batches, 4,
-                "two minibatches of two one-row micro-batches"
-            );
-            norms.push(s.optim.unwrap().grad_norm);
-        }
-        let examples = [SupervisedExample {
-            prompt: &[10, 11, 12],
-            completion: &[20, 21, 22, 23, 24, 25, 26, 27, 28, 29],
-        }; 3];
-        let (s, _) = t.supervised_step(&examples).unwrap();
-        assert!(s.micro_batches >= 3, "{}", s.micro_batches);
-        norms.push(s.optim.unwrap().grad_norm);
-        (norms, params(&t))
-    };
-    let serial = run(1);
-    for threads in [2, 3] {
-        assert!(run(threads) == serial, "{threads} threads");
     }
 }
 
@@ -480,6 +455,16 @@ fn minibatches_take_an_update_each_and_clip_against_the_step_start() {
     );
     assert_eq!(w2.expect("published").version, PolicyVersion(1));
     assert_eq!((s1.trained_tokens, s2.trained_tokens), (24, 24));
+    // Every token is version 0's, the weights the step starts from: all are compared with the
+    // batch's made-up behaviour log-probs, by the first share's forward or by the proximal
+    // log-probs taken at the start, so one and two updates measure the same mismatch.
+    assert_eq!((s1.mismatch.tokens, s2.mismatch.tokens), (24, 24));
+    let (a, b) = (
+        s1.mismatch.abs_mean().unwrap(),
+        s2.mismatch.abs_mean().unwrap(),
+    );
+    assert!(a > 0.1 && (a - b).abs() < 1e-4, "{a} vs {b}");
+    assert!(s1.mismatch.kl().unwrap() > 0.0);
     // One update: the proximal policy is the current one, the ratio is 1, nothing is clipped.
     let clipped = |s: &sluice_trainer::report::StepStats| {
         let l = s.loss.summary();
@@ -490,40 +475,4 @@ fn minibatches_take_an_update_each_and_clip_against_the_step_start() {
     // step's starting policy, and the clip engages.
     assert!(clipped(&s2) > 0.0, "{:?}", s2.loss.summary());
     assert_ne!(params(&single), params(&split));
-}
-
-#[test]
-fn the_thread_count_does_not_change_a_step() {
-    // One large micro-batch (the split inside each product and each fused kernel) and several
-    // (data-parallel micro-batches): every thread count takes the same step, bit for bit.
-    let prompt: Vec<u32> = (10..30).collect();
-    let completion: Vec<u32> = (0..120).map(|i| 30 + i % 70).collect();
-    let run = |threads: usize, rows: usize| {
-        let mut c = config(0.01, rows);
-        c.batcher.row_len = 256;
-        c.threads = threads;
-        let mut t = NativeTrainer::new(tiny(8), c, None).unwrap();
-        let ex = vec![
-            SupervisedExample {
-                prompt: &prompt,
-                completion: &completion,
-            };
-            48
-        ];
-        let (s, _) = t.supervised_step(&ex).unwrap();
-        (s.optim.unwrap().grad_norm, params(&t))
-    };
-    for rows in [32, 8] {
-        let serial = run(1, rows);
-        for threads in [2, 3] {
-            let other = run(threads, rows);
-            let differ: Vec<usize> = (0..serial.1.len())
-                .filter(|&i| serial.1[i] != other.1[i])
-                .collect();
-            assert!(
-                differ.is_empty() && serial.0 == other.0,
-                "{rows} rows, {threads} threads: parameters {differ:?} differ"
-            );
-        }
-    }
 }

@@ -8,6 +8,7 @@
 
 mod end;
 mod evaluations;
+mod figures;
 mod lifecycle;
 mod monitor;
 mod native;

@@ -19,6 +19,7 @@ use tokio::sync::mpsc;
 
 use super::end::RunEnd;
 use super::evaluations::{DomainAccuracy, Evaluations, Scores};
+use super::figures::{self, Shapes};
 use crate::handles::{DomainEvalStatus, EvalStatus};
 use crate::node::{Node, NodeStatus};
 use sluice_actors::ActorError;
@@ -121,6 +122,8 @@ pub struct RunMonitor {
     reward_mean: f64,
     reward_smoothed: Option<f64>,
     version_lag_mean: f64,
+    /// Rollout shapes and the length bias at the last look.
+    shapes: Shapes,
 }
 
 impl RunMonitor {
@@ -160,6 +163,7 @@ impl RunMonitor {
             reward_mean: 0.0,
             reward_smoothed: None,
             version_lag_mean: 0.0,
+            shapes: Shapes::default(),
         }
     }
 
@@ -338,6 +342,7 @@ impl RunMonitor {
                 extra.insert(format!("groups.{domain}"), n as f64);
             }
         }
+        figures::add(&mut extra, step, &self.shapes);
         if let Some(s) = scores {
             extra.insert("train_accuracy".to_owned(), s.train);
             if let Some(k) = &s.sampled {
@@ -377,6 +382,10 @@ impl RunMonitor {
             status.controller.finished_rollouts,
             status.controller.reward_sum,
         );
+        self.shapes = Shapes {
+            domains: status.controller.shape.clone(),
+            length_bias: status.controller.length_bias,
+        };
         let now = Instant::now();
         let tokens: u64 = status.engines.iter().map(|e| e.generated_tokens).sum();
         self.tokens.push_back((now, tokens));

@@ -145,3 +145,73 @@ async fn the_tail_batch_triggers_at_its_size_without_over_sending() {
         "fresh groups were admitted during a tail round"
     );
 }
+
+/// The long-tail workload of `configs/sim_longtail.toml` (lognormal lengths, median 64, σ 1.2)
+/// for `steps` steps at a fast time scale, with the staleness knobs of `rollout`.
+async fn long_tail(steps: u64, rollout: sluice_core::Knobs) -> NodeStatus {
+    let text = include_str!("../../../../configs/sim_longtail.toml");
+    let mut config = sluice_config::parse(text, "configs/sim_longtail.toml", &[], &|_| None)
+        .expect("the recipe is valid");
+    config.run.max_steps = std::num::NonZeroU64::new(steps).unwrap();
+    config.engine.simulated.time_scale = 0.02;
+    config.metrics.enabled = false;
+    config.rollout.knobs = rollout;
+    let node = Node::start(&config, NodeOptions::default()).await.unwrap();
+    let status = node
+        .wait_done(Duration::from_secs(120), |_| {})
+        .await
+        .unwrap();
+    common::check_invariants(&status);
+    node.shutdown().await;
+    status
+}
+
+/// Groups that entered the expired bucket.
+fn expired(s: &NodeStatus) -> u64 {
+    let t = &s.replay.counters.transitions;
+    t.iter()
+        .filter(|(t, _)| t.to == sluice_replay::Bucket::Expired)
+        .map(|(_, n)| n)
+        .sum()
+}
+
+/// Length bias on a long tail: with in-flight updates and η = 1, a long rollout's first tokens
+/// fall past η before it ends, so its group expires and the trainer sees the others: the
+/// trained mean length falls short of the generated one (expired groups count as generated).
+/// With η wide enough that nothing expires, both sides have the same mean.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expiry_on_a_long_tail_shows_as_length_bias() {
+    let base = sluice_config::parse(
+        include_str!("../../../../configs/sim_longtail.toml"),
+        "sim_longtail.toml",
+        &[],
+        &|_| None,
+    )
+    .unwrap()
+    .rollout
+    .knobs;
+    let tight = sluice_core::Knobs {
+        max_version_lag: 1,
+        staleness_threshold: 1.0,
+        ..base.clone()
+    };
+    let wide = sluice_core::Knobs {
+        max_version_lag: 16,
+        staleness_threshold: 1.0,
+        ..base
+    };
+    let biased = long_tail(30, tight).await;
+    let fair = long_tail(30, wide).await;
+    let bias = |s: &NodeStatus| s.controller.length_bias.expect("measured at every step");
+    let (b, f) = (bias(&biased), bias(&fair));
+    eprintln!("η = 1: {b:?}\nη = 16: {f:?}");
+    assert!(expired(&biased) > 0, "nothing expired: {:?}", biased.replay);
+    assert_eq!(expired(&fair), 0, "{:?}", fair.replay);
+    assert!(b.generated_rollouts > b.trained_rollouts);
+    assert!(b.bias_ratio < -0.05, "trained as long as generated: {b:?}");
+    assert!(f.bias_ratio.abs() < 0.04, "{f:?}");
+    assert!(
+        b.bias_ratio < f.bias_ratio - 0.04,
+        "η = 1 {b:?}, η = 16 {f:?}"
+    );
+}

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use sluice_actors::trainer::{STEP_FEED_CAPACITY, StepEvent};
+use sluice_actors::trainer::{MismatchStatus, STEP_FEED_CAPACITY, StepEvent};
 use sluice_config::Config;
 use sluice_core::{Message, RolloutStatus};
 use sluice_engine::{NativeEngineParams, SamplingParams};
@@ -111,6 +111,31 @@ async fn native_pipeline_trains_scores_and_keeps_the_lag_bound() {
     );
     let latest = steps[3].weights.as_ref().expect("published weights");
     assert_eq!(latest.version.0, 4, "every step published a version");
+    check_mismatch_at_lag_zero(&steps, &status);
+}
+
+/// The engine replicas decode with the f32 weights the trainer published: on the tokens of the
+/// weights a step starts from (lag 0; every token of step 1), the trainer's log-probs are the
+/// engine's but for kernel rounding.
+fn check_mismatch_at_lag_zero(steps: &[Arc<StepEvent>], status: &sluice_node::NodeStatus) {
+    let compared: Vec<MismatchStatus> = steps
+        .iter()
+        .filter_map(|s| MismatchStatus::of(s.step, &s.metrics))
+        .collect();
+    assert_eq!(
+        compared.first().map(|m| m.step),
+        Some(1),
+        "step 1 trains only version-0 tokens: {compared:?}"
+    );
+    assert!(compared[0].tokens > 0 && compared[0].tokens <= steps[0].trained_tokens);
+    for m in &compared {
+        eprintln!("lag-0 mismatch: {m:?}");
+        assert!(
+            m.logprob_abs_mean < 1e-3 && m.logprob_abs_max < 1e-2 && m.kl.abs() < 1e-5,
+            "engine and trainer disagree on the same weights: {m:?}"
+        );
+    }
+    assert_eq!(status.trainer.mismatch, compared.last().copied());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
