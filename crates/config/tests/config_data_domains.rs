@@ -287,3 +287,22 @@ fn sandbox_limits_parse_round_trip_and_name_a_bad_key() {
     .to_string();
     assert!(err.contains("network"), "{err}");
 }
+
+#[test]
+fn a_domains_gamma_is_a_discount_in_zero_one() {
+    let c = load("[data]\ndatasets = [\"walk::episodic\"]\n[data.domains.walk]\ngamma = 0.8\n")
+        .unwrap();
+    assert_eq!(c.data.domain_options["walk"].gamma, Some(0.8));
+    let printed = toml::to_string(&c).unwrap();
+    assert_eq!(load(&printed).unwrap(), c);
+    for bad in ["0", "1.5", "-0.1"] {
+        let text = format!(
+            "[data]\ndatasets = [\"walk::episodic\"]\n[data.domains.walk]\ngamma = {bad}\n"
+        );
+        let err = load(&text).unwrap_err().to_string();
+        assert!(
+            err.starts_with("t.toml: data.domains.walk.gamma: expected a number in (0, 1]"),
+            "{err}"
+        );
+    }
+}

@@ -18,6 +18,7 @@
 use sluice_core::config::Secret;
 use sluice_data::config::{DataConfig, DomainConfig, DomainRubric, DomainSandbox};
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -39,6 +40,33 @@ pub const ENV_TOKEN_VAR: &str = "SLUICE_ENV_TOKEN";
 /// (`supervision.env_step_timeout_s`).
 pub fn registry(data: &DataConfig, env_step_timeout: Duration) -> Result<TaskRegistry, EnvError> {
     configure(TaskRegistry::builtin(), data, env_step_timeout, env_token())
+}
+
+/// The discount per turn of each domain whose episodes have one of their own, for the trainer's
+/// advantages: `data.domains.<d>.gamma`, else the discount of the built-in task that serves the
+/// domain (the `episodic` task's γ = 0.9). A domain left out takes `trainer.gamma`.
+pub fn domain_gammas(data: &DataConfig) -> BTreeMap<String, f64> {
+    let builtin = TaskRegistry::builtin();
+    let mut domains = data.domains();
+    domains.extend(data.domain_options.keys().cloned());
+    domains
+        .into_iter()
+        .filter_map(|domain| {
+            let options = data
+                .domain_options
+                .get(&domain)
+                .cloned()
+                .unwrap_or_default();
+            if let Some(gamma) = options.gamma {
+                return Some((domain, gamma));
+            }
+            let key = format!("data.domains.{domain}");
+            // A domain whose task cannot be resolved is refused when the registry is built.
+            let task = serving_task(data, &domain, &options, &key).ok().flatten()?;
+            let discount = builtin.get(&task).ok()?.discount()?;
+            Some((domain, discount.gamma))
+        })
+        .collect()
 }
 
 /// `$SLUICE_ENV_TOKEN`, trimmed as `sluice env-server` trims it, when set and not empty.

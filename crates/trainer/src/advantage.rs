@@ -36,6 +36,9 @@ pub struct AdvantageConfig {
     pub normalize_std: bool,
     /// Discount of the final signal per turn back from the end, in (0, 1].
     pub gamma: f64,
+    /// The discount of the domains with their own (`data.domains.<d>.gamma`, or the task's own
+    /// discount): a group takes its sample's domain's, else `gamma`.
+    pub domain_gamma: BTreeMap<String, f64>,
     /// Keep only the last turn of each rollout.
     pub only_keep_outcome: bool,
     /// Situational only: pad shorter rollouts so every rollout enters every situation baseline
@@ -55,11 +58,19 @@ impl Default for AdvantageConfig {
             kind: AdvantageKind::Group,
             normalize_std: true,
             gamma: 1.0,
+            domain_gamma: BTreeMap::new(),
             only_keep_outcome: false,
             pad_situations: false,
             drop_zero_signal_situations: false,
             filter_zero_advantage: true,
         }
+    }
+}
+
+impl AdvantageConfig {
+    /// The discount of `domain`'s episodes.
+    pub fn gamma_for(&self, domain: &str) -> f64 {
+        self.domain_gamma.get(domain).copied().unwrap_or(self.gamma)
     }
 }
 
@@ -166,6 +177,7 @@ fn group_texts<'a>(
         .collect();
     let rewards: Vec<f64> = trainable.iter().map(|(_, r)| r.reward).collect();
     let (mean, std) = mean_std(&rewards);
+    let gamma = config.gamma_for(&group.sample.domain);
     let mut texts = Vec::new();
     for (ri, rollout) in trainable {
         let mut adv = rollout.reward - mean;
@@ -173,7 +185,7 @@ fn group_texts<'a>(
             adv /= std + STD_EPSILON;
         }
         let kept = kept_turns(&rollout.turns, config.only_keep_outcome);
-        let scales = discounted(1.0, kept.len(), config.gamma);
+        let scales = discounted(1.0, kept.len(), gamma);
         for ((ti, turn), scale) in kept.into_iter().zip(scales) {
             texts.push(ScoredText {
                 group: g,
@@ -202,13 +214,14 @@ fn situational_texts<'a>(
     // Situation → texts of the group in it, and each rollout's representative reward.
     let mut buckets: BTreeMap<Option<&str>, Vec<Pending<'a>>> = BTreeMap::new();
     let mut rollout_rewards: Vec<(usize, f64)> = Vec::new();
+    let gamma = config.gamma_for(&group.sample.domain);
     for (ri, rollout) in group.rollouts.iter().enumerate() {
         if !rollout.status.is_trainable() {
             continue;
         }
         rollout_rewards.push((ri, rollout.reward));
         let kept = kept_turns(&rollout.turns, config.only_keep_outcome);
-        let values = discounted(rollout.reward, kept.len(), config.gamma);
+        let values = discounted(rollout.reward, kept.len(), gamma);
         for ((ti, turn), value) in kept.into_iter().zip(values) {
             buckets
                 .entry(turn.situation.as_deref())

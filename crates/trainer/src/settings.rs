@@ -71,6 +71,8 @@ impl NativeTrainerConfig {
                 kind: t.advantage,
                 normalize_std: t.normalize_advantage_std,
                 gamma: t.gamma,
+                // Per domain: filled in by whoever knows the domains' tasks.
+                domain_gamma: Default::default(),
                 only_keep_outcome: t.only_keep_outcome,
                 pad_situations: t.pad_situations,
                 drop_zero_signal_situations: t.drop_zero_signal_situations,

@@ -80,6 +80,56 @@ fn multi_turn_rollouts_are_discounted_and_outcome_only_keeps_the_last_turn() {
     assert_eq!(advantages(&outcome), [0.5, -0.5]);
 }
 
+/// A domain with its own γ (`data.domains.<d>.gamma` or its task's discount) discounts its
+/// groups by it; the other domains keep `trainer.gamma`.
+#[test]
+fn each_domain_is_discounted_by_its_own_gamma() {
+    let two = || {
+        vec![
+            turn(&[1], &[2], -1.0, 0, None),
+            turn(&[1, 2, 3], &[4], -1.0, 0, None),
+        ]
+    };
+    let math = group(1, &[1.0, 0.0], vec![two(), two()]);
+    let mut walk = group(2, &[1.0, 0.0], vec![two(), two()]);
+    std::sync::Arc::make_mut(&mut walk.sample).domain = "walk".into();
+    let mut c = config(AdvantageKind::Group, false);
+    c.gamma = 0.9;
+    c.domain_gamma.insert("walk".into(), 0.5);
+    assert_eq!(c.gamma_for("walk"), 0.5);
+    assert_eq!(c.gamma_for("math"), 0.9);
+    let groups = [math, walk];
+    let batch = compute_advantages(&groups, &c);
+    let want = [
+        0.9 * 0.5,
+        0.5,
+        0.9 * -0.5,
+        -0.5,
+        0.5 * 0.5,
+        0.5,
+        0.5 * -0.5,
+        -0.5,
+    ];
+    let got = advantages(&batch);
+    assert_eq!(got.len(), want.len());
+    for (a, w) in got.iter().zip(want) {
+        close(*a, w, 1e-6, "per-domain discount");
+    }
+    // Situational advantages discount by the domain's γ too.
+    c.kind = AdvantageKind::Situational;
+    let mut walk = group(3, &[1.0, 0.0], vec![two(), two()]);
+    std::sync::Arc::make_mut(&mut walk.sample).domain = "walk".into();
+    let groups = [walk];
+    let batch = compute_advantages(&groups, &c);
+    // Values 0.5·R then R per rollout; one bucket (no labels): mean 0.375.
+    for (a, w) in advantages(&batch)
+        .iter()
+        .zip([0.125, 0.625, -0.375, -0.375])
+    {
+        close(*a, w, 1e-6, "situational per-domain discount");
+    }
+}
+
 #[test]
 fn zero_advantage_groups_are_filtered_and_an_all_zero_batch_is_empty() {
     let groups = [

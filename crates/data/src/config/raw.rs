@@ -22,6 +22,9 @@ pub struct RawDomain {
     pub rubric: Option<RawRubric>,
     /// Tokens per model turn in this domain (default `rollout.max_new_tokens`).
     pub max_new_tokens: Option<i64>,
+    /// Discount per turn back from the end of this domain's episodes, in (0, 1] (default: the
+    /// task's own discount, else `trainer.gamma`).
+    pub gamma: Option<f64>,
     /// Held-out set the domain is evaluated on: a dataset `name[@split]` (default: the task's
     /// generated held-out split).
     pub eval_dataset: Option<String>,

@@ -34,6 +34,10 @@ pub struct DomainConfig {
     /// Tokens per model turn (`None`: `rollout.max_new_tokens`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_new_tokens: Option<std::num::NonZeroU32>,
+    /// Discount per turn back from the end of an episode, in (0, 1] (`None`: the task's own
+    /// discount, else `trainer.gamma`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gamma: Option<f64>,
     /// Held-out dataset, `name[@split]` (`None`: the task's generated held-out split).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub eval_dataset: Option<String>,

@@ -105,6 +105,14 @@ fn validate_domain(name: &str, raw: RawDomain, ctx: &Ctx<'_>) -> Result<DomainCo
         .max_new_tokens
         .map(|v| non_zero_u32(ctx, &format!("{key}.max_new_tokens"), v))
         .transpose()?;
+    let gamma = raw
+        .gamma
+        .map(|v| {
+            number(ctx, &format!("{key}.gamma"), v, "a number in (0, 1]", |v| {
+                v > 0.0 && v <= 1.0
+            })
+        })
+        .transpose()?;
     if let Some(spec) = &raw.eval_dataset {
         let (name, split) = spec.split_once('@').unwrap_or((spec, "eval"));
         if !is_name(name) || !is_name(split) {
@@ -154,6 +162,7 @@ fn validate_domain(name: &str, raw: RawDomain, ctx: &Ctx<'_>) -> Result<DomainCo
         env_nodes: raw.env_nodes,
         rubric,
         max_new_tokens,
+        gamma,
         eval_dataset: raw.eval_dataset,
         warmup_target_accuracy,
         question_field: raw.question_field,

@@ -258,7 +258,7 @@ pub fn env_limits(config: &Config, context: usize) -> TokenEnvLimits {
 /// The native trainer's settings of `config`: its `[trainer]` section and what the trainer takes
 /// from the other sections.
 pub fn native_trainer_config(config: &Config) -> NativeTrainerConfig {
-    NativeTrainerConfig::from_config(
+    let mut settings = NativeTrainerConfig::from_config(
         &config.trainer,
         &TrainerRunContext {
             max_steps: config.run.max_steps.get(),
@@ -268,5 +268,8 @@ pub fn native_trainer_config(config: &Config) -> NativeTrainerConfig {
             filter_zero_advantage: config.replay.filter_zero_advantage,
             native_engine_in_process: config.engine.backend == EngineBackend::Native,
         },
-    )
+    );
+    // Each domain's episodes are discounted by their own γ where they have one.
+    settings.advantage.domain_gamma = sluice_env::configured::domain_gammas(&config.data);
+    settings
 }

@@ -220,3 +220,28 @@ async fn a_domain_on_an_env_server_fails_a_fork_bomb_and_scores_the_next_answer(
     let _ = stop.send(());
     server.await.unwrap().unwrap();
 }
+
+/// Each domain's discount reaches the trainer's advantages: the `episodic` task's own γ, a
+/// domain's `gamma` key over it, and `trainer.gamma` for the rest.
+#[test]
+fn each_domains_discount_reaches_the_trainers_advantages() {
+    let c = config(
+        r#"
+        [trainer]
+        gamma = 0.95
+        [data]
+        datasets = ["walk::episodic", "maze::episodic", "math::arithmetic"]
+        [data.domains.maze]
+        gamma = 0.5
+        "#,
+    );
+    let advantage = sluice_node::native::setup::native_trainer_config(&c).advantage;
+    assert_eq!(
+        advantage.gamma_for("walk"),
+        0.9,
+        "the episodic task's own γ"
+    );
+    assert_eq!(advantage.gamma_for("maze"), 0.5, "the domain's key");
+    assert_eq!(advantage.gamma_for("math"), 0.95, "trainer.gamma");
+    assert!(!advantage.domain_gamma.contains_key("math"));
+}
