@@ -66,11 +66,40 @@ pub(crate) const MISMATCH: PanelSpec = PanelSpec {
     }],
 };
 
+/// Group time from admission to stored, its engine/env split, and truncation.
+pub(crate) const TIMES: PanelSpec = PanelSpec {
+    title: "group time (s)",
+    left: &[
+        Line {
+            key: k::TIME_GROUP_SECONDS,
+            label: "group",
+            colour: Rgb(31, 119, 180),
+        },
+        Line {
+            key: k::TIME_ENGINE_SECONDS,
+            label: "engine",
+            colour: Rgb(44, 160, 44),
+        },
+        Line {
+            key: k::TIME_ENV_SECONDS,
+            label: "env",
+            colour: Rgb(255, 127, 14),
+        },
+    ],
+    right: &[Line {
+        key: k::TRUNCATED_RATIO,
+        label: "truncated",
+        colour: Rgb(214, 39, 40),
+    }],
+};
+
+/// The second row's panels, left to right.
+pub(crate) const ROW: [PanelSpec; 3] = [LENGTHS, TIMES, MISMATCH];
+
 /// Whether `records` have anything for the second row.
 pub(crate) fn wanted(records: &[StepRecord]) -> bool {
     records.iter().any(|r| {
-        [LENGTHS, MISMATCH]
-            .iter()
+        ROW.iter()
             .flat_map(|p| p.left.iter().chain(p.right))
             .any(|l| r.extra.contains_key(l.key))
     })

@@ -17,5 +17,13 @@ pub const MISMATCH_LOGPROB_ABS_MEAN: &str = "mismatch.logprob_abs_mean";
 pub const MISMATCH_LOGPROB_ABS_MAX: &str = "mismatch.logprob_abs_max";
 /// k3 estimate of KL(engine ‖ trainer) over those tokens, nats per token.
 pub const MISMATCH_KL: &str = "mismatch.kl";
+/// Mean seconds of a group from admission to stored, over every domain's timed groups.
+pub const TIME_GROUP_SECONDS: &str = "time.group_seconds";
+/// Of that, mean seconds per rollout waiting on the engine.
+pub const TIME_ENGINE_SECONDS: &str = "time.engine_seconds";
+/// Of that, mean seconds per rollout waiting on the environment.
+pub const TIME_ENV_SECONDS: &str = "time.env_seconds";
+/// Fraction of the finished rollouts truncated, over every domain's shape window.
+pub const TRUNCATED_RATIO: &str = "rollout.truncated_ratio";
 /// Prefix of each domain's rollout figures: `rollout.<domain>.<figure>`.
 pub const ROLLOUT_PREFIX: &str = "rollout.";

@@ -99,8 +99,8 @@ pub enum Series {
 pub struct RunPlot {
     image: Image,
     panels: [Panel; 2],
-    /// The second row (lengths, mismatch), when the log has its keys.
-    diagnostics: Option<[DiagnosticsPanel; 2]>,
+    /// The second row (lengths, group times, mismatch), when the log has its keys.
+    diagnostics: Option<[DiagnosticsPanel; 3]>,
 }
 
 impl RunPlot {
@@ -143,7 +143,7 @@ impl RunPlot {
     }
 
     /// The pixel at which `record`'s value of a second-row key (`sluice_report::keys`:
-    /// lengths, length bias, mismatch) is drawn, if the plot has the row and the record the key.
+    /// lengths, length bias, group times, truncation, mismatch) is drawn, if the plot has the row and the record the key.
     pub fn diagnostic_point(&self, key: &str, record: &StepRecord) -> Option<(i32, i32)> {
         self.diagnostics
             .as_ref()?
@@ -231,16 +231,17 @@ pub fn render_run(records: &[StepRecord], options: &PlotOptions) -> RunPlot {
         panel.draw_series(&mut image, records);
     }
     let diagnostics = second_row.then(|| {
-        let frames = [(0, half), (half, width as i32)].map(|span| Frame {
-            left: span.0 + gap + reward_label_width + 4 * si,
-            top: row2.0,
-            right: span.1 - gap - accuracy_label_width - 4 * si,
-            bottom: row2.1,
+        let third = width as i32 / 3;
+        let panels = [0, 1, 2].map(|i| {
+            let span = (i * third, (i + 1) * third);
+            let frame = Frame {
+                left: span.0 + gap + reward_label_width + 4 * si,
+                top: row2.0,
+                right: span.1 - gap - accuracy_label_width - 4 * si,
+                bottom: row2.1,
+            };
+            DiagnosticsPanel::new(diagnostics::ROW[i as usize], records, frame, s)
         });
-        let panels = [
-            DiagnosticsPanel::new(diagnostics::LENGTHS, records, frames[0], s),
-            DiagnosticsPanel::new(diagnostics::MISMATCH, records, frames[1], s),
-        ];
         for p in &panels {
             p.draw(&mut image, records);
         }

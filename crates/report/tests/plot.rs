@@ -267,9 +267,10 @@ fn non_finite_values_and_odd_sizes_do_not_panic() {
     }
 }
 
-/// A log with response lengths and mismatch gets a second row: the trained mean is drawn below
-/// the generated mean (it is shorter), later steps further right, every point inside the image
-/// and below the first row's panels; the same log without those keys keeps the one-row layout.
+/// A log with response lengths, group times and mismatch gets a second row of three panels: the
+/// trained mean is drawn below the generated mean (it is shorter), the engine share below the
+/// whole group time, later steps further right, every point inside the image and below the first
+/// row's panels; the same log without those keys keeps the one-row layout.
 #[test]
 fn lengths_and_mismatch_get_a_second_row() {
     use sluice_report::keys as k;
@@ -283,6 +284,10 @@ fn lengths_and_mismatch_get_a_second_row() {
         r.extra
             .insert(k::MISMATCH_LOGPROB_ABS_MEAN.into(), 1e-3 * (1.0 + s));
         r.extra.insert(k::MISMATCH_KL.into(), 1e-5);
+        r.extra.insert(k::TIME_GROUP_SECONDS.into(), 2.0 + 0.1 * s);
+        r.extra.insert(k::TIME_ENGINE_SECONDS.into(), 1.0);
+        r.extra.insert(k::TIME_ENV_SECONDS.into(), 0.2);
+        r.extra.insert(k::TRUNCATED_RATIO.into(), 0.1);
     }
     let with = render_run(&records, &PlotOptions::default());
     let without = render_run(&plain, &PlotOptions::default());
@@ -303,8 +308,15 @@ fn lengths_and_mismatch_get_a_second_row() {
         let mismatch = with
             .diagnostic_point(k::MISMATCH_LOGPROB_ABS_MEAN, r)
             .unwrap();
+        let group = with.diagnostic_point(k::TIME_GROUP_SECONDS, r).unwrap();
+        let engine = with.diagnostic_point(k::TIME_ENGINE_SECONDS, r).unwrap();
         assert!(trained.1 > generated.1, "{trained:?} {generated:?}");
         assert!(generated.1 > first_row_bottom && generated.1 < 540);
+        assert!(engine.1 > group.1, "{engine:?} {group:?}");
+        assert!(
+            generated.0 < group.0 && group.0 < mismatch.0,
+            "lengths, times, mismatch from left to right: {generated:?} {group:?} {mismatch:?}"
+        );
         assert!(mismatch.0 > 480, "the mismatch panel is the right one");
     }
     let a = with

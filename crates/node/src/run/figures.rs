@@ -18,6 +18,40 @@ pub(super) struct Shapes {
     pub length_bias: Option<LengthBiasStatus>,
 }
 
+/// The run-wide figures the plot draws: group times weighted by each domain's timed groups,
+/// the truncated ratio by each domain's window of rollouts.
+fn add_run_wide(put: &mut impl FnMut(String, f64), shapes: &Shapes) {
+    let weighted = |weight: &dyn Fn(&DomainShapeStatus) -> f64,
+                    value: &dyn Fn(&DomainShapeStatus) -> Option<f64>| {
+        let (sum, weights) = shapes
+            .domains
+            .values()
+            .filter_map(|s| value(s).map(|v| (v * weight(s), weight(s))))
+            .fold((0.0, 0.0), |(a, b), (v, w)| (a + v, b + w));
+        (weights > 0.0).then(|| sum / weights)
+    };
+    let timed = |s: &DomainShapeStatus| s.timed_groups as f64;
+    for (key, value) in [
+        (
+            k::TIME_GROUP_SECONDS,
+            weighted(&timed, &|s| s.group_seconds),
+        ),
+        (
+            k::TIME_ENGINE_SECONDS,
+            weighted(&timed, &|s| s.engine_seconds),
+        ),
+        (k::TIME_ENV_SECONDS, weighted(&timed, &|s| s.env_seconds)),
+        (
+            k::TRUNCATED_RATIO,
+            weighted(&|s| s.window_rollouts as f64, &|s| Some(s.truncated_ratio)),
+        ),
+    ] {
+        if let Some(v) = value {
+            put(key.into(), v);
+        }
+    }
+}
+
 /// Adds `step`'s rollout, length and mismatch keys to `extra`.
 pub(super) fn add(extra: &mut BTreeMap<String, f64>, step: &StepEvent, shapes: &Shapes) {
     let mut put = |key: String, v: f64| {
@@ -35,6 +69,7 @@ pub(super) fn add(extra: &mut BTreeMap<String, f64>, step: &StepEvent, shapes: &
         put(k::LENGTH_BIAS.into(), b.bias_ratio);
         put(k::LENGTH_KS_DISTANCE.into(), b.ks_distance);
     }
+    add_run_wide(&mut put, shapes);
     for (domain, s) in &shapes.domains {
         let key = |figure: &str| format!("{}{domain}.{figure}", k::ROLLOUT_PREFIX);
         put(key("response_tokens_mean"), s.response_tokens_mean);

@@ -12,6 +12,7 @@ use sluice_actors::trainer::STEP_FEED_CAPACITY;
 use sluice_config::Config;
 use sluice_node::run::{RunEnd, RunMonitor, Start};
 use sluice_node::{Node, NodeOptions};
+use sluice_report::keys as k;
 use sluice_report::{MetricsLog, read_log};
 
 /// Runs `config` to its end under a monitor; returns how it ended and the step it started at.
@@ -68,6 +69,28 @@ async fn the_monitor_logs_every_step_once_and_a_restart_continues_the_log() {
         assert_eq!(r.policy_version.map(|v| v.0), Some(r.step), "{r:?}");
         assert!(r.extra.contains_key("trained_reward_mean"), "{r:?}");
     }
+    // What the rollouts look like reaches the log once the monitor has seen the controller's
+    // figures (from its second look on): lengths, group times and their split, truncation.
+    let last = records.last().unwrap();
+    for key in [
+        k::LENGTH_TRAINED_MEAN,
+        k::LENGTH_GENERATED_MEAN,
+        k::LENGTH_BIAS,
+        k::TIME_GROUP_SECONDS,
+        k::TIME_ENGINE_SECONDS,
+        k::TIME_ENV_SECONDS,
+        k::TRUNCATED_RATIO,
+    ] {
+        assert!(last.extra.contains_key(key), "{key} missing: {last:?}");
+    }
+    let (group, engine) = (
+        last.extra[k::TIME_GROUP_SECONDS],
+        last.extra[k::TIME_ENGINE_SECONDS],
+    );
+    assert!(
+        group > 0.0 && engine <= group,
+        "group {group} s, engine {engine} s"
+    );
 
     // The same run with a larger budget resumes at step 6 and logs steps 7..=10 after them.
     config.run.max_steps = NonZeroU64::new(10).unwrap();
