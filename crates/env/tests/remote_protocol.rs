@@ -194,6 +194,9 @@ async fn bad_bodies_answer_the_documented_json_error_shape() {
     // An unknown route.
     let (status, body) = server.call("GET", "/v2/nothing", &[], "").await;
     assert_eq!((status, kind(&body)), (404, "unknown_route"), "{body}");
+    // The shape every Sluice API answers (sluice_http::api), `kind` on top for env clients.
+    assert_eq!(body["error"]["type"], "unknown_route", "{body}");
+    assert_eq!(body["error"]["code"], 404, "{body}");
     server.stop().await;
 }
 

@@ -6,7 +6,9 @@
 //! (OpenAI's shape, which OpenAI clients of the inference server parse): `type` is a short
 //! stable name (`invalid_json`, `authentication_error`, …), `param` the request field at fault
 //! or `null`, `code` the status again. A 401 carries `WWW-Authenticate: Bearer`, a 503 from an
-//! overloaded server `Retry-After`.
+//! overloaded server `Retry-After`. A protocol that documents more members of the error object
+//! (the env protocol's `kind` and `deadline_ms`) adds them with [`ApiError::with_detail`]; they
+//! never replace the four above.
 
 use axum::Json;
 use axum::body::Bytes;
@@ -40,6 +42,9 @@ pub struct ApiError {
     pub param: Option<String>,
     /// Seconds after which the same call may succeed, sent as `Retry-After` (overload only).
     pub retry_after_s: Option<u32>,
+    /// Members of the error object beyond `message`, `type`, `param` and `code`, in the order
+    /// added: what a protocol documents on top of the kit's shape.
+    pub details: Vec<(&'static str, serde_json::Value)>,
 }
 
 impl ApiError {
@@ -51,7 +56,15 @@ impl ApiError {
             kind,
             param: None,
             retry_after_s: None,
+            details: Vec::new(),
         }
+    }
+
+    /// The same refusal with one more member `name` in its error object (a member of the
+    /// kit's shape keeps its value).
+    pub fn with_detail(mut self, name: &'static str, value: impl Into<serde_json::Value>) -> Self {
+        self.details.push((name, value.into()));
+        self
     }
 
     /// 400 for the request field `param` (`invalid_request_error`).
@@ -110,12 +123,18 @@ impl ApiError {
 
     /// The JSON body.
     pub fn body(&self) -> serde_json::Value {
-        json!({"error": {
+        let mut error = json!({
             "message": self.message,
             "type": self.kind,
             "param": self.param,
             "code": self.status.as_u16(),
-        }})
+        });
+        if let Some(members) = error.as_object_mut() {
+            for (name, value) in &self.details {
+                members.entry(*name).or_insert_with(|| value.clone());
+            }
+        }
+        json!({ "error": error })
     }
 }
 
@@ -213,6 +232,15 @@ mod tests {
             e.body(),
             json!({"error": {"message": "the prompt is empty", "type": "invalid_request_error",
                 "param": "prompt", "code": 400}})
+        );
+        let e = ApiError::new(StatusCode::GATEWAY_TIMEOUT, "env_timeout", "late")
+            .with_detail("kind", "env_timeout")
+            .with_detail("deadline_ms", 30_000)
+            .with_detail("code", "ignored");
+        assert_eq!(
+            e.body(),
+            json!({"error": {"message": "late", "type": "env_timeout", "param": null,
+                "code": 504, "kind": "env_timeout", "deadline_ms": 30_000}})
         );
         let r = ApiError::overloaded("busy").into_response();
         assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);

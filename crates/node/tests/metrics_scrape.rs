@@ -106,8 +106,49 @@ const DYNAMIC: [&str; 7] = [
     m::TRAINER_SITUATION_ADVANTAGE_MEAN_VALUE,
     m::TRAINER_SITUATION_ADVANTAGE_ABS_MEAN_VALUE,
 ];
+
+/// What one run showed: the scrape before anything ran, every scrape in order (the first and the
+/// last included), the last one, and the node's final status.
+struct Scrapes {
+    /// The scrape taken before anything ran.
+    first: String,
+    /// Every scrape in the order taken, from `first` to `last`.
+    texts: Vec<String>,
+    /// The scrape taken after the run was done.
+    last: String,
+    /// The node's status when the run was done.
+    status: sluice_node::NodeStatus,
+}
+
+/// The lines of one scrape, sorted by kind.
+struct Exposition {
+    /// Names with a non-empty `# HELP` line.
+    help: BTreeSet<String>,
+    /// The kind each `# TYPE` line declares, by name.
+    types: BTreeMap<String, String>,
+    /// Every sample line.
+    samples: Vec<Sample>,
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_catalog_metric_is_scraped_with_help_type_and_declared_labels() {
+    let scrapes = run_with_crashing_replicas_and_scrape().await;
+    check_counters_never_go_backwards(&scrapes.texts);
+    check_with_promtool(&scrapes.first, &scrapes.last);
+    check_first_scrape_has_every_static_name(&scrapes.first);
+    let exposition = parse_exposition(&scrapes.last);
+    check_suffix_rules(&exposition.types);
+    check_no_unlabeled_series_beside_labeled(&exposition.samples);
+    check_every_catalog_name_is_exported(&exposition);
+    check_sample_labels_and_buckets(&exposition.samples);
+    check_histograms_have_every_bucket(&exposition.samples);
+    check_the_run_shows_in_the_numbers(&exposition.samples);
+    check_rollout_shapes(&exposition.samples, &scrapes.status);
+}
+
+/// Runs six steps of the simulated pipeline whose replicas crash and are rebuilt, scraping
+/// `/metrics` before the run, all along it and once it is done.
+async fn run_with_crashing_replicas_and_scrape() -> Scrapes {
     let mut config = common::config("", "time_scale = 1.0");
     config.metrics.listen = "127.0.0.1:0".parse().unwrap();
     config.run.max_steps = std::num::NonZeroU64::new(6).unwrap();
@@ -167,8 +208,16 @@ async fn every_catalog_metric_is_scraped_with_help_type_and_declared_labels() {
     node.shutdown().await;
     assert_eq!(code, 200);
     texts.push(text.clone());
+    Scrapes {
+        first,
+        texts,
+        last: text,
+        status,
+    }
+}
 
-    // Counters (and histogram series) never go backwards from one scrape to the next.
+/// Counters (and histogram series) never go backwards from one scrape to the next.
+fn check_counters_never_go_backwards(texts: &[String]) {
     for pair in texts.windows(2) {
         let (before, after) = (monotone_series(&pair[0]), monotone_series(&pair[1]));
         for (series, v) in &before {
@@ -176,17 +225,22 @@ async fn every_catalog_metric_is_scraped_with_help_type_and_declared_labels() {
             assert!(now >= *v, "{series} went from {v} to {now}");
         }
     }
+}
 
-    // What promtool says, when it is installed (the suffix rules are checked below either way).
-    for (when, t) in [("first", &first), ("final", &text)] {
+/// What promtool says, when it is installed (the suffix rules are checked in
+/// [`check_suffix_rules`] either way).
+fn check_with_promtool(first: &str, last: &str) {
+    for (when, t) in [("first", first), ("final", last)] {
         match promtool(t) {
             Some((ok, said)) => assert!(ok, "promtool check metrics on the {when} scrape: {said}"),
             None => eprintln!("promtool is not on PATH: skipped `promtool check metrics`"),
         }
     }
+}
 
-    // The first scrape already has every name whose label values are known up front (not the
-    // reward components: their names come with the first scored group).
+/// The first scrape already has every name whose label values are known up front (not the
+/// reward components: their names come with the first scored group).
+fn check_first_scrape_has_every_static_name(first: &str) {
     for def in m::CATALOG.iter().filter(|d| !DYNAMIC.contains(&d.name)) {
         assert!(
             first.contains(&format!("# TYPE {} ", def.name)),
@@ -194,7 +248,11 @@ async fn every_catalog_metric_is_scraped_with_help_type_and_declared_labels() {
             def.name
         );
     }
+}
 
+/// Sorts the lines of a scrape into HELP names, TYPE kinds and samples: every HELP is non-empty
+/// and no other comment appears.
+fn parse_exposition(text: &str) -> Exposition {
     let mut help = BTreeSet::new();
     let mut types = BTreeMap::new();
     let mut samples = Vec::new();
@@ -211,9 +269,16 @@ async fn every_catalog_metric_is_scraped_with_help_type_and_declared_labels() {
             samples.push(parse_sample(line));
         }
     }
+    Exposition {
+        help,
+        types,
+        samples,
+    }
+}
 
-    // Prometheus' suffix rules, per declared type.
-    for (name, kind) in &types {
+/// Prometheus' suffix rules, per declared type.
+fn check_suffix_rules(types: &BTreeMap<String, String>) {
+    for (name, kind) in types {
         if kind == "counter" {
             assert!(
                 name.ends_with("_total"),
@@ -229,7 +294,10 @@ async fn every_catalog_metric_is_scraped_with_help_type_and_declared_labels() {
             }
         }
     }
-    // No series without labels beside labeled ones of the same metric.
+}
+
+/// No series without labels beside labeled ones of the same metric.
+fn check_no_unlabeled_series_beside_labeled(samples: &[Sample]) {
     for def in m::CATALOG {
         let series: Vec<usize> = samples
             .iter()
@@ -244,7 +312,16 @@ async fn every_catalog_metric_is_scraped_with_help_type_and_declared_labels() {
             );
         }
     }
+}
 
+/// Every catalog name follows the naming convention and, unless its label values have not
+/// happened yet, is exported with a HELP line, the TYPE of its kind and at least one sample.
+fn check_every_catalog_name_is_exported(exposition: &Exposition) {
+    let Exposition {
+        help,
+        types,
+        samples,
+    } = exposition;
     for def in m::CATALOG {
         m::check_name(def).unwrap();
         if DYNAMIC.contains(&def.name) && !types.contains_key(def.name) {
@@ -270,8 +347,12 @@ async fn every_catalog_metric_is_scraped_with_help_type_and_declared_labels() {
             def.name
         );
     }
+}
 
-    for (name, labels, value) in &samples {
+/// Every sample belongs to the catalog, has a number for a value, carries only its declared
+/// labels, and a bucket's `le` is one of the catalog's buckets.
+fn check_sample_labels_and_buckets(samples: &[Sample]) {
+    for (name, labels, value) in samples {
         let def = owner(name).unwrap_or_else(|| panic!("`{name}` is not in the catalog"));
         assert!(value.parse::<f64>().is_ok(), "{name}: value `{value}`");
         for key in labels.keys() {
@@ -288,7 +369,10 @@ async fn every_catalog_metric_is_scraped_with_help_type_and_declared_labels() {
             assert!(ok, "{name}: bucket le={le} is not in the catalog's buckets");
         }
     }
-    // Each histogram series has every catalog bucket.
+}
+
+/// Each histogram series has every catalog bucket.
+fn check_histograms_have_every_bucket(samples: &[Sample]) {
     for def in m::CATALOG
         .iter()
         .filter(|d| d.kind == MetricKind::Histogram)
@@ -306,8 +390,11 @@ async fn every_catalog_metric_is_scraped_with_help_type_and_declared_labels() {
             def.name
         );
     }
+}
 
-    // What the run did shows in the numbers, not just the names.
+/// What the run did shows in the numbers, not just the names: steps, tokens generated against
+/// tokens trained, and what every actor received and sent.
+fn check_the_run_shows_in_the_numbers(samples: &[Sample]) {
     let value = |name: &str, label: Option<(&str, &str)>| -> f64 {
         samples
             .iter()
@@ -357,7 +444,6 @@ async fn every_catalog_metric_is_scraped_with_help_type_and_declared_labels() {
         ),
         1.0
     );
-    check_rollout_shapes(&samples, &status);
 }
 
 /// What the rollouts look like, per domain: lengths, turns and finish reasons of every finished

@@ -10,7 +10,10 @@
 //! | `POST /v1/envs/{id}/step` | `{"message": <assistant Message>}` | [`EnvStep`](crate::EnvStep) |
 //! | `DELETE /v1/envs/{id}` | — | `204` |
 //!
-//! Errors answer with a status code and `{"error": {"kind": "<stable kind>", "message": "…"}}`:
+//! Errors answer with a status code and `{"error": {"kind": "<stable kind>", "message": "…"}}`
+//! (the server writes the HTTP kit's shape, [`sluice_http::api::ApiError`], so the object also
+//! carries `type`, the same kind, `param` and `code`; a client reads only `kind`, `message` and
+//! `deadline_ms`):
 //! 400 `env_bad_input` / `bad_request` (a body that is not the call's JSON; 413 and 415 for
 //! too large and not JSON), 401 `unauthorized` (a token is configured, see
 //! [`ServerConfig::token`]), 404 `unknown_task` / `unknown_env` / `unknown_route`, 409
@@ -82,7 +85,8 @@ pub struct HealthResponse {
     pub steps_total: u64,
 }
 
-/// Error body of every failed call.
+/// Error body of every failed call, as a client reads it (the server's answer has more members;
+/// see the module docs).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ErrorBody {
     /// What failed.

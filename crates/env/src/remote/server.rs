@@ -7,6 +7,11 @@
 //! anything else answers 409 `env_protocol` without reaching the env, so an env never sees a call
 //! its author did not plan for. With a token configured every `/v1/envs` call needs
 //! `Authorization: Bearer <token>` (401 `unauthorized` otherwise).
+//!
+//! Refusals are [`sluice_http::api`]'s, in its shape, with the protocol's members on top:
+//! `kind` (the same stable name as `type`, what env clients read) and, on a timeout,
+//! `deadline_ms`. The bearer check and the body rules are the kit's too; every body refusal
+//! keeps the protocol's kind, `bad_request`, whatever its status (400, 413, 415).
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -14,20 +19,20 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use axum::extract::rejection::JsonRejection;
-use axum::extract::{Path, Request, State};
-use axum::http::{StatusCode, header};
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, Path, Request, State};
+use axum::http::{HeaderMap, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use serde::de::DeserializeOwned;
 use sluice_core::config::Secret;
+use sluice_http::api::{self, ApiError};
 use tokio::net::TcpListener;
 
-use super::{
-    CreateRequest, CreateResponse, ErrorBody, ErrorDetail, HealthResponse, StepRequest,
-    TasksResponse,
-};
+use super::{CreateRequest, CreateResponse, HealthResponse, StepRequest, TasksResponse};
 use crate::error::EnvError;
 use crate::guard::run_guarded;
 use crate::protocol::{EnvInit, EnvStep, MessageEnv};
@@ -130,12 +135,7 @@ impl ServerState {
 
     fn env(&self, id: &str) -> Result<SharedEnv, ApiError> {
         let mut envs = self.envs();
-        let slot = envs.get_mut(id).ok_or_else(|| ApiError {
-            status: StatusCode::NOT_FOUND,
-            kind: "unknown_env".into(),
-            message: format!("no open env `{id}`"),
-            deadline_ms: None,
-        })?;
+        let slot = envs.get_mut(id).ok_or_else(|| unknown_env(id))?;
         slot.last_used = Instant::now();
         Ok(slot.env.clone())
     }
@@ -151,13 +151,32 @@ impl ServerState {
     }
 }
 
-struct ApiError {
-    status: StatusCode,
-    kind: String,
-    message: String,
-    deadline_ms: Option<u64>,
+/// Largest body of an env call (a sample, an assistant message): axum's default limit, which
+/// the server had before it said so; larger ones answer 413.
+const MAX_BODY_BYTES: usize = 2 * 1024 * 1024;
+
+/// A refusal of the protocol: the kit's [`ApiError`] with `kind`, the name env clients read.
+fn refusal(status: StatusCode, kind: &'static str, message: impl Into<String>) -> ApiError {
+    in_protocol_shape(ApiError::new(status, kind, message))
 }
 
+/// `error` with the protocol's `kind` member (the same name as the kit's `type`).
+fn in_protocol_shape(error: ApiError) -> ApiError {
+    let kind = error.kind;
+    error.with_detail("kind", kind)
+}
+
+/// 404 `unknown_env`: `id` was never opened, is closed, or was dropped idle.
+fn unknown_env(id: &str) -> ApiError {
+    refusal(
+        StatusCode::NOT_FOUND,
+        "unknown_env",
+        format!("no open env `{id}`"),
+    )
+}
+
+/// An env's failure as the protocol answers it: its stable kind, a status per kind, and the
+/// deadline that passed on a timeout (so the client's [`EnvError::Timeout`] names it).
 impl From<EnvError> for ApiError {
     fn from(e: EnvError) -> Self {
         let status = match &e {
@@ -167,76 +186,39 @@ impl From<EnvError> for ApiError {
             EnvError::Timeout { .. } => StatusCode::GATEWAY_TIMEOUT,
             _ => StatusCode::INTERNAL_SERVER_ERROR,
         };
-        let deadline_ms = match &e {
-            EnvError::Timeout { after, .. } => Some(after.as_millis() as u64),
-            _ => None,
-        };
-        Self {
-            status,
-            kind: e.kind().to_owned(),
-            message: e.to_string(),
-            deadline_ms,
-        }
-    }
-}
-
-impl ApiError {
-    fn new(status: StatusCode, kind: &str, message: impl Into<String>) -> Self {
-        Self {
-            status,
-            kind: kind.to_owned(),
-            message: message.into(),
-            deadline_ms: None,
-        }
-    }
-}
-
-/// A body that is not the JSON a route expects answers in the protocol's error shape, kind
-/// `bad_request` (axum's own rejections are plain text). The status says what was wrong: 400
-/// for JSON that does not parse or has the wrong shape, 415 without `Content-Type:
-/// application/json`, 413 for a body over axum's limit.
-impl From<JsonRejection> for ApiError {
-    fn from(r: JsonRejection) -> Self {
-        let status = match &r {
-            JsonRejection::JsonDataError(_) | JsonRejection::JsonSyntaxError(_) => {
-                StatusCode::BAD_REQUEST
+        let refused = refusal(status, e.kind(), e.to_string());
+        match &e {
+            EnvError::Timeout { after, .. } => {
+                refused.with_detail("deadline_ms", after.as_millis() as u64)
             }
-            other => other.status(),
-        };
-        Self::new(status, "bad_request", r.body_text())
+            _ => refused,
+        }
     }
 }
 
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
-        let body = ErrorBody {
-            error: ErrorDetail {
-                kind: self.kind,
-                message: self.message,
-                deadline_ms: self.deadline_ms,
-            },
-        };
-        let mut response = (self.status, Json(body)).into_response();
-        if self.status == StatusCode::UNAUTHORIZED {
-            response.headers_mut().insert(
-                header::WWW_AUTHENTICATE,
-                header::HeaderValue::from_static("Bearer"),
-            );
-        }
-        response
-    }
+/// The body of a call as the route's JSON, by the kit's rules: `Content-Type:
+/// application/json` (415), at most [`MAX_BODY_BYTES`] (413), JSON of the call's shape (400).
+/// Every refusal is the protocol's `bad_request`.
+fn json_body<T: DeserializeOwned>(
+    headers: &HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<T, ApiError> {
+    api::require_json(headers)
+        .and_then(|()| api::read_body(body, MAX_BODY_BYTES))
+        .and_then(|bytes| api::parse_json(&bytes, "bad_request", "invalid JSON body"))
+        .map_err(|e| {
+            in_protocol_shape(ApiError {
+                kind: "bad_request",
+                ..e
+            })
+        })
 }
 
 /// Refuses an env call without the configured bearer token.
 async fn authorize(State(s): Shared, req: Request, next: Next) -> Response {
-    match sluice_http::check_bearer(s.config.token.as_ref(), req.headers()) {
+    match api::authorize(s.config.token.as_ref(), req.headers(), "unauthorized", None) {
         Ok(()) => next.run(req).await,
-        Err(refusal) => ApiError::new(
-            StatusCode::UNAUTHORIZED,
-            "unauthorized",
-            refusal.to_string(),
-        )
-        .into_response(),
+        Err(refused) => in_protocol_shape(refused).into_response(),
     }
 }
 
@@ -269,6 +251,7 @@ pub fn router_with_stats(
         .route("/v1/tasks", get(tasks))
         .merge(envs)
         .fallback(unknown_route)
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(state)
 }
 
@@ -318,7 +301,7 @@ async fn tasks(State(s): Shared) -> Json<TasksResponse> {
 }
 
 async fn unknown_route() -> ApiError {
-    ApiError::new(
+    refusal(
         StatusCode::NOT_FOUND,
         "unknown_route",
         "no such route; see the protocol table in docs/envs.md",
@@ -327,21 +310,21 @@ async fn unknown_route() -> ApiError {
 
 async fn create(
     State(s): Shared,
-    body: Result<Json<CreateRequest>, JsonRejection>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
 ) -> Result<(StatusCode, Json<CreateResponse>), ApiError> {
-    let Json(req) = body?;
+    let req: CreateRequest = json_body(&headers, body)?;
     let task = s.registry.get(&req.task)?;
     let evicted = s.evict_idle();
     if evicted > 0 {
         tracing::info!(evicted, "dropped idle envs");
     }
     if s.envs().len() >= s.config.max_envs {
-        return Err(ApiError {
-            status: StatusCode::SERVICE_UNAVAILABLE,
-            kind: "server_full".into(),
-            message: format!("{} envs are open; close some first", s.config.max_envs),
-            deadline_ms: None,
-        });
+        return Err(refusal(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "server_full",
+            format!("{} envs are open; close some first", s.config.max_envs),
+        ));
     }
     let env = task.make_env(&req.sample)?;
     let id = format!("e{}", s.next_id.fetch_add(1, Ordering::Relaxed));
@@ -382,9 +365,10 @@ async fn init(State(s): Shared, Path(id): Path<String>) -> Result<Json<EnvInit>,
 async fn step(
     State(s): Shared,
     Path(id): Path<String>,
-    body: Result<Json<StepRequest>, JsonRejection>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<EnvStep>, ApiError> {
-    let Json(req) = body?;
+    let req: StepRequest = json_body(&headers, body)?;
     let env = s.env(&id)?;
     let out = run_guarded("step", s.config.call_timeout, async move {
         let mut hosted = env.lock().await;
@@ -419,12 +403,7 @@ async fn close(State(s): Shared, Path(id): Path<String>) -> Result<StatusCode, A
         s.stats.open.store(envs.len() as u64, Ordering::Relaxed);
         removed
     };
-    let slot = removed.ok_or_else(|| ApiError {
-        status: StatusCode::NOT_FOUND,
-        kind: "unknown_env".into(),
-        message: format!("no open env `{id}`"),
-        deadline_ms: None,
-    })?;
+    let slot = removed.ok_or_else(|| unknown_env(&id))?;
     let env = slot.env;
     run_guarded("close", s.config.call_timeout, async move {
         env.lock().await.env.close().await

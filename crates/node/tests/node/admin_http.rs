@@ -23,17 +23,7 @@ async fn call(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_knob_patched_over_http_takes_effect_at_the_next_decision() {
-    let mut config = common::config("paused = true\nmax_version_lag = 1", "time_scale = 1.0");
-    config.admin.listen = "127.0.0.1:0".parse().unwrap();
-    config.admin.token = Some(sluice_config::Secret::new("s3cret"));
-    config.metrics.listen = "127.0.0.1:0".parse().unwrap();
-    config.run.max_steps = std::num::NonZeroU64::new(3).unwrap();
-    let options = NodeOptions {
-        serve_admin: true,
-        serve_metrics: true,
-        ..NodeOptions::default()
-    };
-    let node = Node::start(&config, options).await.unwrap();
+    let node = start_a_paused_node().await;
     let base = format!("http://{}", node.admin_addr().unwrap());
 
     let (code, body) = call(base.clone(), "GET", "/v1/knobs", None, None).await;
@@ -46,44 +36,7 @@ async fn a_knob_patched_over_http_takes_effect_at_the_next_decision() {
         "paused: nothing admitted"
     );
 
-    let (code, _) = call(
-        base.clone(),
-        "PATCH",
-        "/v1/knobs",
-        Some(r#"{"paused": false}"#),
-        None,
-    )
-    .await;
-    assert_eq!(code, 401, "mutating calls need the token");
-    let (code, body) = call(
-        base.clone(),
-        "PATCH",
-        "/v1/knobs",
-        Some(r#"{"paused": false, "max_concurrent_rollouts": 0}"#),
-        Some("s3cret"),
-    )
-    .await;
-    assert_eq!(code, 400);
-    assert!(
-        body.contains("max_concurrent_rollouts"),
-        "the reason names the knob: {body}"
-    );
-    let (code, body) = call(
-        base.clone(),
-        "PATCH",
-        "/v1/knobs",
-        Some(r#"{"no_such_knob": 1}"#),
-        Some("s3cret"),
-    )
-    .await;
-    assert_eq!(code, 400, "{body}");
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    assert_eq!(
-        node.status().await.unwrap().controller.admitted_total,
-        0,
-        "a refused patch changed nothing"
-    );
-    assert!(node.handles.knobs.current().paused);
+    check_refused_patches_change_nothing(&node, &base).await;
 
     let (code, body) = call(
         base.clone(),
@@ -107,7 +60,71 @@ async fn a_knob_patched_over_http_takes_effect_at_the_next_decision() {
         .await
         .unwrap();
     common::check_invariants(&status);
-    let (code, body) = call(base.clone(), "GET", "/v1/status", None, None).await;
+    check_status_and_metrics_answer(&node, &base).await;
+    node.shutdown().await;
+}
+
+/// A three-step node that starts paused, serving the admin API (token `s3cret`) and `/metrics`.
+async fn start_a_paused_node() -> Node {
+    let mut config = common::config("paused = true\nmax_version_lag = 1", "time_scale = 1.0");
+    config.admin.listen = "127.0.0.1:0".parse().unwrap();
+    config.admin.token = Some(sluice_config::Secret::new("s3cret"));
+    config.metrics.listen = "127.0.0.1:0".parse().unwrap();
+    config.run.max_steps = std::num::NonZeroU64::new(3).unwrap();
+    let options = NodeOptions {
+        serve_admin: true,
+        serve_metrics: true,
+        ..NodeOptions::default()
+    };
+    Node::start(&config, options).await.unwrap()
+}
+
+/// A patch without the token answers 401; a refused value or an unknown knob answers 400; none
+/// of them changes anything (the node stays paused).
+async fn check_refused_patches_change_nothing(node: &Node, base: &str) {
+    let (code, _) = call(
+        base.to_owned(),
+        "PATCH",
+        "/v1/knobs",
+        Some(r#"{"paused": false}"#),
+        None,
+    )
+    .await;
+    assert_eq!(code, 401, "mutating calls need the token");
+    let (code, body) = call(
+        base.to_owned(),
+        "PATCH",
+        "/v1/knobs",
+        Some(r#"{"paused": false, "max_concurrent_rollouts": 0}"#),
+        Some("s3cret"),
+    )
+    .await;
+    assert_eq!(code, 400);
+    assert!(
+        body.contains("max_concurrent_rollouts"),
+        "the reason names the knob: {body}"
+    );
+    let (code, body) = call(
+        base.to_owned(),
+        "PATCH",
+        "/v1/knobs",
+        Some(r#"{"no_such_knob": 1}"#),
+        Some("s3cret"),
+    )
+    .await;
+    assert_eq!(code, 400, "{body}");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(
+        node.status().await.unwrap().controller.admitted_total,
+        0,
+        "a refused patch changed nothing"
+    );
+    assert!(node.handles.knobs.current().paused);
+}
+
+/// `/v1/status` answers with the controller and the trainer, `/metrics` with the seeded names.
+async fn check_status_and_metrics_answer(node: &Node, base: &str) {
+    let (code, body) = call(base.to_owned(), "GET", "/v1/status", None, None).await;
     assert_eq!(code, 200);
     assert!(
         body.contains("\"controller\"") && body.contains("\"trainer\""),
@@ -129,7 +146,6 @@ async fn a_knob_patched_over_http_takes_effect_at_the_next_decision() {
     ] {
         assert!(text.contains(name), "/metrics lacks {name}");
     }
-    node.shutdown().await;
 }
 
 /// The admin server cuts off a client that sends half a request head (200 such connections used

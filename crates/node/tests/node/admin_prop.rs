@@ -134,6 +134,15 @@ fn get_knobs(base: &str) -> Knobs {
     serde_json::from_str(&body).expect("knobs JSON")
 }
 
+/// How many calls the node accepted and refused.
+#[derive(Default)]
+struct Tally {
+    /// Calls answered 2xx.
+    accepted: Cell<u32>,
+    /// Calls answered 4xx.
+    refused: Cell<u32>,
+}
+
 #[test]
 fn random_bodies_never_crash_the_node_and_refusals_change_nothing() {
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -141,15 +150,7 @@ fn random_bodies_never_crash_the_node_and_refusals_change_nothing() {
         .enable_all()
         .build()
         .unwrap();
-    let mut config = common::config("", "time_scale = 1.0");
-    config.admin.listen = "127.0.0.1:0".parse().unwrap();
-    config.admin.token = Some(sluice_config::Secret::new(TOKEN));
-    config.run.max_steps = std::num::NonZeroU64::new(1_000_000).unwrap();
-    let options = NodeOptions {
-        serve_admin: true,
-        ..NodeOptions::default()
-    };
-    let node = runtime.block_on(Node::start(&config, options)).unwrap();
+    let node = runtime.block_on(start_a_long_running_node());
     let base = Arc::new(format!("http://{}", node.admin_addr().unwrap()));
 
     let mut runner = TestRunner::new(ProptestConfig {
@@ -159,60 +160,9 @@ fn random_bodies_never_crash_the_node_and_refusals_change_nothing() {
         max_shrink_time: 60_000,
         ..ProptestConfig::default()
     });
-    let (accepted, refused) = (Cell::new(0u32), Cell::new(0u32));
-    let outcome = runner.run(&(route(), body()), |((method, path), body)| {
-        let before = get_knobs(&base);
-        let bytes = serde_json::to_vec(&body).unwrap();
-        let call = Call {
-            method,
-            path,
-            body: &bytes,
-            token: Some(TOKEN),
-            content_type: Some("application/json"),
-        };
-        let (code, answer) =
-            send(&base, &call).map_err(|e| TestCaseError::fail(format!("no answer: {e}")))?;
-        let json: Value = serde_json::from_str(&answer).map_err(|e| {
-            TestCaseError::fail(format!("{code} answer is not JSON ({e}): {answer}"))
-        })?;
-        prop_assert!(
-            (200..300).contains(&code) || (400..500).contains(&code),
-            "{method} {path} {body} answered {code}: {answer}"
-        );
-        let after = get_knobs(&base);
-        if code >= 400 {
-            refused.set(refused.get() + 1);
-            prop_assert_eq!(
-                &before,
-                &after,
-                "refused {} {} changed the knobs",
-                method,
-                body
-            );
-            prop_assert!(json["error"]["message"].is_string(), "{}", answer);
-        } else {
-            accepted.set(accepted.get() + 1);
-            prop_assert!(
-                method == "POST" || body.is_object(),
-                "PATCH accepted a body that is not an object: {}",
-                body
-            );
-            prop_assert!(
-                after.validate(&[]).is_ok(),
-                "accepted knobs are invalid: {after:?}"
-            );
-            prop_assert_eq!(&json["knobs"], &serde_json::to_value(&after).unwrap());
-        }
-        let status = Call {
-            method: "GET",
-            path: "/v1/status",
-            body: b"",
-            token: None,
-            content_type: None,
-        };
-        let (code, s) = send(&base, &status).map_err(|e| TestCaseError::fail(e.to_string()))?;
-        prop_assert_eq!(code, 200, "status after {} {}: {}", method, body, s);
-        Ok(())
+    let tally = Tally::default();
+    let outcome = runner.run(&(route(), body()), |(route, body)| {
+        check_one_call(&base, route, &body, &tally)
     });
     // Let the pipeline run a moment on whatever knobs the last case left, then check that no
     // actor died along the way.
@@ -231,9 +181,84 @@ fn random_bodies_never_crash_the_node_and_refusals_change_nothing() {
         status.trainer.duplicate_groups, 0,
         "a group was trained twice"
     );
-    let (accepted, refused) = (accepted.get(), refused.get());
+    let (accepted, refused) = (tally.accepted.get(), tally.refused.get());
     assert!(
         accepted > 0 && refused > 0,
         "accepted {accepted}, refused {refused}"
     );
+}
+
+/// A node that runs for good (a million steps), serving the admin API with [`TOKEN`].
+async fn start_a_long_running_node() -> Node {
+    let mut config = common::config("", "time_scale = 1.0");
+    config.admin.listen = "127.0.0.1:0".parse().unwrap();
+    config.admin.token = Some(sluice_config::Secret::new(TOKEN));
+    config.run.max_steps = std::num::NonZeroU64::new(1_000_000).unwrap();
+    let options = NodeOptions {
+        serve_admin: true,
+        ..NodeOptions::default()
+    };
+    Node::start(&config, options).await.unwrap()
+}
+
+/// One case: `body` sent to `route` with the token is answered 2xx or 4xx, in JSON; a refusal
+/// changes no knob and says why, an acceptance leaves valid knobs and returns them; the node
+/// still answers `/v1/status`.
+fn check_one_call(
+    base: &str,
+    (method, path): (&'static str, &'static str),
+    body: &Value,
+    tally: &Tally,
+) -> Result<(), TestCaseError> {
+    let before = get_knobs(base);
+    let bytes = serde_json::to_vec(body).unwrap();
+    let call = Call {
+        method,
+        path,
+        body: &bytes,
+        token: Some(TOKEN),
+        content_type: Some("application/json"),
+    };
+    let (code, answer) =
+        send(base, &call).map_err(|e| TestCaseError::fail(format!("no answer: {e}")))?;
+    let json: Value = serde_json::from_str(&answer)
+        .map_err(|e| TestCaseError::fail(format!("{code} answer is not JSON ({e}): {answer}")))?;
+    prop_assert!(
+        (200..300).contains(&code) || (400..500).contains(&code),
+        "{method} {path} {body} answered {code}: {answer}"
+    );
+    let after = get_knobs(base);
+    if code >= 400 {
+        tally.refused.set(tally.refused.get() + 1);
+        prop_assert_eq!(
+            &before,
+            &after,
+            "refused {} {} changed the knobs",
+            method,
+            body
+        );
+        prop_assert!(json["error"]["message"].is_string(), "{}", answer);
+    } else {
+        tally.accepted.set(tally.accepted.get() + 1);
+        prop_assert!(
+            method == "POST" || body.is_object(),
+            "PATCH accepted a body that is not an object: {}",
+            body
+        );
+        prop_assert!(
+            after.validate(&[]).is_ok(),
+            "accepted knobs are invalid: {after:?}"
+        );
+        prop_assert_eq!(&json["knobs"], &serde_json::to_value(&after).unwrap());
+    }
+    let status = Call {
+        method: "GET",
+        path: "/v1/status",
+        body: b"",
+        token: None,
+        content_type: None,
+    };
+    let (code, s) = send(base, &status).map_err(|e| TestCaseError::fail(e.to_string()))?;
+    prop_assert_eq!(code, 200, "status after {} {}: {}", method, body, s);
+    Ok(())
 }

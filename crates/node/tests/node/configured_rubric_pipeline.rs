@@ -58,6 +58,33 @@ impl TrainerBackend for Recording {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_trainer_sees_the_configured_rubrics_components() {
     let dir = tempfile::tempdir().unwrap();
+    let config = rubric_config(dir.path());
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let node = start_recording_node(&config, Arc::clone(&seen)).await;
+    let status = node
+        .wait_done(Duration::from_secs(120), |_| {})
+        .await
+        .unwrap();
+    let base = format!(
+        "http://{}",
+        node.metrics_addr().expect("metrics are served")
+    );
+    let (code, metrics) = tokio::task::spawn_blocking(move || {
+        sluice_node::client::request(&base, "GET", "/metrics", None, None).unwrap()
+    })
+    .await
+    .unwrap();
+    node.shutdown().await;
+    assert_eq!(code, 200);
+    check_components_on_metrics(&metrics);
+    assert_eq!(status.trainer.error, None);
+    assert_eq!(status.trainer.steps, 2);
+    check_trained_components(&seen.lock().unwrap());
+}
+
+/// Two steps of a tiny native run on the arithmetic dataset, whose math rubric is configured:
+/// `correct` and `length` weighted, an error reward, metrics served.
+fn rubric_config(dir: &Path) -> sluice_config::Config {
     let text = format!(
         r#"
 [run]
@@ -95,46 +122,42 @@ datasets = ["math::arithmetic@train"]
 weights = {{ correct = 1.0, length = 0.5 }}
 error_reward = -1.0
 "#,
-        out = dir.path().display()
+        out = dir.display()
     );
-    let config = sluice_config::parse(&text, "test.toml", &[], &|_| None).unwrap();
-    ensure_model_dir(&config).unwrap();
-    let setup = NativeSetup::load(&config, None).unwrap();
+    sluice_config::parse(&text, "test.toml", &[], &|_| None).unwrap()
+}
+
+/// Starts a native node from `config` whose trainer records, into `seen`, the component names
+/// of every trainable rollout it trains on.
+async fn start_recording_node(
+    config: &sluice_config::Config,
+    seen: Arc<Mutex<Vec<BTreeSet<String>>>>,
+) -> Node {
+    ensure_model_dir(config).unwrap();
+    let setup = NativeSetup::load(config, None).unwrap();
     let datasets = load_datasets(&config.data, &setup.registry, GeneratedRows::new(0)).unwrap();
     let source = MixSampler::with_rows(
         SamplerConfig::from_data_config(&config.data, 0),
         DatasetRows::new(datasets, 0),
     )
     .unwrap();
-    let seen = Arc::new(Mutex::new(Vec::new()));
     let trainer = Recording {
-        inner: setup.trainer_backend(&config, None).unwrap(),
-        seen: Arc::clone(&seen),
+        inner: setup.trainer_backend(config, None).unwrap(),
+        seen,
     };
     let options = NodeOptions {
-        backend: Some(setup.backend_factory(&config, None).unwrap()),
+        backend: Some(setup.backend_factory(config, None).unwrap()),
         trainer: Some(Box::new(trainer)),
         source: Some(Box::new(source)),
-        env: Some(Arc::new(setup.env(&config))),
+        env: Some(Arc::new(setup.env(config))),
         serve_metrics: true,
         ..NodeOptions::default()
     };
-    let node = Node::start(&config, options).await.unwrap();
-    let status = node
-        .wait_done(Duration::from_secs(120), |_| {})
-        .await
-        .unwrap();
-    let base = format!(
-        "http://{}",
-        node.metrics_addr().expect("metrics are served")
-    );
-    let (code, metrics) = tokio::task::spawn_blocking(move || {
-        sluice_node::client::request(&base, "GET", "/metrics", None, None).unwrap()
-    })
-    .await
-    .unwrap();
-    node.shutdown().await;
-    assert_eq!(code, 200);
+    Node::start(config, options).await.unwrap()
+}
+
+/// `/metrics` shows the mean reward of each configured component for the math domain.
+fn check_components_on_metrics(metrics: &str) {
     let components: Vec<&str> = metrics
         .lines()
         .filter(|l| l.starts_with("sluice_rollout_reward_component_mean_reward{"))
@@ -148,9 +171,11 @@ error_reward = -1.0
             "{component} missing from /metrics: {components:?}"
         );
     }
-    assert_eq!(status.trainer.error, None);
-    assert_eq!(status.trainer.steps, 2);
-    let seen = seen.lock().unwrap();
+}
+
+/// Every rollout of the two steps was recorded, and each carries exactly the configured
+/// functions' components.
+fn check_trained_components(seen: &[BTreeSet<String>]) {
     assert!(seen.len() >= 2 * 2 * 4, "{} rollouts trained", seen.len());
     // Completed and truncated rollouts alike (no truncation_reward: the functions score partial
     // output) carry exactly the configured functions.

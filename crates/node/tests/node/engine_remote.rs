@@ -22,6 +22,8 @@ use sluice_engine::{
     NativeEngineParams, SamplingParams, TokenOutput,
 };
 use sluice_model::presets::{Preset, write_preset};
+use sluice_node::cluster::registry::{JoinRequest, Registry};
+use sluice_node::cluster::{HeadEngines, head_factory};
 
 use common::Recorded;
 
@@ -133,37 +135,17 @@ async fn finished(reports: &Finished, id: RequestId) -> (Completion, u32) {
     reports.lock().iter().find(is_it).unwrap().clone()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_dead_server_is_a_dead_replica_rebuilt_on_the_latest_weights() {
-    let dir = tempfile::tempdir().unwrap();
-    let (live_url, stop_live, _served) = serve(&dir.path().join("model")).await;
-    let (doomed_url, got_call, kill) = doomed_server();
-    let urls = [doomed_url, live_url];
-    let dirs = WeightDirs::new(dir.path().join("weights"), None, 2);
-    let built_on: Arc<Recorded<(u32, PolicyVersion)>> = Arc::default();
-    let factory = {
-        let built_on = Arc::clone(&built_on);
-        ReplicaFactory::new(move |replica, latest, sink| {
-            built_on.push((replica, latest.version));
-            let params = RemoteParams {
-                replica,
-                url: urls[replica as usize].clone(),
-                request_timeout: Duration::from_secs(30),
-                control_timeout: Duration::from_secs(5),
-                weights: Arc::clone(&dirs),
-                initial: sluice_model::ModelWeights::from_envelope(latest),
-                model_name: None,
-                token: None,
-            };
-            RemoteEngine::start(params, latest.version, sink)
-                .map(|e| Box::new(e) as Box<dyn InferenceBackend>)
-                .map_err(|reason| EngineError::Start { replica, reason })
-        })
-    };
+/// Spawns the engine actor on `replicas` replicas built by `factory`; every completion it
+/// reports lands, with its replica, in the returned record.
+async fn spawn_engine(
+    replicas: u32,
+    factory: ReplicaFactory,
+    supervision: EngineSupervision,
+) -> (EngineHandle, tokio::task::JoinHandle<()>, Finished) {
     let reports: Finished = Arc::default();
     let sink = Arc::clone(&reports);
     let (engine, join) = EngineHandle::spawn_supervised(
-        2,
+        replicas,
         PolicyVersion(0),
         factory,
         Arc::new(move |r| {
@@ -175,14 +157,66 @@ async fn a_dead_server_is_a_dead_replica_rebuilt_on_the_latest_weights() {
                 sink.push((completion, replica));
             }
         }),
-        EngineSupervision {
-            backoff_initial: Duration::from_millis(50),
-            backoff_max: Duration::from_millis(200),
-            ..EngineSupervision::default()
-        },
+        supervision,
     )
     .await
     .unwrap();
+    (engine, join, reports)
+}
+
+/// Replica `i` is a remote engine on `urls[i]`; each build is recorded in `built_on` with the
+/// version of the weights it was built on.
+fn remote_factory(
+    urls: [String; 2],
+    dirs: Arc<WeightDirs>,
+    built_on: Arc<Recorded<(u32, PolicyVersion)>>,
+) -> ReplicaFactory {
+    ReplicaFactory::new(move |replica, latest, sink| {
+        built_on.push((replica, latest.version));
+        let params = RemoteParams {
+            replica,
+            url: urls[replica as usize].clone(),
+            request_timeout: Duration::from_secs(30),
+            control_timeout: Duration::from_secs(5),
+            weights: Arc::clone(&dirs),
+            initial: sluice_model::ModelWeights::from_envelope(latest),
+            model_name: None,
+            token: None,
+        };
+        RemoteEngine::start(params, latest.version, sink)
+            .map(|e| Box::new(e) as Box<dyn InferenceBackend>)
+            .map_err(|reason| EngineError::Start { replica, reason })
+    })
+}
+
+/// Random tiny weights at version 1.
+fn tiny_weights_v1() -> Arc<sluice_model::ModelWeights> {
+    Arc::new(
+        sluice_model::presets::random_snapshot(
+            Arc::new(sluice_model::presets::preset_config(Preset::Tiny)),
+            7,
+            sluice_model::candle::DType::F32,
+            &sluice_model::candle::Device::Cpu,
+        )
+        .unwrap()
+        .with_version(PolicyVersion(1)),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_server_is_a_dead_replica_rebuilt_on_the_latest_weights() {
+    let dir = tempfile::tempdir().unwrap();
+    let (live_url, stop_live, _served) = serve(&dir.path().join("model")).await;
+    let (doomed_url, got_call, kill) = doomed_server();
+    let dirs = WeightDirs::new(dir.path().join("weights"), None, 2);
+    let built_on: Arc<Recorded<(u32, PolicyVersion)>> = Arc::default();
+    let factory = remote_factory([doomed_url, live_url], dirs, Arc::clone(&built_on));
+    let supervision = EngineSupervision {
+        backoff_initial: Duration::from_millis(50),
+        backoff_max: Duration::from_millis(200),
+        ..EngineSupervision::default()
+    };
+    let (engine, join, reports) = spawn_engine(2, factory, supervision).await;
 
     // A resumed request goes back to replica 0, the doomed server, which holds it.
     let partial = TokenOutput {
@@ -195,35 +229,46 @@ async fn a_dead_server_is_a_dead_replica_rebuilt_on_the_latest_weights() {
     tokio::task::spawn_blocking(move || got_call.recv_timeout(Duration::from_secs(30)).unwrap())
         .await
         .unwrap();
-    // The next one goes to the least loaded replica: the live server.
-    let other = request(2, 4, None);
-    engine.generate(other.clone(), None);
-    let (served, replica) = finished(&reports, other.id).await;
-    assert_eq!(replica, 1);
-    assert!(matches!(
-        served.finish,
-        FinishReason::Length | FinishReason::Stop
-    ));
+    check_the_live_server_serves_meanwhile(&engine, &reports).await;
 
     // Weights are published, then the doomed server dies: its request comes back aborted with the
     // partial it came with (not failed), and its replica goes down.
-    let v1 = Arc::new(
-        sluice_model::presets::random_snapshot(
-            Arc::new(sluice_model::presets::preset_config(Preset::Tiny)),
-            7,
-            sluice_model::candle::DType::F32,
-            &sluice_model::candle::Device::Cpu,
-        )
-        .unwrap()
-        .with_version(PolicyVersion(1)),
-    );
-    engine.update_weights(v1.to_envelope(), WeightUpdateMode::InFlight);
+    engine.update_weights(tiny_weights_v1().to_envelope(), WeightUpdateMode::InFlight);
     kill.send(()).unwrap();
     let (aborted, _) = finished(&reports, held.id).await;
     assert_eq!(aborted.finish, FinishReason::Abort);
     assert_eq!(aborted.output, partial);
 
-    // The live server holds version 1 before the rollout resumes.
+    wait_for_the_live_server_to_install_v1(&engine).await;
+    check_the_resumed_rollout_ends_on_the_live_server(&engine, &reports, &held, &partial).await;
+    check_replica_0_was_rebuilt_on_the_newest_weights(&built_on).await;
+    let health = engine.health().await.unwrap();
+    assert!(
+        health[0].failures.get("died").is_some_and(|n| *n >= 1),
+        "{:?}",
+        health[0]
+    );
+    assert!(health[1].failures.is_empty(), "{:?}", health[1]);
+    engine.stop().await;
+    join.await.unwrap();
+    let _ = stop_live.send(());
+}
+
+/// While replica 0 holds its request, the next one goes to the least loaded replica: the live
+/// server, replica 1.
+async fn check_the_live_server_serves_meanwhile(engine: &EngineHandle, reports: &Finished) {
+    let other = request(2, 4, None);
+    engine.generate(other.clone(), None);
+    let (served, replica) = finished(reports, other.id).await;
+    assert_eq!(replica, 1);
+    assert!(matches!(
+        served.finish,
+        FinishReason::Length | FinishReason::Stop
+    ));
+}
+
+/// The live server holds version 1 before the rollout resumes.
+async fn wait_for_the_live_server_to_install_v1(engine: &EngineHandle) {
     let deadline = Instant::now() + Duration::from_secs(30);
     while engine.stats().await.unwrap()[1].version != PolicyVersion(1) {
         assert!(
@@ -232,15 +277,22 @@ async fn a_dead_server_is_a_dead_replica_rebuilt_on_the_latest_weights() {
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+}
 
-    // Resumed (as the controller does) with replica 0 preferred: replica 0 is dead or rebuilt on
-    // a server that refuses, so the rollout ends on the live server, partial first, its new
-    // tokens from version 1.
+/// Resumed (as the controller does) with replica 0 preferred: replica 0 is dead or rebuilt on
+/// a server that refuses, so the rollout ends on the live server, partial first, its new
+/// tokens from version 1.
+async fn check_the_resumed_rollout_ends_on_the_live_server(
+    engine: &EngineHandle,
+    reports: &Finished,
+    held: &GenerateRequest,
+    partial: &TokenOutput,
+) {
     let mut resumed = held.clone();
     resumed.id = request(3, 10, None).id;
     engine.generate(resumed.clone(), Some(0));
     let done = loop {
-        let (c, replica) = finished(&reports, resumed.id).await;
+        let (c, replica) = finished(reports, resumed.id).await;
         if c.finish != FinishReason::Abort {
             break (c, replica);
         }
@@ -261,8 +313,12 @@ async fn a_dead_server_is_a_dead_replica_rebuilt_on_the_latest_weights() {
             .iter()
             .all(|v| *v == PolicyVersion(1))
     );
+}
 
-    // Replica 0 was rebuilt, on the newest weights the actor kept.
+/// Replica 0 was rebuilt, on the newest weights the actor kept.
+async fn check_replica_0_was_rebuilt_on_the_newest_weights(
+    built_on: &Recorded<(u32, PolicyVersion)>,
+) {
     built_on
         .until("replica 0 to be rebuilt", |b| {
             b.iter().filter(|b| b.0 == 0).count() >= 2
@@ -279,16 +335,6 @@ async fn a_dead_server_is_a_dead_replica_rebuilt_on_the_latest_weights() {
         rebuilt[1..].iter().all(|v| *v == PolicyVersion(1)),
         "{rebuilt:?}"
     );
-    let health = engine.health().await.unwrap();
-    assert!(
-        health[0].failures.get("died").is_some_and(|n| *n >= 1),
-        "{:?}",
-        health[0]
-    );
-    assert!(health[1].failures.is_empty(), "{:?}", health[1]);
-    engine.stop().await;
-    join.await.unwrap();
-    let _ = stop_live.send(());
 }
 
 /// A URL on loopback where nothing listens (the port was bound and released).
@@ -301,76 +347,20 @@ fn closed_url() -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_head_slot_skips_an_engine_node_it_cannot_reach_and_counts_no_failure() {
-    use sluice_node::cluster::registry::{JoinRequest, Registry};
-    use sluice_node::cluster::{HeadEngines, head_factory};
-
     let dir = tempfile::tempdir().unwrap();
     let model = dir.path().join("model");
     let (live_url, stop_live, _served) = serve(&model).await;
-    // Two members: `a-dead` (first by name, so claimed first) advertises a port nothing listens
-    // on; `b-live` answers. Neither is ever lost by its heartbeats (an hour).
-    let registry = Arc::new(Registry::with_timings(
-        Duration::from_millis(100),
-        Duration::from_secs(3600),
-        8,
-    ));
-    for (name, url) in [("a-dead", closed_url()), ("b-live", live_url)] {
-        registry
-            .join(JoinRequest {
-                name: name.into(),
-                role: sluice_config::NodeRole::Engine,
-                url,
-                tasks: Vec::new(),
-            })
-            .unwrap();
-    }
-    let config = sluice_config::parse(
-        "[model]\ninit_preset = \"tiny\"\n[engine]\nbackend = \"remote\"\nreplicas = 1\n[node]\nrole = \"head\"\n",
-        "head.toml",
-        &[],
-        &|_| None,
-    )
-    .unwrap();
-    // The nodes read the weights from this machine's disk (one process here).
-    let dirs = WeightDirs::new(dir.path().join("weights"), Some(model.clone()), 2);
-    let initial = Arc::new(
-        sluice_model::load_checkpoint(&model, &sluice_model::LoadOptions::default()).unwrap(),
-    );
-    let factory = head_factory(
-        &config,
-        HeadEngines {
-            registry: Arc::clone(&registry),
-            served: Arc::clone(&dirs),
-            on_disk: dirs,
-            initial,
-        },
-    );
-    let reports: Finished = Arc::default();
-    let sink = Arc::clone(&reports);
-    let (engine, join) = EngineHandle::spawn_supervised(
-        1,
-        PolicyVersion(0),
-        factory,
-        Arc::new(move |r| {
-            if let EngineReport::Finished {
-                completion,
-                replica,
-            } = r
-            {
-                sink.push((completion, replica));
-            }
-        }),
-        // One failure in a row is tolerated: a slot that claimed the dead node twice would stop
-        // the run.
-        EngineSupervision {
-            backoff_initial: Duration::from_millis(20),
-            backoff_max: Duration::from_millis(50),
-            max_restarts: 1,
-            ..EngineSupervision::default()
-        },
-    )
-    .await
-    .unwrap();
+    let registry = registry_with_a_dead_and_a_live_node(live_url);
+    let factory = head_engine_factory(dir.path(), &model, Arc::clone(&registry));
+    // One failure in a row is tolerated: a slot that claimed the dead node twice would stop
+    // the run.
+    let supervision = EngineSupervision {
+        backoff_initial: Duration::from_millis(20),
+        backoff_max: Duration::from_millis(50),
+        max_restarts: 1,
+        ..EngineSupervision::default()
+    };
+    let (engine, join, reports) = spawn_engine(1, factory, supervision).await;
 
     // A request is served (by `b-live`), resumed as the controller does after an abort.
     let mut next = request(1, 4, None);
@@ -388,6 +378,65 @@ async fn a_head_slot_skips_an_engine_node_it_cannot_reach_and_counts_no_failure(
         done.finish,
         FinishReason::Length | FinishReason::Stop
     ));
+    check_the_unreachable_node_counts_no_failure(&engine, &registry).await;
+    engine.stop().await;
+    join.await.unwrap();
+    let _ = stop_live.send(());
+}
+
+/// Two members: `a-dead` (first by name, so claimed first) advertises a port nothing listens
+/// on; `b-live` answers. Neither is ever lost by its heartbeats (an hour).
+fn registry_with_a_dead_and_a_live_node(live_url: String) -> Arc<Registry> {
+    let registry = Arc::new(Registry::with_timings(
+        Duration::from_millis(100),
+        Duration::from_secs(3600),
+        8,
+    ));
+    for (name, url) in [("a-dead", closed_url()), ("b-live", live_url)] {
+        registry
+            .join(JoinRequest {
+                name: name.into(),
+                role: sluice_config::NodeRole::Engine,
+                url,
+                tasks: Vec::new(),
+            })
+            .unwrap();
+    }
+    registry
+}
+
+/// The factory of a head with one remote replica, whose slot claims the members of `registry`.
+fn head_engine_factory(
+    dir: &std::path::Path,
+    model: &std::path::Path,
+    registry: Arc<Registry>,
+) -> ReplicaFactory {
+    let config = sluice_config::parse(
+        "[model]\ninit_preset = \"tiny\"\n[engine]\nbackend = \"remote\"\nreplicas = 1\n[node]\nrole = \"head\"\n",
+        "head.toml",
+        &[],
+        &|_| None,
+    )
+    .unwrap();
+    // The nodes read the weights from this machine's disk (one process here).
+    let dirs = WeightDirs::new(dir.join("weights"), Some(model.to_path_buf()), 2);
+    let initial = Arc::new(
+        sluice_model::load_checkpoint(model, &sluice_model::LoadOptions::default()).unwrap(),
+    );
+    head_factory(
+        &config,
+        HeadEngines {
+            registry,
+            served: Arc::clone(&dirs),
+            on_disk: dirs,
+            initial,
+        },
+    )
+}
+
+/// The replica is alive with no failure counted, one server lost; the registry says why:
+/// `a-dead` is unreachable, `b-live` runs the replica.
+async fn check_the_unreachable_node_counts_no_failure(engine: &EngineHandle, registry: &Registry) {
     assert_eq!(engine.failure().await.unwrap(), None);
     let health = serde_json::to_value(&engine.health().await.unwrap()[0]).unwrap();
     assert_eq!(health["alive"], true, "{health}");
@@ -408,7 +457,4 @@ async fn a_head_slot_skips_an_engine_node_it_cannot_reach_and_counts_no_failure(
         (&nodes[1]["health"], &nodes[1]["replica"]),
         (&"live".into(), &0.into())
     );
-    engine.stop().await;
-    join.await.unwrap();
-    let _ = stop_live.send(());
 }

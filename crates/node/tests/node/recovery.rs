@@ -9,7 +9,7 @@ use std::collections::HashSet;
 use std::path::Path;
 use std::time::Duration;
 
-use sluice_actors::checkpoint::CheckpointDir;
+use sluice_actors::checkpoint::{CheckpointDir, Manifest};
 use sluice_actors::replay::ReplayStatus;
 use sluice_config::Config;
 use sluice_core::GroupId;
@@ -46,50 +46,10 @@ async fn wait_for_steps(node: &Node, steps: u64) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_graceful_stop_resumes_version_steps_and_every_group() {
     let dir = tempfile::tempdir().unwrap();
-    let config = config(1000);
-
-    // Run 1: stop gracefully mid-run.
-    let node = Node::start(&config, options(dir.path())).await.unwrap();
-    wait_for_steps(&node, 3).await;
-    let trained_1: HashSet<GroupId> = node.handles.trainer.trained_ids().into_iter().collect();
-    let trainer = node.handles.trainer.clone();
-    let replay = node.handles.replay.clone();
-    let report = node.stop_gracefully().await;
-    assert!(report.error.is_none(), "{report:#?}");
-    assert_eq!(report.in_flight_left, 0);
-    let manifest = report.checkpoint.clone().expect("a checkpoint");
-    let final_1 = report.final_replay.clone().unwrap();
-    let t1 = trainer.status();
-    // Everything trained in run 1 (including a batch handed out while stopping) is in the
-    // checkpoint, and nothing consumed was left untrained.
-    let trained_1: HashSet<GroupId> = trained_1.into_iter().chain(trainer.trained_ids()).collect();
-    assert_eq!(manifest.steps, t1.steps);
-    assert_eq!(manifest.version, t1.version.0);
-    assert_eq!(manifest.trained_groups, trained_1.len() as u64);
-    assert_eq!(final_1.counters.consumed_total, manifest.trained_groups);
-    assert_eq!(
-        final_1.buckets[&sluice_replay::Bucket::InFlight],
-        0,
-        "{final_1:?}"
-    );
-    assert_eq!(final_1.buckets[&sluice_replay::Bucket::Pending], 0);
-    drop(replay);
+    let (manifest, trained_1) = run_1_stops_gracefully_mid_run(dir.path()).await;
 
     // What run 2 will find.
-    let (handle, _, join) = sluice_actors::replay::ReplayHandle::spawn(
-        sluice_actors::replay::ReplayOptions {
-            dir: Some(dir.path().join("replay")),
-            drop_expired: false,
-            filter_zero_advantage: false,
-            tail_batch_candidate_steps: 0,
-        },
-        std::sync::Arc::new(|_| {}),
-    )
-    .await
-    .unwrap();
-    let at_stop = handle.status().await.unwrap();
-    handle.stop().await;
-    join.await.unwrap();
+    let at_stop = replay_at_the_stop(dir.path()).await;
     let waiting: HashSet<GroupId> = [Bucket::Completed, Bucket::Aborted, Bucket::Expired]
         .iter()
         .flat_map(|b| ids(&at_stop, *b))
@@ -103,37 +63,8 @@ async fn a_graceful_stop_resumes_version_steps_and_every_group() {
     // Run 2: same directories, a few more steps.
     let config = self::config(manifest.steps + 4);
     let node = Node::start(&config, options(dir.path())).await.unwrap();
-    // The sampler draws on from the checkpoint: its per-domain counts continue, not restart.
-    let saved = manifest
-        .sampler
-        .clone()
-        .expect("the sampler's state is in the checkpoint");
-    let now = node.handles.sampler.state().await.unwrap();
-    let count = |state: &serde_json::Value, what: &str| -> u64 {
-        state["domains"]
-            .as_object()
-            .expect("per-domain counts")
-            .values()
-            .map(|d| d[what].as_u64().unwrap())
-            .sum()
-    };
-    assert!(count(&saved, "sampled") > 0, "{saved}");
-    assert!(
-        count(&now, "sampled") >= count(&saved, "sampled"),
-        "{saved} → {now}"
-    );
-    assert!(
-        count(&now, "completed") >= count(&saved, "completed"),
-        "{saved} → {now}"
-    );
-    let s = node.status().await.unwrap();
-    assert_eq!(s.trainer.steps, manifest.steps, "the step count continues");
-    assert_eq!(
-        s.trainer.version.0, manifest.version,
-        "the version continues"
-    );
-    assert_eq!(s.controller.version.0, manifest.version);
-    assert_eq!(s.checkpoint.as_ref().unwrap().version, manifest.version);
+    check_the_sampler_draws_on_from_the_checkpoint(&node, &manifest).await;
+    check_the_step_count_and_version_continue(&node, &manifest).await;
     let status = node
         .wait_done(Duration::from_secs(60), |_| {})
         .await
@@ -166,6 +97,96 @@ async fn a_graceful_stop_resumes_version_steps_and_every_group() {
     assert_eq!(m2.reason, "done");
     assert_eq!(m2.steps, manifest.steps + 4);
     assert_eq!(m2.trained_groups, final_2.store.counters.consumed_total);
+}
+
+/// Run 1: stops gracefully after three steps; returns the checkpoint the stop wrote and every
+/// group run 1 trained, having checked that the checkpoint holds exactly those and that nothing
+/// consumed or in flight was left behind.
+async fn run_1_stops_gracefully_mid_run(dir: &Path) -> (Manifest, HashSet<GroupId>) {
+    let config = config(1000);
+    let node = Node::start(&config, options(dir)).await.unwrap();
+    wait_for_steps(&node, 3).await;
+    let trained_1: HashSet<GroupId> = node.handles.trainer.trained_ids().into_iter().collect();
+    let trainer = node.handles.trainer.clone();
+    let replay = node.handles.replay.clone();
+    let report = node.stop_gracefully().await;
+    assert!(report.error.is_none(), "{report:#?}");
+    assert_eq!(report.in_flight_left, 0);
+    let manifest = report.checkpoint.clone().expect("a checkpoint");
+    let final_1 = report.final_replay.clone().unwrap();
+    let t1 = trainer.status();
+    // Everything trained in run 1 (including a batch handed out while stopping) is in the
+    // checkpoint, and nothing consumed was left untrained.
+    let trained_1: HashSet<GroupId> = trained_1.into_iter().chain(trainer.trained_ids()).collect();
+    assert_eq!(manifest.steps, t1.steps);
+    assert_eq!(manifest.version, t1.version.0);
+    assert_eq!(manifest.trained_groups, trained_1.len() as u64);
+    assert_eq!(final_1.counters.consumed_total, manifest.trained_groups);
+    assert_eq!(
+        final_1.buckets[&sluice_replay::Bucket::InFlight],
+        0,
+        "{final_1:?}"
+    );
+    assert_eq!(final_1.buckets[&sluice_replay::Bucket::Pending], 0);
+    drop(replay);
+    (manifest, trained_1)
+}
+
+/// The replay store as the stop left it on disk, read by a store of its own.
+async fn replay_at_the_stop(dir: &Path) -> ReplayStatus {
+    let (handle, _, join) = sluice_actors::replay::ReplayHandle::spawn(
+        sluice_actors::replay::ReplayOptions {
+            dir: Some(dir.join("replay")),
+            drop_expired: false,
+            filter_zero_advantage: false,
+            tail_batch_candidate_steps: 0,
+        },
+        std::sync::Arc::new(|_| {}),
+    )
+    .await
+    .unwrap();
+    let at_stop = handle.status().await.unwrap();
+    handle.stop().await;
+    join.await.unwrap();
+    at_stop
+}
+
+/// The sampler draws on from the checkpoint: its per-domain counts continue, not restart.
+async fn check_the_sampler_draws_on_from_the_checkpoint(node: &Node, manifest: &Manifest) {
+    let saved = manifest
+        .sampler
+        .clone()
+        .expect("the sampler's state is in the checkpoint");
+    let now = node.handles.sampler.state().await.unwrap();
+    let count = |state: &serde_json::Value, what: &str| -> u64 {
+        state["domains"]
+            .as_object()
+            .expect("per-domain counts")
+            .values()
+            .map(|d| d[what].as_u64().unwrap())
+            .sum()
+    };
+    assert!(count(&saved, "sampled") > 0, "{saved}");
+    assert!(
+        count(&now, "sampled") >= count(&saved, "sampled"),
+        "{saved} → {now}"
+    );
+    assert!(
+        count(&now, "completed") >= count(&saved, "completed"),
+        "{saved} → {now}"
+    );
+}
+
+/// Run 2 starts at run 1's step count and version: trainer, controller and checkpoint alike.
+async fn check_the_step_count_and_version_continue(node: &Node, manifest: &Manifest) {
+    let s = node.status().await.unwrap();
+    assert_eq!(s.trainer.steps, manifest.steps, "the step count continues");
+    assert_eq!(
+        s.trainer.version.0, manifest.version,
+        "the version continues"
+    );
+    assert_eq!(s.controller.version.0, manifest.version);
+    assert_eq!(s.checkpoint.as_ref().unwrap().version, manifest.version);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
