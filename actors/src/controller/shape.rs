@@ -51,7 +51,7 @@ pub struct DomainShapeStatus {
     pub finished_rollouts: u64,
     /// Those rollouts by final status (`completed`, `truncated`, `error`, …): how episodes end.
     pub finish_reasons: BTreeMap<String, u64>,
-    /// Rollouts the figures below are taken over (the last [`SHAPE_WINDOW`]).
+    /// Rollouts the figures below are taken over (the last 256, `SHAPE_WINDOW`).
     pub window_rollouts: usize,
     /// Mean response tokens (completion tokens of every turn).
     pub response_tokens_mean: f64,
@@ -67,7 +67,7 @@ pub struct DomainShapeStatus {
     pub truncated_ratio: f64,
     /// Groups timed since the start (stored in a bucket other than aborted).
     pub timed_groups: u64,
-    /// Mean seconds from admission to stored, over the last [`TIMING_WINDOW`] groups.
+    /// Mean seconds from admission to stored, over the last 64 groups (`TIMING_WINDOW`).
     pub group_seconds: Option<f64>,
     /// Of that, mean seconds per rollout waiting on the engine.
     pub engine_seconds: Option<f64>,
