@@ -7,11 +7,7 @@ use crate::axis::Axis;
 use crate::image::{Image, Rgb, text_height, text_width};
 use crate::keys as k;
 use crate::log::StepRecord;
-use crate::panel::Frame;
-
-const TEXT: Rgb = Rgb(40, 40, 40);
-const GRID: Rgb = Rgb(232, 232, 232);
-const FRAME: Rgb = Rgb(120, 120, 120);
+use crate::panel::{FRAME, Frame, GRID, TEXT};
 
 /// One line of a diagnostics panel: the log key it draws, its legend label and colour.
 #[derive(Debug, Clone, Copy)]
@@ -149,16 +145,7 @@ impl DiagnosticsPanel {
     }
 
     fn pixel(&self, x: f64, fraction: f64) -> (i32, i32) {
-        let Frame {
-            left,
-            top,
-            right,
-            bottom,
-        } = self.frame;
-        let fx = self.x.fraction(x).clamp(0.0, 1.0);
-        let px = f64::from(left) + fx * f64::from(right - left);
-        let py = f64::from(bottom) - fraction.clamp(0.0, 1.0) * f64::from(bottom - top);
-        (px.round() as i32, py.round() as i32)
+        self.frame.pixel(self.x.fraction(x), fraction)
     }
 
     /// Where `record`'s value of `key` (on the left axis, else the right) is drawn.

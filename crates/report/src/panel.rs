@@ -10,9 +10,9 @@ use crate::plot::{
     ACCURACY_COLOUR, DOMAIN_ACCURACY_PREFIX, PanelKind, REWARD_COLOUR, domain_colour, eval_domains,
 };
 
-const TEXT: Rgb = Rgb(40, 40, 40);
-const GRID: Rgb = Rgb(232, 232, 232);
-const FRAME: Rgb = Rgb(120, 120, 120);
+pub(crate) const TEXT: Rgb = Rgb(40, 40, 40);
+pub(crate) const GRID: Rgb = Rgb(232, 232, 232);
+pub(crate) const FRAME: Rgb = Rgb(120, 120, 120);
 const PHASE: Rgb = Rgb(140, 140, 140);
 
 /// The plotting area of a panel, in pixels; data is drawn inside, labels outside.
@@ -22,6 +22,15 @@ pub(crate) struct Frame {
     pub top: i32,
     pub right: i32,
     pub bottom: i32,
+}
+
+impl Frame {
+    /// The pixel `fx` of the way across and `fy` of the way up (each clamped to [0, 1]).
+    pub fn pixel(&self, fx: f64, fy: f64) -> (i32, i32) {
+        let px = f64::from(self.left) + fx.clamp(0.0, 1.0) * f64::from(self.right - self.left);
+        let py = f64::from(self.bottom) - fy.clamp(0.0, 1.0) * f64::from(self.bottom - self.top);
+        (px.round() as i32, py.round() as i32)
+    }
 }
 
 /// A laid-out panel: where its frame is and what its axes span.
@@ -96,17 +105,7 @@ impl Panel {
 
     /// The pixel of `x` on the x axis and `y_fraction` of the way up the frame (clamped to it).
     fn pixel(&self, x: f64, y_fraction: f64) -> (i32, i32) {
-        let Frame {
-            left,
-            top,
-            right,
-            bottom,
-        } = self.frame;
-        let fx = self.x.fraction(x).clamp(0.0, 1.0);
-        let fy = y_fraction.clamp(0.0, 1.0);
-        let px = f64::from(left) + fx * f64::from(right - left);
-        let py = f64::from(bottom) - fy * f64::from(bottom - top);
-        (px.round() as i32, py.round() as i32)
+        self.frame.pixel(self.x.fraction(x), y_fraction)
     }
 
     /// Where the record's reward is drawn, if it has a finite reward and x.
