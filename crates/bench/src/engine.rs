@@ -146,7 +146,7 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<ExitCode> {
         device: args.device,
     };
     let device = sluice_model::device(args.device).context("--device")?;
-    let dtype = crate::candle_dtype(args.dtype);
+    let dtype = sluice_model::config::candle_dtype(args.dtype);
     for subject in subjects {
         let name = subject.name();
         let config = subject.config()?;

@@ -49,6 +49,10 @@ pub struct BenchTrainerArgs {
     /// Where the trainer runs: `cpu` or `cuda:N` (a `cuda` build).
     #[arg(long, default_value = "cpu", value_parser = crate::parse_device)]
     pub device: sluice_config::Device,
+    /// The forward's products and activations (`trainer.compute_dtype`): `f32` or `bf16`;
+    /// default as in a run, `bf16` on a GPU and `f32` on the CPU. Master weights stay f32.
+    #[arg(long, value_parser = crate::parse_dtype)]
+    pub compute_dtype: Option<sluice_config::DType>,
 }
 
 const PROMPT_TOKENS: usize = 16;
@@ -75,10 +79,15 @@ pub fn run(args: &BenchTrainerArgs) -> anyhow::Result<ExitCode> {
             args.shapes.clone()
         };
         let config = subject.config()?;
+        let compute = args.compute_dtype.unwrap_or(match args.device {
+            sluice_config::Device::Cpu => sluice_config::DType::F32,
+            sluice_config::Device::Cuda(_) => sluice_config::DType::Bf16,
+        });
         println!(
-            "{name}: {} parameters, f32 master weights on {}, ppo, {steps} timed step(s) per shape{}",
+            "{name}: {} parameters, f32 master weights on {}, {} compute, ppo, {steps} timed step(s) per shape{}",
             config.num_parameters(),
             args.device,
+            compute,
             if args.activation_checkpointing {
                 ", activations recomputed"
             } else {
@@ -91,6 +100,7 @@ pub fn run(args: &BenchTrainerArgs) -> anyhow::Result<ExitCode> {
             let mut settings = trainer_config(rows, len);
             settings.activation_checkpointing = args.activation_checkpointing;
             settings.device = args.device;
+            settings.compute_dtype = sluice_model::config::candle_dtype(compute);
             let mut trainer = NativeTrainer::new(Arc::clone(&snapshot), settings, None)?;
             let vocab = snapshot.config().vocab_size as u32;
             let batch = [filled_group(rows, len, vocab)?];
@@ -178,6 +188,7 @@ fn trainer_config(rows: usize, len: usize) -> NativeTrainerConfig {
         // The trainer alone on the machine: every core.
         threads: sluice_model::threads::role_threads(0, 1),
         activation_checkpointing: false,
+        compute_dtype: DType::F32,
     }
 }
 

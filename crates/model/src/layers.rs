@@ -136,6 +136,29 @@ pub(crate) struct Qkv {
 }
 
 impl LayerWeights {
+    /// Every tensor converted to `dtype`: the bf16 copy a mixed-precision forward computes with
+    /// (each conversion is a graph node, so gradients reach the f32 masters in f32).
+    pub(crate) fn to_dtype(&self, dtype: candle_core::DType) -> CandleResult<Self> {
+        let cast = |t: &Tensor| t.to_dtype(dtype);
+        let cast_opt = |t: &Option<Tensor>| t.as_ref().map(cast).transpose();
+        Ok(Self {
+            input_norm: cast(&self.input_norm)?,
+            q_proj: cast(&self.q_proj)?,
+            k_proj: cast(&self.k_proj)?,
+            v_proj: cast(&self.v_proj)?,
+            q_bias: cast_opt(&self.q_bias)?,
+            k_bias: cast_opt(&self.k_bias)?,
+            v_bias: cast_opt(&self.v_bias)?,
+            o_proj: cast(&self.o_proj)?,
+            q_norm: cast_opt(&self.q_norm)?,
+            k_norm: cast_opt(&self.k_norm)?,
+            post_norm: cast(&self.post_norm)?,
+            gate_proj: cast(&self.gate_proj)?,
+            up_proj: cast(&self.up_proj)?,
+            down_proj: cast(&self.down_proj)?,
+        })
+    }
+
     /// Input norm and q/k/v projections of `x: (N, hidden)`.
     pub(crate) fn qkv(
         &self,

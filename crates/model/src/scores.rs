@@ -18,7 +18,8 @@ use candle_core::{CpuStorage, CustomOp2, D, Layout, Shape, Tensor};
 use crate::ops::compute_dtype;
 
 /// Output column 0 is `log p(target)`, column 1 the entropy, both in the compute dtype
-/// (f32, or f64 for f64 models). With `fused`, f32/f64 CPU tensors take the one-pass kernel
+/// (f32, or f64 for f64 models). The logits' matrix product runs in `hidden`'s dtype (bf16
+/// under mixed precision, on tensor cores), everything after it in the compute dtype. With `fused`, f32/f64 CPU tensors take the one-pass kernel
 /// of [`crate::fused`] instead of the composition below.
 pub(crate) fn token_scores(
     hidden: &Tensor,
@@ -52,6 +53,7 @@ pub(crate) fn token_scores(
     )
 }
 
+/// One chunk's `(log p, log p(target), entropy)` from `h` and `w` in the product dtype.
 fn chunk_values(
     h: &Tensor,
     w: &Tensor,
@@ -59,7 +61,8 @@ fn chunk_values(
     inv_temperature: f64,
 ) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
     // (c, V) logits divided by the temperature, in the compute dtype.
-    let logits = (h.matmul(&w.t()?)? * inv_temperature)?;
+    let cdt = compute_dtype(h.dtype());
+    let logits = (h.matmul(&w.t()?)?.to_dtype(cdt)? * inv_temperature)?;
     let max = logits.max_keepdim(D::Minus1)?;
     let shifted = logits.broadcast_sub(&max)?;
     let lse = shifted.exp()?.sum_keepdim(D::Minus1)?.log()?;
@@ -77,13 +80,12 @@ fn forward_values(
     chunk_rows: usize,
     inv_temperature: f64,
 ) -> candle_core::Result<Tensor> {
-    let cdt = compute_dtype(hidden.dtype());
-    let w = head.to_dtype(cdt)?;
+    let w = head.to_dtype(hidden.dtype())?;
     let n = hidden.dim(0)?;
     let mut parts = Vec::with_capacity(n.div_ceil(chunk_rows));
     for start in (0..n).step_by(chunk_rows) {
         let len = chunk_rows.min(n - start);
-        let h = hidden.narrow(0, start, len)?.to_dtype(cdt)?;
+        let h = hidden.narrow(0, start, len)?;
         let t = targets.narrow(0, start, len)?;
         let (_, target_logp, entropy) = chunk_values(&h, &w, &t, inv_temperature)?;
         parts.push(Tensor::cat(&[target_logp, entropy], 1)?);
@@ -155,15 +157,17 @@ impl CustomOp2 for TokenScoreOp {
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
         let hidden = hidden.detach();
         let head = head.detach();
-        let cdt = compute_dtype(hidden.dtype());
-        let w = head.to_dtype(cdt)?;
+        // Products in hidden's dtype (as the forward), the rest and the sum of dW in cdt.
+        let pdt = hidden.dtype();
+        let cdt = compute_dtype(pdt);
+        let w = head.to_dtype(pdt)?;
         let grad_res = grad_res.to_dtype(cdt)?;
         let n = hidden.dim(0)?;
         let mut grad_w = Tensor::zeros(w.shape(), cdt, w.device())?;
         let mut grad_h = Vec::with_capacity(n.div_ceil(self.chunk_rows));
         for start in (0..n).step_by(self.chunk_rows) {
             let len = self.chunk_rows.min(n - start);
-            let h = hidden.narrow(0, start, len)?.to_dtype(cdt)?;
+            let h = hidden.narrow(0, start, len)?;
             let t = self.targets.narrow(0, start, len)?;
             let g = grad_res.narrow(0, start, len)?;
             let g_logp = g.narrow(1, 0, 1)?.contiguous()?;
@@ -174,9 +178,10 @@ impl CustomOp2 for TokenScoreOp {
             let inner = logp.broadcast_add(&entropy)?.broadcast_mul(&g_ent)?;
             let gz = (p.mul(&inner.broadcast_add(&g_logp)?)? * -1.0)?;
             // Gradient with respect to the scaled logits, then through the 1/T scaling.
-            let gz = (gz.scatter_add(&t.unsqueeze(1)?, &g_logp, 1)? * self.inv_temperature)?;
+            let gz = (gz.scatter_add(&t.unsqueeze(1)?, &g_logp, 1)? * self.inv_temperature)?
+                .to_dtype(pdt)?;
             grad_h.push(gz.matmul(&w)?);
-            grad_w = (grad_w + gz.t()?.matmul(&h)?)?;
+            grad_w = (grad_w + gz.t()?.matmul(&h)?.to_dtype(cdt)?)?;
         }
         let grad_h = Tensor::cat(&grad_h, 0)?.to_dtype(hidden.dtype())?;
         let grad_w = grad_w.to_dtype(head.dtype())?;

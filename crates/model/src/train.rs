@@ -10,7 +10,7 @@ use crate::batch::PackedBatch;
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result, TensorContext};
 use crate::fused::{AttentionHeads, Segments};
-use crate::layers::{DecoderWeights, linear};
+use crate::layers::{DecoderWeights, LayerWeights, linear};
 use crate::ops::{Kernels, Rope, apply_rope, compute_dtype, softmax_last_dim};
 use crate::scores::token_scores;
 use crate::snapshot::ModelWeights;
@@ -54,6 +54,8 @@ pub struct TrainableModel {
     weights: DecoderWeights,
     rope: Rope,
     kernels: Kernels,
+    /// Dtype of the forward's products and activations ([`TrainableModel::set_compute_dtype`]).
+    compute: DType,
 }
 
 impl TrainableModel {
@@ -88,6 +90,7 @@ impl TrainableModel {
             weights,
             rope,
             kernels: Kernels::Custom,
+            compute: dtype,
         })
     }
 
@@ -109,9 +112,42 @@ impl TrainableModel {
         self.kernels
     }
 
-    /// Whether this model's forward runs the fused kernels (its dtype and device allow them).
+    /// Sets the dtype the forward computes in. The parameters' own dtype is the default; a
+    /// narrower float (bf16) gives mixed precision in the manner of PyTorch's autocast: every
+    /// parameter is converted for the forward (gradients come back through the conversion, so
+    /// they and the parameters stay in their own dtype), matrix products and activations run in
+    /// the compute dtype, and norms' statistics, the attention softmax, log-probs and entropies
+    /// in f32.
+    pub fn set_compute_dtype(&mut self, dtype: DType) -> Result<()> {
+        if !dtype.is_float() || dtype.size_in_bytes() > self.dtype().size_in_bytes() {
+            return Err(ModelError::input(format!(
+                "compute dtype {dtype:?}: a float no wider than the parameters' {:?}",
+                self.dtype()
+            )));
+        }
+        self.compute = dtype;
+        Ok(())
+    }
+
+    /// The dtype the forward computes in ([`TrainableModel::set_compute_dtype`]).
+    pub fn compute_dtype(&self) -> DType {
+        self.compute
+    }
+
+    /// Whether this model's forward runs the fused kernels (its dtype and device allow them,
+    /// and it computes in its parameters' dtype).
     fn custom(&self) -> bool {
-        self.kernels.custom_for(&self.weights.embed)
+        self.compute == self.dtype() && self.kernels.custom_for(&self.weights.embed)
+    }
+
+    /// Layer `i`'s weights in the compute dtype.
+    fn layer_weights(&self, i: usize) -> candle_core::Result<std::borrow::Cow<'_, LayerWeights>> {
+        let layer = &self.weights.layers[i];
+        Ok(if self.compute == self.dtype() {
+            std::borrow::Cow::Borrowed(layer)
+        } else {
+            std::borrow::Cow::Owned(layer.to_dtype(self.compute)?)
+        })
     }
 
     /// The architecture.
@@ -171,9 +207,10 @@ impl TrainableModel {
         options: ForwardOptions,
     ) -> Result<TokenScores> {
         let targets = Tensor::new(batch.target_ids.as_slice(), self.device()).ctx("targets")?;
+        let head = self.weights.lm_head.to_dtype(self.compute).ctx("lm head")?;
         let scores = token_scores(
             hidden,
-            &self.weights.lm_head,
+            &head,
             &targets,
             options.logits_chunk_rows,
             options.temperature,
@@ -216,7 +253,7 @@ impl TrainableModel {
     pub(crate) fn layer_inputs(&self, batch: &PackedBatch) -> Result<LayerInputs> {
         batch.validate(self.config.vocab_size)?;
         let (b, l) = (batch.batch, batch.seq_len);
-        let (dtype, device) = (self.dtype(), self.device().clone());
+        let (dtype, device) = (self.compute, self.device().clone());
         let ids = Tensor::new(batch.input_ids.as_slice(), &device).ctx("input ids")?;
         let (cos, sin) = self
             .rope
@@ -224,14 +261,14 @@ impl TrainableModel {
             .ctx("rotary tables")?;
         // Built once per batch for every layer: the segments for the fused attention, or the
         // (B, 1, 1, L, L) additive mask (broadcast over kv heads and the query heads of each
-        // group) for the composition.
+        // group) for the composition, in the softmax's dtype.
         let mask = if self.custom() {
             let segments = Segments::with_prefixes(b, l, &batch.segment_ids, &batch.prefix_ids)
                 .ctx("segments")?;
             Mask::Segments(Arc::new(segments))
         } else {
             let mask = Tensor::from_vec(batch.attention_mask(), (b, 1, 1, l, l), &device)
-                .and_then(|m| m.to_dtype(dtype))
+                .and_then(|m| m.to_dtype(compute_dtype(dtype)))
                 .ctx("attention mask")?;
             Mask::Dense(mask)
         };
@@ -245,15 +282,21 @@ impl TrainableModel {
     }
 
     pub(crate) fn embed(&self, inputs: &LayerInputs) -> Result<Tensor> {
+        // Rows gathered from the master table, then converted: the table itself is not copied.
         self.weights
             .embed
             .index_select(&inputs.ids, 0)
+            .and_then(|x| x.to_dtype(self.compute))
             .ctx("embedding")
     }
 
     pub(crate) fn final_norm(&self, x: &Tensor) -> Result<Tensor> {
         let eps = self.config.rms_norm_eps;
-        crate::ops::rms_norm(x, &self.weights.final_norm, eps, self.kernels).ctx("final norm")
+        self.weights
+            .final_norm
+            .to_dtype(self.compute)
+            .and_then(|w| crate::ops::rms_norm(x, &w, eps, self.kernels))
+            .ctx("final norm")
     }
 
     /// Decoder layer `i` on the flat residual stream `x` `(B·L, hidden)`.
@@ -299,7 +342,7 @@ impl TrainableModel {
         mask: &Tensor,
     ) -> Result<Tensor> {
         let c = &self.config;
-        let layer = &self.weights.layers[i];
+        let layer = self.layer_weights(i).ctx(&format!("layer {i} weights"))?;
         let (b, l) = inputs.shape;
         let (cos, sin) = (&inputs.cos, &inputs.sin);
         let kernels = Kernels::Differentiable;
@@ -316,12 +359,16 @@ impl TrainableModel {
             let q = q
                 .contiguous()?
                 .reshape((b, c.num_kv_heads, g * l, c.head_dim))?;
+            // Products in the compute dtype, the mask and softmax in the mask's (f32 under bf16).
             let scores = (q.matmul(&k.contiguous()?.t()?)? * scale)?;
             let scores = scores
+                .to_dtype(mask.dtype())?
                 .reshape((b, c.num_kv_heads, g, l, l))?
                 .broadcast_add(mask)?
                 .reshape((b, c.num_kv_heads, g * l, l))?;
-            let att = softmax_last_dim(&scores, kernels)?.matmul(&v)?;
+            let att = softmax_last_dim(&scores, kernels)?
+                .to_dtype(v.dtype())?
+                .matmul(&v)?;
             // (B, kv, g·L, d) = (B, heads, L, d) → (B·L, heads·d)
             let att = att
                 .reshape((b, c.num_heads, l, c.head_dim))?

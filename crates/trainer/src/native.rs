@@ -90,9 +90,9 @@ impl NativeTrainer {
         // The master weights live on the trainer's device whatever the engines' is.
         let device = sluice_model::device(config.device)?;
         let initial = initial.on_device(&device)?;
-        let model = TrainableModel::from_snapshot(&initial, DType::F32)?;
+        let model = master_model(&initial, config.compute_dtype)?;
         let reference = if config.loss.kl_coef > 0.0 {
-            Some(TrainableModel::from_snapshot(&initial, DType::F32)?)
+            Some(master_model(&initial, config.compute_dtype)?)
         } else {
             None
         };
@@ -394,7 +394,7 @@ impl NativeTrainer {
     pub fn load(&mut self, dir: &Path) -> Result<(), TrainerError> {
         let device = self.model.device().clone();
         let (snapshot, optim_tensors, state) = checkpoint::load(dir, &device)?;
-        let model = TrainableModel::from_snapshot(&snapshot, DType::F32)?;
+        let model = master_model(&snapshot, self.config.compute_dtype)?;
         let vars = model.vars().iter().map(|(_, v)| v.clone()).collect();
         let mut optim = AdamW::new(vars, self.config.optim)?;
         optim.load_state(optim_tensors, state.optimizer_step)?;
@@ -459,4 +459,11 @@ impl TrainerBackend for NativeTrainer {
         self.published = Arc::new(published);
         Ok(())
     }
+}
+
+/// f32 master parameters from `snapshot`, computing in `compute` (`trainer.compute_dtype`).
+fn master_model(snapshot: &ModelSnapshot, compute: DType) -> Result<TrainableModel, TrainerError> {
+    let mut model = TrainableModel::from_snapshot(snapshot, DType::F32)?;
+    model.set_compute_dtype(compute)?;
+    Ok(model)
 }

@@ -3,6 +3,7 @@
 use crate::config::{LossAggregation, TrainerConfig};
 use candle_core::DType;
 use sluice_model::ForwardOptions;
+use sluice_model::config::candle_dtype;
 
 use crate::advantage::AdvantageConfig;
 use crate::batcher::BatcherConfig;
@@ -43,6 +44,9 @@ pub struct NativeTrainerConfig {
     /// Keep only each layer's input in the forward and recompute the rest in the backward
     /// (`trainer.activation_checkpointing`): one layer's activations at a time instead of all.
     pub activation_checkpointing: bool,
+    /// Dtype of the training forward's products and activations (`trainer.compute_dtype`):
+    /// bf16 runs autocast style over the f32 master weights.
+    pub compute_dtype: DType,
 }
 
 /// What the native trainer's settings take from outside `[trainer]`, filled in by whoever holds
@@ -106,11 +110,8 @@ impl NativeTrainerConfig {
                 ..OptimConfig::default()
             },
             minibatches: t.minibatches.get() as usize,
-            publish_dtype: match run.model_dtype {
-                sluice_core::config::DType::F32 => DType::F32,
-                sluice_core::config::DType::Bf16 => DType::BF16,
-                sluice_core::config::DType::F16 => DType::F16,
-            },
+            publish_dtype: candle_dtype(run.model_dtype),
+            compute_dtype: candle_dtype(t.compute_dtype),
             device: t.device,
             logits_chunk_rows: ForwardOptions::default().logits_chunk_rows,
             temperature: if run.rollout_temperature > 0.0 {

@@ -55,6 +55,7 @@ fn config(lr: f64, rows: usize) -> NativeTrainerConfig {
         seed: 7,
         threads: 1,
         activation_checkpointing: false,
+        compute_dtype: DType::F32,
     }
 }
 

@@ -61,6 +61,9 @@ pub struct RawTrainer {
     pub threads: i64,
     /// Keep only each layer's input in the forward and recompute the rest in the backward.
     pub activation_checkpointing: bool,
+    /// Dtype of the forward's products and activations (`f32` or `bf16`); unset: `bf16` on a
+    /// GPU, `f32` on the CPU. Master weights and AdamW moments stay f32 either way.
+    pub compute_dtype: Option<String>,
     /// Pack a prompt once for all the completions that continue it (a group's rollouts).
     pub share_prompts: bool,
     /// `[trainer.simulated]`: the step-time model of the simulated trainer.
@@ -119,6 +122,7 @@ impl Default for RawTrainer {
             oversized_text: "split".into(),
             threads: 0,
             activation_checkpointing: false,
+            compute_dtype: None,
             share_prompts: true,
             simulated: RawSimTrainer::default(),
         }

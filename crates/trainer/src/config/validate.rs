@@ -5,7 +5,7 @@ use std::num::NonZeroU32;
 use sluice_core::config::check::{
     Ctx, choice, non_negative, non_zero_u32, number, positive, u32_incl_zero, u64_incl_zero,
 };
-use sluice_core::config::{ConfigError, Device};
+use sluice_core::config::{ConfigError, DType, Device};
 
 use super::raw::{RawSimTrainer, RawTrainer};
 use super::typed::{LossKind, SimTrainerConfig, TrainerConfig};
@@ -78,6 +78,7 @@ pub fn validate_trainer(
         minibatches: non_zero_u32(ctx, "trainer.minibatches", raw.minibatches.unwrap_or(1))?,
         threads: u32_incl_zero(ctx, "trainer.threads", raw.threads)?,
         activation_checkpointing: raw.activation_checkpointing,
+        compute_dtype: compute_dtype(raw.compute_dtype.as_deref(), device, ctx)?,
         share_prompts: raw.share_prompts,
         advantage: choice(ctx, "trainer.advantage", &raw.advantage)?,
         normalize_advantage_std: raw.normalize_advantage_std,
@@ -93,4 +94,24 @@ pub fn validate_trainer(
         is_cap: positive(ctx, "trainer.is_cap", raw.is_cap)?,
         oversized_text: choice(ctx, "trainer.oversized_text", &raw.oversized_text)?,
     })
+}
+
+/// `trainer.compute_dtype`: unset, bf16 on a GPU (tensor cores) and f32 on the CPU (whose
+/// fused training kernels are f32). f16 is refused: without loss scaling its gradients
+/// underflow.
+fn compute_dtype(raw: Option<&str>, device: Device, ctx: &Ctx<'_>) -> Result<DType, ConfigError> {
+    const KEY: &str = "trainer.compute_dtype";
+    match raw {
+        None => Ok(match device {
+            Device::Cpu => DType::F32,
+            Device::Cuda(_) => DType::Bf16,
+        }),
+        Some(v) => match choice(ctx, KEY, v)? {
+            DType::F16 => Err(ctx.value(
+                KEY,
+                "`f16` is not supported (its gradients underflow without loss scaling): use `bf16` or `f32`",
+            )),
+            d => Ok(d),
+        },
+    }
 }
