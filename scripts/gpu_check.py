@@ -11,9 +11,11 @@ Subcommands (each prints `key=value` words on one line, or JSON for `torch-logit
       last-position logits of transformers' model, as `sluice model probe` prints them.
   torch-generate MODEL --batch 64 --prompt-tokens 16 --max-new-tokens 128 [--dtype bf16]
       decode tokens/s of `generate` (greedy, no early stop) at that batch.
-  torch-train MODEL --rows 8 --len 512 [--steps 5]
+  torch-train MODEL --rows 8 --len 512 [--steps 5] [--autocast]
       training tokens/s of eager PyTorch: f32 weights, forward + backward + AdamW step, the
-      shapes `sluice bench trainer --shape ROWSxLEN` uses.
+      shapes `sluice bench trainer --shape ROWSxLEN` uses; with --autocast the forward runs
+      under bf16 autocast (PyTorch's mixed precision, what `trainer.compute_dtype = "bf16"`
+      matches).
   accuracy METRICS.jsonl
       the last `eval_accuracy` a run logged.
 
@@ -114,16 +116,20 @@ def cmd_torch_generate(args):
 
 
 def cmd_torch_train(args):
+    import contextlib
     import torch
 
     model = torch_model(args.model, "f32").train()
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if args.autocast
+                else contextlib.nullcontext())
     vocab = model.config.vocab_size
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(1, vocab, (args.rows, args.len), generator=g).to("cuda")
 
     def step():
-        logits = model(ids).logits[:, :-1].float()
+        with autocast:
+            logits = model(ids).logits[:, :-1].float()
         logp = torch.log_softmax(logits, dim=-1)
         target = logp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
         loss = -target.mean()
@@ -185,6 +191,7 @@ def main():
     c.add_argument("--rows", type=int, default=8)
     c.add_argument("--len", type=int, default=512)
     c.add_argument("--steps", type=int, default=5)
+    c.add_argument("--autocast", action="store_true", help="bf16 autocast over f32 weights")
     c.set_defaults(run=cmd_torch_train)
     c = sub.add_parser("accuracy")
     c.add_argument("metrics")

@@ -217,6 +217,10 @@ pub struct ModelProbeArgs {
     /// The prompt's token ids, comma-separated (at least 2).
     #[arg(long, value_delimiter = ',', required = true)]
     pub tokens: Vec<u32>,
+    /// The trainer's path computes in `f32` or `bf16` (`trainer.compute_dtype`) over f32
+    /// master weights.
+    #[arg(long, default_value = "f32", value_parser = sluice_bench::parse_dtype)]
+    pub compute_dtype: sluice_config::DType,
 }
 
 /// `sluice model init`
@@ -257,6 +261,9 @@ pub enum BenchCommand {
     Trainer(sluice_bench::BenchTrainerArgs),
     /// Native engine: continuous-batching speed-up, inter-token latency, weight-swap pauses.
     Engine(sluice_bench::BenchEngineArgs),
+    /// Sluice's own kernels (AdamW in place; on a GPU, the token choice) against the
+    /// compositions they replace: agreement and time, on one device.
+    Kernels(sluice_bench::BenchKernelsArgs),
     /// Weights over the network: a head delivering one version to an engine node over HTTP vs
     /// a raw loopback copy of the same bytes.
     Weights(sluice_bench::BenchWeightsArgs),

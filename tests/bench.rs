@@ -212,3 +212,14 @@ fn benches_measure_a_model_directory() {
         "{stderr}"
     );
 }
+
+#[test]
+fn bench_kernels_checks_adamw_in_place_against_the_composition() {
+    let (stdout, fields) = bench(&["kernels", "--adamw-elements", "4099"], &[]);
+    assert!(stdout.contains("adamw, 4099 f32 elements"), "{stdout}");
+    assert_eq!(fields["adamw_bit_mismatches"], 0.0, "{stdout}");
+    assert_eq!(fields["checks_failed"], 0.0, "{stdout}");
+    positive(&fields, &["adamw_ms", "adamw_composed_ms", "adamw_speedup"]);
+    // The token choice on a device is a GPU check: not on the CPU.
+    assert!(!fields.contains_key("sample_ms"), "{stdout}");
+}

@@ -52,6 +52,7 @@ pub fn run(command: Command) -> anyhow::Result<ExitCode> {
         Command::EnvServer(args) => env_server::run(&args),
         Command::Serve(args) => serve::run(&args),
         Command::Bench(BenchCommand::Engine(args)) => sluice_bench::engine::run(&args),
+        Command::Bench(BenchCommand::Kernels(args)) => sluice_bench::kernels::run(&args),
         Command::Bench(BenchCommand::Weights(args)) => sluice_bench::weights::run(&args),
         Command::Bench(BenchCommand::Cluster(args)) => sluice_bench::cluster::run(&args),
         Command::Plot(args) => plot::run(&args),

@@ -22,6 +22,8 @@ use sluice_model::{
     PagedKvCache, StepInput, TrainableModel, load_checkpoint,
 };
 
+use sluice_model::config::candle_dtype;
+
 use crate::cli::ModelProbeArgs;
 
 /// Runs `sluice model probe`.
@@ -30,11 +32,7 @@ pub fn run(args: &ModelProbeArgs) -> anyhow::Result<ExitCode> {
         bail!("--tokens: expected at least 2 token ids (the gradients score each next token)");
     }
     let device = sluice_model::device(args.device).context("--device")?;
-    let dtype = match args.dtype {
-        sluice_config::DType::F32 => DType::F32,
-        sluice_config::DType::Bf16 => DType::BF16,
-        sluice_config::DType::F16 => DType::F16,
-    };
+    let dtype = candle_dtype(args.dtype);
     let weights = Arc::new(
         load_checkpoint(
             &args.dir,
@@ -65,7 +63,10 @@ pub fn run(args: &ModelProbeArgs) -> anyhow::Result<ExitCode> {
     let decode_logits = decode_path(&model, &args.tokens)?;
 
     // The trainer's path: f32 master weights, loss −mean log p over every next token.
-    let trainable = TrainableModel::from_snapshot(&weights, DType::F32)?;
+    let mut trainable = TrainableModel::from_snapshot(&weights, DType::F32)?;
+    trainable
+        .set_compute_dtype(candle_dtype(args.compute_dtype))
+        .context("--compute-dtype")?;
     let batch = PackedBatch::from_rows(&[vec![&args.tokens[..]]], args.tokens.len(), 0)?;
     let scores = trainable.token_scores(&batch, ForwardOptions::default())?;
     let mask: Vec<f32> = batch
@@ -95,6 +96,7 @@ pub fn run(args: &ModelProbeArgs) -> anyhow::Result<ExitCode> {
     let out = serde_json::json!({
         "device": args.device.to_string(),
         "dtype": format!("{dtype:?}").to_lowercase(),
+        "compute_dtype": args.compute_dtype.to_string(),
         "tokens": args.tokens,
         "logits": logits,
         "decode_logits": decode_logits,

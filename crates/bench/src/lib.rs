@@ -8,6 +8,7 @@
 
 pub mod cluster;
 pub mod engine;
+pub mod kernels;
 pub mod model;
 pub mod pipeline;
 pub mod rss;
@@ -19,6 +20,7 @@ pub mod weights;
 
 pub use cluster::BenchClusterArgs;
 pub use engine::BenchEngineArgs;
+pub use kernels::BenchKernelsArgs;
 pub use model::BenchModelArgs;
 pub use pipeline::BenchPipelineArgs;
 pub use subject::Subject;
@@ -34,14 +36,4 @@ pub fn parse_device(s: &str) -> Result<sluice_config::Device, String> {
 /// `--dtype`: a `model.dtype` name (`f32`, `bf16` or `f16`), read from the enum's serde names.
 pub fn parse_dtype(s: &str) -> Result<sluice_config::DType, String> {
     sluice_core::choice::Choice::parse(s)
-}
-
-/// The candle dtype of a config dtype.
-pub(crate) fn candle_dtype(d: sluice_config::DType) -> sluice_model::candle::DType {
-    use sluice_model::candle::DType;
-    match d {
-        sluice_config::DType::F32 => DType::F32,
-        sluice_config::DType::Bf16 => DType::BF16,
-        sluice_config::DType::F16 => DType::F16,
-    }
 }

@@ -20,6 +20,7 @@
 //! | [`chat`] | [`ChatTemplate`] rendering as transformers does, [`CompletionParser`] for reasoning and tool calls |
 //! | [`threads`] | [`ComputePool`]: the threads a role's model work runs on; the process-wide thread environment |
 //! | [`presets`] | `tiny` / `small` directories: config, seeded weights, char tokenizer, ChatML template |
+//! | `kernels` | (`cuda` builds) Sluice's own CUDA kernels, `kernels/*.cu` compiled to PTX by `build.rs`, loaded per device |
 //! | [`device`](mod@device) | [`device()`]: a config's `cpu` / `cuda:N` as a candle device; CUDA's libraries loaded on demand |
 //! | [`error`] | [`ModelError`] with stable `kind()` names |
 //! | [`section`] | [`ModelSection`](section::ModelSection): the `[model]` section of the run config (not `config.json`), and the [`ModelPreset`](section::ModelPreset)s |
@@ -59,6 +60,8 @@ pub mod error;
 pub mod fused;
 pub mod gguf;
 pub mod infer;
+#[cfg(feature = "cuda")]
+pub mod kernels;
 mod layers;
 pub mod names;
 pub mod ops;

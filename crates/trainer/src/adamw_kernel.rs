@@ -1,17 +1,20 @@
-//! The AdamW update in place over each parameter's flat f32 buffer (CPU): three passes (first
-//! moment, second moment, parameter) that allocate nothing, where the composition of candle ops
-//! allocates a dozen full-size temporaries per parameter and step.
+//! The AdamW update in place over each parameter's flat f32 buffer, on the CPU and (in a `cuda`
+//! build) on a GPU with Sluice's own kernels (`crates/model/kernels/adamw.cu`): three passes
+//! (first moment, second moment, parameter) that allocate nothing, where the composition of
+//! candle ops launches and allocates a dozen full-size temporaries per parameter and step.
 //!
 //! Every element goes through exactly the f32 operations, in the same order, as the composition
 //! ([`compose`], kept for other devices and as the reference the tests compare against), so the
 //! two give bit-identical weights and moments: resuming from a checkpoint written by either stays
 //! exact.
 
+#[cfg(feature = "cuda")]
+use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
 use candle_core::{CpuStorage, DType, InplaceOp2, InplaceOp3, Layout, Result, Tensor, Var, bail};
 
 /// The per-step constants of one AdamW update, as candle's `affine` would round them to f32.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Update {
+pub struct Update {
     /// Gradient scale from global-norm clipping.
     pub clip_scale: f64,
     /// β₁, β₂.
@@ -31,18 +34,18 @@ pub(crate) struct Update {
 }
 
 /// Updates the f32 master weights `master` and the moments `m`, `v` from the gradient `g`: in
-/// place when all four are contiguous f32 on the CPU, by the composition otherwise (other
-/// devices keep candle's kernels).
-pub(crate) fn apply(
-    master: &Var,
-    m: &mut Tensor,
-    v: &mut Tensor,
-    g: &Tensor,
-    u: Update,
-) -> Result<()> {
+/// place when all four are contiguous f32 on the CPU or (`cuda` builds) a GPU, by the
+/// composition otherwise.
+pub fn apply(master: &Var, m: &mut Tensor, v: &mut Tensor, g: &Tensor, u: Update) -> Result<()> {
     let p = master.as_tensor();
-    let cpu_f32 = |t: &Tensor| t.device().is_cpu() && t.dtype() == DType::F32 && t.is_contiguous();
-    if [p, &*m, &*v, g].into_iter().all(cpu_f32) {
+    let in_place = |t: &Tensor| {
+        let device = t.device();
+        (device.is_cpu() || (cfg!(feature = "cuda") && device.is_cuda()))
+            && t.dtype() == DType::F32
+            && t.is_contiguous()
+            && t.device().same_device(p.device())
+    };
+    if [p, &*m, &*v, g].into_iter().all(in_place) {
         m.inplace_op2(g, &Moment { first: true, u })?;
         v.inplace_op2(g, &Moment { first: false, u })?;
         p.inplace_op3(m, v, &Step { u })
@@ -55,7 +58,7 @@ pub(crate) fn apply(
 }
 
 /// The update as candle ops: `(next param, m, v)`, fresh tensors.
-pub(crate) fn compose(
+pub fn compose(
     p: &Tensor,
     m: &Tensor,
     v: &Tensor,
@@ -131,6 +134,49 @@ impl InplaceOp2 for Moment {
         }
         Ok(())
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        dst: &mut candle_core::CudaStorage,
+        dst_l: &Layout,
+        g: &candle_core::CudaStorage,
+        g_l: &Layout,
+    ) -> Result<()> {
+        let u = self.u;
+        let (b, nb) = if self.first {
+            (u.beta1, 1.0 - u.beta1)
+        } else {
+            (u.beta2, 1.0 - u.beta2)
+        };
+        let device = dst.device.clone();
+        let (d0, d1) = cuda::range(dst_l)?;
+        let (g0, g1) = cuda::range(g_l)?;
+        if d1 - d0 != g1 - g0 {
+            bail!("adamw: moment and gradient sizes differ")
+        }
+        let n = (d1 - d0) as u64;
+        let func = sluice_model::kernels::ADAMW.function(&device, "adamw_moment_f32")?;
+        let g = g.as_cuda_slice::<f32>()?.slice(g0..g1);
+        let mut dst = dst.as_cuda_slice_mut::<f32>()?.slice_mut(d0..d1);
+        let stream = device.cuda_stream();
+        let mut launch = stream.launch_builder(&func);
+        let (clip, b, nb, second) = (
+            u.clip_scale as f32,
+            b as f32,
+            nb as f32,
+            i32::from(!self.first),
+        );
+        launch
+            .arg(&mut dst)
+            .arg(&g)
+            .arg(&n)
+            .arg(&clip)
+            .arg(&b)
+            .arg(&nb)
+            .arg(&second);
+        cuda::launch(launch, n)
+    }
 }
 
 /// `p ← (1 − lr·λ)p − lr · m̂ / (√v̂ + ε)`.
@@ -168,6 +214,83 @@ impl InplaceOp3 for Step {
             let adam = (m * c1 + 0.0) / ((v * c2 + 0.0).sqrt() * 1.0 + eps);
             *p = (*p * decay + 0.0) - (adam * lr + 0.0);
         }
+        Ok(())
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        dst: &mut candle_core::CudaStorage,
+        dst_l: &Layout,
+        m: &candle_core::CudaStorage,
+        m_l: &Layout,
+        v: &candle_core::CudaStorage,
+        v_l: &Layout,
+    ) -> Result<()> {
+        let u = self.u;
+        let device = dst.device.clone();
+        let (p0, p1) = cuda::range(dst_l)?;
+        let (m0, m1) = cuda::range(m_l)?;
+        let (v0, v1) = cuda::range(v_l)?;
+        if p1 - p0 != m1 - m0 || p1 - p0 != v1 - v0 {
+            bail!("adamw: parameter and moment sizes differ")
+        }
+        let n = (p1 - p0) as u64;
+        let func = sluice_model::kernels::ADAMW.function(&device, "adamw_step_f32")?;
+        let m = m.as_cuda_slice::<f32>()?.slice(m0..m1);
+        let v = v.as_cuda_slice::<f32>()?.slice(v0..v1);
+        let mut p = dst.as_cuda_slice_mut::<f32>()?.slice_mut(p0..p1);
+        let (c1, c2) = ((1.0 / u.bc1) as f32, (1.0 / u.bc2) as f32);
+        let (eps, lr, decay) = (
+            u.eps as f32,
+            u.lr as f32,
+            (1.0 - u.lr * u.weight_decay) as f32,
+        );
+        let stream = device.cuda_stream();
+        let mut launch = stream.launch_builder(&func);
+        launch
+            .arg(&mut p)
+            .arg(&m)
+            .arg(&v)
+            .arg(&n)
+            .arg(&c1)
+            .arg(&c2)
+            .arg(&eps)
+            .arg(&lr)
+            .arg(&decay);
+        cuda::launch(launch, n)
+    }
+}
+
+/// Launch helpers of the CUDA paths.
+#[cfg(feature = "cuda")]
+mod cuda {
+    use candle_core::cuda_backend::WrapErr;
+    use candle_core::cuda_backend::cudarc::driver::{LaunchArgs, LaunchConfig};
+    use candle_core::{Layout, Result, bail};
+
+    /// The element range of a contiguous layout.
+    pub(super) fn range(l: &Layout) -> Result<(usize, usize)> {
+        match l.contiguous_offsets() {
+            Some(r) => Ok(r),
+            None => bail!("adamw: non-contiguous operand"),
+        }
+    }
+
+    /// Launches a grid-stride kernel over `n` elements: enough blocks to fill the GPU, each
+    /// thread looping over the rest.
+    pub(super) fn launch(mut launch: LaunchArgs<'_>, n: u64) -> Result<()> {
+        const THREADS: u64 = 256;
+        let blocks = n.div_ceil(THREADS).clamp(1, 65_535) as u32;
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (THREADS as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the arguments match the kernel's signature in adamw.cu (pointers to `n`
+        // f32s each, then scalars of the declared types), and every range was checked above.
+        #[allow(unsafe_code)]
+        unsafe { launch.launch(cfg) }.w()?;
         Ok(())
     }
 }

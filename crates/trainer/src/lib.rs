@@ -15,7 +15,7 @@
 //! The backend trait itself lives in `sluice_core::backend`; the simulated trainer in
 //! `sluice-engine`.
 
-mod adamw_kernel;
+pub mod adamw_kernel;
 pub mod advantage;
 pub mod batcher;
 pub mod checkpoint;

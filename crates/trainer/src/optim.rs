@@ -162,19 +162,27 @@ impl GradAccumulator {
         self.grads.get(i).and_then(Option::as_ref)
     }
 
-    /// `√Σ g²` over every accumulated gradient.
+    /// `√Σ g²` over every accumulated gradient. The squares are summed per parameter on the
+    /// gradients' device and read back once (on a GPU: one synchronisation, not one each).
     pub fn global_norm(&self) -> Result<f64, OptimError> {
-        let mut sq = 0.0f64;
+        let mut sums = Vec::with_capacity(self.grads.len());
         for (i, g) in self.grads.iter().enumerate() {
             if let Some(g) = g {
                 let s = g
                     .sqr()
                     .and_then(|s| s.sum_all())
-                    .and_then(|s| s.to_scalar::<f32>())
+                    .and_then(|s| s.to_dtype(DType::F64))
                     .ctx(|| format!("norm of gradient {i}"))?;
-                sq += f64::from(s);
+                sums.push(s);
             }
         }
+        if sums.is_empty() {
+            return Ok(0.0);
+        }
+        let sq = Tensor::stack(&sums, 0)
+            .and_then(|s| s.sum_all())
+            .and_then(|s| s.to_scalar::<f64>())
+            .ctx(|| "global gradient norm".to_owned())?;
         Ok(sq.sqrt())
     }
 }

@@ -16,7 +16,7 @@
 use crate::backend::SamplingParams;
 
 /// Temperatures at or below this are greedy.
-const GREEDY_BELOW: f64 = 1e-5;
+pub(crate) const GREEDY_BELOW: f64 = 1e-5;
 
 /// Buckets per nat of the nucleus (top-p) search's histogram, and how many: tokens more than
 /// 64 nats below the likeliest share the last bucket.
@@ -273,7 +273,7 @@ pub(crate) fn top_n(lp: &[f32], n: usize) -> Vec<(u32, f32)> {
 }
 
 /// A uniform draw in `[0, 1)` for `(seed, position)`.
-pub(crate) fn uniform(seed: u64, position: u64) -> f64 {
+pub fn uniform(seed: u64, position: u64) -> f64 {
     let h = splitmix(splitmix(seed) ^ position.wrapping_mul(0x9e37_79b9_7f4a_7c15));
     (h >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
 }

@@ -4,6 +4,7 @@
 //! log-probabilities a prefill yields in [`prompt_lps`].
 
 mod admission;
+mod device_draw;
 mod prompt_lps;
 
 use std::sync::Arc;
@@ -26,6 +27,7 @@ use crate::backend::{
     Completion, EngineEvent, EventSink, FinishReason, SamplingParams, TokenOutput, push_token,
 };
 use crate::sched::{Queued, Queues, Scheduler, Stepper};
+use device_draw::Outcome;
 use prompt_lps::{PromptChunk, collect_prompt_logprobs};
 
 /// One request inside the engine.
@@ -228,15 +230,12 @@ impl Worker {
 
     /// Run: the model over the planned tokens, one call for the sequences that need only their
     /// last row of logits and one for prefills reporting prompt log-probabilities (every row).
-    /// Returns the rows per running sequence; a failed call fails its sequences (removed, with
-    /// their takes).
-    fn run_model(
-        &mut self,
-        q: &mut Queues<Seq>,
-        take: &mut Vec<usize>,
-    ) -> Vec<Option<Vec<Vec<f32>>>> {
+    /// Returns what each running sequence got: its rows, or (on a GPU, when every sequence of
+    /// the call allows it) the token drawn on the device. A failed call fails its sequences
+    /// (removed, with their takes).
+    fn run_model(&mut self, q: &mut Queues<Seq>, take: &mut Vec<usize>) -> Vec<Option<Outcome>> {
         let wants_all = |s: &Seq| s.prompt_lps.is_some() && s.pending.len() > 1;
-        let mut rows: Vec<Option<Vec<Vec<f32>>>> = vec![None; q.running.len()];
+        let mut rows: Vec<Option<Outcome>> = (0..q.running.len()).map(|_| None).collect();
         for all in [false, true] {
             let picked: Vec<usize> = (0..q.running.len())
                 .filter(|&i| take[i] > 0 && wants_all(&q.running[i]) == all)
@@ -256,26 +255,41 @@ impl Worker {
             } else {
                 LogitsWanted::Last
             };
+            let on_device = !all
+                && picked
+                    .iter()
+                    .all(|&i| device_draw::qualifies(&q.running[i]));
             let model_started = Instant::now();
             let result = self
                 .model
                 .step(&mut self.cache, &inputs, wanted)
                 .and_then(|t| {
-                    t.to_vec2::<f32>()
-                        .map_err(|source| sluice_model::ModelError::Tensor {
-                            context: "logits to host".into(),
-                            source,
+                    let seqs = picked.iter().map(|&i| &q.running[i]);
+                    if on_device && let Some(drawn) = device_draw::draw(&t, seqs) {
+                        return drawn.map(|d| d.into_iter().map(Outcome::Drawn).collect());
+                    }
+                    let logits =
+                        t.to_vec2::<f32>()
+                            .map_err(|source| sluice_model::ModelError::Tensor {
+                                context: "logits to host".into(),
+                                source,
+                            })?;
+                    let mut it = logits.into_iter();
+                    Ok(picked
+                        .iter()
+                        .map(|&i| {
+                            let n = if all { take[i] } else { 1 };
+                            Outcome::Rows(it.by_ref().take(n).collect())
                         })
+                        .collect::<Vec<_>>())
                 });
             self.shared
                 .model_nanos
                 .fetch_add(model_started.elapsed().as_nanos() as u64, Ordering::Relaxed);
             match result {
-                Ok(logits) => {
-                    let mut it = logits.into_iter();
-                    for &i in &picked {
-                        let n = if all { take[i] } else { 1 };
-                        rows[i] = Some(it.by_ref().take(n).collect());
+                Ok(outcomes) => {
+                    for (&i, outcome) in picked.iter().zip(outcomes) {
+                        rows[i] = Some(outcome);
                     }
                 }
                 Err(e) => {
@@ -301,12 +315,7 @@ impl Worker {
     /// Apply: the rows' outcomes — prompt log-probabilities and prefill progress, one draw for
     /// every sequence whose pending tokens all went in, stops and lengths — and the finished
     /// sequences reported. Returns the tokens generated.
-    fn apply_step(
-        &mut self,
-        q: &mut Queues<Seq>,
-        take: &[usize],
-        rows: &[Option<Vec<Vec<f32>>>],
-    ) -> u64 {
+    fn apply_step(&mut self, q: &mut Queues<Seq>, take: &[usize], rows: &[Option<Outcome>]) -> u64 {
         let version = self.model.version();
         let context = self.context;
         let mut done: Vec<(usize, FinishReason, Option<StopHit>)> = Vec::new();
@@ -314,9 +323,11 @@ impl Worker {
         // Prompt log-probabilities and prefill progress; which sequences draw a token.
         let mut drawing: Vec<usize> = Vec::new();
         for (i, s) in q.running.iter_mut().enumerate() {
-            let Some(rows) = rows[i].as_ref() else {
+            let Some(outcome) = rows[i].as_ref() else {
                 continue;
             };
+            let drawn_on_device = matches!(outcome, Outcome::Drawn(_));
+            let rows = outcome.rows();
             let fed: Vec<u32> = s.pending.drain(..take[i]).collect();
             if let Some(lps) = &mut s.prompt_lps
                 && rows.len() == fed.len()
@@ -335,7 +346,7 @@ impl Worker {
                     s.prompt_lps = None;
                 }
             }
-            if !s.pending.is_empty() || rows.is_empty() {
+            if !s.pending.is_empty() || (rows.is_empty() && !drawn_on_device) {
                 continue; // still in prefill
             }
             if s.output.len() >= s.params.max_tokens as usize {
@@ -345,18 +356,35 @@ impl Worker {
             }
             drawing.push(i);
         }
-        // The draws, on the pool's threads at a real vocabulary (each row is independent).
-        let last =
-            |i: usize| -> &[f32] { rows[i].as_ref().and_then(|r| r.last()).map_or(&[], |r| r) };
-        let jobs: Vec<(&[f32], &SamplingParams, u64, u64)> = drawing
+        // The draws not made on the device, on the pool's threads at a real vocabulary (each
+        // row is independent).
+        let last = |i: usize| -> &[f32] {
+            rows[i]
+                .as_ref()
+                .and_then(|o| o.rows().last())
+                .map_or(&[], |r| r)
+        };
+        let on_host: Vec<usize> = drawing
+            .iter()
+            .copied()
+            .filter(|&i| !matches!(rows[i], Some(Outcome::Drawn(_))))
+            .collect();
+        let jobs: Vec<(&[f32], &SamplingParams, u64, u64)> = on_host
             .iter()
             .map(|&i| {
                 let s = &q.running[i];
                 (last(i), &s.params, s.seed, s.output.len() as u64)
             })
             .collect();
-        let picks = sample_rows(&jobs);
+        let mut host_picks = sample_rows(&jobs).into_iter();
         drop(jobs);
+        let picks: Vec<_> = drawing
+            .iter()
+            .map(|&i| match &rows[i] {
+                Some(Outcome::Drawn(pick)) => *pick,
+                _ => host_picks.next().expect("one host draw per host row"),
+            })
+            .collect();
         for (&i, pick) in drawing.iter().zip(picks) {
             let s = &mut q.running[i];
             push_token(&mut s.output, pick.token, pick.logprob, version);

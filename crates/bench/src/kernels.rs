@@ -1,0 +1,218 @@
+//! `sluice bench kernels`: Sluice's own kernels against what they replace, on one device, each
+//! checked and timed in the same run.
+//!
+//! - AdamW in place (`adamw.cu` on a GPU, the in-place CPU kernel on the CPU) against the
+//!   composition of candle ops on the same device, and against the CPU kernel: every element
+//!   rounds the same way, so the weights and moments must agree to the bit.
+//! - On a GPU, the engine's token choice on the device (`sample.cu`) against the CPU sampler on
+//!   the same logits and uniform draws, the CPU's time including the copy of the logits to the
+//!   host: tokens agreeing and the largest log-prob difference.
+//!
+//! Ends with a `RESULT kernels` line (`checks_failed` counts the failed checks); exits 1 when a
+//! check fails.
+
+use std::process::ExitCode;
+use std::time::Instant;
+
+use sluice_model::candle::{DType, Device, Tensor, Var};
+use sluice_trainer::adamw_kernel::{Update, apply, compose};
+
+/// `sluice bench kernels`
+#[derive(Debug, clap::Args)]
+pub struct BenchKernelsArgs {
+    /// Where the kernels run: `cpu` or `cuda:N` (a `cuda` build).
+    #[arg(long, default_value = "cpu", value_parser = crate::parse_device)]
+    pub device: sluice_config::Device,
+    /// Elements of the parameter the AdamW update is timed on.
+    #[arg(long, default_value_t = 1 << 22)]
+    pub adamw_elements: usize,
+}
+
+/// AdamW steps timed per path.
+const ADAMW_STEPS: i32 = 5;
+
+/// Runs the benchmark.
+pub fn run(args: &BenchKernelsArgs) -> anyhow::Result<ExitCode> {
+    let device = sluice_model::device(args.device)?;
+    println!("kernels on {}", args.device);
+    let mut result = Vec::new();
+    let mut failed = u32::from(!adamw(&device, args.adamw_elements, &mut result)?);
+    if device.is_cuda() {
+        failed += u32::from(!sampling(&device, &mut result)?);
+    }
+    result.push(format!("checks_failed={failed}"));
+    let ok = failed == 0;
+    println!("RESULT kernels {}", result.join(" "));
+    Ok(if ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+fn update(t: i32) -> Update {
+    Update {
+        clip_scale: 0.37,
+        beta1: 0.9,
+        beta2: 0.999,
+        bc1: 1.0 - 0.9f64.powi(t),
+        bc2: 1.0 - 0.999f64.powi(t),
+        eps: 1e-8,
+        lr: 1e-3,
+        weight_decay: 0.01,
+    }
+}
+
+/// Differing elements of two f32 tensors, bit for bit.
+fn bit_mismatches(a: &Tensor, b: &Tensor) -> anyhow::Result<usize> {
+    let a: Vec<f32> = a.flatten_all()?.to_vec1()?;
+    let b: Vec<f32> = b.flatten_all()?.to_vec1()?;
+    Ok(a.iter()
+        .zip(&b)
+        .filter(|(x, y)| x.to_bits() != y.to_bits())
+        .count())
+}
+
+fn adamw(device: &Device, n: usize, result: &mut Vec<String>) -> anyhow::Result<bool> {
+    let p0 = Tensor::randn(0f32, 1.0, n, &Device::Cpu)?;
+    let grads: Vec<Tensor> = (0..ADAMW_STEPS)
+        .map(|_| Tensor::randn(0f32, 1.0, n, &Device::Cpu))
+        .collect::<Result<_, _>>()?;
+    // The in-place kernel on the device, the composition on the device, the CPU kernel.
+    let run = |on: &Device, in_place: bool| -> anyhow::Result<(Tensor, Tensor, Tensor, f64)> {
+        let master = Var::from_tensor(&p0.to_device(on)?)?;
+        let mut m = Tensor::zeros(n, DType::F32, on)?;
+        let mut v = Tensor::zeros(n, DType::F32, on)?;
+        let grads: Vec<Tensor> = grads
+            .iter()
+            .map(|g| g.to_device(on))
+            .collect::<Result<_, _>>()?;
+        // One update of a small tensor first: the kernels' first use loads (and JIT-compiles)
+        // their modules, which is not what is timed.
+        let small = Var::from_tensor(&Tensor::ones(256, DType::F32, on)?)?;
+        let (mut sm, mut sv, sg) = (small.zeros_like()?, small.zeros_like()?, small.ones_like()?);
+        if in_place {
+            apply(&small, &mut sm, &mut sv, &sg, update(1))?;
+        } else {
+            compose(small.as_tensor(), &sm, &sv, &sg, update(1))?;
+        }
+        on.synchronize()?;
+        let start = Instant::now();
+        for (t, g) in (1..).zip(&grads) {
+            if in_place {
+                apply(&master, &mut m, &mut v, g, update(t))?;
+            } else {
+                let (p, m2, v2) = compose(master.as_tensor(), &m, &v, g, update(t))?;
+                master.set(&p)?;
+                (m, v) = (m2, v2);
+            }
+        }
+        on.synchronize()?;
+        let ms = start.elapsed().as_secs_f64() * 1e3 / f64::from(ADAMW_STEPS);
+        Ok((master.as_tensor().copy()?, m, v, ms))
+    };
+    let (p, m, v, kernel_ms) = run(device, true)?;
+    let (cp, cm, cv, composed_ms) = run(device, false)?;
+    let (rp, rm, rv, _) = run(&Device::Cpu, true)?;
+    let vs_composition =
+        bit_mismatches(&p, &cp)? + bit_mismatches(&m, &cm)? + bit_mismatches(&v, &cv)?;
+    let vs_cpu = bit_mismatches(&p, &rp)? + bit_mismatches(&m, &rm)? + bit_mismatches(&v, &rv)?;
+    println!(
+        "adamw, {n} f32 elements, {ADAMW_STEPS} steps: in place {kernel_ms:.3} ms/step, composition {composed_ms:.3} ms/step ({:.2}x); elements differing from the composition {vs_composition}, from the CPU kernel {vs_cpu}",
+        composed_ms / kernel_ms
+    );
+    result.extend([
+        format!("adamw_ms={kernel_ms:.4}"),
+        format!("adamw_composed_ms={composed_ms:.4}"),
+        format!("adamw_speedup={:.2}", composed_ms / kernel_ms),
+        format!("adamw_bit_mismatches={}", vs_composition + vs_cpu),
+    ]);
+    Ok(vs_composition == 0 && vs_cpu == 0)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn sampling(_: &Device, _: &mut Vec<String>) -> anyhow::Result<bool> {
+    anyhow::bail!("this sluice was built without CUDA")
+}
+
+/// The device's token choice against the CPU sampler's on 64 rows of a real vocabulary.
+#[cfg(feature = "cuda")]
+fn sampling(device: &Device, result: &mut Vec<String>) -> anyhow::Result<bool> {
+    use sluice_engine::SamplingParams;
+    use sluice_engine::native::sampler::{sample_rows, uniform};
+
+    const ROWS: usize = 64;
+    const VOCAB: usize = 151_936;
+    let logits: Vec<f32> = (0..(ROWS * VOCAB) as u64)
+        .map(|i| {
+            let h = sluice_core::rng::splitmix(i);
+            (h >> 40) as f32 / (1u64 << 24) as f32 * 20.0 - 10.0
+        })
+        .collect();
+    let on_device = Tensor::from_vec(logits, (ROWS, VOCAB), device)?;
+    // Every third row greedy, the others at temperatures 1 and 0.7.
+    let temperature = |r: usize| [0.0, 1.0, 0.7][r % 3];
+    let params: Vec<SamplingParams> = (0..ROWS)
+        .map(|r| SamplingParams {
+            temperature: temperature(r),
+            top_p: 1.0,
+            top_k: 0,
+            max_tokens: 1,
+            seed: None,
+            stop_token_ids: Vec::new(),
+        })
+        .collect();
+    let temps: Vec<f32> = (0..ROWS).map(|r| temperature(r) as f32).collect();
+    let uniforms: Vec<f64> = (0..ROWS).map(|r| uniform(r as u64, 3)).collect();
+    let median = |mut ms: Vec<f64>| {
+        ms.sort_by(f64::total_cmp);
+        ms[ms.len() / 2]
+    };
+    let mut gpu_ms = Vec::new();
+    let mut drawn = Vec::new();
+    for _ in 0..9 {
+        let start = Instant::now();
+        drawn = sluice_model::kernels::sample_rows(&on_device, &temps, &uniforms)?;
+        gpu_ms.push(start.elapsed().as_secs_f64() * 1e3);
+    }
+    let mut cpu_ms = Vec::new();
+    let mut picks = Vec::new();
+    for _ in 0..9 {
+        let start = Instant::now();
+        let rows: Vec<Vec<f32>> = on_device.to_vec2()?;
+        let jobs: Vec<(&[f32], &SamplingParams, u64, u64)> = rows
+            .iter()
+            .zip(&params)
+            .zip(0u64..)
+            .map(|((row, p), r)| (row.as_slice(), p, r, 3))
+            .collect();
+        picks = sample_rows(&jobs);
+        cpu_ms.push(start.elapsed().as_secs_f64() * 1e3);
+    }
+    let (gpu_ms, cpu_ms) = (median(gpu_ms), median(cpu_ms));
+    let agree = drawn
+        .iter()
+        .zip(&picks)
+        .filter(|(d, p)| d.0 == p.token)
+        .count();
+    let lp_diff = drawn
+        .iter()
+        .zip(&picks)
+        .filter(|(d, p)| d.0 == p.token)
+        .map(|(d, p)| f64::from((d.1 - p.logprob).abs()))
+        .fold(0.0, f64::max);
+    println!(
+        "token choice, {ROWS} rows of {VOCAB} logits: on the device {gpu_ms:.3} ms, logits to the host and the CPU sampler {cpu_ms:.3} ms ({:.1}x); tokens agreeing {agree}/{ROWS}, largest log-prob difference {lp_diff:.2e}",
+        cpu_ms / gpu_ms
+    );
+    result.extend([
+        format!("sample_ms={gpu_ms:.4}"),
+        format!("sample_host_ms={cpu_ms:.4}"),
+        format!("sample_agree={agree}"),
+        format!("sample_rows={ROWS}"),
+        format!("sample_lp_diff={lp_diff:.3e}"),
+    ]);
+    // A boundary draw may round differently (f32 exponentials on two machines); more than one
+    // in 64 is a fault.
+    Ok(agree + 1 >= ROWS && lp_diff < 1e-3)
+}
