@@ -16,10 +16,9 @@ __device__ __forceinline__ void better(float& v, unsigned int& i, float v2, unsi
   }
 }
 
-// `inputs`: the rows' temperatures, then their uniforms (2 * rows doubles); `out`: per row its
-// token, then its log-probability's f32 bits (2 * rows words).
 extern "C" __global__ void sample_rows_f32(const float* logits, unsigned int vocab,
-                                           const double* inputs, unsigned int* out) {
+                                           const float* temperatures, const double* uniforms,
+                                           unsigned int* tokens, float* logprobs) {
   __shared__ float s_val[THREADS];
   __shared__ unsigned int s_idx[THREADS];
   __shared__ double s_pre[THREADS];
@@ -27,7 +26,7 @@ extern "C" __global__ void sample_rows_f32(const float* logits, unsigned int voc
   __shared__ unsigned int s_token;
   const unsigned int row = blockIdx.x, t = threadIdx.x;
   const float* z = logits + (unsigned long long)row * vocab;
-  const float temp = (float)inputs[row];
+  const float temp = temperatures[row];
   const bool greedy = !(temp > 1e-5f);
   const float inv_t = greedy ? 1.0f : 1.0f / temp;
 
@@ -66,7 +65,7 @@ extern "C" __global__ void sample_rows_f32(const float* logits, unsigned int voc
 
   // The one stretch the target falls in (the stretches' intervals are disjoint) finds it.
   if (!greedy && lo < hi) {
-    const double target = inputs[gridDim.x + row] * s_z;
+    const double target = uniforms[row] * s_z;
     double acc = s_pre[t];
     if (acc <= target && acc + sum > target) {
       unsigned int found = hi - 1;
@@ -83,7 +82,7 @@ extern "C" __global__ void sample_rows_f32(const float* logits, unsigned int voc
   __syncthreads();
   if (t == 0) {
     const unsigned int token = s_token;
-    out[2 * row] = token;
-    out[2 * row + 1] = __float_as_uint((float)((double)((z[token] - max) * inv_t) - log(s_z)));
+    tokens[row] = token;
+    logprobs[row] = (float)((double)((z[token] - max) * inv_t) - log(s_z));
   }
 }

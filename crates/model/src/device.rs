@@ -51,20 +51,6 @@ fn cuda(ordinal: u32) -> Result<candle_core::Device> {
         device: name,
         reason: format!("no usable CUDA device {ordinal} ({e})"),
     })?;
-    if let candle_core::Device::Cuda(cuda) = &d {
-        // cudarc creates two events with every buffer (and destroys them with it) so that it
-        // can order uses across streams, but orders them only in multi-stream mode, which a
-        // context enters when a second stream is created. candle's device issues everything on
-        // the calling thread's default stream and creates none, so the events are never used:
-        // per buffer, four driver calls for nothing, and a model step allocates hundreds.
-        // SAFETY: the conditions are about work on several streams of one context (a buffer
-        // freed or written while another stream uses it); Sluice creates no stream, so it
-        // orders nothing differently with tracking off than with it on.
-        #[allow(unsafe_code)]
-        unsafe {
-            cuda.disable_event_tracking();
-        }
-    }
     opened.push((ordinal, d.clone()));
     Ok(d)
 }

@@ -68,21 +68,20 @@ pub fn sample_rows(
     let device = &storage.device;
     let stream = device.cuda_stream();
     let z = storage.as_cuda_slice::<f32>()?.slice(a..b);
-    // One copy in (temperatures beside the uniforms, as f64) and one out (each token id beside
-    // its log-probability, as two u32 words): a step's transfers are a few hundred bytes.
-    let inputs: Vec<f64> = temperatures
-        .iter()
-        .map(|&t| f64::from(t))
-        .chain(uniforms.iter().copied())
-        .collect();
-    let inputs = stream.clone_htod(&inputs).w()?;
-    // SAFETY: the kernel writes every one of the `2 · rows` words before they are read.
-    #[allow(unsafe_code)]
-    let mut out = unsafe { stream.alloc::<u32>(2 * rows) }.w()?;
+    let temperatures = stream.clone_htod(temperatures).w()?;
+    let uniforms = stream.clone_htod(uniforms).w()?;
+    let mut tokens = stream.alloc_zeros::<u32>(rows).w()?;
+    let mut logprobs = stream.alloc_zeros::<f32>(rows).w()?;
     let func = SAMPLE.function(device, "sample_rows_f32")?;
     let vocab = u32::try_from(vocab).map_err(|_| Error::Msg("sample_rows: vocab > u32".into()))?;
     let mut launch = stream.launch_builder(&func);
-    launch.arg(&z).arg(&vocab).arg(&inputs).arg(&mut out);
+    launch
+        .arg(&z)
+        .arg(&vocab)
+        .arg(&temperatures)
+        .arg(&uniforms)
+        .arg(&mut tokens)
+        .arg(&mut logprobs);
     let cfg = LaunchConfig {
         grid_dim: (rows as u32, 1, 1),
         // THREADS in sample.cu.
@@ -90,12 +89,10 @@ pub fn sample_rows(
         shared_mem_bytes: 0,
     };
     // SAFETY: the arguments are the kernel's, in order: `rows · vocab` f32 logits, the vocab,
-    // `2 · rows` f64 inputs and `2 · rows` u32 outputs.
+    // `rows` temperatures and uniforms, and `rows` outputs of each kind.
     #[allow(unsafe_code)]
     unsafe { launch.launch(cfg) }.w()?;
-    let out = stream.clone_dtoh(&out).w()?;
-    Ok(out
-        .chunks_exact(2)
-        .map(|pair| (pair[0], f32::from_bits(pair[1])))
-        .collect())
+    let tokens = stream.clone_dtoh(&tokens).w()?;
+    let logprobs = stream.clone_dtoh(&logprobs).w()?;
+    Ok(tokens.into_iter().zip(logprobs).collect())
 }
