@@ -178,13 +178,19 @@ impl TrainableModel {
 
     /// Publishes the current parameters as an immutable snapshot: every tensor is copied into
     /// fresh storage (converted to `dtype` when given), so later optimizer steps cannot reach it.
+    ///
+    /// On a GPU the copies are finished before this returns: a snapshot goes to other threads
+    /// (engines), and candle issues each thread's work on that thread's own stream, which is not
+    /// ordered after this one's.
     pub fn snapshot(&self, version: PolicyVersion, dtype: Option<DType>) -> Result<ModelWeights> {
-        ModelWeights::copied_from(
+        let snapshot = ModelWeights::copied_from(
             Arc::clone(&self.config),
             version,
             self.vars.iter().map(|(n, v)| (n.as_str(), v.as_tensor())),
             dtype,
-        )
+        )?;
+        self.device().synchronize().ctx("snapshot copies")?;
+        Ok(snapshot)
     }
 
     /// Log-probabilities of `batch.target_ids` and entropies, `(B, L)` each. Logits are formed
