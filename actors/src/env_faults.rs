@@ -70,9 +70,7 @@ impl FaultyEnv {
 }
 
 impl RolloutEnv for FaultyEnv {
-    fn start<'a>(&'a self, sample: &'a DataSample, id: RolloutId) -> BoxFuture<'a, EnvReply> {
-        self.inner.start(sample, id)
-    }
+    sluice_env::forward_env!(inner => start, abandon, scores_groups, score_group, set_session_cap);
 
     fn step<'a>(
         &'a self,
@@ -100,26 +98,6 @@ impl RolloutEnv for FaultyEnv {
             }
             (step, note)
         })
-    }
-
-    fn abandon(&self, id: RolloutId) -> BoxFuture<'_, ()> {
-        self.inner.abandon(id)
-    }
-
-    fn scores_groups(&self) -> bool {
-        self.inner.scores_groups()
-    }
-
-    fn score_group<'a>(
-        &'a self,
-        sample: &'a DataSample,
-        group: RolloutGroup,
-    ) -> BoxFuture<'a, RolloutGroup> {
-        self.inner.score_group(sample, group)
-    }
-
-    fn set_session_cap(&self, sessions: usize) {
-        self.inner.set_session_cap(sessions);
     }
 }
 
@@ -160,6 +138,8 @@ impl TimeoutEnv {
 }
 
 impl RolloutEnv for TimeoutEnv {
+    sluice_env::forward_env!(inner => scores_groups, set_session_cap);
+
     fn start<'a>(&'a self, sample: &'a DataSample, id: RolloutId) -> BoxFuture<'a, EnvReply> {
         Box::pin(async move {
             match tokio::time::timeout(self.limit, self.inner.start(sample, id)).await {
@@ -188,10 +168,6 @@ impl RolloutEnv for TimeoutEnv {
         Box::pin(self.close(id))
     }
 
-    fn scores_groups(&self) -> bool {
-        self.inner.scores_groups()
-    }
-
     /// Group scoring is bounded by the same limit; past it the group's rollouts end as `Timeout`.
     fn score_group<'a>(
         &'a self,
@@ -209,10 +185,6 @@ impl RolloutEnv for TimeoutEnv {
                 }
             }
         })
-    }
-
-    fn set_session_cap(&self, sessions: usize) {
-        self.inner.set_session_cap(sessions);
     }
 }
 
@@ -233,6 +205,8 @@ mod tests {
     }
 
     impl RolloutEnv for Stuck {
+        sluice_env::no_env_state!(scores_groups, score_group, set_session_cap);
+
         fn start<'a>(&'a self, _: &'a DataSample, _: RolloutId) -> BoxFuture<'a, EnvReply> {
             Box::pin(std::future::pending())
         }

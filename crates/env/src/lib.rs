@@ -32,6 +32,7 @@ pub mod discount;
 pub mod episode;
 pub mod error;
 pub mod eval;
+pub mod forward;
 pub mod guard;
 pub mod protocol;
 pub mod remote;

@@ -61,7 +61,10 @@ pub struct TurnNote {
     pub situation: Option<String>,
 }
 
-/// An environment at the token level.
+/// An environment at the token level. Besides `start` and `step`, every call is written out:
+/// a wrapper forwards with [`forward_env!`](crate::forward_env), an env with nothing behind a
+/// call answers with [`no_env_state!`](crate::no_env_state) (no defaults, so nothing is
+/// forgotten silently).
 pub trait RolloutEnv: Send + Sync + 'static {
     /// Starts rollout `id` of `sample`: its first prompt as `Continue`, or why it cannot start.
     fn start<'a>(&'a self, sample: &'a DataSample, id: RolloutId) -> BoxFuture<'a, EnvReply>;
@@ -75,27 +78,21 @@ pub trait RolloutEnv: Send + Sync + 'static {
         truncated: bool,
     ) -> BoxFuture<'a, (EnvReply, TurnNote)>;
 
-    /// Forgets rollout `id` (its group was dropped). Default: nothing to forget.
-    fn abandon(&self, _id: RolloutId) -> BoxFuture<'_, ()> {
-        Box::pin(async {})
-    }
+    /// Forgets rollout `id` (its group was dropped).
+    fn abandon(&self, id: RolloutId) -> BoxFuture<'_, ()>;
 
     /// Whether settled groups go through [`RolloutEnv::score_group`] before they are stored
-    /// (a rubric with group reward functions). Default: no.
-    fn scores_groups(&self) -> bool {
-        false
-    }
+    /// (a rubric with group reward functions).
+    fn scores_groups(&self) -> bool;
 
-    /// Scores a settled (not aborted) group as a whole. Default: unchanged.
+    /// Scores a settled (not aborted) group as a whole.
     fn score_group<'a>(
         &'a self,
-        _sample: &'a DataSample,
+        sample: &'a DataSample,
         group: RolloutGroup,
-    ) -> BoxFuture<'a, RolloutGroup> {
-        Box::pin(async move { group })
-    }
+    ) -> BoxFuture<'a, RolloutGroup>;
 
     /// Sets how many sessions may be open at once (the env worker pool calls it at start and
-    /// whenever its concurrency knobs change). Default: the env keeps no capped sessions.
-    fn set_session_cap(&self, _sessions: usize) {}
+    /// whenever its concurrency knobs change).
+    fn set_session_cap(&self, sessions: usize);
 }

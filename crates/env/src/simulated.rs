@@ -91,6 +91,8 @@ impl SimTask {
 }
 
 impl RolloutEnv for SimTask {
+    crate::no_env_state!(abandon, scores_groups, score_group, set_session_cap);
+
     fn start<'a>(&'a self, _sample: &'a DataSample, id: RolloutId) -> BoxFuture<'a, EnvReply> {
         let next_prompt = SimTask::first_prompt(self, id);
         Box::pin(async move { EnvReply::Continue { next_prompt } })

@@ -80,6 +80,8 @@ async fn recv(rx: &mut mpsc::UnboundedReceiver<EnvResult>) -> EnvResult {
 struct HalfStuck;
 
 impl RolloutEnv for HalfStuck {
+    sluice_env::no_env_state!(abandon, scores_groups, score_group, set_session_cap);
+
     fn start<'a>(&'a self, _: &'a DataSample, _: RolloutId) -> BoxFuture<'a, EnvReply> {
         Box::pin(async {
             EnvReply::Continue {
