@@ -17,7 +17,7 @@ use sluice_model::{
     InferenceModel, KvCache, LogitsWanted, ModelWeights, PagedKvCache, StepInput, Tokenizer,
 };
 
-use super::sampler::{log_softmax, sample_rows, splitmix, top_n};
+use super::sampler::{log_softmax, splitmix, top_n};
 use super::stop::{StopHit, StopRule};
 use super::{
     Command, KvBudget, NativeEngineParams, NativeError, NativeRequest, PromptLogprob,
@@ -356,35 +356,13 @@ impl Worker {
             }
             drawing.push(i);
         }
-        // The draws not made on the device, on the pool's threads at a real vocabulary (each
-        // row is independent).
+        let picks = device_draw::picks(&q.running, &drawing, rows);
         let last = |i: usize| -> &[f32] {
             rows[i]
                 .as_ref()
                 .and_then(|o| o.rows().last())
                 .map_or(&[], |r| r)
         };
-        let on_host: Vec<usize> = drawing
-            .iter()
-            .copied()
-            .filter(|&i| !matches!(rows[i], Some(Outcome::Drawn(_))))
-            .collect();
-        let jobs: Vec<(&[f32], &SamplingParams, u64, u64)> = on_host
-            .iter()
-            .map(|&i| {
-                let s = &q.running[i];
-                (last(i), &s.params, s.seed, s.output.len() as u64)
-            })
-            .collect();
-        let mut host_picks = sample_rows(&jobs).into_iter();
-        drop(jobs);
-        let picks: Vec<_> = drawing
-            .iter()
-            .map(|&i| match &rows[i] {
-                Some(Outcome::Drawn(pick)) => *pick,
-                _ => host_picks.next().expect("one host draw per host row"),
-            })
-            .collect();
         for (&i, pick) in drawing.iter().zip(picks) {
             let s = &mut q.running[i];
             push_token(&mut s.output, pick.token, pick.logprob, version);

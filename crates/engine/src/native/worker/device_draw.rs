@@ -8,7 +8,8 @@
 use sluice_model::candle::Tensor;
 
 use super::Seq;
-use crate::native::sampler::Sampled;
+use crate::backend::SamplingParams;
+use crate::native::sampler::{Sampled, sample_rows};
 
 /// What a step's model call gave one sequence.
 pub(super) enum Outcome {
@@ -26,6 +27,40 @@ impl Outcome {
             Outcome::Drawn(_) => &[],
         }
     }
+}
+
+/// The draws of the sequences `drawing` (indices into `running`, in order): the device's where
+/// it drew, the CPU sampler's from each last row for the rest (on the pool's threads at a real
+/// vocabulary: each row is independent).
+pub(super) fn picks(
+    running: &[Seq],
+    drawing: &[usize],
+    outcomes: &[Option<Outcome>],
+) -> Vec<Sampled> {
+    let last = |i: usize| -> &[f32] {
+        outcomes[i]
+            .as_ref()
+            .and_then(|o| o.rows().last())
+            .map_or(&[], |r| r)
+    };
+    let jobs: Vec<(&[f32], &SamplingParams, u64, u64)> = drawing
+        .iter()
+        .filter(|&&i| !matches!(outcomes[i], Some(Outcome::Drawn(_))))
+        .map(|&i| {
+            let s = &running[i];
+            (last(i), &s.params, s.seed, s.output.len() as u64)
+        })
+        .collect();
+    let mut on_host = sample_rows(&jobs).into_iter();
+    drawing
+        .iter()
+        .map(|&i| match &outcomes[i] {
+            Some(Outcome::Drawn(pick)) => *pick,
+            _ => on_host
+                .next()
+                .expect("one host draw per row drawn on the host"),
+        })
+        .collect()
 }
 
 /// Whether `s`'s draw can run on the device: plain temperature (or greedy) sampling and
