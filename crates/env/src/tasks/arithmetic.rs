@@ -1,11 +1,18 @@
-//! `arithmetic`: single-turn small-integer arithmetic (`a+b=` and `a-b=` with operands 0–9,
-//! written compactly so a character-level model reads it in a few tokens). The model answers
-//! with the number alone. Rewards: `correct` (exact integer match, weight 1) and `format` (the
-//! reply is one integer, weight 0.1).
+//! `arithmetic`: single-turn small-integer arithmetic (`a+b=` and `a-b=` with operands
+//! 0–[`MAX_OPERAND`], written compactly so a character-level model reads it in a few tokens).
+//! The model answers with the number alone. Rewards: `correct` (exact integer match, weight 1)
+//! and `format` (the reply is one integer, weight 0.1).
 //!
-//! The problem space is small (200 problems) so a tiny model learns it in minutes on a CPU;
-//! about a tenth is held out as the `eval` split and never appears in `train`, so evaluation
-//! measures generalization, not recall.
+//! The problem space is small (2 · 20² = 800 problems) so a tiny model learns it in minutes on a
+//! CPU. About one problem in [`HELDOUT_ONE_IN`] is held out as the `eval` split (106 problems,
+//! chosen by a mixed hash of the problem, whatever the seed) and never appears in `train`, so
+//! evaluation measures generalization, not recall. The held-out split is large enough that one
+//! problem is worth under a point of accuracy: with operands 0–9 and a tenth held out it was 23
+//! problems, 4.3 points each, and the steps a run took to a held-out target hung on a problem or
+//! two. Operands up to 19 rather than a larger share held out: with operands 0–14 and a quarter
+//! held out (125 problems) the tiny model learned the training problems by heart (98 %) and
+//! stalled at 60 % held-out; with 700 training problems held-out accuracy follows the training
+//! problems'.
 
 use serde_json::json;
 use sluice_core::DataSample;
@@ -16,8 +23,8 @@ use crate::protocol::MessageEnv;
 use crate::rubric::ScoreInput;
 use crate::task::{DataGenerator, Task};
 use crate::tasks::{
-    SingleTurnEnv, answer_matches, answer_rubric, draw, field, has_answer, is_heldout,
-    train_eval_specs,
+    SingleTurnEnv, answer_matches, answer_rubric, draw_split, field, has_answer,
+    is_heldout_one_in, train_eval_specs,
 };
 
 /// Registered name.
@@ -25,6 +32,26 @@ pub const NAME: &str = "arithmetic";
 
 /// System prompt of the task.
 pub const SYSTEM_PROMPT: &str = "Answer with the number only.";
+
+/// Largest operand: problems are `a+b=` and `a-b=` for `a`, `b` in 0–`MAX_OPERAND`.
+pub const MAX_OPERAND: i64 = 19;
+
+/// About one problem in this many is held out (see [`is_heldout_problem`]).
+pub const HELDOUT_ONE_IN: u64 = 8;
+
+/// The key a problem is split on: its question without the `=`.
+fn split_key(a: i64, op: char, b: i64) -> String {
+    format!("{a}{op}{b}")
+}
+
+fn heldout_key(key: &str) -> bool {
+    is_heldout_one_in(key, HELDOUT_ONE_IN)
+}
+
+/// Whether a problem belongs to the held-out `eval` split (never to `train`), whatever the seed.
+pub fn is_heldout_problem(a: i64, op: char, b: i64) -> bool {
+    heldout_key(&split_key(a, op, b))
+}
 
 /// One problem: `(a, op, b)` and its answer.
 pub fn answer(a: i64, op: char, b: i64) -> i64 {
@@ -39,8 +66,8 @@ pub fn answer(a: i64, op: char, b: i64) -> i64 {
 pub fn all_problems() -> Vec<(i64, char, i64)> {
     let mut out = Vec::new();
     for op in ['+', '-'] {
-        for a in 0..=9 {
-            for b in 0..=9 {
+        for a in 0..=MAX_OPERAND {
+            for b in 0..=MAX_OPERAND {
                 out.push((a, op, b));
             }
         }
@@ -58,7 +85,7 @@ pub fn problem_input(a: i64, op: char, b: i64) -> serde_json::Value {
 pub fn heldout_samples() -> Vec<DataSample> {
     all_problems()
         .into_iter()
-        .filter(|&(a, op, b)| is_heldout(&format!("{a}{op}{b}")))
+        .filter(|&(a, op, b)| is_heldout_problem(a, op, b))
         .enumerate()
         .map(|(i, (a, op, b))| DataSample {
             id: format!("heldout-{i}"),
@@ -77,9 +104,9 @@ pub struct Generator;
 impl DataGenerator for Generator {
     fn generate(&self, split: &str, seed: u64, count: usize) -> Result<Vec<DataSample>, EnvError> {
         let problems = all_problems();
-        draw(NAME, split, seed, count, |rng: &mut Rng| {
+        draw_split(NAME, split, seed, count, heldout_key, |rng: &mut Rng| {
             let (a, op, b) = problems[rng.below(problems.len() as u64) as usize];
-            (format!("{a}{op}{b}"), problem_input(a, op, b))
+            (split_key(a, op, b), problem_input(a, op, b))
         })
     }
 
@@ -122,4 +149,35 @@ pub fn task() -> Task {
         .with_datasets(train_eval_specs("math", "arithmetic"))
         .with_generator(Generator)
         .with_reference(reference)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_operand_is_trained_on_and_the_split_holds_over_100() {
+        // The split is a mixed hash of the problem, not a pattern of digits: every operand value
+        // of each operation, in either place, has training problems, so no number is seen first
+        // at evaluation.
+        for op in ['+', '-'] {
+            for x in 0..=MAX_OPERAND {
+                let trained = |a: i64, b: i64| !is_heldout_problem(a, op, b);
+                assert!((0..=MAX_OPERAND).any(|y| trained(x, y)), "{x}{op}· never trained");
+                assert!((0..=MAX_OPERAND).any(|y| trained(y, x)), "·{op}{x} never trained");
+            }
+        }
+        let heldout = heldout_samples();
+        assert!(heldout.len() >= 100, "{}", heldout.len());
+        let expected: Vec<serde_json::Value> = all_problems()
+            .into_iter()
+            .filter(|&(a, op, b)| is_heldout_problem(a, op, b))
+            .map(|(a, op, b)| problem_input(a, op, b))
+            .collect();
+        let got: Vec<serde_json::Value> = heldout.into_iter().map(|s| s.input).collect();
+        assert_eq!(got, expected, "the held-out samples are the held-out problems, in order");
+        for op in ['+', '-'] {
+            assert!(got.iter().any(|i| i["question"].as_str().unwrap().contains(op)));
+        }
+    }
 }
