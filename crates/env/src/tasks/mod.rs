@@ -3,7 +3,7 @@
 //!
 //! | task | episode | reward |
 //! |---|---|---|
-//! | [`arithmetic`] | one turn: `7+5=` | exact match of the number (+ format) |
+//! | [`arithmetic`] (`arithmetic`, `arithmetic_wide`) | one turn: `7+5=` | exact match of the number (+ format) |
 //! | [`sum_digits`] | one turn, answer as `[ANSWER] n` | exact match (+ format) |
 //! | [`calculator`] (`calculator_tool`) | multi-turn, may call `calc` via `<tool_call>` | final answer |
 //! | [`stock`] (`stock_tool`) | multi-turn, must call `stock` for a count the prompt never shows | final answer |
@@ -37,6 +37,7 @@ use crate::task::Task;
 pub fn builtin_tasks() -> Vec<Task> {
     vec![
         arithmetic::task(),
+        arithmetic::wide_task(),
         sum_digits::task(),
         calculator::task(),
         stock::task(),
@@ -118,7 +119,7 @@ pub fn parse_answer_tag(text: &str) -> Option<i64> {
 }
 
 /// A problem belongs to the held-out split when its key hashes to 0 mod 10 (about a tenth): the
-/// rule of every task but `arithmetic`.
+/// rule of every task but `arithmetic_wide`.
 pub(crate) fn is_heldout(key: &str) -> bool {
     hash_str(key).is_multiple_of(10)
 }
