@@ -142,7 +142,10 @@ pub fn heldout_samples() -> Vec<DataSample> {
 
 /// Generates problems of a space's `train` / `eval` split.
 #[derive(Debug, Clone, Copy)]
-pub struct Generator(pub Space);
+pub struct Generator(
+    /// The space drawn from.
+    pub Space,
+);
 
 impl DataGenerator for Generator {
     fn generate(&self, split: &str, seed: u64, count: usize) -> Result<Vec<DataSample>, EnvError> {
