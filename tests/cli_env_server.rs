@@ -58,7 +58,7 @@ fn env_server_serves_builtin_tasks_and_stops_on_sigterm() {
     assert!(tasks.starts_with("HTTP/1.1 200"), "{tasks}");
     assert!(
         tasks.contains(
-            r#""tasks":["arithmetic","calculator_tool","episodic","python_code","qa","stock_tool","sum_digits","word_problems"]"#
+            r#""tasks":["arithmetic","arithmetic_wide","calculator_tool","episodic","python_code","qa","stock_tool","sum_digits","word_problems"]"#
         ),
         "{tasks}"
     );

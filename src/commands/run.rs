@@ -10,7 +10,7 @@ use std::process::ExitCode;
 
 use anyhow::{Context, bail};
 use indicatif::{ProgressBar, ProgressStyle};
-use sluice_config::{Config, NodeRole};
+use sluice_config::{Config, NodeRole, WarmupProbeSet};
 use sluice_node::NodeStatus;
 use sluice_node::graceful_stop::StopReport;
 use sluice_node::run::{Ending, Finished, PreparedRun, Progress, RunSummary, Scores, Watched};
@@ -76,8 +76,12 @@ async fn prepare(config: &Config) -> anyhow::Result<PreparedRun> {
             );
         }
         if let Some(w) = &n.warmup {
+            let probed = match config.warmup.probe {
+                WarmupProbeSet::Train => "accuracy on training problems",
+                WarmupProbeSet::Heldout => "held-out accuracy",
+            };
             println!(
-                "warm-up: {} supervised steps, accuracy on training problems {}",
+                "warm-up: {} supervised steps, {probed} {}",
                 w.steps,
                 per_domain(
                     w.probe_accuracy,

@@ -167,11 +167,14 @@ pub struct RawWarmup {
     pub batch_size: i64,
     /// Learning rate of the warm-start (its own constant schedule).
     pub learning_rate: f64,
-    /// Stop once greedy accuracy on a probe of training problems reaches this.
+    /// Stop once greedy accuracy on the probe reaches this.
     pub target_accuracy: f64,
+    /// What the probe plays: `train` (a draw of training problems) or `heldout` (the held-out
+    /// set that `[eval]` scores).
+    pub probe: String,
     /// Probe every this many steps.
     pub check_every: i64,
-    /// Training problems in the probe.
+    /// Training problems in the probe (`probe = "train"`).
     pub probe_samples: i64,
 }
 
@@ -183,6 +186,7 @@ impl Default for RawWarmup {
             batch_size: 64,
             learning_rate: 3e-3,
             target_accuracy: 0.3,
+            probe: "train".into(),
             check_every: 10,
             probe_samples: 128,
         }

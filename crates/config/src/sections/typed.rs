@@ -9,7 +9,7 @@ use std::num::{NonZeroU32, NonZeroU64};
 use std::path::PathBuf;
 use std::time::Duration;
 
-use serde::{Serialize, Serializer};
+use serde::{Deserialize, Serialize, Serializer};
 use sluice_core::config::{Device, Secret};
 use sluice_core::knobs::Knobs;
 
@@ -91,6 +91,27 @@ pub struct AdminConfig {
     pub token: Option<Secret>,
 }
 
+/// What the warm-start's probe plays (`warmup.probe`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WarmupProbeSet {
+    /// A fixed draw of `probe_samples` training problems: the held-out set decides nothing.
+    Train,
+    /// Each domain's held-out set, the one `[eval]` scores: RL starts from the same held-out
+    /// accuracy whatever the warm-start's trajectory, at the price of choosing the stopping
+    /// point on the held-out set.
+    Heldout,
+}
+
+impl WarmupProbeSet {
+    /// The config spelling.
+    pub fn as_str(self) -> &'static str {
+        sluice_core::choice::Choice::name(self)
+    }
+}
+
+sluice_core::impl_choice!(WarmupProbeSet);
+
 /// `[warmup]`: supervised warm-start before RL.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct WarmupConfig {
@@ -104,9 +125,11 @@ pub struct WarmupConfig {
     pub learning_rate: f64,
     /// Stop once probe accuracy reaches this.
     pub target_accuracy: f64,
+    /// What the probe plays.
+    pub probe: WarmupProbeSet,
     /// Probe every this many steps.
     pub check_every: NonZeroU64,
-    /// Training problems in the probe.
+    /// Training problems in the probe (`probe = "train"`).
     pub probe_samples: NonZeroU32,
 }
 

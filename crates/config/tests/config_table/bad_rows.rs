@@ -537,6 +537,12 @@ pub const BAD: &[(&str, &[&str], &str, ConfigErrorKind)] = &[
         ConfigErrorKind::Value,
     ),
     (
+        "[warmup]\nprobe = \"test\"",
+        &[],
+        "test.toml: warmup.probe: expected one of train, heldout, got `test`",
+        ConfigErrorKind::Value,
+    ),
+    (
         "[data]\ndatasets = [\"math::arithmetic\"]\n[data.domains.math]\nwarmup_target_accuracy = 1.5",
         &[],
         "test.toml: data.domains.math.warmup_target_accuracy: expected a fraction in [0, 1], got 1.5",

@@ -3,7 +3,7 @@
 //!
 //! | task | episode | reward |
 //! |---|---|---|
-//! | [`arithmetic`] | one turn: `7+5=` | exact match of the number (+ format) |
+//! | [`arithmetic`] (`arithmetic`, `arithmetic_wide`) | one turn: `7+5=` | exact match of the number (+ format) |
 //! | [`sum_digits`] | one turn, answer as `[ANSWER] n` | exact match (+ format) |
 //! | [`calculator`] (`calculator_tool`) | multi-turn, may call `calc` via `<tool_call>` | final answer |
 //! | [`stock`] (`stock_tool`) | multi-turn, must call `stock` for a count the prompt never shows | final answer |
@@ -37,6 +37,7 @@ use crate::task::Task;
 pub fn builtin_tasks() -> Vec<Task> {
     vec![
         arithmetic::task(),
+        arithmetic::wide_task(),
         sum_digits::task(),
         calculator::task(),
         stock::task(),
@@ -117,18 +118,42 @@ pub fn parse_answer_tag(text: &str) -> Option<i64> {
     digits.parse().ok()
 }
 
-/// A problem belongs to the held-out split when its key hashes to 0 mod 10 (about a tenth).
+/// A problem belongs to the held-out split when its key hashes to 0 mod 10 (about a tenth): the
+/// rule of every task but `arithmetic_wide`.
 pub(crate) fn is_heldout(key: &str) -> bool {
     hash_str(key).is_multiple_of(10)
 }
 
+/// A problem belongs to the held-out split when its key, hashed and mixed, is 0 mod `one_in`
+/// (about one in `one_in`). Deterministic in the key alone, so no seed ever moves a problem
+/// across splits. The FNV hash is mixed first: its low bits depend only on the low bits of each
+/// byte, so `hash_str(key) % 4` would hold out a pattern of digits rather than a random quarter.
+pub(crate) fn is_heldout_one_in(key: &str, one_in: u64) -> bool {
+    derive_seed(&[hash_str(key)]).is_multiple_of(one_in)
+}
+
 /// Draws `count` problems of `split` from `make` (called with a fresh RNG until a problem of the
-/// right split comes up). Deterministic in (`task`, `split`, `seed`).
+/// right split comes up), holding out by [`is_heldout`]. Deterministic in (`task`, `split`, `seed`).
 pub(crate) fn draw<F>(
     task: &str,
     split: &str,
     seed: u64,
     count: usize,
+    make: F,
+) -> Result<Vec<DataSample>, EnvError>
+where
+    F: FnMut(&mut Rng) -> (String, Value),
+{
+    draw_split(task, split, seed, count, is_heldout, make)
+}
+
+/// [`draw`] with the task's own held-out rule: a key is held out when `heldout(key)`.
+pub(crate) fn draw_split<F>(
+    task: &str,
+    split: &str,
+    seed: u64,
+    count: usize,
+    heldout: fn(&str) -> bool,
     mut make: F,
 ) -> Result<Vec<DataSample>, EnvError>
 where
@@ -147,7 +172,7 @@ where
     let mut out = Vec::with_capacity(count);
     while out.len() < count {
         let (key, input) = make(&mut rng);
-        if is_heldout(&key) == want_heldout {
+        if heldout(&key) == want_heldout {
             out.push(DataSample {
                 id: format!("{split}-{}", out.len()),
                 domain: String::new(),

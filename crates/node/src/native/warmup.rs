@@ -1,8 +1,10 @@
 //! Supervised warm-start: a few cross-entropy steps on tasks' reference replies, so a small
 //! random model starts RL able to answer sometimes (RL needs some reward to climb from). A run of
 //! several domains warms them up together (their demonstrations interleaved) and each has its own
-//! probe on *training* problems and its own target; the warm-up stops as soon as every probe
-//! reaches its target, so the held-out sets are never used to decide anything.
+//! probe and its own target; the warm-up stops as soon as every probe reaches its target. A probe
+//! plays whatever problems it is given: a draw of *training* problems (`warmup.probe = "train"`,
+//! the held-out sets decide nothing) or the domain's held-out set (`"heldout"`), so RL starts
+//! from the same held-out accuracy however the warm-start got there.
 
 use std::sync::Arc;
 
@@ -70,8 +72,8 @@ impl DemoStream {
     }
 }
 
-/// One domain's probe: greedy accuracy on a fixed draw of its training problems, and the
-/// accuracy the warm-up must bring it to.
+/// One domain's probe: greedy accuracy on a fixed set of its problems (training or held-out),
+/// and the accuracy the warm-up must bring it to.
 #[derive(Debug)]
 pub struct WarmupProbe {
     /// The domain probed.

@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use sluice_config::{Config, LrSchedule};
+use sluice_config::{Config, LrSchedule, WarmupProbeSet};
 use sluice_data::{DatasetRows, MixSampler, SamplerConfig};
 use sluice_env::datasets::{GeneratedRows, load_datasets};
 use sluice_model::{SaveOptions, copy_aux_files, save_checkpoint};
@@ -18,7 +18,9 @@ use crate::native::{
 use sluice_actors::ActorError;
 use sluice_actors::checkpoint::{CHECKPOINT_DIR, CheckpointDir, Manifest};
 
-use super::evaluations::{Evaluations, Served, evaluator, served_domains, training_samples};
+use super::evaluations::{
+    Evaluations, Served, evaluator, heldout_samples, served_domains, training_samples,
+};
 
 /// Where a run keeps its warm-started model, under `run.output_dir`.
 pub const WARMUP_DIR: &str = "warmup";
@@ -32,7 +34,8 @@ fn setup_err(what: impl std::fmt::Display) -> ActorError {
 pub struct WarmupOutcome {
     /// Supervised steps taken.
     pub steps: u64,
-    /// Greedy accuracy on the training probes at the end (mean over the domains).
+    /// Greedy accuracy on the probes at the end (mean over the domains): on training problems
+    /// or on the held-out sets, as `warmup.probe` says.
     pub probe_accuracy: f64,
     /// Each warmed-up domain's probe accuracy at the end.
     pub domains: Vec<(String, f64)>,
@@ -126,7 +129,8 @@ pub fn sample_source(
 }
 
 /// Supervised warm-start on the served tasks' reference replies, every domain's demonstrations
-/// interleaved and each domain probed on its own training problems; the result goes to `dir`.
+/// interleaved and each domain probed on its own training problems or, with `warmup.probe =
+/// "heldout"`, on its held-out set (the one its evaluations score); the result goes to `dir`.
 async fn warmup(
     config: &Config,
     setup: &NativeSetup,
@@ -145,7 +149,13 @@ async fn warmup(
                 .await
                 .map_err(|e| setup_err(format!("warm-up of domain `{}`: {e}", s.domain)))?;
             per_domain.push(demos);
-            let probe_n = (w.probe_samples.get() as usize).min(samples.len());
+            let probed = match w.probe {
+                WarmupProbeSet::Train => {
+                    let probe_n = (w.probe_samples.get() as usize).min(samples.len());
+                    samples[..probe_n].to_vec()
+                }
+                WarmupProbeSet::Heldout => heldout_samples(config, setup, s)?,
+            };
             let target = config
                 .data
                 .domain_options
@@ -154,14 +164,7 @@ async fn warmup(
                 .unwrap_or(w.target_accuracy);
             probes.push(WarmupProbe {
                 domain: s.domain.clone(),
-                evaluator: evaluator(
-                    config,
-                    setup,
-                    s,
-                    samples[..probe_n].to_vec(),
-                    0.0,
-                    Some(config.run.seed),
-                ),
+                evaluator: evaluator(config, setup, s, probed, 0.0, Some(config.run.seed)),
                 target,
             });
         }

@@ -1,7 +1,8 @@
 //! Evaluation per domain, as a native run prepares it: every domain of `data.datasets` is
 //! evaluated through the task that serves it, on its task's generated held-out split or on the
 //! JSONL file its `eval_dataset` names; `eval.task` narrows it to one task; a missing file is an
-//! error naming the key.
+//! error naming the key. A warm-start with `warmup.probe = "heldout"` stops on that same held-out
+//! set.
 
 use sluice_config::Config;
 use sluice_node::run::NativeRun;
@@ -132,4 +133,84 @@ async fn a_missing_eval_dataset_names_its_key() {
     let msg = err.to_string();
     assert!(msg.contains("data.domains.math.eval_dataset"), "{msg}");
     assert!(msg.contains("nowhere"), "{msg}");
+}
+
+/// The warm-up target of the held-out probe test: low, so a debug build reaches it in a few dozen
+/// supervised steps (50 when written; 20 % took over 400).
+const HELDOUT_TARGET: f64 = 0.05;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_warm_up_can_stop_on_held_out_accuracy() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = format!(
+        r#"
+[run]
+name = "heldout-warmup"
+output_dir = "{out}"
+max_steps = 1
+
+[model]
+init_preset = "tiny"
+
+[engine]
+backend = "native"
+
+[rollout]
+max_new_tokens = 6
+
+[data]
+datasets = ["math::arithmetic_wide@train"]
+
+[data.domains.math]
+system_prompt = ""
+
+[warmup]
+enabled = true
+probe = "heldout"
+target_accuracy = {HELDOUT_TARGET}
+max_steps = 300
+check_every = 10
+probe_samples = 7
+"#,
+        out = dir.path().join("run").display(),
+    );
+    let config = sluice_config::parse(&text, "test.toml", &[], &|_| None).expect("valid config");
+    let mut probes = Vec::new();
+    let mut run = NativeRun::prepare(&config, |p| probes.push(p.accuracy))
+        .await
+        .unwrap();
+    let warm = run.warmup.clone().expect("a fresh run warm-starts");
+    // It stopped at the first probe that reached the target, before the step budget ran out.
+    let (&last, earlier) = probes.split_last().expect("probed");
+    assert!(
+        last >= HELDOUT_TARGET && earlier.iter().all(|&a| a < HELDOUT_TARGET),
+        "{probes:?}"
+    );
+    assert!(
+        warm.steps < 300 && warm.steps.is_multiple_of(10),
+        "{warm:?}"
+    );
+    assert_eq!(warm.probe_accuracy, last);
+    assert_eq!(warm.domains, [("math".to_owned(), last)]);
+    // What it probed is the held-out set the run evaluates: the evaluation of the saved weights
+    // finds the same accuracy ...
+    let n = run.evaluations.heldout_len();
+    assert!(n >= 100 && !n.is_multiple_of(7), "{n} held-out problems");
+    let scores = run
+        .evaluations
+        .run(std::sync::Arc::clone(&run.setup.weights))
+        .await
+        .unwrap();
+    assert!(
+        (scores.heldout - warm.probe_accuracy).abs() < 1e-12,
+        "warm-up probe {} vs held-out evaluation {scores:?}",
+        warm.probe_accuracy
+    );
+    // ... and a share of n problems (n prime to 7) short of all is no share of the 7 training
+    // problems of `probe_samples`.
+    let sevenths = warm.probe_accuracy * 7.0;
+    assert!(
+        warm.probe_accuracy < 1.0 && (sevenths - sevenths.round()).abs() > 1e-9,
+        "{warm:?}"
+    );
 }

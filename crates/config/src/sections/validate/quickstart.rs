@@ -3,7 +3,7 @@
 use sluice_core::config::ConfigError;
 use sluice_core::config::Device;
 use sluice_core::config::check::{
-    Ctx, fraction, non_zero_u32, non_zero_u64, number, positive, u64_incl_zero,
+    Ctx, choice, fraction, non_zero_u32, non_zero_u64, number, positive, u64_incl_zero,
 };
 
 use crate::sections::raw::{RawEval, RawWarmup};
@@ -17,6 +17,7 @@ pub fn validate_warmup(raw: RawWarmup, ctx: &Ctx<'_>) -> Result<WarmupConfig, Co
         batch_size: non_zero_u32(ctx, "warmup.batch_size", raw.batch_size)?,
         learning_rate: positive(ctx, "warmup.learning_rate", raw.learning_rate)?,
         target_accuracy: fraction(ctx, "warmup.target_accuracy", raw.target_accuracy)?,
+        probe: choice(ctx, "warmup.probe", &raw.probe)?,
         check_every: non_zero_u64(ctx, "warmup.check_every", raw.check_every)?,
         probe_samples: non_zero_u32(ctx, "warmup.probe_samples", raw.probe_samples)?,
     })
