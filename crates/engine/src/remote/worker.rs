@@ -17,10 +17,11 @@ use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 
 use super::fault::Fault;
-use super::{Command, Pinned, RemoteParams, Shared, WeightDirs, wire};
-use crate::backend::{
-    Completion, EngineEvent, EventSink, FinishReason, GenerateRequest, TokenOutput,
-};
+use super::{Command, RemoteParams, Shared, wire};
+use crate::backend::{Completion, EngineEvent, EventSink, FinishReason, GenerateRequest};
+use calls::{finish_from_reply, load, write};
+
+mod calls;
 
 pub(super) struct Server {
     pub(super) client: HttpClient,
@@ -488,83 +489,4 @@ impl Worker {
             .ready
             .store(self.server.up && self.server.ready, Ordering::Relaxed);
     }
-}
-
-/// Writes `weights` (unless already on disk) and pins the directory, off the runtime.
-async fn write(dirs: Arc<WeightDirs>, weights: Arc<ModelWeights>) -> Result<Pinned, String> {
-    tokio::task::spawn_blocking(move || dirs.publish(&weights))
-        .await
-        .unwrap_or_else(|e| Err(format!("writer thread: {e}")))
-}
-
-/// Asks the server behind `client` to load `pinned` as its version, with `mode`.
-async fn load(
-    client: &HttpClient,
-    pinned: &Pinned,
-    mode: WeightUpdateMode,
-    timeout: std::time::Duration,
-) -> Result<(), Fault> {
-    // Served over HTTP: the server fetches the file and checks its CRC-32 (no shared disk).
-    let (route, body) = match pinned.fetch() {
-        Some((url, crc)) => (
-            "/update_weights_from_url",
-            json!({
-                "url": url,
-                "crc32": crc,
-                "weight_version": pinned.version().0,
-                "mode": mode.as_str(),
-                "abort_all_requests": mode == WeightUpdateMode::AbortResume,
-            }),
-        ),
-        None => (
-            "/update_weights_from_disk",
-            json!({
-                "model_path": pinned.path(),
-                "weight_version": pinned.version().0,
-                "mode": mode.as_str(),
-                "abort_all_requests": mode == WeightUpdateMode::AbortResume,
-            }),
-        ),
-    };
-    let body = body.to_string().into_bytes();
-    match client.call(Method::POST, route, Some(body), timeout).await {
-        Ok((st, _)) if st.is_success() => Ok(()),
-        Ok((st, b)) => Err(Fault::failed(format!(
-            "status {st}: {}",
-            String::from_utf8_lossy(&b)
-        ))),
-        Err(e) => Err(Fault::unreachable(&e)),
-    }
-}
-
-/// The completion of a request from a server's reply (2xx or 4xx): the resumed tokens first.
-fn finish_from_reply(
-    id: RequestId,
-    partial: &TokenOutput,
-    status: StatusCode,
-    bytes: &[u8],
-    version: PolicyVersion,
-) -> Completion {
-    let mut output = partial.clone();
-    let finish = if !status.is_success() {
-        tracing::warn!(%id, %status, body = %String::from_utf8_lossy(bytes), "remote engine refused a request");
-        FinishReason::Error("remote_bad_request".into())
-    } else {
-        match serde_json::from_slice::<Value>(bytes)
-            .map_err(|e| wire::BadReply(e.to_string()))
-            .and_then(|v| wire::parse_completion(&v, version))
-        {
-            Ok((new, finish)) => {
-                output.token_ids.extend(new.token_ids);
-                output.logprobs.extend(new.logprobs);
-                output.versions.extend(new.versions);
-                finish
-            }
-            Err(wire::BadReply(reason)) => {
-                tracing::warn!(%id, %reason, "remote engine reply is malformed");
-                FinishReason::Error("remote_bad_reply".into())
-            }
-        }
-    };
-    Completion { id, output, finish }
 }
