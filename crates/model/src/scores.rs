@@ -19,8 +19,9 @@ use crate::ops::compute_dtype;
 
 /// Output column 0 is `log p(target)`, column 1 the entropy, both in the compute dtype
 /// (f32, or f64 for f64 models). The logits' matrix product runs in `hidden`'s dtype (bf16
-/// under mixed precision, on tensor cores), everything after it in the compute dtype. With `fused`, f32/f64 CPU tensors take the one-pass kernel
-/// of [`crate::fused`] instead of the composition below.
+/// under mixed precision, on tensor cores), everything after it in the compute dtype. With
+/// `fused`, f32/f64 CPU tensors take the one-pass kernel of [`crate::fused`] instead of the
+/// composition below.
 pub(crate) fn token_scores(
     hidden: &Tensor,
     head: &Tensor,
