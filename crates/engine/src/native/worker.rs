@@ -357,19 +357,14 @@ impl Worker {
             drawing.push(i);
         }
         let picks = device_draw::picks(&q.running, &drawing, rows);
-        let last = |i: usize| -> &[f32] {
-            rows[i]
-                .as_ref()
-                .and_then(|o| o.rows().last())
-                .map_or(&[], |r| r)
-        };
         for (&i, pick) in drawing.iter().zip(picks) {
             let s = &mut q.running[i];
             push_token(&mut s.output, pick.token, pick.logprob, version);
             generated += 1;
             if let Some(obs) = &s.observer {
                 let top = if s.top_logprobs > 0 {
-                    top_n(&log_softmax(last(i), s.params.temperature), s.top_logprobs)
+                    let last = Outcome::last_row(rows, i);
+                    top_n(&log_softmax(last, s.params.temperature), s.top_logprobs)
                 } else {
                     Vec::new()
                 };

@@ -27,6 +27,14 @@ impl Outcome {
             Outcome::Drawn(_) => &[],
         }
     }
+
+    /// The last row of logits of sequence `i` in `outcomes` (empty when none came to the host).
+    pub(super) fn last_row(outcomes: &[Option<Outcome>], i: usize) -> &[f32] {
+        outcomes[i]
+            .as_ref()
+            .and_then(|o| o.rows().last())
+            .map_or(&[], |r| r)
+    }
 }
 
 /// The draws of the sequences `drawing` (indices into `running`, in order): the device's where
@@ -37,18 +45,17 @@ pub(super) fn picks(
     drawing: &[usize],
     outcomes: &[Option<Outcome>],
 ) -> Vec<Sampled> {
-    let last = |i: usize| -> &[f32] {
-        outcomes[i]
-            .as_ref()
-            .and_then(|o| o.rows().last())
-            .map_or(&[], |r| r)
-    };
     let jobs: Vec<(&[f32], &SamplingParams, u64, u64)> = drawing
         .iter()
         .filter(|&&i| !matches!(outcomes[i], Some(Outcome::Drawn(_))))
         .map(|&i| {
             let s = &running[i];
-            (last(i), &s.params, s.seed, s.output.len() as u64)
+            (
+                Outcome::last_row(outcomes, i),
+                &s.params,
+                s.seed,
+                s.output.len() as u64,
+            )
         })
         .collect();
     let mut on_host = sample_rows(&jobs).into_iter();
