@@ -125,6 +125,32 @@ pub(crate) fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> CandleResult
     }
 }
 
+/// A layer's projections, named for forwards whose products do not read the f32 weights
+/// themselves (the engine's bf16 tiles, [`crate::packed`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Proj {
+    Q,
+    K,
+    V,
+    O,
+    Gate,
+    Up,
+    Down,
+}
+
+impl Proj {
+    /// Every projection, in the order [`crate::packed`] keeps them.
+    pub(crate) const ALL: [Proj; 7] = [
+        Proj::Q,
+        Proj::K,
+        Proj::V,
+        Proj::O,
+        Proj::Gate,
+        Proj::Up,
+        Proj::Down,
+    ];
+}
+
 /// Projected heads of one layer for flat tokens.
 pub(crate) struct Qkv {
     /// `(N, heads, head_dim)`, q-norm applied, before RoPE.
@@ -159,6 +185,34 @@ impl LayerWeights {
         })
     }
 
+    /// The weight of projection `p`.
+    pub(crate) fn weight(&self, p: Proj) -> &Tensor {
+        match p {
+            Proj::Q => &self.q_proj,
+            Proj::K => &self.k_proj,
+            Proj::V => &self.v_proj,
+            Proj::O => &self.o_proj,
+            Proj::Gate => &self.gate_proj,
+            Proj::Up => &self.up_proj,
+            Proj::Down => &self.down_proj,
+        }
+    }
+
+    /// The bias of projection `p`, if the architecture has one.
+    pub(crate) fn bias(&self, p: Proj) -> Option<&Tensor> {
+        match p {
+            Proj::Q => self.q_bias.as_ref(),
+            Proj::K => self.k_bias.as_ref(),
+            Proj::V => self.v_bias.as_ref(),
+            _ => None,
+        }
+    }
+
+    /// `x Wᵀ (+ b)` of projection `p` with this layer's own weights.
+    pub(crate) fn project(&self, x: &Tensor, p: Proj, kernels: Kernels) -> CandleResult<Tensor> {
+        linear_with(x, self.weight(p), self.bias(p), kernels)
+    }
+
     /// Input norm and q/k/v projections of `x: (N, hidden)`.
     pub(crate) fn qkv(
         &self,
@@ -166,25 +220,24 @@ impl LayerWeights {
         config: &ModelConfig,
         kernels: Kernels,
     ) -> CandleResult<Qkv> {
+        self.qkv_by(x, config, kernels, |h, p| self.project(h, p, kernels))
+    }
+
+    /// [`Self::qkv`] with the products (bias included) computed by `products`.
+    pub(crate) fn qkv_by(
+        &self,
+        x: &Tensor,
+        config: &ModelConfig,
+        kernels: Kernels,
+        products: impl Fn(&Tensor, Proj) -> CandleResult<Tensor>,
+    ) -> CandleResult<Qkv> {
         let n = x.dim(0)?;
         let d = config.head_dim;
         let eps = config.rms_norm_eps;
         let h = rms_norm(x, &self.input_norm, eps, kernels)?;
-        let q = linear_with(&h, &self.q_proj, self.q_bias.as_ref(), kernels)?.reshape((
-            n,
-            config.num_heads,
-            d,
-        ))?;
-        let k = linear_with(&h, &self.k_proj, self.k_bias.as_ref(), kernels)?.reshape((
-            n,
-            config.num_kv_heads,
-            d,
-        ))?;
-        let v = linear_with(&h, &self.v_proj, self.v_bias.as_ref(), kernels)?.reshape((
-            n,
-            config.num_kv_heads,
-            d,
-        ))?;
+        let q = products(&h, Proj::Q)?.reshape((n, config.num_heads, d))?;
+        let k = products(&h, Proj::K)?.reshape((n, config.num_kv_heads, d))?;
+        let v = products(&h, Proj::V)?.reshape((n, config.num_kv_heads, d))?;
         let q = match &self.q_norm {
             Some(w) => rms_norm(&q, w, eps, kernels)?,
             None => q,
@@ -218,9 +271,20 @@ impl LayerWeights {
 
     /// Residual MLP block: `x + down(silu(gate(n)) * up(n))` with `n = post_norm(x)`.
     pub(crate) fn mlp_block(&self, x: &Tensor, eps: f64, kernels: Kernels) -> CandleResult<Tensor> {
+        self.mlp_block_by(x, eps, kernels, |h, p| self.project(h, p, kernels))
+    }
+
+    /// [`Self::mlp_block`] with the products computed by `products`.
+    pub(crate) fn mlp_block_by(
+        &self,
+        x: &Tensor,
+        eps: f64,
+        kernels: Kernels,
+        products: impl Fn(&Tensor, Proj) -> CandleResult<Tensor>,
+    ) -> CandleResult<Tensor> {
         let h = rms_norm(x, &self.post_norm, eps, kernels)?;
-        let gate = linear_with(&h, &self.gate_proj, None, kernels)?;
-        let up = linear_with(&h, &self.up_proj, None, kernels)?;
+        let gate = products(&h, Proj::Gate)?;
+        let up = products(&h, Proj::Up)?;
         // The fused op for training (it has a backward) and for inference too: one pass with
         // a vectorised exp, where candle's `silu` then `mul` were two passes, libm's `expf` per
         // element and a barrier-pool split (about 40 % of the quickstart engine's samples).
@@ -230,6 +294,6 @@ impl LayerWeights {
         } else {
             (gate.silu()? * up)?
         };
-        x + linear_with(&act, &self.down_proj, None, kernels)?
+        x + products(&act, Proj::Down)?
     }
 }

@@ -12,6 +12,7 @@
 //! | [`checkpoint`] | [`load_checkpoint`] / [`save_checkpoint`]: safetensors (memory-mapped, sharded with index), HF layout |
 //! | [`batch`] | [`PackedBatch`]: sequences packed in `(B, L)` rows with positions, segments, next-token targets |
 //! | [`train`] | [`TrainableModel`]: parameters as `Var`s, [`TrainableModel::token_scores`] (log-probs + entropy, chunked) |
+//! | [`amx`] | the engine's bf16 products on Intel AMX tiles ([`amx::Bf16Weight`]), weights packed once per version |
 //! | [`fused`] | the training forward's fused CPU ops with hand-written backward (linear, RMSNorm, RoPE, SwiGLU, packed attention) |
 //! | [`cache`] | [`KvCache`] trait and [`ContiguousKvCache`] |
 //! | [`paged`] | [`PagedKvCache`]: fixed-size blocks from one pool, block tables, prefix sharing by content and weight version |
@@ -50,6 +51,7 @@
 //! only on the inference path. The training forward uses Sluice's own fused ops ([`fused`]),
 //! which do have them, where they apply, and candle's composition elsewhere ([`ops::Kernels`]).
 
+pub mod amx;
 pub mod batch;
 pub mod cache;
 pub mod chat;
@@ -65,6 +67,7 @@ pub mod kernels;
 mod layers;
 pub mod names;
 pub mod ops;
+mod packed;
 pub mod paged;
 pub mod presets;
 mod ragged;

@@ -1,6 +1,7 @@
 //! Steps that mix one-token inputs with prompt chunks, and the cache trait's default batched
 //! append (what a new cache implementation starts from): the same logits as full forwards and
-//! as the fast caches.
+//! as the fast caches. And the same steps with bf16 products (AMX tiles): near the f32 logits,
+//! following weight swaps.
 
 mod common;
 
@@ -145,6 +146,71 @@ fn padded_prompt_batches_in_a_mixed_step_match_full_forwards() {
             assert_eq!(got.dim(0).unwrap(), row);
             for (s, tokens) in seqs.iter().enumerate() {
                 assert_eq!(cache.seq_len(s as u64), tokens.len());
+            }
+        }
+    }
+}
+
+/// Prefill of three prompts, then three decode steps; every step's logits.
+fn prefill_and_decode(model: &InferenceModel) -> Vec<Tensor> {
+    let mut cache = ContiguousKvCache::new(model.config(), DType::F32, model.snapshot().device());
+    let prompts: [&[u32]; 3] = [&[1, 2, 3, 4, 5], &[6, 7, 8, 9, 10, 11, 12, 13, 14], &[15]];
+    let mut out = vec![model
+        .step(&mut cache, &StepInput::numbered(&prompts), LogitsWanted::All)
+        .unwrap()];
+    for t in 0..3u32 {
+        let next: Vec<[u32; 1]> = (0..3).map(|s| [(t * 3 + s + 2) % 23]).collect();
+        out.push(
+            model
+                .step(&mut cache, &StepInput::numbered(&next), LogitsWanted::Last)
+                .unwrap(),
+        );
+    }
+    out
+}
+
+#[test]
+fn bf16_products_stay_near_f32_and_follow_weight_swaps() {
+    if !sluice_model::amx::available() {
+        eprintln!("no AMX tiles on this machine: bf16 compute is refused here, checked below");
+        let snap = Arc::new(snapshot(tiny_config(ALL_ARCHS[0], true), 2, DType::F32));
+        let mut model = InferenceModel::new(snap).unwrap();
+        let err = model.set_compute_dtype(DType::BF16).unwrap_err();
+        assert!(err.to_string().contains("AMX"), "{err}");
+        return;
+    }
+    for arch in ALL_ARCHS {
+        for tied in [true, false] {
+            let snap = Arc::new(snapshot(tiny_config(arch, tied), 4, DType::F32));
+            let exact = InferenceModel::new(Arc::clone(&snap)).unwrap();
+            let mut tiles = InferenceModel::new(Arc::clone(&snap)).unwrap();
+            tiles.set_compute_dtype(DType::BF16).unwrap();
+            assert_eq!(tiles.compute_dtype(), DType::BF16);
+            for (step, (a, b)) in prefill_and_decode(&exact)
+                .iter()
+                .zip(&prefill_and_decode(&tiles))
+                .enumerate()
+            {
+                let err = rel_err(a, b);
+                // bf16 operands keep 8 bits: a few 2⁻⁹ of relative error through the layers;
+                // zero would mean the tiles never ran.
+                assert!(err > 0.0 && err < 3e-2, "{arch:?} tied={tied} step {step}: {err}");
+            }
+            // A swap repacks: the swapped model computes exactly what a fresh one on the new
+            // weights does.
+            let changed = Arc::new(snapshot(tiny_config(arch, tied), 9, DType::F32));
+            tiles.swap_weights(Arc::clone(&changed)).unwrap();
+            let mut fresh = InferenceModel::new(Arc::clone(&changed)).unwrap();
+            fresh.set_compute_dtype(DType::BF16).unwrap();
+            for (a, b) in prefill_and_decode(&tiles).iter().zip(&prefill_and_decode(&fresh)) {
+                assert_eq!(rel_err(a, b), 0.0, "{arch:?} tied={tied}");
+            }
+            // And back to f32 products: the exact logits again.
+            tiles.set_compute_dtype(DType::F32).unwrap();
+            assert_eq!(tiles.compute_dtype(), DType::F32);
+            let exact = InferenceModel::new(changed).unwrap();
+            for (a, b) in prefill_and_decode(&tiles).iter().zip(&prefill_and_decode(&exact)) {
+                assert_eq!(rel_err(a, b), 0.0, "{arch:?} tied={tied}");
             }
         }
     }

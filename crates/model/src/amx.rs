@@ -1,0 +1,444 @@
+//! Products on Intel AMX tiles (Sapphire Rapids and later): `x (m, k) · w (n, k)ᵀ` with bf16
+//! operands and f32 sums, for an engine whose `compute_dtype` is bf16 on the CPU.
+//!
+//! Why: a decode step of 64 sequences is a product of 64 rows against every weight, and with f32
+//! FMA lanes that arithmetic, not memory, bounds a 2-core CPU (about 0.3 TFLOP/s with AVX-512).
+//! One `tdpbf16ps` multiplies a 16×32 bf16 tile by a 32×16 one into 16×16 f32 sums: one core
+//! does about 3 TFLOP/s of it, so the same step is bound by streaming the weights (in bf16,
+//! half the bytes of f32) instead.
+//!
+//! Layout. A weight is packed once per weight version ([`Bf16Weight::pack`]) into the order the
+//! tiles read: blocks of 16 output columns × 32 inputs, each 16 lines of 64 bytes where line `p`
+//! holds, for each of the 16 columns, the pair of inputs `2p, 2p + 1` ("VNNI" order), and the
+//! blocks of one column group consecutive along `k`. Inputs are padded to a multiple of 32 and
+//! outputs to a multiple of 32 with zeros. The activations are rounded to bf16 per call into
+//! rows padded the same way, 32 rows at a time.
+//!
+//! Each job takes 32 output columns at a time and, for every 32 input rows, keeps a 2×2 square
+//! of 16×16 sum tiles (tiles 0–3) while two input tiles (4, 5) and two weight tiles (6, 7) walk
+//! along `k`: four loads for four tile products. A column group's weights (32 × `k` bf16) stay
+//! in L1/L2 while every row passes them, so each weight is read from memory once per call.
+//!
+//! Linux grants a process the tile registers only on request (`arch_prctl(ARCH_REQ_XCOMP_PERM)`),
+//! made once by [`available`]. Rust has no stable AMX intrinsics, so the tile instructions are
+//! written as inline assembly; the compiler never uses tile registers itself, and every job loads
+//! its tile configuration and releases the tiles when it ends.
+
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+use rayon::prelude::*;
+
+/// Inputs per tile row (a 64-byte line of bf16) and outputs per pair of column tiles.
+const K_BLOCK: usize = 32;
+/// Outputs of one column tile, and rows of one input or sum tile.
+const TILE: usize = 16;
+/// Rows and columns one job step covers (two tiles each way).
+const PAIR: usize = 2 * TILE;
+
+/// One 64-byte tile row of bf16 values (aligned, so a tile row never straddles cache lines).
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+struct Line([u16; K_BLOCK]);
+
+const ZERO_LINE: Line = Line([0; K_BLOCK]);
+
+/// Whether this CPU has AMX with bf16 tiles and the kernel lets this process use them. Checked
+/// once (the first call asks Linux for the tile state).
+pub fn available() -> bool {
+    #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+    {
+        static OK: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *OK.get_or_init(|| {
+            // CPUID leaf 7: EDX bit 24 is AMX-TILE, bit 22 AMX-BF16.
+            let leaf = std::arch::x86_64::__cpuid_count(7, 0);
+            let cpu = leaf.edx & (1 << 24) != 0 && leaf.edx & (1 << 22) != 0;
+            // ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA: refused where the kernel or the
+            // hypervisor does not save tile state.
+            const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+            const XFEATURE_XTILEDATA: libc::c_long = 18;
+            // SAFETY: a plain system call with integer arguments; it changes only which
+            // register state the kernel saves for this process.
+            #[allow(unsafe_code)]
+            let granted = cpu
+                && unsafe {
+                    libc::syscall(libc::SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)
+                } == 0;
+            granted
+        })
+    }
+    #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+    false
+}
+
+/// `v` rounded to the nearest bf16 (ties to even), as its bits; NaN stays NaN.
+#[inline(always)]
+pub fn bf16_bits(v: f32) -> u16 {
+    let bits = v.to_bits();
+    if v.is_nan() {
+        return ((bits >> 16) | 0x40) as u16;
+    }
+    ((bits + 0x7fff + ((bits >> 16) & 1)) >> 16) as u16
+}
+
+/// A weight `(n, k)` rounded to bf16 and packed in tile order (see the module docs).
+pub struct Bf16Weight {
+    n: usize,
+    k: usize,
+    /// Blocks of [`K_BLOCK`] inputs (`k` padded).
+    k_blocks: usize,
+    /// Outputs padded to a multiple of [`PAIR`].
+    n_padded: usize,
+    lines: Vec<Line>,
+}
+
+impl std::fmt::Debug for Bf16Weight {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Bf16Weight({}, {})", self.n, self.k)
+    }
+}
+
+impl Bf16Weight {
+    /// Packs the row-major weight `w` of `n` outputs by `k` inputs (on the current rayon pool).
+    pub fn pack(w: &[f32], n: usize, k: usize) -> Self {
+        assert_eq!(w.len(), n * k, "amx pack: weight of {} values for ({n}, {k})", w.len());
+        let k_blocks = k.div_ceil(K_BLOCK);
+        let n_padded = n.div_ceil(PAIR) * PAIR;
+        // One column tile's blocks: `k_blocks` tiles of TILE lines.
+        let per_tile = k_blocks * TILE;
+        let mut lines = vec![ZERO_LINE; n_padded / TILE * per_tile];
+        let fill = |(nb, tile): (usize, &mut [Line])| {
+            for col in 0..TILE {
+                let j = nb * TILE + col;
+                if j >= n {
+                    break;
+                }
+                let row = &w[j * k..(j + 1) * k];
+                for (i, &v) in row.iter().enumerate() {
+                    let (kb, within) = (i / K_BLOCK, i % K_BLOCK);
+                    tile[kb * TILE + within / 2].0[col * 2 + within % 2] = bf16_bits(v);
+                }
+            }
+        };
+        #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+        lines.par_chunks_mut(per_tile).enumerate().for_each(fill);
+        #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+        lines.chunks_mut(per_tile).enumerate().for_each(fill);
+        Self {
+            n,
+            k,
+            k_blocks,
+            n_padded,
+            lines,
+        }
+    }
+
+    /// Outputs.
+    pub fn rows(&self) -> usize {
+        self.n
+    }
+
+    /// Inputs.
+    pub fn cols(&self) -> usize {
+        self.k
+    }
+
+    /// The weight's values back as f32, row-major `(n, k)` (each one its bf16 rounding).
+    pub fn unpack(&self) -> Vec<f32> {
+        let mut w = vec![0.0; self.n * self.k];
+        let per_tile = self.k_blocks * TILE;
+        for (j, row) in w.chunks_exact_mut(self.k).enumerate() {
+            let tile = &self.lines[j / TILE * per_tile..][..per_tile];
+            for (i, v) in row.iter_mut().enumerate() {
+                let (kb, within) = (i / K_BLOCK, i % K_BLOCK);
+                let bits = tile[kb * TILE + within / 2].0[(j % TILE) * 2 + within % 2];
+                *v = f32::from_bits(u32::from(bits) << 16);
+            }
+        }
+        w
+    }
+
+    /// `x (m, k) · selfᵀ` as a row-major `(m, n)` buffer: `x` rounded to bf16, sums in f32.
+    ///
+    /// # Panics
+    /// If [`available`] is false, or `x` does not hold `m` rows of `k`.
+    pub fn linear(&self, x: &[f32], m: usize) -> Vec<f32> {
+        assert!(available(), "amx linear on a CPU or kernel without AMX tiles");
+        assert_eq!(x.len(), m * self.k, "amx linear: input of {} values for ({m}, {})", x.len(), self.k);
+        let m_padded = m.div_ceil(PAIR) * PAIR;
+        let row_lines = self.k_blocks;
+        let mut a = vec![ZERO_LINE; m_padded * row_lines];
+        for (r, row) in x.chunks_exact(self.k).enumerate() {
+            for (kb, part) in row.chunks(K_BLOCK).enumerate() {
+                let line = &mut a[r * row_lines + kb].0;
+                for (dst, &v) in line.iter_mut().zip(part) {
+                    *dst = bf16_bits(v);
+                }
+            }
+        }
+        let np = self.n_padded;
+        let mut out: Vec<f32> = Vec::with_capacity(m_padded * np);
+        #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+        // SAFETY: `available` holds; `a` holds `m_padded` rows of `k_blocks` lines and the
+        // packed weight `n_padded` columns of as many blocks; `out` has room for
+        // `m_padded · n_padded` sums, which the tiles write every one of before `set_len`.
+        #[allow(unsafe_code)]
+        unsafe {
+            tiles::run(&a, m_padded, self, out.as_mut_ptr());
+            out.set_len(m_padded * np);
+        }
+        if np != self.n {
+            for r in 1..m {
+                out.copy_within(r * np..r * np + self.n, r * self.n);
+            }
+        }
+        out.truncate(m * self.n);
+        out
+    }
+}
+
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+mod tiles {
+    use std::arch::asm;
+
+    use rayon::prelude::*;
+
+    use super::{Bf16Weight, Line, PAIR, TILE};
+
+    /// Palette 1 with tiles 0–7 all 16 rows of 64 bytes (sums: 16×16 f32; inputs: 16×32 bf16;
+    /// weights: 16 pairs × 16 columns of bf16).
+    #[repr(C, align(64))]
+    struct Config([u8; 64]);
+
+    const CONFIG: Config = {
+        let mut c = [0u8; 64];
+        c[0] = 1;
+        let mut t = 0;
+        while t < 8 {
+            c[16 + 2 * t] = 64; // bytes per row (u16, little-endian)
+            c[48 + t] = TILE as u8; // rows
+            t += 1;
+        }
+        Config(c)
+    };
+
+    /// Column pairs per job: a few jobs per thread, so the split evens out.
+    fn pairs_per_job(pairs: usize) -> usize {
+        let threads = rayon::current_num_threads().max(1);
+        pairs.div_ceil(threads * 4).max(1)
+    }
+
+    /// The output's base pointer, shared by jobs that each write their own columns.
+    #[derive(Clone, Copy)]
+    struct Out(*mut f32);
+    // SAFETY: jobs write disjoint column ranges, and the buffer outlives the parallel loop.
+    #[allow(unsafe_code)]
+    unsafe impl Send for Out {}
+    #[allow(unsafe_code)]
+    unsafe impl Sync for Out {}
+
+    impl Out {
+        /// Column `j` of row 0 (a method, so closures capture the whole wrapper).
+        ///
+        /// # Safety
+        /// `j` is within the buffer.
+        #[allow(unsafe_code)]
+        unsafe fn at(self, j: usize) -> *mut f32 {
+            // SAFETY: the caller's.
+            unsafe { self.0.add(j) }
+        }
+    }
+
+    /// Every 32×32 square of `a (m_padded, k) · wᵀ` into `out` (row stride `w.n_padded`).
+    ///
+    /// # Safety
+    /// AMX is available and granted; `a` holds `m_padded` (a multiple of 32) rows of
+    /// `w.k_blocks` lines; `out` is valid for `m_padded · w.n_padded` writes.
+    #[allow(unsafe_code)]
+    pub(super) unsafe fn run(a: &[Line], m_padded: usize, w: &Bf16Weight, out: *mut f32) {
+        debug_assert_eq!(a.len(), m_padded * w.k_blocks);
+        let out = Out(out);
+        let pairs = w.n_padded / PAIR;
+        let per_job = pairs_per_job(pairs);
+        let per_tile = w.k_blocks * TILE;
+        let job = |job: usize| {
+            let first = job * per_job;
+            let end = (first + per_job).min(pairs);
+            // SAFETY: the caller's contract; this job writes columns `32·first..32·end` of
+            // every row, which no other job writes.
+            unsafe {
+                asm!("ldtilecfg [{}]", in(reg) CONFIG.0.as_ptr(), options(nostack, readonly));
+                for pair in first..end {
+                    let b = w.lines.as_ptr().add(2 * pair * per_tile);
+                    for rows in (0..m_padded).step_by(PAIR) {
+                        square(
+                            a.as_ptr().add(rows * w.k_blocks),
+                            w.k_blocks,
+                            b,
+                            per_tile,
+                            out.at(rows * w.n_padded + pair * PAIR),
+                            w.n_padded,
+                        );
+                    }
+                }
+                asm!("tilerelease", options(nostack, nomem));
+            }
+        };
+        if pairs > 1 && rayon::current_num_threads() > 1 {
+            (0..pairs.div_ceil(per_job)).into_par_iter().for_each(job);
+        } else {
+            (0..pairs.div_ceil(per_job)).for_each(job);
+        }
+    }
+
+    /// One 32×32 square of sums: rows `a` (32 rows of `k_blocks` lines) against the column
+    /// tiles at `b` and `b + per_tile` lines, stored at `c` (row stride `c_stride` floats).
+    ///
+    /// # Safety
+    /// Tiles configured by [`CONFIG`] on this thread; every pointer in bounds as described.
+    #[inline(always)]
+    #[allow(unsafe_code)]
+    unsafe fn square(
+        a: *const Line,
+        k_blocks: usize,
+        b: *const Line,
+        per_tile: usize,
+        c: *mut f32,
+        c_stride: usize,
+    ) {
+        let a_stride = k_blocks * size_of::<Line>();
+        let c_stride = c_stride * size_of::<f32>();
+        let line = size_of::<Line>();
+        // SAFETY: the caller's; each load reads 16 lines at the given stride inside `a` or the
+        // packed weight, each store writes 16 rows of 16 floats inside `c`'s square.
+        unsafe {
+            asm!(
+                "tilezero tmm0",
+                "tilezero tmm1",
+                "tilezero tmm2",
+                "tilezero tmm3",
+                options(nostack, nomem)
+            );
+            let (a_low, a_high) = (a, a.add(TILE * k_blocks));
+            let (b_left, b_right) = (b, b.add(per_tile));
+            for kb in 0..k_blocks {
+                asm!(
+                    "tileloadd tmm4, [{a0} + {sa}*1]",
+                    "tileloadd tmm5, [{a1} + {sa}*1]",
+                    "tileloadd tmm6, [{b0} + {sb}*1]",
+                    "tileloadd tmm7, [{b1} + {sb}*1]",
+                    "tdpbf16ps tmm0, tmm4, tmm6",
+                    "tdpbf16ps tmm1, tmm4, tmm7",
+                    "tdpbf16ps tmm2, tmm5, tmm6",
+                    "tdpbf16ps tmm3, tmm5, tmm7",
+                    a0 = in(reg) a_low.add(kb),
+                    a1 = in(reg) a_high.add(kb),
+                    b0 = in(reg) b_left.add(kb * TILE),
+                    b1 = in(reg) b_right.add(kb * TILE),
+                    sa = in(reg) a_stride,
+                    sb = in(reg) line,
+                    options(nostack, readonly)
+                );
+            }
+            let c_low = c.cast::<u8>();
+            let c_high = c_low.add(TILE * c_stride);
+            asm!(
+                "tilestored [{c0} + {s}*1], tmm0",
+                "tilestored [{c1} + {s}*1], tmm1",
+                "tilestored [{c2} + {s}*1], tmm2",
+                "tilestored [{c3} + {s}*1], tmm3",
+                c0 = in(reg) c_low,
+                c1 = in(reg) c_low.add(TILE * size_of::<f32>()),
+                c2 = in(reg) c_high,
+                c3 = in(reg) c_high.add(TILE * size_of::<f32>()),
+                s = in(reg) c_stride,
+                options(nostack)
+            );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn values(len: usize, seed: u32) -> Vec<f32> {
+        (0..len)
+            .map(|i| {
+                let h = (i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed.wrapping_mul(40_503));
+                (h >> 8) as f32 / (1u32 << 24) as f32 - 0.5
+            })
+            .collect()
+    }
+
+    #[test]
+    fn rounding_is_to_nearest_even() {
+        assert_eq!(bf16_bits(1.0), 0x3f80);
+        // 1 + 2^-8 is halfway between bf16 neighbours 1 and 1 + 2^-7: ties go to even (1).
+        assert_eq!(bf16_bits(1.0 + 1.0 / 256.0), 0x3f80);
+        assert_eq!(bf16_bits(1.0 + 3.0 / 256.0), 0x3f82);
+        assert!(f32::from_bits(u32::from(bf16_bits(f32::NAN)) << 16).is_nan());
+        assert_eq!(bf16_bits(f32::INFINITY), 0x7f80);
+    }
+
+    #[test]
+    fn packing_keeps_every_value_at_its_bf16_rounding() {
+        for (n, k) in [(1, 1), (17, 33), (64, 576), (40, 70)] {
+            let w = values(n * k, 3);
+            let packed = Bf16Weight::pack(&w, n, k);
+            let back = packed.unpack();
+            for (b, v) in back.iter().zip(&w) {
+                assert_eq!(b.to_bits() >> 16, u32::from(bf16_bits(*v)));
+            }
+        }
+    }
+
+    /// The tiles against f64 sums of the same bf16-rounded operands: only the f32 summation
+    /// differs.
+    #[test]
+    fn tile_products_match_the_rounded_operands() {
+        if !available() {
+            eprintln!("no AMX on this CPU: the tile kernel is not exercised here");
+            return;
+        }
+        for (m, k, n) in [(1, 32, 32), (5, 33, 17), (64, 576, 192), (37, 100, 70), (96, 64, 96)] {
+            let (x, w) = (values(m * k, 1), values(n * k, 2));
+            let packed = Bf16Weight::pack(&w, n, k);
+            let got = packed.linear(&x, m);
+            assert_eq!(got.len(), m * n);
+            let round = |v: f32| f64::from(f32::from_bits(u32::from(bf16_bits(v)) << 16));
+            for r in 0..m {
+                for j in 0..n {
+                    let want: f64 = (0..k).map(|i| round(x[r * k + i]) * round(w[j * k + i])).sum();
+                    let err = (f64::from(got[r * n + j]) - want).abs();
+                    assert!(err <= 1e-5 * (k as f64).sqrt(), "({m},{k},{n}) [{r},{j}]: {} vs {want}", got[r * n + j]);
+                }
+            }
+        }
+    }
+}
+#[cfg(test)]
+mod scratch {
+    use super::*;
+    #[test]
+    #[ignore]
+    fn timing() {
+        for (m, k, n, reps) in [(64, 576, 49152, 4), (64, 576, 576, 256), (64, 576, 49152, 4)] {
+            let x: Vec<f32> = (0..m * k).map(|i| (i % 7) as f32 * 0.1).collect();
+            let w: Vec<f32> = (0..n * k).map(|i| (i % 11) as f32 * 0.01).collect();
+            let w = Bf16Weight::pack(&w, n, k);
+            std::hint::black_box(w.linear(&x, m));
+            let t = std::time::Instant::now();
+            for _ in 0..reps { std::hint::black_box(w.linear(&x, m)); }
+            let per = t.elapsed().as_secs_f64() / reps as f64;
+            let a = vec![ZERO_LINE; m * w.k_blocks];
+            let mut out = vec![0f32; m * w.n_padded];
+            let t = std::time::Instant::now();
+            #[allow(unsafe_code)]
+            for _ in 0..reps { unsafe { tiles::run(&a, m, &w, out.as_mut_ptr()); } }
+            let tiles_only = t.elapsed().as_secs_f64() / reps as f64;
+            let t = std::time::Instant::now();
+            for _ in 0..reps { let v: Vec<u16> = x.iter().map(|&v| bf16_bits(v)).collect(); std::hint::black_box(v); }
+            let conv = t.elapsed().as_secs_f64() / reps as f64;
+            eprintln!("({m},{k},{n}): {:.3} ms; tiles into a touched buffer {:.3} ms, conversion {:.3} ms", per*1e3, tiles_only*1e3, conv*1e3);
+        }
+    }
+}

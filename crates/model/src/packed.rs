@@ -1,0 +1,108 @@
+//! An engine's bf16 products on the CPU: every projection weight of the decoder and the LM head
+//! rounded to bf16 and packed for the AMX tiles ([`crate::amx`]), once per weight version, beside
+//! the f32 snapshot (which the embedding, the norms and the published checkpoints keep using).
+//!
+//! Only the products change precision: their inputs are rounded to bf16 as they enter the
+//! tiles, their sums are f32, and every activation, norm, attention score and logit stays f32.
+//! This is what a bf16 engine does on a GPU, and what [`crate::InferenceModel::set_compute_dtype`]
+//! turns on.
+
+use candle_core::{Device, Result as CandleResult, Tensor};
+
+use crate::amx::Bf16Weight;
+use crate::error::{ModelError, Result, TensorContext};
+use crate::layers::{DecoderWeights, Proj};
+
+/// The packed weights of one decoder.
+#[derive(Debug)]
+pub(crate) struct PackedDecoder {
+    /// Per layer, the projections in [`Proj::ALL`] order.
+    layers: Vec<Vec<Bf16Weight>>,
+    lm_head: Bf16Weight,
+}
+
+impl PackedDecoder {
+    /// Packs `weights` (f32, on the CPU).
+    pub(crate) fn pack(weights: &DecoderWeights) -> Result<Self> {
+        let layers = weights
+            .layers
+            .iter()
+            .enumerate()
+            .map(|(li, layer)| {
+                Proj::ALL
+                    .iter()
+                    .map(|&p| pack(layer.weight(p)).ctx(&format!("bf16 packing, layer {li} {p:?}")))
+                    .collect::<Result<Vec<_>>>()
+            })
+            .collect::<Result<_>>()?;
+        let lm_head = pack(&weights.lm_head).ctx("bf16 packing, lm head")?;
+        Ok(Self { layers, lm_head })
+    }
+
+    /// `x Wᵀ (+ bias)` for projection `p` of layer `layer`.
+    pub(crate) fn project(
+        &self,
+        layer: usize,
+        x: &Tensor,
+        p: Proj,
+        bias: Option<&Tensor>,
+    ) -> CandleResult<Tensor> {
+        let index = Proj::ALL.iter().position(|&q| q == p).expect("every projection");
+        let y = product(&self.layers[layer][index], x)?;
+        match bias {
+            Some(b) => y.broadcast_add(b),
+            None => Ok(y),
+        }
+    }
+
+    /// The LM head's logits of `x`.
+    pub(crate) fn lm_head(&self, x: &Tensor) -> CandleResult<Tensor> {
+        product(&self.lm_head, x)
+    }
+}
+
+/// The f32 CPU weight `w (n, k)` rounded and packed.
+fn pack(w: &Tensor) -> CandleResult<Bf16Weight> {
+    let (n, k) = w.dims2()?;
+    let w = w.contiguous()?;
+    let (storage, layout) = w.storage_and_layout();
+    let values = crate::fused::storage_slice::<f32>(&storage, layout)?;
+    Ok(Bf16Weight::pack(values, n, k))
+}
+
+/// `x (m, k) · wᵀ` as a new `(m, n)` tensor.
+fn product(w: &Bf16Weight, x: &Tensor) -> CandleResult<Tensor> {
+    let (m, k) = x.dims2()?;
+    if k != w.cols() {
+        candle_core::bail!("bf16 product: input {:?} against a weight of {} inputs", x.shape(), w.cols())
+    }
+    let x = x.contiguous()?;
+    let y = {
+        let (storage, layout) = x.storage_and_layout();
+        w.linear(crate::fused::storage_slice::<f32>(&storage, layout)?, m)
+    };
+    Tensor::from_vec(y, (m, w.rows()), &Device::Cpu)
+}
+
+/// Why `weights` cannot be packed for bf16 products, if they cannot: they must be f32 on the
+/// CPU, on a CPU whose AMX tiles this process may use.
+pub(crate) fn refusal(weights: &DecoderWeights) -> Option<ModelError> {
+    let embed = &weights.embed;
+    if !matches!(embed.device(), Device::Cpu) {
+        return Some(ModelError::input(
+            "bf16 compute is for CPU engines; on a GPU set the weights' dtype (model.dtype = \"bf16\") instead",
+        ));
+    }
+    if embed.dtype() != candle_core::DType::F32 {
+        return Some(ModelError::input(format!(
+            "bf16 compute on the CPU packs f32 weights; these are {:?} (set model.dtype = \"f32\")",
+            embed.dtype()
+        )));
+    }
+    if !crate::amx::available() {
+        return Some(ModelError::input(
+            "bf16 compute on the CPU needs Intel AMX tiles (Sapphire Rapids or later, Linux 5.16+), which this machine does not offer: use f32",
+        ));
+    }
+    None
+}
