@@ -94,6 +94,10 @@ pub struct ServeArgs {
     /// Tokens per KV cache block (as `engine.kv_block_tokens`; 1 to 1024).
     #[arg(long, default_value_t = 16)]
     pub kv_block_tokens: usize,
+    /// The matrix products: `f32` or `bf16` (on the CPU, Intel AMX tiles; as
+    /// `engine.compute_dtype`) [default: the weights' dtype].
+    #[arg(long, value_name = "DTYPE")]
+    pub compute_dtype: Option<String>,
     /// Compute every request's prompt, sharing no KV blocks between requests (as
     /// `engine.prefix_caching = false`).
     #[arg(long)]

@@ -35,6 +35,12 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
     if let Err(e) = limits.validate() {
         bail!("{}: {}", e.flag(), e.reason);
     }
+    let compute_dtype = args
+        .compute_dtype
+        .as_deref()
+        .map(|v| sluice_engine::config::compute_dtype(v, args.device))
+        .transpose()
+        .map_err(|reason| anyhow::anyhow!("--compute-dtype: {reason}"))?;
     if args
         .served_model_name
         .as_ref()
@@ -80,6 +86,7 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
         threads: sluice_model::threads::role_threads(0, 1),
         kv_cache_bytes: u64::from(args.kv_cache_mb) * 1024 * 1024,
         kv_block_tokens: args.kv_block_tokens,
+        compute_dtype,
         prefix_caching: !args.no_prefix_caching,
         device: args.device,
         ..NativeEngineParams::default()

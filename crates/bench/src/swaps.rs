@@ -26,6 +26,7 @@ fn decoding_engine(
         NativeEngineParams {
             kv_cache_bytes: sizing.kv_cache_bytes,
             device: sizing.device,
+            compute_dtype: sizing.compute_dtype,
             ..NativeEngineParams::default()
         },
         Arc::clone(w0),

@@ -73,10 +73,10 @@ pub fn available() -> bool {
 #[inline(always)]
 pub fn bf16_bits(v: f32) -> u16 {
     let bits = v.to_bits();
-    if v.is_nan() {
-        return ((bits >> 16) | 0x40) as u16;
-    }
-    ((bits + 0x7fff + ((bits >> 16) & 1)) >> 16) as u16
+    let rounded = (bits.wrapping_add(0x7fff + ((bits >> 16) & 1)) >> 16) as u16;
+    let quiet_nan = ((bits >> 16) | 0x40) as u16;
+    // A select, not a branch, so loops over it vectorise.
+    if v.is_nan() { quiet_nan } else { rounded }
 }
 
 /// A weight `(n, k)` rounded to bf16 and packed in tile order (see the module docs).
@@ -161,28 +161,27 @@ impl Bf16Weight {
     /// # Panics
     /// If [`available`] is false, or `x` does not hold `m` rows of `k`.
     pub fn linear(&self, x: &[f32], m: usize) -> Vec<f32> {
-        assert!(available(), "amx linear on a CPU or kernel without AMX tiles");
-        assert_eq!(x.len(), m * self.k, "amx linear: input of {} values for ({m}, {})", x.len(), self.k);
-        let m_padded = m.div_ceil(PAIR) * PAIR;
-        let row_lines = self.k_blocks;
-        let mut a = vec![ZERO_LINE; m_padded * row_lines];
-        for (r, row) in x.chunks_exact(self.k).enumerate() {
-            for (kb, part) in row.chunks(K_BLOCK).enumerate() {
-                let line = &mut a[r * row_lines + kb].0;
-                for (dst, &v) in line.iter_mut().zip(part) {
-                    *dst = bf16_bits(v);
-                }
-            }
-        }
+        self.product(&Bf16Rows::round(x, m, self.k))
+    }
+
+    /// `x · selfᵀ` for inputs already rounded (one rounding serves every weight that reads the
+    /// same input: q, k and v; gate and up).
+    ///
+    /// # Panics
+    /// If [`available`] is false, or `x` has other than `k` columns.
+    pub fn product(&self, x: &Bf16Rows) -> Vec<f32> {
+        assert!(available(), "amx product on a CPU or kernel without AMX tiles");
+        assert_eq!(x.k, self.k, "amx product: inputs of {} columns against a weight of {}", x.k, self.k);
+        let (m, m_padded) = (x.m, x.m.div_ceil(PAIR) * PAIR);
         let np = self.n_padded;
         let mut out: Vec<f32> = Vec::with_capacity(m_padded * np);
         #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
-        // SAFETY: `available` holds; `a` holds `m_padded` rows of `k_blocks` lines and the
+        // SAFETY: `available` holds; `x` holds `m_padded` rows of `k_blocks` lines and the
         // packed weight `n_padded` columns of as many blocks; `out` has room for
         // `m_padded · n_padded` sums, which the tiles write every one of before `set_len`.
         #[allow(unsafe_code)]
         unsafe {
-            tiles::run(&a, m_padded, self, out.as_mut_ptr());
+            tiles::run(&x.lines, m_padded, self, out.as_mut_ptr());
             out.set_len(m_padded * np);
         }
         if np != self.n {
@@ -193,6 +192,81 @@ impl Bf16Weight {
         out.truncate(m * self.n);
         out
     }
+}
+
+/// Activations `(m, k)` rounded to bf16, in the tiles' row order: rows of whole 64-byte lines
+/// (`k` padded with zeros), `m` padded with zero rows to a multiple of 32.
+pub struct Bf16Rows {
+    m: usize,
+    k: usize,
+    lines: Vec<Line>,
+}
+
+impl std::fmt::Debug for Bf16Rows {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Bf16Rows({}, {})", self.m, self.k)
+    }
+}
+
+impl Bf16Rows {
+    /// Rounds `x`, `m` rows of `k`.
+    ///
+    /// # Panics
+    /// If `x` does not hold `m · k` values.
+    pub fn round(x: &[f32], m: usize, k: usize) -> Self {
+        assert_eq!(x.len(), m * k, "amx rows: {} values for ({m}, {k})", x.len());
+        let row_lines = k.div_ceil(K_BLOCK);
+        let m_padded = m.div_ceil(PAIR) * PAIR;
+        let mut lines: Vec<Line> = Vec::with_capacity(m_padded * row_lines);
+        let spare = &mut lines.spare_capacity_mut()[..m_padded * row_lines];
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU has AVX-512F.
+            #[allow(unsafe_code)]
+            unsafe {
+                fill_wide(spare, x, m, k)
+            };
+        } else {
+            fill(spare, x, m, k);
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        fill(spare, x, m, k);
+        // SAFETY: `fill` wrote every one of the `m_padded · row_lines` lines.
+        #[allow(unsafe_code)]
+        unsafe {
+            lines.set_len(m_padded * row_lines)
+        };
+        Self { m, k, lines }
+    }
+}
+
+/// Writes every line of `dst` (rows of whole lines): row `r < m` holds `x`'s row `r` rounded,
+/// zeros after its `k` values; the rows past `m` are zeros.
+#[inline(always)]
+fn fill(dst: &mut [std::mem::MaybeUninit<Line>], x: &[f32], m: usize, k: usize) {
+    let row_lines = k.div_ceil(K_BLOCK);
+    for (r, row) in dst.chunks_exact_mut(row_lines).enumerate() {
+        let src = if r < m { &x[r * k..(r + 1) * k] } else { &[][..] };
+        for (i, line) in row.iter_mut().enumerate() {
+            let part = src.get(i * K_BLOCK..).unwrap_or(&[]);
+            let part = &part[..part.len().min(K_BLOCK)];
+            let mut values = [0f32; K_BLOCK];
+            values[..part.len()].copy_from_slice(part);
+            line.write(Line(values.map(bf16_bits)));
+        }
+    }
+}
+
+/// [`fill`] in 16-lane registers (the crate targets baseline x86-64, whose 4-lane loop was
+/// most of a decode step's rounding time).
+///
+/// # Safety
+/// The CPU has AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[allow(unsafe_code)]
+unsafe fn fill_wide(dst: &mut [std::mem::MaybeUninit<Line>], x: &[f32], m: usize, k: usize) {
+    fill(dst, x, m, k)
 }
 
 #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
@@ -412,33 +486,6 @@ mod tests {
                     assert!(err <= 1e-5 * (k as f64).sqrt(), "({m},{k},{n}) [{r},{j}]: {} vs {want}", got[r * n + j]);
                 }
             }
-        }
-    }
-}
-#[cfg(test)]
-mod scratch {
-    use super::*;
-    #[test]
-    #[ignore]
-    fn timing() {
-        for (m, k, n, reps) in [(64, 576, 49152, 4), (64, 576, 576, 256), (64, 576, 49152, 4)] {
-            let x: Vec<f32> = (0..m * k).map(|i| (i % 7) as f32 * 0.1).collect();
-            let w: Vec<f32> = (0..n * k).map(|i| (i % 11) as f32 * 0.01).collect();
-            let w = Bf16Weight::pack(&w, n, k);
-            std::hint::black_box(w.linear(&x, m));
-            let t = std::time::Instant::now();
-            for _ in 0..reps { std::hint::black_box(w.linear(&x, m)); }
-            let per = t.elapsed().as_secs_f64() / reps as f64;
-            let a = vec![ZERO_LINE; m * w.k_blocks];
-            let mut out = vec![0f32; m * w.n_padded];
-            let t = std::time::Instant::now();
-            #[allow(unsafe_code)]
-            for _ in 0..reps { unsafe { tiles::run(&a, m, &w, out.as_mut_ptr()); } }
-            let tiles_only = t.elapsed().as_secs_f64() / reps as f64;
-            let t = std::time::Instant::now();
-            for _ in 0..reps { let v: Vec<u16> = x.iter().map(|&v| bf16_bits(v)).collect(); std::hint::black_box(v); }
-            let conv = t.elapsed().as_secs_f64() / reps as f64;
-            eprintln!("({m},{k},{n}): {:.3} ms; tiles into a touched buffer {:.3} ms, conversion {:.3} ms", per*1e3, tiles_only*1e3, conv*1e3);
         }
     }
 }

@@ -17,7 +17,7 @@ use crate::cache::{KvCache, SeqId};
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result, TensorContext};
 use crate::layers::{DecoderWeights, Proj, linear_with};
-use crate::packed::PackedDecoder;
+use crate::packed::{PackedDecoder, RoundedInput};
 use crate::ops::{Kernels, Rope, apply_rope, rms_norm, softmax_last_dim};
 use crate::ragged::{PrefillBatch, StepLayout};
 use crate::snapshot::ModelWeights;
@@ -220,8 +220,9 @@ impl InferenceModel {
         for (li, layer) in self.weights.layers.iter().enumerate() {
             let context = format!("inference step, layer {li}");
             // The layer's products: the bf16 tiles where packed, its own weights otherwise.
+            let rounded = RoundedInput::default();
             let products = |h: &Tensor, p: Proj| match &self.packed {
-                Some(packed) => packed.project(li, h, p, layer.bias(p)),
+                Some(packed) => packed.project(li, h, p, layer.bias(p), &rounded),
                 None => layer.project(h, p, kernels),
             };
             let qkv = layer.qkv_by(&x, c, kernels, products).ctx(&context)?;

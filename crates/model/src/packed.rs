@@ -7,9 +7,11 @@
 //! This is what a bf16 engine does on a GPU, and what [`crate::InferenceModel::set_compute_dtype`]
 //! turns on.
 
-use candle_core::{Device, Result as CandleResult, Tensor};
+use std::cell::RefCell;
 
-use crate::amx::Bf16Weight;
+use candle_core::{Device, Result as CandleResult, Tensor, TensorId};
+
+use crate::amx::{Bf16Rows, Bf16Weight};
 use crate::error::{ModelError, Result, TensorContext};
 use crate::layers::{DecoderWeights, Proj};
 
@@ -39,16 +41,17 @@ impl PackedDecoder {
         Ok(Self { layers, lm_head })
     }
 
-    /// `x Wᵀ (+ bias)` for projection `p` of layer `layer`.
+    /// `x Wᵀ (+ bias)` for projection `p` of layer `layer`, `x` rounded through `rounded`.
     pub(crate) fn project(
         &self,
         layer: usize,
         x: &Tensor,
         p: Proj,
         bias: Option<&Tensor>,
+        rounded: &RoundedInput,
     ) -> CandleResult<Tensor> {
         let index = Proj::ALL.iter().position(|&q| q == p).expect("every projection");
-        let y = product(&self.layers[layer][index], x)?;
+        let y = rounded.product(&self.layers[layer][index], x)?;
         match bias {
             Some(b) => y.broadcast_add(b),
             None => Ok(y),
@@ -57,7 +60,36 @@ impl PackedDecoder {
 
     /// The LM head's logits of `x`.
     pub(crate) fn lm_head(&self, x: &Tensor) -> CandleResult<Tensor> {
-        product(&self.lm_head, x)
+        RoundedInput::default().product(&self.lm_head, x)
+    }
+}
+
+/// The last input rounded for the tiles, so the products that read one input (q, k and v; gate
+/// and up) round it once. Keyed by the tensor's id, which candle never reuses.
+#[derive(Debug, Default)]
+pub(crate) struct RoundedInput(RefCell<Option<(TensorId, Bf16Rows)>>);
+
+impl RoundedInput {
+    /// `x (m, k) · wᵀ` as a new `(m, n)` tensor.
+    fn product(&self, w: &Bf16Weight, x: &Tensor) -> CandleResult<Tensor> {
+        let (m, k) = x.dims2()?;
+        if k != w.cols() {
+            candle_core::bail!(
+                "bf16 product: input {:?} against a weight of {} inputs",
+                x.shape(),
+                w.cols()
+            )
+        }
+        let mut last = self.0.borrow_mut();
+        let id = x.id();
+        if last.as_ref().is_none_or(|(last_id, _)| *last_id != id) {
+            let x = x.contiguous()?;
+            let (storage, layout) = x.storage_and_layout();
+            let values = crate::fused::storage_slice::<f32>(&storage, layout)?;
+            *last = Some((id, Bf16Rows::round(values, m, k)));
+        }
+        let (_, rows) = last.as_ref().expect("rounded above");
+        Tensor::from_vec(w.product(rows), (m, w.rows()), &Device::Cpu)
     }
 }
 
@@ -68,20 +100,6 @@ fn pack(w: &Tensor) -> CandleResult<Bf16Weight> {
     let (storage, layout) = w.storage_and_layout();
     let values = crate::fused::storage_slice::<f32>(&storage, layout)?;
     Ok(Bf16Weight::pack(values, n, k))
-}
-
-/// `x (m, k) · wᵀ` as a new `(m, n)` tensor.
-fn product(w: &Bf16Weight, x: &Tensor) -> CandleResult<Tensor> {
-    let (m, k) = x.dims2()?;
-    if k != w.cols() {
-        candle_core::bail!("bf16 product: input {:?} against a weight of {} inputs", x.shape(), w.cols())
-    }
-    let x = x.contiguous()?;
-    let y = {
-        let (storage, layout) = x.storage_and_layout();
-        w.linear(crate::fused::storage_slice::<f32>(&storage, layout)?, m)
-    };
-    Tensor::from_vec(y, (m, w.rows()), &Device::Cpu)
 }
 
 /// Why `weights` cannot be packed for bf16 products, if they cannot: they must be f32 on the

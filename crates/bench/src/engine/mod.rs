@@ -74,6 +74,10 @@ pub struct BenchEngineArgs {
     /// Weights and KV cache dtype: `f32`, `bf16` or `f16`.
     #[arg(long, default_value = "f32", value_parser = crate::parse_dtype)]
     pub dtype: sluice_config::DType,
+    /// The engines' matrix products, as `engine.compute_dtype`: `f32` or `bf16` (on the CPU,
+    /// Intel AMX tiles) [default: the weights' dtype].
+    #[arg(long, value_name = "DTYPE")]
+    pub compute_dtype: Option<String>,
 }
 
 /// Completion length and prompt length per preset, sized for a few minutes on 2 cores.
@@ -114,6 +118,7 @@ const ROUNDS: usize = 3;
 pub(crate) struct Sizing {
     pub(crate) kv_cache_bytes: u64,
     pub(crate) device: sluice_config::Device,
+    pub(crate) compute_dtype: Option<sluice_config::DType>,
 }
 
 impl Sizing {
@@ -124,6 +129,7 @@ impl Sizing {
             // The engine alone on the machine: every core.
             threads: sluice_model::threads::role_threads(0, 1),
             device: self.device,
+            compute_dtype: self.compute_dtype,
             ..NativeEngineParams::default()
         }
     }
@@ -133,9 +139,16 @@ impl Sizing {
 pub fn run(args: &BenchEngineArgs) -> anyhow::Result<ExitCode> {
     let subjects = Subject::list(&args.presets, &args.models);
     let mut speedup_tiny = None;
-    // `sluice bench model`'s decode bound is for f32 on the CPU.
-    let cpu_f32 =
-        args.device == sluice_config::Device::Cpu && args.dtype == sluice_config::DType::F32;
+    let compute_dtype = args
+        .compute_dtype
+        .as_deref()
+        .map(|v| sluice_engine::config::compute_dtype(v, args.device))
+        .transpose()
+        .map_err(|reason| anyhow::anyhow!("--compute-dtype: {reason}"))?;
+    // `sluice bench model`'s decode bound is for f32 products on the CPU.
+    let cpu_f32 = args.device == sluice_config::Device::Cpu
+        && args.dtype == sluice_config::DType::F32
+        && compute_dtype.is_none_or(|d| d == sluice_config::DType::F32);
     // Per preset measured at 64 in flight: its config, the batching speed-up, the decode rate.
     let mut at_64 = Vec::new();
     let mut pause_tiny = None;
@@ -143,6 +156,7 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<ExitCode> {
     let sizing = Sizing {
         kv_cache_bytes: u64::from(args.kv_cache_mb) * MIB,
         device: args.device,
+        compute_dtype,
     };
     let device = sluice_model::device(args.device).context("--device")?;
     let dtype = sluice_model::config::candle_dtype(args.dtype);

@@ -20,6 +20,8 @@ pub struct RawEngine {
     pub max_step_tokens: i64,
     /// Compute threads per native replica (0 = half the cores).
     pub threads: i64,
+    /// The native replicas' matrix products: `f32` or `bf16` (unset: the weights' dtype).
+    pub compute_dtype: Option<String>,
     /// KV cache pool of each native replica, MiB (0 = sized from the model and the limits).
     pub kv_cache_mb: i64,
     /// Tokens per KV cache block of each native replica.
@@ -117,6 +119,7 @@ impl Default for RawEngine {
             max_running_sequences: 64,
             max_step_tokens: 4096,
             threads: 0,
+            compute_dtype: None,
             kv_cache_mb: 0,
             kv_block_tokens: 16,
             prefix_caching: true,

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize, Serializer};
 
-use sluice_core::config::{Device, LengthDistribution};
+use sluice_core::config::{DType, Device, LengthDistribution};
 
 sluice_core::impl_choice!(EngineBackend);
 
@@ -40,6 +40,9 @@ pub struct EngineConfig {
     pub max_step_tokens: NonZeroU32,
     /// Compute threads per native replica; 0 = automatic (half the cores).
     pub threads: u32,
+    /// The native replicas' matrix products (`None`: the weights' dtype, `model.dtype`). bf16
+    /// on the CPU rounds the products' operands to bf16 on Intel AMX tiles, sums in f32.
+    pub compute_dtype: Option<DType>,
     /// KV cache pool of each native replica, MiB; 0 = automatic (every running sequence at
     /// full context, capped; see docs/engine.md).
     pub kv_cache_mb: u32,

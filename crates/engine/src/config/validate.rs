@@ -5,7 +5,7 @@ use std::time::Duration;
 use sluice_core::config::check::{
     Ctx, choice, non_negative, non_zero_u32, number, u32_incl_zero, u64_incl_zero,
 };
-use sluice_core::config::{ConfigError, Device, LengthDistribution};
+use sluice_core::config::{ConfigError, DType, Device, LengthDistribution};
 
 use super::raw::{RawEngine, RawSimEngine};
 use super::typed::{EngineBackend, EngineConfig, SimEngineConfig};
@@ -64,6 +64,11 @@ pub fn validate_engine(
         )?,
         max_step_tokens: non_zero_u32(ctx, "engine.max_step_tokens", raw.max_step_tokens)?,
         threads: u32_incl_zero(ctx, "engine.threads", raw.threads)?,
+        compute_dtype: raw
+            .compute_dtype
+            .as_deref()
+            .map(|v| compute_dtype(v, device).map_err(|r| ctx.value("engine.compute_dtype", r)))
+            .transpose()?,
         kv_cache_mb: u32_incl_zero(ctx, "engine.kv_cache_mb", raw.kv_cache_mb)?,
         kv_block_tokens: non_zero_u32(ctx, "engine.kv_block_tokens", raw.kv_block_tokens)?,
         prefix_caching: raw.prefix_caching,
@@ -81,6 +86,24 @@ pub fn validate_engine(
         )?,
         simulated: validate_sim_engine(raw.simulated, run_seed, ctx)?,
     })
+}
+
+/// `engine.compute_dtype` as a value for replicas on `device` (also `sluice serve
+/// --compute-dtype`): `f32` or `bf16` on the CPU (bf16: products on AMX tiles; whether the
+/// machine has them is checked when a replica starts). On a GPU the products run in the weights'
+/// dtype, so the key is refused there in favour of `model.dtype`. `Err` holds the reason.
+pub fn compute_dtype(value: &str, device: Device) -> Result<DType, String> {
+    match (value.parse::<DType>(), device) {
+        (Err(_), _) => Err(format!("expected `f32` or `bf16`, got `{value}`")),
+        (Ok(DType::F16), _) => Err(
+            "`f16` is not supported: use `bf16` or `f32` (or `model.dtype = \"f16\"` for f16 weights)"
+                .into(),
+        ),
+        (Ok(d), Device::Cuda(_)) => Err(format!(
+            "`{value}` on `{device}`: a GPU engine computes in its weights' dtype; set `model.dtype = \"{d}\"` instead"
+        )),
+        (Ok(d), Device::Cpu) => Ok(d),
+    }
 }
 
 fn validate_sim_engine(

@@ -63,6 +63,8 @@ pub struct NativeEngineParams {
     pub kv_cache_bytes: u64,
     /// Tokens per KV cache block.
     pub kv_block_tokens: usize,
+    /// The replica's matrix products (`engine.compute_dtype`; `None`: the weights' dtype).
+    pub compute_dtype: Option<sluice_core::config::DType>,
     /// Reuse registered full blocks for new requests with the same prefix at the same weight
     /// version (off: every request prefills its whole input; `sluice bench engine` compares).
     pub prefix_caching: bool,
@@ -87,6 +89,7 @@ impl Default for NativeEngineParams {
             threads: 0,
             kv_cache_bytes: 0,
             kv_block_tokens: sluice_model::paged::DEFAULT_BLOCK_TOKENS,
+            compute_dtype: None,
             prefix_caching: true,
             prefix_cache_version_lag: 0,
             device: sluice_core::config::Device::Cpu,
@@ -114,6 +117,7 @@ impl NativeEngineParams {
             threads: engine.threads as usize,
             kv_cache_bytes: u64::from(engine.kv_cache_mb) * 1024 * 1024,
             kv_block_tokens: engine.kv_block_tokens.get() as usize,
+            compute_dtype: engine.compute_dtype,
             prefix_caching: engine.prefix_caching,
             prefix_cache_version_lag: u64::from(engine.prefix_cache_version_lag),
             device: engine.device,
@@ -224,7 +228,10 @@ impl NativeEngine {
             ));
         }
         let weights = weights.on_device(&sluice_model::device(params.device)?)?;
-        let model = sluice_model::InferenceModel::new(Arc::clone(&weights))?;
+        let mut model = sluice_model::InferenceModel::new(Arc::clone(&weights))?;
+        if let Some(dtype) = params.compute_dtype {
+            model.set_compute_dtype(sluice_model::config::candle_dtype(dtype))?;
+        }
         let config = Arc::clone(model.config());
         let kv = KvBudget::new(&params, &config, weights.dtype())?;
         let name = format!("native-engine-{}", params.replica);
