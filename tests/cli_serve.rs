@@ -61,6 +61,16 @@ fn serve_refuses_bad_flags_before_loading() {
             "0",
             "--kv-block-tokens: expected 1 to 1024 (tokens per KV cache block), got 0",
         ),
+        (
+            "--compute-dtype",
+            "f16",
+            "--compute-dtype: `f16` is not supported: use `bf16` or `f32`",
+        ),
+        (
+            "--compute-dtype",
+            "int8",
+            "--compute-dtype: expected `f32` or `bf16`, got `int8`",
+        ),
     ] {
         let out = sluice()
             .args([
@@ -386,27 +396,43 @@ fn sigterm_ends_serve_within_its_grace_even_while_a_render_runs() {
 mod real_model;
 
 /// The real pretrained model through `sluice serve`: its imported tokenizer and ChatML
-/// template render the request, and greedy decoding names the capital of France.
+/// template render the request, and greedy decoding names the capital of France, with f32
+/// products and with bf16 ones on AMX tiles (`--compute-dtype bf16`, refused by name on a CPU
+/// without them).
 #[test]
 fn serve_answers_with_the_real_model() {
     let model = real_model::smollm2_dir();
-    let (mut child, addr) = spawn_serve(&model, &[]);
-    let reply = http(
-        &addr,
-        "POST",
-        "/v1/chat/completions",
-        r#"{"messages": [{"role": "user", "content": "What is the capital of France?"}],
-            "max_tokens": 24, "temperature": 0}"#,
-    );
-    child.kill().unwrap();
-    child.wait().unwrap();
-    let body = body_json(&reply);
-    let content = body["choices"][0]["message"]["content"]
-        .as_str()
-        .unwrap_or_else(|| panic!("no message content: {reply}"));
-    assert!(content.contains("Paris"), "{content:?}");
-    // The template's default system prompt and the user turn, as SmolLM2's own template renders
-    // them: far more than the question's 7 tokens, far fewer than a character tokenizer's.
-    let prompt_tokens = body["usage"]["prompt_tokens"].as_u64().unwrap();
-    assert!((20..80).contains(&prompt_tokens), "{reply}");
+    for extra in [&[][..], &["--compute-dtype", "bf16"]] {
+        if !extra.is_empty() && !sluice_model::amx::available() {
+            let out = sluice()
+                .args(["serve", "--port", "0", "--model"])
+                .arg(&model)
+                .args(extra)
+                .output()
+                .unwrap();
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert!(!out.status.success() && err.contains("Intel AMX"), "{err}");
+            continue;
+        }
+        let (mut child, addr) = spawn_serve(&model, extra);
+        let reply = http(
+            &addr,
+            "POST",
+            "/v1/chat/completions",
+            r#"{"messages": [{"role": "user", "content": "What is the capital of France?"}],
+                "max_tokens": 24, "temperature": 0}"#,
+        );
+        child.kill().unwrap();
+        child.wait().unwrap();
+        let body = body_json(&reply);
+        let content = body["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap_or_else(|| panic!("{extra:?}: no message content: {reply}"));
+        assert!(content.contains("Paris"), "{extra:?}: {content:?}");
+        // The template's default system prompt and the user turn, as SmolLM2's own template
+        // renders them: far more than the question's 7 tokens, far fewer than a character
+        // tokenizer's.
+        let prompt_tokens = body["usage"]["prompt_tokens"].as_u64().unwrap();
+        assert!((20..80).contains(&prompt_tokens), "{reply}");
+    }
 }

@@ -20,7 +20,7 @@ pub const BAD: &[(&str, &[&str], &str, ConfigErrorKind)] = &[
     (
         "[engine]\nzzz = 1",
         &[],
-        "test.toml: engine.zzz: unknown key; expected one of: backend, device, replicas, max_running_sequences, max_step_tokens, threads, kv_cache_mb, kv_block_tokens, prefix_caching, prefix_cache_version_lag, remote_urls, request_timeout_s, remote_keep_versions, simulated",
+        "test.toml: engine.zzz: unknown key; expected one of: backend, device, replicas, max_running_sequences, max_step_tokens, threads, compute_dtype, kv_cache_mb, kv_block_tokens, prefix_caching, prefix_cache_version_lag, remote_urls, request_timeout_s, remote_keep_versions, simulated",
         ConfigErrorKind::UnknownKey,
     ),
     (
@@ -341,6 +341,18 @@ pub const BAD: &[(&str, &[&str], &str, ConfigErrorKind)] = &[
         "[engine]\nkv_cache_mb = -1",
         &[],
         "test.toml: engine.kv_cache_mb: expected an integer ≥ 0, got -1",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[engine]\ncompute_dtype = \"f16\"",
+        &[],
+        "test.toml: engine.compute_dtype: `f16` is not supported: use `bf16` or `f32` (or `model.dtype = \"f16\"` for f16 weights)",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[model]\ndevice = \"cuda:0\"\n[engine]\ncompute_dtype = \"bf16\"",
+        &[],
+        "test.toml: engine.compute_dtype: `bf16` on `cuda:0`: a GPU engine computes in its weights' dtype; set `model.dtype = \"bf16\"` instead",
         ConfigErrorKind::Value,
     ),
     (
