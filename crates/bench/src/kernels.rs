@@ -146,17 +146,28 @@ const AMX_REPEATS: usize = 8;
 fn amx_products(result: &mut Vec<String>) -> anyhow::Result<bool> {
     use sluice_model::amx::Bf16Weight;
     let shapes = [(576, 576), (1536, 576), (576, 1536), (49_152, 576)];
-    let (mut f32_s, mut amx_s, mut worst) = (0.0, 0.0, 0.0f64);
+    let (mut f32_s, mut amx_s, mut pack_s, mut worst) = (0.0, 0.0, 0.0, 0.0f64);
+    let mut params = 0usize;
     for (n, k) in shapes {
         let x = Tensor::randn(0f32, 1.0, (AMX_ROWS, k), &Device::Cpu)?;
         let xs: Vec<f32> = x.flatten_all()?.to_vec1()?;
         let weights: Vec<Tensor> = (0..AMX_REPEATS)
             .map(|_| Tensor::randn(0f32, 0.05, (n, k), &Device::Cpu))
             .collect::<Result<_, _>>()?;
-        let packed: Vec<Bf16Weight> = weights
+        let values: Vec<Vec<f32>> = weights
             .iter()
-            .map(|w| Ok(Bf16Weight::pack(&w.flatten_all()?.to_vec1()?, n, k)))
-            .collect::<anyhow::Result<_>>()?;
+            .map(|w| w.flatten_all()?.to_vec1())
+            .collect::<Result<_, _>>()?;
+        let mut packed: Vec<Bf16Weight> =
+            values.iter().map(|w| Bf16Weight::pack(w, n, k)).collect();
+        // Repacking in place is what an engine pays at every weight swap.
+        let start = Instant::now();
+        for (p, w) in packed.iter_mut().zip(&values) {
+            p.repack(w);
+        }
+        pack_s += start.elapsed().as_secs_f64();
+        params += AMX_REPEATS * n * k;
+        drop(values);
         let start = Instant::now();
         let mut exact = Vec::new();
         for w in &weights {
@@ -173,13 +184,17 @@ fn amx_products(result: &mut Vec<String>) -> anyhow::Result<bool> {
             let e: Vec<f32> = e.flatten_all()?.to_vec1()?;
             for (er, tr) in e.chunks(n).zip(t.chunks(n)) {
                 let scale = er.iter().fold(0f32, |m, v| m.max(v.abs()));
-                let diff = er.iter().zip(tr).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+                let diff = er
+                    .iter()
+                    .zip(tr)
+                    .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
                 worst = worst.max(f64::from(diff / scale));
             }
         }
     }
+    let pack_ms_per_m = pack_s * 1e3 / (params as f64 / 1e6);
     println!(
-        "amx products, {AMX_ROWS} rows against SmolLM2-135M's shapes {shapes:?}, {AMX_REPEATS} weights each: bf16 tiles {:.2} ms, f32 {:.2} ms ({:.2}x); largest difference {worst:.2e} of the row's largest sum",
+        "amx products, {AMX_ROWS} rows against SmolLM2-135M's shapes {shapes:?}, {AMX_REPEATS} weights each: bf16 tiles {:.2} ms, f32 {:.2} ms ({:.2}x); largest difference {worst:.2e} of the row's largest sum; repacking at a swap {pack_ms_per_m:.2} ms per million weights",
         amx_s * 1e3,
         f32_s * 1e3,
         f32_s / amx_s
@@ -189,6 +204,7 @@ fn amx_products(result: &mut Vec<String>) -> anyhow::Result<bool> {
         format!("amx_f32_ms={:.3}", f32_s * 1e3),
         format!("amx_speedup={:.2}", f32_s / amx_s),
         format!("amx_rel_diff={worst:.3e}"),
+        format!("amx_pack_ms_per_mparam={pack_ms_per_m:.3}"),
     ]);
     // bf16 operands carry 8 bits: sums of a few hundred products differ by about 2⁻⁹ of the
     // largest in relative terms; a wrong tile order or a missed block is off by far more.

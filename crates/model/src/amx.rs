@@ -60,7 +60,11 @@ pub fn available() -> bool {
             #[allow(unsafe_code)]
             let granted = cpu
                 && unsafe {
-                    libc::syscall(libc::SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)
+                    libc::syscall(
+                        libc::SYS_arch_prctl,
+                        ARCH_REQ_XCOMP_PERM,
+                        XFEATURE_XTILEDATA,
+                    )
                 } == 0;
             granted
         })
@@ -99,36 +103,60 @@ impl std::fmt::Debug for Bf16Weight {
 impl Bf16Weight {
     /// Packs the row-major weight `w` of `n` outputs by `k` inputs (on the current rayon pool).
     pub fn pack(w: &[f32], n: usize, k: usize) -> Self {
-        assert_eq!(w.len(), n * k, "amx pack: weight of {} values for ({n}, {k})", w.len());
         let k_blocks = k.div_ceil(K_BLOCK);
         let n_padded = n.div_ceil(PAIR) * PAIR;
-        // One column tile's blocks: `k_blocks` tiles of TILE lines.
-        let per_tile = k_blocks * TILE;
-        let mut lines = vec![ZERO_LINE; n_padded / TILE * per_tile];
-        let fill = |(nb, tile): (usize, &mut [Line])| {
-            for col in 0..TILE {
-                let j = nb * TILE + col;
-                if j >= n {
-                    break;
-                }
-                let row = &w[j * k..(j + 1) * k];
-                for (i, &v) in row.iter().enumerate() {
-                    let (kb, within) = (i / K_BLOCK, i % K_BLOCK);
-                    tile[kb * TILE + within / 2].0[col * 2 + within % 2] = bf16_bits(v);
-                }
-            }
-        };
-        #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
-        lines.par_chunks_mut(per_tile).enumerate().for_each(fill);
-        #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
-        lines.chunks_mut(per_tile).enumerate().for_each(fill);
-        Self {
+        let mut packed = Self {
             n,
             k,
             k_blocks,
             n_padded,
-            lines,
-        }
+            lines: vec![ZERO_LINE; n_padded / TILE * k_blocks * TILE],
+        };
+        packed.repack(w);
+        packed
+    }
+
+    /// Packs `w` (same shape) into this weight's own memory: a weight swap's new version, with
+    /// no fresh pages to fault in (the kernel clearing them was most of a fresh pack's time).
+    ///
+    /// # Panics
+    /// If `w` does not hold `n · k` values.
+    pub fn repack(&mut self, w: &[f32]) {
+        let (n, k) = (self.n, self.k);
+        assert_eq!(
+            w.len(),
+            n * k,
+            "amx pack: weight of {} values for ({n}, {k})",
+            w.len()
+        );
+        // One column tile's blocks: `k_blocks` tiles of TILE lines.
+        let per_tile = self.k_blocks * TILE;
+        // One column tile (16 outputs) at a time, block by block: the block's 16 × 32 inputs
+        // are read row by row (contiguous) and its 16 lines written in order; padding stays zero.
+        let fill = |(nb, tile): (usize, &mut [Line])| {
+            let cols = n.saturating_sub(nb * TILE).min(TILE);
+            for (kb, lines) in tile.chunks_exact_mut(TILE).enumerate() {
+                let (first, len) = (kb * K_BLOCK, (k - kb * K_BLOCK).min(K_BLOCK));
+                let mut block = [[0f32; K_BLOCK]; TILE];
+                for (col, values) in block.iter_mut().enumerate().take(cols) {
+                    let row = (nb * TILE + col) * k + first;
+                    values[..len].copy_from_slice(&w[row..row + len]);
+                }
+                for (pair, line) in lines.iter_mut().enumerate() {
+                    for (col, values) in block.iter().enumerate() {
+                        line.0[2 * col] = bf16_bits(values[2 * pair]);
+                        line.0[2 * col + 1] = bf16_bits(values[2 * pair + 1]);
+                    }
+                }
+            }
+        };
+        #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+        self.lines
+            .par_chunks_mut(per_tile)
+            .enumerate()
+            .for_each(fill);
+        #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+        self.lines.chunks_mut(per_tile).enumerate().for_each(fill);
     }
 
     /// Outputs.
@@ -170,8 +198,15 @@ impl Bf16Weight {
     /// # Panics
     /// If [`available`] is false, or `x` has other than `k` columns.
     pub fn product(&self, x: &Bf16Rows) -> Vec<f32> {
-        assert!(available(), "amx product on a CPU or kernel without AMX tiles");
-        assert_eq!(x.k, self.k, "amx product: inputs of {} columns against a weight of {}", x.k, self.k);
+        assert!(
+            available(),
+            "amx product on a CPU or kernel without AMX tiles"
+        );
+        assert_eq!(
+            x.k, self.k,
+            "amx product: inputs of {} columns against a weight of {}",
+            x.k, self.k
+        );
         let (m, m_padded) = (x.m, x.m.div_ceil(PAIR) * PAIR);
         let np = self.n_padded;
         let mut out: Vec<f32> = Vec::with_capacity(m_padded * np);
@@ -214,7 +249,12 @@ impl Bf16Rows {
     /// # Panics
     /// If `x` does not hold `m · k` values.
     pub fn round(x: &[f32], m: usize, k: usize) -> Self {
-        assert_eq!(x.len(), m * k, "amx rows: {} values for ({m}, {k})", x.len());
+        assert_eq!(
+            x.len(),
+            m * k,
+            "amx rows: {} values for ({m}, {k})",
+            x.len()
+        );
         let row_lines = k.div_ceil(K_BLOCK);
         let m_padded = m.div_ceil(PAIR) * PAIR;
         let mut lines: Vec<Line> = Vec::with_capacity(m_padded * row_lines);
@@ -246,13 +286,22 @@ impl Bf16Rows {
 fn fill(dst: &mut [std::mem::MaybeUninit<Line>], x: &[f32], m: usize, k: usize) {
     let row_lines = k.div_ceil(K_BLOCK);
     for (r, row) in dst.chunks_exact_mut(row_lines).enumerate() {
-        let src = if r < m { &x[r * k..(r + 1) * k] } else { &[][..] };
+        let src = if r < m {
+            &x[r * k..(r + 1) * k]
+        } else {
+            &[][..]
+        };
         for (i, line) in row.iter_mut().enumerate() {
             let part = src.get(i * K_BLOCK..).unwrap_or(&[]);
             let part = &part[..part.len().min(K_BLOCK)];
             let mut values = [0f32; K_BLOCK];
             values[..part.len()].copy_from_slice(part);
-            line.write(Line(values.map(bf16_bits)));
+            // A plain loop (not `array::map`, which is not inlined into the AVX-512 copy).
+            let mut bits = [0u16; K_BLOCK];
+            for (b, &v) in bits.iter_mut().zip(&values) {
+                *b = bf16_bits(v);
+            }
+            line.write(Line(bits));
         }
     }
 }
@@ -437,7 +486,9 @@ mod tests {
     fn values(len: usize, seed: u32) -> Vec<f32> {
         (0..len)
             .map(|i| {
-                let h = (i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed.wrapping_mul(40_503));
+                let h = (i as u32)
+                    .wrapping_mul(2_654_435_761)
+                    .wrapping_add(seed.wrapping_mul(40_503));
                 (h >> 8) as f32 / (1u32 << 24) as f32 - 0.5
             })
             .collect()
@@ -473,7 +524,13 @@ mod tests {
             eprintln!("no AMX on this CPU: the tile kernel is not exercised here");
             return;
         }
-        for (m, k, n) in [(1, 32, 32), (5, 33, 17), (64, 576, 192), (37, 100, 70), (96, 64, 96)] {
+        for (m, k, n) in [
+            (1, 32, 32),
+            (5, 33, 17),
+            (64, 576, 192),
+            (37, 100, 70),
+            (96, 64, 96),
+        ] {
             let (x, w) = (values(m * k, 1), values(n * k, 2));
             let packed = Bf16Weight::pack(&w, n, k);
             let got = packed.linear(&x, m);
@@ -481,9 +538,15 @@ mod tests {
             let round = |v: f32| f64::from(f32::from_bits(u32::from(bf16_bits(v)) << 16));
             for r in 0..m {
                 for j in 0..n {
-                    let want: f64 = (0..k).map(|i| round(x[r * k + i]) * round(w[j * k + i])).sum();
+                    let want: f64 = (0..k)
+                        .map(|i| round(x[r * k + i]) * round(w[j * k + i]))
+                        .sum();
                     let err = (f64::from(got[r * n + j]) - want).abs();
-                    assert!(err <= 1e-5 * (k as f64).sqrt(), "({m},{k},{n}) [{r},{j}]: {} vs {want}", got[r * n + j]);
+                    assert!(
+                        err <= 1e-5 * (k as f64).sqrt(),
+                        "({m},{k},{n}) [{r},{j}]: {} vs {want}",
+                        got[r * n + j]
+                    );
                 }
             }
         }

@@ -17,8 +17,8 @@ use crate::cache::{KvCache, SeqId};
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result, TensorContext};
 use crate::layers::{DecoderWeights, Proj, linear_with};
-use crate::packed::{PackedDecoder, RoundedInput};
 use crate::ops::{Kernels, Rope, apply_rope, rms_norm, softmax_last_dim};
+use crate::packed::{PackedDecoder, RoundedInput};
 use crate::ragged::{PrefillBatch, StepLayout};
 use crate::snapshot::ModelWeights;
 
@@ -83,7 +83,7 @@ impl InferenceModel {
     /// The dtype of the step's matrix products: bf16 (operands rounded to bf16, sums in f32,
     /// every activation f32) or the weights' own dtype. bf16 on the CPU needs f32 weights and
     /// Intel AMX tiles, and is refused with the reason otherwise; the weights are packed now and
-    /// at every [`Self::swap_weights`] (about 0.3 s for a 135M model on 2 cores).
+    /// repacked in place at every [`Self::swap_weights`] (`sluice bench kernels` times it).
     pub fn set_compute_dtype(&mut self, dtype: DType) -> Result<()> {
         self.packed = match dtype {
             DType::BF16 if self.weights.embed.dtype() != DType::BF16 => {
@@ -133,8 +133,8 @@ impl InferenceModel {
         // is copied to this model's; one already here is shared as it is.
         let snapshot = snapshot.on_device(self.snapshot.device())?;
         let weights = DecoderWeights::build(&self.config, |n| snapshot.require(n).cloned())?;
-        if self.packed.is_some() {
-            self.packed = Some(PackedDecoder::pack(&weights)?);
+        if let Some(packed) = &mut self.packed {
+            packed.repack(&weights)?;
         }
         self.weights = weights;
         self.snapshot = snapshot;

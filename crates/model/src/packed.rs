@@ -41,6 +41,16 @@ impl PackedDecoder {
         Ok(Self { layers, lm_head })
     }
 
+    /// Packs `weights` (same architecture and shapes) into the memory already held.
+    pub(crate) fn repack(&mut self, weights: &DecoderWeights) -> Result<()> {
+        for (li, (packed, layer)) in self.layers.iter_mut().zip(&weights.layers).enumerate() {
+            for (w, &p) in packed.iter_mut().zip(&Proj::ALL) {
+                repack(w, layer.weight(p)).ctx(&format!("bf16 packing, layer {li} {p:?}"))?;
+            }
+        }
+        repack(&mut self.lm_head, &weights.lm_head).ctx("bf16 packing, lm head")
+    }
+
     /// `x Wᵀ (+ bias)` for projection `p` of layer `layer`, `x` rounded through `rounded`.
     pub(crate) fn project(
         &self,
@@ -50,7 +60,10 @@ impl PackedDecoder {
         bias: Option<&Tensor>,
         rounded: &RoundedInput,
     ) -> CandleResult<Tensor> {
-        let index = Proj::ALL.iter().position(|&q| q == p).expect("every projection");
+        let index = Proj::ALL
+            .iter()
+            .position(|&q| q == p)
+            .expect("every projection");
         let y = rounded.product(&self.layers[layer][index], x)?;
         match bias {
             Some(b) => y.broadcast_add(b),
@@ -91,6 +104,22 @@ impl RoundedInput {
         let (_, rows) = last.as_ref().expect("rounded above");
         Tensor::from_vec(w.product(rows), (m, w.rows()), &Device::Cpu)
     }
+}
+
+/// The f32 CPU weight `w` (of `into`'s shape) rounded and packed into `into`.
+fn repack(into: &mut Bf16Weight, w: &Tensor) -> CandleResult<()> {
+    if w.dims2()? != (into.rows(), into.cols()) {
+        candle_core::bail!(
+            "bf16 packing: weight {:?} for a packed ({}, {})",
+            w.shape(),
+            into.rows(),
+            into.cols()
+        )
+    }
+    let w = w.contiguous()?;
+    let (storage, layout) = w.storage_and_layout();
+    into.repack(crate::fused::storage_slice::<f32>(&storage, layout)?);
+    Ok(())
 }
 
 /// The f32 CPU weight `w (n, k)` rounded and packed.

@@ -155,9 +155,15 @@ fn padded_prompt_batches_in_a_mixed_step_match_full_forwards() {
 fn prefill_and_decode(model: &InferenceModel) -> Vec<Tensor> {
     let mut cache = ContiguousKvCache::new(model.config(), DType::F32, model.snapshot().device());
     let prompts: [&[u32]; 3] = [&[1, 2, 3, 4, 5], &[6, 7, 8, 9, 10, 11, 12, 13, 14], &[15]];
-    let mut out = vec![model
-        .step(&mut cache, &StepInput::numbered(&prompts), LogitsWanted::All)
-        .unwrap()];
+    let mut out = vec![
+        model
+            .step(
+                &mut cache,
+                &StepInput::numbered(&prompts),
+                LogitsWanted::All,
+            )
+            .unwrap(),
+    ];
     for t in 0..3u32 {
         let next: Vec<[u32; 1]> = (0..3).map(|s| [(t * 3 + s + 2) % 23]).collect();
         out.push(
@@ -194,7 +200,10 @@ fn bf16_products_stay_near_f32_and_follow_weight_swaps() {
                 let err = rel_err(a, b);
                 // bf16 operands keep 8 bits: a few 2⁻⁹ of relative error through the layers;
                 // zero would mean the tiles never ran.
-                assert!(err > 0.0 && err < 3e-2, "{arch:?} tied={tied} step {step}: {err}");
+                assert!(
+                    err > 0.0 && err < 3e-2,
+                    "{arch:?} tied={tied} step {step}: {err}"
+                );
             }
             // A swap repacks: the swapped model computes exactly what a fresh one on the new
             // weights does.
@@ -202,14 +211,20 @@ fn bf16_products_stay_near_f32_and_follow_weight_swaps() {
             tiles.swap_weights(Arc::clone(&changed)).unwrap();
             let mut fresh = InferenceModel::new(Arc::clone(&changed)).unwrap();
             fresh.set_compute_dtype(DType::BF16).unwrap();
-            for (a, b) in prefill_and_decode(&tiles).iter().zip(&prefill_and_decode(&fresh)) {
+            for (a, b) in prefill_and_decode(&tiles)
+                .iter()
+                .zip(&prefill_and_decode(&fresh))
+            {
                 assert_eq!(rel_err(a, b), 0.0, "{arch:?} tied={tied}");
             }
             // And back to f32 products: the exact logits again.
             tiles.set_compute_dtype(DType::F32).unwrap();
             assert_eq!(tiles.compute_dtype(), DType::F32);
             let exact = InferenceModel::new(changed).unwrap();
-            for (a, b) in prefill_and_decode(&tiles).iter().zip(&prefill_and_decode(&exact)) {
+            for (a, b) in prefill_and_decode(&tiles)
+                .iter()
+                .zip(&prefill_and_decode(&exact))
+            {
                 assert_eq!(rel_err(a, b), 0.0, "{arch:?} tied={tied}");
             }
         }
