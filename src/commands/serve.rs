@@ -35,12 +35,9 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
     if let Err(e) = limits.validate() {
         bail!("{}: {}", e.flag(), e.reason);
     }
-    let compute_dtype = args
-        .compute_dtype
-        .as_deref()
-        .map(|v| sluice_engine::config::compute_dtype(v, args.device))
-        .transpose()
-        .map_err(|reason| anyhow::anyhow!("--compute-dtype: {reason}"))?;
+    let compute_dtype =
+        sluice_engine::config::compute_dtype_flag(args.compute_dtype.as_deref(), args.device)
+            .map_err(anyhow::Error::msg)?;
     if args
         .served_model_name
         .as_ref()

@@ -2,10 +2,10 @@
 //! operands and f32 sums, for an engine whose `compute_dtype` is bf16 on the CPU.
 //!
 //! Why: a decode step of 64 sequences is a product of 64 rows against every weight, and with f32
-//! FMA lanes that arithmetic, not memory, bounds a 2-core CPU (about 0.3 TFLOP/s with AVX-512).
-//! One `tdpbf16ps` multiplies a 16×32 bf16 tile by a 32×16 one into 16×16 f32 sums: one core
-//! does about 3 TFLOP/s of it, so the same step is bound by streaming the weights (in bf16,
-//! half the bytes of f32) instead.
+//! FMA lanes that arithmetic, not memory, bounds a 2-core CPU (`sluice bench model`).
+//! One `tdpbf16ps` multiplies a 16×32 bf16 tile by a 32×16 one into 16×16 f32 sums (8,192
+//! multiply-adds), so the same step moves towards being bound by streaming the weights (in bf16,
+//! half the bytes of f32; `sluice bench kernels` times the tiles against the f32 product).
 //!
 //! Layout. A weight is packed once per weight version ([`Bf16Weight::pack`]) into the order the
 //! tiles read: blocks of 16 output columns × 32 inputs, each 16 lines of 64 bytes where line `p`
@@ -349,27 +349,6 @@ mod tiles {
         pairs.div_ceil(threads * 4).max(1)
     }
 
-    /// The output's base pointer, shared by jobs that each write their own columns.
-    #[derive(Clone, Copy)]
-    struct Out(*mut f32);
-    // SAFETY: jobs write disjoint column ranges, and the buffer outlives the parallel loop.
-    #[allow(unsafe_code)]
-    unsafe impl Send for Out {}
-    #[allow(unsafe_code)]
-    unsafe impl Sync for Out {}
-
-    impl Out {
-        /// Column `j` of row 0 (a method, so closures capture the whole wrapper).
-        ///
-        /// # Safety
-        /// `j` is within the buffer.
-        #[allow(unsafe_code)]
-        unsafe fn at(self, j: usize) -> *mut f32 {
-            // SAFETY: the caller's.
-            unsafe { self.0.add(j) }
-        }
-    }
-
     /// Every 32×32 square of `a (m_padded, k) · wᵀ` into `out` (row stride `w.n_padded`).
     ///
     /// # Safety
@@ -378,7 +357,7 @@ mod tiles {
     #[allow(unsafe_code)]
     pub(super) unsafe fn run(a: &[Line], m_padded: usize, w: &Bf16Weight, out: *mut f32) {
         debug_assert_eq!(a.len(), m_padded * w.k_blocks);
-        let out = Out(out);
+        let out = crate::fused::Columns(out);
         let pairs = w.n_padded / PAIR;
         let per_job = pairs_per_job(pairs);
         let per_tile = w.k_blocks * TILE;

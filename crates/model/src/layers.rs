@@ -126,7 +126,7 @@ pub(crate) fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> CandleResult
 }
 
 /// A layer's projections, named for forwards whose products do not read the f32 weights
-/// themselves (the engine's bf16 tiles, [`crate::packed`]).
+/// themselves (the engine's bf16 tiles, [`crate::packed`], which index by `p as usize`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Proj {
     Q,
@@ -139,7 +139,7 @@ pub(crate) enum Proj {
 }
 
 impl Proj {
-    /// Every projection, in the order [`crate::packed`] keeps them.
+    /// Every projection, in declaration order (`Proj::ALL[p as usize] == p`).
     pub(crate) const ALL: [Proj; 7] = [
         Proj::Q,
         Proj::K,

@@ -60,11 +60,7 @@ impl PackedDecoder {
         bias: Option<&Tensor>,
         rounded: &RoundedInput,
     ) -> CandleResult<Tensor> {
-        let index = Proj::ALL
-            .iter()
-            .position(|&q| q == p)
-            .expect("every projection");
-        let y = rounded.product(&self.layers[layer][index], x)?;
+        let y = rounded.product(&self.layers[layer][p as usize], x)?;
         match bias {
             Some(b) => y.broadcast_add(b),
             None => Ok(y),
@@ -96,10 +92,7 @@ impl RoundedInput {
         let mut last = self.0.borrow_mut();
         let id = x.id();
         if last.as_ref().is_none_or(|(last_id, _)| *last_id != id) {
-            let x = x.contiguous()?;
-            let (storage, layout) = x.storage_and_layout();
-            let values = crate::fused::storage_slice::<f32>(&storage, layout)?;
-            *last = Some((id, Bf16Rows::round(values, m, k)));
+            *last = Some((id, with_values(x, |v| Bf16Rows::round(v, m, k))?));
         }
         let (_, rows) = last.as_ref().expect("rounded above");
         Tensor::from_vec(w.product(rows), (m, w.rows()), &Device::Cpu)
@@ -116,19 +109,20 @@ fn repack(into: &mut Bf16Weight, w: &Tensor) -> CandleResult<()> {
             into.cols()
         )
     }
-    let w = w.contiguous()?;
-    let (storage, layout) = w.storage_and_layout();
-    into.repack(crate::fused::storage_slice::<f32>(&storage, layout)?);
-    Ok(())
+    with_values(w, |v| into.repack(v))
 }
 
 /// The f32 CPU weight `w (n, k)` rounded and packed.
 fn pack(w: &Tensor) -> CandleResult<Bf16Weight> {
     let (n, k) = w.dims2()?;
-    let w = w.contiguous()?;
-    let (storage, layout) = w.storage_and_layout();
-    let values = crate::fused::storage_slice::<f32>(&storage, layout)?;
-    Ok(Bf16Weight::pack(values, n, k))
+    with_values(w, |v| Bf16Weight::pack(v, n, k))
+}
+
+/// `f` of the f32 values of the CPU tensor `t`, row-major.
+fn with_values<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> CandleResult<R> {
+    let t = t.contiguous()?;
+    let (storage, layout) = t.storage_and_layout();
+    Ok(f(crate::fused::storage_slice::<f32>(&storage, layout)?))
 }
 
 /// Why `weights` cannot be packed for bf16 products, if they cannot: they must be f32 on the

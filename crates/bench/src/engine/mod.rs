@@ -139,12 +139,9 @@ impl Sizing {
 pub fn run(args: &BenchEngineArgs) -> anyhow::Result<ExitCode> {
     let subjects = Subject::list(&args.presets, &args.models);
     let mut speedup_tiny = None;
-    let compute_dtype = args
-        .compute_dtype
-        .as_deref()
-        .map(|v| sluice_engine::config::compute_dtype(v, args.device))
-        .transpose()
-        .map_err(|reason| anyhow::anyhow!("--compute-dtype: {reason}"))?;
+    let compute_dtype =
+        sluice_engine::config::compute_dtype_flag(args.compute_dtype.as_deref(), args.device)
+            .map_err(anyhow::Error::msg)?;
     // `sluice bench model`'s decode bound is for f32 products on the CPU.
     let cpu_f32 = args.device == sluice_config::Device::Cpu
         && args.dtype == sluice_config::DType::F32

@@ -16,4 +16,4 @@ pub use bounds::BOUNDS;
 pub use limits::{EngineLimits, LimitError};
 pub use raw::*;
 pub use typed::*;
-pub use validate::{compute_dtype, validate_engine};
+pub use validate::{compute_dtype, compute_dtype_flag, validate_engine};

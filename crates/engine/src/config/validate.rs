@@ -106,6 +106,14 @@ pub fn compute_dtype(value: &str, device: Device) -> Result<DType, String> {
     }
 }
 
+/// `--compute-dtype` of `sluice serve` and `sluice bench engine`: [`compute_dtype`] of the
+/// flag's value, if given, with the flag named in the refusal.
+pub fn compute_dtype_flag(value: Option<&str>, device: Device) -> Result<Option<DType>, String> {
+    value
+        .map(|v| compute_dtype(v, device).map_err(|reason| format!("--compute-dtype: {reason}")))
+        .transpose()
+}
+
 fn validate_sim_engine(
     raw: RawSimEngine,
     run_seed: u64,

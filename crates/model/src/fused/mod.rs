@@ -23,6 +23,8 @@ mod linear;
 mod rope;
 mod skinny;
 
+pub(crate) use skinny::Columns;
+
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, DType, Device, Layout, Result, Shape, Storage, Tensor, WithDType};
 

@@ -80,10 +80,11 @@ fn check(m: usize, k: usize, n: usize, x: &[f32], w: &[f32], dst_len: usize) {
     );
 }
 
-/// The output's base pointer, shared by jobs that each write their own columns.
+/// The output's base pointer, shared by jobs that each write their own columns (this kernel's
+/// and the AMX tiles', [`crate::amx`]).
 #[derive(Clone, Copy)]
-struct Columns(*mut f32);
-// SAFETY: every job writes only the columns of its own weight rows (disjoint ranges), and the
+pub(crate) struct Columns(pub(crate) *mut f32);
+// SAFETY: every user's jobs write only their own output columns (disjoint ranges), and the
 // pointer outlives the parallel loop that uses it.
 #[allow(unsafe_code)]
 unsafe impl Send for Columns {}
@@ -96,7 +97,7 @@ impl Columns {
     /// # Safety
     /// `j` is within the output's allocation.
     #[allow(unsafe_code)]
-    unsafe fn at(self, j: usize) -> *mut f32 {
+    pub(crate) unsafe fn at(self, j: usize) -> *mut f32 {
         // SAFETY: the caller's.
         unsafe { self.0.add(j) }
     }
