@@ -17,6 +17,7 @@
 
 use std::time::Instant;
 
+use futures::future::BoxFuture;
 use sluice_config::FaultsConfig;
 use sluice_core::metrics as m;
 use sluice_core::{PolicyVersion, TrainerBackend};
@@ -109,63 +110,68 @@ impl NodeHandles {
 }
 
 /// Writes a checkpoint (one at a time): the trainer's state between two steps, a replay-store
-/// commit, then the manifest, atomically.
-pub async fn checkpoint(h: &NodeHandles, reason: &str) -> Result<Manifest, CheckpointError> {
-    let dir = h.checkpoint_dir.clone().ok_or_else(|| {
-        CheckpointError::Unavailable(
-            "no checkpoint directory: this node was started without one".into(),
-        )
-    })?;
-    let _one_at_a_time = h.checkpointing.lock().await;
-    let started = Instant::now();
-    let begin = dir.clone();
-    let staging = blocking(move || begin.begin()).await?;
-    let mark = h.trainer.checkpoint(staging.join(TRAINER_DIR)).await?;
-    let counters = h
-        .replay
-        .flush()
-        .await
-        .map_err(|e| CheckpointError::Unavailable(e.to_string()))?;
-    // Taken after the trainer's mark: draws made since are at most a few groups drawn again on
-    // resume (after a graceful stop, which stops admission first, none).
-    let sampler = match h.sampler.state().await {
-        Ok(state) => Some(state),
-        Err(e) => {
-            tracing::warn!(error = %e, "sampler state left out of the checkpoint");
-            None
-        }
-    };
-    // Every mark is taken; before the commit makes them the resume point, the run log must
-    // hold the trainer's steps (see `wait_for_log`; without a monitor logging, no wait).
-    wait_for_log(h, mark.steps).await;
-    let manifest = Manifest {
-        format: FORMAT,
-        version: mark.version.0,
-        steps: mark.steps,
-        trained_groups: mark.trained_groups,
-        replay: ReplayMark {
-            admitted_total: counters.admitted_total,
-            consumed_total: counters.consumed_total,
-            policy_version: counters.policy_version,
-        },
-        sampler,
-        reason: reason.to_owned(),
-        written_unix_seconds: unix_now(),
-    };
-    let commit = manifest.clone();
-    blocking(move || dir.commit(&commit)).await?;
-    let seconds = started.elapsed().as_secs_f64();
-    metrics::histogram!(m::NODE_CHECKPOINT_SECONDS).record(seconds);
-    metrics::gauge!(m::NODE_CHECKPOINT_VERSION).set(manifest.version as f64);
-    tracing::info!(
-        version = manifest.version,
-        step = manifest.steps,
-        reason,
-        seconds,
-        "checkpoint written"
-    );
-    *h.last_checkpoint.lock().unwrap_or_else(|p| p.into_inner()) = Some(manifest.clone());
-    Ok(manifest)
+/// commit, then the manifest, atomically. Boxed, like the node's entry points ([`crate::node`]).
+pub fn checkpoint<'a>(
+    h: &'a NodeHandles,
+    reason: &'a str,
+) -> BoxFuture<'a, Result<Manifest, CheckpointError>> {
+    Box::pin(async move {
+        let dir = h.checkpoint_dir.clone().ok_or_else(|| {
+            CheckpointError::Unavailable(
+                "no checkpoint directory: this node was started without one".into(),
+            )
+        })?;
+        let _one_at_a_time = h.checkpointing.lock().await;
+        let started = Instant::now();
+        let begin = dir.clone();
+        let staging = blocking(move || begin.begin()).await?;
+        let mark = h.trainer.checkpoint(staging.join(TRAINER_DIR)).await?;
+        let counters = h
+            .replay
+            .flush()
+            .await
+            .map_err(|e| CheckpointError::Unavailable(e.to_string()))?;
+        // Taken after the trainer's mark: draws made since are at most a few groups drawn again on
+        // resume (after a graceful stop, which stops admission first, none).
+        let sampler = match h.sampler.state().await {
+            Ok(state) => Some(state),
+            Err(e) => {
+                tracing::warn!(error = %e, "sampler state left out of the checkpoint");
+                None
+            }
+        };
+        // Every mark is taken; before the commit makes them the resume point, the run log must
+        // hold the trainer's steps (see `wait_for_log`; without a monitor logging, no wait).
+        wait_for_log(h, mark.steps).await;
+        let manifest = Manifest {
+            format: FORMAT,
+            version: mark.version.0,
+            steps: mark.steps,
+            trained_groups: mark.trained_groups,
+            replay: ReplayMark {
+                admitted_total: counters.admitted_total,
+                consumed_total: counters.consumed_total,
+                policy_version: counters.policy_version,
+            },
+            sampler,
+            reason: reason.to_owned(),
+            written_unix_seconds: unix_now(),
+        };
+        let commit = manifest.clone();
+        blocking(move || dir.commit(&commit)).await?;
+        let seconds = started.elapsed().as_secs_f64();
+        metrics::histogram!(m::NODE_CHECKPOINT_SECONDS).record(seconds);
+        metrics::gauge!(m::NODE_CHECKPOINT_VERSION).set(manifest.version as f64);
+        tracing::info!(
+            version = manifest.version,
+            step = manifest.steps,
+            reason,
+            seconds,
+            "checkpoint written"
+        );
+        *h.last_checkpoint.lock().unwrap_or_else(|p| p.into_inner()) = Some(manifest.clone());
+        Ok(manifest)
+    })
 }
 
 /// The longest a checkpoint waits for the run log (an evaluation of a large model on

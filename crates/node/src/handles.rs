@@ -6,6 +6,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use futures::future::BoxFuture;
 use serde::Serialize;
 use sluice_core::{Knobs, KnobsHandle};
 use sluice_engine::EngineStats;
@@ -136,23 +137,25 @@ impl NodeHandles {
             .clone()
     }
 
-    /// Gathers every actor's view.
-    pub async fn status(&self) -> Result<NodeStatus, ActorError> {
-        let ReplayStatus { store, .. } = self.replay.status().await?;
-        Ok(NodeStatus {
-            uptime_seconds: self.started.elapsed().as_secs_f64(),
-            knobs: self.knobs.current(),
-            controller: self.controller.status().await?,
-            trainer: self.trainer.status(),
-            replay: store,
-            engines: self.engine.stats().await?,
-            engine_health: self.engine.health().await?,
-            engine_failure: self.engine.failure().await?,
-            checkpoint: self
-                .last_checkpoint
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .clone(),
+    /// Gathers every actor's view. Boxed, like the node's entry points ([`crate::node`]).
+    pub fn status(&self) -> BoxFuture<'_, Result<NodeStatus, ActorError>> {
+        Box::pin(async move {
+            let ReplayStatus { store, .. } = self.replay.status().await?;
+            Ok(NodeStatus {
+                uptime_seconds: self.started.elapsed().as_secs_f64(),
+                knobs: self.knobs.current(),
+                controller: self.controller.status().await?,
+                trainer: self.trainer.status(),
+                replay: store,
+                engines: self.engine.stats().await?,
+                engine_health: self.engine.health().await?,
+                engine_failure: self.engine.failure().await?,
+                checkpoint: self
+                    .last_checkpoint
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .clone(),
+            })
         })
     }
 }

@@ -20,9 +20,20 @@
 //!
 //! Checkpoints and restore at start live in [`crate::checkpoints`], the graceful stop in
 //! [`crate::graceful_stop`].
+//!
+//! Boxed futures: [`Node::start`], [`Node::status`], [`Node::stop_gracefully`] and
+//! [`Node::shutdown`] (like the checkpoint, the run's lifecycle calls in [`crate::run`] and a
+//! member node's calls) return a boxed future instead of being `async fn`s. An `async fn`'s
+//! state machine is compiled again in every crate that awaits it, with everything it awaits in
+//! turn, in each codegen unit that does: the `sluice` binary and `sluice-bench` each compiled
+//! their own copies of most of this crate (the binary's crate, 1.1 MB of the library crates'
+//! machine code), in the last two steps of a release build, which run alone. Boxed, a body is
+//! compiled once, here; the price is one allocation per call, on calls made once a run or once
+//! a status read.
 
 use std::time::{Duration, Instant};
 
+use futures::future::BoxFuture;
 use sluice_core::WeightSnapshot;
 
 use crate::run::RunEnd;
@@ -72,8 +83,8 @@ impl Node {
     }
 
     /// Every actor's view.
-    pub async fn status(&self) -> Result<NodeStatus, ActorError> {
-        self.handles.status().await
+    pub fn status(&self) -> BoxFuture<'_, Result<NodeStatus, ActorError>> {
+        self.handles.status()
     }
 
     /// The first actor that ended while the node was running, if any.
@@ -146,20 +157,22 @@ impl Node {
     /// flight and stores its partial in the aborted bucket, writes a checkpoint, then shuts down,
     /// all within `supervision.shutdown_timeout_s` (past it, the steps left are skipped and the
     /// report says so). A restart with the same config resumes from there.
-    pub async fn stop_gracefully(self) -> graceful_stop::StopReport {
-        let started = Instant::now();
-        let mut report =
-            graceful_stop::drain_and_checkpoint(&self.handles, self.shutdown_timeout).await;
-        report.final_replay = self.shutdown().await.map(|r| r.store);
-        report.seconds = started.elapsed().as_secs_f64();
-        report
+    pub fn stop_gracefully(self) -> BoxFuture<'static, graceful_stop::StopReport> {
+        Box::pin(async move {
+            let started = Instant::now();
+            let mut report =
+                graceful_stop::drain_and_checkpoint(&self.handles, self.shutdown_timeout).await;
+            report.final_replay = self.shutdown().await.map(|r| r.store);
+            report.seconds = started.elapsed().as_secs_f64();
+            report
+        })
     }
 
     /// Stops everything, the stages in reverse order and upstream first inside each, so
     /// nothing new is produced: the servers, then trainer and sampler, then controller, engine,
     /// env workers and the replay store (which commits what is queued). Returns the replay
     /// store's final state, as it is on disk.
-    pub async fn shutdown(mut self) -> Option<ReplayStatus> {
-        self.started.stop().await
+    pub fn shutdown(mut self) -> BoxFuture<'static, Option<ReplayStatus>> {
+        Box::pin(async move { self.started.stop().await })
     }
 }

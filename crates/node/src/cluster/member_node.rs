@@ -14,6 +14,7 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
+use futures::future::BoxFuture;
 use sluice_config::{Config, NodeConfig, NodeRole, Secret};
 use sluice_engine::server::fetch::WeightFetch;
 use sluice_engine::server::{ServerOptions, ServerState, WeightEvents};
@@ -113,112 +114,116 @@ fn node_section(config: &Config, role: NodeRole) -> Result<&NodeConfig, MemberNo
 impl MemberNode {
     /// Loads the model and starts the engine node's inference server on `node.listen`; its
     /// weight and control routes are guarded by the node token (`admin.token`), required
-    /// beyond loopback.
-    pub async fn start_engine(config: &Config) -> Result<Self, MemberNodeError> {
-        let node = node_section(config, NodeRole::Engine)?;
-        let (head, listen) = head_and_listen(node)?;
-        if !listen.ip().is_loopback() && config.admin.token.is_none() {
-            return Err(MemberNodeError::Config(format!(
-                "node.listen = {listen}: not a loopback address; set admin.token or ${} (the node token) so the engine's weight and control routes are guarded",
-                sluice_config::ADMIN_TOKEN_ENV
-            )));
-        }
-        let (engine, state) = engine_server(config, &head)?;
-        let listener = bind(listen).await?;
-        let bound = local_addr(&listener, listen)?;
-        let (url, name) = identity(node, bound);
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let server = tokio::spawn(sluice_engine::server::serve(
-            listener,
-            Arc::clone(&state),
-            async move {
-                let _ = stopped.await;
-            },
-        ));
-        let report: Report = Arc::new(move || {
-            let s = state.stats();
-            (Some(s.version.0), Some(s.running + s.waiting))
-        });
-        let request = JoinRequest {
-            name: name.clone(),
-            role: NodeRole::Engine,
-            url,
-            tasks: Vec::new(),
-        };
-        Ok(Self {
-            role: NodeRole::Engine,
-            name,
-            bound,
-            head,
-            token: config.admin.token.clone(),
-            request: Some(request),
-            report,
-            membership: None,
-            stop: Some(stop),
-            server: Some(server),
-            engine: Some(engine),
+    /// beyond loopback. Boxed, like the node's entry points ([`crate::node`]).
+    pub fn start_engine(config: &Config) -> BoxFuture<'_, Result<Self, MemberNodeError>> {
+        Box::pin(async move {
+            let node = node_section(config, NodeRole::Engine)?;
+            let (head, listen) = head_and_listen(node)?;
+            if !listen.ip().is_loopback() && config.admin.token.is_none() {
+                return Err(MemberNodeError::Config(format!(
+                    "node.listen = {listen}: not a loopback address; set admin.token or ${} (the node token) so the engine's weight and control routes are guarded",
+                    sluice_config::ADMIN_TOKEN_ENV
+                )));
+            }
+            let (engine, state) = engine_server(config, &head)?;
+            let listener = bind(listen).await?;
+            let bound = local_addr(&listener, listen)?;
+            let (url, name) = identity(node, bound);
+            let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+            let server = tokio::spawn(sluice_engine::server::serve(
+                listener,
+                Arc::clone(&state),
+                async move {
+                    let _ = stopped.await;
+                },
+            ));
+            let report: Report = Arc::new(move || {
+                let s = state.stats();
+                (Some(s.version.0), Some(s.running + s.waiting))
+            });
+            let request = JoinRequest {
+                name: name.clone(),
+                role: NodeRole::Engine,
+                url,
+                tasks: Vec::new(),
+            };
+            Ok(Self {
+                role: NodeRole::Engine,
+                name,
+                bound,
+                head,
+                token: config.admin.token.clone(),
+                request: Some(request),
+                report,
+                membership: None,
+                stop: Some(stop),
+                server: Some(server),
+                engine: Some(engine),
+            })
         })
     }
 
     /// Starts the env node's env server on `node.listen`, serving the built-in tasks; `token`
-    /// (`$SLUICE_ENV_TOKEN`) guards it, required beyond loopback.
-    pub async fn start_env(
+    /// (`$SLUICE_ENV_TOKEN`) guards it, required beyond loopback. Boxed (see [`crate::node`]).
+    pub fn start_env(
         config: &Config,
         token: Option<Secret>,
-    ) -> Result<Self, MemberNodeError> {
-        let node = node_section(config, NodeRole::Env)?;
-        let (head, listen) = head_and_listen(node)?;
-        if !listen.ip().is_loopback() && token.is_none() {
-            return Err(MemberNodeError::Config(format!(
-                "node.listen = {listen}: not a loopback address; set ${} to serve envs beyond this machine",
-                sluice_env::configured::ENV_TOKEN_VAR
-            )));
-        }
-        let server_config = ServerConfig {
-            max_envs: 1024,
-            call_timeout: config.supervision.env_step_timeout,
-            idle_timeout: (config.supervision.env_step_timeout * 20)
-                .max(std::time::Duration::from_secs(600)),
-            token,
-            http: sluice_http::ServeOptions::default(),
-        };
-        let listener = bind(listen).await?;
-        let bound = local_addr(&listener, listen)?;
-        let (url, name) = identity(node, bound);
-        let registry = Arc::new(sluice_env::TaskRegistry::builtin());
-        // The head sends this node episodes of the tasks it advertises.
-        let tasks = registry.names();
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let stats = Arc::new(ServerStats::default());
-        let server = tokio::spawn(serve_with_stats(
-            listener,
-            registry,
-            server_config,
-            Arc::clone(&stats),
-            async move {
-                let _ = stopped.await;
-            },
-        ));
-        // Its load is the envs open on it, whoever opened them.
-        let report: Report = Arc::new(move || (None, Some(stats.open())));
-        let request = JoinRequest {
-            name: name.clone(),
-            role: NodeRole::Env,
-            url,
-            tasks,
-        };
-        Ok(Self {
-            role: NodeRole::Env,
-            name,
-            bound,
-            head,
-            token: config.admin.token.clone(),
-            request: Some(request),
-            report,
-            membership: None,
-            stop: Some(stop),
-            server: Some(server),
-            engine: None,
+    ) -> BoxFuture<'_, Result<Self, MemberNodeError>> {
+        Box::pin(async move {
+            let node = node_section(config, NodeRole::Env)?;
+            let (head, listen) = head_and_listen(node)?;
+            if !listen.ip().is_loopback() && token.is_none() {
+                return Err(MemberNodeError::Config(format!(
+                    "node.listen = {listen}: not a loopback address; set ${} to serve envs beyond this machine",
+                    sluice_env::configured::ENV_TOKEN_VAR
+                )));
+            }
+            let server_config = ServerConfig {
+                max_envs: 1024,
+                call_timeout: config.supervision.env_step_timeout,
+                idle_timeout: (config.supervision.env_step_timeout * 20)
+                    .max(std::time::Duration::from_secs(600)),
+                token,
+                http: sluice_http::ServeOptions::default(),
+            };
+            let listener = bind(listen).await?;
+            let bound = local_addr(&listener, listen)?;
+            let (url, name) = identity(node, bound);
+            let registry = Arc::new(sluice_env::TaskRegistry::builtin());
+            // The head sends this node episodes of the tasks it advertises.
+            let tasks = registry.names();
+            let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+            let stats = Arc::new(ServerStats::default());
+            let server = tokio::spawn(serve_with_stats(
+                listener,
+                registry,
+                server_config,
+                Arc::clone(&stats),
+                async move {
+                    let _ = stopped.await;
+                },
+            ));
+            // Its load is the envs open on it, whoever opened them.
+            let report: Report = Arc::new(move || (None, Some(stats.open())));
+            let request = JoinRequest {
+                name: name.clone(),
+                role: NodeRole::Env,
+                url,
+                tasks,
+            };
+            Ok(Self {
+                role: NodeRole::Env,
+                name,
+                bound,
+                head,
+                token: config.admin.token.clone(),
+                request: Some(request),
+                report,
+                membership: None,
+                stop: Some(stop),
+                server: Some(server),
+                engine: None,
+            })
         })
     }
 
@@ -243,46 +248,50 @@ impl MemberNode {
     }
 
     /// Joins the head (retrying until it answers) and starts heartbeating. Joining twice is
-    /// refused.
-    pub async fn join(&mut self) -> Result<(), MemberNodeError> {
-        let request = self
-            .request
-            .take()
-            .ok_or_else(|| MemberNodeError::Config("this node has already joined".into()))?;
-        let params = MemberParams {
-            head: self.head.clone(),
-            token: self.token.clone(),
-            request,
-            report: Arc::clone(&self.report),
-        };
-        self.membership = Some(member::join(params).await?);
-        Ok(())
+    /// refused. Boxed (see [`crate::node`]).
+    pub fn join(&mut self) -> BoxFuture<'_, Result<(), MemberNodeError>> {
+        Box::pin(async move {
+            let request = self
+                .request
+                .take()
+                .ok_or_else(|| MemberNodeError::Config("this node has already joined".into()))?;
+            let params = MemberParams {
+                head: self.head.clone(),
+                token: self.token.clone(),
+                request,
+                report: Arc::clone(&self.report),
+            };
+            self.membership = Some(member::join(params).await?);
+            Ok(())
+        })
     }
 
     /// Leaves the head (when joined), aborts what is in flight, stops the server and the
-    /// engine.
-    pub async fn stop(mut self) {
-        if let Some(m) = self.membership.take() {
-            tracing::info!("stopping: leaving the head, then aborting in-flight requests");
-            m.leave().await;
-        }
-        if let Some(engine) = &self.engine {
-            let _ = engine.control().abort_all();
-        }
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
-        }
-        if let Some(server) = self.server.take() {
-            match server.await {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => tracing::error!(error = %e, "the node's server failed"),
-                Err(e) => tracing::error!(error = %e, "the node's server task failed"),
+    /// engine. Boxed (see [`crate::node`]).
+    pub fn stop(mut self) -> BoxFuture<'static, ()> {
+        Box::pin(async move {
+            if let Some(m) = self.membership.take() {
+                tracing::info!("stopping: leaving the head, then aborting in-flight requests");
+                m.leave().await;
             }
-        }
-        if let Some(mut engine) = self.engine.take() {
-            engine.shutdown();
-        }
-        tracing::info!("{} node stopped", self.role.as_str());
+            if let Some(engine) = &self.engine {
+                let _ = engine.control().abort_all();
+            }
+            if let Some(stop) = self.stop.take() {
+                let _ = stop.send(());
+            }
+            if let Some(server) = self.server.take() {
+                match server.await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => tracing::error!(error = %e, "the node's server failed"),
+                    Err(e) => tracing::error!(error = %e, "the node's server task failed"),
+                }
+            }
+            if let Some(mut engine) = self.engine.take() {
+                engine.shutdown();
+            }
+            tracing::info!("{} node stopped", self.role.as_str());
+        })
     }
 }
 

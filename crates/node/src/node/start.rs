@@ -5,6 +5,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use futures::future::BoxFuture;
 use sluice_config::Config;
 use sluice_core::metrics as m;
 use sluice_core::{KnobsHandle, TrainerBackend};
@@ -50,15 +51,18 @@ impl Node {
     /// Builds and starts the pipeline. Nothing is generated until every actor is up. When a
     /// stage fails, what the earlier stages started is stopped (in reverse order) before the
     /// error is returned: a failed start leaves nothing running.
-    pub async fn start(config: &Config, options: NodeOptions) -> Result<Self, ActorError> {
-        let started_at = Instant::now();
-        let prepared = prepare(config, options, started_at)?;
-        let mut started = Started::default();
-        let mut stage = Stage::Core;
-        match Self::start_stages(config, prepared, &mut started, &mut stage).await {
-            Ok(parts) => Ok(Self::assemble(config, parts, started)),
-            Err(e) => Err(started.unwind(stage, e).await),
-        }
+    /// Boxed (see [`crate::node`]).
+    pub fn start(config: &Config, options: NodeOptions) -> BoxFuture<'_, Result<Self, ActorError>> {
+        Box::pin(async move {
+            let started_at = Instant::now();
+            let prepared = prepare(config, options, started_at)?;
+            let mut started = Started::default();
+            let mut stage = Stage::Core;
+            match Self::start_stages(config, prepared, &mut started, &mut stage).await {
+                Ok(parts) => Ok(Self::assemble(config, parts, started)),
+                Err(e) => Err(started.unwind(stage, e).await),
+            }
+        })
     }
 
     /// Runs the stages in order; `stage` says which one was running when an error came back.

@@ -9,6 +9,7 @@
 
 use std::sync::Arc;
 
+use futures::future::BoxFuture;
 use sluice_config::{Config, DatasetSpec};
 use sluice_core::DataSample;
 use sluice_engine::{NativeEngineParams, SamplingParams};
@@ -389,40 +390,43 @@ impl Evaluations {
         self.domains.iter().map(|d| d.heldout.len()).sum()
     }
 
-    /// Accuracy of `weights` on every domain's held-out set and training probe.
-    pub async fn run(&mut self, weights: Arc<ModelWeights>) -> Result<Scores, ActorError> {
-        let mut out = Vec::with_capacity(self.domains.len());
-        for d in &mut self.domains {
-            let failed = |what: &str, e: sluice_env::EnvError| {
-                ActorError::Evaluation(format!("{what} evaluation of `{}`: {e}", d.domain))
-            };
-            let heldout = d
-                .heldout
-                .evaluate(Arc::clone(&weights))
-                .await
-                .map_err(|e| failed("held-out", e))?;
-            let train = d
-                .train
-                .evaluate(Arc::clone(&weights))
-                .await
-                .map_err(|e| failed("training-probe", e))?;
-            let sampled = match &mut d.sampled {
-                Some((evaluator, k)) => {
-                    let replies = evaluator
-                        .evaluate(Arc::clone(&weights))
-                        .await
-                        .map_err(|e| failed("sampled held-out", e))?;
-                    SampledScores::from_rollouts(d.task.rubric(), &replies.rollouts, *k)
-                }
-                None => None,
-            };
-            out.push(DomainAccuracy {
-                domain: d.domain.clone(),
-                heldout: heldout.report.accuracy.unwrap_or(0.0),
-                train: train.report.accuracy.unwrap_or(0.0),
-                sampled,
-            });
-        }
-        Ok(Scores::from_domains(out))
+    /// Accuracy of `weights` on every domain's held-out set and training probe. Boxed (see
+    /// [`crate::node`]).
+    pub fn run(&mut self, weights: Arc<ModelWeights>) -> BoxFuture<'_, Result<Scores, ActorError>> {
+        Box::pin(async move {
+            let mut out = Vec::with_capacity(self.domains.len());
+            for d in &mut self.domains {
+                let failed = |what: &str, e: sluice_env::EnvError| {
+                    ActorError::Evaluation(format!("{what} evaluation of `{}`: {e}", d.domain))
+                };
+                let heldout = d
+                    .heldout
+                    .evaluate(Arc::clone(&weights))
+                    .await
+                    .map_err(|e| failed("held-out", e))?;
+                let train = d
+                    .train
+                    .evaluate(Arc::clone(&weights))
+                    .await
+                    .map_err(|e| failed("training-probe", e))?;
+                let sampled = match &mut d.sampled {
+                    Some((evaluator, k)) => {
+                        let replies = evaluator
+                            .evaluate(Arc::clone(&weights))
+                            .await
+                            .map_err(|e| failed("sampled held-out", e))?;
+                        SampledScores::from_rollouts(d.task.rubric(), &replies.rollouts, *k)
+                    }
+                    None => None,
+                };
+                out.push(DomainAccuracy {
+                    domain: d.domain.clone(),
+                    heldout: heldout.report.accuracy.unwrap_or(0.0),
+                    train: train.report.accuracy.unwrap_or(0.0),
+                    sampled,
+                });
+            }
+            Ok(Scores::from_domains(out))
+        })
     }
 }

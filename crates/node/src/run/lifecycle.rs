@@ -11,6 +11,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use futures::future::BoxFuture;
 use sluice_config::{Config, EngineBackend, NodeRole};
 use sluice_report::{
     METRICS_FILE, MetricsLog, PLOT_FILE, ReportError, TENSORBOARD_DIR, plot_run, read_log,
@@ -66,7 +67,7 @@ pub struct PreparedRun {
 /// (`on_warmup` hears each warm-up step) and the held-out baseline.
 pub async fn prepare(
     config: &Config,
-    on_warmup: impl FnMut(&WarmupProgress),
+    on_warmup: impl FnMut(&WarmupProgress) + Send,
 ) -> Result<PreparedRun, RunError> {
     let started = Instant::now();
     let out = &config.run.output_dir;
@@ -113,92 +114,96 @@ impl PreparedRun {
     /// Starts the node of `config` on what was prepared — a head's cluster first, its engine
     /// replicas and env episodes on the nodes that join it — with the run monitor logging to
     /// `metrics.jsonl` (resumed at the checkpoint's step), and evaluates a resumed run's
-    /// restored weights.
-    pub async fn start(self, config: &Config) -> Result<Run, RunError> {
-        let Self {
-            native,
-            baseline,
-            started,
-        } = self;
-        let (feed, steps) = tokio::sync::mpsc::channel(STEP_FEED_CAPACITY);
-        let (setup, source, evaluations) = match native {
-            Some(n) => (Some(n.setup), Some(n.source), Some(n.evaluations)),
-            None => (None, None, None),
-        };
-        let (head, head_factory, head_env) = match (&setup, config.node.as_ref().map(|n| n.role)) {
-            (Some(setup), Some(NodeRole::Head)) => {
-                let (head, factory) = Head::start(config, setup)?;
-                let env = head.rollout_env(config, setup)?.map(|e| Arc::new(e) as _);
-                (Some(head), Some(factory), env)
-            }
-            _ => (None, None, None),
-        };
-        let options = NodeOptions {
-            replay_dir: Some(config.replay.path.clone()),
-            serve_admin: true,
-            serve_metrics: config.metrics.enabled,
-            backend: head_factory,
-            cluster: head.as_ref().map(Head::state),
-            env: head_env,
-            native: setup,
-            source: source.map(|s| Box::new(s) as _),
-            step_feed: Some(feed),
-            ..NodeOptions::default()
-        };
-        let node = match Node::start(config, options).await {
-            Ok(node) => node,
-            Err(e) => {
-                if let Some(head) = head {
-                    head.stop().await;
+    /// restored weights. Boxed (see [`crate::node`]).
+    pub fn start(self, config: &Config) -> BoxFuture<'_, Result<Run, RunError>> {
+        Box::pin(async move {
+            let Self {
+                native,
+                baseline,
+                started,
+            } = self;
+            let (feed, steps) = tokio::sync::mpsc::channel(STEP_FEED_CAPACITY);
+            let (setup, source, evaluations) = match native {
+                Some(n) => (Some(n.setup), Some(n.source), Some(n.evaluations)),
+                None => (None, None, None),
+            };
+            let (head, head_factory, head_env) =
+                match (&setup, config.node.as_ref().map(|n| n.role)) {
+                    (Some(setup), Some(NodeRole::Head)) => {
+                        let (head, factory) = Head::start(config, setup)?;
+                        let env = head.rollout_env(config, setup)?.map(|e| Arc::new(e) as _);
+                        (Some(head), Some(factory), env)
+                    }
+                    _ => (None, None, None),
+                };
+            let options = NodeOptions {
+                replay_dir: Some(config.replay.path.clone()),
+                serve_admin: true,
+                serve_metrics: config.metrics.enabled,
+                backend: head_factory,
+                cluster: head.as_ref().map(Head::state),
+                env: head_env,
+                native: setup,
+                source: source.map(|s| Box::new(s) as _),
+                step_feed: Some(feed),
+                ..NodeOptions::default()
+            };
+            let node = match Node::start(config, options).await {
+                Ok(node) => node,
+                Err(e) => {
+                    if let Some(head) = head {
+                        head.stop().await;
+                    }
+                    return Err(e.into());
                 }
-                return Err(e.into());
-            }
-        };
-        let out = &config.run.output_dir;
-        let log_path = out.join(METRICS_FILE);
-        // The steps after the checkpoint are trained again: their old records go (a failure
-        // here stops the node it started: nothing is left running).
-        let first_step = node.start_step();
-        let log = match open_log(config, first_step) {
-            Ok(log) => log,
-            Err(e) => {
-                node.shutdown().await;
-                if let Some(head) = head {
-                    head.stop().await;
+            };
+            let out = &config.run.output_dir;
+            let log_path = out.join(METRICS_FILE);
+            // The steps after the checkpoint are trained again: their old records go (a failure
+            // here stops the node it started: nothing is left running).
+            let first_step = node.start_step();
+            let log = match open_log(config, first_step) {
+                Ok(log) => log,
+                Err(e) => {
+                    node.shutdown().await;
+                    if let Some(head) = head {
+                        head.stop().await;
+                    }
+                    return Err(e.into());
                 }
-                return Err(e.into());
+            };
+            let start = Start {
+                step: first_step,
+                wall_s: log.last().map_or(0.0, |r| r.wall_s),
+                accuracy: baseline.as_ref().map(Scores::pair).unwrap_or_default(),
+                resumed: first_step > 0,
+            };
+            let evaluating = evaluations.is_some();
+            let mut monitor =
+                RunMonitor::new(config, started, start, steps, Some(log), evaluations);
+            if let Some(a) = &baseline {
+                monitor.start_scores(a);
             }
-        };
-        let start = Start {
-            step: first_step,
-            wall_s: log.last().map_or(0.0, |r| r.wall_s),
-            accuracy: baseline.as_ref().map(Scores::pair).unwrap_or_default(),
-            resumed: first_step > 0,
-        };
-        let evaluating = evaluations.is_some();
-        let mut monitor = RunMonitor::new(config, started, start, steps, Some(log), evaluations);
-        if let Some(a) = &baseline {
-            monitor.start_scores(a);
-        }
-        let mut run = Run {
-            node,
-            head,
-            monitor,
-            log_path,
-            plot_path: out.join(PLOT_FILE),
-            evaluating,
-            start_scores: baseline,
-            resumed_scores: false,
-            shutdown_timeout: config.supervision.shutdown_timeout,
-        };
-        if evaluating
-            && run.start_scores.is_none()
-            && let Err(e) = run.evaluate_resumed().await
-        {
-            run.shutdown().await;
-            return Err(e);
-        }
-        Ok(run)
+            let mut run = Run {
+                node,
+                head,
+                monitor,
+                log_path,
+                plot_path: out.join(PLOT_FILE),
+                evaluating,
+                start_scores: baseline,
+                resumed_scores: false,
+                shutdown_timeout: config.supervision.shutdown_timeout,
+            };
+            if evaluating
+                && run.start_scores.is_none()
+                && let Err(e) = run.evaluate_resumed().await
+            {
+                run.shutdown().await;
+                return Err(e);
+            }
+            Ok(run)
+        })
     }
 }
 

@@ -6,6 +6,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use futures::future::BoxFuture;
 use sluice_config::{Config, LrSchedule, WarmupProbeSet};
 use sluice_data::{DatasetRows, MixSampler, SamplerConfig};
 use sluice_env::datasets::{GeneratedRows, load_datasets};
@@ -64,40 +65,52 @@ impl NativeRun {
     /// checkpoint resumes from it: no warm-up.
     pub async fn prepare(
         config: &Config,
-        on_warmup: impl FnMut(&WarmupProgress),
+        mut on_warmup: impl FnMut(&WarmupProgress) + Send,
     ) -> Result<Self, ActorError> {
-        let out = &config.run.output_dir;
-        std::fs::create_dir_all(out)
-            .map_err(|e| setup_err(format!("creating {}: {e}", out.display())))?;
-        let resumed = CheckpointDir::new(out.join(CHECKPOINT_DIR))
-            .load()
-            .map_err(|e| setup_err(format!("reading the run's checkpoint: {e}")))?
-            .map(|(_, manifest)| manifest);
-        let created_model = ensure_model_dir(config)?;
-        let base = NativeSetup::load(config, None)?;
-        // The data first: an unreadable dataset is reported before minutes of warm-up, and
-        // before the evaluated task is looked up (a dataset naming no task is a data error, not
-        // `eval.task`).
-        let source = sample_source(config, &base)?;
-        let served = served_domains(config, &base)?;
-        let warm_dir = warmup_dir(config);
-        let mut warmup_outcome = None;
-        if resumed.is_none() && config.warmup.enabled && !warm_dir.join("config.json").exists() {
-            warmup_outcome = Some(warmup(config, &base, &served, &warm_dir, on_warmup).await?);
-        }
-        let setup = if warm_dir.join("config.json").exists() {
-            NativeSetup::load(config, Some(&warm_dir))?
-        } else {
-            base
-        };
-        let evaluations = Evaluations::new(config, &setup)?;
-        Ok(Self {
-            setup: Arc::new(setup),
-            source,
-            evaluations,
-            resumed,
-            created_model,
-            warmup: warmup_outcome,
+        Self::prepare_boxed(config, &mut on_warmup).await
+    }
+
+    /// [`NativeRun::prepare`]'s body, boxed and not generic, so it is compiled once, here (see
+    /// [`crate::node`]); only the call above is compiled where `on_warmup` is defined.
+    fn prepare_boxed<'a>(
+        config: &'a Config,
+        on_warmup: &'a mut (dyn FnMut(&WarmupProgress) + Send),
+    ) -> BoxFuture<'a, Result<Self, ActorError>> {
+        Box::pin(async move {
+            let out = &config.run.output_dir;
+            std::fs::create_dir_all(out)
+                .map_err(|e| setup_err(format!("creating {}: {e}", out.display())))?;
+            let resumed = CheckpointDir::new(out.join(CHECKPOINT_DIR))
+                .load()
+                .map_err(|e| setup_err(format!("reading the run's checkpoint: {e}")))?
+                .map(|(_, manifest)| manifest);
+            let created_model = ensure_model_dir(config)?;
+            let base = NativeSetup::load(config, None)?;
+            // The data first: an unreadable dataset is reported before minutes of warm-up, and
+            // before the evaluated task is looked up (a dataset naming no task is a data error, not
+            // `eval.task`).
+            let source = sample_source(config, &base)?;
+            let served = served_domains(config, &base)?;
+            let warm_dir = warmup_dir(config);
+            let mut warmup_outcome = None;
+            if resumed.is_none() && config.warmup.enabled && !warm_dir.join("config.json").exists()
+            {
+                warmup_outcome = Some(warmup(config, &base, &served, &warm_dir, on_warmup).await?);
+            }
+            let setup = if warm_dir.join("config.json").exists() {
+                NativeSetup::load(config, Some(&warm_dir))?
+            } else {
+                base
+            };
+            let evaluations = Evaluations::new(config, &setup)?;
+            Ok(Self {
+                setup: Arc::new(setup),
+                source,
+                evaluations,
+                resumed,
+                created_model,
+                warmup: warmup_outcome,
+            })
         })
     }
 }
