@@ -193,14 +193,17 @@ fn amx_products(result: &mut Vec<String>) -> anyhow::Result<bool> {
         }
     }
     let pack_ms_per_m = pack_s * 1e3 / (params as f64 / 1e6);
+    // The tiles' rate through the weights (2 bytes each): what bounds a decode step.
+    let gb_s = (2 * params) as f64 / amx_s / 1e9;
     println!(
-        "amx products, {AMX_ROWS} rows against SmolLM2-135M's shapes {shapes:?}, {AMX_REPEATS} weights each: bf16 tiles {:.2} ms, f32 {:.2} ms ({:.2}x); largest difference {worst:.2e} of the row's largest sum; repacking at a swap {pack_ms_per_m:.2} ms per million weights",
+        "amx products, {AMX_ROWS} rows against SmolLM2-135M's shapes {shapes:?}, {AMX_REPEATS} weights each: bf16 tiles {:.2} ms ({gb_s:.1} GB/s of weights), f32 {:.2} ms ({:.2}x); largest difference {worst:.2e} of the row's largest sum; repacking at a swap {pack_ms_per_m:.2} ms per million weights",
         amx_s * 1e3,
         f32_s * 1e3,
         f32_s / amx_s
     );
     result.extend([
         format!("amx_ms={:.3}", amx_s * 1e3),
+        format!("amx_gb_s={gb_s:.2}"),
         format!("amx_f32_ms={:.3}", f32_s * 1e3),
         format!("amx_speedup={:.2}", f32_s / amx_s),
         format!("amx_rel_diff={worst:.3e}"),

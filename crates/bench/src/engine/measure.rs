@@ -69,12 +69,14 @@ impl Shape {
 /// `total` requests with at most `concurrency` in flight (the engine's cap), each of its
 /// [`Shape`]; tokens/s over the whole run and the gaps between consecutive
 /// tokens of each request. A request preempted for lack of KV blocks comes back as an abort and
-/// is resumed from its partial, as the controller would.
+/// is resumed from its partial, as the controller would. With `warm_up`, the same requests run
+/// once untimed on the same engine first (as `scripts/pytorch-bench` warms up with one call).
 pub(super) fn measure(
     w: &Arc<ModelWeights>,
     sizing: Sizing,
     (total, concurrency): (usize, usize),
     shape: Shape,
+    warm_up: bool,
 ) -> anyhow::Result<Measured> {
     let shaped = |i: u64| {
         let (max_tokens, prompt_len) = shape.of(i);
@@ -92,53 +94,32 @@ pub(super) fn measure(
             }
         }),
     )?;
+    if warm_up {
+        // Requests of the same lengths once, untimed: the pool grown and every buffer's pages
+        // touched, as a serving engine is after its first requests. Their ids (and so their
+        // prompts) follow the timed round's, so no prompt is cached for it.
+        let total = total as u64;
+        let warm = |i: u64| {
+            let (max_tokens, prompt_len) = shape.of(i % total);
+            request(i, max_tokens, prompt_len)
+        };
+        let tokens = run_round(&mut engine, &rx, (total..2 * total).map(warm), &warm, None)?;
+        anyhow::ensure!(tokens > 0, "the warm-up round generated no tokens");
+    }
+    let before = engine.control().breakdown();
+    let preempted_before = preempted(&engine);
     let gaps = Arc::new(Mutex::new(Vec::new()));
     let started = Instant::now();
-    for i in 0..total {
-        let gaps = Arc::clone(&gaps);
-        let last = Mutex::new(None::<Instant>);
-        let r = NativeRequest {
-            ignore_eos: true,
-            observer: Some(Arc::new(move |u| {
-                if let RequestUpdate::Token(_) = u {
-                    let now = Instant::now();
-                    let mut l = last.lock().expect("not poisoned");
-                    if let Some(prev) = *l {
-                        gaps.lock().expect("not poisoned").push(now - prev);
-                    }
-                    *l = Some(now);
-                }
-            })),
-            ..NativeRequest::plain(shaped(i as u64))
-        };
-        engine.submit_native(r)?;
-    }
-    let mut tokens = 0usize;
-    let mut finished = 0;
-    while finished < total {
-        let c = rx
-            .recv_timeout(Duration::from_secs(1800))
-            .context("the engine stopped answering")?;
-        if c.finish == sluice_engine::FinishReason::Abort {
-            let i = c.id.rollout.group.counter;
-            let mut resumed = shaped(i);
-            resumed.resume = Some(c.output);
-            engine.submit_native(NativeRequest {
-                ignore_eos: true,
-                ..NativeRequest::plain(resumed)
-            })?;
-            continue;
-        }
-        finished += 1;
-        tokens += c.output.len();
-    }
-    let preempted = engine
-        .control()
-        .stats()
-        .kv_cache
-        .map_or(0, |k| k.preempted_sequences);
+    let tokens = run_round(
+        &mut engine,
+        &rx,
+        (0..total as u64).map(shaped),
+        &shaped,
+        Some(&gaps),
+    )?;
+    let preempted = preempted(&engine) - preempted_before;
     let elapsed = started.elapsed().as_secs_f64();
-    let parts = engine.control().breakdown();
+    let parts = engine.control().breakdown().since(&before);
     engine.shutdown();
     let busy = parts.model_seconds + parts.scheduler_seconds;
     let mut gaps = std::mem::take(&mut *gaps.lock().expect("not poisoned"));
@@ -156,6 +137,69 @@ pub(super) fn measure(
         decode_tok_s: parts.decode_tokens as f64 / parts.decode_seconds.max(1e-12),
         preempted,
     })
+}
+
+/// Sequences the engine's KV cache has preempted so far.
+fn preempted(engine: &NativeEngine) -> u64 {
+    engine
+        .control()
+        .stats()
+        .kv_cache
+        .map_or(0, |k| k.preempted_sequences)
+}
+
+/// Submits `requests` and waits for all of them, resuming each preempted one (rebuilt by
+/// `shaped` from its counter) from its partial; the tokens they generated. With `gaps`, the
+/// gap between each request's consecutive tokens is recorded.
+fn run_round(
+    engine: &mut NativeEngine,
+    rx: &std::sync::mpsc::Receiver<sluice_engine::Completion>,
+    requests: impl Iterator<Item = GenerateRequest>,
+    shaped: &dyn Fn(u64) -> GenerateRequest,
+    gaps: Option<&Arc<Mutex<Vec<Duration>>>>,
+) -> anyhow::Result<usize> {
+    let mut total = 0;
+    for request in requests {
+        total += 1;
+        let observer = gaps.map(|gaps| {
+            let gaps = Arc::clone(gaps);
+            let last = Mutex::new(None::<Instant>);
+            Arc::new(move |u: RequestUpdate| {
+                if let RequestUpdate::Token(_) = u {
+                    let now = Instant::now();
+                    let mut l = last.lock().expect("not poisoned");
+                    if let Some(prev) = *l {
+                        gaps.lock().expect("not poisoned").push(now - prev);
+                    }
+                    *l = Some(now);
+                }
+            }) as _
+        });
+        engine.submit_native(NativeRequest {
+            ignore_eos: true,
+            observer,
+            ..NativeRequest::plain(request)
+        })?;
+    }
+    let mut tokens = 0usize;
+    let mut finished = 0;
+    while finished < total {
+        let c = rx
+            .recv_timeout(Duration::from_secs(1800))
+            .context("the engine stopped answering")?;
+        if c.finish == sluice_engine::FinishReason::Abort {
+            let mut resumed = shaped(c.id.rollout.group.counter);
+            resumed.resume = Some(c.output);
+            engine.submit_native(NativeRequest {
+                ignore_eos: true,
+                ..NativeRequest::plain(resumed)
+            })?;
+            continue;
+        }
+        finished += 1;
+        tokens += c.output.len();
+    }
+    Ok(tokens)
 }
 
 /// Groups in the prefix-sharing measurement.

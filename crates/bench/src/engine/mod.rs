@@ -68,6 +68,11 @@ pub struct BenchEngineArgs {
     /// memory run: `--preset medium --concurrency 64 --kv-cache-mb 2048 --only-concurrency`).
     #[arg(long)]
     pub only_concurrency: bool,
+    /// Before each timed row, the same number of requests of the same lengths once, untimed,
+    /// on the same engine (its KV pool grown, its buffers' pages touched), as
+    /// `scripts/pytorch-bench` times `generate` after one warm-up call.
+    #[arg(long)]
+    pub warm_up: bool,
     /// Where the engines run: `cpu` or `cuda:N` (a `cuda` build).
     #[arg(long, default_value = "cpu", value_parser = crate::parse_device)]
     pub device: sluice_config::Device,
@@ -202,7 +207,7 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<ExitCode> {
         let serial = if args.only_concurrency {
             None
         } else {
-            let serial = measure(&w0, sizing, (ROUNDS * max_c.min(8), 1), shape)?;
+            let serial = measure(&w0, sizing, (ROUNDS * max_c.min(8), 1), shape, args.warm_up)?;
             println!(
                 "{:>12} {:>12.1} {:>12.2} {:>12.2} {:>9} {:>8.1} {:>9.2} {:>8} {:>12.1}",
                 "one-by-one",
@@ -223,7 +228,7 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<ExitCode> {
             let flops_before = (c == 64 && cpu_f32)
                 .then(crate::model::matmul_flops_per_s)
                 .transpose()?;
-            let m = measure(&w0, sizing, (ROUNDS * c, c), shape)?;
+            let m = measure(&w0, sizing, (ROUNDS * c, c), shape, args.warm_up)?;
             let speedup = serial.as_ref().map(|s| m.tokens_per_s / s.tokens_per_s);
             println!(
                 "{c:>12} {:>12.1} {:>12.2} {:>12.2} {:>9} {:>8.1} {:>9.2} {:>8} {:>12.1}",

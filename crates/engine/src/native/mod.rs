@@ -196,6 +196,19 @@ pub struct StepBreakdown {
     pub decode_tokens: u64,
 }
 
+impl StepBreakdown {
+    /// What went into the steps after `earlier` (a breakdown taken before, of the same engine).
+    pub fn since(&self, earlier: &Self) -> Self {
+        Self {
+            steps: self.steps - earlier.steps,
+            model_seconds: self.model_seconds - earlier.model_seconds,
+            scheduler_seconds: self.scheduler_seconds - earlier.scheduler_seconds,
+            decode_seconds: self.decode_seconds - earlier.decode_seconds,
+            decode_tokens: self.decode_tokens - earlier.decode_tokens,
+        }
+    }
+}
+
 /// A cheap, cloneable handle for queueing commands (the server's request handlers and request
 /// observers hold one). It does not own the thread: [`NativeEngine`] does.
 #[derive(Clone)]
