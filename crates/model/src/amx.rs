@@ -200,35 +200,59 @@ impl Bf16Weight {
     /// # Panics
     /// If [`available`] is false, or `x` has other than `k` columns.
     pub fn product(&self, x: &Bf16Rows) -> Vec<f32> {
-        assert!(
-            available(),
-            "amx product on a CPU or kernel without AMX tiles"
-        );
+        products(&[self], x).pop().expect("one product")
+    }
+}
+
+/// `x · wᵀ` for each of `weights`, row-major `(m, w.rows())` each, in one pass of the thread
+/// pool: the products that read one input (q, k and v; gate and up) share its rounding and one
+/// split of the work, so the pool wakes once for all of them.
+///
+/// # Panics
+/// If [`available`] is false, or `x` has other than `k` columns for some weight.
+pub fn products(weights: &[&Bf16Weight], x: &Bf16Rows) -> Vec<Vec<f32>> {
+    assert!(
+        available(),
+        "amx product on a CPU or kernel without AMX tiles"
+    );
+    for w in weights {
         assert_eq!(
-            x.k, self.k,
+            x.k, w.k,
             "amx product: inputs of {} columns against a weight of {}",
-            x.k, self.k
+            x.k, w.k
         );
-        let (m, m_padded) = (x.m, x.m.div_ceil(PAIR) * PAIR);
-        let np = self.n_padded;
-        let mut out: Vec<f32> = Vec::with_capacity(m_padded * np);
-        #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
-        // SAFETY: `available` holds; `x` holds `m_padded` rows of `k_blocks` blocks and the
-        // packed weight `n_padded` columns of as many blocks; `out` has room for
-        // `m_padded · n_padded` sums, which the tiles write every one of before `set_len`.
-        #[allow(unsafe_code)]
-        unsafe {
-            tiles::run(&x.lines, m_padded, self, out.as_mut_ptr());
-            out.set_len(m_padded * np);
+    }
+    let (m, m_padded) = (x.m, x.m.div_ceil(PAIR) * PAIR);
+    let mut outs: Vec<Vec<f32>> = weights
+        .iter()
+        .map(|w| Vec::with_capacity(m_padded * w.n_padded))
+        .collect();
+    #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+    // SAFETY: `available` holds; `x` holds `m_padded` rows of `k_blocks` blocks and each packed
+    // weight `n_padded` columns of as many blocks; each `out` has room for
+    // `m_padded · n_padded` sums, which the tiles write every one of before `set_len`.
+    #[allow(unsafe_code)]
+    unsafe {
+        let jobs: Vec<(&Bf16Weight, *mut f32)> = weights
+            .iter()
+            .zip(&mut outs)
+            .map(|(&w, out)| (w, out.as_mut_ptr()))
+            .collect();
+        tiles::run(&x.lines, m_padded, &jobs);
+        for (w, out) in weights.iter().zip(&mut outs) {
+            out.set_len(m_padded * w.n_padded);
         }
-        if np != self.n {
+    }
+    for (w, out) in weights.iter().zip(&mut outs) {
+        let np = w.n_padded;
+        if np != w.n {
             for r in 1..m {
-                out.copy_within(r * np..r * np + self.n, r * self.n);
+                out.copy_within(r * np..r * np + w.n, r * w.n);
             }
         }
-        out.truncate(m * self.n);
-        out
+        out.truncate(m * w.n);
     }
+    outs
 }
 
 /// Activations `(m, k)` rounded to bf16 in the tiles' order: each input tile (16 rows × 32
@@ -361,23 +385,39 @@ mod tiles {
         pairs.div_ceil(threads * 4).max(1)
     }
 
-    /// Every 32×32 square of `a (m_padded, k) · wᵀ` into `out` (row stride `w.n_padded`).
+    /// Every 32×32 square of `a (m_padded, k) · wᵀ` into its `out` (row stride
+    /// `w.n_padded`), for each `(w, out)` of `products`, in one pass of the pool: the jobs of
+    /// every weight share one split, so the products that read one input wake the pool once.
     ///
     /// # Safety
     /// AMX is available and granted; `a` holds `m_padded` (a multiple of 32) rows of
-    /// `w.k_blocks` lines; `out` is valid for `m_padded · w.n_padded` writes.
+    /// `w.k_blocks` blocks, the same for every `w`; each `out` is valid for
+    /// `m_padded · w.n_padded` writes, and no two overlap.
     #[allow(unsafe_code)]
-    pub(super) unsafe fn run(a: &[Line], m_padded: usize, w: &Bf16Weight, out: *mut f32) {
-        debug_assert_eq!(a.len(), m_padded * w.k_blocks);
-        let out = crate::fused::Columns(out);
-        let pairs = w.n_padded / PAIR;
-        let per_job = pairs_per_job(pairs);
-        let per_tile = w.k_blocks * TILE;
-        let job = |job: usize| {
-            let first = job * per_job;
-            let end = (first + per_job).min(pairs);
+    pub(super) unsafe fn run(a: &[Line], m_padded: usize, products: &[(&Bf16Weight, *mut f32)]) {
+        let pairs = |w: &Bf16Weight| w.n_padded / PAIR;
+        let per_job = pairs_per_job(products.iter().map(|(w, _)| pairs(w)).sum());
+        // (product, first pair, end pair).
+        let jobs: Vec<(usize, usize, usize)> = products
+            .iter()
+            .enumerate()
+            .flat_map(|(i, (w, _))| {
+                let n = pairs(w);
+                (0..n)
+                    .step_by(per_job)
+                    .map(move |first| (i, first, (first + per_job).min(n)))
+            })
+            .collect();
+        let (weights, outs): (Vec<&Bf16Weight>, Vec<crate::fused::Columns>) = products
+            .iter()
+            .map(|&(w, out)| (w, crate::fused::Columns(out)))
+            .unzip();
+        let job = |&(i, first, end): &(usize, usize, usize)| {
+            let w = weights[i];
+            debug_assert_eq!(a.len(), m_padded * w.k_blocks);
+            let (out, per_tile) = (outs[i], w.k_blocks * TILE);
             // SAFETY: the caller's contract; this job writes columns `32·first..32·end` of
-            // every row, which no other job writes.
+            // every row of its product's output, which no other job writes.
             unsafe {
                 asm!("ldtilecfg [{}]", in(reg) CONFIG.0.as_ptr(), options(nostack, readonly));
                 for chunk in (0..m_padded).step_by(ROW_CHUNK) {
@@ -402,10 +442,10 @@ mod tiles {
                 asm!("tilerelease", options(nostack, nomem));
             }
         };
-        if pairs > 1 && rayon::current_num_threads() > 1 {
-            (0..pairs.div_ceil(per_job)).into_par_iter().for_each(job);
+        if jobs.len() > 1 && rayon::current_num_threads() > 1 {
+            jobs.par_iter().for_each(job);
         } else {
-            (0..pairs.div_ceil(per_job)).for_each(job);
+            jobs.iter().for_each(job);
         }
     }
 
@@ -554,6 +594,26 @@ mod tests {
     /// The tiles against f64 sums of the same bf16-rounded operands: only the f32 summation
     /// differs.
     #[test]
+    fn products_in_one_pass_equal_each_alone() {
+        if !available() {
+            eprintln!("no AMX on this CPU: the tile kernel is not exercised here");
+            return;
+        }
+        let (m, k) = (40, 100);
+        let x = Bf16Rows::round(&values(m * k, 3), m, k);
+        let weights: Vec<Bf16Weight> = [576, 192, 70]
+            .iter()
+            .zip(4..)
+            .map(|(&n, seed)| Bf16Weight::pack(&values(n * k, seed), n, k))
+            .collect();
+        let together = products(&weights.iter().collect::<Vec<_>>(), &x);
+        assert_eq!(together.len(), weights.len());
+        for (w, got) in weights.iter().zip(&together) {
+            assert_eq!(got, &w.product(&x), "({}, {k})", w.rows());
+        }
+    }
+
+    #[test]
     fn tile_products_match_the_rounded_operands() {
         if !available() {
             eprintln!("no AMX on this CPU: the tile kernel is not exercised here");
@@ -565,6 +625,8 @@ mod tests {
             (64, 576, 192),
             (37, 100, 70),
             (96, 64, 96),
+            // Two chunks of rows (256 and 44).
+            (300, 64, 40),
         ] {
             let (x, w) = (values(m * k, 1), values(n * k, 2));
             let packed = Bf16Weight::pack(&w, n, k);

@@ -149,6 +149,22 @@ impl Proj {
         Proj::Up,
         Proj::Down,
     ];
+
+    /// The projections that read the same input as `self` and are computed with it, `self`
+    /// first: q with k and v (the normed hidden state), gate with up (the post-norm one). A
+    /// forward asks for q before k and v, and gate before up ([`LayerWeights::qkv_by`],
+    /// [`LayerWeights::mlp_block_by`]).
+    pub(crate) fn with_same_input(self) -> &'static [Proj] {
+        match self {
+            Proj::Q => &[Proj::Q, Proj::K, Proj::V],
+            Proj::Gate => &[Proj::Gate, Proj::Up],
+            Proj::K => &[Proj::K],
+            Proj::V => &[Proj::V],
+            Proj::O => &[Proj::O],
+            Proj::Up => &[Proj::Up],
+            Proj::Down => &[Proj::Down],
+        }
+    }
 }
 
 /// Projected heads of one layer for flat tokens.

@@ -60,7 +60,7 @@ impl PackedDecoder {
         bias: Option<&Tensor>,
         rounded: &RoundedInput,
     ) -> CandleResult<Tensor> {
-        let y = rounded.product(&self.layers[layer][p as usize], x)?;
+        let y = rounded.product(&self.layers[layer], p, x)?;
         match bias {
             Some(b) => y.broadcast_add(b),
             None => Ok(y),
@@ -69,34 +69,85 @@ impl PackedDecoder {
 
     /// The LM head's logits of `x`.
     pub(crate) fn lm_head(&self, x: &Tensor) -> CandleResult<Tensor> {
-        RoundedInput::default().product(&self.lm_head, x)
+        let (m, k) = x.dims2()?;
+        check_width(&self.lm_head, x)?;
+        let rows = with_values(x, |v| Bf16Rows::round(v, m, k))?;
+        Tensor::from_vec(
+            self.lm_head.product(&rows),
+            (m, self.lm_head.rows()),
+            &Device::Cpu,
+        )
     }
 }
 
-/// The last input rounded for the tiles, so the products that read one input (q, k and v; gate
-/// and up) round it once. Keyed by the tensor's id, which candle never reuses.
+/// The last input of a layer's products, rounded for the tiles, with the products computed
+/// beside the one asked for that read it too ([`Proj::with_same_input`]): q, k and v (gate and
+/// up) round their input once and share one pass of the pool. Keyed by the tensor's id, which
+/// candle never reuses.
 #[derive(Debug, Default)]
-pub(crate) struct RoundedInput(RefCell<Option<(TensorId, Bf16Rows)>>);
+pub(crate) struct RoundedInput(RefCell<Option<Rounded>>);
+
+#[derive(Debug)]
+struct Rounded {
+    input: TensorId,
+    rows: Bf16Rows,
+    /// Products of `input` computed ahead, not yet asked for.
+    ready: Vec<(Proj, Tensor)>,
+}
 
 impl RoundedInput {
-    /// `x (m, k) · wᵀ` as a new `(m, n)` tensor.
-    fn product(&self, w: &Bf16Weight, x: &Tensor) -> CandleResult<Tensor> {
+    /// `x (m, k) · wᵀ` as a new `(m, n)` tensor, for the weight of projection `p` in `layer`
+    /// (packed in [`Proj::ALL`] order).
+    fn product(&self, layer: &[Bf16Weight], p: Proj, x: &Tensor) -> CandleResult<Tensor> {
         let (m, k) = x.dims2()?;
-        if k != w.cols() {
-            candle_core::bail!(
-                "bf16 product: input {:?} against a weight of {} inputs",
-                x.shape(),
-                w.cols()
-            )
-        }
         let mut last = self.0.borrow_mut();
         let id = x.id();
-        if last.as_ref().is_none_or(|(last_id, _)| *last_id != id) {
-            *last = Some((id, with_values(x, |v| Bf16Rows::round(v, m, k))?));
+        if let Some(r) = last.as_mut().filter(|r| r.input == id)
+            && let Some(i) = r.ready.iter().position(|(q, _)| *q == p)
+        {
+            return Ok(r.ready.swap_remove(i).1);
         }
-        let (_, rows) = last.as_ref().expect("rounded above");
-        Tensor::from_vec(w.product(rows), (m, w.rows()), &Device::Cpu)
+        let group = p.with_same_input();
+        let weights: Vec<&Bf16Weight> = group.iter().map(|&q| &layer[q as usize]).collect();
+        for w in &weights {
+            check_width(w, x)?;
+        }
+        if last.as_ref().is_none_or(|r| r.input != id) {
+            *last = Some(Rounded {
+                input: id,
+                rows: with_values(x, |v| Bf16Rows::round(v, m, k))?,
+                ready: Vec::new(),
+            });
+        }
+        let r = last.as_mut().expect("rounded above");
+        let mut asked = None;
+        for ((&q, w), y) in group
+            .iter()
+            .zip(&weights)
+            .zip(crate::amx::products(&weights, &r.rows))
+        {
+            let y = Tensor::from_vec(y, (m, w.rows()), &Device::Cpu)?;
+            if q == p {
+                asked = Some(y);
+            } else {
+                r.ready.push((q, y));
+            }
+        }
+        Ok(asked.expect("a group starts with the projection asked for"))
     }
+}
+
+/// Fails unless `x`'s rows are as wide as `w`'s inputs.
+fn check_width(w: &Bf16Weight, x: &Tensor) -> CandleResult<()> {
+    let k = x.dims2()?.1;
+    if k != w.cols() {
+        candle_core::bail!(
+            "bf16 product: input {:?} against a weight of {} inputs",
+            x.shape(),
+            w.cols()
+        )
+    }
+    Ok(())
 }
 
 /// The f32 CPU weight `w` (of `into`'s shape) rounded and packed into `into`.
