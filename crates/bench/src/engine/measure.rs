@@ -69,8 +69,9 @@ impl Shape {
 /// `total` requests with at most `concurrency` in flight (the engine's cap), each of its
 /// [`Shape`]; tokens/s over the whole run and the gaps between consecutive
 /// tokens of each request. A request preempted for lack of KV blocks comes back as an abort and
-/// is resumed from its partial, as the controller would. With `warm_up`, the same requests run
-/// once untimed on the same engine first (as `scripts/pytorch-bench` warms up with one call).
+/// is resumed from its partial, as the controller would. With `warm_up`, as many requests of
+/// the same lengths (other prompts) run once untimed on the same engine first, as
+/// `scripts/pytorch-bench` warms up with one call.
 pub(super) fn measure(
     w: &Arc<ModelWeights>,
     sizing: Sizing,
