@@ -12,12 +12,27 @@ use crate::error::{ModelError, Result, TensorContext};
 /// Identifies one sequence in a cache (the engine maps its requests onto these).
 pub type SeqId = u64;
 
+/// One layer's new tokens of a batch, for [`KvCache::attend_new`].
+#[derive(Debug, Clone, Copy)]
+pub struct NewTokens<'a> {
+    /// The sequences, each once; the rows below are theirs in this order.
+    pub seqs: &'a [SeqId],
+    /// The tokens each sequence adds.
+    pub news: &'a [usize],
+    /// Queries after RoPE, `(Σ news, heads, head_dim)`.
+    pub q: &'a Tensor,
+    /// Keys after RoPE, `(Σ news, kv_heads, head_dim)`.
+    pub k: &'a Tensor,
+    /// Values, `(Σ news, kv_heads, head_dim)`.
+    pub v: &'a Tensor,
+}
+
 /// Keys and values of past tokens, per sequence and layer.
 ///
 /// Protocol of one model step: the model reads [`KvCache::seq_len`] of each sequence once, then
 /// for every layer in order (0 first) appends that step's new keys and values, with
 /// [`KvCache::append`] per sequence, [`KvCache::append_ragged`] for a batch of them, or
-/// [`KvCache::attend_decode`] for a batch of one-token sequences. `seq_len` counts tokens
+/// [`KvCache::attend_new`] for a batch whose attention the cache computes itself. `seq_len` counts tokens
 /// appended to the last layer, so it changes only once a step has gone through every layer.
 pub trait KvCache: Send {
     /// Tokens cached for `seq` (0 for a sequence the cache has never seen).
@@ -83,22 +98,20 @@ pub trait KvCache: Send {
         ))
     }
 
-    /// Batched decode attention computed over the cache's own storage, without gathering
-    /// every sequence's keys and values into a padded copy: appends `k`, `v` (`(B, kv_heads,
-    /// head_dim)`, one token per sequence) as [`KvCache::append_ragged`] does and returns the
-    /// attention output `(B, heads · head_dim)` for the queries `q` (`(B, heads, head_dim)`,
-    /// after RoPE) scaled by `scale`; or `None`, having appended nothing, when the cache has no such path (the
-    /// caller then uses `append_ragged`). The default has none.
-    fn attend_decode(
+    /// Attention of a batch's new tokens computed over the cache's own storage, without
+    /// gathering every sequence's keys and values into a padded copy: appends the keys and
+    /// values as [`KvCache::append_ragged`] does and returns `(Σ news, heads · head_dim)` for
+    /// the queries, scores scaled by `scale`, new token `i` of a sequence seeing that sequence's
+    /// tokens up to and including itself (causal); or `None`, having appended nothing, when the
+    /// cache has no such path (the caller then uses `append_ragged`). One call covers decoding
+    /// sequences (one new token each) and prompt chunks alike. The default has none.
+    fn attend_new(
         &mut self,
-        seqs: &[SeqId],
+        tokens: NewTokens<'_>,
         layer: usize,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
         scale: f64,
     ) -> Result<Option<Tensor>> {
-        let _ = (seqs, layer, q, k, v, scale);
+        let _ = (tokens, layer, scale);
         Ok(None)
     }
 

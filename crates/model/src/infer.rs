@@ -5,15 +5,17 @@
 //! partial completion, or one sampled token). All new tokens of all sequences go through the
 //! projections and the MLP as one `(N, hidden)` matrix — that is where batching pays, since the
 //! weights are read once per step. Attention runs over each sequence's own cache, so sequences at
-//! different positions mix freely: the one-token inputs together (batched decode attention), the
-//! prompt chunks in padded batches of similar lengths.
+//! different positions mix freely: where the cache attends itself (the paged cache on the CPU,
+//! [`KvCache::attend_new`]) every new token of the step goes in one call, each reading its own
+//! sequence's keys in place; otherwise the one-token inputs together (batched decode attention
+//! over gathered keys) and the prompt chunks in padded batches of similar lengths.
 
 use std::sync::Arc;
 
 use candle_core::{D, DType, Tensor};
 use sluice_core::PolicyVersion;
 
-use crate::cache::{KvCache, SeqId};
+use crate::cache::{KvCache, NewTokens, SeqId};
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result, TensorContext};
 use crate::layers::{DecoderWeights, Proj, linear_with};
@@ -181,7 +183,6 @@ impl InferenceModel {
         let inputs: Vec<StepInput<'_>> = layout.order.iter().map(|&i| caller[i]).collect();
         let past: Vec<usize> = layout.order.iter().map(|&i| past[i]).collect();
         let n: usize = lens.iter().sum();
-        let decoding = layout.decoding;
         let ids: Vec<u32> = inputs
             .iter()
             .flat_map(|i| i.tokens.iter().copied())
@@ -199,8 +200,10 @@ impl InferenceModel {
             .cos_sin(&positions, (1, n), dtype, &device)
             .ctx("rotary tables")?;
         let (cos, sin) = (cos.squeeze(0).ctx("rope")?, sin.squeeze(0).ctx("rope")?);
-        let seqs: Vec<SeqId> = inputs[..decoding].iter().map(|i| i.seq).collect();
-        // Built on first use: a cache with its own decode kernel never needs it.
+        let step_seqs: Vec<SeqId> = inputs.iter().map(|i| i.seq).collect();
+        let step_news: Vec<usize> = inputs.iter().map(|i| i.tokens.len()).collect();
+        let scale = 1.0 / (c.head_dim as f64).sqrt();
+        // Built on first use: a cache that attends itself never needs it.
         let mask = std::cell::OnceCell::new();
         // (N, heads, d) rotated in place of its rows: on the CPU the fused kernel works on the
         // token rows, with no transposed copy either way.
@@ -228,43 +231,16 @@ impl InferenceModel {
             let qkv = layer.qkv_by(&x, c, kernels, products).ctx(&context)?;
             let q = rope_rows(&qkv.q).ctx(&context)?;
             let k = rope_rows(&qkv.k).ctx(&context)?;
-            let rows = |t: &Tensor, start: usize, len: usize| t.narrow(0, start, len).ctx(&context);
-            let mut parts = Vec::with_capacity(1 + layout.batches.len());
-            if decoding > 0 {
-                let heads = DecodeHeads {
-                    seqs: &seqs,
-                    layer: li,
-                    q: &rows(&q, 0, decoding)?,
-                    k: &rows(&k, 0, decoding)?,
-                    v: &rows(&qkv.v, 0, decoding)?,
-                    mask: || {
-                        if let Some(m) = mask.get() {
-                            return Ok(Tensor::clone(m));
-                        }
-                        let m =
-                            decode_mask(&past[..decoding], dtype, &device).ctx("decode mask")?;
-                        Ok(mask.get_or_init(|| m).clone())
-                    },
-                };
-                parts.push(self.attend_decode(cache, heads)?);
-            }
-            for batch in &layout.batches {
-                let start = decoding + batch.first_row;
-                let (q, k, v) = (
-                    rows(&q, start, batch.rows)?,
-                    rows(&k, start, batch.rows)?,
-                    rows(&qkv.v, start, batch.rows)?,
-                );
-                let (k_all, v_all) = cache.append_ragged(&batch.seqs, &batch.news, li, &k, &v)?;
-                parts.push(
-                    self.attend_prompts(batch, &q, &k_all, &v_all, kernels)
-                        .ctx(&context)?,
-                );
-            }
-            let att = if parts.len() == 1 {
-                parts.pop().expect("one part")
-            } else {
-                Tensor::cat(&parts, 0).ctx(&context)?
+            let new = NewTokens {
+                seqs: &step_seqs,
+                news: &step_news,
+                q: &q,
+                k: &k,
+                v: &qkv.v,
+            };
+            let att = match cache.attend_new(new, li, scale)? {
+                Some(att) => att,
+                None => self.attend_gathered(cache, &layout, li, new, (&mask, &past))?,
             };
             x = (&x + products(&att, Proj::O).ctx(&context)?).ctx(&context)?;
             x = layer
@@ -326,13 +302,65 @@ impl InferenceModel {
         }
     }
 
-    /// Attention of one new token per sequence, all sequences batched: `q` `(B, heads, d)` and
-    /// `k` `(B, kv_heads, d)` after RoPE, `v` `(B, kv_heads, d)`; returns `(B, heads·d)`.
-    /// (Fields of [`DecodeHeads`].)
-    fn attend_decode<M>(&self, cache: &mut dyn KvCache, heads: DecodeHeads<'_, M>) -> Result<Tensor>
-    where
-        M: Fn() -> Result<Tensor>,
-    {
+    /// The step's attention over keys and values gathered from a cache that computes none
+    /// itself: decoding sequences (the first `layout.decoding` inputs) batched under the step's
+    /// [`decode_mask`] (built once into `mask`), prompt chunks in padded batches. Returns
+    /// `(Σ news, heads·d)` in the step's order.
+    fn attend_gathered(
+        &self,
+        cache: &mut dyn KvCache,
+        layout: &StepLayout,
+        layer: usize,
+        new: NewTokens<'_>,
+        (mask, past): (&std::cell::OnceCell<Tensor>, &[usize]),
+    ) -> Result<Tensor> {
+        let decoding = layout.decoding;
+        let context = format!("inference step, layer {layer}, attention");
+        let rows = |t: &Tensor, start: usize, len: usize| t.narrow(0, start, len).ctx(&context);
+        let mut parts = Vec::with_capacity(1 + layout.batches.len());
+        if decoding > 0 {
+            let mask = match mask.get() {
+                Some(m) => m.clone(),
+                None => {
+                    let embed = &self.weights.embed;
+                    let m = decode_mask(&past[..decoding], embed.dtype(), embed.device())
+                        .ctx("decode mask")?;
+                    mask.get_or_init(|| m).clone()
+                }
+            };
+            let heads = DecodeHeads {
+                seqs: &new.seqs[..decoding],
+                layer,
+                q: &rows(new.q, 0, decoding)?,
+                k: &rows(new.k, 0, decoding)?,
+                v: &rows(new.v, 0, decoding)?,
+                mask: &mask,
+            };
+            parts.push(self.attend_decode(cache, heads)?);
+        }
+        for batch in &layout.batches {
+            let start = decoding + batch.first_row;
+            let (q, k, v) = (
+                rows(new.q, start, batch.rows)?,
+                rows(new.k, start, batch.rows)?,
+                rows(new.v, start, batch.rows)?,
+            );
+            let (k_all, v_all) = cache.append_ragged(&batch.seqs, &batch.news, layer, &k, &v)?;
+            parts.push(
+                self.attend_prompts(batch, &q, &k_all, &v_all, Kernels::Fused)
+                    .ctx(&context)?,
+            );
+        }
+        if parts.len() == 1 {
+            return Ok(parts.pop().expect("one part"));
+        }
+        Tensor::cat(&parts, 0).ctx(&context)
+    }
+
+    /// Attention of one new token per sequence, all sequences batched over their gathered keys
+    /// and values: `q` `(B, heads, d)` and `k` `(B, kv_heads, d)` after RoPE, `v` `(B,
+    /// kv_heads, d)`; returns `(B, heads·d)`. (Fields of [`DecodeHeads`].)
+    fn attend_decode(&self, cache: &mut dyn KvCache, heads: DecodeHeads<'_>) -> Result<Tensor> {
         let DecodeHeads {
             seqs,
             layer,
@@ -343,22 +371,17 @@ impl InferenceModel {
         } = heads;
         let c = &*self.config;
         let (b, d, g) = (seqs.len(), c.head_dim, c.kv_groups());
-        let run = |t: candle_core::Result<Tensor>| t.ctx("batched decode attention");
         let v = v.contiguous().ctx("v")?;
         let scale = 1.0 / (d as f64).sqrt();
-        // The cache's own kernel when it has one (the paged pool on the CPU: no gathered copy).
-        if let Some(att) = cache.attend_decode(seqs, layer, q, k, &v, scale)? {
-            return Ok(att);
-        }
         let (k_all, v_all) = cache.append_ragged(seqs, &vec![1; b], layer, k, &v)?;
-        let mask = mask()?;
-        run((|| {
+        (|| {
             // (B, kv, g, d) @ (B, kv, d, T) → (B, kv, g, T), masked per sequence length.
             let q = q.reshape((b, c.num_kv_heads, g, d))?;
-            let scores = (q.matmul(&k_all.transpose(2, 3)?)? * scale)?.broadcast_add(&mask)?;
+            let scores = (q.matmul(&k_all.transpose(2, 3)?)? * scale)?.broadcast_add(mask)?;
             let att = softmax_last_dim(&scores, Kernels::Fused)?.matmul(&v_all)?;
             att.reshape((b, c.num_heads * d))
-        })())
+        })()
+        .ctx("batched decode attention")
     }
 
     /// Past lengths of each input, after checking tokens, duplicates and the context limit.
@@ -414,15 +437,15 @@ pub fn argmax_rows(logits: &Tensor) -> Result<Vec<u32>> {
         .ctx("argmax")
 }
 
-/// One layer's inputs to batched decode attention.
-struct DecodeHeads<'a, M> {
+/// One layer's inputs to batched decode attention over gathered keys and values.
+struct DecodeHeads<'a> {
     seqs: &'a [SeqId],
     layer: usize,
     q: &'a Tensor,
     k: &'a Tensor,
     v: &'a Tensor,
-    /// The step's [`decode_mask`], for caches without a decode kernel of their own.
-    mask: M,
+    /// The step's [`decode_mask`].
+    mask: &'a Tensor,
 }
 
 /// `(B, 1, 1, T)` additive mask for a decode step: the new token of sequence `b` (at position

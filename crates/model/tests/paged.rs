@@ -45,8 +45,10 @@ fn schedule() -> (Vec<Vec<u32>>, Steps) {
         vec![(0, 6), (1, 3)],
         vec![(0, 1), (1, 1), (2, 9)],
         vec![(3, 2), (4, 7), (2, 1)],
+        // Chunks continuing a cached sequence beside a decoding one.
+        vec![(0, 3), (1, 1), (3, 2)],
     ];
-    let mut planned = [7usize, 4, 10, 2, 7];
+    let mut planned = [10usize, 5, 10, 4, 7];
     while planned.iter().zip(&lens).any(|(p, l)| p < l) {
         let step: Vec<(usize, usize)> = (0..lens.len())
             .filter(|&s| planned[s] < lens[s])

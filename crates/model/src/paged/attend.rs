@@ -1,9 +1,11 @@
-//! Decode attention straight over the paged pool (CPU, f32): each sequence's new query reads its
-//! cached keys and values where they lie, through its block table. The general path gathers
-//! every sequence's rows into a padded `(B, kv_heads, T, head_dim)` copy per layer and
-//! transposes it; once sequences grow past a few dozen tokens that copy is most of a decode step
-//! (`sluice bench engine`, tiny preset, 256-token completions: gather and transpose 43 % of the
-//! engine's time).
+//! Attention straight over the paged pool (CPU, f32): each new token's query reads its
+//! sequence's cached keys and values where they lie, through its block table, up to its own
+//! position. The general path gathers every sequence's rows into a padded `(B, kv_heads, T,
+//! head_dim)` copy per layer and transposes it; once sequences grow past a few dozen tokens that
+//! copy is most of a decode step (`sluice bench engine`, tiny preset, 256-token completions:
+//! gather and transpose 43 % of the engine's time). Prompt chunks take the same path, a query
+//! row per token: the padded path's index copies, masks and small batched products cost a
+//! 1,024-token prefill of SmolLM2 (64 prompts of 16) about 3 ms per layer.
 //!
 //! Two bodies: AVX2 + FMA intrinsics (chosen at run time, for head dims of whole 8-wide vectors;
 //! [`avx2`]) and portable loops for every other CPU and head dim. Sequences run in parallel only
@@ -14,7 +16,7 @@ use rayon::prelude::*;
 use super::BlockId;
 
 /// The shapes the kernel needs.
-pub(super) struct DecodeShape {
+pub(super) struct PoolShape {
     pub kv_heads: usize,
     /// Query heads per kv head.
     pub groups: usize,
@@ -29,17 +31,18 @@ pub(super) struct DecodeShape {
 /// on one thread at 64 in flight, 7 % of the step while the other core waited.
 const MIN_PARALLEL_MACS: usize = 1 << 20;
 
-/// One decode step's attention. `keys` and `values` are one layer's pool, rows of `head_dim`
-/// in head-major blocks (see [`row_offsets`]); `q` is `(B, heads, head_dim)` flat, the query heads of kv head `h`
-/// being `h · groups .. (h + 1) · groups`; sequence `b` attends to its first `lens[b]` tokens
-/// (the new one included) through `tables[b]`. Returns `(B, heads · head_dim)` flat.
-pub(super) fn decode_attention(
+/// One step's attention. `keys` and `values` are one layer's pool, rows of `head_dim` in
+/// head-major blocks (see [`row_offsets`]); `q` is `(R, heads, head_dim)` flat, one row per new
+/// token, the query heads of kv head `h` being `h · groups .. (h + 1) · groups`; row `r`
+/// attends to the first `lens[r]` tokens of its sequence (itself included) through
+/// `tables[r]`. Returns `(R, heads · head_dim)` flat.
+pub(super) fn attention(
     keys: &[f32],
     values: &[f32],
     q: &[f32],
     tables: &[&[BlockId]],
     lens: &[usize],
-    shape: &DecodeShape,
+    shape: &PoolShape,
     scale: f32,
 ) -> Vec<f32> {
     let per_seq = shape.kv_heads * shape.groups * shape.head_dim;
@@ -75,7 +78,7 @@ struct Seq<'a> {
 }
 
 #[allow(unsafe_code)]
-fn attend_dispatch(seq: &Seq<'_>, shape: &DecodeShape, scale: f32, out: &mut [f32], wide: bool) {
+fn attend_dispatch(seq: &Seq<'_>, shape: &PoolShape, scale: f32, out: &mut [f32], wide: bool) {
     #[cfg(target_arch = "x86_64")]
     if wide && shape.head_dim.is_multiple_of(8) {
         // SAFETY: `wide` is `avx2_fma()`: the CPU has AVX2 and FMA; the head dim is whole
@@ -89,7 +92,7 @@ fn attend_dispatch(seq: &Seq<'_>, shape: &DecodeShape, scale: f32, out: &mut [f3
 /// [`attend_seq`] with the head dim as a constant for the common sizes, so the per-key loops
 /// unroll and the output rows stay in registers; any other size runs the same loops with the
 /// dim read at run time.
-fn by_head_dim(seq: &Seq<'_>, shape: &DecodeShape, scale: f32, out: &mut [f32]) {
+fn by_head_dim(seq: &Seq<'_>, shape: &PoolShape, scale: f32, out: &mut [f32]) {
     match shape.head_dim {
         16 => attend_seq::<16>(seq, shape, scale, out),
         32 => attend_seq::<32>(seq, shape, scale, out),
@@ -102,8 +105,8 @@ fn by_head_dim(seq: &Seq<'_>, shape: &DecodeShape, scale: f32, out: &mut [f32]) 
 /// Pool offsets (in f32s) of a sequence's visible rows of kv head 0, in position order; kv
 /// head `h`'s rows are [`head_stride`] further (blocks are head-major: each kv head's
 /// `block_tokens` rows in turn).
-fn row_offsets(seq: &Seq<'_>, shape: &DecodeShape) -> Vec<usize> {
-    let DecodeShape {
+fn row_offsets(seq: &Seq<'_>, shape: &PoolShape) -> Vec<usize> {
+    let PoolShape {
         kv_heads,
         head_dim,
         block_tokens,
@@ -118,7 +121,7 @@ fn row_offsets(seq: &Seq<'_>, shape: &DecodeShape) -> Vec<usize> {
 }
 
 /// Distance (in f32s) from a kv head's row to the next head's at the same position.
-fn head_stride(shape: &DecodeShape) -> usize {
+fn head_stride(shape: &PoolShape) -> usize {
     shape.block_tokens * shape.head_dim
 }
 
@@ -141,8 +144,8 @@ fn softmax(scores: &mut [f32]) {
 /// row (each row read once for the whole group), softmax, then the value rows weighted into
 /// `out` (`(heads, head_dim)` flat). `D` is the head dim, or 0 to read it from `shape`.
 #[inline(always)]
-fn attend_seq<const D: usize>(seq: &Seq<'_>, shape: &DecodeShape, scale: f32, out: &mut [f32]) {
-    let DecodeShape {
+fn attend_seq<const D: usize>(seq: &Seq<'_>, shape: &PoolShape, scale: f32, out: &mut [f32]) {
+    let PoolShape {
         kv_heads,
         groups,
         head_dim,
@@ -247,14 +250,14 @@ mod tests {
             let q: Vec<f32> = (0..tables.len() * kv_heads * groups * d)
                 .map(|i| value(i + 5))
                 .collect();
-            let shape = DecodeShape {
+            let shape = PoolShape {
                 kv_heads,
                 groups,
                 head_dim: d,
                 block_tokens,
             };
             let scale = 1.0 / (d as f32).sqrt();
-            let out = decode_attention(&keys, &values, &q, &tables, &lens, &shape, scale);
+            let out = attention(&keys, &values, &q, &tables, &lens, &shape, scale);
             let per_seq = kv_heads * groups * d;
             for (b, table) in tables.iter().enumerate() {
                 for h in 0..kv_heads {

@@ -36,7 +36,7 @@ use sluice_core::PolicyVersion;
 
 pub use blocks::{BlockAllocator, BlockId, BlockKey};
 
-use crate::cache::{KvCache, SeqId};
+use crate::cache::{KvCache, NewTokens, SeqId};
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result, TensorContext};
 
@@ -386,52 +386,67 @@ impl KvCache for PagedKvCache {
         Ok(out)
     }
 
-    fn attend_decode(
+    fn attend_new(
         &mut self,
-        seqs: &[SeqId],
+        tokens: NewTokens<'_>,
         layer: usize,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
         scale: f64,
     ) -> Result<Option<Tensor>> {
         if self.dtype != DType::F32 || !self.device.is_cpu() {
             return Ok(None);
         }
+        let NewTokens {
+            seqs,
+            news,
+            q,
+            k,
+            v,
+        } = tokens;
         self.check_layer(layer)?;
-        for &seq in seqs {
-            self.reserve(seq, 1)?;
+        for (&seq, &n) in seqs.iter().zip(news) {
+            self.reserve(seq, n)?;
         }
-        let lens: Vec<usize> = seqs.iter().map(|q| self.seqs[q].len).collect();
         let mut run = || -> candle_core::Result<Tensor> {
-            let (index, _) = self.step_rows(seqs, &vec![1; seqs.len()], false)?;
-            self.write_rows(&index, layer, k, v)?;
-            let (bsz, heads, d) = q.dims3()?;
-            let q = q.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
-            let tables: Vec<&[BlockId]> = seqs.iter().map(|s| &self.seqs[s].blocks[..]).collect();
-            let visible: Vec<usize> = lens.iter().map(|l| l + 1).collect();
-            let shape = attend::DecodeShape {
+            let (index, _) = self.step_rows(seqs, news, false)?;
+            self.write_rows(&index, layer, k, &v.contiguous()?)?;
+            let (rows, heads, d) = q.dims3()?;
+            // One query row per new token: its sequence's table, and the positions it sees.
+            let mut tables: Vec<&[BlockId]> = Vec::with_capacity(rows);
+            let mut visible = Vec::with_capacity(rows);
+            for (seq, &n) in seqs.iter().zip(news) {
+                let s = &self.seqs[seq];
+                tables.extend(std::iter::repeat_n(&s.blocks[..], n));
+                visible.extend(s.len + 1..=s.len + n);
+            }
+            if tables.len() != rows {
+                candle_core::bail!("{rows} query rows for {} new tokens", tables.len())
+            }
+            let shape = attend::PoolShape {
                 kv_heads: self.kv_heads,
                 groups: heads / self.kv_heads,
                 head_dim: d,
                 block_tokens: self.block_tokens,
             };
+            let q = q.contiguous()?;
+            let (q_storage, q_layout) = q.storage_and_layout();
             let (kb, vb) = &self.pools[layer];
             let (k_storage, k_layout) = kb.storage_and_layout();
             let (v_storage, v_layout) = vb.storage_and_layout();
-            let (Storage::Cpu(k_cpu), Storage::Cpu(v_cpu)) = (&*k_storage, &*v_storage) else {
+            let (Storage::Cpu(q_cpu), Storage::Cpu(k_cpu), Storage::Cpu(v_cpu)) =
+                (&*q_storage, &*k_storage, &*v_storage)
+            else {
                 candle_core::bail!("the paged kv pool is not on the CPU");
             };
+            let q = &q_cpu.as_slice::<f32>()?[q_layout.start_offset()..][..rows * heads * d];
             // The pools are contiguous tensors of their own (never views).
             let keys = &k_cpu.as_slice::<f32>()?[k_layout.start_offset()..];
             let values = &v_cpu.as_slice::<f32>()?[v_layout.start_offset()..];
-            let out =
-                attend::decode_attention(keys, values, &q, &tables, &visible, &shape, scale as f32);
-            Tensor::from_vec(out, (bsz, heads * d), &self.device)
+            let out = attend::attention(keys, values, q, &tables, &visible, &shape, scale as f32);
+            Tensor::from_vec(out, (rows, heads * d), &self.device)
         };
-        let out = run().ctx("paged decode attention")?;
-        for &seq in seqs {
-            self.commit(layer, seq, 1);
+        let out = run().ctx("paged attention")?;
+        for (&seq, &n) in seqs.iter().zip(news) {
+            self.commit(layer, seq, n);
         }
         Ok(Some(out))
     }

@@ -3,7 +3,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{DecodeShape, Seq, head_stride, row_offsets};
+use super::{PoolShape, Seq, head_stride, row_offsets};
 
 /// Query heads per value pass.
 const GROUP_PANEL: usize = 3;
@@ -33,8 +33,8 @@ unsafe fn prefetch(p: *const f32, n: usize) {
 /// # Safety
 /// The CPU has AVX2 and FMA, and `shape.head_dim` is a multiple of 8.
 #[target_feature(enable = "avx2,fma")]
-pub(super) unsafe fn attend(seq: &Seq<'_>, shape: &DecodeShape, scale: f32, out: &mut [f32]) {
-    let DecodeShape {
+pub(super) unsafe fn attend(seq: &Seq<'_>, shape: &PoolShape, scale: f32, out: &mut [f32]) {
+    let PoolShape {
         kv_heads,
         groups,
         head_dim: d,
