@@ -283,23 +283,67 @@ impl Bf16Rows {
             "amx rows: {} values for ({m}, {k})",
             x.len()
         );
+        Self::fill(m, k, |r, col, out| {
+            out.copy_from_slice(&x[r * k + col..][..out.len()])
+        })
+    }
+
+    /// `silu(gate) ⊙ up` of two `(m, k)` matrices (the MLP's activation, `g / (1 + e^−g) · u`,
+    /// as [`crate::fused::swiglu`] computes it), rounded as it is computed: it goes into the
+    /// down projection's tiles with no f32 copy written and read back.
+    ///
+    /// # Panics
+    /// If `gate` or `up` does not hold `m · k` values.
+    pub fn swiglu(gate: &[f32], up: &[f32], m: usize, k: usize) -> Self {
+        assert!(
+            gate.len() == m * k && up.len() == m * k,
+            "amx swiglu: {} and {} values for ({m}, {k})",
+            gate.len(),
+            up.len()
+        );
+        Self::fill(m, k, |r, col, out| {
+            let at = r * k + col;
+            let (g, u) = (&gate[at..][..out.len()], &up[at..][..out.len()]);
+            for (o, &g) in out.iter_mut().zip(g) {
+                *o = -g;
+            }
+            crate::fused::exp_f32_in_place(out);
+            for ((o, &g), &u) in out.iter_mut().zip(g).zip(u) {
+                *o = g / (1.0 + *o) * u;
+            }
+        })
+    }
+
+    /// Rows whose values `values(r, col, out)` writes into `out` (row `r < m`, columns `col ..
+    /// col + out.len()`, at most one line's), rounded into the tiles' order; blocks of 16 rows
+    /// on the pool when there are enough of them to pay for the split.
+    fn fill(m: usize, k: usize, values: impl Fn(usize, usize, &mut [f32]) + Sync) -> Self {
+        /// Values below which one thread rounds them all.
+        const MIN_PARALLEL: usize = 1 << 16;
         let row_lines = k.div_ceil(K_BLOCK);
         let m_padded = m.div_ceil(PAIR) * PAIR;
         let mut lines: Vec<Line> = Vec::with_capacity(m_padded * row_lines);
         let spare = &mut lines.spare_capacity_mut()[..m_padded * row_lines];
-        #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU has AVX-512F.
-            #[allow(unsafe_code)]
-            unsafe {
-                fill_wide(spare, x, m, k)
-            };
+        let block = |(b, dst): (usize, &mut [std::mem::MaybeUninit<Line>])| {
+            #[cfg(target_arch = "x86_64")]
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                // SAFETY: the CPU has AVX-512F.
+                #[allow(unsafe_code)]
+                unsafe {
+                    fill_wide(dst, b * TILE, m, k, &values)
+                };
+                return;
+            }
+            fill_lines(dst, b * TILE, m, k, &values);
+        };
+        let chunk = TILE * row_lines;
+        if m * k >= MIN_PARALLEL && rayon::current_num_threads() > 1 {
+            use rayon::prelude::*;
+            spare.par_chunks_mut(chunk).enumerate().for_each(block);
         } else {
-            fill(spare, x, m, k);
+            spare.chunks_mut(chunk).enumerate().for_each(block);
         }
-        #[cfg(not(target_arch = "x86_64"))]
-        fill(spare, x, m, k);
-        // SAFETY: `fill` wrote every one of the `m_padded · row_lines` lines.
+        // SAFETY: `fill_lines` wrote every one of the `m_padded · row_lines` lines.
         #[allow(unsafe_code)]
         unsafe {
             lines.set_len(m_padded * row_lines)
@@ -308,27 +352,30 @@ impl Bf16Rows {
     }
 }
 
-/// Writes every line of `dst` in the tiles' order ([`Bf16Rows`]): row `r < m` holds `x`'s row
-/// `r` rounded, zeros after its `k` values; the rows past `m` are zeros.
+/// Writes every line of `dst`, the tiles of 16 rows from row `first` on, in the tiles' order
+/// ([`Bf16Rows`]): row `r < m` holds its values from `values` rounded, zeros after its `k`; the
+/// rows past `m` are zeros.
 #[inline(always)]
-fn fill(dst: &mut [std::mem::MaybeUninit<Line>], x: &[f32], m: usize, k: usize) {
+fn fill_lines(
+    dst: &mut [std::mem::MaybeUninit<Line>],
+    first: usize,
+    m: usize,
+    k: usize,
+    values: &impl Fn(usize, usize, &mut [f32]),
+) {
     let row_lines = k.div_ceil(K_BLOCK);
     for (block, tiles) in dst.chunks_exact_mut(TILE * row_lines).enumerate() {
         for (i, r) in (0..TILE).flat_map(|r| (0..row_lines).map(move |i| (i, r))) {
             let line = &mut tiles[i * TILE + r];
-            let r = block * TILE + r;
-            let src = if r < m {
-                &x[r * k..(r + 1) * k]
-            } else {
-                &[][..]
-            };
-            let part = src.get(i * K_BLOCK..).unwrap_or(&[]);
-            let part = &part[..part.len().min(K_BLOCK)];
-            let mut values = [0f32; K_BLOCK];
-            values[..part.len()].copy_from_slice(part);
+            let r = first + block * TILE + r;
+            let mut part = [0f32; K_BLOCK];
+            if r < m {
+                let width = k.saturating_sub(i * K_BLOCK).min(K_BLOCK);
+                values(r, i * K_BLOCK, &mut part[..width]);
+            }
             // A plain loop (not `array::map`, which is not inlined into the AVX-512 copy).
             let mut bits = [0u16; K_BLOCK];
-            for (b, &v) in bits.iter_mut().zip(&values) {
+            for (b, &v) in bits.iter_mut().zip(&part) {
                 *b = bf16_bits(v);
             }
             line.write(Line(bits));
@@ -336,7 +383,7 @@ fn fill(dst: &mut [std::mem::MaybeUninit<Line>], x: &[f32], m: usize, k: usize) 
     }
 }
 
-/// [`fill`] in 16-lane registers (the crate targets baseline x86-64, whose 4-lane loop was
+/// [`fill_lines`] in 16-lane registers (the crate targets baseline x86-64, whose 4-lane loop was
 /// most of a decode step's rounding time).
 ///
 /// # Safety
@@ -344,8 +391,14 @@ fn fill(dst: &mut [std::mem::MaybeUninit<Line>], x: &[f32], m: usize, k: usize) 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[allow(unsafe_code)]
-unsafe fn fill_wide(dst: &mut [std::mem::MaybeUninit<Line>], x: &[f32], m: usize, k: usize) {
-    fill(dst, x, m, k)
+unsafe fn fill_wide(
+    dst: &mut [std::mem::MaybeUninit<Line>],
+    first: usize,
+    m: usize,
+    k: usize,
+    values: &impl Fn(usize, usize, &mut [f32]),
+) {
+    fill_lines(dst, first, m, k, values)
 }
 
 #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
@@ -384,6 +437,33 @@ mod tests {
             let back = packed.unpack();
             for (b, v) in back.iter().zip(&w) {
                 assert_eq!(b.to_bits() >> 16, u32::from(bf16_bits(*v)));
+            }
+        }
+    }
+
+    /// The fused activation rounds exactly what the f32 op computes, on one thread (small) and
+    /// on the pool (large, rows past a multiple of 16), zeros in the padding.
+    #[test]
+    fn swiglu_rows_are_the_rounded_activation() {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .unwrap();
+        for (m, k) in [(3, 40), (50, 1536), (64, 70)] {
+            let (g, u) = (values(m * k, 5), values(m * k, 6));
+            let gt = candle_core::Tensor::from_slice(&g, (m, k), &candle_core::Device::Cpu);
+            let ut = candle_core::Tensor::from_slice(&u, (m, k), &candle_core::Device::Cpu);
+            let act: Vec<f32> = crate::fused::swiglu(&gt.unwrap(), &ut.unwrap())
+                .and_then(|t| t.flatten_all()?.to_vec1())
+                .unwrap();
+            let want = Bf16Rows::round(&act, m, k);
+            let got = pool.install(|| Bf16Rows::swiglu(&g, &u, m, k));
+            assert_eq!(
+                (got.m, got.k, got.lines.len()),
+                (want.m, want.k, want.lines.len())
+            );
+            for (i, (a, b)) in got.lines.iter().zip(&want.lines).enumerate() {
+                assert_eq!(a.0, b.0, "({m}, {k}): line {i}");
             }
         }
     }

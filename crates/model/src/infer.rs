@@ -243,9 +243,14 @@ impl InferenceModel {
                 None => self.attend_gathered(cache, &layout, li, new, (&mask, &past))?,
             };
             x = (&x + products(&att, Proj::O).ctx(&context)?).ctx(&context)?;
-            x = layer
-                .mlp_block_by(&x, c.rms_norm_eps, kernels, products)
-                .ctx(&context)?;
+            x = match &self.packed {
+                // The activation straight into the down projection's tiles.
+                Some(packed) => rms_norm(&x, &layer.post_norm, c.rms_norm_eps, kernels)
+                    .and_then(|h| packed.mlp(li, &h, &rounded))
+                    .and_then(|y| &x + y),
+                None => layer.mlp_block_by(&x, c.rms_norm_eps, kernels, products),
+            }
+            .ctx(&context)?;
         }
         // The logits' rows in the caller's order.
         if let Some(rows) = layout.logit_rows(&lens, wanted) {

@@ -67,6 +67,27 @@ impl PackedDecoder {
         }
     }
 
+    /// The MLP's products for `h` (the post-attention norm's output) in layer `layer`:
+    /// `down(silu(gate) ⊙ up)`, gate and up in one pass of the pool, their activation rounded
+    /// for the down projection's tiles as it is computed ([`Bf16Rows::swiglu`]). The MLP has no
+    /// biases in any architecture here.
+    pub(crate) fn mlp(
+        &self,
+        layer: usize,
+        h: &Tensor,
+        rounded: &RoundedInput,
+    ) -> CandleResult<Tensor> {
+        let gate = rounded.product(&self.layers[layer], Proj::Gate, h)?;
+        let up = rounded.product(&self.layers[layer], Proj::Up, h)?;
+        let (m, k) = gate.dims2()?;
+        let act = with_values(&gate, |g| {
+            with_values(&up, |u| Bf16Rows::swiglu(g, u, m, k))
+        })??;
+        let down = &self.layers[layer][Proj::Down as usize];
+        check_width(down, &gate)?;
+        Tensor::from_vec(down.product(&act), (m, down.rows()), &Device::Cpu)
+    }
+
     /// The LM head's logits of `x`.
     pub(crate) fn lm_head(&self, x: &Tensor) -> CandleResult<Tensor> {
         let (m, k) = x.dims2()?;
