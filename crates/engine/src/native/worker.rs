@@ -469,6 +469,9 @@ impl Stepper for Worker {
     }
 
     fn step(&mut self, queues: &mut Queues<Seq>) {
+        // The replica owns its threads: they poll for the step's many short parallel
+        // sections instead of being woken for each (see `keep_awake`).
+        let _awake = sluice_model::threads::keep_awake();
         self.step_batch(queues);
     }
 
