@@ -2,7 +2,10 @@
 //! built at a batch's first layer and reused by the later ones (tables and lengths do not change
 //! within a step).
 
-use candle_core::Tensor;
+use std::sync::Arc;
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, InplaceOp2, Layout, Tensor};
 
 use super::{BlockId, PagedKvCache};
 use crate::cache::SeqId;
@@ -14,12 +17,76 @@ pub(super) struct StepRows {
     news: Vec<usize>,
     /// The sequences' lengths before the step.
     lens: Vec<usize>,
-    /// `(Σ news · kv_heads, head_dim)`: the pool row of each new token's kv heads, repeated
-    /// across the row (scatter indexes are per element).
-    write: Tensor,
+    write: Writes,
     /// `(B · kv_heads · T)`: every sequence's kv heads at positions `0..T`, padded with row 0,
     /// and `T`; built when first needed (the CPU's decode kernel reads the pools in place).
     read: Option<(Tensor, usize)>,
+}
+
+/// Where a batch's new keys and values go in the pools.
+#[derive(Debug, Clone)]
+pub(super) struct Writes {
+    /// The pool row of each new token's kv heads, `(token, kv head)` in the batch's order.
+    rows: Arc<[u32]>,
+    /// The same as `(Σ news · kv_heads, head_dim)` indices, each row repeated across its
+    /// elements (a scatter's indices are per element), for pools off the CPU.
+    scatter: Option<Tensor>,
+}
+
+/// Copies row `i` of a contiguous `(rows, width)` source to row `rows[i]` of the pool, in
+/// place: one `width`-long copy per row where a scatter reads an index per element (64 · 3
+/// rows of SmolLM2's keys took the scatter about 30 µs a layer).
+struct CopyRows(Arc<[u32]>);
+
+impl InplaceOp2 for CopyRows {
+    fn name(&self) -> &'static str {
+        "paged-kv-copy-rows"
+    }
+
+    fn cpu_fwd(
+        &self,
+        pool: &mut CpuStorage,
+        pool_layout: &Layout,
+        src: &CpuStorage,
+        src_layout: &Layout,
+    ) -> candle_core::Result<()> {
+        fn copy<T: Copy>(
+            rows: &[u32],
+            (dst, at): (&mut [T], &Layout),
+            (src, from): (&[T], &Layout),
+        ) -> candle_core::Result<()> {
+            let (n, width) = from.shape().dims2()?;
+            let (dst, src) = (&mut dst[at.start_offset()..], &src[from.start_offset()..]);
+            if !at.is_contiguous() || !from.is_contiguous() || n != rows.len() {
+                candle_core::bail!("kv rows: {n} rows for {} places", rows.len())
+            }
+            for (&row, values) in rows.iter().zip(src.chunks_exact(width)) {
+                let start = row as usize * width;
+                let Some(out) = dst.get_mut(start..start + width) else {
+                    candle_core::bail!("kv rows: row {row} past the pool")
+                };
+                out.copy_from_slice(values);
+            }
+            Ok(())
+        }
+        let rows = &self.0;
+        match (pool, src) {
+            (CpuStorage::F32(d), CpuStorage::F32(s)) => {
+                copy(rows, (d, pool_layout), (s, src_layout))
+            }
+            (CpuStorage::BF16(d), CpuStorage::BF16(s)) => {
+                copy(rows, (d, pool_layout), (s, src_layout))
+            }
+            (CpuStorage::F16(d), CpuStorage::F16(s)) => {
+                copy(rows, (d, pool_layout), (s, src_layout))
+            }
+            (d, s) => candle_core::bail!(
+                "kv rows: {:?} values into a {:?} pool",
+                s.dtype(),
+                d.dtype()
+            ),
+        }
+    }
 }
 
 impl PagedKvCache {
@@ -37,7 +104,7 @@ impl PagedKvCache {
         seqs: &[SeqId],
         news: &[usize],
         read: bool,
-    ) -> candle_core::Result<(Tensor, Option<(Tensor, usize)>)> {
+    ) -> candle_core::Result<(Writes, Option<(Tensor, usize)>)> {
         let lens: Vec<usize> = seqs.iter().map(|q| self.seqs[q].len).collect();
         let found = self
             .step_rows
@@ -47,18 +114,26 @@ impl PagedKvCache {
             Some(i) => i,
             None => {
                 let (width, kv) = (self.head_dim, self.kv_heads);
-                let rows = news.iter().sum::<usize>() * kv;
-                let mut index = Vec::with_capacity(rows * width);
+                let mut rows = Vec::with_capacity(news.iter().sum::<usize>() * kv);
                 for ((q, &len), &n) in seqs.iter().zip(&lens).zip(news) {
                     let blocks = &self.seqs[q].blocks;
                     for t in len..len + n {
-                        for h in 0..kv {
-                            let row = self.row(blocks, t, h) as u32;
-                            index.extend(std::iter::repeat_n(row, width));
-                        }
+                        rows.extend((0..kv).map(|h| self.row(blocks, t, h) as u32));
                     }
                 }
-                let write = Tensor::from_vec(index, (rows, width), &self.device)?;
+                let scatter = if self.device.is_cpu() {
+                    None
+                } else {
+                    let index: Vec<u32> = rows
+                        .iter()
+                        .flat_map(|&r| std::iter::repeat_n(r, width))
+                        .collect();
+                    Some(Tensor::from_vec(index, (rows.len(), width), &self.device)?)
+                };
+                let write = Writes {
+                    rows: rows.into(),
+                    scatter,
+                };
                 self.step_rows.push(StepRows {
                     seqs: seqs.to_vec(),
                     news: news.to_vec(),
@@ -94,19 +169,24 @@ impl PagedKvCache {
     }
 
     /// Writes new keys and values (`k`, `v`: `(tokens, kv_heads, head_dim)`) of `layer` at the
-    /// pool rows `index` (`(tokens · kv_heads, head_dim)`, from [`PagedKvCache::step_rows`]),
-    /// in place.
+    /// pool rows `writes` (from [`PagedKvCache::step_rows`]), in place, in the pools' dtype.
     pub(super) fn write_rows(
         &self,
-        index: &Tensor,
+        writes: &Writes,
         layer: usize,
         k: &Tensor,
         v: &Tensor,
     ) -> candle_core::Result<()> {
-        let (rows, width) = index.dims2()?;
+        let shape = (writes.rows.len(), self.head_dim);
         let (kb, vb) = &self.pools[layer];
-        kb.scatter_set(index, &k.reshape((rows, width))?.contiguous()?, 0)?;
-        vb.scatter_set(index, &v.reshape((rows, width))?.contiguous()?, 0)
+        for (pool, new) in [(kb, k), (vb, v)] {
+            let new = new.reshape(shape)?.to_dtype(self.dtype)?.contiguous()?;
+            match &writes.scatter {
+                Some(index) => pool.scatter_set(index, &new, 0)?,
+                None => pool.inplace_op2(&new, &CopyRows(Arc::clone(&writes.rows)))?,
+            }
+        }
+        Ok(())
     }
 
     /// Row indices of positions `0..total` of `blocks`, as a `(total,)` tensor.
