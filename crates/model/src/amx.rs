@@ -271,7 +271,20 @@ impl std::fmt::Debug for Bf16Rows {
     }
 }
 
+/// Values below which one thread rounds (or norms) them all.
+const MIN_PARALLEL: usize = 1 << 16;
+
 impl Bf16Rows {
+    /// Its rows (before the padding to a multiple of 32).
+    pub fn rows(&self) -> usize {
+        self.m
+    }
+
+    /// Its values per row (before the padding to a whole line).
+    pub fn cols(&self) -> usize {
+        self.k
+    }
+
     /// Rounds `x`, `m` rows of `k`.
     ///
     /// # Panics
@@ -285,6 +298,34 @@ impl Bf16Rows {
         );
         Self::fill(m, k, |r, col, out| {
             out.copy_from_slice(&x[r * k + col..][..out.len()])
+        })
+    }
+
+    /// The RMS norm of `x`'s `m` rows of `k` times `w` (`k` weights), as
+    /// [`crate::fused::rms_norm`] computes it, rounded as it is computed: a layer's normed input
+    /// goes into its products' tiles with no f32 copy written and read back.
+    ///
+    /// # Panics
+    /// If `x` does not hold `m · k` values or `w` `k`.
+    pub fn rms_norm(x: &[f32], w: &[f32], eps: f64, m: usize, k: usize) -> Self {
+        assert!(
+            x.len() == m * k && w.len() == k,
+            "amx rms norm: {} values and {} weights for ({m}, {k})",
+            x.len(),
+            w.len()
+        );
+        let inv_row = |row: &[f32]| crate::fused::rms_inv(row, eps as f32);
+        let inv: Vec<f32> = if m * k >= MIN_PARALLEL && rayon::current_num_threads() > 1 {
+            use rayon::prelude::*;
+            x.par_chunks(k.max(1)).map(inv_row).collect()
+        } else {
+            x.chunks(k.max(1)).map(inv_row).collect()
+        };
+        Self::fill(m, k, |r, col, out| {
+            let (xs, ws) = (&x[r * k + col..][..out.len()], &w[col..][..out.len()]);
+            for ((o, &xv), &wv) in out.iter_mut().zip(xs).zip(ws) {
+                *o = xv * inv[r] * wv;
+            }
         })
     }
 
@@ -318,8 +359,6 @@ impl Bf16Rows {
     /// col + out.len()`, at most one line's), rounded into the tiles' order; blocks of 16 rows
     /// on the pool when there are enough of them to pay for the split.
     fn fill(m: usize, k: usize, values: impl Fn(usize, usize, &mut [f32]) + Sync) -> Self {
-        /// Values below which one thread rounds them all.
-        const MIN_PARALLEL: usize = 1 << 16;
         let row_lines = k.div_ceil(K_BLOCK);
         let m_padded = m.div_ceil(PAIR) * PAIR;
         let mut lines: Vec<Line> = Vec::with_capacity(m_padded * row_lines);
@@ -438,6 +477,30 @@ mod tests {
             for (b, v) in back.iter().zip(&w) {
                 assert_eq!(b.to_bits() >> 16, u32::from(bf16_bits(*v)));
             }
+        }
+    }
+
+    /// The fused norm rounds exactly what the f32 op computes, small and large.
+    #[test]
+    fn rms_norm_rows_are_the_rounded_norm() {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .unwrap();
+        for (m, k) in [(3, 40), (130, 576)] {
+            let (x, w) = (values(m * k, 7), values(k, 8));
+            let cpu = &candle_core::Device::Cpu;
+            let xt = candle_core::Tensor::from_slice(&x, (m, k), cpu).unwrap();
+            let wt = candle_core::Tensor::from_slice(&w, k, cpu).unwrap();
+            let normed: Vec<f32> = crate::fused::rms_norm(&xt, &wt, 1e-5)
+                .and_then(|t| t.flatten_all()?.to_vec1())
+                .unwrap();
+            let want = Bf16Rows::round(&normed, m, k);
+            let got = pool.install(|| Bf16Rows::rms_norm(&x, &w, 1e-5, m, k));
+            for (i, (a, b)) in got.lines.iter().zip(&want.lines).enumerate() {
+                assert_eq!(a.0, b.0, "({m}, {k}): line {i}");
+            }
+            assert_eq!(got.lines.len(), want.lines.len());
         }
     }
 

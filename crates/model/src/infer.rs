@@ -20,7 +20,7 @@ use crate::config::ModelConfig;
 use crate::error::{ModelError, Result, TensorContext};
 use crate::layers::{DecoderWeights, Proj, linear_with};
 use crate::ops::{Kernels, Rope, apply_rope, rms_norm, softmax_last_dim};
-use crate::packed::{PackedDecoder, RoundedInput};
+use crate::packed::PackedDecoder;
 use crate::ragged::{PrefillBatch, StepLayout};
 use crate::snapshot::ModelWeights;
 
@@ -223,12 +223,13 @@ impl InferenceModel {
         for (li, layer) in self.weights.layers.iter().enumerate() {
             let context = format!("inference step, layer {li}");
             // The layer's products: the bf16 tiles where packed, its own weights otherwise.
-            let rounded = RoundedInput::default();
-            let products = |h: &Tensor, p: Proj| match &self.packed {
-                Some(packed) => packed.project(li, h, p, layer.bias(p), &rounded),
-                None => layer.project(h, p, kernels),
-            };
-            let qkv = layer.qkv_by(&x, c, kernels, products).ctx(&context)?;
+            let qkv = match &self.packed {
+                Some(packed) => packed
+                    .qkv(li, layer, &x, c.rms_norm_eps)
+                    .and_then(|qkv| layer.heads(qkv, c, kernels)),
+                None => layer.qkv(&x, c, kernels),
+            }
+            .ctx(&context)?;
             let q = rope_rows(&qkv.q).ctx(&context)?;
             let k = rope_rows(&qkv.k).ctx(&context)?;
             let new = NewTokens {
@@ -242,13 +243,16 @@ impl InferenceModel {
                 Some(att) => att,
                 None => self.attend_gathered(cache, &layout, li, new, (&mask, &past))?,
             };
-            x = (&x + products(&att, Proj::O).ctx(&context)?).ctx(&context)?;
+            let o = match &self.packed {
+                Some(packed) => packed.project(li, &att, Proj::O, None),
+                None => layer.project(&att, Proj::O, kernels),
+            };
+            x = o.and_then(|o| &x + o).ctx(&context)?;
             x = match &self.packed {
-                // The activation straight into the down projection's tiles.
-                Some(packed) => rms_norm(&x, &layer.post_norm, c.rms_norm_eps, kernels)
-                    .and_then(|h| packed.mlp(li, &h, &rounded))
+                Some(packed) => packed
+                    .mlp(li, layer, &x, c.rms_norm_eps)
                     .and_then(|y| &x + y),
-                None => layer.mlp_block_by(&x, c.rms_norm_eps, kernels, products),
+                None => layer.mlp_block(&x, c.rms_norm_eps, kernels),
             }
             .ctx(&context)?;
         }

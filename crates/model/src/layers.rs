@@ -149,22 +149,6 @@ impl Proj {
         Proj::Up,
         Proj::Down,
     ];
-
-    /// The projections that read the same input as `self` and are computed with it, `self`
-    /// first: q with k and v (the normed hidden state), gate with up (the post-norm one). A
-    /// forward asks for q before k and v, and gate before up ([`LayerWeights::qkv_by`],
-    /// [`LayerWeights::mlp_block_by`]).
-    pub(crate) fn with_same_input(self) -> &'static [Proj] {
-        match self {
-            Proj::Q => &[Proj::Q, Proj::K, Proj::V],
-            Proj::Gate => &[Proj::Gate, Proj::Up],
-            Proj::K => &[Proj::K],
-            Proj::V => &[Proj::V],
-            Proj::O => &[Proj::O],
-            Proj::Up => &[Proj::Up],
-            Proj::Down => &[Proj::Down],
-        }
-    }
 }
 
 /// Projected heads of one layer for flat tokens.
@@ -236,24 +220,29 @@ impl LayerWeights {
         config: &ModelConfig,
         kernels: Kernels,
     ) -> CandleResult<Qkv> {
-        self.qkv_by(x, config, kernels, |h, p| self.project(h, p, kernels))
+        let h = rms_norm(x, &self.input_norm, config.rms_norm_eps, kernels)?;
+        let qkv = [
+            self.project(&h, Proj::Q, kernels)?,
+            self.project(&h, Proj::K, kernels)?,
+            self.project(&h, Proj::V, kernels)?,
+        ];
+        self.heads(qkv, config, kernels)
     }
 
-    /// [`Self::qkv`] with the products (bias included) computed by `products`.
-    pub(crate) fn qkv_by(
+    /// The q, k and v projections `(N, ·)` of the layer's normed input as heads, the q/k norms
+    /// applied where the architecture has them.
+    pub(crate) fn heads(
         &self,
-        x: &Tensor,
+        [q, k, v]: [Tensor; 3],
         config: &ModelConfig,
         kernels: Kernels,
-        products: impl Fn(&Tensor, Proj) -> CandleResult<Tensor>,
     ) -> CandleResult<Qkv> {
-        let n = x.dim(0)?;
+        let n = q.dim(0)?;
         let d = config.head_dim;
         let eps = config.rms_norm_eps;
-        let h = rms_norm(x, &self.input_norm, eps, kernels)?;
-        let q = products(&h, Proj::Q)?.reshape((n, config.num_heads, d))?;
-        let k = products(&h, Proj::K)?.reshape((n, config.num_kv_heads, d))?;
-        let v = products(&h, Proj::V)?.reshape((n, config.num_kv_heads, d))?;
+        let q = q.reshape((n, config.num_heads, d))?;
+        let k = k.reshape((n, config.num_kv_heads, d))?;
+        let v = v.reshape((n, config.num_kv_heads, d))?;
         let q = match &self.q_norm {
             Some(w) => rms_norm(&q, w, eps, kernels)?,
             None => q,
@@ -287,20 +276,9 @@ impl LayerWeights {
 
     /// Residual MLP block: `x + down(silu(gate(n)) * up(n))` with `n = post_norm(x)`.
     pub(crate) fn mlp_block(&self, x: &Tensor, eps: f64, kernels: Kernels) -> CandleResult<Tensor> {
-        self.mlp_block_by(x, eps, kernels, |h, p| self.project(h, p, kernels))
-    }
-
-    /// [`Self::mlp_block`] with the products computed by `products`.
-    pub(crate) fn mlp_block_by(
-        &self,
-        x: &Tensor,
-        eps: f64,
-        kernels: Kernels,
-        products: impl Fn(&Tensor, Proj) -> CandleResult<Tensor>,
-    ) -> CandleResult<Tensor> {
         let h = rms_norm(x, &self.post_norm, eps, kernels)?;
-        let gate = products(&h, Proj::Gate)?;
-        let up = products(&h, Proj::Up)?;
+        let gate = self.project(&h, Proj::Gate, kernels)?;
+        let up = self.project(&h, Proj::Up, kernels)?;
         // The fused op for training (it has a backward) and for inference too: one pass with
         // a vectorised exp, where candle's `silu` then `mul` were two passes, libm's `expf` per
         // element and a barrier-pool split (about 40 % of the quickstart engine's samples).
@@ -310,6 +288,6 @@ impl LayerWeights {
         } else {
             (gate.silu()? * up)?
         };
-        x + products(&act, Proj::Down)?
+        x + self.project(&act, Proj::Down, kernels)?
     }
 }

@@ -7,13 +7,11 @@
 //! This is what a bf16 engine does on a GPU, and what [`crate::InferenceModel::set_compute_dtype`]
 //! turns on.
 
-use std::cell::RefCell;
-
-use candle_core::{Device, Result as CandleResult, Tensor, TensorId};
+use candle_core::{Device, Result as CandleResult, Tensor};
 
 use crate::amx::{Bf16Rows, Bf16Weight};
 use crate::error::{ModelError, Result, TensorContext};
-use crate::layers::{DecoderWeights, Proj};
+use crate::layers::{DecoderWeights, LayerWeights, Proj};
 
 /// The packed weights of one decoder.
 #[derive(Debug)]
@@ -51,41 +49,95 @@ impl PackedDecoder {
         repack(&mut self.lm_head, &weights.lm_head).ctx("bf16 packing, lm head")
     }
 
-    /// `x Wᵀ (+ bias)` for projection `p` of layer `layer`, `x` rounded through `rounded`.
+    /// q, k and v of layer `layer` for `x`, the layer's input: its input norm rounded for the
+    /// tiles as it is computed ([`Bf16Rows::rms_norm`]), the three products in one pass of the
+    /// pool, the biases added where the architecture has them.
+    pub(crate) fn qkv(
+        &self,
+        layer: usize,
+        weights: &LayerWeights,
+        x: &Tensor,
+        eps: f64,
+    ) -> CandleResult<[Tensor; 3]> {
+        let rows = normed(x, &weights.input_norm, eps)?;
+        let [q, k, v] = self
+            .products(layer, &[Proj::Q, Proj::K, Proj::V], &rows)?
+            .try_into()
+            .expect("three products");
+        let bias = |t: Tensor, p: Proj| match weights.bias(p) {
+            Some(b) => t.broadcast_add(b),
+            None => Ok(t),
+        };
+        Ok([bias(q, Proj::Q)?, bias(k, Proj::K)?, bias(v, Proj::V)?])
+    }
+
+    /// The MLP block's output for `x`, the residual stream after attention:
+    /// `down(silu(gate) ⊙ up)` of its post-attention norm, the norm and the activation each
+    /// rounded for the tiles as it is computed, gate and up in one pass of the pool. The MLP has
+    /// no biases in any architecture here.
+    pub(crate) fn mlp(
+        &self,
+        layer: usize,
+        weights: &LayerWeights,
+        x: &Tensor,
+        eps: f64,
+    ) -> CandleResult<Tensor> {
+        let rows = normed(x, &weights.post_norm, eps)?;
+        let [gate, up] = self
+            .products(layer, &[Proj::Gate, Proj::Up], &rows)?
+            .try_into()
+            .expect("two products");
+        let (m, k) = gate.dims2()?;
+        let act = with_values(&gate, |g| {
+            with_values(&up, |u| Bf16Rows::swiglu(g, u, m, k))
+        })??;
+        Ok(self.products(layer, &[Proj::Down], &act)?.remove(0))
+    }
+
+    /// `x Wᵀ (+ bias)` for projection `p` of layer `layer`.
     pub(crate) fn project(
         &self,
         layer: usize,
         x: &Tensor,
         p: Proj,
         bias: Option<&Tensor>,
-        rounded: &RoundedInput,
     ) -> CandleResult<Tensor> {
-        let y = rounded.product(&self.layers[layer], p, x)?;
+        check_width(&self.layers[layer][p as usize], x)?;
+        let (m, k) = x.dims2()?;
+        let rows = with_values(x, |v| Bf16Rows::round(v, m, k))?;
+        let y = self.products(layer, &[p], &rows)?.remove(0);
         match bias {
             Some(b) => y.broadcast_add(b),
             None => Ok(y),
         }
     }
 
-    /// The MLP's products for `h` (the post-attention norm's output) in layer `layer`:
-    /// `down(silu(gate) ⊙ up)`, gate and up in one pass of the pool, their activation rounded
-    /// for the down projection's tiles as it is computed ([`Bf16Rows::swiglu`]). The MLP has no
-    /// biases in any architecture here.
-    pub(crate) fn mlp(
+    /// The products of `rows` with the weights of `projections` in layer `layer`, one pass of
+    /// the pool, as `(m, n)` tensors.
+    fn products(
         &self,
         layer: usize,
-        h: &Tensor,
-        rounded: &RoundedInput,
-    ) -> CandleResult<Tensor> {
-        let gate = rounded.product(&self.layers[layer], Proj::Gate, h)?;
-        let up = rounded.product(&self.layers[layer], Proj::Up, h)?;
-        let (m, k) = gate.dims2()?;
-        let act = with_values(&gate, |g| {
-            with_values(&up, |u| Bf16Rows::swiglu(g, u, m, k))
-        })??;
-        let down = &self.layers[layer][Proj::Down as usize];
-        check_width(down, &gate)?;
-        Tensor::from_vec(down.product(&act), (m, down.rows()), &Device::Cpu)
+        projections: &[Proj],
+        rows: &Bf16Rows,
+    ) -> CandleResult<Vec<Tensor>> {
+        let weights: Vec<&Bf16Weight> = projections
+            .iter()
+            .map(|&p| &self.layers[layer][p as usize])
+            .collect();
+        for w in &weights {
+            if w.cols() != rows.cols() {
+                candle_core::bail!(
+                    "bf16 product: inputs of {} against a weight of {} inputs",
+                    rows.cols(),
+                    w.cols()
+                )
+            }
+        }
+        crate::amx::products(&weights, rows)
+            .into_iter()
+            .zip(&weights)
+            .map(|(y, w)| Tensor::from_vec(y, (rows.rows(), w.rows()), &Device::Cpu))
+            .collect()
     }
 
     /// The LM head's logits of `x`.
@@ -101,61 +153,15 @@ impl PackedDecoder {
     }
 }
 
-/// The last input of a layer's products, rounded for the tiles, with the products computed
-/// beside the one asked for that read it too ([`Proj::with_same_input`]): q, k and v (gate and
-/// up) round their input once and share one pass of the pool. Keyed by the tensor's id, which
-/// candle never reuses.
-#[derive(Debug, Default)]
-pub(crate) struct RoundedInput(RefCell<Option<Rounded>>);
-
-#[derive(Debug)]
-struct Rounded {
-    input: TensorId,
-    rows: Bf16Rows,
-    /// Products of `input` computed ahead, not yet asked for.
-    ready: Vec<(Proj, Tensor)>,
-}
-
-impl RoundedInput {
-    /// `x (m, k) · wᵀ` as a new `(m, n)` tensor, for the weight of projection `p` in `layer`
-    /// (packed in [`Proj::ALL`] order).
-    fn product(&self, layer: &[Bf16Weight], p: Proj, x: &Tensor) -> CandleResult<Tensor> {
-        let (m, k) = x.dims2()?;
-        let mut last = self.0.borrow_mut();
-        let id = x.id();
-        if let Some(r) = last.as_mut().filter(|r| r.input == id)
-            && let Some(i) = r.ready.iter().position(|(q, _)| *q == p)
-        {
-            return Ok(r.ready.swap_remove(i).1);
-        }
-        let group = p.with_same_input();
-        let weights: Vec<&Bf16Weight> = group.iter().map(|&q| &layer[q as usize]).collect();
-        for w in &weights {
-            check_width(w, x)?;
-        }
-        if last.as_ref().is_none_or(|r| r.input != id) {
-            *last = Some(Rounded {
-                input: id,
-                rows: with_values(x, |v| Bf16Rows::round(v, m, k))?,
-                ready: Vec::new(),
-            });
-        }
-        let r = last.as_mut().expect("rounded above");
-        let mut asked = None;
-        for ((&q, w), y) in group
-            .iter()
-            .zip(&weights)
-            .zip(crate::amx::products(&weights, &r.rows))
-        {
-            let y = Tensor::from_vec(y, (m, w.rows()), &Device::Cpu)?;
-            if q == p {
-                asked = Some(y);
-            } else {
-                r.ready.push((q, y));
-            }
-        }
-        Ok(asked.expect("a group starts with the projection asked for"))
+/// `x`'s rows RMS-normed by `w` and rounded for the tiles.
+fn normed(x: &Tensor, w: &Tensor, eps: f64) -> CandleResult<Bf16Rows> {
+    let (m, k) = x.dims2()?;
+    if w.elem_count() != k {
+        candle_core::bail!("rms norm of {:?} by {} weights", x.shape(), w.elem_count())
     }
+    with_values(x, |x| {
+        with_values(w, |w| Bf16Rows::rms_norm(x, w, eps, m, k))
+    })?
 }
 
 /// Fails unless `x`'s rows are as wide as `w`'s inputs.

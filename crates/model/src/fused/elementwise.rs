@@ -29,7 +29,8 @@ struct RmsNorm {
     eps: f64,
 }
 
-fn rms_inv<T: Real>(row: &[T], eps: T) -> T {
+/// `1 / √(mean(row²) + eps)`, the sum in order (one scalar chain, the same in every caller).
+pub(crate) fn rms_inv<T: Real>(row: &[T], eps: T) -> T {
     let mut sum = T::from_f64(0.0);
     for &v in row {
         sum += v * v;

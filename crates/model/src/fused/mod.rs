@@ -29,6 +29,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, DType, Device, Layout, Result, Shape, Storage, Tensor, WithDType};
 
 pub use attention::{AttentionHeads, Segments, attention};
+pub(crate) use elementwise::rms_inv;
 pub use elementwise::{rms_norm, swiglu};
 pub(crate) use head::token_scores;
 pub use linear::linear;
