@@ -56,6 +56,9 @@ pub(super) fn attention(
             table: tables[b],
             len: lens[b],
         };
+        if let Some(&next) = tables.get(b + 1) {
+            prefetch_start(keys, values, next, lens[b + 1], shape);
+        }
         attend_dispatch(&seq, shape, scale, out_b, wide);
     };
     let reads: usize = lens.iter().sum::<usize>() * shape.kv_heads;
@@ -66,6 +69,38 @@ pub(super) fn attention(
         out.chunks_mut(per_seq).enumerate().for_each(one);
     }
     out
+}
+
+/// Keys and values a row reads before the kernel's own prefetching reaches them.
+const START_ROWS: usize = 16;
+
+/// Asks for the first [`START_ROWS`] keys and values of every kv head of the row with `table`
+/// and `len` visible tokens (the next one a thread attends), so they arrive while this row's
+/// are multiplied: a sequence's rows sit in blocks scattered over the pool, and a decode step's
+/// sequences are mostly that short.
+fn prefetch_start(keys: &[f32], values: &[f32], table: &[BlockId], len: usize, shape: &PoolShape) {
+    #[cfg(target_arch = "x86_64")]
+    for t in 0..len.min(START_ROWS) {
+        let block = table[t / shape.block_tokens] as usize;
+        for h in 0..shape.kv_heads {
+            let row = ((block * shape.kv_heads + h) * shape.block_tokens + t % shape.block_tokens)
+                * shape.head_dim;
+            for pool in [keys, values] {
+                let p = pool.as_ptr().wrapping_add(row);
+                for line in (0..shape.head_dim).step_by(16) {
+                    // SAFETY: a prefetch reads no memory architecturally and cannot fault.
+                    #[allow(unsafe_code)]
+                    unsafe {
+                        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                            p.wrapping_add(line).cast(),
+                        )
+                    };
+                }
+            }
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (keys, values, table, len, shape);
 }
 
 /// One sequence's inputs: the layer's pools, its query heads, block table and visible length.
