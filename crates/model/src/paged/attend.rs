@@ -56,7 +56,10 @@ pub(super) fn attention(
             table: tables[b],
             len: lens[b],
         };
-        if let Some(&next) = tables.get(b + 1) {
+        // The next row's first keys, unless it is this sequence's next token (a prompt's).
+        if let Some(&next) = tables.get(b + 1)
+            && !std::ptr::eq(next, tables[b])
+        {
             prefetch_start(keys, values, next, lens[b + 1], shape);
         }
         attend_dispatch(&seq, shape, scale, out_b, wide);
@@ -81,21 +84,14 @@ const START_ROWS: usize = 16;
 fn prefetch_start(keys: &[f32], values: &[f32], table: &[BlockId], len: usize, shape: &PoolShape) {
     #[cfg(target_arch = "x86_64")]
     for t in 0..len.min(START_ROWS) {
-        let block = table[t / shape.block_tokens] as usize;
         for h in 0..shape.kv_heads {
-            let row = ((block * shape.kv_heads + h) * shape.block_tokens + t % shape.block_tokens)
-                * shape.head_dim;
+            let row = row_offset(table, t, shape) + h * head_stride(shape);
             for pool in [keys, values] {
-                let p = pool.as_ptr().wrapping_add(row);
-                for line in (0..shape.head_dim).step_by(16) {
-                    // SAFETY: a prefetch reads no memory architecturally and cannot fault.
-                    #[allow(unsafe_code)]
-                    unsafe {
-                        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
-                            p.wrapping_add(line).cast(),
-                        )
-                    };
-                }
+                // SAFETY: a prefetch reads no memory and cannot fault; the CPU has SSE.
+                #[allow(unsafe_code)]
+                unsafe {
+                    avx2::prefetch(pool.as_ptr().wrapping_add(row), shape.head_dim)
+                };
             }
         }
     }
@@ -141,18 +137,20 @@ fn by_head_dim(seq: &Seq<'_>, shape: &PoolShape, scale: f32, out: &mut [f32]) {
 /// head `h`'s rows are [`head_stride`] further (blocks are head-major: each kv head's
 /// `block_tokens` rows in turn).
 fn row_offsets(seq: &Seq<'_>, shape: &PoolShape) -> Vec<usize> {
+    (0..seq.len)
+        .map(|t| row_offset(seq.table, t, shape))
+        .collect()
+}
+
+/// Pool offset (in f32s) of kv head 0's row at position `t` of the sequence with `table`.
+fn row_offset(table: &[BlockId], t: usize, shape: &PoolShape) -> usize {
     let PoolShape {
         kv_heads,
         head_dim,
         block_tokens,
         ..
     } = *shape;
-    (0..seq.len)
-        .map(|t| {
-            let block = seq.table[t / block_tokens] as usize;
-            (block * kv_heads * block_tokens + t % block_tokens) * head_dim
-        })
-        .collect()
+    (table[t / block_tokens] as usize * kv_heads * block_tokens + t % block_tokens) * head_dim
 }
 
 /// Distance (in f32s) from a kv head's row to the next head's at the same position.

@@ -21,7 +21,7 @@ const LINE: usize = 16;
 /// # Safety
 /// None beyond the CPU having SSE (a prefetch does not fault).
 #[inline(always)]
-unsafe fn prefetch(p: *const f32, n: usize) {
+pub(super) unsafe fn prefetch(p: *const f32, n: usize) {
     let lines = (p.wrapping_add(n - 1) as usize / 64) - (p as usize / 64);
     for l in 0..=lines {
         // SAFETY: a prefetch of any address is harmless; `wrapping_add` keeps the pointer
