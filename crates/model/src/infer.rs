@@ -176,8 +176,7 @@ impl InferenceModel {
         let dtype = self.weights.embed.dtype();
         let kernels = Kernels::Fused;
         // One-token inputs first, then prompt chunks longest first (see `StepLayout`).
-        let layout =
-            StepLayout::new(inputs, &past, c.num_heads, dtype, &device).ctx("step layout")?;
+        let layout = StepLayout::new(inputs);
         let lens: Vec<usize> = inputs.iter().map(|i| i.tokens.len()).collect();
         let caller = inputs;
         let inputs: Vec<StepInput<'_>> = layout.order.iter().map(|&i| caller[i]).collect();
@@ -203,8 +202,8 @@ impl InferenceModel {
         let step_seqs: Vec<SeqId> = inputs.iter().map(|i| i.seq).collect();
         let step_news: Vec<usize> = inputs.iter().map(|i| i.tokens.len()).collect();
         let scale = 1.0 / (c.head_dim as f64).sqrt();
-        // Built on first use: a cache that attends itself never needs it.
-        let mask = std::cell::OnceCell::new();
+        // Built on first use: a cache that attends itself never needs them.
+        let gathered = Gathered::default();
         // (N, heads, d) rotated in place of its rows: on the CPU the fused kernel works on the
         // token rows, with no transposed copy either way.
         let rope_rows = |t: &Tensor| {
@@ -241,7 +240,15 @@ impl InferenceModel {
             };
             let att = match cache.attend_new(new, li, scale)? {
                 Some(att) => att,
-                None => self.attend_gathered(cache, &layout, li, new, (&mask, &past))?,
+                None => {
+                    let step = GatherStep {
+                        layout: &layout,
+                        inputs: &inputs,
+                        past: &past,
+                        built: &gathered,
+                    };
+                    self.attend_gathered(cache, step, li, new)?
+                }
             };
             let o = match &self.packed {
                 Some(packed) => packed.project(li, &att, Proj::O, None),
@@ -313,28 +320,41 @@ impl InferenceModel {
 
     /// The step's attention over keys and values gathered from a cache that computes none
     /// itself: decoding sequences (the first `layout.decoding` inputs) batched under the step's
-    /// [`decode_mask`] (built once into `mask`), prompt chunks in padded batches. Returns
-    /// `(Σ news, heads·d)` in the step's order.
+    /// [`decode_mask`], prompt chunks in padded batches (both built at the first layer).
+    /// Returns `(Σ news, heads·d)` in the step's order.
     fn attend_gathered(
         &self,
         cache: &mut dyn KvCache,
-        layout: &StepLayout,
+        step: GatherStep<'_>,
         layer: usize,
         new: NewTokens<'_>,
-        (mask, past): (&std::cell::OnceCell<Tensor>, &[usize]),
     ) -> Result<Tensor> {
+        let GatherStep {
+            layout,
+            inputs,
+            past,
+            built,
+        } = step;
         let decoding = layout.decoding;
+        let (dtype, device) = (self.weights.embed.dtype(), self.weights.embed.device());
         let context = format!("inference step, layer {layer}, attention");
         let rows = |t: &Tensor, start: usize, len: usize| t.narrow(0, start, len).ctx(&context);
-        let mut parts = Vec::with_capacity(1 + layout.batches.len());
+        let batches = match built.batches.get() {
+            Some(b) => b,
+            None => {
+                let b = layout
+                    .prefill_batches(inputs, past, self.config.num_heads, (dtype, device))
+                    .ctx("prompt attention batches")?;
+                built.batches.get_or_init(|| b)
+            }
+        };
+        let mut parts = Vec::with_capacity(1 + batches.len());
         if decoding > 0 {
-            let mask = match mask.get() {
-                Some(m) => m.clone(),
+            let mask = match built.mask.get() {
+                Some(m) => m,
                 None => {
-                    let embed = &self.weights.embed;
-                    let m = decode_mask(&past[..decoding], embed.dtype(), embed.device())
-                        .ctx("decode mask")?;
-                    mask.get_or_init(|| m).clone()
+                    let m = decode_mask(&past[..decoding], dtype, device).ctx("decode mask")?;
+                    built.mask.get_or_init(|| m)
                 }
             };
             let heads = DecodeHeads {
@@ -343,11 +363,11 @@ impl InferenceModel {
                 q: &rows(new.q, 0, decoding)?,
                 k: &rows(new.k, 0, decoding)?,
                 v: &rows(new.v, 0, decoding)?,
-                mask: &mask,
+                mask,
             };
             parts.push(self.attend_decode(cache, heads)?);
         }
-        for batch in &layout.batches {
+        for batch in batches {
             let start = decoding + batch.first_row;
             let (q, k, v) = (
                 rows(new.q, start, batch.rows)?,
@@ -444,6 +464,25 @@ pub fn argmax_rows(logits: &Tensor) -> Result<Vec<u32>> {
         .argmax(D::Minus1)
         .and_then(|t| t.to_vec1::<u32>())
         .ctx("argmax")
+}
+
+/// What the gathered attention path builds once per step, at its first layer.
+#[derive(Default)]
+struct Gathered {
+    /// The decoding sequences' [`decode_mask`].
+    mask: std::cell::OnceCell<Tensor>,
+    /// The prompt chunks' padded batches ([`StepLayout::prefill_batches`]).
+    batches: std::cell::OnceCell<Vec<PrefillBatch>>,
+}
+
+/// The step as the gathered attention path needs it: its layout, its inputs and their past
+/// lengths in the step's order, and what it has built so far.
+#[derive(Clone, Copy)]
+struct GatherStep<'a> {
+    layout: &'a StepLayout,
+    inputs: &'a [StepInput<'a>],
+    past: &'a [usize],
+    built: &'a Gathered,
 }
 
 /// One layer's inputs to batched decode attention over gathered keys and values.

@@ -29,8 +29,6 @@ pub(crate) struct StepLayout {
     pub order: Vec<usize>,
     /// Inputs `0..decoding` (in the step's order) add one token each.
     pub decoding: usize,
-    /// Attention batches covering the inputs `decoding..`, in order.
-    pub batches: Vec<PrefillBatch>,
 }
 
 /// Prompt chunks whose attention runs as one padded batch: query rows padded to the longest
@@ -57,30 +55,38 @@ pub(crate) struct PrefillBatch {
 }
 
 impl StepLayout {
-    /// The layout of `inputs` whose sequences hold `past` tokens, for a model of `heads`
-    /// query heads computing in `dtype` on `device`.
-    pub fn new(
-        inputs: &[StepInput<'_>],
-        past: &[usize],
-        heads: usize,
-        dtype: DType,
-        device: &Device,
-    ) -> candle_core::Result<Self> {
+    /// The layout of `inputs`.
+    pub fn new(inputs: &[StepInput<'_>]) -> Self {
         let len = |i: usize| inputs[i].tokens.len();
         let mut order: Vec<usize> = (0..inputs.len()).filter(|&i| len(i) == 1).collect();
         let decoding = order.len();
         let mut prompts: Vec<usize> = (0..inputs.len()).filter(|&i| len(i) > 1).collect();
         prompts.sort_by_key(|&i| std::cmp::Reverse(len(i)));
         order.extend(&prompts);
+        Self { order, decoding }
+    }
+
+    /// The padded attention batches covering the prompt chunks, in order: `inputs` and `past`
+    /// are in the step's order (the layout's), for a model of `heads` query heads computing in
+    /// `dtype` on `device`. Only a cache that does not attend itself needs them.
+    pub fn prefill_batches(
+        &self,
+        inputs: &[StepInput<'_>],
+        past: &[usize],
+        heads: usize,
+        (dtype, device): (DType, &Device),
+    ) -> candle_core::Result<Vec<PrefillBatch>> {
+        let len = |i: usize| inputs[i].tokens.len();
+        let total = |i: usize| past[i] + len(i);
+        let prompts = self.decoding..inputs.len();
         let mut batches = Vec::new();
-        let (mut start, mut first_row) = (0, 0);
-        while start < prompts.len() {
-            let total = |i: usize| past[prompts[i]] + len(prompts[i]);
-            let l = len(prompts[start]);
+        let (mut start, mut first_row) = (prompts.start, 0);
+        while start < prompts.end {
+            let l = len(start);
             let (mut t, mut work, mut end) = (total(start), l * total(start), start + 1);
-            while end < prompts.len() {
+            while end < prompts.end {
                 let (t2, b2) = (t.max(total(end)), end - start + 1);
-                let work2 = work + len(prompts[end]) * total(end);
+                let work2 = work + len(end) * total(end);
                 if MAX_PADDING.1 * b2 * l * t2 > MAX_PADDING.0 * work2
                     || heads * b2 * l * t2 > MAX_SCORES
                 {
@@ -88,9 +94,8 @@ impl StepLayout {
                 }
                 (t, work, end) = (t2, work2, end + 1);
             }
-            let members = &prompts[start..end];
             let batch = PrefillBatch::new(
-                members.iter().map(|&i| (inputs[i].seq, len(i), past[i])),
+                (start..end).map(|i| (inputs[i].seq, len(i), past[i])),
                 first_row,
                 (dtype, device),
             )?;
@@ -98,11 +103,7 @@ impl StepLayout {
             batches.push(batch);
             start = end;
         }
-        Ok(Self {
-            order,
-            decoding,
-            batches,
-        })
+        Ok(batches)
     }
 
     /// The rows of the step's `(N, ·)` activations that the caller's logits come from, in the
@@ -194,21 +195,35 @@ impl PrefillBatch {
 mod tests {
     use super::*;
 
-    fn layout(lens: &[usize], past: &[usize]) -> StepLayout {
+    fn layout(lens: &[usize]) -> StepLayout {
         let tokens: Vec<Vec<u32>> = lens.iter().map(|&n| vec![1; n]).collect();
-        let inputs = StepInput::numbered(&tokens);
-        StepLayout::new(&inputs, past, 2, DType::F32, &Device::Cpu).unwrap()
+        StepLayout::new(&StepInput::numbered(&tokens))
+    }
+
+    /// The prompt batches of inputs of `lens` tokens after `past` ones (the caller's order).
+    fn batches(l: &StepLayout, lens: &[usize], past: &[usize]) -> Vec<PrefillBatch> {
+        let tokens: Vec<Vec<u32>> = l.order.iter().map(|&i| vec![1; lens[i]]).collect();
+        let inputs: Vec<StepInput<'_>> = (l.order.iter().zip(&tokens))
+            .map(|(&i, t)| StepInput {
+                seq: i as u64,
+                tokens: t,
+            })
+            .collect();
+        let past: Vec<usize> = l.order.iter().map(|&i| past[i]).collect();
+        l.prefill_batches(&inputs, &past, 2, (DType::F32, &Device::Cpu))
+            .unwrap()
     }
 
     #[test]
     fn decoding_inputs_lead_and_prompts_batch_by_length() {
         // Two one-token inputs, then prompts of 7, 7, 6 (one batch) and 40 (too much padding
         // for the others: a batch of its own, first as the longest).
-        let l = layout(&[7, 1, 40, 6, 1, 7], &[0, 5, 0, 3, 9, 0]);
+        let (lens, past) = ([7, 1, 40, 6, 1, 7], [0, 5, 0, 3, 9, 0]);
+        let l = layout(&lens);
         assert_eq!(l.order, vec![1, 4, 2, 0, 5, 3]);
         assert_eq!(l.decoding, 2);
-        let shapes: Vec<(Vec<u64>, usize, usize, usize)> = l
-            .batches
+        let batches = batches(&l, &lens, &past);
+        let shapes: Vec<(Vec<u64>, usize, usize, usize)> = batches
             .iter()
             .map(|b| (b.seqs.clone(), b.first_row, b.longest_new, b.longest_total))
             .collect();
@@ -216,8 +231,8 @@ mod tests {
             shapes,
             vec![(vec![2], 0, 40, 40), (vec![0, 5, 3], 40, 7, 9)]
         );
-        let second = &l.batches[1];
-        assert!(l.batches[0].pad.is_none());
+        let second = &batches[1];
+        assert!(batches[0].pad.is_none());
         let pad = second.pad.as_ref().unwrap().to_vec1::<u32>().unwrap();
         assert_eq!(pad[14..], [14, 15, 16, 17, 18, 19, 19]);
         let unpad = second.unpad.as_ref().unwrap().to_vec1::<u32>().unwrap();
@@ -235,7 +250,7 @@ mod tests {
 
     #[test]
     fn logit_rows_come_back_in_the_callers_order() {
-        let l = layout(&[3, 1, 2], &[0, 4, 0]);
+        let l = layout(&[3, 1, 2]);
         // Step order: input 1 (row 0), input 0 (rows 1..4), input 2 (rows 4..6).
         assert_eq!(
             l.logit_rows(&[3, 1, 2], LogitsWanted::Last),
@@ -245,9 +260,9 @@ mod tests {
             l.logit_rows(&[3, 1, 2], LogitsWanted::All),
             Some(vec![1, 2, 3, 0, 4, 5])
         );
-        let in_order = layout(&[1, 1, 4, 2], &[3, 3, 0, 0]);
+        let in_order = layout(&[1, 1, 4, 2]);
         assert_eq!(in_order.logit_rows(&[1, 1, 4, 2], LogitsWanted::All), None);
-        let decoding = layout(&[1, 1], &[3, 5]);
+        let decoding = layout(&[1, 1]);
         assert_eq!(decoding.logit_rows(&[1, 1], LogitsWanted::Last), None);
     }
 }
