@@ -102,7 +102,6 @@ impl PackedDecoder {
         p: Proj,
         bias: Option<&Tensor>,
     ) -> CandleResult<Tensor> {
-        check_width(&self.layers[layer][p as usize], x)?;
         let (m, k) = x.dims2()?;
         let rows = with_values(x, |v| Bf16Rows::round(v, m, k))?;
         let y = self.products(layer, &[p], &rows)?.remove(0);

@@ -189,31 +189,44 @@ mod tests {
         assert!(process_thread_env(|_| true).is_empty());
     }
 
-    /// The other thread takes part in a parallel section started after the caller ran alone
-    /// (where it would otherwise be asleep), and stops polling once the guard is dropped.
+    /// Work started while the guard lives completes on both threads (no job is lost to the
+    /// polling loop), and there is no guard outside a pool or in a pool of one.
     #[test]
-    fn a_kept_awake_pool_shares_work_and_lets_go() {
+    fn a_kept_awake_pool_runs_every_job() {
         let pool = ComputePool::new("awake-pool", 2).unwrap();
-        let (others, after) = pool.install(|| {
-            let awake = keep_awake().expect("a pool of two");
-            let mut others = 0;
-            for _ in 0..20 {
-                std::thread::sleep(Duration::from_millis(1));
-                let me = rayon::current_thread_index();
-                let (_, b) = rayon::join(
-                    || std::thread::sleep(Duration::from_millis(2)),
-                    rayon::current_thread_index,
-                );
-                others += usize::from(b != me);
-            }
-            drop(awake);
-            (others, keep_awake().is_some())
+        let sums = pool.install(|| {
+            let _awake = keep_awake().expect("a pool of two");
+            (0..20)
+                .map(|i| {
+                    std::thread::sleep(Duration::from_millis(1));
+                    let (a, b) = rayon::join(|| i, || 2 * i);
+                    a + b
+                })
+                .sum::<i32>()
         });
-        assert!(others > 0, "the other thread never took the second half");
-        assert!(after, "a new guard after the first was dropped");
+        assert_eq!(sums, 3 * (0..20).sum::<i32>());
         let single = ComputePool::new("one-thread", 1).unwrap();
         assert!(single.install(keep_awake).is_none());
         assert!(keep_awake().is_none(), "outside any pool");
+    }
+
+    /// A polling thread with its stop set returns, and one never stopped returns on its own
+    /// after [`POLL_IDLE_LIMIT`] without work (not before): a forgotten guard does not hold a
+    /// core for ever.
+    #[test]
+    fn polling_ends_on_stop_and_when_idle() {
+        let pool = ComputePool::new("poll-pool", 1).unwrap();
+        let stop = AtomicBool::new(true);
+        pool.install(|| poll_for_work(&stop));
+        stop.store(false, Ordering::Release);
+        let start = Instant::now();
+        pool.install(|| poll_for_work(&stop));
+        assert!(
+            start.elapsed() >= POLL_IDLE_LIMIT,
+            "idle polling lasts the limit, then ends"
+        );
+        // Outside a pool there is nothing to poll.
+        poll_for_work(&stop);
     }
 
     #[test]
