@@ -124,10 +124,10 @@ const POLL_IDLE_LIMIT: Duration = Duration::from_millis(2);
 /// returned guard lives, so each parallel section of a step starts on every thread at once.
 ///
 /// Why: an idle rayon thread sleeps after a few microseconds, and waking it costs a system call
-/// and, on a virtual machine, a wake-up of the virtual CPU. Measured on the 2-core development
-/// machine, two 20 µs halves of a `join` took 40–70 µs once the caller had run alone for 20 µs
-/// or more (the other thread woke too late to help), and 22 µs with the other thread polling.
-/// A decode step has hundreds of parallel sections, each short. The polling thread's core is
+/// and, on a virtual machine, a wake-up of the virtual CPU: a short parallel section is then
+/// over before the other thread joins it. A decode step has hundreds of them; with the replica's
+/// threads polling, SmolLM2's decode at 64 in flight ran about 1.24× as fast on the 2-core
+/// development machine (`sluice bench engine --warm-up`, alternated with the build before). The polling thread's core is
 /// busy meanwhile, so this is for a role that owns its cores (an engine replica's
 /// `engine.threads`), for one step at a time. `None` outside a pool or in a pool of one thread.
 pub fn keep_awake() -> Option<KeepAwake> {
