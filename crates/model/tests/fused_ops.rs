@@ -3,6 +3,8 @@
 //! gradient of every input of `Σ out ⊙ R` for a random `R`.
 
 mod common;
+#[path = "cuda_emu/emulated.rs"]
+mod emulated;
 
 use std::sync::Arc;
 

@@ -26,7 +26,7 @@ pub struct Segments {
     batch: usize,
     len: usize,
     ids: Vec<u32>,
-    /// Per slot, the segment it also sees ([`crate::batch::PAD_SEGMENT`] for none).
+    /// Per slot, the segment it also sees (0 for none).
     prefixes: Vec<u32>,
     first: Vec<u32>,
     /// Every segment is one run of slots and none continues a prefix (always so for
@@ -94,6 +94,32 @@ impl Segments {
             first,
             runs,
         })
+    }
+
+    /// Per slot (row-major, `batch · len`), the first slot of its row that its query may see.
+    pub fn first(&self) -> &[u32] {
+        &self.first
+    }
+
+    /// The segment id of every slot.
+    pub fn ids(&self) -> &[u32] {
+        &self.ids
+    }
+
+    /// The prefix segment every slot continues (0 for none).
+    pub fn prefixes(&self) -> &[u32] {
+        &self.prefixes
+    }
+
+    /// Whether every segment is one run of slots and none continues a prefix: then a slot sees
+    /// exactly the slots from [`Segments::first`] up to itself.
+    pub fn runs(&self) -> bool {
+        self.runs
+    }
+
+    /// `(batch, len)`.
+    pub fn shape(&self) -> (usize, usize) {
+        (self.batch, self.len)
     }
 
     fn allowed(&self, row: usize, i: usize, j: usize) -> bool {

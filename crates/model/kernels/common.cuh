@@ -1,0 +1,34 @@
+// Shared by Sluice's training kernels: element loads and stores that widen bf16 to f32 and round
+// back once (every sum, statistic and exponential runs in f32), and a deterministic block sum.
+// Compiled by nvcc (build.rs) and, for the CPU tests, by a C++ compiler over an emulation of
+// the execution model (crates/model/tests/cuda_emu).
+#pragma once
+
+#ifndef SLUICE_CUDA_EMU
+#include <cuda_bf16.h>
+#endif
+
+typedef __nv_bfloat16 bf16;
+typedef unsigned long long u64;
+
+__device__ __forceinline__ float ld(const float* p, u64 i) { return p[i]; }
+__device__ __forceinline__ float ld(const bf16* p, u64 i) { return __bfloat162float(p[i]); }
+__device__ __forceinline__ void st(float* p, u64 i, float v) { p[i] = v; }
+__device__ __forceinline__ void st(bf16* p, u64 i, float v) { p[i] = __float2bfloat16(v); }
+
+#define GRID_STRIDE(i, n)                                                                         \
+  for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < (n); i += (u64)blockDim.x * gridDim.x)
+
+// The sum of one value per thread, returned to every thread: lanes by butterfly shuffles, then
+// the warps' partial sums in a fixed order, so the result does not depend on scheduling.
+// blockDim.x must be a multiple of 32 (at most 1024), and every thread of the block must call it.
+__device__ __forceinline__ float block_sum(float v) {
+  __shared__ float part[32];
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  __syncthreads();  // the previous call's readers are done with `part`
+  if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = v;
+  __syncthreads();
+  float s = 0.0f;
+  for (unsigned w = 0; w < blockDim.x / 32; ++w) s += part[w];
+  return s;
+}

@@ -1,0 +1,141 @@
+// The training forward's fused ops on the GPU, forward and backward: RMSNorm, SwiGLU and rotary
+// embeddings over contiguous rows, for f32 and bf16 tensors (`_f32` / `_bf16`). The mathematics
+// is the CPU kernels' (crates/model/src/fused/elementwise.rs, rope.rs); every statistic and
+// transcendental runs in f32 and each output is rounded once to the tensor's dtype.
+
+#include "common.cuh"
+
+// ---- RMSNorm: one block per row of d ----
+
+// y = w * x / sqrt(mean(x^2) + eps)
+template <typename T>
+__device__ void rms_fwd(const T* x, const T* w, T* y, unsigned d, float eps) {
+  const u64 at = (u64)blockIdx.x * d;
+  float ss = 0.0f;
+  for (unsigned j = threadIdx.x; j < d; j += blockDim.x) {
+    float v = ld(x, at + j);
+    ss += v * v;
+  }
+  const float inv = 1.0f / sqrtf(block_sum(ss) / d + eps);
+  for (unsigned j = threadIdx.x; j < d; j += blockDim.x) st(y, at + j, ld(x, at + j) * inv * ld(w, j));
+}
+
+// dx = inv * (w*g - xh * sum(w*g*xh) / d) with xh = x*inv; inv per row into `inv_out` (f32) for
+// the weight's gradient.
+template <typename T>
+__device__ void rms_bwd_dx(const T* x, const T* w, const T* g, T* dx, float* inv_out, unsigned d,
+                           float eps) {
+  const u64 at = (u64)blockIdx.x * d;
+  float ss = 0.0f;
+  for (unsigned j = threadIdx.x; j < d; j += blockDim.x) {
+    float v = ld(x, at + j);
+    ss += v * v;
+  }
+  const float inv = 1.0f / sqrtf(block_sum(ss) / d + eps);
+  float dot = 0.0f;
+  for (unsigned j = threadIdx.x; j < d; j += blockDim.x)
+    dot += ld(w, j) * ld(g, at + j) * ld(x, at + j) * inv;
+  const float c = block_sum(dot) / d;
+  for (unsigned j = threadIdx.x; j < d; j += blockDim.x)
+    st(dx, at + j, inv * (ld(w, j) * ld(g, at + j) - ld(x, at + j) * inv * c));
+  if (threadIdx.x == 0) inv_out[blockIdx.x] = inv;
+}
+
+// part[chunk][col] = sum over the chunk's rows of g * x * inv: grid (columns / blockDim, chunks).
+template <typename T>
+__device__ void rms_bwd_dw_part(const T* x, const T* g, const float* inv, float* part,
+                                unsigned rows, unsigned d, unsigned chunk_rows) {
+  const unsigned col = blockIdx.x * blockDim.x + threadIdx.x;
+  if (col >= d) return;
+  const unsigned r0 = blockIdx.y * chunk_rows;
+  const unsigned r1 = min(rows, r0 + chunk_rows);
+  float s = 0.0f;
+  for (unsigned r = r0; r < r1; ++r) s += ld(g, (u64)r * d + col) * ld(x, (u64)r * d + col) * inv[r];
+  part[(u64)blockIdx.y * d + col] = s;
+}
+
+// dw[col] = the chunks' partial sums, in chunk order.
+template <typename T>
+__device__ void rms_bwd_dw_sum(const float* part, T* dw, unsigned chunks, unsigned d) {
+  const unsigned col = blockIdx.x * blockDim.x + threadIdx.x;
+  if (col >= d) return;
+  float s = 0.0f;
+  for (unsigned c = 0; c < chunks; ++c) s += part[(u64)c * d + col];
+  st(dw, col, s);
+}
+
+// ---- SwiGLU, elementwise over n ----
+
+__device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+// out = silu(gate) * up
+template <typename T>
+__device__ void swiglu_fwd(const T* gate, const T* up, T* out, u64 n) {
+  GRID_STRIDE(i, n) {
+    const float g = ld(gate, i);
+    st(out, i, g * sigmoid(g) * ld(up, i));
+  }
+}
+
+// grads[0..n) = d gate = grad * up * s * (1 + gate * (1 - s)),  grads[n..2n) = d up = grad * silu(gate)
+template <typename T>
+__device__ void swiglu_bwd(const T* gate, const T* up, const T* grad, T* grads, u64 n) {
+  GRID_STRIDE(i, n) {
+    const float g = ld(gate, i), u = ld(up, i), gr = ld(grad, i);
+    const float s = sigmoid(g);
+    st(grads, i, gr * u * s * (1.0f + g * (1.0f - s)));
+    st(grads, n + i, gr * g * s);
+  }
+}
+
+// ---- rotary embedding ("rotate half") over rows of heads of d ----
+
+// Each pair (j, j + d/2) of every head of every row rotated by the row's angle j (`sign` -1: the
+// transpose, for the backward). cos and sin are (rows, d/2).
+template <typename T>
+__device__ void rope(const T* x, const T* cos, const T* sin, T* y, u64 rows, unsigned width,
+                     unsigned d, float sign) {
+  const unsigned half = d / 2, pairs = width / 2;
+  GRID_STRIDE(p, rows * pairs) {
+    const u64 row = p / pairs;
+    const unsigned rem = (unsigned)(p % pairs), head = rem / half, j = rem % half;
+    const u64 at = row * width + (u64)head * d + j;
+    const float c = ld(cos, row * half + j), s = sign * ld(sin, row * half + j);
+    const float x1 = ld(x, at), x2 = ld(x, at + half);
+    st(y, at, x1 * c - x2 * s);
+    st(y, at + half, x2 * c + x1 * s);
+  }
+}
+
+#define FOR_EACH_DTYPE(M) M(float, f32) M(bf16, bf16)
+
+#define INSTANCES(T, S)                                                                           \
+  extern "C" __global__ void rms_fwd_##S(const T* x, const T* w, T* y, unsigned d, float eps) {   \
+    rms_fwd(x, w, y, d, eps);                                                                     \
+  }                                                                                               \
+  extern "C" __global__ void rms_bwd_dx_##S(const T* x, const T* w, const T* g, T* dx,            \
+                                            float* inv, unsigned d, float eps) {                  \
+    rms_bwd_dx(x, w, g, dx, inv, d, eps);                                                         \
+  }                                                                                               \
+  extern "C" __global__ void rms_bwd_dw_part_##S(const T* x, const T* g, const float* inv,        \
+                                                 float* part, unsigned rows, unsigned d,          \
+                                                 unsigned chunk_rows) {                           \
+    rms_bwd_dw_part(x, g, inv, part, rows, d, chunk_rows);                                        \
+  }                                                                                               \
+  extern "C" __global__ void rms_bwd_dw_sum_##S(const float* part, T* dw, unsigned chunks,        \
+                                                unsigned d) {                                     \
+    rms_bwd_dw_sum(part, dw, chunks, d);                                                          \
+  }                                                                                               \
+  extern "C" __global__ void swiglu_fwd_##S(const T* gate, const T* up, T* out, u64 n) {          \
+    swiglu_fwd(gate, up, out, n);                                                                 \
+  }                                                                                               \
+  extern "C" __global__ void swiglu_bwd_##S(const T* gate, const T* up, const T* grad, T* grads,  \
+                                            u64 n) {                                              \
+    swiglu_bwd(gate, up, grad, grads, n);                                                         \
+  }                                                                                               \
+  extern "C" __global__ void rope_##S(const T* x, const T* cos, const T* sin, T* y, u64 rows,     \
+                                      unsigned width, unsigned d, float sign) {                   \
+    rope(x, cos, sin, y, rows, width, d, sign);                                                   \
+  }
+
+FOR_EACH_DTYPE(INSTANCES)

@@ -1,0 +1,103 @@
+// A CPU emulation of the CUDA execution model, enough to run Sluice's training kernels
+// (crates/model/kernels/*.cu) as C++ in the tests: every thread of a block is an OS thread, the
+// blocks of a grid run one after another (so `__shared__` is one static array), `__syncthreads`
+// is a barrier over the block and warp shuffles exchange through a per-warp barrier. It checks
+// the kernels' indexing, masking and arithmetic without a GPU; speed, memory coalescing and
+// races the real hardware could expose are for the GPU check (scripts/gpu-check).
+#pragma once
+#define SLUICE_CUDA_EMU 1
+
+#include <algorithm>
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __shared__ static
+
+struct uint3 {
+  unsigned x = 0, y = 0, z = 0;
+};
+struct dim3 {
+  unsigned x, y, z;
+  dim3(unsigned x = 1, unsigned y = 1, unsigned z = 1) : x(x), y(y), z(z) {}
+};
+
+inline thread_local uint3 threadIdx;
+inline uint3 blockIdx;
+inline dim3 blockDim, gridDim;
+
+namespace emu {
+inline std::barrier<>* block_barrier;
+inline std::vector<std::unique_ptr<std::barrier<>>> warp_barriers;
+inline std::vector<float> lanes;
+}  // namespace emu
+
+inline void __syncthreads() { emu::block_barrier->arrive_and_wait(); }
+
+inline float __shfl_xor_sync(unsigned, float v, int mask) {
+  const unsigned t = threadIdx.x;
+  auto& warp = *emu::warp_barriers[t / 32];
+  emu::lanes[t] = v;
+  warp.arrive_and_wait();
+  const float r = emu::lanes[(t & ~31u) | ((t & 31u) ^ (unsigned)mask)];
+  warp.arrive_and_wait();
+  return r;
+}
+
+using std::max;
+using std::min;
+
+struct __nv_bfloat16 {
+  uint16_t bits;
+};
+
+inline float __bfloat162float(__nv_bfloat16 h) {
+  const uint32_t u = uint32_t(h.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// Round to nearest, ties to even; NaN stays NaN.
+inline __nv_bfloat16 __float2bfloat16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if (std::isnan(f)) return {uint16_t(0x7fc0)};
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return {uint16_t(u >> 16)};
+}
+
+namespace emu {
+// Runs `kernel` over `grid` blocks of `block.x` threads (1-D blocks, a multiple of 32 threads).
+template <class... P, class... A>
+void launch(void (*kernel)(P...), dim3 grid, dim3 block, A... args) {
+  gridDim = grid;
+  blockDim = block;
+  const unsigned n = block.x;
+  for (unsigned z = 0; z < grid.z; ++z)
+    for (unsigned y = 0; y < grid.y; ++y)
+      for (unsigned x = 0; x < grid.x; ++x) {
+        blockIdx = {x, y, z};
+        std::barrier<> bar(n);
+        block_barrier = &bar;
+        warp_barriers.clear();
+        for (unsigned w = 0; w < (n + 31) / 32; ++w)
+          warp_barriers.push_back(std::make_unique<std::barrier<>>(std::min(32u, n - w * 32)));
+        lanes.assign(n, 0.0f);
+        std::vector<std::thread> threads;
+        for (unsigned t = 0; t < n; ++t)
+          threads.emplace_back([=] {
+            threadIdx = {t, 0, 0};
+            kernel(P(args)...);
+          });
+        for (auto& t : threads) t.join();
+      }
+}
+}  // namespace emu

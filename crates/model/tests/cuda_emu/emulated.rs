@@ -1,0 +1,289 @@
+//! Sluice's CUDA training kernels (`crates/model/kernels`) compiled as C++ over an emulation of
+//! the CUDA execution model (`emu.h`: a thread per CUDA thread, barriers for `__syncthreads` and
+//! warp shuffles) and run on the CPU, launched as on a GPU, against the fused CPU ops in f64:
+//! values and gradients, in f32 and in bf16. The GPU check (`scripts/gpu-check`) runs the same
+//! kernels on the device; this finds indexing, masking and arithmetic errors without one.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use candle_core::{DType, Tensor, Var};
+use sluice_model::fused::{self, AttentionHeads, Segments};
+
+use super::{prefix_rows, rand, segment_rows};
+
+/// The harness, compiled once per test process with `$CXX` (default `c++`, C++20).
+fn harness() -> &'static Path {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| {
+        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/cuda_emu/harness.cpp");
+        let bin = Path::new(env!("CARGO_TARGET_TMPDIR")).join("cuda-emu-harness");
+        let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
+        let out = Command::new(&cxx)
+            .args([
+                "-O1",
+                "-std=c++20",
+                "-pthread",
+                "-Wno-unknown-pragmas",
+                "-o",
+            ])
+            .arg(&bin)
+            .arg(&src)
+            .output()
+            .unwrap_or_else(|e| panic!("cannot run `{cxx}` (a C++20 compiler; set CXX): {e}"));
+        assert!(
+            out.status.success(),
+            "{cxx} failed on {}:\n{}",
+            src.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        bin
+    })
+}
+
+enum In<'a> {
+    Floats(&'a Tensor),
+    Words(&'a [u32]),
+}
+
+/// Runs `op` in `dtype` (F32 or BF16) on `inputs`; the outputs as one f32 vector.
+fn emulate(op: &str, dtype: DType, inputs: &[In<'_>], args: &[String]) -> Vec<f32> {
+    static CALL: AtomicUsize = AtomicUsize::new(0);
+    let tmp = Path::new(env!("CARGO_TARGET_TMPDIR"));
+    let id = format!(
+        "{}-{}",
+        std::process::id(),
+        CALL.fetch_add(1, Ordering::Relaxed)
+    );
+    let (inp, outp) = (
+        tmp.join(format!("emu-{id}.in")),
+        tmp.join(format!("emu-{id}.out")),
+    );
+    let mut bytes = Vec::new();
+    for i in inputs {
+        match i {
+            In::Floats(t) => {
+                let v: Vec<f32> = t
+                    .to_dtype(DType::F32)
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1()
+                    .unwrap();
+                v.iter()
+                    .for_each(|x| bytes.extend_from_slice(&x.to_le_bytes()));
+            }
+            In::Words(w) => w
+                .iter()
+                .for_each(|x| bytes.extend_from_slice(&x.to_le_bytes())),
+        }
+    }
+    std::fs::File::create(&inp)
+        .unwrap()
+        .write_all(&bytes)
+        .unwrap();
+    let dt = if dtype == DType::BF16 { "bf16" } else { "f32" };
+    let out = Command::new(harness())
+        .args([op, dt])
+        .arg(&inp)
+        .arg(&outp)
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{op}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let raw = std::fs::read(&outp).unwrap();
+    let _ = (std::fs::remove_file(&inp), std::fs::remove_file(&outp));
+    raw.chunks_exact(4)
+        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+        .collect()
+}
+
+/// Inputs as the kernels see them: rounded to `dtype`, then widened to f64 for the reference.
+fn inputs(shapes: &[&[usize]], seed: u64, dtype: DType) -> Vec<Tensor> {
+    shapes
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            rand(s, seed + i as u64, DType::F32)
+                .to_dtype(dtype)
+                .unwrap()
+                .to_dtype(DType::F64)
+                .unwrap()
+        })
+        .collect()
+}
+
+/// Largest difference of `got` from `want`, relative to `want`'s largest magnitude.
+fn err(got: &[f32], want: &Tensor) -> f64 {
+    let want: Vec<f64> = want.flatten_all().unwrap().to_vec1().unwrap();
+    assert_eq!(got.len(), want.len(), "lengths");
+    let scale = want.iter().fold(0f64, |m, x| m.max(x.abs()));
+    let diff = got
+        .iter()
+        .zip(&want)
+        .fold(0f64, |m, (a, b)| m.max((f64::from(*a) - b).abs()));
+    diff / scale
+}
+
+/// `(forward, gradients of Σ out ⊙ r)` of `op` on `xs` in f64 on the CPU.
+fn reference(xs: &[Tensor], r: &Tensor, op: &dyn Fn(&[Tensor]) -> Tensor) -> (Tensor, Vec<Tensor>) {
+    let vars: Vec<Var> = xs.iter().map(|t| Var::from_tensor(t).unwrap()).collect();
+    let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+    let out = op(&ts);
+    let grads = (&out * r).unwrap().sum_all().unwrap().backward().unwrap();
+    let g = ts.iter().map(|t| grads.get(t).unwrap().clone()).collect();
+    (out, g)
+}
+
+/// f32 kernels agree with f64 to rounding; bf16 ones to bf16's 8 bits (inputs rounded alike).
+fn tol(dtype: DType) -> f64 {
+    if dtype == DType::BF16 { 1.5e-2 } else { 2e-5 }
+}
+
+fn check(what: &str, dtype: DType, got: &[f32], want: &Tensor) {
+    let e = err(got, want);
+    assert!(e < tol(dtype), "{what} ({dtype:?}): {e:e} from the CPU op");
+}
+
+#[test]
+fn emulated_norm_swiglu_and_rope_kernels_match_the_cpu_ops() {
+    for dtype in [DType::F32, DType::BF16] {
+        // Rows narrower and wider than a block of 256 threads.
+        for (rows, d) in [(3, 40), (70, 300)] {
+            let xs = inputs(&[&[rows, d], &[d], &[rows, d]], 1, dtype);
+            let (y, g) = reference(&xs[..2], &xs[2], &|t| {
+                fused::rms_norm(&t[0], &t[1], 1e-6).unwrap()
+            });
+            let args = [rows.to_string(), d.to_string(), "1e-6".into()];
+            let f = emulate(
+                "rms_fwd",
+                dtype,
+                &[In::Floats(&xs[0]), In::Floats(&xs[1])],
+                &args,
+            );
+            check("rms norm", dtype, &f, &y);
+            let b = emulate(
+                "rms_bwd",
+                dtype,
+                &[In::Floats(&xs[0]), In::Floats(&xs[1]), In::Floats(&xs[2])],
+                &args,
+            );
+            check("rms norm dx", dtype, &b[..rows * d], &g[0]);
+            check("rms norm dw", dtype, &b[rows * d..], &g[1]);
+        }
+        let n = 1000;
+        let xs = inputs(&[&[n], &[n], &[n]], 7, dtype);
+        let (y, g) = reference(&xs[..2], &xs[2], &|t| fused::swiglu(&t[0], &t[1]).unwrap());
+        let f = emulate(
+            "swiglu_fwd",
+            dtype,
+            &[In::Floats(&xs[0]), In::Floats(&xs[1])],
+            &[n.to_string()],
+        );
+        check("swiglu", dtype, &f, &y);
+        let b = emulate(
+            "swiglu_bwd",
+            dtype,
+            &[In::Floats(&xs[0]), In::Floats(&xs[1]), In::Floats(&xs[2])],
+            &[n.to_string()],
+        );
+        check("swiglu d gate", dtype, &b[..n], &g[0]);
+        check("swiglu d up", dtype, &b[n..], &g[1]);
+        let (rows, heads, d) = (5, 3, 8);
+        let xs = inputs(
+            &[
+                &[rows, heads * d],
+                &[rows, d / 2],
+                &[rows, d / 2],
+                &[rows, heads * d],
+            ],
+            11,
+            dtype,
+        );
+        let (y, g) = reference(&xs[..1], &xs[3], &|t| {
+            fused::rope(&t[0], &xs[1], &xs[2], d).unwrap()
+        });
+        let args = |sign: &str| {
+            [
+                rows.to_string(),
+                (heads * d).to_string(),
+                d.to_string(),
+                sign.to_string(),
+            ]
+        };
+        let f = emulate(
+            "rope",
+            dtype,
+            &[In::Floats(&xs[0]), In::Floats(&xs[1]), In::Floats(&xs[2])],
+            &args("1"),
+        );
+        check("rope", dtype, &f, &y);
+        // The backward is the rotation by minus the angles, applied to the output's gradient.
+        let b = emulate(
+            "rope",
+            dtype,
+            &[In::Floats(&xs[3]), In::Floats(&xs[1]), In::Floats(&xs[2])],
+            &args("-1"),
+        );
+        check("rope backward", dtype, &b, &g[0]);
+    }
+}
+
+#[test]
+fn emulated_attention_kernels_match_the_cpu_op() {
+    // GQA and plain heads; rows shorter and longer than a block (64 queries, 32 at d = 128).
+    let cases = [
+        (2, 9, 4, 2, 16),
+        (2, 70, 2, 1, 32),
+        (1, 130, 4, 2, 64),
+        (1, 40, 2, 2, 128),
+    ];
+    for dtype in [DType::F32, DType::BF16] {
+        for (k, &(b, l, h, kv, d)) in cases.iter().enumerate() {
+            let heads = AttentionHeads {
+                heads: h,
+                kv_heads: kv,
+                head_dim: d,
+            };
+            let plain = (segment_rows(b, l, k), vec![0; b * l]);
+            for (seg, prefix) in [plain, prefix_rows(b, l, k)] {
+                let segments =
+                    std::sync::Arc::new(Segments::with_prefixes(b, l, &seg, &prefix).unwrap());
+                let n = b * l;
+                let xs = inputs(
+                    &[&[n, h * d], &[n, kv * d], &[n, kv * d], &[n, h * d]],
+                    20 + k as u64,
+                    dtype,
+                );
+                let (o, g) = reference(&xs[..3], &xs[3], &|t| {
+                    fused::attention(&t[0], &t[1], &t[2], &segments, heads).unwrap()
+                });
+                let args = [b, l, h, kv, d, usize::from(segments.runs())].map(|x| x.to_string());
+                let ins = [
+                    In::Floats(&xs[0]),
+                    In::Floats(&xs[1]),
+                    In::Floats(&xs[2]),
+                    In::Floats(&xs[3]),
+                    In::Words(segments.ids()),
+                    In::Words(segments.prefixes()),
+                    In::Words(segments.first()),
+                ];
+                let out = emulate("attention", dtype, &ins, &args);
+                let what = |p: &str| format!("attention {p}, case {k}, runs {}", segments.runs());
+                let (qn, kn) = (n * h * d, n * kv * d);
+                check(&what("output"), dtype, &out[..qn], &o);
+                let rest = &out[qn + n * h..];
+                check(&what("dq"), dtype, &rest[..qn], &g[0]);
+                check(&what("dk"), dtype, &rest[qn..qn + kn], &g[1]);
+                check(&what("dv"), dtype, &rest[qn + kn..], &g[2]);
+            }
+        }
+    }
+}

@@ -1,0 +1,176 @@
+// Runs one of Sluice's training kernels under the emulation of emu.h, launched as
+// crates/model/src/fused/device.rs launches it on a GPU (the same grids and blocks):
+//
+//   harness OP DTYPE IN OUT ARGS...
+//
+// IN holds the op's inputs one after another, floats as f32 (rounded to bf16 here when DTYPE is
+// bf16) and slot arrays as u32; OUT receives its outputs, floats as f32. Used by
+// crates/model/tests/fused_ops.rs.
+#include "emu.h"
+
+#include "../../kernels/attention.cu"
+#include "../../kernels/fused.cu"
+
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+static FILE* in_file;
+static FILE* out_file;
+
+template <class T>
+std::vector<T> floats(size_t n) {
+  std::vector<float> f(n);
+  if (fread(f.data(), 4, n, in_file) != n) { fprintf(stderr, "short input\n"); exit(2); }
+  std::vector<T> v(n);
+  for (size_t i = 0; i < n; ++i) {
+    if constexpr (std::is_same_v<T, float>) v[i] = f[i];
+    else v[i] = __float2bfloat16(f[i]);
+  }
+  return v;
+}
+
+std::vector<unsigned> words(size_t n) {
+  std::vector<unsigned> v(n);
+  if (fread(v.data(), 4, n, in_file) != n) { fprintf(stderr, "short input\n"); exit(2); }
+  return v;
+}
+
+template <class T>
+void put(const std::vector<T>& v) {
+  for (const T& x : v) {
+    float f;
+    if constexpr (std::is_same_v<T, float>) f = x;
+    else f = __bfloat162float(x);
+    fwrite(&f, 4, 1, out_file);
+  }
+}
+
+static unsigned blocks(unsigned long long n, unsigned per) {
+  return (unsigned)std::min<unsigned long long>((n + per - 1) / per, 4096);
+}
+
+// device.rs: NORM_THREADS, DW_CHUNK_ROWS, ELEMENTWISE_THREADS.
+constexpr unsigned THREADS = 256, CHUNK_ROWS = 64;
+
+template <class T, int D>
+void attention(void (*fwd)(const T*, const T*, const T*, const unsigned*, const unsigned*,
+                           const unsigned*, int, T*, float*, unsigned, unsigned, unsigned, float),
+               void (*kv)(const T*, const T*, const T*, const T*, const float*, const float*,
+                          const unsigned*, const unsigned*, const unsigned*, int, T*, T*, unsigned,
+                          unsigned, unsigned, float),
+               void (*dq)(const T*, const T*, const T*, const T*, const float*, const float*,
+                          const unsigned*, const unsigned*, const unsigned*, int, T*, unsigned,
+                          unsigned, unsigned, float),
+               void (*delta)(const T*, const T*, float*, unsigned, unsigned, unsigned, u64),
+               unsigned B, unsigned L, unsigned H, unsigned KV, int runs) {
+  const size_t N = (size_t)B * L;
+  auto q = floats<T>(N * H * D), k = floats<T>(N * KV * D), v = floats<T>(N * KV * D),
+       g = floats<T>(N * H * D);
+  auto seg = words(N), prefix = words(N), first = words(N);
+  const float scale = 1.0f / std::sqrt((float)D);
+  const unsigned R = Tile<D>::ROWS, tiles = (L + R - 1) / R;
+  std::vector<T> o(N * H * D), gq(N * H * D), gk(N * KV * D), gv(N * KV * D);
+  std::vector<float> lse(N * H), dl(N * H);
+  emu::launch(fwd, dim3(tiles, B * H), dim3(R), q.data(), k.data(), v.data(), seg.data(),
+              prefix.data(), first.data(), runs, o.data(), lse.data(), L, H, KV, scale);
+  emu::launch(delta, dim3(blocks(N * H * 32, THREADS)), dim3(THREADS), o.data(), g.data(),
+              dl.data(), L, H, (unsigned)D, (u64)(N * H));
+  emu::launch(kv, dim3(tiles, B * KV), dim3(R), q.data(), k.data(), v.data(), g.data(), lse.data(),
+              dl.data(), seg.data(), prefix.data(), first.data(), runs, gk.data(), gv.data(), L, H,
+              KV, scale);
+  emu::launch(dq, dim3(tiles, B * H), dim3(R), q.data(), k.data(), v.data(), g.data(), lse.data(),
+              dl.data(), seg.data(), prefix.data(), first.data(), runs, gq.data(), L, H, KV, scale);
+  put(o);
+  put(lse);
+  put(gq);
+  put(gk);
+  put(gv);
+}
+
+#define ATTN(T, S, D) \
+  attention<T, D>(attn_fwd_##S##_##D, attn_bwd_kv_##S##_##D, attn_bwd_q_##S##_##D, attn_delta_##S, B, L, H, KV, runs)
+
+template <class T>
+void run(const std::string& op, char** a, bool bf);
+
+int main(int argc, char** argv) {
+  if (argc < 5) {
+    fprintf(stderr, "usage: harness OP f32|bf16 IN OUT ARGS...\n");
+    return 2;
+  }
+  in_file = fopen(argv[3], "rb");
+  out_file = fopen(argv[4], "wb");
+  if (!in_file || !out_file) { perror("open"); return 2; }
+  const std::string op = argv[1], dtype = argv[2];
+  if (dtype == "f32") run<float>(op, argv + 5, false);
+  else run<bf16>(op, argv + 5, true);
+  fclose(out_file);
+  return 0;
+}
+
+#define PICK(name) (bf ? (void*)name##_bf16 : (void*)name##_f32)
+
+template <class T>
+void run(const std::string& op, char** a, bool bf) {
+  auto u = [&](int i) { return (unsigned)strtoul(a[i], nullptr, 10); };
+  auto f = [&](int i) { return strtof(a[i], nullptr); };
+  if (op == "rms_fwd") {
+    const unsigned rows = u(0), d = u(1);
+    auto x = floats<T>((size_t)rows * d), w = floats<T>(d);
+    std::vector<T> y(x.size());
+    auto k = (void (*)(const T*, const T*, T*, unsigned, float))PICK(rms_fwd);
+    emu::launch(k, dim3(rows), dim3(THREADS), x.data(), w.data(), y.data(), d, f(2));
+    put(y);
+  } else if (op == "rms_bwd") {
+    const unsigned rows = u(0), d = u(1), chunks = (rows + CHUNK_ROWS - 1) / CHUNK_ROWS;
+    auto x = floats<T>((size_t)rows * d), w = floats<T>(d), g = floats<T>((size_t)rows * d);
+    std::vector<T> dx(x.size()), dw(d);
+    std::vector<float> inv(rows), part((size_t)chunks * d);
+    auto kdx = (void (*)(const T*, const T*, const T*, T*, float*, unsigned, float))PICK(rms_bwd_dx);
+    auto kpart = (void (*)(const T*, const T*, const float*, float*, unsigned, unsigned, unsigned))PICK(rms_bwd_dw_part);
+    auto ksum = (void (*)(const float*, T*, unsigned, unsigned))PICK(rms_bwd_dw_sum);
+    emu::launch(kdx, dim3(rows), dim3(THREADS), x.data(), w.data(), g.data(), dx.data(), inv.data(), d, f(2));
+    emu::launch(kpart, dim3((d + THREADS - 1) / THREADS, chunks), dim3(THREADS), x.data(), g.data(),
+                inv.data(), part.data(), rows, d, CHUNK_ROWS);
+    emu::launch(ksum, dim3((d + THREADS - 1) / THREADS), dim3(THREADS), part.data(), dw.data(), chunks, d);
+    put(dx);
+    put(dw);
+  } else if (op == "swiglu_fwd" || op == "swiglu_bwd") {
+    const u64 n = u(0);
+    auto gate = floats<T>(n), up = floats<T>(n);
+    if (op == "swiglu_fwd") {
+      std::vector<T> out(n);
+      auto k = (void (*)(const T*, const T*, T*, u64))PICK(swiglu_fwd);
+      emu::launch(k, dim3(blocks(n, THREADS)), dim3(THREADS), gate.data(), up.data(), out.data(), n);
+      put(out);
+    } else {
+      auto g = floats<T>(n);
+      std::vector<T> grads(2 * n);
+      auto k = (void (*)(const T*, const T*, const T*, T*, u64))PICK(swiglu_bwd);
+      emu::launch(k, dim3(blocks(n, THREADS)), dim3(THREADS), gate.data(), up.data(), g.data(), grads.data(), n);
+      put(grads);
+    }
+  } else if (op == "rope") {
+    const unsigned rows = u(0), width = u(1), d = u(2);
+    auto x = floats<T>((size_t)rows * width), c = floats<T>((size_t)rows * d / 2), s = floats<T>((size_t)rows * d / 2);
+    std::vector<T> y(x.size());
+    auto k = (void (*)(const T*, const T*, const T*, T*, u64, unsigned, unsigned, float))PICK(rope);
+    emu::launch(k, dim3(blocks((u64)rows * width / 2, THREADS)), dim3(THREADS), x.data(), c.data(), s.data(),
+                y.data(), (u64)rows, width, d, f(3));
+    put(y);
+  } else if (op == "attention") {
+    const unsigned B = u(0), L = u(1), H = u(2), KV = u(3), D = u(4);
+    const int runs = (int)u(5);
+    if constexpr (std::is_same_v<T, float>) {
+      if (D == 16) ATTN(float, f32, 16); else if (D == 32) ATTN(float, f32, 32);
+      else if (D == 64) ATTN(float, f32, 64); else ATTN(float, f32, 128);
+    } else {
+      if (D == 16) ATTN(bf16, bf16, 16); else if (D == 32) ATTN(bf16, bf16, 32);
+      else if (D == 64) ATTN(bf16, bf16, 64); else ATTN(bf16, bf16, 128);
+    }
+  } else {
+    fprintf(stderr, "unknown op %s\n", op.c_str());
+    exit(2);
+  }
+}
