@@ -7,6 +7,9 @@
 //! - On a GPU, the engine's token choice on the device (`sample.cu`) against the CPU sampler on
 //!   the same logits and uniform draws, the CPU's time including the copy of the logits to the
 //!   host: tokens agreeing and the largest log-prob difference.
+//! - On a GPU, the training forward's fused ops (RMSNorm, SwiGLU, RoPE, attention over packed
+//!   segments: Sluice's CUDA kernels) against candle's composition on the same device, forward
+//!   and backward, f32 and bf16 ([`training`]).
 //! - On a CPU with AMX, the engine's bf16 tile products ([`sluice_model::amx`]) against the f32
 //!   product of the same shapes (64 rows, as a decode step of 64 sequences), each weight
 //!   streamed from memory: the largest difference relative to the row's largest sum.
@@ -19,6 +22,8 @@ use std::time::Instant;
 
 use sluice_model::candle::{DType, Device, Tensor, Var};
 use sluice_trainer::adamw_kernel::{Update, apply, compose};
+
+mod training;
 
 /// `sluice bench kernels`
 #[derive(Debug, clap::Args)]
@@ -42,6 +47,7 @@ pub fn run(args: &BenchKernelsArgs) -> anyhow::Result<ExitCode> {
     let mut failed = u32::from(!adamw(&device, args.adamw_elements, &mut result)?);
     if device.is_cuda() {
         failed += u32::from(!sampling(&device, &mut result)?);
+        failed += u32::from(!training::compare(&device, &mut result)?);
     } else if sluice_model::amx::available() {
         failed += u32::from(!amx_products(&mut result)?);
     }

@@ -30,6 +30,18 @@ pub const ADAMW: Module = Module {
     ptx: include_str!(concat!(env!("OUT_DIR"), "/adamw.ptx")),
 };
 
+/// The training forward's fused ops: RMSNorm, SwiGLU, RoPE (`crate::fused`, on a GPU).
+pub const FUSED: Module = Module {
+    name: "sluice-fused",
+    ptx: include_str!(concat!(env!("OUT_DIR"), "/fused.ptx")),
+};
+
+/// Attention over packed segments, forward and backward (`crate::fused::attention` on a GPU).
+pub const ATTENTION: Module = Module {
+    name: "sluice-attention",
+    ptx: include_str!(concat!(env!("OUT_DIR"), "/attention.ptx")),
+};
+
 /// Token choice over rows of logits (`sample_rows_f32`), for [`sample_rows`].
 pub const SAMPLE: Module = Module {
     name: "sluice-sample",

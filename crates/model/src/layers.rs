@@ -282,7 +282,11 @@ impl LayerWeights {
         // The fused op for training (it has a backward) and for inference too: one pass with
         // a vectorised exp, where candle's `silu` then `mul` were two passes, libm's `expf` per
         // element and a barrier-pool split (about 40 % of the quickstart engine's samples).
-        let fused = kernels != Kernels::Differentiable && crate::fused::supported(&gate);
+        let fused = match kernels {
+            Kernels::Differentiable => false,
+            Kernels::Fused => crate::fused::supported(&gate),
+            Kernels::Custom => kernels.custom_for(&gate),
+        };
         let act = if fused {
             crate::fused::swiglu(&gate, &up)?
         } else {

@@ -20,14 +20,15 @@ pub enum Kernels {
     /// candle-nn's fused kernels: faster, no gradients (inference).
     Fused,
     /// Sluice's fused ops with hand-written backward ([`crate::fused`]) for f32/f64 tensors on
-    /// the CPU, [`Kernels::Differentiable`] for anything else (bf16, CUDA): the training default.
+    /// the CPU and f32/bf16 ones on a GPU, [`Kernels::Differentiable`] for anything else (bf16
+    /// on the CPU): the training default.
     Custom,
 }
 
 impl Kernels {
     /// Whether the fused training kernels serve tensors like `t` under this choice.
     pub fn custom_for(self, t: &Tensor) -> bool {
-        self == Kernels::Custom && crate::fused::supported(t)
+        self == Kernels::Custom && (crate::fused::supported(t) || crate::fused::on_device(t))
     }
 }
 
@@ -45,9 +46,8 @@ pub(crate) fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64, kernels: Kernels) 
     match kernels {
         // Sluice's kernel on the CPU: candle-nn's splits every call over the thread pool, and
         // waking it costs more than a decode step's few rows take.
-        Kernels::Fused | Kernels::Custom if crate::fused::supported(x) => {
-            crate::fused::rms_norm(x, weight, eps)
-        }
+        Kernels::Fused if crate::fused::supported(x) => crate::fused::rms_norm(x, weight, eps),
+        Kernels::Custom if kernels.custom_for(x) => crate::fused::rms_norm(x, weight, eps),
         Kernels::Fused => candle_nn::ops::rms_norm(&x.contiguous()?, weight, eps as f32),
         Kernels::Differentiable | Kernels::Custom => {
             let dtype = x.dtype();

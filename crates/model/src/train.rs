@@ -134,10 +134,19 @@ impl TrainableModel {
         self.compute
     }
 
-    /// Whether this model's forward runs the fused kernels (its dtype and device allow them,
-    /// and it computes in its parameters' dtype).
+    /// Whether this model's forward runs the fused ops: on the CPU when it computes in its
+    /// parameters' dtype (f32, f64); on a GPU in f32 or bf16, for heads the attention kernels
+    /// take ([`crate::fused::on_device`]).
     fn custom(&self) -> bool {
-        self.compute == self.dtype() && self.kernels.custom_for(&self.weights.embed)
+        let embed = &self.weights.embed;
+        if !self.kernels.custom_for(embed) {
+            return false;
+        }
+        if crate::fused::supported(embed) {
+            return self.compute == self.dtype();
+        }
+        matches!(self.compute, DType::F32 | DType::BF16)
+            && crate::fused::on_device_head_dim(self.config.head_dim)
     }
 
     /// Layer `i`'s weights in the compute dtype.
@@ -322,7 +331,7 @@ impl TrainableModel {
         segments: &Arc<Segments>,
     ) -> Result<Tensor> {
         let c = &self.config;
-        let layer = &self.weights.layers[i];
+        let layer = self.layer_weights(i).ctx(&format!("layer {i} weights"))?;
         let step = || -> candle_core::Result<Tensor> {
             let qkv = layer.qkv_flat(x, c)?;
             let q = crate::fused::rope(&qkv.q, &inputs.cos, &inputs.sin, c.head_dim)?;

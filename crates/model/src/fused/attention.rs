@@ -32,6 +32,9 @@ pub struct Segments {
     /// Every segment is one run of slots and none continues a prefix (always so for
     /// [`crate::PackedBatch::from_rows`]); if not, keys inside `[first, i]` are checked one by one.
     runs: bool,
+    /// The slot arrays on a GPU, uploaded by the first layer that needs them.
+    #[cfg(feature = "cuda")]
+    device: super::device::DeviceSlots,
 }
 
 impl Segments {
@@ -93,7 +96,14 @@ impl Segments {
             prefixes: prefix_ids.to_vec(),
             first,
             runs,
+            #[cfg(feature = "cuda")]
+            device: Default::default(),
         })
+    }
+
+    #[cfg(feature = "cuda")]
+    pub(super) fn device_slots(&self) -> &super::device::DeviceSlots {
+        &self.device
     }
 
     /// Per slot (row-major, `batch · len`), the first slot of its row that its query may see.
@@ -327,6 +337,26 @@ impl CustomOp3 for Attention {
         }
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let seg = &*self.segments;
+        let (o, lse) = super::device::attention((s1, l1), (s2, l2), (s3, l3), seg, self.heads)?;
+        let _ = self.lse.set(lse);
+        let (b, l) = seg.shape();
+        Ok((
+            o,
+            Shape::from((b * l, self.heads.heads * self.heads.head_dim)),
+        ))
+    }
+
     fn bwd(
         &self,
         q: &Tensor,
@@ -335,6 +365,16 @@ impl CustomOp3 for Attention {
         res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        #[cfg(feature = "cuda")]
+        if super::device::supported(q) {
+            let Some(lse) = self.lse.get() else {
+                candle_core::bail!("attention: backward before forward")
+            };
+            let g = grad.contiguous()?;
+            let [dq, dk, dv] =
+                super::device::attention_bwd([q, k, v], res, lse, &g, &self.segments, self.heads)?;
+            return Ok((Some(dq), Some(dk), Some(dv)));
+        }
         let [dq, dk, dv] = match q.dtype() {
             DType::F32 => self.grads::<f32>([q, k, v], res, grad)?,
             _ => self.grads::<f64>([q, k, v], res, grad)?,

@@ -131,6 +131,18 @@ impl CustomOp2 for RmsNorm {
         })
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let y = super::device::rms_norm(s1, l1, s2, l2, self.eps)?;
+        Ok((y, l1.shape().clone()))
+    }
+
     fn bwd(
         &self,
         x: &Tensor,
@@ -138,6 +150,11 @@ impl CustomOp2 for RmsNorm {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        #[cfg(feature = "cuda")]
+        if super::device::supported(x) {
+            let (dx, dw) = super::device::rms_norm_bwd(x, w, &grad.contiguous()?, self.eps)?;
+            return Ok((x.track_op().then_some(dx), w.track_op().then_some(dw)));
+        }
         fn run<T: Real>(
             x: &Tensor,
             w: &Tensor,
@@ -280,6 +297,17 @@ impl CustomOp2 for SwiGlu {
         })
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        Ok((super::device::swiglu(s1, l1, s2, l2)?, l1.shape().clone()))
+    }
+
     fn bwd(
         &self,
         gate: &Tensor,
@@ -287,6 +315,11 @@ impl CustomOp2 for SwiGlu {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        #[cfg(feature = "cuda")]
+        if super::device::supported(gate) {
+            let (dgate, dup) = super::device::swiglu_bwd(gate, up, &grad.contiguous()?)?;
+            return Ok((Some(dgate), Some(dup)));
+        }
         fn run<T: Real>(
             gate: &Tensor,
             up: &Tensor,

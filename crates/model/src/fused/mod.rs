@@ -10,11 +10,14 @@
 //! head transposes) and the attention mask taken from segment ids instead of an `(L, L)` tensor
 //! cut most of that.
 //!
-//! The kernels handle f32 and f64 on the CPU ([`supported`]); every other dtype or device (bf16,
-//! CUDA) keeps the composition. Every backward is checked against central finite differences in
+//! The kernels handle f32 and f64 on the CPU ([`supported`]). On a GPU ([`on_device`]: f32 and
+//! bf16) RMSNorm, SwiGLU, RoPE and attention run Sluice's CUDA kernels (`kernels/fused.cu`,
+//! `kernels/attention.cu`, launched by `device.rs`) and linear layers candle's products. Every backward is checked against central finite differences in
 //! f64 and against the composition (`crates/model/tests/fused_ops.rs`).
 
 mod attention;
+#[cfg(feature = "cuda")]
+mod device;
 mod elementwise;
 mod head;
 #[cfg(target_arch = "x86_64")]
@@ -38,6 +41,34 @@ pub use rope::rope;
 /// Whether the fused kernels handle tensors like `t` (f32 or f64 on the CPU).
 pub fn supported(t: &Tensor) -> bool {
     matches!(t.device(), Device::Cpu) && matches!(t.dtype(), DType::F32 | DType::F64)
+}
+
+/// Whether RMSNorm, SwiGLU, RoPE and attention run Sluice's CUDA kernels on tensors like `t`
+/// (f32 or bf16 on a GPU, in a `cuda` build); the linear layers and the token scores keep
+/// candle's ops (cuBLAS) there.
+pub fn on_device(t: &Tensor) -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        device::supported(t)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = t;
+        false
+    }
+}
+
+/// Whether the attention kernels on a GPU take heads of `head_dim` (16, 32, 64 or 128).
+pub fn on_device_head_dim(head_dim: usize) -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        device::attention_head_dim(head_dim)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = head_dim;
+        false
+    }
 }
 
 /// The float types the kernels are written for (f32, f64).

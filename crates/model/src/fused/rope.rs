@@ -81,8 +81,33 @@ impl CustomOp1 for Rope {
         })
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        if s.dtype() != self.cos.dtype() {
+            candle_core::bail!("rope: x {:?} vs tables {:?}", s.dtype(), self.cos.dtype())
+        }
+        let y = super::device::rope(s, l, &self.cos, &self.sin, self.head_dim, 1.0)?;
+        Ok((y, l.shape().clone()))
+    }
+
     fn bwd(&self, x: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         let g = grad.contiguous()?;
+        #[cfg(feature = "cuda")]
+        if super::device::supported(&g) {
+            // The transpose of the rotation: by minus the angles.
+            let (s, l) = g.storage_and_layout();
+            let candle_core::Storage::Cuda(s) = &*s else {
+                candle_core::bail!("rope: the gradient is not on the GPU")
+            };
+            let dx = super::device::rope(s, l, &self.cos, &self.sin, self.head_dim, -1.0)?;
+            let dx = candle_core::Storage::Cuda(dx);
+            let op = candle_core::op::BackpropOp::none();
+            return Ok(Some(Tensor::from_storage(dx, x.shape().clone(), op, false)));
+        }
         let (gs, gl) = g.storage_and_layout();
         let dx = match g.dtype() {
             DType::F32 => tensor(

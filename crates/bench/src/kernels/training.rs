@@ -1,0 +1,236 @@
+//! On a GPU, the training forward's fused ops (Sluice's CUDA kernels: RMSNorm, SwiGLU, RoPE,
+//! attention over packed segments) against candle's composition of elementary ops on the same
+//! device, forward and backward, in f32 and bf16, at the medium preset's shapes (Qwen2.5-0.5B:
+//! 8 rows of 512, hidden 896, 14 heads of 64 over 2 kv heads, MLP 4864): values and gradients
+//! agreeing, and the time of a forward and backward of each.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use sluice_model::candle::{D, DType, Device, Result as CResult, Tensor, Var};
+use sluice_model::fused::{self, AttentionHeads, Segments};
+
+const ROWS: usize = 8;
+const LEN: usize = 512;
+const HIDDEN: usize = 896;
+const MLP: usize = 4864;
+const HEADS: AttentionHeads = AttentionHeads {
+    heads: 14,
+    kv_heads: 2,
+    head_dim: 64,
+};
+/// Timed forward + backward passes per path (after one untimed).
+const REPS: usize = 5;
+
+type Op<'a> = dyn Fn(&[Tensor]) -> CResult<Tensor> + 'a;
+/// An op's name, inputs, fused form and composition.
+type Case<'a> = (&'static str, Vec<Tensor>, Box<Op<'a>>, Box<Op<'a>>);
+
+/// The checks and timings of every op and dtype; false when any disagrees with the composition.
+pub(super) fn compare(device: &Device, result: &mut Vec<String>) -> anyhow::Result<bool> {
+    let mut ok = true;
+    let (seg, prefix) = grpo_rows();
+    let segments = Arc::new(Segments::with_prefixes(ROWS, LEN, &seg, &prefix)?);
+    let n = ROWS * LEN;
+    let (h, kv, d) = (HEADS.heads, HEADS.kv_heads, HEADS.head_dim);
+    for dtype in [DType::F32, DType::BF16] {
+        let tag = if dtype == DType::BF16 { "bf16" } else { "f32" };
+        let x = |shape: &[usize], seed: u64| random(shape, seed, dtype, device);
+        let cases: Vec<Case<'_>> = vec![
+            (
+                "rms_norm",
+                vec![x(&[n, HIDDEN], 1)?, (x(&[HIDDEN], 2)? + 1.0)?],
+                Box::new(|t: &[Tensor]| fused::rms_norm(&t[0], &t[1], 1e-6)),
+                Box::new(|t: &[Tensor]| rms_composed(&t[0], &t[1], 1e-6)),
+            ),
+            (
+                "swiglu",
+                vec![x(&[n, MLP], 3)?, x(&[n, MLP], 4)?],
+                Box::new(|t: &[Tensor]| fused::swiglu(&t[0], &t[1])),
+                Box::new(|t: &[Tensor]| t[0].silu()? * &t[1]),
+            ),
+            (
+                "rope",
+                vec![x(&[n, h * d], 5)?, x(&[n, d / 2], 6)?, x(&[n, d / 2], 7)?],
+                Box::new(move |t: &[Tensor]| fused::rope(&t[0], &t[1].detach(), &t[2].detach(), d)),
+                Box::new(move |t: &[Tensor]| {
+                    rope_composed(&t[0], &t[1].detach(), &t[2].detach(), d)
+                }),
+            ),
+            (
+                "attention",
+                vec![
+                    x(&[n, h * d], 8)?,
+                    x(&[n, kv * d], 9)?,
+                    x(&[n, kv * d], 10)?,
+                ],
+                Box::new(|t: &[Tensor]| fused::attention(&t[0], &t[1], &t[2], &segments, HEADS)),
+                Box::new(|t: &[Tensor]| attention_composed(t, (&seg, &prefix))),
+            ),
+        ];
+        for (name, inputs, fused_op, composed_op) in &cases {
+            // RoPE's tables are not differentiated: only its first input is compared.
+            let grads = if *name == "rope" { 1 } else { inputs.len() };
+            let (fused_out, fused_grads, fused_ms) = run(inputs, fused_op, device)?;
+            let (comp_out, comp_grads, comp_ms) = run(inputs, composed_op, device)?;
+            let mut err = rel_err(&fused_out, &comp_out)?;
+            for (a, b) in fused_grads.iter().zip(&comp_grads).take(grads) {
+                err = err.max(rel_err(a, b)?);
+            }
+            let tol = if dtype == DType::BF16 { 3e-2 } else { 1e-4 };
+            let agrees = err <= tol;
+            ok &= agrees;
+            println!(
+                "{name} ({tag}), forward + backward: fused {fused_ms:.3} ms, composition {comp_ms:.3} ms ({:.2}x); largest difference {err:.2e} (at most {tol:e}){}",
+                comp_ms / fused_ms,
+                if agrees { "" } else { ": FAILED" }
+            );
+            result.extend([
+                format!("fused_{name}_{tag}_speedup={:.3}", comp_ms / fused_ms),
+                format!("fused_{name}_{tag}_err={err:.3e}"),
+            ]);
+        }
+    }
+    Ok(ok)
+}
+
+/// Output, input gradients of `Σ out ⊙ R` and the median time of a forward and backward.
+fn run(
+    inputs: &[Tensor],
+    op: &Op<'_>,
+    device: &Device,
+) -> anyhow::Result<(Tensor, Vec<Tensor>, f64)> {
+    let vars: Vec<Var> = inputs
+        .iter()
+        .map(Var::from_tensor)
+        .collect::<Result<_, _>>()?;
+    let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+    let mut times = Vec::new();
+    let mut last = None;
+    for rep in 0..=REPS {
+        device.synchronize()?;
+        let start = Instant::now();
+        let out = op(&ts)?;
+        let r = random(out.dims(), 99, out.dtype(), device)?;
+        let grads = (&out * &r)?.sum_all()?.backward()?;
+        device.synchronize()?;
+        if rep > 0 {
+            times.push(start.elapsed().as_secs_f64() * 1e3);
+        }
+        last = Some((out, grads));
+    }
+    let (out, grads) = last.expect("at least one pass");
+    let g = ts
+        .iter()
+        .map(|t| {
+            grads
+                .get(t)
+                .cloned()
+                .unwrap_or_else(|| t.zeros_like().expect("zeros"))
+        })
+        .collect();
+    times.sort_by(f64::total_cmp);
+    Ok((out, g, times[times.len() / 2]))
+}
+
+/// A deterministic tensor with entries in [-1, 1).
+fn random(shape: &[usize], seed: u64, dtype: DType, device: &Device) -> anyhow::Result<Tensor> {
+    let n: usize = shape.iter().product();
+    let v: Vec<f32> = (0..n as u64)
+        .map(|i| {
+            let h = sluice_core::rng::splitmix(seed.wrapping_mul(0x9E37_79B9) ^ i);
+            (h >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+        })
+        .collect();
+    Ok(Tensor::from_vec(v, shape, device)?.to_dtype(dtype)?)
+}
+
+fn rel_err(a: &Tensor, b: &Tensor) -> anyhow::Result<f64> {
+    let a = a.to_dtype(DType::F32)?.flatten_all()?;
+    let b = b.to_dtype(DType::F32)?.flatten_all()?;
+    let diff = (a - &b)?.abs()?.max(0)?.to_scalar::<f32>()?;
+    let scale = b.abs()?.max(0)?.to_scalar::<f32>()?;
+    Ok(f64::from(diff / scale.max(f32::MIN_POSITIVE)))
+}
+
+/// Packed GRPO rows: a 64-slot prompt shared by four 112-slot completions.
+fn grpo_rows() -> (Vec<u32>, Vec<u32>) {
+    let mut seg = Vec::with_capacity(ROWS * LEN);
+    let mut prefix = Vec::with_capacity(ROWS * LEN);
+    for _ in 0..ROWS {
+        for i in 0..LEN {
+            if i < 64 {
+                seg.push(1);
+                prefix.push(0);
+            } else {
+                seg.push(2 + ((i - 64) / 112) as u32);
+                prefix.push(1);
+            }
+        }
+    }
+    (seg, prefix)
+}
+
+fn rms_composed(x: &Tensor, w: &Tensor, eps: f64) -> CResult<Tensor> {
+    let xf = x.to_dtype(DType::F32)?;
+    let inv = (xf.sqr()?.mean_keepdim(D::Minus1)? + eps)?
+        .sqrt()?
+        .recip()?;
+    xf.broadcast_mul(&inv)?
+        .to_dtype(x.dtype())?
+        .broadcast_mul(w)
+}
+
+/// "Rotate half" over `(N, heads·d)` rows, tables `(N, d/2)`.
+fn rope_composed(x: &Tensor, cos: &Tensor, sin: &Tensor, d: usize) -> CResult<Tensor> {
+    let (n, width) = x.dims2()?;
+    let x = x.reshape((n, width / d, d))?;
+    let half = d / 2;
+    let (x1, x2) = (x.narrow(2, 0, half)?, x.narrow(2, half, half)?);
+    let (c, s) = (cos.reshape((n, 1, half))?, sin.reshape((n, 1, half))?);
+    let r1 = (x1.broadcast_mul(&c)? - x2.broadcast_mul(&s)?)?;
+    let r2 = (x2.broadcast_mul(&c)? + x1.broadcast_mul(&s)?)?;
+    Tensor::cat(&[r1, r2], 2)?.reshape((n, width))
+}
+
+/// The trainer's composition: products in the inputs' dtype, the mask and softmax in f32.
+fn attention_composed(t: &[Tensor], (seg, prefix): (&[u32], &[u32])) -> CResult<Tensor> {
+    let (b, l) = (ROWS, LEN);
+    let AttentionHeads {
+        heads: h,
+        kv_heads: kv,
+        head_dim: d,
+    } = HEADS;
+    let mut mask = vec![f32::NEG_INFINITY; b * l * l];
+    for r in 0..b {
+        for i in 0..l {
+            for j in 0..=i {
+                let (si, sj, pi) = (seg[r * l + i], seg[r * l + j], prefix[r * l + i]);
+                if si == sj || (pi != 0 && sj == pi) {
+                    mask[(r * l + i) * l + j] = 0.0;
+                }
+            }
+        }
+    }
+    let device = t[0].device();
+    let mask = Tensor::from_vec(mask, (b, 1, l, l), device)?;
+    let split = |x: &Tensor, n: usize| x.reshape((b, l, n, d))?.transpose(1, 2)?.contiguous();
+    let repeat = |x: Tensor| -> CResult<Tensor> {
+        x.unsqueeze(2)?
+            .broadcast_as((b, kv, h / kv, l, d))?
+            .contiguous()?
+            .reshape((b, h, l, d))
+    };
+    let q = split(&t[0], h)?;
+    let k = repeat(split(&t[1], kv)?)?;
+    let v = repeat(split(&t[2], kv)?)?;
+    let s = (q.matmul(&k.t()?)? / (d as f64).sqrt())?
+        .to_dtype(DType::F32)?
+        .broadcast_add(&mask)?;
+    let m = s.max_keepdim(D::Minus1)?.detach();
+    let e = s.broadcast_sub(&m)?.exp()?;
+    let p = e
+        .broadcast_div(&e.sum_keepdim(D::Minus1)?)?
+        .to_dtype(t[0].dtype())?;
+    p.matmul(&v)?.transpose(1, 2)?.reshape((b * l, h * d))
+}
