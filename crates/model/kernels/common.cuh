@@ -32,3 +32,15 @@ __device__ __forceinline__ float block_sum(float v) {
   for (unsigned w = 0; w < blockDim.x / 32; ++w) s += part[w];
   return s;
 }
+
+// The largest of one value per thread, returned to every thread (as `block_sum`).
+__device__ __forceinline__ float block_max(float v) {
+  __shared__ float part[32];
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  __syncthreads();
+  if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = v;
+  __syncthreads();
+  float m = -INFINITY;
+  for (unsigned w = 0; w < blockDim.x / 32; ++w) m = fmaxf(m, part[w]);
+  return m;
+}

@@ -42,6 +42,13 @@ pub const ATTENTION: Module = Module {
     ptx: include_str!(concat!(env!("OUT_DIR"), "/attention.ptx")),
 };
 
+/// The token scores' rows: log p(target) and entropy, and their logits' gradient
+/// (`crate::scores` on a GPU).
+pub const SCORES: Module = Module {
+    name: "sluice-scores",
+    ptx: include_str!(concat!(env!("OUT_DIR"), "/scores.ptx")),
+};
+
 /// Token choice over rows of logits (`sample_rows_f32`), for [`sample_rows`].
 pub const SAMPLE: Module = Module {
     name: "sluice-sample",

@@ -74,6 +74,49 @@ fn chunk_values(
     Ok((logp, target_logp, entropy))
 }
 
+/// One chunk's `(log p(target), entropy)` columns: on a GPU the logits' product then one kernel
+/// per row ([`crate::fused::on_device`]), elsewhere [`chunk_values`].
+fn chunk_scores(
+    h: &Tensor,
+    w: &Tensor,
+    targets: &Tensor,
+    inv_temperature: f64,
+) -> candle_core::Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if crate::fused::on_device(h) {
+        let logits = h.matmul(&w.t()?)?;
+        return crate::fused::device::token_scores(&logits, targets, inv_temperature);
+    }
+    let (_, target_logp, entropy) = chunk_values(h, w, targets, inv_temperature)?;
+    Tensor::cat(&[target_logp, entropy], 1)
+}
+
+/// One chunk's gradient with respect to its logits (before the 1/T scaling's chain rule is
+/// applied: it is included), in the product dtype `pdt`, for the output gradient `g` `(c, 2)`.
+fn chunk_logit_grads(
+    h: &Tensor,
+    w: &Tensor,
+    targets: &Tensor,
+    g: &Tensor,
+    inv_temperature: f64,
+) -> candle_core::Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if crate::fused::on_device(h) {
+        let logits = h.matmul(&w.t()?)?;
+        let g = g.to_dtype(candle_core::DType::F32)?.contiguous()?;
+        return crate::fused::device::token_score_grads(&logits, targets, &g, inv_temperature);
+    }
+    let g_logp = g.narrow(1, 0, 1)?.contiguous()?;
+    let g_ent = g.narrow(1, 1, 1)?;
+    let (logp, _, entropy) = chunk_values(h, w, targets, inv_temperature)?;
+    let p = logp.exp()?;
+    // G = −p ⊙ (g_logp + g_H (log p + H)), then + g_logp at the target column.
+    let inner = logp.broadcast_add(&entropy)?.broadcast_mul(&g_ent)?;
+    let gz = (p.mul(&inner.broadcast_add(&g_logp)?)? * -1.0)?;
+    // Gradient with respect to the scaled logits, then through the 1/T scaling.
+    (gz.scatter_add(&targets.unsqueeze(1)?, &g_logp, 1)? * inv_temperature)?.to_dtype(h.dtype())
+}
+
 fn forward_values(
     hidden: &Tensor,
     head: &Tensor,
@@ -88,8 +131,7 @@ fn forward_values(
         let len = chunk_rows.min(n - start);
         let h = hidden.narrow(0, start, len)?;
         let t = targets.narrow(0, start, len)?;
-        let (_, target_logp, entropy) = chunk_values(&h, &w, &t, inv_temperature)?;
-        parts.push(Tensor::cat(&[target_logp, entropy], 1)?);
+        parts.push(chunk_scores(&h, &w, &t, inv_temperature)?);
     }
     Tensor::cat(&parts, 0)
 }
@@ -171,16 +213,7 @@ impl CustomOp2 for TokenScoreOp {
             let h = hidden.narrow(0, start, len)?;
             let t = self.targets.narrow(0, start, len)?;
             let g = grad_res.narrow(0, start, len)?;
-            let g_logp = g.narrow(1, 0, 1)?.contiguous()?;
-            let g_ent = g.narrow(1, 1, 1)?;
-            let (logp, _, entropy) = chunk_values(&h, &w, &t, self.inv_temperature)?;
-            let p = logp.exp()?;
-            // G = −p ⊙ (g_logp + g_H (log p + H)), then + g_logp at the target column.
-            let inner = logp.broadcast_add(&entropy)?.broadcast_mul(&g_ent)?;
-            let gz = (p.mul(&inner.broadcast_add(&g_logp)?)? * -1.0)?;
-            // Gradient with respect to the scaled logits, then through the 1/T scaling.
-            let gz = (gz.scatter_add(&t.unsqueeze(1)?, &g_logp, 1)? * self.inv_temperature)?
-                .to_dtype(pdt)?;
+            let gz = chunk_logit_grads(&h, &w, &t, &g, self.inv_temperature)?;
             grad_h.push(gz.matmul(&w)?);
             grad_w = (grad_w + gz.t()?.matmul(&h)?.to_dtype(cdt)?)?;
         }

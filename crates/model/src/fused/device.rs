@@ -1,6 +1,7 @@
 //! The fused training ops on a CUDA device (`cuda` builds): launches of Sluice's kernels
-//! `kernels/fused.cu` (RMSNorm, SwiGLU, RoPE) and `kernels/attention.cu` (attention over packed
-//! segments) for f32 and bf16 tensors, forward and backward. The mathematics is the CPU ops';
+//! `kernels/fused.cu` (RMSNorm, SwiGLU, RoPE), `kernels/attention.cu` (attention over packed
+//! segments) and `kernels/scores.cu` (the token scores' rows) for f32 and bf16 tensors, forward
+//! and backward. The mathematics is the CPU ops';
 //! `crates/model/tests/cuda_emu` runs the same kernels, launched as here, on the CPU.
 
 use std::sync::OnceLock;
@@ -14,7 +15,7 @@ use candle_core::op::BackpropOp;
 use candle_core::{DType, Device, Layout, Result, Shape, Storage, Tensor, bail};
 
 use super::attention::{AttentionHeads, Segments};
-use crate::kernels::{ATTENTION, FUSED};
+use crate::kernels::{ATTENTION, FUSED, SCORES};
 
 /// Threads of a norm's row and of the elementwise kernels (`THREADS` in the emulation harness).
 const THREADS: u32 = 256;
@@ -438,5 +439,64 @@ pub(crate) fn attention_bwd(
         a.arg(&mut dq).arg(&g.l).arg(&g.h).arg(&g.kv).arg(&g.scale);
         launch(a, config((g.tiles(), g.b * g.h), g.rows))?;
         Ok([tensor(dq, dev, q.shape()), tensor(dk, dev, k.shape()), tensor(dv, dev, v.shape())])
+    })
+}
+
+/// Per row of `logits (rows, V)`: `[log p(target), entropy]` of `softmax(logits · inv_t)`, as
+/// an f32 `(rows, 2)` tensor (`kernels/scores.cu`).
+pub(crate) fn token_scores(logits: &Tensor, targets: &Tensor, inv_t: f64) -> Result<Tensor> {
+    let (rows, vocab) = logits.dims2()?;
+    let logits = logits.contiguous()?;
+    let guards = [&logits, targets].map(|t| t.storage_and_layout());
+    let [(zs, zl), (ts, tl)] = &guards;
+    let (zs, ts) = (cuda_of(zs)?, cuda_of(ts)?);
+    let dev = &zs.device;
+    let (rows32, v32, inv_t) = (
+        u32_of(rows, "rows")?,
+        u32_of(vocab, "vocabulary")?,
+        inv_t as f32,
+    );
+    let tv = view::<u32>(ts, tl)?;
+    by_dtype!(logits.dtype(), T => {
+        let zv = view::<T>(zs, zl)?;
+        let mut out = output::<f32>(dev, 2 * rows)?;
+        let f = SCORES.function(dev, &format!("scores_fwd_{}", suffix(logits.dtype())))?;
+        let stream = dev.cuda_stream();
+        let mut a = stream.launch_builder(&f);
+        a.arg(&zv).arg(&tv).arg(&mut out).arg(&v32).arg(&inv_t);
+        launch(a, config((rows32, 1), THREADS))?;
+        Ok(tensor(out, dev, &Shape::from((rows, 2))))
+    })
+}
+
+/// The gradient with respect to `logits` (in their dtype) for the output gradient `grad`, f32
+/// `(rows, 2)`, of [`token_scores`], the `1/T` of the scaling included.
+pub(crate) fn token_score_grads(
+    logits: &Tensor,
+    targets: &Tensor,
+    grad: &Tensor,
+    inv_t: f64,
+) -> Result<Tensor> {
+    let (rows, vocab) = logits.dims2()?;
+    let logits = logits.contiguous()?;
+    let guards = [&logits, targets, grad].map(|t| t.storage_and_layout());
+    let [(zs, zl), (ts, tl), (gs, gl)] = &guards;
+    let (zs, ts, gs) = (cuda_of(zs)?, cuda_of(ts)?, cuda_of(gs)?);
+    let dev = &zs.device;
+    let (rows32, v32, inv_t) = (
+        u32_of(rows, "rows")?,
+        u32_of(vocab, "vocabulary")?,
+        inv_t as f32,
+    );
+    let (tv, gv) = (view::<u32>(ts, tl)?, view::<f32>(gs, gl)?);
+    by_dtype!(logits.dtype(), T => {
+        let zv = view::<T>(zs, zl)?;
+        let mut gz = output::<T>(dev, rows * vocab)?;
+        let f = SCORES.function(dev, &format!("scores_bwd_{}", suffix(logits.dtype())))?;
+        let stream = dev.cuda_stream();
+        let mut a = stream.launch_builder(&f);
+        a.arg(&zv).arg(&tv).arg(&gv).arg(&mut gz).arg(&v32).arg(&inv_t);
+        launch(a, config((rows32, 1), THREADS))?;
+        Ok(tensor(gz, dev, logits.shape()))
     })
 }

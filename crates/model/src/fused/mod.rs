@@ -17,7 +17,7 @@
 
 mod attention;
 #[cfg(feature = "cuda")]
-mod device;
+pub(crate) mod device;
 mod elementwise;
 mod head;
 #[cfg(target_arch = "x86_64")]

@@ -287,3 +287,48 @@ fn emulated_attention_kernels_match_the_cpu_op() {
         }
     }
 }
+
+#[test]
+fn emulated_token_score_kernels_match_the_composition() {
+    // A vocabulary narrower than a block of 256 threads, and one over several strides.
+    for dtype in [DType::F32, DType::BF16] {
+        for (rows, vocab, temperature) in [(3usize, 106usize, 1.0f64), (5, 1000, 0.7)] {
+            let xs = inputs(&[&[rows, vocab], &[rows, 2]], 40, dtype);
+            let logits = (&xs[0] * 4.0).unwrap();
+            // The upstream gradient is f32 whatever the logits' dtype.
+            let grad = rand(&[rows, 2], 41, DType::F64);
+            let targets: Vec<u32> = (0..rows).map(|r| ((r * 37 + 5) % vocab) as u32).collect();
+            let t = Tensor::new(targets.as_slice(), &candle_core::Device::Cpu).unwrap();
+            let (want, g) = reference(std::slice::from_ref(&logits), &grad, &|x| {
+                let z = (&x[0] / temperature).unwrap();
+                let logp = candle_nn::ops::log_softmax(&z, 1).unwrap();
+                let target = logp.gather(&t.unsqueeze(1).unwrap(), 1).unwrap();
+                let entropy = (logp.exp().unwrap() * &logp)
+                    .unwrap()
+                    .sum_keepdim(1)
+                    .unwrap()
+                    .neg()
+                    .unwrap();
+                Tensor::cat(&[target, entropy], 1).unwrap()
+            });
+            let args = [
+                rows.to_string(),
+                vocab.to_string(),
+                (1.0 / temperature).to_string(),
+            ];
+            let out = emulate(
+                "scores",
+                dtype,
+                &[In::Floats(&logits), In::Words(&targets), In::Floats(&grad)],
+                &args,
+            );
+            check("token scores", dtype, &out[..rows * 2], &want);
+            check(
+                "token scores' logit gradient",
+                dtype,
+                &out[rows * 2..],
+                &g[0],
+            );
+        }
+    }
+}

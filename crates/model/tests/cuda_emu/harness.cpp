@@ -10,6 +10,7 @@
 
 #include "../../kernels/attention.cu"
 #include "../../kernels/fused.cu"
+#include "../../kernels/scores.cu"
 
 #include <cstdio>
 #include <cstdlib>
@@ -169,6 +170,19 @@ void run(const std::string& op, char** a, bool bf) {
       if (D == 16) ATTN(bf16, bf16, 16); else if (D == 32) ATTN(bf16, bf16, 32);
       else if (D == 64) ATTN(bf16, bf16, 64); else ATTN(bf16, bf16, 128);
     }
+  } else if (op == "scores") {
+    const unsigned rows = u(0), V = u(1);
+    auto logits = floats<T>((size_t)rows * V);
+    auto targets = words(rows);
+    auto grad = floats<float>((size_t)rows * 2);
+    std::vector<float> out((size_t)rows * 2);
+    std::vector<T> gz((size_t)rows * V);
+    auto fwd = (void (*)(const T*, const unsigned*, float*, unsigned, float))PICK(scores_fwd);
+    auto bwd = (void (*)(const T*, const unsigned*, const float*, T*, unsigned, float))PICK(scores_bwd);
+    emu::launch(fwd, dim3(rows), dim3(THREADS), logits.data(), targets.data(), out.data(), V, f(2));
+    emu::launch(bwd, dim3(rows), dim3(THREADS), logits.data(), targets.data(), grad.data(), gz.data(), V, f(2));
+    put(out);
+    put(gz);
   } else {
     fprintf(stderr, "unknown op %s\n", op.c_str());
     exit(2);
