@@ -4,6 +4,8 @@
 //! - AdamW in place (`adamw.cu` on a GPU, the in-place CPU kernel on the CPU) against the
 //!   composition of candle ops on the same device, and against the CPU kernel: every element
 //!   rounds the same way, so the weights and moments must agree to the bit.
+//! - On a GPU, AdamW for every parameter of a step in one launch against a launch per parameter
+//!   (290 parameters of uneven sizes): the bits must agree.
 //! - On a GPU, the engine's token choice on the device (`sample.cu`) against the CPU sampler on
 //!   the same logits and uniform draws, the CPU's time including the copy of the logits to the
 //!   host: tokens agreeing and the largest log-prob difference.
@@ -21,7 +23,7 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use sluice_model::candle::{DType, Device, Tensor, Var};
-use sluice_trainer::adamw_kernel::{Update, apply, compose};
+use sluice_trainer::adamw_kernel::{Operands, Update, apply, apply_many, compose};
 
 mod training;
 
@@ -46,6 +48,7 @@ pub fn run(args: &BenchKernelsArgs) -> anyhow::Result<ExitCode> {
     let mut result = Vec::new();
     let mut failed = u32::from(!adamw(&device, args.adamw_elements, &mut result)?);
     if device.is_cuda() {
+        failed += u32::from(!adamw_many(&device, args.adamw_elements, &mut result)?);
         failed += u32::from(!sampling(&device, &mut result)?);
         failed += u32::from(!training::compare(&device, &mut result)?);
     } else if sluice_model::amx::available() {
@@ -139,6 +142,77 @@ fn adamw(device: &Device, n: usize, result: &mut Vec<String>) -> anyhow::Result<
         format!("adamw_bit_mismatches={}", vs_composition + vs_cpu),
     ]);
     Ok(vs_composition == 0 && vs_cpu == 0)
+}
+
+/// Parameters the many-parameter AdamW is timed on: about Qwen2.5-0.5B's count.
+const ADAMW_PARAMS: usize = 290;
+
+/// On a GPU: one launch for every parameter of a step against a launch per parameter, on `n`
+/// elements split over [`ADAMW_PARAMS`] parameters of uneven sizes; the bits must agree.
+fn adamw_many(device: &Device, n: usize, result: &mut Vec<String>) -> anyhow::Result<bool> {
+    // Sizes 1, 2, 3, … in proportion, as a model's norms and projections differ.
+    let weights: usize = (1..=ADAMW_PARAMS).sum();
+    let sizes: Vec<usize> = (1..=ADAMW_PARAMS)
+        .map(|k| (n * k / weights).max(1))
+        .collect();
+    let run = |together: bool| -> anyhow::Result<(Vec<Tensor>, f64)> {
+        let mut state = Vec::new();
+        for (k, &len) in sizes.iter().enumerate() {
+            let p = Tensor::randn(0f32, 1.0, len, device)?;
+            let g = (Tensor::randn(0f32, 1.0, len, device)? * (k as f64 + 1.0).recip())?;
+            let zeros = || Tensor::zeros(len, DType::F32, device);
+            state.push((Var::from_tensor(&p)?, zeros()?, zeros()?, g));
+        }
+        let step = |state: &mut Vec<(Var, Tensor, Tensor, Tensor)>, t: i32| -> anyhow::Result<()> {
+            if together {
+                let ops = state
+                    .iter_mut()
+                    .enumerate()
+                    .map(|(i, (p, m, v, g))| (i, Operands { master: p, m, v, g }))
+                    .collect();
+                apply_many(ops, update(t))?;
+            } else {
+                for (p, m, v, g) in state.iter_mut() {
+                    apply(p, m, v, g, update(t))?;
+                }
+            }
+            Ok(())
+        };
+        // The first step loads the kernels' modules: not timed.
+        step(&mut state, 1)?;
+        device.synchronize()?;
+        let start = Instant::now();
+        for t in 2..=ADAMW_STEPS + 1 {
+            step(&mut state, t)?;
+        }
+        device.synchronize()?;
+        let ms = start.elapsed().as_secs_f64() * 1e3 / f64::from(ADAMW_STEPS);
+        let mut out = Vec::new();
+        for (p, m, v, _) in state {
+            out.extend([p.as_tensor().copy()?, m, v]);
+        }
+        Ok((out, ms))
+    };
+    // Both from the same random draws: the device's generator is reseeded first.
+    device.set_seed(7)?;
+    let (many, many_ms) = run(true)?;
+    device.set_seed(7)?;
+    let (each, each_ms) = run(false)?;
+    let mut differ = 0;
+    for (a, b) in many.iter().zip(&each) {
+        differ += bit_mismatches(a, b)?;
+    }
+    println!(
+        "adamw over {ADAMW_PARAMS} parameters, {n} f32 elements: one launch {many_ms:.3} ms/step, a launch per parameter {each_ms:.3} ms/step ({:.2}x); elements differing {differ}",
+        each_ms / many_ms
+    );
+    result.extend([
+        format!("adamw_many_ms={many_ms:.4}"),
+        format!("adamw_each_ms={each_ms:.4}"),
+        format!("adamw_many_speedup={:.2}", each_ms / many_ms),
+        format!("adamw_many_bit_mismatches={differ}"),
+    ]);
+    Ok(differ == 0)
 }
 
 /// Rows of the products: a decode step of 64 sequences.

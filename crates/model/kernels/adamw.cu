@@ -3,9 +3,7 @@
 // crates/trainer/src/adamw_kernel.rs, so both give the same bits. `x * c + 0` is written out
 // as the composition's `affine(c, 0)` computes it (it turns -0 into +0).
 
-#define GRID_STRIDE(i, n) \
-  for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < (n); \
-       i += (unsigned long long)blockDim.x * gridDim.x)
+#include "common.cuh"
 
 __device__ __forceinline__ float affine0(float x, float c) { return __fadd_rn(__fmul_rn(x, c), 0.0f); }
 
@@ -27,5 +25,32 @@ extern "C" __global__ void adamw_step_f32(float* p, const float* m, const float*
     float denom = __fadd_rn(__fmul_rn(__fsqrt_rn(affine0(v[i], c2)), 1.0f), eps);
     float adam = __fdiv_rn(affine0(m[i], c1), denom);
     p[i] = __fsub_rn(affine0(p[i], decay), affine0(adam, lr));
+  }
+}
+
+// Every parameter of a step in one launch: block b updates `chunk_len[b]` elements from element
+// `chunk_at[b]` of parameter `chunk_param[b]`, whose weights, moments and gradient are at the
+// device addresses p[.], m[.], v[.], g[.]. Each element takes the operations of the two kernels
+// above, in their order, so the bits are theirs.
+extern "C" __global__ void adamw_many_f32(const u64* p, const u64* m, const u64* v, const u64* g,
+                                          const unsigned* chunk_param, const u64* chunk_at,
+                                          const unsigned* chunk_len, float clip, float b1,
+                                          float nb1, float b2, float nb2, float c1, float c2,
+                                          float eps, float lr, float decay) {
+  const unsigned c = blockIdx.x, t = chunk_param[c];
+  const u64 at = chunk_at[c];
+  float* pp = (float*)p[t] + at;
+  float* mm = (float*)m[t] + at;
+  float* vv = (float*)v[t] + at;
+  const float* gg = (const float*)g[t] + at;
+  for (unsigned i = threadIdx.x; i < chunk_len[c]; i += blockDim.x) {
+    const float gi = affine0(gg[i], clip);
+    const float mi = __fadd_rn(affine0(mm[i], b1), affine0(gi, nb1));
+    const float vi = __fadd_rn(affine0(vv[i], b2), affine0(__fmul_rn(gi, gi), nb2));
+    mm[i] = mi;
+    vv[i] = vi;
+    const float denom = __fadd_rn(__fmul_rn(__fsqrt_rn(affine0(vi, c2)), 1.0f), eps);
+    const float adam = __fdiv_rn(affine0(mi, c1), denom);
+    pp[i] = __fsub_rn(affine0(pp[i], decay), affine0(adam, lr));
   }
 }

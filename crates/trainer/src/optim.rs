@@ -287,18 +287,29 @@ impl AdamW {
             lr,
             weight_decay: c.weight_decay,
         };
+        let mut updated = Vec::with_capacity(self.slots.len());
+        let mut operands = Vec::with_capacity(self.slots.len());
         for (i, slot) in self.slots.iter_mut().enumerate() {
             let Some(g) = grads.get(i) else { continue };
-            let mut update = || -> candle_core::Result<()> {
-                let master = slot.master.as_ref().unwrap_or(&slot.param);
-                crate::adamw_kernel::apply(master, &mut slot.m, &mut slot.v, g, u)?;
-                if slot.master.is_some() {
-                    slot.param
-                        .set(&master.as_tensor().to_dtype(slot.param.dtype())?)?;
-                }
-                Ok(())
+            updated.push(i);
+            let operands_of_i = crate::adamw_kernel::Operands {
+                master: slot.master.as_ref().unwrap_or(&slot.param),
+                m: &mut slot.m,
+                v: &mut slot.v,
+                g,
             };
-            update().ctx(|| format!("AdamW update of parameter {i}"))?;
+            operands.push((i, operands_of_i));
+        }
+        crate::adamw_kernel::apply_many(operands, u).ctx(|| "AdamW update".to_string())?;
+        for &i in &updated {
+            let slot = &self.slots[i];
+            if let Some(master) = &slot.master {
+                let copy = || {
+                    slot.param
+                        .set(&master.as_tensor().to_dtype(slot.param.dtype())?)
+                };
+                copy().ctx(|| format!("AdamW update of parameter {i}"))?;
+            }
         }
         self.step += 1;
         Ok(StepReport {

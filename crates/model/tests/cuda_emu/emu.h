@@ -54,6 +54,14 @@ inline float __shfl_xor_sync(unsigned, float v, int mask) {
 using std::max;
 using std::min;
 
+// IEEE operations rounded to nearest, each on its own (the harness is compiled without
+// contraction into fused multiply-adds).
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
+inline float __fsqrt_rn(float a) { return std::sqrt(a); }
+
 struct __nv_bfloat16 {
   uint16_t bits;
 };

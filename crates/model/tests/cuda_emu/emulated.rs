@@ -27,6 +27,7 @@ fn harness() -> &'static Path {
                 "-O1",
                 "-std=c++20",
                 "-pthread",
+                "-ffp-contract=off",
                 "-Wno-unknown-pragmas",
                 "-o",
             ])
@@ -331,4 +332,61 @@ fn emulated_token_score_kernels_match_the_composition() {
             );
         }
     }
+}
+
+#[test]
+fn emulated_many_parameter_adamw_matches_the_cpu_update_to_the_bit() {
+    // Parameters of one element, of a partial chunk and of two chunks (65,536 elements a block).
+    let sizes = [1usize, 300, 70_000];
+    let (clip, b1, b2, eps, lr, wd, t) = (0.37f64, 0.9f64, 0.999f64, 1e-8f64, 1e-3f64, 0.01f64, 3);
+    let (bc1, bc2) = (1.0 - b1.powi(t), 1.0 - b2.powi(t));
+    // As `adamw_kernel::Update` rounds its constants to f32.
+    let k = [
+        clip,
+        b1,
+        1.0 - b1,
+        b2,
+        1.0 - b2,
+        1.0 / bc1,
+        1.0 / bc2,
+        eps,
+        lr,
+        1.0 - lr * wd,
+    ]
+    .map(|x| x as f32);
+    let mut ins = Vec::new();
+    let mut want = Vec::new();
+    for (i, &n) in sizes.iter().enumerate() {
+        let [p, m, v, g] = [0, 1, 2, 3].map(|j| {
+            let t = rand(&[n], 60 + 4 * i as u64 + j, DType::F32);
+            // Second moments are non-negative.
+            if j == 2 { t.abs().unwrap() } else { t }
+        });
+        let vals = |t: &Tensor| -> Vec<f32> { t.to_vec1().unwrap() };
+        let (mut pv, mut mv, mut vv, gv) = (vals(&p), vals(&m), vals(&v), vals(&g));
+        // The CPU kernel's operations (crates/trainer/src/adamw_kernel.rs), each rounded to f32.
+        for e in 0..n {
+            let gi = gv[e] * k[0] + 0.0;
+            mv[e] = (mv[e] * k[1] + 0.0) + (gi * k[2] + 0.0);
+            vv[e] = (vv[e] * k[3] + 0.0) + (gi * gi * k[4] + 0.0);
+            let adam = (mv[e] * k[5] + 0.0) / ((vv[e] * k[6] + 0.0).sqrt() * 1.0 + k[7]);
+            pv[e] = (pv[e] * k[9] + 0.0) - (adam * k[8] + 0.0);
+        }
+        want.extend(pv.into_iter().chain(mv).chain(vv));
+        ins.extend([p, m, v, g]);
+    }
+    let inputs: Vec<In<'_>> = ins.iter().map(In::Floats).collect();
+    let args: Vec<String> = k
+        .iter()
+        .map(|x| format!("{x:e}"))
+        .chain(sizes.iter().map(|n| n.to_string()))
+        .collect();
+    let got = emulate("adamw_many", DType::F32, &inputs, &args);
+    let differ = got
+        .iter()
+        .zip(&want)
+        .filter(|(a, b)| a.to_bits() != b.to_bits())
+        .count();
+    assert_eq!(got.len(), want.len());
+    assert_eq!(differ, 0, "{differ} elements differ from the CPU update");
 }

@@ -8,6 +8,7 @@
 // crates/model/tests/fused_ops.rs.
 #include "emu.h"
 
+#include "../../kernels/adamw.cu"
 #include "../../kernels/attention.cu"
 #include "../../kernels/fused.cu"
 #include "../../kernels/scores.cu"
@@ -169,6 +170,41 @@ void run(const std::string& op, char** a, bool bf) {
     } else {
       if (D == 16) ATTN(bf16, bf16, 16); else if (D == 32) ATTN(bf16, bf16, 32);
       else if (D == 64) ATTN(bf16, bf16, 64); else ATTN(bf16, bf16, 128);
+    }
+  } else if (op == "adamw_many") {
+    // ARGS: the constants (clip b1 nb1 b2 nb2 c1 c2 eps lr decay), then each parameter's size;
+    // IN: every parameter's p, m, v, g in turn. OUT: every parameter's p, m, v.
+    float k[10];
+    for (int i = 0; i < 10; ++i) k[i] = f(i);
+    std::vector<std::vector<float>> ps, ms, vs, gs;
+    std::vector<u64> pa, ma, va, ga, chunk_at;
+    std::vector<unsigned> chunk_param, chunk_len;
+    for (int i = 10; a[i]; ++i) {
+      const size_t n = u(i);
+      ps.push_back(floats<float>(n));
+      ms.push_back(floats<float>(n));
+      vs.push_back(floats<float>(n));
+      gs.push_back(floats<float>(n));
+      // adamw_kernel.rs: CHUNK elements a block.
+      for (size_t at = 0; at < n; at += 65536) {
+        chunk_param.push_back(i - 10);
+        chunk_at.push_back(at);
+        chunk_len.push_back((unsigned)std::min<size_t>(65536, n - at));
+      }
+    }
+    for (size_t t = 0; t < ps.size(); ++t) {
+      pa.push_back((u64)ps[t].data());
+      ma.push_back((u64)ms[t].data());
+      va.push_back((u64)vs[t].data());
+      ga.push_back((u64)gs[t].data());
+    }
+    emu::launch(adamw_many_f32, dim3(chunk_param.size()), dim3(THREADS), pa.data(), ma.data(),
+                va.data(), ga.data(), chunk_param.data(), chunk_at.data(), chunk_len.data(), k[0],
+                k[1], k[2], k[3], k[4], k[5], k[6], k[7], k[8], k[9]);
+    for (size_t t = 0; t < ps.size(); ++t) {
+      put(ps[t]);
+      put(ms[t]);
+      put(vs[t]);
     }
   } else if (op == "scores") {
     const unsigned rows = u(0), V = u(1);
