@@ -49,6 +49,12 @@ pub const SCORES: Module = Module {
     ptx: include_str!(concat!(env!("OUT_DIR"), "/scores.ptx")),
 };
 
+/// The engine's attention over the paged KV pools (`crate::paged` on a GPU).
+pub const PAGED: Module = Module {
+    name: "sluice-paged",
+    ptx: include_str!(concat!(env!("OUT_DIR"), "/paged.ptx")),
+};
+
 /// Token choice over rows of logits (`sample_rows_f32`), for [`sample_rows`].
 pub const SAMPLE: Module = Module {
     name: "sluice-sample",

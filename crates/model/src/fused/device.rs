@@ -15,7 +15,7 @@ use candle_core::op::BackpropOp;
 use candle_core::{DType, Device, Layout, Result, Shape, Storage, Tensor, bail};
 
 use super::attention::{AttentionHeads, Segments};
-use crate::kernels::{ATTENTION, FUSED, SCORES};
+use crate::kernels::{ATTENTION, FUSED, PAGED, SCORES};
 
 /// Threads of a norm's row and of the elementwise kernels (`THREADS` in the emulation harness).
 const THREADS: u32 = 256;
@@ -498,5 +498,39 @@ pub(crate) fn token_score_grads(
         a.arg(&zv).arg(&tv).arg(&gv).arg(&mut gz).arg(&v32).arg(&inv_t);
         launch(a, config((rows32, 1), THREADS))?;
         Ok(tensor(gz, dev, logits.shape()))
+    })
+}
+
+/// The engine's attention over the paged pools (`kernels/paged.cu`): `q (rows, heads, d)`, the
+/// layer's `keys`/`values` pools `(blocks · kv_heads · block_tokens, d)` and the step's `meta`
+/// (`PagedKvCache::attention_meta`) → `(rows, heads · d)` in the pools' dtype.
+pub(crate) fn paged_attention(
+    q: &Tensor,
+    keys: &Tensor,
+    values: &Tensor,
+    meta: &Tensor,
+    (kv_heads, block_tokens): (usize, usize),
+    scale: f64,
+) -> Result<Tensor> {
+    let (rows, heads, d) = q.dims3()?;
+    let q = q.to_dtype(keys.dtype())?.contiguous()?;
+    let guards = [&q, keys, values, meta].map(|t| t.storage_and_layout());
+    let [(qs, ql), (ks, kl), (vs, vl), (ms, ml)] = &guards;
+    let (qs, ks, vs, ms) = (cuda_of(qs)?, cuda_of(ks)?, cuda_of(vs)?, cuda_of(ms)?);
+    let dev = &qs.device;
+    let r32 = u32_of(rows, "rows")?;
+    let dims = [heads, kv_heads, d, block_tokens].map(|x| x as u32);
+    let scale = scale as f32;
+    by_dtype!(keys.dtype(), T => {
+        let (qv, kv_, vv) = (view::<T>(qs, ql)?, view::<T>(ks, kl)?, view::<T>(vs, vl)?);
+        let mv = view::<u32>(ms, ml)?;
+        let mut out = output::<T>(dev, rows * heads * d)?;
+        let f = PAGED.function(dev, &format!("paged_attention_{}", suffix(keys.dtype())))?;
+        let stream = dev.cuda_stream();
+        let mut a = stream.launch_builder(&f);
+        a.arg(&qv).arg(&kv_).arg(&vv).arg(&mv).arg(&mut out).arg(&r32);
+        a.arg(&dims[0]).arg(&dims[1]).arg(&dims[2]).arg(&dims[3]).arg(&scale);
+        launch(a, config((r32, dims[0]), 32))?;
+        Ok(tensor(out, dev, &Shape::from((rows, heads * d))))
     })
 }

@@ -97,6 +97,9 @@ impl PagedSeq {
     }
 }
 
+/// The widest head the GPU's paged attention kernel takes (`32 · MAX_COLS` in paged.cu).
+const PAGED_GPU_MAX_HEAD_DIM: usize = 256;
+
 /// Blocks the pools start with (grown by doubling).
 const INITIAL_BLOCKS: usize = 64;
 
@@ -392,7 +395,12 @@ impl KvCache for PagedKvCache {
         layer: usize,
         scale: f64,
     ) -> Result<Option<Tensor>> {
-        if self.dtype != DType::F32 || !self.device.is_cpu() {
+        // The CPU's kernel takes f32 pools; the GPU's (a `cuda` build) f32 and bf16.
+        let on_gpu = cfg!(feature = "cuda")
+            && self.device.is_cuda()
+            && matches!(self.dtype, DType::F32 | DType::BF16)
+            && self.head_dim <= PAGED_GPU_MAX_HEAD_DIM;
+        if !on_gpu && (self.dtype != DType::F32 || !self.device.is_cpu()) {
             return Ok(None);
         }
         let NewTokens {
@@ -410,6 +418,13 @@ impl KvCache for PagedKvCache {
             let (index, _) = self.step_rows(seqs, news, false)?;
             self.write_rows(&index, layer, k, &v.contiguous()?)?;
             let (rows, heads, d) = q.dims3()?;
+            #[cfg(feature = "cuda")]
+            if on_gpu {
+                let meta = self.attention_meta(seqs, news)?;
+                let (kb, vb) = &self.pools[layer];
+                let geometry = (self.kv_heads, self.block_tokens);
+                return crate::fused::device::paged_attention(q, kb, vb, &meta, geometry, scale);
+            }
             // One query row per new token: its sequence's table, and the positions it sees.
             let mut tables: Vec<&[BlockId]> = Vec::with_capacity(rows);
             let mut visible = Vec::with_capacity(rows);

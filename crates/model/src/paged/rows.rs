@@ -21,6 +21,9 @@ pub(super) struct StepRows {
     /// `(B · kv_heads · T)`: every sequence's kv heads at positions `0..T`, padded with row 0,
     /// and `T`; built when first needed (the CPU's decode kernel reads the pools in place).
     read: Option<(Tensor, usize)>,
+    /// The GPU attention kernel's row tables ([`PagedKvCache::attention_meta`]).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    meta: Option<Tensor>,
 }
 
 /// Where a batch's new keys and values go in the pools.
@@ -140,6 +143,7 @@ impl PagedKvCache {
                     lens,
                     write,
                     read: None,
+                    meta: None,
                 });
                 self.step_rows.len() - 1
             }
@@ -168,6 +172,39 @@ impl PagedKvCache {
         Ok((r.write.clone(), r.read.clone()))
     }
 
+    /// For the GPU's attention over the pools (`kernels/paged.cu`): per query row (each new token
+    /// of `seqs`, in order) the start of its sequence's block table and the number of positions
+    /// it sees, then the tables, as one u32 tensor on the pools' device; built at the step's
+    /// first layer and reused by the later ones.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(super) fn attention_meta(
+        &mut self,
+        seqs: &[SeqId],
+        news: &[usize],
+    ) -> candle_core::Result<Tensor> {
+        self.step_rows(seqs, news, false)?;
+        let lens: Vec<usize> = seqs.iter().map(|q| self.seqs[q].len).collect();
+        let i = self
+            .step_rows
+            .iter()
+            .position(|r| r.seqs == seqs && r.news == news && r.lens == lens)
+            .expect("step_rows keeps the step's entry");
+        if let Some(meta) = &self.step_rows[i].meta {
+            return Ok(meta.clone());
+        }
+        let mut meta = Vec::with_capacity(2 * news.iter().sum::<usize>());
+        let mut tables: Vec<u32> = Vec::new();
+        for ((q, &len), &n) in seqs.iter().zip(&lens).zip(news) {
+            let start = tables.len() as u32;
+            tables.extend_from_slice(&self.seqs[q].blocks);
+            meta.extend((len + 1..=len + n).flat_map(|visible| [start, visible as u32]));
+        }
+        meta.extend(tables);
+        let meta = self.rows_tensor(meta)?;
+        self.step_rows[i].meta = Some(meta.clone());
+        Ok(meta)
+    }
+
     /// Writes new keys and values (`k`, `v`: `(tokens, kv_heads, head_dim)`) of `layer` at the
     /// pool rows `writes` (from [`PagedKvCache::step_rows`]), in place, in the pools' dtype.
     pub(super) fn write_rows(
@@ -193,5 +230,48 @@ impl PagedKvCache {
     fn rows_tensor(&self, rows: Vec<u32>) -> candle_core::Result<Tensor> {
         let n = rows.len();
         Tensor::from_vec(rows, n, &self.device)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{DType, Device};
+    use sluice_core::PolicyVersion;
+
+    use crate::cache::KvCache;
+    use crate::presets::{Preset, preset_config};
+
+    use super::PagedKvCache;
+
+    /// Two sequences, one with 5 cached tokens adding a prompt of 2, one adding its first token:
+    /// a row per new token naming its table's start and how many positions it sees, then the
+    /// tables; the same tensor for every layer of the step.
+    #[test]
+    fn attention_meta_lists_each_rows_table_and_visible_positions() {
+        let config = preset_config(Preset::Tiny);
+        let mut cache = PagedKvCache::new(&config, DType::F32, &Device::Cpu, 16, 4).unwrap();
+        let v = PolicyVersion(0);
+        cache.begin_step(1, &[1, 2, 3, 4, 5], v).unwrap();
+        // Five tokens count as cached once the last layer commits them.
+        for layer in 0..config.num_layers {
+            cache.commit(layer, 1, 5);
+        }
+        cache.begin_step(1, &[6, 7], v).unwrap();
+        cache.begin_step(2, &[9], v).unwrap();
+        let meta = cache.attention_meta(&[1, 2], &[2, 1]).unwrap();
+        let meta: Vec<u32> = meta.to_vec1().unwrap();
+        let (t1, t2) = (cache.block_table(1).to_vec(), cache.block_table(2).to_vec());
+        assert_eq!(t1.len(), 2, "7 tokens in blocks of 4");
+        let start2 = t1.len() as u32;
+        let mut want = vec![0, 6, 0, 7, start2, 1];
+        want.extend(t1);
+        want.extend(t2);
+        assert_eq!(meta, want);
+        let again: Vec<u32> = cache
+            .attention_meta(&[1, 2], &[2, 1])
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        assert_eq!(again, meta);
     }
 }

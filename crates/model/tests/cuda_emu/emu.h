@@ -51,6 +51,16 @@ inline float __shfl_xor_sync(unsigned, float v, int mask) {
   return r;
 }
 
+inline float __shfl_sync(unsigned, float v, int src) {
+  const unsigned t = threadIdx.x;
+  auto& warp = *emu::warp_barriers[t / 32];
+  emu::lanes[t] = v;
+  warp.arrive_and_wait();
+  const float r = emu::lanes[(t & ~31u) | ((unsigned)src & 31u)];
+  warp.arrive_and_wait();
+  return r;
+}
+
 using std::max;
 using std::min;
 

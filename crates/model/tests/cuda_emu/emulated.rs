@@ -390,3 +390,96 @@ fn emulated_many_parameter_adamw_matches_the_cpu_update_to_the_bit() {
     assert_eq!(got.len(), want.len());
     assert_eq!(differ, 0, "{differ} elements differ from the CPU update");
 }
+
+#[test]
+fn emulated_paged_attention_kernel_matches_a_dense_softmax() {
+    // Rows of four sequences over a pool of 4-token blocks, one adding a prompt of three tokens
+    // (three rows, each seeing one more key), one over more than a warp's 32 keys; GQA; head
+    // dims below, at and over a warp's 32 columns.
+    for dtype in [DType::F32, DType::BF16] {
+        for (heads, kv, d) in [(4usize, 2usize, 16usize), (2, 1, 32), (3, 3, 72)] {
+            let bt = 4;
+            let long: Vec<u32> = (8..19).rev().collect();
+            let tables: [&[u32]; 4] = [&[5, 1, 7], &[0], &[2, 6, 3, 4], &long];
+            let pool_blocks = 19;
+            // (sequence, visible length) per query row; the last over 32 keys (a warp's).
+            let rows = [(0usize, 9usize), (1, 3), (2, 11), (2, 12), (2, 13), (3, 41)];
+            let r = rows.len();
+            let xs = inputs(
+                &[
+                    &[r, heads * d],
+                    &[pool_blocks * kv * bt, d],
+                    &[pool_blocks * kv * bt, d],
+                ],
+                70 + d as u64,
+                dtype,
+            );
+            let (q, keys, values) = (&xs[0], &xs[1], &xs[2]);
+            let mut meta = Vec::new();
+            let mut flat = Vec::new();
+            let mut starts = Vec::new();
+            for t in tables {
+                starts.push(flat.len() as u32);
+                flat.extend_from_slice(t);
+            }
+            for &(s, len) in &rows {
+                meta.extend([starts[s], len as u32]);
+            }
+            meta.extend(flat);
+            // The reference: each row's keys gathered through its table, a dense softmax.
+            let (qv, kv_, vv): (Vec<f64>, Vec<f64>, Vec<f64>) = (
+                q.flatten_all().unwrap().to_vec1().unwrap(),
+                keys.flatten_all().unwrap().to_vec1().unwrap(),
+                values.flatten_all().unwrap().to_vec1().unwrap(),
+            );
+            let mut want = vec![0f64; r * heads * d];
+            for (i, &(s, len)) in rows.iter().enumerate() {
+                for h in 0..heads {
+                    let kh = h / (heads / kv);
+                    let at = |t: usize| ((tables[s][t / bt] as usize * kv + kh) * bt + t % bt) * d;
+                    let qh = &qv[(i * heads + h) * d..][..d];
+                    let scores: Vec<f64> = (0..len)
+                        .map(|t| {
+                            (0..d).map(|c| qh[c] * kv_[at(t) + c]).sum::<f64>() / (d as f64).sqrt()
+                        })
+                        .collect();
+                    let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                    let e: Vec<f64> = scores.iter().map(|x| (x - max).exp()).collect();
+                    let z: f64 = e.iter().sum();
+                    for c in 0..d {
+                        want[(i * heads + h) * d + c] =
+                            (0..len).map(|t| e[t] / z * vv[at(t) + c]).sum();
+                    }
+                }
+            }
+            let want = Tensor::from_vec(want, r * heads * d, &candle_core::Device::Cpu).unwrap();
+            let scale = 1.0 / (d as f64).sqrt();
+            let args = [r, heads, kv, d, bt]
+                .map(|x| x.to_string())
+                .into_iter()
+                .chain([
+                    scale.to_string(),
+                    (pool_blocks * kv * bt).to_string(),
+                    meta.len().to_string(),
+                ])
+                .collect::<Vec<_>>();
+            let got = emulate(
+                "paged",
+                dtype,
+                &[
+                    In::Floats(q),
+                    In::Floats(keys),
+                    In::Floats(values),
+                    In::Words(&meta),
+                ],
+                &args,
+            );
+            check(
+                &format!("paged attention, heads {heads}/{kv} of {d}"),
+                dtype,
+                &got,
+                &want,
+            );
+        }
+    }
+}

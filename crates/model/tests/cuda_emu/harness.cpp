@@ -11,6 +11,7 @@
 #include "../../kernels/adamw.cu"
 #include "../../kernels/attention.cu"
 #include "../../kernels/fused.cu"
+#include "../../kernels/paged.cu"
 #include "../../kernels/scores.cu"
 
 #include <cstdio>
@@ -206,6 +207,17 @@ void run(const std::string& op, char** a, bool bf) {
       put(ms[t]);
       put(vs[t]);
     }
+  } else if (op == "paged") {
+    const unsigned R = u(0), H = u(1), KV = u(2), D = u(3), BT = u(4), pool_rows = u(6), meta_len = u(7);
+    auto q = floats<T>((size_t)R * H * D), keys = floats<T>((size_t)pool_rows * D),
+         values = floats<T>((size_t)pool_rows * D);
+    auto meta = words(meta_len);
+    std::vector<T> out((size_t)R * H * D);
+    auto k = (void (*)(const T*, const T*, const T*, const unsigned*, T*, unsigned, unsigned, unsigned,
+                       unsigned, unsigned, float))PICK(paged_attention);
+    emu::launch(k, dim3(R, H), dim3(32), q.data(), keys.data(), values.data(), meta.data(), out.data(), R, H,
+                KV, D, BT, f(5));
+    put(out);
   } else if (op == "scores") {
     const unsigned rows = u(0), V = u(1);
     auto logits = floats<T>((size_t)rows * V);

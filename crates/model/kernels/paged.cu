@@ -1,0 +1,76 @@
+// The engine's attention on the GPU, straight over the paged KV pool: each new token's query
+// reads its sequence's cached keys and values where they lie, through its block table, up to its
+// own position (the CPU kernel of crates/model/src/paged/attend.rs; the composition gathered a
+// padded copy of every sequence and ran about ten kernels per layer). One warp per (row, query
+// head): lanes score 32 keys at a time, the softmax is kept online, and each lane accumulates
+// its own columns of the values. Sums and the softmax run in f32 for f32 and bf16 pools.
+//
+// Pool rows are head-major in blocks: key t of kv head h of a sequence with block table `tbl`
+// is row (tbl[t / BT] * KV + h) * BT + t % BT, rows of D elements. `meta` holds, per query row r,
+// the start of its table in `meta[2R..]` and its visible length, then the tables.
+
+#include "common.cuh"
+
+// Head dims up to 32 * MAX_COLS.
+#define MAX_COLS 8
+
+template <typename T>
+__device__ void paged_attention(const T* q, const T* keys, const T* values, const unsigned* meta,
+                                T* out, unsigned R, unsigned H, unsigned KV, unsigned D,
+                                unsigned BT, float scale) {
+  __shared__ float qs[32 * MAX_COLS];
+  const unsigned r = blockIdx.x, h = blockIdx.y, kh = h / (H / KV), lane = threadIdx.x;
+  const unsigned len = meta[2 * r + 1];
+  const unsigned* table = meta + 2 * (u64)R + meta[2 * r];
+  const u64 qat = ((u64)r * H + h) * D;
+  for (unsigned d = lane; d < D; d += 32) qs[d] = ld(q, qat + d) * scale;
+  __syncthreads();
+  float acc[MAX_COLS];
+  for (int c = 0; c < MAX_COLS; ++c) acc[c] = 0.0f;
+  float m = -INFINITY, l = 0.0f;
+  for (unsigned t0 = 0; t0 < len; t0 += 32) {
+    const unsigned t = t0 + lane;
+    float s = -INFINITY;
+    if (t < len) {
+      const u64 row = ((u64)table[t / BT] * KV + kh) * BT + t % BT;
+      s = 0.0f;
+      for (unsigned d = 0; d < D; ++d) s += qs[d] * ld(keys, row * D + d);
+    }
+    float cmax = s;
+    for (int o = 16; o > 0; o >>= 1) cmax = fmaxf(cmax, __shfl_xor_sync(0xffffffffu, cmax, o));
+    const float mn = fmaxf(m, cmax);
+    const float corr = expf(m - mn);
+    const float p = t < len ? expf(s - mn) : 0.0f;
+    float ps = p;
+    for (int o = 16; o > 0; o >>= 1) ps += __shfl_xor_sync(0xffffffffu, ps, o);
+    l = l * corr + ps;
+    m = mn;
+    for (int c = 0; c < MAX_COLS; ++c) acc[c] *= corr;
+    const unsigned n = min(32u, len - t0);
+    for (unsigned j = 0; j < n; ++j) {
+      const float pj = __shfl_sync(0xffffffffu, p, j);
+      const unsigned tj = t0 + j;
+      const u64 row = ((u64)table[tj / BT] * KV + kh) * BT + tj % BT;
+      for (int c = 0; c < MAX_COLS; ++c) {
+        const unsigned d = lane + 32 * c;
+        if (d < D) acc[c] += pj * ld(values, row * D + d);
+      }
+    }
+  }
+  const float inv = 1.0f / l;
+  for (int c = 0; c < MAX_COLS; ++c) {
+    const unsigned d = lane + 32 * c;
+    if (d < D) st(out, qat + d, acc[c] * inv);
+  }
+}
+
+#define PAGED(T, S)                                                                               \
+  extern "C" __global__ void paged_attention_##S(const T* q, const T* keys, const T* values,      \
+                                                 const unsigned* meta, T* out, unsigned R,        \
+                                                 unsigned H, unsigned KV, unsigned D,             \
+                                                 unsigned BT, float scale) {                      \
+    paged_attention(q, keys, values, meta, out, R, H, KV, D, BT, scale);                          \
+  }
+
+PAGED(float, f32)
+PAGED(bf16, bf16)
