@@ -11,7 +11,7 @@
 //!   host: tokens agreeing and the largest log-prob difference.
 //! - On a GPU, the training forward's fused ops (RMSNorm, SwiGLU, RoPE, attention over packed
 //!   segments: Sluice's CUDA kernels) against candle's composition on the same device, forward
-//!   and backward, f32 and bf16 ([`training`]).
+//!   and backward, f32 and bf16 (`kernels/training.rs`).
 //! - On a CPU with AMX, the engine's bf16 tile products ([`sluice_model::amx`]) against the f32
 //!   product of the same shapes (64 rows, as a decode step of 64 sequences), each weight
 //!   streamed from memory: the largest difference relative to the row's largest sum.
