@@ -42,6 +42,13 @@ pub const ATTENTION: Module = Module {
     ptx: include_str!(concat!(env!("OUT_DIR"), "/attention.ptx")),
 };
 
+/// Attention over packed segments on tensor cores (WMMA), bf16 heads of 64
+/// (`crate::fused::attention` on a GPU).
+pub const ATTENTION_TC: Module = Module {
+    name: "sluice-attention-tc",
+    ptx: include_str!(concat!(env!("OUT_DIR"), "/attention_tc.ptx")),
+};
+
 /// The token scores' rows: log p(target) and entropy, and their logits' gradient
 /// (`crate::scores` on a GPU).
 pub const SCORES: Module = Module {

@@ -8,14 +8,14 @@ use std::sync::OnceLock;
 
 use candle_core::backend::{BackendDevice, BackendStorage};
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, CudaView, DeviceRepr, LaunchArgs, LaunchConfig, PushKernelArg,
+    CudaFunction, CudaSlice, CudaView, DeviceRepr, LaunchArgs, LaunchConfig, PushKernelArg,
 };
 use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage, WrapErr};
 use candle_core::op::BackpropOp;
 use candle_core::{DType, Device, Layout, Result, Shape, Storage, Tensor, bail};
 
 use super::attention::{AttentionHeads, Segments};
-use crate::kernels::{ATTENTION, FUSED, PAGED, SCORES};
+use crate::kernels::{ATTENTION, ATTENTION_TC, FUSED, Module, PAGED, SCORES};
 
 /// Threads of a norm's row and of the elementwise kernels (`THREADS` in the emulation harness).
 const THREADS: u32 = 256;
@@ -329,25 +329,40 @@ struct Geometry {
     h: u32,
     kv: u32,
     d: usize,
+    /// Queries (keys) per block.
     rows: u32,
+    /// Threads per block.
+    threads: u32,
+    /// The kernels' module and the prefix of their names.
+    kernels: (Module, &'static str),
     runs: i32,
     scale: f32,
 }
 
 impl Geometry {
-    fn new(seg: &Segments, heads: AttentionHeads) -> Result<Self> {
+    /// For inputs of `dtype`: bf16 heads of 64 take the tensor-core kernels (`attention_tc.cu`:
+    /// 64 rows a block, 4 warps), the rest those on CUDA cores (`attention.cu`: a thread a row).
+    fn new(seg: &Segments, heads: AttentionHeads, dtype: DType) -> Result<Self> {
         let (b, l) = seg.shape();
         let d = heads.head_dim;
         if !attention_head_dim(d) {
             bail!("attention on the GPU: no kernel for heads of {d} (16, 32, 64, 128)")
         }
+        let tensor_cores = dtype == DType::BF16 && d == 64;
+        let (rows, threads, kernels) = if tensor_cores {
+            (64, 128, (ATTENTION_TC, "attn_tc"))
+        } else {
+            (attention_rows(d), attention_rows(d), (ATTENTION, "attn"))
+        };
         Ok(Self {
             b: u32_of(b, "attention rows")?,
             l: u32_of(l, "attention length")?,
             h: u32_of(heads.heads, "heads")?,
             kv: u32_of(heads.kv_heads, "kv heads")?,
             d,
-            rows: attention_rows(d),
+            rows,
+            threads,
+            kernels,
             runs: i32::from(seg.runs()),
             scale: 1.0 / (d as f32).sqrt(),
         })
@@ -360,6 +375,15 @@ impl Geometry {
     fn slots(&self) -> usize {
         self.b as usize * self.l as usize
     }
+
+    /// The kernel `name` (`fwd`, `bwd_kv`, `bwd_q`) for inputs of `dtype`.
+    fn function(&self, dev: &CudaDevice, name: &str, dtype: DType) -> Result<CudaFunction> {
+        let (module, prefix) = self.kernels;
+        module.function(
+            dev,
+            &format!("{prefix}_{name}_{}_{}", suffix(dtype), self.d),
+        )
+    }
 }
 
 /// Attention forward: `(O, lse)` with `lse` `(B, H, L)` f32 for the backward.
@@ -370,22 +394,21 @@ pub(crate) fn attention(
     seg: &Segments,
     heads: AttentionHeads,
 ) -> Result<(CudaStorage, Tensor)> {
-    let g = Geometry::new(seg, heads)?;
+    let g = Geometry::new(seg, heads, q.0.dtype())?;
     let dev = &q.0.device;
     let mut fresh = None;
     let slots = seg.device_slots().on(seg, dev, &mut fresh)?;
     let n = g.slots();
-    let sfx = suffix(q.0.dtype());
     by_dtype!(q.0.dtype(), T => {
         let (qv, kv_, vv) = (view::<T>(q.0, q.1)?, view::<T>(k.0, k.1)?, view::<T>(v.0, v.1)?);
         let mut o = output::<T>(dev, n * heads.heads * g.d)?;
         let mut lse = output::<f32>(dev, n * heads.heads)?;
-        let f = ATTENTION.function(dev, &format!("attn_fwd_{sfx}_{}", g.d))?;
+        let f = g.function(dev, "fwd", q.0.dtype())?;
         let stream = dev.cuda_stream();
         let mut a = stream.launch_builder(&f);
         a.arg(&qv).arg(&kv_).arg(&vv).arg(&slots.seg).arg(&slots.prefix).arg(&slots.first);
         a.arg(&g.runs).arg(&mut o).arg(&mut lse).arg(&g.l).arg(&g.h).arg(&g.kv).arg(&g.scale);
-        launch(a, config((g.tiles(), g.b * g.h), g.rows))?;
+        launch(a, config((g.tiles(), g.b * g.h), g.threads))?;
         let lse = tensor(lse, dev, &Shape::from((g.b as usize, heads.heads, g.l as usize)));
         Ok((CudaStorage::wrap_cuda_slice(o, dev.clone()), lse))
     })
@@ -401,7 +424,7 @@ pub(crate) fn attention_bwd(
     seg: &Segments,
     heads: AttentionHeads,
 ) -> Result<[Tensor; 3]> {
-    let g = Geometry::new(seg, heads)?;
+    let g = Geometry::new(seg, heads, q.dtype())?;
     let guards = [q, k, v, out, lse, dout].map(|t| t.storage_and_layout());
     let c = |i: usize| cuda_of(&guards[i].0).map(|s| (s, guards[i].1));
     let ((qs, ql), (ks, kl), (vs, vl), (os, ol), (ls, ll), (gs, gl)) =
@@ -424,20 +447,20 @@ pub(crate) fn attention_bwd(
         launch(a, config((blocks(rows64 * 32), 1), THREADS))?;
 
         let (mut dk, mut dv) = (output::<T>(dev, kn)?, output::<T>(dev, kn)?);
-        let f = ATTENTION.function(dev, &format!("attn_bwd_kv_{sfx}_{}", g.d))?;
+        let f = g.function(dev, "bwd_kv", q.dtype())?;
         let mut a = stream.launch_builder(&f);
         a.arg(&qv).arg(&kv_).arg(&vv).arg(&gv).arg(&lv).arg(&delta);
         a.arg(&slots.seg).arg(&slots.prefix).arg(&slots.first).arg(&g.runs);
         a.arg(&mut dk).arg(&mut dv).arg(&g.l).arg(&g.h).arg(&g.kv).arg(&g.scale);
-        launch(a, config((g.tiles(), g.b * g.kv), g.rows))?;
+        launch(a, config((g.tiles(), g.b * g.kv), g.threads))?;
 
         let mut dq = output::<T>(dev, qn)?;
-        let f = ATTENTION.function(dev, &format!("attn_bwd_q_{sfx}_{}", g.d))?;
+        let f = g.function(dev, "bwd_q", q.dtype())?;
         let mut a = stream.launch_builder(&f);
         a.arg(&qv).arg(&kv_).arg(&vv).arg(&gv).arg(&lv).arg(&delta);
         a.arg(&slots.seg).arg(&slots.prefix).arg(&slots.first).arg(&g.runs);
         a.arg(&mut dq).arg(&g.l).arg(&g.h).arg(&g.kv).arg(&g.scale);
-        launch(a, config((g.tiles(), g.b * g.h), g.rows))?;
+        launch(a, config((g.tiles(), g.b * g.h), g.threads))?;
         Ok([tensor(dq, dev, q.shape()), tensor(dk, dev, k.shape()), tensor(dv, dev, v.shape())])
     })
 }

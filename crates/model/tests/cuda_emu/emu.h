@@ -3,7 +3,8 @@
 // blocks of a grid run one after another (so `__shared__` is one static array), `__syncthreads`
 // is a barrier over the block and warp shuffles exchange through a per-warp barrier. It checks
 // the kernels' indexing, masking and arithmetic without a GPU; speed, memory coalescing and
-// races the real hardware could expose are for the GPU check (scripts/gpu-check).
+// races the real hardware could expose are for the GPU check (scripts/gpu-check). WMMA's tensor-
+// core fragments are in wmma.h.
 #pragma once
 #define SLUICE_CUDA_EMU 1
 
@@ -14,12 +15,14 @@
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #define __global__
 #define __device__
 #define __forceinline__ inline
 #define __shared__ static
+#define __align__(n) __attribute__((aligned(n)))
 
 struct uint3 {
   unsigned x = 0, y = 0, z = 0;
@@ -40,6 +43,7 @@ inline std::vector<float> lanes;
 }  // namespace emu
 
 inline void __syncthreads() { emu::block_barrier->arrive_and_wait(); }
+inline void __syncwarp() { emu::warp_barriers[threadIdx.x / 32]->arrive_and_wait(); }
 
 inline float __shfl_xor_sync(unsigned, float v, int mask) {
   const unsigned t = threadIdx.x;
@@ -119,3 +123,5 @@ void launch(void (*kernel)(P...), dim3 grid, dim3 block, A... args) {
       }
 }
 }  // namespace emu
+
+#include "wmma.h"

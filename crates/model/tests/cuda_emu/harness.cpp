@@ -10,6 +10,7 @@
 
 #include "../../kernels/adamw.cu"
 #include "../../kernels/attention.cu"
+#include "../../kernels/attention_tc.cu"
 #include "../../kernels/fused.cu"
 #include "../../kernels/paged.cu"
 #include "../../kernels/scores.cu"
@@ -66,23 +67,24 @@ void attention(void (*fwd)(const T*, const T*, const T*, const unsigned*, const 
                           const unsigned*, const unsigned*, const unsigned*, int, T*, unsigned,
                           unsigned, unsigned, float),
                void (*delta)(const T*, const T*, float*, unsigned, unsigned, unsigned, u64),
-               unsigned B, unsigned L, unsigned H, unsigned KV, int runs) {
+               unsigned B, unsigned L, unsigned H, unsigned KV, int runs, unsigned block = Tile<D>::ROWS) {
   const size_t N = (size_t)B * L;
   auto q = floats<T>(N * H * D), k = floats<T>(N * KV * D), v = floats<T>(N * KV * D),
        g = floats<T>(N * H * D);
   auto seg = words(N), prefix = words(N), first = words(N);
   const float scale = 1.0f / std::sqrt((float)D);
+  // The tensor-core kernels (block = 128 threads) take 64 rows a block too.
   const unsigned R = Tile<D>::ROWS, tiles = (L + R - 1) / R;
   std::vector<T> o(N * H * D), gq(N * H * D), gk(N * KV * D), gv(N * KV * D);
   std::vector<float> lse(N * H), dl(N * H);
-  emu::launch(fwd, dim3(tiles, B * H), dim3(R), q.data(), k.data(), v.data(), seg.data(),
+  emu::launch(fwd, dim3(tiles, B * H), dim3(block), q.data(), k.data(), v.data(), seg.data(),
               prefix.data(), first.data(), runs, o.data(), lse.data(), L, H, KV, scale);
   emu::launch(delta, dim3(blocks(N * H * 32, THREADS)), dim3(THREADS), o.data(), g.data(),
               dl.data(), L, H, (unsigned)D, (u64)(N * H));
-  emu::launch(kv, dim3(tiles, B * KV), dim3(R), q.data(), k.data(), v.data(), g.data(), lse.data(),
+  emu::launch(kv, dim3(tiles, B * KV), dim3(block), q.data(), k.data(), v.data(), g.data(), lse.data(),
               dl.data(), seg.data(), prefix.data(), first.data(), runs, gk.data(), gv.data(), L, H,
               KV, scale);
-  emu::launch(dq, dim3(tiles, B * H), dim3(R), q.data(), k.data(), v.data(), g.data(), lse.data(),
+  emu::launch(dq, dim3(tiles, B * H), dim3(block), q.data(), k.data(), v.data(), g.data(), lse.data(),
               dl.data(), seg.data(), prefix.data(), first.data(), runs, gq.data(), L, H, KV, scale);
   put(o);
   put(lse);
@@ -165,6 +167,14 @@ void run(const std::string& op, char** a, bool bf) {
   } else if (op == "attention") {
     const unsigned B = u(0), L = u(1), H = u(2), KV = u(3), D = u(4);
     const int runs = (int)u(5);
+    const bool tensor_cores = a[6] && u(6);
+    if constexpr (std::is_same_v<T, bf16>) {
+      if (tensor_cores) {
+        attention<bf16, 64>(attn_tc_fwd_bf16_64, attn_tc_bwd_kv_bf16_64, attn_tc_bwd_q_bf16_64,
+                            attn_delta_bf16, B, L, H, KV, runs, 128);
+        return;
+      }
+    }
     if constexpr (std::is_same_v<T, float>) {
       if (D == 16) ATTN(float, f32, 16); else if (D == 32) ATTN(float, f32, 32);
       else if (D == 64) ATTN(float, f32, 64); else ATTN(float, f32, 128);
