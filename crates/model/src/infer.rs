@@ -204,11 +204,12 @@ impl InferenceModel {
         let scale = 1.0 / (c.head_dim as f64).sqrt();
         // Built on first use: a cache that attends itself never needs them.
         let gathered = Gathered::default();
-        // (N, heads, d) rotated in place of its rows: on the CPU the fused kernel works on the
-        // token rows, with no transposed copy either way.
+        // (N, heads, d) rotated in place of its rows: on the CPU and on a GPU the fused kernel
+        // works on the token rows, with no transposed copy either way (one launch where the
+        // composition took three).
         let rope_rows = |t: &Tensor| {
             let (n, heads, d) = t.dims3()?;
-            if crate::fused::supported(t) {
+            if crate::fused::supported(t) || crate::fused::on_device(t) {
                 crate::fused::rope(&t.reshape((n, heads * d))?, &cos, &sin, d)?
                     .reshape((n, heads, d))
             } else {

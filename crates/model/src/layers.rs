@@ -284,7 +284,8 @@ impl LayerWeights {
         // element and a barrier-pool split (about 40 % of the quickstart engine's samples).
         let fused = match kernels {
             Kernels::Differentiable => false,
-            Kernels::Fused => crate::fused::supported(&gate),
+            // On a GPU one launch (`kernels/fused.cu`) where silu and mul were two.
+            Kernels::Fused => crate::fused::supported(&gate) || crate::fused::on_device(&gate),
             Kernels::Custom => kernels.custom_for(&gate),
         };
         let act = if fused {
