@@ -54,3 +54,17 @@ extern "C" __global__ void adamw_many_f32(const u64* p, const u64* m, const u64*
     pp[i] = __fsub_rn(affine0(pp[i], decay), affine0(adam, lr));
   }
 }
+
+// partial[c] = the sum of squares of chunk c (laid out as for adamw_many_f32) of the buffers at
+// the device addresses g[.]: f32 sums in a fixed order within the block; the host adds the
+// chunks' sums in f64. The global gradient norm of a step in one launch.
+extern "C" __global__ void sumsq_many_f32(const u64* g, const unsigned* chunk_param,
+                                          const u64* chunk_at, const unsigned* chunk_len,
+                                          float* partial) {
+  const unsigned c = blockIdx.x;
+  const float* x = (const float*)g[chunk_param[c]] + chunk_at[c];
+  float s = 0.0f;
+  for (unsigned i = threadIdx.x; i < chunk_len[c]; i += blockDim.x) s += x[i] * x[i];
+  s = block_sum(s);
+  if (threadIdx.x == 0) partial[c] = s;
+}

@@ -86,6 +86,18 @@ pub fn apply_many(params: Vec<(usize, Operands<'_>)>, u: Update) -> Result<()> {
     Ok(())
 }
 
+/// `Σ g²` over `grads` in one launch on a GPU (`cuda` builds) when all are contiguous f32 on one
+/// device; `None` otherwise (the caller sums per tensor).
+pub fn sum_of_squares(grads: &[&Tensor]) -> Result<Option<f64>> {
+    #[cfg(feature = "cuda")]
+    return cuda::sum_of_squares(grads);
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = grads;
+        Ok(None)
+    }
+}
+
 /// The update as candle ops: `(next param, m, v)`, fresh tensors.
 pub fn compose(
     p: &Tensor,
@@ -353,33 +365,16 @@ mod cuda {
         let mut sizes = Vec::with_capacity(params.len());
         for (k, four) in guards.iter().enumerate() {
             for (j, (storage, layout)) in four.iter().enumerate() {
-                let Storage::Cuda(s) = &**storage else {
-                    bail!("adamw: an operand left the GPU")
-                };
-                let (start, _) = range(layout)?;
-                let (ptr, sync) = s.as_cuda_slice::<f32>()?.device_ptr(&stream);
-                addresses[j * params.len() + k] = ptr + (start * std::mem::size_of::<f32>()) as u64;
+                let (ptr, sync) = address(&stream, storage, layout)?;
+                addresses[j * params.len() + k] = ptr;
                 syncs.push(sync);
             }
             sizes.push(four[0].1.shape().elem_count());
         }
-        let (mut chunk_param, mut chunk_at, mut chunk_len) = (Vec::new(), Vec::new(), Vec::new());
-        for (k, &n) in sizes.iter().enumerate() {
-            for at in (0..n).step_by(CHUNK) {
-                chunk_param.push(k as u32);
-                chunk_at.push(at as u64);
-                chunk_len.push(CHUNK.min(n - at) as u32);
-            }
-        }
-        if chunk_param.is_empty() {
+        let Some(chunks) = Chunks::of(device, &sizes)? else {
             return Ok(());
-        }
+        };
         let table = device.clone_htod(&addresses)?;
-        let (cp, ca, cl) = (
-            device.clone_htod(&chunk_param)?,
-            device.clone_htod(&chunk_at)?,
-            device.clone_htod(&chunk_len)?,
-        );
         let n = params.len();
         let [p, m, v, g] = [0, 1, 2, 3].map(|j| table.slice(j * n..(j + 1) * n));
         let func = sluice_model::kernels::ADAMW.function(device, "adamw_many_f32")?;
@@ -402,17 +397,13 @@ mod cuda {
             .arg(&m)
             .arg(&v)
             .arg(&g)
-            .arg(&cp)
-            .arg(&ca)
-            .arg(&cl);
+            .arg(&chunks.param)
+            .arg(&chunks.at)
+            .arg(&chunks.len);
         for c in &k {
             launch.arg(c);
         }
-        let cfg = LaunchConfig {
-            grid_dim: (chunk_param.len() as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = chunks.config();
         // SAFETY: the arguments are adamw_many_f32's, in order: four tables of `n` device
         // addresses, each of a live, contiguous f32 buffer of the parameter's size (checked by
         // `apply_together`, held by `guards` for the launch), the chunk tables within those
@@ -422,6 +413,111 @@ mod cuda {
         unsafe { launch.launch(cfg) }.w()?;
         drop(syncs);
         Ok(())
+    }
+
+    /// `Σ g²` over `grads` by one launch (`sumsq_many_f32`) and one read-back, when all are
+    /// contiguous f32 on one GPU; `None` otherwise.
+    pub(super) fn sum_of_squares(grads: &[&Tensor]) -> Result<Option<f64>> {
+        let Some(Device::Cuda(device)) = grads.first().map(|g| g.device().clone()) else {
+            return Ok(None);
+        };
+        let fits = |t: &&Tensor| {
+            t.dtype() == DType::F32
+                && t.is_contiguous()
+                && matches!(t.device(), Device::Cuda(d) if d.same_device(&device))
+        };
+        if !grads.iter().all(fits) {
+            return Ok(None);
+        }
+        let stream = device.cuda_stream();
+        let guards: Vec<_> = grads.iter().map(|g| g.storage_and_layout()).collect();
+        let mut addresses = Vec::with_capacity(grads.len());
+        let mut syncs = Vec::with_capacity(grads.len());
+        for (storage, layout) in &guards {
+            let (ptr, sync) = address(&stream, storage, layout)?;
+            addresses.push(ptr);
+            syncs.push(sync);
+        }
+        let sizes: Vec<usize> = grads.iter().map(|g| g.elem_count()).collect();
+        let Some(chunks) = Chunks::of(&device, &sizes)? else {
+            return Ok(Some(0.0));
+        };
+        let table = device.clone_htod(&addresses)?;
+        let mut partial = device.alloc_zeros::<f32>(chunks.blocks as usize)?;
+        let func = sluice_model::kernels::ADAMW.function(&device, "sumsq_many_f32")?;
+        let mut launch = stream.launch_builder(&func);
+        launch
+            .arg(&table)
+            .arg(&chunks.param)
+            .arg(&chunks.at)
+            .arg(&chunks.len)
+            .arg(&mut partial);
+        // SAFETY: sumsq_many_f32's arguments in order: a table of the gradients' device
+        // addresses (live, contiguous f32 buffers held by `guards`), the chunk tables within
+        // their sizes, and one f32 output per chunk (block).
+        #[allow(unsafe_code)]
+        unsafe { launch.launch(chunks.config()) }.w()?;
+        drop(syncs);
+        let partial = device.clone_dtoh(&partial)?;
+        Ok(Some(partial.iter().map(|&s| f64::from(s)).sum()))
+    }
+
+    /// The device address of a contiguous f32 storage's first element, and the guard that
+    /// orders its use on `stream`.
+    fn address<'a>(
+        stream: &'a std::sync::Arc<candle_core::cuda_backend::cudarc::driver::CudaStream>,
+        storage: &'a Storage,
+        layout: &Layout,
+    ) -> Result<(
+        u64,
+        candle_core::cuda_backend::cudarc::driver::SyncOnDrop<'a>,
+    )> {
+        let Storage::Cuda(s) = storage else {
+            bail!("adamw: an operand left the GPU")
+        };
+        let (start, _) = range(layout)?;
+        let (ptr, sync) = s.as_cuda_slice::<f32>()?.device_ptr(stream);
+        Ok((ptr + (start * std::mem::size_of::<f32>()) as u64, sync))
+    }
+
+    /// The many-buffer kernels' chunk tables on the device: block `b` takes `len[b]` elements
+    /// from element `at[b]` of buffer `param[b]`.
+    struct Chunks {
+        param: candle_core::cuda_backend::cudarc::driver::CudaSlice<u32>,
+        at: candle_core::cuda_backend::cudarc::driver::CudaSlice<u64>,
+        len: candle_core::cuda_backend::cudarc::driver::CudaSlice<u32>,
+        blocks: u32,
+    }
+
+    impl Chunks {
+        /// For buffers of `sizes` elements; `None` when they hold none.
+        fn of(device: &candle_core::CudaDevice, sizes: &[usize]) -> Result<Option<Self>> {
+            let (mut param, mut at, mut len) = (Vec::new(), Vec::new(), Vec::new());
+            for (k, &n) in sizes.iter().enumerate() {
+                for start in (0..n).step_by(CHUNK) {
+                    param.push(k as u32);
+                    at.push(start as u64);
+                    len.push(CHUNK.min(n - start) as u32);
+                }
+            }
+            if param.is_empty() {
+                return Ok(None);
+            }
+            Ok(Some(Self {
+                blocks: param.len() as u32,
+                param: device.clone_htod(&param)?,
+                at: device.clone_htod(&at)?,
+                len: device.clone_htod(&len)?,
+            }))
+        }
+
+        fn config(&self) -> LaunchConfig {
+            LaunchConfig {
+                grid_dim: (self.blocks, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            }
+        }
     }
 
     /// The element range of a contiguous layout.

@@ -162,9 +162,16 @@ impl GradAccumulator {
         self.grads.get(i).and_then(Option::as_ref)
     }
 
-    /// `√Σ g²` over every accumulated gradient. The squares are summed per parameter on the
-    /// gradients' device and read back once (on a GPU: one synchronisation, not one each).
+    /// `√Σ g²` over every accumulated gradient. On a GPU one launch sums every gradient's squares
+    /// ([`crate::adamw_kernel::sum_of_squares`]); elsewhere the squares are summed per parameter
+    /// on the gradients' device and read back once.
     pub fn global_norm(&self) -> Result<f64, OptimError> {
+        let present: Vec<&Tensor> = self.grads.iter().flatten().collect();
+        if let Some(sq) = crate::adamw_kernel::sum_of_squares(&present)
+            .ctx(|| "global gradient norm".to_owned())?
+        {
+            return Ok(sq.sqrt());
+        }
         let mut sums = Vec::with_capacity(self.grads.len());
         for (i, g) in self.grads.iter().enumerate() {
             if let Some(g) = g {

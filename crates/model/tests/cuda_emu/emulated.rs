@@ -344,7 +344,7 @@ fn emulated_token_score_kernels_match_the_composition() {
 }
 
 #[test]
-fn emulated_many_parameter_adamw_matches_the_cpu_update_to_the_bit() {
+fn emulated_many_parameter_adamw_and_norm_sums_match_the_cpu() {
     // Parameters of one element, of a partial chunk and of two chunks (65,536 elements a block).
     let sizes = [1usize, 300, 70_000];
     let (clip, b1, b2, eps, lr, wd, t) = (0.37f64, 0.9f64, 0.999f64, 1e-8f64, 1e-3f64, 0.01f64, 3);
@@ -398,6 +398,24 @@ fn emulated_many_parameter_adamw_matches_the_cpu_update_to_the_bit() {
         .count();
     assert_eq!(got.len(), want.len());
     assert_eq!(differ, 0, "{differ} elements differ from the CPU update");
+
+    // The global gradient norm's sums over the same gradients, one per chunk.
+    let grads: Vec<In<'_>> = ins.iter().skip(3).step_by(4).map(In::Floats).collect();
+    let sizes: Vec<String> = sizes.iter().map(|n| n.to_string()).collect();
+    let partial = emulate("sumsq_many", DType::F32, &grads, &sizes);
+    assert_eq!(partial.len(), 4, "chunks of 1, 300 and 70,000 elements");
+    let got: f64 = partial.iter().map(|&s| f64::from(s)).sum();
+    let want: f64 = ins
+        .iter()
+        .skip(3)
+        .step_by(4)
+        .flat_map(|g| g.to_vec1::<f32>().unwrap())
+        .map(|x| f64::from(x) * f64::from(x))
+        .sum();
+    assert!(
+        (got - want).abs() <= 1e-5 * want,
+        "sum of squares {got} against {want}"
+    );
 }
 
 #[test]

@@ -228,6 +228,25 @@ void run(const std::string& op, char** a, bool bf) {
     emu::launch(k, dim3(R, H), dim3(32), q.data(), keys.data(), values.data(), meta.data(), out.data(), R, H,
                 KV, D, BT, f(5));
     put(out);
+  } else if (op == "sumsq_many") {
+    // ARGS: each buffer's size; IN: the buffers. OUT: one sum of squares per 65536-element chunk.
+    std::vector<std::vector<float>> gs;
+    std::vector<u64> ga, chunk_at;
+    std::vector<unsigned> chunk_param, chunk_len;
+    for (int i = 0; a[i]; ++i) {
+      const size_t n = u(i);
+      gs.push_back(floats<float>(n));
+      for (size_t at = 0; at < n; at += 65536) {
+        chunk_param.push_back(i);
+        chunk_at.push_back(at);
+        chunk_len.push_back((unsigned)std::min<size_t>(65536, n - at));
+      }
+    }
+    for (auto& g : gs) ga.push_back((u64)g.data());
+    std::vector<float> partial(chunk_param.size());
+    emu::launch(sumsq_many_f32, dim3(chunk_param.size()), dim3(THREADS), ga.data(),
+                chunk_param.data(), chunk_at.data(), chunk_len.data(), partial.data());
+    put(partial);
   } else if (op == "scores") {
     const unsigned rows = u(0), V = u(1);
     auto logits = floats<T>((size_t)rows * V);
