@@ -88,7 +88,8 @@ fn cuda_of(s: &Storage) -> Result<&CudaStorage> {
 /// A fresh buffer of `n` elements that the kernel about to be launched writes whole.
 fn output<T: DeviceRepr>(dev: &CudaDevice, n: usize) -> Result<CudaSlice<T>> {
     // SAFETY: every caller launches, right after, a kernel that writes each of the `n` elements
-    // before anything reads them (on the device's one stream, so in order).
+    // before anything reads them (on the device's stream, so in order), or returns no tensor
+    // of them when there is no work (`n` = 0).
     #[allow(unsafe_code)]
     unsafe {
         dev.alloc::<T>(n.max(1))
@@ -107,7 +108,7 @@ fn tensor<T: CudaDType + DeviceRepr>(
 
 fn config(grid: (u32, u32), block: u32) -> LaunchConfig {
     LaunchConfig {
-        grid_dim: (grid.0.max(1), grid.1.max(1), 1),
+        grid_dim: (grid.0, grid.1, 1),
         block_dim: (block, 1, 1),
         shared_mem_bytes: 0,
     }
@@ -118,8 +119,11 @@ fn blocks(n: u64) -> u32 {
     n.div_ceil(u64::from(THREADS)).clamp(1, MAX_BLOCKS) as u32
 }
 
-/// Launches a prepared call.
+/// Launches a prepared call; a grid without blocks (no rows) launches nothing.
 fn launch(mut args: LaunchArgs<'_>, cfg: LaunchConfig) -> Result<()> {
+    if cfg.grid_dim.0 == 0 || cfg.grid_dim.1 == 0 {
+        return Ok(());
+    }
     // SAFETY: every caller pushes the kernel's parameters in order with their types (device
     // buffers of the element type the kernel's suffix names, sized for the grid it passes).
     #[allow(unsafe_code)]
@@ -158,6 +162,9 @@ pub(crate) fn rms_norm_bwd(
     g: &Tensor,
     eps: f64,
 ) -> Result<(Tensor, Tensor)> {
+    if x.elem_count() == 0 {
+        return Ok((x.zeros_like()?, w.zeros_like()?));
+    }
     let guards = [x, w, g].map(|t| t.storage_and_layout());
     let [(xs, xl), (ws, wl), (gs, gl)] = &guards;
     let (xs, ws, gs) = (cuda_of(xs)?, cuda_of(ws)?, cuda_of(gs)?);
