@@ -1,13 +1,16 @@
-// Attention over packed segments on tensor cores, for bf16 heads of 64 (the bf16 training
-// forward of Qwen2.5-0.5B-shaped models and SmolLM2): the products S = Q Kᵀ, O = P V and the
+// Attention over packed segments on tensor cores, for bf16 heads of 64 and 128 (Qwen2.5-0.5B and
+// SmolLM2; Qwen2.5 from 1.5B, Qwen3, Llama 3): the products S = Q Kᵀ, O = P V and the
 // backward's dP, dV, dK and dQ run as 16 x 16 x 16 bf16 matrix multiply-accumulates with f32
 // sums (WMMA); the softmax, its log-sum-exp, the mask and dS = P (dP - delta) run in f32 on the
 // staged f32 scores. The rule, the inputs and the outputs are attention.cu's; P and dS are
 // rounded to bf16 for their products, as FlashAttention rounds them.
 //
-// Staged tiles are rows of 64 bf16 at a stride of LD = 72 (WMMA wants a multiple of 8; the extra
-// 16 bytes move consecutive rows off the same shared-memory banks). Every warp owns 16 rows of
-// a tile; lane pairs (lane / 2) own one row each of the warp's f32 scores for the scalar work.
+// Staged tiles are rows of D bf16 at a stride of LD = D + 8 (WMMA wants a multiple of 8; the
+// extra 16 bytes move consecutive rows off the same shared-memory banks). Every warp owns 16 rows
+// of a tile; lane pairs (lane / 2) own one row each of the warp's f32 scores for the scalar work.
+// The tiles live in dynamic shared memory (up to 72 KB a block at D = 128, past the 48 KB of
+// static shared memory): `attn_tc_shared_bytes` reports each kernel's need, and the host sets
+// the kernel's limit to it before launching.
 
 #include "common.cuh"
 
@@ -18,8 +21,6 @@
 using namespace nvcuda;
 
 namespace tc {
-constexpr unsigned D = 64;
-constexpr unsigned LD = D + 8;
 typedef wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> FragA;
 // A right-hand operand staged transposed (its columns are the tile's rows).
 typedef wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major> FragBt;
@@ -28,6 +29,7 @@ typedef wmma::fragment<wmma::accumulator, 16, 16, 16, float> FragC;
 
 // `rows` slots of one head of a (N, stride) tensor from slot `slot0` into `dst`, zeros past
 // `valid`.
+template <unsigned D, unsigned LD = D + 8>
 __device__ __forceinline__ void stage(bf16 (*dst)[LD], const bf16* src, u64 slot0, unsigned valid,
                                       unsigned rows, unsigned stride, unsigned col0) {
   for (unsigned e = threadIdx.x; e < rows * D; e += blockDim.x) {
@@ -37,7 +39,7 @@ __device__ __forceinline__ void stage(bf16 (*dst)[LD], const bf16* src, u64 slot
 }
 
 // out (16 x 16 NT, f32, row stride ldo) = a (16 x D) times the transpose of bt's 16 NT rows.
-template <unsigned NT>
+template <unsigned D, unsigned NT, unsigned LD = D + 8>
 __device__ __forceinline__ void product_t(float* out, unsigned ldo, const bf16* a, const bf16* bt) {
   for (unsigned n = 0; n < NT; ++n) {
     FragC acc;
@@ -54,7 +56,7 @@ __device__ __forceinline__ void product_t(float* out, unsigned ldo, const bf16* 
 }
 
 // acc[0..D/16) (16 x D) += a (16 x 16 KT, row stride lda) times b (16 KT x D, row stride LD).
-template <unsigned KT>
+template <unsigned D, unsigned KT, unsigned LD = D + 8>
 __device__ __forceinline__ void accumulate(FragC* acc, const bf16* a, unsigned lda, const bf16* b) {
   for (unsigned k = 0; k < KT; ++k) {
     FragA fa;
@@ -69,6 +71,7 @@ __device__ __forceinline__ void accumulate(FragC* acc, const bf16* a, unsigned l
 
 // Writes a warp's accumulators (16 x D, times `factor`) to rows row0.. of one head of `out`
 // (rows past `valid` are skipped), through the warp's 16 rows of `scratch` (f32, stride lds).
+template <unsigned D>
 __device__ __forceinline__ void write_rows(FragC* acc, float factor, float* scratch, unsigned lds,
                                            bf16* out, u64 slot0, unsigned valid, unsigned stride,
                                            unsigned col0) {
@@ -83,6 +86,42 @@ __device__ __forceinline__ void write_rows(FragC* acc, float factor, float* scra
         out[(slot0 + r) * stride + col0 + n * 16 + c] = __float2bfloat16(scratch[r * lds + c] * factor);
   }
 }
+
+// Each kernel's shared memory: tiles first, every one a multiple of 32 bytes long, so each
+// starts 32-byte aligned as WMMA requires.
+template <unsigned D, unsigned LD = D + 8>
+struct FwdShared {
+  bf16 qs[64][LD];
+  bf16 ks[64][LD];  // also the P tile, once the scores are formed
+  bf16 vs[64][LD];
+  float ss[64][68];
+  unsigned qfirst[64], qseg[64], qpre[64], kseg[64];
+};
+
+template <unsigned D, unsigned LD = D + 8>
+struct KvShared {
+  bf16 ks[64][LD];
+  bf16 vs[64][LD];
+  bf16 qs[32][LD];
+  bf16 dos[32][LD];
+  float ss[64][36];
+  bf16 pt[64][40];
+  bf16 dst[64][40];
+  float qlse[32], qdelta[32];
+  unsigned qfirst[32], qseg[32], qpre[32], kseg[64];
+};
+
+template <unsigned D, unsigned LD = D + 8>
+struct QShared {
+  bf16 qs[64][LD];
+  bf16 dos[64][LD];
+  bf16 ks[32][LD];
+  bf16 vs[32][LD];
+  float ss[64][36];
+  bf16 dss[64][40];
+  float qlse[64], qdelta[64];
+  unsigned qfirst[64], qseg[64], qpre[64], kseg[32];
+};
 }  // namespace tc
 
 __device__ __forceinline__ bool sees(unsigned i, unsigned j, unsigned first_i, unsigned seg_i,
@@ -93,24 +132,29 @@ __device__ __forceinline__ bool sees(unsigned i, unsigned j, unsigned first_i, u
 // Grid (ceil(L / 64), B * H), 128 threads: 64 queries of one (row, head). Two passes over the
 // keys: the row statistics (max, sum), then O = softmax(S) V with P from the final log-sum-exp,
 // so the accumulators are never rescaled.
-extern "C" __global__ void attn_tc_fwd_bf16_64(const bf16* q, const bf16* k, const bf16* v,
-                                               const unsigned* seg, const unsigned* prefix,
-                                               const unsigned* first, int runs, bf16* o,
-                                               float* lse, unsigned L, unsigned H, unsigned KV,
-                                               float scale) {
+template <unsigned D>
+__device__ void attn_tc_fwd(const bf16* q, const bf16* k, const bf16* v, const unsigned* seg,
+                            const unsigned* prefix, const unsigned* first, int runs, bf16* o,
+                            float* lse, unsigned L, unsigned H, unsigned KV, float scale) {
   using namespace tc;
   constexpr unsigned BQ = 64, BK = 64, LS = BK + 4;
-  __shared__ __align__(32) bf16 qs[BQ][LD];
-  __shared__ __align__(32) bf16 ks[BK][LD];  // also the P tile, once the scores are formed
-  __shared__ __align__(32) bf16 vs[BK][LD];
-  __shared__ __align__(32) float ss[BQ][LS];
-  __shared__ unsigned qfirst[BQ], qseg[BQ], qpre[BQ], kseg[BK];
+  constexpr unsigned LD = D + 8;
+  SLUICE_DYNAMIC_SHARED(smem);
+  auto& sh = *reinterpret_cast<FwdShared<D>*>(smem);
+  auto& qs = sh.qs;
+  auto& ks = sh.ks;
+  auto& vs = sh.vs;
+  auto& ss = sh.ss;
+  auto& qfirst = sh.qfirst;
+  auto& qseg = sh.qseg;
+  auto& qpre = sh.qpre;
+  auto& kseg = sh.kseg;
   const unsigned b = blockIdx.y / H, h = blockIdx.y % H, kh = h / (H / KV);
   const unsigned i0 = blockIdx.x * BQ, nq = min(BQ, L - i0);
   const unsigned warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const unsigned r = warp * 16 + lane / 2, c0 = (lane % 2) * 32, i = i0 + r;
   const u64 row0 = (u64)b * L;
-  stage(qs, q, row0 + i0, nq, BQ, H * D, h * D);
+  stage<D>(qs, q, row0 + i0, nq, BQ, H * D, h * D);
   for (unsigned t = threadIdx.x; t < BQ; t += blockDim.x) {
     const bool ok = t < nq;
     qfirst[t] = ok ? first[row0 + i0 + t] : 0xffffffffu;
@@ -126,10 +170,10 @@ extern "C" __global__ void attn_tc_fwd_bf16_64(const bf16* q, const bf16* k, con
   for (unsigned j0 = lo; j0 < hi; j0 += BK) {
     const unsigned nk = min(BK, hi - j0);
     __syncthreads();
-    stage(ks, k, row0 + j0, nk, BK, KV * D, kh * D);
+    stage<D>(ks, k, row0 + j0, nk, BK, KV * D, kh * D);
     for (unsigned t = threadIdx.x; t < BK; t += blockDim.x) kseg[t] = t < nk ? seg[row0 + j0 + t] : 0;
     __syncthreads();
-    product_t<BK / 16>(&ss[warp * 16][0], LS, &qs[warp * 16][0], &ks[0][0]);
+    product_t<D, BK / 16>(&ss[warp * 16][0], LS, &qs[warp * 16][0], &ks[0][0]);
     __syncwarp();
     float mx = -INFINITY;
     for (unsigned c = c0; c < c0 + 32; ++c) {
@@ -157,50 +201,55 @@ extern "C" __global__ void attn_tc_fwd_bf16_64(const bf16* q, const bf16* k, con
   for (unsigned j0 = lo; j0 < hi; j0 += BK) {
     const unsigned nk = min(BK, hi - j0);
     __syncthreads();
-    stage(ks, k, row0 + j0, nk, BK, KV * D, kh * D);
-    stage(vs, v, row0 + j0, nk, BK, KV * D, kh * D);
+    stage<D>(ks, k, row0 + j0, nk, BK, KV * D, kh * D);
+    stage<D>(vs, v, row0 + j0, nk, BK, KV * D, kh * D);
     for (unsigned t = threadIdx.x; t < BK; t += blockDim.x) kseg[t] = t < nk ? seg[row0 + j0 + t] : 0;
     __syncthreads();
-    product_t<BK / 16>(&ss[warp * 16][0], LS, &qs[warp * 16][0], &ks[0][0]);
+    product_t<D, BK / 16>(&ss[warp * 16][0], LS, &qs[warp * 16][0], &ks[0][0]);
     __syncthreads();  // every warp is done with the keys: P takes their place
     for (unsigned c = c0; c < c0 + 32; ++c) {
       const bool ok = c < nk && r < nq && sees(i, j0 + c, qfirst[r], qseg[r], qpre[r], kseg[c], runs);
       ks[r][c] = __float2bfloat16(ok ? expf(ss[r][c] * scale - row_lse) : 0.0f);
     }
     __syncwarp();
-    accumulate<BK / 16>(acc, &ks[warp * 16][0], LD, &vs[0][0]);
+    accumulate<D, BK / 16>(acc, &ks[warp * 16][0], LD, &vs[0][0]);
   }
-  write_rows(acc, 1.0f, &ss[warp * 16][0], LS, o, row0 + i0 + warp * 16,
+  write_rows<D>(acc, 1.0f, &ss[warp * 16][0], LS, o, row0 + i0 + warp * 16,
              nq > warp * 16 ? nq - warp * 16 : 0, H * D, h * D);
   if (lane % 2 == 0 && r < nq) lse[((u64)b * H + h) * L + i] = row_lse;
 }
 
 // dK, dV. Grid (ceil(L / 64), B * KV), 128 threads: 64 keys of one (row, kv head), summed over
 // the queries of every head of the group, 32 at a time.
-extern "C" __global__ void attn_tc_bwd_kv_bf16_64(const bf16* q, const bf16* k, const bf16* v,
-                                                  const bf16* dout, const float* lse,
-                                                  const float* delta, const unsigned* seg,
-                                                  const unsigned* prefix, const unsigned* first,
-                                                  int runs, bf16* dk, bf16* dv, unsigned L,
-                                                  unsigned H, unsigned KV, float scale) {
+template <unsigned D>
+__device__ void attn_tc_bwd_kv(const bf16* q, const bf16* k, const bf16* v, const bf16* dout,
+                               const float* lse, const float* delta, const unsigned* seg,
+                               const unsigned* prefix, const unsigned* first, int runs, bf16* dk,
+                               bf16* dv, unsigned L, unsigned H, unsigned KV, float scale) {
   using namespace tc;
   constexpr unsigned BK = 64, BQ = 32, LS = BQ + 4, LP = BQ + 8;
-  __shared__ __align__(32) bf16 ks[BK][LD];
-  __shared__ __align__(32) bf16 vs[BK][LD];
-  __shared__ __align__(32) bf16 qs[BQ][LD];
-  __shared__ __align__(32) bf16 dos[BQ][LD];
-  __shared__ __align__(32) float ss[BK][LS];
-  __shared__ __align__(32) bf16 pt[BK][LP];
-  __shared__ __align__(32) bf16 dst[BK][LP];
-  __shared__ float qlse[BQ], qdelta[BQ];
-  __shared__ unsigned qfirst[BQ], qseg[BQ], qpre[BQ], kseg[BK];
+  SLUICE_DYNAMIC_SHARED(smem);
+  auto& sh = *reinterpret_cast<KvShared<D>*>(smem);
+  auto& ks = sh.ks;
+  auto& vs = sh.vs;
+  auto& qs = sh.qs;
+  auto& dos = sh.dos;
+  auto& ss = sh.ss;
+  auto& pt = sh.pt;
+  auto& dst = sh.dst;
+  auto& qlse = sh.qlse;
+  auto& qdelta = sh.qdelta;
+  auto& qfirst = sh.qfirst;
+  auto& qseg = sh.qseg;
+  auto& qpre = sh.qpre;
+  auto& kseg = sh.kseg;
   const unsigned b = blockIdx.y / KV, kh = blockIdx.y % KV, g = H / KV;
   const unsigned j0 = blockIdx.x * BK, nk = min(BK, L - j0), jlast = j0 + nk - 1;
   const unsigned warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const unsigned r = warp * 16 + lane / 2, c0 = (lane % 2) * 16, j = j0 + r;
   const u64 row0 = (u64)b * L;
-  stage(ks, k, row0 + j0, nk, BK, KV * D, kh * D);
-  stage(vs, v, row0 + j0, nk, BK, KV * D, kh * D);
+  stage<D>(ks, k, row0 + j0, nk, BK, KV * D, kh * D);
+  stage<D>(vs, v, row0 + j0, nk, BK, KV * D, kh * D);
   for (unsigned t = threadIdx.x; t < BK; t += blockDim.x) kseg[t] = t < nk ? seg[row0 + j0 + t] : 0;
   FragC gk[D / 16], gv[D / 16];
   for (unsigned n = 0; n < D / 16; ++n) {
@@ -225,11 +274,11 @@ extern "C" __global__ void attn_tc_bwd_kv_bf16_64(const bf16* q, const bf16* k, 
       unsigned cmin = 0xffffffffu;
       for (unsigned t = 0; t < BQ; ++t) cmin = min(cmin, qfirst[t]);
       if (cmin > jlast) continue;  // the same for every thread: no query here sees these keys
-      stage(qs, q, row0 + i0, nq, BQ, H * D, h * D);
-      stage(dos, dout, row0 + i0, nq, BQ, H * D, h * D);
+      stage<D>(qs, q, row0 + i0, nq, BQ, H * D, h * D);
+      stage<D>(dos, dout, row0 + i0, nq, BQ, H * D, h * D);
       __syncthreads();
       // Sᵀ (keys x queries) = K Qᵀ, then Pᵀ.
-      product_t<BQ / 16>(&ss[warp * 16][0], LS, &ks[warp * 16][0], &qs[0][0]);
+      product_t<D, BQ / 16>(&ss[warp * 16][0], LS, &ks[warp * 16][0], &qs[0][0]);
       __syncwarp();
       float p[16];
       for (unsigned c = 0; c < 16; ++c) {
@@ -241,47 +290,52 @@ extern "C" __global__ void attn_tc_bwd_kv_bf16_64(const bf16* q, const bf16* k, 
       }
       __syncwarp();
       // dPᵀ = V dOᵀ, then dSᵀ = Pᵀ (dPᵀ - delta).
-      product_t<BQ / 16>(&ss[warp * 16][0], LS, &vs[warp * 16][0], &dos[0][0]);
+      product_t<D, BQ / 16>(&ss[warp * 16][0], LS, &vs[warp * 16][0], &dos[0][0]);
       __syncwarp();
       for (unsigned c = 0; c < 16; ++c) {
         const unsigned qi = c0 + c;
         dst[r][qi] = __float2bfloat16(p[c] * (ss[r][qi] - qdelta[qi]));
       }
       __syncwarp();
-      accumulate<BQ / 16>(gv, &pt[warp * 16][0], LP, &dos[0][0]);
-      accumulate<BQ / 16>(gk, &dst[warp * 16][0], LP, &qs[0][0]);
+      accumulate<D, BQ / 16>(gv, &pt[warp * 16][0], LP, &dos[0][0]);
+      accumulate<D, BQ / 16>(gk, &dst[warp * 16][0], LP, &qs[0][0]);
     }
   }
   const unsigned valid = nk > warp * 16 ? nk - warp * 16 : 0;
-  write_rows(gk, scale, &ss[warp * 16][0], LS, dk, row0 + j0 + warp * 16, valid, KV * D, kh * D);
-  write_rows(gv, 1.0f, &ss[warp * 16][0], LS, dv, row0 + j0 + warp * 16, valid, KV * D, kh * D);
+  write_rows<D>(gk, scale, &ss[warp * 16][0], LS, dk, row0 + j0 + warp * 16, valid, KV * D, kh * D);
+  write_rows<D>(gv, 1.0f, &ss[warp * 16][0], LS, dv, row0 + j0 + warp * 16, valid, KV * D, kh * D);
 }
 
 // dQ. Grid (ceil(L / 64), B * H), 128 threads: 64 queries of one (row, head), over the keys
 // they see, 32 at a time.
-extern "C" __global__ void attn_tc_bwd_q_bf16_64(const bf16* q, const bf16* k, const bf16* v,
-                                                 const bf16* dout, const float* lse,
-                                                 const float* delta, const unsigned* seg,
-                                                 const unsigned* prefix, const unsigned* first,
-                                                 int runs, bf16* dq, unsigned L, unsigned H,
-                                                 unsigned KV, float scale) {
+template <unsigned D>
+__device__ void attn_tc_bwd_q(const bf16* q, const bf16* k, const bf16* v, const bf16* dout,
+                              const float* lse, const float* delta, const unsigned* seg,
+                              const unsigned* prefix, const unsigned* first, int runs, bf16* dq,
+                              unsigned L, unsigned H, unsigned KV, float scale) {
   using namespace tc;
   constexpr unsigned BQ = 64, BK = 32, LS = BK + 4, LP = BK + 8;
-  __shared__ __align__(32) bf16 qs[BQ][LD];
-  __shared__ __align__(32) bf16 dos[BQ][LD];
-  __shared__ __align__(32) bf16 ks[BK][LD];
-  __shared__ __align__(32) bf16 vs[BK][LD];
-  __shared__ __align__(32) float ss[BQ][LS];
-  __shared__ __align__(32) bf16 dss[BQ][LP];
-  __shared__ float qlse[BQ], qdelta[BQ];
-  __shared__ unsigned qfirst[BQ], qseg[BQ], qpre[BQ], kseg[BK];
+  SLUICE_DYNAMIC_SHARED(smem);
+  auto& sh = *reinterpret_cast<QShared<D>*>(smem);
+  auto& qs = sh.qs;
+  auto& dos = sh.dos;
+  auto& ks = sh.ks;
+  auto& vs = sh.vs;
+  auto& ss = sh.ss;
+  auto& dss = sh.dss;
+  auto& qlse = sh.qlse;
+  auto& qdelta = sh.qdelta;
+  auto& qfirst = sh.qfirst;
+  auto& qseg = sh.qseg;
+  auto& qpre = sh.qpre;
+  auto& kseg = sh.kseg;
   const unsigned b = blockIdx.y / H, h = blockIdx.y % H, kh = h / (H / KV);
   const unsigned i0 = blockIdx.x * BQ, nq = min(BQ, L - i0);
   const unsigned warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const unsigned r = warp * 16 + lane / 2, c0 = (lane % 2) * 16, i = i0 + r;
   const u64 row0 = (u64)b * L;
-  stage(qs, q, row0 + i0, nq, BQ, H * D, h * D);
-  stage(dos, dout, row0 + i0, nq, BQ, H * D, h * D);
+  stage<D>(qs, q, row0 + i0, nq, BQ, H * D, h * D);
+  stage<D>(dos, dout, row0 + i0, nq, BQ, H * D, h * D);
   for (unsigned t = threadIdx.x; t < BQ; t += blockDim.x) {
     const bool ok = t < nq;
     const u64 at = row0 + i0 + t;
@@ -300,11 +354,11 @@ extern "C" __global__ void attn_tc_bwd_q_bf16_64(const bf16* q, const bf16* k, c
   for (unsigned j0 = lo; j0 < hi; j0 += BK) {
     const unsigned nk = min(BK, hi - j0);
     __syncthreads();
-    stage(ks, k, row0 + j0, nk, BK, KV * D, kh * D);
-    stage(vs, v, row0 + j0, nk, BK, KV * D, kh * D);
+    stage<D>(ks, k, row0 + j0, nk, BK, KV * D, kh * D);
+    stage<D>(vs, v, row0 + j0, nk, BK, KV * D, kh * D);
     for (unsigned t = threadIdx.x; t < BK; t += blockDim.x) kseg[t] = t < nk ? seg[row0 + j0 + t] : 0;
     __syncthreads();
-    product_t<BK / 16>(&ss[warp * 16][0], LS, &qs[warp * 16][0], &ks[0][0]);
+    product_t<D, BK / 16>(&ss[warp * 16][0], LS, &qs[warp * 16][0], &ks[0][0]);
     __syncwarp();
     float p[16];
     for (unsigned c = 0; c < 16; ++c) {
@@ -313,15 +367,50 @@ extern "C" __global__ void attn_tc_bwd_q_bf16_64(const bf16* q, const bf16* k, c
       p[c] = ok ? expf(ss[r][kj] * scale - qlse[r]) : 0.0f;
     }
     __syncwarp();
-    product_t<BK / 16>(&ss[warp * 16][0], LS, &dos[warp * 16][0], &vs[0][0]);
+    product_t<D, BK / 16>(&ss[warp * 16][0], LS, &dos[warp * 16][0], &vs[0][0]);
     __syncwarp();
     for (unsigned c = 0; c < 16; ++c) {
       const unsigned kj = c0 + c;
       dss[r][kj] = __float2bfloat16(p[c] * (ss[r][kj] - qdelta[r]));
     }
     __syncwarp();
-    accumulate<BK / 16>(gq, &dss[warp * 16][0], LP, &ks[0][0]);
+    accumulate<D, BK / 16>(gq, &dss[warp * 16][0], LP, &ks[0][0]);
   }
-  write_rows(gq, scale, &ss[warp * 16][0], LS, dq, row0 + i0 + warp * 16,
+  write_rows<D>(gq, scale, &ss[warp * 16][0], LS, dq, row0 + i0 + warp * 16,
              nq > warp * 16 ? nq - warp * 16 : 0, H * D, h * D);
+}
+
+#define TENSOR_CORE_ATTENTION(D)                                                                  \
+  extern "C" __global__ void attn_tc_fwd_bf16_##D(                                                \
+      const bf16* q, const bf16* k, const bf16* v, const unsigned* seg, const unsigned* prefix,   \
+      const unsigned* first, int runs, bf16* o, float* lse, unsigned L, unsigned H, unsigned KV,  \
+      float scale) {                                                                              \
+    attn_tc_fwd<D>(q, k, v, seg, prefix, first, runs, o, lse, L, H, KV, scale);                   \
+  }                                                                                               \
+  extern "C" __global__ void attn_tc_bwd_kv_bf16_##D(                                             \
+      const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse,            \
+      const float* delta, const unsigned* seg, const unsigned* prefix, const unsigned* first,     \
+      int runs, bf16* dk, bf16* dv, unsigned L, unsigned H, unsigned KV, float scale) {           \
+    attn_tc_bwd_kv<D>(q, k, v, dout, lse, delta, seg, prefix, first, runs, dk, dv, L, H, KV,      \
+                      scale);                                                                     \
+  }                                                                                               \
+  extern "C" __global__ void attn_tc_bwd_q_bf16_##D(                                              \
+      const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse,            \
+      const float* delta, const unsigned* seg, const unsigned* prefix, const unsigned* first,     \
+      int runs, bf16* dq, unsigned L, unsigned H, unsigned KV, float scale) {                     \
+    attn_tc_bwd_q<D>(q, k, v, dout, lse, delta, seg, prefix, first, runs, dq, L, H, KV, scale);   \
+  }
+
+TENSOR_CORE_ATTENTION(64)
+TENSOR_CORE_ATTENTION(128)
+
+// The dynamic shared memory each kernel above takes, in bytes: fwd, bwd_kv, bwd_q at D = 64,
+// then at D = 128 (read once by the host, which passes them at launch).
+extern "C" __global__ void attn_tc_shared_bytes(unsigned* out) {
+  out[0] = sizeof(tc::FwdShared<64>);
+  out[1] = sizeof(tc::KvShared<64>);
+  out[2] = sizeof(tc::QShared<64>);
+  out[3] = sizeof(tc::FwdShared<128>);
+  out[4] = sizeof(tc::KvShared<128>);
+  out[5] = sizeof(tc::QShared<128>);
 }

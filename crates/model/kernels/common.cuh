@@ -44,3 +44,11 @@ __device__ __forceinline__ float block_max(float v) {
   for (unsigned w = 0; w < blockDim.x / 32; ++w) m = fmaxf(m, part[w]);
   return m;
 }
+
+// A kernel's dynamic shared memory (the launch gives its size). The emulation runs one block at
+// a time, so a static buffer stands in.
+#ifdef SLUICE_CUDA_EMU
+#define SLUICE_DYNAMIC_SHARED(name) static unsigned char name[128 * 1024] __attribute__((aligned(128)))
+#else
+#define SLUICE_DYNAMIC_SHARED(name) extern __shared__ __align__(128) unsigned char name[]
+#endif

@@ -114,6 +114,31 @@ fn config(grid: (u32, u32), block: u32) -> LaunchConfig {
     }
 }
 
+/// The tensor-core attention kernels' dynamic shared memory in bytes, `[fwd, bwd_kv, bwd_q]`
+/// for heads of `d` (64 or 128), as `attn_tc_shared_bytes` reports it (read once).
+fn tensor_core_shared(dev: &CudaDevice, d: usize) -> Result<[u32; 3]> {
+    static BYTES: OnceLock<[u32; 6]> = OnceLock::new();
+    let bytes = match BYTES.get() {
+        Some(b) => *b,
+        None => {
+            let f = ATTENTION_TC.function(dev, "attn_tc_shared_bytes")?;
+            let mut out = dev.alloc_zeros::<u32>(6)?;
+            let stream = dev.cuda_stream();
+            let mut a = stream.launch_builder(&f);
+            a.arg(&mut out);
+            launch(a, config((1, 1), 1))?;
+            let v = dev.clone_dtoh(&out)?;
+            let b = [v[0], v[1], v[2], v[3], v[4], v[5]];
+            *BYTES.get_or_init(|| b)
+        }
+    };
+    Ok(if d == 128 {
+        [bytes[3], bytes[4], bytes[5]]
+    } else {
+        [bytes[0], bytes[1], bytes[2]]
+    })
+}
+
 /// Blocks of [`THREADS`] for `n` elements (or slots of work), at most [`MAX_BLOCKS`].
 fn blocks(n: u64) -> u32 {
     n.div_ceil(u64::from(THREADS)).clamp(1, MAX_BLOCKS) as u32
@@ -342,24 +367,33 @@ struct Geometry {
     threads: u32,
     /// The kernels' module and the prefix of their names.
     kernels: (Module, &'static str),
+    /// Dynamic shared memory of the forward, dK/dV and dQ kernels (0: static only).
+    shared: [u32; 3],
     runs: i32,
     scale: f32,
 }
 
 impl Geometry {
-    /// For inputs of `dtype`: bf16 heads of 64 take the tensor-core kernels (`attention_tc.cu`:
-    /// 64 rows a block, 4 warps), the rest those on CUDA cores (`attention.cu`: a thread a row).
-    fn new(seg: &Segments, heads: AttentionHeads, dtype: DType) -> Result<Self> {
+    /// For inputs of `dtype` on `dev`: bf16 heads of 64 and 128 take the tensor-core kernels
+    /// (`attention_tc.cu`: 64 rows a block, 4 warps, tiles in dynamic shared memory), the rest
+    /// those on CUDA cores (`attention.cu`: a thread a row).
+    fn new(seg: &Segments, heads: AttentionHeads, dtype: DType, dev: &CudaDevice) -> Result<Self> {
         let (b, l) = seg.shape();
         let d = heads.head_dim;
         if !attention_head_dim(d) {
             bail!("attention on the GPU: no kernel for heads of {d} (16, 32, 64, 128)")
         }
-        let tensor_cores = dtype == DType::BF16 && d == 64;
-        let (rows, threads, kernels) = if tensor_cores {
-            (64, 128, (ATTENTION_TC, "attn_tc"))
+        let tensor_cores = dtype == DType::BF16 && matches!(d, 64 | 128);
+        let (rows, threads, kernels, shared) = if tensor_cores {
+            (
+                64,
+                128,
+                (ATTENTION_TC, "attn_tc"),
+                tensor_core_shared(dev, d)?,
+            )
         } else {
-            (attention_rows(d), attention_rows(d), (ATTENTION, "attn"))
+            let rows = attention_rows(d);
+            (rows, rows, (ATTENTION, "attn"), [0; 3])
         };
         Ok(Self {
             b: u32_of(b, "attention rows")?,
@@ -370,6 +404,7 @@ impl Geometry {
             rows,
             threads,
             kernels,
+            shared,
             runs: i32::from(seg.runs()),
             scale: 1.0 / (d as f32).sqrt(),
         })
@@ -383,13 +418,33 @@ impl Geometry {
         self.b as usize * self.l as usize
     }
 
-    /// The kernel `name` (`fwd`, `bwd_kv`, `bwd_q`) for inputs of `dtype`.
-    fn function(&self, dev: &CudaDevice, name: &str, dtype: DType) -> Result<CudaFunction> {
+    /// The kernel `name` (`fwd`, `bwd_kv`, `bwd_q`) for inputs of `dtype`, allowed the dynamic
+    /// shared memory it takes, and its launch over `blocks` (grid dims).
+    fn kernel(
+        &self,
+        dev: &CudaDevice,
+        name: &str,
+        dtype: DType,
+        blocks: (u32, u32),
+    ) -> Result<(CudaFunction, LaunchConfig)> {
         let (module, prefix) = self.kernels;
-        module.function(
+        let f = module.function(
             dev,
             &format!("{prefix}_{name}_{}_{}", suffix(dtype), self.d),
-        )
+        )?;
+        let shared = match name {
+            "fwd" => self.shared[0],
+            "bwd_kv" => self.shared[1],
+            _ => self.shared[2],
+        };
+        if shared > 0 {
+            use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute_enum as Attr;
+            let max = Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+            f.set_attribute(max, shared as i32).w()?;
+        }
+        let mut cfg = config(blocks, self.threads);
+        cfg.shared_mem_bytes = shared;
+        Ok((f, cfg))
     }
 }
 
@@ -401,8 +456,8 @@ pub(crate) fn attention(
     seg: &Segments,
     heads: AttentionHeads,
 ) -> Result<(CudaStorage, Tensor)> {
-    let g = Geometry::new(seg, heads, q.0.dtype())?;
     let dev = &q.0.device;
+    let g = Geometry::new(seg, heads, q.0.dtype(), dev)?;
     let mut fresh = None;
     let slots = seg.device_slots().on(seg, dev, &mut fresh)?;
     let n = g.slots();
@@ -410,12 +465,12 @@ pub(crate) fn attention(
         let (qv, kv_, vv) = (view::<T>(q.0, q.1)?, view::<T>(k.0, k.1)?, view::<T>(v.0, v.1)?);
         let mut o = output::<T>(dev, n * heads.heads * g.d)?;
         let mut lse = output::<f32>(dev, n * heads.heads)?;
-        let f = g.function(dev, "fwd", q.0.dtype())?;
+        let (f, cfg) = g.kernel(dev, "fwd", q.0.dtype(), (g.tiles(), g.b * g.h))?;
         let stream = dev.cuda_stream();
         let mut a = stream.launch_builder(&f);
         a.arg(&qv).arg(&kv_).arg(&vv).arg(&slots.seg).arg(&slots.prefix).arg(&slots.first);
         a.arg(&g.runs).arg(&mut o).arg(&mut lse).arg(&g.l).arg(&g.h).arg(&g.kv).arg(&g.scale);
-        launch(a, config((g.tiles(), g.b * g.h), g.threads))?;
+        launch(a, cfg)?;
         let lse = tensor(lse, dev, &Shape::from((g.b as usize, heads.heads, g.l as usize)));
         Ok((CudaStorage::wrap_cuda_slice(o, dev.clone()), lse))
     })
@@ -431,12 +486,12 @@ pub(crate) fn attention_bwd(
     seg: &Segments,
     heads: AttentionHeads,
 ) -> Result<[Tensor; 3]> {
-    let g = Geometry::new(seg, heads, q.dtype())?;
     let guards = [q, k, v, out, lse, dout].map(|t| t.storage_and_layout());
     let c = |i: usize| cuda_of(&guards[i].0).map(|s| (s, guards[i].1));
     let ((qs, ql), (ks, kl), (vs, vl), (os, ol), (ls, ll), (gs, gl)) =
         (c(0)?, c(1)?, c(2)?, c(3)?, c(4)?, c(5)?);
     let dev = &qs.device;
+    let g = Geometry::new(seg, heads, q.dtype(), dev)?;
     let mut fresh = None;
     let slots = seg.device_slots().on(seg, dev, &mut fresh)?;
     let n = g.slots();
@@ -454,20 +509,20 @@ pub(crate) fn attention_bwd(
         launch(a, config((blocks(rows64 * 32), 1), THREADS))?;
 
         let (mut dk, mut dv) = (output::<T>(dev, kn)?, output::<T>(dev, kn)?);
-        let f = g.function(dev, "bwd_kv", q.dtype())?;
+        let (f, cfg) = g.kernel(dev, "bwd_kv", q.dtype(), (g.tiles(), g.b * g.kv))?;
         let mut a = stream.launch_builder(&f);
         a.arg(&qv).arg(&kv_).arg(&vv).arg(&gv).arg(&lv).arg(&delta);
         a.arg(&slots.seg).arg(&slots.prefix).arg(&slots.first).arg(&g.runs);
         a.arg(&mut dk).arg(&mut dv).arg(&g.l).arg(&g.h).arg(&g.kv).arg(&g.scale);
-        launch(a, config((g.tiles(), g.b * g.kv), g.threads))?;
+        launch(a, cfg)?;
 
         let mut dq = output::<T>(dev, qn)?;
-        let f = g.function(dev, "bwd_q", q.dtype())?;
+        let (f, cfg) = g.kernel(dev, "bwd_q", q.dtype(), (g.tiles(), g.b * g.h))?;
         let mut a = stream.launch_builder(&f);
         a.arg(&qv).arg(&kv_).arg(&vv).arg(&gv).arg(&lv).arg(&delta);
         a.arg(&slots.seg).arg(&slots.prefix).arg(&slots.first).arg(&g.runs);
         a.arg(&mut dq).arg(&g.l).arg(&g.h).arg(&g.kv).arg(&g.scale);
-        launch(a, config((g.tiles(), g.b * g.h), g.threads))?;
+        launch(a, cfg)?;
         Ok([tensor(dq, dev, q.shape()), tensor(dk, dev, k.shape()), tensor(dv, dev, v.shape())])
     })
 }

@@ -277,8 +277,8 @@ fn emulated_attention_kernels_match_the_cpu_op() {
                     In::Words(segments.prefixes()),
                     In::Words(segments.first()),
                 ];
-                // bf16 heads of 64 also take the tensor-core kernels (attention_tc.cu).
-                let tensor_cores = dtype == DType::BF16 && d == 64;
+                // bf16 heads of 64 and 128 also take the tensor-core kernels (attention_tc.cu).
+                let tensor_cores = dtype == DType::BF16 && (d == 64 || d == 128);
                 for tc in [false, true].into_iter().filter(|&tc| !tc || tensor_cores) {
                     let mut args = args.to_vec();
                     args.push(usize::from(tc).to_string());

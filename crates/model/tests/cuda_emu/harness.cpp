@@ -68,14 +68,15 @@ void attention(void (*fwd)(const T*, const T*, const T*, const unsigned*, const 
                           const unsigned*, const unsigned*, const unsigned*, int, T*, unsigned,
                           unsigned, unsigned, float),
                void (*delta)(const T*, const T*, float*, unsigned, unsigned, unsigned, u64),
-               unsigned B, unsigned L, unsigned H, unsigned KV, int runs, unsigned block = Tile<D>::ROWS) {
+               unsigned B, unsigned L, unsigned H, unsigned KV, int runs, unsigned block = Tile<D>::ROWS,
+               unsigned R = Tile<D>::ROWS) {
   const size_t N = (size_t)B * L;
   auto q = floats<T>(N * H * D), k = floats<T>(N * KV * D), v = floats<T>(N * KV * D),
        g = floats<T>(N * H * D);
   auto seg = words(N), prefix = words(N), first = words(N);
   const float scale = 1.0f / std::sqrt((float)D);
-  // The tensor-core kernels (block = 128 threads) take 64 rows a block too.
-  const unsigned R = Tile<D>::ROWS, tiles = (L + R - 1) / R;
+  // The tensor-core kernels take 64 rows a block, with 128 threads.
+  const unsigned tiles = (L + R - 1) / R;
   std::vector<T> o(N * H * D), gq(N * H * D), gk(N * KV * D), gv(N * KV * D);
   std::vector<float> lse(N * H), dl(N * H);
   emu::launch(fwd, dim3(tiles, B * H), dim3(block), q.data(), k.data(), v.data(), seg.data(),
@@ -170,9 +171,14 @@ void run(const std::string& op, char** a, bool bf) {
     const int runs = (int)u(5);
     const bool tensor_cores = a[6] && u(6);
     if constexpr (std::is_same_v<T, bf16>) {
-      if (tensor_cores) {
+      if (tensor_cores && D == 64) {
         attention<bf16, 64>(attn_tc_fwd_bf16_64, attn_tc_bwd_kv_bf16_64, attn_tc_bwd_q_bf16_64,
-                            attn_delta_bf16, B, L, H, KV, runs, 128);
+                            attn_delta_bf16, B, L, H, KV, runs, 128, 64);
+        return;
+      }
+      if (tensor_cores && D == 128) {
+        attention<bf16, 128>(attn_tc_fwd_bf16_128, attn_tc_bwd_kv_bf16_128, attn_tc_bwd_q_bf16_128,
+                             attn_delta_bf16, B, L, H, KV, runs, 128, 64);
         return;
       }
     }
