@@ -1,8 +1,9 @@
 //! On a GPU, the training forward's fused ops (Sluice's CUDA kernels: RMSNorm, SwiGLU, RoPE,
 //! attention over packed segments) against candle's composition of elementary ops on the same
 //! device, forward and backward, in f32 and bf16, at the medium preset's shapes (Qwen2.5-0.5B:
-//! 8 rows of 512, hidden 896, 14 heads of 64 over 2 kv heads, MLP 4864): values and gradients
-//! agreeing, and the time of a forward and backward of each.
+//! 8 rows of 512, hidden 896, 14 heads of 64 over 2 kv heads, MLP 4864; the attention in bf16
+//! also at 8 rows of 2048): values and gradients agreeing, and the time of a forward and
+//! backward of each.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -12,6 +13,9 @@ use sluice_model::fused::{self, AttentionHeads, Segments};
 
 const ROWS: usize = 8;
 const LEN: usize = 512;
+/// The long rows of the attention's second case (bf16 only), where the composition keeps every
+/// head's `L × L` scores.
+const LONG: usize = 2048;
 const HIDDEN: usize = 896;
 const MLP: usize = 4864;
 const HEADS: AttentionHeads = AttentionHeads {
@@ -29,14 +33,21 @@ type Case<'a> = (&'static str, Vec<Tensor>, Box<Op<'a>>, Box<Op<'a>>);
 /// The checks and timings of every op and dtype; false when any disagrees with the composition.
 pub(super) fn compare(device: &Device, result: &mut Vec<String>) -> anyhow::Result<bool> {
     let mut ok = true;
-    let (seg, prefix) = grpo_rows();
+    let (seg, prefix) = grpo_rows(LEN);
     let segments = Arc::new(Segments::with_prefixes(ROWS, LEN, &seg, &prefix)?);
+    let (long_seg, long_prefix) = grpo_rows(LONG);
+    let long = Arc::new(Segments::with_prefixes(
+        ROWS,
+        LONG,
+        &long_seg,
+        &long_prefix,
+    )?);
     let n = ROWS * LEN;
     let (h, kv, d) = (HEADS.heads, HEADS.kv_heads, HEADS.head_dim);
     for dtype in [DType::F32, DType::BF16] {
         let tag = if dtype == DType::BF16 { "bf16" } else { "f32" };
         let x = |shape: &[usize], seed: u64| random(shape, seed, dtype, device);
-        let cases: Vec<Case<'_>> = vec![
+        let mut cases: Vec<Case<'_>> = vec![
             (
                 "rms_norm",
                 vec![x(&[n, HIDDEN], 1)?, (x(&[HIDDEN], 2)? + 1.0)?],
@@ -65,9 +76,22 @@ pub(super) fn compare(device: &Device, result: &mut Vec<String>) -> anyhow::Resu
                     x(&[n, kv * d], 10)?,
                 ],
                 Box::new(|t: &[Tensor]| fused::attention(&t[0], &t[1], &t[2], &segments, HEADS)),
-                Box::new(|t: &[Tensor]| attention_composed(t, (&seg, &prefix))),
+                Box::new(|t: &[Tensor]| attention_composed(t, (&seg, &prefix), LEN)),
             ),
         ];
+        if dtype == DType::BF16 {
+            let n = ROWS * LONG;
+            cases.push((
+                "attention_2048",
+                vec![
+                    x(&[n, h * d], 11)?,
+                    x(&[n, kv * d], 12)?,
+                    x(&[n, kv * d], 13)?,
+                ],
+                Box::new(|t: &[Tensor]| fused::attention(&t[0], &t[1], &t[2], &long, HEADS)),
+                Box::new(|t: &[Tensor]| attention_composed(t, (&long_seg, &long_prefix), LONG)),
+            ));
+        }
         for (name, inputs, fused_op, composed_op) in &cases {
             // RoPE's tables are not differentiated: only its first input is compared.
             let grads = if *name == "rope" { 1 } else { inputs.len() };
@@ -153,17 +177,18 @@ fn rel_err(a: &Tensor, b: &Tensor) -> anyhow::Result<f64> {
     Ok(f64::from(diff / scale.max(f32::MIN_POSITIVE)))
 }
 
-/// Packed GRPO rows: a 64-slot prompt shared by four 112-slot completions.
-fn grpo_rows() -> (Vec<u32>, Vec<u32>) {
-    let mut seg = Vec::with_capacity(ROWS * LEN);
-    let mut prefix = Vec::with_capacity(ROWS * LEN);
+/// Packed GRPO rows of `len` slots: a 64-slot prompt shared by four completions.
+fn grpo_rows(len: usize) -> (Vec<u32>, Vec<u32>) {
+    let completion = (len - 64) / 4;
+    let mut seg = Vec::with_capacity(ROWS * len);
+    let mut prefix = Vec::with_capacity(ROWS * len);
     for _ in 0..ROWS {
-        for i in 0..LEN {
+        for i in 0..len {
             if i < 64 {
                 seg.push(1);
                 prefix.push(0);
             } else {
-                seg.push(2 + ((i - 64) / 112) as u32);
+                seg.push(2 + ((i - 64) / completion) as u32);
                 prefix.push(1);
             }
         }
@@ -194,8 +219,12 @@ fn rope_composed(x: &Tensor, cos: &Tensor, sin: &Tensor, d: usize) -> CResult<Te
 }
 
 /// The trainer's composition: products in the inputs' dtype, the mask and softmax in f32.
-fn attention_composed(t: &[Tensor], (seg, prefix): (&[u32], &[u32])) -> CResult<Tensor> {
-    let (b, l) = (ROWS, LEN);
+fn attention_composed(
+    t: &[Tensor],
+    (seg, prefix): (&[u32], &[u32]),
+    len: usize,
+) -> CResult<Tensor> {
+    let (b, l) = (ROWS, len);
     let AttentionHeads {
         heads: h,
         kv_heads: kv,
