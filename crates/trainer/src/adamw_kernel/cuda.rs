@@ -1,0 +1,241 @@
+//! The CUDA paths of the AdamW update and the gradient norm: launches of
+//! `crates/model/kernels/adamw.cu`, per parameter and for every parameter of a step at once.
+
+use candle_core::backend::BackendDevice;
+use candle_core::cuda_backend::WrapErr;
+use candle_core::cuda_backend::cudarc::driver::{
+    DevicePtr, LaunchArgs, LaunchConfig, PushKernelArg,
+};
+use candle_core::{DType, Device, Layout, Result, Storage, Tensor, bail};
+
+use super::{Operands, Update};
+
+/// Elements one block of `adamw_many_f32` updates (the emulated test's harness: 65536).
+const CHUNK: usize = 1 << 16;
+
+/// Updates, by one launch, every parameter whose operands are contiguous f32 on the first
+/// such parameter's GPU; hands back the others with their positions.
+pub(super) fn apply_together(
+    params: Vec<(usize, Operands<'_>)>,
+    u: Update,
+) -> Result<Vec<(usize, Operands<'_>)>> {
+    let device = params.iter().find_map(|(_, o)| match o.master.device() {
+        Device::Cuda(d) => Some(d.clone()),
+        _ => None,
+    });
+    let Some(device) = device else {
+        return Ok(params);
+    };
+    let fits = |o: &Operands<'_>| {
+        [o.master.as_tensor(), &*o.m, &*o.v, o.g]
+            .into_iter()
+            .all(|t| {
+                t.dtype() == DType::F32
+                    && t.is_contiguous()
+                    && matches!(t.device(), Device::Cuda(d) if d.same_device(&device))
+                    && t.elem_count() == o.g.elem_count()
+            })
+    };
+    let (together, rest): (Vec<_>, Vec<_>) = params.into_iter().partition(|(_, o)| fits(o));
+    if !together.is_empty() {
+        launch_many(&device, &together, u)?;
+    }
+    Ok(rest)
+}
+
+fn launch_many(
+    device: &candle_core::CudaDevice,
+    params: &[(usize, Operands<'_>)],
+    u: Update,
+) -> Result<()> {
+    let stream = device.cuda_stream();
+    let guards: Vec<_> = params
+        .iter()
+        .map(|(_, o)| [o.master.as_tensor(), &*o.m, &*o.v, o.g].map(Tensor::storage_and_layout))
+        .collect();
+    // Device addresses of each parameter's p, m, v and g, in four runs; the guards that
+    // order them on the stream live until the launch is issued.
+    let mut addresses = vec![0u64; 4 * params.len()];
+    let mut syncs = Vec::with_capacity(4 * params.len());
+    let mut sizes = Vec::with_capacity(params.len());
+    for (k, four) in guards.iter().enumerate() {
+        for (j, (storage, layout)) in four.iter().enumerate() {
+            let (ptr, sync) = address(&stream, storage, layout)?;
+            addresses[j * params.len() + k] = ptr;
+            syncs.push(sync);
+        }
+        sizes.push(four[0].1.shape().elem_count());
+    }
+    let Some(chunks) = Chunks::of(device, &sizes)? else {
+        return Ok(());
+    };
+    let table = device.clone_htod(&addresses)?;
+    let n = params.len();
+    let [p, m, v, g] = [0, 1, 2, 3].map(|j| table.slice(j * n..(j + 1) * n));
+    let func = sluice_model::kernels::ADAMW.function(device, "adamw_many_f32")?;
+    let (c1, c2) = ((1.0 / u.bc1) as f32, (1.0 / u.bc2) as f32);
+    let k = [
+        u.clip_scale as f32,
+        u.beta1 as f32,
+        (1.0 - u.beta1) as f32,
+        u.beta2 as f32,
+        (1.0 - u.beta2) as f32,
+        c1,
+        c2,
+        u.eps as f32,
+        u.lr as f32,
+        (1.0 - u.lr * u.weight_decay) as f32,
+    ];
+    let mut launch = stream.launch_builder(&func);
+    launch
+        .arg(&p)
+        .arg(&m)
+        .arg(&v)
+        .arg(&g)
+        .arg(&chunks.param)
+        .arg(&chunks.at)
+        .arg(&chunks.len);
+    for c in &k {
+        launch.arg(c);
+    }
+    let cfg = chunks.config();
+    // SAFETY: the arguments are adamw_many_f32's, in order: four tables of `n` device
+    // addresses, each of a live, contiguous f32 buffer of the parameter's size (checked by
+    // `apply_together`, held by `guards` for the launch), the chunk tables within those
+    // sizes, and ten f32 constants. The kernel writes p, m and v in place, as the in-place
+    // ops do, on the stream that orders every use of these tensors.
+    #[allow(unsafe_code)]
+    unsafe { launch.launch(cfg) }.w()?;
+    drop(syncs);
+    Ok(())
+}
+
+/// `Σ g²` over `grads` by one launch (`sumsq_many_f32`) and one read-back, when all are
+/// contiguous f32 on one GPU; `None` otherwise.
+pub(super) fn sum_of_squares(grads: &[&Tensor]) -> Result<Option<f64>> {
+    let Some(Device::Cuda(device)) = grads.first().map(|g| g.device().clone()) else {
+        return Ok(None);
+    };
+    let fits = |t: &&Tensor| {
+        t.dtype() == DType::F32
+            && t.is_contiguous()
+            && matches!(t.device(), Device::Cuda(d) if d.same_device(&device))
+    };
+    if !grads.iter().all(fits) {
+        return Ok(None);
+    }
+    let stream = device.cuda_stream();
+    let guards: Vec<_> = grads.iter().map(|g| g.storage_and_layout()).collect();
+    let mut addresses = Vec::with_capacity(grads.len());
+    let mut syncs = Vec::with_capacity(grads.len());
+    for (storage, layout) in &guards {
+        let (ptr, sync) = address(&stream, storage, layout)?;
+        addresses.push(ptr);
+        syncs.push(sync);
+    }
+    let sizes: Vec<usize> = grads.iter().map(|g| g.elem_count()).collect();
+    let Some(chunks) = Chunks::of(&device, &sizes)? else {
+        return Ok(Some(0.0));
+    };
+    let table = device.clone_htod(&addresses)?;
+    let mut partial = device.alloc_zeros::<f32>(chunks.blocks as usize)?;
+    let func = sluice_model::kernels::ADAMW.function(&device, "sumsq_many_f32")?;
+    let mut launch = stream.launch_builder(&func);
+    launch
+        .arg(&table)
+        .arg(&chunks.param)
+        .arg(&chunks.at)
+        .arg(&chunks.len)
+        .arg(&mut partial);
+    // SAFETY: sumsq_many_f32's arguments in order: a table of the gradients' device
+    // addresses (live, contiguous f32 buffers held by `guards`), the chunk tables within
+    // their sizes, and one f32 output per chunk (block).
+    #[allow(unsafe_code)]
+    unsafe { launch.launch(chunks.config()) }.w()?;
+    drop(syncs);
+    let partial = device.clone_dtoh(&partial)?;
+    Ok(Some(partial.iter().map(|&s| f64::from(s)).sum()))
+}
+
+/// The device address of a contiguous f32 storage's first element, and the guard that
+/// orders its use on `stream`.
+fn address<'a>(
+    stream: &'a std::sync::Arc<candle_core::cuda_backend::cudarc::driver::CudaStream>,
+    storage: &'a Storage,
+    layout: &Layout,
+) -> Result<(
+    u64,
+    candle_core::cuda_backend::cudarc::driver::SyncOnDrop<'a>,
+)> {
+    let Storage::Cuda(s) = storage else {
+        bail!("adamw: an operand left the GPU")
+    };
+    let (start, _) = range(layout)?;
+    let (ptr, sync) = s.as_cuda_slice::<f32>()?.device_ptr(stream);
+    Ok((ptr + (start * std::mem::size_of::<f32>()) as u64, sync))
+}
+
+/// The many-buffer kernels' chunk tables on the device: block `b` takes `len[b]` elements
+/// from element `at[b]` of buffer `param[b]`.
+struct Chunks {
+    param: candle_core::cuda_backend::cudarc::driver::CudaSlice<u32>,
+    at: candle_core::cuda_backend::cudarc::driver::CudaSlice<u64>,
+    len: candle_core::cuda_backend::cudarc::driver::CudaSlice<u32>,
+    blocks: u32,
+}
+
+impl Chunks {
+    /// For buffers of `sizes` elements; `None` when they hold none.
+    fn of(device: &candle_core::CudaDevice, sizes: &[usize]) -> Result<Option<Self>> {
+        let (mut param, mut at, mut len) = (Vec::new(), Vec::new(), Vec::new());
+        for (k, &n) in sizes.iter().enumerate() {
+            for start in (0..n).step_by(CHUNK) {
+                param.push(k as u32);
+                at.push(start as u64);
+                len.push(CHUNK.min(n - start) as u32);
+            }
+        }
+        if param.is_empty() {
+            return Ok(None);
+        }
+        Ok(Some(Self {
+            blocks: param.len() as u32,
+            param: device.clone_htod(&param)?,
+            at: device.clone_htod(&at)?,
+            len: device.clone_htod(&len)?,
+        }))
+    }
+
+    fn config(&self) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (self.blocks, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+}
+
+/// The element range of a contiguous layout.
+pub(super) fn range(l: &Layout) -> Result<(usize, usize)> {
+    match l.contiguous_offsets() {
+        Some(r) => Ok(r),
+        None => bail!("adamw: non-contiguous operand"),
+    }
+}
+
+/// Launches a grid-stride kernel over `n` elements: enough blocks to fill the GPU, each
+/// thread looping over the rest.
+pub(super) fn launch(mut launch: LaunchArgs<'_>, n: u64) -> Result<()> {
+    const THREADS: u64 = 256;
+    let blocks = n.div_ceil(THREADS).clamp(1, 65_535) as u32;
+    let cfg = LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (THREADS as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: the arguments match the kernel's signature in adamw.cu (pointers to `n`
+    // f32s each, then scalars of the declared types), and every range was checked above.
+    #[allow(unsafe_code)]
+    unsafe { launch.launch(cfg) }.w()?;
+    Ok(())
+}
