@@ -87,6 +87,32 @@ __device__ __forceinline__ void write_rows(FragC* acc, float factor, float* scra
   }
 }
 
+// A block of queries' slot arrays and (for the backward) their log-sum-exps and deltas: where
+// they are read from, and the block's staged copies.
+struct QuerySource {
+  const unsigned *first, *seg, *prefix;
+  const float *lse, *delta;
+};
+struct QueryTiles {
+  unsigned *first, *seg, *prefix;
+  float *lse, *delta;
+};
+
+// `rows` queries' entries from slot `slot0` (slot arrays) and `head0` (lse and delta, when
+// given) into `dst`; past `valid` a query sees nothing.
+__device__ __forceinline__ void stage_queries(unsigned rows, unsigned valid,
+                                              QuerySource src, u64 slot0, u64 head0,
+                                              QueryTiles dst) {
+  for (unsigned t = threadIdx.x; t < rows; t += blockDim.x) {
+    const bool ok = t < valid;
+    dst.first[t] = ok ? src.first[slot0 + t] : 0xffffffffu;
+    dst.seg[t] = ok ? src.seg[slot0 + t] : 0;
+    dst.prefix[t] = ok ? src.prefix[slot0 + t] : 0;
+    if (dst.lse) dst.lse[t] = ok ? src.lse[head0 + t] : 0.0f;
+    if (dst.delta) dst.delta[t] = ok ? src.delta[head0 + t] : 0.0f;
+  }
+}
+
 // Each kernel's shared memory: tiles first, every one a multiple of 32 bytes long, so each
 // starts 32-byte aligned as WMMA requires.
 template <unsigned D, unsigned LD = D + 8>
@@ -155,12 +181,8 @@ __device__ void attn_tc_fwd(const bf16* q, const bf16* k, const bf16* v, const u
   const unsigned r = warp * 16 + lane / 2, c0 = (lane % 2) * 32, i = i0 + r;
   const u64 row0 = (u64)b * L;
   stage<D>(qs, q, row0 + i0, nq, BQ, H * D, h * D);
-  for (unsigned t = threadIdx.x; t < BQ; t += blockDim.x) {
-    const bool ok = t < nq;
-    qfirst[t] = ok ? first[row0 + i0 + t] : 0xffffffffu;
-    qseg[t] = ok ? seg[row0 + i0 + t] : 0;
-    qpre[t] = ok ? prefix[row0 + i0 + t] : 0;
-  }
+  stage_queries(BQ, nq, {first, seg, prefix, nullptr, nullptr}, row0 + i0, 0,
+                {qfirst, qseg, qpre, nullptr, nullptr});
   __syncthreads();
   unsigned lo = 0xffffffffu;
   for (unsigned t = 0; t < BQ; ++t) lo = min(lo, qfirst[t]);
@@ -261,15 +283,8 @@ __device__ void attn_tc_bwd_kv(const bf16* q, const bf16* k, const bf16* v, cons
     for (unsigned i0 = j0; i0 < L; i0 += BQ) {
       const unsigned nq = min(BQ, L - i0);
       __syncthreads();
-      for (unsigned t = threadIdx.x; t < BQ; t += blockDim.x) {
-        const bool ok = t < nq;
-        const u64 at = row0 + i0 + t;
-        qfirst[t] = ok ? first[at] : 0xffffffffu;
-        qseg[t] = ok ? seg[at] : 0;
-        qpre[t] = ok ? prefix[at] : 0;
-        qlse[t] = ok ? lse[((u64)b * H + h) * L + i0 + t] : 0.0f;
-        qdelta[t] = ok ? delta[((u64)b * H + h) * L + i0 + t] : 0.0f;
-      }
+      stage_queries(BQ, nq, {first, seg, prefix, lse, delta}, row0 + i0,
+                    ((u64)b * H + h) * L + i0, {qfirst, qseg, qpre, qlse, qdelta});
       __syncthreads();
       unsigned cmin = 0xffffffffu;
       for (unsigned t = 0; t < BQ; ++t) cmin = min(cmin, qfirst[t]);
@@ -336,15 +351,8 @@ __device__ void attn_tc_bwd_q(const bf16* q, const bf16* k, const bf16* v, const
   const u64 row0 = (u64)b * L;
   stage<D>(qs, q, row0 + i0, nq, BQ, H * D, h * D);
   stage<D>(dos, dout, row0 + i0, nq, BQ, H * D, h * D);
-  for (unsigned t = threadIdx.x; t < BQ; t += blockDim.x) {
-    const bool ok = t < nq;
-    const u64 at = row0 + i0 + t;
-    qfirst[t] = ok ? first[at] : 0xffffffffu;
-    qseg[t] = ok ? seg[at] : 0;
-    qpre[t] = ok ? prefix[at] : 0;
-    qlse[t] = ok ? lse[((u64)b * H + h) * L + i0 + t] : 0.0f;
-    qdelta[t] = ok ? delta[((u64)b * H + h) * L + i0 + t] : 0.0f;
-  }
+  stage_queries(BQ, nq, {first, seg, prefix, lse, delta}, row0 + i0, ((u64)b * H + h) * L + i0,
+                {qfirst, qseg, qpre, qlse, qdelta});
   __syncthreads();
   unsigned lo = 0xffffffffu;
   for (unsigned t = 0; t < BQ; ++t) lo = min(lo, qfirst[t]);

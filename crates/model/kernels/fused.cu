@@ -7,16 +7,22 @@
 
 // ---- RMSNorm: one block per row of d ----
 
+// 1 / sqrt(mean(row^2) + eps) of the block's row, in every thread.
+template <typename T>
+__device__ float row_inv(const T* row, unsigned d, float eps) {
+  float ss = 0.0f;
+  for (unsigned j = threadIdx.x; j < d; j += blockDim.x) {
+    const float v = ld(row, j);
+    ss += v * v;
+  }
+  return 1.0f / sqrtf(block_sum(ss) / d + eps);
+}
+
 // y = w * x / sqrt(mean(x^2) + eps)
 template <typename T>
 __device__ void rms_fwd(const T* x, const T* w, T* y, unsigned d, float eps) {
   const u64 at = (u64)blockIdx.x * d;
-  float ss = 0.0f;
-  for (unsigned j = threadIdx.x; j < d; j += blockDim.x) {
-    float v = ld(x, at + j);
-    ss += v * v;
-  }
-  const float inv = 1.0f / sqrtf(block_sum(ss) / d + eps);
+  const float inv = row_inv(x + at, d, eps);
   for (unsigned j = threadIdx.x; j < d; j += blockDim.x) st(y, at + j, ld(x, at + j) * inv * ld(w, j));
 }
 
@@ -26,12 +32,7 @@ template <typename T>
 __device__ void rms_bwd_dx(const T* x, const T* w, const T* g, T* dx, float* inv_out, unsigned d,
                            float eps) {
   const u64 at = (u64)blockIdx.x * d;
-  float ss = 0.0f;
-  for (unsigned j = threadIdx.x; j < d; j += blockDim.x) {
-    float v = ld(x, at + j);
-    ss += v * v;
-  }
-  const float inv = 1.0f / sqrtf(block_sum(ss) / d + eps);
+  const float inv = row_inv(x + at, d, eps);
   float dot = 0.0f;
   for (unsigned j = threadIdx.x; j < d; j += blockDim.x)
     dot += ld(w, j) * ld(g, at + j) * ld(x, at + j) * inv;
