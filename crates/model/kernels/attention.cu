@@ -15,7 +15,7 @@
 
 // Threads (queries or keys) per block, and the keys (queries) staged in shared memory at a time:
 // smaller for D = 128 to stay within 48 KB of static shared memory. The host's launches use the
-// same numbers (crates/model/src/fused/device.rs, `attention_rows`).
+// same numbers (crates/model/src/fused/device/attention.rs, `attention_rows`).
 template <int D>
 struct Tile {
   static constexpr unsigned ROWS = D <= 64 ? 64 : 32;

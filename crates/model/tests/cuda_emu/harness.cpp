@@ -1,5 +1,5 @@
 // Runs one of Sluice's CUDA kernels under the emulation of emu.h, launched as
-// crates/model/src/fused/device.rs (crates/trainer/src/adamw_kernel.rs for AdamW and the norm's
+// crates/model/src/fused/device.rs and device/attention.rs (crates/trainer/src/adamw_kernel/cuda.rs for AdamW and the norm's
 // sums) launches it on a GPU (the same grids and blocks):
 //
 //   harness OP DTYPE IN OUT ARGS...
