@@ -196,9 +196,9 @@ fn a_group_prefills_its_shared_prompt_once() {
     assert!(prefilled / 800.0 <= 1.0 / 8.0 + 0.05, "{prefilled} of 800");
 }
 
-/// `[engine] kv_block_tokens` and `prefix_caching` reach the replica through
-/// `NativeEngineParams::from_config`: a group's hits come in the configured block size, and with
-/// prefix caching off every prompt token is computed.
+/// `[engine] kv_block_tokens`, `prefix_caching` and `stacked_products` reach the replica through
+/// `NativeEngineParams::from_config`: a group's hits come in the configured block size, with
+/// prefix caching off every prompt token is computed, and stacked products give the same tokens.
 #[test]
 fn block_size_and_prefix_caching_come_from_the_engine_config() {
     let shared = prompt(5, 100);
@@ -210,6 +210,7 @@ fn block_size_and_prefix_caching_come_from_the_engine_config() {
         ("kv_block_tokens = 32", 96),
         ("kv_block_tokens = 64", 64),
         ("prefix_caching = false", 0),
+        ("stacked_products = true", 96),
     ] {
         let text = format!("max_running_sequences = 8\n{lines}\n");
         let params = NativeEngineParams {
@@ -217,6 +218,8 @@ fn block_size_and_prefix_caching_come_from_the_engine_config() {
             ..NativeEngineParams::from_config(&engine_section(&text), 0, 1, vec![])
         };
         let block = params.kv_block_tokens;
+        let stacked = lines.starts_with("stacked_products").then_some(true);
+        assert_eq!(params.stacked_products, stacked, "{lines}");
         let h = start_with(params);
         for r in &reqs {
             h.engine.submit_native(r.clone()).unwrap();

@@ -108,6 +108,48 @@ __device__ void rope(const T* x, const T* cos, const T* sin, T* y, u64 rows, uns
   }
 }
 
+// ---- the engine's stacked products, split ----
+
+// One row of `qkv` (rows, (hq + 2 hk) d) holds a token's q, k and v heads side by side (one
+// product with the stacked weights). Each pair (j, j + d/2) goes to its own output: q's and k's
+// rotated by the row's angle j as `rope` does, v's copied.
+template <typename T>
+__device__ void split_rope(const T* qkv, const T* cos, const T* sin, T* q, T* k, T* v, u64 rows,
+                           unsigned hq, unsigned hk, unsigned d) {
+  const unsigned half = d / 2, pairs = (hq + 2 * hk) * half, width = 2 * pairs;
+  GRID_STRIDE(p, rows * pairs) {
+    const u64 row = p / pairs;
+    const unsigned rem = (unsigned)(p % pairs), head = rem / half, j = rem % half;
+    const u64 at = row * width + (u64)head * d + j;
+    const float x1 = ld(qkv, at), x2 = ld(qkv, at + half);
+    T* out;
+    u64 to;
+    if (head < hq) {
+      out = q, to = (row * hq + head) * d + j;
+    } else if (head < hq + hk) {
+      out = k, to = (row * hk + head - hq) * d + j;
+    } else {
+      st(v, (row * hk + head - hq - hk) * d + j, x1);
+      st(v, (row * hk + head - hq - hk) * d + j + half, x2);
+      continue;
+    }
+    const float c = ld(cos, row * half + j), s = ld(sin, row * half + j);
+    st(out, to, x1 * c - x2 * s);
+    st(out, to + half, x2 * c + x1 * s);
+  }
+}
+
+// out (rows, inter) = silu(gate) * up, where each row of `gate_up` (rows, 2 inter) is a token's
+// gate then up (one product with the stacked weights).
+template <typename T>
+__device__ void swiglu_rows(const T* gate_up, T* out, u64 rows, unsigned inter) {
+  GRID_STRIDE(i, rows * inter) {
+    const u64 row = i / inter, at = row * 2 * inter + i % inter;
+    const float g = ld(gate_up, at);
+    st(out, i, g * sigmoid(g) * ld(gate_up, at + inter));
+  }
+}
+
 #define FOR_EACH_DTYPE(M) M(float, f32) M(bf16, bf16)
 
 #define INSTANCES(T, S)                                                                           \
@@ -137,6 +179,15 @@ __device__ void rope(const T* x, const T* cos, const T* sin, T* y, u64 rows, uns
   extern "C" __global__ void rope_##S(const T* x, const T* cos, const T* sin, T* y, u64 rows,     \
                                       unsigned width, unsigned d, float sign) {                   \
     rope(x, cos, sin, y, rows, width, d, sign);                                                   \
+  }                                                                                               \
+  extern "C" __global__ void split_rope_##S(const T* qkv, const T* cos, const T* sin, T* q,       \
+                                            T* k, T* v, u64 rows, unsigned hq, unsigned hk,       \
+                                            unsigned d) {                                         \
+    split_rope(qkv, cos, sin, q, k, v, rows, hq, hk, d);                                          \
+  }                                                                                               \
+  extern "C" __global__ void swiglu_rows_##S(const T* gate_up, T* out, u64 rows,                  \
+                                             unsigned inter) {                                    \
+    swiglu_rows(gate_up, out, rows, inter);                                                       \
   }
 
 FOR_EACH_DTYPE(INSTANCES)

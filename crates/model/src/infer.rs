@@ -18,7 +18,7 @@ use sluice_core::PolicyVersion;
 use crate::cache::{KvCache, NewTokens, SeqId};
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result, TensorContext};
-use crate::layers::{DecoderWeights, Proj, linear_with};
+use crate::layers::{DecoderWeights, Proj, Qkv, StackedLayer, linear_with};
 use crate::ops::{Kernels, Rope, apply_rope, rms_norm, softmax_last_dim};
 use crate::packed::PackedDecoder;
 use crate::ragged::{PrefillBatch, StepLayout};
@@ -64,6 +64,10 @@ pub struct InferenceModel {
     /// The projections packed for bf16 products ([`Self::set_compute_dtype`]), repacked at
     /// every weight swap; `None`: products in the weights' own dtype.
     packed: Option<PackedDecoder>,
+    /// Whether the products are stacked where they can be ([`Self::set_stacked_products`]).
+    stack: bool,
+    /// Each layer's stacked projections; empty when not stacking or when `packed` is set.
+    stacked: Vec<StackedLayer>,
     rope: Rope,
 }
 
@@ -73,13 +77,46 @@ impl InferenceModel {
         let config = Arc::clone(snapshot.config());
         let weights = DecoderWeights::build(&config, |n| snapshot.require(n).cloned())?;
         let rope = Rope::new(&config);
-        Ok(Self {
+        let stack = stacks_by_default(snapshot.device());
+        let mut model = Self {
             config,
             snapshot,
             weights,
             packed: None,
+            stack,
+            stacked: Vec::new(),
             rope,
-        })
+        };
+        model.restack()?;
+        Ok(model)
+    }
+
+    /// Whether a step takes one product for q, k and v and one for gate and up, with the
+    /// weights stacked ([`StackedLayer`]), or one per projection. Stacking keeps a copy of
+    /// those weights (most of a layer) and rebuilds it at every swap; on by default on a GPU,
+    /// where each product is a launch. The bf16 tiles ([`Self::set_compute_dtype`]) already
+    /// take a layer's products in one pass and ignore it.
+    pub fn set_stacked_products(&mut self, on: bool) -> Result<()> {
+        self.stack = on;
+        self.restack()
+    }
+
+    /// Rebuilds the stacked projections from the current weights, or drops them.
+    fn restack(&mut self) -> Result<()> {
+        // Dropped first: never kept stale, and never alive next to the new copy.
+        self.stacked = Vec::new();
+        self.stacked = if self.stack && self.packed.is_none() {
+            let c = &*self.config;
+            self.weights
+                .layers
+                .iter()
+                .map(|l| StackedLayer::new(l, c))
+                .collect::<candle_core::Result<_>>()
+                .ctx("stacking the projections")?
+        } else {
+            Vec::new()
+        };
+        Ok(())
     }
 
     /// The dtype of the step's matrix products: bf16 (operands rounded to bf16, sums in f32,
@@ -102,7 +139,7 @@ impl InferenceModel {
                 )));
             }
         };
-        Ok(())
+        self.restack()
     }
 
     /// The dtype of the step's matrix products ([`Self::set_compute_dtype`]).
@@ -140,7 +177,7 @@ impl InferenceModel {
         }
         self.weights = weights;
         self.snapshot = snapshot;
-        Ok(())
+        self.restack()
     }
 
     /// The policy version of the current weights.
@@ -223,20 +260,34 @@ impl InferenceModel {
         for (li, layer) in self.weights.layers.iter().enumerate() {
             let context = format!("inference step, layer {li}");
             // The layer's products: the bf16 tiles where packed, its own weights otherwise.
-            let qkv = match &self.packed {
-                Some(packed) => packed
-                    .qkv(li, layer, &x, c.rms_norm_eps)
-                    .and_then(|qkv| layer.heads(qkv, c, kernels)),
-                None => layer.qkv(&x, c, kernels),
-            }
-            .ctx(&context)?;
-            let q = rope_rows(&qkv.q).ctx(&context)?;
-            let k = rope_rows(&qkv.k).ctx(&context)?;
+            let stacked = self.stacked.get(li);
+            let rotated = match stacked {
+                Some(s) => s.rotated_qkv(layer, &x, c, (&cos, &sin)).ctx(&context)?,
+                None => None,
+            };
+            let qkv = match rotated {
+                Some(qkv) => qkv,
+                None => {
+                    let qkv = match &self.packed {
+                        Some(packed) => packed
+                            .qkv(li, layer, &x, c.rms_norm_eps)
+                            .and_then(|qkv| layer.heads(qkv, c, kernels)),
+                        None => layer.qkv(&x, c, kernels),
+                    }
+                    .ctx(&context)?;
+                    Qkv {
+                        q: rope_rows(&qkv.q).ctx(&context)?,
+                        k: rope_rows(&qkv.k).ctx(&context)?,
+                        v: qkv.v,
+                    }
+                }
+            };
+            let (q, k) = (&qkv.q, &qkv.k);
             let new = NewTokens {
                 seqs: &step_seqs,
                 news: &step_news,
-                q: &q,
-                k: &k,
+                q,
+                k,
                 v: &qkv.v,
             };
             let att = match cache.attend_new(new, li, scale)? {
@@ -256,11 +307,12 @@ impl InferenceModel {
                 None => layer.project(&att, Proj::O, kernels),
             };
             x = o.and_then(|o| &x + o).ctx(&context)?;
-            x = match &self.packed {
-                Some(packed) => packed
+            x = match (&self.packed, stacked) {
+                (Some(packed), _) => packed
                     .mlp(li, layer, &x, c.rms_norm_eps)
                     .and_then(|y| &x + y),
-                None => layer.mlp_block(&x, c.rms_norm_eps, kernels),
+                (None, Some(s)) => s.mlp_block(layer, &x, c.rms_norm_eps),
+                (None, None) => layer.mlp_block(&x, c.rms_norm_eps, kernels),
             }
             .ctx(&context)?;
         }
@@ -510,4 +562,10 @@ fn decode_mask(
         .flat_map(|&p| (0..t).map(move |j| if j <= p { 0.0 } else { f32::NEG_INFINITY }))
         .collect();
     Tensor::from_vec(mask, (past.len(), 1, 1, t), device)?.to_dtype(dtype)
+}
+
+/// Whether a model on `device` stacks its products unless told otherwise
+/// ([`InferenceModel::set_stacked_products`]).
+fn stacks_by_default(device: &candle_core::Device) -> bool {
+    device.is_cuda()
 }

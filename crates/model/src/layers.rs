@@ -100,6 +100,76 @@ impl DecoderWeights {
     }
 }
 
+/// A layer's projections stacked for the engine: the q, k and v weights (and biases) as one
+/// `((heads + 2·kv_heads)·d, hidden)` matrix, gate and up as one `(2·inter, hidden)`, so a step
+/// takes one product for each where it took three and two (one cuBLAS launch each on a GPU),
+/// and splits the rows with what follows anyway ([`crate::fused::split_rope`],
+/// [`crate::fused::swiglu_rows`]). A copy of those weights, rebuilt at every weight swap.
+#[derive(Debug, Clone)]
+pub(crate) struct StackedLayer {
+    /// q/k/v weight and bias; `None` where the architecture norms q and k per head (Qwen3):
+    /// the norms come between the product and the rotation, which the split does not apply.
+    qkv: Option<(Tensor, Option<Tensor>)>,
+    gate_up: Tensor,
+}
+
+impl StackedLayer {
+    pub(crate) fn new(layer: &LayerWeights, config: &ModelConfig) -> CandleResult<Self> {
+        let qkv = if config.qk_norm() {
+            None
+        } else {
+            let w = Tensor::cat(&[&layer.q_proj, &layer.k_proj, &layer.v_proj], 0)?;
+            let b = match (&layer.q_bias, &layer.k_bias, &layer.v_bias) {
+                (Some(q), Some(k), Some(v)) => Some(Tensor::cat(&[q, k, v], 0)?),
+                _ => None,
+            };
+            Some((w, b))
+        };
+        Ok(Self {
+            qkv,
+            gate_up: Tensor::cat(&[&layer.gate_proj, &layer.up_proj], 0)?,
+        })
+    }
+
+    /// The input norm and the q/k/v product of `x (N, hidden)` split into heads, q and k
+    /// rotated by the rows' angles (`cos`, `sin`: `(N, d/2)`); `None` where q/k/v are not
+    /// stacked.
+    pub(crate) fn rotated_qkv(
+        &self,
+        layer: &LayerWeights,
+        x: &Tensor,
+        config: &ModelConfig,
+        (cos, sin): (&Tensor, &Tensor),
+    ) -> CandleResult<Option<Qkv>> {
+        let Some((w, b)) = &self.qkv else {
+            return Ok(None);
+        };
+        let h = rms_norm(x, &layer.input_norm, config.rms_norm_eps, Kernels::Fused)?;
+        let all = linear_with(&h, w, b.as_ref(), Kernels::Fused)?;
+        let (heads, kv_heads, d) = (config.num_heads, config.num_kv_heads, config.head_dim);
+        let (q, k, v) = crate::fused::split_rope(&all, cos, sin, heads, kv_heads, d)?;
+        let n = q.dim(0)?;
+        Ok(Some(Qkv {
+            q: q.reshape((n, heads, d))?,
+            k: k.reshape((n, kv_heads, d))?,
+            v: v.reshape((n, kv_heads, d))?,
+        }))
+    }
+
+    /// [`LayerWeights::mlp_block`] with the gate/up product stacked.
+    pub(crate) fn mlp_block(
+        &self,
+        layer: &LayerWeights,
+        x: &Tensor,
+        eps: f64,
+    ) -> CandleResult<Tensor> {
+        let h = rms_norm(x, &layer.post_norm, eps, Kernels::Fused)?;
+        let gate_up = linear_with(&h, &self.gate_up, None, Kernels::Fused)?;
+        let act = crate::fused::swiglu_rows(&gate_up)?;
+        x + layer.project(&act, Proj::Down, Kernels::Fused)?
+    }
+}
+
 /// `x @ w.T + b` for `x: (N, in)`, `w: (out, in)`: Sluice's fused linear for f32/f64 CPU
 /// tensors (one gemm in the weight's own layout; a differentiable node under
 /// [`Kernels::Custom`]), candle's product otherwise and under [`Kernels::Differentiable`].

@@ -15,10 +15,13 @@ use sluice_model::{
 
 #[test]
 fn ragged_incremental_decode_matches_full_forward() {
-    for arch in ALL_ARCHS {
+    // Each architecture with a product per projection and with the products stacked (q/k/v
+    // split and rotated in one pass, gate/up split by the activation).
+    for (arch, stacked) in ALL_ARCHS.into_iter().flat_map(|a| [(a, false), (a, true)]) {
         let snap = Arc::new(snapshot(tiny_config(arch, true), 3, DType::F32));
         let reference = TrainableModel::from_snapshot(&snap, DType::F32).unwrap();
-        let model = InferenceModel::new(Arc::clone(&snap)).unwrap();
+        let mut model = InferenceModel::new(Arc::clone(&snap)).unwrap();
+        model.set_stacked_products(stacked).unwrap();
         let mut cache = ContiguousKvCache::new(model.config(), DType::F32, snap.device());
         // Six sequences of different lengths (one longer than the cache's first capacity, more
         // sequences than its first slot count, so both grow mid-run).
@@ -78,7 +81,10 @@ fn ragged_incremental_decode_matches_full_forward() {
             let incremental = Tensor::cat(&got[s], 0).unwrap();
             let full = reference_logits(&reference, &seqs[s]);
             let err = rel_err(&incremental, &full);
-            assert!(err <= 1e-5, "{arch:?} seq {s}: relative error {err:e}");
+            assert!(
+                err <= 1e-5,
+                "{arch:?} (stacked: {stacked}) seq {s}: relative error {err:e}"
+            );
         }
         // `Last` returns the final row of each input.
         let mut fresh = ContiguousKvCache::new(model.config(), DType::F32, snap.device());
@@ -316,12 +322,18 @@ fn weight_swap_takes_effect_and_published_snapshots_do_not_alias_vars() {
             )
             .unwrap()
     };
-    let mut engine = InferenceModel::new(Arc::clone(&published)).unwrap();
+    // With the products stacked, so the swap must rebuild the stacked gate/up weights too.
+    let stacked = |snap: &Arc<sluice_model::ModelWeights>| {
+        let mut m = InferenceModel::new(Arc::clone(snap)).unwrap();
+        m.set_stacked_products(true).unwrap();
+        m
+    };
+    let mut engine = stacked(&published);
     let old = run(&engine);
     engine.swap_weights(Arc::clone(&changed)).unwrap();
     assert_eq!(engine.version(), PolicyVersion(2));
     let swapped = run(&engine);
-    let fresh = run(&InferenceModel::new(changed).unwrap());
+    let fresh = run(&stacked(&changed));
     assert!(rel_err(&swapped, &fresh) == 0.0);
     assert!(
         rel_err(&swapped, &old) > 1e-3,

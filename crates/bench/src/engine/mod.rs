@@ -83,6 +83,10 @@ pub struct BenchEngineArgs {
     /// Intel AMX tiles) [default: the weights' dtype].
     #[arg(long, value_name = "DTYPE")]
     pub compute_dtype: Option<String>,
+    /// One product for q/k/v and one for gate/up per layer, as `engine.stacked_products`:
+    /// `true` or `false` [default: on a GPU, off on the CPU].
+    #[arg(long, value_name = "BOOL")]
+    pub stacked_products: Option<bool>,
 }
 
 /// Completion length and prompt length per preset, sized for a few minutes on 2 cores.
@@ -124,6 +128,7 @@ pub(crate) struct Sizing {
     pub(crate) kv_cache_bytes: u64,
     pub(crate) device: sluice_config::Device,
     pub(crate) compute_dtype: Option<sluice_config::DType>,
+    pub(crate) stacked_products: Option<bool>,
 }
 
 impl Sizing {
@@ -135,6 +140,7 @@ impl Sizing {
             threads: sluice_model::threads::role_threads(0, 1),
             device: self.device,
             compute_dtype: self.compute_dtype,
+            stacked_products: self.stacked_products,
             ..NativeEngineParams::default()
         }
     }
@@ -159,6 +165,7 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<ExitCode> {
         kv_cache_bytes: u64::from(args.kv_cache_mb) * MIB,
         device: args.device,
         compute_dtype,
+        stacked_products: args.stacked_products,
     };
     let device = sluice_model::device(args.device).context("--device")?;
     let dtype = sluice_model::config::candle_dtype(args.dtype);

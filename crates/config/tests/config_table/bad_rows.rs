@@ -20,7 +20,7 @@ pub const BAD: &[(&str, &[&str], &str, ConfigErrorKind)] = &[
     (
         "[engine]\nzzz = 1",
         &[],
-        "test.toml: engine.zzz: unknown key; expected one of: backend, device, replicas, max_running_sequences, max_step_tokens, threads, compute_dtype, kv_cache_mb, kv_block_tokens, prefix_caching, prefix_cache_version_lag, remote_urls, request_timeout_s, remote_keep_versions, simulated",
+        "test.toml: engine.zzz: unknown key; expected one of: backend, device, replicas, max_running_sequences, max_step_tokens, threads, compute_dtype, stacked_products, kv_cache_mb, kv_block_tokens, prefix_caching, prefix_cache_version_lag, remote_urls, request_timeout_s, remote_keep_versions, simulated",
         ConfigErrorKind::UnknownKey,
     ),
     (

@@ -22,6 +22,9 @@ pub struct RawEngine {
     pub threads: i64,
     /// The native replicas' matrix products: `f32` or `bf16` (unset: the weights' dtype).
     pub compute_dtype: Option<String>,
+    /// One product for q/k/v and one for gate/up per layer, their weights stacked (unset: on
+    /// a GPU, off on the CPU).
+    pub stacked_products: Option<bool>,
     /// KV cache pool of each native replica, MiB (0 = sized from the model and the limits).
     pub kv_cache_mb: i64,
     /// Tokens per KV cache block of each native replica.
@@ -120,6 +123,7 @@ impl Default for RawEngine {
             max_step_tokens: 4096,
             threads: 0,
             compute_dtype: None,
+            stacked_products: None,
             kv_cache_mb: 0,
             kv_block_tokens: 16,
             prefix_caching: true,

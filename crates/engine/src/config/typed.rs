@@ -43,6 +43,11 @@ pub struct EngineConfig {
     /// The native replicas' matrix products (`None`: the weights' dtype, `model.dtype`). bf16
     /// on the CPU rounds the products' operands to bf16 on Intel AMX tiles, sums in f32.
     pub compute_dtype: Option<DType>,
+    /// Whether native replicas take one product for q/k/v and one for gate/up per layer with
+    /// those weights stacked (a copy of most of each layer), or one per projection; `None`:
+    /// stacked on a GPU, where each product is a kernel launch, not on the CPU, where it
+    /// measured no faster.
+    pub stacked_products: Option<bool>,
     /// KV cache pool of each native replica, MiB; 0 = automatic (every running sequence at
     /// full context, capped; see docs/engine.md).
     pub kv_cache_mb: u32,

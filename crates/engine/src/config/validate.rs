@@ -69,6 +69,7 @@ pub fn validate_engine(
             .as_deref()
             .map(|v| compute_dtype(v, device).map_err(|r| ctx.value("engine.compute_dtype", r)))
             .transpose()?,
+        stacked_products: raw.stacked_products,
         kv_cache_mb: u32_incl_zero(ctx, "engine.kv_cache_mb", raw.kv_cache_mb)?,
         kv_block_tokens: non_zero_u32(ctx, "engine.kv_block_tokens", raw.kv_block_tokens)?,
         prefix_caching: raw.prefix_caching,

@@ -65,6 +65,9 @@ pub struct NativeEngineParams {
     pub kv_block_tokens: usize,
     /// The replica's matrix products (`engine.compute_dtype`; `None`: the weights' dtype).
     pub compute_dtype: Option<sluice_core::config::DType>,
+    /// Stacked q/k/v and gate/up products (`engine.stacked_products`; `None`: the device's
+    /// default, [`sluice_model::InferenceModel::set_stacked_products`]).
+    pub stacked_products: Option<bool>,
     /// Reuse registered full blocks for new requests with the same prefix at the same weight
     /// version (off: every request prefills its whole input; `sluice bench engine` compares).
     pub prefix_caching: bool,
@@ -90,6 +93,7 @@ impl Default for NativeEngineParams {
             kv_cache_bytes: 0,
             kv_block_tokens: sluice_model::paged::DEFAULT_BLOCK_TOKENS,
             compute_dtype: None,
+            stacked_products: None,
             prefix_caching: true,
             prefix_cache_version_lag: 0,
             device: sluice_core::config::Device::Cpu,
@@ -118,6 +122,7 @@ impl NativeEngineParams {
             kv_cache_bytes: u64::from(engine.kv_cache_mb) * 1024 * 1024,
             kv_block_tokens: engine.kv_block_tokens.get() as usize,
             compute_dtype: engine.compute_dtype,
+            stacked_products: engine.stacked_products,
             prefix_caching: engine.prefix_caching,
             prefix_cache_version_lag: u64::from(engine.prefix_cache_version_lag),
             device: engine.device,
@@ -244,6 +249,9 @@ impl NativeEngine {
         let mut model = sluice_model::InferenceModel::new(Arc::clone(&weights))?;
         if let Some(dtype) = params.compute_dtype {
             model.set_compute_dtype(sluice_model::config::candle_dtype(dtype))?;
+        }
+        if let Some(on) = params.stacked_products {
+            model.set_stacked_products(on)?;
         }
         let config = Arc::clone(model.config());
         let kv = KvBudget::new(&params, &config, weights.dtype())?;

@@ -265,6 +265,69 @@ pub(crate) fn rope(
     })
 }
 
+/// The engine's stacked q/k/v product `qkv (rows, (heads + 2·kv_heads)·d)` split into q
+/// `(rows, heads·d)` and k, v `(rows, kv_heads·d)`, q and k rotated by the rows' angles in `cos`,
+/// `sin` (`(rows, d/2)`): one launch where the split's copies and two rotations were five.
+pub(crate) fn split_rope(
+    qkv: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let rows = qkv.dim(0)?;
+    let guards = [qkv, cos, sin].map(|t| t.storage_and_layout());
+    let [(xs, xl), (cs, cl), (ss, sl)] = &guards;
+    let (xs, cs, ss) = (cuda_of(xs)?, cuda_of(cs)?, cuda_of(ss)?);
+    let dev = &xs.device;
+    let (hq, hk, d) = (
+        u32_of(heads, "query heads")?,
+        u32_of(kv_heads, "key/value heads")?,
+        u32_of(head_dim, "head dim")?,
+    );
+    by_dtype!(qkv.dtype(), T => {
+        let (xv, cv, sv) = (view::<T>(xs, xl)?, view::<T>(cs, cl)?, view::<T>(ss, sl)?);
+        let mut q = output::<T>(dev, rows * heads * head_dim)?;
+        let mut k = output::<T>(dev, rows * kv_heads * head_dim)?;
+        let mut v = output::<T>(dev, rows * kv_heads * head_dim)?;
+        let f = FUSED.function(dev, &format!("split_rope_{}", suffix(qkv.dtype())))?;
+        let stream = dev.cuda_stream();
+        let mut a = stream.launch_builder(&f);
+        let rows64 = rows as u64;
+        a.arg(&xv).arg(&cv).arg(&sv).arg(&mut q).arg(&mut k).arg(&mut v);
+        a.arg(&rows64).arg(&hq).arg(&hk).arg(&d);
+        let pairs = rows64 * u64::from(hq + 2 * hk) * u64::from(d / 2);
+        launch(a, config((blocks(pairs), 1), THREADS))?;
+        Ok((
+            tensor(q, dev, &Shape::from((rows, heads * head_dim))),
+            tensor(k, dev, &Shape::from((rows, kv_heads * head_dim))),
+            tensor(v, dev, &Shape::from((rows, kv_heads * head_dim))),
+        ))
+    })
+}
+
+/// `silu(gate) ⊙ up` of the engine's stacked product `gate_up (rows, 2·inter)` (each row a
+/// token's gate then up) as `(rows, inter)`.
+pub(crate) fn swiglu_rows(gate_up: &Tensor) -> Result<Tensor> {
+    let (rows, width) = gate_up.dims2()?;
+    let inter = width / 2;
+    let (s, l) = gate_up.storage_and_layout();
+    let s = cuda_of(&s)?;
+    let dev = &s.device;
+    by_dtype!(gate_up.dtype(), T => {
+        let xv = view::<T>(s, l)?;
+        let mut out = output::<T>(dev, rows * inter)?;
+        let f = FUSED.function(dev, &format!("swiglu_rows_{}", suffix(gate_up.dtype())))?;
+        let stream = dev.cuda_stream();
+        let mut a = stream.launch_builder(&f);
+        let (rows64, inter32) = (rows as u64, u32_of(inter, "intermediate width")?);
+        a.arg(&xv).arg(&mut out).arg(&rows64).arg(&inter32);
+        launch(a, config((blocks(rows64 * inter as u64), 1), THREADS))?;
+        Ok(tensor(out, dev, &Shape::from((rows, inter))))
+    })
+}
+
 /// Per row of `logits (rows, V)`: `[log p(target), entropy]` of `softmax(logits · inv_t)`, as
 /// an f32 `(rows, 2)` tensor (`kernels/scores.cu`).
 pub(crate) fn token_scores(logits: &Tensor, targets: &Tensor, inv_t: f64) -> Result<Tensor> {

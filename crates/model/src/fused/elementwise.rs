@@ -233,7 +233,7 @@ fn swiglu_wide<T: Real>(out: &mut [T], gate: &[T], up: &[T]) {
 }
 
 #[allow(unsafe_code)]
-fn swiglu_dispatch<T: Real>(out: &mut [T], gate: &[T], up: &[T], wide: bool) {
+pub(super) fn swiglu_dispatch<T: Real>(out: &mut [T], gate: &[T], up: &[T], wide: bool) {
     #[cfg(target_arch = "x86_64")]
     if wide {
         // SAFETY: `wide` is `avx2_fma()`: the CPU has AVX2 and FMA.

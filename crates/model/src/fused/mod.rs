@@ -25,6 +25,7 @@ mod lanes;
 mod linear;
 mod rope;
 mod skinny;
+mod stacked;
 
 pub(crate) use skinny::Columns;
 
@@ -37,6 +38,7 @@ pub use elementwise::{rms_norm, swiglu};
 pub(crate) use head::token_scores;
 pub use linear::linear;
 pub use rope::rope;
+pub use stacked::{split_rope, swiglu_rows};
 
 /// Whether the fused kernels handle tensors like `t` (f32 or f64 on the CPU).
 pub fn supported(t: &Tensor) -> bool {

@@ -234,6 +234,73 @@ fn emulated_norm_swiglu_and_rope_kernels_match_the_cpu_ops() {
             &args("-1"),
         );
         check("rope backward", dtype, &b, &g[0]);
+        // The engine's stacked products: q/k/v rows split with q and k rotated (GQA: 4 query
+        // heads, 2 key/value heads), and gate/up rows through the activation.
+        let (rows, hq, hk, d) = (7, 4, 2, 8);
+        let width = (hq + 2 * hk) * d;
+        let xs = inputs(&[&[rows, width], &[rows, d / 2], &[rows, d / 2]], 13, dtype);
+        let part = |at: usize, heads: usize| xs[0].narrow(1, at * d, heads * d).unwrap();
+        let rotated = |t: Tensor| fused::rope(&t, &xs[1], &xs[2], d).unwrap();
+        let want = Tensor::cat(
+            &[
+                rotated(part(0, hq)),
+                rotated(part(hq, hk)),
+                part(hq + hk, hk),
+            ],
+            1,
+        )
+        .unwrap();
+        let (q, k, v) = fused::split_rope(&xs[0], &xs[1], &xs[2], hq, hk, d).unwrap();
+        let cpu: Vec<f32> = [q, k, v]
+            .iter()
+            .flat_map(|t| {
+                t.flatten_all()
+                    .unwrap()
+                    .to_dtype(DType::F32)
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap()
+            })
+            .collect();
+        let words = [rows, hq, hk, d].map(|n| n.to_string());
+        let f = emulate(
+            "split_rope",
+            dtype,
+            &[In::Floats(&xs[0]), In::Floats(&xs[1]), In::Floats(&xs[2])],
+            &words,
+        );
+        // Both in q-then-k-then-v order, each row-major; the reference is per row.
+        let by_part = |t: &Tensor| {
+            Tensor::cat(
+                &[
+                    t.narrow(1, 0, hq * d).unwrap().flatten_all().unwrap(),
+                    t.narrow(1, hq * d, hk * d).unwrap().flatten_all().unwrap(),
+                    t.narrow(1, (hq + hk) * d, hk * d)
+                        .unwrap()
+                        .flatten_all()
+                        .unwrap(),
+                ],
+                0,
+            )
+            .unwrap()
+        };
+        check("split rope", dtype, &f, &by_part(&want));
+        check("split rope (CPU)", DType::F32, &cpu, &by_part(&want));
+        let (rows, inter) = (6, 300);
+        let xs = inputs(&[&[rows, 2 * inter]], 17, dtype);
+        let halves = |i: usize| xs[0].narrow(1, i * inter, inter).unwrap();
+        let want = fused::swiglu(&halves(0), &halves(1)).unwrap();
+        let words = [rows, inter].map(|n| n.to_string());
+        let f = emulate("swiglu_rows", dtype, &[In::Floats(&xs[0])], &words);
+        check("swiglu rows", dtype, &f, &want);
+        let cpu: Vec<f64> = fused::swiglu_rows(&xs[0])
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let cpu: Vec<f32> = cpu.iter().map(|&x| x as f32).collect();
+        check("swiglu rows (CPU)", DType::F32, &cpu, &want);
     }
 }
 

@@ -166,6 +166,23 @@ void run(const std::string& op, char** a, bool bf) {
     emu::launch(k, dim3(blocks((u64)rows * width / 2, THREADS)), dim3(THREADS), x.data(), c.data(), s.data(),
                 y.data(), (u64)rows, width, d, f(3));
     put(y);
+  } else if (op == "split_rope") {
+    const unsigned rows = u(0), hq = u(1), hk = u(2), d = u(3), width = (hq + 2 * hk) * d;
+    auto x = floats<T>((size_t)rows * width), c = floats<T>((size_t)rows * d / 2), s = floats<T>((size_t)rows * d / 2);
+    std::vector<T> q((size_t)rows * hq * d), k((size_t)rows * hk * d), v(k.size());
+    auto kern = (void (*)(const T*, const T*, const T*, T*, T*, T*, u64, unsigned, unsigned, unsigned))PICK(split_rope);
+    emu::launch(kern, dim3(blocks((u64)rows * width / 2, THREADS)), dim3(THREADS), x.data(), c.data(), s.data(),
+                q.data(), k.data(), v.data(), (u64)rows, hq, hk, d);
+    put(q);
+    put(k);
+    put(v);
+  } else if (op == "swiglu_rows") {
+    const unsigned rows = u(0), inter = u(1);
+    auto x = floats<T>((size_t)rows * 2 * inter);
+    std::vector<T> out((size_t)rows * inter);
+    auto k = (void (*)(const T*, T*, u64, unsigned))PICK(swiglu_rows);
+    emu::launch(k, dim3(blocks((u64)rows * inter, THREADS)), dim3(THREADS), x.data(), out.data(), (u64)rows, inter);
+    put(out);
   } else if (op == "attention") {
     const unsigned B = u(0), L = u(1), H = u(2), KV = u(3), D = u(4);
     const int runs = (int)u(5);
