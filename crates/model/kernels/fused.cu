@@ -111,17 +111,21 @@ __device__ void rope(const T* x, const T* cos, const T* sin, T* y, u64 rows, uns
 // ---- the engine's stacked products, split ----
 
 // One row of `qkv` (rows, (hq + 2 hk) d) holds a token's q, k and v heads side by side (one
-// product with the stacked weights). Each pair (j, j + d/2) goes to its own output: q's and k's
-// rotated by the row's angle j as `rope` does, v's copied.
+// product with the stacked weights); `bias` ((hq + 2 hk) d) is added to every row when
+// `has_bias`. Each pair (j, j + d/2) goes to its own output: q's and k's rotated by the row's
+// angle j as `rope` does, v's copied.
 template <typename T>
-__device__ void split_rope(const T* qkv, const T* cos, const T* sin, T* q, T* k, T* v, u64 rows,
-                           unsigned hq, unsigned hk, unsigned d) {
+__device__ void split_rope(const T* qkv, const T* bias, unsigned has_bias, const T* cos,
+                           const T* sin, T* q, T* k, T* v, u64 rows, unsigned hq, unsigned hk,
+                           unsigned d) {
   const unsigned half = d / 2, pairs = (hq + 2 * hk) * half, width = 2 * pairs;
   GRID_STRIDE(p, rows * pairs) {
     const u64 row = p / pairs;
     const unsigned rem = (unsigned)(p % pairs), head = rem / half, j = rem % half;
     const u64 at = row * width + (u64)head * d + j;
-    const float x1 = ld(qkv, at), x2 = ld(qkv, at + half);
+    const unsigned col = head * d + j;
+    float x1 = ld(qkv, at), x2 = ld(qkv, at + half);
+    if (has_bias) x1 += ld(bias, col), x2 += ld(bias, col + half);
     T* out;
     u64 to;
     if (head < hq) {
@@ -180,10 +184,10 @@ __device__ void swiglu_rows(const T* gate_up, T* out, u64 rows, unsigned inter) 
                                       unsigned width, unsigned d, float sign) {                   \
     rope(x, cos, sin, y, rows, width, d, sign);                                                   \
   }                                                                                               \
-  extern "C" __global__ void split_rope_##S(const T* qkv, const T* cos, const T* sin, T* q,       \
-                                            T* k, T* v, u64 rows, unsigned hq, unsigned hk,       \
-                                            unsigned d) {                                         \
-    split_rope(qkv, cos, sin, q, k, v, rows, hq, hk, d);                                          \
+  extern "C" __global__ void split_rope_##S(const T* qkv, const T* bias, unsigned has_bias,       \
+                                            const T* cos, const T* sin, T* q, T* k, T* v,         \
+                                            u64 rows, unsigned hq, unsigned hk, unsigned d) {     \
+    split_rope(qkv, bias, has_bias, cos, sin, q, k, v, rows, hq, hk, d);                          \
   }                                                                                               \
   extern "C" __global__ void swiglu_rows_##S(const T* gate_up, T* out, u64 rows,                  \
                                              unsigned inter) {                                    \

@@ -145,9 +145,10 @@ impl StackedLayer {
             return Ok(None);
         };
         let h = rms_norm(x, &layer.input_norm, config.rms_norm_eps, Kernels::Fused)?;
-        let all = linear_with(&h, w, b.as_ref(), Kernels::Fused)?;
+        // The bias is added as the rows are split (on a GPU, one launch fewer).
+        let all = linear_with(&h, w, None, Kernels::Fused)?;
         let (heads, kv_heads, d) = (config.num_heads, config.num_kv_heads, config.head_dim);
-        let (q, k, v) = crate::fused::split_rope(&all, cos, sin, heads, kv_heads, d)?;
+        let (q, k, v) = crate::fused::split_rope(&all, b.as_ref(), cos, sin, heads, kv_heads, d)?;
         let n = q.dim(0)?;
         Ok(Some(Qkv {
             q: q.reshape((n, heads, d))?,

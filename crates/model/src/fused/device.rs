@@ -265,11 +265,13 @@ pub(crate) fn rope(
     })
 }
 
-/// The engine's stacked q/k/v product `qkv (rows, (heads + 2·kv_heads)·d)` split into q
-/// `(rows, heads·d)` and k, v `(rows, kv_heads·d)`, q and k rotated by the rows' angles in `cos`,
-/// `sin` (`(rows, d/2)`): one launch where the split's copies and two rotations were five.
+/// The engine's stacked q/k/v product `qkv (rows, (heads + 2·kv_heads)·d)` plus `bias` split
+/// into q `(rows, heads·d)` and k, v `(rows, kv_heads·d)`, q and k rotated by the rows' angles in
+/// `cos`, `sin` (`(rows, d/2)`): one launch where the bias, two rotations and the split's copies
+/// took six.
 pub(crate) fn split_rope(
     qkv: &Tensor,
+    bias: Option<&Tensor>,
     cos: &Tensor,
     sin: &Tensor,
     heads: usize,
@@ -277,9 +279,11 @@ pub(crate) fn split_rope(
     head_dim: usize,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let rows = qkv.dim(0)?;
-    let guards = [qkv, cos, sin].map(|t| t.storage_and_layout());
-    let [(xs, xl), (cs, cl), (ss, sl)] = &guards;
-    let (xs, cs, ss) = (cuda_of(xs)?, cuda_of(cs)?, cuda_of(ss)?);
+    // Without a bias the kernel is handed `qkv` in its place and told not to read it.
+    let has_bias = u32::from(bias.is_some());
+    let guards = [qkv, bias.unwrap_or(qkv), cos, sin].map(|t| t.storage_and_layout());
+    let [(xs, xl), (bs, bl), (cs, cl), (ss, sl)] = &guards;
+    let (xs, bs, cs, ss) = (cuda_of(xs)?, cuda_of(bs)?, cuda_of(cs)?, cuda_of(ss)?);
     let dev = &xs.device;
     let (hq, hk, d) = (
         u32_of(heads, "query heads")?,
@@ -287,7 +291,8 @@ pub(crate) fn split_rope(
         u32_of(head_dim, "head dim")?,
     );
     by_dtype!(qkv.dtype(), T => {
-        let (xv, cv, sv) = (view::<T>(xs, xl)?, view::<T>(cs, cl)?, view::<T>(ss, sl)?);
+        let (xv, bv) = (view::<T>(xs, xl)?, view::<T>(bs, bl)?);
+        let (cv, sv) = (view::<T>(cs, cl)?, view::<T>(ss, sl)?);
         let mut q = output::<T>(dev, rows * heads * head_dim)?;
         let mut k = output::<T>(dev, rows * kv_heads * head_dim)?;
         let mut v = output::<T>(dev, rows * kv_heads * head_dim)?;
@@ -295,7 +300,8 @@ pub(crate) fn split_rope(
         let stream = dev.cuda_stream();
         let mut a = stream.launch_builder(&f);
         let rows64 = rows as u64;
-        a.arg(&xv).arg(&cv).arg(&sv).arg(&mut q).arg(&mut k).arg(&mut v);
+        a.arg(&xv).arg(&bv).arg(&has_bias).arg(&cv).arg(&sv);
+        a.arg(&mut q).arg(&mut k).arg(&mut v);
         a.arg(&rows64).arg(&hq).arg(&hk).arg(&d);
         let pairs = rows64 * u64::from(hq + 2 * hk) * u64::from(d / 2);
         launch(a, config((blocks(pairs), 1), THREADS))?;

@@ -8,11 +8,13 @@ use candle_core::{DType, Result, Shape, Tensor};
 
 use super::{Real, row_blocks, storage_slice, tensor};
 
-/// Splits `qkv (rows, (heads + 2·kv_heads)·head_dim)` into q `(rows, heads·head_dim)` and k, v
-/// `(rows, kv_heads·head_dim)`, q and k rotated as [`super::rope`] rotates them (`cos`, `sin`:
-/// `(rows, head_dim/2)` of `qkv`'s dtype).
+/// Splits `qkv (rows, (heads + 2·kv_heads)·head_dim)` plus `bias` (one row's width, added to
+/// every row) into q `(rows, heads·head_dim)` and k, v `(rows, kv_heads·head_dim)`, q and k
+/// rotated as [`super::rope`] rotates them (`cos`, `sin`: `(rows, head_dim/2)`; all of `qkv`'s
+/// dtype).
 pub fn split_rope(
     qkv: &Tensor,
+    bias: Option<&Tensor>,
     cos: &Tensor,
     sin: &Tensor,
     heads: usize,
@@ -40,10 +42,21 @@ pub fn split_rope(
             cos.dtype()
         )
     }
+    if let Some(b) = bias
+        && (b.elem_count() != width || b.dtype() != qkv.dtype())
+    {
+        candle_core::bail!(
+            "split rope: bias {:?} {:?} for rows of {width}",
+            b.shape(),
+            b.dtype()
+        )
+    }
     let (qkv, cos, sin) = (qkv.contiguous()?, cos.contiguous()?, sin.contiguous()?);
+    let bias = bias.map(Tensor::contiguous).transpose()?;
     #[cfg(feature = "cuda")]
     if super::device::supported(&qkv) {
-        return super::device::split_rope(&qkv, &cos, &sin, heads, kv_heads, head_dim);
+        let bias = bias.as_ref();
+        return super::device::split_rope(&qkv, bias, &cos, &sin, heads, kv_heads, head_dim);
     }
     let split = Split {
         heads,
@@ -51,8 +64,8 @@ pub fn split_rope(
         d: head_dim,
     };
     match qkv.dtype() {
-        DType::F32 => split.run::<f32>(&qkv, &cos, &sin),
-        DType::F64 => split.run::<f64>(&qkv, &cos, &sin),
+        DType::F32 => split.run::<f32>(&qkv, bias.as_ref(), &cos, &sin),
+        DType::F64 => split.run::<f64>(&qkv, bias.as_ref(), &cos, &sin),
         other => candle_core::bail!("split rope: no kernel for {other:?} on {:?}", qkv.device()),
     }
 }
@@ -108,6 +121,7 @@ impl Split {
     fn run<T: Real>(
         &self,
         qkv: &Tensor,
+        bias: Option<&Tensor>,
         cos: &Tensor,
         sin: &Tensor,
     ) -> Result<(Tensor, Tensor, Tensor)> {
@@ -121,6 +135,11 @@ impl Split {
             storage_slice::<T>(cs, cl)?,
             storage_slice::<T>(ss, sl)?,
         );
+        let bias_guard = bias.map(Tensor::storage_and_layout);
+        let bias = match &bias_guard {
+            Some((s, l)) => Some(storage_slice::<T>(s, l)?),
+            None => None,
+        };
         let (d, half) = (self.d, self.d / 2);
         let (qw, kw) = (self.heads * d, self.kv_heads * d);
         let width = qw + 2 * kw;
@@ -136,8 +155,13 @@ impl Split {
             .zip(v.par_chunks_mut(kw))
             .with_min_len(ROWS_PER_JOB)
             .enumerate()
-            .for_each(|(row, ((q, k), v))| {
-                let src = &x[row * width..(row + 1) * width];
+            .for_each_init(Vec::new, |biased, (row, ((q, k), v))| {
+                let mut src = &x[row * width..(row + 1) * width];
+                if let Some(b) = bias {
+                    biased.clear();
+                    biased.extend(src.iter().zip(b).map(|(&x, &b)| x + b));
+                    src = biased;
+                }
                 let c = &cos[row * half..(row + 1) * half];
                 let s = &sin[row * half..(row + 1) * half];
                 let (src_q, rest) = src.split_at(qw);

@@ -238,9 +238,14 @@ fn emulated_norm_swiglu_and_rope_kernels_match_the_cpu_ops() {
         // heads, 2 key/value heads), and gate/up rows through the activation.
         let (rows, hq, hk, d) = (7, 4, 2, 8);
         let width = (hq + 2 * hk) * d;
-        let xs = inputs(&[&[rows, width], &[rows, d / 2], &[rows, d / 2]], 13, dtype);
-        let part = |at: usize, heads: usize| xs[0].narrow(1, at * d, heads * d).unwrap();
-        let rotated = |t: Tensor| fused::rope(&t, &xs[1], &xs[2], d).unwrap();
+        let xs = inputs(
+            &[&[rows, width], &[width], &[rows, d / 2], &[rows, d / 2]],
+            13,
+            dtype,
+        );
+        let biased = xs[0].broadcast_add(&xs[1]).unwrap();
+        let part = |at: usize, heads: usize| biased.narrow(1, at * d, heads * d).unwrap();
+        let rotated = |t: Tensor| fused::rope(&t, &xs[2], &xs[3], d).unwrap();
         let want = Tensor::cat(
             &[
                 rotated(part(0, hq)),
@@ -250,7 +255,7 @@ fn emulated_norm_swiglu_and_rope_kernels_match_the_cpu_ops() {
             1,
         )
         .unwrap();
-        let (q, k, v) = fused::split_rope(&xs[0], &xs[1], &xs[2], hq, hk, d).unwrap();
+        let (q, k, v) = fused::split_rope(&xs[0], Some(&xs[1]), &xs[2], &xs[3], hq, hk, d).unwrap();
         let cpu: Vec<f32> = [q, k, v]
             .iter()
             .flat_map(|t| {
@@ -266,7 +271,12 @@ fn emulated_norm_swiglu_and_rope_kernels_match_the_cpu_ops() {
         let f = emulate(
             "split_rope",
             dtype,
-            &[In::Floats(&xs[0]), In::Floats(&xs[1]), In::Floats(&xs[2])],
+            &[
+                In::Floats(&xs[0]),
+                In::Floats(&xs[1]),
+                In::Floats(&xs[2]),
+                In::Floats(&xs[3]),
+            ],
             &words,
         );
         // Both in q-then-k-then-v order, each row-major; the reference is per row.
