@@ -17,7 +17,7 @@ Subcommands (each prints `key=value` words on one line, or JSON for `torch-logit
       under bf16 autocast (PyTorch's mixed precision, what `trainer.compute_dtype = "bf16"`
       matches).
   accuracy METRICS.jsonl
-      the last `eval_accuracy` a run logged.
+      the last `eval_accuracy` a run logged, and every one by step (`eval_curve=step:acc,...`).
 
 Only `compare` and `accuracy` run without PyTorch.
 """
@@ -153,6 +153,7 @@ def cmd_torch_train(args):
 
 def cmd_accuracy(args):
     last = None
+    curve = []
     with open(args.metrics) as f:
         for line in f:
             try:
@@ -161,7 +162,8 @@ def cmd_accuracy(args):
                 continue
             if "eval_accuracy" in row:
                 last = row["eval_accuracy"]
-    print(f"eval_accuracy={'nan' if last is None else f'{last:.3f}'}")
+                curve.append(f"{row.get('step', '?')}:{last:.3f}")
+    print(f"eval_accuracy={'nan' if last is None else f'{last:.3f}'} eval_curve={','.join(curve) or 'none'}")
     return 0 if last is not None else 1
 
 
