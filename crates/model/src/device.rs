@@ -51,6 +51,21 @@ fn cuda(ordinal: u32) -> Result<candle_core::Device> {
         device: name,
         reason: format!("no usable CUDA device {ordinal} ({e})"),
     })?;
+    if let candle_core::Device::Cuda(cuda) = &d {
+        // cudarc gives every buffer a read and a write event, created with it and destroyed
+        // with it, but records or waits on them only in "multi-stream mode", which a context
+        // enters when `CudaContext::new_stream` is called. candle's `new_cuda` issues work on
+        // the per-thread default stream and never calls it, nor does Sluice: the events of this
+        // process are never used, and each candle op paid for creating and destroying two.
+        // SAFETY: with no stream of this context ever made by `new_stream`, cudarc synchronises
+        // nothing between streams whether tracking is on or off (its waits and records are
+        // gated on multi-stream mode), so turning it off changes no ordering; it only skips
+        // the events' creation for buffers allocated from now on (before any, here).
+        #[allow(unsafe_code)]
+        unsafe {
+            cuda.disable_event_tracking();
+        }
+    }
     opened.push((ordinal, d.clone()));
     Ok(d)
 }
