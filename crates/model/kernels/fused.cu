@@ -26,6 +26,19 @@ __device__ void rms_fwd(const T* x, const T* w, T* y, unsigned d, float eps) {
   for (unsigned j = threadIdx.x; j < d; j += blockDim.x) st(y, at + j, ld(x, at + j) * inv * ld(w, j));
 }
 
+// The engine's residual add and the norm after it: sum = x + y (rounded to T, as a separate add
+// would store it), normed = w * sum / sqrt(mean(sum^2) + eps). Each thread reads back only the
+// elements it wrote (row_inv strides over the row as the first loop does).
+template <typename T>
+__device__ void add_rms_fwd(const T* x, const T* y, const T* w, T* sum, T* normed, unsigned d,
+                            float eps) {
+  const u64 at = (u64)blockIdx.x * d;
+  for (unsigned j = threadIdx.x; j < d; j += blockDim.x) st(sum, at + j, ld(x, at + j) + ld(y, at + j));
+  const float inv = row_inv(sum + at, d, eps);
+  for (unsigned j = threadIdx.x; j < d; j += blockDim.x)
+    st(normed, at + j, ld(sum, at + j) * inv * ld(w, j));
+}
+
 // dx = inv * (w*g - xh * sum(w*g*xh) / d) with xh = x*inv; inv per row into `inv_out` (f32) for
 // the weight's gradient.
 template <typename T>
@@ -159,6 +172,10 @@ __device__ void swiglu_rows(const T* gate_up, T* out, u64 rows, unsigned inter) 
 #define INSTANCES(T, S)                                                                           \
   extern "C" __global__ void rms_fwd_##S(const T* x, const T* w, T* y, unsigned d, float eps) {   \
     rms_fwd(x, w, y, d, eps);                                                                     \
+  }                                                                                               \
+  extern "C" __global__ void add_rms_fwd_##S(const T* x, const T* y, const T* w, T* sum,        \
+                                             T* normed, unsigned d, float eps) {                  \
+    add_rms_fwd(x, y, w, sum, normed, d, eps);                                                    \
   }                                                                                               \
   extern "C" __global__ void rms_bwd_dx_##S(const T* x, const T* w, const T* g, T* dx,            \
                                             float* inv, unsigned d, float eps) {                  \

@@ -257,12 +257,16 @@ impl InferenceModel {
                     .contiguous()
             }
         };
+        // A stacked layer's input norm, computed with the previous layer's residual add.
+        let mut normed: Option<Tensor> = None;
         for (li, layer) in self.weights.layers.iter().enumerate() {
             let context = format!("inference step, layer {li}");
             // The layer's products: the bf16 tiles where packed, its own weights otherwise.
             let stacked = self.stacked.get(li);
             let rotated = match stacked {
-                Some(s) => s.rotated_qkv(layer, &x, c, (&cos, &sin)).ctx(&context)?,
+                Some(s) => s
+                    .rotated_qkv(layer, &x, normed.take(), c, (&cos, &sin))
+                    .ctx(&context)?,
                 None => None,
             };
             let qkv = match rotated {
@@ -306,13 +310,22 @@ impl InferenceModel {
                 Some(packed) => packed.project(li, &att, Proj::O, None),
                 None => layer.project(&att, Proj::O, kernels),
             };
-            x = o.and_then(|o| &x + o).ctx(&context)?;
-            x = match (&self.packed, stacked) {
-                (Some(packed), _) => packed
+            let o = o.ctx(&context)?;
+            if let Some(s) = stacked {
+                // The next layer's input norm with this one's last add, where it will be used.
+                let next = (self.stacked.get(li + 1))
+                    .filter(|n| n.stacks_qkv())
+                    .map(|_| &self.weights.layers[li + 1].input_norm);
+                let eps = c.rms_norm_eps;
+                (x, normed) = s.residual_mlp(layer, &x, &o, next, eps).ctx(&context)?;
+                continue;
+            }
+            x = (&x + o).ctx(&context)?;
+            x = match &self.packed {
+                Some(packed) => packed
                     .mlp(li, layer, &x, c.rms_norm_eps)
                     .and_then(|y| &x + y),
-                (None, Some(s)) => s.mlp_block(layer, &x, c.rms_norm_eps),
-                (None, None) => layer.mlp_block(&x, c.rms_norm_eps, kernels),
+                None => layer.mlp_block(&x, c.rms_norm_eps, kernels),
             }
             .ctx(&context)?;
         }

@@ -42,7 +42,7 @@ pub const ATTENTION: Module = Module {
     ptx: include_str!(concat!(env!("OUT_DIR"), "/attention.ptx")),
 };
 
-/// Attention over packed segments on tensor cores (WMMA), bf16 heads of 64
+/// Attention over packed segments on tensor cores (WMMA), bf16 heads of 64 and 128
 /// (`crate::fused::attention` on a GPU).
 pub const ATTENTION_TC: Module = Module {
     name: "sluice-attention-tc",

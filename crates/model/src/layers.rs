@@ -131,20 +131,29 @@ impl StackedLayer {
         })
     }
 
-    /// The input norm and the q/k/v product of `x (N, hidden)` split into heads, q and k
-    /// rotated by the rows' angles (`cos`, `sin`: `(N, d/2)`); `None` where q/k/v are not
-    /// stacked.
+    /// Whether q, k and v are one product ([`Self::rotated_qkv`] gives them).
+    pub(crate) fn stacks_qkv(&self) -> bool {
+        self.qkv.is_some()
+    }
+
+    /// The input norm (`normed` where the previous layer computed it) and the q/k/v product of
+    /// `x (N, hidden)` split into heads, q and k rotated by the rows' angles (`cos`, `sin`:
+    /// `(N, d/2)`); `None` where q/k/v are not stacked.
     pub(crate) fn rotated_qkv(
         &self,
         layer: &LayerWeights,
         x: &Tensor,
+        normed: Option<Tensor>,
         config: &ModelConfig,
         (cos, sin): (&Tensor, &Tensor),
     ) -> CandleResult<Option<Qkv>> {
         let Some((w, b)) = &self.qkv else {
             return Ok(None);
         };
-        let h = rms_norm(x, &layer.input_norm, config.rms_norm_eps, Kernels::Fused)?;
+        let h = match normed {
+            Some(h) => h,
+            None => rms_norm(x, &layer.input_norm, config.rms_norm_eps, Kernels::Fused)?,
+        };
         // The bias is added as the rows are split (on a GPU, one launch fewer).
         let all = linear_with(&h, w, None, Kernels::Fused)?;
         let (heads, kv_heads, d) = (config.num_heads, config.num_kv_heads, config.head_dim);
@@ -157,17 +166,29 @@ impl StackedLayer {
         }))
     }
 
-    /// [`LayerWeights::mlp_block`] with the gate/up product stacked.
-    pub(crate) fn mlp_block(
+    /// The rest of the layer after attention's output `o`: `x + o`, then the MLP block with
+    /// the gate/up product stacked, each residual add fused with the norm after it
+    /// ([`crate::fused::add_rms_norm`]: on a GPU one launch for two). Returns the layer's
+    /// output and, given the next layer's input norm `next_norm`, that norm of it.
+    pub(crate) fn residual_mlp(
         &self,
         layer: &LayerWeights,
         x: &Tensor,
+        o: &Tensor,
+        next_norm: Option<&Tensor>,
         eps: f64,
-    ) -> CandleResult<Tensor> {
-        let h = rms_norm(x, &layer.post_norm, eps, Kernels::Fused)?;
+    ) -> CandleResult<(Tensor, Option<Tensor>)> {
+        let (x, h) = crate::fused::add_rms_norm(x, o, &layer.post_norm, eps)?;
         let gate_up = linear_with(&h, &self.gate_up, None, Kernels::Fused)?;
         let act = crate::fused::swiglu_rows(&gate_up)?;
-        x + layer.project(&act, Proj::Down, Kernels::Fused)?
+        let down = layer.project(&act, Proj::Down, Kernels::Fused)?;
+        match next_norm {
+            Some(w) => {
+                let (out, normed) = crate::fused::add_rms_norm(&x, &down, w, eps)?;
+                Ok((out, Some(normed)))
+            }
+            None => Ok(((x + down)?, None)),
+        }
     }
 }
 

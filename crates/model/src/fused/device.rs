@@ -145,6 +145,33 @@ pub(crate) fn rms_norm(
     })
 }
 
+/// The engine's residual add and the norm after it, `(x + y, rms_norm(x + y) ⊙ w)`, in one
+/// launch where the composition took two.
+pub(crate) fn add_rms_norm(
+    x: &Tensor,
+    y: &Tensor,
+    w: &Tensor,
+    eps: f64,
+) -> Result<(Tensor, Tensor)> {
+    let guards = [x, y, w].map(|t| t.storage_and_layout());
+    let [(xs, xl), (ys, yl), (ws, wl)] = &guards;
+    let (xs, ys, ws) = (cuda_of(xs)?, cuda_of(ys)?, cuda_of(ws)?);
+    let dev = &xs.device;
+    let (n, d) = (x.elem_count(), w.elem_count());
+    let (d32, eps) = (u32_of(d, "rms norm width")?, eps as f32);
+    let rows = u32_of(n / d.max(1), "rms norm rows")?;
+    by_dtype!(x.dtype(), T => {
+        let (xv, yv, wv) = (view::<T>(xs, xl)?, view::<T>(ys, yl)?, view::<T>(ws, wl)?);
+        let (mut sum, mut normed) = (output::<T>(dev, n)?, output::<T>(dev, n)?);
+        let f = FUSED.function(dev, &format!("add_rms_fwd_{}", suffix(x.dtype())))?;
+        let stream = dev.cuda_stream();
+        let mut a = stream.launch_builder(&f);
+        a.arg(&xv).arg(&yv).arg(&wv).arg(&mut sum).arg(&mut normed).arg(&d32).arg(&eps);
+        launch(a, config((rows, 1), THREADS))?;
+        Ok((tensor(sum, dev, x.shape()), tensor(normed, dev, x.shape())))
+    })
+}
+
 /// RMSNorm backward: `(dx, dw)` for the output gradient `g`.
 pub(crate) fn rms_norm_bwd(
     x: &Tensor,

@@ -38,7 +38,7 @@ pub use elementwise::{rms_norm, swiglu};
 pub(crate) use head::token_scores;
 pub use linear::linear;
 pub use rope::rope;
-pub use stacked::{split_rope, swiglu_rows};
+pub use stacked::{add_rms_norm, split_rope, swiglu_rows};
 
 /// Whether the fused kernels handle tensors like `t` (f32 or f64 on the CPU).
 pub fn supported(t: &Tensor) -> bool {

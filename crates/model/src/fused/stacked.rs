@@ -110,6 +110,28 @@ fn swiglu_rows_cpu<T: Real>(gate_up: &Tensor, rows: usize, inter: usize) -> Resu
     tensor(out, &Shape::from((rows, inter)))
 }
 
+/// `(x + y, rms_norm(x + y) ⊙ weight)`: a residual add and the norm that follows it (rows of
+/// `weight.len()`). On a GPU one launch of `kernels/fused.cu`; on the CPU the add and
+/// [`super::rms_norm`].
+pub fn add_rms_norm(x: &Tensor, y: &Tensor, weight: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
+    let d = weight.elem_count();
+    if x.shape() != y.shape() || d == 0 || x.dim(candle_core::D::Minus1)? != d {
+        candle_core::bail!(
+            "add rms norm: {:?} + {:?} is not rows of {d}",
+            x.shape(),
+            y.shape()
+        )
+    }
+    let (x, y, weight) = (x.contiguous()?, y.contiguous()?, weight.contiguous()?);
+    #[cfg(feature = "cuda")]
+    if super::device::supported(&x) && y.dtype() == x.dtype() && weight.dtype() == x.dtype() {
+        return super::device::add_rms_norm(&x, &y, &weight, eps);
+    }
+    let sum = (x + y)?;
+    let normed = crate::ops::rms_norm(&sum, &weight, eps, crate::ops::Kernels::Fused)?;
+    Ok((sum, normed))
+}
+
 /// The heads of a stacked q/k/v row.
 struct Split {
     heads: usize,

@@ -55,7 +55,7 @@ static unsigned blocks(unsigned long long n, unsigned per) {
   return (unsigned)std::min<unsigned long long>((n + per - 1) / per, 4096);
 }
 
-// device.rs: NORM_THREADS, DW_CHUNK_ROWS, ELEMENTWISE_THREADS.
+// device.rs: THREADS, DW_CHUNK_ROWS.
 constexpr unsigned THREADS = 256, CHUNK_ROWS = 64;
 
 template <class T, int D>
