@@ -178,6 +178,35 @@ fn emulated_norm_swiglu_and_rope_kernels_match_the_cpu_ops() {
             );
             check("rms norm dx", dtype, &b[..rows * d], &g[0]);
             check("rms norm dw", dtype, &b[rows * d..], &g[1]);
+            // The engine's residual add with the norm after it: the sum rounded to the dtype
+            // (as an add would store it) before the norm reads it.
+            let sum = (&xs[0] + &xs[2])
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap()
+                .to_dtype(DType::F64)
+                .unwrap();
+            let normed = fused::rms_norm(&sum, &xs[1], 1e-6).unwrap();
+            let f = emulate(
+                "add_rms_fwd",
+                dtype,
+                &[In::Floats(&xs[0]), In::Floats(&xs[2]), In::Floats(&xs[1])],
+                &args,
+            );
+            check("add + rms norm, sum", dtype, &f[..rows * d], &sum);
+            check("add + rms norm, normed", dtype, &f[rows * d..], &normed);
+            // The CPU op (f64, nothing rounded): the add, then the norm.
+            let exact = (&xs[0] + &xs[2]).unwrap();
+            let (s, n) = fused::add_rms_norm(&xs[0], &xs[2], &xs[1], 1e-6).unwrap();
+            let diff = |a: &Tensor, b: &Tensor| {
+                let d = (a - b).unwrap().abs().unwrap().max_all().unwrap();
+                d.to_scalar::<f64>().unwrap()
+            };
+            assert_eq!(diff(&s, &exact), 0.0);
+            assert_eq!(
+                diff(&n, &fused::rms_norm(&exact, &xs[1], 1e-6).unwrap()),
+                0.0
+            );
         }
         let n = 1000;
         let xs = inputs(&[&[n], &[n], &[n]], 7, dtype);

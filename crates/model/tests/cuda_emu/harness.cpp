@@ -129,6 +129,14 @@ void run(const std::string& op, char** a, bool bf) {
     auto k = (void (*)(const T*, const T*, T*, unsigned, float))PICK(rms_fwd);
     emu::launch(k, dim3(rows), dim3(THREADS), x.data(), w.data(), y.data(), d, f(2));
     put(y);
+  } else if (op == "add_rms_fwd") {
+    const unsigned rows = u(0), d = u(1);
+    auto x = floats<T>((size_t)rows * d), y = floats<T>((size_t)rows * d), w = floats<T>(d);
+    std::vector<T> sum(x.size()), normed(x.size());
+    auto k = (void (*)(const T*, const T*, const T*, T*, T*, unsigned, float))PICK(add_rms_fwd);
+    emu::launch(k, dim3(rows), dim3(THREADS), x.data(), y.data(), w.data(), sum.data(), normed.data(), d, f(2));
+    put(sum);
+    put(normed);
   } else if (op == "rms_bwd") {
     const unsigned rows = u(0), d = u(1), chunks = (rows + CHUNK_ROWS - 1) / CHUNK_ROWS;
     auto x = floats<T>((size_t)rows * d), w = floats<T>(d), g = floats<T>((size_t)rows * d);
