@@ -1,8 +1,10 @@
 //! `x Wᵀ (+ b)` as one node. candle's own `x.matmul(&w.t())` is a matmul node over a transpose
 //! node: its backward forms `dWᵀ`, then zero-fills and adds it, then transposes, zero-fills and
 //! adds again through a strided copy, per weight per micro-batch. Here `dW = gᵀ x` is formed in
-//! the weight's own `(out, in)` layout by one gemm.
+//! the weight's own `(out, in)` layout by one gemm. On a GPU the same node runs the backend's
+//! product (cuBLAS) forward, and two products backward.
 
+use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
 use super::{Dst, Mat, Real, cpu_slice, same_dtype, storage_slice, tensor};
@@ -14,15 +16,21 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     if i != wi {
         candle_core::bail!("linear: x {:?} vs weight {:?}", x.shape(), w.shape())
     }
+    let op = Linear { n, i, o };
     if !super::supported(x) {
-        // On a GPU: candle's product (cuBLAS), whose backward is already one product per input.
-        let y = x.matmul(&w.t()?)?;
+        // On a GPU (f32 or bf16, one dtype): the node with the backend's product; elsewhere, and
+        // for empty products, candle's.
+        let node = super::on_device(x) && w.dtype() == x.dtype() && n * i * o > 0;
+        let y = if node {
+            x.contiguous()?.apply_op2(&w.contiguous()?, op)?
+        } else {
+            x.matmul(&w.t()?)?
+        };
         return match b {
             None => Ok(y),
             Some(b) => y.broadcast_add(b),
         };
     }
-    let op = Linear { n, i, o };
     let (x, w) = (x.contiguous()?, w.contiguous()?);
     match b {
         None => x.apply_op2(&w, op),
@@ -36,10 +44,10 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
 }
 
 #[derive(Clone, Copy)]
-struct Linear {
-    n: usize,
-    i: usize,
-    o: usize,
+pub(crate) struct Linear {
+    pub(crate) n: usize,
+    pub(crate) i: usize,
+    pub(crate) o: usize,
 }
 
 impl Linear {
@@ -76,6 +84,33 @@ impl Linear {
         wrap: fn(Vec<T>) -> CpuStorage,
     ) -> (CpuStorage, Shape) {
         (wrap(self.fwd(x, w, b)), Shape::from((self.n, self.o)))
+    }
+
+    /// `x (N, in) · w (out, in)ᵀ` by the backend's own product, `w` read through its transposed
+    /// layout (no copy): the forward on a GPU (cuBLAS). Generic so the CPU tests run this call.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn product<S: BackendStorage>(
+        &self,
+        x: &S,
+        xl: &Layout,
+        w: &S,
+        wl: &Layout,
+    ) -> Result<S> {
+        x.matmul(w, (1, self.n, self.o, self.i), xl, &wl.transpose(0, 1)?)
+    }
+
+    /// `(dx, dw)` as two products of candle ops on any device, each only when its input takes
+    /// part in the graph: `dx (N, in) = g w`, `dw (out, in) = gᵀ x` (the transposed operand a
+    /// view, the result in the weight's own layout).
+    pub(crate) fn bwd_products(
+        x: &Tensor,
+        w: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let g = grad.contiguous()?;
+        let dx = x.track_op().then(|| g.matmul(w)).transpose()?;
+        let dw = w.track_op().then(|| g.t()?.matmul(x)).transpose()?;
+        Ok((dx, dw))
     }
 
     /// `(dx, dw, db)`, each only when its input takes part in the graph.
@@ -153,6 +188,18 @@ impl CustomOp2 for Linear {
         })
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let y = self.product(s1, l1, s2, l2)?;
+        Ok((y, Shape::from((self.n, self.o))))
+    }
+
     fn bwd(
         &self,
         x: &Tensor,
@@ -160,6 +207,9 @@ impl CustomOp2 for Linear {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        if !x.device().is_cpu() {
+            return Self::bwd_products(x, w, grad);
+        }
         let (dx, dw, _) = match x.dtype() {
             DType::F32 => self.bwd::<f32>(x, w, None, grad)?,
             _ => self.bwd::<f64>(x, w, None, grad)?,

@@ -25,3 +25,42 @@ fn exp_matches_the_library_exp() {
     assert!(odd[0].is_nan());
     assert_eq!(odd[1..], [0.0, f32::INFINITY, f32::INFINITY, f32::INFINITY]);
 }
+
+/// The GPU's linear node runs the backend's product forward and two candle products backward;
+/// the same calls on CPU storage give the CPU kernel's values and gradients.
+#[test]
+fn the_device_linear_node_matches_the_cpu_kernel() {
+    use candle_core::{DType, Device, Storage, Tensor, Var};
+    let (n, i, o) = (5, 7, 3);
+    let rand = |shape: (usize, usize), seed: u64| {
+        let v: Vec<f64> = (0..shape.0 * shape.1)
+            .map(|k| ((k as u64 * 2_654_435_761 + seed * 97) % 1000) as f64 / 500.0 - 1.0)
+            .collect();
+        Var::from_tensor(&Tensor::from_vec(v, shape, &Device::Cpu).unwrap()).unwrap()
+    };
+    let (x, w) = (rand((n, i), 1), rand((o, i), 2));
+    let g = rand((n, o), 3).as_tensor().detach();
+    let want = super::linear(&x, &w, None).unwrap();
+    let op = super::linear::Linear { n, i, o };
+    let (xs, xl) = x.storage_and_layout();
+    let (ws, wl) = w.storage_and_layout();
+    let (Storage::Cpu(xs), Storage::Cpu(ws)) = (&*xs, &*ws) else {
+        unreachable!("CPU tensors")
+    };
+    let y = op.product(xs, xl, ws, wl).unwrap();
+    let y = Tensor::from_storage(
+        Storage::Cpu(y),
+        (n, o),
+        candle_core::op::BackpropOp::none(),
+        false,
+    );
+    let diff = |a: &Tensor, b: &Tensor| {
+        let d = (a - b).unwrap().abs().unwrap().max_all().unwrap();
+        d.to_dtype(DType::F64).unwrap().to_scalar::<f64>().unwrap()
+    };
+    assert!(diff(&y, &want) < 1e-12, "forward");
+    let grads = (want * &g).unwrap().sum_all().unwrap().backward().unwrap();
+    let (dx, dw) = super::linear::Linear::bwd_products(&x, &w, &g).unwrap();
+    assert!(diff(&dx.unwrap(), grads.get(&x).unwrap()) < 1e-12, "dx");
+    assert!(diff(&dw.unwrap(), grads.get(&w).unwrap()) < 1e-12, "dw");
+}
