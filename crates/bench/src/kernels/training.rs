@@ -1,5 +1,6 @@
 //! On a GPU, the training forward's fused ops (Sluice's CUDA kernels: RMSNorm, SwiGLU, RoPE,
-//! attention over packed segments) against candle's composition of elementary ops on the same
+//! attention over packed segments; the linear layer as one node) against candle's composition
+//! of elementary ops on the same
 //! device, forward and backward, in f32 and bf16, at the medium preset's shapes (Qwen2.5-0.5B:
 //! 8 rows of 512, hidden 896, 14 heads of 64 over 2 kv heads, MLP 4864; the attention in bf16
 //! also at 8 rows of 2048): values and gradients agreeing, and the time of a forward and
@@ -48,6 +49,13 @@ pub(super) fn compare(device: &Device, result: &mut Vec<String>) -> anyhow::Resu
         let tag = if dtype == DType::BF16 { "bf16" } else { "f32" };
         let x = |shape: &[usize], seed: u64| random(shape, seed, dtype, device);
         let mut cases: Vec<Case<'_>> = vec![
+            (
+                // The MLP's gate projection: one node against a product over a transpose node.
+                "linear",
+                vec![x(&[n, HIDDEN], 14)?, x(&[MLP, HIDDEN], 15)?],
+                Box::new(|t: &[Tensor]| fused::linear(&t[0], &t[1], None)),
+                Box::new(|t: &[Tensor]| t[0].matmul(&t[1].t()?)),
+            ),
             (
                 "rms_norm",
                 vec![x(&[n, HIDDEN], 1)?, (x(&[HIDDEN], 2)? + 1.0)?],
