@@ -92,10 +92,10 @@ impl InferenceModel {
     }
 
     /// Whether a step takes one product for q, k and v and one for gate and up, with the
-    /// weights stacked ([`StackedLayer`]), or one per projection. Stacking keeps a copy of
-    /// those weights (most of a layer) and rebuilds it at every swap; on by default on a GPU,
-    /// where each product is a launch. The bf16 tiles ([`Self::set_compute_dtype`]) already
-    /// take a layer's products in one pass and ignore it.
+    /// weights stacked, each residual add computing the norm after it, or one product per
+    /// projection. Stacking keeps a copy of those weights (most of a layer) and rebuilds it at
+    /// every swap; on by default on a GPU, where each product is a launch. The bf16 tiles
+    /// ([`Self::set_compute_dtype`]) already take a layer's products in one pass and ignore it.
     pub fn set_stacked_products(&mut self, on: bool) -> Result<()> {
         self.stack = on;
         self.restack()
