@@ -28,10 +28,22 @@ typedef wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::row_major> FragB;
 typedef wmma::fragment<wmma::accumulator, 16, 16, 16, float> FragC;
 
 // `rows` slots of one head of a (N, stride) tensor from slot `slot0` into `dst`, zeros past
-// `valid`.
+// `valid`: 16 bytes (8 values) a load where every row of the head starts on a 16-byte boundary
+// (the staged rows always do: LD * 2 bytes is a multiple of 16), one value a load otherwise.
 template <unsigned D, unsigned LD = D + 8>
 __device__ __forceinline__ void stage(bf16 (*dst)[LD], const bf16* src, u64 slot0, unsigned valid,
                                       unsigned rows, unsigned stride, unsigned col0) {
+  constexpr unsigned V = 8, PER_ROW = D / V;
+  const u64 at = (u64)(const void*)(src + col0) | ((u64)stride * sizeof(bf16));
+  if (at % 16 == 0) {
+    for (unsigned e = threadIdx.x; e < rows * PER_ROW; e += blockDim.x) {
+      const unsigned r = e / PER_ROW, c = (e % PER_ROW) * V;
+      uint4 v = make_uint4(0, 0, 0, 0);  // bf16 zeros past `valid`
+      if (r < valid) v = *reinterpret_cast<const uint4*>(src + (slot0 + r) * stride + col0 + c);
+      *reinterpret_cast<uint4*>(&dst[r][c]) = v;
+    }
+    return;
+  }
   for (unsigned e = threadIdx.x; e < rows * D; e += blockDim.x) {
     const unsigned r = e / D, c = e % D;
     dst[r][c] = r < valid ? src[(slot0 + r) * stride + col0 + c] : __float2bfloat16(0.0f);
