@@ -237,6 +237,25 @@ fn block_size_and_prefix_caching_come_from_the_engine_config() {
     }
 }
 
+/// Stacked products on weights the split kernels do not take (f16 on the CPU) stop the replica
+/// before it starts, naming the key.
+#[test]
+fn stacked_products_without_split_kernels_are_refused_by_key() {
+    let f16 = Arc::new(weights().to(&Device::Cpu, DType::F16).unwrap());
+    let params = NativeEngineParams {
+        stacked_products: Some(true),
+        ..NativeEngineParams::default()
+    };
+    let Err(e) = NativeEngine::start(params, f16, None, Arc::new(|_| {})) else {
+        panic!("stacked f16 products on the CPU started")
+    };
+    let e = e.to_string();
+    assert!(
+        e.contains("engine.stacked_products") && e.contains("F16"),
+        "{e}"
+    );
+}
+
 /// `engine.prefix_cache_version_lag = 1`: after an `in_flight` update a resubmitted prompt
 /// starts on the blocks the older weights computed; after a `drain` update it computes them again.
 #[test]

@@ -77,7 +77,7 @@ impl InferenceModel {
         let config = Arc::clone(snapshot.config());
         let weights = DecoderWeights::build(&config, |n| snapshot.require(n).cloned())?;
         let rope = Rope::new(&config);
-        let stack = stacks_by_default(snapshot.device());
+        let stack = stacks_by_default(snapshot.device(), snapshot.dtype());
         let mut model = Self {
             config,
             snapshot,
@@ -97,6 +97,10 @@ impl InferenceModel {
     /// every swap; on by default on a GPU, where each product is a launch. The bf16 tiles
     /// ([`Self::set_compute_dtype`]) already take a layer's products in one pass and ignore it.
     pub fn set_stacked_products(&mut self, on: bool) -> Result<()> {
+        if on && let Some(reason) = stacking_refused(self.snapshot.device(), self.snapshot.dtype())
+        {
+            return Err(ModelError::input(reason));
+        }
         self.stack = on;
         self.restack()
     }
@@ -578,7 +582,19 @@ fn decode_mask(
 }
 
 /// Whether a model on `device` stacks its products unless told otherwise
-/// ([`InferenceModel::set_stacked_products`]).
-fn stacks_by_default(device: &candle_core::Device) -> bool {
-    device.is_cuda()
+/// ([`InferenceModel::set_stacked_products`]): on a GPU, where its kernels are.
+fn stacks_by_default(device: &candle_core::Device, dtype: DType) -> bool {
+    device.is_cuda() && stacking_refused(device, dtype).is_none()
+}
+
+/// Why weights of `dtype` on `device` cannot be stacked, if they cannot: the split kernels
+/// (`crate::fused::split_rope`, `swiglu_rows`) take f32 and f64 on the CPU, f32 and bf16 on a
+/// GPU.
+fn stacking_refused(device: &candle_core::Device, dtype: DType) -> Option<String> {
+    let kernels = match device {
+        candle_core::Device::Cpu => matches!(dtype, DType::F32 | DType::F64),
+        d => d.is_cuda() && cfg!(feature = "cuda") && matches!(dtype, DType::F32 | DType::BF16),
+    };
+    (!kernels)
+        .then(|| format!("stacked products: no split kernels for {dtype:?} weights on {device:?}"))
 }

@@ -424,6 +424,11 @@ fn half_precision_paths_track_f32() {
         };
         let err = rel_err(&run(&half), &run(&full));
         assert!(err < 5e-2, "{dtype:?} inference: relative error {err:e}");
+        // The stacked products' split kernels take f32 and f64 on the CPU: refused, by name.
+        let mut model = InferenceModel::new(Arc::clone(&half)).unwrap();
+        let refused = model.set_stacked_products(true).unwrap_err().to_string();
+        assert!(refused.contains("no split kernels for"), "{refused}");
+        model.set_stacked_products(false).unwrap();
         // Training in half precision: log-probs stay close and finite.
         let batch = PackedBatch::from_rows(&[vec![&tokens[..]]], 8, 0).unwrap();
         let score = |snap: &sluice_model::ModelWeights, dt| {

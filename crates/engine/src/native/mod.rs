@@ -251,7 +251,9 @@ impl NativeEngine {
             model.set_compute_dtype(sluice_model::config::candle_dtype(dtype))?;
         }
         if let Some(on) = params.stacked_products {
-            model.set_stacked_products(on)?;
+            model
+                .set_stacked_products(on)
+                .map_err(|e| NativeError::Params(format!("engine.stacked_products: {e}")))?;
         }
         let config = Arc::clone(model.config());
         let kv = KvBudget::new(&params, &config, weights.dtype())?;

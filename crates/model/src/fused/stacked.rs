@@ -1,8 +1,9 @@
 //! The engine's stacked products taken apart: a layer's q, k and v weights stacked into one
 //! matrix give one product whose rows hold a token's q, k and v heads side by side, and gate and
 //! up stacked give rows of gate then up. These split them, applying what follows each product
-//! (RoPE on q and k, SwiGLU), in one pass over the rows: on the CPU here, on a GPU one launch of
-//! `kernels/fused.cu`. Inference only: the outputs track no gradient.
+//! (RoPE on q and k, SwiGLU), in one pass over the rows, and fuse each residual add with the norm
+//! after it: on the CPU here, on a GPU one launch each of `kernels/fused.cu`. Inference only:
+//! the outputs track no gradient.
 
 use candle_core::{DType, Result, Shape, Tensor};
 
