@@ -222,4 +222,12 @@ fn bench_kernels_checks_adamw_in_place_against_the_composition() {
     positive(&fields, &["adamw_ms", "adamw_composed_ms", "adamw_speedup"]);
     // The token choice on a device is a GPU check: not on the CPU.
     assert!(!fields.contains_key("sample_ms"), "{stdout}");
+    // The engine's split of stacked products and its fused add + norm, against the composition.
+    for op in ["split_rope", "swiglu_rows", "add_rms_norm"] {
+        assert!(
+            fields[&format!("engine_{op}_f32_err")] <= 1e-5,
+            "{op}: {stdout}"
+        );
+        positive(&fields, &[&format!("engine_{op}_f32_speedup")]);
+    }
 }

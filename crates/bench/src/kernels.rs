@@ -12,6 +12,8 @@
 //! - On a GPU, the training forward's fused ops (RMSNorm, SwiGLU, RoPE, attention over packed
 //!   segments: Sluice's CUDA kernels) against candle's composition on the same device, forward
 //!   and backward, f32 and bf16 (`kernels/training.rs`).
+//! - The engine's split of stacked products and its residual add fused with the norm against
+//!   candle's composition, forward only: f32 (and bf16 on a GPU) (`kernels/engine.rs`).
 //! - On a CPU with AMX, the engine's bf16 tile products ([`sluice_model::amx`]) against the f32
 //!   product of the same shapes (64 rows, as a decode step of 64 sequences), each weight
 //!   streamed from memory: the largest difference relative to the row's largest sum.
@@ -25,6 +27,7 @@ use std::time::Instant;
 use sluice_model::candle::{DType, Device, Tensor, Var};
 use sluice_trainer::adamw_kernel::{Operands, Update, apply, apply_many, compose, sum_of_squares};
 
+mod engine;
 mod training;
 
 /// `sluice bench kernels`
@@ -54,6 +57,7 @@ pub fn run(args: &BenchKernelsArgs) -> anyhow::Result<ExitCode> {
     } else if sluice_model::amx::available() {
         failed += u32::from(!amx_products(&mut result)?);
     }
+    failed += u32::from(!engine::compare(&device, &mut result)?);
     result.push(format!("checks_failed={failed}"));
     let ok = failed == 0;
     println!("RESULT kernels {}", result.join(" "));

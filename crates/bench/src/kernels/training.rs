@@ -166,7 +166,12 @@ fn run(
 }
 
 /// A deterministic tensor with entries in [-1, 1).
-fn random(shape: &[usize], seed: u64, dtype: DType, device: &Device) -> anyhow::Result<Tensor> {
+pub(super) fn random(
+    shape: &[usize],
+    seed: u64,
+    dtype: DType,
+    device: &Device,
+) -> anyhow::Result<Tensor> {
     let n: usize = shape.iter().product();
     let v: Vec<f32> = (0..n as u64)
         .map(|i| {
@@ -177,7 +182,7 @@ fn random(shape: &[usize], seed: u64, dtype: DType, device: &Device) -> anyhow::
     Ok(Tensor::from_vec(v, shape, device)?.to_dtype(dtype)?)
 }
 
-fn rel_err(a: &Tensor, b: &Tensor) -> anyhow::Result<f64> {
+pub(super) fn rel_err(a: &Tensor, b: &Tensor) -> anyhow::Result<f64> {
     let a = a.to_dtype(DType::F32)?.flatten_all()?;
     let b = b.to_dtype(DType::F32)?.flatten_all()?;
     let diff = (a - &b)?.abs()?.max(0)?.to_scalar::<f32>()?;
@@ -204,7 +209,7 @@ fn grpo_rows(len: usize) -> (Vec<u32>, Vec<u32>) {
     (seg, prefix)
 }
 
-fn rms_composed(x: &Tensor, w: &Tensor, eps: f64) -> CResult<Tensor> {
+pub(super) fn rms_composed(x: &Tensor, w: &Tensor, eps: f64) -> CResult<Tensor> {
     let xf = x.to_dtype(DType::F32)?;
     let inv = (xf.sqr()?.mean_keepdim(D::Minus1)? + eps)?
         .sqrt()?
@@ -215,7 +220,7 @@ fn rms_composed(x: &Tensor, w: &Tensor, eps: f64) -> CResult<Tensor> {
 }
 
 /// "Rotate half" over `(N, heads·d)` rows, tables `(N, d/2)`.
-fn rope_composed(x: &Tensor, cos: &Tensor, sin: &Tensor, d: usize) -> CResult<Tensor> {
+pub(super) fn rope_composed(x: &Tensor, cos: &Tensor, sin: &Tensor, d: usize) -> CResult<Tensor> {
     let (n, width) = x.dims2()?;
     let x = x.reshape((n, width / d, d))?;
     let half = d / 2;

@@ -149,8 +149,9 @@ impl Split {
         sin: &Tensor,
     ) -> Result<(Tensor, Tensor, Tensor)> {
         use rayon::prelude::*;
-        /// Rows per parallel job: a decode step's few rows stay on one thread.
-        const ROWS_PER_JOB: usize = 16;
+        /// Elements per parallel job: a decode step's rows stay on one thread (waking the pool
+        /// costs more than they take), a prompt chunk's are split.
+        const JOB_ELEMENTS: usize = 1 << 17;
         let guards = [qkv, cos, sin].map(|t| t.storage_and_layout());
         let [(xs, xl), (cs, cl), (ss, sl)] = &guards;
         let (x, cos, sin) = (
@@ -176,7 +177,7 @@ impl Split {
         q.par_chunks_mut(qw)
             .zip(k.par_chunks_mut(kw))
             .zip(v.par_chunks_mut(kw))
-            .with_min_len(ROWS_PER_JOB)
+            .with_min_len(JOB_ELEMENTS.div_ceil(width))
             .enumerate()
             .for_each_init(Vec::new, |biased, (row, ((q, k), v))| {
                 let mut src = &x[row * width..(row + 1) * width];
