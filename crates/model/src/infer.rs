@@ -18,7 +18,9 @@ use sluice_core::PolicyVersion;
 use crate::cache::{KvCache, NewTokens, SeqId};
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result, TensorContext};
-use crate::layers::{DecoderWeights, Proj, Qkv, StackedLayer, linear_with};
+use crate::layers::{
+    DecoderWeights, Proj, Qkv, StackedLayer, linear_with, stacking_refused, stacks_by_default,
+};
 use crate::ops::{Kernels, Rope, apply_rope, rms_norm, softmax_last_dim};
 use crate::packed::PackedDecoder;
 use crate::ragged::{PrefillBatch, StepLayout};
@@ -579,22 +581,4 @@ fn decode_mask(
         .flat_map(|&p| (0..t).map(move |j| if j <= p { 0.0 } else { f32::NEG_INFINITY }))
         .collect();
     Tensor::from_vec(mask, (past.len(), 1, 1, t), device)?.to_dtype(dtype)
-}
-
-/// Whether a model on `device` stacks its products unless told otherwise
-/// ([`InferenceModel::set_stacked_products`]): on a GPU, where its kernels are.
-fn stacks_by_default(device: &candle_core::Device, dtype: DType) -> bool {
-    device.is_cuda() && stacking_refused(device, dtype).is_none()
-}
-
-/// Why weights of `dtype` on `device` cannot be stacked, if they cannot: the split kernels
-/// (`crate::fused::split_rope`, `swiglu_rows`) take f32 and f64 on the CPU, f32 and bf16 on a
-/// GPU.
-fn stacking_refused(device: &candle_core::Device, dtype: DType) -> Option<String> {
-    let kernels = match device {
-        candle_core::Device::Cpu => matches!(dtype, DType::F32 | DType::F64),
-        d => d.is_cuda() && cfg!(feature = "cuda") && matches!(dtype, DType::F32 | DType::BF16),
-    };
-    (!kernels)
-        .then(|| format!("stacked products: no split kernels for {dtype:?} weights on {device:?}"))
 }

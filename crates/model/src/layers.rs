@@ -5,7 +5,7 @@
 //! Activations here are flat token matrices `(N, hidden)`: training flattens `(B, L)`, inference
 //! concatenates the new tokens of every sequence in the step.
 
-use candle_core::{Result as CandleResult, Tensor};
+use candle_core::{DType, Device, Result as CandleResult, Tensor};
 
 use crate::config::ModelConfig;
 use crate::error::Result;
@@ -190,6 +190,24 @@ impl StackedLayer {
             None => Ok(((x + down)?, None)),
         }
     }
+}
+
+/// Whether a model on `device` stacks its products unless told otherwise
+/// ([`crate::InferenceModel::set_stacked_products`]): on a GPU, where its kernels are.
+pub(crate) fn stacks_by_default(device: &Device, dtype: DType) -> bool {
+    device.is_cuda() && stacking_refused(device, dtype).is_none()
+}
+
+/// Why weights of `dtype` on `device` cannot be stacked, if they cannot: the split kernels
+/// (`crate::fused::split_rope`, `swiglu_rows`) take f32 and f64 on the CPU, f32 and bf16 on a
+/// GPU.
+pub(crate) fn stacking_refused(device: &Device, dtype: DType) -> Option<String> {
+    let kernels = match device {
+        Device::Cpu => matches!(dtype, DType::F32 | DType::F64),
+        d => d.is_cuda() && cfg!(feature = "cuda") && matches!(dtype, DType::F32 | DType::BF16),
+    };
+    (!kernels)
+        .then(|| format!("stacked products: no split kernels for {dtype:?} weights on {device:?}"))
 }
 
 /// `x @ w.T + b` for `x: (N, in)`, `w: (out, in)`: Sluice's fused linear for f32/f64 CPU
