@@ -4,12 +4,10 @@
 //! flight, f32 (and bf16 on a GPU, where the split kernels take it): values agreeing and the
 //! time of each, forward only (the engine takes no gradients).
 
-use std::time::Instant;
-
 use sluice_model::candle::{DType, Device, Result as CResult, Tensor};
 use sluice_model::fused;
 
-use super::training::{random, rel_err, rms_composed, rope_composed};
+use super::training::{random, rel_err, report, rms_composed, rope_composed, timed};
 
 /// Sequences in flight: one row each.
 const ROWS: usize = 64;
@@ -82,40 +80,20 @@ pub(super) fn compare(device: &Device, result: &mut Vec<String>) -> anyhow::Resu
             ),
         ];
         for (name, fused_op, composed_op) in &cases {
-            let (fused_out, fused_ms) = run(fused_op, device)?;
-            let (comp_out, comp_ms) = run(composed_op, device)?;
+            let (fused_out, fused_ms) = timed(REPS, device, || Ok(fused_op()?))?;
+            let (comp_out, comp_ms) = timed(REPS, device, || Ok(composed_op()?))?;
             let err = rel_err(&fused_out, &comp_out)?;
             let tol = if dtype == DType::BF16 { 1e-2 } else { 1e-5 };
-            let agrees = err <= tol;
-            ok &= agrees;
-            println!(
-                "engine {name} ({tag}), {ROWS} rows: fused {fused_ms:.4} ms, composition {comp_ms:.4} ms ({:.2}x); largest difference {err:.2e} (at most {tol:e}){}",
-                comp_ms / fused_ms,
-                if agrees { "" } else { ": FAILED" }
+            ok &= report(
+                (
+                    &format!("engine {name} ({tag}), {ROWS} rows"),
+                    &format!("engine_{name}_{tag}"),
+                ),
+                (fused_ms, comp_ms),
+                (err, tol),
+                result,
             );
-            result.extend([
-                format!("engine_{name}_{tag}_speedup={:.3}", comp_ms / fused_ms),
-                format!("engine_{name}_{tag}_err={err:.3e}"),
-            ]);
         }
     }
     Ok(ok)
-}
-
-/// The output and the median time of a call.
-fn run(op: &Op<'_>, device: &Device) -> anyhow::Result<(Tensor, f64)> {
-    let mut times = Vec::with_capacity(REPS);
-    let mut last = None;
-    for rep in 0..=REPS {
-        device.synchronize()?;
-        let start = Instant::now();
-        let out = op()?;
-        device.synchronize()?;
-        if rep > 0 {
-            times.push(start.elapsed().as_secs_f64() * 1e3);
-        }
-        last = Some(out);
-    }
-    times.sort_by(f64::total_cmp);
-    Ok((last.expect("at least one call"), times[times.len() / 2]))
 }

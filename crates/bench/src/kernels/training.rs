@@ -110,20 +110,62 @@ pub(super) fn compare(device: &Device, result: &mut Vec<String>) -> anyhow::Resu
                 err = err.max(rel_err(a, b)?);
             }
             let tol = if dtype == DType::BF16 { 3e-2 } else { 1e-4 };
-            let agrees = err <= tol;
-            ok &= agrees;
-            println!(
-                "{name} ({tag}), forward + backward: fused {fused_ms:.3} ms, composition {comp_ms:.3} ms ({:.2}x); largest difference {err:.2e} (at most {tol:e}){}",
-                comp_ms / fused_ms,
-                if agrees { "" } else { ": FAILED" }
+            ok &= report(
+                (
+                    &format!("{name} ({tag}), forward + backward"),
+                    &format!("fused_{name}_{tag}"),
+                ),
+                (fused_ms, comp_ms),
+                (err, tol),
+                result,
             );
-            result.extend([
-                format!("fused_{name}_{tag}_speedup={:.3}", comp_ms / fused_ms),
-                format!("fused_{name}_{tag}_err={err:.3e}"),
-            ]);
         }
     }
     Ok(ok)
+}
+
+/// Prints one comparison (`what`) and adds its `RESULT` keys `{key}_speedup` and `{key}_err`;
+/// whether the fused op agrees with the composition within `tol`.
+pub(super) fn report(
+    (what, key): (&str, &str),
+    (fused_ms, comp_ms): (f64, f64),
+    (err, tol): (f64, f64),
+    result: &mut Vec<String>,
+) -> bool {
+    let agrees = err <= tol;
+    println!(
+        "{what}: fused {fused_ms:.4} ms, composition {comp_ms:.4} ms ({:.2}x); largest difference {err:.2e} (at most {tol:e}){}",
+        comp_ms / fused_ms,
+        if agrees { "" } else { ": FAILED" }
+    );
+    result.extend([
+        format!("{key}_speedup={:.3}", comp_ms / fused_ms),
+        format!("{key}_err={err:.3e}"),
+    ]);
+    agrees
+}
+
+/// The last result of `reps` timed calls of `f` (after one untimed) and their median time, ms,
+/// the device synchronised around each.
+pub(super) fn timed<T>(
+    reps: usize,
+    device: &Device,
+    mut f: impl FnMut() -> anyhow::Result<T>,
+) -> anyhow::Result<(T, f64)> {
+    let mut times = Vec::with_capacity(reps);
+    let mut last = None;
+    for rep in 0..=reps {
+        device.synchronize()?;
+        let start = Instant::now();
+        let out = f()?;
+        device.synchronize()?;
+        if rep > 0 {
+            times.push(start.elapsed().as_secs_f64() * 1e3);
+        }
+        last = Some(out);
+    }
+    times.sort_by(f64::total_cmp);
+    Ok((last.expect("at least one call"), times[times.len() / 2]))
 }
 
 /// Output, input gradients of `Σ out ⊙ R` and the median time of a forward and backward.
@@ -137,21 +179,12 @@ fn run(
         .map(Var::from_tensor)
         .collect::<Result<_, _>>()?;
     let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
-    let mut times = Vec::new();
-    let mut last = None;
-    for rep in 0..=REPS {
-        device.synchronize()?;
-        let start = Instant::now();
+    let ((out, grads), ms) = timed(REPS, device, || {
         let out = op(&ts)?;
         let r = random(out.dims(), 99, out.dtype(), device)?;
         let grads = (&out * &r)?.sum_all()?.backward()?;
-        device.synchronize()?;
-        if rep > 0 {
-            times.push(start.elapsed().as_secs_f64() * 1e3);
-        }
-        last = Some((out, grads));
-    }
-    let (out, grads) = last.expect("at least one pass");
+        Ok((out, grads))
+    })?;
     let g = ts
         .iter()
         .map(|t| {
@@ -161,8 +194,7 @@ fn run(
                 .unwrap_or_else(|| t.zeros_like().expect("zeros"))
         })
         .collect();
-    times.sort_by(f64::total_cmp);
-    Ok((out, g, times[times.len() / 2]))
+    Ok((out, g, ms))
 }
 
 /// A deterministic tensor with entries in [-1, 1).
