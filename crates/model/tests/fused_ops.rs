@@ -5,6 +5,8 @@
 mod common;
 #[path = "cuda_emu/emulated.rs"]
 mod emulated;
+#[path = "cuda_emu/emulated_engine.rs"]
+mod emulated_engine;
 
 use std::sync::Arc;
 
