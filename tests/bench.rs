@@ -101,7 +101,7 @@ fn bench_cluster_refuses_a_measure_of_nothing() {
 
 /// The table has the one-by-one baseline and every concurrency row, and the `RESULT` line the
 /// batching speed-up, this machine's batching ceiling (at least 1, at most the 64 requests it is
-/// about), the swap pause, the prefix ratio within its bound and the peak memory.
+/// about), the share of the model's time issuing the forward, the swap pause, the prefix ratio within its bound and the peak memory.
 #[test]
 fn bench_engine_reports_rows_ratios_and_the_batching_ceiling() {
     let (stdout, fields) = bench(
@@ -147,6 +147,12 @@ fn bench_engine_reports_rows_ratios_and_the_batching_ceiling() {
     );
     assert!(
         (1.0..=64.0).contains(&fields["batching_ceiling_64"]),
+        "{fields:?}"
+    );
+    // The CPU computes as it issues: the forward's call is most of the model's time (the rest
+    // is the logits' copy), and never more than all of it.
+    assert!(
+        (50.0..=100.0).contains(&fields["tiny_issue_pct_64"]),
         "{fields:?}"
     );
     // Groups of 4 with 100-token prompts: each later rollout takes the first one's full blocks.

@@ -134,6 +134,7 @@ pub(super) fn measure(
         itl_p50_ms: pct(0.5),
         itl_p99_ms: pct(0.99),
         model_pct: 100.0 * parts.model_seconds / busy.max(1e-12),
+        issue_pct: 100.0 * parts.issue_seconds / parts.model_seconds.max(1e-12),
         step_ms: 1e3 * busy / parts.steps.max(1) as f64,
         decode_tok_s: parts.decode_tokens as f64 / parts.decode_seconds.max(1e-12),
         preempted,

@@ -105,6 +105,9 @@ struct Measured {
     itl_p99_ms: f64,
     /// Share of the engine's compute time inside the model, %.
     model_pct: f64,
+    /// Share of the model's time spent issuing the forward, %: all of it on the CPU; on a GPU,
+    /// near 100 when the step is bound by launches rather than by the device.
+    issue_pct: f64,
     /// Milliseconds of compute per scheduler step.
     step_ms: f64,
     /// Tokens per second of compute in decode-only steps (no prefill in them).
@@ -195,13 +198,14 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<ExitCode> {
             },
         );
         println!(
-            "{:>12} {:>12} {:>12} {:>12} {:>9} {:>8} {:>9} {:>8} {:>12}",
+            "{:>12} {:>12} {:>12} {:>12} {:>9} {:>8} {:>8} {:>9} {:>8} {:>12}",
             "concurrency",
             "tokens/s",
             "itl_p50_ms",
             "itl_p99_ms",
             "speedup",
             "model%",
+            "issue%",
             "step_ms",
             "preempt",
             "decode_tok_s"
@@ -216,13 +220,14 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<ExitCode> {
         } else {
             let serial = measure(&w0, sizing, (ROUNDS * max_c.min(8), 1), shape, args.warm_up)?;
             println!(
-                "{:>12} {:>12.1} {:>12.2} {:>12.2} {:>9} {:>8.1} {:>9.2} {:>8} {:>12.1}",
+                "{:>12} {:>12.1} {:>12.2} {:>12.2} {:>9} {:>8.1} {:>8.1} {:>9.2} {:>8} {:>12.1}",
                 "one-by-one",
                 serial.tokens_per_s,
                 serial.itl_p50_ms,
                 serial.itl_p99_ms,
                 "1.0",
                 serial.model_pct,
+                serial.issue_pct,
                 serial.step_ms,
                 serial.preempted,
                 serial.decode_tok_s
@@ -238,12 +243,13 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<ExitCode> {
             let m = measure(&w0, sizing, (ROUNDS * c, c), shape, args.warm_up)?;
             let speedup = serial.as_ref().map(|s| m.tokens_per_s / s.tokens_per_s);
             println!(
-                "{c:>12} {:>12.1} {:>12.2} {:>12.2} {:>9} {:>8.1} {:>9.2} {:>8} {:>12.1}",
+                "{c:>12} {:>12.1} {:>12.2} {:>12.2} {:>9} {:>8.1} {:>8.1} {:>9.2} {:>8} {:>12.1}",
                 m.tokens_per_s,
                 m.itl_p50_ms,
                 m.itl_p99_ms,
                 speedup.map_or("n/a".into(), |x| format!("{x:.1}")),
                 m.model_pct,
+                m.issue_pct,
                 m.step_ms,
                 m.preempted,
                 m.decode_tok_s
@@ -260,7 +266,7 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<ExitCode> {
                     name.clone(),
                     Arc::clone(&config),
                     speedup,
-                    (m.tokens_per_s, m.decode_tok_s),
+                    (m.tokens_per_s, m.decode_tok_s, m.issue_pct),
                     flops,
                 ));
             }
@@ -347,9 +353,10 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<ExitCode> {
     // Per preset: the batching speed-up, and the decode rate at 64 against `sluice bench
     // model`'s bound (f32 on the CPU).
     let mut per_preset = String::new();
-    for (name, config, speedup, (tokens, decode), flops) in &at_64 {
+    for (name, config, speedup, (tokens, decode, issue), flops) in &at_64 {
         // Prefill included: the rate `scripts/bench-vs-pytorch` holds against `generate`'s.
         per_preset.push_str(&format!(" {name}_tok_s_64={tokens:.1}"));
+        per_preset.push_str(&format!(" {name}_issue_pct_64={issue:.1}"));
         if let Some(x) = speedup {
             per_preset.push_str(&format!(" {name}_batching_speedup_64={x:.1}"));
         }

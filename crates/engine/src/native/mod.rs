@@ -165,6 +165,8 @@ pub(crate) struct Shared {
     pub busy_nanos: AtomicU64,
     /// Of `busy_nanos`: inside the model's forward (and the logits' copy to the host).
     pub model_nanos: AtomicU64,
+    /// Of `model_nanos`: until the forward had been issued (see [`StepBreakdown::issue_seconds`]).
+    pub issue_nanos: AtomicU64,
     /// Scheduler steps taken.
     pub steps: AtomicU64,
     /// Of `busy_nanos`: steps in which every running sequence decoded one token (no prefill).
@@ -190,6 +192,11 @@ pub struct StepBreakdown {
     pub steps: u64,
     /// Seconds in the model's forward, logits to the host included.
     pub model_seconds: f64,
+    /// Of `model_seconds`: until the forward's call returned, before its logits or draws were
+    /// read. On the CPU that is the whole forward; on a GPU, where kernels run behind the
+    /// host, it is the host's time to issue them, and the rest is waiting for the device. A
+    /// share near 1 on a GPU says the step is bound by launches, not by the device.
+    pub issue_seconds: f64,
     /// Seconds in the rest of the steps: picking inputs, sampling, per-token bookkeeping,
     /// finishing requests.
     pub scheduler_seconds: f64,
@@ -207,6 +214,7 @@ impl StepBreakdown {
         Self {
             steps: self.steps - earlier.steps,
             model_seconds: self.model_seconds - earlier.model_seconds,
+            issue_seconds: self.issue_seconds - earlier.issue_seconds,
             scheduler_seconds: self.scheduler_seconds - earlier.scheduler_seconds,
             decode_seconds: self.decode_seconds - earlier.decode_seconds,
             decode_tokens: self.decode_tokens - earlier.decode_tokens,
@@ -432,6 +440,7 @@ impl NativeControl {
         StepBreakdown {
             steps: s.steps.load(Ordering::Relaxed),
             model_seconds: model,
+            issue_seconds: s.issue_nanos.load(Ordering::Relaxed) as f64 * 1e-9,
             scheduler_seconds: (busy - model).max(0.0),
             decode_seconds: s.decode_nanos.load(Ordering::Relaxed) as f64 * 1e-9,
             decode_tokens: s.decode_tokens.load(Ordering::Relaxed),

@@ -260,10 +260,12 @@ impl Worker {
                     .iter()
                     .all(|&i| device_draw::qualifies(&q.running[i]));
             let model_started = Instant::now();
-            let result = self
-                .model
-                .step(&mut self.cache, &inputs, wanted)
-                .and_then(|t| {
+            let stepped = self.model.step(&mut self.cache, &inputs, wanted);
+            self.shared.issue_nanos.fetch_add(
+                model_started.elapsed().as_nanos() as u64,
+                Ordering::Relaxed,
+            );
+            let result = stepped.and_then(|t| {
                     let seqs = picked.iter().map(|&i| &q.running[i]);
                     if on_device && let Some(drawn) = device_draw::draw(&t, seqs) {
                         return drawn.map(|d| d.into_iter().map(Outcome::Drawn).collect());
