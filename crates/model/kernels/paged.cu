@@ -74,3 +74,27 @@ __device__ void paged_attention(const T* q, const T* keys, const T* values, cons
 
 PAGED(float, f32)
 PAGED(bf16, bf16)
+
+// A step's new keys and values written into a layer's pool in one launch. The pool holds the
+// keys in its first `half` rows and the values in the next `half`; row i of `k` and of `v`
+// (`width` elements) goes to row rows[i] of each half. Elements are copied as words of their
+// size, so one kernel serves every element type of that size.
+template <typename U>
+__device__ void kv_rows(const U* k, const U* v, const unsigned* rows, U* pool, unsigned n,
+                        unsigned width, u64 half) {
+  GRID_STRIDE(i, (u64)n * width) {
+    const u64 at = (u64)rows[i / width] * width + i % width;
+    pool[at] = k[i];
+    pool[half * width + at] = v[i];
+  }
+}
+
+#define KV_ROWS(U, S)                                                                             \
+  extern "C" __global__ void kv_rows_##S(const U* k, const U* v, const unsigned* rows, U* pool,  \
+                                         unsigned n, unsigned width, u64 half) {                  \
+    kv_rows(k, v, rows, pool, n, width, half);                                                    \
+  }
+
+KV_ROWS(unsigned short, b2)
+KV_ROWS(unsigned, b4)
+KV_ROWS(u64, b8)

@@ -453,3 +453,57 @@ pub(crate) fn paged_attention(
         Ok(tensor(out, dev, &Shape::from((rows, heads * d))))
     })
 }
+
+/// A step's new keys and values written into a layer's pool in one launch (`kernels/paged.cu`,
+/// `kv_rows`): `pool (2 · half, width)` holds the keys in its first `half` rows and the values
+/// in the rest; row `i` of `k` and of `v` `(n, width)` goes to row `rows[i]` (u32, on the pool's
+/// device) of each half. Any of the pools' element types: the kernel copies words of their size.
+pub(crate) fn kv_rows(
+    (pool, pl): (&mut CudaStorage, &Layout),
+    (k, kl): (&CudaStorage, &Layout),
+    (v, vl): (&CudaStorage, &Layout),
+    rows: &Tensor,
+) -> Result<()> {
+    let (pool_rows, width) = pl.shape().dims2()?;
+    let (n, w) = kl.shape().dims2()?;
+    let dtype = pool.dtype();
+    if vl.shape() != kl.shape() || w != width || rows.elem_count() != n {
+        bail!(
+            "kv rows: keys {:?} and values {:?} at {} rows of a pool {:?}",
+            kl.shape(),
+            vl.shape(),
+            rows.elem_count(),
+            pl.shape()
+        )
+    }
+    if k.dtype() != dtype || v.dtype() != dtype {
+        bail!("kv rows: {:?} values into a {dtype:?} pool", k.dtype())
+    }
+    let Some((p0, p1)) = pl.contiguous_offsets() else {
+        bail!("kv rows: the pool is not contiguous")
+    };
+    let (n32, w32) = (u32_of(n, "kv rows")?, u32_of(width, "kv width")?);
+    let half_rows = pool_rows as u64 / 2;
+    let (rs, rl) = rows.storage_and_layout();
+    let rv = view::<u32>(cuda_of(&rs)?, rl)?;
+    let dev = pool.device.clone();
+    let f = PAGED.function(&dev, &format!("kv_rows_b{}", dtype.size_in_bytes()))?;
+    let stream = dev.cuda_stream();
+    macro_rules! words {
+        ($t:ty) => {{
+            let (kv_, vv) = (view::<$t>(k, kl)?, view::<$t>(v, vl)?);
+            let mut pv = pool.as_cuda_slice_mut::<$t>()?.slice_mut(p0..p1);
+            let mut a = stream.launch_builder(&f);
+            a.arg(&kv_).arg(&vv).arg(&rv).arg(&mut pv);
+            a.arg(&n32).arg(&w32).arg(&half_rows);
+            launch(a, config((blocks(n as u64 * width as u64), 1), THREADS))
+        }};
+    }
+    match dtype {
+        DType::F32 => words!(f32),
+        DType::BF16 => words!(half::bf16),
+        DType::F16 => words!(half::f16),
+        DType::F64 => words!(f64),
+        other => bail!("kv rows: no kernel for {other:?} pools"),
+    }
+}

@@ -1,8 +1,9 @@
 //! [`PagedKvCache`]: keys and values in fixed-size blocks from one pool, allocated once at a
 //! byte budget, with per-sequence block tables and full blocks shared by content (prefix cache).
 //!
-//! Layout: per layer one keys and one values tensor of `(blocks · kv_heads · block_tokens,
-//! head_dim)` rows, head-major within a block (block `b` holds kv head 0's `block_tokens` rows,
+//! Layout: per layer one tensor of `2 · blocks · kv_heads · block_tokens` rows of `head_dim`,
+//! the keys in its first half and the values in its second (so one launch writes both), each
+//! half head-major within a block (block `b` holds kv head 0's `block_tokens` rows,
 //! then kv head 1's, ...), so one head's keys of a block are one contiguous run for attention to
 //! stream and a gather yields `(B, kv_heads, T, head_dim)` without a transpose. Kv head `h` of a
 //! sequence's token `t` lives at row `(table[t / B] · kv_heads + h) · B + t % B` (`B` =
@@ -51,8 +52,9 @@ pub struct PagedKvCache {
     head_dim: usize,
     block_tokens: usize,
     device: Device,
-    /// Per layer: `(keys, values)`, each `(capacity · kv_heads · block_tokens, head_dim)`.
-    pools: Vec<(Tensor, Tensor)>,
+    /// Per layer: the keys, then the values, each `capacity · kv_heads · block_tokens` rows of
+    /// `head_dim` (see [`Self::kv`]).
+    pools: Vec<Tensor>,
     /// Blocks the pools hold now (grows to the allocator's total).
     capacity: usize,
     dtype: DType,
@@ -158,34 +160,39 @@ impl PagedKvCache {
         let ctx = format!("growing the kv cache pool to {new_cap} blocks");
         let (dtype, device) = (self.dtype, self.device.clone());
         let widen = |old: Option<&Tensor>| -> candle_core::Result<Tensor> {
-            let t = Tensor::zeros((rows, width), dtype, &device)?;
+            let t = Tensor::zeros((2 * rows, width), dtype, &device)?;
             if let Some(old) = old {
-                // The new tensor is private to this cache: writing in place is safe.
-                t.slice_set(old, 0, 0)?;
+                // The new tensor is private to this cache: writing in place is safe. The old
+                // keys go to the start of the new keys, its values to the start of the values.
+                let half = old.dim(0)? / 2;
+                t.slice_set(&old.narrow(0, 0, half)?, 0, 0)?;
+                t.slice_set(&old.narrow(0, half, half)?, 0, rows)?;
             }
             Ok(t)
         };
         if self.pools.is_empty() {
             for _ in 0..self.num_layers {
-                let k = widen(None).ctx(&ctx)?;
-                let v = widen(None).ctx(&ctx)?;
-                self.pools.push((k, v));
+                self.pools.push(widen(None).ctx(&ctx)?);
             }
         } else {
-            // Tensor by tensor, each old one dropped once copied: growing costs one tensor's
-            // worth of extra memory, not the pool's. After a failure some tensors are larger
+            // Layer by layer, each old tensor dropped once copied: growing costs one layer's
+            // worth of extra memory, not the pool's. After a failure some layers are larger
             // than `capacity`; their extra rows are unused and the next attempt copies them.
             for layer in 0..self.num_layers {
-                if self.pools[layer].0.dim(0).ctx(&ctx)? < rows {
-                    self.pools[layer].0 = widen(Some(&self.pools[layer].0)).ctx(&ctx)?;
-                }
-                if self.pools[layer].1.dim(0).ctx(&ctx)? < rows {
-                    self.pools[layer].1 = widen(Some(&self.pools[layer].1)).ctx(&ctx)?;
+                if self.pools[layer].dim(0).ctx(&ctx)? < 2 * rows {
+                    self.pools[layer] = widen(Some(&self.pools[layer])).ctx(&ctx)?;
                 }
             }
         }
         self.capacity = new_cap;
         Ok(())
+    }
+
+    /// Layer `layer`'s keys and values: the two halves of its pool tensor, as views.
+    fn kv(&self, layer: usize) -> candle_core::Result<(Tensor, Tensor)> {
+        let pool = &self.pools[layer];
+        let half = pool.dim(0)? / 2;
+        Ok((pool.narrow(0, 0, half)?, pool.narrow(0, half, half)?))
     }
 
     /// Blocks the pools hold now (memory grows on demand up to [`Self::total_blocks`]).
@@ -377,10 +384,10 @@ impl KvCache for PagedKvCache {
             let (index, read) = self.step_rows(seqs, news, true)?;
             let (gather, longest) = read.expect("asked for the read rows");
             self.write_rows(&index, layer, k, v)?;
-            let (kb, vb) = &self.pools[layer];
+            let (kb, vb) = self.kv(layer)?;
             let shape = (seqs.len(), self.kv_heads, longest, self.head_dim);
             let read = |pool: &Tensor| pool.index_select(&gather, 0)?.reshape(shape);
-            Ok((read(kb)?, read(vb)?))
+            Ok((read(&kb)?, read(&vb)?))
         };
         let out = write().ctx("paged kv cache ragged append")?;
         for (&seq, &n) in seqs.iter().zip(news) {
@@ -421,9 +428,9 @@ impl KvCache for PagedKvCache {
             #[cfg(feature = "cuda")]
             if on_gpu {
                 let meta = self.attention_meta(seqs, news)?;
-                let (kb, vb) = &self.pools[layer];
+                let (kb, vb) = self.kv(layer)?;
                 let geometry = (self.kv_heads, self.block_tokens);
-                return crate::fused::device::paged_attention(q, kb, vb, &meta, geometry, scale);
+                return crate::fused::device::paged_attention(q, &kb, &vb, &meta, geometry, scale);
             }
             // One query row per new token: its sequence's table, and the positions it sees.
             let mut tables: Vec<&[BlockId]> = Vec::with_capacity(rows);
@@ -444,7 +451,7 @@ impl KvCache for PagedKvCache {
             };
             let q = q.contiguous()?;
             let (q_storage, q_layout) = q.storage_and_layout();
-            let (kb, vb) = &self.pools[layer];
+            let (kb, vb) = self.kv(layer)?;
             let (k_storage, k_layout) = kb.storage_and_layout();
             let (v_storage, v_layout) = vb.storage_and_layout();
             let (Storage::Cpu(q_cpu), Storage::Cpu(k_cpu), Storage::Cpu(v_cpu)) =
@@ -453,7 +460,7 @@ impl KvCache for PagedKvCache {
                 candle_core::bail!("the paged kv pool is not on the CPU");
             };
             let q = &q_cpu.as_slice::<f32>()?[q_layout.start_offset()..][..rows * heads * d];
-            // The pools are contiguous tensors of their own (never views).
+            // The halves of the layer's contiguous pool: rows counted from each one's start.
             let keys = &k_cpu.as_slice::<f32>()?[k_layout.start_offset()..];
             let values = &v_cpu.as_slice::<f32>()?[v_layout.start_offset()..];
             let out = attend::attention(keys, values, q, &tables, &visible, &shape, scale as f32);

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, InplaceOp2, Layout, Tensor};
+use candle_core::{CpuStorage, InplaceOp3, Layout, Tensor};
 
 use super::{BlockId, PagedKvCache};
 use crate::cache::SeqId;
@@ -31,17 +31,17 @@ pub(super) struct StepRows {
 pub(super) struct Writes {
     /// The pool row of each new token's kv heads, `(token, kv head)` in the batch's order.
     rows: Arc<[u32]>,
-    /// The same as `(Σ news · kv_heads, head_dim)` indices, each row repeated across its
-    /// elements (a scatter's indices are per element), for pools off the CPU.
-    scatter: Option<Tensor>,
+    /// The same rows as a tensor on the pools' device, for a GPU's kernel (`None` on the CPU).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    on_device: Option<Tensor>,
 }
 
-/// Copies row `i` of a contiguous `(rows, width)` source to row `rows[i]` of the pool, in
-/// place: one `width`-long copy per row where a scatter reads an index per element (64 · 3
-/// rows of SmolLM2's keys took the scatter about 30 µs a layer).
-struct CopyRows(Arc<[u32]>);
+/// Copies row `i` of the new keys and of the new values, contiguous `(rows, width)`, to row
+/// `rows[i]` of the pool's keys and of its values, in place, in one pass (on a GPU one launch:
+/// the keys and the values are the two halves of one tensor for this).
+struct CopyKv(Writes);
 
-impl InplaceOp2 for CopyRows {
+impl InplaceOp3 for CopyKv {
     fn name(&self) -> &'static str {
         "paged-kv-copy-rows"
     }
@@ -50,45 +50,76 @@ impl InplaceOp2 for CopyRows {
         &self,
         pool: &mut CpuStorage,
         pool_layout: &Layout,
-        src: &CpuStorage,
-        src_layout: &Layout,
+        k: &CpuStorage,
+        k_layout: &Layout,
+        v: &CpuStorage,
+        v_layout: &Layout,
     ) -> candle_core::Result<()> {
         fn copy<T: Copy>(
             rows: &[u32],
-            (dst, at): (&mut [T], &Layout),
-            (src, from): (&[T], &Layout),
+            (pool, at): (&mut [T], &Layout),
+            new: [(&[T], &Layout); 2],
         ) -> candle_core::Result<()> {
-            let (n, width) = from.shape().dims2()?;
-            let (dst, src) = (&mut dst[at.start_offset()..], &src[from.start_offset()..]);
-            if !at.is_contiguous() || !from.is_contiguous() || n != rows.len() {
-                candle_core::bail!("kv rows: {n} rows for {} places", rows.len())
+            let (pool_rows, width) = at.shape().dims2()?;
+            let half = pool_rows / 2;
+            if !at.is_contiguous() {
+                candle_core::bail!("kv rows: the pool is not contiguous")
             }
-            for (&row, values) in rows.iter().zip(src.chunks_exact(width)) {
-                let start = row as usize * width;
-                let Some(out) = dst.get_mut(start..start + width) else {
-                    candle_core::bail!("kv rows: row {row} past the pool")
-                };
-                out.copy_from_slice(values);
+            let pool = &mut pool[at.start_offset()..][..2 * half * width];
+            let (keys, values) = pool.split_at_mut(half * width);
+            for (dst, (src, from)) in [keys, values].into_iter().zip(new) {
+                let (n, w) = from.shape().dims2()?;
+                if !from.is_contiguous() || n != rows.len() || w != width {
+                    candle_core::bail!("kv rows: {n} rows of {w} for {} rows of {width}", rows.len())
+                }
+                let src = &src[from.start_offset()..][..n * w];
+                for (&row, values) in rows.iter().zip(src.chunks_exact(width)) {
+                    let start = row as usize * width;
+                    let Some(out) = dst.get_mut(start..start + width) else {
+                        candle_core::bail!("kv rows: row {row} past the pool's {half}")
+                    };
+                    out.copy_from_slice(values);
+                }
             }
             Ok(())
         }
-        let rows = &self.0;
-        match (pool, src) {
-            (CpuStorage::F32(d), CpuStorage::F32(s)) => {
-                copy(rows, (d, pool_layout), (s, src_layout))
+        let rows = &self.0.rows;
+        match (pool, k, v) {
+            (CpuStorage::F32(p), CpuStorage::F32(k), CpuStorage::F32(v)) => {
+                copy(rows, (p, pool_layout), [(k, k_layout), (v, v_layout)])
             }
-            (CpuStorage::BF16(d), CpuStorage::BF16(s)) => {
-                copy(rows, (d, pool_layout), (s, src_layout))
+            (CpuStorage::BF16(p), CpuStorage::BF16(k), CpuStorage::BF16(v)) => {
+                copy(rows, (p, pool_layout), [(k, k_layout), (v, v_layout)])
             }
-            (CpuStorage::F16(d), CpuStorage::F16(s)) => {
-                copy(rows, (d, pool_layout), (s, src_layout))
+            (CpuStorage::F16(p), CpuStorage::F16(k), CpuStorage::F16(v)) => {
+                copy(rows, (p, pool_layout), [(k, k_layout), (v, v_layout)])
             }
-            (d, s) => candle_core::bail!(
-                "kv rows: {:?} values into a {:?} pool",
-                s.dtype(),
-                d.dtype()
+            (CpuStorage::F64(p), CpuStorage::F64(k), CpuStorage::F64(v)) => {
+                copy(rows, (p, pool_layout), [(k, k_layout), (v, v_layout)])
+            }
+            (p, k, v) => candle_core::bail!(
+                "kv rows: {:?} keys and {:?} values into a {:?} pool",
+                k.dtype(),
+                v.dtype(),
+                p.dtype()
             ),
         }
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        pool: &mut candle_core::CudaStorage,
+        pool_layout: &Layout,
+        k: &candle_core::CudaStorage,
+        k_layout: &Layout,
+        v: &candle_core::CudaStorage,
+        v_layout: &Layout,
+    ) -> candle_core::Result<()> {
+        let Some(rows) = &self.0.on_device else {
+            candle_core::bail!("kv rows: the rows were built for the CPU")
+        };
+        crate::fused::device::kv_rows((pool, pool_layout), (k, k_layout), (v, v_layout), rows)
     }
 }
 
@@ -116,7 +147,7 @@ impl PagedKvCache {
         let i = match found {
             Some(i) => i,
             None => {
-                let (width, kv) = (self.head_dim, self.kv_heads);
+                let kv = self.kv_heads;
                 let mut rows = Vec::with_capacity(news.iter().sum::<usize>() * kv);
                 for ((q, &len), &n) in seqs.iter().zip(&lens).zip(news) {
                     let blocks = &self.seqs[q].blocks;
@@ -124,18 +155,14 @@ impl PagedKvCache {
                         rows.extend((0..kv).map(|h| self.row(blocks, t, h) as u32));
                     }
                 }
-                let scatter = if self.device.is_cpu() {
+                let on_device = if self.device.is_cpu() {
                     None
                 } else {
-                    let index: Vec<u32> = rows
-                        .iter()
-                        .flat_map(|&r| std::iter::repeat_n(r, width))
-                        .collect();
-                    Some(Tensor::from_vec(index, (rows.len(), width), &self.device)?)
+                    Some(Tensor::new(rows.as_slice(), &self.device)?)
                 };
                 let write = Writes {
                     rows: rows.into(),
-                    scatter,
+                    on_device,
                 };
                 self.step_rows.push(StepRows {
                     seqs: seqs.to_vec(),
@@ -215,15 +242,8 @@ impl PagedKvCache {
         v: &Tensor,
     ) -> candle_core::Result<()> {
         let shape = (writes.rows.len(), self.head_dim);
-        let (kb, vb) = &self.pools[layer];
-        for (pool, new) in [(kb, k), (vb, v)] {
-            let new = new.reshape(shape)?.to_dtype(self.dtype)?.contiguous()?;
-            match &writes.scatter {
-                Some(index) => pool.scatter_set(index, &new, 0)?,
-                None => pool.inplace_op2(&new, &CopyRows(Arc::clone(&writes.rows)))?,
-            }
-        }
-        Ok(())
+        let rows = |t: &Tensor| t.reshape(shape)?.to_dtype(self.dtype)?.contiguous();
+        self.pools[layer].inplace_op3(&rows(k)?, &rows(v)?, &CopyKv(writes.clone()))
     }
 
     /// Row indices of positions `0..total` of `blocks`, as a `(total,)` tensor.

@@ -1,7 +1,8 @@
 //! The engine's step kernels for stacked products (`kernels/fused.cu`: `add_rms_fwd`,
 //! `split_rope`, `swiglu_rows`) under the CUDA emulation (`emulated.rs`), against the CPU
 //! compositions they replace, in f32 and bf16; and the CPU versions of the same ops
-//! (`fused::add_rms_norm`, `split_rope`, `swiglu_rows`) against the same compositions.
+//! (`fused::add_rms_norm`, `split_rope`, `swiglu_rows`) against the same compositions; and the
+//! paged cache's one-launch write of a step's keys and values (`kernels/paged.cu`, `kv_rows`).
 
 use candle_core::{DType, Tensor};
 use sluice_model::fused;
@@ -81,5 +82,31 @@ fn emulated_engine_step_kernels_match_the_compositions() {
         check("swiglu rows", dtype, &f, &want);
         let cpu = floats(&fused::swiglu_rows(&xs[0]).unwrap());
         check("swiglu rows (CPU)", DType::F32, &cpu, &want);
+    }
+}
+
+#[test]
+fn emulated_kv_rows_kernel_writes_keys_and_values_in_one_launch() {
+    // Five new tokens' rows (head dim 72, so more rows than a block's 256 threads cover in one
+    // pass) into a pool of 40 rows per half, at scattered rows: the keys' half and the values'
+    // half each get their rows, every other element is left as it was, bit for bit.
+    let (n, width, half) = (5usize, 72usize, 40usize);
+    let rows: Vec<u32> = vec![7, 0, 39, 12, 25];
+    for dtype in [DType::F32, DType::BF16] {
+        let xs = inputs(&[&[n, width], &[n, width], &[2 * half, width]], 31, dtype);
+        let ins = [
+            In::Floats(&xs[0]),
+            In::Floats(&xs[1]),
+            In::Words(&rows),
+            In::Floats(&xs[2]),
+        ];
+        let got = emulate("kv_rows", dtype, &ins, &[n, width, half].map(|x| x.to_string()));
+        let (k, v, mut want) = (floats(&xs[0]), floats(&xs[1]), floats(&xs[2]));
+        for (i, &r) in rows.iter().enumerate() {
+            let (new, r) = (i * width..(i + 1) * width, r as usize);
+            want[r * width..][..width].copy_from_slice(&k[new.clone()]);
+            want[(half + r) * width..][..width].copy_from_slice(&v[new]);
+        }
+        assert_eq!(got, want, "kv rows ({dtype:?})");
     }
 }

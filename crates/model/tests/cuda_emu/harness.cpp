@@ -262,6 +262,21 @@ void run(const std::string& op, char** a, bool bf) {
     emu::launch(k, dim3(R, H), dim3(32), q.data(), keys.data(), values.data(), meta.data(), out.data(), R, H,
                 KV, D, BT, f(5));
     put(out);
+  } else if (op == "kv_rows") {
+    // ARGS: rows, width, half (pool rows per half). IN: k, v, the row indices, the pool.
+    const unsigned n = u(0), width = u(1);
+    const u64 half = u(2);
+    auto k = floats<T>((size_t)n * width), v = floats<T>((size_t)n * width);
+    auto rows = words(n);
+    auto pool = floats<T>((size_t)(2 * half) * width);
+    if constexpr (std::is_same_v<T, float>) {
+      emu::launch(kv_rows_b4, dim3(blocks((u64)n * width, THREADS)), dim3(THREADS), (const unsigned*)k.data(),
+                  (const unsigned*)v.data(), rows.data(), (unsigned*)pool.data(), n, width, half);
+    } else {
+      emu::launch(kv_rows_b2, dim3(blocks((u64)n * width, THREADS)), dim3(THREADS), (const unsigned short*)k.data(),
+                  (const unsigned short*)v.data(), rows.data(), (unsigned short*)pool.data(), n, width, half);
+    }
+    put(pool);
   } else if (op == "sumsq_many") {
     // ARGS: each buffer's size; IN: the buffers. OUT: one sum of squares per 65536-element chunk.
     std::vector<std::vector<float>> gs;
