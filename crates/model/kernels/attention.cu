@@ -14,13 +14,16 @@
 #include "common.cuh"
 
 // Threads (queries or keys) per block, and the keys (queries) staged in shared memory at a time:
-// smaller for D = 128 to stay within 48 KB of static shared memory. The host's launches use the
-// same numbers (crates/model/src/fused/device/attention.rs, `attention_rows`).
+// smaller for D = 128 to stay within 48 KB of static shared memory. The forward splits a query's
+// columns over PARTS threads, so that its query and output rows fit in registers (a whole row of
+// 128 of each spilled 860 bytes a thread). The host's launches use the same numbers
+// (crates/model/src/fused/device/attention.rs, `attention_rows`, `attention_fwd_parts`).
 template <int D>
 struct Tile {
   static constexpr unsigned ROWS = D <= 64 ? 64 : 32;
   static constexpr unsigned CHUNK = D <= 64 ? 16 : 8;
   static constexpr unsigned KEYS = 32;  // the forward's key tile
+  static constexpr unsigned PARTS = D <= 64 ? 1 : 2;
 };
 
 __device__ __forceinline__ bool visible(unsigned i, unsigned j, unsigned first_i, unsigned seg_i,
@@ -39,74 +42,80 @@ __device__ __forceinline__ unsigned block_min(unsigned v, unsigned* scratch) {
   return m;
 }
 
-// Grid (ceil(L / ROWS), B * H), ROWS threads: thread t of block x is query x * ROWS + t of one
-// (row, head). o like q; lse (B, H, L).
+// Grid (ceil(L / ROWS), B * H), ROWS * PARTS threads: threads t * PARTS .. t * PARTS + PARTS - 1
+// of block x are query x * ROWS + t of one (row, head), thread p of them holding the columns
+// p, p + PARTS, p + 2 * PARTS, ... (interleaved, so the threads of a query read neighbouring
+// banks of a staged key). They add their partial scores by shuffles; every thread of the block
+// runs every loop (no early exit around a shuffle). o like q; lse (B, H, L).
 template <typename T, int D>
 __device__ void attn_fwd(const T* q, const T* k, const T* v, const unsigned* seg,
                          const unsigned* prefix, const unsigned* first, int runs, T* o, float* lse,
                          unsigned L, unsigned H, unsigned KV, float scale) {
-  constexpr unsigned R = Tile<D>::ROWS, C = Tile<D>::CHUNK, K = Tile<D>::KEYS;
+  constexpr unsigned R = Tile<D>::ROWS, C = Tile<D>::CHUNK, K = Tile<D>::KEYS, P = Tile<D>::PARTS;
+  constexpr unsigned DP = D / P;  // a thread's columns
   __shared__ float ks[K][D], vs[K][D];
-  __shared__ unsigned kseg[K], scratch[R];
+  __shared__ unsigned kseg[K], scratch[R * P];
   const unsigned b = blockIdx.y / H, h = blockIdx.y % H, kh = h / (H / KV);
-  const unsigned i = blockIdx.x * R + threadIdx.x;
+  const unsigned part = threadIdx.x % P, i = blockIdx.x * R + threadIdx.x / P;
   const bool active = i < L;
   const u64 slot = (u64)b * L + i;
-  float qr[D], acc[D];
+  float qr[DP], acc[DP];
   unsigned fi = 0xffffffffu, si = 0, pi = 0;
-  for (int d = 0; d < D; ++d) acc[d] = 0.0f;
+  for (unsigned d = 0; d < DP; ++d) acc[d] = 0.0f;
   if (active) {
-    for (int d = 0; d < D; ++d) qr[d] = ld(q, slot * H * D + (u64)h * D + d) * scale;
+    for (unsigned d = 0; d < DP; ++d) qr[d] = ld(q, slot * H * D + (u64)h * D + d * P + part) * scale;
     fi = first[slot];
     si = seg[slot];
     pi = prefix[slot];
   }
-  const unsigned lo = block_min<R>(fi, scratch);
+  const unsigned lo = block_min<R * P>(fi, scratch);
   const unsigned hi = min(L, blockIdx.x * R + R);  // keys below hi
   float m = -INFINITY, l = 0.0f;
   for (unsigned j0 = lo; j0 < hi; j0 += K) {
     __syncthreads();
-    for (unsigned e = threadIdx.x; e < K * D; e += R) {
+    for (unsigned e = threadIdx.x; e < K * D; e += R * P) {
       const unsigned r = e / D, c = e % D, j = j0 + r;
       const u64 at = ((u64)b * L + j) * KV * D + (u64)kh * D + c;
       ks[r][c] = j < hi ? ld(k, at) : 0.0f;
       vs[r][c] = j < hi ? ld(v, at) : 0.0f;
     }
-    for (unsigned e = threadIdx.x; e < K; e += R) kseg[e] = j0 + e < hi ? seg[(u64)b * L + j0 + e] : 0;
+    for (unsigned e = threadIdx.x; e < K; e += R * P) kseg[e] = j0 + e < hi ? seg[(u64)b * L + j0 + e] : 0;
     __syncthreads();
-    if (!active) continue;
+    // With one thread a query nothing below needs the others: an inactive one is done. With
+    // several, it still takes part in their shuffles (its scores are all masked).
+    if (P == 1 && !active) continue;
     for (unsigned c0 = 0; c0 < K; c0 += C) {
       float sc[C];
       float cmax = -INFINITY;
 #pragma unroll
       for (unsigned t = 0; t < C; ++t) {
         const unsigned j = j0 + c0 + t;
-        float s = -INFINITY;
-        if (j < hi && visible(i, j, fi, si, pi, kseg[c0 + t], runs)) {
-          s = 0.0f;
-          for (int d = 0; d < D; ++d) s += qr[d] * ks[c0 + t][d];
-        }
-        sc[t] = s;
-        cmax = fmaxf(cmax, s);
+        const bool seen = active && j < hi && visible(i, j, fi, si, pi, kseg[c0 + t], runs);
+        float s = 0.0f;
+        if (seen)
+          for (unsigned d = 0; d < DP; ++d) s += qr[d] * ks[c0 + t][d * P + part];
+        for (unsigned o = 1; o < P; o <<= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+        sc[t] = seen ? s : -INFINITY;
+        cmax = fmaxf(cmax, sc[t]);
       }
       if (cmax == -INFINITY) continue;
       const float mn = fmaxf(m, cmax);
       const float corr = expf(m - mn);
       l *= corr;
-      for (int d = 0; d < D; ++d) acc[d] *= corr;
+      for (unsigned d = 0; d < DP; ++d) acc[d] *= corr;
       m = mn;
 #pragma unroll
       for (unsigned t = 0; t < C; ++t) {
         const float p = expf(sc[t] - m);
         l += p;
-        for (int d = 0; d < D; ++d) acc[d] += p * vs[c0 + t][d];
+        for (unsigned d = 0; d < DP; ++d) acc[d] += p * vs[c0 + t][d * P + part];
       }
     }
   }
   if (active) {
     const float r = 1.0f / l;
-    for (int d = 0; d < D; ++d) st(o, slot * H * D + (u64)h * D + d, acc[d] * r);
-    lse[((u64)b * H + h) * L + i] = m + logf(l);
+    for (unsigned d = 0; d < DP; ++d) st(o, slot * H * D + (u64)h * D + d * P + part, acc[d] * r);
+    if (part == 0) lse[((u64)b * H + h) * L + i] = m + logf(l);
   }
 }
 
@@ -129,36 +138,40 @@ __device__ void attn_delta(const T* o, const T* dout, float* delta, unsigned L, 
   }
 }
 
-// dK, dV. Grid (ceil(L / ROWS), B * KV), ROWS threads: thread t owns key x * ROWS + t of one
-// (row, kv head) and sums over every query of the heads of its group that sees it.
+// dK, dV. Grid (ceil(L / ROWS), B * KV), ROWS * PARTS threads: threads t * PARTS .. t * PARTS +
+// PARTS - 1 own key x * ROWS + t of one (row, kv head), thread p of them the columns p, p + PARTS,
+// ... (as in the forward), and sum over every query of the heads of its group that sees it.
 template <typename T, int D>
 __device__ void attn_bwd_kv(const T* q, const T* k, const T* v, const T* dout, const float* lse,
                             const float* delta, const unsigned* seg, const unsigned* prefix,
                             const unsigned* first, int runs, T* dk, T* dv, unsigned L, unsigned H,
                             unsigned KV, float scale) {
-  constexpr unsigned R = Tile<D>::ROWS, C = Tile<D>::CHUNK;
-  __shared__ float ks[R][D + 1], vs[R][D + 1];  // padded: each thread reads its own row
+  constexpr unsigned R = Tile<D>::ROWS, C = Tile<D>::CHUNK, P = Tile<D>::PARTS, DP = D / P;
+  // Rows padded by PARTS: the threads of a warp (each its own key's row, its own columns of it)
+  // read distinct banks.
+  __shared__ float ks[R][D + P], vs[R][D + P];
   __shared__ float qs[C][D], dos[C][D];
   __shared__ float slse[C], sdelta[C];
   __shared__ unsigned sfirst[C], sseg[C], spre[C];
   const unsigned b = blockIdx.y / KV, kh = blockIdx.y % KV, g = H / KV;
-  const unsigned j0 = blockIdx.x * R, j = j0 + threadIdx.x;
+  const unsigned part = threadIdx.x % P, own = threadIdx.x / P;
+  const unsigned j0 = blockIdx.x * R, j = j0 + own;
   const bool active = j < L;
   const unsigned jlast = min(L, j0 + R) - 1;
-  for (unsigned e = threadIdx.x; e < R * D; e += R) {
+  for (unsigned e = threadIdx.x; e < R * D; e += R * P) {
     const unsigned r = e / D, c = e % D, jj = j0 + r;
     const u64 at = ((u64)b * L + jj) * KV * D + (u64)kh * D + c;
     ks[r][c] = jj < L ? ld(k, at) : 0.0f;
     vs[r][c] = jj < L ? ld(v, at) : 0.0f;
   }
   const unsigned sj = active ? seg[(u64)b * L + j] : 0;
-  float gk[D], gv[D];
-  for (int d = 0; d < D; ++d) gk[d] = gv[d] = 0.0f;
+  float gk[DP], gv[DP];
+  for (unsigned d = 0; d < DP; ++d) gk[d] = gv[d] = 0.0f;
   for (unsigned gi = 0; gi < g; ++gi) {
     const unsigned h = kh * g + gi;
     for (unsigned i0 = j0; i0 < L; i0 += C) {
       __syncthreads();
-      for (unsigned e = threadIdx.x; e < C; e += R) {
+      for (unsigned e = threadIdx.x; e < C; e += R * P) {
         const unsigned i = i0 + e;
         const bool ok = i < L;
         const u64 at = (u64)b * L + i;
@@ -172,36 +185,44 @@ __device__ void attn_bwd_kv(const T* q, const T* k, const T* v, const T* dout, c
       unsigned cmin = 0xffffffffu;
       for (unsigned t = 0; t < C; ++t) cmin = min(cmin, sfirst[t]);
       if (cmin > jlast) continue;  // the same for every thread: no query here sees these keys
-      for (unsigned e = threadIdx.x; e < C * D; e += R) {
+      for (unsigned e = threadIdx.x; e < C * D; e += R * P) {
         const unsigned r = e / D, c = e % D, i = i0 + r;
         const u64 at = ((u64)b * L + i) * H * D + (u64)h * D + c;
         qs[r][c] = i < L ? ld(q, at) : 0.0f;
         dos[r][c] = i < L ? ld(dout, at) : 0.0f;
       }
       __syncthreads();
-      if (!active) continue;
+      // As in the forward: with several threads a key, an inactive one still shuffles.
+      if (P == 1 && !active) continue;
       for (unsigned t = 0; t < C; ++t) {
         const unsigned i = i0 + t;
-        if (i >= L || !visible(i, j, sfirst[t], sseg[t], spre[t], sj, runs)) continue;
+        const bool seen = active && i < L && visible(i, j, sfirst[t], sseg[t], spre[t], sj, runs);
+        if (P == 1 && !seen) continue;
         float s = 0.0f, dp = 0.0f;
-        for (int d = 0; d < D; ++d) {
-          s += qs[t][d] * ks[threadIdx.x][d];
-          dp += dos[t][d] * vs[threadIdx.x][d];
+        if (seen)
+          for (unsigned d = 0; d < DP; ++d) {
+            s += qs[t][d * P + part] * ks[own][d * P + part];
+            dp += dos[t][d * P + part] * vs[own][d * P + part];
+          }
+        for (unsigned o = 1; o < P; o <<= 1) {
+          s += __shfl_xor_sync(0xffffffffu, s, o);
+          dp += __shfl_xor_sync(0xffffffffu, dp, o);
         }
+        if (!seen) continue;
         const float p = expf(s * scale - slse[t]);
         const float ds = p * (dp - sdelta[t]);
-        for (int d = 0; d < D; ++d) {
-          gv[d] += p * dos[t][d];
-          gk[d] += ds * qs[t][d];
+        for (unsigned d = 0; d < DP; ++d) {
+          gv[d] += p * dos[t][d * P + part];
+          gk[d] += ds * qs[t][d * P + part];
         }
       }
     }
   }
   if (active) {
     const u64 at = ((u64)b * L + j) * KV * D + (u64)kh * D;
-    for (int d = 0; d < D; ++d) {
-      st(dk, at + d, gk[d] * scale);
-      st(dv, at + d, gv[d]);
+    for (unsigned d = 0; d < DP; ++d) {
+      st(dk, at + d * P + part, gk[d] * scale);
+      st(dv, at + d * P + part, gv[d]);
     }
   }
 }

@@ -69,7 +69,7 @@ void attention(void (*fwd)(const T*, const T*, const T*, const unsigned*, const 
                           unsigned, unsigned, float),
                void (*delta)(const T*, const T*, float*, unsigned, unsigned, unsigned, u64),
                unsigned B, unsigned L, unsigned H, unsigned KV, int runs, unsigned block = Tile<D>::ROWS,
-               unsigned R = Tile<D>::ROWS) {
+               unsigned R = Tile<D>::ROWS, unsigned parts = Tile<D>::PARTS) {
   const size_t N = (size_t)B * L;
   auto q = floats<T>(N * H * D), k = floats<T>(N * KV * D), v = floats<T>(N * KV * D),
        g = floats<T>(N * H * D);
@@ -79,11 +79,12 @@ void attention(void (*fwd)(const T*, const T*, const T*, const unsigned*, const 
   const unsigned tiles = (L + R - 1) / R;
   std::vector<T> o(N * H * D), gq(N * H * D), gk(N * KV * D), gv(N * KV * D);
   std::vector<float> lse(N * H), dl(N * H);
-  emu::launch(fwd, dim3(tiles, B * H), dim3(block), q.data(), k.data(), v.data(), seg.data(),
+  // The forward and dK/dV take `parts` threads a row (device/attention.rs, `split_threads`).
+  emu::launch(fwd, dim3(tiles, B * H), dim3(block * parts), q.data(), k.data(), v.data(), seg.data(),
               prefix.data(), first.data(), runs, o.data(), lse.data(), L, H, KV, scale);
   emu::launch(delta, dim3(blocks(N * H * 32, THREADS)), dim3(THREADS), o.data(), g.data(),
               dl.data(), L, H, (unsigned)D, (u64)(N * H));
-  emu::launch(kv, dim3(tiles, B * KV), dim3(block), q.data(), k.data(), v.data(), g.data(), lse.data(),
+  emu::launch(kv, dim3(tiles, B * KV), dim3(block * parts), q.data(), k.data(), v.data(), g.data(), lse.data(),
               dl.data(), seg.data(), prefix.data(), first.data(), runs, gk.data(), gv.data(), L, H,
               KV, scale);
   emu::launch(dq, dim3(tiles, B * H), dim3(block), q.data(), k.data(), v.data(), g.data(), lse.data(),
@@ -200,12 +201,12 @@ void run(const std::string& op, char** a, bool bf) {
     if constexpr (std::is_same_v<T, bf16>) {
       if (tensor_cores && D == 64) {
         attention<bf16, 64>(attn_tc_fwd_bf16_64, attn_tc_bwd_kv_bf16_64, attn_tc_bwd_q_bf16_64,
-                            attn_delta_bf16, B, L, H, KV, runs, 128, 64);
+                            attn_delta_bf16, B, L, H, KV, runs, 128, 64, 1);
         return;
       }
       if (tensor_cores && D == 128) {
         attention<bf16, 128>(attn_tc_fwd_bf16_128, attn_tc_bwd_kv_bf16_128, attn_tc_bwd_q_bf16_128,
-                             attn_delta_bf16, B, L, H, KV, runs, 128, 64);
+                             attn_delta_bf16, B, L, H, KV, runs, 128, 64, 1);
         return;
       }
     }

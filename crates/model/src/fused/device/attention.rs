@@ -26,6 +26,12 @@ fn attention_rows(d: usize) -> u32 {
     if d <= 64 { 64 } else { 32 }
 }
 
+/// Threads a query (a key) takes in the forward and dK/dV kernels on CUDA cores, each holding
+/// its share of the columns (`Tile<D>::PARTS`): whole rows of 128 spilled out of registers.
+fn attention_parts(d: usize) -> u32 {
+    if d <= 64 { 1 } else { 2 }
+}
+
 /// The tensor-core attention kernels' dynamic shared memory in bytes, `[fwd, bwd_kv, bwd_q]`
 /// for heads of `d` (64 or 128), as `attn_tc_shared_bytes` reports it (read once).
 fn tensor_core_shared(dev: &CudaDevice, d: usize) -> Result<[u32; 3]> {
@@ -114,8 +120,11 @@ struct Geometry {
     d: usize,
     /// Queries (keys) per block.
     rows: u32,
-    /// Threads per block.
+    /// Threads per block of the dQ kernel.
     threads: u32,
+    /// Threads per block of the forward and dK/dV kernels: `threads` times the threads a row
+    /// takes.
+    split_threads: u32,
     /// The kernels' module and the prefix of their names.
     kernels: (Module, &'static str),
     /// Dynamic shared memory of the forward, dK/dV and dQ kernels (0: static only).
@@ -127,7 +136,8 @@ struct Geometry {
 impl Geometry {
     /// For inputs of `dtype` on `dev`: bf16 heads of 64 and 128 take the tensor-core kernels
     /// (`attention_tc.cu`: 64 rows a block, 4 warps, tiles in dynamic shared memory), the rest
-    /// those on CUDA cores (`attention.cu`: a thread a row).
+    /// those on CUDA cores (`attention.cu`: a thread a row, two for the forward's and dK/dV's
+    /// rows of 128).
     fn new(seg: &Segments, heads: AttentionHeads, dtype: DType, dev: &CudaDevice) -> Result<Self> {
         let (b, l) = seg.shape();
         let d = heads.head_dim;
@@ -135,16 +145,17 @@ impl Geometry {
             bail!("attention on the GPU: no kernel for heads of {d} (16, 32, 64, 128)")
         }
         let tensor_cores = dtype == DType::BF16 && matches!(d, 64 | 128);
-        let (rows, threads, kernels, shared) = if tensor_cores {
+        let (rows, (threads, split_threads), kernels, shared) = if tensor_cores {
             (
                 64,
-                128,
+                (128, 128),
                 (ATTENTION_TC, "attn_tc"),
                 tensor_core_shared(dev, d)?,
             )
         } else {
             let rows = attention_rows(d);
-            (rows, rows, (ATTENTION, "attn"), [0; 3])
+            let threads = (rows, rows * attention_parts(d));
+            (rows, threads, (ATTENTION, "attn"), [0; 3])
         };
         Ok(Self {
             b: u32_of(b, "attention rows")?,
@@ -154,6 +165,7 @@ impl Geometry {
             d,
             rows,
             threads,
+            split_threads,
             kernels,
             shared,
             runs: i32::from(seg.runs()),
@@ -193,7 +205,11 @@ impl Geometry {
             let max = Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
             f.set_attribute(max, shared as i32).w()?;
         }
-        let mut cfg = config(blocks, self.threads);
+        let threads = match name {
+            "fwd" | "bwd_kv" => self.split_threads,
+            _ => self.threads,
+        };
+        let mut cfg = config(blocks, threads);
         cfg.shared_mem_bytes = shared;
         Ok((f, cfg))
     }
