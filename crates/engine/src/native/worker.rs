@@ -261,30 +261,29 @@ impl Worker {
                     .all(|&i| device_draw::qualifies(&q.running[i]));
             let model_started = Instant::now();
             let stepped = self.model.step(&mut self.cache, &inputs, wanted);
-            self.shared.issue_nanos.fetch_add(
-                model_started.elapsed().as_nanos() as u64,
-                Ordering::Relaxed,
-            );
+            self.shared
+                .issue_nanos
+                .fetch_add(model_started.elapsed().as_nanos() as u64, Ordering::Relaxed);
             let result = stepped.and_then(|t| {
-                    let seqs = picked.iter().map(|&i| &q.running[i]);
-                    if on_device && let Some(drawn) = device_draw::draw(&t, seqs) {
-                        return drawn.map(|d| d.into_iter().map(Outcome::Drawn).collect());
-                    }
-                    let logits =
-                        t.to_vec2::<f32>()
-                            .map_err(|source| sluice_model::ModelError::Tensor {
-                                context: "logits to host".into(),
-                                source,
-                            })?;
-                    let mut it = logits.into_iter();
-                    Ok(picked
-                        .iter()
-                        .map(|&i| {
-                            let n = if all { take[i] } else { 1 };
-                            Outcome::Rows(it.by_ref().take(n).collect())
-                        })
-                        .collect::<Vec<_>>())
-                });
+                let seqs = picked.iter().map(|&i| &q.running[i]);
+                if on_device && let Some(drawn) = device_draw::draw(&t, seqs) {
+                    return drawn.map(|d| d.into_iter().map(Outcome::Drawn).collect());
+                }
+                let logits =
+                    t.to_vec2::<f32>()
+                        .map_err(|source| sluice_model::ModelError::Tensor {
+                            context: "logits to host".into(),
+                            source,
+                        })?;
+                let mut it = logits.into_iter();
+                Ok(picked
+                    .iter()
+                    .map(|&i| {
+                        let n = if all { take[i] } else { 1 };
+                        Outcome::Rows(it.by_ref().take(n).collect())
+                    })
+                    .collect::<Vec<_>>())
+            });
             self.shared
                 .model_nanos
                 .fetch_add(model_started.elapsed().as_nanos() as u64, Ordering::Relaxed);

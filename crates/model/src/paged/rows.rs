@@ -70,7 +70,10 @@ impl InplaceOp3 for CopyKv {
             for (dst, (src, from)) in [keys, values].into_iter().zip(new) {
                 let (n, w) = from.shape().dims2()?;
                 if !from.is_contiguous() || n != rows.len() || w != width {
-                    candle_core::bail!("kv rows: {n} rows of {w} for {} rows of {width}", rows.len())
+                    candle_core::bail!(
+                        "kv rows: {n} rows of {w} for {} rows of {width}",
+                        rows.len()
+                    )
                 }
                 let src = &src[from.start_offset()..][..n * w];
                 for (&row, values) in rows.iter().zip(src.chunks_exact(width)) {

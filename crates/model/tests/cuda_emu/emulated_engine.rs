@@ -100,7 +100,12 @@ fn emulated_kv_rows_kernel_writes_keys_and_values_in_one_launch() {
             In::Words(&rows),
             In::Floats(&xs[2]),
         ];
-        let got = emulate("kv_rows", dtype, &ins, &[n, width, half].map(|x| x.to_string()));
+        let got = emulate(
+            "kv_rows",
+            dtype,
+            &ins,
+            &[n, width, half].map(|x| x.to_string()),
+        );
         let (k, v, mut want) = (floats(&xs[0]), floats(&xs[1]), floats(&xs[2]));
         for (i, &r) in rows.iter().enumerate() {
             let (new, r) = (i * width..(i + 1) * width, r as usize);
