@@ -1,6 +1,8 @@
-//! The GPU scripts (`scripts/gpu-check`, `scripts/cuda-toolchain`, `scripts/gpu_check.py`) cannot
-//! run without a GPU or a network; these checks catch what can rot without one: they parse, every
-//! `sluice` subcommand and flag `gpu-check` calls exists, and the config keys it overrides load.
+//! The GPU scripts (`scripts/gpu-check`, `scripts/cuda-toolchain`, `scripts/gpu_check.py`,
+//! `scripts/gpu-prepare`) cannot run without a GPU or a network; these checks catch what can rot
+//! without one: they parse, every `sluice` subcommand and flag `gpu-check` calls exists, the
+//! config keys it overrides load, and `gpu-prepare` cuts the model it carries into halves that
+//! travel.
 
 use std::path::Path;
 use std::process::Command;
@@ -15,7 +17,12 @@ fn script(name: &str) -> String {
 
 #[test]
 fn the_shell_scripts_parse() {
-    for name in ["gpu-check", "cuda-toolchain"] {
+    for name in [
+        "gpu-check",
+        "cuda-toolchain",
+        "gpu-prepare",
+        "fetch-smollm2",
+    ] {
         let out = Command::new("bash")
             .args(["-n", &script(name)])
             .output()
@@ -156,5 +163,54 @@ fn gpu_check_calls_only_existing_subcommands_flags_and_keys() {
             sluice_config::parse(&text, "configs/quickstart.toml", &overrides, &|_| None)
                 .unwrap_or_else(|e| panic!("quickstart with {sets:?}: {e}"));
         }
+    }
+}
+
+/// `scripts/gpu-prepare --model-only` cuts SmolLM2's GGUF (`scripts/fetch-smollm2 --gguf`) into
+/// two halves that each fit one device call's 64 MiB carry and, put back together, are the GGUF
+/// again (its magic, the checksum the script records for the call that joins them); it prints
+/// the calls that carry them.
+#[test]
+fn gpu_prepare_cuts_the_gguf_into_halves_that_each_travel() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = Command::new(script("gpu-prepare"))
+        .args(["--model-only", "--out"])
+        .arg(tmp.path())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let read = |p: &str| std::fs::read(tmp.path().join(p)).unwrap();
+    let (a, b) = (read("gpu2/smollm2.a"), read("gpu3/smollm2.b"));
+    let carry = 64 << 20;
+    assert!(
+        a.len() < carry && b.len() < carry,
+        "{} and {}",
+        a.len(),
+        b.len()
+    );
+    assert!(
+        a.len().abs_diff(b.len()) <= 1,
+        "{} and {}",
+        a.len(),
+        b.len()
+    );
+    assert_eq!(&a[..4], b"GGUF", "the first half starts the GGUF");
+    let whole = tmp.path().join("whole.gguf");
+    std::fs::write(&whole, [a, b].concat()).unwrap();
+    let sum = Command::new("sha256sum").arg(&whole).output().unwrap();
+    let sum = String::from_utf8_lossy(&sum.stdout);
+    let want = String::from_utf8(read("gpu3/smollm2.sha256")).unwrap();
+    assert_eq!(sum.split_whitespace().next(), Some(want.trim()));
+    let calls = String::from_utf8_lossy(&out.stdout);
+    for call in [
+        "carry gpu2/",
+        "carry gpu3/",
+        "GPU_CHECK_SMOLLM2=/tmp/smollm2.gguf",
+    ] {
+        assert!(calls.contains(call), "no `{call}` in:\n{calls}");
     }
 }
