@@ -5,7 +5,7 @@
 //! travel.
 
 use std::path::Path;
-use std::process::Command;
+use std::process::{Command, Output};
 
 fn script(name: &str) -> String {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -13,6 +13,17 @@ fn script(name: &str) -> String {
         .join(name)
         .display()
         .to_string()
+}
+
+/// Runs `cmd` and returns its output, failing the test with `what` and its stderr if it failed.
+fn succeeds(cmd: &mut Command, what: &str) -> Output {
+    let out = cmd.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{what}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
 }
 
 #[test]
@@ -23,33 +34,20 @@ fn the_shell_scripts_parse() {
         "gpu-prepare",
         "fetch-smollm2",
     ] {
-        let out = Command::new("bash")
-            .args(["-n", &script(name)])
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{name}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        succeeds(Command::new("bash").args(["-n", &script(name)]), name);
     }
 }
 
 #[test]
 fn the_python_helper_compiles() {
     // `ast.parse` rather than py_compile: nothing is written into the source tree.
-    let out = Command::new("python3")
-        .args([
+    succeeds(
+        Command::new("python3").args([
             "-c",
             "import ast, sys; ast.parse(open(sys.argv[1]).read(), sys.argv[1])",
             &script("gpu_check.py"),
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+        ]),
+        "gpu_check.py",
     );
 }
 
@@ -173,15 +171,11 @@ fn gpu_check_calls_only_existing_subcommands_flags_and_keys() {
 #[test]
 fn gpu_prepare_cuts_the_gguf_into_halves_that_each_travel() {
     let tmp = tempfile::tempdir().unwrap();
-    let out = Command::new(script("gpu-prepare"))
-        .args(["--model-only", "--out"])
-        .arg(tmp.path())
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let out = succeeds(
+        Command::new(script("gpu-prepare"))
+            .args(["--model-only", "--out"])
+            .arg(tmp.path()),
+        "gpu-prepare --model-only",
     );
     let read = |p: &str| std::fs::read(tmp.path().join(p)).unwrap();
     let (a, b) = (read("gpu2/smollm2.a"), read("gpu3/smollm2.b"));
