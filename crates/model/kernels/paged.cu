@@ -5,9 +5,16 @@
 // head): lanes score 32 keys at a time, the softmax is kept online, and each lane accumulates
 // its own columns of the values. Sums and the softmax run in f32 for f32 and bf16 pools.
 //
-// Pool rows are head-major in blocks: key t of kv head h of a sequence with block table `tbl`
-// is row (tbl[t / BT] * KV + h) * BT + t % BT, rows of D elements. `meta` holds, per query row r,
-// the start of its table in `meta[2R..]` and its visible length, then the tables.
+// The same launch stores the step's new keys and values in the pool (the write took a launch of
+// its own per layer): the warp of each kv head's first query head writes its row's key and value.
+// Since blocks run in no fixed order, no warp reads a position this step writes from the pool:
+// positions from the sequence's cached length on come from the step's own `k_new` / `v_new`.
+//
+// The pool holds the keys in its first `half` rows and the values in the next `half`. Rows are
+// head-major in blocks: key t of kv head h of a sequence with block table `tbl` is row
+// (tbl[t / BT] * KV + h) * BT + t % BT, rows of D elements. `meta` holds, per query row r, the
+// start of its table in `meta[3R..]`, its visible length and its sequence's cached length (before
+// the step), then the tables. The step's rows of one sequence are consecutive, in order.
 
 #include "common.cuh"
 
@@ -15,15 +22,32 @@
 #define MAX_COLS 8
 
 template <typename T>
-__device__ void paged_attention(const T* q, const T* keys, const T* values, const unsigned* meta,
-                                T* out, unsigned R, unsigned H, unsigned KV, unsigned D,
-                                unsigned BT, float scale) {
+__device__ void paged_attention(const T* q, const T* k_new, const T* v_new, T* pool,
+                                const unsigned* meta, T* out, unsigned R, unsigned H, unsigned KV,
+                                unsigned D, unsigned BT, u64 half, float scale) {
   __shared__ float qs[32 * MAX_COLS];
   const unsigned r = blockIdx.x, h = blockIdx.y, kh = h / (H / KV), lane = threadIdx.x;
-  const unsigned len = meta[2 * r + 1];
-  const unsigned* table = meta + 2 * (u64)R + meta[2 * r];
+  const unsigned len = meta[3 * r + 1], cached = meta[3 * r + 2];
+  const unsigned* table = meta + 3 * (u64)R + meta[3 * r];
+  T* keys = pool;
+  T* values = pool + half * D;
+  // Where key (value) t of this row's sequence starts: the pool below `cached`, else the step's
+  // row of that position (rows of one sequence are consecutive, the last of them is r's own).
+  auto at = [&](unsigned t, const T* cache, const T* fresh) -> const T* {
+    if (t < cached) return cache + (((u64)table[t / BT] * KV + kh) * BT + t % BT) * D;
+    return fresh + ((u64)(r + 1 + t - len) * KV + kh) * D;
+  };
   const u64 qat = ((u64)r * H + h) * D;
   for (unsigned d = lane; d < D; d += 32) qs[d] = ld(q, qat + d) * scale;
+  if (h % (H / KV) == 0) {
+    const unsigned t = len - 1;
+    const u64 row = ((u64)table[t / BT] * KV + kh) * BT + t % BT;
+    const u64 from = ((u64)r * KV + kh) * D;
+    for (unsigned d = lane; d < D; d += 32) {
+      keys[row * D + d] = k_new[from + d];
+      values[row * D + d] = v_new[from + d];
+    }
+  }
   __syncthreads();
   float acc[MAX_COLS];
   for (int c = 0; c < MAX_COLS; ++c) acc[c] = 0.0f;
@@ -32,9 +56,9 @@ __device__ void paged_attention(const T* q, const T* keys, const T* values, cons
     const unsigned t = t0 + lane;
     float s = -INFINITY;
     if (t < len) {
-      const u64 row = ((u64)table[t / BT] * KV + kh) * BT + t % BT;
+      const T* key = at(t, keys, k_new);
       s = 0.0f;
-      for (unsigned d = 0; d < D; ++d) s += qs[d] * ld(keys, row * D + d);
+      for (unsigned d = 0; d < D; ++d) s += qs[d] * ld(key, d);
     }
     float cmax = s;
     for (int o = 16; o > 0; o >>= 1) cmax = fmaxf(cmax, __shfl_xor_sync(0xffffffffu, cmax, o));
@@ -49,11 +73,10 @@ __device__ void paged_attention(const T* q, const T* keys, const T* values, cons
     const unsigned n = min(32u, len - t0);
     for (unsigned j = 0; j < n; ++j) {
       const float pj = __shfl_sync(0xffffffffu, p, j);
-      const unsigned tj = t0 + j;
-      const u64 row = ((u64)table[tj / BT] * KV + kh) * BT + tj % BT;
+      const T* value = at(t0 + j, values, v_new);
       for (int c = 0; c < MAX_COLS; ++c) {
         const unsigned d = lane + 32 * c;
-        if (d < D) acc[c] += pj * ld(values, row * D + d);
+        if (d < D) acc[c] += pj * ld(value, d);
       }
     }
   }
@@ -65,11 +88,10 @@ __device__ void paged_attention(const T* q, const T* keys, const T* values, cons
 }
 
 #define PAGED(T, S)                                                                               \
-  extern "C" __global__ void paged_attention_##S(const T* q, const T* keys, const T* values,      \
-                                                 const unsigned* meta, T* out, unsigned R,        \
-                                                 unsigned H, unsigned KV, unsigned D,             \
-                                                 unsigned BT, float scale) {                      \
-    paged_attention(q, keys, values, meta, out, R, H, KV, D, BT, scale);                          \
+  extern "C" __global__ void paged_attention_##S(                                                 \
+      const T* q, const T* k_new, const T* v_new, T* pool, const unsigned* meta, T* out,          \
+      unsigned R, unsigned H, unsigned KV, unsigned D, unsigned BT, u64 half, float scale) {      \
+    paged_attention(q, k_new, v_new, pool, meta, out, R, H, KV, D, BT, half, scale);              \
   }
 
 PAGED(float, f32)

@@ -12,7 +12,7 @@ use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage, WrapErr};
 use candle_core::op::BackpropOp;
 use candle_core::{DType, Device, Layout, Result, Shape, Storage, Tensor, bail};
 
-use crate::kernels::{FUSED, PAGED, SCORES};
+use crate::kernels::{FUSED, SCORES};
 
 /// Threads of a norm's row and of the elementwise kernels (`THREADS` in the emulation harness).
 const THREADS: u32 = 256;
@@ -44,8 +44,10 @@ macro_rules! by_dtype {
 }
 
 mod attention;
+mod paged;
 
 pub(crate) use attention::{DeviceSlots, attention, attention_bwd, attention_head_dim};
+pub(crate) use paged::{kv_rows, paged_attention};
 
 /// The kernels' name suffix for `dtype`.
 fn suffix(dtype: DType) -> &'static str {
@@ -418,92 +420,4 @@ pub(crate) fn token_score_grads(
         launch(a, config((rows32, 1), THREADS))?;
         Ok(tensor(gz, dev, logits.shape()))
     })
-}
-
-/// The engine's attention over the paged pools (`kernels/paged.cu`): `q (rows, heads, d)`, the
-/// layer's `keys`/`values` pools `(blocks · kv_heads · block_tokens, d)` and the step's `meta`
-/// (`PagedKvCache::attention_meta`) → `(rows, heads · d)` in the pools' dtype.
-pub(crate) fn paged_attention(
-    q: &Tensor,
-    keys: &Tensor,
-    values: &Tensor,
-    meta: &Tensor,
-    (kv_heads, block_tokens): (usize, usize),
-    scale: f64,
-) -> Result<Tensor> {
-    let (rows, heads, d) = q.dims3()?;
-    let q = q.to_dtype(keys.dtype())?.contiguous()?;
-    let guards = [&q, keys, values, meta].map(|t| t.storage_and_layout());
-    let [(qs, ql), (ks, kl), (vs, vl), (ms, ml)] = &guards;
-    let (qs, ks, vs, ms) = (cuda_of(qs)?, cuda_of(ks)?, cuda_of(vs)?, cuda_of(ms)?);
-    let dev = &qs.device;
-    let r32 = u32_of(rows, "rows")?;
-    let dims = [heads, kv_heads, d, block_tokens].map(|x| x as u32);
-    let scale = scale as f32;
-    by_dtype!(keys.dtype(), T => {
-        let (qv, kv_, vv) = (view::<T>(qs, ql)?, view::<T>(ks, kl)?, view::<T>(vs, vl)?);
-        let mv = view::<u32>(ms, ml)?;
-        let mut out = output::<T>(dev, rows * heads * d)?;
-        let f = PAGED.function(dev, &format!("paged_attention_{}", suffix(keys.dtype())))?;
-        let stream = dev.cuda_stream();
-        let mut a = stream.launch_builder(&f);
-        a.arg(&qv).arg(&kv_).arg(&vv).arg(&mv).arg(&mut out).arg(&r32);
-        a.arg(&dims[0]).arg(&dims[1]).arg(&dims[2]).arg(&dims[3]).arg(&scale);
-        launch(a, config((r32, dims[0]), 32))?;
-        Ok(tensor(out, dev, &Shape::from((rows, heads * d))))
-    })
-}
-
-/// A step's new keys and values written into a layer's pool in one launch (`kernels/paged.cu`,
-/// `kv_rows`): `pool (2 · half, width)` holds the keys in its first `half` rows and the values
-/// in the rest; row `i` of `k` and of `v` `(n, width)` goes to row `rows[i]` (u32, on the pool's
-/// device) of each half. Any of the pools' element types: the kernel copies words of their size.
-pub(crate) fn kv_rows(
-    (pool, pl): (&mut CudaStorage, &Layout),
-    (k, kl): (&CudaStorage, &Layout),
-    (v, vl): (&CudaStorage, &Layout),
-    rows: &Tensor,
-) -> Result<()> {
-    let (pool_rows, width) = pl.shape().dims2()?;
-    let (n, w) = kl.shape().dims2()?;
-    let dtype = pool.dtype();
-    if vl.shape() != kl.shape() || w != width || rows.elem_count() != n {
-        bail!(
-            "kv rows: keys {:?} and values {:?} at {} rows of a pool {:?}",
-            kl.shape(),
-            vl.shape(),
-            rows.elem_count(),
-            pl.shape()
-        )
-    }
-    if k.dtype() != dtype || v.dtype() != dtype {
-        bail!("kv rows: {:?} values into a {dtype:?} pool", k.dtype())
-    }
-    let Some((p0, p1)) = pl.contiguous_offsets() else {
-        bail!("kv rows: the pool is not contiguous")
-    };
-    let (n32, w32) = (u32_of(n, "kv rows")?, u32_of(width, "kv width")?);
-    let half_rows = pool_rows as u64 / 2;
-    let (rs, rl) = rows.storage_and_layout();
-    let rv = view::<u32>(cuda_of(&rs)?, rl)?;
-    let dev = pool.device.clone();
-    let f = PAGED.function(&dev, &format!("kv_rows_b{}", dtype.size_in_bytes()))?;
-    let stream = dev.cuda_stream();
-    macro_rules! words {
-        ($t:ty) => {{
-            let (kv_, vv) = (view::<$t>(k, kl)?, view::<$t>(v, vl)?);
-            let mut pv = pool.as_cuda_slice_mut::<$t>()?.slice_mut(p0..p1);
-            let mut a = stream.launch_builder(&f);
-            a.arg(&kv_).arg(&vv).arg(&rv).arg(&mut pv);
-            a.arg(&n32).arg(&w32).arg(&half_rows);
-            launch(a, config((blocks(n as u64 * width as u64), 1), THREADS))
-        }};
-    }
-    match dtype {
-        DType::F32 => words!(f32),
-        DType::BF16 => words!(half::bf16),
-        DType::F16 => words!(half::f16),
-        DType::F64 => words!(f64),
-        other => bail!("kv rows: no kernel for {other:?} pools"),
-    }
 }

@@ -422,16 +422,24 @@ impl KvCache for PagedKvCache {
             self.reserve(seq, n)?;
         }
         let mut run = || -> candle_core::Result<Tensor> {
-            let (index, _) = self.step_rows(seqs, news, false)?;
-            self.write_rows(&index, layer, k, &v.contiguous()?)?;
-            let (rows, heads, d) = q.dims3()?;
+            // On a GPU the attention's launch also stores the new keys and values.
             #[cfg(feature = "cuda")]
             if on_gpu {
                 let meta = self.attention_meta(seqs, news)?;
-                let (kb, vb) = self.kv(layer)?;
                 let geometry = (self.kv_heads, self.block_tokens);
-                return crate::fused::device::paged_attention(q, &kb, &vb, &meta, geometry, scale);
+                let pool = &self.pools[layer];
+                return crate::fused::device::paged_attention(
+                    q,
+                    (k, v),
+                    pool,
+                    &meta,
+                    geometry,
+                    scale,
+                );
             }
+            let (index, _) = self.step_rows(seqs, news, false)?;
+            self.write_rows(&index, layer, k, &v.contiguous()?)?;
+            let (rows, heads, d) = q.dims3()?;
             // One query row per new token: its sequence's table, and the positions it sees.
             let mut tables: Vec<&[BlockId]> = Vec::with_capacity(rows);
             let mut visible = Vec::with_capacity(rows);

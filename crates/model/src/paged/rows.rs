@@ -31,7 +31,8 @@ pub(super) struct StepRows {
 pub(super) struct Writes {
     /// The pool row of each new token's kv heads, `(token, kv head)` in the batch's order.
     rows: Arc<[u32]>,
-    /// The same rows as a tensor on the pools' device, for a GPU's kernel (`None` on the CPU).
+    /// The same rows as a tensor on the pools' device, for a GPU's `kv_rows` (`None` on the CPU,
+    /// and until a gathering batch asks).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     on_device: Option<Tensor>,
 }
@@ -158,14 +159,9 @@ impl PagedKvCache {
                         rows.extend((0..kv).map(|h| self.row(blocks, t, h) as u32));
                     }
                 }
-                let on_device = if self.device.is_cpu() {
-                    None
-                } else {
-                    Some(Tensor::new(rows.as_slice(), &self.device)?)
-                };
                 let write = Writes {
                     rows: rows.into(),
-                    on_device,
+                    on_device: None,
                 };
                 self.step_rows.push(StepRows {
                     seqs: seqs.to_vec(),
@@ -178,6 +174,12 @@ impl PagedKvCache {
                 self.step_rows.len() - 1
             }
         };
+        // A GPU's gathering batches store their keys with `kv_rows`, which reads the rows on
+        // the device (its paged attention stores them itself: no upload for it).
+        let write = &mut self.step_rows[i].write;
+        if read && write.on_device.is_none() && !self.device.is_cpu() {
+            write.on_device = Some(Tensor::new(&write.rows[..], &self.device)?);
+        }
         if read && self.step_rows[i].read.is_none() {
             let r = &self.step_rows[i];
             let longest = r
@@ -203,9 +205,11 @@ impl PagedKvCache {
     }
 
     /// For the GPU's attention over the pools (`kernels/paged.cu`): per query row (each new token
-    /// of `seqs`, in order) the start of its sequence's block table and the number of positions
-    /// it sees, then the tables, as one u32 tensor on the pools' device; built at the step's
-    /// first layer and reused by the later ones.
+    /// of `seqs`, in order) the start of its sequence's block table, the number of positions it
+    /// sees and its sequence's length before the step (the kernel stores the positions from
+    /// there on and reads them from the step's own keys and values), then the tables, as one
+    /// u32 tensor on the pools' device; built at the step's first layer and reused by the later
+    /// ones.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(super) fn attention_meta(
         &mut self,
@@ -222,12 +226,13 @@ impl PagedKvCache {
         if let Some(meta) = &self.step_rows[i].meta {
             return Ok(meta.clone());
         }
-        let mut meta = Vec::with_capacity(2 * news.iter().sum::<usize>());
+        let mut meta = Vec::with_capacity(3 * news.iter().sum::<usize>());
         let mut tables: Vec<u32> = Vec::new();
         for ((q, &len), &n) in seqs.iter().zip(&lens).zip(news) {
             let start = tables.len() as u32;
             tables.extend_from_slice(&self.seqs[q].blocks);
-            meta.extend((len + 1..=len + n).flat_map(|visible| [start, visible as u32]));
+            let cached = len as u32;
+            meta.extend((len + 1..=len + n).flat_map(|visible| [start, visible as u32, cached]));
         }
         meta.extend(tables);
         let meta = self.rows_tensor(meta)?;
@@ -286,7 +291,7 @@ mod tests {
         let (t1, t2) = (cache.block_table(1).to_vec(), cache.block_table(2).to_vec());
         assert_eq!(t1.len(), 2, "7 tokens in blocks of 4");
         let start2 = t1.len() as u32;
-        let mut want = vec![0, 6, 0, 7, start2, 1];
+        let mut want = vec![0, 6, 5, 0, 7, 5, start2, 1, 0];
         want.extend(t1);
         want.extend(t2);
         assert_eq!(meta, want);

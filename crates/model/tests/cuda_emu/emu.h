@@ -107,9 +107,12 @@ void launch(void (*kernel)(P...), dim3 grid, dim3 block, A... args) {
   gridDim = grid;
   blockDim = block;
   const unsigned n = block.x;
-  for (unsigned z = 0; z < grid.z; ++z)
-    for (unsigned y = 0; y < grid.y; ++y)
-      for (unsigned x = 0; x < grid.x; ++x) {
+  // Blocks run one at a time, last first: a GPU starts them in no promised order (in practice
+  // roughly first to last), so a kernel whose blocks read what other blocks of the same launch
+  // write gets it wrong here too.
+  for (unsigned z = grid.z; z-- > 0;)
+    for (unsigned y = grid.y; y-- > 0;)
+      for (unsigned x = grid.x; x-- > 0;) {
         blockIdx = {x, y, z};
         std::barrier<> bar(n);
         block_barrier = &bar;

@@ -419,29 +419,32 @@ fn emulated_many_parameter_adamw_and_norm_sums_match_the_cpu() {
 }
 
 #[test]
-fn emulated_paged_attention_kernel_matches_a_dense_softmax() {
+fn emulated_paged_attention_kernel_stores_the_step_and_matches_a_dense_softmax() {
     // Rows of four sequences over a pool of 4-token blocks, one adding a prompt of three tokens
     // (three rows, each seeing one more key), one over more than a warp's 32 keys; GQA; head
-    // dims below, at and over a warp's 32 columns.
+    // dims below, at and over a warp's 32 columns. The launch also stores each row's new key and
+    // value in the pool: the pool that comes back is the one given with exactly those rows
+    // replaced, and the attention reads the new positions as stored.
     for dtype in [DType::F32, DType::BF16] {
         for (heads, kv, d) in [(4usize, 2usize, 16usize), (2, 1, 32), (3, 3, 72)] {
             let bt = 4;
             let long: Vec<u32> = (8..19).rev().collect();
             let tables: [&[u32]; 4] = [&[5, 1, 7], &[0], &[2, 6, 3, 4], &long];
-            let pool_blocks = 19;
+            let (pool_blocks, cached) = (19, [8usize, 2, 10, 40]);
             // (sequence, visible length) per query row; the last over 32 keys (a warp's).
             let rows = [(0usize, 9usize), (1, 3), (2, 11), (2, 12), (2, 13), (3, 41)];
-            let r = rows.len();
+            let (r, pool_rows) = (rows.len(), pool_blocks * kv * bt);
             let xs = inputs(
                 &[
                     &[r, heads * d],
-                    &[pool_blocks * kv * bt, d],
-                    &[pool_blocks * kv * bt, d],
+                    &[r, kv * d],
+                    &[r, kv * d],
+                    &[2 * pool_rows, d],
                 ],
                 70 + d as u64,
                 dtype,
             );
-            let (q, keys, values) = (&xs[0], &xs[1], &xs[2]);
+            let (q, k_new, v_new, pool) = (&xs[0], &xs[1], &xs[2], &xs[3]);
             let mut meta = Vec::new();
             let mut flat = Vec::new();
             let mut starts = Vec::new();
@@ -450,24 +453,34 @@ fn emulated_paged_attention_kernel_matches_a_dense_softmax() {
                 flat.extend_from_slice(t);
             }
             for &(s, len) in &rows {
-                meta.extend([starts[s], len as u32]);
+                meta.extend([starts[s], len as u32, cached[s] as u32]);
             }
             meta.extend(flat);
-            // The reference: each row's keys gathered through its table, a dense softmax.
-            let (qv, kv_, vv): (Vec<f64>, Vec<f64>, Vec<f64>) = (
-                q.flatten_all().unwrap().to_vec1().unwrap(),
-                keys.flatten_all().unwrap().to_vec1().unwrap(),
-                values.flatten_all().unwrap().to_vec1().unwrap(),
-            );
+            // The reference: the new rows stored, then each row's keys gathered through its
+            // table, a dense softmax.
+            let flat = |t: &Tensor| -> Vec<f64> { t.flatten_all().unwrap().to_vec1().unwrap() };
+            let (qv, kn, vn, mut stored) = (flat(q), flat(k_new), flat(v_new), flat(pool));
+            let at = |s: usize, t: usize, kh: usize| {
+                ((tables[s][t / bt] as usize * kv + kh) * bt + t % bt) * d
+            };
+            for (i, &(s, len)) in rows.iter().enumerate() {
+                for kh in 0..kv {
+                    let (to, from) = (at(s, len - 1, kh), (i * kv + kh) * d);
+                    stored[to..to + d].copy_from_slice(&kn[from..from + d]);
+                    let to = pool_rows * d + to;
+                    stored[to..to + d].copy_from_slice(&vn[from..from + d]);
+                }
+            }
+            let (keys, values) = stored.split_at(pool_rows * d);
             let mut want = vec![0f64; r * heads * d];
             for (i, &(s, len)) in rows.iter().enumerate() {
                 for h in 0..heads {
                     let kh = h / (heads / kv);
-                    let at = |t: usize| ((tables[s][t / bt] as usize * kv + kh) * bt + t % bt) * d;
                     let qh = &qv[(i * heads + h) * d..][..d];
                     let scores: Vec<f64> = (0..len)
                         .map(|t| {
-                            (0..d).map(|c| qh[c] * kv_[at(t) + c]).sum::<f64>() / (d as f64).sqrt()
+                            let key = &keys[at(s, t, kh)..][..d];
+                            qh.iter().zip(key).map(|(a, b)| a * b).sum::<f64>() / (d as f64).sqrt()
                         })
                         .collect();
                     let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
@@ -475,7 +488,7 @@ fn emulated_paged_attention_kernel_matches_a_dense_softmax() {
                     let z: f64 = e.iter().sum();
                     for c in 0..d {
                         want[(i * heads + h) * d + c] =
-                            (0..len).map(|t| e[t] / z * vv[at(t) + c]).sum();
+                            (0..len).map(|t| e[t] / z * values[at(s, t, kh) + c]).sum();
                     }
                 }
             }
@@ -486,7 +499,7 @@ fn emulated_paged_attention_kernel_matches_a_dense_softmax() {
                 .into_iter()
                 .chain([
                     scale.to_string(),
-                    (pool_blocks * kv * bt).to_string(),
+                    pool_rows.to_string(),
                     meta.len().to_string(),
                 ])
                 .collect::<Vec<_>>();
@@ -495,17 +508,20 @@ fn emulated_paged_attention_kernel_matches_a_dense_softmax() {
                 dtype,
                 &[
                     In::Floats(q),
-                    In::Floats(keys),
-                    In::Floats(values),
+                    In::Floats(k_new),
+                    In::Floats(v_new),
+                    In::Floats(pool),
                     In::Words(&meta),
                 ],
                 &args,
             );
-            check(
-                &format!("paged attention, heads {heads}/{kv} of {d}"),
-                dtype,
-                &got,
-                &want,
+            let what = format!("paged attention, heads {heads}/{kv} of {d}");
+            let (out, pool_after) = got.split_at(r * heads * d);
+            check(&what, dtype, out, &want);
+            let stored: Vec<f32> = stored.iter().map(|&x| x as f32).collect();
+            assert_eq!(
+                pool_after, stored,
+                "{what} ({dtype:?}): the pool after the launch"
             );
         }
     }

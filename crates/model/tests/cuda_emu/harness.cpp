@@ -253,16 +253,19 @@ void run(const std::string& op, char** a, bool bf) {
       put(vs[t]);
     }
   } else if (op == "paged") {
+    // ARGS: R, H, KV, D, BT, scale, pool rows per half, meta words. IN: q, the step's new keys
+    // and values, the pool (keys then values), meta. OUT: the attention, then the pool.
     const unsigned R = u(0), H = u(1), KV = u(2), D = u(3), BT = u(4), pool_rows = u(6), meta_len = u(7);
-    auto q = floats<T>((size_t)R * H * D), keys = floats<T>((size_t)pool_rows * D),
-         values = floats<T>((size_t)pool_rows * D);
+    auto q = floats<T>((size_t)R * H * D), k_new = floats<T>((size_t)R * KV * D),
+         v_new = floats<T>((size_t)R * KV * D), pool = floats<T>((size_t)2 * pool_rows * D);
     auto meta = words(meta_len);
     std::vector<T> out((size_t)R * H * D);
-    auto k = (void (*)(const T*, const T*, const T*, const unsigned*, T*, unsigned, unsigned, unsigned,
-                       unsigned, unsigned, float))PICK(paged_attention);
-    emu::launch(k, dim3(R, H), dim3(32), q.data(), keys.data(), values.data(), meta.data(), out.data(), R, H,
-                KV, D, BT, f(5));
+    auto k = (void (*)(const T*, const T*, const T*, T*, const unsigned*, T*, unsigned, unsigned, unsigned,
+                       unsigned, unsigned, u64, float))PICK(paged_attention);
+    emu::launch(k, dim3(R, H), dim3(32), q.data(), k_new.data(), v_new.data(), pool.data(), meta.data(),
+                out.data(), R, H, KV, D, BT, (u64)pool_rows, f(5));
     put(out);
+    put(pool);
   } else if (op == "kv_rows") {
     // ARGS: rows, width, half (pool rows per half). IN: k, v, the row indices, the pool.
     const unsigned n = u(0), width = u(1);

@@ -1,0 +1,180 @@
+//! The engine's paged KV pool on a GPU (`kernels/paged.cu`): attention over a layer's pool that
+//! stores the step's new keys and values in the same launch, and the plain write of new rows
+//! (for the batches that gather their keys instead).
+
+use std::cell::Cell;
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::CudaStorage;
+use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
+use candle_core::{CpuStorage, DType, InplaceOp3, Layout, Result, Shape, Tensor, bail};
+
+use super::{THREADS, blocks, config, cuda_of, launch, output, suffix, tensor, u32_of, view};
+use crate::kernels::PAGED;
+
+/// The engine's attention over a layer's paged `pool` (keys in its first half of rows, values
+/// in the second, rows of `d`) for `q (rows, heads, d)`, storing the step's new keys and values
+/// `k`, `v (rows, kv_heads, d)` into the pool in the same launch, at the rows the step's `meta`
+/// (`PagedKvCache::attention_meta`) gives. Returns `(rows, heads · d)` in the pool's dtype.
+pub(crate) fn paged_attention(
+    q: &Tensor,
+    (k, v): (&Tensor, &Tensor),
+    pool: &Tensor,
+    meta: &Tensor,
+    (kv_heads, block_tokens): (usize, usize),
+    scale: f64,
+) -> Result<Tensor> {
+    let (rows, heads, d) = q.dims3()?;
+    let dtype = pool.dtype();
+    let fresh = |t: &Tensor| t.to_dtype(dtype)?.contiguous();
+    let (q, k, v) = (fresh(q)?, fresh(k)?, fresh(v)?);
+    if k.dims3()? != (rows, kv_heads, d) || v.shape() != k.shape() {
+        bail!(
+            "paged attention: keys {:?} and values {:?} for queries {:?} over {kv_heads} kv heads",
+            k.shape(),
+            v.shape(),
+            q.shape()
+        )
+    }
+    if pool.dim(1)? != d {
+        bail!(
+            "paged attention: a pool {:?} for heads of {d}",
+            pool.shape()
+        )
+    }
+    let op = AttendStoring {
+        q: &q,
+        meta,
+        geometry: (heads, kv_heads, d, block_tokens),
+        scale: scale as f32,
+        out: Cell::new(None),
+    };
+    pool.inplace_op3(&k, &v, &op)?;
+    match op.out.take() {
+        Some(out) => Ok(out),
+        None => bail!("paged attention: the kernel was not launched"),
+    }
+}
+
+/// One launch of `paged_attention_*`, in place on the pool (the op's destination); the queries
+/// and the row tables are read, the output is left in `out`.
+struct AttendStoring<'a> {
+    q: &'a Tensor,
+    meta: &'a Tensor,
+    /// Query heads, kv heads, head dim, tokens per block.
+    geometry: (usize, usize, usize, usize),
+    scale: f32,
+    out: Cell<Option<Tensor>>,
+}
+
+impl InplaceOp3 for AttendStoring<'_> {
+    fn name(&self) -> &'static str {
+        "paged-attention-storing"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &mut CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<()> {
+        bail!("paged attention on the GPU: the pool is on the CPU")
+    }
+
+    fn cuda_fwd(
+        &self,
+        pool: &mut CudaStorage,
+        pl: &Layout,
+        k: &CudaStorage,
+        kl: &Layout,
+        v: &CudaStorage,
+        vl: &Layout,
+    ) -> Result<()> {
+        let (heads, kv_heads, d, block_tokens) = self.geometry;
+        let Some((p0, p1)) = pl.contiguous_offsets() else {
+            bail!("paged attention: the pool is not contiguous")
+        };
+        let half = pl.shape().dims2()?.0 as u64 / 2;
+        let rows = self.q.dim(0)?;
+        let r32 = u32_of(rows, "rows")?;
+        let dims = [heads, kv_heads, d, block_tokens].map(|x| x as u32);
+        let guards = [self.q, self.meta].map(|t| t.storage_and_layout());
+        let [(qs, ql), (ms, ml)] = &guards;
+        let (qs, ms) = (cuda_of(qs)?, cuda_of(ms)?);
+        let dev = pool.device.clone();
+        let dtype = pool.dtype();
+        by_dtype!(dtype, T => {
+            let (qv, kv_, vv) = (view::<T>(qs, ql)?, view::<T>(k, kl)?, view::<T>(v, vl)?);
+            let mv = view::<u32>(ms, ml)?;
+            let mut out = output::<T>(&dev, rows * heads * d)?;
+            let f = PAGED.function(&dev, &format!("paged_attention_{}", suffix(dtype)))?;
+            let stream = dev.cuda_stream();
+            let mut pv = pool.as_cuda_slice_mut::<T>()?.slice_mut(p0..p1);
+            let mut a = stream.launch_builder(&f);
+            a.arg(&qv).arg(&kv_).arg(&vv).arg(&mut pv).arg(&mv).arg(&mut out).arg(&r32);
+            a.arg(&dims[0]).arg(&dims[1]).arg(&dims[2]).arg(&dims[3]).arg(&half);
+            a.arg(&self.scale);
+            launch(a, config((r32, dims[0]), 32))?;
+            let shape = Shape::from((rows, heads * d));
+            self.out.set(Some(tensor(out, &dev, &shape)));
+            Ok(())
+        })
+    }
+}
+
+/// A step's new keys and values written into a layer's pool in one launch (`kernels/paged.cu`,
+/// `kv_rows`): `pool (2 · half, width)` holds the keys in its first `half` rows and the values
+/// in the rest; row `i` of `k` and of `v` `(n, width)` goes to row `rows[i]` (u32, on the pool's
+/// device) of each half. Any of the pools' element types: the kernel copies words of their size.
+pub(crate) fn kv_rows(
+    (pool, pl): (&mut CudaStorage, &Layout),
+    (k, kl): (&CudaStorage, &Layout),
+    (v, vl): (&CudaStorage, &Layout),
+    rows: &Tensor,
+) -> Result<()> {
+    let (pool_rows, width) = pl.shape().dims2()?;
+    let (n, w) = kl.shape().dims2()?;
+    let dtype = pool.dtype();
+    if vl.shape() != kl.shape() || w != width || rows.elem_count() != n {
+        bail!(
+            "kv rows: keys {:?} and values {:?} at {} rows of a pool {:?}",
+            kl.shape(),
+            vl.shape(),
+            rows.elem_count(),
+            pl.shape()
+        )
+    }
+    if k.dtype() != dtype || v.dtype() != dtype {
+        bail!("kv rows: {:?} values into a {dtype:?} pool", k.dtype())
+    }
+    let Some((p0, p1)) = pl.contiguous_offsets() else {
+        bail!("kv rows: the pool is not contiguous")
+    };
+    let (n32, w32) = (u32_of(n, "kv rows")?, u32_of(width, "kv width")?);
+    let half_rows = pool_rows as u64 / 2;
+    let (rs, rl) = rows.storage_and_layout();
+    let rv = view::<u32>(cuda_of(&rs)?, rl)?;
+    let dev = pool.device.clone();
+    let f = PAGED.function(&dev, &format!("kv_rows_b{}", dtype.size_in_bytes()))?;
+    let stream = dev.cuda_stream();
+    macro_rules! words {
+        ($t:ty) => {{
+            let (kv_, vv) = (view::<$t>(k, kl)?, view::<$t>(v, vl)?);
+            let mut pv = pool.as_cuda_slice_mut::<$t>()?.slice_mut(p0..p1);
+            let mut a = stream.launch_builder(&f);
+            a.arg(&kv_).arg(&vv).arg(&rv).arg(&mut pv);
+            a.arg(&n32).arg(&w32).arg(&half_rows);
+            launch(a, config((blocks(n as u64 * width as u64), 1), THREADS))
+        }};
+    }
+    match dtype {
+        DType::F32 => words!(f32),
+        DType::BF16 => words!(half::bf16),
+        DType::F16 => words!(half::f16),
+        DType::F64 => words!(f64),
+        other => bail!("kv rows: no kernel for {other:?} pools"),
+    }
+}
