@@ -8,6 +8,8 @@
 //! on the CPU) and the composition elsewhere. Also here: the RoPE frequency table, including
 //! Llama-3 scaling.
 
+use std::sync::Mutex;
+
 use candle_core::{D, DType, Device, Result, Tensor};
 
 use crate::config::{Llama3RopeScaling, ModelConfig};
@@ -100,10 +102,40 @@ pub(crate) fn apply_rope(
     }
 }
 
-/// Inverse frequencies of the rotary embedding, `(head_dim/2,)`.
-#[derive(Debug, Clone)]
+/// The rotary embedding: its inverse frequencies `(head_dim/2,)`, and the `cos`/`sin` tables
+/// of every position seen so far on each device in each dtype.
+#[derive(Debug)]
 pub(crate) struct Rope {
     inv_freq: Vec<f64>,
+    tables: Mutex<Vec<RopeTables>>,
+}
+
+/// `cos` and `sin` of positions `0..len`, `(len, head_dim/2)`, on one device in one dtype.
+#[derive(Debug)]
+struct RopeTables {
+    device: Device,
+    dtype: DType,
+    len: usize,
+    cos: Tensor,
+    sin: Tensor,
+    /// Tables outgrown: kept until the model drops, since another thread's stream may still
+    /// be reading them (a GPU frees a buffer on the stream of the thread that drops it).
+    retired: Vec<(Tensor, Tensor)>,
+}
+
+/// Positions the first table of a device covers.
+const ROPE_FIRST_TABLE: usize = 256;
+/// Positions past this are computed for each call instead (no table of their size is kept).
+const ROPE_MAX_TABLE: usize = 1 << 20;
+
+impl Clone for Rope {
+    /// The frequencies; the copy builds its own tables.
+    fn clone(&self) -> Self {
+        Self {
+            inv_freq: self.inv_freq.clone(),
+            tables: Mutex::default(),
+        }
+    }
 }
 
 impl Rope {
@@ -115,11 +147,18 @@ impl Rope {
         if let Some(s) = config.rope_scaling {
             llama3_scale(&mut inv_freq, &s);
         }
-        Self { inv_freq }
+        Self {
+            inv_freq,
+            tables: Mutex::default(),
+        }
     }
 
     /// `(cos, sin)` for `positions`, each shaped `(rows, cols, head_dim/2)` in `dtype`, where
-    /// `positions.len() == rows * cols`.
+    /// `positions.len() == rows * cols`: rows of the device's tables, gathered (one upload and
+    /// two launches; computing them took about nine on a GPU). A position past the tables grows
+    /// them to at least twice their length; positions past [`ROPE_MAX_TABLE`] are computed
+    /// instead. The values are the ones [`Self::compute`] gives for the positions alone: each
+    /// element is the same function of its position.
     pub(crate) fn cos_sin(
         &self,
         positions: &[u32],
@@ -127,13 +166,80 @@ impl Rope {
         dtype: DType,
         device: &Device,
     ) -> Result<(Tensor, Tensor)> {
+        let needed = positions.iter().max().map_or(0, |&p| p as usize + 1);
+        let shape = (rows, cols, self.inv_freq.len());
+        if needed > ROPE_MAX_TABLE {
+            let (cos, sin) = self.compute(positions, dtype, device)?;
+            return Ok((cos.reshape(shape)?, sin.reshape(shape)?));
+        }
+        let (cos, sin) = self.tables(needed, dtype, device)?;
+        let idx = Tensor::new(positions, device)?;
+        Ok((
+            cos.index_select(&idx, 0)?.reshape(shape)?,
+            sin.index_select(&idx, 0)?.reshape(shape)?,
+        ))
+    }
+
+    /// The device's tables for `dtype`, covering at least positions `0..needed`.
+    fn tables(&self, needed: usize, dtype: DType, device: &Device) -> Result<(Tensor, Tensor)> {
+        let mut all = self.tables.lock().unwrap_or_else(|e| e.into_inner());
+        let found = all
+            .iter()
+            .position(|t| t.dtype == dtype && t.device.same_device(device));
+        if let Some(t) = found.map(|i| &all[i])
+            && t.len >= needed
+        {
+            return Ok((t.cos.clone(), t.sin.clone()));
+        }
+        let len = match found {
+            Some(i) => all[i].len * 2,
+            None => ROPE_FIRST_TABLE,
+        }
+        .max(needed)
+        .next_power_of_two();
+        let positions: Vec<u32> = (0..len as u32).collect();
+        let (cos, sin) = self.compute(&positions, dtype, device)?;
+        let (cos, sin) = (cos.squeeze(0)?, sin.squeeze(0)?);
+        // Built on this thread's stream, read on others': finished before anyone reads it.
+        device.synchronize()?;
+        let out = (cos.clone(), sin.clone());
+        match found {
+            Some(i) => {
+                let t = &mut all[i];
+                let old = (
+                    std::mem::replace(&mut t.cos, cos),
+                    std::mem::replace(&mut t.sin, sin),
+                );
+                t.retired.push(old);
+                t.len = len;
+            }
+            None => all.push(RopeTables {
+                device: device.clone(),
+                dtype,
+                len,
+                cos,
+                sin,
+                retired: Vec::new(),
+            }),
+        }
+        Ok(out)
+    }
+
+    /// `(cos, sin)` of `positions`, `(1, positions, head_dim/2)` in `dtype`: the angles in the
+    /// compute dtype (f32 for 16-bit dtypes), rounded to `dtype` after the cosine and sine.
+    fn compute(
+        &self,
+        positions: &[u32],
+        dtype: DType,
+        device: &Device,
+    ) -> Result<(Tensor, Tensor)> {
         let cdt = compute_dtype(dtype);
-        let half = self.inv_freq.len();
+        let (n, half) = (positions.len(), self.inv_freq.len());
         let pos = Tensor::from_iter(positions.iter().map(|&p| f64::from(p)), device)?
             .to_dtype(cdt)?
-            .reshape((rows * cols, 1))?;
+            .reshape((n, 1))?;
         let inv = Tensor::from_slice(&self.inv_freq, (1, half), device)?.to_dtype(cdt)?;
-        let angles = pos.broadcast_mul(&inv)?.reshape((rows, cols, half))?;
+        let angles = pos.broadcast_mul(&inv)?.reshape((1, n, half))?;
         Ok((
             angles.cos()?.to_dtype(dtype)?,
             angles.sin()?.to_dtype(dtype)?,
@@ -180,6 +286,48 @@ mod tests {
         let base = 2.0 * std::f64::consts::PI / 4096.0;
         let expected = (2.0 / 3.0) * base / 8.0 + (1.0 / 3.0) * base;
         assert!((f[2] - expected).abs() < 1e-15);
+    }
+
+    #[test]
+    fn rope_tables_give_the_computed_values_and_grow_by_doubling() -> Result<()> {
+        let config = crate::presets::preset_config(crate::presets::Preset::Tiny);
+        let rope = Rope::new(&config);
+        let dev = Device::Cpu;
+        let bits = |t: &Tensor| -> Result<Vec<u32>> {
+            let t = t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+            Ok(t.iter().map(|x| x.to_bits()).collect())
+        };
+        // Positions inside the first table, then one past it, in f32 and in bf16: each gather is
+        // bit for bit what computing the positions alone gives.
+        let lens = |r: &Rope| -> Vec<usize> {
+            let all = r.tables.lock().unwrap();
+            all.iter().map(|t| t.len).collect()
+        };
+        for (positions, dtype, want_lens) in [
+            (vec![0u32, 5, 3, 255, 17, 1], DType::F32, vec![256]),
+            (vec![700, 2, 256, 1023], DType::F32, vec![1024]),
+            (vec![9, 0, 300, 4], DType::BF16, vec![1024, 512]),
+        ] {
+            let (cos, sin) = rope.cos_sin(&positions, (2, positions.len() / 2), dtype, &dev)?;
+            let (c, s) = rope.compute(&positions, dtype, &dev)?;
+            let half = config.head_dim / 2;
+            assert_eq!(cos.dims3()?, (2, positions.len() / 2, half));
+            assert_eq!(bits(&cos)?, bits(&c)?, "cos at {positions:?} in {dtype:?}");
+            assert_eq!(bits(&sin)?, bits(&s)?, "sin at {positions:?} in {dtype:?}");
+            assert_eq!(lens(&rope), want_lens);
+        }
+        // A position past the largest table is computed, no table grows for it.
+        let far = [3, ROPE_MAX_TABLE as u32];
+        let (cos, _) = rope.cos_sin(&far, (1, 2), DType::F32, &dev)?;
+        assert_eq!(bits(&cos)?, bits(&rope.compute(&far, DType::F32, &dev)?.0)?);
+        assert_eq!(lens(&rope), [1024, 512]);
+        // The outgrown f32 table is kept (another thread may still read it).
+        assert_eq!(rope.tables.lock().unwrap()[0].retired.len(), 1);
+        assert!(
+            lens(&rope.clone()).is_empty(),
+            "a copy builds its own tables"
+        );
+        Ok(())
     }
 
     #[test]
