@@ -6,8 +6,10 @@
 //! Step throughput counts every non-padding token through forward and backward; each step here is
 //! one micro-batch filled exactly (one text per row), so the optimizer and the publish copy are
 //! paid once per `B · L` tokens, as in a run whose global batch is one micro-batch. Each shape
-//! also prints where its steps went (the trainer's own [`StepParts`] clock) and the process's
-//! peak resident memory while it ran (Linux: `VmHWM`, reset per shape).
+//! also prints where its steps went (the trainer's own [`StepParts`] clock; on a GPU from as many
+//! more steps, each part waiting for the device at its end, since the device runs work after
+//! the host issued it) and the process's peak resident memory while it ran (Linux: `VmHWM`,
+//! reset per shape).
 //!
 //! With the tiny preset it also times the quickstart's own step (32 GRPO groups of 8 rollouts
 //! of one 23-token prompt each, two updates) with the group's prompt packed once and with every
@@ -120,12 +122,31 @@ pub fn run(args: &BenchTrainerArgs) -> anyhow::Result<ExitCode> {
                 "  step [{rows}x{len}]  {tok_s:>10.0} tok/s   {:>8.3} s/step   peak RSS {peak}",
                 seconds / steps as f64
             );
+            // A GPU runs the work after the host issued it: the timed steps' parts are host
+            // time, the device's landing on whichever part next read a result. The split comes
+            // from as many more steps that wait for the device at each part's end.
+            let mut split_seconds = seconds;
+            let gpu = matches!(args.device, sluice_config::Device::Cuda(_));
+            if gpu {
+                trainer.set_sync_parts(true);
+                (parts, split_seconds) = (StepParts::default(), 0.0);
+                for _ in 0..steps {
+                    let (stats, _) = trainer.rl_step(&batch)?;
+                    split_seconds += stats.seconds;
+                    parts.add(&stats.parts);
+                }
+            }
             let shares: Vec<String> = parts
                 .named()
                 .iter()
-                .map(|(name, s)| format!("{name} {:.1}%", 100.0 * s / seconds))
+                .map(|(name, s)| format!("{name} {:.1}%", 100.0 * s / split_seconds))
                 .collect();
-            println!("      {}", shares.join("  "));
+            let how = if gpu {
+                "   (device waited for per part)"
+            } else {
+                ""
+            };
+            println!("      {}{how}", shares.join("  "));
             result.push(format!("{name}_b{rows}_l{len}_tok_s={tok_s:.0}"));
         }
     }
@@ -188,6 +209,7 @@ fn trainer_config(rows: usize, len: usize) -> NativeTrainerConfig {
         // The trainer alone on the machine: every core.
         threads: sluice_model::threads::role_threads(0, 1),
         activation_checkpointing: false,
+        sync_parts: false,
         compute_dtype: DType::F32,
     }
 }

@@ -35,7 +35,7 @@ use crate::optim::AdamW;
 use crate::report::{StepStats, step_metrics};
 use crate::settings::NativeTrainerConfig;
 pub use crate::steps::minibatch_ranges;
-use crate::steps::{lap, packed, pick, record_packing, slot_index};
+use crate::steps::{PartClock, packed, pick, record_packing, slot_index};
 
 mod update;
 use update::StartPolicy;
@@ -131,6 +131,17 @@ impl NativeTrainer {
         &self.config
     }
 
+    /// Waits for the device at the end of each part of a step from now on (or not): see
+    /// [`NativeTrainerConfig::sync_parts`].
+    pub fn set_sync_parts(&mut self, on: bool) {
+        self.config.sync_parts = on;
+    }
+
+    /// A clock for the parts of a step, synchronising where the settings ask.
+    fn part_clock(&self) -> PartClock {
+        PartClock::start(self.config.sync_parts.then(|| self.model.device().clone()))
+    }
+
     /// Training steps taken (RL and supervised); each may take several optimizer updates.
     pub fn steps(&self) -> u64 {
         self.steps
@@ -213,8 +224,8 @@ impl NativeTrainer {
             .map(|texts| pack(texts, &self.config.batcher))
             .collect();
         record_packing(&mut stats, &packings);
-        let mut clock = Instant::now();
         stats.parts.packing = started.elapsed().as_secs_f64();
+        let mut clock = self.part_clock();
         let loss_config = self.config.loss.clone();
         let temperature = self.config.temperature;
         // Proximal log-probs of the later shares, under the step's starting weights.
@@ -224,7 +235,7 @@ impl NativeTrainer {
                 *prox = Some(self.loss_slot_logprobs(packing, temperature)?);
             }
         }
-        stats.parts.scoring += lap(&mut clock);
+        stats.parts.scoring += clock.lap()?;
         let mut lag_sum = 0;
         for (share, (packing, prox)) in packings.iter().zip(&proximal).enumerate() {
             // Where the policy the step started from is, for the mismatch and the loss.
@@ -240,9 +251,9 @@ impl NativeTrainer {
         // Each share's loss is a mean over its own tokens: report their mean, not their sum.
         stats.loss.loss /= packings.len().max(1) as f64;
         stats.mean_lag = lag_sum as f64 / stats.trained_tokens.max(1) as f64;
-        let mut clock = Instant::now();
+        let mut clock = self.part_clock();
         self.publish()?;
-        stats.parts.publish = lap(&mut clock);
+        stats.parts.publish = clock.lap()?;
         stats.seconds = started.elapsed().as_secs_f64();
         Ok((stats, Some(Arc::clone(&self.published))))
     }
@@ -322,9 +333,9 @@ impl NativeTrainer {
             })
         })?;
         stats.mean_lag = lag_sum as f64 / stats.trained_tokens.max(1) as f64;
-        let mut clock = Instant::now();
+        let mut clock = self.part_clock();
         self.publish()?;
-        stats.parts.publish = lap(&mut clock);
+        stats.parts.publish = clock.lap()?;
         stats.seconds = started.elapsed().as_secs_f64();
         Ok((stats, Arc::clone(&self.published)))
     }

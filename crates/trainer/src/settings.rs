@@ -47,6 +47,11 @@ pub struct NativeTrainerConfig {
     /// Dtype of the training forward's products and activations (`trainer.compute_dtype`):
     /// bf16 runs autocast style over the f32 master weights.
     pub compute_dtype: DType,
+    /// Wait for the device at the end of each part of a step, so that [`crate::StepParts`]
+    /// charge each part its device time on a GPU (which otherwise lands on the next part that
+    /// reads a result). Slower by the lost overlap: for benchmarks (`sluice bench trainer`
+    /// turns it on for its split of a step's time); no config key.
+    pub sync_parts: bool,
 }
 
 /// What the native trainer's settings take from outside `[trainer]`, filled in by whoever holds
@@ -121,6 +126,7 @@ impl NativeTrainerConfig {
             },
             seed: run.seed,
             activation_checkpointing: t.activation_checkpointing,
+            sync_parts: false,
             threads: sluice_model::threads::role_threads(
                 t.threads,
                 // A native engine in the same process takes the other half.

@@ -4,19 +4,43 @@
 
 use std::time::Instant;
 
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Device, Tensor};
 use sluice_model::PackedBatch;
 
 use crate::batcher::{MicroBatch, Packing, PackingStats};
 use crate::error::{TrainerError, tensor_ctx};
 use crate::report::StepStats;
 
-/// Seconds since `clock`, which restarts now.
-pub(crate) fn lap(clock: &mut Instant) -> f64 {
-    let now = Instant::now();
-    let seconds = now.duration_since(*clock).as_secs_f64();
-    *clock = now;
-    seconds
+/// The clock of a step's parts ([`crate::StepParts`]). A GPU runs work after the host has
+/// issued it and moved on, so a part's wall time is its host time, and the device's time lands
+/// on whichever later part first waits for a result. With `sync` (the settings'
+/// [`crate::NativeTrainerConfig::sync_parts`]) each lap first waits for the device, so every
+/// part is charged for its own work, at the cost of the overlap.
+pub(crate) struct PartClock {
+    at: Instant,
+    sync: Option<Device>,
+}
+
+impl PartClock {
+    pub(crate) fn start(sync: Option<Device>) -> Self {
+        Self {
+            at: Instant::now(),
+            sync,
+        }
+    }
+
+    /// Seconds since the last lap (or the start); the clock restarts now.
+    pub(crate) fn lap(&mut self) -> Result<f64, TrainerError> {
+        if let Some(device) = &self.sync {
+            device
+                .synchronize()
+                .map_err(tensor_ctx("waiting for the device"))?;
+        }
+        let now = Instant::now();
+        let seconds = now.duration_since(self.at).as_secs_f64();
+        self.at = now;
+        Ok(seconds)
+    }
 }
 
 /// Copies what packing `packings` cost into `stats` (one step, however many shares).

@@ -55,6 +55,7 @@ fn config(lr: f64, rows: usize) -> NativeTrainerConfig {
         seed: 7,
         threads: 1,
         activation_checkpointing: false,
+        sync_parts: false,
         compute_dtype: DType::F32,
     }
 }
@@ -476,4 +477,26 @@ fn minibatches_take_an_update_each_and_clip_against_the_step_start() {
     // step's starting policy, and the clip engages.
     assert!(clipped(&s2) > 0.0, "{:?}", s2.loss.summary());
     assert_ne!(params(&single), params(&split));
+}
+
+#[test]
+fn a_step_whose_parts_wait_for_the_device_trains_the_same() {
+    let batch = fixed_batch();
+    let mut plain = NativeTrainer::new(tiny(3), config(0.01, 4), None).unwrap();
+    let mut waiting = NativeTrainer::new(tiny(3), config(0.01, 4), None).unwrap();
+    waiting.set_sync_parts(true);
+    plain.rl_step(&batch).unwrap();
+    let (stats, _) = waiting.rl_step(&batch).unwrap();
+    assert_eq!(params(&plain), params(&waiting), "waiting changes no value");
+    let p = stats.parts;
+    assert!(
+        p.forward > 0.0 && p.backward > 0.0 && p.optimizer > 0.0,
+        "{p:?}"
+    );
+    let sum: f64 = p.named().iter().map(|(_, s)| s).sum();
+    assert!(
+        sum <= stats.seconds,
+        "parts {sum} s of a {} s step",
+        stats.seconds
+    );
 }

@@ -1,8 +1,6 @@
 //! One optimizer update of the candle trainer: forward, loss and backward per micro-batch,
 //! serial or data-parallel over the trainer's workers, then one AdamW step.
 
-use std::time::Instant;
-
 use candle_core::Tensor;
 use candle_core::backprop::GradStore;
 use sluice_model::ForwardOptions;
@@ -13,7 +11,7 @@ use crate::error::{TrainerError, tensor_ctx};
 use crate::loss::{LossStats, TokenInputs};
 use crate::optim::{GradAccumulator, gradients};
 use crate::report::{Mismatch, StepParts, StepStats};
-use crate::steps::{lap, packed, pick, slot_index};
+use crate::steps::{packed, pick, slot_index};
 
 /// [`StartPolicy`] for one micro-batch.
 #[derive(Debug, Clone, Copy)]
@@ -84,9 +82,9 @@ impl NativeTrainer {
         let vars: Vec<_> = self.model.vars().iter().map(|(_, v)| v).collect();
         let mut grads = GradAccumulator::new(vars.len());
         let mut add = |(g, out): (Vec<Option<Tensor>>, MicroOut)| -> Result<u64, TrainerError> {
-            let mut clock = Instant::now();
+            let mut clock = self.part_clock();
             grads.add_gradients(g)?;
-            stats.parts.backward += lap(&mut clock);
+            stats.parts.backward += clock.lap()?;
             stats.max_lag = stats.max_lag.max(out.max_lag);
             stats.loss.merge(&out.loss);
             stats.mismatch.merge(&out.mismatch);
@@ -102,9 +100,9 @@ impl NativeTrainer {
                     StartPolicy::Moved => MicroStart::Moved,
                 };
                 let store = self.micro_step(mb, start, options, &terms, &mut out)?;
-                let mut clock = Instant::now();
+                let mut clock = self.part_clock();
                 let g = gradients(&vars, &store)?;
-                out.parts.backward += lap(&mut clock);
+                out.parts.backward += clock.lap()?;
                 Ok((g, out))
             };
         let mut lag_sum = 0;
@@ -142,9 +140,9 @@ impl NativeTrainer {
                 lag_sum += add(one(m, mb)?)?;
             }
         }
-        let mut clock = Instant::now();
+        let mut clock = self.part_clock();
         stats.optim = Some(self.optim.step(&grads)?);
-        stats.parts.optimizer += lap(&mut clock);
+        stats.parts.optimizer += clock.lap()?;
         Ok(lag_sum)
     }
 
@@ -215,7 +213,7 @@ impl NativeTrainer {
         terms: &(impl Fn(&TokenInputs<'_>) -> Result<crate::loss::LossTerms, TrainerError> + Sync),
         out: &mut MicroOut,
     ) -> Result<GradStore, TrainerError> {
-        let mut clock = Instant::now();
+        let mut clock = self.part_clock();
         let slots = mb.loss_slots();
         for &i in &slots {
             let lag = self.version.0.saturating_sub(mb.versions[i]);
@@ -229,12 +227,12 @@ impl NativeTrainer {
         } else {
             (self.model.token_scores(&batch, options)?, None)
         };
-        out.parts.forward += lap(&mut clock);
+        out.parts.forward += clock.lap()?;
         let device = self.model.device().clone();
         let index = slot_index(&slots, &device)?;
         let (logprobs, lp_host) = pick(&scores.logprobs, &index, "log-probs")?;
         let (_, entropy) = pick(&scores.entropy, &index, "entropies")?;
-        out.parts.loss += lap(&mut clock);
+        out.parts.loss += clock.lap()?;
         let reference = match &self.reference {
             Some(r) => Some(
                 pick(
@@ -249,7 +247,7 @@ impl NativeTrainer {
             ),
             None => None,
         };
-        out.parts.scoring += lap(&mut clock);
+        out.parts.scoring += clock.lap()?;
         let gather = |v: &[f32]| slots.iter().map(|&i| v[i]).collect::<Vec<f32>>();
         let (behaviour, advantages, weights) = (
             gather(&mb.behaviour),
@@ -292,12 +290,12 @@ impl NativeTrainer {
         let surrogate = (logprobs * coefficients)
             .and_then(|s| s.sum_all())
             .map_err(tensor_ctx("surrogate loss"))?;
-        out.parts.loss += lap(&mut clock);
+        out.parts.loss += clock.lap()?;
         let store = match saved {
             Some(saved) => self.model.backward_recomputed(&surrogate, saved)?,
             None => surrogate.backward().map_err(tensor_ctx("backward"))?,
         };
-        out.parts.backward += lap(&mut clock);
+        out.parts.backward += clock.lap()?;
         Ok(store)
     }
 }
