@@ -68,3 +68,21 @@ extern "C" __global__ void sumsq_many_f32(const u64* g, const unsigned* chunk_pa
   s = block_sum(s);
   if (threadIdx.x == 0) partial[c] = s;
 }
+
+// The published snapshot of every parameter in one launch: chunk c (laid out as for
+// adamw_many_f32) of the f32 buffer at src[.] converted to bf16 (to_bf16 != 0, rounded to
+// nearest even, as candle's conversion rounds) or copied as f32, into the buffer at dst[.].
+extern "C" __global__ void snapshot_many_f32(const u64* src, const u64* dst,
+                                             const unsigned* chunk_param, const u64* chunk_at,
+                                             const unsigned* chunk_len, int to_bf16) {
+  const unsigned c = blockIdx.x, t = chunk_param[c];
+  const u64 at = chunk_at[c];
+  const float* s = (const float*)src[t] + at;
+  if (to_bf16) {
+    bf16* d = (bf16*)dst[t] + at;
+    for (unsigned i = threadIdx.x; i < chunk_len[c]; i += blockDim.x) d[i] = __float2bfloat16(s[i]);
+  } else {
+    float* d = (float*)dst[t] + at;
+    for (unsigned i = threadIdx.x; i < chunk_len[c]; i += blockDim.x) d[i] = s[i];
+  }
+}

@@ -98,6 +98,20 @@ pub fn sum_of_squares(grads: &[&Tensor]) -> Result<Option<f64>> {
     }
 }
 
+/// Fresh copies of `params` in `dtype` (f32 or bf16) by one launch on a GPU (`cuda` builds),
+/// when all are contiguous f32 on one device: a published snapshot, where a copy per parameter
+/// was a launch each (about 290 for Qwen2.5-0.5B's shapes). The values are `to_dtype`'s. `None`
+/// otherwise (the caller copies per tensor).
+pub fn snapshot(params: &[&Tensor], dtype: DType) -> Result<Option<Vec<Tensor>>> {
+    #[cfg(feature = "cuda")]
+    return cuda::snapshot(params, dtype);
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (params, dtype);
+        Ok(None)
+    }
+}
+
 /// The update as candle ops: `(next param, m, v)`, fresh tensors.
 pub fn compose(
     p: &Tensor,

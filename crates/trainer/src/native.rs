@@ -370,10 +370,33 @@ impl NativeTrainer {
     fn publish(&mut self) -> Result<(), TrainerError> {
         self.steps += 1;
         self.version = self.version.next();
-        self.published = Arc::new(
-            self.model
-                .snapshot(self.version, Some(self.config.publish_dtype))?,
-        );
+        let dtype = self.config.publish_dtype;
+        // On a GPU every parameter's copy in one launch; elsewhere (or when the parameters do
+        // not qualify) the model's copy per tensor.
+        let tensors: Vec<&candle_core::Tensor> = self
+            .model
+            .vars()
+            .iter()
+            .map(|(_, v)| v.as_tensor())
+            .collect();
+        let weights = match crate::adamw_kernel::snapshot(&tensors, dtype)
+            .map_err(crate::error::tensor_ctx("published snapshot"))?
+        {
+            Some(fresh) => {
+                let names = self.model.vars().iter().map(|(n, _)| n.clone());
+                let config = Arc::clone(self.model.config());
+                let snapshot =
+                    ModelSnapshot::new(config, self.version, names.zip(fresh).collect())?;
+                // Finished before other threads' streams read it (as `TrainableModel::snapshot`).
+                self.model
+                    .device()
+                    .synchronize()
+                    .map_err(crate::error::tensor_ctx("published snapshot"))?;
+                snapshot
+            }
+            None => self.model.snapshot(self.version, Some(dtype))?,
+        };
+        self.published = Arc::new(weights);
         Ok(())
     }
 

@@ -100,10 +100,28 @@ pub(super) fn compare(device: &Device, result: &mut Vec<String>) -> anyhow::Resu
                 Box::new(|t: &[Tensor]| attention_composed(t, (&long_seg, &long_prefix), LONG)),
             ));
         }
+        // Useful floating-point operations of a forward and backward: the linear layer's three
+        // products; the attention's QKᵀ and PV over the visible pairs, and 2.5 times that for
+        // the backward (dV, dP, dQ, dK and the recomputed scores), FlashAttention's count.
+        let attention_flops = |(seg, prefix): (&[u32], &[u32]), len: usize| {
+            14.0 * visible_pairs(seg, prefix, len) as f64 * (h * d) as f64
+        };
+        let flops = |name: &str| match name {
+            "linear" => Some(6.0 * (n * HIDDEN * MLP) as f64),
+            "attention" => Some(attention_flops((&seg, &prefix), LEN)),
+            "attention_2048" => Some(attention_flops((&long_seg, &long_prefix), LONG)),
+            _ => None,
+        };
         for (name, inputs, fused_op, composed_op) in &cases {
             // RoPE's tables are not differentiated: only its first input is compared.
             let grads = if *name == "rope" { 1 } else { inputs.len() };
             let (fused_out, fused_grads, fused_ms) = run(inputs, fused_op, device)?;
+            if let Some(flops) = flops(name) {
+                // A rate to hold against the GPU's peak: what share of it the kernels reach.
+                let tflops = flops / (fused_ms * 1e-3) / 1e12;
+                println!("{name} ({tag}), fused: {tflops:.1} TFLOP/s useful (forward + backward)");
+                result.push(format!("fused_{name}_{tag}_tflops={tflops:.1}"));
+            }
             let (comp_out, comp_grads, comp_ms) = run(inputs, composed_op, device)?;
             let mut err = rel_err(&fused_out, &comp_out)?;
             for (a, b) in fused_grads.iter().zip(&comp_grads).take(grads) {
@@ -222,6 +240,30 @@ pub(super) fn rel_err(a: &Tensor, b: &Tensor) -> anyhow::Result<f64> {
     Ok(f64::from(diff / scale.max(f32::MIN_POSITIVE)))
 }
 
+/// Query-key pairs that see each other in rows of `len` slots with segments `seg` and shared
+/// prompts `prefix` (the attention's rule: earlier or same slots of the own segment, and the
+/// whole prompt segment a completion names). Segments are runs of slots, as packing lays them.
+fn visible_pairs(seg: &[u32], prefix: &[u32], len: usize) -> u64 {
+    let mut pairs = 0u64;
+    for (seg, prefix) in seg.chunks(len).zip(prefix.chunks(len)) {
+        let mut sizes = std::collections::HashMap::new();
+        for &s in seg {
+            *sizes.entry(s).or_insert(0u64) += 1;
+        }
+        let mut start = 0;
+        for i in 0..seg.len() {
+            if i > 0 && seg[i] != seg[i - 1] {
+                start = i;
+            }
+            pairs += (i - start + 1) as u64;
+            if prefix[i] != 0 {
+                pairs += sizes[&prefix[i]];
+            }
+        }
+    }
+    pairs
+}
+
 /// Packed GRPO rows of `len` slots: a 64-slot prompt shared by four completions.
 fn grpo_rows(len: usize) -> (Vec<u32>, Vec<u32>) {
     let completion = (len - 64) / 4;
@@ -307,4 +349,19 @@ fn attention_composed(
         .broadcast_div(&e.sum_keepdim(D::Minus1)?)?
         .to_dtype(t[0].dtype())?;
     p.matmul(&v)?.transpose(1, 2)?.reshape((b * l, h * d))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{LEN, ROWS, grpo_rows, visible_pairs};
+
+    #[test]
+    fn visible_pairs_count_the_prompt_once_per_completion_slot() {
+        // A 64-slot prompt (causal: 64·65/2 pairs), then four completions of 112 slots, each
+        // slot seeing the whole prompt and its own completion up to itself.
+        let (seg, prefix) = grpo_rows(LEN);
+        let c = (LEN as u64 - 64) / 4;
+        let row = 64 * 65 / 2 + 4 * (64 * c + c * (c + 1) / 2);
+        assert_eq!(visible_pairs(&seg, &prefix, LEN), ROWS as u64 * row);
+    }
 }

@@ -419,6 +419,33 @@ fn emulated_many_parameter_adamw_and_norm_sums_match_the_cpu() {
 }
 
 #[test]
+fn emulated_snapshot_kernel_converts_every_parameter_as_candle_does() {
+    // Parameters of 1, 300 and 70,000 elements (the last over one 65,536-element chunk), f32
+    // values that bf16 cannot hold: each converted to bf16 bit for bit as candle's `to_dtype`
+    // rounds it, or copied as f32.
+    let sizes = [1usize, 300, 70_000];
+    let shapes: Vec<&[usize]> = sizes.iter().map(std::slice::from_ref).collect();
+    let params = inputs(&shapes, 41, DType::F32);
+    let ins: Vec<In<'_>> = params.iter().map(In::Floats).collect();
+    let args: Vec<String> = sizes.iter().map(|n| n.to_string()).collect();
+    for dtype in [DType::BF16, DType::F32] {
+        let got = emulate("snapshot_many", dtype, &ins, &args);
+        let want: Vec<f32> = params
+            .iter()
+            .flat_map(|p| {
+                let p = p.to_dtype(DType::F32).unwrap().to_dtype(dtype).unwrap();
+                p.to_dtype(DType::F32).unwrap().to_vec1::<f32>().unwrap()
+            })
+            .collect();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&got), bits(&want), "snapshot in {dtype:?}");
+    }
+    // The bf16 values are not the f32 ones: the conversion was exercised.
+    let f32s = emulate("snapshot_many", DType::F32, &ins, &args);
+    assert_ne!(emulate("snapshot_many", DType::BF16, &ins, &args), f32s);
+}
+
+#[test]
 fn emulated_paged_attention_kernel_stores_the_step_and_matches_a_dense_softmax() {
     // Rows of four sequences over a pool of 4-token blocks, one adding a prompt of three tokens
     // (three rows, each seeing one more key), one over more than a warp's 32 keys; GQA; head

@@ -281,6 +281,29 @@ void run(const std::string& op, char** a, bool bf) {
                   (const unsigned short*)v.data(), rows.data(), (unsigned short*)pool.data(), n, width, half);
     }
     put(pool);
+  } else if (op == "snapshot_many") {
+    // ARGS: each buffer's size; IN: the f32 buffers. OUT: them in the op's dtype, one after another.
+    std::vector<std::vector<float>> src;
+    std::vector<std::vector<T>> dst;
+    std::vector<u64> sa, da, chunk_at;
+    std::vector<unsigned> chunk_param, chunk_len;
+    for (int i = 0; a[i]; ++i) {
+      const size_t n = u(i);
+      src.push_back(floats<float>(n));
+      dst.emplace_back(n);
+      for (size_t at = 0; at < n; at += 65536) {
+        chunk_param.push_back(i);
+        chunk_at.push_back(at);
+        chunk_len.push_back((unsigned)std::min<size_t>(65536, n - at));
+      }
+    }
+    for (size_t i = 0; i < src.size(); ++i) {
+      sa.push_back((u64)src[i].data());
+      da.push_back((u64)dst[i].data());
+    }
+    emu::launch(snapshot_many_f32, dim3(chunk_param.size()), dim3(THREADS), sa.data(), da.data(),
+                chunk_param.data(), chunk_at.data(), chunk_len.data(), (int)bf);
+    for (auto& d : dst) put(d);
   } else if (op == "sumsq_many") {
     // ARGS: each buffer's size; IN: the buffers. OUT: one sum of squares per 65536-element chunk.
     std::vector<std::vector<float>> gs;

@@ -1,11 +1,12 @@
-//! The CUDA paths of the AdamW update and the gradient norm: launches of
-//! `crates/model/kernels/adamw.cu`, per parameter and for every parameter of a step at once.
+//! The CUDA paths of the AdamW update, the gradient norm and the published snapshot: launches
+//! of `crates/model/kernels/adamw.cu`, per parameter and for every parameter of a step at once.
 
 use candle_core::backend::BackendDevice;
-use candle_core::cuda_backend::WrapErr;
 use candle_core::cuda_backend::cudarc::driver::{
     DevicePtr, LaunchArgs, LaunchConfig, PushKernelArg,
 };
+use candle_core::cuda_backend::{CudaStorage, WrapErr};
+use candle_core::op::BackpropOp;
 use candle_core::{DType, Device, Layout, Result, Storage, Tensor, bail};
 
 use super::{Operands, Update};
@@ -113,17 +114,9 @@ fn launch_many(
 /// `Σ g²` over `grads` by one launch (`sumsq_many_f32`) and one read-back, when all are
 /// contiguous f32 on one GPU; `None` otherwise.
 pub(super) fn sum_of_squares(grads: &[&Tensor]) -> Result<Option<f64>> {
-    let Some(Device::Cuda(device)) = grads.first().map(|g| g.device().clone()) else {
+    let Some(device) = one_gpu_f32(grads) else {
         return Ok(None);
     };
-    let fits = |t: &&Tensor| {
-        t.dtype() == DType::F32
-            && t.is_contiguous()
-            && matches!(t.device(), Device::Cuda(d) if d.same_device(&device))
-    };
-    if !grads.iter().all(fits) {
-        return Ok(None);
-    }
     let stream = device.cuda_stream();
     let guards: Vec<_> = grads.iter().map(|g| g.storage_and_layout()).collect();
     let mut addresses = Vec::with_capacity(grads.len());
@@ -155,6 +148,102 @@ pub(super) fn sum_of_squares(grads: &[&Tensor]) -> Result<Option<f64>> {
     drop(syncs);
     let partial = device.clone_dtoh(&partial)?;
     Ok(Some(partial.iter().map(|&s| f64::from(s)).sum()))
+}
+
+/// Fresh copies of `params` (contiguous f32 on one GPU) in `dtype` (f32 or bf16) by one launch
+/// of `snapshot_many_f32`; `None` when they do not qualify.
+pub(super) fn snapshot(params: &[&Tensor], dtype: DType) -> Result<Option<Vec<Tensor>>> {
+    let Some(device) = one_gpu_f32(params) else {
+        return Ok(None);
+    };
+    if !matches!(dtype, DType::F32 | DType::BF16) {
+        return Ok(None);
+    }
+    let stream = device.cuda_stream();
+    let guards: Vec<_> = params.iter().map(|p| p.storage_and_layout()).collect();
+    let mut addresses = Vec::with_capacity(2 * params.len());
+    let mut syncs = Vec::with_capacity(2 * params.len());
+    for (storage, layout) in &guards {
+        let (ptr, sync) = address(&stream, storage, layout)?;
+        addresses.push(ptr);
+        syncs.push(sync);
+    }
+    // SAFETY (both arms): `snapshot_many_f32`, launched below before anything reads them,
+    // writes every element of every buffer (its chunks cover each parameter's size).
+    #[allow(unsafe_code)]
+    let fresh: Vec<Storage> = params
+        .iter()
+        .map(|p| -> Result<Storage> {
+            let n = p.elem_count().max(1);
+            let storage = if dtype == DType::BF16 {
+                CudaStorage::wrap_cuda_slice(
+                    unsafe { device.alloc::<half::bf16>(n) }?,
+                    device.clone(),
+                )
+            } else {
+                CudaStorage::wrap_cuda_slice(unsafe { device.alloc::<f32>(n) }?, device.clone())
+            };
+            Ok(Storage::Cuda(storage))
+        })
+        .collect::<Result<_>>()?;
+    // Declared after `fresh`, so dropped before it on every path.
+    let mut fresh_syncs = Vec::with_capacity(params.len());
+    for storage in &fresh {
+        let Storage::Cuda(s) = storage else {
+            unreachable!("allocated on the GPU")
+        };
+        let (ptr, sync) = if dtype == DType::BF16 {
+            s.as_cuda_slice::<half::bf16>()?.device_ptr(&stream)
+        } else {
+            s.as_cuda_slice::<f32>()?.device_ptr(&stream)
+        };
+        addresses.push(ptr);
+        fresh_syncs.push(sync);
+    }
+    let sizes: Vec<usize> = params.iter().map(|p| p.elem_count()).collect();
+    if let Some(chunks) = Chunks::of(&device, &sizes)? {
+        let table = device.clone_htod(&addresses)?;
+        let n = params.len();
+        let (src, dst) = (table.slice(0..n), table.slice(n..2 * n));
+        let func = sluice_model::kernels::ADAMW.function(&device, "snapshot_many_f32")?;
+        let to_bf16 = i32::from(dtype == DType::BF16);
+        let mut launch = stream.launch_builder(&func);
+        launch
+            .arg(&src)
+            .arg(&dst)
+            .arg(&chunks.param)
+            .arg(&chunks.at)
+            .arg(&chunks.len)
+            .arg(&to_bf16);
+        // SAFETY: snapshot_many_f32's arguments in order: tables of `n` source addresses (live,
+        // contiguous f32 buffers held by `guards`) and `n` destination addresses (fresh
+        // buffers of the same sizes in `dtype`), the chunk tables within those sizes, and the
+        // dtype flag.
+        #[allow(unsafe_code)]
+        unsafe { launch.launch(chunks.config()) }.w()?;
+    }
+    drop((fresh_syncs, syncs));
+    let tensors = fresh
+        .into_iter()
+        .zip(params)
+        .map(|(storage, p)| {
+            Tensor::from_storage(storage, p.shape().clone(), BackpropOp::none(), false)
+        })
+        .collect();
+    Ok(Some(tensors))
+}
+
+/// The GPU every one of `tensors` lies on as contiguous f32, if one does.
+fn one_gpu_f32(tensors: &[&Tensor]) -> Option<candle_core::CudaDevice> {
+    let Some(Device::Cuda(device)) = tensors.first().map(|t| t.device().clone()) else {
+        return None;
+    };
+    let fits = |t: &&Tensor| {
+        t.dtype() == DType::F32
+            && t.is_contiguous()
+            && matches!(t.device(), Device::Cuda(d) if d.same_device(&device))
+    };
+    tensors.iter().all(fits).then_some(device)
 }
 
 /// The device address of a contiguous f32 storage's first element, and the guard that
