@@ -37,41 +37,39 @@ fn emulated_engine_step_kernels_match_the_compositions() {
             let want = fused::rms_norm(&exact, &xs[2], 1e-6).unwrap();
             assert_eq!(floats(&n), floats(&want));
         }
-        // q/k/v rows plus the bias split, q and k rotated (GQA: 4 query heads, 2 key/value
-        // heads); the kernel writes q, then k, then v.
+        // q/k/v rows plus the bias (Qwen2) or none (Llama, SmolLM2) split, q and k rotated
+        // (GQA: 4 query heads, 2 key/value heads); the kernel writes q, then k, then v.
         let (rows, hq, hk, d) = (7, 4, 2, 8);
         let width = (hq + 2 * hk) * d;
         let shapes: [&[usize]; 4] = [&[rows, width], &[width], &[rows, d / 2], &[rows, d / 2]];
         let xs = inputs(&shapes, 13, dtype);
-        let biased = xs[0].broadcast_add(&xs[1]).unwrap();
-        let part = |at: usize, heads: usize| biased.narrow(1, at * d, heads * d).unwrap();
-        let rotated = |t: Tensor| fused::rope(&t, &xs[2], &xs[3], d).unwrap();
-        let want = [
-            rotated(part(0, hq)),
-            rotated(part(hq, hk)),
-            part(hq + hk, hk),
-        ];
-        let ins: Vec<In<'_>> = xs.iter().map(In::Floats).collect();
-        let f = emulate(
-            "split_rope",
-            dtype,
-            &ins,
-            &[rows, hq, hk, d].map(|n| n.to_string()),
-        );
-        let cpu = fused::split_rope(&xs[0], Some(&xs[1]), &xs[2], &xs[3], hq, hk, d).unwrap();
-        let mut at = 0;
-        for ((name, w), got) in ["q", "k", "v"].iter().zip(&want).zip([cpu.0, cpu.1, cpu.2]) {
-            let n = w.elem_count();
-            check(&format!("split rope, {name}"), dtype, &f[at..at + n], w);
-            check(
-                &format!("split rope, {name} (CPU)"),
-                DType::F32,
-                &floats(&got),
-                w,
-            );
-            at += n;
+        for has_bias in [true, false] {
+            let biased = match has_bias {
+                true => xs[0].broadcast_add(&xs[1]).unwrap(),
+                false => xs[0].clone(),
+            };
+            let part = |at: usize, heads: usize| biased.narrow(1, at * d, heads * d).unwrap();
+            let rotated = |t: Tensor| fused::rope(&t, &xs[2], &xs[3], d).unwrap();
+            let want = [
+                rotated(part(0, hq)),
+                rotated(part(hq, hk)),
+                part(hq + hk, hk),
+            ];
+            let ins: Vec<In<'_>> = xs.iter().map(In::Floats).collect();
+            let args = [rows, hq, hk, d, usize::from(has_bias)].map(|n| n.to_string());
+            let f = emulate("split_rope", dtype, &ins, &args);
+            let bias = has_bias.then_some(&xs[1]);
+            let cpu = fused::split_rope(&xs[0], bias, &xs[2], &xs[3], hq, hk, d).unwrap();
+            let mut at = 0;
+            for ((name, w), got) in ["q", "k", "v"].iter().zip(&want).zip([cpu.0, cpu.1, cpu.2]) {
+                let n = w.elem_count();
+                let what = format!("split rope, {name}, bias {has_bias}");
+                check(&what, dtype, &f[at..at + n], w);
+                check(&format!("{what} (CPU)"), DType::F32, &floats(&got), w);
+                at += n;
+            }
+            assert_eq!(at, f.len(), "split rope: q, k and v fill the output");
         }
-        assert_eq!(at, f.len(), "split rope: q, k and v fill the output");
         // Gate/up rows through the activation.
         let (rows, inter) = (6, 300);
         let xs = inputs(&[&[rows, 2 * inter]], 17, dtype);

@@ -176,13 +176,14 @@ void run(const std::string& op, char** a, bool bf) {
                 y.data(), (u64)rows, width, d, f(3));
     put(y);
   } else if (op == "split_rope") {
-    const unsigned rows = u(0), hq = u(1), hk = u(2), d = u(3), width = (hq + 2 * hk) * d;
+    // ARGS: rows, hq, hk, d, whether the bias is read (the input is there either way).
+    const unsigned rows = u(0), hq = u(1), hk = u(2), d = u(3), has_bias = u(4), width = (hq + 2 * hk) * d;
     auto x = floats<T>((size_t)rows * width), b = floats<T>(width);
     auto c = floats<T>((size_t)rows * d / 2), s = floats<T>((size_t)rows * d / 2);
     std::vector<T> q((size_t)rows * hq * d), k((size_t)rows * hk * d), v(k.size());
     auto kern = (void (*)(const T*, const T*, unsigned, const T*, const T*, T*, T*, T*, u64, unsigned, unsigned,
                           unsigned))PICK(split_rope);
-    emu::launch(kern, dim3(blocks((u64)rows * width / 2, THREADS)), dim3(THREADS), x.data(), b.data(), 1u,
+    emu::launch(kern, dim3(blocks((u64)rows * width / 2, THREADS)), dim3(THREADS), x.data(), b.data(), has_bias,
                 c.data(), s.data(), q.data(), k.data(), v.data(), (u64)rows, hq, hk, d);
     put(q);
     put(k);
