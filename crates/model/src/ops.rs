@@ -156,7 +156,7 @@ impl Rope {
     /// `(cos, sin)` for `positions`, each shaped `(rows, cols, head_dim/2)` in `dtype`, where
     /// `positions.len() == rows * cols`: rows of the device's tables, gathered (one upload and
     /// two launches; computing them took about nine on a GPU). A position past the tables grows
-    /// them to at least twice their length; positions past [`ROPE_MAX_TABLE`] are computed
+    /// them to the next power of two; positions past [`ROPE_MAX_TABLE`] are computed
     /// instead. The values are the ones [`Self::compute`] gives for the positions alone: each
     /// element is the same function of its position.
     pub(crate) fn cos_sin(
@@ -191,12 +191,8 @@ impl Rope {
         {
             return Ok((t.cos.clone(), t.sin.clone()));
         }
-        let len = match found {
-            Some(i) => all[i].len * 2,
-            None => ROPE_FIRST_TABLE,
-        }
-        .max(needed)
-        .next_power_of_two();
+        // Lengths are powers of two, so a table outgrown at least doubles.
+        let len = needed.max(ROPE_FIRST_TABLE).next_power_of_two();
         let positions: Vec<u32> = (0..len as u32).collect();
         let (cos, sin) = self.compute(&positions, dtype, device)?;
         let (cos, sin) = (cos.squeeze(0)?, sin.squeeze(0)?);
@@ -289,7 +285,7 @@ mod tests {
     }
 
     #[test]
-    fn rope_tables_give_the_computed_values_and_grow_by_doubling() -> Result<()> {
+    fn rope_tables_give_the_computed_values_and_grow_to_powers_of_two() -> Result<()> {
         let config = crate::presets::preset_config(crate::presets::Preset::Tiny);
         let rope = Rope::new(&config);
         let dev = Device::Cpu;

@@ -202,6 +202,20 @@ impl TrainableModel {
         Ok(snapshot)
     }
 
+    /// [`Self::snapshot`] from copies the caller made: `fresh[i]` is a copy of parameter `i` of
+    /// [`Self::vars`] in fresh storage (a GPU's one-launch copy of every parameter). Finished
+    /// on the device before this returns, as [`Self::snapshot`] is.
+    pub fn snapshot_of(&self, version: PolicyVersion, fresh: Vec<Tensor>) -> Result<ModelWeights> {
+        let names = self.vars.iter().map(|(n, _)| n.clone());
+        let snapshot = ModelWeights::new(
+            Arc::clone(&self.config),
+            version,
+            names.zip(fresh).collect(),
+        )?;
+        self.device().synchronize().ctx("snapshot copies")?;
+        Ok(snapshot)
+    }
+
     /// Log-probabilities of `batch.target_ids` and entropies, `(B, L)` each. Logits are formed
     /// `options.logits_chunk_rows` rows at a time, in the forward and the backward pass.
     pub fn token_scores(

@@ -382,18 +382,7 @@ impl NativeTrainer {
         let weights = match crate::adamw_kernel::snapshot(&tensors, dtype)
             .map_err(crate::error::tensor_ctx("published snapshot"))?
         {
-            Some(fresh) => {
-                let names = self.model.vars().iter().map(|(n, _)| n.clone());
-                let config = Arc::clone(self.model.config());
-                let snapshot =
-                    ModelSnapshot::new(config, self.version, names.zip(fresh).collect())?;
-                // Finished before other threads' streams read it (as `TrainableModel::snapshot`).
-                self.model
-                    .device()
-                    .synchronize()
-                    .map_err(crate::error::tensor_ctx("published snapshot"))?;
-                snapshot
-            }
+            Some(fresh) => self.model.snapshot_of(self.version, fresh)?,
             None => self.model.snapshot(self.version, Some(dtype))?,
         };
         self.published = Arc::new(weights);
