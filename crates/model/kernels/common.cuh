@@ -16,6 +16,28 @@ __device__ __forceinline__ float ld(const bf16* p, u64 i) { return __bfloat162fl
 __device__ __forceinline__ void st(float* p, u64 i, float v) { p[i] = v; }
 __device__ __forceinline__ void st(bf16* p, u64 i, float v) { p[i] = __float2bfloat16(v); }
 
+// `v` rounded to T, and a T widened back (the value a store then a load gives).
+template <typename T>
+__device__ __forceinline__ T rounded(float v) {
+  T t;
+  st(&t, 0, v);
+  return t;
+}
+template <typename T>
+__device__ __forceinline__ float widen(T v) {
+  return ld(&v, 0);
+}
+
+// The rotation of the pair (x1, x2) = (x[j], x[j + d/2]) of a head by its angle j (cosine c,
+// sine s; the rotate-half convention of Llama and Qwen): the new x[j], and the new x[j + d/2].
+// One expression for every kernel that rotates, so each rounds alike.
+__device__ __forceinline__ float rope_first(float x1, float x2, float c, float s) {
+  return x1 * c - x2 * s;
+}
+__device__ __forceinline__ float rope_second(float x1, float x2, float c, float s) {
+  return x2 * c + x1 * s;
+}
+
 #define GRID_STRIDE(i, n)                                                                         \
   for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < (n); i += (u64)blockDim.x * gridDim.x)
 

@@ -116,8 +116,8 @@ __device__ void rope(const T* x, const T* cos, const T* sin, T* y, u64 rows, uns
     const u64 at = row * width + (u64)head * d + j;
     const float c = ld(cos, row * half + j), s = sign * ld(sin, row * half + j);
     const float x1 = ld(x, at), x2 = ld(x, at + half);
-    st(y, at, x1 * c - x2 * s);
-    st(y, at + half, x2 * c + x1 * s);
+    st(y, at, rope_first(x1, x2, c, s));
+    st(y, at + half, rope_second(x1, x2, c, s));
   }
 }
 
@@ -151,8 +151,8 @@ __device__ void split_rope(const T* qkv, const T* bias, unsigned has_bias, const
       continue;
     }
     const float c = ld(cos, row * half + j), s = ld(sin, row * half + j);
-    st(out, to, x1 * c - x2 * s);
-    st(out, to + half, x2 * c + x1 * s);
+    st(out, to, rope_first(x1, x2, c, s));
+    st(out, to + half, rope_second(x1, x2, c, s));
   }
 }
 

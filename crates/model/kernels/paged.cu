@@ -8,7 +8,12 @@
 // The same launch stores the step's new keys and values in the pool (the write took a launch of
 // its own per layer): the warp of each kv head's first query head writes its row's key and value.
 // Since blocks run in no fixed order, no warp reads a position this step writes from the pool:
-// positions from the sequence's cached length on come from the step's own `k_new` / `v_new`.
+// positions from the sequence's cached length on come from the step's own keys and values.
+//
+// The step's queries, keys and values come either split (q, k_new, v_new: `SplitHeads`) or as
+// the engine's stacked q/k/v product before its bias, rotation and split (`StackedHeads`): then
+// this launch does what `split_rope` (fused.cu) would have done in one of its own, with the
+// same arithmetic and the same rounding to T, so both give the same bits.
 //
 // The pool holds the keys in its first `half` rows and the values in the next `half`. Rows are
 // head-major in blocks: key t of kv head h of a sequence with block table `tbl` is row
@@ -21,31 +26,66 @@
 // Head dims up to 32 * MAX_COLS.
 #define MAX_COLS 8
 
+// The step's heads split: q (R, H, D), k and v (R, KV, D).
 template <typename T>
-__device__ void paged_attention(const T* q, const T* k_new, const T* v_new, T* pool,
-                                const unsigned* meta, T* out, unsigned R, unsigned H, unsigned KV,
-                                unsigned D, unsigned BT, u64 half, float scale) {
+struct SplitHeads {
+  const T *q, *k, *v;
+  unsigned H, KV, D;
+  __device__ float query(u64 r, unsigned h, unsigned d) const { return ld(q, (r * H + h) * D + d); }
+  __device__ T key(u64 r, unsigned kh, unsigned d) const { return k[(r * KV + kh) * D + d]; }
+  __device__ T value(u64 r, unsigned kh, unsigned d) const { return v[(r * KV + kh) * D + d]; }
+};
+
+// The step's heads as rows of the stacked product, qkv (R, (H + 2 KV) D), q's heads then k's
+// then v's; `bias` ((H + 2 KV) D) added when `has_bias`; q and k rotated by the row's angles
+// (cos, sin: (R, D/2)). Each value is rounded to T as `split_rope` stores it.
+template <typename T>
+struct StackedHeads {
+  const T *qkv, *bias, *cos, *sin;
+  unsigned has_bias, H, KV, D;
+  __device__ float raw(u64 r, unsigned col) const {
+    float x = ld(qkv, r * (H + 2 * KV) * D + col);
+    if (has_bias) x += ld(bias, col);
+    return x;
+  }
+  // Element d of head `head` (q's heads first, then k's) of row r, rotated.
+  __device__ float rotated(u64 r, unsigned head, unsigned d) const {
+    const unsigned half = D / 2, j = d % half, col = head * D + j;
+    const float x1 = raw(r, col), x2 = raw(r, col + half);
+    const float c = ld(cos, r * half + j), s = ld(sin, r * half + j);
+    return d < half ? rope_first(x1, x2, c, s) : rope_second(x1, x2, c, s);
+  }
+  __device__ float query(u64 r, unsigned h, unsigned d) const {
+    return widen(rounded<T>(rotated(r, h, d)));
+  }
+  __device__ T key(u64 r, unsigned kh, unsigned d) const { return rounded<T>(rotated(r, H + kh, d)); }
+  __device__ T value(u64 r, unsigned kh, unsigned d) const {
+    return rounded<T>(raw(r, (H + KV + kh) * D + d));
+  }
+};
+
+template <typename T, typename Heads>
+__device__ void paged_attention(const Heads& step, T* pool, const unsigned* meta, T* out,
+                                unsigned R, unsigned H, unsigned KV, unsigned D, unsigned BT,
+                                u64 half, float scale) {
   __shared__ float qs[32 * MAX_COLS];
   const unsigned r = blockIdx.x, h = blockIdx.y, kh = h / (H / KV), lane = threadIdx.x;
   const unsigned len = meta[3 * r + 1], cached = meta[3 * r + 2];
   const unsigned* table = meta + 3 * (u64)R + meta[3 * r];
   T* keys = pool;
   T* values = pool + half * D;
-  // Where key (value) t of this row's sequence starts: the pool below `cached`, else the step's
-  // row of that position (rows of one sequence are consecutive, the last of them is r's own).
-  auto at = [&](unsigned t, const T* cache, const T* fresh) -> const T* {
-    if (t < cached) return cache + (((u64)table[t / BT] * KV + kh) * BT + t % BT) * D;
-    return fresh + ((u64)(r + 1 + t - len) * KV + kh) * D;
-  };
+  // Where position t < cached of this row's sequence lies in either half of the pool; from
+  // `cached` on, the step's row of that position (rows of one sequence are consecutive, the last
+  // of them is r's own).
+  auto pooled = [&](unsigned t) -> u64 { return (((u64)table[t / BT] * KV + kh) * BT + t % BT) * D; };
+  auto fresh = [&](unsigned t) -> u64 { return r + 1 + t - len; };
   const u64 qat = ((u64)r * H + h) * D;
-  for (unsigned d = lane; d < D; d += 32) qs[d] = ld(q, qat + d) * scale;
+  for (unsigned d = lane; d < D; d += 32) qs[d] = step.query(r, h, d) * scale;
   if (h % (H / KV) == 0) {
-    const unsigned t = len - 1;
-    const u64 row = ((u64)table[t / BT] * KV + kh) * BT + t % BT;
-    const u64 from = ((u64)r * KV + kh) * D;
+    const u64 row = pooled(len - 1);
     for (unsigned d = lane; d < D; d += 32) {
-      keys[row * D + d] = k_new[from + d];
-      values[row * D + d] = v_new[from + d];
+      keys[row + d] = step.key(r, kh, d);
+      values[row + d] = step.value(r, kh, d);
     }
   }
   __syncthreads();
@@ -55,10 +95,13 @@ __device__ void paged_attention(const T* q, const T* k_new, const T* v_new, T* p
   for (unsigned t0 = 0; t0 < len; t0 += 32) {
     const unsigned t = t0 + lane;
     float s = -INFINITY;
-    if (t < len) {
-      const T* key = at(t, keys, k_new);
+    if (t < cached) {
+      const T* key = keys + pooled(t);
       s = 0.0f;
       for (unsigned d = 0; d < D; ++d) s += qs[d] * ld(key, d);
+    } else if (t < len) {
+      s = 0.0f;
+      for (unsigned d = 0; d < D; ++d) s += qs[d] * widen(step.key(fresh(t), kh, d));
     }
     float cmax = s;
     for (int o = 16; o > 0; o >>= 1) cmax = fmaxf(cmax, __shfl_xor_sync(0xffffffffu, cmax, o));
@@ -73,10 +116,18 @@ __device__ void paged_attention(const T* q, const T* k_new, const T* v_new, T* p
     const unsigned n = min(32u, len - t0);
     for (unsigned j = 0; j < n; ++j) {
       const float pj = __shfl_sync(0xffffffffu, p, j);
-      const T* value = at(t0 + j, values, v_new);
-      for (int c = 0; c < MAX_COLS; ++c) {
-        const unsigned d = lane + 32 * c;
-        if (d < D) acc[c] += pj * ld(value, d);
+      if (t0 + j < cached) {
+        const T* value = values + pooled(t0 + j);
+        for (int c = 0; c < MAX_COLS; ++c) {
+          const unsigned d = lane + 32 * c;
+          if (d < D) acc[c] += pj * ld(value, d);
+        }
+      } else {
+        const u64 row = fresh(t0 + j);
+        for (int c = 0; c < MAX_COLS; ++c) {
+          const unsigned d = lane + 32 * c;
+          if (d < D) acc[c] += pj * widen(step.value(row, kh, d));
+        }
       }
     }
   }
@@ -91,7 +142,15 @@ __device__ void paged_attention(const T* q, const T* k_new, const T* v_new, T* p
   extern "C" __global__ void paged_attention_##S(                                                 \
       const T* q, const T* k_new, const T* v_new, T* pool, const unsigned* meta, T* out,          \
       unsigned R, unsigned H, unsigned KV, unsigned D, unsigned BT, u64 half, float scale) {      \
-    paged_attention(q, k_new, v_new, pool, meta, out, R, H, KV, D, BT, half, scale);              \
+    const SplitHeads<T> step{q, k_new, v_new, H, KV, D};                                          \
+    paged_attention(step, pool, meta, out, R, H, KV, D, BT, half, scale);                         \
+  }                                                                                               \
+  extern "C" __global__ void paged_attention_qkv_##S(                                             \
+      const T* qkv, const T* bias, unsigned has_bias, const T* cos, const T* sin, T* pool,        \
+      const unsigned* meta, T* out, unsigned R, unsigned H, unsigned KV, unsigned D, unsigned BT, \
+      u64 half, float scale) {                                                                    \
+    const StackedHeads<T> step{qkv, bias, cos, sin, has_bias, H, KV, D};                          \
+    paged_attention(step, pool, meta, out, R, H, KV, D, BT, half, scale);                         \
   }
 
 PAGED(float, f32)

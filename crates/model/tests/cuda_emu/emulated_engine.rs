@@ -2,7 +2,8 @@
 //! `split_rope`, `swiglu_rows`) under the CUDA emulation (`emulated.rs`), against the CPU
 //! compositions they replace, in f32 and bf16; and the CPU versions of the same ops
 //! (`fused::add_rms_norm`, `split_rope`, `swiglu_rows`) against the same compositions; and the
-//! paged cache's one-launch write of a step's keys and values (`kernels/paged.cu`, `kv_rows`).
+//! paged cache's one-launch write of a step's keys and values (`kernels/paged.cu`, `kv_rows`) and
+//! its attention over the stacked q/k/v rows (`paged_attention_qkv`).
 
 use candle_core::{DType, Tensor};
 use sluice_model::fused;
@@ -111,5 +112,83 @@ fn emulated_kv_rows_kernel_writes_keys_and_values_in_one_launch() {
             want[(half + r) * width..][..width].copy_from_slice(&v[new]);
         }
         assert_eq!(got, want, "kv rows ({dtype:?})");
+    }
+}
+
+#[test]
+fn emulated_paged_attention_over_stacked_rows_is_the_split_then_the_attention() {
+    // The decode layer's last fold: the paged attention reading the stacked q/k/v product, its
+    // bias, rotation and split done as it reads, against `split_rope`'s launch and then the
+    // attention over what it wrote: the same output and the same pool after, bit for bit. The
+    // rows of `emulated.rs`'s paged test: a prompt chunk of three rows, whose later rows read the
+    // earlier ones' fresh (rotated) keys, and a row over more than a warp's 32 keys; GQA, and a
+    // head dim over a warp's 32 columns.
+    let bt = 4usize;
+    let long: Vec<u32> = (8..19).rev().collect();
+    let tables: [&[u32]; 4] = [&[5, 1, 7], &[0], &[2, 6, 3, 4], &long];
+    let cached = [8u32, 2, 10, 40];
+    let rows = [(0usize, 9u32), (1, 3), (2, 11), (2, 12), (2, 13), (3, 41)];
+    let mut starts = Vec::new();
+    let mut flat = Vec::new();
+    for t in tables {
+        starts.push(flat.len() as u32);
+        flat.extend_from_slice(t);
+    }
+    let mut meta: Vec<u32> = (rows.iter())
+        .flat_map(|&(s, len)| [starts[s], len, cached[s]])
+        .collect();
+    meta.extend(flat);
+    let r = rows.len();
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for dtype in [DType::F32, DType::BF16] {
+        for (heads, kv, d) in [(4usize, 2usize, 16usize), (3, 3, 72)] {
+            let pool_rows = 19 * kv * bt;
+            let width = (heads + 2 * kv) * d;
+            let shapes: [&[usize]; 5] = [
+                &[r, width],
+                &[width],
+                &[r, d / 2],
+                &[r, d / 2],
+                &[2 * pool_rows, d],
+            ];
+            let xs = inputs(&shapes, 90 + d as u64, dtype);
+            let scale = 1.0 / (d as f64).sqrt();
+            let paged_args: Vec<String> = ([r, heads, kv, d, bt].map(|x| x.to_string()))
+                .into_iter()
+                .chain([scale.to_string(), pool_rows.to_string()])
+                .chain([meta.len().to_string()])
+                .collect();
+            let mut outs = Vec::new();
+            for has_bias in [true, false] {
+                let what = format!("paged over stacked rows, {heads}/{kv} of {d}, bias {has_bias}");
+                let mut args = paged_args.clone();
+                args.push(usize::from(has_bias).to_string());
+                let mut ins: Vec<In<'_>> = xs.iter().map(In::Floats).collect();
+                ins.push(In::Words(&meta));
+                let fused = emulate("paged_qkv", dtype, &ins, &args);
+                // The two launches it replaces.
+                let split_args = [r, heads, kv, d, usize::from(has_bias)].map(|x| x.to_string());
+                let ins: Vec<In<'_>> = xs[..4].iter().map(In::Floats).collect();
+                let split = emulate("split_rope", dtype, &ins, &split_args);
+                let cpu = candle_core::Device::Cpu;
+                let (q, rest) = split.split_at(r * heads * d);
+                let (k, v) = rest.split_at(r * kv * d);
+                let [q, k, v] = [q, k, v].map(|x| Tensor::from_slice(x, x.len(), &cpu).unwrap());
+                let ins = [
+                    In::Floats(&q),
+                    In::Floats(&k),
+                    In::Floats(&v),
+                    In::Floats(&xs[4]),
+                    In::Words(&meta),
+                ];
+                let two = emulate("paged", dtype, &ins, &paged_args);
+                assert_eq!(bits(&fused), bits(&two), "{what} ({dtype:?})");
+                let (out, pool) = fused.split_at(r * heads * d);
+                assert!(out.iter().all(|x| x.is_finite()), "{what}: finite");
+                assert_ne!(pool, floats(&xs[4]), "{what}: the step's rows are stored");
+                outs.push(fused);
+            }
+            assert_ne!(outs[0], outs[1], "the bias is read when it is there");
+        }
     }
 }

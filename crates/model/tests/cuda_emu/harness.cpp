@@ -267,6 +267,22 @@ void run(const std::string& op, char** a, bool bf) {
                 out.data(), R, H, KV, D, BT, (u64)pool_rows, f(5));
     put(out);
     put(pool);
+  } else if (op == "paged_qkv") {
+    // ARGS: as `paged`, then whether the bias is read. IN: the stacked q/k/v rows, the bias,
+    // cos, sin, the pool, meta. OUT: as `paged`.
+    const unsigned R = u(0), H = u(1), KV = u(2), D = u(3), BT = u(4), pool_rows = u(6), meta_len = u(7),
+                   has_bias = u(8), width = (H + 2 * KV) * D;
+    auto qkv = floats<T>((size_t)R * width), b = floats<T>(width);
+    auto c = floats<T>((size_t)R * D / 2), s = floats<T>((size_t)R * D / 2);
+    auto pool = floats<T>((size_t)2 * pool_rows * D);
+    auto meta = words(meta_len);
+    std::vector<T> out((size_t)R * H * D);
+    auto k = (void (*)(const T*, const T*, unsigned, const T*, const T*, T*, const unsigned*, T*, unsigned,
+                       unsigned, unsigned, unsigned, unsigned, u64, float))PICK(paged_attention_qkv);
+    emu::launch(k, dim3(R, H), dim3(32), qkv.data(), b.data(), has_bias, c.data(), s.data(), pool.data(),
+                meta.data(), out.data(), R, H, KV, D, BT, (u64)pool_rows, f(5));
+    put(out);
+    put(pool);
   } else if (op == "kv_rows") {
     // ARGS: rows, width, half (pool rows per half). IN: k, v, the row indices, the pool.
     const unsigned n = u(0), width = u(1);
