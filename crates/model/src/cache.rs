@@ -19,12 +19,62 @@ pub struct NewTokens<'a> {
     pub seqs: &'a [SeqId],
     /// The tokens each sequence adds.
     pub news: &'a [usize],
-    /// Queries after RoPE, `(Σ news, heads, head_dim)`.
-    pub q: &'a Tensor,
-    /// Keys after RoPE, `(Σ news, kv_heads, head_dim)`.
-    pub k: &'a Tensor,
-    /// Values, `(Σ news, kv_heads, head_dim)`.
-    pub v: &'a Tensor,
+    /// Their queries, keys and values, a row per new token.
+    pub heads: NewHeads<'a>,
+}
+
+/// The new tokens' queries, keys and values, as the layer's products give them.
+#[derive(Debug, Clone, Copy)]
+pub enum NewHeads<'a> {
+    /// Split into heads, q and k after RoPE.
+    Split {
+        /// `(Σ news, heads, head_dim)`.
+        q: &'a Tensor,
+        /// `(Σ news, kv_heads, head_dim)`.
+        k: &'a Tensor,
+        /// `(Σ news, kv_heads, head_dim)`.
+        v: &'a Tensor,
+    },
+    /// The rows of the stacked q/k/v product before its bias, split and rotation (what
+    /// [`crate::fused::split_rope`] takes): a cache that computes attention may do those as it
+    /// reads them, with the same rounding, and save a pass (on a GPU, a launch per layer).
+    Stacked {
+        /// `(Σ news, (heads + 2·kv_heads)·head_dim)`.
+        qkv: &'a Tensor,
+        /// One row's width, added to every row.
+        bias: Option<&'a Tensor>,
+        /// The cosines of the rows' angles, `(Σ news, head_dim / 2)`.
+        cos: &'a Tensor,
+        /// Their sines, `(Σ news, head_dim / 2)`.
+        sin: &'a Tensor,
+        /// Query heads, key/value heads, head dim.
+        geometry: (usize, usize, usize),
+    },
+}
+
+impl NewHeads<'_> {
+    /// q `(rows, heads, d)`, k and v `(rows, kv_heads, d)`, q and k rotated: the stacked rows
+    /// split (one [`crate::fused::split_rope`]), split heads as they are.
+    pub fn split(&self) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
+        match *self {
+            Self::Split { q, k, v } => Ok((q.clone(), k.clone(), v.clone())),
+            Self::Stacked {
+                qkv,
+                bias,
+                cos,
+                sin,
+                geometry: (heads, kv_heads, d),
+            } => {
+                let (q, k, v) = crate::fused::split_rope(qkv, bias, cos, sin, heads, kv_heads, d)?;
+                let n = q.dim(0)?;
+                Ok((
+                    q.reshape((n, heads, d))?,
+                    k.reshape((n, kv_heads, d))?,
+                    v.reshape((n, kv_heads, d))?,
+                ))
+            }
+        }
+    }
 }
 
 /// Keys and values of past tokens, per sequence and layer.

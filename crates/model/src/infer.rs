@@ -15,16 +15,19 @@ use std::sync::Arc;
 use candle_core::{D, DType, Tensor};
 use sluice_core::PolicyVersion;
 
-use crate::cache::{KvCache, NewTokens, SeqId};
+use crate::cache::{KvCache, NewHeads, NewTokens, SeqId};
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result, TensorContext};
 use crate::layers::{
     DecoderWeights, Proj, Qkv, StackedLayer, linear_with, stacking_refused, stacks_by_default,
 };
-use crate::ops::{Kernels, Rope, apply_rope, rms_norm, softmax_last_dim};
+use crate::ops::{Kernels, Rope, apply_rope, rms_norm};
 use crate::packed::PackedDecoder;
-use crate::ragged::{PrefillBatch, StepLayout};
+use crate::ragged::StepLayout;
 use crate::snapshot::ModelWeights;
+use gathered::{GatherStep, Gathered};
+
+mod gathered;
 
 /// The tokens one sequence adds in a step.
 #[derive(Debug, Clone, Copy)]
@@ -267,16 +270,23 @@ impl InferenceModel {
         let mut normed: Option<Tensor> = None;
         for (li, layer) in self.weights.layers.iter().enumerate() {
             let context = format!("inference step, layer {li}");
-            // The layer's products: the bf16 tiles where packed, its own weights otherwise.
+            // The layer's products: the bf16 tiles where packed, its own weights otherwise. A
+            // stacked q/k/v product goes to the attention as it is: a cache that attends itself
+            // splits and rotates it as it reads (on a GPU, in the attention's launch).
             let stacked = self.stacked.get(li);
-            let rotated = match stacked {
-                Some(s) => s
-                    .rotated_qkv(layer, &x, normed.take(), c, (&cos, &sin))
-                    .ctx(&context)?,
+            let stacked_rows = match stacked {
+                Some(s) => s.qkv_rows(layer, &x, normed.take(), c).ctx(&context)?,
                 None => None,
             };
-            let qkv = match rotated {
-                Some(qkv) => qkv,
+            let split;
+            let heads = match &stacked_rows {
+                Some((qkv, bias)) => NewHeads::Stacked {
+                    qkv,
+                    bias: *bias,
+                    cos: &cos,
+                    sin: &sin,
+                    geometry: (c.num_heads, c.num_kv_heads, c.head_dim),
+                },
                 None => {
                     let qkv = match &self.packed {
                         Some(packed) => packed
@@ -285,20 +295,22 @@ impl InferenceModel {
                         None => layer.qkv(&x, c, kernels),
                     }
                     .ctx(&context)?;
-                    Qkv {
+                    split = Qkv {
                         q: rope_rows(&qkv.q).ctx(&context)?,
                         k: rope_rows(&qkv.k).ctx(&context)?,
                         v: qkv.v,
+                    };
+                    NewHeads::Split {
+                        q: &split.q,
+                        k: &split.k,
+                        v: &split.v,
                     }
                 }
             };
-            let (q, k) = (&qkv.q, &qkv.k);
             let new = NewTokens {
                 seqs: &step_seqs,
                 news: &step_news,
-                q,
-                k,
-                v: &qkv.v,
+                heads,
             };
             let att = match cache.attend_new(new, li, scale)? {
                 Some(att) => att,
@@ -349,140 +361,6 @@ impl InferenceModel {
         }
         .and_then(|l| l.to_dtype(DType::F32))
         .ctx("lm head")
-    }
-
-    /// Attention of a batch of prompt chunks: queries `q` `(rows, heads, d)` after RoPE, the
-    /// batch's keys and values `(B, kv_heads, T, d)` from the cache; returns `(rows, heads·d)`.
-    fn attend_prompts(
-        &self,
-        batch: &PrefillBatch,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        kernels: Kernels,
-    ) -> candle_core::Result<Tensor> {
-        let c = &*self.config;
-        let (b, l, t) = (batch.seqs.len(), batch.longest_new, batch.longest_total);
-        let (kv, g, d) = (c.num_kv_heads, c.kv_groups(), c.head_dim);
-        let scale = 1.0 / (d as f64).sqrt();
-        let q = match &batch.pad {
-            Some(pad) => q.index_select(pad, 0)?,
-            None => q.clone(),
-        };
-        // Group the query heads of each kv head as extra rows: no copy of k/v per head.
-        let q = q
-            .reshape((b, l, kv, g, d))?
-            .permute((0, 2, 3, 1, 4))?
-            .contiguous()?
-            .reshape((b, kv, g * l, d))?;
-        let scores = (q.matmul(&k.t()?)? * scale)?
-            .reshape((b, kv, g, l, t))?
-            .broadcast_add(&batch.mask)?
-            .reshape((b, kv, g * l, t))?;
-        let att = softmax_last_dim(&scores, kernels)?
-            .matmul(v)?
-            .reshape((b, c.num_heads, l, d))?
-            .transpose(1, 2)?
-            .reshape((b * l, c.num_heads * d))?;
-        match &batch.unpad {
-            Some(unpad) => att.index_select(unpad, 0),
-            None => Ok(att),
-        }
-    }
-
-    /// The step's attention over keys and values gathered from a cache that computes none
-    /// itself: decoding sequences (the first `layout.decoding` inputs) batched under the step's
-    /// [`decode_mask`], prompt chunks in padded batches (both built at the first layer).
-    /// Returns `(Σ news, heads·d)` in the step's order.
-    fn attend_gathered(
-        &self,
-        cache: &mut dyn KvCache,
-        step: GatherStep<'_>,
-        layer: usize,
-        new: NewTokens<'_>,
-    ) -> Result<Tensor> {
-        let GatherStep {
-            layout,
-            inputs,
-            past,
-            built,
-        } = step;
-        let decoding = layout.decoding;
-        let (dtype, device) = (self.weights.embed.dtype(), self.weights.embed.device());
-        let context = format!("inference step, layer {layer}, attention");
-        let rows = |t: &Tensor, start: usize, len: usize| t.narrow(0, start, len).ctx(&context);
-        let batches = match built.batches.get() {
-            Some(b) => b,
-            None => {
-                let b = layout
-                    .prefill_batches(inputs, past, self.config.num_heads, (dtype, device))
-                    .ctx("prompt attention batches")?;
-                built.batches.get_or_init(|| b)
-            }
-        };
-        let mut parts = Vec::with_capacity(1 + batches.len());
-        if decoding > 0 {
-            let mask = match built.mask.get() {
-                Some(m) => m,
-                None => {
-                    let m = decode_mask(&past[..decoding], dtype, device).ctx("decode mask")?;
-                    built.mask.get_or_init(|| m)
-                }
-            };
-            let heads = DecodeHeads {
-                seqs: &new.seqs[..decoding],
-                layer,
-                q: &rows(new.q, 0, decoding)?,
-                k: &rows(new.k, 0, decoding)?,
-                v: &rows(new.v, 0, decoding)?,
-                mask,
-            };
-            parts.push(self.attend_decode(cache, heads)?);
-        }
-        for batch in batches {
-            let start = decoding + batch.first_row;
-            let (q, k, v) = (
-                rows(new.q, start, batch.rows)?,
-                rows(new.k, start, batch.rows)?,
-                rows(new.v, start, batch.rows)?,
-            );
-            let (k_all, v_all) = cache.append_ragged(&batch.seqs, &batch.news, layer, &k, &v)?;
-            parts.push(
-                self.attend_prompts(batch, &q, &k_all, &v_all, Kernels::Fused)
-                    .ctx(&context)?,
-            );
-        }
-        if parts.len() == 1 {
-            return Ok(parts.pop().expect("one part"));
-        }
-        Tensor::cat(&parts, 0).ctx(&context)
-    }
-
-    /// Attention of one new token per sequence, all sequences batched over their gathered keys
-    /// and values: `q` `(B, heads, d)` and `k` `(B, kv_heads, d)` after RoPE, `v` `(B,
-    /// kv_heads, d)`; returns `(B, heads·d)`. (Fields of [`DecodeHeads`].)
-    fn attend_decode(&self, cache: &mut dyn KvCache, heads: DecodeHeads<'_>) -> Result<Tensor> {
-        let DecodeHeads {
-            seqs,
-            layer,
-            q,
-            k,
-            v,
-            mask,
-        } = heads;
-        let c = &*self.config;
-        let (b, d, g) = (seqs.len(), c.head_dim, c.kv_groups());
-        let v = v.contiguous().ctx("v")?;
-        let scale = 1.0 / (d as f64).sqrt();
-        let (k_all, v_all) = cache.append_ragged(seqs, &vec![1; b], layer, k, &v)?;
-        (|| {
-            // (B, kv, g, d) @ (B, kv, d, T) → (B, kv, g, T), masked per sequence length.
-            let q = q.reshape((b, c.num_kv_heads, g, d))?;
-            let scores = (q.matmul(&k_all.transpose(2, 3)?)? * scale)?.broadcast_add(mask)?;
-            let att = softmax_last_dim(&scores, Kernels::Fused)?.matmul(&v_all)?;
-            att.reshape((b, c.num_heads * d))
-        })()
-        .ctx("batched decode attention")
     }
 
     /// Past lengths of each input, after checking tokens, duplicates and the context limit.
@@ -536,49 +414,4 @@ pub fn argmax_rows(logits: &Tensor) -> Result<Vec<u32>> {
         .argmax(D::Minus1)
         .and_then(|t| t.to_vec1::<u32>())
         .ctx("argmax")
-}
-
-/// What the gathered attention path builds once per step, at its first layer.
-#[derive(Default)]
-struct Gathered {
-    /// The decoding sequences' [`decode_mask`].
-    mask: std::cell::OnceCell<Tensor>,
-    /// The prompt chunks' padded batches ([`StepLayout::prefill_batches`]).
-    batches: std::cell::OnceCell<Vec<PrefillBatch>>,
-}
-
-/// The step as the gathered attention path needs it: its layout, its inputs and their past
-/// lengths in the step's order, and what it has built so far.
-#[derive(Clone, Copy)]
-struct GatherStep<'a> {
-    layout: &'a StepLayout,
-    inputs: &'a [StepInput<'a>],
-    past: &'a [usize],
-    built: &'a Gathered,
-}
-
-/// One layer's inputs to batched decode attention over gathered keys and values.
-struct DecodeHeads<'a> {
-    seqs: &'a [SeqId],
-    layer: usize,
-    q: &'a Tensor,
-    k: &'a Tensor,
-    v: &'a Tensor,
-    /// The step's [`decode_mask`].
-    mask: &'a Tensor,
-}
-
-/// `(B, 1, 1, T)` additive mask for a decode step: the new token of sequence `b` (at position
-/// `past[b]`) sees slots `0..=past[b]`; `T = max(past) + 1`.
-fn decode_mask(
-    past: &[usize],
-    dtype: DType,
-    device: &candle_core::Device,
-) -> candle_core::Result<Tensor> {
-    let t = past.iter().max().map_or(1, |p| p + 1);
-    let mask: Vec<f32> = past
-        .iter()
-        .flat_map(|&p| (0..t).map(move |j| if j <= p { 0.0 } else { f32::NEG_INFINITY }))
-        .collect();
-    Tensor::from_vec(mask, (past.len(), 1, 1, t), device)?.to_dtype(dtype)
 }

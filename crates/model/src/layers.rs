@@ -131,22 +131,22 @@ impl StackedLayer {
         })
     }
 
-    /// Whether q, k and v are one product ([`Self::rotated_qkv`] gives them).
+    /// Whether q, k and v are one product ([`Self::qkv_rows`] gives it).
     pub(crate) fn stacks_qkv(&self) -> bool {
         self.qkv.is_some()
     }
 
-    /// The input norm (`normed` where the previous layer computed it) and the q/k/v product of
-    /// `x (N, hidden)` split into heads, q and k rotated by the rows' angles (`cos`, `sin`:
-    /// `(N, d/2)`); `None` where q/k/v are not stacked.
-    pub(crate) fn rotated_qkv(
+    /// The input norm (`normed` where the previous layer computed it) and the stacked q/k/v
+    /// product of `x (N, hidden)`, returned with the bias still to add: the rows that
+    /// [`crate::cache::NewHeads::Stacked`] carries to the attention, which splits and rotates
+    /// them (on a GPU's paged cache, in its own launch). `None` where q/k/v are not stacked.
+    pub(crate) fn qkv_rows(
         &self,
         layer: &LayerWeights,
         x: &Tensor,
         normed: Option<Tensor>,
         config: &ModelConfig,
-        (cos, sin): (&Tensor, &Tensor),
-    ) -> CandleResult<Option<Qkv>> {
+    ) -> CandleResult<Option<(Tensor, Option<&Tensor>)>> {
         let Some((w, b)) = &self.qkv else {
             return Ok(None);
         };
@@ -154,16 +154,10 @@ impl StackedLayer {
             Some(h) => h,
             None => rms_norm(x, &layer.input_norm, config.rms_norm_eps, Kernels::Fused)?,
         };
-        // The bias is added as the rows are split (on a GPU, one launch fewer).
-        let all = linear_with(&h, w, None, Kernels::Fused)?;
-        let (heads, kv_heads, d) = (config.num_heads, config.num_kv_heads, config.head_dim);
-        let (q, k, v) = crate::fused::split_rope(&all, b.as_ref(), cos, sin, heads, kv_heads, d)?;
-        let n = q.dim(0)?;
-        Ok(Some(Qkv {
-            q: q.reshape((n, heads, d))?,
-            k: k.reshape((n, kv_heads, d))?,
-            v: v.reshape((n, kv_heads, d))?,
-        }))
+        Ok(Some((
+            linear_with(&h, w, None, Kernels::Fused)?,
+            b.as_ref(),
+        )))
     }
 
     /// The rest of the layer after attention's output `o`: `x + o`, then the MLP block with

@@ -410,33 +410,23 @@ impl KvCache for PagedKvCache {
         if !on_gpu && (self.dtype != DType::F32 || !self.device.is_cpu()) {
             return Ok(None);
         }
-        let NewTokens {
-            seqs,
-            news,
-            q,
-            k,
-            v,
-        } = tokens;
+        let NewTokens { seqs, news, heads } = tokens;
         self.check_layer(layer)?;
         for (&seq, &n) in seqs.iter().zip(news) {
             self.reserve(seq, n)?;
         }
         let mut run = || -> candle_core::Result<Tensor> {
-            // On a GPU the attention's launch also stores the new keys and values.
+            // On a GPU the attention's launch also stores the new keys and values (and splits
+            // and rotates stacked rows).
             #[cfg(feature = "cuda")]
             if on_gpu {
                 let meta = self.attention_meta(seqs, news)?;
                 let geometry = (self.kv_heads, self.block_tokens);
                 let pool = &self.pools[layer];
-                return crate::fused::device::paged_attention(
-                    q,
-                    (k, v),
-                    pool,
-                    &meta,
-                    geometry,
-                    scale,
-                );
+                return crate::fused::device::paged_attention(heads, pool, &meta, geometry, scale);
             }
+            let (q, k, v) = heads.split()?;
+            let (q, k) = (&q, &k);
             let (index, _) = self.step_rows(seqs, news, false)?;
             self.write_rows(&index, layer, k, &v.contiguous()?)?;
             let (rows, heads, d) = q.dims3()?;

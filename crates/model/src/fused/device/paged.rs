@@ -1,41 +1,75 @@
 //! The engine's paged KV pool on a GPU (`kernels/paged.cu`): attention over a layer's pool that
-//! stores the step's new keys and values in the same launch, and the plain write of new rows
-//! (for the batches that gather their keys instead).
+//! stores the step's new keys and values in the same launch (and splits and rotates the stacked
+//! q/k/v rows as it reads them), and the plain write of new rows (for the batches that gather
+//! their keys instead).
 
 use std::cell::Cell;
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::CudaStorage;
 use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
-use candle_core::{CpuStorage, DType, InplaceOp3, Layout, Result, Shape, Tensor, bail};
+use candle_core::{CpuStorage, DType, InplaceOp1, Layout, Result, Shape, Tensor, bail};
 
 use super::{THREADS, blocks, config, cuda_of, launch, output, suffix, tensor, u32_of, view};
+use crate::cache::NewHeads;
 use crate::kernels::PAGED;
 
 /// The engine's attention over a layer's paged `pool` (keys in its first half of rows, values
-/// in the second, rows of `d`) for `q (rows, heads, d)`, storing the step's new keys and values
-/// `k`, `v (rows, kv_heads, d)` into the pool in the same launch, at the rows the step's `meta`
-/// (`PagedKvCache::attention_meta`) gives. Returns `(rows, heads · d)` in the pool's dtype.
+/// in the second, rows of `d`) for the step's `heads`, storing their new keys and values into
+/// the pool in the same launch, at the rows the step's `meta` (`PagedKvCache::attention_meta`)
+/// gives; stacked q/k/v rows are split and rotated as the launch reads them. Returns
+/// `(rows, heads · d)` in the pool's dtype.
 pub(crate) fn paged_attention(
-    q: &Tensor,
-    (k, v): (&Tensor, &Tensor),
+    heads: NewHeads<'_>,
     pool: &Tensor,
     meta: &Tensor,
     (kv_heads, block_tokens): (usize, usize),
     scale: f64,
 ) -> Result<Tensor> {
-    let (rows, heads, d) = q.dims3()?;
     let dtype = pool.dtype();
     let fresh = |t: &Tensor| t.to_dtype(dtype)?.contiguous();
-    let (q, k, v) = (fresh(q)?, fresh(k)?, fresh(v)?);
-    if k.dims3()? != (rows, kv_heads, d) || v.shape() != k.shape() {
-        bail!(
-            "paged attention: keys {:?} and values {:?} for queries {:?} over {kv_heads} kv heads",
-            k.shape(),
-            v.shape(),
-            q.shape()
-        )
-    }
+    let (source, rows, geometry) = match heads {
+        NewHeads::Split { q, k, v } => {
+            let (rows, heads, d) = q.dims3()?;
+            if k.dims3()? != (rows, kv_heads, d) || v.shape() != k.shape() {
+                bail!(
+                    "paged attention: keys {:?} and values {:?} for queries {:?} over {kv_heads} kv heads",
+                    k.shape(),
+                    v.shape(),
+                    q.shape()
+                )
+            }
+            let source = Source::Split([fresh(q)?, fresh(k)?, fresh(v)?]);
+            (source, rows, (heads, d))
+        }
+        NewHeads::Stacked {
+            qkv,
+            bias,
+            cos,
+            sin,
+            geometry: (heads, kvh, d),
+        } => {
+            let (rows, width) = qkv.dims2()?;
+            let tables = (rows, d / 2);
+            if kvh != kv_heads
+                || width != (heads + 2 * kv_heads) * d
+                || cos.dims2()? != tables
+                || sin.dims2()? != tables
+                || bias.is_some_and(|b| b.elem_count() != width)
+            {
+                bail!(
+                    "paged attention: stacked rows {:?} (bias {:?}, angles {:?}) for {heads} + 2 × {kvh} heads of {d} over {kv_heads} kv heads",
+                    qkv.shape(),
+                    bias.map(Tensor::shape),
+                    cos.shape()
+                )
+            }
+            let bias = bias.map(fresh).transpose()?;
+            let source = Source::Stacked([fresh(qkv)?, fresh(cos)?, fresh(sin)?], bias);
+            (source, rows, (heads, d))
+        }
+    };
+    let (heads, d) = geometry;
     if pool.dim(1)? != d {
         bail!(
             "paged attention: a pool {:?} for heads of {d}",
@@ -43,23 +77,33 @@ pub(crate) fn paged_attention(
         )
     }
     let op = AttendStoring {
-        q: &q,
+        source,
+        rows,
         meta,
         geometry: (heads, kv_heads, d, block_tokens),
         scale: scale as f32,
         out: Cell::new(None),
     };
-    pool.inplace_op3(&k, &v, &op)?;
+    pool.inplace_op1(&op)?;
     match op.out.take() {
         Some(out) => Ok(out),
         None => bail!("paged attention: the kernel was not launched"),
     }
 }
 
-/// One launch of `paged_attention_*`, in place on the pool (the op's destination); the queries
-/// and the row tables are read, the output is left in `out`.
+/// The step's heads as the launch reads them, in the pool's dtype and contiguous.
+enum Source {
+    /// q, k, v (`paged_attention_*`).
+    Split([Tensor; 3]),
+    /// The stacked rows, cos and sin, and the bias (`paged_attention_qkv_*`).
+    Stacked([Tensor; 3], Option<Tensor>),
+}
+
+/// One launch of `paged_attention_*` or `paged_attention_qkv_*`, in place on the pool (the
+/// op's destination); the heads and the row tables are read, the output is left in `out`.
 struct AttendStoring<'a> {
-    q: &'a Tensor,
+    source: Source,
+    rows: usize,
     meta: &'a Tensor,
     /// Query heads, kv heads, head dim, tokens per block.
     geometry: (usize, usize, usize, usize),
@@ -67,54 +111,59 @@ struct AttendStoring<'a> {
     out: Cell<Option<Tensor>>,
 }
 
-impl InplaceOp3 for AttendStoring<'_> {
+impl InplaceOp1 for AttendStoring<'_> {
     fn name(&self) -> &'static str {
         "paged-attention-storing"
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &mut CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<()> {
+    fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout) -> Result<()> {
         bail!("paged attention on the GPU: the pool is on the CPU")
     }
 
-    fn cuda_fwd(
-        &self,
-        pool: &mut CudaStorage,
-        pl: &Layout,
-        k: &CudaStorage,
-        kl: &Layout,
-        v: &CudaStorage,
-        vl: &Layout,
-    ) -> Result<()> {
+    fn cuda_fwd(&self, pool: &mut CudaStorage, pl: &Layout) -> Result<()> {
         let (heads, kv_heads, d, block_tokens) = self.geometry;
         let Some((p0, p1)) = pl.contiguous_offsets() else {
             bail!("paged attention: the pool is not contiguous")
         };
         let half = pl.shape().dims2()?.0 as u64 / 2;
-        let rows = self.q.dim(0)?;
+        let rows = self.rows;
         let r32 = u32_of(rows, "rows")?;
         let dims = [heads, kv_heads, d, block_tokens].map(|x| x as u32);
-        let guards = [self.q, self.meta].map(|t| t.storage_and_layout());
-        let [(qs, ql), (ms, ml)] = &guards;
-        let (qs, ms) = (cuda_of(qs)?, cuda_of(ms)?);
+        let (three, bias) = match &self.source {
+            Source::Split(t) => (t, None),
+            Source::Stacked(t, bias) => (t, Some(bias.as_ref().unwrap_or(&t[0]))),
+        };
+        let guards = [&three[0], &three[1], &three[2], self.meta].map(|t| t.storage_and_layout());
+        let [(s0, l0), (s1, l1), (s2, l2), (ms, ml)] = &guards;
+        let (s0, s1, s2, ms) = (cuda_of(s0)?, cuda_of(s1)?, cuda_of(s2)?, cuda_of(ms)?);
+        // Without a bias the kernel is handed the rows in its place and told not to read it.
+        let has_bias = u32::from(matches!(self.source, Source::Stacked(_, Some(_))));
+        let bias_guard = bias.map(|b| b.storage_and_layout());
         let dev = pool.device.clone();
         let dtype = pool.dtype();
         by_dtype!(dtype, T => {
-            let (qv, kv_, vv) = (view::<T>(qs, ql)?, view::<T>(k, kl)?, view::<T>(v, vl)?);
+            let (v0, v1, v2) = (view::<T>(s0, l0)?, view::<T>(s1, l1)?, view::<T>(s2, l2)?);
             let mv = view::<u32>(ms, ml)?;
             let mut out = output::<T>(&dev, rows * heads * d)?;
-            let f = PAGED.function(&dev, &format!("paged_attention_{}", suffix(dtype)))?;
             let stream = dev.cuda_stream();
             let mut pv = pool.as_cuda_slice_mut::<T>()?.slice_mut(p0..p1);
+            let name = match bias_guard {
+                None => "paged_attention",
+                Some(_) => "paged_attention_qkv",
+            };
+            let f = PAGED.function(&dev, &format!("{name}_{}", suffix(dtype)))?;
+            let bv = match &bias_guard {
+                Some((bs, bl)) => Some(view::<T>(cuda_of(bs)?, bl)?),
+                None => None,
+            };
             let mut a = stream.launch_builder(&f);
-            a.arg(&qv).arg(&kv_).arg(&vv).arg(&mut pv).arg(&mv).arg(&mut out).arg(&r32);
+            match &bv {
+                // q, k, v.
+                None => a.arg(&v0).arg(&v1).arg(&v2),
+                // The rows, the bias, whether to read it, cos, sin.
+                Some(bv) => a.arg(&v0).arg(bv).arg(&has_bias).arg(&v1).arg(&v2),
+            };
+            a.arg(&mut pv).arg(&mv).arg(&mut out).arg(&r32);
             a.arg(&dims[0]).arg(&dims[1]).arg(&dims[2]).arg(&dims[3]).arg(&half);
             a.arg(&self.scale);
             launch(a, config((r32, dims[0]), 32))?;
