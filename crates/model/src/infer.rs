@@ -26,8 +26,10 @@ use crate::packed::PackedDecoder;
 use crate::ragged::StepLayout;
 use crate::snapshot::ModelWeights;
 use gathered::{GatherStep, Gathered};
+pub use graphs::{DECODE_GRAPH_BUCKETS, DecodeGraphStats};
 
 mod gathered;
+mod graphs;
 
 /// The tokens one sequence adds in a step.
 #[derive(Debug, Clone, Copy)]
@@ -74,6 +76,11 @@ pub struct InferenceModel {
     /// Each layer's stacked projections; empty when not stacking or when `packed` is set.
     stacked: Vec<StackedLayer>,
     rope: Rope,
+    /// Bumped whenever the products' weights are rebuilt (a swap, a dtype, stacking): a
+    /// captured decode graph read the old ones.
+    epoch: u64,
+    /// Decode steps over fixed buffers, graphed on a GPU ([`Self::set_decode_graphs`]).
+    graphs: Option<std::sync::Mutex<graphs::DecodeGraphs>>,
 }
 
 impl InferenceModel {
@@ -91,6 +98,8 @@ impl InferenceModel {
             stack,
             stacked: Vec::new(),
             rope,
+            epoch: 0,
+            graphs: None,
         };
         model.restack()?;
         Ok(model)
@@ -112,6 +121,7 @@ impl InferenceModel {
 
     /// Rebuilds the stacked projections from the current weights, or drops them.
     fn restack(&mut self) -> Result<()> {
+        self.epoch += 1;
         // Dropped first: never kept stale, and never alive next to the new copy.
         self.stacked = Vec::new();
         self.stacked = if self.stack && self.packed.is_none() {
@@ -213,14 +223,12 @@ impl InferenceModel {
         inputs: &[StepInput<'_>],
         wanted: LogitsWanted,
     ) -> Result<Tensor> {
-        let c = &*self.config;
         let past = self.check_inputs(cache, inputs)?;
         for input in inputs {
             cache.begin_step(input.seq, input.tokens, self.version())?;
         }
         let device = self.weights.embed.device().clone();
         let dtype = self.weights.embed.dtype();
-        let kernels = Kernels::Fused;
         // One-token inputs first, then prompt chunks longest first (see `StepLayout`).
         let layout = StepLayout::new(inputs);
         let lens: Vec<usize> = inputs.iter().map(|i| i.tokens.len()).collect();
@@ -238,7 +246,7 @@ impl InferenceModel {
             .flat_map(|(i, &p)| (p..p + i.tokens.len()).map(|x| x as u32))
             .collect();
         let ids = Tensor::new(ids.as_slice(), &device).ctx("input ids")?;
-        let mut x = self.weights.embed.index_select(&ids, 0).ctx("embedding")?;
+        let x = self.weights.embed.index_select(&ids, 0).ctx("embedding")?;
         // (1, N, d/2): the fused rope kernel takes per-position tables.
         let (cos, sin) = self
             .rope
@@ -247,20 +255,76 @@ impl InferenceModel {
         let (cos, sin) = (cos.squeeze(0).ctx("rope")?, sin.squeeze(0).ctx("rope")?);
         let step_seqs: Vec<SeqId> = inputs.iter().map(|i| i.seq).collect();
         let step_news: Vec<usize> = inputs.iter().map(|i| i.tokens.len()).collect();
-        let scale = 1.0 / (c.head_dim as f64).sqrt();
+        let scale = self.attention_scale();
         // Built on first use: a cache that attends itself never needs them.
         let gathered = Gathered::default();
+        let mut attend = |li: usize, heads: NewHeads<'_>| -> Result<Tensor> {
+            let new = NewTokens {
+                seqs: &step_seqs,
+                news: &step_news,
+                heads,
+            };
+            match cache.attend_new(new, li, scale)? {
+                Some(att) => Ok(att),
+                None => {
+                    let step = GatherStep {
+                        layout: &layout,
+                        inputs: &inputs,
+                        past: &past,
+                        built: &gathered,
+                    };
+                    self.attend_gathered(cache, step, li, new)
+                }
+            }
+        };
+        let mut x = self.layers(x, (&cos, &sin), &mut attend)?;
+        // The logits' rows in the caller's order.
+        if let Some(rows) = layout.logit_rows(&lens, wanted) {
+            let count = rows.len();
+            let idx = Tensor::from_vec(rows, count, &device).ctx("logit rows")?;
+            x = x.index_select(&idx, 0).ctx("logit rows")?;
+        }
+        self.logits(&x)
+    }
+
+    /// `1 / sqrt(head_dim)`.
+    fn attention_scale(&self) -> f64 {
+        1.0 / (self.config.head_dim as f64).sqrt()
+    }
+
+    /// The final norm and the lm head over the hidden rows `x`: f32 logits `(rows, vocab)`.
+    fn logits(&self, x: &Tensor) -> Result<Tensor> {
+        let eps = self.config.rms_norm_eps;
+        let x = rms_norm(x, &self.weights.final_norm, eps, Kernels::Fused).ctx("final norm")?;
+        match &self.packed {
+            Some(packed) => packed.lm_head(&x),
+            None => linear_with(&x, &self.weights.lm_head, None, Kernels::Fused),
+        }
+        .and_then(|l| l.to_dtype(DType::F32))
+        .ctx("lm head")
+    }
+
+    /// Every layer over the step's hidden rows `x (N, hidden)`, each row rotated by its angles
+    /// (`cos`, `sin`: `(N, head_dim/2)`); `attend` gives a layer's attention over the cache for
+    /// the rows' heads, `(N, heads · head_dim)`.
+    fn layers(
+        &self,
+        mut x: Tensor,
+        (cos, sin): (&Tensor, &Tensor),
+        attend: &mut dyn FnMut(usize, NewHeads<'_>) -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        let c = &*self.config;
+        let kernels = Kernels::Fused;
         // (N, heads, d) rotated in place of its rows: on the CPU and on a GPU the fused kernel
         // works on the token rows, with no transposed copy either way (one launch where the
         // composition took three).
         let rope_rows = |t: &Tensor| {
             let (n, heads, d) = t.dims3()?;
             if crate::fused::supported(t) || crate::fused::on_device(t) {
-                crate::fused::rope(&t.reshape((n, heads * d))?, &cos, &sin, d)?
-                    .reshape((n, heads, d))
+                crate::fused::rope(&t.reshape((n, heads * d))?, cos, sin, d)?.reshape((n, heads, d))
             } else {
                 let heads = t.transpose(0, 1)?.contiguous()?.unsqueeze(0)?;
-                apply_rope(&heads, &cos, &sin, kernels)?
+                apply_rope(&heads, cos, sin, kernels)?
                     .squeeze(0)?
                     .transpose(0, 1)?
                     .contiguous()
@@ -283,8 +347,8 @@ impl InferenceModel {
                 Some((qkv, bias)) => NewHeads::Stacked {
                     qkv,
                     bias: *bias,
-                    cos: &cos,
-                    sin: &sin,
+                    cos,
+                    sin,
                     geometry: (c.num_heads, c.num_kv_heads, c.head_dim),
                 },
                 None => {
@@ -307,23 +371,7 @@ impl InferenceModel {
                     }
                 }
             };
-            let new = NewTokens {
-                seqs: &step_seqs,
-                news: &step_news,
-                heads,
-            };
-            let att = match cache.attend_new(new, li, scale)? {
-                Some(att) => att,
-                None => {
-                    let step = GatherStep {
-                        layout: &layout,
-                        inputs: &inputs,
-                        past: &past,
-                        built: &gathered,
-                    };
-                    self.attend_gathered(cache, step, li, new)?
-                }
-            };
+            let att = attend(li, heads)?;
             let o = match &self.packed {
                 Some(packed) => packed.project(li, &att, Proj::O, None),
                 None => layer.project(&att, Proj::O, kernels),
@@ -347,20 +395,7 @@ impl InferenceModel {
             }
             .ctx(&context)?;
         }
-        // The logits' rows in the caller's order.
-        if let Some(rows) = layout.logit_rows(&lens, wanted) {
-            let count = rows.len();
-            let idx = Tensor::from_vec(rows, count, &device).ctx("logit rows")?;
-            x = x.index_select(&idx, 0).ctx("logit rows")?;
-        }
-        let x =
-            rms_norm(&x, &self.weights.final_norm, c.rms_norm_eps, kernels).ctx("final norm")?;
-        match &self.packed {
-            Some(packed) => packed.lm_head(&x),
-            None => linear_with(&x, &self.weights.lm_head, None, Kernels::Fused),
-        }
-        .and_then(|l| l.to_dtype(DType::F32))
-        .ctx("lm head")
+        Ok(x)
     }
 
     /// Past lengths of each input, after checking tokens, duplicates and the context limit.

@@ -90,7 +90,7 @@ pub use checkpoint::{
 };
 pub use config::{Architecture, ModelConfig};
 pub use error::{ModelError, Result};
-pub use infer::{InferenceModel, LogitsWanted, StepInput, argmax_rows};
+pub use infer::{DecodeGraphStats, InferenceModel, LogitsWanted, StepInput, argmax_rows};
 pub use paged::PagedKvCache;
 pub use recompute::SavedActivations;
 pub use snapshot::ModelWeights;

@@ -180,6 +180,24 @@ impl Rope {
         ))
     }
 
+    /// The device's tables for `dtype` covering positions `0..positions`, `(len, head_dim/2)`
+    /// each with `len ≥ positions`, and `len`; `None` past [`ROPE_MAX_TABLE`]. A table is
+    /// replaced only when outgrown, so one asked for the model's whole context stays the same
+    /// tensor (a captured CUDA graph reads it).
+    pub(crate) fn whole_tables(
+        &self,
+        positions: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Option<(Tensor, Tensor, usize)>> {
+        if positions > ROPE_MAX_TABLE {
+            return Ok(None);
+        }
+        let (cos, sin) = self.tables(positions, dtype, device)?;
+        let len = cos.dim(0)?;
+        Ok(Some((cos, sin, len)))
+    }
+
     /// The device's tables for `dtype`, covering at least positions `0..needed`.
     fn tables(&self, needed: usize, dtype: DType, device: &Device) -> Result<(Tensor, Tensor)> {
         let mut all = self.tables.lock().unwrap_or_else(|e| e.into_inner());

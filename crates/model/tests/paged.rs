@@ -1,6 +1,7 @@
 //! The paged KV cache: the same logits as the contiguous cache, prefix blocks shared by content
 //! and weight version only, a clear refusal when the pool is full, and the block allocator's
-//! invariants under random use.
+//! invariants under random use; decode steps over fixed buffers (what a CUDA graph replays) as
+//! the eager steps.
 
 mod common;
 
@@ -122,6 +123,93 @@ fn paged_logits_equal_contiguous_logits() {
             "the test meant to exercise scattered tables: {table:?}"
         );
         paged.allocator().check().unwrap();
+    }
+}
+
+/// Decode steps over fixed buffers (`set_decode_graphs`: on a GPU captured and replayed as CUDA
+/// graphs; on the CPU run eagerly over the same buffers) give the eager steps' logits: batches of
+/// 5 down to 1 sequences padded to buckets of 8, 4, 2 and 1 (padding rows storing into the
+/// scratch block), stacked and unstacked products, the pools growing mid-run and the weights
+/// swapped halfway; then the caches hold the same lengths, and one block more is in use: the
+/// padding rows'.
+#[test]
+fn decode_steps_over_fixed_buffers_equal_the_eager_steps() {
+    for (arch, stacked) in ALL_ARCHS.into_iter().flat_map(|a| [(a, false), (a, true)]) {
+        let snap = Arc::new(snapshot(tiny_config(arch, false), 5, DType::F32));
+        let swapped = versioned(&snapshot(tiny_config(arch, false), 6, DType::F32), 1);
+        let model = |graphs: bool| {
+            let mut m = InferenceModel::new(Arc::clone(&snap)).unwrap();
+            m.set_stacked_products(stacked).unwrap();
+            m.set_decode_graphs(graphs);
+            m
+        };
+        let (mut eager, mut graphed) = (model(false), model(true));
+        let cache = || {
+            let mut c =
+                PagedKvCache::new(eager.config(), DType::F32, snap.device(), 300, 4).unwrap();
+            // Most of the first 64 blocks taken, so the pools grow mid-run.
+            for s in 100..158 {
+                c.begin_step(s, &[1], PolicyVersion(0)).unwrap();
+            }
+            c
+        };
+        let (mut a, mut b) = (cache(), cache());
+        let (seqs, steps) = schedule();
+        let mut fed = vec![0usize; seqs.len()];
+        let half = steps.len() / 2;
+        for (i, step) in steps.iter().enumerate() {
+            if i == half {
+                eager.swap_weights(Arc::clone(&swapped)).unwrap();
+                graphed.swap_weights(Arc::clone(&swapped)).unwrap();
+            }
+            let inputs: Vec<StepInput<'_>> = step
+                .iter()
+                .map(|&(s, n)| StepInput {
+                    seq: s as u64,
+                    tokens: &seqs[s][fed[s]..fed[s] + n],
+                })
+                .collect();
+            let want = eager
+                .step_paged(&mut a, &inputs, LogitsWanted::Last)
+                .unwrap();
+            let got = graphed
+                .step_paged(&mut b, &inputs, LogitsWanted::Last)
+                .unwrap();
+            assert_eq!(got.dims(), want.dims(), "{arch:?} step {i}");
+            let d = max_abs_diff(&want, &got);
+            assert!(
+                d <= 1e-5,
+                "{arch:?} (stacked {stacked}) step {i}: max |Δlogit| = {d}"
+            );
+            for &(s, n) in step {
+                fed[s] += n;
+            }
+        }
+        assert!(b.allocated_blocks() > 64, "the pools grew mid-run");
+        for s in 0..seqs.len() as u64 {
+            assert_eq!(a.seq_len(s), b.seq_len(s), "{arch:?} sequence {s}");
+        }
+        let stats = graphed.decode_graph_stats().unwrap();
+        let decode_steps = steps
+            .iter()
+            .filter(|s| s.iter().all(|&(_, n)| n == 1))
+            .count();
+        assert_eq!(stats.steps as usize, decode_steps, "{stats:?}");
+        assert_eq!((stats.captures, stats.replays, stats.failed), (0, 0, None));
+        assert_eq!(eager.decode_graph_stats(), None);
+        b.allocator().check().unwrap();
+        assert_eq!(
+            b.blocks_in_use(),
+            a.blocks_in_use() + 1,
+            "one scratch block"
+        );
+        let tables: Vec<u32> = (0..seqs.len() as u64)
+            .flat_map(|s| b.block_table(s).to_vec())
+            .collect();
+        let in_a: Vec<u32> = (0..seqs.len() as u64)
+            .flat_map(|s| a.block_table(s).to_vec())
+            .collect();
+        assert_eq!(tables.len(), in_a.len(), "the same tables' sizes");
     }
 }
 

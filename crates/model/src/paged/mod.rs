@@ -27,12 +27,13 @@
 
 mod attend;
 mod blocks;
+mod fixed;
 mod prefix;
 mod rows;
 
 use std::collections::HashMap;
 
-use candle_core::{DType, Device, Storage, Tensor};
+use candle_core::{DType, Device, Tensor};
 use sluice_core::PolicyVersion;
 
 pub use blocks::{BlockAllocator, BlockId, BlockKey};
@@ -67,6 +68,8 @@ pub struct PagedKvCache {
     /// Pool rows of this step's batches, built at their first layer and reused by the others
     /// (tables and lengths do not change within a step; emptied when the next one begins).
     step_rows: Vec<rows::StepRows>,
+    /// The block padded decode steps store their padding rows' keys in, once taken.
+    scratch: Option<BlockId>,
 }
 
 #[derive(Debug)]
@@ -143,6 +146,7 @@ impl PagedKvCache {
             version: PolicyVersion(0),
             version_lag: 0,
             step_rows: Vec::new(),
+            scratch: None,
         };
         cache.grow(INITIAL_BLOCKS.min(blocks))?;
         Ok(cache)
@@ -279,6 +283,19 @@ impl PagedKvCache {
         Ok(())
     }
 
+    /// Whether the attention over the pools runs here ([`KvCache::attend_new`] gives it): the
+    /// CPU's kernel takes f32 pools, the GPU's (a `cuda` build) f32 and bf16.
+    pub(crate) fn attends_itself(&self) -> bool {
+        self.attends_on_gpu() || (self.dtype == DType::F32 && self.device.is_cpu())
+    }
+
+    fn attends_on_gpu(&self) -> bool {
+        cfg!(feature = "cuda")
+            && self.device.is_cuda()
+            && matches!(self.dtype, DType::F32 | DType::BF16)
+            && self.head_dim <= PAGED_GPU_MAX_HEAD_DIM
+    }
+
     fn check_layer(&self, layer: usize) -> Result<()> {
         if layer >= self.num_layers {
             return Err(ModelError::input(format!(
@@ -402,12 +419,7 @@ impl KvCache for PagedKvCache {
         layer: usize,
         scale: f64,
     ) -> Result<Option<Tensor>> {
-        // The CPU's kernel takes f32 pools; the GPU's (a `cuda` build) f32 and bf16.
-        let on_gpu = cfg!(feature = "cuda")
-            && self.device.is_cuda()
-            && matches!(self.dtype, DType::F32 | DType::BF16)
-            && self.head_dim <= PAGED_GPU_MAX_HEAD_DIM;
-        if !on_gpu && (self.dtype != DType::F32 || !self.device.is_cpu()) {
+        if !self.attends_itself() {
             return Ok(None);
         }
         let NewTokens { seqs, news, heads } = tokens;
@@ -419,7 +431,7 @@ impl KvCache for PagedKvCache {
             // On a GPU the attention's launch also stores the new keys and values (and splits
             // and rotates stacked rows).
             #[cfg(feature = "cuda")]
-            if on_gpu {
+            if self.attends_on_gpu() {
                 let meta = self.attention_meta(seqs, news)?;
                 let geometry = (self.kv_heads, self.block_tokens);
                 let pool = &self.pools[layer];
@@ -429,40 +441,15 @@ impl KvCache for PagedKvCache {
             let (q, k) = (&q, &k);
             let (index, _) = self.step_rows(seqs, news, false)?;
             self.write_rows(&index, layer, k, &v.contiguous()?)?;
-            let (rows, heads, d) = q.dims3()?;
             // One query row per new token: its sequence's table, and the positions it sees.
-            let mut tables: Vec<&[BlockId]> = Vec::with_capacity(rows);
-            let mut visible = Vec::with_capacity(rows);
+            let mut tables: Vec<&[BlockId]> = Vec::new();
+            let mut visible = Vec::new();
             for (seq, &n) in seqs.iter().zip(news) {
                 let s = &self.seqs[seq];
                 tables.extend(std::iter::repeat_n(&s.blocks[..], n));
                 visible.extend(s.len + 1..=s.len + n);
             }
-            if tables.len() != rows {
-                candle_core::bail!("{rows} query rows for {} new tokens", tables.len())
-            }
-            let shape = attend::PoolShape {
-                kv_heads: self.kv_heads,
-                groups: heads / self.kv_heads,
-                head_dim: d,
-                block_tokens: self.block_tokens,
-            };
-            let q = q.contiguous()?;
-            let (q_storage, q_layout) = q.storage_and_layout();
-            let (kb, vb) = self.kv(layer)?;
-            let (k_storage, k_layout) = kb.storage_and_layout();
-            let (v_storage, v_layout) = vb.storage_and_layout();
-            let (Storage::Cpu(q_cpu), Storage::Cpu(k_cpu), Storage::Cpu(v_cpu)) =
-                (&*q_storage, &*k_storage, &*v_storage)
-            else {
-                candle_core::bail!("the paged kv pool is not on the CPU");
-            };
-            let q = &q_cpu.as_slice::<f32>()?[q_layout.start_offset()..][..rows * heads * d];
-            // The halves of the layer's contiguous pool: rows counted from each one's start.
-            let keys = &k_cpu.as_slice::<f32>()?[k_layout.start_offset()..];
-            let values = &v_cpu.as_slice::<f32>()?[v_layout.start_offset()..];
-            let out = attend::attention(keys, values, q, &tables, &visible, &shape, scale as f32);
-            Tensor::from_vec(out, (rows, heads * d), &self.device)
+            self.attend_cpu(layer, q, &tables, &visible, scale)
         };
         let out = run().ctx("paged attention")?;
         for (&seq, &n) in seqs.iter().zip(news) {

@@ -37,6 +37,16 @@ pub(super) struct Writes {
     on_device: Option<Tensor>,
 }
 
+impl Writes {
+    /// Rows computed on the host, not (yet) on the device.
+    pub(super) fn on_host(rows: Vec<u32>) -> Self {
+        Self {
+            rows: rows.into(),
+            on_device: None,
+        }
+    }
+}
+
 /// Copies row `i` of the new keys and of the new values, contiguous `(rows, width)`, to row
 /// `rows[i]` of the pool's keys and of its values, in place, in one pass (on a GPU one launch:
 /// the keys and the values are the two halves of one tensor for this).
@@ -129,7 +139,7 @@ impl InplaceOp3 for CopyKv {
 
 impl PagedKvCache {
     /// Pool row of kv head `h` at position `t` of a sequence with table `blocks`.
-    fn row(&self, blocks: &[BlockId], t: usize, h: usize) -> usize {
+    pub(super) fn row(&self, blocks: &[BlockId], t: usize, h: usize) -> usize {
         let b = self.block_tokens;
         (blocks[t / b] as usize * self.kv_heads + h) * b + t % b
     }

@@ -1,0 +1,174 @@
+//! A decode step over fixed buffers, for replaying a captured CUDA graph
+//! ([`crate::InferenceModel::set_decode_graphs`]): the host builds the step's row tables at a
+//! padded batch size ([`PagedKvCache::decode_meta`]), the attention reads them from a buffer the
+//! graph was captured with ([`PagedKvCache::attend_meta`]), and the step's tokens are committed
+//! afterwards ([`PagedKvCache::commit_decode`]). Padding rows see one position, stored in a
+//! block no sequence ever gets.
+
+use candle_core::{Storage, Tensor};
+
+use super::{BlockId, PagedKvCache, rows::Writes};
+use crate::cache::{NewHeads, SeqId};
+use crate::error::{ModelError, Result, TensorContext};
+
+impl PagedKvCache {
+    /// The paged attention's row tables (`attention_meta`'s words) for a decode step of
+    /// `rows ≥ seqs.len()` rows: one new token for each of `seqs` (whose `begin_step` reserved
+    /// it), then padding rows that each see one position, stored in the scratch block.
+    pub(crate) fn decode_meta(&mut self, seqs: &[SeqId], rows: usize) -> Result<Vec<u32>> {
+        let scratch = match (rows > seqs.len(), seqs.first()) {
+            (true, Some(&seq)) => Some(self.scratch_block(seq)?),
+            _ => None,
+        };
+        let mut words = Vec::with_capacity(3 * rows);
+        let mut tables: Vec<u32> = Vec::new();
+        for seq in seqs {
+            let Some(s) = self.seqs.get(seq) else {
+                return Err(ModelError::input(format!(
+                    "decode step: sequence {seq} did not begin the step"
+                )));
+            };
+            if self.blocks_for(s.len + 1) > s.blocks.len() {
+                return Err(ModelError::input(format!(
+                    "decode step: sequence {seq} has no block reserved for its next token"
+                )));
+            }
+            let (start, len) = (tables.len() as u32, s.len as u32);
+            tables.extend_from_slice(&s.blocks);
+            words.extend([start, len + 1, len]);
+        }
+        if let Some(block) = scratch {
+            let start = tables.len() as u32;
+            tables.push(block);
+            words.extend((seqs.len()..rows).flat_map(|_| [start, 1, 0]));
+        }
+        words.extend(tables);
+        Ok(words)
+    }
+
+    /// The most words [`Self::decode_meta`] gives for `rows` rows whose sequences hold at most
+    /// `tokens` tokens each (the new one included).
+    pub(crate) fn decode_meta_capacity(&self, rows: usize, tokens: usize) -> usize {
+        rows * (3 + self.blocks_for(tokens)) + 1
+    }
+
+    /// A decode step's attention in `layer` over the row tables `meta` (from
+    /// [`Self::decode_meta`], on the pools' device), storing the rows' new keys and values; no
+    /// block is reserved and nothing committed (the host did, and does, that around the step).
+    pub(crate) fn attend_meta(
+        &self,
+        heads: NewHeads<'_>,
+        layer: usize,
+        meta: &Tensor,
+        scale: f64,
+    ) -> Result<Tensor> {
+        self.check_layer(layer)?;
+        if !self.attends_itself() {
+            return Err(ModelError::input(format!(
+                "a decode step over fixed tables on a {:?} pool on {:?}",
+                self.dtype, self.device
+            )));
+        }
+        #[cfg(feature = "cuda")]
+        if self.attends_on_gpu() {
+            let geometry = (self.kv_heads, self.block_tokens);
+            let pool = &self.pools[layer];
+            return crate::fused::device::paged_attention(heads, pool, meta, geometry, scale)
+                .ctx("paged attention over fixed tables");
+        }
+        // The CPU reads the same words: each row's table and visible length.
+        let (q, k, v) = heads.split().ctx("decode step heads")?;
+        let rows = q.dim(0).ctx("decode step heads")?;
+        let words: Vec<u32> = meta.to_vec1().ctx("decode step tables")?;
+        let mut tables: Vec<&[BlockId]> = Vec::with_capacity(rows);
+        let mut visible = Vec::with_capacity(rows);
+        let mut writes = Vec::with_capacity(rows * self.kv_heads);
+        for r in 0..rows {
+            let (start, len) = (words[3 * r] as usize, words[3 * r + 1] as usize);
+            let table = &words[3 * rows + start..][..self.blocks_for(len)];
+            writes.extend((0..self.kv_heads).map(|h| self.row(table, len - 1, h) as u32));
+            tables.push(table);
+            visible.push(len);
+        }
+        let writes = Writes::on_host(writes);
+        self.write_rows(&writes, layer, &k, &v.contiguous().ctx("v")?)
+            .ctx("decode step keys")?;
+        self.attend_cpu(layer, &q, &tables, &visible, scale)
+            .ctx("paged attention over fixed tables")
+    }
+
+    /// Counts a decode step's one token of each of `seqs` as cached in every layer.
+    pub(crate) fn commit_decode(&mut self, seqs: &[SeqId]) {
+        for &seq in seqs {
+            self.commit(self.num_layers - 1, seq, 1);
+        }
+    }
+
+    /// Changes whenever the pools' buffers do (they are copied as they grow): a graph captured
+    /// over the old ones must not be replayed.
+    pub(crate) fn pool_generation(&self) -> usize {
+        self.capacity
+    }
+
+    /// The block padding rows store their keys in: taken from the allocator the first time and
+    /// never given back, so no sequence reads it (`for_seq`: the step's, named when none is
+    /// left).
+    fn scratch_block(&mut self, for_seq: SeqId) -> Result<BlockId> {
+        if let Some(block) = self.scratch {
+            return Ok(block);
+        }
+        let Some(block) = self.alloc.allocate() else {
+            return Err(ModelError::KvCacheFull {
+                seq: for_seq,
+                needed: 1,
+                available: 0,
+                total: self.alloc.total(),
+            });
+        };
+        if let Err(e) = self.grow(block as usize + 1) {
+            self.alloc.release(block);
+            return Err(e);
+        }
+        self.scratch = Some(block);
+        Ok(block)
+    }
+
+    /// Attention on the CPU for query rows `q (rows, heads, d)` whose keys and values are in
+    /// the pools already: row `i` sees positions `0..visible[i]` of the sequence with block
+    /// table `tables[i]`.
+    pub(super) fn attend_cpu(
+        &self,
+        layer: usize,
+        q: &Tensor,
+        tables: &[&[BlockId]],
+        visible: &[usize],
+        scale: f64,
+    ) -> candle_core::Result<Tensor> {
+        let (rows, heads, d) = q.dims3()?;
+        if tables.len() != rows || visible.len() != rows {
+            candle_core::bail!("{rows} query rows for {} new tokens", tables.len())
+        }
+        let shape = super::attend::PoolShape {
+            kv_heads: self.kv_heads,
+            groups: heads / self.kv_heads,
+            head_dim: d,
+            block_tokens: self.block_tokens,
+        };
+        let q = q.contiguous()?;
+        let (q_storage, q_layout) = q.storage_and_layout();
+        let (kb, vb) = self.kv(layer)?;
+        let (k_storage, k_layout) = kb.storage_and_layout();
+        let (v_storage, v_layout) = vb.storage_and_layout();
+        let (Storage::Cpu(q_cpu), Storage::Cpu(k_cpu), Storage::Cpu(v_cpu)) =
+            (&*q_storage, &*k_storage, &*v_storage)
+        else {
+            candle_core::bail!("the paged kv pool is not on the CPU");
+        };
+        let q = &q_cpu.as_slice::<f32>()?[q_layout.start_offset()..][..rows * heads * d];
+        // The halves of the layer's contiguous pool: rows counted from each one's start.
+        let keys = &k_cpu.as_slice::<f32>()?[k_layout.start_offset()..];
+        let values = &v_cpu.as_slice::<f32>()?[v_layout.start_offset()..];
+        let out = super::attend::attention(keys, values, q, tables, visible, &shape, scale as f32);
+        Tensor::from_vec(out, (rows, heads * d), &self.device)
+    }
+}
