@@ -236,4 +236,11 @@ fn bench_kernels_checks_adamw_in_place_against_the_composition() {
         );
         positive(&fields, &[&format!("engine_{op}_f32_speedup")]);
     }
+    // The decode steps over fixed buffers (what a GPU captures as graphs) as the eager ones:
+    // twelve of them, none captured on the CPU.
+    assert!(fields["decode_graph_err"] <= 1e-5, "{stdout}");
+    assert_eq!(fields["decode_graph_steps"], 12.0, "{stdout}");
+    assert_eq!(fields["decode_graph_replays"], 0.0, "{stdout}");
+    assert_eq!(fields["decode_graph_failed"], 0.0, "{stdout}");
+    positive(&fields, &["decode_graph_ms", "decode_eager_ms"]);
 }

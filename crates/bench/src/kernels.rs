@@ -14,6 +14,9 @@
 //!   and backward, f32 and bf16 (`kernels/training.rs`).
 //! - The engine's split of stacked products and its residual add fused with the norm against
 //!   candle's composition, forward only: f32 (and bf16 on a GPU) (`kernels/engine.rs`).
+//! - The engine's decode steps over fixed buffers, on a GPU captured and replayed as CUDA graphs
+//!   (medium, bf16), on the CPU run eagerly (tiny), against the eager steps: the logits agreeing,
+//!   no capture failing, and their times (`decode_graph_*`).
 //! - On a CPU with AMX, the engine's bf16 tile products ([`sluice_model::amx`]) against the f32
 //!   product of the same shapes (64 rows, as a decode step of 64 sequences), each weight
 //!   streamed from memory: the largest difference relative to the row's largest sum.
@@ -60,6 +63,7 @@ pub fn run(args: &BenchKernelsArgs) -> anyhow::Result<ExitCode> {
         failed += u32::from(!amx_products(&mut result)?);
     }
     failed += u32::from(!engine::compare(&device, &mut result)?);
+    failed += u32::from(!engine::decode_graphs(&device, &mut result)?);
     result.push(format!("checks_failed={failed}"));
     let ok = failed == 0;
     println!("RESULT kernels {}", result.join(" "));

@@ -87,6 +87,10 @@ pub struct BenchEngineArgs {
     /// `true` or `false` [default: on a GPU, off on the CPU].
     #[arg(long, value_name = "BOOL")]
     pub stacked_products: Option<bool>,
+    /// Decode-only steps captured and replayed as CUDA graphs, as `engine.cuda_graphs` (a
+    /// `cuda:N` device only).
+    #[arg(long)]
+    pub cuda_graphs: bool,
 }
 
 /// Completion length and prompt length per preset, sized for a few minutes on 2 cores.
@@ -132,6 +136,7 @@ pub(crate) struct Sizing {
     pub(crate) device: sluice_config::Device,
     pub(crate) compute_dtype: Option<sluice_config::DType>,
     pub(crate) stacked_products: Option<bool>,
+    pub(crate) cuda_graphs: bool,
 }
 
 impl Sizing {
@@ -144,6 +149,7 @@ impl Sizing {
             device: self.device,
             compute_dtype: self.compute_dtype,
             stacked_products: self.stacked_products,
+            cuda_graphs: self.cuda_graphs,
             ..NativeEngineParams::default()
         }
     }
@@ -169,6 +175,7 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<ExitCode> {
         device: args.device,
         compute_dtype,
         stacked_products: args.stacked_products,
+        cuda_graphs: args.cuda_graphs,
     };
     let device = sluice_model::device(args.device).context("--device")?;
     let dtype = sluice_model::config::candle_dtype(args.dtype);

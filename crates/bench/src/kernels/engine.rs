@@ -2,10 +2,16 @@
 //! `add_rms_norm`: on a GPU `kernels/fused.cu`, on the CPU `fused/stacked.rs`) against candle's
 //! composition on the same device, at a decode step of the medium preset with 64 sequences in
 //! flight, f32 (and bf16 on a GPU, where the split kernels take it): values agreeing and the
-//! time of each, forward only (the engine takes no gradients).
+//! time of each, forward only (the engine takes no gradients). And the decode steps over fixed
+//! buffers (CUDA graphs on a GPU) against the eager steps (`decode_graphs`).
 
+use std::sync::Arc;
+use std::time::Instant;
+
+use sluice_config::ModelPreset;
 use sluice_model::candle::{DType, Device, Result as CResult, Tensor};
-use sluice_model::fused;
+use sluice_model::presets::{preset_config, random_snapshot};
+use sluice_model::{InferenceModel, LogitsWanted, PagedKvCache, StepInput, fused};
 
 use super::training::{random, rel_err, report, rms_composed, rope_composed, timed};
 
@@ -95,5 +101,87 @@ pub(super) fn compare(device: &Device, result: &mut Vec<String>) -> anyhow::Resu
             );
         }
     }
+    Ok(ok)
+}
+
+/// Decode steps timed and compared per path in [`decode_graphs`].
+const DECODE_STEPS: usize = 12;
+
+/// Decode steps over fixed buffers, captured and replayed as CUDA graphs on a GPU (run eagerly
+/// on the CPU), against the eager steps: 64 sequences after a 16-token prompt each, every step
+/// feeding both models the eager one's greedy tokens. On a GPU the medium preset in bf16 (its
+/// first graphed step is the capture, not timed), on the CPU the tiny one in f32. False when
+/// the logits disagree, a capture failed, or (on a GPU) no step replayed a graph.
+pub(super) fn decode_graphs(device: &Device, result: &mut Vec<String>) -> anyhow::Result<bool> {
+    let (preset, dtype, tol) = match device.is_cuda() {
+        true => (ModelPreset::Medium, DType::BF16, 1e-3),
+        false => (ModelPreset::Tiny, DType::F32, 1e-5),
+    };
+    let config = Arc::new(preset_config(preset));
+    let weights = Arc::new(random_snapshot(Arc::clone(&config), 0, dtype, device)?);
+    let model = |graphs: bool| -> anyhow::Result<InferenceModel> {
+        let mut m = InferenceModel::new(Arc::clone(&weights))?;
+        m.set_decode_graphs(graphs);
+        Ok(m)
+    };
+    let (eager, graphed) = (model(false)?, model(true)?);
+    let cache = || PagedKvCache::new(&config, dtype, device, 2 * ROWS * 2, 16);
+    let (mut a, mut b) = (cache()?, cache()?);
+    let vocab = config.vocab_size as u32;
+    let prompts: Vec<Vec<u32>> = (0..ROWS as u32)
+        .map(|s| (0..16).map(|j| (s * 7 + j * 3 + 1) % vocab).collect())
+        .collect();
+    let step = |m: &InferenceModel, c: &mut PagedKvCache, rows: &[Vec<u32>]| {
+        let inputs = StepInput::numbered(rows);
+        let logits = m.step_paged(c, &inputs, LogitsWanted::Last)?;
+        device.synchronize()?;
+        anyhow::Ok(logits)
+    };
+    let mut logits = step(&eager, &mut a, &prompts)?;
+    step(&graphed, &mut b, &prompts)?;
+    let (mut eager_ms, mut graphed_ms, mut err) = (Vec::new(), Vec::new(), 0f64);
+    for i in 0..DECODE_STEPS {
+        let tokens: Vec<Vec<u32>> = (sluice_model::argmax_rows(&logits)?.into_iter())
+            .map(|t| vec![t])
+            .collect();
+        let start = Instant::now();
+        logits = step(&eager, &mut a, &tokens)?;
+        eager_ms.push(start.elapsed().as_secs_f64() * 1e3);
+        let start = Instant::now();
+        let got = step(&graphed, &mut b, &tokens)?;
+        if i > 0 {
+            graphed_ms.push(start.elapsed().as_secs_f64() * 1e3);
+        }
+        err = err.max(super::training::rel_err(&got, &logits)?);
+    }
+    let stats = graphed.decode_graph_stats().unwrap_or_default();
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (eager_ms, graphed_ms) = (median(&mut eager_ms), median(&mut graphed_ms));
+    let replayed = stats.replays > 0 || !device.is_cuda();
+    let ok = err <= tol && stats.failed.is_none() && replayed;
+    println!(
+        "decode steps over fixed buffers ({preset:?}, {dtype:?}, {ROWS} sequences): eager {eager_ms:.3} ms, graphed {graphed_ms:.3} ms ({:.2}x); {} captures, {} replays{}; largest difference {err:.2e} (at most {tol:e}){}",
+        eager_ms / graphed_ms,
+        stats.captures,
+        stats.replays,
+        stats
+            .failed
+            .as_deref()
+            .map(|f| format!(", capture failed: {f}"))
+            .unwrap_or_default(),
+        if ok { "" } else { ": FAILED" }
+    );
+    result.extend([
+        format!("decode_graph_ms={graphed_ms:.4}"),
+        format!("decode_eager_ms={eager_ms:.4}"),
+        format!("decode_graph_speedup={:.3}", eager_ms / graphed_ms),
+        format!("decode_graph_err={err:.3e}"),
+        format!("decode_graph_steps={}", stats.steps),
+        format!("decode_graph_replays={}", stats.replays),
+        format!("decode_graph_failed={}", u8::from(stats.failed.is_some())),
+    ]);
     Ok(ok)
 }

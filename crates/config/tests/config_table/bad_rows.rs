@@ -20,7 +20,7 @@ pub const BAD: &[(&str, &[&str], &str, ConfigErrorKind)] = &[
     (
         "[engine]\nzzz = 1",
         &[],
-        "test.toml: engine.zzz: unknown key; expected one of: backend, device, replicas, max_running_sequences, max_step_tokens, threads, compute_dtype, stacked_products, kv_cache_mb, kv_block_tokens, prefix_caching, prefix_cache_version_lag, remote_urls, request_timeout_s, remote_keep_versions, simulated",
+        "test.toml: engine.zzz: unknown key; expected one of: backend, device, replicas, max_running_sequences, max_step_tokens, threads, compute_dtype, stacked_products, cuda_graphs, kv_cache_mb, kv_block_tokens, prefix_caching, prefix_cache_version_lag, remote_urls, request_timeout_s, remote_keep_versions, simulated",
         ConfigErrorKind::UnknownKey,
     ),
     (
@@ -341,6 +341,12 @@ pub const BAD: &[(&str, &[&str], &str, ConfigErrorKind)] = &[
         "[engine]\nkv_cache_mb = -1",
         &[],
         "test.toml: engine.kv_cache_mb: expected an integer ≥ 0, got -1",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[engine]\ncuda_graphs = true",
+        &[],
+        "test.toml: engine.cuda_graphs: CUDA graphs need a CUDA engine.device (this engine runs on the CPU)",
         ConfigErrorKind::Value,
     ),
     (

@@ -25,6 +25,8 @@ pub struct RawEngine {
     /// One product for q/k/v and one for gate/up per layer, their weights stacked (unset: on
     /// a GPU, off on the CPU).
     pub stacked_products: Option<bool>,
+    /// Decode-only steps captured and replayed as CUDA graphs (a CUDA `engine.device` only).
+    pub cuda_graphs: bool,
     /// KV cache pool of each native replica, MiB (0 = sized from the model and the limits).
     pub kv_cache_mb: i64,
     /// Tokens per KV cache block of each native replica.
@@ -124,6 +126,7 @@ impl Default for RawEngine {
             threads: 0,
             compute_dtype: None,
             stacked_products: None,
+            cuda_graphs: false,
             kv_cache_mb: 0,
             kv_block_tokens: 16,
             prefix_caching: true,

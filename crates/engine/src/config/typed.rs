@@ -48,6 +48,10 @@ pub struct EngineConfig {
     /// stacked on a GPU, where each product is a kernel launch, not on the CPU, where it
     /// measured no faster.
     pub stacked_products: Option<bool>,
+    /// Whether native replicas on a GPU capture their decode-only steps as CUDA graphs, one
+    /// per padded batch size, and replay them (one launch a step where the eager step issues
+    /// about eight per layer); refused on the CPU.
+    pub cuda_graphs: bool,
     /// KV cache pool of each native replica, MiB; 0 = automatic (every running sequence at
     /// full context, capped; see docs/engine.md).
     pub kv_cache_mb: u32,

@@ -70,6 +70,15 @@ pub fn validate_engine(
             .map(|v| compute_dtype(v, device).map_err(|r| ctx.value("engine.compute_dtype", r)))
             .transpose()?,
         stacked_products: raw.stacked_products,
+        cuda_graphs: match (raw.cuda_graphs, device) {
+            (true, Device::Cpu) => {
+                return Err(ctx.value(
+                    "engine.cuda_graphs",
+                    "CUDA graphs need a CUDA engine.device (this engine runs on the CPU)",
+                ));
+            }
+            (on, _) => on,
+        },
         kv_cache_mb: u32_incl_zero(ctx, "engine.kv_cache_mb", raw.kv_cache_mb)?,
         kv_block_tokens: non_zero_u32(ctx, "engine.kv_block_tokens", raw.kv_block_tokens)?,
         prefix_caching: raw.prefix_caching,

@@ -68,6 +68,9 @@ pub struct NativeEngineParams {
     /// Stacked q/k/v and gate/up products (`engine.stacked_products`; `None`: the device's
     /// default, [`sluice_model::InferenceModel::set_stacked_products`]).
     pub stacked_products: Option<bool>,
+    /// Decode-only steps captured and replayed as CUDA graphs (`engine.cuda_graphs`; a GPU
+    /// only, [`sluice_model::InferenceModel::set_decode_graphs`]).
+    pub cuda_graphs: bool,
     /// Reuse registered full blocks for new requests with the same prefix at the same weight
     /// version (off: every request prefills its whole input; `sluice bench engine` compares).
     pub prefix_caching: bool,
@@ -94,6 +97,7 @@ impl Default for NativeEngineParams {
             kv_block_tokens: sluice_model::paged::DEFAULT_BLOCK_TOKENS,
             compute_dtype: None,
             stacked_products: None,
+            cuda_graphs: false,
             prefix_caching: true,
             prefix_cache_version_lag: 0,
             device: sluice_core::config::Device::Cpu,
@@ -123,6 +127,7 @@ impl NativeEngineParams {
             kv_block_tokens: engine.kv_block_tokens.get() as usize,
             compute_dtype: engine.compute_dtype,
             stacked_products: engine.stacked_products,
+            cuda_graphs: engine.cuda_graphs,
             prefix_caching: engine.prefix_caching,
             prefix_cache_version_lag: u64::from(engine.prefix_cache_version_lag),
             device: engine.device,
@@ -262,6 +267,15 @@ impl NativeEngine {
             model
                 .set_stacked_products(on)
                 .map_err(|e| NativeError::Params(format!("engine.stacked_products: {e}")))?;
+        }
+        if params.cuda_graphs {
+            if !weights.device().is_cuda() {
+                return Err(NativeError::Params(format!(
+                    "engine.cuda_graphs: CUDA graphs need a CUDA device, this replica runs on {}",
+                    params.device
+                )));
+            }
+            model.set_decode_graphs(true);
         }
         let config = Arc::clone(model.config());
         let kv = KvBudget::new(&params, &config, weights.dtype())?;

@@ -260,7 +260,7 @@ impl Worker {
                     .iter()
                     .all(|&i| device_draw::qualifies(&q.running[i]));
             let model_started = Instant::now();
-            let stepped = self.model.step(&mut self.cache, &inputs, wanted);
+            let stepped = self.model.step_paged(&mut self.cache, &inputs, wanted);
             self.shared
                 .issue_nanos
                 .fetch_add(model_started.elapsed().as_nanos() as u64, Ordering::Relaxed);

@@ -191,6 +191,8 @@ fn engine_params(config: &Config, setup: &NativeSetup) -> NativeEngineParams {
     let eos = setup.tokenizer.eos_token_ids().to_vec();
     let mut params = NativeEngineParams::from_config(&config.engine, 0, config.run.seed, eos);
     params.device = config.eval.device;
+    // `engine.cuda_graphs` is for a GPU: an evaluator on the CPU runs without.
+    params.cuda_graphs &= params.device != sluice_core::config::Device::Cpu;
     // Evaluation prompts arrive all at once: prefill them in few steps.
     params.max_step_tokens = params.max_step_tokens.max(4096);
     params
