@@ -213,6 +213,35 @@ fn decode_steps_over_fixed_buffers_equal_the_eager_steps() {
     }
 }
 
+/// With every block of the pool in use, a padded decode step has no block for its padding
+/// rows: it runs eagerly, unpadded, rather than failing.
+#[test]
+fn a_full_pool_runs_the_decode_step_unpadded() {
+    let arch = ALL_ARCHS[0];
+    let snap = Arc::new(snapshot(tiny_config(arch, false), 5, DType::F32));
+    let mut model = InferenceModel::new(Arc::clone(&snap)).unwrap();
+    model.set_decode_graphs(true);
+    // Three sequences of 7 tokens in two blocks of 4 each: the pool's six blocks, each with
+    // room for one more token.
+    let mut cache = PagedKvCache::new(model.config(), DType::F32, snap.device(), 6, 4).unwrap();
+    let prompts: Vec<Vec<u32>> = (0..3).map(|s| (0..7).map(|t| s + t).collect()).collect();
+    model
+        .step_paged(
+            &mut cache,
+            &StepInput::numbered(&prompts),
+            LogitsWanted::Last,
+        )
+        .unwrap();
+    assert_eq!(cache.available_blocks(), 0);
+    let next: Vec<Vec<u32>> = (0..3).map(|s| vec![s + 1]).collect();
+    let logits = model
+        .step_paged(&mut cache, &StepInput::numbered(&next), LogitsWanted::Last)
+        .unwrap();
+    assert_eq!(logits.dims()[0], 3);
+    assert_eq!(model.decode_graph_stats().unwrap().steps, 0, "run eagerly");
+    assert_eq!(cache.seq_len(2), 8);
+}
+
 /// bf16 takes the path a GPU takes: no CPU decode kernel, so RoPE through candle-nn on
 /// transposed heads, every sequence's rows gathered from the pool per layer, and the decode
 /// mask. Same logits as the contiguous cache in bf16, up to bf16's rounding of the same sums.

@@ -111,16 +111,20 @@ impl InferenceModel {
         else {
             return self.step(cache, inputs, wanted);
         };
-        let past = self.check_inputs(cache, inputs)?;
-        for input in inputs {
-            cache.begin_step(input.seq, input.tokens, self.version())?;
-        }
-        let seqs: Vec<SeqId> = inputs.iter().map(|i| i.seq).collect();
         let b = inputs.len();
         let rows = *DECODE_GRAPH_BUCKETS
             .iter()
             .find(|&&r| r >= b)
             .expect("checked against the largest bucket");
+        // Padding rows need their block: with the pool full the step runs as it is.
+        if rows > b && !cache.take_scratch_block() {
+            return self.step(cache, inputs, wanted);
+        }
+        let past = self.check_inputs(cache, inputs)?;
+        for input in inputs {
+            cache.begin_step(input.seq, input.tokens, self.version())?;
+        }
+        let seqs: Vec<SeqId> = inputs.iter().map(|i| i.seq).collect();
         let mut words: Vec<u32> = inputs.iter().map(|i| i.tokens[0]).collect();
         words.resize(rows, 0);
         words.extend(past.iter().map(|&p| p as u32));

@@ -14,11 +14,17 @@ use crate::error::{ModelError, Result, TensorContext};
 impl PagedKvCache {
     /// The paged attention's row tables (`attention_meta`'s words) for a decode step of
     /// `rows ≥ seqs.len()` rows: one new token for each of `seqs` (whose `begin_step` reserved
-    /// it), then padding rows that each see one position, stored in the scratch block.
-    pub(crate) fn decode_meta(&mut self, seqs: &[SeqId], rows: usize) -> Result<Vec<u32>> {
-        let scratch = match (rows > seqs.len(), seqs.first()) {
-            (true, Some(&seq)) => Some(self.scratch_block(seq)?),
-            _ => None,
+    /// it), then padding rows that each see one position, stored in the scratch block
+    /// ([`Self::take_scratch_block`] first).
+    pub(crate) fn decode_meta(&self, seqs: &[SeqId], rows: usize) -> Result<Vec<u32>> {
+        let scratch = match (rows > seqs.len(), self.scratch) {
+            (false, _) => None,
+            (true, Some(block)) => Some(block),
+            (true, None) => {
+                return Err(ModelError::input(
+                    "decode step: padding rows without a scratch block",
+                ));
+            }
         };
         let mut words = Vec::with_capacity(3 * rows);
         let mut tables: Vec<u32> = Vec::new();
@@ -110,27 +116,22 @@ impl PagedKvCache {
         self.capacity
     }
 
-    /// The block padding rows store their keys in: taken from the allocator the first time and
-    /// never given back, so no sequence reads it (`for_seq`: the step's, named when none is
-    /// left).
-    fn scratch_block(&mut self, for_seq: SeqId) -> Result<BlockId> {
-        if let Some(block) = self.scratch {
-            return Ok(block);
+    /// Whether the block padding rows store their keys in is there: taken from the allocator
+    /// the first time and never given back, so no sequence reads it. False when no block is
+    /// free for it (the step then runs unpadded, eagerly).
+    pub(crate) fn take_scratch_block(&mut self) -> bool {
+        if self.scratch.is_some() {
+            return true;
         }
         let Some(block) = self.alloc.allocate() else {
-            return Err(ModelError::KvCacheFull {
-                seq: for_seq,
-                needed: 1,
-                available: 0,
-                total: self.alloc.total(),
-            });
+            return false;
         };
-        if let Err(e) = self.grow(block as usize + 1) {
+        if self.grow(block as usize + 1).is_err() {
             self.alloc.release(block);
-            return Err(e);
+            return false;
         }
         self.scratch = Some(block);
-        Ok(block)
+        true
     }
 
     /// Attention on the CPU for query rows `q (rows, heads, d)` whose keys and values are in
