@@ -243,4 +243,21 @@ fn bench_kernels_checks_adamw_in_place_against_the_composition() {
     assert_eq!(fields["decode_graph_replays"], 0.0, "{stdout}");
     assert_eq!(fields["decode_graph_failed"], 0.0, "{stdout}");
     positive(&fields, &["decode_graph_ms", "decode_eager_ms"]);
+    // Alone, as `scripts/gpu-check` runs them apart from the other checks.
+    let (stdout, fields) = bench(&["kernels", "--decode-graphs", "only"], &[]);
+    assert!(!fields.contains_key("adamw_ms"), "{stdout}");
+    assert_eq!(fields["decode_graph_steps"], 12.0, "{stdout}");
+    assert_eq!(fields["checks_failed"], 0.0, "{stdout}");
+    let (stdout, fields) = bench(
+        &[
+            "kernels",
+            "--adamw-elements",
+            "99",
+            "--decode-graphs",
+            "skip",
+        ],
+        &[],
+    );
+    assert!(!fields.contains_key("decode_graph_steps"), "{stdout}");
+    assert_eq!(fields["adamw_bit_mismatches"], 0.0, "{stdout}");
 }
