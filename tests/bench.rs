@@ -124,6 +124,7 @@ fn bench_engine_reports_rows_ratios_and_the_batching_ceiling() {
         "one-by-one",
         "swap pause in_flight",
         "batching speed-up ceiling at 64",
+        "graphed%",
     ] {
         assert!(stdout.contains(row), "no `{row}` in:\n{stdout}");
     }

@@ -138,6 +138,7 @@ pub(super) fn measure(
         step_ms: 1e3 * busy / parts.steps.max(1) as f64,
         decode_tok_s: parts.decode_tokens as f64 / parts.decode_seconds.max(1e-12),
         preempted,
+        graphed_pct: 100.0 * parts.graph_replays as f64 / parts.steps.max(1) as f64,
     })
 }
 

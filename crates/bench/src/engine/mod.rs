@@ -118,6 +118,8 @@ struct Measured {
     decode_tok_s: f64,
     /// Sequences preempted for lack of KV blocks.
     preempted: u64,
+    /// Share of the model calls that replayed a CUDA graph (`--cuda-graphs`), %.
+    graphed_pct: f64,
 }
 
 /// Prompt length of the prefix-sharing groups: six full blocks of 16 and a partial one, which
@@ -205,7 +207,7 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<ExitCode> {
             },
         );
         println!(
-            "{:>12} {:>12} {:>12} {:>12} {:>9} {:>8} {:>8} {:>9} {:>8} {:>12}",
+            "{:>12} {:>12} {:>12} {:>12} {:>9} {:>8} {:>8} {:>9} {:>8} {:>12} {:>9}",
             "concurrency",
             "tokens/s",
             "itl_p50_ms",
@@ -215,7 +217,8 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<ExitCode> {
             "issue%",
             "step_ms",
             "preempt",
-            "decode_tok_s"
+            "decode_tok_s",
+            "graphed%"
         );
         let shape = Shape {
             max_tokens,
@@ -227,7 +230,7 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<ExitCode> {
         } else {
             let serial = measure(&w0, sizing, (ROUNDS * max_c.min(8), 1), shape, args.warm_up)?;
             println!(
-                "{:>12} {:>12.1} {:>12.2} {:>12.2} {:>9} {:>8.1} {:>8.1} {:>9.2} {:>8} {:>12.1}",
+                "{:>12} {:>12.1} {:>12.2} {:>12.2} {:>9} {:>8.1} {:>8.1} {:>9.2} {:>8} {:>12.1} {:>9.1}",
                 "one-by-one",
                 serial.tokens_per_s,
                 serial.itl_p50_ms,
@@ -237,7 +240,8 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<ExitCode> {
                 serial.issue_pct,
                 serial.step_ms,
                 serial.preempted,
-                serial.decode_tok_s
+                serial.decode_tok_s,
+                serial.graphed_pct
             );
             Some(serial)
         };
@@ -250,7 +254,7 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<ExitCode> {
             let m = measure(&w0, sizing, (ROUNDS * c, c), shape, args.warm_up)?;
             let speedup = serial.as_ref().map(|s| m.tokens_per_s / s.tokens_per_s);
             println!(
-                "{c:>12} {:>12.1} {:>12.2} {:>12.2} {:>9} {:>8.1} {:>8.1} {:>9.2} {:>8} {:>12.1}",
+                "{c:>12} {:>12.1} {:>12.2} {:>12.2} {:>9} {:>8.1} {:>8.1} {:>9.2} {:>8} {:>12.1} {:>9.1}",
                 m.tokens_per_s,
                 m.itl_p50_ms,
                 m.itl_p99_ms,
@@ -259,7 +263,8 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<ExitCode> {
                 m.issue_pct,
                 m.step_ms,
                 m.preempted,
-                m.decode_tok_s
+                m.decode_tok_s,
+                m.graphed_pct
             );
             if subject.is(ModelPreset::Tiny) && c == 64 {
                 speedup_tiny = speedup;

@@ -188,6 +188,8 @@ pub(crate) struct Shared {
     pub prefix_hit_tokens: AtomicU64,
     /// Sequences preempted for lack of blocks.
     pub preempted: AtomicU64,
+    /// Model calls that replayed a captured CUDA graph (`engine.cuda_graphs`).
+    pub graph_replays: AtomicU64,
 }
 
 /// Where a native engine's compute time went since it started (`sluice bench engine`).
@@ -211,6 +213,9 @@ pub struct StepBreakdown {
     /// Tokens generated in those steps: over `decode_seconds`, the decode rate that
     /// `sluice bench model`'s decode bound is about (prefill left out).
     pub decode_tokens: u64,
+    /// Of `steps`' model calls: those that replayed a captured CUDA graph
+    /// (`engine.cuda_graphs`; always 0 without).
+    pub graph_replays: u64,
 }
 
 impl StepBreakdown {
@@ -223,6 +228,7 @@ impl StepBreakdown {
             scheduler_seconds: self.scheduler_seconds - earlier.scheduler_seconds,
             decode_seconds: self.decode_seconds - earlier.decode_seconds,
             decode_tokens: self.decode_tokens - earlier.decode_tokens,
+            graph_replays: self.graph_replays - earlier.graph_replays,
         }
     }
 }
@@ -458,6 +464,7 @@ impl NativeControl {
             scheduler_seconds: (busy - model).max(0.0),
             decode_seconds: s.decode_nanos.load(Ordering::Relaxed) as f64 * 1e-9,
             decode_tokens: s.decode_tokens.load(Ordering::Relaxed),
+            graph_replays: s.graph_replays.load(Ordering::Relaxed),
         }
     }
 

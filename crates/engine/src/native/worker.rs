@@ -264,6 +264,9 @@ impl Worker {
             self.shared
                 .issue_nanos
                 .fetch_add(model_started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            if let Some(graphs) = self.model.decode_graph_stats() {
+                (self.shared.graph_replays).store(graphs.replays, Ordering::Relaxed);
+            }
             let result = stepped.and_then(|t| {
                 let seqs = picked.iter().map(|&i| &q.running[i]);
                 if on_device && let Some(drawn) = device_draw::draw(&t, seqs) {
