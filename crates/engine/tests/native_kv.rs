@@ -256,6 +256,21 @@ fn stacked_products_without_split_kernels_are_refused_by_key() {
     );
 }
 
+/// `engine.cuda_graphs` on a CPU replica stops it before it starts, naming the key (the config
+/// refuses it too; this is the path `sluice bench engine --cuda-graphs` and library users take).
+#[test]
+fn cuda_graphs_on_the_cpu_are_refused_by_key() {
+    let params = NativeEngineParams {
+        cuda_graphs: true,
+        ..NativeEngineParams::default()
+    };
+    let Err(e) = NativeEngine::start(params, weights(), None, Arc::new(|_| {})) else {
+        panic!("CUDA graphs on the CPU started")
+    };
+    let e = e.to_string();
+    assert!(e.contains("engine.cuda_graphs") && e.contains("cpu"), "{e}");
+}
+
 /// `engine.prefix_cache_version_lag = 1`: after an `in_flight` update a resubmitted prompt
 /// starts on the blocks the older weights computed; after a `drain` update it computes them again.
 #[test]
