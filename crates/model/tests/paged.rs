@@ -210,6 +210,17 @@ fn decode_steps_over_fixed_buffers_equal_the_eager_steps() {
             .flat_map(|s| a.block_table(s).to_vec())
             .collect();
         assert_eq!(tables.len(), in_a.len(), "the same tables' sizes");
+        // The one block in use beyond the tables' (the prefill-only sequences' included) is the
+        // padding rows': no sequence holds it.
+        let held: std::collections::HashSet<u32> = (0..seqs.len() as u64)
+            .chain(100..158)
+            .flat_map(|s| b.block_table(s).to_vec())
+            .collect();
+        assert_eq!(
+            held.len() + 1,
+            b.blocks_in_use(),
+            "the scratch block is in no table"
+        );
     }
 }
 

@@ -50,12 +50,18 @@ pub(super) struct DecodeGraphs {
 struct Slot {
     rows: usize,
     /// u32: the rows' token ids, their positions, then the paged attention's row tables
-    /// ([`PagedKvCache::decode_meta`]), `2 · rows + capacity` words.
+    /// ([`PagedKvCache::decode_meta`]) in the rest ([`Slot::capacity`] words).
     inputs: Tensor,
-    capacity: usize,
     /// `(rows, vocab)` f32, what the step leaves.
     logits: Tensor,
     captured: Option<(Fingerprint, Graph)>,
+}
+
+impl Slot {
+    /// Words the slot holds for the row tables.
+    fn capacity(&self) -> usize {
+        self.inputs.elem_count() - 2 * self.rows
+    }
 }
 
 /// What a graph read besides its slot's buffers: it is replayed only while they are the same.
@@ -146,7 +152,6 @@ impl InferenceModel {
                     rows,
                     inputs: Tensor::zeros(2 * rows + capacity, DType::U32, &device)
                         .ctx("decode step buffers")?,
-                    capacity,
                     logits: Tensor::zeros((rows, self.config.vocab_size), DType::F32, &device)
                         .ctx("decode step buffers")?,
                     captured: None,
@@ -156,11 +161,11 @@ impl InferenceModel {
             }
         };
         let slot = &mut graphs.slots[at];
-        if words.len() > 2 * rows + slot.capacity {
+        if words.len() > slot.inputs.elem_count() {
             return Err(ModelError::input(format!(
                 "decode step: {} words of row tables for a buffer of {}",
                 words.len() - 2 * rows,
-                slot.capacity
+                slot.capacity()
             )));
         }
         let len = words.len();
@@ -178,9 +183,9 @@ impl InferenceModel {
             }
             _ => {
                 slot.captured = None;
-                self.forward_fixed(cache, slot, tables, true)?;
+                self.forward_fixed(cache, slot, tables)?;
                 if stats.failed.is_none() {
-                    match capture(&device, || self.forward_fixed(cache, slot, tables, true)) {
+                    match capture(&device, || self.forward_fixed(cache, slot, tables)) {
                         Ok(Some(graph)) => {
                             slot.captured = Some((fingerprint, graph));
                             stats.captures += 1;
@@ -201,29 +206,27 @@ impl InferenceModel {
             .ctx("decode step logits")
     }
 
-    /// The model over a slot's buffers, leaving the logits in its `logits`. `cached`: candle's
-    /// small uploads through its cache for graph capture (on a GPU).
+    /// The model over a slot's buffers, leaving the logits in its `logits`. On a GPU candle's
+    /// small uploads go through its cache for graph capture, in the run before a capture as in
+    /// the capture.
     fn forward_fixed(
         &self,
         cache: &PagedKvCache,
         slot: &Slot,
         (cos, sin): (&Tensor, &Tensor),
-        cached: bool,
     ) -> Result<()> {
         #[cfg(feature = "cuda")]
         let _cached = match self.weights.embed.device() {
-            candle_core::Device::Cuda(d) if cached => Some(d.enable_cuda_graph_htod_cache()),
+            candle_core::Device::Cuda(d) => Some(d.enable_cuda_graph_htod_cache()),
             _ => None,
         };
-        #[cfg(not(feature = "cuda"))]
-        let _ = cached;
         let rows = slot.rows;
         let context = "decode step over fixed buffers";
         let words = |at: usize, len: usize| slot.inputs.narrow(0, at, len).ctx(context);
         let (ids, positions, meta) = (
             words(0, rows)?,
             words(rows, rows)?,
-            words(2 * rows, slot.capacity)?,
+            words(2 * rows, slot.capacity())?,
         );
         let x = self.weights.embed.index_select(&ids, 0).ctx(context)?;
         let cos = cos.index_select(&positions, 0).ctx(context)?;

@@ -39,7 +39,11 @@ pub(crate) fn paged_attention(
                     q.shape()
                 )
             }
-            let source = Source::Split([fresh(q)?, fresh(k)?, fresh(v)?]);
+            let source = Source {
+                kernel: "paged_attention",
+                tensors: vec![fresh(q)?, fresh(k)?, fresh(v)?],
+                has_bias: None,
+            };
             (source, rows, (heads, d))
         }
         NewHeads::Stacked {
@@ -50,6 +54,7 @@ pub(crate) fn paged_attention(
             geometry: (heads, kvh, d),
         } => {
             let (rows, width) = qkv.dims2()?;
+            let bias_given = bias.is_some();
             let tables = (rows, d / 2);
             if kvh != kv_heads
                 || width != (heads + 2 * kv_heads) * d
@@ -64,8 +69,17 @@ pub(crate) fn paged_attention(
                     cos.shape()
                 )
             }
-            let bias = bias.map(fresh).transpose()?;
-            let source = Source::Stacked([fresh(qkv)?, fresh(cos)?, fresh(sin)?], bias);
+            let qkv = fresh(qkv)?;
+            // Without a bias the kernel is handed the rows in its place and told not to read it.
+            let bias = match bias {
+                Some(b) => fresh(b)?,
+                None => qkv.clone(),
+            };
+            let source = Source {
+                kernel: "paged_attention_qkv",
+                tensors: vec![qkv, bias, fresh(cos)?, fresh(sin)?],
+                has_bias: Some(u32::from(bias_given)),
+            };
             (source, rows, (heads, d))
         }
     };
@@ -91,12 +105,13 @@ pub(crate) fn paged_attention(
     }
 }
 
-/// The step's heads as the launch reads them, in the pool's dtype and contiguous.
-enum Source {
-    /// q, k, v (`paged_attention_*`).
-    Split([Tensor; 3]),
-    /// The stacked rows, cos and sin, and the bias (`paged_attention_qkv_*`).
-    Stacked([Tensor; 3], Option<Tensor>),
+/// The step's heads as the launch reads them: its kernel, and its tensor arguments in order, in
+/// the pool's dtype and contiguous (q, k, v for `paged_attention_*`; the stacked rows, the bias,
+/// cos and sin for `paged_attention_qkv_*`, whose flag `has_bias` follows the bias).
+struct Source {
+    kernel: &'static str,
+    tensors: Vec<Tensor>,
+    has_bias: Option<u32>,
 }
 
 /// One launch of `paged_attention_*` or `paged_attention_qkv_*`, in place on the pool (the
@@ -129,40 +144,33 @@ impl InplaceOp1 for AttendStoring<'_> {
         let rows = self.rows;
         let r32 = u32_of(rows, "rows")?;
         let dims = [heads, kv_heads, d, block_tokens].map(|x| x as u32);
-        let (three, bias) = match &self.source {
-            Source::Split(t) => (t, None),
-            Source::Stacked(t, bias) => (t, Some(bias.as_ref().unwrap_or(&t[0]))),
-        };
-        let guards = [&three[0], &three[1], &three[2], self.meta].map(|t| t.storage_and_layout());
-        let [(s0, l0), (s1, l1), (s2, l2), (ms, ml)] = &guards;
-        let (s0, s1, s2, ms) = (cuda_of(s0)?, cuda_of(s1)?, cuda_of(s2)?, cuda_of(ms)?);
-        // Without a bias the kernel is handed the rows in its place and told not to read it.
-        let has_bias = u32::from(matches!(self.source, Source::Stacked(_, Some(_))));
-        let bias_guard = bias.map(|b| b.storage_and_layout());
+        let Source {
+            kernel,
+            tensors,
+            has_bias,
+        } = &self.source;
+        let guards: Vec<_> = tensors.iter().map(|t| t.storage_and_layout()).collect();
+        let meta = self.meta.storage_and_layout();
         let dev = pool.device.clone();
         let dtype = pool.dtype();
         by_dtype!(dtype, T => {
-            let (v0, v1, v2) = (view::<T>(s0, l0)?, view::<T>(s1, l1)?, view::<T>(s2, l2)?);
-            let mv = view::<u32>(ms, ml)?;
+            let views = (guards.iter())
+                .map(|(s, l)| view::<T>(cuda_of(s)?, l))
+                .collect::<Result<Vec<_>>>()?;
+            let mv = view::<u32>(cuda_of(&meta.0)?, meta.1)?;
             let mut out = output::<T>(&dev, rows * heads * d)?;
             let stream = dev.cuda_stream();
             let mut pv = pool.as_cuda_slice_mut::<T>()?.slice_mut(p0..p1);
-            let name = match bias_guard {
-                None => "paged_attention",
-                Some(_) => "paged_attention_qkv",
-            };
-            let f = PAGED.function(&dev, &format!("{name}_{}", suffix(dtype)))?;
-            let bv = match &bias_guard {
-                Some((bs, bl)) => Some(view::<T>(cuda_of(bs)?, bl)?),
-                None => None,
-            };
+            let f = PAGED.function(&dev, &format!("{kernel}_{}", suffix(dtype)))?;
             let mut a = stream.launch_builder(&f);
-            match &bv {
-                // q, k, v.
-                None => a.arg(&v0).arg(&v1).arg(&v2),
-                // The rows, the bias, whether to read it, cos, sin.
-                Some(bv) => a.arg(&v0).arg(bv).arg(&has_bias).arg(&v1).arg(&v2),
-            };
+            // q, k, v; or the rows, the bias, whether to read it, cos, sin.
+            a.arg(&views[0]).arg(&views[1]);
+            if let Some(flag) = has_bias {
+                a.arg(flag);
+            }
+            for v in &views[2..] {
+                a.arg(v);
+            }
             a.arg(&mut pv).arg(&mv).arg(&mut out).arg(&r32);
             a.arg(&dims[0]).arg(&dims[1]).arg(&dims[2]).arg(&dims[3]).arg(&half);
             a.arg(&self.scale);
