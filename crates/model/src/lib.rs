@@ -75,6 +75,7 @@ pub mod recompute;
 mod scores;
 pub mod section;
 pub mod snapshot;
+mod step_weights;
 pub mod threads;
 pub mod tokenizer;
 pub mod train;

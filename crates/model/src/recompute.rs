@@ -87,21 +87,22 @@ impl TrainableModel {
         Ok(store)
     }
 
-    /// Adds every parameter gradient of `part` into `total`.
+    /// Adds every parameter gradient of `part` into `total` (the step's converted copies'
+    /// included, [`TrainableModel::set_step_weights`]).
     fn add_parameter_grads(
         &self,
         total: &mut GradStore,
         part: &GradStore,
     ) -> candle_core::Result<()> {
-        for (_, var) in self.vars() {
-            let Some(g) = part.get(var.as_tensor()) else {
+        for param in self.parameter_tensors() {
+            let Some(g) = part.get(param) else {
                 continue;
             };
-            let sum = match total.get(var.as_tensor()) {
+            let sum = match total.get(param) {
                 Some(acc) => (acc + g)?,
                 None => g.clone(),
             };
-            total.insert(var.as_tensor(), sum);
+            total.insert(param, sum);
         }
         Ok(())
     }

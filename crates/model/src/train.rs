@@ -14,6 +14,7 @@ use crate::layers::{DecoderWeights, LayerWeights, linear};
 use crate::ops::{Kernels, Rope, apply_rope, compute_dtype, softmax_last_dim};
 use crate::scores::token_scores;
 use crate::snapshot::ModelWeights;
+use crate::step_weights::StepWeights;
 
 /// Per-slot results of [`TrainableModel::token_scores`], each `(B, L)` in f32 (f64 for an f64
 /// model) and differentiable with respect to every parameter.
@@ -56,6 +57,9 @@ pub struct TrainableModel {
     kernels: Kernels,
     /// Dtype of the forward's products and activations ([`TrainableModel::set_compute_dtype`]).
     compute: DType,
+    /// The parameters converted to `compute` once for a step
+    /// ([`TrainableModel::set_step_weights`]).
+    pub(crate) step: Option<StepWeights>,
 }
 
 impl TrainableModel {
@@ -91,6 +95,7 @@ impl TrainableModel {
             rope,
             kernels: Kernels::Custom,
             compute: dtype,
+            step: None,
         })
     }
 
@@ -126,6 +131,7 @@ impl TrainableModel {
             )));
         }
         self.compute = dtype;
+        self.step = None;
         Ok(())
     }
 
@@ -149,10 +155,15 @@ impl TrainableModel {
             && crate::fused::on_device_head_dim(self.config.head_dim)
     }
 
+    /// The weights the forward reads: the step's converted copies when there are some.
+    fn forward_weights(&self) -> &DecoderWeights {
+        self.step.as_ref().map_or(&self.weights, |s| &s.weights)
+    }
+
     /// Layer `i`'s weights in the compute dtype.
     fn layer_weights(&self, i: usize) -> candle_core::Result<std::borrow::Cow<'_, LayerWeights>> {
-        let layer = &self.weights.layers[i];
-        Ok(if self.compute == self.dtype() {
+        let layer = &self.forward_weights().layers[i];
+        Ok(if layer.input_norm.dtype() == self.compute {
             std::borrow::Cow::Borrowed(layer)
         } else {
             std::borrow::Cow::Owned(layer.to_dtype(self.compute)?)
@@ -236,7 +247,8 @@ impl TrainableModel {
         options: ForwardOptions,
     ) -> Result<TokenScores> {
         let targets = Tensor::new(batch.target_ids.as_slice(), self.device()).ctx("targets")?;
-        let head = self.weights.lm_head.to_dtype(self.compute).ctx("lm head")?;
+        let head = self.forward_weights().lm_head.to_dtype(self.compute);
+        let head = head.ctx("lm head")?;
         let scores = token_scores(
             hidden,
             &head,
@@ -321,7 +333,7 @@ impl TrainableModel {
 
     pub(crate) fn final_norm(&self, x: &Tensor) -> Result<Tensor> {
         let eps = self.config.rms_norm_eps;
-        self.weights
+        self.forward_weights()
             .final_norm
             .to_dtype(self.compute)
             .and_then(|w| crate::ops::rms_norm(x, &w, eps, self.kernels))

@@ -236,6 +236,130 @@ fn a_bf16_compute_step_matches_the_f32_step_within_bf16_rounding() {
     }
 }
 
+/// Converting the parameters once for a step (`set_step_weights`) changes nothing but where the
+/// gradients land: the loss is the per-forward conversion's bit for bit, and each parameter's
+/// gradients (the master's and its copy's, summed in f32) are the ones the conversion's backward
+/// gives the master, in the plain and the recomputed backward. Only a tied embedding's master
+/// still gets a gradient of its own (its rows are gathered from the master table).
+#[test]
+fn weights_converted_once_per_step_give_the_per_forward_gradients() {
+    let options = ForwardOptions {
+        logits_chunk_rows: 3,
+        temperature: 0.7,
+    };
+    let batch = batch();
+    for arch in ALL_ARCHS {
+        for tied in [true, false] {
+            let snap = snapshot(tiny_config(arch, tied), 5, DType::F32);
+            let mut model = TrainableModel::from_snapshot(&snap, DType::F32).unwrap();
+            assert!(
+                model.step_weight_params().is_empty(),
+                "f32 compute: nothing to convert"
+            );
+            model.set_compute_dtype(DType::BF16).unwrap();
+            let params = model.step_weight_params();
+            assert_eq!(params.len(), model.vars().len() - usize::from(!tied));
+
+            let each = loss_of(model.token_scores(&batch, options).unwrap(), &batch);
+            let want = each.backward().unwrap();
+            let (scores, saved) = model.token_scores_recomputable(&batch, options).unwrap();
+            let want_recomputed = model
+                .backward_recomputed(&loss_of(scores, &batch), saved)
+                .unwrap();
+
+            let converted: Vec<Tensor> = params
+                .iter()
+                .map(|&i| model.vars()[i].1.as_tensor().to_dtype(DType::BF16).unwrap())
+                .collect();
+            model.set_step_weights(converted).unwrap();
+            assert!(model.has_step_weights());
+            let once = loss_of(model.token_scores(&batch, options).unwrap(), &batch);
+            assert_eq!(
+                scalar(&once).to_bits(),
+                scalar(&each).to_bits(),
+                "{arch:?}: loss"
+            );
+            let got = once.backward().unwrap();
+            let (scores, saved) = model.token_scores_recomputable(&batch, options).unwrap();
+            let got_recomputed = model
+                .backward_recomputed(&loss_of(scores, &batch), saved)
+                .unwrap();
+            for (store, reference, how) in [
+                (&got, &want, "plain"),
+                (&got_recomputed, &want_recomputed, "recomputed"),
+            ] {
+                let grads = model.parameter_gradients(store);
+                for (i, (name, var)) in model.vars().iter().enumerate() {
+                    let mine: Vec<&Tensor> = grads
+                        .iter()
+                        .filter(|(j, _)| *j == i)
+                        .map(|(_, g)| g)
+                        .collect();
+                    // The embedding's rows are gathered from the master; a tied one is also
+                    // read whole, from its copy, as the LM head.
+                    let embedding = name == "model.embed_tokens.weight";
+                    assert_eq!(
+                        mine.len(),
+                        1 + usize::from(embedding && tied),
+                        "{name}: {how}"
+                    );
+                    if !embedding {
+                        assert!(store.get(var.as_tensor()).is_none(), "{name}: master used");
+                        assert_eq!(mine[0].dtype(), DType::BF16, "{name}: the copy's gradient");
+                    }
+                    let sum = mine
+                        .iter()
+                        .map(|g| g.to_dtype(DType::F32).unwrap())
+                        .reduce(|a, b| (a + b).unwrap())
+                        .unwrap();
+                    let expected = reference.get(var.as_tensor()).unwrap();
+                    assert_eq!(
+                        sum.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                        expected.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                        "{arch:?} tied={tied}: {name}: {how} backward"
+                    );
+                }
+            }
+            model.clear_step_weights();
+            assert!(!model.has_step_weights());
+            assert!(model.parameter_gradients(&got).len() < params.len());
+        }
+    }
+}
+
+#[test]
+fn step_weights_of_the_wrong_count_dtype_or_shape_are_refused() {
+    let snap = snapshot(tiny_config(ALL_ARCHS[0], false), 3, DType::F32);
+    let mut model = TrainableModel::from_snapshot(&snap, DType::F32).unwrap();
+    model.set_compute_dtype(DType::BF16).unwrap();
+    let params = model.step_weight_params();
+    let masters: Vec<Tensor> = params
+        .iter()
+        .map(|&i| model.vars()[i].1.as_tensor().clone())
+        .collect();
+    let first_name = model.vars()[params[0]].0.clone();
+    let convert = |dtype: DType| -> Vec<Tensor> {
+        masters.iter().map(|t| t.to_dtype(dtype).unwrap()).collect()
+    };
+    let mut short = convert(DType::BF16);
+    short.pop();
+    let err = model.set_step_weights(short).unwrap_err().to_string();
+    assert!(err.contains("tensors for"), "{err}");
+    let err = model
+        .set_step_weights(convert(DType::F32))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("wanted BF16"), "{err}");
+    let mut reshaped = convert(DType::BF16);
+    reshaped[0] = reshaped[0].unsqueeze(0).unwrap();
+    let err = model.set_step_weights(reshaped).unwrap_err().to_string();
+    assert!(err.contains(&first_name), "{err}");
+    assert!(!model.has_step_weights(), "a refused set leaves none");
+    model.set_step_weights(convert(DType::BF16)).unwrap();
+    model.set_compute_dtype(DType::F32).unwrap();
+    assert!(!model.has_step_weights(), "a new compute dtype drops them");
+}
+
 #[test]
 fn a_compute_dtype_wider_than_the_parameters_is_refused() {
     let snap = snapshot(tiny_config(ALL_ARCHS[0], true), 3, DType::F32);
