@@ -29,7 +29,7 @@ use std::time::Instant;
 
 use sluice_model::candle::{DType, Device, Tensor, Var};
 use sluice_trainer::adamw_kernel::{
-    Operands, Update, apply, apply_many, compose, snapshot, sum_of_squares,
+    Operands, Update, accumulate, apply, apply_many, compose, snapshot, sum_of_squares,
 };
 
 mod engine;
@@ -75,6 +75,7 @@ pub fn run(args: &BenchKernelsArgs) -> anyhow::Result<ExitCode> {
         failed += u32::from(!adamw(&device, args.adamw_elements, &mut result)?);
         if device.is_cuda() {
             failed += u32::from(!adamw_many(&device, args.adamw_elements, &mut result)?);
+            failed += u32::from(!accumulate_many(&device, args.adamw_elements, &mut result)?);
             failed += u32::from(!sampling(&device, &mut result)?);
             failed += u32::from(!training::compare(&device, &mut result)?);
         } else if sluice_model::amx::available() {
@@ -294,6 +295,75 @@ fn adamw_many(device: &Device, n: usize, result: &mut Vec<String>) -> anyhow::Re
         && norm_err < 1e-5
         && fresh.is_some()
         && snapshot_differ == 0)
+}
+
+/// On a GPU: two micro-batches' gradients added to a step's f32 sums by one launch each against
+/// a conversion and an add per gradient, on `n` elements over [`ADAMW_PARAMS`] parameters with
+/// bf16 gradients (the first also has an f32 one, as a tied embedding's gathered rows); the
+/// bits must agree.
+fn accumulate_many(device: &Device, n: usize, result: &mut Vec<String>) -> anyhow::Result<bool> {
+    let weights: usize = (1..=ADAMW_PARAMS).sum();
+    let micro = |seed: u64| -> anyhow::Result<Vec<(usize, Vec<Tensor>)>> {
+        device.set_seed(seed)?;
+        let mut grads = Vec::with_capacity(ADAMW_PARAMS);
+        for k in 1..=ADAMW_PARAMS {
+            let len = (n * k / weights).max(1);
+            let bf16 = Tensor::randn(0f32, 1.0, len, device)?.to_dtype(DType::BF16)?;
+            let mut gs = vec![bf16];
+            if k == 1 {
+                gs.insert(0, Tensor::randn(0f32, 1.0, len, device)?);
+            }
+            grads.push((k - 1, gs));
+        }
+        Ok(grads)
+    };
+    let each = |sums: &mut [Option<Tensor>], grads: Vec<(usize, Vec<Tensor>)>| {
+        for (i, gs) in grads {
+            let mut sum: Option<Tensor> = None;
+            for g in gs {
+                let g = g.to_dtype(DType::F32)?;
+                sum = Some(match sum {
+                    None => g,
+                    Some(s) => (s + g)?,
+                });
+            }
+            sums[i] = match (sums[i].take(), sum) {
+                (Some(a), Some(s)) => Some((a + s)?),
+                (a, s) => a.or(s),
+            };
+        }
+        anyhow::Ok(())
+    };
+    let (first, second) = (micro(11)?, micro(12)?);
+    let mut together = vec![None; ADAMW_PARAMS];
+    let mut left = accumulate(&mut together, first.clone())?.len();
+    left += accumulate(&mut together, second.clone())?.len();
+    let mut apart = vec![None; ADAMW_PARAMS];
+    each(&mut apart, first)?;
+    each(&mut apart, second.clone())?;
+    let mut differ = 0;
+    for (a, b) in together.iter().zip(&apart) {
+        let (Some(a), Some(b)) = (a, b) else {
+            anyhow::bail!("a parameter's gradient sum is missing");
+        };
+        differ += bit_mismatches(a, b)?;
+    }
+    // One more micro-batch onto the existing sums, each way.
+    let (_, one_ms) = training::timed(ADAMW_STEPS as usize, device, || {
+        Ok(accumulate(&mut together, second.clone())?)
+    })?;
+    let (_, each_ms) = training::timed(ADAMW_STEPS as usize, device, || {
+        each(&mut apart, second.clone())
+    })?;
+    println!(
+        "a micro-batch's bf16 gradients added to the f32 sums of {ADAMW_PARAMS} parameters: one launch {one_ms:.3} ms, a conversion and an add per gradient {each_ms:.3} ms ({:.2}x); elements differing {differ}; parameters the launch did not take {left}",
+        each_ms / one_ms
+    );
+    result.extend([
+        format!("accumulate_many_speedup={:.2}", each_ms / one_ms),
+        format!("accumulate_many_bit_mismatches={differ}"),
+    ]);
+    Ok(differ == 0 && left == 0)
 }
 
 /// Rows of the products: a decode step of 64 sequences.

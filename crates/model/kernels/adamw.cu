@@ -86,3 +86,30 @@ extern "C" __global__ void snapshot_many_f32(const u64* src, const u64* dst,
     for (unsigned i = threadIdx.x; i < chunk_len[c]; i += blockDim.x) d[i] = s[i];
   }
 }
+
+// One micro-batch's gradients added to the step's f32 sums, every parameter in one launch
+// (chunks laid out as for adamw_many_f32): sum[t] = (ACC_FRESH ? 0 : sum[t]) + (g[t] + h[t]),
+// the gradients read as f32 from f32 or bf16 buffers, h only where ACC_H says there is one (a
+// tied embedding's gathered rows and its LM head). Each addition is rounded on its own, in that
+// order: the bits of converting each gradient and adding them tensor by tensor.
+#define ACC_FRESH 1u
+#define ACC_G_BF16 2u
+#define ACC_H 4u
+#define ACC_H_BF16 8u
+
+__device__ __forceinline__ float acc_read(u64 base, u64 i, bool is_bf16) {
+  return is_bf16 ? __bfloat162float(((const bf16*)base)[i]) : ((const float*)base)[i];
+}
+
+extern "C" __global__ void accumulate_many_f32(const u64* sum, const u64* g, const u64* h,
+                                               const unsigned* flags, const unsigned* chunk_param,
+                                               const u64* chunk_at, const unsigned* chunk_len) {
+  const unsigned c = blockIdx.x, t = chunk_param[c], f = flags[t];
+  const u64 at = chunk_at[c];
+  float* s = (float*)sum[t] + at;
+  for (unsigned i = threadIdx.x; i < chunk_len[c]; i += blockDim.x) {
+    float x = acc_read(g[t], at + i, f & ACC_G_BF16);
+    if (f & ACC_H) x = __fadd_rn(x, acc_read(h[t], at + i, f & ACC_H_BF16));
+    s[i] = __fadd_rn((f & ACC_FRESH) ? 0.0f : s[i], x);
+  }
+}

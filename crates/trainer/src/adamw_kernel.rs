@@ -104,11 +104,42 @@ pub fn sum_of_squares(grads: &[&Tensor]) -> Result<Option<f64>> {
 /// otherwise (the caller copies per tensor).
 pub fn snapshot(params: &[&Tensor], dtype: DType) -> Result<Option<Vec<Tensor>>> {
     #[cfg(feature = "cuda")]
-    return cuda::snapshot(params, dtype);
+    return cuda::snapshot(params, dtype, false);
     #[cfg(not(feature = "cuda"))]
     {
         let _ = (params, dtype);
         Ok(None)
+    }
+}
+
+/// [`snapshot`]'s copies made as variables: a step's parameters in the compute dtype, for
+/// [`sluice_model::TrainableModel::set_step_weights`] to take as they are. `None` where
+/// [`snapshot`] gives none.
+pub fn step_copies(params: &[&Tensor], dtype: DType) -> Result<Option<Vec<Tensor>>> {
+    #[cfg(feature = "cuda")]
+    return cuda::snapshot(params, dtype, true);
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (params, dtype);
+        Ok(None)
+    }
+}
+
+/// Adds one micro-batch's gradients (per parameter: its index and one gradient, or two for a
+/// tied embedding, in f32 or bf16) to the step's f32 sums: on a GPU (`cuda` builds) every
+/// parameter whose tensors qualify by one launch, with the bits of converting each gradient
+/// and adding tensor by tensor. Hands back the parameters it did not take, for the caller to
+/// add per tensor.
+pub fn accumulate(
+    sums: &mut [Option<Tensor>],
+    grads: Vec<(usize, Vec<Tensor>)>,
+) -> Result<Vec<(usize, Vec<Tensor>)>> {
+    #[cfg(feature = "cuda")]
+    return cuda::accumulate(sums, grads);
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = sums;
+        Ok(grads)
     }
 }
 

@@ -231,6 +231,8 @@ impl NativeTrainer {
         // Proximal log-probs of the later shares, under the step's starting weights.
         let mut proximal: Vec<Option<Vec<Vec<f32>>>> = vec![None; packings.len()];
         if loss_config.kind == LossKind::DecoupledPpo {
+            // The first share's update reads the same weights: converted once for both.
+            self.cast_step_weights()?;
             for (prox, packing) in proximal.iter_mut().zip(&packings).skip(1) {
                 *prox = Some(self.loss_slot_logprobs(packing, temperature)?);
             }

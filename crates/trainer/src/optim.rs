@@ -109,20 +109,12 @@ impl<T> Ctx<T> for candle_core::Result<T> {
     }
 }
 
-/// The gradients of `vars` in `store`, in f32, one slot per parameter (`None`: no gradient).
+/// The gradients of `vars` in `store`, each with its variable's index, in their own dtype.
 /// Taking them out lets the rest of the store (every intermediate's gradient) go at once.
-pub fn gradients(vars: &[&Var], store: &GradStore) -> Result<Vec<Option<Tensor>>, OptimError> {
-    vars.iter()
-        .enumerate()
-        .map(|(i, var)| {
-            store
-                .get(var.as_tensor())
-                .map(|g| {
-                    g.to_dtype(DType::F32)
-                        .ctx(|| format!("gradient {i} to f32"))
-                })
-                .transpose()
-        })
+pub fn gradients(vars: &[&Var], store: &GradStore) -> Vec<(usize, Tensor)> {
+    let grads = vars.iter().enumerate();
+    grads
+        .filter_map(|(i, var)| store.get(var.as_tensor()).map(|g| (i, g.clone())))
         .collect()
 }
 
@@ -142,17 +134,43 @@ impl GradAccumulator {
 
     /// Adds the gradients of `vars` found in `store`.
     pub fn add(&mut self, vars: &[&Var], store: &GradStore) -> Result<(), OptimError> {
-        self.add_gradients(gradients(vars, store)?)
+        self.add_gradients(gradients(vars, store))
     }
 
-    /// Adds one micro-batch's gradients (from [`gradients`]), parameter by parameter.
-    pub fn add_gradients(&mut self, grads: Vec<Option<Tensor>>) -> Result<(), OptimError> {
-        for (i, (acc, g)) in self.grads.iter_mut().zip(grads).enumerate() {
-            let Some(g) = g else { continue };
-            *acc = Some(match acc.take() {
-                None => g,
-                Some(a) => (a + g).ctx(|| format!("accumulating gradient {i}"))?,
-            });
+    /// Adds one micro-batch's gradients, each with its parameter's index (from [`gradients`],
+    /// or `TrainableModel::parameter_gradients`, where a tied embedding has two: its gathered
+    /// rows' and its LM head's), in any float dtype. A parameter's gradients are converted to
+    /// f32 and summed in order, then added to its sum. On a GPU one launch takes every
+    /// parameter ([`crate::adamw_kernel::accumulate`]), with the same bits.
+    pub fn add_gradients(&mut self, grads: Vec<(usize, Tensor)>) -> Result<(), OptimError> {
+        let mut per: Vec<Vec<Tensor>> = vec![Vec::new(); self.grads.len()];
+        for (i, g) in grads {
+            let Some(slot) = per.get_mut(i) else {
+                return Err(OptimError::State(format!(
+                    "a gradient for parameter {i} of {}",
+                    self.grads.len()
+                )));
+            };
+            slot.push(g);
+        }
+        let grouped = per.into_iter().enumerate().filter(|(_, g)| !g.is_empty());
+        let rest = crate::adamw_kernel::accumulate(&mut self.grads, grouped.collect())
+            .ctx(|| "accumulating gradients".to_owned())?;
+        for (i, gs) in rest {
+            let context = || format!("accumulating gradient {i}");
+            let mut sum: Option<Tensor> = None;
+            for g in gs {
+                let g = g.to_dtype(DType::F32).ctx(context)?;
+                sum = Some(match sum {
+                    None => g,
+                    Some(s) => (s + g).ctx(context)?,
+                });
+            }
+            let acc = &mut self.grads[i];
+            *acc = match (acc.take(), sum) {
+                (Some(a), Some(s)) => Some((a + s).ctx(context)?),
+                (a, s) => a.or(s),
+            };
         }
         Ok(())
     }

@@ -446,6 +446,61 @@ fn emulated_snapshot_kernel_converts_every_parameter_as_candle_does() {
 }
 
 #[test]
+fn emulated_accumulate_kernel_adds_gradients_as_the_conversions_and_adds_do() {
+    // A micro-batch's gradients into the step's f32 sums, as the trainer launches it: a fresh
+    // sum from one bf16 gradient, a sum over 65,536 elements (two chunks) plus an f32 one, a
+    // fresh sum of two (a tied embedding's f32 rows and bf16 head), and an existing sum plus
+    // two. Against converting each gradient and adding them tensor by tensor, bit for bit.
+    const FRESH: u32 = 1;
+    const G_BF16: u32 = 2;
+    const H: u32 = 4;
+    const H_BF16: u32 = 8;
+    let params: [(usize, u32); 4] = [
+        (300, FRESH | G_BF16),
+        (70_000, 0),
+        (1, FRESH | H | H_BF16),
+        (513, G_BF16 | H),
+    ];
+    let mut tensors = Vec::new();
+    let mut want: Vec<f32> = Vec::new();
+    for (k, &(n, flags)) in params.iter().enumerate() {
+        let seed = 60 + 3 * k as u64;
+        let value = |seed: u64, bf16: bool| {
+            let t = rand(&[n], seed, DType::F32).to_dtype(DType::F32).unwrap();
+            let t = if bf16 {
+                t.to_dtype(DType::BF16).unwrap()
+            } else {
+                t
+            };
+            t.to_dtype(DType::F32).unwrap()
+        };
+        let sum = (flags & FRESH == 0).then(|| value(seed, false));
+        let g = value(seed + 1, flags & G_BF16 != 0);
+        let h = (flags & H != 0).then(|| value(seed + 2, flags & H_BF16 != 0));
+        let micro = match &h {
+            Some(h) => (&g + h).unwrap(),
+            None => g.clone(),
+        };
+        let total = match &sum {
+            Some(s) => (s + &micro).unwrap(),
+            None => micro,
+        };
+        want.extend(total.to_vec1::<f32>().unwrap());
+        tensors.extend(sum.into_iter().chain([g]).chain(h));
+    }
+    // The harness reads every input as f32 and rounds those its flags call bf16: exact here.
+    let ins: Vec<In<'_>> = tensors.iter().map(In::Floats).collect();
+    let args: Vec<String> = params
+        .iter()
+        .flat_map(|(n, f)| [n.to_string(), f.to_string()])
+        .collect();
+    let got = emulate("accumulate_many", DType::F32, &ins, &args);
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(got.len(), want.len());
+    assert_eq!(bits(&got), bits(&want));
+}
+
+#[test]
 fn emulated_paged_attention_kernel_stores_the_step_and_matches_a_dense_softmax() {
     // Rows of four sequences over a pool of 4-token blocks, one adding a prompt of three tokens
     // (three rows, each seeing one more key), one over more than a warp's 32 keys; GQA; head

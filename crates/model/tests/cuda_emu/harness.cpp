@@ -321,6 +321,38 @@ void run(const std::string& op, char** a, bool bf) {
     emu::launch(snapshot_many_f32, dim3(chunk_param.size()), dim3(THREADS), sa.data(), da.data(),
                 chunk_param.data(), chunk_at.data(), chunk_len.data(), (int)bf);
     for (auto& d : dst) put(d);
+  } else if (op == "accumulate_many") {
+    // ARGS: each parameter's size and flags (ACC_*); IN per parameter: its f32 sum (unless
+    // ACC_FRESH), g and (with ACC_H) h, each as f32 or, by its flag, rounded to bf16. OUT: the
+    // sums, one after another.
+    std::vector<std::vector<float>> sums, gf, hf;
+    std::vector<std::vector<bf16>> gb, hb;
+    std::vector<u64> sa, ga, ha, chunk_at;
+    std::vector<unsigned> flags, chunk_param, chunk_len;
+    for (int i = 0; a[i]; i += 2) {
+      const size_t n = u(i);
+      const unsigned fl = u(i + 1), t = flags.size();
+      flags.push_back(fl);
+      sums.push_back((fl & ACC_FRESH) ? std::vector<float>(n, NAN) : floats<float>(n));
+      const bool g16 = fl & ACC_G_BF16, has_h = fl & ACC_H, h16 = fl & ACC_H_BF16;
+      gf.push_back(g16 ? std::vector<float>() : floats<float>(n));
+      gb.push_back(g16 ? floats<bf16>(n) : std::vector<bf16>());
+      hf.push_back(has_h && !h16 ? floats<float>(n) : std::vector<float>());
+      hb.push_back(has_h && h16 ? floats<bf16>(n) : std::vector<bf16>());
+      for (size_t at = 0; at < n; at += 65536) {
+        chunk_param.push_back(t);
+        chunk_at.push_back(at);
+        chunk_len.push_back((unsigned)std::min<size_t>(65536, n - at));
+      }
+    }
+    for (size_t t = 0; t < flags.size(); ++t) {
+      sa.push_back((u64)sums[t].data());
+      ga.push_back(flags[t] & ACC_G_BF16 ? (u64)gb[t].data() : (u64)gf[t].data());
+      ha.push_back(!(flags[t] & ACC_H) ? 0 : flags[t] & ACC_H_BF16 ? (u64)hb[t].data() : (u64)hf[t].data());
+    }
+    emu::launch(accumulate_many_f32, dim3(chunk_param.size()), dim3(THREADS), sa.data(), ga.data(),
+                ha.data(), flags.data(), chunk_param.data(), chunk_at.data(), chunk_len.data());
+    for (auto& s : sums) put(s);
   } else if (op == "sumsq_many") {
     // ARGS: each buffer's size; IN: the buffers. OUT: one sum of squares per 65536-element chunk.
     std::vector<std::vector<float>> gs;

@@ -151,8 +151,13 @@ pub(super) fn sum_of_squares(grads: &[&Tensor]) -> Result<Option<f64>> {
 }
 
 /// Fresh copies of `params` (contiguous f32 on one GPU) in `dtype` (f32 or bf16) by one launch
-/// of `snapshot_many_f32`; `None` when they do not qualify.
-pub(super) fn snapshot(params: &[&Tensor], dtype: DType) -> Result<Option<Vec<Tensor>>> {
+/// of `snapshot_many_f32`, made as variables when `variables` (a step's leaf copies); `None`
+/// when they do not qualify.
+pub(super) fn snapshot(
+    params: &[&Tensor],
+    dtype: DType,
+    variables: bool,
+) -> Result<Option<Vec<Tensor>>> {
     let Some(device) = one_gpu_f32(params) else {
         return Ok(None);
     };
@@ -227,10 +232,179 @@ pub(super) fn snapshot(params: &[&Tensor], dtype: DType) -> Result<Option<Vec<Te
         .into_iter()
         .zip(params)
         .map(|(storage, p)| {
-            Tensor::from_storage(storage, p.shape().clone(), BackpropOp::none(), false)
+            Tensor::from_storage(storage, p.shape().clone(), BackpropOp::none(), variables)
         })
         .collect();
     Ok(Some(tensors))
+}
+
+/// One parameter's gradients of a micro-batch (one, or two for a tied embedding) for
+/// [`accumulate`], with its index.
+pub(super) type Gradients = (usize, Vec<Tensor>);
+
+/// Adds one micro-batch's gradients to the step's f32 sums `sums` by one launch of
+/// `accumulate_many_f32`, for every parameter whose gradients (one or two, f32 or bf16) and sum
+/// (contiguous f32, or none yet) are contiguous on one GPU; hands back the others. A lone f32
+/// gradient with no sum yet becomes the sum as it is, without a launch.
+pub(super) fn accumulate(
+    sums: &mut [Option<Tensor>],
+    grads: Vec<Gradients>,
+) -> Result<Vec<Gradients>> {
+    let device = grads
+        .iter()
+        .flat_map(|(_, g)| g)
+        .find_map(|g| match g.device() {
+            Device::Cuda(d) => Some(d.clone()),
+            _ => None,
+        });
+    let Some(device) = device else {
+        return Ok(grads);
+    };
+    let on = |t: &Tensor| {
+        t.is_contiguous() && matches!(t.device(), Device::Cuda(d) if d.same_device(&device))
+    };
+    let (mut launched, mut rest) = (Vec::new(), Vec::new());
+    for (i, mut gs) in grads {
+        let n = gs.first().map_or(0, Tensor::elem_count);
+        let fits = (1..=2).contains(&gs.len())
+            && gs.iter().all(|g| {
+                on(g) && matches!(g.dtype(), DType::F32 | DType::BF16) && g.elem_count() == n
+            })
+            && sums.get(i).is_some_and(|s| {
+                s.as_ref()
+                    .is_none_or(|s| on(s) && s.dtype() == DType::F32 && s.elem_count() == n)
+            });
+        if !fits {
+            rest.push((i, gs));
+        } else if sums[i].is_none() && gs.len() == 1 && gs[0].dtype() == DType::F32 {
+            sums[i] = gs.pop();
+        } else {
+            launched.push((i, gs));
+        }
+    }
+    if !launched.is_empty() {
+        launch_accumulate(&device, sums, &launched)?;
+    }
+    Ok(rest)
+}
+
+/// `accumulate_many_f32`'s flags (crates/model/kernels/adamw.cu).
+const ACC_FRESH: u32 = 1;
+const ACC_G_BF16: u32 = 2;
+const ACC_H: u32 = 4;
+const ACC_H_BF16: u32 = 8;
+
+fn launch_accumulate(
+    device: &candle_core::CudaDevice,
+    sums: &mut [Option<Tensor>],
+    grads: &[Gradients],
+) -> Result<()> {
+    let mut flags = Vec::with_capacity(grads.len());
+    for (i, gs) in grads {
+        let mut f = 0;
+        if sums[*i].is_none() {
+            let n = gs[0].elem_count().max(1);
+            // SAFETY: `accumulate_many_f32`, launched below before anything reads it, writes
+            // every element of a fresh sum (its chunks cover the parameter's size).
+            #[allow(unsafe_code)]
+            let fresh = unsafe { device.alloc::<f32>(n) }?;
+            let storage = Storage::Cuda(CudaStorage::wrap_cuda_slice(fresh, device.clone()));
+            let shape = gs[0].shape().clone();
+            sums[*i] = Some(Tensor::from_storage(
+                storage,
+                shape,
+                BackpropOp::none(),
+                false,
+            ));
+            f |= ACC_FRESH;
+        }
+        if gs[0].dtype() == DType::BF16 {
+            f |= ACC_G_BF16;
+        }
+        if let Some(h) = gs.get(1) {
+            f |= ACC_H;
+            if h.dtype() == DType::BF16 {
+                f |= ACC_H_BF16;
+            }
+        }
+        flags.push(f);
+    }
+    let stream = device.cuda_stream();
+    let sum_guards: Vec<_> = grads
+        .iter()
+        .map(|(i, _)| sums[*i].as_ref().map(Tensor::storage_and_layout))
+        .collect();
+    let grad_guards: Vec<Vec<_>> = grads
+        .iter()
+        .map(|(_, gs)| gs.iter().map(Tensor::storage_and_layout).collect())
+        .collect();
+    let n = grads.len();
+    // Device addresses of each parameter's sum, g and h (0: none), in three runs.
+    let mut addresses = vec![0u64; 3 * n];
+    let mut syncs = Vec::with_capacity(3 * n);
+    for (k, (sum, gs)) in sum_guards.iter().zip(&grad_guards).enumerate() {
+        let Some((storage, layout)) = sum else {
+            bail!("accumulate: a sum went missing")
+        };
+        let (ptr, sync) = address(&stream, storage, layout)?;
+        addresses[k] = ptr;
+        syncs.push(sync);
+        for (j, (storage, layout)) in gs.iter().enumerate() {
+            let (ptr, sync) = address_of(&stream, storage, layout)?;
+            addresses[(j + 1) * n + k] = ptr;
+            syncs.push(sync);
+        }
+    }
+    let sizes: Vec<usize> = grads.iter().map(|(_, gs)| gs[0].elem_count()).collect();
+    let Some(chunks) = Chunks::of(device, &sizes)? else {
+        return Ok(());
+    };
+    let table = device.clone_htod(&addresses)?;
+    let flags = device.clone_htod(&flags)?;
+    let [sum, g, h] = [0, 1, 2].map(|j| table.slice(j * n..(j + 1) * n));
+    let func = sluice_model::kernels::ADAMW.function(device, "accumulate_many_f32")?;
+    let mut launch = stream.launch_builder(&func);
+    launch
+        .arg(&sum)
+        .arg(&g)
+        .arg(&h)
+        .arg(&flags)
+        .arg(&chunks.param)
+        .arg(&chunks.at)
+        .arg(&chunks.len);
+    // SAFETY: accumulate_many_f32's arguments in order: three tables of `n` device addresses
+    // (the sums: live, contiguous f32 buffers of the parameter's size, each parameter once;
+    // g and h: live, contiguous buffers of that size in the dtype `flags` names, h 0 where
+    // the flags say there is none), all held by the guards for the launch; the flags; and the
+    // chunk tables within those sizes. The kernel writes the sums only.
+    #[allow(unsafe_code)]
+    unsafe { launch.launch(chunks.config()) }.w()?;
+    drop(syncs);
+    Ok(())
+}
+
+/// The device address of a contiguous f32 or bf16 storage's first element, and the guard
+/// that orders its use on `stream`.
+fn address_of<'a>(
+    stream: &'a std::sync::Arc<candle_core::cuda_backend::cudarc::driver::CudaStream>,
+    storage: &'a Storage,
+    layout: &Layout,
+) -> Result<(
+    u64,
+    candle_core::cuda_backend::cudarc::driver::SyncOnDrop<'a>,
+)> {
+    if storage.dtype() != DType::BF16 {
+        return address(stream, storage, layout);
+    }
+    let Storage::Cuda(s) = storage else {
+        bail!("accumulate: a gradient left the GPU")
+    };
+    let (start, _) = range(layout)?;
+    let (ptr, sync) = s.as_cuda_slice::<half::bf16>()?.device_ptr(stream);
+    Ok((
+        ptr + (start * std::mem::size_of::<half::bf16>()) as u64,
+        sync,
+    ))
 }
 
 /// The GPU every one of `tensors` lies on as contiguous f32, if one does.

@@ -9,7 +9,7 @@ use super::NativeTrainer;
 use crate::batcher::{MicroBatch, Packing};
 use crate::error::{TrainerError, tensor_ctx};
 use crate::loss::{LossStats, TokenInputs};
-use crate::optim::{GradAccumulator, gradients};
+use crate::optim::GradAccumulator;
 use crate::report::{Mismatch, StepParts, StepStats};
 use crate::steps::{packed, pick, slot_index};
 
@@ -79,9 +79,11 @@ impl NativeTrainer {
             .enumerate()
             .filter(|(_, mb)| !mb.loss_slots().is_empty())
             .collect();
-        let vars: Vec<_> = self.model.vars().iter().map(|(_, v)| v).collect();
-        let mut grads = GradAccumulator::new(vars.len());
-        let mut add = |(g, out): (Vec<Option<Tensor>>, MicroOut)| -> Result<u64, TrainerError> {
+        let mut clock = self.part_clock();
+        self.cast_step_weights()?;
+        stats.parts.forward += clock.lap()?;
+        let mut grads = GradAccumulator::new(self.model.vars().len());
+        let mut add = |(g, out): (Vec<(usize, Tensor)>, MicroOut)| -> Result<u64, TrainerError> {
             let mut clock = self.part_clock();
             grads.add_gradients(g)?;
             stats.parts.backward += clock.lap()?;
@@ -92,7 +94,7 @@ impl NativeTrainer {
             Ok(out.lag_sum)
         };
         let one =
-            |m: usize, mb: &MicroBatch| -> Result<(Vec<Option<Tensor>>, MicroOut), TrainerError> {
+            |m: usize, mb: &MicroBatch| -> Result<(Vec<(usize, Tensor)>, MicroOut), TrainerError> {
                 let mut out = MicroOut::default();
                 let start = match start {
                     StartPolicy::Current => MicroStart::Current,
@@ -101,7 +103,7 @@ impl NativeTrainer {
                 };
                 let store = self.micro_step(mb, start, options, &terms, &mut out)?;
                 let mut clock = self.part_clock();
-                let g = gradients(&vars, &store)?;
+                let g = self.model.parameter_gradients(&store);
                 out.parts.backward += clock.lap()?;
                 Ok((g, out))
             };
@@ -140,10 +142,40 @@ impl NativeTrainer {
                 lag_sum += add(one(m, mb)?)?;
             }
         }
+        // The masters are about to change: the forward converts them afresh next time.
+        self.model.clear_step_weights();
         let mut clock = self.part_clock();
         stats.optim = Some(self.optim.step(&grads)?);
         stats.parts.optimizer += clock.lap()?;
         Ok(lag_sum)
+    }
+
+    /// Under mixed precision, the parameters converted to the compute dtype once for the
+    /// forwards that follow, until the optimizer changes them
+    /// ([`sluice_model::TrainableModel::set_step_weights`]): on a GPU by one launch, as the leaf
+    /// variables the forward reads, where each micro-batch's forward converted every parameter
+    /// (and its backward converted each gradient back). Nothing when they are there already or
+    /// the model computes in its parameters' dtype.
+    pub(super) fn cast_step_weights(&mut self) -> Result<(), TrainerError> {
+        let params = self.model.step_weight_params();
+        if params.is_empty() || self.model.has_step_weights() {
+            return Ok(());
+        }
+        let dtype = self.model.compute_dtype();
+        let vars = self.model.vars();
+        let masters: Vec<&Tensor> = params.iter().map(|&i| vars[i].1.as_tensor()).collect();
+        let context = tensor_ctx("step weights");
+        let converted = match crate::adamw_kernel::step_copies(&masters, dtype) {
+            Ok(Some(copies)) => copies,
+            Ok(None) => masters
+                .iter()
+                .map(|t| t.to_dtype(dtype))
+                .collect::<candle_core::Result<_>>()
+                .map_err(context)?,
+            Err(e) => return Err(context(e)),
+        };
+        self.model.set_step_weights(converted)?;
+        Ok(())
     }
 
     /// `f` of every micro-batch, in order: on the data-parallel workers when there are several
