@@ -92,7 +92,10 @@ impl NativeTrainer {
         let initial = initial.on_device(&device)?;
         let model = master_model(&initial, config.compute_dtype)?;
         let reference = if config.loss.kl_coef > 0.0 {
-            Some(master_model(&initial, config.compute_dtype)?)
+            // Frozen: its parameters are converted to the compute dtype once, for every step.
+            let mut reference = master_model(&initial, config.compute_dtype)?;
+            update::convert_weights(&mut reference)?;
+            Some(reference)
         } else {
             None
         };

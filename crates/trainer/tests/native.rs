@@ -513,6 +513,8 @@ fn bf16_compute_converts_the_weights_once_per_update_and_follows_them() {
     f32s.loss.kind = LossKind::DecoupledPpo;
     f32s.minibatches = 2;
     f32s.batcher.share_prompts = false;
+    // The KL reference's frozen weights are converted once, for every step.
+    f32s.loss.kl_coef = 0.1;
     let mut bf16s = f32s.clone();
     bf16s.compute_dtype = DType::BF16;
     let mut exact = NativeTrainer::new(tiny(8), f32s, None).unwrap();

@@ -13,6 +13,33 @@ use crate::optim::GradAccumulator;
 use crate::report::{Mismatch, StepParts, StepStats};
 use crate::steps::{packed, pick, slot_index};
 
+/// `model`'s parameters converted to its compute dtype for the forwards that follow
+/// ([`sluice_model::TrainableModel::set_step_weights`]), on a GPU by one launch as leaf
+/// variables; nothing when they are there already or it computes in its parameters' dtype.
+pub(super) fn convert_weights(
+    model: &mut sluice_model::TrainableModel,
+) -> Result<(), TrainerError> {
+    let params = model.step_weight_params();
+    if params.is_empty() || model.has_step_weights() {
+        return Ok(());
+    }
+    let dtype = model.compute_dtype();
+    let vars = model.vars();
+    let masters: Vec<&Tensor> = params.iter().map(|&i| vars[i].1.as_tensor()).collect();
+    let context = tensor_ctx("step weights");
+    let converted = match crate::adamw_kernel::step_copies(&masters, dtype) {
+        Ok(Some(copies)) => copies,
+        Ok(None) => masters
+            .iter()
+            .map(|t| t.to_dtype(dtype))
+            .collect::<candle_core::Result<_>>()
+            .map_err(context)?,
+        Err(e) => return Err(context(e)),
+    };
+    model.set_step_weights(converted)?;
+    Ok(())
+}
+
 /// [`StartPolicy`] for one micro-batch.
 #[derive(Debug, Clone, Copy)]
 enum MicroStart<'a> {
@@ -157,25 +184,7 @@ impl NativeTrainer {
     /// (and its backward converted each gradient back). Nothing when they are there already or
     /// the model computes in its parameters' dtype.
     pub(super) fn cast_step_weights(&mut self) -> Result<(), TrainerError> {
-        let params = self.model.step_weight_params();
-        if params.is_empty() || self.model.has_step_weights() {
-            return Ok(());
-        }
-        let dtype = self.model.compute_dtype();
-        let vars = self.model.vars();
-        let masters: Vec<&Tensor> = params.iter().map(|&i| vars[i].1.as_tensor()).collect();
-        let context = tensor_ctx("step weights");
-        let converted = match crate::adamw_kernel::step_copies(&masters, dtype) {
-            Ok(Some(copies)) => copies,
-            Ok(None) => masters
-                .iter()
-                .map(|t| t.to_dtype(dtype))
-                .collect::<candle_core::Result<_>>()
-                .map_err(context)?,
-            Err(e) => return Err(context(e)),
-        };
-        self.model.set_step_weights(converted)?;
-        Ok(())
+        convert_weights(&mut self.model)
     }
 
     /// `f` of every micro-batch, in order: on the data-parallel workers when there are several
