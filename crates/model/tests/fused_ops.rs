@@ -7,6 +7,8 @@ mod common;
 mod emulated;
 #[path = "cuda_emu/emulated_engine.rs"]
 mod emulated_engine;
+#[path = "cuda_emu/emulated_optim.rs"]
+mod emulated_optim;
 
 use std::sync::Arc;
 
