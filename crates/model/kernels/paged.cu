@@ -15,6 +15,14 @@
 // this launch does what `split_rope` (fused.cu) would have done in one of its own, with the
 // same arithmetic and the same rounding to T, so both give the same bits.
 //
+// A long row's keys can be split over gridDim.z parts (flash-decoding): part z scores the keys
+// of its own stretch, `span` positions from z * span, and leaves its running maximum, sum and
+// unnormalised values in `part` ((R, H, parts) records of D + 2 floats); `paged_combine` then
+// rescales the parts to their common maximum and writes the output. A row's keys are then read
+// by `parts` warps at once, where one warp walked them all: with few rows and long contexts
+// (R * H warps on a GPU that keeps thousands in flight) the launch was latency-bound. With one
+// part the launch writes the output itself, as it did before the split.
+//
 // The pool holds the keys in its first `half` rows and the values in the next `half`. Rows are
 // head-major in blocks: key t of kv head h of a sequence with block table `tbl` is row
 // (tbl[t / BT] * KV + h) * BT + t % BT, rows of D elements. `meta` holds, per query row r, the
@@ -64,13 +72,20 @@ struct StackedHeads {
   }
 };
 
+// Positions part z of `parts` scores in a row of `len`: whole warps' worth, part 0 first.
+__device__ __forceinline__ unsigned part_span(unsigned len, unsigned parts) {
+  return ((len + parts - 1) / parts + 31) & ~31u;
+}
+
 template <typename T, typename Heads>
 __device__ void paged_attention(const Heads& step, T* pool, const unsigned* meta, T* out,
-                                unsigned R, unsigned H, unsigned KV, unsigned D, unsigned BT,
-                                u64 half, float scale) {
+                                float* part, unsigned R, unsigned H, unsigned KV, unsigned D,
+                                unsigned BT, u64 half, float scale) {
   __shared__ float qs[32 * MAX_COLS];
   const unsigned r = blockIdx.x, h = blockIdx.y, kh = h / (H / KV), lane = threadIdx.x;
   const unsigned len = meta[3 * r + 1], cached = meta[3 * r + 2];
+  const unsigned parts = gridDim.z, z = blockIdx.z, span = part_span(len, parts);
+  const unsigned from = min(len, z * span), end = min(len, from + span);
   const unsigned* table = meta + 3 * (u64)R + meta[3 * r];
   T* keys = pool;
   T* values = pool + half * D;
@@ -81,7 +96,7 @@ __device__ void paged_attention(const Heads& step, T* pool, const unsigned* meta
   auto fresh = [&](unsigned t) -> u64 { return r + 1 + t - len; };
   const u64 qat = ((u64)r * H + h) * D;
   for (unsigned d = lane; d < D; d += 32) qs[d] = step.query(r, h, d) * scale;
-  if (h % (H / KV) == 0) {
+  if (z == 0 && h % (H / KV) == 0) {
     const u64 row = pooled(len - 1);
     for (unsigned d = lane; d < D; d += 32) {
       keys[row + d] = step.key(r, kh, d);
@@ -92,14 +107,14 @@ __device__ void paged_attention(const Heads& step, T* pool, const unsigned* meta
   float acc[MAX_COLS];
   for (int c = 0; c < MAX_COLS; ++c) acc[c] = 0.0f;
   float m = -INFINITY, l = 0.0f;
-  for (unsigned t0 = 0; t0 < len; t0 += 32) {
+  for (unsigned t0 = from; t0 < end; t0 += 32) {
     const unsigned t = t0 + lane;
     float s = -INFINITY;
-    if (t < cached) {
+    if (t < end && t < cached) {
       const T* key = keys + pooled(t);
       s = 0.0f;
       for (unsigned d = 0; d < D; ++d) s += qs[d] * ld(key, d);
-    } else if (t < len) {
+    } else if (t < end) {
       s = 0.0f;
       for (unsigned d = 0; d < D; ++d) s += qs[d] * widen(step.key(fresh(t), kh, d));
     }
@@ -107,13 +122,13 @@ __device__ void paged_attention(const Heads& step, T* pool, const unsigned* meta
     for (int o = 16; o > 0; o >>= 1) cmax = fmaxf(cmax, __shfl_xor_sync(0xffffffffu, cmax, o));
     const float mn = fmaxf(m, cmax);
     const float corr = expf(m - mn);
-    const float p = t < len ? expf(s - mn) : 0.0f;
+    const float p = t < end ? expf(s - mn) : 0.0f;
     float ps = p;
     for (int o = 16; o > 0; o >>= 1) ps += __shfl_xor_sync(0xffffffffu, ps, o);
     l = l * corr + ps;
     m = mn;
     for (int c = 0; c < MAX_COLS; ++c) acc[c] *= corr;
-    const unsigned n = min(32u, len - t0);
+    const unsigned n = min(32u, end - t0);
     for (unsigned j = 0; j < n; ++j) {
       const float pj = __shfl_sync(0xffffffffu, p, j);
       if (t0 + j < cached) {
@@ -131,6 +146,20 @@ __device__ void paged_attention(const Heads& step, T* pool, const unsigned* meta
       }
     }
   }
+  if (parts > 1) {
+    // This part's record: its maximum and sum (-inf and 0 for an empty stretch), then its
+    // values' unnormalised sums.
+    float* rec = part + (((u64)r * H + h) * parts + z) * (D + 2);
+    if (lane == 0) {
+      rec[0] = m;
+      rec[1] = l;
+    }
+    for (int c = 0; c < MAX_COLS; ++c) {
+      const unsigned d = lane + 32 * c;
+      if (d < D) rec[2 + d] = acc[c];
+    }
+    return;
+  }
   const float inv = 1.0f / l;
   for (int c = 0; c < MAX_COLS; ++c) {
     const unsigned d = lane + 32 * c;
@@ -138,19 +167,42 @@ __device__ void paged_attention(const Heads& step, T* pool, const unsigned* meta
   }
 }
 
+// The parts of a split launch combined: block (r, h) rescales each part's sums to the parts'
+// common maximum (part 0 always holds a key) and writes the row's output for head h.
+template <typename T>
+__device__ void paged_combine(const float* part, T* out, unsigned H, unsigned D, unsigned parts) {
+  const unsigned r = blockIdx.x, h = blockIdx.y;
+  const float* recs = part + ((u64)r * H + h) * parts * (D + 2);
+  float m = -INFINITY;
+  for (unsigned z = 0; z < parts; ++z) m = fmaxf(m, recs[z * (D + 2)]);
+  float l = 0.0f;
+  for (unsigned z = 0; z < parts; ++z) l += recs[z * (D + 2) + 1] * expf(recs[z * (D + 2)] - m);
+  const float inv = 1.0f / l;
+  for (unsigned d = threadIdx.x; d < D; d += blockDim.x) {
+    float v = 0.0f;
+    for (unsigned z = 0; z < parts; ++z) v += recs[z * (D + 2) + 2 + d] * expf(recs[z * (D + 2)] - m);
+    st(out, ((u64)r * H + h) * D + d, v * inv);
+  }
+}
+
 #define PAGED(T, S)                                                                               \
   extern "C" __global__ void paged_attention_##S(                                                 \
       const T* q, const T* k_new, const T* v_new, T* pool, const unsigned* meta, T* out,          \
-      unsigned R, unsigned H, unsigned KV, unsigned D, unsigned BT, u64 half, float scale) {      \
+      float* part, unsigned R, unsigned H, unsigned KV, unsigned D, unsigned BT, u64 half,        \
+      float scale) {                                                                              \
     const SplitHeads<T> step{q, k_new, v_new, H, KV, D};                                          \
-    paged_attention(step, pool, meta, out, R, H, KV, D, BT, half, scale);                         \
+    paged_attention(step, pool, meta, out, part, R, H, KV, D, BT, half, scale);                   \
   }                                                                                               \
   extern "C" __global__ void paged_attention_qkv_##S(                                             \
       const T* qkv, const T* bias, unsigned has_bias, const T* cos, const T* sin, T* pool,        \
-      const unsigned* meta, T* out, unsigned R, unsigned H, unsigned KV, unsigned D, unsigned BT, \
-      u64 half, float scale) {                                                                    \
+      const unsigned* meta, T* out, float* part, unsigned R, unsigned H, unsigned KV, unsigned D, \
+      unsigned BT, u64 half, float scale) {                                                       \
     const StackedHeads<T> step{qkv, bias, cos, sin, has_bias, H, KV, D};                          \
-    paged_attention(step, pool, meta, out, R, H, KV, D, BT, half, scale);                         \
+    paged_attention(step, pool, meta, out, part, R, H, KV, D, BT, half, scale);                   \
+  }                                                                                               \
+  extern "C" __global__ void paged_combine_##S(const float* part, T* out, unsigned H, unsigned D, \
+                                               unsigned parts) {                                  \
+    paged_combine(part, out, H, D, parts);                                                        \
   }
 
 PAGED(float, f32)

@@ -53,6 +53,15 @@ pub enum NewHeads<'a> {
 }
 
 impl NewHeads<'_> {
+    /// The step's query heads.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn query_heads(&self) -> usize {
+        match *self {
+            Self::Split { q, .. } => q.dims().get(1).copied().unwrap_or(0),
+            Self::Stacked { geometry, .. } => geometry.0,
+        }
+    }
+
     /// q `(rows, heads, d)`, k and v `(rows, kv_heads, d)`, q and k rotated: the stacked rows
     /// split (one [`crate::fused::split_rope`]), split heads as they are.
     pub fn split(&self) -> candle_core::Result<(Tensor, Tensor, Tensor)> {

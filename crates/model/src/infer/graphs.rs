@@ -73,6 +73,9 @@ struct Fingerprint {
     pools: usize,
     /// The rotary tables' length (they are replaced only as they grow).
     rope: usize,
+    /// The stretches the attention scores each row's keys in ([`crate::paged::key_parts`]),
+    /// which grow with the longest row.
+    key_parts: u32,
 }
 
 impl InferenceModel {
@@ -136,10 +139,13 @@ impl InferenceModel {
         words.extend(past.iter().map(|&p| p as u32));
         words.resize(2 * rows, 0);
         words.extend(cache.decode_meta(&seqs, rows)?);
+        let longest = past.iter().max().map_or(0, |&p| p + 1);
+        let key_parts = crate::paged::key_parts(rows, self.config.num_heads, longest);
         let fingerprint = Fingerprint {
             weights: self.epoch,
             pools: cache.pool_generation(),
             rope,
+            key_parts,
         };
         let graphs = self.graphs.as_ref().expect("checked above");
         let mut graphs = graphs.lock().unwrap_or_else(|e| e.into_inner());
@@ -183,9 +189,11 @@ impl InferenceModel {
             }
             _ => {
                 slot.captured = None;
-                self.forward_fixed(cache, slot, tables)?;
+                self.forward_fixed(cache, slot, tables, key_parts)?;
                 if stats.failed.is_none() {
-                    match capture(&device, || self.forward_fixed(cache, slot, tables)) {
+                    match capture(&device, || {
+                        self.forward_fixed(cache, slot, tables, key_parts)
+                    }) {
                         Ok(Some(graph)) => {
                             slot.captured = Some((fingerprint, graph));
                             stats.captures += 1;
@@ -214,6 +222,7 @@ impl InferenceModel {
         cache: &PagedKvCache,
         slot: &Slot,
         (cos, sin): (&Tensor, &Tensor),
+        key_parts: u32,
     ) -> Result<()> {
         #[cfg(feature = "cuda")]
         let _cached = match self.weights.embed.device() {
@@ -232,8 +241,9 @@ impl InferenceModel {
         let cos = cos.index_select(&positions, 0).ctx(context)?;
         let sin = sin.index_select(&positions, 0).ctx(context)?;
         let scale = self.attention_scale();
-        let mut attend =
-            |layer: usize, heads: NewHeads<'_>| cache.attend_meta(heads, layer, &meta, scale);
+        let mut attend = |layer: usize, heads: NewHeads<'_>| {
+            cache.attend_meta(heads, layer, &meta, scale, key_parts)
+        };
         let x = self.layers(x, (&cos, &sin), &mut attend)?;
         let logits = self.logits(&x)?;
         slot.logits.slice_set(&logits, 0, 0).ctx(context)

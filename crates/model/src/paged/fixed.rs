@@ -61,12 +61,14 @@ impl PagedKvCache {
     /// A decode step's attention in `layer` over the row tables `meta` (from
     /// [`Self::decode_meta`], on the pools' device), storing the rows' new keys and values; no
     /// block is reserved and nothing committed (the host did, and does, that around the step).
+    /// On a GPU each row's keys are scored in `parts` stretches ([`key_parts`]).
     pub(crate) fn attend_meta(
         &self,
         heads: NewHeads<'_>,
         layer: usize,
         meta: &Tensor,
         scale: f64,
+        parts: u32,
     ) -> Result<Tensor> {
         self.check_layer(layer)?;
         if !self.attends_itself() {
@@ -79,10 +81,13 @@ impl PagedKvCache {
         if self.attends_on_gpu() {
             let geometry = (self.kv_heads, self.block_tokens);
             let pool = &self.pools[layer];
-            return crate::fused::device::paged_attention(heads, pool, meta, geometry, scale)
-                .ctx("paged attention over fixed tables");
+            return crate::fused::device::paged_attention(
+                heads, pool, meta, geometry, scale, parts,
+            )
+            .ctx("paged attention over fixed tables");
         }
-        // The CPU reads the same words: each row's table and visible length.
+        // The CPU reads the same words: each row's table and visible length, in one pass.
+        let _ = parts;
         let (q, k, v) = heads.split().ctx("decode step heads")?;
         let rows = q.dim(0).ctx("decode step heads")?;
         let words: Vec<u32> = meta.to_vec1().ctx("decode step tables")?;
@@ -171,5 +176,43 @@ impl PagedKvCache {
         let values = &v_cpu.as_slice::<f32>()?[v_layout.start_offset()..];
         let out = super::attend::attention(keys, values, q, tables, visible, &shape, scale as f32);
         Tensor::from_vec(out, (rows, heads * d), &self.device)
+    }
+}
+
+/// Keys a part of a split launch scores at least (below this a row is scored in one part).
+const KEYS_PER_PART: usize = 512;
+/// Parts a row's keys are split into at most.
+const MAX_KEY_PARTS: usize = 16;
+/// Warps a launch is split for: a few per SM of the largest GPUs (132 SMs on an H100/H200).
+const TARGET_WARPS: usize = 4096;
+
+/// How many stretches the GPU's paged attention splits each row's keys into, for `rows` rows of
+/// `heads` query heads whose longest sees `longest` positions: one per 512 keys of the longest
+/// row while the launch has fewer than about 4,096 warps, at most 16, rounded down to a power of
+/// two (a captured decode step keeps its count; fewer distinct counts, fewer captures). Rows
+/// under 1,024 positions take one part, the launch as it was before the split.
+pub(crate) fn key_parts(rows: usize, heads: usize, longest: usize) -> u32 {
+    let by_length = longest / KEYS_PER_PART;
+    let by_warps = TARGET_WARPS / (rows * heads).max(1);
+    let parts = by_length.min(by_warps).clamp(1, MAX_KEY_PARTS);
+    1 << parts.ilog2()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::key_parts;
+
+    #[test]
+    fn long_rows_in_small_launches_split_their_keys() {
+        // The check's decode (64 sequences, 14 heads, about 150 positions): one pass.
+        assert_eq!(key_parts(64, 14, 150), 1);
+        assert_eq!(key_parts(64, 14, 1023), 1);
+        // 896 warps: four parts bring the launch to about 3,600.
+        assert_eq!(key_parts(64, 14, 4096), 4);
+        // Five parts by length, rounded down to four.
+        assert_eq!(key_parts(4, 14, 3000), 4);
+        assert_eq!(key_parts(1, 14, 32_768), 16);
+        // A launch with thousands of warps already is not split.
+        assert_eq!(key_parts(256, 14, 32_768), 1);
     }
 }

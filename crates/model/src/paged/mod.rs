@@ -37,6 +37,7 @@ use candle_core::{DType, Device, Tensor};
 use sluice_core::PolicyVersion;
 
 pub use blocks::{BlockAllocator, BlockId, BlockKey};
+pub(crate) use fixed::key_parts;
 
 use crate::cache::{KvCache, NewTokens, SeqId};
 use crate::config::ModelConfig;
@@ -435,7 +436,12 @@ impl KvCache for PagedKvCache {
                 let meta = self.attention_meta(seqs, news)?;
                 let geometry = (self.kv_heads, self.block_tokens);
                 let pool = &self.pools[layer];
-                return crate::fused::device::paged_attention(heads, pool, &meta, geometry, scale);
+                let lens = seqs.iter().zip(news).map(|(q, n)| self.seqs[q].len + n);
+                let rows = news.iter().sum();
+                let parts = key_parts(rows, heads.query_heads(), lens.max().unwrap_or(0));
+                return crate::fused::device::paged_attention(
+                    heads, pool, &meta, geometry, scale, parts,
+                );
             }
             let (q, k, v) = heads.split()?;
             let (q, k) = (&q, &k);

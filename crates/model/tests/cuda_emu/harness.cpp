@@ -119,6 +119,16 @@ int main(int argc, char** argv) {
 
 #define PICK(name) (bf ? (void*)name##_bf16 : (void*)name##_f32)
 
+// The parts of a split paged attention combined, as fused/device/paged.rs launches it.
+template <class T>
+void combine(const float* part, T* out, unsigned R, unsigned H, unsigned D, unsigned parts) {
+  if constexpr (std::is_same_v<T, float>) {
+    emu::launch(paged_combine_f32, dim3(R, H), dim3(32), part, out, H, D, parts);
+  } else {
+    emu::launch(paged_combine_bf16, dim3(R, H), dim3(32), part, out, H, D, parts);
+  }
+}
+
 template <class T>
 void run(const std::string& op, char** a, bool bf) {
   auto u = [&](int i) { return (unsigned)strtoul(a[i], nullptr, 10); };
@@ -254,33 +264,39 @@ void run(const std::string& op, char** a, bool bf) {
       put(vs[t]);
     }
   } else if (op == "paged") {
-    // ARGS: R, H, KV, D, BT, scale, pool rows per half, meta words. IN: q, the step's new keys
-    // and values, the pool (keys then values), meta. OUT: the attention, then the pool.
-    const unsigned R = u(0), H = u(1), KV = u(2), D = u(3), BT = u(4), pool_rows = u(6), meta_len = u(7);
+    // ARGS: R, H, KV, D, BT, scale, pool rows per half, meta words, and optionally the parts
+    // each row's keys are split into (default 1). IN: q, the step's new keys and values, the
+    // pool (keys then values), meta. OUT: the attention, then the pool.
+    const unsigned R = u(0), H = u(1), KV = u(2), D = u(3), BT = u(4), pool_rows = u(6), meta_len = u(7),
+                   parts = a[8] ? u(8) : 1;
     auto q = floats<T>((size_t)R * H * D), k_new = floats<T>((size_t)R * KV * D),
          v_new = floats<T>((size_t)R * KV * D), pool = floats<T>((size_t)2 * pool_rows * D);
     auto meta = words(meta_len);
     std::vector<T> out((size_t)R * H * D);
-    auto k = (void (*)(const T*, const T*, const T*, T*, const unsigned*, T*, unsigned, unsigned, unsigned,
-                       unsigned, unsigned, u64, float))PICK(paged_attention);
-    emu::launch(k, dim3(R, H), dim3(32), q.data(), k_new.data(), v_new.data(), pool.data(), meta.data(),
-                out.data(), R, H, KV, D, BT, (u64)pool_rows, f(5));
+    std::vector<float> part((size_t)R * H * parts * (D + 2));
+    auto k = (void (*)(const T*, const T*, const T*, T*, const unsigned*, T*, float*, unsigned, unsigned,
+                       unsigned, unsigned, unsigned, u64, float))PICK(paged_attention);
+    emu::launch(k, dim3(R, H, parts), dim3(32), q.data(), k_new.data(), v_new.data(), pool.data(),
+                meta.data(), out.data(), part.data(), R, H, KV, D, BT, (u64)pool_rows, f(5));
+    if (parts > 1) combine(part.data(), out.data(), R, H, D, parts);
     put(out);
     put(pool);
   } else if (op == "paged_qkv") {
-    // ARGS: as `paged`, then whether the bias is read. IN: the stacked q/k/v rows, the bias,
-    // cos, sin, the pool, meta. OUT: as `paged`.
+    // ARGS: as `paged` up to the meta words, whether the bias is read, and optionally the parts.
+    // IN: the stacked q/k/v rows, the bias, cos, sin, the pool, meta. OUT: as `paged`.
     const unsigned R = u(0), H = u(1), KV = u(2), D = u(3), BT = u(4), pool_rows = u(6), meta_len = u(7),
-                   has_bias = u(8), width = (H + 2 * KV) * D;
+                   has_bias = u(8), width = (H + 2 * KV) * D, parts = a[9] ? u(9) : 1;
     auto qkv = floats<T>((size_t)R * width), b = floats<T>(width);
     auto c = floats<T>((size_t)R * D / 2), s = floats<T>((size_t)R * D / 2);
     auto pool = floats<T>((size_t)2 * pool_rows * D);
     auto meta = words(meta_len);
     std::vector<T> out((size_t)R * H * D);
-    auto k = (void (*)(const T*, const T*, unsigned, const T*, const T*, T*, const unsigned*, T*, unsigned,
-                       unsigned, unsigned, unsigned, unsigned, u64, float))PICK(paged_attention_qkv);
-    emu::launch(k, dim3(R, H), dim3(32), qkv.data(), b.data(), has_bias, c.data(), s.data(), pool.data(),
-                meta.data(), out.data(), R, H, KV, D, BT, (u64)pool_rows, f(5));
+    std::vector<float> part((size_t)R * H * parts * (D + 2));
+    auto k = (void (*)(const T*, const T*, unsigned, const T*, const T*, T*, const unsigned*, T*, float*,
+                       unsigned, unsigned, unsigned, unsigned, unsigned, u64, float))PICK(paged_attention_qkv);
+    emu::launch(k, dim3(R, H, parts), dim3(32), qkv.data(), b.data(), has_bias, c.data(), s.data(),
+                pool.data(), meta.data(), out.data(), part.data(), R, H, KV, D, BT, (u64)pool_rows, f(5));
+    if (parts > 1) combine(part.data(), out.data(), R, H, D, parts);
     put(out);
     put(pool);
   } else if (op == "kv_rows") {

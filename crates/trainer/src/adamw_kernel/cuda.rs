@@ -244,8 +244,9 @@ pub(super) type Gradients = (usize, Vec<Tensor>);
 
 /// Adds one micro-batch's gradients to the step's f32 sums `sums` by one launch of
 /// `accumulate_many_f32`, for every parameter whose gradients (one or two, f32 or bf16) and sum
-/// (contiguous f32, or none yet) are contiguous on one GPU; hands back the others. A lone f32
-/// gradient with no sum yet becomes the sum as it is, without a launch.
+/// (contiguous f32, or none yet) are contiguous on one GPU; hands back the others. A first sum
+/// is a fresh buffer, never the gradient itself: later micro-batches add to the sums in place,
+/// and the caller may still hold its gradients.
 pub(super) fn accumulate(
     sums: &mut [Option<Tensor>],
     grads: Vec<Gradients>,
@@ -263,25 +264,18 @@ pub(super) fn accumulate(
     let on = |t: &Tensor| {
         t.is_contiguous() && matches!(t.device(), Device::Cuda(d) if d.same_device(&device))
     };
-    let (mut launched, mut rest) = (Vec::new(), Vec::new());
-    for (i, mut gs) in grads {
+    let fits = |(i, gs): &Gradients| {
         let n = gs.first().map_or(0, Tensor::elem_count);
-        let fits = (1..=2).contains(&gs.len())
+        (1..=2).contains(&gs.len())
             && gs.iter().all(|g| {
                 on(g) && matches!(g.dtype(), DType::F32 | DType::BF16) && g.elem_count() == n
             })
-            && sums.get(i).is_some_and(|s| {
+            && sums.get(*i).is_some_and(|s| {
                 s.as_ref()
                     .is_none_or(|s| on(s) && s.dtype() == DType::F32 && s.elem_count() == n)
-            });
-        if !fits {
-            rest.push((i, gs));
-        } else if sums[i].is_none() && gs.len() == 1 && gs[0].dtype() == DType::F32 {
-            sums[i] = gs.pop();
-        } else {
-            launched.push((i, gs));
-        }
-    }
+            })
+    };
+    let (launched, rest): (Vec<_>, Vec<_>) = grads.into_iter().partition(fits);
     if !launched.is_empty() {
         launch_accumulate(&device, sums, &launched)?;
     }

@@ -17,7 +17,8 @@ use crate::kernels::PAGED;
 /// The engine's attention over a layer's paged `pool` (keys in its first half of rows, values
 /// in the second, rows of `d`) for the step's `heads`, storing their new keys and values into
 /// the pool in the same launch, at the rows the step's `meta` (`PagedKvCache::attention_meta`)
-/// gives; stacked q/k/v rows are split and rotated as the launch reads them. Returns
+/// gives; stacked q/k/v rows are split and rotated as the launch reads them. Each row's keys are
+/// scored in `parts` stretches at once ([`crate::paged::key_parts`]; one: in one pass). Returns
 /// `(rows, heads · d)` in the pool's dtype.
 pub(crate) fn paged_attention(
     heads: NewHeads<'_>,
@@ -25,6 +26,7 @@ pub(crate) fn paged_attention(
     meta: &Tensor,
     (kv_heads, block_tokens): (usize, usize),
     scale: f64,
+    parts: u32,
 ) -> Result<Tensor> {
     let dtype = pool.dtype();
     let fresh = |t: &Tensor| t.to_dtype(dtype)?.contiguous();
@@ -96,6 +98,7 @@ pub(crate) fn paged_attention(
         meta,
         geometry: (heads, kv_heads, d, block_tokens),
         scale: scale as f32,
+        parts: parts.max(1),
         out: Cell::new(None),
     };
     pool.inplace_op1(&op)?;
@@ -123,6 +126,8 @@ struct AttendStoring<'a> {
     /// Query heads, kv heads, head dim, tokens per block.
     geometry: (usize, usize, usize, usize),
     scale: f32,
+    /// Stretches each row's keys are scored in ([`crate::paged::key_parts`]).
+    parts: u32,
     out: Cell<Option<Tensor>>,
 }
 
@@ -159,6 +164,10 @@ impl InplaceOp1 for AttendStoring<'_> {
                 .collect::<Result<Vec<_>>>()?;
             let mv = view::<u32>(cuda_of(&meta.0)?, meta.1)?;
             let mut out = output::<T>(&dev, rows * heads * d)?;
+            // Each part's maximum, sum and values, when the keys are split.
+            let parts = self.parts;
+            let records = if parts > 1 { rows * heads * parts as usize * (d + 2) } else { 0 };
+            let mut part = output::<f32>(&dev, records)?;
             let stream = dev.cuda_stream();
             let mut pv = pool.as_cuda_slice_mut::<T>()?.slice_mut(p0..p1);
             let f = PAGED.function(&dev, &format!("{kernel}_{}", suffix(dtype)))?;
@@ -171,10 +180,18 @@ impl InplaceOp1 for AttendStoring<'_> {
             for v in &views[2..] {
                 a.arg(v);
             }
-            a.arg(&mut pv).arg(&mv).arg(&mut out).arg(&r32);
+            a.arg(&mut pv).arg(&mv).arg(&mut out).arg(&mut part).arg(&r32);
             a.arg(&dims[0]).arg(&dims[1]).arg(&dims[2]).arg(&dims[3]).arg(&half);
             a.arg(&self.scale);
-            launch(a, config((r32, dims[0]), 32))?;
+            let mut cfg = config((r32, dims[0]), 32);
+            cfg.grid_dim.2 = parts;
+            launch(a, cfg)?;
+            if parts > 1 {
+                let f = PAGED.function(&dev, &format!("paged_combine_{}", suffix(dtype)))?;
+                let mut a = stream.launch_builder(&f);
+                a.arg(&part).arg(&mut out).arg(&dims[0]).arg(&dims[2]).arg(&parts);
+                launch(a, config((r32, dims[0]), 32))?;
+            }
             let shape = Shape::from((rows, heads * d));
             self.out.set(Some(tensor(out, &dev, &shape)));
             Ok(())
