@@ -78,6 +78,12 @@ pub fn run(args: &BenchKernelsArgs) -> anyhow::Result<ExitCode> {
             failed += u32::from(!accumulate_many(&device, args.adamw_elements, &mut result)?);
             failed += u32::from(!sampling(&device, &mut result)?);
             failed += u32::from(!training::compare(&device, &mut result)?);
+            // Its own failure (a pool out of memory, say) is counted, and the rest goes on.
+            let split = engine::key_split(&device, &mut result).unwrap_or_else(|e| {
+                println!("decode steps with the keys split: FAILED: {e:#}");
+                false
+            });
+            failed += u32::from(!split);
         } else if sluice_model::amx::available() {
             failed += u32::from(!amx_products(&mut result)?);
         }

@@ -185,3 +185,74 @@ pub(super) fn decode_graphs(device: &Device, result: &mut Vec<String>) -> anyhow
     ]);
     Ok(ok)
 }
+
+/// Prompt tokens per sequence of [`key_split`]: four parts of 512 keys at 64 sequences.
+const LONG_PROMPT: usize = 2048;
+
+/// On a GPU: decode steps of the medium preset in bf16 at 64 sequences after a 2,048-token
+/// prompt each, with the attention splitting each row's keys over parts (flash-decoding, the
+/// default) against one warp's pass per row and head; both fed the one-pass steps' greedy
+/// tokens. False when the logits disagree beyond bf16's rounding or the split was not taken.
+pub(super) fn key_split(device: &Device, result: &mut Vec<String>) -> anyhow::Result<bool> {
+    let (preset, dtype, tol) = (ModelPreset::Medium, DType::BF16, 2e-2);
+    let config = Arc::new(preset_config(preset));
+    let weights = Arc::new(random_snapshot(Arc::clone(&config), 0, dtype, device)?);
+    let model = InferenceModel::new(Arc::clone(&weights))?;
+    let block_tokens = 16;
+    let blocks = ROWS * (LONG_PROMPT + DECODE_STEPS + 1).div_ceil(block_tokens);
+    let cache = |split: bool| -> anyhow::Result<PagedKvCache> {
+        let mut c = PagedKvCache::new(&config, dtype, device, blocks, block_tokens)?;
+        c.set_key_split(split);
+        Ok(c)
+    };
+    let (mut one, mut split) = (cache(false)?, cache(true)?);
+    let vocab = config.vocab_size as u32;
+    let prompts: Vec<Vec<u32>> = (0..ROWS as u32)
+        .map(|s| {
+            (0..LONG_PROMPT as u32)
+                .map(|j| (s * 7 + j * 3 + 1) % vocab)
+                .collect()
+        })
+        .collect();
+    let step = |c: &mut PagedKvCache, rows: &[Vec<u32>]| {
+        let logits = model.step_paged(c, &StepInput::numbered(rows), LogitsWanted::Last)?;
+        device.synchronize()?;
+        anyhow::Ok(logits)
+    };
+    let mut logits = step(&mut one, &prompts)?;
+    step(&mut split, &prompts)?;
+    let (mut one_ms, mut split_ms, mut err) = (Vec::new(), Vec::new(), 0f64);
+    for _ in 0..DECODE_STEPS {
+        let tokens: Vec<Vec<u32>> = (sluice_model::argmax_rows(&logits)?.into_iter())
+            .map(|t| vec![t])
+            .collect();
+        let start = Instant::now();
+        logits = step(&mut one, &tokens)?;
+        one_ms.push(start.elapsed().as_secs_f64() * 1e3);
+        let start = Instant::now();
+        let got = step(&mut split, &tokens)?;
+        split_ms.push(start.elapsed().as_secs_f64() * 1e3);
+        err = err.max(super::training::rel_err(&got, &logits)?);
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (one_ms, split_ms) = (median(&mut one_ms), median(&mut split_ms));
+    // Both caches saw the same positions: the parts the split one took.
+    let parts = split.key_parts(ROWS, config.num_heads, LONG_PROMPT + DECODE_STEPS);
+    let ok = err <= tol && parts > 1;
+    println!(
+        "decode steps at {LONG_PROMPT}-token contexts ({preset:?}, {dtype:?}, {ROWS} sequences): one pass per row {one_ms:.3} ms, keys split in {parts} parts {split_ms:.3} ms ({:.2}x); largest difference {err:.2e} (at most {tol:e}){}",
+        one_ms / split_ms,
+        if ok { "" } else { ": FAILED" }
+    );
+    result.extend([
+        format!("key_split_ms={split_ms:.4}"),
+        format!("key_split_one_pass_ms={one_ms:.4}"),
+        format!("key_split_speedup={:.3}", one_ms / split_ms),
+        format!("key_split_err={err:.3e}"),
+        format!("key_split_parts={parts}"),
+    ]);
+    Ok(ok)
+}

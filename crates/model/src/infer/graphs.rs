@@ -73,7 +73,7 @@ struct Fingerprint {
     pools: usize,
     /// The rotary tables' length (they are replaced only as they grow).
     rope: usize,
-    /// The stretches the attention scores each row's keys in ([`crate::paged::key_parts`]),
+    /// The stretches the attention scores each row's keys in ([`PagedKvCache::key_parts`]),
     /// which grow with the longest row.
     key_parts: u32,
 }
@@ -140,7 +140,7 @@ impl InferenceModel {
         words.resize(2 * rows, 0);
         words.extend(cache.decode_meta(&seqs, rows)?);
         let longest = past.iter().max().map_or(0, |&p| p + 1);
-        let key_parts = crate::paged::key_parts(rows, self.config.num_heads, longest);
+        let key_parts = cache.key_parts(rows, self.config.num_heads, longest);
         let fingerprint = Fingerprint {
             weights: self.epoch,
             pools: cache.pool_generation(),

@@ -58,10 +58,29 @@ impl PagedKvCache {
         rows * (3 + self.blocks_for(tokens)) + 1
     }
 
+    /// Whether the GPU attention may split a long row's keys over parts scored at once
+    /// (flash-decoding: on by default; [`Self::key_parts`]). Off, each row and head is one
+    /// warp's pass over its keys, as before the split: for measuring what the split pays.
+    pub fn set_key_split(&mut self, on: bool) {
+        self.key_split = on;
+    }
+
+    /// The parts the GPU attention splits each row's keys into, for `rows` rows of `heads`
+    /// query heads whose longest sees `longest` positions: one per 512 keys of the longest row
+    /// while the launch has fewer than about 4,096 warps, at most 16, a power of two; 1 with
+    /// the split off ([`Self::set_key_split`]).
+    pub fn key_parts(&self, rows: usize, heads: usize, longest: usize) -> u32 {
+        if self.key_split {
+            key_parts(rows, heads, longest)
+        } else {
+            1
+        }
+    }
+
     /// A decode step's attention in `layer` over the row tables `meta` (from
     /// [`Self::decode_meta`], on the pools' device), storing the rows' new keys and values; no
     /// block is reserved and nothing committed (the host did, and does, that around the step).
-    /// On a GPU each row's keys are scored in `parts` stretches ([`key_parts`]).
+    /// On a GPU each row's keys are scored in `parts` stretches ([`Self::key_parts`]).
     pub(crate) fn attend_meta(
         &self,
         heads: NewHeads<'_>,
@@ -191,7 +210,7 @@ const TARGET_WARPS: usize = 4096;
 /// row while the launch has fewer than about 4,096 warps, at most 16, rounded down to a power of
 /// two (a captured decode step keeps its count; fewer distinct counts, fewer captures). Rows
 /// under 1,024 positions take one part, the launch as it was before the split.
-pub(crate) fn key_parts(rows: usize, heads: usize, longest: usize) -> u32 {
+fn key_parts(rows: usize, heads: usize, longest: usize) -> u32 {
     let by_length = longest / KEYS_PER_PART;
     let by_warps = TARGET_WARPS / (rows * heads).max(1);
     let parts = by_length.min(by_warps).clamp(1, MAX_KEY_PARTS);

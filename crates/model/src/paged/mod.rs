@@ -37,7 +37,6 @@ use candle_core::{DType, Device, Tensor};
 use sluice_core::PolicyVersion;
 
 pub use blocks::{BlockAllocator, BlockId, BlockKey};
-pub(crate) use fixed::key_parts;
 
 use crate::cache::{KvCache, NewTokens, SeqId};
 use crate::config::ModelConfig;
@@ -71,6 +70,8 @@ pub struct PagedKvCache {
     step_rows: Vec<rows::StepRows>,
     /// The block padded decode steps store their padding rows' keys in, once taken.
     scratch: Option<BlockId>,
+    /// Whether the GPU attention may split a long row's keys ([`Self::set_key_split`]).
+    key_split: bool,
 }
 
 #[derive(Debug)]
@@ -148,6 +149,7 @@ impl PagedKvCache {
             version_lag: 0,
             step_rows: Vec::new(),
             scratch: None,
+            key_split: true,
         };
         cache.grow(INITIAL_BLOCKS.min(blocks))?;
         Ok(cache)
@@ -438,7 +440,7 @@ impl KvCache for PagedKvCache {
                 let pool = &self.pools[layer];
                 let lens = seqs.iter().zip(news).map(|(q, n)| self.seqs[q].len + n);
                 let rows = news.iter().sum();
-                let parts = key_parts(rows, heads.query_heads(), lens.max().unwrap_or(0));
+                let parts = self.key_parts(rows, heads.query_heads(), lens.max().unwrap_or(0));
                 return crate::fused::device::paged_attention(
                     heads, pool, &meta, geometry, scale, parts,
                 );

@@ -18,8 +18,8 @@ use crate::kernels::PAGED;
 /// in the second, rows of `d`) for the step's `heads`, storing their new keys and values into
 /// the pool in the same launch, at the rows the step's `meta` (`PagedKvCache::attention_meta`)
 /// gives; stacked q/k/v rows are split and rotated as the launch reads them. Each row's keys are
-/// scored in `parts` stretches at once ([`crate::paged::key_parts`]; one: in one pass). Returns
-/// `(rows, heads · d)` in the pool's dtype.
+/// scored in `parts` stretches at once ([`crate::paged::PagedKvCache::key_parts`]; one: in
+/// one pass). Returns `(rows, heads · d)` in the pool's dtype.
 pub(crate) fn paged_attention(
     heads: NewHeads<'_>,
     pool: &Tensor,
@@ -126,7 +126,7 @@ struct AttendStoring<'a> {
     /// Query heads, kv heads, head dim, tokens per block.
     geometry: (usize, usize, usize, usize),
     scale: f32,
-    /// Stretches each row's keys are scored in ([`crate::paged::key_parts`]).
+    /// Stretches each row's keys are scored in ([`crate::paged::PagedKvCache::key_parts`]).
     parts: u32,
     out: Cell<Option<Tensor>>,
 }
