@@ -265,8 +265,9 @@ pub enum BenchCommand {
     Trainer(sluice_bench::BenchTrainerArgs),
     /// Native engine: continuous-batching speed-up, inter-token latency, weight-swap pauses.
     Engine(sluice_bench::BenchEngineArgs),
-    /// Sluice's own kernels (AdamW in place; on a GPU, the token choice) against the
-    /// compositions they replace: agreement and time, on one device.
+    /// Sluice's own kernels (AdamW and, on a GPU, the optimizer's many-parameter launches, the
+    /// token choice, the fused training and engine ops, the attention's key split, decode steps
+    /// as CUDA graphs) against the compositions they replace: agreement and time, on one device.
     Kernels(sluice_bench::BenchKernelsArgs),
     /// Weights over the network: a head delivering one version to an engine node over HTTP vs
     /// a raw loopback copy of the same bytes.
