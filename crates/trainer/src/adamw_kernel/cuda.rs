@@ -193,15 +193,8 @@ pub(super) fn snapshot(
         .collect::<Result<_>>()?;
     // Declared after `fresh`, so dropped before it on every path.
     let mut fresh_syncs = Vec::with_capacity(params.len());
-    for storage in &fresh {
-        let Storage::Cuda(s) = storage else {
-            unreachable!("allocated on the GPU")
-        };
-        let (ptr, sync) = if dtype == DType::BF16 {
-            s.as_cuda_slice::<half::bf16>()?.device_ptr(&stream)
-        } else {
-            s.as_cuda_slice::<f32>()?.device_ptr(&stream)
-        };
+    for (storage, p) in fresh.iter().zip(params) {
+        let (ptr, sync) = address(&stream, storage, &Layout::contiguous(p.shape()))?;
         addresses.push(ptr);
         fresh_syncs.push(sync);
     }
@@ -344,7 +337,7 @@ fn launch_accumulate(
         addresses[k] = ptr;
         syncs.push(sync);
         for (j, (storage, layout)) in gs.iter().enumerate() {
-            let (ptr, sync) = address_of(&stream, storage, layout)?;
+            let (ptr, sync) = address(&stream, storage, layout)?;
             addresses[(j + 1) * n + k] = ptr;
             syncs.push(sync);
         }
@@ -377,30 +370,6 @@ fn launch_accumulate(
     Ok(())
 }
 
-/// The device address of a contiguous f32 or bf16 storage's first element, and the guard
-/// that orders its use on `stream`.
-fn address_of<'a>(
-    stream: &'a std::sync::Arc<candle_core::cuda_backend::cudarc::driver::CudaStream>,
-    storage: &'a Storage,
-    layout: &Layout,
-) -> Result<(
-    u64,
-    candle_core::cuda_backend::cudarc::driver::SyncOnDrop<'a>,
-)> {
-    if storage.dtype() != DType::BF16 {
-        return address(stream, storage, layout);
-    }
-    let Storage::Cuda(s) = storage else {
-        bail!("accumulate: a gradient left the GPU")
-    };
-    let (start, _) = range(layout)?;
-    let (ptr, sync) = s.as_cuda_slice::<half::bf16>()?.device_ptr(stream);
-    Ok((
-        ptr + (start * std::mem::size_of::<half::bf16>()) as u64,
-        sync,
-    ))
-}
-
 /// The GPU every one of `tensors` lies on as contiguous f32, if one does.
 fn one_gpu_f32(tensors: &[&Tensor]) -> Option<candle_core::CudaDevice> {
     let Some(Device::Cuda(device)) = tensors.first().map(|t| t.device().clone()) else {
@@ -414,8 +383,8 @@ fn one_gpu_f32(tensors: &[&Tensor]) -> Option<candle_core::CudaDevice> {
     tensors.iter().all(fits).then_some(device)
 }
 
-/// The device address of a contiguous f32 storage's first element, and the guard that
-/// orders its use on `stream`.
+/// The device address of a contiguous f32 or bf16 storage's first element, and the guard
+/// that orders its use on `stream`.
 fn address<'a>(
     stream: &'a std::sync::Arc<candle_core::cuda_backend::cudarc::driver::CudaStream>,
     storage: &'a Storage,
@@ -428,8 +397,17 @@ fn address<'a>(
         bail!("adamw: an operand left the GPU")
     };
     let (start, _) = range(layout)?;
-    let (ptr, sync) = s.as_cuda_slice::<f32>()?.device_ptr(stream);
-    Ok((ptr + (start * std::mem::size_of::<f32>()) as u64, sync))
+    let (ptr, sync, size) = match storage.dtype() {
+        DType::BF16 => {
+            let (ptr, sync) = s.as_cuda_slice::<half::bf16>()?.device_ptr(stream);
+            (ptr, sync, std::mem::size_of::<half::bf16>())
+        }
+        _ => {
+            let (ptr, sync) = s.as_cuda_slice::<f32>()?.device_ptr(stream);
+            (ptr, sync, std::mem::size_of::<f32>())
+        }
+    };
+    Ok((ptr + (start * size) as u64, sync))
 }
 
 /// The many-buffer kernels' chunk tables on the device: block `b` takes `len[b]` elements
