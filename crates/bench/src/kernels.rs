@@ -485,10 +485,6 @@ fn sampling(device: &Device, result: &mut Vec<String>) -> anyhow::Result<bool> {
         .collect();
     let temps: Vec<f32> = (0..ROWS).map(|r| temperature(r) as f32).collect();
     let uniforms: Vec<f64> = (0..ROWS).map(|r| uniform(r as u64, 3)).collect();
-    let median = |mut ms: Vec<f64>| {
-        ms.sort_by(f64::total_cmp);
-        ms[ms.len() / 2]
-    };
     let mut gpu_ms = Vec::new();
     let mut drawn = Vec::new();
     for _ in 0..9 {
@@ -510,7 +506,7 @@ fn sampling(device: &Device, result: &mut Vec<String>) -> anyhow::Result<bool> {
         picks = sample_rows(&jobs);
         cpu_ms.push(start.elapsed().as_secs_f64() * 1e3);
     }
-    let (gpu_ms, cpu_ms) = (median(gpu_ms), median(cpu_ms));
+    let (gpu_ms, cpu_ms) = (crate::median(gpu_ms), crate::median(cpu_ms));
     let agree = drawn
         .iter()
         .zip(&picks)

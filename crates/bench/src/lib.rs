@@ -27,6 +27,13 @@ pub use subject::Subject;
 pub use trainer::BenchTrainerArgs;
 pub use weights::BenchWeightsArgs;
 
+/// The median of `xs` (the upper one of an even count): what the benchmarks report of repeated
+/// timings, so one slow or lucky run does not move it.
+pub(crate) fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    xs[xs.len() / 2]
+}
+
 /// `--device`: `cpu`, `cuda` or `cuda:N`.
 pub fn parse_device(s: &str) -> Result<sluice_config::Device, String> {
     s.parse()

@@ -18,6 +18,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
+
+use crate::median;
 use sluice_config::ModelPreset;
 use sluice_core::PolicyVersion;
 use sluice_engine::remote::WeightDirs;
@@ -34,11 +36,6 @@ pub struct BenchWeightsArgs {
     /// Timed transfers of each kind per preset (the median is reported).
     #[arg(long, default_value_t = 5)]
     pub repeats: usize,
-}
-
-fn median(mut xs: Vec<f64>) -> f64 {
-    xs.sort_by(f64::total_cmp);
-    xs[xs.len() / 2]
 }
 
 /// One plain loopback TCP copy of `file` into `dest`; seconds.

@@ -127,39 +127,11 @@ pub(super) fn decode_graphs(device: &Device, result: &mut Vec<String>) -> anyhow
     let (eager, graphed) = (model(false)?, model(true)?);
     let cache = || PagedKvCache::new(&config, dtype, device, 2 * ROWS * 2, 16);
     let (mut a, mut b) = (cache()?, cache()?);
-    let vocab = config.vocab_size as u32;
-    let prompts: Vec<Vec<u32>> = (0..ROWS as u32)
-        .map(|s| (0..16).map(|j| (s * 7 + j * 3 + 1) % vocab).collect())
-        .collect();
-    let step = |m: &InferenceModel, c: &mut PagedKvCache, rows: &[Vec<u32>]| {
-        let inputs = StepInput::numbered(rows);
-        let logits = m.step_paged(c, &inputs, LogitsWanted::Last)?;
-        device.synchronize()?;
-        anyhow::Ok(logits)
-    };
-    let mut logits = step(&eager, &mut a, &prompts)?;
-    step(&graphed, &mut b, &prompts)?;
-    let (mut eager_ms, mut graphed_ms, mut err) = (Vec::new(), Vec::new(), 0f64);
-    for i in 0..DECODE_STEPS {
-        let tokens: Vec<Vec<u32>> = (sluice_model::argmax_rows(&logits)?.into_iter())
-            .map(|t| vec![t])
-            .collect();
-        let start = Instant::now();
-        logits = step(&eager, &mut a, &tokens)?;
-        eager_ms.push(start.elapsed().as_secs_f64() * 1e3);
-        let start = Instant::now();
-        let got = step(&graphed, &mut b, &tokens)?;
-        if i > 0 {
-            graphed_ms.push(start.elapsed().as_secs_f64() * 1e3);
-        }
-        err = err.max(super::training::rel_err(&got, &logits)?);
-    }
+    let prompts = prompts(16, config.vocab_size);
+    // The graphed model's first decode step is its capture: not timed.
+    let (eager_ms, graphed_ms, err) =
+        side_by_side(device, (&eager, &mut a), (&graphed, &mut b), &prompts, 1)?;
     let stats = graphed.decode_graph_stats().unwrap_or_default();
-    let median = |v: &mut Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
-    let (eager_ms, graphed_ms) = (median(&mut eager_ms), median(&mut graphed_ms));
     let replayed = stats.replays > 0 || !device.is_cuda();
     let ok = err <= tol && stats.failed.is_none() && replayed;
     println!(
@@ -206,39 +178,14 @@ pub(super) fn key_split(device: &Device, result: &mut Vec<String>) -> anyhow::Re
         Ok(c)
     };
     let (mut one, mut split) = (cache(false)?, cache(true)?);
-    let vocab = config.vocab_size as u32;
-    let prompts: Vec<Vec<u32>> = (0..ROWS as u32)
-        .map(|s| {
-            (0..LONG_PROMPT as u32)
-                .map(|j| (s * 7 + j * 3 + 1) % vocab)
-                .collect()
-        })
-        .collect();
-    let step = |c: &mut PagedKvCache, rows: &[Vec<u32>]| {
-        let logits = model.step_paged(c, &StepInput::numbered(rows), LogitsWanted::Last)?;
-        device.synchronize()?;
-        anyhow::Ok(logits)
-    };
-    let mut logits = step(&mut one, &prompts)?;
-    step(&mut split, &prompts)?;
-    let (mut one_ms, mut split_ms, mut err) = (Vec::new(), Vec::new(), 0f64);
-    for _ in 0..DECODE_STEPS {
-        let tokens: Vec<Vec<u32>> = (sluice_model::argmax_rows(&logits)?.into_iter())
-            .map(|t| vec![t])
-            .collect();
-        let start = Instant::now();
-        logits = step(&mut one, &tokens)?;
-        one_ms.push(start.elapsed().as_secs_f64() * 1e3);
-        let start = Instant::now();
-        let got = step(&mut split, &tokens)?;
-        split_ms.push(start.elapsed().as_secs_f64() * 1e3);
-        err = err.max(super::training::rel_err(&got, &logits)?);
-    }
-    let median = |v: &mut Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
-    let (one_ms, split_ms) = (median(&mut one_ms), median(&mut split_ms));
+    let prompts = prompts(LONG_PROMPT, config.vocab_size);
+    let (one_ms, split_ms, err) = side_by_side(
+        device,
+        (&model, &mut one),
+        (&model, &mut split),
+        &prompts,
+        0,
+    )?;
     // Both caches saw the same positions: the parts the split one took.
     let parts = split.key_parts(ROWS, config.num_heads, LONG_PROMPT + DECODE_STEPS);
     let ok = err <= tol && parts > 1;
@@ -255,4 +202,48 @@ pub(super) fn key_split(device: &Device, result: &mut Vec<String>) -> anyhow::Re
         format!("key_split_parts={parts}"),
     ]);
     Ok(ok)
+}
+
+/// `ROWS` prompts of `len` tokens below `vocab`, a different one per sequence.
+fn prompts(len: usize, vocab: usize) -> Vec<Vec<u32>> {
+    let (len, vocab) = (len as u32, vocab as u32);
+    (0..ROWS as u32)
+        .map(|s| (0..len).map(|j| (s * 7 + j * 3 + 1) % vocab).collect())
+        .collect()
+}
+
+/// The same decode steps on two models and caches: `prompts` into each, then [`DECODE_STEPS`]
+/// steps, both fed the first's greedy tokens. Returns the median step time of each (ms; the
+/// second's first `untimed` steps not counted) and the largest relative difference of the
+/// second's logits from the first's.
+fn side_by_side(
+    device: &Device,
+    (first, first_cache): (&InferenceModel, &mut PagedKvCache),
+    (second, second_cache): (&InferenceModel, &mut PagedKvCache),
+    prompts: &[Vec<u32>],
+    untimed: usize,
+) -> anyhow::Result<(f64, f64, f64)> {
+    let step = |m: &InferenceModel, c: &mut PagedKvCache, rows: &[Vec<u32>]| {
+        let logits = m.step_paged(c, &StepInput::numbered(rows), LogitsWanted::Last)?;
+        device.synchronize()?;
+        anyhow::Ok(logits)
+    };
+    let mut logits = step(first, first_cache, prompts)?;
+    step(second, second_cache, prompts)?;
+    let (mut first_ms, mut second_ms, mut err) = (Vec::new(), Vec::new(), 0f64);
+    for i in 0..DECODE_STEPS {
+        let tokens: Vec<Vec<u32>> = (sluice_model::argmax_rows(&logits)?.into_iter())
+            .map(|t| vec![t])
+            .collect();
+        let start = Instant::now();
+        logits = step(first, first_cache, &tokens)?;
+        first_ms.push(start.elapsed().as_secs_f64() * 1e3);
+        let start = Instant::now();
+        let got = step(second, second_cache, &tokens)?;
+        if i >= untimed {
+            second_ms.push(start.elapsed().as_secs_f64() * 1e3);
+        }
+        err = err.max(super::training::rel_err(&got, &logits)?);
+    }
+    Ok((crate::median(first_ms), crate::median(second_ms), err))
 }
