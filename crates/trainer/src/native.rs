@@ -235,7 +235,7 @@ impl NativeTrainer {
         let mut proximal: Vec<Option<Vec<Vec<f32>>>> = vec![None; packings.len()];
         if loss_config.kind == LossKind::DecoupledPpo {
             // The first share's update reads the same weights: converted once for both.
-            self.cast_step_weights()?;
+            update::convert_weights(&mut self.model)?;
             for (prox, packing) in proximal.iter_mut().zip(&packings).skip(1) {
                 *prox = Some(self.loss_slot_logprobs(packing, temperature)?);
             }

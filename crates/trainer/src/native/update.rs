@@ -13,9 +13,12 @@ use crate::optim::GradAccumulator;
 use crate::report::{Mismatch, StepParts, StepStats};
 use crate::steps::{packed, pick, slot_index};
 
-/// `model`'s parameters converted to its compute dtype for the forwards that follow
-/// ([`sluice_model::TrainableModel::set_step_weights`]), on a GPU by one launch as leaf
-/// variables; nothing when they are there already or it computes in its parameters' dtype.
+/// Under mixed precision, `model`'s parameters converted to its compute dtype once for the
+/// forwards that follow, until the optimizer changes them
+/// ([`sluice_model::TrainableModel::set_step_weights`]): on a GPU by one launch, as the leaf
+/// variables the forward reads, where each micro-batch's forward converted every parameter
+/// (and its backward converted each gradient back). Nothing when they are there already or the
+/// model computes in its parameters' dtype.
 pub(super) fn convert_weights(
     model: &mut sluice_model::TrainableModel,
 ) -> Result<(), TrainerError> {
@@ -107,7 +110,7 @@ impl NativeTrainer {
             .filter(|(_, mb)| !mb.loss_slots().is_empty())
             .collect();
         let mut clock = self.part_clock();
-        self.cast_step_weights()?;
+        convert_weights(&mut self.model)?;
         stats.parts.forward += clock.lap()?;
         let mut grads = GradAccumulator::new(self.model.vars().len());
         let mut add = |(g, out): (Vec<(usize, Tensor)>, MicroOut)| -> Result<u64, TrainerError> {
@@ -175,16 +178,6 @@ impl NativeTrainer {
         stats.optim = Some(self.optim.step(&grads)?);
         stats.parts.optimizer += clock.lap()?;
         Ok(lag_sum)
-    }
-
-    /// Under mixed precision, the parameters converted to the compute dtype once for the
-    /// forwards that follow, until the optimizer changes them
-    /// ([`sluice_model::TrainableModel::set_step_weights`]): on a GPU by one launch, as the leaf
-    /// variables the forward reads, where each micro-batch's forward converted every parameter
-    /// (and its backward converted each gradient back). Nothing when they are there already or
-    /// the model computes in its parameters' dtype.
-    pub(super) fn cast_step_weights(&mut self) -> Result<(), TrainerError> {
-        convert_weights(&mut self.model)
     }
 
     /// `f` of every micro-batch, in order: on the data-parallel workers when there are several
