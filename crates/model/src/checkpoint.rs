@@ -112,6 +112,8 @@ pub fn load_checkpoint(dir: &Path, options: &LoadOptions) -> Result<ModelWeights
             "checkpoint holds tensors the config does not use; they are ignored"
         );
     }
+    // The roles that read them run on other threads.
+    crate::device::settle(&options.device)?;
     ModelWeights::new(Arc::new(config), PolicyVersion::INITIAL, tensors)
 }
 

@@ -70,6 +70,43 @@ fn cuda(ordinal: u32) -> Result<candle_core::Device> {
     Ok(d)
 }
 
+/// Waits until the work this thread gave `device` is done; nothing on the CPU.
+///
+/// candle issues a thread's GPU work on that thread's own default stream, so two threads'
+/// kernels are not ordered with each other. A tensor written on one thread and handed to
+/// another (the trainer's published weights, an engine's model built where the engine's
+/// thread will run it) must be finished first: the receiving thread's kernels would otherwise
+/// read it while the writes are still queued. The roles are kept one thread each on a GPU
+/// (the trainer's compute pool, the engine replica's thread), so these hand-overs are the only
+/// places that need the wait.
+pub fn settle(device: &candle_core::Device) -> Result<()> {
+    if device.is_cuda() {
+        device.synchronize().map_err(|e| ModelError::Device {
+            device: format!("{device:?}"),
+            reason: format!("waiting for this thread's work on the device: {e}"),
+        })?;
+    }
+    Ok(())
+}
+
+/// Makes `device`'s CUDA context current on the calling thread; nothing on the CPU.
+///
+/// A GPU buffer frees itself when its last tensor goes, on whatever thread that is, and cudarc
+/// frees it without making its context current first: on a thread that never did GPU work (a
+/// tokio worker dropping the last reference to a weight snapshot) the free fails, the memory is
+/// lost, and the failure is parked in the context to surface as the error of the next GPU call
+/// anywhere in the process (an engine's weight swap, a trainer step). Owners of GPU tensors
+/// that travel between threads call this as they drop.
+pub fn bind(device: &candle_core::Device) {
+    #[cfg(feature = "cuda")]
+    if let candle_core::Device::Cuda(cuda) = device {
+        // A failure here leaves the free to fail as before; nothing better can be done in a drop.
+        let _ = cuda.cuda_stream().context().bind_to_thread();
+    }
+    #[cfg(not(feature = "cuda"))]
+    let _ = device;
+}
+
 #[cfg(feature = "cuda")]
 mod libraries {
     //! The libraries candle calls into, loaded once per process and never unloaded.

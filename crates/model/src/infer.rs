@@ -194,9 +194,19 @@ impl InferenceModel {
         if let Some(packed) = &mut self.packed {
             packed.repack(&weights)?;
         }
+        // Once this thread lets go of the old weights, another may hold their last reference
+        // and free them on its own stream (the trainer, replacing what it published): this
+        // thread's reads of them finish first.
+        crate::device::settle(self.snapshot.device())?;
         self.weights = weights;
         self.snapshot = snapshot;
-        self.restack()
+        if let Err(e) = self.restack() {
+            // The new weights are in and a step reads them either way: without the stacked
+            // copies it takes one product per projection. Stacking is tried again next swap.
+            tracing::warn!(error = %e, version = %self.snapshot.version,
+                "stacking the swapped weights failed; one product per projection until the next swap");
+        }
+        Ok(())
     }
 
     /// The policy version of the current weights.

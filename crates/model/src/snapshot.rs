@@ -28,6 +28,16 @@ pub struct ModelWeights {
     index: HashMap<String, usize>,
 }
 
+impl Drop for ModelWeights {
+    fn drop(&mut self) {
+        // A snapshot travels between threads (trainer, actors, engine replicas) and its last
+        // reference can go on one that never touched the GPU: its buffers are freed there.
+        if let Some(t) = self.tensors.first() {
+            crate::device::bind(t.device());
+        }
+    }
+}
+
 impl ModelWeights {
     /// Builds a snapshot from named tensors, checking that every parameter `config` needs is
     /// present with the right shape, and that all share one dtype and device. Tensors that are

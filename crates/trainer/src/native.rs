@@ -102,14 +102,21 @@ impl NativeTrainer {
         let vars = model.vars().iter().map(|(_, v)| v.clone()).collect();
         let optim = AdamW::new(vars, config.optim)?;
         let published = Arc::new(model.snapshot(initial.version, Some(config.publish_dtype))?);
-        let pool = ComputePool::new("trainer-compute", config.threads)?;
-        let workers = if config.threads > 1 {
-            (0..config.threads)
+        // On a GPU one thread issues all of the trainer's work: candle queues a thread's kernels
+        // on that thread's own stream, so micro-batches on several threads would hand tensors
+        // (the step's converted weights, their gradients) between streams that are not ordered
+        // with each other, and a GPU gains nothing from host threads anyway.
+        let threads = if device.is_cuda() { 1 } else { config.threads };
+        let pool = ComputePool::new("trainer-compute", threads)?;
+        let workers = if threads > 1 {
+            (0..threads)
                 .map(|w| ComputePool::new(&format!("trainer-worker{w}"), 1))
                 .collect::<Result<_, _>>()?
         } else {
             Vec::new()
         };
+        // Built on this thread, run on the pool's.
+        sluice_model::device::settle(&device)?;
         Ok(Self {
             pool,
             workers,
@@ -390,6 +397,10 @@ impl NativeTrainer {
             Some(fresh) => self.model.snapshot_of(self.version, fresh)?,
             None => self.model.snapshot(self.version, Some(dtype))?,
         };
+        // The engines read it on their own threads: the copy is finished before it is handed
+        // over. Every step that moves the weights ends here, so a step leaves the device idle
+        // (a checkpoint taken between steps, on another thread, reads finished weights).
+        sluice_model::device::settle(weights.device())?;
         self.published = Arc::new(weights);
         Ok(())
     }
@@ -434,7 +445,16 @@ impl NativeTrainer {
             self.model
                 .snapshot(self.version, Some(self.config.publish_dtype))?,
         );
+        sluice_model::device::settle(&device)?;
         Ok(())
+    }
+}
+
+impl Drop for NativeTrainer {
+    fn drop(&mut self) {
+        // The trainer can be dropped on a thread that never did its GPU work (the node's, at
+        // shutdown): its buffers are freed there.
+        sluice_model::device::bind(self.model.device());
     }
 }
 

@@ -283,6 +283,8 @@ impl NativeEngine {
             }
             model.set_decode_graphs(true);
         }
+        // The model was built on this thread; the replica's thread runs it.
+        sluice_model::device::settle(weights.device())?;
         let config = Arc::clone(model.config());
         let kv = KvBudget::new(&params, &config, weights.dtype())?;
         let name = format!("native-engine-{}", params.replica);
