@@ -152,6 +152,8 @@ fn gpu_check_calls_only_existing_subcommands_flags_and_keys() {
                 .map(|s| {
                     s.replace("$device", "cuda:0")
                         .replace("$qs", "/tmp/gpu-check-qs")
+                        .replace("$((seed + 2))", "3")
+                        .replace("$seed", "1")
                         .parse()
                         .unwrap_or_else(|e| panic!("--set {s}: {e}"))
                 })
