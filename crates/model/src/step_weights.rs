@@ -81,6 +81,11 @@ impl TrainableModel {
             }
             leaves.push((i, Var::from_tensor(&t).ctx(name)?));
         }
+        // What the forward reads per parameter: its copy, else its master.
+        let mut read: Vec<&Var> = self.vars().iter().map(|(_, v)| v).collect();
+        for (i, v) in &leaves {
+            read[*i] = v;
+        }
         let weights = DecoderWeights::build(self.config(), |name| {
             let Some(i) = self.vars().iter().position(|(n, _)| n == name) else {
                 return Err(ModelError::MissingTensor {
@@ -88,11 +93,7 @@ impl TrainableModel {
                     dir: "<trainable model>".into(),
                 });
             };
-            let leaf = leaves.iter().find(|(j, _)| *j == i);
-            Ok(leaf
-                .map_or(&self.vars()[i].1, |(_, v)| v)
-                .as_tensor()
-                .clone())
+            Ok(read[i].as_tensor().clone())
         })?;
         self.step = Some(StepWeights { weights, leaves });
         Ok(())
@@ -114,13 +115,8 @@ impl TrainableModel {
     /// ([`Self::set_step_weights`]). A tied embedding can have both (its rows gathered from
     /// the master, the LM head read from the copy); their sum is the parameter's gradient.
     pub fn parameter_gradients(&self, store: &GradStore) -> Vec<(usize, Tensor)> {
-        let masters = self.vars().iter().map(|(_, v)| v).enumerate();
-        let leaves = self
-            .step
-            .iter()
-            .flat_map(|s| s.leaves.iter().map(|(i, v)| (*i, v)));
-        let mut grads: Vec<(usize, Tensor)> = masters
-            .chain(leaves)
+        let mut grads: Vec<(usize, Tensor)> = self
+            .parameters()
             .filter_map(|(i, v)| store.get(v.as_tensor()).map(|g| (i, g.clone())))
             .collect();
         // Stable: a parameter's master gradient stays before its copy's.
@@ -130,14 +126,17 @@ impl TrainableModel {
 
     /// Every tensor the backward gives gradients to: the masters and the converted copies.
     pub(crate) fn parameter_tensors(&self) -> impl Iterator<Item = &Tensor> {
+        self.parameters().map(|(_, v)| v.as_tensor())
+    }
+
+    /// The masters, then the step's converted copies, each with its parameter's index in
+    /// [`Self::vars`].
+    fn parameters(&self) -> impl Iterator<Item = (usize, &Var)> {
         let leaves = self
             .step
             .iter()
-            .flat_map(|s| s.leaves.iter().map(|(_, v)| v));
-        self.vars()
-            .iter()
-            .map(|(_, v)| v)
-            .chain(leaves)
-            .map(Var::as_tensor)
+            .flat_map(|s| s.leaves.iter().map(|(i, v)| (*i, v)));
+        let masters = self.vars().iter().map(|(_, v)| v).enumerate();
+        masters.chain(leaves)
     }
 }
