@@ -18,13 +18,21 @@ Subcommands (each prints `key=value` words on one line, or JSON for `torch-logit
       matches).
   accuracy METRICS.jsonl
       the last `eval_accuracy` a run logged, and every one by step (`eval_curve=step:acc,...`).
+  kernel-profile NCU.csv --ours KERNELS.cu... [--wall-seconds S]
+      the device time of every kernel Nsight Compute timed (`ncu --csv --metrics
+      gpu__time_duration.sum`), by name (the heaviest, with counts) and by origin: cuBLAS's
+      products, Sluice's own kernels (the `extern "C" __global__` names of the given sources),
+      and the rest (candle's); with the profiled steps' wall time, the share the device was
+      busy.
 
-Only `compare` and `accuracy` run without PyTorch.
+Only `compare`, `accuracy` and `kernel-profile` run without PyTorch.
 """
 
 import argparse
+import csv
 import json
 import math
+import re
 import sys
 import time
 
@@ -167,6 +175,71 @@ def cmd_accuracy(args):
     return 0 if last is not None else 1
 
 
+# cuBLAS's (and cuBLASLt's) product kernels, by their names' marks.
+GEMM = re.compile(r"gemm|nvjet|cutlass|xmma|cublas|splitK", re.IGNORECASE)
+
+
+def cmd_kernel_profile(args):
+    # A macro's kernel names (`attn_fwd_##S##_##D`) as patterns: its parameters (capitals) stand
+    # for any word.
+    ours = []
+    for path in args.ours:
+        with open(path) as f:
+            for name in re.findall(r'extern\s+"C"\s+__global__\s+void\s+([\w#]+)', f.read()):
+                parts = name.split("##")
+                ours.append(re.compile(parts[0] + "".join(
+                    "[A-Za-z0-9]+" if re.fullmatch(r"[A-Z][A-Z0-9]*", p) else re.escape(p)
+                    for p in parts[1:])))
+    by_name = {}
+    with open(args.csv, newline="") as f:
+        # ncu prints its own lines (`==PROF==`) and the program's around the table.
+        rows = [line for line in f if line.startswith('"')]
+    for row in csv.DictReader(rows):
+        if row.get("Metric Name") != "gpu__time_duration.sum":
+            continue
+        name = row["Kernel Name"]
+        unit = row.get("Metric Unit", "nsecond")
+        scale = {"nsecond": 1e-9, "ns": 1e-9, "usecond": 1e-6, "us": 1e-6, "msecond": 1e-3,
+                 "ms": 1e-3, "second": 1.0, "s": 1.0}.get(unit)
+        if scale is None:
+            print(f"kernel-profile: unknown time unit {unit!r} for {name}", file=sys.stderr)
+            return 1
+        seconds = float(row["Metric Value"].replace(",", "")) * scale
+        count, total = by_name.get(name, (0, 0.0))
+        by_name[name] = (count + 1, total + seconds)
+    if not by_name:
+        print("kernel-profile: no gpu__time_duration.sum rows", file=sys.stderr)
+        return 1
+
+    def origin(name):
+        bare = name.split("(")[0].split("<")[0].split()[-1]
+        if any(p.fullmatch(bare) for p in ours):
+            return "sluice"
+        return "cublas" if GEMM.search(name) else "candle"
+
+    total = sum(t for _, t in by_name.values())
+    launches = sum(c for c, _ in by_name.values())
+    groups = {"cublas": [0, 0.0], "sluice": [0, 0.0], "candle": [0, 0.0]}
+    for name, (count, seconds) in by_name.items():
+        groups[origin(name)][0] += count
+        groups[origin(name)][1] += seconds
+    heavy = sorted(by_name.items(), key=lambda kv: -kv[1][1])
+    for name, (count, seconds) in heavy[: args.top]:
+        print(f"{100 * seconds / total:6.2f}%  {seconds * 1e3:10.2f} ms  {count:7d} x  "
+              f"{seconds / count * 1e6:9.1f} us  [{origin(name)}]  {name[:100]}")
+    words = [f"profile_launches={launches}", f"profile_device_ms={total * 1e3:.1f}"]
+    for key, (count, seconds) in groups.items():
+        words += [f"profile_{key}_pct={100 * seconds / total:.1f}", f"profile_{key}_launches={count}"]
+    if args.wall_seconds:
+        words.append(f"profile_busy_pct={100 * total / args.wall_seconds:.1f}")
+    # The heaviest few as name:share, for the one-line result.
+    short = lambda n: re.sub(r"[^A-Za-z0-9_]", "", n.split("(")[0].split("<")[0].split()[-1])[:40]
+    words.append("profile_top=" + ",".join(
+        f"{short(n)}:{100 * t / total:.1f}" for n, (_, t) in heavy[:5]))
+    print(" ".join(words))
+    return 0
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -198,6 +271,12 @@ def main():
     c = sub.add_parser("accuracy")
     c.add_argument("metrics")
     c.set_defaults(run=cmd_accuracy)
+    c = sub.add_parser("kernel-profile")
+    c.add_argument("csv")
+    c.add_argument("--ours", nargs="+", required=True, help="CUDA sources of Sluice's kernels")
+    c.add_argument("--wall-seconds", type=float, help="the profiled work's time without ncu")
+    c.add_argument("--top", type=int, default=15)
+    c.set_defaults(run=cmd_kernel_profile)
     args = p.parse_args()
     return args.run(args)
 

@@ -1,8 +1,8 @@
 //! The GPU scripts (`scripts/gpu-check`, `scripts/cuda-toolchain`, `scripts/gpu_check.py`,
 //! `scripts/gpu-prepare`) cannot run without a GPU or a network; these checks catch what can rot
 //! without one: they parse, every `sluice` subcommand and flag `gpu-check` calls exists, the
-//! config keys it overrides load, and `gpu-prepare` cuts the model it carries into halves that
-//! travel.
+//! config keys it overrides load, `gpu-prepare` cuts the model it carries into halves that
+//! travel, and the helper's profile summary adds Nsight Compute's times up as it should.
 
 use std::path::Path;
 use std::process::{Command, Output};
@@ -48,6 +48,74 @@ fn the_python_helper_compiles() {
             &script("gpu_check.py"),
         ]),
         "gpu_check.py",
+    );
+}
+
+/// `gpu_check.py kernel-profile` over Nsight Compute's CSV (its own lines and the program's
+/// around the table, thousands separators, mixed units): kernels summed by name, Sluice's own
+/// told from cuBLAS's and candle's by the names in the CUDA sources (a macro's `##` names
+/// included), and the device's busy share of the wall time.
+#[test]
+fn kernel_profile_sums_ncu_times_by_kernel_and_origin() {
+    let tmp = tempfile::tempdir().unwrap();
+    let csv = tmp.path().join("profile.csv");
+    let head = r#""ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value""#;
+    let row = |id: usize, name: &str, unit: &str, value: &str| {
+        format!(
+            r#""{id}","7","sluice","h","{name}","1","7","(128, 1, 1)","(8, 1, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","{unit}","{value}""#
+        )
+    };
+    let text = [
+        "==PROF== Connected to process 7".to_owned(),
+        "  step [8x2048]  40000 tok/s".to_owned(),
+        head.to_owned(),
+        row(0, "attn_tc_bwd_kv_bf16_64", "nsecond", "3,000,000"),
+        row(
+            1,
+            "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n",
+            "nsecond",
+            "4,000,000",
+        ),
+        row(2, "ucopy_bf16", "usecond", "1,000"),
+        row(3, "ucopy_bf16", "nsecond", "1,000,000"),
+        row(4, "rms_bwd_dx_bf16", "msecond", "1"),
+        "==PROF== Disconnected from process 7".to_owned(),
+    ]
+    .join("\n");
+    std::fs::write(&csv, text).unwrap();
+    let kernels = Path::new(env!("CARGO_MANIFEST_DIR")).join("crates/model/kernels");
+    let sources: Vec<_> = std::fs::read_dir(&kernels)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "cu"))
+        .collect();
+    let out = succeeds(
+        Command::new("python3")
+            .arg(script("gpu_check.py"))
+            .arg("kernel-profile")
+            .arg(&csv)
+            .arg("--ours")
+            .args(&sources)
+            .args(["--wall-seconds", "0.02"]),
+        "kernel-profile",
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    let last = text.lines().last().unwrap();
+    for word in [
+        "profile_launches=5",
+        "profile_device_ms=10.0",
+        "profile_cublas_pct=40.0",
+        "profile_sluice_pct=40.0",
+        "profile_sluice_launches=2",
+        "profile_candle_pct=20.0",
+        "profile_candle_launches=2",
+        "profile_busy_pct=50.0",
+    ] {
+        assert!(last.split(' ').any(|w| w == word), "no {word} in {last}");
+    }
+    assert!(
+        last.contains("profile_top=sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n:40.0,attn_tc_bwd_kv_bf16_64:30.0,ucopy_bf16:20.0"),
+        "{last}"
     );
 }
 

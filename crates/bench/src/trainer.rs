@@ -55,6 +55,11 @@ pub struct BenchTrainerArgs {
     /// default as in a run, `bf16` on a GPU and `f32` on the CPU. Master weights stay f32.
     #[arg(long, value_parser = crate::parse_dtype)]
     pub compute_dtype: Option<sluice_config::DType>,
+    /// Turn the CUDA profiler API's collection on for the timed steps only, so a profiler
+    /// started with it off (`ncu --profile-from-start off`, as `scripts/gpu-check`'s profile
+    /// part runs it) times their kernels and nothing else; no effect on the CPU.
+    #[arg(long)]
+    pub cuda_profile: bool,
 }
 
 const PROMPT_TOKENS: usize = 16;
@@ -107,15 +112,24 @@ pub fn run(args: &BenchTrainerArgs) -> anyhow::Result<ExitCode> {
             let vocab = snapshot.config().vocab_size as u32;
             let batch = [filled_group(rows, len, vocab)?];
             trainer.rl_step(&batch)?;
-            let (mut tokens, mut seconds) = (0usize, 0.0f64);
-            let mut parts = StepParts::default();
-            for _ in 0..steps {
-                let start = Instant::now();
-                let (stats, _) = trainer.rl_step(&batch)?;
-                seconds += start.elapsed().as_secs_f64();
-                tokens += stats.processed_tokens;
-                parts.add(&stats.parts);
-            }
+            let mut timed_steps = || -> anyhow::Result<(usize, f64, StepParts)> {
+                let (mut tokens, mut seconds) = (0usize, 0.0f64);
+                let mut parts = StepParts::default();
+                for _ in 0..steps {
+                    let start = Instant::now();
+                    let (stats, _) = trainer.rl_step(&batch)?;
+                    seconds += start.elapsed().as_secs_f64();
+                    tokens += stats.processed_tokens;
+                    parts.add(&stats.parts);
+                }
+                Ok((tokens, seconds, parts))
+            };
+            let (tokens, seconds, mut parts) = if args.cuda_profile {
+                let device = sluice_model::device::device(args.device)?;
+                sluice_model::device::profiled(&device, timed_steps)??
+            } else {
+                timed_steps()?
+            };
             let tok_s = tokens as f64 / seconds;
             let peak = crate::rss::peak_mib().map_or("n/a".to_owned(), |m| format!("{m:.0} MiB"));
             println!(

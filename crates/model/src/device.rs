@@ -107,6 +107,29 @@ pub fn bind(device: &candle_core::Device) {
     let _ = device;
 }
 
+/// Runs `f` with the CUDA profiler API's collection on (`cuProfilerStart`, then
+/// `cuProfilerStop` once `f`'s work on the device has finished), so a profiler started with
+/// collection off (`ncu --profile-from-start off`) sees only `f`'s kernels. On the CPU, `f`.
+pub fn profiled<T>(device: &candle_core::Device, f: impl FnOnce() -> T) -> Result<T> {
+    #[cfg(feature = "cuda")]
+    if device.is_cuda() {
+        use candle_core::cuda_backend::cudarc::driver::{profiler_start, profiler_stop};
+        let failed = |what: &str, e: &dyn std::fmt::Display| ModelError::Device {
+            device: format!("{device:?}"),
+            reason: format!("{what} the profiler's collection: {e}"),
+        };
+        bind(device);
+        settle(device)?;
+        profiler_start().map_err(|e| failed("starting", &e))?;
+        let out = f();
+        settle(device)?;
+        profiler_stop().map_err(|e| failed("stopping", &e))?;
+        return Ok(out);
+    }
+    let _ = device;
+    Ok(f())
+}
+
 #[cfg(feature = "cuda")]
 mod libraries {
     //! The libraries candle calls into, loaded once per process and never unloaded.
