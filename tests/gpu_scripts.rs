@@ -222,6 +222,7 @@ fn gpu_check_calls_only_existing_subcommands_flags_and_keys() {
                         .replace("$qs", "/tmp/gpu-check-qs")
                         .replace("$((seed + 2))", "3")
                         .replace("$seed", "1")
+                        .replace("$graphs", "true")
                         .parse()
                         .unwrap_or_else(|e| panic!("--set {s}: {e}"))
                 })
