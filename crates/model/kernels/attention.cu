@@ -8,7 +8,7 @@
 // Slot i of a row sees slot j iff first[i] <= j <= i and j's segment is i's own or the prefix i
 // continues (`runs`: every segment is one run of slots and none continues a prefix, so the range
 // alone decides): the rule of crates/model/src/fused/attention.rs, whose `Segments` gives
-// `first`. q is (N, H*D), k and v (N, KV*D), N = B*L rows; scores are scaled by `scale`.
+// `first` and `tiles`, the tiles of 64 x 64 slots that hold a visible pair (the rest are skipped). q is (N, H*D), k and v (N, KV*D), N = B*L rows; scores are scaled by `scale`.
 // Products accumulate in f32 whatever the inputs' dtype (f32 or bf16); outputs are rounded once.
 
 #include "common.cuh"
@@ -49,8 +49,9 @@ __device__ __forceinline__ unsigned block_min(unsigned v, unsigned* scratch) {
 // runs every loop (no early exit around a shuffle). o like q; lse (B, H, L).
 template <typename T, int D>
 __device__ void attn_fwd(const T* q, const T* k, const T* v, const unsigned* seg,
-                         const unsigned* prefix, const unsigned* first, int runs, T* o, float* lse,
-                         unsigned L, unsigned H, unsigned KV, float scale) {
+                         const unsigned* prefix, const unsigned* first, const unsigned* tiles,
+                         int runs, T* o, float* lse, unsigned L, unsigned H, unsigned KV,
+                         float scale) {
   constexpr unsigned R = Tile<D>::ROWS, C = Tile<D>::CHUNK, K = Tile<D>::KEYS, P = Tile<D>::PARTS;
   constexpr unsigned DP = D / P;  // a thread's columns
   __shared__ float ks[K][D], vs[K][D];
@@ -72,6 +73,8 @@ __device__ void attn_fwd(const T* q, const T* k, const T* v, const unsigned* seg
   const unsigned hi = min(L, blockIdx.x * R + R);  // keys below hi
   float m = -INFINITY, l = 0.0f;
   for (unsigned j0 = lo; j0 < hi; j0 += K) {
+    // Key tiles no query of the block sees (tiles.rs) are skipped whole.
+    if (!tiles_meet(tiles, b, L, blockIdx.x * R, hi - 1, j0, min(j0 + K, hi) - 1)) continue;
     __syncthreads();
     for (unsigned e = threadIdx.x; e < K * D; e += R * P) {
       const unsigned r = e / D, c = e % D, j = j0 + r;
@@ -144,8 +147,8 @@ __device__ void attn_delta(const T* o, const T* dout, float* delta, unsigned L, 
 template <typename T, int D>
 __device__ void attn_bwd_kv(const T* q, const T* k, const T* v, const T* dout, const float* lse,
                             const float* delta, const unsigned* seg, const unsigned* prefix,
-                            const unsigned* first, int runs, T* dk, T* dv, unsigned L, unsigned H,
-                            unsigned KV, float scale) {
+                            const unsigned* first, const unsigned* tiles, int runs, T* dk, T* dv,
+                            unsigned L, unsigned H, unsigned KV, float scale) {
   constexpr unsigned R = Tile<D>::ROWS, C = Tile<D>::CHUNK, P = Tile<D>::PARTS, DP = D / P;
   // Rows padded by PARTS: the threads of a warp (each its own key's row, its own columns of it)
   // read distinct banks.
@@ -170,6 +173,7 @@ __device__ void attn_bwd_kv(const T* q, const T* k, const T* v, const T* dout, c
   for (unsigned gi = 0; gi < g; ++gi) {
     const unsigned h = kh * g + gi;
     for (unsigned i0 = j0; i0 < L; i0 += C) {
+      if (!tiles_meet(tiles, b, L, i0, min(i0 + C, L) - 1, j0, jlast)) continue;
       __syncthreads();
       for (unsigned e = threadIdx.x; e < C; e += R * P) {
         const unsigned i = i0 + e;
@@ -231,8 +235,8 @@ __device__ void attn_bwd_kv(const T* q, const T* k, const T* v, const T* dout, c
 template <typename T, int D>
 __device__ void attn_bwd_q(const T* q, const T* k, const T* v, const T* dout, const float* lse,
                            const float* delta, const unsigned* seg, const unsigned* prefix,
-                           const unsigned* first, int runs, T* dq, unsigned L, unsigned H,
-                           unsigned KV, float scale) {
+                           const unsigned* first, const unsigned* tiles, int runs, T* dq,
+                           unsigned L, unsigned H, unsigned KV, float scale) {
   constexpr unsigned R = Tile<D>::ROWS, C = Tile<D>::CHUNK;
   __shared__ float qs[R][D + 1], dos[R][D + 1];
   __shared__ float ks[C][D], vs[C][D];
@@ -261,6 +265,7 @@ __device__ void attn_bwd_q(const T* q, const T* k, const T* v, const T* dout, co
   float gq[D];
   for (int d = 0; d < D; ++d) gq[d] = 0.0f;
   for (unsigned j0 = lo; j0 < hi; j0 += C) {
+    if (!tiles_meet(tiles, b, L, i0, hi - 1, j0, min(j0 + C, hi) - 1)) continue;
     __syncthreads();
     for (unsigned e = threadIdx.x; e < C * D; e += R) {
       const unsigned r = e / D, c = e % D, j = j0 + r;
@@ -290,22 +295,23 @@ __device__ void attn_bwd_q(const T* q, const T* k, const T* v, const T* dout, co
 #define ATTENTION(T, S, D)                                                                        \
   extern "C" __global__ void attn_fwd_##S##_##D(                                                  \
       const T* q, const T* k, const T* v, const unsigned* seg, const unsigned* prefix,            \
-      const unsigned* first, int runs, T* o, float* lse, unsigned L, unsigned H, unsigned KV,     \
-      float scale) {                                                                              \
-    attn_fwd<T, D>(q, k, v, seg, prefix, first, runs, o, lse, L, H, KV, scale);                   \
+      const unsigned* first, const unsigned* tiles, int runs, T* o, float* lse, unsigned L,       \
+      unsigned H, unsigned KV, float scale) {                                                     \
+    attn_fwd<T, D>(q, k, v, seg, prefix, first, tiles, runs, o, lse, L, H, KV, scale);            \
   }                                                                                               \
   extern "C" __global__ void attn_bwd_kv_##S##_##D(                                               \
       const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* delta,    \
-      const unsigned* seg, const unsigned* prefix, const unsigned* first, int runs, T* dk, T* dv, \
-      unsigned L, unsigned H, unsigned KV, float scale) {                                         \
-    attn_bwd_kv<T, D>(q, k, v, dout, lse, delta, seg, prefix, first, runs, dk, dv, L, H, KV,      \
-                      scale);                                                                     \
+      const unsigned* seg, const unsigned* prefix, const unsigned* first, const unsigned* tiles,  \
+      int runs, T* dk, T* dv, unsigned L, unsigned H, unsigned KV, float scale) {                 \
+    attn_bwd_kv<T, D>(q, k, v, dout, lse, delta, seg, prefix, first, tiles, runs, dk, dv, L, H,   \
+                      KV, scale);                                                                 \
   }                                                                                               \
   extern "C" __global__ void attn_bwd_q_##S##_##D(                                                \
       const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* delta,    \
-      const unsigned* seg, const unsigned* prefix, const unsigned* first, int runs, T* dq,        \
-      unsigned L, unsigned H, unsigned KV, float scale) {                                         \
-    attn_bwd_q<T, D>(q, k, v, dout, lse, delta, seg, prefix, first, runs, dq, L, H, KV, scale);   \
+      const unsigned* seg, const unsigned* prefix, const unsigned* first, const unsigned* tiles,  \
+      int runs, T* dq, unsigned L, unsigned H, unsigned KV, float scale) {                        \
+    attn_bwd_q<T, D>(q, k, v, dout, lse, delta, seg, prefix, first, tiles, runs, dq, L, H, KV,    \
+                     scale);                                                                      \
   }
 
 #define HEAD_DIMS(T, S) ATTENTION(T, S, 16) ATTENTION(T, S, 32) ATTENTION(T, S, 64) ATTENTION(T, S, 128)

@@ -172,8 +172,9 @@ __device__ __forceinline__ bool sees(unsigned i, unsigned j, unsigned first_i, u
 // so the accumulators are never rescaled.
 template <unsigned D>
 __device__ void attn_tc_fwd(const bf16* q, const bf16* k, const bf16* v, const unsigned* seg,
-                            const unsigned* prefix, const unsigned* first, int runs, bf16* o,
-                            float* lse, unsigned L, unsigned H, unsigned KV, float scale) {
+                            const unsigned* prefix, const unsigned* first, const unsigned* tiles,
+                            int runs, bf16* o, float* lse, unsigned L, unsigned H, unsigned KV,
+                            float scale) {
   using namespace tc;
   constexpr unsigned BQ = 64, BK = 64, LS = BK + 4;
   constexpr unsigned LD = D + 8;
@@ -200,9 +201,11 @@ __device__ void attn_tc_fwd(const bf16* q, const bf16* k, const bf16* v, const u
   for (unsigned t = 0; t < BQ; ++t) lo = min(lo, qfirst[t]);
   const unsigned hi = i0 + nq;
   float m = -INFINITY, l = 0.0f;
-  // Pass 1: each row's max and sum of exponentials.
+  // Pass 1: each row's max and sum of exponentials (both passes skip the key tiles no query of
+  // the block sees: a shared prompt's later completions skip the earlier ones).
   for (unsigned j0 = lo; j0 < hi; j0 += BK) {
     const unsigned nk = min(BK, hi - j0);
+    if (!tiles_meet(tiles, b, L, i0, hi - 1, j0, j0 + nk - 1)) continue;
     __syncthreads();
     stage<D>(ks, k, row0 + j0, nk, BK, KV * D, kh * D);
     for (unsigned t = threadIdx.x; t < BK; t += blockDim.x) kseg[t] = t < nk ? seg[row0 + j0 + t] : 0;
@@ -234,6 +237,7 @@ __device__ void attn_tc_fwd(const bf16* q, const bf16* k, const bf16* v, const u
   for (unsigned n = 0; n < D / 16; ++n) wmma::fill_fragment(acc[n], 0.0f);
   for (unsigned j0 = lo; j0 < hi; j0 += BK) {
     const unsigned nk = min(BK, hi - j0);
+    if (!tiles_meet(tiles, b, L, i0, hi - 1, j0, j0 + nk - 1)) continue;
     __syncthreads();
     stage<D>(ks, k, row0 + j0, nk, BK, KV * D, kh * D);
     stage<D>(vs, v, row0 + j0, nk, BK, KV * D, kh * D);
@@ -258,8 +262,9 @@ __device__ void attn_tc_fwd(const bf16* q, const bf16* k, const bf16* v, const u
 template <unsigned D>
 __device__ void attn_tc_bwd_kv(const bf16* q, const bf16* k, const bf16* v, const bf16* dout,
                                const float* lse, const float* delta, const unsigned* seg,
-                               const unsigned* prefix, const unsigned* first, int runs, bf16* dk,
-                               bf16* dv, unsigned L, unsigned H, unsigned KV, float scale) {
+                               const unsigned* prefix, const unsigned* first,
+                               const unsigned* tiles, int runs, bf16* dk, bf16* dv, unsigned L,
+                               unsigned H, unsigned KV, float scale) {
   using namespace tc;
   constexpr unsigned BK = 64, BQ = 32, LS = BQ + 4, LP = BQ + 8;
   SLUICE_DYNAMIC_SHARED(smem);
@@ -290,10 +295,16 @@ __device__ void attn_tc_bwd_kv(const bf16* q, const bf16* k, const bf16* v, cons
     wmma::fill_fragment(gk[n], 0.0f);
     wmma::fill_fragment(gv[n], 0.0f);
   }
+  // The word of the tile mask (common.cuh, `tiles_meet`) that holds this block's key tile, in
+  // the row of query tile 0; query tile t's is `mask_words` words on per tile.
+  const unsigned mask_words = ((L + 63) / 64 + 31) / 32;
+  const unsigned* mask = tiles + (u64)b * ((L + 63) / 64) * mask_words + j0 / 64 / 32;
   for (unsigned gi = 0; gi < g; ++gi) {
     const unsigned h = kh * g + gi;
     for (unsigned i0 = j0; i0 < L; i0 += BQ) {
       const unsigned nq = min(BQ, L - i0);
+      // The block's keys are one tile of the mask, and 32 queries from i0 lie in one.
+      if (!((mask[(u64)(i0 / 64) * mask_words] >> (j0 / 64 % 32)) & 1u)) continue;
       __syncthreads();
       stage_queries(BQ, nq, {first, seg, prefix, lse, delta}, row0 + i0,
                     ((u64)b * H + h) * L + i0, {qfirst, qseg, qpre, qlse, qdelta});
@@ -338,8 +349,9 @@ __device__ void attn_tc_bwd_kv(const bf16* q, const bf16* k, const bf16* v, cons
 template <unsigned D>
 __device__ void attn_tc_bwd_q(const bf16* q, const bf16* k, const bf16* v, const bf16* dout,
                               const float* lse, const float* delta, const unsigned* seg,
-                              const unsigned* prefix, const unsigned* first, int runs, bf16* dq,
-                              unsigned L, unsigned H, unsigned KV, float scale) {
+                              const unsigned* prefix, const unsigned* first,
+                              const unsigned* tiles, int runs, bf16* dq, unsigned L, unsigned H,
+                              unsigned KV, float scale) {
   using namespace tc;
   constexpr unsigned BQ = 64, BK = 32, LS = BK + 4, LP = BK + 8;
   SLUICE_DYNAMIC_SHARED(smem);
@@ -373,6 +385,7 @@ __device__ void attn_tc_bwd_q(const bf16* q, const bf16* k, const bf16* v, const
   for (unsigned n = 0; n < D / 16; ++n) wmma::fill_fragment(gq[n], 0.0f);
   for (unsigned j0 = lo; j0 < hi; j0 += BK) {
     const unsigned nk = min(BK, hi - j0);
+    if (!tiles_meet(tiles, b, L, i0, hi - 1, j0, j0 + nk - 1)) continue;
     __syncthreads();
     stage<D>(ks, k, row0 + j0, nk, BK, KV * D, kh * D);
     stage<D>(vs, v, row0 + j0, nk, BK, KV * D, kh * D);
@@ -403,22 +416,25 @@ __device__ void attn_tc_bwd_q(const bf16* q, const bf16* k, const bf16* v, const
 #define TENSOR_CORE_ATTENTION(D)                                                                  \
   extern "C" __global__ void attn_tc_fwd_bf16_##D(                                                \
       const bf16* q, const bf16* k, const bf16* v, const unsigned* seg, const unsigned* prefix,   \
-      const unsigned* first, int runs, bf16* o, float* lse, unsigned L, unsigned H, unsigned KV,  \
-      float scale) {                                                                              \
-    attn_tc_fwd<D>(q, k, v, seg, prefix, first, runs, o, lse, L, H, KV, scale);                   \
+      const unsigned* first, const unsigned* tiles, int runs, bf16* o, float* lse, unsigned L,    \
+      unsigned H, unsigned KV, float scale) {                                                     \
+    attn_tc_fwd<D>(q, k, v, seg, prefix, first, tiles, runs, o, lse, L, H, KV, scale);            \
   }                                                                                               \
   extern "C" __global__ void attn_tc_bwd_kv_bf16_##D(                                             \
       const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse,            \
       const float* delta, const unsigned* seg, const unsigned* prefix, const unsigned* first,     \
-      int runs, bf16* dk, bf16* dv, unsigned L, unsigned H, unsigned KV, float scale) {           \
-    attn_tc_bwd_kv<D>(q, k, v, dout, lse, delta, seg, prefix, first, runs, dk, dv, L, H, KV,      \
-                      scale);                                                                     \
+      const unsigned* tiles, int runs, bf16* dk, bf16* dv, unsigned L, unsigned H, unsigned KV,   \
+      float scale) {                                                                              \
+    attn_tc_bwd_kv<D>(q, k, v, dout, lse, delta, seg, prefix, first, tiles, runs, dk, dv, L, H,   \
+                      KV, scale);                                                                 \
   }                                                                                               \
   extern "C" __global__ void attn_tc_bwd_q_bf16_##D(                                              \
       const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse,            \
       const float* delta, const unsigned* seg, const unsigned* prefix, const unsigned* first,     \
-      int runs, bf16* dq, unsigned L, unsigned H, unsigned KV, float scale) {                     \
-    attn_tc_bwd_q<D>(q, k, v, dout, lse, delta, seg, prefix, first, runs, dq, L, H, KV, scale);   \
+      const unsigned* tiles, int runs, bf16* dq, unsigned L, unsigned H, unsigned KV,             \
+      float scale) {                                                                              \
+    attn_tc_bwd_q<D>(q, k, v, dout, lse, delta, seg, prefix, first, tiles, runs, dq, L, H, KV,    \
+                     scale);                                                                      \
   }
 
 TENSOR_CORE_ATTENTION(64)

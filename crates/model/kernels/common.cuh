@@ -38,6 +38,20 @@ __device__ __forceinline__ float rope_second(float x1, float x2, float c, float 
   return x2 * c + x1 * s;
 }
 
+// Whether some query of slots i_lo..=i_hi sees some key of slots j_lo..=j_hi (one row, `b`, of
+// L slots) by the batch's tile mask (crates/model/src/fused/attention/tiles.rs): per row and
+// tile of 64 queries, a bit per tile of 64 keys. Every thread of a block reads the same words,
+// so a loop that skips by it stays uniform.
+__device__ __forceinline__ bool tiles_meet(const unsigned* tiles, unsigned b, unsigned L,
+                                           unsigned i_lo, unsigned i_hi, unsigned j_lo,
+                                           unsigned j_hi) {
+  const unsigned T = (L + 63) / 64, W = (T + 31) / 32;
+  for (unsigned qt = i_lo / 64; qt <= i_hi / 64; ++qt)
+    for (unsigned kt = j_lo / 64; kt <= j_hi / 64; ++kt)
+      if ((tiles[((u64)b * T + qt) * W + kt / 32] >> (kt % 32)) & 1u) return true;
+  return false;
+}
+
 #define GRID_STRIDE(i, n)                                                                         \
   for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < (n); i += (u64)blockDim.x * gridDim.x)
 

@@ -32,6 +32,8 @@ pub struct Segments {
     /// Every segment is one run of slots and none continues a prefix (always so for
     /// [`crate::PackedBatch::from_rows`]); if not, keys inside `[first, i]` are checked one by one.
     runs: bool,
+    /// Per row and tile of queries, the tiles of keys holding a visible pair ([`visible_tiles`]).
+    tiles: Vec<u32>,
     /// The slot arrays on a GPU, uploaded by the first layer that needs them.
     #[cfg(feature = "cuda")]
     device: super::device::DeviceSlots,
@@ -89,6 +91,7 @@ impl Segments {
                 first[r * len + i] = f;
             }
         }
+        let tiles = visible_tiles((batch, len), segment_ids, prefix_ids, &first, runs);
         Ok(Self {
             batch,
             len,
@@ -96,6 +99,7 @@ impl Segments {
             prefixes: prefix_ids.to_vec(),
             first,
             runs,
+            tiles,
             #[cfg(feature = "cuda")]
             device: Default::default(),
         })
@@ -125,6 +129,13 @@ impl Segments {
     /// exactly the slots from [`Segments::first`] up to itself.
     pub fn runs(&self) -> bool {
         self.runs
+    }
+
+    /// Per row and tile of 64 queries, a bit per tile of 64 keys (in
+    /// `len.div_ceil(64).div_ceil(32)` words), set iff some query of the one sees some key of the
+    /// other: the GPU kernels skip the tiles whose bit is clear.
+    pub fn visible_tiles(&self) -> &[u32] {
+        &self.tiles
     }
 
     /// `(batch, len)`.
@@ -195,6 +206,9 @@ struct Attention {
 }
 
 mod task;
+mod tiles;
+
+use tiles::visible_tiles;
 
 use task::{Block, Task, run_backward, run_forward};
 

@@ -249,52 +249,76 @@ fn emulated_attention_kernels_match_the_cpu_op() {
     ];
     for dtype in [DType::F32, DType::BF16] {
         for (k, &(b, l, h, kv, d)) in cases.iter().enumerate() {
-            let heads = AttentionHeads {
-                heads: h,
-                kv_heads: kv,
-                head_dim: d,
-            };
             let plain = (segment_rows(b, l, k), vec![0; b * l]);
             for (seg, prefix) in [plain, prefix_rows(b, l, k)] {
-                let segments =
-                    std::sync::Arc::new(Segments::with_prefixes(b, l, &seg, &prefix).unwrap());
-                let n = b * l;
-                let xs = inputs(
-                    &[&[n, h * d], &[n, kv * d], &[n, kv * d], &[n, h * d]],
-                    20 + k as u64,
-                    dtype,
-                );
-                let (o, g) = reference(&xs[..3], &xs[3], &|t| {
-                    fused::attention(&t[0], &t[1], &t[2], &segments, heads).unwrap()
-                });
-                let args = [b, l, h, kv, d, usize::from(segments.runs())].map(|x| x.to_string());
-                let ins = [
-                    In::Floats(&xs[0]),
-                    In::Floats(&xs[1]),
-                    In::Floats(&xs[2]),
-                    In::Floats(&xs[3]),
-                    In::Words(segments.ids()),
-                    In::Words(segments.prefixes()),
-                    In::Words(segments.first()),
-                ];
-                // bf16 heads of 64 and 128 also take the tensor-core kernels (attention_tc.cu).
-                let tensor_cores = dtype == DType::BF16 && (d == 64 || d == 128);
-                for tc in [false, true].into_iter().filter(|&tc| !tc || tensor_cores) {
-                    let mut args = args.to_vec();
-                    args.push(usize::from(tc).to_string());
-                    let out = emulate("attention", dtype, &ins, &args);
-                    let what = |p: &str| {
-                        format!("attention {p}, case {k}, runs {}, tc {tc}", segments.runs())
-                    };
-                    let (qn, kn) = (n * h * d, n * kv * d);
-                    check(&what("output"), dtype, &out[..qn], &o);
-                    let rest = &out[qn + n * h..];
-                    check(&what("dq"), dtype, &rest[..qn], &g[0]);
-                    check(&what("dk"), dtype, &rest[qn..qn + kn], &g[1]);
-                    check(&what("dv"), dtype, &rest[qn + kn..], &g[2]);
-                }
+                emulated_attention_matches(dtype, (b, l, h, kv, d), (&seg, &prefix), k);
             }
         }
+        // A prompt shared by three long completions, then a plain segment: the kernels skip
+        // the tile of 64 × 64 slots where the third completion's queries (192..250) would meet
+        // the first two's keys (64..128), which they walk past on the way from the prompt.
+        let (b, l) = (1, 260);
+        let seg: Vec<u32> = (0..l)
+            .map(|i| if i < 10 { 1 } else { 2 + (i as u32 - 10) / 80 })
+            .collect();
+        let prefix: Vec<u32> = seg.iter().map(|&s| u32::from(s > 1 && s < 5)).collect();
+        let mask = Segments::with_prefixes(b, l, &seg, &prefix).unwrap();
+        assert_eq!(
+            mask.visible_tiles()[3] & 0b1111,
+            0b1101,
+            "query tile 3 skips key tile 1"
+        );
+        emulated_attention_matches(dtype, (b, l, 2, 1, 64), (&seg, &prefix), cases.len());
+    }
+}
+
+/// The emulated attention kernels (on tensor cores too, for bf16 heads of 64 and 128) against
+/// the CPU op: output and the three gradients.
+fn emulated_attention_matches(
+    dtype: DType,
+    (b, l, h, kv, d): (usize, usize, usize, usize, usize),
+    (seg, prefix): (&[u32], &[u32]),
+    k: usize,
+) {
+    let heads = AttentionHeads {
+        heads: h,
+        kv_heads: kv,
+        head_dim: d,
+    };
+    let segments = std::sync::Arc::new(Segments::with_prefixes(b, l, seg, prefix).unwrap());
+    let n = b * l;
+    let xs = inputs(
+        &[&[n, h * d], &[n, kv * d], &[n, kv * d], &[n, h * d]],
+        20 + k as u64,
+        dtype,
+    );
+    let (o, g) = reference(&xs[..3], &xs[3], &|t| {
+        fused::attention(&t[0], &t[1], &t[2], &segments, heads).unwrap()
+    });
+    let args = [b, l, h, kv, d, usize::from(segments.runs())].map(|x| x.to_string());
+    let ins = [
+        In::Floats(&xs[0]),
+        In::Floats(&xs[1]),
+        In::Floats(&xs[2]),
+        In::Floats(&xs[3]),
+        In::Words(segments.ids()),
+        In::Words(segments.prefixes()),
+        In::Words(segments.first()),
+        In::Words(segments.visible_tiles()),
+    ];
+    // bf16 heads of 64 and 128 also take the tensor-core kernels (attention_tc.cu).
+    let tensor_cores = dtype == DType::BF16 && (d == 64 || d == 128);
+    for tc in [false, true].into_iter().filter(|&tc| !tc || tensor_cores) {
+        let mut args = args.to_vec();
+        args.push(usize::from(tc).to_string());
+        let out = emulate("attention", dtype, &ins, &args);
+        let what = |p: &str| format!("attention {p}, case {k}, runs {}, tc {tc}", segments.runs());
+        let (qn, kn) = (n * h * d, n * kv * d);
+        check(&what("output"), dtype, &out[..qn], &o);
+        let rest = &out[qn + n * h..];
+        check(&what("dq"), dtype, &rest[..qn], &g[0]);
+        check(&what("dk"), dtype, &rest[qn..qn + kn], &g[1]);
+        check(&what("dv"), dtype, &rest[qn + kn..], &g[2]);
     }
 }
 

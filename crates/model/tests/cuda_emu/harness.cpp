@@ -60,20 +60,23 @@ constexpr unsigned THREADS = 256, CHUNK_ROWS = 64;
 
 template <class T, int D>
 void attention(void (*fwd)(const T*, const T*, const T*, const unsigned*, const unsigned*,
-                           const unsigned*, int, T*, float*, unsigned, unsigned, unsigned, float),
+                           const unsigned*, const unsigned*, int, T*, float*, unsigned, unsigned,
+                           unsigned, float),
                void (*kv)(const T*, const T*, const T*, const T*, const float*, const float*,
-                          const unsigned*, const unsigned*, const unsigned*, int, T*, T*, unsigned,
-                          unsigned, unsigned, float),
+                          const unsigned*, const unsigned*, const unsigned*, const unsigned*, int,
+                          T*, T*, unsigned, unsigned, unsigned, float),
                void (*dq)(const T*, const T*, const T*, const T*, const float*, const float*,
-                          const unsigned*, const unsigned*, const unsigned*, int, T*, unsigned,
-                          unsigned, unsigned, float),
+                          const unsigned*, const unsigned*, const unsigned*, const unsigned*, int,
+                          T*, unsigned, unsigned, unsigned, float),
                void (*delta)(const T*, const T*, float*, unsigned, unsigned, unsigned, u64),
                unsigned B, unsigned L, unsigned H, unsigned KV, int runs, unsigned block = Tile<D>::ROWS,
                unsigned R = Tile<D>::ROWS, unsigned parts = Tile<D>::PARTS) {
   const size_t N = (size_t)B * L;
   auto q = floats<T>(N * H * D), k = floats<T>(N * KV * D), v = floats<T>(N * KV * D),
        g = floats<T>(N * H * D);
-  auto seg = words(N), prefix = words(N), first = words(N);
+  // The tile mask: per row and tile of 64 queries, a bit per tile of 64 keys (tiles.rs).
+  const size_t mask_tiles = (L + 63) / 64, mask_words = (mask_tiles + 31) / 32;
+  auto seg = words(N), prefix = words(N), first = words(N), mask = words(B * mask_tiles * mask_words);
   const float scale = 1.0f / std::sqrt((float)D);
   // The tensor-core kernels take 64 rows a block, with 128 threads.
   const unsigned tiles = (L + R - 1) / R;
@@ -81,14 +84,15 @@ void attention(void (*fwd)(const T*, const T*, const T*, const unsigned*, const 
   std::vector<float> lse(N * H), dl(N * H);
   // The forward and dK/dV take `parts` threads a row (device/attention.rs, `split_threads`).
   emu::launch(fwd, dim3(tiles, B * H), dim3(block * parts), q.data(), k.data(), v.data(), seg.data(),
-              prefix.data(), first.data(), runs, o.data(), lse.data(), L, H, KV, scale);
+              prefix.data(), first.data(), mask.data(), runs, o.data(), lse.data(), L, H, KV, scale);
   emu::launch(delta, dim3(blocks(N * H * 32, THREADS)), dim3(THREADS), o.data(), g.data(),
               dl.data(), L, H, (unsigned)D, (u64)(N * H));
   emu::launch(kv, dim3(tiles, B * KV), dim3(block * parts), q.data(), k.data(), v.data(), g.data(), lse.data(),
-              dl.data(), seg.data(), prefix.data(), first.data(), runs, gk.data(), gv.data(), L, H,
-              KV, scale);
+              dl.data(), seg.data(), prefix.data(), first.data(), mask.data(), runs, gk.data(), gv.data(),
+              L, H, KV, scale);
   emu::launch(dq, dim3(tiles, B * H), dim3(block), q.data(), k.data(), v.data(), g.data(), lse.data(),
-              dl.data(), seg.data(), prefix.data(), first.data(), runs, gq.data(), L, H, KV, scale);
+              dl.data(), seg.data(), prefix.data(), first.data(), mask.data(), runs, gq.data(), L, H, KV,
+              scale);
   put(o);
   put(lse);
   put(gq);

@@ -63,6 +63,8 @@ pub(crate) struct SlotArrays {
     seg: CudaSlice<u32>,
     prefix: CudaSlice<u32>,
     first: CudaSlice<u32>,
+    /// The tiles of 64 × 64 slots that hold a visible pair ([`Segments::visible_tiles`]).
+    tiles: CudaSlice<u32>,
 }
 
 /// [`Segments`]' cache of its [`SlotArrays`]: empty when cloned.
@@ -99,6 +101,7 @@ impl DeviceSlots {
                 seg: dev.clone_htod(seg.ids())?,
                 prefix: dev.clone_htod(seg.prefixes())?,
                 first: dev.clone_htod(seg.first())?,
+                tiles: dev.clone_htod(seg.visible_tiles())?,
             })
         };
         if self.0.get().is_none() {
@@ -236,7 +239,8 @@ pub(crate) fn attention(
         let stream = dev.cuda_stream();
         let mut a = stream.launch_builder(&f);
         a.arg(&qv).arg(&kv_).arg(&vv).arg(&slots.seg).arg(&slots.prefix).arg(&slots.first);
-        a.arg(&g.runs).arg(&mut o).arg(&mut lse).arg(&g.l).arg(&g.h).arg(&g.kv).arg(&g.scale);
+        a.arg(&slots.tiles).arg(&g.runs).arg(&mut o).arg(&mut lse);
+        a.arg(&g.l).arg(&g.h).arg(&g.kv).arg(&g.scale);
         launch(a, cfg)?;
         let lse = tensor(lse, dev, &Shape::from((g.b as usize, heads.heads, g.l as usize)));
         Ok((CudaStorage::wrap_cuda_slice(o, dev.clone()), lse))
@@ -279,7 +283,7 @@ pub(crate) fn attention_bwd(
         let (f, cfg) = g.kernel(dev, "bwd_kv", q.dtype(), (g.tiles(), g.b * g.kv))?;
         let mut a = stream.launch_builder(&f);
         a.arg(&qv).arg(&kv_).arg(&vv).arg(&gv).arg(&lv).arg(&delta);
-        a.arg(&slots.seg).arg(&slots.prefix).arg(&slots.first).arg(&g.runs);
+        a.arg(&slots.seg).arg(&slots.prefix).arg(&slots.first).arg(&slots.tiles).arg(&g.runs);
         a.arg(&mut dk).arg(&mut dv).arg(&g.l).arg(&g.h).arg(&g.kv).arg(&g.scale);
         launch(a, cfg)?;
 
@@ -287,7 +291,7 @@ pub(crate) fn attention_bwd(
         let (f, cfg) = g.kernel(dev, "bwd_q", q.dtype(), (g.tiles(), g.b * g.h))?;
         let mut a = stream.launch_builder(&f);
         a.arg(&qv).arg(&kv_).arg(&vv).arg(&gv).arg(&lv).arg(&delta);
-        a.arg(&slots.seg).arg(&slots.prefix).arg(&slots.first).arg(&g.runs);
+        a.arg(&slots.seg).arg(&slots.prefix).arg(&slots.first).arg(&slots.tiles).arg(&g.runs);
         a.arg(&mut dq).arg(&g.l).arg(&g.h).arg(&g.kv).arg(&g.scale);
         launch(a, cfg)?;
         Ok([tensor(dq, dev, q.shape()), tensor(dk, dev, k.shape()), tensor(dv, dev, v.shape())])
