@@ -8,7 +8,8 @@ Subcommands (each prints `key=value` words on one line, or JSON for `torch-logit
       decode path (`decode_rel`, worst row, when both files have `decode_logits`), and the worst
       relative gradient-norm error over the parameters; exit 1 when a tolerance is exceeded.
   torch-logits MODEL --tokens 1,2,3 [--dtype f32|bf16]
-      last-position logits of transformers' model, as `sluice model probe` prints them.
+      last-position logits of transformers' model, by one forward (`logits`) and by the decode
+      path over its KV cache (`decode_logits`), as `sluice model probe` prints them.
   torch-generate MODEL --batch 64 --prompt-tokens 16 --max-new-tokens 128 [--dtype bf16]
       decode tokens/s of `generate` (greedy, no early stop) at that batch.
   torch-train MODEL --rows 8 --len 512 [--steps 5] [--autocast]
@@ -95,10 +96,20 @@ def cmd_torch_logits(args):
 
     model = torch_model(args.model, args.dtype).eval()
     tokens = [int(t) for t in args.tokens.split(",")]
+    # The decode path as `sluice model probe` takes it: the prompt and the prompt reversed in
+    # one batch, each prefilled with its first half, then fed the rest a token per step over
+    # the KV cache; the last step's logits of each.
+    seqs = torch.tensor([tokens, tokens[::-1]], device="cuda")
+    half = len(tokens) // 2
     with torch.no_grad():
         out = model(torch.tensor([tokens], device="cuda")).logits[0, -1]
+        step = model(seqs[:, :half], use_cache=True)
+        for i in range(half, len(tokens)):
+            step = model(seqs[:, i:i + 1], past_key_values=step.past_key_values, use_cache=True)
+        decode = step.logits[:, -1]
     print(json.dumps({"device": "torch", "dtype": args.dtype, "tokens": tokens,
-                      "logits": out.float().cpu().tolist()}))
+                      "logits": out.float().cpu().tolist(),
+                      "decode_logits": decode.float().cpu().tolist()}))
     return 0
 
 
