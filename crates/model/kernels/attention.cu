@@ -8,7 +8,8 @@
 // Slot i of a row sees slot j iff first[i] <= j <= i and j's segment is i's own or the prefix i
 // continues (`runs`: every segment is one run of slots and none continues a prefix, so the range
 // alone decides): the rule of crates/model/src/fused/attention.rs, whose `Segments` gives
-// `first` and `tiles`, the tiles of 64 x 64 slots that hold a visible pair (the rest are skipped). q is (N, H*D), k and v (N, KV*D), N = B*L rows; scores are scaled by `scale`.
+// `first` and `tiles` (the tiles of 64 x 64 slots that hold a visible pair: the rest are
+// skipped). q is (N, H*D), k and v (N, KV*D), N = B*L rows; scores are scaled by `scale`.
 // Products accumulate in f32 whatever the inputs' dtype (f32 or bf16); outputs are rounded once.
 
 #include "common.cuh"

@@ -32,8 +32,9 @@ pub struct Segments {
     /// Every segment is one run of slots and none continues a prefix (always so for
     /// [`crate::PackedBatch::from_rows`]); if not, keys inside `[first, i]` are checked one by one.
     runs: bool,
-    /// Per row and tile of queries, the tiles of keys holding a visible pair ([`visible_tiles`]).
-    tiles: Vec<u32>,
+    /// Per row and tile of queries, the tiles of keys holding a visible pair ([`visible_tiles`]),
+    /// computed when first asked for (by a GPU's launch; the CPU's kernels do not read it).
+    tiles: OnceLock<Vec<u32>>,
     /// The slot arrays on a GPU, uploaded by the first layer that needs them.
     #[cfg(feature = "cuda")]
     device: super::device::DeviceSlots,
@@ -91,7 +92,6 @@ impl Segments {
                 first[r * len + i] = f;
             }
         }
-        let tiles = visible_tiles((batch, len), segment_ids, prefix_ids, &first, runs);
         Ok(Self {
             batch,
             len,
@@ -99,7 +99,7 @@ impl Segments {
             prefixes: prefix_ids.to_vec(),
             first,
             runs,
-            tiles,
+            tiles: OnceLock::new(),
             #[cfg(feature = "cuda")]
             device: Default::default(),
         })
@@ -135,7 +135,10 @@ impl Segments {
     /// `len.div_ceil(64).div_ceil(32)` words), set iff some query of the one sees some key of the
     /// other: the GPU kernels skip the tiles whose bit is clear.
     pub fn visible_tiles(&self) -> &[u32] {
-        &self.tiles
+        self.tiles.get_or_init(|| {
+            let shape = (self.batch, self.len);
+            visible_tiles(shape, &self.ids, &self.prefixes, &self.first, self.runs)
+        })
     }
 
     /// `(batch, len)`.

@@ -76,7 +76,8 @@ void attention(void (*fwd)(const T*, const T*, const T*, const unsigned*, const 
        g = floats<T>(N * H * D);
   // The tile mask: per row and tile of 64 queries, a bit per tile of 64 keys (tiles.rs).
   const size_t mask_tiles = (L + 63) / 64, mask_words = (mask_tiles + 31) / 32;
-  auto seg = words(N), prefix = words(N), first = words(N), mask = words(B * mask_tiles * mask_words);
+  auto seg = words(N), prefix = words(N), first = words(N);
+  auto mask = words(B * mask_tiles * mask_words);
   const float scale = 1.0f / std::sqrt((float)D);
   // The tensor-core kernels take 64 rows a block, with 128 threads.
   const unsigned tiles = (L + R - 1) / R;
