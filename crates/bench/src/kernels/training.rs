@@ -139,7 +139,51 @@ pub(super) fn compare(device: &Device, result: &mut Vec<String>) -> anyhow::Resu
             );
         }
     }
+    ok &= tile_skip(device, &long, result)?;
     Ok(ok)
+}
+
+/// The bf16 attention on the GRPO rows of 2,048 slots, skipping the tiles that hold no visible
+/// pair against the same kernels walking every tile from each block's first visible slot
+/// ([`Segments::walking_every_tile`]): the time the mask saves (`tile_skip_speedup`), and the
+/// results, which skipped tiles (every score masked) cannot change (`tile_skip_err`).
+fn tile_skip(
+    device: &Device,
+    segments: &Arc<Segments>,
+    result: &mut Vec<String>,
+) -> anyhow::Result<bool> {
+    let (rows, len) = segments.shape();
+    let every = Arc::new(
+        Segments::with_prefixes(rows, len, segments.ids(), segments.prefixes())?
+            .walking_every_tile(),
+    );
+    let n = rows * len;
+    let (h, kv, d) = (HEADS.heads, HEADS.kv_heads, HEADS.head_dim);
+    let inputs = vec![
+        random(&[n, h * d], 11, DType::BF16, device)?,
+        random(&[n, kv * d], 12, DType::BF16, device)?,
+        random(&[n, kv * d], 13, DType::BF16, device)?,
+    ];
+    let with = |s: Arc<Segments>| -> Box<Op<'_>> {
+        Box::new(move |t: &[Tensor]| fused::attention(&t[0], &t[1], &t[2], &s, HEADS))
+    };
+    let (skip_out, skip_grads, skip_ms) = run(&inputs, &with(Arc::clone(segments)), device)?;
+    let (every_out, every_grads, every_ms) = run(&inputs, &with(every), device)?;
+    let mut err = rel_err(&skip_out, &every_out)?;
+    for (a, b) in skip_grads.iter().zip(&every_grads) {
+        err = err.max(rel_err(a, b)?);
+    }
+    let agrees = err <= 1e-6;
+    println!(
+        "attention_2048 (bf16), tiles without a visible pair skipped {skip_ms:.4} ms, every tile walked {every_ms:.4} ms ({:.2}x); largest difference {err:.2e} (at most 1e-6){}",
+        every_ms / skip_ms,
+        if agrees { "" } else { ": FAILED" }
+    );
+    result.extend([
+        format!("tile_skip_speedup={:.3}", every_ms / skip_ms),
+        format!("tile_skip_err={err:.3e}"),
+    ]);
+    Ok(agrees)
 }
 
 /// Prints one comparison (`what`) and adds its `RESULT` keys `{key}_speedup` and `{key}_err`;

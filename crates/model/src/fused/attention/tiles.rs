@@ -116,5 +116,8 @@ mod tests {
         let runs = Segments::new(1, len, &plain).unwrap();
         assert!(runs.runs());
         check(&runs);
+        // Every tile marked, as the kernels walked before the mask.
+        let every = Segments::new(1, len, &plain).unwrap().walking_every_tile();
+        assert_eq!(every.visible_tiles(), [u32::MAX; 5]);
     }
 }
