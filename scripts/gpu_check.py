@@ -222,29 +222,33 @@ def cmd_kernel_profile(args):
         print("kernel-profile: no gpu__time_duration.sum rows", file=sys.stderr)
         return 1
 
+    # A kernel's bare name: a demangled C++ one without its return type, template and arguments.
+    def bare(name):
+        return name.split("(")[0].split("<")[0].split()[-1]
+
     def origin(name):
-        bare = name.split("(")[0].split("<")[0].split()[-1]
-        if any(p.fullmatch(bare) for p in ours):
+        if any(p.fullmatch(bare(name)) for p in ours):
             return "sluice"
         return "cublas" if GEMM.search(name) else "candle"
 
+    origins = {name: origin(name) for name in by_name}
     total = sum(t for _, t in by_name.values())
     launches = sum(c for c, _ in by_name.values())
     groups = {"cublas": [0, 0.0], "sluice": [0, 0.0], "candle": [0, 0.0]}
     for name, (count, seconds) in by_name.items():
-        groups[origin(name)][0] += count
-        groups[origin(name)][1] += seconds
+        groups[origins[name]][0] += count
+        groups[origins[name]][1] += seconds
     heavy = sorted(by_name.items(), key=lambda kv: -kv[1][1])
     for name, (count, seconds) in heavy[: args.top]:
         print(f"{100 * seconds / total:6.2f}%  {seconds * 1e3:10.2f} ms  {count:7d} x  "
-              f"{seconds / count * 1e6:9.1f} us  [{origin(name)}]  {name[:100]}")
+              f"{seconds / count * 1e6:9.1f} us  [{origins[name]}]  {name[:100]}")
     words = [f"profile_launches={launches}", f"profile_device_ms={total * 1e3:.1f}"]
     for key, (count, seconds) in groups.items():
         words += [f"profile_{key}_pct={100 * seconds / total:.1f}", f"profile_{key}_launches={count}"]
     if args.wall_seconds:
         words.append(f"profile_busy_pct={100 * total / args.wall_seconds:.1f}")
     # The heaviest few as name:share, for the one-line result.
-    short = lambda n: re.sub(r"[^A-Za-z0-9_]", "", n.split("(")[0].split("<")[0].split()[-1])[:40]
+    short = lambda n: re.sub(r"[^A-Za-z0-9_]", "", bare(n))[:40]
     words.append("profile_top=" + ",".join(
         f"{short(n)}:{100 * t / total:.1f}" for n, (_, t) in heavy[:5]))
     print(" ".join(words))

@@ -145,10 +145,8 @@ impl Segments {
     /// from each block's first visible slot, as they did before [`Segments::visible_tiles`]
     /// (same results; `sluice bench kernels` times what the mask saves).
     pub fn walking_every_tile(self) -> Self {
-        let words = self.len.div_ceil(64).div_ceil(32);
-        let _ = self
-            .tiles
-            .set(vec![u32::MAX; self.batch * self.len.div_ceil(64) * words]);
+        let (tiles, words) = tiles::mask_shape(self.len);
+        let _ = self.tiles.set(vec![u32::MAX; self.batch * tiles * words]);
         self
     }
 

@@ -9,6 +9,13 @@
 /// Slots per side of a tile of [`visible_tiles`].
 pub const TILE: usize = 64;
 
+/// `(tiles, words)` of a row of `len` slots: its tiles of [`TILE`] slots a side, and the `u32`
+/// words of one query tile's bits, one per key tile.
+pub(super) fn mask_shape(len: usize) -> (usize, usize) {
+    let tiles = len.div_ceil(TILE);
+    (tiles, tiles.div_ceil(32))
+}
+
 /// For each row and each tile of [`TILE`] queries, one bit per tile of [`TILE`] keys (in
 /// `len.div_ceil(TILE).div_ceil(32)` words): set iff some query of the one sees some key of the
 /// other under the attention's rule (`first[i] ≤ j ≤ i`, and `j`'s segment is `i`'s own or the
@@ -20,8 +27,7 @@ pub(super) fn visible_tiles(
     first: &[u32],
     runs: bool,
 ) -> Vec<u32> {
-    let tiles = len.div_ceil(TILE);
-    let words = tiles.div_ceil(32);
+    let (tiles, words) = mask_shape(len);
     let mut out = vec![0u32; batch * tiles * words];
     for r in 0..batch {
         let row = r * len..(r + 1) * len;
@@ -76,7 +82,7 @@ mod tests {
     /// visible.
     fn check(seg: &Segments) -> Vec<usize> {
         let (batch, len) = seg.shape();
-        let (tiles, words) = (len.div_ceil(TILE), len.div_ceil(TILE).div_ceil(32));
+        let (tiles, words) = mask_shape(len);
         let mask = seg.visible_tiles();
         let mut skipped = vec![0usize; batch];
         for r in 0..batch {
