@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 use sluice_config::ModelPreset;
 use sluice_model::candle::{DType, Device, Tensor};
 use sluice_model::{
-    ContiguousKvCache, ForwardOptions, InferenceModel, KvCache, LogitsWanted, ModelWeights,
-    PackedBatch, StepInput, TrainableModel, argmax_rows,
+    Activations, ContiguousKvCache, ForwardOptions, InferenceModel, KvCache, LogitsWanted,
+    ModelWeights, PackedBatch, StepInput, TrainableModel, argmax_rows,
 };
 
 use crate::subject::Subject;
@@ -205,9 +205,11 @@ fn train_tokens_per_s(snapshot: &ModelWeights, p: &Plan) -> anyhow::Result<f64> 
         .collect();
     let mask = Tensor::from_vec(mask, (p.train_rows, p.train_len), &Device::Cpu)?;
     let step = || -> anyhow::Result<()> {
-        let scores = model.token_scores(&batch, ForwardOptions::default())?;
+        let options = ForwardOptions::default();
+        let (scores, saved) =
+            model.token_scores_for_backward(&batch, options, Activations::Kept)?;
         let loss = (scores.logprobs * &mask)?.sum_all()?;
-        std::hint::black_box(loss.backward()?);
+        std::hint::black_box(model.backward_saved(&loss, saved)?);
         Ok(())
     };
     step()?;

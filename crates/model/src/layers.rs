@@ -269,24 +269,54 @@ impl LayerWeights {
     /// Every tensor converted to `dtype`: the bf16 copy a mixed-precision forward computes with
     /// (each conversion is a graph node, so gradients reach the f32 masters in f32).
     pub(crate) fn to_dtype(&self, dtype: candle_core::DType) -> CandleResult<Self> {
-        let cast = |t: &Tensor| t.to_dtype(dtype);
-        let cast_opt = |t: &Option<Tensor>| t.as_ref().map(cast).transpose();
+        self.map(|t| t.to_dtype(dtype))
+    }
+
+    /// The layer with `f` of each of its tensors.
+    pub(crate) fn map(&self, f: impl Fn(&Tensor) -> CandleResult<Tensor>) -> CandleResult<Self> {
+        let opt = |t: &Option<Tensor>| t.as_ref().map(&f).transpose();
         Ok(Self {
-            input_norm: cast(&self.input_norm)?,
-            q_proj: cast(&self.q_proj)?,
-            k_proj: cast(&self.k_proj)?,
-            v_proj: cast(&self.v_proj)?,
-            q_bias: cast_opt(&self.q_bias)?,
-            k_bias: cast_opt(&self.k_bias)?,
-            v_bias: cast_opt(&self.v_bias)?,
-            o_proj: cast(&self.o_proj)?,
-            q_norm: cast_opt(&self.q_norm)?,
-            k_norm: cast_opt(&self.k_norm)?,
-            post_norm: cast(&self.post_norm)?,
-            gate_proj: cast(&self.gate_proj)?,
-            up_proj: cast(&self.up_proj)?,
-            down_proj: cast(&self.down_proj)?,
+            input_norm: f(&self.input_norm)?,
+            q_proj: f(&self.q_proj)?,
+            k_proj: f(&self.k_proj)?,
+            v_proj: f(&self.v_proj)?,
+            q_bias: opt(&self.q_bias)?,
+            k_bias: opt(&self.k_bias)?,
+            v_bias: opt(&self.v_bias)?,
+            o_proj: f(&self.o_proj)?,
+            q_norm: opt(&self.q_norm)?,
+            k_norm: opt(&self.k_norm)?,
+            post_norm: f(&self.post_norm)?,
+            gate_proj: f(&self.gate_proj)?,
+            up_proj: f(&self.up_proj)?,
+            down_proj: f(&self.down_proj)?,
         })
+    }
+
+    /// Every tensor of the layer, in one fixed order (the optional ones where present): two
+    /// layers of one architecture list theirs alike.
+    pub(crate) fn tensors(&self) -> Vec<&Tensor> {
+        let [a, b, c] = [&self.q_bias, &self.k_bias, &self.v_bias];
+        let [d, e] = [&self.q_norm, &self.k_norm];
+        [
+            Some(&self.input_norm),
+            Some(&self.q_proj),
+            Some(&self.k_proj),
+            Some(&self.v_proj),
+            a.as_ref(),
+            b.as_ref(),
+            c.as_ref(),
+            Some(&self.o_proj),
+            d.as_ref(),
+            e.as_ref(),
+            Some(&self.post_norm),
+            Some(&self.gate_proj),
+            Some(&self.up_proj),
+            Some(&self.down_proj),
+        ]
+        .into_iter()
+        .flatten()
+        .collect()
     }
 
     /// The weight of projection `p`.

@@ -143,7 +143,7 @@ impl TrainableModel {
     /// Whether this model's forward runs the fused ops: on the CPU when it computes in its
     /// parameters' dtype (f32, f64); on a GPU in f32 or bf16, for heads the attention kernels
     /// take ([`crate::fused::on_device`]).
-    fn custom(&self) -> bool {
+    pub(crate) fn custom(&self) -> bool {
         let embed = &self.weights.embed;
         if !self.kernels.custom_for(embed) {
             return false;
@@ -160,8 +160,23 @@ impl TrainableModel {
         self.step.as_ref().map_or(&self.weights, |s| &s.weights)
     }
 
+    /// Whether the layers' weights are in the compute dtype already, where the forward reads
+    /// them as they are (the parameters themselves, or the step's converted copies).
+    pub(crate) fn layer_weights_converted(&self) -> bool {
+        let layers = &self.forward_weights().layers;
+        layers.iter().all(|l| l.input_norm.dtype() == self.compute)
+    }
+
+    /// The master parameters, as the decoder's tensors.
+    pub(crate) fn weights(&self) -> &DecoderWeights {
+        &self.weights
+    }
+
     /// Layer `i`'s weights in the compute dtype.
-    fn layer_weights(&self, i: usize) -> candle_core::Result<std::borrow::Cow<'_, LayerWeights>> {
+    pub(crate) fn layer_weights(
+        &self,
+        i: usize,
+    ) -> candle_core::Result<std::borrow::Cow<'_, LayerWeights>> {
         let layer = &self.forward_weights().layers[i];
         Ok(if layer.input_norm.dtype() == self.compute {
             std::borrow::Cow::Borrowed(layer)
@@ -440,6 +455,30 @@ pub(crate) struct LayerInputs {
     sin: Tensor,
     mask: Mask,
     shape: (usize, usize),
+}
+
+impl LayerInputs {
+    /// The batch's input token ids, flat.
+    pub(crate) fn ids(&self) -> &Tensor {
+        &self.ids
+    }
+
+    /// The rotary tables.
+    pub(crate) fn cos(&self) -> &Tensor {
+        &self.cos
+    }
+
+    pub(crate) fn sin(&self) -> &Tensor {
+        &self.sin
+    }
+
+    /// The segments of the fused attention, where the forward runs it.
+    pub(crate) fn segments(&self) -> Option<&Arc<Segments>> {
+        match &self.mask {
+            Mask::Segments(segments) => Some(segments),
+            Mask::Dense(_) => None,
+        }
+    }
 }
 
 /// Which slots see which, in the form the forward's attention takes.

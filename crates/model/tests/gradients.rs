@@ -8,7 +8,9 @@ use std::sync::Arc;
 
 use candle_core::{DType, Tensor};
 use common::{ALL_ARCHS, rel_err, snapshot, tiny_config};
-use sluice_model::{ForwardOptions, ModelWeights, PackedBatch, TokenScores, TrainableModel};
+use sluice_model::{
+    Activations, ForwardOptions, ModelWeights, PackedBatch, TokenScores, TrainableModel,
+};
 
 /// Two rows, three sequences: packing is part of what is differentiated.
 fn batch() -> PackedBatch {
@@ -129,36 +131,53 @@ fn gradients_match_finite_differences_in_f64() {
     }
 }
 
+/// The layers' backward written by hand, on kept and on recomputed activations, gives the
+/// gradients of candle's autograd over the forward's whole graph, for every architecture (q/k/v
+/// biases, q/k norms, tied and untied heads), in f32 and in f64.
 #[test]
-fn recomputed_activations_give_the_plain_backward_gradients() {
+fn the_hand_written_layer_backward_gives_the_graphs_gradients() {
     let options = ForwardOptions {
         logits_chunk_rows: 3,
         temperature: 0.7,
     };
-    for arch in ALL_ARCHS {
-        for tied in [true, false] {
-            let snap = snapshot(tiny_config(arch, tied), 5, DType::F32);
-            let model = TrainableModel::from_snapshot(&snap, DType::F32).unwrap();
-            let batch = batch();
-            let plain_scores = model.token_scores(&batch, options).unwrap();
-            let (scores, saved) = model.token_scores_recomputable(&batch, options).unwrap();
-            // The forward itself is the same computation.
-            assert!(rel_err(&plain_scores.logprobs, &scores.logprobs) < 1e-6);
-            assert!(rel_err(&plain_scores.entropy, &scores.entropy) < 1e-6);
-            let plain = loss_of(plain_scores, &batch).backward().unwrap();
-            let recomputed = model
-                .backward_recomputed(&loss_of(scores, &batch), saved)
-                .unwrap();
-            for (name, var) in model.vars() {
-                let a = plain.get(var.as_tensor()).unwrap();
-                let b = recomputed
-                    .get(var.as_tensor())
-                    .unwrap_or_else(|| panic!("{arch:?} tied={tied}: no gradient for {name}"));
-                let err = rel_err(a, b);
-                assert!(
-                    err < 1e-5,
-                    "{arch:?} tied={tied}: {name}: relative error {err}"
-                );
+    for (dtype, tol) in [(DType::F32, 1e-5), (DType::F64, 1e-12)] {
+        for arch in ALL_ARCHS {
+            for tied in [true, false] {
+                let snap = snapshot(tiny_config(arch, tied), 5, dtype);
+                let model = TrainableModel::from_snapshot(&snap, dtype).unwrap();
+                let batch = batch();
+                let graph_scores = model.token_scores(&batch, options).unwrap();
+                let graph = loss_of(graph_scores.clone(), &batch).backward().unwrap();
+                for activations in [Activations::Kept, Activations::Recomputed] {
+                    let case = format!("{dtype:?} {arch:?} tied={tied} {activations:?}");
+                    let (scores, saved) = model
+                        .token_scores_for_backward(&batch, options, activations)
+                        .unwrap();
+                    assert!(format!("{saved:?}").contains(match activations {
+                        Activations::Kept => "every layer's activations",
+                        Activations::Recomputed => "each layer's input",
+                    }));
+                    // The forward itself is the same computation.
+                    assert!(
+                        rel_err(&graph_scores.logprobs, &scores.logprobs) < tol,
+                        "{case}"
+                    );
+                    assert!(
+                        rel_err(&graph_scores.entropy, &scores.entropy) < tol,
+                        "{case}"
+                    );
+                    let by_hand = model
+                        .backward_saved(&loss_of(scores, &batch), saved)
+                        .unwrap();
+                    for (name, var) in model.vars() {
+                        let a = graph.get(var.as_tensor()).unwrap();
+                        let b = by_hand
+                            .get(var.as_tensor())
+                            .unwrap_or_else(|| panic!("{case}: no gradient for {name}"));
+                        let err = rel_err(a, b);
+                        assert!(err < tol, "{case}: {name}: relative error {err}");
+                    }
+                }
             }
         }
     }
@@ -172,7 +191,7 @@ fn a_loss_that_ignores_the_model_is_refused_by_the_recomputed_backward() {
         .token_scores_recomputable(&batch(), ForwardOptions::default())
         .unwrap();
     let unrelated = model.vars()[0].1.as_tensor().sum_all().unwrap();
-    let err = model.backward_recomputed(&unrelated, saved).unwrap_err();
+    let err = model.backward_saved(&unrelated, saved).unwrap_err();
     assert!(err.to_string().contains("does not depend"), "{err}");
 }
 
@@ -218,7 +237,7 @@ fn a_bf16_compute_step_matches_the_f32_step_within_bf16_rounding() {
                 .token_scores_recomputable(&batch, options)
                 .unwrap();
             let recomputed = bf16_model
-                .backward_recomputed(&loss_of(recomputed_scores, &batch), saved)
+                .backward_saved(&loss_of(recomputed_scores, &batch), saved)
                 .unwrap();
             for ((name, var), (_, var32)) in bf16_model.vars().iter().zip(f32_model.vars()) {
                 let g = grads.get(var.as_tensor()).unwrap();
@@ -264,7 +283,7 @@ fn weights_converted_once_per_step_give_the_per_forward_gradients() {
             let want = each.backward().unwrap();
             let (scores, saved) = model.token_scores_recomputable(&batch, options).unwrap();
             let want_recomputed = model
-                .backward_recomputed(&loss_of(scores, &batch), saved)
+                .backward_saved(&loss_of(scores, &batch), saved)
                 .unwrap();
 
             let converted: Vec<Tensor> = params
@@ -282,7 +301,7 @@ fn weights_converted_once_per_step_give_the_per_forward_gradients() {
             let got = once.backward().unwrap();
             let (scores, saved) = model.token_scores_recomputable(&batch, options).unwrap();
             let got_recomputed = model
-                .backward_recomputed(&loss_of(scores, &batch), saved)
+                .backward_saved(&loss_of(scores, &batch), saved)
                 .unwrap();
             for (store, reference, how) in [
                 (&got, &want, "plain"),

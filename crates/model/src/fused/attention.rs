@@ -184,30 +184,77 @@ pub fn attention(
     segments: &Arc<Segments>,
     heads: AttentionHeads,
 ) -> Result<Tensor> {
-    let n = segments.batch * segments.len;
-    let AttentionHeads {
-        heads: h,
-        kv_heads: kv,
-        head_dim: d,
-    } = heads;
-    if kv == 0 || h % kv != 0 || d == 0 {
-        candle_core::bail!("attention: {h} heads over {kv} kv heads of {d}")
-    }
-    if q.dims2()? != (n, h * d) || k.dims2()? != (n, kv * d) || v.dims2()? != (n, kv * d) {
-        candle_core::bail!(
-            "attention: q {:?} k {:?} v {:?} for {n} slots",
-            q.shape(),
-            k.shape(),
-            v.shape()
-        )
-    }
-    let op = Attention {
-        segments: Arc::clone(segments),
-        heads,
-        lse: OnceLock::new(),
-    };
+    let op = Attention::new([q, k, v], segments, heads)?;
     q.contiguous()?
         .apply_op3(&k.contiguous()?, &v.contiguous()?, op)
+}
+
+/// [`attention`] without a graph, its op kept for the backward: the hand-written layer
+/// backward's (`crate::layer_grads`). `q`, `k` and `v` must be contiguous, and are what
+/// [`KeptAttention::grads`] takes again.
+pub(crate) fn attention_kept(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    segments: &Arc<Segments>,
+    heads: AttentionHeads,
+) -> Result<(Tensor, KeptAttention)> {
+    if ![q, k, v].iter().all(|t| t.is_contiguous()) {
+        candle_core::bail!("attention: q, k and v must be contiguous")
+    }
+    let op = Attention::new([q, k, v], segments, heads)?;
+    let out = q.apply_op3_no_bwd(k, v, &op)?;
+    Ok((out, KeptAttention(op)))
+}
+
+/// The op of one [`attention_kept`] forward, with the log-sum-exps its backward reads.
+pub(crate) struct KeptAttention(Attention);
+
+impl KeptAttention {
+    /// `[dq, dk, dv]` for the output `out` of the forward over `q`, `k`, `v` and its gradient.
+    pub(crate) fn grads(
+        &self,
+        [q, k, v]: [&Tensor; 3],
+        out: &Tensor,
+        grad: &Tensor,
+    ) -> Result<[Tensor; 3]> {
+        match CustomOp3::bwd(&self.0, q, k, v, out, grad)? {
+            (Some(dq), Some(dk), Some(dv)) => Ok([dq, dk, dv]),
+            _ => candle_core::bail!("attention: a gradient was not computed"),
+        }
+    }
+}
+
+impl Attention {
+    /// The op for `q (N, heads·d)`, `k`, `v (N, kv_heads·d)`, its shapes checked.
+    fn new(
+        [q, k, v]: [&Tensor; 3],
+        segments: &Arc<Segments>,
+        heads: AttentionHeads,
+    ) -> Result<Self> {
+        let n = segments.batch * segments.len;
+        let AttentionHeads {
+            heads: h,
+            kv_heads: kv,
+            head_dim: d,
+        } = heads;
+        if kv == 0 || h % kv != 0 || d == 0 {
+            candle_core::bail!("attention: {h} heads over {kv} kv heads of {d}")
+        }
+        if q.dims2()? != (n, h * d) || k.dims2()? != (n, kv * d) || v.dims2()? != (n, kv * d) {
+            candle_core::bail!(
+                "attention: q {:?} k {:?} v {:?} for {n} slots",
+                q.shape(),
+                k.shape(),
+                v.shape()
+            )
+        }
+        Ok(Self {
+            segments: Arc::clone(segments),
+            heads,
+            lse: OnceLock::new(),
+        })
+    }
 }
 
 struct Attention {

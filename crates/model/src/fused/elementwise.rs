@@ -150,18 +150,31 @@ impl CustomOp2 for RmsNorm {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        self.grads(x, w, grad, [x.track_op(), w.track_op()])
+    }
+}
+
+impl RmsNorm {
+    /// `(dx, dw)`, each only when `want`ed.
+    fn grads(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        grad: &Tensor,
+        [want_dx, want_dw]: [bool; 2],
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         #[cfg(feature = "cuda")]
         if super::device::supported(x) {
             let (dx, dw) = super::device::rms_norm_bwd(x, w, &grad.contiguous()?, self.eps)?;
-            return Ok((x.track_op().then_some(dx), w.track_op().then_some(dw)));
+            return Ok((want_dx.then_some(dx), want_dw.then_some(dw)));
         }
         fn run<T: Real>(
             x: &Tensor,
             w: &Tensor,
             g: &Tensor,
             eps: f64,
+            [want_dx, want_dw]: [bool; 2],
         ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-            let want_dx = x.track_op();
             let (dx, dw) = {
                 let (xs, xl) = x.storage_and_layout();
                 let (ws, wl) = w.storage_and_layout();
@@ -179,7 +192,7 @@ impl CustomOp2 for RmsNorm {
             } else {
                 None
             };
-            let dw = if w.track_op() {
+            let dw = if want_dw {
                 Some(tensor(dw, w.shape())?)
             } else {
                 None
@@ -187,10 +200,25 @@ impl CustomOp2 for RmsNorm {
             Ok((dx, dw))
         }
         let g = grad.contiguous()?;
+        let want = [want_dx, want_dw];
         match x.dtype() {
-            candle_core::DType::F32 => run::<f32>(x, w, &g, self.eps),
-            _ => run::<f64>(x, w, &g, self.eps),
+            candle_core::DType::F32 => run::<f32>(x, w, &g, self.eps, want),
+            _ => run::<f64>(x, w, &g, self.eps, want),
         }
+    }
+}
+
+/// `(dx, dw)` of [`rms_norm`] for its output's gradient `grad`, both computed: the
+/// hand-written layer backward's (`crate::layer_grads`), which runs its forward without a graph.
+pub(crate) fn rms_norm_grads(
+    x: &Tensor,
+    w: &Tensor,
+    eps: f64,
+    grad: &Tensor,
+) -> Result<(Tensor, Tensor)> {
+    match (RmsNorm { eps }).grads(x, w, grad, [true, true])? {
+        (Some(dx), Some(dw)) => Ok((dx, dw)),
+        _ => candle_core::bail!("rms norm: a wanted gradient was not computed"),
     }
 }
 
@@ -315,35 +343,33 @@ impl CustomOp2 for SwiGlu {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        #[cfg(feature = "cuda")]
-        if super::device::supported(gate) {
-            let (dgate, dup) = super::device::swiglu_bwd(gate, up, &grad.contiguous()?)?;
-            return Ok((Some(dgate), Some(dup)));
-        }
-        fn run<T: Real>(
-            gate: &Tensor,
-            up: &Tensor,
-            g: &Tensor,
-        ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-            let (dgate, dup) = {
-                let (a, al) = gate.storage_and_layout();
-                let (b, bl) = up.storage_and_layout();
-                let (c, cl) = g.storage_and_layout();
-                swiglu_bwd::<T>(
-                    storage_slice(&a, al)?,
-                    storage_slice(&b, bl)?,
-                    storage_slice(&c, cl)?,
-                )
-            };
-            Ok((
-                Some(tensor(dgate, gate.shape())?),
-                Some(tensor(dup, up.shape())?),
-            ))
-        }
-        let g = grad.contiguous()?;
-        match gate.dtype() {
-            candle_core::DType::F32 => run::<f32>(gate, up, &g),
-            _ => run::<f64>(gate, up, &g),
-        }
+        let (dgate, dup) = swiglu_grads(gate, up, grad)?;
+        Ok((Some(dgate), Some(dup)))
+    }
+}
+
+/// `(d gate, d up)` of [`swiglu`] for its output's gradient `grad`.
+pub(crate) fn swiglu_grads(gate: &Tensor, up: &Tensor, grad: &Tensor) -> Result<(Tensor, Tensor)> {
+    #[cfg(feature = "cuda")]
+    if super::device::supported(gate) {
+        return super::device::swiglu_bwd(gate, up, &grad.contiguous()?);
+    }
+    fn run<T: Real>(gate: &Tensor, up: &Tensor, g: &Tensor) -> Result<(Tensor, Tensor)> {
+        let (dgate, dup) = {
+            let (a, al) = gate.storage_and_layout();
+            let (b, bl) = up.storage_and_layout();
+            let (c, cl) = g.storage_and_layout();
+            swiglu_bwd::<T>(
+                storage_slice(&a, al)?,
+                storage_slice(&b, bl)?,
+                storage_slice(&c, cl)?,
+            )
+        };
+        Ok((tensor(dgate, gate.shape())?, tensor(dup, up.shape())?))
+    }
+    let g = grad.contiguous()?;
+    match gate.dtype() {
+        candle_core::DType::F32 => run::<f32>(gate, up, &g),
+        _ => run::<f64>(gate, up, &g),
     }
 }

@@ -43,6 +43,38 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     }
 }
 
+/// `(dx, dw, db)` of [`linear`] for its output's gradient `grad`, every one computed: the
+/// hand-written layer backward's (`crate::layer_grads`), which runs its forward without a graph.
+/// On the CPU the fused op's own kernels; elsewhere two products of the backend and, with a
+/// bias, its gradient summed over the rows in f32 (as the forward's `broadcast_add` would give
+/// it in the bias's dtype).
+pub(crate) fn linear_grads(
+    x: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    grad: &Tensor,
+) -> Result<(Tensor, Tensor, Option<Tensor>)> {
+    let ((n, i), o) = (x.dims2()?, w.dim(0)?);
+    let (dx, dw, db) = if super::supported(x) {
+        let (op, want) = (Linear { n, i, o }, [true, true, b.is_some()]);
+        match x.dtype() {
+            DType::F32 => op.bwd::<f32>(x, w, b, grad, want)?,
+            _ => op.bwd::<f64>(x, w, b, grad, want)?,
+        }
+    } else {
+        let (dx, dw) = Linear::bwd_products(x, w, grad, [true, true])?;
+        let db = b.map(|b| {
+            let sum = grad.to_dtype(DType::F32)?.sum(0)?;
+            sum.to_dtype(b.dtype())?.reshape(b.shape())
+        });
+        (dx, dw, db.transpose()?)
+    };
+    match (dx, dw) {
+        (Some(dx), Some(dw)) => Ok((dx, dw, db)),
+        _ => candle_core::bail!("linear: a wanted gradient was not computed"),
+    }
+}
+
 #[derive(Clone, Copy)]
 pub(crate) struct Linear {
     pub(crate) n: usize,
@@ -99,27 +131,29 @@ impl Linear {
         x.matmul(w, (1, self.n, self.o, self.i), xl, &wl.transpose(0, 1)?)
     }
 
-    /// `(dx, dw)` as two products of candle ops on any device, each only when its input takes
-    /// part in the graph: `dx (N, in) = g w`, `dw (out, in) = gᵀ x` (the transposed operand a
-    /// view, the result in the weight's own layout).
+    /// `(dx, dw)` as two products of candle ops on any device, each only when `want`ed:
+    /// `dx (N, in) = g w`, `dw (out, in) = gᵀ x` (the transposed operand a view, the result in
+    /// the weight's own layout).
     pub(crate) fn bwd_products(
         x: &Tensor,
         w: &Tensor,
         grad: &Tensor,
+        [want_dx, want_dw]: [bool; 2],
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let g = grad.contiguous()?;
-        let dx = x.track_op().then(|| g.matmul(w)).transpose()?;
-        let dw = w.track_op().then(|| g.t()?.matmul(x)).transpose()?;
+        let dx = want_dx.then(|| g.matmul(w)).transpose()?;
+        let dw = want_dw.then(|| g.t()?.matmul(x)).transpose()?;
         Ok((dx, dw))
     }
 
-    /// `(dx, dw, db)`, each only when its input takes part in the graph.
+    /// `(dx, dw, db)`, each only when `want`ed (and `db` when there is a bias).
     fn bwd<T: Real>(
         &self,
         x: &Tensor,
         w: &Tensor,
         b: Option<&Tensor>,
         grad: &Tensor,
+        [want_dx, want_dw, want_db]: [bool; 3],
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let Self { n, i, o } = *self;
         let g = grad.contiguous()?;
@@ -130,14 +164,14 @@ impl Linear {
         let (ws, wl) = w.storage_and_layout();
         let wv = storage_slice::<T>(&ws, wl)?;
         let zero = T::from_f64(0.0);
-        let dx = if x.track_op() {
+        let dx = if want_dx {
             // dx (N, in) = g (N, out) · w (out, in)
             let dx = T::matmul_new(n, i, o, Mat::rows(g, o), Mat::rows(wv, i));
             Some(tensor(dx, x.shape())?)
         } else {
             None
         };
-        let dw = if w.track_op() {
+        let dw = if want_dw {
             // dw (out, in) = gᵀ (out, N) · x (N, in)
             let dw = T::matmul_new(o, i, n, Mat::transposed(g, o), Mat::rows(xv, i));
             Some(tensor(dw, w.shape())?)
@@ -145,7 +179,7 @@ impl Linear {
             None
         };
         let db = match b {
-            Some(b) if b.track_op() => {
+            Some(b) if want_db => {
                 let mut db = vec![zero; o];
                 for row in g.chunks_exact(o) {
                     for (d, &v) in db.iter_mut().zip(row) {
@@ -207,12 +241,14 @@ impl CustomOp2 for Linear {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let want = [x.track_op(), w.track_op()];
         if !x.device().is_cpu() {
-            return Self::bwd_products(x, w, grad);
+            return Self::bwd_products(x, w, grad, want);
         }
+        let want = [want[0], want[1], false];
         let (dx, dw, _) = match x.dtype() {
-            DType::F32 => self.bwd::<f32>(x, w, None, grad)?,
-            _ => self.bwd::<f64>(x, w, None, grad)?,
+            DType::F32 => self.bwd::<f32>(x, w, None, grad, want)?,
+            _ => self.bwd::<f64>(x, w, None, grad, want)?,
         };
         Ok((dx, dw))
     }
@@ -257,9 +293,10 @@ impl CustomOp3 for Linear {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let want = [x.track_op(), w.track_op(), b.track_op()];
         match x.dtype() {
-            DType::F32 => self.bwd::<f32>(x, w, Some(b), grad),
-            _ => self.bwd::<f64>(x, w, Some(b), grad),
+            DType::F32 => self.bwd::<f32>(x, w, Some(b), grad, want),
+            _ => self.bwd::<f64>(x, w, Some(b), grad, want),
         }
     }
 }

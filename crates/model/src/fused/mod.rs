@@ -33,11 +33,14 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, DType, Device, Layout, Result, Shape, Storage, Tensor, WithDType};
 
 pub use attention::{AttentionHeads, Segments, attention};
-pub(crate) use elementwise::rms_inv;
+pub(crate) use attention::{KeptAttention, attention_kept};
+pub(crate) use elementwise::{rms_inv, rms_norm_grads, swiglu_grads};
 pub use elementwise::{rms_norm, swiglu};
 pub(crate) use head::token_scores;
 pub use linear::linear;
+pub(crate) use linear::linear_grads;
 pub use rope::rope;
+pub(crate) use rope::rope_grad;
 pub use stacked::{add_rms_norm, split_rope, swiglu_rows};
 
 /// Whether the fused kernels handle tensors like `t` (f32 or f64 on the CPU).

@@ -9,19 +9,18 @@ use super::{Real, cpu_slice, row_blocks, storage_slice, tensor};
 /// Rotates each `head_dim`-wide head of `x (N, heads·head_dim)` by the angles of its row:
 /// `cos`, `sin` are `(N, head_dim/2)` (any shape with those elements), of `x`'s dtype.
 pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor, head_dim: usize) -> Result<Tensor> {
-    let (n, width) = x.dims2()?;
-    let half = head_dim / 2;
-    if head_dim == 0 || !head_dim.is_multiple_of(2) || !width.is_multiple_of(head_dim) {
-        candle_core::bail!("rope: {:?} is not rows of heads of {head_dim}", x.shape())
-    }
-    if cos.elem_count() != n * half || sin.elem_count() != n * half {
-        candle_core::bail!("rope: tables {:?} for {n} rows of {half}", cos.shape())
-    }
-    x.contiguous()?.apply_op1(Rope {
-        cos: cos.contiguous()?.detach(),
-        sin: sin.contiguous()?.detach(),
-        head_dim,
-    })
+    x.contiguous()?.apply_op1(Rope::new(x, cos, sin, head_dim)?)
+}
+
+/// The gradient of [`rope`]'s input for its output's gradient `grad` (the rotation by minus
+/// the angles): the hand-written layer backward's (`crate::layer_grads`).
+pub(crate) fn rope_grad(
+    grad: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    head_dim: usize,
+) -> Result<Tensor> {
+    Rope::new(grad, cos, sin, head_dim)?.unrotate(grad)
 }
 
 struct Rope {
@@ -31,6 +30,23 @@ struct Rope {
 }
 
 impl Rope {
+    /// The op for `x (N, heads·head_dim)`, its shapes checked.
+    fn new(x: &Tensor, cos: &Tensor, sin: &Tensor, head_dim: usize) -> Result<Self> {
+        let (n, width) = x.dims2()?;
+        let half = head_dim / 2;
+        if head_dim == 0 || !head_dim.is_multiple_of(2) || !width.is_multiple_of(head_dim) {
+            candle_core::bail!("rope: {:?} is not rows of heads of {head_dim}", x.shape())
+        }
+        if cos.elem_count() != n * half || sin.elem_count() != n * half {
+            candle_core::bail!("rope: tables {:?} for {n} rows of {half}", cos.shape())
+        }
+        Ok(Self {
+            cos: cos.contiguous()?.detach(),
+            sin: sin.contiguous()?.detach(),
+            head_dim,
+        })
+    }
+
     /// Rotates `x` by `+angle` (`sign = 1`, forward) or `−angle` (`sign = −1`: the backward,
     /// the rotation's transpose).
     fn rotate<T: Real>(&self, x: &[T], sign: f64) -> Result<Vec<T>> {
@@ -95,10 +111,19 @@ impl CustomOp1 for Rope {
     }
 
     fn bwd(&self, x: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        if grad.shape() != x.shape() {
+            candle_core::bail!("rope: gradient {:?} for {:?}", grad.shape(), x.shape())
+        }
+        self.unrotate(grad).map(Some)
+    }
+}
+
+impl Rope {
+    /// The rotation's transpose (by minus the angles) applied to `grad`: the backward.
+    fn unrotate(&self, grad: &Tensor) -> Result<Tensor> {
         let g = grad.contiguous()?;
         #[cfg(feature = "cuda")]
         if super::device::supported(&g) {
-            // The transpose of the rotation: by minus the angles.
             let (s, l) = g.storage_and_layout();
             let candle_core::Storage::Cuda(s) = &*s else {
                 candle_core::bail!("rope: the gradient is not on the GPU")
@@ -106,19 +131,18 @@ impl CustomOp1 for Rope {
             let dx = super::device::rope(s, l, &self.cos, &self.sin, self.head_dim, -1.0)?;
             let dx = candle_core::Storage::Cuda(dx);
             let op = candle_core::op::BackpropOp::none();
-            return Ok(Some(Tensor::from_storage(dx, x.shape().clone(), op, false)));
+            return Ok(Tensor::from_storage(dx, g.shape().clone(), op, false));
         }
         let (gs, gl) = g.storage_and_layout();
-        let dx = match g.dtype() {
+        match g.dtype() {
             DType::F32 => tensor(
                 self.rotate::<f32>(storage_slice(&gs, gl)?, -1.0)?,
-                x.shape(),
-            )?,
+                g.shape(),
+            ),
             _ => tensor(
                 self.rotate::<f64>(storage_slice(&gs, gl)?, -1.0)?,
-                x.shape(),
-            )?,
-        };
-        Ok(Some(dx))
+                g.shape(),
+            ),
+        }
     }
 }

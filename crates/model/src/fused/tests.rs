@@ -60,7 +60,7 @@ fn the_device_linear_node_matches_the_cpu_kernel() {
     };
     assert!(diff(&y, &want) < 1e-12, "forward");
     let grads = (want * &g).unwrap().sum_all().unwrap().backward().unwrap();
-    let (dx, dw) = super::linear::Linear::bwd_products(&x, &w, &g).unwrap();
+    let (dx, dw) = super::linear::Linear::bwd_products(&x, &w, &g, [true; 2]).unwrap();
     assert!(diff(&dx.unwrap(), grads.get(&x).unwrap()) < 1e-12, "dx");
     assert!(diff(&dw.unwrap(), grads.get(&w).unwrap()) < 1e-12, "dw");
 }

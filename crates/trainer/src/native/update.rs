@@ -3,7 +3,7 @@
 
 use candle_core::Tensor;
 use candle_core::backprop::GradStore;
-use sluice_model::ForwardOptions;
+use sluice_model::{Activations, ForwardOptions};
 
 use super::NativeTrainer;
 use crate::batcher::{MicroBatch, Packing};
@@ -255,12 +255,14 @@ impl NativeTrainer {
             out.max_lag = out.max_lag.max(lag);
         }
         let batch = packed(mb);
-        let (scores, saved) = if self.config.activation_checkpointing {
-            let (scores, saved) = self.model.token_scores_recomputable(&batch, options)?;
-            (scores, Some(saved))
+        let activations = if self.config.activation_checkpointing {
+            Activations::Recomputed
         } else {
-            (self.model.token_scores(&batch, options)?, None)
+            Activations::Kept
         };
+        let (scores, saved) = self
+            .model
+            .token_scores_for_backward(&batch, options, activations)?;
         out.parts.forward += clock.lap()?;
         let device = self.model.device().clone();
         let index = slot_index(&slots, &device)?;
@@ -325,10 +327,7 @@ impl NativeTrainer {
             .and_then(|s| s.sum_all())
             .map_err(tensor_ctx("surrogate loss"))?;
         out.parts.loss += clock.lap()?;
-        let store = match saved {
-            Some(saved) => self.model.backward_recomputed(&surrogate, saved)?,
-            None => surrogate.backward().map_err(tensor_ctx("backward"))?,
-        };
+        let store = self.model.backward_saved(&surrogate, saved)?;
         out.parts.backward += clock.lap()?;
         Ok(store)
     }
