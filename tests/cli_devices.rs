@@ -185,6 +185,8 @@ fn probe_prints_logits_and_every_parameter_s_gradient() {
     assert!(grads.values().all(|g| g.as_f64().unwrap().is_finite()));
     assert!(grads.values().any(|g| g.as_f64().unwrap() > 0.0));
 
+    let f32_out = out.stdout;
+
     // bf16 weights on the engine's path: close to f32, not equal; the trainer's path is f32.
     let out = probe(&model, &["--tokens", "5,6,7,8,9", "--dtype", "bf16"]);
     assert!(out.status.success(), "{}", text(&out));
@@ -210,6 +212,24 @@ fn probe_prints_logits_and_every_parameter_s_gradient() {
         line.contains("logits_rel=0 ") && line.contains("decode_rel=0 ") && line.contains("ok=1"),
         "{line}"
     );
+
+    // bf16 compute on the trainer's path (the weights converted once for the step, as the
+    // trainer does): every parameter's gradient within gpu-check's tolerance of f32's, and
+    // not equal to it.
+    let mixed = probe(&model, &["--tokens", "5,6,7,8,9", "--compute-dtype", "bf16"]);
+    assert!(mixed.status.success(), "{}", text(&mixed));
+    std::fs::write(dir.join("a.json"), &f32_out).unwrap();
+    std::fs::write(dir.join("b.json"), &mixed.stdout).unwrap();
+    let cmp = Command::new("python3")
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/gpu_check.py"))
+        .args(["compare", "--logits-tol", "1e-4", "--grads-tol", "5e-2"])
+        .arg(dir.join("a.json"))
+        .arg(dir.join("b.json"))
+        .output()
+        .unwrap();
+    let line = String::from_utf8_lossy(&cmp.stdout);
+    assert!(cmp.status.success() && line.contains("ok=1"), "{line}");
+    assert!(!line.contains("grads_rel=0 "), "{line}");
 }
 
 #[test]

@@ -4,8 +4,9 @@
 //!
 //! Two paths, the ones a run takes: the engine's (the inference model in `--dtype`, KV cache,
 //! logits of the last position) and the trainer's (f32 master weights, the training forward of
-//! every target, then the backward of `−mean log p(next token)`: the gradients an RL step
-//! builds its update from, with every advantage equal to 1). The engine's path is taken twice:
+//! every target, then the backward of `−mean log p(next token)` as the trainer takes it, the
+//! weights converted once where the compute dtype is narrower: the gradients an RL step builds
+//! its update from, with every advantage equal to 1). The engine's path is taken twice:
 //! the whole prompt in one prefill (`logits`), and as a running engine meets it
 //! (`decode_logits`): two sequences in the engine's paged cache, the prompt and the prompt
 //! reversed, each prefilled with its first half and then fed the rest one token per step, both
@@ -18,8 +19,8 @@ use std::sync::Arc;
 use anyhow::{Context, bail};
 use sluice_model::candle::DType;
 use sluice_model::{
-    ContiguousKvCache, ForwardOptions, InferenceModel, LoadOptions, LogitsWanted, PackedBatch,
-    PagedKvCache, StepInput, TrainableModel, load_checkpoint,
+    Activations, ContiguousKvCache, ForwardOptions, InferenceModel, LoadOptions, LogitsWanted,
+    PackedBatch, PagedKvCache, StepInput, TrainableModel, load_checkpoint,
 };
 
 use sluice_model::config::candle_dtype;
@@ -62,13 +63,27 @@ pub fn run(args: &ModelProbeArgs) -> anyhow::Result<ExitCode> {
     let logits: Vec<f32> = logits.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
     let decode_logits = decode_path(&model, &args.tokens)?;
 
-    // The trainer's path: f32 master weights, loss −mean log p over every next token.
+    // The trainer's path: f32 master weights (converted once for the step under a narrower
+    // compute dtype, as the trainer does), loss −mean log p over every next token, the
+    // trainer's forward and backward.
     let mut trainable = TrainableModel::from_snapshot(&weights, DType::F32)?;
     trainable
         .set_compute_dtype(candle_dtype(args.compute_dtype))
         .context("--compute-dtype")?;
+    let converted = trainable
+        .step_weight_params()
+        .iter()
+        .map(|&i| trainable.vars()[i].1.to_dtype(trainable.compute_dtype()))
+        .collect::<Result<Vec<_>, _>>()?;
+    if !converted.is_empty() {
+        trainable.set_step_weights(converted)?;
+    }
     let batch = PackedBatch::from_rows(&[vec![&args.tokens[..]]], args.tokens.len(), 0)?;
-    let scores = trainable.token_scores(&batch, ForwardOptions::default())?;
+    let (scores, saved) = trainable.token_scores_for_backward(
+        &batch,
+        ForwardOptions::default(),
+        Activations::Kept,
+    )?;
     let mask: Vec<f32> = batch
         .target_mask
         .iter()
@@ -79,18 +94,22 @@ pub fn run(args: &ModelProbeArgs) -> anyhow::Result<ExitCode> {
     let loss = ((scores.logprobs.to_dtype(DType::F32)? * mask)?
         .sum_all()?
         .affine(-1.0 / f64::from(targets), 0.0))?;
-    let grads = loss.backward()?;
+    let store = trainable.backward_saved(&loss, saved)?;
+    // A parameter's gradient: its master's and its converted copy's, summed in f32.
+    let mut grads: Vec<Option<sluice_model::candle::Tensor>> = vec![None; trainable.vars().len()];
+    for (i, g) in trainable.parameter_gradients(&store) {
+        let g = g.to_dtype(DType::F32)?;
+        grads[i] = Some(match grads[i].take() {
+            Some(sum) => (sum + g)?,
+            None => g,
+        });
+    }
     let mut grad_norms = serde_json::Map::new();
-    for (name, var) in trainable.vars() {
-        let norm = match grads.get(var.as_tensor()) {
-            Some(g) => g
-                .to_dtype(DType::F32)?
-                .sqr()?
-                .sum_all()?
-                .sqrt()?
-                .to_scalar::<f32>()?,
-            None => bail!("parameter {name} received no gradient"),
+    for ((name, _), g) in trainable.vars().iter().zip(grads) {
+        let Some(g) = g else {
+            bail!("parameter {name} received no gradient")
         };
+        let norm = g.sqr()?.sum_all()?.sqrt()?.to_scalar::<f32>()?;
         grad_norms.insert(name.clone(), serde_json::json!(norm));
     }
     let out = serde_json::json!({
