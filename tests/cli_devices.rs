@@ -216,7 +216,10 @@ fn probe_prints_logits_and_every_parameter_s_gradient() {
     // bf16 compute on the trainer's path (the weights converted once for the step, as the
     // trainer does): every parameter's gradient within gpu-check's tolerance of f32's, and
     // not equal to it.
-    let mixed = probe(&model, &["--tokens", "5,6,7,8,9", "--compute-dtype", "bf16"]);
+    let mixed = probe(
+        &model,
+        &["--tokens", "5,6,7,8,9", "--compute-dtype", "bf16"],
+    );
     assert!(mixed.status.success(), "{}", text(&mixed));
     std::fs::write(dir.join("a.json"), &f32_out).unwrap();
     std::fs::write(dir.join("b.json"), &mixed.stdout).unwrap();
