@@ -60,6 +60,10 @@ pub struct BenchTrainerArgs {
     /// part runs it) times their kernels and nothing else; no effect on the CPU.
     #[arg(long)]
     pub cuda_profile: bool,
+    /// Take each layer's backward by candle's autograd over the forward's whole graph, as
+    /// before it was written by hand: the yardstick of the hand-written backward.
+    #[arg(long)]
+    pub graph_backward: bool,
 }
 
 const PROMPT_TOKENS: usize = 16;
@@ -91,12 +95,17 @@ pub fn run(args: &BenchTrainerArgs) -> anyhow::Result<ExitCode> {
             sluice_config::Device::Cuda(_) => sluice_config::DType::Bf16,
         });
         println!(
-            "{name}: {} parameters, f32 master weights on {}, {} compute, ppo, {steps} timed step(s) per shape{}",
+            "{name}: {} parameters, f32 master weights on {}, {} compute, ppo, {steps} timed step(s) per shape{}{}",
             config.num_parameters(),
             args.device,
             compute,
             if args.activation_checkpointing {
                 ", activations recomputed"
+            } else {
+                ""
+            },
+            if args.graph_backward {
+                ", the layers' backward by candle's autograd"
             } else {
                 ""
             }
@@ -109,6 +118,7 @@ pub fn run(args: &BenchTrainerArgs) -> anyhow::Result<ExitCode> {
             settings.device = args.device;
             settings.compute_dtype = sluice_model::config::candle_dtype(compute);
             let mut trainer = NativeTrainer::new(Arc::clone(&snapshot), settings, None)?;
+            trainer.set_graph_backward(args.graph_backward);
             let vocab = snapshot.config().vocab_size as u32;
             let batch = [filled_group(rows, len, vocab)?];
             trainer.rl_step(&batch)?;

@@ -1,6 +1,6 @@
 //! The training forward that keeps what its backward reads, and that backward: the head's by
 //! candle's autograd, each decoder layer's by hand where the layer runs the fused ops
-//! ([`crate::layer_grads`]), the embedding's as one scatter-add.
+//! (`crate::layer_grads`), the embedding's as one scatter-add.
 //!
 //! [`Activations::Recomputed`] (`trainer.activation_checkpointing`) keeps only each layer's
 //! input, and the backward runs the layers' forward again one at a time, last first: peak
@@ -174,10 +174,11 @@ impl TrainableModel {
         Ok(store)
     }
 
-    /// Whether the layers' backward is written by hand: they run the fused ops, on weights
+    /// Whether the layers' backward is written by hand: where it is not turned off
+    /// ([`TrainableModel::set_hand_backward`]) and the layers run the fused ops on weights
     /// already in the compute dtype (a forward that converts them itself keeps its graph).
     fn layers_by_hand(&self) -> bool {
-        self.custom() && self.layer_weights_converted()
+        self.hand_backward && self.custom() && self.layer_weights_converted()
     }
 
     /// Layer `i`'s output for input `x` and its tape.

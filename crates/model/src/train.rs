@@ -60,6 +60,9 @@ pub struct TrainableModel {
     /// The parameters converted to `compute` once for a step
     /// ([`TrainableModel::set_step_weights`]).
     pub(crate) step: Option<StepWeights>,
+    /// Whether the layers' backward is written by hand where it applies
+    /// ([`TrainableModel::set_hand_backward`]).
+    pub(crate) hand_backward: bool,
 }
 
 impl TrainableModel {
@@ -96,6 +99,7 @@ impl TrainableModel {
             kernels: Kernels::Custom,
             compute: dtype,
             step: None,
+            hand_backward: true,
         })
     }
 
@@ -110,6 +114,13 @@ impl TrainableModel {
         }
         self.kernels = kernels;
         Ok(())
+    }
+
+    /// Takes each decoder layer's backward by hand where it applies (`true`, the default:
+    /// [`TrainableModel::backward_saved`]) or by candle's autograd over the forward's whole
+    /// graph (`false`: the reference, for tests and `sluice bench trainer --graph-backward`).
+    pub fn set_hand_backward(&mut self, on: bool) {
+        self.hand_backward = on;
     }
 
     /// The training forward's kernels ([`TrainableModel::set_kernels`]).

@@ -144,10 +144,18 @@ fn the_hand_written_layer_backward_gives_the_graphs_gradients() {
         for arch in ALL_ARCHS {
             for tied in [true, false] {
                 let snap = snapshot(tiny_config(arch, tied), 5, dtype);
-                let model = TrainableModel::from_snapshot(&snap, dtype).unwrap();
+                let mut model = TrainableModel::from_snapshot(&snap, dtype).unwrap();
                 let batch = batch();
-                let graph_scores = model.token_scores(&batch, options).unwrap();
-                let graph = loss_of(graph_scores.clone(), &batch).backward().unwrap();
+                // The reference: candle's autograd over the forward's whole graph.
+                model.set_hand_backward(false);
+                let (graph_scores, saved) = model
+                    .token_scores_for_backward(&batch, options, Activations::Kept)
+                    .unwrap();
+                assert!(format!("{saved:?}").contains("the forward's graph"));
+                let graph = model
+                    .backward_saved(&loss_of(graph_scores.clone(), &batch), saved)
+                    .unwrap();
+                model.set_hand_backward(true);
                 for activations in [Activations::Kept, Activations::Recomputed] {
                     let case = format!("{dtype:?} {arch:?} tied={tied} {activations:?}");
                     let (scores, saved) = model

@@ -147,6 +147,13 @@ impl NativeTrainer {
         self.config.sync_parts = on;
     }
 
+    /// Takes each decoder layer's backward by candle's autograd over the forward's whole graph
+    /// (`true`) instead of by hand (the default): the yardstick of `sluice bench trainer
+    /// --graph-backward` ([`sluice_model::TrainableModel::set_hand_backward`]).
+    pub fn set_graph_backward(&mut self, on: bool) {
+        self.model.set_hand_backward(!on);
+    }
+
     /// A clock for the parts of a step, synchronising where the settings ask.
     fn part_clock(&self) -> PartClock {
         PartClock::start(self.config.sync_parts.then(|| self.model.device().clone()))
