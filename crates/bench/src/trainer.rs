@@ -177,7 +177,7 @@ pub fn run(args: &BenchTrainerArgs) -> anyhow::Result<ExitCode> {
     if subjects.contains(&Subject::Preset(ModelPreset::Tiny))
         && args.device == sluice_config::Device::Cpu
     {
-        let (shared, alone) = quickstart_step()?;
+        let (shared, alone) = quickstart_step(args.graph_backward)?;
         println!(
             "\nquickstart step (tiny, 32 groups of 8 rollouts, 23-token prompts, 6-token answers, 2 updates):\n  prompts shared {:.3} s/step   each rollout alone {:.3} s/step   speed-up {:.2}x",
             shared,
@@ -284,8 +284,9 @@ fn bench_group(counter: u64, size: u32) -> RolloutGroup {
 
 /// Seconds per RL step of the quickstart's shape with shared prompts and with every rollout
 /// packed alone (`trainer.share_prompts`), the two trainers stepping in turn so the machine's
-/// load falls on both alike. The settings of `configs/quickstart.toml`'s trainer, on one thread.
-fn quickstart_step() -> anyhow::Result<(f64, f64)> {
+/// load falls on both alike. The settings of `configs/quickstart.toml`'s trainer, on one thread
+/// (the layers' backward by candle's autograd with `graph_backward`).
+fn quickstart_step(graph_backward: bool) -> anyhow::Result<(f64, f64)> {
     const STEPS: usize = 6;
     let snapshot = Subject::Preset(ModelPreset::Tiny).weights(0, DType::F32, &Device::Cpu)?;
     let vocab = snapshot.config().vocab_size as u32;
@@ -300,7 +301,9 @@ fn quickstart_step() -> anyhow::Result<(f64, f64)> {
         settings.loss.kind = LossKind::DecoupledPpo;
         // One thread: the compute a step costs (in a run the engine has the other core).
         settings.threads = 1;
-        trainers.push(NativeTrainer::new(Arc::clone(&snapshot), settings, None)?);
+        let mut trainer = NativeTrainer::new(Arc::clone(&snapshot), settings, None)?;
+        trainer.set_graph_backward(graph_backward);
+        trainers.push(trainer);
     }
     let mut seconds = [0.0f64; 2];
     for step in 0..=STEPS {
