@@ -89,8 +89,10 @@ impl LayerTape {
         };
         let (q, q_pre) = norm(q, &w.q_norm)?;
         let (k, k_pre) = norm(k, &w.k_norm)?;
-        let q = rope(&q, cx.cos, cx.sin, head_dim)?;
-        let k = rope(&k, cx.cos, cx.sin, head_dim)?;
+        // Contiguous as the kept attention takes them (already so: a no-op then).
+        let q = rope(&q, cx.cos, cx.sin, head_dim)?.contiguous()?;
+        let k = rope(&k, cx.cos, cx.sin, head_dim)?.contiguous()?;
+        let v = v.contiguous()?;
         let (att, attention) = attention_kept(&q, &k, &v, cx.segments, cx.heads())?;
         let x2 = (&x + project(&att, &w.o_proj, None)?)?;
         let h2 = rms_norm(&x2, &w.post_norm.detach(), eps)?;
