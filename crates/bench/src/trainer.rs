@@ -64,6 +64,10 @@ pub struct BenchTrainerArgs {
     /// before it was written by hand: the yardstick of the hand-written backward.
     #[arg(long)]
     pub graph_backward: bool,
+    /// Rows of the `(rows, vocab)` logits the log-prob/entropy head forms at a time, forward
+    /// and backward (default: the trainer's).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    pub logits_chunk_rows: Option<u64>,
 }
 
 const PROMPT_TOKENS: usize = 16;
@@ -117,6 +121,9 @@ pub fn run(args: &BenchTrainerArgs) -> anyhow::Result<ExitCode> {
             settings.activation_checkpointing = args.activation_checkpointing;
             settings.device = args.device;
             settings.compute_dtype = sluice_model::config::candle_dtype(compute);
+            if let Some(rows) = args.logits_chunk_rows {
+                settings.logits_chunk_rows = rows as usize;
+            }
             let mut trainer = NativeTrainer::new(Arc::clone(&snapshot), settings, None)?;
             trainer.set_graph_backward(args.graph_backward);
             let vocab = snapshot.config().vocab_size as u32;
