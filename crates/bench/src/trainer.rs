@@ -115,8 +115,10 @@ pub fn run(args: &BenchTrainerArgs) -> anyhow::Result<ExitCode> {
             }
         );
         let snapshot = subject.weights(0, DType::F32, &Device::Cpu)?;
+        let device = sluice_model::device::device(args.device)?;
         for (rows, len) in shapes {
             crate::rss::reset_peak();
+            sluice_model::device::reset_peak_memory(&device);
             let mut settings = trainer_config(rows, len);
             settings.activation_checkpointing = args.activation_checkpointing;
             settings.device = args.device;
@@ -142,15 +144,20 @@ pub fn run(args: &BenchTrainerArgs) -> anyhow::Result<ExitCode> {
                 Ok((tokens, seconds, parts))
             };
             let (tokens, seconds, mut parts) = if args.cuda_profile {
-                let device = sluice_model::device::device(args.device)?;
                 sluice_model::device::profiled(&device, timed_steps)??
             } else {
                 timed_steps()?
             };
             let tok_s = tokens as f64 / seconds;
             let peak = crate::rss::peak_mib().map_or("n/a".to_owned(), |m| format!("{m:.0} MiB"));
+            // On a GPU also the device memory's peak: the weights, AdamW's moments, the step's
+            // activations and gradients, what the allocator held at once.
+            let device_peak = sluice_model::device::peak_memory(&device)
+                .map_or(String::new(), |b| {
+                    format!("   device peak {:.0} MiB", b as f64 / (1u64 << 20) as f64)
+                });
             println!(
-                "  step [{rows}x{len}]  {tok_s:>10.0} tok/s   {:>8.3} s/step   peak RSS {peak}",
+                "  step [{rows}x{len}]  {tok_s:>10.0} tok/s   {:>8.3} s/step   peak RSS {peak}{device_peak}",
                 seconds / steps as f64
             );
             // A GPU runs the work after the host issued it: the timed steps' parts are host

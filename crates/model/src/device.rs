@@ -130,6 +130,54 @@ pub fn profiled<T>(device: &candle_core::Device, f: impl FnOnce() -> T) -> Resul
     Ok(f())
 }
 
+/// The most device memory in use at once since the last [`reset_peak_memory`], in bytes: the
+/// high watermark of the device's memory pool, which candle allocates from where the device
+/// has stream-ordered allocation. `None` on the CPU, or where the driver cannot tell.
+pub fn peak_memory(device: &candle_core::Device) -> Option<u64> {
+    #[cfg(feature = "cuda")]
+    if let candle_core::Device::Cuda(cuda) = device {
+        return pool_watermark(cuda, false);
+    }
+    let _ = device;
+    None
+}
+
+/// Starts [`peak_memory`] over from the memory in use now; nothing on the CPU.
+pub fn reset_peak_memory(device: &candle_core::Device) {
+    #[cfg(feature = "cuda")]
+    if let candle_core::Device::Cuda(cuda) = device {
+        let _ = pool_watermark(cuda, true);
+    }
+    let _ = device;
+}
+
+/// The device pool's `CU_MEMPOOL_ATTR_USED_MEM_HIGH`, reset to what is in use first when
+/// `reset`.
+#[cfg(feature = "cuda")]
+#[allow(unsafe_code)]
+fn pool_watermark(cuda: &candle_core::CudaDevice, reset: bool) -> Option<u64> {
+    use candle_core::cuda_backend::cudarc::driver::{result, sys};
+    let stream = cuda.cuda_stream();
+    let ctx = stream.context();
+    if !ctx.has_async_alloc() {
+        return None;
+    }
+    ctx.bind_to_thread().ok()?;
+    // SAFETY: the device is the one of a context that exists (candle's, bound above).
+    let pool = unsafe { result::device::get_mem_pool(ctx.cu_device()) }.ok()?;
+    let attr = sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH;
+    // The attribute is a `cuuint64_t`; setting it takes zero only.
+    let mut value: u64 = 0;
+    let at = (&raw mut value).cast::<std::ffi::c_void>();
+    if reset {
+        // SAFETY: the pool is the device's own; `at` points to a `u64` holding 0.
+        unsafe { result::mem_pool::set_attribute(pool, attr, at) }.ok()?;
+    }
+    // SAFETY: as above; the driver writes one `u64` to `at`.
+    unsafe { result::mem_pool::get_attribute(pool, attr, at) }.ok()?;
+    Some(value)
+}
+
 #[cfg(feature = "cuda")]
 mod libraries {
     //! The libraries candle calls into, loaded once per process and never unloaded.
