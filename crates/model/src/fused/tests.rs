@@ -64,3 +64,58 @@ fn the_device_linear_node_matches_the_cpu_kernel() {
     assert!(diff(&dx.unwrap(), grads.get(&x).unwrap()) < 1e-12, "dx");
     assert!(diff(&dw.unwrap(), grads.get(&w).unwrap()) < 1e-12, "dw");
 }
+
+/// `linear_grads` off the CPU kernels' dtypes (bf16 here, the path a GPU takes): the input's
+/// and weight's gradients by the backend's two products, and the bias's summed over the rows in
+/// f32, against candle's autograd over the same forward (`x·wᵀ` then a broadcast add) computed
+/// in f64; the CPU kernels' path (f64) against it exactly.
+#[test]
+fn linear_grads_match_autograd_on_both_paths() {
+    use candle_core::{DType, Device, Tensor, Var};
+    let (n, i, o) = (37, 16, 24);
+    let rand = |len: usize, seed: u64| -> Vec<f64> {
+        (0..len)
+            .map(|k| ((k as u64 * 2_654_435_761 + seed * 97) % 1000) as f64 / 500.0 - 1.0)
+            .collect()
+    };
+    let t = |v: Vec<f64>, shape: &[usize]| Tensor::from_vec(v, shape, &Device::Cpu).unwrap();
+    let (x, w, b) = (
+        t(rand(n * i, 1), &[n, i]),
+        t(rand(o * i, 2), &[o, i]),
+        t(rand(o, 3), &[o]),
+    );
+    let g = t(rand(n * o, 4), &[n, o]);
+    // The reference: autograd over the composition, in f64.
+    let vars = [&x, &w, &b].map(|t| Var::from_tensor(t).unwrap());
+    let y = vars[0]
+        .matmul(&vars[1].t().unwrap())
+        .unwrap()
+        .broadcast_add(&vars[2])
+        .unwrap();
+    let store = (y * &g).unwrap().sum_all().unwrap().backward().unwrap();
+    let want: Vec<Tensor> = vars
+        .iter()
+        .map(|v| store.get(v.as_tensor()).unwrap().clone())
+        .collect();
+    let rel = |a: &Tensor, b: &Tensor| {
+        let a = a.to_dtype(DType::F64).unwrap();
+        let d = (&a - b).unwrap().abs().unwrap().max_all().unwrap();
+        let s = b.abs().unwrap().max_all().unwrap();
+        d.to_scalar::<f64>().unwrap() / s.to_scalar::<f64>().unwrap()
+    };
+    for (dtype, tol) in [(DType::F64, 1e-12), (DType::BF16, 2e-2)] {
+        let [x, w, b, g] = [&x, &w, &b, &g].map(|t| t.to_dtype(dtype).unwrap());
+        let (dx, dw, db) = super::linear_grads(&x, &w, Some(&b), &g).unwrap();
+        let db = db.expect("a bias gradient");
+        assert_eq!(db.dtype(), dtype);
+        for (name, got, want) in [
+            ("dx", &dx, &want[0]),
+            ("dw", &dw, &want[1]),
+            ("db", &db, &want[2]),
+        ] {
+            assert_eq!(got.dims(), want.dims(), "{dtype:?} {name}");
+            let err = rel(got, want);
+            assert!(err < tol, "{dtype:?} {name}: relative error {err}");
+        }
+    }
+}
