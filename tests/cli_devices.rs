@@ -197,15 +197,7 @@ fn probe_prints_logits_and_every_parameter_s_gradient() {
 
     // The comparison gpu-check makes, here CPU against itself: identical.
     let dir = tmp.path();
-    std::fs::write(dir.join("a.json"), &out.stdout).unwrap();
-    std::fs::write(dir.join("b.json"), &out.stdout).unwrap();
-    let cmp = Command::new("python3")
-        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/gpu_check.py"))
-        .args(["compare", "--logits-tol", "1e-4", "--grads-tol", "1e-3"])
-        .arg(dir.join("a.json"))
-        .arg(dir.join("b.json"))
-        .output()
-        .unwrap();
+    let cmp = gpu_check_compare(dir, (&out.stdout, &out.stdout), "1e-3");
     assert!(cmp.status.success(), "{}", text(&cmp));
     let line = String::from_utf8_lossy(&cmp.stdout);
     assert!(
@@ -221,18 +213,24 @@ fn probe_prints_logits_and_every_parameter_s_gradient() {
         &["--tokens", "5,6,7,8,9", "--compute-dtype", "bf16"],
     );
     assert!(mixed.status.success(), "{}", text(&mixed));
-    std::fs::write(dir.join("a.json"), &f32_out).unwrap();
-    std::fs::write(dir.join("b.json"), &mixed.stdout).unwrap();
-    let cmp = Command::new("python3")
-        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/gpu_check.py"))
-        .args(["compare", "--logits-tol", "1e-4", "--grads-tol", "5e-2"])
-        .arg(dir.join("a.json"))
-        .arg(dir.join("b.json"))
-        .output()
-        .unwrap();
+    let cmp = gpu_check_compare(dir, (&f32_out, &mixed.stdout), "5e-2");
     let line = String::from_utf8_lossy(&cmp.stdout);
     assert!(cmp.status.success() && line.contains("ok=1"), "{line}");
     assert!(!line.contains("grads_rel=0 "), "{line}");
+}
+
+/// `scripts/gpu_check.py compare` of two probe outputs (written into `dir`), logits within
+/// 1e-4 and gradient norms within `grads_tol`, as gpu-check runs it.
+fn gpu_check_compare(dir: &Path, (a, b): (&[u8], &[u8]), grads_tol: &str) -> Output {
+    std::fs::write(dir.join("a.json"), a).unwrap();
+    std::fs::write(dir.join("b.json"), b).unwrap();
+    Command::new("python3")
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/gpu_check.py"))
+        .args(["compare", "--logits-tol", "1e-4", "--grads-tol", grads_tol])
+        .arg(dir.join("a.json"))
+        .arg(dir.join("b.json"))
+        .output()
+        .unwrap()
 }
 
 #[test]

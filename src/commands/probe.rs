@@ -70,14 +70,7 @@ pub fn run(args: &ModelProbeArgs) -> anyhow::Result<ExitCode> {
     trainable
         .set_compute_dtype(candle_dtype(args.compute_dtype))
         .context("--compute-dtype")?;
-    let converted = trainable
-        .step_weight_params()
-        .iter()
-        .map(|&i| trainable.vars()[i].1.to_dtype(trainable.compute_dtype()))
-        .collect::<Result<Vec<_>, _>>()?;
-    if !converted.is_empty() {
-        trainable.set_step_weights(converted)?;
-    }
+    sluice_trainer::native::convert_weights(&mut trainable)?;
     let batch = PackedBatch::from_rows(&[vec![&args.tokens[..]]], args.tokens.len(), 0)?;
     let (scores, saved) = trainable.token_scores_for_backward(
         &batch,

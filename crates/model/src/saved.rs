@@ -151,8 +151,9 @@ impl TrainableModel {
                 }
             }
             Layers::Inputs(layer_inputs) => {
+                let hand = self.layers_by_hand();
                 for (i, input) in layer_inputs.iter().enumerate().rev() {
-                    grad = if self.layers_by_hand() {
+                    grad = if hand {
                         let (_, tape) = self.layer_taped(i, input, &inputs)?;
                         self.layer_backward(i, tape, &grad, &inputs, &mut store)?
                     } else {
@@ -240,19 +241,8 @@ impl TrainableModel {
             .cloned()
             .ok_or_else(|| ModelError::input(format!("no gradient reached layer {i}")))
     }
-}
 
-/// Adds `g` to `param`'s gradient in `store`.
-fn accumulate(store: &mut GradStore, param: &Tensor, g: Tensor) -> candle_core::Result<()> {
-    let sum = match store.get(param) {
-        Some(acc) => (acc + g)?,
-        None => g,
-    };
-    store.insert(param, sum);
-    Ok(())
-}
-
-impl TrainableModel {
+    /// What a layer's forward and backward read besides its weights and input.
     fn layer_context<'a>(
         &'a self,
         inputs: &'a LayerInputs,
@@ -267,4 +257,14 @@ impl TrainableModel {
             segments,
         })
     }
+}
+
+/// Adds `g` to `param`'s gradient in `store`.
+fn accumulate(store: &mut GradStore, param: &Tensor, g: Tensor) -> candle_core::Result<()> {
+    let sum = match store.get(param) {
+        Some(acc) => (acc + g)?,
+        None => g,
+    };
+    store.insert(param, sum);
+    Ok(())
 }

@@ -474,11 +474,12 @@ impl LayerInputs {
         &self.ids
     }
 
-    /// The rotary tables.
+    /// The rotary tables' cosines and sines.
     pub(crate) fn cos(&self) -> &Tensor {
         &self.cos
     }
 
+    /// See [`LayerInputs::cos`].
     pub(crate) fn sin(&self) -> &Tensor {
         &self.sin
     }

@@ -36,6 +36,7 @@ use crate::report::{StepStats, step_metrics};
 use crate::settings::NativeTrainerConfig;
 pub use crate::steps::minibatch_ranges;
 use crate::steps::{PartClock, packed, pick, record_packing, slot_index};
+pub use update::convert_weights;
 
 mod update;
 use update::StartPolicy;

@@ -19,9 +19,7 @@ use crate::steps::{packed, pick, slot_index};
 /// variables the forward reads, where each micro-batch's forward converted every parameter
 /// (and its backward converted each gradient back). Nothing when they are there already or the
 /// model computes in its parameters' dtype.
-pub(super) fn convert_weights(
-    model: &mut sluice_model::TrainableModel,
-) -> Result<(), TrainerError> {
+pub fn convert_weights(model: &mut sluice_model::TrainableModel) -> Result<(), TrainerError> {
     let params = model.step_weight_params();
     if params.is_empty() || model.has_step_weights() {
         return Ok(());
