@@ -3,7 +3,9 @@
 // backward's dP, dV, dK and dQ run as 16 x 16 x 16 bf16 matrix multiply-accumulates with f32
 // sums (WMMA); the softmax, its log-sum-exp, the mask and dS = P (dP - delta) run in f32 on the
 // staged f32 scores. The rule, the inputs and the outputs are attention.cu's; P and dS are
-// rounded to bf16 for their products, as FlashAttention rounds them.
+// rounded to bf16 for their products, as FlashAttention rounds them. dK and dV come in two
+// launches: each query head's share in f32, then the shares of each kv head's group added in
+// order (`attn_tc_kv_sum`).
 //
 // Staged tiles are rows of D bf16 at a stride of LD = D + 8 (WMMA wants a multiple of 8; the
 // extra 16 bytes move consecutive rows off the same shared-memory banks). Every warp owns 16 rows
@@ -82,10 +84,11 @@ __device__ __forceinline__ void accumulate(FragC* acc, const bf16* a, unsigned l
 }
 
 // Writes a warp's accumulators (16 x D, times `factor`) to rows row0.. of one head of `out`
-// (rows past `valid` are skipped), through the warp's 16 rows of `scratch` (f32, stride lds).
-template <unsigned D>
+// (bf16, or f32 partial sums; rows past `valid` are skipped), through the warp's 16 rows of
+// `scratch` (f32, stride lds).
+template <unsigned D, typename O>
 __device__ __forceinline__ void write_rows(FragC* acc, float factor, float* scratch, unsigned lds,
-                                           bf16* out, u64 slot0, unsigned valid, unsigned stride,
+                                           O* out, u64 slot0, unsigned valid, unsigned stride,
                                            unsigned col0) {
   const unsigned lane = threadIdx.x % 32;
   for (unsigned n = 0; n < D / 16; ++n) {
@@ -95,7 +98,7 @@ __device__ __forceinline__ void write_rows(FragC* acc, float factor, float* scra
     const unsigned r = lane / 2, c0 = (lane % 2) * 8;
     if (r < valid)
       for (unsigned c = c0; c < c0 + 8; ++c)
-        out[(slot0 + r) * stride + col0 + n * 16 + c] = __float2bfloat16(scratch[r * lds + c] * factor);
+        st(out, (slot0 + r) * stride + col0 + n * 16 + c, scratch[r * lds + c] * factor);
   }
 }
 
@@ -257,14 +260,18 @@ __device__ void attn_tc_fwd(const bf16* q, const bf16* k, const bf16* v, const u
   if (lane % 2 == 0 && r < nq) lse[((u64)b * H + h) * L + i] = row_lse;
 }
 
-// dK, dV. Grid (ceil(L / 64), B * KV), 128 threads: 64 keys of one (row, kv head), summed over
-// the queries of every head of the group, 32 at a time.
+// dK, dV: one query head's share. Grid (ceil(L / 64), B * H), 128 threads: 64 keys of one
+// (row, query head)'s kv head, over the queries of that head that see them, 32 at a time; the
+// sums go to `dk_part` and `dv_part` (N, H, D, f32), which `attn_tc_kv_sum` adds up per kv head.
+// A block per query head, not per kv head: with grouped queries (Qwen2.5-0.5B: 14 heads on 2)
+// a block per kv head walked every head of its group in turn, so at 2,048 slots the blocks of
+// the first keys ran 7 x 64 query tiles one after another, on a grid of B * 2 * 32 blocks.
 template <unsigned D>
 __device__ void attn_tc_bwd_kv(const bf16* q, const bf16* k, const bf16* v, const bf16* dout,
                                const float* lse, const float* delta, const unsigned* seg,
                                const unsigned* prefix, const unsigned* first,
-                               const unsigned* tiles, int runs, bf16* dk, bf16* dv, unsigned L,
-                               unsigned H, unsigned KV, float scale) {
+                               const unsigned* tiles, int runs, float* dk_part, float* dv_part,
+                               unsigned L, unsigned H, unsigned KV, float scale) {
   using namespace tc;
   constexpr unsigned BK = 64, BQ = 32, LS = BQ + 4, LP = BQ + 8;
   SLUICE_DYNAMIC_SHARED(smem);
@@ -282,7 +289,7 @@ __device__ void attn_tc_bwd_kv(const bf16* q, const bf16* k, const bf16* v, cons
   auto& qseg = sh.qseg;
   auto& qpre = sh.qpre;
   auto& kseg = sh.kseg;
-  const unsigned b = blockIdx.y / KV, kh = blockIdx.y % KV, g = H / KV;
+  const unsigned b = blockIdx.y / H, h = blockIdx.y % H, kh = h / (H / KV);
   const unsigned j0 = blockIdx.x * BK, nk = min(BK, L - j0), jlast = j0 + nk - 1;
   const unsigned warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const unsigned r = warp * 16 + lane / 2, c0 = (lane % 2) * 16, j = j0 + r;
@@ -299,49 +306,67 @@ __device__ void attn_tc_bwd_kv(const bf16* q, const bf16* k, const bf16* v, cons
   // the row of query tile 0; query tile t's is `mask_words` words on per tile.
   const unsigned mask_words = ((L + 63) / 64 + 31) / 32;
   const unsigned* mask = tiles + (u64)b * ((L + 63) / 64) * mask_words + j0 / 64 / 32;
-  for (unsigned gi = 0; gi < g; ++gi) {
-    const unsigned h = kh * g + gi;
-    for (unsigned i0 = j0; i0 < L; i0 += BQ) {
-      const unsigned nq = min(BQ, L - i0);
-      // The block's keys are one tile of the mask, and 32 queries from i0 lie in one.
-      if (!((mask[(u64)(i0 / 64) * mask_words] >> (j0 / 64 % 32)) & 1u)) continue;
-      __syncthreads();
-      stage_queries(BQ, nq, {first, seg, prefix, lse, delta}, row0 + i0,
-                    ((u64)b * H + h) * L + i0, {qfirst, qseg, qpre, qlse, qdelta});
-      __syncthreads();
-      unsigned cmin = 0xffffffffu;
-      for (unsigned t = 0; t < BQ; ++t) cmin = min(cmin, qfirst[t]);
-      if (cmin > jlast) continue;  // the same for every thread: no query here sees these keys
-      stage<D>(qs, q, row0 + i0, nq, BQ, H * D, h * D);
-      stage<D>(dos, dout, row0 + i0, nq, BQ, H * D, h * D);
-      __syncthreads();
-      // Sᵀ (keys x queries) = K Qᵀ, then Pᵀ.
-      product_t<D, BQ / 16>(&ss[warp * 16][0], LS, &ks[warp * 16][0], &qs[0][0]);
-      __syncwarp();
-      float p[16];
-      for (unsigned c = 0; c < 16; ++c) {
-        const unsigned qi = c0 + c;
-        const bool ok = qi < nq && r < nk &&
-                        sees(i0 + qi, j, qfirst[qi], qseg[qi], qpre[qi], kseg[r], runs);
-        p[c] = ok ? expf(ss[r][qi] * scale - qlse[qi]) : 0.0f;
-        pt[r][qi] = __float2bfloat16(p[c]);
-      }
-      __syncwarp();
-      // dPᵀ = V dOᵀ, then dSᵀ = Pᵀ (dPᵀ - delta).
-      product_t<D, BQ / 16>(&ss[warp * 16][0], LS, &vs[warp * 16][0], &dos[0][0]);
-      __syncwarp();
-      for (unsigned c = 0; c < 16; ++c) {
-        const unsigned qi = c0 + c;
-        dst[r][qi] = __float2bfloat16(p[c] * (ss[r][qi] - qdelta[qi]));
-      }
-      __syncwarp();
-      accumulate<D, BQ / 16>(gv, &pt[warp * 16][0], LP, &dos[0][0]);
-      accumulate<D, BQ / 16>(gk, &dst[warp * 16][0], LP, &qs[0][0]);
+  for (unsigned i0 = j0; i0 < L; i0 += BQ) {
+    const unsigned nq = min(BQ, L - i0);
+    // The block's keys are one tile of the mask, and 32 queries from i0 lie in one.
+    if (!((mask[(u64)(i0 / 64) * mask_words] >> (j0 / 64 % 32)) & 1u)) continue;
+    __syncthreads();
+    stage_queries(BQ, nq, {first, seg, prefix, lse, delta}, row0 + i0,
+                  ((u64)b * H + h) * L + i0, {qfirst, qseg, qpre, qlse, qdelta});
+    __syncthreads();
+    unsigned cmin = 0xffffffffu;
+    for (unsigned t = 0; t < BQ; ++t) cmin = min(cmin, qfirst[t]);
+    if (cmin > jlast) continue;  // the same for every thread: no query here sees these keys
+    stage<D>(qs, q, row0 + i0, nq, BQ, H * D, h * D);
+    stage<D>(dos, dout, row0 + i0, nq, BQ, H * D, h * D);
+    __syncthreads();
+    // Sᵀ (keys x queries) = K Qᵀ, then Pᵀ.
+    product_t<D, BQ / 16>(&ss[warp * 16][0], LS, &ks[warp * 16][0], &qs[0][0]);
+    __syncwarp();
+    float p[16];
+    for (unsigned c = 0; c < 16; ++c) {
+      const unsigned qi = c0 + c;
+      const bool ok = qi < nq && r < nk &&
+                      sees(i0 + qi, j, qfirst[qi], qseg[qi], qpre[qi], kseg[r], runs);
+      p[c] = ok ? expf(ss[r][qi] * scale - qlse[qi]) : 0.0f;
+      pt[r][qi] = __float2bfloat16(p[c]);
     }
+    __syncwarp();
+    // dPᵀ = V dOᵀ, then dSᵀ = Pᵀ (dPᵀ - delta).
+    product_t<D, BQ / 16>(&ss[warp * 16][0], LS, &vs[warp * 16][0], &dos[0][0]);
+    __syncwarp();
+    for (unsigned c = 0; c < 16; ++c) {
+      const unsigned qi = c0 + c;
+      dst[r][qi] = __float2bfloat16(p[c] * (ss[r][qi] - qdelta[qi]));
+    }
+    __syncwarp();
+    accumulate<D, BQ / 16>(gv, &pt[warp * 16][0], LP, &dos[0][0]);
+    accumulate<D, BQ / 16>(gk, &dst[warp * 16][0], LP, &qs[0][0]);
   }
   const unsigned valid = nk > warp * 16 ? nk - warp * 16 : 0;
-  write_rows<D>(gk, scale, &ss[warp * 16][0], LS, dk, row0 + j0 + warp * 16, valid, KV * D, kh * D);
-  write_rows<D>(gv, 1.0f, &ss[warp * 16][0], LS, dv, row0 + j0 + warp * 16, valid, KV * D, kh * D);
+  const u64 at = row0 + j0 + warp * 16;
+  write_rows<D>(gk, scale, &ss[warp * 16][0], LS, dk_part, at, valid, H * D, h * D);
+  write_rows<D>(gv, 1.0f, &ss[warp * 16][0], LS, dv_part, at, valid, H * D, h * D);
+}
+
+// dK and dV (N, KV * D) from attn_tc_bwd_kv's partial sums (N, H * D, f32): each kv head's
+// group of H / KV query heads added in head order, then rounded once, so the result does not
+// depend on scheduling. A thread an element, n = N * KV * D.
+__device__ void attn_tc_kv_sum(const float* dk_part, const float* dv_part, bf16* dk, bf16* dv,
+                               unsigned H, unsigned KV, unsigned D, u64 n) {
+  const unsigned g = H / KV;
+  GRID_STRIDE(e, n) {
+    const u64 slot = e / ((u64)KV * D);
+    const unsigned col = (unsigned)(e % ((u64)KV * D)), kh = col / D, d = col % D;
+    const u64 at = slot * H * D + (u64)kh * g * D + d;
+    float sk = 0.0f, sv = 0.0f;
+    for (unsigned gi = 0; gi < g; ++gi) {
+      sk += dk_part[at + (u64)gi * D];
+      sv += dv_part[at + (u64)gi * D];
+    }
+    st(dk, e, sk);
+    st(dv, e, sv);
+  }
 }
 
 // dQ. Grid (ceil(L / 64), B * H), 128 threads: 64 queries of one (row, head), over the keys
@@ -413,6 +438,11 @@ __device__ void attn_tc_bwd_q(const bf16* q, const bf16* k, const bf16* v, const
              nq > warp * 16 ? nq - warp * 16 : 0, H * D, h * D);
 }
 
+// The dK/dV kernel's blocks resident on one SM, as its shared memory allows (KvShared: about 47 KB
+// at D = 64): the register budget ptxas is held to (at D = 64, 128 registers a thread, where
+// it would otherwise take 130 and fit three blocks).
+#define KV_BLOCKS_PER_SM(D) ((D) == 64 ? 4 : 2)
+
 #define TENSOR_CORE_ATTENTION(D)                                                                  \
   extern "C" __global__ void attn_tc_fwd_bf16_##D(                                                \
       const bf16* q, const bf16* k, const bf16* v, const unsigned* seg, const unsigned* prefix,   \
@@ -420,13 +450,13 @@ __device__ void attn_tc_bwd_q(const bf16* q, const bf16* k, const bf16* v, const
       unsigned H, unsigned KV, float scale) {                                                     \
     attn_tc_fwd<D>(q, k, v, seg, prefix, first, tiles, runs, o, lse, L, H, KV, scale);            \
   }                                                                                               \
-  extern "C" __global__ void attn_tc_bwd_kv_bf16_##D(                                             \
+  extern "C" __global__ void __launch_bounds__(128, KV_BLOCKS_PER_SM(D)) attn_tc_bwd_kv_bf16_##D( \
       const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse,            \
       const float* delta, const unsigned* seg, const unsigned* prefix, const unsigned* first,     \
-      const unsigned* tiles, int runs, bf16* dk, bf16* dv, unsigned L, unsigned H, unsigned KV,   \
-      float scale) {                                                                              \
-    attn_tc_bwd_kv<D>(q, k, v, dout, lse, delta, seg, prefix, first, tiles, runs, dk, dv, L, H,   \
-                      KV, scale);                                                                 \
+      const unsigned* tiles, int runs, float* dk_part, float* dv_part, unsigned L, unsigned H,    \
+      unsigned KV, float scale) {                                                                 \
+    attn_tc_bwd_kv<D>(q, k, v, dout, lse, delta, seg, prefix, first, tiles, runs, dk_part,        \
+                      dv_part, L, H, KV, scale);                                                  \
   }                                                                                               \
   extern "C" __global__ void attn_tc_bwd_q_bf16_##D(                                              \
       const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse,            \
@@ -439,6 +469,12 @@ __device__ void attn_tc_bwd_q(const bf16* q, const bf16* k, const bf16* v, const
 
 TENSOR_CORE_ATTENTION(64)
 TENSOR_CORE_ATTENTION(128)
+
+extern "C" __global__ void attn_tc_kv_sum_bf16(const float* dk_part, const float* dv_part,
+                                               bf16* dk, bf16* dv, unsigned H, unsigned KV,
+                                               unsigned D, u64 n) {
+  attn_tc_kv_sum(dk_part, dv_part, dk, dv, H, KV, D, n);
+}
 
 // The dynamic shared memory each kernel above takes, in bytes: fwd, bwd_kv, bwd_q at D = 64,
 // then at D = 128 (read once by the host, which passes them at launch).

@@ -58,13 +58,17 @@ static unsigned blocks(unsigned long long n, unsigned per) {
 // device.rs: THREADS, DW_CHUNK_ROWS.
 constexpr unsigned THREADS = 256, CHUNK_ROWS = 64;
 
-template <class T, int D>
+// The dK/dV kernel's signature: attention.cu's writes T, attention_tc.cu's f32 partial sums.
+template <class T, class O>
+using KvKernel = void (*)(const T*, const T*, const T*, const T*, const float*, const float*,
+                          const unsigned*, const unsigned*, const unsigned*, const unsigned*, int,
+                          O*, O*, unsigned, unsigned, unsigned, float);
+
+template <class T, int D, class O = T>
 void attention(void (*fwd)(const T*, const T*, const T*, const unsigned*, const unsigned*,
                            const unsigned*, const unsigned*, int, T*, float*, unsigned, unsigned,
                            unsigned, float),
-               void (*kv)(const T*, const T*, const T*, const T*, const float*, const float*,
-                          const unsigned*, const unsigned*, const unsigned*, const unsigned*, int,
-                          T*, T*, unsigned, unsigned, unsigned, float),
+               KvKernel<T, O> kv,
                void (*dq)(const T*, const T*, const T*, const T*, const float*, const float*,
                           const unsigned*, const unsigned*, const unsigned*, const unsigned*, int,
                           T*, unsigned, unsigned, unsigned, float),
@@ -88,9 +92,19 @@ void attention(void (*fwd)(const T*, const T*, const T*, const unsigned*, const 
               prefix.data(), first.data(), mask.data(), runs, o.data(), lse.data(), L, H, KV, scale);
   emu::launch(delta, dim3(blocks(N * H * 32, THREADS)), dim3(THREADS), o.data(), g.data(),
               dl.data(), L, H, (unsigned)D, (u64)(N * H));
-  emu::launch(kv, dim3(tiles, B * KV), dim3(block * parts), q.data(), k.data(), v.data(), g.data(), lse.data(),
-              dl.data(), seg.data(), prefix.data(), first.data(), mask.data(), runs, gk.data(), gv.data(),
-              L, H, KV, scale);
+  if constexpr (std::is_same_v<O, T>) {
+    emu::launch(kv, dim3(tiles, B * KV), dim3(block * parts), q.data(), k.data(), v.data(), g.data(),
+                lse.data(), dl.data(), seg.data(), prefix.data(), first.data(), mask.data(), runs,
+                gk.data(), gv.data(), L, H, KV, scale);
+  } else {
+    // The tensor-core dK/dV: a block per query head into f32 shares, then their sum per kv head.
+    std::vector<float> pk(N * H * D), pv(N * H * D);
+    emu::launch(kv, dim3(tiles, B * H), dim3(block * parts), q.data(), k.data(), v.data(), g.data(),
+                lse.data(), dl.data(), seg.data(), prefix.data(), first.data(), mask.data(), runs,
+                pk.data(), pv.data(), L, H, KV, scale);
+    emu::launch(attn_tc_kv_sum_bf16, dim3(blocks(N * KV * D, THREADS)), dim3(THREADS), pk.data(),
+                pv.data(), gk.data(), gv.data(), H, KV, (unsigned)D, (u64)(N * KV * D));
+  }
   emu::launch(dq, dim3(tiles, B * H), dim3(block), q.data(), k.data(), v.data(), g.data(), lse.data(),
               dl.data(), seg.data(), prefix.data(), first.data(), mask.data(), runs, gq.data(), L, H, KV,
               scale);
@@ -216,12 +230,12 @@ void run(const std::string& op, char** a, bool bf) {
     const bool tensor_cores = a[6] && u(6);
     if constexpr (std::is_same_v<T, bf16>) {
       if (tensor_cores && D == 64) {
-        attention<bf16, 64>(attn_tc_fwd_bf16_64, attn_tc_bwd_kv_bf16_64, attn_tc_bwd_q_bf16_64,
+        attention<bf16, 64, float>(attn_tc_fwd_bf16_64, attn_tc_bwd_kv_bf16_64, attn_tc_bwd_q_bf16_64,
                             attn_delta_bf16, B, L, H, KV, runs, 128, 64, 1);
         return;
       }
       if (tensor_cores && D == 128) {
-        attention<bf16, 128>(attn_tc_fwd_bf16_128, attn_tc_bwd_kv_bf16_128, attn_tc_bwd_q_bf16_128,
+        attention<bf16, 128, float>(attn_tc_fwd_bf16_128, attn_tc_bwd_kv_bf16_128, attn_tc_bwd_q_bf16_128,
                              attn_delta_bf16, B, L, H, KV, runs, 128, 64, 1);
         return;
       }

@@ -130,6 +130,8 @@ struct Geometry {
     split_threads: u32,
     /// The kernels' module and the prefix of their names.
     kernels: (Module, &'static str),
+    /// The tensor-core kernels: dK and dV as each query head's share in f32, then their sum.
+    tensor_cores: bool,
     /// Dynamic shared memory of the forward, dK/dV and dQ kernels (0: static only).
     shared: [u32; 3],
     runs: i32,
@@ -170,6 +172,7 @@ impl Geometry {
             threads,
             split_threads,
             kernels,
+            tensor_cores,
             shared,
             runs: i32::from(seg.runs()),
             scale: 1.0 / (d as f32).sqrt(),
@@ -280,12 +283,30 @@ pub(crate) fn attention_bwd(
         launch(a, config((blocks(rows64 * 32), 1), THREADS))?;
 
         let (mut dk, mut dv) = (output::<T>(dev, kn)?, output::<T>(dev, kn)?);
-        let (f, cfg) = g.kernel(dev, "bwd_kv", q.dtype(), (g.tiles(), g.b * g.kv))?;
-        let mut a = stream.launch_builder(&f);
-        a.arg(&qv).arg(&kv_).arg(&vv).arg(&gv).arg(&lv).arg(&delta);
-        a.arg(&slots.seg).arg(&slots.prefix).arg(&slots.first).arg(&slots.tiles).arg(&g.runs);
-        a.arg(&mut dk).arg(&mut dv).arg(&g.l).arg(&g.h).arg(&g.kv).arg(&g.scale);
-        launch(a, cfg)?;
+        if g.tensor_cores {
+            // A block per query head into f32 shares (N, H·D), then each kv head's group summed.
+            let (mut pk, mut pv) = (output::<f32>(dev, qn)?, output::<f32>(dev, qn)?);
+            let (f, cfg) = g.kernel(dev, "bwd_kv", q.dtype(), (g.tiles(), g.b * g.h))?;
+            let mut a = stream.launch_builder(&f);
+            a.arg(&qv).arg(&kv_).arg(&vv).arg(&gv).arg(&lv).arg(&delta);
+            a.arg(&slots.seg).arg(&slots.prefix).arg(&slots.first).arg(&slots.tiles);
+            a.arg(&g.runs).arg(&mut pk).arg(&mut pv).arg(&g.l).arg(&g.h).arg(&g.kv);
+            a.arg(&g.scale);
+            launch(a, cfg)?;
+            let f = ATTENTION_TC.function(dev, &format!("attn_tc_kv_sum_{sfx}"))?;
+            let mut a = stream.launch_builder(&f);
+            a.arg(&pk).arg(&pv).arg(&mut dk).arg(&mut dv).arg(&g.h).arg(&g.kv).arg(&d32);
+            let n_kv = kn as u64;
+            a.arg(&n_kv);
+            launch(a, config((blocks(n_kv), 1), THREADS))?;
+        } else {
+            let (f, cfg) = g.kernel(dev, "bwd_kv", q.dtype(), (g.tiles(), g.b * g.kv))?;
+            let mut a = stream.launch_builder(&f);
+            a.arg(&qv).arg(&kv_).arg(&vv).arg(&gv).arg(&lv).arg(&delta);
+            a.arg(&slots.seg).arg(&slots.prefix).arg(&slots.first).arg(&slots.tiles).arg(&g.runs);
+            a.arg(&mut dk).arg(&mut dv).arg(&g.l).arg(&g.h).arg(&g.kv).arg(&g.scale);
+            launch(a, cfg)?;
+        }
 
         let mut dq = output::<T>(dev, qn)?;
         let (f, cfg) = g.kernel(dev, "bwd_q", q.dtype(), (g.tiles(), g.b * g.h))?;
