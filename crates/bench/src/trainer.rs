@@ -23,6 +23,7 @@ use sluice_config::{AdvantageKind, LossAggregation, LossKind, ModelPreset, Overs
 use sluice_core::{
     DataSample, GroupId, NodeId, PolicyVersion, RolloutGroup, RolloutStatus, RolloutTurn, RunId,
 };
+use sluice_model::ForwardOptions;
 use sluice_model::candle::{DType, Device};
 use sluice_trainer::advantage::AdvantageConfig;
 use sluice_trainer::batcher::{BatcherConfig, TrainingText, pack};
@@ -68,6 +69,14 @@ pub struct BenchTrainerArgs {
     /// and backward (default: the trainer's).
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
     pub logits_chunk_rows: Option<u64>,
+    /// MiB of the head's logits the forward keeps for the backward, which forms the rest
+    /// again (`trainer.kept_logits_mib`; default as in a run on the device; 0 recomputes
+    /// them all).
+    #[arg(long, value_name = "MIB")]
+    pub kept_logits_mib: Option<u64>,
+    /// Timed steps per shape (default: a few per preset, sized for a few minutes on 2 cores).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    pub steps: Option<u64>,
 }
 
 const PROMPT_TOKENS: usize = 16;
@@ -87,7 +96,8 @@ pub fn run(args: &BenchTrainerArgs) -> anyhow::Result<ExitCode> {
     let mut result = Vec::new();
     for subject in &subjects {
         let name = subject.name();
-        let (default_shapes, steps) = default_plan(subject.size_class()?);
+        let (default_shapes, default_steps) = default_plan(subject.size_class()?);
+        let steps = args.steps.map_or(default_steps, |n| n as usize);
         let shapes = if args.shapes.is_empty() {
             default_shapes
         } else {
@@ -126,6 +136,9 @@ pub fn run(args: &BenchTrainerArgs) -> anyhow::Result<ExitCode> {
             if let Some(rows) = args.logits_chunk_rows {
                 settings.logits_chunk_rows = rows as usize;
             }
+            let kept = (args.kept_logits_mib)
+                .unwrap_or_else(|| sluice_trainer::config::default_kept_logits_mib(args.device));
+            settings.kept_logits_bytes = usize::try_from(kept)?.saturating_mul(1 << 20);
             let mut trainer = NativeTrainer::new(Arc::clone(&snapshot), settings, None)?;
             trainer.set_graph_backward(args.graph_backward);
             let vocab = snapshot.config().vocab_size as u32;
@@ -242,6 +255,7 @@ fn trainer_config(rows: usize, len: usize) -> NativeTrainerConfig {
         publish_dtype: DType::F32,
         device: sluice_config::Device::Cpu,
         logits_chunk_rows: 1024,
+        kept_logits_bytes: ForwardOptions::DEFAULT_KEPT_LOGITS_BYTES,
         temperature: 1.0,
         seed: 0,
         // The trainer alone on the machine: every core.

@@ -95,6 +95,7 @@ pub use error::{ModelError, Result};
 pub use infer::{DecodeGraphStats, InferenceModel, LogitsWanted, StepInput, argmax_rows};
 pub use paged::PagedKvCache;
 pub use saved::{Activations, SavedActivations};
+pub use scores::recomputed_logit_chunks;
 pub use snapshot::ModelWeights;
 pub use threads::ComputePool;
 pub use tokenizer::Tokenizer;

@@ -35,6 +35,16 @@ pub struct ForwardOptions {
     /// Logits are divided by this before the softmax (use the engine's sampling temperature so
     /// that trainer and behaviour log-probs are of the same distribution). Must be > 0.
     pub temperature: f64,
+    /// Bytes of logits the forward keeps for the backward (its first chunks, in order, while
+    /// they fit), which forms the rest again from the hidden rows: one product with the
+    /// vocabulary's weights per chunk, about a sixth of a real model's head. Only when a
+    /// gradient may be taken; 0 recomputes every chunk.
+    pub kept_logits_bytes: usize,
+}
+
+impl ForwardOptions {
+    /// [`ForwardOptions::kept_logits_bytes`] by default: 1 GiB.
+    pub const DEFAULT_KEPT_LOGITS_BYTES: usize = 1 << 30;
 }
 
 impl Default for ForwardOptions {
@@ -42,6 +52,7 @@ impl Default for ForwardOptions {
         Self {
             logits_chunk_rows: 1024,
             temperature: 1.0,
+            kept_logits_bytes: Self::DEFAULT_KEPT_LOGITS_BYTES,
         }
     }
 }
@@ -282,6 +293,7 @@ impl TrainableModel {
             options.logits_chunk_rows,
             options.temperature,
             self.custom(),
+            options.kept_logits_bytes,
         )
         .ctx("token scores")?;
         let shape = (batch.batch, batch.seq_len);

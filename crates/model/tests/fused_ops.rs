@@ -373,6 +373,7 @@ fn fused_training_forward_and_gradients_equal_the_composition() {
     let options = ForwardOptions {
         logits_chunk_rows: 4,
         temperature: 0.8,
+        ..ForwardOptions::default()
     };
     for arch in ALL_ARCHS {
         for tied in [true, false] {
@@ -464,6 +465,7 @@ fn parallel_kernels_on_packed_rows_equal_the_composition() {
         let options = ForwardOptions {
             logits_chunk_rows: 300,
             temperature: 1.0,
+            ..ForwardOptions::default()
         };
         let a = fused_model.token_scores(&batch, options).unwrap();
         let b = plain.token_scores(&batch, options).unwrap();

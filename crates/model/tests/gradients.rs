@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Tensor};
 use common::{ALL_ARCHS, rel_err, snapshot, tiny_config};
+use sluice_model::ops::Kernels;
 use sluice_model::{
     Activations, ForwardOptions, ModelWeights, PackedBatch, TokenScores, TrainableModel,
 };
@@ -31,6 +32,7 @@ fn loss_at(model: &TrainableModel, batch: &PackedBatch, temperature: f64) -> Ten
     let options = ForwardOptions {
         logits_chunk_rows: 3,
         temperature,
+        ..ForwardOptions::default()
     };
     loss_of(model.token_scores(batch, options).unwrap(), batch)
 }
@@ -139,6 +141,7 @@ fn the_hand_written_layer_backward_gives_the_graphs_gradients() {
     let options = ForwardOptions {
         logits_chunk_rows: 3,
         temperature: 0.7,
+        ..ForwardOptions::default()
     };
     for (dtype, tol) in [(DType::F32, 1e-5), (DType::F64, 1e-12)] {
         for arch in ALL_ARCHS {
@@ -191,6 +194,66 @@ fn the_hand_written_layer_backward_gives_the_graphs_gradients() {
     }
 }
 
+/// The logits the forward keeps for the backward (`ForwardOptions::kept_logits_bytes`: all,
+/// the first chunk's, none) give the gradients of logits formed again, to the bit, on the
+/// fused CPU kernels and on the composition (f32 and bf16 compute); the backward forms again
+/// exactly the chunks the forward did not keep.
+#[test]
+fn kept_logits_give_the_recomputed_gradients_to_the_bit() {
+    let batch = batch();
+    let chunks = (batch.batch * batch.seq_len).div_ceil(3) as u64;
+    for (kernels, compute) in [
+        (Kernels::Custom, DType::F32),
+        (Kernels::Differentiable, DType::F32),
+        (Kernels::Custom, DType::BF16),
+    ] {
+        let snap = snapshot(tiny_config(ALL_ARCHS[1], false), 9, DType::F32);
+        let mut model = TrainableModel::from_snapshot(&snap, DType::F32).unwrap();
+        model.set_kernels(kernels).unwrap();
+        model.set_compute_dtype(compute).unwrap();
+        // One chunk: 3 rows of the 23-token vocabulary in the compute dtype.
+        let chunk = 3 * 23 * compute.size_in_bytes();
+        let gradients = |kept_logits_bytes: usize| {
+            let options = ForwardOptions {
+                logits_chunk_rows: 3,
+                temperature: 0.8,
+                kept_logits_bytes,
+            };
+            let (scores, saved) = model
+                .token_scores_for_backward(&batch, options, Activations::Kept)
+                .unwrap();
+            let before = sluice_model::recomputed_logit_chunks();
+            let grads = model
+                .backward_saved(&loss_of(scores, &batch), saved)
+                .unwrap();
+            let recomputed = sluice_model::recomputed_logit_chunks() - before;
+            let values: Vec<Vec<f32>> = (model.vars().iter())
+                .map(|(_, v)| {
+                    let g = grads.get(v.as_tensor()).unwrap();
+                    g.flatten_all()
+                        .unwrap()
+                        .to_dtype(DType::F32)
+                        .unwrap()
+                        .to_vec1()
+                        .unwrap()
+                })
+                .collect();
+            (values, recomputed)
+        };
+        let case = format!("{kernels:?} {compute:?}");
+        let (formed_again, n) = gradients(0);
+        assert_eq!(n, chunks, "{case}: every chunk formed again");
+        for (budget, expect) in [(chunk + chunk / 2, chunks - 1), (usize::MAX, 0)] {
+            let (kept, n) = gradients(budget);
+            assert_eq!(
+                n, expect,
+                "{case}: chunks formed again with {budget} bytes kept"
+            );
+            assert!(kept == formed_again, "{case}: {budget} bytes kept");
+        }
+    }
+}
+
 #[test]
 fn a_loss_that_ignores_the_model_is_refused_by_the_recomputed_backward() {
     let snap = snapshot(tiny_config(ALL_ARCHS[0], true), 5, DType::F32);
@@ -211,6 +274,7 @@ fn a_bf16_compute_step_matches_the_f32_step_within_bf16_rounding() {
     let options = ForwardOptions {
         logits_chunk_rows: 3,
         temperature: 0.7,
+        ..ForwardOptions::default()
     };
     let batch = batch();
     for arch in ALL_ARCHS {
@@ -273,6 +337,7 @@ fn weights_converted_once_per_step_give_the_per_forward_gradients() {
     let options = ForwardOptions {
         logits_chunk_rows: 3,
         temperature: 0.7,
+        ..ForwardOptions::default()
     };
     let batch = batch();
     for arch in ALL_ARCHS {

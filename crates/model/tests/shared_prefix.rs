@@ -101,6 +101,7 @@ fn a_shared_prompt_scores_and_trains_like_the_texts_packed_alone() {
     let options = ForwardOptions {
         logits_chunk_rows: 5,
         temperature: 0.9,
+        ..ForwardOptions::default()
     };
     for arch in ALL_ARCHS {
         for kernels in [Kernels::Custom, Kernels::Differentiable] {

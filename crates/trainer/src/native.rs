@@ -142,6 +142,11 @@ impl NativeTrainer {
         &self.config
     }
 
+    /// The threads a step runs on (a step's work is issued from the first of them).
+    pub fn compute_pool(&self) -> &ComputePool {
+        &self.pool
+    }
+
     /// Waits for the device at the end of each part of a step from now on (or not): see
     /// [`NativeTrainerConfig::sync_parts`].
     pub fn set_sync_parts(&mut self, on: bool) {
@@ -367,9 +372,11 @@ impl NativeTrainer {
         packing: &Packing,
         temperature: f64,
     ) -> Result<Vec<Vec<f32>>, TrainerError> {
+        // No gradient wanted: no logits kept for a backward.
         let options = ForwardOptions {
             logits_chunk_rows: self.config.logits_chunk_rows,
             temperature,
+            kept_logits_bytes: 0,
         };
         let device = self.model.device().clone();
         // Data-parallel over the workers like the update's micro-batches: each micro-batch's

@@ -33,6 +33,9 @@ pub struct NativeTrainerConfig {
     pub device: sluice_core::config::Device,
     /// Rows of logits formed at a time in the training forward.
     pub logits_chunk_rows: usize,
+    /// Bytes of logits the training forward keeps for the backward (`trainer.kept_logits_mib`),
+    /// which forms the rest again.
+    pub kept_logits_bytes: usize,
     /// Sampling temperature of the rollouts: RL log-probs are taken of `softmax(z / T)` so they
     /// match the behaviour log-probs (1 when sampling was greedy, `T = 0`).
     pub temperature: f64,
@@ -119,6 +122,9 @@ impl NativeTrainerConfig {
             compute_dtype: candle_dtype(t.compute_dtype),
             device: t.device,
             logits_chunk_rows: ForwardOptions::default().logits_chunk_rows,
+            kept_logits_bytes: usize::try_from(t.kept_logits_mib)
+                .unwrap_or(usize::MAX)
+                .saturating_mul(1 << 20),
             temperature: if run.rollout_temperature > 0.0 {
                 run.rollout_temperature
             } else {

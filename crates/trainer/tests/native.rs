@@ -14,7 +14,7 @@ use common::{group, turn};
 use sluice_core::metrics as m;
 use sluice_core::{PolicyVersion, RolloutGroup, TrainerBackend};
 use sluice_model::presets::{Preset, preset_config, random_snapshot};
-use sluice_model::{ModelWeights, PackedBatch};
+use sluice_model::{ForwardOptions, ModelWeights, PackedBatch};
 use sluice_trainer::advantage::AdvantageConfig;
 use sluice_trainer::batcher::BatcherConfig;
 use sluice_trainer::config::{AdvantageKind, LossAggregation, LossKind, OversizedText};
@@ -51,6 +51,7 @@ fn config(lr: f64, rows: usize) -> NativeTrainerConfig {
         publish_dtype: DType::F32,
         device: sluice_core::config::Device::Cpu,
         logits_chunk_rows: 64,
+        kept_logits_bytes: ForwardOptions::DEFAULT_KEPT_LOGITS_BYTES,
         temperature: 1.0,
         seed: 7,
         threads: 1,
@@ -290,6 +291,46 @@ fn activation_checkpointing_takes_the_same_steps() {
             assert!((x - y).abs() <= 1e-4, "{x} vs {y}");
         }
     }
+}
+
+/// Logits kept from the forward for the backward (`trainer.kept_logits_mib`) take the steps of
+/// logits formed again, to the bit: the decoupled loss's proximal forward and the KL
+/// reference's keep nothing, and the update's backward reads what its forward kept.
+#[test]
+fn kept_logits_take_the_same_steps_to_the_bit() {
+    let mut kept = config(0.01, 2);
+    kept.minibatches = 2;
+    kept.loss.kind = LossKind::DecoupledPpo;
+    kept.loss.kl_coef = 0.1;
+    // Chunks of 4 rows, of which each forward keeps the first.
+    kept.logits_chunk_rows = 4;
+    let vocab = tiny(6).config().vocab_size;
+    kept.kept_logits_bytes = 4 * vocab * 4;
+    let mut formed_again = kept.clone();
+    formed_again.kept_logits_bytes = 0;
+    let mut a = NativeTrainer::new(tiny(6), kept, None).unwrap();
+    let mut b = NativeTrainer::new(tiny(6), formed_again, None).unwrap();
+    // The chunks formed again by the backward passes of a trainer's step, counted on the
+    // thread that runs its steps (one here).
+    let formed = |t: &NativeTrainer| {
+        t.compute_pool()
+            .install(sluice_model::recomputed_logit_chunks)
+    };
+    for step in 0..2 {
+        let (before_a, before_b) = (formed(&a), formed(&b));
+        let (sa, _) = a.rl_step(&fixed_batch()).unwrap();
+        let (sb, _) = b.rl_step(&fixed_batch()).unwrap();
+        let (ga, gb) = (sa.optim.unwrap().grad_norm, sb.optim.unwrap().grad_norm);
+        assert!(ga > 0.0 && ga == gb, "step {step}: {ga} vs {gb}");
+        // Each micro-batch's backward forms again the chunks its forward did not keep: all but
+        // the first here, all there.
+        let (na, nb) = (formed(&a) - before_a, formed(&b) - before_b);
+        assert!(
+            0 < na && na < nb,
+            "step {step}: {na} and {nb} chunks formed again"
+        );
+    }
+    assert!(params(&a) == params(&b), "the weights differ");
 }
 
 /// A group's prompt packed once (`share_prompts`, the default) trains like every rollout packed

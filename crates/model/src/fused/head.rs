@@ -1,20 +1,25 @@
 //! The log-prob/entropy head ([`crate::scores`]) as one pass per chunk of rows: the chunk's
 //! `(c, vocab)` logits are one gemm into one buffer, and every row's max, log-sum-exp, target
 //! log-prob and entropy are read off it in place, where the composition makes about ten
-//! `(c, vocab)` tensors per chunk. The backward recomputes the chunk's logits, turns them into
-//! the logit gradient in the same buffer, and forms `dh = G W` and `dW += Gᵀ h` by gemm.
+//! `(c, vocab)` tensors per chunk. The backward turns each chunk's logits into the logit
+//! gradient in the same buffer, and forms `dh = G W` and `dW += Gᵀ h` by gemm: the logits
+//! the forward kept (up to its budget, chunk by chunk in order), or recomputed.
+
+use std::sync::Mutex;
 
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
 
 use super::{Dst, Mat, Real, cpu_slice, same_dtype, storage_slice, tensor};
 
-/// `(N, 2)`: `log softmax(z/T)[target]` and the entropy, for `hidden (N, H)`, `head (V, H)`.
+/// `(N, 2)`: `log softmax(z/T)[target]` and the entropy, for `hidden (N, H)`, `head (V, H)`;
+/// up to `keep_bytes` of the chunks' logits kept for the backward.
 pub(crate) fn token_scores(
     hidden: &Tensor,
     head: &Tensor,
     targets: &[u32],
     chunk_rows: usize,
     inv_temperature: f64,
+    keep_bytes: usize,
 ) -> Result<Tensor> {
     let (n, _) = hidden.dims2()?;
     let (vocab, _) = head.dims2()?;
@@ -28,6 +33,8 @@ pub(crate) fn token_scores(
         targets: targets.to_vec(),
         chunk_rows: chunk_rows.max(1),
         inv_temperature,
+        keep_bytes,
+        kept: Mutex::new(Vec::new()),
     };
     hidden.contiguous()?.apply_op2(&head.contiguous()?, op)
 }
@@ -36,6 +43,18 @@ struct Head {
     targets: Vec<u32>,
     chunk_rows: usize,
     inv_temperature: f64,
+    /// Bytes of logits the forward may keep for the backward.
+    keep_bytes: usize,
+    /// The first chunks' logits as the forward left them: a [`KeptLogits`] of the op's dtype
+    /// each.
+    kept: Mutex<Vec<Box<dyn std::any::Any + Send>>>,
+}
+
+/// One chunk's logits after [`row_stats`] (scaled and shifted by each row's max), and per
+/// row its `[log Σ e, 1 / Σ e, entropy]`: what the backward reads of them.
+struct KeptLogits<T> {
+    z: Vec<T>,
+    stats: Vec<T>,
 }
 
 /// Scales a row of logits by `inv_t` and shifts it by its max, in place; `e` gets `exp` of the
@@ -90,9 +109,12 @@ impl Head {
         let inv_t = T::from_f64(self.inv_temperature);
         let mut out = vec![T::from_f64(0.0); n * 2];
         let mut e = vec![T::from_f64(0.0); vocab];
+        let mut kept = Vec::new();
+        let mut budget = self.keep_bytes;
         for start in (0..n).step_by(self.chunk_rows) {
             let c = self.chunk_rows.min(n - start);
             let mut z = self.logits(h, w, (start, c), (hd, vocab));
+            let mut stats = Vec::with_capacity(3 * c);
             for (r, row) in z.chunks_exact_mut(vocab).enumerate() {
                 let (lse, inv_sum) = row_stats(row, &mut e, inv_t);
                 let mut pz = T::from_f64(0.0);
@@ -100,10 +122,19 @@ impl Head {
                     pz += ev * zv;
                 }
                 let t = self.targets[start + r] as usize;
+                let entropy = lse - pz * inv_sum;
                 out[(start + r) * 2] = row[t] - lse;
-                out[(start + r) * 2 + 1] = lse - pz * inv_sum;
+                out[(start + r) * 2 + 1] = entropy;
+                stats.extend([lse, inv_sum, entropy]);
+            }
+            // Kept in order while they fit, so chunk i is kept iff i < kept.len().
+            let bytes = std::mem::size_of_val(z.as_slice());
+            if kept.len() * self.chunk_rows == start && bytes <= budget {
+                budget -= bytes;
+                kept.push(Box::new(KeptLogits { z, stats }) as Box<dyn std::any::Any + Send>);
             }
         }
+        *self.kept.lock().unwrap_or_else(|e| e.into_inner()) = kept;
         out
     }
 
@@ -116,25 +147,48 @@ impl Head {
         let mut dh = vec![zero; n * hd];
         let mut dw = vec![zero; vocab * hd];
         let mut e = vec![zero; vocab];
+        let kept = std::mem::take(&mut *self.kept.lock().unwrap_or_else(|e| e.into_inner()));
+        let mut kept = kept.into_iter();
+        // G = −p ⊙ (g_logp + g_H (log p + H)), + g_logp at the target; then the 1/T. `row` is
+        // row `r`'s shifted logits, `e` their exponentials.
+        let grad_row = |row: &mut [T], e: &[T], [lse, inv_sum, entropy]: [T; 3], r: usize| {
+            let (g_logp, g_ent) = (grad[r * 2], grad[r * 2 + 1]);
+            for (x, &ev) in row.iter_mut().zip(e.iter()) {
+                let p = ev * inv_sum;
+                let logp = *x - lse;
+                *x = -p * (g_logp + g_ent * (logp + entropy)) * inv_t;
+            }
+            row[self.targets[r] as usize] += g_logp * inv_t;
+        };
         for start in (0..n).step_by(self.chunk_rows) {
             let c = self.chunk_rows.min(n - start);
-            let mut z = self.logits(h, w, (start, c), (hd, vocab));
-            for (r, row) in z.chunks_exact_mut(vocab).enumerate() {
-                let (lse, inv_sum) = row_stats(row, &mut e, inv_t);
-                let mut pz = zero;
-                for (&ev, &zv) in e.iter().zip(row.iter()) {
-                    pz += ev * zv;
+            // The logits the forward kept, else formed again: the same values either way, and
+            // `e` is exp of the same shifted row, so the gradients are the same to the bit.
+            let z = match kept.next().map(|k| k.downcast::<KeptLogits<T>>()) {
+                Some(Ok(k)) => {
+                    let KeptLogits { mut z, stats } = *k;
+                    for (r, row) in z.chunks_exact_mut(vocab).enumerate() {
+                        e.copy_from_slice(row);
+                        T::exp_slice(&mut e);
+                        let stats = [0, 1, 2].map(|i| stats[3 * r + i]);
+                        grad_row(row, &e, stats, start + r);
+                    }
+                    z
                 }
-                let entropy = lse - pz * inv_sum;
-                let (g_logp, g_ent) = (grad[(start + r) * 2], grad[(start + r) * 2 + 1]);
-                // G = −p ⊙ (g_logp + g_H (log p + H)), + g_logp at the target; then the 1/T.
-                for (x, &ev) in row.iter_mut().zip(e.iter()) {
-                    let p = ev * inv_sum;
-                    let logp = *x - lse;
-                    *x = -p * (g_logp + g_ent * (logp + entropy)) * inv_t;
+                _ => {
+                    crate::scores::count_recomputed_chunk();
+                    let mut z = self.logits(h, w, (start, c), (hd, vocab));
+                    for (r, row) in z.chunks_exact_mut(vocab).enumerate() {
+                        let (lse, inv_sum) = row_stats(row, &mut e, inv_t);
+                        let mut pz = zero;
+                        for (&ev, &zv) in e.iter().zip(row.iter()) {
+                            pz += ev * zv;
+                        }
+                        grad_row(row, &e, [lse, inv_sum, lse - pz * inv_sum], start + r);
+                    }
+                    z
                 }
-                row[self.targets[start + r] as usize] += g_logp * inv_t;
-            }
+            };
             T::matmul(
                 c,
                 hd,

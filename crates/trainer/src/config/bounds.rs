@@ -10,6 +10,11 @@ use sluice_core::config::bounds::{
 pub const BOUNDS: &[Bound] = &[
     bound("trainer.learning_rate", 1.0, "the learning rate"),
     bound("trainer.threads", 1024.0, "compute threads of the trainer"),
+    bound(
+        "trainer.kept_logits_mib",
+        1_048_576.0,
+        "MiB of logits kept for the backward",
+    ),
     bound("trainer.warmup_steps", MAX_COUNT, STEPS),
     bound("trainer.weight_decay", 1.0, "the decoupled weight decay"),
     bound("trainer.max_grad_norm", 1e6, "the gradient norm clip"),

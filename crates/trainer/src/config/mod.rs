@@ -11,4 +11,6 @@ mod validate;
 pub use bounds::BOUNDS;
 pub use raw::{RawSimTrainer, RawTrainer};
 pub use typed::*;
-pub use validate::{DECOUPLED_MINIBATCHES, default_minibatches, validate_trainer};
+pub use validate::{
+    DECOUPLED_MINIBATCHES, default_kept_logits_mib, default_minibatches, validate_trainer,
+};

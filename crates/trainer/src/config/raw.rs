@@ -61,6 +61,9 @@ pub struct RawTrainer {
     pub threads: i64,
     /// Keep only each layer's input in the forward and recompute the rest in the backward.
     pub activation_checkpointing: bool,
+    /// MiB of the head's logits the forward keeps for the backward; unset: 8192 on a GPU,
+    /// 1024 on the CPU.
+    pub kept_logits_mib: Option<i64>,
     /// Dtype of the forward's products and activations (`f32` or `bf16`); unset: `bf16` on a
     /// GPU, `f32` on the CPU. Master weights and AdamW moments stay f32 either way.
     pub compute_dtype: Option<String>,
@@ -122,6 +125,7 @@ impl Default for RawTrainer {
             oversized_text: "split".into(),
             threads: 0,
             activation_checkpointing: false,
+            kept_logits_mib: None,
             compute_dtype: None,
             share_prompts: true,
             simulated: RawSimTrainer::default(),

@@ -122,6 +122,9 @@ pub struct TrainerConfig {
     pub threads: u32,
     /// Recompute each layer's activations in the backward instead of keeping them.
     pub activation_checkpointing: bool,
+    /// MiB of the head's logits kept from the forward for the backward, which forms the rest
+    /// again.
+    pub kept_logits_mib: u64,
     /// Dtype of the training forward's products and activations (`f32` or `bf16`, autocast
     /// style: norms' statistics, softmax, log-probs and the loss stay f32).
     pub compute_dtype: sluice_core::config::DType,

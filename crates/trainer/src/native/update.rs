@@ -100,6 +100,7 @@ impl NativeTrainer {
         let options = ForwardOptions {
             logits_chunk_rows: self.config.logits_chunk_rows,
             temperature,
+            kept_logits_bytes: self.config.kept_logits_bytes,
         };
         let micro: Vec<(usize, &MicroBatch)> = packing
             .micro_batches
@@ -267,10 +268,15 @@ impl NativeTrainer {
         let (logprobs, lp_host) = pick(&scores.logprobs, &index, "log-probs")?;
         let (_, entropy) = pick(&scores.entropy, &index, "entropies")?;
         out.parts.loss += clock.lap()?;
+        // No gradient is taken of the reference: no logits to keep for one.
+        let no_grad = ForwardOptions {
+            kept_logits_bytes: 0,
+            ..options
+        };
         let reference = match &self.reference {
             Some(r) => Some(
                 pick(
-                    &r.token_scores_recomputable(&batch, options)?
+                    &r.token_scores_recomputable(&batch, no_grad)?
                         .0
                         .logprobs
                         .detach(),
