@@ -192,11 +192,13 @@ GEMM = re.compile(r"gemm|nvjet|cutlass|xmma|cublas|splitK", re.IGNORECASE)
 
 def cmd_kernel_profile(args):
     # A macro's kernel names (`attn_fwd_##S##_##D`) as patterns: its parameters (capitals) stand
-    # for any word.
+    # for any word. A kernel may carry launch bounds before its name.
     ours = []
+    declared = re.compile(
+        r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\([^;{]*?\)\s+)?([\w#]+)\s*\(')
     for path in args.ours:
         with open(path) as f:
-            for name in re.findall(r'extern\s+"C"\s+__global__\s+void\s+([\w#]+)', f.read()):
+            for name in declared.findall(f.read()):
                 parts = name.split("##")
                 ours.append(re.compile(parts[0] + "".join(
                     "[A-Za-z0-9]+" if re.fullmatch(r"[A-Z][A-Z0-9]*", p) else re.escape(p)
