@@ -136,8 +136,10 @@ pub fn run(args: &BenchTrainerArgs) -> anyhow::Result<ExitCode> {
             if let Some(rows) = args.logits_chunk_rows {
                 settings.logits_chunk_rows = rows as usize;
             }
-            let kept = (args.kept_logits_mib)
-                .unwrap_or_else(|| sluice_trainer::config::default_kept_logits_mib(args.device));
+            let kept = args.kept_logits_mib.unwrap_or_else(|| {
+                let checkpointing = args.activation_checkpointing;
+                sluice_trainer::config::default_kept_logits_mib(args.device, checkpointing)
+            });
             settings.kept_logits_bytes = usize::try_from(kept)?.saturating_mul(1 << 20);
             let mut trainer = NativeTrainer::new(Arc::clone(&snapshot), settings, None)?;
             trainer.set_graph_backward(args.graph_backward);

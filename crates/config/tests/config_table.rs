@@ -121,6 +121,26 @@ fn each_role_names_its_device_and_defaults_to_the_model_s() {
 }
 
 #[test]
+fn kept_logits_default_follows_the_device_and_activation_checkpointing() {
+    let kept = |sets: &[&str]| parse("", sets).unwrap().trainer.kept_logits_mib;
+    assert_eq!(kept(&[]), 1024);
+    assert_eq!(kept(&["trainer.device=\"cuda:0\""]), 8192);
+    assert_eq!(kept(&["trainer.activation_checkpointing=true"]), 0);
+    let both = [
+        "trainer.device=\"cuda:0\"",
+        "trainer.activation_checkpointing=true",
+    ];
+    assert_eq!(kept(&both), 0);
+    // What is set wins, 0 included.
+    assert_eq!(kept(&["trainer.kept_logits_mib=0"]), 0);
+    let set = [
+        "trainer.activation_checkpointing=true",
+        "trainer.kept_logits_mib=64",
+    ];
+    assert_eq!(kept(&set), 64);
+}
+
+#[test]
 fn the_printed_config_loads_back_to_the_same_config() {
     let c = parse(
         "[rollout]\ngroup_size = 3\ndomain_mix = { a = 1.0 }\n[data]\ndatasets = [\"a::x\"]",

@@ -102,6 +102,18 @@ pub const BAD: &[(&str, &[&str], &str, ConfigErrorKind)] = &[
         ConfigErrorKind::Value,
     ),
     (
+        "[trainer]\nkept_logits_mib = -1",
+        &[],
+        "test.toml: trainer.kept_logits_mib: expected an integer ≥ 0, got -1",
+        ConfigErrorKind::Value,
+    ),
+    (
+        "[trainer]\nkept_logits_mib = 5000000",
+        &[],
+        "test.toml: trainer.kept_logits_mib: expected at most 1048576 (MiB of logits kept for the backward), got 5000000",
+        ConfigErrorKind::Value,
+    ),
+    (
         "[rollout]\nmax_version_lag = -1",
         &[],
         "test.toml: rollout.max_version_lag: expected an integer ≥ 0, got -1",

@@ -61,8 +61,8 @@ pub struct RawTrainer {
     pub threads: i64,
     /// Keep only each layer's input in the forward and recompute the rest in the backward.
     pub activation_checkpointing: bool,
-    /// MiB of the head's logits the forward keeps for the backward; unset: 8192 on a GPU,
-    /// 1024 on the CPU.
+    /// MiB of the head's logits the forward keeps for the backward; unset: 0 with activation
+    /// checkpointing, else 8192 on a GPU and 1024 on the CPU.
     pub kept_logits_mib: Option<i64>,
     /// Dtype of the forward's products and activations (`f32` or `bf16`); unset: `bf16` on a
     /// GPU, `f32` on the CPU. Master weights and AdamW moments stay f32 either way.

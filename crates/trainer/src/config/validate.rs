@@ -80,7 +80,7 @@ pub fn validate_trainer(
         activation_checkpointing: raw.activation_checkpointing,
         kept_logits_mib: match raw.kept_logits_mib {
             Some(v) => u64_incl_zero(ctx, "trainer.kept_logits_mib", v)?,
-            None => default_kept_logits_mib(device),
+            None => default_kept_logits_mib(device, raw.activation_checkpointing),
         },
         compute_dtype: compute_dtype(raw.compute_dtype.as_deref(), device, ctx)?,
         share_prompts: raw.share_prompts,
@@ -101,9 +101,12 @@ pub fn validate_trainer(
 }
 
 /// `trainer.kept_logits_mib` unset: on a GPU enough for a `[8, 2048]` micro-batch of a
-/// 151,936-token vocabulary in bf16 (4.6 GiB), on the CPU a gibibyte of host memory.
-pub fn default_kept_logits_mib(device: Device) -> u64 {
+/// 151,936-token vocabulary in bf16 (4.6 GiB), on the CPU a gibibyte of host memory; nothing
+/// under `activation_checkpointing`, which asks for the least memory (there the logits would
+/// outweigh every layer's saved input together).
+pub fn default_kept_logits_mib(device: Device, activation_checkpointing: bool) -> u64 {
     match device {
+        _ if activation_checkpointing => 0,
         Device::Cpu => 1024,
         Device::Cuda(_) => 8192,
     }
