@@ -170,9 +170,13 @@ __device__ __forceinline__ bool sees(unsigned i, unsigned j, unsigned first_i, u
   return j <= i && j >= first_i && (runs || seg_j == seg_i || (prefix_i != 0 && seg_j == prefix_i));
 }
 
-// Grid (ceil(L / 64), B * H), 128 threads: 64 queries of one (row, head). Two passes over the
-// keys: the row statistics (max, sum), then O = softmax(S) V with P from the final log-sum-exp,
-// so the accumulators are never rescaled.
+// Grid (ceil(L / 64), B * H), 128 threads: 64 queries of one (row, head), in one pass over the
+// keys (an online softmax, as FlashAttention-2's forward): per tile, S = Q Kᵀ; each row's
+// running max m and sum l; P = exp(S - m) rounded to bf16; then the tile's P V, which the lane
+// pair owning a row adds to its share of the row's output (f32, in registers) after scaling
+// that by exp(m_old - m). The output is divided by l at the end, and lse = m + ln l.
+// (Until 2026-11-30 two passes: the statistics first, then P from the final log-sum-exp, each
+// tile's keys staged and multiplied twice.)
 template <unsigned D>
 __device__ void attn_tc_fwd(const bf16* q, const bf16* k, const bf16* v, const unsigned* seg,
                             const unsigned* prefix, const unsigned* first, const unsigned* tiles,
@@ -204,13 +208,21 @@ __device__ void attn_tc_fwd(const bf16* q, const bf16* k, const bf16* v, const u
   for (unsigned t = 0; t < BQ; ++t) lo = min(lo, qfirst[t]);
   const unsigned hi = i0 + nq;
   float m = -INFINITY, l = 0.0f;
-  // Pass 1: each row's max and sum of exponentials (both passes skip the key tiles no query of
-  // the block sees: a shared prompt's later completions skip the earlier ones).
+  // Row r's output, columns (lane % 2) * 32 + 64 * g + t for t < 32 of each group g of 64.
+  constexpr unsigned G = D / 64;
+  float out[G][32];
+#pragma unroll
+  for (unsigned g = 0; g < G; ++g)
+#pragma unroll
+    for (unsigned t = 0; t < 32; ++t) out[g][t] = 0.0f;
+  // Key tiles no query of the block sees are skipped (a shared prompt's later completions skip
+  // the earlier ones).
   for (unsigned j0 = lo; j0 < hi; j0 += BK) {
     const unsigned nk = min(BK, hi - j0);
     if (!tiles_meet(tiles, b, L, i0, hi - 1, j0, j0 + nk - 1)) continue;
     __syncthreads();
     stage<D>(ks, k, row0 + j0, nk, BK, KV * D, kh * D);
+    stage<D>(vs, v, row0 + j0, nk, BK, KV * D, kh * D);
     for (unsigned t = threadIdx.x; t < BK; t += blockDim.x) kseg[t] = t < nk ? seg[row0 + j0 + t] : 0;
     __syncthreads();
     product_t<D, BK / 16>(&ss[warp * 16][0], LS, &qs[warp * 16][0], &ks[0][0]);
@@ -222,42 +234,54 @@ __device__ void attn_tc_fwd(const bf16* q, const bf16* k, const bf16* v, const u
       ss[r][c] = s;
       mx = fmaxf(mx, s);
     }
+    // Every lane shuffles (a pair's lanes agree on `mn`; rows without a visible key yet keep
+    // m = -inf, l = 0 and a zero output).
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    // Every lane shuffles (a pair's lanes agree on `mn`; rows without a visible key yet skip).
     const float mn = fmaxf(m, mx);
-    float sum = 0.0f;
-    if (mn > -INFINITY)
-      for (unsigned c = c0; c < c0 + 32; ++c) sum += expf(ss[r][c] - mn);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    if (mn > -INFINITY) {
-      l = l * expf(m - mn) + sum;
-      m = mn;
-    }
-  }
-  const float row_lse = m + logf(l);
-  // Pass 2: O = P V.
-  FragC acc[D / 16];
-  for (unsigned n = 0; n < D / 16; ++n) wmma::fill_fragment(acc[n], 0.0f);
-  for (unsigned j0 = lo; j0 < hi; j0 += BK) {
-    const unsigned nk = min(BK, hi - j0);
-    if (!tiles_meet(tiles, b, L, i0, hi - 1, j0, j0 + nk - 1)) continue;
-    __syncthreads();
-    stage<D>(ks, k, row0 + j0, nk, BK, KV * D, kh * D);
-    stage<D>(vs, v, row0 + j0, nk, BK, KV * D, kh * D);
-    for (unsigned t = threadIdx.x; t < BK; t += blockDim.x) kseg[t] = t < nk ? seg[row0 + j0 + t] : 0;
-    __syncthreads();
-    product_t<D, BK / 16>(&ss[warp * 16][0], LS, &qs[warp * 16][0], &ks[0][0]);
+    const float alpha = mn > -INFINITY ? expf(m - mn) : 1.0f;
     __syncthreads();  // every warp is done with the keys: P takes their place
+    float sum = 0.0f;
     for (unsigned c = c0; c < c0 + 32; ++c) {
-      const bool ok = c < nk && r < nq && sees(i, j0 + c, qfirst[r], qseg[r], qpre[r], kseg[c], runs);
-      ks[r][c] = __float2bfloat16(ok ? expf(ss[r][c] * scale - row_lse) : 0.0f);
+      const float p = mn > -INFINITY ? expf(ss[r][c] - mn) : 0.0f;
+      sum += p;
+      ks[r][c] = __float2bfloat16(p);
     }
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    l = l * alpha + sum;
+    m = mn;
     __syncwarp();
-    accumulate<D, BK / 16>(acc, &ks[warp * 16][0], LD, &vs[0][0]);
+    // The tile's P V, 64 columns at a time through the warp's rows of `ss` (the scores are
+    // spent), into the rescaled output (unrolled, so that `out` stays in registers).
+#pragma unroll
+    for (unsigned g = 0; g < G; ++g) {
+      FragC acc[4];
+      for (unsigned n = 0; n < 4; ++n) wmma::fill_fragment(acc[n], 0.0f);
+      for (unsigned kk = 0; kk < BK / 16; ++kk) {
+        FragA fa;
+        wmma::load_matrix_sync(fa, &ks[warp * 16][kk * 16], LD);
+        for (unsigned n = 0; n < 4; ++n) {
+          FragB fb;
+          wmma::load_matrix_sync(fb, &vs[kk * 16][g * 64 + n * 16], LD);
+          wmma::mma_sync(acc[n], fa, fb, acc[n]);
+        }
+      }
+      for (unsigned n = 0; n < 4; ++n)
+        wmma::store_matrix_sync(&ss[warp * 16][n * 16], acc[n], LS, wmma::mem_row_major);
+      __syncwarp();
+#pragma unroll
+      for (unsigned t = 0; t < 32; ++t) out[g][t] = out[g][t] * alpha + ss[r][c0 + t];
+      __syncwarp();
+    }
   }
-  write_rows<D>(acc, 1.0f, &ss[warp * 16][0], LS, o, row0 + i0 + warp * 16,
-             nq > warp * 16 ? nq - warp * 16 : 0, H * D, h * D);
-  if (lane % 2 == 0 && r < nq) lse[((u64)b * H + h) * L + i] = row_lse;
+  if (r < nq) {
+    const float inv_l = 1.0f / l;
+#pragma unroll
+    for (unsigned g = 0; g < G; ++g)
+#pragma unroll
+      for (unsigned t = 0; t < 32; ++t)
+        o[(row0 + i) * H * D + h * D + g * 64 + c0 + t] = __float2bfloat16(out[g][t] * inv_l);
+    if (lane % 2 == 0) lse[((u64)b * H + h) * L + i] = m + logf(l);
+  }
 }
 
 // dK, dV: one query head's share. Grid (ceil(L / 64), B * H), 128 threads: 64 keys of one
@@ -442,9 +466,13 @@ __device__ void attn_tc_bwd_q(const bf16* q, const bf16* k, const bf16* v, const
 // at D = 64): the register budget ptxas is held to (at D = 64, 128 registers a thread, where
 // it would otherwise take 130 and fit three blocks).
 #define KV_BLOCKS_PER_SM(D) ((D) == 64 ? 4 : 2)
+// The forward's, likewise (FwdShared: about 46 KB at D = 64). At D = 128 its rows of output in
+// registers take 173 registers, two blocks an SM where the shared memory (71 KB) allows three:
+// held to three, ptxas spills 32 bytes, so the bound stays at two there.
+#define FWD_BLOCKS_PER_SM(D) ((D) == 64 ? 4 : 2)
 
 #define TENSOR_CORE_ATTENTION(D)                                                                  \
-  extern "C" __global__ void attn_tc_fwd_bf16_##D(                                                \
+  extern "C" __global__ void __launch_bounds__(128, FWD_BLOCKS_PER_SM(D)) attn_tc_fwd_bf16_##D(  \
       const bf16* q, const bf16* k, const bf16* v, const unsigned* seg, const unsigned* prefix,   \
       const unsigned* first, const unsigned* tiles, int runs, bf16* o, float* lse, unsigned L,    \
       unsigned H, unsigned KV, float scale) {                                                     \
