@@ -112,6 +112,15 @@ pub(super) fn compare(device: &Device, result: &mut Vec<String>) -> anyhow::Resu
             "attention_2048" => Some(attention_flops((&long_seg, &long_prefix), LONG)),
             _ => None,
         };
+        // The forward's share of those: one of the linear layer's three products, and the
+        // attention's 4 of 14.
+        let forward_share = |name: &str| {
+            if name == "linear" {
+                1.0 / 3.0
+            } else {
+                4.0 / 14.0
+            }
+        };
         for (name, inputs, fused_op, composed_op) in &cases {
             // RoPE's tables are not differentiated: only its first input is compared.
             let grads = if *name == "rope" { 1 } else { inputs.len() };
@@ -119,8 +128,19 @@ pub(super) fn compare(device: &Device, result: &mut Vec<String>) -> anyhow::Resu
             if let Some(flops) = flops(name) {
                 // A rate to hold against the GPU's peak: what share of it the kernels reach.
                 let tflops = flops / (fused_ms * 1e-3) / 1e12;
-                println!("{name} ({tag}), fused: {tflops:.1} TFLOP/s useful (forward + backward)");
-                result.push(format!("fused_{name}_{tag}_tflops={tflops:.1}"));
+                // The forward alone (inputs without a graph), so each pass has its own rate.
+                let (_, fwd_ms) = timed(REPS, device, || Ok(fused_op(inputs)?))?;
+                let fwd_flops = flops * forward_share(name);
+                let fwd = fwd_flops / (fwd_ms * 1e-3) / 1e12;
+                let bwd = (flops - fwd_flops) / ((fused_ms - fwd_ms).max(1e-6) * 1e-3) / 1e12;
+                println!(
+                    "{name} ({tag}), fused: {tflops:.1} TFLOP/s useful (forward + backward); forward {fwd_ms:.4} ms, {fwd:.1} TFLOP/s; backward {bwd:.1} TFLOP/s"
+                );
+                result.extend([
+                    format!("fused_{name}_{tag}_tflops={tflops:.1}"),
+                    format!("fused_{name}_{tag}_fwd_tflops={fwd:.1}"),
+                    format!("fused_{name}_{tag}_bwd_tflops={bwd:.1}"),
+                ]);
             }
             let (comp_out, comp_grads, comp_ms) = run(inputs, composed_op, device)?;
             let err = largest_difference(
