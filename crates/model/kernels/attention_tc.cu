@@ -69,7 +69,8 @@ __device__ __forceinline__ void product_t(float* out, unsigned ldo, const bf16* 
   }
 }
 
-// acc[0..D/16) (16 x D) += a (16 x 16 KT, row stride lda) times b (16 KT x D, row stride LD).
+// acc[0..D/16) (16 x D) += a (16 x 16 KT, row stride lda) times b (16 KT x D, row stride LD):
+// D columns of a tile of rows of LD, e.g. 64 of a staged tile's wider rows.
 template <unsigned D, unsigned KT, unsigned LD = D + 8>
 __device__ __forceinline__ void accumulate(FragC* acc, const bf16* a, unsigned lda, const bf16* b) {
   for (unsigned k = 0; k < KT; ++k) {
@@ -256,15 +257,7 @@ __device__ void attn_tc_fwd(const bf16* q, const bf16* k, const bf16* v, const u
     for (unsigned g = 0; g < G; ++g) {
       FragC acc[4];
       for (unsigned n = 0; n < 4; ++n) wmma::fill_fragment(acc[n], 0.0f);
-      for (unsigned kk = 0; kk < BK / 16; ++kk) {
-        FragA fa;
-        wmma::load_matrix_sync(fa, &ks[warp * 16][kk * 16], LD);
-        for (unsigned n = 0; n < 4; ++n) {
-          FragB fb;
-          wmma::load_matrix_sync(fb, &vs[kk * 16][g * 64 + n * 16], LD);
-          wmma::mma_sync(acc[n], fa, fb, acc[n]);
-        }
-      }
+      accumulate<64, BK / 16, LD>(acc, &ks[warp * 16][0], LD, &vs[0][g * 64]);
       for (unsigned n = 0; n < 4; ++n)
         wmma::store_matrix_sync(&ss[warp * 16][n * 16], acc[n], LS, wmma::mem_row_major);
       __syncwarp();
