@@ -37,6 +37,30 @@ pub(crate) fn count_recomputed_chunk() {
     RECOMPUTED.with(|c| c.set(c.get() + 1));
 }
 
+/// A forward's allowance of kept logits: chunks are kept in order while they fit, so the
+/// backward's chunk `i` was kept iff `i` is below the number kept.
+pub(crate) struct KeptBudget(Option<usize>);
+
+impl KeptBudget {
+    pub(crate) fn new(bytes: usize) -> Self {
+        Self(Some(bytes))
+    }
+
+    /// Whether the next chunk, of `bytes`, is kept (none is after one that was not).
+    pub(crate) fn keep(&mut self, bytes: usize) -> bool {
+        match self.0 {
+            Some(left) if bytes <= left => {
+                self.0 = Some(left - bytes);
+                true
+            }
+            _ => {
+                self.0 = None;
+                false
+            }
+        }
+    }
+}
+
 /// Output column 0 is `log p(target)`, column 1 the entropy, both in the compute dtype
 /// (f32, or f64 for f64 models). The logits' matrix product runs in `hidden`'s dtype (bf16
 /// under mixed precision, on tensor cores), everything after it in the compute dtype. With
@@ -163,20 +187,19 @@ fn forward_values(
     targets: &Tensor,
     chunk_rows: usize,
     inv_temperature: f64,
-    mut keep_bytes: usize,
+    keep_bytes: usize,
 ) -> candle_core::Result<(Tensor, Vec<Tensor>)> {
     let w = head.to_dtype(hidden.dtype())?;
     let n = hidden.dim(0)?;
     let mut parts = Vec::with_capacity(n.div_ceil(chunk_rows));
     let mut kept = Vec::new();
+    let mut budget = KeptBudget::new(keep_bytes);
     for start in (0..n).step_by(chunk_rows) {
         let len = chunk_rows.min(n - start);
         let logits = chunk_logits(&hidden.narrow(0, start, len)?, &w)?;
         let t = targets.narrow(0, start, len)?;
         parts.push(chunk_scores(&logits, &t, inv_temperature)?);
-        let bytes = logits.elem_count() * logits.dtype().size_in_bytes();
-        if kept.len() * chunk_rows == start && bytes <= keep_bytes {
-            keep_bytes -= bytes;
+        if budget.keep(logits.elem_count() * logits.dtype().size_in_bytes()) {
             kept.push(logits);
         }
     }

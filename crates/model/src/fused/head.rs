@@ -110,7 +110,7 @@ impl Head {
         let mut out = vec![T::from_f64(0.0); n * 2];
         let mut e = vec![T::from_f64(0.0); vocab];
         let mut kept = Vec::new();
-        let mut budget = self.keep_bytes;
+        let mut budget = crate::scores::KeptBudget::new(self.keep_bytes);
         for start in (0..n).step_by(self.chunk_rows) {
             let c = self.chunk_rows.min(n - start);
             let mut z = self.logits(h, w, (start, c), (hd, vocab));
@@ -127,10 +127,7 @@ impl Head {
                 out[(start + r) * 2 + 1] = entropy;
                 stats.extend([lse, inv_sum, entropy]);
             }
-            // Kept in order while they fit, so chunk i is kept iff i < kept.len().
-            let bytes = std::mem::size_of_val(z.as_slice());
-            if kept.len() * self.chunk_rows == start && bytes <= budget {
-                budget -= bytes;
+            if budget.keep(std::mem::size_of_val(z.as_slice())) {
                 kept.push(Box::new(KeptLogits { z, stats }) as Box<dyn std::any::Any + Send>);
             }
         }
