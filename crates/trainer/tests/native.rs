@@ -61,6 +61,16 @@ fn config(lr: f64, rows: usize) -> NativeTrainerConfig {
     }
 }
 
+/// [`config`] with the decoupled loss, two minibatches a step and a KL reference: every
+/// forward a step can take runs (the update's, the proximal policy's, the reference's).
+fn decoupled_with_reference(rows: usize) -> NativeTrainerConfig {
+    let mut c = config(0.01, rows);
+    c.minibatches = 2;
+    c.loss.kind = LossKind::DecoupledPpo;
+    c.loss.kl_coef = 0.1;
+    c
+}
+
 /// Next-token distribution after `prompt` under the trainer's current weights.
 fn next_token_probs(trainer: &NativeTrainer, prompt: &[u32]) -> Vec<f32> {
     let batch = PackedBatch::from_rows(&[vec![prompt]], prompt.len(), 0).unwrap();
@@ -298,10 +308,7 @@ fn activation_checkpointing_takes_the_same_steps() {
 /// reference's keep nothing, and the update's backward reads what its forward kept.
 #[test]
 fn kept_logits_take_the_same_steps_to_the_bit() {
-    let mut kept = config(0.01, 2);
-    kept.minibatches = 2;
-    kept.loss.kind = LossKind::DecoupledPpo;
-    kept.loss.kl_coef = 0.1;
+    let mut kept = decoupled_with_reference(2);
     // Chunks of 4 rows, of which each forward keeps the first.
     kept.logits_chunk_rows = 4;
     let vocab = tiny(6).config().vocab_size;
@@ -337,10 +344,7 @@ fn kept_logits_take_the_same_steps_to_the_bit() {
 /// with its own copy: the same gradients and weights, over fewer slots.
 #[test]
 fn shared_prompts_take_the_same_steps() {
-    let mut shared = config(0.01, 2);
-    shared.minibatches = 2;
-    shared.loss.kind = LossKind::DecoupledPpo;
-    shared.loss.kl_coef = 0.1;
+    let shared = decoupled_with_reference(2);
     let mut alone = shared.clone();
     alone.batcher.share_prompts = false;
     let mut a = NativeTrainer::new(tiny(6), shared, None).unwrap();
@@ -550,12 +554,9 @@ fn a_step_whose_parts_wait_for_the_device_trains_the_same() {
 /// within bf16's rounding of the f32 trainer's (measured: 4 % at most), and the clip engages.
 #[test]
 fn bf16_compute_converts_the_weights_once_per_update_and_follows_them() {
-    let mut f32s = config(0.01, 1);
-    f32s.loss.kind = LossKind::DecoupledPpo;
-    f32s.minibatches = 2;
-    f32s.batcher.share_prompts = false;
     // The KL reference's frozen weights are converted once, for every step.
-    f32s.loss.kl_coef = 0.1;
+    let mut f32s = decoupled_with_reference(1);
+    f32s.batcher.share_prompts = false;
     let mut bf16s = f32s.clone();
     bf16s.compute_dtype = DType::BF16;
     let mut exact = NativeTrainer::new(tiny(8), f32s, None).unwrap();
