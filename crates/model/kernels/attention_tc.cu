@@ -13,158 +13,14 @@
 // The tiles live in dynamic shared memory (up to 72 KB a block at D = 128, past the 48 KB of
 // static shared memory): `attn_tc_shared_bytes` reports each kernel's need, and the host sets
 // the kernel's limit to it before launching.
+//
+// The scalar work per score is kept short, since it, not the tensor cores, bounds these kernels:
+// the scores stay unscaled in shared memory and every exponential is one `ex2.approx` of a
+// fused multiply-add (the scale and log2(e) folded into one factor, the statistics kept in base
+// 2 inside the kernels); and a lane whose span of keys (or, in the dK/dV pass, of queries) is
+// visible whole, by one test of the span's shared segment (`tc::Span`), skips the per-score mask.
 
-#include "common.cuh"
-
-#ifndef SLUICE_CUDA_EMU
-#include <mma.h>
-#endif
-
-using namespace nvcuda;
-
-namespace tc {
-typedef wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> FragA;
-// A right-hand operand staged transposed (its columns are the tile's rows).
-typedef wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major> FragBt;
-typedef wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::row_major> FragB;
-typedef wmma::fragment<wmma::accumulator, 16, 16, 16, float> FragC;
-
-// `rows` slots of one head of a (N, stride) tensor from slot `slot0` into `dst`, zeros past
-// `valid`: 16 bytes (8 values) a load where every row of the head starts on a 16-byte boundary
-// (the staged rows always do: LD * 2 bytes is a multiple of 16), one value a load otherwise.
-template <unsigned D, unsigned LD = D + 8>
-__device__ __forceinline__ void stage(bf16 (*dst)[LD], const bf16* src, u64 slot0, unsigned valid,
-                                      unsigned rows, unsigned stride, unsigned col0) {
-  constexpr unsigned V = 8, PER_ROW = D / V;
-  const u64 at = (u64)(const void*)(src + col0) | ((u64)stride * sizeof(bf16));
-  if (at % 16 == 0) {
-    for (unsigned e = threadIdx.x; e < rows * PER_ROW; e += blockDim.x) {
-      const unsigned r = e / PER_ROW, c = (e % PER_ROW) * V;
-      uint4 v = make_uint4(0, 0, 0, 0);  // bf16 zeros past `valid`
-      if (r < valid) v = *reinterpret_cast<const uint4*>(src + (slot0 + r) * stride + col0 + c);
-      *reinterpret_cast<uint4*>(&dst[r][c]) = v;
-    }
-    return;
-  }
-  for (unsigned e = threadIdx.x; e < rows * D; e += blockDim.x) {
-    const unsigned r = e / D, c = e % D;
-    dst[r][c] = r < valid ? src[(slot0 + r) * stride + col0 + c] : __float2bfloat16(0.0f);
-  }
-}
-
-// out (16 x 16 NT, f32, row stride ldo) = a (16 x D) times the transpose of bt's 16 NT rows.
-template <unsigned D, unsigned NT, unsigned LD = D + 8>
-__device__ __forceinline__ void product_t(float* out, unsigned ldo, const bf16* a, const bf16* bt) {
-  for (unsigned n = 0; n < NT; ++n) {
-    FragC acc;
-    wmma::fill_fragment(acc, 0.0f);
-    for (unsigned k = 0; k < D / 16; ++k) {
-      FragA fa;
-      FragBt fb;
-      wmma::load_matrix_sync(fa, a + k * 16, LD);
-      wmma::load_matrix_sync(fb, bt + n * 16 * LD + k * 16, LD);
-      wmma::mma_sync(acc, fa, fb, acc);
-    }
-    wmma::store_matrix_sync(out + n * 16, acc, ldo, wmma::mem_row_major);
-  }
-}
-
-// acc[0..D/16) (16 x D) += a (16 x 16 KT, row stride lda) times b (16 KT x D, row stride LD):
-// D columns of a tile of rows of LD, e.g. 64 of a staged tile's wider rows.
-template <unsigned D, unsigned KT, unsigned LD = D + 8>
-__device__ __forceinline__ void accumulate(FragC* acc, const bf16* a, unsigned lda, const bf16* b) {
-  for (unsigned k = 0; k < KT; ++k) {
-    FragA fa;
-    wmma::load_matrix_sync(fa, a + k * 16, lda);
-    for (unsigned n = 0; n < D / 16; ++n) {
-      FragB fb;
-      wmma::load_matrix_sync(fb, b + k * 16 * LD + n * 16, LD);
-      wmma::mma_sync(acc[n], fa, fb, acc[n]);
-    }
-  }
-}
-
-// Writes a warp's accumulators (16 x D, times `factor`) to rows row0.. of one head of `out`
-// (bf16, or f32 partial sums; rows past `valid` are skipped), through the warp's 16 rows of
-// `scratch` (f32, stride lds).
-template <unsigned D, typename O>
-__device__ __forceinline__ void write_rows(FragC* acc, float factor, float* scratch, unsigned lds,
-                                           O* out, u64 slot0, unsigned valid, unsigned stride,
-                                           unsigned col0) {
-  const unsigned lane = threadIdx.x % 32;
-  for (unsigned n = 0; n < D / 16; ++n) {
-    __syncwarp();
-    wmma::store_matrix_sync(scratch, acc[n], lds, wmma::mem_row_major);
-    __syncwarp();
-    const unsigned r = lane / 2, c0 = (lane % 2) * 8;
-    if (r < valid)
-      for (unsigned c = c0; c < c0 + 8; ++c)
-        st(out, (slot0 + r) * stride + col0 + n * 16 + c, scratch[r * lds + c] * factor);
-  }
-}
-
-// A block of queries' slot arrays and (for the backward) their log-sum-exps and deltas: where
-// they are read from, and the block's staged copies.
-struct QuerySource {
-  const unsigned *first, *seg, *prefix;
-  const float *lse, *delta;
-};
-struct QueryTiles {
-  unsigned *first, *seg, *prefix;
-  float *lse, *delta;
-};
-
-// `rows` queries' entries from slot `slot0` (slot arrays) and `head0` (lse and delta, when
-// given) into `dst`; past `valid` a query sees nothing.
-__device__ __forceinline__ void stage_queries(unsigned rows, unsigned valid,
-                                              QuerySource src, u64 slot0, u64 head0,
-                                              QueryTiles dst) {
-  for (unsigned t = threadIdx.x; t < rows; t += blockDim.x) {
-    const bool ok = t < valid;
-    dst.first[t] = ok ? src.first[slot0 + t] : 0xffffffffu;
-    dst.seg[t] = ok ? src.seg[slot0 + t] : 0;
-    dst.prefix[t] = ok ? src.prefix[slot0 + t] : 0;
-    if (dst.lse) dst.lse[t] = ok ? src.lse[head0 + t] : 0.0f;
-    if (dst.delta) dst.delta[t] = ok ? src.delta[head0 + t] : 0.0f;
-  }
-}
-
-// Each kernel's shared memory: tiles first, every one a multiple of 32 bytes long, so each
-// starts 32-byte aligned as WMMA requires.
-template <unsigned D, unsigned LD = D + 8>
-struct FwdShared {
-  bf16 qs[64][LD];
-  bf16 ks[64][LD];  // also the P tile, once the scores are formed
-  bf16 vs[64][LD];
-  float ss[64][68];
-  unsigned qfirst[64], qseg[64], qpre[64], kseg[64];
-};
-
-template <unsigned D, unsigned LD = D + 8>
-struct KvShared {
-  bf16 ks[64][LD];
-  bf16 vs[64][LD];
-  bf16 qs[32][LD];
-  bf16 dos[32][LD];
-  float ss[64][36];
-  bf16 pt[64][40];
-  bf16 dst[64][40];
-  float qlse[32], qdelta[32];
-  unsigned qfirst[32], qseg[32], qpre[32], kseg[64];
-};
-
-template <unsigned D, unsigned LD = D + 8>
-struct QShared {
-  bf16 qs[64][LD];
-  bf16 dos[64][LD];
-  bf16 ks[32][LD];
-  bf16 vs[32][LD];
-  float ss[64][36];
-  bf16 dss[64][40];
-  float qlse[64], qdelta[64];
-  unsigned qfirst[64], qseg[64], qpre[64], kseg[32];
-};
-}  // namespace tc
+#include "attention_tc.cuh"
 
 __device__ __forceinline__ bool sees(unsigned i, unsigned j, unsigned first_i, unsigned seg_i,
                                      unsigned prefix_i, unsigned seg_j, int runs) {
@@ -173,7 +29,8 @@ __device__ __forceinline__ bool sees(unsigned i, unsigned j, unsigned first_i, u
 
 // Grid (ceil(L / 64), B * H), 128 threads: 64 queries of one (row, head), in one pass over the
 // keys (an online softmax, as FlashAttention-2's forward): per tile, S = Q Kᵀ; each row's
-// running max m and sum l; P = exp(S - m) rounded to bf16; then the tile's P V, which the lane
+// running max m and sum l; P = exp(S - m) rounded to bf16 (in base 2: m is of the scores times
+// scale * log2(e)); then the tile's P V, which the lane
 // pair owning a row adds to its share of the row's output (f32, in registers) after scaling
 // that by exp(m_old - m). The output is divided by l at the end, and lse = m + ln l.
 // (Until 2026-11-30 two passes: the statistics first, then P from the final log-sum-exp, each
@@ -196,10 +53,12 @@ __device__ void attn_tc_fwd(const bf16* q, const bf16* k, const bf16* v, const u
   auto& qseg = sh.qseg;
   auto& qpre = sh.qpre;
   auto& kseg = sh.kseg;
+  auto& kspan = sh.kspan;
   const unsigned b = blockIdx.y / H, h = blockIdx.y % H, kh = h / (H / KV);
   const unsigned i0 = blockIdx.x * BQ, nq = min(BQ, L - i0);
   const unsigned warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const unsigned r = warp * 16 + lane / 2, c0 = (lane % 2) * 32, i = i0 + r;
+  const float sl2 = scale * LOG2E;
   const u64 row0 = (u64)b * L;
   stage<D>(qs, q, row0 + i0, nq, BQ, H * D, h * D);
   stage_queries(BQ, nq, {first, seg, prefix, nullptr, nullptr}, row0 + i0, 0,
@@ -208,6 +67,7 @@ __device__ void attn_tc_fwd(const bf16* q, const bf16* k, const bf16* v, const u
   unsigned lo = 0xffffffffu;
   for (unsigned t = 0; t < BQ; ++t) lo = min(lo, qfirst[t]);
   const unsigned hi = i0 + nq;
+  // The row's running max of the scaled scores, in base 2, and its sum of exponentials.
   float m = -INFINITY, l = 0.0f;
   // Row r's output, columns (lane % 2) * 32 + 64 * g + t for t < 32 of each group g of 64.
   constexpr unsigned G = D / 64;
@@ -224,28 +84,53 @@ __device__ void attn_tc_fwd(const bf16* q, const bf16* k, const bf16* v, const u
     __syncthreads();
     stage<D>(ks, k, row0 + j0, nk, BK, KV * D, kh * D);
     stage<D>(vs, v, row0 + j0, nk, BK, KV * D, kh * D);
-    for (unsigned t = threadIdx.x; t < BK; t += blockDim.x) kseg[t] = t < nk ? seg[row0 + j0 + t] : 0;
+    if (threadIdx.x < BK) {  // warps 0 and 1: a half of the tile's keys each
+      const unsigned s = threadIdx.x < nk ? seg[row0 + j0 + threadIdx.x] : 0;
+      kseg[threadIdx.x] = s;
+      const unsigned common = group_common<32>(s);
+      if (lane == 0) kspan[warp] = common;
+    }
     __syncthreads();
     product_t<D, BK / 16>(&ss[warp * 16][0], LS, &qs[warp * 16][0], &ks[0][0]);
     __syncwarp();
+    // The lane's 32 keys, seen whole by its query or masked one by one (to -inf in `ss`).
+    const bool whole = r < nq && c0 + 32 <= nk && j0 + c0 + 31 <= i && j0 + c0 >= qfirst[r] &&
+                       (runs || span_segment_seen(kspan[lane % 2], qseg[r], qpre[r]));
     float mx = -INFINITY;
-    for (unsigned c = c0; c < c0 + 32; ++c) {
-      const bool ok = c < nk && r < nq && sees(i, j0 + c, qfirst[r], qseg[r], qpre[r], kseg[c], runs);
-      const float s = ok ? ss[r][c] * scale : -INFINITY;
-      ss[r][c] = s;
-      mx = fmaxf(mx, s);
+    if (whole) {
+#pragma unroll
+      for (unsigned c = c0; c < c0 + 32; c += 4) {
+        const float4 x = ld4(&ss[r][c]);
+        mx = fmaxf(mx, fmaxf(fmaxf(x.x, x.y), fmaxf(x.z, x.w)));
+      }
+    } else {
+      for (unsigned c = c0; c < c0 + 32; ++c) {
+        if (c < nk && r < nq && sees(i, j0 + c, qfirst[r], qseg[r], qpre[r], kseg[c], runs))
+          mx = fmaxf(mx, ss[r][c]);
+        else
+          ss[r][c] = -INFINITY;
+      }
     }
     // Every lane shuffles (a pair's lanes agree on `mn`; rows without a visible key yet keep
-    // m = -inf, l = 0 and a zero output).
+    // m = -inf, l = 0 and a zero output). The scale is positive, so the scaled max is the max
+    // scaled.
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    const float mn = fmaxf(m, mx);
-    const float alpha = mn > -INFINITY ? expf(m - mn) : 1.0f;
+    const float mn = fmaxf(m, mx * sl2);
+    const float alpha = mn > -INFINITY ? exp2_fast(m - mn) : 1.0f;
     __syncthreads();  // every warp is done with the keys: P takes their place
     float sum = 0.0f;
-    for (unsigned c = c0; c < c0 + 32; ++c) {
-      const float p = mn > -INFINITY ? expf(ss[r][c] - mn) : 0.0f;
-      sum += p;
-      ks[r][c] = __float2bfloat16(p);
+    if (mn > -INFINITY) {
+#pragma unroll
+      for (unsigned c = c0; c < c0 + 32; c += 4) {
+        const float4 x = ld4(&ss[r][c]);
+        const float p0 = exp2_fast(fmaf(x.x, sl2, -mn)), p1 = exp2_fast(fmaf(x.y, sl2, -mn));
+        const float p2 = exp2_fast(fmaf(x.z, sl2, -mn)), p3 = exp2_fast(fmaf(x.w, sl2, -mn));
+        sum += (p0 + p1) + (p2 + p3);
+        st2(&ks[r][c], p0, p1);
+        st2(&ks[r][c + 2], p2, p3);
+      }
+    } else {
+      for (unsigned c = c0; c < c0 + 32; c += 2) st2(&ks[r][c], 0.0f, 0.0f);
     }
     sum += __shfl_xor_sync(0xffffffffu, sum, 1);
     l = l * alpha + sum;
@@ -262,7 +147,13 @@ __device__ void attn_tc_fwd(const bf16* q, const bf16* k, const bf16* v, const u
         wmma::store_matrix_sync(&ss[warp * 16][n * 16], acc[n], LS, wmma::mem_row_major);
       __syncwarp();
 #pragma unroll
-      for (unsigned t = 0; t < 32; ++t) out[g][t] = out[g][t] * alpha + ss[r][c0 + t];
+      for (unsigned t = 0; t < 32; t += 4) {
+        const float4 x = ld4(&ss[r][c0 + t]);
+        out[g][t] = out[g][t] * alpha + x.x;
+        out[g][t + 1] = out[g][t + 1] * alpha + x.y;
+        out[g][t + 2] = out[g][t + 2] * alpha + x.z;
+        out[g][t + 3] = out[g][t + 3] * alpha + x.w;
+      }
       __syncwarp();
     }
   }
@@ -273,7 +164,7 @@ __device__ void attn_tc_fwd(const bf16* q, const bf16* k, const bf16* v, const u
 #pragma unroll
       for (unsigned t = 0; t < 32; ++t)
         o[(row0 + i) * H * D + h * D + g * 64 + c0 + t] = __float2bfloat16(out[g][t] * inv_l);
-    if (lane % 2 == 0) lse[((u64)b * H + h) * L + i] = m + logf(l);
+    if (lane % 2 == 0) lse[((u64)b * H + h) * L + i] = (m + log2f(l)) * LN2;
   }
 }
 
@@ -306,10 +197,12 @@ __device__ void attn_tc_bwd_kv(const bf16* q, const bf16* k, const bf16* v, cons
   auto& qseg = sh.qseg;
   auto& qpre = sh.qpre;
   auto& kseg = sh.kseg;
+  auto& qspan = sh.qspan;
   const unsigned b = blockIdx.y / H, h = blockIdx.y % H, kh = h / (H / KV);
   const unsigned j0 = blockIdx.x * BK, nk = min(BK, L - j0), jlast = j0 + nk - 1;
   const unsigned warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const unsigned r = warp * 16 + lane / 2, c0 = (lane % 2) * 16, j = j0 + r;
+  const float sl2 = scale * LOG2E;
   const u64 row0 = (u64)b * L;
   stage<D>(ks, k, row0 + j0, nk, BK, KV * D, kh * D);
   stage<D>(vs, v, row0 + j0, nk, BK, KV * D, kh * D);
@@ -330,6 +223,11 @@ __device__ void attn_tc_bwd_kv(const bf16* q, const bf16* k, const bf16* v, cons
     __syncthreads();
     stage_queries(BQ, nq, {first, seg, prefix, lse, delta}, row0 + i0,
                   ((u64)b * H + h) * L + i0, {qfirst, qseg, qpre, qlse, qdelta});
+    if (warp == 0) {  // the lanes that staged the 32 queries: a half of them each 16
+      const unsigned f = group_max<16>(qfirst[lane]), s = group_common<16>(qseg[lane]);
+      const unsigned p = group_common<16>(qpre[lane]);
+      if (lane % 16 == 0) qspan[lane / 16] = {s, p, f};
+    }
     __syncthreads();
     unsigned cmin = 0xffffffffu;
     for (unsigned t = 0; t < BQ; ++t) cmin = min(cmin, qfirst[t]);
@@ -340,21 +238,42 @@ __device__ void attn_tc_bwd_kv(const bf16* q, const bf16* k, const bf16* v, cons
     // Sᵀ (keys x queries) = K Qᵀ, then Pᵀ.
     product_t<D, BQ / 16>(&ss[warp * 16][0], LS, &ks[warp * 16][0], &qs[0][0]);
     __syncwarp();
+    // The lane's key against its 16 queries: seen by all of them, or masked one by one.
+    const Span span = qspan[lane % 2];
+    const bool whole = r < nk && c0 + 16 <= nq && j <= i0 + c0 && span.first <= j &&
+                       (runs || (span.seg != NONE && kseg[r] == span.seg) ||
+                        (span.pre != NONE && span.pre != 0 && kseg[r] == span.pre));
     float p[16];
-    for (unsigned c = 0; c < 16; ++c) {
-      const unsigned qi = c0 + c;
-      const bool ok = qi < nq && r < nk &&
-                      sees(i0 + qi, j, qfirst[qi], qseg[qi], qpre[qi], kseg[r], runs);
-      p[c] = ok ? expf(ss[r][qi] * scale - qlse[qi]) : 0.0f;
-      pt[r][qi] = __float2bfloat16(p[c]);
+    if (whole) {
+#pragma unroll
+      for (unsigned c = 0; c < 16; c += 4) {
+        const float4 x = ld4(&ss[r][c0 + c]);
+        p[c] = exp2_fast(fmaf(x.x, sl2, -qlse[c0 + c]));
+        p[c + 1] = exp2_fast(fmaf(x.y, sl2, -qlse[c0 + c + 1]));
+        p[c + 2] = exp2_fast(fmaf(x.z, sl2, -qlse[c0 + c + 2]));
+        p[c + 3] = exp2_fast(fmaf(x.w, sl2, -qlse[c0 + c + 3]));
+      }
+    } else {
+#pragma unroll
+      for (unsigned c = 0; c < 16; ++c) {
+        const unsigned qi = c0 + c;
+        const bool ok = qi < nq && r < nk &&
+                        sees(i0 + qi, j, qfirst[qi], qseg[qi], qpre[qi], kseg[r], runs);
+        p[c] = ok ? exp2_fast(fmaf(ss[r][qi], sl2, -qlse[qi])) : 0.0f;
+      }
     }
+#pragma unroll
+    for (unsigned c = 0; c < 16; c += 2) st2(&pt[r][c0 + c], p[c], p[c + 1]);
     __syncwarp();
     // dPᵀ = V dOᵀ, then dSᵀ = Pᵀ (dPᵀ - delta).
     product_t<D, BQ / 16>(&ss[warp * 16][0], LS, &vs[warp * 16][0], &dos[0][0]);
     __syncwarp();
-    for (unsigned c = 0; c < 16; ++c) {
-      const unsigned qi = c0 + c;
-      dst[r][qi] = __float2bfloat16(p[c] * (ss[r][qi] - qdelta[qi]));
+#pragma unroll
+    for (unsigned c = 0; c < 16; c += 4) {
+      const float4 x = ld4(&ss[r][c0 + c]);
+      st2(&dst[r][c0 + c], p[c] * (x.x - qdelta[c0 + c]), p[c + 1] * (x.y - qdelta[c0 + c + 1]));
+      st2(&dst[r][c0 + c + 2], p[c + 2] * (x.z - qdelta[c0 + c + 2]),
+          p[c + 3] * (x.w - qdelta[c0 + c + 3]));
     }
     __syncwarp();
     accumulate<D, BQ / 16>(gv, &pt[warp * 16][0], LP, &dos[0][0]);
@@ -410,10 +329,12 @@ __device__ void attn_tc_bwd_q(const bf16* q, const bf16* k, const bf16* v, const
   auto& qseg = sh.qseg;
   auto& qpre = sh.qpre;
   auto& kseg = sh.kseg;
+  auto& kspan = sh.kspan;
   const unsigned b = blockIdx.y / H, h = blockIdx.y % H, kh = h / (H / KV);
   const unsigned i0 = blockIdx.x * BQ, nq = min(BQ, L - i0);
   const unsigned warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const unsigned r = warp * 16 + lane / 2, c0 = (lane % 2) * 16, i = i0 + r;
+  const float sl2 = scale * LOG2E;
   const u64 row0 = (u64)b * L;
   stage<D>(qs, q, row0 + i0, nq, BQ, H * D, h * D);
   stage<D>(dos, dout, row0 + i0, nq, BQ, H * D, h * D);
@@ -423,6 +344,7 @@ __device__ void attn_tc_bwd_q(const bf16* q, const bf16* k, const bf16* v, const
   unsigned lo = 0xffffffffu;
   for (unsigned t = 0; t < BQ; ++t) lo = min(lo, qfirst[t]);
   const unsigned hi = i0 + nq;
+  const float lse2 = qlse[r], delta_r = qdelta[r];
   FragC gq[D / 16];
   for (unsigned n = 0; n < D / 16; ++n) wmma::fill_fragment(gq[n], 0.0f);
   for (unsigned j0 = lo; j0 < hi; j0 += BK) {
@@ -431,22 +353,45 @@ __device__ void attn_tc_bwd_q(const bf16* q, const bf16* k, const bf16* v, const
     __syncthreads();
     stage<D>(ks, k, row0 + j0, nk, BK, KV * D, kh * D);
     stage<D>(vs, v, row0 + j0, nk, BK, KV * D, kh * D);
-    for (unsigned t = threadIdx.x; t < BK; t += blockDim.x) kseg[t] = t < nk ? seg[row0 + j0 + t] : 0;
+    if (threadIdx.x < BK) {  // warp 0: a half of the tile's keys each 16 lanes
+      const unsigned s = threadIdx.x < nk ? seg[row0 + j0 + threadIdx.x] : 0;
+      kseg[threadIdx.x] = s;
+      const unsigned common = group_common<16>(s);
+      if (lane % 16 == 0) kspan[lane / 16] = common;
+    }
     __syncthreads();
     product_t<D, BK / 16>(&ss[warp * 16][0], LS, &qs[warp * 16][0], &ks[0][0]);
     __syncwarp();
+    // The lane's 16 keys, seen whole by its query or masked one by one.
+    const bool whole = r < nq && c0 + 16 <= nk && j0 + c0 + 15 <= i && j0 + c0 >= qfirst[r] &&
+                       (runs || span_segment_seen(kspan[lane % 2], qseg[r], qpre[r]));
     float p[16];
-    for (unsigned c = 0; c < 16; ++c) {
-      const unsigned kj = c0 + c;
-      const bool ok = kj < nk && r < nq && sees(i, j0 + kj, qfirst[r], qseg[r], qpre[r], kseg[kj], runs);
-      p[c] = ok ? expf(ss[r][kj] * scale - qlse[r]) : 0.0f;
+    if (whole) {
+#pragma unroll
+      for (unsigned c = 0; c < 16; c += 4) {
+        const float4 x = ld4(&ss[r][c0 + c]);
+        p[c] = exp2_fast(fmaf(x.x, sl2, -lse2));
+        p[c + 1] = exp2_fast(fmaf(x.y, sl2, -lse2));
+        p[c + 2] = exp2_fast(fmaf(x.z, sl2, -lse2));
+        p[c + 3] = exp2_fast(fmaf(x.w, sl2, -lse2));
+      }
+    } else {
+#pragma unroll
+      for (unsigned c = 0; c < 16; ++c) {
+        const unsigned kj = c0 + c;
+        const bool ok =
+            kj < nk && r < nq && sees(i, j0 + kj, qfirst[r], qseg[r], qpre[r], kseg[kj], runs);
+        p[c] = ok ? exp2_fast(fmaf(ss[r][kj], sl2, -lse2)) : 0.0f;
+      }
     }
     __syncwarp();
     product_t<D, BK / 16>(&ss[warp * 16][0], LS, &dos[warp * 16][0], &vs[0][0]);
     __syncwarp();
-    for (unsigned c = 0; c < 16; ++c) {
-      const unsigned kj = c0 + c;
-      dss[r][kj] = __float2bfloat16(p[c] * (ss[r][kj] - qdelta[r]));
+#pragma unroll
+    for (unsigned c = 0; c < 16; c += 4) {
+      const float4 x = ld4(&ss[r][c0 + c]);
+      st2(&dss[r][c0 + c], p[c] * (x.x - delta_r), p[c + 1] * (x.y - delta_r));
+      st2(&dss[r][c0 + c + 2], p[c + 2] * (x.z - delta_r), p[c + 3] * (x.w - delta_r));
     }
     __syncwarp();
     accumulate<D, BK / 16>(gq, &dss[warp * 16][0], LP, &ks[0][0]);
@@ -459,10 +404,10 @@ __device__ void attn_tc_bwd_q(const bf16* q, const bf16* k, const bf16* v, const
 // at D = 64): the register budget ptxas is held to (at D = 64, 128 registers a thread, where
 // it would otherwise take 130 and fit three blocks).
 #define KV_BLOCKS_PER_SM(D) ((D) == 64 ? 4 : 2)
-// The forward's, likewise (FwdShared: about 46 KB at D = 64). At D = 128 its rows of output in
-// registers take 173 registers, two blocks an SM where the shared memory (71 KB) allows three:
-// held to three, ptxas spills 32 bytes, so the bound stays at two there.
-#define FWD_BLOCKS_PER_SM(D) ((D) == 64 ? 4 : 2)
+// The forward's, likewise (FwdShared: about 46 KB at D = 64, 71 KB at D = 128): at D = 128
+// three blocks, as the shared memory allows, in 168 registers without a spill (the scores'
+// scalar work took 218 and two blocks until the one-pass softmax was made shorter).
+#define FWD_BLOCKS_PER_SM(D) ((D) == 64 ? 4 : 3)
 
 #define TENSOR_CORE_ATTENTION(D)                                                                  \
   extern "C" __global__ void __launch_bounds__(128, FWD_BLOCKS_PER_SM(D)) attn_tc_fwd_bf16_##D(  \

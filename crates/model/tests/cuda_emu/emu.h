@@ -31,6 +31,9 @@ struct uint3 {
 struct __align__(16) uint4 {
   unsigned x, y, z, w;
 };
+struct __align__(16) float4 {
+  float x, y, z, w;
+};
 inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
 struct dim3 {
   unsigned x, y, z;
@@ -50,24 +53,39 @@ inline std::vector<float> lanes;
 inline void __syncthreads() { emu::block_barrier->arrive_and_wait(); }
 inline void __syncwarp() { emu::warp_barriers[threadIdx.x / 32]->arrive_and_wait(); }
 
-inline float __shfl_xor_sync(unsigned, float v, int mask) {
+namespace emu {
+// Every lane of the calling thread's warp puts its 32-bit `v` in, then takes the value of lane
+// `src(its own lane)`.
+template <class T, class Src>
+T exchange(T v, Src src) {
+  static_assert(sizeof(T) == 4, "a shuffle moves 32 bits");
   const unsigned t = threadIdx.x;
-  auto& warp = *emu::warp_barriers[t / 32];
-  emu::lanes[t] = v;
+  auto& warp = *warp_barriers[t / 32];
+  std::memcpy(&lanes[t], &v, 4);
   warp.arrive_and_wait();
-  const float r = emu::lanes[(t & ~31u) | ((t & 31u) ^ (unsigned)mask)];
+  T r;
+  std::memcpy(&r, &lanes[(t & ~31u) | (src(t & 31u) & 31u)], 4);
   warp.arrive_and_wait();
   return r;
 }
+}  // namespace emu
 
-inline float __shfl_sync(unsigned, float v, int src) {
-  const unsigned t = threadIdx.x;
-  auto& warp = *emu::warp_barriers[t / 32];
-  emu::lanes[t] = v;
-  warp.arrive_and_wait();
-  const float r = emu::lanes[(t & ~31u) | ((unsigned)src & 31u)];
-  warp.arrive_and_wait();
-  return r;
+template <class T>
+T __shfl_xor_sync(unsigned, T v, int mask) {
+  return emu::exchange(v, [=](unsigned lane) { return lane ^ (unsigned)mask; });
+}
+
+template <class T>
+T __shfl_sync(unsigned, T v, int src) {
+  return emu::exchange(v, [=](unsigned) { return (unsigned)src; });
+}
+
+// Bit l set where lane l's predicate holds (every lane of a full warp calls).
+inline unsigned __ballot_sync(unsigned, bool p) {
+  unsigned bits = 0;
+  for (unsigned l = 0; l < 32; ++l)
+    bits |= (emu::exchange(unsigned(p), [=](unsigned) { return l; }) & 1u) << l;
+  return bits;
 }
 
 using std::max;
@@ -99,6 +117,13 @@ inline __nv_bfloat16 __float2bfloat16(float f) {
   if (std::isnan(f)) return {uint16_t(0x7fc0)};
   u += 0x7fffu + ((u >> 16) & 1u);
   return {uint16_t(u >> 16)};
+}
+
+struct __nv_bfloat162 {
+  __nv_bfloat16 x, y;
+};
+inline __nv_bfloat162 __floats2bfloat162_rn(float a, float b) {
+  return {__float2bfloat16(a), __float2bfloat16(b)};
 }
 
 namespace emu {

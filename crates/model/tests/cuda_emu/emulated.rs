@@ -269,6 +269,15 @@ fn emulated_attention_kernels_match_the_cpu_op() {
             "query tile 3 skips key tile 1"
         );
         emulated_attention_matches(dtype, (b, l, 2, 1, 64), (&seg, &prefix), cases.len());
+        // A prompt of 70 slots shared by two completions of 100: the tensor-core kernels take
+        // spans of the prompt's keys whole for the completions' queries by the prefix rule,
+        // and must mask the first completion's keys for the second's queries one by one.
+        let l = 270;
+        let seg: Vec<u32> = (0..l)
+            .map(|i| if i < 70 { 1 } else { 2 + (i as u32 - 70) / 100 })
+            .collect();
+        let prefix: Vec<u32> = seg.iter().map(|&s| u32::from(s > 1)).collect();
+        emulated_attention_matches(dtype, (1, l, 2, 1, 64), (&seg, &prefix), cases.len() + 1);
     }
 }
 
