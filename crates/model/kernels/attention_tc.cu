@@ -1,24 +1,24 @@
 // Attention over packed segments on tensor cores, for bf16 heads of 64 and 128 (Qwen2.5-0.5B and
-// SmolLM2; Qwen2.5 from 1.5B, Qwen3, Llama 3): the products S = Q Kᵀ, O = P V and the
-// backward's dP, dV, dK and dQ run as 16 x 16 x 16 bf16 matrix multiply-accumulates with f32
-// sums (WMMA); the softmax, its log-sum-exp, the mask and dS = P (dP - delta) run in f32 on the
-// staged f32 scores. The rule, the inputs and the outputs are attention.cu's; P and dS are
-// rounded to bf16 for their products, as FlashAttention rounds them. dK and dV come in two
-// launches: each query head's share in f32, then the shares of each kv head's group added in
-// order (`attn_tc_kv_sum`).
+// SmolLM2; Qwen2.5 from 1.5B, Qwen3, Llama 3), as FlashAttention-2 computes it: the products
+// S = Q Kᵀ, O = P V and the backward's dP, dV, dK and dQ run as PTX's 16 x 8 x 16 bf16 matrix
+// multiply-accumulates with f32 sums (`mma.sync`), their operands loaded from shared memory by
+// `ldmatrix`; the softmax, its log-sum-exp, the mask and dS = P (dP - delta) run in f32 on the
+// products' accumulators, in registers. The rule, the inputs and the outputs are attention.cu's;
+// P and dS are rounded to bf16 for their products, as FlashAttention rounds them. dK and dV
+// come in two launches: each query head's share in f32, then the shares of each kv head's
+// group added in order (`attn_tc_kv_sum`).
 //
-// Staged tiles are rows of D bf16 at a stride of LD = D + 8 (WMMA wants a multiple of 8; the
-// extra 16 bytes move consecutive rows off the same shared-memory banks). Every warp owns 16 rows
-// of a tile; lane pairs (lane / 2) own one row each of the warp's f32 scores for the scalar work.
-// The tiles live in dynamic shared memory (up to 72 KB a block at D = 128, past the 48 KB of
-// static shared memory): `attn_tc_shared_bytes` reports each kernel's need, and the host sets
-// the kernel's limit to it before launching.
+// Staged tiles are rows of D bf16 at a stride of LD = D + 8 (the extra 16 bytes move the 8 rows
+// an `ldmatrix` reads onto different shared-memory banks). Every warp owns 16 rows of the
+// block's tile (queries, or keys in the dK/dV pass), each lane two of them. The tiles live in
+// dynamic shared memory (up to 52 KB a block at D = 128, past the 48 KB of static shared memory):
+// `attn_tc_shared_bytes` reports each kernel's need, and the host sets the kernel's limit to it
+// before launching.
 //
-// The scalar work per score is kept short, since it, not the tensor cores, bounds these kernels:
-// the scores stay unscaled in shared memory and every exponential is one `ex2.approx` of a
-// fused multiply-add (the scale and log2(e) folded into one factor, the statistics kept in base
-// 2 inside the kernels); and a lane whose span of keys (or, in the dK/dV pass, of queries) is
-// visible whole, by one test of the span's shared segment (`tc::Span`), skips the per-score mask.
+// The scalar work per score is kept short: every exponential is one `ex2.approx` of a fused
+// multiply-add (the scale and log2(e) folded into one factor, the statistics kept in base 2
+// inside the kernels), and a row whose tile is visible whole, by one test of the tile's shared
+// segment (`tc::Span`), skips the per-score mask.
 
 #include "attention_tc.cuh"
 
@@ -27,28 +27,30 @@ __device__ __forceinline__ bool sees(unsigned i, unsigned j, unsigned first_i, u
   return j <= i && j >= first_i && (runs || seg_j == seg_i || (prefix_i != 0 && seg_j == prefix_i));
 }
 
-// Grid (ceil(L / 64), B * H), 128 threads: 64 queries of one (row, head), in one pass over the
-// keys (an online softmax, as FlashAttention-2's forward): per tile, S = Q Kᵀ; each row's
-// running max m and sum l; P = exp(S - m) rounded to bf16 (in base 2: m is of the scores times
-// scale * log2(e)); then the tile's P V, which the lane
-// pair owning a row adds to its share of the row's output (f32, in registers) after scaling
-// that by exp(m_old - m). The output is divided by l at the end, and lse = m + ln l.
-// (Until 2026-11-30 two passes: the statistics first, then P from the final log-sum-exp, each
-// tile's keys staged and multiplied twice.)
+// Grid (ceil(L / 64), B * H), 128 threads: 64 queries of one (row, head), 16 a warp, in one
+// pass over the keys (an online softmax, as FlashAttention-2's forward), 64 keys a tile. The
+// products are PTX's m16n8k16 (`mma16816`), so everything a warp computes stays in its
+// registers: Q's fragments (loaded once), a tile's scores S = Q Kᵀ, P = exp(S - m) rounded to
+// bf16 (S's accumulators are laid out as P's operand: no trip through shared memory), and the
+// output, scaled by exp(m_old - m) when a row's max moves and divided by its sum l at the end;
+// lse = m + ln l. The running max is of the scores times scale · log2(e) (base 2). A row whose
+// tile of keys is visible whole (one test: [`Span`]) skips the per-score mask.
+// (Until 2026-11-30 two passes, then one pass on WMMA, whose opaque layout sent the scores, P
+// and each tile's P V through shared memory.)
 template <unsigned D>
 __device__ void attn_tc_fwd(const bf16* q, const bf16* k, const bf16* v, const unsigned* seg,
                             const unsigned* prefix, const unsigned* first, const unsigned* tiles,
                             int runs, bf16* o, float* lse, unsigned L, unsigned H, unsigned KV,
                             float scale) {
   using namespace tc;
-  constexpr unsigned BQ = 64, BK = 64, LS = BK + 4;
-  constexpr unsigned LD = D + 8;
+  // KD: Q's 16-column fragments; NS: a tile's 8-key column groups of S; NO: the output's
+  // 8-column groups.
+  constexpr unsigned BQ = 64, BK = 64, KD = D / 16, NS = BK / 8, NO = D / 8;
   SLUICE_DYNAMIC_SHARED(smem);
   auto& sh = *reinterpret_cast<FwdShared<D>*>(smem);
   auto& qs = sh.qs;
   auto& ks = sh.ks;
   auto& vs = sh.vs;
-  auto& ss = sh.ss;
   auto& qfirst = sh.qfirst;
   auto& qseg = sh.qseg;
   auto& qpre = sh.qpre;
@@ -57,31 +59,31 @@ __device__ void attn_tc_fwd(const bf16* q, const bf16* k, const bf16* v, const u
   const unsigned b = blockIdx.y / H, h = blockIdx.y % H, kh = h / (H / KV);
   const unsigned i0 = blockIdx.x * BQ, nq = min(BQ, L - i0);
   const unsigned warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const unsigned r = warp * 16 + lane / 2, c0 = (lane % 2) * 32, i = i0 + r;
-  const float sl2 = scale * LOG2E;
+  // The lane's two rows (of the block's 64) and its columns 2t, 2t + 1 of every 8; the row of
+  // an `ldmatrix` address it gives, and its 8-column offset.
+  const unsigned g = lane / 4, t2 = 2 * (lane % 4), rows[2] = {warp * 16 + g, warp * 16 + g + 8};
+  const unsigned lr = lane % 8, m8 = 8 * (lane / 8 % 2), m16 = 8 * (lane / 16);
   const u64 row0 = (u64)b * L;
+  const float sl2 = scale * LOG2E;
   stage<D>(qs, q, row0 + i0, nq, BQ, H * D, h * D);
   stage_queries(BQ, nq, {first, seg, prefix, nullptr, nullptr}, row0 + i0, 0,
                 {qfirst, qseg, qpre, nullptr, nullptr});
   __syncthreads();
+  unsigned qf[KD][4];
+#pragma unroll
+  for (unsigned kk = 0; kk < KD; ++kk) ldsm_x4(qf[kk], &qs[warp * 16 + lr + m8][kk * 16 + m16]);
   unsigned lo = 0xffffffffu;
   for (unsigned t = 0; t < BQ; ++t) lo = min(lo, qfirst[t]);
   const unsigned hi = i0 + nq;
-  // The row's running max of the scaled scores, in base 2, and its sum of exponentials.
-  float m = -INFINITY, l = 0.0f;
-  // Row r's output, columns (lane % 2) * 32 + 64 * g + t for t < 32 of each group g of 64.
-  constexpr unsigned G = D / 64;
-  float out[G][32];
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}, out[NO][4];
 #pragma unroll
-  for (unsigned g = 0; g < G; ++g)
-#pragma unroll
-    for (unsigned t = 0; t < 32; ++t) out[g][t] = 0.0f;
+  for (unsigned n = 0; n < NO; ++n) out[n][0] = out[n][1] = out[n][2] = out[n][3] = 0.0f;
   // Key tiles no query of the block sees are skipped (a shared prompt's later completions skip
   // the earlier ones).
   for (unsigned j0 = lo; j0 < hi; j0 += BK) {
     const unsigned nk = min(BK, hi - j0);
     if (!tiles_meet(tiles, b, L, i0, hi - 1, j0, j0 + nk - 1)) continue;
-    __syncthreads();
+    __syncthreads();  // every warp is done with the previous tile
     stage<D>(ks, k, row0 + j0, nk, BK, KV * D, kh * D);
     stage<D>(vs, v, row0 + j0, nk, BK, KV * D, kh * D);
     if (threadIdx.x < BK) {  // warps 0 and 1: a half of the tile's keys each
@@ -91,86 +93,97 @@ __device__ void attn_tc_fwd(const bf16* q, const bf16* k, const bf16* v, const u
       if (lane == 0) kspan[warp] = common;
     }
     __syncthreads();
-    product_t<D, BK / 16>(&ss[warp * 16][0], LS, &qs[warp * 16][0], &ks[0][0]);
-    __syncwarp();
-    // The lane's 32 keys, seen whole by its query or masked one by one (to -inf in `ss`).
-    const bool whole = r < nq && c0 + 32 <= nk && j0 + c0 + 31 <= i && j0 + c0 >= qfirst[r] &&
-                       (runs || span_segment_seen(kspan[lane % 2], qseg[r], qpre[r]));
-    float mx = -INFINITY;
-    if (whole) {
+    // S = Q Kᵀ: K's rows are the right-hand operand's columns, two groups of 8 keys a load.
+    float s[NS][4];
 #pragma unroll
-      for (unsigned c = c0; c < c0 + 32; c += 4) {
-        const float4 x = ld4(&ss[r][c]);
-        mx = fmaxf(mx, fmaxf(fmaxf(x.x, x.y), fmaxf(x.z, x.w)));
+    for (unsigned n = 0; n < NS; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+#pragma unroll
+    for (unsigned kk = 0; kk < KD; ++kk)
+#pragma unroll
+      for (unsigned n = 0; n < NS; n += 2) {
+        unsigned kb[4];
+        ldsm_x4(kb, &ks[n * 8 + lr + m16][kk * 16 + m8]);
+        mma16816(s[n], qf[kk], kb[0], kb[1]);
+        mma16816(s[n + 1], qf[kk], kb[2], kb[3]);
       }
-    } else {
-      for (unsigned c = c0; c < c0 + 32; ++c) {
-        if (c < nk && r < nq && sees(i, j0 + c, qfirst[r], qseg[r], qpre[r], kseg[c], runs))
-          mx = fmaxf(mx, ss[r][c]);
-        else
-          ss[r][c] = -INFINITY;
+    const unsigned tile_seg = kspan[0] == kspan[1] ? kspan[0] : NONE;
+#pragma unroll
+    for (unsigned e = 0; e < 2; ++e) {  // row e: s[.][2e] and s[.][2e + 1]
+      const unsigned r = rows[e], i = i0 + r;
+      const bool whole = r < nq && nk == BK && j0 + BK - 1 <= i && j0 >= qfirst[r] &&
+                         (runs || span_segment_seen(tile_seg, qseg[r], qpre[r]));
+      if (!whole)
+#pragma unroll
+        for (unsigned n = 0; n < NS; ++n)
+#pragma unroll
+          for (unsigned x = 0; x < 2; ++x) {
+            const unsigned c = n * 8 + t2 + x;
+            if (!(c < nk && r < nq && sees(i, j0 + c, qfirst[r], qseg[r], qpre[r], kseg[c], runs)))
+              s[n][2 * e + x] = -INFINITY;
+          }
+      // The row's max over the 4 lanes that hold it (the scale is positive: the scaled max is
+      // the max scaled), then P, its sum, and the output's rescale. Rows without a visible
+      // key yet keep m = -inf, l = 0 and a zero output.
+      float mx = -INFINITY;
+#pragma unroll
+      for (unsigned n = 0; n < NS; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * e], s[n][2 * e + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float mn = fmaxf(m[e], mx * sl2);
+      const float alpha = mn > -INFINITY ? exp2_fast(m[e] - mn) : 1.0f;
+      float sum = 0.0f;
+#pragma unroll
+      for (unsigned n = 0; n < NS; ++n)
+#pragma unroll
+        for (unsigned x = 0; x < 2; ++x) {
+          const float p = mn > -INFINITY ? exp2_fast(fmaf(s[n][2 * e + x], sl2, -mn)) : 0.0f;
+          s[n][2 * e + x] = p;
+          sum += p;
+        }
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      l[e] = l[e] * alpha + sum;
+      m[e] = mn;
+#pragma unroll
+      for (unsigned n = 0; n < NO; ++n) {
+        out[n][2 * e] *= alpha;
+        out[n][2 * e + 1] *= alpha;
       }
     }
-    // Every lane shuffles (a pair's lanes agree on `mn`; rows without a visible key yet keep
-    // m = -inf, l = 0 and a zero output). The scale is positive, so the scaled max is the max
-    // scaled.
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    const float mn = fmaxf(m, mx * sl2);
-    const float alpha = mn > -INFINITY ? exp2_fast(m - mn) : 1.0f;
-    __syncthreads();  // every warp is done with the keys: P takes their place
-    float sum = 0.0f;
-    if (mn > -INFINITY) {
+    // out += P V: S's accumulators of keys 16kk.. are P's operand for them; V's rows (keys) are
+    // the right-hand operand's rows, loaded transposed, two groups of 8 columns a load.
 #pragma unroll
-      for (unsigned c = c0; c < c0 + 32; c += 4) {
-        const float4 x = ld4(&ss[r][c]);
-        const float p0 = exp2_fast(fmaf(x.x, sl2, -mn)), p1 = exp2_fast(fmaf(x.y, sl2, -mn));
-        const float p2 = exp2_fast(fmaf(x.z, sl2, -mn)), p3 = exp2_fast(fmaf(x.w, sl2, -mn));
-        sum += (p0 + p1) + (p2 + p3);
-        st2(&ks[r][c], p0, p1);
-        st2(&ks[r][c + 2], p2, p3);
+    for (unsigned kk = 0; kk < BK / 16; ++kk) {
+      const unsigned pa[4] = {pack_bf16(s[2 * kk][0], s[2 * kk][1]),
+                              pack_bf16(s[2 * kk][2], s[2 * kk][3]),
+                              pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                              pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+      for (unsigned n = 0; n < NO; n += 2) {
+        unsigned vb[4];
+        ldsm_x4_trans(vb, &vs[kk * 16 + lr + m8][n * 8 + m16]);
+        mma16816(out[n], pa, vb[0], vb[1]);
+        mma16816(out[n + 1], pa, vb[2], vb[3]);
       }
-    } else {
-      for (unsigned c = c0; c < c0 + 32; c += 2) st2(&ks[r][c], 0.0f, 0.0f);
-    }
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    l = l * alpha + sum;
-    m = mn;
-    __syncwarp();
-    // The tile's P V, 64 columns at a time through the warp's rows of `ss` (the scores are
-    // spent), into the rescaled output (unrolled, so that `out` stays in registers).
-#pragma unroll
-    for (unsigned g = 0; g < G; ++g) {
-      FragC acc[4];
-      for (unsigned n = 0; n < 4; ++n) wmma::fill_fragment(acc[n], 0.0f);
-      accumulate<64, BK / 16, LD>(acc, &ks[warp * 16][0], LD, &vs[0][g * 64]);
-      for (unsigned n = 0; n < 4; ++n)
-        wmma::store_matrix_sync(&ss[warp * 16][n * 16], acc[n], LS, wmma::mem_row_major);
-      __syncwarp();
-#pragma unroll
-      for (unsigned t = 0; t < 32; t += 4) {
-        const float4 x = ld4(&ss[r][c0 + t]);
-        out[g][t] = out[g][t] * alpha + x.x;
-        out[g][t + 1] = out[g][t + 1] * alpha + x.y;
-        out[g][t + 2] = out[g][t + 2] * alpha + x.z;
-        out[g][t + 3] = out[g][t + 3] * alpha + x.w;
-      }
-      __syncwarp();
     }
   }
-  if (r < nq) {
-    const float inv_l = 1.0f / l;
 #pragma unroll
-    for (unsigned g = 0; g < G; ++g)
+  for (unsigned e = 0; e < 2; ++e) {
+    const unsigned r = rows[e];
+    if (r >= nq) continue;
+    const float inv_l = 1.0f / l[e];
+    bf16* row = o + (row0 + i0 + r) * H * D + h * D;
 #pragma unroll
-      for (unsigned t = 0; t < 32; ++t)
-        o[(row0 + i) * H * D + h * D + g * 64 + c0 + t] = __float2bfloat16(out[g][t] * inv_l);
-    if (lane % 2 == 0) lse[((u64)b * H + h) * L + i] = (m + log2f(l)) * LN2;
+    for (unsigned n = 0; n < NO; ++n) st2(row + n * 8 + t2, out[n][2 * e] * inv_l, out[n][2 * e + 1] * inv_l);
+    if (lane % 4 == 0) lse[((u64)b * H + h) * L + i0 + r] = (m[e] + log2f(l[e])) * LN2;
   }
 }
 
 // dK, dV: one query head's share. Grid (ceil(L / 64), B * H), 128 threads: 64 keys of one
-// (row, query head)'s kv head, over the queries of that head that see them, 32 at a time; the
-// sums go to `dk_part` and `dv_part` (N, H, D, f32), which `attn_tc_kv_sum` adds up per kv head.
+// (row, query head)'s kv head, 16 a warp, over the queries of that head that see them, 32 at a
+// time; the sums go to `dk_part` and `dv_part` (N, H, D, f32), which `attn_tc_kv_sum` adds up
+// per kv head. In registers, as the forward: with keys as rows, Sᵀ = K Qᵀ and dPᵀ = V dOᵀ,
+// then Pᵀ and dSᵀ = Pᵀ (dPᵀ - delta) are the left operands of dV += Pᵀ dO and dK += dSᵀ Q.
 // A block per query head, not per kv head: with grouped queries (Qwen2.5-0.5B: 14 heads on 2)
 // a block per kv head walked every head of its group in turn, so at 2,048 slots the blocks of
 // the first keys ran 7 x 64 query tiles one after another, on a grid of B * 2 * 32 blocks.
@@ -181,37 +194,35 @@ __device__ void attn_tc_bwd_kv(const bf16* q, const bf16* k, const bf16* v, cons
                                const unsigned* tiles, int runs, float* dk_part, float* dv_part,
                                unsigned L, unsigned H, unsigned KV, float scale) {
   using namespace tc;
-  constexpr unsigned BK = 64, BQ = 32, LS = BQ + 4, LP = BQ + 8;
+  constexpr unsigned BK = 64, BQ = 32, KD = D / 16, NS = BQ / 8, NO = D / 8;
   SLUICE_DYNAMIC_SHARED(smem);
   auto& sh = *reinterpret_cast<KvShared<D>*>(smem);
   auto& ks = sh.ks;
   auto& vs = sh.vs;
   auto& qs = sh.qs;
   auto& dos = sh.dos;
-  auto& ss = sh.ss;
-  auto& pt = sh.pt;
-  auto& dst = sh.dst;
   auto& qlse = sh.qlse;
   auto& qdelta = sh.qdelta;
   auto& qfirst = sh.qfirst;
   auto& qseg = sh.qseg;
   auto& qpre = sh.qpre;
   auto& kseg = sh.kseg;
-  auto& qspan = sh.qspan;
   const unsigned b = blockIdx.y / H, h = blockIdx.y % H, kh = h / (H / KV);
   const unsigned j0 = blockIdx.x * BK, nk = min(BK, L - j0), jlast = j0 + nk - 1;
   const unsigned warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const unsigned r = warp * 16 + lane / 2, c0 = (lane % 2) * 16, j = j0 + r;
-  const float sl2 = scale * LOG2E;
+  // The lane's two key rows (of the block's 64) and its query columns 2t, 2t + 1 of every 8.
+  const unsigned g = lane / 4, t2 = 2 * (lane % 4), rows[2] = {warp * 16 + g, warp * 16 + g + 8};
+  const unsigned lr = lane % 8, m8 = 8 * (lane / 8 % 2), m16 = 8 * (lane / 16);
   const u64 row0 = (u64)b * L;
+  const float sl2 = scale * LOG2E;
   stage<D>(ks, k, row0 + j0, nk, BK, KV * D, kh * D);
   stage<D>(vs, v, row0 + j0, nk, BK, KV * D, kh * D);
   for (unsigned t = threadIdx.x; t < BK; t += blockDim.x) kseg[t] = t < nk ? seg[row0 + j0 + t] : 0;
-  FragC gk[D / 16], gv[D / 16];
-  for (unsigned n = 0; n < D / 16; ++n) {
-    wmma::fill_fragment(gk[n], 0.0f);
-    wmma::fill_fragment(gv[n], 0.0f);
-  }
+  float dk[NO][4], dv[NO][4];
+#pragma unroll
+  for (unsigned n = 0; n < NO; ++n)
+#pragma unroll
+    for (unsigned x = 0; x < 4; ++x) dk[n][x] = dv[n][x] = 0.0f;
   // The word of the tile mask (common.cuh, `tiles_meet`) that holds this block's key tile, in
   // the row of query tile 0; query tile t's is `mask_words` words on per tile.
   const unsigned mask_words = ((L + 63) / 64 + 31) / 32;
@@ -223,66 +234,100 @@ __device__ void attn_tc_bwd_kv(const bf16* q, const bf16* k, const bf16* v, cons
     __syncthreads();
     stage_queries(BQ, nq, {first, seg, prefix, lse, delta}, row0 + i0,
                   ((u64)b * H + h) * L + i0, {qfirst, qseg, qpre, qlse, qdelta});
-    if (warp == 0) {  // the lanes that staged the 32 queries: a half of them each 16
-      const unsigned f = group_max<16>(qfirst[lane]), s = group_common<16>(qseg[lane]);
-      const unsigned p = group_common<16>(qpre[lane]);
-      if (lane % 16 == 0) qspan[lane / 16] = {s, p, f};
+    if (warp == 0) {  // the lanes that staged the 32 queries
+      const unsigned f = qfirst[lane], lo = group_min<32>(f), hi = group_max<32>(f);
+      const unsigned s = group_common<32>(qseg[lane]), p = group_common<32>(qpre[lane]);
+      if (lane == 0) {
+        sh.qspan = {s, p, hi};
+        sh.qlo = lo;
+      }
     }
     __syncthreads();
-    unsigned cmin = 0xffffffffu;
-    for (unsigned t = 0; t < BQ; ++t) cmin = min(cmin, qfirst[t]);
-    if (cmin > jlast) continue;  // the same for every thread: no query here sees these keys
+    if (sh.qlo > jlast) continue;  // the same for every thread: no query here sees these keys
     stage<D>(qs, q, row0 + i0, nq, BQ, H * D, h * D);
     stage<D>(dos, dout, row0 + i0, nq, BQ, H * D, h * D);
     __syncthreads();
-    // Sᵀ (keys x queries) = K Qᵀ, then Pᵀ.
-    product_t<D, BQ / 16>(&ss[warp * 16][0], LS, &ks[warp * 16][0], &qs[0][0]);
-    __syncwarp();
-    // The lane's key against its 16 queries: seen by all of them, or masked one by one.
-    const Span span = qspan[lane % 2];
-    const bool whole = r < nk && c0 + 16 <= nq && j <= i0 + c0 && span.first <= j &&
-                       (runs || (span.seg != NONE && kseg[r] == span.seg) ||
-                        (span.pre != NONE && span.pre != 0 && kseg[r] == span.pre));
-    float p[16];
-    if (whole) {
+    // Sᵀ = K Qᵀ and dPᵀ = V dOᵀ: the warp's keys (K's and V's rows) on the left, the queries'
+    // rows (Q's and dO's) the right operand's columns, two groups of 8 a load.
+    float s[NS][4], dp[NS][4];
 #pragma unroll
-      for (unsigned c = 0; c < 16; c += 4) {
-        const float4 x = ld4(&ss[r][c0 + c]);
-        p[c] = exp2_fast(fmaf(x.x, sl2, -qlse[c0 + c]));
-        p[c + 1] = exp2_fast(fmaf(x.y, sl2, -qlse[c0 + c + 1]));
-        p[c + 2] = exp2_fast(fmaf(x.z, sl2, -qlse[c0 + c + 2]));
-        p[c + 3] = exp2_fast(fmaf(x.w, sl2, -qlse[c0 + c + 3]));
-      }
-    } else {
+    for (unsigned n = 0; n < NS; ++n)
 #pragma unroll
-      for (unsigned c = 0; c < 16; ++c) {
-        const unsigned qi = c0 + c;
-        const bool ok = qi < nq && r < nk &&
-                        sees(i0 + qi, j, qfirst[qi], qseg[qi], qpre[qi], kseg[r], runs);
-        p[c] = ok ? exp2_fast(fmaf(ss[r][qi], sl2, -qlse[qi])) : 0.0f;
+      for (unsigned x = 0; x < 4; ++x) s[n][x] = dp[n][x] = 0.0f;
+#pragma unroll
+    for (unsigned kk = 0; kk < KD; ++kk) {
+      unsigned kf[4], vf[4];
+      ldsm_x4(kf, &ks[warp * 16 + lr + m8][kk * 16 + m16]);
+      ldsm_x4(vf, &vs[warp * 16 + lr + m8][kk * 16 + m16]);
+#pragma unroll
+      for (unsigned n = 0; n < NS; n += 2) {
+        unsigned qb[4], db[4];
+        ldsm_x4(qb, &qs[n * 8 + lr + m16][kk * 16 + m8]);
+        ldsm_x4(db, &dos[n * 8 + lr + m16][kk * 16 + m8]);
+        mma16816(s[n], kf, qb[0], qb[1]);
+        mma16816(s[n + 1], kf, qb[2], qb[3]);
+        mma16816(dp[n], vf, db[0], db[1]);
+        mma16816(dp[n + 1], vf, db[2], db[3]);
       }
     }
+    // Pᵀ into s and dSᵀ into dp, by each query column's log-sum-exp (base 2) and delta.
+    const Span span = sh.qspan;
 #pragma unroll
-    for (unsigned c = 0; c < 16; c += 2) st2(&pt[r][c0 + c], p[c], p[c + 1]);
-    __syncwarp();
-    // dPᵀ = V dOᵀ, then dSᵀ = Pᵀ (dPᵀ - delta).
-    product_t<D, BQ / 16>(&ss[warp * 16][0], LS, &vs[warp * 16][0], &dos[0][0]);
-    __syncwarp();
+    for (unsigned e = 0; e < 2; ++e) {  // key row e: s[.][2e] and s[.][2e + 1]
+      const unsigned r = rows[e], j = j0 + r;
+      // Seen by every query of the tile, or masked one by one.
+      const bool whole = r < nk && nq == BQ && j <= i0 && span.first <= j &&
+                         (runs || (span.seg != NONE && kseg[r] == span.seg) ||
+                          (span.pre != NONE && span.pre != 0 && kseg[r] == span.pre));
 #pragma unroll
-    for (unsigned c = 0; c < 16; c += 4) {
-      const float4 x = ld4(&ss[r][c0 + c]);
-      st2(&dst[r][c0 + c], p[c] * (x.x - qdelta[c0 + c]), p[c + 1] * (x.y - qdelta[c0 + c + 1]));
-      st2(&dst[r][c0 + c + 2], p[c + 2] * (x.z - qdelta[c0 + c + 2]),
-          p[c + 3] * (x.w - qdelta[c0 + c + 3]));
+      for (unsigned n = 0; n < NS; ++n)
+#pragma unroll
+        for (unsigned x = 0; x < 2; ++x) {
+          const unsigned c = n * 8 + t2 + x;
+          const bool ok = whole || (c < nq && r < nk &&
+                                    sees(i0 + c, j, qfirst[c], qseg[c], qpre[c], kseg[r], runs));
+          const float p = ok ? exp2_fast(fmaf(s[n][2 * e + x], sl2, -qlse[c])) : 0.0f;
+          s[n][2 * e + x] = p;
+          dp[n][2 * e + x] = p * (dp[n][2 * e + x] - qdelta[c]);
+        }
     }
-    __syncwarp();
-    accumulate<D, BQ / 16>(gv, &pt[warp * 16][0], LP, &dos[0][0]);
-    accumulate<D, BQ / 16>(gk, &dst[warp * 16][0], LP, &qs[0][0]);
+    // dV += Pᵀ dO and dK += dSᵀ Q: the queries are the product's inner dimension, dO's and Q's
+    // rows the right operand's rows, loaded transposed.
+#pragma unroll
+    for (unsigned kk = 0; kk < BQ / 16; ++kk) {
+      const unsigned pa[4] = {pack_bf16(s[2 * kk][0], s[2 * kk][1]),
+                              pack_bf16(s[2 * kk][2], s[2 * kk][3]),
+                              pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                              pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+      const unsigned da[4] = {pack_bf16(dp[2 * kk][0], dp[2 * kk][1]),
+                              pack_bf16(dp[2 * kk][2], dp[2 * kk][3]),
+                              pack_bf16(dp[2 * kk + 1][0], dp[2 * kk + 1][1]),
+                              pack_bf16(dp[2 * kk + 1][2], dp[2 * kk + 1][3])};
+#pragma unroll
+      for (unsigned n = 0; n < NO; n += 2) {
+        unsigned ob[4], qb[4];
+        ldsm_x4_trans(ob, &dos[kk * 16 + lr + m8][n * 8 + m16]);
+        ldsm_x4_trans(qb, &qs[kk * 16 + lr + m8][n * 8 + m16]);
+        mma16816(dv[n], pa, ob[0], ob[1]);
+        mma16816(dv[n + 1], pa, ob[2], ob[3]);
+        mma16816(dk[n], da, qb[0], qb[1]);
+        mma16816(dk[n + 1], da, qb[2], qb[3]);
+      }
+    }
   }
-  const unsigned valid = nk > warp * 16 ? nk - warp * 16 : 0;
-  const u64 at = row0 + j0 + warp * 16;
-  write_rows<D>(gk, scale, &ss[warp * 16][0], LS, dk_part, at, valid, H * D, h * D);
-  write_rows<D>(gv, 1.0f, &ss[warp * 16][0], LS, dv_part, at, valid, H * D, h * D);
+#pragma unroll
+  for (unsigned e = 0; e < 2; ++e) {
+    const unsigned r = rows[e];
+    if (r >= nk) continue;
+    const u64 at = (row0 + j0 + r) * H * D + h * D;
+#pragma unroll
+    for (unsigned n = 0; n < NO; ++n) {
+      *reinterpret_cast<float2*>(dk_part + at + n * 8 + t2) =
+          make_float2(dk[n][2 * e] * scale, dk[n][2 * e + 1] * scale);
+      *reinterpret_cast<float2*>(dv_part + at + n * 8 + t2) =
+          make_float2(dv[n][2 * e], dv[n][2 * e + 1]);
+    }
+  }
 }
 
 // dK and dV (N, KV * D) from attn_tc_bwd_kv's partial sums (N, H * D, f32): each kv head's
@@ -305,8 +350,9 @@ __device__ void attn_tc_kv_sum(const float* dk_part, const float* dv_part, bf16*
   }
 }
 
-// dQ. Grid (ceil(L / 64), B * H), 128 threads: 64 queries of one (row, head), over the keys
-// they see, 32 at a time.
+// dQ. Grid (ceil(L / 64), B * H), 128 threads: 64 queries of one (row, head), 16 a warp, over
+// the keys they see, 32 at a time, in registers as the forward: S = Q Kᵀ and dP = dO Vᵀ, then
+// dS = P (dP - delta) is the left operand of dQ += dS K.
 template <unsigned D>
 __device__ void attn_tc_bwd_q(const bf16* q, const bf16* k, const bf16* v, const bf16* dout,
                               const float* lse, const float* delta, const unsigned* seg,
@@ -314,99 +360,126 @@ __device__ void attn_tc_bwd_q(const bf16* q, const bf16* k, const bf16* v, const
                               const unsigned* tiles, int runs, bf16* dq, unsigned L, unsigned H,
                               unsigned KV, float scale) {
   using namespace tc;
-  constexpr unsigned BQ = 64, BK = 32, LS = BK + 4, LP = BK + 8;
+  constexpr unsigned BQ = 64, BK = 32, KD = D / 16, NS = BK / 8, NO = D / 8;
   SLUICE_DYNAMIC_SHARED(smem);
   auto& sh = *reinterpret_cast<QShared<D>*>(smem);
   auto& qs = sh.qs;
   auto& dos = sh.dos;
   auto& ks = sh.ks;
   auto& vs = sh.vs;
-  auto& ss = sh.ss;
-  auto& dss = sh.dss;
   auto& qlse = sh.qlse;
   auto& qdelta = sh.qdelta;
   auto& qfirst = sh.qfirst;
   auto& qseg = sh.qseg;
   auto& qpre = sh.qpre;
   auto& kseg = sh.kseg;
-  auto& kspan = sh.kspan;
   const unsigned b = blockIdx.y / H, h = blockIdx.y % H, kh = h / (H / KV);
   const unsigned i0 = blockIdx.x * BQ, nq = min(BQ, L - i0);
   const unsigned warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const unsigned r = warp * 16 + lane / 2, c0 = (lane % 2) * 16, i = i0 + r;
-  const float sl2 = scale * LOG2E;
+  const unsigned g = lane / 4, t2 = 2 * (lane % 4), rows[2] = {warp * 16 + g, warp * 16 + g + 8};
+  const unsigned lr = lane % 8, m8 = 8 * (lane / 8 % 2), m16 = 8 * (lane / 16);
   const u64 row0 = (u64)b * L;
+  const float sl2 = scale * LOG2E;
   stage<D>(qs, q, row0 + i0, nq, BQ, H * D, h * D);
   stage<D>(dos, dout, row0 + i0, nq, BQ, H * D, h * D);
   stage_queries(BQ, nq, {first, seg, prefix, lse, delta}, row0 + i0, ((u64)b * H + h) * L + i0,
                 {qfirst, qseg, qpre, qlse, qdelta});
   __syncthreads();
+  unsigned qf[KD][4], df[KD][4];
+#pragma unroll
+  for (unsigned kk = 0; kk < KD; ++kk) {
+    ldsm_x4(qf[kk], &qs[warp * 16 + lr + m8][kk * 16 + m16]);
+    ldsm_x4(df[kk], &dos[warp * 16 + lr + m8][kk * 16 + m16]);
+  }
   unsigned lo = 0xffffffffu;
   for (unsigned t = 0; t < BQ; ++t) lo = min(lo, qfirst[t]);
   const unsigned hi = i0 + nq;
-  const float lse2 = qlse[r], delta_r = qdelta[r];
-  FragC gq[D / 16];
-  for (unsigned n = 0; n < D / 16; ++n) wmma::fill_fragment(gq[n], 0.0f);
+  const float lse2[2] = {qlse[rows[0]], qlse[rows[1]]};
+  const float dl[2] = {qdelta[rows[0]], qdelta[rows[1]]};
+  float acc[NO][4];
+#pragma unroll
+  for (unsigned n = 0; n < NO; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
   for (unsigned j0 = lo; j0 < hi; j0 += BK) {
     const unsigned nk = min(BK, hi - j0);
     if (!tiles_meet(tiles, b, L, i0, hi - 1, j0, j0 + nk - 1)) continue;
     __syncthreads();
     stage<D>(ks, k, row0 + j0, nk, BK, KV * D, kh * D);
     stage<D>(vs, v, row0 + j0, nk, BK, KV * D, kh * D);
-    if (threadIdx.x < BK) {  // warp 0: a half of the tile's keys each 16 lanes
-      const unsigned s = threadIdx.x < nk ? seg[row0 + j0 + threadIdx.x] : 0;
-      kseg[threadIdx.x] = s;
-      const unsigned common = group_common<16>(s);
-      if (lane % 16 == 0) kspan[lane / 16] = common;
+    if (warp == 0) {  // a lane a key
+      const unsigned s = lane < nk ? seg[row0 + j0 + lane] : 0;
+      kseg[lane] = s;
+      const unsigned common = group_common<32>(s);
+      if (lane == 0) sh.kspan = common;
     }
     __syncthreads();
-    product_t<D, BK / 16>(&ss[warp * 16][0], LS, &qs[warp * 16][0], &ks[0][0]);
-    __syncwarp();
-    // The lane's 16 keys, seen whole by its query or masked one by one.
-    const bool whole = r < nq && c0 + 16 <= nk && j0 + c0 + 15 <= i && j0 + c0 >= qfirst[r] &&
-                       (runs || span_segment_seen(kspan[lane % 2], qseg[r], qpre[r]));
-    float p[16];
-    if (whole) {
+    float s[NS][4], dp[NS][4];
 #pragma unroll
-      for (unsigned c = 0; c < 16; c += 4) {
-        const float4 x = ld4(&ss[r][c0 + c]);
-        p[c] = exp2_fast(fmaf(x.x, sl2, -lse2));
-        p[c + 1] = exp2_fast(fmaf(x.y, sl2, -lse2));
-        p[c + 2] = exp2_fast(fmaf(x.z, sl2, -lse2));
-        p[c + 3] = exp2_fast(fmaf(x.w, sl2, -lse2));
+    for (unsigned n = 0; n < NS; ++n)
+#pragma unroll
+      for (unsigned x = 0; x < 4; ++x) s[n][x] = dp[n][x] = 0.0f;
+#pragma unroll
+    for (unsigned kk = 0; kk < KD; ++kk)
+#pragma unroll
+      for (unsigned n = 0; n < NS; n += 2) {
+        unsigned kb[4], vb[4];
+        ldsm_x4(kb, &ks[n * 8 + lr + m16][kk * 16 + m8]);
+        ldsm_x4(vb, &vs[n * 8 + lr + m16][kk * 16 + m8]);
+        mma16816(s[n], qf[kk], kb[0], kb[1]);
+        mma16816(s[n + 1], qf[kk], kb[2], kb[3]);
+        mma16816(dp[n], df[kk], vb[0], vb[1]);
+        mma16816(dp[n + 1], df[kk], vb[2], vb[3]);
       }
-    } else {
+    const unsigned tile_seg = sh.kspan;
 #pragma unroll
-      for (unsigned c = 0; c < 16; ++c) {
-        const unsigned kj = c0 + c;
-        const bool ok =
-            kj < nk && r < nq && sees(i, j0 + kj, qfirst[r], qseg[r], qpre[r], kseg[kj], runs);
-        p[c] = ok ? exp2_fast(fmaf(ss[r][kj], sl2, -lse2)) : 0.0f;
+    for (unsigned e = 0; e < 2; ++e) {  // row e: s[.][2e] and s[.][2e + 1]
+      const unsigned r = rows[e], i = i0 + r;
+      const bool whole = r < nq && nk == BK && j0 + BK - 1 <= i && j0 >= qfirst[r] &&
+                         (runs || span_segment_seen(tile_seg, qseg[r], qpre[r]));
+#pragma unroll
+      for (unsigned n = 0; n < NS; ++n)
+#pragma unroll
+        for (unsigned x = 0; x < 2; ++x) {
+          const unsigned c = n * 8 + t2 + x;
+          const bool ok = whole || (c < nk && r < nq &&
+                                    sees(i, j0 + c, qfirst[r], qseg[r], qpre[r], kseg[c], runs));
+          const float p = ok ? exp2_fast(fmaf(s[n][2 * e + x], sl2, -lse2[e])) : 0.0f;
+          dp[n][2 * e + x] = p * (dp[n][2 * e + x] - dl[e]);
+        }
+    }
+    // dQ += dS K: the keys are the inner dimension, K's rows the right operand's rows, loaded
+    // transposed.
+#pragma unroll
+    for (unsigned kk = 0; kk < BK / 16; ++kk) {
+      const unsigned da[4] = {pack_bf16(dp[2 * kk][0], dp[2 * kk][1]),
+                              pack_bf16(dp[2 * kk][2], dp[2 * kk][3]),
+                              pack_bf16(dp[2 * kk + 1][0], dp[2 * kk + 1][1]),
+                              pack_bf16(dp[2 * kk + 1][2], dp[2 * kk + 1][3])};
+#pragma unroll
+      for (unsigned n = 0; n < NO; n += 2) {
+        unsigned kb[4];
+        ldsm_x4_trans(kb, &ks[kk * 16 + lr + m8][n * 8 + m16]);
+        mma16816(acc[n], da, kb[0], kb[1]);
+        mma16816(acc[n + 1], da, kb[2], kb[3]);
       }
     }
-    __syncwarp();
-    product_t<D, BK / 16>(&ss[warp * 16][0], LS, &dos[warp * 16][0], &vs[0][0]);
-    __syncwarp();
-#pragma unroll
-    for (unsigned c = 0; c < 16; c += 4) {
-      const float4 x = ld4(&ss[r][c0 + c]);
-      st2(&dss[r][c0 + c], p[c] * (x.x - delta_r), p[c + 1] * (x.y - delta_r));
-      st2(&dss[r][c0 + c + 2], p[c + 2] * (x.z - delta_r), p[c + 3] * (x.w - delta_r));
-    }
-    __syncwarp();
-    accumulate<D, BK / 16>(gq, &dss[warp * 16][0], LP, &ks[0][0]);
   }
-  write_rows<D>(gq, scale, &ss[warp * 16][0], LS, dq, row0 + i0 + warp * 16,
-             nq > warp * 16 ? nq - warp * 16 : 0, H * D, h * D);
+#pragma unroll
+  for (unsigned e = 0; e < 2; ++e) {
+    const unsigned r = rows[e];
+    if (r >= nq) continue;
+    bf16* row = dq + (row0 + i0 + r) * H * D + h * D;
+#pragma unroll
+    for (unsigned n = 0; n < NO; ++n)
+      st2(row + n * 8 + t2, acc[n][2 * e] * scale, acc[n][2 * e + 1] * scale);
+  }
 }
 
-// The dK/dV kernel's blocks resident on one SM, as its shared memory allows (KvShared: about 47 KB
-// at D = 64): the register budget ptxas is held to (at D = 64, 128 registers a thread, where
-// it would otherwise take 130 and fit three blocks).
+// The blocks of each kernel resident on one SM, the register budget ptxas is held to: four at
+// D = 64 (128 registers a thread; the shared memory, about 28 KB a block, would allow eight);
+// at D = 128 three for the forward (168 registers, no spill; about 52 KB of shared memory a
+// block) and two for the dK/dV pass (229 registers). The dQ pass takes what it needs: 127 at
+// D = 64, 222 at D = 128 (read with `ptxas -v`, docs/gpu.md).
 #define KV_BLOCKS_PER_SM(D) ((D) == 64 ? 4 : 2)
-// The forward's, likewise (FwdShared: about 46 KB at D = 64, 71 KB at D = 128): at D = 128
-// three blocks, as the shared memory allows, in 168 registers without a spill (the scores'
-// scalar work took 218 and two blocks until the one-pass softmax was made shorter).
 #define FWD_BLOCKS_PER_SM(D) ((D) == 64 ? 4 : 3)
 
 #define TENSOR_CORE_ATTENTION(D)                                                                  \

@@ -1,46 +1,56 @@
-// The tensor-core attention's building blocks (attention_tc.cu): WMMA fragments and their
-// shared-memory loads, the staging of tiles and of queries' slot arrays, the products of a
-// warp's 16 rows, the spans a tile's mask is tested by whole, and each kernel's shared memory.
+// The tensor-core attention's building blocks (attention_tc.cu): PTX's matrix fragments and
+// their loads from shared memory, the staging of tiles and of queries' slot arrays, the spans a
+// tile's mask is tested by whole, and each kernel's shared memory.
 #pragma once
 
 #include "common.cuh"
 
-#ifndef SLUICE_CUDA_EMU
-#include <mma.h>
-#endif
-
-using namespace nvcuda;
-
 namespace tc {
-typedef wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> FragA;
-// A right-hand operand staged transposed (its columns are the tile's rows).
-typedef wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major> FragBt;
-typedef wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::row_major> FragB;
-typedef wmma::fragment<wmma::accumulator, 16, 16, 16, float> FragC;
-
-// WMMA's bf16 loads from shared memory, in the shared state space: nvcc emits
-// `load_matrix_sync` of bf16 fragments in the generic one, which ptxas lowers to eight 32-bit
-// loads a fragment (and, for a transposed operand, moves between lanes), where `.shared` takes
-// one `ldmatrix`. The same PTX instruction otherwise, so the fragments are laid out as WMMA's.
+// The products use PTX's own 16 x 8 x 16 fragments (`mma.sync ... m16n8k16`), whose layout is
+// specified where WMMA's is not, so scores, P, dS and the sums stay in registers: lane
+// l = 4 g + t holds rows g and g + 8 of a 16-row operand or result, columns 2t and 2t + 1 of
+// each 8 (emu.h spells the layout out). `ldsm_x4` loads four 8 x 8 bf16 matrices, lanes
+// 8m..8m+7 pointing at matrix m's rows (`ldmatrix`; `_trans` gives them transposed).
+__device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const bf16* p) {
 #ifdef SLUICE_CUDA_EMU
-template <class F>
-__device__ __forceinline__ void load(F& f, const bf16* p, unsigned ld) {
-  wmma::load_matrix_sync(f, p, ld);
-}
+  emu::ldmatrix_x4(r, p, false);
 #else
-#define TC_SHARED_LOAD(F, OP)                                                                     \
-  __device__ __forceinline__ void load(F& f, const bf16* p, unsigned ld) {                        \
-    unsigned* x = reinterpret_cast<unsigned*>(&f.x[0]);                                           \
-    asm volatile(OP " {%0, %1, %2, %3}, [%4], %5;"                                                \
-                 : "=r"(x[0]), "=r"(x[1]), "=r"(x[2]), "=r"(x[3])                                 \
-                 : "r"((unsigned)__cvta_generic_to_shared(p)), "r"(ld)                            \
-                 : "memory");                                                                     \
-  }
-TC_SHARED_LOAD(FragA, "wmma.load.a.sync.aligned.row.m16n16k16.shared.bf16")
-TC_SHARED_LOAD(FragBt, "wmma.load.b.sync.aligned.col.m16n16k16.shared.bf16")
-TC_SHARED_LOAD(FragB, "wmma.load.b.sync.aligned.row.m16n16k16.shared.bf16")
-#undef TC_SHARED_LOAD
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"((unsigned)__cvta_generic_to_shared(p))
+               : "memory");
 #endif
+}
+
+__device__ __forceinline__ void ldsm_x4_trans(unsigned (&r)[4], const bf16* p) {
+#ifdef SLUICE_CUDA_EMU
+  emu::ldmatrix_x4(r, p, true);
+#else
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"((unsigned)__cvta_generic_to_shared(p))
+               : "memory");
+#endif
+}
+
+// d (16 x 8, f32) += a (16 x 16, bf16) b (16 x 8, bf16: b0 its rows 0..8, b1 rows 8..16).
+__device__ __forceinline__ void mma16816(float (&d)[4], const unsigned (&a)[4], unsigned b0,
+                                         unsigned b1) {
+#ifdef SLUICE_CUDA_EMU
+  emu::mma_bf16_16816(d, a, b0, b1);
+#else
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
+// Two f32 rounded to bf16, `lo` in the low half (a fragment's register of two columns).
+__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<unsigned*>(&v);
+}
 
 constexpr float LOG2E = 1.4426950408889634f, LN2 = 0.6931471805599453f;
 
@@ -92,6 +102,13 @@ __device__ __forceinline__ unsigned group_max(unsigned v) {
   return v;
 }
 
+// The smallest value of this lane's group of W lanes (as `group_common`).
+template <unsigned W>
+__device__ __forceinline__ unsigned group_min(unsigned v) {
+  for (unsigned o = 1; o < W; o *= 2) v = min(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
 // Whether a query of segment `seg` and prefix `pre` sees every key of a span of segment `span`
 // (by segment alone; NONE sees nothing here).
 __device__ __forceinline__ bool span_segment_seen(unsigned span, unsigned seg, unsigned pre) {
@@ -118,57 +135,6 @@ __device__ __forceinline__ void stage(bf16 (*dst)[LD], const bf16* src, u64 slot
   for (unsigned e = threadIdx.x; e < rows * D; e += blockDim.x) {
     const unsigned r = e / D, c = e % D;
     dst[r][c] = r < valid ? src[(slot0 + r) * stride + col0 + c] : __float2bfloat16(0.0f);
-  }
-}
-
-// out (16 x 16 NT, f32, row stride ldo) = a (16 x D) times the transpose of bt's 16 NT rows.
-template <unsigned D, unsigned NT, unsigned LD = D + 8>
-__device__ __forceinline__ void product_t(float* out, unsigned ldo, const bf16* a, const bf16* bt) {
-  for (unsigned n = 0; n < NT; ++n) {
-    FragC acc;
-    wmma::fill_fragment(acc, 0.0f);
-    for (unsigned k = 0; k < D / 16; ++k) {
-      FragA fa;
-      FragBt fb;
-      load(fa, a + k * 16, LD);
-      load(fb, bt + n * 16 * LD + k * 16, LD);
-      wmma::mma_sync(acc, fa, fb, acc);
-    }
-    wmma::store_matrix_sync(out + n * 16, acc, ldo, wmma::mem_row_major);
-  }
-}
-
-// acc[0..D/16) (16 x D) += a (16 x 16 KT, row stride lda) times b (16 KT x D, row stride LD):
-// D columns of a tile of rows of LD, e.g. 64 of a staged tile's wider rows.
-template <unsigned D, unsigned KT, unsigned LD = D + 8>
-__device__ __forceinline__ void accumulate(FragC* acc, const bf16* a, unsigned lda, const bf16* b) {
-  for (unsigned k = 0; k < KT; ++k) {
-    FragA fa;
-    load(fa, a + k * 16, lda);
-    for (unsigned n = 0; n < D / 16; ++n) {
-      FragB fb;
-      load(fb, b + k * 16 * LD + n * 16, LD);
-      wmma::mma_sync(acc[n], fa, fb, acc[n]);
-    }
-  }
-}
-
-// Writes a warp's accumulators (16 x D, times `factor`) to rows row0.. of one head of `out`
-// (bf16, or f32 partial sums; rows past `valid` are skipped), through the warp's 16 rows of
-// `scratch` (f32, stride lds).
-template <unsigned D, typename O>
-__device__ __forceinline__ void write_rows(FragC* acc, float factor, float* scratch, unsigned lds,
-                                           O* out, u64 slot0, unsigned valid, unsigned stride,
-                                           unsigned col0) {
-  const unsigned lane = threadIdx.x % 32;
-  for (unsigned n = 0; n < D / 16; ++n) {
-    __syncwarp();
-    wmma::store_matrix_sync(scratch, acc[n], lds, wmma::mem_row_major);
-    __syncwarp();
-    const unsigned r = lane / 2, c0 = (lane % 2) * 8;
-    if (r < valid)
-      for (unsigned c = c0; c < c0 + 8; ++c)
-        st(out, (slot0 + r) * stride + col0 + n * 16 + c, scratch[r * lds + c] * factor);
   }
 }
 
@@ -204,9 +170,8 @@ __device__ __forceinline__ void stage_queries(unsigned rows, unsigned valid,
 template <unsigned D, unsigned LD = D + 8>
 struct FwdShared {
   bf16 qs[64][LD];
-  bf16 ks[64][LD];  // also the P tile, once the scores are formed
+  bf16 ks[64][LD];
   bf16 vs[64][LD];
-  float ss[64][68];
   unsigned qfirst[64], qseg[64], qpre[64], kseg[64];
   unsigned kspan[2];  // the segment each half of the key tile shares, or NONE
 };
@@ -217,12 +182,10 @@ struct KvShared {
   bf16 vs[64][LD];
   bf16 qs[32][LD];
   bf16 dos[32][LD];
-  float ss[64][36];
-  bf16 pt[64][40];
-  bf16 dst[64][40];
   float qlse[32], qdelta[32];
   unsigned qfirst[32], qseg[32], qpre[32], kseg[64];
-  Span qspan[2];  // each half of the query tile's
+  Span qspan;  // the query tile's (`first`: the latest of its queries' first visible slots)
+  unsigned qlo;  // the earliest of them
 };
 
 template <unsigned D, unsigned LD = D + 8>
@@ -231,10 +194,8 @@ struct QShared {
   bf16 dos[64][LD];
   bf16 ks[32][LD];
   bf16 vs[32][LD];
-  float ss[64][36];
-  bf16 dss[64][40];
   float qlse[64], qdelta[64];
   unsigned qfirst[64], qseg[64], qpre[64], kseg[32];
-  unsigned kspan[2];  // the segment each half of the key tile shares, or NONE
+  unsigned kspan;  // the segment the key tile's slots share, or NONE
 };
 }  // namespace tc

@@ -3,8 +3,9 @@
 // blocks of a grid run one after another (so `__shared__` is one static array), `__syncthreads`
 // is a barrier over the block and warp shuffles exchange through a per-warp barrier. It checks
 // the kernels' indexing, masking and arithmetic without a GPU; speed, memory coalescing and
-// races the real hardware could expose are for the GPU check (scripts/gpu-check). WMMA's tensor-
-// core fragments are in wmma.h.
+// races the real hardware could expose are for the GPU check (scripts/gpu-check). The tensor
+// cores' `mma.sync` and `ldmatrix` exchange their lanes' registers through the warp, in PTX's
+// documented fragment layouts (`ldmatrix_x4`, `mma_bf16_16816` below).
 #pragma once
 #define SLUICE_CUDA_EMU 1
 
@@ -34,6 +35,10 @@ struct __align__(16) uint4 {
 struct __align__(16) float4 {
   float x, y, z, w;
 };
+struct __align__(8) float2 {
+  float x, y;
+};
+inline float2 make_float2(float x, float y) { return {x, y}; }
 inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
 struct dim3 {
   unsigned x, y, z;
@@ -48,6 +53,8 @@ namespace emu {
 inline std::barrier<>* block_barrier;
 inline std::vector<std::unique_ptr<std::barrier<>>> warp_barriers;
 inline std::vector<float> lanes;
+// Per thread, 64 bytes for `gather` (a warp's operands of mma and ldmatrix).
+inline std::vector<unsigned char> gathered;
 }  // namespace emu
 
 inline void __syncthreads() { emu::block_barrier->arrive_and_wait(); }
@@ -127,6 +134,65 @@ inline __nv_bfloat162 __floats2bfloat162_rn(float a, float b) {
 }
 
 namespace emu {
+// Every lane of the calling thread's warp puts its `v` in; `all[l]` receives lane l's.
+template <class T>
+void gather(const T& v, T* all) {
+  static_assert(sizeof(T) <= 64, "64 bytes a lane");
+  const unsigned t = threadIdx.x;
+  auto& warp = *warp_barriers[t / 32];
+  std::memcpy(&gathered[t * 64], &v, sizeof(T));
+  warp.arrive_and_wait();
+  for (unsigned l = 0; l < 32; ++l) std::memcpy(&all[l], &gathered[((t & ~31u) + l) * 64], sizeof(T));
+  warp.arrive_and_wait();
+}
+
+inline float bf16_lo(unsigned w) { return __bfloat162float({uint16_t(w & 0xffffu)}); }
+inline float bf16_hi(unsigned w) { return __bfloat162float({uint16_t(w >> 16)}); }
+inline unsigned bf16_pair(__nv_bfloat16 lo, __nv_bfloat16 hi) {
+  return unsigned(lo.bits) | (unsigned(hi.bits) << 16);
+}
+
+// `ldmatrix.sync.aligned.m8n8.x4.shared.b16` (`.trans` with `trans`): lanes 8m..8m+7 give the
+// rows of 8 x 8 matrix m; lane l receives in r[m] the pair at row l / 4, columns 2 (l % 4) and
+// 2 (l % 4) + 1 of matrix m (of its transpose with `trans`), the first in the low half.
+inline void ldmatrix_x4(unsigned r[4], const __nv_bfloat16* row, bool trans) {
+  const __nv_bfloat16* rows[32];
+  gather(row, rows);
+  const unsigned l = threadIdx.x % 32, a = l / 4, c = 2 * (l % 4);
+  for (unsigned m = 0; m < 4; ++m)
+    r[m] = trans ? bf16_pair(rows[8 * m + c][a], rows[8 * m + c + 1][a])
+                 : bf16_pair(rows[8 * m + a][c], rows[8 * m + a][c + 1]);
+}
+
+// `mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32`, d += a b, with PTX's fragments: lane
+// l = 4 g + t holds A's (g, 2t..), (g + 8, 2t..), (g, 2t + 8..), (g + 8, 2t + 8..) in a[0..4),
+// B's (2t.., g) and (2t + 8.., g) in b0 and b1, and D's (g, 2t..) and (g + 8, 2t..) in d.
+inline void mma_bf16_16816(float d[4], const unsigned a[4], unsigned b0, unsigned b1) {
+  struct Operands {
+    unsigned a[4], b[2];
+  };
+  Operands mine{{a[0], a[1], a[2], a[3]}, {b0, b1}}, all[32];
+  gather(mine, all);
+  float A[16][16], B[16][8];
+  for (unsigned l = 0; l < 32; ++l) {
+    const unsigned g = l / 4, t = 2 * (l % 4);
+    const unsigned* x = all[l].a;
+    A[g][t] = bf16_lo(x[0]), A[g][t + 1] = bf16_hi(x[0]);
+    A[g + 8][t] = bf16_lo(x[1]), A[g + 8][t + 1] = bf16_hi(x[1]);
+    A[g][t + 8] = bf16_lo(x[2]), A[g][t + 9] = bf16_hi(x[2]);
+    A[g + 8][t + 8] = bf16_lo(x[3]), A[g + 8][t + 9] = bf16_hi(x[3]);
+    B[t][g] = bf16_lo(all[l].b[0]), B[t + 1][g] = bf16_hi(all[l].b[0]);
+    B[t + 8][g] = bf16_lo(all[l].b[1]), B[t + 9][g] = bf16_hi(all[l].b[1]);
+  }
+  const unsigned l = threadIdx.x % 32, g = l / 4, t = 2 * (l % 4);
+  for (unsigned e = 0; e < 4; ++e) {
+    const unsigned row = g + 8 * (e / 2), col = t + e % 2;
+    float s = d[e];
+    for (unsigned k = 0; k < 16; ++k) s += A[row][k] * B[k][col];
+    d[e] = s;
+  }
+}
+
 // Runs `kernel` over `grid` blocks of `block.x` threads (1-D blocks, a multiple of 32 threads).
 template <class... P, class... A>
 void launch(void (*kernel)(P...), dim3 grid, dim3 block, A... args) {
@@ -146,6 +212,7 @@ void launch(void (*kernel)(P...), dim3 grid, dim3 block, A... args) {
         for (unsigned w = 0; w < (n + 31) / 32; ++w)
           warp_barriers.push_back(std::make_unique<std::barrier<>>(std::min(32u, n - w * 32)));
         lanes.assign(n, 0.0f);
+        gathered.assign(n * 64, 0);
         std::vector<std::thread> threads;
         for (unsigned t = 0; t < n; ++t)
           threads.emplace_back([=] {
@@ -157,4 +224,3 @@ void launch(void (*kernel)(P...), dim3 grid, dim3 block, A... args) {
 }
 }  // namespace emu
 
-#include "wmma.h"

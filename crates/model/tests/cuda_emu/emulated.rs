@@ -278,6 +278,18 @@ fn emulated_attention_kernels_match_the_cpu_op() {
             .collect();
         let prefix: Vec<u32> = seg.iter().map(|&s| u32::from(s > 1)).collect();
         emulated_attention_matches(dtype, (1, l, 2, 1, 64), (&seg, &prefix), cases.len() + 1);
+        // A prompt of 96 slots, a completion of 32, then one of 80: the key tile 64..128 is
+        // half prompt, half first completion, which the second's queries see only in part.
+        let l = 208;
+        let seg: Vec<u32> = (0..l)
+            .map(|i| match i {
+                0..96 => 1,
+                96..128 => 2,
+                _ => 3,
+            })
+            .collect();
+        let prefix: Vec<u32> = seg.iter().map(|&s| u32::from(s > 1)).collect();
+        emulated_attention_matches(dtype, (1, l, 2, 1, 64), (&seg, &prefix), cases.len() + 2);
     }
 }
 
