@@ -77,6 +77,11 @@ pub struct BenchTrainerArgs {
     /// Timed steps per shape (default: a few per preset, sized for a few minutes on 2 cores).
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
     pub steps: Option<u64>,
+    /// Let the GPU's memory pool give freed memory back to the driver at every
+    /// synchronisation (CUDA's default, and Sluice's until 2026-11-30), where a run keeps it
+    /// mapped for the next step: the yardstick of keeping it; no effect on the CPU.
+    #[arg(long)]
+    pub release_freed_memory: bool,
 }
 
 const PROMPT_TOKENS: usize = 16;
@@ -109,7 +114,7 @@ pub fn run(args: &BenchTrainerArgs) -> anyhow::Result<ExitCode> {
             sluice_config::Device::Cuda(_) => sluice_config::DType::Bf16,
         });
         println!(
-            "{name}: {} parameters, f32 master weights on {}, {} compute, ppo, {steps} timed step(s) per shape{}{}",
+            "{name}: {} parameters, f32 master weights on {}, {} compute, ppo, {steps} timed step(s) per shape{}{}{}",
             config.num_parameters(),
             args.device,
             compute,
@@ -122,10 +127,16 @@ pub fn run(args: &BenchTrainerArgs) -> anyhow::Result<ExitCode> {
                 ", the layers' backward by candle's autograd"
             } else {
                 ""
+            },
+            if args.release_freed_memory {
+                ", freed memory given back at each synchronisation"
+            } else {
+                ""
             }
         );
         let snapshot = subject.weights(0, DType::F32, &Device::Cpu)?;
         let device = sluice_model::device::device(args.device)?;
+        sluice_model::device::release_freed_memory(&device, args.release_freed_memory)?;
         for (rows, len) in shapes {
             crate::rss::reset_peak();
             sluice_model::device::reset_peak_memory(&device);

@@ -48,7 +48,7 @@ fn cuda(ordinal: u32) -> Result<candle_core::Device> {
         return Ok(d.clone());
     }
     let d = candle_core::Device::new_cuda(ordinal as usize).map_err(|e| ModelError::Device {
-        device: name,
+        device: name.clone(),
         reason: format!("no usable CUDA device {ordinal} ({e})"),
     })?;
     if let candle_core::Device::Cuda(cuda) = &d {
@@ -65,6 +65,11 @@ fn cuda(ordinal: u32) -> Result<candle_core::Device> {
         unsafe {
             cuda.disable_event_tracking();
         }
+        // The pool keeps what it has mapped ([`release_freed_memory`]).
+        release_threshold(cuda, u64::MAX).map_err(|reason| ModelError::Device {
+            device: name,
+            reason: format!("keeping freed memory in the device's pool: {reason}"),
+        })?;
     }
     opened.push((ordinal, d.clone()));
     Ok(d)
@@ -149,6 +154,54 @@ pub fn reset_peak_memory(device: &candle_core::Device) {
         let _ = pool_watermark(cuda, true);
     }
     let _ = device;
+}
+
+/// Lets the device's memory pool give back to the driver, at each synchronisation, the freed
+/// memory it holds past its first `bytes` (`false`: keep it all, as Sluice does from the
+/// device's opening; `true`: give it all back, CUDA's default). Only for comparisons
+/// (`sluice bench trainer --release-freed-memory`); nothing on the CPU.
+///
+/// candle allocates from the device's stream-ordered pool, and every step synchronises (the
+/// trainer's publish, an engine's sampled tokens): with CUDA's default threshold of 0 the pool
+/// unmapped every freed buffer there, and the next step mapped the memory again, gigabytes a
+/// training step at `[8, 2048]`. PyTorch's caching allocator keeps its memory likewise.
+pub fn release_freed_memory(device: &candle_core::Device, release: bool) -> Result<()> {
+    #[cfg(feature = "cuda")]
+    if let candle_core::Device::Cuda(cuda) = device {
+        let bytes = if release { 0 } else { u64::MAX };
+        return release_threshold(cuda, bytes).map_err(|reason| ModelError::Device {
+            device: format!("{device:?}"),
+            reason: format!("setting the memory pool's release threshold: {reason}"),
+        });
+    }
+    let _ = (device, release);
+    Ok(())
+}
+
+/// Sets the device pool's `CU_MEMPOOL_ATTR_RELEASE_THRESHOLD` to `bytes`; nothing where the
+/// device has no stream-ordered allocation (cudarc then allocates outside any pool).
+#[cfg(feature = "cuda")]
+#[allow(unsafe_code)]
+fn release_threshold(
+    cuda: &candle_core::CudaDevice,
+    bytes: u64,
+) -> std::result::Result<(), String> {
+    use candle_core::cuda_backend::cudarc::driver::{result, sys};
+    let stream = cuda.cuda_stream();
+    let ctx = stream.context();
+    if !ctx.has_async_alloc() {
+        return Ok(());
+    }
+    ctx.bind_to_thread().map_err(|e| e.to_string())?;
+    // SAFETY: the device is the one of a context that exists (candle's, bound above).
+    let pool =
+        unsafe { result::device::get_mem_pool(ctx.cu_device()) }.map_err(|e| e.to_string())?;
+    let attr = sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD;
+    // The attribute is a `cuuint64_t`.
+    let mut value = bytes;
+    let at = (&raw mut value).cast::<std::ffi::c_void>();
+    // SAFETY: the pool is the device's own; `at` points to a `u64`.
+    unsafe { result::mem_pool::set_attribute(pool, attr, at) }.map_err(|e| e.to_string())
 }
 
 /// The device pool's `CU_MEMPOOL_ATTR_USED_MEM_HIGH`, reset to what is in use first when

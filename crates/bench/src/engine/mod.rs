@@ -91,6 +91,11 @@ pub struct BenchEngineArgs {
     /// `cuda:N` device only).
     #[arg(long)]
     pub cuda_graphs: bool,
+    /// Let the GPU's memory pool give freed memory back to the driver at every
+    /// synchronisation (CUDA's default, and Sluice's until 2026-11-30), where a run keeps it
+    /// mapped for the next step: the yardstick of keeping it; no effect on the CPU.
+    #[arg(long)]
+    pub release_freed_memory: bool,
 }
 
 /// Completion length and prompt length per preset, sized for a few minutes on 2 cores.
@@ -180,6 +185,7 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<ExitCode> {
         cuda_graphs: args.cuda_graphs,
     };
     let device = sluice_model::device(args.device).context("--device")?;
+    sluice_model::device::release_freed_memory(&device, args.release_freed_memory)?;
     let dtype = sluice_model::config::candle_dtype(args.dtype);
     for subject in subjects {
         let name = subject.name();
