@@ -1,8 +1,9 @@
 //! The GPU scripts (`scripts/gpu-check`, `scripts/cuda-toolchain`, `scripts/gpu_check.py`,
-//! `scripts/gpu-prepare`) cannot run without a GPU or a network; these checks catch what can rot
-//! without one: they parse, every `sluice` subcommand and flag `gpu-check` calls exists, the
-//! config keys it overrides load, `gpu-prepare` cuts the model it carries into halves that
-//! travel, and the helper's profile summary adds Nsight Compute's times up as it should.
+//! `scripts/gpu-prepare`, `scripts/kernel-instructions`) cannot run without a GPU or a network;
+//! these checks catch what can rot without one: they parse, every `sluice` subcommand and flag
+//! `gpu-check` calls exists, the config keys it overrides load, `gpu-prepare` cuts the model it
+//! carries into halves that travel, the helper's profile summary adds Nsight Compute's times up
+//! as it should, and the instruction counter finds a disassembly's loops.
 
 use std::path::Path;
 use std::process::{Command, Output};
@@ -116,6 +117,75 @@ fn kernel_profile_sums_ncu_times_by_kernel_and_origin() {
     assert!(
         last.contains("profile_top=sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n:40.0,attn_tc_bwd_kv_bf16_64:30.0,ucopy_bf16:20.0"),
         "{last}"
+    );
+}
+
+/// `scripts/kernel-instructions` over a disassembly in cuobjdump's form and ptxas's report: each
+/// backward branch is a loop, counted with its opcodes (predicates and modifiers stripped), and
+/// each kernel's registers and spills are its own.
+#[test]
+fn kernel_instructions_counts_each_loop_and_reads_registers() {
+    let sass = "\n\tcode for sm_90\n\n\t\tFunction : attn_tc_fwd_bf16_64\n\
+        \t.headerflags\t@\"EF_CUDA_SM90\"\n\
+        /*0000*/ LDC R1, c[0x0][0x28] ; /* 0x00000a00ff017b82 */\n\
+        \t/* 0x000ff00000000800 */\n\
+        /*0010*/ LDSM.16.M88.4 R4, [R2] ;\n\
+        /*0020*/ HMMA.16816.F32.BF16 R8, R4.reuse, R6, R8 ;\n\
+        /*0030*/ MUFU.EX2 R9, R9 ;\n\
+        /*0040*/ @!P0 BRA 0x20 ;\n\
+        /*0050*/ @P1 BRA 0x10 ;\n\
+        /*0060*/ EXIT ;\n\
+        /*0070*/ BRA 0x70;\n\
+        \t\tFunction : attn_tc_kv_sum_bf16\n\
+        /*0000*/ EXIT ;\n";
+    let report = "ptxas info    : Compiling entry function 'attn_tc_kv_sum_bf16' for 'sm_90'\n\
+        ptxas info    : Function properties for attn_tc_kv_sum_bf16\n\
+        \x20   0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n\
+        ptxas info    : Used 32 registers, used 0 barriers\n\
+        ptxas info    : Compiling entry function 'attn_tc_fwd_bf16_64' for 'sm_90'\n\
+        ptxas info    : Function properties for attn_tc_fwd_bf16_64\n\
+        \x20   0 bytes stack frame, 76 bytes spill stores, 76 bytes spill loads\n\
+        ptxas info    : Used 128 registers, used 1 barriers\n";
+    let probe = "import importlib.util, importlib.machinery, sys\n\
+        loader = importlib.machinery.SourceFileLoader('ki', sys.argv[1])\n\
+        m = importlib.util.module_from_spec(importlib.util.spec_from_loader('ki', loader))\n\
+        loader.exec_module(m)\n\
+        sass, report = sys.stdin.read().split('@@')\n\
+        for name, (n, loops) in sorted(m.loops(sass).items()):\n\
+        \x20   print(name, n, [(a, b, len(c), c.count('HMMA'), c.count('BRA')) for a, b, c in loops])\n\
+        print(sorted(m.resources(report).items()))\n";
+    let mut child = Command::new("python3")
+        .args(["-c", probe, &script("kernel-instructions")])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    use std::io::Write;
+    let input = format!("{sass}@@{report}");
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(input.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(
+        lines,
+        [
+            // The inner loop 0x20..0x40, the outer 0x10..0x50, the end marker 0x70.
+            "attn_tc_fwd_bf16_64 8 [(32, 64, 3, 1, 1), (16, 80, 5, 1, 2), (112, 112, 1, 0, 1)]",
+            "attn_tc_kv_sum_bf16 1 []",
+            "[('attn_tc_fwd_bf16_64', (128, 76)), ('attn_tc_kv_sum_bf16', (32, 0))]",
+        ],
+        "{text}"
     );
 }
 
