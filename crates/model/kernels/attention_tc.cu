@@ -34,7 +34,8 @@ __device__ __forceinline__ bool sees(unsigned i, unsigned j, unsigned first_i, u
 // bf16 (S's accumulators are laid out as P's operand: no trip through shared memory), and the
 // output, scaled by exp(m_old - m) when a row's max moves and divided by its sum l at the end;
 // lse = m + ln l. The running max is of the scores times scale · log2(e) (base 2). A row whose
-// tile of keys is visible whole (one test: [`Span`]) skips the per-score mask.
+// tile of keys is visible whole (one test, `span_segment_seen` for the segment) skips the
+// per-score mask.
 // (Until 2026-11-30 two passes, then one pass on WMMA, whose opaque layout sent the scores, P
 // and each tile's P V through shared memory.)
 template <unsigned D>
@@ -89,7 +90,7 @@ __device__ void attn_tc_fwd(const bf16* q, const bf16* k, const bf16* v, const u
     if (threadIdx.x < BK) {  // warps 0 and 1: a half of the tile's keys each
       const unsigned s = threadIdx.x < nk ? seg[row0 + j0 + threadIdx.x] : 0;
       kseg[threadIdx.x] = s;
-      const unsigned common = group_common<32>(s);
+      const unsigned common = warp_common(s);
       if (lane == 0) kspan[warp] = common;
     }
     __syncthreads();
@@ -235,8 +236,8 @@ __device__ void attn_tc_bwd_kv(const bf16* q, const bf16* k, const bf16* v, cons
     stage_queries(BQ, nq, {first, seg, prefix, lse, delta}, row0 + i0,
                   ((u64)b * H + h) * L + i0, {qfirst, qseg, qpre, qlse, qdelta});
     if (warp == 0) {  // the lanes that staged the 32 queries
-      const unsigned f = qfirst[lane], lo = group_min<32>(f), hi = group_max<32>(f);
-      const unsigned s = group_common<32>(qseg[lane]), p = group_common<32>(qpre[lane]);
+      const unsigned f = qfirst[lane], lo = warp_min(f), hi = warp_max(f);
+      const unsigned s = warp_common(qseg[lane]), p = warp_common(qpre[lane]);
       if (lane == 0) {
         sh.qspan = {s, p, hi};
         sh.qlo = lo;
@@ -408,7 +409,7 @@ __device__ void attn_tc_bwd_q(const bf16* q, const bf16* k, const bf16* v, const
     if (warp == 0) {  // a lane a key
       const unsigned s = lane < nk ? seg[row0 + j0 + lane] : 0;
       kseg[lane] = s;
-      const unsigned common = group_common<32>(s);
+      const unsigned common = warp_common(s);
       if (lane == 0) sh.kspan = common;
     }
     __syncthreads();

@@ -65,9 +65,6 @@ __device__ __forceinline__ float exp2_fast(float x) {
 #endif
 }
 
-// Four consecutive f32 of shared memory, 16-byte aligned, in one load.
-__device__ __forceinline__ float4 ld4(const float* p) { return *reinterpret_cast<const float4*>(p); }
-
 // Two bf16 at an even column, in one store.
 __device__ __forceinline__ void st2(bf16* p, float a, float b) {
   *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
@@ -83,29 +80,19 @@ struct Span {
   unsigned seg, pre, first;
 };
 
-// The value all W lanes of this lane's group hold (W consecutive lanes, W a power of two up to
-// 32), or NONE where they differ. Every lane of the warp calls.
-template <unsigned W>
-__device__ __forceinline__ unsigned group_common(unsigned v) {
-  const unsigned lane = threadIdx.x % 32, first = lane & ~(W - 1);
-  const unsigned v0 = __shfl_sync(0xffffffffu, v, first);
-  const unsigned differ = __ballot_sync(0xffffffffu, v != v0);
-  unsigned group = 0xffffffffu;
-  if constexpr (W < 32) group = ((1u << W) - 1) << first;
-  return (differ & group) ? NONE : v0;
+// The value every lane of the warp holds, or NONE where they differ. Every lane calls.
+__device__ __forceinline__ unsigned warp_common(unsigned v) {
+  const unsigned v0 = __shfl_sync(0xffffffffu, v, 0);
+  return __ballot_sync(0xffffffffu, v != v0) ? NONE : v0;
 }
 
-// The largest value of this lane's group of W lanes (as `group_common`).
-template <unsigned W>
-__device__ __forceinline__ unsigned group_max(unsigned v) {
-  for (unsigned o = 1; o < W; o *= 2) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
+// The largest and the smallest value of the warp's lanes (every lane calls).
+__device__ __forceinline__ unsigned warp_max(unsigned v) {
+  for (unsigned o = 1; o < 32; o *= 2) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
 }
-
-// The smallest value of this lane's group of W lanes (as `group_common`).
-template <unsigned W>
-__device__ __forceinline__ unsigned group_min(unsigned v) {
-  for (unsigned o = 1; o < W; o *= 2) v = min(v, __shfl_xor_sync(0xffffffffu, v, o));
+__device__ __forceinline__ unsigned warp_min(unsigned v) {
+  for (unsigned o = 1; o < 32; o *= 2) v = min(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
 }
 
@@ -166,7 +153,7 @@ __device__ __forceinline__ void stage_queries(unsigned rows, unsigned valid,
 }
 
 // Each kernel's shared memory: tiles first, every one a multiple of 32 bytes long, so each
-// starts 32-byte aligned as WMMA requires.
+// starts aligned for `ldmatrix`, whose rows are 16 bytes.
 template <unsigned D, unsigned LD = D + 8>
 struct FwdShared {
   bf16 qs[64][LD];

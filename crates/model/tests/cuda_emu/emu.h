@@ -32,9 +32,6 @@ struct uint3 {
 struct __align__(16) uint4 {
   unsigned x, y, z, w;
 };
-struct __align__(16) float4 {
-  float x, y, z, w;
-};
 struct __align__(8) float2 {
   float x, y;
 };
