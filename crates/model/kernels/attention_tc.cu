@@ -60,10 +60,8 @@ __device__ void attn_tc_fwd(const bf16* q, const bf16* k, const bf16* v, const u
   const unsigned b = blockIdx.y / H, h = blockIdx.y % H, kh = h / (H / KV);
   const unsigned i0 = blockIdx.x * BQ, nq = min(BQ, L - i0);
   const unsigned warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  // The lane's two rows (of the block's 64) and its columns 2t, 2t + 1 of every 8; the row of
-  // an `ldmatrix` address it gives, and its 8-column offset.
+  // The lane's two rows (of the block's 64) and its columns 2t, 2t + 1 of every 8.
   const unsigned g = lane / 4, t2 = 2 * (lane % 4), rows[2] = {warp * 16 + g, warp * 16 + g + 8};
-  const unsigned lr = lane % 8, m8 = 8 * (lane / 8 % 2), m16 = 8 * (lane / 16);
   const u64 row0 = (u64)b * L;
   const float sl2 = scale * LOG2E;
   stage<D>(qs, q, row0 + i0, nq, BQ, H * D, h * D);
@@ -72,13 +70,11 @@ __device__ void attn_tc_fwd(const bf16* q, const bf16* k, const bf16* v, const u
   __syncthreads();
   unsigned qf[KD][4];
 #pragma unroll
-  for (unsigned kk = 0; kk < KD; ++kk) ldsm_x4(qf[kk], &qs[warp * 16 + lr + m8][kk * 16 + m16]);
+  for (unsigned kk = 0; kk < KD; ++kk) load_a(qf[kk], qs, warp * 16, kk * 16);
   unsigned lo = 0xffffffffu;
   for (unsigned t = 0; t < BQ; ++t) lo = min(lo, qfirst[t]);
   const unsigned hi = i0 + nq;
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}, out[NO][4];
-#pragma unroll
-  for (unsigned n = 0; n < NO; ++n) out[n][0] = out[n][1] = out[n][2] = out[n][3] = 0.0f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}, out[NO][4] = {};
   // Key tiles no query of the block sees are skipped (a shared prompt's later completions skip
   // the earlier ones).
   for (unsigned j0 = lo; j0 < hi; j0 += BK) {
@@ -87,26 +83,11 @@ __device__ void attn_tc_fwd(const bf16* q, const bf16* k, const bf16* v, const u
     __syncthreads();  // every warp is done with the previous tile
     stage<D>(ks, k, row0 + j0, nk, BK, KV * D, kh * D);
     stage<D>(vs, v, row0 + j0, nk, BK, KV * D, kh * D);
-    if (threadIdx.x < BK) {  // warps 0 and 1: a half of the tile's keys each
-      const unsigned s = threadIdx.x < nk ? seg[row0 + j0 + threadIdx.x] : 0;
-      kseg[threadIdx.x] = s;
-      const unsigned common = warp_common(s);
-      if (lane == 0) kspan[warp] = common;
-    }
+    stage_key_segments<BK>(kseg, kspan, seg, row0 + j0, nk);
     __syncthreads();
-    // S = Q Kᵀ: K's rows are the right-hand operand's columns, two groups of 8 keys a load.
-    float s[NS][4];
+    float s[NS][4] = {};  // S = Q Kᵀ
 #pragma unroll
-    for (unsigned n = 0; n < NS; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
-#pragma unroll
-    for (unsigned kk = 0; kk < KD; ++kk)
-#pragma unroll
-      for (unsigned n = 0; n < NS; n += 2) {
-        unsigned kb[4];
-        ldsm_x4(kb, &ks[n * 8 + lr + m16][kk * 16 + m8]);
-        mma16816(s[n], qf[kk], kb[0], kb[1]);
-        mma16816(s[n + 1], qf[kk], kb[2], kb[3]);
-      }
+    for (unsigned kk = 0; kk < KD; ++kk) mma_rows_t(s, qf[kk], ks, kk * 16);
     const unsigned tile_seg = kspan[0] == kspan[1] ? kspan[0] : NONE;
 #pragma unroll
     for (unsigned e = 0; e < 2; ++e) {  // row e: s[.][2e] and s[.][2e + 1]
@@ -151,21 +132,12 @@ __device__ void attn_tc_fwd(const bf16* q, const bf16* k, const bf16* v, const u
         out[n][2 * e + 1] *= alpha;
       }
     }
-    // out += P V: S's accumulators of keys 16kk.. are P's operand for them; V's rows (keys) are
-    // the right-hand operand's rows, loaded transposed, two groups of 8 columns a load.
+    // out += P V: S's accumulators of keys 16kk.. are P's operand for them.
 #pragma unroll
     for (unsigned kk = 0; kk < BK / 16; ++kk) {
-      const unsigned pa[4] = {pack_bf16(s[2 * kk][0], s[2 * kk][1]),
-                              pack_bf16(s[2 * kk][2], s[2 * kk][3]),
-                              pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                              pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-#pragma unroll
-      for (unsigned n = 0; n < NO; n += 2) {
-        unsigned vb[4];
-        ldsm_x4_trans(vb, &vs[kk * 16 + lr + m8][n * 8 + m16]);
-        mma16816(out[n], pa, vb[0], vb[1]);
-        mma16816(out[n + 1], pa, vb[2], vb[3]);
-      }
+      unsigned pa[4];
+      operand(pa, s[2 * kk], s[2 * kk + 1]);
+      mma_rows(out, pa, vs, kk * 16);
     }
   }
 #pragma unroll
@@ -213,17 +185,12 @@ __device__ void attn_tc_bwd_kv(const bf16* q, const bf16* k, const bf16* v, cons
   const unsigned warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   // The lane's two key rows (of the block's 64) and its query columns 2t, 2t + 1 of every 8.
   const unsigned g = lane / 4, t2 = 2 * (lane % 4), rows[2] = {warp * 16 + g, warp * 16 + g + 8};
-  const unsigned lr = lane % 8, m8 = 8 * (lane / 8 % 2), m16 = 8 * (lane / 16);
   const u64 row0 = (u64)b * L;
   const float sl2 = scale * LOG2E;
   stage<D>(ks, k, row0 + j0, nk, BK, KV * D, kh * D);
   stage<D>(vs, v, row0 + j0, nk, BK, KV * D, kh * D);
   for (unsigned t = threadIdx.x; t < BK; t += blockDim.x) kseg[t] = t < nk ? seg[row0 + j0 + t] : 0;
-  float dk[NO][4], dv[NO][4];
-#pragma unroll
-  for (unsigned n = 0; n < NO; ++n)
-#pragma unroll
-    for (unsigned x = 0; x < 4; ++x) dk[n][x] = dv[n][x] = 0.0f;
+  float dk[NO][4] = {}, dv[NO][4] = {};
   // The word of the tile mask (common.cuh, `tiles_meet`) that holds this block's key tile, in
   // the row of query tile 0; query tile t's is `mask_words` words on per tile.
   const unsigned mask_words = ((L + 63) / 64 + 31) / 32;
@@ -248,28 +215,15 @@ __device__ void attn_tc_bwd_kv(const bf16* q, const bf16* k, const bf16* v, cons
     stage<D>(qs, q, row0 + i0, nq, BQ, H * D, h * D);
     stage<D>(dos, dout, row0 + i0, nq, BQ, H * D, h * D);
     __syncthreads();
-    // Sᵀ = K Qᵀ and dPᵀ = V dOᵀ: the warp's keys (K's and V's rows) on the left, the queries'
-    // rows (Q's and dO's) the right operand's columns, two groups of 8 a load.
-    float s[NS][4], dp[NS][4];
-#pragma unroll
-    for (unsigned n = 0; n < NS; ++n)
-#pragma unroll
-      for (unsigned x = 0; x < 4; ++x) s[n][x] = dp[n][x] = 0.0f;
+    // Sᵀ = K Qᵀ and dPᵀ = V dOᵀ: the warp's keys (K's and V's rows) on the left.
+    float s[NS][4] = {}, dp[NS][4] = {};
 #pragma unroll
     for (unsigned kk = 0; kk < KD; ++kk) {
-      unsigned kf[4], vf[4];
-      ldsm_x4(kf, &ks[warp * 16 + lr + m8][kk * 16 + m16]);
-      ldsm_x4(vf, &vs[warp * 16 + lr + m8][kk * 16 + m16]);
-#pragma unroll
-      for (unsigned n = 0; n < NS; n += 2) {
-        unsigned qb[4], db[4];
-        ldsm_x4(qb, &qs[n * 8 + lr + m16][kk * 16 + m8]);
-        ldsm_x4(db, &dos[n * 8 + lr + m16][kk * 16 + m8]);
-        mma16816(s[n], kf, qb[0], qb[1]);
-        mma16816(s[n + 1], kf, qb[2], qb[3]);
-        mma16816(dp[n], vf, db[0], db[1]);
-        mma16816(dp[n + 1], vf, db[2], db[3]);
-      }
+      unsigned a[4];
+      load_a(a, ks, warp * 16, kk * 16);
+      mma_rows_t(s, a, qs, kk * 16);
+      load_a(a, vs, warp * 16, kk * 16);
+      mma_rows_t(dp, a, dos, kk * 16);
     }
     // Pᵀ into s and dSᵀ into dp, by each query column's log-sum-exp (base 2) and delta.
     const Span span = sh.qspan;
@@ -292,28 +246,14 @@ __device__ void attn_tc_bwd_kv(const bf16* q, const bf16* k, const bf16* v, cons
           dp[n][2 * e + x] = p * (dp[n][2 * e + x] - qdelta[c]);
         }
     }
-    // dV += Pᵀ dO and dK += dSᵀ Q: the queries are the product's inner dimension, dO's and Q's
-    // rows the right operand's rows, loaded transposed.
+    // dV += Pᵀ dO and dK += dSᵀ Q: the queries are the products' inner dimension.
 #pragma unroll
     for (unsigned kk = 0; kk < BQ / 16; ++kk) {
-      const unsigned pa[4] = {pack_bf16(s[2 * kk][0], s[2 * kk][1]),
-                              pack_bf16(s[2 * kk][2], s[2 * kk][3]),
-                              pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                              pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-      const unsigned da[4] = {pack_bf16(dp[2 * kk][0], dp[2 * kk][1]),
-                              pack_bf16(dp[2 * kk][2], dp[2 * kk][3]),
-                              pack_bf16(dp[2 * kk + 1][0], dp[2 * kk + 1][1]),
-                              pack_bf16(dp[2 * kk + 1][2], dp[2 * kk + 1][3])};
-#pragma unroll
-      for (unsigned n = 0; n < NO; n += 2) {
-        unsigned ob[4], qb[4];
-        ldsm_x4_trans(ob, &dos[kk * 16 + lr + m8][n * 8 + m16]);
-        ldsm_x4_trans(qb, &qs[kk * 16 + lr + m8][n * 8 + m16]);
-        mma16816(dv[n], pa, ob[0], ob[1]);
-        mma16816(dv[n + 1], pa, ob[2], ob[3]);
-        mma16816(dk[n], da, qb[0], qb[1]);
-        mma16816(dk[n + 1], da, qb[2], qb[3]);
-      }
+      unsigned a[4];
+      operand(a, s[2 * kk], s[2 * kk + 1]);
+      mma_rows(dv, a, dos, kk * 16);
+      operand(a, dp[2 * kk], dp[2 * kk + 1]);
+      mma_rows(dk, a, qs, kk * 16);
     }
   }
 #pragma unroll
@@ -378,7 +318,6 @@ __device__ void attn_tc_bwd_q(const bf16* q, const bf16* k, const bf16* v, const
   const unsigned i0 = blockIdx.x * BQ, nq = min(BQ, L - i0);
   const unsigned warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const unsigned g = lane / 4, t2 = 2 * (lane % 4), rows[2] = {warp * 16 + g, warp * 16 + g + 8};
-  const unsigned lr = lane % 8, m8 = 8 * (lane / 8 % 2), m16 = 8 * (lane / 16);
   const u64 row0 = (u64)b * L;
   const float sl2 = scale * LOG2E;
   stage<D>(qs, q, row0 + i0, nq, BQ, H * D, h * D);
@@ -389,48 +328,30 @@ __device__ void attn_tc_bwd_q(const bf16* q, const bf16* k, const bf16* v, const
   unsigned qf[KD][4], df[KD][4];
 #pragma unroll
   for (unsigned kk = 0; kk < KD; ++kk) {
-    ldsm_x4(qf[kk], &qs[warp * 16 + lr + m8][kk * 16 + m16]);
-    ldsm_x4(df[kk], &dos[warp * 16 + lr + m8][kk * 16 + m16]);
+    load_a(qf[kk], qs, warp * 16, kk * 16);
+    load_a(df[kk], dos, warp * 16, kk * 16);
   }
   unsigned lo = 0xffffffffu;
   for (unsigned t = 0; t < BQ; ++t) lo = min(lo, qfirst[t]);
   const unsigned hi = i0 + nq;
   const float lse2[2] = {qlse[rows[0]], qlse[rows[1]]};
   const float dl[2] = {qdelta[rows[0]], qdelta[rows[1]]};
-  float acc[NO][4];
-#pragma unroll
-  for (unsigned n = 0; n < NO; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+  float acc[NO][4] = {};
   for (unsigned j0 = lo; j0 < hi; j0 += BK) {
     const unsigned nk = min(BK, hi - j0);
     if (!tiles_meet(tiles, b, L, i0, hi - 1, j0, j0 + nk - 1)) continue;
     __syncthreads();
     stage<D>(ks, k, row0 + j0, nk, BK, KV * D, kh * D);
     stage<D>(vs, v, row0 + j0, nk, BK, KV * D, kh * D);
-    if (warp == 0) {  // a lane a key
-      const unsigned s = lane < nk ? seg[row0 + j0 + lane] : 0;
-      kseg[lane] = s;
-      const unsigned common = warp_common(s);
-      if (lane == 0) sh.kspan = common;
-    }
+    stage_key_segments<BK>(kseg, sh.kspan, seg, row0 + j0, nk);
     __syncthreads();
-    float s[NS][4], dp[NS][4];
+    float s[NS][4] = {}, dp[NS][4] = {};  // S = Q Kᵀ, dP = dO Vᵀ
 #pragma unroll
-    for (unsigned n = 0; n < NS; ++n)
-#pragma unroll
-      for (unsigned x = 0; x < 4; ++x) s[n][x] = dp[n][x] = 0.0f;
-#pragma unroll
-    for (unsigned kk = 0; kk < KD; ++kk)
-#pragma unroll
-      for (unsigned n = 0; n < NS; n += 2) {
-        unsigned kb[4], vb[4];
-        ldsm_x4(kb, &ks[n * 8 + lr + m16][kk * 16 + m8]);
-        ldsm_x4(vb, &vs[n * 8 + lr + m16][kk * 16 + m8]);
-        mma16816(s[n], qf[kk], kb[0], kb[1]);
-        mma16816(s[n + 1], qf[kk], kb[2], kb[3]);
-        mma16816(dp[n], df[kk], vb[0], vb[1]);
-        mma16816(dp[n + 1], df[kk], vb[2], vb[3]);
-      }
-    const unsigned tile_seg = sh.kspan;
+    for (unsigned kk = 0; kk < KD; ++kk) {
+      mma_rows_t(s, qf[kk], ks, kk * 16);
+      mma_rows_t(dp, df[kk], vs, kk * 16);
+    }
+    const unsigned tile_seg = sh.kspan[0];
 #pragma unroll
     for (unsigned e = 0; e < 2; ++e) {  // row e: s[.][2e] and s[.][2e + 1]
       const unsigned r = rows[e], i = i0 + r;
@@ -447,21 +368,12 @@ __device__ void attn_tc_bwd_q(const bf16* q, const bf16* k, const bf16* v, const
           dp[n][2 * e + x] = p * (dp[n][2 * e + x] - dl[e]);
         }
     }
-    // dQ += dS K: the keys are the inner dimension, K's rows the right operand's rows, loaded
-    // transposed.
+    // dQ += dS K: the keys are the product's inner dimension.
 #pragma unroll
     for (unsigned kk = 0; kk < BK / 16; ++kk) {
-      const unsigned da[4] = {pack_bf16(dp[2 * kk][0], dp[2 * kk][1]),
-                              pack_bf16(dp[2 * kk][2], dp[2 * kk][3]),
-                              pack_bf16(dp[2 * kk + 1][0], dp[2 * kk + 1][1]),
-                              pack_bf16(dp[2 * kk + 1][2], dp[2 * kk + 1][3])};
-#pragma unroll
-      for (unsigned n = 0; n < NO; n += 2) {
-        unsigned kb[4];
-        ldsm_x4_trans(kb, &ks[kk * 16 + lr + m8][n * 8 + m16]);
-        mma16816(acc[n], da, kb[0], kb[1]);
-        mma16816(acc[n + 1], da, kb[2], kb[3]);
-      }
+      unsigned da[4];
+      operand(da, dp[2 * kk], dp[2 * kk + 1]);
+      mma_rows(acc, da, ks, kk * 16);
     }
   }
 #pragma unroll
@@ -476,10 +388,11 @@ __device__ void attn_tc_bwd_q(const bf16* q, const bf16* k, const bf16* v, const
 }
 
 // The blocks of each kernel resident on one SM, the register budget ptxas is held to: four at
-// D = 64 (128 registers a thread; the shared memory, about 28 KB a block, would allow eight);
-// at D = 128 three for the forward (168 registers, no spill; about 52 KB of shared memory a
-// block) and two for the dK/dV pass (229 registers). The dQ pass takes what it needs: 127 at
-// D = 64, 222 at D = 128 (read with `ptxas -v`, docs/gpu.md).
+// D = 64 (128 registers a thread; the dK/dV pass stores one 4-byte value to local memory a tile;
+// the shared memory, about 28 KB a block, would allow eight); at D = 128 three for the forward
+// (168 registers, no spill; about 52 KB of shared memory a block) and two for the dK/dV pass
+// (240 registers). The dQ pass takes what it needs: 126 at D = 64, 218 at D = 128 (read with
+// `scripts/kernel-instructions`, docs/gpu.md).
 #define KV_BLOCKS_PER_SM(D) ((D) == 64 ? 4 : 2)
 #define FWD_BLOCKS_PER_SM(D) ((D) == 64 ? 4 : 3)
 

@@ -10,26 +10,22 @@ namespace tc {
 // specified where WMMA's is not, so scores, P, dS and the sums stay in registers: lane
 // l = 4 g + t holds rows g and g + 8 of a 16-row operand or result, columns 2t and 2t + 1 of
 // each 8 (emu.h spells the layout out). `ldsm_x4` loads four 8 x 8 bf16 matrices, lanes
-// 8m..8m+7 pointing at matrix m's rows (`ldmatrix`; `_trans` gives them transposed).
+// 8m..8m+7 pointing at matrix m's rows (`ldmatrix`; `TRANS` gives them transposed).
+template <bool TRANS>
 __device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const bf16* p) {
 #ifdef SLUICE_CUDA_EMU
-  emu::ldmatrix_x4(r, p, false);
+  emu::ldmatrix_x4(r, p, TRANS);
 #else
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"((unsigned)__cvta_generic_to_shared(p))
-               : "memory");
-#endif
-}
-
-__device__ __forceinline__ void ldsm_x4_trans(unsigned (&r)[4], const bf16* p) {
-#ifdef SLUICE_CUDA_EMU
-  emu::ldmatrix_x4(r, p, true);
-#else
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"((unsigned)__cvta_generic_to_shared(p))
-               : "memory");
+#define TC_LDSM(OP)                                                                               \
+  asm volatile(OP " {%0, %1, %2, %3}, [%4];"                                                      \
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])                                   \
+               : "r"((unsigned)__cvta_generic_to_shared(p))                                       \
+               : "memory")
+  if constexpr (TRANS)
+    TC_LDSM("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16");
+  else
+    TC_LDSM("ldmatrix.sync.aligned.m8n8.x4.shared.b16");
+#undef TC_LDSM
 #endif
 }
 
@@ -50,6 +46,57 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const unsigned (&a)[4], 
 __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
   __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<unsigned*>(&v);
+}
+
+// The tile products every kernel takes, over tiles staged as rows of LD bf16. Each warp's
+// operand is 16 rows; `ldmatrix` addresses follow from the lane.
+
+// a: the left operand, the 16 x 16 block at row `row0`, column `col0` of the tile.
+template <unsigned LD>
+__device__ __forceinline__ void load_a(unsigned (&a)[4], const bf16 (*t)[LD], unsigned row0,
+                                       unsigned col0) {
+  const unsigned lane = threadIdx.x % 32;
+  ldsm_x4<false>(a, &t[row0 + lane % 8 + 8 * (lane / 8 % 2)][col0 + 8 * (lane / 16)]);
+}
+
+// acc[0..N) (16 x 8N) += a times the transpose of the tile's rows 0..8N, columns col0..col0+16:
+// the tile's rows are the product's columns (S = Q Kᵀ: a is Q's, the tile K).
+template <unsigned N, unsigned LD>
+__device__ __forceinline__ void mma_rows_t(float (&acc)[N][4], const unsigned (&a)[4],
+                                           const bf16 (*t)[LD], unsigned col0) {
+  const unsigned lane = threadIdx.x % 32;
+#pragma unroll
+  for (unsigned n = 0; n < N; n += 2) {
+    unsigned b[4];
+    ldsm_x4<false>(b, &t[n * 8 + lane % 8 + 8 * (lane / 16)][col0 + 8 * (lane / 8 % 2)]);
+    mma16816(acc[n], a, b[0], b[1]);
+    mma16816(acc[n + 1], a, b[2], b[3]);
+  }
+}
+
+// acc[0..N) (16 x 8N) += a times the tile's rows row0..row0+16, columns 0..8N: the tile's rows
+// are the product's inner dimension (O += P V: a is P's, the tile V).
+template <unsigned N, unsigned LD>
+__device__ __forceinline__ void mma_rows(float (&acc)[N][4], const unsigned (&a)[4],
+                                         const bf16 (*t)[LD], unsigned row0) {
+  const unsigned lane = threadIdx.x % 32;
+#pragma unroll
+  for (unsigned n = 0; n < N; n += 2) {
+    unsigned b[4];
+    ldsm_x4<true>(b, &t[row0 + lane % 8 + 8 * (lane / 8 % 2)][n * 8 + 8 * (lane / 16)]);
+    mma16816(acc[n], a, b[0], b[1]);
+    mma16816(acc[n + 1], a, b[2], b[3]);
+  }
+}
+
+// a: a product's result as the next product's left operand, rounded to bf16: `lo` and `hi` are
+// the accumulators of its columns 0..8 and 8..16 (P from S, dS from dP).
+__device__ __forceinline__ void operand(unsigned (&a)[4], const float (&lo)[4],
+                                        const float (&hi)[4]) {
+  a[0] = pack_bf16(lo[0], lo[1]);
+  a[1] = pack_bf16(lo[2], lo[3]);
+  a[2] = pack_bf16(hi[0], hi[1]);
+  a[3] = pack_bf16(hi[2], hi[3]);
 }
 
 constexpr float LOG2E = 1.4426950408889634f, LN2 = 0.6931471805599453f;
@@ -100,6 +147,21 @@ __device__ __forceinline__ unsigned warp_min(unsigned v) {
 // (by segment alone; NONE sees nothing here).
 __device__ __forceinline__ bool span_segment_seen(unsigned span, unsigned seg, unsigned pre) {
   return span != NONE && (span == seg || (pre != 0 && span == pre));
+}
+
+// A tile's keys' segments from slot `slot0` (`nk` of BK valid) into `kseg`, and the segment each
+// 32 of them share (or NONE) into `span[t / 32]`: threads 0..BK, whole warps.
+template <unsigned BK>
+__device__ __forceinline__ void stage_key_segments(unsigned* kseg, unsigned* span,
+                                                   const unsigned* seg, u64 slot0, unsigned nk) {
+  static_assert(BK % 32 == 0, "whole warps vote");
+  const unsigned t = threadIdx.x;
+  if (t < BK) {
+    const unsigned s = t < nk ? seg[slot0 + t] : 0;
+    kseg[t] = s;
+    const unsigned common = warp_common(s);
+    if (t % 32 == 0) span[t / 32] = common;
+  }
 }
 
 // `rows` slots of one head of a (N, stride) tensor from slot `slot0` into `dst`, zeros past
@@ -183,6 +245,6 @@ struct QShared {
   bf16 vs[32][LD];
   float qlse[64], qdelta[64];
   unsigned qfirst[64], qseg[64], qpre[64], kseg[32];
-  unsigned kspan;  // the segment the key tile's slots share, or NONE
+  unsigned kspan[1];  // the segment the key tile's slots share, or NONE
 };
 }  // namespace tc
