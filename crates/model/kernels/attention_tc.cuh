@@ -149,24 +149,67 @@ __device__ __forceinline__ bool span_segment_seen(unsigned span, unsigned seg, u
   return span != NONE && (span == seg || (pre != 0 && span == pre));
 }
 
-// A tile's keys' segments from slot `slot0` (`nk` of BK valid) into `kseg`, and the segment each
-// 32 of them share (or NONE) into `span[t / 32]`: threads 0..BK, whole warps.
-template <unsigned BK>
-__device__ __forceinline__ void stage_key_segments(unsigned* kseg, unsigned* span,
-                                                   const unsigned* seg, u64 slot0, unsigned nk) {
-  static_assert(BK % 32 == 0, "whole warps vote");
+// Copies from global to shared memory that run while the block computes (`cp.async`, sm_80 on):
+// a thread issues them, and sees its own landed after `cp_async_wait`; the block sees them all
+// after the barrier that follows. `ok` false writes zeros and reads nothing (`src` must still
+// be an address of the tensor).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool ok) {
+#ifdef SLUICE_CUDA_EMU
+  emu::cp_async(dst, src, ok ? 16 : 0, 16);
+#else
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(
+                   (unsigned)__cvta_generic_to_shared(dst)),
+               "l"(src), "r"(ok ? 16 : 0)
+               : "memory");
+#endif
+}
+__device__ __forceinline__ void cp_async4(void* dst, const void* src, bool ok) {
+#ifdef SLUICE_CUDA_EMU
+  emu::cp_async(dst, src, ok ? 4 : 0, 4);
+#else
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(
+                   (unsigned)__cvta_generic_to_shared(dst)),
+               "l"(src), "r"(ok ? 4 : 0)
+               : "memory");
+#endif
+}
+// Every copy this thread has issued has landed.
+__device__ __forceinline__ void cp_async_wait() {
+#ifdef SLUICE_CUDA_EMU
+  emu::cp_async_wait_all();
+#else
+  asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
+}
+
+// `n` words (4 bytes: slot arrays, log-sum-exps, deltas) from `src + slot0` into `dst`, zeros
+// past `valid` (at least 1), asynchronously: threads 0..n.
+template <class T>
+__device__ __forceinline__ void stage_words(T* dst, const T* src, u64 slot0, unsigned valid,
+                                            unsigned n) {
+  static_assert(sizeof(T) == 4, "words");
   const unsigned t = threadIdx.x;
-  if (t < BK) {
-    const unsigned s = t < nk ? seg[slot0 + t] : 0;
-    kseg[t] = s;
-    const unsigned common = warp_common(s);
-    if (t % 32 == 0) span[t / 32] = common;
-  }
+  if (t < n) cp_async4(dst + t, src + slot0 + min(t, valid - 1), t < valid);
+}
+
+// The segment every key of a staged tile of BK shares, or NONE: one vote a 32 keys, by every
+// warp on its own (every lane calls).
+template <unsigned BK>
+__device__ __forceinline__ unsigned tile_segment(const unsigned* kseg) {
+  static_assert(BK % 32 == 0, "whole warps vote");
+  const unsigned lane = threadIdx.x % 32;
+  unsigned s = warp_common(kseg[lane]);
+#pragma unroll
+  for (unsigned k = 32; k < BK; k += 32)
+    if (warp_common(kseg[k + lane]) != s) s = NONE;
+  return s;
 }
 
 // `rows` slots of one head of a (N, stride) tensor from slot `slot0` into `dst`, zeros past
-// `valid`: 16 bytes (8 values) a load where every row of the head starts on a 16-byte boundary
-// (the staged rows always do: LD * 2 bytes is a multiple of 16), one value a load otherwise.
+// `valid` (at least 1). Where every row of the head starts on a 16-byte boundary (the staged
+// rows always do: LD * 2 bytes is a multiple of 16), 16 bytes (8 values) a copy, asynchronously
+// (`cp_async16`: the caller waits before the block reads them); otherwise one value a load and
+// a store, at once.
 template <unsigned D, unsigned LD = D + 8>
 __device__ __forceinline__ void stage(bf16 (*dst)[LD], const bf16* src, u64 slot0, unsigned valid,
                                       unsigned rows, unsigned stride, unsigned col0) {
@@ -175,9 +218,7 @@ __device__ __forceinline__ void stage(bf16 (*dst)[LD], const bf16* src, u64 slot
   if (at % 16 == 0) {
     for (unsigned e = threadIdx.x; e < rows * PER_ROW; e += blockDim.x) {
       const unsigned r = e / PER_ROW, c = (e % PER_ROW) * V;
-      uint4 v = make_uint4(0, 0, 0, 0);  // bf16 zeros past `valid`
-      if (r < valid) v = *reinterpret_cast<const uint4*>(src + (slot0 + r) * stride + col0 + c);
-      *reinterpret_cast<uint4*>(&dst[r][c]) = v;
+      cp_async16(&dst[r][c], src + (slot0 + min(r, valid - 1)) * stride + col0 + c, r < valid);
     }
     return;
   }
@@ -215,36 +256,35 @@ __device__ __forceinline__ void stage_queries(unsigned rows, unsigned valid,
 }
 
 // Each kernel's shared memory: tiles first, every one a multiple of 32 bytes long, so each
-// starts aligned for `ldmatrix`, whose rows are 16 bytes.
+// starts aligned for `ldmatrix`, whose rows are 16 bytes. What a kernel streams is staged while
+// it computes: the forward's K and V tiles one at a time, each while the other is in use (as
+// FlashAttention-2's forward), and the backward passes' tiles, which each product reads at both
+// ends of a step, in two buffers, the next while the current is in use.
 template <unsigned D, unsigned LD = D + 8>
 struct FwdShared {
   bf16 qs[64][LD];
   bf16 ks[64][LD];
   bf16 vs[64][LD];
   unsigned qfirst[64], qseg[64], qpre[64], kseg[64];
-  unsigned kspan[2];  // the segment each half of the key tile shares, or NONE
 };
 
 template <unsigned D, unsigned LD = D + 8>
 struct KvShared {
   bf16 ks[64][LD];
   bf16 vs[64][LD];
-  bf16 qs[32][LD];
-  bf16 dos[32][LD];
-  float qlse[32], qdelta[32];
-  unsigned qfirst[32], qseg[32], qpre[32], kseg[64];
-  Span qspan;  // the query tile's (`first`: the latest of its queries' first visible slots)
-  unsigned qlo;  // the earliest of them
+  bf16 qs[2][32][LD];
+  bf16 dos[2][32][LD];
+  float qlse[2][32], qdelta[2][32];
+  unsigned qfirst[2][32], qseg[2][32], qpre[2][32], kseg[64];
 };
 
 template <unsigned D, unsigned LD = D + 8>
 struct QShared {
   bf16 qs[64][LD];
   bf16 dos[64][LD];
-  bf16 ks[32][LD];
-  bf16 vs[32][LD];
+  bf16 ks[2][32][LD];
+  bf16 vs[2][32][LD];
   float qlse[64], qdelta[64];
-  unsigned qfirst[64], qseg[64], qpre[64], kseg[32];
-  unsigned kspan[1];  // the segment the key tile's slots share, or NONE
+  unsigned qfirst[64], qseg[64], qpre[64], kseg[2][32];
 };
 }  // namespace tc

@@ -5,7 +5,10 @@
 // the kernels' indexing, masking and arithmetic without a GPU; speed, memory coalescing and
 // races the real hardware could expose are for the GPU check (scripts/gpu-check). The tensor
 // cores' `mma.sync` and `ldmatrix` exchange their lanes' registers through the warp, in PTX's
-// documented fragment layouts (`ldmatrix_x4`, `mma_bf16_16816` below).
+// documented fragment layouts (`ldmatrix_x4`, `mma_bf16_16816` below). An asynchronous copy
+// (`cp.async`) fills its destination with all-ones bits (a NaN in bf16 and in f32) when issued
+// and lands only at its thread's wait, so a kernel that reads a staged tile before the wait and
+// barrier, or stages into a buffer the block still reads, computes with the poison.
 #pragma once
 #define SLUICE_CUDA_EMU 1
 
@@ -13,6 +16,8 @@
 #include <barrier>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <thread>
@@ -190,6 +195,26 @@ inline void mma_bf16_16816(float d[4], const unsigned a[4], unsigned b0, unsigne
   }
 }
 
+// `cp.async` of `bytes` (4 or 16) into shared memory, `src_bytes` of them read from `src` at
+// issue (the rest zeros): the destination holds all-ones bits until the thread's
+// `cp_async_wait_all`.
+struct Pending {
+  void* dst;
+  unsigned char data[16];
+  unsigned bytes;
+};
+inline thread_local std::vector<Pending> pending;
+inline void cp_async(void* dst, const void* src, unsigned src_bytes, unsigned bytes) {
+  Pending p{dst, {}, bytes};
+  std::memcpy(p.data, src, src_bytes);
+  std::memset(dst, 0xff, bytes);
+  pending.push_back(p);
+}
+inline void cp_async_wait_all() {
+  for (const Pending& p : pending) std::memcpy(p.dst, p.data, p.bytes);
+  pending.clear();
+}
+
 // Runs `kernel` over `grid` blocks of `block.x` threads (1-D blocks, a multiple of 32 threads).
 template <class... P, class... A>
 void launch(void (*kernel)(P...), dim3 grid, dim3 block, A... args) {
@@ -215,6 +240,11 @@ void launch(void (*kernel)(P...), dim3 grid, dim3 block, A... args) {
           threads.emplace_back([=] {
             threadIdx = {t, 0, 0};
             kernel(P(args)...);
+            if (!pending.empty()) {
+              std::fprintf(stderr, "thread %u of block (%u, %u, %u) ended with %zu copies not waited for\n",
+                           t, blockIdx.x, blockIdx.y, blockIdx.z, pending.size());
+              std::abort();
+            }
           });
         for (auto& t : threads) t.join();
       }

@@ -121,15 +121,16 @@ pub(super) fn inputs(shapes: &[&[usize]], seed: u64, dtype: DType) -> Vec<Tensor
         .collect()
 }
 
-/// Largest difference of `got` from `want`, relative to `want`'s largest magnitude.
+/// Largest difference of `got` from `want`, relative to `want`'s largest magnitude; infinite
+/// where a value is NaN (`f64::max` would pass over it).
 fn err(got: &[f32], want: &Tensor) -> f64 {
     let want: Vec<f64> = want.flatten_all().unwrap().to_vec1().unwrap();
     assert_eq!(got.len(), want.len(), "lengths");
     let scale = want.iter().fold(0f64, |m, x| m.max(x.abs()));
-    let diff = got
-        .iter()
-        .zip(&want)
-        .fold(0f64, |m, (a, b)| m.max((f64::from(*a) - b).abs()));
+    let diff = got.iter().zip(&want).fold(0f64, |m, (a, b)| {
+        let d = (f64::from(*a) - b).abs();
+        if d.is_nan() { f64::INFINITY } else { m.max(d) }
+    });
     diff / scale
 }
 
