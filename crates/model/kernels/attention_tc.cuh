@@ -99,19 +99,6 @@ __device__ __forceinline__ void operand(unsigned (&a)[4], const float (&lo)[4],
   a[3] = pack_bf16(hi[2], hi[3]);
 }
 
-constexpr float LOG2E = 1.4426950408889634f, LN2 = 0.6931471805599453f;
-
-// 2^x in one instruction (relative error about 2^-22; results below 2^-126 are flushed to 0).
-__device__ __forceinline__ float exp2_fast(float x) {
-#ifdef SLUICE_CUDA_EMU
-  return std::exp2(x);
-#else
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-#endif
-}
-
 // Two bf16 at an even column, in one store.
 __device__ __forceinline__ void st2(bf16* p, float a, float b) {
   *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);

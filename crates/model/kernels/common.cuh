@@ -38,6 +38,19 @@ __device__ __forceinline__ float rope_second(float x1, float x2, float c, float 
   return x2 * c + x1 * s;
 }
 
+constexpr float LOG2E = 1.4426950408889634f, LN2 = 0.6931471805599453f;
+
+// 2^x in one instruction (relative error about 2^-22; results below 2^-126 are flushed to 0).
+__device__ __forceinline__ float exp2_fast(float x) {
+#ifdef SLUICE_CUDA_EMU
+  return std::exp2(x);
+#else
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#endif
+}
+
 // Whether some query of slots i_lo..=i_hi sees some key of slots j_lo..=j_hi (one row, `b`, of
 // L slots) by the batch's tile mask (crates/model/src/fused/attention/tiles.rs): per row and
 // tile of 64 queries, a bit per tile of 64 keys. Every thread of a block reads the same words,

@@ -7,26 +7,89 @@
 // With z = logit / T, m = max z, s = sum exp(z - m):  log p_j = z_j - m - ln s,
 // H = -sum p_j log p_j = ln s - sum exp(z_j - m) (z_j - m) / s, and for the output gradients
 // (g_lp, g_H):  dL/dlogit_j = (-p_j (g_lp + g_H (log p_j + H)) + g_lp [j = target]) / T.
+//
+// The kernels are bound by memory (a row of Qwen2.5's vocabulary is 304 KB in bf16), so a row
+// is read as few times as the arithmetic allows, 16 bytes a load: the statistics in one pass
+// (a running max, the sums rescaled when it moves, as an online softmax keeps them), so the
+// forward reads its row once and the backward twice, then writes the gradient. (Until
+// 2026-11-30 the statistics took two passes of one value a load: two reads forward, three
+// backward.) The statistics are kept in base 2 (z scaled by log2(e) as it is read, each
+// exponential one `ex2.approx`), converted to nats for what the kernels return.
 
 #include "common.cuh"
 
-// m, ln s and H of one row, in every thread.
-template <typename T>
-__device__ void row_stats(const T* z, unsigned V, float inv_t, float& m, float& ln_s, float& h) {
-  float mx = -INFINITY;
-  for (unsigned j = threadIdx.x; j < V; j += blockDim.x) mx = fmaxf(mx, ld(z, j) * inv_t);
-  m = block_max(mx);
-  float s = 0.0f, sz = 0.0f;
-  for (unsigned j = threadIdx.x; j < V; j += blockDim.x) {
-    const float d = ld(z, j) * inv_t - m;
-    const float e = expf(d);
-    s += e;
-    sz += e * d;
+// A thread's share of a row, z in base 2 (z / T times log2(e)): its largest z, s = sum 2^(z - m)
+// and sz = sum 2^(z - m) (z - m) over the values it has read (s = 0 before the first).
+struct RowStats {
+  float m = -INFINITY, s = 0.0f, sz = 0.0f;
+
+  // Moves the max to `m2` (>= m), rescaling the sums: 2^(z - m2) = c 2^(z - m) with
+  // c = 2^(m - m2), and z - m2 = (z - m) + (m - m2).
+  __device__ __forceinline__ void rebase(float m2) {
+    if (s > 0.0f) {
+      const float d = m - m2, c = exp2_fast(d);
+      sz = c * (sz + d * s);
+      s *= c;
+    }
+    m = m2;
   }
-  s = block_sum(s);
-  sz = block_sum(sz);
-  ln_s = logf(s);
-  h = ln_s - sz / s;
+  // Adds `n` values whose largest is `mx`.
+  template <unsigned N>
+  __device__ __forceinline__ void add(const float (&z)[N], float mx) {
+    if (mx > m) rebase(mx);
+#pragma unroll
+    for (unsigned i = 0; i < N; ++i) {
+      const float d = z[i] - m, e = exp2_fast(d);
+      s += e;
+      sz += e * d;
+    }
+  }
+};
+
+// Values per 16-byte load, and whether a row of V values at `p` (and every later row) starts on
+// a 16-byte boundary.
+template <typename T>
+constexpr unsigned VEC = 16 / sizeof(T);
+template <typename T>
+__device__ __forceinline__ bool rows_aligned(const T* p, unsigned V) {
+  return ((u64)(const void*)p | ((u64)V * sizeof(T))) % 16 == 0;
+}
+
+// VEC<T> values from `p` (16-byte aligned), widened and scaled by `k`.
+template <typename T>
+__device__ __forceinline__ void load_vec(const T* p, float k, float (&z)[VEC<T>]) {
+  const uint4 w = *reinterpret_cast<const uint4*>(p);
+  const T* e = reinterpret_cast<const T*>(&w);
+#pragma unroll
+  for (unsigned i = 0; i < VEC<T>; ++i) z[i] = ld(e, i) * k;
+}
+
+// The statistics of one row, in every thread: m2 = max z and ls2 = log2 s in base 2, and the
+// entropy H in nats. One pass over the row, then the threads' shares rebased on the row's max
+// and summed in a fixed order (`block_sum`).
+template <typename T>
+__device__ void row_stats(const T* z, unsigned V, float k2, float& m2, float& ls2, float& h) {
+  RowStats r;
+  if (rows_aligned(z, V)) {
+    for (unsigned c = threadIdx.x; c < V / VEC<T>; c += blockDim.x) {
+      float v[VEC<T>];
+      load_vec(z + (u64)c * VEC<T>, k2, v);
+      float mx = v[0];
+#pragma unroll
+      for (unsigned i = 1; i < VEC<T>; ++i) mx = fmaxf(mx, v[i]);
+      r.add(v, mx);
+    }
+  } else {
+    for (unsigned j = threadIdx.x; j < V; j += blockDim.x) {
+      const float v[1] = {ld(z, j) * k2};
+      r.add(v, v[0]);
+    }
+  }
+  m2 = block_max(r.m);
+  r.rebase(m2);
+  const float s = block_sum(r.s), sz = block_sum(r.sz);
+  ls2 = log2f(s);
+  h = (ls2 - sz / s) * LN2;
 }
 
 // out (rows, 2) f32: log p(target), entropy.
@@ -34,10 +97,11 @@ template <typename T>
 __device__ void scores_fwd(const T* logits, const unsigned* targets, float* out, unsigned V,
                            float inv_t) {
   const T* z = logits + (u64)blockIdx.x * V;
-  float m, ln_s, h;
-  row_stats(z, V, inv_t, m, ln_s, h);
+  const float k2 = inv_t * LOG2E;
+  float m2, ls2, h;
+  row_stats(z, V, k2, m2, ls2, h);
   if (threadIdx.x == 0) {
-    out[2 * (u64)blockIdx.x] = ld(z, targets[blockIdx.x]) * inv_t - m - ln_s;
+    out[2 * (u64)blockIdx.x] = (ld(z, targets[blockIdx.x]) * k2 - m2 - ls2) * LN2;
     out[2 * (u64)blockIdx.x + 1] = h;
   }
 }
@@ -47,16 +111,31 @@ template <typename T>
 __device__ void scores_bwd(const T* logits, const unsigned* targets, const float* grad, T* gz,
                            unsigned V, float inv_t) {
   const u64 at = (u64)blockIdx.x * V;
-  float m, ln_s, h;
-  row_stats(logits + at, V, inv_t, m, ln_s, h);
+  const float k2 = inv_t * LOG2E;
+  float m2, ls2, h;
+  row_stats(logits + at, V, k2, m2, ls2, h);
   const float g_lp = grad[2 * (u64)blockIdx.x], g_h = grad[2 * (u64)blockIdx.x + 1];
   const unsigned t = targets[blockIdx.x];
-  for (unsigned j = threadIdx.x; j < V; j += blockDim.x) {
-    const float logp = ld(logits, at + j) * inv_t - m - ln_s;
-    float g = -expf(logp) * (g_lp + g_h * (logp + h));
-    if (j == t) g += g_lp;
-    st(gz, at + j, g * inv_t);
+  // The gradient at column j of the value z (base 2): log2 p = z - m2 - ls2.
+  const auto grad_at = [&](float z, unsigned j) {
+    const float l2 = z - m2 - ls2, logp = l2 * LN2;
+    const float g = -exp2_fast(l2) * (g_lp + g_h * (logp + h)) + (j == t ? g_lp : 0.0f);
+    return g * inv_t;
+  };
+  if (rows_aligned(logits, V) && rows_aligned(gz, V)) {
+    for (unsigned c = threadIdx.x; c < V / VEC<T>; c += blockDim.x) {
+      float v[VEC<T>];
+      load_vec(logits + at + (u64)c * VEC<T>, k2, v);
+      uint4 w;
+      T* e = reinterpret_cast<T*>(&w);
+#pragma unroll
+      for (unsigned i = 0; i < VEC<T>; ++i) st(e, i, grad_at(v[i], c * VEC<T> + i));
+      *reinterpret_cast<uint4*>(gz + at + (u64)c * VEC<T>) = w;
+    }
+    return;
   }
+  for (unsigned j = threadIdx.x; j < V; j += blockDim.x)
+    st(gz, at + j, grad_at(ld(logits, at + j) * k2, j));
 }
 
 #define SCORES(T, S)                                                                              \

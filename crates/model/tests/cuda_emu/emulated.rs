@@ -346,9 +346,19 @@ fn emulated_attention_matches(
 
 #[test]
 fn emulated_token_score_kernels_match_the_composition() {
-    // A vocabulary narrower than a block of 256 threads, and one over several strides.
+    // A vocabulary narrower than a block of 256 threads, one over several strides, and one
+    // whose 16-byte loads are several a thread (its running max moves), also at a temperature
+    // that spreads the scaled logits over ±200 (2^288 in base 2: a sum not kept below its
+    // max overflows); 106 values a row are read one at a time (rows off 16-byte boundaries),
+    // the others 16 bytes a load.
+    let cases = [
+        (3usize, 106usize, 1.0f64),
+        (5, 1000, 0.7),
+        (2, 5000, 1.3),
+        (2, 5000, 0.02),
+    ];
     for dtype in [DType::F32, DType::BF16] {
-        for (rows, vocab, temperature) in [(3usize, 106usize, 1.0f64), (5, 1000, 0.7)] {
+        for (rows, vocab, temperature) in cases {
             let xs = inputs(&[&[rows, vocab], &[rows, 2]], 40, dtype);
             let logits = (&xs[0] * 4.0).unwrap();
             // The upstream gradient is f32 whatever the logits' dtype.
