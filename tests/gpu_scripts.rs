@@ -349,3 +349,89 @@ fn gpu_prepare_cuts_the_gguf_into_halves_that_each_travel() {
         assert!(calls.contains(call), "no `{call}` in:\n{calls}");
     }
 }
+
+/// `scripts/gpu-check` keeps what it has measured in `result.txt` (under `GPU_CHECK_OUT`) as it
+/// goes, and a SIGTERM to its process group prints it with `status=stopped`: a device call cut
+/// off by its time limit loses no measurement taken before. A stand-in for the CUDA binary
+/// answers the quickstart part at once (a held-out accuracy in its metrics) and hangs in the
+/// recipe part's import, where the check is stopped.
+#[test]
+fn gpu_check_keeps_what_it_measured_when_stopped() {
+    use std::os::unix::process::CommandExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let fake = tmp.path().join("sluice");
+    std::fs::write(
+        &fake,
+        r#"#!/bin/sh
+case "$1" in
+  --version) echo "sluice (stand-in)" ;;
+  model)
+    case "$2" in
+      init) shift 2; while [ $# -gt 0 ]; do [ "$1" = --out ] && mkdir -p "$2" && echo '{}' >"$2/config.json"; shift; done ;;
+      import) exec sleep 60 ;;
+    esac ;;
+  run)
+    for a in "$@"; do case "$a" in run.output_dir=*) out="${a#run.output_dir=}" ;; esac; done
+    mkdir -p "$out" && echo '{"step": 140, "eval_accuracy": 0.825}' >"$out/metrics.jsonl" ;;
+esac
+"#,
+    )
+    .unwrap();
+    succeeds(Command::new("chmod").arg("+x").arg(&fake), "chmod");
+    let gguf = tmp.path().join("model.gguf");
+    std::fs::write(&gguf, b"GGUF").unwrap();
+    let out_dir = tmp.path().join("out");
+    let child = Command::new(script("gpu-check"))
+        .arg(&fake)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env("GPU_CHECK_PARTS", "quickstart recipe")
+        .env("GPU_CHECK_SMOLLM2", &gguf)
+        .env("GPU_CHECK_WORK", tmp.path().join("work"))
+        .env("GPU_CHECK_OUT", &out_dir)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .process_group(0)
+        .spawn()
+        .unwrap();
+    let kept = out_dir.join("result.txt");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while !std::fs::read_to_string(&kept).is_ok_and(|t| t.contains("quickstart_accuracy=")) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no result.txt with the quickstart's accuracy"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    // The quickstart is measured; the recipe's import hangs: stop the whole call, as a time
+    // limit does.
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    // The check leads a process group of its own (field 5 of /proc/PID/stat), so the signal
+    // reaches it and its children and nothing else.
+    let pid = child.id();
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let after_name = &stat[stat.rfind(')').unwrap() + 1..];
+    let pgrp: u32 = after_name
+        .split_whitespace()
+        .nth(2)
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert_eq!(pgrp, pid, "gpu-check's own process group");
+    succeeds(
+        Command::new("kill").args(["-s", "TERM", "--", &format!("-{pid}")]),
+        "kill",
+    );
+    let out = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(143), "{stdout}");
+    let last = stdout
+        .lines()
+        .rev()
+        .find(|l| l.starts_with("RESULT gpu"))
+        .unwrap_or_default();
+    for word in ["quickstart_accuracy=0.825", "status=stopped"] {
+        assert!(last.split(' ').any(|w| w == word), "no {word} in {last:?}");
+    }
+    let kept = std::fs::read_to_string(&kept).unwrap();
+    assert_eq!(kept.trim(), last, "result.txt holds the printed line");
+}
