@@ -46,6 +46,12 @@ pub struct BenchTrainerArgs {
     /// Micro-batch shapes `BxL` (repeatable; default: a few per preset).
     #[arg(long = "shape", value_parser = parse_shape)]
     pub shapes: Vec<(usize, usize)>,
+    /// Train on GRPO groups instead of rows of one text: per shape `B` groups of 8 replies of
+    /// `A` tokens to one `P`-token prompt each (`PxA`, e.g. 90x40 for the SmolLM2 recipe's
+    /// rows), packed as a run packs them, each prompt once for its group
+    /// (`trainer.share_prompts`).
+    #[arg(long, value_name = "PxA", value_parser = parse_group)]
+    pub group: Option<(usize, usize)>,
     /// Recompute activations in the backward (`trainer.activation_checkpointing`).
     #[arg(long)]
     pub activation_checkpointing: bool,
@@ -114,10 +120,13 @@ pub fn run(args: &BenchTrainerArgs) -> anyhow::Result<ExitCode> {
             sluice_config::Device::Cuda(_) => sluice_config::DType::Bf16,
         });
         println!(
-            "{name}: {} parameters, f32 master weights on {}, {} compute, ppo, {steps} timed step(s) per shape{}{}{}",
+            "{name}: {} parameters, f32 master weights on {}, {} compute, ppo, {steps} timed step(s) per shape{}{}{}{}",
             config.num_parameters(),
             args.device,
             compute,
+            args.group.map_or(String::new(), |(p, a)| format!(
+                ", B groups of 8 {a}-token replies to a {p}-token prompt"
+            )),
             if args.activation_checkpointing {
                 ", activations recomputed"
             } else {
@@ -155,7 +164,12 @@ pub fn run(args: &BenchTrainerArgs) -> anyhow::Result<ExitCode> {
             let mut trainer = NativeTrainer::new(Arc::clone(&snapshot), settings, None)?;
             trainer.set_graph_backward(args.graph_backward);
             let vocab = snapshot.config().vocab_size as u32;
-            let batch = [filled_group(rows, len, vocab)?];
+            let batch = match args.group {
+                Some((prompt, reply)) => (0..rows)
+                    .map(|g| prompt_group(g, prompt, reply, vocab))
+                    .collect::<anyhow::Result<Vec<_>>>()?,
+                None => vec![filled_group(rows, len, vocab)?],
+            };
             trainer.rl_step(&batch)?;
             let mut timed_steps = || -> anyhow::Result<(usize, f64, StepParts)> {
                 let (mut tokens, mut seconds) = (0usize, 0.0f64);
@@ -438,7 +452,16 @@ fn packing_mix(rows: usize, len: usize) -> (f64, f64, usize) {
 }
 
 fn parse_shape(s: &str) -> Result<(usize, usize), String> {
-    let bad = || format!("expected a shape BxL such as 8x512, got `{s}`");
+    parse_pair(s, "a shape BxL such as 8x512")
+}
+
+fn parse_group(s: &str) -> Result<(usize, usize), String> {
+    parse_pair(s, "prompt and reply tokens PxA such as 90x40")
+}
+
+/// Two positive numbers joined by `x`.
+fn parse_pair(s: &str, expected: &str) -> Result<(usize, usize), String> {
+    let bad = || format!("expected {expected}, got `{s}`");
     let (b, l) = s.split_once('x').ok_or_else(bad)?;
     match (b.parse::<usize>(), l.parse::<usize>()) {
         (Ok(b), Ok(l)) if b > 0 && l > 0 => Ok((b, l)),

@@ -259,6 +259,32 @@ fn prefix_rows(batch: usize, len: usize, seed: usize) -> (Vec<u32>, Vec<u32>) {
     (seg, prefix)
 }
 
+/// GRPO rows as `trainer.share_prompts` packs them: a prompt (segment 1) of a few slots, then
+/// replies of 30 to 80 slots that each see it (a later reply's queries skip the earlier ones).
+fn group_rows(batch: usize, len: usize, seed: usize) -> (Vec<u32>, Vec<u32>) {
+    let mut seg = vec![0u32; batch * len];
+    let mut prefix = vec![0u32; batch * len];
+    for r in 0..batch {
+        let mut at = 0;
+        for id in 1u32.. {
+            if at >= len {
+                break;
+            }
+            let n = if id == 1 {
+                3 + (r + seed) % 7
+            } else {
+                [30, 70, 45, 80][(id as usize + r) % 4]
+            };
+            for i in at..(at + n).min(len) {
+                seg[r * len + i] = id;
+                prefix[r * len + i] = if id > 1 { 1 } else { 0 };
+            }
+            at += n;
+        }
+    }
+    (seg, prefix)
+}
+
 /// The composition: dense additive mask from the segment and prefix ids (`PackedBatch`'s rule),
 /// softmax over `(B, heads, L, L)`.
 fn attention_composed(
@@ -322,9 +348,11 @@ fn packed_attention_matches_the_composition_and_finite_differences() {
                 kv_heads: kv,
                 head_dim: d,
             };
-            // Plain packed segments, then shared prefixes continued by several segments.
+            // Plain packed segments, then shared prefixes continued by several segments, short
+            // and (as a GRPO group's replies to one prompt) longer than a query block.
             let plain = (segment_rows(b, l, k), vec![0; b * l]);
-            for (seg, prefix) in [plain, prefix_rows(b, l, k)] {
+            let rows = [plain, prefix_rows(b, l, k), group_rows(b, l, k)];
+            for (seg, prefix) in rows {
                 let segments = Arc::new(Segments::with_prefixes(b, l, &seg, &prefix).unwrap());
                 let n = b * l;
                 let q = rand(&[n, h * d], 10, dtype);

@@ -299,6 +299,15 @@ impl<'a, T> Mat<'a, T> {
         }
     }
 
+    /// The transpose of this view.
+    pub fn t(self) -> Self {
+        Self {
+            data: self.data,
+            rs: self.cs,
+            cs: self.rs,
+        }
+    }
+
     fn fits(&self, rows: usize, cols: usize) -> bool {
         rows == 0 || cols == 0 || (rows - 1) * self.rs + (cols - 1) * self.cs < self.data.len()
     }
