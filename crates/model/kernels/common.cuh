@@ -65,6 +65,34 @@ __device__ __forceinline__ bool tiles_meet(const unsigned* tiles, unsigned b, un
   return false;
 }
 
+// Values of T a 16-byte load moves, and whether `n` values at `p` start on a 16-byte boundary
+// and fill whole loads (then every later run of `n` does too).
+template <typename T>
+constexpr unsigned VEC = 16 / sizeof(T);
+template <typename T>
+__device__ __forceinline__ bool vec_aligned(const T* p, u64 n) {
+  return ((u64)(const void*)p | (n * sizeof(T))) % 16 == 0;
+}
+
+// VEC<T> values at `p` (16-byte aligned) in one load, widened to f32.
+template <typename T>
+__device__ __forceinline__ void load_vec(const T* p, float (&z)[VEC<T>]) {
+  const uint4 w = *reinterpret_cast<const uint4*>(p);
+  const T* e = reinterpret_cast<const T*>(&w);
+#pragma unroll
+  for (unsigned i = 0; i < VEC<T>; ++i) z[i] = ld(e, i);
+}
+
+// VEC<T> values each rounded once to T, stored at `p` (16-byte aligned) in one store.
+template <typename T>
+__device__ __forceinline__ void store_vec(T* p, const float (&z)[VEC<T>]) {
+  uint4 w;
+  T* e = reinterpret_cast<T*>(&w);
+#pragma unroll
+  for (unsigned i = 0; i < VEC<T>; ++i) st(e, i, z[i]);
+  *reinterpret_cast<uint4*>(p) = w;
+}
+
 #define GRID_STRIDE(i, n)                                                                         \
   for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < (n); i += (u64)blockDim.x * gridDim.x)
 

@@ -82,23 +82,56 @@ __device__ void rms_bwd_dw_sum(const float* part, T* dw, unsigned chunks, unsign
 
 __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
+// SwiGLU is bound by memory (at [8, 2048] on Qwen2.5-0.5B's shapes about 78 KB a token and
+// layer, forward and backward): where every tensor starts on a 16-byte boundary and n fills whole
+// loads, each thread moves 16 bytes a load (8 bf16 or 4 f32), else one value.
+
 // out = silu(gate) * up
 template <typename T>
 __device__ void swiglu_fwd(const T* gate, const T* up, T* out, u64 n) {
-  GRID_STRIDE(i, n) {
-    const float g = ld(gate, i);
-    st(out, i, g * sigmoid(g) * ld(up, i));
+  const auto one = [](float g, float u) { return g * sigmoid(g) * u; };
+  if (vec_aligned(gate, n) && vec_aligned(up, n) && vec_aligned(out, n)) {
+    GRID_STRIDE(c, n / VEC<T>) {
+      float g[VEC<T>], u[VEC<T>];
+      load_vec(gate + c * VEC<T>, g);
+      load_vec(up + c * VEC<T>, u);
+#pragma unroll
+      for (unsigned k = 0; k < VEC<T>; ++k) g[k] = one(g[k], u[k]);
+      store_vec(out + c * VEC<T>, g);
+    }
+    return;
   }
+  GRID_STRIDE(i, n) st(out, i, one(ld(gate, i), ld(up, i)));
 }
 
 // grads[0..n) = d gate = grad * up * s * (1 + gate * (1 - s)),  grads[n..2n) = d up = grad * silu(gate)
 template <typename T>
 __device__ void swiglu_bwd(const T* gate, const T* up, const T* grad, T* grads, u64 n) {
+  // d gate into `g`'s place and d up into `u`'s, from gate g, up u and the gradient r.
+  const auto one = [](float& g, float& u, float r) {
+    const float s = sigmoid(g), dg = r * u * s * (1.0f + g * (1.0f - s));
+    u = r * g * s;
+    g = dg;
+  };
+  if (vec_aligned(gate, n) && vec_aligned(up, n) && vec_aligned(grad, n) &&
+      vec_aligned(grads, n)) {
+    GRID_STRIDE(c, n / VEC<T>) {
+      float g[VEC<T>], u[VEC<T>], r[VEC<T>];
+      load_vec(gate + c * VEC<T>, g);
+      load_vec(up + c * VEC<T>, u);
+      load_vec(grad + c * VEC<T>, r);
+#pragma unroll
+      for (unsigned k = 0; k < VEC<T>; ++k) one(g[k], u[k], r[k]);
+      store_vec(grads + c * VEC<T>, g);
+      store_vec(grads + n + c * VEC<T>, u);
+    }
+    return;
+  }
   GRID_STRIDE(i, n) {
-    const float g = ld(gate, i), u = ld(up, i), gr = ld(grad, i);
-    const float s = sigmoid(g);
-    st(grads, i, gr * u * s * (1.0f + g * (1.0f - s)));
-    st(grads, n + i, gr * g * s);
+    float g = ld(gate, i), u = ld(up, i);
+    one(g, u, ld(grad, i));
+    st(grads, i, g);
+    st(grads, n + i, u);
   }
 }
 

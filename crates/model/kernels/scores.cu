@@ -46,34 +46,18 @@ struct RowStats {
   }
 };
 
-// Values per 16-byte load, and whether a row of V values at `p` (and every later row) starts on
-// a 16-byte boundary.
-template <typename T>
-constexpr unsigned VEC = 16 / sizeof(T);
-template <typename T>
-__device__ __forceinline__ bool rows_aligned(const T* p, unsigned V) {
-  return ((u64)(const void*)p | ((u64)V * sizeof(T))) % 16 == 0;
-}
-
-// VEC<T> values from `p` (16-byte aligned), widened and scaled by `k`.
-template <typename T>
-__device__ __forceinline__ void load_vec(const T* p, float k, float (&z)[VEC<T>]) {
-  const uint4 w = *reinterpret_cast<const uint4*>(p);
-  const T* e = reinterpret_cast<const T*>(&w);
-#pragma unroll
-  for (unsigned i = 0; i < VEC<T>; ++i) z[i] = ld(e, i) * k;
-}
-
 // The statistics of one row, in every thread: m2 = max z and ls2 = log2 s in base 2, and the
 // entropy H in nats. One pass over the row, then the threads' shares rebased on the row's max
 // and summed in a fixed order (`block_sum`).
 template <typename T>
 __device__ void row_stats(const T* z, unsigned V, float k2, float& m2, float& ls2, float& h) {
   RowStats r;
-  if (rows_aligned(z, V)) {
+  if (vec_aligned(z, V)) {
     for (unsigned c = threadIdx.x; c < V / VEC<T>; c += blockDim.x) {
       float v[VEC<T>];
-      load_vec(z + (u64)c * VEC<T>, k2, v);
+      load_vec(z + (u64)c * VEC<T>, v);
+#pragma unroll
+      for (unsigned i = 0; i < VEC<T>; ++i) v[i] *= k2;
       float mx = v[0];
 #pragma unroll
       for (unsigned i = 1; i < VEC<T>; ++i) mx = fmaxf(mx, v[i]);
@@ -122,15 +106,13 @@ __device__ void scores_bwd(const T* logits, const unsigned* targets, const float
     const float g = -exp2_fast(l2) * (g_lp + g_h * (logp + h)) + (j == t ? g_lp : 0.0f);
     return g * inv_t;
   };
-  if (rows_aligned(logits, V) && rows_aligned(gz, V)) {
+  if (vec_aligned(logits, V) && vec_aligned(gz, V)) {
     for (unsigned c = threadIdx.x; c < V / VEC<T>; c += blockDim.x) {
       float v[VEC<T>];
-      load_vec(logits + at + (u64)c * VEC<T>, k2, v);
-      uint4 w;
-      T* e = reinterpret_cast<T*>(&w);
+      load_vec(logits + at + (u64)c * VEC<T>, v);
 #pragma unroll
-      for (unsigned i = 0; i < VEC<T>; ++i) st(e, i, grad_at(v[i], c * VEC<T> + i));
-      *reinterpret_cast<uint4*>(gz + at + (u64)c * VEC<T>) = w;
+      for (unsigned i = 0; i < VEC<T>; ++i) v[i] = grad_at(v[i] * k2, c * VEC<T> + i);
+      store_vec(gz + at + (u64)c * VEC<T>, v);
     }
     return;
   }

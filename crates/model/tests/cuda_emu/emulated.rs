@@ -180,24 +180,26 @@ fn emulated_norm_swiglu_and_rope_kernels_match_the_cpu_ops() {
             check("rms norm dx", dtype, &b[..rows * d], &g[0]);
             check("rms norm dw", dtype, &b[rows * d..], &g[1]);
         }
-        let n = 1000;
-        let xs = inputs(&[&[n], &[n], &[n]], 7, dtype);
-        let (y, g) = reference(&xs[..2], &xs[2], &|t| fused::swiglu(&t[0], &t[1]).unwrap());
-        let f = emulate(
-            "swiglu_fwd",
-            dtype,
-            &[In::Floats(&xs[0]), In::Floats(&xs[1])],
-            &[n.to_string()],
-        );
-        check("swiglu", dtype, &f, &y);
-        let b = emulate(
-            "swiglu_bwd",
-            dtype,
-            &[In::Floats(&xs[0]), In::Floats(&xs[1]), In::Floats(&xs[2])],
-            &[n.to_string()],
-        );
-        check("swiglu d gate", dtype, &b[..n], &g[0]);
-        check("swiglu d up", dtype, &b[n..], &g[1]);
+        // 1,000 values move 16 bytes a load, 1,001 one at a time.
+        for n in [1000, 1001] {
+            let xs = inputs(&[&[n], &[n], &[n]], 7, dtype);
+            let (y, g) = reference(&xs[..2], &xs[2], &|t| fused::swiglu(&t[0], &t[1]).unwrap());
+            let f = emulate(
+                "swiglu_fwd",
+                dtype,
+                &[In::Floats(&xs[0]), In::Floats(&xs[1])],
+                &[n.to_string()],
+            );
+            check("swiglu", dtype, &f, &y);
+            let b = emulate(
+                "swiglu_bwd",
+                dtype,
+                &[In::Floats(&xs[0]), In::Floats(&xs[1]), In::Floats(&xs[2])],
+                &[n.to_string()],
+            );
+            check("swiglu d gate", dtype, &b[..n], &g[0]);
+            check("swiglu d up", dtype, &b[n..], &g[1]);
+        }
         let (rows, heads, d) = (5, 3, 8);
         let xs = inputs(
             &[
