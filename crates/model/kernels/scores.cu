@@ -33,7 +33,7 @@ struct RowStats {
     }
     m = m2;
   }
-  // Adds `n` values whose largest is `mx`.
+  // Adds the N values of `z`, whose largest is `mx`.
   template <unsigned N>
   __device__ __forceinline__ void add(const float (&z)[N], float mx) {
     if (mx > m) rebase(mx);

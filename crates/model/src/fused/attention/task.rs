@@ -112,7 +112,7 @@ impl<'a, T: Real> Task<'a, T> {
     /// quickstart packs ~29-slot texts into 128-slot rows: about a fifth of a 64 × 64 block was
     /// used), and a completion that continues a shared prompt skips the group's earlier
     /// completions between the two (the recipe's rows: a prompt and 8 replies; the walk was
-    /// about 2.3 times the visible keys). Any split is exact: each block's keys start at or
+    /// about 2.5 times the visible keys). Any split is exact: each block's keys start at or
     /// before every one of its queries' first key, and its gap holds none they see.
     fn spans(&self) -> Vec<Span> {
         let l = self.l();
