@@ -85,12 +85,7 @@ __device__ void attn_tc_fwd(const bf16* q, const bf16* k, const bf16* v, const u
   unsigned lo = 0xffffffffu;
   for (unsigned t = 0; t < BQ; ++t) lo = min(lo, qfirst[t]);
   const unsigned hi = i0 + nq;
-  // The key tiles the block visits from slot j on: up to its last query, those some query of
-  // the block sees by the tile mask (a shared prompt's later completions skip the earlier ones).
-  const auto next = [&](unsigned j) {
-    while (j < hi && !tiles_meet(tiles, b, L, i0, hi - 1, j, min(j + BK, hi) - 1)) j += BK;
-    return j;
-  };
+  const auto next = [&](unsigned j) { return next_key_tile(tiles, b, L, i0, hi, j, BK); };
   const auto stage_keys = [&](unsigned j) {
     stage<D>(ks, k, row0 + j, min(BK, hi - j), BK, KV * D, kh * D);
     stage_words(kseg, seg, row0 + j, min(BK, hi - j), BK);
@@ -365,11 +360,7 @@ __device__ void attn_tc_bwd_q(const bf16* q, const bf16* k, const bf16* v, const
   const unsigned hi = i0 + nq;
   const float lse2[2] = {qlse[rows[0]], qlse[rows[1]]};
   const float dl[2] = {qdelta[rows[0]], qdelta[rows[1]]};
-  // As the forward's: the key tiles the block visits from slot j on.
-  const auto next = [&](unsigned j) {
-    while (j < hi && !tiles_meet(tiles, b, L, i0, hi - 1, j, min(j + BK, hi) - 1)) j += BK;
-    return j;
-  };
+  const auto next = [&](unsigned j) { return next_key_tile(tiles, b, L, i0, hi, j, BK); };
   // Key tile j's rows of K and V and its segments into buffer x.
   const auto stage_keys = [&](unsigned j, unsigned x) {
     const unsigned nk = min(BK, hi - j);

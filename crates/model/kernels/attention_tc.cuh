@@ -136,28 +136,34 @@ __device__ __forceinline__ bool span_segment_seen(unsigned span, unsigned seg, u
   return span != NONE && (span == seg || (pre != 0 && span == pre));
 }
 
-// Copies from global to shared memory that run while the block computes (`cp.async`, sm_80 on):
-// a thread issues them, and sees its own landed after `cp_async_wait`; the block sees them all
-// after the barrier that follows. `ok` false writes zeros and reads nothing (`src` must still
-// be an address of the tensor).
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool ok) {
-#ifdef SLUICE_CUDA_EMU
-  emu::cp_async(dst, src, ok ? 16 : 0, 16);
-#else
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(
-                   (unsigned)__cvta_generic_to_shared(dst)),
-               "l"(src), "r"(ok ? 16 : 0)
-               : "memory");
-#endif
+// The first tile of `bk` keys from slot j on (up to `hi`, the block's last query + 1) that some
+// query of slots i0..hi sees by the tile mask, or `hi`: the key tiles the forward and the dQ
+// pass visit (a shared prompt's later completions skip the earlier ones).
+__device__ __forceinline__ unsigned next_key_tile(const unsigned* tiles, unsigned b, unsigned L,
+                                                  unsigned i0, unsigned hi, unsigned j,
+                                                  unsigned bk) {
+  while (j < hi && !tiles_meet(tiles, b, L, i0, hi - 1, j, min(j + bk, hi) - 1)) j += bk;
+  return j;
 }
-__device__ __forceinline__ void cp_async4(void* dst, const void* src, bool ok) {
+
+// Copies of N bytes (16, or 4 for slot arrays) from global to shared memory that run while the
+// block computes (`cp.async`, sm_80 on): a thread issues them, and sees its own landed after
+// `cp_async_wait`; the block sees them all after the barrier that follows. `ok` false writes
+// zeros and reads nothing (`src` must still be an address of the tensor). 16-byte copies bypass
+// L1 (`.cg`: tiles are read once from it); 4-byte ones can only go through it (`.ca`).
+template <unsigned N>
+__device__ __forceinline__ void cp_async(void* dst, const void* src, bool ok) {
+  static_assert(N == 16 || N == 4, "16 bytes, or a 4-byte word");
 #ifdef SLUICE_CUDA_EMU
-  emu::cp_async(dst, src, ok ? 4 : 0, 4);
+  emu::cp_async(dst, src, ok ? N : 0, N);
 #else
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(
-                   (unsigned)__cvta_generic_to_shared(dst)),
-               "l"(src), "r"(ok ? 4 : 0)
-               : "memory");
+  const unsigned to = (unsigned)__cvta_generic_to_shared(dst), n = ok ? N : 0;
+  if constexpr (N == 16)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(to), "l"(src), "r"(n)
+                 : "memory");
+  else
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(to), "l"(src), "r"(n)
+                 : "memory");
 #endif
 }
 // Every copy this thread has issued has landed.
@@ -176,7 +182,7 @@ __device__ __forceinline__ void stage_words(T* dst, const T* src, u64 slot0, uns
                                             unsigned n) {
   static_assert(sizeof(T) == 4, "words");
   const unsigned t = threadIdx.x;
-  if (t < n) cp_async4(dst + t, src + slot0 + min(t, valid - 1), t < valid);
+  if (t < n) cp_async<4>(dst + t, src + slot0 + min(t, valid - 1), t < valid);
 }
 
 // The segment every key of a staged tile of BK shares, or NONE: one vote a 32 keys, by every
@@ -195,7 +201,7 @@ __device__ __forceinline__ unsigned tile_segment(const unsigned* kseg) {
 // `rows` slots of one head of a (N, stride) tensor from slot `slot0` into `dst`, zeros past
 // `valid` (at least 1). Where every row of the head starts on a 16-byte boundary (the staged
 // rows always do: LD * 2 bytes is a multiple of 16), 16 bytes (8 values) a copy, asynchronously
-// (`cp_async16`: the caller waits before the block reads them); otherwise one value a load and
+// (`cp_async`: the caller waits before the block reads them); otherwise one value a load and
 // a store, at once.
 template <unsigned D, unsigned LD = D + 8>
 __device__ __forceinline__ void stage(bf16 (*dst)[LD], const bf16* src, u64 slot0, unsigned valid,
@@ -205,7 +211,7 @@ __device__ __forceinline__ void stage(bf16 (*dst)[LD], const bf16* src, u64 slot
   if (at % 16 == 0) {
     for (unsigned e = threadIdx.x; e < rows * PER_ROW; e += blockDim.x) {
       const unsigned r = e / PER_ROW, c = (e % PER_ROW) * V;
-      cp_async16(&dst[r][c], src + (slot0 + min(r, valid - 1)) * stride + col0 + c, r < valid);
+      cp_async<16>(&dst[r][c], src + (slot0 + min(r, valid - 1)) * stride + col0 + c, r < valid);
     }
     return;
   }
