@@ -105,17 +105,22 @@ impl std::fmt::Debug for Bf16Weight {
 impl Bf16Weight {
     /// Packs the row-major weight `w` of `n` outputs by `k` inputs (on the current rayon pool).
     pub fn pack(w: &[f32], n: usize, k: usize) -> Self {
+        let mut packed = Self::zeros(n, k);
+        packed.repack(w);
+        packed
+    }
+
+    /// A weight of `n` outputs by `k` inputs, every value (and the padding) zero.
+    fn zeros(n: usize, k: usize) -> Self {
         let k_blocks = k.div_ceil(K_BLOCK);
         let n_padded = n.div_ceil(PAIR) * PAIR;
-        let mut packed = Self {
+        Self {
             n,
             k,
             k_blocks,
             n_padded,
             lines: vec![ZERO_LINE; n_padded / TILE * k_blocks * TILE],
-        };
-        packed.repack(w);
-        packed
+        }
     }
 
     /// Packs `w` (same shape) into this weight's own memory: a weight swap's new version, with
@@ -131,25 +136,41 @@ impl Bf16Weight {
             "amx pack: weight of {} values for ({n}, {k})",
             w.len()
         );
+        self.repack_with(|[j, cols, first, len], block| {
+            for (col, values) in block.iter_mut().enumerate().take(cols) {
+                values[..len].copy_from_slice(&w[(j + col) * k + first..][..len]);
+            }
+        });
+    }
+
+    /// Packs the values `read([j, cols, first, len], block)` gives: `block[col][..len]` gets
+    /// inputs `first .. first + len` of output `j + col`, for `col < cols` (a block of at most
+    /// a tile's outputs and one line's inputs).
+    fn repack_with(&mut self, read: impl Fn([usize; 4], &mut [[f32; K_BLOCK]; TILE]) + Sync) {
+        let (n, k) = (self.n, self.k);
         // One column tile's blocks: `k_blocks` tiles of TILE lines.
         let per_tile = self.k_blocks * TILE;
         // One column tile (16 outputs) at a time, block by block: the block's 16 × 32 inputs
-        // are read row by row (contiguous) and its 16 lines written in order; padding stays zero.
+        // are read output by output and its 16 lines written in order; padding stays zero.
         let fill = |(nb, tile): (usize, &mut [Line])| {
             let cols = n.saturating_sub(nb * TILE).min(TILE);
             for (kb, lines) in tile.chunks_exact_mut(TILE).enumerate() {
                 let (first, len) = (kb * K_BLOCK, (k - kb * K_BLOCK).min(K_BLOCK));
                 let mut block = [[0f32; K_BLOCK]; TILE];
-                for (col, values) in block.iter_mut().enumerate().take(cols) {
-                    let row = (nb * TILE + col) * k + first;
-                    values[..len].copy_from_slice(&w[row..row + len]);
+                // A tile wholly past output `n` (the padding to 32 outputs) reads nothing.
+                if cols > 0 {
+                    read([nb * TILE, cols, first, len], &mut block);
                 }
-                for (pair, line) in lines.iter_mut().enumerate() {
-                    for (col, values) in block.iter().enumerate() {
-                        line.0[2 * col] = bf16_bits(values[2 * pair]);
-                        line.0[2 * col + 1] = bf16_bits(values[2 * pair + 1]);
-                    }
+                #[cfg(target_arch = "x86_64")]
+                if std::arch::is_x86_feature_detected!("avx512f") {
+                    // SAFETY: the CPU has AVX-512F.
+                    #[allow(unsafe_code)]
+                    unsafe {
+                        pack_block_wide(&block, lines)
+                    };
+                    continue;
                 }
+                pack_block(&block, lines);
             }
         };
         #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
@@ -202,6 +223,36 @@ impl Bf16Weight {
     pub fn product(&self, x: &Bf16Rows) -> Vec<f32> {
         products(&[self], x).pop().expect("one product")
     }
+}
+
+/// A block's 16 outputs × 32 inputs (`block[col][input]`) rounded into its 16 lines, line `p`
+/// holding each output's inputs `2p, 2p + 1` (the tiles' pair order): rounded row by row,
+/// then the pairs turned as a 16 × 16 matrix of 32-bit words.
+#[inline(always)]
+fn pack_block(block: &[[f32; K_BLOCK]; TILE], lines: &mut [Line]) {
+    let mut pairs = [[0u32; TILE]; TILE];
+    for (words, values) in pairs.iter_mut().zip(block) {
+        for (w, v) in words.iter_mut().zip(values.chunks_exact(2)) {
+            *w = u32::from(bf16_bits(v[0])) | u32::from(bf16_bits(v[1])) << 16;
+        }
+    }
+    for (p, line) in lines.iter_mut().enumerate() {
+        for (col, words) in pairs.iter().enumerate() {
+            line.0[2 * col] = words[p] as u16;
+            line.0[2 * col + 1] = (words[p] >> 16) as u16;
+        }
+    }
+}
+
+/// [`pack_block`] compiled for AVX-512 (the crate targets baseline x86-64).
+///
+/// # Safety
+/// The CPU has AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[allow(unsafe_code)]
+unsafe fn pack_block_wide(block: &[[f32; K_BLOCK]; TILE], lines: &mut [Line]) {
+    pack_block(block, lines)
 }
 
 /// `x · wᵀ` for each of `weights`, row-major `(m, w.rows())` each, in one pass of the thread
@@ -442,150 +493,7 @@ unsafe fn fill_wide(
 
 #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
 mod tiles;
+mod views;
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn values(len: usize, seed: u32) -> Vec<f32> {
-        (0..len)
-            .map(|i| {
-                let h = (i as u32)
-                    .wrapping_mul(2_654_435_761)
-                    .wrapping_add(seed.wrapping_mul(40_503));
-                (h >> 8) as f32 / (1u32 << 24) as f32 - 0.5
-            })
-            .collect()
-    }
-
-    #[test]
-    fn rounding_is_to_nearest_even() {
-        assert_eq!(bf16_bits(1.0), 0x3f80);
-        // 1 + 2^-8 is halfway between bf16 neighbours 1 and 1 + 2^-7: ties go to even (1).
-        assert_eq!(bf16_bits(1.0 + 1.0 / 256.0), 0x3f80);
-        assert_eq!(bf16_bits(1.0 + 3.0 / 256.0), 0x3f82);
-        assert!(f32::from_bits(u32::from(bf16_bits(f32::NAN)) << 16).is_nan());
-        assert_eq!(bf16_bits(f32::INFINITY), 0x7f80);
-    }
-
-    #[test]
-    fn packing_keeps_every_value_at_its_bf16_rounding() {
-        for (n, k) in [(1, 1), (17, 33), (64, 576), (40, 70)] {
-            let w = values(n * k, 3);
-            let packed = Bf16Weight::pack(&w, n, k);
-            let back = packed.unpack();
-            for (b, v) in back.iter().zip(&w) {
-                assert_eq!(b.to_bits() >> 16, u32::from(bf16_bits(*v)));
-            }
-        }
-    }
-
-    /// The fused norm rounds exactly what the f32 op computes, small and large.
-    #[test]
-    fn rms_norm_rows_are_the_rounded_norm() {
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(2)
-            .build()
-            .unwrap();
-        for (m, k) in [(3, 40), (130, 576)] {
-            let (x, w) = (values(m * k, 7), values(k, 8));
-            let cpu = &candle_core::Device::Cpu;
-            let xt = candle_core::Tensor::from_slice(&x, (m, k), cpu).unwrap();
-            let wt = candle_core::Tensor::from_slice(&w, k, cpu).unwrap();
-            let normed: Vec<f32> = crate::fused::rms_norm(&xt, &wt, 1e-5)
-                .and_then(|t| t.flatten_all()?.to_vec1())
-                .unwrap();
-            let want = Bf16Rows::round(&normed, m, k);
-            let got = pool.install(|| Bf16Rows::rms_norm(&x, &w, 1e-5, m, k));
-            for (i, (a, b)) in got.lines.iter().zip(&want.lines).enumerate() {
-                assert_eq!(a.0, b.0, "({m}, {k}): line {i}");
-            }
-            assert_eq!(got.lines.len(), want.lines.len());
-        }
-    }
-
-    /// The fused activation rounds exactly what the f32 op computes, on one thread (small) and
-    /// on the pool (large, rows past a multiple of 16), zeros in the padding.
-    #[test]
-    fn swiglu_rows_are_the_rounded_activation() {
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(2)
-            .build()
-            .unwrap();
-        for (m, k) in [(3, 40), (50, 1536), (64, 70)] {
-            let (g, u) = (values(m * k, 5), values(m * k, 6));
-            let gt = candle_core::Tensor::from_slice(&g, (m, k), &candle_core::Device::Cpu);
-            let ut = candle_core::Tensor::from_slice(&u, (m, k), &candle_core::Device::Cpu);
-            let act: Vec<f32> = crate::fused::swiglu(&gt.unwrap(), &ut.unwrap())
-                .and_then(|t| t.flatten_all()?.to_vec1())
-                .unwrap();
-            let want = Bf16Rows::round(&act, m, k);
-            let got = pool.install(|| Bf16Rows::swiglu(&g, &u, m, k));
-            assert_eq!(
-                (got.m, got.k, got.lines.len()),
-                (want.m, want.k, want.lines.len())
-            );
-            for (i, (a, b)) in got.lines.iter().zip(&want.lines).enumerate() {
-                assert_eq!(a.0, b.0, "({m}, {k}): line {i}");
-            }
-        }
-    }
-
-    /// The tiles against f64 sums of the same bf16-rounded operands: only the f32 summation
-    /// differs.
-    #[test]
-    fn products_in_one_pass_equal_each_alone() {
-        if !available() {
-            eprintln!("no AMX on this CPU: the tile kernel is not exercised here");
-            return;
-        }
-        let (m, k) = (40, 100);
-        let x = Bf16Rows::round(&values(m * k, 3), m, k);
-        let weights: Vec<Bf16Weight> = [576, 192, 70]
-            .iter()
-            .zip(4..)
-            .map(|(&n, seed)| Bf16Weight::pack(&values(n * k, seed), n, k))
-            .collect();
-        let together = products(&weights.iter().collect::<Vec<_>>(), &x);
-        assert_eq!(together.len(), weights.len());
-        for (w, got) in weights.iter().zip(&together) {
-            assert_eq!(got, &w.product(&x), "({}, {k})", w.rows());
-        }
-    }
-
-    #[test]
-    fn tile_products_match_the_rounded_operands() {
-        if !available() {
-            eprintln!("no AMX on this CPU: the tile kernel is not exercised here");
-            return;
-        }
-        for (m, k, n) in [
-            (1, 32, 32),
-            (5, 33, 17),
-            (64, 576, 192),
-            (37, 100, 70),
-            (96, 64, 96),
-            // Two chunks of rows (256 and 44).
-            (300, 64, 40),
-        ] {
-            let (x, w) = (values(m * k, 1), values(n * k, 2));
-            let packed = Bf16Weight::pack(&w, n, k);
-            let got = packed.linear(&x, m);
-            assert_eq!(got.len(), m * n);
-            let round = |v: f32| f64::from(f32::from_bits(u32::from(bf16_bits(v)) << 16));
-            for r in 0..m {
-                for j in 0..n {
-                    let want: f64 = (0..k)
-                        .map(|i| round(x[r * k + i]) * round(w[j * k + i]))
-                        .sum();
-                    let err = (f64::from(got[r * n + j]) - want).abs();
-                    assert!(
-                        err <= 1e-5 * (k as f64).sqrt(),
-                        "({m},{k},{n}) [{r},{j}]: {} vs {want}",
-                        got[r * n + j]
-                    );
-                }
-            }
-        }
-    }
-}
+mod tests;

@@ -76,6 +76,7 @@ impl TrainableModel {
         activations: Activations,
     ) -> Result<(TokenScores, SavedActivations)> {
         check_temperature(options.temperature)?;
+        let _tiles = self.products_scope();
         let hand = self.layers_by_hand();
         if activations == Activations::Kept && !hand {
             let scores = self.token_scores(batch, options)?;
@@ -132,6 +133,7 @@ impl TrainableModel {
     /// `loss`, then each layer's, last first (recomputing its activations where only its input
     /// was kept), then the embedding's.
     pub fn backward_saved(&self, loss: &Tensor, saved: SavedActivations) -> Result<GradStore> {
+        let _tiles = self.products_scope();
         let Saved::Layers {
             inputs,
             layers,

@@ -31,10 +31,11 @@ pub(crate) struct StepWeights {
 impl TrainableModel {
     /// The parameters [`Self::set_step_weights`] takes, as indices into [`Self::vars`], in the
     /// order it takes them: every parameter the forward reads whole, which is all but an untied
-    /// embedding (the forward gathers its rows from the master table). Empty when the model
-    /// computes in its parameters' dtype: there is nothing to convert.
+    /// embedding (the forward gathers its rows from the master table). Empty when the
+    /// forward's tensors are in the parameters' dtype (the compute dtype is theirs, or the
+    /// products round on AMX tiles): there is nothing to convert.
     pub fn step_weight_params(&self) -> Vec<usize> {
-        if self.compute_dtype() == self.dtype() {
+        if self.tensor_dtype() == self.dtype() {
             return Vec::new();
         }
         let tied = self.config().tie_word_embeddings;
@@ -65,7 +66,7 @@ impl TrainableModel {
         for (i, t) in params.into_iter().zip(converted) {
             let (name, master) = &self.vars()[i];
             let master = master.as_tensor();
-            if t.dtype() != self.compute_dtype()
+            if t.dtype() != self.tensor_dtype()
                 || t.dims() != master.dims()
                 || !t.device().same_device(master.device())
             {
@@ -74,7 +75,7 @@ impl TrainableModel {
                     t.dtype(),
                     t.dims(),
                     t.device().location(),
-                    self.compute_dtype(),
+                    self.tensor_dtype(),
                     master.dims(),
                     master.device().location(),
                 )));

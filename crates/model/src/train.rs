@@ -171,10 +171,40 @@ impl TrainableModel {
             return false;
         }
         if crate::fused::supported(embed) {
-            return self.compute == self.dtype();
+            return self.compute == self.dtype() || self.tile_products();
         }
         matches!(self.compute, DType::F32 | DType::BF16)
             && crate::fused::on_device_head_dim(self.config.head_dim)
+    }
+
+    /// Whether this model's products run on AMX tiles: a CPU with AMX, f32 parameters and
+    /// bf16 compute. The linear layers and the head then round their operands to bf16 and sum
+    /// in f32 ([`crate::fused::Bf16Products`]), while every tensor stays f32: the CPU's fused
+    /// kernels are f32 and f64, and there the rounding that matters for speed is the
+    /// products'.
+    pub(crate) fn tile_products(&self) -> bool {
+        let embed = &self.weights.embed;
+        self.compute == DType::BF16
+            && embed.dtype() == DType::F32
+            && crate::fused::supported(embed)
+            && self.kernels.custom_for(embed)
+            && crate::amx::available()
+    }
+
+    /// This thread's products on the tiles while the guard lives, where the model takes them
+    /// ([`Self::tile_products`]); off otherwise.
+    pub(crate) fn products_scope(&self) -> crate::fused::Bf16Products {
+        crate::fused::Bf16Products::enter(self.tile_products())
+    }
+
+    /// The dtype the forward's tensors (activations and the weights it reads) are in: the
+    /// compute dtype, except with the products on the tiles, where they stay f32.
+    pub(crate) fn tensor_dtype(&self) -> DType {
+        if self.tile_products() {
+            self.dtype()
+        } else {
+            self.compute
+        }
     }
 
     /// The weights the forward reads: the step's converted copies when there are some.
@@ -186,7 +216,8 @@ impl TrainableModel {
     /// them as they are (the parameters themselves, or the step's converted copies).
     pub(crate) fn layer_weights_converted(&self) -> bool {
         let layers = &self.forward_weights().layers;
-        layers.iter().all(|l| l.input_norm.dtype() == self.compute)
+        let dtype = self.tensor_dtype();
+        layers.iter().all(|l| l.input_norm.dtype() == dtype)
     }
 
     /// The master parameters, as the decoder's tensors.
@@ -199,11 +230,11 @@ impl TrainableModel {
         &self,
         i: usize,
     ) -> candle_core::Result<std::borrow::Cow<'_, LayerWeights>> {
-        let layer = &self.forward_weights().layers[i];
-        Ok(if layer.input_norm.dtype() == self.compute {
+        let (layer, dtype) = (&self.forward_weights().layers[i], self.tensor_dtype());
+        Ok(if layer.input_norm.dtype() == dtype {
             std::borrow::Cow::Borrowed(layer)
         } else {
-            std::borrow::Cow::Owned(layer.to_dtype(self.compute)?)
+            std::borrow::Cow::Owned(layer.to_dtype(dtype)?)
         })
     }
 
@@ -272,6 +303,7 @@ impl TrainableModel {
         options: ForwardOptions,
     ) -> Result<TokenScores> {
         check_temperature(options.temperature)?;
+        let _tiles = self.products_scope();
         let hidden = self.hidden_states(batch)?;
         self.scores_from_hidden(&hidden, batch, options)
     }
@@ -284,7 +316,7 @@ impl TrainableModel {
         options: ForwardOptions,
     ) -> Result<TokenScores> {
         let targets = Tensor::new(batch.target_ids.as_slice(), self.device()).ctx("targets")?;
-        let head = self.forward_weights().lm_head.to_dtype(self.compute);
+        let head = self.forward_weights().lm_head.to_dtype(self.tensor_dtype());
         let head = head.ctx("lm head")?;
         let scores = token_scores(
             hidden,
@@ -307,6 +339,7 @@ impl TrainableModel {
     /// Full logits `(B, L, vocab)` in the compute dtype. Materializes everything: for tests and
     /// small evaluations, not for training.
     pub fn logits(&self, batch: &PackedBatch) -> Result<Tensor> {
+        let _tiles = self.products_scope();
         let hidden = self.hidden_states(batch)?;
         let cdt = compute_dtype(self.dtype());
         let logits = hidden
@@ -332,7 +365,7 @@ impl TrainableModel {
     pub(crate) fn layer_inputs(&self, batch: &PackedBatch) -> Result<LayerInputs> {
         batch.validate(self.config.vocab_size)?;
         let (b, l) = (batch.batch, batch.seq_len);
-        let (dtype, device) = (self.compute, self.device().clone());
+        let (dtype, device) = (self.tensor_dtype(), self.device().clone());
         let ids = Tensor::new(batch.input_ids.as_slice(), &device).ctx("input ids")?;
         let (cos, sin) = self
             .rope
@@ -365,7 +398,7 @@ impl TrainableModel {
         self.weights
             .embed
             .index_select(&inputs.ids, 0)
-            .and_then(|x| x.to_dtype(self.compute))
+            .and_then(|x| x.to_dtype(self.tensor_dtype()))
             .ctx("embedding")
     }
 
@@ -373,7 +406,7 @@ impl TrainableModel {
         let eps = self.config.rms_norm_eps;
         self.forward_weights()
             .final_norm
-            .to_dtype(self.compute)
+            .to_dtype(self.tensor_dtype())
             .and_then(|w| crate::ops::rms_norm(x, &w, eps, self.kernels))
             .ctx("final norm")
     }

@@ -206,13 +206,17 @@ fn kept_logits_give_the_recomputed_gradients_to_the_bit() {
         (Kernels::Custom, DType::F32),
         (Kernels::Differentiable, DType::F32),
         (Kernels::Custom, DType::BF16),
+        (Kernels::Differentiable, DType::BF16),
     ] {
         let snap = snapshot(tiny_config(ALL_ARCHS[1], false), 9, DType::F32);
         let mut model = TrainableModel::from_snapshot(&snap, DType::F32).unwrap();
         model.set_kernels(kernels).unwrap();
         model.set_compute_dtype(compute).unwrap();
-        // One chunk: 3 rows of the 23-token vocabulary in the compute dtype.
-        let chunk = 3 * 23 * compute.size_in_bytes();
+        // One chunk: 3 rows of the 23-token vocabulary in the dtype of the forward's tensors
+        // (f32 where bf16's products run on AMX tiles).
+        let tiles = kernels == Kernels::Custom && sluice_model::amx::available();
+        let logits = if tiles { DType::F32 } else { compute };
+        let chunk = 3 * 23 * logits.size_in_bytes();
         let gradients = |kept_logits_bytes: usize| {
             let options = ForwardOptions {
                 logits_chunk_rows: 3,
@@ -268,7 +272,9 @@ fn a_loss_that_ignores_the_model_is_refused_by_the_recomputed_backward() {
 
 /// Mixed precision (`trainer.compute_dtype = "bf16"`): the loss and every parameter's gradient
 /// of a bf16-compute step stay within bf16's rounding of the f32 step on the same batch, the
-/// gradients land on the f32 masters in f32, and plain and recomputed backward agree.
+/// gradients land on the f32 masters in f32, and plain and recomputed backward agree. On the
+/// fused kernels where the CPU has AMX (the products on the tiles, every tensor f32: nothing
+/// converted), and on the composition (every tensor bf16 but the statistics).
 #[test]
 fn a_bf16_compute_step_matches_the_f32_step_within_bf16_rounding() {
     let options = ForwardOptions {
@@ -277,52 +283,62 @@ fn a_bf16_compute_step_matches_the_f32_step_within_bf16_rounding() {
         ..ForwardOptions::default()
     };
     let batch = batch();
-    for arch in ALL_ARCHS {
-        for tied in [true, false] {
-            let snap = snapshot(tiny_config(arch, tied), 3, DType::F32);
-            let f32_model = TrainableModel::from_snapshot(&snap, DType::F32).unwrap();
-            let mut bf16_model = TrainableModel::from_snapshot(&snap, DType::F32).unwrap();
-            bf16_model.set_compute_dtype(DType::BF16).unwrap();
-            assert_eq!(bf16_model.compute_dtype(), DType::BF16);
-            assert_eq!(bf16_model.dtype(), DType::F32);
+    let cases = ALL_ARCHS.into_iter().flat_map(|arch| {
+        [true, false].into_iter().flat_map(move |tied| {
+            [Kernels::Custom, Kernels::Differentiable].map(|kernels| (arch, tied, kernels))
+        })
+    });
+    for (arch, tied, kernels) in cases {
+        let snap = snapshot(tiny_config(arch, tied), 3, DType::F32);
+        let f32_model = TrainableModel::from_snapshot(&snap, DType::F32).unwrap();
+        let mut bf16_model = TrainableModel::from_snapshot(&snap, DType::F32).unwrap();
+        bf16_model.set_kernels(kernels).unwrap();
+        bf16_model.set_compute_dtype(DType::BF16).unwrap();
+        assert_eq!(bf16_model.compute_dtype(), DType::BF16);
+        assert_eq!(bf16_model.dtype(), DType::F32);
+        let tiles = kernels == Kernels::Custom && sluice_model::amx::available();
+        assert_eq!(
+            bf16_model.step_weight_params().is_empty(),
+            tiles,
+            "{kernels:?}: weights converted for the forward"
+        );
 
-            let reference = loss_of(f32_model.token_scores(&batch, options).unwrap(), &batch);
-            let mixed_scores = bf16_model.token_scores(&batch, options).unwrap();
-            // Log-probs and entropies come out in f32 whatever the products ran in.
-            assert_eq!(mixed_scores.logprobs.dtype(), DType::F32);
-            let mixed = loss_of(mixed_scores, &batch);
-            let (a, b) = (scalar(&reference), scalar(&mixed));
-            // bf16 keeps 8 significant bits (relative rounding 2^-9 ≈ 2e-3 per product);
-            // measured: the loss within 1.2e-3, gradients within 3.9e-2 (median 1.7e-2).
-            assert!(
-                (a - b).abs() <= 5e-3 * a.abs(),
-                "{arch:?} tied={tied}: loss f32 {a} vs bf16 {b}"
-            );
-            assert!(
-                (a - b).abs() > 0.0,
-                "{arch:?}: the bf16 step computed in f32"
-            );
+        let reference = loss_of(f32_model.token_scores(&batch, options).unwrap(), &batch);
+        let mixed_scores = bf16_model.token_scores(&batch, options).unwrap();
+        // Log-probs and entropies come out in f32 whatever the products ran in.
+        assert_eq!(mixed_scores.logprobs.dtype(), DType::F32);
+        let mixed = loss_of(mixed_scores, &batch);
+        let (a, b) = (scalar(&reference), scalar(&mixed));
+        // bf16 keeps 8 significant bits (relative rounding 2^-9 ≈ 2e-3 per product);
+        // measured: the loss within 1.2e-3, gradients within 3.9e-2 (median 1.7e-2).
+        assert!(
+            (a - b).abs() <= 5e-3 * a.abs(),
+            "{arch:?} tied={tied} {kernels:?}: loss f32 {a} vs bf16 {b}"
+        );
+        assert!(
+            (a - b).abs() > 0.0,
+            "{arch:?} {kernels:?}: the bf16 step computed in f32"
+        );
 
-            let exact = reference.backward().unwrap();
-            let grads = mixed.backward().unwrap();
-            let (recomputed_scores, saved) = bf16_model
-                .token_scores_recomputable(&batch, options)
-                .unwrap();
-            let recomputed = bf16_model
-                .backward_saved(&loss_of(recomputed_scores, &batch), saved)
-                .unwrap();
-            for ((name, var), (_, var32)) in bf16_model.vars().iter().zip(f32_model.vars()) {
-                let g = grads.get(var.as_tensor()).unwrap();
-                assert_eq!(g.dtype(), DType::F32, "{name}: gradient dtype");
-                let want = exact.get(var32.as_tensor()).unwrap();
-                let err = norm_rel_err(want, g);
-                assert!(
-                    err < 5e-2,
-                    "{arch:?} tied={tied}: {name}: gradient off by {err} of its norm"
-                );
-                let again = recomputed.get(var.as_tensor()).unwrap();
-                assert!(rel_err(g, again) < 1e-5, "{name}: recomputed backward");
-            }
+        let exact = reference.backward().unwrap();
+        let grads = mixed.backward().unwrap();
+        let (recomputed_scores, saved) = bf16_model
+            .token_scores_recomputable(&batch, options)
+            .unwrap();
+        let recomputed = bf16_model
+            .backward_saved(&loss_of(recomputed_scores, &batch), saved)
+            .unwrap();
+        for ((name, var), (_, var32)) in bf16_model.vars().iter().zip(f32_model.vars()) {
+            let g = grads.get(var.as_tensor()).unwrap();
+            assert_eq!(g.dtype(), DType::F32, "{name}: gradient dtype");
+            let want = exact.get(var32.as_tensor()).unwrap();
+            let err = norm_rel_err(want, g);
+            assert!(
+                err < 5e-2,
+                "{arch:?} tied={tied} {kernels:?}: {name}: gradient off by {err} of its norm"
+            );
+            let again = recomputed.get(var.as_tensor()).unwrap();
+            assert!(rel_err(g, again) < 1e-5, "{name}: recomputed backward");
         }
     }
 }
@@ -348,6 +364,9 @@ fn weights_converted_once_per_step_give_the_per_forward_gradients() {
                 model.step_weight_params().is_empty(),
                 "f32 compute: nothing to convert"
             );
+            // The composition's forward, whose tensors are bf16 (on AMX tiles, the fused
+            // kernels' stay f32 and nothing is converted).
+            model.set_kernels(Kernels::Differentiable).unwrap();
             model.set_compute_dtype(DType::BF16).unwrap();
             let params = model.step_weight_params();
             assert_eq!(params.len(), model.vars().len() - usize::from(!tied));
@@ -423,6 +442,7 @@ fn weights_converted_once_per_step_give_the_per_forward_gradients() {
 fn step_weights_of_the_wrong_count_dtype_or_shape_are_refused() {
     let snap = snapshot(tiny_config(ALL_ARCHS[0], false), 3, DType::F32);
     let mut model = TrainableModel::from_snapshot(&snap, DType::F32).unwrap();
+    model.set_kernels(Kernels::Differentiable).unwrap();
     model.set_compute_dtype(DType::BF16).unwrap();
     let params = model.step_weight_params();
     let masters: Vec<Tensor> = params

@@ -9,7 +9,10 @@ use std::sync::Mutex;
 
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
 
-use super::{Dst, Mat, Real, cpu_slice, same_dtype, storage_slice, tensor};
+use super::{
+    Bf16Products, Dst, Mat, Real, Rhs, cpu_slice, product, product_new, same_dtype, storage_slice,
+    tensor,
+};
 
 /// `(N, 2)`: `log softmax(z/T)[target]` and the entropy, for `hidden (N, H)`, `head (V, H)`;
 /// up to `keep_bytes` of the chunks' logits kept for the backward.
@@ -35,6 +38,7 @@ pub(crate) fn token_scores(
         inv_temperature,
         keep_bytes,
         kept: Mutex::new(Vec::new()),
+        tiles: super::products::bf16_products(),
     };
     hidden.contiguous()?.apply_op2(&head.contiguous()?, op)
 }
@@ -48,6 +52,9 @@ struct Head {
     /// The first chunks' logits as the forward left them: a [`KeptLogits`] of the op's dtype
     /// each.
     kept: Mutex<Vec<Box<dyn std::any::Any + Send>>>,
+    /// Whether its products run on the AMX tiles: the scope the op was made in
+    /// ([`super::Bf16Products`]), kept for its backward.
+    tiles: bool,
 }
 
 /// One chunk's logits after [`row_stats`] (scaled and shifted by each row's max), and per
@@ -81,28 +88,28 @@ fn row_stats<T: Real>(z: &mut [T], e: &mut [T], inv_t: T) -> (T, T) {
 }
 
 impl Head {
-    /// The logits of rows `start..start + c`, `(c, V)`, unscaled.
+    /// The logits of rows `start..start + c`, `(c, V)`, unscaled; `wt` is the head `(V, H)`
+    /// read transposed ([`Head::head_t`]).
     fn logits<T: Real>(
         &self,
         h: &[T],
-        w: &[T],
+        wt: &Rhs<'_, T>,
         (start, c): (usize, usize),
         dims: (usize, usize),
     ) -> Vec<T> {
         let (hd, vocab) = dims;
-        let mut z = vec![T::from_f64(0.0); c * vocab];
-        T::matmul(
-            c,
-            vocab,
-            hd,
-            Dst::rows(&mut z, vocab),
-            Mat::rows(&h[start * hd..(start + c) * hd], hd),
-            Mat::transposed(w, hd),
-        );
-        z
+        let rows = Mat::rows(&h[start * hd..(start + c) * hd], hd);
+        product_new(c, vocab, hd, rows, wt)
+    }
+
+    /// The head `w (V, H)` as the logits' product reads it, `(H, V)`: packed once for every
+    /// chunk when the products are on the tiles.
+    fn head_t<T: Real>(w: &[T], (hd, vocab): (usize, usize)) -> Rhs<'_, T> {
+        T::rhs(Mat::transposed(w, hd), hd, vocab)
     }
 
     fn fwd<T: Real>(&self, h: &[T], w: &[T]) -> Vec<T> {
+        let _tiles = Bf16Products::enter(self.tiles);
         let n = self.targets.len();
         let hd = h.len() / n.max(1);
         let vocab = w.len() / hd.max(1);
@@ -111,9 +118,10 @@ impl Head {
         let mut e = vec![T::from_f64(0.0); vocab];
         let mut kept = Vec::new();
         let mut budget = crate::scores::KeptBudget::new(self.keep_bytes);
+        let wt = Self::head_t(w, (hd, vocab));
         for start in (0..n).step_by(self.chunk_rows) {
             let c = self.chunk_rows.min(n - start);
-            let mut z = self.logits(h, w, (start, c), (hd, vocab));
+            let mut z = self.logits(h, &wt, (start, c), (hd, vocab));
             let mut stats = Vec::with_capacity(3 * c);
             for (r, row) in z.chunks_exact_mut(vocab).enumerate() {
                 let (lse, inv_sum) = row_stats(row, &mut e, inv_t);
@@ -136,6 +144,7 @@ impl Head {
     }
 
     fn bwd<T: Real>(&self, h: &[T], w: &[T], grad: &[T]) -> (Vec<T>, Vec<T>) {
+        let _tiles = Bf16Products::enter(self.tiles);
         let n = self.targets.len();
         let hd = h.len() / n.max(1);
         let vocab = w.len() / hd.max(1);
@@ -157,6 +166,10 @@ impl Head {
             }
             row[self.targets[r] as usize] += g_logp * inv_t;
         };
+        // The head as the backward's products read it: transposed for the logits formed again
+        // (packed at the first such chunk), as it is for `dh = G W`.
+        let wt = std::cell::OnceCell::new();
+        let w_rows = T::rhs(Mat::rows(w, hd), vocab, hd);
         for start in (0..n).step_by(self.chunk_rows) {
             let c = self.chunk_rows.min(n - start);
             // The logits the forward kept, else formed again: the same values either way, and
@@ -174,7 +187,8 @@ impl Head {
                 }
                 _ => {
                     crate::scores::count_recomputed_chunk();
-                    let mut z = self.logits(h, w, (start, c), (hd, vocab));
+                    let wt = wt.get_or_init(|| Self::head_t(w, (hd, vocab)));
+                    let mut z = self.logits(h, wt, (start, c), (hd, vocab));
                     for (r, row) in z.chunks_exact_mut(vocab).enumerate() {
                         let (lse, inv_sum) = row_stats(row, &mut e, inv_t);
                         let mut pz = zero;
@@ -186,21 +200,22 @@ impl Head {
                     z
                 }
             };
-            T::matmul(
+            product(
                 c,
                 hd,
                 vocab,
                 Dst::rows(&mut dh[start * hd..(start + c) * hd], hd),
                 Mat::rows(&z, vocab),
-                Mat::rows(w, hd),
+                &w_rows,
             );
-            T::matmul(
+            let h_rows = T::rhs(Mat::rows(&h[start * hd..(start + c) * hd], hd), c, hd);
+            product(
                 vocab,
                 hd,
                 c,
                 Dst::adding(&mut dw, hd),
                 Mat::transposed(&z, vocab),
-                Mat::rows(&h[start * hd..(start + c) * hd], hd),
+                &h_rows,
             );
         }
         (dh, dw)

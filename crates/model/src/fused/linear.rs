@@ -7,7 +7,9 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
-use super::{Dst, Mat, Real, cpu_slice, same_dtype, storage_slice, tensor};
+use super::{
+    Bf16Products, Mat, Real, Rhs, cpu_slice, product_new, same_dtype, storage_slice, tensor,
+};
 
 /// `x (N, in) · w (out, in)ᵀ + b (out)` → `(N, out)`.
 pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
@@ -16,7 +18,7 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     if i != wi {
         candle_core::bail!("linear: x {:?} vs weight {:?}", x.shape(), w.shape())
     }
-    let op = Linear { n, i, o };
+    let op = Linear::new(n, i, o);
     if !super::supported(x) {
         // On a GPU (f32 or bf16, one dtype): the node with the backend's product; elsewhere, and
         // for empty products, candle's.
@@ -56,7 +58,7 @@ pub(crate) fn linear_grads(
 ) -> Result<(Tensor, Tensor, Option<Tensor>)> {
     let ((n, i), o) = (x.dims2()?, w.dim(0)?);
     let (dx, dw, db) = if super::supported(x) {
-        let (op, want) = (Linear { n, i, o }, [true, true, b.is_some()]);
+        let (op, want) = (Linear::new(n, i, o), [true, true, b.is_some()]);
         match x.dtype() {
             DType::F32 => op.bwd::<f32>(x, w, b, grad, want)?,
             _ => op.bwd::<f64>(x, w, b, grad, want)?,
@@ -80,31 +82,37 @@ pub(crate) struct Linear {
     pub(crate) n: usize,
     pub(crate) i: usize,
     pub(crate) o: usize,
+    /// Whether its CPU products run on the AMX tiles: the scope the op was made in
+    /// ([`super::Bf16Products`]), kept for its backward, which candle's graph may run outside
+    /// that scope.
+    tiles: bool,
 }
 
 impl Linear {
+    /// `(N, in) · (out, in)ᵀ` in this thread's precision ([`super::Bf16Products`]).
+    pub(crate) fn new(n: usize, i: usize, o: usize) -> Self {
+        let tiles = super::products::bf16_products();
+        Self { n, i, o, tiles }
+    }
+
     fn fwd<T: Real>(&self, x: &[T], w: &[T], b: Option<&[T]>) -> Vec<T> {
-        let Self { n, i, o } = *self;
-        if let Some(mut y) = T::linear_few_rows(n, i, o, x, w) {
-            // Then the bias, one add per output.
-            if let Some(b) = b {
-                for row in y.chunks_exact_mut(o) {
-                    for (v, &b) in row.iter_mut().zip(b) {
-                        *v += b;
-                    }
+        let Self { n, i, o, tiles } = *self;
+        let _tiles = Bf16Products::enter(tiles);
+        let wt = T::rhs(Mat::transposed(w, i), i, o);
+        let few_rows = match wt {
+            // The few-rows kernel is f32's: on the tiles every product takes them.
+            Rhs::View(_) => T::linear_few_rows(n, i, o, x, w),
+            Rhs::Tiles(_) => None,
+        };
+        let mut y = few_rows.unwrap_or_else(|| product_new(n, o, i, Mat::rows(x, i), &wt));
+        // Then the bias, one add per output.
+        if let Some(b) = b {
+            for row in y.chunks_exact_mut(o) {
+                for (v, &b) in row.iter_mut().zip(b) {
+                    *v += b;
                 }
             }
-            return y;
         }
-        let (x, wt) = (Mat::rows(x, i), Mat::transposed(w, i));
-        let Some(b) = b else {
-            return T::matmul_new(n, o, i, x, wt);
-        };
-        let mut y = Vec::with_capacity(n * o);
-        for _ in 0..n {
-            y.extend_from_slice(b);
-        }
-        T::matmul(n, o, i, Dst::adding(&mut y, o), x, wt);
         y
     }
 
@@ -155,7 +163,8 @@ impl Linear {
         grad: &Tensor,
         [want_dx, want_dw, want_db]: [bool; 3],
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let Self { n, i, o } = *self;
+        let Self { n, i, o, tiles } = *self;
+        let _tiles = Bf16Products::enter(tiles);
         let g = grad.contiguous()?;
         let (gs, gl) = g.storage_and_layout();
         let g = storage_slice::<T>(&gs, gl)?;
@@ -166,14 +175,16 @@ impl Linear {
         let zero = T::from_f64(0.0);
         let dx = if want_dx {
             // dx (N, in) = g (N, out) · w (out, in)
-            let dx = T::matmul_new(n, i, o, Mat::rows(g, o), Mat::rows(wv, i));
+            let w = T::rhs(Mat::rows(wv, i), o, i);
+            let dx = product_new(n, i, o, Mat::rows(g, o), &w);
             Some(tensor(dx, x.shape())?)
         } else {
             None
         };
         let dw = if want_dw {
             // dw (out, in) = gᵀ (out, N) · x (N, in)
-            let dw = T::matmul_new(o, i, n, Mat::transposed(g, o), Mat::rows(xv, i));
+            let x = T::rhs(Mat::rows(xv, i), n, i);
+            let dw = product_new(o, i, n, Mat::transposed(g, o), &x);
             Some(tensor(dw, w.shape())?)
         } else {
             None

@@ -23,6 +23,7 @@ mod head;
 #[cfg(target_arch = "x86_64")]
 mod lanes;
 mod linear;
+mod products;
 mod rope;
 mod skinny;
 mod stacked;
@@ -39,6 +40,7 @@ pub use elementwise::{rms_norm, swiglu};
 pub(crate) use head::token_scores;
 pub use linear::linear;
 pub(crate) use linear::linear_grads;
+pub(crate) use products::{Bf16Products, Rhs, product, product_new};
 pub use rope::rope;
 pub(crate) use rope::rope_grad;
 pub use stacked::{add_rms_norm, split_rope, swiglu_rows};
@@ -105,10 +107,15 @@ pub(crate) trait Real: WithDType + std::ops::Neg<Output = Self> {
     /// `x (m, k) · w (n, k)ᵀ` as a new row-major `(m, n)` buffer by the few-rows kernel
     /// ([`skinny`]), or `None` where it does not take the shape, dtype or CPU.
     fn linear_few_rows(m: usize, k: usize, n: usize, x: &[Self], w: &[Self]) -> Option<Vec<Self>>;
+    /// `rhs (k, n)` as this thread's linear and head products take it ([`product`]): packed
+    /// for the AMX tiles inside a [`Bf16Products`] scope (f32), else the view itself.
+    fn rhs(rhs: Mat<'_, Self>, k: usize, n: usize) -> Rhs<'_, Self>;
+    /// `lhs (m, k) · w` on the tiles, `w` packed by [`Real::rhs`]: a new row-major buffer.
+    fn tiles(m: usize, lhs: Mat<'_, Self>, w: &crate::amx::Bf16Weight) -> Vec<Self>;
 }
 
 macro_rules! real {
-    ($t:ty, $exp_slice:expr, $few_rows:expr) => {
+    ($t:ty, $exp_slice:expr, $few_rows:expr, $rhs:expr, $tiles:expr) => {
         impl Real for $t {
             #[inline(always)]
             fn exp_slice(xs: &mut [Self]) {
@@ -148,14 +155,28 @@ macro_rules! real {
             ) -> Option<Vec<Self>> {
                 $few_rows(m, k, n, x, w)
             }
+            fn rhs(rhs: Mat<'_, Self>, k: usize, n: usize) -> Rhs<'_, Self> {
+                $rhs(rhs, k, n)
+            }
+            fn tiles(m: usize, lhs: Mat<'_, Self>, w: &crate::amx::Bf16Weight) -> Vec<Self> {
+                $tiles(m, lhs, w)
+            }
         }
     };
 }
-real!(f32, exp_f32_slice, skinny::linear_new);
+real!(
+    f32,
+    exp_f32_slice,
+    skinny::linear_new,
+    products::rhs_f32,
+    products::tiles_f32
+);
 real!(
     f64,
     |xs: &mut [f64]| xs.iter_mut().for_each(|x| *x = x.exp()),
-    |_, _, _, _, _| None
+    |_, _, _, _, _| None,
+    |rhs, _, _| Rhs::View(rhs),
+    |_, _, _| unreachable!("f64 operands are never packed for the tiles")
 );
 
 /// Whether this CPU has AVX-512F as well as AVX2 and FMA (the skinny products' 16-lane tiles).
@@ -308,7 +329,7 @@ impl<'a, T> Mat<'a, T> {
         }
     }
 
-    fn fits(&self, rows: usize, cols: usize) -> bool {
+    pub(crate) fn fits(&self, rows: usize, cols: usize) -> bool {
         rows == 0 || cols == 0 || (rows - 1) * self.rs + (cols - 1) * self.cs < self.data.len()
     }
 }

@@ -41,7 +41,7 @@ fn the_device_linear_node_matches_the_cpu_kernel() {
     let (x, w) = (rand((n, i), 1), rand((o, i), 2));
     let g = rand((n, o), 3).as_tensor().detach();
     let want = super::linear(&x, &w, None).unwrap();
-    let op = super::linear::Linear { n, i, o };
+    let op = super::linear::Linear::new(n, i, o);
     let (xs, xl) = x.storage_and_layout();
     let (ws, wl) = w.storage_and_layout();
     let (Storage::Cpu(xs), Storage::Cpu(ws)) = (&*xs, &*ws) else {
@@ -117,5 +117,110 @@ fn linear_grads_match_autograd_on_both_paths() {
             let err = rel(got, want);
             assert!(err < tol, "{dtype:?} {name}: relative error {err}");
         }
+    }
+}
+
+/// Inside a [`super::Bf16Products`] scope on a CPU with AMX, the linear layer's products
+/// (forward, dx and dw, each reading one operand through a transposed view) are those of
+/// operands rounded to bf16 summed in f32, and the head's log-probs those of logits formed
+/// so; outside it, the same calls are f32 again. Shapes off every multiple of the tiles' 16
+/// and 32, and the head in several chunks.
+#[test]
+fn products_on_the_tiles_round_their_operands() {
+    use candle_core::{Device, Tensor};
+    if !crate::amx::available() {
+        eprintln!("no AMX on this CPU: the scope keeps f32 products, checked below");
+        let _tiles = super::Bf16Products::enter(true);
+        assert!(!super::products::bf16_products());
+        return;
+    }
+    let (n, i, o) = (37, 70, 45);
+    let rand = |len: usize, seed: u64| -> Vec<f32> {
+        (0..len)
+            .map(|k| ((k as u64 * 2_654_435_761 + seed * 97) % 1000) as f32 / 500.0 - 1.0)
+            .collect()
+    };
+    let (x, w, g) = (rand(n * i, 1), rand(o * i, 2), rand(n * o, 3));
+    let t = |v: &[f32], shape: (usize, usize)| Tensor::from_slice(v, shape, &Device::Cpu);
+    let (xt, wt, gt) = (
+        t(&x, (n, i)).unwrap(),
+        t(&w, (o, i)).unwrap(),
+        t(&g, (n, o)).unwrap(),
+    );
+    let round = |v: f32| f64::from(f32::from_bits(u32::from(crate::amx::bf16_bits(v)) << 16));
+    // `a (m, k) · b (k, n)` in f64, element (r, c) of each at `at(r, c)`.
+    let product = |(m, k, cols): (usize, usize, usize),
+                   a: &dyn Fn(usize, usize) -> f64,
+                   b: &dyn Fn(usize, usize) -> f64| {
+        let mut out = vec![0f64; m * cols];
+        for r in 0..m {
+            for c in 0..cols {
+                out[r * cols + c] = (0..k).map(|p| a(r, p) * b(p, c)).sum();
+            }
+        }
+        out
+    };
+    let values = |t: &Tensor| -> Vec<f32> { t.flatten_all().unwrap().to_vec1().unwrap() };
+    // Largest difference to `want`, over `want`'s largest magnitude.
+    let err = |got: &[f32], want: &[f64]| {
+        let scale = want.iter().fold(0f64, |s, v| s.max(v.abs()));
+        let d = got.iter().zip(want).map(|(&a, b)| (f64::from(a) - b).abs());
+        d.fold(0f64, f64::max) / scale
+    };
+    let y_want = product((n, i, o), &|r, p| round(x[r * i + p]), &|p, c| {
+        round(w[c * i + p])
+    });
+    let dx_want = product((n, o, i), &|r, p| round(g[r * o + p]), &|p, c| {
+        round(w[p * i + c])
+    });
+    let dw_want = product((o, n, i), &|r, p| round(g[p * o + r]), &|p, c| {
+        round(x[p * i + c])
+    });
+    let unrounded = product((n, i, o), &|r, p| f64::from(x[r * i + p]), &|p, c| {
+        f64::from(w[c * i + p])
+    });
+    let f32_y = values(&super::linear(&xt, &wt, None).unwrap());
+    let (y, dx, dw, scores) = {
+        let _tiles = super::Bf16Products::enter(true);
+        let y = values(&super::linear(&xt, &wt, None).unwrap());
+        let (dx, dw, _) = super::linear_grads(&xt, &wt, None, &gt).unwrap();
+        let targets: Vec<u32> = (0..n as u32).map(|r| (r * 7) % o as u32).collect();
+        let scores = super::token_scores(&xt, &wt, &targets, 16, 1.0 / 0.7, 0).unwrap();
+        (y, values(&dx), values(&dw), (targets, values(&scores)))
+    };
+    assert!(!super::products::bf16_products(), "the scope ended");
+    // f32 sums of k products each: a few ulps of the sum's scale.
+    for (name, got, want) in [
+        ("y", &y, &y_want),
+        ("dx", &dx, &dx_want),
+        ("dw", &dw, &dw_want),
+    ] {
+        let e = err(got, want);
+        assert!(e < 1e-6, "{name}: {e:e} from the rounded operands' product");
+    }
+    assert!(
+        err(&y, &unrounded) > 1e-4,
+        "the tiles' forward was not rounded"
+    );
+    assert!(
+        err(&f32_y, &unrounded) < 1e-6,
+        "outside the scope, f32 again"
+    );
+    // The head: log softmax(z / T) at the target, and the entropy, of the rounded logits.
+    let (targets, scores) = scores;
+    for (r, &target) in targets.iter().enumerate() {
+        let z: Vec<f64> = (0..o).map(|c| y_want[r * o + c] / 0.7).collect();
+        let max = z.iter().fold(f64::MIN, |a, &b| a.max(b));
+        let lse = max + z.iter().map(|v| (v - max).exp()).sum::<f64>().ln();
+        let entropy: f64 = z.iter().map(|v| -(v - lse).exp() * (v - lse)).sum();
+        let (lp, h) = (f64::from(scores[2 * r]), f64::from(scores[2 * r + 1]));
+        assert!(
+            (lp - (z[target as usize] - lse)).abs() < 1e-5,
+            "row {r}: log-prob {lp}"
+        );
+        assert!(
+            (h - entropy).abs() < 1e-5,
+            "row {r}: entropy {h} vs {entropy}"
+        );
     }
 }
