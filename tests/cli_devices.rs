@@ -205,9 +205,9 @@ fn probe_prints_logits_and_every_parameter_s_gradient() {
         "{line}"
     );
 
-    // bf16 compute on the trainer's path (the weights converted once for the step, as the
-    // trainer does): every parameter's gradient within gpu-check's tolerance of f32's, and
-    // not equal to it.
+    // bf16 compute on the trainer's path (the products on AMX tiles where the CPU has them,
+    // else the weights converted once for the step, as the trainer does): every parameter's
+    // gradient within gpu-check's tolerance of f32's, and not equal to it.
     let mixed = probe(
         &model,
         &["--tokens", "5,6,7,8,9", "--compute-dtype", "bf16"],

@@ -546,9 +546,9 @@ fn a_step_whose_parts_wait_for_the_device_trains_the_same() {
     );
 }
 
-/// Mixed precision on the CPU (`compute_dtype = bf16`, f32 masters): the parameters are
-/// converted once per update and read by each of its micro-batches, and converted again after
-/// every optimizer update. Two updates a step (the second clips against the first's moved
+/// Mixed precision on the CPU (`compute_dtype = bf16`, f32 masters): the products on AMX
+/// tiles where the CPU has them, else the parameters converted once per update and read by
+/// each of its micro-batches, and converted again after every optimizer update. Two updates a step (the second clips against the first's moved
 /// weights only if it reads them), several micro-batches each, two steps (the second's
 /// gradient norm is 40 times smaller, and 0.5 with the first's weights): the gradients stay
 /// within bf16's rounding of the f32 trainer's (measured: 4 % at most), and the clip engages.
