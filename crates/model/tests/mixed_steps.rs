@@ -10,7 +10,8 @@ use std::sync::Arc;
 use candle_core::{DType, Tensor};
 use common::{ALL_ARCHS, reference_logits, rel_err, snapshot, tiny_config};
 use sluice_model::{
-    ContiguousKvCache, InferenceModel, KvCache, LogitsWanted, StepInput, TrainableModel,
+    ContiguousKvCache, ForwardOptions, InferenceModel, KvCache, LogitsWanted, PackedBatch,
+    StepInput, TrainableModel,
 };
 
 /// A cache that only implements per-sequence appends, so decode steps and prompt batches go
@@ -228,5 +229,63 @@ fn bf16_products_stay_near_f32_and_follow_weight_swaps() {
                 assert_eq!(rel_err(a, b), 0.0, "{arch:?} tied={tied}");
             }
         }
+    }
+}
+
+/// A trainer computing in bf16 on AMX tiles (`trainer.compute_dtype = "bf16"` on the CPU)
+/// rounds the operands the engine's bf16 products round: its log-probs of a prompt are far
+/// nearer the bf16 engine's than the f32 trainer's are. That gap is the train/inference
+/// mismatch of a run whose engine computes in bf16.
+#[test]
+fn a_bf16_trainer_scores_what_the_bf16_engine_computes() {
+    if !sluice_model::amx::available() {
+        eprintln!("no AMX tiles on this machine: neither side rounds its products here");
+        return;
+    }
+    let tokens = [3u32, 7, 1, 9, 12, 4, 4, 20, 8, 2, 5, 6, 11];
+    let batch = PackedBatch::from_rows(&[vec![&tokens[..]]], tokens.len(), 0).unwrap();
+    for arch in ALL_ARCHS {
+        let snap = Arc::new(snapshot(tiny_config(arch, false), 6, DType::F32));
+        let mut engine = InferenceModel::new(Arc::clone(&snap)).unwrap();
+        engine.set_compute_dtype(DType::BF16).unwrap();
+        let mut cache = ContiguousKvCache::new(engine.config(), DType::F32, snap.device());
+        let rows = [&tokens[..]];
+        let prompt = StepInput::numbered(&rows);
+        let logits = engine.step(&mut cache, &prompt, LogitsWanted::All).unwrap();
+        let logits: Vec<Vec<f32>> = logits.to_vec2().unwrap();
+        // log softmax at each next token, in f64.
+        let engine_lp: Vec<f64> = logits
+            .iter()
+            .zip(&tokens[1..])
+            .map(|(row, &next)| {
+                let max = row.iter().fold(f32::MIN, |a, &b| a.max(b));
+                let sum: f64 = row.iter().map(|&v| f64::from(v - max).exp()).sum();
+                f64::from(row[next as usize] - max) - sum.ln()
+            })
+            .collect();
+        let trainer = |compute: DType| -> Vec<f32> {
+            let mut model = TrainableModel::from_snapshot(&snap, DType::F32).unwrap();
+            model.set_compute_dtype(compute).unwrap();
+            let scores = model.token_scores(&batch, ForwardOptions::default());
+            scores
+                .unwrap()
+                .logprobs
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap()
+        };
+        let gap = |lp: &[f32]| {
+            let pairs = engine_lp.iter().zip(lp);
+            pairs.fold(0f64, |m, (a, &b)| m.max((a - f64::from(b)).abs()))
+        };
+        let (same, f32_gap) = (gap(&trainer(DType::BF16)), gap(&trainer(DType::F32)));
+        eprintln!(
+            "{arch:?}: bf16 trainer {same:.2e}, f32 trainer {f32_gap:.2e} from the bf16 engine"
+        );
+        assert!(
+            f32_gap > 0.0 && same < f32_gap / 10.0,
+            "{arch:?}: log-probs {same:e} from the bf16 engine's, the f32 trainer's {f32_gap:e}"
+        );
     }
 }
