@@ -407,33 +407,43 @@ impl Bf16Rows {
     }
 
     /// Rows whose values `values(r, col, out)` writes into `out` (row `r < m`, columns `col ..
-    /// col + out.len()`, at most one line's), rounded into the tiles' order; blocks of 16 rows
-    /// on the pool when there are enough of them to pay for the split.
+    /// col + out.len()`, at most one line's), rounded into the tiles' order.
     fn fill(m: usize, k: usize, values: impl Fn(usize, usize, &mut [f32]) + Sync) -> Self {
-        let row_lines = k.div_ceil(K_BLOCK);
-        let m_padded = m.div_ceil(PAIR) * PAIR;
-        let mut lines: Vec<Line> = Vec::with_capacity(m_padded * row_lines);
-        let spare = &mut lines.spare_capacity_mut()[..m_padded * row_lines];
-        let block = |(b, dst): (usize, &mut [std::mem::MaybeUninit<Line>])| {
+        Self::from_tiles(m, k, |first, dst| {
             #[cfg(target_arch = "x86_64")]
             if std::arch::is_x86_feature_detected!("avx512f") {
                 // SAFETY: the CPU has AVX-512F.
                 #[allow(unsafe_code)]
                 unsafe {
-                    fill_wide(dst, b * TILE, m, k, &values)
+                    fill_wide(dst, first, m, k, &values)
                 };
                 return;
             }
-            fill_lines(dst, b * TILE, m, k, &values);
-        };
+            fill_lines(dst, first, m, k, &values);
+        })
+    }
+
+    /// `m` rows of `k` whose lines `write(first, dst)` writes, every one of `dst`'s: the tile
+    /// of 16 rows from row `first` on (`k` padded to whole lines, the rows to a multiple of 32).
+    /// Tiles on the pool when there are enough values to pay for the split.
+    fn from_tiles(
+        m: usize,
+        k: usize,
+        write: impl Fn(usize, &mut [std::mem::MaybeUninit<Line>]) + Sync,
+    ) -> Self {
+        let row_lines = k.div_ceil(K_BLOCK);
+        let m_padded = m.div_ceil(PAIR) * PAIR;
+        let mut lines: Vec<Line> = Vec::with_capacity(m_padded * row_lines);
+        let spare = &mut lines.spare_capacity_mut()[..m_padded * row_lines];
+        let tile = |(b, dst): (usize, &mut [std::mem::MaybeUninit<Line>])| write(b * TILE, dst);
         let chunk = TILE * row_lines;
         if m * k >= MIN_PARALLEL && rayon::current_num_threads() > 1 {
             use rayon::prelude::*;
-            spare.par_chunks_mut(chunk).enumerate().for_each(block);
+            spare.par_chunks_mut(chunk).enumerate().for_each(tile);
         } else {
-            spare.chunks_mut(chunk).enumerate().for_each(block);
+            spare.chunks_mut(chunk).enumerate().for_each(tile);
         }
-        // SAFETY: `fill_lines` wrote every one of the `m_padded · row_lines` lines.
+        // SAFETY: `write` wrote every one of the `m_padded · row_lines` lines.
         #[allow(unsafe_code)]
         unsafe {
             lines.set_len(m_padded * row_lines)

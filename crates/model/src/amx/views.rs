@@ -6,7 +6,7 @@
 
 use std::mem::MaybeUninit;
 
-use super::{Bf16Rows, Bf16Weight, K_BLOCK, Line, MIN_PARALLEL, PAIR, TILE, bf16_bits};
+use super::{Bf16Rows, Bf16Weight, K_BLOCK, Line, TILE, bf16_bits};
 use crate::fused::Mat;
 
 impl Bf16Weight {
@@ -84,35 +84,18 @@ impl Bf16Rows {
     /// of a row-major `(k, stride)` matrix): each tile's 16 rows × 32 inputs read as 32 runs
     /// of 16 consecutive values, then turned.
     fn transposed(data: &[f32], stride: usize, m: usize, k: usize) -> Self {
-        let row_lines = k.div_ceil(K_BLOCK);
-        let m_padded = m.div_ceil(PAIR) * PAIR;
-        let mut lines: Vec<Line> = Vec::with_capacity(m_padded * row_lines);
-        let spare = &mut lines.spare_capacity_mut()[..m_padded * row_lines];
-        let block = |(b, dst): (usize, &mut [MaybeUninit<Line>])| {
+        Self::from_tiles(m, k, |first, dst| {
             #[cfg(target_arch = "x86_64")]
             if std::arch::is_x86_feature_detected!("avx512f") {
                 // SAFETY: the CPU has AVX-512F.
                 #[allow(unsafe_code)]
                 unsafe {
-                    turn_wide(dst, (data, stride), b * TILE, (m, k))
+                    turn_wide(dst, (data, stride), first, (m, k))
                 };
                 return;
             }
-            turn(dst, (data, stride), b * TILE, (m, k));
-        };
-        let chunk = TILE * row_lines;
-        if m * k >= MIN_PARALLEL && rayon::current_num_threads() > 1 {
-            use rayon::prelude::*;
-            spare.par_chunks_mut(chunk).enumerate().for_each(block);
-        } else {
-            spare.chunks_mut(chunk).enumerate().for_each(block);
-        }
-        // SAFETY: `turn` wrote every one of the `m_padded · row_lines` lines.
-        #[allow(unsafe_code)]
-        unsafe {
-            lines.set_len(m_padded * row_lines)
-        };
-        Self { m, k, lines }
+            turn(dst, (data, stride), first, (m, k));
+        })
     }
 }
 
@@ -129,10 +112,14 @@ fn turn(
     let rows = m.saturating_sub(first).min(TILE);
     for (i, lines) in dst.chunks_exact_mut(TILE).enumerate() {
         let col = i * K_BLOCK;
-        let cols = k.saturating_sub(col).min(K_BLOCK);
-        let mut block = [[0f32; K_BLOCK]; TILE];
         // A tile wholly past row `m` (the padding to 32 rows) reads nothing.
-        for p in (0..cols).filter(|_| rows > 0) {
+        let cols = if rows == 0 {
+            0
+        } else {
+            k.saturating_sub(col).min(K_BLOCK)
+        };
+        let mut block = [[0f32; K_BLOCK]; TILE];
+        for p in 0..cols {
             let run = &data[(col + p) * stride + first..][..rows];
             for (values, &v) in block.iter_mut().zip(run) {
                 values[p] = v;
