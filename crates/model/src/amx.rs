@@ -147,39 +147,67 @@ impl Bf16Weight {
     /// inputs `first .. first + len` of output `j + col`, for `col < cols` (a block of at most
     /// a tile's outputs and one line's inputs).
     fn repack_with(&mut self, read: impl Fn([usize; 4], &mut [[f32; K_BLOCK]; TILE]) + Sync) {
-        let (n, k) = (self.n, self.k);
+        // The block's 16 × 32 inputs are read output by output, then rounded and turned into
+        // its 16 lines.
+        self.repack_lines(false, |at, lines| {
+            let mut block = [[0f32; K_BLOCK]; TILE];
+            read(at, &mut block);
+            #[cfg(target_arch = "x86_64")]
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                // SAFETY: the CPU has AVX-512F.
+                #[allow(unsafe_code)]
+                unsafe {
+                    pack_block_wide(&block, lines)
+                };
+                return;
+            }
+            pack_block(&block, lines);
+        });
+    }
+
+    /// Writes the 16 lines of every block that holds an output by `write([j, cols, first,
+    /// len], lines)`: outputs `j .. j + cols`, inputs `first .. first + len`, zeros in the
+    /// lines' places past them. The column tiles wholly past `n` (the padding to 32 outputs)
+    /// keep the zeros they were made with.
+    ///
+    /// `across` walks a few column tiles' blocks of one input block before the next input
+    /// block (for a source whose rows are the inputs: each source row is then read in runs of
+    /// several cache lines), where the default walks each column tile along all its inputs
+    /// (for a row-major weight, whose rows are the outputs).
+    fn repack_lines(&mut self, across: bool, write: impl Fn([usize; 4], &mut [Line]) + Sync) {
+        let (n, k, k_blocks) = (self.n, self.k, self.k_blocks);
         // One column tile's blocks: `k_blocks` tiles of TILE lines.
-        let per_tile = self.k_blocks * TILE;
-        // One column tile (16 outputs) at a time, block by block: the block's 16 × 32 inputs
-        // are read output by output and its 16 lines written in order; padding stays zero.
-        let fill = |(nb, tile): (usize, &mut [Line])| {
-            let cols = n.saturating_sub(nb * TILE).min(TILE);
-            for (kb, lines) in tile.chunks_exact_mut(TILE).enumerate() {
+        let per_tile = k_blocks * TILE;
+        let tiles = self.n_padded / TILE;
+        // Column tiles per job: up to 8 (a 512-byte run of a source row) when walking across,
+        // fewer where the pool needs more jobs.
+        let group = if across {
+            (tiles / (2 * rayon::current_num_threads())).clamp(1, 8)
+        } else {
+            1
+        };
+        let fill = |(g, chunk): (usize, &mut [Line])| {
+            for kb in 0..k_blocks {
                 let (first, len) = (kb * K_BLOCK, (k - kb * K_BLOCK).min(K_BLOCK));
-                let mut block = [[0f32; K_BLOCK]; TILE];
-                // A tile wholly past output `n` (the padding to 32 outputs) reads nothing.
-                if cols > 0 {
-                    read([nb * TILE, cols, first, len], &mut block);
+                for (t, tile) in chunk.chunks_exact_mut(per_tile).enumerate() {
+                    let j = (g * group + t) * TILE;
+                    let cols = n.saturating_sub(j).min(TILE);
+                    if cols > 0 {
+                        write([j, cols, first, len], &mut tile[kb * TILE..][..TILE]);
+                    }
                 }
-                #[cfg(target_arch = "x86_64")]
-                if std::arch::is_x86_feature_detected!("avx512f") {
-                    // SAFETY: the CPU has AVX-512F.
-                    #[allow(unsafe_code)]
-                    unsafe {
-                        pack_block_wide(&block, lines)
-                    };
-                    continue;
-                }
-                pack_block(&block, lines);
             }
         };
         #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
         self.lines
-            .par_chunks_mut(per_tile)
+            .par_chunks_mut(per_tile * group)
             .enumerate()
             .for_each(fill);
         #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
-        self.lines.chunks_mut(per_tile).enumerate().for_each(fill);
+        self.lines
+            .chunks_mut(per_tile * group)
+            .enumerate()
+            .for_each(fill);
     }
 
     /// Outputs.
@@ -409,7 +437,7 @@ impl Bf16Rows {
     /// Rows whose values `values(r, col, out)` writes into `out` (row `r < m`, columns `col ..
     /// col + out.len()`, at most one line's), rounded into the tiles' order.
     fn fill(m: usize, k: usize, values: impl Fn(usize, usize, &mut [f32]) + Sync) -> Self {
-        Self::from_tiles(m, k, |first, dst| {
+        Self::from_tiles(m, k, 1, |first, dst| {
             #[cfg(target_arch = "x86_64")]
             if std::arch::is_x86_feature_detected!("avx512f") {
                 // SAFETY: the CPU has AVX-512F.
@@ -423,20 +451,23 @@ impl Bf16Rows {
         })
     }
 
-    /// `m` rows of `k` whose lines `write(first, dst)` writes, every one of `dst`'s: the tile
-    /// of 16 rows from row `first` on (`k` padded to whole lines, the rows to a multiple of 32).
-    /// Tiles on the pool when there are enough values to pay for the split.
+    /// `m` rows of `k` whose lines `write(first, dst)` writes, every one of `dst`'s: up to
+    /// `per_job` tiles of 16 rows from row `first` on, one after another (`k` padded to whole
+    /// lines, the rows to a multiple of 32). Jobs on the pool when there are enough values to
+    /// pay for the split.
     fn from_tiles(
         m: usize,
         k: usize,
+        per_job: usize,
         write: impl Fn(usize, &mut [std::mem::MaybeUninit<Line>]) + Sync,
     ) -> Self {
         let row_lines = k.div_ceil(K_BLOCK);
         let m_padded = m.div_ceil(PAIR) * PAIR;
         let mut lines: Vec<Line> = Vec::with_capacity(m_padded * row_lines);
         let spare = &mut lines.spare_capacity_mut()[..m_padded * row_lines];
-        let tile = |(b, dst): (usize, &mut [std::mem::MaybeUninit<Line>])| write(b * TILE, dst);
-        let chunk = TILE * row_lines;
+        let tile =
+            |(b, dst): (usize, &mut [std::mem::MaybeUninit<Line>])| write(b * per_job * TILE, dst);
+        let chunk = per_job * TILE * row_lines;
         if m * k >= MIN_PARALLEL && rayon::current_num_threads() > 1 {
             use rayon::prelude::*;
             spare.par_chunks_mut(chunk).enumerate().for_each(tile);
@@ -504,6 +535,8 @@ unsafe fn fill_wide(
 #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
 mod tiles;
 mod views;
+#[cfg(target_arch = "x86_64")]
+mod wide;
 
 #[cfg(test)]
 mod tests;

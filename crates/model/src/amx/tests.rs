@@ -13,6 +13,97 @@ fn values(len: usize, seed: u32) -> Vec<f32> {
         .collect()
 }
 
+/// [`values`] with, every seventh value, one that tests the rounding: NaN (quiet, and one whose
+/// payload the rounding would carry into infinity), the infinities, a negative zero, ties to
+/// even both ways, a subnormal, the largest finite value.
+fn awkward(len: usize, seed: u32) -> Vec<f32> {
+    let special = [
+        f32::NAN,
+        f32::from_bits(0x7f80_0001),
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        -0.0,
+        1.0 + 1.0 / 256.0,
+        1.0 + 3.0 / 256.0,
+        f32::MIN_POSITIVE / 3.0,
+        f32::MAX,
+    ];
+    let mut v = values(len, seed);
+    for (i, x) in v.iter_mut().enumerate().skip(3).step_by(7) {
+        *x = special[(i / 7) % special.len()];
+    }
+    v
+}
+
+/// A transposed left operand (`gᵀ` of `dW = gᵀ x`, read in place) rounds into exactly the lines
+/// a transposed copy rounds into: shapes off every tile multiple, rows read from a wider
+/// source, NaN, infinities and ties.
+#[test]
+fn transposed_rows_equal_the_rows_of_a_transposed_copy() {
+    for (m, k, stride) in [
+        (1, 1, 1),
+        (16, 32, 16),
+        (17, 33, 20),
+        (40, 70, 45),
+        (96, 64, 96),
+        (5, 100, 5),
+        // Several tiles a job, the last job short (18 tiles in jobs of 4 on 2 threads).
+        (270, 300, 280),
+    ] {
+        // The source is `(k, stride)`, row-major; element `(r, c)` is `src[c · stride + r]`.
+        let src = awkward(k * stride, 9);
+        let copy: Vec<f32> = (0..m)
+            .flat_map(|r| (0..k).map(move |c| (r, c)))
+            .map(|(r, c)| src[c * stride + r])
+            .collect();
+        let view = crate::fused::Mat {
+            data: &src,
+            rs: 1,
+            cs: stride,
+        };
+        let got = Bf16Rows::round_view(view, m, k);
+        let want = Bf16Rows::round(&copy, m, k);
+        assert_eq!(got.lines.len(), want.lines.len());
+        for (i, (a, b)) in got.lines.iter().zip(&want.lines).enumerate() {
+            assert_eq!(a.0, b.0, "({m}, {k}) from stride {stride}: line {i}");
+        }
+    }
+}
+
+/// A right operand whose rows are the inputs (`x` of `dW = gᵀ x`, `W` of `dx = g W`) packs
+/// into exactly the lines its transposed copy packs into as a weight.
+#[test]
+fn input_rows_pack_as_the_weight_they_are_read_as() {
+    for (k, n, rs) in [
+        (1, 1, 1),
+        (32, 16, 16),
+        (33, 17, 17),
+        (70, 40, 50),
+        (64, 96, 96),
+        (100, 5, 8),
+        // Several column tiles a job, the last job short.
+        (300, 270, 280),
+    ] {
+        // The source is `(k, rs)`, row-major; output `j` of input `p` is `src[p · rs + j]`.
+        let src = awkward(k * rs, 11);
+        let weight: Vec<f32> = (0..n)
+            .flat_map(|j| (0..k).map(move |p| (j, p)))
+            .map(|(j, p)| src[p * rs + j])
+            .collect();
+        let view = crate::fused::Mat {
+            data: &src,
+            rs,
+            cs: 1,
+        };
+        let got = Bf16Weight::pack_view(view, k, n);
+        let want = Bf16Weight::pack(&weight, n, k);
+        assert_eq!(got.lines.len(), want.lines.len());
+        for (i, (a, b)) in got.lines.iter().zip(&want.lines).enumerate() {
+            assert_eq!(a.0, b.0, "({k}, {n}) from row stride {rs}: line {i}");
+        }
+    }
+}
+
 #[test]
 fn rounding_is_to_nearest_even() {
     assert_eq!(bf16_bits(1.0), 0x3f80);

@@ -31,7 +31,19 @@ impl Bf16Weight {
             });
         } else if cs == 1 {
             // Input p's outputs are consecutive (a row-major activation `x` read as
-            // `(N, in)`): a run of the block's outputs at a time.
+            // `(N, in)`, or a weight `(out, in)` as the right operand of `g W`).
+            #[cfg(target_arch = "x86_64")]
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                w.repack_lines(true, |at, lines| {
+                    // SAFETY: the CPU has AVX-512F.
+                    #[allow(unsafe_code)]
+                    unsafe {
+                        super::wide::pack_input_rows(lines, (data, rs), at)
+                    }
+                });
+                return w;
+            }
+            // A run of the block's outputs at a time.
             w.repack_with(|[j, cols, first, len], block| {
                 for p in 0..len {
                     let run = &data[(first + p) * rs + j..][..cols];
@@ -82,19 +94,23 @@ impl Bf16Rows {
 
     /// The rows of `(m, k)` whose element `(r, c)` is `data[c · stride + r]` (the transpose
     /// of a row-major `(k, stride)` matrix): each tile's 16 rows × 32 inputs read as 32 runs
-    /// of 16 consecutive values, then turned.
+    /// of 16 consecutive values, then turned. With AVX-512, a job takes several tiles, block
+    /// by block, so each source row is read in runs of several cache lines.
     fn transposed(data: &[f32], stride: usize, m: usize, k: usize) -> Self {
-        Self::from_tiles(m, k, |first, dst| {
-            #[cfg(target_arch = "x86_64")]
-            if std::arch::is_x86_feature_detected!("avx512f") {
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            let tiles = m.div_ceil(TILE);
+            let per_job = (tiles / (2 * rayon::current_num_threads())).clamp(1, 8);
+            return Self::from_tiles(m, k, per_job, |first, dst| {
                 // SAFETY: the CPU has AVX-512F.
                 #[allow(unsafe_code)]
                 unsafe {
-                    turn_wide(dst, (data, stride), first, (m, k))
-                };
-                return;
-            }
-            turn(dst, (data, stride), first, (m, k));
+                    super::wide::turn_rows(dst, (data, stride), first, (m, k))
+                }
+            });
+        }
+        Self::from_tiles(m, k, 1, |first, dst| {
+            turn(dst, (data, stride), first, (m, k))
         })
     }
 }
@@ -133,20 +149,4 @@ fn turn(
             line.write(Line(bits));
         }
     }
-}
-
-/// [`turn`] compiled for AVX-512 (the crate targets baseline x86-64).
-///
-/// # Safety
-/// The CPU has AVX-512F.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-#[allow(unsafe_code)]
-unsafe fn turn_wide(
-    dst: &mut [MaybeUninit<Line>],
-    source: (&[f32], usize),
-    first: usize,
-    shape: (usize, usize),
-) {
-    turn(dst, source, first, shape)
 }
