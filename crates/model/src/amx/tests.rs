@@ -70,6 +70,33 @@ fn transposed_rows_equal_the_rows_of_a_transposed_copy() {
     }
 }
 
+/// A left operand read as it is, rows a wider stride apart (`g` of `g W`, `x` of `x Wᵀ`),
+/// rounds into exactly the lines of its compact copy.
+#[test]
+fn rows_read_in_place_equal_the_rows_of_a_copy() {
+    for (m, k, rs) in [
+        (1, 1, 1),
+        (16, 32, 32),
+        (17, 33, 40),
+        (40, 70, 70),
+        (5, 100, 117),
+    ] {
+        let src = awkward(m * rs, 13);
+        let copy: Vec<f32> = src.chunks(rs).flat_map(|row| &row[..k]).copied().collect();
+        let view = crate::fused::Mat {
+            data: &src,
+            rs,
+            cs: 1,
+        };
+        let got = Bf16Rows::round_view(view, m, k);
+        let want = Bf16Rows::round(&copy, m, k);
+        assert_eq!(got.lines.len(), want.lines.len());
+        for (i, (a, b)) in got.lines.iter().zip(&want.lines).enumerate() {
+            assert_eq!(a.0, b.0, "({m}, {k}) from row stride {rs}: line {i}");
+        }
+    }
+}
+
 /// A right operand whose rows are the inputs (`x` of `dW = gᵀ x`, `W` of `dx = g W`) packs
 /// into exactly the lines its transposed copy packs into as a weight.
 #[test]

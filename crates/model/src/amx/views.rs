@@ -78,6 +78,16 @@ impl Bf16Rows {
         );
         let Mat { data, rs, cs } = lhs;
         if cs == 1 {
+            #[cfg(target_arch = "x86_64")]
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                return Self::from_tiles(m, k, 1, |first, dst| {
+                    // SAFETY: the CPU has AVX-512F.
+                    #[allow(unsafe_code)]
+                    unsafe {
+                        super::wide::round_rows(dst, (data, rs), first, (m, k))
+                    }
+                });
+            }
             Self::fill(m, k, |r, col, out| {
                 out.copy_from_slice(&data[r * rs + col..][..out.len()]);
             })

@@ -1,7 +1,10 @@
-//! The two transposing reads of the trainer's tile operands ([`super::views`]) in AVX-512
-//! registers, where the portable code turned each block through a scalar `[[f32; 32]; 16]`
-//! buffer (a store per value, then a pass to round it and another to turn its pairs):
+//! The reads of the trainer's tile operands ([`super::views`]) in AVX-512 registers, where the
+//! portable code went through a scalar buffer: a transposing read turned each block through a
+//! `[[f32; 32]; 16]` (a store per value, then a pass to round it and another to turn its
+//! pairs), and a plain one copied each line's values before rounding them.
 //!
+//! - [`round_rows`]: rows read as they are (`x` of `x Wᵀ`, `g` of `g W`): a line is a row's 32
+//!   values in two registers, rounded and narrowed in place.
 //! - [`pack_input_rows`]: a weight block whose inputs are the source's rows (`x` and `W` as the
 //!   right operand of `dW = gᵀ x` and `dx = g W`). Two source rows, each 16 consecutive
 //!   outputs, are one tile line already: rounded, the first row's bf16 in each lane's low half
@@ -86,6 +89,51 @@ pub(super) fn pack_input_rows(
     for (q, out) in lines.iter_mut().enumerate().take(K_BLOCK / 2) {
         *out = line(pairs(row(2 * q), row(2 * q + 1)));
     }
+}
+
+/// Every line of `dst`, the tiles of 16 rows from `first` on, from the row-major source
+/// `(data, rs)` (row `r` from `data[r · rs ..]`): zeros past row `m` and input `k`. A line is
+/// two registers of a row rounded, with no buffer between.
+#[target_feature(enable = "avx512f")]
+pub(super) fn round_rows(
+    dst: &mut [MaybeUninit<Line>],
+    (data, rs): (&[f32], usize),
+    first: usize,
+    (m, k): (usize, usize),
+) {
+    let row_lines = k.div_ceil(K_BLOCK);
+    for (t, tile) in dst.chunks_exact_mut(TILE * row_lines).enumerate() {
+        // Row by row (the source in order), each row's line in every block of the tile.
+        for r in 0..TILE {
+            let row = first + t * TILE + r;
+            for i in 0..row_lines {
+                let words = if row < m {
+                    let col = i * K_BLOCK;
+                    let width = (k - col).min(K_BLOCK);
+                    let values = &data[row * rs + col..];
+                    let low = load(values, width.min(16));
+                    let high = if width > 16 {
+                        load(&values[16..], width - 16)
+                    } else {
+                        _mm512_setzero_ps()
+                    };
+                    in_order(low, high)
+                } else {
+                    _mm512_setzero_si512()
+                };
+                tile[i * TILE + r].write(line(words));
+            }
+        }
+    }
+}
+
+/// The 16 values of `low`, then those of `high`, rounded to bf16.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn in_order(low: __m512, high: __m512) -> __m512i {
+    let low = _mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(round_high(low)));
+    let high = _mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(round_high(high)));
+    _mm512_inserti64x4::<1>(_mm512_castsi256_si512(low), high)
 }
 
 /// Every line of `dst`, the tiles of 16 rows from `first` on, whose element `(r, c)` is
