@@ -179,6 +179,24 @@ fn slice_mut<'a>(s: &'a mut CpuStorage, l: &Layout) -> Result<&'a mut [f32]> {
     }
 }
 
+/// Elements per job of the CPU update: large enough that a job's bookkeeping is nothing
+/// against streaming it, small enough that a large parameter splits over every thread.
+const CHUNK: usize = 1 << 16;
+
+/// `update(dst, inputs)` over matching chunks of `dst` and each of `inputs` (all of one
+/// length) on the current rayon pool (the trainer's): each element's arithmetic is the same
+/// whichever thread does it.
+fn on_pool<const N: usize>(
+    dst: &mut [f32],
+    inputs: [&[f32]; N],
+    update: impl Fn(&mut [f32], [&[f32]; N]) + Sync,
+) {
+    use rayon::prelude::*;
+    dst.par_chunks_mut(CHUNK)
+        .enumerate()
+        .for_each(|(i, dst)| update(dst, inputs.map(|x| &x[i * CHUNK..][..dst.len()])));
+}
+
 /// `m ← β₁m + (1−β₁)g'` or `v ← β₂v + (1−β₂)g'²`, `g' = clip · g`.
 struct Moment {
     first: bool,
@@ -207,16 +225,20 @@ impl InplaceOp2 for Moment {
         // Each product is followed by `+ 0`, as `affine(x, 0)` computes it.
         if self.first {
             let (b, nb) = (u.beta1 as f32, (1.0 - u.beta1) as f32);
-            for (m, &g) in dst.iter_mut().zip(g) {
-                let g = g * clip + 0.0;
-                *m = (*m * b + 0.0) + (g * nb + 0.0);
-            }
+            on_pool(dst, [g], |dst, [g]| {
+                for (m, &g) in dst.iter_mut().zip(g) {
+                    let g = g * clip + 0.0;
+                    *m = (*m * b + 0.0) + (g * nb + 0.0);
+                }
+            });
         } else {
             let (b, nb) = (u.beta2 as f32, (1.0 - u.beta2) as f32);
-            for (v, &g) in dst.iter_mut().zip(g) {
-                let g = g * clip + 0.0;
-                *v = (*v * b + 0.0) + (g * g * nb + 0.0);
-            }
+            on_pool(dst, [g], |dst, [g]| {
+                for (v, &g) in dst.iter_mut().zip(g) {
+                    let g = g * clip + 0.0;
+                    *v = (*v * b + 0.0) + (g * g * nb + 0.0);
+                }
+            });
         }
         Ok(())
     }
@@ -296,10 +318,12 @@ impl InplaceOp3 for Step {
             u.lr as f32,
             (1.0 - u.lr * u.weight_decay) as f32,
         );
-        for ((p, &m), &v) in p.iter_mut().zip(m).zip(v) {
-            let adam = (m * c1 + 0.0) / ((v * c2 + 0.0).sqrt() * 1.0 + eps);
-            *p = (*p * decay + 0.0) - (adam * lr + 0.0);
-        }
+        on_pool(p, [m, v], |p, [m, v]| {
+            for ((p, &m), &v) in p.iter_mut().zip(m).zip(v) {
+                let adam = (m * c1 + 0.0) / ((v * c2 + 0.0).sqrt() * 1.0 + eps);
+                *p = (*p * decay + 0.0) - (adam * lr + 0.0);
+            }
+        });
         Ok(())
     }
 
@@ -374,6 +398,8 @@ mod tests {
             ((7usize, 5usize), 0.0, 1.0),
             ((1, 33), 0.1, 0.37),
             ((16, 3), 0.01, 1.0),
+            // Chunks of the pool's split, the last one short.
+            ((3, CHUNK + 7), 0.01, 0.5),
         ] {
             let p0 = Tensor::randn(0f32, 1.0, shape, &dev)?;
             let master = Var::from_tensor(&p0)?;
