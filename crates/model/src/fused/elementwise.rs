@@ -271,33 +271,57 @@ pub(super) fn swiglu_dispatch<T: Real>(out: &mut [T], gate: &[T], up: &[T], wide
     swiglu_block(out, gate, up);
 }
 
-/// `d gate = g ⊙ up ⊙ σ(gate)(1 + gate(1 − σ(gate)))`, `d up = g ⊙ silu(gate)`.
+/// `d gate = g ⊙ up ⊙ σ(gate)(1 + gate(1 − σ(gate)))`, `d up = g ⊙ silu(gate)`: in blocks
+/// small enough for L1, σ(gate) into `d gate` and both gradients from it while the block is
+/// there (three passes over the whole tensors before, each from memory), over the pool.
 fn swiglu_bwd<T: Real>(gate: &[T], up: &[T], g: &[T]) -> (Vec<T>, Vec<T>) {
+    use rayon::prelude::*;
+    /// Elements a block: 16 KB of f32 per tensor, five tensors.
+    const BLOCK: usize = 4096;
     let zero = T::from_f64(0.0);
-    let one = T::from_f64(1.0);
     let mut dgate = vec![zero; gate.len()];
     let mut dup = vec![zero; gate.len()];
-    // σ(gate) into dgate first, then both gradients from it.
-    row_blocks(&mut dgate, 1, |first, block| {
-        let n = block.len();
-        exp_neg(block, &gate[first..first + n]);
-        for s in block.iter_mut() {
-            *s = one / (one + *s);
-        }
-    });
-    row_blocks(&mut dup, 1, |first, block| {
-        for (i, du) in block.iter_mut().enumerate() {
-            let (x, gv) = (gate[first + i], g[first + i]);
-            *du = gv * x * dgate[first + i];
-        }
-    });
-    row_blocks(&mut dgate, 1, |first, block| {
-        for (i, dg) in block.iter_mut().enumerate() {
-            let (x, u, gv, s) = (gate[first + i], up[first + i], g[first + i], *dg);
-            *dg = gv * u * s * (one + x * (one - s));
-        }
-    });
+    let wide = super::avx2_fma();
+    dgate
+        .par_chunks_mut(BLOCK)
+        .zip(dup.par_chunks_mut(BLOCK))
+        .enumerate()
+        .for_each(|(b, (dg, du))| {
+            let at = b * BLOCK..b * BLOCK + dg.len();
+            let ins = [&gate[at.clone()], &up[at.clone()], &g[at]];
+            swiglu_bwd_dispatch(dg, du, ins, wide);
+        });
     (dgate, dup)
+}
+
+/// One block of [`swiglu_bwd`]: `[gate, up, g]` in, the two gradients out.
+#[inline(always)]
+fn swiglu_bwd_block<T: Real>(dgate: &mut [T], dup: &mut [T], [gate, up, g]: [&[T]; 3]) {
+    let one = T::from_f64(1.0);
+    exp_neg(dgate, gate);
+    let ins = gate.iter().zip(up).zip(g);
+    for ((dg, du), ((&x, &u), &gv)) in dgate.iter_mut().zip(dup.iter_mut()).zip(ins) {
+        let s = one / (one + *dg);
+        *du = gv * x * s;
+        *dg = gv * u * s * (one + x * (one - s));
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn swiglu_bwd_wide<T: Real>(dgate: &mut [T], dup: &mut [T], ins: [&[T]; 3]) {
+    swiglu_bwd_block(dgate, dup, ins);
+}
+
+#[allow(unsafe_code)]
+fn swiglu_bwd_dispatch<T: Real>(dgate: &mut [T], dup: &mut [T], ins: [&[T]; 3], wide: bool) {
+    #[cfg(target_arch = "x86_64")]
+    if wide {
+        // SAFETY: `wide` is `avx2_fma()`: the CPU has AVX2 and FMA.
+        return unsafe { swiglu_bwd_wide(dgate, dup, ins) };
+    }
+    let _ = wide;
+    swiglu_bwd_block(dgate, dup, ins);
 }
 
 impl CustomOp2 for SwiGlu {
