@@ -1,5 +1,6 @@
 //! Products on Intel AMX tiles (Sapphire Rapids and later): `x (m, k) · w (n, k)ᵀ` with bf16
-//! operands and f32 sums, for an engine whose `compute_dtype` is bf16 on the CPU.
+//! operands and f32 sums, for an engine or a trainer whose `compute_dtype` is bf16 on the CPU
+//! (the trainer's operands, often transposed, are read by `views` and, with AVX-512, `wide`).
 //!
 //! Why: a decode step of 64 sequences is a product of 64 rows against every weight, and with f32
 //! FMA lanes that arithmetic, not memory, bounds a 2-core CPU (`sluice bench model`).

@@ -12,7 +12,7 @@
 //! | [`checkpoint`] | [`load_checkpoint`] / [`save_checkpoint`]: safetensors (memory-mapped, sharded with index), HF layout |
 //! | [`batch`] | [`PackedBatch`]: sequences packed in `(B, L)` rows with positions, segments, next-token targets |
 //! | [`train`] | [`TrainableModel`]: parameters as `Var`s, [`TrainableModel::token_scores`] (log-probs + entropy, chunked) |
-//! | [`amx`] | the engine's bf16 products on Intel AMX tiles ([`amx::Bf16Weight`]), weights packed once per version |
+//! | [`amx`] | bf16 products on Intel AMX tiles ([`amx::Bf16Weight`]): the engine's (weights packed once per version) and the trainer's (`trainer.compute_dtype = "bf16"`, operands rounded per product) |
 //! | [`fused`] | the training forward's fused CPU ops with hand-written backward (linear, RMSNorm, RoPE, SwiGLU, packed attention) |
 //! | [`cache`] | [`KvCache`] trait and [`ContiguousKvCache`] |
 //! | [`paged`] | [`PagedKvCache`]: fixed-size blocks from one pool, block tables, prefix sharing by content and weight version |
