@@ -13,6 +13,14 @@ fn values(len: usize, seed: u32) -> Vec<f32> {
         .collect()
 }
 
+/// Every line of `got` is the same as `want`'s, and there are as many.
+fn assert_same_lines(got: &[Line], want: &[Line], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: lines");
+    for (i, (a, b)) in got.iter().zip(want).enumerate() {
+        assert_eq!(a.0, b.0, "{what}: line {i}");
+    }
+}
+
 /// [`values`] with, every seventh value, one that tests the rounding: NaN (quiet, and one whose
 /// payload the rounding would carry into infinity), the infinities, a negative zero, ties to
 /// even both ways, a subnormal, the largest finite value.
@@ -63,10 +71,11 @@ fn transposed_rows_equal_the_rows_of_a_transposed_copy() {
         };
         let got = Bf16Rows::round_view(view, m, k);
         let want = Bf16Rows::round(&copy, m, k);
-        assert_eq!(got.lines.len(), want.lines.len());
-        for (i, (a, b)) in got.lines.iter().zip(&want.lines).enumerate() {
-            assert_eq!(a.0, b.0, "({m}, {k}) from stride {stride}: line {i}");
-        }
+        assert_same_lines(
+            &got.lines,
+            &want.lines,
+            &format!("({m}, {k}) from stride {stride}"),
+        );
     }
 }
 
@@ -90,10 +99,11 @@ fn rows_read_in_place_equal_the_rows_of_a_copy() {
         };
         let got = Bf16Rows::round_view(view, m, k);
         let want = Bf16Rows::round(&copy, m, k);
-        assert_eq!(got.lines.len(), want.lines.len());
-        for (i, (a, b)) in got.lines.iter().zip(&want.lines).enumerate() {
-            assert_eq!(a.0, b.0, "({m}, {k}) from row stride {rs}: line {i}");
-        }
+        assert_same_lines(
+            &got.lines,
+            &want.lines,
+            &format!("({m}, {k}) from row stride {rs}"),
+        );
     }
 }
 
@@ -124,10 +134,11 @@ fn input_rows_pack_as_the_weight_they_are_read_as() {
         };
         let got = Bf16Weight::pack_view(view, k, n);
         let want = Bf16Weight::pack(&weight, n, k);
-        assert_eq!(got.lines.len(), want.lines.len());
-        for (i, (a, b)) in got.lines.iter().zip(&want.lines).enumerate() {
-            assert_eq!(a.0, b.0, "({k}, {n}) from row stride {rs}: line {i}");
-        }
+        assert_same_lines(
+            &got.lines,
+            &want.lines,
+            &format!("({k}, {n}) from row stride {rs}"),
+        );
     }
 }
 
@@ -170,10 +181,7 @@ fn rms_norm_rows_are_the_rounded_norm() {
             .unwrap();
         let want = Bf16Rows::round(&normed, m, k);
         let got = pool.install(|| Bf16Rows::rms_norm(&x, &w, 1e-5, m, k));
-        for (i, (a, b)) in got.lines.iter().zip(&want.lines).enumerate() {
-            assert_eq!(a.0, b.0, "({m}, {k}): line {i}");
-        }
-        assert_eq!(got.lines.len(), want.lines.len());
+        assert_same_lines(&got.lines, &want.lines, &format!("({m}, {k})"));
     }
 }
 
@@ -198,9 +206,7 @@ fn swiglu_rows_are_the_rounded_activation() {
             (got.m, got.k, got.lines.len()),
             (want.m, want.k, want.lines.len())
         );
-        for (i, (a, b)) in got.lines.iter().zip(&want.lines).enumerate() {
-            assert_eq!(a.0, b.0, "({m}, {k}): line {i}");
-        }
+        assert_same_lines(&got.lines, &want.lines, &format!("({m}, {k})"));
     }
 }
 

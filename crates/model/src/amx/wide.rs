@@ -44,12 +44,16 @@ fn pairs(low: __m512, high: __m512) -> __m512i {
     _mm512_or_si512(low, high)
 }
 
-/// The first `lanes` (≤ 16) values of `values`, zeros after.
+/// The `lanes` (≤ 16) values of `data` from `at` on, zeros after; all zeros, and nothing read,
+/// for no lanes.
 #[inline]
 #[target_feature(enable = "avx512f")]
-fn load(values: &[f32], lanes: usize) -> __m512 {
+fn load(data: &[f32], at: usize, lanes: usize) -> __m512 {
     debug_assert!(lanes <= 16);
-    let values = &values[..lanes];
+    if lanes == 0 {
+        return _mm512_setzero_ps();
+    }
+    let values = &data[at..][..lanes];
     let mask = (1u32 << lanes).wrapping_sub(1) as __mmask16;
     // SAFETY: the masked lanes read `values[..lanes]`, in bounds by the slice above; the rest
     // are not read.
@@ -79,13 +83,7 @@ pub(super) fn pack_input_rows(
     (data, rs): (&[f32], usize),
     [j, cols, first, len]: [usize; 4],
 ) {
-    let row = |p: usize| {
-        if p < len {
-            load(&data[(first + p) * rs + j..], cols)
-        } else {
-            _mm512_setzero_ps()
-        }
-    };
+    let row = |p: usize| load(data, (first + p) * rs + j, if p < len { cols } else { 0 });
     for (q, out) in lines.iter_mut().enumerate().take(K_BLOCK / 2) {
         *out = line(pairs(row(2 * q), row(2 * q + 1)));
     }
@@ -110,13 +108,9 @@ pub(super) fn round_rows(
                 let words = if row < m {
                     let col = i * K_BLOCK;
                     let width = (k - col).min(K_BLOCK);
-                    let values = &data[row * rs + col..];
-                    let low = load(values, width.min(16));
-                    let high = if width > 16 {
-                        load(&values[16..], width - 16)
-                    } else {
-                        _mm512_setzero_ps()
-                    };
+                    let at = row * rs + col;
+                    let low = load(data, at, width.min(16));
+                    let high = load(data, at + 16, width.saturating_sub(16));
                     in_order(low, high)
                 } else {
                     _mm512_setzero_si512()
@@ -173,11 +167,11 @@ fn turn_block(
         k.saturating_sub(col).min(K_BLOCK)
     };
     let input = |c: usize| {
-        if c < cols {
-            load(&data[(col + c) * stride + first..], rows)
-        } else {
-            _mm512_setzero_ps()
-        }
+        load(
+            data,
+            (col + c) * stride + first,
+            if c < cols { rows } else { 0 },
+        )
     };
     // Word q of lane r: inputs 2q and 2q + 1 of row r.
     let mut words = [_mm512_setzero_si512(); TILE];
