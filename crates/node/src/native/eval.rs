@@ -33,6 +33,9 @@ pub struct Evaluator {
     tokenizer: Arc<Tokenizer>,
     sampling: SamplingParams,
     rounds: u64,
+    /// Nothing else computes while this evaluator runs: its engine takes every core when its
+    /// sizing is automatic (`engine.threads = 0`), where it would take half of them.
+    alone: bool,
 }
 
 impl std::fmt::Debug for Evaluator {
@@ -78,7 +81,15 @@ impl Evaluator {
             tokenizer,
             sampling,
             rounds: 0,
+            alone: false,
         }
+    }
+
+    /// Says whether nothing else computes while this evaluator runs (the baseline before RL,
+    /// the warm-up's probes between its steps): then its engine takes every core unless
+    /// `engine.threads` names a count.
+    pub fn set_alone(&mut self, alone: bool) {
+        self.alone = alone;
     }
 
     /// Samples evaluated per round.
@@ -107,13 +118,13 @@ impl Evaluator {
                 }
             })
         };
-        let mut engine = NativeEngine::start(
-            self.params.clone(),
-            weights,
-            Some(Arc::clone(&self.tokenizer)),
-            sink,
-        )
-        .map_err(|e| EnvError::Generate(format!("evaluation engine: {e}")))?;
+        let mut params = self.params.clone();
+        if self.alone && params.threads == 0 {
+            params.threads = sluice_model::threads::available_cores();
+        }
+        let mut engine =
+            NativeEngine::start(params, weights, Some(Arc::clone(&self.tokenizer)), sink)
+                .map_err(|e| EnvError::Generate(format!("evaluation engine: {e}")))?;
         self.rounds += 1;
         let group = GroupId {
             run: RunId::from_name("eval"),

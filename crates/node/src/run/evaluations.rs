@@ -392,12 +392,34 @@ impl Evaluations {
         self.domains.iter().map(|d| d.heldout.len()).sum()
     }
 
-    /// Accuracy of `weights` on every domain's held-out set and training probe. Boxed (see
-    /// [`crate::node`]).
+    /// Accuracy of `weights` on every domain's held-out set and training probe, beside a running
+    /// pipeline. Boxed (see [`crate::node`]).
     pub fn run(&mut self, weights: Arc<ModelWeights>) -> BoxFuture<'_, Result<Scores, ActorError>> {
+        self.run_with(weights, false)
+    }
+
+    /// [`Self::run`] while nothing else computes (the baseline before the node starts): the
+    /// evaluation engines take every core unless `engine.threads` names a count.
+    pub fn run_alone(
+        &mut self,
+        weights: Arc<ModelWeights>,
+    ) -> BoxFuture<'_, Result<Scores, ActorError>> {
+        self.run_with(weights, true)
+    }
+
+    fn run_with(
+        &mut self,
+        weights: Arc<ModelWeights>,
+        alone: bool,
+    ) -> BoxFuture<'_, Result<Scores, ActorError>> {
         Box::pin(async move {
             let mut out = Vec::with_capacity(self.domains.len());
             for d in &mut self.domains {
+                d.heldout.set_alone(alone);
+                d.train.set_alone(alone);
+                if let Some((sampled, _)) = &mut d.sampled {
+                    sampled.set_alone(alone);
+                }
                 let failed = |what: &str, e: sluice_env::EnvError| {
                     ActorError::Evaluation(format!("{what} evaluation of `{}`: {e}", d.domain))
                 };

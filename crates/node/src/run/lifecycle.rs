@@ -82,9 +82,11 @@ pub async fn prepare(
         }
     };
     let baseline = match &mut native {
-        Some(n) if n.resumed.is_none() => {
-            Some(n.evaluations.run(Arc::clone(&n.setup.weights)).await?)
-        }
+        Some(n) if n.resumed.is_none() => Some(
+            n.evaluations
+                .run_alone(Arc::clone(&n.setup.weights))
+                .await?,
+        ),
         _ => None,
     };
     Ok(PreparedRun {

@@ -175,9 +175,12 @@ async fn warmup(
                 .get(&s.domain)
                 .and_then(|d| d.warmup_target_accuracy)
                 .unwrap_or(w.target_accuracy);
+            // Probes run between the warm-up's steps, while nothing else computes.
+            let mut probe = evaluator(config, setup, s, probed, 0.0, Some(config.run.seed));
+            probe.set_alone(true);
             probes.push(WarmupProbe {
                 domain: s.domain.clone(),
-                evaluator: evaluator(config, setup, s, probed, 0.0, Some(config.run.seed)),
+                evaluator: probe,
                 target,
             });
         }
@@ -195,6 +198,11 @@ async fn warmup(
     sft.trainer.lr_schedule = LrSchedule::Constant;
     sft.trainer.warmup_steps = 0;
     sft.trainer.kl_coef = 0.0;
+    // Nothing else computes during the warm-up (its probes run between its steps): with
+    // automatic sizing its trainer takes every core, not the half an engine leaves it.
+    if sft.trainer.threads == 0 {
+        sft.trainer.threads = sluice_model::threads::available_cores() as u32;
+    }
     let trainer = setup.trainer(&sft, None)?;
     let settings = WarmupSettings {
         max_steps: w.max_steps.get(),
