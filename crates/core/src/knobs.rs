@@ -288,8 +288,32 @@ pub struct KnobPatch {
 impl KnobPatch {
     /// Builds a patch from `key=value` assignments, as `sluice knobs set` takes them
     /// (`domain_mix.math=0.4` sets one domain's weight), read through the patch's serde derive.
+    ///
+    /// A value that is not a finite number is refused here, not only when the patch is applied:
+    /// JSON, which carries the patch to a node, has no NaN or infinity (serde writes them as
+    /// `null`, which the admin API refuses).
     pub fn from_assignments<S: AsRef<str>>(assignments: &[S]) -> Result<Self, KnobError> {
-        assign::patch_from_assignments(assignments)
+        let patch = assign::patch_from_assignments(assignments)?;
+        patch.refuse_non_finite()?;
+        Ok(patch)
+    }
+
+    /// The first number of the patch that is not finite, refused as [`Knobs::validate`] words it.
+    fn refuse_non_finite(&self) -> Result<(), KnobError> {
+        if let Some(v) = self.staleness_threshold.filter(|v| !v.is_finite()) {
+            return Err(KnobError::new(
+                "staleness_threshold",
+                format!("expected a finite number ≥ 0, got {v}"),
+            ));
+        }
+        let weights = self.domain_mix.iter().flatten();
+        if let Some((domain, w)) = weights.into_iter().find(|(_, w)| !w.is_finite()) {
+            return Err(KnobError::new(
+                format!("domain_mix.{domain}"),
+                format!("expected a finite weight in [0, {MAX_DOMAIN_WEIGHT:e}], got {w}"),
+            ));
+        }
+        Ok(())
     }
 
     /// True when the patch changes nothing.

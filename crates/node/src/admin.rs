@@ -248,7 +248,19 @@ async fn patch_knobs(
             ),
         ));
     }
-    let patch: KnobPatch = serde_json::from_value(value).map_err(|e| {
+    if let Some(knob) = null_knob(&value) {
+        return Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_json",
+            format!(
+                "invalid knob patch: `{knob}` is null: give it a value, or leave it out to keep \
+                 it (JSON has no NaN or infinity)"
+            ),
+        ));
+    }
+    // Read from the bytes into the struct: a knob given twice is refused (`duplicate field`),
+    // where the value above kept the last one.
+    let patch: KnobPatch = serde_json::from_slice(&body).map_err(|e| {
         ApiError::new(
             StatusCode::BAD_REQUEST,
             "invalid_json",
@@ -256,6 +268,20 @@ async fn patch_knobs(
         )
     })?;
     apply(&s, &patch)
+}
+
+/// The first knob (or `domain_mix.<domain>`) the patch sets to `null`: serde would read it as
+/// "not given" and change nothing, and `null` is what serializers write for NaN and infinity.
+fn null_knob(patch: &Value) -> Option<String> {
+    let fields = patch.as_object()?;
+    fields.iter().find_map(|(knob, v)| match v {
+        Value::Null => Some(knob.clone()),
+        Value::Object(mix) => mix
+            .iter()
+            .find(|(_, w)| w.is_null())
+            .map(|(domain, _)| format!("{knob}.{domain}")),
+        _ => None,
+    })
 }
 
 fn json_kind(v: &Value) -> &'static str {

@@ -111,6 +111,34 @@ fn bad_values_are_refused_with_the_knob_name() {
 }
 
 #[test]
+fn assignments_refuse_numbers_json_cannot_carry() {
+    // `sluice knobs set` sends the patch as JSON, where NaN and infinity become `null`: the
+    // assignments themselves refuse them, before any call.
+    let cases: &[(&str, &str)] = &[
+        (
+            "staleness_threshold=nan",
+            "staleness_threshold: expected a finite number ≥ 0, got NaN",
+        ),
+        (
+            "staleness_threshold=inf",
+            "staleness_threshold: expected a finite number ≥ 0, got inf",
+        ),
+        (
+            "staleness_threshold=1e400",
+            "staleness_threshold: expected a finite number ≥ 0, got inf",
+        ),
+        (
+            "domain_mix.math=-inf",
+            "domain_mix.math: expected a finite weight in [0, 1e9], got -inf",
+        ),
+    ];
+    for (input, expected) in cases {
+        let err = KnobPatch::from_assignments(&[input]).unwrap_err();
+        assert_eq!(err.to_string(), *expected, "input {input:?}");
+    }
+}
+
+#[test]
 fn domain_mix_names_a_bounded_number_of_domains() {
     let mut k = knobs();
     k.domain_mix = (0..=MAX_DOMAINS).map(|i| (format!("d{i}"), 1.0)).collect();

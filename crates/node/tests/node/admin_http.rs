@@ -113,6 +113,33 @@ async fn check_refused_patches_change_nothing(node: &Node, base: &str) {
     )
     .await;
     assert_eq!(code, 400, "{body}");
+    // `null` is what a serializer writes for NaN or infinity: refused, naming the knob, rather
+    // than read as "not given" and answered 200 with no change. A knob given twice is refused too.
+    for (patch, named) in [
+        (
+            r#"{"staleness_threshold": null}"#,
+            "`staleness_threshold` is null",
+        ),
+        (
+            r#"{"domain_mix": {"math": null}}"#,
+            "`domain_mix.math` is null",
+        ),
+        (
+            r#"{"paused": false, "paused": true}"#,
+            "duplicate field `paused`",
+        ),
+    ] {
+        let (code, body) = call(
+            base.to_owned(),
+            "PATCH",
+            "/v1/knobs",
+            Some(patch),
+            Some("s3cret"),
+        )
+        .await;
+        assert_eq!(code, 400, "{patch}: {body}");
+        assert!(body.contains(named), "{patch}: {body}");
+    }
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert_eq!(
         node.status().await.unwrap().controller.admitted_total,
