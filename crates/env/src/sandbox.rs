@@ -10,6 +10,7 @@
 //! | fork bomb | `RLIMIT_NPROC` (`max_processes`) and the process-group kill at the end |
 //! | network access | a fresh user + network namespace (`unshare(CLONE_NEWUSER \| CLONE_NEWNET)`): only a downed loopback |
 //! | huge output | stdout and stderr are read up to `max_output_bytes` each |
+//! | filling the disk | a fresh mount namespace with a tmpfs of [`SCRATCH_BYTES`] over each world-writable directory (`/tmp`, the working directory, `/var/tmp`, `/dev/shm`), gone with the run; `RLIMIT_FSIZE` ([`SCRATCH_BYTES`]) on every file |
 //!
 //! `RLIMIT_NPROC` counts every process of the child's user, and the kernel does not apply it to
 //! root: when the server runs as root, each run drops to a uid of its own (from
@@ -126,6 +127,17 @@ pub enum SandboxError {
     },
 }
 
+/// Bytes a program may write: the size of each private tmpfs, and the largest file
+/// (`RLIMIT_FSIZE`; a write past it fails, `SIGXFSZ` ends the program).
+pub const SCRATCH_BYTES: u64 = 16 << 20;
+
+/// The world-writable directories each run gets a private tmpfs over (absent ones are skipped).
+const SCRATCH_DIRS: [&std::ffi::CStr; 3] = [c"/tmp", c"/var/tmp", c"/dev/shm"];
+
+/// The tmpfs options of a scratch directory (sticky and writable by all, as `/tmp` is).
+const SCRATCH_OPTIONS: &std::ffi::CStr = c"size=16m,mode=1777";
+const _: () = assert!(SCRATCH_BYTES == 16 << 20, "SCRATCH_OPTIONS names the size");
+
 /// First uid (and gid) of the runs of a root server; run `n` gets `SANDBOX_UID_BASE + n mod 2¹⁶`.
 pub const SANDBOX_UID_BASE: libc::uid_t = 1_500_000_000;
 
@@ -149,9 +161,51 @@ fn set_limit(resource: libc::__rlimit_resource_t, value: u64) -> std::io::Result
     check(unsafe { libc::setrlimit(resource, &limit) })
 }
 
+/// What the child writes into `/proc/self/{setgroups,uid_map,gid_map}` once in its own user
+/// namespace: its uid and gid mapped to themselves, so files it creates on its scratch tmpfs
+/// have an owner there (an unmapped one cannot create any). Formatted before the fork.
+struct IdMaps {
+    uid_map: Vec<u8>,
+    gid_map: Vec<u8>,
+}
+
+impl IdMaps {
+    /// The maps of a child that runs as `uid`/`gid` after [`confine`]'s drop (when root), or
+    /// as this process's own ids.
+    fn new(sandbox_id: libc::uid_t) -> Self {
+        // SAFETY: reads the calling process's ids.
+        let (euid, egid) = unsafe { (libc::geteuid(), libc::getegid()) };
+        let (uid, gid) = if euid == 0 {
+            (sandbox_id, sandbox_id)
+        } else {
+            (euid, egid)
+        };
+        Self {
+            uid_map: format!("{uid} {uid} 1").into_bytes(),
+            gid_map: format!("{gid} {gid} 1").into_bytes(),
+        }
+    }
+}
+
+/// Writes `data` to the file `path` (async-signal-safe: raw syscalls, no allocation).
+fn write_proc(path: &std::ffi::CStr, data: &[u8]) -> std::io::Result<()> {
+    // SAFETY: opens, writes and closes a file of the calling process's own /proc entry.
+    unsafe {
+        let fd = libc::open(path.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
+        check(fd)?;
+        let written = libc::write(fd, data.as_ptr().cast(), data.len());
+        let error = std::io::Error::last_os_error();
+        libc::close(fd);
+        if written != data.len() as isize {
+            return Err(error);
+        }
+    }
+    Ok(())
+}
+
 /// The child's confinement, between fork and exec. Only async-signal-safe calls (raw
 /// syscalls, no allocation).
-fn confine(limits: &SandboxLimits, uid: libc::uid_t) -> std::io::Result<()> {
+fn confine(limits: &SandboxLimits, uid: libc::uid_t, ids: &IdMaps) -> std::io::Result<()> {
     // SAFETY: plain syscalls on the calling (child) process.
     unsafe {
         check(libc::setpgid(0, 0))?;
@@ -159,13 +213,44 @@ fn confine(limits: &SandboxLimits, uid: libc::uid_t) -> std::io::Result<()> {
         set_limit(libc::RLIMIT_AS, limits.memory_bytes)?;
         set_limit(libc::RLIMIT_NPROC, limits.max_processes)?;
         set_limit(libc::RLIMIT_CORE, 0)?;
+        set_limit(libc::RLIMIT_FSIZE, SCRATCH_BYTES)?;
         if libc::geteuid() == 0 {
             check(libc::setgroups(0, std::ptr::null()))?;
             check(libc::setgid(uid))?;
             check(libc::setuid(uid))?;
+            // Changing ids made the process undumpable, which gives its /proc files to root:
+            // the id maps below could not be written (exec resets the flag anyway).
+            check(libc::prctl(libc::PR_SET_DUMPABLE, 1, 0, 0, 0))?;
         }
-        check(libc::unshare(libc::CLONE_NEWUSER | libc::CLONE_NEWNET))?;
+        check(libc::unshare(
+            libc::CLONE_NEWUSER | libc::CLONE_NEWNET | libc::CLONE_NEWNS,
+        ))?;
     }
+    write_proc(c"/proc/self/setgroups", b"deny")?;
+    write_proc(c"/proc/self/uid_map", &ids.uid_map)?;
+    write_proc(c"/proc/self/gid_map", &ids.gid_map)?;
+    for dir in SCRATCH_DIRS {
+        // SAFETY: mounts a fresh tmpfs in the child's own mount namespace; the strings are
+        // static and NUL-terminated.
+        let mounted = unsafe {
+            libc::mount(
+                c"sluice-sandbox".as_ptr(),
+                dir.as_ptr(),
+                c"tmpfs".as_ptr(),
+                libc::MS_NOSUID | libc::MS_NODEV,
+                SCRATCH_OPTIONS.as_ptr().cast(),
+            )
+        };
+        if mounted == -1 {
+            let error = std::io::Error::last_os_error();
+            if error.raw_os_error() != Some(libc::ENOENT) {
+                return Err(error);
+            }
+        }
+    }
+    // The working directory was entered before the mounts: enter the private one.
+    // SAFETY: changes the calling process's working directory.
+    check(unsafe { libc::chdir(c"/tmp".as_ptr()) })?;
     Ok(())
 }
 
@@ -209,10 +294,11 @@ pub async fn run(
     let child_limits = limits.clone();
     let uid =
         SANDBOX_UID_BASE + RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % (1 << 16);
+    let ids = IdMaps::new(uid);
     become_subreaper();
     // SAFETY: `confine` makes only async-signal-safe syscalls and allocates nothing.
     unsafe {
-        command.pre_exec(move || confine(&child_limits, uid));
+        command.pre_exec(move || confine(&child_limits, uid, &ids));
     }
     let mut child = command.spawn().map_err(|source| SandboxError::Spawn {
         program: program.to_owned(),

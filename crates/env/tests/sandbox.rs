@@ -76,6 +76,43 @@ async fn hostile_programs_end_inside_their_limits() {
     assert!(after.succeeded(), "{after:?}");
 }
 
+/// What a program writes goes to a private tmpfs of its own: a small file works (in `/tmp`, the
+/// working directory and `/dev/shm`) and is gone with the run; a large one fails at the limit
+/// and fills nothing of the host's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn written_files_stay_inside_the_run() {
+    let tag = format!("sluice-sandbox-{}", std::process::id());
+    let small = python(&format!(
+        "import os\n\
+         for d, n in (('/tmp', 'a'), ('.', 'b'), ('/dev/shm', 'c')):\n\
+         \x20   open(os.path.join(d, '{tag}-' + n), 'w').write('x')\n\
+         print(os.getcwd(), len(os.listdir('/tmp')))\n"
+    ))
+    .await;
+    assert!(small.succeeded(), "{small:?}");
+    // The run's /tmp held its own two files and nothing of the host's.
+    assert_eq!(small.stdout, "/tmp 2\n", "{small:?}");
+    for host in ["/tmp", "/dev/shm"] {
+        let left: Vec<_> = std::fs::read_dir(host)
+            .map(|d| d.flatten().map(|e| e.file_name()).collect())
+            .unwrap_or_default();
+        assert!(
+            !left.iter().any(|n| n.to_string_lossy().starts_with(&tag)),
+            "a file of the run was left in the host's {host}"
+        );
+    }
+    let big = python(&format!(
+        "f = open('/tmp/{tag}-big', 'wb')\n\
+         for _ in range(64):\n\
+         \x20   f.write(b'0' * (1 << 20))\n\
+         f.close()\nprint('wrote')\n"
+    ))
+    .await;
+    assert!(!big.succeeded(), "{big:?}");
+    assert!(!big.stdout.contains("wrote"), "{big:?}");
+    assert!(!std::path::Path::new(&format!("/tmp/{tag}-big")).exists());
+}
+
 /// A local `python_code` task (its rubric from a config with `error_reward = -1`) whose envs run
 /// on an in-process env server.
 async fn remote_code_task() -> (Task, String, tokio::sync::oneshot::Sender<()>) {
