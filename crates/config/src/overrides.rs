@@ -25,6 +25,18 @@ impl FromStr for Override {
             ));
         }
         let value = value.trim();
+        let digits = value.strip_prefix(['+', '-']).unwrap_or(value);
+        if !digits.is_empty()
+            && digits.bytes().all(|b| b.is_ascii_digit() || b == b'_')
+            && value.replace('_', "").parse::<i64>().is_err()
+        {
+            // Not a string that happens to be digits: an integer TOML cannot hold.
+            return Err(format!(
+                "--set {s}: {value} is beyond TOML's integers ({} to {}); quote it for a string",
+                i64::MIN,
+                i64::MAX
+            ));
+        }
         let parsed = format!("v = {value}")
             .parse::<toml::Table>()
             .ok()
@@ -70,6 +82,21 @@ impl Override {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn integers_toml_cannot_hold_are_refused_not_read_as_strings() {
+        let err = "run.max_steps=18446744073709551615"
+            .parse::<Override>()
+            .unwrap_err();
+        assert_eq!(
+            err,
+            "--set run.max_steps=18446744073709551615: 18446744073709551615 is beyond TOML's \
+             integers (-9223372036854775808 to 9223372036854775807); quote it for a string"
+        );
+        assert!("run.seed=-9223372036854775809".parse::<Override>().is_err());
+        let o: Override = "run.seed=9_223_372_036_854_775_807".parse().unwrap();
+        assert_eq!(o.value, toml::Value::Integer(i64::MAX));
+    }
 
     #[test]
     fn values_are_typed_when_they_parse() {

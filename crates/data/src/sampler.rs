@@ -180,6 +180,19 @@ impl<R: DomainRows> Debug for MixSampler<R> {
 impl MixSampler<DatasetRows> {
     /// A sampler over `datasets`; domains appear in first-mention order.
     pub fn new(config: SamplerConfig, datasets: Vec<crate::Dataset>) -> Result<Self, DataError> {
+        if !datasets.is_empty() && datasets.iter().all(crate::Dataset::is_empty) {
+            let each: Vec<String> = datasets
+                .iter()
+                .map(|d| match d.bad_lines().len() {
+                    0 => format!("`{}` (no rows)", d.spec()),
+                    n => format!("`{}` (no rows; {n} bad lines skipped)", d.spec()),
+                })
+                .collect();
+            return Err(DataError::Config(format!(
+                "every dataset is empty: {}",
+                each.join(", ")
+            )));
+        }
         let rows = DatasetRows::new(datasets, config.seed);
         Self::with_rows(config, rows)
     }

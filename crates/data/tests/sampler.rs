@@ -272,6 +272,19 @@ fn system_prompts_tasks_and_zero_weights() {
 }
 
 #[test]
+fn datasets_that_are_all_empty_are_named() {
+    let err = DomainSampler::new(
+        SamplerConfig::new(1),
+        vec![dataset("math::a", 0), dataset("code::b", 0)],
+    )
+    .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "sampler: every dataset is empty: `math::a` (no rows), `code::b` (no rows)"
+    );
+}
+
+#[test]
 fn empty_mix_follows_row_counts() {
     let s = DomainSampler::new(SamplerConfig::new(1), three_domains()).unwrap();
     let r = s.mix_report(&BTreeMap::new());

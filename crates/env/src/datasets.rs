@@ -52,7 +52,9 @@ pub fn load_dataset(
     rows: GeneratedRows,
 ) -> Result<Dataset, EnvError> {
     let path = dataset_path(&data.data_dir, spec);
-    if path.exists() {
+    // Something at the path, even a link that leads nowhere, means a file was meant: it is read,
+    // and a failure names it, rather than the task's generated rows quietly taking its place.
+    if std::fs::symlink_metadata(&path).is_ok() {
         return Dataset::load_limited(&data.data_dir, spec, data.on_bad_line, &data.read_limits)
             .map_err(|e| EnvError::Config(e.to_string()));
     }

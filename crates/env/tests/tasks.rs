@@ -278,6 +278,18 @@ fn configured_datasets_come_from_files_or_generators() {
     };
     let err = load_datasets(&missing, &registry(), rows).unwrap_err();
     assert!(err.to_string().contains("nowhere.jsonl"), "{err}");
+
+    // A link where a generated dataset's file would be is a file meant, even when it leads
+    // nowhere: its error, not the generator's rows.
+    std::fs::create_dir_all(dir.join("math/arithmetic")).unwrap();
+    let link = dir.join("math/arithmetic/train.jsonl");
+    std::os::unix::fs::symlink(dir.join("gone.jsonl"), &link).unwrap();
+    let linked = DataConfig {
+        datasets: vec!["math::arithmetic@train".parse().unwrap()],
+        ..missing
+    };
+    let err = load_datasets(&linked, &registry(), rows).unwrap_err();
+    assert!(err.to_string().contains("train.jsonl"), "{err}");
     std::fs::remove_dir_all(dir).unwrap();
 }
 

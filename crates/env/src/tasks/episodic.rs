@@ -161,14 +161,31 @@ fn env(sample: &DataSample) -> Result<Box<dyn MessageEnv>, EnvError> {
             sample.id
         )));
     }
+    // Bounded so that no walk's position, nor the distance the reference walks, can overflow.
+    for (name, v) in [
+        ("start", start),
+        ("target", target),
+        ("max_steps", max_steps),
+    ] {
+        if v.unsigned_abs() > MAX_COORDINATE {
+            return Err(EnvError::BadInput(format!(
+                "sample `{}`: {name} must be within ±{MAX_COORDINATE} (2^53), got {v}",
+                sample.id
+            )));
+        }
+    }
     Ok(Box::new(WalkEnv::new(start, target, max_steps)))
 }
+
+/// Largest `|start|`, `|target|` and `max_steps` of a sample (2^53, the integers every JSON
+/// reader keeps exactly): a position stays within ±2^54.
+const MAX_COORDINATE: u64 = 1 << 53;
 
 /// The reference walk: straight to the target, then `done()`.
 fn reference(sample: &DataSample, turn: u32) -> Option<String> {
     let start: i64 = field(sample, "start").ok()?;
     let target: i64 = field(sample, "target").ok()?;
-    let distance = (target - start).unsigned_abs();
+    let distance = target.checked_sub(start)?.unsigned_abs();
     let action = match u64::from(turn).cmp(&distance) {
         std::cmp::Ordering::Less if target > start => "inc()",
         std::cmp::Ordering::Less => "dec()",
@@ -227,6 +244,30 @@ mod tests {
         assert_eq!(parse_action("<|action_start|>jump()<|action_end|>"), None);
         assert_eq!(parse_action("<|action_start|>inc()"), None);
         assert_eq!(parse_action("inc()"), None);
+    }
+
+    /// Coordinates whose walk could overflow are refused, naming the field; the reference walk
+    /// of such a sample is none rather than a wrapped distance.
+    #[test]
+    fn coordinates_past_2_pow_53_are_refused() {
+        let sample = |start: i64, target: i64, max_steps: i64| DataSample {
+            id: "s".into(),
+            domain: "games".into(),
+            dataset: NAME.into(),
+            input: json!({"start": start, "target": target, "max_steps": max_steps}),
+            system_prompt: None,
+        };
+        let cases = [
+            (sample(i64::MIN, i64::MAX, 5), "start must be within ±"),
+            (sample(0, i64::MAX, 5), "target must be within ±"),
+            (sample(0, 1, i64::MAX), "max_steps must be within ±"),
+        ];
+        for (s, expected) in cases {
+            let err = env(&s).err().expect("refused").to_string();
+            assert!(err.contains(expected), "{err}");
+        }
+        assert!(env(&sample(1 << 53, -(1 << 53), 1 << 53)).is_ok());
+        assert_eq!(reference(&sample(i64::MIN, i64::MAX, 5), 0), None);
     }
 
     /// Every observation restates the target, so a turn's decision needs only its own message.
