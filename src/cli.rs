@@ -113,7 +113,7 @@ pub struct ServeArgs {
     /// 503 with `Retry-After`.
     #[arg(long, default_value_t = sluice_engine::server::DEFAULT_MAX_QUEUED_SEQUENCES)]
     pub max_queued_sequences: usize,
-    /// Header-read deadline and shutdown grace.
+    /// Client deadlines, the connection cap and the shutdown grace.
     #[command(flatten)]
     pub http: HttpServerArgs,
 }
@@ -125,6 +125,15 @@ pub struct HttpServerArgs {
     /// closed after them.
     #[arg(long, default_value_t = 10.0)]
     pub header_read_timeout_s: f64,
+    /// Seconds a client may take to send a request's body once its headers are in; the request
+    /// then answers 408 and its connection is closed (answers, streamed ones too, have no
+    /// deadline).
+    #[arg(long, default_value_t = 30.0)]
+    pub body_read_timeout_s: f64,
+    /// Most connections open at once (0: half the open-file limit, at most 8192); clients over
+    /// it wait in the listen queue until one closes.
+    #[arg(long, default_value_t = 0)]
+    pub max_connections: usize,
     /// Seconds a stop (SIGINT, SIGTERM) waits for requests in flight before dropping them.
     #[arg(long, default_value_t = 10.0)]
     pub shutdown_grace_s: f64,
@@ -169,7 +178,7 @@ pub struct EnvServerArgs {
     /// died without closing); must exceed the call timeout.
     #[arg(long, default_value_t = 600.0)]
     pub idle_timeout_s: f64,
-    /// Header-read deadline and shutdown grace.
+    /// Client deadlines, the connection cap and the shutdown grace.
     #[command(flatten)]
     pub http: HttpServerArgs,
 }

@@ -5,7 +5,7 @@
 //! | this file | [`HttpClient`], the one JSON client of the remote protocols (remote engines, remote envs, a node's calls to its head) |
 //! | [`api`] | the server kit of every JSON API: [`ApiError`] and its one answer shape, the bearer check as a 401, the body rules (limit, `Content-Type`, JSON) |
 //! | [`auth`] | the bearer-token check every server runs on its guarded routes, and token loading (trimmed) |
-//! | [`serve`](mod@serve) | the server loop: a header-read deadline and a bounded graceful stop |
+//! | [`serve`](mod@serve) | the server loop: deadlines on a request's head and body, a cap on open connections, a bounded graceful stop |
 //! | [`origin`] | `http(s)://host:port` base URLs, checked strictly (member URLs, configured servers) |
 //!
 //! The client opens one connection per call (remote calls are few and long next to a TCP

@@ -8,6 +8,7 @@ use std::time::Duration;
 use axum::Json;
 use axum::body::Bytes;
 use axum::extract::State;
+use axum::http::StatusCode;
 use serde::Deserialize;
 use serde_json::{Value, json};
 use sluice_core::{PolicyVersion, WeightUpdateMode};
@@ -156,6 +157,7 @@ pub async fn update_weights_from_disk(
     let mode = update_mode(b.mode.as_deref(), b.abort_all_requests)?;
     let _one_at_a_time = state.loading.lock().await;
     let version = requested_version(&state, b.weight_version.as_ref())?;
+    check_not_older(&state, version)?;
     let loaded = load_dir(&state, b.model_path.clone(), "model_path").await?;
     install(
         &state,
@@ -182,13 +184,25 @@ pub(super) fn update_mode(
     }
 }
 
-/// The version an update installs: `weight_version`, default the current one + 1.
+/// The version an update installs: `weight_version`, default the current one + 1 (400 when
+/// the current one is the largest there is: versions never wrap back to 0).
 pub(super) fn requested_version(
     state: &ServerState,
     weight_version: Option<&Value>,
 ) -> Result<PolicyVersion, ApiError> {
     match weight_version {
-        None | Some(Value::Null) => Ok(state.control.stats().version.next()),
+        None | Some(Value::Null) => {
+            let current = state.control.stats().version;
+            current.0.checked_add(1).map(PolicyVersion).ok_or_else(|| {
+                ApiError::invalid(
+                    "weight_version",
+                    format!(
+                        "the current version {} is the largest there is; give `weight_version` explicitly",
+                        current.0
+                    ),
+                )
+            })
+        }
         Some(v) => v
             .as_u64()
             .or_else(|| v.as_str().and_then(|s| s.parse().ok()))
@@ -197,6 +211,26 @@ pub(super) fn requested_version(
                 ApiError::invalid("weight_version", format!("`{v}` is not a version number"))
             }),
     }
+}
+
+/// Refuses to install `version` below the one in use (409 naming both): the versions a server
+/// reports only rise, so tokens tagged with them order as the weights that made them.
+fn check_not_older(state: &ServerState, version: PolicyVersion) -> Result<(), ApiError> {
+    let current = state.control.stats().version;
+    if version < current {
+        return Err(ApiError {
+            param: Some("weight_version".into()),
+            ..ApiError::new(
+                StatusCode::CONFLICT,
+                "version_conflict",
+                format!(
+                    "weight_version {} is below the version in use, {}; versions only rise",
+                    version.0, current.0
+                ),
+            )
+        });
+    }
+    Ok(())
 }
 
 /// Loads the Hugging Face directory `path` in the served dtype and device, off the runtime;

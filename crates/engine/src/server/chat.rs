@@ -22,11 +22,16 @@ use super::completions::{
     MAX_LOGPROBS, Sampling, completion_text, finish_reason, parse_body, unix_now, usage,
 };
 use super::generate::{ChoiceOutput, launch};
+use super::limits::unsupported;
 use super::prompt_text::{chat_text_bytes, render_chat};
 use super::reply_stream::{ReplyStream, delta_chunks, parse_reply};
 use super::text::{Streamer, piece};
 use super::{ApiError, ServerState};
 use crate::native::RequestUpdate;
+
+/// Template variables the server itself sets, which `chat_template_kwargs` may not replace
+/// (nor the special tokens, every name ending in `_token`: `bos_token`, `eos_token`, …).
+const RESERVED_TEMPLATE_VARIABLES: [&str; 3] = ["messages", "tools", "add_generation_prompt"];
 
 /// The body of a chat request.
 #[derive(Debug, Deserialize)]
@@ -163,7 +168,38 @@ pub async fn handle(
         .enumerate()
         .map(|(i, m)| m.into_message(i))
         .collect::<Result<Vec<_>, _>>()?;
-    let tools_off = matches!(&req.tool_choice, Some(Value::String(s)) if s == "none");
+    req.sampling.unsupported.check()?;
+    let tools_off = match &req.tool_choice {
+        None | Some(Value::Null) => false,
+        Some(Value::String(s)) if s == "auto" => false,
+        Some(Value::String(s)) if s == "none" => true,
+        Some(v) => {
+            return Err(unsupported(
+                "tool_choice",
+                v,
+                "\"auto\" or \"none\" (the model decides whether to call a tool)",
+            ));
+        }
+    };
+    if let Some(name) = RESERVED_TEMPLATE_VARIABLES
+        .iter()
+        .find(|&&r| req.chat_template_kwargs.contains_key(r))
+        .map(|r| (*r).to_owned())
+        .or_else(|| {
+            req.chat_template_kwargs
+                .keys()
+                .find(|k| k.ends_with("_token"))
+                .cloned()
+        })
+    {
+        return Err(ApiError::invalid(
+            "chat_template_kwargs",
+            format!(
+                "`chat_template_kwargs` may not set `{name}`: the server sets it (reserved: {}, and the special tokens `*_token`)",
+                RESERVED_TEMPLATE_VARIABLES.join(", ")
+            ),
+        ));
+    }
     let tools = if tools_off {
         None
     } else {

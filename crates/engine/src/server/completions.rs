@@ -16,11 +16,12 @@ use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 
 use super::generate::{ChoiceOutput, ChoiceSpec, launch};
+use super::limits::{Unsupported, check_logprob_budget, unsupported};
 use super::prompt_text::encode_all;
 use super::text::{Streamer, decode, piece};
 use super::{ApiError, ServerState};
 use crate::backend::{FinishReason, SamplingParams};
-use crate::native::{RequestUpdate, StopHit, truncate_at_stop};
+use crate::native::{PromptLogprob, RequestUpdate, StopHit, truncate_at_stop};
 
 /// Most alternatives per token (OpenAI's limit).
 pub const MAX_LOGPROBS: i64 = 20;
@@ -57,6 +58,10 @@ pub(crate) struct Sampling {
     #[serde(default)]
     pub return_token_ids: bool,
     pub rid: Option<String>,
+    /// Fields this server does not implement: accepted only at their neutral value
+    /// ([`Unsupported::check`]).
+    #[serde(flatten)]
+    pub unsupported: Unsupported,
 }
 
 impl Sampling {
@@ -187,6 +192,27 @@ struct CompletionRequest {
     logprobs: Option<i64>,
     #[serde(default)]
     echo: bool,
+    /// Not implemented: only `null`, 1 or `n` (one candidate per choice) are accepted.
+    best_of: Option<Value>,
+    /// Not implemented: only `null` or `""` are accepted.
+    suffix: Option<Value>,
+}
+
+impl CompletionRequest {
+    /// Refuses `best_of` and `suffix` at values that would change the output.
+    fn refuse_unsupported(&self) -> Result<(), ApiError> {
+        let n = self.sampling.n.unwrap_or(1);
+        match &self.best_of {
+            None | Some(Value::Null) => {}
+            Some(v) if v.as_i64() == Some(1) || v.as_i64() == Some(n) => {}
+            Some(v) => return Err(unsupported("best_of", v, "1 or `n`")),
+        }
+        match &self.suffix {
+            None | Some(Value::Null) => Ok(()),
+            Some(Value::String(s)) if s.is_empty() => Ok(()),
+            Some(v) => Err(unsupported("suffix", v, "`null` or \"\"")),
+        }
+    }
 }
 
 /// `prompt`: a string, a list of strings, a list of ids or a list of lists of ids. Texts are
@@ -235,6 +261,8 @@ pub async fn handle(
 ) -> Result<Response, ApiError> {
     let req: CompletionRequest = parse_body(&body)?;
     state.check_model(req.sampling.model.as_deref())?;
+    req.refuse_unsupported()?;
+    req.sampling.unsupported.check()?;
     let logprobs = match req.logprobs {
         None => None,
         Some(n) if (0..=MAX_LOGPROBS).contains(&n) => Some(n as u32),
@@ -246,15 +274,25 @@ pub async fn handle(
         }
     };
     let prompt_ids = prompts(&state, &req.prompt).await?;
+    let echo_logprobs = req.echo && logprobs.is_some();
     let mut specs = Vec::new();
     let mut prompt_of = Vec::new();
-    for p in &prompt_ids {
-        let want = (logprobs.unwrap_or(0), req.echo && logprobs.is_some());
-        for spec in req.sampling.choices(&state, p, Some(16), want)? {
-            prompt_of.push(p.clone());
+    for (p, ids) in prompt_ids.iter().enumerate() {
+        let want = (logprobs.unwrap_or(0), echo_logprobs);
+        for (copy, mut spec) in req
+            .sampling
+            .choices(&state, ids, Some(16), want)?
+            .into_iter()
+            .enumerate()
+        {
+            // A prompt's log-probabilities are the same for each of its `n` choices: the
+            // engine computes them once (a stream sends each choice's own, in its first chunk).
+            spec.prompt_logprobs &= req.sampling.stream || copy == 0;
+            prompt_of.push(p);
             specs.push(spec);
         }
     }
+    check_logprob_budget(&specs, logprobs, req.echo, req.sampling.stream)?;
     let stops = specs[0].stop.clone();
     let launched = launch(&state, req.sampling.rid.clone(), specs)?;
     let id = launched.response_id.clone();
@@ -267,15 +305,36 @@ pub async fn handle(
         stops,
     };
     if req.sampling.stream {
-        return Ok(
-            stream(state, launched, shape, StreamHead { id, created, model }).into_response(),
-        );
+        let echo_texts = if shape.echo {
+            let texts: Vec<Arc<str>> = prompt_ids
+                .iter()
+                .map(|ids| decode(&state.tokenizer, ids).into())
+                .collect();
+            prompt_of.iter().map(|&p| Arc::clone(&texts[p])).collect()
+        } else {
+            Vec::new()
+        };
+        let head = StreamHead { id, created, model };
+        return Ok(stream(state, launched, shape, head, echo_texts).into_response());
     }
-    let outputs = launched.collect(&prompt_of).await?;
+    let prompts_of_choices: Vec<Vec<u32>> =
+        prompt_of.iter().map(|&p| prompt_ids[p].clone()).collect();
+    let outputs = launched.collect(&prompts_of_choices).await?;
+    drop(prompts_of_choices);
+    // The echoed part of each prompt (its text and log-probabilities), rendered once.
+    let mut echoed: Vec<Option<Echo>> = (0..prompt_ids.len()).map(|_| None).collect();
+    if shape.echo {
+        for (o, &p) in outputs.iter().zip(&prompt_of) {
+            if echoed[p].is_none() || o.prompt_logprobs.is_some() {
+                echoed[p] = Some(Echo::new(&state, &o.prompt, o.prompt_logprobs.as_deref()));
+            }
+        }
+    }
     let choices: Vec<Value> = outputs
         .iter()
+        .zip(&prompt_of)
         .enumerate()
-        .map(|(i, o)| choice_json(&state, i, o, &shape))
+        .map(|(i, (o, &p))| choice_json(&state, i, o, &shape, echoed[p].as_ref()))
         .collect();
     let prompt_tokens: usize = prompt_ids.iter().map(Vec::len).sum();
     let completion_tokens: usize = outputs.iter().map(|o| o.completion.output.len()).sum();
@@ -288,6 +347,25 @@ pub async fn handle(
         "usage": usage(prompt_tokens, completion_tokens),
     }))
     .into_response())
+}
+
+/// A prompt's echoed part: its text and the log-probabilities of its tokens.
+struct Echo {
+    text: String,
+    logprobs: LogprobsJson,
+}
+
+impl Echo {
+    fn new(state: &ServerState, prompt: &[u32], logprobs: Option<&[PromptLogprob]>) -> Self {
+        let mut lp = LogprobsJson::default();
+        for p in logprobs.into_iter().flatten() {
+            lp.push(state, p.token, p.logprob, &p.top);
+        }
+        Self {
+            text: decode(&state.tokenizer, prompt),
+            logprobs: lp,
+        }
+    }
 }
 
 /// How choices are rendered.
@@ -327,17 +405,20 @@ pub(crate) fn completion_text(state: &ServerState, o: &ChoiceOutput, stops: &[St
     }
 }
 
-fn choice_json(state: &ServerState, index: usize, o: &ChoiceOutput, shape: &Shape) -> Value {
+fn choice_json(
+    state: &ServerState,
+    index: usize,
+    o: &ChoiceOutput,
+    shape: &Shape,
+    echo: Option<&Echo>,
+) -> Value {
     let mut text = completion_text(state, o, &shape.stops);
     let mut lp = LogprobsJson::default();
-    if shape.echo {
-        let prompt_text = decode(&state.tokenizer, &o.prompt);
-        if let Some(plps) = &o.prompt_logprobs {
-            for p in plps {
-                lp.push(state, p.token, p.logprob, &p.top);
-            }
+    if let Some(echo) = echo {
+        if shape.logprobs.is_some() {
+            lp = echo.logprobs.clone();
         }
-        text = prompt_text + &text;
+        text = echo.text.clone() + &text;
     }
     for (i, &t) in o.completion.output.token_ids.iter().enumerate() {
         let top = o.tokens.get(i).map(|s| s.top.as_slice()).unwrap_or(&[]);
@@ -370,7 +451,7 @@ fn choice_json(state: &ServerState, index: usize, o: &ChoiceOutput, shape: &Shap
 }
 
 /// The legacy completions `logprobs` object.
-#[derive(Default)]
+#[derive(Default, Clone)]
 struct LogprobsJson {
     tokens: Vec<String>,
     token_logprobs: Vec<Option<f32>>,
@@ -413,41 +494,74 @@ struct StreamHead {
     model: String,
 }
 
-/// Server-sent events: one chunk per token per choice (text delta, its log-probability and,
-/// with `return_token_ids`, its id and version), a last chunk per choice with the finish
-/// reason, then `[DONE]`.
+/// Server-sent events: with `echo`, a first chunk per choice with the prompt's text (and, with
+/// `logprobs`, its tokens' log-probabilities, the first `null`), as vLLM sends it; then one
+/// chunk per token per choice (text delta, its log-probability and, with `return_token_ids`, its
+/// id and version), a last chunk per choice with the finish reason, then `[DONE]`.
 fn stream(
     state: Arc<ServerState>,
     launched: super::generate::Launched,
     shape: Shape,
     head: StreamHead,
+    echo_texts: Vec<Arc<str>>,
 ) -> impl IntoResponse {
-    let streamers: Vec<Streamer> = Vec::new();
-    let init = (launched, streamers, false);
-    let events = futures::stream::unfold(init, move |(mut launched, mut streamers, done)| {
-        let state = Arc::clone(&state);
-        let stops = shape.stops.clone();
-        let head_json = json!({"id": head.id, "object": "text_completion", "created": head.created, "model": head.model});
-        let with_lp = shape.logprobs.is_some();
-        let with_ids = shape.token_ids;
-        async move {
-            if done {
-                return None;
-            }
-            loop {
+    let choices = launched.len();
+    let mut streamers: Vec<Streamer> = Vec::with_capacity(choices);
+    streamers.resize_with(choices, || Streamer::new(shape.stops.clone()));
+    // Choices whose prompt is still to be echoed; an update that comes before the echo (a
+    // token, without `logprobs`) waits in `held` for one turn.
+    let to_echo = vec![shape.echo; choices];
+    let held: Option<Event> = None;
+    let init = (launched, streamers, to_echo, held, false);
+    let head_json = json!({"id": head.id, "object": "text_completion", "created": head.created, "model": head.model});
+    let with_lp = shape.logprobs.is_some();
+    let with_ids = shape.token_ids;
+    let echo_texts: Arc<[Arc<str>]> = echo_texts.into();
+    let events = futures::stream::unfold(
+        init,
+        move |(mut launched, mut streamers, mut to_echo, held, done)| {
+            let state = Arc::clone(&state);
+            let head_json = head_json.clone();
+            let echo_texts = Arc::clone(&echo_texts);
+            async move {
+                if let Some(e) = held {
+                    return Some((Ok(e), (launched, streamers, to_echo, None, done)));
+                }
+                if done {
+                    return None;
+                }
+                let chunk_of = |c: Value| {
+                    let mut chunk = head_json.clone();
+                    chunk["choices"] = json!([c]);
+                    Event::default().data(chunk.to_string())
+                };
                 let Some((i, update)) = launched.next().await else {
                     let e = Event::default().data("[DONE]");
                     return Some((
                         Ok::<_, std::convert::Infallible>(e),
-                        (launched, streamers, true),
+                        (launched, streamers, to_echo, None, true),
                     ));
                 };
-                while streamers.len() <= i {
-                    streamers.push(Streamer::new(stops.clone()));
-                }
-                let mut chunk = head_json.clone();
-                match update {
-                    RequestUpdate::PromptLogprobs(_) => continue,
+                let echo = std::mem::take(&mut to_echo[i]).then(|| {
+                    let text = echo_texts.get(i).map_or("", |t| &**t);
+                    json!({"index": i, "text": text, "finish_reason": null, "logprobs": null})
+                });
+                let c = match update {
+                    RequestUpdate::PromptLogprobs(p) => {
+                        // Asked for only with `echo` and `logprobs`: the echo chunk's.
+                        let mut c = echo.unwrap_or_else(
+                            || json!({"index": i, "text": "", "finish_reason": null}),
+                        );
+                        let mut lp = LogprobsJson::default();
+                        for t in &p {
+                            lp.push(&state, t.token, t.logprob, &t.top);
+                        }
+                        c["logprobs"] = lp.to_json();
+                        return Some((
+                            Ok(chunk_of(c)),
+                            (launched, streamers, to_echo, None, false),
+                        ));
+                    }
                     RequestUpdate::Token(t) => {
                         let text = streamers[i].push(&state.tokenizer, t.token);
                         let mut c = json!({"index": i, "text": text, "finish_reason": null, "logprobs": null});
@@ -460,22 +574,27 @@ fn stream(
                             c["token_ids"] = json!([t.token]);
                             c["token_versions"] = json!([t.version.0]);
                         }
-                        chunk["choices"] = json!([c]);
+                        c
                     }
                     RequestUpdate::Finished { completion, .. } => {
                         let text = streamers[i].finish(&state.tokenizer);
-                        chunk["choices"] = json!([{
+                        json!({
                             "index": i,
                             "text": text,
                             "finish_reason": finish_reason(&completion.finish),
                             "logprobs": null,
-                        }]);
+                        })
                     }
+                };
+                match echo {
+                    Some(echo) => Some((
+                        Ok(chunk_of(echo)),
+                        (launched, streamers, to_echo, Some(chunk_of(c)), false),
+                    )),
+                    None => Some((Ok(chunk_of(c)), (launched, streamers, to_echo, None, false))),
                 }
-                let e = Event::default().data(chunk.to_string());
-                return Some((Ok(e), (launched, streamers, false)));
             }
-        }
-    });
+        },
+    );
     Sse::new(events)
 }

@@ -24,6 +24,7 @@ pub mod completions;
 pub mod error;
 pub mod fetch;
 pub mod generate;
+mod limits;
 pub mod prompt_text;
 mod reply_stream;
 mod text;

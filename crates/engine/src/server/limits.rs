@@ -1,0 +1,127 @@
+//! What a request may ask beyond its own fields' checks: the OpenAI and vLLM fields this server
+//! does not implement (accepted at their neutral value only, refused otherwise, so nothing is
+//! silently ignored), and how many log-probabilities one completions call may report.
+
+use serde::Deserialize;
+use serde_json::Value;
+
+use super::ApiError;
+use super::generate::ChoiceSpec;
+
+/// OpenAI and vLLM sampling fields the engine does not implement. Clients (LangChain, say) send
+/// them at their neutral value, which changes nothing and is accepted; any other value would be
+/// silently ignored, so it is refused with 400 naming the field.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub(crate) struct Unsupported {
+    logit_bias: Option<Value>,
+    presence_penalty: Option<Value>,
+    frequency_penalty: Option<Value>,
+    repetition_penalty: Option<Value>,
+    min_p: Option<Value>,
+    min_tokens: Option<Value>,
+}
+
+/// 400: `field` = `value` would change the output, and this server does not implement it;
+/// `neutral` says what may be sent instead.
+pub(crate) fn unsupported(field: &str, value: &Value, neutral: &str) -> ApiError {
+    ApiError::invalid(
+        field,
+        format!(
+            "`{field}` = {value} is not supported by this server; send {neutral} or leave it out"
+        ),
+    )
+}
+
+/// Whether `value` is absent, `null` or the number `neutral`.
+fn is_neutral_number(value: Option<&Value>, neutral: f64) -> bool {
+    match value {
+        None | Some(Value::Null) => true,
+        Some(v) => v.as_f64() == Some(neutral),
+    }
+}
+
+impl Unsupported {
+    /// Refuses the first field set to a value that would change the output.
+    pub(crate) fn check(&self) -> Result<(), ApiError> {
+        let numbers = [
+            ("presence_penalty", &self.presence_penalty, 0.0, "0"),
+            ("frequency_penalty", &self.frequency_penalty, 0.0, "0"),
+            ("repetition_penalty", &self.repetition_penalty, 1.0, "1"),
+            ("min_p", &self.min_p, 0.0, "0"),
+            ("min_tokens", &self.min_tokens, 0.0, "0"),
+        ];
+        for (field, value, neutral, shown) in numbers {
+            if !is_neutral_number(value.as_ref(), neutral) {
+                let value = value.as_ref().unwrap_or(&Value::Null);
+                return Err(unsupported(field, value, shown));
+            }
+        }
+        match &self.logit_bias {
+            None | Some(Value::Null) => Ok(()),
+            Some(Value::Object(biases))
+                if biases.values().all(|b| is_neutral_number(Some(b), 0.0)) =>
+            {
+                Ok(())
+            }
+            Some(v) => Err(unsupported("logit_bias", v, "`{}` (no bias)")),
+        }
+    }
+}
+
+/// Most log-probabilities one completions call may report ([`logprob_entries`]): about 0.3 KB
+/// of memory each while the answer is built and 25 bytes of JSON, so the largest call takes a
+/// few hundred MB where the other limits allowed about 100 GB. RL's calls are far below: 64
+/// choices of 4,096 tokens with `logprobs: 1` are 0.5 M; echoing 16 prompts of 3,000 tokens
+/// with `logprobs: 20` is 1 M.
+pub const MAX_LOGPROB_ENTRIES: u64 = 1 << 20;
+
+/// The log-probabilities a call reports with `logprobs: k`: `k + 1` (the token's own and `k`
+/// alternatives) for each echoed prompt token and, unless streamed (a stream holds none of them),
+/// each token it may generate, summed over every choice (prompts × `n`). `None` without
+/// `logprobs`.
+fn logprob_entries(
+    specs: &[ChoiceSpec],
+    logprobs: Option<u32>,
+    echo: bool,
+    stream: bool,
+) -> Option<u64> {
+    let per_token = u64::from(logprobs?) + 1;
+    let tokens: u64 = specs
+        .iter()
+        .map(|s| {
+            let echoed = if echo { s.prompt.len() as u64 } else { 0 };
+            let generated = if stream {
+                0
+            } else {
+                u64::from(s.params.max_tokens)
+            };
+            echoed + generated
+        })
+        .sum();
+    Some(tokens.saturating_mul(per_token))
+}
+
+/// Refuses a call over [`MAX_LOGPROB_ENTRIES`], naming the fields that make it up.
+pub(crate) fn check_logprob_budget(
+    specs: &[ChoiceSpec],
+    logprobs: Option<u32>,
+    echo: bool,
+    stream: bool,
+) -> Result<(), ApiError> {
+    match logprob_entries(specs, logprobs, echo, stream) {
+        Some(entries) if entries > MAX_LOGPROB_ENTRIES => Err(ApiError::invalid(
+            "logprobs",
+            format!(
+                "this request would report {entries} log-probabilities ((logprobs + 1) per {} token, over {} choices: prompts × n); at most {MAX_LOGPROB_ENTRIES} per request: lower `logprobs`, `n`{}, or send fewer or shorter prompts",
+                match (echo, stream) {
+                    (true, true) => "echoed prompt",
+                    (true, false) => "echoed prompt and max_tokens",
+                    (false, _) => "max_tokens",
+                },
+                specs.len(),
+                if stream { "" } else { ", `max_tokens`" },
+            ),
+        )),
+        _ => Ok(()),
+    }
+}
