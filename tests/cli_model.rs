@@ -353,3 +353,211 @@ fn import_refuses_bad_gguf_files_naming_what_is_wrong() {
         );
     }
 }
+
+/// Byte position of tensor `name`'s data offset in the header of a GGUF file.
+fn tensor_offset_at(bytes: &[u8], name: &str) -> usize {
+    let at = bytes
+        .windows(name.len())
+        .position(|w| w == name.as_bytes())
+        .expect("tensor name in the header")
+        + name.len();
+    let dims = u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap()) as usize;
+    at + 4 + 8 * dims + 4
+}
+
+fn tensor_offset(bytes: &[u8], name: &str) -> u64 {
+    let at = tensor_offset_at(bytes, name);
+    u64::from_le_bytes(bytes[at..at + 8].try_into().unwrap())
+}
+
+fn set_tensor_offset(bytes: &mut [u8], name: &str, offset: u64) {
+    let at = tensor_offset_at(bytes, name);
+    bytes[at..at + 8].copy_from_slice(&offset.to_le_bytes());
+}
+
+/// Imports each `(case, needles)` of `dir` with `RUST_BACKTRACE=1` set: each must exit 1
+/// naming what is wrong (every needle), write nothing, and show no source path of a dependency.
+fn assert_imports_refused(dir: &Path, expectations: &[(&str, &[&str])]) {
+    for (name, needles) in expectations {
+        let out = dir.join(format!("out-{name}"));
+        let file = dir.join(format!("{name}.gguf"));
+        let run = Command::new(env!("CARGO_BIN_EXE_sluice"))
+            .args(["model", "import", "--gguf"])
+            .arg(&file)
+            .arg("--out")
+            .arg(&out)
+            .env("RUST_BACKTRACE", "1")
+            .output()
+            .expect("run sluice");
+        let err = String::from_utf8_lossy(&run.stderr);
+        assert_eq!(run.status.code(), Some(1), "{name}: {err}");
+        for needle in *needles {
+            assert!(err.contains(needle), "{name}: {needle:?} not in {err}");
+        }
+        assert!(
+            !err.contains(".cargo") && !err.contains(".rs:"),
+            "{name}: a source path in {err}"
+        );
+        assert!(
+            !out.join("config.json").exists(),
+            "{name}: nothing is written"
+        );
+    }
+}
+
+/// What candle's parser trusts is checked before it reads the file: an alignment of 0 once
+/// panicked the import (a division by zero inside candle); one that is not a power of two, or
+/// of a type candle ignores, would put every tensor's data in the wrong place; two tensors
+/// sharing bytes, or one name given twice, imported one tensor's values as another's. A
+/// truncated tensor once showed candle's backtrace (a path in its sources) under
+/// `RUST_BACKTRACE=1`.
+#[test]
+fn import_refuses_gguf_headers_that_candle_would_trust() {
+    use gguf_file::Value as V;
+    let dir = tempfile::tempdir().unwrap();
+    let good = preset_gguf(dir.path());
+    let bytes = std::fs::read(&good).unwrap();
+    let case = |name: &str| dir.path().join(format!("{name}.gguf"));
+    for (name, value) in [
+        ("align0", V::U32(0)),
+        ("align48", V::U32(48)),
+        ("align_neg", V::I32(-32)),
+        ("align_u64", V::U64(64)),
+    ] {
+        rewrite_gguf(&good, &case(name), |m| set(m, "general.alignment", value));
+    }
+    let mut overlap = bytes.clone();
+    let q = tensor_offset(&bytes, "blk.0.attn_q.weight");
+    set_tensor_offset(&mut overlap, "blk.0.attn_k.weight", q);
+    std::fs::write(case("overlap"), &overlap).unwrap();
+    let mut misaligned = bytes.clone();
+    let k = tensor_offset(&bytes, "blk.0.attn_k.weight");
+    set_tensor_offset(&mut misaligned, "blk.0.attn_k.weight", k + 4);
+    std::fs::write(case("misaligned"), &misaligned).unwrap();
+    let mut twice = bytes.clone();
+    let at = twice
+        .windows(19)
+        .position(|w| w == b"blk.1.attn_q.weight")
+        .unwrap();
+    twice[at + 4] = b'0';
+    std::fs::write(case("twice"), &twice).unwrap();
+    std::fs::write(case("tail_cut"), &bytes[..bytes.len() - 100]).unwrap();
+    assert_imports_refused(
+        dir.path(),
+        &[
+            (
+                "align0",
+                &["metadata key `general.alignment` = 0: must be a power of two greater than 0"],
+            ),
+            ("align48", &["metadata key `general.alignment` = 48"]),
+            ("align_neg", &["metadata key `general.alignment` = -32"]),
+            (
+                "align_u64",
+                &["metadata key `general.alignment` has metadata type 10 (u64)"],
+            ),
+            (
+                "overlap",
+                &["`blk.0.attn_q.weight`", "`blk.0.attn_k.weight`", "overlap"],
+            ),
+            (
+                "misaligned",
+                &[&format!(
+                    "tensor `blk.0.attn_k.weight` has data offset {}, not a multiple of the alignment 32",
+                    k + 4
+                )],
+            ),
+            (
+                "twice",
+                &["tensor `blk.0.attn_q.weight` appears twice in the tensor directory"],
+            ),
+            (
+                "tail_cut",
+                &["tensor `output_norm.weight` (F32, shape [64]) needs 256 bytes"],
+            ),
+        ],
+    );
+}
+
+/// A NaN or infinite hyper-parameter once became the default (`rope_theta` 10000 for the file's
+/// 100000) through `config.json`, where JSON writes it as `null`.
+#[test]
+fn import_refuses_non_finite_hyper_parameters() {
+    use gguf_file::Value as V;
+    let dir = tempfile::tempdir().unwrap();
+    let good = preset_gguf(dir.path());
+    let case = |name: &str| dir.path().join(format!("{name}.gguf"));
+    rewrite_gguf(&good, &case("freq_nan"), |m| {
+        set(m, "qwen2.rope.freq_base", V::F32(f32::NAN));
+    });
+    rewrite_gguf(&good, &case("eps_inf"), |m| {
+        set(
+            m,
+            "qwen2.attention.layer_norm_rms_epsilon",
+            V::F64(f64::INFINITY),
+        );
+    });
+    assert_imports_refused(
+        dir.path(),
+        &[
+            (
+                "freq_nan",
+                &["metadata key `qwen2.rope.freq_base` = NaN: expected a finite number"],
+            ),
+            (
+                "eps_inf",
+                &[
+                    "metadata key `qwen2.attention.layer_norm_rms_epsilon` = inf: expected a finite number",
+                ],
+            ),
+        ],
+    );
+}
+
+/// Token types outside llama.cpp's 1–6 and a chat template that does not parse are refused by
+/// the import, not by the first request a server gets.
+#[test]
+fn import_refuses_token_types_and_chat_templates_it_cannot_use() {
+    use gguf_file::Value as V;
+    let dir = tempfile::tempdir().unwrap();
+    let good = preset_gguf(dir.path());
+    let case = |name: &str| dir.path().join(format!("{name}.gguf"));
+    rewrite_gguf(&good, &case("type7"), |m| {
+        let slot = m
+            .iter_mut()
+            .find(|(k, _)| k == "tokenizer.ggml.token_type")
+            .expect("token types");
+        let V::Array(items) = &mut slot.1 else {
+            panic!("token types are an array")
+        };
+        items[5] = match items[5] {
+            V::I32(_) => V::I32(7),
+            V::U32(_) => V::U32(7),
+            ref other => panic!("token type {other:?}"),
+        };
+    });
+    rewrite_gguf(&good, &case("template"), |m| {
+        set(
+            m,
+            "tokenizer.chat_template",
+            V::String("{% for m in messages %}{{ m.content }}".into()),
+        );
+    });
+    assert_imports_refused(
+        dir.path(),
+        &[
+            (
+                "type7",
+                &[
+                    "metadata key `tokenizer.ggml.token_type`[5] = 7: expected a token type from 1 to 6",
+                ],
+            ),
+            (
+                "template",
+                &[
+                    "metadata key `tokenizer.chat_template`: the chat template does not parse",
+                    "syntax error",
+                ],
+            ),
+        ],
+    );
+}

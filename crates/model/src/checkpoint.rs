@@ -24,6 +24,7 @@ use crate::error::{ModelError, Result, TensorContext};
 use crate::names::{EMBED, LM_HEAD, parameter_specs};
 use crate::snapshot::ModelWeights;
 
+mod header;
 mod save;
 
 pub(crate) use save::generation_config;
@@ -151,7 +152,7 @@ fn parse_headers(maps: &Maps) -> Result<Parsed<'_>> {
                 .map(|st| (path, st))
                 .map_err(|e| ModelError::Safetensors {
                     path: path.clone(),
-                    reason: e.to_string(),
+                    reason: header::diagnose(bytes).unwrap_or_else(|| e.to_string()),
                 })
         })
         .collect()

@@ -200,3 +200,15 @@ impl<T> TensorContext<T> for candle_core::Result<T> {
         })
     }
 }
+
+/// candle's message without the backtrace it appends when `RUST_BACKTRACE` is set (its first
+/// line is a path inside candle's sources, which tells a user nothing about their file).
+pub(crate) fn candle_message(e: &candle_core::Error) -> String {
+    use candle_core::Error as E;
+    match e {
+        E::WithBacktrace { inner, .. } => candle_message(inner),
+        E::Context { inner, context } => format!("{context}: {}", candle_message(inner)),
+        E::WithPath { inner, path } => format!("{}: {}", path.display(), candle_message(inner)),
+        other => other.to_string(),
+    }
+}

@@ -37,6 +37,13 @@ impl Tokenizer {
                 path: path.display().to_string(),
                 reason: e.to_string(),
             })?;
+        if inner.get_vocab_size(true) == 0 {
+            return Err(ModelError::Tokenizer {
+                path: path.display().to_string(),
+                reason: "the vocabulary is empty (no text could be encoded)".into(),
+            });
+        }
+        let vocab_size = inner.get_vocab_size(true);
         let config_path = dir.join("tokenizer_config.json");
         let config = if config_path.exists() {
             read_json(&config_path)?
@@ -50,28 +57,39 @@ impl Tokenizer {
             }
         }
         let jinja_path = dir.join("chat_template.jinja");
-        let source = if jinja_path.exists() {
-            Some(read_text_capped(
-                &jinja_path,
-                TEMPLATE_FILE_MAX_BYTES,
-                "chat templates",
-            )?)
+        let (source, template_path) = if jinja_path.exists() {
+            let source = read_text_capped(&jinja_path, TEMPLATE_FILE_MAX_BYTES, "chat templates")?;
+            (Some(source), jinja_path)
         } else {
-            template_source(config.get("chat_template"))
+            (
+                template_source(config.get("chat_template")),
+                config_path.clone(),
+            )
         };
         let chat_template = source
-            .map(|s| ChatTemplate::new(&s, special_tokens.clone()))
+            .map(|s| compile_template(&s, &special_tokens, &template_path))
             .transpose()?;
         let mut eos_token_ids = Vec::new();
         let gen_path = dir.join("generation_config.json");
         if gen_path.exists() {
-            eos_token_ids.extend(ids(read_json(&gen_path)?.get("eos_token_id")));
+            let ids = eos_ids(read_json(&gen_path)?.get("eos_token_id"), vocab_size).map_err(
+                |reason| ModelError::Tokenizer {
+                    path: gen_path.display().to_string(),
+                    reason: format!("`eos_token_id`: {reason}"),
+                },
+            )?;
+            eos_token_ids.extend(ids);
         }
         let lookup = |key: &str| special_tokens.get(key).and_then(|t| inner.token_to_id(t));
-        if let Some(id) = lookup("eos_token")
-            && !eos_token_ids.contains(&id)
-        {
-            eos_token_ids.push(id);
+        if let Some(eos) = special_tokens.get("eos_token") {
+            // An end-of-sequence token the vocabulary lacks would never stop generation.
+            let id = lookup("eos_token").ok_or_else(|| ModelError::Tokenizer {
+                path: config_path.display().to_string(),
+                reason: format!("`eos_token` {eos:?} is not in the vocabulary of tokenizer.json"),
+            })?;
+            if !eos_token_ids.contains(&id) {
+                eos_token_ids.push(id);
+            }
         }
         let pad_token_id = lookup("pad_token");
         Ok(Self {
@@ -141,7 +159,7 @@ impl Tokenizer {
     /// another without editing its directory.
     pub fn override_chat_template(&mut self, path: &Path) -> Result<()> {
         let source = read_text_capped(path, TEMPLATE_FILE_MAX_BYTES, "chat templates")?;
-        self.chat_template = Some(ChatTemplate::new(&source, self.special_tokens.clone())?);
+        self.chat_template = Some(compile_template(&source, &self.special_tokens, path)?);
         Ok(())
     }
 
@@ -191,18 +209,37 @@ fn template_source(v: Option<&Value>) -> Option<String> {
     }
 }
 
-/// One id or a list of ids.
-fn ids(v: Option<&Value>) -> Vec<u32> {
-    match v {
-        Some(Value::Array(a)) => a
-            .iter()
-            .filter_map(|x| x.as_u64().and_then(|n| u32::try_from(n).ok()))
-            .collect(),
-        Some(x) => x
-            .as_u64()
-            .and_then(|n| u32::try_from(n).ok())
-            .into_iter()
-            .collect(),
-        None => Vec::new(),
-    }
+/// The chat template `source` (from `path`) compiled; a template that does not parse is refused
+/// naming the file, at load rather than by the first chat request.
+fn compile_template(
+    source: &str,
+    special_tokens: &BTreeMap<String, String>,
+    path: &Path,
+) -> Result<ChatTemplate> {
+    ChatTemplate::new(source, special_tokens.clone()).map_err(|e| match e {
+        ModelError::ChatTemplate { reason } => ModelError::ChatTemplate {
+            reason: format!("{}: {reason}", path.display()),
+        },
+        other => other,
+    })
+}
+
+/// `eos_token_id` as one id or a list of ids (absent or `null`: none), each a token id below
+/// `vocab_size`; `Err` says which entry is not.
+fn eos_ids(v: Option<&Value>, vocab_size: usize) -> std::result::Result<Vec<u32>, String> {
+    let items: &[Value] = match v {
+        None | Some(Value::Null) => &[],
+        Some(Value::Array(a)) => a,
+        Some(one) => std::slice::from_ref(one),
+    };
+    items
+        .iter()
+        .map(|x| match x.as_u64().and_then(|n| u32::try_from(n).ok()) {
+            Some(id) if (id as usize) < vocab_size => Ok(id),
+            Some(id) => Err(format!(
+                "{id} is outside the vocabulary of tokenizer.json ({vocab_size} tokens)"
+            )),
+            None => Err(format!("{x} is not a token id")),
+        })
+        .collect()
 }

@@ -151,6 +151,104 @@ fn missing_or_misshaped_tensors_are_named() {
     );
 }
 
+/// Rewrites the JSON header of `dir/model.safetensors` through `edit` (tensor data unchanged).
+fn rewrite_header(dir: &Path, edit: impl FnOnce(&mut serde_json::Map<String, serde_json::Value>)) {
+    let path = dir.join(SINGLE_FILE);
+    let bytes = std::fs::read(&path).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let mut header: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    edit(&mut header);
+    let mut text = serde_json::to_string(&header).unwrap();
+    while !text.len().is_multiple_of(8) {
+        text.push(' ');
+    }
+    let mut out = (text.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(text.as_bytes());
+    out.extend_from_slice(&bytes[8 + n..]);
+    std::fs::write(&path, out).unwrap();
+}
+
+/// A safetensors header that does not describe its data names the tensor at fault and what was
+/// expected: the crate's own messages named none ("invalid shape, data type, or offset for
+/// tensor"), or, for a tensor removed from the header, blamed the healthy one after it.
+#[test]
+fn safetensors_header_errors_name_the_tensor_at_fault() {
+    let snap = snapshot(tiny_config(Architecture::Qwen2, false), 9, DType::F32);
+    let dir = tempfile::tempdir().unwrap();
+    let norm = "model.layers.0.input_layernorm.weight";
+    let offsets = |h: &serde_json::Map<String, serde_json::Value>, name: &str| {
+        let o = &h[name]["data_offsets"];
+        (o[0].as_u64().unwrap(), o[1].as_u64().unwrap())
+    };
+    type Edit = Box<dyn FnOnce(&mut serde_json::Map<String, serde_json::Value>)>;
+    let cases: Vec<(&str, Edit, Vec<String>)> = vec![
+        (
+            "removed",
+            Box::new(move |h| {
+                h.remove(norm);
+            }),
+            vec![
+                "belong to no tensor".into(),
+                "a tensor missing from the header?".into(),
+            ],
+        ),
+        (
+            "f16 over f32",
+            Box::new(move |h| h[norm]["dtype"] = json!("F16")),
+            vec![format!(
+                "tensor `{norm}`: F16 of shape [16] needs 32 bytes, its data_offsets"
+            )],
+        ),
+        (
+            "shifted",
+            Box::new(move |h| {
+                let (s, e) = offsets(h, norm);
+                h[norm]["data_offsets"] = json!([s + 4, e + 4]);
+            }),
+            vec![format!("tensors `{norm}` and `"), "overlap".into()],
+        ),
+        (
+            "past the end",
+            Box::new(move |h| {
+                let last = h
+                    .iter()
+                    .filter(|(k, _)| *k != "__metadata__")
+                    .max_by_key(|(_, v)| v["data_offsets"][1].as_u64().unwrap())
+                    .map(|(k, _)| k.clone())
+                    .unwrap();
+                let (s, e) = offsets(h, &last);
+                let shape: Vec<u64> = serde_json::from_value(h[&last]["shape"].clone()).unwrap();
+                let mut grown = shape.clone();
+                grown[0] += 1;
+                let row = (e - s) / shape[0];
+                h[&last]["shape"] = json!(grown);
+                h[&last]["data_offsets"] = json!([s, e + row]);
+            }),
+            vec!["which holds only".into(), "a truncated file?".into()],
+        ),
+    ];
+    for (case, edit, needles) in cases {
+        save_checkpoint(&snap, dir.path(), &SaveOptions::default()).unwrap();
+        rewrite_header(dir.path(), edit);
+        for err in [
+            load_checkpoint(dir.path(), &LoadOptions::default()).unwrap_err(),
+            sluice_model::check_checkpoint(dir.path()).unwrap_err(),
+        ] {
+            assert_eq!(err.kind(), "safetensors", "{case}: {err}");
+            let msg = err.to_string();
+            assert!(msg.contains(SINGLE_FILE), "{case}: {msg}");
+            for needle in &needles {
+                assert!(
+                    msg.contains(needle.as_str()),
+                    "{case}: {needle:?} not in {msg}"
+                );
+            }
+            assert!(!msg.contains("invalid offset"), "{case}: {msg}");
+        }
+    }
+}
+
 #[test]
 fn weights_with_nan_or_inf_are_refused_naming_the_tensor() {
     let snap = snapshot(tiny_config(Architecture::Qwen2, false), 9, DType::F32);
@@ -249,6 +347,10 @@ fn unsupported_configs_are_refused_naming_the_field() {
         ("torch_dtype", json!("int8")),
         ("use_sliding_window", json!(true)),
         ("hidden_size", json!(-3)),
+        // Ids the embedding has no row for (vocab_size 151936) were once accepted.
+        ("eos_token_id", json!(151936)),
+        ("eos_token_id", json!([151645, 200000])),
+        ("bos_token_id", json!(151936)),
     ];
     for (field, value) in cases {
         let mut config = hf_config();
@@ -261,6 +363,15 @@ fn unsupported_configs_are_refused_naming_the_field() {
             "{field}: {err}"
         );
     }
+    let mut config = hf_config();
+    config["eos_token_id"] = json!(200000);
+    let err = ModelConfig::from_json(&config, "c.json").unwrap_err();
+    assert!(
+        err.to_string().contains(
+            "c.json: field `eos_token_id`: 200000 is outside the vocabulary (vocab_size 151936)"
+        ),
+        "{err}"
+    );
     let mut config = hf_config();
     config.as_object_mut().unwrap().remove("num_hidden_layers");
     let err = ModelConfig::from_json(&config, "c.json").unwrap_err();

@@ -234,6 +234,21 @@ impl ModelConfig {
                 ));
             }
         }
+        let vocab = config.vocab_size;
+        for (field, id) in config
+            .bos_token_id
+            .iter()
+            .map(|&id| ("bos_token_id", id))
+            .chain(config.eos_token_ids.iter().map(|&id| ("eos_token_id", id)))
+        {
+            if id as usize >= vocab {
+                return Err(config_err(
+                    origin,
+                    field,
+                    format!("{id} is outside the vocabulary (vocab_size {vocab})"),
+                ));
+            }
+        }
         f.refuse_unsupported(architecture)?;
         let unknown: Vec<&String> = f
             .map

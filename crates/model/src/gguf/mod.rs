@@ -5,12 +5,14 @@
 //!
 //! | file | what it does |
 //! |---|---|
-//! | `reader` | [`GgufFile`]: candle's parser, typed metadata, tensors dequantised, header diagnosis |
+//! | `header` | the header checked around candle's parser: alignment, duplicates, tensor byte ranges |
+//! | `reader` | [`GgufFile`]: candle's parser, typed metadata, tensors dequantised |
 //! | `weights` | config from `{arch}.*` metadata, llama.cpp ↔ HF tensor names, q/k row (un)permutation |
 //! | `tokenizer` | `tokenizer.json` / `tokenizer_config.json` from `tokenizer.*` metadata |
 //! | `export` | [`export_gguf`]: the reverse, a model directory written as GGUF (round-trip tests) |
 
 mod export;
+mod header;
 mod reader;
 mod tokenizer;
 mod weights;

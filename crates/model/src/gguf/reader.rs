@@ -1,17 +1,19 @@
 //! Reading a GGUF file through candle's parser: typed metadata accessors whose errors name the
-//! key, and tensors dequantised to f32 with errors naming the tensor. When candle cannot parse
-//! the header, [`diagnose_header`] walks it again to say which tensor or key was at fault.
+//! key, and tensors dequantised to f32 with errors naming the tensor. The header is checked by
+//! [`header`](super::header) before candle reads it and after, so that candle never sees a
+//! value it would panic on or read garbage by.
 
 use std::collections::BTreeMap;
 use std::fs::File;
-use std::io::{BufReader, Read};
+use std::io::BufReader;
 use std::path::{Path, PathBuf};
 
 use candle_core::quantized::GgmlDType;
-use candle_core::quantized::gguf_file::{Content, Value, VersionedMagic};
+use candle_core::quantized::gguf_file::{Content, Value};
 use candle_core::{DType, Device, Tensor};
 
-use crate::error::{ModelError, Result};
+use super::header;
+use crate::error::{ModelError, Result, candle_message};
 
 /// The ggml tensor types candle reads (and so the importer accepts), with their ggml ids.
 pub const SUPPORTED_TYPES: &[(u32, &str)] = &[
@@ -32,27 +34,6 @@ pub const SUPPORTED_TYPES: &[(u32, &str)] = &[
     (30, "BF16"),
 ];
 
-/// Names of ggml types candle does not read, so that a refusal can say what the file holds.
-const OTHER_TYPES: &[(u32, &str)] = &[
-    (16, "IQ2_XXS"),
-    (17, "IQ2_XS"),
-    (18, "IQ3_XXS"),
-    (19, "IQ1_S"),
-    (20, "IQ4_NL"),
-    (21, "IQ3_S"),
-    (22, "IQ2_S"),
-    (23, "IQ4_XS"),
-    (24, "I8"),
-    (25, "I16"),
-    (26, "I32"),
-    (27, "I64"),
-    (28, "F64"),
-    (29, "IQ1_M"),
-    (34, "TQ1_0"),
-    (35, "TQ2_0"),
-    (39, "MXFP4"),
-];
-
 /// An open GGUF file: its parsed header and a reader for tensor data.
 pub struct GgufFile {
     path: PathBuf,
@@ -64,21 +45,17 @@ impl GgufFile {
     /// Opens `path` and parses its header (metadata and tensor directory).
     pub fn open(path: &Path) -> Result<Self> {
         let file = File::open(path).map_err(|e| ModelError::io(path, e))?;
+        let file_size = file.metadata().map_err(|e| ModelError::io(path, e))?.len();
+        // The walk refuses versions other than 2 and 3, so candle never parses a v1 file.
+        header::walk(path).map_err(|reason| gguf_err(path, reason))?;
         let mut reader = BufReader::new(file);
-        let content = match Content::read(&mut reader) {
-            Ok(c) => c,
-            Err(e) => {
-                let reason = diagnose_header(path)
-                    .unwrap_or_else(|| format!("not a readable GGUF file: {e}"));
-                return Err(gguf_err(path, reason));
-            }
-        };
-        if matches!(content.magic, VersionedMagic::GgufV1) {
-            return Err(gguf_err(
+        let content = Content::read(&mut reader).map_err(|e| {
+            gguf_err(
                 path,
-                "GGUF version 1 is not supported (versions 2 and 3 are)",
-            ));
-        }
+                format!("not a readable GGUF file: {}", candle_message(&e)),
+            )
+        })?;
+        header::check_layout(&content, file_size).map_err(|reason| gguf_err(path, reason))?;
         Ok(Self {
             path: path.to_owned(),
             content,
@@ -160,16 +137,25 @@ impl GgufFile {
         }
     }
 
-    /// An optional float value (f32 or f64).
+    /// An optional finite float value (f32 or f64). NaN and infinities are refused: written to
+    /// `config.json` they would become `null`, which reads back as the default.
     pub fn float_opt(&self, key: &str) -> Result<Option<f64>> {
-        match self.get(key) {
-            None => Ok(None),
+        let x = match self.get(key) {
+            None => return Ok(None),
             // The shortest decimal that is this f32 (`1e-5`, not `9.999999747378752e-6`): the
             // value the converter wrote before narrowing it.
-            Some(Value::F32(x)) => Ok(Some(x.to_string().parse().unwrap_or(f64::from(*x)))),
-            Some(Value::F64(x)) => Ok(Some(*x)),
-            Some(v) => Err(self.err(format!("metadata key `{key}`: expected a float, got {v:?}"))),
+            Some(Value::F32(x)) => x.to_string().parse().unwrap_or(f64::from(*x)),
+            Some(Value::F64(x)) => *x,
+            Some(v) => {
+                return Err(self.err(format!("metadata key `{key}`: expected a float, got {v:?}")));
+            }
+        };
+        if !x.is_finite() {
+            return Err(self.err(format!(
+                "metadata key `{key}` = {x}: expected a finite number"
+            )));
         }
+        Ok(Some(x))
     }
 
     /// An optional boolean value.
@@ -202,7 +188,7 @@ impl GgufFile {
             .map(Some)
     }
 
-    /// An optional array of numbers, as f64 (token types, scores).
+    /// An optional array of finite numbers, as f64 (token types, scores).
     pub fn numbers_opt(&self, key: &str) -> Result<Option<Vec<f64>>> {
         let Some(v) = self.get(key) else {
             return Ok(None);
@@ -213,12 +199,14 @@ impl GgufFile {
         items
             .iter()
             .enumerate()
-            .map(|(i, item)| {
-                number(item).ok_or_else(|| {
-                    self.err(format!(
-                        "metadata key `{key}`[{i}]: expected a number, got {item:?}"
-                    ))
-                })
+            .map(|(i, item)| match number(item) {
+                Some(x) if x.is_finite() => Ok(x),
+                Some(x) => Err(self.err(format!(
+                    "metadata key `{key}`[{i}] = {x}: expected a finite number"
+                ))),
+                None => Err(self.err(format!(
+                    "metadata key `{key}`[{i}]: expected a number, got {item:?}"
+                ))),
             })
             .collect::<Result<Vec<_>>>()
             .map(Some)
@@ -265,10 +253,20 @@ impl GgufFile {
         let q = self
             .content
             .tensor(&mut self.reader, name, &Device::Cpu)
-            .map_err(|e| gguf_err(&self.path, format!("tensor `{name}`: {e}")))?;
+            .map_err(|e| {
+                gguf_err(
+                    &self.path,
+                    format!("tensor `{name}`: {}", candle_message(&e)),
+                )
+            })?;
         q.dequantize(&Device::Cpu)
             .and_then(|t| t.to_dtype(DType::F32))
-            .map_err(|e| gguf_err(&self.path, format!("tensor `{name}`: dequantising: {e}")))
+            .map_err(|e| {
+                gguf_err(
+                    &self.path,
+                    format!("tensor `{name}`: dequantising: {}", candle_message(&e)),
+                )
+            })
     }
 }
 
@@ -294,127 +292,4 @@ fn number(v: &Value) -> Option<f64> {
         Value::F64(x) => x,
         _ => return None,
     })
-}
-
-/// Walks the header of a file candle refused, to name what is wrong: a tensor whose ggml type
-/// is not supported, or where the file ends. `None` when the walk finds nothing more specific.
-pub(crate) fn diagnose_header(path: &Path) -> Option<String> {
-    let file = File::open(path).ok()?;
-    let size = file.metadata().ok()?.len();
-    let mut r = BufReader::new(file);
-    let magic = read_u32(&mut r)?;
-    if magic != 0x4655_4747 {
-        return Some(format!(
-            "not a GGUF file (magic 0x{magic:08x}, expected \"GGUF\")"
-        ));
-    }
-    let version = read_u32(&mut r)?;
-    if !(2..=3).contains(&version) {
-        return Some(format!(
-            "GGUF version {version} is not supported (versions 2 and 3 are)"
-        ));
-    }
-    let truncated = |what: String| Some(format!("truncated file ({size} bytes): ends in {what}"));
-    let Some(tensors) = read_u64(&mut r) else {
-        return truncated("the header".into());
-    };
-    let Some(kvs) = read_u64(&mut r) else {
-        return truncated("the header".into());
-    };
-    for i in 0..kvs {
-        let Some(key) = read_str(&mut r, size) else {
-            return truncated(format!("metadata entry {i}"));
-        };
-        let Some(ty) = read_u32(&mut r) else {
-            return truncated(format!("metadata key `{key}`"));
-        };
-        if skip_value(&mut r, ty, size, 0).is_none() {
-            return truncated(format!("metadata key `{key}`"));
-        }
-    }
-    for i in 0..tensors {
-        let Some(name) = read_str(&mut r, size) else {
-            return truncated(format!("tensor entry {i}"));
-        };
-        let Some(dims) = read_u32(&mut r) else {
-            return truncated(format!("tensor `{name}`"));
-        };
-        if dims > 4 {
-            return Some(format!("tensor `{name}` has {dims} dimensions (at most 4)"));
-        }
-        for _ in 0..dims {
-            read_u64(&mut r)?;
-        }
-        let Some(ty) = read_u32(&mut r) else {
-            return truncated(format!("tensor `{name}`"));
-        };
-        if !SUPPORTED_TYPES.iter().any(|&(id, _)| id == ty) {
-            let known = OTHER_TYPES.iter().find(|&&(id, _)| id == ty).map_or_else(
-                || format!("unknown ggml type {ty}"),
-                |(_, n)| format!("ggml type {ty} ({n})"),
-            );
-            let supported: Vec<&str> = SUPPORTED_TYPES.iter().map(|(_, n)| *n).collect();
-            return Some(format!(
-                "tensor `{name}` has {known}, which cannot be read; supported: {}",
-                supported.join(", ")
-            ));
-        }
-        read_u64(&mut r)?;
-    }
-    None
-}
-
-fn read_u32(r: &mut impl Read) -> Option<u32> {
-    let mut b = [0u8; 4];
-    r.read_exact(&mut b).ok()?;
-    Some(u32::from_le_bytes(b))
-}
-
-fn read_u64(r: &mut impl Read) -> Option<u64> {
-    let mut b = [0u8; 8];
-    r.read_exact(&mut b).ok()?;
-    Some(u64::from_le_bytes(b))
-}
-
-fn read_str<R: Read>(r: &mut R, size: u64) -> Option<String> {
-    let len = read_u64(r)?;
-    if len > size {
-        return None;
-    }
-    let mut v = vec![0u8; len as usize];
-    r.read_exact(&mut v).ok()?;
-    Some(String::from_utf8_lossy(&v).into_owned())
-}
-
-/// Skips one metadata value of type `ty`; `None` when the file ends or the type is unknown.
-fn skip_value<R: Read>(r: &mut R, ty: u32, size: u64, depth: usize) -> Option<()> {
-    let width: i64 = match ty {
-        0 | 1 | 7 => 1,
-        2 | 3 => 2,
-        4..=6 => 4,
-        10..=12 => 8,
-        8 => {
-            let len = read_u64(r)?;
-            if len > size {
-                return None;
-            }
-            let skipped = std::io::copy(&mut r.by_ref().take(len), &mut std::io::sink()).ok()?;
-            return (skipped == len).then_some(());
-        }
-        9 if depth < 8 => {
-            let item = read_u32(r)?;
-            let n = read_u64(r)?;
-            if n > size {
-                return None;
-            }
-            for _ in 0..n {
-                skip_value(r, item, size, depth + 1)?;
-            }
-            return Some(());
-        }
-        _ => return None,
-    };
-    let mut b = vec![0u8; width as usize];
-    r.read_exact(&mut b).ok()?;
-    Some(())
 }

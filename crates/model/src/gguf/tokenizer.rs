@@ -9,12 +9,13 @@
 //! (`token_type` 3) become special added tokens, user-defined ones (4) non-special added
 //! tokens.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use serde_json::{Map, Value, json};
 
 use super::reader::GgufFile;
-use crate::error::Result;
+use crate::chat::ChatTemplate;
+use crate::error::{ModelError, Result};
 
 /// `tokenizer.ggml.pre` names understood, with what they stand for.
 pub const PRE_TOKENIZERS: &[&str] = &[
@@ -83,7 +84,11 @@ pub(super) fn tokenizer_files(g: &GgufFile, max_length: usize) -> Result<Tokeniz
                 tokens.len()
             )));
         }
-        Some(t) => t.into_iter().map(|x| x as i64).collect(),
+        Some(t) => t
+            .into_iter()
+            .enumerate()
+            .map(|(i, x)| token_type(g, i, x))
+            .collect::<Result<Vec<i64>>>()?,
         None => vec![1; tokens.len()],
     };
     let mut vocab = Map::new();
@@ -199,7 +204,7 @@ pub(super) fn tokenizer_files(g: &GgufFile, max_length: usize) -> Result<Tokeniz
         "unk_token": name(unk),
         "model_max_length": max_length,
         "clean_up_tokenization_spaces": false,
-        "chat_template": g.string_opt("tokenizer.chat_template")?,
+        "chat_template": chat_template(g)?,
     });
     Ok(TokenizerFiles {
         tokenizer_json,
@@ -210,6 +215,38 @@ pub(super) fn tokenizer_files(g: &GgufFile, max_length: usize) -> Result<Tokeniz
         vocab_size: tokens.len(),
         description,
     })
+}
+
+/// Entry `i` of `tokenizer.ggml.token_type`: one of llama.cpp's types 1 (normal) to 6
+/// (byte); any other would leave the token neither normal nor special.
+fn token_type(g: &GgufFile, i: usize, x: f64) -> Result<i64> {
+    if x.fract() == 0.0 && (1.0..=6.0).contains(&x) {
+        Ok(x as i64)
+    } else {
+        Err(g.err(format!(
+            "metadata key `tokenizer.ggml.token_type`[{i}] = {x}: expected a token type from 1 to 6 \
+             (normal, unknown, control, user-defined, unused, byte)"
+        )))
+    }
+}
+
+/// `tokenizer.chat_template`, compiled once so that a template that does not parse is refused
+/// at import rather than by the first chat request a server gets.
+fn chat_template(g: &GgufFile) -> Result<Option<&str>> {
+    let key = "tokenizer.chat_template";
+    let Some(source) = g.string_opt(key)? else {
+        return Ok(None);
+    };
+    if let Err(e) = ChatTemplate::new(source, BTreeMap::new()) {
+        let reason = match e {
+            ModelError::ChatTemplate { reason } => reason,
+            other => other.to_string(),
+        };
+        return Err(g.err(format!(
+            "metadata key `{key}`: the chat template does not parse: {reason}"
+        )));
+    }
+    Ok(Some(source))
 }
 
 /// `tokenizer.ggml.merges` as `[left, right]` pairs.

@@ -95,10 +95,11 @@ pub(super) fn config_from_metadata(
     }
     let vocab = match g.uint_opt(&key("vocab_size"))? {
         Some(v) => v as usize,
-        None => g
-            .tensor_shape("token_embd.weight")
-            .map(|s| s[0])
-            .ok_or_else(|| g.err("tensor `token_embd.weight` is missing"))?,
+        None => match g.tensor_shape("token_embd.weight") {
+            Some(&[rows, ..]) => rows,
+            Some(_) => return Err(g.err("tensor `token_embd.weight` has no dimensions")),
+            None => return Err(g.err("tensor `token_embd.weight` is missing")),
+        },
     };
     let mut extra = Map::new();
     if let Some(name) = g.string_opt("general.name")? {
