@@ -251,3 +251,201 @@ fn the_quickstart_resumes_after_sigterm_and_after_kill_9() {
     let out = stop_and_resume("TERM", None);
     stop_and_resume("KILL", Some(&out));
 }
+
+/// A finished 3-step quickstart run without warm-up (model, data, checkpoint, replay store),
+/// made once and copied by each test that corrupts it.
+fn finished_short_run() -> &'static Path {
+    static RUN: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    RUN.get_or_init(|| {
+        let out = tempfile::tempdir().unwrap().keep().join("run");
+        let mut run = short_run(&out, 3);
+        let code = run.wait_exit();
+        assert!(code.success(), "{code}\n{}", run.logs());
+        assert_eq!(manifest(&out)["steps"], 3, "{}", run.logs());
+        out
+    })
+}
+
+/// `sluice run` on the quickstart without warm-up or evaluations, to `max_steps`.
+fn short_run(out: &Path, max_steps: u64) -> Run {
+    let sets = [
+        format!("run.output_dir={}", out.display()),
+        format!("model.path={}", out.join("model").display()),
+        format!("replay.path={}", out.join("replay").display()),
+        format!("run.max_steps={max_steps}"),
+        "warmup.enabled=false".to_owned(),
+        "eval.every_steps=0".to_owned(),
+        "eval.stop_at_accuracy=1.0".to_owned(),
+        "replay.filter_zero_advantage=false".to_owned(),
+        "metrics.enabled=false".to_owned(),
+        format!("admin.listen=127.0.0.1:{}", free_port()),
+    ];
+    let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/quickstart.toml");
+    let tag = format!("steps{max_steps}");
+    let stdout = out.with_extension(format!("{tag}.out"));
+    let stderr = out.with_extension(format!("{tag}.err"));
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_sluice"));
+    cmd.arg("run").arg(&config);
+    for s in &sets {
+        cmd.args(["--set", s]);
+    }
+    let child = cmd
+        .stdout(Stdio::from(File::create(&stdout).unwrap()))
+        .stderr(Stdio::from(File::create(&stderr).unwrap()))
+        .spawn()
+        .unwrap();
+    Run {
+        child,
+        stdout,
+        stderr,
+    }
+}
+
+/// Copies the finished short run, applies `corrupt` to the copy, resumes it to step 5 and
+/// asserts that the resume exits non-zero with every one of `expected` in its output.
+fn resume_refused(what: &str, corrupt: impl FnOnce(&Path), expected: &[&str]) {
+    let out = tempfile::tempdir().unwrap().keep().join("run");
+    let ok = Command::new("cp")
+        .arg("-r")
+        .arg(finished_short_run())
+        .arg(&out)
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok);
+    corrupt(&out);
+    let mut run = short_run(&out, 5);
+    let code = run.wait_exit();
+    let logs = run.logs();
+    assert!(!code.success(), "{what}: the resume must fail\n{logs}");
+    for e in expected {
+        assert!(logs.contains(e), "{what}: `{e}` not in the output\n{logs}");
+    }
+    let _ = std::fs::remove_dir_all(out.parent().unwrap());
+}
+
+fn edit_json(path: &Path, edit: impl FnOnce(&mut Value)) {
+    let mut value: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    edit(&mut value);
+    std::fs::write(path, value.to_string()).unwrap();
+}
+
+/// Sets the first value of tensor `name` (F32) in the safetensors file `path` to `value`.
+fn set_first_f32(path: &Path, name: &str, value: f32) {
+    let mut bytes = std::fs::read(path).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    assert_eq!(header[name]["dtype"], "F32", "{name}");
+    let at = 8 + n + header[name]["data_offsets"][0].as_u64().unwrap() as usize;
+    bytes[at..at + 4].copy_from_slice(&value.to_le_bytes());
+    std::fs::write(path, bytes).unwrap();
+}
+
+/// Multiplies every value of the safetensors file `path` (all F32: the trainer's master
+/// weights) by `factor`.
+fn scale_f32_tensors(path: &Path, factor: f32) {
+    let mut bytes = std::fs::read(path).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    for (name, t) in header.as_object().unwrap() {
+        assert!(name == "__metadata__" || t["dtype"] == "F32", "{name}: {t}");
+    }
+    for v in bytes[8 + n..].chunks_exact_mut(4) {
+        let x = f32::from_le_bytes(v.try_into().unwrap()) * factor;
+        v.copy_from_slice(&x.to_le_bytes());
+    }
+    std::fs::write(path, bytes).unwrap();
+}
+
+#[test]
+fn a_resume_from_corrupt_optimizer_state_or_weights_stops_loudly() {
+    let state = |out: &Path| out.join("checkpoint/trainer/trainer_state.json");
+    resume_refused(
+        "optimizer_step = u64::MAX",
+        |out| edit_json(&state(out), |s| s["optimizer_step"] = u64::MAX.into()),
+        &[
+            "trainer_state.json",
+            "`optimizer_step` = 18446744073709551615",
+        ],
+    );
+    resume_refused(
+        "a negative second moment",
+        |out| {
+            let path = out.join("checkpoint/trainer/optimizer.safetensors");
+            set_first_f32(&path, "v.2", -1.5);
+        },
+        &[
+            "optimizer.safetensors",
+            "`v.2` (second moment) holds -1.5 at element 0",
+        ],
+    );
+    // Finite but huge weights pass the load's finite check; the first step must refuse them.
+    resume_refused(
+        "weights scaled to huge finite values",
+        |out| {
+            scale_f32_tensors(
+                &out.join("checkpoint/trainer/model/model.safetensors"),
+                1e30,
+            )
+        },
+        &["the optimizer update is refused"],
+    );
+}
+
+#[test]
+fn a_resume_whose_checkpoint_files_disagree_is_refused() {
+    let manifest_path = |out: &Path| out.join("checkpoint/manifest.json");
+    for version in [2u64, 500, u64::MAX] {
+        resume_refused(
+            &format!("manifest at version {version}"),
+            |out| {
+                edit_json(&manifest_path(out), |m| {
+                    m["version"] = version.into();
+                    m["steps"] = version.min(3).into();
+                })
+            },
+            &[
+                "manifest.json",
+                &format!("says version {version}"),
+                "trainer_state.json holds version 3",
+            ],
+        );
+    }
+    resume_refused(
+        "manifest at step 500",
+        |out| edit_json(&manifest_path(out), |m| m["steps"] = 500.into()),
+        &[
+            "manifest.json",
+            "`steps` = 500 is more than `trained_groups`",
+        ],
+    );
+    resume_refused(
+        "manifest removed",
+        |out| std::fs::remove_file(manifest_path(out)).unwrap(),
+        &["manifest.json: missing", "checkpoint/trainer"],
+    );
+    resume_refused(
+        "an unknown schedule",
+        |out| {
+            edit_json(&out.join("checkpoint/trainer/trainer_state.json"), |s| {
+                s["schedule"] = "wobble".into()
+            })
+        },
+        &["trainer_state.json", "`schedule` = \"wobble\""],
+    );
+}
+
+#[test]
+fn a_resume_with_its_replay_store_missing_or_emptied_is_refused() {
+    let store = |out: &Path| out.join("replay/replay.redb");
+    resume_refused(
+        "replay.redb emptied",
+        |out| std::fs::write(store(out), b"").unwrap(),
+        &["replay.redb is new", "`consumed_total` 0", "manifest.json"],
+    );
+    resume_refused(
+        "replay.redb removed",
+        |out| std::fs::remove_file(store(out)).unwrap(),
+        &["replay.redb is new", "`admitted_total` 0", "manifest.json"],
+    );
+}

@@ -77,6 +77,14 @@ pub enum CheckpointError {
         /// What is wrong.
         message: String,
     },
+    /// A checkpoint file is missing beside the others.
+    #[error("checkpoint {path}: {message}")]
+    Incomplete {
+        /// The missing file.
+        path: String,
+        /// What is there instead, and what to do.
+        message: String,
+    },
     /// The trainer backend refused to save or restore.
     #[error("checkpoint trainer state: {0}")]
     Trainer(#[from] sluice_core::BackendError),
@@ -91,6 +99,7 @@ impl CheckpointError {
         match self {
             Self::Io { .. } => "checkpoint_io",
             Self::Corrupt { .. } => "checkpoint_corrupt",
+            Self::Incomplete { .. } => "checkpoint_incomplete",
             Self::Trainer(_) => "checkpoint_trainer",
             Self::Unavailable(_) => "checkpoint_unavailable",
         }
@@ -188,12 +197,32 @@ impl CheckpointDir {
     }
 
     /// The newest complete checkpoint: its directory and manifest, or `None` when there is none.
+    /// A trainer checkpoint without its manifest is refused: the manifest goes into the staging
+    /// directory before it is renamed into place, so no cut write leaves one (a leftover
+    /// `checkpoint.partial/` is ignored), and starting from scratch beside it would silently
+    /// throw its steps away.
     pub fn load(&self) -> Result<Option<(PathBuf, Manifest)>, CheckpointError> {
         for dir in [self.root.clone(), self.previous()] {
             let path = dir.join(MANIFEST);
             let text = match std::fs::read_to_string(&path) {
                 Ok(t) => t,
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                    let trainer = dir.join(TRAINER_DIR);
+                    if trainer.exists() {
+                        return Err(CheckpointError::Incomplete {
+                            path: path.display().to_string(),
+                            message: format!(
+                                "missing, but the trainer checkpoint {} is there: without the \
+                                 manifest the run cannot resume from it; put the manifest back, \
+                                 or start over deliberately (a new `run.name` or \
+                                 `run.output_dir`, or remove {})",
+                                trainer.display(),
+                                dir.display()
+                            ),
+                        });
+                    }
+                    continue;
+                }
                 Err(e) => return Err(io(&path, e)),
             };
             let manifest: Manifest =
@@ -210,10 +239,37 @@ impl CheckpointDir {
                     ),
                 });
             }
+            check_counters(&manifest).map_err(|message| CheckpointError::Corrupt {
+                path: path.display().to_string(),
+                message,
+            })?;
             return Ok(Some((dir, manifest)));
         }
         Ok(None)
     }
+}
+
+/// The manifest's counters as every run writes them: each step trains at least one group, every
+/// trained group was consumed from the replay store first, and only admitted groups are
+/// consumed (`steps ≤ trained_groups ≤ replay.consumed_total ≤ replay.admitted_total`). An
+/// edited count (a step of 500 or `u64::MAX`) breaks the chain.
+fn check_counters(m: &Manifest) -> Result<(), String> {
+    let chain = [
+        ("steps", m.steps),
+        ("trained_groups", m.trained_groups),
+        ("replay.consumed_total", m.replay.consumed_total),
+        ("replay.admitted_total", m.replay.admitted_total),
+    ];
+    for pair in chain.windows(2) {
+        let ((a, x), (b, y)) = (pair[0], pair[1]);
+        if x > y {
+            return Err(format!(
+                "`{a}` = {x} is more than `{b}` = {y}: no run writes that (each step trains at \
+                 least one group, each trained group was consumed, each consumed group admitted)"
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Seconds since the Unix epoch, now.
@@ -233,7 +289,11 @@ mod tests {
             version,
             steps: version,
             trained_groups: 4 * version,
-            replay: ReplayMark::default(),
+            replay: ReplayMark {
+                admitted_total: 5 * version,
+                consumed_total: 4 * version,
+                policy_version: version,
+            },
             sampler: None,
             reason: "request".into(),
             written_unix_seconds: unix_now(),
@@ -293,5 +353,67 @@ mod tests {
         let err = CheckpointDir::new(&root).load().unwrap_err();
         assert_eq!(err.kind(), "checkpoint_corrupt");
         assert!(err.to_string().contains("manifest.json"), "{err}");
+    }
+
+    #[test]
+    fn a_trainer_checkpoint_without_its_manifest_is_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = CheckpointDir::new(tmp.path().join("checkpoint"));
+        dir.begin().unwrap();
+        dir.commit(&manifest(2)).unwrap();
+        std::fs::create_dir_all(dir.root().join(TRAINER_DIR)).unwrap();
+        std::fs::remove_file(dir.root().join(MANIFEST)).unwrap();
+        let err = dir.load().unwrap_err();
+        assert_eq!(err.kind(), "checkpoint_incomplete");
+        let text = err.to_string();
+        for expected in [
+            "checkpoint/manifest.json: missing",
+            "checkpoint/trainer",
+            "remove",
+        ] {
+            assert!(text.contains(expected), "`{expected}` in {text}");
+        }
+        // A leftover staging directory beside nothing is no checkpoint at all.
+        std::fs::remove_dir_all(dir.root()).unwrap();
+        let staging = dir.begin().unwrap();
+        std::fs::create_dir_all(staging.join(TRAINER_DIR)).unwrap();
+        assert!(dir.load().unwrap().is_none());
+    }
+
+    #[test]
+    fn manifest_counters_no_run_writes_are_refused_naming_the_keys() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = CheckpointDir::new(tmp.path().join("checkpoint"));
+        type Edit = fn(&mut Manifest);
+        let cases: [(Edit, &str); 3] = [
+            (
+                |m| m.steps = 500,
+                "`steps` = 500 is more than `trained_groups` = 40",
+            ),
+            (
+                |m| m.trained_groups = u64::MAX,
+                "`trained_groups` = 18446744073709551615 is more than `replay.consumed_total` = 40",
+            ),
+            (
+                |m| m.replay.admitted_total = 3,
+                "`replay.consumed_total` = 40 is more than `replay.admitted_total` = 3",
+            ),
+        ];
+        for (edit, expected) in cases {
+            let mut m = manifest(10);
+            dir.begin().unwrap();
+            dir.commit(&m).unwrap();
+            assert_eq!(dir.load().unwrap().unwrap().1.steps, m.steps);
+            edit(&mut m);
+            dir.begin().unwrap();
+            dir.commit(&m).unwrap();
+            let err = dir.load().unwrap_err();
+            assert_eq!(err.kind(), "checkpoint_corrupt");
+            let text = err.to_string();
+            assert!(
+                text.contains("manifest.json") && text.contains(expected),
+                "{text}"
+            );
+        }
     }
 }

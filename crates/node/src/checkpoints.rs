@@ -15,6 +15,7 @@
 //! A checkpoint is consistent by construction: the trainer writes it between two steps, when every
 //! batch it was handed is trained, and consumed groups are final in the replay store.
 
+use std::path::Path;
 use std::time::Instant;
 
 use futures::future::BoxFuture;
@@ -25,9 +26,10 @@ use sluice_core::{PolicyVersion, TrainerBackend};
 use crate::handles::NodeHandles;
 use sluice_actors::ActorError;
 use sluice_actors::checkpoint::{
-    CheckpointDir, CheckpointError, FORMAT, Manifest, ReplayMark, TRAINER_DIR, unix_now,
+    CheckpointDir, CheckpointError, FORMAT, MANIFEST, Manifest, ReplayMark, TRAINER_DIR, unix_now,
 };
 use sluice_actors::faults::{FaultyTrainer, TrainerFaults};
+use sluice_actors::replay::Recovery;
 
 /// The trainer backend after restore, and the manifest it came from.
 pub struct Restored {
@@ -58,6 +60,7 @@ pub fn restore(
                     path.display()
                 ))
             })?;
+            check_trainer_version(&root, &manifest, trainer.version())?;
             tracing::info!(
                 version = manifest.version,
                 step = manifest.steps,
@@ -74,6 +77,97 @@ pub fn restore(
         trainer = Box::new(FaultyTrainer::new(trainer, trainer_faults));
     }
     Ok(Restored { trainer, manifest })
+}
+
+/// Refuses a manifest whose version is not the restored trainer's: both are written from one
+/// mark between two steps, so they differ only when a file was edited or mixed from two
+/// checkpoints (a manifest at step 500 beside a trainer at step 10 would "resume at step 500").
+fn check_trainer_version(
+    root: &Path,
+    manifest: &Manifest,
+    trainer: PolicyVersion,
+) -> Result<(), ActorError> {
+    if manifest.version == trainer.0 {
+        return Ok(());
+    }
+    let dir = root.join(TRAINER_DIR);
+    // The native trainer's counters; another backend names its own files.
+    let state = dir.join("trainer_state.json");
+    let trainer_file = if state.exists() { state } else { dir };
+    Err(ActorError::Setup(format!(
+        "checkpoint {} says version {} (step {}) but the trainer state {} holds version {}: the \
+         files do not belong to one checkpoint; restore them from one checkpoint, or start over \
+         deliberately (a new `run.name` or `run.output_dir`, or remove {})",
+        root.join(MANIFEST).display(),
+        manifest.version,
+        manifest.steps,
+        trainer_file.display(),
+        trainer.0,
+        root.display()
+    )))
+}
+
+/// Refuses to resume from a checkpoint with a replay store that holds less than the checkpoint
+/// says it held: a store that is missing or empty (opened afresh) or older than the checkpoint.
+/// Every counter of the store only grows and is committed before the manifest records it, so a
+/// counter below the manifest's means the groups at rest there (completed, aborted, not yet
+/// trained) were lost, which resuming would do silently. `store` is the store's directory
+/// (`None`: in memory, nothing to compare); `checkpoint` and `manifest` are what [`restore`]
+/// read (`None`: a fresh run).
+pub fn check_replay_store(
+    checkpoint: Option<&CheckpointDir>,
+    manifest: Option<&Manifest>,
+    recovery: &Recovery,
+    store: Option<&Path>,
+) -> Result<(), ActorError> {
+    let (Some(checkpoint), Some(manifest), Some(store)) = (checkpoint, manifest, store) else {
+        return Ok(());
+    };
+    let mark = manifest.replay;
+    let pairs = [
+        (
+            "admitted_total",
+            mark.admitted_total,
+            recovery.admitted_total,
+        ),
+        (
+            "consumed_total",
+            mark.consumed_total,
+            recovery.counts.consumed_total,
+        ),
+        (
+            "policy_version",
+            mark.policy_version,
+            recovery.policy_version.0,
+        ),
+    ];
+    let behind: Vec<String> = pairs
+        .iter()
+        .filter(|(_, checkpoint, found)| found < checkpoint)
+        .map(|(key, checkpoint, found)| {
+            format!("`{key}` {found} (the checkpoint's manifest: {checkpoint})")
+        })
+        .collect();
+    if behind.is_empty() {
+        return Ok(());
+    }
+    let file = store.join(sluice_replay::DB_FILE);
+    // Opening creates a missing or empty file afresh: by now both look the same.
+    let state = if recovery.admitted_total == 0 {
+        "new (the file was missing or empty)"
+    } else {
+        "older than the checkpoint"
+    };
+    let root = checkpoint.root();
+    Err(ActorError::Setup(format!(
+        "the replay store {} is {state}: it holds {}; resuming from the checkpoint {} would lose \
+         the groups it counted there. Put the run's replay store back, or start over \
+         deliberately (a new `run.name` or `run.output_dir`, or remove {} and the store)",
+        file.display(),
+        behind.join(", "),
+        root.join(MANIFEST).display(),
+        root.display(),
+    )))
 }
 
 /// Brings the trainer up to `replay_version` when the replay store saw newer versions than the
@@ -219,4 +313,66 @@ pub fn spawn_periodic(h: &NodeHandles, every: u64) -> Option<tokio::task::JoinHa
             last = now;
         }
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn manifest() -> Manifest {
+        Manifest {
+            format: FORMAT,
+            version: 10,
+            steps: 10,
+            trained_groups: 320,
+            replay: ReplayMark {
+                admitted_total: 360,
+                consumed_total: 320,
+                policy_version: 10,
+            },
+            sampler: None,
+            reason: "stop".into(),
+            written_unix_seconds: 0.0,
+        }
+    }
+
+    fn recovery(admitted: u64, consumed: u64, version: u64) -> Recovery {
+        let mut r = Recovery {
+            admitted_total: admitted,
+            policy_version: PolicyVersion(version),
+            ..Recovery::default()
+        };
+        r.counts.consumed_total = consumed;
+        r
+    }
+
+    #[test]
+    fn a_replay_store_behind_the_checkpoint_is_refused_naming_both_counters() {
+        let dir = CheckpointDir::new("/runs/a/checkpoint");
+        let m = manifest();
+        let store = Path::new("/runs/a/replay");
+        let check = |r: &Recovery| check_replay_store(Some(&dir), Some(&m), r, Some(store));
+        // The store as the checkpoint left it, or further on (a crash after it): fine.
+        check(&recovery(360, 320, 10)).unwrap();
+        check(&recovery(400, 352, 12)).unwrap();
+        // No checkpoint, or a store in memory: nothing to compare.
+        check_replay_store(None, None, &recovery(0, 0, 0), Some(store)).unwrap();
+        check_replay_store(Some(&dir), Some(&m), &recovery(0, 0, 0), None).unwrap();
+
+        let err = check(&recovery(0, 0, 0)).unwrap_err().to_string();
+        for expected in [
+            "/runs/a/replay/replay.redb is new (the file was missing or empty)",
+            "`admitted_total` 0 (the checkpoint's manifest: 360)",
+            "`consumed_total` 0 (the checkpoint's manifest: 320)",
+            "`policy_version` 0 (the checkpoint's manifest: 10)",
+            "/runs/a/checkpoint/manifest.json",
+            "`run.output_dir`",
+        ] {
+            assert!(err.contains(expected), "`{expected}` in {err}");
+        }
+        let err = check(&recovery(360, 300, 10)).unwrap_err().to_string();
+        assert!(err.contains("older than the checkpoint"), "{err}");
+        assert!(err.contains("`consumed_total` 300 (the checkpoint's manifest: 320)"));
+        assert!(!err.contains("`admitted_total`"), "{err}");
+    }
 }

@@ -20,6 +20,7 @@ use sluice_model::{
     LoadOptions, ModelWeights, SaveOptions, copy_aux_files, load_checkpoint, save_checkpoint,
 };
 
+use crate::config::{LrSchedule, MAX_MINIBATCHES};
 use crate::error::TrainerError;
 
 /// Version of this layout, checked on load.
@@ -55,6 +56,52 @@ pub struct TrainerState {
     pub total_steps: u64,
     /// `constant` or `cosine`.
     pub schedule: String,
+}
+
+/// The `schedule` names a state file may hold (as [`schedule_name`] writes them).
+const SCHEDULES: [LrSchedule; 2] = [LrSchedule::Constant, LrSchedule::Cosine];
+
+/// How `trainer_state.json` names `schedule`.
+pub fn schedule_name(schedule: LrSchedule) -> String {
+    format!("{schedule:?}").to_lowercase()
+}
+
+/// Refuses a state no run writes: an unknown schedule, or more optimizer updates than the steps
+/// can have taken (each takes at most [`MAX_MINIBATCHES`]; a huge count ends the warm-up and
+/// the cosine at once and, before the bias correction was computed without wrapping, turned
+/// every weight NaN).
+fn check_state(state: &TrainerState, path: &Path) -> Result<(), TrainerError> {
+    if !SCHEDULES
+        .iter()
+        .any(|&s| schedule_name(s) == state.schedule)
+    {
+        let known: Vec<String> = SCHEDULES.iter().map(|&s| schedule_name(s)).collect();
+        return Err(TrainerError::checkpoint(
+            path,
+            format!(
+                "`schedule` = {:?} is not a known schedule (one of {})",
+                state.schedule,
+                known.join(", ")
+            ),
+        ));
+    }
+    // A step that failed after some of its updates (a `trainer_error` checkpoint) adds updates
+    // but no step: one step more is allowed for it.
+    let most = state
+        .step
+        .saturating_add(1)
+        .saturating_mul(u64::from(MAX_MINIBATCHES));
+    if state.optimizer_step > most {
+        return Err(TrainerError::checkpoint(
+            path,
+            format!(
+                "`optimizer_step` = {} is more than {MAX_MINIBATCHES} optimizer updates for each \
+                 of the {} steps (`step`): the file is corrupt",
+                state.optimizer_step, state.step
+            ),
+        ));
+    }
+    Ok(())
 }
 
 fn partial_dir(dir: &Path) -> PathBuf {
@@ -122,6 +169,7 @@ pub fn load(
             ),
         ));
     }
+    check_state(&state, &state_path)?;
     let options = LoadOptions {
         dtype: Some(candle_core::DType::F32),
         device: device.clone(),

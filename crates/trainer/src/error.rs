@@ -39,6 +39,18 @@ pub enum TrainerError {
     /// The caller passed something unusable.
     #[error("trainer input: {0}")]
     Input(String),
+    /// A step's loss was NaN or infinite: its optimizer update was refused, so no weight moved
+    /// in it and nothing was published.
+    #[error(
+        "the training {what} is {value}: the optimizer update is refused (no weight changed, \
+         nothing published); a corrupt checkpoint (huge weights) or a diverging run gives this"
+    )]
+    NonFinite {
+        /// What was not finite.
+        what: &'static str,
+        /// Its value.
+        value: f64,
+    },
 }
 
 impl TrainerError {
@@ -51,6 +63,7 @@ impl TrainerError {
             Self::Tensor { .. } => "trainer_tensor",
             Self::Checkpoint { .. } => "trainer_checkpoint",
             Self::Input(_) => "trainer_input",
+            Self::NonFinite { .. } => "non_finite_loss",
         }
     }
 

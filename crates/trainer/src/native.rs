@@ -432,7 +432,7 @@ impl NativeTrainer {
             next_learning_rate: self.config.optim.learning_rate_at(self.optim.step_count()),
             warmup_steps: self.config.optim.warmup_steps,
             total_steps: self.config.optim.total_steps,
-            schedule: format!("{:?}", self.config.optim.schedule).to_lowercase(),
+            schedule: checkpoint::schedule_name(self.config.optim.schedule),
         };
         let master = self.model.snapshot(self.version, None)?;
         checkpoint::save(
@@ -451,7 +451,9 @@ impl NativeTrainer {
         let model = master_model(&snapshot, self.config.compute_dtype)?;
         let vars = model.vars().iter().map(|(_, v)| v.clone()).collect();
         let mut optim = AdamW::new(vars, self.config.optim)?;
-        optim.load_state(optim_tensors, state.optimizer_step)?;
+        optim
+            .load_state(optim_tensors, state.optimizer_step)
+            .map_err(|e| TrainerError::checkpoint(dir.join(checkpoint::OPTIMIZER_FILE), e))?;
         self.model = model;
         self.optim = optim;
         self.steps = state.step;

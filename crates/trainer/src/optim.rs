@@ -81,9 +81,19 @@ pub enum OptimError {
         /// The candle error.
         source: candle_core::Error,
     },
-    /// Restored state does not match the parameters.
+    /// Restored state does not match the parameters, or holds values no run can produce.
     #[error("optimizer state: {0}")]
     State(String),
+    /// The gradients' global norm is NaN or infinite: the update is refused before any
+    /// parameter or moment moves (clipping by a non-finite norm would turn every weight NaN).
+    #[error(
+        "the global gradient norm is {norm}: the optimizer update is refused (no parameter \
+         changed); a corrupt checkpoint (huge weights) or a diverging run gives this"
+    )]
+    NonFiniteGradient {
+        /// The norm.
+        norm: f64,
+    },
 }
 
 impl OptimError {
@@ -92,6 +102,7 @@ impl OptimError {
         match self {
             Self::Tensor { .. } => "optim_tensor",
             Self::State(_) => "optim_state",
+            Self::NonFiniteGradient { .. } => "non_finite_gradient",
         }
     }
 }
@@ -294,14 +305,17 @@ impl AdamW {
     pub fn step(&mut self, grads: &GradAccumulator) -> Result<StepReport, OptimError> {
         let c = self.config;
         let grad_norm = grads.global_norm()?;
+        if !grad_norm.is_finite() {
+            return Err(OptimError::NonFiniteGradient { norm: grad_norm });
+        }
         let clip_scale = if grad_norm > c.max_grad_norm {
             c.max_grad_norm / (grad_norm + 1e-6)
         } else {
             1.0
         };
         let lr = c.learning_rate_at(self.step);
-        let t = (self.step + 1) as i32;
-        let (bc1, bc2) = (1.0 - c.beta1.powi(t), 1.0 - c.beta2.powi(t));
+        let t = self.step.saturating_add(1);
+        let (bc1, bc2) = (bias_correction(c.beta1, t), bias_correction(c.beta2, t));
         let u = crate::adamw_kernel::Update {
             clip_scale,
             beta1: c.beta1,
@@ -336,7 +350,7 @@ impl AdamW {
                 copy().ctx(|| format!("AdamW update of parameter {i}"))?;
             }
         }
-        self.step += 1;
+        self.step = self.step.saturating_add(1);
         Ok(StepReport {
             grad_norm,
             clip_scale,
@@ -358,7 +372,10 @@ impl AdamW {
         out
     }
 
-    /// Restores what [`Self::state_tensors`] produced, and the step count.
+    /// Restores what [`Self::state_tensors`] produced, and the step count. Refuses a missing,
+    /// extra or misshapen tensor, and values no run can produce: a non-finite first moment or
+    /// master copy, a second moment that is negative or not finite (the error names the tensor
+    /// and the element). After an error the optimizer is partly restored: drop it.
     pub fn load_state(
         &mut self,
         mut tensors: HashMap<String, Tensor>,
@@ -382,10 +399,15 @@ impl AdamW {
                     .and_then(|t| t.copy())
                     .ctx(|| format!("loading `{name}`"))
             };
-            s.m = take(format!("m.{i}"))?;
-            s.v = take(format!("v.{i}"))?;
+            let m = take(format!("m.{i}"))?;
+            check_moment(&m, &format!("m.{i}"), Moment::First)?;
+            let v = take(format!("v.{i}"))?;
+            check_moment(&v, &format!("v.{i}"), Moment::Second)?;
+            s.m = m;
+            s.v = v;
             if let Some(master) = &s.master {
                 let t = take(format!("master.{i}"))?;
+                check_moment(&t, &format!("master.{i}"), Moment::Master)?;
                 master.set(&t).ctx(|| format!("loading master {i}"))?;
             }
         }
@@ -394,5 +416,58 @@ impl AdamW {
         }
         self.step = step;
         Ok(())
+    }
+}
+
+/// `1 − βᵗ`, AdamW's bias correction at step `t` (1-based). `powi` while `t` fits an `i32`, so
+/// every step a run can reach gives the bits it always gave (the CPU and GPU kernels and the
+/// composition are compared bit for bit); `powf` beyond, where `βᵗ` has long underflowed to 0
+/// for any `β < 1`. A cast would wrap (`u64::MAX + 1` is step 0, `1 − β⁰ = 0`, a division by
+/// zero) or truncate to a negative exponent.
+pub fn bias_correction(beta: f64, t: u64) -> f64 {
+    let power = match i32::try_from(t) {
+        Ok(t) => beta.powi(t),
+        Err(_) => beta.powf(t as f64),
+    };
+    1.0 - power
+}
+
+/// Which restored optimizer tensor is checked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Moment {
+    /// `m`: any finite value.
+    First,
+    /// `v`: a running mean of squares, finite and ≥ 0.
+    Second,
+    /// The f32 master copy of a non-f32 parameter: finite.
+    Master,
+}
+
+/// Refuses a restored tensor no run can produce (a NaN, an infinity, a negative second moment):
+/// resuming from one turns every weight NaN at the first update. One pass over the values, at
+/// load only.
+fn check_moment(t: &Tensor, name: &str, moment: Moment) -> Result<(), OptimError> {
+    let values: Vec<f32> = t
+        .flatten_all()
+        .and_then(|t| t.to_vec1())
+        .ctx(|| format!("checking `{name}`"))?;
+    let bad = values
+        .iter()
+        .enumerate()
+        .find(|&(_, &x)| !x.is_finite() || (moment == Moment::Second && x < 0.0));
+    match (bad, moment) {
+        (None, _) => Ok(()),
+        (Some((at, x)), Moment::First | Moment::Master) => Err(OptimError::State(format!(
+            "tensor `{name}` ({}) holds {x} at element {at}: it must be finite",
+            if moment == Moment::First {
+                "first moment"
+            } else {
+                "master weights"
+            }
+        ))),
+        (Some((at, x)), Moment::Second) => Err(OptimError::State(format!(
+            "tensor `{name}` (second moment) holds {x} at element {at}: it must be finite and \
+             ≥ 0"
+        ))),
     }
 }

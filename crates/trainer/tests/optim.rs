@@ -189,3 +189,128 @@ fn restored_state_continues_exactly() {
         "missing tensors are refused"
     );
 }
+
+#[test]
+fn the_bias_correction_keeps_its_bits_and_never_wraps() {
+    use sluice_trainer::optim::bias_correction;
+    // Every step a run reaches: the bits the kernels were always given.
+    for t in (1..=5000u64).chain([1 << 20, i32::MAX as u64]) {
+        for beta in [0.9, 0.999] {
+            assert_eq!(
+                bias_correction(beta, t).to_bits(),
+                (1.0 - beta.powi(t as i32)).to_bits(),
+                "β {beta}, t {t}"
+            );
+        }
+    }
+    // Past i32 (a cast truncated to a negative exponent) and at u64::MAX: βᵗ is 0.
+    for t in [i32::MAX as u64 + 1, 1 << 40, u64::MAX] {
+        assert_eq!(bias_correction(0.9, t), 1.0, "t {t}");
+        assert_eq!(bias_correction(0.999, t), 1.0, "t {t}");
+    }
+}
+
+#[test]
+fn a_restored_step_count_at_u64_max_still_takes_a_finite_step() {
+    let dev = Device::Cpu;
+    for step in [u64::MAX, u64::MAX - 1, i32::MAX as u64, 1 << 33] {
+        let var = Var::from_tensor(&Tensor::new(&[1.0f32, -2.0], &dev).unwrap()).unwrap();
+        let mut opt = AdamW::new(vec![var.clone()], OptimConfig::default()).unwrap();
+        let fresh = AdamW::new(vec![var.clone()], OptimConfig::default()).unwrap();
+        opt.load_state(fresh.state_tensors(), step).unwrap();
+        let report = opt.step(&grads(&[&var], &[1.0])).unwrap();
+        assert!(report.learning_rate.is_finite());
+        let got: Vec<f32> = var.as_tensor().to_vec1().unwrap();
+        assert!(got.iter().all(|x| x.is_finite()), "step {step}: {got:?}");
+        assert!(got[0] < 1.0 && got[1] > -2.0, "it moved: {got:?}");
+        assert_eq!(opt.step_count(), step.saturating_add(1));
+    }
+}
+
+#[test]
+fn restored_moments_no_run_produces_are_refused_naming_the_tensor() {
+    let dev = Device::Cpu;
+    let var = || {
+        (
+            Var::from_tensor(&Tensor::new(&[1.0f32, 2.0, 3.0], &dev).unwrap()).unwrap(),
+            Var::from_tensor(
+                &Tensor::new(&[1.0f32, 2.0], &dev)
+                    .unwrap()
+                    .to_dtype(DType::BF16)
+                    .unwrap(),
+            )
+            .unwrap(),
+        )
+    };
+    let t3 = |v: [f32; 3]| Tensor::new(&v, &dev).unwrap();
+    let t2 = |v: [f32; 2]| Tensor::new(&v, &dev).unwrap();
+    let cases: Vec<(&str, Tensor, &str)> = vec![
+        (
+            "v.0",
+            t3([0.0, -1e-3, 0.0]),
+            "`v.0` (second moment) holds -0.001 at element 1",
+        ),
+        (
+            "v.0",
+            t3([0.0, 0.0, f32::NAN]),
+            "`v.0` (second moment) holds NaN at element 2",
+        ),
+        (
+            "v.0",
+            t3([f32::INFINITY, 0.0, 0.0]),
+            "`v.0` (second moment) holds inf",
+        ),
+        (
+            "m.0",
+            t3([0.0, f32::NEG_INFINITY, 0.0]),
+            "`m.0` (first moment) holds -inf",
+        ),
+        (
+            "m.1",
+            t2([f32::NAN, 0.0]),
+            "`m.1` (first moment) holds NaN at element 0",
+        ),
+        (
+            "master.1",
+            t2([1.0, f32::NAN]),
+            "`master.1` (master weights) holds NaN",
+        ),
+        (
+            "v.1",
+            t3([0.0, 0.0, 0.0]),
+            "`v.1` has shape [3], the parameter [2]",
+        ),
+    ];
+    for (name, bad, expected) in cases {
+        let (a, b) = var();
+        let mut opt = AdamW::new(vec![a.clone(), b.clone()], OptimConfig::default()).unwrap();
+        let mut state = opt.state_tensors();
+        // A negative m is fine: only v must be ≥ 0.
+        state.insert("m.0".into(), t3([-1.0, 0.5, -0.25]));
+        opt.load_state(state.clone(), 3).unwrap();
+        state.insert(name.into(), bad);
+        let err = opt.load_state(state, 3).unwrap_err().to_string();
+        assert!(err.contains(expected), "{name}: {err}");
+    }
+}
+
+#[test]
+fn a_non_finite_gradient_norm_moves_no_parameter() {
+    let dev = Device::Cpu;
+    let var = Var::from_tensor(&Tensor::new(&[1.0f32, -2.0], &dev).unwrap()).unwrap();
+    let mut opt = AdamW::new(vec![var.clone()], OptimConfig::default()).unwrap();
+    opt.step(&grads(&[&var], &[1.0])).unwrap();
+    let before = var.as_tensor().to_vec1::<f32>().unwrap();
+    let moments = opt.state_tensors()["v.0"].to_vec1::<f32>().unwrap();
+    for k in [f32::NAN, f32::INFINITY] {
+        let err = opt.step(&grads(&[&var], &[k])).unwrap_err();
+        assert_eq!(err.kind(), "non_finite_gradient");
+        assert!(err.to_string().contains("global gradient norm is"), "{err}");
+        assert_eq!(var.as_tensor().to_vec1::<f32>().unwrap(), before);
+        assert_eq!(
+            opt.state_tensors()["v.0"].to_vec1::<f32>().unwrap(),
+            moments
+        );
+        assert_eq!(opt.step_count(), 1);
+    }
+}

@@ -82,7 +82,7 @@ impl Node {
         let core_inputs = CoreInputs {
             knobs: p.knobs.clone(),
             events: events.clone(),
-            replay_dir: p.replay_dir,
+            replay_dir: p.replay_dir.clone(),
             factory: p.factory,
             env: p.env,
             trainer: p.trainer,
@@ -95,6 +95,14 @@ impl Node {
             recovery,
             start_weights,
         } = out;
+        // A checkpoint's groups must still be in the store it resumes with (nothing is
+        // generated before the feeds start, so a refusal here loses nothing).
+        checkpoints::check_replay_store(
+            p.checkpoint_dir.as_ref(),
+            p.manifest.as_ref(),
+            &recovery,
+            p.replay_dir.as_deref(),
+        )?;
         *stage = Stage::Feeds;
         let feeds_inputs = FeedsInputs {
             knobs: p.knobs.clone(),

@@ -6,6 +6,10 @@ use sluice_core::config::bounds::{
     Bound, MAX_COUNT, MAX_SIM_SECONDS, MAX_TOKENS, SIM, STEPS, TOKENS, bound,
 };
 
+/// The most `trainer.minibatches` (optimizer updates per step) a config may ask for; a
+/// checkpoint whose optimizer took more updates than this per step is corrupt.
+pub const MAX_MINIBATCHES: u32 = 1024;
+
 /// Every bound of `[trainer]` and `[trainer.simulated]`.
 pub const BOUNDS: &[Bound] = &[
     bound("trainer.learning_rate", 1.0, "the learning rate"),
@@ -22,7 +26,11 @@ pub const BOUNDS: &[Bound] = &[
     bound("trainer.kl_coef", 1000.0, "the KL penalty coefficient"),
     bound("trainer.micro_batch_size", 65_536.0, "rows per micro-batch"),
     bound("trainer.max_seq_len", MAX_TOKENS, TOKENS),
-    bound("trainer.minibatches", 1024.0, "optimizer updates per step"),
+    bound(
+        "trainer.minibatches",
+        MAX_MINIBATCHES as f64,
+        "optimizer updates per step",
+    ),
     bound("trainer.is_cap", 1e6, "the importance-weight cap"),
     bound("trainer.simulated.step_base_seconds", MAX_SIM_SECONDS, SIM),
     bound(

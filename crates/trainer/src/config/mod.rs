@@ -8,7 +8,7 @@ mod raw;
 mod typed;
 mod validate;
 
-pub use bounds::BOUNDS;
+pub use bounds::{BOUNDS, MAX_MINIBATCHES};
 pub use raw::{RawSimTrainer, RawTrainer};
 pub use typed::*;
 pub use validate::{

@@ -171,6 +171,14 @@ impl NativeTrainer {
                 lag_sum += add(one(m, mb)?)?;
             }
         }
+        // A NaN or infinite loss would move every weight to NaN (the gradient norm catches
+        // what the loss does not): refused before the optimizer touches anything.
+        if !stats.loss.loss.is_finite() {
+            return Err(TrainerError::NonFinite {
+                what: "loss",
+                value: stats.loss.loss,
+            });
+        }
         // The masters are about to change: the forward converts them afresh next time.
         self.model.clear_step_weights();
         let mut clock = self.part_clock();
