@@ -49,10 +49,27 @@ fn main() -> ExitCode {
         Ok(code) => code,
         Err(e) => {
             // One line, the whole cause chain: scripts grep it, humans read it.
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", one_line(&e));
             ExitCode::FAILURE
         }
     }
+}
+
+/// `e` and its causes on one line, each said once: many errors already end with their cause's
+/// text (`{path}: {source}`), which `{e:#}` would print a second time.
+fn one_line(e: &anyhow::Error) -> String {
+    let mut line = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if line.ends_with(&text) {
+            continue;
+        }
+        if !line.is_empty() {
+            line.push_str(": ");
+        }
+        line.push_str(&text);
+    }
+    line
 }
 
 /// Fixes candle's thread environment before anything reads it (see `sluice_model::threads`):

@@ -77,7 +77,10 @@ fn unknown_preset_and_missing_directory_fail() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("huge"));
     let out = sluice(&["model", "info", dir.to_str().unwrap()]);
     assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("config.json"));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("config.json"), "{stderr}");
+    // The OS error is said once, though the error naming the file already ends with it.
+    assert_eq!(stderr.matches("(os error 2)").count(), 1, "{stderr}");
 }
 
 #[test]
