@@ -22,7 +22,7 @@ use super::completions::{
     MAX_LOGPROBS, Sampling, completion_text, finish_reason, parse_body, unix_now, usage,
 };
 use super::generate::{ChoiceOutput, launch};
-use super::limits::unsupported;
+use super::limits::{check_logprob_budget, unsupported};
 use super::prompt_text::{chat_text_bytes, render_chat};
 use super::reply_stream::{ReplyStream, delta_chunks, parse_reply};
 use super::text::{Streamer, piece};
@@ -213,6 +213,8 @@ pub async fn handle(
     };
     let (rendered, prompt) = render_chat(&state, messages, options).await?;
     let specs = req.sampling.choices(&state, &prompt, None, (top, false))?;
+    let reported = req.logprobs.then_some(top);
+    check_logprob_budget("top_logprobs", &specs, reported, false, req.sampling.stream)?;
     let stops = specs[0].stop.clone();
     let launched = launch(&state, req.sampling.rid.clone(), specs)?;
     let id = format!("chat{}", launched.response_id);

@@ -292,7 +292,7 @@ pub async fn handle(
             specs.push(spec);
         }
     }
-    check_logprob_budget(&specs, logprobs, req.echo, req.sampling.stream)?;
+    check_logprob_budget("logprobs", &specs, logprobs, req.echo, req.sampling.stream)?;
     let stops = specs[0].stop.clone();
     let launched = launch(&state, req.sampling.rid.clone(), specs)?;
     let id = launched.response_id.clone();

@@ -68,7 +68,7 @@ impl Unsupported {
     }
 }
 
-/// Most log-probabilities one completions call may report ([`logprob_entries`]): about 0.3 KB
+/// Most log-probabilities one completions or chat call may report ([`logprob_entries`]): about 0.3 KB
 /// of memory each while the answer is built and 25 bytes of JSON, so the largest call takes a
 /// few hundred MB where the other limits allowed about 100 GB. RL's calls are far below: 64
 /// choices of 4,096 tokens with `logprobs: 1` are 0.5 M; echoing 16 prompts of 3,000 tokens
@@ -101,8 +101,10 @@ fn logprob_entries(
     Some(tokens.saturating_mul(per_token))
 }
 
-/// Refuses a call over [`MAX_LOGPROB_ENTRIES`], naming the fields that make it up.
+/// Refuses a call over [`MAX_LOGPROB_ENTRIES`], naming the fields that make it up; `field` is
+/// the request's count of alternatives (`logprobs` in completions, `top_logprobs` in chat).
 pub(crate) fn check_logprob_budget(
+    field: &str,
     specs: &[ChoiceSpec],
     logprobs: Option<u32>,
     echo: bool,
@@ -110,9 +112,9 @@ pub(crate) fn check_logprob_budget(
 ) -> Result<(), ApiError> {
     match logprob_entries(specs, logprobs, echo, stream) {
         Some(entries) if entries > MAX_LOGPROB_ENTRIES => Err(ApiError::invalid(
-            "logprobs",
+            field,
             format!(
-                "this request would report {entries} log-probabilities ((logprobs + 1) per {} token, over {} choices: prompts × n); at most {MAX_LOGPROB_ENTRIES} per request: lower `logprobs`, `n`{}, or send fewer or shorter prompts",
+                "this request would report {entries} log-probabilities (({field} + 1) per {} token, over {} choices: prompts × n); at most {MAX_LOGPROB_ENTRIES} per request: lower `{field}`, `n`{}, or send fewer or shorter prompts",
                 match (echo, stream) {
                     (true, true) => "echoed prompt",
                     (true, false) => "echoed prompt and max_tokens",
@@ -123,5 +125,50 @@ pub(crate) fn check_logprob_budget(
             ),
         )),
         _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::SamplingParams;
+
+    fn spec(prompt: usize, max_tokens: u32) -> ChoiceSpec {
+        ChoiceSpec {
+            prompt: vec![1; prompt],
+            params: SamplingParams {
+                temperature: 1.0,
+                top_p: 1.0,
+                top_k: 0,
+                max_tokens,
+                seed: None,
+                stop_token_ids: Vec::new(),
+            },
+            stop: Vec::new(),
+            ignore_eos: false,
+            top_logprobs: 0,
+            prompt_logprobs: false,
+        }
+    }
+
+    /// A chat call's budget counts each choice's generated tokens (no echo), unless streamed,
+    /// and names `top_logprobs`; without `logprobs` nothing is counted.
+    #[test]
+    fn a_chat_call_counts_its_generated_tokens_and_names_top_logprobs() {
+        let specs = vec![spec(10, 1000); 64];
+        assert_eq!(
+            logprob_entries(&specs, Some(20), false, false),
+            Some(64 * 1000 * 21)
+        );
+        let err = check_logprob_budget("top_logprobs", &specs, Some(20), false, false).unwrap_err();
+        assert_eq!(err.param.as_deref(), Some("top_logprobs"));
+        let err = err.message;
+        assert!(
+            err.contains("1344000 log-probabilities") && err.contains("lower `top_logprobs`"),
+            "{err}"
+        );
+        assert!(check_logprob_budget("top_logprobs", &specs, Some(20), false, true).is_ok());
+        assert!(check_logprob_budget("top_logprobs", &specs, None, false, false).is_ok());
+        assert!(check_logprob_budget("top_logprobs", &specs, Some(14), false, false).is_ok());
     }
 }
