@@ -301,9 +301,15 @@ fn short_run(out: &Path, max_steps: u64) -> Run {
     }
 }
 
-/// Copies the finished short run, applies `corrupt` to the copy, resumes it to step 5 and
-/// asserts that the resume exits non-zero with every one of `expected` in its output.
+/// Copies the finished short run, applies `corrupt` to the copy, sums its files afresh into the
+/// manifest (as if the checkpoint had been written that way: what is tested is the check of
+/// what the files say, not of their sums), resumes it to step 5 and asserts that the resume
+/// exits non-zero with every one of `expected` in its output.
 fn resume_refused(what: &str, corrupt: impl FnOnce(&Path), expected: &[&str]) {
+    resume_refused_as(what, corrupt, true, expected);
+}
+
+fn resume_refused_as(what: &str, corrupt: impl FnOnce(&Path), reseal: bool, expected: &[&str]) {
     let out = tempfile::tempdir().unwrap().keep().join("run");
     let ok = Command::new("cp")
         .arg("-r")
@@ -314,6 +320,13 @@ fn resume_refused(what: &str, corrupt: impl FnOnce(&Path), expected: &[&str]) {
         .success();
     assert!(ok);
     corrupt(&out);
+    let manifest = out.join("checkpoint/manifest.json");
+    if reseal && manifest.exists() {
+        let sums = sluice_actors::checkpoint::file_sums(&out.join("checkpoint")).unwrap();
+        edit_json(&manifest, |m| {
+            m["files"] = serde_json::to_value(sums).unwrap()
+        });
+    }
     let mut run = short_run(&out, 5);
     let code = run.wait_exit();
     let logs = run.logs();
@@ -377,6 +390,22 @@ fn a_resume_from_corrupt_optimizer_state_or_weights_stops_loudly() {
         &[
             "optimizer.safetensors",
             "`v.2` (second moment) holds -1.5 at element 0",
+        ],
+    );
+    // Any change to a file after the write, such as these, is refused by its sum first.
+    resume_refused_as(
+        "a byte of the weights flipped after the write",
+        |out| {
+            let path = out.join("checkpoint/trainer/model/model.safetensors");
+            let mut bytes = std::fs::read(&path).unwrap();
+            let last = bytes.len() - 3;
+            bytes[last] ^= 0x40;
+            std::fs::write(&path, bytes).unwrap();
+        },
+        false,
+        &[
+            "model.safetensors",
+            "changed since the checkpoint was written",
         ],
     );
     // Finite but huge weights pass the load's finite check; the first step must refuse them.

@@ -10,11 +10,18 @@
 //! A crash at any point leaves either the old or the new checkpoint readable; [`CheckpointDir::load`]
 //! falls back to `checkpoint.old/` when the rename was cut in between.
 //!
+//! The manifest lists every other file of the checkpoint with its size and CRC-32
+//! ([`Manifest::files`]), summed as the write is committed and checked by
+//! [`CheckpointDir::load`]: a file that changed since (a disk error, a cut copy, an edit) is
+//! refused by name rather than resumed from (safetensors carry no checksum of their own, and a
+//! flipped bit in a weight or a moment stays a plausible number).
+//!
 //! The replay store is not copied: it is durable by itself (every acknowledged group is committed),
 //! and consumed groups are final there, so "trained once" holds across any restart. The manifest
 //! records its counters for the operator and the tests.
 
-use std::io::Write;
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -45,6 +52,104 @@ pub struct Manifest {
     pub reason: String,
     /// Wall-clock time of the write, seconds since the Unix epoch (for operators).
     pub written_unix_seconds: f64,
+    /// Every other file of the checkpoint, by its `/`-separated path under the checkpoint
+    /// directory, as written: filled in by [`CheckpointDir::commit`], checked by
+    /// [`CheckpointDir::load`]. Empty in checkpoints written before the sums (nothing checked).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub files: BTreeMap<String, FileSum>,
+}
+
+/// A checkpoint file's size and CRC-32, as written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileSum {
+    /// Its length, bytes.
+    pub bytes: u64,
+    /// CRC-32 (IEEE) of its bytes.
+    pub crc32: u32,
+}
+
+impl FileSum {
+    /// Reads `path` whole and sums it.
+    pub fn of(path: &Path) -> std::io::Result<Self> {
+        let mut file = std::fs::File::open(path)?;
+        let mut hasher = crc32fast::Hasher::new();
+        let mut buf = vec![0u8; 1 << 20];
+        let mut bytes = 0u64;
+        loop {
+            let n = file.read(&mut buf)?;
+            if n == 0 {
+                break;
+            }
+            hasher.update(&buf[..n]);
+            bytes += n as u64;
+        }
+        Ok(Self {
+            bytes,
+            crc32: hasher.finalize(),
+        })
+    }
+}
+
+/// The sums of every file under `dir` but its manifest, by `/`-separated relative path.
+pub fn file_sums(dir: &Path) -> Result<BTreeMap<String, FileSum>, CheckpointError> {
+    let mut sums = BTreeMap::new();
+    let mut pending = vec![dir.to_path_buf()];
+    while let Some(at) = pending.pop() {
+        let entries = std::fs::read_dir(&at).map_err(|e| io(&at, e))?;
+        for entry in entries {
+            let path = entry.map_err(|e| io(&at, e))?.path();
+            let kind = std::fs::symlink_metadata(&path).map_err(|e| io(&path, e))?;
+            if kind.is_dir() {
+                pending.push(path);
+                continue;
+            }
+            let relative = path.strip_prefix(dir).unwrap_or(&path);
+            let name = relative
+                .components()
+                .map(|c| c.as_os_str().to_string_lossy())
+                .collect::<Vec<_>>()
+                .join("/");
+            if name == MANIFEST {
+                continue;
+            }
+            let sum = FileSum::of(&path).map_err(|e| io(&path, e))?;
+            sums.insert(name, sum);
+        }
+    }
+    Ok(sums)
+}
+
+/// Refuses the first file of `manifest.files` under `dir` that is missing or differs.
+fn check_sums(dir: &Path, manifest: &Manifest) -> Result<(), CheckpointError> {
+    for (name, want) in &manifest.files {
+        let path = dir.join(name);
+        let changed = |found: String| CheckpointError::Changed {
+            path: path.display().to_string(),
+            message: format!(
+                "{found}, where the manifest recorded {} bytes with CRC-32 {:08x}: the file \
+                 changed since the checkpoint was written (a disk error, a cut copy, an edit); \
+                 put the written file back, or start over deliberately (a new `run.name` or \
+                 `run.output_dir`, or remove {})",
+                want.bytes,
+                want.crc32,
+                dir.display()
+            ),
+        };
+        match FileSum::of(&path) {
+            Ok(found) if found == *want => {}
+            Ok(found) => {
+                return Err(changed(format!(
+                    "{} bytes with CRC-32 {:08x}",
+                    found.bytes, found.crc32
+                )));
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Err(changed("missing".into()));
+            }
+            Err(e) => return Err(io(&path, e)),
+        }
+    }
+    Ok(())
 }
 
 /// Replay counters recorded in a manifest.
@@ -77,6 +182,15 @@ pub enum CheckpointError {
         /// What is wrong.
         message: String,
     },
+    /// A checkpoint file is missing or differs from what was written (its size and CRC-32 in
+    /// the manifest).
+    #[error("checkpoint {path}: {message}")]
+    Changed {
+        /// The file.
+        path: String,
+        /// What it holds now, what was written, and what to do.
+        message: String,
+    },
     /// A checkpoint file is missing beside the others.
     #[error("checkpoint {path}: {message}")]
     Incomplete {
@@ -99,6 +213,7 @@ impl CheckpointError {
         match self {
             Self::Io { .. } => "checkpoint_io",
             Self::Corrupt { .. } => "checkpoint_corrupt",
+            Self::Changed { .. } => "checkpoint_changed",
             Self::Incomplete { .. } => "checkpoint_incomplete",
             Self::Trainer(_) => "checkpoint_trainer",
             Self::Unavailable(_) => "checkpoint_unavailable",
@@ -168,12 +283,17 @@ impl CheckpointDir {
         Ok(staging)
     }
 
-    /// Finishes a write begun with [`Self::begin`]: writes the manifest, then swaps the staging
-    /// directory into place.
-    pub fn commit(&self, manifest: &Manifest) -> Result<(), CheckpointError> {
+    /// Finishes a write begun with [`Self::begin`]: sums the staged files into the manifest
+    /// ([`Manifest::files`]), writes it, then swaps the staging directory into place. Returns
+    /// the manifest as written.
+    pub fn commit(&self, manifest: &Manifest) -> Result<Manifest, CheckpointError> {
         let staging = self.staging();
         let path = staging.join(MANIFEST);
-        let body = serde_json::to_vec_pretty(manifest).map_err(|e| io(&path, e))?;
+        let manifest = Manifest {
+            files: file_sums(&staging)?,
+            ..manifest.clone()
+        };
+        let body = serde_json::to_vec_pretty(&manifest).map_err(|e| io(&path, e))?;
         let mut f = std::fs::File::create(&path).map_err(|e| io(&path, e))?;
         f.write_all(&body).map_err(|e| io(&path, e))?;
         f.sync_all().map_err(|e| io(&path, e))?;
@@ -193,7 +313,7 @@ impl CheckpointDir {
         if previous.exists() {
             std::fs::remove_dir_all(&previous).map_err(|e| io(&previous, e))?;
         }
-        Ok(())
+        Ok(manifest)
     }
 
     /// The newest complete checkpoint: its directory and manifest, or `None` when there is none.
@@ -243,6 +363,7 @@ impl CheckpointDir {
                 path: path.display().to_string(),
                 message,
             })?;
+            check_sums(&dir, &manifest)?;
             return Ok(Some((dir, manifest)));
         }
         Ok(None)
@@ -297,6 +418,7 @@ mod tests {
             sampler: None,
             reason: "request".into(),
             written_unix_seconds: unix_now(),
+            files: BTreeMap::new(),
         }
     }
 
@@ -327,6 +449,54 @@ mod tests {
         assert!(!root.join(TRAINER_DIR).exists(), "the old files are gone");
         assert!(!tmp.path().join("checkpoint.old").exists());
         assert!(!tmp.path().join("checkpoint.partial").exists());
+    }
+
+    /// Each file is summed as the write commits; one that changed after (a flipped byte, a
+    /// cut copy, a removal) is refused by name, and a manifest without sums (an older
+    /// checkpoint) loads unchecked.
+    #[test]
+    fn a_file_changed_since_the_write_is_refused_by_name() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = CheckpointDir::new(tmp.path().join("checkpoint"));
+        let staging = dir.begin().unwrap();
+        std::fs::create_dir_all(staging.join("trainer/model")).unwrap();
+        std::fs::write(staging.join("trainer/model/w.safetensors"), [7u8; 3000]).unwrap();
+        std::fs::write(staging.join("trainer/state.json"), "{}").unwrap();
+        let written = dir.commit(&manifest(1)).unwrap();
+        assert_eq!(
+            written.files.keys().collect::<Vec<_>>(),
+            ["trainer/model/w.safetensors", "trainer/state.json"]
+        );
+        assert_eq!(written.files["trainer/model/w.safetensors"].bytes, 3000);
+        let (root, m) = dir.load().unwrap().unwrap();
+        assert_eq!(m, written);
+
+        let weights = root.join("trainer/model/w.safetensors");
+        let mut bytes = std::fs::read(&weights).unwrap();
+        bytes[1500] ^= 0x10;
+        std::fs::write(&weights, &bytes).unwrap();
+        let err = dir.load().unwrap_err();
+        assert_eq!(err.kind(), "checkpoint_changed");
+        let text = err.to_string();
+        assert!(
+            text.contains("w.safetensors: 3000 bytes with CRC-32")
+                && text.contains("where the manifest recorded 3000 bytes"),
+            "{text}"
+        );
+        bytes[1500] ^= 0x10;
+        std::fs::write(&weights, &bytes[..2000]).unwrap();
+        let text = dir.load().unwrap_err().to_string();
+        assert!(text.contains("2000 bytes with CRC-32"), "{text}");
+        std::fs::remove_file(&weights).unwrap();
+        let text = dir.load().unwrap_err().to_string();
+        assert!(text.contains("w.safetensors: missing"), "{text}");
+
+        // A manifest from before the sums: nothing to check.
+        let mut old: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(root.join(MANIFEST)).unwrap()).unwrap();
+        old.as_object_mut().unwrap().remove("files");
+        std::fs::write(root.join(MANIFEST), old.to_string()).unwrap();
+        assert!(dir.load().unwrap().is_some());
     }
 
     #[test]

@@ -250,9 +250,9 @@ pub fn checkpoint<'a>(
             sampler,
             reason: reason.to_owned(),
             written_unix_seconds: unix_now(),
+            files: Default::default(),
         };
-        let commit = manifest.clone();
-        blocking(move || dir.commit(&commit)).await?;
+        let manifest = blocking(move || dir.commit(&manifest)).await?;
         let seconds = started.elapsed().as_secs_f64();
         metrics::histogram!(m::NODE_CHECKPOINT_SECONDS).record(seconds);
         metrics::gauge!(m::NODE_CHECKPOINT_VERSION).set(manifest.version as f64);
@@ -333,6 +333,7 @@ mod tests {
             sampler: None,
             reason: "stop".into(),
             written_unix_seconds: 0.0,
+            files: Default::default(),
         }
     }
 
