@@ -48,11 +48,16 @@ impl Run {
             "metrics.enabled=false".to_owned(),
             format!("admin.listen=127.0.0.1:{}", free_port()),
         ];
+        Self::spawn(out, tag, &config, &sets)
+    }
+
+    /// `sluice run config --set …`, its output kept beside `out` under `tag`.
+    fn spawn(out: &Path, tag: &str, config: &Path, sets: &[String]) -> Self {
         let stdout = out.with_extension(format!("{tag}.out"));
         let stderr = out.with_extension(format!("{tag}.err"));
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_sluice"));
-        cmd.arg("run").arg(&config);
-        for s in &sets {
+        cmd.arg("run").arg(config);
+        for s in sets {
             cmd.args(["--set", s]);
         }
         let child = cmd
@@ -281,24 +286,7 @@ fn short_run(out: &Path, max_steps: u64) -> Run {
         format!("admin.listen=127.0.0.1:{}", free_port()),
     ];
     let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/quickstart.toml");
-    let tag = format!("steps{max_steps}");
-    let stdout = out.with_extension(format!("{tag}.out"));
-    let stderr = out.with_extension(format!("{tag}.err"));
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_sluice"));
-    cmd.arg("run").arg(&config);
-    for s in &sets {
-        cmd.args(["--set", s]);
-    }
-    let child = cmd
-        .stdout(Stdio::from(File::create(&stdout).unwrap()))
-        .stderr(Stdio::from(File::create(&stderr).unwrap()))
-        .spawn()
-        .unwrap();
-    Run {
-        child,
-        stdout,
-        stderr,
-    }
+    Run::spawn(out, &format!("steps{max_steps}"), &config, &sets)
 }
 
 /// Copies the finished short run, applies `corrupt` to the copy, sums its files afresh into the
