@@ -99,6 +99,29 @@ fn bench_cluster_refuses_a_measure_of_nothing() {
     );
 }
 
+/// Flags that made a bench sleep for ages or report nothing are refused, naming the flag.
+#[test]
+fn bench_flags_out_of_range_are_refused() {
+    for (args, named) in [
+        (&["pipeline", "--time-scale", "1e300"][..], "--time-scale"),
+        (&["pipeline", "--time-scale", "NaN"][..], "--time-scale"),
+        (
+            &["overhead", "--steps", "18446744073709551615"][..],
+            "--steps",
+        ),
+        (&["engine", "--concurrency", "0"][..], "--concurrency"),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_sluice"))
+            .arg("bench")
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{args:?}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(named), "{args:?}: {stderr}");
+    }
+}
+
 /// The table has the one-by-one baseline and every concurrency row, and the `RESULT` line the
 /// batching speed-up, this machine's batching ceiling (at least 1, at most the 64 requests it is
 /// about), the share of the model's time issuing the forward, the swap pause, the prefix ratio within its bound and the peak memory.

@@ -22,12 +22,23 @@ use sluice_node::{Node, NodeOptions, NodeStatus};
 /// `sluice bench pipeline` / `sluice bench overhead`
 #[derive(Debug, clap::Args)]
 pub struct BenchPipelineArgs {
-    /// Training steps per mode (overhead: ×10).
-    #[arg(long, default_value_t = 12)]
+    /// Training steps per mode (overhead: ×10), 1 to 1,000,000.
+    #[arg(long, default_value_t = 12, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
     pub steps: u64,
-    /// Real seconds per simulated second.
-    #[arg(long, default_value_t = 0.1)]
+    /// Real seconds per simulated second, in (0, 1000] (`engine.simulated.time_scale`'s bound).
+    #[arg(long, default_value_t = 0.1, value_parser = time_scale)]
     pub time_scale: f64,
+}
+
+/// `--time-scale`: a finite number in (0, 1000]. A huge one slept for ages; NaN gave ratios of
+/// nothing.
+fn time_scale(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 && v <= 1000.0 => Ok(v),
+        _ => Err(format!(
+            "expected real seconds per simulated second in (0, 1000], got `{text}`"
+        )),
+    }
 }
 
 const WORKLOAD: &str = include_str!("../../../configs/sim_longtail.toml");

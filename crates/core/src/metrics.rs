@@ -145,7 +145,7 @@ catalog! {
     NODE_WEIGHT_UPDATE_MODE_INFO = "sluice_node_weight_update_mode_info", Gauge, ["mode"], NONE,
         "1 for the active weight_update_mode, 0 for the others.";
     NODE_MEMBER_UP = "sluice_node_member_up_info", Gauge, ["node", "role"], NONE,
-        "Head: 1 while a joined engine or env node heartbeats and is reachable, 0 once it is lost or unreachable (the node label is bounded by node.max_nodes).";
+        "Head: 1 while a joined engine or env node heartbeats and is reachable, 0 once it is lost, unreachable or gone (at most node.max_nodes members at once; a departed node's series stays at 0 until the head restarts).";
     NODE_MEMBER_WEIGHT_VERSION = "sluice_node_member_weight_version", Gauge, ["node"], NONE,
         "Head: the policy version a joined engine node last reported loaded.";
     NODE_MEMBER_LOST = "sluice_node_member_lost_failures_total", Counter, ["role"], NONE,

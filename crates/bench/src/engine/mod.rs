@@ -44,7 +44,7 @@ pub struct BenchEngineArgs {
     #[arg(long = "model", value_name = "DIR")]
     pub models: Vec<std::path::PathBuf>,
     /// Requests in flight.
-    #[arg(long = "concurrency", default_values_t = [1usize, 8, 32, 64])]
+    #[arg(long = "concurrency", default_values_t = [1usize, 8, 32, 64], value_parser = concurrency)]
     pub concurrency: Vec<usize>,
     /// KV cache pool of every engine the benchmark starts, MiB (0 = sized automatically, as
     /// `engine.kv_cache_mb = 0`).
@@ -409,4 +409,15 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<ExitCode> {
         rss.map_or("n/a".into(), |x| format!("{x:.0}")),
     );
     Ok(ExitCode::SUCCESS)
+}
+
+/// `--concurrency`: requests in flight, 1 to 65,536 (0 measured nothing and was refused in the
+/// words of a KV cache of 0 bytes).
+fn concurrency(text: &str) -> Result<usize, String> {
+    match text.parse::<usize>() {
+        Ok(n) if (1..=65_536).contains(&n) => Ok(n),
+        _ => Err(format!(
+            "expected requests in flight, 1 to 65536, got `{text}`"
+        )),
+    }
 }
