@@ -356,3 +356,146 @@ async fn a_server_holding_a_version_the_head_never_published_is_marked_down() {
     );
     assert_eq!(engine.stats().version, PolicyVersion(0));
 }
+
+/// A server that lies: it installs any weights it is sent, reports no load, and answers every
+/// completion with `choice`, whatever was asked. One connection per call, as the client opens.
+async fn serve_lies(choice: serde_json::Value) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let reply = serde_json::json!({"choices": [choice]}).to_string();
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            let reply = reply.clone();
+            tokio::spawn(async move {
+                let mut got = Vec::new();
+                let mut buf = [0u8; 4096];
+                // The head, then as much body as it announces.
+                let (head_end, length) = loop {
+                    let n = stream.read(&mut buf).await.unwrap_or(0);
+                    if n == 0 {
+                        return;
+                    }
+                    got.extend_from_slice(&buf[..n]);
+                    if let Some(end) = got.windows(4).position(|w| w == b"\r\n\r\n") {
+                        let head = String::from_utf8_lossy(&got[..end]).to_ascii_lowercase();
+                        let length = head
+                            .lines()
+                            .find_map(|l| l.strip_prefix("content-length:"))
+                            .map_or(0, |v| v.trim().parse::<usize>().unwrap());
+                        break (end + 4, length);
+                    }
+                };
+                while got.len() < head_end + length {
+                    let n = stream.read(&mut buf).await.unwrap_or(0);
+                    if n == 0 {
+                        return;
+                    }
+                    got.extend_from_slice(&buf[..n]);
+                }
+                let line = String::from_utf8_lossy(&got[..head_end]).into_owned();
+                let (status, body) = if line.starts_with("POST /v1/completions ") {
+                    ("200 OK", reply)
+                } else if line.starts_with("POST /update_weights_from_disk ") {
+                    ("200 OK", r#"{"success": true}"#.to_owned())
+                } else {
+                    ("404 Not Found", r#"{"error": "no such route"}"#.to_owned())
+                };
+                let answer = format!(
+                    "HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = stream.write_all(answer.as_bytes()).await;
+                let _ = stream.shutdown().await;
+            });
+        }
+    });
+    url
+}
+
+/// A lying server's impossible per-token data (the hostile sweep's findings 5 and 6) fails the
+/// request as `remote_bad_reply`, keeping only the tokens it resumed from: a logprob that is
+/// null, a string, above 0 or beyond f32, an id outside the vocabulary of the weights the head
+/// installed, more new tokens than `max_tokens`, a version that is not an integer. The same
+/// server telling the truth (a logprob rounded a hair above 0 included) is trained.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn impossible_per_token_replies_fail_as_bad_replies_and_are_not_trained() {
+    use serde_json::json;
+    let vocab = preset_config(Preset::Tiny).vocab_size;
+    let many: Vec<u32> = (0..5000).map(|i| i % 7).collect();
+    let many_lps = vec![-1.0; 5000];
+    let lies = [
+        (
+            "null logprob",
+            json!({"token_ids": [1, 2], "logprobs": {"token_logprobs": [-1.0, null]}}),
+        ),
+        (
+            "string logprob",
+            json!({"token_ids": [1], "logprobs": {"token_logprobs": ["x"]}}),
+        ),
+        (
+            "positive logprob",
+            json!({"token_ids": [1], "logprobs": {"token_logprobs": [50.0]}}),
+        ),
+        (
+            "logprob beyond f32",
+            json!({"token_ids": [1], "logprobs": {"token_logprobs": [1e300]}}),
+        ),
+        (
+            "id = vocab",
+            json!({"token_ids": [1, vocab], "logprobs": {"token_logprobs": [-1, -1]}}),
+        ),
+        (
+            "id u32::MAX",
+            json!({"token_ids": [u32::MAX], "logprobs": {"token_logprobs": [-1]}}),
+        ),
+        (
+            "5000 tokens for 4",
+            json!({"token_ids": many, "logprobs": {"token_logprobs": many_lps}}),
+        ),
+        (
+            "3 new tokens for max_tokens 4, 2 resumed",
+            json!({"token_ids": [1, 2, 3], "logprobs": {"token_logprobs": [-1, -1, -1]}}),
+        ),
+        (
+            "string version",
+            json!({"token_ids": [1], "logprobs": {"token_logprobs": [-1]}, "token_versions": ["x"]}),
+        ),
+        (
+            "fractional version",
+            json!({"token_ids": [1], "logprobs": {"token_logprobs": [-1]}, "token_versions": [0.5]}),
+        ),
+    ];
+    let truth = json!({"token_ids": [1, 2], "finish_reason": "length",
+                       "logprobs": {"token_logprobs": [-0.5, 0.00001]}, "token_versions": [0, 0]});
+    let resumed = sluice_engine::TokenOutput {
+        token_ids: vec![5, 6],
+        logprobs: vec![-1.0, -2.0],
+        versions: vec![PolicyVersion(0); 2],
+    };
+    for (what, mut choice) in lies.into_iter().chain([("the truth", truth)]) {
+        // Ended as asked: only the per-token data lies.
+        choice["finish_reason"] = json!("length");
+        let dir = tempfile::tempdir().unwrap();
+        let mut p = params(serve_lies(choice).await, dir.path().into());
+        p.initial = Some(head_weights(1, 0));
+        let (engine, (finished, _)) = start(p);
+        let mut r = request(1, 4);
+        r.resume = Some(resumed.clone());
+        engine.submit(r).unwrap();
+        let c = next(&finished).await;
+        if what == "the truth" {
+            assert_eq!(c.finish, FinishReason::Length, "{what}");
+            assert_eq!(c.output.token_ids, vec![5, 6, 1, 2], "{what}");
+            assert_eq!(c.output.logprobs, vec![-1.0, -2.0, -0.5, 0.0], "{what}");
+        } else {
+            assert_eq!(
+                c.finish,
+                FinishReason::Error("remote_bad_reply".into()),
+                "{what}"
+            );
+            assert_eq!(c.output, resumed, "{what}: none of its tokens kept");
+        }
+        assert!(engine.is_alive(), "{what}");
+    }
+}

@@ -17,9 +17,11 @@ use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
-/// An env that misbehaves on purpose: `panic` panics in step, `hang` never answers.
+/// An env that misbehaves on purpose: `panic` panics in step, `hang` never answers, `reward`
+/// ends the episode with the sample's `reward` and `component` (a lying reward source).
 struct Bad {
     mode: String,
+    input: serde_json::Value,
 }
 
 impl MessageEnv for Bad {
@@ -33,9 +35,18 @@ impl MessageEnv for Bad {
     }
     fn step(&mut self, _m: Message) -> BoxFuture<'_, Result<EnvStep, EnvError>> {
         let mode = self.mode.clone();
+        let input = self.input.clone();
         Box::pin(async move {
             match mode.as_str() {
                 "panic" => panic!("remote env exploded"),
+                "reward" => {
+                    let mut step = EnvStep::done();
+                    step.reward = input["reward"].as_f64();
+                    if let Some(c) = input["component"].as_f64() {
+                        step.components.insert("passed".into(), c);
+                    }
+                    Ok(step)
+                }
                 _ => {
                     tokio::time::sleep(Duration::from_secs(3600)).await;
                     Ok(EnvStep::done())
@@ -55,6 +66,7 @@ fn server_registry() -> TaskRegistry {
     let bad = |s: &DataSample| -> Result<Box<dyn MessageEnv>, EnvError> {
         Ok(Box::new(Bad {
             mode: s.input["mode"].as_str().unwrap_or("panic").to_owned(),
+            input: s.input.clone(),
         }))
     };
     r.register(Task::new("bad", bad, rubric)).unwrap();
@@ -295,5 +307,57 @@ async fn open_envs_are_capped_and_idle_ones_dropped() {
         "idle envs were dropped: {health}"
     );
     fourth.close().await.unwrap();
+    server.kill().await;
+}
+
+/// A remote env's reward that is not finite or beyond ±`MAX_ENV_REWARD` (the hostile sweep's
+/// finding 7: `1e308` overflowed the group advantages and stopped the run, `1e39` was trained)
+/// fails that rollout as `env_remote`, its message naming the server and the value; rewards
+/// within the bound are trained as sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rewards_beyond_the_bound_fail_the_rollout_naming_the_server() {
+    use serde_json::json;
+    use sluice_env::remote::MAX_ENV_REWARD;
+    let mut server = Server::start().await;
+    let t = Duration::from_secs(5);
+    for (input, shown) in [
+        (json!({"reward": 1e308}), "reward = 1e308"),
+        (json!({"reward": -1e308}), "reward = -1e308"),
+        (json!({"reward": 1e39}), "reward = 1e39"),
+        (json!({"reward": 1.5e6}), "reward = 1.5e6"),
+        (
+            json!({"reward": 1.0, "component": -1e300}),
+            "components.passed = -1e300",
+        ),
+    ] {
+        let mut input = input;
+        input["mode"] = json!("reward");
+        let factory = server.remote("bad", t);
+        let mut env = sluice_env::EnvFactory::make_env(&factory, &sample(input.clone())).unwrap();
+        env.init().await.unwrap();
+        let err = env.step(Message::assistant("x")).await.unwrap_err();
+        assert_eq!(err.kind(), "env_remote", "{input}: {err}");
+        let message = err.to_string();
+        assert!(
+            message.contains(&server.url) && message.contains(shown),
+            "{input}: {message}"
+        );
+        env.close().await.unwrap();
+        let r = run_remote(&server, "bad", input.clone(), t).await;
+        assert_eq!(
+            r.status,
+            RolloutStatus::Error("env_remote".into()),
+            "{input}"
+        );
+    }
+    for reward in [MAX_ENV_REWARD, -MAX_ENV_REWARD, 0.25] {
+        let input = json!({"mode": "reward", "reward": reward, "component": 1.0});
+        let factory = server.remote("bad", t);
+        let mut env = sluice_env::EnvFactory::make_env(&factory, &sample(input)).unwrap();
+        env.init().await.unwrap();
+        let step = env.step(Message::assistant("x")).await.unwrap();
+        assert_eq!(step.reward, Some(reward));
+        env.close().await.unwrap();
+    }
     server.kill().await;
 }

@@ -133,10 +133,25 @@ pub fn compute_advantages<'a>(
 ) -> AdvantageBatch<'a> {
     let mut out = AdvantageBatch::default();
     for (g, group) in groups.iter().enumerate() {
+        if let Some(why) = overflowing(group) {
+            tracing::error!(group = %group.id, "group left out of the step: {why}");
+            out.groups_filtered += 1;
+            continue;
+        }
         let texts = match config.kind {
             AdvantageKind::Group => group_texts(g, group, config),
             AdvantageKind::Situational => situational_texts(g, group, config),
         };
+        if let Some(bad) = texts.iter().find(|t| !t.advantage.is_finite()) {
+            tracing::error!(
+                group = %group.id,
+                "group left out of the step: rollout {} has a non-finite advantage ({}); its rewards are too large to compare",
+                bad.rollout,
+                bad.advantage
+            );
+            out.groups_filtered += 1;
+            continue;
+        }
         let all_zero = texts
             .iter()
             .all(|t| f64::from(t.advantage).abs() <= ZERO_ADVANTAGE);
@@ -148,6 +163,30 @@ pub fn compute_advantages<'a>(
         out.texts.extend(texts);
     }
     out
+}
+
+/// Why `group`'s rewards cannot be turned into advantages: a trainable rollout's reward that is
+/// not finite, or a mean or standard deviation that overflows f64 (rewards near ±1e308; env
+/// servers are bounded well below, but a reward function is not). Such a group would make the
+/// loss NaN and stop the run with an error blaming the weights; left out, the step goes on.
+fn overflowing(group: &RolloutGroup) -> Option<String> {
+    let rewards: Vec<f64> = group
+        .rollouts
+        .iter()
+        .filter(|r| r.status.is_trainable())
+        .map(|r| r.reward)
+        .collect();
+    if let Some(r) = rewards.iter().find(|r| !r.is_finite()) {
+        return Some(format!("a rollout's reward is {r}"));
+    }
+    let (mean, std) = mean_std(&rewards);
+    (!mean.is_finite() || !std.is_finite()).then(|| {
+        format!(
+            "its rewards overflow the group statistics (mean {mean}, std {std}; rewards {:e} … {:e})",
+            rewards.iter().copied().fold(f64::INFINITY, f64::min),
+            rewards.iter().copied().fold(f64::NEG_INFINITY, f64::max),
+        )
+    })
 }
 
 /// The kept turns of one rollout: `(turn index, turn)`, in order.

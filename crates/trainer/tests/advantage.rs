@@ -279,3 +279,42 @@ fn without_labels_situational_equals_group() {
     let s = compute_advantages(&groups, &config(AdvantageKind::Situational, true));
     assert_eq!(advantages(&g), advantages(&s));
 }
+
+/// Rewards near ±1e308 (finite, but their sum or squares overflow f64) and rewards whose
+/// advantage is beyond f32 leave their group out of the step instead of a NaN or infinite loss
+/// that stops the run (the hostile sweep's finding 7); the other groups are trained as usual.
+#[test]
+fn groups_whose_rewards_overflow_are_left_out_and_the_rest_trained() {
+    let groups = [
+        single_turn_group(1, &[1e308, 1e308, -1e308, 0.0]),
+        single_turn_group(2, &[1e308, -1e308]),
+        single_turn_group(3, &[1e39, 0.0]),
+        single_turn_group(4, &[1.0, 0.0]),
+    ];
+    for kind in [AdvantageKind::Group, AdvantageKind::Situational] {
+        for normalize_std in [false, true] {
+            let batch = compute_advantages(&groups, &config(kind, normalize_std));
+            let what = format!("{kind:?}, normalize_std {normalize_std}");
+            assert!(
+                batch.texts.iter().all(|t| t.advantage.is_finite()),
+                "{what}"
+            );
+            // 1e39 vs 0 normalised is ±1; unnormalised, ±5e38 is beyond f32.
+            let (kept, trained): (usize, &[usize]) = if normalize_std {
+                (2, &[2, 2, 3, 3])
+            } else {
+                (1, &[3, 3])
+            };
+            assert_eq!(
+                batch.texts.iter().map(|t| t.group).collect::<Vec<_>>(),
+                trained,
+                "{what}"
+            );
+            assert_eq!(
+                (batch.groups_kept, batch.groups_filtered),
+                (kept, 4 - kept),
+                "{what}"
+            );
+        }
+    }
+}

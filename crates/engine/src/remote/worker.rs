@@ -181,8 +181,16 @@ impl Worker {
         self.publish();
         let client = self.server.client.clone();
         let timeout = self.params.request_timeout;
-        let version = self.version;
         let body = wire::completion_body(&request, self.params.model_name.as_deref());
+        let limits = wire::ReplyLimits {
+            version: self.version,
+            max_new_tokens: request
+                .params
+                .max_tokens
+                .saturating_sub(partial.len() as u32),
+            // The weights the head gave the server: their vocabulary is the server's.
+            vocab_size: self.latest.as_ref().map(|w| w.config().vocab_size),
+        };
         tasks.spawn(async move {
             let id = request.id;
             let fail = |fault: Fault| {
@@ -207,7 +215,7 @@ impl Worker {
                     fail(Fault::failed(format!("{}: status {status}", client.url())))
                 }
                 Ok((status, bytes)) => (
-                    finish_from_reply(id, &partial, status, &bytes, version),
+                    finish_from_reply(id, &partial, (status, &bytes), client.url(), limits),
                     None,
                 ),
             };

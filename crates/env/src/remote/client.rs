@@ -123,12 +123,19 @@ impl RemoteEnv {
         let (_, step) = self
             .json::<_, EnvStep>(Method::POST, &path, Some(&req))
             .await?;
-        step.ok_or_else(|| {
+        let step = step.ok_or_else(|| {
             CallError::env(EnvError::Remote {
-                url: path,
+                url: path.clone(),
                 message: "empty step response".into(),
             })
-        })
+        })?;
+        refuse_wild_rewards(&step).map_err(|why| {
+            CallError::env(EnvError::Remote {
+                url: self.http.url().to_owned(),
+                message: format!("POST {path}: {why}"),
+            })
+        })?;
+        Ok(step)
     }
 
     /// Deletes the env on the server (nothing to do before it was created).
@@ -147,6 +154,32 @@ impl RemoteEnv {
             .as_deref()
             .ok_or_else(|| CallError::env(EnvError::Protocol("remote env used before init".into())))
     }
+}
+
+/// The largest reward magnitude an env server may send, for the turn's reward and for each
+/// named component. Rewards are compared within a group: its advantages square them and sum the
+/// squares (in f64, then trained in f32), so a finite but huge reward (`1e308` is valid JSON)
+/// overflows to NaN and stops the whole run with a loss error that blames the checkpoint, and
+/// one of `1e39` is trained as an infinity in f32. No real reward comes near a million: a
+/// reward beyond it is a server's bug or a lie, and it fails that rollout only.
+pub const MAX_ENV_REWARD: f64 = 1e6;
+
+/// Why `step` cannot be trained: a reward or component that is not finite or whose magnitude
+/// is beyond [`MAX_ENV_REWARD`].
+fn refuse_wild_rewards(step: &EnvStep) -> Result<(), String> {
+    let rewards = step.reward.iter().map(|r| ("reward".to_owned(), *r)).chain(
+        step.components
+            .iter()
+            .map(|(name, r)| (format!("components.{name}"), *r)),
+    );
+    for (what, r) in rewards {
+        if !r.is_finite() || r.abs() > MAX_ENV_REWARD {
+            return Err(format!(
+                "{what} = {r:e} is not a finite number within ±{MAX_ENV_REWARD:e}; refused, not trained"
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Maps an error answer back to an [`EnvError`] of the same kind where one exists, so a remote

@@ -57,6 +57,11 @@ impl HttpClient {
         self
     }
 
+    /// The server's base URL, as given.
+    pub(crate) fn url(&self) -> &str {
+        self.inner.url()
+    }
+
     /// The deadline of every call.
     pub(crate) fn timeout(&self) -> Duration {
         self.timeout

@@ -34,7 +34,7 @@ mod server;
 use serde::{Deserialize, Serialize};
 use sluice_core::{DataSample, Message};
 
-pub use client::{RemoteEnv, RemoteEnvFactory};
+pub use client::{MAX_ENV_REWARD, RemoteEnv, RemoteEnvFactory};
 pub use routed::{EnvServer, EnvServers, OpenEnvs, RoutedEnv, RoutedEnvFactory, ServerId};
 pub use server::{ServerConfig, ServerStats, router, router_with_stats, serve, serve_with_stats};
 

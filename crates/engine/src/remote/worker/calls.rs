@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use serde_json::{Value, json};
-use sluice_core::{PolicyVersion, RequestId, WeightUpdateMode};
+use sluice_core::{RequestId, WeightUpdateMode};
 use sluice_http::{HttpClient, Method, StatusCode};
 use sluice_model::ModelWeights;
 
@@ -62,22 +62,24 @@ pub(super) async fn load(
     }
 }
 
-/// The completion of a request from a server's reply (2xx or 4xx): the resumed tokens first.
+/// The completion of a request from the reply (2xx or 4xx) of the server at `url`: the resumed
+/// tokens first. A reply that breaks the protocol or `limits` fails the request as
+/// `remote_bad_reply` (the log names the server and what was wrong): none of its tokens is kept.
 pub(super) fn finish_from_reply(
     id: RequestId,
     partial: &TokenOutput,
-    status: StatusCode,
-    bytes: &[u8],
-    version: PolicyVersion,
+    (status, bytes): (StatusCode, &[u8]),
+    url: &str,
+    limits: wire::ReplyLimits,
 ) -> Completion {
     let mut output = partial.clone();
     let finish = if !status.is_success() {
-        tracing::warn!(%id, %status, body = %String::from_utf8_lossy(bytes), "remote engine refused a request");
+        tracing::warn!(%id, %url, %status, body = %String::from_utf8_lossy(bytes), "remote engine refused a request");
         FinishReason::Error("remote_bad_request".into())
     } else {
         match serde_json::from_slice::<Value>(bytes)
             .map_err(|e| wire::BadReply(e.to_string()))
-            .and_then(|v| wire::parse_completion(&v, version))
+            .and_then(|v| wire::parse_completion(&v, limits))
         {
             Ok((new, finish)) => {
                 output.token_ids.extend(new.token_ids);
@@ -86,7 +88,7 @@ pub(super) fn finish_from_reply(
                 finish
             }
             Err(wire::BadReply(reason)) => {
-                tracing::warn!(%id, %reason, "remote engine reply is malformed");
+                tracing::warn!(%id, %url, %reason, "remote engine server {url} sent a bad reply, refused: {reason}");
                 FinishReason::Error("remote_bad_reply".into())
             }
         }
