@@ -154,3 +154,34 @@ balance_threshold = 0.25
 
     runtime.block_on(node.shutdown());
 }
+
+/// A server that splits a UTF-8 character across chunks (or, as the sweep's repro, sends both
+/// bytes of `é` in a 1-byte chunk) makes `sluice status` fail with a message, never panic.
+#[test]
+fn a_chunk_boundary_inside_a_character_is_an_error_not_a_panic() {
+    use std::io::{Read, Write};
+    let dir = tempfile::tempdir().unwrap();
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let server = std::thread::spawn(move || {
+        let (mut socket, _) = listener.accept().unwrap();
+        let mut buf = [0u8; 4096];
+        let _ = socket.read(&mut buf);
+        let _ = socket.write_all(
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n1\r\n\xc3\xa9\r\n0\r\n\r\n",
+        );
+    });
+    let (code, _, err) = sluice(
+        &["status", "--url", &url, "--token", TOKEN],
+        None,
+        dir.path(),
+    );
+    server.join().unwrap();
+    assert!(!err.contains("panicked"), "{err}");
+    assert_ne!(code, 101, "{err}");
+    assert_ne!(code, 0, "{err}");
+    assert!(
+        err.contains("a chunk of 1 bytes is not followed by CRLF"),
+        "{err}"
+    );
+}

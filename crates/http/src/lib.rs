@@ -10,8 +10,10 @@
 //!
 //! The client opens one connection per call (remote calls are few and long next to a TCP
 //! handshake on a LAN), the connection driven inside the call's own future (no background task
-//! to leak), one deadline over connect + request + body. Only `http://` is spoken: these servers
-//! live on a trusted network, guarded by a bearer token.
+//! to leak), one deadline over connect + request + body, and a cap on a buffered answer's
+//! body ([`DEFAULT_MAX_BODY_BYTES`]; a [`HttpClient::download`] streamed to a file is not
+//! capped). Only `http://` is spoken: these servers live on a trusted network, guarded by a
+//! bearer token.
 
 pub mod api;
 pub mod auth;
@@ -20,7 +22,7 @@ pub mod serve;
 
 use std::time::Duration;
 
-use http_body_util::{BodyExt, Full};
+use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
 use hyper::Request;
 pub use hyper::body::Bytes;
 pub use hyper::{Method, StatusCode};
@@ -81,6 +83,12 @@ pub enum Download {
     Refused(StatusCode, Bytes),
 }
 
+/// The default cap on a buffered answer's body (see [`HttpClient::with_max_body_bytes`]):
+/// far above any legitimate answer of the remote protocols (a completion of tens of thousands of
+/// tokens with their logprobs is a few MB, an env observation a few MB), low enough that a
+/// server sending an endless body cannot drive the run out of memory.
+pub const DEFAULT_MAX_BODY_BYTES: u64 = 64 * 1024 * 1024;
+
 /// One server, `http://host:port[/prefix]`, and the token every call carries.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HttpClient {
@@ -89,6 +97,9 @@ pub struct HttpClient {
     prefix: String,
     /// Sent as `Authorization: Bearer <token>` with every call.
     token: Option<Secret>,
+    /// The most bytes a buffered answer's body may hold ([`Self::call`], and a refused
+    /// [`Self::download`]); a longer one is a [`HttpError::Transport`].
+    max_body_bytes: u64,
 }
 
 impl HttpClient {
@@ -112,6 +123,7 @@ impl HttpClient {
             authority: authority.to_owned(),
             prefix: prefix.to_owned(),
             token: None,
+            max_body_bytes: DEFAULT_MAX_BODY_BYTES,
         })
     }
 
@@ -121,13 +133,22 @@ impl HttpClient {
         self
     }
 
+    /// The same server, refusing a buffered answer whose body is over `max_body_bytes`
+    /// (default [`DEFAULT_MAX_BODY_BYTES`]). A successful [`Self::download`] streams to its
+    /// file and is not capped.
+    pub fn with_max_body_bytes(mut self, max_body_bytes: u64) -> Self {
+        self.max_body_bytes = max_body_bytes;
+        self
+    }
+
     /// The base URL, without a trailing slash.
     pub fn url(&self) -> &str {
         &self.url
     }
 
     /// Sends `body` (JSON) to `path` under the prefix and returns the status and the body, or
-    /// why no whole answer came within `timeout`.
+    /// why no whole answer came within `timeout` (a body over the client's byte cap is a
+    /// [`HttpError::Transport`] naming the cap).
     pub async fn call(
         &self,
         method: Method,
@@ -174,15 +195,11 @@ impl HttpClient {
                     .await
                     .map_err(|e| format!("request: {e}"))?;
                 let status = response.status();
-                let mut body = response.into_body();
                 if !status.is_success() {
-                    let bytes = body
-                        .collect()
-                        .await
-                        .map_err(|e| format!("response body: {e}"))?
-                        .to_bytes();
+                    let bytes = self.collect_body(response).await?;
                     return Ok(Download::Refused(status, bytes));
                 }
+                let mut body = response.into_body();
                 let mut file = tokio::fs::File::create(dest)
                     .await
                     .map_err(|e| format!("creating {}: {e}", dest.display()))?;
@@ -255,6 +272,30 @@ impl HttpClient {
             .map_err(|e| format!("request: {e}"))
     }
 
+    /// The whole body of `response`, refused once over `max_body_bytes`: up front from its
+    /// `Content-Length`, else while collecting (a chunked or close-delimited body).
+    async fn collect_body(
+        &self,
+        response: hyper::Response<hyper::body::Incoming>,
+    ) -> Result<Bytes, String> {
+        let limit = self.max_body_bytes;
+        let too_large =
+            || format!("the answer's body is over this client's limit of {limit} bytes; refused");
+        let declared = response
+            .headers()
+            .get(hyper::header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok()?.trim().parse::<u64>().ok());
+        if declared.is_some_and(|n| n > limit) {
+            return Err(too_large());
+        }
+        let cap = usize::try_from(limit).unwrap_or(usize::MAX);
+        match Limited::new(response.into_body(), cap).collect().await {
+            Ok(collected) => Ok(collected.to_bytes()),
+            Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => Err(too_large()),
+            Err(e) => Err(format!("response body: {e}")),
+        }
+    }
+
     async fn exchange(
         &self,
         method: Method,
@@ -274,12 +315,7 @@ impl HttpClient {
                 .await
                 .map_err(|e| format!("request: {e}"))?;
             let status = response.status();
-            let bytes = response
-                .into_body()
-                .collect()
-                .await
-                .map_err(|e| format!("response body: {e}"))?
-                .to_bytes();
+            let bytes = self.collect_body(response).await?;
             Ok((status, bytes))
         };
         let mut exchange = std::pin::pin!(exchange);
@@ -369,5 +405,142 @@ mod tests {
             .await
             .unwrap_err();
         assert!(matches!(e, HttpError::Transport { .. }), "{e}");
+    }
+
+    /// A server on `127.0.0.1:0` that reads the request head, writes `head`, then writes
+    /// `block` `repeat` times (or until the client goes away) and closes. The tests' "endless"
+    /// bodies stop at 16 MiB so that a client without a cap fails them without eating memory.
+    async fn serve_body(head: &'static str, block: Vec<u8>, repeat: Option<usize>) -> String {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            let (mut socket, _) = listener.accept().await.unwrap();
+            let mut buf = vec![0u8; 4096];
+            let _ = socket.read(&mut buf).await;
+            if socket.write_all(head.as_bytes()).await.is_err() {
+                return;
+            }
+            let mut sent = 0;
+            while repeat.is_none_or(|r| sent < r) && socket.write_all(&block).await.is_ok() {
+                sent += 1;
+            }
+        });
+        format!("http://{addr}")
+    }
+
+    /// One chunk of 64 KiB, framed.
+    fn chunk() -> Vec<u8> {
+        [&b"10000\r\n"[..], &[b'x'; 0x10000], b"\r\n"].concat()
+    }
+
+    #[tokio::test]
+    async fn a_long_chunked_body_is_refused_at_the_byte_limit() {
+        let url = serve_body(
+            "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n",
+            chunk(),
+            Some(256),
+        )
+        .await;
+        let client = HttpClient::new(&url, "test")
+            .unwrap()
+            .with_max_body_bytes(1024 * 1024);
+        // A generous deadline: the cap, not the deadline, must end the call.
+        let e = client
+            .call(
+                Method::POST,
+                "/v1/completions",
+                None,
+                Duration::from_secs(120),
+            )
+            .await
+            .unwrap_err();
+        assert!(matches!(e, HttpError::Transport { .. }), "{e}");
+        let text = e.to_string();
+        assert!(
+            text.starts_with(&format!("{url}/v1/completions: ")),
+            "{text}"
+        );
+        assert!(text.contains("limit of 1048576 bytes"), "{text}");
+    }
+
+    #[tokio::test]
+    async fn an_oversized_content_length_is_refused_before_reading_the_body() {
+        // The server declares 1 GiB and sends nothing more: only the header can end the call.
+        let url = serve_body(
+            "HTTP/1.1 200 OK\r\ncontent-length: 1073741824\r\n\r\n",
+            Vec::new(),
+            Some(0),
+        )
+        .await;
+        let client = HttpClient::new(&url, "test")
+            .unwrap()
+            .with_max_body_bytes(1024);
+        let e = client
+            .call(Method::GET, "/v1/envs", None, Duration::from_secs(120))
+            .await
+            .unwrap_err();
+        assert!(matches!(e, HttpError::Transport { .. }), "{e}");
+        assert!(e.to_string().contains("limit of 1024 bytes"), "{e}");
+        // Just under the default, a body passes.
+        let url = serve_body(
+            "HTTP/1.1 200 OK\r\ncontent-length: 1024\r\n\r\n",
+            vec![b'y'; 1024],
+            Some(1),
+        )
+        .await;
+        let (_, body) = HttpClient::new(&url, "test")
+            .unwrap()
+            .with_max_body_bytes(1024)
+            .call(Method::GET, "/v1/envs", None, Duration::from_secs(120))
+            .await
+            .unwrap();
+        assert_eq!(body.len(), 1024);
+    }
+
+    #[tokio::test]
+    async fn a_download_streams_past_the_limit_but_a_refusal_body_is_capped() {
+        let dir = std::env::temp_dir().join(format!("sluice-http-dl-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("weights.bin");
+        // 2 MiB of weights through a client capped at 1 MiB: saved whole.
+        let url = serve_body(
+            "HTTP/1.1 200 OK\r\ncontent-length: 2097152\r\n\r\n",
+            vec![b'w'; 64 * 1024],
+            Some(32),
+        )
+        .await;
+        let client = HttpClient::new(&url, "test")
+            .unwrap()
+            .with_max_body_bytes(1024 * 1024);
+        let saved = client
+            .download("/w", &file, Duration::from_secs(120))
+            .await
+            .unwrap();
+        assert!(
+            matches!(
+                saved,
+                Download::Saved {
+                    bytes: 2_097_152,
+                    ..
+                }
+            ),
+            "{saved:?}"
+        );
+        // An endless error body is refused at the cap.
+        let url = serve_body(
+            "HTTP/1.1 500 Internal Server Error\r\ntransfer-encoding: chunked\r\n\r\n",
+            chunk(),
+            Some(256),
+        )
+        .await;
+        let e = HttpClient::new(&url, "test")
+            .unwrap()
+            .with_max_body_bytes(1024 * 1024)
+            .download("/w", &file, Duration::from_secs(120))
+            .await
+            .unwrap_err();
+        assert!(matches!(e, HttpError::Transport { .. }), "{e}");
+        assert!(e.to_string().contains("limit of 1048576 bytes"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }
