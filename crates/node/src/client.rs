@@ -353,6 +353,15 @@ mod tests {
         assert_eq!((status, body.as_str()), (200, "\"ré\"x"));
     }
 
+    /// `GET /v1/status`, as `sluice status` calls it.
+    const STATUS: Call<'static> = Call {
+        method: "GET",
+        path: "/v1/status",
+        body: b"",
+        token: None,
+        content_type: None,
+    };
+
     #[test]
     fn an_endless_answer_is_refused_at_the_size_cap() {
         let base = serve_once(|s| {
@@ -364,14 +373,7 @@ mod tests {
             deadline: Duration::from_secs(60),
             max_response_bytes: 1024 * 1024,
         };
-        let call = Call {
-            method: "GET",
-            path: "/v1/status",
-            body: b"",
-            token: None,
-            content_type: None,
-        };
-        let e = send_limited(&base, &call, limits).unwrap_err();
+        let e = send_limited(&base, &STATUS, limits).unwrap_err();
         assert!(
             e.message.contains("larger than 1048576 bytes"),
             "{}",
@@ -392,15 +394,8 @@ mod tests {
             deadline: Duration::from_millis(500),
             max_response_bytes: MAX_RESPONSE_BYTES,
         };
-        let call = Call {
-            method: "GET",
-            path: "/v1/status",
-            body: b"",
-            token: None,
-            content_type: None,
-        };
         let started = Instant::now();
-        let e = send_limited(&base, &call, limits).unwrap_err();
+        let e = send_limited(&base, &STATUS, limits).unwrap_err();
         assert!(
             e.message.contains("no whole answer within"),
             "{}",
