@@ -55,7 +55,14 @@ impl Node {
     pub fn start(config: &Config, options: NodeOptions) -> BoxFuture<'_, Result<Self, ActorError>> {
         Box::pin(async move {
             let started_at = Instant::now();
-            let prepared = prepare(config, options, started_at)?;
+            // Building the backends and restoring the checkpoint read and check files (a real
+            // model's weights, every checkpoint file's sum): off the runtime's workers, which
+            // a head's cluster server already needs for its members' heartbeats.
+            let owned = config.clone();
+            let prepared =
+                tokio::task::spawn_blocking(move || prepare(&owned, options, started_at))
+                    .await
+                    .map_err(|e| ActorError::Setup(format!("preparing the node: {e}")))??;
             let mut started = Started::default();
             let mut stage = Stage::Core;
             match Self::start_stages(config, prepared, &mut started, &mut stage).await {
