@@ -81,13 +81,15 @@ pub enum ModelError {
         /// HF tensor name.
         name: String,
     },
-    /// A tensor operation failed (shape mismatch, device error, out of memory).
-    #[error("{context}: {source}")]
+    /// A tensor operation failed (shape mismatch, device error, out of memory). candle's
+    /// error is said in the message (without the backtrace candle may append), not chained as
+    /// a source, so it is printed once.
+    #[error("{context}: {}", candle_message(error))]
     Tensor {
         /// What was being computed.
         context: String,
         /// candle's error.
-        source: candle_core::Error,
+        error: candle_core::Error,
     },
     /// `tokenizer.json` or the token configuration could not be used.
     #[error("tokenizer {path}: {reason}")]
@@ -194,9 +196,9 @@ pub(crate) trait TensorContext<T> {
 
 impl<T> TensorContext<T> for candle_core::Result<T> {
     fn ctx(self, context: &str) -> Result<T> {
-        self.map_err(|source| ModelError::Tensor {
+        self.map_err(|error| ModelError::Tensor {
             context: context.to_owned(),
-            source,
+            error,
         })
     }
 }
@@ -210,5 +212,32 @@ pub(crate) fn candle_message(e: &candle_core::Error) -> String {
         E::Context { inner, context } => format!("{context}: {}", candle_message(inner)),
         E::WithPath { inner, path } => format!("{}: {}", path.display(), candle_message(inner)),
         other => other.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::error::Error as _;
+
+    /// A failed tensor op is said once, without the backtrace candle appends under
+    /// `RUST_BACKTRACE` (a path inside candle's sources).
+    #[test]
+    fn tensor_errors_carry_no_backtrace() {
+        let inner = candle_core::Error::Msg("shape mismatch in matmul".into());
+        let error = candle_core::Error::WithBacktrace {
+            inner: Box::new(inner),
+            backtrace: Box::new(std::backtrace::Backtrace::force_capture()),
+        };
+        assert!(
+            error.to_string().lines().count() > 1,
+            "the backtrace is in candle's text"
+        );
+        let e = ModelError::Tensor {
+            context: "attention layer 3".into(),
+            error,
+        };
+        assert_eq!(e.to_string(), "attention layer 3: shape mismatch in matmul");
+        assert!(e.source().is_none(), "candle's error is not chained again");
     }
 }

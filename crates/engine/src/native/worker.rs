@@ -274,9 +274,9 @@ impl Worker {
                 }
                 let logits =
                     t.to_vec2::<f32>()
-                        .map_err(|source| sluice_model::ModelError::Tensor {
+                        .map_err(|error| sluice_model::ModelError::Tensor {
                             context: "logits to host".into(),
-                            source,
+                            error,
                         })?;
                 let mut it = logits.into_iter();
                 Ok(picked

@@ -106,9 +106,9 @@ fn draw_cuda<'a>(
                 .map(|(token, logprob)| Sampled { token, logprob })
                 .collect()
         })
-        .map_err(|source| sluice_model::ModelError::Tensor {
+        .map_err(|error| sluice_model::ModelError::Tensor {
             context: "token choice on the device".into(),
-            source,
+            error,
         });
     Some(drawn)
 }
