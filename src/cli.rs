@@ -126,10 +126,13 @@ pub struct HttpServerArgs {
     #[arg(long, default_value_t = 10.0)]
     pub header_read_timeout_s: f64,
     /// Seconds a client may take to send a request's body once its headers are in; the request
-    /// then answers 408 and its connection is closed (answers, streamed ones too, have no
-    /// deadline).
+    /// then answers 408 and its connection is closed.
     #[arg(long, default_value_t = 30.0)]
     pub body_read_timeout_s: f64,
+    /// Seconds an answer may wait for the client to take its next bytes (a client that stops
+    /// reading); its connection is then closed. A stream the client keeps reading is never cut.
+    #[arg(long, default_value_t = 60.0)]
+    pub write_stall_timeout_s: f64,
     /// Most connections open at once (0: half the open-file limit, at most 8192); clients over
     /// it wait in the listen queue until one closes.
     #[arg(long, default_value_t = 0)]

@@ -67,6 +67,11 @@ fn serve_refuses_bad_flags_before_loading() {
             "--compute-dtype: `f16` is not supported: use `bf16` or `f32`",
         ),
         (
+            "--write-stall-timeout-s",
+            "0",
+            "--write-stall-timeout-s: expected a number of seconds > 0, got 0",
+        ),
+        (
             "--compute-dtype",
             "int8",
             "--compute-dtype: expected `f32` or `bf16`, got `int8`",

@@ -19,8 +19,9 @@ use signals::shutdown_signal;
 
 use crate::cli::{BenchCommand, Command, HttpServerArgs, ReplayCommand};
 
-/// The server options of `--header-read-timeout-s`, `--body-read-timeout-s` and
-/// `--shutdown-grace-s` (each a number of seconds > 0) and `--max-connections` (0: the default).
+/// The server options of `--header-read-timeout-s`, `--body-read-timeout-s`,
+/// `--write-stall-timeout-s` and `--shutdown-grace-s` (each a number of seconds > 0) and
+/// `--max-connections` (0: the default).
 fn serve_options(args: &HttpServerArgs) -> anyhow::Result<sluice_http::ServeOptions> {
     let seconds = |flag: &str, v: f64| {
         std::time::Duration::try_from_secs_f64(v)
@@ -32,6 +33,7 @@ fn serve_options(args: &HttpServerArgs) -> anyhow::Result<sluice_http::ServeOpti
     Ok(sluice_http::ServeOptions {
         header_read_timeout: seconds("--header-read-timeout-s", args.header_read_timeout_s)?,
         body_read_timeout: seconds("--body-read-timeout-s", args.body_read_timeout_s)?,
+        write_stall_timeout: seconds("--write-stall-timeout-s", args.write_stall_timeout_s)?,
         max_connections: match args.max_connections {
             0 => defaults.max_connections,
             n => n,

@@ -8,6 +8,8 @@
 //! - the body must arrive within [`ServeOptions::body_read_timeout`] of the head: a request
 //!   whose body is late answers 408 and its connection is closed. Together the two are the
 //!   whole request's deadline. The *answer* has none: a long SSE token stream is legitimate;
+//! - but an answer's bytes must keep leaving: a client that takes none of them for
+//!   [`ServeOptions::write_stall_timeout`] (it stopped reading) has its connection closed;
 //! - at most [`ServeOptions::max_connections`] connections are open at once (by default half
 //!   the process's open-file limit): at the cap the server stops accepting, so further clients
 //!   wait in the kernel's listen queue (their connect completes, their request is answered
@@ -34,6 +36,8 @@ use tokio::time::{Instant, Sleep};
 
 use crate::ApiError;
 
+mod stall;
+
 /// Default of [`ServeOptions::header_read_timeout`].
 pub const DEFAULT_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -44,6 +48,10 @@ pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 /// MB of prompts or env calls) arrive in well under a second on the networks they serve; 30 s
 /// leaves room for a slow link while a client that stalls lets go of its connection soon.
 pub const DEFAULT_BODY_READ_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Default of [`ServeOptions::write_stall_timeout`]: a client that reads nothing for a minute
+/// has gone or stopped; one that reads at all, however slowly, is never cut.
+pub const DEFAULT_WRITE_STALL_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Most connections [`ServeOptions::default`] allows, whatever the open-file limit: each one
 /// costs a task and hyper's buffers, and 8192 is twice the inference server's default sequence
@@ -64,6 +72,10 @@ pub struct ServeOptions {
     /// request then answers 408 (`request_timeout`) and its connection is closed. Answers,
     /// streamed ones included, have no deadline.
     pub body_read_timeout: Duration,
+    /// Longest an answer may wait for the client to take its next bytes (the client's socket
+    /// buffer full, the client reading nothing); the connection is then closed. A stream the
+    /// client keeps reading is never cut.
+    pub write_stall_timeout: Duration,
     /// Most connections open at once; at the cap the server accepts no more until one closes
     /// (clients over it wait in the listen queue, holding no descriptor of this process).
     pub max_connections: usize,
@@ -78,6 +90,7 @@ impl Default for ServeOptions {
         Self {
             header_read_timeout: DEFAULT_HEADER_READ_TIMEOUT,
             body_read_timeout: DEFAULT_BODY_READ_TIMEOUT,
+            write_stall_timeout: DEFAULT_WRITE_STALL_TIMEOUT,
             max_connections: default_max_connections(),
             shutdown_grace: DEFAULT_SHUTDOWN_GRACE,
         }
@@ -180,7 +193,8 @@ pub async fn serve(
 }
 
 /// One connection, closed gracefully (after its request in flight) once `stopping` turns true.
-/// Each request's body must arrive within [`ServeOptions::body_read_timeout`] of its head.
+/// Each request's body must arrive within [`ServeOptions::body_read_timeout`] of its head, and
+/// no write may wait longer than [`ServeOptions::write_stall_timeout`] for the client.
 async fn connection(
     stream: TcpStream,
     router: axum::Router,
@@ -228,6 +242,7 @@ async fn connection(
             Ok(answer)
         }
     });
+    let stream = stall::StallGuard::new(stream, options.write_stall_timeout);
     let conn = builder.serve_connection(TokioIo::new(stream), service);
     let mut conn = std::pin::pin!(conn);
     let mut asked = false;
@@ -314,13 +329,13 @@ mod tests {
 
     use super::*;
 
-    type Started = (
+    pub(super) type Started = (
         std::net::SocketAddr,
         tokio::sync::oneshot::Sender<()>,
         tokio::task::JoinHandle<std::io::Result<()>>,
     );
 
-    async fn start(router: axum::Router, options: ServeOptions) -> Started {
+    pub(super) async fn start(router: axum::Router, options: ServeOptions) -> Started {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -331,7 +346,7 @@ mod tests {
     }
 
     /// Everything the server sends until it closes, or `None` if it is still open after 20 s.
-    async fn until_closed(stream: &mut TcpStream) -> Option<String> {
+    pub(super) async fn until_closed(stream: &mut TcpStream) -> Option<String> {
         let mut rest = Vec::new();
         match tokio::time::timeout(Duration::from_secs(20), stream.read_to_end(&mut rest)).await {
             Ok(_) => Some(String::from_utf8_lossy(&rest).into_owned()),
