@@ -499,3 +499,30 @@ async fn impossible_per_token_replies_fail_as_bad_replies_and_are_not_trained() 
         assert!(engine.is_alive(), "{what}");
     }
 }
+
+/// One bad reply fails its request and leaves the server up; four in a row take it down, so a
+/// server that keeps breaking the protocol is rebuilt instead of failing every request it gets.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_whose_replies_keep_breaking_the_protocol_is_marked_down() {
+    use serde_json::json;
+    let lie = json!({"token_ids": [1], "finish_reason": "length",
+                     "logprobs": {"token_logprobs": [50.0]}});
+    let dir = tempfile::tempdir().unwrap();
+    let mut p = params(serve_lies(lie).await, dir.path().into());
+    p.initial = Some(head_weights(1, 0));
+    let (engine, (finished, _)) = start(p);
+    for counter in 1..=4 {
+        assert!(engine.is_alive(), "down after {} bad replies", counter - 1);
+        engine.submit(request(counter, 4)).unwrap();
+        let c = next(&finished).await;
+        assert_eq!(c.finish, FinishReason::Error("remote_bad_reply".into()));
+    }
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while engine.is_alive() && std::time::Instant::now() < deadline {
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert!(
+        !engine.is_alive(),
+        "still up after four bad replies in a row"
+    );
+}

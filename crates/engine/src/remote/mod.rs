@@ -15,7 +15,8 @@
 //! `initial` (the newest version the actor has), so a server started from its own checkpoint
 //! never generates tokens tagged with the run's version; requests that arrive meanwhile wait. A
 //! server that fails a call (connection refused or reset, no answer within `request_timeout`, a
-//! 5xx, a failed install) is down for good (a call that got no answer at all also makes
+//! 5xx, a failed install, [`worker::MAX_BAD_REPLIES_IN_A_ROW`] replies in a row that break the
+//! protocol) is down for good (a call that got no answer at all also makes
 //! [`RemoteEngine::unreachable`] say why): its requests, and any sent to it later, finish as
 //! [`FinishReason::Abort`](crate::backend::FinishReason::Abort) with the partial they came with (their rollouts go back to the aborted
 //! bucket), and [`InferenceBackend::is_alive`] turns false, so the engine actor fails the replica
@@ -189,6 +190,7 @@ impl RemoteEngine {
             inflight: HashMap::new(),
             waiting: VecDeque::new(),
             load: worker::ServerLoad::default(),
+            bad_replies: 0,
         };
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()

@@ -34,6 +34,11 @@ pub(super) struct Server {
 /// How often the server's load is read.
 const LOAD_PERIOD: Duration = Duration::from_secs(1);
 
+/// Bad replies in a row after which the server is down. One is a failed request (its group
+/// resumes or drops it); a server that keeps breaking the protocol would otherwise fail every
+/// request it is given while it counts as up, until the run's no-progress guard stopped it.
+pub(super) const MAX_BAD_REPLIES_IN_A_ROW: u32 = 4;
+
 /// Reading the server's load (see the module docs).
 #[derive(Debug, Default)]
 pub(super) struct ServerLoad {
@@ -103,6 +108,8 @@ pub(super) struct Worker {
     /// actor routes here (the controller's admission bounds that).
     pub(super) waiting: VecDeque<GenerateRequest>,
     pub(super) load: ServerLoad,
+    /// Replies refused as `remote_bad_reply` since the last sound one.
+    pub(super) bad_replies: u32,
 }
 
 impl Worker {
@@ -379,6 +386,7 @@ impl Worker {
                 if let Some(fault) = failure {
                     self.mark_down(fault);
                 }
+                self.count_bad_reply(&completion.finish);
                 let mut completion = completion;
                 let newest = self.newest_published();
                 if let Some(&held) = completion.output.versions
@@ -465,6 +473,23 @@ impl Worker {
             "holds v{}, a version this head never published",
             held.0
         )));
+    }
+
+    /// Counts a reply refused as `remote_bad_reply`; the [`MAX_BAD_REPLIES_IN_A_ROW`]th in a row
+    /// takes the server down. Any other reply (a refused request included: the server kept the
+    /// protocol) starts the count again.
+    fn count_bad_reply(&mut self, finish: &FinishReason) {
+        match finish {
+            FinishReason::Error(kind) if kind == calls::BAD_REPLY => self.bad_replies += 1,
+            FinishReason::Abort => return,
+            _ => self.bad_replies = 0,
+        }
+        if self.bad_replies >= MAX_BAD_REPLIES_IN_A_ROW {
+            self.mark_down(Fault::failed(format!(
+                "{} replies in a row broke the protocol (remote_bad_reply)",
+                self.bad_replies
+            )));
+        }
     }
 
     /// The server failed a call: the replica is dead from now on (see the module docs).

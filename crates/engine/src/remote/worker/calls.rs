@@ -62,6 +62,9 @@ pub(super) async fn load(
     }
 }
 
+/// How a request whose reply broke the protocol finishes.
+pub(super) const BAD_REPLY: &str = "remote_bad_reply";
+
 /// The completion of a request from the reply (2xx or 4xx) of the server at `url`: the resumed
 /// tokens first. A reply that breaks the protocol or `limits` fails the request as
 /// `remote_bad_reply` (the log names the server and what was wrong): none of its tokens is kept.
@@ -89,7 +92,7 @@ pub(super) fn finish_from_reply(
             }
             Err(wire::BadReply(reason)) => {
                 tracing::warn!(%id, %url, %reason, "remote engine server {url} sent a bad reply, refused: {reason}");
-                FinishReason::Error("remote_bad_reply".into())
+                FinishReason::Error(BAD_REPLY.into())
             }
         }
     };
