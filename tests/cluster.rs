@@ -766,7 +766,12 @@ fn one_dead_engine_node_never_ends_the_run() {
         2.0,
         "{scrape}"
     );
-    let s = get(&base, "/v1/status").unwrap();
+    // Each member's series says whether it is up: the node that cannot be reached is not.
+    for (member, up) in [("a-unreachable", 0.0), ("e1", 1.0), ("e2", 1.0)] {
+        let line = format!("sluice_node_member_up_info{{node=\"{member}\",role=\"engine\"}} ");
+        assert!(scrape.contains(&line), "no series for {member}: {scrape}");
+        assert_eq!(series(&scrape, &line), up, "{member}: {scrape}");
+    }
     assert_eq!(s["trainer"]["lag_violations"], 0, "{s}");
     let total_steps = steps(&s);
 

@@ -145,9 +145,9 @@ catalog! {
     NODE_WEIGHT_UPDATE_MODE_INFO = "sluice_node_weight_update_mode_info", Gauge, ["mode"], NONE,
         "1 for the active weight_update_mode, 0 for the others.";
     NODE_MEMBER_UP = "sluice_node_member_up_info", Gauge, ["node", "role"], NONE,
-        "Head: 1 while a joined engine or env node heartbeats and is reachable, 0 once it is lost, unreachable or gone (at most node.max_nodes members at once; a departed node's series stays at 0 until the head restarts).";
+        "Head: 1 while a joined engine or env node heartbeats and is reachable, 0 while it is lost or unreachable; rendered from the membership at each scrape, so a node that left, or whose place went to a new member, has no series (at most node.max_nodes).";
     NODE_MEMBER_WEIGHT_VERSION = "sluice_node_member_weight_version", Gauge, ["node"], NONE,
-        "Head: the policy version a joined engine node last reported loaded.";
+        "Head: the policy version a joined engine node last reported loaded (rendered from the membership at each scrape, as sluice_node_member_up_info).";
     NODE_MEMBER_LOST = "sluice_node_member_lost_failures_total", Counter, ["role"], NONE,
         "Head: joined nodes that stopped heartbeating (lost without leaving).";
     NODE_MEMBER_UNREACHABLE = "sluice_node_member_unreachable_failures_total", Counter, ["role"], NONE,

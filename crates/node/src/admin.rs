@@ -40,6 +40,7 @@ use sluice_config::Secret;
 use sluice_core::{KnobPatch, Knobs};
 use sluice_http::api::require_json;
 
+use crate::cluster::Registry;
 use crate::cluster::routes as cluster;
 use crate::handles::NodeHandles;
 use sluice_actors::ActorError;
@@ -120,16 +121,25 @@ pub fn router(state: AdminState) -> Router {
         .with_state(shared)
 }
 
-/// The metrics route (Prometheus text format).
-pub fn metrics_router(handle: PrometheusHandle) -> Router {
-    let render = move || async move {
-        (
-            [(
-                header::CONTENT_TYPE,
-                HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
-            )],
-            handle.render(),
-        )
+/// The metrics route (Prometheus text format): the recorder's series, then a head's
+/// per-member series rendered from its registry at the scrape (so a departed node's go with
+/// it; [`Registry::exposition`]).
+pub fn metrics_router(handle: PrometheusHandle, members: Option<Arc<Registry>>) -> Router {
+    let render = move || {
+        let (handle, members) = (handle.clone(), members.clone());
+        async move {
+            let mut text = handle.render();
+            if let Some(registry) = &members {
+                text.push_str(&registry.exposition());
+            }
+            (
+                [(
+                    header::CONTENT_TYPE,
+                    HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+                )],
+                text,
+            )
+        }
     };
     Router::new()
         .route("/metrics", get(render))

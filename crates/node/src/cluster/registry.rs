@@ -36,6 +36,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 mod reach;
+mod series;
 mod wire;
 
 use wire::valid_name;
@@ -167,8 +168,6 @@ impl Registry {
             }
         }
         let incarnation = self.incarnations.fetch_add(1, Ordering::Relaxed) + 1;
-        metrics::gauge!(m::NODE_MEMBER_UP, "node" => req.name.clone(), "role" => req.role.as_str())
-            .set(1.0);
         tracing::info!(name = %req.name, role = req.role.as_str(), url = %req.url, incarnation, "node joined");
         self.members.insert(
             req.name.clone(),
@@ -205,8 +204,6 @@ impl Registry {
         let returned = member.health == MemberHealth::Lost;
         if returned {
             tracing::info!(name, "lost node heartbeats again");
-            metrics::gauge!(m::NODE_MEMBER_UP, "node" => name.to_owned(), "role" => member.role.as_str())
-                .set(1.0);
             member.health = MemberHealth::Live;
         }
         // An unreachable member stays so: its heartbeats reach the head, which says nothing of
@@ -214,9 +211,6 @@ impl Registry {
         member.last_seen = Instant::now();
         member.weight_version = beat.weight_version.or(member.weight_version);
         member.load = beat.load;
-        if let Some(v) = beat.weight_version {
-            metrics::gauge!(m::NODE_MEMBER_WEIGHT_VERSION, "node" => name.to_owned()).set(v as f64);
-        }
         drop(member);
         if returned {
             self.announce();
@@ -230,8 +224,6 @@ impl Registry {
             .members
             .remove_if(name, |_, m| m.incarnation == incarnation);
         if let Some((_, m)) = &removed {
-            metrics::gauge!(m::NODE_MEMBER_UP, "node" => name.to_owned(), "role" => m.role.as_str())
-                .set(0.0);
             tracing::info!(name, role = m.role.as_str(), "node left");
             self.announce();
         }
@@ -254,8 +246,6 @@ impl Registry {
                     silent_s = now.saturating_duration_since(member.last_seen).as_secs_f64(),
                     "node lost: no heartbeat within node.lost_after_s"
                 );
-                metrics::gauge!(m::NODE_MEMBER_UP, "node" => name.clone(), "role" => member.role.as_str())
-                    .set(0.0);
                 metrics::counter!(m::NODE_MEMBER_LOST, "role" => member.role.as_str()).increment(1);
                 lost.push(name);
             }
@@ -280,8 +270,6 @@ impl Registry {
                     role = member.role.as_str(),
                     "node lost: a call to it failed"
                 );
-                metrics::gauge!(m::NODE_MEMBER_UP, "node" => name.to_owned(), "role" => member.role.as_str())
-                    .set(0.0);
                 metrics::counter!(m::NODE_MEMBER_LOST, "role" => member.role.as_str()).increment(1);
                 true
             }

@@ -64,6 +64,7 @@ impl Servers {
             cluster,
             domains,
         } = inputs;
+        let members = cluster.as_ref().map(|c| Arc::clone(&c.registry));
         if prom.is_some() {
             let datasets: Vec<String> =
                 config.data.datasets.iter().map(|d| d.to_string()).collect();
@@ -80,7 +81,7 @@ impl Servers {
             self.admin = Some(Server::start(config.admin.listen, admin::router(state)).await?);
         }
         if let (Some(h), true) = (&prom, config.metrics.enabled) {
-            let router = admin::metrics_router(h.clone());
+            let router = admin::metrics_router(h.clone(), members);
             self.metrics = Some(Server::start(config.metrics.listen, router).await?);
         }
         self.telemetry = Some(tokio::spawn(telemetry::run(

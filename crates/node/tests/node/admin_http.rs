@@ -190,7 +190,7 @@ async fn a_half_sent_request_is_closed_after_the_header_read_timeout() {
     };
     let server = sluice_node::admin::Server::start_with(
         "127.0.0.1:0".parse().unwrap(),
-        sluice_node::admin::metrics_router(handle),
+        sluice_node::admin::metrics_router(handle, None),
         options,
     )
     .await

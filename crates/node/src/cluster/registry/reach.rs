@@ -98,8 +98,6 @@ impl Registry {
                     probe_in_s = wait.as_secs_f64(),
                     "node unreachable: the head's call to it got no answer; no replica runs on it until a probe of its url answers or it joins again"
                 );
-                metrics::gauge!(m::NODE_MEMBER_UP, "node" => name.to_owned(), "role" => member.role.as_str())
-                    .set(0.0);
                 metrics::counter!(m::NODE_MEMBER_UNREACHABLE, "role" => member.role.as_str())
                     .increment(1);
                 true
@@ -139,8 +137,6 @@ impl Registry {
                     member.health = MemberHealth::Live;
                     member.reach.next_probe = None;
                     tracing::info!(name = %probe.name, url = %probe.url, "unreachable node answers again: it can run a replica");
-                    metrics::gauge!(m::NODE_MEMBER_UP, "node" => probe.name.clone(), "role" => member.role.as_str())
-                        .set(1.0);
                 } else {
                     let wait = self.probe_period(member.reach.times);
                     member.reach.next_probe = Some(Instant::now() + wait);

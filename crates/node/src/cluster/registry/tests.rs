@@ -156,3 +156,58 @@ fn an_unreachable_engine_gets_no_claim_until_a_probe_answers_or_it_joins_again()
     assert!(r.mark_unreachable("a", again.incarnation, "refused"));
     assert_eq!(r.list()[0].unreachable.as_ref().unwrap().times, 1);
 }
+
+/// The per-member series follow the registry: 1 while live, 0 while lost, a weight version once
+/// reported, and nothing for a node that left or lost its place to another.
+#[test]
+fn the_member_series_are_the_members_and_go_with_them() {
+    let r = registry(2);
+    assert_eq!(r.exposition(), "", "no member, no series");
+    let a = r.join(engine("a", 1)).unwrap();
+    r.join(engine("b", 2)).unwrap();
+    let text = r.exposition();
+    assert!(
+        text.contains("# TYPE sluice_node_member_up_info gauge\n"),
+        "{text}"
+    );
+    assert!(
+        text.contains("sluice_node_member_up_info{node=\"a\",role=\"engine\"} 1\n"),
+        "{text}"
+    );
+    assert!(
+        !text.contains("sluice_node_member_weight_version"),
+        "none reported: {text}"
+    );
+    r.sweep(Instant::now() + Duration::from_secs(1));
+    assert!(r.heartbeat_from(
+        "a",
+        &Heartbeat {
+            incarnation: a.incarnation,
+            weight_version: Some(7),
+            load: None
+        }
+    ));
+    let text = r.exposition();
+    assert!(
+        text.contains("sluice_node_member_up_info{node=\"a\",role=\"engine\"} 1\n"),
+        "{text}"
+    );
+    assert!(
+        text.contains("sluice_node_member_up_info{node=\"b\",role=\"engine\"} 0\n"),
+        "lost: {text}"
+    );
+    assert!(
+        text.contains("sluice_node_member_weight_version{node=\"a\"} 7\n"),
+        "{text}"
+    );
+    // `c` takes lost `b`'s place, and `a` leaves: their series go.
+    r.join(engine("c", 3)).unwrap();
+    assert!(r.leave("a", a.incarnation));
+    let text = r.exposition();
+    assert!(!text.contains("node=\"a\""), "{text}");
+    assert!(!text.contains("node=\"b\""), "{text}");
+    assert!(
+        text.contains("sluice_node_member_up_info{node=\"c\",role=\"engine\"} 1\n"),
+        "{text}"
+    );
+}
