@@ -300,7 +300,7 @@ catalog! {
     TRAINER_PACKING_EFFICIENCY_RATIO = "sluice_trainer_packing_efficiency_ratio", Gauge, [], NONE,
         "Fraction of micro-batch slots holding tokens in the last step.";
     TRAINER_SKIPPED_STEPS = "sluice_trainer_skipped_steps_total", Counter, [], NONE,
-        "Training steps skipped because every group had zero advantage (nothing published).";
+        "Training steps skipped because every group had zero advantage or the packing left every text out (nothing published).";
     TRAINER_MEAN_VERSION_LAG_VERSIONS = "sluice_trainer_mean_version_lag_versions", Gauge, [], NONE,
         "Mean version lag of the tokens trained in the last step.";
     TRAINER_MAX_VERSION_LAG_VERSIONS = "sluice_trainer_max_version_lag_versions", Gauge, [], NONE,

@@ -180,8 +180,9 @@ impl NativeTrainer {
         &self.published
     }
 
-    /// One RL step on `groups`; `None` when advantage filtering left nothing to train on (no
-    /// update, nothing published). Runs on the trainer's compute threads.
+    /// One RL step on `groups`; `None` when nothing is left to train on, because advantage
+    /// filtering kept no group or the packing policy left every text out (no update, nothing
+    /// published). Runs on the trainer's compute threads.
     pub fn rl_step(
         &mut self,
         groups: &[RolloutGroup],
@@ -248,6 +249,12 @@ impl NativeTrainer {
             .collect();
         record_packing(&mut stats, &packings);
         stats.parts.packing = started.elapsed().as_secs_f64();
+        if stats.trained_tokens == 0 {
+            // Every text was left out of the batch (too long for `oversized_text = "reject"`): an
+            // optimizer step on no gradient would still count a step and publish a version.
+            stats.seconds = started.elapsed().as_secs_f64();
+            return Ok((stats, None));
+        }
         let mut clock = self.part_clock();
         let loss_config = self.config.loss.clone();
         let temperature = self.config.temperature;
@@ -262,7 +269,13 @@ impl NativeTrainer {
         }
         stats.parts.scoring += clock.lap()?;
         let mut lag_sum = 0;
+        let mut trained_shares = 0;
         for (share, (packing, prox)) in packings.iter().zip(&proximal).enumerate() {
+            if packing.stats.loss_tokens == 0 {
+                // A share the packing emptied: no optimizer step on no gradient.
+                continue;
+            }
+            trained_shares += 1;
             // Where the policy the step started from is, for the mismatch and the loss.
             let start = match (share, prox.as_deref()) {
                 (0, _) => StartPolicy::Current,
@@ -274,7 +287,7 @@ impl NativeTrainer {
             })?;
         }
         // Each share's loss is a mean over its own tokens: report their mean, not their sum.
-        stats.loss.loss /= packings.len().max(1) as f64;
+        stats.loss.loss /= f64::from(trained_shares.max(1));
         stats.mean_lag = lag_sum as f64 / stats.trained_tokens.max(1) as f64;
         let mut clock = self.part_clock();
         self.publish()?;
@@ -337,6 +350,12 @@ impl NativeTrainer {
         // Cross-entropy of the model's own distribution: temperature 1.
         let packing = pack(&texts, &self.config.batcher);
         record_packing(&mut stats, std::slice::from_ref(&packing));
+        if stats.trained_tokens == 0 {
+            return Err(TrainerError::Input(format!(
+                "supervised step: all {} examples were left out of the batch (each too long for the packing policy, trainer.oversized_text, or without a prompt)",
+                examples.len()
+            )));
+        }
         stats.parts.packing = started.elapsed().as_secs_f64();
         // A supervised step has no engine log-probs to compare: its start policy is not asked.
         let lag_sum = self.update(&packing, StartPolicy::Moved, 1.0, &mut stats, |inputs| {

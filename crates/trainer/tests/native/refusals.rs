@@ -1,4 +1,4 @@
-//! Checkpoints no run writes and steps whose loss is not finite are refused, naming what was wrong (part of the `native` test binary).
+//! Checkpoints no run writes and steps whose loss is not finite are refused, naming what was wrong, and a step the packing empties moves nothing (part of the `native` test binary).
 
 use super::*;
 
@@ -131,4 +131,32 @@ fn a_step_with_a_non_finite_loss_fails_and_moves_no_weight() {
         assert!(params(trainer) == before, "{what}: no weight moved");
         assert_eq!(trainer.version(), version, "{what}: nothing published");
     }
+}
+
+/// A step whose every text the packing policy leaves out (`oversized_text = "reject"`, texts
+/// longer than a row) trains nothing: no optimizer step, no version, as an all-zero batch.
+/// A supervised step with nothing left says so.
+#[test]
+fn a_step_the_packing_empties_moves_nothing() {
+    let mut c = config(0.01, 4);
+    c.batcher.row_len = 4;
+    c.batcher.oversized = OversizedText::Reject;
+    let mut trainer = NativeTrainer::new(tiny(2), c, None).unwrap();
+    let before = params(&trainer);
+    let out = trainer.train_step(&fixed_batch()).unwrap();
+    assert!(out.weights.is_none(), "a version was published");
+    assert_eq!(out.trained_tokens, 0);
+    assert_eq!(trainer.version(), PolicyVersion(0));
+    assert_eq!(trainer.optimizer_updates(), 0, "the optimizer stepped");
+    assert_eq!(params(&trainer), before, "no update");
+    let (prompt, completion) = (vec![1u32, 2, 3], vec![4u32, 5, 6]);
+    let example = SupervisedExample {
+        prompt: &prompt,
+        completion: &completion,
+    };
+    let err = trainer.supervised_step(&[example]).unwrap_err().to_string();
+    assert!(
+        err.contains("all 1 examples were left out of the batch"),
+        "{err}"
+    );
 }
