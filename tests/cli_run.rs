@@ -71,6 +71,55 @@ fn run_finishes_the_long_tail_config_and_prints_a_summary() {
     }
 }
 
+/// A second `sluice run` on a run directory in use stops at once, naming the first one's pid,
+/// and changes nothing there.
+#[test]
+fn a_second_run_on_a_directory_in_use_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let args = |steps: &str| {
+        let mut c = sluice();
+        c.args([
+            "run",
+            concat!(env!("CARGO_MANIFEST_DIR"), "/configs/sim_longtail.toml"),
+            "--set",
+            &format!("run.max_steps={steps}"),
+            "--set",
+            &format!("run.output_dir=\"{}\"", dir.path().display()),
+            "--set",
+            "metrics.enabled=false",
+            "--set",
+            "admin.listen=\"127.0.0.1:0\"",
+        ]);
+        c
+    };
+    let mut first = args("100000")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let lock = dir.path().join(sluice_node::run::LOCK_FILE);
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while !std::fs::read_to_string(&lock).is_ok_and(|s| s.trim() == first.id().to_string()) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the first run never locked"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let second = args("3").output().unwrap();
+    let _ = first.kill();
+    let _ = first.wait();
+    assert_eq!(second.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&second.stderr);
+    assert!(
+        err.contains(&format!(
+            "another `sluice run` (pid {}) is using this run directory",
+            first.id()
+        )),
+        "{err}"
+    );
+}
+
 #[test]
 fn run_refuses_a_bad_config_naming_the_key() {
     let out = sluice()

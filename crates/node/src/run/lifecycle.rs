@@ -17,6 +17,7 @@ use sluice_report::{
     METRICS_FILE, MetricsLog, PLOT_FILE, ReportError, TENSORBOARD_DIR, plot_run, read_log,
 };
 
+use super::lock::{LockError, RunLock};
 use super::{Evaluations, NativeRun, Progress, RunEnd, RunMonitor, RunSummary, Scores, Start};
 use crate::cluster::Head;
 use crate::graceful_stop::StopReport;
@@ -45,6 +46,9 @@ pub enum RunError {
     /// A resumed real-model run's trainer holds no model weights to evaluate.
     #[error("the restored trainer has no weights to evaluate")]
     NoStartWeights,
+    /// Another run holds the output directory, or its lock file could not be written.
+    #[error(transparent)]
+    Locked(#[from] LockError),
     /// The graceful stop did not finish within `supervision.shutdown_timeout_s` and a margin.
     #[error("the graceful stop did not finish within {0:?}")]
     StopTimedOut(Duration),
@@ -60,6 +64,8 @@ pub struct PreparedRun {
     /// The run's wall time counts from here (model creation, warm-up and the first evaluation
     /// included).
     started: Instant,
+    /// The output directory's lock, held until the run's process ends.
+    lock: Option<RunLock>,
 }
 
 /// Readies the run of `config`: its output directory, and for a real model (`native`,
@@ -75,6 +81,8 @@ pub async fn prepare(
         path: out.clone(),
         source,
     })?;
+    // Before anything is written there: a second run stops here.
+    let lock = RunLock::take(out)?;
     let mut native = match config.engine.backend {
         EngineBackend::Simulated => None,
         EngineBackend::Native | EngineBackend::Remote => {
@@ -93,6 +101,7 @@ pub async fn prepare(
         native,
         baseline,
         started,
+        lock,
     })
 }
 
@@ -110,6 +119,8 @@ pub struct Run {
     /// Measured on the restored weights after the node started (a resumed real-model run).
     resumed_scores: bool,
     shutdown_timeout: Duration,
+    /// The output directory's lock ([`RunLock`]), let go with the run.
+    _lock: Option<RunLock>,
 }
 
 impl PreparedRun {
@@ -123,6 +134,7 @@ impl PreparedRun {
                 native,
                 baseline,
                 started,
+                lock,
             } = self;
             let (feed, steps) = tokio::sync::mpsc::channel(STEP_FEED_CAPACITY);
             let (setup, source, evaluations) = match native {
@@ -196,6 +208,7 @@ impl PreparedRun {
                 start_scores: baseline,
                 resumed_scores: false,
                 shutdown_timeout: config.supervision.shutdown_timeout,
+                _lock: lock,
             };
             if evaluating
                 && run.start_scores.is_none()
@@ -327,6 +340,8 @@ impl Run {
             start_scores,
             resumed_scores: _,
             shutdown_timeout,
+            // Held to the end of the run: the plot below still writes into the directory.
+            _lock: _held,
         } = self;
         let mut status = node.status().await.ok();
         let ending = match watched {

@@ -10,11 +10,13 @@ mod end;
 mod evaluations;
 mod figures;
 mod lifecycle;
+mod lock;
 mod monitor;
 mod native;
 
 pub use end::RunEnd;
 pub use evaluations::{DomainAccuracy, Evaluations, Scores};
 pub use lifecycle::{Ending, Finished, PreparedRun, Run, RunError, Watched, prepare};
+pub use lock::{LOCK_FILE, LockError, RunLock};
 pub use monitor::{Progress, RunMonitor, RunSummary, Start};
 pub use native::{NativeRun, WARMUP_DIR, WarmupOutcome, load_run_setup, sample_source, warmup_dir};
