@@ -120,6 +120,41 @@ fn a_second_run_on_a_directory_in_use_is_refused() {
     );
 }
 
+/// A run whose final checkpoint cannot be written (a file stands where checkpoints stage their
+/// files) says so and exits non-zero: what it trained is not saved.
+#[test]
+fn a_run_whose_final_checkpoint_fails_exits_non_zero() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("checkpoint.partial"), b"in the way").unwrap();
+    let out = sluice()
+        .args([
+            "run",
+            concat!(env!("CARGO_MANIFEST_DIR"), "/configs/sim_longtail.toml"),
+            "--set",
+            "run.max_steps=2",
+            "--set",
+            "engine.simulated.time_scale=0.01",
+            "--set",
+            "supervision.checkpoint_every_steps=0",
+            "--set",
+            &format!("run.output_dir=\"{}\"", dir.path().display()),
+            "--set",
+            "metrics.enabled=false",
+            "--set",
+            "admin.listen=\"127.0.0.1:0\"",
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains(
+            "error: the run ended, but its final checkpoint failed (no checkpoint is on disk"
+        ) && err.contains("checkpoint.partial"),
+        "{err}"
+    );
+}
+
 #[test]
 fn run_refuses_a_bad_config_naming_the_key() {
     let out = sluice()

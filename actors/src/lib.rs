@@ -75,6 +75,9 @@ pub enum ActorError {
     /// Evaluating the policy failed.
     #[error("{0}")]
     Evaluation(String),
+    /// Checkpoints kept failing: the run's progress could no longer be saved.
+    #[error("checkpoints failed: {0}")]
+    Checkpoint(String),
 }
 
 impl ActorError {
@@ -88,6 +91,7 @@ impl ActorError {
             Self::NoProgress(_) => "no_progress",
             Self::TrainingFailed(_) => "training_failed",
             Self::Evaluation(_) => "evaluation",
+            Self::Checkpoint(_) => "checkpoint_failed",
         }
     }
 }

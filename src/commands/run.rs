@@ -163,6 +163,18 @@ fn render_finished(f: Finished, config: &Config) -> anyhow::Result<ExitCode> {
             Some(e) => Err(e.into()),
             None => Ok(ExitCode::SUCCESS),
         },
+        Ending::FinalCheckpointFailed(end, e) => {
+            let saved = match f.status.as_ref().and_then(|s| s.checkpoint.as_ref()) {
+                Some(m) => format!("the last checkpoint on disk is step {}", m.steps),
+                None => "no checkpoint is on disk".to_owned(),
+            };
+            match end.error() {
+                Some(failed) => bail!("{failed}; and its final checkpoint failed: {e}"),
+                None => bail!(
+                    "the run ended, but its final checkpoint failed ({saved}; the steps after it are lost): {e}"
+                ),
+            }
+        }
         Ending::Stopped(report) => report_stop(&report, config),
         Ending::Abandoned => Ok(ExitCode::from(130)),
     }

@@ -319,6 +319,8 @@ catalog! {
         "Time to write a checkpoint (trainer state, replay commit, manifest).";
     NODE_CHECKPOINT_VERSION = "sluice_node_checkpoint_version", Gauge, [], NONE,
         "Policy version of the newest checkpoint on disk.";
+    NODE_CHECKPOINT_FAILURES = "sluice_node_checkpoint_failures_total", Counter, [], NONE,
+        "Checkpoints that could not be written (periodic, requested, final or at a stop; the log names each cause). Three periodic ones in a row end the run.";
     NODE_INJECTED_FAILURES = "sluice_node_injected_failures_total", Counter, [], NONE,
         "Faults injected by the `[faults]` config (engine crash or hang, trainer error; the log names each).";
 }

@@ -204,68 +204,78 @@ impl NodeHandles {
 }
 
 /// Writes a checkpoint (one at a time): the trainer's state between two steps, a replay-store
-/// commit, then the manifest, atomically. Boxed, like the node's entry points ([`crate::node`]).
+/// commit, then the manifest, atomically; a failure is counted. Boxed, like the node's entry
+/// points ([`crate::node`]).
 pub fn checkpoint<'a>(
     h: &'a NodeHandles,
     reason: &'a str,
 ) -> BoxFuture<'a, Result<Manifest, CheckpointError>> {
     Box::pin(async move {
-        let dir = h.checkpoint_dir.clone().ok_or_else(|| {
-            CheckpointError::Unavailable(
-                "no checkpoint directory: this node was started without one".into(),
-            )
-        })?;
-        let _one_at_a_time = h.checkpointing.lock().await;
-        let started = Instant::now();
-        let begin = dir.clone();
-        let staging = blocking(move || begin.begin()).await?;
-        let mark = h.trainer.checkpoint(staging.join(TRAINER_DIR)).await?;
-        let counters = h
-            .replay
-            .flush()
-            .await
-            .map_err(|e| CheckpointError::Unavailable(e.to_string()))?;
-        // Taken after the trainer's mark: draws made since are at most a few groups drawn again on
-        // resume (after a graceful stop, which stops admission first, none).
-        let sampler = match h.sampler.state().await {
-            Ok(state) => Some(state),
-            Err(e) => {
-                tracing::warn!(error = %e, "sampler state left out of the checkpoint");
-                None
-            }
-        };
-        // Every mark is taken; before the commit makes them the resume point, the run log must
-        // hold the trainer's steps (see `wait_for_log`; without a monitor logging, no wait).
-        wait_for_log(h, mark.steps).await;
-        let manifest = Manifest {
-            format: FORMAT,
-            version: mark.version.0,
-            steps: mark.steps,
-            trained_groups: mark.trained_groups,
-            replay: ReplayMark {
-                admitted_total: counters.admitted_total,
-                consumed_total: counters.consumed_total,
-                policy_version: counters.policy_version,
-            },
-            sampler,
-            reason: reason.to_owned(),
-            written_unix_seconds: unix_now(),
-            files: Default::default(),
-        };
-        let manifest = blocking(move || dir.commit(&manifest)).await?;
-        let seconds = started.elapsed().as_secs_f64();
-        metrics::histogram!(m::NODE_CHECKPOINT_SECONDS).record(seconds);
-        metrics::gauge!(m::NODE_CHECKPOINT_VERSION).set(manifest.version as f64);
-        tracing::info!(
-            version = manifest.version,
-            step = manifest.steps,
-            reason,
-            seconds,
-            "checkpoint written"
-        );
-        *h.last_checkpoint.lock().unwrap_or_else(|p| p.into_inner()) = Some(manifest.clone());
-        Ok(manifest)
+        let written = write(h, reason).await;
+        if written.is_err() {
+            metrics::counter!(m::NODE_CHECKPOINT_FAILURES).increment(1);
+        }
+        written
     })
+}
+
+/// [`checkpoint`]'s work.
+async fn write(h: &NodeHandles, reason: &str) -> Result<Manifest, CheckpointError> {
+    let dir = h.checkpoint_dir.clone().ok_or_else(|| {
+        CheckpointError::Unavailable(
+            "no checkpoint directory: this node was started without one".into(),
+        )
+    })?;
+    let _one_at_a_time = h.checkpointing.lock().await;
+    let started = Instant::now();
+    let begin = dir.clone();
+    let staging = blocking(move || begin.begin()).await?;
+    let mark = h.trainer.checkpoint(staging.join(TRAINER_DIR)).await?;
+    let counters = h
+        .replay
+        .flush()
+        .await
+        .map_err(|e| CheckpointError::Unavailable(e.to_string()))?;
+    // Taken after the trainer's mark: draws made since are at most a few groups drawn again on
+    // resume (after a graceful stop, which stops admission first, none).
+    let sampler = match h.sampler.state().await {
+        Ok(state) => Some(state),
+        Err(e) => {
+            tracing::warn!(error = %e, "sampler state left out of the checkpoint");
+            None
+        }
+    };
+    // Every mark is taken; before the commit makes them the resume point, the run log must
+    // hold the trainer's steps (see `wait_for_log`; without a monitor logging, no wait).
+    wait_for_log(h, mark.steps).await;
+    let manifest = Manifest {
+        format: FORMAT,
+        version: mark.version.0,
+        steps: mark.steps,
+        trained_groups: mark.trained_groups,
+        replay: ReplayMark {
+            admitted_total: counters.admitted_total,
+            consumed_total: counters.consumed_total,
+            policy_version: counters.policy_version,
+        },
+        sampler,
+        reason: reason.to_owned(),
+        written_unix_seconds: unix_now(),
+        files: Default::default(),
+    };
+    let manifest = blocking(move || dir.commit(&manifest)).await?;
+    let seconds = started.elapsed().as_secs_f64();
+    metrics::histogram!(m::NODE_CHECKPOINT_SECONDS).record(seconds);
+    metrics::gauge!(m::NODE_CHECKPOINT_VERSION).set(manifest.version as f64);
+    tracing::info!(
+        version = manifest.version,
+        step = manifest.steps,
+        reason,
+        seconds,
+        "checkpoint written"
+    );
+    *h.last_checkpoint.lock().unwrap_or_else(|p| p.into_inner()) = Some(manifest.clone());
+    Ok(manifest)
 }
 
 /// The longest a checkpoint waits for the run log (an evaluation of a large model on
@@ -294,7 +304,14 @@ async fn blocking<T: Send + 'static>(
         .map_err(|e| CheckpointError::Unavailable(format!("checkpoint task: {e}")))?
 }
 
+/// Periodic checkpoints that fail in a row before the run stops ([`crate::run::RunEnd::CheckpointFailed`]):
+/// one failure may pass (the next one retries), but a run whose checkpoints keep failing (a
+/// full or read-only disk) would train on with nothing saved, and lose it all at its end.
+pub const MAX_FAILED_IN_A_ROW: u32 = 3;
+
 /// Starts the task that checkpoints every `every` steps (`None` when off or without a directory).
+/// After [`MAX_FAILED_IN_A_ROW`] failures in a row it records why in the status and announces
+/// it, which ends the run.
 pub fn spawn_periodic(h: &NodeHandles, every: u64) -> Option<tokio::task::JoinHandle<()>> {
     if every == 0 || h.checkpoint_dir.is_none() {
         return None;
@@ -303,12 +320,27 @@ pub fn spawn_periodic(h: &NodeHandles, every: u64) -> Option<tokio::task::JoinHa
     Some(tokio::spawn(async move {
         let mut status = h.trainer.watch_status();
         let mut last = status.borrow_and_update().steps;
+        let mut failed = 0;
         while status.changed().await.is_ok() {
             let now = status.borrow_and_update().steps;
-            if now / every > last / every
-                && let Err(e) = checkpoint(&h, "periodic").await
-            {
-                tracing::error!(error = %e, step = now, "periodic checkpoint failed");
+            if now / every > last / every {
+                match checkpoint(&h, "periodic").await {
+                    Ok(_) => failed = 0,
+                    Err(e) => {
+                        failed += 1;
+                        tracing::error!(error = %e, step = now, failed_in_a_row = failed, "periodic checkpoint failed");
+                        if failed >= MAX_FAILED_IN_A_ROW {
+                            let why = format!(
+                                "{failed} periodic checkpoints in a row failed, the last at step {now}: {e}"
+                            );
+                            *h.checkpoint_failure
+                                .lock()
+                                .unwrap_or_else(|p| p.into_inner()) = Some(why);
+                            h.events.announce();
+                            return;
+                        }
+                    }
+                }
             }
             last = now;
         }

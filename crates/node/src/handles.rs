@@ -42,6 +42,9 @@ pub struct NodeStatus {
     pub engine_failure: Option<String>,
     /// The newest checkpoint written or restored by this process.
     pub checkpoint: Option<Manifest>,
+    /// Why checkpoints stopped the run ([`crate::checkpoints::MAX_FAILED_IN_A_ROW`] periodic
+    /// ones failed in a row); `None` while they are written.
+    pub checkpoint_failure: Option<String>,
 }
 
 impl NodeStatus {
@@ -93,6 +96,8 @@ pub struct NodeHandles {
     pub(crate) logged_steps: Arc<tokio::sync::watch::Sender<Option<u64>>>,
     /// The newest evaluation of the run's weights (held by whoever evaluates: the run monitor).
     pub(crate) evaluation: Arc<std::sync::Mutex<Option<EvalStatus>>>,
+    /// Set by the periodic checkpoints when they keep failing ([`NodeStatus::checkpoint_failure`]).
+    pub(crate) checkpoint_failure: Arc<std::sync::Mutex<Option<String>>>,
 }
 
 /// The newest evaluation, as `/v1/status` shows it.
@@ -152,6 +157,11 @@ impl NodeHandles {
                 engine_failure: self.engine.failure().await?,
                 checkpoint: self
                     .last_checkpoint
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .clone(),
+                checkpoint_failure: self
+                    .checkpoint_failure
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
                     .clone(),

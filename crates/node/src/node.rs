@@ -39,6 +39,7 @@ use sluice_core::WeightSnapshot;
 use crate::run::RunEnd;
 use crate::{checkpoints, graceful_stop};
 use sluice_actors::ActorError;
+use sluice_actors::checkpoint::CheckpointError;
 use sluice_actors::replay::ReplayStatus;
 
 mod build;
@@ -106,18 +107,15 @@ impl Node {
 
     /// Marks the end of the run with a final checkpoint (when checkpoints are on) whose reason
     /// says how it ended (`done`, `target_reached`, `trainer_error`, `no_progress`,
-    /// `engine_failure`): the same config resumes from it. A failed checkpoint is logged; the
-    /// run's end stands.
-    pub async fn finish(&self, end: &RunEnd) {
-        let Some(reason) = end.checkpoint_reason() else {
-            return;
-        };
-        if self.handles.checkpoint_dir.is_none() {
-            return;
-        }
-        if let Err(e) = checkpoints::checkpoint(&self.handles, reason).await {
-            tracing::error!(error = %e, reason, "final checkpoint failed");
-        }
+    /// `engine_failure`): the same config resumes from it. A failed checkpoint is logged and
+    /// returned (the run's end stands, but what it trained since the last checkpoint is not
+    /// saved: `sluice run` exits non-zero).
+    pub async fn finish(&self, end: &RunEnd) -> Option<CheckpointError> {
+        let reason = end.checkpoint_reason()?;
+        self.handles.checkpoint_dir.as_ref()?;
+        let e = checkpoints::checkpoint(&self.handles, reason).await.err()?;
+        tracing::error!(error = %e, reason, "final checkpoint failed");
+        Some(e)
     }
 
     /// Waits until the run ends ([`RunEnd`]: the step budget used, a training step failed, no

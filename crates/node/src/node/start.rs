@@ -286,5 +286,6 @@ fn handles(
         last_checkpoint: Arc::new(std::sync::Mutex::new(manifest)),
         logged_steps: Arc::new(tokio::sync::watch::channel(None).0),
         evaluation: Arc::default(),
+        checkpoint_failure: Arc::default(),
     })
 }

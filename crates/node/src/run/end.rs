@@ -23,11 +23,16 @@ pub enum RunEnd {
     EngineFailure(String),
     /// An actor ended while the run was going.
     ActorGone(&'static str),
+    /// Periodic checkpoints kept failing (a full disk, say): training on would save nothing.
+    CheckpointFailed(String),
 }
 
 impl RunEnd {
     /// The end `status` shows, if the run is over; `gone` is the first actor that ended.
     pub fn observe(status: &NodeStatus, gone: Option<&'static str>) -> Option<Self> {
+        if let Some(reason) = &status.checkpoint_failure {
+            return Some(Self::CheckpointFailed(reason.clone()));
+        }
         if let Some(reason) = &status.controller.no_progress {
             return Some(Self::NoProgress(reason.clone()));
         }
@@ -44,7 +49,7 @@ impl RunEnd {
     }
 
     /// The reason the final checkpoint records; `None` when no checkpoint can be written (an
-    /// actor that holds the run's state is gone).
+    /// actor that holds the run's state is gone, or checkpoints keep failing).
     pub fn checkpoint_reason(&self) -> Option<&'static str> {
         match self {
             Self::Done => Some("done"),
@@ -52,7 +57,7 @@ impl RunEnd {
             Self::TrainerFailed(_) => Some("trainer_error"),
             Self::NoProgress(_) => Some("no_progress"),
             Self::EngineFailure(_) => Some("engine_failure"),
-            Self::ActorGone(_) => None,
+            Self::ActorGone(_) | Self::CheckpointFailed(_) => None,
         }
     }
 
@@ -69,6 +74,7 @@ impl RunEnd {
             Self::NoProgress(r) => Some(ActorError::NoProgress(r.clone())),
             Self::EngineFailure(r) => Some(ActorError::EngineUnavailable(r.clone())),
             Self::ActorGone(actor) => Some(ActorError::Gone { actor }),
+            Self::CheckpointFailed(e) => Some(ActorError::Checkpoint(e.clone())),
         }
     }
 }

@@ -236,6 +236,9 @@ pub enum Watched {
 pub enum Ending {
     /// The run ended and the node marked it (a final checkpoint when checkpoints are on).
     Ended(RunEnd),
+    /// The run ended, but its final checkpoint failed (why): what it trained since the last
+    /// checkpoint on disk is lost.
+    FinalCheckpointFailed(RunEnd, String),
     /// The monitor failed; the run's state was checkpointed all the same.
     MonitorFailed(ActorError),
     /// A graceful stop: admission stopped, in-flight partials stored, a checkpoint written.
@@ -346,9 +349,12 @@ impl Run {
         let mut status = node.status().await.ok();
         let ending = match watched {
             Watched::Ended(Ok(end)) => {
-                node.finish(&end).await;
+                let failed = node.finish(&end).await;
                 node.shutdown().await;
-                Ending::Ended(end)
+                match failed {
+                    Some(e) => Ending::FinalCheckpointFailed(end, e.to_string()),
+                    None => Ending::Ended(end),
+                }
             }
             Watched::Ended(Err(e)) => {
                 if let Err(c) = node.handles.checkpoint().await {

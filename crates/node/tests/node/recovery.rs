@@ -240,3 +240,41 @@ async fn a_node_without_a_checkpoint_dir_refuses_checkpoints() {
     assert_eq!(err.kind(), "checkpoint_unavailable");
     node.shutdown().await;
 }
+
+/// Periodic checkpoints that keep failing (here a file stands where they stage their files)
+/// end the run after three in a row, naming the cause, instead of training on with nothing
+/// saved; the status says why, and each failure is counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn periodic_checkpoints_that_keep_failing_end_the_run() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("checkpoint.partial"), b"in the way").unwrap();
+    let mut config = config(1000);
+    config.supervision.checkpoint_every_steps = 1;
+    let node = Node::start(&config, options(dir.path())).await.unwrap();
+    let err = node
+        .wait_done(Duration::from_secs(60), |_| {})
+        .await
+        .unwrap_err();
+    let text = err.to_string();
+    assert!(
+        matches!(err, sluice_actors::ActorError::Checkpoint(_)),
+        "{text}"
+    );
+    assert!(
+        text.contains("3 periodic checkpoints in a row failed")
+            && text.contains("checkpoint.partial"),
+        "{text}"
+    );
+    let status = node.status().await.unwrap();
+    assert!(
+        status
+            .checkpoint_failure
+            .is_some_and(|w| w.contains("in a row"))
+    );
+    assert!(
+        status.trainer.steps < 20,
+        "trained on: {}",
+        status.trainer.steps
+    );
+    node.shutdown().await;
+}
