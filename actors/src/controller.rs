@@ -196,6 +196,10 @@ pub struct ControllerState {
     ids: Option<GroupIdGenerator>,
     version: PolicyVersion,
     admitted_total: u64,
+    /// What the run trained before this start beyond what its steps would have at this
+    /// `groups_per_step` (signed; 0 unless a resume changed it): see
+    /// [`ControllerState::admitted_at_this_batch_size`].
+    admitted_rebase: i128,
     counts: ReplayCounts,
     /// The groups being assembled (from admission or resume until they settle).
     assembly: Assembly<GroupMeta>,
@@ -266,6 +270,7 @@ impl Actor for ControllerActor {
             ids: None,
             version: PolicyVersion::INITIAL,
             admitted_total: 0,
+            admitted_rebase: 0,
             counts: ReplayCounts::default(),
             assembly: Assembly::default(),
             resume_requests: VecDeque::new(),
@@ -356,6 +361,11 @@ impl ControllerState {
             r.next_group_counter,
         ));
         self.admitted_total = r.admitted_total;
+        // Trained groups that moved a version, against what the versions hold at this batch
+        // size (skipped steps' groups were given back: they count as released already).
+        let trained = r.counts.consumed_total.saturating_sub(r.skipped_total);
+        self.admitted_rebase = i128::from(trained)
+            - i128::from(r.policy_version.0) * i128::from(self.config.groups_per_step);
         self.version = r.policy_version;
         self.counts = r.counts;
         self.assembly.set_scores_groups(peers.env.scores_groups());

@@ -91,6 +91,8 @@ pub struct Recovery {
     pub policy_version: PolicyVersion,
     /// Counts (the aborted, expired and tail groups waiting among them).
     pub counts: ReplayCounts,
+    /// Of the consumed groups, those of skipped steps (given back to admission).
+    pub skipped_total: u64,
 }
 
 /// How the store is set up.

@@ -22,6 +22,19 @@ impl ControllerState {
             .sum()
     }
 
+    /// Groups admitted since the run began, as η's bound counts them: rebased so that the
+    /// steps before this start count as steps of this start's `groups_per_step`. The bound
+    /// (`admitted < (v + η + 1) · groups_per_step`, DESIGN §4.1) counts every admission of the
+    /// run against the current batch size: a run resumed with fewer groups a step found its
+    /// history over the bound for good and admitted nothing again (the trainer then waited
+    /// for ever), and one resumed with more admitted far ahead. Rebased, the bound holds what
+    /// was trained before the start (at any batch size) as trained, and lets η batches more
+    /// than that be in the pipeline; with the batch size unchanged the rebase is 0.
+    fn admitted_at_this_batch_size(&self) -> u64 {
+        let rebased = i128::from(self.admitted_total) - self.admitted_rebase;
+        u64::try_from(rebased.max(0)).unwrap_or(u64::MAX)
+    }
+
     fn view(&self) -> SchedulerView {
         // The counts are the store's as of its last notice, which came before it answered the
         // requests still on their way: those groups are no longer waiting.
@@ -32,7 +45,7 @@ impl ControllerState {
         SchedulerView {
             version: self.version.0,
             completed: self.counts.completed,
-            admitted_total: self.admitted_total,
+            admitted_total: self.admitted_at_this_batch_size(),
             released_total: self.counts.released_total,
             in_flight: self.in_flight(),
             waiting,

@@ -60,5 +60,6 @@ pub(super) fn recovery_of(store: &ReplayStore) -> Recovery {
         next_group_counter: c.next_group_counter,
         policy_version: PolicyVersion(c.policy_version).max(newest_token),
         counts: counts(store),
+        skipped_total: c.skipped_total,
     }
 }

@@ -278,3 +278,22 @@ async fn periodic_checkpoints_that_keep_failing_end_the_run() {
     );
     node.shutdown().await;
 }
+
+/// A run resumed with fewer groups a step goes on: η's admission bound counted the whole run's
+/// admissions against the new batch size, found its history over it for good, admitted nothing
+/// and left the trainer waiting for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_resumed_with_fewer_groups_a_step_goes_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let (manifest, _) = run_1_stops_gracefully_mid_run(dir.path()).await;
+    let mut config = config(manifest.steps + 12);
+    config.rollout.groups_per_step = std::num::NonZeroU32::new(1).unwrap();
+    let node = Node::start(&config, options(dir.path())).await.unwrap();
+    let status = node
+        .wait_done(Duration::from_secs(60), |_| {})
+        .await
+        .expect("the resumed run trains its steps");
+    assert_eq!(status.trainer.steps, manifest.steps + 12);
+    common::check_invariants(&status);
+    node.shutdown().await;
+}
