@@ -147,7 +147,9 @@ async fn run_config(config: &Config) -> anyhow::Result<ExitCode> {
 /// The run's summary, where its log and plot are, and its exit code.
 fn render_finished(f: Finished, config: &Config) -> anyhow::Result<ExitCode> {
     let Some(plot) = &f.plot_path else {
-        eprintln!("second signal: exiting without a checkpoint");
+        eprintln!(
+            "second signal: exiting before the stop's checkpoint (the last checkpoint written stands)"
+        );
         return Ok(ExitCode::from(130));
     };
     match (f.evaluating, &f.status) {

@@ -385,11 +385,14 @@ impl Run {
             log_path,
             plot_path: None,
         };
+        // Steps trained while stopping are in the checkpoint: log them too. Abandoned as well:
+        // a periodic checkpoint may have taken steps the log has not (checkpoints stop waiting
+        // for the log once the stop begins), and the resume would never log them.
+        monitor.record_remaining()?;
         if matches!(finished.ending, Ending::Abandoned) {
+            finished.summary = monitor.summary();
             return Ok(finished);
         }
-        // Steps trained while stopping are in the checkpoint: log them too.
-        monitor.record_remaining()?;
         finished.summary = monitor.summary();
         plot_run(&read_log(&finished.log_path)?, &plot_path)?;
         finished.plot_path = Some(plot_path);

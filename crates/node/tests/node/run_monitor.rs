@@ -1,7 +1,8 @@
 //! The run monitor on a simulated node: it follows the trainer's step feed, logs every step once
 //! and in order to `metrics.jsonl`, ends with `RunEnd::Done` at the budget, and `Node::finish`
 //! marks the end with a `done` checkpoint; a restart continues the numbering and the log from
-//! that checkpoint without repeating a step.
+//! that checkpoint without repeating a step; a stop abandoned by a second signal still logs the
+//! steps already trained.
 
 use crate::common;
 
@@ -102,5 +103,53 @@ async fn the_monitor_logs_every_step_once_and_a_restart_continues_the_log() {
     assert!(
         records.windows(2).all(|w| w[0].wall_s <= w[1].wall_s),
         "wall time continues across the restart"
+    );
+}
+
+/// A stop abandoned by a second signal still logs every step the trainer sent: the watch stops
+/// logging when the stop begins, a periodic checkpoint may then take steps the log has not,
+/// and a resume from it would never log them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abandoned_stop_logs_the_steps_already_trained() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = common::config("", "time_scale = 0.05");
+    config.run.max_steps = NonZeroU64::new(100_000).unwrap();
+    config.run.output_dir = dir.path().to_owned();
+    config.replay.path = dir.path().join("replay");
+    config.metrics.enabled = false;
+    config.admin.listen = "127.0.0.1:0".parse().unwrap();
+    let mut run = sluice_node::run::prepare(&config, |_| {})
+        .await
+        .unwrap()
+        .start(&config)
+        .await
+        .unwrap();
+    let watched = run
+        .watch(|_| {}, async {
+            tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        })
+        .await;
+    assert!(matches!(watched, sluice_node::run::Watched::StopAsked));
+    let logged = read_log(&dir.path().join("metrics.jsonl")).unwrap().len() as u64;
+    // The trainer trains on after the watch ended: two more steps reach the feed.
+    let trained = common::wait_for_status(
+        run.node(),
+        "two more steps",
+        std::time::Duration::from_secs(30),
+        |s| s.trainer.steps >= logged + 3,
+    )
+    .await
+    .trainer
+    .steps;
+    let finished = run.finish(watched, std::future::ready(())).await.unwrap();
+    assert!(matches!(
+        finished.ending,
+        sluice_node::run::Ending::Abandoned
+    ));
+    let rows = read_log(&dir.path().join("metrics.jsonl")).unwrap();
+    let last = rows.last().map_or(0, |r| r.step);
+    assert!(
+        last + 1 >= trained,
+        "the log ends at step {last}, the trainer had trained {trained} (logged {logged} when the watch ended)"
     );
 }
