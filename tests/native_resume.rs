@@ -466,3 +466,52 @@ fn a_resume_with_its_replay_store_missing_or_emptied_is_refused() {
         &["replay.redb is new", "`admitted_total` 0", "manifest.json"],
     );
 }
+
+/// A run that meets its held-out target writes the evaluated weights that met it (the
+/// trainer's checkpoint is a step or more past them) as a model directory; started again, a
+/// run whose restored weights already meet the target ends at once instead of training on.
+#[test]
+fn the_weights_that_met_the_target_are_kept_and_a_finished_run_stays_finished() {
+    let out = tempfile::tempdir().unwrap().keep().join("run");
+    let sets = || {
+        [
+            format!("run.output_dir={}", out.display()),
+            format!("model.path={}", out.join("model").display()),
+            format!("replay.path={}", out.join("replay").display()),
+            "run.max_steps=1000".to_owned(),
+            "warmup.enabled=false".to_owned(),
+            "replay.filter_zero_advantage=false".to_owned(),
+            "eval.every_steps=2".to_owned(),
+            // Any accuracy meets it: the first evaluation ends the run.
+            "eval.stop_at_accuracy=0.0".to_owned(),
+            "metrics.enabled=false".to_owned(),
+            format!("admin.listen=127.0.0.1:{}", free_port()),
+        ]
+    };
+    let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/quickstart.toml");
+    let mut first = Run::spawn(&out, "target1", &config, &sets());
+    let code = first.wait_exit();
+    assert!(code.success(), "{code}\n{}", first.logs());
+    let dir = out.join(sluice_node::run::TARGET_MODEL_DIR);
+    assert!(
+        first
+            .stdout()
+            .contains(&format!("model at target       {} (step 2)", dir.display())),
+        "{}",
+        first.logs()
+    );
+    for file in ["config.json", "model.safetensors", "tokenizer.json"] {
+        assert!(dir.join(file).is_file(), "{file} in {}", dir.display());
+    }
+    let resumed_at = manifest(&out)["steps"].as_u64().unwrap();
+    let mut again = Run::spawn(&out, "target2", &config, &sets());
+    let code = again.wait_exit();
+    assert!(code.success(), "{code}\n{}", again.logs());
+    let text = again.stdout();
+    assert!(
+        text.contains(&format!("resumed at step {resumed_at}"))
+            && text.contains(&format!("target reached        at step {resumed_at},")),
+        "{}",
+        again.logs()
+    );
+}

@@ -159,6 +159,9 @@ fn render_finished(f: Finished, config: &Config) -> anyhow::Result<ExitCode> {
     }
     println!("metrics               {}", f.log_path.display());
     println!("plot                  {}", plot.display());
+    if let Some((dir, step)) = &f.target_model {
+        println!("model at target       {} (step {step})", dir.display());
+    }
     match f.ending {
         Ending::MonitorFailed(e) => Err(e.into()),
         Ending::Ended(end) => match end.error() {

@@ -18,6 +18,7 @@ use sluice_report::{
 };
 
 use super::lock::{LockError, RunLock};
+use super::target_model;
 use super::{Evaluations, NativeRun, Progress, RunEnd, RunMonitor, RunSummary, Scores, Start};
 use crate::cluster::Head;
 use crate::graceful_stop::StopReport;
@@ -119,6 +120,11 @@ pub struct Run {
     /// Measured on the restored weights after the node started (a resumed real-model run).
     resumed_scores: bool,
     shutdown_timeout: Duration,
+    /// The run's model directory (`model.path`): the tokenizer and template files of the
+    /// weights written at the target.
+    model_dir: PathBuf,
+    /// `run.output_dir`.
+    out: PathBuf,
     /// The output directory's lock ([`RunLock`]), let go with the run.
     _lock: Option<RunLock>,
 }
@@ -208,6 +214,8 @@ impl PreparedRun {
                 start_scores: baseline,
                 resumed_scores: false,
                 shutdown_timeout: config.supervision.shutdown_timeout,
+                model_dir: config.model.path.clone(),
+                out: out.clone(),
                 _lock: lock,
             };
             if evaluating
@@ -264,6 +272,9 @@ pub struct Finished {
     pub log_path: PathBuf,
     /// `progress.png` (`None`: the run was abandoned before it was drawn).
     pub plot_path: Option<PathBuf>,
+    /// The weights that met the held-out target, with their step ([`super::TARGET_MODEL_DIR`]);
+    /// `None` when no evaluation met it or they could not be written (logged).
+    pub target_model: Option<(PathBuf, u64)>,
 }
 
 impl Run {
@@ -343,14 +354,27 @@ impl Run {
             start_scores,
             resumed_scores: _,
             shutdown_timeout,
+            model_dir,
+            out,
             // Held to the end of the run: the plot below still writes into the directory.
             _lock: _held,
         } = self;
         let mut status = node.status().await.ok();
+        let mut target_model = None;
         let ending = match watched {
             Watched::Ended(Ok(end)) => {
                 let failed = node.finish(&end).await;
                 node.shutdown().await;
+                if let (RunEnd::TargetReached { step, .. }, Some(w)) =
+                    (&end, monitor.target_weights())
+                {
+                    match target_model::write(w, &model_dir, &out).await {
+                        Ok(dir) => target_model = Some((dir, *step)),
+                        Err(e) => {
+                            tracing::error!(error = %e, "writing the weights that met the target failed")
+                        }
+                    }
+                }
                 match failed {
                     Some(e) => Ending::FinalCheckpointFailed(end, e.to_string()),
                     None => Ending::Ended(end),
@@ -384,6 +408,7 @@ impl Run {
             evaluating,
             log_path,
             plot_path: None,
+            target_model,
         };
         // Steps trained while stopping are in the checkpoint: log them too. Abandoned as well:
         // a periodic checkpoint may have taken steps the log has not (checkpoints stop waiting

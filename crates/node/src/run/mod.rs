@@ -13,6 +13,7 @@ mod lifecycle;
 mod lock;
 mod monitor;
 mod native;
+mod target_model;
 
 pub use end::RunEnd;
 pub use evaluations::{DomainAccuracy, Evaluations, Scores};
@@ -20,3 +21,4 @@ pub use lifecycle::{Ending, Finished, PreparedRun, Run, RunError, Watched, prepa
 pub use lock::{LOCK_FILE, LockError, RunLock};
 pub use monitor::{Progress, RunMonitor, RunSummary, Start};
 pub use native::{NativeRun, WARMUP_DIR, WarmupOutcome, load_run_setup, sample_source, warmup_dir};
+pub use target_model::TARGET_MODEL_DIR;

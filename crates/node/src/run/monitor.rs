@@ -111,6 +111,9 @@ pub struct RunMonitor {
     best_accuracy: f64,
     steps: u64,
     reached_target_at: Option<(u64, f64)>,
+    /// The evaluated weights that first met `eval.stop_at_accuracy` (the trainer is a step or
+    /// more past them by the time the run ends).
+    target_weights: Option<WeightSnapshot>,
     /// (finished rollouts, their reward sum) at the last look and at the last record.
     finished: (u64, f64),
     reward: (u64, f64),
@@ -156,6 +159,7 @@ impl RunMonitor {
             steps: start.step,
             start,
             reached_target_at: None,
+            target_weights: None,
             finished: (0, 0.0),
             reward: (0, 0.0),
             tokens: VecDeque::new(),
@@ -297,13 +301,27 @@ impl RunMonitor {
             self.unpublished = Some(eval_status(step.step, s));
         }
         self.log_step(&step, scores.as_ref())?;
-        if let (Some(target), Some((heldout, _))) = (self.stop_at, accuracy)
-            && heldout >= target
-        {
-            let at = self.wall();
-            self.reached_target_at.get_or_insert((self.steps, at));
+        if let Some((heldout, _)) = accuracy {
+            let evaluated = self.latest.clone();
+            self.check_target(heldout, evaluated);
         }
         Ok(accuracy.is_some())
+    }
+
+    /// Takes the run's end as reached when `heldout` (of `weights`) meets the target first.
+    fn check_target(&mut self, heldout: f64, weights: Option<WeightSnapshot>) {
+        if self.reached_target_at.is_none()
+            && let Some(target) = self.stop_at
+            && heldout >= target
+        {
+            self.reached_target_at = Some((self.steps, self.wall()));
+            self.target_weights = weights;
+        }
+    }
+
+    /// The evaluated weights that first met `eval.stop_at_accuracy`, if any did.
+    pub fn target_weights(&self) -> Option<&WeightSnapshot> {
+        self.target_weights.as_ref()
     }
 
     fn log_step(&mut self, step: &StepEvent, scores: Option<&Scores>) -> Result<(), ActorError> {
@@ -420,6 +438,8 @@ impl RunMonitor {
         };
         let a = evaluations.run(w).await?;
         self.start_scores(&a);
+        // Already at the target (a finished run started again): the run ends at once.
+        self.check_target(a.heldout, Some(weights.clone()));
         Ok(Some(a))
     }
 
