@@ -130,7 +130,7 @@ async fn an_abandoned_stop_logs_the_steps_already_trained() {
         })
         .await;
     assert!(matches!(watched, sluice_node::run::Watched::StopAsked));
-    let logged = read_log(&dir.path().join("metrics.jsonl")).unwrap().len() as u64;
+    let logged = read_log(dir.path().join("metrics.jsonl")).unwrap().len() as u64;
     // The trainer trains on after the watch ended: two more steps reach the feed.
     let trained = common::wait_for_status(
         run.node(),
@@ -146,7 +146,7 @@ async fn an_abandoned_stop_logs_the_steps_already_trained() {
         finished.ending,
         sluice_node::run::Ending::Abandoned
     ));
-    let rows = read_log(&dir.path().join("metrics.jsonl")).unwrap();
+    let rows = read_log(dir.path().join("metrics.jsonl")).unwrap();
     let last = rows.last().map_or(0, |r| r.step);
     assert!(
         last + 1 >= trained,
