@@ -75,7 +75,8 @@ fn message_of(body: &[u8]) -> String {
         .unwrap_or_else(|| String::from_utf8_lossy(body).into_owned())
 }
 
-/// One join call: the reply, a fatal refusal, or `Ok(None)` to try again (head unreachable).
+/// One join call: the reply, a fatal refusal, or `Ok(None)` to try again (head unreachable,
+/// or its name held by another live node).
 async fn join_once(
     client: &HttpClient,
     params: &MemberParams,
@@ -96,6 +97,12 @@ async fn join_once(
             head: params.head.clone(),
             message: message_of(&body),
         }),
+        Ok((StatusCode::CONFLICT, body)) => {
+            // Another live node holds this name: it may leave or be lost (a restart of this
+            // node at a new address, before the head saw the old one go), so wait for it.
+            tracing::warn!(head = %params.head, message = %message_of(&body), "the head has another live node under this name; retrying");
+            Ok(None)
+        }
         Ok((status, body)) if status.is_client_error() => Err(MemberError::Refused {
             head: params.head.clone(),
             status,
@@ -236,5 +243,56 @@ async fn heartbeats(
             tracing::warn!(%status, message = %message_of(&body), "the head refused the leave")
         }
         Err(e) => tracing::warn!(error = %e, "could not tell the head this node leaves"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    use axum::http::StatusCode as Status;
+    use sluice_config::NodeRole;
+
+    use super::*;
+
+    /// A node whose name another live node holds (the head answers 409) waits and joins once
+    /// the name is free, where a 409 used to stop it like any refusal.
+    #[tokio::test]
+    async fn a_join_refused_for_a_taken_name_waits_for_the_name() {
+        let calls = Arc::new(AtomicU32::new(0));
+        let seen = Arc::clone(&calls);
+        let head = axum::Router::new().route(
+            "/v1/nodes",
+            axum::routing::post(move || {
+                let seen = Arc::clone(&seen);
+                async move {
+                    if seen.fetch_add(1, Ordering::SeqCst) == 0 {
+                        let body = json!({"error": {"message": "a live node named `e1` is a member at http://127.0.0.1:2"}});
+                        return (Status::CONFLICT, axum::Json(body));
+                    }
+                    let reply = json!({"name": "e1", "incarnation": 7, "heartbeat_s": 60.0});
+                    (Status::OK, axum::Json(reply))
+                }
+            }),
+        );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = tokio::spawn(async move { axum::serve(listener, head).await });
+        let params = MemberParams {
+            head: format!("http://{addr}"),
+            token: None,
+            request: JoinRequest {
+                name: "e1".into(),
+                role: NodeRole::Engine,
+                url: "http://127.0.0.1:1".into(),
+                tasks: Vec::new(),
+            },
+            report: Arc::new(|| (None, None)),
+        };
+        let membership = join(params).await.expect("joined after the name came free");
+        assert_eq!(membership.joined.incarnation, 7);
+        assert_eq!(calls.load(Ordering::SeqCst), 2);
+        drop(membership);
+        server.abort();
     }
 }

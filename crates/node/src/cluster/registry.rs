@@ -126,8 +126,10 @@ impl Registry {
         self.heartbeat
     }
 
-    /// Adds `req` as a new incarnation (a node that joins again under its name replaces its old
-    /// self). At the limit, the longest-lost member makes room; with none lost, refused.
+    /// Adds `req` as a new incarnation (a node that joins again under its name and URL replaces
+    /// its old self, which a restart leaves behind). A live member under the name at another
+    /// URL is another node: refused, until it leaves, is lost or is found unreachable. At the
+    /// limit, the longest-lost member makes room; with none lost, refused.
     pub fn join(&self, req: JoinRequest) -> Result<JoinReply, JoinError> {
         if req.role == NodeRole::Head {
             return Err(JoinError::HeadRole);
@@ -148,6 +150,15 @@ impl Registry {
         // query or credentials would ride along on each.
         if !req.url.starts_with("http://") || sluice_http::origin::check_origin(&req.url).is_err() {
             return Err(JoinError::BadUrl(req.url));
+        }
+        if let Some(held) = self.members.get(&req.name)
+            && held.health == MemberHealth::Live
+            && held.url != req.url
+        {
+            return Err(JoinError::NameTaken {
+                name: req.name,
+                url: held.url.clone(),
+            });
         }
         if !self.members.contains_key(&req.name) && self.members.len() >= self.max_nodes {
             let oldest_lost = self

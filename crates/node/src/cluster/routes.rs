@@ -103,6 +103,11 @@ pub async fn join(
             "too_many_nodes",
             e.to_string(),
         )),
+        Err(e @ super::registry::JoinError::NameTaken { .. }) => Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "node_name_taken",
+            e.to_string(),
+        )),
         Err(e) => Err(ApiError::new(
             StatusCode::BAD_REQUEST,
             "invalid_node",

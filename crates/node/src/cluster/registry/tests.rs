@@ -211,3 +211,29 @@ fn the_member_series_are_the_members_and_go_with_them() {
         "{text}"
     );
 }
+
+/// A live member's name is its own: a join under it from another URL (two nodes configured with
+/// one name, or a frozen node back after its replacement joined) is refused, where the two
+/// used to replace each other at every heartbeat. The same URL is a restart, and a lost or
+/// unreachable holder gives the name up.
+#[test]
+fn a_live_members_name_is_refused_to_another_url() {
+    let r = registry(4);
+    let first = r.join(engine("e1", 1)).unwrap();
+    assert_eq!(
+        r.join(engine("e1", 2)).unwrap_err(),
+        JoinError::NameTaken {
+            name: "e1".into(),
+            url: "http://127.0.0.1:1".into()
+        }
+    );
+    assert!(r.is_live("e1", first.incarnation), "the holder stays");
+    let restarted = r.join(engine("e1", 1)).unwrap();
+    assert!(restarted.incarnation > first.incarnation);
+    assert!(r.mark_unreachable("e1", restarted.incarnation, "no answer"));
+    let moved = r.join(engine("e1", 2)).unwrap();
+    r.sweep(Instant::now() + Duration::from_secs(1));
+    assert!(!r.is_live("e1", moved.incarnation));
+    r.join(engine("e1", 3)).unwrap();
+    assert_eq!(r.list()[0].url, "http://127.0.0.1:3");
+}

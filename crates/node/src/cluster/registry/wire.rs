@@ -16,6 +16,18 @@ pub enum JoinError {
         /// The limit.
         max: usize,
     },
+    /// A live member holds the name at another URL (two nodes configured with one name, or a
+    /// frozen node back after its replacement joined): taking it would make the two replace
+    /// each other at every heartbeat.
+    #[error(
+        "a live node named `{name}` is a member at {url}; a node may take the name once that one leaves, is lost (node.lost_after_s) or is found unreachable"
+    )]
+    NameTaken {
+        /// The name.
+        name: String,
+        /// The URL of the member holding it.
+        url: String,
+    },
     /// A head does not join a head.
     #[error("a `head` cannot join a head; only engine and env nodes join")]
     HeadRole,
