@@ -469,7 +469,8 @@ fn a_resume_with_its_replay_store_missing_or_emptied_is_refused() {
 
 /// A run that meets its held-out target writes the evaluated weights that met it (the
 /// trainer's checkpoint is a step or more past them) as a model directory; started again, a
-/// run whose restored weights already meet the target ends at once instead of training on.
+/// run whose restored weights already meet the target ends at once instead of training on; a
+/// resume under another seed says which key changed.
 #[test]
 fn the_weights_that_met_the_target_are_kept_and_a_finished_run_stays_finished() {
     let out = tempfile::tempdir().unwrap().keep().join("run");
@@ -513,5 +514,24 @@ fn the_weights_that_met_the_target_are_kept_and_a_finished_run_stays_finished() 
             && text.contains(&format!("target reached        at step {resumed_at},")),
         "{}",
         again.logs()
+    );
+    // The same config (another admin port) resumes without a word; another seed is said.
+    assert!(
+        !again.logs().contains("differs from the checkpoint's"),
+        "{}",
+        again.logs()
+    );
+    let mut reseeded = sets().to_vec();
+    reseeded.push("run.seed=7".to_owned());
+    let mut third = Run::spawn(&out, "target3", &config, &reseeded);
+    let code = third.wait_exit();
+    assert!(code.success(), "{code}\n{}", third.logs());
+    assert!(
+        third
+            .logs()
+            .contains("resuming with a config that differs from the checkpoint's")
+            && third.logs().contains("run.seed: 0 → 7"),
+        "{}",
+        third.logs()
     );
 }

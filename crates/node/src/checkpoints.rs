@@ -16,6 +16,7 @@
 //! batch it was handed is trained, and consumed groups are final in the replay store.
 
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Instant;
 
 use futures::future::BoxFuture;
@@ -29,6 +30,9 @@ use sluice_actors::checkpoint::{
     CheckpointDir, CheckpointError, FORMAT, MANIFEST, Manifest, ReplayMark, TRAINER_DIR, unix_now,
 };
 use sluice_actors::faults::{FaultyTrainer, TrainerFaults};
+
+mod config;
+pub use config::{CONFIG_FILE, changes as config_changes};
 use sluice_actors::replay::Recovery;
 
 /// The trainer backend after restore, and the manifest it came from.
@@ -231,6 +235,8 @@ async fn write(h: &NodeHandles, reason: &str) -> Result<Manifest, CheckpointErro
     let begin = dir.clone();
     let staging = blocking(move || begin.begin()).await?;
     let mark = h.trainer.checkpoint(staging.join(TRAINER_DIR)).await?;
+    let (at, toml) = (staging.clone(), Arc::clone(&h.config_toml));
+    blocking(move || config::stage(&at, &toml)).await?;
     let counters = h
         .replay
         .flush()

@@ -98,6 +98,8 @@ pub struct NodeHandles {
     pub(crate) evaluation: Arc<std::sync::Mutex<Option<EvalStatus>>>,
     /// Set by the periodic checkpoints when they keep failing ([`NodeStatus::checkpoint_failure`]).
     pub(crate) checkpoint_failure: Arc<std::sync::Mutex<Option<String>>>,
+    /// The node's resolved config (secrets redacted), written beside each checkpoint.
+    pub(crate) config_toml: Arc<str>,
 }
 
 /// The newest evaluation, as `/v1/status` shows it.

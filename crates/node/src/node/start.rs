@@ -133,7 +133,7 @@ impl Node {
             manifest: p.manifest.clone(),
             started_at: p.started_at,
         };
-        let handles = handles(core, feeds, p.knobs, events, stores)?;
+        let handles = handles(core, feeds, p.knobs, events, stores, config)?;
         *stage = Stage::Servers;
         let servers_inputs = ServersInputs {
             serve_admin: p.serve_admin,
@@ -232,6 +232,17 @@ fn prepare(
         .map(CheckpointDir::new);
     let Restored { trainer, manifest } =
         checkpoints::restore(trainer, checkpoint_dir.as_ref(), &config.faults)?;
+    if let (Some(dir), Some(m)) = (&checkpoint_dir, &manifest)
+        && let Some(changed) = checkpoints::config_changes(dir.root(), &config.to_toml())
+        && !changed.is_empty()
+    {
+        tracing::warn!(
+            step = m.steps,
+            "resuming with a config that differs from the checkpoint's ({}): {}",
+            dir.root().join(checkpoints::CONFIG_FILE).display(),
+            changed.join("; ")
+        );
+    }
     Ok(Prepared {
         knobs,
         factory,
@@ -265,6 +276,7 @@ fn handles(
     knobs: KnobsHandle,
     events: RunEvents,
     stores: Stores,
+    config: &Config,
 ) -> Result<NodeHandles, ActorError> {
     let Stores {
         checkpoint_dir,
@@ -287,5 +299,6 @@ fn handles(
         logged_steps: Arc::new(tokio::sync::watch::channel(None).0),
         evaluation: Arc::default(),
         checkpoint_failure: Arc::default(),
+        config_toml: config.to_toml().into(),
     })
 }
