@@ -36,8 +36,9 @@ pub(super) fn stage(staging: &Path, toml: &str) -> Result<(), CheckpointError> {
 }
 
 /// The keys whose values differ between the config of the checkpoint at `root` and `now` (the
-/// resolved config as TOML), each as `key: old → new`, less those [`UNSAID`]; `None` when the
-/// checkpoint has no config (written before this file) or it cannot be read.
+/// resolved config as TOML), each as `key: old → new`, less those a resume changes as a matter
+/// of course (listen addresses, metrics, supervision, evaluations, `run.max_steps`); `None`
+/// when the checkpoint has no config (written before this file) or it cannot be read.
 pub fn changes(root: &Path, now: &str) -> Option<Vec<String>> {
     let then = std::fs::read_to_string(root.join(CONFIG_FILE)).ok()?;
     let (then, now) = (flatten(&then)?, flatten(now)?);
