@@ -15,7 +15,7 @@
 //! `initial` (the newest version the actor has), so a server started from its own checkpoint
 //! never generates tokens tagged with the run's version; requests that arrive meanwhile wait. A
 //! server that fails a call (connection refused or reset, no answer within `request_timeout`, a
-//! 5xx, a failed install, [`worker::MAX_BAD_REPLIES_IN_A_ROW`] replies in a row that break the
+//! 5xx, a failed install, four replies in a row that break the
 //! protocol) is down for good (a call that got no answer at all also makes
 //! [`RemoteEngine::unreachable`] say why): its requests, and any sent to it later, finish as
 //! [`FinishReason::Abort`](crate::backend::FinishReason::Abort) with the partial they came with (their rollouts go back to the aborted
