@@ -535,3 +535,32 @@ fn the_weights_that_met_the_target_are_kept_and_a_finished_run_stays_finished() 
         third.logs()
     );
 }
+
+/// A stop during the warm-up (before RL, with nothing to checkpoint) ends the run at once with
+/// a word and exit 130, where the signal's default action killed it without one.
+#[test]
+fn a_stop_during_the_warm_up_says_so() {
+    let out = tempfile::tempdir().unwrap().keep().join("run");
+    let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/quickstart.toml");
+    let sets = [
+        format!("run.output_dir={}", out.display()),
+        "warmup.max_steps=1500".to_owned(),
+        "metrics.enabled=false".to_owned(),
+        format!("admin.listen=127.0.0.1:{}", free_port()),
+    ];
+    let mut run = Run::spawn(&out, "warmup-stop", &config, &sets);
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while !run.stdout().contains("warm-up step 10/") {
+        assert!(Instant::now() < deadline, "no warm-up step\n{}", run.logs());
+        assert!(run.child.try_wait().unwrap().is_none(), "{}", run.logs());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    run.signal("TERM");
+    let code = run.wait_exit();
+    assert_eq!(code.code(), Some(130), "{}", run.logs());
+    assert!(
+        run.logs().contains("stopped before RL began"),
+        "{}",
+        run.logs()
+    );
+}

@@ -104,7 +104,16 @@ async fn prepare(config: &Config) -> anyhow::Result<PreparedRun> {
 
 /// The run's lifecycle (`sluice_node::run`: prepare, start, watch, finish), rendered.
 async fn run_config(config: &Config) -> anyhow::Result<ExitCode> {
-    let mut run = prepare(config).await?.start(config).await?;
+    // A stop before RL (model creation, warm-up, the baseline) has nothing to checkpoint: it
+    // ends there, and the same command starts again (a finished warm-up is kept).
+    let prepared = tokio::select! {
+        prepared = prepare(config) => prepared?,
+        () = shutdown_signal() => {
+            eprintln!("stopped before RL began; the same command starts again (a finished warm-up is kept)");
+            return Ok(ExitCode::from(130));
+        }
+    };
+    let mut run = prepared.start(config).await?;
     let node = run.node();
     if let Some(addr) = node.admin_addr() {
         tracing::info!(%addr, "admin API listening");
