@@ -194,7 +194,7 @@ pub fn align_version(
     tracing::warn!(
         from = %have,
         to = %replay_version,
-        "weights newer than the last checkpoint were lost; training continues from the checkpoint's weights"
+        "weights newer than the last checkpoint were lost; training continues from the weights restored (the last checkpoint's, or without one the run's start weights) under the next version"
     );
     Ok(trainer)
 }

@@ -96,6 +96,8 @@ pub struct MetricsLog {
     cut_after: Option<u64>,
     /// Where every appended record is also written as TensorBoard scalars, when asked for.
     tensorboard: Option<EventWriter>,
+    /// Records the opening dropped (after [`resume`](Self::resume)'s step).
+    dropped: usize,
 }
 
 impl MetricsLog {
@@ -160,7 +162,14 @@ impl MetricsLog {
                 .map_err(|e| ReportError::io(path, e))?;
         }
         let file = append_file(path)?;
-        Ok(Self::with_file(path, file, last))
+        let mut log = Self::with_file(path, file, last);
+        log.dropped = lines.lines.len() - kept.len();
+        Ok(log)
+    }
+
+    /// Records [`resume`](Self::resume) dropped: those after the step it resumed at.
+    pub fn dropped(&self) -> usize {
+        self.dropped
     }
 
     fn with_file(path: &Path, file: File, last: Option<StepRecord>) -> Self {
@@ -171,6 +180,7 @@ impl MetricsLog {
             line: Vec::new(),
             cut_after: None,
             tensorboard: None,
+            dropped: 0,
         }
     }
 

@@ -110,6 +110,7 @@ fn resuming_drops_the_steps_after_the_checkpoint() {
     drop(log);
     let mut resumed = MetricsLog::resume(&path, 4).unwrap();
     assert_eq!(resumed.last(), Some(&record(4)));
+    assert_eq!(resumed.dropped(), 2, "steps 5 and 6 are said to go");
     resumed.append(&record(5)).unwrap();
     let steps: Vec<u64> = read_log(&path).unwrap().iter().map(|r| r.step).collect();
     assert_eq!(steps, [1, 2, 3, 4, 5]);

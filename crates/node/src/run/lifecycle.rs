@@ -447,6 +447,14 @@ async fn graceful_stop(
 fn open_log(config: &Config, first_step: u64) -> Result<MetricsLog, ReportError> {
     let out = &config.run.output_dir;
     let log = MetricsLog::resume(out.join(METRICS_FILE), first_step)?;
+    if log.dropped() > 0 {
+        tracing::warn!(
+            dropped = log.dropped(),
+            after_step = first_step,
+            "{}: the records after step {first_step} were dropped: those steps are trained again from the restored weights",
+            out.join(METRICS_FILE).display()
+        );
+    }
     if config.metrics.tensorboard {
         log.with_tensorboard(out.join(TENSORBOARD_DIR))
     } else {
