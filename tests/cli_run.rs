@@ -9,6 +9,26 @@ fn sluice() -> Command {
     Command::new(env!("CARGO_BIN_EXE_sluice"))
 }
 
+/// `sluice run` of the long-tail config into `dir` (no metrics, an admin port of its own), with
+/// `sets` on top.
+fn sim_run(dir: &std::path::Path, sets: &[&str]) -> Command {
+    let mut c = sluice();
+    c.args([
+        "run",
+        concat!(env!("CARGO_MANIFEST_DIR"), "/configs/sim_longtail.toml"),
+        "--set",
+        &format!("run.output_dir=\"{}\"", dir.display()),
+        "--set",
+        "metrics.enabled=false",
+        "--set",
+        "admin.listen=\"127.0.0.1:0\"",
+    ]);
+    for set in sets {
+        c.args(["--set", set]);
+    }
+    c
+}
+
 #[test]
 fn run_finishes_the_long_tail_config_and_prints_a_summary() {
     let dir = tempfile::tempdir().unwrap();
@@ -76,22 +96,7 @@ fn run_finishes_the_long_tail_config_and_prints_a_summary() {
 #[test]
 fn a_second_run_on_a_directory_in_use_is_refused() {
     let dir = tempfile::tempdir().unwrap();
-    let args = |steps: &str| {
-        let mut c = sluice();
-        c.args([
-            "run",
-            concat!(env!("CARGO_MANIFEST_DIR"), "/configs/sim_longtail.toml"),
-            "--set",
-            &format!("run.max_steps={steps}"),
-            "--set",
-            &format!("run.output_dir=\"{}\"", dir.path().display()),
-            "--set",
-            "metrics.enabled=false",
-            "--set",
-            "admin.listen=\"127.0.0.1:0\"",
-        ]);
-        c
-    };
+    let args = |steps: &str| sim_run(dir.path(), &[&format!("run.max_steps={steps}")]);
     let mut first = args("100000")
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
@@ -126,25 +131,16 @@ fn a_second_run_on_a_directory_in_use_is_refused() {
 fn a_run_whose_final_checkpoint_fails_exits_non_zero() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("checkpoint.partial"), b"in the way").unwrap();
-    let out = sluice()
-        .args([
-            "run",
-            concat!(env!("CARGO_MANIFEST_DIR"), "/configs/sim_longtail.toml"),
-            "--set",
+    let out = sim_run(
+        dir.path(),
+        &[
             "run.max_steps=2",
-            "--set",
             "engine.simulated.time_scale=0.01",
-            "--set",
             "supervision.checkpoint_every_steps=0",
-            "--set",
-            &format!("run.output_dir=\"{}\"", dir.path().display()),
-            "--set",
-            "metrics.enabled=false",
-            "--set",
-            "admin.listen=\"127.0.0.1:0\"",
-        ])
-        .output()
-        .unwrap();
+        ],
+    )
+    .output()
+    .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(
