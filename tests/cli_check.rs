@@ -229,3 +229,61 @@ fn tempdir() -> std::path::PathBuf {
     std::fs::create_dir_all(&dir).unwrap();
     dir
 }
+
+/// `sluice check` says what a run would resume from (its files checked as the run checks them)
+/// and which keys changed since, and fails as the run would on a checkpoint whose files changed.
+#[test]
+fn check_says_what_a_run_would_resume_from() {
+    let out = tempdir().join("resume");
+    let config = repo().join("configs/sim_longtail.toml");
+    let dir_set = format!("run.output_dir=\"{}\"", out.display());
+    let run = sluice(
+        &[
+            "run",
+            config.to_str().unwrap(),
+            "--set",
+            &dir_set,
+            "--set",
+            "run.max_steps=2",
+            "--set",
+            "engine.simulated.time_scale=0.01",
+            "--set",
+            "metrics.enabled=false",
+            "--set",
+            "admin.listen=\"127.0.0.1:0\"",
+        ],
+        repo(),
+    );
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let check = |extra: &[&str]| {
+        let mut args = vec!["check", config.to_str().unwrap(), "--set", &dir_set];
+        args.extend_from_slice(extra);
+        sluice(&args, repo())
+    };
+    let ok = check(&["--set", "run.seed=9"]);
+    let stderr = String::from_utf8_lossy(&ok.stderr);
+    assert!(ok.status.success(), "{stderr}");
+    assert!(
+        stderr.contains(&format!(
+            "resumes from {} at step 2",
+            out.join("checkpoint").display()
+        )) && stderr.contains("changed since that checkpoint: ")
+            && stderr.contains("run.seed: 0 → 9"),
+        "{stderr}"
+    );
+    let saved = out.join("checkpoint/config.toml");
+    let mut text = std::fs::read_to_string(&saved).unwrap();
+    text.push('\n');
+    std::fs::write(&saved, text).unwrap();
+    let refused = check(&[]);
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert_eq!(refused.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("a run of this config would not resume") && stderr.contains("config.toml"),
+        "{stderr}"
+    );
+}
