@@ -233,6 +233,12 @@ fn report_stop(report: &StopReport, config: &Config) -> anyhow::Result<ExitCode>
             config.replay.path.display()
         ),
     }
+    if report.in_flight_left > 0 {
+        eprintln!(
+            "{} groups were still in flight (an env or engine call that did not come back in time): the replay store keeps them, and the resume takes them back as aborted",
+            report.in_flight_left
+        );
+    }
     match &report.error {
         Some(e) => bail!("the graceful stop was incomplete: {e}"),
         None => Ok(ExitCode::SUCCESS),

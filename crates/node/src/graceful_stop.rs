@@ -13,6 +13,13 @@ use crate::checkpoints::checkpoint;
 use crate::handles::NodeHandles;
 use sluice_actors::checkpoint::Manifest;
 
+/// Share of the stop's time the wait for groups in flight may take; the rest is the
+/// checkpoint's. A group that does not come back in time (an episode waiting for an env node
+/// that left, whose call's deadline is longer than the stop's) then stays in the store in
+/// flight, which a resume takes back as aborted with its last stored partial, as after a
+/// crash; it used to hold the stop to its end, which then had no time left for the checkpoint.
+const DRAIN_SHARE: f64 = 0.75;
+
 /// What a graceful stop did.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct StopReport {
@@ -20,7 +27,8 @@ pub struct StopReport {
     pub seconds: f64,
     /// Seconds until every group in flight was stored.
     pub drain_seconds: f64,
-    /// Groups still in flight when the drain gave up (0 when everything was stored).
+    /// Groups still in flight when the drain gave up (0 when everything was stored): left in
+    /// the store in flight, taken back as aborted by a resume.
     pub in_flight_left: u64,
     /// The checkpoint written (`None` without a checkpoint directory or on failure).
     pub checkpoint: Option<Manifest>,
@@ -37,6 +45,7 @@ pub struct StopReport {
 pub async fn drain_and_checkpoint(h: &NodeHandles, timeout: Duration) -> StopReport {
     let started = Instant::now();
     let deadline = tokio::time::Instant::now() + timeout;
+    let drain_deadline = tokio::time::Instant::now() + timeout.mul_f64(DRAIN_SHARE);
     let mut report = StopReport {
         checkpoint_dir: h.checkpoint_dir.as_ref().map(|d| d.root().to_owned()),
         ..StopReport::default()
@@ -67,17 +76,18 @@ pub async fn drain_and_checkpoint(h: &NodeHandles, timeout: Duration) -> StopRep
         events.borrow_and_update();
         match h.controller.status().await {
             Ok(s) if s.in_flight == 0 => break,
-            Ok(s) if tokio::time::Instant::now() >= deadline => {
+            Ok(s) if tokio::time::Instant::now() >= drain_deadline => {
                 report.in_flight_left = s.in_flight;
-                report.error = Some(format!(
-                    "{} groups still in flight at the shutdown timeout",
-                    s.in_flight
-                ));
+                tracing::warn!(
+                    in_flight = s.in_flight,
+                    "groups still in flight after {:.0}% of the shutdown timeout: the checkpoint goes ahead; the store keeps them in flight and a resume takes them back as aborted",
+                    DRAIN_SHARE * 100.0
+                );
                 break;
             }
             Ok(_) => {
                 // A timeout here is read on the next pass, as the status at the deadline.
-                let _ = tokio::time::timeout_at(deadline, events.changed()).await;
+                let _ = tokio::time::timeout_at(drain_deadline, events.changed()).await;
             }
             Err(e) => {
                 report.error = Some(e.to_string());

@@ -297,3 +297,23 @@ async fn a_run_resumed_with_fewer_groups_a_step_goes_on() {
     common::check_invariants(&status);
     node.shutdown().await;
 }
+
+/// A stop whose groups do not all come back in time (here env steps that hang past the stop's
+/// bound, as an episode waiting for an env node that left) still writes its checkpoint: the
+/// wait for them takes three quarters of the shutdown timeout, and they stay in the store in
+/// flight. It used to wait out the whole timeout and then have none left for the checkpoint.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_with_groups_that_never_come_back_still_checkpoints() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = config(1000);
+    config.faults.env_hang_every_steps = 2;
+    config.supervision.env_step_timeout = Duration::from_secs(600);
+    config.supervision.shutdown_timeout = Duration::from_secs(2);
+    let node = Node::start(&config, options(dir.path())).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let report = node.stop_gracefully().await;
+    assert!(report.error.is_none(), "{report:#?}");
+    assert!(report.in_flight_left > 0, "no group hung: {report:#?}");
+    assert!(report.checkpoint.is_some(), "{report:#?}");
+    assert!(report.seconds < 2.5, "{report:#?}");
+}
