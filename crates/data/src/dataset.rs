@@ -123,6 +123,28 @@ impl Dataset {
         on_bad_line: BadLinePolicy,
         limits: &ReadLimits,
     ) -> Result<Self, DataError> {
+        Self::read(data_dir, spec, on_bad_line, limits, true)
+    }
+
+    /// [`Self::load_limited`] for a second reader of a file the run already loaded (the
+    /// warm-up's training problems): its bad lines were logged and counted then, and are not
+    /// again.
+    pub fn load_again(
+        data_dir: &Path,
+        spec: &DatasetSpec,
+        on_bad_line: BadLinePolicy,
+        limits: &ReadLimits,
+    ) -> Result<Self, DataError> {
+        Self::read(data_dir, spec, on_bad_line, limits, false)
+    }
+
+    fn read(
+        data_dir: &Path,
+        spec: &DatasetSpec,
+        on_bad_line: BadLinePolicy,
+        limits: &ReadLimits,
+        report: bool,
+    ) -> Result<Self, DataError> {
         let path = dataset_path(data_dir, spec);
         let bytes = read_capped(
             &path,
@@ -140,7 +162,7 @@ impl Dataset {
                 cause: other,
             },
         })?;
-        Self::parse_bytes(&bytes, &path, spec, on_bad_line, limits)
+        Self::parse_reporting(&bytes, &path, spec, on_bad_line, limits, report)
     }
 
     /// Parses JSONL `text` as if read from `path` (which only names the source in reports),
@@ -170,6 +192,18 @@ impl Dataset {
         on_bad_line: BadLinePolicy,
         limits: &ReadLimits,
     ) -> Result<Self, DataError> {
+        Self::parse_reporting(bytes, path, spec, on_bad_line, limits, true)
+    }
+
+    /// [`Self::parse_bytes`], its bad lines logged and counted when `report`.
+    fn parse_reporting(
+        bytes: &[u8],
+        path: &Path,
+        spec: &DatasetSpec,
+        on_bad_line: BadLinePolicy,
+        limits: &ReadLimits,
+        report: bool,
+    ) -> Result<Self, DataError> {
         let dataset = dataset_field(spec);
         let label = spec.to_string();
         let mut samples = Vec::new();
@@ -189,8 +223,10 @@ impl Dataset {
                     system_prompt: row.system_prompt,
                 }),
                 Err(reason) => {
-                    metrics::counter!(DATA_BAD_LINES, "dataset" => label.clone()).increment(1);
-                    tracing::warn!(dataset = %label, file = %path.display(), line = line_no, %reason, "bad dataset line");
+                    if report {
+                        metrics::counter!(DATA_BAD_LINES, "dataset" => label.clone()).increment(1);
+                        tracing::warn!(dataset = %label, file = %path.display(), line = line_no, %reason, "bad dataset line");
+                    }
                     if on_bad_line == BadLinePolicy::Fail {
                         return Err(DataError::BadLine {
                             dataset: label,

@@ -84,6 +84,22 @@ fn bad_lines_are_counted_per_dataset_and_file_loads_from_data_dir() {
         3,
         "the fatal line is counted too"
     );
+    // A second reader of the same file (the warm-up's training problems) reports nothing again.
+    let again = metrics::with_local_recorder(&rec, || {
+        Dataset::load_again(
+            dir.path(),
+            &spec,
+            BadLinePolicy::Skip,
+            &sluice_data::ReadLimits::default(),
+        )
+        .unwrap()
+    });
+    assert_eq!(again.len(), 2);
+    assert_eq!(
+        rec.counter(&format!("{DATA_BAD_LINES}{{dataset=math::toy@train}}")),
+        3,
+        "counted once per file"
+    );
 
     let mut sampler = DomainSampler::new(SamplerConfig::new(0), vec![ds]).unwrap();
     sampler.record_completed("math", 5);

@@ -268,13 +268,19 @@ fn file_training_samples(
         .iter()
         .filter(|d| d.domain == served.domain)
     {
-        let data = sluice_data::Dataset::load(&config.data.data_dir, spec, config.data.on_bad_line)
-            .map_err(|e| {
-                setup_err(format!(
-                    "training problems of `{}`: {e}",
-                    served.task.name()
-                ))
-            })?;
+        // The sampler loaded (and reported) these files already.
+        let data = sluice_data::Dataset::load_again(
+            &config.data.data_dir,
+            spec,
+            config.data.on_bad_line,
+            &config.data.read_limits,
+        )
+        .map_err(|e| {
+            setup_err(format!(
+                "training problems of `{}`: {e}",
+                served.task.name()
+            ))
+        })?;
         rows.extend(data.samples().iter().take(count - rows.len()).cloned());
         if rows.len() == count {
             break;

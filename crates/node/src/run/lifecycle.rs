@@ -77,6 +77,10 @@ pub async fn prepare(
     on_warmup: impl FnMut(&WarmupProgress) + Send,
 ) -> Result<PreparedRun, RunError> {
     let started = Instant::now();
+    // Before the data loads: what it counts (bad dataset lines) is exported from the start.
+    if config.metrics.enabled {
+        crate::telemetry::install();
+    }
     let out = &config.run.output_dir;
     std::fs::create_dir_all(out).map_err(|source| RunError::OutputDir {
         path: out.clone(),
