@@ -468,9 +468,9 @@ fn a_resume_with_its_replay_store_missing_or_emptied_is_refused() {
 }
 
 /// A run that meets its held-out target writes the evaluated weights that met it (the
-/// trainer's checkpoint is a step or more past them) as a model directory; started again, a
-/// run whose restored weights already meet the target ends at once instead of training on; a
-/// resume under another seed says which key changed.
+/// trainer's checkpoint is a step or more past them) as a model directory; a
+/// finished run started again has nothing to do, while a raised target trains on, and a resume
+/// under another seed says which key changed.
 #[test]
 fn the_weights_that_met_the_target_are_kept_and_a_finished_run_stays_finished() {
     let out = tempfile::tempdir().unwrap().keep().join("run");
@@ -505,35 +505,44 @@ fn the_weights_that_met_the_target_are_kept_and_a_finished_run_stays_finished() 
         assert!(dir.join(file).is_file(), "{file} in {}", dir.display());
     }
     let resumed_at = manifest(&out)["steps"].as_u64().unwrap();
+    // Started again, it has nothing to do: its checkpoint says it reached the same target.
     let mut again = Run::spawn(&out, "target2", &config, &sets());
     let code = again.wait_exit();
     assert!(code.success(), "{code}\n{}", again.logs());
-    let text = again.stdout();
     assert!(
-        text.contains(&format!("resumed at step {resumed_at}"))
-            && text.contains(&format!("target reached        at step {resumed_at},")),
+        again.stdout().contains(&format!(
+            "the run already reached its held-out target (0.0%, eval.stop_at_accuracy; checkpoint {} at step {resumed_at}): nothing to do; the weights that met it are in {}",
+            out.join("checkpoint").display(),
+            dir.display()
+        )),
         "{}",
         again.logs()
     );
-    // The same config (another admin port) resumes without a word; another seed is said.
-    assert!(
-        !again.logs().contains("differs from the checkpoint's"),
-        "{}",
-        again.logs()
+    assert_eq!(
+        manifest(&out)["steps"].as_u64(),
+        Some(resumed_at),
+        "trained on"
     );
-    let mut reseeded = sets().to_vec();
-    reseeded.push("run.seed=7".to_owned());
-    let mut third = Run::spawn(&out, "target3", &config, &reseeded);
+    // A higher target trains on; another seed is said, the raised target and budget are not.
+    let mut raised = sets().to_vec();
+    raised.extend([
+        "eval.stop_at_accuracy=1.0".to_owned(),
+        format!("run.max_steps={}", resumed_at + 2),
+        "run.seed=7".to_owned(),
+    ]);
+    let mut third = Run::spawn(&out, "target3", &config, &raised);
     let code = third.wait_exit();
     assert!(code.success(), "{code}\n{}", third.logs());
+    let logs = third.logs();
     assert!(
-        third
-            .logs()
-            .contains("resuming with a config that differs from the checkpoint's")
-            && third.logs().contains("run.seed: 0 → 7"),
-        "{}",
-        third.logs()
+        logs.contains(&format!("resumed at step {resumed_at}"))
+            && logs.contains("resuming with a config that differs from the checkpoint's")
+            && logs.contains("run.seed: 0 → 7")
+            && !logs.contains("eval.stop_at_accuracy:")
+            && !logs.contains("run.max_steps:"),
+        "{logs}"
     );
+    assert_eq!(manifest(&out)["steps"].as_u64(), Some(resumed_at + 2));
 }
 
 /// A stop during the warm-up (before RL, with nothing to checkpoint) ends the run at once with

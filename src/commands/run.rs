@@ -113,6 +113,10 @@ async fn run_config(config: &Config) -> anyhow::Result<ExitCode> {
             return Ok(ExitCode::from(130));
         }
     };
+    if let Some(why) = prepared.ended() {
+        println!("{why}");
+        return Ok(ExitCode::SUCCESS);
+    }
     let mut run = prepared.start(config).await?;
     let node = run.node();
     if let Some(addr) = node.admin_addr() {

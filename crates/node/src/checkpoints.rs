@@ -32,7 +32,7 @@ use sluice_actors::checkpoint::{
 use sluice_actors::faults::{FaultyTrainer, TrainerFaults};
 
 mod config;
-pub use config::{CONFIG_FILE, changes as config_changes};
+pub use config::{CONFIG_FILE, changes as config_changes, saved_target};
 use sluice_actors::replay::Recovery;
 
 /// The trainer backend after restore, and the manifest it came from.

@@ -59,6 +59,16 @@ pub fn changes(root: &Path, now: &str) -> Option<Vec<String>> {
     )
 }
 
+/// `eval.stop_at_accuracy` of the config saved with the checkpoint at `root`: `None` when the
+/// checkpoint has no config (written before this file) or it cannot be read, `Some(None)` when
+/// that run had no target.
+pub fn saved_target(root: &Path) -> Option<Option<f64>> {
+    let text = std::fs::read_to_string(root.join(CONFIG_FILE)).ok()?;
+    let table: toml::Table = text.parse().ok()?;
+    let eval = table.get("eval").and_then(toml::Value::as_table);
+    Some(eval.and_then(|e| e.get("stop_at_accuracy")?.as_float()))
+}
+
 /// Every leaf of a TOML document under its dotted key (arrays are leaves).
 fn flatten(text: &str) -> Option<BTreeMap<String, String>> {
     fn walk(prefix: &str, table: &toml::Table, out: &mut BTreeMap<String, String>) {

@@ -1,7 +1,13 @@
-//! How a run ends, read from the node's status; every way has its checkpoint reason.
+//! How a run ends, read from the node's status (every way has its checkpoint reason), and when a
+//! run's checkpoint says it has ended already.
+
+use std::path::Path;
+
+use sluice_config::Config;
 
 use crate::handles::NodeStatus;
 use sluice_actors::ActorError;
+use sluice_actors::checkpoint::Manifest;
 
 /// Why a run stopped.
 #[derive(Debug, Clone, PartialEq)]
@@ -77,4 +83,36 @@ impl RunEnd {
             Self::CheckpointFailed(e) => Some(ActorError::Checkpoint(e.clone())),
         }
     }
+}
+
+/// Why a run of `config` has nothing left to do when its checkpoint (at `root`) says it ended:
+/// it trained its step budget, or it reached its held-out target and the config asks for no
+/// higher one. Started again, such a run used to resume and train on (its checkpoint's weights
+/// are a step or more past the evaluated ones, and may score below the target).
+pub(super) fn already_ended(config: &Config, root: &Path, m: &Manifest) -> Option<String> {
+    let max_steps = config.run.max_steps.get();
+    if m.steps >= max_steps {
+        return Some(format!(
+            "the run already trained its {max_steps} steps (run.max_steps; checkpoint {} at step {}): nothing to do; raise run.max_steps to train on",
+            root.display(),
+            m.steps
+        ));
+    }
+    if m.reason != "target_reached" {
+        return None;
+    }
+    let target = config.eval.stop_at_accuracy?;
+    let reached = match crate::checkpoints::saved_target(root) {
+        Some(saved) => saved?,
+        None => target,
+    };
+    (target <= reached).then(|| {
+        format!(
+            "the run already reached its held-out target ({:.1}%, eval.stop_at_accuracy; checkpoint {} at step {}): nothing to do; the weights that met it are in {}; raise eval.stop_at_accuracy to train on",
+            100.0 * reached,
+            root.display(),
+            m.steps,
+            config.run.output_dir.join(super::TARGET_MODEL_DIR).display()
+        )
+    })
 }

@@ -17,6 +17,7 @@ use sluice_report::{
     METRICS_FILE, MetricsLog, PLOT_FILE, ReportError, TENSORBOARD_DIR, plot_run, read_log,
 };
 
+use super::end::already_ended;
 use super::lock::{LockError, RunLock};
 use super::target_model;
 use super::{Evaluations, NativeRun, Progress, RunEnd, RunMonitor, RunSummary, Scores, Start};
@@ -67,6 +68,8 @@ pub struct PreparedRun {
     started: Instant,
     /// The output directory's lock, held until the run's process ends.
     lock: Option<RunLock>,
+    /// Why the run has nothing left to do (its checkpoint says it ended), if so.
+    ended: Option<String>,
 }
 
 /// Readies the run of `config`: its output directory, and for a real model (`native`,
@@ -94,6 +97,19 @@ pub async fn prepare(
             Some(NativeRun::prepare(config, on_warmup).await?)
         }
     };
+    let ended = native
+        .as_ref()
+        .and_then(|n| n.resumed.as_ref())
+        .and_then(|(root, m)| already_ended(config, root, m));
+    if ended.is_some() {
+        return Ok(PreparedRun {
+            native,
+            baseline: None,
+            started,
+            lock,
+            ended,
+        });
+    }
     let baseline = match &mut native {
         Some(n) if n.resumed.is_none() => Some(
             n.evaluations
@@ -107,6 +123,7 @@ pub async fn prepare(
         baseline,
         started,
         lock,
+        ended: None,
     })
 }
 
@@ -134,6 +151,12 @@ pub struct Run {
 }
 
 impl PreparedRun {
+    /// Why the run has nothing left to do, when its checkpoint says it ended (it trained its
+    /// `run.max_steps`, or reached a target the config does not raise): then it is not started.
+    pub fn ended(&self) -> Option<&str> {
+        self.ended.as_deref()
+    }
+
     /// Starts the node of `config` on what was prepared — a head's cluster first, its engine
     /// replicas and env episodes on the nodes that join it — with the run monitor logging to
     /// `metrics.jsonl` (resumed at the checkpoint's step), and evaluates a resumed run's
@@ -145,6 +168,7 @@ impl PreparedRun {
                 baseline,
                 started,
                 lock,
+                ended: _,
             } = self;
             let (feed, steps) = tokio::sync::mpsc::channel(STEP_FEED_CAPACITY);
             let (setup, source, evaluations) = match native {

@@ -50,8 +50,9 @@ pub struct NativeRun {
     pub source: MixSampler<DatasetRows>,
     /// Each evaluated domain's held-out set and training probe.
     pub evaluations: Evaluations,
-    /// The checkpoint the run resumes from, if its output dir holds one.
-    pub resumed: Option<Manifest>,
+    /// The checkpoint the run resumes from (its directory and manifest), if its output dir
+    /// holds one.
+    pub resumed: Option<(PathBuf, Manifest)>,
     /// `model.path` was created from `model.init_preset`.
     pub created_model: bool,
     /// The warm-start this preparation ran (none on a resumed run or when one exists).
@@ -82,8 +83,7 @@ impl NativeRun {
                 .map_err(|e| setup_err(format!("creating {}: {e}", out.display())))?;
             let resumed = CheckpointDir::new(out.join(CHECKPOINT_DIR))
                 .load()
-                .map_err(|e| setup_err(format!("reading the run's checkpoint: {e}")))?
-                .map(|(_, manifest)| manifest);
+                .map_err(|e| setup_err(format!("reading the run's checkpoint: {e}")))?;
             let created_model = ensure_model_dir(config)?;
             let base = NativeSetup::load(config, None)?;
             // The data first: an unreadable dataset is reported before minutes of warm-up, and
