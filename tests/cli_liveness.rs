@@ -82,6 +82,12 @@ fn a_panicking_trainer_ends_the_run_at_once() {
         "{stderr}"
     );
     assert!(stdout.contains("steps                 1"), "{stdout}");
+    // No checkpoint after a panic, on purpose: that is no failure to write one.
+    assert!(!stderr.contains("final checkpoint failed"), "{stderr}");
+    assert!(
+        stderr.contains("the last good checkpoint is kept"),
+        "{stderr}"
+    );
 }
 
 #[test]

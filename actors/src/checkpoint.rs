@@ -120,6 +120,12 @@ pub enum CheckpointError {
 }
 
 impl CheckpointError {
+    /// The trainer refused to be checkpointed because a step panicked (its state is unknown and
+    /// the last good checkpoint is kept on purpose): no failure to write.
+    pub fn trainer_poisoned(&self) -> bool {
+        matches!(self, Self::Trainer(e) if e.kind == TRAINER_POISONED)
+    }
+
     /// Short stable name, used as a metric label.
     pub fn kind(&self) -> &'static str {
         match self {
@@ -139,6 +145,10 @@ fn io(path: &Path, e: impl std::fmt::Display) -> CheckpointError {
         message: e.to_string(),
     }
 }
+
+/// The [`sluice_core::BackendError::kind`] of a trainer that refuses checkpoints after a step
+/// panicked.
+pub const TRAINER_POISONED: &str = "trainer_poisoned";
 
 /// The checkpoint directory's name under `run.output_dir` (where `sluice run` keeps it).
 pub const CHECKPOINT_DIR: &str = "checkpoint";

@@ -385,7 +385,7 @@ impl Worker {
             Control::Checkpoint { dir, reply } => {
                 let result = if self.poisoned {
                     Err(BackendError::new(
-                        "trainer_poisoned",
+                        crate::checkpoint::TRAINER_POISONED,
                         "a training step panicked, so the trainer's state is unknown; the last \
                          good checkpoint is kept",
                     ))

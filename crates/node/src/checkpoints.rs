@@ -216,7 +216,7 @@ pub fn checkpoint<'a>(
 ) -> BoxFuture<'a, Result<Manifest, CheckpointError>> {
     Box::pin(async move {
         let written = write(h, reason).await;
-        if written.is_err() {
+        if written.as_ref().is_err_and(|e| !e.trainer_poisoned()) {
             metrics::counter!(m::NODE_CHECKPOINT_FAILURES).increment(1);
         }
         written

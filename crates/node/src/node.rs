@@ -114,6 +114,14 @@ impl Node {
         let reason = end.checkpoint_reason()?;
         self.handles.checkpoint_dir.as_ref()?;
         let e = checkpoints::checkpoint(&self.handles, reason).await.err()?;
+        if e.trainer_poisoned() {
+            // On purpose (docs/operations.md): the last good checkpoint stands.
+            tracing::warn!(
+                reason,
+                "no final checkpoint: a training step panicked, so the trainer's state is unknown; the last good checkpoint is kept"
+            );
+            return None;
+        }
         tracing::error!(error = %e, reason, "final checkpoint failed");
         Some(e)
     }
