@@ -242,7 +242,8 @@ pub struct ModelProbeArgs {
 /// `sluice model init`
 #[derive(Debug, clap::Args)]
 pub struct ModelInitArgs {
-    /// Which preset: `tiny` (tests, quickstart) or `small` (~76M parameters, benchmarks).
+    /// Which preset: `tiny` (tests, quickstart), `small` (~76M parameters, benchmarks) or
+    /// `medium` (Qwen2.5-0.5B's shapes, GPU benchmarks).
     #[arg(long, value_parser = sluice_config::ModelPreset::parse_name)]
     pub preset: sluice_config::ModelPreset,
     /// Directory to write (created if needed). A directory that already holds a model
