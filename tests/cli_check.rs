@@ -234,7 +234,9 @@ fn tempdir() -> std::path::PathBuf {
 /// and which keys changed since, and fails as the run would on a checkpoint whose files changed.
 #[test]
 fn check_says_what_a_run_would_resume_from() {
-    let out = tempdir().join("resume");
+    // A directory of its own: `tempdir()` is one per process, emptied by each test that asks.
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("resume");
     let config = repo().join("configs/sim_longtail.toml");
     let dir_set = format!("run.output_dir=\"{}\"", out.display());
     let run = sluice(
