@@ -30,10 +30,10 @@ use sluice_actors::checkpoint::{
     CheckpointDir, CheckpointError, FORMAT, MANIFEST, Manifest, ReplayMark, TRAINER_DIR, unix_now,
 };
 use sluice_actors::faults::{FaultyTrainer, TrainerFaults};
+use sluice_actors::replay::Recovery;
 
 mod config;
 pub use config::{CONFIG_FILE, changes as config_changes, saved_target};
-use sluice_actors::replay::Recovery;
 
 /// The trainer backend after restore, and the manifest it came from.
 pub struct Restored {

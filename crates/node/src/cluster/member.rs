@@ -76,10 +76,11 @@ fn message_of(body: &[u8]) -> String {
 }
 
 /// One join call: the reply, a fatal refusal, or `Ok(None)` to try again (head unreachable,
-/// or its name held by another live node).
+/// or its name held by another live node: said once while `name_taken` stays set).
 async fn join_once(
     client: &HttpClient,
     params: &MemberParams,
+    name_taken: &mut bool,
 ) -> Result<Option<JoinReply>, MemberError> {
     let body = serde_json::to_vec(&params.request).unwrap_or_default();
     match client
@@ -100,7 +101,9 @@ async fn join_once(
         Ok((StatusCode::CONFLICT, body)) => {
             // Another live node holds this name: it may leave or be lost (a restart of this
             // node at a new address, before the head saw the old one go), so wait for it.
-            tracing::warn!(head = %params.head, message = %message_of(&body), "the head has another live node under this name; retrying");
+            if !std::mem::replace(name_taken, true) {
+                tracing::warn!(head = %params.head, message = %message_of(&body), "the head has another live node under this name; retrying until it is free");
+            }
             Ok(None)
         }
         Ok((status, body)) if status.is_client_error() => Err(MemberError::Refused {
@@ -125,8 +128,9 @@ pub async fn join(params: MemberParams) -> Result<Membership, MemberError> {
     let client = HttpClient::new(&params.head, "head")
         .map_err(|e| MemberError::BadUrl(e.to_string()))?
         .with_token(params.token.clone());
+    let mut name_taken = false;
     let joined = loop {
-        if let Some(reply) = join_once(&client, &params).await? {
+        if let Some(reply) = join_once(&client, &params, &mut name_taken).await? {
             break reply;
         }
         tokio::time::sleep(RETRY).await;
@@ -176,6 +180,7 @@ async fn heartbeats(
     let mut ticker = tokio::time::interval(period);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut reachable = true;
+    let mut name_taken = false;
     loop {
         tokio::select! {
             _ = &mut stopped => break,
@@ -201,8 +206,9 @@ async fn heartbeats(
             }
             Ok((StatusCode::NOT_FOUND, _)) => {
                 // The head does not know this incarnation (it restarted): join again.
-                match join_once(&client, &params).await {
+                match join_once(&client, &params, &mut name_taken).await {
                     Ok(Some(reply)) => {
+                        name_taken = false;
                         incarnation = reply.incarnation;
                         tracing::info!(head = %params.head, incarnation, "joined the head again");
                     }
