@@ -130,7 +130,7 @@ pub struct HttpServerArgs {
     #[arg(long, default_value_t = 30.0)]
     pub body_read_timeout_s: f64,
     /// Seconds an answer may wait for the client to take its next bytes (a client that stops
-    /// reading); its connection is then closed. A stream the client keeps reading is never cut.
+    /// reading); its connection is then closed. A stream the client keeps reading is not cut.
     #[arg(long, default_value_t = 60.0)]
     pub write_stall_timeout_s: f64,
     /// Most connections open at once (0: half the open-file limit, at most 8192); clients over

@@ -50,7 +50,7 @@ pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 pub const DEFAULT_BODY_READ_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Default of [`ServeOptions::write_stall_timeout`]: a client that reads nothing for a minute
-/// has gone or stopped; one that reads at all, however slowly, is never cut.
+/// has gone or stopped; one that keeps reading is not cut (see [`ServeOptions::write_stall_timeout`]).
 pub const DEFAULT_WRITE_STALL_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Most connections [`ServeOptions::default`] allows, whatever the open-file limit: each one
@@ -74,7 +74,8 @@ pub struct ServeOptions {
     pub body_read_timeout: Duration,
     /// Longest an answer may wait for the client to take its next bytes (the client's socket
     /// buffer full, the client reading nothing); the connection is then closed. A stream the
-    /// client keeps reading is never cut.
+    /// client keeps reading is not cut; one behind by a full socket buffer must take about half
+    /// of it (a few MB at most) within this time, when the kernel lets the server write again.
     pub write_stall_timeout: Duration,
     /// Most connections open at once; at the cap the server accepts no more until one closes
     /// (clients over it wait in the listen queue, holding no descriptor of this process).

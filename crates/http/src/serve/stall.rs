@@ -3,7 +3,9 @@
 //! A write that cannot go on (the client's socket buffer is full because it reads nothing)
 //! arms a timer; any progress disarms it; if it fires first, the write fails with
 //! [`std::io::ErrorKind::TimedOut`] and hyper closes the connection. A client that keeps
-//! reading, however slowly and however long the stream, is never cut.
+//! reading is not cut, however long the stream. "Progress" is the kernel's: it wakes a blocked
+//! writer once about half the socket's send buffer is free, so a client behind by a full
+//! buffer must take that much (a few MB at most) within the timeout.
 
 use std::future::Future;
 use std::io;
@@ -123,9 +125,13 @@ mod tests {
     /// An answer far larger than the sockets' buffers: its writer waits on the client.
     const BIG: usize = 8 << 20;
 
+    /// An answer the slow reader below takes several stall timeouts over.
+    const HUGE: usize = 32 << 20;
+
     fn big_router() -> axum::Router {
         axum::Router::new()
             .route("/big", axum::routing::get(|| async { vec![b'x'; BIG] }))
+            .route("/huge", axum::routing::get(|| async { vec![b'x'; HUGE] }))
             .route("/", axum::routing::get(|| async { "ok" }))
     }
 
@@ -163,17 +169,21 @@ mod tests {
 
     #[tokio::test]
     async fn a_client_that_reads_slowly_gets_the_whole_answer() {
+        // The reader takes several stall timeouts over the answer but frees the server's
+        // socket buffer well within one (the kernel wakes a blocked writer once about half the
+        // send buffer is free: a reader slower than that per timeout is cut).
         let options = ServeOptions {
-            write_stall_timeout: Duration::from_secs(1),
+            write_stall_timeout: Duration::from_millis(300),
             ..ServeOptions::default()
         };
         let (addr, stop, task) = start(big_router(), options).await;
         let mut slow = TcpStream::connect(addr).await.unwrap();
-        slow.write_all(b"GET /big HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        slow.write_all(b"GET /huge HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
             .await
             .unwrap();
         let mut got = 0;
-        let mut chunk = vec![0u8; 512 << 10];
+        let mut chunk = vec![0u8; 1 << 20];
+        let started = std::time::Instant::now();
         loop {
             // Slower than the server writes, but never idle for the stall timeout.
             tokio::time::sleep(Duration::from_millis(20)).await;
@@ -182,7 +192,11 @@ mod tests {
                 n => got += n,
             }
         }
-        assert!(got > BIG, "cut after {got} bytes");
+        assert!(got > HUGE, "cut after {got} bytes");
+        assert!(
+            started.elapsed() > Duration::from_millis(450),
+            "read too fast to outlast the timeout"
+        );
         stop.send(()).unwrap();
         task.await.unwrap().unwrap();
     }
