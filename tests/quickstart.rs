@@ -26,7 +26,7 @@
 //! (`trainer.minibatches = 2`) the current warm-start rises 0.473 → 0.511 and its training-problem
 //! accuracy 60.2 % → 75.8 % (best) in these 40 steps, the same on two runs.
 //!
-//! Held-out accuracy is not asked to hold over these 40 steps. It dips early in RL (README) and
+//! Held-out accuracy is not asked to hold over these 40 steps. It dips early in RL (docs/recipes.md) and
 //! recovers later: with the preset tokenizer's two added action tags (2026-11-27) the warm-start
 //! ends at 43.5 % held-out, these 40 steps' evaluations reach at best 34.8–39.1 %, and the full
 //! quickstart goes on to 87 % at step 241. The test used to ask that the best of the four
