@@ -43,17 +43,20 @@ pub struct Restored {
     pub manifest: Option<Manifest>,
 }
 
-/// Restores `trainer` from the newest checkpoint under `dir`, if there is one.
+/// Restores `trainer` from `checked` (a checkpoint the caller already read and checked) or
+/// else the newest checkpoint under `dir`, if there is one.
 pub fn restore(
     mut trainer: Box<dyn TrainerBackend>,
     dir: Option<&CheckpointDir>,
+    checked: Option<(std::path::PathBuf, Manifest)>,
     faults: &FaultsConfig,
 ) -> Result<Restored, ActorError> {
-    let found = match dir {
-        Some(d) => d
+    let found = match (checked, dir) {
+        (Some(found), _) => Some(found),
+        (None, Some(d)) => d
             .load()
             .map_err(|e| ActorError::Setup(format!("reading the checkpoint: {e}")))?,
-        None => None,
+        (None, None) => None,
     };
     let manifest = match found {
         Some((root, manifest)) => {

@@ -44,6 +44,11 @@ pub struct NodeOptions {
     /// config's own (`replay_dir == replay.path`, as `sluice run` sets it), else no checkpoints
     /// (tests that point the store elsewhere never touch the run's output dir).
     pub checkpoint_dir: Option<PathBuf>,
+    /// The checkpoint to resume from, already read and checked by the caller (its directory and
+    /// manifest; [`CheckpointDir::load`](sluice_actors::checkpoint::CheckpointDir::load) sums
+    /// every file): the node restores from it without reading the files' sums again. `None`: the
+    /// node looks in its checkpoint directory itself.
+    pub resumed: Option<(PathBuf, sluice_actors::checkpoint::Manifest)>,
     /// A head's members and served weights, for its admin API ([`crate::cluster::Head`]).
     pub cluster: Option<Arc<crate::cluster::ClusterState>>,
     /// Fail the start right after this stage has started (tests of the unwinding: a failed

@@ -192,6 +192,7 @@ fn prepare(
         native,
         step_feed,
         checkpoint_dir,
+        resumed,
         cluster,
         fail_after,
     } = options;
@@ -231,7 +232,7 @@ fn prepare(
         })
         .map(CheckpointDir::new);
     let Restored { trainer, manifest } =
-        checkpoints::restore(trainer, checkpoint_dir.as_ref(), &config.faults)?;
+        checkpoints::restore(trainer, checkpoint_dir.as_ref(), resumed, &config.faults)?;
     if let (Some(dir), Some(m)) = (&checkpoint_dir, &manifest)
         && let Some(changed) = checkpoints::config_changes(dir.root(), &config.to_toml())
         && !changed.is_empty()

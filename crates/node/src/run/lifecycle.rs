@@ -171,9 +171,14 @@ impl PreparedRun {
                 ended: _,
             } = self;
             let (feed, steps) = tokio::sync::mpsc::channel(STEP_FEED_CAPACITY);
-            let (setup, source, evaluations) = match native {
-                Some(n) => (Some(n.setup), Some(n.source), Some(n.evaluations)),
-                None => (None, None, None),
+            let (setup, source, evaluations, resumed) = match native {
+                Some(n) => (
+                    Some(n.setup),
+                    Some(n.source),
+                    Some(n.evaluations),
+                    n.resumed,
+                ),
+                None => (None, None, None, None),
             };
             let (head, head_factory, head_env) =
                 match (&setup, config.node.as_ref().map(|n| n.role)) {
@@ -194,6 +199,8 @@ impl PreparedRun {
                 native: setup,
                 source: source.map(|s| Box::new(s) as _),
                 step_feed: Some(feed),
+                // Read and summed by the preparation: not summed again.
+                resumed,
                 ..NodeOptions::default()
             };
             let node = match Node::start(config, options).await {
