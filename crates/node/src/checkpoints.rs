@@ -41,6 +41,9 @@ pub struct Restored {
     pub trainer: Box<dyn TrainerBackend>,
     /// The checkpoint's manifest (`None` for a fresh run).
     pub manifest: Option<Manifest>,
+    /// The directory it was read from (the checkpoint, or the one before it when that was
+    /// cut short).
+    pub root: Option<std::path::PathBuf>,
 }
 
 /// Restores `trainer` from `checked` (a checkpoint the caller already read and checked) or
@@ -58,7 +61,7 @@ pub fn restore(
             .map_err(|e| ActorError::Setup(format!("reading the checkpoint: {e}")))?,
         (None, None) => None,
     };
-    let manifest = match found {
+    let (manifest, root) = match found {
         Some((root, manifest)) => {
             let path = root.join(TRAINER_DIR);
             trainer.restore(&path).map_err(|e| {
@@ -75,15 +78,19 @@ pub fn restore(
                 dir = %root.display(),
                 "resuming from checkpoint"
             );
-            Some(manifest)
+            (Some(manifest), Some(root))
         }
-        None => None,
+        None => (None, None),
     };
     let trainer_faults = TrainerFaults::from_config(faults);
     if trainer_faults.any() {
         trainer = Box::new(FaultyTrainer::new(trainer, trainer_faults));
     }
-    Ok(Restored { trainer, manifest })
+    Ok(Restored {
+        trainer,
+        manifest,
+        root,
+    })
 }
 
 /// Refuses a manifest whose version is not the restored trainer's: both are written from one

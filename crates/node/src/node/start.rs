@@ -45,6 +45,8 @@ struct Prepared {
     fail_after: Option<Stage>,
     /// When the start began (the node's uptime counts from it).
     started_at: Instant,
+    /// The resolved config as TOML, written beside each checkpoint.
+    config_toml: Arc<str>,
 }
 
 impl Node {
@@ -132,8 +134,9 @@ impl Node {
             checkpoint_dir: p.checkpoint_dir,
             manifest: p.manifest.clone(),
             started_at: p.started_at,
+            config_toml: p.config_toml,
         };
-        let handles = handles(core, feeds, p.knobs, events, stores, config)?;
+        let handles = handles(core, feeds, p.knobs, events, stores)?;
         *stage = Stage::Servers;
         let servers_inputs = ServersInputs {
             serve_admin: p.serve_admin,
@@ -231,16 +234,20 @@ fn prepare(
             })
         })
         .map(CheckpointDir::new);
-    let Restored { trainer, manifest } =
-        checkpoints::restore(trainer, checkpoint_dir.as_ref(), resumed, &config.faults)?;
-    if let (Some(dir), Some(m)) = (&checkpoint_dir, &manifest)
-        && let Some(changed) = checkpoints::config_changes(dir.root(), &config.to_toml())
+    let Restored {
+        trainer,
+        manifest,
+        root,
+    } = checkpoints::restore(trainer, checkpoint_dir.as_ref(), resumed, &config.faults)?;
+    let config_toml: Arc<str> = config.to_toml().into();
+    if let (Some(root), Some(m)) = (&root, &manifest)
+        && let Some(changed) = checkpoints::config_changes(root, &config_toml)
         && !changed.is_empty()
     {
         tracing::warn!(
             step = m.steps,
             "resuming with a config that differs from the checkpoint's ({}): {}",
-            dir.root().join(checkpoints::CONFIG_FILE).display(),
+            root.join(checkpoints::CONFIG_FILE).display(),
             changed.join("; ")
         );
     }
@@ -260,6 +267,7 @@ fn prepare(
         cluster,
         fail_after,
         started_at,
+        config_toml,
     })
 }
 
@@ -268,6 +276,7 @@ struct Stores {
     checkpoint_dir: Option<CheckpointDir>,
     manifest: Option<Manifest>,
     started_at: Instant,
+    config_toml: Arc<str>,
 }
 
 /// The node's typed handles, cloned from the stages' guards.
@@ -277,12 +286,12 @@ fn handles(
     knobs: KnobsHandle,
     events: RunEvents,
     stores: Stores,
-    config: &Config,
 ) -> Result<NodeHandles, ActorError> {
     let Stores {
         checkpoint_dir,
         manifest,
         started_at,
+        config_toml,
     } = stores;
     let missing = || ActorError::Setup("a stage's guard lacks an actor it started".into());
     Ok(NodeHandles {
@@ -300,6 +309,6 @@ fn handles(
         logged_steps: Arc::new(tokio::sync::watch::channel(None).0),
         evaluation: Arc::default(),
         checkpoint_failure: Arc::default(),
-        config_toml: config.to_toml().into(),
+        config_toml,
     })
 }
