@@ -40,7 +40,7 @@ fn main() -> anyhow::Result<()> {
 
     // A bad value is refused with the knob's name, and nothing changes.
     let refused = knobs.update(&KnobPatch::from_assignments(&[
-        "max_concurrent_rollouts=0",
+        "max_concurrent_rollouts=2000000",
     ])?);
     println!("refused: {}", refused.unwrap_err());
     Ok(())

@@ -271,22 +271,27 @@ pub(super) fn rows() -> Vec<Row> {
         row(
             patch("{\"paused\": \"yes\"}"),
             Http(400, "invalid_json"),
-            "invalid type: string \"yes\", expected a boolean",
+            "invalid knob patch: `paused`: invalid type: string \"yes\", expected a boolean",
         ),
         row(
             patch("{\"max_version_lag\": -1}"),
             Http(400, "invalid_json"),
-            "invalid value: integer `-1`",
+            "invalid knob patch: `max_version_lag`: invalid value: integer `-1`",
         ),
         row(
             patch("{\"weight_update_mode\": \"sometimes\"}"),
             Http(400, "invalid_json"),
-            "unknown variant `sometimes`",
+            "`weight_update_mode`: unknown variant `sometimes`",
         ),
         row(
-            patch("{\"max_concurrent_rollouts\": 0}"),
+            patch("{\"max_concurrent_rollouts\": 2000000}"),
             Http(400, "invalid_knob"),
-            "max_concurrent_rollouts: expected an integer ≥ 1, got 0",
+            "max_concurrent_rollouts: expected an integer ≤ 1048576, got 2000000",
+        ),
+        row(
+            patch("{\"tail_batch_trigger_size\": 4294967295}"),
+            Http(400, "invalid_knob"),
+            "tail_batch_trigger_size: expected an integer ≤ 1000000000, got 4294967295",
         ),
         row(
             patch("{\"paused\": false, \"staleness_threshold\": -0.5}"),

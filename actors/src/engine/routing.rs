@@ -79,8 +79,12 @@ impl EngineState {
                 pause,
                 mode,
             } => {
-                metrics::histogram!(m::ENGINE_WEIGHT_SYNC_PAUSE_SECONDS, "mode" => mode.as_str())
-                    .record(pause.as_secs_f64());
+                // A sync is a move to newer weights: the install of the start weights, at the
+                // version the replica already runs, is none.
+                if version > r.version {
+                    metrics::histogram!(m::ENGINE_WEIGHT_SYNC_PAUSE_SECONDS, "mode" => mode.as_str())
+                        .record(pause.as_secs_f64());
+                }
                 r.version = version;
                 self.report_versions();
             }

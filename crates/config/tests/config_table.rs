@@ -36,8 +36,8 @@ fn an_empty_file_is_a_valid_config_with_defaults() {
     assert_eq!(c.rollout.knobs.staleness_threshold, 0.0);
     // trigger size 0 resolves to the global batch size in groups.
     assert_eq!(c.rollout.knobs.tail_batch_trigger_size, 8);
-    // no concurrency cap beyond admission: (η + 1) · groups_per_step · group_size.
-    assert_eq!(c.rollout.knobs.max_concurrent_rollouts, 2 * 8 * 8);
+    // no concurrency cap beyond admission, whose bound the scheduler reads from the live η.
+    assert_eq!(c.rollout.knobs.max_concurrent_rollouts, 0);
 }
 
 #[test]

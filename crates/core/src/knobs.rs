@@ -91,7 +91,8 @@ pub struct Knobs {
     pub weight_update_mode: WeightUpdateMode,
     /// Target share of each domain (relative weights, normalized when used).
     pub domain_mix: BTreeMap<String, f64>,
-    /// Cap on rollouts generating at once (≥ 1), on top of admission control.
+    /// Cap on rollouts generating at once, on top of admission control; 0: none beyond
+    /// admission, whose bound `(η + 1) · groups_per_step · group_size` follows η as it changes.
     pub max_concurrent_rollouts: u32,
     /// Admit no new groups while true (in-flight work continues).
     pub paused: bool,
@@ -104,6 +105,14 @@ pub const MAX_STALENESS_THRESHOLD: f64 = 100.0;
 /// Largest `max_version_lag`: a million versions is "never stale" for any real run, and the
 /// admission formula `(v + η + 1) · groups_per_step` stays far from overflow.
 pub const MAX_VERSION_LAG: u64 = 1_000_000;
+
+/// Largest `max_concurrent_rollouts`: more rollouts in flight than one node's engine and env
+/// workers can hold.
+pub const MAX_CONCURRENT_ROLLOUTS: u32 = 1_048_576;
+
+/// Largest `tail_batch_candidate_steps` and `tail_batch_trigger_size`, as the config bounds
+/// every count ([`crate::config::bounds::MAX_COUNT`]).
+pub const MAX_TAIL_COUNT: u32 = 1_000_000_000;
 
 /// Largest `domain_mix` weight: weights are relative, and the bound keeps their sum finite (a
 /// sum of several 1e308 weights is infinite and every share becomes NaN).
@@ -177,10 +186,27 @@ impl Knobs {
                 "expected an integer ≥ 1, got 0",
             ));
         }
-        if self.max_concurrent_rollouts == 0 {
-            return Err(KnobError::new(
+        let counts = [
+            (
+                "tail_batch_candidate_steps",
+                self.tail_batch_candidate_steps,
+                MAX_TAIL_COUNT,
+            ),
+            (
+                "tail_batch_trigger_size",
+                self.tail_batch_trigger_size,
+                MAX_TAIL_COUNT,
+            ),
+            (
                 "max_concurrent_rollouts",
-                "expected an integer ≥ 1, got 0",
+                self.max_concurrent_rollouts,
+                MAX_CONCURRENT_ROLLOUTS,
+            ),
+        ];
+        if let Some((knob, v, max)) = counts.into_iter().find(|&(_, v, max)| v > max) {
+            return Err(KnobError::new(
+                knob,
+                format!("expected an integer ≤ {max}, got {v}"),
             ));
         }
         if self.domain_mix.len() > MAX_DOMAINS {
@@ -223,7 +249,7 @@ impl Knobs {
 
     /// Numeric view of every number and switch among the knobs ([`gauge_names`], in that
     /// order), for the `sluice_node_knob_value{knob}` gauge. Booleans are 0/1;
-    /// `weight_update_mode` is exported separately as an info gauge and `domain_mix` as
+    /// `weight_update_mode` and `admission` are exported separately as info gauges and `domain_mix` as
     /// `sluice_domain_mix_target`.
     pub fn gauge_values(&self) -> Vec<(&'static str, f64)> {
         let value = serde_json::to_value(self).unwrap_or_default();

@@ -144,6 +144,8 @@ catalog! {
         "Current value of each scalar runtime knob (booleans as 0/1).";
     NODE_WEIGHT_UPDATE_MODE_INFO = "sluice_node_weight_update_mode_info", Gauge, ["mode"], NONE,
         "1 for the active weight_update_mode, 0 for the others.";
+    NODE_ADMISSION_MODE_INFO = "sluice_node_admission_mode_info", Gauge, ["mode"], NONE,
+        "1 for the active admission mode (demand or eta), 0 for the other.";
     NODE_MEMBER_UP = "sluice_node_member_up_info", Gauge, ["node", "role"], NONE,
         "Head: 1 while a joined engine or env node heartbeats and is reachable, 0 while it is lost or unreachable; rendered from the membership at each scrape, so a node that left, or whose place went to a new member, has no series (at most node.max_nodes).";
     NODE_MEMBER_WEIGHT_VERSION = "sluice_node_member_weight_version", Gauge, ["node"], NONE,

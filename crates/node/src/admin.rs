@@ -230,11 +230,11 @@ fn apply(s: &AdminState, patch: &KnobPatch) -> Result<Json<Value>, ApiError> {
         Ok(changes) => Ok(Json(
             json!({ "changes": changes, "knobs": s.node.knobs.current() }),
         )),
-        Err(e) => Err(ApiError::new(
-            StatusCode::BAD_REQUEST,
-            "invalid_knob",
-            e.to_string(),
-        )),
+        Err(e) => {
+            let mut refusal = ApiError::new(StatusCode::BAD_REQUEST, "invalid_knob", e.to_string());
+            refusal.param = Some(e.knob);
+            Err(refusal)
+        }
     }
 }
 
@@ -271,11 +271,33 @@ async fn patch_knobs(
     // Read from the bytes into the struct: a knob given twice is refused (`duplicate field`),
     // where the value above kept the last one.
     let patch: KnobPatch = serde_json::from_slice(&body).map_err(|e| {
-        ApiError::new(
-            StatusCode::BAD_REQUEST,
-            "invalid_json",
-            format!("invalid knob patch: {e}"),
-        )
+        // serde names the field only when it is unknown: the knob whose value it refused is
+        // found by reading each field on its own.
+        let refused = value
+            .as_object()
+            .into_iter()
+            .flatten()
+            .find_map(|(knob, v)| {
+                let one = Value::Object([(knob.clone(), v.clone())].into_iter().collect());
+                let e = serde_json::from_value::<KnobPatch>(one).err()?;
+                Some((knob.clone(), e))
+            });
+        match refused {
+            Some((knob, e)) => {
+                let mut refusal = ApiError::new(
+                    StatusCode::BAD_REQUEST,
+                    "invalid_json",
+                    format!("invalid knob patch: `{knob}`: {e}"),
+                );
+                refusal.param = Some(knob);
+                refusal
+            }
+            None => ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "invalid_json",
+                format!("invalid knob patch: {e}"),
+            ),
+        }
     })?;
     apply(&s, &patch)
 }

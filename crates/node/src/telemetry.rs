@@ -25,7 +25,7 @@ use metrics::Unit;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use sluice_core::knobs::KnobsHandle;
 use sluice_core::metrics::{self as m, MetricDef, MetricKind};
-use sluice_core::{RolloutStatus, WeightUpdateMode};
+use sluice_core::{AdmissionMode, RolloutStatus, WeightUpdateMode};
 use sluice_engine::FinishReason;
 use sluice_replay::Bucket;
 
@@ -288,6 +288,10 @@ pub fn export_knobs(knobs: &KnobsHandle) {
             0.0
         };
         metrics::gauge!(m::NODE_WEIGHT_UPDATE_MODE_INFO, "mode" => mode.as_str()).set(on);
+    }
+    for mode in AdmissionMode::ALL {
+        let on = f64::from(u8::from(mode == k.admission));
+        metrics::gauge!(m::NODE_ADMISSION_MODE_INFO, "mode" => mode.as_str()).set(on);
     }
     for (domain, share) in k.domain_shares() {
         metrics::gauge!(m::DOMAIN_MIX_TARGET, "domain" => domain).set(share);

@@ -48,6 +48,24 @@ pub fn in_flight_target(staleness_threshold: f64, remaining: u64) -> u64 {
     target.ceil() as u64
 }
 
+/// The most groups kept in flight: `max_concurrent_rollouts / group_size` (at least one), or,
+/// with `max_concurrent_rollouts = 0` (no cap beyond admission), admission's own bound
+/// `(η + 1) · groups_per_step`, read from the live η so that raising it at runtime opens room.
+pub fn in_flight_cap(
+    max_concurrent_rollouts: u32,
+    max_version_lag: u64,
+    groups_per_step: u32,
+    group_size: u32,
+) -> u64 {
+    if max_concurrent_rollouts == 0 {
+        max_version_lag
+            .saturating_add(1)
+            .saturating_mul(u64::from(groups_per_step))
+    } else {
+        u64::from((max_concurrent_rollouts / group_size.max(1)).max(1))
+    }
+}
+
 /// Headroom of [`Pace::demand`], in batches: groups slower than the average still leave a full
 /// batch at the trainer's next take.
 const DEMAND_HEADROOM_BATCHES: f64 = 0.25;

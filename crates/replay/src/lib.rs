@@ -22,7 +22,9 @@ pub mod progress;
 pub mod scheduler;
 pub mod store;
 
-pub use admission::{Pace, admission_allows, demand_allows, in_flight_target, remaining_for_step};
+pub use admission::{
+    Pace, admission_allows, demand_allows, in_flight_cap, in_flight_target, remaining_for_step,
+};
 pub use bucket::{Bucket, BucketCounts, Transition};
 pub use error::ReplayError;
 pub use offline::clear_stopped_store;

@@ -7,7 +7,7 @@
 //!    `remaining` in flight: no over-sending), nothing is admitted; the round ends when every
 //!    candidate it resumed is stored;
 //! 3. otherwise keeps `ceil((1 + s) · remaining)` groups in flight (capped by
-//!    `max_concurrent_rollouts / group_size`), resuming aborted and then expired groups first and
+//!    [`in_flight_cap`]), resuming aborted and then expired groups first and
 //!    admitting fresh samples only while [`admission_allows`], with `admission = "demand"`
 //!    [`demand_allows`], and, with a `replay.capacity`, while fewer groups than that are
 //!    admitted and not yet trained (nothing is evicted at the bound: admission waits).
@@ -30,7 +30,9 @@ use std::collections::HashSet;
 
 use sluice_core::{AdmissionMode, GroupId, Knobs};
 
-use crate::admission::{admission_allows, demand_allows, in_flight_target, remaining_for_step};
+use crate::admission::{
+    admission_allows, demand_allows, in_flight_cap, in_flight_target, remaining_for_step,
+};
 use crate::store::{Lane, Waiting};
 
 /// What the controller knows at a decision, beyond the scheduler's own queues.
@@ -169,7 +171,12 @@ impl RolloutScheduler {
             self.tail_active = false;
         }
         let remaining = remaining_for_step(b, view.completed);
-        let cap = u64::from((knobs.max_concurrent_rollouts / self.group_size).max(1));
+        let cap = in_flight_cap(
+            knobs.max_concurrent_rollouts,
+            knobs.max_version_lag,
+            b,
+            self.group_size,
+        );
         let mut active = view.in_flight;
         if self.tail_active {
             // A tail round serves only candidates, without over-sending (s = 0).

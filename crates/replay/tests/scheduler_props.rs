@@ -16,8 +16,8 @@ use std::collections::{BTreeMap, BTreeSet, HashSet};
 use proptest::prelude::*;
 use sluice_core::{AdmissionMode, GroupId, Knobs, NodeId, RunId, WeightUpdateMode};
 use sluice_replay::{
-    Lane, RolloutScheduler, SchedulerView, Waiting, admission_allows, in_flight_target,
-    remaining_for_step,
+    Lane, RolloutScheduler, SchedulerView, Waiting, admission_allows, in_flight_cap,
+    in_flight_target, remaining_for_step,
 };
 
 #[derive(Debug, Clone)]
@@ -256,7 +256,12 @@ impl World {
         let view = self.view();
         let d = self.scheduler.decide(&self.knobs, &view);
         let remaining = remaining_for_step(self.b, view.completed);
-        let cap = u64::from((self.knobs.max_concurrent_rollouts / self.group_size).max(1));
+        let cap = in_flight_cap(
+            self.knobs.max_concurrent_rollouts,
+            self.knobs.max_version_lag,
+            self.b,
+            self.group_size,
+        );
         let after = view.in_flight + d.resume + d.admit as u64;
         if self.scheduler.tail_active() {
             assert_eq!(d.admit, 0, "fresh admission during a tail round");
@@ -331,7 +336,7 @@ proptest! {
     fn scheduler_keeps_its_rules_and_the_run_moving(
         b in 1u32..5,
         group_size in 1u32..4,
-        concurrency in 1u32..16,
+        concurrency in 0u32..16,
         extra_capacity in proptest::option::of(0u64..6),
         first in knob_change(),
         ops in proptest::collection::vec(op(), 0..120),
@@ -404,4 +409,27 @@ fn a_waiting_trainer_gets_its_last_group_from_the_tail_queue() {
         0,
         "early rounds are not trigger rounds"
     );
+}
+
+/// With `max_concurrent_rollouts = 0` the in-flight cap is admission's bound at the live η: a
+/// run started at η = 0 and raised to η = 4 keeps more groups in flight, where a cap resolved
+/// once at the start kept it at one batch.
+#[test]
+fn no_concurrency_cap_follows_eta_as_it_changes() {
+    let c = KnobChange {
+        eta: 0,
+        staleness: 4.0,
+        candidate_steps: 0,
+        trigger: 1,
+        demand: false,
+    };
+    let mut w = World::new(2, 2, knobs(&c, 0), None);
+    w.decide();
+    assert_eq!(w.in_flight.len(), 2, "η = 0: one batch");
+    w.apply(&Op::Knobs(KnobChange { eta: 4, ..c }));
+    assert_eq!(w.in_flight.len(), 10, "η = 4: (η + 1) · B groups");
+    // An explicit cap still holds: 6 rollouts are 3 groups of 2.
+    let mut capped = World::new(2, 2, knobs(&KnobChange { eta: 4, ..c }, 6), None);
+    capped.decide();
+    assert_eq!(capped.in_flight.len(), 3);
 }

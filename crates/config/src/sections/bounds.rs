@@ -36,11 +36,19 @@ pub const BOUNDS: &[Bound] = &[
         sluice_core::knobs::MAX_VERSION_LAG as f64,
         "policy versions",
     ),
-    bound("rollout.tail_batch_candidate_steps", MAX_COUNT, "aborts"),
-    bound("rollout.tail_batch_trigger_size", MAX_COUNT, "groups"),
+    bound(
+        "rollout.tail_batch_candidate_steps",
+        sluice_core::knobs::MAX_TAIL_COUNT as f64,
+        "aborts",
+    ),
+    bound(
+        "rollout.tail_batch_trigger_size",
+        sluice_core::knobs::MAX_TAIL_COUNT as f64,
+        "groups",
+    ),
     bound(
         "rollout.max_concurrent_rollouts",
-        1_048_576.0,
+        sluice_core::knobs::MAX_CONCURRENT_ROLLOUTS as f64,
         "rollouts in flight on one node",
     ),
     bound(

@@ -42,6 +42,14 @@ fn assignments_parse_and_apply() {
         "0 resolves to the default"
     );
     assert_eq!(next.domain_shares()["math"], 0.75);
+    let auto = KnobPatch::from_assignments(&["max_concurrent_rollouts=0"]).unwrap();
+    assert_eq!(
+        auto.apply(&knobs(), 16, &domains())
+            .unwrap()
+            .max_concurrent_rollouts,
+        0,
+        "0 is the config's \"no cap beyond admission\", which follows η"
+    );
 }
 
 #[test]
@@ -68,8 +76,16 @@ fn bad_values_are_refused_with_the_knob_name() {
             "weight_update_mode: expected one of abort_resume, in_flight, drain, got `sometimes`",
         ),
         (
-            &["max_concurrent_rollouts=0"],
-            "max_concurrent_rollouts: expected an integer ≥ 1, got 0",
+            &["max_concurrent_rollouts=1048577"],
+            "max_concurrent_rollouts: expected an integer ≤ 1048576, got 1048577",
+        ),
+        (
+            &["tail_batch_candidate_steps=4000000000"],
+            "tail_batch_candidate_steps: expected an integer ≤ 1000000000, got 4000000000",
+        ),
+        (
+            &["tail_batch_trigger_size=1000000001"],
+            "tail_batch_trigger_size: expected an integer ≤ 1000000000, got 1000000001",
         ),
         (&["paused=yes"], "paused: expected true or false, got `yes`"),
         (

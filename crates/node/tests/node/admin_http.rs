@@ -91,19 +91,33 @@ async fn check_refused_patches_change_nothing(node: &Node, base: &str) {
     )
     .await;
     assert_eq!(code, 401, "mutating calls need the token");
-    let (code, body) = call(
-        base.to_owned(),
-        "PATCH",
-        "/v1/knobs",
-        Some(r#"{"paused": false, "max_concurrent_rollouts": 0}"#),
-        Some("s3cret"),
-    )
-    .await;
-    assert_eq!(code, 400);
-    assert!(
-        body.contains("max_concurrent_rollouts"),
-        "the reason names the knob: {body}"
-    );
+    // The reason and `param` name the knob, whether the range (`invalid_knob`) or the type
+    // (`invalid_json`) refused it, also after a knob that was fine.
+    for (patch, knob) in [
+        (
+            r#"{"paused": false, "max_concurrent_rollouts": 2000000}"#,
+            "max_concurrent_rollouts",
+        ),
+        (
+            r#"{"paused": false, "max_version_lag": -1}"#,
+            "max_version_lag",
+        ),
+        (r#"{"paused": false, "admission": "eager"}"#, "admission"),
+    ] {
+        let (code, body) = call(
+            base.to_owned(),
+            "PATCH",
+            "/v1/knobs",
+            Some(patch),
+            Some("s3cret"),
+        )
+        .await;
+        assert_eq!(code, 400, "{patch}: {body}");
+        let error = &serde_json::from_str::<serde_json::Value>(&body).unwrap()["error"];
+        assert_eq!(error["param"], knob, "{patch}: {body}");
+        let message = error["message"].as_str().unwrap();
+        assert!(message.contains(knob), "the reason names the knob: {body}");
+    }
     let (code, body) = call(
         base.to_owned(),
         "PATCH",
@@ -170,6 +184,8 @@ async fn check_status_and_metrics_answer(node: &Node, base: &str) {
         "sluice_engine_busy_ratio",
         "sluice_trainer_idle_ratio",
         "sluice_node_knob_value",
+        "sluice_node_admission_mode_info{mode=\"demand\"}",
+        "sluice_node_admission_mode_info{mode=\"eta\"}",
     ] {
         assert!(text.contains(name), "/metrics lacks {name}");
     }

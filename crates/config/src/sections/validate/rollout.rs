@@ -32,20 +32,13 @@ pub fn validate_rollout(
         "rollout.tail_batch_trigger_size",
         raw.tail_batch_trigger_size,
     )?;
-    let max_concurrent = u32_incl_zero(
+    // 0 stays 0, "no cap beyond admission": the scheduler reads admission's bound from the live
+    // η (`sluice_replay::in_flight_cap`), so raising η at runtime opens room.
+    let max_concurrent_rollouts = u32_incl_zero(
         ctx,
         "rollout.max_concurrent_rollouts",
         raw.max_concurrent_rollouts,
     )?;
-    // 0 means "no cap beyond admission": the most rollouts admission can ever have in flight.
-    let admission_bound = u64::from(groups_per_step.get())
-        .saturating_mul(max_version_lag.saturating_add(1))
-        .saturating_mul(u64::from(group_size.get()));
-    let max_concurrent_rollouts = if max_concurrent == 0 {
-        u32::try_from(admission_bound).unwrap_or(u32::MAX)
-    } else {
-        max_concurrent
-    };
     let domains = data_domains;
     for (domain, &w) in &raw.domain_mix {
         let key = format!("rollout.domain_mix.{domain}");
