@@ -94,6 +94,7 @@ enum Cmd {
     Step(Arc<StepEvent>),
     Knobs,
     Status(RpcReplyPort<ControllerStatus>),
+    Close(RpcReplyPort<()>),
 }
 
 /// The actor's messages (private: use [`ControllerHandle`]).
@@ -180,6 +181,21 @@ impl ControllerHandle {
         })
     }
 
+    /// A graceful stop has begun: from the answer on, nothing is admitted or resumed (the engine
+    /// is about to answer every request as aborted), while what is in flight is still stored.
+    /// A pause is not enough: it lets admitted groups resume.
+    pub async fn close(&self) -> Result<(), ActorError> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.actor
+            .cast(ControllerMsg(Cmd::Close(tx.into())))
+            .map_err(|_| ActorError::Gone {
+                actor: "controller",
+            })?;
+        rx.await.map_err(|_| ActorError::Gone {
+            actor: "controller",
+        })
+    }
+
     /// Stops the actor.
     pub async fn stop(&self) {
         let _ = self.actor.stop_and_wait(None, None).await;
@@ -216,6 +232,8 @@ pub struct ControllerState {
     samples: VecDeque<DataSample>,
     samples_requested: usize,
     draining: bool,
+    /// A graceful stop has begun ([`ControllerHandle::close`]): no more decisions.
+    closed: bool,
     status: ControllerStatus,
     /// Outcome EMA and balance fractions (seed 001).
     outcomes: OutcomeStats,
@@ -280,6 +298,7 @@ impl Actor for ControllerActor {
             samples: VecDeque::new(),
             samples_requested: 0,
             draining: false,
+            closed: false,
             status: ControllerStatus::default(),
             outcomes: OutcomeStats::new(OUTCOME_EMA_ALPHA, balance_threshold, BALANCE_WINDOW),
             component_series: sluice_core::metrics::ComponentSeries::default(),
@@ -333,6 +352,10 @@ impl Actor for ControllerActor {
             Cmd::Status(reply) => {
                 let _ = reply.send(s.snapshot());
                 return Ok(());
+            }
+            Cmd::Close(reply) => {
+                s.closed = true;
+                let _ = reply.send(());
             }
         }
         s.schedule();

@@ -79,7 +79,11 @@ impl ControllerState {
             self.tail_steps_sent = Some(knobs.tail_batch_candidate_steps);
         }
         let view = self.view();
-        let decision = self.scheduler.decide(&knobs, &view);
+        let decision = if self.closed {
+            sluice_replay::Decision::default()
+        } else {
+            self.scheduler.decide(&knobs, &view)
+        };
         let fresh: Vec<DataSample> = self.samples.drain(..decision.admit).collect();
         if let Some(want) = decision.samples_wanted
             && self.samples_requested == 0

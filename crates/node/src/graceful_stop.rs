@@ -57,6 +57,10 @@ pub async fn drain_and_checkpoint(h: &NodeHandles, timeout: Duration) -> StopRep
     if let Err(e) = h.knobs.update(&pause) {
         tracing::warn!(error = %e, "cannot pause admission");
     }
+    // Paused, admitted groups still resume; closed, the controller starts nothing more.
+    if let Err(e) = h.controller.close().await {
+        report.error = Some(e.to_string());
+    }
     // No step after the checkpoint's mark: a step trained past it would publish weights the
     // checkpoint does not hold, and consume groups a restart could not train again.
     match tokio::time::timeout_at(deadline, h.trainer.hold()).await {

@@ -2,7 +2,9 @@
 //! what it hears and carries out the [`Decision`] it returns.
 //!
 //! At every decision the [`RolloutScheduler`]:
-//! 1. does nothing new while `paused` or while a `drain` weight update is pending;
+//! 1. does nothing new while a `drain` weight update is pending, and admits nothing fresh while
+//!    `paused` (groups already admitted still resume, so work a weight update interrupted
+//!    finishes and trains);
 //! 2. runs a tail round when enough tail candidates wait: only they are resumed (at most
 //!    `remaining` in flight: no over-sending), nothing is admitted; the round ends when every
 //!    candidate it resumed is stored;
@@ -153,7 +155,7 @@ impl RolloutScheduler {
     pub fn decide(&mut self, knobs: &Knobs, view: &SchedulerView) -> Decision {
         self.stats.decisions += 1;
         let mut decision = Decision::default();
-        if knobs.paused || view.draining {
+        if view.draining {
             return decision;
         }
         let b = self.groups_per_step;
@@ -191,6 +193,9 @@ impl RolloutScheduler {
                 resumable -= 1;
                 decision.resume += 1;
             } else {
+                if knobs.paused {
+                    break;
+                }
                 let fresh = decision.admit as u64;
                 let load = (view.admitted_total + fresh).saturating_sub(view.released_total);
                 if !admission_allows(load, view.version, knobs.max_version_lag, b) {
@@ -213,15 +218,17 @@ impl RolloutScheduler {
             }
             active += 1;
         }
-        // Keep a batch of samples ready beyond what the target needs now.
-        decision.samples_wanted = Some((target as usize).max(b as usize) + b as usize);
+        // Keep a batch of samples ready beyond what the target needs now (none drawn while
+        // paused).
+        decision.samples_wanted =
+            (!knobs.paused).then(|| (target as usize).max(b as usize) + b as usize);
         decision
     }
 
     /// The trainer waits, nothing in flight or waiting to resume can fill its batch, and fresh
     /// samples are kept out — by η, by demand-aware admission counting the tail candidates as
-    /// the pending work the trainer needs, or by the store's capacity: only tail candidates can
-    /// move the run.
+    /// the pending work the trainer needs, by the store's capacity, or by a pause: only tail
+    /// candidates can move the run.
     fn tail_is_all_that_is_left(&self, knobs: &Knobs, view: &SchedulerView) -> bool {
         let load = view.admitted_total.saturating_sub(view.released_total);
         let eta_holds = !admission_allows(
@@ -236,7 +243,7 @@ impl RolloutScheduler {
             && view.in_flight == 0
             && view.waiting.resumable() == 0
             && view.completed < u64::from(self.groups_per_step)
-            && (eta_holds || demand_holds || self.at_capacity(view, 0))
+            && (knobs.paused || eta_holds || demand_holds || self.at_capacity(view, 0))
     }
 
     fn start_tail_round(&mut self, early: bool, size: u64) {

@@ -215,3 +215,59 @@ async fn expiry_on_a_long_tail_shows_as_length_bias() {
         "η = 1 {b:?}, η = 16 {f:?}"
     );
 }
+
+/// A pause admits nothing new, and work a weight update interrupted still finishes and trains:
+/// under `abort_resume` a publish after the pause aborts the groups in flight, which used to
+/// wait in the store, never resumed, for as long as the pause lasted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pause_lets_interrupted_work_finish() {
+    use sluice_replay::Bucket;
+    let mut config = common::config(
+        "weight_update_mode = \"abort_resume\"\nmax_version_lag = 3\nstaleness_threshold = 1.5\nadmission = \"eta\"",
+        "time_scale = 1.0",
+    );
+    config.run.max_steps = std::num::NonZeroU64::new(10_000).unwrap();
+    let node = Node::start(&config, NodeOptions::default()).await.unwrap();
+    let at_rest = |s: &NodeStatus, b: Bucket| s.replay.buckets.get(&b).copied().unwrap_or(0);
+    common::wait_for_status(&node, "aborts under way", Duration::from_secs(20), |s| {
+        s.trainer.steps >= 2 && s.controller.in_flight > 0
+    })
+    .await;
+    node.handles
+        .knobs
+        .update(&sluice_core::KnobPatch {
+            paused: Some(true),
+            ..Default::default()
+        })
+        .unwrap();
+    let paused = node.status().await.unwrap();
+    let settled = common::wait_for_status(
+        &node,
+        "the admitted work to finish while paused",
+        Duration::from_secs(20),
+        |s| {
+            s.controller.in_flight == 0
+                && at_rest(s, Bucket::Aborted) == 0
+                && at_rest(s, Bucket::Expired) == 0
+        },
+    )
+    .await;
+    assert!(
+        settled.controller.admitted_total <= paused.controller.admitted_total,
+        "admitted while paused: {} after {}",
+        settled.controller.admitted_total,
+        paused.controller.admitted_total
+    );
+    let aborts = |s: &NodeStatus| {
+        let t = &s.replay.counters.transitions;
+        t.iter()
+            .filter(|(k, _)| k.to == Bucket::Aborted)
+            .map(|(_, n)| n)
+            .sum::<u64>()
+    };
+    assert!(
+        aborts(&settled) > aborts(&paused) && settled.trainer.steps > paused.trainer.steps,
+        "no group was interrupted after the pause, or nothing trained; status {settled:#?}"
+    );
+    node.shutdown().await;
+}
