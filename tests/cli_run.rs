@@ -91,6 +91,39 @@ fn run_finishes_the_long_tail_config_and_prints_a_summary() {
     }
 }
 
+/// A skipped step (the drill of a batch whose every advantage is zero) publishes nothing: the
+/// log's `policy_version` stays where the previous step left it, where it used to claim a
+/// version never published.
+#[test]
+fn a_skipped_step_logs_the_version_it_left() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = sim_run(
+        dir.path(),
+        &[
+            "run.max_steps=4",
+            "engine.simulated.time_scale=0.01",
+            "faults.trainer_skip_every_steps=2",
+        ],
+    )
+    .output()
+    .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let log = std::fs::read_to_string(dir.path().join("metrics.jsonl")).unwrap();
+    let versions: Vec<u64> = log
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["policy_version"]
+                .as_u64()
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(versions, [1, 1, 2, 2], "{log}");
+}
+
 /// A second `sluice run` on a run directory in use stops at once, naming the first one's pid,
 /// and changes nothing there.
 #[test]

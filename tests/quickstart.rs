@@ -134,6 +134,21 @@ fn the_quickstart_warm_starts_trains_through_the_actors_and_reports() {
         assert!((0.0..=1.0).contains(&correct), "reward.correct: {r}");
         let lag = r["version_lag_mean"].as_f64().unwrap();
         assert!((0.0..=2.0).contains(&lag), "max_version_lag = 2: {r}");
+        // The trainer's figures of this step, not only the last step's gauges.
+        for key in [
+            "train.entropy",
+            "train.clip_fraction",
+            "train.importance_weight_mean",
+            "train.effective_sample_size",
+            "train.grad_norm",
+            "train.learning_rate",
+            "train.packing_efficiency",
+        ] {
+            let v = r[key].as_f64().unwrap_or(f64::NAN);
+            assert!(v.is_finite() && v >= 0.0, "{key}: {r}");
+        }
+        let ess = r["train.effective_sample_size"].as_f64().unwrap();
+        assert!(ess <= 1.0 + 1e-9, "a fraction of the tokens: {r}");
         let evaluated = step.is_multiple_of(EVAL_EVERY) || step == RL_STEPS;
         assert_eq!(r.get("eval_accuracy").is_some(), evaluated, "{r}");
         if evaluated {

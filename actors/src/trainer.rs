@@ -113,6 +113,10 @@ impl TrainerHandle {
         controller: Sink<Arc<StepEvent>>,
         mut options: TrainerOptions,
     ) -> Result<(Self, tokio::task::JoinHandle<()>), ActorError> {
+        // The weights it starts from are the published ones (the restored ones after a resume):
+        // the gauge reads them before the first step does.
+        metrics::gauge!(sluice_core::metrics::TRAINER_POLICY_VERSION)
+            .set(backend.version().0 as f64);
         let status = TrainerStatus {
             version: backend.version(),
             steps: options.start_step,

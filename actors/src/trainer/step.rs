@@ -65,10 +65,6 @@ impl Worker {
         };
         status.steps += 1;
         status.trained_groups += groups;
-        status.trained_samples += batch.iter().map(|g| g.rollouts.len() as u64).sum::<u64>();
-        status.trained_tokens += check.tokens;
-        status.lag_sum += check.lag_sum;
-        status.max_lag = status.max_lag.max(check.max_lag);
         status.done = status.steps >= self.options.max_steps;
         let steps = status.steps;
         if self.options.track_ids
@@ -76,14 +72,26 @@ impl Worker {
         {
             ids.extend(batch.iter().map(|g| g.id));
         }
-        check.export(status.idle_ratio(), seconds, &out.metrics);
         let published = out.weights.inspect(|w| status.version = w.version);
-        if published.is_none() {
+        if published.is_some() {
+            // What was trained: the rollouts with texts to train on, of a step that moved the
+            // weights (the lags of every token were checked against η above).
+            status.trained_samples += check.samples;
+            status.trained_tokens += check.tokens;
+            status.lag_sum += check.lag_sum;
+            status.max_lag = status.max_lag.max(check.max_lag);
+        } else {
             status.skipped_steps += 1;
             // The batch is consumed but no version moved the admission bound: give its groups
             // back, or η + 1 skipped steps would stop admission for good.
             self.replay.release_skipped(groups);
         }
+        check.export(
+            published.is_some(),
+            status.idle_ratio(),
+            seconds,
+            &out.metrics,
+        );
         if let Some(w) = &published {
             metrics::gauge!(m::TRAINER_POLICY_VERSION).set(w.version.0 as f64);
         }
@@ -114,24 +122,30 @@ impl Worker {
     }
 }
 
+/// The step metrics the actor records itself, whatever the backend reports under their names:
+/// the step's time, each token's lag, and a skipped step.
+const RECORDED_BY_THE_ACTOR: [&str; 3] = [
+    m::TRAINER_STEP_SECONDS,
+    m::TRAINER_TOKEN_VERSION_LAG_VERSIONS,
+    m::TRAINER_SKIPPED_STEPS,
+];
+
 /// Exports a step's catalog-named scalars: gauges are set, counters incremented by the value.
-/// Histograms the actor records itself (step time, per-token lag) are skipped, so a step's mean
-/// does not count twice; names outside the catalog are ignored (an ad-hoc name would be an
-/// undocumented series). Returns how many names were ignored.
+/// What the actor records itself ([`RECORDED_BY_THE_ACTOR`]) is skipped, so nothing counts
+/// twice; names outside the catalog are ignored (an ad-hoc name would be an undocumented
+/// series). Returns how many names were ignored.
 pub fn export_step_metrics(values: &BTreeMap<String, f64>) -> usize {
     let mut ignored = 0;
     for (name, v) in values {
+        if RECORDED_BY_THE_ACTOR.contains(&name.as_str()) {
+            continue;
+        }
         match m::find(name).map(|d| d.kind) {
             Some(MetricKind::Gauge) => metrics::gauge!(name.clone()).set(*v),
             Some(MetricKind::Counter) if *v >= 0.0 => {
                 metrics::counter!(name.clone()).increment(v.round() as u64)
             }
-            Some(MetricKind::Histogram)
-                if name != m::TRAINER_STEP_SECONDS
-                    && name != m::TRAINER_TOKEN_VERSION_LAG_VERSIONS =>
-            {
-                metrics::histogram!(name.clone()).record(*v)
-            }
+            Some(MetricKind::Histogram) => metrics::histogram!(name.clone()).record(*v),
             Some(_) => {}
             None => ignored += 1,
         }
@@ -185,7 +199,10 @@ fn reward_mean(batch: &[RolloutGroup]) -> f64 {
     sum / n.max(1) as f64
 }
 
+/// What a batch holds, as the step counts it: the rollouts with texts to train on (completed or
+/// truncated) and their tokens' lags; every token of the batch is checked against η.
 struct BatchCheck {
+    samples: u64,
     tokens: u64,
     lag_sum: u64,
     max_lag: u64,
@@ -195,6 +212,8 @@ struct BatchCheck {
     future_tokens: u64,
     /// The newest such version.
     future: Option<PolicyVersion>,
+    /// Trained tokens by lag (the last bucket holds every larger lag).
+    per_lag: [u64; 64],
 }
 
 impl BatchCheck {
@@ -218,12 +237,29 @@ impl BatchCheck {
         }
     }
 
-    /// The step's metrics: the ones the actor records itself (steps, tokens, idle ratio, lags,
-    /// tokens/s when the backend does not), then the `backend`'s own by name.
-    fn export(&self, idle_ratio: f64, seconds: f64, backend: &BTreeMap<String, f64>) {
+    /// The step's metrics: the ones the actor records itself (steps, skipped steps, idle ratio,
+    /// and, for a step that `trained` (published), its tokens, their lags and tokens/s when the
+    /// backend reports none), then the `backend`'s own by name. Recorded together after the
+    /// step, so that one scrape sees the lag histogram and the token counter agree.
+    fn export(
+        &self,
+        trained: bool,
+        idle_ratio: f64,
+        seconds: f64,
+        backend: &BTreeMap<String, f64>,
+    ) {
         metrics::counter!(m::TRAINER_STEPS).increment(1);
-        metrics::counter!(m::TRAINER_TRAINED_TOKENS).increment(self.tokens);
         metrics::gauge!(m::TRAINER_IDLE_RATIO).set(idle_ratio);
+        if !trained {
+            metrics::counter!(m::TRAINER_SKIPPED_STEPS).increment(1);
+            export_step_metrics(backend);
+            return;
+        }
+        metrics::counter!(m::TRAINER_TRAINED_TOKENS).increment(self.tokens);
+        for (lag, n) in self.per_lag.iter().enumerate().filter(|(_, n)| **n > 0) {
+            metrics::histogram!(m::TRAINER_TOKEN_VERSION_LAG_VERSIONS)
+                .record_many(lag as f64, *n as usize);
+        }
         if self.tokens > 0 {
             metrics::gauge!(m::TRAINER_MEAN_VERSION_LAG_VERSIONS)
                 .set(self.lag_sum as f64 / self.tokens as f64);
@@ -245,6 +281,7 @@ fn check_batch(
     trained: &mut HashSet<GroupId>,
 ) -> BatchCheck {
     let mut c = BatchCheck {
+        samples: 0,
         tokens: 0,
         lag_sum: 0,
         max_lag: 0,
@@ -252,41 +289,47 @@ fn check_batch(
         duplicates: 0,
         future_tokens: 0,
         future: None,
+        per_lag: [0; 64],
     };
-    let mut per_lag = [0usize; 64];
     for g in batch {
         if !trained.insert(g.id) {
             c.duplicates += 1;
         }
-        for v in g
-            .rollouts
-            .iter()
-            .flat_map(|r| r.turns.iter())
-            .flat_map(|t| t.token_versions.iter())
-        {
-            c.tokens += 1;
-            let lag = match v.lag_to(version) {
-                Ok(lag) => lag,
-                Err(_) => {
-                    // No lag to record: a version from the future breaks the bound outright.
-                    c.future_tokens += 1;
-                    c.future = c.future.max(Some(*v));
-                    c.violations += 1;
-                    continue;
-                }
-            };
-            c.lag_sum += lag;
-            c.max_lag = c.max_lag.max(lag);
-            if lag > eta {
-                c.violations += 1;
+        for r in &g.rollouts {
+            let counted = r.status.is_trainable();
+            c.samples += u64::from(counted);
+            for v in r.turns.iter().flat_map(|t| t.token_versions.iter()) {
+                c.check_token(*v, version, eta, counted);
             }
-            per_lag[(lag as usize).min(63)] += 1;
         }
     }
-    for (lag, n) in per_lag.iter().enumerate().filter(|(_, n)| **n > 0) {
-        metrics::histogram!(m::TRAINER_TOKEN_VERSION_LAG_VERSIONS).record_many(lag as f64, *n);
-    }
     c
+}
+
+impl BatchCheck {
+    /// Checks one token of version `v` against the bound η of a step training from `version`;
+    /// a `counted` one (of a rollout that trains) adds to the tokens and their lags.
+    fn check_token(&mut self, v: PolicyVersion, version: PolicyVersion, eta: u64, counted: bool) {
+        self.tokens += u64::from(counted);
+        let lag = match v.lag_to(version) {
+            Ok(lag) => lag,
+            Err(_) => {
+                // No lag to record: a version from the future breaks the bound outright.
+                self.future_tokens += 1;
+                self.future = self.future.max(Some(v));
+                self.violations += 1;
+                return;
+            }
+        };
+        if lag > eta {
+            self.violations += 1;
+        }
+        if counted {
+            self.lag_sum += lag;
+            self.max_lag = self.max_lag.max(lag);
+            self.per_lag[(lag as usize).min(63)] += 1;
+        }
+    }
 }
 
 #[cfg(test)]
@@ -335,5 +378,23 @@ mod tests {
             (clean.violations, clean.future_tokens, clean.future),
             (0, 0, None)
         );
+    }
+
+    /// A rollout that ended without texts to train on (an env error, a timeout) is checked
+    /// against η but not counted as trained: a broken env used to show as training throughput.
+    #[test]
+    fn only_rollouts_that_train_count_as_trained() {
+        let mut trained = HashSet::new();
+        let mut failed = group(2, &[0, 0, 0]);
+        failed.rollouts[0].status = RolloutStatus::Error("env".into());
+        let c = check_batch(
+            &[group(1, &[3, 2]), failed],
+            PolicyVersion(3),
+            1,
+            &mut trained,
+        );
+        assert_eq!((c.samples, c.tokens, c.lag_sum, c.max_lag), (1, 2, 1, 1));
+        assert_eq!(c.per_lag[..2], [1, 1]);
+        assert_eq!(c.violations, 3, "every token is held to η, trained or not");
     }
 }

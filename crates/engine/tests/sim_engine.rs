@@ -255,6 +255,8 @@ fn running_and_waiting_return_to_zero_when_idle() {
     assert_eq!(wait_finished(&events, 6).len(), 6);
     let stats = wait_stats(&engine, |s| (s.running, s.waiting) == (0, 0));
     assert_eq!((stats.running, stats.waiting), (0, 0), "{stats:?}");
+    // Every token of the six 3-token completions, the last of each too (it used to count 2).
+    assert_eq!(stats.generated_tokens, 6 * 3, "{stats:?}");
     engine.shutdown();
 }
 

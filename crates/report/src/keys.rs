@@ -27,3 +27,36 @@ pub const TIME_ENV_SECONDS: &str = "time.env_seconds";
 pub const TRUNCATED_RATIO: &str = "rollout.truncated_ratio";
 /// Prefix of each domain's rollout figures: `rollout.<domain>.<figure>`.
 pub const ROLLOUT_PREFIX: &str = "rollout.";
+
+/// The trainer's figures of a step, each under its `metrics.jsonl` key, from the catalog metric
+/// the trainer reports it as (the `sluice_trainer_*` gauges hold only the last step's).
+pub const TRAINER_FIGURES: &[(&str, &str)] = {
+    use sluice_core::metrics as m;
+    &[
+        ("train.entropy", m::TRAINER_ENTROPY_NATS),
+        ("train.clip_fraction", m::TRAINER_CLIP_RATIO),
+        ("train.clip_low_fraction", m::TRAINER_CLIP_LOW_RATIO),
+        ("train.clip_high_fraction", m::TRAINER_CLIP_HIGH_RATIO),
+        ("train.kl", m::TRAINER_KL_NATS),
+        (
+            "train.importance_weight_mean",
+            m::TRAINER_IMPORTANCE_WEIGHT_MEAN_RATIO,
+        ),
+        (
+            "train.importance_weight_max",
+            m::TRAINER_IMPORTANCE_WEIGHT_MAX_RATIO,
+        ),
+        (
+            "train.effective_sample_size",
+            m::TRAINER_EFFECTIVE_SAMPLE_SIZE_RATIO,
+        ),
+        ("train.grad_norm", m::TRAINER_GRAD_NORM_VALUE),
+        ("train.learning_rate", m::TRAINER_LEARNING_RATE_VALUE),
+        (
+            "train.packing_efficiency",
+            m::TRAINER_PACKING_EFFICIENCY_RATIO,
+        ),
+        ("train.step_seconds", m::TRAINER_STEP_SECONDS),
+        ("train.tokens_per_s", m::TRAINER_TOKENS_PER_SECOND),
+    ]
+};

@@ -255,6 +255,7 @@ impl Worker {
             }
         }
         let mut finished = Vec::new();
+        let mut generated = 0u64;
         let version = self.version;
         for (i, s) in q.running.iter_mut().enumerate() {
             s.prefilled = true;
@@ -275,13 +276,15 @@ impl Worker {
                 -((h >> 40) as f32 / (1u64 << 24) as f32) * 3.0,
                 version,
             );
+            generated += 1;
             if s.output.len() as u32 >= s.target.min(s.max_tokens) {
                 finished.push(i);
             }
         }
+        // Every token made this step, the last one of a sequence that ends with it included.
         self.shared
             .generated_tokens
-            .fetch_add((q.running.len() - finished.len()) as u64, Ordering::Relaxed);
+            .fetch_add(generated, Ordering::Relaxed);
         let elapsed = if real > 0.0 {
             super::real_duration(real)
         } else {

@@ -1,5 +1,7 @@
-//! The `metrics.jsonl` keys of a step beyond the trainer's own: what the run's rollouts look
-//! like per domain, the length bias and the train/inference mismatch (`sluice_report::keys`).
+//! The `metrics.jsonl` keys of a step beyond the record's own fields: the trainer's figures
+//! (entropy, clipping, KL, importance weights, the gradient's norm, …), what the run's rollouts
+//! look like per domain, the length bias and the train/inference mismatch
+//! (`sluice_report::keys`).
 //! Shapes and the bias come from the controller's view at the monitor's last look (windowed
 //! figures, not the step's alone); the trained mean and the mismatch are the step's own.
 
@@ -52,7 +54,7 @@ fn add_run_wide(put: &mut impl FnMut(String, f64), shapes: &Shapes) {
     }
 }
 
-/// Adds `step`'s rollout, length and mismatch keys to `extra`.
+/// Adds `step`'s trainer, rollout, length and mismatch keys to `extra`.
 pub(super) fn add(extra: &mut BTreeMap<String, f64>, step: &StepEvent, shapes: &Shapes) {
     let mut put = |key: String, v: f64| {
         if v.is_finite() {
@@ -84,6 +86,11 @@ pub(super) fn add(extra: &mut BTreeMap<String, f64>, step: &StepEvent, shapes: &
             if let Some(v) = v {
                 put(key(figure), v);
             }
+        }
+    }
+    for (key, metric) in k::TRAINER_FIGURES {
+        if let Some(&v) = step.metrics.get(*metric) {
+            put((*key).into(), v);
         }
     }
     if let Some(m) = MismatchStatus::of(step.step, &step.metrics) {

@@ -388,7 +388,8 @@ impl RunMonitor {
             version_lag_mean: step.version_lag_mean,
             tokens_per_s: Some(self.tokens_per_s),
             loss: step.metrics.get(TRAINER_LOSS_VALUE).copied(),
-            policy_version: Some(PolicyVersion(step.version.0 + 1)),
+            // The version after the step: a skipped step published none.
+            policy_version: Some(step.weights.as_ref().map_or(step.version, |w| w.version)),
             extra,
         };
         log.append(&record)

@@ -49,6 +49,11 @@ async fn skipped_steps_release_their_groups_and_training_goes_on() {
     assert_eq!(s.trainer.steps, 12);
     assert_eq!(s.trainer.skipped_steps, 6);
     assert_eq!(s.trainer.version.0, 6, "skipped steps publish nothing");
+    assert_eq!(
+        s.trainer.trained_samples,
+        6 * 4 * 3,
+        "only the steps that trained count their rollouts"
+    );
     let c = &s.replay.counters;
     assert_eq!(c.skipped_total, 6 * 4, "{c:?}");
     assert_eq!(c.consumed_total, 12 * 4);
