@@ -224,7 +224,7 @@ catalog! {
     ENGINE_FINISHED_REQUESTS = "sluice_engine_finished_requests_total", Counter, ["reason"], NONE,
         "Requests that left the engine, by reason (stop, length, abort, error).";
     ENGINE_DISCARDED_TOKENS = "sluice_engine_discarded_tokens_total", Counter, [], NONE,
-        "Generated tokens thrown away (regenerated or expired partials).";
+        "Generated tokens thrown away: partials regenerated, groups dropped when expired (replay.expired = \"drop\") or cleared by an operator.";
     ENGINE_WEIGHT_SYNC_PAUSE_SECONDS = "sluice_engine_weight_sync_pause_seconds", Histogram, ["mode"], SECONDS_BUCKETS,
         "Time from a weight-update request to the first step on the new weights.";
     ENGINE_KV_CACHE_USED_BLOCKS = "sluice_engine_kv_cache_used_blocks", Gauge, ["replica"], NONE,

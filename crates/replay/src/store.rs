@@ -357,12 +357,7 @@ impl ReplayStore {
             outcome.cleared.insert(bucket, ids.len() as u64);
             for id in ids {
                 let group = self.entries.get_mut(&id).and_then(|e| e.group.take());
-                outcome.discarded_tokens += group.map_or(0, |g| {
-                    g.rollouts
-                        .iter()
-                        .map(|r| r.completion_tokens() as u64)
-                        .sum()
-                });
+                outcome.discarded_tokens += group.as_ref().map_or(0, generated_tokens);
                 // `bucket` is clearable and the id was in it, so the move is legal.
                 self.set_bucket(id, Bucket::Cleared, None)?;
                 outcome.ids.push(id);
@@ -411,6 +406,10 @@ impl ReplayStore {
         }
         let mut handed_back = None;
         if is_final {
+            if to == Bucket::Expired {
+                // Dropped, never to be trained or regenerated: its tokens are thrown away.
+                self.counters.discarded_tokens += group.as_ref().map_or(0, generated_tokens);
+            }
             self.entries.remove(&id);
             if to != Bucket::Consumed {
                 self.counters.released_total += 1;
@@ -461,6 +460,15 @@ fn is_expired(group: &RolloutGroup, current: PolicyVersion, max_version_lag: u64
 }
 
 /// Resets every rollout to its first prompt; returns the tokens thrown away.
+/// The completion tokens `group`'s rollouts generated.
+fn generated_tokens(group: &RolloutGroup) -> u64 {
+    group
+        .rollouts
+        .iter()
+        .map(|r| r.completion_tokens() as u64)
+        .sum()
+}
+
 fn regenerate(group: &mut RolloutGroup) -> u64 {
     let mut discarded = 0;
     for r in &mut group.rollouts {

@@ -318,6 +318,48 @@ fn clear_throws_away_groups_at_rest_and_refuses_live_buckets() {
     store.reconcile().unwrap();
 }
 
+/// Under the drop policy an expired group is thrown away with its tokens, which count as
+/// discarded as a regenerated group's do (they counted nothing).
+#[test]
+fn a_dropped_expired_group_discards_its_tokens() {
+    let mut store = ReplayStore::new(true, false);
+    let id = |counter| GroupId {
+        run: RunId::from_name("drop"),
+        node: NodeId(0),
+        counter,
+    };
+    for c in 0..2 {
+        store
+            .admit(RolloutGroup::new(id(c), sample(), 2, PolicyVersion(0)))
+            .unwrap();
+    }
+    // Finished at version 3 with tokens of version 0, η = 1: expired, and dropped.
+    let mut stale = RolloutGroup::new(id(0), sample(), 2, PolicyVersion(0));
+    generate(
+        &mut stale,
+        PolicyVersion(0),
+        RolloutStatus::Completed,
+        false,
+    );
+    assert_eq!(
+        store.finish(stale, PolicyVersion(3), 1).unwrap().bucket,
+        Bucket::Expired
+    );
+    assert_eq!(store.counters().discarded_tokens, 4);
+    // Aborted, then resumed too late: expired on the way back, and dropped.
+    let mut cut = RolloutGroup::new(id(1), sample(), 2, PolicyVersion(0));
+    generate(&mut cut, PolicyVersion(0), RolloutStatus::Aborted, false);
+    store.abort(cut).unwrap();
+    assert!(
+        store
+            .resume(id(1), PolicyVersion(3), 1, true)
+            .unwrap()
+            .is_none()
+    );
+    assert_eq!(store.counters().discarded_tokens, 8);
+    assert_eq!(store.count(Bucket::Expired), 2);
+}
+
 #[test]
 fn illegal_transitions_are_refused_and_change_nothing() {
     let mut store = ReplayStore::new(false, false);

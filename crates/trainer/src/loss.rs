@@ -65,7 +65,8 @@ pub struct TokenInputs<'a> {
     /// Behaviour log-probs recorded by the engine.
     pub behaviour: &'a [f32],
     /// Proximal log-probs for `decoupled_ppo`; `None` means "the current weights", i.e.
-    /// `logprobs` itself (exact when one optimizer step is taken per batch, as here).
+    /// `logprobs` itself: exact for a step's first minibatch, taken before any update (the
+    /// later ones pass the starting weights' log-probs).
     pub proximal: Option<&'a [f32]>,
     /// Advantage of each token.
     pub advantages: &'a [f32],
