@@ -182,7 +182,7 @@ catalog! {
     ROLLOUT_IN_FLIGHT_GROUPS = "sluice_rollout_in_flight_groups", Gauge, [], NONE,
         "Groups currently generating.";
     ROLLOUT_FINISHED_ROLLOUTS = "sluice_rollout_finished_rollouts_total", Counter, ["status"], NONE,
-        "Rollout attempts that ended, by final status.";
+        "Rollouts of the groups that finished generating, by final status (completed, truncated, prompt_too_long, timeout, error); groups a weight update aborted, and expired ones, are counted by sluice_replay_transitions_total{to}.";
     ROLLOUT_MEAN_REWARD = "sluice_rollout_mean_reward", Gauge, ["domain"], NONE,
         "Mean reward of the most recently completed groups, per domain.";
     ROLLOUT_REWARD_COMPONENT_MEAN_REWARD = "sluice_rollout_reward_component_mean_reward", Gauge, ["domain", "component"], NONE,

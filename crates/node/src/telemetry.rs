@@ -96,9 +96,12 @@ fn describe_catalog() {
     }
 }
 
-/// The label values known before anything happens, for a label name.
-fn static_values(label: &str) -> Option<Vec<&'static str>> {
+/// The label values known before anything happens, for a label of the metric `name`.
+fn static_values(name: &str, label: &str) -> Option<Vec<&'static str>> {
     let values = match label {
+        "mode" if name == m::NODE_ADMISSION_MODE_INFO => {
+            AdmissionMode::ALL.iter().map(|a| a.as_str()).collect()
+        }
         "actor" => ACTORS.to_vec(),
         "bucket" => Bucket::ALL.iter().map(|b| b.as_label()).collect(),
         "mode" => WeightUpdateMode::ALL.iter().map(|w| w.as_str()).collect(),
@@ -112,12 +115,12 @@ fn static_values(label: &str) -> Option<Vec<&'static str>> {
         .iter()
         .map(FinishReason::as_label)
         .collect(),
+        // How the rollouts of a group that finished generating end: a weight update's abort and
+        // an expiry are a group's moves in the store (`sluice_replay_transitions_total{to}`).
         "status" => [
             RolloutStatus::Completed,
             RolloutStatus::Truncated,
             RolloutStatus::PromptTooLong,
-            RolloutStatus::Aborted,
-            RolloutStatus::Expired,
             RolloutStatus::Timeout,
             RolloutStatus::Error(String::new()),
         ]
@@ -173,7 +176,7 @@ fn seed_catalog() {
                 }
             }
             [label] => {
-                for v in static_values(label).unwrap_or_default() {
+                for v in static_values(def.name, label).unwrap_or_default() {
                     register(def, vec![(*label, v.to_owned())]);
                 }
             }
@@ -190,7 +193,7 @@ pub fn seed_node(replicas: usize, domains: &[String], datasets: &[String]) {
         if def.labels == ["domain", "status"] {
             // Finish reasons per domain: both value sets are known now.
             for domain in domains {
-                for status in static_values("status").unwrap_or_default() {
+                for status in static_values(def.name, "status").unwrap_or_default() {
                     register(
                         def,
                         vec![("domain", domain.clone()), ("status", status.to_owned())],
@@ -342,7 +345,7 @@ mod tests {
         for def in m::CATALOG {
             for label in def.labels {
                 assert!(
-                    static_values(label).is_some()
+                    static_values(def.name, label).is_some()
                         || [
                             "replica",
                             "domain",

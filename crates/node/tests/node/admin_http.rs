@@ -189,6 +189,13 @@ async fn check_status_and_metrics_answer(node: &Node, base: &str) {
     ] {
         assert!(text.contains(name), "/metrics lacks {name}");
     }
+    // Each series is seeded with the label values it can take only.
+    for never in [
+        "sluice_node_admission_mode_info{mode=\"drain\"}",
+        "sluice_rollout_finished_rollouts_total{status=\"aborted\"}",
+    ] {
+        assert!(!text.contains(never), "/metrics seeds {never}");
+    }
 }
 
 /// The admin server cuts off a client that sends half a request head (200 such connections used
