@@ -93,9 +93,10 @@ fn run_finishes_the_long_tail_config_and_prints_a_summary() {
 
 /// A skipped step (the drill of a batch whose every advantage is zero) publishes nothing: the
 /// log's `policy_version` stays where the previous step left it, where it used to claim a
-/// version never published.
+/// version never published. No line holds a placeholder `tokens_per_s` of 0 (written before a
+/// second of generation had passed).
 #[test]
-fn a_skipped_step_logs_the_version_it_left() {
+fn the_log_says_what_each_step_did() {
     let dir = tempfile::tempdir().unwrap();
     let out = sim_run(
         dir.path(),
@@ -113,15 +114,21 @@ fn a_skipped_step_logs_the_version_it_left() {
         String::from_utf8_lossy(&out.stderr)
     );
     let log = std::fs::read_to_string(dir.path().join("metrics.jsonl")).unwrap();
-    let versions: Vec<u64> = log
+    let lines: Vec<serde_json::Value> = log
         .lines()
-        .map(|l| {
-            serde_json::from_str::<serde_json::Value>(l).unwrap()["policy_version"]
-                .as_u64()
-                .unwrap()
-        })
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let versions: Vec<u64> = lines
+        .iter()
+        .map(|r| r["policy_version"].as_u64().unwrap())
         .collect();
     assert_eq!(versions, [1, 1, 2, 2], "{log}");
+    for r in &lines {
+        assert!(
+            r.get("tokens_per_s").is_none() || r["tokens_per_s"].as_f64().unwrap() > 0.0,
+            "a rate of 0 is a placeholder: {r}"
+        );
+    }
 }
 
 /// A second `sluice run` on a run directory in use stops at once, naming the first one's pid,

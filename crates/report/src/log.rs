@@ -33,7 +33,8 @@ pub struct StepRecord {
     /// Which phase produced the step, e.g. `sft` or `rl`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub phase: Option<String>,
-    /// Mean reward of the samples trained on at this step.
+    /// Mean reward of the step: the sampled reward, the mean of the rollouts finished since the
+    /// previous record (the trained batch's, `trained_reward_mean`, until one was seen).
     #[serde(deserialize_with = "nan_if_null")]
     pub reward_mean: f64,
     /// Held-out accuracy as a fraction in [0, 1], on steps that were evaluated.
@@ -42,7 +43,7 @@ pub struct StepRecord {
     /// Mean number of policy versions between generating and training on a sample.
     #[serde(deserialize_with = "nan_if_null")]
     pub version_lag_mean: f64,
-    /// Generated tokens per second over the step.
+    /// Generated tokens per second over the last 10 s (absent until a second of them).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tokens_per_s: Option<f64>,
     /// Training loss of the step.
