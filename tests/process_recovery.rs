@@ -260,6 +260,12 @@ fn sigterm_checkpoints_and_a_restart_continues() {
         m_version + more,
         "{out}"
     );
+    // What this process trained is said to be since the resume, not the run's.
+    let since = format!("since the resume at step {m_steps}");
+    for key in ["trained samples", "trained tokens", "version lag"] {
+        let line = out.lines().find(|l| l.starts_with(key)).unwrap();
+        assert!(line.contains(&since), "{line}\n{out}");
+    }
     let m2 = manifest(dir.path());
     assert_eq!(m2["reason"], "done");
     assert_eq!(m2["steps"].as_u64().unwrap(), m_steps + more);

@@ -167,7 +167,7 @@ fn render_finished(f: Finished, config: &Config) -> anyhow::Result<ExitCode> {
     };
     match (f.evaluating, &f.status) {
         (true, _) => print_model_summary(&f.summary, f.start_scores.as_ref(), f.status.as_ref()),
-        (false, Some(s)) => print_summary(s, f.summary.wall_s),
+        (false, Some(s)) => print_summary(s, &f.summary),
         (false, None) => {}
     }
     println!("metrics               {}", f.log_path.display());
@@ -203,7 +203,7 @@ fn render_finished(f: Finished, config: &Config) -> anyhow::Result<ExitCode> {
 fn show(bar: &ProgressBar, p: &Progress<'_>, evaluating: bool) {
     bar.set_position(p.step);
     if !evaluating {
-        bar.set_message(progress_line(p.status, p.wall_s));
+        bar.set_message(progress_line(p.status));
         return;
     }
     let heldout = p.domains.iter().map(|d| (d.domain.as_str(), d.heldout));
@@ -249,11 +249,13 @@ fn report_stop(report: &StopReport, config: &Config) -> anyhow::Result<ExitCode>
     }
 }
 
-fn progress_line(s: &NodeStatus, wall: f64) -> String {
+/// The progress line: the trainer's samples a second since this process started it (what its
+/// status counts), the lag and the store's buckets.
+fn progress_line(s: &NodeStatus) -> String {
     let b = &s.replay.buckets;
     format!(
         "| {:.0} samples/s | mean lag {:.2} | v{} | in flight {} | completed {} aborted {} expired {} filtered {}",
-        s.trainer.trained_samples as f64 / wall.max(1e-9),
+        s.trainer.trained_samples as f64 / s.trainer.uptime_seconds.max(1e-9),
         s.trainer.mean_lag(),
         s.trainer.version.0,
         s.controller.in_flight,
@@ -264,20 +266,31 @@ fn progress_line(s: &NodeStatus, wall: f64) -> String {
     )
 }
 
-/// The summary of a run without evaluations.
-fn print_summary(s: &NodeStatus, wall: f64) {
+/// The summary of a run without evaluations. Steps, the version, the wall time and discarded
+/// tokens are the whole run's; what the trainer counted (samples, tokens, lags) is this start's,
+/// and said so after a resume.
+fn print_summary(s: &NodeStatus, r: &RunSummary) {
     let t = &s.trainer;
+    let this_start = r.wall_s - r.start.wall_s;
+    let (since, wall_since) = if r.start.resumed {
+        (
+            format!(" since the resume at step {}", r.start.step),
+            format!(" ({this_start:.2} s since the resume)"),
+        )
+    } else {
+        (String::new(), String::new())
+    };
     println!("steps                 {}", t.steps);
     println!("policy version        {}", t.version.0);
-    println!("wall time             {wall:.2} s");
+    println!("wall time             {:.2} s{wall_since}", r.wall_s);
     println!(
-        "trained samples       {} ({:.1}/s)",
+        "trained samples       {}{since} ({:.1}/s)",
         t.trained_samples,
-        t.trained_samples as f64 / wall.max(1e-9)
+        t.trained_samples as f64 / this_start.max(1e-9)
     );
-    println!("trained tokens        {}", t.trained_tokens);
+    println!("trained tokens        {}{since}", t.trained_tokens);
     println!(
-        "version lag           mean {:.3}, max {} (violations {})",
+        "version lag           mean {:.3}, max {} (violations {}){since}",
         t.mean_lag(),
         t.max_lag,
         t.lag_violations
