@@ -267,7 +267,7 @@ fn knobs_get_and_set_talk_to_the_admin_api() {
         .args([
             "knobs",
             "set",
-            "max_concurrent_rollouts=0",
+            "max_concurrent_rollouts=2000000",
             "--admin",
             &admin,
         ])

@@ -227,6 +227,37 @@ fn chat_template_replaces_the_models_template() {
     assert!(err.contains("--chat-template /nowhere.jinja"), "{err}");
 }
 
+/// Under KV-cache pressure every reply is whole: eight greedy requests of 400 tokens need about
+/// 3,300 tokens of cache where 1 MiB holds 2,048 of the tiny model's, so the engine preempts,
+/// and computes the preempted requests again instead of answering them with their partial and
+/// `finish_reason: "abort"` (a client has no way to resume one).
+#[test]
+fn a_full_kv_cache_delays_replies_but_never_cuts_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let (mut child, addr) = spawn_serve(&model, &["--kv-cache-mb", "1"]);
+    let replies: Vec<_> = (0..8)
+        .map(|i| {
+            let addr = addr.clone();
+            std::thread::spawn(move || {
+                let body = format!(
+                    r#"{{"prompt": "go {i}", "max_tokens": 400, "ignore_eos": true, "temperature": 0}}"#
+                );
+                http(&addr, "POST", "/v1/completions", &body)
+            })
+        })
+        .collect();
+    for reply in replies {
+        let reply = reply.join().unwrap();
+        assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
+        let v = body_json(&reply);
+        assert_eq!(v["choices"][0]["finish_reason"], "length", "{v}");
+        assert_eq!(v["usage"]["completion_tokens"], 400, "{v}");
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
 /// Writes the tiny preset into `dir/m`.
 fn tiny_model(dir: &std::path::Path) -> std::path::PathBuf {
     let model = dir.join("m");

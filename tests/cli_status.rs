@@ -136,14 +136,14 @@ balance_threshold = 0.25
             config_arg,
             "set",
             "max_version_lag=3",
-            "max_concurrent_rollouts=0",
+            "max_concurrent_rollouts=2000000",
         ],
         None,
         d,
     );
     assert_eq!(code, 1);
     assert!(
-        err.contains("max_concurrent_rollouts: expected an integer ≥ 1, got 0"),
+        err.contains("max_concurrent_rollouts: expected an integer ≤ 1048576, got 2000000"),
         "{err}"
     );
     assert_eq!(

@@ -86,6 +86,8 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
         compute_dtype,
         prefix_caching: !args.no_prefix_caching,
         device: args.device,
+        // A client cannot resume a partial reply: a preempted request is computed again.
+        recompute_preempted: true,
         ..NativeEngineParams::default()
     };
     let mut engine = NativeEngine::start(

@@ -240,7 +240,7 @@ catalog! {
     ENGINE_PREFIX_CACHE_HIT_RATIO = "sluice_engine_prefix_cache_hit_ratio", Gauge, ["replica"], NONE,
         "Prefix-cache hit tokens over prompt tokens since the replica started.";
     ENGINE_PREEMPTED_SEQUENCES = "sluice_engine_preempted_sequences_total", Counter, ["replica"], NONE,
-        "Running sequences preempted because the KV cache ran out of blocks (returned as aborts with their partials, or requeued when they had generated nothing).";
+        "Running sequences preempted because the KV cache ran out of blocks (returned as aborts with their partials, or requeued when they had generated nothing or the engine is `sluice serve`'s).";
     ENGINE_UNPUBLISHED_VERSION_ERRORS = "sluice_engine_unpublished_version_errors_total", Counter, [], NONE,
         "Replies and load readings of a remote engine server carrying a weight version this head never published (its weights were replaced behind the head's back); each marks the server down, so its replica is rebuilt on the run's weights.";
     ENV_STEP_SECONDS = "sluice_env_step_seconds", Histogram, ["domain"], SECONDS_BUCKETS,

@@ -174,6 +174,43 @@ fn preempted_sequences_resume_to_the_uninterrupted_output() {
     );
 }
 
+/// With `recompute_preempted` (a server's engine) a preempted sequence is computed again from
+/// its prompt and output inside the engine: every request finishes whole, never as an abort,
+/// with the uninterrupted tokens. `sluice serve` used to hand its clients the partial.
+#[test]
+fn a_server_engine_recomputes_its_preempted_sequences() {
+    let reqs: Vec<NativeRequest> = (0..4).map(|i| request(i, prompt(i, 10), 60)).collect();
+    let expected = reference(&reqs);
+    let h = start_with(NativeEngineParams {
+        max_running_sequences: 4,
+        kv_cache_bytes: 12 * BLOCK_BYTES,
+        seed: 1,
+        recompute_preempted: true,
+        ..NativeEngineParams::default()
+    });
+    for r in &reqs {
+        h.engine.submit_native(r.clone()).unwrap();
+    }
+    let mut done: Vec<Option<Completion>> = vec![None; reqs.len()];
+    for _ in &reqs {
+        let c = next(&h);
+        assert_eq!(c.finish, FinishReason::Length, "{}", c.id);
+        let i = c.id.rollout.group.counter as usize;
+        done[i] = Some(c);
+    }
+    assert!(
+        kv(&h).preempted_sequences > 0,
+        "the budget was meant to force preemption"
+    );
+    for (got, want) in done.iter().flatten().zip(&expected) {
+        assert_eq!(got.output.token_ids, want.output.token_ids, "{}", got.id);
+        assert_eq!(got.output.versions, want.output.versions);
+        for (x, y) in got.output.logprobs.iter().zip(&want.output.logprobs) {
+            assert!((x - y).abs() < 1e-4, "{x} vs {y}");
+        }
+    }
+}
+
 #[test]
 fn a_group_prefills_its_shared_prompt_once() {
     let shared = prompt(7, 100);

@@ -82,6 +82,12 @@ pub struct NativeEngineParams {
     /// evaluator's engine). Weights handed over from elsewhere are copied here; weights already
     /// here are shared.
     pub device: sluice_core::config::Device,
+    /// A sequence preempted for KV blocks after it generated tokens goes back to the front of
+    /// the queue and is computed again from its prompt and output (vLLM's recompute), unseen by
+    /// the caller: what `sluice serve` does, whose clients have no way to resume a partial.
+    /// Off (the pipeline's engines), it finishes as `Abort` with its partial, which the
+    /// controller resumes (DESIGN §7), possibly on another replica.
+    pub recompute_preempted: bool,
 }
 
 impl Default for NativeEngineParams {
@@ -101,6 +107,7 @@ impl Default for NativeEngineParams {
             prefix_caching: true,
             prefix_cache_version_lag: 0,
             device: sluice_core::config::Device::Cpu,
+            recompute_preempted: false,
         }
     }
 }
@@ -131,6 +138,7 @@ impl NativeEngineParams {
             prefix_caching: engine.prefix_caching,
             prefix_cache_version_lag: u64::from(engine.prefix_cache_version_lag),
             device: engine.device,
+            recompute_preempted: false,
         }
     }
 }

@@ -9,7 +9,9 @@
 //! - When a step's new tokens need more blocks than are free, the newest running sequences are
 //!   preempted until they fit: one that generated nothing here goes back to the front of the
 //!   queue; one that did finishes as `Abort` with its partial output, which the controller
-//!   resumes (prompt + partial) like any aborted rollout, so no token is lost or generated twice.
+//!   resumes (prompt + partial) like any aborted rollout, so no token is lost or generated twice
+//!   — or, with `recompute_preempted` (a server, whose clients cannot resume), goes back to the
+//!   front of the queue too, to be computed again from its prompt and output.
 
 use std::sync::atomic::Ordering;
 
@@ -105,16 +107,21 @@ impl Worker {
     fn preempt(&mut self, q: &mut Queues<Seq>, mut s: Seq) {
         self.shared.preempted.fetch_add(1, Ordering::Relaxed);
         tracing::debug!(id = %s.id, generated = s.output.len() - s.resumed_len, "preempted: kv cache full");
-        if s.output.len() == s.resumed_len {
-            // Nothing generated here: start over later, nothing to report.
-            self.cache.remove(s.cache_id);
-            s.pending.clone_from(&s.input);
-            if s.prompt_lps.is_some() {
-                s.prompt_lps = Some(Vec::new());
-            }
-            q.waiting.push_front(s);
-        } else {
+        if s.output.len() > s.resumed_len && !self.params.recompute_preempted {
             self.finish_with(s, FinishReason::Abort, None);
+            return;
         }
+        // Start over later from the prompt and what it generated so far (its input when it
+        // generated nothing here), nothing to report: the output, with its log-probs and
+        // versions, stays as it is and grows from where it stopped.
+        self.cache.remove(s.cache_id);
+        s.pending = s.input[..s.prompt_len].to_vec();
+        s.pending.extend_from_slice(&s.output.token_ids);
+        if let Some(lps) = &mut s.prompt_lps
+            && lps.len() < s.prompt_len
+        {
+            lps.clear();
+        }
+        q.waiting.push_front(s);
     }
 }
