@@ -163,7 +163,9 @@ pub fn sample_rows(rows: &[(&[f32], &SamplingParams, u64, u64)]) -> Vec<Sampled>
 }
 
 /// The most likely tokens, most likely first, up to `top_k` (0: no limit) and until their
-/// probability reaches `top_p`, with that probability. Sorts only candidates: the `top_k`
+/// probability reaches `top_p` of the top `k`'s (as transformers' and vLLM's top-p applies
+/// after top-k, to the renormalised distribution), with that probability. Sorts only
+/// candidates: the `top_k`
 /// likeliest (a selection), or every token down to the histogram bucket where the mass crosses
 /// `top_p` (a real vocabulary is not sorted whole per token).
 fn nucleus(s: &Scaled, top_k: usize, top_p: f64) -> (Vec<u32>, f64) {
@@ -184,12 +186,22 @@ fn nucleus(s: &Scaled, top_k: usize, top_p: f64) -> (Vec<u32>, f64) {
         likeliest_holding(s, top_p)
     };
     order.sort_unstable_by(by_desc);
+    // The nucleus is `top_p` of what top-k left: of the whole distribution without a top-k.
+    let left = if top_k > 0 && top_k < v {
+        // Summed as `mass` is below, so that `top_p = 1` keeps every one of the `k`.
+        order
+            .iter()
+            .map(|&t| f64::from(s.exp[t as usize]) / s.z)
+            .sum::<f64>()
+    } else {
+        1.0
+    };
     let mut mass = 0.0f64;
     let mut kept = 0;
     for &t in &order {
         mass += f64::from(s.exp[t as usize]) / s.z;
         kept += 1;
-        if mass >= top_p {
+        if mass >= top_p * left {
             break;
         }
     }
@@ -326,6 +338,21 @@ mod tests {
         }
     }
 
+    /// Top-p applies to the distribution top-k left, renormalised: p = [0.4, 0.3, 0.2, 0.1]
+    /// with top_k 2 leaves [4/7, 3/7], whose 0.5-nucleus is the first token alone. Over the
+    /// whole distribution (the sampler's old reading) 0.4 < 0.5 and both were drawn.
+    #[test]
+    fn top_p_applies_after_top_k() {
+        let logits = [0.4f32.ln(), 0.3f32.ln(), 0.2f32.ln(), 0.1f32.ln()];
+        for pos in 0..200 {
+            assert_eq!(sample(&logits, &params(1.0, 0.5, 2), 3, pos).token, 0);
+        }
+        let seen: std::collections::BTreeSet<u32> = (0..200)
+            .map(|pos| sample(&logits, &params(1.0, 0.6, 2), 3, pos).token)
+            .collect();
+        assert_eq!(seen, [0, 1].into(), "0.6 of [4/7, 3/7] takes both");
+    }
+
     #[test]
     fn top_p_keeps_only_the_nucleus() {
         // p = [0.7, 0.2, 0.1]: top_p 0.6 keeps the first token only.
@@ -420,10 +447,20 @@ mod tests {
                 let mut want = 0;
                 let mut want_mass = 0.0;
                 let cap = if top_k > 0 { top_k } else { order.len() };
+                // Top-p of the distribution top-k left, renormalised.
+                let left: f64 = if top_k > 0 {
+                    order
+                        .iter()
+                        .take(cap)
+                        .map(|&t| f64::from(s.exp[t as usize]) / s.z)
+                        .sum()
+                } else {
+                    1.0
+                };
                 for &t in order.iter().take(cap) {
                     want_mass += f64::from(s.exp[t as usize]) / s.z;
                     want += 1;
-                    if want_mass >= top_p {
+                    if want_mass >= top_p * left {
                         break;
                     }
                 }
