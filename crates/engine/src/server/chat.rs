@@ -154,6 +154,12 @@ pub async fn handle(
     }
     let top = match req.top_logprobs {
         None => 0,
+        Some(n) if n > 0 && !req.logprobs => {
+            return Err(ApiError::invalid(
+                "top_logprobs",
+                "top_logprobs needs `logprobs: true` (it says how many alternatives each reported token has)",
+            ));
+        }
         Some(n) if (0..=MAX_LOGPROBS).contains(&n) => n as u32,
         Some(n) => {
             return Err(ApiError::invalid(

@@ -19,6 +19,11 @@ pub(crate) struct Unsupported {
     repetition_penalty: Option<Value>,
     min_p: Option<Value>,
     min_tokens: Option<Value>,
+    /// Structured output (JSON mode, a JSON schema): no constrained decoding here.
+    response_format: Option<Value>,
+    /// The legacy function-calling fields (`tools` is what this server reads).
+    functions: Option<Value>,
+    function_call: Option<Value>,
 }
 
 /// 400: `field` = `value` would change the output, and this server does not implement it;
@@ -55,6 +60,21 @@ impl Unsupported {
                 let value = value.as_ref().unwrap_or(&Value::Null);
                 return Err(unsupported(field, value, shown));
             }
+        }
+        match &self.response_format {
+            None | Some(Value::Null) => {}
+            Some(f) if f.get("type").and_then(Value::as_str) == Some("text") => {}
+            Some(v) => return Err(unsupported("response_format", v, "`{\"type\": \"text\"}`")),
+        }
+        match &self.functions {
+            None | Some(Value::Null) => {}
+            Some(Value::Array(fs)) if fs.is_empty() => {}
+            Some(v) => return Err(unsupported("functions", v, "`tools`, the same functions,")),
+        }
+        match &self.function_call {
+            None | Some(Value::Null) => {}
+            Some(Value::String(s)) if s == "none" || s == "auto" => {}
+            Some(v) => return Err(unsupported("function_call", v, "`\"auto\"` or `\"none\"`")),
         }
         match &self.logit_bias {
             None | Some(Value::Null) => Ok(()),

@@ -138,7 +138,9 @@ async fn unsupported_parameters_are_refused_unless_neutral() {
     });
     let r = post(s.addr, "/v1/completions", neutral).await;
     assert_eq!(r.status, 200, "{}", r.body);
-    // Chat: the same fields, and a tool choice the server cannot force.
+    // Chat: the same fields, a tool choice the server cannot force, structured output it
+    // cannot constrain, the legacy function fields, and alternatives asked for without the
+    // log-probs they belong to (each was answered 200 with free text or nothing).
     let msgs = json!([{"role": "user", "content": "hi"}]);
     for (field, value) in [
         ("presence_penalty", json!(1)),
@@ -147,6 +149,17 @@ async fn unsupported_parameters_are_refused_unless_neutral() {
             "tool_choice",
             json!({"type": "function", "function": {"name": "f"}}),
         ),
+        ("response_format", json!({"type": "json_object"})),
+        (
+            "response_format",
+            json!({"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "object"}}}),
+        ),
+        (
+            "functions",
+            json!([{"name": "f", "parameters": {"type": "object"}}]),
+        ),
+        ("function_call", json!({"name": "f"})),
+        ("top_logprobs", json!(3)),
     ] {
         let mut body = json!({"messages": msgs, "max_tokens": 2});
         body[field] = value;
@@ -155,7 +168,11 @@ async fn unsupported_parameters_are_refused_unless_neutral() {
         assert_eq!(param, field, "{message}");
     }
     for choice in ["auto", "none"] {
-        let body = json!({"messages": msgs, "max_tokens": 2, "tool_choice": choice, "presence_penalty": 0});
+        let body = json!({
+            "messages": msgs, "max_tokens": 2, "tool_choice": choice, "presence_penalty": 0,
+            "response_format": {"type": "text"}, "functions": [], "function_call": choice,
+            "top_logprobs": 0,
+        });
         let r = post(s.addr, "/v1/chat/completions", body).await;
         assert_eq!(r.status, 200, "{}", r.body);
     }
