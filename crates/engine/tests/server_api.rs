@@ -49,28 +49,49 @@ async fn completions_with_echo_logprobs_and_token_ids() {
     s.stop().await;
 }
 
+/// A stream rejoins to the whole reply: its text, its tokens' `text_offset`s (they were all 0)
+/// and, with `stream_options.include_usage`, a last chunk of the same usage and no choices.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streaming_matches_the_whole_reply() {
     let s = serve_tiny().await;
-    let body = json!({"prompt": "abc", "max_tokens": 8, "temperature": 0, "ignore_eos": true});
+    let body = json!({"prompt": "abc", "max_tokens": 8, "temperature": 0, "ignore_eos": true, "logprobs": 1, "echo": true});
     let whole = post(s.addr, "/v1/completions", body.clone()).await.json();
     let mut stream_body = body;
     stream_body["stream"] = json!(true);
+    stream_body["stream_options"] = json!({"include_usage": true});
     let r = post(s.addr, "/v1/completions", stream_body).await;
     assert_eq!(r.status, 200);
     let events = r.events();
     assert_eq!(events.last().unwrap(), "[DONE]");
+    let usage: Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
+    assert_eq!(usage["choices"], json!([]), "{usage}");
+    assert_eq!(usage["usage"], whole["usage"]);
     let mut text = String::new();
+    let mut offsets = Vec::new();
     let mut finish = Value::Null;
-    for e in &events[..events.len() - 1] {
+    for e in &events[..events.len() - 2] {
         let v: Value = serde_json::from_str(e).unwrap();
-        text.push_str(v["choices"][0]["text"].as_str().unwrap());
-        if !v["choices"][0]["finish_reason"].is_null() {
-            finish = v["choices"][0]["finish_reason"].clone();
+        let c = &v["choices"][0];
+        text.push_str(c["text"].as_str().unwrap());
+        if let Some(o) = c["logprobs"]["text_offset"].as_array() {
+            offsets.extend(o.iter().cloned());
+        }
+        if !c["finish_reason"].is_null() {
+            finish = c["finish_reason"].clone();
         }
     }
-    assert_eq!(text, whole["choices"][0]["text"].as_str().unwrap());
+    let c = &whole["choices"][0];
+    assert_eq!(text, c["text"].as_str().unwrap());
+    assert_eq!(json!(offsets), c["logprobs"]["text_offset"]);
     assert_eq!(finish, "length");
+    // The options belong to a stream.
+    let r = post(
+        s.addr,
+        "/v1/completions",
+        json!({"prompt": "abc", "max_tokens": 2, "stream_options": {"include_usage": true}}),
+    )
+    .await;
+    assert_eq!(r.status, 400, "{}", r.body);
     s.stop().await;
 }
 
@@ -114,7 +135,7 @@ async fn chat_with_logprobs_and_streaming() {
     let content = c["logprobs"]["content"].as_array().unwrap();
     assert_eq!(content.len(), 6);
     assert_eq!(content[0]["top_logprobs"].as_array().unwrap().len(), 3);
-    let mut streamed = body;
+    let mut streamed = body.clone();
     streamed["stream"] = json!(true);
     streamed.as_object_mut().unwrap().remove("tools");
     let r = post(s.addr, "/v1/chat/completions", streamed).await;
@@ -123,6 +144,23 @@ async fn chat_with_logprobs_and_streaming() {
     let first: Value = serde_json::from_str(&events[0]).unwrap();
     assert_eq!(first["choices"][0]["delta"]["role"], "assistant");
     assert_eq!(first["object"], "chat.completion.chunk");
+    // Usage: the prompt once, whatever `n` (it was counted n times), and at the end of a
+    // stream that asks for it.
+    let mut two = body.clone();
+    two["n"] = json!(2);
+    let one = post(s.addr, "/v1/chat/completions", body.clone())
+        .await
+        .json();
+    let two = post(s.addr, "/v1/chat/completions", two).await.json();
+    assert_eq!(two["usage"]["prompt_tokens"], one["usage"]["prompt_tokens"]);
+    assert_eq!(two["usage"]["completion_tokens"], 12);
+    let mut counted = body;
+    counted["stream"] = json!(true);
+    counted["stream_options"] = json!({"include_usage": true});
+    let events = post(s.addr, "/v1/chat/completions", counted).await.events();
+    let usage: Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
+    assert_eq!(usage["choices"], json!([]));
+    assert_eq!(usage["usage"], one["usage"]);
     s.stop().await;
 }
 

@@ -134,6 +134,30 @@ impl Tokenizer {
         self.inner.id_to_token(id)
     }
 
+    /// The bytes token `id` stands for. Most decode to whole characters; a byte-level BPE
+    /// token that holds part of one (an emoji's first two bytes) decodes to U+FFFD, so its
+    /// bytes are read from its vocabulary string: GPT-2's byte-to-character table inverted,
+    /// or a byte-fallback token `<0xF0>`.
+    pub fn token_bytes(&self, id: u32) -> Vec<u8> {
+        let text = self.inner.decode(&[id], false).unwrap_or_default();
+        if !text.contains('\u{FFFD}') {
+            return text.into_bytes();
+        }
+        let Some(token) = self.inner.id_to_token(id) else {
+            return text.into_bytes();
+        };
+        if let Some(hex) = token.strip_prefix("<0x").and_then(|t| t.strip_suffix('>'))
+            && let Ok(byte) = u8::from_str_radix(hex, 16)
+        {
+            return vec![byte];
+        }
+        token
+            .chars()
+            .map(byte_level_byte)
+            .collect::<Option<Vec<u8>>>()
+            .unwrap_or_else(|| text.into_bytes())
+    }
+
     /// Number of token ids, added tokens included.
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
@@ -242,4 +266,20 @@ fn eos_ids(v: Option<&Value>, vocab_size: usize) -> std::result::Result<Vec<u32>
             None => Err(format!("{x} is not a token id")),
         })
         .collect()
+}
+
+/// The byte a character of a byte-level BPE vocabulary stands for (GPT-2's `bytes_to_unicode`
+/// inverted): printable bytes are themselves, the other 68 are `U+0100` onwards, in order.
+fn byte_level_byte(c: char) -> Option<u8> {
+    let printable =
+        |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+    let code = c as u32;
+    if code < 256 {
+        return printable(code).then_some(code as u8);
+    }
+    let n = (code - 256) as usize;
+    (0u32..256)
+        .filter(|&b| !printable(b))
+        .nth(n)
+        .map(|b| b as u8)
 }

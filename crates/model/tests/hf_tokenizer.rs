@@ -494,3 +494,23 @@ fn gguf_sentencepiece_tokenizer_merges_by_score_with_byte_fallback() {
     }
     assert_eq!(tok.eos_token_ids(), &[2]);
 }
+
+/// Each token's bytes, joined, are the text's UTF-8, also where byte-level tokens split a
+/// character (the emoji and CJK tokens of the trained vocabulary are single bytes, which
+/// decode to U+FFFD alone): what an OpenAI client rebuilds text from (`logprobs[].bytes`).
+#[test]
+fn token_bytes_rebuild_text_whose_tokens_split_characters() {
+    let (model, added) = trained_byte_level_bpe();
+    let (_, normalizer, pre) = hf_pipelines().remove(1);
+    let dir = bpe_model_dir(&model, &added, &normalizer, &pre);
+    let tok = Tokenizer::from_dir(dir.path()).unwrap();
+    let text = "ok 👌🏼 中文 é\n";
+    let ids = tok.encode(text, false).unwrap();
+    let split = ids
+        .iter()
+        .filter(|&&id| tok.decode(&[id], false).unwrap().contains('\u{FFFD}'))
+        .count();
+    assert!(split > 0, "the text was meant to split characters: {ids:?}");
+    let bytes: Vec<u8> = ids.iter().flat_map(|&id| tok.token_bytes(id)).collect();
+    assert_eq!(String::from_utf8(bytes).unwrap(), text);
+}

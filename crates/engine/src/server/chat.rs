@@ -230,6 +230,7 @@ pub async fn handle(
         logprobs: req.logprobs,
         token_ids: req.sampling.return_token_ids,
         stops,
+        usage_of_prompt: req.sampling.include_usage().then_some(prompt.len()),
     };
     if req.sampling.stream {
         let head = json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": model});
@@ -252,7 +253,7 @@ pub async fn handle(
         "created": created,
         "model": model,
         "choices": choices,
-        "usage": usage(prompt.len() * n, completion_tokens),
+        "usage": usage(prompt.len(), completion_tokens),
     }))
     .into_response())
 }
@@ -265,6 +266,8 @@ struct Render {
     logprobs: bool,
     token_ids: bool,
     stops: Vec<String>,
+    /// `stream_options.include_usage`: the prompt's tokens, for the stream's last chunk.
+    usage_of_prompt: Option<usize>,
 }
 
 /// Tool-call ids of choice `index`: `call_{id}_{index}_{k}`.
@@ -286,15 +289,20 @@ fn reply(id: &str, index: usize, text: &str) -> (Value, bool) {
     (v, calls)
 }
 
+/// One token's log-probability as OpenAI's chat format has it: `bytes` are the token's own
+/// (part of a character for some byte-level tokens, whose `token` text then shows U+FFFD), so
+/// that a client can rebuild the text from them.
 fn logprob_entry(state: &ServerState, token: u32, logprob: f32, top: &[(u32, f32)]) -> Value {
-    let p = piece(&state.tokenizer, token);
     json!({
-        "token": p,
+        "token": piece(&state.tokenizer, token),
         "logprob": logprob,
-        "bytes": p.as_bytes(),
+        "bytes": state.tokenizer.token_bytes(token),
         "top_logprobs": top.iter().map(|&(t, l)| {
-            let q = piece(&state.tokenizer, t);
-            json!({"token": q, "logprob": l, "bytes": q.as_bytes()})
+            json!({
+                "token": piece(&state.tokenizer, t),
+                "logprob": l,
+                "bytes": state.tokenizer.token_bytes(t),
+            })
         }).collect::<Vec<_>>(),
     })
 }
@@ -338,7 +346,8 @@ fn choice_json(
 /// SSE chunks: per token, the deltas that are now certain (the first chunk of a choice with the
 /// role; a tool call's header alone in its chunk), the token's log-probabilities and ids on the
 /// first of them; per choice, the chunks completing the reply, the last with the finish reason;
-/// then `[DONE]`.
+/// with `stream_options.include_usage` a chunk of the call's usage and no choices; then
+/// `[DONE]`.
 fn stream(
     state: Arc<ServerState>,
     launched: super::generate::Launched,
@@ -353,6 +362,8 @@ fn stream(
         replies,
         false,
     );
+    // Completion tokens of the finished choices, for the usage chunk.
+    let generated = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let ctx = Arc::new(ctx);
     let batches = futures::stream::unfold(
         init,
@@ -360,14 +371,23 @@ fn stream(
             let state = Arc::clone(&state);
             let ctx = Arc::clone(&ctx);
             let head = head.clone();
+            let generated = Arc::clone(&generated);
             async move {
                 if done {
                     return None;
                 }
                 loop {
                     let Some((i, update)) = launched.next().await else {
-                        let e = Event::default().data("[DONE]");
-                        return Some((vec![e], (launched, streamers, replies, true)));
+                        let mut events = Vec::new();
+                        if let Some(prompt) = ctx.usage_of_prompt {
+                            let mut last = head.clone();
+                            last["choices"] = json!([]);
+                            let completion = generated.load(std::sync::atomic::Ordering::Relaxed);
+                            last["usage"] = usage(prompt, completion);
+                            events.push(Event::default().data(last.to_string()));
+                        }
+                        events.push(Event::default().data("[DONE]"));
+                        return Some((events, (launched, streamers, replies, true)));
                     };
                     let first = streamers[i].is_none();
                     let s = streamers[i].get_or_insert_with(|| Streamer::new(ctx.stops.clone()));
@@ -390,6 +410,10 @@ fn stream(
                             choices
                         }
                         RequestUpdate::Finished { completion, .. } => {
+                            generated.fetch_add(
+                                completion.output.len(),
+                                std::sync::atomic::Ordering::Relaxed,
+                            );
                             let rest = s.finish(&state.tokenizer);
                             let (deltas, parsed) = replies[i].finish(&rest);
                             let mut reason = finish_reason(&completion.finish);

@@ -9,19 +9,20 @@ use std::sync::Arc;
 use axum::Json;
 use axum::body::Bytes;
 use axum::extract::State;
-use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 
+mod stream;
+
 use super::generate::{ChoiceOutput, ChoiceSpec, launch};
 use super::limits::{Unsupported, check_logprob_budget, unsupported};
 use super::prompt_text::encode_all;
-use super::text::{Streamer, decode, piece};
+use super::text::{decode, piece};
 use super::{ApiError, ServerState};
 use crate::backend::{FinishReason, SamplingParams};
-use crate::native::{PromptLogprob, RequestUpdate, StopHit, truncate_at_stop};
+use crate::native::{PromptLogprob, StopHit, truncate_at_stop};
 
 /// Most alternatives per token (OpenAI's limit).
 pub const MAX_LOGPROBS: i64 = 20;
@@ -55,6 +56,8 @@ pub(crate) struct Sampling {
     pub ignore_eos: Option<bool>,
     #[serde(default)]
     pub stream: bool,
+    /// `{"include_usage": true}`: a streamed call ends with a chunk of its usage.
+    pub stream_options: Option<StreamOptions>,
     #[serde(default)]
     pub return_token_ids: bool,
     pub rid: Option<String>,
@@ -64,7 +67,22 @@ pub(crate) struct Sampling {
     pub unsupported: Unsupported,
 }
 
+/// What a streamed call asks of its stream (OpenAI's `stream_options`).
+#[derive(Debug, Clone, Default, Deserialize)]
+pub(crate) struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
 impl Sampling {
+    /// Whether the stream ends with a usage chunk; `stream_options` on a call that does not
+    /// stream was refused by [`Sampling::choices`].
+    pub(crate) fn include_usage(&self) -> bool {
+        self.stream_options
+            .as_ref()
+            .is_some_and(|o| o.include_usage)
+    }
+
     /// Validated choices for one prompt (`n` of them, seeds spread by index).
     pub(crate) fn choices(
         &self,
@@ -73,6 +91,12 @@ impl Sampling {
         default_max_tokens: Option<usize>,
         logprobs: (u32, bool),
     ) -> Result<Vec<ChoiceSpec>, ApiError> {
+        if self.stream_options.is_some() && !self.stream {
+            return Err(ApiError::invalid(
+                "stream_options",
+                "stream_options is only allowed with `stream: true`",
+            ));
+        }
         let context = state.context_len();
         let vocab = state.control.model_config().vocab_size;
         if prompt.is_empty() {
@@ -314,8 +338,14 @@ pub async fn handle(
         } else {
             Vec::new()
         };
-        let head = StreamHead { id, created, model };
-        return Ok(stream(state, launched, shape, head, echo_texts).into_response());
+        let head = stream::StreamHead {
+            id,
+            created,
+            model,
+            include_usage: req.sampling.include_usage(),
+            prompt_tokens: prompt_ids.iter().map(Vec::len).sum(),
+        };
+        return Ok(stream::stream(state, launched, shape, head, echo_texts).into_response());
     }
     let prompts_of_choices: Vec<Vec<u32>> =
         prompt_of.iter().map(|&p| prompt_ids[p].clone()).collect();
@@ -461,6 +491,14 @@ struct LogprobsJson {
 }
 
 impl LogprobsJson {
+    /// The log-probabilities of tokens whose text starts `at` characters into the choice's.
+    fn starting_at(at: usize) -> Self {
+        Self {
+            at,
+            ..Self::default()
+        }
+    }
+
     fn push(&mut self, state: &ServerState, token: u32, logprob: Option<f32>, top: &[(u32, f32)]) {
         let p = piece(&state.tokenizer, token);
         self.offsets.push(self.at);
@@ -486,115 +524,4 @@ impl LogprobsJson {
             "text_offset": self.offsets,
         })
     }
-}
-
-struct StreamHead {
-    id: String,
-    created: u64,
-    model: String,
-}
-
-/// Server-sent events: with `echo`, a first chunk per choice with the prompt's text (and, with
-/// `logprobs`, its tokens' log-probabilities, the first `null`), as vLLM sends it; then one
-/// chunk per token per choice (text delta, its log-probability and, with `return_token_ids`, its
-/// id and version), a last chunk per choice with the finish reason, then `[DONE]`.
-fn stream(
-    state: Arc<ServerState>,
-    launched: super::generate::Launched,
-    shape: Shape,
-    head: StreamHead,
-    echo_texts: Vec<Arc<str>>,
-) -> impl IntoResponse {
-    let choices = launched.len();
-    let mut streamers: Vec<Streamer> = Vec::with_capacity(choices);
-    streamers.resize_with(choices, || Streamer::new(shape.stops.clone()));
-    // Choices whose prompt is still to be echoed; an update that comes before the echo (a
-    // token, without `logprobs`) waits in `held` for one turn.
-    let to_echo = vec![shape.echo; choices];
-    let held: Option<Event> = None;
-    let init = (launched, streamers, to_echo, held, false);
-    let head_json = json!({"id": head.id, "object": "text_completion", "created": head.created, "model": head.model});
-    let with_lp = shape.logprobs.is_some();
-    let with_ids = shape.token_ids;
-    let echo_texts: Arc<[Arc<str>]> = echo_texts.into();
-    let events = futures::stream::unfold(
-        init,
-        move |(mut launched, mut streamers, mut to_echo, held, done)| {
-            let state = Arc::clone(&state);
-            let head_json = head_json.clone();
-            let echo_texts = Arc::clone(&echo_texts);
-            async move {
-                if let Some(e) = held {
-                    return Some((Ok(e), (launched, streamers, to_echo, None, done)));
-                }
-                if done {
-                    return None;
-                }
-                let chunk_of = |c: Value| {
-                    let mut chunk = head_json.clone();
-                    chunk["choices"] = json!([c]);
-                    Event::default().data(chunk.to_string())
-                };
-                let Some((i, update)) = launched.next().await else {
-                    let e = Event::default().data("[DONE]");
-                    return Some((
-                        Ok::<_, std::convert::Infallible>(e),
-                        (launched, streamers, to_echo, None, true),
-                    ));
-                };
-                let echo = std::mem::take(&mut to_echo[i]).then(|| {
-                    let text = echo_texts.get(i).map_or("", |t| &**t);
-                    json!({"index": i, "text": text, "finish_reason": null, "logprobs": null})
-                });
-                let c = match update {
-                    RequestUpdate::PromptLogprobs(p) => {
-                        // Asked for only with `echo` and `logprobs`: the echo chunk's.
-                        let mut c = echo.unwrap_or_else(
-                            || json!({"index": i, "text": "", "finish_reason": null}),
-                        );
-                        let mut lp = LogprobsJson::default();
-                        for t in &p {
-                            lp.push(&state, t.token, t.logprob, &t.top);
-                        }
-                        c["logprobs"] = lp.to_json();
-                        return Some((
-                            Ok(chunk_of(c)),
-                            (launched, streamers, to_echo, None, false),
-                        ));
-                    }
-                    RequestUpdate::Token(t) => {
-                        let text = streamers[i].push(&state.tokenizer, t.token);
-                        let mut c = json!({"index": i, "text": text, "finish_reason": null, "logprobs": null});
-                        if with_lp {
-                            let mut lp = LogprobsJson::default();
-                            lp.push(&state, t.token, Some(t.logprob), &t.top);
-                            c["logprobs"] = lp.to_json();
-                        }
-                        if with_ids {
-                            c["token_ids"] = json!([t.token]);
-                            c["token_versions"] = json!([t.version.0]);
-                        }
-                        c
-                    }
-                    RequestUpdate::Finished { completion, .. } => {
-                        let text = streamers[i].finish(&state.tokenizer);
-                        json!({
-                            "index": i,
-                            "text": text,
-                            "finish_reason": finish_reason(&completion.finish),
-                            "logprobs": null,
-                        })
-                    }
-                };
-                match echo {
-                    Some(echo) => Some((
-                        Ok(chunk_of(echo)),
-                        (launched, streamers, to_echo, Some(chunk_of(c)), false),
-                    )),
-                    None => Some((Ok(chunk_of(c)), (launched, streamers, to_echo, None, false))),
-                }
-            }
-        },
-    );
-    Sse::new(events)
 }
