@@ -78,8 +78,28 @@ impl CompletionParser {
     /// Parses a completion (the generated text, special tokens removed except the tags).
     /// Call ids are `{call_id_prefix}{index}`; pass something unique per turn.
     pub fn parse(&self, text: &str, call_id_prefix: &str) -> Result<Message, CompletionParseError> {
-        let (reasoning, rest) = self.split_reasoning(text)?;
-        let (content, tool_calls) = self.split_tool_calls(rest, call_id_prefix)?;
+        self.parse_only(text, call_id_prefix, true, true)
+    }
+
+    /// [`parse`](Self::parse) looking for `reasoning` only when asked, and for tool calls
+    /// only when `tools` were offered: the tags of the other are then plain content.
+    pub fn parse_only(
+        &self,
+        text: &str,
+        call_id_prefix: &str,
+        reasoning: bool,
+        tools: bool,
+    ) -> Result<Message, CompletionParseError> {
+        let (reasoning, rest) = if reasoning {
+            self.split_reasoning(text)?
+        } else {
+            (None, text)
+        };
+        let (content, tool_calls) = if tools {
+            self.split_tool_calls(rest, call_id_prefix)?
+        } else {
+            (rest.to_owned(), Vec::new())
+        };
         let content = content.trim();
         Ok(Message {
             role: Role::Assistant,

@@ -349,7 +349,7 @@ async fn streamed_tool_calls_come_as_openai_deltas_and_reassemble_to_the_whole_r
         r#"{"city":"Paris","days":3}"#
     );
 
-    let mut streamed = body;
+    let mut streamed = body.clone();
     streamed["stream"] = json!(true);
     let r = post(s.addr, "/v1/chat/completions", streamed).await;
     assert_eq!(r.status, 200, "{}", r.body);
@@ -388,6 +388,35 @@ async fn streamed_tool_calls_come_as_openai_deltas_and_reassemble_to_the_whole_r
     // The arguments came as they were generated: one fragment per token of them at least.
     assert!(fragments >= 3, "{fragments} fragments");
     assert_eq!(finish, "tool_calls");
+
+    // Offered no tools, or told `tool_choice: "none"`, the same reply is text, as generated
+    // streamed or not: it used to come back as a call nobody offered.
+    let raw = pieces.concat();
+    let mut plain = body.clone();
+    plain.as_object_mut().unwrap().remove("tools");
+    let mut none = body.clone();
+    none["tool_choice"] = json!("none");
+    for request in [plain, none] {
+        let v = post(s.addr, "/v1/chat/completions", request.clone())
+            .await
+            .json();
+        let choice = &v["choices"][0];
+        assert_eq!(choice["finish_reason"], "stop", "{v}");
+        assert_eq!(choice["message"]["content"], raw.as_str(), "{v}");
+        assert!(choice["message"].get("tool_calls").is_none(), "{v}");
+        let mut streamed = request;
+        streamed["stream"] = json!(true);
+        let events = post(s.addr, "/v1/chat/completions", streamed)
+            .await
+            .events();
+        let mut text = String::new();
+        for e in &events[..events.len() - 1] {
+            let v: Value = serde_json::from_str(e).unwrap();
+            assert!(v["choices"][0]["delta"].get("tool_calls").is_none(), "{v}");
+            text.push_str(v["choices"][0]["delta"]["content"].as_str().unwrap_or(""));
+        }
+        assert_eq!(text, raw);
+    }
     s.stop().await;
 }
 

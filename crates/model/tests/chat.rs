@@ -298,3 +298,29 @@ fn runaway_templates_run_out_of_their_budget() {
     let many: Vec<Message> = (0..2000).map(|i| Message::user(format!("m{i}"))).collect();
     assert!(t.render(&many, &ChatOptions::default()).is_ok());
 }
+
+/// A template that writes `<think>` reasons (its replies' reasoning is parsed out by the
+/// server): Sluice's ChatML, as Qwen3's; SmolLM2's plain ChatML and Llama 3's do not, and a
+/// `<think>` in their replies stays text.
+#[test]
+fn a_template_reasons_when_it_writes_the_think_tag() {
+    let plain =
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}";
+    assert!(
+        !ChatTemplate::new(plain, specials(&[]))
+            .unwrap()
+            .has_reasoning()
+    );
+    let llama = ChatTemplate::new(LLAMA3, specials(&[])).unwrap();
+    assert!(!llama.has_reasoning());
+    let t = ChatTemplate::new(CHATML_TEMPLATE, specials(&[])).unwrap();
+    assert!(t.has_reasoning());
+    // The parser reads the tags only when asked: the pipeline asks for both.
+    let p = CompletionParser::default();
+    let text = "<think>plan</think>The answer";
+    let off = p.parse_only(text, "c", false, false).unwrap();
+    assert_eq!(off.content.as_deref(), Some(text));
+    let on = p.parse_only(text, "c", true, false).unwrap();
+    assert_eq!(on.reasoning_content.as_deref(), Some("plan"));
+    assert_eq!(on.content.as_deref(), Some("The answer"));
+}

@@ -24,7 +24,7 @@ use super::completions::{
 use super::generate::{ChoiceOutput, launch};
 use super::limits::{check_logprob_budget, unsupported};
 use super::prompt_text::{chat_text_bytes, render_chat};
-use super::reply_stream::{ReplyStream, delta_chunks, parse_reply};
+use super::reply_stream::{Parsing, ReplyStream, delta_chunks, parse_reply};
 use super::text::{Streamer, piece};
 use super::{ApiError, ServerState};
 use crate::native::RequestUpdate;
@@ -211,6 +211,15 @@ pub async fn handle(
     } else {
         req.tools.filter(|t| !t.is_empty())
     };
+    // A reply is parsed for tool calls only when tools were offered, and for reasoning only
+    // when the model's template reasons: other replies are the text as generated.
+    let parsing = Parsing {
+        reasoning: state
+            .tokenizer
+            .chat_template()
+            .is_some_and(|t| t.has_reasoning()),
+        tools: tools.is_some(),
+    };
     state.check_prompt_bytes("messages", chat_text_bytes(&messages, tools.as_ref()))?;
     let options = ChatOptions {
         add_generation_prompt: true,
@@ -231,11 +240,12 @@ pub async fn handle(
         token_ids: req.sampling.return_token_ids,
         stops,
         usage_of_prompt: req.sampling.include_usage().then_some(prompt.len()),
+        parsing,
     };
     if req.sampling.stream {
         let head = json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": model});
         let replies = (0..launched.len())
-            .map(|i| ReplyStream::new(&rendered, call_prefix(&id, i)))
+            .map(|i| ReplyStream::new(&rendered, call_prefix(&id, i), parsing))
             .collect();
         return Ok(stream(state, launched, ctx, head, replies).into_response());
     }
@@ -268,6 +278,8 @@ struct Render {
     stops: Vec<String>,
     /// `stream_options.include_usage`: the prompt's tokens, for the stream's last chunk.
     usage_of_prompt: Option<usize>,
+    /// What the reply is parsed for.
+    parsing: Parsing,
 }
 
 /// Tool-call ids of choice `index`: `call_{id}_{index}_{k}`.
@@ -276,8 +288,8 @@ fn call_prefix(id: &str, index: usize) -> String {
 }
 
 /// The assistant message of a completion (see [`parse_reply`]) and whether it has tool calls.
-fn reply(id: &str, index: usize, text: &str) -> (Value, bool) {
-    let m = parse_reply(text, &call_prefix(id, index));
+fn reply(id: &str, index: usize, text: &str, parsing: Parsing) -> (Value, bool) {
+    let m = parse_reply(text, &call_prefix(id, index), parsing);
     let calls = !m.tool_calls.is_empty();
     let mut v = json!({"role": "assistant", "content": m.content});
     if let Some(r) = m.reasoning {
@@ -315,7 +327,7 @@ fn choice_json(
     ctx: &Render,
 ) -> Value {
     let text = completion_text(state, o, &ctx.stops);
-    let (message, calls) = reply(id, index, &text);
+    let (message, calls) = reply(id, index, &text, ctx.parsing);
     let out = &o.completion.output;
     let logprobs = if ctx.logprobs {
         let content: Vec<Value> = (0..out.len())

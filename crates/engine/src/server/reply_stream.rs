@@ -13,6 +13,10 @@
 //!   number forms as generated). A body that does not start `{"name": …, "arguments": {…`
 //!   is sent when it closes.
 //!
+//! What is parsed is the request's [`Parsing`]: tool calls only when it offered tools, reasoning
+//! only when the model's template reasons; with neither, the reply is the generated text as it
+//! is, streamed as it comes.
+//!
 //! [`ReplyStream::finish`] parses the whole text and sends whatever the final reply has beyond
 //! what was streamed. A malformed reply (the non-streamed answer is then the raw text as
 //! content) can contradict what was already sent; that is logged, and the rest of the raw text
@@ -35,16 +39,46 @@ pub(crate) struct ParsedReply {
     pub tool_calls: Vec<ToolCall>,
 }
 
-/// The assistant message of a completion: parsed for reasoning and tool calls when it parses,
-/// the raw text as content when it does not (as vLLM does). Call ids are `{call_prefix}{k}`.
-/// A call's `arguments` object is the model's own text without whitespace (key order and
-/// number forms kept, as vLLM keeps them), so that it can stream as it is generated.
-pub(crate) fn parse_reply(text: &str, call_prefix: &str) -> ParsedReply {
+/// What a chat reply is parsed for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Parsing {
+    /// `<think>…</think>` reasoning: the model's template reasons.
+    pub reasoning: bool,
+    /// `<tool_call>` calls: the request offered tools (and `tool_choice` is not `"none"`).
+    pub tools: bool,
+}
+
+impl Parsing {
+    /// Everything: what the pipeline's replies and the tests of the parser use.
+    pub(crate) const ALL: Self = Self {
+        reasoning: true,
+        tools: true,
+    };
+}
+
+/// The assistant message of a completion: parsed for what `parsing` asks (reasoning, tool
+/// calls) when it parses, the raw text as content when it does not or when nothing is asked
+/// (as vLLM does without its parsers). Call ids are `{call_prefix}{k}`. A call's `arguments`
+/// object is the model's own text without whitespace (key order and number forms kept, as
+/// vLLM keeps them), so that it can stream as it is generated.
+pub(crate) fn parse_reply(text: &str, call_prefix: &str, parsing: Parsing) -> ParsedReply {
+    if parsing
+        == (Parsing {
+            reasoning: false,
+            tools: false,
+        })
+    {
+        return ParsedReply {
+            content: Some(text.to_owned()),
+            ..ParsedReply::default()
+        };
+    }
     let tags = CompletionParser::default();
-    match tags.parse(text, call_prefix) {
+    match tags.parse_only(text, call_prefix, parsing.reasoning, parsing.tools) {
         Ok(m) => {
             let after_think = text
                 .find(&tags.think_close)
+                .filter(|_| parsing.reasoning)
                 .map_or(text, |at| &text[at + tags.think_close.len()..]);
             let mut bodies = tool_call_bodies(&tags, after_think).into_iter();
             let tool_calls = m
@@ -188,6 +222,7 @@ struct SentCall {
 /// Incremental parser of one streamed choice. See the module docs.
 pub(crate) struct ReplyStream {
     tags: CompletionParser,
+    parsing: Parsing,
     call_prefix: String,
     mode: Mode,
     /// Text received and not yet consumed by the current mode.
@@ -206,22 +241,24 @@ pub(crate) struct ReplyStream {
 }
 
 impl ReplyStream {
-    /// A choice whose prompt is `prompt_text`: when it ends inside an open `<think>`, the reply
-    /// starts with reasoning. Call ids are `{call_prefix}{k}`.
-    pub(crate) fn new(prompt_text: &str, call_prefix: String) -> Self {
+    /// A choice whose prompt is `prompt_text`, parsed for what `parsing` asks: with reasoning,
+    /// a prompt that ends inside an open `<think>` starts the reply with reasoning. Call ids
+    /// are `{call_prefix}{k}`.
+    pub(crate) fn new(prompt_text: &str, call_prefix: String, parsing: Parsing) -> Self {
         let tags = CompletionParser::default();
-        let mode = if prompt_text.trim_end().ends_with(&tags.think_open) {
+        let mode = if parsing.reasoning && prompt_text.trim_end().ends_with(&tags.think_open) {
             Mode::Reasoning
         } else {
             Mode::Content
         };
         Self {
             tags,
+            parsing,
             call_prefix,
             mode,
             buf: String::new(),
             raw: String::new(),
-            think_checked: false,
+            think_checked: !parsing.reasoning,
             content: Trimmed::default(),
             reasoning: Trimmed::default(),
             calls: Vec::new(),
@@ -235,6 +272,15 @@ impl ReplyStream {
         if self.broken {
             return Vec::new();
         }
+        if !self.parsing.reasoning && !self.parsing.tools {
+            // Nothing to parse: the text as it comes.
+            self.content.sent.push_str(text);
+            return if text.is_empty() {
+                Vec::new()
+            } else {
+                vec![Delta::Content(text.to_owned())]
+            };
+        }
         self.buf.push_str(text);
         let mut out = Vec::new();
         while self.step(&mut out) {}
@@ -244,7 +290,7 @@ impl ReplyStream {
     /// The end of the text (`rest`, if any): the deltas that complete the final reply.
     pub(crate) fn finish(&mut self, rest: &str) -> (Vec<Delta>, ParsedReply) {
         self.raw.push_str(rest);
-        let parsed = parse_reply(&self.raw, &self.call_prefix);
+        let parsed = parse_reply(&self.raw, &self.call_prefix, self.parsing);
         let mut out = Vec::new();
         let reasoning = parsed.reasoning.as_deref().unwrap_or_default();
         if let Some(more) = self.remainder(reasoning, &self.reasoning.sent, "reasoning") {
@@ -320,7 +366,11 @@ impl ReplyStream {
             }
             Mode::Content => {
                 let open = self.tags.tool_open.clone();
-                let (text, found) = split_at_tag(&self.buf, &open);
+                let (text, found) = if self.parsing.tools {
+                    split_at_tag(&self.buf, &open)
+                } else {
+                    (self.buf.clone(), false)
+                };
                 let more = self.content.push(&text, char::is_whitespace);
                 if !more.is_empty() {
                     out.push(Delta::Content(more));
@@ -346,7 +396,10 @@ impl ReplyStream {
             self.buf = self.buf[end + close.len()..].to_owned();
             self.mode = Mode::Content;
             let whole = format!("{}{body}{close}", self.tags.tool_open);
-            let parsed = parse_reply(&whole, "").tool_calls.into_iter().next();
+            let parsed = parse_reply(&whole, "", Parsing::ALL)
+                .tool_calls
+                .into_iter()
+                .next();
             let Some(call) = parsed else {
                 // The final reply will be the raw text: stop guessing.
                 self.broken = true;

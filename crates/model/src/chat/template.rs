@@ -70,6 +70,8 @@ pub struct ChatTemplate {
     env: Environment<'static>,
     special_tokens: BTreeMap<String, String>,
     budget: RenderBudget,
+    /// The template writes the reasoning tag (`<think>`).
+    reasons: bool,
 }
 
 impl ChatTemplate {
@@ -92,7 +94,15 @@ impl ChatTemplate {
             env,
             special_tokens,
             budget,
+            reasons: source.contains(&sluice_core::CompletionParser::default().think_open),
         })
+    }
+
+    /// Whether the template writes the reasoning tag (`<think>`): its model reasons before it
+    /// answers (Qwen3, DeepSeek-R1), and a reply's reasoning is parsed out of it. A template
+    /// without it (SmolLM2, Llama) has none: a `<think>` in its reply is text.
+    pub fn has_reasoning(&self) -> bool {
+        self.reasons
     }
 
     /// Renders under `budget` instead of [`RenderBudget::DEFAULT`].

@@ -4,7 +4,7 @@ use super::*;
 
 /// Feeds `pieces`, then reassembles the deltas as a client would.
 fn reassemble(prompt: &str, pieces: &[&str]) -> (ParsedReply, ParsedReply, Vec<Vec<Delta>>) {
-    let mut s = ReplyStream::new(prompt, "call_x_0_".into());
+    let mut s = ReplyStream::new(prompt, "call_x_0_".into(), Parsing::ALL);
     let mut all = Vec::new();
     for p in pieces {
         all.push(s.push(p));
