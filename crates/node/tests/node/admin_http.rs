@@ -21,6 +21,18 @@ async fn call(
         .unwrap()
 }
 
+/// `PATCH /v1/knobs` with `body`, with the token.
+async fn patch_knobs(base: &str, body: &'static str) -> (u16, String) {
+    call(
+        base.to_owned(),
+        "PATCH",
+        "/v1/knobs",
+        Some(body),
+        Some("s3cret"),
+    )
+    .await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_knob_patched_over_http_takes_effect_at_the_next_decision() {
     let node = start_a_paused_node().await;
@@ -104,14 +116,7 @@ async fn check_refused_patches_change_nothing(node: &Node, base: &str) {
         ),
         (r#"{"paused": false, "admission": "eager"}"#, "admission"),
     ] {
-        let (code, body) = call(
-            base.to_owned(),
-            "PATCH",
-            "/v1/knobs",
-            Some(patch),
-            Some("s3cret"),
-        )
-        .await;
+        let (code, body) = patch_knobs(base, patch).await;
         assert_eq!(code, 400, "{patch}: {body}");
         let error = &serde_json::from_str::<serde_json::Value>(&body).unwrap()["error"];
         assert_eq!(error["param"], knob, "{patch}: {body}");
@@ -143,14 +148,7 @@ async fn check_refused_patches_change_nothing(node: &Node, base: &str) {
             "duplicate field `paused`",
         ),
     ] {
-        let (code, body) = call(
-            base.to_owned(),
-            "PATCH",
-            "/v1/knobs",
-            Some(patch),
-            Some("s3cret"),
-        )
-        .await;
+        let (code, body) = patch_knobs(base, patch).await;
         assert_eq!(code, 400, "{patch}: {body}");
         assert!(body.contains(named), "{patch}: {body}");
     }
