@@ -267,7 +267,7 @@ fn replay_clear_on_a_stopped_store() {
     assert_eq!(code, 0, "{err}");
     assert_eq!(
         out.trim(),
-        "cleared 2 aborted, 0 completed, 0 expired groups (4 generated tokens discarded)"
+        "cleared 0 completed, 2 aborted, 0 expired groups (4 generated tokens discarded)"
     );
     let (_, recovered) = Persister::open(&store_dir).unwrap();
     assert!(recovered.groups.is_empty(), "every group is gone from disk");

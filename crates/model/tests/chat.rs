@@ -324,3 +324,56 @@ fn a_template_reasons_when_it_writes_the_think_tag() {
     assert_eq!(on.reasoning_content.as_deref(), Some("plan"));
     assert_eq!(on.content.as_deref(), Some("The answer"));
 }
+
+/// A tool schema and an earlier call's arguments render with their keys in the order the client
+/// sent them, as transformers' `json.dumps` prints them: sorted, the prompt differed from the
+/// reference and rewrote what the model itself had written.
+#[test]
+fn tool_schemas_and_arguments_keep_their_key_order() {
+    let t = ChatTemplate::new(CHATML_TEMPLATE, specials(&[])).unwrap();
+    let schema: serde_json::Value = serde_json::from_str(
+        r#"{"type": "object", "properties": {"unit": {"type": "string", "enum": ["c", "f"]}, "location": {"type": "string"}}, "required": ["location"]}"#,
+    )
+    .unwrap();
+    let tool = ToolSpec {
+        kind: "function".into(),
+        function: FunctionSpec {
+            name: "weather".into(),
+            description: String::new(),
+            parameters: schema,
+        },
+    };
+    let call: serde_json::Value =
+        serde_json::from_str(r#"{"unit": "c", "location": "Paris"}"#).unwrap();
+    let messages = [
+        Message::user("Weather?"),
+        Message {
+            role: Role::Assistant,
+            content: None,
+            reasoning_content: None,
+            tool_calls: vec![ToolCall {
+                id: "c0".into(),
+                kind: "function".into(),
+                function: FunctionCall {
+                    name: "weather".into(),
+                    arguments: call.to_string(),
+                },
+            }],
+            tool_call_id: None,
+            name: None,
+        },
+    ];
+    let opts = ChatOptions {
+        tools: Some(vec![tool]),
+        ..ChatOptions::default()
+    };
+    let prompt = t.render(&messages, &opts).unwrap();
+    assert!(
+        prompt.contains(r#""parameters": {"type": "object", "properties": {"unit": {"type": "string", "enum": ["c", "f"]}, "location""#),
+        "{prompt}"
+    );
+    assert!(
+        prompt.contains(r#""arguments": {"unit": "c", "location": "Paris"}"#),
+        "{prompt}"
+    );
+}

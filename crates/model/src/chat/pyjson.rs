@@ -234,11 +234,10 @@ mod tests {
         let v = Json::from_serde(
             &json!({"b": [1, 2.5, null, true], "a": "é\n\"<x>\"", "c": {}, "d": 1e-7}),
         );
-        // serde_json's map is sorted without `preserve_order`; Python prints insertion order, which
-        // for this literal (parsed by serde_json) is the same sorted order.
+        // Python prints insertion order, which serde_json keeps (`preserve_order`).
         assert_eq!(
             dumps(&v, &default()),
-            r#"{"a": "é\n\"<x>\"", "b": [1, 2.5, null, true], "c": {}, "d": 1e-07}"#
+            r#"{"b": [1, 2.5, null, true], "a": "é\n\"<x>\"", "c": {}, "d": 1e-07}"#
         );
         let opts = DumpOptions {
             indent: Some(2),
