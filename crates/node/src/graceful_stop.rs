@@ -58,8 +58,10 @@ pub async fn drain_and_checkpoint(h: &NodeHandles, timeout: Duration) -> StopRep
         tracing::warn!(error = %e, "cannot pause admission");
     }
     // Paused, admitted groups still resume; closed, the controller starts nothing more.
-    if let Err(e) = h.controller.close().await {
-        report.error = Some(e.to_string());
+    match tokio::time::timeout_at(deadline, h.controller.close()).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => report.error = Some(e.to_string()),
+        Err(_) => report.error = Some("the controller did not take the stop in time".into()),
     }
     // No step after the checkpoint's mark: a step trained past it would publish weights the
     // checkpoint does not hold, and consume groups a restart could not train again.
