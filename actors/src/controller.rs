@@ -170,30 +170,29 @@ impl ControllerHandle {
 
     /// The controller's view.
     pub async fn status(&self) -> Result<ControllerStatus, ActorError> {
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        self.actor
-            .cast(ControllerMsg(Cmd::Status(tx.into())))
-            .map_err(|_| ActorError::Gone {
-                actor: "controller",
-            })?;
-        rx.await.map_err(|_| ActorError::Gone {
-            actor: "controller",
-        })
+        self.ask(Cmd::Status).await
     }
 
     /// A graceful stop has begun: from the answer on, nothing is admitted or resumed (the engine
     /// is about to answer every request as aborted), while what is in flight is still stored.
     /// A pause is not enough: it lets admitted groups resume.
     pub async fn close(&self) -> Result<(), ActorError> {
+        self.ask(Cmd::Close).await
+    }
+
+    /// Sends the command `make` builds around a reply port, and waits for the answer.
+    async fn ask<T: Send + 'static>(
+        &self,
+        make: impl FnOnce(RpcReplyPort<T>) -> Cmd,
+    ) -> Result<T, ActorError> {
+        let gone = || ActorError::Gone {
+            actor: "controller",
+        };
         let (tx, rx) = tokio::sync::oneshot::channel();
         self.actor
-            .cast(ControllerMsg(Cmd::Close(tx.into())))
-            .map_err(|_| ActorError::Gone {
-                actor: "controller",
-            })?;
-        rx.await.map_err(|_| ActorError::Gone {
-            actor: "controller",
-        })
+            .cast(ControllerMsg(make(tx.into())))
+            .map_err(|_| gone())?;
+        rx.await.map_err(|_| gone())
     }
 
     /// Stops the actor.

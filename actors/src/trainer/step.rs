@@ -132,8 +132,8 @@ const RECORDED_BY_THE_ACTOR: [&str; 3] = [
 
 /// Exports a step's catalog-named scalars: gauges are set, counters incremented by the value.
 /// What the actor records itself (the step's time, each token's lag, a skipped step) is
-/// skipped, so nothing counts twice; names outside the catalog are ignored (an ad-hoc name would be an undocumented
-/// series). Returns how many names were ignored.
+/// skipped, so nothing counts twice; names outside the catalog are ignored (an ad-hoc name
+/// would be an undocumented series). Returns how many names were ignored.
 pub fn export_step_metrics(values: &BTreeMap<String, f64>) -> usize {
     let mut ignored = 0;
     for (name, v) in values {
