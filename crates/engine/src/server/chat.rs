@@ -20,6 +20,7 @@ use sluice_model::ChatOptions;
 
 use super::completions::{
     MAX_LOGPROBS, Sampling, completion_text, finish_reason, parse_body, unix_now, usage,
+    usage_chunk,
 };
 use super::generate::{ChoiceOutput, launch};
 use super::limits::{check_logprob_budget, unsupported};
@@ -368,38 +369,34 @@ fn stream(
     replies: Vec<ReplyStream>,
 ) -> impl IntoResponse {
     let n = launched.len();
+    // The state between chunks; `generated`: completion tokens of the finished choices, for
+    // the usage chunk.
     let init = (
         launched,
         (0..n).map(|_| None).collect::<Vec<Option<Streamer>>>(),
         replies,
+        0usize,
         false,
     );
-    // Completion tokens of the finished choices, for the usage chunk.
-    let generated = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let ctx = Arc::new(ctx);
     let batches = futures::stream::unfold(
         init,
-        move |(mut launched, mut streamers, mut replies, done)| {
+        move |(mut launched, mut streamers, mut replies, mut generated, done)| {
             let state = Arc::clone(&state);
             let ctx = Arc::clone(&ctx);
             let head = head.clone();
-            let generated = Arc::clone(&generated);
             async move {
                 if done {
                     return None;
                 }
                 loop {
                     let Some((i, update)) = launched.next().await else {
-                        let mut events = Vec::new();
-                        if let Some(prompt) = ctx.usage_of_prompt {
-                            let mut last = head.clone();
-                            last["choices"] = json!([]);
-                            let completion = generated.load(std::sync::atomic::Ordering::Relaxed);
-                            last["usage"] = usage(prompt, completion);
-                            events.push(Event::default().data(last.to_string()));
-                        }
-                        events.push(Event::default().data("[DONE]"));
-                        return Some((events, (launched, streamers, replies, true)));
+                        let usage = ctx
+                            .usage_of_prompt
+                            .map(|prompt| usage_chunk(&head, prompt, generated));
+                        let done = Event::default().data("[DONE]");
+                        let events: Vec<Event> = usage.into_iter().chain([done]).collect();
+                        return Some((events, (launched, streamers, replies, generated, true)));
                     };
                     let first = streamers[i].is_none();
                     let s = streamers[i].get_or_insert_with(|| Streamer::new(ctx.stops.clone()));
@@ -422,10 +419,7 @@ fn stream(
                             choices
                         }
                         RequestUpdate::Finished { completion, .. } => {
-                            generated.fetch_add(
-                                completion.output.len(),
-                                std::sync::atomic::Ordering::Relaxed,
-                            );
+                            generated += completion.output.len();
                             let rest = s.finish(&state.tokenizer);
                             let (deltas, parsed) = replies[i].finish(&rest);
                             let mut reason = finish_reason(&completion.finish);
@@ -453,7 +447,7 @@ fn stream(
                             Event::default().data(chunk.to_string())
                         })
                         .collect();
-                    return Some((events, (launched, streamers, replies, false)));
+                    return Some((events, (launched, streamers, replies, generated, false)));
                 }
             }
         },

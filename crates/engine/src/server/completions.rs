@@ -9,6 +9,7 @@ use std::sync::Arc;
 use axum::Json;
 use axum::body::Bytes;
 use axum::extract::State;
+use axum::response::sse::Event;
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use serde::de::DeserializeOwned;
@@ -404,6 +405,15 @@ struct Shape {
     echo: bool,
     token_ids: bool,
     stops: Vec<String>,
+}
+
+/// The last chunk of a stream asked for with `stream_options.include_usage`: the stream's
+/// `head` (id, object, created, model) with no choices and the call's usage.
+pub(crate) fn usage_chunk(head: &Value, prompt: usize, completion: usize) -> Event {
+    let mut last = head.clone();
+    last["choices"] = json!([]);
+    last["usage"] = usage(prompt, completion);
+    Event::default().data(last.to_string())
 }
 
 pub(crate) fn usage(prompt: usize, completion: usize) -> Value {

@@ -6,7 +6,7 @@ use axum::response::IntoResponse;
 use axum::response::sse::{Event, Sse};
 use serde_json::{Value, json};
 
-use super::{LogprobsJson, Shape, finish_reason, usage};
+use super::{LogprobsJson, Shape, finish_reason, usage_chunk};
 use crate::native::RequestUpdate;
 use crate::server::ServerState;
 use crate::server::generate::Launched;
@@ -88,23 +88,22 @@ pub(super) fn stream(
             if s.done {
                 return None;
             }
-            let chunk = |choices: Value| {
-                let mut chunk = head_json.clone();
-                chunk["choices"] = choices;
-                chunk
-            };
             let Some((i, update)) = s.launched.next().await else {
                 s.done = true;
                 let done = Event::default().data("[DONE]");
                 if !include_usage {
                     return Some((Ok(done), s));
                 }
-                let mut last = chunk(json!([]));
-                last["usage"] = usage(prompt_tokens, s.completion_tokens);
                 s.held = Some(done);
-                return Some((Ok(Event::default().data(last.to_string())), s));
+                let last = usage_chunk(&head_json, prompt_tokens, s.completion_tokens);
+                return Some((Ok(last), s));
             };
-            let c_of = |c: Value| Event::default().data(chunk(json!([c])).to_string());
+            // One choice's chunk.
+            let c_of = |c: Value| {
+                let mut chunk = head_json.clone();
+                chunk["choices"] = json!([c]);
+                Event::default().data(chunk.to_string())
+            };
             let sent = &mut s.sent[i];
             let echo = std::mem::take(&mut sent.to_echo).then(|| {
                 let text = echo_texts.get(i).map_or("", |t| &**t);
