@@ -49,11 +49,16 @@ pub(crate) struct Parsing {
 }
 
 impl Parsing {
-    /// Everything: what the pipeline's replies and the tests of the parser use.
+    /// Everything, as the pipeline's parser reads its replies (`CompletionParser::parse`).
     pub(crate) const ALL: Self = Self {
         reasoning: true,
         tools: true,
     };
+
+    /// Nothing is parsed: the reply is the text as generated.
+    fn nothing(self) -> bool {
+        !self.reasoning && !self.tools
+    }
 }
 
 /// The assistant message of a completion: parsed for what `parsing` asks (reasoning, tool
@@ -62,12 +67,7 @@ impl Parsing {
 /// object is the model's own text without whitespace (key order and number forms kept, as
 /// vLLM keeps them), so that it can stream as it is generated.
 pub(crate) fn parse_reply(text: &str, call_prefix: &str, parsing: Parsing) -> ParsedReply {
-    if parsing
-        == (Parsing {
-            reasoning: false,
-            tools: false,
-        })
-    {
+    if parsing.nothing() {
         return ParsedReply {
             content: Some(text.to_owned()),
             ..ParsedReply::default()
@@ -272,7 +272,7 @@ impl ReplyStream {
         if self.broken {
             return Vec::new();
         }
-        if !self.parsing.reasoning && !self.parsing.tools {
+        if self.parsing.nothing() {
             // Nothing to parse: the text as it comes.
             self.content.sent.push_str(text);
             return if text.is_empty() {
