@@ -65,6 +65,37 @@ fn check_prints_the_resolved_config_and_applies_overrides() {
 }
 
 #[test]
+fn check_resolves_the_loss_defaults_of_gspo_and_refuses_a_dual_clip_below_one() {
+    let check = |sets: &[&str]| {
+        let mut args = vec!["check", "configs/quickstart.toml"];
+        for s in sets {
+            args.extend(["--set", s]);
+        }
+        sluice(&args, repo())
+    };
+    let out = check(&["trainer.loss=gspo", "trainer.dual_clip=3"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let printed: toml::Table = String::from_utf8(out.stdout).unwrap().parse().unwrap();
+    let trainer = &printed["trainer"];
+    assert_eq!(trainer["loss"].as_str(), Some("gspo"));
+    assert_eq!(trainer["clip_low"].as_float(), Some(3e-4));
+    assert_eq!(trainer["clip_high"].as_float(), Some(4e-4));
+    assert_eq!(trainer["loss_aggregation"].as_str(), Some("sequence_mean"));
+    assert_eq!(trainer["dual_clip"].as_float(), Some(3.0));
+    let out = check(&["trainer.dual_clip=1"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("trainer.dual_clip") && err.contains("> 1"),
+        "{err}"
+    );
+}
+
+#[test]
 fn bad_input_exits_non_zero_with_one_line_and_starts_nothing() {
     let dir = tempdir();
     std::fs::write(

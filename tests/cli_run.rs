@@ -317,6 +317,63 @@ fn a_native_run_reports_bad_data_before_any_warm_up() {
     assert!(!dir.path().join("warmup").exists());
 }
 
+/// verl's loss options through the binary: the quickstart's warm-started model trained a few
+/// steps with `loss = "gspo"` (its clip range and text mean by default), the dual clip on and
+/// Dr. GRPO's aggregation; every step logs its loss and clip figures, and the text-level clip
+/// binds on the second update of a step (two minibatches, the second clipped against the
+/// behaviour policy the first moved away from).
+#[test]
+fn gspo_with_the_dual_clip_and_dr_grpo_aggregation_trains() {
+    let dir = tempfile::tempdir().unwrap();
+    let sets = [
+        format!("run.output_dir=\"{}\"", dir.path().display()),
+        format!("model.path=\"{}\"", dir.path().join("model").display()),
+        "run.max_steps=4".to_owned(),
+        "warmup.max_steps=20".to_owned(),
+        "eval.every_steps=0".to_owned(),
+        "eval.stop_at_accuracy=1.0".to_owned(),
+        "trainer.loss=\"gspo\"".to_owned(),
+        "trainer.dual_clip=3.0".to_owned(),
+        "trainer.loss_aggregation=\"token_sum_normalized\"".to_owned(),
+        "trainer.normalize_advantage_std=false".to_owned(),
+        "metrics.enabled=false".to_owned(),
+        "admin.listen=\"127.0.0.1:0\"".to_owned(),
+    ];
+    let mut cmd = sluice();
+    cmd.args([
+        "run",
+        concat!(env!("CARGO_MANIFEST_DIR"), "/configs/quickstart.toml"),
+    ]);
+    for s in &sets {
+        cmd.args(["--set", s]);
+    }
+    let out = cmd.output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    let log = std::fs::read_to_string(dir.path().join("metrics.jsonl")).unwrap();
+    let steps: Vec<serde_json::Value> = log
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let trained: Vec<_> = steps
+        .iter()
+        .filter(|s| s["train.clip_fraction"].is_number())
+        .collect();
+    assert!(!trained.is_empty(), "{log}");
+    for step in &trained {
+        assert!(step["loss"].as_f64().is_some_and(f64::is_finite), "{step}");
+        let dual = step["train.dual_clip_fraction"].as_f64();
+        assert!(dual.is_some_and(|f| (0.0..=1.0).contains(&f)), "{step}");
+    }
+    let clipped: f64 = trained
+        .iter()
+        .map(|s| s["train.clip_fraction"].as_f64().unwrap())
+        .sum();
+    assert!(clipped > 0.0, "GSPO's clip never bound: {log}");
+    assert_eq!(steps.last().unwrap()["policy_version"], 4, "{log}");
+}
+
 #[path = "real_model/mod.rs"]
 mod real_model;
 

@@ -27,7 +27,7 @@ use sluice_model::ForwardOptions;
 use sluice_model::candle::{DType, Device};
 use sluice_trainer::advantage::AdvantageConfig;
 use sluice_trainer::batcher::{BatcherConfig, TrainingText, pack};
-use sluice_trainer::loss::LossConfig;
+use sluice_trainer::loss::{Aggregation, LossConfig};
 use sluice_trainer::optim::OptimConfig;
 use sluice_trainer::{NativeTrainer, NativeTrainerConfig, StepParts};
 
@@ -266,7 +266,7 @@ fn trainer_config(rows: usize, len: usize) -> NativeTrainerConfig {
             ..AdvantageConfig::default()
         },
         loss: LossConfig::default(),
-        aggregation: LossAggregation::TokenMean,
+        aggregation: Aggregation::new(LossAggregation::TokenMean, 1),
         batcher: BatcherConfig {
             rows,
             row_len: len,

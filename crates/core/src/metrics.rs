@@ -297,6 +297,8 @@ catalog! {
         "Fraction of tokens clipped below 1 - clip_low (negative advantage) in the last step.";
     TRAINER_CLIP_HIGH_RATIO = "sluice_trainer_clip_high_ratio", Gauge, [], NONE,
         "Fraction of tokens clipped above 1 + clip_high (positive advantage) in the last step.";
+    TRAINER_DUAL_CLIP_RATIO = "sluice_trainer_dual_clip_ratio", Gauge, [], NONE,
+        "Fraction of tokens whose term the dual clip bounded (negative advantage, ratio above trainer.dual_clip) in the last step; 0 with the dual clip off.";
     TRAINER_LEARNING_RATE_VALUE = "sluice_trainer_learning_rate_value", Gauge, [], NONE,
         "Learning rate of the last optimizer step.";
     TRAINER_PACKING_EFFICIENCY_RATIO = "sluice_trainer_packing_efficiency_ratio", Gauge, [], NONE,

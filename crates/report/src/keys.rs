@@ -37,6 +37,7 @@ pub const TRAINER_FIGURES: &[(&str, &str)] = {
         ("train.clip_fraction", m::TRAINER_CLIP_RATIO),
         ("train.clip_low_fraction", m::TRAINER_CLIP_LOW_RATIO),
         ("train.clip_high_fraction", m::TRAINER_CLIP_HIGH_RATIO),
+        ("train.dual_clip_fraction", m::TRAINER_DUAL_CLIP_RATIO),
         ("train.kl", m::TRAINER_KL_NATS),
         (
             "train.importance_weight_mean",

@@ -2,7 +2,8 @@
 //!
 //! Module map (semantics in DESIGN.md sections 5 and 6; see `docs/trainer.md`):
 //! - `advantage`: group (GRPO), situational and discounted advantages; zero-advantage filtering.
-//! - `loss`: `ppo`, `tis` and `decoupled_ppo` objectives with aggregation and per-step statistics.
+//! - `loss`: `ppo`, `tis`, `decoupled_ppo` and `gspo` objectives (with the dual clip), aggregation
+//!   and per-step statistics.
 //! - `batcher`: training texts packed into fixed `[B, L]` micro-batches with sequence ids.
 //! - `optim`: AdamW with f32 master weights, global-norm clipping, warmup + constant/cosine schedule.
 //! - `checkpoint`: model (HF format), optimizer state (safetensors) and trainer state (JSON).
@@ -35,7 +36,9 @@ pub use advantage::{
 };
 pub use batcher::{BatcherConfig, MicroBatch, Packing, PackingStats, TrainingText, pack};
 pub use error::TrainerError;
-pub use loss::{LossConfig, LossStats, LossSummary, LossTerms, TokenInputs, token_terms};
+pub use loss::{
+    Aggregation, LossConfig, LossStats, LossSummary, LossTerms, TokenInputs, token_terms,
+};
 pub use native::{NativeTrainer, SupervisedExample};
 pub use optim::{AdamW, GradAccumulator, OptimConfig, OptimError, StepReport};
 pub use report::{Mismatch, StepParts, StepStats, step_metrics};

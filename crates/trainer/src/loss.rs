@@ -17,17 +17,25 @@
 //! - `decoupled_ppo`: proximal log-prob `p` (recomputed by the trainer with this step's weights
 //!   before any update), `r = exp(lp − p)`, behaviour weight `ρ̃` from `exp(p − b)` as in `tis`,
 //!   `ℓ = −ρ̃ · min(r·A, clip(r)·A)`.
+//! - `gspo` (GSPO): one ratio per text, the geometric mean of its tokens' ratios,
+//!   `s = exp(mean_text(lp − b))`, and `ℓ = −min(s·A, clip(s)·A)` for each of its tokens. The
+//!   gradient is GSPO-token's, `−s·A·∇lp` where unclipped: with a text's tokens sharing one
+//!   advantage and one weight (as the trainer gives them), `Σ_t w ℓ_t` has exactly that gradient.
+//! - Dual clip (`dual_clip = c > 1`, the clipped losses): with `A < 0` a token's clipped term is
+//!   at most `−c·A`, so a ratio far above `c` stops pushing the token down (gradient 0).
 //! - KL penalty (when a reference is given): `x = ref − lp`, `ℓ += kl_coef · (eˣ − x − 1)` (the
 //!   non-negative "k3" estimator), gradient `kl_coef · (1 − eˣ)`.
 //!
 //! The step's loss is `Σ_t w_t ℓ_t`.
+
+use std::collections::HashMap;
 
 use crate::config::{LossAggregation, LossKind, TisLevel, TisMode};
 
 /// Which objective and its constants; built from `[trainer]`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LossConfig {
-    /// `ppo`, `tis` or `decoupled_ppo`.
+    /// `ppo`, `tis`, `decoupled_ppo` or `gspo`.
     pub kind: LossKind,
     /// Lower clip ε: ratios below `1 − clip_low` stop pulling when `A < 0`.
     pub clip_low: f64,
@@ -41,6 +49,8 @@ pub struct LossConfig {
     pub is_cap: f64,
     /// KL penalty coefficient (applies only when reference log-probs are given).
     pub kl_coef: f64,
+    /// Dual-clip bound `c` (> 1) of the clipped losses' terms with a negative advantage; 0 = off.
+    pub dual_clip: f64,
 }
 
 impl Default for LossConfig {
@@ -53,6 +63,7 @@ impl Default for LossConfig {
             tis_mode: TisMode::Truncate,
             is_cap: 2.0,
             kl_coef: 0.0,
+            dual_clip: 0.0,
         }
     }
 }
@@ -92,6 +103,8 @@ pub struct LossStats {
     pub clipped_low: u64,
     /// Tokens whose clipped term was active with the ratio above `1 + clip_high`.
     pub clipped_high: u64,
+    /// Tokens with a negative advantage whose term the dual clip bounded (ratio above `c`).
+    pub dual_clipped: u64,
     /// Tokens (or tokens of sequences) whose importance weight exceeded the cap.
     pub over_cap: u64,
     /// `Σ ρ`, `Σ ρ²` and `max ρ` of the behaviour importance weights (before capping).
@@ -119,6 +132,8 @@ pub struct LossSummary {
     pub clip_low_fraction: f64,
     /// Fraction of tokens clipped on the high side.
     pub clip_high_fraction: f64,
+    /// Fraction of tokens the dual clip bounded.
+    pub dual_clip_fraction: f64,
     /// Fraction of tokens whose importance weight was over the cap.
     pub over_cap_fraction: f64,
     /// Mean importance weight `π/π_behav` (per token).
@@ -140,6 +155,7 @@ impl LossStats {
         self.tokens += other.tokens;
         self.clipped_low += other.clipped_low;
         self.clipped_high += other.clipped_high;
+        self.dual_clipped += other.dual_clipped;
         self.over_cap += other.over_cap;
         self.is_sum += other.is_sum;
         self.is_sq_sum += other.is_sq_sum;
@@ -164,6 +180,7 @@ impl LossStats {
             loss: self.loss,
             clip_low_fraction: self.clipped_low as f64 / n,
             clip_high_fraction: self.clipped_high as f64 / n,
+            dual_clip_fraction: self.dual_clipped as f64 / n,
             over_cap_fraction: self.over_cap as f64 / n,
             is_mean: self.is_sum / n,
             is_max: self.is_max,
@@ -210,15 +227,74 @@ fn cap(rho: f64, config: &LossConfig) -> (f64, bool) {
     (w, over)
 }
 
-/// Clipped-ratio term: `(−min(r·A, clip(r)·A), ∂/∂lp, clipped low, clipped high)`.
-fn clipped(r: f64, a: f64, config: &LossConfig) -> (f64, f64, bool, bool) {
+/// One token's clipped-ratio term.
+struct Clipped {
+    /// `−min(r·A, clip(r)·A)`, bounded by `−c·A` under the dual clip when `A < 0`.
+    loss: f64,
+    /// `∂loss/∂lp` (`−r·A` where the ratio's own term is the one taken, else 0).
+    grad: f64,
+    /// The clip bound the ratio below `1 − clip_low`.
+    low: bool,
+    /// The clip bound the ratio above `1 + clip_high`.
+    high: bool,
+    /// The dual clip bound the term.
+    dual: bool,
+}
+
+/// Clipped-ratio term of ratio `r` and advantage `a`.
+fn clipped(r: f64, a: f64, config: &LossConfig) -> Clipped {
     let rc = r.clamp(1.0 - config.clip_low, 1.0 + config.clip_high);
     let (unclipped, clip) = (r * a, rc * a);
-    if clip < unclipped {
-        (-clip, 0.0, r < 1.0, r > 1.0)
+    let mut term = if clip < unclipped {
+        Clipped {
+            loss: -clip,
+            grad: 0.0,
+            low: r < 1.0,
+            high: r > 1.0,
+            dual: false,
+        }
     } else {
-        (-unclipped, -unclipped, false, false)
+        Clipped {
+            loss: -unclipped,
+            grad: -unclipped,
+            low: false,
+            high: false,
+            dual: false,
+        }
+    };
+    let bound = -config.dual_clip * a;
+    if config.dual_clip > 0.0 && a < 0.0 && term.loss > bound {
+        term = Clipped {
+            loss: bound,
+            grad: 0.0,
+            low: false,
+            high: false,
+            dual: true,
+        };
     }
+    term
+}
+
+impl LossStats {
+    /// Counts a clipped term's decisions.
+    fn count(&mut self, term: &Clipped) {
+        self.clipped_low += u64::from(term.low);
+        self.clipped_high += u64::from(term.high);
+        self.dual_clipped += u64::from(term.dual);
+    }
+}
+
+/// Per-text mean of `f(t)` over the text's tokens in this call (`sequence[t]` names the text).
+fn text_means(sequence: &[u32], f: impl Fn(usize) -> f64) -> HashMap<u32, f64> {
+    let mut sums = HashMap::<u32, (f64, u32)>::new();
+    for (t, &text) in sequence.iter().enumerate() {
+        let e = sums.entry(text).or_default();
+        e.0 += f(t);
+        e.1 += 1;
+    }
+    sums.into_iter()
+        .map(|(text, (sum, n))| (text, sum / f64::from(n)))
+        .collect()
 }
 
 /// Loss value and surrogate coefficients for the tokens of `inputs` (see the module docs).
@@ -254,12 +330,15 @@ pub fn token_terms(
     let lp = |t: usize| f64::from(inputs.logprobs[t]);
     let prox = |t: usize| inputs.proximal.map_or(lp(t), |p| f64::from(p[t]));
     let behaviour = |t: usize| f64::from(inputs.behaviour[t]);
-    // Sequence-level log-ratio per text (tis with sequence level only).
-    let mut seq_log_ratio = std::collections::HashMap::<u32, f64>::new();
+    // Sequence-level log-ratio per text: its sum for `tis` at sequence level, its mean for `gspo`.
+    let log_ratio = |t: usize| lp(t) - behaviour(t);
+    let mut seq_log_ratio = HashMap::<u32, f64>::new();
     if config.kind == LossKind::Tis && config.tis_level == TisLevel::Sequence {
         for t in 0..n {
-            *seq_log_ratio.entry(inputs.sequence[t]).or_default() += lp(t) - behaviour(t);
+            *seq_log_ratio.entry(inputs.sequence[t]).or_default() += log_ratio(t);
         }
+    } else if config.kind == LossKind::Gspo {
+        seq_log_ratio = text_means(inputs.sequence, log_ratio);
     }
     let mut stats = LossStats {
         tokens: n as u64,
@@ -273,17 +352,21 @@ pub fn token_terms(
         // `π_θ/π_behav`, or `π_prox/π_behav` for the decoupled objective.
         let rho_token = match config.kind {
             LossKind::DecoupledPpo => (prox(t) - behaviour(t)).exp(),
-            LossKind::Ppo | LossKind::Tis => (lp(t) - behaviour(t)).exp(),
+            LossKind::Ppo | LossKind::Tis | LossKind::Gspo => log_ratio(t).exp(),
         };
         stats.is_sum += rho_token;
         stats.is_sq_sum += rho_token * rho_token;
         stats.is_max = stats.is_max.max(rho_token);
         let (mut loss, mut grad) = match config.kind {
             LossKind::Ppo => {
-                let (l, g, low, high) = clipped(rho_token, a, config);
-                stats.clipped_low += u64::from(low);
-                stats.clipped_high += u64::from(high);
-                (l, g)
+                let term = clipped(rho_token, a, config);
+                stats.count(&term);
+                (term.loss, term.grad)
+            }
+            LossKind::Gspo => {
+                let term = clipped(seq_log_ratio[&inputs.sequence[t]].exp(), a, config);
+                stats.count(&term);
+                (term.loss, term.grad)
             }
             LossKind::Tis => {
                 let rho = match config.tis_level {
@@ -297,11 +380,9 @@ pub fn token_terms(
             LossKind::DecoupledPpo => {
                 let (rw, over) = cap(rho_token, config);
                 stats.over_cap += u64::from(over);
-                let r = (lp(t) - prox(t)).exp();
-                let (l, g, low, high) = clipped(r, a, config);
-                stats.clipped_low += u64::from(low);
-                stats.clipped_high += u64::from(high);
-                (rw * l, rw * g)
+                let term = clipped((lp(t) - prox(t)).exp(), a, config);
+                stats.count(&term);
+                (rw * term.loss, rw * term.grad)
             }
         };
         if let Some(reference) = inputs.reference {
@@ -336,17 +417,40 @@ pub struct TextTokens {
     pub tokens: usize,
 }
 
+/// How the step's loss adds up its tokens: `trainer.loss_aggregation`, and the constant a
+/// text's summed loss is divided by under `token_sum_normalized`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Aggregation {
+    /// The scheme.
+    pub mode: LossAggregation,
+    /// `L` of `token_sum_normalized` (`rollout.max_new_tokens`; ≥ 1).
+    pub normalizer_tokens: usize,
+}
+
+impl Aggregation {
+    /// `mode`, with `normalizer_tokens` for `token_sum_normalized`.
+    pub fn new(mode: LossAggregation, normalizer_tokens: usize) -> Self {
+        Self {
+            mode,
+            normalizer_tokens: normalizer_tokens.max(1),
+        }
+    }
+}
+
 /// Per-token weight of each text so that `Σ_t w_t ℓ_t` is the chosen aggregate over the whole
 /// global batch (so gradient accumulation over micro-batches is exact):
 /// - `token_mean`: `1 / Σ tokens`;
 /// - `sequence_mean`: `1 / (texts · tokens_of_text)`: every text counts once;
 /// - `rollout_normalized`: `1 / (rollouts · tokens_of_rollout)`: every rollout counts once however
-///   many texts it has (seed 002's `loss_weight_scale`).
+///   many texts it has (seed 002's `loss_weight_scale`);
+/// - `token_sum_normalized`: `1 / (texts · L)` with a constant `L` (Dr. GRPO): each text's
+///   token sum over a length that depends on no reply, so neither a long reply's tokens nor a
+///   short batch's are weighed down.
 ///
 /// Texts with zero tokens get weight 0.
-pub fn aggregation_weights(texts: &[TextTokens], aggregation: LossAggregation) -> Vec<f32> {
+pub fn aggregation_weights(texts: &[TextTokens], aggregation: Aggregation) -> Vec<f32> {
     let total: usize = texts.iter().map(|t| t.tokens).sum();
-    let mut per_rollout = std::collections::HashMap::<(usize, usize), usize>::new();
+    let mut per_rollout = HashMap::<(usize, usize), usize>::new();
     for t in texts {
         *per_rollout.entry((t.group, t.rollout)).or_default() += t.tokens;
     }
@@ -358,11 +462,14 @@ pub fn aggregation_weights(texts: &[TextTokens], aggregation: LossAggregation) -
             if t.tokens == 0 {
                 return 0.0;
             }
-            let w = match aggregation {
+            let w = match aggregation.mode {
                 LossAggregation::TokenMean => 1.0 / total as f64,
                 LossAggregation::SequenceMean => 1.0 / (live_texts * t.tokens) as f64,
                 LossAggregation::RolloutNormalized => {
                     1.0 / (rollouts * per_rollout[&(t.group, t.rollout)]) as f64
+                }
+                LossAggregation::TokenSumNormalized => {
+                    1.0 / (live_texts as f64 * aggregation.normalizer_tokens.max(1) as f64)
                 }
             };
             w as f32

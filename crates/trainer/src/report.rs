@@ -162,6 +162,7 @@ pub fn step_metrics(stats: &StepStats, version: PolicyVersion) -> BTreeMap<Strin
     );
     put(m::TRAINER_CLIP_LOW_RATIO, s.clip_low_fraction);
     put(m::TRAINER_CLIP_HIGH_RATIO, s.clip_high_fraction);
+    put(m::TRAINER_DUAL_CLIP_RATIO, s.dual_clip_fraction);
     put(m::TRAINER_ENTROPY_NATS, s.entropy);
     put(m::TRAINER_KL_NATS, s.kl);
     put(m::TRAINER_IMPORTANCE_WEIGHT_MEAN_RATIO, s.is_mean);

@@ -1,13 +1,13 @@
 //! [`NativeTrainerConfig`]: the native trainer's settings, gathered from the validated config.
 
-use crate::config::{LossAggregation, TrainerConfig};
+use crate::config::TrainerConfig;
 use candle_core::DType;
 use sluice_model::ForwardOptions;
 use sluice_model::config::candle_dtype;
 
 use crate::advantage::AdvantageConfig;
 use crate::batcher::BatcherConfig;
-use crate::loss::LossConfig;
+use crate::loss::{Aggregation, LossConfig};
 use crate::optim::OptimConfig;
 
 /// Everything the native trainer needs to know; [`NativeTrainerConfig::from_config`] builds it
@@ -19,7 +19,7 @@ pub struct NativeTrainerConfig {
     /// Objective.
     pub loss: LossConfig,
     /// Loss aggregation over the global batch.
-    pub aggregation: LossAggregation,
+    pub aggregation: Aggregation,
     /// Micro-batch shape and oversized-text policy.
     pub batcher: BatcherConfig,
     /// AdamW and schedule (in optimizer updates: `minibatches` per training step).
@@ -69,6 +69,8 @@ pub struct TrainerRunContext {
     pub model_dtype: sluice_core::config::DType,
     /// `rollout.temperature`.
     pub rollout_temperature: f64,
+    /// `rollout.max_new_tokens`: the constant length of `token_sum_normalized` aggregation.
+    pub max_new_tokens: u64,
     /// `replay.filter_zero_advantage`.
     pub filter_zero_advantage: bool,
     /// `engine.backend = "native"`: a native engine in the same process takes half the cores.
@@ -98,8 +100,12 @@ impl NativeTrainerConfig {
                 tis_mode: t.tis_mode,
                 is_cap: t.is_cap,
                 kl_coef: t.kl_coef,
+                dual_clip: t.dual_clip,
             },
-            aggregation: t.loss_aggregation,
+            aggregation: Aggregation::new(
+                t.loss_aggregation,
+                usize::try_from(run.max_new_tokens).unwrap_or(usize::MAX),
+            ),
             batcher: BatcherConfig {
                 rows: t.micro_batch_size.get() as usize,
                 row_len: t.max_seq_len.get() as usize,

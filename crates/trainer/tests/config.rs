@@ -5,7 +5,9 @@ use std::collections::BTreeSet;
 
 use sluice_core::config::check::Ctx;
 use sluice_core::config::{DType, Device};
-use sluice_trainer::config::{LossKind, RawTrainer, TrainerConfig, validate_trainer};
+use sluice_trainer::config::{
+    LossAggregation, LossKind, RawTrainer, TrainerConfig, validate_trainer,
+};
 
 fn validate(raw: RawTrainer, simulated_engine: bool) -> Result<TrainerConfig, String> {
     validate_on(raw, simulated_engine, Device::Cpu)
@@ -42,13 +44,51 @@ fn defaults_and_the_simulated_trainer_follow_the_engine() {
 #[test]
 fn a_bad_value_names_its_key() {
     let raw = RawTrainer {
-        clip_low: 1.0,
+        clip_low: Some(1.0),
         ..RawTrainer::default()
     };
     assert_eq!(
         validate(raw, false).unwrap_err(),
         "t.toml: trainer.clip_low: expected a number in [0, 1), got 1"
     );
+    for bad in [0.5, 1.0, -2.0] {
+        let raw = RawTrainer {
+            dual_clip: bad,
+            ..RawTrainer::default()
+        };
+        assert_eq!(
+            validate(raw, false).unwrap_err(),
+            format!("t.toml: trainer.dual_clip: expected 0 (off) or a number > 1, got {bad}")
+        );
+    }
+}
+
+#[test]
+fn gspo_takes_its_own_clip_range_and_text_mean_unless_set() {
+    let of = |loss: &str, clip_high: Option<f64>, aggregation: Option<&str>| {
+        let raw = RawTrainer {
+            loss: loss.into(),
+            clip_high,
+            loss_aggregation: aggregation.map(str::to_owned),
+            ..RawTrainer::default()
+        };
+        let c = validate(raw, false).unwrap();
+        (c.clip_low, c.clip_high, c.loss_aggregation)
+    };
+    assert_eq!(
+        of("ppo", None, None),
+        (0.2, 0.2, LossAggregation::TokenMean)
+    );
+    assert_eq!(
+        of("gspo", None, None),
+        (3e-4, 4e-4, LossAggregation::SequenceMean)
+    );
+    assert_eq!(
+        of("gspo", Some(1e-3), Some("token_sum_normalized")),
+        (3e-4, 1e-3, LossAggregation::TokenSumNormalized)
+    );
+    let c = validate(RawTrainer::default(), false).unwrap();
+    assert_eq!(c.dual_clip, 0.0);
 }
 
 #[test]

@@ -1,13 +1,15 @@
-//! Each loss on hand-computed tokens (clipping on both sides, truncation and masking, token and
-//! sequence level, KL), aggregation weights, and the surrogate's gradient against finite
-//! differences of the loss through a small candle policy.
+//! Each loss on hand-computed tokens (clipping on both sides, the dual clip, truncation and
+//! masking, token and sequence level, GSPO's ratio per text, KL), aggregation weights, and the
+//! surrogate's gradient against finite differences of the loss through a small candle policy.
 
 mod common;
 
 use candle_core::{D, DType, Device, Tensor, Var};
 use common::close;
 use sluice_trainer::config::{LossAggregation, LossKind, TisLevel, TisMode};
-use sluice_trainer::loss::{LossConfig, TextTokens, TokenInputs, aggregation_weights, token_terms};
+use sluice_trainer::loss::{
+    Aggregation, LossConfig, TextTokens, TokenInputs, aggregation_weights, token_terms,
+};
 
 fn ln(x: f32) -> f32 {
     x.ln()
@@ -230,15 +232,16 @@ fn aggregation_weights_count_tokens_texts_or_rollouts_once() {
             tokens: 0,
         },
     ];
-    let tm = aggregation_weights(&texts, LossAggregation::TokenMean);
+    let of = |mode| aggregation_weights(&texts, Aggregation::new(mode, 4));
+    let tm = of(LossAggregation::TokenMean);
     assert_all_close(&tm, &[1.0 / 6.0, 1.0 / 6.0, 1.0 / 6.0, 0.0], "token mean");
-    let sm = aggregation_weights(&texts, LossAggregation::SequenceMean);
+    let sm = of(LossAggregation::SequenceMean);
     assert_all_close(
         &sm,
         &[1.0 / 3.0, 1.0 / 9.0, 1.0 / 6.0, 0.0],
         "sequence mean",
     );
-    let rn = aggregation_weights(&texts, LossAggregation::RolloutNormalized);
+    let rn = of(LossAggregation::RolloutNormalized);
     assert_all_close(
         &rn,
         &[1.0 / 8.0, 1.0 / 8.0, 1.0 / 4.0, 0.0],
@@ -249,6 +252,91 @@ fn aggregation_weights_count_tokens_texts_or_rollouts_once() {
         let total: f32 = w.iter().zip(&texts).map(|(w, t)| w * t.tokens as f32).sum();
         close(f64::from(total), 1.0, 1e-6, "weights sum to one");
     }
+    // Dr. GRPO: each of the three texts' token sums over the constant 4, whatever its length.
+    let ts = of(LossAggregation::TokenSumNormalized);
+    assert_all_close(
+        &ts,
+        &[1.0 / 12.0, 1.0 / 12.0, 1.0 / 12.0, 0.0],
+        "token sum normalized",
+    );
+}
+
+#[test]
+fn dual_clip_bounds_a_negative_advantage_far_above_the_ratio_c() {
+    // Ratios 4, 2 and 4 with advantages −1, −1, +1; c = 3.
+    let lp = [-1.0 + ln(4.0), -1.0 + ln(2.0), -1.0 + ln(4.0)];
+    let b = [-1.0; 3];
+    let a = [-1.0, -1.0, 1.0];
+    let w = [1.0; 3];
+    let s = [0, 1, 2];
+    let config = LossConfig {
+        dual_clip: 3.0,
+        ..LossConfig::default()
+    };
+    let terms = token_terms(&inputs(&lp, &b, &a, &w, &s), &config).unwrap();
+    // ℓ: min(4, 3) = 3 (dual clip, no gradient); 2 (below c: −r·A); −1.2 (high clip).
+    close(terms.stats.loss, 3.0 + 2.0 - 1.2, 1e-5, "loss");
+    assert_all_close(&terms.coefficients, &[0.0, 2.0, 0.0], "coefficients");
+    assert_eq!(
+        (
+            terms.stats.dual_clipped,
+            terms.stats.clipped_high,
+            terms.stats.clipped_low
+        ),
+        (1, 1, 0)
+    );
+    close(
+        terms.stats.summary().dual_clip_fraction,
+        1.0 / 3.0,
+        1e-9,
+        "fraction",
+    );
+    // Off by default: the first token's term is PPO's 4, pushing down with −r·A = 4.
+    let plain = token_terms(&inputs(&lp, &b, &a, &w, &s), &LossConfig::default()).unwrap();
+    assert_all_close(&plain.coefficients, &[4.0, 2.0, 0.0], "without dual clip");
+    assert_eq!(plain.stats.dual_clipped, 0);
+}
+
+#[test]
+fn gspo_clips_each_text_on_the_geometric_mean_of_its_ratios() {
+    // Text 0: log-ratios 0.1, −0.1, 0.3 (mean 0.1, s = e^0.1), advantage +1: clipped at 1 + 4e-4.
+    // Text 1: log-ratios 2e-4 and 0 (s = e^1e-4, inside the range), advantage −1: unclipped.
+    let b = [-1.0f32; 5];
+    let lp = [-0.9f32, -1.1, -0.7, -1.0 + 2e-4, -1.0];
+    let a = [1.0, 1.0, 1.0, -1.0, -1.0];
+    let w = [0.1f32, 0.1, 0.1, 0.35, 0.35];
+    let s = [0, 0, 0, 1, 1];
+    let config = LossConfig {
+        kind: LossKind::Gspo,
+        clip_low: 3e-4,
+        clip_high: 4e-4,
+        ..LossConfig::default()
+    };
+    let terms = token_terms(&inputs(&lp, &b, &a, &w, &s), &config).unwrap();
+    let s1 = f64::from(1e-4f32).exp();
+    close(
+        terms.stats.loss,
+        0.3 * -(1.0 + 4e-4) + 0.7 * s1,
+        1e-6,
+        "loss",
+    );
+    // GSPO-token's gradient: −s·A per token where unclipped, one value for the whole text.
+    assert_all_close(
+        &terms.coefficients,
+        &[0.0, 0.0, 0.0, 0.35 * s1, 0.35 * s1],
+        "coefficients",
+    );
+    assert_eq!((terms.stats.clipped_high, terms.stats.clipped_low), (3, 0));
+    // PPO on the same tokens clips token by token: the second token (ratio e^−0.1) is not.
+    let ppo = token_terms(
+        &inputs(&lp, &b, &a, &w, &s),
+        &LossConfig {
+            kind: LossKind::Ppo,
+            ..config
+        },
+    )
+    .unwrap();
+    assert!(ppo.coefficients[1] < 0.0, "{:?}", ppo.coefficients);
 }
 
 /// `log_softmax(logits)[t, y_t]` for a `(T, V)` variable, built from differentiable ops.
@@ -281,9 +369,10 @@ fn surrogate_gradient_matches_finite_differences_of_the_loss() {
     };
     let lp0 = lp_of(&init);
     // Behaviour/proximal log-probs near the current ones, away from clip boundaries.
+    // The last token's ratio, e^1, is over the dual clip's bound below.
     let behaviour: Vec<f32> = lp0
         .iter()
-        .zip([0.05, -0.4, 0.6, -0.02])
+        .zip([0.05, -0.4, 0.6, -1.0])
         .map(|(l, d)| l + d)
         .collect();
     let reference: Vec<f32> = lp0.iter().map(|l| l - 0.3).collect();
@@ -292,21 +381,47 @@ fn surrogate_gradient_matches_finite_differences_of_the_loss() {
         .zip([0.1, -0.1, 0.02, 0.3])
         .map(|(l, d)| l + d)
         .collect();
-    let adv = [1.0f32, 0.5, -0.8, -1.2];
-    let weights = [0.25f32, 0.25, 0.1, 0.4];
+    let per_token = ([1.0f32, 0.5, -0.8, -1.2], [0.25f32, 0.25, 0.1, 0.4]);
+    // GSPO's gradient is exact when a text's tokens share their advantage and weight, as the
+    // trainer gives them.
+    let per_text = ([1.0f32, 1.0, -0.8, -0.8], [0.3f32, 0.3, 0.2, 0.2]);
     let seq = [0u32, 0, 1, 1];
-    let configs = [
-        LossConfig {
-            kl_coef: 0.3,
-            ..LossConfig::default()
-        },
-        LossConfig {
-            kind: LossKind::DecoupledPpo,
-            kl_coef: 0.1,
-            ..LossConfig::default()
-        },
+    let cases = [
+        (
+            LossConfig {
+                kl_coef: 0.3,
+                ..LossConfig::default()
+            },
+            per_token,
+        ),
+        (
+            LossConfig {
+                kl_coef: 0.1,
+                dual_clip: 2.0,
+                ..LossConfig::default()
+            },
+            per_token,
+        ),
+        (
+            LossConfig {
+                kind: LossKind::DecoupledPpo,
+                kl_coef: 0.1,
+                ..LossConfig::default()
+            },
+            per_token,
+        ),
+        (
+            LossConfig {
+                kind: LossKind::Gspo,
+                clip_low: 3e-4,
+                clip_high: 4e-4,
+                kl_coef: 0.1,
+                ..LossConfig::default()
+            },
+            per_text,
+        ),
     ];
-    for config in configs {
+    for (config, (adv, weights)) in cases {
         let loss_at = |flat: &[f32]| -> f64 {
             let lp = lp_of(flat);
             let mut i = inputs(&lp, &behaviour, &adv, &weights, &seq);
@@ -323,6 +438,11 @@ fn surrogate_gradient_matches_finite_differences_of_the_loss() {
         assert!(
             terms.stats.clipped_low + terms.stats.clipped_high > 0,
             "exercise a clip"
+        );
+        assert_eq!(
+            terms.stats.dual_clipped > 0,
+            config.dual_clip > 0.0,
+            "exercise the dual clip"
         );
         let c = Tensor::new(terms.coefficients.as_slice(), &dev).unwrap();
         let surrogate = (lp * c).unwrap().sum_all().unwrap();
@@ -346,7 +466,7 @@ fn surrogate_gradient_matches_finite_differences_of_the_loss() {
                 f64::from(g[k]),
                 fd,
                 2e-3,
-                &format!("{:?} d/dlogit[{k}]", config.kind),
+                &format!("{config:?} d/dlogit[{k}]"),
             );
         }
     }

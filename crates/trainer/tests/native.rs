@@ -21,7 +21,7 @@ use sluice_model::{ForwardOptions, ModelWeights, PackedBatch};
 use sluice_trainer::advantage::AdvantageConfig;
 use sluice_trainer::batcher::BatcherConfig;
 use sluice_trainer::config::{AdvantageKind, LossAggregation, LossKind, OversizedText};
-use sluice_trainer::loss::LossConfig;
+use sluice_trainer::loss::{Aggregation, LossConfig};
 use sluice_trainer::optim::OptimConfig;
 use sluice_trainer::{NativeTrainer, NativeTrainerConfig, SupervisedExample};
 
@@ -37,7 +37,7 @@ fn config(lr: f64, rows: usize) -> NativeTrainerConfig {
             ..AdvantageConfig::default()
         },
         loss: LossConfig::default(),
-        aggregation: LossAggregation::TokenMean,
+        aggregation: Aggregation::new(LossAggregation::TokenMean, 1),
         batcher: BatcherConfig {
             rows,
             row_len: 16,
@@ -250,10 +250,15 @@ fn published_snapshots_are_copies_that_later_steps_cannot_change() {
 
 #[test]
 fn accumulating_micro_batches_equals_one_large_micro_batch() {
-    for kind in [LossKind::Ppo, LossKind::Tis, LossKind::DecoupledPpo] {
+    for kind in [
+        LossKind::Ppo,
+        LossKind::Tis,
+        LossKind::DecoupledPpo,
+        LossKind::Gspo,
+    ] {
         let mut one = config(0.01, 8);
         one.loss.kind = kind;
-        one.aggregation = LossAggregation::SequenceMean;
+        one.aggregation.mode = LossAggregation::SequenceMean;
         // Each text its own slots (a shared prompt would pack a group into one row).
         one.batcher.share_prompts = false;
         let mut many = one.clone();

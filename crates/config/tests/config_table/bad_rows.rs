@@ -146,7 +146,7 @@ pub const BAD: &[(&str, &[&str], &str, ConfigErrorKind)] = &[
     (
         "[trainer]\nloss = \"dpo\"",
         &[],
-        "test.toml: trainer.loss: expected one of ppo, tis, decoupled_ppo, got `dpo`",
+        "test.toml: trainer.loss: expected one of ppo, tis, decoupled_ppo, gspo, got `dpo`",
         ConfigErrorKind::Value,
     ),
     (
@@ -170,7 +170,7 @@ pub const BAD: &[(&str, &[&str], &str, ConfigErrorKind)] = &[
     (
         "[trainer]\nloss_aggregation = \"mean\"",
         &[],
-        "test.toml: trainer.loss_aggregation: expected one of token_mean, sequence_mean, rollout_normalized, got `mean`",
+        "test.toml: trainer.loss_aggregation: expected one of token_mean, sequence_mean, rollout_normalized, token_sum_normalized, got `mean`",
         ConfigErrorKind::Value,
     ),
     (

@@ -265,6 +265,7 @@ pub fn native_trainer_config(config: &Config) -> NativeTrainerConfig {
             seed: config.run.seed,
             model_dtype: config.model.dtype,
             rollout_temperature: config.rollout.temperature,
+            max_new_tokens: u64::from(config.rollout.max_new_tokens.get()),
             filter_zero_advantage: config.replay.filter_zero_advantage,
             native_engine_in_process: config.engine.backend == EngineBackend::Native,
         },

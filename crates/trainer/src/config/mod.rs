@@ -12,5 +12,6 @@ pub use bounds::{BOUNDS, MAX_MINIBATCHES};
 pub use raw::{RawSimTrainer, RawTrainer};
 pub use typed::*;
 pub use validate::{
-    DECOUPLED_MINIBATCHES, default_kept_logits_mib, default_minibatches, validate_trainer,
+    DECOUPLED_MINIBATCHES, default_clip, default_kept_logits_mib, default_loss_aggregation,
+    default_minibatches, validate_trainer,
 };

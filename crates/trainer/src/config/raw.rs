@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RawTrainer {
-    /// `ppo`, `tis` or `decoupled_ppo`.
+    /// `ppo`, `tis`, `decoupled_ppo` or `gspo`.
     pub loss: String,
     /// `cpu` or `cuda:N` of the native trainer (default `model.device`).
     pub device: Option<String>,
@@ -20,12 +20,15 @@ pub struct RawTrainer {
     pub weight_decay: f64,
     /// Global gradient-norm clip.
     pub max_grad_norm: f64,
-    /// Lower clip ε of the ratio (`1 − ε`).
-    pub clip_low: f64,
-    /// Upper clip ε of the ratio (`1 + ε`).
-    pub clip_high: f64,
+    /// Lower clip ε of the ratio (`1 − ε`); unset: chosen from the loss
+    /// (`validate::trainer::default_clip`).
+    pub clip_low: Option<f64>,
+    /// Upper clip ε of the ratio (`1 + ε`); unset: chosen from the loss.
+    pub clip_high: Option<f64>,
     /// KL penalty coefficient against the reference policy (0 disables it).
     pub kl_coef: f64,
+    /// Dual-clip bound `c` (> 1) of the clipped terms with a negative advantage (0 disables it).
+    pub dual_clip: f64,
     /// Rows `B` of one packed micro-batch.
     pub micro_batch_size: i64,
     /// Row length `L` of one packed micro-batch, tokens.
@@ -46,8 +49,9 @@ pub struct RawTrainer {
     pub pad_situations: bool,
     /// Situational advantages: leave out situations whose texts all have zero advantage.
     pub drop_zero_signal_situations: bool,
-    /// `token_mean`, `sequence_mean` or `rollout_normalized`.
-    pub loss_aggregation: String,
+    /// `token_mean`, `sequence_mean`, `rollout_normalized` or `token_sum_normalized`; unset:
+    /// chosen from the loss.
+    pub loss_aggregation: Option<String>,
     /// `token` or `sequence` importance weights (`tis`).
     pub tis_level: String,
     /// `truncate` or `mask` importance weights above `is_cap`.
@@ -106,9 +110,10 @@ impl Default for RawTrainer {
             warmup_steps: 0,
             weight_decay: 0.0,
             max_grad_norm: 1.0,
-            clip_low: 0.2,
-            clip_high: 0.2,
+            clip_low: None,
+            clip_high: None,
             kl_coef: 0.0,
+            dual_clip: 0.0,
             micro_batch_size: 4,
             max_seq_len: 2048,
             minibatches: None,
@@ -118,7 +123,7 @@ impl Default for RawTrainer {
             only_keep_outcome: false,
             pad_situations: false,
             drop_zero_signal_situations: false,
-            loss_aggregation: "token_mean".into(),
+            loss_aggregation: None,
             tis_level: "token".into(),
             tis_mode: "truncate".into(),
             is_cap: 2.0,

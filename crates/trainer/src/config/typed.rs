@@ -14,6 +14,8 @@ pub enum LossKind {
     Tis,
     /// AReaL's decoupled objective: clip against a recomputed proximal policy.
     DecoupledPpo,
+    /// GSPO: one clipped ratio per text, the geometric mean of its tokens' ratios.
+    Gspo,
 }
 
 /// Learning-rate schedule after warmup.
@@ -46,6 +48,8 @@ pub enum LossAggregation {
     SequenceMean,
     /// Every rollout counts once, however many texts it has.
     RolloutNormalized,
+    /// Each text's token sum over a constant length (Dr. GRPO), every text once.
+    TokenSumNormalized,
 }
 
 /// Granularity of truncated importance weights.
@@ -111,6 +115,8 @@ pub struct TrainerConfig {
     pub clip_high: f64,
     /// KL coefficient (≥ 0).
     pub kl_coef: f64,
+    /// Dual-clip bound `c` of the clipped losses (0 = off, else > 1).
+    pub dual_clip: f64,
     /// Micro-batch rows `B`.
     pub micro_batch_size: NonZeroU32,
     /// Micro-batch row length `L`.

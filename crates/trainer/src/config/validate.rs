@@ -8,7 +8,7 @@ use sluice_core::config::check::{
 use sluice_core::config::{ConfigError, DType, Device};
 
 use super::raw::{RawSimTrainer, RawTrainer};
-use super::typed::{LossKind, SimTrainerConfig, TrainerConfig};
+use super::typed::{LossAggregation, LossKind, SimTrainerConfig, TrainerConfig};
 
 /// Optimizer updates per step when `trainer.minibatches` is unset: one for `ppo` and `tis`, and
 /// for `decoupled_ppo` [`DECOUPLED_MINIBATCHES`] (at most one per group). With a single update the
@@ -18,7 +18,26 @@ use super::typed::{LossKind, SimTrainerConfig, TrainerConfig};
 pub fn default_minibatches(loss: LossKind, groups_per_step: NonZeroU32) -> NonZeroU32 {
     match loss {
         LossKind::DecoupledPpo => DECOUPLED_MINIBATCHES.min(groups_per_step),
-        LossKind::Ppo | LossKind::Tis => NonZeroU32::MIN,
+        LossKind::Ppo | LossKind::Tis | LossKind::Gspo => NonZeroU32::MIN,
+    }
+}
+
+/// `(trainer.clip_low, trainer.clip_high)` when unset: 0.2 on both sides (PPO's), and for `gspo`
+/// the GSPO paper's 3e-4 and 4e-4: a text's ratio is the geometric mean of its tokens' ratios and
+/// moves far less than any one of them, so PPO's range would clip nothing.
+pub fn default_clip(loss: LossKind) -> (f64, f64) {
+    match loss {
+        LossKind::Gspo => (3e-4, 4e-4),
+        LossKind::Ppo | LossKind::Tis | LossKind::DecoupledPpo => (0.2, 0.2),
+    }
+}
+
+/// `trainer.loss_aggregation` when unset: `sequence_mean` for `gspo` (its objective is a mean
+/// over texts), `token_mean` otherwise.
+pub fn default_loss_aggregation(loss: LossKind) -> LossAggregation {
+    match loss {
+        LossKind::Gspo => LossAggregation::SequenceMean,
+        LossKind::Ppo | LossKind::Tis | LossKind::DecoupledPpo => LossAggregation::TokenMean,
     }
 }
 
@@ -54,10 +73,12 @@ pub fn validate_trainer(
     device: Device,
     ctx: &Ctx<'_>,
 ) -> Result<TrainerConfig, ConfigError> {
+    let loss = choice(ctx, "trainer.loss", &raw.loss)?;
+    let (clip_low, clip_high) = default_clip(loss);
     Ok(TrainerConfig {
         device,
         simulated: validate_sim_trainer(raw.simulated, simulated_engine, ctx)?,
-        loss: choice(ctx, "trainer.loss", &raw.loss)?,
+        loss,
         learning_rate: positive(ctx, "trainer.learning_rate", raw.learning_rate)?,
         lr_schedule: choice(ctx, "trainer.lr_schedule", &raw.lr_schedule)?,
         warmup_steps: u64_incl_zero(ctx, "trainer.warmup_steps", raw.warmup_steps)?,
@@ -66,12 +87,19 @@ pub fn validate_trainer(
         clip_low: number(
             ctx,
             "trainer.clip_low",
-            raw.clip_low,
+            raw.clip_low.unwrap_or(clip_low),
             "a number in [0, 1)",
             |v| (0.0..1.0).contains(&v),
         )?,
-        clip_high: non_negative(ctx, "trainer.clip_high", raw.clip_high)?,
+        clip_high: non_negative(ctx, "trainer.clip_high", raw.clip_high.unwrap_or(clip_high))?,
         kl_coef: non_negative(ctx, "trainer.kl_coef", raw.kl_coef)?,
+        dual_clip: number(
+            ctx,
+            "trainer.dual_clip",
+            raw.dual_clip,
+            "0 (off) or a number > 1",
+            |v| v == 0.0 || v > 1.0,
+        )?,
         micro_batch_size: non_zero_u32(ctx, "trainer.micro_batch_size", raw.micro_batch_size)?,
         max_seq_len: non_zero_u32(ctx, "trainer.max_seq_len", raw.max_seq_len)?,
         // Unset: resolved with `rollout.groups_per_step` by `default_minibatches`.
@@ -92,7 +120,10 @@ pub fn validate_trainer(
         only_keep_outcome: raw.only_keep_outcome,
         pad_situations: raw.pad_situations,
         drop_zero_signal_situations: raw.drop_zero_signal_situations,
-        loss_aggregation: choice(ctx, "trainer.loss_aggregation", &raw.loss_aggregation)?,
+        loss_aggregation: match raw.loss_aggregation.as_deref() {
+            Some(v) => choice(ctx, "trainer.loss_aggregation", v)?,
+            None => default_loss_aggregation(loss),
+        },
         tis_level: choice(ctx, "trainer.tis_level", &raw.tis_level)?,
         tis_mode: choice(ctx, "trainer.tis_mode", &raw.tis_mode)?,
         is_cap: positive(ctx, "trainer.is_cap", raw.is_cap)?,
