@@ -65,7 +65,7 @@ fn check_prints_the_resolved_config_and_applies_overrides() {
 }
 
 #[test]
-fn check_resolves_the_loss_defaults_of_gspo_and_refuses_a_dual_clip_below_one() {
+fn check_resolves_gspo_defaults_and_refuses_a_dual_clip_below_one_or_a_buffer_past_the_budget() {
     let check = |sets: &[&str]| {
         let mut args = vec!["check", "configs/quickstart.toml"];
         for s in sets {
@@ -91,6 +91,15 @@ fn check_resolves_the_loss_defaults_of_gspo_and_refuses_a_dual_clip_below_one() 
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
         err.contains("trainer.dual_clip") && err.contains("> 1"),
+        "{err}"
+    );
+    // The overlong buffer lies inside the turn budget (the quickstart's is 6 tokens).
+    let out = check(&["rollout.overlong_buffer_tokens=7"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("rollout.overlong_buffer_tokens")
+            && err.contains("rollout.max_new_tokens (6)"),
         "{err}"
     );
 }

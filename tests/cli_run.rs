@@ -317,13 +317,14 @@ fn a_native_run_reports_bad_data_before_any_warm_up() {
     assert!(!dir.path().join("warmup").exists());
 }
 
-/// verl's loss options through the binary: the quickstart's warm-started model trained a few
-/// steps with `loss = "gspo"` (its clip range and text mean by default), the dual clip on and
-/// Dr. GRPO's aggregation; every step logs its loss and clip figures, and the text-level clip
-/// binds on the second update of a step (two minibatches, the second clipped against the
-/// behaviour policy the first moved away from).
+/// verl's and DAPO's options through the binary: the quickstart's warm-started model trained a
+/// few steps with `loss = "gspo"` (its clip range and text mean by default), the dual clip on,
+/// Dr. GRPO's aggregation and the overlong buffer over the whole 6-token budget (so every reply
+/// pays for its length); every step logs its loss, clip figures and the `overlong` reward
+/// component, and the text-level clip binds (two minibatches a step, the second clipped against
+/// the behaviour policy the first moved away from).
 #[test]
-fn gspo_with_the_dual_clip_and_dr_grpo_aggregation_trains() {
+fn verl_and_dapo_loss_options_train_through_the_binary() {
     let dir = tempfile::tempdir().unwrap();
     let sets = [
         format!("run.output_dir=\"{}\"", dir.path().display()),
@@ -336,6 +337,8 @@ fn gspo_with_the_dual_clip_and_dr_grpo_aggregation_trains() {
         "trainer.dual_clip=3.0".to_owned(),
         "trainer.loss_aggregation=\"token_sum_normalized\"".to_owned(),
         "trainer.normalize_advantage_std=false".to_owned(),
+        "rollout.overlong_buffer_tokens=6".to_owned(),
+        "rollout.overlong_penalty=0.5".to_owned(),
         "metrics.enabled=false".to_owned(),
         "admin.listen=\"127.0.0.1:0\"".to_owned(),
     ];
@@ -365,6 +368,8 @@ fn gspo_with_the_dual_clip_and_dr_grpo_aggregation_trains() {
         assert!(step["loss"].as_f64().is_some_and(f64::is_finite), "{step}");
         let dual = step["train.dual_clip_fraction"].as_f64();
         assert!(dual.is_some_and(|f| (0.0..=1.0).contains(&f)), "{step}");
+        let overlong = step["reward.overlong"].as_f64();
+        assert!(overlong.is_some_and(|p| (-0.5..0.0).contains(&p)), "{step}");
     }
     let clipped: f64 = trained
         .iter()

@@ -69,6 +69,19 @@ pub struct ControllerConfig {
     pub balance_threshold: f64,
     /// Most groups admitted and not yet trained (`replay.capacity`).
     pub replay_capacity: Option<u64>,
+    /// DAPO's soft overlong punishment of finished rollouts' rewards
+    /// (`rollout.overlong_buffer_tokens`; `None`: off).
+    pub overlong: Option<sluice_env::OverlongShaping>,
+}
+
+impl ControllerConfig {
+    /// Tokens per turn of `domain`'s requests: its own budget, else `rollout.max_new_tokens`.
+    pub fn turn_tokens(&self, domain: &str) -> u32 {
+        self.domain_turn_tokens
+            .get(domain)
+            .copied()
+            .unwrap_or(self.sampling.max_tokens)
+    }
 }
 
 /// The peers the controller drives, handed over once they are started.

@@ -128,9 +128,7 @@ impl ControllerState {
                 };
                 let domain = &meta.sample.domain;
                 let mut params = self.config.sampling.clone();
-                if let Some(&tokens) = self.config.domain_turn_tokens.get(domain) {
-                    params.max_tokens = tokens;
-                }
+                params.max_tokens = self.config.turn_tokens(domain);
                 self.clocks.engine_sent(request, Instant::now());
                 let request = GenerateRequest {
                     id: request,
@@ -172,8 +170,15 @@ impl ControllerState {
         self.counters.sent(1);
     }
 
-    /// A finished group: its statistics, then the sampler and the replay store.
-    fn finished(&mut self, group: RolloutGroup, meta: &GroupMeta) {
+    /// A finished group: its rewards shaped, its statistics, then the sampler and the replay
+    /// store.
+    fn finished(&mut self, mut group: RolloutGroup, meta: &GroupMeta) {
+        if let Some(overlong) = &self.config.overlong {
+            let budget = self.config.turn_tokens(&meta.sample.domain);
+            for r in &mut group.rollouts {
+                overlong.apply(r, budget);
+            }
+        }
         self.record_outcome(&group, &meta.sample.domain);
         self.shape.record_group(&meta.sample.domain, &group);
         self.pace.record_group(meta.started.elapsed().as_secs_f64());

@@ -15,6 +15,7 @@
 //! | [`tasks`] | built-in tasks: `arithmetic`, `sum_digits`, `calculator_tool`, `stock_tool`, `episodic`, `word_problems`, `qa` (question/answer rows from files) |
 //! | [`datasets`] | `[data] datasets` → rows: JSONL under `data_dir`, or a built-in task's generator |
 //! | [`discount`] | episode-aware discounting of outcome rewards (seed 001) |
+//! | [`overlong`] | DAPO's soft overlong punishment: replies in the last tokens of their budget lose reward |
 //! | [`stats`] | running outcome EMA and balance fractions (seed 001) |
 //! | [`episode`] | a minimal driver: one episode from a [`Generate`] implementation into a `Rollout` |
 //! | [`eval`] | play a task on a fixed sample set and summarize: mean reward, accuracy, statuses |
@@ -34,6 +35,7 @@ pub mod error;
 pub mod eval;
 pub mod forward;
 pub mod guard;
+pub mod overlong;
 pub mod protocol;
 pub mod remote;
 pub mod renderer;
@@ -53,6 +55,7 @@ pub use discount::EpisodeDiscount;
 pub use episode::{Generate, Generated, run_episode};
 pub use error::EnvError;
 pub use eval::{EvalReport, SampledScores, evaluate};
+pub use overlong::OverlongShaping;
 pub use protocol::{BoxFuture, EnvInit, EnvStep, MessageEnv};
 pub use renderer::{ByteRenderer, ParseError, Renderer};
 pub use rollout_env::{EnvReply, RolloutEnv, TurnNote};

@@ -79,6 +79,28 @@ pub(crate) fn check(config: &Config, ctx: &Ctx<'_>) -> Result<(), ConfigError> {
             "only a head (node.role = \"head\") has env nodes joined to it; use env_url for an env server of your own",
         ));
     }
+    // The overlong buffer lies inside every turn budget: a larger one would charge replies for
+    // tokens no budget lets them write.
+    let buffer = config.rollout.overlong_buffer_tokens;
+    let budgets = std::iter::once((
+        "rollout.max_new_tokens".to_owned(),
+        config.rollout.max_new_tokens.get(),
+    ))
+    .chain(
+        config
+            .data
+            .turn_token_overrides()
+            .into_iter()
+            .map(|(d, n)| (format!("data.domains.{d}.max_new_tokens"), n)),
+    );
+    for (key, budget) in budgets {
+        if buffer > budget {
+            return Err(ctx.value(
+                "rollout.overlong_buffer_tokens",
+                format!("expected at most {key} ({budget}): the buffer is the last tokens of each turn budget; got {buffer}"),
+            ));
+        }
+    }
     // A head's engines are the engine nodes that join it: remote servers of the engine actor.
     if let Some(node) = &config.node
         && node.role == NodeRole::Head

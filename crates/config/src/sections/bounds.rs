@@ -21,6 +21,8 @@ pub const BOUNDS: &[Bound] = &[
     bound("rollout.group_size", 4096.0, "rollouts per group"),
     bound("rollout.max_prompt_tokens", MAX_TOKENS, TOKENS),
     bound("rollout.balance_threshold", MAX_REWARD, REWARD),
+    bound("rollout.overlong_buffer_tokens", MAX_TOKENS, TOKENS),
+    bound("rollout.overlong_penalty", MAX_REWARD, REWARD),
     bound(
         "rollout.groups_per_step",
         65_536.0,

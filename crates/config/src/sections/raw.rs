@@ -79,6 +79,10 @@ pub struct RawRollout {
     pub domain_mix: BTreeMap<String, f64>,
     /// Group mean reward below / above which a group counts as too hard / too easy (seed 001).
     pub balance_threshold: f64,
+    /// DAPO's overlong buffer: the last tokens of a turn budget that cost reward (0 = off).
+    pub overlong_buffer_tokens: i64,
+    /// Reward a reply cut at its turn budget loses under the overlong buffer.
+    pub overlong_penalty: f64,
     /// Environment worker actors.
     pub env_workers: i64,
     /// Environment calls (first prompt, step, reward) each worker runs at once.
@@ -108,6 +112,8 @@ impl Default for RawRollout {
             paused: false,
             domain_mix: BTreeMap::new(),
             balance_threshold: 0.5,
+            overlong_buffer_tokens: 0,
+            overlong_penalty: 1.0,
             env_workers: 2,
             env_calls_per_worker: 128,
         }

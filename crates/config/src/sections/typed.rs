@@ -60,6 +60,10 @@ pub struct RolloutConfig {
     pub top_k: u32,
     /// Group mean reward below / above which a group counts as too hard / too easy.
     pub balance_threshold: f64,
+    /// The last tokens of a turn budget that cost reward (DAPO's overlong buffer; 0 = off).
+    pub overlong_buffer_tokens: u32,
+    /// Reward a reply cut at its turn budget loses (≥ 0).
+    pub overlong_penalty: f64,
     /// Environment worker actors.
     pub env_workers: NonZeroU32,
     /// Environment calls each worker runs at once.

@@ -208,6 +208,10 @@ fn controller_config(config: &Config) -> ControllerConfig {
         balance_threshold: config.rollout.balance_threshold,
         domain_turn_tokens: config.data.turn_token_overrides(),
         replay_capacity: config.replay.capacity.map(|c| c.get()),
+        overlong: sluice_env::OverlongShaping::new(
+            config.rollout.overlong_buffer_tokens,
+            config.rollout.overlong_penalty,
+        ),
     }
 }
 

@@ -106,6 +106,12 @@ pub fn validate_rollout(
             "a finite reward",
             |_| true,
         )?,
+        overlong_buffer_tokens: u32_incl_zero(
+            ctx,
+            "rollout.overlong_buffer_tokens",
+            raw.overlong_buffer_tokens,
+        )?,
+        overlong_penalty: non_negative(ctx, "rollout.overlong_penalty", raw.overlong_penalty)?,
         env_workers: non_zero_u32(ctx, "rollout.env_workers", raw.env_workers)?,
         env_calls_per_worker: non_zero_u32(
             ctx,
