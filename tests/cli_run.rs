@@ -318,65 +318,89 @@ fn a_native_run_reports_bad_data_before_any_warm_up() {
 }
 
 /// verl's and DAPO's options through the binary: the quickstart's warm-started model trained a
-/// few steps with `loss = "gspo"` (its clip range and text mean by default), the dual clip on,
-/// Dr. GRPO's aggregation and the overlong buffer over the whole 6-token budget (so every reply
-/// pays for its length); every step logs its loss, clip figures and the `overlong` reward
-/// component, and the text-level clip binds (two minibatches a step, the second clipped against
-/// the behaviour policy the first moved away from).
+/// few steps twice. First with `loss = "gspo"` (its clip range and text mean by default), the
+/// dual clip on, Dr. GRPO's aggregation, RLOO's advantages and the overlong buffer over the whole
+/// 6-token budget (so every reply pays for its length): every step logs its loss, clip figures
+/// and the `overlong` reward component, and the text-level clip binds (two minibatches a step,
+/// the second clipped against the behaviour policy the first moved away from). Then PPO with
+/// REINFORCE++'s whitened advantages.
 #[test]
 fn verl_and_dapo_loss_options_train_through_the_binary() {
+    let gspo = [
+        "trainer.loss=\"gspo\"",
+        "trainer.dual_clip=3.0",
+        "trainer.loss_aggregation=\"token_sum_normalized\"",
+        "trainer.advantage=\"rloo\"",
+        "rollout.overlong_buffer_tokens=6",
+        "rollout.overlong_penalty=0.5",
+    ];
+    let steps = quickstart_steps(&gspo);
+    for step in &steps {
+        let dual = step["train.dual_clip_fraction"].as_f64();
+        assert!(dual.is_some_and(|f| (0.0..=1.0).contains(&f)), "{step}");
+        let overlong = step["reward.overlong"].as_f64();
+        assert!(overlong.is_some_and(|p| (-0.5..0.0).contains(&p)), "{step}");
+    }
+    let clipped: f64 = steps
+        .iter()
+        .map(|s| s["train.clip_fraction"].as_f64().unwrap())
+        .sum();
+    assert!(clipped > 0.0, "GSPO's clip never bound: {steps:?}");
+    let reinforce = [
+        "trainer.loss=\"ppo\"",
+        "trainer.advantage=\"reinforce_plus_plus_baseline\"",
+    ];
+    for step in quickstart_steps(&reinforce) {
+        assert!(step.get("reward.overlong").is_none(), "{step}");
+    }
+}
+
+/// The trained steps' `metrics.jsonl` records of a 4-step quickstart run (20 warm-up steps, no
+/// evaluation) with `sets` on top; each logged a finite loss and its clip figures, and the run
+/// published version 4.
+fn quickstart_steps(sets: &[&str]) -> Vec<serde_json::Value> {
     let dir = tempfile::tempdir().unwrap();
-    let sets = [
+    let mut cmd = sluice();
+    cmd.args([
+        "run",
+        concat!(env!("CARGO_MANIFEST_DIR"), "/configs/quickstart.toml"),
+    ]);
+    let own = [
         format!("run.output_dir=\"{}\"", dir.path().display()),
         format!("model.path=\"{}\"", dir.path().join("model").display()),
         "run.max_steps=4".to_owned(),
         "warmup.max_steps=20".to_owned(),
         "eval.every_steps=0".to_owned(),
         "eval.stop_at_accuracy=1.0".to_owned(),
-        "trainer.loss=\"gspo\"".to_owned(),
-        "trainer.dual_clip=3.0".to_owned(),
-        "trainer.loss_aggregation=\"token_sum_normalized\"".to_owned(),
-        "trainer.normalize_advantage_std=false".to_owned(),
-        "rollout.overlong_buffer_tokens=6".to_owned(),
-        "rollout.overlong_penalty=0.5".to_owned(),
         "metrics.enabled=false".to_owned(),
         "admin.listen=\"127.0.0.1:0\"".to_owned(),
     ];
-    let mut cmd = sluice();
-    cmd.args([
-        "run",
-        concat!(env!("CARGO_MANIFEST_DIR"), "/configs/quickstart.toml"),
-    ]);
-    for s in &sets {
+    for s in own.iter().map(String::as_str).chain(sets.iter().copied()) {
         cmd.args(["--set", s]);
     }
     let out = cmd.output().unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(out.status.success(), "{sets:?}\n{stdout}\n{stderr}");
     let log = std::fs::read_to_string(dir.path().join("metrics.jsonl")).unwrap();
     let steps: Vec<serde_json::Value> = log
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
+    assert_eq!(
+        steps.last().unwrap()["policy_version"],
+        4,
+        "{sets:?}\n{log}"
+    );
     let trained: Vec<_> = steps
-        .iter()
+        .into_iter()
         .filter(|s| s["train.clip_fraction"].is_number())
         .collect();
-    assert!(!trained.is_empty(), "{log}");
+    assert!(!trained.is_empty(), "{sets:?}\n{log}");
     for step in &trained {
         assert!(step["loss"].as_f64().is_some_and(f64::is_finite), "{step}");
-        let dual = step["train.dual_clip_fraction"].as_f64();
-        assert!(dual.is_some_and(|f| (0.0..=1.0).contains(&f)), "{step}");
-        let overlong = step["reward.overlong"].as_f64();
-        assert!(overlong.is_some_and(|p| (-0.5..0.0).contains(&p)), "{step}");
     }
-    let clipped: f64 = trained
-        .iter()
-        .map(|s| s["train.clip_fraction"].as_f64().unwrap())
-        .sum();
-    assert!(clipped > 0.0, "GSPO's clip never bound: {log}");
-    assert_eq!(steps.last().unwrap()["policy_version"], 4, "{log}");
+    trained
 }
 
 #[path = "real_model/mod.rs"]

@@ -4,6 +4,9 @@
 //! Three ideas compose here:
 //! - **Group baseline** (GRPO): a rollout's advantage is its reward minus the mean reward of the
 //!   trainable rollouts of its group, optionally divided by their (population) standard deviation.
+//!   RLOO takes the mean of the *other* rollouts instead (`n/(n−1)` times GRPO's difference), an
+//!   unbiased baseline; REINFORCE++-baseline takes the group mean, then whitens the whole step's
+//!   advantages over its tokens (mean 0, variance 1) in place of a per-group std.
 //! - **Situational baseline** (seed 002): each turn may carry a situation label; the baseline of a
 //!   turn is taken within (group × situation), so a decision is compared with the same kind of
 //!   decision in sibling rollouts. With padding on, a rollout that has fewer turns in a situation
@@ -139,7 +142,9 @@ pub fn compute_advantages<'a>(
             continue;
         }
         let texts = match config.kind {
-            AdvantageKind::Group => group_texts(g, group, config),
+            AdvantageKind::Group
+            | AdvantageKind::Rloo
+            | AdvantageKind::ReinforcePlusPlusBaseline => group_texts(g, group, config),
             AdvantageKind::Situational => situational_texts(g, group, config),
         };
         if let Some(bad) = texts.iter().find(|t| !t.advantage.is_finite()) {
@@ -162,7 +167,34 @@ pub fn compute_advantages<'a>(
         out.groups_kept += 1;
         out.texts.extend(texts);
     }
+    if config.kind == AdvantageKind::ReinforcePlusPlusBaseline {
+        whiten_over_tokens(&mut out.texts);
+    }
     out
+}
+
+/// REINFORCE++'s batch normalisation: every text's advantage shifted and scaled so that over the
+/// step's completion tokens (each text counted once per token) they have mean 0 and variance 1.
+fn whiten_over_tokens(texts: &mut [ScoredText<'_>]) {
+    let tokens = |t: &ScoredText<'_>| t.text.completion_tokens() as f64;
+    let total: f64 = texts.iter().map(tokens).sum();
+    if total == 0.0 {
+        return;
+    }
+    let mean = texts
+        .iter()
+        .map(|t| tokens(t) * f64::from(t.advantage))
+        .sum::<f64>()
+        / total;
+    let var = texts
+        .iter()
+        .map(|t| tokens(t) * (f64::from(t.advantage) - mean).powi(2))
+        .sum::<f64>()
+        / total;
+    let scale = 1.0 / (var.sqrt() + STD_EPSILON);
+    for t in texts {
+        t.advantage = ((f64::from(t.advantage) - mean) * scale) as f32;
+    }
 }
 
 /// Why `group`'s rewards cannot be turned into advantages: a trainable rollout's reward that is
@@ -202,7 +234,8 @@ fn kept_turns(turns: &[RolloutTurn], only_keep_outcome: bool) -> Vec<(usize, &Ro
     kept
 }
 
-/// GRPO: one advantage per rollout, then discounted over its turns.
+/// GRPO, RLOO and REINFORCE++-baseline: one advantage per rollout against its group's baseline,
+/// then discounted over its turns.
 fn group_texts<'a>(
     g: usize,
     group: &'a RolloutGroup,
@@ -216,11 +249,20 @@ fn group_texts<'a>(
         .collect();
     let rewards: Vec<f64> = trainable.iter().map(|(_, r)| r.reward).collect();
     let (mean, std) = mean_std(&rewards);
+    let n = rewards.len() as f64;
+    // RLOO's leave-one-out mean: `r − (Σ − r)/(n − 1) = n/(n − 1) · (r − mean)`; a rollout
+    // alone in its group has no other to compare with, and no signal.
+    let loo_scale = if n > 1.0 { n / (n - 1.0) } else { 0.0 };
+    // REINFORCE++ divides by the step's spread, not the group's (`whiten_over_tokens`).
+    let divide = config.normalize_std && config.kind != AdvantageKind::ReinforcePlusPlusBaseline;
     let gamma = config.gamma_for(&group.sample.domain);
     let mut texts = Vec::new();
     for (ri, rollout) in trainable {
         let mut adv = rollout.reward - mean;
-        if config.normalize_std {
+        if config.kind == AdvantageKind::Rloo {
+            adv *= loo_scale;
+        }
+        if divide {
             adv /= std + STD_EPSILON;
         }
         let kept = kept_turns(&rollout.turns, config.only_keep_outcome);

@@ -1,5 +1,6 @@
-//! Advantage modes on hand-computed groups: GRPO with and without std, discounting, outcome-only,
-//! situations with and without padding, zero-advantage filtering.
+//! Advantage modes on hand-computed groups: GRPO with and without std, RLOO, REINFORCE++ with a
+//! group baseline, discounting, outcome-only, situations with and without padding,
+//! zero-advantage filtering.
 
 mod common;
 
@@ -41,6 +42,76 @@ fn group_advantage_is_reward_minus_mean_optionally_over_std() {
         close(*a, want, 1e-5, "normalized");
     }
     assert_eq!(mean_std(&[1.0, 0.0, 0.0, 1.0]), (0.5, 0.5));
+}
+
+#[test]
+fn rloo_compares_each_rollout_with_the_mean_of_the_others() {
+    let groups = [single_turn_group(1, &[1.0, 0.0, 0.0, 1.0])];
+    let plain = compute_advantages(&groups, &config(AdvantageKind::Rloo, false));
+    // 1 − (0 + 0 + 1)/3 and 0 − (1 + 0 + 1)/3.
+    for (a, want) in advantages(&plain)
+        .iter()
+        .zip([2.0 / 3.0, -2.0 / 3.0, -2.0 / 3.0, 2.0 / 3.0])
+    {
+        close(*a, want, 1e-6, "leave-one-out");
+    }
+    let scaled = compute_advantages(&groups, &config(AdvantageKind::Rloo, true));
+    close(
+        advantages(&scaled)[0],
+        4.0 / 3.0,
+        1e-5,
+        "over the group std",
+    );
+    // A rollout alone in its group has no baseline: no signal, filtered.
+    let mut lone = single_turn_group(2, &[1.0, 0.0]);
+    lone.rollouts[1].status = RolloutStatus::Error("env".into());
+    let lone = [lone];
+    let batch = compute_advantages(&lone, &config(AdvantageKind::Rloo, false));
+    assert!(batch.is_empty());
+    assert_eq!(batch.groups_filtered, 1);
+}
+
+#[test]
+fn reinforce_plus_plus_whitens_group_baselined_advantages_over_the_steps_tokens() {
+    // Two groups; the second's replies have 1, 3, 1 and 1 completion tokens, so a token-weighted
+    // mean differs from a per-text one.
+    let reply = |n: usize| vec![turn(&[1, 2], &vec![7; n], -1.0, 0, None)];
+    let groups = [
+        single_turn_group(1, &[1.0, 0.0, 0.0, 1.0]),
+        group(
+            2,
+            &[1.0, 0.0, 0.0, 0.0],
+            vec![reply(1), reply(3), reply(1), reply(1)],
+        ),
+    ];
+    let batch = compute_advantages(
+        &groups,
+        &config(AdvantageKind::ReinforcePlusPlusBaseline, false),
+    );
+    assert_eq!(batch.texts.len(), 8);
+    let raw = [0.5, -0.5, -0.5, 0.5, 0.75, -0.25, -0.25, -0.25];
+    let tokens: Vec<f64> = batch
+        .texts
+        .iter()
+        .map(|t| t.text.completion_tokens() as f64)
+        .collect();
+    let total: f64 = tokens.iter().sum();
+    let mean = raw.iter().zip(&tokens).map(|(a, n)| a * n).sum::<f64>() / total;
+    let var = raw
+        .iter()
+        .zip(&tokens)
+        .map(|(a, n)| n * (a - mean).powi(2))
+        .sum::<f64>()
+        / total;
+    for (got, a) in advantages(&batch).iter().zip(raw) {
+        close(*got, (a - mean) / var.sqrt(), 1e-5, "whitened");
+    }
+    // Over the tokens: mean 0, variance 1.
+    let got = advantages(&batch);
+    let m = got.iter().zip(&tokens).map(|(a, n)| a * n).sum::<f64>() / total;
+    let v = got.iter().zip(&tokens).map(|(a, n)| n * a * a).sum::<f64>() / total;
+    close(m, 0.0, 1e-6, "mean");
+    close(v, 1.0, 1e-5, "variance");
 }
 
 #[test]

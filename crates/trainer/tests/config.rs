@@ -6,7 +6,7 @@ use std::collections::BTreeSet;
 use sluice_core::config::check::Ctx;
 use sluice_core::config::{DType, Device};
 use sluice_trainer::config::{
-    LossAggregation, LossKind, RawTrainer, TrainerConfig, validate_trainer,
+    AdvantageKind, LossAggregation, LossKind, RawTrainer, TrainerConfig, validate_trainer,
 };
 
 fn validate(raw: RawTrainer, simulated_engine: bool) -> Result<TrainerConfig, String> {
@@ -89,6 +89,35 @@ fn gspo_takes_its_own_clip_range_and_text_mean_unless_set() {
     );
     let c = validate(RawTrainer::default(), false).unwrap();
     assert_eq!(c.dual_clip, 0.0);
+}
+
+#[test]
+fn the_advantage_decides_whether_groups_are_divided_by_their_std() {
+    let of = |advantage: &str, normalize: Option<bool>| {
+        let raw = RawTrainer {
+            advantage: advantage.into(),
+            normalize_advantage_std: normalize,
+            ..RawTrainer::default()
+        };
+        validate(raw, false).map(|c| (c.advantage, c.normalize_advantage_std))
+    };
+    assert_eq!(of("group", None), Ok((AdvantageKind::Group, true)));
+    assert_eq!(
+        of("situational", None),
+        Ok((AdvantageKind::Situational, true))
+    );
+    assert_eq!(of("rloo", None), Ok((AdvantageKind::Rloo, false)));
+    assert_eq!(of("rloo", Some(true)), Ok((AdvantageKind::Rloo, true)));
+    assert_eq!(
+        of("reinforce_plus_plus_baseline", None),
+        Ok((AdvantageKind::ReinforcePlusPlusBaseline, false))
+    );
+    let err = of("reinforce_plus_plus_baseline", Some(true)).unwrap_err();
+    assert!(
+        err.starts_with("t.toml: trainer.normalize_advantage_std: ")
+            && err.contains("step's spread"),
+        "{err}"
+    );
 }
 
 #[test]

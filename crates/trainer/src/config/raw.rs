@@ -37,10 +37,10 @@ pub struct RawTrainer {
     /// minibatches, one update each, and the step still publishes one version. Unset: chosen
     /// from the loss (see `validate::trainer::default_minibatches`).
     pub minibatches: Option<i64>,
-    /// `group` or `situational`.
+    /// `group`, `situational`, `rloo` or `reinforce_plus_plus_baseline`.
     pub advantage: String,
-    /// Divide group advantages by the group's reward std.
-    pub normalize_advantage_std: bool,
+    /// Divide group advantages by the group's reward std; unset: chosen from the advantage.
+    pub normalize_advantage_std: Option<bool>,
     /// Discount of the final reward per turn back from the end of an episode, in (0, 1].
     pub gamma: f64,
     /// Train only on the last turn of each rollout.
@@ -118,7 +118,7 @@ impl Default for RawTrainer {
             max_seq_len: 2048,
             minibatches: None,
             advantage: "group".into(),
-            normalize_advantage_std: true,
+            normalize_advantage_std: None,
             gamma: 1.0,
             only_keep_outcome: false,
             pad_situations: false,

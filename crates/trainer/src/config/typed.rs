@@ -36,6 +36,11 @@ pub enum AdvantageKind {
     Group,
     /// Baseline within (group × situation label).
     Situational,
+    /// RLOO: each rollout against the mean of the others in its group.
+    Rloo,
+    /// REINFORCE++ with a group baseline: reward minus the group mean, then whitened over the
+    /// step's tokens.
+    ReinforcePlusPlusBaseline,
 }
 
 /// How per-token losses are averaged over the global batch.

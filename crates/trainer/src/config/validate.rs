@@ -8,7 +8,7 @@ use sluice_core::config::check::{
 use sluice_core::config::{ConfigError, DType, Device};
 
 use super::raw::{RawSimTrainer, RawTrainer};
-use super::typed::{LossAggregation, LossKind, SimTrainerConfig, TrainerConfig};
+use super::typed::{AdvantageKind, LossAggregation, LossKind, SimTrainerConfig, TrainerConfig};
 
 /// Optimizer updates per step when `trainer.minibatches` is unset: one for `ppo` and `tis`, and
 /// for `decoupled_ppo` [`DECOUPLED_MINIBATCHES`] (at most one per group). With a single update the
@@ -74,6 +74,7 @@ pub fn validate_trainer(
     ctx: &Ctx<'_>,
 ) -> Result<TrainerConfig, ConfigError> {
     let loss = choice(ctx, "trainer.loss", &raw.loss)?;
+    let advantage = choice(ctx, "trainer.advantage", &raw.advantage)?;
     let (clip_low, clip_high) = default_clip(loss);
     Ok(TrainerConfig {
         device,
@@ -112,8 +113,12 @@ pub fn validate_trainer(
         },
         compute_dtype: compute_dtype(raw.compute_dtype.as_deref(), device, ctx)?,
         share_prompts: raw.share_prompts,
-        advantage: choice(ctx, "trainer.advantage", &raw.advantage)?,
-        normalize_advantage_std: raw.normalize_advantage_std,
+        advantage,
+        normalize_advantage_std: normalize_advantage_std(
+            advantage,
+            raw.normalize_advantage_std,
+            ctx,
+        )?,
         gamma: number(ctx, "trainer.gamma", raw.gamma, "a number in (0, 1]", |v| {
             v > 0.0 && v <= 1.0
         })?,
@@ -129,6 +134,26 @@ pub fn validate_trainer(
         is_cap: positive(ctx, "trainer.is_cap", raw.is_cap)?,
         oversized_text: choice(ctx, "trainer.oversized_text", &raw.oversized_text)?,
     })
+}
+
+/// `trainer.normalize_advantage_std`: unset, on for the group and situational baselines (GRPO's
+/// division by the group's reward std) and off for RLOO (its estimator is the plain
+/// leave-one-out difference); REINFORCE++-baseline whitens the whole step instead and refuses
+/// it on.
+fn normalize_advantage_std(
+    advantage: AdvantageKind,
+    raw: Option<bool>,
+    ctx: &Ctx<'_>,
+) -> Result<bool, ConfigError> {
+    match (advantage, raw) {
+        (AdvantageKind::ReinforcePlusPlusBaseline, Some(true)) => Err(ctx.value(
+            "trainer.normalize_advantage_std",
+            "advantage = \"reinforce_plus_plus_baseline\" divides by the step's spread, not each group's: leave it unset or false",
+        )),
+        (_, Some(v)) => Ok(v),
+        (AdvantageKind::Group | AdvantageKind::Situational, None) => Ok(true),
+        (AdvantageKind::Rloo | AdvantageKind::ReinforcePlusPlusBaseline, None) => Ok(false),
+    }
 }
 
 /// `trainer.kept_logits_mib` unset: on a GPU enough for a `[8, 2048]` micro-batch of a
