@@ -1,8 +1,10 @@
-//! JSONL datasets named `domain::name[@split]`.
+//! JSONL and Parquet datasets named `domain::name[@split]`.
 //!
 //! A spec resolves to a file under the configured `data_dir`:
 //! `<data_dir>/<domain>/<name>.jsonl` without a split, `<data_dir>/<domain>/<name>/<split>.jsonl`
-//! with one. Each non-blank line is one JSON object, one [`DataSample`]:
+//! with one; where no `.jsonl` is, the `.parquet` of the same name (Hugging Face `datasets`'
+//! and verl's format: each row read as the JSON object a line would hold). Each non-blank line
+//! (each Parquet row) is one JSON object, one [`DataSample`]:
 //!
 //! - `id` (string or integer, optional): the row id; the 1-based line number when absent;
 //! - `system_prompt` (string, optional): overrides the domain's system prompt for this row;
@@ -67,13 +69,32 @@ pub struct Dataset {
     bad_lines: Vec<BadLine>,
 }
 
-/// Where the file of `spec` lives under `data_dir`.
+/// Where the JSONL file of `spec` lives under `data_dir`.
 pub fn dataset_path(data_dir: &Path, spec: &DatasetSpec) -> PathBuf {
     let domain_dir = data_dir.join(&spec.domain);
     match &spec.split {
         Some(split) => domain_dir.join(&spec.name).join(format!("{split}.jsonl")),
         None => domain_dir.join(format!("{}.jsonl", spec.name)),
     }
+}
+
+/// The file `spec` is read from: its JSONL file when something is at that path (even a link
+/// that leads nowhere: a file was meant), else its Parquet file when something is there, else
+/// the JSONL path (which a read then reports missing).
+pub fn dataset_file(data_dir: &Path, spec: &DatasetSpec) -> PathBuf {
+    let jsonl = dataset_path(data_dir, spec);
+    let parquet = jsonl.with_extension("parquet");
+    let exists = |p: &Path| std::fs::symlink_metadata(p).is_ok();
+    if !exists(&jsonl) && exists(&parquet) {
+        parquet
+    } else {
+        jsonl
+    }
+}
+
+/// Whether `path` names a Parquet file.
+fn is_parquet(path: &Path) -> bool {
+    path.extension().is_some_and(|e| e == "parquet")
 }
 
 /// The `dataset` field of a sample: the spec without its domain.
@@ -145,7 +166,7 @@ impl Dataset {
         limits: &ReadLimits,
         report: bool,
     ) -> Result<Self, DataError> {
-        let path = dataset_path(data_dir, spec);
+        let path = dataset_file(data_dir, spec);
         let bytes = read_capped(
             &path,
             limits.max_file_bytes,
@@ -162,6 +183,18 @@ impl Dataset {
                 cause: other,
             },
         })?;
+        if is_parquet(&path) {
+            let rows = crate::parquet_rows::rows(bytes).map_err(|reason| DataError::Parquet {
+                dataset: spec.to_string(),
+                path: path.clone(),
+                reason,
+            })?;
+            let rows = rows.into_iter().enumerate().map(|(i, row)| {
+                let row_no = i + 1;
+                (row_no, row.and_then(|v| object_row(v, row_no).map(Some)))
+            });
+            return Self::collect(rows, &path, spec, on_bad_line, report);
+        }
         Self::parse_reporting(&bytes, &path, spec, on_bad_line, limits, report)
     }
 
@@ -204,16 +237,32 @@ impl Dataset {
         limits: &ReadLimits,
         report: bool,
     ) -> Result<Self, DataError> {
+        // Editors on Windows save UTF-8 with a byte-order mark; it is not part of the first row.
+        let bytes = bytes.strip_prefix("\u{feff}".as_bytes()).unwrap_or(bytes);
+        let rows = bytes.split(|&b| b == b'\n').enumerate().map(|(idx, line)| {
+            let line_no = idx + 1;
+            let line = line.strip_suffix(b"\r").unwrap_or(line);
+            (line_no, line_row(line, line_no, limits))
+        });
+        Self::collect(rows, path, spec, on_bad_line, report)
+    }
+
+    /// The samples of `rows` (`(line or row number, the row, none for a blank line, or why
+    /// it is bad)`) read from `path`; bad ones logged and counted when `report`, then skipped
+    /// or fatal per `on_bad_line`.
+    fn collect(
+        rows: impl Iterator<Item = (usize, Result<Option<Row>, String>)>,
+        path: &Path,
+        spec: &DatasetSpec,
+        on_bad_line: BadLinePolicy,
+        report: bool,
+    ) -> Result<Self, DataError> {
         let dataset = dataset_field(spec);
         let label = spec.to_string();
         let mut samples = Vec::new();
         let mut bad_lines = Vec::new();
-        // Editors on Windows save UTF-8 with a byte-order mark; it is not part of the first row.
-        let bytes = bytes.strip_prefix("\u{feff}".as_bytes()).unwrap_or(bytes);
-        for (idx, line) in bytes.split(|&b| b == b'\n').enumerate() {
-            let line_no = idx + 1;
-            let line = line.strip_suffix(b"\r").unwrap_or(line);
-            match line_row(line, line_no, limits) {
+        for (line_no, row) in rows {
+            match row {
                 Ok(None) => {}
                 Ok(Some(row)) => samples.push(DataSample {
                     id: row.id,
@@ -305,6 +354,12 @@ struct Row {
 
 fn parse_row(line: &str, line_no: usize) -> Result<Row, String> {
     let value: Value = serde_json::from_str(line).map_err(|e| format!("invalid JSON: {e}"))?;
+    object_row(value, line_no)
+}
+
+/// A row's JSON object as a row: its `id` (else `line_no`), `system_prompt` and `input` (else
+/// the rest of the object).
+fn object_row(value: Value, line_no: usize) -> Result<Row, String> {
     let Value::Object(mut obj) = value else {
         return Err(format!("expected a JSON object, got {}", json_kind(&value)));
     };
@@ -457,6 +512,49 @@ mod tests {
         let msg = err.to_string();
         assert!(
             msg.starts_with("dataset `math::toy`: data/math/toy.jsonl:2: invalid JSON"),
+            "{msg}"
+        );
+    }
+
+    /// The repository's Parquet fixture (verl's GSM8K rows, written by pyarrow) is read where no
+    /// JSONL file of the name is; a JSONL file wins; a file that is not Parquet is refused
+    /// naming it.
+    #[test]
+    fn parquet_files_are_read_where_no_jsonl_is() {
+        let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/data");
+        let verl = spec("gsm8k::verl@train");
+        assert_eq!(
+            dataset_file(&fixture, &verl),
+            fixture.join("gsm8k/verl/train.parquet")
+        );
+        let ds = Dataset::load(&fixture, &verl, BadLinePolicy::Fail).unwrap();
+        assert_eq!(ds.len(), 8);
+        assert_eq!(ds.samples()[7].id, "8");
+        assert_eq!(
+            ds.samples()[7].input["prompt"][0]["role"],
+            serde_json::json!("user")
+        );
+
+        let dir = tempfile::tempdir().unwrap();
+        let split = dir.path().join("gsm8k/verl");
+        std::fs::create_dir_all(&split).unwrap();
+        std::fs::copy(
+            fixture.join("gsm8k/verl/train.parquet"),
+            split.join("train.parquet"),
+        )
+        .unwrap();
+        std::fs::write(split.join("train.jsonl"), "{\"q\": 1}\n").unwrap();
+        let ds = Dataset::load(dir.path(), &verl, BadLinePolicy::Fail).unwrap();
+        assert_eq!(ds.len(), 1, "the JSONL file wins");
+
+        std::fs::write(split.join("test.parquet"), b"PAR1 not really").unwrap();
+        let err =
+            Dataset::load(dir.path(), &spec("gsm8k::verl@test"), BadLinePolicy::Skip).unwrap_err();
+        assert_eq!(err.kind(), "data_parquet");
+        let msg = err.to_string();
+        assert!(
+            msg.starts_with("dataset `gsm8k::verl@test`: ")
+                && msg.contains("test.parquet: not a readable Parquet file"),
             "{msg}"
         );
     }

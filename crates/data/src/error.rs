@@ -32,9 +32,19 @@ pub enum DataError {
         dataset: String,
         /// The file.
         path: PathBuf,
-        /// 1-based line number.
+        /// 1-based line number (row number in a Parquet file).
         line: usize,
         /// What was wrong with it.
+        reason: String,
+    },
+    /// A Parquet dataset file could not be decoded (its footer, schema or pages).
+    #[error("dataset `{dataset}`: {}: {reason}", path.display())]
+    Parquet {
+        /// The dataset spec.
+        dataset: String,
+        /// The file.
+        path: PathBuf,
+        /// What the reader said.
         reason: String,
     },
     /// The sampler was configured inconsistently (unknown domain, no data, …).
@@ -52,6 +62,7 @@ impl DataError {
             DataError::Io { .. } => "data_io",
             DataError::File { .. } => "data_file",
             DataError::BadLine { .. } => "data_bad_line",
+            DataError::Parquet { .. } => "data_parquet",
             DataError::Config(_) => "sampler_config",
             DataError::StateMismatch(_) => "sampler_state_mismatch",
         }

@@ -2,7 +2,7 @@
 //!
 //! | module | what it holds |
 //! |---|---|
-//! | [`dataset`] | [`Dataset`]: JSONL files named `domain::name[@split]` → [`sluice_core::DataSample`]s, bad lines reported and counted |
+//! | [`dataset`] | [`Dataset`]: JSONL and Parquet files named `domain::name[@split]` → [`sluice_core::DataSample`]s, bad lines reported and counted |
 //! | [`sampler`] | [`MixSampler`]: adaptive domain-weighted sampling toward the live `domain_mix` over any [`DomainRows`], per-domain system prompts and task dispatch, checkpointable; [`DomainSampler`] is it over datasets |
 //! | [`rows`] | row sources: [`DatasetRows`] (shuffled per epoch) and [`GeneratorRows`] (made on demand, e.g. synthetic) |
 //! | [`source`] | [`SampleSource`]: the seam the pipeline draws samples through; [`SimSource`], synthetic samples of simulated runs |
@@ -16,12 +16,13 @@
 pub mod config;
 pub mod dataset;
 pub mod error;
+mod parquet_rows;
 pub mod rng;
 pub mod rows;
 pub mod sampler;
 pub mod source;
 
-pub use dataset::{BadLine, Dataset, ReadLimits, dataset_path};
+pub use dataset::{BadLine, Dataset, ReadLimits, dataset_file, dataset_path};
 pub use error::DataError;
 pub use rows::{DatasetRows, DomainCursor, GeneratorRows, RowGenerator};
 pub use sampler::{

@@ -4,7 +4,7 @@
 //! error naming the file that was looked for.
 
 use sluice_data::config::{DataConfig, DatasetSpec};
-use sluice_data::{Dataset, dataset_path};
+use sluice_data::{Dataset, dataset_file};
 
 use crate::error::EnvError;
 use crate::task::TaskRegistry;
@@ -43,7 +43,7 @@ pub fn load_datasets(
         .collect()
 }
 
-/// Loads `spec` from its JSONL file under `data.data_dir`, or generates it with the task named
+/// Loads `spec` from its JSONL (or Parquet) file under `data.data_dir`, or generates it with the task named
 /// like the dataset.
 pub fn load_dataset(
     data: &DataConfig,
@@ -51,7 +51,7 @@ pub fn load_dataset(
     spec: &DatasetSpec,
     rows: GeneratedRows,
 ) -> Result<Dataset, EnvError> {
-    let path = dataset_path(&data.data_dir, spec);
+    let path = dataset_file(&data.data_dir, spec);
     // Something at the path, even a link that leads nowhere, means a file was meant: it is read,
     // and a failure names it, rather than the task's generated rows quietly taking its place.
     if std::fs::symlink_metadata(&path).is_ok() {

@@ -60,10 +60,19 @@ impl Default for AnswerOptions {
     }
 }
 
+/// The field `path` of a sample's input: the key itself when the row has it (a key may hold
+/// dots), else a dotted path through nested objects (`reward_model.ground_truth`, verl's rows).
+pub fn sample_field<'a>(input: &'a serde_json::Value, path: &str) -> Option<&'a serde_json::Value> {
+    if let Some(v) = input.get(path) {
+        return Some(v);
+    }
+    path.split('.').try_fold(input, |v, key| v.get(key))
+}
+
 /// The reference answer of `input`'s sample: its `field` as text (a number is written out).
 pub fn reference_text(input: &ScoreInput, field: &str) -> Result<String, String> {
     let id = &input.sample.id;
-    match input.sample.input.get(field) {
+    match sample_field(&input.sample.input, field) {
         Some(serde_json::Value::String(s)) => Ok(s.clone()),
         Some(serde_json::Value::Number(n)) => Ok(n.to_string()),
         Some(other) => Err(format!(

@@ -8,6 +8,11 @@
 //! the text after the last `####` of the answer field, else the whole field ([`crate::answer`]).
 //! A row's system prompt field wins over the domain's and the task's.
 //!
+//! verl's rows load as they are too: a field name may be a dotted path into nested objects
+//! (`answer_field = "reward_model.ground_truth"`), and the question field may hold the chat
+//! messages of the prompt (`"prompt": [{"role": "user", "content": …}]`, a system message of its
+//! own included) instead of one question.
+//!
 //! Rewards: `correct` (weight 1: the reply's math answer equals the reference's, as numbers — a
 //! reference without a number must match as text) and `format` (weight 0.1: the reply marks its
 //! answer with the domain's `answer_marker`, `#### <number>` or `\boxed{}`); truncated replies
@@ -20,13 +25,13 @@
 use std::sync::Arc;
 
 use serde_json::Value;
-use sluice_core::{DataSample, Message};
+use sluice_core::{DataSample, Message, Role};
 use sluice_data::config::{AnswerMarker, DomainConfig};
 
 use crate::answer;
 use crate::error::EnvError;
 use crate::protocol::{BoxFuture, EnvInit, EnvStep, MessageEnv};
-use crate::reward_fns::{AnswerOptions, reference_text};
+use crate::reward_fns::{AnswerOptions, reference_text, sample_field};
 use crate::rubric::{RewardFn, Rubric, RubricConfig};
 use crate::task::Task;
 
@@ -93,7 +98,7 @@ pub fn system_prompt(marker: AnswerMarker) -> &'static str {
 
 /// The string field `key` of a row, `None` when absent or null.
 fn text_field(sample: &DataSample, key: &str) -> Result<Option<String>, EnvError> {
-    match sample.input.get(key) {
+    match sample_field(&sample.input, key) {
         None | Some(Value::Null) => Ok(None),
         Some(Value::String(s)) => Ok(Some(s.clone())),
         Some(other) => Err(EnvError::BadInput(format!(
@@ -103,17 +108,71 @@ fn text_field(sample: &DataSample, key: &str) -> Result<Option<String>, EnvError
     }
 }
 
+/// The question of a row: its text, or the chat messages of its prompt.
+enum Question {
+    /// One user message.
+    Text(String),
+    /// The opening messages as the row gives them (verl's `prompt`).
+    Messages(Vec<Message>),
+}
+
+/// The question field of a row: a string, or a list of `{role, content}` messages of the roles
+/// `system`, `user` and `assistant` with text content, ending with the user's.
+fn question(sample: &DataSample, key: &str) -> Result<Question, EnvError> {
+    let bad = |what: String| EnvError::BadInput(format!("sample `{}`: `{key}` {what}", sample.id));
+    match sample_field(&sample.input, key) {
+        None | Some(Value::Null) => Err(EnvError::BadInput(format!(
+            "sample `{}` has no question field `{key}`",
+            sample.id
+        ))),
+        Some(Value::String(s)) => Ok(Question::Text(s.clone())),
+        Some(list @ Value::Array(_)) => {
+            let messages: Vec<Message> = serde_json::from_value(list.clone()).map_err(|e| {
+                bad(format!(
+                    "must be a string or a list of {{role, content}} messages: {e}"
+                ))
+            })?;
+            for (i, m) in messages.iter().enumerate() {
+                if m.role == Role::Tool || m.content.is_none() || !m.tool_calls.is_empty() {
+                    return Err(bad(format!(
+                        "message {i}: expected a system, user or assistant message with text content"
+                    )));
+                }
+            }
+            match messages.last() {
+                Some(m) if m.role == Role::User => Ok(Question::Messages(messages)),
+                _ => Err(bad("must end with a user message".into())),
+            }
+        }
+        Some(other) => Err(bad(format!(
+            "must be a string or a list of messages, got {other}"
+        ))),
+    }
+}
+
 /// A one-turn env opening with the row's own system prompt (when its field holds one) and the
 /// question.
 struct QaEnv {
     system: Option<String>,
-    question: String,
+    question: Question,
 }
 
 impl MessageEnv for QaEnv {
     fn init(&mut self) -> BoxFuture<'_, Result<EnvInit, EnvError>> {
-        let mut messages: Vec<Message> = self.system.iter().map(Message::system).collect();
-        messages.push(Message::user(self.question.clone()));
+        let mut messages: Vec<Message> = Vec::new();
+        match &self.question {
+            Question::Text(text) => {
+                messages.extend(self.system.iter().map(Message::system));
+                messages.push(Message::user(text.clone()));
+            }
+            Question::Messages(prompt) => {
+                // The prompt's own system message wins over the row's system prompt field.
+                if prompt[0].role != Role::System {
+                    messages.extend(self.system.iter().map(Message::system));
+                }
+                messages.extend(prompt.iter().cloned());
+            }
+        }
         Box::pin(async move {
             Ok(EnvInit {
                 messages,
@@ -130,13 +189,8 @@ impl MessageEnv for QaEnv {
 /// The env of one row: its question is required, and so is its reference answer (a row without
 /// one could only score 0).
 fn make_env(options: &QaOptions, sample: &DataSample) -> Result<Box<dyn MessageEnv>, EnvError> {
-    let question = text_field(sample, &options.question_field)?.ok_or_else(|| {
-        EnvError::BadInput(format!(
-            "sample `{}` has no question field `{}`",
-            sample.id, options.question_field
-        ))
-    })?;
-    match sample.input.get(&options.answer_field) {
+    let question = question(sample, &options.question_field)?;
+    match sample_field(&sample.input, &options.answer_field) {
         Some(Value::String(_) | Value::Number(_)) => {}
         _ => {
             return Err(EnvError::BadInput(format!(
@@ -235,7 +289,7 @@ pub fn task_with(options: QaOptions) -> Task {
         if turn > 0 {
             return None;
         }
-        let answer = match sample.input.get(&reference_options.answer_field)? {
+        let answer = match sample_field(&sample.input, &reference_options.answer_field)? {
             Value::String(s) => s.clone(),
             Value::Number(n) => n.to_string(),
             _ => return None,

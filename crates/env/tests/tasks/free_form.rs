@@ -218,6 +218,156 @@ async fn qa_reads_gsm8k_rows_as_they_are() {
     assert!(err.to_string().contains("`answer`"), "{err}");
 }
 
+/// verl's rows (`examples/data_preprocess/gsm8k.py`'s shape, written by pyarrow as Parquet:
+/// `tests/data/gsm8k/verl/train.parquet`) load as they are: the question field holds the
+/// prompt's chat messages, the answer field is a dotted path into `reward_model`, and a rubric's
+/// generic functions read the same path. A prompt that is not a list of text messages ending
+/// with the user's fails its rollout, naming the sample and field.
+#[tokio::test]
+async fn qa_reads_verl_rows_as_they_are() {
+    use sluice_data::config::{BadLinePolicy, DataConfig, DomainConfig, DomainRubric};
+    use sluice_env::configured::configure;
+    let options = DomainConfig {
+        task: Some("qa".into()),
+        question_field: Some("prompt".into()),
+        answer_field: Some("reward_model.ground_truth".into()),
+        ..DomainConfig::default()
+    };
+    let data = DataConfig {
+        datasets: vec!["gsm8k::verl@train".parse().unwrap()],
+        data_dir: "unused".into(),
+        on_bad_line: BadLinePolicy::Fail,
+        adaptive_mix: true,
+        domain_options: [("gsm8k".to_owned(), options.clone())].into(),
+        read_limits: Default::default(),
+    };
+    let timeout = std::time::Duration::from_secs(5);
+    let reg = configure(registry(), &data, timeout, None).unwrap();
+    let task = reg.get("gsm8k/qa").unwrap();
+    let row = |prompt: serde_json::Value| {
+        sample(serde_json::json!({
+            "data_source": "openai/gsm8k",
+            "prompt": prompt,
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": "72"},
+            "extra_info": {"split": "train", "index": 0}
+        }))
+    };
+    let data_dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/data");
+    let spec: DatasetSpec = "gsm8k::verl@train".parse().unwrap();
+    let file = sluice_data::Dataset::load(&data_dir, &spec, BadLinePolicy::Fail).unwrap();
+    assert_eq!(file.len(), 8);
+    let first = &file.samples()[0];
+    assert_eq!(first.id, "1", "no `id` column: the row number");
+    assert_eq!(first.input["reward_model"]["ground_truth"], "7");
+    assert_eq!(first.input["extra_info"]["index"], 0);
+    let r = play(&task, first, &["3 + 4 = 7\n#### 7"]).await;
+    assert_eq!(
+        (
+            r.reward_components["correct"],
+            r.reward_components["format"]
+        ),
+        (1.0, 1.0)
+    );
+    let prompt = &r.turns[0].prompt_messages;
+    assert_eq!(prompt.len(), 2, "the task's system prompt, then the row's");
+    assert_eq!(
+        prompt[1].content,
+        first.input["prompt"][0]["content"]
+            .as_str()
+            .map(String::from)
+    );
+    assert!(
+        prompt[1]
+            .content
+            .as_deref()
+            .unwrap()
+            .starts_with("Tom has 3 apples")
+    );
+    assert_eq!(task.reference_reply(first, 0).as_deref(), Some("#### 7"));
+
+    let question = "Natalia sold 48 clips in April and half as many in May. How many in all?";
+    let user_only = row(serde_json::json!([{"role": "user", "content": question}]));
+    let r = play(&task, &user_only, &["48 + 24 = 72\n#### 72"]).await;
+    assert_eq!(
+        (
+            r.reward_components["correct"],
+            r.reward_components["format"]
+        ),
+        (1.0, 1.0)
+    );
+    let prompt = &r.turns[0].prompt_messages;
+    assert_eq!(prompt.len(), 2, "the task's system prompt, then the row's");
+    assert_eq!(prompt[1].content.as_deref(), Some(question));
+    assert_eq!(
+        task.reference_reply(&user_only, 0).as_deref(),
+        Some("#### 72")
+    );
+    let with_system = row(serde_json::json!([
+        {"role": "system", "content": "You are a careful tutor."},
+        {"role": "user", "content": question}
+    ]));
+    let r = play(&task, &with_system, &["It is 71.\n#### 71"]).await;
+    assert_eq!(r.reward_components["correct"], 0.0);
+    let prompt = &r.turns[0].prompt_messages;
+    assert_eq!(prompt.len(), 2, "the row's own system message wins");
+    assert_eq!(
+        prompt[0].content.as_deref(),
+        Some("You are a careful tutor.")
+    );
+
+    // A rubric's generic answer check reads the dotted path too.
+    let with_rubric = DataConfig {
+        domain_options: [(
+            "gsm8k".to_owned(),
+            DomainConfig {
+                rubric: Some(DomainRubric {
+                    weights: [("math_answer".to_owned(), 1.0)].into(),
+                    truncation_reward: None,
+                    error_reward: None,
+                    timeout: None,
+                    regex: None,
+                }),
+                ..options
+            },
+        )]
+        .into(),
+        ..data
+    };
+    let reg = configure(registry(), &with_rubric, timeout, None).unwrap();
+    let rubric_task = reg.get("gsm8k/qa").unwrap();
+    let r = play(&rubric_task, &user_only, &["so 72 clips"]).await;
+    assert_eq!(r.reward_components["math_answer"], 1.0);
+
+    for (prompt, expected) in [
+        (
+            serde_json::json!([{"role": "assistant", "content": "Hi"}]),
+            "must end with a user message",
+        ),
+        (
+            serde_json::json!([{"role": "tool", "content": "3", "tool_call_id": "c"}, {"role": "user", "content": "?"}]),
+            "message 0",
+        ),
+        (
+            serde_json::json!([{"role": "wizard", "content": "?"}]),
+            "messages",
+        ),
+        (serde_json::json!([]), "must end with a user message"),
+        (
+            serde_json::json!({"role": "user"}),
+            "must be a string or a list",
+        ),
+    ] {
+        let err = task.make_env(&row(prompt.clone())).err().unwrap();
+        assert_eq!(err.kind(), "env_bad_input", "{prompt}");
+        let err = err.to_string();
+        assert!(
+            err.contains("`prompt`") && err.contains(expected),
+            "{prompt}: {err}"
+        );
+    }
+}
+
 /// A domain names the `qa` row fields and the `\boxed{}` marker; its rubric's generic
 /// functions read the same answer field. The keys on another task's domain are refused, naming
 /// the key.
