@@ -323,7 +323,7 @@ fn a_native_run_reports_bad_data_before_any_warm_up() {
 /// 6-token budget (so every reply pays for its length): every step logs its loss, clip figures
 /// and the `overlong` reward component, and the text-level clip binds (two minibatches a step,
 /// the second clipped against the behaviour policy the first moved away from). Then PPO with
-/// REINFORCE++'s whitened advantages.
+/// REINFORCE++'s whitened advantages and a k2 KL penalty to the warm-started model.
 #[test]
 fn verl_and_dapo_loss_options_train_through_the_binary() {
     let gspo = [
@@ -349,9 +349,14 @@ fn verl_and_dapo_loss_options_train_through_the_binary() {
     let reinforce = [
         "trainer.loss=\"ppo\"",
         "trainer.advantage=\"reinforce_plus_plus_baseline\"",
+        "trainer.kl_coef=0.05",
+        "trainer.kl_estimator=\"k2\"",
     ];
     for step in quickstart_steps(&reinforce) {
         assert!(step.get("reward.overlong").is_none(), "{step}");
+        // The reference policy is the warm-started model: the KL to it is reported (as k3).
+        let kl = step["train.kl"].as_f64();
+        assert!(kl.is_some_and(|kl| kl >= 0.0), "{step}");
     }
 }
 

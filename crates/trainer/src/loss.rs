@@ -23,14 +23,15 @@
 //!   advantage and one weight (as the trainer gives them), `Σ_t w ℓ_t` has exactly that gradient.
 //! - Dual clip (`dual_clip = c > 1`, the clipped losses): with `A < 0` a token's clipped term is
 //!   at most `−c·A`, so a ratio far above `c` stops pushing the token down (gradient 0).
-//! - KL penalty (when a reference is given): `x = ref − lp`, `ℓ += kl_coef · (eˣ − x − 1)` (the
-//!   non-negative "k3" estimator), gradient `kl_coef · (1 − eˣ)`.
+//! - KL penalty (when a reference is given), `x = ref − lp`: `ℓ += kl_coef · k(x)` with the
+//!   estimator `k3 = eˣ − x − 1` (non-negative; gradient `1 − eˣ`), `k1 = −x` (gradient 1) or
+//!   `k2 = x²/2` (gradient `−x`). The reported KL is k3's whichever the penalty uses.
 //!
 //! The step's loss is `Σ_t w_t ℓ_t`.
 
 use std::collections::HashMap;
 
-use crate::config::{LossAggregation, LossKind, TisLevel, TisMode};
+use crate::config::{KlEstimator, LossAggregation, LossKind, TisLevel, TisMode};
 
 /// Which objective and its constants; built from `[trainer]`.
 #[derive(Debug, Clone, PartialEq)]
@@ -49,6 +50,8 @@ pub struct LossConfig {
     pub is_cap: f64,
     /// KL penalty coefficient (applies only when reference log-probs are given).
     pub kl_coef: f64,
+    /// The KL penalty's estimator.
+    pub kl_estimator: KlEstimator,
     /// Dual-clip bound `c` (> 1) of the clipped losses' terms with a negative advantage; 0 = off.
     pub dual_clip: f64,
 }
@@ -63,6 +66,7 @@ impl Default for LossConfig {
             tis_mode: TisMode::Truncate,
             is_cap: 2.0,
             kl_coef: 0.0,
+            kl_estimator: KlEstimator::K3,
             dual_clip: 0.0,
         }
     }
@@ -387,11 +391,16 @@ pub fn token_terms(
         };
         if let Some(reference) = inputs.reference {
             let x = f64::from(reference[t]) - lp(t);
-            let kl = x.exp() - x - 1.0;
-            stats.kl_sum += kl;
+            let k3 = x.exp() - x - 1.0;
+            stats.kl_sum += k3;
             stats.kl_tokens += 1;
+            let (kl, d_kl) = match config.kl_estimator {
+                KlEstimator::K1 => (-x, 1.0),
+                KlEstimator::K2 => (0.5 * x * x, -x),
+                KlEstimator::K3 => (k3, 1.0 - x.exp()),
+            };
             loss += config.kl_coef * kl;
-            grad += config.kl_coef * (1.0 - x.exp());
+            grad += config.kl_coef * d_kl;
         }
         if let Some(entropy) = inputs.entropy {
             stats.entropy_sum += f64::from(entropy[t]);

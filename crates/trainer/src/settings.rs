@@ -100,6 +100,7 @@ impl NativeTrainerConfig {
                 tis_mode: t.tis_mode,
                 is_cap: t.is_cap,
                 kl_coef: t.kl_coef,
+                kl_estimator: t.kl_estimator,
                 dual_clip: t.dual_clip,
             },
             aggregation: Aggregation::new(

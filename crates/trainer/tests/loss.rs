@@ -6,7 +6,7 @@ mod common;
 
 use candle_core::{D, DType, Device, Tensor, Var};
 use common::close;
-use sluice_trainer::config::{LossAggregation, LossKind, TisLevel, TisMode};
+use sluice_trainer::config::{KlEstimator, LossAggregation, LossKind, TisLevel, TisMode};
 use sluice_trainer::loss::{
     Aggregation, LossConfig, TextTokens, TokenInputs, aggregation_weights, token_terms,
 };
@@ -196,6 +196,26 @@ fn kl_penalty_adds_k3_and_its_gradient() {
     let s = t.stats.summary();
     close(s.kl, kl, 1e-6, "kl metric");
     close(s.entropy, 0.7, 1e-6, "entropy metric");
+    // k1 = lp − ref, gradient 1; k2 = (lp − ref)²/2, gradient lp − ref; the reported KL stays k3.
+    let gap = -f64::from(2f32.ln());
+    for (estimator, value, gradient) in [
+        (KlEstimator::K1, gap, 1.0),
+        (KlEstimator::K2, 0.5 * gap * gap, gap),
+    ] {
+        let c = LossConfig {
+            kl_estimator: estimator,
+            ..c.clone()
+        };
+        let t = token_terms(&i, &c).unwrap();
+        close(t.stats.loss, 0.1 * value, 1e-6, "loss");
+        close(
+            f64::from(t.coefficients[0]),
+            0.1 * gradient,
+            1e-6,
+            "coefficient",
+        );
+        close(t.stats.summary().kl, kl, 1e-6, "kl metric");
+    }
 }
 
 #[test]
@@ -398,6 +418,15 @@ fn surrogate_gradient_matches_finite_differences_of_the_loss() {
             LossConfig {
                 kl_coef: 0.1,
                 dual_clip: 2.0,
+                kl_estimator: KlEstimator::K2,
+                ..LossConfig::default()
+            },
+            per_token,
+        ),
+        (
+            LossConfig {
+                kl_coef: 0.2,
+                kl_estimator: KlEstimator::K1,
                 ..LossConfig::default()
             },
             per_token,

@@ -27,6 +27,8 @@ pub struct RawTrainer {
     pub clip_high: Option<f64>,
     /// KL penalty coefficient against the reference policy (0 disables it).
     pub kl_coef: f64,
+    /// `k1`, `k2` or `k3`: the KL penalty's estimator.
+    pub kl_estimator: String,
     /// Dual-clip bound `c` (> 1) of the clipped terms with a negative advantage (0 disables it).
     pub dual_clip: f64,
     /// Rows `B` of one packed micro-batch.
@@ -113,6 +115,7 @@ impl Default for RawTrainer {
             clip_low: None,
             clip_high: None,
             kl_coef: 0.0,
+            kl_estimator: "k3".into(),
             dual_clip: 0.0,
             micro_batch_size: 4,
             max_seq_len: 2048,

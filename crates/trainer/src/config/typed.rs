@@ -18,6 +18,18 @@ pub enum LossKind {
     Gspo,
 }
 
+/// How the KL penalty estimates `KL(π_θ ‖ π_ref)` from a sampled token (Schulman's k1, k2, k3).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KlEstimator {
+    /// `log π_θ − log π_ref`: unbiased, its value often negative.
+    K1,
+    /// `½ (log π_θ − log π_ref)²`: low variance, biased.
+    K2,
+    /// `r − log r − 1` with `r = π_ref/π_θ`: unbiased and never negative (GRPO's).
+    K3,
+}
+
 /// Learning-rate schedule after warmup.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -89,6 +101,7 @@ pub enum OversizedText {
 
 sluice_core::impl_choice!(
     LossKind,
+    KlEstimator,
     LrSchedule,
     AdvantageKind,
     LossAggregation,
@@ -120,6 +133,8 @@ pub struct TrainerConfig {
     pub clip_high: f64,
     /// KL coefficient (≥ 0).
     pub kl_coef: f64,
+    /// The KL penalty's estimator.
+    pub kl_estimator: KlEstimator,
     /// Dual-clip bound `c` of the clipped losses (0 = off, else > 1).
     pub dual_clip: f64,
     /// Micro-batch rows `B`.

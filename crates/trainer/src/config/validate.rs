@@ -94,6 +94,7 @@ pub fn validate_trainer(
         )?,
         clip_high: non_negative(ctx, "trainer.clip_high", raw.clip_high.unwrap_or(clip_high))?,
         kl_coef: non_negative(ctx, "trainer.kl_coef", raw.kl_coef)?,
+        kl_estimator: choice(ctx, "trainer.kl_estimator", &raw.kl_estimator)?,
         dual_clip: number(
             ctx,
             "trainer.dual_clip",
