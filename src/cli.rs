@@ -21,6 +21,9 @@ pub struct Cli {
 pub enum Command {
     /// Validate a config file and print the resolved config as TOML.
     Check(ConfigArgs),
+    /// Load a config's datasets as a run would and print their first rows as its tasks open
+    /// them (JSON lines).
+    Data(DataArgs),
     /// Run a pipeline from a config until `run.max_steps` training steps are done.
     Run(ConfigArgs),
     /// Read or change the runtime knobs of a running node (through its admin API).
@@ -46,6 +49,17 @@ pub enum Command {
     Serve(ServeArgs),
     /// Draw a run's progress plot (reward and eval accuracy by step and wall time) as PNG.
     Plot(PlotArgs),
+}
+
+/// `sluice data`
+#[derive(Debug, clap::Args)]
+pub struct DataArgs {
+    /// The config and its overrides.
+    #[command(flatten)]
+    pub config: ConfigArgs,
+    /// Rows of each dataset to print (0: only the counts).
+    #[arg(long, default_value_t = 3)]
+    pub rows: usize,
 }
 
 /// `sluice plot`

@@ -190,6 +190,79 @@ fn unsound_settings_are_checked_with_a_warning() {
     );
 }
 
+/// `sluice data` shows a verl user's rows as the run's `qa` task opens them: the Parquet file's
+/// prompt messages after the task's system prompt, its reference reply, and a JSONL row whose
+/// prompt does not end with the user's named with the exit code 1.
+#[test]
+fn data_shows_rows_as_the_tasks_open_them() {
+    let dir = tempdir();
+    let data = dir.join("data");
+    std::fs::create_dir_all(data.join("gsm8k/verl")).unwrap();
+    std::fs::copy(
+        repo().join("tests/data/gsm8k/verl/train.parquet"),
+        data.join("gsm8k/verl/train.parquet"),
+    )
+    .unwrap();
+    std::fs::create_dir_all(data.join("chat")).unwrap();
+    std::fs::write(
+        data.join("chat/rows.jsonl"),
+        concat!(
+            r#"{"id": "good", "prompt": [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "2+2?"}], "answer": "4"}"#,
+            "\n",
+            r#"{"id": "bad", "prompt": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}], "answer": "4"}"#,
+            "\n"
+        ),
+    )
+    .unwrap();
+    let qa = |domain: &str, answer: &str| {
+        format!(
+            "[data.domains.{domain}]\ntask = \"qa\"\nquestion_field = \"prompt\"\nanswer_field = \"{answer}\"\n"
+        )
+    };
+    std::fs::write(
+        dir.join("data.toml"),
+        format!(
+            "[data]\ndatasets = [\"gsm8k::verl@train\", \"chat::rows\"]\ndata_dir = \"{}\"\n{}{}",
+            data.display(),
+            qa("gsm8k", "reward_model.ground_truth"),
+            qa("chat", "answer"),
+        ),
+    )
+    .unwrap();
+    let out = sluice(&["data", "data.toml", "--rows", "2"], &dir);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("gsm8k::verl@train: 8 rows from ") && stderr.contains("train.parquet"),
+        "{stderr}"
+    );
+    let rows: Vec<serde_json::Value> = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rows.len(), 4, "{rows:?}");
+    let first = &rows[0];
+    assert_eq!(first["task"], "gsm8k/qa");
+    assert_eq!(first["messages"][0]["role"], "system");
+    assert!(
+        first["messages"][1]["content"]
+            .as_str()
+            .unwrap()
+            .starts_with("Tom has 3 apples"),
+        "{first}"
+    );
+    assert_eq!(first["reference"], "#### 7");
+    // The row's own system message wins; the bad row says why, naming its field.
+    assert_eq!(rows[2]["messages"][0]["content"], "Be terse.");
+    assert_eq!(rows[2]["messages"].as_array().unwrap().len(), 2);
+    let error = rows[3]["error"].as_str().unwrap();
+    assert!(
+        error.contains("`prompt`") && error.contains("user message"),
+        "{error}"
+    );
+}
+
 #[test]
 fn version_flag() {
     let out = sluice(&["--version"], repo());
@@ -263,8 +336,11 @@ regex = 'answer is (\d+)'
 
 /// A fresh directory under the target dir (no extra dependency for one temp dir).
 fn tempdir() -> std::path::PathBuf {
-    let dir =
-        Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("cli-check-{}", std::process::id()));
+    // One directory per call: the tests of this binary run side by side.
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("cli-check-{}-{n}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     dir

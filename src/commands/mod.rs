@@ -1,6 +1,7 @@
 //! One module per subcommand; each takes its parsed arguments and returns an exit code.
 
 mod check;
+mod data;
 mod env_server;
 mod knobs;
 mod model;
@@ -46,6 +47,7 @@ fn serve_options(args: &HttpServerArgs) -> anyhow::Result<sluice_http::ServeOpti
 pub fn run(command: Command) -> anyhow::Result<ExitCode> {
     match command {
         Command::Check(args) => check::run(&args),
+        Command::Data(args) => data::run(&args),
         Command::Run(args) => run::run(&args),
         Command::Knobs(args) => knobs::run(&args),
         Command::Status(args) => status::run(&args),

@@ -191,6 +191,19 @@ impl std::fmt::Debug for TokenEnv {
     }
 }
 
+/// The messages an episode opens with: the env's opening `messages`, after `system_prompt`
+/// (the row's, the domain's or the task's) unless it is empty or the env opens with a system
+/// message of its own.
+pub fn opening_messages(system_prompt: Option<&str>, messages: Vec<Message>) -> Vec<Message> {
+    let starts_with_system = messages.first().is_some_and(|m| m.role == Role::System);
+    let prompt = system_prompt.filter(|p| !p.is_empty() && !starts_with_system);
+    prompt
+        .map(Message::system)
+        .into_iter()
+        .chain(messages)
+        .collect()
+}
+
 impl TokenEnv {
     /// Wraps `env`. `system_prompt` is prepended to the opening messages unless they already
     /// start with a system message or it is empty (an empty per-domain prompt removes the
@@ -330,12 +343,8 @@ impl TokenEnv {
             Ok(init) => init,
             Err(e) => return self.fail(&e),
         };
-        let starts_with_system = messages.first().is_some_and(|m| m.role == Role::System);
-        let prompt = self.system_prompt.as_deref().filter(|p| !p.is_empty());
-        if let (Some(prompt), false) = (prompt, starts_with_system) {
-            self.history.push(Message::system(prompt));
-        }
-        self.history.extend(messages);
+        self.history
+            .extend(opening_messages(self.system_prompt.as_deref(), messages));
         self.opening = self.history.len();
         self.tools = tools;
         self.next_prompt()
