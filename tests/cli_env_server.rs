@@ -1,4 +1,5 @@
-//! `sluice env-server`: starts on a free port, answers the protocol, stops on SIGTERM with exit 0.
+//! `sluice env-server`: starts on a free port, answers the protocol, stops on SIGTERM with exit 0;
+//! and the example env server in Python that serves a verl reward function to a run.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
@@ -179,4 +180,141 @@ fn env_server_survives_hostile_programs_of_the_python_code_task() {
     assert!(out.contains(r#""passed":1.0"#), "{out}");
     assert!(get(&addr, "/v1/health").starts_with("HTTP/1.1 200"));
     stop(child);
+}
+
+/// `examples/verl_reward_server.py` serves a verl reward function over the env protocol: its
+/// episodes open with the row's `prompt` messages and end with the function's score (a dict's
+/// `score` too), out of order calls answer 409; and a native run whose domain points at it
+/// trains on the Parquet fixture with that score as the reward of every reply that ends
+/// (`reward.env`).
+#[test]
+fn a_verl_reward_function_serves_a_run_from_the_example_server() {
+    let dir = tempfile::tempdir().unwrap();
+    let reward = dir.path().join("reward.py");
+    std::fs::write(
+        &reward,
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    \
+         return {'score': 1.0 if solution_str.strip().endswith('#### ' + ground_truth) else 0.5}\n",
+    )
+    .unwrap();
+    let root = env!("CARGO_MANIFEST_DIR");
+    let mut server = KillOnDrop(
+        Command::new("python3")
+            .arg(format!("{root}/examples/verl_reward_server.py"))
+            .args(["--port", "0", "--reward-file"])
+            .arg(&reward)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("python3"),
+    );
+    let mut line = String::new();
+    BufReader::new(server.0.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let addr = line
+        .split("http://")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .unwrap_or_else(|| panic!("no address in {line:?}"))
+        .to_owned();
+
+    let row = serde_json::json!({"task": "verl", "sample": {"id": "1", "domain": "gsm8k",
+        "dataset": "verl@train", "input": {"data_source": "openai/gsm8k",
+        "prompt": [{"role": "user", "content": "3 + 4?"}],
+        "reward_model": {"style": "rule", "ground_truth": "7"}}}});
+    let created = post(&addr, "/v1/envs", &row.to_string());
+    assert!(created.starts_with("HTTP/1.1 201"), "{created}");
+    let id = created
+        .split(r#""env_id": ""#)
+        .nth(1)
+        .and_then(|rest| rest.split('"').next())
+        .unwrap()
+        .to_owned();
+    let init = post(&addr, &format!("/v1/envs/{id}/init"), "{}");
+    assert!(init.contains(r#""content": "3 + 4?""#), "{init}");
+    let step = answer(&addr, &id, "3 + 4 = 7\n#### 7");
+    assert!(
+        step.starts_with("HTTP/1.1 200") && step.contains(r#""reward": 1.0"#),
+        "{step}"
+    );
+    let again = answer(&addr, &id, "#### 7");
+    assert!(again.starts_with("HTTP/1.1 409"), "{again}");
+
+    let config = dir.path().join("verl.toml");
+    let out_dir = dir.path().join("run");
+    std::fs::write(
+        &config,
+        format!(
+            r#"
+[run]
+max_steps = 2
+output_dir = "{out}"
+[model]
+init_preset = "tiny"
+path = "{out}/model"
+[engine]
+backend = "native"
+[trainer]
+micro_batch_size = 8
+max_seq_len = 512
+[rollout]
+group_size = 4
+groups_per_step = 2
+max_new_tokens = 32
+[data]
+datasets = ["gsm8k::verl@train"]
+data_dir = "{root}/tests/data"
+[data.domains.gsm8k]
+task = "verl"
+env_url = "http://{addr}"
+eval_dataset = "verl@train"
+[replay]
+filter_zero_advantage = false
+[warmup]
+enabled = false
+[eval]
+every_steps = 0
+[metrics]
+enabled = false
+[admin]
+listen = "127.0.0.1:0"
+"#,
+            out = out_dir.display(),
+        ),
+    )
+    .unwrap();
+    let run = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .arg("run")
+        .arg(&config)
+        .output()
+        .unwrap();
+    drop(server);
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(run.status.success(), "{stdout}\n{stderr}");
+    let log = std::fs::read_to_string(out_dir.join("metrics.jsonl")).unwrap();
+    let steps: Vec<serde_json::Value> = log
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(steps.last().unwrap()["policy_version"], 2, "{log}");
+    // A reply that ended got the function's 0.5 (or 1.0) as its reward; one cut at the token
+    // limit never reached the server and scored 0.
+    let rewards: Vec<f64> = steps
+        .iter()
+        .map(|s| s["reward.env"].as_f64().expect("reward.env"))
+        .collect();
+    assert!(rewards.iter().all(|r| (0.0..=1.0).contains(r)), "{log}");
+    assert!(rewards.iter().sum::<f64>() > 0.0, "{log}");
+}
+
+/// A child process killed (and reaped) when the test lets go of it, failing or not.
+struct KillOnDrop(Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }

@@ -26,29 +26,41 @@ pub struct EvalReport {
     /// Mean of the rubric's answer-checking component over all episodes (an episode without the
     /// component, such as a truncated one, counts as 0): `correct`, else the first of
     /// `math_answer`, `exact_match`, `regex` the rubric weights
-    /// ([`crate::reward_fns::ACCURACY_COMPONENTS`]); `None` when it has none of them.
+    /// ([`crate::reward_fns::ACCURACY_COMPONENTS`]); a rubric with none of them (an env
+    /// server's `env`, a verl reward function's score) is measured by its reward, as verl's
+    /// validation score is. `None` only for no episodes' worth of anything (never, today).
     pub accuracy: Option<f64>,
     /// Episodes per final status label.
     pub statuses: BTreeMap<String, usize>,
 }
 
+/// What an evaluation scores a reply by.
+#[derive(Debug, Clone, Copy)]
+enum Measure {
+    /// The rubric's answer-checking component.
+    Component(&'static str),
+    /// The reward, for a rubric that checks no answer.
+    Reward,
+}
+
 /// The component of `rubric` that checks answers: `correct`, else the first of
-/// [`ACCURACY_COMPONENTS`] it weights.
-fn accuracy_component(rubric: &Rubric) -> Option<&'static str> {
+/// [`ACCURACY_COMPONENTS`] it weights; else the reward.
+fn measure(rubric: &Rubric) -> Measure {
     let weights = rubric.weights();
     ACCURACY_COMPONENTS
         .iter()
         .copied()
         .find(|c| weights.iter().any(|(name, _)| name == c))
+        .map_or(Measure::Reward, Measure::Component)
 }
 
-/// One rollout's score on the answer-checking component (0 without it, e.g. truncated).
-fn score(rollout: &Rollout, component: &str) -> f64 {
-    rollout
-        .reward_components
-        .get(component)
-        .copied()
-        .unwrap_or(0.0)
+/// One rollout's score: its answer-checking component (0 without it, e.g. truncated), or its
+/// reward.
+fn score(rollout: &Rollout, measure: Measure) -> f64 {
+    match measure {
+        Measure::Component(c) => rollout.reward_components.get(c).copied().unwrap_or(0.0),
+        Measure::Reward => rollout.reward,
+    }
 }
 
 /// pass@k and mean@k of k sampled replies per problem.
@@ -65,10 +77,10 @@ pub struct SampledScores {
 
 impl SampledScores {
     /// The scores of `rollouts`, which hold `k` replies of each problem one after another
-    /// (problem i's at `i*k .. (i+1)*k`). `None` when the rubric checks no answer, `k` is 0 or
-    /// the rollouts are not whole groups of k.
+    /// (problem i's at `i*k .. (i+1)*k`), each scored as [`EvalReport::accuracy`] scores them.
+    /// `None` when `k` is 0 or the rollouts are not whole groups of k.
     pub fn from_rollouts(rubric: &Rubric, rollouts: &[Rollout], k: u32) -> Option<Self> {
-        let component = accuracy_component(rubric)?;
+        let component = measure(rubric);
         let per_problem = k as usize;
         if per_problem == 0 || rollouts.is_empty() || !rollouts.len().is_multiple_of(per_problem) {
             return None;
@@ -102,7 +114,7 @@ impl EvalReport {
         for r in rollouts {
             *statuses.entry(r.status.as_label().to_owned()).or_insert(0) += 1;
         }
-        let accuracy_component = accuracy_component(rubric);
+        let measure = measure(rubric);
         let mean = |f: &dyn Fn(&Rollout) -> f64| {
             if n == 0 {
                 0.0
@@ -113,7 +125,7 @@ impl EvalReport {
         Self {
             episodes: n,
             mean_reward: mean(&|r| r.reward),
-            accuracy: accuracy_component.map(|c| mean(&|r| score(r, c))),
+            accuracy: Some(mean(&|r| score(r, measure))),
             statuses,
         }
     }

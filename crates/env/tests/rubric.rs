@@ -472,8 +472,8 @@ async fn evaluation_accuracy_falls_back_to_the_answer_check() {
 }
 
 /// pass@k takes each problem's best reply, mean@k every reply: three problems with k = 2 and
-/// `correct` scores (1, 0), (0, 0), (1, 1) give pass@2 = 2/3 and mean@2 = 1/2; a rubric that
-/// checks no answer, or a count that is not whole groups of k, gives none.
+/// `correct` scores (1, 0), (0, 0), (1, 1) give pass@2 = 2/3 and mean@2 = 1/2; a count that is
+/// not whole groups of k gives none; a rubric that checks no answer is scored by the reward.
 #[test]
 fn pass_at_k_is_the_best_of_each_problems_k_replies() {
     use sluice_env::{SampledScores, TaskRegistry};
@@ -497,5 +497,17 @@ fn pass_at_k_is_the_best_of_each_problems_k_replies() {
     assert!(SampledScores::from_rollouts(task.rubric(), &rollouts, 4).is_none());
     assert!(SampledScores::from_rollouts(task.rubric(), &rollouts, 0).is_none());
     let no_answers = Rubric::new(vec![RewardFn::env_reward(1.0)], RubricConfig::default()).unwrap();
-    assert!(SampledScores::from_rollouts(&no_answers, &rollouts, 2).is_none());
+    let rewarded: Vec<_> = [0.5, 0.0, 0.25, 1.0]
+        .into_iter()
+        .map(|reward| {
+            let mut r = rollout(0);
+            r.reward = reward;
+            r
+        })
+        .collect();
+    let s = SampledScores::from_rollouts(&no_answers, &rewarded, 2).unwrap();
+    assert!((s.pass_at_k - 0.75).abs() < 1e-12, "{s:?}");
+    assert!((s.mean_at_k - 0.4375).abs() < 1e-12, "{s:?}");
+    let report = sluice_env::EvalReport::from_rollouts(&no_answers, &rewarded);
+    assert_eq!(report.accuracy, Some(0.4375));
 }
