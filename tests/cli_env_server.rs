@@ -8,14 +8,19 @@ use std::process::{Child, Command, Stdio};
 /// Starts `sluice env-server` with `args` (and `env`), and returns it with the address it
 /// printed as bound.
 fn start(args: &[&str], env: &[(&str, &str)]) -> (Child, String) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_sluice"))
-        .arg("env-server")
-        .args(args)
-        .envs(env.iter().copied())
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_sluice"));
+    cmd.arg("env-server").args(args).envs(env.iter().copied());
+    spawn_server(&mut cmd)
+}
+
+/// Spawns the env server `cmd` and reads the address from the `… http://HOST:PORT …` line it
+/// prints first.
+fn spawn_server(cmd: &mut Command) -> (Child, String) {
+    let mut child = cmd
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
-        .unwrap();
+        .unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
     let mut line = String::new();
     BufReader::new(child.stdout.take().unwrap())
         .read_line(&mut line)
@@ -198,26 +203,13 @@ fn a_verl_reward_function_serves_a_run_from_the_example_server() {
     )
     .unwrap();
     let root = env!("CARGO_MANIFEST_DIR");
-    let mut server = KillOnDrop(
+    let (server, addr) = spawn_server(
         Command::new("python3")
             .arg(format!("{root}/examples/verl_reward_server.py"))
             .args(["--port", "0", "--reward-file"])
-            .arg(&reward)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("python3"),
+            .arg(&reward),
     );
-    let mut line = String::new();
-    BufReader::new(server.0.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let addr = line
-        .split("http://")
-        .nth(1)
-        .and_then(|rest| rest.split_whitespace().next())
-        .unwrap_or_else(|| panic!("no address in {line:?}"))
-        .to_owned();
+    let server = KillOnDrop(server);
 
     let row = serde_json::json!({"task": "verl", "sample": {"id": "1", "domain": "gsm8k",
         "dataset": "verl@train", "input": {"data_source": "openai/gsm8k",
@@ -241,73 +233,27 @@ fn a_verl_reward_function_serves_a_run_from_the_example_server() {
     let again = answer(&addr, &id, "#### 7");
     assert!(again.starts_with("HTTP/1.1 409"), "{again}");
 
-    let config = dir.path().join("verl.toml");
-    let out_dir = dir.path().join("run");
-    std::fs::write(
-        &config,
-        format!(
-            r#"
-[run]
-max_steps = 2
-output_dir = "{out}"
-[model]
-init_preset = "tiny"
-path = "{out}/model"
-[engine]
-backend = "native"
-[trainer]
-micro_batch_size = 8
-max_seq_len = 512
-[rollout]
-group_size = 4
-groups_per_step = 2
-max_new_tokens = 32
-[data]
-datasets = ["gsm8k::verl@train"]
-data_dir = "{root}/tests/data"
-[data.domains.gsm8k]
-task = "verl"
-env_url = "http://{addr}"
-eval_dataset = "verl@train"
-[replay]
-filter_zero_advantage = false
-[warmup]
-enabled = false
-[eval]
-every_steps = 0
-[metrics]
-enabled = false
-[admin]
-listen = "127.0.0.1:0"
-"#,
-            out = out_dir.display(),
-        ),
-    )
-    .unwrap();
-    let run = Command::new(env!("CARGO_BIN_EXE_sluice"))
-        .arg("run")
-        .arg(&config)
-        .output()
-        .unwrap();
+    let (config, data_dir) = runs::verl_tiny_config();
+    let sets = [
+        data_dir,
+        "data.domains.gsm8k.task=\"verl\"".to_owned(),
+        format!("data.domains.gsm8k.env_url=\"http://{addr}\""),
+    ];
+    let steps = runs::run_records(config, &dir.path().join("run"), &sets);
     drop(server);
-    let stdout = String::from_utf8_lossy(&run.stdout);
-    let stderr = String::from_utf8_lossy(&run.stderr);
-    assert!(run.status.success(), "{stdout}\n{stderr}");
-    let log = std::fs::read_to_string(out_dir.join("metrics.jsonl")).unwrap();
-    let steps: Vec<serde_json::Value> = log
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
-    assert_eq!(steps.last().unwrap()["policy_version"], 2, "{log}");
+    assert_eq!(steps.last().unwrap()["policy_version"], 2, "{steps:?}");
     // A reply that ended got the function's 0.5 (or 1.0) as its reward; one cut at the token
     // limit never reached the server and scored 0.
     let rewards: Vec<f64> = steps
         .iter()
         .map(|s| s["reward.env"].as_f64().expect("reward.env"))
         .collect();
-    assert!(rewards.iter().all(|r| (0.0..=1.0).contains(r)), "{log}");
-    assert!(rewards.iter().sum::<f64>() > 0.0, "{log}");
+    assert!(rewards.iter().all(|r| (0.0..=1.0).contains(r)), "{steps:?}");
+    assert!(rewards.iter().sum::<f64>() > 0.0, "{steps:?}");
 }
+
+#[path = "runs/mod.rs"]
+mod runs;
 
 /// A child process killed (and reaped) when the test lets go of it, failing or not.
 struct KillOnDrop(Child);

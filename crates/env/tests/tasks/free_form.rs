@@ -233,14 +233,7 @@ async fn qa_reads_verl_rows_as_they_are() {
         answer_field: Some("reward_model.ground_truth".into()),
         ..DomainConfig::default()
     };
-    let data = DataConfig {
-        datasets: vec!["gsm8k::verl@train".parse().unwrap()],
-        data_dir: "unused".into(),
-        on_bad_line: BadLinePolicy::Fail,
-        adaptive_mix: true,
-        domain_options: [("gsm8k".to_owned(), options.clone())].into(),
-        read_limits: Default::default(),
-    };
+    let data = one_domain("gsm8k::verl@train", &options);
     let timeout = std::time::Duration::from_secs(5);
     let reg = configure(registry(), &data, timeout, None).unwrap();
     let task = reg.get("gsm8k/qa").unwrap();
@@ -287,22 +280,6 @@ async fn qa_reads_verl_rows_as_they_are() {
     assert_eq!(task.reference_reply(first, 0).as_deref(), Some("#### 7"));
 
     let question = "Natalia sold 48 clips in April and half as many in May. How many in all?";
-    let user_only = row(serde_json::json!([{"role": "user", "content": question}]));
-    let r = play(&task, &user_only, &["48 + 24 = 72\n#### 72"]).await;
-    assert_eq!(
-        (
-            r.reward_components["correct"],
-            r.reward_components["format"]
-        ),
-        (1.0, 1.0)
-    );
-    let prompt = &r.turns[0].prompt_messages;
-    assert_eq!(prompt.len(), 2, "the task's system prompt, then the row's");
-    assert_eq!(prompt[1].content.as_deref(), Some(question));
-    assert_eq!(
-        task.reference_reply(&user_only, 0).as_deref(),
-        Some("#### 72")
-    );
     let with_system = row(serde_json::json!([
         {"role": "system", "content": "You are a careful tutor."},
         {"role": "user", "content": question}
@@ -336,7 +313,7 @@ async fn qa_reads_verl_rows_as_they_are() {
     };
     let reg = configure(registry(), &with_rubric, timeout, None).unwrap();
     let rubric_task = reg.get("gsm8k/qa").unwrap();
-    let r = play(&rubric_task, &user_only, &["so 72 clips"]).await;
+    let r = play(&rubric_task, first, &["so 7 apples"]).await;
     assert_eq!(r.reward_components["math_answer"], 1.0);
 
     for (prompt, expected) in [
@@ -373,9 +350,7 @@ async fn qa_reads_verl_rows_as_they_are() {
 /// the key.
 #[tokio::test]
 async fn qa_domains_configure_fields_marker_and_rubric() {
-    use sluice_data::config::{
-        AnswerMarker, BadLinePolicy, DataConfig, DomainConfig, DomainRubric,
-    };
+    use sluice_data::config::{AnswerMarker, DataConfig, DomainConfig, DomainRubric};
     use sluice_env::configured::configure;
     let options = DomainConfig {
         task: Some("qa".into()),
@@ -385,14 +360,7 @@ async fn qa_domains_configure_fields_marker_and_rubric() {
         answer_marker: Some(AnswerMarker::Boxed),
         ..DomainConfig::default()
     };
-    let data = DataConfig {
-        datasets: vec!["mathqa::problems@train".parse().unwrap()],
-        data_dir: "unused".into(),
-        on_bad_line: BadLinePolicy::Fail,
-        adaptive_mix: true,
-        domain_options: [("mathqa".to_owned(), options.clone())].into(),
-        read_limits: Default::default(),
-    };
+    let data = one_domain("mathqa::problems@train", &options);
     let timeout = std::time::Duration::from_secs(5);
     let reg = configure(registry(), &data, timeout, None).unwrap();
     assert_eq!(reg.domain_tasks()["mathqa"], "mathqa/qa");
@@ -489,4 +457,21 @@ async fn qa_domains_configure_fields_marker_and_rubric() {
         err.contains("data.domains.math.answer_marker") && err.contains("only the `qa` task"),
         "{err}"
     );
+}
+
+/// `[data]` with the one dataset `spec` (no files: the rows are the tests' own) and its domain's
+/// `options`.
+fn one_domain(
+    spec: &str,
+    options: &sluice_data::config::DomainConfig,
+) -> sluice_data::config::DataConfig {
+    let spec: DatasetSpec = spec.parse().unwrap();
+    sluice_data::config::DataConfig {
+        domain_options: [(spec.domain.clone(), options.clone())].into(),
+        datasets: vec![spec],
+        data_dir: "unused".into(),
+        on_bad_line: sluice_data::config::BadLinePolicy::Fail,
+        adaptive_mix: true,
+        read_limits: Default::default(),
+    }
 }
