@@ -188,6 +188,19 @@ fn unsound_settings_are_checked_with_a_warning() {
         ),
         "{stderr}"
     );
+    // GSPO's own clip range on samples up to η versions old clips most of them.
+    let stderr = check(&["trainer.loss=gspo"]);
+    assert!(
+        stderr.starts_with("warning: trainer.loss = \"gspo\" with clip_low = 0.0003, clip_high = 0.0004 and rollout.max_version_lag = 2: ")
+            && stderr.contains("widen both to 0.01"),
+        "{stderr}"
+    );
+    for sound in [
+        ["trainer.loss=gspo", "rollout.max_version_lag=0"],
+        ["trainer.loss=gspo", "trainer.clip_high=0.01"],
+    ] {
+        assert_eq!(check(&sound), "", "{sound:?}");
+    }
 }
 
 /// `sluice data` shows a verl user's rows as the run's `qa` task opens them: the Parquet file's
