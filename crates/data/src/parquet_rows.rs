@@ -63,3 +63,85 @@ fn explain(e: &parquet::errors::ParquetError) -> String {
         format!("not a readable Parquet file: {text}")
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use crate::config::{BadLinePolicy, DatasetSpec};
+    use crate::{Dataset, ReadLimits, dataset_file};
+
+    fn spec(s: &str) -> DatasetSpec {
+        s.parse().unwrap()
+    }
+
+    /// The repository's Parquet fixture (verl's GSM8K rows, written by pyarrow) is read where no
+    /// JSONL file of the name is; a JSONL file wins; a file that is not Parquet is refused
+    /// naming it.
+    #[test]
+    fn parquet_files_are_read_where_no_jsonl_is() {
+        let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/data");
+        let verl = spec("gsm8k::verl@train");
+        assert_eq!(
+            dataset_file(&fixture, &verl),
+            fixture.join("gsm8k/verl/train.parquet")
+        );
+        let ds = Dataset::load(&fixture, &verl, BadLinePolicy::Fail).unwrap();
+        assert_eq!(ds.len(), 8);
+        assert_eq!(ds.samples()[7].id, "8");
+        assert_eq!(
+            ds.samples()[7].input["prompt"][0]["role"],
+            serde_json::json!("user")
+        );
+
+        let dir = tempfile::tempdir().unwrap();
+        let split = dir.path().join("gsm8k/verl");
+        std::fs::create_dir_all(&split).unwrap();
+        std::fs::copy(
+            fixture.join("gsm8k/verl/train.parquet"),
+            split.join("train.parquet"),
+        )
+        .unwrap();
+        std::fs::write(split.join("train.jsonl"), "{\"q\": 1}\n").unwrap();
+        let ds = Dataset::load(dir.path(), &verl, BadLinePolicy::Fail).unwrap();
+        assert_eq!(ds.len(), 1, "the JSONL file wins");
+        std::fs::remove_file(split.join("train.jsonl")).unwrap();
+        // A row longer than data.max_line_bytes as JSON is a bad line, as a long line is.
+        let limits = ReadLimits {
+            max_line_bytes: 400,
+            ..ReadLimits::default()
+        };
+        let ds = Dataset::load_limited(dir.path(), &verl, BadLinePolicy::Skip, &limits).unwrap();
+        assert!(
+            ds.len() < 8 && !ds.bad_lines().is_empty(),
+            "{:?}",
+            ds.bad_lines()
+        );
+        assert!(
+            ds.bad_lines()[0]
+                .reason
+                .contains("data.max_line_bytes = 400")
+        );
+
+        // Two bytes of a page changed: the reader fails that row and would fail it for ever
+        // (reading on, it once filled memory).
+        let mut broken = std::fs::read(fixture.join("gsm8k/verl/train.parquet")).unwrap();
+        broken[1128] = 177;
+        broken[2893] = 177;
+        std::fs::write(split.join("train.parquet"), &broken).unwrap();
+        let err = Dataset::load(dir.path(), &verl, BadLinePolicy::Skip).unwrap_err();
+        assert_eq!(err.kind(), "data_parquet");
+        assert!(err.to_string().contains("train.parquet: row "), "{err}");
+
+        std::fs::write(split.join("test.parquet"), b"PAR1 not really").unwrap();
+        let err =
+            Dataset::load(dir.path(), &spec("gsm8k::verl@test"), BadLinePolicy::Skip).unwrap_err();
+        assert_eq!(err.kind(), "data_parquet");
+        let msg = err.to_string();
+        assert!(
+            msg.starts_with("dataset `gsm8k::verl@test`: ")
+                && msg.contains("test.parquet: not a readable Parquet file"),
+            "{msg}"
+        );
+    }
+}
