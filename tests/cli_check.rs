@@ -274,6 +274,66 @@ fn data_shows_rows_as_the_tasks_open_them() {
         error.contains("`prompt`") && error.contains("user message"),
         "{error}"
     );
+
+    // With the model's directory there, each prompt's tokens through its chat template, held to
+    // the run's prompt limit.
+    let model = dir.join("model");
+    let made = sluice(
+        &[
+            "model",
+            "init",
+            "--preset",
+            "tiny",
+            "--out",
+            model.to_str().unwrap(),
+        ],
+        &dir,
+    );
+    assert!(
+        made.status.success(),
+        "{}",
+        String::from_utf8_lossy(&made.stderr)
+    );
+    let set_model = format!("model.path=\"{}\"", model.display());
+    let out = sluice(
+        &[
+            "data",
+            "configs/quickstart.toml",
+            "--rows",
+            "1",
+            "--set",
+            &set_model,
+        ],
+        repo(),
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let row: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    // `7+5=` and the template's turn markers: a token a character on the tiny model.
+    let tokens = row["prompt_tokens"].as_u64().unwrap();
+    assert!((4..64).contains(&tokens), "{row}");
+    let out = sluice(
+        &[
+            "data",
+            "configs/quickstart.toml",
+            "--rows",
+            "1",
+            "--set",
+            &set_model,
+            "--set",
+            "rollout.max_prompt_tokens=3",
+        ],
+        repo(),
+    );
+    assert_eq!(out.status.code(), Some(1));
+    let row: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(
+        row["error"].as_str().unwrap().contains("over the run's 3"),
+        "{row}"
+    );
 }
 
 #[test]

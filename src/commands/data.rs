@@ -1,14 +1,17 @@
 //! `sluice data CONFIG [--set k=v]... [--rows N]`: the config's datasets as a run loads them,
-//! and their first rows as the run's tasks open them, without a model or an engine.
+//! and their first rows as the run's tasks open them, without an engine; with the model's
+//! directory in place, each prompt's tokens against the run's prompt limit.
 
 use std::process::ExitCode;
 
 use serde_json::json;
 use sluice_config::Config;
 use sluice_core::DataSample;
+use sluice_env::Renderer;
 use sluice_env::TaskRegistry;
 use sluice_env::datasets::{GeneratedRows, load_dataset};
 use sluice_env::token_env::opening_messages;
+use sluice_node::native::renderer::ModelRenderer;
 
 use crate::cli::DataArgs;
 
@@ -19,13 +22,16 @@ const OPEN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 /// rows, with the run's seed), says on stderr where each came from and how many rows and bad
 /// lines it has, and prints its first `--rows` rows on stdout as JSON lines: the messages the
 /// episode opens with (the system prompt resolved as a run resolves it) and the task's
-/// reference reply. A dataset that fails to load, or a row whose episode cannot open, makes
-/// the exit code 1; rows of domains served by an env server are not opened.
+/// reference reply; when `model.path` holds the model (a preset a run would create is not
+/// there yet), also its prompt's tokens through the model's chat template. A dataset that fails
+/// to load, a row whose episode cannot open, or a prompt over the run's limit makes the exit
+/// code 1; rows of domains served by an env server are not opened.
 pub fn run(args: &DataArgs) -> anyhow::Result<ExitCode> {
     let config = sluice_config::load(&args.config.config, &args.config.overrides)?;
     let registry =
         sluice_env::configured::registry(&config.data, config.supervision.env_step_timeout)
             .map_err(|e| anyhow::anyhow!("{}: {e}", args.config.config.display()))?;
+    let prompts = prompt_limit(&config)?;
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
@@ -56,7 +62,7 @@ pub fn run(args: &DataArgs) -> anyhow::Result<ExitCode> {
             dataset.bad_lines().len()
         );
         for sample in dataset.samples().iter().take(args.rows) {
-            let row = runtime.block_on(preview(&config, &registry, sample));
+            let row = runtime.block_on(preview(&config, &registry, prompts.as_ref(), sample));
             failed |= row.get("error").is_some();
             println!("{row}");
         }
@@ -68,11 +74,28 @@ pub fn run(args: &DataArgs) -> anyhow::Result<ExitCode> {
     })
 }
 
-/// One row as its domain's task opens it: `{dataset, id, task, messages, tools, reference}`
-/// (`tools` when the env offers some), or `error` in place of the messages.
+/// The renderer of the config's model and the longest prompt a run of it sends
+/// ([`Config::max_prompt_tokens`]), when the model's directory is there.
+fn prompt_limit(config: &Config) -> anyhow::Result<Option<(ModelRenderer, usize)>> {
+    let model_config = config.model.path.join("config.json");
+    if !model_config.exists() {
+        return Ok(None);
+    }
+    let model = sluice_model::ModelConfig::from_file(&model_config)?;
+    let renderer = sluice_node::native::setup::model_renderer(config)?;
+    Ok(Some((
+        renderer,
+        config.max_prompt_tokens(model.max_position_embeddings),
+    )))
+}
+
+/// One row as its domain's task opens it: `{dataset, id, task, messages, tools, reference,
+/// prompt_tokens}` (`tools` when the env offers some, `prompt_tokens` with `prompts`), or
+/// `error` in place of what could not be had.
 async fn preview(
     config: &Config,
     registry: &TaskRegistry,
+    prompts: Option<&(ModelRenderer, usize)>,
     sample: &DataSample,
 ) -> serde_json::Value {
     let spec = format!("{}::{}", sample.domain, sample.dataset);
@@ -113,6 +136,19 @@ async fn preview(
     };
     match opened.await {
         Ok((messages, tools, reference)) => {
+            if let Some((renderer, limit)) = prompts {
+                match renderer.render_prompt(&messages, &tools) {
+                    Ok(ids) if ids.len() > *limit => {
+                        row["error"] = json!(format!(
+                            "the prompt is {} tokens, over the run's {limit} (rollout.max_prompt_tokens, at most the model's context less the turn budget): its episodes would end prompt_too_long",
+                            ids.len()
+                        ));
+                        row["prompt_tokens"] = json!(ids.len());
+                    }
+                    Ok(ids) => row["prompt_tokens"] = json!(ids.len()),
+                    Err(e) => row["error"] = json!(format!("rendering the prompt: {e}")),
+                }
+            }
             row["messages"] = json!(messages);
             if !tools.is_empty() {
                 row["tools"] = json!(tools);

@@ -64,25 +64,30 @@ pub fn ensure_model_dir(config: &Config) -> Result<bool, ActorError> {
     Ok(true)
 }
 
+/// The renderer of `config`'s model: its tokenizer, with `model.chat_template` in place of the
+/// directory's template when set, and `model.chat_template_kwargs`.
+pub fn model_renderer(config: &Config) -> Result<ModelRenderer, ActorError> {
+    let model_dir = &config.model.path;
+    let mut tokenizer = Tokenizer::from_dir(model_dir)
+        .map_err(|e| setup_err(format!("model.path {}: {e}", model_dir.display())))?;
+    if let Some(path) = &config.model.chat_template {
+        tokenizer
+            .override_chat_template(path)
+            .map_err(|e| setup_err(format!("model.chat_template {}: {e}", path.display())))?;
+    }
+    ModelRenderer::new(Arc::new(tokenizer))
+        .map_err(|e| setup_err(format!("model.path {}: {e}", model_dir.display())))?
+        .with_template_kwargs(&config.model.chat_template_kwargs)
+        .map_err(setup_err)
+}
+
 impl NativeSetup {
     /// Loads the model of `config` (from `weights_dir` instead of `model.path` when given, e.g.
     /// a warm-started copy), on the configured device and dtype.
     pub fn load(config: &Config, weights_dir: Option<&Path>) -> Result<Self, ActorError> {
         let model_dir = config.model.path.clone();
-        let mut tokenizer = Tokenizer::from_dir(&model_dir)
-            .map_err(|e| setup_err(format!("model.path {}: {e}", model_dir.display())))?;
-        if let Some(path) = &config.model.chat_template {
-            tokenizer
-                .override_chat_template(path)
-                .map_err(|e| setup_err(format!("model.chat_template {}: {e}", path.display())))?;
-        }
-        let tokenizer = Arc::new(tokenizer);
-        let renderer = Arc::new(
-            ModelRenderer::new(Arc::clone(&tokenizer))
-                .map_err(|e| setup_err(format!("model.path {}: {e}", model_dir.display())))?
-                .with_template_kwargs(&config.model.chat_template_kwargs)
-                .map_err(setup_err)?,
-        );
+        let renderer = Arc::new(model_renderer(config)?);
+        let tokenizer = Arc::clone(renderer.tokenizer());
         // The run starts from weights on the device of their main user: the native engine
         // replicas (and the evaluator, which follows them), else the trainer. The other roles
         // copy them to theirs (sluice_model::ModelWeights::on_device).
