@@ -154,8 +154,11 @@ def handler(envs, token):
             try:
                 if token and self.headers.get("Authorization") != f"Bearer {token}":
                     raise ProtocolError(401, "unauthorized", "a bearer token is required")
-                length = int(self.headers.get("Content-Length") or 0)
-                if length > MAX_BODY:
+                try:
+                    length = int(self.headers.get("Content-Length") or 0)
+                except ValueError:
+                    raise ProtocolError(400, "bad_request", "Content-Length is not a number")
+                if length < 0 or length > MAX_BODY:
                     raise ProtocolError(413, "bad_request", "body over 2 MB")
                 raw = self.rfile.read(length) if length else b""
                 try:
@@ -178,6 +181,8 @@ def handler(envs, token):
                     return self.reply(*envs.delete(parts[2]))
                 raise ProtocolError(404, "unknown_route", f"{method} {self.path}")
             except ProtocolError as e:
+                if e.status in (400, 413):
+                    self.close_connection = True  # the body may be unread
                 self.reply(e.status, {"error": {"kind": e.kind, "message": e.message}})
 
         def do_GET(self):
