@@ -295,17 +295,15 @@ fn data_shows_rows_as_the_tasks_open_them() {
         String::from_utf8_lossy(&made.stderr)
     );
     let set_model = format!("model.path=\"{}\"", model.display());
-    let out = sluice(
-        &[
-            "data",
-            "configs/quickstart.toml",
-            "--rows",
-            "1",
-            "--set",
-            &set_model,
-        ],
-        repo(),
-    );
+    let first_row = |extra: &[&str]| {
+        let mut args = vec!["data", "configs/quickstart.toml", "--rows", "1"];
+        args.extend(["--set", &set_model]);
+        for s in extra {
+            args.extend(["--set", s]);
+        }
+        sluice(&args, repo())
+    };
+    let out = first_row(&[]);
     assert!(
         out.status.success(),
         "{}",
@@ -315,19 +313,7 @@ fn data_shows_rows_as_the_tasks_open_them() {
     // `7+5=` and the template's turn markers: a token a character on the tiny model.
     let tokens = row["prompt_tokens"].as_u64().unwrap();
     assert!((4..64).contains(&tokens), "{row}");
-    let out = sluice(
-        &[
-            "data",
-            "configs/quickstart.toml",
-            "--rows",
-            "1",
-            "--set",
-            &set_model,
-            "--set",
-            "rollout.max_prompt_tokens=3",
-        ],
-        repo(),
-    );
+    let out = first_row(&["rollout.max_prompt_tokens=3"]);
     assert_eq!(out.status.code(), Some(1));
     let row: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert!(

@@ -103,15 +103,8 @@ async fn preview(
     let task_name = registry
         .domain_tasks()
         .get(&sample.domain)
-        .cloned()
-        .unwrap_or_else(|| {
-            sample
-                .dataset
-                .split('@')
-                .next()
-                .unwrap_or_default()
-                .to_owned()
-        });
+        .map_or_else(|| sample.dataset_name(), String::as_str)
+        .to_owned();
     let mut row = json!({"dataset": spec, "id": sample.id, "task": task_name});
     if options.is_some_and(|o| o.env_url.is_some() || o.env_nodes) {
         row["messages"] = json!(null);
@@ -125,12 +118,12 @@ async fn preview(
             .await
             .map_err(|_| format!("the env did not open within {OPEN_TIMEOUT:?}"))?
             .map_err(|e| e.to_string())?;
-        // The system prompt as a run resolves it: the row's, else the domain's, else the task's.
-        let system = sample
-            .system_prompt
-            .clone()
-            .or_else(|| options.and_then(|o| o.system_prompt.clone()))
-            .or_else(|| task.system_prompt().map(str::to_owned));
+        // The sampler gives a row without a system prompt its domain's; the task then decides.
+        let mut drawn = sample.clone();
+        if drawn.system_prompt.is_none() {
+            drawn.system_prompt = options.and_then(|o| o.system_prompt.clone());
+        }
+        let system = task.system_prompt_for(&drawn);
         let messages = opening_messages(system.as_deref(), init.messages);
         Ok::<_, String>((messages, init.tools, task.reference_reply(sample, 0)))
     };

@@ -359,7 +359,22 @@ fn parse_row(line: &str, line_no: usize) -> Result<Row, String> {
 
 /// A Parquet row as a row, held to `data.max_line_bytes` as the JSON line it would be.
 fn parquet_row(value: Value, row_no: usize, limits: &ReadLimits) -> Result<Row, String> {
-    let bytes = serde_json::to_vec(&value).map_or(usize::MAX, |v| v.len());
+    /// Counts what is written, keeping none of it.
+    struct Count(usize);
+    impl std::io::Write for Count {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0 += buf.len();
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut count = Count(0);
+    let bytes = match serde_json::to_writer(&mut count, &value) {
+        Ok(()) => count.0,
+        Err(_) => usize::MAX,
+    };
     if bytes > limits.max_line_bytes {
         return Err(format!(
             "row is {bytes} bytes as JSON, longer than data.max_line_bytes = {}",

@@ -28,8 +28,8 @@ pub struct EvalReport {
     /// `math_answer`, `exact_match`, `regex` the rubric weights
     /// ([`crate::reward_fns::ACCURACY_COMPONENTS`]); a rubric with none of them (an env
     /// server's `env`, a verl reward function's score) is measured by its reward, as verl's
-    /// validation score is. `None` only for no episodes' worth of anything (never, today).
-    pub accuracy: Option<f64>,
+    /// validation score is. 0 without episodes.
+    pub accuracy: f64,
     /// Episodes per final status label.
     pub statuses: BTreeMap<String, usize>,
 }
@@ -125,7 +125,7 @@ impl EvalReport {
         Self {
             episodes: n,
             mean_reward: mean(&|r| r.reward),
-            accuracy: Some(mean(&|r| score(r, measure))),
+            accuracy: mean(&|r| score(r, measure)),
             statuses,
         }
     }

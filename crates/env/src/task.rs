@@ -202,23 +202,28 @@ impl Task {
         self.env.make_env(sample)
     }
 
-    /// A token env for one rollout of `sample`. The system prompt is the sample's, else the
-    /// task's; env call durations are recorded under the sample's domain.
+    /// The system prompt of `sample`'s episodes: the sample's (its row's, or its domain's as the
+    /// sampler set it), else the task's.
+    pub fn system_prompt_for(&self, sample: &DataSample) -> Option<String> {
+        sample
+            .system_prompt
+            .clone()
+            .or_else(|| self.system_prompt.clone())
+    }
+
+    /// A token env for one rollout of `sample`, with [`Task::system_prompt_for`]; env call
+    /// durations are recorded under the sample's domain.
     pub fn token_env(
         &self,
         sample: &DataSample,
         renderer: Arc<dyn Renderer>,
         limits: TokenEnvLimits,
     ) -> Result<TokenEnv, EnvError> {
-        let prompt = sample
-            .system_prompt
-            .clone()
-            .or_else(|| self.system_prompt.clone());
         Ok(TokenEnv::new(
             self.make_env(sample)?,
             renderer,
             limits,
-            prompt,
+            self.system_prompt_for(sample),
         ))
     }
 

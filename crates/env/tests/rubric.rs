@@ -468,7 +468,7 @@ async fn evaluation_accuracy_falls_back_to_the_answer_check() {
         rollouts.push(r);
     }
     let report = EvalReport::from_rollouts(&rubric, &rollouts);
-    assert_eq!(report.accuracy, Some(0.5));
+    assert_eq!(report.accuracy, 0.5);
 }
 
 /// pass@k takes each problem's best reply, mean@k every reply: three problems with k = 2 and
@@ -509,5 +509,5 @@ fn pass_at_k_is_the_best_of_each_problems_k_replies() {
     assert!((s.pass_at_k - 0.75).abs() < 1e-12, "{s:?}");
     assert!((s.mean_at_k - 0.4375).abs() < 1e-12, "{s:?}");
     let report = sluice_env::EvalReport::from_rollouts(&no_answers, &rewarded);
-    assert_eq!(report.accuracy, Some(0.4375));
+    assert_eq!(report.accuracy, 0.4375);
 }

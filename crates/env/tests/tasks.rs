@@ -397,7 +397,7 @@ async fn evaluation_reports_accuracy_on_the_heldout_set() {
     .await
     .unwrap();
     assert_eq!(report.episodes, 4);
-    assert_eq!(report.accuracy, Some(0.5));
+    assert_eq!(report.accuracy, 0.5);
     assert_eq!(report.statuses["completed"], 4);
     let expected_mean = (1.0 + 1.0 + 0.1 / 1.1) / 4.0;
     assert!(

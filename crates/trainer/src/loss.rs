@@ -288,8 +288,9 @@ impl LossStats {
     }
 }
 
-/// Per-text mean of `f(t)` over the text's tokens in this call (`sequence[t]` names the text).
-fn text_means(sequence: &[u32], f: impl Fn(usize) -> f64) -> HashMap<u32, f64> {
+/// Per text, the sum of `f(t)` over its tokens in this call (`sequence[t]` names the text), or
+/// with `mean`, their mean.
+fn per_text(sequence: &[u32], f: impl Fn(usize) -> f64, mean: bool) -> HashMap<u32, f64> {
     let mut sums = HashMap::<u32, (f64, u32)>::new();
     for (t, &text) in sequence.iter().enumerate() {
         let e = sums.entry(text).or_default();
@@ -297,7 +298,7 @@ fn text_means(sequence: &[u32], f: impl Fn(usize) -> f64) -> HashMap<u32, f64> {
         e.1 += 1;
     }
     sums.into_iter()
-        .map(|(text, (sum, n))| (text, sum / f64::from(n)))
+        .map(|(text, (sum, n))| (text, if mean { sum / f64::from(n) } else { sum }))
         .collect()
 }
 
@@ -336,14 +337,11 @@ pub fn token_terms(
     let behaviour = |t: usize| f64::from(inputs.behaviour[t]);
     // Sequence-level log-ratio per text: its sum for `tis` at sequence level, its mean for `gspo`.
     let log_ratio = |t: usize| lp(t) - behaviour(t);
-    let mut seq_log_ratio = HashMap::<u32, f64>::new();
-    if config.kind == LossKind::Tis && config.tis_level == TisLevel::Sequence {
-        for t in 0..n {
-            *seq_log_ratio.entry(inputs.sequence[t]).or_default() += log_ratio(t);
-        }
-    } else if config.kind == LossKind::Gspo {
-        seq_log_ratio = text_means(inputs.sequence, log_ratio);
-    }
+    let seq_log_ratio = match (config.kind, config.tis_level) {
+        (LossKind::Tis, TisLevel::Sequence) => per_text(inputs.sequence, log_ratio, false),
+        (LossKind::Gspo, _) => per_text(inputs.sequence, log_ratio, true),
+        _ => HashMap::new(),
+    };
     let mut stats = LossStats {
         tokens: n as u64,
         ..LossStats::default()
@@ -432,7 +430,7 @@ pub struct TextTokens {
 pub struct Aggregation {
     /// The scheme.
     pub mode: LossAggregation,
-    /// `L` of `token_sum_normalized` (`rollout.max_new_tokens`; ≥ 1).
+    /// `L` of `token_sum_normalized` (`rollout.max_new_tokens`; 0 is read as 1).
     pub normalizer_tokens: usize,
 }
 
@@ -441,7 +439,7 @@ impl Aggregation {
     pub fn new(mode: LossAggregation, normalizer_tokens: usize) -> Self {
         Self {
             mode,
-            normalizer_tokens: normalizer_tokens.max(1),
+            normalizer_tokens,
         }
     }
 }

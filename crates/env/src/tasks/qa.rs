@@ -34,6 +34,7 @@ use crate::protocol::{BoxFuture, EnvInit, EnvStep, MessageEnv};
 use crate::reward_fns::{AnswerOptions, reference_text, sample_field};
 use crate::rubric::{RewardFn, Rubric, RubricConfig};
 use crate::task::Task;
+use crate::token_env::opening_messages;
 
 /// Registered name.
 pub const NAME: &str = "qa";
@@ -108,24 +109,17 @@ fn text_field(sample: &DataSample, key: &str) -> Result<Option<String>, EnvError
     }
 }
 
-/// The question of a row: its text, or the chat messages of its prompt.
-enum Question {
-    /// One user message.
-    Text(String),
-    /// The opening messages as the row gives them (verl's `prompt`).
-    Messages(Vec<Message>),
-}
-
-/// The question field of a row: a string, or a list of `{role, content}` messages of the roles
-/// `system`, `user` and `assistant` with text content, ending with the user's.
-fn question(sample: &DataSample, key: &str) -> Result<Question, EnvError> {
+/// The question field of a row as the messages it opens with: a string (one user message), or a
+/// list of `{role, content}` messages of the roles `system`, `user` and `assistant` with text
+/// content, ending with the user's (verl's `prompt`).
+fn question(sample: &DataSample, key: &str) -> Result<Vec<Message>, EnvError> {
     let bad = |what: String| EnvError::BadInput(format!("sample `{}`: `{key}` {what}", sample.id));
     match sample_field(&sample.input, key) {
         None | Some(Value::Null) => Err(EnvError::BadInput(format!(
             "sample `{}` has no question field `{key}`",
             sample.id
         ))),
-        Some(Value::String(s)) => Ok(Question::Text(s.clone())),
+        Some(Value::String(s)) => Ok(vec![Message::user(s.clone())]),
         Some(list @ Value::Array(_)) => {
             let messages: Vec<Message> = serde_json::from_value(list.clone()).map_err(|e| {
                 bad(format!(
@@ -140,7 +134,7 @@ fn question(sample: &DataSample, key: &str) -> Result<Question, EnvError> {
                 }
             }
             match messages.last() {
-                Some(m) if m.role == Role::User => Ok(Question::Messages(messages)),
+                Some(m) if m.role == Role::User => Ok(messages),
                 _ => Err(bad("must end with a user message".into())),
             }
         }
@@ -150,29 +144,16 @@ fn question(sample: &DataSample, key: &str) -> Result<Question, EnvError> {
     }
 }
 
-/// A one-turn env opening with the row's own system prompt (when its field holds one) and the
-/// question.
+/// A one-turn env opening with the row's own system prompt (when its field holds one, and the
+/// question's messages bring none of their own) and the question.
 struct QaEnv {
     system: Option<String>,
-    question: Question,
+    question: Vec<Message>,
 }
 
 impl MessageEnv for QaEnv {
     fn init(&mut self) -> BoxFuture<'_, Result<EnvInit, EnvError>> {
-        let mut messages: Vec<Message> = Vec::new();
-        match &self.question {
-            Question::Text(text) => {
-                messages.extend(self.system.iter().map(Message::system));
-                messages.push(Message::user(text.clone()));
-            }
-            Question::Messages(prompt) => {
-                // The prompt's own system message wins over the row's system prompt field.
-                if prompt[0].role != Role::System {
-                    messages.extend(self.system.iter().map(Message::system));
-                }
-                messages.extend(prompt.iter().cloned());
-            }
-        }
+        let messages = opening_messages(self.system.as_deref(), self.question.clone());
         Box::pin(async move {
             Ok(EnvInit {
                 messages,

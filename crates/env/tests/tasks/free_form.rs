@@ -136,7 +136,7 @@ async fn word_problems_evaluation_reports_accuracy() {
     )
     .await
     .unwrap();
-    assert_eq!(report.accuracy, Some(0.5));
+    assert_eq!(report.accuracy, 0.5);
 }
 
 /// GSM8K rows load as they are (`"…\n#### 72"`), score free-form replies by their final answer,

@@ -206,7 +206,7 @@ pub async fn warm_start(
                     .evaluate(Arc::clone(trainer.published()))
                     .await
                     .map_err(|e| format!("warm-up probe of `{}`: {e}", probe.domain))?;
-                let accuracy = eval.report.accuracy.unwrap_or(0.0);
+                let accuracy = eval.report.accuracy;
                 reached &= accuracy >= probe.target;
                 domains.push((probe.domain.clone(), accuracy));
             }

@@ -451,8 +451,8 @@ impl Evaluations {
                 };
                 out.push(DomainAccuracy {
                     domain: d.domain.clone(),
-                    heldout: heldout.report.accuracy.unwrap_or(0.0),
-                    train: train.report.accuracy.unwrap_or(0.0),
+                    heldout: heldout.report.accuracy,
+                    train: train.report.accuracy,
                     sampled,
                 });
             }
