@@ -1,11 +1,13 @@
 //! Policy losses (`DESIGN.md` §6), computed per token on the host from detached log-probs.
 //!
-//! Every objective here has a gradient of the form `Σ_t c_t ∇ log π_θ(t)`, where `c_t` depends
-//! only on detached quantities (ratios, advantages, clip decisions). [`token_terms`] returns those
-//! coefficients and the exact loss value; the trainer then back-propagates the surrogate
-//! `Σ_t c_t · logπ_θ(t)` (coefficients as constants), whose gradient is the gradient of the loss.
-//! This keeps the differentiable graph to one multiply and one sum, and lets every formula be
-//! tested on plain numbers.
+//! Every objective here has a gradient of the form `Σ_t c_t ∇ log π_θ(t) + Σ_t e_t ∇H_t`, where
+//! `c_t` and `e_t` depend only on detached quantities (ratios, advantages, clip decisions) and
+//! `H_t` is the policy's entropy at the token (`e_t` is 0 but for the entropy bonus).
+//! [`token_terms`] returns those coefficients and the exact loss value; the trainer then
+//! back-propagates the surrogate `Σ_t c_t · logπ_θ(t) + Σ_t e_t · H_t` (coefficients as
+//! constants), whose gradient is the gradient of the loss. This keeps the differentiable graph to
+//! a multiply and a sum per column of the token scores, and lets every formula be tested on
+//! plain numbers.
 //!
 //! Notation per completion token `t`: `lp` = log π_θ, `b` = behaviour log-prob from the engine,
 //! `A` = advantage, `w` = aggregation weight (see [`aggregation_weights`]), `C` = `is_cap`,
@@ -26,6 +28,8 @@
 //! - KL penalty (when a reference is given), `x = ref − lp`: `ℓ += kl_coef · k(x)` with the
 //!   estimator `k3 = eˣ − x − 1` (non-negative; gradient `1 − eˣ`), `k1 = −x` (gradient 1) or
 //!   `k2 = x²/2` (gradient `−x`). The reported KL is k3's whichever the penalty uses.
+//! - Entropy bonus (`entropy_coeff = β > 0`): `ℓ −= β·H_t`, so `e_t = −β·w_t`; `H_t` is the
+//!   entropy of the trainer's softmax at its temperature, as the scores head computes it.
 //!
 //! The step's loss is `Σ_t w_t ℓ_t`.
 
@@ -54,6 +58,8 @@ pub struct LossConfig {
     pub kl_estimator: KlEstimator,
     /// Dual-clip bound `c` (> 1) of the clipped losses' terms with a negative advantage; 0 = off.
     pub dual_clip: f64,
+    /// Entropy bonus `β` (≥ 0): each token's loss is lowered by `β·H_t`; 0 = off.
+    pub entropy_coeff: f64,
 }
 
 impl Default for LossConfig {
@@ -68,6 +74,7 @@ impl Default for LossConfig {
             kl_coef: 0.0,
             kl_estimator: KlEstimator::K3,
             dual_clip: 0.0,
+            entropy_coeff: 0.0,
         }
     }
 }
@@ -92,7 +99,8 @@ pub struct TokenInputs<'a> {
     pub sequence: &'a [u32],
     /// Reference-policy log-probs for the KL penalty.
     pub reference: Option<&'a [f32]>,
-    /// Policy entropy at each token, nats (statistics only).
+    /// Policy entropy at each token, nats: statistics, and the entropy bonus's term (which
+    /// needs it).
     pub entropy: Option<&'a [f32]>,
 }
 
@@ -204,6 +212,9 @@ impl LossStats {
 pub struct LossTerms {
     /// `c_t = w_t · ∂ℓ_t/∂lp_t`: back-propagate `Σ c_t · lp_t`.
     pub coefficients: Vec<f32>,
+    /// `e_t = w_t · ∂ℓ_t/∂H_t` with the entropy bonus on (`Σ e_t · H_t` joins the surrogate);
+    /// empty with it off.
+    pub entropy_coefficients: Vec<f32>,
     /// Counters for this micro-batch.
     pub stats: LossStats,
 }
@@ -332,6 +343,14 @@ pub fn token_terms(
             check(what, s.len())?;
         }
     }
+    let bonus = config.entropy_coeff;
+    if bonus > 0.0 && inputs.entropy.is_none() {
+        return Err(LossInputError {
+            what: "entropy",
+            len: 0,
+            expected: n,
+        });
+    }
     let lp = |t: usize| f64::from(inputs.logprobs[t]);
     let prox = |t: usize| inputs.proximal.map_or(lp(t), |p| f64::from(p[t]));
     let behaviour = |t: usize| f64::from(inputs.behaviour[t]);
@@ -347,6 +366,7 @@ pub fn token_terms(
         ..LossStats::default()
     };
     let mut coefficients = Vec::with_capacity(n);
+    let mut entropy_coefficients = Vec::with_capacity(if bonus > 0.0 { n } else { 0 });
     for t in 0..n {
         let a = f64::from(inputs.advantages[t]);
         let w = f64::from(inputs.weights[t]);
@@ -401,14 +421,20 @@ pub fn token_terms(
             grad += config.kl_coef * d_kl;
         }
         if let Some(entropy) = inputs.entropy {
-            stats.entropy_sum += f64::from(entropy[t]);
+            let h = f64::from(entropy[t]);
+            stats.entropy_sum += h;
             stats.entropy_tokens += 1;
+            if bonus > 0.0 {
+                loss -= bonus * h;
+                entropy_coefficients.push((-w * bonus) as f32);
+            }
         }
         stats.loss += w * loss;
         coefficients.push((w * grad) as f32);
     }
     Ok(LossTerms {
         coefficients,
+        entropy_coefficients,
         stats,
     })
 }

@@ -373,6 +373,7 @@ impl NativeTrainer {
             }
             Ok(crate::loss::LossTerms {
                 coefficients,
+                entropy_coefficients: Vec::new(),
                 stats: s,
             })
         })?;

@@ -102,6 +102,7 @@ impl NativeTrainerConfig {
                 kl_coef: t.kl_coef,
                 kl_estimator: t.kl_estimator,
                 dual_clip: t.dual_clip,
+                entropy_coeff: t.entropy_coeff,
             },
             aggregation: Aggregation::new(
                 t.loss_aggregation,

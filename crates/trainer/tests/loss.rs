@@ -1,6 +1,6 @@
 //! Each loss on hand-computed tokens (clipping on both sides, the dual clip, truncation and
-//! masking, token and sequence level, GSPO's ratio per text, KL), aggregation weights, and the
-//! surrogate's gradient against finite differences of the loss through a small candle policy.
+//! masking, token and sequence level, GSPO's ratio per text, KL, the entropy bonus), aggregation
+//! weights, and the surrogate's gradient against finite differences of the loss through a small candle policy.
 
 mod common;
 
@@ -219,6 +219,33 @@ fn kl_penalty_adds_k3_and_its_gradient() {
 }
 
 #[test]
+fn the_entropy_bonus_lowers_the_loss_by_its_weighted_entropy() {
+    let (lp, adv, w) = ([-1.0f32, -2.0], [1.0f32, 1.0], [0.25f32, 0.75]);
+    let entropy = [0.5f32, 2.0];
+    let mut i = inputs(&lp, &lp, &adv, &w, &[0, 1]);
+    i.entropy = Some(&entropy);
+    let plain = token_terms(&i, &LossConfig::default()).unwrap();
+    assert!(plain.entropy_coefficients.is_empty());
+    let c = LossConfig {
+        entropy_coeff: 0.1,
+        ..LossConfig::default()
+    };
+    let t = token_terms(&i, &c).unwrap();
+    close(
+        t.stats.loss,
+        plain.stats.loss - 0.1 * (0.25 * 0.5 + 0.75 * 2.0),
+        1e-6,
+        "loss",
+    );
+    assert_eq!(t.coefficients, plain.coefficients, "the log-prob terms");
+    assert_all_close(&t.entropy_coefficients, &[-0.025, -0.075], "entropy terms");
+    // Without entropies the bonus has nothing to work on: refused, not silently dropped.
+    i.entropy = None;
+    let e = token_terms(&i, &c).unwrap_err();
+    assert_eq!((e.what, e.len, e.expected), ("entropy", 0, 2));
+}
+
+#[test]
 fn mismatched_inputs_are_refused() {
     let e = token_terms(
         &inputs(&[0.0, 0.0], &[0.0], &[0.0; 2], &[1.0; 2], &[0; 2]),
@@ -374,7 +401,19 @@ fn token_logprobs(logits: &Tensor, targets: &Tensor) -> Tensor {
     logp.gather(targets, 1).unwrap().squeeze(1).unwrap()
 }
 
-/// Back-propagating `Σ c_t lp_t` gives the finite-difference gradient of the loss value.
+/// `−Σ p log p` of each row of `softmax(logits)`, built from differentiable ops.
+fn token_entropy(logits: &Tensor) -> Tensor {
+    let max = logits.max_keepdim(D::Minus1).unwrap();
+    let shifted = logits.broadcast_sub(&max).unwrap();
+    let e = shifted.exp().unwrap();
+    let sum = e.sum_keepdim(D::Minus1).unwrap();
+    let p = e.broadcast_div(&sum).unwrap();
+    let logp = shifted.broadcast_sub(&sum.log().unwrap()).unwrap();
+    (p * logp).unwrap().sum(D::Minus1).unwrap().neg().unwrap()
+}
+
+/// Back-propagating `Σ c_t lp_t + Σ e_t H_t` gives the finite-difference gradient of the loss
+/// value.
 #[test]
 fn surrogate_gradient_matches_finite_differences_of_the_loss() {
     let dev = Device::Cpu;
@@ -387,7 +426,12 @@ fn surrogate_gradient_matches_finite_differences_of_the_loss() {
         let x = Tensor::from_slice(flat, (t, v), &dev).unwrap();
         token_logprobs(&x, &targets).to_vec1().unwrap()
     };
+    let entropy_of = |flat: &[f32]| -> Vec<f32> {
+        let x = Tensor::from_slice(flat, (t, v), &dev).unwrap();
+        token_entropy(&x).to_vec1().unwrap()
+    };
     let lp0 = lp_of(&init);
+    let entropy0 = entropy_of(&init);
     // Behaviour/proximal log-probs near the current ones, away from clip boundaries.
     // The last token's ratio, e^1, is over the dual clip's bound below.
     let behaviour: Vec<f32> = lp0
@@ -419,6 +463,7 @@ fn surrogate_gradient_matches_finite_differences_of_the_loss() {
                 kl_coef: 0.1,
                 dual_clip: 2.0,
                 kl_estimator: KlEstimator::K2,
+                entropy_coeff: 0.05,
                 ..LossConfig::default()
             },
             per_token,
@@ -445,6 +490,7 @@ fn surrogate_gradient_matches_finite_differences_of_the_loss() {
                 clip_low: 3e-4,
                 clip_high: 4e-4,
                 kl_coef: 0.1,
+                entropy_coeff: 0.2,
                 ..LossConfig::default()
             },
             per_text,
@@ -452,10 +498,11 @@ fn surrogate_gradient_matches_finite_differences_of_the_loss() {
     ];
     for (config, (adv, weights)) in cases {
         let loss_at = |flat: &[f32]| -> f64 {
-            let lp = lp_of(flat);
+            let (lp, entropy) = (lp_of(flat), entropy_of(flat));
             let mut i = inputs(&lp, &behaviour, &adv, &weights, &seq);
             i.reference = Some(&reference);
             i.proximal = Some(&prox);
+            i.entropy = Some(&entropy);
             token_terms(&i, &config).unwrap().stats.loss
         };
         let var = Var::from_tensor(&Tensor::from_slice(&init, (t, v), &dev).unwrap()).unwrap();
@@ -463,7 +510,13 @@ fn surrogate_gradient_matches_finite_differences_of_the_loss() {
         let mut i = inputs(&lp0, &behaviour, &adv, &weights, &seq);
         i.reference = Some(&reference);
         i.proximal = Some(&prox);
+        i.entropy = Some(&entropy0);
         let terms = token_terms(&i, &config).unwrap();
+        assert_eq!(
+            terms.entropy_coefficients.is_empty(),
+            config.entropy_coeff == 0.0,
+            "the bonus's coefficients come with the bonus"
+        );
         assert!(
             terms.stats.clipped_low + terms.stats.clipped_high > 0,
             "exercise a clip"
@@ -474,7 +527,12 @@ fn surrogate_gradient_matches_finite_differences_of_the_loss() {
             "exercise the dual clip"
         );
         let c = Tensor::new(terms.coefficients.as_slice(), &dev).unwrap();
-        let surrogate = (lp * c).unwrap().sum_all().unwrap();
+        let mut surrogate = (lp * c).unwrap().sum_all().unwrap();
+        if !terms.entropy_coefficients.is_empty() {
+            let e = Tensor::new(terms.entropy_coefficients.as_slice(), &dev).unwrap();
+            let bonus = (token_entropy(var.as_tensor()) * e).unwrap().sum_all().unwrap();
+            surrogate = (surrogate + bonus).unwrap();
+        }
         let grads = surrogate.backward().unwrap();
         let g: Vec<f32> = grads
             .get(&var)

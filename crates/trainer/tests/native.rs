@@ -1,10 +1,12 @@
 //! The candle trainer on the tiny preset: a bandit it learns, skipped all-zero batches,
 //! publishing without aliasing, gradient accumulation equal to one big micro-batch, the
 //! supervised step, exact resumption from a checkpoint, the lag-0 train/inference mismatch, and
-//! (`native/threads.rs`) steps that do not depend on the thread count, and (`native/refusals.rs`)
-//! corrupt checkpoints and non-finite steps refused.
+//! (`native/threads.rs`) steps that do not depend on the thread count, (`native/refusals.rs`)
+//! corrupt checkpoints and non-finite steps refused, and (`native/bonus.rs`) the entropy bonus.
 
 mod common;
+#[path = "native/bonus.rs"]
+mod bonus;
 #[path = "native/refusals.rs"]
 mod refusals;
 #[path = "native/threads.rs"]

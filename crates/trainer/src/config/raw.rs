@@ -31,6 +31,9 @@ pub struct RawTrainer {
     pub kl_estimator: String,
     /// Dual-clip bound `c` (> 1) of the clipped terms with a negative advantage (0 disables it).
     pub dual_clip: f64,
+    /// Entropy bonus coefficient: the loss subtracts this times each token's policy entropy,
+    /// aggregated as the loss is (0 disables it).
+    pub entropy_coeff: f64,
     /// Rows `B` of one packed micro-batch.
     pub micro_batch_size: i64,
     /// Row length `L` of one packed micro-batch, tokens.
@@ -117,6 +120,7 @@ impl Default for RawTrainer {
             kl_coef: 0.0,
             kl_estimator: "k3".into(),
             dual_clip: 0.0,
+            entropy_coeff: 0.0,
             micro_batch_size: 4,
             max_seq_len: 2048,
             minibatches: None,

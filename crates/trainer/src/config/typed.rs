@@ -137,6 +137,8 @@ pub struct TrainerConfig {
     pub kl_estimator: KlEstimator,
     /// Dual-clip bound `c` of the clipped losses (0 = off, else > 1).
     pub dual_clip: f64,
+    /// Entropy bonus coefficient (≥ 0; 0 = off).
+    pub entropy_coeff: f64,
     /// Micro-batch rows `B`.
     pub micro_batch_size: NonZeroU32,
     /// Micro-batch row length `L`.

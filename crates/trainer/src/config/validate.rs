@@ -102,6 +102,7 @@ pub fn validate_trainer(
             "0 (off) or a number > 1",
             |v| v == 0.0 || v > 1.0,
         )?,
+        entropy_coeff: non_negative(ctx, "trainer.entropy_coeff", raw.entropy_coeff)?,
         micro_batch_size: non_zero_u32(ctx, "trainer.micro_batch_size", raw.micro_batch_size)?,
         max_seq_len: non_zero_u32(ctx, "trainer.max_seq_len", raw.max_seq_len)?,
         // Unset: resolved with `rollout.groups_per_step` by `default_minibatches`.

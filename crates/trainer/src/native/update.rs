@@ -274,7 +274,7 @@ impl NativeTrainer {
         let device = self.model.device().clone();
         let index = slot_index(&slots, &device)?;
         let (logprobs, lp_host) = pick(&scores.logprobs, &index, "log-probs")?;
-        let (_, entropy) = pick(&scores.entropy, &index, "entropies")?;
+        let (entropy_t, entropy) = pick(&scores.entropy, &index, "entropies")?;
         out.parts.loss += clock.lap()?;
         // No gradient is taken of the reference: no logits to keep for one.
         let no_grad = ForwardOptions {
@@ -332,12 +332,19 @@ impl NativeTrainer {
         };
         let t = terms(&inputs)?;
         out.loss.merge(&t.stats);
-        let coefficients = Tensor::new(t.coefficients.as_slice(), &device)
-            .and_then(|c| c.to_dtype(logprobs.dtype()))
-            .map_err(tensor_ctx("loss coefficients"))?;
-        let surrogate = (logprobs * coefficients)
-            .and_then(|s| s.sum_all())
-            .map_err(tensor_ctx("surrogate loss"))?;
+        // `Σ c_t · lp_t`, and `Σ e_t · H_t` with the entropy bonus on.
+        let weighted = |column: Tensor, c: &[f32], what: &'static str| {
+            Tensor::new(c, &device)
+                .and_then(|c| c.to_dtype(column.dtype()))
+                .and_then(|c| column * c)
+                .and_then(|s| s.sum_all())
+                .map_err(tensor_ctx(what))
+        };
+        let mut surrogate = weighted(logprobs, &t.coefficients, "surrogate loss")?;
+        if !t.entropy_coefficients.is_empty() {
+            let bonus = weighted(entropy_t, &t.entropy_coefficients, "entropy bonus")?;
+            surrogate = (surrogate + bonus).map_err(tensor_ctx("entropy bonus"))?;
+        }
         out.parts.loss += clock.lap()?;
         let store = self.model.backward_saved(&surrogate, saved)?;
         out.parts.backward += clock.lap()?;
