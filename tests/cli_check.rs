@@ -65,7 +65,7 @@ fn check_prints_the_resolved_config_and_applies_overrides() {
 }
 
 #[test]
-fn check_resolves_gspo_defaults_and_refuses_a_dual_clip_below_one_or_a_buffer_past_the_budget() {
+fn check_resolves_gspo_defaults_and_refuses_a_bad_dual_clip_bonus_or_buffer() {
     let check = |sets: &[&str]| {
         let mut args = vec!["check", "configs/quickstart.toml"];
         for s in sets {
@@ -73,7 +73,11 @@ fn check_resolves_gspo_defaults_and_refuses_a_dual_clip_below_one_or_a_buffer_pa
         }
         sluice(&args, repo())
     };
-    let out = check(&["trainer.loss=gspo", "trainer.dual_clip=3"]);
+    let out = check(&[
+        "trainer.loss=gspo",
+        "trainer.dual_clip=3",
+        "trainer.entropy_coeff=0.001",
+    ]);
     assert!(
         out.status.success(),
         "{}",
@@ -86,6 +90,11 @@ fn check_resolves_gspo_defaults_and_refuses_a_dual_clip_below_one_or_a_buffer_pa
     assert_eq!(trainer["clip_high"].as_float(), Some(4e-4));
     assert_eq!(trainer["loss_aggregation"].as_str(), Some("sequence_mean"));
     assert_eq!(trainer["dual_clip"].as_float(), Some(3.0));
+    assert_eq!(trainer["entropy_coeff"].as_float(), Some(0.001));
+    let out = check(&["trainer.entropy_coeff=-0.01"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("trainer.entropy_coeff"), "{err}");
     let out = check(&["trainer.dual_clip=1"]);
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);

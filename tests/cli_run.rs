@@ -323,7 +323,8 @@ fn a_native_run_reports_bad_data_before_any_warm_up() {
 /// 6-token budget (so every reply pays for its length): every step logs its loss, clip figures
 /// and the `overlong` reward component, and the text-level clip binds (two minibatches a step,
 /// the second clipped against the behaviour policy the first moved away from). Then PPO with
-/// REINFORCE++'s whitened advantages and a k2 KL penalty to the warm-started model.
+/// REINFORCE++'s whitened advantages, a k2 KL penalty to the warm-started model and an entropy
+/// bonus.
 #[test]
 fn verl_and_dapo_loss_options_train_through_the_binary() {
     let gspo = [
@@ -351,9 +352,12 @@ fn verl_and_dapo_loss_options_train_through_the_binary() {
         "trainer.advantage=\"reinforce_plus_plus_baseline\"",
         "trainer.kl_coef=0.05",
         "trainer.kl_estimator=\"k2\"",
+        "trainer.entropy_coeff=0.01",
     ];
     for step in quickstart_steps(&reinforce) {
         assert!(step.get("reward.overlong").is_none(), "{step}");
+        let entropy = step["train.entropy"].as_f64();
+        assert!(entropy.is_some_and(|h| h > 0.0), "{step}");
         // The reference policy is the warm-started model: the KL to it is reported (as k3).
         let kl = step["train.kl"].as_f64();
         assert!(kl.is_some_and(|kl| kl >= 0.0), "{step}");

@@ -530,7 +530,10 @@ fn surrogate_gradient_matches_finite_differences_of_the_loss() {
         let mut surrogate = (lp * c).unwrap().sum_all().unwrap();
         if !terms.entropy_coefficients.is_empty() {
             let e = Tensor::new(terms.entropy_coefficients.as_slice(), &dev).unwrap();
-            let bonus = (token_entropy(var.as_tensor()) * e).unwrap().sum_all().unwrap();
+            let bonus = (token_entropy(var.as_tensor()) * e)
+                .unwrap()
+                .sum_all()
+                .unwrap();
             surrogate = (surrogate + bonus).unwrap();
         }
         let grads = surrogate.backward().unwrap();

@@ -4,9 +4,9 @@
 //! (`native/threads.rs`) steps that do not depend on the thread count, (`native/refusals.rs`)
 //! corrupt checkpoints and non-finite steps refused, and (`native/bonus.rs`) the entropy bonus.
 
-mod common;
 #[path = "native/bonus.rs"]
 mod bonus;
+mod common;
 #[path = "native/refusals.rs"]
 mod refusals;
 #[path = "native/threads.rs"]

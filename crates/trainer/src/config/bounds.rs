@@ -25,7 +25,11 @@ pub const BOUNDS: &[Bound] = &[
     bound("trainer.clip_high", 100.0, "the upper ratio clip"),
     bound("trainer.kl_coef", 1000.0, "the KL penalty coefficient"),
     bound("trainer.dual_clip", 1e6, "the dual-clip bound"),
-    bound("trainer.entropy_coeff", 100.0, "the entropy bonus coefficient"),
+    bound(
+        "trainer.entropy_coeff",
+        100.0,
+        "the entropy bonus coefficient",
+    ),
     bound("trainer.micro_batch_size", 65_536.0, "rows per micro-batch"),
     bound("trainer.max_seq_len", MAX_TOKENS, TOKENS),
     bound(
