@@ -430,6 +430,9 @@ fn a_verl_parquet_dataset_trains_through_the_binary() {
 #[path = "runs/mod.rs"]
 mod runs;
 
+#[path = "runs/judge.rs"]
+mod judge;
+
 #[path = "real_model/mod.rs"]
 mod real_model;
 

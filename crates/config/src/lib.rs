@@ -35,8 +35,8 @@ pub use sections::validate::*;
 pub use sections::*;
 pub use sluice_core::config::*;
 pub use sluice_data::config::{
-    AnswerMarker, BadLinePolicy, DataConfig, DatasetSpec, DomainConfig, DomainRubric,
-    MAX_REWARD_FNS, validate_data,
+    AnswerMarker, BadLinePolicy, DEFAULT_JUDGE_PROMPT, DEFAULT_SCORE_REGEX, DataConfig,
+    DatasetSpec, DomainConfig, DomainRubric, JudgeConfig, MAX_REWARD_FNS, validate_data,
 };
 pub use sluice_engine::config::{EngineBackend, EngineConfig, SimEngineConfig, validate_engine};
 pub use sluice_model::section::{ModelPreset, ModelSection, validate_model};

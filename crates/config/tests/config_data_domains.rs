@@ -204,6 +204,57 @@ fn rubric_regex_compiles_at_load_and_round_trips() {
 }
 
 #[test]
+fn a_rubric_judge_parses_with_defaults_round_trips_and_names_bad_keys() {
+    let text = r#"
+        [data]
+        datasets = ["math::word_problems@train"]
+        [data.domains.math.rubric]
+        weights = { judge = 1.0, format = 0.1 }
+        [data.domains.math.rubric.judge]
+        url = "http://127.0.0.1:8000/v1/"
+        model = "Qwen/Qwen2.5-7B-Instruct"
+    "#;
+    let c = load(text).unwrap();
+    let rubric = c.data.domain_options["math"].rubric.as_ref().unwrap();
+    let judge = rubric.judge.as_ref().unwrap();
+    assert_eq!(judge.url, "http://127.0.0.1:8000/v1");
+    assert_eq!(judge.prompt, config::DEFAULT_JUDGE_PROMPT);
+    assert_eq!(judge.score_regex, config::DEFAULT_SCORE_REGEX);
+    assert_eq!((judge.max_score, judge.max_tokens), (10.0, 512));
+    assert_eq!((judge.concurrency, judge.timeout.as_secs()), (16, 60));
+    let printed = toml::to_string(&c).unwrap();
+    assert_eq!(load(&printed).unwrap(), c);
+
+    let refused = |extra: &str, replace: (&str, &str)| {
+        let bad = format!("{}{extra}\n", text.replace(replace.0, replace.1));
+        load(&bad).unwrap_err().to_string()
+    };
+    let key = "data.domains.math.rubric.judge";
+    for (extra, replace, want) in [
+        ("", ("judge = 1.0, ", ""), "does not name"),
+        ("", ("url = \"http", "url = \"https"), "http://"),
+        ("", ("model = \"Qwen/Qwen2.5-7B-Instruct\"", ""), ".model"),
+        (
+            "prompt = \"Grade {answer}\"",
+            ("", ""),
+            "unknown placeholder `{answer}`",
+        ),
+        ("prompt = \"Grade {question}\"", ("", ""), "`{reply}`"),
+        ("prompt = \"Grade {reply\"", ("", ""), "unclosed"),
+        ("score_regex = 'Score: \\d+'", ("", ""), "capture group"),
+        ("max_score = 0", ("", ""), ".max_score"),
+        ("concurrency = 5000", ("", ""), ".concurrency"),
+        ("temperature = 3", ("", ""), ".temperature"),
+    ] {
+        let err = refused(extra, replace);
+        assert!(err.contains(key) && err.contains(want), "{extra}: {err}");
+    }
+    // Braces doubled are literal braces, not placeholders.
+    let literal = format!("{text}prompt = \"JSON {{{{\\\"score\\\": N}}}} for {{reply}}\"\n");
+    load(&literal).unwrap();
+}
+
+#[test]
 fn qa_row_fields_and_marker_parse_and_round_trip() {
     let text = r#"
         [data]

@@ -261,8 +261,8 @@ pub fn rubric_for(task: &Task, spec: &DomainRubric) -> Result<Rubric, String> {
     rubric_with_answers(task, spec, AnswerOptions::default())
 }
 
-/// [`rubric_for`] with the generic answer functions reading `answers` (the `regex` pattern is
-/// `spec`'s).
+/// [`rubric_for`] with the generic answer functions reading `answers` (the `regex` pattern and
+/// the `judge` model are `spec`'s; the judge's requests carry `$SLUICE_JUDGE_TOKEN` when set).
 pub fn rubric_with_answers(
     task: &Task,
     spec: &DomainRubric,
@@ -271,6 +271,11 @@ pub fn rubric_with_answers(
     if let Some(pattern) = &spec.regex {
         let compiled = regex::Regex::new(pattern).map_err(|e| format!("regex: {e}"))?;
         answers.regex = Some(Arc::new(compiled));
+    }
+    if let Some(judge) = &spec.judge {
+        let judge = crate::judge::Judge::from_env(judge, &answers.answer_field)
+            .map_err(|e| format!("judge.{e}"))?;
+        answers.judge = Some(Arc::new(judge));
     }
     let own = task.rubric().functions();
     let mut fns = Vec::with_capacity(spec.weights.len());
@@ -284,6 +289,11 @@ pub fn rubric_with_answers(
             if name == "regex" {
                 return Err(
                     "weights.regex: the `regex` reward function needs a pattern: set `regex = \"…\"` in the same rubric table".into(),
+                );
+            }
+            if name == "judge" {
+                return Err(
+                    "weights.judge: the `judge` reward function needs its model: add a `judge` table (`url`, `model`) to the same rubric".into(),
                 );
             }
             let mut known: Vec<&str> = own.iter().map(RewardFn::name).collect();

@@ -9,7 +9,8 @@
 //! | [`sandbox`] | untrusted programs in a child process: CPU/memory/process/wall limits, no network |
 //! | [`sessions`] | [`EnvSessions`]: the token envs of live rollouts by rollout id — start, step, abandon — for env workers |
 //! | [`configured`] | the run's tasks as its config sets them up: per-domain rubrics and env servers |
-//! | [`reward_fns`] | reward functions every task offers a rubric from config: `env`, `env.<name>`, `length` (group), `math_answer`, `exact_match`, `regex`, `format` |
+//! | [`reward_fns`] | reward functions every task offers a rubric from config: `env`, `env.<name>`, `length` (group), `math_answer`, `exact_match`, `regex`, `format`, `judge` |
+//! | [`judge`] | the `judge` reward function: a model behind an OpenAI-compatible chat endpoint grades each reply |
 //! | [`answer`] | final answers of free-form replies: `\boxed{}`, `####`, numbers, comparison |
 //! | [`task`] | [`Task`] = datasets + env + rubric + system prompt; [`TaskRegistry`] |
 //! | [`tasks`] | built-in tasks: `arithmetic`, `sum_digits`, `calculator_tool`, `stock_tool`, `episodic`, `word_problems`, `qa` (question/answer rows from files) |
@@ -35,6 +36,7 @@ pub mod error;
 pub mod eval;
 pub mod forward;
 pub mod guard;
+pub mod judge;
 pub mod overlong;
 pub mod protocol;
 pub mod remote;

@@ -10,6 +10,7 @@
 //! | `exact_match` | one rollout | 1 when the reply's final answer text (last `\boxed{}`, else the line after the last `####`, else the whole reply) equals the reference answer, else 0 |
 //! | `regex` | one rollout | with `rubric.regex`: when the pattern has a capture group, 1 when its last match's group 1 equals the reference answer; without one, 1 when it matches the reply |
 //! | `format` | one rollout | 1 when the reply marks an answer with the answer marker (`#### <number>`, or a non-empty `\boxed{}`) |
+//! | `judge` | one rollout | with the rubric's `judge` table: the score a model behind an OpenAI-compatible endpoint gives the reply, in [0, 1] ([`crate::judge`]) |
 //!
 //! The answer functions read the reference from the sample's answer field (`answer`, or the
 //! `qa` domain's `answer_field`): a string (its answer after the last `####`, else all of it) or
@@ -32,6 +33,7 @@ pub const GENERIC_NAMES: &[&str] = &[
     "exact_match",
     "regex",
     "format",
+    "judge",
 ];
 
 /// The components that say whether an answer was right, in the order evaluations look for one
@@ -47,6 +49,8 @@ pub struct AnswerOptions {
     pub marker: AnswerMarker,
     /// The `regex` function's pattern (`None`: the function is unavailable).
     pub regex: Option<Arc<Regex>>,
+    /// The `judge` function's model (`None`: the function is unavailable).
+    pub judge: Option<Arc<crate::judge::Judge>>,
 }
 
 impl Default for AnswerOptions {
@@ -56,6 +60,7 @@ impl Default for AnswerOptions {
             answer_field: "answer".into(),
             marker: AnswerMarker::Hashes,
             regex: None,
+            judge: None,
         }
     }
 }
@@ -143,12 +148,16 @@ pub fn regex_score(
 }
 
 /// The generic function called `name` with `weight`, if there is one (`regex` needs
-/// `options.regex`).
+/// `options.regex`, `judge` `options.judge`).
 pub fn generic(name: &str, weight: f64, options: &AnswerOptions) -> Option<RewardFn> {
     match name {
         "env" => Some(RewardFn::env_reward(weight)),
         "length" => Some(RewardFn::group("length", weight, |m| Ok(length_reward(m)))),
         "math_answer" | "exact_match" | "regex" | "format" => answer_fn(name, weight, options),
+        "judge" => Some(crate::judge::reward_fn(
+            Arc::clone(options.judge.as_ref()?),
+            weight,
+        )),
         _ => {
             let component = name.strip_prefix(ENV_COMPONENT_PREFIX)?;
             if component.is_empty() {

@@ -1,7 +1,10 @@
 //! Rubric: weight normalization, overrides, components, concurrency, and containment of
-//! panicking / hanging / failing reward functions.
+//! panicking / hanging / failing reward functions; (`rubric/judge.rs`) the `judge` function
+//! against a stub OpenAI-compatible server.
 
 mod common;
+#[path = "rubric/judge.rs"]
+mod judge;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -383,6 +386,7 @@ async fn generic_answer_functions_score_replies_against_the_reference() {
         error_reward: None,
         timeout: None,
         regex: regex.map(str::to_owned),
+        judge: None,
     };
     let gsm = sample(serde_json::json!({"answer": "48 + 24 = 72\n#### 72"}));
     let score = |rubric: &Rubric, text: &str| {
@@ -458,6 +462,7 @@ async fn evaluation_accuracy_falls_back_to_the_answer_check() {
         error_reward: None,
         timeout: None,
         regex: None,
+        judge: None,
     };
     let rubric = rubric_for(&task, &spec).unwrap();
     let s = sample(serde_json::json!({"question": "?", "answer": 4}));

@@ -137,6 +137,7 @@ async fn remote_code_task() -> (Task, String, tokio::sync::oneshot::Sender<()>) 
         error_reward: Some(-1.0),
         timeout: None,
         regex: None,
+        judge: None,
     };
     let rubric = rubric_for(&local, &spec).unwrap();
     let factory = RemoteEnvFactory::new(&url, "python_code", Duration::from_secs(30)).unwrap();

@@ -27,4 +27,11 @@ pub const BOUNDS: &[Bound] = &[
     bound("data.domains.*.rubric.error_reward", MAX_REWARD, REWARD),
     bound("data.domains.*.rubric.timeout_s", MAX_SECONDS, SECONDS),
     bound("data.domains.*.max_new_tokens", MAX_TOKENS, TOKENS),
+    bound("data.domains.*.rubric.judge.max_score", 1e9, "a score"),
+    bound("data.domains.*.rubric.judge.max_tokens", MAX_TOKENS, TOKENS),
+    bound(
+        "data.domains.*.rubric.judge.timeout_s",
+        MAX_SECONDS,
+        SECONDS,
+    ),
 ];

@@ -4,11 +4,13 @@
 //! the whole file and checks the upper bounds of its numbers ([`BOUNDS`]) first.
 
 mod bounds;
+mod judge;
 mod raw;
 mod typed;
 mod validate;
 
 pub use bounds::BOUNDS;
+pub use judge::*;
 pub use raw::*;
 pub use typed::*;
 pub use validate::{MAX_REWARD_FNS, validate_data};

@@ -74,6 +74,8 @@ pub struct RawRubric {
     pub timeout_s: Option<f64>,
     /// Pattern of the `regex` reward function.
     pub regex: Option<String>,
+    /// `[data.domains.<domain>.rubric.judge]`: the `judge` reward function's model.
+    pub judge: Option<super::judge::RawJudge>,
 }
 
 /// `[data]`: datasets.

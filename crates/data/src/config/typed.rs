@@ -130,6 +130,9 @@ pub struct DomainRubric {
     /// Pattern of the `regex` reward function (checked to compile).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub regex: Option<String>,
+    /// The `judge` reward function's model and how its answer is read.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub judge: Option<super::judge::JudgeConfig>,
 }
 
 fn seconds<S: Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {

@@ -225,6 +225,7 @@ fn validate_rubric(key: &str, raw: RawRubric, ctx: &Ctx<'_>) -> Result<DomainRub
         error_reward,
         timeout_s,
         regex,
+        judge,
     } = raw;
     let weights_key = format!("{key}.weights");
     if weights.is_empty() {
@@ -268,6 +269,9 @@ fn validate_rubric(key: &str, raw: RawRubric, ctx: &Ctx<'_>) -> Result<DomainRub
     let regex = regex
         .map(|pattern| validate_regex(&format!("{key}.regex"), &checked, pattern, ctx))
         .transpose()?;
+    let judge = judge
+        .map(|raw| super::judge::validate_judge(&format!("{key}.judge"), &checked, raw, ctx))
+        .transpose()?;
     Ok(DomainRubric {
         weights: checked,
         truncation_reward: reward("truncation_reward", truncation_reward)?,
@@ -276,6 +280,7 @@ fn validate_rubric(key: &str, raw: RawRubric, ctx: &Ctx<'_>) -> Result<DomainRub
             .map(|s| positive_seconds(ctx, &format!("{key}.timeout_s"), s))
             .transpose()?,
         regex,
+        judge,
     })
 }
 

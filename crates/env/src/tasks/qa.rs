@@ -85,6 +85,7 @@ impl QaOptions {
             answer_field: self.answer_field.clone(),
             marker: self.marker,
             regex: None,
+            judge: None,
         }
     }
 }

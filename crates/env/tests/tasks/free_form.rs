@@ -304,6 +304,7 @@ async fn qa_reads_verl_rows_as_they_are() {
                     error_reward: None,
                     timeout: None,
                     regex: None,
+                    judge: None,
                 }),
                 ..options
             },
@@ -420,6 +421,7 @@ async fn qa_domains_configure_fields_marker_and_rubric() {
                     error_reward: None,
                     timeout: None,
                     regex: Some(r"answer is (\S+)".into()),
+                    judge: None,
                 }),
                 ..options
             },
