@@ -184,11 +184,12 @@ impl Dataset {
             },
         })?;
         if is_parquet(&path) {
-            let rows = crate::parquet_rows::rows(bytes).map_err(|reason| DataError::Parquet {
-                dataset: spec.to_string(),
-                path: path.clone(),
-                reason,
-            })?;
+            let rows =
+                crate::parquet_rows::rows(bytes, limits).map_err(|reason| DataError::Parquet {
+                    dataset: spec.to_string(),
+                    path: path.clone(),
+                    reason,
+                })?;
             let rows = rows.into_iter().enumerate().map(|(i, row)| {
                 let row_no = i + 1;
                 (row_no, parquet_row(row, row_no, limits).map(Some))

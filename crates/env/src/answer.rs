@@ -121,6 +121,15 @@ pub fn parse_number(text: &str) -> Option<f64> {
     }
 }
 
+/// A JSON number as a reference answer's text: digits as written out, never in exponent form
+/// (serde writes `1e-6`, whose last number the answer rules would read as 6).
+pub fn number_text(n: &serde_json::Number) -> String {
+    match n.as_f64() {
+        Some(f) if !n.is_i64() && !n.is_u64() => format!("{f}"),
+        _ => n.to_string(),
+    }
+}
+
 /// Whether two numbers are equal within [`NUMBER_TOLERANCE`] (relative, absolute below 1).
 pub fn numbers_equal(a: f64, b: f64) -> bool {
     (a - b).abs() <= NUMBER_TOLERANCE * a.abs().max(b.abs()).max(1.0)

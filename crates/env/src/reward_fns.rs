@@ -79,7 +79,7 @@ pub fn reference_text(input: &ScoreInput, field: &str) -> Result<String, String>
     let id = &input.sample.id;
     match sample_field(&input.sample.input, field) {
         Some(serde_json::Value::String(s)) => Ok(s.clone()),
-        Some(serde_json::Value::Number(n)) => Ok(n.to_string()),
+        Some(serde_json::Value::Number(n)) => Ok(answer::number_text(n)),
         Some(other) => Err(format!(
             "sample `{id}`: the reference answer `{field}` must be a string or a number, got {other}"
         )),

@@ -340,6 +340,36 @@ fn math_answers_compare_as_numbers_with_the_reference() {
     assert_eq!(parse_number("1,23"), None);
 }
 
+#[tokio::test]
+async fn numeric_references_are_written_out_without_an_exponent() {
+    use sluice_env::answer::number_text;
+    let text = |v: serde_json::Value| number_text(v.as_number().unwrap());
+    assert_eq!(text(serde_json::json!(0.000001)), "0.000001");
+    assert_eq!(text(serde_json::json!(2.5e20)), "250000000000000000000");
+    assert_eq!(text(serde_json::json!(72)), "72");
+    assert_eq!(text(serde_json::json!(-3.5)), "-3.5");
+    // Scored through a rubric: `1e-6` read as text would make 6 the answer.
+    let task = sluice_env::TaskRegistry::builtin()
+        .get("word_problems")
+        .unwrap();
+    let spec = sluice_data::config::DomainRubric {
+        weights: [("math_answer".to_owned(), 1.0)].into(),
+        truncation_reward: None,
+        error_reward: None,
+        timeout: None,
+        regex: None,
+        judge: None,
+    };
+    let rubric = sluice_env::configured::rubric_for(&task, &spec).unwrap();
+    let s = sample(serde_json::json!({"answer": 0.000001}));
+    for (reply, want) in [("#### 0.000001", 1.0), ("#### 6", 0.0)] {
+        let score = rubric
+            .score(&s, &finished(reply, RolloutStatus::Completed))
+            .await;
+        assert_eq!(score.components["math_answer"], want, "{reply}");
+    }
+}
+
 proptest::proptest! {
     /// Any integer, written plainly, with thousands separators, a `$`, a trailing `.` or as a
     /// decimal with trailing zeros, inside text or after `####` or boxed, reads back as itself.

@@ -273,7 +273,7 @@ pub fn task_with(options: QaOptions) -> Task {
         }
         let answer = match sample_field(&sample.input, &reference_options.answer_field)? {
             Value::String(s) => s.clone(),
-            Value::Number(n) => n.to_string(),
+            Value::Number(n) => crate::answer::number_text(n),
             _ => return None,
         };
         Some(reference_reply(&answer, reference_options.marker))
