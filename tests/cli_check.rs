@@ -214,7 +214,8 @@ fn unsound_settings_are_checked_with_a_warning() {
 
 /// `sluice data` shows a verl user's rows as the run's `qa` task opens them: the Parquet file's
 /// prompt messages after the task's system prompt, its reference reply, and a JSONL row whose
-/// prompt does not end with the user's named with the exit code 1.
+/// prompt does not end with the user's named with the exit code 1; the held-out sets a run
+/// loads are loaded too.
 #[test]
 fn data_shows_rows_as_the_tasks_open_them() {
     let dir = tempdir();
@@ -329,6 +330,38 @@ fn data_shows_rows_as_the_tasks_open_them() {
         row["error"].as_str().unwrap().contains("over the run's 3"),
         "{row}"
     );
+
+    // The held-out sets a run loads when it starts are loaded too: a missing one, or one with no
+    // usable row, fails here rather than at the run's start.
+    let heldout = |eval_dataset: &str| {
+        let config = format!(
+            "[data]\ndatasets = [\"gsm8k::verl@train\"]\ndata_dir = \"{}\"\n{}eval_dataset = \"{eval_dataset}\"\n",
+            data.display(),
+            qa("gsm8k", "reward_model.ground_truth"),
+        );
+        std::fs::write(dir.join("heldout.toml"), config).unwrap();
+        let out = sluice(&["data", "heldout.toml", "--rows", "0"], &dir);
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (code, stderr) = heldout("verl@train");
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(
+        stderr.contains("data.domains.gsm8k.eval_dataset: 8 rows from "),
+        "{stderr}"
+    );
+    let (code, stderr) = heldout("nothere@test");
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(
+        stderr.contains("data.domains.gsm8k.eval_dataset: ") && stderr.contains("nothere"),
+        "{stderr}"
+    );
+    std::fs::write(data.join("gsm8k/verl/empty.jsonl"), "not a row\n").unwrap();
+    let (code, stderr) = heldout("verl@empty");
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(stderr.contains("no usable row"), "{stderr}");
 }
 
 #[test]

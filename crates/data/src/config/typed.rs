@@ -83,6 +83,18 @@ pub struct DomainSandbox {
 }
 
 impl DomainConfig {
+    /// The held-out dataset of `domain`, when `eval_dataset` names one: `name[@split]`, the split
+    /// `eval` when unnamed.
+    pub fn eval_dataset_spec(&self, domain: &str) -> Option<DatasetSpec> {
+        let spec = self.eval_dataset.as_deref()?;
+        let (name, split) = spec.split_once('@').unwrap_or((spec, "eval"));
+        Some(DatasetSpec {
+            domain: domain.to_owned(),
+            name: name.to_owned(),
+            split: Some(split.to_owned()),
+        })
+    }
+
     /// Whether the domain sets one of the `qa` task's keys (`question_field`, `answer_field`,
     /// `system_prompt_field`, `answer_marker`).
     pub fn sets_qa_keys(&self) -> bool {

@@ -305,15 +305,9 @@ pub(super) fn heldout_samples(
     served: &Served,
 ) -> Result<Vec<DataSample>, ActorError> {
     let options = config.data.domain_options.get(&served.domain);
-    let samples = match options.and_then(|d| d.eval_dataset.as_deref()) {
+    let samples = match options.and_then(|d| d.eval_dataset_spec(&served.domain)) {
         Some(spec) => {
             let key = format!("data.domains.{}.eval_dataset", served.domain);
-            let (name, split) = spec.split_once('@').unwrap_or((spec, "eval"));
-            let spec = DatasetSpec {
-                domain: served.domain.clone(),
-                name: name.to_owned(),
-                split: Some(split.to_owned()),
-            };
             let rows = GeneratedRows {
                 eval: config.eval.samples.get() as usize,
                 ..GeneratedRows::new(config.run.seed)
