@@ -4,6 +4,7 @@
 
 use crate::common;
 mod datasets;
+mod knobs;
 mod start_failures;
 
 use std::collections::HashSet;
