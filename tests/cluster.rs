@@ -38,6 +38,8 @@ use sluice_replay::{Persister, ReplayStore};
 mod configs;
 #[path = "cluster/dead_node.rs"]
 mod dead_node;
+#[path = "cluster/superseded.rs"]
+mod superseded;
 
 use configs::*;
 

@@ -1,7 +1,8 @@
 //! Node checkpoints on disk: what a restarted run resumes from, beside the replay store.
 //!
 //! Layout of `<output_dir>/checkpoint/`:
-//! - `manifest.json`: [`Manifest`] (version, step, replay counters at the time, sampler state);
+//! - `manifest.json`: [`Manifest`] (version, step, replay counters at the time, sampler state,
+//!   runtime knobs);
 //! - `trainer/`: whatever the [`sluice_core::TrainerBackend`] writes (the native trainer: HF
 //!   model, optimizer, trainer state; the simulated one: its version).
 //!
@@ -53,6 +54,11 @@ pub struct Manifest {
     pub replay: ReplayMark,
     /// The sampler's resumable state, when the sampler exposes it.
     pub sampler: Option<serde_json::Value>,
+    /// The runtime knobs and the config's values they were set against, restored on resume
+    /// by the rule of [`sluice_core::knobs::resume_knobs`]. Absent in checkpoints written
+    /// before it (a resume then starts from the config's knobs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub knobs: Option<sluice_core::KnobState>,
     /// Why it was written: `stop`, `periodic`, `request`, `done`, `trainer_error`.
     pub reason: String,
     /// Wall-clock time of the write, seconds since the Unix epoch (for operators).

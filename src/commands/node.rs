@@ -1,7 +1,9 @@
 //! `sluice run` of an engine or env node (`[node] role = "engine" | "env"`, `docs/cluster.md`):
 //! starts the node of `sluice_node::cluster::member_node` from the config, joins the head and
 //! serves until SIGINT or SIGTERM, then stops it (it leaves the head first, aborts what is in
-//! flight) and exits 0. This file says what happens; the node is the library's.
+//! flight) and exits 0. A node the head replaced (declared lost, its name taken by another live
+//! node) stops as well, and exits non-zero with the head's word. This file says what happens;
+//! the node is the library's.
 
 use std::process::ExitCode;
 
@@ -31,7 +33,8 @@ pub fn run(config: &Config, node: &NodeConfig) -> anyhow::Result<ExitCode> {
     })
 }
 
-/// Joins the head and serves until a signal; a signal while joining stops the node at once.
+/// Joins the head and serves until a signal or until the head replaces this node; a signal
+/// while joining stops the node at once.
 async fn serve(mut member: MemberNode) -> anyhow::Result<ExitCode> {
     println!(
         "sluice {} node `{}` on http://{}, joining {}",
@@ -45,10 +48,10 @@ async fn serve(mut member: MemberNode) -> anyhow::Result<ExitCode> {
         () = shutdown_signal() => None,
     };
     let result = match joined {
-        Some(Ok(())) => {
-            shutdown_signal().await;
-            Ok(())
-        }
+        Some(Ok(())) => tokio::select! {
+            () = shutdown_signal() => Ok(()),
+            superseded = member.superseded() => Err(superseded),
+        },
         Some(Err(e)) => Err(e),
         None => Ok(()),
     };

@@ -12,6 +12,7 @@ fn manifest(version: u64) -> Manifest {
             policy_version: version,
         },
         sampler: None,
+        knobs: None,
         reason: "request".into(),
         written_unix_seconds: unix_now(),
         files: BTreeMap::new(),

@@ -20,8 +20,10 @@ use crate::choice::Choice;
 
 mod assign;
 mod fields;
+mod persist;
 
 pub use fields::{gauge_names, knob_names};
+pub use persist::{KnobResumed, KnobState, resume_knobs};
 
 /// How the inference engine treats in-flight requests when new weights are published (§4.2).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]

@@ -42,6 +42,9 @@ pub use error::Error;
 pub use ids::{
     FutureVersion, GroupId, GroupIdGenerator, NodeId, PolicyVersion, RequestId, RolloutId, RunId,
 };
-pub use knobs::{AdmissionMode, KnobError, KnobPatch, Knobs, KnobsHandle, WeightUpdateMode};
+pub use knobs::{
+    AdmissionMode, KnobError, KnobPatch, KnobResumed, KnobState, Knobs, KnobsHandle,
+    WeightUpdateMode,
+};
 pub use message::{Message, Role, ToolCall, ToolSpec};
 pub use rollout::{DataSample, Rollout, RolloutGroup, RolloutStatus, RolloutTurn};

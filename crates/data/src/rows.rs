@@ -11,7 +11,8 @@ use crate::error::DataError;
 use crate::rng::{Rng, derive_seed, hash_str};
 use crate::sampler::DomainRows;
 
-/// Checkpointable position of one dataset domain.
+/// Checkpointable position of one dataset domain, with what identifies the data it is a
+/// position in: a resume applies it only to the same data (see [`DatasetRows`]).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DomainCursor {
     /// Rows in the domain when the state was taken (checked on restore).
@@ -20,6 +21,61 @@ pub struct DomainCursor {
     pub epoch: u64,
     /// Position within the current epoch's order.
     pub cursor: u64,
+    /// The domain's datasets (`domain::name[@split]`), in order. Absent in states written
+    /// before it (not compared then).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub datasets: Option<Vec<String>>,
+    /// A hash of the domain's rows (each row's id and input, in order), hex. Absent in states
+    /// written before it (not compared then).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fingerprint: Option<String>,
+}
+
+impl DomainCursor {
+    /// What changed between the data this position was taken in (`self`) and `now`'s; `None`
+    /// when nothing did, as far as both can tell.
+    fn changed_to(&self, now: &DomainCursor) -> Option<String> {
+        if let (Some(then), Some(now)) = (&self.datasets, &now.datasets)
+            && then != now
+        {
+            return Some(format!(
+                "its datasets changed ([{}] → [{}])",
+                then.join(", "),
+                now.join(", ")
+            ));
+        }
+        if self.rows != now.rows {
+            return Some(format!(
+                "its row count changed ({} → {})",
+                self.rows, now.rows
+            ));
+        }
+        if let (Some(then), Some(now)) = (&self.fingerprint, &now.fingerprint)
+            && then != now
+        {
+            return Some(format!(
+                "its rows' contents changed (same {} rows; fingerprint {then} → {now})",
+                self.rows
+            ));
+        }
+        None
+    }
+}
+
+/// FNV-1a over the domain's rows: each row's id and input, in order.
+fn fingerprint<'a>(rows: impl Iterator<Item = &'a DataSample>) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut eat = |bytes: &[u8]| {
+        for b in bytes.iter().chain([&0xff]) {
+            h = (h ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    };
+    for row in rows {
+        eat(row.id.as_bytes());
+        eat(row.input.to_string().as_bytes());
+        eat(row.system_prompt.as_deref().unwrap_or("").as_bytes());
+    }
+    format!("{h:016x}")
 }
 
 struct Domain {
@@ -32,7 +88,14 @@ struct Domain {
 
 /// The rows of datasets, grouped by domain (first-mention order). Rows within a domain are
 /// served in a shuffled order, reshuffled each epoch; the order of epoch `e` is derived from
-/// `(seed, domain, e)`, so the state is only each domain's epoch and cursor.
+/// `(seed, domain, e)`, so the state is only each domain's epoch and cursor, with what
+/// identifies the domain's data (its datasets, row count and a fingerprint of its rows).
+///
+/// A restore applies a domain's position only to the same data: a domain whose data changed
+/// since the state was taken (another dataset list, row count or row contents) starts afresh,
+/// as does a domain the state does not name (added since); a domain the state names that is no
+/// longer served is dropped. Each is said once, in a warning naming the domain and what changed.
+/// A state without datasets or fingerprint (written before them) is compared by row count alone.
 pub struct DatasetRows {
     seed: u64,
     names: Vec<String>,
@@ -58,6 +121,8 @@ impl DatasetRows {
                             rows: 0,
                             epoch: 0,
                             cursor: 0,
+                            datasets: Some(Vec::new()),
+                            fingerprint: None,
                         },
                     });
                     names.len() - 1
@@ -66,6 +131,9 @@ impl DatasetRows {
             domains[idx]
                 .rows
                 .extend((0..ds.len()).map(|r| (di as u32, r as u32)));
+            if let Some(list) = &mut domains[idx].pos.datasets {
+                list.push(ds.spec().to_string());
+            }
         }
         let mut rows = Self {
             seed,
@@ -74,7 +142,15 @@ impl DatasetRows {
             domains,
         };
         for i in 0..rows.domains.len() {
-            rows.domains[i].pos.rows = rows.domains[i].rows.len() as u64;
+            let d = &rows.domains[i];
+            let samples = d
+                .rows
+                .iter()
+                .map(|&(ds, r)| &rows.datasets[ds as usize].samples()[r as usize]);
+            let print = fingerprint(samples);
+            let d = &mut rows.domains[i];
+            d.pos.rows = d.rows.len() as u64;
+            d.pos.fingerprint = Some(print);
             rows.reshuffle(i);
         }
         rows
@@ -123,23 +199,47 @@ impl DomainRows for DatasetRows {
     }
 
     fn restore(&mut self, state: Self::State) -> Result<(), DataError> {
+        // Decided for every domain before anything changes: a refusal changes nothing.
+        let mut apply = Vec::with_capacity(self.domains.len());
         for (name, d) in self.names.iter().zip(&self.domains) {
             let Some(s) = state.get(name) else {
-                return Err(DataError::StateMismatch(format!(
-                    "domain `{name}` is missing from the state"
-                )));
+                tracing::warn!(
+                    domain = %name,
+                    "domain `{name}` is not in the checkpoint's sampler state (added since): it starts at its beginning"
+                );
+                apply.push(None);
+                continue;
             };
-            if s.rows != d.rows.len() as u64 || s.cursor > s.rows {
-                return Err(DataError::StateMismatch(format!(
-                    "domain `{name}`: state has {} rows (cursor {}), the datasets have {}",
-                    s.rows,
+            if let Some(what) = s.changed_to(&d.pos) {
+                let datasets = d.pos.datasets.clone().unwrap_or_default().join(", ");
+                tracing::warn!(
+                    domain = %name,
+                    "domain `{name}` ({datasets}): {what} since the checkpoint; its position there (epoch {}, row {} of {}) does not apply, and it starts at its beginning",
+                    s.epoch,
                     s.cursor,
-                    d.rows.len()
+                    s.rows
+                );
+                apply.push(None);
+                continue;
+            }
+            if s.cursor > s.rows {
+                return Err(DataError::StateMismatch(format!(
+                    "domain `{name}`: the state's cursor {} is past its {} rows",
+                    s.cursor, s.rows
                 )));
             }
+            apply.push(Some((s.epoch, s.cursor)));
         }
-        for i in 0..self.domains.len() {
-            self.domains[i].pos = state[&self.names[i]].clone();
+        for name in state.keys().filter(|n| !self.names.contains(n)) {
+            tracing::warn!(
+                domain = %name,
+                "domain `{name}` of the checkpoint's sampler state is no longer in data.datasets: its position is dropped (its groups already in the replay store are still trained or resumed)"
+            );
+        }
+        for (i, at) in apply.into_iter().enumerate() {
+            let (epoch, cursor) = at.unwrap_or((0, 0));
+            self.domains[i].pos.epoch = epoch;
+            self.domains[i].pos.cursor = cursor;
             self.reshuffle(i);
         }
         Ok(())
@@ -213,16 +313,17 @@ impl DomainRows for GeneratorRows {
     }
 
     fn restore(&mut self, state: Self::State) -> Result<(), DataError> {
-        let made = self
+        // A domain added since starts at its first row; one no longer served is dropped.
+        self.made = self
             .names
             .iter()
             .map(|n| {
-                state.get(n).copied().ok_or_else(|| {
-                    DataError::StateMismatch(format!("domain `{n}` is missing from the state"))
+                state.get(n).copied().unwrap_or_else(|| {
+                    tracing::warn!(domain = %n, "domain `{n}` is not in the checkpoint's sampler state (added since): it starts at its first row");
+                    0
                 })
             })
-            .collect::<Result<Vec<u64>, _>>()?;
-        self.made = made;
+            .collect();
         Ok(())
     }
 }

@@ -114,7 +114,9 @@ pub trait DomainRows: Send + 'static {
     /// The current position.
     fn state(&self) -> Self::State;
 
-    /// Continues from `state`. Refused, with nothing changed, when it does not fit.
+    /// Continues from `state`. A domain the state does not name (added since) starts afresh,
+    /// one it names that is not served any more is dropped (each said in a warning); refused,
+    /// with nothing changed, when it does not fit otherwise.
     fn restore(&mut self, state: Self::State) -> Result<(), DataError>;
 }
 
@@ -401,24 +403,19 @@ impl<R: DomainRows> MixSampler<R> {
         }
     }
 
-    /// Continues from `state`. Refused (nothing changes) when it names other domains than the
-    /// rows serve, or when the row source refuses its part.
+    /// Continues from `state`. Refused (nothing changes) when the row source refuses its
+    /// part. Domains may have come or gone since the state was taken: the row source says how
+    /// it takes them ([`DomainRows::restore`]); the completion counts of the adaptive mix carry
+    /// over for the domains in both, a domain added since starts at zero, and those of a
+    /// domain no longer served are dropped.
     pub fn restore(&mut self, state: SamplerState<R::State>) -> Result<(), DataError> {
-        let names: Vec<&String> = state.domains.keys().collect();
-        let mut ours: Vec<&String> = self.rows.domains().iter().collect();
-        ours.sort();
-        if names != ours {
-            return Err(DataError::StateMismatch(format!(
-                "state has domains {names:?}, the sampler has {ours:?}"
-            )));
-        }
         self.rows.restore(state.rows)?;
         self.rng = state.rng;
         self.counts = self
             .rows
             .domains()
             .iter()
-            .map(|d| state.domains[d])
+            .map(|d| state.domains.get(d).copied().unwrap_or_default())
             .collect();
         Ok(())
     }

@@ -121,16 +121,19 @@ fn checkpoint_restores_counters_rng_and_generators() {
     assert_eq!(a.mix_report(&mix()), b.mix_report(&mix()));
     assert_eq!(draws(&mut a, 300), draws(&mut b, 300));
 
-    // Other domains: refused, nothing changed.
+    // Other domains: those in both carry on, an added one starts at its first row, a removed
+    // one is dropped.
     let mut other = MixSampler::with_rows(
         SamplerConfig::new(8),
-        GeneratorRows::synthetic(["math".to_owned(), "code".to_owned()]),
+        GeneratorRows::synthetic(["math".to_owned(), "chat".to_owned()]),
     )
     .unwrap();
-    let before = other.state();
-    let err = other.restore(a.state()).unwrap_err();
-    assert_eq!(err.kind(), "sampler_state_mismatch");
-    assert_eq!(other.state(), before);
+    other.restore(a.state()).unwrap();
+    let (then, now) = (a.state(), other.state());
+    assert_eq!(now.rows["math"], then.rows["math"]);
+    assert_eq!(now.rows["chat"], 0);
+    assert!(!now.rows.contains_key("code"));
+    assert_eq!(now.domains["math"], then.domains["math"]);
 }
 
 #[test]

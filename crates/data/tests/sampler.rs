@@ -220,21 +220,101 @@ fn checkpoint_restores_exactly() {
     assert_eq!(a.mix_report(&mix()), b.mix_report(&mix()));
     assert_eq!(draw_ids(&mut a, 300), draw_ids(&mut b, 300));
 
-    // A state for other datasets is refused and changes nothing.
-    let mut other = DomainSampler::new(
+    // A state with a cursor past its rows (an edited checkpoint) is refused, changing nothing.
+    let mut bad = a.state();
+    bad.rows.get_mut("math").unwrap().cursor = 51;
+    let before = b.state();
+    let err = b.restore(bad).unwrap_err();
+    assert_eq!(err.kind(), "sampler_state_mismatch");
+    assert!(err.to_string().contains("domain `math`"), "{err}");
+    assert_eq!(b.state(), before);
+}
+
+/// A resume after the datasets changed: a domain whose data changed (row count, contents, or
+/// dataset list) starts afresh; unchanged domains keep their positions; an added domain starts
+/// afresh and a removed one is dropped; a state written before fingerprints is compared by
+/// row count alone. Before, a changed row count refused the resume, a changed file of the same
+/// size was resumed at the old file's position, and a domain added or removed refused it.
+#[test]
+fn a_restore_onto_changed_datasets_starts_only_the_changed_domains_afresh() {
+    let mut a = DomainSampler::new(SamplerConfig::new(9), three_domains()).unwrap();
+    draw_ids(&mut a, 150);
+    a.record_completed("code", 5);
+    let state = a.state();
+    type State = sluice_data::SamplerState<BTreeMap<String, sluice_data::DomainCursor>>;
+    let at = |s: &State, d: &str| {
+        let c: &sluice_data::DomainCursor = &s.rows[d];
+        (c.epoch, c.cursor)
+    };
+    assert!(at(&state, "math") != (0, 0) && at(&state, "code") != (0, 0));
+
+    // `math` rewritten with as many rows (other contents), `code` as it was, `tools` removed,
+    // `chat` added.
+    let mut math = dataset("math::a", 50);
+    math = Dataset::from_samples(
+        math.spec().clone(),
+        math.samples()
+            .iter()
+            .map(|s| DataSample {
+                input: serde_json::json!({ "i": s.id, "edited": true }),
+                ..s.clone()
+            })
+            .collect(),
+    );
+    let changed = vec![math, dataset("code::b", 500), dataset("chat::d", 7)];
+    let mut b = DomainSampler::new(SamplerConfig::new(9), changed.clone()).unwrap();
+    b.restore(serde_json::from_str(&serde_json::to_string(&state).unwrap()).unwrap())
+        .unwrap();
+    let now = b.state();
+    assert_eq!(at(&now, "math"), (0, 0), "changed contents: afresh");
+    assert_eq!(at(&now, "code"), at(&state, "code"), "unchanged: kept");
+    assert_eq!(at(&now, "chat"), (0, 0), "added: afresh");
+    assert!(!now.rows.contains_key("tools"), "removed: dropped");
+    assert_eq!(
+        now.domains["code"], state.domains["code"],
+        "mix counts kept"
+    );
+    assert_eq!(now.domains["chat"], Default::default());
+    assert_ne!(now.rows["math"].fingerprint, state.rows["math"].fingerprint);
+
+    // Another row count, or another dataset list, in a domain: afresh.
+    let mut c = DomainSampler::new(
         SamplerConfig::new(9),
         vec![
             dataset("math::a", 51),
-            dataset("code::b", 500),
+            dataset("code::b", 400),
+            dataset("code::e", 100),
             dataset("tools::c", 20),
         ],
     )
     .unwrap();
-    let before = other.state();
-    let err = other.restore(a.state()).unwrap_err();
-    assert_eq!(err.kind(), "sampler_state_mismatch");
-    assert!(err.to_string().contains("domain `math`"), "{err}");
-    assert_eq!(other.state(), before);
+    c.restore(state.clone()).unwrap();
+    let now = c.state();
+    assert_eq!(at(&now, "math"), (0, 0));
+    assert_eq!(at(&now, "code"), (0, 0));
+    assert_eq!(at(&now, "tools"), at(&state, "tools"));
+
+    // A state written before fingerprints (no `datasets`, no `fingerprint`): unchanged row
+    // counts keep their positions, whatever the contents; a changed count starts afresh.
+    let mut old: serde_json::Value = serde_json::to_value(&state).unwrap();
+    for cursor in old["rows"].as_object_mut().unwrap().values_mut() {
+        let cursor = cursor.as_object_mut().unwrap();
+        cursor.remove("datasets");
+        cursor.remove("fingerprint");
+    }
+    let mut d = DomainSampler::new(SamplerConfig::new(9), changed).unwrap();
+    d.restore(serde_json::from_value(old).unwrap()).unwrap();
+    let now = d.state();
+    assert_eq!(
+        at(&now, "math"),
+        at(&state, "math"),
+        "old state: treated as unchanged"
+    );
+    assert_eq!(at(&now, "code"), at(&state, "code"));
+    assert!(
+        now.rows["math"].fingerprint.is_some(),
+        "the next state carries one"
+    );
 }
 
 #[test]

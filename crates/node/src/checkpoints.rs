@@ -22,7 +22,7 @@ use std::time::Instant;
 use futures::future::BoxFuture;
 use sluice_config::FaultsConfig;
 use sluice_core::metrics as m;
-use sluice_core::{PolicyVersion, TrainerBackend};
+use sluice_core::{KnobState, Knobs, KnobsHandle, PolicyVersion, TrainerBackend};
 
 use crate::handles::NodeHandles;
 use sluice_actors::ActorError;
@@ -91,6 +91,35 @@ pub fn restore(
         manifest,
         root,
     })
+}
+
+/// Brings the live `knobs` (the config's, `config`) to the runtime values the checkpoint of
+/// `manifest` recorded, by the rule of [`sluice_core::knobs::resume_knobs`]: a knob tuned at
+/// runtime comes back unless the config's value was edited since; each decision is logged. A
+/// checkpoint without knobs (written before they were recorded) leaves the config's; values
+/// that no longer fit the run (a domain it does not serve any more) are refused with a warning,
+/// and the config's stay.
+pub fn resume_knobs(knobs: &KnobsHandle, manifest: Option<&Manifest>, config: &Knobs) {
+    let Some(saved) = manifest.and_then(|m| m.knobs.as_ref()) else {
+        return;
+    };
+    let (patch, decisions) = sluice_core::knobs::resume_knobs(saved, config);
+    for d in &decisions {
+        match d {
+            sluice_core::KnobResumed::Runtime { knob, value } => {
+                tracing::info!(knob, %value, "resumed knob: {d}")
+            }
+            sluice_core::KnobResumed::Config { knob, now, .. } => {
+                tracing::info!(knob, value = %now, "resumed knob: {d}")
+            }
+        }
+    }
+    if patch.is_empty() {
+        return;
+    }
+    if let Err(e) = knobs.update(&patch) {
+        tracing::warn!(error = %e, "the checkpoint's runtime knobs do not fit this run; the config's values stay");
+    }
 }
 
 /// Refuses a manifest whose version is not the restored trainer's: both are written from one
@@ -261,6 +290,13 @@ async fn write(h: &NodeHandles, reason: &str) -> Result<Manifest, CheckpointErro
             None
         }
     };
+    // The operator's knobs, not the graceful stop's pause.
+    let held = h
+        .knobs_before_stop
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .clone();
+    let knobs = KnobState::new(&h.config_knobs, &held.unwrap_or_else(|| h.knobs.current()));
     // Every mark is taken; before the commit makes them the resume point, the run log must
     // hold the trainer's steps (see `wait_for_log`; without a monitor logging, no wait).
     wait_for_log(h, mark.steps).await;
@@ -275,6 +311,7 @@ async fn write(h: &NodeHandles, reason: &str) -> Result<Manifest, CheckpointErro
             policy_version: counters.policy_version,
         },
         sampler,
+        knobs: Some(knobs),
         reason: reason.to_owned(),
         written_unix_seconds: unix_now(),
         files: Default::default(),
@@ -379,6 +416,7 @@ mod tests {
                 policy_version: 10,
             },
             sampler: None,
+            knobs: None,
             reason: "stop".into(),
             written_unix_seconds: 0.0,
             files: Default::default(),

@@ -50,6 +50,9 @@ pub async fn drain_and_checkpoint(h: &NodeHandles, timeout: Duration) -> StopRep
         checkpoint_dir: h.checkpoint_dir.as_ref().map(|d| d.root().to_owned()),
         ..StopReport::default()
     };
+    *h.knobs_before_stop
+        .lock()
+        .unwrap_or_else(|p| p.into_inner()) = Some(h.knobs.current());
     let pause = KnobPatch {
         paused: Some(true),
         ..KnobPatch::default()

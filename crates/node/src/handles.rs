@@ -100,6 +100,12 @@ pub struct NodeHandles {
     pub(crate) checkpoint_failure: Arc<std::sync::Mutex<Option<String>>>,
     /// The node's resolved config (secrets redacted), written beside each checkpoint.
     pub(crate) config_toml: Arc<str>,
+    /// The config's knob values: each checkpoint records the live knobs against them
+    /// ([`sluice_core::KnobState`]), so a resume knows which were tuned at runtime.
+    pub(crate) config_knobs: Arc<Knobs>,
+    /// The live knobs as the graceful stop found them, before it paused admission: the
+    /// stop's own pause is not the operator's, and its checkpoint records these.
+    pub(crate) knobs_before_stop: Arc<std::sync::Mutex<Option<Knobs>>>,
 }
 
 /// The newest evaluation, as `/v1/status` shows it.

@@ -313,3 +313,68 @@ fn assignment_values_are_read_by_the_field_type() {
         assert_eq!(err.to_string(), *expected, "input {input}");
     }
 }
+
+/// A knob tuned at runtime comes back on resume while the config's value is as it was; once
+/// the config's value was edited, the config wins; untuned knobs follow the config; knobs a
+/// checkpoint does not name are left to the config.
+#[test]
+fn a_resume_keeps_runtime_knobs_unless_the_config_changed_since() {
+    let config = knobs();
+    let mut runtime = knobs();
+    runtime.staleness_threshold = 0.5;
+    runtime.enable_partial_rollout = false;
+    runtime.domain_mix.insert("math".into(), 3.0);
+    let saved = KnobState::new(&config, &runtime);
+
+    // The same config: every tuned knob comes back.
+    let (patch, decisions) = resume_knobs(&saved, &config);
+    let next = patch.apply(&config, 8, &domains()).unwrap();
+    assert_eq!(next, runtime);
+    assert_eq!(decisions.len(), 3, "{decisions:?}");
+    assert!(
+        decisions
+            .iter()
+            .all(|d| matches!(d, KnobResumed::Runtime { .. }))
+    );
+
+    // The file edited since for one tuned knob and one untuned one.
+    let mut edited = knobs();
+    edited.staleness_threshold = 0.25;
+    edited.max_version_lag = 2;
+    let (patch, decisions) = resume_knobs(&saved, &edited);
+    let next = patch.apply(&edited, 8, &domains()).unwrap();
+    assert_eq!(next.staleness_threshold, 0.25, "the edited config wins");
+    assert_eq!(
+        next.max_version_lag, 2,
+        "an untuned knob follows the config"
+    );
+    assert!(
+        !next.enable_partial_rollout,
+        "an unedited tuned knob comes back"
+    );
+    assert_eq!(next.domain_mix["math"], 3.0);
+    let said: Vec<String> = decisions.iter().map(ToString::to_string).collect();
+    assert!(
+        said.contains(&"staleness_threshold = 0.25: the config's value, edited since (0.0 → 0.25), wins over the value 0.5 set at runtime before the restart".to_owned()),
+        "{said:?}"
+    );
+    assert!(
+        said.contains(&"enable_partial_rollout = false: the value set at runtime before the restart (the config's is unchanged)".to_owned()),
+        "{said:?}"
+    );
+
+    // A checkpoint that names only some knobs (written by another version): the rest stay.
+    let mut partial = saved.clone();
+    partial.runtime.retain(|k, _| k == "enable_partial_rollout");
+    let (patch, _) = resume_knobs(&partial, &config);
+    let next = patch.apply(&config, 8, &domains()).unwrap();
+    assert_eq!(next.staleness_threshold, 0.0);
+    assert!(!next.enable_partial_rollout);
+    // A value that no longer reads as its knob is left to the config.
+    let mut odd = saved;
+    odd.runtime
+        .insert("max_version_lag".into(), serde_json::json!("two"));
+    let (patch, _) = resume_knobs(&odd, &config);
+    assert_eq!(patch.max_version_lag, None);
+    assert_eq!(patch.staleness_threshold, Some(0.5));
+}

@@ -1,8 +1,8 @@
 //! The run's resolved config beside each checkpoint (`config.toml`, secrets redacted, summed
 //! with the other files), and what a resume changed in it. A resume may change the config on
 //! purpose (more steps, another learning rate), but a changed dataset, task, seed or model is
-//! easy to pass by mistake and trains on silently (the checkpoint's sampler position is applied
-//! to the new data): every changed key is said when the run resumes.
+//! easy to pass by mistake: every changed key is said when the run resumes. (A domain whose
+//! data changed starts its sampler position afresh: `sluice_data::DatasetRows`.)
 
 use std::collections::BTreeMap;
 use std::path::Path;

@@ -4,7 +4,8 @@
 //! token ([`MemberNode::join`]: an env node advertises the tasks it serves), heartbeating with
 //! its load until [`MemberNode::stop`], which leaves the head first (so no new work is routed
 //! to it), then aborts what is in flight (each request answers with its partial) and stops the
-//! server.
+//! server. A node the head replaced (declared lost, its name given to another live node) learns
+//! it from [`MemberNode::superseded`], and its owner stops it.
 //!
 //! An engine node shares no disk with the head: it starts on its own copy of the model
 //! (`model.path`, created from `model.init_preset` when absent) for the architecture and the
@@ -263,6 +264,18 @@ impl MemberNode {
             };
             self.membership = Some(member::join(params).await?);
             Ok(())
+        })
+    }
+
+    /// Resolves when the head has given this node's name to another live node (see
+    /// [`Membership::superseded`]): the node serves no one any more and should be stopped.
+    /// Pending before [`MemberNode::join`] and for as long as the membership holds.
+    pub fn superseded(&mut self) -> BoxFuture<'_, MemberNodeError> {
+        Box::pin(async move {
+            match self.membership.as_mut() {
+                Some(m) => MemberNodeError::Join(m.superseded().await),
+                None => std::future::pending().await,
+            }
         })
     }
 

@@ -135,6 +135,7 @@ impl Node {
             manifest: p.manifest.clone(),
             started_at: p.started_at,
             config_toml: p.config_toml,
+            config_knobs: Arc::new(config.rollout.knobs.clone()),
         };
         let handles = handles(core, feeds, p.knobs, events, stores)?;
         *stage = Stage::Servers;
@@ -239,6 +240,7 @@ fn prepare(
         manifest,
         root,
     } = checkpoints::restore(trainer, checkpoint_dir.as_ref(), resumed, &config.faults)?;
+    checkpoints::resume_knobs(&knobs, manifest.as_ref(), &config.rollout.knobs);
     let config_toml: Arc<str> = config.to_toml().into();
     if let (Some(root), Some(m)) = (&root, &manifest)
         && let Some(changed) = checkpoints::config_changes(root, &config_toml)
@@ -277,6 +279,7 @@ struct Stores {
     manifest: Option<Manifest>,
     started_at: Instant,
     config_toml: Arc<str>,
+    config_knobs: Arc<sluice_core::Knobs>,
 }
 
 /// The node's typed handles, cloned from the stages' guards.
@@ -292,6 +295,7 @@ fn handles(
         manifest,
         started_at,
         config_toml,
+        config_knobs,
     } = stores;
     let missing = || ActorError::Setup("a stage's guard lacks an actor it started".into());
     Ok(NodeHandles {
@@ -310,5 +314,7 @@ fn handles(
         evaluation: Arc::default(),
         checkpoint_failure: Arc::default(),
         config_toml,
+        config_knobs,
+        knobs_before_stop: Arc::default(),
     })
 }

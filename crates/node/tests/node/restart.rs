@@ -3,6 +3,8 @@
 //! fails half-way leaves nothing running to restart over ([`start_failures`]).
 
 use crate::common;
+mod datasets;
+mod knobs;
 mod start_failures;
 
 use std::collections::HashSet;
