@@ -16,8 +16,14 @@ the reward. Point a domain at it and keep your function as it is:
     task = "verl"                   # the one task this server serves
 
 Without --reward-file, a GSM8K-style check scores the reply: 1 when the number after its last
-`####` equals `reward_model.ground_truth`, else 0. With $SLUICE_ENV_TOKEN set, every call must
-carry `Authorization: Bearer <token>`, as Sluice's own env server requires beyond loopback.
+`####` equals `reward_model.ground_truth` as a number, else 0. With $SLUICE_ENV_TOKEN set,
+every call must carry `Authorization: Bearer <token>`, as Sluice's own env server requires
+beyond loopback.
+
+A row without its prompt or its answer field fails its episode (`env_bad_input`, naming the
+field) rather than scoring 0, so a mistyped --answer-key stops a run instead of training it on
+zeros. At most 10,000 episodes stay open: an episode its caller abandoned (a run that crashed
+before deleting it) is dropped, oldest first.
 """
 
 import argparse
@@ -32,6 +38,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 TASK = "verl"
 MAX_BODY = 2 * 1024 * 1024
+MAX_OPEN = 10_000
 
 
 def gsm8k_score(data_source, solution_str, ground_truth, extra_info=None):
@@ -39,7 +46,11 @@ def gsm8k_score(data_source, solution_str, ground_truth, extra_info=None):
     found = re.findall(r"####\s*(-?[\d,]*\.?\d+)", solution_str or "")
     if not found:
         return 0.0
-    return 1.0 if found[-1].replace(",", "") == str(ground_truth).replace(",", "").strip() else 0.0
+    answer, truth = found[-1].replace(",", ""), str(ground_truth).replace(",", "").strip()
+    try:
+        return 1.0 if abs(float(answer) - float(truth)) <= 1e-9 * max(1.0, abs(float(truth))) else 0.0
+    except ValueError:  # a ground truth that is not a number: compare the text
+        return 1.0 if answer == truth else 0.0
 
 
 def load_reward(path, name):
@@ -83,6 +94,8 @@ class Envs:
         if not isinstance(sample, dict) or not isinstance(sample.get("input"), dict):
             raise ProtocolError(400, "bad_request", "expected {task, sample} with an object input")
         with self.lock:
+            while len(self.open) >= MAX_OPEN:  # abandoned episodes go first (oldest first)
+                self.open.pop(next(iter(self.open)))
             env_id = f"e{next(self.ids)}"
             self.open[env_id] = {"sample": sample, "state": "new"}
         return 201, {"env_id": env_id}
@@ -99,13 +112,24 @@ class Envs:
         if env["state"] != "new":
             raise ProtocolError(409, "env_protocol", "init once, before any step")
         row = env["sample"]["input"]
+        sample_id = env["sample"].get("id")
         prompt = field(row, self.prompt_key)
         if isinstance(prompt, str):
             messages = [{"role": "user", "content": prompt}]
-        elif isinstance(prompt, list) and prompt:
-            messages = [{"role": m.get("role"), "content": m.get("content")} for m in prompt]
+        elif isinstance(prompt, list) and prompt and all(
+            isinstance(m, dict) and m.get("role") in ("system", "user", "assistant")
+            and isinstance(m.get("content"), str) for m in prompt
+        ) and prompt[-1]["role"] == "user":
+            messages = [{"role": m["role"], "content": m["content"]} for m in prompt]
         else:
-            raise ProtocolError(400, "env_bad_input", f"sample `{env['sample'].get('id')}` has no `{self.prompt_key}`")
+            raise ProtocolError(
+                400,
+                "env_bad_input",
+                f"sample `{sample_id}`: `{self.prompt_key}` must be a string or chat messages "
+                "(system, user, assistant; text content) ending with the user's",
+            )
+        if field(row, self.answer_key) is None:
+            raise ProtocolError(400, "env_bad_input", f"sample `{sample_id}` has no `{self.answer_key}`")
         env["state"] = "open"
         return 200, {"messages": messages}
 
@@ -165,6 +189,8 @@ def handler(envs, token):
                     body = json.loads(raw) if raw else {}
                 except ValueError:
                     raise ProtocolError(400, "bad_request", "the body is not JSON")
+                if not isinstance(body, dict):
+                    raise ProtocolError(400, "bad_request", "the body is not a JSON object")
                 parts = [p for p in self.path.split("/") if p]
                 if method == "GET" and parts == ["v1", "health"]:
                     return self.reply(200, {"status": "ok", "envs": len(envs.open)})

@@ -232,6 +232,33 @@ fn a_verl_reward_function_serves_a_run_from_the_example_server() {
     );
     let again = answer(&addr, &id, "#### 7");
     assert!(again.starts_with("HTTP/1.1 409"), "{again}");
+    // A row without its answer, or whose prompt is not chat messages, fails its episode by
+    // name (a mistyped --answer-key must not train a run on zeros); a body that is not an
+    // object is refused.
+    let open_with = |input: serde_json::Value| {
+        let row = serde_json::json!({"task": "verl", "sample": {"id": "9", "input": input}});
+        let created = post(&addr, "/v1/envs", &row.to_string());
+        let id = created
+            .split(r#""env_id": ""#)
+            .nth(1)
+            .and_then(|rest| rest.split('"').next())
+            .unwrap()
+            .to_owned();
+        post(&addr, &format!("/v1/envs/{id}/init"), "{}")
+    };
+    let no_answer = open_with(serde_json::json!({"prompt": "3 + 4?"}));
+    assert!(
+        no_answer.starts_with("HTTP/1.1 400") && no_answer.contains("reward_model.ground_truth"),
+        "{no_answer}"
+    );
+    let odd_prompt =
+        open_with(serde_json::json!({"prompt": ["3 + 4?"], "reward_model": {"ground_truth": "7"}}));
+    assert!(
+        odd_prompt.starts_with("HTTP/1.1 400") && odd_prompt.contains("env_bad_input"),
+        "{odd_prompt}"
+    );
+    let list = post(&addr, "/v1/envs", "[1, 2]");
+    assert!(list.starts_with("HTTP/1.1 400"), "{list}");
 
     let (config, data_dir) = runs::verl_tiny_config();
     let sets = [

@@ -122,6 +122,18 @@ impl Config {
                 "trainer.loss = \"gspo\" with clip_low = {lo}, clip_high = {hi} and rollout.max_version_lag = {eta}: a text sampled by weights a version or more behind has a geometric-mean ratio beyond that range, so many texts are clipped whole (49 % a step on SmolLM2 at the paper's 3e-4 / 4e-4, whose held-out accuracy went 7.8 → 9.4 % in 20 steps where PPO's went to 21.9 %; docs/trainer.md); widen both to {GSPO_OFF_POLICY_CLIP} or more, or set rollout.max_version_lag = 0"
             ));
         }
+        if self.rollout.group_size.get() == 1 {
+            notes.push(format!(
+                "rollout.group_size = 1 with trainer.advantage = \"{}\": every advantage is relative to its group's other rollouts, so with one a group every advantage is 0 and the policy gradient is nothing (the zero-advantage filter drops every group); sample several rollouts a prompt (8 or 16 is usual)",
+                self.trainer.advantage
+            ));
+        }
+        if self.trainer.dual_clip > 0.0 && self.trainer.loss == LossKind::Tis {
+            notes.push(format!(
+                "trainer.dual_clip = {} with loss = \"tis\": the dual clip bounds a clipped ratio's term, and tis clips none (its weights are capped by trainer.is_cap), so it changes nothing",
+                self.trainer.dual_clip
+            ));
+        }
         let lag = self.engine.prefix_cache_version_lag;
         if lag > 0 && !self.engine.prefix_caching {
             notes.push(format!(

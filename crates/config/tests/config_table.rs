@@ -209,6 +209,22 @@ fn minibatches_default_follows_the_loss_and_unsound_settings_are_advised() {
 }
 
 #[test]
+fn one_rollout_a_group_and_a_dual_clip_under_tis_are_advised_against() {
+    let with = |sets: &[&str]| parse("", sets).unwrap().advisories();
+    let single = with(&["rollout.group_size=1", "trainer.advantage=\"rloo\""]);
+    assert_eq!(single.len(), 1, "{single:?}");
+    assert!(
+        single[0].starts_with("rollout.group_size = 1 with trainer.advantage = \"rloo\": ")
+            && single[0].contains("every advantage is 0"),
+        "{single:?}"
+    );
+    let tis = with(&["trainer.loss=\"tis\"", "trainer.dual_clip=3"]);
+    assert_eq!(tis.len(), 1, "{tis:?}");
+    assert!(tis[0].contains("changes nothing"), "{tis:?}");
+    assert!(with(&["trainer.loss=\"ppo\"", "trainer.dual_clip=3"]).is_empty());
+}
+
+#[test]
 fn a_prefix_version_lag_outside_in_flight_updates_is_advised_against() {
     let with = |sets: &[&str]| parse("", sets).unwrap().advisories();
     assert!(

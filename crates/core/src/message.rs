@@ -41,8 +41,13 @@ pub struct Message {
     /// `content` as reasoning-model APIs do.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reasoning_content: Option<String>,
-    /// Tool calls made by an assistant message.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    /// Tool calls made by an assistant message (`null` reads as none, as OpenAI's clients
+    /// write a message without calls).
+    #[serde(
+        default,
+        skip_serializing_if = "Vec::is_empty",
+        deserialize_with = "null_as_default"
+    )]
     pub tool_calls: Vec<ToolCall>,
     /// For `role = tool`: the id of the call this message answers.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -149,10 +154,24 @@ mod tests {
         assert_eq!(m.content, None);
         assert_eq!(m.tool_calls[0].function.name, "calc");
         assert_eq!(serde_json::to_string(&m).unwrap(), json);
+        // As OpenAI's Python client dumps a message without calls.
+        let dumped = r#"{"role":"assistant","content":"4","tool_calls":null,"name":null}"#;
+        let m: Message = serde_json::from_str(dumped).unwrap();
+        assert!(m.tool_calls.is_empty());
         let tool = Message::tool("c1", "2");
         assert_eq!(
             serde_json::to_value(&tool).unwrap(),
             serde_json::json!({"role":"tool","content":"2","tool_call_id":"c1"})
         );
     }
+}
+
+/// Deserializes `null` as the type's default: OpenAI's clients write absent lists as `null`
+/// (`"tool_calls": null` on a message without calls).
+pub fn null_as_default<'de, D, T>(deserializer: D) -> Result<T, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Default + serde::Deserialize<'de>,
+{
+    Ok(Option::<T>::deserialize(deserializer)?.unwrap_or_default())
 }

@@ -211,9 +211,14 @@ fn number(n: impl Into<serde_json::Number>, budget: &mut Budget) -> Result<Value
     Ok(Value::Number(n.into()))
 }
 
-/// The reader's error, with what to do about a codec this build leaves out.
+/// The reader's error (its first 300 characters: it may list a whole value's bytes), with what
+/// to do about a codec this build leaves out.
 fn explain(e: &parquet::errors::ParquetError) -> String {
-    let text = e.to_string();
+    let full = e.to_string();
+    let mut text: String = full.chars().take(300).collect();
+    if text.len() < full.len() {
+        text.push('…');
+    }
     if text.contains("Disabled feature") || text.contains("not supported") {
         format!(
             "{text} (Sluice reads Parquet pages compressed with snappy, gzip or LZ4: rewrite the file with one of them, e.g. pyarrow's default)"

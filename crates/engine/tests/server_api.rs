@@ -120,9 +120,12 @@ async fn stop_strings_cut_the_text() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chat_with_logprobs_and_streaming() {
     let s = serve_tiny().await;
+    // History as OpenAI's Python client dumps its replies: `tool_calls` and `name` null.
     let body = json!({
         "model": "tiny",
-        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"},
+                     {"role": "assistant", "content": "Hi.", "tool_calls": null, "name": null},
+                     {"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
         "max_tokens": 6, "temperature": 0, "logprobs": true, "top_logprobs": 3, "ignore_eos": true,
         "tools": [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}],
     });

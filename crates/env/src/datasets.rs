@@ -60,8 +60,9 @@ pub fn load_dataset(
     }
     let task = registry.get(&spec.name).map_err(|_| {
         EnvError::Config(format!(
-            "dataset `{spec}`: no file {} and no registered task `{}` that generates data",
+            "dataset `{spec}`: no file {} (nor {}) and no registered task `{}` that generates data",
             path.display(),
+            path.with_extension("parquet").display(),
             spec.name
         ))
     })?;

@@ -74,6 +74,21 @@ pub fn sample_field<'a>(input: &'a serde_json::Value, path: &str) -> Option<&'a 
     path.split('.').try_fold(input, |v, key| v.get(key))
 }
 
+/// How much of a value an error quotes.
+const EXCERPT_CHARS: usize = 120;
+
+/// `value` as JSON for an error message: its first [`EXCERPT_CHARS`] characters, with `…` and
+/// the whole length when cut (a 10 MB field must not become a 10 MB log line).
+pub fn excerpt(value: &serde_json::Value) -> String {
+    let text = value.to_string();
+    let chars = text.chars().count();
+    if chars <= EXCERPT_CHARS {
+        return text;
+    }
+    let cut: String = text.chars().take(EXCERPT_CHARS).collect();
+    format!("{cut}… ({chars} characters)")
+}
+
 /// The reference answer of `input`'s sample: its `field` as text (a number is written out).
 pub fn reference_text(input: &ScoreInput, field: &str) -> Result<String, String> {
     let id = &input.sample.id;
@@ -81,7 +96,8 @@ pub fn reference_text(input: &ScoreInput, field: &str) -> Result<String, String>
         Some(serde_json::Value::String(s)) => Ok(s.clone()),
         Some(serde_json::Value::Number(n)) => Ok(answer::number_text(n)),
         Some(other) => Err(format!(
-            "sample `{id}`: the reference answer `{field}` must be a string or a number, got {other}"
+            "sample `{id}`: the reference answer `{field}` must be a string or a number, got {}",
+            excerpt(other)
         )),
         None => Err(format!(
             "sample `{id}` has no reference answer field `{field}`"

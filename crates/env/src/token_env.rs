@@ -193,10 +193,10 @@ impl std::fmt::Debug for TokenEnv {
 
 /// The messages an episode opens with: the env's opening `messages`, after `system_prompt`
 /// (the row's, the domain's or the task's) unless it is empty or the env opens with a system
-/// message of its own.
+/// message of its own (anywhere among them: a second system block would contradict it).
 pub fn opening_messages(system_prompt: Option<&str>, messages: Vec<Message>) -> Vec<Message> {
-    let starts_with_system = messages.first().is_some_and(|m| m.role == Role::System);
-    let prompt = system_prompt.filter(|p| !p.is_empty() && !starts_with_system);
+    let has_system = messages.iter().any(|m| m.role == Role::System);
+    let prompt = system_prompt.filter(|p| !p.is_empty() && !has_system);
     prompt
         .map(Message::system)
         .into_iter()

@@ -60,7 +60,7 @@ struct WireMessage {
     content: Option<Value>,
     #[serde(default)]
     reasoning_content: Option<String>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "sluice_core::message::null_as_default")]
     tool_calls: Vec<WireToolCall>,
     #[serde(default)]
     tool_call_id: Option<String>,

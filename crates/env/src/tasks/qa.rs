@@ -104,8 +104,9 @@ fn text_field(sample: &DataSample, key: &str) -> Result<Option<String>, EnvError
         None | Some(Value::Null) => Ok(None),
         Some(Value::String(s)) => Ok(Some(s.clone())),
         Some(other) => Err(EnvError::BadInput(format!(
-            "sample `{}`: `{key}` must be a string, got {other}",
-            sample.id
+            "sample `{}`: `{key}` must be a string, got {}",
+            sample.id,
+            crate::reward_fns::excerpt(other)
         ))),
     }
 }
@@ -140,7 +141,8 @@ fn question(sample: &DataSample, key: &str) -> Result<Vec<Message>, EnvError> {
             }
         }
         Some(other) => Err(bad(format!(
-            "must be a string or a list of messages, got {other}"
+            "must be a string or a list of messages, got {}",
+            crate::reward_fns::excerpt(other)
         ))),
     }
 }

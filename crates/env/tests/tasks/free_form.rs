@@ -292,6 +292,16 @@ async fn qa_reads_verl_rows_as_they_are() {
         prompt[0].content.as_deref(),
         Some("You are a careful tutor.")
     );
+    // A system message later among them wins too: no second system block is put first.
+    let mid_system = row(serde_json::json!([
+        {"role": "user", "content": "Hi."},
+        {"role": "system", "content": "Answer in one line."},
+        {"role": "user", "content": question}
+    ]));
+    let r = play(&task, &mid_system, &["#### 72"]).await;
+    let roles: Vec<_> = r.turns[0].prompt_messages.iter().map(|m| m.role).collect();
+    use sluice_core::Role;
+    assert_eq!(roles, [Role::User, Role::System, Role::User]);
 
     // A rubric's generic answer check reads the dotted path too.
     let with_rubric = DataConfig {
