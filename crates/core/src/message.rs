@@ -142,6 +142,16 @@ pub struct FunctionSpec {
     pub parameters: serde_json::Value,
 }
 
+/// Deserializes `null` as the type's default: OpenAI's clients write absent lists as `null`
+/// (`"tool_calls": null` on a message without calls).
+pub fn null_as_default<'de, D, T>(deserializer: D) -> Result<T, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Default + serde::Deserialize<'de>,
+{
+    Ok(Option::<T>::deserialize(deserializer)?.unwrap_or_default())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -164,14 +174,4 @@ mod tests {
             serde_json::json!({"role":"tool","content":"2","tool_call_id":"c1"})
         );
     }
-}
-
-/// Deserializes `null` as the type's default: OpenAI's clients write absent lists as `null`
-/// (`"tool_calls": null` on a message without calls).
-pub fn null_as_default<'de, D, T>(deserializer: D) -> Result<T, D::Error>
-where
-    D: serde::Deserializer<'de>,
-    T: Default + serde::Deserialize<'de>,
-{
-    Ok(Option::<T>::deserialize(deserializer)?.unwrap_or_default())
 }
