@@ -330,6 +330,14 @@ fn data_shows_rows_as_the_tasks_open_them() {
         row["error"].as_str().unwrap().contains("over the run's 3"),
         "{row}"
     );
+    // A turn budget the context cannot hold leaves no prompt room at all: said as such.
+    let out = first_row(&["rollout.max_new_tokens=100000"]);
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("rollout.max_new_tokens") && stderr.contains("leaves no room for a prompt"),
+        "{stderr}"
+    );
 
     // The held-out sets a run loads when it starts are loaded too: a missing one, or one with no
     // usable row, fails here rather than at the run's start.

@@ -102,6 +102,9 @@ fn prompt_limit(config: &Config) -> anyhow::Result<Option<(ModelRenderer, usize)
         return Ok(None);
     }
     let model = sluice_model::ModelConfig::from_file(&model_config)?;
+    config
+        .check_turn_budget(model.max_position_embeddings)
+        .map_err(anyhow::Error::msg)?;
     let renderer = sluice_node::native::setup::model_renderer(config)?;
     Ok(Some((
         renderer,

@@ -65,6 +65,18 @@ impl Config {
             .fold(self.rollout.max_new_tokens, NonZeroU32::max)
     }
 
+    /// Whether the largest turn budget leaves room for a prompt in a `context`-token window; the
+    /// refusal names the keys (every episode would otherwise end `prompt_too_long`).
+    pub fn check_turn_budget(&self, context: usize) -> Result<(), String> {
+        let turn = self.largest_turn_tokens().get() as usize;
+        if turn < context {
+            return Ok(());
+        }
+        Err(format!(
+            "rollout.max_new_tokens: a turn budget of {turn} tokens (the largest of rollout.max_new_tokens and the domains' max_new_tokens) leaves no room for a prompt in the model's {context}-token context (max_position_embeddings): every episode would end prompt_too_long; set it below {context}"
+        ))
+    }
+
     /// The longest prompt a run sends for a model with a `context`-token window: the largest turn
     /// budget (`rollout.max_new_tokens`, or a domain's own when larger) must still fit, and
     /// `rollout.max_prompt_tokens`, when set, lowers the bound further (longer prompts end the

@@ -106,6 +106,9 @@ impl NativeSetup {
             },
         )
         .map_err(|e| setup_err(format!("loading {}: {e}", dir.display())))?;
+        config
+            .check_turn_budget(weights.config().max_position_embeddings)
+            .map_err(setup_err)?;
         Ok(Self {
             model_dir,
             tokenizer,
