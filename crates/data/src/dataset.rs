@@ -394,12 +394,20 @@ fn object_row(value: Value, line_no: usize) -> Result<Row, String> {
     let id = match obj.remove("id") {
         None | Some(Value::Null) => line_no.to_string(),
         Some(Value::String(s)) => s,
-        Some(Value::Number(n)) => n.to_string(),
+        Some(Value::Number(n)) if n.is_i64() || n.is_u64() => n.to_string(),
+        // pandas writes an integer column with a gap as floats (`3.0`): the integer it holds.
+        Some(Value::Number(n))
+            if n.as_f64()
+                .is_some_and(|f| f.fract() == 0.0 && f.abs() < 9e15) =>
+        {
+            format!("{}", n.as_f64().unwrap_or_default() as i64)
+        }
         Some(other) => {
-            return Err(format!(
-                "`id` must be a string or an integer, got {}",
-                json_kind(&other)
-            ));
+            let got = match &other {
+                Value::Number(n) => n.to_string(),
+                v => json_kind(v).to_owned(),
+            };
+            return Err(format!("`id` must be a string or an integer, got {got}"));
         }
     };
     let system_prompt = match obj.remove("system_prompt") {
@@ -487,6 +495,22 @@ mod tests {
             serde_json::json!({"question": "2+2", "answer": 4})
         );
         assert_eq!(s[2].id, "17");
+
+        // pandas' floats for an integer column with a gap are their integers; 1.5 is no id.
+        let ds = Dataset::parse(
+            "{\"id\": 3.0, \"q\": 1}\n{\"id\": 1.5, \"q\": 2}\n",
+            Path::new("f.jsonl"),
+            &spec("math::toy@train"),
+            BadLinePolicy::Skip,
+        )
+        .unwrap();
+        assert_eq!(ds.samples()[0].id, "3");
+        assert_eq!(ds.len(), 1);
+        assert!(
+            ds.bad_lines()[0].reason.contains("got 1.5"),
+            "{:?}",
+            ds.bad_lines()
+        );
     }
 
     #[test]
