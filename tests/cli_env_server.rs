@@ -143,17 +143,24 @@ fn post(addr: &str, path: &str, body: &str) -> String {
     out
 }
 
+/// The `env_id` of a create call's answer (Sluice's server writes no space after the colon,
+/// Python's `json.dumps` one).
+fn env_id_of(created: &str) -> String {
+    created
+        .split(r#""env_id":"#)
+        .nth(1)
+        .and_then(|rest| rest.trim_start().strip_prefix('"'))
+        .and_then(|rest| rest.split('"').next())
+        .unwrap_or_else(|| panic!("no env_id in {created}"))
+        .to_owned()
+}
+
 /// Creates and opens a `python_code` env; its id.
 fn open_code_env(addr: &str) -> String {
     let sample = r#"{"task":"python_code","sample":{"id":"c","domain":"code","dataset":"python_code","input":{"problem":"Print 6 times 7.","expected_output":"42"}}}"#;
     let created = post(addr, "/v1/envs", sample);
     assert!(created.starts_with("HTTP/1.1 201"), "{created}");
-    let id = created
-        .split(r#""env_id":""#)
-        .nth(1)
-        .and_then(|rest| rest.split('"').next())
-        .unwrap()
-        .to_owned();
+    let id = env_id_of(&created);
     let init = post(addr, &format!("/v1/envs/{id}/init"), "{}");
     assert!(init.starts_with("HTTP/1.1 200"), "{init}");
     id
@@ -217,12 +224,7 @@ fn a_verl_reward_function_serves_a_run_from_the_example_server() {
         "reward_model": {"style": "rule", "ground_truth": "7"}}}});
     let created = post(&addr, "/v1/envs", &row.to_string());
     assert!(created.starts_with("HTTP/1.1 201"), "{created}");
-    let id = created
-        .split(r#""env_id": ""#)
-        .nth(1)
-        .and_then(|rest| rest.split('"').next())
-        .unwrap()
-        .to_owned();
+    let id = env_id_of(&created);
     let init = post(&addr, &format!("/v1/envs/{id}/init"), "{}");
     assert!(init.contains(r#""content": "3 + 4?""#), "{init}");
     let step = answer(&addr, &id, "3 + 4 = 7\n#### 7");
@@ -237,13 +239,7 @@ fn a_verl_reward_function_serves_a_run_from_the_example_server() {
     // object is refused.
     let open_with = |input: serde_json::Value| {
         let row = serde_json::json!({"task": "verl", "sample": {"id": "9", "input": input}});
-        let created = post(&addr, "/v1/envs", &row.to_string());
-        let id = created
-            .split(r#""env_id": ""#)
-            .nth(1)
-            .and_then(|rest| rest.split('"').next())
-            .unwrap()
-            .to_owned();
+        let id = env_id_of(&post(&addr, "/v1/envs", &row.to_string()));
         post(&addr, &format!("/v1/envs/{id}/init"), "{}")
     };
     let no_answer = open_with(serde_json::json!({"prompt": "3 + 4?"}));

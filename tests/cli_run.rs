@@ -406,14 +406,8 @@ fn quickstart_steps(sets: &[&str]) -> Vec<serde_json::Value> {
 #[test]
 fn a_verl_parquet_dataset_trains_through_the_binary() {
     let dir = tempfile::tempdir().unwrap();
-    let (config, data_dir) = runs::verl_tiny_config();
-    let sets = [
-        data_dir,
-        "data.domains.gsm8k.task=\"qa\"".to_owned(),
-        "data.domains.gsm8k.question_field=\"prompt\"".to_owned(),
-        "data.domains.gsm8k.answer_field=\"reward_model.ground_truth\"".to_owned(),
-    ];
-    let steps = runs::run_records(config, dir.path(), &sets);
+    let (config, _) = runs::verl_tiny_config();
+    let steps = runs::run_records(config, dir.path(), &runs::verl_qa_sets());
     assert_eq!(steps.last().unwrap()["policy_version"], 2, "{steps:?}");
     // The qa rubric scored the replies that ended against the Parquet rows' answers (a reply cut
     // at the token limit scores 0 without them).

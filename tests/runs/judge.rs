@@ -78,15 +78,12 @@ fn serve(stream: std::net::TcpStream, answer: &str, bodies: &Mutex<Vec<Value>>) 
 fn a_judge_model_scores_every_reply_of_a_run() {
     let (url, seen) = stub_judge("The reply does not add up.\nScore: 7");
     let dir = tempfile::tempdir().unwrap();
-    let (config, data_dir) = runs::verl_tiny_config();
-    let sets = [
-        data_dir,
-        "data.domains.gsm8k.task=\"qa\"".to_owned(),
-        "data.domains.gsm8k.question_field=\"prompt\"".to_owned(),
-        "data.domains.gsm8k.answer_field=\"reward_model.ground_truth\"".to_owned(),
+    let (config, _) = runs::verl_tiny_config();
+    let mut sets = runs::verl_qa_sets();
+    sets.extend([
         "data.domains.gsm8k.rubric.weights={ judge = 1.0 }".to_owned(),
         format!("data.domains.gsm8k.rubric.judge={{ url = \"{url}\", model = \"grader\" }}"),
-    ];
+    ]);
     let steps = runs::run_records(config, dir.path(), &sets);
     assert_eq!(steps.last().unwrap()["policy_version"], 2, "{steps:?}");
     let judged: Vec<f64> = steps

@@ -1,6 +1,9 @@
 //! `sluice run` on a config, as the tests that train through the binary run it: into a
 //! directory of their own (model, run output), no Prometheus endpoint, an admin port of its own;
-//! the run must succeed, and its `metrics.jsonl` records are returned.
+//! the run must succeed, and its `metrics.jsonl` records are returned. Shared by several test
+//! binaries, each using part of it.
+
+#![allow(dead_code)]
 
 use std::path::Path;
 use std::process::Command;
@@ -17,6 +20,17 @@ pub fn verl_tiny_config() -> (&'static str, String) {
             concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data")
         ),
     )
+}
+
+/// [`verl_tiny_config`]'s data directory and the `qa` task reading verl's columns (`prompt`
+/// messages, `reward_model.ground_truth`), as `--set`s.
+pub fn verl_qa_sets() -> Vec<String> {
+    vec![
+        verl_tiny_config().1,
+        "data.domains.gsm8k.task=\"qa\"".to_owned(),
+        "data.domains.gsm8k.question_field=\"prompt\"".to_owned(),
+        "data.domains.gsm8k.answer_field=\"reward_model.ground_truth\"".to_owned(),
+    ]
 }
 
 /// Runs `config` with `sets` on top, writing under `out`; the records of its `metrics.jsonl`.

@@ -77,7 +77,7 @@ pub fn sample_field<'a>(input: &'a serde_json::Value, path: &str) -> Option<&'a 
 /// How much of a value an error quotes.
 const EXCERPT_CHARS: usize = 120;
 
-/// `value` as JSON for an error message: its first [`EXCERPT_CHARS`] characters, with `…` and
+/// `value` as JSON for an error message: its first 120 characters, with `…` and
 /// the whole length when cut (a 10 MB field must not become a 10 MB log line).
 pub fn excerpt(value: &serde_json::Value) -> String {
     let text = value.to_string();

@@ -88,7 +88,8 @@ fn answered(question: &str, reply: &str) -> sluice_core::Rollout {
     r
 }
 
-fn rubric_with(judge: JudgeConfig, error_reward: Option<f64>) -> Rubric {
+/// A rubric of the `judge` function alone over `word_problems`: `Err` is the refusal.
+fn judged(judge: Option<JudgeConfig>, error_reward: Option<f64>) -> Result<Rubric, String> {
     let task = sluice_env::TaskRegistry::builtin()
         .get("word_problems")
         .unwrap();
@@ -98,9 +99,13 @@ fn rubric_with(judge: JudgeConfig, error_reward: Option<f64>) -> Rubric {
         error_reward,
         timeout: None,
         regex: None,
-        judge: Some(judge),
+        judge,
     };
-    rubric_for(&task, &spec).unwrap()
+    rubric_for(&task, &spec)
+}
+
+fn rubric_with(judge: JudgeConfig, error_reward: Option<f64>) -> Rubric {
+    judged(Some(judge), error_reward).unwrap()
 }
 
 #[tokio::test]
@@ -196,18 +201,7 @@ async fn a_judge_without_a_score_or_an_answer_fails_the_rollout_with_the_reason(
 
 #[test]
 fn a_rubric_weighting_judge_without_its_table_is_refused_by_name() {
-    let task = sluice_env::TaskRegistry::builtin()
-        .get("word_problems")
-        .unwrap();
-    let spec = DomainRubric {
-        weights: [("judge".to_owned(), 1.0)].into(),
-        truncation_reward: None,
-        error_reward: None,
-        timeout: None,
-        regex: None,
-        judge: None,
-    };
-    let err = rubric_for(&task, &spec).unwrap_err();
+    let err = judged(None, None).unwrap_err();
     assert!(
         err.starts_with("weights.judge:") && err.contains("`judge` table"),
         "{err}"

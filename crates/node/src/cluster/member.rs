@@ -342,6 +342,28 @@ mod tests {
 
     use super::*;
 
+    /// `head` served on a port of its own, and the join parameters of an engine node `e1` that
+    /// reports nothing.
+    async fn serve_head(
+        head: axum::Router,
+    ) -> (tokio::task::JoinHandle<std::io::Result<()>>, MemberParams) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = tokio::spawn(async move { axum::serve(listener, head).await });
+        let params = MemberParams {
+            head: format!("http://{addr}"),
+            token: None,
+            request: JoinRequest {
+                name: "e1".into(),
+                role: NodeRole::Engine,
+                url: "http://127.0.0.1:1".into(),
+                tasks: Vec::new(),
+            },
+            report: Arc::new(|| (None, None)),
+        };
+        (server, params)
+    }
+
     /// A node whose name another live node holds (the head answers 409) waits and joins once
     /// the name is free, where a 409 used to stop it like any refusal.
     #[tokio::test]
@@ -362,20 +384,7 @@ mod tests {
                 }
             }),
         );
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let server = tokio::spawn(async move { axum::serve(listener, head).await });
-        let params = MemberParams {
-            head: format!("http://{addr}"),
-            token: None,
-            request: JoinRequest {
-                name: "e1".into(),
-                role: NodeRole::Engine,
-                url: "http://127.0.0.1:1".into(),
-                tasks: Vec::new(),
-            },
-            report: Arc::new(|| (None, None)),
-        };
+        let (server, params) = serve_head(head).await;
         let membership = join(params).await.expect("joined after the name came free");
         assert_eq!(membership.joined.incarnation, 7);
         assert_eq!(calls.load(Ordering::SeqCst), 2);
@@ -416,20 +425,8 @@ mod tests {
                     }
                 }),
             );
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let server = tokio::spawn(async move { axum::serve(listener, head).await });
-        let params = MemberParams {
-            head: format!("http://{addr}"),
-            token: None,
-            request: JoinRequest {
-                name: "e1".into(),
-                role: NodeRole::Engine,
-                url: "http://127.0.0.1:1".into(),
-                tasks: Vec::new(),
-            },
-            report: Arc::new(|| (None, None)),
-        };
+        let (server, params) = serve_head(head).await;
+        let head_url = params.head.clone();
         let mut membership = join(params).await.expect("the first join is taken");
         let e = tokio::time::timeout(Duration::from_secs(10), membership.superseded())
             .await
@@ -437,7 +434,7 @@ mod tests {
         let text = e.to_string();
         assert!(matches!(e, MemberError::Superseded { .. }), "{text}");
         for expected in [
-            format!("http://{addr}"),
+            head_url,
             "`e1`".into(),
             "409".into(),
             "http://127.0.0.1:3".into(),
