@@ -247,9 +247,9 @@ catalog! {
         "Time an environment step (or init) took.";
     ENV_FAILURES = "sluice_env_failures_total", Counter, ["kind"], NONE,
         "Environment or reward-function failures (panic, timeout, error) by kind.";
-    JUDGE_REQUESTS = "sluice_judge_requests_total", Counter, ["outcome"], NONE,
+    ENV_JUDGE_REQUESTS = "sluice_env_judge_requests_total", Counter, ["outcome"], NONE,
         "Requests of the `judge` reward function to its model, by outcome: `scored`, `unparsed` (the answer held no score; the rollout's scoring fails) or `failed` (refused, unreachable or past its deadline).";
-    JUDGE_SECONDS = "sluice_judge_seconds", Histogram, [], SECONDS_BUCKETS,
+    ENV_JUDGE_SECONDS = "sluice_env_judge_seconds", Histogram, [], SECONDS_BUCKETS,
         "Time one request of the `judge` reward function took, from sending it to its score.";
     ENV_FAILOVER_ROLLOUTS = "sluice_env_failover_rollouts_total", Counter, [], NONE,
         "Head: episodes moved to another env node because theirs was gone (unreachable, restarted or full); each replays its turns there.";

@@ -11,8 +11,8 @@
 //! - at most `concurrency` requests are in flight per domain, each bounded by `timeout_s`;
 //! - an answer without a score, a refused request or an unreachable server fails the rollout's
 //!   scoring with the reason (the rubric's `error_reward` applies; `sluice_env_failures_total`
-//!   counts it) rather than inventing a score. `sluice_judge_requests_total{outcome}` counts
-//!   scored, unparsed and failed requests; `sluice_judge_seconds` times them.
+//!   counts it) rather than inventing a score. `sluice_env_judge_requests_total{outcome}` counts
+//!   scored, unparsed and failed requests; `sluice_env_judge_seconds` times them.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -21,7 +21,7 @@ use regex::Regex;
 use serde_json::{Value, json};
 use sluice_core::Role;
 use sluice_core::config::Secret;
-use sluice_core::metrics::{JUDGE_REQUESTS, JUDGE_SECONDS};
+use sluice_core::metrics::{ENV_JUDGE_REQUESTS, ENV_JUDGE_SECONDS};
 use sluice_data::config::{JudgeConfig, PromptPart, prompt_parts};
 use sluice_http::{HttpClient, Method};
 use tokio::sync::Semaphore;
@@ -118,13 +118,13 @@ impl Judge {
             .map_err(|_| "the judge is shut down".to_owned())?;
         let started = Instant::now();
         let result = self.ask(&self.prompt_for(input)).await;
-        metrics::histogram!(JUDGE_SECONDS).record(started.elapsed().as_secs_f64());
+        metrics::histogram!(ENV_JUDGE_SECONDS).record(started.elapsed().as_secs_f64());
         let outcome = match &result {
             Ok(_) => "scored",
             Err(JudgeFailure::Unparsed(_)) => "unparsed",
             Err(JudgeFailure::Request(_)) => "failed",
         };
-        metrics::counter!(JUDGE_REQUESTS, "outcome" => outcome).increment(1);
+        metrics::counter!(ENV_JUDGE_REQUESTS, "outcome" => outcome).increment(1);
         result.map_err(|e| match e {
             JudgeFailure::Unparsed(m) | JudgeFailure::Request(m) => m,
         })
