@@ -33,6 +33,9 @@ use crate::rubric::ScoreInput;
 /// API key), when set.
 pub const JUDGE_TOKEN_VAR: &str = "SLUICE_JUDGE_TOKEN";
 
+/// The `outcome` label values of `sluice_env_judge_requests_total`.
+pub const OUTCOMES: [&str; 3] = ["scored", "unparsed", "failed"];
+
 /// How much of a judge's answer an error quotes.
 const QUOTED_CHARS: usize = 200;
 
@@ -120,9 +123,9 @@ impl Judge {
         let result = self.ask(&self.prompt_for(input)).await;
         metrics::histogram!(ENV_JUDGE_SECONDS).record(started.elapsed().as_secs_f64());
         let outcome = match &result {
-            Ok(_) => "scored",
-            Err(JudgeFailure::Unparsed(_)) => "unparsed",
-            Err(JudgeFailure::Request(_)) => "failed",
+            Ok(_) => OUTCOMES[0],
+            Err(JudgeFailure::Unparsed(_)) => OUTCOMES[1],
+            Err(JudgeFailure::Request(_)) => OUTCOMES[2],
         };
         metrics::counter!(ENV_JUDGE_REQUESTS, "outcome" => outcome).increment(1);
         result.map_err(|e| match e {

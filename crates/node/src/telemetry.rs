@@ -128,6 +128,7 @@ fn static_values(name: &str, label: &str) -> Option<Vec<&'static str>> {
         .map(RolloutStatus::as_label)
         .collect(),
         "kind" => ENV_FAILURE_KINDS.to_vec(),
+        "outcome" => sluice_env::judge::OUTCOMES.to_vec(),
         "from" | "to" => Bucket::ALL.iter().map(|b| b.as_label()).collect(),
         "version" => vec![env!("CARGO_PKG_VERSION")],
         "role" => vec!["engine", "env"],
