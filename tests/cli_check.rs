@@ -65,7 +65,7 @@ fn check_prints_the_resolved_config_and_applies_overrides() {
 }
 
 #[test]
-fn check_resolves_gspo_defaults_and_refuses_a_bad_dual_clip_bonus_or_buffer() {
+fn check_resolves_gspo_defaults_and_lora_and_refuses_a_bad_dual_clip_bonus_buffer_or_target() {
     let check = |sets: &[&str]| {
         let mut args = vec!["check", "configs/quickstart.toml"];
         for s in sets {
@@ -91,6 +91,35 @@ fn check_resolves_gspo_defaults_and_refuses_a_bad_dual_clip_bonus_or_buffer() {
     assert_eq!(trainer["loss_aggregation"].as_str(), Some("sequence_mean"));
     assert_eq!(trainer["dual_clip"].as_float(), Some(3.0));
     assert_eq!(trainer["entropy_coeff"].as_float(), Some(0.001));
+    // LoRA off by default, `all-linear` resolved to the seven projections.
+    assert_eq!(trainer["lora_rank"].as_integer(), Some(0));
+    assert_eq!(trainer["lora_targets"].as_array().map(Vec::len), Some(7));
+    let out = check(&[
+        "trainer.lora_rank=8",
+        "trainer.lora_targets=[\"q_proj\", \"v_proj\"]",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let resolved: toml::Table = String::from_utf8(out.stdout).unwrap().parse().unwrap();
+    assert_eq!(resolved["trainer"]["lora_rank"].as_integer(), Some(8));
+    let targets = resolved["trainer"]["lora_targets"].as_array().unwrap();
+    assert_eq!(targets.len(), 2);
+    for (bad, says) in [
+        ("[\"qkv_proj\"]", "`qkv_proj` is not a module LoRA adapts"),
+        ("[\"all-linear\", \"q_proj\"]", "list it alone"),
+        ("[\"q_proj\", \"q_proj\"]", "listed twice"),
+    ] {
+        let out = check(&[&format!("trainer.lora_targets={bad}")]);
+        assert!(!out.status.success(), "{bad}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains("trainer.lora_targets") && err.contains(says),
+            "{err}"
+        );
+    }
     let out = check(&["trainer.entropy_coeff=-0.01"]);
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);

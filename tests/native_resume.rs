@@ -273,7 +273,12 @@ fn finished_short_run() -> &'static Path {
 
 /// `sluice run` on the quickstart without warm-up or evaluations, to `max_steps`.
 fn short_run(out: &Path, max_steps: u64) -> Run {
-    let sets = [
+    short_run_with(out, max_steps, &[])
+}
+
+/// [`short_run`] with `extra` settings on top.
+fn short_run_with(out: &Path, max_steps: u64, extra: &[&str]) -> Run {
+    let mut sets = vec![
         format!("run.output_dir={}", out.display()),
         format!("model.path={}", out.join("model").display()),
         format!("replay.path={}", out.join("replay").display()),
@@ -285,8 +290,58 @@ fn short_run(out: &Path, max_steps: u64) -> Run {
         "metrics.enabled=false".to_owned(),
         format!("admin.listen=127.0.0.1:{}", free_port()),
     ];
+    sets.extend(extra.iter().map(|s| s.to_string()));
     let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/quickstart.toml");
     Run::spawn(out, &format!("steps{max_steps}"), &config, &sets)
+}
+
+/// LoRA through the binary: a quickstart run with `trainer.lora_rank` checkpoints the merged
+/// weights and the adapters as PEFT writes them, the same command resumes with them, and a
+/// resume asking for another rank is refused naming both.
+#[test]
+fn a_lora_run_checkpoints_peft_adapters_and_resumes_with_them() {
+    let out = tempfile::tempdir().unwrap().keep().join("run");
+    let lora = ["trainer.lora_rank=4", "trainer.learning_rate=0.001"];
+    let mut run = short_run_with(&out, 3, &lora);
+    let code = run.wait_exit();
+    let logs = run.logs();
+    assert!(code.success(), "{code}\n{logs}");
+    assert!(
+        logs.contains("LoRA: adapters train in place of the weights"),
+        "{logs}"
+    );
+    let trainer = out.join("checkpoint/trainer");
+    let peft: Value = serde_json::from_str(
+        &std::fs::read_to_string(trainer.join("adapter/adapter_config.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(peft["peft_type"], "LORA");
+    assert_eq!(peft["r"], 4);
+    assert_eq!(peft["target_modules"].as_array().unwrap().len(), 7);
+    assert!(trainer.join("adapter/adapter_model.safetensors").is_file());
+    assert!(trainer.join("model/model.safetensors").is_file());
+
+    let mut more = short_run_with(&out, 5, &lora);
+    let code = more.wait_exit();
+    assert!(code.success(), "{code}\n{}", more.logs());
+    assert_eq!(manifest(&out)["steps"], 5, "{}", more.logs());
+
+    let mut other = short_run_with(&out, 7, &["trainer.lora_rank=8"]);
+    let code = other.wait_exit();
+    let logs = other.logs();
+    assert!(
+        !code.success(),
+        "a resume with another rank must fail\n{logs}"
+    );
+    for e in [
+        "adapter_config.json",
+        "rank 4",
+        "rank 8",
+        "trainer.lora_rank",
+    ] {
+        assert!(logs.contains(e), "`{e}` not in the output\n{logs}");
+    }
+    let _ = std::fs::remove_dir_all(out.parent().unwrap());
 }
 
 /// Copies the finished short run, applies `corrupt` to the copy, sums its files afresh into the

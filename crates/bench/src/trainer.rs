@@ -88,6 +88,10 @@ pub struct BenchTrainerArgs {
     /// mapped for the next step: the yardstick of keeping it; no effect on the CPU.
     #[arg(long)]
     pub release_freed_memory: bool,
+    /// Train LoRA adapters of this rank on every projection (`trainer.lora_rank`, alpha twice
+    /// the rank) in place of every weight.
+    #[arg(long, value_name = "R", value_parser = clap::value_parser!(u32).range(1..=65_536))]
+    pub lora_rank: Option<u32>,
 }
 
 const PROMPT_TOKENS: usize = 16;
@@ -120,10 +124,13 @@ pub fn run(args: &BenchTrainerArgs) -> anyhow::Result<ExitCode> {
             sluice_config::Device::Cuda(_) => sluice_config::DType::Bf16,
         });
         println!(
-            "{name}: {} parameters, f32 master weights on {}, {} compute, ppo, {steps} timed step(s) per shape{}{}{}{}",
+            "{name}: {} parameters, f32 master weights on {}, {} compute, ppo, {steps} timed step(s) per shape{}{}{}{}{}",
             config.num_parameters(),
             args.device,
             compute,
+            args.lora_rank.map_or(String::new(), |r| format!(
+                ", LoRA adapters of rank {r} on every projection"
+            )),
             args.group.map_or(String::new(), |(p, a)| format!(
                 ", B groups of 8 {a}-token replies to a {p}-token prompt"
             )),
@@ -161,6 +168,11 @@ pub fn run(args: &BenchTrainerArgs) -> anyhow::Result<ExitCode> {
                 sluice_trainer::config::default_kept_logits_mib(args.device, checkpointing)
             });
             settings.kept_logits_bytes = usize::try_from(kept)?.saturating_mul(1 << 20);
+            settings.lora = args.lora_rank.map(|r| sluice_trainer::LoraConfig {
+                rank: r as usize,
+                alpha: 2.0 * f64::from(r),
+                targets: sluice_trainer::lora::TARGETS.map(str::to_owned).to_vec(),
+            });
             let mut trainer = NativeTrainer::new(Arc::clone(&snapshot), settings, None)?;
             trainer.set_graph_backward(args.graph_backward);
             let vocab = snapshot.config().vocab_size as u32;
@@ -285,6 +297,7 @@ fn trainer_config(rows: usize, len: usize) -> NativeTrainerConfig {
         kept_logits_bytes: ForwardOptions::DEFAULT_KEPT_LOGITS_BYTES,
         temperature: 1.0,
         seed: 0,
+        lora: None,
         // The trainer alone on the machine: every core.
         threads: sluice_model::threads::role_threads(0, 1),
         activation_checkpointing: false,

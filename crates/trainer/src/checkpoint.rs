@@ -6,7 +6,10 @@
 //!   loadable by any HF tool and by `sluice`;
 //! - `optimizer.safetensors`: AdamW moments `m.{i}`, `v.{i}` (and `master.{i}` for non-f32
 //!   parameters), `i` the parameter's position in checkpoint order;
-//! - `trainer_state.json`: [`TrainerState`].
+//! - `trainer_state.json`: [`TrainerState`];
+//! - with LoRA, `adapter/`: the adapters as PEFT writes them (`adapter_model.safetensors`,
+//!   `adapter_config.json`), while `model/` holds the merged weights and the optimizer file the
+//!   adapters' moments.
 //!
 //! A checkpoint is written into `<dir>.partial` and renamed into place, the old one removed just
 //! before, so a crash never leaves a half-written `<dir>` behind.
@@ -113,13 +116,16 @@ fn partial_dir(dir: &Path) -> PathBuf {
     dir.with_file_name(name)
 }
 
-/// Writes a checkpoint of `master` (f32 weights), the optimizer tensors and `state` to `dir`.
+/// Writes a checkpoint of `master` (f32 weights), the optimizer tensors and `state` to `dir`;
+/// `extra` writes what else belongs to it into the directory it is given (the LoRA adapters),
+/// before the checkpoint is moved into place.
 pub fn save(
     dir: &Path,
     master: &ModelWeights,
     aux_source: Option<&Path>,
     optimizer: &HashMap<String, Tensor>,
     state: &TrainerState,
+    extra: impl FnOnce(&Path) -> Result<(), TrainerError>,
 ) -> Result<(), TrainerError> {
     let tmp = partial_dir(dir);
     if tmp.exists() {
@@ -144,6 +150,7 @@ pub fn save(
         .map_err(|e| TrainerError::checkpoint(&state_path, e))?;
     std::fs::write(&state_path, json + "\n")
         .map_err(|e| TrainerError::checkpoint(&state_path, e))?;
+    extra(&tmp)?;
     if dir.exists() {
         std::fs::remove_dir_all(dir).map_err(|e| TrainerError::checkpoint(dir, e))?;
     }

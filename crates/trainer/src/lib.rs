@@ -7,6 +7,7 @@
 //! - `batcher`: training texts packed into fixed `[B, L]` micro-batches with sequence ids.
 //! - `optim`: AdamW with f32 master weights, global-norm clipping, warmup + constant/cosine schedule.
 //! - `checkpoint`: model (HF format), optimizer state (safetensors) and trainer state (JSON).
+//! - `lora`: low-rank adapters (PEFT's format) trained through the merged weights.
 //! - `native`: [`NativeTrainer`], the candle trainer implementing `sluice_core::TrainerBackend`:
 //!   RL steps, supervised steps, weight publishing, checkpoints.
 //! - `config`: the `[trainer]` config section (raw → `validate_trainer` → `TrainerConfig`).
@@ -22,6 +23,7 @@ pub mod batcher;
 pub mod checkpoint;
 pub mod config;
 pub mod error;
+pub mod lora;
 pub mod loss;
 pub mod native;
 pub mod optim;
@@ -36,6 +38,7 @@ pub use advantage::{
 };
 pub use batcher::{BatcherConfig, MicroBatch, Packing, PackingStats, TrainingText, pack};
 pub use error::TrainerError;
+pub use lora::{Adapters, LoraConfig};
 pub use loss::{
     Aggregation, LossConfig, LossStats, LossSummary, LossTerms, TokenInputs, token_terms,
 };

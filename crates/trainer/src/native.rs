@@ -30,6 +30,7 @@ use crate::advantage::compute_advantages;
 use crate::batcher::{Packing, TrainingText, pack};
 use crate::checkpoint;
 use crate::error::TrainerError;
+use crate::lora::{ADAPTER_DIR, Adapters};
 use crate::loss::{LossStats, TextTokens, aggregation_weights, token_terms};
 use crate::optim::AdamW;
 use crate::report::{StepStats, step_metrics};
@@ -57,6 +58,8 @@ pub struct SupervisedExample<'a> {
 pub struct NativeTrainer {
     config: NativeTrainerConfig,
     model: TrainableModel,
+    /// With LoRA, the adapters the optimizer trains in place of the weights.
+    adapters: Option<Adapters>,
     reference: Option<TrainableModel>,
     optim: AdamW,
     version: PolicyVersion,
@@ -100,8 +103,21 @@ impl NativeTrainer {
         } else {
             None
         };
-        let vars = model.vars().iter().map(|(_, v)| v.clone()).collect();
-        let optim = AdamW::new(vars, config.optim)?;
+        let adapters = match &config.lora {
+            Some(lora) => Some(Adapters::new(&model, lora, config.seed)?),
+            None => None,
+        };
+        let optim = AdamW::new(trained_vars(&model, adapters.as_ref()), config.optim)?;
+        if let Some(a) = &adapters {
+            tracing::info!(
+                rank = a.config().rank,
+                alpha = a.config().alpha,
+                adapted_weights = a.len(),
+                trained = a.trainable_numbers(),
+                of = model.config().num_parameters(),
+                "LoRA: adapters train in place of the weights"
+            );
+        }
         let published = Arc::new(model.snapshot(initial.version, Some(config.publish_dtype))?);
         // On a GPU one thread issues all of the trainer's work: candle queues a thread's kernels
         // on that thread's own stream, so micro-batches on several threads would hand tensors
@@ -124,6 +140,7 @@ impl NativeTrainer {
             version: initial.version,
             config,
             model,
+            adapters,
             reference,
             optim,
             steps: 0,
@@ -455,12 +472,17 @@ impl NativeTrainer {
             schedule: checkpoint::schedule_name(self.config.optim.schedule),
         };
         let master = self.model.snapshot(self.version, None)?;
+        let aux = self.aux_source.as_deref();
         checkpoint::save(
             dir,
             &master,
-            self.aux_source.as_deref(),
+            aux,
             &self.optim.state_tensors(),
             &state,
+            |tmp| match &self.adapters {
+                Some(a) => a.save(&tmp.join(ADAPTER_DIR), aux),
+                None => Ok(()),
+            },
         )
     }
 
@@ -469,12 +491,14 @@ impl NativeTrainer {
         let device = self.model.device().clone();
         let (snapshot, optim_tensors, state) = checkpoint::load(dir, &device)?;
         let model = master_model(&snapshot, self.config.compute_dtype)?;
-        let vars = model.vars().iter().map(|(_, v)| v.clone()).collect();
+        let adapters = checkpoint_adapters(&model, self.config.lora.as_ref(), dir)?;
+        let vars = trained_vars(&model, adapters.as_ref());
         let mut optim = AdamW::new(vars, self.config.optim)?;
         optim
             .load_state(optim_tensors, state.optimizer_step)
             .map_err(|e| TrainerError::checkpoint(dir.join(checkpoint::OPTIMIZER_FILE), e))?;
         self.model = model;
+        self.adapters = adapters;
         self.optim = optim;
         self.steps = state.step;
         self.version = PolicyVersion(state.version);
@@ -543,6 +567,41 @@ impl TrainerBackend for NativeTrainer {
         self.version = version;
         self.published = Arc::new(published);
         Ok(())
+    }
+}
+
+/// What the optimizer trains: the adapters with LoRA, else every parameter.
+fn trained_vars(model: &TrainableModel, adapters: Option<&Adapters>) -> Vec<candle_core::Var> {
+    match adapters {
+        Some(a) => a.vars(),
+        None => model.vars().iter().map(|(_, v)| v.clone()).collect(),
+    }
+}
+
+/// The adapters of the checkpoint under `dir` for a trainer configured with `lora`; refuses a
+/// checkpoint of the other kind (LoRA's where every weight trains, or the reverse).
+fn checkpoint_adapters(
+    model: &TrainableModel,
+    lora: Option<&crate::lora::LoraConfig>,
+    dir: &Path,
+) -> Result<Option<Adapters>, TrainerError> {
+    let saved = dir.join(ADAPTER_DIR);
+    match (lora, saved.is_dir()) {
+        (Some(lora), true) => Ok(Some(Adapters::load(model, lora, &saved)?)),
+        (None, false) => Ok(None),
+        (Some(lora), false) => Err(TrainerError::checkpoint(
+            dir,
+            format!(
+                "every weight trained in this checkpoint, and trainer.lora_rank = {} asks for                  adapters: resume with trainer.lora_rank = 0, or start a new run from its model                  directory",
+                lora.rank
+            ),
+        )),
+        (None, true) => Err(TrainerError::checkpoint(
+            dir,
+            format!(
+                "LoRA adapters trained in this checkpoint ({ADAPTER_DIR}/), and                  trainer.lora_rank = 0 asks to train every weight: resume with the adapters'                  settings, or start a new run from its model directory (the merged weights)"
+            ),
+        )),
     }
 }
 

@@ -39,8 +39,10 @@ pub struct NativeTrainerConfig {
     /// Sampling temperature of the rollouts: RL log-probs are taken of `softmax(z / T)` so they
     /// match the behaviour log-probs (1 when sampling was greedy, `T = 0`).
     pub temperature: f64,
-    /// The run's seed (the trainer draws no random numbers; recorded in checkpoints).
+    /// The run's seed (recorded in checkpoints; LoRA's `A` matrices are drawn from it).
     pub seed: u64,
+    /// Low-rank adapters trained in place of the full weights (`trainer.lora_rank` > 0).
+    pub lora: Option<crate::lora::LoraConfig>,
     /// Compute threads of the forward, backward and optimizer (≥ 1; `trainer.threads`
     /// resolved: 0 there means half the cores beside a native engine, else all of them).
     pub threads: usize,
@@ -139,6 +141,11 @@ impl NativeTrainerConfig {
                 1.0
             },
             seed: run.seed,
+            lora: (t.lora_rank > 0).then(|| crate::lora::LoraConfig {
+                rank: t.lora_rank as usize,
+                alpha: t.lora_alpha,
+                targets: t.lora_targets.clone(),
+            }),
             activation_checkpointing: t.activation_checkpointing,
             sync_parts: false,
             threads: sluice_model::threads::role_threads(

@@ -2,11 +2,14 @@
 //! publishing without aliasing, gradient accumulation equal to one big micro-batch, the
 //! supervised step, exact resumption from a checkpoint, the lag-0 train/inference mismatch, and
 //! (`native/threads.rs`) steps that do not depend on the thread count, (`native/refusals.rs`)
-//! corrupt checkpoints and non-finite steps refused, and (`native/bonus.rs`) the entropy bonus.
+//! corrupt checkpoints and non-finite steps refused, (`native/bonus.rs`) the entropy bonus, and
+//! (`native/lora.rs`) LoRA adapters.
 
 #[path = "native/bonus.rs"]
 mod bonus;
 mod common;
+#[path = "native/lora.rs"]
+mod lora;
 #[path = "native/refusals.rs"]
 mod refusals;
 #[path = "native/threads.rs"]
@@ -59,6 +62,7 @@ fn config(lr: f64, rows: usize) -> NativeTrainerConfig {
         kept_logits_bytes: ForwardOptions::DEFAULT_KEPT_LOGITS_BYTES,
         temperature: 1.0,
         seed: 7,
+        lora: None,
         threads: 1,
         activation_checkpointing: false,
         sync_parts: false,

@@ -38,6 +38,8 @@ pub const BOUNDS: &[Bound] = &[
         "optimizer updates per step",
     ),
     bound("trainer.is_cap", 1e6, "the importance-weight cap"),
+    bound("trainer.lora_rank", 65_536.0, "the LoRA rank"),
+    bound("trainer.lora_alpha", 1e6, "LoRA's alpha"),
     bound("trainer.simulated.step_base_seconds", MAX_SIM_SECONDS, SIM),
     bound(
         "trainer.simulated.step_seconds_per_token",

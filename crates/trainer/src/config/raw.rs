@@ -78,6 +78,12 @@ pub struct RawTrainer {
     pub compute_dtype: Option<String>,
     /// Pack a prompt once for all the completions that continue it (a group's rollouts).
     pub share_prompts: bool,
+    /// Rank of the LoRA adapters trained in place of the full weights (0: every weight trains).
+    pub lora_rank: i64,
+    /// LoRA's `alpha`: the adapters' update is scaled by `alpha / rank`.
+    pub lora_alpha: f64,
+    /// The projections LoRA adapts, by module name (`all-linear`: every one).
+    pub lora_targets: Vec<String>,
     /// `[trainer.simulated]`: the step-time model of the simulated trainer.
     pub simulated: RawSimTrainer,
 }
@@ -140,6 +146,9 @@ impl Default for RawTrainer {
             kept_logits_mib: None,
             compute_dtype: None,
             share_prompts: true,
+            lora_rank: 0,
+            lora_alpha: 16.0,
+            lora_targets: vec!["all-linear".into()],
             simulated: RawSimTrainer::default(),
         }
     }

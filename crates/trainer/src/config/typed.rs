@@ -180,6 +180,13 @@ pub struct TrainerConfig {
     pub is_cap: f64,
     /// Texts longer than `max_seq_len`.
     pub oversized_text: OversizedText,
+    /// Rank of the LoRA adapters (0 = off: every weight trains).
+    pub lora_rank: u32,
+    /// LoRA's `alpha` (> 0): the adapters' update is scaled by `alpha / lora_rank`.
+    pub lora_alpha: f64,
+    /// The projections LoRA adapts, by module name (`crate::lora::TARGETS`), `all-linear`
+    /// resolved.
+    pub lora_targets: Vec<String>,
     /// `[trainer.simulated]`
     pub simulated: SimTrainerConfig,
 }

@@ -135,7 +135,44 @@ pub fn validate_trainer(
         tis_mode: choice(ctx, "trainer.tis_mode", &raw.tis_mode)?,
         is_cap: positive(ctx, "trainer.is_cap", raw.is_cap)?,
         oversized_text: choice(ctx, "trainer.oversized_text", &raw.oversized_text)?,
+        lora_rank: u32_incl_zero(ctx, "trainer.lora_rank", raw.lora_rank)?,
+        lora_alpha: positive(ctx, "trainer.lora_alpha", raw.lora_alpha)?,
+        lora_targets: lora_targets(&raw.lora_targets, ctx)?,
     })
+}
+
+/// `trainer.lora_targets`: module names of [`crate::lora::TARGETS`], each once, or
+/// `all-linear` (PEFT's and verl's name for every one of them).
+fn lora_targets(raw: &[String], ctx: &Ctx<'_>) -> Result<Vec<String>, ConfigError> {
+    const KEY: &str = "trainer.lora_targets";
+    const ALL: &str = "all-linear";
+    let known = || format!("`{ALL}` or names of {}", crate::lora::TARGETS.join(", "));
+    if raw.is_empty() {
+        return Err(ctx.value(KEY, format!("no module named: {}", known())));
+    }
+    if raw.iter().any(|t| t == ALL) {
+        if raw.len() > 1 {
+            return Err(ctx.value(KEY, format!("`{ALL}` names every module: list it alone")));
+        }
+        return Ok(crate::lora::TARGETS
+            .iter()
+            .map(|t| (*t).to_owned())
+            .collect());
+    }
+    let mut targets: Vec<String> = Vec::with_capacity(raw.len());
+    for t in raw {
+        if !crate::lora::TARGETS.contains(&t.as_str()) {
+            return Err(ctx.value(
+                KEY,
+                format!("`{t}` is not a module LoRA adapts: {}", known()),
+            ));
+        }
+        if targets.contains(t) {
+            return Err(ctx.value(KEY, format!("`{t}` is listed twice")));
+        }
+        targets.push(t.clone());
+    }
+    Ok(targets)
 }
 
 /// `trainer.normalize_advantage_std`: unset, on for the group and situational baselines (GRPO's

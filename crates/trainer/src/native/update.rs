@@ -111,7 +111,11 @@ impl NativeTrainer {
         let mut clock = self.part_clock();
         convert_weights(&mut self.model)?;
         stats.parts.forward += clock.lap()?;
-        let mut grads = GradAccumulator::new(self.model.vars().len());
+        let trained = match &self.adapters {
+            Some(a) => 2 * a.len(),
+            None => self.model.vars().len(),
+        };
+        let mut grads = GradAccumulator::new(trained);
         let mut add = |(g, out): (Vec<(usize, Tensor)>, MicroOut)| -> Result<u64, TrainerError> {
             let mut clock = self.part_clock();
             grads.add_gradients(g)?;
@@ -132,7 +136,11 @@ impl NativeTrainer {
                 };
                 let store = self.micro_step(mb, start, options, &terms, &mut out)?;
                 let mut clock = self.part_clock();
-                let g = self.model.parameter_gradients(&store);
+                let mut g = self.model.parameter_gradients(&store);
+                if let Some(a) = &self.adapters {
+                    // Each micro-batch's: the adapters' gradients are linear in the weights'.
+                    g = a.gradients(g)?;
+                }
                 out.parts.backward += clock.lap()?;
                 Ok((g, out))
             };
@@ -183,6 +191,9 @@ impl NativeTrainer {
         self.model.clear_step_weights();
         let mut clock = self.part_clock();
         stats.optim = Some(self.optim.step(&grads)?);
+        if let Some(a) = &self.adapters {
+            a.merge(&self.model)?;
+        }
         stats.parts.optimizer += clock.lap()?;
         Ok(lag_sum)
     }
