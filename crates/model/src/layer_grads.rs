@@ -18,10 +18,11 @@ use candle_core::{Result, Tensor};
 
 use crate::config::ModelConfig;
 use crate::fused::{
-    AttentionHeads, KeptAttention, Segments, attention_kept, linear, linear_grads, rms_norm,
-    rms_norm_grads, rope, rope_grad, swiglu, swiglu_grads,
+    AttentionHeads, KeptAttention, Segments, attention_kept, linear, linear_grads,
+    linear_input_grad, rms_norm, rms_norm_grads, rope, rope_grad, swiglu, swiglu_grads,
 };
-use crate::layers::LayerWeights;
+use crate::layers::{LayerWeights, Proj};
+use crate::low_rank::LowRank;
 
 /// What one layer's backward reads, kept by [`LayerTape::forward`]: every op's inputs (its
 /// output too where the backward reads it), none of them part of a graph.
@@ -116,64 +117,94 @@ impl LayerTape {
         Ok((out, tape))
     }
 
-    /// The gradients of the layer's input and of each of its weights `w` (the ones the forward
-    /// read), for the gradient `d_out` of its output: `(dx, dw)`, `dw` shaped as `w`, a
-    /// gradient in each of its tensors.
+    /// The gradient of the layer's input for the gradient `d_out` of its output, and the
+    /// gradients the layer gives its trained tensors, each with the tensor it belongs to:
+    /// without `adapters`, each of its weights `w` (the ones the forward read); with them
+    /// (LoRA, [`crate::low_rank`]), each adapted projection's `A` and `B`, and no weight's.
     pub(crate) fn backward(
         self,
         w: &LayerWeights,
         d_out: &Tensor,
         cx: &LayerContext<'_>,
-    ) -> Result<(Tensor, LayerWeights)> {
+        adapters: Option<&[Option<LowRank>; 7]>,
+    ) -> Result<(Tensor, Vec<(Tensor, Tensor)>)> {
         let (eps, head_dim) = (cx.config.rms_norm_eps, cx.config.head_dim);
+        let mut g = Filed {
+            w,
+            adapters,
+            grads: Vec::new(),
+        };
         // The MLP block: out = x2 + down(swiglu(gate(h2), up(h2))), h2 = post_norm(x2).
-        let (d_act, d_down, _) = linear_grads(&self.act, &w.down_proj, None, d_out)?;
+        let d_act = g.projection(Proj::Down, &self.act, d_out)?;
         drop(self.act);
         let (d_gate, d_up) = swiglu_grads(&self.gate, &self.up, &d_act)?;
         drop(d_act);
-        let (d_h2, d_gate_proj, _) = linear_grads(&self.h2, &w.gate_proj, None, &d_gate)?;
-        let (d_h2_up, d_up_proj, _) = linear_grads(&self.h2, &w.up_proj, None, &d_up)?;
-        let d_h2 = (d_h2 + d_h2_up)?;
+        let d_h2 = g.projection(Proj::Gate, &self.h2, &d_gate)?;
+        let d_h2 = (d_h2 + g.projection(Proj::Up, &self.h2, &d_up)?)?;
         let (d_x2, d_post_norm) = rms_norm_grads(&self.x2, &w.post_norm, eps, &d_h2)?;
+        g.norm(&w.post_norm, d_post_norm);
         let d_x2 = (d_x2 + d_out)?;
         // The attention block: x2 = x + o(attention(rope(q), rope(k), v)).
-        let (d_att, d_o_proj, _) = linear_grads(&self.att, &w.o_proj, None, &d_x2)?;
+        let d_att = g.projection(Proj::O, &self.att, &d_x2)?;
         let [q, k, v] = &self.qkv;
         let [d_q, d_k, d_v] = self.attention.grads([q, k, v], &self.att, &d_att)?;
         drop(d_att);
         let d_q = rope_grad(&d_q, cx.cos, cx.sin, head_dim)?;
         let d_k = rope_grad(&d_k, cx.cos, cx.sin, head_dim)?;
         let [q_pre, k_pre] = &self.pre_norm;
-        let unnorm = |d: Tensor, pre: &Option<Tensor>, w: &Option<Tensor>| match (pre, w) {
-            (Some(pre), Some(w)) => rms_norm_grads(pre, w, eps, &d).map(|(d, dw)| (d, Some(dw))),
-            _ => Ok((d, None)),
+        let mut unnorm = |d: Tensor, pre: &Option<Tensor>, w: &Option<Tensor>| match (pre, w) {
+            (Some(pre), Some(w)) => {
+                let (d, dw) = rms_norm_grads(pre, w, eps, &d)?;
+                g.norm(w, dw);
+                Ok::<_, candle_core::Error>(d)
+            }
+            _ => Ok(d),
         };
-        let (d_q, d_q_norm) = unnorm(d_q, q_pre, &w.q_norm)?;
-        let (d_k, d_k_norm) = unnorm(d_k, k_pre, &w.k_norm)?;
-        let (d_h, d_q_proj, d_q_bias) = linear_grads(&self.h, &w.q_proj, w.q_bias.as_ref(), &d_q)?;
-        let (d_h_k, d_k_proj, d_k_bias) =
-            linear_grads(&self.h, &w.k_proj, w.k_bias.as_ref(), &d_k)?;
-        let (d_h_v, d_v_proj, d_v_bias) =
-            linear_grads(&self.h, &w.v_proj, w.v_bias.as_ref(), &d_v)?;
-        let d_h = ((d_h + d_h_k)? + d_h_v)?;
+        let d_q = unnorm(d_q, q_pre, &w.q_norm)?;
+        let d_k = unnorm(d_k, k_pre, &w.k_norm)?;
+        let d_h = g.projection(Proj::Q, &self.h, &d_q)?;
+        let d_h = (d_h + g.projection(Proj::K, &self.h, &d_k)?)?;
+        let d_h = (d_h + g.projection(Proj::V, &self.h, &d_v)?)?;
         let (d_x, d_input_norm) = rms_norm_grads(&self.x, &w.input_norm, eps, &d_h)?;
+        g.norm(&w.input_norm, d_input_norm);
         let d_x = (d_x + d_x2)?;
-        let grads = LayerWeights {
-            input_norm: d_input_norm,
-            q_proj: d_q_proj,
-            k_proj: d_k_proj,
-            v_proj: d_v_proj,
-            q_bias: d_q_bias,
-            k_bias: d_k_bias,
-            v_bias: d_v_bias,
-            o_proj: d_o_proj,
-            q_norm: d_q_norm,
-            k_norm: d_k_norm,
-            post_norm: d_post_norm,
-            gate_proj: d_gate_proj,
-            up_proj: d_up_proj,
-            down_proj: d_down,
+        Ok((d_x, g.grads))
+    }
+}
+
+/// The gradients a layer's backward files, each with the tensor it belongs to.
+struct Filed<'a> {
+    w: &'a LayerWeights,
+    adapters: Option<&'a [Option<LowRank>; 7]>,
+    grads: Vec<(Tensor, Tensor)>,
+}
+
+impl Filed<'_> {
+    /// Projection `p`'s input gradient for its input `x` and output gradient `d`; files its
+    /// weight's and bias's gradients, or with adapters its `A`'s and `B`'s where it has them.
+    fn projection(&mut self, p: Proj, x: &Tensor, d: &Tensor) -> Result<Tensor> {
+        let (w, b) = (self.w.weight(p), self.w.bias(p));
+        let Some(adapters) = self.adapters else {
+            let (dx, dw, db) = linear_grads(x, w, b, d)?;
+            self.grads.push((w.clone(), dw));
+            if let (Some(b), Some(db)) = (b, db) {
+                self.grads.push((b.clone(), db));
+            }
+            return Ok(dx);
         };
-        Ok((d_x, grads))
+        let dx = linear_input_grad(x, w, d)?;
+        if let Some(lr) = &adapters[p as usize] {
+            let (da, db) = lr.grads(x, d)?;
+            self.grads.push((lr.a.clone(), da));
+            self.grads.push((lr.b.clone(), db));
+        }
+        Ok(dx)
+    }
+
+    /// Files a norm's weight gradient (frozen with adapters).
+    fn norm(&mut self, w: &Tensor, dw: Tensor) {
+        if self.adapters.is_none() {
+            self.grads.push((w.clone(), dw));
+        }
     }
 }

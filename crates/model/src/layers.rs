@@ -293,32 +293,6 @@ impl LayerWeights {
         })
     }
 
-    /// Every tensor of the layer, in one fixed order (the optional ones where present): two
-    /// layers of one architecture list theirs alike.
-    pub(crate) fn tensors(&self) -> Vec<&Tensor> {
-        let [a, b, c] = [&self.q_bias, &self.k_bias, &self.v_bias];
-        let [d, e] = [&self.q_norm, &self.k_norm];
-        [
-            Some(&self.input_norm),
-            Some(&self.q_proj),
-            Some(&self.k_proj),
-            Some(&self.v_proj),
-            a.as_ref(),
-            b.as_ref(),
-            c.as_ref(),
-            Some(&self.o_proj),
-            d.as_ref(),
-            e.as_ref(),
-            Some(&self.post_norm),
-            Some(&self.gate_proj),
-            Some(&self.up_proj),
-            Some(&self.down_proj),
-        ]
-        .into_iter()
-        .flatten()
-        .collect()
-    }
-
     /// The weight of projection `p`.
     pub(crate) fn weight(&self, p: Proj) -> &Tensor {
         match p {

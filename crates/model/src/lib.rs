@@ -13,6 +13,7 @@
 //! | [`batch`] | [`PackedBatch`]: sequences packed in `(B, L)` rows with positions, segments, next-token targets |
 //! | [`train`] | [`TrainableModel`]: parameters as `Var`s, [`TrainableModel::token_scores`] (log-probs + entropy, chunked) |
 //! | [`amx`] | bf16 products on Intel AMX tiles ([`amx::Bf16Weight`]): the engine's (weights packed once per version) and the trainer's (`trainer.compute_dtype = "bf16"`, operands rounded per product) |
+//! | [`low_rank`] | [`low_rank::LowRank`]: LoRA's adapters, whose gradients the training backward forms in place of the weights' ([`TrainableModel::set_low_rank`]) |
 //! | [`fused`] | the training forward's fused CPU ops with hand-written backward (linear, RMSNorm, RoPE, SwiGLU, packed attention) |
 //! | [`cache`] | [`KvCache`] trait and [`ContiguousKvCache`] |
 //! | [`paged`] | [`PagedKvCache`]: fixed-size blocks from one pool, block tables, prefix sharing by content and weight version |
@@ -66,6 +67,7 @@ pub mod infer;
 pub mod kernels;
 mod layer_grads;
 mod layers;
+pub mod low_rank;
 pub mod names;
 pub mod ops;
 mod packed;

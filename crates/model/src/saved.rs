@@ -164,6 +164,10 @@ impl TrainableModel {
                 }
             }
         }
+        if self.low_rank.is_some() {
+            // Frozen under LoRA.
+            return Ok(store);
+        }
         // The embedding's rows were gathered from the master table, then converted.
         let embed = &self.weights().embed;
         let rows = grad
@@ -209,9 +213,10 @@ impl TrainableModel {
         let context = format!("backward, layer {i}");
         let cx = self.layer_context(inputs).ctx(&context)?;
         let w = self.layer_weights(i).ctx(&context)?;
-        let (dx, dw) = tape.backward(&w, grad, &cx).ctx(&context)?;
-        for (param, g) in w.tensors().into_iter().zip(dw.tensors()) {
-            accumulate(store, param, g.clone()).ctx(&context)?;
+        let adapters = self.low_rank.as_ref().map(|t| &t.layers[i]);
+        let (dx, grads) = tape.backward(&w, grad, &cx, adapters).ctx(&context)?;
+        for (tensor, g) in grads {
+            accumulate(store, &tensor, g).ctx(&context)?;
         }
         Ok(dx)
     }

@@ -270,6 +270,9 @@ impl CustomOp2 for TokenScoreOp {
         _res: &Tensor,
         grad_res: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        // A head outside the graph (frozen under LoRA) takes no gradient: its product is
+        // skipped.
+        let want_w = head.track_op();
         let hidden = hidden.detach();
         let head = head.detach();
         // Products in hidden's dtype (as the forward), the rest and the sum of dW in cdt.
@@ -278,7 +281,9 @@ impl CustomOp2 for TokenScoreOp {
         let w = head.to_dtype(pdt)?;
         let grad_res = grad_res.to_dtype(cdt)?;
         let n = hidden.dim(0)?;
-        let mut grad_w = Tensor::zeros(w.shape(), cdt, w.device())?;
+        let mut grad_w = want_w
+            .then(|| Tensor::zeros(w.shape(), cdt, w.device()))
+            .transpose()?;
         let mut grad_h = Vec::with_capacity(n.div_ceil(self.chunk_rows));
         let kept = std::mem::take(&mut *self.kept.lock().unwrap_or_else(|e| e.into_inner()));
         let mut kept = kept.into_iter();
@@ -297,10 +302,12 @@ impl CustomOp2 for TokenScoreOp {
             let gz = chunk_logit_grads(&logits, &t, &g, self.inv_temperature)?;
             drop(logits);
             grad_h.push(gz.matmul(&w)?);
-            grad_w = (grad_w + gz.t()?.matmul(&h)?.to_dtype(cdt)?)?;
+            if let Some(sum) = grad_w.take() {
+                grad_w = Some((sum + gz.t()?.matmul(&h)?.to_dtype(cdt)?)?);
+            }
         }
         let grad_h = Tensor::cat(&grad_h, 0)?.to_dtype(hidden.dtype())?;
-        let grad_w = grad_w.to_dtype(head.dtype())?;
-        Ok((Some(grad_h), Some(grad_w)))
+        let grad_w = grad_w.map(|g| g.to_dtype(head.dtype())).transpose()?;
+        Ok((Some(grad_h), grad_w))
     }
 }

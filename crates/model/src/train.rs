@@ -11,6 +11,7 @@ use crate::config::ModelConfig;
 use crate::error::{ModelError, Result, TensorContext};
 use crate::fused::{AttentionHeads, Segments};
 use crate::layers::{DecoderWeights, LayerWeights, linear};
+use crate::low_rank::{LowRank, LowRankTable};
 use crate::ops::{Kernels, Rope, apply_rope, compute_dtype, softmax_last_dim};
 use crate::scores::token_scores;
 use crate::snapshot::ModelWeights;
@@ -74,6 +75,9 @@ pub struct TrainableModel {
     /// Whether the layers' backward is written by hand where it applies
     /// ([`TrainableModel::set_hand_backward`]).
     pub(crate) hand_backward: bool,
+    /// LoRA's adapters, whose gradients the backward forms in place of every parameter's
+    /// ([`TrainableModel::set_low_rank`]).
+    pub(crate) low_rank: Option<LowRankTable>,
 }
 
 impl TrainableModel {
@@ -111,6 +115,7 @@ impl TrainableModel {
             compute: dtype,
             step: None,
             hand_backward: true,
+            low_rank: None,
         })
     }
 
@@ -132,6 +137,25 @@ impl TrainableModel {
     /// graph (`false`: the reference, for tests and `sluice bench trainer --graph-backward`).
     pub fn set_hand_backward(&mut self, on: bool) {
         self.hand_backward = on;
+    }
+
+    /// Trains LoRA's adapters in place of the parameters: each `(weight name, adapters)` of
+    /// `adapters` is a projection computing with its weight as `W₀ + s·B·A` (the caller keeps
+    /// the weight merged), and the backward ([`TrainableModel::backward_saved`]) files
+    /// `∂L/∂A` and `∂L/∂B` under `A`'s and `B`'s tensors, formed from each projection's input
+    /// and output gradient without forming the weight's ([`crate::low_rank`]), and no
+    /// parameter's gradient: norms, biases, embeddings and the LM head are frozen. Where a
+    /// layer's backward is not written by hand (candle's graph), the weights' gradients are
+    /// formed as without adapters and the caller projects them. Empty: every parameter
+    /// trains again. Refuses a name that is no projection's weight, one named twice, and
+    /// adapters whose shapes do not fit.
+    pub fn set_low_rank(&mut self, adapters: Vec<(String, LowRank)>) -> Result<()> {
+        self.low_rank = if adapters.is_empty() {
+            None
+        } else {
+            Some(LowRankTable::new(&self.config, adapters)?)
+        };
+        Ok(())
     }
 
     /// The training forward's kernels ([`TrainableModel::set_kernels`]).
@@ -317,7 +341,8 @@ impl TrainableModel {
     ) -> Result<TokenScores> {
         let targets = Tensor::new(batch.target_ids.as_slice(), self.device()).ctx("targets")?;
         let head = self.forward_weights().lm_head.to_dtype(self.tensor_dtype());
-        let head = head.ctx("lm head")?;
+        // Frozen under LoRA: the head's backward forms no weight gradient.
+        let head = self.frozen(head.ctx("lm head")?);
         let scores = token_scores(
             hidden,
             &head,
@@ -407,8 +432,17 @@ impl TrainableModel {
         self.forward_weights()
             .final_norm
             .to_dtype(self.tensor_dtype())
-            .and_then(|w| crate::ops::rms_norm(x, &w, eps, self.kernels))
+            .and_then(|w| crate::ops::rms_norm(x, &self.frozen(w), eps, self.kernels))
             .ctx("final norm")
+    }
+
+    /// `t` outside the graph while LoRA's adapters train ([`Self::set_low_rank`]), so no
+    /// gradient is formed for it; else `t`.
+    fn frozen(&self, t: Tensor) -> Tensor {
+        match self.low_rank {
+            Some(_) => t.detach(),
+            None => t,
+        }
     }
 
     /// Decoder layer `i` on the flat residual stream `x` `(B·L, hidden)`.

@@ -3,17 +3,19 @@
 //!
 //! Each adapted projection `W₀ (out, in)` gets `A (r, in)` and `B (out, r)`, and the model
 //! computes with `W = W₀ + s·B·A`, `s = alpha / r`. The trainer keeps `W` in the model's own
-//! parameter, so the forward, the fused kernels and the layers' hand-written backward are the
-//! full model's, unchanged; the adapters' gradients come from `W`'s, `G = ∂L/∂W`:
-//! `∂L/∂A = s·Bᵀ·G` and `∂L/∂B = s·G·Aᵀ`, taken per micro-batch (they are linear in `G`, so
-//! their sums are the step's). AdamW updates `A` and `B` alone; after each update `W` is formed
-//! again from the frozen `W₀`. Every other parameter (embeddings, norms, the head, biases) stays
-//! as loaded.
+//! parameter, so the forward and the fused kernels are the full model's, unchanged, and the
+//! engines receive `W` merged: inference runs at the full model's speed. The backward forms the
+//! adapters' gradients itself ([`sluice_model::low_rank`]): from each projection's input `x`
+//! and output gradient `g`, `∂L/∂A = s·(g·B)ᵀ·x` and `∂L/∂B = s·gᵀ·(x·Aᵀ)`, products of rank
+//! `r`, with no gradient formed for the weights, norms, embeddings or head. Where a layer's
+//! backward runs as candle's graph instead, the weights' gradients `G` are formed and projected
+//! here (`s·Bᵀ·G`, `s·G·Aᵀ`: the same chain rule). AdamW updates `A` and `B` alone; after each
+//! update `W` is formed again from the frozen `W₀`.
 //!
-//! What this saves is the optimizer's state and the gradients' sums: two moments and a sum of
+//! What this saves: the weights' gradient products (half of each projection's backward),
+//! the head's and the embedding's, and the optimizer's state: two moments and a sum of
 //! `r·(in + out)` numbers per projection, where full training keeps three of `out·in` for every
-//! parameter. It does not save the backward's products (`G` is formed as full training forms
-//! it). The engines receive `W` merged, so inference runs at the full model's speed.
+//! parameter.
 //!
 //! As PEFT initialises them: `A` uniform in `±1/√in` (Kaiming's uniform bound with `a = √5`),
 //! drawn from the run's seed and the parameter's name, and `B` zero, so the first forward is
@@ -22,10 +24,12 @@
 use std::collections::HashMap;
 use std::path::Path;
 
+use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 use serde::{Deserialize, Serialize};
 use sluice_core::rng::{SplitMix64, mix};
 use sluice_model::TrainableModel;
+use sluice_model::low_rank::LowRank;
 
 use crate::error::{TrainerError, tensor_ctx};
 
@@ -300,19 +304,47 @@ impl Adapters {
         each.map(|a| a.a.elem_count() + a.b.elem_count()).sum()
     }
 
-    /// The adapters' gradients from the model's parameter gradients (indices into
-    /// [`TrainableModel::vars`], as `TrainableModel::parameter_gradients` gives them), with
-    /// indices into [`Self::vars`]; the frozen parameters' gradients are dropped.
+    /// The adapters as the model's backward takes them ([`TrainableModel::set_low_rank`]): it
+    /// then forms their gradients itself, in place of the weights'.
+    pub fn low_rank(&self) -> Vec<(String, LowRank)> {
+        let scale = self.config.scale();
+        let each = self.adapters.iter();
+        each.map(|ad| {
+            let (a, b) = (ad.a.as_tensor().clone(), ad.b.as_tensor().clone());
+            (ad.name.clone(), LowRank { a, b, scale })
+        })
+        .collect()
+    }
+
+    /// The adapters' gradients of one backward, with indices into [`Self::vars`]: those the
+    /// backward formed itself (filed in `store` under `A` and `B`, [`Self::low_rank`]), else
+    /// projected from the weights' (`grads`, indices into [`TrainableModel::vars`], as
+    /// `TrainableModel::parameter_gradients` gives them: where a layer's backward ran as
+    /// candle's graph): `∂L/∂A = s·Bᵀ·G`, `∂L/∂B = s·G·Aᵀ`. The frozen parameters' gradients
+    /// are dropped.
     pub fn gradients(
         &self,
+        store: &GradStore,
         grads: Vec<(usize, Tensor)>,
     ) -> Result<Vec<(usize, Tensor)>, TrainerError> {
         let s = self.config.scale();
         let mut out = Vec::with_capacity(2 * self.adapters.len());
+        let mut formed = vec![false; self.adapters.len()];
+        for (k, ad) in self.adapters.iter().enumerate() {
+            if let (Some(da), Some(db)) = (store.get(ad.a.as_tensor()), store.get(ad.b.as_tensor()))
+            {
+                out.push((2 * k, da.clone()));
+                out.push((2 * k + 1, db.clone()));
+                formed[k] = true;
+            }
+        }
         for (param, g) in grads {
             let Some(k) = self.slot.get(param).copied().flatten() else {
                 continue;
             };
+            if formed[k] {
+                continue;
+            }
             let ad = &self.adapters[k];
             let grads = || -> candle_core::Result<(Tensor, Tensor)> {
                 let g = g.to_dtype(DType::F32)?;

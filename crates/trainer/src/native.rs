@@ -94,7 +94,7 @@ impl NativeTrainer {
         // The master weights live on the trainer's device whatever the engines' is.
         let device = sluice_model::device(config.device)?;
         let initial = initial.on_device(&device)?;
-        let model = master_model(&initial, config.compute_dtype)?;
+        let mut model = master_model(&initial, config.compute_dtype)?;
         let reference = if config.loss.kl_coef > 0.0 {
             // Frozen: its parameters are converted to the compute dtype once, for every step.
             let mut reference = master_model(&initial, config.compute_dtype)?;
@@ -107,6 +107,7 @@ impl NativeTrainer {
             Some(lora) => Some(Adapters::new(&model, lora, config.seed)?),
             None => None,
         };
+        train_adapters(&mut model, adapters.as_ref())?;
         let optim = AdamW::new(trained_vars(&model, adapters.as_ref()), config.optim)?;
         if let Some(a) = &adapters {
             tracing::info!(
@@ -490,8 +491,9 @@ impl NativeTrainer {
     pub fn load(&mut self, dir: &Path) -> Result<(), TrainerError> {
         let device = self.model.device().clone();
         let (snapshot, optim_tensors, state) = checkpoint::load(dir, &device)?;
-        let model = master_model(&snapshot, self.config.compute_dtype)?;
+        let mut model = master_model(&snapshot, self.config.compute_dtype)?;
         let adapters = checkpoint_adapters(&model, self.config.lora.as_ref(), dir)?;
+        train_adapters(&mut model, adapters.as_ref())?;
         let vars = trained_vars(&model, adapters.as_ref());
         let mut optim = AdamW::new(vars, self.config.optim)?;
         optim
@@ -568,6 +570,15 @@ impl TrainerBackend for NativeTrainer {
         self.published = Arc::new(published);
         Ok(())
     }
+}
+
+/// With LoRA, has `model`'s backward form the adapters' gradients in place of the weights'.
+fn train_adapters(
+    model: &mut TrainableModel,
+    adapters: Option<&Adapters>,
+) -> Result<(), TrainerError> {
+    let low_rank = adapters.map(Adapters::low_rank).unwrap_or_default();
+    Ok(model.set_low_rank(low_rank)?)
 }
 
 /// What the optimizer trains: the adapters with LoRA, else every parameter.

@@ -143,7 +143,8 @@ impl Head {
         out
     }
 
-    fn bwd<T: Real>(&self, h: &[T], w: &[T], grad: &[T]) -> (Vec<T>, Vec<T>) {
+    /// `(dh, dw)`; `dw` only when `want_w` (a head in the graph: not frozen).
+    fn bwd<T: Real>(&self, h: &[T], w: &[T], grad: &[T], want_w: bool) -> (Vec<T>, Option<Vec<T>>) {
         let _tiles = Bf16Products::enter(self.tiles);
         let n = self.targets.len();
         let hd = h.len() / n.max(1);
@@ -151,7 +152,7 @@ impl Head {
         let zero = T::from_f64(0.0);
         let inv_t = T::from_f64(self.inv_temperature);
         let mut dh = vec![zero; n * hd];
-        let mut dw = vec![zero; vocab * hd];
+        let mut dw = want_w.then(|| vec![zero; vocab * hd]);
         let mut e = vec![zero; vocab];
         let kept = std::mem::take(&mut *self.kept.lock().unwrap_or_else(|e| e.into_inner()));
         let mut kept = kept.into_iter();
@@ -208,15 +209,17 @@ impl Head {
                 Mat::rows(&z, vocab),
                 &w_rows,
             );
-            let h_rows = T::rhs(Mat::rows(&h[start * hd..(start + c) * hd], hd), c, hd);
-            product(
-                vocab,
-                hd,
-                c,
-                Dst::adding(&mut dw, hd),
-                Mat::transposed(&z, vocab),
-                &h_rows,
-            );
+            if let Some(dw) = &mut dw {
+                let h_rows = T::rhs(Mat::rows(&h[start * hd..(start + c) * hd], hd), c, hd);
+                product(
+                    vocab,
+                    hd,
+                    c,
+                    Dst::adding(dw, hd),
+                    Mat::transposed(&z, vocab),
+                    &h_rows,
+                );
+            }
         }
         (dh, dw)
     }
@@ -269,11 +272,13 @@ impl CustomOp2 for Head {
                     storage_slice(&hs, hl)?,
                     storage_slice(&ws, wl)?,
                     storage_slice(&gs, gl)?,
+                    // A head outside the graph (frozen under LoRA) takes no gradient.
+                    head.track_op(),
                 )
             };
             Ok((
                 Some(tensor(dh, hidden.shape())?),
-                Some(tensor(dw, head.shape())?),
+                dw.map(|dw| tensor(dw, head.shape())).transpose()?,
             ))
         }
         match hidden.dtype() {

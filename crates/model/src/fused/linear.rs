@@ -56,25 +56,46 @@ pub(crate) fn linear_grads(
     b: Option<&Tensor>,
     grad: &Tensor,
 ) -> Result<(Tensor, Tensor, Option<Tensor>)> {
-    let ((n, i), o) = (x.dims2()?, w.dim(0)?);
-    let (dx, dw, db) = if super::supported(x) {
-        let (op, want) = (Linear::new(n, i, o), [true, true, b.is_some()]);
-        match x.dtype() {
-            DType::F32 => op.bwd::<f32>(x, w, b, grad, want)?,
-            _ => op.bwd::<f64>(x, w, b, grad, want)?,
-        }
-    } else {
-        let (dx, dw) = Linear::bwd_products(x, w, grad, [true, true])?;
-        let db = b.map(|b| {
-            let sum = grad.to_dtype(DType::F32)?.sum(0)?;
-            sum.to_dtype(b.dtype())?.reshape(b.shape())
-        });
-        (dx, dw, db.transpose()?)
-    };
-    match (dx, dw) {
-        (Some(dx), Some(dw)) => Ok((dx, dw, db)),
+    match wanted_grads(x, w, b, grad, true)? {
+        (Some(dx), Some(dw), db) => Ok((dx, dw, db)),
         _ => candle_core::bail!("linear: a wanted gradient was not computed"),
     }
+}
+
+/// `dx` of [`linear`] alone, for a frozen weight and bias (LoRA's backward,
+/// [`crate::low_rank`]): the product `dW` would cost is not formed.
+pub(crate) fn linear_input_grad(x: &Tensor, w: &Tensor, grad: &Tensor) -> Result<Tensor> {
+    match wanted_grads(x, w, None, grad, false)? {
+        (Some(dx), ..) => Ok(dx),
+        _ => candle_core::bail!("linear: the input's gradient was not computed"),
+    }
+}
+
+/// `dx`, and `dw` and `db` (with a bias) when `weights`.
+fn wanted_grads(
+    x: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    grad: &Tensor,
+    weights: bool,
+) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+    let ((n, i), o) = (x.dims2()?, w.dim(0)?);
+    if super::supported(x) {
+        let (op, want) = (
+            Linear::new(n, i, o),
+            [true, weights, weights && b.is_some()],
+        );
+        return match x.dtype() {
+            DType::F32 => op.bwd::<f32>(x, w, b, grad, want),
+            _ => op.bwd::<f64>(x, w, b, grad, want),
+        };
+    }
+    let (dx, dw) = Linear::bwd_products(x, w, grad, [true, weights])?;
+    let db = b.filter(|_| weights).map(|b| {
+        let sum = grad.to_dtype(DType::F32)?.sum(0)?;
+        sum.to_dtype(b.dtype())?.reshape(b.shape())
+    });
+    Ok((dx, dw, db.transpose()?))
 }
 
 #[derive(Clone, Copy)]

@@ -39,7 +39,7 @@ pub(crate) use elementwise::{rms_inv, rms_norm_grads, swiglu_grads};
 pub use elementwise::{rms_norm, swiglu};
 pub(crate) use head::token_scores;
 pub use linear::linear;
-pub(crate) use linear::linear_grads;
+pub(crate) use linear::{linear_grads, linear_input_grad};
 pub(crate) use products::{Bf16Products, Rhs, product, product_new};
 pub use rope::rope;
 pub(crate) use rope::rope_grad;

@@ -138,8 +138,7 @@ impl NativeTrainer {
                 let mut clock = self.part_clock();
                 let mut g = self.model.parameter_gradients(&store);
                 if let Some(a) = &self.adapters {
-                    // Each micro-batch's: the adapters' gradients are linear in the weights'.
-                    g = a.gradients(g)?;
+                    g = a.gradients(&store, g)?;
                 }
                 out.parts.backward += clock.lap()?;
                 Ok((g, out))

@@ -1,11 +1,14 @@
 //! LoRA through the candle trainer (part of the `native` test binary): only the targeted
 //! projections move, each by `s·B·A` of rank `r` as the PEFT adapter the checkpoint writes
-//! says; the adapters' gradients are the chain rule's through the merged weight; a resume is
-//! exact; a checkpoint of the other kind, or of other adapter settings, is refused.
+//! says; the adapters' gradients are the chain rule's through the merged weight, formed by the
+//! layers' backward as candle's graph gives them projected; a resume is exact; a checkpoint of
+//! the other kind, or of other adapter settings, is refused.
 
 use std::collections::HashMap;
 
+use candle_core::backprop::GradStore;
 use candle_core::{Tensor, Var};
+use sluice_model::{Activations, TrainableModel};
 use sluice_trainer::LoraConfig;
 
 use super::*;
@@ -120,7 +123,8 @@ fn the_adapters_gradients_are_the_chain_rules_through_the_merged_weight() {
         .find(|(_, (n, _))| n.ends_with("layers.0.mlp.up_proj.weight"))
         .unwrap();
     let g = Tensor::randn(0f32, 1.0, w.shape(), &Device::Cpu).unwrap();
-    let projected = adapters.gradients(vec![(i, g.clone())]).unwrap();
+    let none = GradStore::default();
+    let projected = adapters.gradients(&none, vec![(i, g.clone())]).unwrap();
     assert_eq!(projected.len(), 2);
     assert_eq!(projected[0].0, 0);
     // candle's autograd through L = Σ G ⊙ (W₀ + s·B·A).
@@ -141,7 +145,80 @@ fn the_adapters_gradients_are_the_chain_rules_through_the_merged_weight() {
         0,
         Tensor::zeros(model.vars()[0].1.shape(), DType::F32, &Device::Cpu).unwrap(),
     );
-    assert!(adapters.gradients(vec![embed]).unwrap().is_empty());
+    assert!(adapters.gradients(&none, vec![embed]).unwrap().is_empty());
+}
+
+#[test]
+fn the_backward_forms_the_adapters_gradients_as_the_graph_projects_them() {
+    // Every projection adapted: the layers' hand-written backward forms
+    // dA and dB from each projection's input and output gradient; candle's graph forms the
+    // weights' gradients, which the trainer projects. Three steps (B moves off zero after the
+    // first) land on the same weights.
+    let cfg = lora_config(4, &sluice_trainer::lora::TARGETS);
+    let mut hand = NativeTrainer::new(tiny(24), cfg.clone(), None).unwrap();
+    let mut graph = NativeTrainer::new(tiny(24), cfg, None).unwrap();
+    graph.set_graph_backward(true);
+    for _ in 0..3 {
+        let (a, b) = (
+            hand.train_step(&fixed_batch()).unwrap(),
+            graph.train_step(&fixed_batch()).unwrap(),
+        );
+        let norm = |out: &sluice_core::TrainStepOutput| out.metrics[m::TRAINER_GRAD_NORM_VALUE];
+        let (a, b) = (norm(&a), norm(&b));
+        assert!(b > 0.0 && (a - b).abs() / b < 1e-4, "grad norm {a} vs {b}");
+    }
+    let (after_hand, after_graph) = (named(&hand), named(&graph));
+    for (name, w) in &after_hand {
+        let err = max_abs(&(w - &after_graph[name]).unwrap());
+        assert!(err < 1e-5, "{name}: {err}");
+    }
+}
+
+#[test]
+fn with_adapters_the_backward_forms_theirs_and_no_parameters() {
+    let snapshot = tiny(25);
+    let mut model = TrainableModel::from_snapshot(&snapshot, DType::F32).unwrap();
+    let lora = LoraConfig {
+        rank: 2,
+        alpha: 4.0,
+        targets: vec!["k_proj".into(), "up_proj".into()],
+    };
+    let adapters = sluice_trainer::Adapters::new(&model, &lora, 7).unwrap();
+    model.set_low_rank(adapters.low_rank()).unwrap();
+    let batch =
+        PackedBatch::from_rows(&[vec![&[5, 6, 7, 8, 9][..], &[5, 6, 10][..]]], 8, 0).unwrap();
+    let backward = |model: &TrainableModel| {
+        let (scores, saved) = model
+            .token_scores_for_backward(&batch, ForwardOptions::default(), Activations::Kept)
+            .unwrap();
+        let loss = scores.logprobs.sum_all().unwrap();
+        model.backward_saved(&loss, saved).unwrap()
+    };
+    let store = backward(&model);
+    // Every A and B has its gradient (B starts at zero, so A's is zero at first), and no
+    // parameter has one: embeddings, norms, the head and the weights are frozen.
+    for v in adapters.vars() {
+        let g = store
+            .get(v.as_tensor())
+            .expect("an adapter without a gradient");
+        assert_eq!(g.dims(), v.dims());
+    }
+    let b = &adapters.vars()[1];
+    assert!(max_abs(store.get(b.as_tensor()).unwrap()) > 0.0);
+    assert!(model.parameter_gradients(&store).is_empty());
+    // A name that is no projection's weight, and adapters that do not fit, are refused.
+    let mut low_rank = adapters.low_rank();
+    low_rank[0].0 = "model.embed_tokens.weight".into();
+    let err = model.set_low_rank(low_rank).unwrap_err().to_string();
+    assert!(err.contains("model.embed_tokens.weight"), "{err}");
+    let mut low_rank = adapters.low_rank();
+    low_rank[1].0 = low_rank[0].0.clone(); // up_proj's adapters on a k_proj
+    let err = model.set_low_rank(low_rank).unwrap_err().to_string();
+    assert!(err.contains("wanted"), "{err}");
+    // Without adapters every parameter has its gradient again.
+    model.set_low_rank(Vec::new()).unwrap();
+    let grads = model.parameter_gradients(&backward(&model));
+    assert_eq!(grads.len(), model.vars().len());
 }
 
 #[test]
