@@ -1,4 +1,5 @@
-//! LoRA's gradients formed by the backward itself ([`TrainableModel::set_low_rank`]).
+//! LoRA's gradients formed by the backward itself
+//! ([`TrainableModel::set_low_rank`](crate::TrainableModel::set_low_rank)).
 //!
 //! A projection adapted by `A (r, in)` and `B (out, r)` computes with `W = W₀ + s·B·A`. For its
 //! input `x (N, in)` and its output's gradient `g (N, out)`, the weight's gradient would be
