@@ -10,7 +10,7 @@
 //! `r`, with no gradient formed for the weights, norms, embeddings or head. Where a layer's
 //! backward runs as candle's graph instead, the weights' gradients `G` are formed and projected
 //! here (`s·Bᵀ·G`, `s·G·Aᵀ`: the same chain rule). AdamW updates `A` and `B` alone; after each
-//! update `W` is formed again from the frozen `W₀`.
+//! update the change of `s·B·A` is added to `W` ([`Adapters::merge`]), so `W₀` is never kept.
 //!
 //! What this saves: the weights' gradient products (half of each projection's backward),
 //! the head's and the embedding's, and the optimizer's state: two moments and a sum of
@@ -114,12 +114,14 @@ struct Adapter {
     param: usize,
     /// Its weight's name (`model.layers.0.self_attn.q_proj.weight`).
     name: String,
-    /// `W₀`, frozen.
-    base: Tensor,
     /// `(r, in)`.
     a: Var,
     /// `(out, r)`.
     b: Var,
+    /// Copies of the `A` and `B` whose product the weight holds now: `W = W₀ + s·B·A` with
+    /// these, and [`Adapters::merge`] adds what the optimizer changed. `W₀` itself is never
+    /// kept (a copy of every adapted weight).
+    merged: (Tensor, Tensor),
 }
 
 impl Adapter {
@@ -194,7 +196,6 @@ impl Adapters {
         let path = dir.join(ADAPTER_WEIGHTS);
         let mut tensors = candle_core::safetensors::load(&path, model.device())
             .map_err(|e| TrainerError::checkpoint(&path, e))?;
-        let scale = config.scale();
         let adapters = Self::build(model, config, |name, merged, rank| {
             let (out, inp) = merged.dims2()?;
             let module = name.strip_suffix(".weight").unwrap_or(name);
@@ -223,17 +224,13 @@ impl Adapters {
                 format!("unexpected tensor `{extra}`"),
             ));
         }
-        // The checkpoint holds W; W₀ is what the adapters were added to.
-        let mut adapters = adapters;
-        for ad in &mut adapters.adapters {
-            let delta = product(&ad.b, &ad.a, scale).map_err(tensor_ctx(&ad.name))?;
-            ad.base = (&ad.base - delta).map_err(tensor_ctx(&ad.name))?;
-        }
+        // The checkpoint's W holds these adapters' product already.
         Ok(adapters)
     }
 
     /// Adapters on every targeted weight of `model`, `init(name, weight, rank)` giving `A`
-    /// and `B`; `base` starts as a copy of each weight.
+    /// and `B`, whose product the weight holds already (`B = 0` fresh; a checkpoint's merged
+    /// weight).
     fn build(
         model: &TrainableModel,
         config: &LoraConfig,
@@ -254,14 +251,18 @@ impl Adapters {
             }
             let context = tensor_ctx(name);
             let (a, b) = init(name, weight, config.rank).map_err(context)?;
+            let merged = (
+                a.copy().map_err(tensor_ctx(name))?,
+                b.copy().map_err(tensor_ctx(name))?,
+            );
             let var = |t: Tensor| Var::from_tensor(&t).map_err(tensor_ctx(name));
             slot[param] = Some(adapters.len());
             adapters.push(Adapter {
                 param,
                 name: name.clone(),
-                base: weight.copy().map_err(tensor_ctx(name))?,
                 a: var(a)?,
                 b: var(b)?,
+                merged,
             });
         }
         if adapters.is_empty() {
@@ -360,15 +361,22 @@ impl Adapters {
         Ok(out)
     }
 
-    /// Writes `W₀ + s·B·A` into each adapted weight of `model` (after every optimizer update).
-    pub fn merge(&self, model: &TrainableModel) -> Result<(), TrainerError> {
+    /// Brings each adapted weight of `model` to `W₀ + s·B·A` for the current `A` and `B`
+    /// (after every optimizer update): it holds `W₀ + s·B'·A'` for the last merged `A'`, `B'`,
+    /// so `s·(B·A − B'·A') = s·(B·(A − A') + (B − B')·A')` is added, formed from the update's
+    /// own small differences (its rounding scales with them, not with the adapters).
+    pub fn merge(&mut self, model: &TrainableModel) -> Result<(), TrainerError> {
         let s = self.config.scale();
-        for ad in &self.adapters {
-            let merged = product(&ad.b, &ad.a, s).and_then(|d| &ad.base + d);
+        for ad in &mut self.adapters {
+            let (a, b) = (ad.a.as_tensor(), ad.b.as_tensor());
             let var = &model.vars()[ad.param].1;
-            merged
-                .and_then(|w| var.set(&w))
-                .map_err(tensor_ctx(&ad.name))?;
+            let merged = || -> candle_core::Result<(Tensor, Tensor)> {
+                let (a0, b0) = &ad.merged;
+                let delta = (b.matmul(&(a - a0)?)? + (b - b0)?.matmul(a0)?)?;
+                var.set(&(var.as_tensor() + (delta * s)?)?)?;
+                Ok((a.copy()?, b.copy()?))
+            };
+            ad.merged = merged().map_err(tensor_ctx(&ad.name))?;
         }
         Ok(())
     }
@@ -408,11 +416,6 @@ impl Adapters {
             .map_err(|e| TrainerError::checkpoint(&path, e))?;
         std::fs::write(&path, json + "\n").map_err(|e| TrainerError::checkpoint(&path, e))
     }
-}
-
-/// `s·B·A`.
-fn product(b: &Var, a: &Var, s: f64) -> candle_core::Result<Tensor> {
-    b.as_tensor().matmul(a.as_tensor())? * s
 }
 
 /// FNV-1a of a parameter's name: each adapter draws from its own stream.

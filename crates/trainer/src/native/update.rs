@@ -190,7 +190,7 @@ impl NativeTrainer {
         self.model.clear_step_weights();
         let mut clock = self.part_clock();
         stats.optim = Some(self.optim.step(&grads)?);
-        if let Some(a) = &self.adapters {
+        if let Some(a) = &mut self.adapters {
             a.merge(&self.model)?;
         }
         stats.parts.optimizer += clock.lap()?;
