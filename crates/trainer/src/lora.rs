@@ -372,8 +372,11 @@ impl Adapters {
             let var = &model.vars()[ad.param].1;
             let merged = || -> candle_core::Result<(Tensor, Tensor)> {
                 let (a0, b0) = &ad.merged;
-                let delta = (b.matmul(&(a - a0)?)? + (b - b0)?.matmul(a0)?)?;
-                var.set(&(var.as_tensor() + (delta * s)?)?)?;
+                // One product of inner size 2r: [B, B − B'] · [A − A'; A'].
+                let left = Tensor::cat(&[b, &(b - b0)?], 1)?;
+                let right = Tensor::cat(&[&(a - a0)?, a0], 0)?;
+                let delta = left.matmul(&right)?.affine(s, 0.0)?;
+                var.set(&(var.as_tensor() + delta)?)?;
                 Ok((a.copy()?, b.copy()?))
             };
             ad.merged = merged().map_err(tensor_ctx(&ad.name))?;
