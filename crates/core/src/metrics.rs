@@ -324,7 +324,7 @@ catalog! {
     ACTOR_RESTART_BACKOFF_SECONDS = "sluice_actor_restart_backoff_seconds", Gauge, ["actor"], NONE,
         "Delay before the supervisor's next restart of an actor (0 when healthy).";
     NODE_CHECKPOINT_SECONDS = "sluice_node_checkpoint_seconds", Histogram, [], SECONDS_BUCKETS,
-        "Time to write a checkpoint (trainer state, replay commit, manifest).";
+        "Time to write a checkpoint (trainer state, replay commit, manifest), without the wait for the run log to record the checkpoint's step.";
     NODE_CHECKPOINT_VERSION = "sluice_node_checkpoint_version", Gauge, [], NONE,
         "Policy version of the newest checkpoint on disk.";
     NODE_CHECKPOINT_FAILURES = "sluice_node_checkpoint_failures_total", Counter, [], NONE,

@@ -299,7 +299,7 @@ async fn write(h: &NodeHandles, reason: &str) -> Result<Manifest, CheckpointErro
     let knobs = KnobState::new(&h.config_knobs, &held.unwrap_or_else(|| h.knobs.current()));
     // Every mark is taken; before the commit makes them the resume point, the run log must
     // hold the trainer's steps (see `wait_for_log`; without a monitor logging, no wait).
-    wait_for_log(h, mark.steps).await;
+    let waited = wait_for_log(h, mark.steps).await;
     let manifest = Manifest {
         format: FORMAT,
         version: mark.version.0,
@@ -317,7 +317,9 @@ async fn write(h: &NodeHandles, reason: &str) -> Result<Manifest, CheckpointErro
         files: Default::default(),
     };
     let manifest = blocking(move || dir.commit(&manifest)).await?;
-    let seconds = started.elapsed().as_secs_f64();
+    // The write's own time: a wait for the run log (behind an evaluation, minutes on a large
+    // model) is no part of it, and is logged beside it.
+    let seconds = started.elapsed().saturating_sub(waited).as_secs_f64();
     metrics::histogram!(m::NODE_CHECKPOINT_SECONDS).record(seconds);
     metrics::gauge!(m::NODE_CHECKPOINT_VERSION).set(manifest.version as f64);
     tracing::info!(
@@ -325,6 +327,7 @@ async fn write(h: &NodeHandles, reason: &str) -> Result<Manifest, CheckpointErro
         step = manifest.steps,
         reason,
         seconds,
+        waited_for_run_log_seconds = waited.as_secs_f64(),
         "checkpoint written"
     );
     *h.last_checkpoint.lock().unwrap_or_else(|p| p.into_inner()) = Some(manifest.clone());
@@ -336,8 +339,9 @@ async fn write(h: &NodeHandles, reason: &str) -> Result<Manifest, CheckpointErro
 const LOG_WAIT: std::time::Duration = std::time::Duration::from_secs(600);
 
 /// Waits until the run monitor's log holds `steps` (the trainer may be a step or more ahead of
-/// the log while the monitor evaluates), or no monitor logs any more.
-async fn wait_for_log(h: &NodeHandles, steps: u64) {
+/// the log while the monitor evaluates), or no monitor logs any more; returns how long.
+async fn wait_for_log(h: &NodeHandles, steps: u64) -> std::time::Duration {
+    let started = Instant::now();
     let mut logged = h.logged_steps.subscribe();
     let caught_up = logged.wait_for(|l| l.is_none_or(|s| s >= steps));
     if tokio::time::timeout(LOG_WAIT, caught_up).await.is_err() {
@@ -347,6 +351,7 @@ async fn wait_for_log(h: &NodeHandles, steps: u64) {
             "checkpoint written before the run log caught up with it"
         );
     }
+    started.elapsed()
 }
 
 async fn blocking<T: Send + 'static>(
