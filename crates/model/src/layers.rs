@@ -243,6 +243,19 @@ pub(crate) enum Proj {
 }
 
 impl Proj {
+    /// Its module's name within a layer (`self_attn.q_proj`, `mlp.gate_proj`, …).
+    pub(crate) fn module(self) -> &'static str {
+        match self {
+            Proj::Q => "self_attn.q_proj",
+            Proj::K => "self_attn.k_proj",
+            Proj::V => "self_attn.v_proj",
+            Proj::O => "self_attn.o_proj",
+            Proj::Gate => "mlp.gate_proj",
+            Proj::Up => "mlp.up_proj",
+            Proj::Down => "mlp.down_proj",
+        }
+    }
+
     /// Every projection, in declaration order (`Proj::ALL[p as usize] == p`).
     pub(crate) const ALL: [Proj; 7] = [
         Proj::Q,

@@ -98,17 +98,8 @@ impl LowRankTable {
 }
 
 /// The HF name of projection `p`'s weight in layer `l`.
-pub(crate) fn projection_name(l: usize, p: Proj) -> String {
-    let module = match p {
-        Proj::Q => "self_attn.q_proj",
-        Proj::K => "self_attn.k_proj",
-        Proj::V => "self_attn.v_proj",
-        Proj::O => "self_attn.o_proj",
-        Proj::Gate => "mlp.gate_proj",
-        Proj::Up => "mlp.up_proj",
-        Proj::Down => "mlp.down_proj",
-    };
-    format!("{}.{module}.weight", layer_prefix(l))
+fn projection_name(l: usize, p: Proj) -> String {
+    format!("{}.{}.weight", layer_prefix(l), p.module())
 }
 
 /// The layer and projection whose weight is called `name`.

@@ -28,9 +28,8 @@ use sluice_model::{ComputePool, ForwardOptions, TrainableModel};
 
 use crate::advantage::compute_advantages;
 use crate::batcher::{Packing, TrainingText, pack};
-use crate::checkpoint;
 use crate::error::TrainerError;
-use crate::lora::{ADAPTER_DIR, Adapters};
+use crate::lora::Adapters;
 use crate::loss::{LossStats, TextTokens, aggregation_weights, token_terms};
 use crate::optim::AdamW;
 use crate::report::{StepStats, step_metrics};
@@ -39,6 +38,7 @@ pub use crate::steps::minibatch_ranges;
 use crate::steps::{PartClock, packed, pick, record_packing, slot_index};
 pub use update::convert_weights;
 
+mod checkpointing;
 mod update;
 use update::StartPolicy;
 
@@ -457,60 +457,6 @@ impl NativeTrainer {
         self.published = Arc::new(weights);
         Ok(())
     }
-
-    /// Writes the checkpoint of the current state under `dir` (see [`checkpoint`]).
-    pub fn save(&self, dir: &Path) -> Result<(), TrainerError> {
-        let state = checkpoint::TrainerState {
-            format: checkpoint::FORMAT_VERSION,
-            step: self.steps,
-            version: self.version.0,
-            optimizer_step: self.optim.step_count(),
-            seed: self.config.seed,
-            learning_rate: self.config.optim.learning_rate,
-            next_learning_rate: self.config.optim.learning_rate_at(self.optim.step_count()),
-            warmup_steps: self.config.optim.warmup_steps,
-            total_steps: self.config.optim.total_steps,
-            schedule: checkpoint::schedule_name(self.config.optim.schedule),
-        };
-        let master = self.model.snapshot(self.version, None)?;
-        let aux = self.aux_source.as_deref();
-        checkpoint::save(
-            dir,
-            &master,
-            aux,
-            &self.optim.state_tensors(),
-            &state,
-            |tmp| match &self.adapters {
-                Some(a) => a.save(&tmp.join(ADAPTER_DIR), aux),
-                None => Ok(()),
-            },
-        )
-    }
-
-    /// Replaces the current state with the checkpoint under `dir`.
-    pub fn load(&mut self, dir: &Path) -> Result<(), TrainerError> {
-        let device = self.model.device().clone();
-        let (snapshot, optim_tensors, state) = checkpoint::load(dir, &device)?;
-        let mut model = master_model(&snapshot, self.config.compute_dtype)?;
-        let adapters = checkpoint_adapters(&model, self.config.lora.as_ref(), dir)?;
-        train_adapters(&mut model, adapters.as_ref())?;
-        let vars = trained_vars(&model, adapters.as_ref());
-        let mut optim = AdamW::new(vars, self.config.optim)?;
-        optim
-            .load_state(optim_tensors, state.optimizer_step)
-            .map_err(|e| TrainerError::checkpoint(dir.join(checkpoint::OPTIMIZER_FILE), e))?;
-        self.model = model;
-        self.adapters = adapters;
-        self.optim = optim;
-        self.steps = state.step;
-        self.version = PolicyVersion(state.version);
-        self.published = Arc::new(
-            self.model
-                .snapshot(self.version, Some(self.config.publish_dtype))?,
-        );
-        sluice_model::device::settle(&device)?;
-        Ok(())
-    }
 }
 
 impl Drop for NativeTrainer {
@@ -586,33 +532,6 @@ fn trained_vars(model: &TrainableModel, adapters: Option<&Adapters>) -> Vec<cand
     match adapters {
         Some(a) => a.vars(),
         None => model.vars().iter().map(|(_, v)| v.clone()).collect(),
-    }
-}
-
-/// The adapters of the checkpoint under `dir` for a trainer configured with `lora`; refuses a
-/// checkpoint of the other kind (LoRA's where every weight trains, or the reverse).
-fn checkpoint_adapters(
-    model: &TrainableModel,
-    lora: Option<&crate::lora::LoraConfig>,
-    dir: &Path,
-) -> Result<Option<Adapters>, TrainerError> {
-    let saved = dir.join(ADAPTER_DIR);
-    match (lora, saved.is_dir()) {
-        (Some(lora), true) => Ok(Some(Adapters::load(model, lora, &saved)?)),
-        (None, false) => Ok(None),
-        (Some(lora), false) => Err(TrainerError::checkpoint(
-            dir,
-            format!(
-                "every weight trained in this checkpoint, and trainer.lora_rank = {} asks for                  adapters: resume with trainer.lora_rank = 0, or start a new run from its model                  directory",
-                lora.rank
-            ),
-        )),
-        (None, true) => Err(TrainerError::checkpoint(
-            dir,
-            format!(
-                "LoRA adapters trained in this checkpoint ({ADAPTER_DIR}/), and                  trainer.lora_rank = 0 asks to train every weight: resume with the adapters'                  settings, or start a new run from its model directory (the merged weights)"
-            ),
-        )),
     }
 }
 
