@@ -7,6 +7,10 @@
 //! exactly once in order (the steps after a `kill -9`'s last checkpoint are trained and logged
 //! again), keep wall time running forward, and never lose a trained step's weights after a
 //! graceful stop. Timings (stop, resume to first step) are printed, never asserted.
+//!
+//! Beside it: corrupt or mismatched checkpoints refused, and (`native_resume/trainer_kinds.rs`)
+//! runs whose trainer keeps more than the weights (LoRA's adapters, PPO's critic) checkpoint it
+//! and resume with it.
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -14,6 +18,9 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
+
+#[path = "native_resume/trainer_kinds.rs"]
+mod trainer_kinds;
 
 /// RL steps before the stop.
 const STOP_AT: u64 = 20;
@@ -293,55 +300,6 @@ fn short_run_with(out: &Path, max_steps: u64, extra: &[&str]) -> Run {
     sets.extend(extra.iter().map(|s| s.to_string()));
     let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/quickstart.toml");
     Run::spawn(out, &format!("steps{max_steps}"), &config, &sets)
-}
-
-/// LoRA through the binary: a quickstart run with `trainer.lora_rank` checkpoints the merged
-/// weights and the adapters as PEFT writes them, the same command resumes with them, and a
-/// resume asking for another rank is refused naming both.
-#[test]
-fn a_lora_run_checkpoints_peft_adapters_and_resumes_with_them() {
-    let out = tempfile::tempdir().unwrap().keep().join("run");
-    let lora = ["trainer.lora_rank=4", "trainer.learning_rate=0.001"];
-    let mut run = short_run_with(&out, 3, &lora);
-    let code = run.wait_exit();
-    let logs = run.logs();
-    assert!(code.success(), "{code}\n{logs}");
-    assert!(
-        logs.contains("LoRA: adapters train in place of the weights"),
-        "{logs}"
-    );
-    let trainer = out.join("checkpoint/trainer");
-    let peft: Value = serde_json::from_str(
-        &std::fs::read_to_string(trainer.join("adapter/adapter_config.json")).unwrap(),
-    )
-    .unwrap();
-    assert_eq!(peft["peft_type"], "LORA");
-    assert_eq!(peft["r"], 4);
-    assert_eq!(peft["target_modules"].as_array().unwrap().len(), 7);
-    assert!(trainer.join("adapter/adapter_model.safetensors").is_file());
-    assert!(trainer.join("model/model.safetensors").is_file());
-
-    let mut more = short_run_with(&out, 5, &lora);
-    let code = more.wait_exit();
-    assert!(code.success(), "{code}\n{}", more.logs());
-    assert_eq!(manifest(&out)["steps"], 5, "{}", more.logs());
-
-    let mut other = short_run_with(&out, 7, &["trainer.lora_rank=8"]);
-    let code = other.wait_exit();
-    let logs = other.logs();
-    assert!(
-        !code.success(),
-        "a resume with another rank must fail\n{logs}"
-    );
-    for e in [
-        "adapter_config.json",
-        "rank 4",
-        "rank 8",
-        "trainer.lora_rank",
-    ] {
-        assert!(logs.contains(e), "`{e}` not in the output\n{logs}");
-    }
-    let _ = std::fs::remove_dir_all(out.parent().unwrap());
 }
 
 /// Copies the finished short run, applies `corrupt` to the copy, sums its files afresh into the

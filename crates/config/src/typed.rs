@@ -12,7 +12,7 @@ use sluice_data::config::DataConfig;
 use sluice_engine::config::EngineConfig;
 use sluice_model::section::ModelSection;
 use sluice_replay::config::ReplayConfig;
-use sluice_trainer::config::{DECOUPLED_MINIBATCHES, LossKind, TrainerConfig};
+use sluice_trainer::config::{AdvantageKind, DECOUPLED_MINIBATCHES, LossKind, TrainerConfig};
 
 use crate::sections::*;
 
@@ -134,11 +134,14 @@ impl Config {
                 "trainer.loss = \"gspo\" with clip_low = {lo}, clip_high = {hi} and rollout.max_version_lag = {eta}: a text sampled by weights a version or more behind has a geometric-mean ratio beyond that range, so many texts are clipped whole (49 % a step on SmolLM2 at the paper's 3e-4 / 4e-4, whose held-out accuracy went 7.8 → 9.4 % in 20 steps where PPO's went to 21.9 %; docs/trainer.md); widen both to {GSPO_OFF_POLICY_CLIP} or more, or set rollout.max_version_lag = 0"
             ));
         }
-        if self.rollout.group_size.get() == 1 {
+        if self.rollout.group_size.get() == 1 && self.trainer.advantage != AdvantageKind::Gae {
             notes.push(format!(
                 "rollout.group_size = 1 with trainer.advantage = \"{}\": every advantage is relative to its group's other rollouts, so with one a group every advantage is 0 and the policy gradient is nothing (the zero-advantage filter drops every group); sample several rollouts a prompt (8 or 16 is usual)",
                 self.trainer.advantage
             ));
+        }
+        if self.trainer.advantage == AdvantageKind::Gae && self.replay.filter_zero_advantage {
+            notes.push("trainer.advantage = \"gae\" with replay.filter_zero_advantage = true: the replay store drops every group whose rollouts got equal rewards, though under gae their tokens have advantages (the critic's values differ token by token) and they teach the critic; set replay.filter_zero_advantage = false".to_owned());
         }
         if self.trainer.dual_clip > 0.0 && self.trainer.loss == LossKind::Tis {
             notes.push(format!(

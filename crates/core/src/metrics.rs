@@ -321,6 +321,18 @@ catalog! {
         "Train/inference mismatch: largest |behaviour log-prob - trainer log-prob| of a compared token in the last step that had some.";
     TRAINER_MISMATCH_KL_NATS = "sluice_trainer_mismatch_kl_nats", Gauge, [], NONE,
         "Train/inference mismatch: k3 estimate of KL(engine || trainer), mean of exp(r) - 1 - r with r = trainer - behaviour log-prob, over the compared tokens of the last step that had some.";
+    TRAINER_CRITIC_LOSS_VALUE = "sluice_trainer_critic_loss_value", Gauge, [], NONE,
+        "advantage = gae: the critic's clipped value loss (the mean over tokens of 1/2 max((v - R)^2, (v_clip - R)^2)) in the last step, the mean of its updates'.";
+    TRAINER_CRITIC_VALUE_CLIP_RATIO = "sluice_trainer_critic_value_clip_ratio", Gauge, [], NONE,
+        "advantage = gae: fraction of the last step's tokens whose clipped value term was the larger (value moved more than trainer.value_clip from the step's start, away from the return).";
+    TRAINER_CRITIC_VALUES_MEAN_VALUE = "sluice_trainer_critic_values_mean_value", Gauge, [], NONE,
+        "advantage = gae: mean value the critic gave the last step's tokens before its update.";
+    TRAINER_CRITIC_RETURNS_MEAN_VALUE = "sluice_trainer_critic_returns_mean_value", Gauge, [], NONE,
+        "advantage = gae: mean GAE return (the critic's target) of the last step's tokens.";
+    TRAINER_CRITIC_EXPLAINED_VARIANCE_RATIO = "sluice_trainer_critic_explained_variance_ratio", Gauge, [], NONE,
+        "advantage = gae: 1 - Var(R - v)/Var(R) over the last step's tokens, v the critic's values before its update and R the returns (1: exact, 0: no better than the mean, negative: worse); absent when the returns do not vary.";
+    TRAINER_CRITIC_GRAD_NORM_VALUE = "sluice_trainer_critic_grad_norm_value", Gauge, [], NONE,
+        "advantage = gae: the critic's global gradient norm before clipping, last update.";
     ACTOR_RESTART_BACKOFF_SECONDS = "sluice_actor_restart_backoff_seconds", Gauge, ["actor"], NONE,
         "Delay before the supervisor's next restart of an actor (0 when healthy).";
     NODE_CHECKPOINT_SECONDS = "sluice_node_checkpoint_seconds", Histogram, [], SECONDS_BUCKETS,

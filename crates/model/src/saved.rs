@@ -77,11 +77,56 @@ impl TrainableModel {
     ) -> Result<(TokenScores, SavedActivations)> {
         check_temperature(options.temperature)?;
         let _tiles = self.products_scope();
-        let hand = self.layers_by_hand();
-        if activations == Activations::Kept && !hand {
+        if activations == Activations::Kept && !self.layers_by_hand() {
             let scores = self.token_scores(batch, options)?;
             return Ok((scores, SavedActivations(Saved::Graph)));
         }
+        let (top, saved) = self.layers_for_backward(batch, activations)?;
+        let hidden = self.final_norm(&top)?;
+        let scores = self.scores_from_hidden(&hidden, batch, options)?;
+        Ok((scores, saved))
+    }
+
+    /// A value head's estimate at every slot, `(B, L)` in f32 (f64 for an f64 model, `head`'s
+    /// dtype either way): `head` `(1, hidden)` times the
+    /// final-norm hidden state, the critic of PPO with GAE. Differentiable with respect to
+    /// `head` (a variable of the caller's) and every parameter; take the gradients of a loss
+    /// built from the values with [`TrainableModel::backward_saved`], as for
+    /// [`TrainableModel::token_scores_for_backward`].
+    pub fn values_for_backward(
+        &self,
+        batch: &PackedBatch,
+        head: &Tensor,
+        activations: Activations,
+    ) -> Result<(Tensor, SavedActivations)> {
+        let _tiles = self.products_scope();
+        let (hidden, saved) = if activations == Activations::Kept && !self.layers_by_hand() {
+            (self.hidden_states(batch)?, SavedActivations(Saved::Graph))
+        } else {
+            let (top, saved) = self.layers_for_backward(batch, activations)?;
+            (self.final_norm(&top)?, saved)
+        };
+        // f32 (f64 for an f64 model), as the log-probs are.
+        let dtype = match self.dtype() {
+            candle_core::DType::F64 => candle_core::DType::F64,
+            _ => candle_core::DType::F32,
+        };
+        let values = hidden
+            .to_dtype(dtype)
+            .and_then(|h| h.matmul(&head.t()?))
+            .and_then(|v| v.reshape((batch.batch, batch.seq_len)))
+            .ctx("value head")?;
+        Ok((values, saved))
+    }
+
+    /// The decoder layers' forward outside any graph, keeping what their backward reads: the
+    /// last layer's output (the variable a head's graph starts from) and the saved activations.
+    fn layers_for_backward(
+        &self,
+        batch: &PackedBatch,
+        activations: Activations,
+    ) -> Result<(Tensor, SavedActivations)> {
+        let hand = self.layers_by_hand();
         let inputs = self.layer_inputs(batch)?;
         let layers = self.config().num_layers;
         let mut tapes = Vec::new();
@@ -104,18 +149,17 @@ impl TrainableModel {
             x = out;
         }
         let top = Var::from_tensor(&x).ctx("last layer output")?;
-        let hidden = self.final_norm(top.as_tensor())?;
-        let scores = self.scores_from_hidden(&hidden, batch, options)?;
         let layers = match activations {
             Activations::Kept => Layers::Tapes(tapes),
             Activations::Recomputed => Layers::Inputs(layer_inputs),
         };
+        let output = top.as_tensor().clone();
         let saved = Saved::Layers {
             inputs,
             layers,
             top,
         };
-        Ok((scores, SavedActivations(saved)))
+        Ok((output, SavedActivations(saved)))
     }
 
     /// [`TrainableModel::token_scores_for_backward`] keeping only each layer's input. Also the

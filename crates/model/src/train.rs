@@ -377,7 +377,7 @@ impl TrainableModel {
     }
 
     /// Final-norm hidden states, flat `(B·L, hidden)`.
-    fn hidden_states(&self, batch: &PackedBatch) -> Result<Tensor> {
+    pub(crate) fn hidden_states(&self, batch: &PackedBatch) -> Result<Tensor> {
         let inputs = self.layer_inputs(batch)?;
         let mut x = self.embed(&inputs)?;
         for i in 0..self.weights.layers.len() {

@@ -59,5 +59,17 @@ pub const TRAINER_FIGURES: &[(&str, &str)] = {
         ),
         ("train.step_seconds", m::TRAINER_STEP_SECONDS),
         ("train.tokens_per_s", m::TRAINER_TOKENS_PER_SECOND),
+        ("critic.loss", m::TRAINER_CRITIC_LOSS_VALUE),
+        (
+            "critic.value_clip_fraction",
+            m::TRAINER_CRITIC_VALUE_CLIP_RATIO,
+        ),
+        ("critic.values_mean", m::TRAINER_CRITIC_VALUES_MEAN_VALUE),
+        ("critic.returns_mean", m::TRAINER_CRITIC_RETURNS_MEAN_VALUE),
+        (
+            "critic.explained_variance",
+            m::TRAINER_CRITIC_EXPLAINED_VARIANCE_RATIO,
+        ),
+        ("critic.grad_norm", m::TRAINER_CRITIC_GRAD_NORM_VALUE),
     ]
 };

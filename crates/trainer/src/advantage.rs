@@ -146,6 +146,7 @@ pub fn compute_advantages<'a>(
             | AdvantageKind::Rloo
             | AdvantageKind::ReinforcePlusPlusBaseline => group_texts(g, group, config),
             AdvantageKind::Situational => situational_texts(g, group, config),
+            AdvantageKind::Gae => gae_texts(g, group, config),
         };
         if let Some(bad) = texts.iter().find(|t| !t.advantage.is_finite()) {
             tracing::error!(
@@ -160,7 +161,9 @@ pub fn compute_advantages<'a>(
         let all_zero = texts
             .iter()
             .all(|t| f64::from(t.advantage).abs() <= ZERO_ADVANTAGE);
-        if texts.is_empty() || (config.filter_zero_advantage && all_zero) {
+        // GAE's advantages come from the critic later: a group of equal rewards still has them.
+        let filter = config.filter_zero_advantage && config.kind != AdvantageKind::Gae;
+        if texts.is_empty() || (filter && all_zero) {
             out.groups_filtered += 1;
             continue;
         }
@@ -274,6 +277,31 @@ fn group_texts<'a>(
                 turn: ti,
                 text: turn,
                 advantage: (scale * adv) as f32,
+            });
+        }
+    }
+    texts
+}
+
+/// GAE: every kept turn of every trainable rollout, in order, its advantage 0 until the critic's
+/// values give each token its own (`crate::critic`).
+fn gae_texts<'a>(
+    g: usize,
+    group: &'a RolloutGroup,
+    config: &AdvantageConfig,
+) -> Vec<ScoredText<'a>> {
+    let mut texts = Vec::new();
+    for (ri, rollout) in group.rollouts.iter().enumerate() {
+        if !rollout.status.is_trainable() {
+            continue;
+        }
+        for (ti, turn) in kept_turns(&rollout.turns, config.only_keep_outcome) {
+            texts.push(ScoredText {
+                group: g,
+                rollout: ri,
+                turn: ti,
+                text: turn,
+                advantage: 0.0,
             });
         }
     }

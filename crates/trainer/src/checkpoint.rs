@@ -9,7 +9,10 @@
 //! - `trainer_state.json`: [`TrainerState`];
 //! - with LoRA, `adapter/`: the adapters as PEFT writes them (`adapter_model.safetensors`,
 //!   `adapter_config.json`), while `model/` holds the merged weights and the optimizer file the
-//!   adapters' moments.
+//!   adapters' moments;
+//! - with `advantage = "gae"`, `critic/`: the critic as a checkpoint of this same layout (its
+//!   model, its optimizer, its state) plus `value_head.safetensors` (`score.weight`,
+//!   `[1, hidden]`).
 //!
 //! A checkpoint is written into `<dir>.partial` and renamed into place, the old one removed just
 //! before, so a crash never leaves a half-written `<dir>` behind.

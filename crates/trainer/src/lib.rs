@@ -8,6 +8,8 @@
 //! - `optim`: AdamW with f32 master weights, global-norm clipping, warmup + constant/cosine schedule.
 //! - `checkpoint`: model (HF format), optimizer state (safetensors) and trainer state (JSON).
 //! - `lora`: low-rank adapters (PEFT's format) trained through the merged weights.
+//! - `critic`: generalized advantage estimation and the value loss of PPO's critic
+//!   (`advantage = "gae"`; the critic model itself is the native trainer's).
 //! - `native`: [`NativeTrainer`], the candle trainer implementing `sluice_core::TrainerBackend`:
 //!   RL steps, supervised steps, weight publishing, checkpoints.
 //! - `config`: the `[trainer]` config section (raw → `validate_trainer` → `TrainerConfig`).
@@ -22,6 +24,7 @@ pub mod advantage;
 pub mod batcher;
 pub mod checkpoint;
 pub mod config;
+pub mod critic;
 pub mod error;
 pub mod lora;
 pub mod loss;

@@ -39,7 +39,9 @@ use crate::steps::{PartClock, packed, pick, record_packing, slot_index};
 pub use update::convert_weights;
 
 mod checkpointing;
+mod critic;
 mod update;
+pub use critic::CRITIC_DIR;
 use update::StartPolicy;
 
 /// Model snapshots as the model crate defines them.
@@ -61,6 +63,8 @@ pub struct NativeTrainer {
     /// With LoRA, the adapters the optimizer trains in place of the weights.
     adapters: Option<Adapters>,
     reference: Option<TrainableModel>,
+    /// With `advantage = "gae"`, the critic.
+    critic: Option<critic::Critic>,
     optim: AdamW,
     version: PolicyVersion,
     steps: u64,
@@ -107,6 +111,10 @@ impl NativeTrainer {
             Some(lora) => Some(Adapters::new(&model, lora, config.seed)?),
             None => None,
         };
+        let critic = match config.critic {
+            Some(c) => Some(critic::Critic::new(&initial, c, config.compute_dtype)?),
+            None => None,
+        };
         train_adapters(&mut model, adapters.as_ref())?;
         let optim = AdamW::new(trained_vars(&model, adapters.as_ref()), config.optim)?;
         if let Some(a) = &adapters {
@@ -143,6 +151,7 @@ impl NativeTrainer {
             model,
             adapters,
             reference,
+            critic,
             optim,
             steps: 0,
             published,
@@ -214,7 +223,7 @@ impl NativeTrainer {
         groups: &[RolloutGroup],
     ) -> Result<(StepStats, Option<Arc<ModelSnapshot>>), TrainerError> {
         let started = Instant::now();
-        let adv = compute_advantages(groups, &self.config.advantage);
+        let mut adv = compute_advantages(groups, &self.config.advantage);
         let mut stats = StepStats {
             groups_kept: adv.groups_kept,
             groups_filtered: adv.groups_filtered,
@@ -232,39 +241,40 @@ impl NativeTrainer {
             .collect();
         let aggregation = self.config.aggregation;
         let group_of_text: Vec<usize> = adv.texts.iter().map(|t| t.group).collect();
-        let shares: Vec<Vec<TrainingText<'_>>> =
-            minibatch_ranges(&group_of_text, self.config.minibatches)
-                .into_iter()
-                .map(|range| {
-                    let texts = &adv.texts[range.clone()];
-                    let keys: Vec<TextTokens> = texts
-                        .iter()
-                        .map(|t| TextTokens {
-                            group: t.group,
-                            rollout: t.rollout,
-                            tokens: t.text.completion_tokens(),
-                        })
-                        .collect();
-                    let weights = aggregation_weights(&keys, aggregation);
-                    texts
-                        .iter()
-                        .zip(weights)
-                        .zip(&versions[range])
-                        .map(|((t, weight), versions)| TrainingText {
-                            prompt: &t.text.prompt_token_ids,
-                            completion: &t.text.completion_token_ids,
-                            behaviour: &t.text.logprobs,
-                            versions,
-                            advantage: t.advantage,
-                            weight,
-                        })
-                        .collect()
-                })
-                .collect();
-        let packings: Vec<Packing> = shares
+        let ranges = minibatch_ranges(&group_of_text, self.config.minibatches);
+        let shares: Vec<Vec<TrainingText<'_>>> = ranges
+            .iter()
+            .map(|range| {
+                let texts = &adv.texts[range.clone()];
+                let keys: Vec<TextTokens> = texts
+                    .iter()
+                    .map(|t| TextTokens {
+                        group: t.group,
+                        rollout: t.rollout,
+                        tokens: t.text.completion_tokens(),
+                    })
+                    .collect();
+                let weights = aggregation_weights(&keys, aggregation);
+                texts
+                    .iter()
+                    .zip(weights)
+                    .zip(&versions[range.clone()])
+                    .map(|((t, weight), versions)| TrainingText {
+                        prompt: &t.text.prompt_token_ids,
+                        completion: &t.text.completion_token_ids,
+                        behaviour: &t.text.logprobs,
+                        versions,
+                        advantage: t.advantage,
+                        weight,
+                    })
+                    .collect()
+            })
+            .collect();
+        let mut packings: Vec<Packing> = shares
             .iter()
             .map(|texts| pack(texts, &self.config.batcher))
             .collect();
+        drop(shares);
         record_packing(&mut stats, &packings);
         stats.parts.packing = started.elapsed().as_secs_f64();
         if stats.trained_tokens == 0 {
@@ -274,6 +284,20 @@ impl NativeTrainer {
             return Ok((stats, None));
         }
         let mut clock = self.part_clock();
+        if self.critic.is_some() {
+            let mut critic = crate::critic::CriticStats::default();
+            let targets =
+                self.gae_advantages(groups, &mut adv.texts, &ranges, &mut packings, &mut critic)?;
+            stats.situations = crate::advantage::situation_summary(groups, &adv);
+            stats.parts.scoring += clock.lap()?;
+            for (packing, targets) in packings.iter().zip(&targets) {
+                if packing.stats.loss_tokens > 0 {
+                    self.critic_update(packing, targets, &mut critic)?;
+                }
+            }
+            stats.critic = Some(critic);
+            stats.parts.critic += clock.lap()?;
+        }
         let loss_config = self.config.loss.clone();
         let temperature = self.config.temperature;
         // Proximal log-probs of the later shares, under the step's starting weights.

@@ -42,6 +42,8 @@ pub struct StepStats {
     pub situations: sluice_core::SituationAdvantages,
     /// Trainer against engine log-probs on the lag-0 tokens (train/inference mismatch).
     pub mismatch: Mismatch,
+    /// With `advantage = "gae"`, the critic's figures.
+    pub critic: Option<crate::critic::CriticStats>,
 }
 
 /// The train/inference mismatch of a step, summed over the tokens it compares: those generated
@@ -109,6 +111,8 @@ pub struct StepParts {
     pub loss: f64,
     /// Backward passes and gradient accumulation.
     pub backward: f64,
+    /// With `advantage = "gae"`, the critic's updates (its starting values count as scoring).
+    pub critic: f64,
     /// Clipping and AdamW updates.
     pub optimizer: f64,
     /// The published snapshot of the new weights.
@@ -117,10 +121,11 @@ pub struct StepParts {
 
 impl StepParts {
     /// `(name, seconds)` of every part, in step order.
-    pub fn named(&self) -> [(&'static str, f64); 7] {
+    pub fn named(&self) -> [(&'static str, f64); 8] {
         [
             ("packing", self.packing),
             ("scoring", self.scoring),
+            ("critic", self.critic),
             ("forward", self.forward),
             ("loss", self.loss),
             ("backward", self.backward),
@@ -136,6 +141,7 @@ impl StepParts {
         self.forward += other.forward;
         self.loss += other.loss;
         self.backward += other.backward;
+        self.critic += other.critic;
         self.optimizer += other.optimizer;
         self.publish += other.publish;
     }
@@ -186,6 +192,19 @@ pub fn step_metrics(stats: &StepStats, version: PolicyVersion) -> BTreeMap<Strin
         put(m::TRAINER_MISMATCH_LOGPROB_ABS_MEAN_NATS, mean);
         put(m::TRAINER_MISMATCH_LOGPROB_ABS_MAX_NATS, mismatch.abs_max);
         put(m::TRAINER_MISMATCH_KL_NATS, kl);
+    }
+    if let Some(c) = &stats.critic {
+        put(
+            m::TRAINER_CRITIC_LOSS_VALUE,
+            c.loss / c.updates.max(1) as f64,
+        );
+        put(m::TRAINER_CRITIC_VALUE_CLIP_RATIO, c.clip_fraction());
+        put(m::TRAINER_CRITIC_VALUES_MEAN_VALUE, c.values_mean());
+        put(m::TRAINER_CRITIC_RETURNS_MEAN_VALUE, c.returns_mean());
+        if let Some(ev) = c.explained_variance() {
+            put(m::TRAINER_CRITIC_EXPLAINED_VARIANCE_RATIO, ev);
+        }
+        put(m::TRAINER_CRITIC_GRAD_NORM_VALUE, c.grad_norm);
     }
     out
 }

@@ -41,6 +41,8 @@ pub struct NativeTrainerConfig {
     pub temperature: f64,
     /// The run's seed (recorded in checkpoints; LoRA's `A` matrices are drawn from it).
     pub seed: u64,
+    /// With `trainer.advantage = "gae"`, the critic's settings.
+    pub critic: Option<crate::critic::CriticConfig>,
     /// Low-rank adapters trained in place of the full weights (`trainer.lora_rank` > 0).
     pub lora: Option<crate::lora::LoraConfig>,
     /// Compute threads of the forward, backward and optimizer (≥ 1; `trainer.threads`
@@ -82,6 +84,16 @@ pub struct TrainerRunContext {
 impl NativeTrainerConfig {
     /// The settings of the `[trainer]` section `t` in the run `run`.
     pub fn from_config(t: &TrainerConfig, run: &TrainerRunContext) -> Self {
+        // The schedule counts optimizer updates; the config counts training steps.
+        let optim = OptimConfig {
+            learning_rate: t.learning_rate,
+            schedule: t.lr_schedule,
+            warmup_steps: t.warmup_steps * u64::from(t.minibatches.get()),
+            total_steps: run.max_steps * u64::from(t.minibatches.get()),
+            weight_decay: t.weight_decay,
+            max_grad_norm: t.max_grad_norm,
+            ..OptimConfig::default()
+        };
         Self {
             advantage: AdvantageConfig {
                 kind: t.advantage,
@@ -117,16 +129,19 @@ impl NativeTrainerConfig {
                 pad_id: 0,
                 share_prompts: t.share_prompts,
             },
-            // The schedule counts optimizer updates; the config counts training steps.
-            optim: OptimConfig {
-                learning_rate: t.learning_rate,
-                schedule: t.lr_schedule,
-                warmup_steps: t.warmup_steps * u64::from(t.minibatches.get()),
-                total_steps: run.max_steps * u64::from(t.minibatches.get()),
-                weight_decay: t.weight_decay,
-                max_grad_norm: t.max_grad_norm,
-                ..OptimConfig::default()
-            },
+            critic: (t.advantage == crate::config::AdvantageKind::Gae).then_some(
+                crate::critic::CriticConfig {
+                    gamma: t.gae_gamma,
+                    lambda: t.gae_lambda,
+                    value_clip: t.value_clip,
+                    // One critic update per share, as the policy takes: the same schedule.
+                    optim: OptimConfig {
+                        learning_rate: t.critic_learning_rate,
+                        ..optim
+                    },
+                },
+            ),
+            optim,
             minibatches: t.minibatches.get() as usize,
             publish_dtype: candle_dtype(run.model_dtype),
             compute_dtype: candle_dtype(t.compute_dtype),

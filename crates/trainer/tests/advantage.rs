@@ -1,6 +1,6 @@
 //! Advantage modes on hand-computed groups: GRPO with and without std, RLOO, REINFORCE++ with a
 //! group baseline, discounting, outcome-only, situations with and without padding,
-//! zero-advantage filtering.
+//! zero-advantage filtering; GAE, its whitening and the critic's clipped value loss.
 
 mod common;
 
@@ -388,4 +388,122 @@ fn groups_whose_rewards_overflow_are_left_out_and_the_rest_trained() {
             );
         }
     }
+}
+
+#[test]
+fn gae_with_lambda_one_is_the_return_less_the_value_and_with_zero_the_td_error() {
+    use sluice_trainer::critic::gae;
+    let values = [0.2f32, 0.5, -0.25];
+    // λ = 1, γ = 1: every return is the reward, the advantage the reward less the value.
+    let (a, r) = gae(&values, 1.0, 1.0, 1.0);
+    for t in 0..3 {
+        close(r[t], 1.0, 1e-7, "return");
+        close(a[t], 1.0 - f64::from(values[t]), 1e-7, "advantage");
+    }
+    // λ = 0: the one-step TD error, the next value bootstrapping (0 after the last token).
+    let (a, r) = gae(&values, 1.0, 0.9, 0.0);
+    let v: Vec<f64> = values.iter().map(|&v| f64::from(v)).collect();
+    close(a[0], 0.9 * v[1] - v[0], 1e-7, "TD at 0");
+    close(a[1], 0.9 * v[2] - v[1], 1e-7, "TD at 1");
+    close(a[2], 1.0 - v[2], 1e-7, "TD at the end");
+    close(r[0], 0.9 * v[1], 1e-7, "return at 0");
+    // γ < 1, λ between: the recursion A_t = δ_t + γλ·A_{t+1} by hand.
+    let (gamma, lambda) = (0.9, 0.5);
+    let (a, _) = gae(&values, 2.0, gamma, lambda);
+    let d2 = 2.0 - v[2];
+    let d1 = gamma * v[2] - v[1];
+    let d0 = gamma * v[1] - v[0];
+    close(a[2], d2, 1e-7, "A2");
+    close(a[1], d1 + gamma * lambda * d2, 1e-7, "A1");
+    close(
+        a[0],
+        d0 + gamma * lambda * (d1 + gamma * lambda * d2),
+        1e-7,
+        "A0",
+    );
+    assert!(gae(&[], 1.0, 1.0, 1.0).0.is_empty());
+}
+
+#[test]
+fn gae_advantages_are_whitened_over_every_token() {
+    use sluice_trainer::critic::whiten;
+    let mut a = vec![vec![1.0, 2.0], vec![], vec![3.0, 6.0, 8.0]];
+    whiten(&mut a);
+    let all: Vec<f64> = a.iter().flatten().copied().collect();
+    let (mean, std) = mean_std(&all);
+    close(mean, 0.0, 1e-12, "mean");
+    close(std, 1.0, 1e-5, "std");
+    assert!(a[1].is_empty());
+    let mut equal = vec![vec![0.7, 0.7]];
+    whiten(&mut equal);
+    assert_eq!(equal, [[0.0, 0.0]]);
+}
+
+#[test]
+fn the_value_loss_clips_a_value_that_moved_too_far_away_from_the_return() {
+    use sluice_trainer::critic::{ValueTargets, value_terms};
+    let targets = ValueTargets {
+        returns: vec![1.0, 1.0, 1.0, 0.0],
+        old_values: vec![0.0, 0.0, 0.9, 0.0],
+    };
+    // Token 0 moved 0.3 (inside the clip), token 1 moved 1.5 toward the return and beyond it,
+    // token 2 moved 0.8 away from it, token 3 sits on its return.
+    let values = [0.3f32, 1.5, 0.1, 0.0];
+    let w = [0.5f32; 4];
+    let t = value_terms(&values, &targets, &w, 0.5);
+    // 0: ½(0.3−1)² unclipped; 1: max((1.5−1)², (0.5−1)²) equal: the plain term, gradient on;
+    // 2: clipped value 0.4, (0.4−1)² > (0.1−1)²? no: 0.36 < 0.81, plain; 3: zero.
+    let want_loss = 0.5 * 0.5 * (0.49 + 0.25 + 0.81 + 0.0);
+    close(t.loss, want_loss, 1e-6, "loss");
+    assert_eq!(t.clipped, 0);
+    close(f64::from(t.coefficients[0]), 0.5 * (0.3 - 1.0), 1e-6, "c0");
+    // A value that moved away from its start past the clip and the return: the clipped term
+    // binds and the gradient stops.
+    let far = value_terms(
+        &[2.0],
+        &ValueTargets {
+            returns: vec![1.2],
+            old_values: vec![0.0],
+        },
+        &[1.0],
+        0.5,
+    );
+    // max((2 − 1.2)², (0.5 − 1.2)²) = max(0.64, 0.49): plain.
+    assert_eq!(far.clipped, 0);
+    let bound = value_terms(
+        &[1.0],
+        &ValueTargets {
+            returns: vec![0.9],
+            old_values: vec![0.0],
+        },
+        &[1.0],
+        0.5,
+    );
+    // Clipped value 0.5: (0.5 − 0.9)² = 0.16 > (1 − 0.9)² = 0.01: the clipped term, no gradient.
+    assert_eq!(bound.clipped, 1);
+    assert_eq!(bound.coefficients, [0.0]);
+    close(bound.loss, 0.5 * 0.16, 1e-6, "clipped loss");
+    // The coefficient is the loss's derivative where it is smooth (token 1 sits on the kink).
+    let eps = 1e-3f32;
+    for (i, &v) in values.iter().enumerate().filter(|(i, _)| *i != 1) {
+        let one = |v: f32| {
+            let t = ValueTargets {
+                returns: vec![targets.returns[i]],
+                old_values: vec![targets.old_values[i]],
+            };
+            value_terms(&[v], &t, &[0.5], 0.5).loss
+        };
+        let numeric = (one(v + eps) - one(v - eps)) / (2.0 * f64::from(eps));
+        close(f64::from(t.coefficients[i]), numeric, 1e-3, "derivative");
+    }
+}
+
+#[test]
+fn gae_keeps_groups_of_equal_rewards_that_the_filter_drops_elsewhere() {
+    let groups = [single_turn_group(1, &[1.0, 1.0, 1.0])];
+    let mut c = config(AdvantageKind::Gae, false);
+    c.filter_zero_advantage = true;
+    let batch = compute_advantages(&groups, &c);
+    assert_eq!((batch.texts.len(), batch.groups_kept), (3, 1));
+    assert!(compute_advantages(&groups, &config(AdvantageKind::Group, false)).is_empty());
 }

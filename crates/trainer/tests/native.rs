@@ -3,12 +3,14 @@
 //! lag-0 train/inference mismatch, and (`native/same_steps.rs`) micro-batch accumulation,
 //! recomputed activations, kept logits and shared prompts taking the same steps,
 //! (`native/threads.rs`) steps that do not depend on the thread count, (`native/refusals.rs`)
-//! corrupt checkpoints and non-finite steps refused, (`native/bonus.rs`) the entropy bonus, and
-//! (`native/lora.rs`) LoRA adapters.
+//! corrupt checkpoints and non-finite steps refused, (`native/bonus.rs`) the entropy bonus,
+//! (`native/lora.rs`) LoRA adapters, and (`native/critic.rs`) PPO with a critic.
 
 #[path = "native/bonus.rs"]
 mod bonus;
 mod common;
+#[path = "native/critic.rs"]
+mod critic;
 #[path = "native/lora.rs"]
 mod lora;
 #[path = "native/refusals.rs"]
@@ -66,6 +68,7 @@ fn config(lr: f64, rows: usize) -> NativeTrainerConfig {
         temperature: 1.0,
         seed: 7,
         lora: None,
+        critic: None,
         threads: 1,
         activation_checkpointing: false,
         sync_parts: false,

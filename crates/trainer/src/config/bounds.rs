@@ -40,6 +40,12 @@ pub const BOUNDS: &[Bound] = &[
     bound("trainer.is_cap", 1e6, "the importance-weight cap"),
     bound("trainer.lora_rank", 65_536.0, "the LoRA rank"),
     bound("trainer.lora_alpha", 1e6, "LoRA's alpha"),
+    bound(
+        "trainer.critic_learning_rate",
+        1.0,
+        "the critic's learning rate",
+    ),
+    bound("trainer.value_clip", 1e6, "the value clip"),
     bound("trainer.simulated.step_base_seconds", MAX_SIM_SECONDS, SIM),
     bound(
         "trainer.simulated.step_seconds_per_token",

@@ -42,7 +42,7 @@ pub struct RawTrainer {
     /// minibatches, one update each, and the step still publishes one version. Unset: chosen
     /// from the loss (see `validate::trainer::default_minibatches`).
     pub minibatches: Option<i64>,
-    /// `group`, `situational`, `rloo` or `reinforce_plus_plus_baseline`.
+    /// `group`, `situational`, `rloo`, `reinforce_plus_plus_baseline` or `gae`.
     pub advantage: String,
     /// Divide group advantages by the group's reward std; unset: chosen from the advantage.
     pub normalize_advantage_std: Option<bool>,
@@ -84,6 +84,15 @@ pub struct RawTrainer {
     pub lora_alpha: f64,
     /// The projections LoRA adapts, by module name (`all-linear`: every one).
     pub lora_targets: Vec<String>,
+    /// `advantage = "gae"`: the discount of each token's reward back from the end.
+    pub gae_gamma: f64,
+    /// `advantage = "gae"`: GAE's `λ` (1: the return minus the value; 0: the one-step TD error).
+    pub gae_lambda: f64,
+    /// `advantage = "gae"`: the critic's peak learning rate; unset: `learning_rate`.
+    pub critic_learning_rate: Option<f64>,
+    /// `advantage = "gae"`: how far the critic's value may move from the step's starting one
+    /// before the value loss's clipped term binds.
+    pub value_clip: f64,
     /// `[trainer.simulated]`: the step-time model of the simulated trainer.
     pub simulated: RawSimTrainer,
 }
@@ -149,6 +158,10 @@ impl Default for RawTrainer {
             lora_rank: 0,
             lora_alpha: 16.0,
             lora_targets: vec!["all-linear".into()],
+            gae_gamma: 1.0,
+            gae_lambda: 1.0,
+            critic_learning_rate: None,
+            value_clip: 0.5,
             simulated: RawSimTrainer::default(),
         }
     }

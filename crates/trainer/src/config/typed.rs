@@ -53,6 +53,9 @@ pub enum AdvantageKind {
     /// REINFORCE++ with a group baseline: reward minus the group mean, then whitened over the
     /// step's tokens.
     ReinforcePlusPlusBaseline,
+    /// PPO's generalized advantage estimation against a learned critic: one advantage per
+    /// token, whitened over the step's tokens.
+    Gae,
 }
 
 /// How per-token losses are averaged over the global batch.
@@ -187,6 +190,14 @@ pub struct TrainerConfig {
     /// The projections LoRA adapts, by module name (`crate::lora::TARGETS`), `all-linear`
     /// resolved.
     pub lora_targets: Vec<String>,
+    /// GAE's per-token discount `γ`, in (0, 1].
+    pub gae_gamma: f64,
+    /// GAE's `λ`, in [0, 1].
+    pub gae_lambda: f64,
+    /// The critic's peak learning rate (> 0; its schedule is the policy's).
+    pub critic_learning_rate: f64,
+    /// The critic's value clip `ε_v` around the step's starting values (> 0).
+    pub value_clip: f64,
     /// `[trainer.simulated]`
     pub simulated: SimTrainerConfig,
 }

@@ -75,6 +75,12 @@ pub fn validate_trainer(
 ) -> Result<TrainerConfig, ConfigError> {
     let loss = choice(ctx, "trainer.loss", &raw.loss)?;
     let advantage = choice(ctx, "trainer.advantage", &raw.advantage)?;
+    if advantage == AdvantageKind::Gae && loss == LossKind::Gspo {
+        return Err(ctx.value(
+            "trainer.advantage",
+            "`gae` gives every token its own advantage, and loss = \"gspo\" clips whole texts under one advantage each: use loss = \"ppo\" (or another per-token loss) with gae",
+        ));
+    }
     let (clip_low, clip_high) = default_clip(loss);
     Ok(TrainerConfig {
         device,
@@ -138,6 +144,26 @@ pub fn validate_trainer(
         lora_rank: u32_incl_zero(ctx, "trainer.lora_rank", raw.lora_rank)?,
         lora_alpha: positive(ctx, "trainer.lora_alpha", raw.lora_alpha)?,
         lora_targets: lora_targets(&raw.lora_targets, ctx)?,
+        gae_gamma: number(
+            ctx,
+            "trainer.gae_gamma",
+            raw.gae_gamma,
+            "a number in (0, 1]",
+            |v| v > 0.0 && v <= 1.0,
+        )?,
+        gae_lambda: number(
+            ctx,
+            "trainer.gae_lambda",
+            raw.gae_lambda,
+            "a number in [0, 1]",
+            |v| (0.0..=1.0).contains(&v),
+        )?,
+        critic_learning_rate: positive(
+            ctx,
+            "trainer.critic_learning_rate",
+            raw.critic_learning_rate.unwrap_or(raw.learning_rate),
+        )?,
+        value_clip: positive(ctx, "trainer.value_clip", raw.value_clip)?,
     })
 }
 
@@ -189,9 +215,16 @@ fn normalize_advantage_std(
             "trainer.normalize_advantage_std",
             "advantage = \"reinforce_plus_plus_baseline\" divides by the step's spread, not each group's: leave it unset or false",
         )),
+        (AdvantageKind::Gae, Some(true)) => Err(ctx.value(
+            "trainer.normalize_advantage_std",
+            "advantage = \"gae\" whitens every token's advantage over the step, not per group: leave it unset or false",
+        )),
         (_, Some(v)) => Ok(v),
         (AdvantageKind::Group | AdvantageKind::Situational, None) => Ok(true),
-        (AdvantageKind::Rloo | AdvantageKind::ReinforcePlusPlusBaseline, None) => Ok(false),
+        (
+            AdvantageKind::Rloo | AdvantageKind::ReinforcePlusPlusBaseline | AdvantageKind::Gae,
+            None,
+        ) => Ok(false),
     }
 }
 

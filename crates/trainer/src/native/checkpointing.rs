@@ -7,11 +7,13 @@ use std::sync::Arc;
 use sluice_core::PolicyVersion;
 use sluice_model::TrainableModel;
 
+use super::critic::{CRITIC_DIR, Critic};
 use super::{NativeTrainer, master_model, train_adapters, trained_vars};
 use crate::checkpoint;
 use crate::error::TrainerError;
 use crate::lora::{ADAPTER_DIR, Adapters};
 use crate::optim::AdamW;
+use crate::settings::NativeTrainerConfig;
 
 impl NativeTrainer {
     /// Writes the checkpoint of the current state under `dir` (see [`checkpoint`]).
@@ -36,9 +38,14 @@ impl NativeTrainer {
             aux,
             &self.optim.state_tensors(),
             &state,
-            |tmp| match &self.adapters {
-                Some(a) => a.save(&tmp.join(ADAPTER_DIR), aux),
-                None => Ok(()),
+            |tmp| {
+                if let Some(a) = &self.adapters {
+                    a.save(&tmp.join(ADAPTER_DIR), aux)?;
+                }
+                match &self.critic {
+                    Some(c) => c.save(&tmp.join(CRITIC_DIR), &state),
+                    None => Ok(()),
+                }
             },
         )
     }
@@ -55,7 +62,9 @@ impl NativeTrainer {
         optim
             .load_state(optim_tensors, state.optimizer_step)
             .map_err(|e| TrainerError::checkpoint(dir.join(checkpoint::OPTIMIZER_FILE), e))?;
+        let critic = checkpoint_critic(&self.config, dir, &device)?;
         self.model = model;
+        self.critic = critic;
         self.adapters = adapters;
         self.optim = optim;
         self.steps = state.step;
@@ -95,6 +104,35 @@ fn checkpoint_adapters(
                 "LoRA adapters trained in this checkpoint ({ADAPTER_DIR}/), and \
                  trainer.lora_rank = 0 asks to train every weight: resume with the adapters' \
                  settings, or start a new run from its model directory (the merged weights)"
+            ),
+        )),
+    }
+}
+
+/// The critic of the checkpoint under `dir` for a trainer configured with `config`; refuses a
+/// checkpoint of the other kind (one with a critic where `advantage` is not `gae`, or the
+/// reverse).
+fn checkpoint_critic(
+    config: &NativeTrainerConfig,
+    dir: &Path,
+    device: &candle_core::Device,
+) -> Result<Option<Critic>, TrainerError> {
+    let saved = dir.join(CRITIC_DIR);
+    match (config.critic, saved.is_dir()) {
+        (Some(c), true) => Ok(Some(Critic::load(&saved, c, config.compute_dtype, device)?)),
+        (None, false) => Ok(None),
+        (Some(_), false) => Err(TrainerError::checkpoint(
+            dir,
+            "this checkpoint has no critic, and trainer.advantage = \"gae\" trains with one: \
+             resume with the advantage it was written with, or start a new run from its model \
+             directory (the critic then starts from those weights)",
+        )),
+        (None, true) => Err(TrainerError::checkpoint(
+            dir,
+            format!(
+                "this checkpoint's run trained a critic ({CRITIC_DIR}/), and trainer.advantage \
+                 is not \"gae\": resume with advantage = \"gae\", or remove {CRITIC_DIR}/ to \
+                 go on without it"
             ),
         )),
     }

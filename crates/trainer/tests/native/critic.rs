@@ -1,0 +1,138 @@
+//! PPO with a critic (`advantage = "gae"`) through the candle trainer (part of the `native` test
+//! binary): the critic learns the returns, a group of equal rewards still trains, and a resume
+//! from a checkpoint, critic included, is exact; a checkpoint of the other kind is refused.
+
+use super::*;
+use sluice_trainer::critic::CriticConfig;
+
+fn gae_config(lr: f64) -> NativeTrainerConfig {
+    let mut c = config(lr, 4);
+    c.advantage.kind = AdvantageKind::Gae;
+    c.critic = Some(CriticConfig {
+        gamma: 1.0,
+        lambda: 1.0,
+        value_clip: 0.5,
+        optim: OptimConfig {
+            learning_rate: 0.001,
+            ..c.optim
+        },
+    });
+    c
+}
+
+#[test]
+fn the_critic_learns_the_returns_and_every_step_trains_the_policy() {
+    let mut trainer = NativeTrainer::new(tiny(21), gae_config(0.01), None).unwrap();
+    let steps: Vec<_> = (0..12)
+        .map(|_| trainer.train_step(&fixed_batch()).unwrap())
+        .collect();
+    let at = |s: usize, name: &str| steps[s].metrics[name];
+    // The value head starts at zero: the first values are 0 and every return is the reward.
+    assert_eq!(at(0, m::TRAINER_CRITIC_VALUES_MEAN_VALUE), 0.0);
+    let mean_reward = (1.0 + 0.0 + 0.5 + 0.2) / 4.0;
+    assert!((at(0, m::TRAINER_CRITIC_RETURNS_MEAN_VALUE) - mean_reward).abs() < 1e-6);
+    assert!(at(0, m::TRAINER_CRITIC_EXPLAINED_VARIANCE_RATIO).abs() < 1e-6);
+    for s in &steps {
+        assert!(s.weights.is_some(), "every step publishes");
+        assert_eq!(s.trained_tokens, 24);
+    }
+    let (first, last) = (
+        at(0, m::TRAINER_CRITIC_LOSS_VALUE),
+        at(11, m::TRAINER_CRITIC_LOSS_VALUE),
+    );
+    // 0.161 → 0.040 when written; the first completion token of a group can only learn its
+    // group's mean reward, so the loss does not go to 0.
+    assert!(last < 0.3 * first, "value loss {first} → {last}");
+    let explained = at(11, m::TRAINER_CRITIC_EXPLAINED_VARIANCE_RATIO);
+    assert!(explained > 0.3, "explained variance {explained}");
+    assert!(at(11, m::TRAINER_CRITIC_GRAD_NORM_VALUE) > 0.0);
+}
+
+#[test]
+fn a_group_of_equal_rewards_still_trains_the_critic() {
+    let mut trainer = NativeTrainer::new(tiny(22), gae_config(0.01), None).unwrap();
+    let mut batch = fixed_batch();
+    for g in &mut batch {
+        for r in &mut g.rollouts {
+            r.reward = 1.0;
+        }
+    }
+    assert!(trainer.config().advantage.filter_zero_advantage);
+    let first = trainer.train_step(&batch).unwrap();
+    assert!(first.weights.is_some(), "not skipped: {:?}", first.metrics);
+    assert_eq!(first.trained_tokens, 24);
+    let loss = |o: &sluice_core::TrainStepOutput| o.metrics[m::TRAINER_CRITIC_LOSS_VALUE];
+    assert!(
+        (loss(&first) - 0.5).abs() < 1e-6,
+        "½·(0 − 1)²: {}",
+        loss(&first)
+    );
+    let later = (0..5)
+        .map(|_| trainer.train_step(&batch).unwrap())
+        .last()
+        .unwrap();
+    assert!(
+        loss(&later) < 0.5 * loss(&first),
+        "{} → {}",
+        loss(&first),
+        loss(&later)
+    );
+}
+
+#[test]
+fn resuming_with_a_critic_is_exact_and_a_checkpoint_of_the_other_kind_is_refused() {
+    let cfg = gae_config(0.01);
+    let mut straight = NativeTrainer::new(tiny(23), cfg.clone(), None).unwrap();
+    let mut last = None;
+    for _ in 0..4 {
+        last = Some(straight.train_step(&fixed_batch()).unwrap());
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("checkpoint");
+    let mut first = NativeTrainer::new(tiny(23), cfg.clone(), None).unwrap();
+    for _ in 0..2 {
+        first.train_step(&fixed_batch()).unwrap();
+    }
+    first.checkpoint(&ckpt).unwrap();
+    drop(first);
+    for f in [
+        "critic/model/model.safetensors",
+        "critic/optimizer.safetensors",
+        "critic/trainer_state.json",
+        "critic/value_head.safetensors",
+    ] {
+        assert!(ckpt.join(f).exists(), "{f}");
+    }
+    let mut resumed = NativeTrainer::new(tiny(98), cfg.clone(), None).unwrap();
+    resumed.restore(&ckpt).unwrap();
+    let mut resumed_last = None;
+    for _ in 0..2 {
+        resumed_last = Some(resumed.train_step(&fixed_batch()).unwrap());
+    }
+    assert_eq!(params(&resumed), params(&straight), "bit-identical weights");
+    let critic_figures = |o: &sluice_core::TrainStepOutput| {
+        [
+            m::TRAINER_CRITIC_LOSS_VALUE,
+            m::TRAINER_CRITIC_VALUES_MEAN_VALUE,
+        ]
+        .map(|k| o.metrics[k])
+    };
+    assert_eq!(
+        critic_figures(&resumed_last.unwrap()),
+        critic_figures(&last.unwrap()),
+        "the critic resumed where it was"
+    );
+
+    // The other kinds: without a critic here, or with one where the checkpoint has none.
+    let mut plain = NativeTrainer::new(tiny(23), config(0.01, 4), None).unwrap();
+    let err = plain.restore(&ckpt).unwrap_err().to_string();
+    assert!(
+        err.contains("critic/") && err.contains("advantage"),
+        "{err}"
+    );
+    let plain_ckpt = dir.path().join("plain");
+    plain.checkpoint(&plain_ckpt).unwrap();
+    let mut gae = NativeTrainer::new(tiny(23), cfg, None).unwrap();
+    let err = gae.restore(&plain_ckpt).unwrap_err().to_string();
+    assert!(err.contains("no critic"), "{err}");
+}

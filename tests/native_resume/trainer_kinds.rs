@@ -1,0 +1,107 @@
+//! Runs whose trainer keeps more than the policy's weights, through the binary: LoRA's
+//! adapters and PPO's critic are checkpointed, resumed with, and a resume of the other kind is
+//! refused naming the key (part of the `native_resume` test binary).
+
+use super::*;
+
+/// LoRA through the binary: a quickstart run with `trainer.lora_rank` checkpoints the merged
+/// weights and the adapters as PEFT writes them, the same command resumes with them, and a
+/// resume asking for another rank is refused naming both.
+#[test]
+fn a_lora_run_checkpoints_peft_adapters_and_resumes_with_them() {
+    let out = tempfile::tempdir().unwrap().keep().join("run");
+    let lora = ["trainer.lora_rank=4", "trainer.learning_rate=0.001"];
+    let mut run = short_run_with(&out, 3, &lora);
+    let code = run.wait_exit();
+    let logs = run.logs();
+    assert!(code.success(), "{code}\n{logs}");
+    assert!(
+        logs.contains("LoRA: adapters train in place of the weights"),
+        "{logs}"
+    );
+    let trainer = out.join("checkpoint/trainer");
+    let peft: Value = serde_json::from_str(
+        &std::fs::read_to_string(trainer.join("adapter/adapter_config.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(peft["peft_type"], "LORA");
+    assert_eq!(peft["r"], 4);
+    assert_eq!(peft["target_modules"].as_array().unwrap().len(), 7);
+    assert!(trainer.join("adapter/adapter_model.safetensors").is_file());
+    assert!(trainer.join("model/model.safetensors").is_file());
+
+    let mut more = short_run_with(&out, 5, &lora);
+    let code = more.wait_exit();
+    assert!(code.success(), "{code}\n{}", more.logs());
+    assert_eq!(manifest(&out)["steps"], 5, "{}", more.logs());
+
+    let mut other = short_run_with(&out, 7, &["trainer.lora_rank=8"]);
+    let code = other.wait_exit();
+    let logs = other.logs();
+    assert!(
+        !code.success(),
+        "a resume with another rank must fail\n{logs}"
+    );
+    for e in [
+        "adapter_config.json",
+        "rank 4",
+        "rank 8",
+        "trainer.lora_rank",
+    ] {
+        assert!(logs.contains(e), "`{e}` not in the output\n{logs}");
+    }
+    let _ = std::fs::remove_dir_all(out.parent().unwrap());
+}
+
+/// PPO with a critic through the binary: a quickstart run with `trainer.advantage = "gae"`
+/// logs the critic's figures each step, checkpoints the critic beside the policy, the same
+/// command resumes with it, and a resume without `gae` is refused naming the key.
+#[test]
+fn a_gae_run_checkpoints_its_critic_and_resumes_with_it() {
+    let out = tempfile::tempdir().unwrap().keep().join("run");
+    let gae = [
+        "trainer.advantage=gae",
+        "trainer.critic_learning_rate=0.001",
+    ];
+    let mut run = short_run_with(&out, 3, &gae);
+    let code = run.wait_exit();
+    assert!(code.success(), "{code}\n{}", run.logs());
+    let critic = out.join("checkpoint/trainer/critic");
+    for f in [
+        "value_head.safetensors",
+        "model/model.safetensors",
+        "optimizer.safetensors",
+    ] {
+        assert!(critic.join(f).is_file(), "{f}");
+    }
+    let steps = records(&out.join("metrics.jsonl"));
+    let rl: Vec<&Value> = steps
+        .iter()
+        .filter(|r| r.get("critic.loss").is_some())
+        .collect();
+    assert_eq!(rl.len(), 3, "every RL step logs the critic: {steps:?}");
+    // The value head starts at zero: the first step's values are all 0.
+    assert_eq!(rl[0]["critic.values_mean"], 0.0);
+    assert!(
+        rl[2]["critic.values_mean"].as_f64().unwrap() != 0.0,
+        "{:?}",
+        rl[2]
+    );
+
+    let mut more = short_run_with(&out, 5, &gae);
+    let code = more.wait_exit();
+    assert!(code.success(), "{code}\n{}", more.logs());
+    assert_eq!(manifest(&out)["steps"], 5, "{}", more.logs());
+
+    let mut other = short_run_with(&out, 7, &[]);
+    let code = other.wait_exit();
+    let logs = other.logs();
+    assert!(
+        !code.success(),
+        "a resume without the critic must fail\n{logs}"
+    );
+    for e in ["critic/", "trainer.advantage"] {
+        assert!(logs.contains(e), "`{e}` not in the output\n{logs}");
+    }
+    let _ = std::fs::remove_dir_all(out.parent().unwrap());
+}
