@@ -65,7 +65,7 @@ fn check_prints_the_resolved_config_and_applies_overrides() {
 }
 
 #[test]
-fn check_resolves_gspo_defaults_and_lora_and_refuses_a_bad_dual_clip_bonus_buffer_or_target() {
+fn check_resolves_gspo_defaults_lora_and_gae_and_refuses_a_bad_dual_clip_bonus_buffer_or_target() {
     let check = |sets: &[&str]| {
         let mut args = vec!["check", "configs/quickstart.toml"];
         for s in sets {
@@ -119,6 +119,44 @@ fn check_resolves_gspo_defaults_and_lora_and_refuses_a_bad_dual_clip_bonus_buffe
             err.contains("trainer.lora_targets") && err.contains(says),
             "{err}"
         );
+    }
+    // PPO with a critic: the critic's learning rate is the policy's unless set.
+    let out = check(&["trainer.advantage=gae", "trainer.learning_rate=2e-5"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let resolved: toml::Table = String::from_utf8(out.stdout).unwrap().parse().unwrap();
+    let trainer = &resolved["trainer"];
+    assert_eq!(trainer["advantage"].as_str(), Some("gae"));
+    assert_eq!(trainer["critic_learning_rate"].as_float(), Some(2e-5));
+    assert_eq!(trainer["value_clip"].as_float(), Some(0.5));
+    assert_eq!(trainer["normalize_advantage_std"].as_bool(), Some(false));
+    for (sets, key, says) in [
+        (
+            &["trainer.loss=gspo"][..],
+            "trainer.advantage",
+            "clips whole texts",
+        ),
+        (
+            &["trainer.normalize_advantage_std=true"][..],
+            "trainer.normalize_advantage_std",
+            "whitens",
+        ),
+        (
+            &["trainer.gae_lambda=1.5"][..],
+            "trainer.gae_lambda",
+            "[0, 1]",
+        ),
+        (&["trainer.value_clip=0"][..], "trainer.value_clip", ""),
+    ] {
+        let mut all = vec!["trainer.advantage=gae"];
+        all.extend(sets);
+        let out = check(&all);
+        assert!(!out.status.success(), "{sets:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(key) && err.contains(says), "{sets:?}: {err}");
     }
     let out = check(&["trainer.entropy_coeff=-0.01"]);
     assert!(!out.status.success());
@@ -239,6 +277,21 @@ fn unsound_settings_are_checked_with_a_warning() {
     ] {
         assert_eq!(check(&sound), "", "{sound:?}");
     }
+    // Under gae a group of equal rewards trains, so the replay filter that drops them is not
+    // what the run wants; one rollout a prompt is sound there.
+    let stderr = check(&["trainer.advantage=gae"]);
+    assert!(
+        stderr.starts_with(
+            "warning: trainer.advantage = \"gae\" with replay.filter_zero_advantage = true: "
+        ) && stderr.contains("set replay.filter_zero_advantage = false"),
+        "{stderr}"
+    );
+    let gae = [
+        "trainer.advantage=gae",
+        "replay.filter_zero_advantage=false",
+        "rollout.group_size=1",
+    ];
+    assert_eq!(check(&gae), "", "{gae:?}");
 }
 
 /// `sluice data` shows a verl user's rows as the run's `qa` task opens them: the Parquet file's
