@@ -8,6 +8,10 @@
 //! over the share's micro-batches → one AdamW update per share → after the last, one published
 //! snapshot `version + 1` copied out of the parameters (never aliasing them).
 //!
+//! With `advantage = "gae"` the critic's part comes between the packing and the first update
+//! (`native/critic.rs`): its values give every token its advantage in the micro-batches, and
+//! it takes one update per share.
+//!
 //! The proximal policy of `decoupled_ppo` is the policy at the start of the step. For the first
 //! share its log-probs equal the training forward's (detached), so no second forward is needed;
 //! the later shares' proximal log-probs are taken by a forward pass over them before the first
@@ -63,7 +67,8 @@ pub struct NativeTrainer {
     /// With LoRA, the adapters the optimizer trains in place of the weights.
     adapters: Option<Adapters>,
     reference: Option<TrainableModel>,
-    /// With `advantage = "gae"`, the critic.
+    /// With `advantage = "gae"`, the critic, from the first RL step on (it starts from the
+    /// policy RL starts from, after any supervised warm-up).
     critic: Option<critic::Critic>,
     optim: AdamW,
     version: PolicyVersion,
@@ -111,10 +116,6 @@ impl NativeTrainer {
             Some(lora) => Some(Adapters::new(&model, lora, config.seed)?),
             None => None,
         };
-        let critic = match config.critic {
-            Some(c) => Some(critic::Critic::new(&initial, c, config.compute_dtype)?),
-            None => None,
-        };
         train_adapters(&mut model, adapters.as_ref())?;
         let optim = AdamW::new(trained_vars(&model, adapters.as_ref()), config.optim)?;
         if let Some(a) = &adapters {
@@ -151,7 +152,7 @@ impl NativeTrainer {
             model,
             adapters,
             reference,
-            critic,
+            critic: None,
             optim,
             steps: 0,
             published,
@@ -283,21 +284,9 @@ impl NativeTrainer {
             stats.seconds = started.elapsed().as_secs_f64();
             return Ok((stats, None));
         }
+        // With `advantage = "gae"`: the advantages from the critic, and its updates.
+        self.critic_part(groups, &mut adv, &ranges, &mut packings, &mut stats)?;
         let mut clock = self.part_clock();
-        if self.critic.is_some() {
-            let mut critic = crate::critic::CriticStats::default();
-            let targets =
-                self.gae_advantages(groups, &mut adv.texts, &ranges, &mut packings, &mut critic)?;
-            stats.situations = crate::advantage::situation_summary(groups, &adv);
-            stats.parts.scoring += clock.lap()?;
-            for (packing, targets) in packings.iter().zip(&targets) {
-                if packing.stats.loss_tokens > 0 {
-                    self.critic_update(packing, targets, &mut critic)?;
-                }
-            }
-            stats.critic = Some(critic);
-            stats.parts.critic += clock.lap()?;
-        }
         let loss_config = self.config.loss.clone();
         let temperature = self.config.temperature;
         // Proximal log-probs of the later shares, under the step's starting weights.

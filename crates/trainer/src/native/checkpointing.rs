@@ -109,9 +109,10 @@ fn checkpoint_adapters(
     }
 }
 
-/// The critic of the checkpoint under `dir` for a trainer configured with `config`; refuses a
-/// checkpoint of the other kind (one with a critic where `advantage` is not `gae`, or the
-/// reverse).
+/// The critic of the checkpoint under `dir` for a trainer configured with `config`: none when
+/// the checkpoint has none (with `advantage = "gae"` the next RL step starts one from the
+/// restored policy, as the first RL step of a run does); refuses a checkpoint with a critic
+/// where `advantage` is not `gae`, which would drop it.
 fn checkpoint_critic(
     config: &NativeTrainerConfig,
     dir: &Path,
@@ -120,13 +121,14 @@ fn checkpoint_critic(
     let saved = dir.join(CRITIC_DIR);
     match (config.critic, saved.is_dir()) {
         (Some(c), true) => Ok(Some(Critic::load(&saved, c, config.compute_dtype, device)?)),
+        (Some(_), false) => {
+            tracing::info!(
+                checkpoint = %dir.display(),
+                "the checkpoint has no critic: the next RL step starts one from its policy's weights"
+            );
+            Ok(None)
+        }
         (None, false) => Ok(None),
-        (Some(_), false) => Err(TrainerError::checkpoint(
-            dir,
-            "this checkpoint has no critic, and trainer.advantage = \"gae\" trains with one: \
-             resume with the advantage it was written with, or start a new run from its model \
-             directory (the critic then starts from those weights)",
-        )),
         (None, true) => Err(TrainerError::checkpoint(
             dir,
             format!(

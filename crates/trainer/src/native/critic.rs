@@ -1,7 +1,9 @@
 //! The critic of `advantage = "gae"` and the step's part that uses it ([`crate::critic`] has
 //! the arithmetic).
 //!
-//! The critic is a second copy of the initial model, trained in full, with a value head: one
+//! The critic is a copy of the policy as RL starts (after any supervised warm-up; the first RL
+//! step makes it, or the next one after a resume from a checkpoint without one), trained in
+//! full, with a value head: one
 //! `(1, hidden)` row that reads each slot's final-norm hidden state (Hugging Face's
 //! token-classification `score` with one label, verl's critic). The head starts at zero, so the
 //! first values are 0 and the first advantages the plain discounted rewards; the LM head is not
@@ -20,12 +22,13 @@ use sluice_core::RolloutGroup;
 use sluice_model::{Activations, TrainableModel};
 
 use super::{ModelSnapshot, NativeTrainer, master_model};
-use crate::advantage::ScoredText;
+use crate::advantage::{AdvantageBatch, ScoredText};
 use crate::batcher::{MicroBatch, Packing};
 use crate::checkpoint;
 use crate::critic::{CriticConfig, CriticStats, ValueTargets, gae, value_terms, whiten};
 use crate::error::{TrainerError, tensor_ctx};
 use crate::optim::{AdamW, GradAccumulator};
+use crate::report::StepStats;
 use crate::steps::{packed, pick, slot_index};
 
 /// The critic's directory in a checkpoint (a checkpoint of its own: model, optimizer, state).
@@ -212,12 +215,45 @@ impl Critic {
 }
 
 impl NativeTrainer {
+    /// The critic's part of an RL step on the packed shares (see the module docs), making the
+    /// critic first if this is the first RL step: the advantages written into `packings`, one
+    /// critic update per share, the figures in `stats`.
+    pub(super) fn critic_part<'a>(
+        &mut self,
+        groups: &'a [RolloutGroup],
+        adv: &mut AdvantageBatch<'a>,
+        ranges: &[std::ops::Range<usize>],
+        packings: &mut [Packing],
+        stats: &mut StepStats,
+    ) -> Result<(), TrainerError> {
+        let Some(config) = self.config.critic else {
+            return Ok(());
+        };
+        let mut clock = self.part_clock();
+        if self.critic.is_none() {
+            let start = self.model.snapshot(self.version, None)?;
+            self.critic = Some(Critic::new(&start, config, self.config.compute_dtype)?);
+        }
+        let mut critic = CriticStats::default();
+        let targets = self.gae_advantages(groups, &mut adv.texts, ranges, packings, &mut critic)?;
+        stats.situations = crate::advantage::situation_summary(groups, adv);
+        stats.parts.scoring += clock.lap()?;
+        for (packing, targets) in packings.iter().zip(&targets) {
+            if packing.stats.loss_tokens > 0 {
+                self.critic_update(packing, targets, &mut critic)?;
+            }
+        }
+        stats.critic = Some(critic);
+        stats.parts.critic += clock.lap()?;
+        Ok(())
+    }
+
     /// GAE for the step's texts `texts` (packed share by share into `packings`, share `s`
     /// holding `texts[ranges[s]]`): the critic's starting values at every loss slot, each
     /// rollout's advantages and returns, the advantages whitened over the step's tokens and
     /// written into the micro-batches (and each text's mean into `texts`). Returns what each
     /// micro-batch's value loss reads.
-    pub(super) fn gae_advantages(
+    fn gae_advantages(
         &mut self,
         groups: &[RolloutGroup],
         texts: &mut [ScoredText<'_>],
@@ -306,7 +342,7 @@ impl NativeTrainer {
     }
 
     /// One critic update on `packing`'s value loss (each token weighted alike over the share).
-    pub(super) fn critic_update(
+    fn critic_update(
         &mut self,
         packing: &Packing,
         targets: &[ValueTargets],

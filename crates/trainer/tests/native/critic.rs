@@ -1,6 +1,7 @@
 //! PPO with a critic (`advantage = "gae"`) through the candle trainer (part of the `native` test
 //! binary): the critic learns the returns, a group of equal rewards still trains, and a resume
-//! from a checkpoint, critic included, is exact; a checkpoint of the other kind is refused.
+//! from a checkpoint, critic included, is exact; a checkpoint with a critic is refused by a run
+//! without one, and a run with one starts it after a checkpoint without.
 
 use super::*;
 use sluice_trainer::critic::CriticConfig;
@@ -80,7 +81,7 @@ fn a_group_of_equal_rewards_still_trains_the_critic() {
 }
 
 #[test]
-fn resuming_with_a_critic_is_exact_and_a_checkpoint_of_the_other_kind_is_refused() {
+fn resuming_with_a_critic_is_exact_and_a_run_without_one_refuses_its_checkpoint() {
     let cfg = gae_config(0.01);
     let mut straight = NativeTrainer::new(tiny(23), cfg.clone(), None).unwrap();
     let mut last = None;
@@ -123,7 +124,9 @@ fn resuming_with_a_critic_is_exact_and_a_checkpoint_of_the_other_kind_is_refused
         "the critic resumed where it was"
     );
 
-    // The other kinds: without a critic here, or with one where the checkpoint has none.
+    // A run without a critic refuses the checkpoint (it would drop the critic); a run with one
+    // resumes a checkpoint without (a warm-up's, or another advantage's) and starts its critic
+    // from the restored policy at the next step, as a run's first RL step does.
     let mut plain = NativeTrainer::new(tiny(23), config(0.01, 4), None).unwrap();
     let err = plain.restore(&ckpt).unwrap_err().to_string();
     assert!(
@@ -131,8 +134,11 @@ fn resuming_with_a_critic_is_exact_and_a_checkpoint_of_the_other_kind_is_refused
         "{err}"
     );
     let plain_ckpt = dir.path().join("plain");
+    plain.train_step(&fixed_batch()).unwrap();
     plain.checkpoint(&plain_ckpt).unwrap();
-    let mut gae = NativeTrainer::new(tiny(23), cfg, None).unwrap();
-    let err = gae.restore(&plain_ckpt).unwrap_err().to_string();
-    assert!(err.contains("no critic"), "{err}");
+    let mut gae = NativeTrainer::new(tiny(97), cfg, None).unwrap();
+    gae.restore(&plain_ckpt).unwrap();
+    let first = gae.train_step(&fixed_batch()).unwrap();
+    assert_eq!(first.metrics[m::TRAINER_CRITIC_VALUES_MEAN_VALUE], 0.0);
+    assert_eq!(gae.version(), PolicyVersion(2));
 }
