@@ -31,6 +31,8 @@ const CHECKED_ELSEWHERE: &[&str] = &[
     "engine.simulated.seed",
     "trainer.clip_low",
     "trainer.gamma",
+    "trainer.gae_gamma",
+    "trainer.gae_lambda",
     "rollout.top_p",
     "rollout.staleness_threshold",
     "warmup.target_accuracy",
