@@ -158,6 +158,31 @@ fn check_resolves_gspo_defaults_lora_and_gae_and_refuses_a_bad_dual_clip_bonus_b
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(err.contains(key) && err.contains(says), "{sets:?}: {err}");
     }
+    // The KL penalty in the reward: fixed unless a target is set, and a target needs a start.
+    let out = check(&[
+        "trainer.kl_in_reward=0.001",
+        "trainer.kl_in_reward_target=0.1",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let resolved: toml::Table = String::from_utf8(out.stdout).unwrap().parse().unwrap();
+    let trainer = &resolved["trainer"];
+    assert_eq!(trainer["kl_in_reward"].as_float(), Some(0.001));
+    assert_eq!(trainer["kl_in_reward_target"].as_float(), Some(0.1));
+    assert_eq!(trainer["kl_in_reward_horizon"].as_integer(), Some(10_000));
+    let out = check(&["trainer.kl_in_reward_target=0.1"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("trainer.kl_in_reward_target") && err.contains("is 0 (off)"),
+        "{err}"
+    );
+    let out = check(&["trainer.kl_in_reward=-1"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("trainer.kl_in_reward"));
     let out = check(&["trainer.entropy_coeff=-0.01"]);
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);

@@ -53,15 +53,18 @@ fn a_lora_run_checkpoints_peft_adapters_and_resumes_with_them() {
     let _ = std::fs::remove_dir_all(out.parent().unwrap());
 }
 
-/// PPO with a critic through the binary: a quickstart run with `trainer.advantage = "gae"`
-/// logs the critic's figures each step, checkpoints the critic beside the policy, the same
-/// command resumes with it, and a resume without `gae` is refused naming the key.
+/// PPO with a critic through the binary: a quickstart run with `trainer.advantage = "gae"` (and
+/// an adaptive KL penalty in the reward) logs the critic's figures and the penalty's each step,
+/// checkpoints the critic beside the policy, the same command resumes with it, and a resume
+/// without `gae` is refused naming the key.
 #[test]
 fn a_gae_run_checkpoints_its_critic_and_resumes_with_it() {
     let out = tempfile::tempdir().unwrap().keep().join("run");
     let gae = [
         "trainer.advantage=gae",
         "trainer.critic_learning_rate=0.001",
+        "trainer.kl_in_reward=0.01",
+        "trainer.kl_in_reward_target=0.001",
     ];
     let mut run = short_run_with(&out, 3, &gae);
     let code = run.wait_exit();
@@ -87,6 +90,14 @@ fn a_gae_run_checkpoints_its_critic_and_resumes_with_it() {
         "{:?}",
         rl[2]
     );
+    // The KL penalty's coefficient starts as set and moves toward its target.
+    assert_eq!(rl[0]["train.kl_in_reward_coef"], 0.01);
+    assert!(
+        rl[2]["train.kl_in_reward_coef"].as_f64().unwrap() != 0.01,
+        "{:?}",
+        rl[2]
+    );
+    assert!(rl[2]["train.kl_in_reward"].as_f64().unwrap().is_finite());
 
     let mut more = short_run_with(&out, 5, &gae);
     let code = more.wait_exit();

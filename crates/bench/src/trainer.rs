@@ -298,6 +298,7 @@ fn trainer_config(rows: usize, len: usize) -> NativeTrainerConfig {
         temperature: 1.0,
         seed: 0,
         lora: None,
+        kl_reward: None,
         critic: None,
         // The trainer alone on the machine: every core.
         threads: sluice_model::threads::role_threads(0, 1),

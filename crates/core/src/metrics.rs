@@ -321,6 +321,10 @@ catalog! {
         "Train/inference mismatch: largest |behaviour log-prob - trainer log-prob| of a compared token in the last step that had some.";
     TRAINER_MISMATCH_KL_NATS = "sluice_trainer_mismatch_kl_nats", Gauge, [], NONE,
         "Train/inference mismatch: k3 estimate of KL(engine || trainer), mean of exp(r) - 1 - r with r = trainer - behaviour log-prob, over the compared tokens of the last step that had some.";
+    TRAINER_KL_IN_REWARD_COEF_VALUE = "sluice_trainer_kl_in_reward_coef_value", Gauge, [], NONE,
+        "trainer.kl_in_reward: the coefficient beta the last step applied to its rollouts' KL (it moves with trainer.kl_in_reward_target set).";
+    TRAINER_KL_IN_REWARD_NATS = "sluice_trainer_kl_in_reward_nats", Gauge, [], NONE,
+        "trainer.kl_in_reward: the last step's KL to the reference, the mean over rollouts of each one's mean log pi_behaviour - log pi_ref per token (what the adaptive coefficient steers to its target).";
     TRAINER_CRITIC_LOSS_VALUE = "sluice_trainer_critic_loss_value", Gauge, [], NONE,
         "advantage = gae: the critic's clipped value loss (the mean over tokens of 1/2 max((v - R)^2, (v_clip - R)^2)) in the last step, the mean of its updates'.";
     TRAINER_CRITIC_VALUE_CLIP_RATIO = "sluice_trainer_critic_value_clip_ratio", Gauge, [], NONE,

@@ -59,6 +59,11 @@ pub const TRAINER_FIGURES: &[(&str, &str)] = {
         ),
         ("train.step_seconds", m::TRAINER_STEP_SECONDS),
         ("train.tokens_per_s", m::TRAINER_TOKENS_PER_SECOND),
+        (
+            "train.kl_in_reward_coef",
+            m::TRAINER_KL_IN_REWARD_COEF_VALUE,
+        ),
+        ("train.kl_in_reward", m::TRAINER_KL_IN_REWARD_NATS),
         ("critic.loss", m::TRAINER_CRITIC_LOSS_VALUE),
         (
             "critic.value_clip_fraction",

@@ -62,6 +62,10 @@ pub struct TrainerState {
     pub total_steps: u64,
     /// `constant` or `cosine`.
     pub schedule: String,
+    /// With `trainer.kl_in_reward`, the coefficient the next step applies (the adaptive
+    /// controller's state).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kl_in_reward_coef: Option<f64>,
 }
 
 /// The `schedule` names a state file may hold (as [`schedule_name`] writes them).

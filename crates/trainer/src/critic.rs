@@ -4,8 +4,8 @@
 //!
 //! A rollout is one trajectory: the completion tokens of its kept turns in order, each turn's
 //! last token followed by the next turn's first (the environment's reply between them is the
-//! transition). Its reward arrives after the last token, every other reward is 0, and the value
-//! after the last token is 0. With `V_t` the critic's value of the state before token `t`:
+//! transition). Its reward arrives after the last token, every other reward is 0 (or the KL
+//! penalty's, `crate::kl_reward`), and the value after the last token is 0. With `V_t` the critic's value of the state before token `t`:
 //!
 //! - `δ_t = r_t + γ·V_{t+1} − V_t`, `A_t = δ_t + γλ·A_{t+1}` (Schulman et al., 2016);
 //! - the critic's target, the return, is `R_t = A_t + V_t`;
@@ -35,14 +35,15 @@ pub struct CriticConfig {
     pub optim: OptimConfig,
 }
 
-/// Advantages and returns of one trajectory whose `values` are the critic's, token by token,
-/// and whose reward `reward` arrives after its last token.
-pub fn gae(values: &[f32], reward: f64, gamma: f64, lambda: f64) -> (Vec<f64>, Vec<f64>) {
+/// Advantages and returns of one trajectory whose `values` are the critic's and `rewards` its
+/// rewards, token by token (the reward after its last token at its last; 0 elsewhere unless
+/// the KL penalty puts its own there).
+pub fn gae(values: &[f32], rewards: &[f64], gamma: f64, lambda: f64) -> (Vec<f64>, Vec<f64>) {
     let n = values.len();
     let (mut advantages, mut returns) = (vec![0.0; n], vec![0.0; n]);
     let (mut next_value, mut next_advantage) = (0.0, 0.0);
     for t in (0..n).rev() {
-        let r = if t + 1 == n { reward } else { 0.0 };
+        let r = rewards[t];
         let v = f64::from(values[t]);
         let delta = r + gamma * next_value - v;
         next_advantage = delta + gamma * lambda * next_advantage;

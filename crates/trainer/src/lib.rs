@@ -8,6 +8,7 @@
 //! - `optim`: AdamW with f32 master weights, global-norm clipping, warmup + constant/cosine schedule.
 //! - `checkpoint`: model (HF format), optimizer state (safetensors) and trainer state (JSON).
 //! - `lora`: low-rank adapters (PEFT's format) trained through the merged weights.
+//! - `kl_reward`: the KL penalty in the reward and its adaptive coefficient.
 //! - `critic`: generalized advantage estimation and the value loss of PPO's critic
 //!   (`advantage = "gae"`; the critic model itself is the native trainer's).
 //! - `native`: [`NativeTrainer`], the candle trainer implementing `sluice_core::TrainerBackend`:
@@ -26,6 +27,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod critic;
 pub mod error;
+pub mod kl_reward;
 pub mod lora;
 pub mod loss;
 pub mod native;

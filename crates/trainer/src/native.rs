@@ -39,11 +39,12 @@ use crate::optim::AdamW;
 use crate::report::{StepStats, step_metrics};
 use crate::settings::NativeTrainerConfig;
 pub use crate::steps::minibatch_ranges;
-use crate::steps::{PartClock, packed, pick, record_packing, slot_index};
+use crate::steps::{PartClock, record_packing, slot_logprobs};
 pub use update::convert_weights;
 
 mod checkpointing;
 mod critic;
+mod kl_reward;
 mod update;
 pub use critic::CRITIC_DIR;
 use update::StartPolicy;
@@ -66,7 +67,10 @@ pub struct NativeTrainer {
     model: TrainableModel,
     /// With LoRA, the adapters the optimizer trains in place of the weights.
     adapters: Option<Adapters>,
+    /// The frozen initial weights: the KL penalty's reference (`kl_coef`, `kl_in_reward`).
     reference: Option<TrainableModel>,
+    /// With `kl_in_reward`, its coefficient.
+    kl_controller: Option<crate::kl_reward::KlController>,
     /// With `advantage = "gae"`, the critic, from the first RL step on (it starts from the
     /// policy RL starts from, after any supervised warm-up).
     critic: Option<critic::Critic>,
@@ -93,7 +97,7 @@ impl std::fmt::Debug for NativeTrainer {
 
 impl NativeTrainer {
     /// A trainer starting from `initial` (f32 master copies on its device). The KL reference,
-    /// when `kl_coef > 0`, is a frozen copy of `initial`. `aux_source` is a model directory whose
+    /// when `kl_coef > 0` or `kl_in_reward > 0`, is a frozen copy of `initial`. `aux_source` is a model directory whose
     /// tokenizer and template files checkpoints copy, so each saved model is complete.
     pub fn new(
         initial: Arc<ModelSnapshot>,
@@ -104,7 +108,7 @@ impl NativeTrainer {
         let device = sluice_model::device(config.device)?;
         let initial = initial.on_device(&device)?;
         let mut model = master_model(&initial, config.compute_dtype)?;
-        let reference = if config.loss.kl_coef > 0.0 {
+        let reference = if config.loss.kl_coef > 0.0 || config.kl_reward.is_some() {
             // Frozen: its parameters are converted to the compute dtype once, for every step.
             let mut reference = master_model(&initial, config.compute_dtype)?;
             update::convert_weights(&mut reference)?;
@@ -145,6 +149,7 @@ impl NativeTrainer {
         // Built on this thread, run on the pool's.
         sluice_model::device::settle(&device)?;
         Ok(Self {
+            kl_controller: config.kl_reward.map(crate::kl_reward::KlController::new),
             pool,
             workers,
             version: initial.version,
@@ -284,8 +289,19 @@ impl NativeTrainer {
             stats.seconds = started.elapsed().as_secs_f64();
             return Ok((stats, None));
         }
+        // With `kl_in_reward`: the penalties (the advantages again from the penalised rewards,
+        // or per token for GAE).
+        let penalties =
+            self.kl_reward_part(groups, &mut adv, &ranges, &mut packings, &mut stats)?;
         // With `advantage = "gae"`: the advantages from the critic, and its updates.
-        self.critic_part(groups, &mut adv, &ranges, &mut packings, &mut stats)?;
+        self.critic_part(
+            groups,
+            &mut adv,
+            &ranges,
+            &mut packings,
+            penalties.as_deref(),
+            &mut stats,
+        )?;
         let mut clock = self.part_clock();
         let loss_config = self.config.loss.clone();
         let temperature = self.config.temperature;
@@ -323,6 +339,9 @@ impl NativeTrainer {
         let mut clock = self.part_clock();
         self.publish()?;
         stats.parts.publish = clock.lap()?;
+        if let (Some(controller), Some(k)) = (&mut self.kl_controller, &stats.kl_reward) {
+            controller.update(k.kl.mean(), k.kl.rollouts);
+        }
         stats.seconds = started.elapsed().as_secs_f64();
         Ok((stats, Some(Arc::clone(&self.published))))
     }
@@ -423,24 +442,15 @@ impl NativeTrainer {
         packing: &Packing,
         temperature: f64,
     ) -> Result<Vec<Vec<f32>>, TrainerError> {
-        // No gradient wanted: no logits kept for a backward.
         let options = ForwardOptions {
             logits_chunk_rows: self.config.logits_chunk_rows,
             temperature,
             kept_logits_bytes: 0,
         };
-        let device = self.model.device().clone();
         // Data-parallel over the workers like the update's micro-batches: each micro-batch's
         // forward is the same computation on any thread, so the log-probs are the serial ones.
         self.each_micro_batch(&packing.micro_batches, |mb| {
-            let slots = mb.loss_slots();
-            if slots.is_empty() {
-                return Ok(Vec::new());
-            }
-            // No gradient wanted: the forward that keeps one layer's activations at a time.
-            let (scores, _) = self.model.token_scores_recomputable(&packed(mb), options)?;
-            let index = slot_index(&slots, &device)?;
-            Ok(pick(&scores.logprobs.detach(), &index, "proximal log-probs")?.1)
+            slot_logprobs(&self.model, mb, options, "proximal log-probs")
         })
     }
 

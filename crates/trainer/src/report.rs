@@ -44,6 +44,8 @@ pub struct StepStats {
     pub mismatch: Mismatch,
     /// With `advantage = "gae"`, the critic's figures.
     pub critic: Option<crate::critic::CriticStats>,
+    /// With `kl_in_reward`, the penalty's coefficient and the rollouts' KL.
+    pub kl_reward: Option<crate::kl_reward::KlRewardStep>,
 }
 
 /// The train/inference mismatch of a step, summed over the tokens it compares: those generated
@@ -192,6 +194,10 @@ pub fn step_metrics(stats: &StepStats, version: PolicyVersion) -> BTreeMap<Strin
         put(m::TRAINER_MISMATCH_LOGPROB_ABS_MEAN_NATS, mean);
         put(m::TRAINER_MISMATCH_LOGPROB_ABS_MAX_NATS, mismatch.abs_max);
         put(m::TRAINER_MISMATCH_KL_NATS, kl);
+    }
+    if let Some(k) = &stats.kl_reward {
+        put(m::TRAINER_KL_IN_REWARD_COEF_VALUE, k.coef);
+        put(m::TRAINER_KL_IN_REWARD_NATS, k.kl.mean());
     }
     if let Some(c) = &stats.critic {
         put(

@@ -41,6 +41,8 @@ pub struct NativeTrainerConfig {
     pub temperature: f64,
     /// The run's seed (recorded in checkpoints; LoRA's `A` matrices are drawn from it).
     pub seed: u64,
+    /// With `trainer.kl_in_reward` > 0, the KL penalty in the reward.
+    pub kl_reward: Option<crate::kl_reward::KlRewardConfig>,
     /// With `trainer.advantage = "gae"`, the critic's settings.
     pub critic: Option<crate::critic::CriticConfig>,
     /// Low-rank adapters trained in place of the full weights (`trainer.lora_rank` > 0).
@@ -141,6 +143,11 @@ impl NativeTrainerConfig {
                     },
                 },
             ),
+            kl_reward: (t.kl_in_reward > 0.0).then_some(crate::kl_reward::KlRewardConfig {
+                coef: t.kl_in_reward,
+                target: t.kl_in_reward_target,
+                horizon: f64::from(t.kl_in_reward_horizon.get()),
+            }),
             optim,
             minibatches: t.minibatches.get() as usize,
             publish_dtype: candle_dtype(run.model_dtype),

@@ -5,7 +5,9 @@
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
-use sluice_model::PackedBatch;
+use sluice_model::{ForwardOptions, PackedBatch, TrainableModel};
+
+use crate::advantage::ScoredText;
 
 use crate::batcher::{MicroBatch, Packing, PackingStats};
 use crate::error::{TrainerError, tensor_ctx};
@@ -113,6 +115,77 @@ pub(crate) fn packed(mb: &MicroBatch) -> PackedBatch {
         target_ids: mb.target_ids.clone(),
         target_mask: mb.target_mask.clone(),
     }
+}
+
+/// The rollouts of `texts` (a rollout's texts are adjacent, turns in order): each as the range
+/// of its texts.
+pub(crate) fn rollouts(texts: &[ScoredText<'_>]) -> Vec<std::ops::Range<usize>> {
+    let mut out: Vec<std::ops::Range<usize>> = Vec::new();
+    for (i, t) in texts.iter().enumerate() {
+        match out.last_mut() {
+            Some(r) if texts[r.start].group == t.group && texts[r.start].rollout == t.rollout => {
+                r.end = i + 1;
+            }
+            _ => out.push(i..i + 1),
+        }
+    }
+    out
+}
+
+/// For each micro-batch of `packing` (the texts `share`, the first of them the step's text
+/// `offset`), the step's text and completion token of each loss slot, in order.
+pub(crate) fn slot_places(
+    packing: &Packing,
+    share: &[ScoredText<'_>],
+    offset: usize,
+) -> Result<Vec<Vec<(usize, usize)>>, TrainerError> {
+    packing
+        .micro_batches
+        .iter()
+        .map(|mb| {
+            mb.loss_slots()
+                .into_iter()
+                .map(|slot| {
+                    let local = mb.text_ids[slot] as usize;
+                    let text = share.get(local).ok_or_else(|| {
+                        TrainerError::Input(format!("loss slot {slot} of an unknown text {local}"))
+                    })?;
+                    // Slot j scores token j + 1 of its text.
+                    let token = mb.position_ids[slot] as usize + 1;
+                    let c = token
+                        .checked_sub(text.text.prompt_token_ids.len())
+                        .filter(|&c| c < text.text.completion_tokens())
+                        .ok_or_else(|| {
+                            TrainerError::Input(format!(
+                                "loss slot {slot} scores token {token}, outside text {local}'s completion"
+                            ))
+                        })?;
+                    Ok((offset + local, c))
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// The log-probs `model` gives `mb`'s loss slots, in order (no gradient: the forward that keeps
+/// one layer's activations at a time).
+pub(crate) fn slot_logprobs(
+    model: &TrainableModel,
+    mb: &MicroBatch,
+    options: ForwardOptions,
+    what: &str,
+) -> Result<Vec<f32>, TrainerError> {
+    let slots = mb.loss_slots();
+    if slots.is_empty() {
+        return Ok(Vec::new());
+    }
+    let options = ForwardOptions {
+        kept_logits_bytes: 0,
+        ..options
+    };
+    let (scores, _) = model.token_scores_recomputable(&packed(mb), options)?;
+    let index = slot_index(&slots, model.device())?;
+    Ok(pick(&scores.logprobs.detach(), &index, what)?.1)
 }
 
 #[cfg(test)]

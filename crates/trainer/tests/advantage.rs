@@ -395,13 +395,14 @@ fn gae_with_lambda_one_is_the_return_less_the_value_and_with_zero_the_td_error()
     use sluice_trainer::critic::gae;
     let values = [0.2f32, 0.5, -0.25];
     // λ = 1, γ = 1: every return is the reward, the advantage the reward less the value.
-    let (a, r) = gae(&values, 1.0, 1.0, 1.0);
+    let end = |r: f64| [0.0, 0.0, r];
+    let (a, r) = gae(&values, &end(1.0), 1.0, 1.0);
     for t in 0..3 {
         close(r[t], 1.0, 1e-7, "return");
         close(a[t], 1.0 - f64::from(values[t]), 1e-7, "advantage");
     }
     // λ = 0: the one-step TD error, the next value bootstrapping (0 after the last token).
-    let (a, r) = gae(&values, 1.0, 0.9, 0.0);
+    let (a, r) = gae(&values, &end(1.0), 0.9, 0.0);
     let v: Vec<f64> = values.iter().map(|&v| f64::from(v)).collect();
     close(a[0], 0.9 * v[1] - v[0], 1e-7, "TD at 0");
     close(a[1], 0.9 * v[2] - v[1], 1e-7, "TD at 1");
@@ -409,7 +410,7 @@ fn gae_with_lambda_one_is_the_return_less_the_value_and_with_zero_the_td_error()
     close(r[0], 0.9 * v[1], 1e-7, "return at 0");
     // γ < 1, λ between: the recursion A_t = δ_t + γλ·A_{t+1} by hand.
     let (gamma, lambda) = (0.9, 0.5);
-    let (a, _) = gae(&values, 2.0, gamma, lambda);
+    let (a, _) = gae(&values, &end(2.0), gamma, lambda);
     let d2 = 2.0 - v[2];
     let d1 = gamma * v[2] - v[1];
     let d0 = gamma * v[1] - v[0];
@@ -421,7 +422,10 @@ fn gae_with_lambda_one_is_the_return_less_the_value_and_with_zero_the_td_error()
         1e-7,
         "A0",
     );
-    assert!(gae(&[], 1.0, 1.0, 1.0).0.is_empty());
+    assert!(gae(&[], &[], 1.0, 1.0).0.is_empty());
+    // A reward on every token (the KL penalty's) enters each δ where it falls.
+    let (a, _) = gae(&values, &[-0.1, -0.2, 1.0], 1.0, 1.0);
+    close(a[0], -0.1 - 0.2 + 1.0 - v[0], 1e-7, "rewards along the way");
 }
 
 #[test]

@@ -4,13 +4,16 @@
 //! recomputed activations, kept logits and shared prompts taking the same steps,
 //! (`native/threads.rs`) steps that do not depend on the thread count, (`native/refusals.rs`)
 //! corrupt checkpoints and non-finite steps refused, (`native/bonus.rs`) the entropy bonus,
-//! (`native/lora.rs`) LoRA adapters, and (`native/critic.rs`) PPO with a critic.
+//! (`native/lora.rs`) LoRA adapters, (`native/critic.rs`) PPO with a critic, and
+//! (`native/kl_reward.rs`) the KL penalty in the reward.
 
 #[path = "native/bonus.rs"]
 mod bonus;
 mod common;
 #[path = "native/critic.rs"]
 mod critic;
+#[path = "native/kl_reward.rs"]
+mod kl_reward;
 #[path = "native/lora.rs"]
 mod lora;
 #[path = "native/refusals.rs"]
@@ -68,6 +71,7 @@ fn config(lr: f64, rows: usize) -> NativeTrainerConfig {
         temperature: 1.0,
         seed: 7,
         lora: None,
+        kl_reward: None,
         critic: None,
         threads: 1,
         activation_checkpointing: false,

@@ -198,6 +198,9 @@ async fn warmup(
     sft.trainer.lr_schedule = LrSchedule::Constant;
     sft.trainer.warmup_steps = 0;
     sft.trainer.kl_coef = 0.0;
+    // Supervised steps take no reward: no reference model to keep for the penalty in one.
+    sft.trainer.kl_in_reward = 0.0;
+    sft.trainer.kl_in_reward_target = None;
     // Nothing else computes during the warm-up (its probes run between its steps): with
     // automatic sizing its trainer takes every core, not the half an engine leaves it.
     if sft.trainer.threads == 0 {

@@ -46,6 +46,17 @@ pub const BOUNDS: &[Bound] = &[
         "the critic's learning rate",
     ),
     bound("trainer.value_clip", 1e6, "the value clip"),
+    bound(
+        "trainer.kl_in_reward",
+        1000.0,
+        "the KL coefficient in the reward",
+    ),
+    bound("trainer.kl_in_reward_target", 1000.0, "the target KL"),
+    bound(
+        "trainer.kl_in_reward_horizon",
+        1e9,
+        "the KL controller's horizon",
+    ),
     bound("trainer.simulated.step_base_seconds", MAX_SIM_SECONDS, SIM),
     bound(
         "trainer.simulated.step_seconds_per_token",

@@ -93,6 +93,14 @@ pub struct RawTrainer {
     /// `advantage = "gae"`: how far the critic's value may move from the step's starting one
     /// before the value loss's clipped term binds.
     pub value_clip: f64,
+    /// KL penalty in the reward (verl's `use_kl_in_reward` with `kl_ctrl.kl_coef`): each
+    /// rollout's reward less this times its tokens' summed KL to the reference (0 disables it).
+    pub kl_in_reward: f64,
+    /// Target KL per token of the adaptive controller (verl's `kl_ctrl.type = "adaptive"`,
+    /// `target_kl`); unset: the coefficient stays fixed.
+    pub kl_in_reward_target: Option<f64>,
+    /// Horizon of the adaptive controller, in rollouts (verl's `kl_ctrl.horizon`).
+    pub kl_in_reward_horizon: i64,
     /// `[trainer.simulated]`: the step-time model of the simulated trainer.
     pub simulated: RawSimTrainer,
 }
@@ -162,6 +170,9 @@ impl Default for RawTrainer {
             gae_lambda: 1.0,
             critic_learning_rate: None,
             value_clip: 0.5,
+            kl_in_reward: 0.0,
+            kl_in_reward_target: None,
+            kl_in_reward_horizon: 10_000,
             simulated: RawSimTrainer::default(),
         }
     }

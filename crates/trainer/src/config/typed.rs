@@ -198,6 +198,14 @@ pub struct TrainerConfig {
     pub critic_learning_rate: f64,
     /// The critic's value clip `ε_v` around the step's starting values (> 0).
     pub value_clip: f64,
+    /// KL penalty in the reward, `β` (≥ 0; 0 = off): each rollout's reward less `β` times its
+    /// tokens' summed KL estimate to the reference.
+    pub kl_in_reward: f64,
+    /// The adaptive controller's target KL per token (unset: `β` stays fixed).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kl_in_reward_target: Option<f64>,
+    /// The adaptive controller's horizon, in rollouts.
+    pub kl_in_reward_horizon: NonZeroU32,
     /// `[trainer.simulated]`
     pub simulated: SimTrainerConfig,
 }

@@ -164,6 +164,22 @@ pub fn validate_trainer(
             raw.critic_learning_rate.unwrap_or(raw.learning_rate),
         )?,
         value_clip: positive(ctx, "trainer.value_clip", raw.value_clip)?,
+        kl_in_reward: non_negative(ctx, "trainer.kl_in_reward", raw.kl_in_reward)?,
+        kl_in_reward_target: match raw.kl_in_reward_target {
+            Some(_) if raw.kl_in_reward == 0.0 => {
+                return Err(ctx.value(
+                    "trainer.kl_in_reward_target",
+                    "the adaptive controller steers trainer.kl_in_reward, which is 0 (off): set a starting coefficient (verl's kl_ctrl.kl_coef, 0.001 there) or leave the target unset",
+                ));
+            }
+            Some(t) => Some(positive(ctx, "trainer.kl_in_reward_target", t)?),
+            None => None,
+        },
+        kl_in_reward_horizon: non_zero_u32(
+            ctx,
+            "trainer.kl_in_reward_horizon",
+            raw.kl_in_reward_horizon,
+        )?,
     })
 }
 

@@ -29,6 +29,7 @@ impl NativeTrainer {
             warmup_steps: self.config.optim.warmup_steps,
             total_steps: self.config.optim.total_steps,
             schedule: checkpoint::schedule_name(self.config.optim.schedule),
+            kl_in_reward_coef: self.kl_controller.map(|c| c.coef()),
         };
         let master = self.model.snapshot(self.version, None)?;
         let aux = self.aux_source.as_deref();
@@ -54,6 +55,15 @@ impl NativeTrainer {
     pub fn load(&mut self, dir: &Path) -> Result<(), TrainerError> {
         let device = self.model.device().clone();
         let (snapshot, optim_tensors, state) = checkpoint::load(dir, &device)?;
+        if let Some(coef) = state
+            .kl_in_reward_coef
+            .filter(|c| !(c.is_finite() && *c > 0.0))
+        {
+            return Err(TrainerError::checkpoint(
+                dir.join(checkpoint::STATE_FILE),
+                format!("`kl_in_reward_coef` = {coef} is not a coefficient (> 0)"),
+            ));
+        }
         let mut model = master_model(&snapshot, self.config.compute_dtype)?;
         let adapters = checkpoint_adapters(&model, self.config.lora.as_ref(), dir)?;
         train_adapters(&mut model, adapters.as_ref())?;
@@ -68,6 +78,15 @@ impl NativeTrainer {
         self.adapters = adapters;
         self.optim = optim;
         self.steps = state.step;
+        if let Some(controller) = &mut self.kl_controller {
+            match state.kl_in_reward_coef {
+                Some(coef) => controller.set_coef(coef),
+                None => tracing::info!(
+                    coef = controller.coef(),
+                    "the checkpoint has no KL-in-reward coefficient: it starts at trainer.kl_in_reward"
+                ),
+            }
+        }
         self.version = PolicyVersion(state.version);
         self.published = Arc::new(
             self.model

@@ -29,7 +29,7 @@ use crate::critic::{CriticConfig, CriticStats, ValueTargets, gae, value_terms, w
 use crate::error::{TrainerError, tensor_ctx};
 use crate::optim::{AdamW, GradAccumulator};
 use crate::report::StepStats;
-use crate::steps::{packed, pick, slot_index};
+use crate::steps::{packed, pick, rollouts, slot_index, slot_places};
 
 /// The critic's directory in a checkpoint (a checkpoint of its own: model, optimizer, state).
 pub const CRITIC_DIR: &str = "critic";
@@ -224,6 +224,7 @@ impl NativeTrainer {
         adv: &mut AdvantageBatch<'a>,
         ranges: &[std::ops::Range<usize>],
         packings: &mut [Packing],
+        penalties: Option<&[Vec<f64>]>,
         stats: &mut StepStats,
     ) -> Result<(), TrainerError> {
         let Some(config) = self.config.critic else {
@@ -235,7 +236,14 @@ impl NativeTrainer {
             self.critic = Some(Critic::new(&start, config, self.config.compute_dtype)?);
         }
         let mut critic = CriticStats::default();
-        let targets = self.gae_advantages(groups, &mut adv.texts, ranges, packings, &mut critic)?;
+        let targets = self.gae_advantages(
+            groups,
+            &mut adv.texts,
+            ranges,
+            packings,
+            penalties,
+            &mut critic,
+        )?;
         stats.situations = crate::advantage::situation_summary(groups, adv);
         stats.parts.scoring += clock.lap()?;
         for (packing, targets) in packings.iter().zip(&targets) {
@@ -249,8 +257,9 @@ impl NativeTrainer {
     }
 
     /// GAE for the step's texts `texts` (packed share by share into `packings`, share `s`
-    /// holding `texts[ranges[s]]`): the critic's starting values at every loss slot, each
-    /// rollout's advantages and returns, the advantages whitened over the step's tokens and
+    /// holding `texts[ranges[s]]`; `penalties`, the KL penalty's reward per text and token when
+    /// it is on): the critic's starting values at every loss slot, each rollout's advantages
+    /// and returns, the advantages whitened over the step's tokens and
     /// written into the micro-batches (and each text's mean into `texts`). Returns what each
     /// micro-batch's value loss reads.
     fn gae_advantages(
@@ -259,6 +268,7 @@ impl NativeTrainer {
         texts: &mut [ScoredText<'_>],
         ranges: &[std::ops::Range<usize>],
         packings: &mut [Packing],
+        penalties: Option<&[Vec<f64>]>,
         stats: &mut CriticStats,
     ) -> Result<Vec<Vec<ValueTargets>>, TrainerError> {
         let critic = self
@@ -297,7 +307,15 @@ impl NativeTrainer {
                 .clone()
                 .flat_map(|i| values[i].iter().copied())
                 .collect();
-            let (a, r) = gae(&chain, reward, c.gamma, c.lambda);
+            // The KL penalty's reward on every token where it is on, the rollout's after the last.
+            let mut rewards: Vec<f64> = match penalties {
+                Some(p) => rollout.clone().flat_map(|i| p[i].iter().copied()).collect(),
+                None => vec![0.0; chain.len()],
+            };
+            if let Some(last) = rewards.last_mut() {
+                *last += reward;
+            }
+            let (a, r) = gae(&chain, &rewards, c.gamma, c.lambda);
             let mut from = 0;
             for i in rollout {
                 let n = values[i].len();
@@ -389,54 +407,4 @@ impl NativeTrainer {
         stats.grad_norm = report.grad_norm;
         Ok(())
     }
-}
-
-/// The rollouts of `texts` (a rollout's texts are adjacent, turns in order): each as the range
-/// of its texts.
-fn rollouts(texts: &[ScoredText<'_>]) -> Vec<std::ops::Range<usize>> {
-    let mut out: Vec<std::ops::Range<usize>> = Vec::new();
-    for (i, t) in texts.iter().enumerate() {
-        match out.last_mut() {
-            Some(r) if texts[r.start].group == t.group && texts[r.start].rollout == t.rollout => {
-                r.end = i + 1;
-            }
-            _ => out.push(i..i + 1),
-        }
-    }
-    out
-}
-
-/// For each micro-batch of `packing` (the texts `share`, the first of them the step's text
-/// `offset`), the step's text and completion token of each loss slot, in order.
-fn slot_places(
-    packing: &Packing,
-    share: &[ScoredText<'_>],
-    offset: usize,
-) -> Result<Vec<Vec<(usize, usize)>>, TrainerError> {
-    packing
-        .micro_batches
-        .iter()
-        .map(|mb| {
-            mb.loss_slots()
-                .into_iter()
-                .map(|slot| {
-                    let local = mb.text_ids[slot] as usize;
-                    let text = share.get(local).ok_or_else(|| {
-                        TrainerError::Input(format!("loss slot {slot} of an unknown text {local}"))
-                    })?;
-                    // Slot j scores token j + 1 of its text.
-                    let token = mb.position_ids[slot] as usize + 1;
-                    let c = token
-                        .checked_sub(text.text.prompt_token_ids.len())
-                        .filter(|&c| c < text.text.completion_tokens())
-                        .ok_or_else(|| {
-                            TrainerError::Input(format!(
-                                "loss slot {slot} scores token {token}, outside text {local}'s completion"
-                            ))
-                        })?;
-                    Ok((offset + local, c))
-                })
-                .collect()
-        })
-        .collect()
 }

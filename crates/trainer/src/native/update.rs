@@ -291,7 +291,13 @@ impl NativeTrainer {
             kept_logits_bytes: 0,
             ..options
         };
-        let reference = match &self.reference {
+        // The loss's KL penalty (`kl_coef`); a reference kept for `kl_in_reward` alone scores
+        // nothing here.
+        let reference = match self
+            .reference
+            .as_ref()
+            .filter(|_| self.config.loss.kl_coef > 0.0)
+        {
             Some(r) => Some(
                 pick(
                     &r.token_scores_recomputable(&batch, no_grad)?
