@@ -1,6 +1,7 @@
 //! The native trainer's per-step plumbing: splitting a step into minibatch shares, the model's
-//! view of a packed micro-batch, picking loss slots out of the forward's outputs, the packing
-//! figures of a step, and the clock of its parts.
+//! view of a packed micro-batch, picking loss slots out of the forward's outputs (and a model's
+//! log-probs at them), where each loss slot's token lies in the step's texts and which texts are
+//! one rollout's, the packing figures of a step, and the clock of its parts.
 
 use std::time::Instant;
 
@@ -8,7 +9,6 @@ use candle_core::{DType, Device, Tensor};
 use sluice_model::{ForwardOptions, PackedBatch, TrainableModel};
 
 use crate::advantage::ScoredText;
-
 use crate::batcher::{MicroBatch, Packing, PackingStats};
 use crate::error::{TrainerError, tensor_ctx};
 use crate::report::StepStats;
