@@ -1,6 +1,6 @@
 //! `sluice model init|info|import`: writes a loadable preset directory, imports a GGUF file
 //! into one (info and probe accept it), refuses bad GGUF files naming what is wrong; bad
-//! arguments exit non-zero.
+//! arguments exit non-zero; `info` describes a reward model (a one-label classifier).
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -563,4 +563,43 @@ fn import_refuses_token_types_and_chat_templates_it_cannot_use() {
             ),
         ],
     );
+}
+
+/// A reward model's directory (a one-label sequence classifier) is described as one, with its
+/// head; one of two labels is refused naming the field.
+#[test]
+fn info_describes_a_reward_model_and_refuses_two_labels() {
+    let dir = scratch("reward");
+    let hidden = sluice_model::presets::preset_config(Preset::Tiny).hidden_size;
+    sluice_model::presets::write_reward_preset(Preset::Tiny, &dir, 5, &vec![0.01; hidden]).unwrap();
+    let out = sluice(&["model", "info", dir.to_str().unwrap()]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("Qwen2ForSequenceClassification (one label")
+            && stdout.contains(&format!("score.weight [1, {hidden}]")),
+        "{stdout}"
+    );
+    let config = dir.join("config.json");
+    let text = std::fs::read_to_string(&config).unwrap();
+    std::fs::write(
+        &config,
+        text.replace(
+            "\"0\": \"LABEL_0\"",
+            "\"0\": \"LABEL_0\", \"1\": \"LABEL_1\"",
+        ),
+    )
+    .unwrap();
+    let out = sluice(&["model", "info", dir.to_str().unwrap()]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("id2label") && stderr.contains("has 2"),
+        "{stderr}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -427,6 +427,9 @@ mod runs;
 #[path = "runs/judge.rs"]
 mod judge;
 
+#[path = "runs/reward_model.rs"]
+mod reward_model;
+
 #[path = "real_model/mod.rs"]
 mod real_model;
 

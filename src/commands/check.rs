@@ -17,7 +17,13 @@ use crate::cli::ConfigArgs;
 /// is started and no file is written.
 pub fn run(args: &ConfigArgs) -> anyhow::Result<ExitCode> {
     let config = sluice_config::load(&args.config, &args.overrides)?;
-    sluice_env::configured::registry(&config.data, config.supervision.env_step_timeout)
+    sluice_env::configured::registry(
+        &config.data,
+        config.supervision.env_step_timeout,
+        Some(&*sluice_node::reward_models::checked()),
+    )
+    .map_err(|e| anyhow::anyhow!("{}: {e}", args.config.display()))?;
+    sluice_node::reward_models::check_critic(&config, None)
         .map_err(|e| anyhow::anyhow!("{}: {e}", args.config.display()))?;
     let deployment = sluice_config::Deployment {
         cuda_built: cfg!(feature = "cuda"),

@@ -29,9 +29,12 @@ const OPEN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 /// are not opened.
 pub fn run(args: &DataArgs) -> anyhow::Result<ExitCode> {
     let config = sluice_config::load(&args.config.config, &args.config.overrides)?;
-    let registry =
-        sluice_env::configured::registry(&config.data, config.supervision.env_step_timeout)
-            .map_err(|e| anyhow::anyhow!("{}: {e}", args.config.config.display()))?;
+    let registry = sluice_env::configured::registry(
+        &config.data,
+        config.supervision.env_step_timeout,
+        Some(&*sluice_node::reward_models::checked()),
+    )
+    .map_err(|e| anyhow::anyhow!("{}: {e}", args.config.config.display()))?;
     let prompts = prompt_limit(&config)?;
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()

@@ -96,9 +96,27 @@ fn loadable_config(dir: &std::path::Path) -> anyhow::Result<ModelConfig> {
 }
 
 fn info(args: &ModelInfoArgs) -> anyhow::Result<ExitCode> {
-    let config = loadable_config(&args.dir)?;
-    println!("architecture      {}", config.architecture.class_name());
-    println!("parameters        {}", config.num_parameters());
+    let classifier = sluice_model::reward::classifier_class(&args.dir);
+    let config = match &classifier {
+        Some(_) => sluice_model::reward::check_classifier(&args.dir)
+            .with_context(|| format!("{}: the classifier does not load", args.dir.display()))?,
+        None => loadable_config(&args.dir)?,
+    };
+    match &classifier {
+        // A classifier's decoder is read with its LM head tied (it has none), plus its head.
+        Some(class) => {
+            println!("architecture      {class} (one label: a reward model or a critic)");
+            println!(
+                "parameters        {}",
+                config.num_parameters() + config.hidden_size
+            );
+            println!("head              score.weight [1, {}]", config.hidden_size);
+        }
+        None => {
+            println!("architecture      {}", config.architecture.class_name());
+            println!("parameters        {}", config.num_parameters());
+        }
+    }
     println!(
         "layers            {} (hidden {}, intermediate {})",
         config.num_layers, config.hidden_size, config.intermediate_size
@@ -108,7 +126,9 @@ fn info(args: &ModelInfoArgs) -> anyhow::Result<ExitCode> {
         config.num_heads, config.num_kv_heads, config.head_dim
     );
     println!("vocab             {}", config.vocab_size);
-    println!("tied embeddings   {}", config.tie_word_embeddings);
+    if classifier.is_none() {
+        println!("tied embeddings   {}", config.tie_word_embeddings);
+    }
     println!("dtype             {:?}", config.dtype);
     if args.dir.join("tokenizer.json").exists() {
         let tok = Tokenizer::from_dir(&args.dir)?;

@@ -255,6 +255,51 @@ fn a_rubric_judge_parses_with_defaults_round_trips_and_names_bad_keys() {
 }
 
 #[test]
+fn a_rubric_reward_model_parses_with_defaults_round_trips_and_names_bad_keys() {
+    let text = r#"
+        [data]
+        datasets = ["math::word_problems@train"]
+        [data.domains.math.rubric]
+        weights = { reward_model = 1.0, format = 0.1 }
+        [data.domains.math.rubric.reward_model]
+        path = "models/Skywork-Reward-V2-Qwen3-0.6B"
+    "#;
+    let c = load(text).unwrap();
+    let rubric = c.data.domain_options["math"].rubric.as_ref().unwrap();
+    let model = rubric.reward_model.as_ref().unwrap();
+    assert_eq!(model.path, "models/Skywork-Reward-V2-Qwen3-0.6B");
+    assert_eq!(model.device, config::Device::Cpu);
+    assert_eq!((model.max_tokens, model.sigmoid), (8192, false));
+    let printed = toml::to_string(&c).unwrap();
+    assert_eq!(load(&printed).unwrap(), c);
+    let on_gpu = load(&format!("{text}device = \"cuda:1\"\nsigmoid = true\n")).unwrap();
+    let model = on_gpu.data.domain_options["math"].rubric.as_ref().unwrap();
+    let model = model.reward_model.as_ref().unwrap();
+    assert_eq!(
+        (model.device, model.sigmoid),
+        (config::Device::Cuda(1), true)
+    );
+    assert_eq!(load(&toml::to_string(&on_gpu).unwrap()).unwrap(), on_gpu);
+
+    let key = "data.domains.math.rubric.reward_model";
+    for (extra, replace, want) in [
+        ("", ("reward_model = 1.0, ", ""), "does not name"),
+        (
+            "",
+            ("path = \"models/Skywork-Reward-V2-Qwen3-0.6B\"", ""),
+            ".path",
+        ),
+        ("device = \"tpu\"", ("", ""), ".device"),
+        ("max_tokens = 0", ("", ""), ".max_tokens"),
+        ("batch = 4", ("", ""), "batch"),
+    ] {
+        let bad = format!("{}{extra}\n", text.replace(replace.0, replace.1));
+        let err = load(&bad).unwrap_err().to_string();
+        assert!(err.contains(key) && err.contains(want), "{extra}: {err}");
+    }
+}
+
+#[test]
 fn qa_row_fields_and_marker_parse_and_round_trip() {
     let text = r#"
         [data]

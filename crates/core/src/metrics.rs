@@ -251,6 +251,8 @@ catalog! {
         "Requests of the `judge` reward function to its model, by outcome: `scored`, `unparsed` (the answer held no score; the rollout's scoring fails) or `failed` (refused, unreachable or past its deadline).";
     ENV_JUDGE_SECONDS = "sluice_env_judge_seconds", Histogram, [], SECONDS_BUCKETS,
         "Time one request of the `judge` reward function took, from sending it to its score.";
+    ENV_REWARD_MODEL_SECONDS = "sluice_env_reward_model_seconds", Histogram, [], SECONDS_BUCKETS,
+        "Time the `reward_model` reward function took to score one rollout: its conversation rendered and tokenized, the wait for the model, and the forward.";
     ENV_FAILOVER_ROLLOUTS = "sluice_env_failover_rollouts_total", Counter, [], NONE,
         "Head: episodes moved to another env node because theirs was gone (unreachable, restarted or full); each replays its turns there.";
     REPLAY_BUCKET_GROUPS = "sluice_replay_bucket_groups", Gauge, ["bucket"], NONE,

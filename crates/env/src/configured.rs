@@ -16,7 +16,7 @@
 //! Every error names the config key, like the config's own checks.
 
 use sluice_core::config::Secret;
-use sluice_data::config::{DataConfig, DomainConfig, DomainRubric, DomainSandbox};
+use sluice_data::config::{DataConfig, DomainConfig, DomainRubric, DomainSandbox, REWARD_MODEL_FN};
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -25,6 +25,7 @@ use std::time::Duration;
 use crate::error::EnvError;
 use crate::remote::{EnvServers, RemoteEnvFactory, RoutedEnvFactory};
 use crate::reward_fns::{AnswerOptions, GENERIC_NAMES, generic};
+use crate::reward_model::RewardModelLoader;
 use crate::rubric::{RewardFn, Rubric, RubricConfig};
 use crate::sandbox::SandboxLimits;
 use crate::task::{Task, TaskRegistry};
@@ -37,9 +38,20 @@ pub const ENV_TOKEN_VAR: &str = "SLUICE_ENV_TOKEN";
 
 /// The built-in tasks configured by `data`'s domains; env servers are called with
 /// `$SLUICE_ENV_TOKEN` when it is set, each call bounded by `env_step_timeout`
-/// (`supervision.env_step_timeout_s`).
-pub fn registry(data: &DataConfig, env_step_timeout: Duration) -> Result<TaskRegistry, EnvError> {
-    configure(TaskRegistry::builtin(), data, env_step_timeout, env_token())
+/// (`supervision.env_step_timeout_s`); rubrics with a `reward_model` table get their model from
+/// `reward_models` (without one, such a rubric is refused).
+pub fn registry(
+    data: &DataConfig,
+    env_step_timeout: Duration,
+    reward_models: Option<&RewardModelLoader>,
+) -> Result<TaskRegistry, EnvError> {
+    configure(
+        TaskRegistry::builtin(),
+        data,
+        env_step_timeout,
+        env_token(),
+        reward_models,
+    )
 }
 
 /// The discount per turn of each domain whose episodes have one of their own, for the trainer's
@@ -105,12 +117,14 @@ pub fn route_to_env_nodes(
 }
 
 /// `registry`'s tasks configured by `data`'s domains (see the module doc); calls to env
-/// servers carry `token` as a bearer token when given and are bounded by `env_step_timeout`.
+/// servers carry `token` as a bearer token when given and are bounded by `env_step_timeout`;
+/// `reward_models` makes the models of rubrics' `reward_model` tables.
 pub fn configure(
     mut registry: TaskRegistry,
     data: &DataConfig,
     env_step_timeout: Duration,
     token: Option<Secret>,
+    reward_models: Option<&RewardModelLoader>,
 ) -> Result<TaskRegistry, EnvError> {
     for (domain, options) in &data.domain_options {
         let key = format!("data.domains.{domain}");
@@ -154,7 +168,7 @@ pub fn configure(
         let rubric = options
             .rubric
             .as_ref()
-            .map(|spec| rubric_with_answers(&base, spec, answers))
+            .map(|spec| rubric_with_answers(&base, spec, answers, reward_models))
             .transpose()
             .map_err(|e| EnvError::Config(format!("{key}.rubric.{e}")))?;
         let mut configured = base.renamed(format!("{domain}/{task}"));
@@ -258,15 +272,17 @@ fn remote_only_task(name: &str) -> Task {
 /// `answer` field, marked `####`). An error starts with the part of the key below `rubric.`
 /// (`weights.bogus: …`).
 pub fn rubric_for(task: &Task, spec: &DomainRubric) -> Result<Rubric, String> {
-    rubric_with_answers(task, spec, AnswerOptions::default())
+    rubric_with_answers(task, spec, AnswerOptions::default(), None)
 }
 
 /// [`rubric_for`] with the generic answer functions reading `answers` (the `regex` pattern and
-/// the `judge` model are `spec`'s; the judge's requests carry `$SLUICE_JUDGE_TOKEN` when set).
+/// the `judge` model are `spec`'s; the judge's requests carry `$SLUICE_JUDGE_TOKEN` when set;
+/// the reward model is made by `reward_models`).
 pub fn rubric_with_answers(
     task: &Task,
     spec: &DomainRubric,
     mut answers: AnswerOptions,
+    reward_models: Option<&RewardModelLoader>,
 ) -> Result<Rubric, String> {
     if let Some(pattern) = &spec.regex {
         let compiled = regex::Regex::new(pattern).map_err(|e| format!("regex: {e}"))?;
@@ -276,6 +292,13 @@ pub fn rubric_with_answers(
         let judge = crate::judge::Judge::from_env(judge, &answers.answer_field)
             .map_err(|e| format!("judge.{e}"))?;
         answers.judge = Some(Arc::new(judge));
+    }
+    if let Some(model) = &spec.reward_model {
+        let load = reward_models.ok_or(
+            "reward_model: this command does not load reward models (a run, `sluice check` and `sluice data` do)",
+        )?;
+        let scorer = load(model).map_err(|e| format!("reward_model.path: {e}"))?;
+        answers.reward_model = Some(crate::reward_model::reward_fn(scorer, 1.0, model.sigmoid));
     }
     let own = task.rubric().functions();
     let mut fns = Vec::with_capacity(spec.weights.len());
@@ -289,6 +312,11 @@ pub fn rubric_with_answers(
             if name == "regex" {
                 return Err(
                     "weights.regex: the `regex` reward function needs a pattern: set `regex = \"…\"` in the same rubric table".into(),
+                );
+            }
+            if name == REWARD_MODEL_FN {
+                return Err(
+                    "weights.reward_model: the `reward_model` reward function needs its model: add a `reward_model` table (`path`) to the same rubric".into(),
                 );
             }
             if name == "judge" {

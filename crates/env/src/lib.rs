@@ -42,6 +42,7 @@ pub mod protocol;
 pub mod remote;
 pub mod renderer;
 pub mod reward_fns;
+pub mod reward_model;
 pub mod rollout_env;
 pub mod rubric;
 #[cfg(target_os = "linux")]

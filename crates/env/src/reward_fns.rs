@@ -11,6 +11,7 @@
 //! | `regex` | one rollout | with `rubric.regex`: when the pattern has a capture group, 1 when its last match's group 1 equals the reference answer; without one, 1 when it matches the reply |
 //! | `format` | one rollout | 1 when the reply marks an answer with the answer marker (`#### <number>`, or a non-empty `\boxed{}`) |
 //! | `judge` | one rollout | with the rubric's `judge` table: the score a model behind an OpenAI-compatible endpoint gives the reply, in [0, 1] ([`crate::judge`]) |
+//! | `reward_model` | one rollout | with the rubric's `reward_model` table: a reward model's score of the conversation ([`crate::reward_model`]) |
 //!
 //! The answer functions read the reference from the sample's answer field (`answer`, or the
 //! `qa` domain's `answer_field`): a string (its answer after the last `####`, else all of it) or
@@ -34,6 +35,7 @@ pub const GENERIC_NAMES: &[&str] = &[
     "regex",
     "format",
     "judge",
+    "reward_model",
 ];
 
 /// The components that say whether an answer was right, in the order evaluations look for one
@@ -51,6 +53,8 @@ pub struct AnswerOptions {
     pub regex: Option<Arc<Regex>>,
     /// The `judge` function's model (`None`: the function is unavailable).
     pub judge: Option<Arc<crate::judge::Judge>>,
+    /// The `reward_model` function over its model (`None`: the function is unavailable).
+    pub reward_model: Option<RewardFn>,
 }
 
 impl Default for AnswerOptions {
@@ -61,6 +65,7 @@ impl Default for AnswerOptions {
             marker: AnswerMarker::Hashes,
             regex: None,
             judge: None,
+            reward_model: None,
         }
     }
 }
@@ -164,7 +169,7 @@ pub fn regex_score(
 }
 
 /// The generic function called `name` with `weight`, if there is one (`regex` needs
-/// `options.regex`, `judge` `options.judge`).
+/// `options.regex`, `judge` `options.judge`, `reward_model` `options.reward_model`).
 pub fn generic(name: &str, weight: f64, options: &AnswerOptions) -> Option<RewardFn> {
     match name {
         "env" => Some(RewardFn::env_reward(weight)),
@@ -174,6 +179,7 @@ pub fn generic(name: &str, weight: f64, options: &AnswerOptions) -> Option<Rewar
             Arc::clone(options.judge.as_ref()?),
             weight,
         )),
+        "reward_model" => Some(options.reward_model.clone()?.with_weight(weight)),
         _ => {
             let component = name.strip_prefix(ENV_COMPONENT_PREFIX)?;
             if component.is_empty() {

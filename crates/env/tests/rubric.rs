@@ -1,10 +1,13 @@
 //! Rubric: weight normalization, overrides, components, concurrency, and containment of
 //! panicking / hanging / failing reward functions; (`rubric/judge.rs`) the `judge` function
-//! against a stub OpenAI-compatible server.
+//! against a stub OpenAI-compatible server; (`rubric/reward_model.rs`) the `reward_model`
+//! function over a scorer of the test's.
 
 mod common;
 #[path = "rubric/judge.rs"]
 mod judge;
+#[path = "rubric/reward_model.rs"]
+mod reward_model;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -359,6 +362,7 @@ async fn numeric_references_are_written_out_without_an_exponent() {
         timeout: None,
         regex: None,
         judge: None,
+        reward_model: None,
     };
     let rubric = sluice_env::configured::rubric_for(&task, &spec).unwrap();
     let s = sample(serde_json::json!({"answer": 0.000001}));
@@ -417,6 +421,7 @@ async fn generic_answer_functions_score_replies_against_the_reference() {
         timeout: None,
         regex: regex.map(str::to_owned),
         judge: None,
+        reward_model: None,
     };
     let gsm = sample(serde_json::json!({"answer": "48 + 24 = 72\n#### 72"}));
     let score = |rubric: &Rubric, text: &str| {
@@ -493,6 +498,7 @@ async fn evaluation_accuracy_falls_back_to_the_answer_check() {
         timeout: None,
         regex: None,
         judge: None,
+        reward_model: None,
     };
     let rubric = rubric_for(&task, &spec).unwrap();
     let s = sample(serde_json::json!({"question": "?", "answer": 4}));

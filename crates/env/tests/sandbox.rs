@@ -138,6 +138,7 @@ async fn remote_code_task() -> (Task, String, tokio::sync::oneshot::Sender<()>) 
         timeout: None,
         regex: None,
         judge: None,
+        reward_model: None,
     };
     let rubric = rubric_for(&local, &spec).unwrap();
     let factory = RemoteEnvFactory::new(&url, "python_code", Duration::from_secs(30)).unwrap();
@@ -219,6 +220,7 @@ async fn a_domains_sandbox_table_sets_its_programs_limits() {
         &data("code", "code::python_code@train"),
         timeout,
         None,
+        None,
     )
     .unwrap();
     assert_eq!(registry.domain_tasks()["code"], "code/python_code");
@@ -239,6 +241,7 @@ async fn a_domains_sandbox_table_sets_its_programs_limits() {
         TaskRegistry::builtin(),
         &data("math", "math::arithmetic@train"),
         timeout,
+        None,
         None,
     )
     .err()

@@ -83,10 +83,40 @@ pub struct SaveOptions {
 /// Everything [`check_checkpoint`] checks is checked before any tensor data is read.
 pub fn load_checkpoint(dir: &Path, options: &LoadOptions) -> Result<ModelWeights> {
     let (config, maps) = open_checkpoint(dir)?;
-    let parsed = parse_headers(&maps)?;
-    let located = locate_tensors(&config, &parsed, dir)?;
+    let (weights, _) = load_mapped(dir, config, &maps, &[], options)?;
+    Ok(weights)
+}
+
+/// [`load_checkpoint`] of `dir`'s weights under `config` (read from `dir` by the caller, who
+/// may have adapted it: a classifier's head in place of the LM head), with the tensors named
+/// by `extra` read besides, each checked present, finite and of a float dtype, in that order.
+pub fn load_checkpoint_with(
+    dir: &Path,
+    config: ModelConfig,
+    extra: &[&str],
+    options: &LoadOptions,
+) -> Result<(ModelWeights, Vec<Tensor>)> {
+    let maps = map_weight_files(dir)?;
+    load_mapped(dir, config, &maps, extra, options)
+}
+
+fn load_mapped(
+    dir: &Path,
+    config: ModelConfig,
+    maps: &Maps,
+    extra: &[&str],
+    options: &LoadOptions,
+) -> Result<(ModelWeights, Vec<Tensor>)> {
+    let parsed = parse_headers(maps)?;
+    let mut located = locate_tensors(&config, &parsed, dir)?;
+    for &name in extra {
+        let (path, view) = find_tensor(&parsed, name, dir)?;
+        check_float(path, name, &view)?;
+        located.push((name.to_owned(), path, view));
+    }
     let dtype = options.dtype.unwrap_or(config.dtype);
     let mut tensors = HashMap::new();
+    let mut extras = Vec::with_capacity(extra.len());
     for (name, path, view) in located {
         let context = format!("{}: tensor `{name}`", path.display());
         let t = view.load(&options.device).ctx(&context)?;
@@ -101,9 +131,13 @@ pub fn load_checkpoint(dir: &Path, options: &LoadOptions) -> Result<ModelWeights
         } else {
             t.to_dtype(dtype).ctx(&context)?
         };
-        tensors.insert(name, t);
+        if extra.contains(&name.as_str()) {
+            extras.push(t);
+        } else {
+            tensors.insert(name, t);
+        }
     }
-    let used: usize = tensors.len();
+    let used: usize = tensors.len() + extras.len();
     let present: usize = parsed.iter().map(|(_, st)| st.len()).sum();
     let ignorable = usize::from(config.tie_word_embeddings && has_tensor(&parsed, LM_HEAD));
     if present > used + ignorable {
@@ -115,7 +149,8 @@ pub fn load_checkpoint(dir: &Path, options: &LoadOptions) -> Result<ModelWeights
     }
     // The roles that read them run on other threads.
     crate::device::settle(&options.device)?;
-    ModelWeights::new(Arc::new(config), PolicyVersion::INITIAL, tensors)
+    let weights = ModelWeights::new(Arc::new(config), PolicyVersion::INITIAL, tensors)?;
+    Ok((weights, extras))
 }
 
 /// Checks that `dir` would load, without reading tensor data: `config.json` is valid and within
@@ -129,19 +164,56 @@ pub fn check_checkpoint(dir: &Path) -> Result<ModelConfig> {
     Ok(config)
 }
 
+/// [`check_checkpoint`] of `dir`'s weights under `config` (as [`load_checkpoint_with`] takes
+/// it), with the tensors named by `extra` found besides: their shapes, in that order.
+pub fn check_checkpoint_with(
+    dir: &Path,
+    config: &ModelConfig,
+    extra: &[&str],
+) -> Result<Vec<Vec<usize>>> {
+    let maps = map_weight_files(dir)?;
+    let parsed = parse_headers(&maps)?;
+    locate_tensors(config, &parsed, dir)?;
+    extra
+        .iter()
+        .map(|&name| {
+            let (path, view) = find_tensor(&parsed, name, dir)?;
+            check_float(path, name, &view)?;
+            Ok(view.shape().to_vec())
+        })
+        .collect()
+}
+
+/// The tensor called `name` in the first file holding it.
+fn find_tensor<'a>(
+    parsed: &'a Parsed<'a>,
+    name: &str,
+    dir: &Path,
+) -> Result<(&'a PathBuf, TensorView<'a>)> {
+    parsed
+        .iter()
+        .find_map(|(path, st)| st.tensor(name).ok().map(|view| (*path, view)))
+        .ok_or_else(|| ModelError::MissingTensor {
+            name: name.to_owned(),
+            dir: dir.to_owned(),
+        })
+}
+
 type Maps = Vec<(PathBuf, memmap2::Mmap)>;
 type Parsed<'a> = Vec<(&'a PathBuf, SafeTensors<'a>)>;
 
 /// The config and the mapped weight files of `dir`.
 fn open_checkpoint(dir: &Path) -> Result<(ModelConfig, Maps)> {
     let config = ModelConfig::from_file(&dir.join("config.json"))?;
-    let files = weight_files(dir)?;
-    let mut maps = Vec::with_capacity(files.len());
-    for path in files {
-        let map = mmap(&path)?;
-        maps.push((path, map));
-    }
-    Ok((config, maps))
+    Ok((config, map_weight_files(dir)?))
+}
+
+/// The mapped weight files of `dir`.
+fn map_weight_files(dir: &Path) -> Result<Maps> {
+    weight_files(dir)?
+        .into_iter()
+        .map(|path| mmap(&path).map(|map| (path, map)))
+        .collect()
 }
 
 /// The safetensors headers of the mapped files (no tensor data is touched).
@@ -188,22 +260,28 @@ fn locate_tensors<'a>(
                 actual: view.shape().to_vec(),
             });
         }
-        if !matches!(
-            view.dtype(),
-            safetensors::Dtype::F16
-                | safetensors::Dtype::BF16
-                | safetensors::Dtype::F32
-                | safetensors::Dtype::F64
-        ) {
-            return Err(ModelError::TensorDtype {
-                path: path.clone(),
-                name: spec.name,
-                dtype: format!("{:?}", view.dtype()),
-            });
-        }
+        check_float(path, &spec.name, &view)?;
         out.push((spec.name, path, view));
     }
     Ok(out)
+}
+
+/// A tensor's stored dtype is one a model computes in (converted on load).
+fn check_float(path: &Path, name: &str, view: &TensorView<'_>) -> Result<()> {
+    if matches!(
+        view.dtype(),
+        safetensors::Dtype::F16
+            | safetensors::Dtype::BF16
+            | safetensors::Dtype::F32
+            | safetensors::Dtype::F64
+    ) {
+        return Ok(());
+    }
+    Err(ModelError::TensorDtype {
+        path: path.to_owned(),
+        name: name.to_owned(),
+        dtype: format!("{:?}", view.dtype()),
+    })
 }
 
 /// The config's layer count, vocabulary, widths and heads against the tensors that carry them

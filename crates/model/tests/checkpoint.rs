@@ -1,10 +1,13 @@
 //! HF checkpoint directories: bit-exact round trips (single file and sharded, tied and untied,
 //! f32 and bf16), errors that name the broken tensor or config field; GGUF export → import
 //! round trips (f32 exact, Q8_0 within its quantisation error, llama's q/k row layout).
+//! Reward models (`checkpoint/reward.rs`): a one-label classifier scores as the value head does.
 
 mod common;
 #[path = "checkpoint/gguf.rs"]
 mod gguf;
+#[path = "checkpoint/reward.rs"]
+mod reward;
 
 use std::collections::HashMap;
 use std::path::Path;

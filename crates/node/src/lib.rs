@@ -25,6 +25,7 @@ pub mod graceful_stop;
 pub mod handles;
 pub mod native;
 pub mod node;
+pub mod reward_models;
 pub mod run;
 pub mod telemetry;
 

@@ -22,8 +22,10 @@
 use crate::optim::OptimConfig;
 
 /// `advantage = "gae"`'s settings.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct CriticConfig {
+    /// The directory the critic starts from (a one-label classifier's); `None`: the policy.
+    pub init: Option<std::path::PathBuf>,
     /// Per-token discount `γ`, in (0, 1].
     pub gamma: f64,
     /// `λ`, in [0, 1].

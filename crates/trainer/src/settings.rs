@@ -133,6 +133,7 @@ impl NativeTrainerConfig {
             },
             critic: (t.advantage == crate::config::AdvantageKind::Gae).then_some(
                 crate::critic::CriticConfig {
+                    init: t.critic_path.as_ref().map(std::path::PathBuf::from),
                     gamma: t.gae_gamma,
                     lambda: t.gae_lambda,
                     value_clip: t.value_clip,

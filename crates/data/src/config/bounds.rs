@@ -30,6 +30,11 @@ pub const BOUNDS: &[Bound] = &[
     bound("data.domains.*.rubric.judge.max_score", 1e9, "a score"),
     bound("data.domains.*.rubric.judge.max_tokens", MAX_TOKENS, TOKENS),
     bound(
+        "data.domains.*.rubric.reward_model.max_tokens",
+        MAX_TOKENS,
+        TOKENS,
+    ),
+    bound(
         "data.domains.*.rubric.judge.timeout_s",
         MAX_SECONDS,
         SECONDS,

@@ -6,11 +6,13 @@
 mod bounds;
 mod judge;
 mod raw;
+mod reward_model;
 mod typed;
 mod validate;
 
 pub use bounds::BOUNDS;
 pub use judge::*;
 pub use raw::*;
+pub use reward_model::*;
 pub use typed::*;
 pub use validate::{MAX_REWARD_FNS, validate_data};

@@ -76,6 +76,8 @@ pub struct RawRubric {
     pub regex: Option<String>,
     /// `[data.domains.<domain>.rubric.judge]`: the `judge` reward function's model.
     pub judge: Option<super::judge::RawJudge>,
+    /// `[data.domains.<domain>.rubric.reward_model]`: the `reward_model` function's model.
+    pub reward_model: Option<super::reward_model::RawRewardModel>,
 }
 
 /// `[data]`: datasets.

@@ -145,6 +145,9 @@ pub struct DomainRubric {
     /// The `judge` reward function's model and how its answer is read.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub judge: Option<super::judge::JudgeConfig>,
+    /// The `reward_model` reward function's model.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reward_model: Option<super::reward_model::RewardModelConfig>,
 }
 
 fn seconds<S: Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {

@@ -226,6 +226,7 @@ fn validate_rubric(key: &str, raw: RawRubric, ctx: &Ctx<'_>) -> Result<DomainRub
         timeout_s,
         regex,
         judge,
+        reward_model,
     } = raw;
     let weights_key = format!("{key}.weights");
     if weights.is_empty() {
@@ -272,6 +273,12 @@ fn validate_rubric(key: &str, raw: RawRubric, ctx: &Ctx<'_>) -> Result<DomainRub
     let judge = judge
         .map(|raw| super::judge::validate_judge(&format!("{key}.judge"), &checked, raw, ctx))
         .transpose()?;
+    let reward_model = reward_model
+        .map(|raw| {
+            let key = format!("{key}.reward_model");
+            super::reward_model::validate_reward_model(&key, &checked, raw, ctx)
+        })
+        .transpose()?;
     Ok(DomainRubric {
         weights: checked,
         truncation_reward: reward("truncation_reward", truncation_reward)?,
@@ -281,6 +288,7 @@ fn validate_rubric(key: &str, raw: RawRubric, ctx: &Ctx<'_>) -> Result<DomainRub
             .transpose()?,
         regex,
         judge,
+        reward_model,
     })
 }
 

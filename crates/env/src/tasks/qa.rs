@@ -86,6 +86,7 @@ impl QaOptions {
             marker: self.marker,
             regex: None,
             judge: None,
+            reward_model: None,
         }
     }
 }

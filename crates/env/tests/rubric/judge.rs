@@ -100,6 +100,7 @@ fn judged(judge: Option<JudgeConfig>, error_reward: Option<f64>) -> Result<Rubri
         timeout: None,
         regex: None,
         judge,
+        reward_model: None,
     };
     rubric_for(&task, &spec)
 }

@@ -235,7 +235,7 @@ async fn qa_reads_verl_rows_as_they_are() {
     };
     let data = one_domain("gsm8k::verl@train", &options);
     let timeout = std::time::Duration::from_secs(5);
-    let reg = configure(registry(), &data, timeout, None).unwrap();
+    let reg = configure(registry(), &data, timeout, None, None).unwrap();
     let task = reg.get("gsm8k/qa").unwrap();
     let row = |prompt: serde_json::Value| {
         sample(serde_json::json!({
@@ -315,6 +315,7 @@ async fn qa_reads_verl_rows_as_they_are() {
                     timeout: None,
                     regex: None,
                     judge: None,
+                    reward_model: None,
                 }),
                 ..options
             },
@@ -322,7 +323,7 @@ async fn qa_reads_verl_rows_as_they_are() {
         .into(),
         ..data
     };
-    let reg = configure(registry(), &with_rubric, timeout, None).unwrap();
+    let reg = configure(registry(), &with_rubric, timeout, None, None).unwrap();
     let rubric_task = reg.get("gsm8k/qa").unwrap();
     let r = play(&rubric_task, first, &["so 7 apples"]).await;
     assert_eq!(r.reward_components["math_answer"], 1.0);
@@ -373,7 +374,7 @@ async fn qa_domains_configure_fields_marker_and_rubric() {
     };
     let data = one_domain("mathqa::problems@train", &options);
     let timeout = std::time::Duration::from_secs(5);
-    let reg = configure(registry(), &data, timeout, None).unwrap();
+    let reg = configure(registry(), &data, timeout, None, None).unwrap();
     assert_eq!(reg.domain_tasks()["mathqa"], "mathqa/qa");
     let task = reg.get("mathqa/qa").unwrap();
     let row = sample(serde_json::json!({
@@ -432,6 +433,7 @@ async fn qa_domains_configure_fields_marker_and_rubric() {
                     timeout: None,
                     regex: Some(r"answer is (\S+)".into()),
                     judge: None,
+                    reward_model: None,
                 }),
                 ..options
             },
@@ -439,7 +441,7 @@ async fn qa_domains_configure_fields_marker_and_rubric() {
         .into(),
         ..data.clone()
     };
-    let reg = configure(registry(), &with_rubric, timeout, None).unwrap();
+    let reg = configure(registry(), &with_rubric, timeout, None, None).unwrap();
     let task = reg.get("mathqa/qa").unwrap();
     let r = play(&task, &plain, &["the answer is 4.0"]).await;
     assert_eq!(
@@ -462,7 +464,7 @@ async fn qa_domains_configure_fields_marker_and_rubric() {
         .into(),
         ..data
     };
-    let err = configure(registry(), &other, timeout, None)
+    let err = configure(registry(), &other, timeout, None, None)
         .unwrap_err()
         .to_string();
     assert!(

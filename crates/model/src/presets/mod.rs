@@ -128,3 +128,36 @@ fn fnv1a(s: &str) -> u64 {
         (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
     })
 }
+
+/// Writes `preset` as a reward model into `dir`: the directory [`write_preset`] writes with
+/// `seed`, turned into a one-label sequence classifier (`Qwen2ForSequenceClassification`,
+/// `id2label` of one label) whose head `score.weight` holds `head` (`hidden_size` values).
+/// What tests and examples score with; real reward models come from their own training.
+pub fn write_reward_preset(preset: Preset, dir: &Path, seed: u64, head: &[f32]) -> Result<()> {
+    write_preset(preset, dir, seed)?;
+    let config = preset_config(preset);
+    if head.len() != config.hidden_size {
+        return Err(ModelError::input(format!(
+            "a head of {} values for hidden size {}",
+            head.len(),
+            config.hidden_size
+        )));
+    }
+    let weights = dir.join(crate::checkpoint::SINGLE_FILE);
+    let mut tensors =
+        candle_core::safetensors::load(&weights, &Device::Cpu).ctx("preset weights")?;
+    let score = Tensor::from_slice(head, (1, head.len()), &Device::Cpu).ctx("score.weight")?;
+    tensors.insert(crate::reward::SCORE.to_owned(), score);
+    candle_core::safetensors::save(&tensors, &weights).ctx("preset weights")?;
+    let mut json = config.to_hf_json();
+    json["architectures"] = serde_json::json!([format!(
+        "{}ForSequenceClassification",
+        config
+            .architecture
+            .class_name()
+            .trim_end_matches("ForCausalLM")
+    )]);
+    json["id2label"] = serde_json::json!({"0": "LABEL_0"});
+    json["label2id"] = serde_json::json!({"LABEL_0": 0});
+    write_json(&dir.join("config.json"), &json)
+}

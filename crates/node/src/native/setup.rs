@@ -109,13 +109,19 @@ impl NativeSetup {
         config
             .check_turn_budget(weights.config().max_position_embeddings)
             .map_err(setup_err)?;
+        crate::reward_models::check_critic(config, Some(weights.config().vocab_size))
+            .map_err(setup_err)?;
         Ok(Self {
             model_dir,
             tokenizer,
             renderer,
             registry: Arc::new(
-                sluice_env::configured::registry(&config.data, config.supervision.env_step_timeout)
-                    .map_err(setup_err)?,
+                sluice_env::configured::registry(
+                    &config.data,
+                    config.supervision.env_step_timeout,
+                    Some(&*crate::reward_models::in_process()),
+                )
+                .map_err(setup_err)?,
             ),
             weights: Arc::new(weights),
         })

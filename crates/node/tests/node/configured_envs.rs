@@ -29,7 +29,7 @@ async fn pool(
     config: &sluice_config::Config,
 ) -> (EnvPoolHandle, mpsc::UnboundedReceiver<EnvResult>) {
     let registry = Arc::new(
-        sluice_env::configured::registry(&config.data, config.supervision.env_step_timeout)
+        sluice_env::configured::registry(&config.data, config.supervision.env_step_timeout, None)
             .unwrap(),
     );
     let sessions = EnvSessions::new(

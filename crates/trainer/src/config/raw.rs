@@ -90,6 +90,9 @@ pub struct RawTrainer {
     pub gae_lambda: f64,
     /// `advantage = "gae"`: the critic's peak learning rate; unset: `learning_rate`.
     pub critic_learning_rate: Option<f64>,
+    /// `advantage = "gae"`: the model directory the critic starts from (a one-label
+    /// classifier: a reward model, or a critic saved as a token classifier); unset: the policy.
+    pub critic_path: Option<String>,
     /// `advantage = "gae"`: how far the critic's value may move from the step's starting one
     /// before the value loss's clipped term binds.
     pub value_clip: f64,
@@ -169,6 +172,7 @@ impl Default for RawTrainer {
             gae_gamma: 1.0,
             gae_lambda: 1.0,
             critic_learning_rate: None,
+            critic_path: None,
             value_clip: 0.5,
             kl_in_reward: 0.0,
             kl_in_reward_target: None,

@@ -196,6 +196,10 @@ pub struct TrainerConfig {
     pub gae_lambda: f64,
     /// The critic's peak learning rate (> 0; its schedule is the policy's).
     pub critic_learning_rate: f64,
+    /// The directory the critic starts from (a one-label classifier); unset: the policy as RL
+    /// starts.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub critic_path: Option<String>,
     /// The critic's value clip `ε_v` around the step's starting values (> 0).
     pub value_clip: f64,
     /// KL penalty in the reward, `β` (≥ 0; 0 = off): each rollout's reward less `β` times its

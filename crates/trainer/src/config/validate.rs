@@ -81,6 +81,21 @@ pub fn validate_trainer(
             "`gae` gives every token its own advantage, and loss = \"gspo\" clips whole texts under one advantage each: use loss = \"ppo\" (or another per-token loss) with gae",
         ));
     }
+    let critic_path = match raw.critic_path {
+        Some(_) if advantage != AdvantageKind::Gae => {
+            return Err(ctx.value(
+                "trainer.critic_path",
+                "only a critic reads it, and trainer.advantage is not \"gae\" (PPO with a critic)",
+            ));
+        }
+        Some(p) if p.trim().is_empty() => {
+            return Err(ctx.value(
+                "trainer.critic_path",
+                "expected a model directory, got an empty path (leave it unset to start the critic from the policy)",
+            ));
+        }
+        other => other,
+    };
     let (clip_low, clip_high) = default_clip(loss);
     Ok(TrainerConfig {
         device,
@@ -163,6 +178,7 @@ pub fn validate_trainer(
             "trainer.critic_learning_rate",
             raw.critic_learning_rate.unwrap_or(raw.learning_rate),
         )?,
+        critic_path,
         value_clip: positive(ctx, "trainer.value_clip", raw.value_clip)?,
         kl_in_reward: non_negative(ctx, "trainer.kl_in_reward", raw.kl_in_reward)?,
         kl_in_reward_target: match raw.kl_in_reward_target {

@@ -138,12 +138,21 @@ fn checkpoint_critic(
     device: &candle_core::Device,
 ) -> Result<Option<Critic>, TrainerError> {
     let saved = dir.join(CRITIC_DIR);
-    match (config.critic, saved.is_dir()) {
-        (Some(c), true) => Ok(Some(Critic::load(&saved, c, config.compute_dtype, device)?)),
-        (Some(_), false) => {
+    match (&config.critic, saved.is_dir()) {
+        (Some(c), true) => Ok(Some(Critic::load(
+            &saved,
+            c.clone(),
+            config.compute_dtype,
+            device,
+        )?)),
+        (Some(c), false) => {
+            let from = match &c.init {
+                Some(dir) => dir.display().to_string(),
+                None => "its policy's weights".to_owned(),
+            };
             tracing::info!(
                 checkpoint = %dir.display(),
-                "the checkpoint has no critic: the next RL step starts one from its policy's weights"
+                "the checkpoint has no critic: the next RL step starts one from {from}"
             );
             Ok(None)
         }

@@ -62,6 +62,36 @@ impl Critic {
         Self::assemble(model, head, config)
     }
 
+    /// A critic starting from the one-label classifier in `dir` (`trainer.critic_path`: a
+    /// reward model, or a critic saved as a token classifier), its head `score.weight` the
+    /// value head. It reads the policy's token ids, so its vocabulary must be the policy's
+    /// (`vocab_size`); its other shapes are its own.
+    pub(super) fn from_classifier(
+        dir: &Path,
+        config: CriticConfig,
+        compute: DType,
+        device: &candle_core::Device,
+        vocab_size: usize,
+    ) -> Result<Self, TrainerError> {
+        let options = sluice_model::LoadOptions {
+            dtype: Some(DType::F32),
+            device: device.clone(),
+        };
+        let (weights, head) = sluice_model::reward::load_classifier(dir, &options)
+            .map_err(|e| TrainerError::Input(format!("trainer.critic_path: {e}")))?;
+        let theirs = weights.config().vocab_size;
+        if theirs != vocab_size {
+            return Err(TrainerError::Input(format!(
+                "trainer.critic_path: {} has a vocabulary of {theirs} tokens, the policy {vocab_size}: the critic reads the policy's tokens, so it must share its tokenizer",
+                dir.display()
+            )));
+        }
+        let model = master_model(&weights, compute)?;
+        let head = Var::from_tensor(&head).map_err(tensor_ctx("value head"))?;
+        tracing::info!(dir = %dir.display(), "the critic starts from a classifier's weights and head");
+        Self::assemble(model, head, config)
+    }
+
     fn assemble(
         model: TrainableModel,
         head: Var,
@@ -227,13 +257,23 @@ impl NativeTrainer {
         penalties: Option<&[Vec<f64>]>,
         stats: &mut StepStats,
     ) -> Result<(), TrainerError> {
-        let Some(config) = self.config.critic else {
+        let Some(config) = self.config.critic.clone() else {
             return Ok(());
         };
         let mut clock = self.part_clock();
         if self.critic.is_none() {
-            let start = self.model.snapshot(self.version, None)?;
-            self.critic = Some(Critic::new(&start, config, self.config.compute_dtype)?);
+            let compute = self.config.compute_dtype;
+            let critic = match config.init.clone() {
+                Some(dir) => {
+                    let vocab = self.model.config().vocab_size;
+                    Critic::from_classifier(&dir, config, compute, self.model.device(), vocab)?
+                }
+                None => {
+                    let start = self.model.snapshot(self.version, None)?;
+                    Critic::new(&start, config, compute)?
+                }
+            };
+            self.critic = Some(critic);
         }
         let mut critic = CriticStats::default();
         let targets = self.gae_advantages(
@@ -297,7 +337,7 @@ impl NativeTrainer {
             }
             placed.push(at);
         }
-        let c = critic.config;
+        let c = &critic.config;
         let mut advantages: Vec<Vec<f64>> = vec![Vec::new(); texts.len()];
         let mut returns: Vec<Vec<f64>> = vec![Vec::new(); texts.len()];
         for rollout in rollouts(texts) {

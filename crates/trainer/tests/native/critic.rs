@@ -1,7 +1,8 @@
 //! PPO with a critic (`advantage = "gae"`) through the candle trainer (part of the `native` test
 //! binary): the critic learns the returns, a group of equal rewards still trains, and a resume
 //! from a checkpoint, critic included, is exact; a checkpoint with a critic is refused by a run
-//! without one, and a run with one starts it after a checkpoint without.
+//! without one, and a run with one starts it after a checkpoint without; a critic starts from a
+//! classifier's directory (`trainer.critic_path`) with its head.
 
 use super::*;
 use sluice_trainer::critic::CriticConfig;
@@ -10,6 +11,7 @@ fn gae_config(lr: f64) -> NativeTrainerConfig {
     let mut c = config(lr, 4);
     c.advantage.kind = AdvantageKind::Gae;
     c.critic = Some(CriticConfig {
+        init: None,
         gamma: 1.0,
         lambda: 1.0,
         value_clip: 0.5,
@@ -141,4 +143,50 @@ fn resuming_with_a_critic_is_exact_and_a_run_without_one_refuses_its_checkpoint(
     let first = gae.train_step(&fixed_batch()).unwrap();
     assert_eq!(first.metrics[m::TRAINER_CRITIC_VALUES_MEAN_VALUE], 0.0);
     assert_eq!(gae.version(), PolicyVersion(2));
+}
+
+#[test]
+fn a_critic_starts_from_a_classifier_directory_with_its_head() {
+    // A reward model of the policy's own decoder (the same preset and seed) with a head of
+    // mixed signs: the first step's values are that head over the policy's hidden states.
+    let hidden = sluice_model::presets::preset_config(Preset::Tiny).hidden_size;
+    let head: Vec<f32> = (0..hidden)
+        .map(|i| ((i * 37 % 17) as f32 - 8.0) * 0.06)
+        .collect();
+    let dir = tempfile::tempdir().unwrap();
+    sluice_model::presets::write_reward_preset(Preset::Tiny, dir.path(), 21, &head).unwrap();
+    let mut c = gae_config(0.01);
+    c.critic.as_mut().unwrap().init = Some(dir.path().to_owned());
+    let mut trainer = NativeTrainer::new(tiny(21), c.clone(), None).unwrap();
+    let step = trainer.train_step(&fixed_batch()).unwrap();
+
+    // The values at each completion token's slot (the slot before it), each text alone.
+    let policy = sluice_model::TrainableModel::from_snapshot(&tiny(21), DType::F32).unwrap();
+    let head = candle_core::Tensor::from_slice(&head, (1, hidden), &Device::Cpu).unwrap();
+    let mut values = Vec::new();
+    for base in [0, 5] {
+        for i in 0..4u32 {
+            let text = [10, 11, 12 + base, 20 + i, 30 + i, 40];
+            let batch = PackedBatch::from_rows(&[vec![&text[..]]], text.len(), 0).unwrap();
+            let (v, _) = policy
+                .values_for_backward(&batch, &head, sluice_model::Activations::Kept)
+                .unwrap();
+            let v: Vec<f32> = v.flatten_all().unwrap().to_vec1().unwrap();
+            values.extend_from_slice(&v[2..5]);
+        }
+    }
+    let expected = values.iter().map(|&v| f64::from(v)).sum::<f64>() / values.len() as f64;
+    let got = step.metrics[m::TRAINER_CRITIC_VALUES_MEAN_VALUE];
+    assert!(
+        expected.abs() > 1e-3,
+        "a head that reads something: {expected}"
+    );
+    assert!((got - expected).abs() < 1e-4, "{got} vs {expected}");
+
+    // A directory that is not a classifier fails the first RL step, naming the key.
+    let mut bad = c;
+    bad.critic.as_mut().unwrap().init = Some(dir.path().join("absent"));
+    let mut trainer = NativeTrainer::new(tiny(21), bad, None).unwrap();
+    let e = trainer.train_step(&fixed_batch()).unwrap_err().to_string();
+    assert!(e.contains("trainer.critic_path"), "{e}");
 }
