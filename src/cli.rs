@@ -296,6 +296,9 @@ pub enum BenchCommand {
     /// token choice, the fused training and engine ops, the attention's key split, decode steps
     /// as CUDA graphs) against the compositions they replace: agreement and time, on one device.
     Kernels(sluice_bench::BenchKernelsArgs),
+    /// A reward model scoring conversations one forward each (as the rubric's `reward_model`
+    /// function does) against all of them packed into one forward.
+    RewardModel(sluice_bench::BenchRewardModelArgs),
     /// Weights over the network: a head delivering one version to an engine node over HTTP vs
     /// a raw loopback copy of the same bytes.
     Weights(sluice_bench::BenchWeightsArgs),

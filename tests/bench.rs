@@ -285,3 +285,31 @@ fn bench_kernels_checks_adamw_in_place_against_the_composition() {
     assert!(!fields.contains_key("decode_graph_steps"), "{stdout}");
     assert_eq!(fields["adamw_bit_mismatches"], 0.0, "{stdout}");
 }
+
+/// The reward model's two ways agree on every score, and the `RESULT` line's speed-up is the
+/// ratio of its two times.
+#[test]
+fn bench_reward_model_scores_one_by_one_and_packed() {
+    let (stdout, fields) = bench(
+        &["reward-model", "--conversations", "4", "--rounds", "1"],
+        &[],
+    );
+    positive(
+        &fields,
+        &[
+            "conversations",
+            "tokens_mean",
+            "one_ms",
+            "packed_ms",
+            "packed_speedup",
+        ],
+    );
+    assert_eq!(fields["conversations"], 4.0, "{stdout}");
+    assert!(fields["max_abs_diff"] < 1e-4, "{stdout}");
+    let ratio = fields["one_ms"] / fields["packed_ms"];
+    assert!(
+        (fields["packed_speedup"] / ratio - 1.0).abs() < 0.01,
+        "{stdout}"
+    );
+    assert!(stdout.contains("one forward each"), "{stdout}");
+}

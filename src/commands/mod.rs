@@ -63,6 +63,7 @@ pub fn run(command: Command) -> anyhow::Result<ExitCode> {
         Command::Serve(args) => serve::run(&args),
         Command::Bench(BenchCommand::Engine(args)) => sluice_bench::engine::run(&args),
         Command::Bench(BenchCommand::Kernels(args)) => sluice_bench::kernels::run(&args),
+        Command::Bench(BenchCommand::RewardModel(args)) => sluice_bench::reward::run(&args),
         Command::Bench(BenchCommand::Weights(args)) => sluice_bench::weights::run(&args),
         Command::Bench(BenchCommand::Cluster(args)) => sluice_bench::cluster::run(&args),
         Command::Plot(args) => plot::run(&args),

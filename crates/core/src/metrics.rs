@@ -135,6 +135,8 @@ pub const TOKEN_BUCKETS: &[f64] = &[
 ];
 /// Buckets for model turns per episode.
 pub const TURN_BUCKETS: &[f64] = &[1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0, 64.0];
+/// Buckets of batch sizes (items per batch).
+pub const BATCH_BUCKETS: &[f64] = &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0];
 const NONE: &[f64] = &[];
 
 catalog! {
@@ -253,6 +255,8 @@ catalog! {
         "Time one request of the `judge` reward function took, from sending it to its score.";
     ENV_REWARD_MODEL_SECONDS = "sluice_env_reward_model_seconds", Histogram, [], SECONDS_BUCKETS,
         "Time the `reward_model` reward function took to score one rollout: its conversation rendered and tokenized, the wait for the model, and the forward.";
+    ENV_REWARD_MODEL_BATCH_CONVERSATIONS = "sluice_env_reward_model_batch_conversations", Histogram, [], BATCH_BUCKETS,
+        "Conversations each forward of a reward model scored: the rollouts that reached it while the previous forward ran.";
     ENV_FAILOVER_ROLLOUTS = "sluice_env_failover_rollouts_total", Counter, [], NONE,
         "Head: episodes moved to another env node because theirs was gone (unreachable, restarted or full); each replays its turns there.";
     REPLAY_BUCKET_GROUPS = "sluice_replay_bucket_groups", Gauge, ["bucket"], NONE,

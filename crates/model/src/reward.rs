@@ -27,7 +27,8 @@ use crate::train::TrainableModel;
 pub const SCORE: &str = "score.weight";
 
 /// Most tokens packed into one row of a scoring forward (a longer conversation takes a row of
-/// its own).
+/// its own). The packed attention skips the keys before each conversation's first, so a row's
+/// conversations cost what they would alone.
 const ROW_TOKENS: usize = 4096;
 
 /// A loaded reward model: its decoder, head, tokenizer and chat template.

@@ -1,23 +1,104 @@
 //! The reward models of rubrics' `reward_model` tables, loaded in process
 //! ([`sluice_model::RewardModel`]) for the env crate's `reward_model` function: each directory
-//! and device once, whatever number of domains name it, and one forward at a time per model (a
-//! forward already spreads over the device's cores; two at once would only contend for them).
+//! and device once, whatever number of domains name it.
+//!
+//! Rollouts are scored one call each, on the blocking pool, and a group's finish together: the
+//! calls that arrive while a forward runs wait, and the next forward scores all of them at once
+//! (run by the first of them to find the model free, up to [`BATCH_TOKENS`]). One forward runs
+//! at a time per model: it already spreads over the device's cores.
 
 use std::collections::HashMap;
+use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 
 use sluice_core::Message;
 use sluice_core::config::Device;
+use sluice_core::metrics::ENV_REWARD_MODEL_BATCH_CONVERSATIONS;
 use sluice_data::config::RewardModelConfig;
 use sluice_env::reward_model::{ConversationScorer, RewardModelLoader};
 use sluice_model::RewardModel;
 
-/// One loaded reward model and the bound on what it scores.
+/// Most tokens one forward scores (the conversations waiting beyond it go to the next).
+pub const BATCH_TOKENS: usize = 16_384;
+
+/// One loaded reward model and the conversations waiting for its next forward.
 struct Loaded {
     model: RewardModel,
-    /// Held for each forward.
-    busy: Mutex<()>,
+    queue: Mutex<Queue>,
+    /// Wakes the waiting calls when a forward's scores are in.
+    scored: Condvar,
+}
+
+/// The conversations of a model waiting for a forward, and the scores not yet taken.
+#[derive(Default)]
+struct Queue {
+    /// Tickets and token ids, in arrival order.
+    waiting: Vec<(u64, Vec<u32>)>,
+    /// Each scored ticket's score, or why its forward failed.
+    done: HashMap<u64, Result<f32, String>>,
+    /// Whether a forward is running.
+    running: bool,
+    next_ticket: u64,
+}
+
+impl Loaded {
+    fn queue(&self) -> MutexGuard<'_, Queue> {
+        self.queue.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The score of `tokens`: queued, and scored by the next forward (which this call runs when
+    /// it finds none running, for every conversation waiting then).
+    fn score(&self, tokens: Vec<u32>) -> Result<f32, String> {
+        let mut queue = self.queue();
+        let ticket = queue.next_ticket;
+        queue.next_ticket += 1;
+        queue.waiting.push((ticket, tokens));
+        loop {
+            if let Some(result) = queue.done.remove(&ticket) {
+                return result;
+            }
+            if queue.running {
+                queue = self
+                    .scored
+                    .wait(queue)
+                    .unwrap_or_else(PoisonError::into_inner);
+                continue;
+            }
+            let batch = take_batch(&mut queue.waiting);
+            queue.running = true;
+            drop(queue);
+            let sequences: Vec<Vec<u32>> = batch.iter().map(|(_, t)| t.clone()).collect();
+            metrics::histogram!(ENV_REWARD_MODEL_BATCH_CONVERSATIONS).record(batch.len() as f64);
+            let scores = catch_unwind(AssertUnwindSafe(|| self.model.score_tokens(&sequences)));
+            queue = self.queue();
+            queue.running = false;
+            for (i, (t, _)) in batch.iter().enumerate() {
+                let result = match &scores {
+                    Ok(Ok(scores)) => Ok(scores[i]),
+                    Ok(Err(e)) => Err(e.to_string()),
+                    Err(_) => Err("the reward model's forward panicked".to_owned()),
+                };
+                queue.done.insert(*t, result);
+            }
+            self.scored.notify_all();
+        }
+    }
+}
+
+/// The waiting conversations one forward takes: the oldest, as many as [`BATCH_TOKENS`] allows
+/// (one at least).
+fn take_batch(waiting: &mut Vec<(u64, Vec<u32>)>) -> Vec<(u64, Vec<u32>)> {
+    let mut tokens = 0;
+    let n = waiting
+        .iter()
+        .take_while(|(_, t)| {
+            tokens += t.len();
+            tokens <= BATCH_TOKENS
+        })
+        .count()
+        .max(1);
+    waiting.drain(..n).collect()
 }
 
 /// A loaded model as one rubric's function sees it: its own token bound.
@@ -28,8 +109,18 @@ struct Scorer {
 
 impl ConversationScorer for Scorer {
     fn score(&self, messages: &[Message]) -> Result<f64, String> {
-        let model = &self.loaded.model;
-        let tokens = model.tokens(messages).map_err(|e| e.to_string())?;
+        let tokens = self
+            .loaded
+            .model
+            .tokens(messages)
+            .map_err(|e| e.to_string())?;
+        let context = self.loaded.model.config().max_position_embeddings;
+        if tokens.len() > context {
+            return Err(format!(
+                "the conversation is {} tokens of the reward model's tokenizer, more than its context ({context}, max_position_embeddings)",
+                tokens.len()
+            ));
+        }
         if tokens.len() > self.max_tokens {
             return Err(format!(
                 "the conversation is {} tokens of the reward model's tokenizer, more than reward_model.max_tokens = {}",
@@ -37,13 +128,7 @@ impl ConversationScorer for Scorer {
                 self.max_tokens
             ));
         }
-        let _busy = self
-            .loaded
-            .busy
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        let scores = model.score_tokens(&[tokens]).map_err(|e| e.to_string())?;
-        Ok(f64::from(scores[0]))
+        self.loaded.score(tokens).map(f64::from)
     }
 }
 
@@ -123,6 +208,7 @@ fn load(path: &std::path::Path, device: Device) -> Result<Loaded, String> {
     );
     Ok(Loaded {
         model,
-        busy: Mutex::new(()),
+        queue: Mutex::default(),
+        scored: Condvar::new(),
     })
 }

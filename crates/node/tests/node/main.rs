@@ -24,6 +24,7 @@ mod multi_domain;
 mod native_pipeline;
 mod recovery;
 mod restart;
+mod reward_models;
 mod run_monitor;
 mod smoke;
 mod supervision;
