@@ -103,13 +103,18 @@ fn check_resolves_gspo_defaults_lora_and_gae_and_refuses_a_bad_dual_clip_bonus_b
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(err.contains(key) && err.contains(says), "{sets:?}: {err}");
     }
-    // A critic's directory without a critic.
-    let out = check(&["trainer.critic_path=\"models/rm\""]);
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        !out.status.success() && err.contains("trainer.critic_path") && err.contains("gae"),
-        "{err}"
-    );
+    // A critic's directory, or its warm-up, without a critic.
+    for (set, key) in [
+        ("trainer.critic_path=\"models/rm\"", "trainer.critic_path"),
+        ("trainer.critic_warmup=3", "trainer.critic_warmup"),
+    ] {
+        let out = check(&[set]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && err.contains(key) && err.contains("gae"),
+            "{err}"
+        );
+    }
     // The KL penalty in the reward: fixed unless a target is set, and a target needs a start.
     let out = check(&[
         "trainer.kl_in_reward=0.001",

@@ -55,7 +55,8 @@ fn a_lora_run_checkpoints_peft_adapters_and_resumes_with_them() {
 
 /// PPO with a critic through the binary: a quickstart run with `trainer.advantage = "gae"` (and
 /// an adaptive KL penalty in the reward) starts its critic from a reward model's directory
-/// (`trainer.critic_path`), logs the critic's figures and the penalty's each step, checkpoints
+/// (`trainer.critic_path`) and warms it up for a step (`trainer.critic_warmup`), logs the
+/// critic's figures and the penalty's each step, checkpoints
 /// the critic beside the policy, the same command resumes with it, and a resume without `gae`
 /// is refused naming the key.
 #[test]
@@ -73,6 +74,7 @@ fn a_gae_run_checkpoints_its_critic_and_resumes_with_it() {
         "trainer.kl_in_reward=0.01",
         "trainer.kl_in_reward_target=0.001",
         critic_path.as_str(),
+        "trainer.critic_warmup=1",
     ];
     let mut run = short_run_with(&out, 3, &gae);
     let code = run.wait_exit();
@@ -91,6 +93,9 @@ fn a_gae_run_checkpoints_its_critic_and_resumes_with_it() {
         .filter(|r| r.get("critic.loss").is_some())
         .collect();
     assert_eq!(rl.len(), 3, "every RL step logs the critic: {steps:?}");
+    // The first RL step warms the critic up: the policy's figures wait for the second.
+    assert!(rl[0].get("train.clip_fraction").is_none(), "{:?}", rl[0]);
+    assert!(rl[1]["train.clip_fraction"].is_number(), "{:?}", rl[1]);
     // The critic starts from the reward model's decoder and head (the policy's would start at
     // zero, its head's values all 0).
     assert!(

@@ -255,8 +255,8 @@ catalog! {
         "Time one request of the `judge` reward function took, from sending it to its score.";
     ENV_REWARD_MODEL_SECONDS = "sluice_env_reward_model_seconds", Histogram, [], SECONDS_BUCKETS,
         "Time the `reward_model` reward function took to score one rollout: its conversation rendered and tokenized, the wait for the model, and the forward.";
-    ENV_REWARD_MODEL_BATCH_CONVERSATIONS = "sluice_env_reward_model_batch_conversations", Histogram, [], BATCH_BUCKETS,
-        "Conversations each forward of a reward model scored: the rollouts that reached it while the previous forward ran.";
+    ENV_REWARD_MODEL_BATCH_ROLLOUTS = "sluice_env_reward_model_batch_rollouts", Histogram, [], BATCH_BUCKETS,
+        "Rollouts each forward of a reward model scored: those that reached it while the previous forward ran.";
     ENV_FAILOVER_ROLLOUTS = "sluice_env_failover_rollouts_total", Counter, [], NONE,
         "Head: episodes moved to another env node because theirs was gone (unreachable, restarted or full); each replays its turns there.";
     REPLAY_BUCKET_GROUPS = "sluice_replay_bucket_groups", Gauge, ["bucket"], NONE,
@@ -314,7 +314,7 @@ catalog! {
     TRAINER_PACKING_EFFICIENCY_RATIO = "sluice_trainer_packing_efficiency_ratio", Gauge, [], NONE,
         "Fraction of micro-batch slots holding tokens in the last step.";
     TRAINER_SKIPPED_STEPS = "sluice_trainer_skipped_steps_total", Counter, [], NONE,
-        "Training steps skipped because every group had zero advantage or the packing left every text out (nothing published).";
+        "Training steps that did not update the policy (nothing published): every group had zero advantage, the packing left every text out, or the step was one of `trainer.critic_warmup`'s.";
     TRAINER_MEAN_VERSION_LAG_VERSIONS = "sluice_trainer_mean_version_lag_versions", Gauge, [], NONE,
         "Mean version lag of the tokens trained in the last step.";
     TRAINER_MAX_VERSION_LAG_VERSIONS = "sluice_trainer_max_version_lag_versions", Gauge, [], NONE,

@@ -14,7 +14,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 
 use sluice_core::Message;
 use sluice_core::config::Device;
-use sluice_core::metrics::ENV_REWARD_MODEL_BATCH_CONVERSATIONS;
+use sluice_core::metrics::ENV_REWARD_MODEL_BATCH_ROLLOUTS;
 use sluice_data::config::RewardModelConfig;
 use sluice_env::reward_model::{ConversationScorer, RewardModelLoader};
 use sluice_model::RewardModel;
@@ -69,7 +69,7 @@ impl Loaded {
             queue.running = true;
             drop(queue);
             let sequences: Vec<Vec<u32>> = batch.iter().map(|(_, t)| t.clone()).collect();
-            metrics::histogram!(ENV_REWARD_MODEL_BATCH_CONVERSATIONS).record(batch.len() as f64);
+            metrics::histogram!(ENV_REWARD_MODEL_BATCH_ROLLOUTS).record(batch.len() as f64);
             let scores = catch_unwind(AssertUnwindSafe(|| self.model.score_tokens(&sequences)));
             queue = self.queue();
             queue.running = false;

@@ -35,6 +35,8 @@ pub struct CriticConfig {
     pub value_clip: f64,
     /// The critic's AdamW and schedule (the policy's, at `trainer.critic_learning_rate`).
     pub optim: OptimConfig,
+    /// RL steps at the start that train the critic alone (`trainer.critic_warmup`).
+    pub warmup_steps: u64,
 }
 
 /// Advantages and returns of one trajectory whose `values` are the critic's and `rewards` its

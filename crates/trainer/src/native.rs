@@ -302,6 +302,11 @@ impl NativeTrainer {
             penalties.as_deref(),
             &mut stats,
         )?;
+        if self.critic_warming_up() {
+            self.update_kl_controller(&stats);
+            stats.seconds = started.elapsed().as_secs_f64();
+            return Ok((stats, None));
+        }
         let mut clock = self.part_clock();
         let loss_config = self.config.loss.clone();
         let temperature = self.config.temperature;
@@ -339,11 +344,16 @@ impl NativeTrainer {
         let mut clock = self.part_clock();
         self.publish()?;
         stats.parts.publish = clock.lap()?;
+        self.update_kl_controller(&stats);
+        stats.seconds = started.elapsed().as_secs_f64();
+        Ok((stats, Some(Arc::clone(&self.published))))
+    }
+
+    /// The adaptive KL-in-reward coefficient moved by the step's measured KL.
+    fn update_kl_controller(&mut self, stats: &StepStats) {
         if let (Some(controller), Some(k)) = (&mut self.kl_controller, &stats.kl_reward) {
             controller.update(k.kl.mean(), k.kl.rollouts);
         }
-        stats.seconds = started.elapsed().as_secs_f64();
-        Ok((stats, Some(Arc::clone(&self.published))))
     }
 
     /// One supervised step: cross-entropy of the reference completions given their prompts, the

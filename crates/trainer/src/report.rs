@@ -158,7 +158,10 @@ pub fn step_metrics(stats: &StepStats, version: PolicyVersion) -> BTreeMap<Strin
         }
     };
     let Some(optim) = stats.optim else {
+        // No policy update: a batch without signal, or a critic warm-up step (which reports
+        // the critic's figures and the penalty's).
         put(m::TRAINER_SKIPPED_STEPS, 1.0);
+        reward_side_metrics(stats, &mut put);
         return out;
     };
     let s = stats.loss.summary();
@@ -195,24 +198,30 @@ pub fn step_metrics(stats: &StepStats, version: PolicyVersion) -> BTreeMap<Strin
         put(m::TRAINER_MISMATCH_LOGPROB_ABS_MAX_NATS, mismatch.abs_max);
         put(m::TRAINER_MISMATCH_KL_NATS, kl);
     }
+    reward_side_metrics(stats, &mut put);
+    out
+}
+
+/// The figures of the KL penalty in the reward and of the critic, for a step that has them.
+fn reward_side_metrics(stats: &StepStats, put: &mut impl FnMut(&str, f64)) {
     if let Some(k) = &stats.kl_reward {
         put(m::TRAINER_KL_IN_REWARD_COEF_VALUE, k.coef);
         put(m::TRAINER_KL_IN_REWARD_NATS, k.kl.mean());
     }
-    if let Some(c) = &stats.critic {
-        put(
-            m::TRAINER_CRITIC_LOSS_VALUE,
-            c.loss / c.updates.max(1) as f64,
-        );
-        put(m::TRAINER_CRITIC_VALUE_CLIP_RATIO, c.clip_fraction());
-        put(m::TRAINER_CRITIC_VALUES_MEAN_VALUE, c.values_mean());
-        put(m::TRAINER_CRITIC_RETURNS_MEAN_VALUE, c.returns_mean());
-        if let Some(ev) = c.explained_variance() {
-            put(m::TRAINER_CRITIC_EXPLAINED_VARIANCE_RATIO, ev);
-        }
-        put(m::TRAINER_CRITIC_GRAD_NORM_VALUE, c.grad_norm);
+    let Some(c) = &stats.critic else {
+        return;
+    };
+    put(
+        m::TRAINER_CRITIC_LOSS_VALUE,
+        c.loss / c.updates.max(1) as f64,
+    );
+    put(m::TRAINER_CRITIC_VALUE_CLIP_RATIO, c.clip_fraction());
+    put(m::TRAINER_CRITIC_VALUES_MEAN_VALUE, c.values_mean());
+    put(m::TRAINER_CRITIC_RETURNS_MEAN_VALUE, c.returns_mean());
+    if let Some(ev) = c.explained_variance() {
+        put(m::TRAINER_CRITIC_EXPLAINED_VARIANCE_RATIO, ev);
     }
-    out
+    put(m::TRAINER_CRITIC_GRAD_NORM_VALUE, c.grad_norm);
 }
 
 #[cfg(test)]

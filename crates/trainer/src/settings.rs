@@ -137,6 +137,7 @@ impl NativeTrainerConfig {
                     gamma: t.gae_gamma,
                     lambda: t.gae_lambda,
                     value_clip: t.value_clip,
+                    warmup_steps: t.critic_warmup,
                     // One critic update per share, as the policy takes: the same schedule.
                     optim: OptimConfig {
                         learning_rate: t.critic_learning_rate,

@@ -46,6 +46,7 @@ pub const BOUNDS: &[Bound] = &[
         "the critic's learning rate",
     ),
     bound("trainer.value_clip", 1e6, "the value clip"),
+    bound("trainer.critic_warmup", MAX_COUNT, STEPS),
     bound(
         "trainer.kl_in_reward",
         1000.0,

@@ -96,6 +96,9 @@ pub struct RawTrainer {
     /// `advantage = "gae"`: how far the critic's value may move from the step's starting one
     /// before the value loss's clipped term binds.
     pub value_clip: f64,
+    /// `advantage = "gae"`: RL steps at the start that train the critic alone (the policy
+    /// waits; verl's `trainer.critic_warmup`).
+    pub critic_warmup: i64,
     /// KL penalty in the reward (verl's `use_kl_in_reward` with `kl_ctrl.kl_coef`): each
     /// rollout's reward less this times its tokens' summed KL to the reference (0 disables it).
     pub kl_in_reward: f64,
@@ -174,6 +177,7 @@ impl Default for RawTrainer {
             critic_learning_rate: None,
             critic_path: None,
             value_clip: 0.5,
+            critic_warmup: 0,
             kl_in_reward: 0.0,
             kl_in_reward_target: None,
             kl_in_reward_horizon: 10_000,

@@ -202,6 +202,8 @@ pub struct TrainerConfig {
     pub critic_path: Option<String>,
     /// The critic's value clip `ε_v` around the step's starting values (> 0).
     pub value_clip: f64,
+    /// RL steps at the start that train the critic alone (0: none).
+    pub critic_warmup: u64,
     /// KL penalty in the reward, `β` (≥ 0; 0 = off): each rollout's reward less `β` times its
     /// tokens' summed KL estimate to the reference.
     pub kl_in_reward: f64,

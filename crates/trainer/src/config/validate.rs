@@ -96,6 +96,13 @@ pub fn validate_trainer(
         }
         other => other,
     };
+    let critic_warmup = u64_incl_zero(ctx, "trainer.critic_warmup", raw.critic_warmup)?;
+    if critic_warmup > 0 && advantage != AdvantageKind::Gae {
+        return Err(ctx.value(
+            "trainer.critic_warmup",
+            "only a critic warms up, and trainer.advantage is not \"gae\" (PPO with a critic)",
+        ));
+    }
     let (clip_low, clip_high) = default_clip(loss);
     Ok(TrainerConfig {
         device,
@@ -180,6 +187,7 @@ pub fn validate_trainer(
         )?,
         critic_path,
         value_clip: positive(ctx, "trainer.value_clip", raw.value_clip)?,
+        critic_warmup,
         kl_in_reward: non_negative(ctx, "trainer.kl_in_reward", raw.kl_in_reward)?,
         kl_in_reward_target: match raw.kl_in_reward_target {
             Some(_) if raw.kl_in_reward == 0.0 => {

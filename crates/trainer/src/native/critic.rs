@@ -46,6 +46,8 @@ pub(super) struct Critic {
     /// The optimizer's slot of each of the model's parameters (`None`: the LM head).
     slots: Vec<Option<usize>>,
     config: CriticConfig,
+    /// RL steps it trained in (`step` of its checkpoint's state): the warm-up's clock.
+    steps: u64,
 }
 
 impl Critic {
@@ -115,6 +117,7 @@ impl Critic {
             optim,
             slots,
             config,
+            steps: 0,
         })
     }
 
@@ -185,6 +188,7 @@ impl Critic {
             .model
             .snapshot(sluice_core::PolicyVersion(state.version), None)?;
         let state = checkpoint::TrainerState {
+            step: self.steps,
             optimizer_step: self.optim.step_count(),
             learning_rate: self.config.optim.learning_rate,
             next_learning_rate: self.config.optim.learning_rate_at(self.optim.step_count()),
@@ -240,6 +244,7 @@ impl Critic {
             .optim
             .load_state(optim_tensors, state.optimizer_step)
             .map_err(|e| TrainerError::checkpoint(dir.join(checkpoint::OPTIMIZER_FILE), e))?;
+        critic.steps = state.step;
         Ok(critic)
     }
 }
@@ -293,7 +298,18 @@ impl NativeTrainer {
         }
         stats.critic = Some(critic);
         stats.parts.critic += clock.lap()?;
+        if let Some(critic) = &mut self.critic {
+            critic.steps += 1;
+        }
         Ok(())
+    }
+
+    /// Whether this RL step (its critic part done) is one of `trainer.critic_warmup`'s, where
+    /// the policy waits: no update, nothing published, the batch spent on the critic.
+    pub(super) fn critic_warming_up(&self) -> bool {
+        self.critic
+            .as_ref()
+            .is_some_and(|c| c.steps <= c.config.warmup_steps)
     }
 
     /// GAE for the step's texts `texts` (packed share by share into `packings`, share `s`

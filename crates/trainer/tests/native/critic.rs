@@ -2,7 +2,8 @@
 //! binary): the critic learns the returns, a group of equal rewards still trains, and a resume
 //! from a checkpoint, critic included, is exact; a checkpoint with a critic is refused by a run
 //! without one, and a run with one starts it after a checkpoint without; a critic starts from a
-//! classifier's directory (`trainer.critic_path`) with its head.
+//! classifier's directory (`trainer.critic_path`) with its head; a critic warm-up
+//! (`trainer.critic_warmup`) holds the policy back, across a resume too.
 
 use super::*;
 use sluice_trainer::critic::CriticConfig;
@@ -15,6 +16,7 @@ fn gae_config(lr: f64) -> NativeTrainerConfig {
         gamma: 1.0,
         lambda: 1.0,
         value_clip: 0.5,
+        warmup_steps: 0,
         optim: OptimConfig {
             learning_rate: 0.001,
             ..c.optim
@@ -189,4 +191,39 @@ fn a_critic_starts_from_a_classifier_directory_with_its_head() {
     let mut trainer = NativeTrainer::new(tiny(21), bad, None).unwrap();
     let e = trainer.train_step(&fixed_batch()).unwrap_err().to_string();
     assert!(e.contains("trainer.critic_path"), "{e}");
+}
+
+#[test]
+fn a_critic_warm_up_trains_the_critic_alone_and_resumes_where_it_was() {
+    let mut cfg = gae_config(0.01);
+    cfg.critic.as_mut().unwrap().warmup_steps = 2;
+    let mut trainer = NativeTrainer::new(tiny(24), cfg.clone(), None).unwrap();
+    let before = params(&trainer);
+    let dir = tempfile::tempdir().unwrap();
+    let first = trainer.train_step(&fixed_batch()).unwrap();
+    trainer.checkpoint(dir.path()).unwrap();
+    // Two warm-up steps: the critic trains, the policy waits (nothing published).
+    for out in [first, trainer.train_step(&fixed_batch()).unwrap()] {
+        assert!(out.weights.is_none(), "{:?}", out.metrics);
+        assert!(out.metrics[m::TRAINER_CRITIC_LOSS_VALUE] > 0.0);
+    }
+    assert_eq!(params(&trainer), before, "the policy waited");
+    assert_eq!(trainer.version(), PolicyVersion(0));
+    let third = trainer.train_step(&fixed_batch()).unwrap();
+    assert!(third.weights.is_some());
+    assert_ne!(params(&trainer), before);
+
+    // Resumed after the first warm-up step: one more waits, then the policy trains, as above.
+    let mut resumed = NativeTrainer::new(tiny(24), cfg, None).unwrap();
+    resumed.restore(dir.path()).unwrap();
+    assert!(
+        resumed
+            .train_step(&fixed_batch())
+            .unwrap()
+            .weights
+            .is_none()
+    );
+    let out = resumed.train_step(&fixed_batch()).unwrap();
+    assert!(out.weights.is_some());
+    assert_eq!(params(&resumed), params(&trainer), "the same three steps");
 }
