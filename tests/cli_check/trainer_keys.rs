@@ -119,6 +119,7 @@ fn check_resolves_gspo_defaults_lora_and_gae_and_refuses_a_bad_dual_clip_bonus_b
     let out = check(&[
         "trainer.kl_in_reward=0.001",
         "trainer.kl_in_reward_target=0.1",
+        "trainer.kl_in_reward_estimator=k3",
     ]);
     assert!(
         out.status.success(),
@@ -130,6 +131,13 @@ fn check_resolves_gspo_defaults_lora_and_gae_and_refuses_a_bad_dual_clip_bonus_b
     assert_eq!(trainer["kl_in_reward"].as_float(), Some(0.001));
     assert_eq!(trainer["kl_in_reward_target"].as_float(), Some(0.1));
     assert_eq!(trainer["kl_in_reward_horizon"].as_integer(), Some(10_000));
+    assert_eq!(trainer["kl_in_reward_estimator"].as_str(), Some("k3"));
+    let out = check(&["trainer.kl_in_reward_estimator=low_var_kl"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("trainer.kl_in_reward_estimator"),
+        "{err}"
+    );
     let out = check(&["trainer.kl_in_reward_target=0.1"]);
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);

@@ -1,10 +1,11 @@
 //! The KL penalty in the reward (`trainer.kl_in_reward`, verl's `use_kl_in_reward`), and its
 //! adaptive coefficient.
 //!
-//! Each completion token `t` of a rollout gets the reward `−β·k_t`, with
-//! `k_t = log π_behaviour(t) − log π_ref(t)` the engine's log-prob less the reference policy's
-//! (the frozen initial weights), the per-token estimate whose sum over a text is an unbiased
-//! estimate of the text's KL (verl's default `kl_penalty = "kl"`). Under `advantage = "gae"`
+//! Each completion token `t` of a rollout gets the reward `−β·k_t`, with `k_t` an estimate from
+//! `d_t = log π_behaviour(t) − log π_ref(t)`, the engine's log-prob less the reference policy's
+//! (the frozen initial weights): `k1 = d_t` by default, whose sum over a text is an unbiased
+//! estimate of the text's KL (verl's default `kl_penalty = "kl"`), or `k2 = ½d_t²` (`mse`) or
+//! `k3 = e^{−d_t} + d_t − 1` (`low_var_kl`, never negative), `trainer.kl_in_reward_estimator`. Under `advantage = "gae"`
 //! these are the per-token rewards GAE discounts, the rollout's reward arriving after its last
 //! token; under every other advantage the rollout's reward becomes `R − β·Σ_t k_t` before its
 //! group's baseline is taken.
@@ -23,6 +24,8 @@ pub struct KlRewardConfig {
     pub target: Option<f64>,
     /// The controller's horizon `H`, in rollouts (> 0).
     pub horizon: f64,
+    /// The per-token estimate `k_t` of the log-ratio `d_t` (`trainer.kl_in_reward_estimator`).
+    pub estimator: crate::config::KlEstimator,
 }
 
 /// The coefficient `β` and its controller.
@@ -39,6 +42,11 @@ impl KlController {
             coef: config.coef,
             config,
         }
+    }
+
+    /// The per-token estimate the penalty takes.
+    pub fn estimator(&self) -> crate::config::KlEstimator {
+        self.config.estimator
     }
 
     /// The coefficient the next step applies.
@@ -109,6 +117,7 @@ mod tests {
             coef: 0.1,
             target,
             horizon: 100.0,
+            estimator: crate::config::KlEstimator::K1,
         })
     }
 
@@ -144,5 +153,18 @@ mod tests {
         k.add(&[0.5]);
         assert_eq!(k.rollouts, 2);
         assert!((k.mean() - 1.25).abs() < 1e-12);
+    }
+
+    #[test]
+    fn the_estimates_are_schulmans_at_a_log_ratio() {
+        use crate::config::KlEstimator::{K1, K2, K3};
+        for d in [-1.5, -0.1, 0.0, 0.3, 2.0] {
+            assert_eq!(K1.at(d), d);
+            assert_eq!(K2.at(d), d * d / 2.0);
+            // r − log r − 1 with r = π_ref/π = e^{−d}.
+            let r = (-d).exp();
+            assert!((K3.at(d) - (r - r.ln() - 1.0)).abs() < 1e-12);
+            assert!(K3.at(d) >= 0.0 && K2.at(d) >= 0.0);
+        }
     }
 }

@@ -149,6 +149,7 @@ impl NativeTrainerConfig {
                 coef: t.kl_in_reward,
                 target: t.kl_in_reward_target,
                 horizon: f64::from(t.kl_in_reward_horizon.get()),
+                estimator: t.kl_in_reward_estimator,
             }),
             optim,
             minibatches: t.minibatches.get() as usize,

@@ -107,6 +107,9 @@ pub struct RawTrainer {
     pub kl_in_reward_target: Option<f64>,
     /// Horizon of the adaptive controller, in rollouts (verl's `kl_ctrl.horizon`).
     pub kl_in_reward_horizon: i64,
+    /// The per-token estimate of the KL penalty in the reward: `k1`, `k2` or `k3` (verl's
+    /// `algorithm.kl_penalty`: `kl`, `mse`, `low_var_kl`).
+    pub kl_in_reward_estimator: String,
     /// `[trainer.simulated]`: the step-time model of the simulated trainer.
     pub simulated: RawSimTrainer,
 }
@@ -181,6 +184,7 @@ impl Default for RawTrainer {
             kl_in_reward: 0.0,
             kl_in_reward_target: None,
             kl_in_reward_horizon: 10_000,
+            kl_in_reward_estimator: "k1".into(),
             simulated: RawSimTrainer::default(),
         }
     }

@@ -30,6 +30,17 @@ pub enum KlEstimator {
     K3,
 }
 
+impl KlEstimator {
+    /// The estimate at one sampled token whose log-ratio is `d = log π − log π_ref`.
+    pub fn at(self, d: f64) -> f64 {
+        match self {
+            KlEstimator::K1 => d,
+            KlEstimator::K2 => 0.5 * d * d,
+            KlEstimator::K3 => (-d).exp() + d - 1.0,
+        }
+    }
+}
+
 /// Learning-rate schedule after warmup.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -212,6 +223,8 @@ pub struct TrainerConfig {
     pub kl_in_reward_target: Option<f64>,
     /// The adaptive controller's horizon, in rollouts.
     pub kl_in_reward_horizon: NonZeroU32,
+    /// The KL penalty in the reward's per-token estimate.
+    pub kl_in_reward_estimator: KlEstimator,
     /// `[trainer.simulated]`
     pub simulated: SimTrainerConfig,
 }

@@ -204,6 +204,11 @@ pub fn validate_trainer(
             "trainer.kl_in_reward_horizon",
             raw.kl_in_reward_horizon,
         )?,
+        kl_in_reward_estimator: choice(
+            ctx,
+            "trainer.kl_in_reward_estimator",
+            &raw.kl_in_reward_estimator,
+        )?,
     })
 }
 

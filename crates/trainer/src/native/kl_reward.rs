@@ -34,6 +34,7 @@ impl NativeTrainer {
             return Ok(None);
         };
         let mut clock = self.part_clock();
+        let estimator = controller.estimator();
         let reference = self.reference.as_ref().ok_or_else(|| {
             TrainerError::Input("trainer.kl_in_reward without a reference model".into())
         })?;
@@ -55,7 +56,7 @@ impl NativeTrainer {
                 for ((&slot, &(text, c)), r) in mb.loss_slots().iter().zip(at).zip(lp) {
                     let tokens = adv.texts[text].text.completion_tokens();
                     let ks = k[text].get_or_insert_with(|| vec![0.0; tokens]);
-                    ks[c] = f64::from(mb.behaviour[slot]) - f64::from(r);
+                    ks[c] = estimator.at(f64::from(mb.behaviour[slot]) - f64::from(r));
                 }
             }
             places.push(at);

@@ -4,6 +4,7 @@
 //! checkpoint, and the penalised rewards move advantages that the rewards alone leave at 0.
 
 use super::*;
+use sluice_trainer::config::KlEstimator;
 use sluice_trainer::kl_reward::KlRewardConfig;
 
 fn with_kl(coef: f64, target: Option<f64>) -> NativeTrainerConfig {
@@ -12,6 +13,7 @@ fn with_kl(coef: f64, target: Option<f64>) -> NativeTrainerConfig {
         coef,
         target,
         horizon: 10.0,
+        estimator: KlEstimator::K1,
     });
     c
 }
@@ -19,6 +21,11 @@ fn with_kl(coef: f64, target: Option<f64>) -> NativeTrainerConfig {
 /// The mean over [`fixed_batch`]'s rollouts of each one's mean `behaviour − log π(token)` under
 /// `weights`.
 fn batch_kl(weights: &Arc<ModelWeights>) -> f64 {
+    batch_kl_by(weights, KlEstimator::K1)
+}
+
+/// [`batch_kl`] with each token's log-ratio through `estimator`.
+fn batch_kl_by(weights: &Arc<ModelWeights>, estimator: KlEstimator) -> f64 {
     let model = sluice_model::TrainableModel::from_snapshot(weights, DType::F32).unwrap();
     let mut sum = 0.0;
     let mut rollouts = 0;
@@ -38,7 +45,7 @@ fn batch_kl(weights: &Arc<ModelWeights>) -> f64 {
             let lp: Vec<f32> = scores.logprobs.flatten_all().unwrap().to_vec1().unwrap();
             let p = t.prompt_token_ids.len();
             let k: Vec<f64> = (0..t.completion_tokens())
-                .map(|c| f64::from(t.logprobs[c]) - f64::from(lp[p - 1 + c]))
+                .map(|c| estimator.at(f64::from(t.logprobs[c]) - f64::from(lp[p - 1 + c])))
                 .collect();
             sum += k.iter().sum::<f64>() / k.len() as f64;
             rollouts += 1;
@@ -142,4 +149,23 @@ fn the_adaptive_coefficient_resumes_from_a_checkpoint() {
     let coef = m::TRAINER_KL_IN_REWARD_COEF_VALUE;
     assert_eq!(after[coef], last.unwrap()[coef]);
     assert_eq!(params(&resumed), params(&straight), "bit-identical weights");
+}
+
+#[test]
+fn the_penalty_takes_the_configured_estimate_of_each_token() {
+    for estimator in [KlEstimator::K2, KlEstimator::K3] {
+        let mut c = with_kl(0.2, None);
+        c.kl_reward.as_mut().unwrap().estimator = estimator;
+        let mut trainer = NativeTrainer::new(tiny(31), c, None).unwrap();
+        let got = trainer.train_step(&fixed_batch()).unwrap().metrics[m::TRAINER_KL_IN_REWARD_NATS];
+        let expected = batch_kl_by(&tiny(31), estimator);
+        assert!(
+            (got - expected).abs() < 1e-4 * (1.0 + expected.abs()),
+            "{estimator:?}: step KL {got} against {expected} by hand"
+        );
+        assert!(
+            (expected - batch_kl(&tiny(31))).abs() > 1e-3,
+            "{estimator:?} differs from k1 here"
+        );
+    }
 }
