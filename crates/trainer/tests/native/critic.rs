@@ -186,11 +186,41 @@ fn a_critic_starts_from_a_classifier_directory_with_its_head() {
     assert!((got - expected).abs() < 1e-4, "{got} vs {expected}");
 
     // A directory that is not a classifier fails the first RL step, naming the key.
-    let mut bad = c;
+    let mut bad = c.clone();
     bad.critic.as_mut().unwrap().init = Some(dir.path().join("absent"));
     let mut trainer = NativeTrainer::new(tiny(21), bad, None).unwrap();
     let e = trainer.train_step(&fixed_batch()).unwrap_err().to_string();
     assert!(e.contains("trainer.critic_path"), "{e}");
+
+    // A classifier of another vocabulary cannot read the policy's tokens: refused, naming both.
+    let mut wider = preset_config(Preset::Tiny);
+    wider.vocab_size += 5;
+    let other = dir.path().join("wider");
+    let snapshot = random_snapshot(Arc::new(wider), 1, DType::F32, &Device::Cpu).unwrap();
+    sluice_model::save_checkpoint(&snapshot, &other, &Default::default()).unwrap();
+    let file = other.join("model.safetensors");
+    let mut tensors = candle_core::safetensors::load(&file, &Device::Cpu).unwrap();
+    tensors.insert(
+        "score.weight".into(),
+        candle_core::Tensor::zeros((1, hidden), DType::F32, &Device::Cpu).unwrap(),
+    );
+    candle_core::safetensors::save(&tensors, &file).unwrap();
+    let config_file = other.join("config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&config_file).unwrap()).unwrap();
+    config["architectures"] = serde_json::json!(["Qwen2ForTokenClassification"]);
+    config["num_labels"] = serde_json::json!(1);
+    std::fs::write(&config_file, config.to_string()).unwrap();
+    let mut mismatched = c;
+    mismatched.critic.as_mut().unwrap().init = Some(other);
+    let mut trainer = NativeTrainer::new(tiny(21), mismatched, None).unwrap();
+    let e = trainer.train_step(&fixed_batch()).unwrap_err().to_string();
+    let policy = preset_config(Preset::Tiny).vocab_size;
+    assert!(
+        e.contains("trainer.critic_path")
+            && e.contains(&format!("{} tokens, the policy {policy}", policy + 5)),
+        "{e}"
+    );
 }
 
 #[test]
